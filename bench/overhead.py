@@ -1,0 +1,104 @@
+"""ELSA step time vs plain ZeRO-3 fine-tuning of the same model, same config, same data, in one run.
+
+    python bench/overhead.py --deepspeed ds_configs/zero3_offload.json [--rounds 3] [--json]
+    deepspeed --num_gpus 2 bench/overhead.py --deepspeed ds_configs/zero3_offload.json
+
+Two engines are built side by side in one process (one with AdmmOptimizer, one with the bare base
+optimizer); they alternate in blocks of ``interval`` steps so both see the same machine noise, and the
+ELSA block always contains exactly one projection (amortized over the interval, as in a real run).
+Prints per-step times, the ratio ELSA / plain, the time per projection and its share of ELSA's time;
+with --json the last line is a JSON object with ``ratio`` and ``config``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--deepspeed", default="ds_configs/zero3_offload.json")
+    ap.add_argument("--model", default=None, help="default: the embedded demo model")
+    ap.add_argument("--dataset", default=None)
+    ap.add_argument("--interval", type=int, default=None, help="default: the config's (32)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating blocks of `interval` steps per engine")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    from elsa_ds.cli import _quiet_libraries
+    from elsa_ds.config import read_ds_config, resolve_config
+
+    _quiet_libraries()
+    raw = read_ds_config(args.deepspeed)
+    cfg = resolve_config(raw, {"model": args.model, "dataset": args.dataset, "interval": args.interval, "val_windows": 0})
+    import torch
+
+    from elsa_ds.data import GlobalBatches, load_blocks
+    from elsa_ds.prune import train_step
+    from elsa_ds.targets import select_targets
+    from elsa_ds.zero import engine as zero
+    from transformers import AutoTokenizer
+
+    ds = zero.prepare_ds_config(raw, cfg, int(__import__("os").environ.get("WORLD_SIZE", "1")))
+    rank, world = zero.init_distributed()
+    steps = cfg.interval * args.rounds
+    cfg = cfg.model_copy(update={"steps": steps + 1})  # the ELSA run never reaches its final projection
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    blocks = load_blocks(cfg.dataset, "train", tok, cfg.seqlen, max_blocks=steps * ds["train_batch_size"])
+    batches = GlobalBatches(blocks, ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], world, rank, cfg.seed)
+
+    elsa_loaded = zero.load_model(cfg.model, ds, cfg.gradient_checkpointing)
+    pruned = select_targets(elsa_loaded.model, cfg.targets)
+    job = zero.build_engine(elsa_loaded, cfg, ds, pruned, cfg.targets_for(zero.full_shapes(elsa_loaded.model, pruned)))
+    plain_engine, plain_opt, comm = zero.build_plain_engine(zero.load_model(cfg.model, ds, cfg.gradient_checkpointing), cfg, ds)
+
+    def timed(fn) -> float:
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        fn()
+        torch.distributed.barrier()
+        return time.perf_counter() - t0
+
+    train_step(plain_engine, plain_opt, comm, batches, 0, cfg)  # warm-up: lazy state, JIT, allocator
+    plain_times, elsa_times, proj_times = [], [], []
+    elsa_step = 0
+    for r in range(args.rounds):
+        for i in range(cfg.interval):
+            step = r * cfg.interval + i
+            plain_times.append(timed(lambda: train_step(plain_engine, plain_opt, comm, batches, step, cfg)))
+        for i in range(cfg.interval):
+            t = timed(lambda: train_step(job.engine, job.admm, job.comm, batches, elsa_step, cfg))
+            (proj_times if job.admm.projected_this_step else elsa_times).append(t)
+            elsa_step += 1
+    # the first ELSA step creates z and u (one-off, like Adam's lazy init); report it apart
+    first = elsa_times.pop(0)
+    plain = statistics.mean(plain_times[1:])
+    elsa_plain_step = statistics.mean(elsa_times)
+    projection = statistics.mean(proj_times) - elsa_plain_step
+    elsa_amortized = elsa_plain_step + projection / cfg.interval
+    result = {
+        "config": args.deepspeed, "world_size": world, "interval": cfg.interval, "rounds": args.rounds,
+        "plain_step_s": plain, "elsa_step_s_without_projection": elsa_plain_step, "elsa_step_s_amortized": elsa_amortized,
+        "projection_s": projection, "projection_share": projection / cfg.interval / elsa_amortized,
+        "first_elsa_step_s": first, "ratio": elsa_amortized / plain,
+    }
+    if rank == 0:
+        print(f"plain ZeRO-3 step        {plain * 1e3:9.1f} ms")
+        print(f"ELSA step (no projection) {elsa_plain_step * 1e3:9.1f} ms")
+        print(f"projection               {projection * 1e3:9.1f} ms  (every {cfg.interval} steps, {result['projection_share']:.1%} of ELSA time)")
+        print(f"ELSA step, amortized     {elsa_amortized * 1e3:9.1f} ms")
+        print(f"ratio ELSA / plain       {result['ratio']:9.3f}")
+        if args.json:
+            print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Offload ablation: the same short ELSA run under several DeepSpeed configs, measured side by side.
+
+Each run is a real ``launch/prune.py`` job in its own process tree; a monitor thread samples the tree's
+resident memory (and the NVMe swap folder's size) while it runs. The estimator's prediction for the
+same model and config stands beside every measurement: on a machine without GPU DeepSpeed runs on its CPU
+accelerator, so the estimate is made for ``device="cpu"`` (what would sit on the GPU is host memory).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from elsa_ds.config import read_ds_config, resolve_config
+from elsa_ds.errors import ElsaError
+from elsa_ds.memory import Estimate, estimate, model_shape, resolve_model_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class AblationRow:
+    config: str
+    step_time_s: float
+    peak_host_rss_bytes: float
+    est_host_bytes: float
+    peak_gpu_bytes: float | None
+    est_gpu_bytes: float          # what the allocator should see (torch.cuda.max_memory_allocated): no CUDA context
+    nvme_peak_bytes: float
+    est_nvme_bytes: float
+    final_loss: float
+    mask_agreement: float
+    admm_state_bytes_per_param: float
+    ranks: int = 1
+    peak_rank_rss_bytes: float = 0.0      # the largest peak of one rank process
+    launcher_rss_bytes: float = 0.0       # the deepspeed launcher's processes (runner, launch.py) together, at their peak
+
+
+class TreeMonitor(threading.Thread):
+    """Samples the peak summed RSS of a process and its descendants, and the peak size of a folder.
+
+    Also kept: the largest peak of one rank process, and the launcher processes' (deepspeed's runner and
+    launch.py, told apart by their command line) summed peak.
+    """
+
+    def __init__(self, pid: int, folder: Path | None, period: float = 0.1):
+        super().__init__(daemon=True)
+        self.pid, self.folder, self.period = pid, folder, period
+        self.peak_rss = 0.0
+        self.peak_rank_rss = 0.0
+        self.peak_launcher_rss = 0.0
+        self.peak_folder = 0.0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        root = psutil.Process(self.pid)
+        launcher: dict[int, bool] = {}
+        while not self.done.is_set():
+            try:
+                sizes = {}
+                for proc in [root, *root.children(recursive=True)]:
+                    try:
+                        if proc.pid not in launcher:
+                            launcher[proc.pid] = "deepspeed.launcher" in " ".join(proc.cmdline())
+                        sizes[proc.pid] = float(proc.memory_info().rss)
+                    except psutil.Error:
+                        continue
+                self.peak_rss = max(self.peak_rss, sum(sizes.values()))
+                self.peak_launcher_rss = max(self.peak_launcher_rss, sum(v for k, v in sizes.items() if launcher[k]))
+                self.peak_rank_rss = max([self.peak_rank_rss, *(v for k, v in sizes.items() if not launcher[k])])
+            except psutil.Error:
+                pass
+            if self.folder is not None and self.folder.exists():
+                size = sum(f.stat().st_size for f in self.folder.rglob("*") if f.is_file())
+                self.peak_folder = max(self.peak_folder, float(size))
+            time.sleep(self.period)
+
+
+def _masks(out: Path):
+    from safetensors.torch import load_file
+
+    weights = {}
+    for f in sorted(out.glob("*.safetensors")):
+        weights.update(load_file(f))
+    layers = json.loads((out / "elsa_report.json").read_text())["layers"]
+    return {k: weights[k] != 0 for k in layers}
+
+
+def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list[str]) -> list[AblationRow]:
+    """Run ``launch/prune.py`` once per config with ``prune_args``; returns one row per config."""
+    (out_dir / "runs").mkdir(parents=True, exist_ok=True)  # launch/prune.py wants the parent of --output_dir to exist
+    rows: list[AblationRow] = []
+    reference = None
+    for cfg_path in configs:
+        raw = read_ds_config(cfg_path)
+        name = Path(cfg_path).stem
+        run_dir = out_dir / "runs" / name
+        extra: list[str] = []
+        nvme = None
+        zero = raw.get("zero_optimization", {})
+        if "nvme" in (zero.get("offload_param", {}).get("device"), zero.get("offload_optimizer", {}).get("device")):
+            nvme = out_dir / "nvme" / name
+            nvme.mkdir(parents=True, exist_ok=True)
+            extra = ["--nvme_path", str(nvme)]
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(_free_port()),
+               str(ROOT / "launch" / "prune.py"), "--deepspeed", cfg_path, *prune_args, *extra, "--output_dir", str(run_dir), "--overwrite"]
+        print(f"[ablation] {name}: {' '.join(cmd[3:])}", flush=True)
+        with (out_dir / f"{name}.log").open("w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            monitor = TreeMonitor(proc.pid, nvme)
+            monitor.start()
+            rc = proc.wait()
+            monitor.done.set()
+            monitor.join()
+        if rc != 0:
+            raise ElsaError(f"ablation run {name} failed with exit code {rc}; see {out_dir / (name + '.log')}")
+        report = json.loads((run_dir / "elsa_report.json").read_text())
+        masks = _masks(run_dir)
+        reference = reference or masks
+        agree = sum(int((masks[k] == reference[k]).sum()) for k in reference) / sum(m.numel() for m in reference.values())
+        gpu_peak = report.get("peak_gpu_bytes")
+        est = estimate_for_report(raw, report, ranks, device="cpu" if gpu_peak is None else "cuda")
+        rows.append(AblationRow(
+            config=name, step_time_s=report["step_time_s"], peak_host_rss_bytes=monitor.peak_rss,
+            est_host_bytes=est.per_node_cpu_bytes, peak_gpu_bytes=gpu_peak,
+            est_gpu_bytes=est.per_gpu_bytes - est.breakdown["runtime"]["per_gpu"], nvme_peak_bytes=monitor.peak_folder,
+            est_nvme_bytes=est.nvme_bytes, final_loss=report["final_loss"], mask_agreement=agree,
+            admm_state_bytes_per_param=report["admm_state_bytes_per_param"], ranks=ranks,
+            peak_rank_rss_bytes=monitor.peak_rank_rss, launcher_rss_bytes=monitor.peak_launcher_rss,
+        ))
+    write_outputs(rows, out_dir)
+    return rows
+
+
+def estimate_for_report(raw: dict, report: dict, ranks: int, device: str) -> Estimate:
+    """The estimator's prediction for the job an ``elsa_report.json`` describes (same model, config, batch, ranks)."""
+    cfg = resolve_config(raw, {"model": report["model"]})
+    return estimate(model_shape(resolve_model_config(report["model"]), cfg.targets), raw, num_gpus=ranks,
+                    micro_batch=report["config"]["micro_batch"], seqlen=report["config"]["seqlen"], elsa=report["config"],
+                    gradient_checkpointing=report["config"]["gradient_checkpointing"], device=device)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:
+    """ablation.csv, ablation.md and ablation.png (each written to a temporary name, then renamed)."""
+    fields = list(asdict(rows[0]))
+    tmp = out_dir / "ablation.csv.tmp"
+    with tmp.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    tmp.replace(out_dir / "ablation.csv")
+    mib = 2 ** 20
+
+    def fmt(v, scale=mib):
+        return "n/a" if v is None else f"{v / scale:,.0f}"
+
+    lines = ["| config | step time (s) | peak host RSS (MiB) | estimated (MiB) | peak GPU (MiB) | estimated GPU (MiB) | "
+             "NVMe peak (MiB) | estimated NVMe (MiB) | final loss | mask agreement | ADMM bytes/param |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.config} | {r.step_time_s:.3f} | {fmt(r.peak_host_rss_bytes)} | {fmt(r.est_host_bytes)} | "
+                     f"{fmt(r.peak_gpu_bytes)} | {fmt(r.est_gpu_bytes)} | {fmt(r.nvme_peak_bytes)} | {fmt(r.est_nvme_bytes)} | "
+                     f"{r.final_loss:.4f} | {r.mask_agreement:.4%} | {r.admm_state_bytes_per_param:.2f} |")
+    tmp = out_dir / "ablation.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(out_dir / "ablation.md")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    names = [r.config for r in rows]
+    x = range(len(rows))
+    axes[0].bar(x, [r.step_time_s for r in rows])
+    axes[0].set_title("step time (s)")
+    axes[1].bar([i - 0.2 for i in x], [r.peak_host_rss_bytes / mib for r in rows], width=0.4, label="measured")
+    axes[1].bar([i + 0.2 for i in x], [r.est_host_bytes / mib for r in rows], width=0.4, label="estimated")
+    axes[1].set_title("host memory (MiB)")
+    axes[1].legend()
+    axes[2].bar([i - 0.2 for i in x], [r.nvme_peak_bytes / mib for r in rows], width=0.4, label="measured")
+    axes[2].bar([i + 0.2 for i in x], [r.est_nvme_bytes / mib for r in rows], width=0.4, label="estimated")
+    axes[2].set_title("NVMe (MiB)")
+    axes[2].legend()
+    for ax in axes:
+        ax.set_xticks(list(x), names, rotation=20, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "ablation.png.tmp.png", dpi=110)
+    (out_dir / "ablation.png.tmp.png").replace(out_dir / "ablation.png")

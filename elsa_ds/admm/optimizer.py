@@ -1,0 +1,306 @@
+"""AdmmOptimizer: ELSA's ADMM around any torch optimizer, on flat tensors cut into layer slices.
+
+ELSA solves  min f(x)  s.t.  ‖x_l‖₀ ≤ k_l  for every pruned layer l  by ADMM with scaled dual u:
+
+    x-update (every step)      : one base-optimizer step on  f(x) + λ/2 ‖x − z + u‖²,
+                                 i.e.  ∇ ← ∇f(x) + λ (x − z + u)
+    z, u-update (every interval): z ← Π(x + u),   u ← u + x − z
+    end                        : x ← Π(x)
+
+Π keeps per layer the k entries with the largest F_ii (x+u)_i² (F = the base optimizer's second
+moment) or (x+u)_i² (magnitude), see ``projection.py``.
+
+The optimizer never needs whole weights: a parameter tensor it steps ("flat") carries a list of
+``Slice``s saying which of its entries belong to which pruned layer. Under ZeRO-3 a flat is one rank's
+fp32 partition of a sub-group; on an ordinary model every pruned weight is a flat with one slice — the
+single-process reference. z and u live in ``state[flat]`` beside the base optimizer's moments, so
+whatever partitions, offloads or checkpoints those moments does the same for z and u.
+
+Per engine step the caller calls ``begin_step(t)`` once, then ``step()`` may be called several times
+(ZeRO-3 steps one sub-group per call); every flat must be stepped exactly once per engine step, on
+every rank in the same order, since projections are collective.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from elsa_ds.admm import state as admm_state
+from elsa_ds.admm.projection import NM, Comm, LocalComm, Slice, projection_masks
+from elsa_ds.admm.schedule import LambdaSchedule, dual_rescale, interval_lambda
+from elsa_ds.admm.state import StateDtype
+
+Z, U, Z_SCALE, U_SCALE = "admm_z", "admm_u", "admm_z_scale", "admm_u_scale"
+METRIC_NAMES = ("residual_sq", "x_sq", "flips", "pruned_entries", "state_bytes", "state_entries")
+
+
+class Projection(str, Enum):
+    fisher = "fisher"
+    magnitude = "magnitude"
+
+
+@dataclass(frozen=True)
+class AdmmSettings:
+    """The ADMM knobs the optimizer needs (validated upstream by ElsaConfig)."""
+
+    total_steps: int
+    interval: int = 32
+    lmda: float = 0.01
+    lmda_schedule: LambdaSchedule = LambdaSchedule.constant
+    projection: Projection = Projection.fisher
+    z_dtype: StateDtype = StateDtype.fp32
+    u_dtype: StateDtype = StateDtype.fp32
+    pattern: NM | None = None  # N:M instead of a per-layer top-k
+
+
+
+def second_moment(state: dict) -> torch.Tensor | None:
+    """The optimizer's diagonal second-moment estimate F for one flat, as fp32, or None if absent.
+
+    Adam, AdamW and DeepSpeedCPUAdam keep it as ``exp_avg_sq``; bitsandbytes 8-bit Adam keeps it
+    block-quantized as ``state2`` with ``absmax2``/``qmap2`` and is dequantized here.
+    """
+    if "exp_avg_sq" in state:
+        return state["exp_avg_sq"].float()
+    if "state2" in state and state["state2"].dtype == torch.float32:  # bnb keeps small tensors in 32 bit
+        return state["state2"]
+    if "state2" in state and "qmap2" in state:
+        codes, qmap, absmax = state["state2"], state["qmap2"], state["absmax2"]
+        values = qmap.float()[codes.long()]
+        block = -(-values.numel() // absmax.numel())
+        padded = torch.nn.functional.pad(values, (0, block * absmax.numel() - values.numel()))
+        return (padded.view(absmax.numel(), block) * absmax.float().view(-1, 1)).view(-1)[: values.numel()]
+    return None
+
+
+class AdmmOptimizer(torch.optim.Optimizer):
+    """Wraps ``base``; shares its ``param_groups`` and ``state`` so wrappers that edit them reach the base."""
+
+    def __init__(self, base: torch.optim.Optimizer, settings: AdmmSettings, comm: Comm | None = None):
+        self.base = base
+        self.settings = settings
+        self.comm = comm or LocalComm()
+        # torch.optim.Optimizer bookkeeping that hooks and profilers expect, without re-registering params
+        from collections import OrderedDict
+
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._slices: dict[int, tuple[torch.Tensor, list[Slice]]] = {}
+        # called with a flat's state dict right after z and u were created (the base state exists by then)
+        self.on_state_created: Callable[[dict], None] | None = None
+        # warm start: the keep-mask of a slice (from a one-shot method) for z₀ = x ⊙ m instead of z₀ = Π(x)
+        self.initial_mask: Callable[[Slice], torch.Tensor] | None = None
+        self.step_index = -1
+        self.lam = 0.0
+        self._dual_factor = 1.0
+        self._project_now = False
+        self._finalize_now = False
+        self._metrics = torch.zeros(len(METRIC_NAMES), dtype=torch.float64)
+
+    # base.load_state_dict replaces its state and param_groups objects: always read them through base
+    @property
+    def param_groups(self):
+        return self.base.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.base.param_groups = value
+
+    @property
+    def state(self):
+        return self.base.state
+
+    @state.setter
+    def state(self, value):
+        self.base.state = value
+
+    @property
+    def defaults(self):
+        return self.base.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.base.defaults = value
+
+    # ---- wiring -------------------------------------------------------------------------------
+    def assign(self, flat: torch.Tensor, slices: list[Slice]) -> None:
+        """Declare which entries of ``flat`` belong to pruned layers (order must match across ranks)."""
+        self._slices[id(flat)] = (flat, list(slices))
+
+    def slices_of(self, flat: torch.Tensor) -> list[Slice] | None:
+        entry = self._slices.get(id(flat))
+        return entry[1] if entry is not None and entry[0] is flat else None
+
+    # ---- schedule -----------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Set λ and the projection / finalization flags for engine step ``step`` (0-based)."""
+        s = self.settings
+        lam = interval_lambda(step, s.total_steps, s.interval, s.lmda, s.lmda_schedule)
+        self._dual_factor = dual_rescale(self.lam, lam) if step > 0 else 1.0
+        self.lam = lam
+        self.step_index = step
+        self._finalize_now = step == s.total_steps - 1
+        self._project_now = (step + 1) % s.interval == 0 and not self._finalize_now
+        self._metrics.zero_()
+
+    @property
+    def projected_this_step(self) -> bool:
+        return self._project_now or self._finalize_now
+
+    # ---- the step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        flats = [(p, sl) for g in self.param_groups for p in g["params"] if (sl := self.slices_of(p)) is not None]
+        for flat, slices in flats:
+            st = self.state[flat]
+            if Z not in st:
+                continue  # the first step: no z yet, and the base optimizer must see an empty state to init
+            if self._dual_factor != 1.0:
+                self._rescale_dual(st)
+            if flat.grad is not None and self.lam > 0.0:
+                self._add_penalty(flat, slices, st)
+        loss = self.base.step(closure) if closure is not None else self.base.step()
+        for flat, slices in flats:
+            st = self.state[flat]
+            if Z not in st:
+                # created inside the base optimizer's first step, so ZeRO's NVMe swapper registers z, u too
+                self._init_state(flat, slices, st)
+                if self.on_state_created is not None:
+                    self.on_state_created(st)
+            if self._finalize_now:
+                self._finalize(flat, slices, st)
+            elif self._project_now:
+                self._update_z_u(flat, slices, st)
+        return loss
+
+    def _init_state(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
+        """z = Π(x) after the first x-step (objective-aware: the second moment exists by then), or z = x ⊙ m
+        with a warm-start mask m; u = 0. Collective (without a warm start)."""
+        s = self.settings
+        st[Z], st[Z_SCALE] = admm_state.allocate(flat.numel(), s.z_dtype, len(slices))
+        st[U], st[U_SCALE] = admm_state.allocate(flat.numel(), s.u_dtype, len(slices))
+        xs = [flat.detach().view(-1).narrow(0, sl.offset, sl.length).float() for sl in slices]
+        if self.initial_mask is not None:
+            masks = [self.initial_mask(sl) for sl in slices]
+        else:
+            masks = self._project(xs, st, slices)
+        for j, (sl, x, m) in enumerate(zip(slices, xs, masks)):
+            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x * m)
+
+    def _rescale_dual(self, st: dict) -> None:
+        if st[U].dtype == torch.float32:
+            st[U].mul_(self._dual_factor)
+        else:  # u = stored · s: rescaling the scales rescales u exactly
+            st[U_SCALE].mul_(self._dual_factor)
+
+    def _add_penalty(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
+        """∇ ← ∇ + λ (x − z + u) on the pruned entries."""
+        grad = flat.grad.view(-1)
+        for j, sl in enumerate(slices):
+            if sl.length == 0:
+                continue
+            x = flat.detach().view(-1).narrow(0, sl.offset, sl.length)
+            z = admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length)
+            u = admm_state.load(st[U], st[U_SCALE], j, sl.offset, sl.length)
+            grad.narrow(0, sl.offset, sl.length).add_(x.float() - z + u, alpha=self.lam)
+
+    def _project(self, values: list[torch.Tensor], st: dict, slices: list[Slice]) -> list[torch.Tensor]:
+        """Keep-masks of Π(values) with this run's scores and pattern. Collective."""
+        return projection_masks(values, self._fisher(st, slices), slices, self.comm, self.settings.pattern)
+
+    def _fisher(self, st: dict, slices: list[Slice]) -> list[torch.Tensor] | None:
+        if self.settings.projection is Projection.magnitude:
+            return None
+        f = second_moment(st)
+        if f is None:
+            raise RuntimeError("fisher projection needs the base optimizer's second moment (exp_avg_sq); none was found")
+        return [f.view(-1).narrow(0, sl.offset, sl.length) for sl in slices]
+
+    def _update_z_u(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
+        """z ← Π(x + u), u ← u + x − z; accumulates residual and mask-flip metrics. Collective."""
+        xs, vs, old_keep = [], [], []
+        for j, sl in enumerate(slices):
+            x = flat.detach().view(-1).narrow(0, sl.offset, sl.length).float()
+            u = admm_state.load(st[U], st[U_SCALE], j, sl.offset, sl.length)
+            z_old = admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length)
+            xs.append(x)
+            vs.append(x + u)
+            old_keep.append(z_old != 0)
+        masks = self._project(vs, st, slices)
+        m = self._metrics
+        for j, (sl, x, v, mask, old) in enumerate(zip(slices, xs, vs, masks, old_keep)):
+            z = v * mask
+            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, z)
+            admm_state.store(st[U], st[U_SCALE], j, sl.offset, v - z)
+            m[0] += float((x - z).square().sum())
+            m[1] += float(x.square().sum())
+            m[2] += float((mask != old).sum())
+            m[3] += sl.length
+        self._count_state(flat, st)
+
+    def _count_state(self, flat: torch.Tensor, st: dict) -> None:
+        """Bytes of z, u and their scales actually held for ``flat``, per entry of the flat."""
+        self._metrics[4] += sum(st[k].numel() * st[k].element_size() for k in (Z, U, Z_SCALE, U_SCALE))
+        self._metrics[5] += flat.numel()
+
+    def _finalize(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
+        """x ← Π(x): the hard projection that leaves exactly k entries per layer. Collective."""
+        xs = [flat.detach().view(-1).narrow(0, sl.offset, sl.length) for sl in slices]
+        masks = self._project(xs, st, slices)
+        for x, mask in zip(xs, masks):
+            x.mul_(mask)
+        self._update_z_after_final(slices, st, xs)
+        self._count_state(flat, st)
+
+    def _update_z_after_final(self, slices: list[Slice], st: dict, xs: list[torch.Tensor]) -> None:
+        # z = x, u = 0 after the hard projection: a resumed or continued run starts feasible
+        for j, (sl, x) in enumerate(zip(slices, xs)):
+            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x.float())
+            admm_state.store(st[U], st[U_SCALE], j, sl.offset, torch.zeros_like(x, dtype=torch.float32))
+
+    # ---- metrics ------------------------------------------------------------------------------
+    def local_metrics(self) -> torch.Tensor:
+        """This rank's metric sums since ``begin_step`` (see METRIC_NAMES); all-reduce to combine."""
+        return self._metrics.clone()
+
+    # ---- checkpoint passthrough -----------------------------------------------------------------
+    def state_dict(self):
+        return self.base.state_dict()
+
+    def load_state_dict(self, state_dict):
+        """Load the base optimizer's state, then give every state tensor back its saved dtype.
+
+        torch's Optimizer.load_state_dict casts states to the parameter's dtype (fp32 here), which would
+        turn fp8 z, bf16 u and 8-bit Adam codes into fp32 tensors that are read without their scales.
+        """
+        saved = {(i, k): v.dtype for i, st in state_dict["state"].items() for k, v in st.items() if torch.is_tensor(v)}
+        result = self.base.load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            st = self.state.get(p, {})
+            for k, v in list(st.items()):
+                dtype = saved.get((i, k))
+                if torch.is_tensor(v) and dtype is not None and v.dtype != dtype:
+                    st[k] = v.to(dtype)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True):
+        return self.base.zero_grad(set_to_none=set_to_none)
+
+
+def summarize_metrics(sums: torch.Tensor, lam: float) -> dict[str, float]:
+    """Turn all-reduced metric sums into the per-projection log line's numbers."""
+    d = dict(zip(METRIC_NAMES, sums.tolist()))
+    return {
+        "lambda": lam,
+        "residual": (d["residual_sq"] ** 0.5) / max(d["x_sq"] ** 0.5, 1e-30),
+        "mask_flip_frac": d["flips"] / max(d["pruned_entries"], 1.0),
+        "admm_state_bytes_per_param": d["state_bytes"] / max(d["state_entries"], 1.0),
+    }

@@ -1,0 +1,55 @@
+"""λ schedules and the scaled-dual rescaling that goes with them.
+
+ADMM's scaled dual is u = y / λ (y the unscaled multiplier). When the penalty moves from λ_old to
+λ_new the multiplier y must stay the same, so
+
+    u ← u · λ_old / λ_new.
+
+λ is held constant between projections (it changes only at projection steps), so the x-updates of one
+interval all solve the same augmented Lagrangian; the value used for interval j (steps
+[j·interval, (j+1)·interval)) is the schedule at the interval's end, so a schedule that starts at 0
+already penalizes during the first interval.
+"""
+from __future__ import annotations
+
+import math
+from enum import Enum
+
+
+class LambdaSchedule(str, Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+def lambda_at(step: int, total_steps: int, peak: float, schedule: LambdaSchedule | str) -> float:
+    """λ(t) for t = ``step`` of ``total_steps``: constant λ, or 0 → λ linearly or along a half cosine."""
+    frac = min(max(step / max(total_steps, 1), 0.0), 1.0)
+    schedule = LambdaSchedule(schedule)
+    if schedule is LambdaSchedule.constant:
+        return peak
+    if schedule is LambdaSchedule.linear:
+        return peak * frac
+    return peak * 0.5 * (1.0 - math.cos(math.pi * frac))
+
+
+def interval_lambda(step: int, total_steps: int, interval: int, peak: float, schedule: LambdaSchedule | str) -> float:
+    """λ in force at ``step``: the schedule at the end of the step's projection interval."""
+    end = min((step // interval + 1) * interval, total_steps)
+    return lambda_at(end, total_steps, peak, schedule)
+
+
+def dual_rescale(lam_old: float, lam_new: float) -> float:
+    """Factor for u when λ moves from ``lam_old`` to ``lam_new`` (1 when either is 0: y = λu is then 0)."""
+    if lam_old <= 0.0 or lam_new <= 0.0:
+        return 1.0
+    return lam_old / lam_new
+
+
+def learning_rate(step: int, total_steps: int, peak: float, warmup: int = 0, final_ratio: float = 0.0) -> float:
+    """Linear warm-up over ``warmup`` steps, then linear decay from ``peak`` to ``final_ratio · peak``."""
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    span = max(total_steps - warmup, 1)
+    frac = min(max((step - warmup) / span, 0.0), 1.0)
+    return peak * (1.0 - (1.0 - final_ratio) * frac)

@@ -1,0 +1,82 @@
+"""Evaluation result files: read back, rendered as one markdown table (a row per model, the layout of the
+pruning papers' tables), written atomically."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from elsa_ds.errors import ElsaError
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """One JSON written by ``elsa-evaluate --output``."""
+    path = Path(path)
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ElsaError(f"--compare {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ElsaError(f"--compare {path}: not a readable JSON file ({err})") from None
+    if not isinstance(result, dict) or "model" not in result or "ppl" not in result:
+        raise ElsaError(f"--compare {path}: not an elsa-evaluate result (no 'model'/'ppl' keys); write one with --output")
+    return result
+
+
+def _ordered_union(rows: list[dict]) -> list[str]:
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys]
+    return keys
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def results_table(results: list[dict[str, Any]], labels: list[str] | None = None) -> str:
+    """Markdown: model | sparsity | pattern | ppl per dataset | acc (%) per task | mean acc (%).
+
+    Columns are the union over ``results``; a model without a value shows "–".
+    """
+    labels = labels or [r["model"] for r in results]
+    datasets = _ordered_union([r.get("ppl") or {} for r in results])
+    tasks = _ordered_union([r.get("tasks") or {} for r in results])
+    header = ["model", "sparsity", "pattern", *(f"{d} ppl" for d in datasets), *(f"{t} acc" for t in tasks)]
+    header += ["mean acc"] if tasks else []
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---", "---:", "---"] + ["---:"] * (len(header) - 3)) + "|"]
+    for label, r in zip(labels, results):
+        sparsity = r.get("sparsity") or {}
+        overall = sparsity.get("overall")
+        cells = [label, "–" if overall is None else f"{100 * overall:.2f}%", sparsity.get("pattern", "–")]
+        cells += [_cell((r["ppl"].get(d) or {}).get("ppl"), ".3f") for d in datasets]
+        cells += [_cell(_percent((r.get("tasks") or {}).get(t, {}).get("acc")), ".2f") for t in tasks]
+        cells += [_cell(_percent(r.get("average_acc")), ".2f")] if tasks else []
+        lines.append("| " + " | ".join(cells) + " |")
+    limited = [label for label, r in zip(labels, results) if (r.get("protocol") or {}).get("limit")]
+    if limited:
+        lines += ["", f"Run with --limit (a quick check, not comparable with published tables): {', '.join(limited)}"]
+    return "\n".join(lines) + "\n"
+
+
+def _percent(value: float | None) -> float | None:
+    return None if value is None else 100 * value
+
+
+def compare(paths: list[str]) -> str:
+    """The table of several result files; a model evaluated twice is told apart by its file name."""
+    results = [load_result(p) for p in paths]
+    models = [r["model"] for r in results]
+    labels = [f"{m} ({Path(p).name})" if models.count(m) > 1 else m for m, p in zip(models, paths)]
+    return results_table(results, labels)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write next to ``path`` then rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:
+        raise ElsaError(f"cannot write {path}: {err.strerror or err}") from None

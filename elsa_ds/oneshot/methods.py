@@ -1,0 +1,98 @@
+"""One-shot pruning of a whole model, decoder layer by decoder layer: magnitude, Wanda, SparseGPT.
+
+As in the SparseGPT and Wanda reference code: the calibration sequences enter the first decoder layer;
+for each layer in turn, hooks on its pruned Linears accumulate input statistics (Wanda: per-channel
+‖X_j‖₂², SparseGPT: H = 2/n Σ X Xᵀ) over all sequences run through the *dense* layer, every pruned Linear
+of the layer is pruned, and the sequences are run again through the *pruned* layer to become the next
+layer's inputs. Only one layer and the activations of the calibration set live on ``device``.
+Magnitude pruning needs no data. The kernels are in ``masks.py``, ``wanda.py`` and ``sparsegpt.py``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from elsa_ds.admm.projection import NM
+from elsa_ds.errors import ElsaError
+from elsa_ds.oneshot.layerwise import capture, run_layer, stubbed
+from elsa_ds.oneshot.masks import magnitude_mask
+from elsa_ds.oneshot.sparsegpt import Hessian, sparsify_weight
+from elsa_ds.oneshot.wanda import InputNorms, wanda_mask
+from elsa_ds.targets import decoder_layer_list
+
+CALIBRATED = ("wanda", "sparsegpt")
+
+
+def _linears_by_layer(model: torch.nn.Module, names: list[str]) -> list[dict[str, torch.nn.Linear]]:
+    """For every decoder layer, its pruned Linears by parameter name; every pruned weight must sit in a layer."""
+    by_module = {name.removesuffix(".weight"): name for name in names}
+    layers = decoder_layer_list(model)
+    where = {id(layer): i for i, layer in enumerate(layers)}
+    found: list[dict[str, torch.nn.Linear]] = [{} for _ in layers]
+    prefix = {id(layer): f"{model_name}." for model_name, layer in model.named_modules() if id(layer) in where}
+    for layer in layers:
+        for sub, module in layer.named_modules():
+            full = prefix[id(layer)] + sub
+            if full in by_module:
+                found[where[id(layer)]][by_module.pop(full)] = module
+    if by_module:
+        raise ElsaError(f"one-shot methods prune Linears inside decoder layers only; {sorted(by_module)[:3]} are outside (narrow --targets)")
+    return found
+
+
+@torch.no_grad()
+def prune_model(model: torch.nn.Module, method: str, targets: dict[str, float | NM], calibration: torch.Tensor | None,
+                device: torch.device, blocksize: int = 128, percdamp: float = 0.01,
+                say: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
+    """Prune ``model`` in place with ``method``; returns the keep-mask of every pruned weight (on the CPU).
+
+    ``targets`` maps each pruned weight's parameter name to its sparsity or N:M pattern; ``calibration``
+    [n, seqlen] token ids are needed by wanda and sparsegpt.
+    """
+    from tqdm import tqdm
+
+    model.eval()
+    per_layer = _linears_by_layer(model, list(targets))
+    masks: dict[str, torch.Tensor] = {}
+    if method == "magnitude":
+        for linears in per_layer:
+            for name, linear in linears.items():
+                keep = magnitude_mask(linear.weight.data, targets[name])
+                linear.weight.data.mul_(keep.to(linear.weight.dtype))
+                masks[name] = keep.cpu()
+        return masks
+    if method not in CALIBRATED:
+        raise ValueError(f"unknown one-shot method {method!r}")
+    if calibration is None or calibration.shape[0] == 0:
+        raise ElsaError(f"{method} needs calibration sequences; none were given")
+    started = time.time()
+    with stubbed(model, device) as plan:
+        hidden = capture(model, plan, calibration, device)
+        for i, (layer, call, linears) in enumerate(tqdm(list(zip(plan.layers, plan.calls, per_layer)), desc=method, unit="layer")):
+            layer.to(device)
+            if linears:
+                stats = {name: (InputNorms if method == "wanda" else Hessian)(lin.in_features, device) for name, lin in linears.items()}
+                hooks = [lin.register_forward_hook(lambda _m, inp, _out, s=stats[name]: s.add_batch(inp[0].detach()))
+                         for name, lin in linears.items()]
+                try:
+                    run_layer(layer, call, hidden)      # dense layer, statistics only
+                finally:
+                    for h in hooks:
+                        h.remove()
+                for name, lin in linears.items():
+                    w = lin.weight.data
+                    if method == "wanda":
+                        keep = wanda_mask(w, stats[name].scaler_row, targets[name])
+                        w.mul_(keep.to(w.dtype))
+                    else:
+                        new, keep, _ = sparsify_weight(w, stats[name].H, targets[name], blocksize, percdamp)
+                        w.copy_(new)
+                    masks[name] = keep.cpu()
+                del stats
+            hidden = run_layer(layer, call, hidden)     # the pruned layer feeds the next one
+            layer.to(plan.home)
+    say(f"[elsa_ds] {method}: {len(masks)} layers pruned with {calibration.shape[0]} calibration sequences of "
+        f"{calibration.shape[1]} tokens in {time.time() - started:.1f} s")
+    return masks

@@ -1,0 +1,45 @@
+"""The single-process reference: the same AdmmOptimizer on an ordinary model, no DeepSpeed.
+
+Every pruned weight is one flat tensor with one slice, the batches are the same global batches, the
+gradient is the mean over the global batch, clipped by global norm like ZeRO-3 clips it. ZeRO-3 runs on
+any number of ranks, with or without offload, must reproduce its masks (up to float reduction order).
+"""
+from __future__ import annotations
+
+import torch
+
+from elsa_ds.admm.optimizer import AdmmOptimizer
+from elsa_ds.admm.projection import NM, Slice, keep_count
+from elsa_ds.admm.schedule import learning_rate
+from elsa_ds.config import ElsaConfig
+from elsa_ds.data import GlobalBatches
+from elsa_ds.mask_file import MaskReader
+
+
+def train_reference(model: torch.nn.Module, cfg: ElsaConfig, batches: GlobalBatches, pruned: dict[int, str],
+                    gradient_clipping: float | None = None, init_masks: MaskReader | None = None) -> dict[str, torch.Tensor]:
+    """Run ELSA on ``model`` in place; returns name -> keep-mask of every pruned weight."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    base = torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=0.0)
+    admm = AdmmOptimizer(base, cfg.admm_settings())
+    if init_masks is not None:
+        admm.initial_mask = lambda sl: init_masks.read(sl.layer, sl.start, sl.length)
+    weights = {pid: p for p in params if (pid := id(p)) in pruned}
+    targets = cfg.targets_for({pruned[pid]: tuple(w.shape) for pid, w in weights.items()})
+    for pid, w in weights.items():
+        target = targets[pruned[pid]]
+        ratio = target.ratio if isinstance(target, NM) else target
+        admm.assign(w, [Slice(pruned[pid], 0, w.numel(), 0, w.numel(), keep_count(w.numel(), ratio))])
+    model.train()
+    for step in range(cfg.steps):
+        admm.begin_step(step)
+        for group in admm.param_groups:
+            group["lr"] = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_final_ratio)
+        admm.zero_grad()
+        micro = batches.micro_batches(step)
+        for ids in micro:
+            (model(input_ids=ids, labels=ids).loss / len(micro)).backward()
+        if gradient_clipping:
+            torch.nn.utils.clip_grad_norm_(params, gradient_clipping)
+        admm.step()
+    return {pruned[pid]: (w.detach() != 0) for pid, w in weights.items()}

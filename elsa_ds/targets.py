@@ -1,0 +1,67 @@
+"""Which weights are pruned: nn.Linear layers inside the decoder blocks, or a user regex over module names."""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from elsa_ds.admm.projection import NM
+from elsa_ds.errors import ElsaError
+
+# Gemma/Gemma-2, Llama, Mistral, Qwen2 (model.layers.N.*) and OPT (model.decoder.layers.N.*): every
+# attention and MLP projection; embeddings, norms and lm_head are never inside a decoder block's Linear.
+DEFAULT_TARGETS = r"(^|\.)layers\.\d+\."
+
+
+def select_targets(model: torch.nn.Module, regex: str | None) -> dict[int, str]:
+    """id(weight) -> parameter name of every nn.Linear whose module name matches ``regex``."""
+    pattern = re.compile(regex or DEFAULT_TARGETS)
+    chosen = {
+        id(module.weight): f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and pattern.search(name)
+    }
+    if not chosen:
+        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][:5]
+        raise ElsaError(
+            f"target regex {pattern.pattern!r} matches no nn.Linear module; module names look like {linears}"
+        )
+    return chosen
+
+
+def decoder_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The ModuleList of decoder layers (``model.layers``, ``model.decoder.layers``, ...): the first
+    ModuleList whose entries hold parameters of more than one tensor."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and sum(1 for _ in module[0].parameters()) > 1:
+            return module
+    raise ElsaError(f"{type(model).__name__}: found no list of decoder layers; layer-by-layer methods need one")
+
+
+def layer_targets(shapes: dict[str, tuple[int, ...]], sparsity: float, pattern: NM | None = None,
+                  profile: dict[str, float] | None = None) -> dict[str, float | NM]:
+    """What each pruned weight (``shapes``: parameter name -> full shape) is pruned to.
+
+    An N:M ``pattern`` applies to every layer and needs in_features % M == 0. A ``profile`` maps module-name
+    regexes to ratios, first match wins, unmatched layers take ``sparsity``; a regex matching no pruned
+    layer is an error (a typo would silently prune at the default ratio).
+    """
+    if pattern is not None:
+        ragged = [f"{name} {tuple(shape)}" for name, shape in shapes.items() if shape[-1] % pattern.m]
+        if ragged:
+            raise ElsaError(f"pattern {pattern} needs every pruned layer's input dimension divisible by {pattern.m}; "
+                            f"not so for {', '.join(ragged[:3])}{' ...' if len(ragged) > 3 else ''} (narrow --targets)")
+        return {name: pattern for name in shapes}
+    if not profile:
+        return {name: sparsity for name in shapes}
+    compiled = [(re.compile(regex), regex, ratio) for regex, ratio in profile.items()]
+    unused = [regex for pat, regex, _ in compiled if not any(pat.search(module_name(n)) for n in shapes)]
+    if unused:
+        example = module_name(next(iter(shapes)))
+        raise ElsaError(f"sparsity profile entries {unused} match no pruned layer; module names look like {example!r}")
+    return {name: next((ratio for pat, _, ratio in compiled if pat.search(module_name(name))), sparsity) for name in shapes}
+
+
+def module_name(param_name: str) -> str:
+    """``model.layers.0.mlp.up_proj.weight`` -> ``model.layers.0.mlp.up_proj`` (profiles match module names)."""
+    return param_name.removesuffix(".weight")

@@ -1,0 +1,45 @@
+"""The same short ELSA run under several DeepSpeed configs: time, memory, NVMe, loss and mask agreement.
+
+    python launch/ablate_offload.py --configs ds_configs/zero3.json ds_configs/zero3_offload.json \\
+        ds_configs/zero3_offload_elsal.json ds_configs/zero3_nvme.json --out out/ablation
+
+Writes OUT/ablation.csv, OUT/ablation.md and OUT/ablation.png; each run's model and log stay in OUT.
+Arguments after ``--`` go to launch/prune.py (default: the embedded demo, 32 steps, 128 validation-free).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from elsa_ds.cli import guarded  # noqa: E402
+
+DEFAULT_PRUNE_ARGS = ["--steps", "32", "--interval", "16", "--val_windows", "0", "--baseline", "none"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", required=True, help="DeepSpeed configs; the first is the mask reference")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--num_gpus", type=int, default=2, help="ranks per run [2]")
+    ap.add_argument("prune_args", nargs=argparse.REMAINDER, help="-- then flags for launch/prune.py")
+    args = ap.parse_args()
+    extra = [a for a in args.prune_args if a != "--"] or DEFAULT_PRUNE_ARGS
+
+    def go() -> None:
+        from elsa_ds.ablation import run_ablation
+        from elsa_ds.config import read_ds_config
+
+        for c in args.configs:  # every config readable before the first run starts
+            read_ds_config(c)
+        rows = run_ablation(args.configs, args.out, args.num_gpus, extra)
+        print((args.out / "ablation.md").read_text())
+        print(f"wrote {args.out / 'ablation.csv'}, {args.out / 'ablation.md'}, {args.out / 'ablation.png'} ({len(rows)} configs)")
+
+    return guarded(go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import torch
+
+from elsa_ds.admm.optimizer import AdmmOptimizer, AdmmSettings, Projection, second_moment, summarize_metrics
+from elsa_ds.admm.projection import Slice, keep_count
+from elsa_ds.admm.state import StateDtype
+
+
+def _least_squares(seed: int = 0, n: int = 40, m: int = 200):
+    """f(x) = ½‖A x − b‖²/m with b from a 75%-sparse ground truth: a smooth problem whose answer is known."""
+    g = torch.Generator().manual_seed(seed)
+    truth = torch.randn(n, generator=g)
+    truth[torch.randperm(n, generator=g)[: 3 * n // 4]] = 0
+    a = torch.randn(m, n, generator=g)
+    return a, a @ truth, truth
+
+
+def _run(projection: Projection, z_dtype=StateDtype.fp32, u_dtype=StateDtype.fp32, steps=600, sparsity=0.75):
+    a, b, truth = _least_squares()
+    x = torch.nn.Parameter(torch.linalg.lstsq(a, b).solution.clone() + 0.3)  # dense start, off the optimum
+    settings = AdmmSettings(total_steps=steps, interval=10, lmda=0.5, projection=projection, z_dtype=z_dtype, u_dtype=u_dtype)
+    opt = AdmmOptimizer(torch.optim.Adam([x], lr=0.02), settings)
+    opt.assign(x, [Slice("x", 0, x.numel(), 0, x.numel(), keep_count(x.numel(), sparsity))])
+    residuals = []
+    for t in range(steps):
+        opt.begin_step(t)
+        opt.zero_grad()
+        loss = 0.5 * (a @ x - b).square().mean()
+        loss.backward()
+        opt.step()
+        if opt.projected_this_step and t < steps - 1:
+            residuals.append(summarize_metrics(opt.local_metrics(), opt.lam)["residual"])
+    return x.detach(), truth, residuals, opt
+
+
+def test_admm_reaches_feasible_point_with_small_residual():
+    x, truth, residuals, _ = _run(Projection.fisher)
+    assert int((x != 0).sum()) == keep_count(x.numel(), 0.75)          # exactly feasible
+    assert residuals[-1] < 0.01 < residuals[0]                        # the x - z gap closes
+    assert torch.equal(x != 0, truth != 0)                             # the true support is found
+    assert torch.allclose(x, truth, atol=0.05)
+
+
+def test_magnitude_and_low_precision_states_also_converge():
+    for proj, zd, ud in ((Projection.magnitude, StateDtype.fp32, StateDtype.fp32), (Projection.fisher, StateDtype.fp8, StateDtype.bf16)):
+        x, truth, residuals, opt = _run(proj, zd, ud)
+        assert int((x != 0).sum()) == keep_count(x.numel(), 0.75)
+        assert residuals[-1] < 0.02
+        assert torch.equal(x != 0, truth != 0)
+        st = opt.state[next(iter(opt.state))]
+        assert st["admm_z"].dtype == zd.torch_dtype and st["admm_u"].dtype == ud.torch_dtype
+
+
+def test_penalty_is_added_to_gradient_before_base_step():
+    x = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5, 4.0]))
+    base = torch.optim.SGD([x], lr=1.0)
+    opt = AdmmOptimizer(base, AdmmSettings(total_steps=100, interval=50, lmda=0.1))
+    opt.settings = AdmmSettings(total_steps=100, interval=50, lmda=0.1, projection=Projection.magnitude)
+    opt.assign(x, [Slice("x", 0, 4, 0, 4, keep=2)])
+    for t in range(2):
+        opt.begin_step(t)
+        x.grad = torch.zeros(4)
+        opt.step()
+        if t == 0:  # first step: plain base step, then z = Π(x) = [0, -2, 0, 4], u = 0
+            assert torch.equal(x.detach(), torch.tensor([1.0, -2.0, 0.5, 4.0]))
+    # second step: x ← x − lr·λ(x − z + u)
+    assert torch.allclose(x.detach(), torch.tensor([0.9, -2.0, 0.45, 4.0]))
+
+
+def test_second_moment_reads_adam_state():
+    x = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([x])
+    x.grad = torch.tensor([1.0, 2.0, 3.0])
+    opt.step()
+    assert torch.allclose(second_moment(opt.state[x]), 0.001 * torch.tensor([1.0, 4.0, 9.0]))

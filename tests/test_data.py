@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from elsa_ds.data import GlobalBatches, iter_texts, pack_blocks
+from elsa_ds.errors import ElsaError
+
+
+def test_pack_blocks_bos_per_block_eos_between_docs():
+    blocks = pack_blocks([[10, 11, 12], [20, 21], [30, 31, 32, 33]], seqlen=4, bos_id=2, eos_id=1)
+    # stream: 10 11 12 1 20 21 1 30 31 32 33 1 -> bodies of 3 tokens, each after BOS
+    assert blocks.tolist() == [[2, 10, 11, 12], [2, 1, 20, 21], [2, 1, 30, 31], [2, 32, 33, 1]]
+    assert pack_blocks([[1, 2, 3, 4, 5]], seqlen=2, bos_id=None, eos_id=None).tolist() == [[1, 2], [3, 4]]
+    assert pack_blocks([[1, 2, 3]], seqlen=3, bos_id=9, eos_id=0, max_blocks=1).shape == (1, 3)
+
+
+def test_global_batches_identical_for_any_world_size():
+    blocks = torch.arange(40 * 3).view(40, 3)
+    one = GlobalBatches(blocks, global_batch=8, micro_batch=2, world_size=1, rank=0, seed=5)
+    for step in (0, 4, 7):  # step 7 is in the second epoch (5 batches per epoch)
+        whole = torch.cat(one.micro_batches(step))
+        two = torch.cat([torch.cat(GlobalBatches(blocks, 8, 2, 2, r, 5).micro_batches(step)) for r in range(2)])
+        four = torch.cat([torch.cat(GlobalBatches(blocks, 8, 1, 4, r, 5).micro_batches(step)) for r in range(4)])
+        assert torch.equal(whole, two) and torch.equal(whole, four)
+    assert one.grad_accum == 4
+    epoch0 = torch.cat([one.global_batch_at(s) for s in range(5)])
+    assert sorted(epoch0[:, 0].tolist()) == list(range(0, 120, 3))  # an epoch visits every block once
+
+
+def test_too_few_blocks_for_one_global_batch():
+    with pytest.raises(ElsaError, match="fewer than one global batch"):
+        GlobalBatches(torch.zeros(3, 4, dtype=torch.long), 8, 1, 1, 0, 0)
+
+
+def test_local_txt_jsonl_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.txt").write_text("plain text")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one"}) + "\n\n" + json.dumps({"text": "two"}) + "\n")
+    pq.write_table(pa.table({"text": ["three"]}), tmp_path / "c.parquet")
+    assert list(iter_texts(str(tmp_path), "train")) == ["plain text", "one", "two", "three"]
+    (tmp_path / "d.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(ElsaError, match="no 'text' field"):
+        list(iter_texts(str(tmp_path / "d.jsonl"), "train"))
+
+
+def test_unknown_source_is_an_error():
+    with pytest.raises(ElsaError):
+        list(iter_texts("./no/such/file.txt", "train"))
+    with pytest.raises(ElsaError, match="no such file"):
+        list(iter_texts("missing.jsonl", "validation"))

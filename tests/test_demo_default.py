@@ -1,0 +1,33 @@
+"""The README's main command on the embedded default: prunes the shipped model and beats one-shot magnitude."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_entry
+
+pytestmark = pytest.mark.integration
+
+
+def test_default_run_beats_magnitude_pruning(tmp_path):
+    out = tmp_path / "demo"
+    proc = run_entry("prune.py", ["--deepspeed", "ds_configs/zero3_offload.json", "--output_dir", str(out)], ranks=2, timeout=1500)
+    report = json.loads((out / "elsa_report.json").read_text())
+    assert report["method"] == "elsa" and report["world_size"] == 2 and report["dataset"] == "shakespeare"
+    ppl = report["ppl"]
+    assert ppl["pruned"] < ppl["magnitude_oneshot"], ppl
+    assert report["vs_magnitude"]["ppl_ratio"] == pytest.approx(ppl["magnitude_oneshot"] / ppl["pruned"])
+    assert "lower than one-shot magnitude pruning" in proc.stdout
+    assert len(report["layers"]) == 28  # 4 decoder layers x (q, k, v, o, gate, up, down)
+    for name, layer in report["layers"].items():
+        assert layer["zeros"] == round(0.7 * layer["numel"]), name
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    w = model.model.layers[0].mlp.down_proj.weight
+    assert int((w == 0).sum()) == round(0.7 * w.numel())
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tie survived export
+    assert torch.isfinite(w).all()

@@ -1,0 +1,102 @@
+"""The estimator: exact parameter counts of shipped configs, placement by offload choice, and the 27B target."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elsa_ds.config import read_ds_config
+from elsa_ds.memory import CUDA_HOST_BYTES, RUNTIME_GPU_BYTES, ModelShape, estimate, model_shape, resolve_model_config, sub_groups
+from tests.conftest import run_entry
+
+GIB = 2 ** 30
+
+
+@pytest.mark.parametrize("model, billions", [("google/gemma-2-2b", 2.614), ("google/gemma-2-9b", 9.242), ("google/gemma-2-27b", 27.227),
+                                             ("meta-llama/Llama-2-7b-hf", 6.738), ("meta-llama/Llama-2-13b-hf", 13.016)])
+def test_shipped_configs_resolve_offline_with_known_sizes(model, billions):
+    shape = model_shape(resolve_model_config(model))
+    assert shape.num_params / 1e9 == pytest.approx(billions, abs=0.001)
+    assert 0.7 * shape.num_params < shape.pruned_params < shape.num_params  # embeddings (and lm_head) excluded
+
+
+def test_offload_moves_states_off_the_gpu_and_elsal_costs_three_bytes():
+    shape = model_shape(resolve_model_config("google/gemma-2-27b"))
+    plain = estimate(shape, read_ds_config("ds_configs/zero3.json"), num_gpus=1)
+    offload = estimate(shape, read_ds_config("ds_configs/zero3_offload.json"), num_gpus=1)
+    elsal = estimate(shape, read_ds_config("ds_configs/zero3_offload_elsal.json"), num_gpus=1)
+    nvme = estimate(shape, read_ds_config("ds_configs/zero3_nvme.json"), num_gpus=1)
+    assert plain.breakdown["admm"]["per_gpu"] == pytest.approx(8 * shape.num_params)
+    assert offload.breakdown["admm"]["per_node_cpu"] == pytest.approx(8 * shape.num_params)
+    assert elsal.breakdown["admm"]["per_node_cpu"] / shape.num_params <= 3.0
+    assert elsal.per_gpu_bytes < 24e9                      # the target: 27B with ELSA-L + CPU offload on one GPU
+    # NVMe files: bf16 params, fp32 grads, masters, Adam moments, z, u = 2 + 4 + 4 + 8 + 8 bytes per parameter
+    # (tensors under 1 MiB, the norms here, are not swapped)
+    assert 26 * (shape.num_params - 1e6) < nvme.nvme_bytes <= 26 * shape.num_params
+    # what DeepSpeed still keeps in host memory under NVMe: the bf16 gradient accumulation buffer, max_in_cpu params
+    assert nvme.breakdown["grads"]["per_node_cpu"] >= 2 * shape.num_params
+    assert nvme.breakdown["params"]["per_node_cpu"] == pytest.approx(2 * 1e9)
+    assert nvme.per_node_cpu_bytes < 0.2 * offload.per_node_cpu_bytes
+    eight = estimate(shape, read_ds_config("ds_configs/zero3_offload.json"), num_gpus=8)
+    assert eight.breakdown["optimizer"]["per_node_cpu"] == pytest.approx(offload.breakdown["optimizer"]["per_node_cpu"])
+
+
+def test_cpu_accelerator_folds_the_gpu_into_host_memory_without_a_cuda_context():
+    shape = model_shape(resolve_model_config("google/gemma-2-9b"))
+    for name in ("zero3", "zero3_offload", "zero3_offload_elsal", "zero3_nvme"):
+        ds = read_ds_config(f"ds_configs/{name}.json")
+        cuda, cpu = estimate(shape, ds, num_gpus=2), estimate(shape, ds, num_gpus=2, device="cpu")
+        assert cpu.per_gpu_bytes == 0.0 and cpu.nvme_bytes == cuda.nvme_bytes
+        for key in ("params", "grads", "optimizer", "admm", "activations", "buffers"):
+            a, b = cuda.breakdown[key], cpu.breakdown[key]
+            assert b["per_node_cpu"] == pytest.approx(a["per_node_cpu"] + 2 * a["per_gpu"], rel=1e-9), (name, key)
+        context = 2 * (CUDA_HOST_BYTES + RUNTIME_GPU_BYTES)
+        assert cpu.breakdown["runtime"]["per_node_cpu"] == pytest.approx(cuda.breakdown["runtime"]["per_node_cpu"] - 2 * CUDA_HOST_BYTES)
+        assert cpu.per_node_cpu_bytes < cuda.per_node_cpu_bytes + 2 * cuda.per_gpu_bytes - context + 1.0
+        # the step's temporaries and rank 0's export are not live at once: the larger one counts
+        assert cpu.breakdown["workspace"]["per_node_cpu"] >= 2 * cuda.breakdown["workspace"]["per_gpu"]
+
+
+def test_step_workspace_scales_with_the_sub_group_and_follows_the_optimizer():
+    shape = model_shape(resolve_model_config("google/gemma-2-27b"))
+    ds = read_ds_config("ds_configs/zero3.json")
+    big = estimate(shape, ds, num_gpus=8)                  # 3.4B entries per rank, sub-groups of 1e9
+    ds["zero_optimization"]["sub_group_size"] = 1e8
+    small = estimate(shape, ds, num_gpus=8)
+    # without offload the step runs on the GPU: fp32 gradient (4 B) and projection (10 B) per entry of a sub-group
+    assert big.breakdown["workspace"]["per_gpu"] + big.breakdown["activations"]["per_gpu"] > 14e9
+    assert small.breakdown["workspace"]["per_gpu"] == 0.0  # a 1e8 sub-group's step fits in the forward/backward working set
+    assert big.per_gpu_bytes - small.per_gpu_bytes > 4e9
+    shape = model_shape(resolve_model_config("google/gemma-2-2b"))
+    offload = estimate(shape, read_ds_config("ds_configs/zero3_offload.json"), num_gpus=8)
+    elsal = estimate(shape, read_ds_config("ds_configs/zero3_offload_elsal.json"), num_gpus=8)
+    assert offload.breakdown["workspace"]["per_gpu"] == 0.0  # the optimizer steps on the CPU
+    # bitsandbytes' CPU 8-bit Adam dequantizes both moments and copies the gradient: 20 bytes per entry
+    assert elsal.breakdown["workspace"]["per_node_cpu"] == pytest.approx(20 * shape.num_params, rel=1e-9)
+
+
+def test_sub_groups_are_cut_like_deepspeed_and_small_tensors_stay_off_nvme():
+    m = 2**20
+    shape = ModelShape(num_params=121 * m, pruned_params=110 * m, hidden=64, layers=1, heads=1, vocab=64, largest_layer_params=110 * m,
+                       largest_param=60 * m, largest_pruned_param=60 * m,
+                       params=[(60 * m, True), (50 * m, True), (10 * m, False), (1000, False)])
+    # a sub-group closes once it holds >= sub_group_size, so it may overshoot by one parameter's partition
+    assert [g.numel for g in sub_groups(shape, 1, 100 * m)] == [110 * m, 10 * m + 1000]
+    assert [(g.numel, g.pruned, g.largest_pruned) for g in sub_groups(shape, 2, 100 * m)] == [(60 * m + 500, 55 * m, 30 * m)]
+    ds = read_ds_config("ds_configs/zero3_nvme.json")
+    nvme = estimate(shape, ds, num_gpus=1, device="cpu")
+    # the 1000-element tensor (2 and 4 KB) is below DeepSpeed's 1 MiB swap minimum: params and grads files skip it
+    assert nvme.breakdown["params"]["nvme"] == 2 * 120 * m and nvme.breakdown["grads"]["nvme"] == 4 * 120 * m
+    # NVMe's swap buffers are sized by the largest sub-group, not by sub_group_size
+    ds["zero_optimization"]["sub_group_size"] = 100 * m
+    buffers = estimate(shape, ds, num_gpus=1, device="cpu").breakdown["buffers"]["per_node_cpu"]
+    assert buffers >= ds["zero_optimization"]["offload_optimizer"]["buffer_count"] * 110 * m * 4
+
+
+def test_estimate_entry_point_json_and_errors(tmp_path):
+    proc = run_entry("estimate.py", ["--model", "google/gemma-2-27b", "--deepspeed", "ds_configs/zero3_offload_elsal.json", "--json"])
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"num_params", "per_gpu_bytes", "per_node_cpu_bytes", "nvme_bytes", "breakdown"} <= last.keys()
+    assert set(last["breakdown"]) >= {"params", "grads", "optimizer", "admm", "activations", "buffers"}
+    bad = run_entry("estimate.py", ["--model", str(tmp_path / "nothing"), "--deepspeed", "ds_configs/zero3.json"], check=False)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "elsa_ds: error" in bad.stderr

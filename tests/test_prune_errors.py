@@ -1,0 +1,70 @@
+"""Bad input stops early with one clear line on stderr, exit code 2, no traceback, nothing overwritten."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import derived_config, run_fails
+
+
+def _fails(args: list[str], *needles: str) -> str:
+    return run_fails("prune.py", args, *needles)
+
+
+def test_sparsity_out_of_range(tmp_path):
+    for bad in ("1.0", "-0.1"):
+        _fails(["--deepspeed", "ds_configs/zero3.json", "--sparsity", bad, "--output_dir", str(tmp_path / "o")], "sparsity")
+
+
+def test_unreadable_and_malformed_config(tmp_path):
+    _fails(["--deepspeed", str(tmp_path / "missing.json"), "--output_dir", str(tmp_path / "o")], "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 8,,}')
+    _fails(["--deepspeed", str(bad), "--output_dir", str(tmp_path / "o")], "not valid JSON", "line 1")
+
+
+def test_misspelt_elsa_key_is_named(tmp_path):
+    path = derived_config(tmp_path, elsa={"sparsty": 0.5})
+    _fails(["--deepspeed", str(path), "--output_dir", str(tmp_path / "o")], "sparsty", "unknown setting")
+
+
+def test_nonempty_output_dir_is_kept(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    _fails(["--deepspeed", "ds_configs/zero3.json", "--output_dir", str(out)], "--overwrite")
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+@pytest.mark.integration
+def test_dataset_smaller_than_one_global_batch(tmp_path, tiny_model_dir):
+    small = tmp_path / "small.txt"
+    small.write_text("To be, or not to be, that is the question. " * 20)
+    _fails(["--deepspeed", "ds_configs/zero3.json", "--model", str(tiny_model_dir), "--dataset", str(small), "--seqlen", "64",
+            "--output_dir", str(tmp_path / "o")], "fewer than one global batch")
+
+
+@pytest.mark.integration
+def test_target_regex_matching_nothing(tmp_path, tiny_model_dir, text_dir):
+    _fails(["--deepspeed", "ds_configs/zero3.json", "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--seqlen", "64",
+            "--targets", r"no_such_module\d", "--output_dir", str(tmp_path / "o")], "matches no nn.Linear")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--interval", "0"], "interval"),
+    (["--lmda", "-0.1"], "lmda"),
+    (["--steps", "0"], "steps"),
+    (["--pattern", "2:4:8"], "N:M"),
+    (["--model", "/no/such/model"], "no such directory"),
+    (["--nsamples", "0"], "nsamples"),
+])
+def test_bad_numbers_and_paths_are_named(tmp_path, flags, needle):
+    _fails(["--deepspeed", "ds_configs/zero3_offload.json", *flags, "--output_dir", str(tmp_path / "o")], needle)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.integration
+def test_empty_dataset(tmp_path, tiny_model_dir):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "empty.txt").write_text("")
+    _fails(["--deepspeed", "ds_configs/zero3_offload.json", "--model", str(tiny_model_dir), "--dataset", str(tmp_path / "data"),
+            "--seqlen", "64", "--output_dir", str(tmp_path / "o")], "fewer than one global batch")

@@ -1,0 +1,94 @@
+"""NVMe offload and ELSA-L (fp8 z, bf16 u, 8-bit Adam) through the real entry point."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import derived_config, run_entry
+
+pytestmark = pytest.mark.integration
+
+ARGS = ["--seqlen", "64", "--steps", "8", "--interval", "4", "--sparsity", "0.7", "--lr", "1e-3", "--lmda", "0.05",
+        "--val_windows", "0", "--baseline", "none", "--micro_batch", "2"]
+
+
+def _masks(out):
+    weights = load_file(out / "model.safetensors")
+    report = json.loads((out / "elsa_report.json").read_text())
+    return {k: weights[k] != 0 for k in report["layers"]}, report
+
+
+def test_nvme_offload_matches_cpu_offload_and_swaps_admm_states(tmp_path, small_model_dir, text_dir):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    common = ["--model", str(small_model_dir), "--dataset", str(text_dir), *ARGS]
+    cpu_cfg = derived_config(tmp_path, bf16={"enabled": False})
+    nvme_cfg = derived_config(tmp_path, "zero3_nvme.json", bf16={"enabled": False})
+    run_entry("prune.py", ["--deepspeed", str(cpu_cfg), *common, "--output_dir", str(tmp_path / "cpu")])
+    run_entry("prune.py", ["--deepspeed", str(nvme_cfg), "--nvme_path", str(nvme), *common, "--output_dir", str(tmp_path / "nvme_out")], ranks=2)
+    swapped = {p.name.split("-")[0] for p in nvme.rglob("*.tensor.swp")}
+    assert {"admm_z", "admm_u", "exp_avg", "exp_avg_sq"} <= swapped, swapped
+    cpu_masks, _ = _masks(tmp_path / "cpu")
+    nvme_masks, report = _masks(tmp_path / "nvme_out")
+    assert report["offload"] == {"offload_param": "nvme", "offload_optimizer": "nvme"}
+    agree = sum(int((cpu_masks[k] == nvme_masks[k]).sum()) for k in cpu_masks)
+    total = sum(m.numel() for m in cpu_masks.values())
+    assert agree / total >= 0.999
+    for name, mask in nvme_masks.items():
+        assert int((~mask).sum()) == round(0.7 * mask.numel()), name
+
+
+def _elsal(tmp_path, small_model_dir, text_dir, ranks, config="zero3_offload_elsal.json", *extra):
+    cfg = derived_config(tmp_path, config, bf16={"enabled": False})
+    out = tmp_path / f"elsal_{ranks}_{config}"
+    run_entry("prune.py", ["--deepspeed", str(cfg), "--model", str(small_model_dir), "--dataset", str(text_dir), *ARGS, *extra,
+                           "--output_dir", str(out)], ranks=ranks)
+    return out
+
+
+@pytest.fixture(scope="module")
+def elsal_two_ranks(tmp_path_factory, small_model_dir, text_dir):
+    return _elsal(tmp_path_factory.mktemp("elsal"), small_model_dir, text_dir, 2)
+
+
+@pytest.mark.parametrize("ranks", [None, 2])
+def test_elsal_low_precision_states_under_cpu_offload(tmp_path, small_model_dir, text_dir, ranks, elsal_two_ranks):
+    out = elsal_two_ranks if ranks == 2 else _elsal(tmp_path, small_model_dir, text_dir, ranks)
+    masks, report = _masks(out)
+    assert report["config"]["z_dtype"] == "fp8" and report["config"]["u_dtype"] == "bf16"
+    assert report["config"]["base_optimizer"] == "adam8bit"
+    assert report["admm_state_bytes_per_param"] <= 3.01
+    for name, mask in masks.items():
+        assert int((~mask).sum()) == round(0.7 * mask.numel()), name
+
+
+def test_nvme_path_and_buffer_errors(tmp_path):
+    missing = tmp_path / "nope"
+    proc = run_entry("prune.py", ["--deepspeed", "ds_configs/zero3_nvme.json", "--nvme_path", str(missing),
+                                  "--output_dir", str(tmp_path / "o")], check=False)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    cfg = json.loads(open("ds_configs/zero3_nvme.json").read())
+    cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = 4
+    path = tmp_path / "few.json"
+    path.write_text(json.dumps(cfg))
+    proc = run_entry("prune.py", ["--deepspeed", str(path), "--nvme_path", str(tmp_path), "--output_dir", str(tmp_path / "o")], check=False)
+    assert proc.returncode == 2 and "buffer_count" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_elsal_under_nvme_equals_cpu_offload(tmp_path, small_model_dir, text_dir, elsal_two_ranks):
+    """8-bit Adam codes, fp8 z and bf16 u stay in CPU memory (DeepSpeed's swapper would read them back as fp32);
+    the fp32 masters are swapped: the run is the CPU-offload run, bit for bit in the mask and the loss."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = _elsal(tmp_path, small_model_dir, text_dir, 2, "zero3_nvme.json", "--nvme_path", str(nvme), "--base_optimizer", "adam8bit",
+                 "--z_dtype", "fp8", "--u_dtype", "bf16")
+    nvme_masks, nvme_report = _masks(out)
+    cpu_masks, cpu_report = _masks(elsal_two_ranks)
+    assert nvme_report["offload"]["offload_optimizer"] == "nvme" and nvme_report["admm_state_bytes_per_param"] <= 3.01
+    assert all(torch.equal(nvme_masks[k], cpu_masks[k]) for k in cpu_masks)
+    assert nvme_report["final_loss"] == pytest.approx(cpu_report["final_loss"], rel=1e-5)
+    swapped = [p.name for p in (nvme / "zero_stage_3" / "optimizer").rglob("*.tensor.swp")]
+    assert swapped and not [n for n in swapped if "-" in n], swapped  # the fp32 masters only: no named state was swapped
