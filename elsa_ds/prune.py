@@ -237,6 +237,9 @@ def run(cfg: ElsaConfig, raw_ds: dict, output_dir: Path, overwrite: bool, ds_con
         from elsa_ds.evaluation.run import evaluate_output
 
         evaluate_output(output_dir, cfg.eval_ppl, cfg.eval_tasks, cfg.eval_include_path, cfg.seqlen)
+    # a local teardown, no collective: without it gloo's threads could still be live when the interpreter
+    # exits, and a rank then occasionally died in std::terminate after its work was done
+    torch.distributed.destroy_process_group()
     return report
 
 

@@ -37,7 +37,28 @@ def init_distributed() -> tuple[int, int]:
     deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False)
     import torch.distributed as dist
 
+    _unlink_shm_buffer(dist)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _unlink_shm_buffer(dist) -> None:
+    """Remove this rank's /dev/shm all-reduce buffer of DeepSpeed's CPU backend once every rank has mapped it.
+
+    DeepSpeed's shm_comm (CPU accelerator, all ranks on one node) creates a 66 MiB shared-memory file per rank
+    and never unlinks it, so every run leaked that much of /dev/shm. Every rank maps every other rank's file
+    inside init_distributed, so after a barrier the names are no longer needed: the mappings stay valid, and
+    the memory is freed when the last rank exits, however it exits.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    dist.barrier()
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:
+        pass
 
 
 def prepare_ds_config(raw: dict, cfg: ElsaConfig, world_size: int) -> dict:
