@@ -96,7 +96,7 @@ def _masks(out: Path):
 
 def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list[str]) -> list[AblationRow]:
     """Run ``launch/prune.py`` once per config with ``prune_args``; returns one row per config."""
-    (out_dir / "runs").mkdir(parents=True, exist_ok=True)  # launch/prune.py wants the parent of --output_dir to exist
+    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     rows: list[AblationRow] = []
     reference = None
     for cfg_path in configs:

@@ -7,6 +7,7 @@ report's per-layer sparsity is read back from the exported files, never from mem
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -30,8 +31,12 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False) ->
     if output_dir.is_dir() and any(output_dir.iterdir()) and not (overwrite or resume):
         raise ElsaError(f"--output_dir {output_dir} is not empty; pass --overwrite to replace it, --resume to continue it, or choose another directory")
     parent = output_dir.resolve().parent
-    if not parent.exists():
-        raise ElsaError(f"--output_dir {output_dir}: parent directory {parent} does not exist")
+    try:  # the staging directory, checkpoints and warm-start masks all go beside the output
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ElsaError(f"--output_dir {output_dir}: cannot create its parent directory {parent} ({e.strerror}); choose another path") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ElsaError(f"--output_dir {output_dir}: parent directory {parent} is not writable; choose another path")
 
 
 def staging_dir(output_dir: Path) -> Path:

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_default_run_beats_magnitude_pruning(tmp_path):
-    out = tmp_path / "demo"
+    out = tmp_path / "out" / "demo"  # as in the README on a fresh clone: out/ does not exist yet
     proc = run_entry("prune.py", ["--deepspeed", "ds_configs/zero3_offload.json", "--output_dir", str(out)], ranks=2, timeout=1500)
     report = json.loads((out / "elsa_report.json").read_text())
     assert report["method"] == "elsa" and report["world_size"] == 2 and report["dataset"] == "shakespeare"

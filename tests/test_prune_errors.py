@@ -35,6 +35,13 @@ def test_nonempty_output_dir_is_kept(tmp_path):
     assert (out / "precious.txt").read_text() == "keep me"
 
 
+def test_output_dir_whose_parent_cannot_be_created(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    _fails(["--deepspeed", "ds_configs/zero3.json", "--output_dir", str(blocker / "runs" / "o")], "cannot create its parent directory")
+    assert blocker.read_text() == "not a directory"
+
+
 @pytest.mark.integration
 def test_dataset_smaller_than_one_global_batch(tmp_path, tiny_model_dir):
     small = tmp_path / "small.txt"
