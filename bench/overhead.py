@@ -4,7 +4,7 @@
     deepspeed --num_gpus 2 bench/overhead.py --deepspeed ds_configs/zero3_offload.json
 
 Two engines are built side by side in one process (one with AdmmOptimizer, one with the bare base
-optimizer); they alternate in blocks of ``interval`` steps so both see the same machine noise, and the
+optimizer); they alternate in blocks of ``interval`` steps (ABBA order) so both see the same machine noise, and the
 ELSA block always contains exactly one projection (amortized over the interval, as in a real run).
 Prints per-step times, the ratio ELSA / plain, the time per projection and its share of ELSA's time;
 with --json the last line is a JSON object with ``ratio`` and ``config``.
@@ -69,14 +69,18 @@ def main() -> int:
     train_step(plain_engine, plain_opt, comm, batches, 0, cfg)  # warm-up: lazy state, JIT, allocator
     plain_times, elsa_times, proj_times = [], [], []
     elsa_step = 0
+    plain_step = 0
     for r in range(args.rounds):
-        for i in range(cfg.interval):
-            step = r * cfg.interval + i
-            plain_times.append(timed(lambda: train_step(plain_engine, plain_opt, comm, batches, step, cfg)))
-        for i in range(cfg.interval):
-            t = timed(lambda: train_step(job.engine, job.admm, job.comm, batches, elsa_step, cfg))
-            (proj_times if job.admm.projected_this_step else elsa_times).append(t)
-            elsa_step += 1
+        # ABBA order: which engine runs first alternates, so neither always follows the other's cache state
+        for engine_name in (("plain", "elsa") if r % 2 == 0 else ("elsa", "plain")):
+            for _ in range(cfg.interval):
+                if engine_name == "plain":
+                    plain_times.append(timed(lambda: train_step(plain_engine, plain_opt, comm, batches, plain_step, cfg)))
+                    plain_step += 1
+                else:
+                    t = timed(lambda: train_step(job.engine, job.admm, job.comm, batches, elsa_step, cfg))
+                    (proj_times if job.admm.projected_this_step else elsa_times).append(t)
+                    elsa_step += 1
     # the first ELSA step creates z and u (one-off, like Adam's lazy init); report it apart
     first = elsa_times.pop(0)
     plain = statistics.mean(plain_times[1:])
