@@ -135,11 +135,12 @@ def main() -> int:
     extra = [a for a in args.elsa_args if a != "--"]
 
     from elsa_ds.cli import _quiet_libraries
-    from elsa_ds.config import DEMO_MODEL_DIR, DEMO_PROFILE, read_ds_config, resolve_config
+    from elsa_ds.config import DEMO_MODEL_DIR, DEMO_PROFILE, resolve_config
+    from elsa_ds.zero.ds_config import DsConfig
 
     _quiet_libraries()
     model = args.model or str(DEMO_MODEL_DIR)
-    cfg = resolve_config(read_ds_config(args.deepspeed), {"model": model, "dataset": args.dataset, "seqlen": args.seqlen})
+    cfg = resolve_config(DsConfig.load(args.deepspeed).raw, {"model": model, "dataset": args.dataset, "seqlen": args.seqlen})
     source = args.eval_ppl or cfg.dataset
     args.out.mkdir(parents=True, exist_ok=True)
     dense = heldout_ppl(model, source, cfg.seqlen, args.out / "dense_eval.json")

@@ -17,7 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from elsa_ds.config import read_ds_config, resolve_config
+from elsa_ds.config import resolve_config
+from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.errors import ElsaError
 from elsa_ds.memory import Estimate, estimate, model_shape, resolve_model_config
 
@@ -100,7 +101,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
     rows: list[AblationRow] = []
     reference = None
     for cfg_path in configs:
-        raw = read_ds_config(cfg_path)
+        raw = DsConfig.load(cfg_path).raw
         name = Path(cfg_path).stem
         run_dir = out_dir / "runs" / name
         extra: list[str] = []

@@ -45,7 +45,8 @@ from pathlib import Path
 import torch
 
 from elsa_ds.errors import ElsaError
-from elsa_ds.targets import select_targets
+from elsa_ds.models import meta_model
+from elsa_ds.targets import decoder_layer_list, select_targets
 
 CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 STATE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
@@ -100,14 +101,11 @@ def resolve_model_config(model: str):
         raise ElsaError(f"cannot resolve model {model!r}: not a directory, not shipped in {CONFIG_DIR}, and not loadable ({str(err).splitlines()[0]})") from None
 
 
-def model_shape(config, targets: str | None = None) -> ModelShape:
+def model_shape(config, targets: str | None = None, model: torch.nn.Module | None = None) -> ModelShape:
     """Exact parameter counts from a meta-device instance of the architecture (no weights, no memory)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = model if model is not None else meta_model(config)
     pruned_ids = select_targets(model, targets)
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in _decoder_layers(model)]
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layer_list(model)]
     text = getattr(config, "text_config", config)
     return ModelShape(
         num_params=sum(p.numel() for p in model.parameters()),
@@ -120,25 +118,21 @@ def model_shape(config, targets: str | None = None) -> ModelShape:
     )
 
 
-def check_nvme_param_buffers(model: str, ds: dict) -> None:
-    """DeepSpeed's NVMe parameter swapper needs buffer_size >= the largest parameter; say so before loading."""
+def check_nvme_param_buffers(model: torch.nn.Module, ds: dict) -> None:
+    """DeepSpeed's NVMe parameter swapper needs buffer_size >= the largest parameter; say so before loading.
+
+    ``model`` may be a meta-device instance (only shapes are read).
+    """
     section = ds.get("zero_optimization", {}).get("offload_param", {})
     if section.get("device") != "nvme":
         return
-    largest = model_shape(resolve_model_config(model)).largest_param
+    largest = max(p.numel() for p in model.parameters())
     size = float(section.get("buffer_size", 1e8))
     if size < largest:
         raise ElsaError(
             f"zero_optimization.offload_param.buffer_size is {size:.3g} elements but the model's largest parameter has "
             f"{largest:,} (usually the embedding); set buffer_size to at least {largest}"
         )
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and sum(1 for _ in module[0].parameters()) > 1:
-            return list(module)
-    return []
 
 
 @dataclass(frozen=True)
@@ -191,6 +185,40 @@ class Estimate:
         return json.dumps(asdict(self))
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What the estimate depends on, read once from the configs."""
+
+    world: int
+    p: float                 # parameters per rank
+    half: int                # bytes of a 16-bit (or fp32) model element
+    param_dev: str
+    opt_dev: str
+    base: str                # adam | cpu_adam | adam8bit
+    z_bytes: int
+    u_bytes: int
+    moment_bytes: float      # per entry: two moments (8-bit: codes + one fp32 absmax per block of 256)
+    min_aio: float           # DeepSpeed swaps a tensor only when it has at least this many bytes
+    fisher: bool
+
+
+def _read_job(shape: ModelShape, ds: dict, elsa: dict, world: int) -> _Job:
+    zero = ds.get("zero_optimization", {})
+    opt_dev = zero.get("offload_optimizer", {}).get("device", "none")
+    base = elsa.get("base_optimizer", "auto")
+    if base == "auto":
+        base = "adam" if opt_dev == "none" else "cpu_adam"
+    return _Job(
+        world=world, p=shape.num_params / world,
+        half=2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4,
+        param_dev=zero.get("offload_param", {}).get("device", "none"), opt_dev=opt_dev, base=base,
+        z_bytes=STATE_BYTES[elsa.get("z_dtype", "fp32")], u_bytes=STATE_BYTES[elsa.get("u_dtype", "fp32")],
+        moment_bytes=2 + 2 / 256 * 4 if base == "adam8bit" else 8,
+        min_aio=max(2.0**20, float(ds.get("aio", {}).get("block_size", 2**20))),
+        fisher=elsa.get("projection", "fisher") == "fisher",
+    )
+
+
 def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, micro_batch: int | None = None,
              seqlen: int = 2048, elsa: dict | None = None, gradient_checkpointing: bool = True,
              device: str = "cuda") -> Estimate:
@@ -201,86 +229,17 @@ def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, mic
     """
     if device not in ("cuda", "cpu"):
         raise ElsaError(f"device must be cuda or cpu, not {device!r}")
-    elsa = {**ds.get("elsa", {}), **(elsa or {})}
-    world = num_gpus * num_nodes
+    job = _read_job(shape, ds, {**ds.get("elsa", {}), **(elsa or {})}, num_gpus * num_nodes)
     zero = ds.get("zero_optimization", {})
-    p = shape.num_params / world
-    param_dev = zero.get("offload_param", {}).get("device", "none")
-    opt_dev = zero.get("offload_optimizer", {}).get("device", "none")
-    half = 2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4
-    base = elsa.get("base_optimizer", "auto")
-    if base == "auto":
-        base = "adam" if opt_dev == "none" else "cpu_adam"
-    eight_bit = base == "adam8bit"
-    z_b, u_b = STATE_BYTES[elsa.get("z_dtype", "fp32")], STATE_BYTES[elsa.get("u_dtype", "fp32")]
-    moment_bytes = 2 + 2 / 256 * 4 if eight_bit else 8  # per entry: two moments (8-bit: codes + one fp32 absmax per block of 256)
-
-    where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}
-    opt_home = where[opt_dev]
-    step_home = "gpu" if opt_dev == "none" else "cpu"   # where the optimizer steps, and DeepSpeed's self.device
     per_rank: dict[str, dict[str, float]] = {k: {"gpu": 0.0, "cpu": 0.0, "nvme": 0.0} for k in
                                              ("params", "grads", "optimizer", "admm", "workspace", "activations", "buffers", "runtime")}
-    # DeepSpeed swaps a tensor only when it has at least max(1 MiB, aio.block_size) bytes; smaller ones stay in RAM
-    min_aio = max(2.0**20, float(ds.get("aio", {}).get("block_size", 2**20)))
-    if param_dev == "nvme":
-        per_rank["params"]["nvme"] += _swappable(shape, world, half, min_aio)
-        per_rank["params"]["cpu"] += half * min(p, float(zero["offload_param"].get("max_in_cpu", 1e9)))
-    else:
-        per_rank["params"][where[param_dev]] += half * p
-    groups = sub_groups(shape, world, float(zero.get("sub_group_size", 1e9)))
-    sub = max(g.numel for g in groups)                                 # the largest sub-group's entries, n
-    # fp32 master weights and the moments; under NVMe a sub-group's states are swapped when its fp32 flat is
-    swapped = sum(g.numel for g in groups if 4 * g.numel >= min_aio) if opt_dev == "nvme" else p
-    per_rank["optimizer"][opt_home] += (4 + moment_bytes) * swapped
-    per_rank["optimizer"]["cpu"] += (4 + moment_bytes) * (p - swapped)
-    per_rank["grads"][step_home] += half * p                           # partitioned gradient accumulation buffer
-    if opt_dev == "cpu":
-        per_rank["grads"]["cpu"] += 4 * p
-    elif opt_dev == "nvme":
-        per_rank["grads"]["cpu"] += 4 * sub
-        per_rank["grads"]["nvme"] += _swappable(shape, world, 4, min_aio)
-    admm_bytes = (z_b + u_b) * p
-    swapped_fresh = 0.0  # bytes per entry of states the first step creates outside NVMe's swap buffers
-    if opt_dev == "nvme" and (z_b < 4 or u_b < 4 or eight_bit):
-        # low-precision states are kept out of the swapper (it would read them back as fp32): CPU
-        per_rank["admm"]["cpu"] += admm_bytes
-        if eight_bit:
-            moved = moment_bytes * swapped
-            per_rank["optimizer"]["nvme"] -= moved
-            per_rank["optimizer"]["cpu"] += moved
-        else:
-            swapped_fresh = moment_bytes
-    elif opt_dev == "nvme":
-        per_rank["admm"]["nvme"] += (z_b + u_b) * swapped
-        per_rank["admm"]["cpu"] += (z_b + u_b) * (p - swapped)
-        swapped_fresh = moment_bytes + z_b + u_b
-    else:
-        per_rank["admm"][opt_home] += admm_bytes
-    base_on_gpu = opt_dev == "none" and device == "cuda"
+    groups = sub_groups(shape, job.world, float(zero.get("sub_group_size", 1e9)))
+    swapped_fresh = _states(per_rank, shape, zero, job, groups)
+    step_home = "gpu" if job.opt_dev == "none" else "cpu"   # where the optimizer steps, and DeepSpeed's self.device
     per_rank["workspace"][step_home] += max(
-        _step_workspace(g, base, base_on_gpu, elsa.get("projection", "fisher") == "fisher", z_b < 4 or u_b < 4,
-                        swapped_fresh, fp32_grad_in_step=opt_dev == "none") for g in groups)
-
-    live = min(float(zero.get("stage3_max_live_parameters", 1e9)), 2.0 * shape.largest_layer_params)
-    prefetch = float(zero.get("stage3_prefetch_bucket_size", 5e7))
-    bucket = float(zero.get("reduce_bucket_size", 5e8))
-    if device == "cpu":  # host pages are resident only once touched: a bucket never holds more than the model
-        live, prefetch, bucket = (min(v, shape.num_params) for v in (live, prefetch, bucket))
-    per_rank["buffers"]["gpu"] += half * bucket                        # the gradient bucket, kept from start to end
-    if opt_dev == "nvme":
-        o = zero["offload_optimizer"]
-        per_rank["buffers"]["cpu"] += int(o.get("buffer_count", 4)) * sub * 4
-    if param_dev == "nvme":
-        o = zero["offload_param"]
-        per_rank["buffers"]["cpu"] += int(o.get("buffer_count", 5)) * float(o.get("buffer_size", 1e8)) * half
-
-    b = micro_batch or ds.get("train_micro_batch_size_per_gpu", 1)
-    h, a, n_layers, vocab = shape.hidden, shape.heads, shape.layers, shape.vocab
-    full_layer = b * seqlen * h * (34 + 5 * a * seqlen / h)
-    acts = (n_layers * 2 * b * seqlen * h + full_layer) if gradient_checkpointing else n_layers * full_layer
-    acts += b * seqlen * vocab * 10
-    # forward/backward working set: gathered parameters of the layers in flight, a reduce buffer, activations
-    per_rank["activations"]["gpu"] += half * (live + prefetch) + half * bucket + acts
+        _step_workspace(g, job.base, job.opt_dev == "none" and device == "cuda", job.fisher, job.z_bytes < 4 or job.u_bytes < 4,
+                        swapped_fresh, fp32_grad_in_step=job.opt_dev == "none") for g in groups)
+    _buffers_and_activations(per_rank, shape, ds, job, groups, micro_batch, seqlen, gradient_checkpointing, device)
     per_rank["runtime"]["cpu"] += RUNTIME_HOST_BYTES
     if device == "cuda":
         per_rank["runtime"]["cpu"] += CUDA_HOST_BYTES
@@ -288,9 +247,79 @@ def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, mic
     else:
         for row in per_rank.values():
             row["cpu"], row["gpu"] = row["cpu"] + row["gpu"], 0.0
+    return _totals(per_rank, shape, job, num_gpus)
 
+
+def _states(per_rank: dict, shape: ModelShape, zero: dict, job: _Job, groups: list[SubGroup]) -> float:
+    """Parameters, gradients, masters + moments and z/u where the config puts them. Returns the bytes per entry of
+    the states the first step creates outside NVMe's swap buffers."""
+    where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}
+    p, half = job.p, job.half
+    opt_home, step_home = where[job.opt_dev], "gpu" if job.opt_dev == "none" else "cpu"
+    if job.param_dev == "nvme":
+        per_rank["params"]["nvme"] += _swappable(shape, job.world, half, job.min_aio)
+        per_rank["params"]["cpu"] += half * min(p, float(zero["offload_param"].get("max_in_cpu", 1e9)))
+    else:
+        per_rank["params"][where[job.param_dev]] += half * p
+    # fp32 master weights and the moments; under NVMe a sub-group's states are swapped when its fp32 flat is
+    swapped = sum(g.numel for g in groups if 4 * g.numel >= job.min_aio) if job.opt_dev == "nvme" else p
+    per_rank["optimizer"][opt_home] += (4 + job.moment_bytes) * swapped
+    per_rank["optimizer"]["cpu"] += (4 + job.moment_bytes) * (p - swapped)
+    per_rank["grads"][step_home] += half * p                           # partitioned gradient accumulation buffer
+    if job.opt_dev == "cpu":
+        per_rank["grads"]["cpu"] += 4 * p
+    elif job.opt_dev == "nvme":
+        per_rank["grads"]["cpu"] += 4 * max(g.numel for g in groups)
+        per_rank["grads"]["nvme"] += _swappable(shape, job.world, 4, job.min_aio)
+    return _admm_states(per_rank, job, swapped, opt_home)
+
+
+def _admm_states(per_rank: dict, job: _Job, swapped: float, opt_home: str) -> float:
+    zu = job.z_bytes + job.u_bytes
+    if job.opt_dev == "nvme" and (job.z_bytes < 4 or job.u_bytes < 4 or job.base == "adam8bit"):
+        # low-precision states are kept out of the swapper (it would read them back as fp32): CPU
+        per_rank["admm"]["cpu"] += zu * job.p
+        if job.base != "adam8bit":
+            return job.moment_bytes
+        moved = job.moment_bytes * swapped
+        per_rank["optimizer"]["nvme"] -= moved
+        per_rank["optimizer"]["cpu"] += moved
+        return 0.0
+    if job.opt_dev == "nvme":
+        per_rank["admm"]["nvme"] += zu * swapped
+        per_rank["admm"]["cpu"] += zu * (job.p - swapped)
+        return job.moment_bytes + zu
+    per_rank["admm"][opt_home] += zu * job.p
+    return 0.0
+
+
+def _buffers_and_activations(per_rank: dict, shape: ModelShape, ds: dict, job: _Job, groups: list[SubGroup], micro_batch: int | None,
+                             seqlen: int, gradient_checkpointing: bool, device: str) -> None:
+    zero = ds.get("zero_optimization", {})
+    live = min(float(zero.get("stage3_max_live_parameters", 1e9)), 2.0 * shape.largest_layer_params)
+    prefetch = float(zero.get("stage3_prefetch_bucket_size", 5e7))
+    bucket = float(zero.get("reduce_bucket_size", 5e8))
+    if device == "cpu":  # host pages are resident only once touched: a bucket never holds more than the model
+        live, prefetch, bucket = (min(v, shape.num_params) for v in (live, prefetch, bucket))
+    per_rank["buffers"]["gpu"] += job.half * bucket                    # the gradient bucket, kept from start to end
+    if job.opt_dev == "nvme":
+        o = zero["offload_optimizer"]
+        per_rank["buffers"]["cpu"] += int(o.get("buffer_count", 4)) * max(g.numel for g in groups) * 4
+    if job.param_dev == "nvme":
+        o = zero["offload_param"]
+        per_rank["buffers"]["cpu"] += int(o.get("buffer_count", 5)) * float(o.get("buffer_size", 1e8)) * job.half
+    b = micro_batch or ds.get("train_micro_batch_size_per_gpu", 1)
+    h, a, n_layers, vocab = shape.hidden, shape.heads, shape.layers, shape.vocab
+    full_layer = b * seqlen * h * (34 + 5 * a * seqlen / h)
+    acts = (n_layers * 2 * b * seqlen * h + full_layer) if gradient_checkpointing else n_layers * full_layer
+    acts += b * seqlen * vocab * 10
+    # forward/backward working set: gathered parameters of the layers in flight, a reduce buffer, activations
+    per_rank["activations"]["gpu"] += job.half * (live + prefetch) + job.half * bucket + acts
+
+
+def _totals(per_rank: dict, shape: ModelShape, job: _Job, num_gpus: int) -> Estimate:
     breakdown = {
-        k: {"per_gpu": v["gpu"], "per_node_cpu": v["cpu"] * num_gpus, "nvme": v["nvme"] * world}
+        k: {"per_gpu": v["gpu"], "per_node_cpu": v["cpu"] * num_gpus, "nvme": v["nvme"] * job.world}
         for k, v in per_rank.items()
     }
     breakdown["runtime"]["per_node_cpu"] += LAUNCHER_HOST_BYTES
@@ -299,9 +328,9 @@ def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, mic
     # "workspace" is what the step or the export needs beyond the forward/backward working set.
     ws, fb = breakdown["workspace"], breakdown["activations"]
     ws["per_gpu"] = max(0.0, ws["per_gpu"] - fb["per_gpu"])
-    ws["per_node_cpu"] = max(0.0, ws["per_node_cpu"] - fb["per_node_cpu"], half * shape.num_params - fb["per_node_cpu"])
+    ws["per_node_cpu"] = max(0.0, ws["per_node_cpu"] - fb["per_node_cpu"], job.half * shape.num_params - fb["per_node_cpu"])
     return Estimate(
-        num_params=shape.num_params, pruned_params=shape.pruned_params, world_size=world,
+        num_params=shape.num_params, pruned_params=shape.pruned_params, world_size=job.world,
         per_gpu_bytes=sum(v["per_gpu"] for v in breakdown.values()),
         per_node_cpu_bytes=sum(v["per_node_cpu"] for v in breakdown.values()),
         nvme_bytes=sum(v["nvme"] for v in breakdown.values()),
@@ -324,3 +353,38 @@ def _step_workspace(group: SubGroup, base: str, base_on_gpu: bool, fisher: bool,
     first = 5 * pruned + 8 * slice_ + dequant_peak + swapped_fresh * n
     fp32_grad = 4 * n if fp32_grad_in_step else 0.0
     return fp32_grad + max(base_step, projection, first)
+
+
+def estimate_job(model: str, deepspeed: str, num_gpus: int, num_nodes: int = 1, settings: dict | None = None,
+                 device: str = "cuda") -> Estimate:
+    """The estimate for a job as ``launch/prune.py`` would run it: the DeepSpeed config by path or shipped name, checked
+    as the job checks it (ZeRO stage 3, the batch split over num_gpus × num_nodes ranks; NVMe paths are not checked:
+    they belong to the machine that runs the job), and ``settings`` (ElsaConfig fields) merged over its ``elsa`` block."""
+    from elsa_ds.config import resolve_config
+    from elsa_ds.models import hidden_size
+    from elsa_ds.zero.ds_config import DsConfig
+
+    ds_config = DsConfig.load(deepspeed)
+    config = resolve_model_config(model)
+    model_dir = str(Path(model).expanduser().parent) if Path(model).expanduser().is_file() else model
+    cfg = resolve_config(ds_config.raw, {**(settings or {}), "model": model_dir}, source=deepspeed)
+    world = num_gpus * num_nodes
+    problems = ds_config.problems(cfg, world, hidden_size(config), check_paths=False)
+    if problems:
+        raise ElsaError(f"DeepSpeed config {deepspeed} cannot be used as it is: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
+    shape = model_shape(config, cfg.targets)
+    ds = {**ds_config.raw, "train_batch_size": ds_config.global_batch(cfg)}
+    return estimate(shape, ds, num_gpus, num_nodes, ds_config.micro_batch(cfg), cfg.seqlen, elsa=cfg.model_dump(mode="json"),
+                    gradient_checkpointing=cfg.gradient_checkpointing, device=device)
+
+
+def format_estimate(est: Estimate, model: str, deepspeed: str, num_gpus: int, num_nodes: int) -> str:
+    """The estimate as the table ``elsa-estimate`` prints."""
+    gib = 2 ** 30
+    lines = [f"{model}: {est.num_params / 1e9:.2f} B parameters ({est.pruned_params / 1e9:.2f} B pruned), "
+             f"{num_nodes} node(s) x {num_gpus} GPU(s), {deepspeed}",
+             f"{'':12s} {'per GPU':>12s} {'CPU per node':>14s} {'NVMe':>12s}"]
+    for name, row in est.breakdown.items():
+        lines.append(f"{name:12s} {row['per_gpu'] / gib:10.2f} GiB {row['per_node_cpu'] / gib:12.2f} GiB {row['nvme'] / gib:10.2f} GiB")
+    lines.append(f"{'total':12s} {est.per_gpu_bytes / gib:10.2f} GiB {est.per_node_cpu_bytes / gib:12.2f} GiB {est.nvme_bytes / gib:10.2f} GiB")
+    return "\n".join(lines)

@@ -81,9 +81,10 @@ def derived_config(tmp_path: Path, base: str = "zero3_offload.json", **overrides
     return path
 
 
-def run_entry(script: str, args: list[str], ranks: int | None = None, timeout: int = 900, check: bool = True) -> subprocess.CompletedProcess:
+def run_entry(script: str, args: list[str], ranks: int | None = None, timeout: int = 900, check: bool = True,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run launch/<script> as a plain process (ranks=None) or under the deepspeed launcher with ``ranks``."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **(env or {})}
     if ranks is None:
         cmd = [sys.executable, str(ROOT / "launch" / script), *args]
     else:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from elsa_ds.config import read_ds_config
+from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.memory import CUDA_HOST_BYTES, RUNTIME_GPU_BYTES, ModelShape, estimate, model_shape, resolve_model_config, sub_groups
 from tests.conftest import run_entry
 
@@ -22,10 +22,10 @@ def test_shipped_configs_resolve_offline_with_known_sizes(model, billions):
 
 def test_offload_moves_states_off_the_gpu_and_elsal_costs_three_bytes():
     shape = model_shape(resolve_model_config("google/gemma-2-27b"))
-    plain = estimate(shape, read_ds_config("ds_configs/zero3.json"), num_gpus=1)
-    offload = estimate(shape, read_ds_config("ds_configs/zero3_offload.json"), num_gpus=1)
-    elsal = estimate(shape, read_ds_config("ds_configs/zero3_offload_elsal.json"), num_gpus=1)
-    nvme = estimate(shape, read_ds_config("ds_configs/zero3_nvme.json"), num_gpus=1)
+    plain = estimate(shape, DsConfig.load("ds_configs/zero3.json").raw, num_gpus=1)
+    offload = estimate(shape, DsConfig.load("ds_configs/zero3_offload.json").raw, num_gpus=1)
+    elsal = estimate(shape, DsConfig.load("ds_configs/zero3_offload_elsal.json").raw, num_gpus=1)
+    nvme = estimate(shape, DsConfig.load("ds_configs/zero3_nvme.json").raw, num_gpus=1)
     assert plain.breakdown["admm"]["per_gpu"] == pytest.approx(8 * shape.num_params)
     assert offload.breakdown["admm"]["per_node_cpu"] == pytest.approx(8 * shape.num_params)
     assert elsal.breakdown["admm"]["per_node_cpu"] / shape.num_params <= 3.0
@@ -37,14 +37,14 @@ def test_offload_moves_states_off_the_gpu_and_elsal_costs_three_bytes():
     assert nvme.breakdown["grads"]["per_node_cpu"] >= 2 * shape.num_params
     assert nvme.breakdown["params"]["per_node_cpu"] == pytest.approx(2 * 1e9)
     assert nvme.per_node_cpu_bytes < 0.2 * offload.per_node_cpu_bytes
-    eight = estimate(shape, read_ds_config("ds_configs/zero3_offload.json"), num_gpus=8)
+    eight = estimate(shape, DsConfig.load("ds_configs/zero3_offload.json").raw, num_gpus=8)
     assert eight.breakdown["optimizer"]["per_node_cpu"] == pytest.approx(offload.breakdown["optimizer"]["per_node_cpu"])
 
 
 def test_cpu_accelerator_folds_the_gpu_into_host_memory_without_a_cuda_context():
     shape = model_shape(resolve_model_config("google/gemma-2-9b"))
     for name in ("zero3", "zero3_offload", "zero3_offload_elsal", "zero3_nvme"):
-        ds = read_ds_config(f"ds_configs/{name}.json")
+        ds = DsConfig.load(f"ds_configs/{name}.json").raw
         cuda, cpu = estimate(shape, ds, num_gpus=2), estimate(shape, ds, num_gpus=2, device="cpu")
         assert cpu.per_gpu_bytes == 0.0 and cpu.nvme_bytes == cuda.nvme_bytes
         for key in ("params", "grads", "optimizer", "admm", "activations", "buffers"):
@@ -59,7 +59,7 @@ def test_cpu_accelerator_folds_the_gpu_into_host_memory_without_a_cuda_context()
 
 def test_step_workspace_scales_with_the_sub_group_and_follows_the_optimizer():
     shape = model_shape(resolve_model_config("google/gemma-2-27b"))
-    ds = read_ds_config("ds_configs/zero3.json")
+    ds = DsConfig.load("ds_configs/zero3.json").raw
     big = estimate(shape, ds, num_gpus=8)                  # 3.4B entries per rank, sub-groups of 1e9
     ds["zero_optimization"]["sub_group_size"] = 1e8
     small = estimate(shape, ds, num_gpus=8)
@@ -68,8 +68,8 @@ def test_step_workspace_scales_with_the_sub_group_and_follows_the_optimizer():
     assert small.breakdown["workspace"]["per_gpu"] == 0.0  # a 1e8 sub-group's step fits in the forward/backward working set
     assert big.per_gpu_bytes - small.per_gpu_bytes > 4e9
     shape = model_shape(resolve_model_config("google/gemma-2-2b"))
-    offload = estimate(shape, read_ds_config("ds_configs/zero3_offload.json"), num_gpus=8)
-    elsal = estimate(shape, read_ds_config("ds_configs/zero3_offload_elsal.json"), num_gpus=8)
+    offload = estimate(shape, DsConfig.load("ds_configs/zero3_offload.json").raw, num_gpus=8)
+    elsal = estimate(shape, DsConfig.load("ds_configs/zero3_offload_elsal.json").raw, num_gpus=8)
     assert offload.breakdown["workspace"]["per_gpu"] == 0.0  # the optimizer steps on the CPU
     # bitsandbytes' CPU 8-bit Adam dequantizes both moments and copies the gradient: 20 bytes per entry
     assert elsal.breakdown["workspace"]["per_node_cpu"] == pytest.approx(20 * shape.num_params, rel=1e-9)
@@ -83,7 +83,7 @@ def test_sub_groups_are_cut_like_deepspeed_and_small_tensors_stay_off_nvme():
     # a sub-group closes once it holds >= sub_group_size, so it may overshoot by one parameter's partition
     assert [g.numel for g in sub_groups(shape, 1, 100 * m)] == [110 * m, 10 * m + 1000]
     assert [(g.numel, g.pruned, g.largest_pruned) for g in sub_groups(shape, 2, 100 * m)] == [(60 * m + 500, 55 * m, 30 * m)]
-    ds = read_ds_config("ds_configs/zero3_nvme.json")
+    ds = DsConfig.load("ds_configs/zero3_nvme.json").raw
     nvme = estimate(shape, ds, num_gpus=1, device="cpu")
     # the 1000-element tensor (2 and 4 KB) is below DeepSpeed's 1 MiB swap minimum: params and grads files skip it
     assert nvme.breakdown["params"]["nvme"] == 2 * 120 * m and nvme.breakdown["grads"]["nvme"] == 4 * 120 * m

@@ -6,6 +6,7 @@ has one); every token after the first of a window is predicted once.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -22,21 +23,28 @@ def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
 
 
 @torch.no_grad()
-def window_nll(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 1, progress: bool = False) -> tuple[float, int]:
-    """Summed next-token NLL (fp32 logits) and number of predicted tokens over ``windows`` [n, seqlen]."""
-    device = next(model.parameters()).device
+def window_nll(forward: Callable[[torch.Tensor], torch.Tensor], windows: torch.Tensor, batch_size: int = 1, *,
+               rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu", progress: bool = False) -> tuple[float, int]:
+    """Summed next-token NLL (fp32 logits) and number of predicted tokens over ``windows`` [n, seqlen].
+
+    ``forward(ids) -> logits``. With ``world_size`` > 1 rank r scores windows r, r + W, ... and every rank runs
+    the same number of forwards (ZeRO-3 gathers parameters inside each forward; a rank without a window of its
+    own scores the first one and discards it): the caller sums the ranks' results.
+    """
+    mine = windows[rank::world_size]
+    rounds = -(-windows.shape[0] // (world_size * batch_size))
     total, count = 0.0, 0
-    batches = windows.split(batch_size)
+    steps = range(rounds)
     if progress:
         from tqdm import tqdm
 
-        batches = tqdm(batches, desc="perplexity", unit="batch")
-    model.eval()
-    for batch in batches:
-        ids = batch.to(device)
-        nll, n = token_nll(model(input_ids=ids).logits, ids)
-        total += nll
-        count += n
+        steps = tqdm(steps, desc="perplexity", unit="batch")
+    for i in steps:
+        batch = mine[i * batch_size:(i + 1) * batch_size]
+        ids = (batch if batch.shape[0] else windows[:1]).to(device)
+        nll, n = token_nll(forward(ids), ids)
+        if batch.shape[0]:
+            total, count = total + nll, count + n
     return total, count
 
 

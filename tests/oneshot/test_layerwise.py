@@ -25,7 +25,7 @@ def test_layerwise_nll_equals_a_full_forward(tiny_model_dir, text_dir):
     model, tok = _model(tiny_model_dir)
     windows = load_blocks(str(text_dir), "validation", tok, 128, max_blocks=6)
     nll, n = layerwise_nll(model, windows, torch.device("cpu"))
-    ref_nll, ref_n = window_nll(model, windows, batch_size=3)
+    ref_nll, ref_n = window_nll(lambda ids: model(input_ids=ids).logits, windows, batch_size=3)
     assert n == ref_n == 6 * 127
     assert nll == pytest.approx(ref_nll, rel=1e-6)
     assert all(type(layer).__name__ == "Gemma2DecoderLayer" for layer in model.model.layers)  # stubs removed

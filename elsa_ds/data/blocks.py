@@ -1,4 +1,4 @@
-"""Text sources -> packed token blocks -> deterministic global batches.
+"""Documents -> packed token blocks -> deterministic global batches.
 
 Every block is ``[BOS] + (seqlen - 1)`` text tokens when the tokenizer has a BOS token (the ELSA
 authors' choice for Gemma, applied to every model so calibration, pruning and evaluation agree), else
@@ -10,16 +10,12 @@ order) and produce the same mask.
 """
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Iterable
 
 import torch
 
+from elsa_ds.data.sources import iter_texts
 from elsa_ds.errors import ElsaError
-
-LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
-DEMO_DATASET = "shakespeare"
 
 
 def pack_blocks(
@@ -50,92 +46,6 @@ def pack_blocks(
     if not rows:
         return torch.empty(0, seqlen, dtype=torch.long)
     return torch.tensor(rows, dtype=torch.long)
-
-
-def _read_local(path: Path) -> Iterator[str]:
-    if path.suffix in (".txt", ".md"):
-        yield path.read_text(encoding="utf-8")
-    elif path.suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ElsaError(f"{path}:{n}: not a JSON line ({err.msg}); expected one object per line with a 'text' field") from None
-                if not isinstance(record, dict) or "text" not in record:
-                    raise ElsaError(f"{path}:{n}: JSON line has no 'text' field")
-                yield str(record["text"])
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
-        if "text" not in table.column_names:
-            raise ElsaError(f"{path}: parquet file has no 'text' column (columns: {table.column_names})")
-        yield from (str(t) for t in table.column("text").to_pylist())
-
-
-def local_files(path: Path) -> list[Path]:
-    """The readable text files at ``path`` (a file, or a directory searched recursively), sorted."""
-    if path.is_file():
-        if path.suffix not in LOCAL_SUFFIXES:
-            raise ElsaError(f"{path}: unsupported file type; use one of {', '.join(LOCAL_SUFFIXES)}")
-        return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES)
-    if not files:
-        raise ElsaError(f"{path}: directory holds no {'/'.join(LOCAL_SUFFIXES)} files")
-    return files
-
-
-def iter_texts(source: str, split: str) -> Iterator[str]:
-    """Documents of a text source for ``split`` ('train' or 'validation').
-
-    ``source`` is ``shakespeare`` (the embedded demo corpus, split by play), ``c4``, ``wikitext2``, a
-    local file or directory (.txt/.md: one document per file; .jsonl/.parquet: a ``text`` field per
-    record), or any Hugging Face ``datasets`` name with a ``text`` column.
-    """
-    if split not in ("train", "validation"):
-        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
-    path = Path(source).expanduser()
-    if source == DEMO_DATASET:
-        from elsa_ds.demo.corpus import split_texts
-
-        yield from split_texts(split)
-    elif path.exists():
-        for file in local_files(path):
-            yield from _read_local(file)
-    elif source.startswith((".", "/", "~")) or path.suffix in LOCAL_SUFFIXES:
-        raise ElsaError(f"dataset {source!r}: no such file or directory")
-    elif source == "wikitext2":
-        from datasets import load_dataset
-
-        ds = load_dataset("wikitext", "wikitext-2-raw-v1", split="test" if split == "validation" else "train")
-        yield "\n\n".join(ds["text"])
-    elif source == "c4":
-        from datasets import load_dataset
-
-        shard = {
-            "train": "en/c4-train.00000-of-01024.json.gz",
-            "validation": "en/c4-validation.00000-of-00008.json.gz",
-        }[split]
-        ds = load_dataset("allenai/c4", data_files={split: shard}, split=split)
-        if split == "validation":  # SparseGPT/Wanda protocol: the first 1100 documents joined by a space
-            yield " ".join(ds[:1100]["text"])
-        else:
-            yield from ds["text"]
-    elif "/" in source or source.replace("_", "").replace("-", "").isalnum():
-        from datasets import load_dataset
-
-        try:
-            ds = load_dataset(source, split=split)
-        except Exception as err:  # datasets raises many types; the user needs one message
-            raise ElsaError(f"dataset {source!r}: not a local path and could not be loaded with datasets.load_dataset ({type(err).__name__}: {err})") from None
-        if "text" not in ds.column_names:
-            raise ElsaError(f"dataset {source!r} has no 'text' column (columns: {ds.column_names})")
-        yield from ds["text"]
-    else:
-        raise ElsaError(f"dataset {source!r}: no such file or directory, and not a dataset name")
 
 
 def load_tokenizer(model_id: str):

@@ -1,0 +1,109 @@
+"""Every access to DeepSpeed's (and torch's) private internals, in one place, behind a version check.
+
+elsa_ds reads and edits ZeRO-3's flat fp32 partitions and 16-bit parameter shards, which DeepSpeed does not
+expose as an API. The attributes used here were read off DeepSpeed 0.19.x (``runtime/zero/stage3.py``,
+``runtime/zero/partition_parameters.py``, ``runtime/engine.py``, ``csrc/cpu/comm/shm.cpp``); see
+``shared/notes/deepspeed-zero3.md``. Another minor version gets a warning once: re-read those files and
+re-run the integration tests before trusting it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+TESTED_DEEPSPEED = ((0, 19),)
+
+
+def check_deepspeed_version() -> None:
+    """Warn once when DeepSpeed is a release whose internals elsa_ds has not been tested against."""
+    import deepspeed
+
+    major_minor = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
+    if major_minor not in TESTED_DEEPSPEED:
+        warnings.warn(f"elsa_ds was tested with DeepSpeed {', '.join('%d.%d' % v for v in TESTED_DEEPSPEED)}.x, not "
+                      f"{deepspeed.__version__}; it relies on ZeRO-3 internals listed in elsa_ds/zero/compat.py", stacklevel=2)
+
+
+def prepare_torch_for_zero_init() -> None:
+    """torch 2.13: import the dynamo tensor polyfills before ``zero.Init`` patches ``torch.Tensor.__new__``
+    (imported inside it, they reject the patched signature and break the process)."""
+    import torch._dynamo.polyfills.tensor  # noqa: F401
+
+
+# ---- stage 3 optimizer (S3 = DeepSpeedZeroOptimizer_Stage3) --------------------------------------------------
+def is_stage3(zero_optimizer) -> bool:
+    return hasattr(zero_optimizer, "fp32_partitioned_groups_flat")
+
+
+def sub_group_params(zero_optimizer) -> list[list[torch.nn.Parameter]]:
+    """The parameters of every sub-group, in the order their shares sit in the sub-group's flat partition."""
+    return zero_optimizer.fp16_groups
+
+
+def flat_partition(zero_optimizer, sub_group: int) -> torch.Tensor:
+    """This rank's fp32 flat partition of a sub-group (numel 0 while swapped out to NVMe)."""
+    return zero_optimizer.fp32_partitioned_groups_flat[sub_group]
+
+
+def flat_position(zero_optimizer, param: torch.nn.Parameter) -> tuple[int, int]:
+    """(sub-group, offset in its flat partition) of a parameter's share."""
+    sub_group, offset = zero_optimizer.grad_position[zero_optimizer.get_param_id(param)][:2]
+    return sub_group, offset
+
+
+def data_parallel_group(zero_optimizer):
+    return zero_optimizer.dp_process_group
+
+
+@contextlib.contextmanager
+def editing_shards(zero_optimizer) -> Iterator[None]:
+    """Release gathered parameters before editing 16-bit shards, re-gather persistent ones after. Collective.
+
+    Parameters below stage3_param_persistence_threshold stay gathered between steps; without the re-gather the
+    forward would keep using their old full copies.
+    """
+    zero_optimizer.checkpoint_event_prologue()
+    yield
+    zero_optimizer.checkpoint_event_epilogue()
+
+
+# ---- ZeRO-3 parameters -----------------------------------------------------------------------------------------
+def full_numel(param: torch.nn.Parameter) -> int:
+    return param.ds_numel
+
+
+def full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+    """The whole parameter's shape, partitioned (built under zero.Init) or not yet (partitioned by deepspeed.initialize)."""
+    return tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
+
+
+def partition_numel(param: torch.nn.Parameter) -> int:
+    return param.partition_numel()
+
+
+def shard(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's 16-bit shard of a ZeRO-3 parameter (padding included), flattened."""
+    return param.ds_tensor.data.view(-1)
+
+
+# ---- engine ------------------------------------------------------------------------------------------------------
+def gather_16bit_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The whole 16-bit state dict on rank 0 (None elsewhere), gathered one layer at a time. Collective."""
+    return engine._zero3_consolidated_16bit_state_dict()
+
+
+def keep_out_of_swapper(tensor: torch.Tensor) -> None:
+    """Mark an optimizer state the NVMe swapper must leave in memory (it reads every swapped state back as fp32)."""
+    tensor.swappable = False
+
+
+# ---- the CPU accelerator's shared-memory all-reduce --------------------------------------------------------------
+def shm_buffer_path(rank: int) -> str:
+    """The /dev/shm file DeepSpeed's CPU shm all-reduce creates per rank (name format of csrc/cpu/comm/shm.cpp)."""
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    return os.path.join("/dev/shm", name)
