@@ -48,7 +48,7 @@ def test_local_text_ppl_and_sparsity(tmp_path, sixty_model_dir, text_dir, offlin
     assert result["dtype"] == "float32" and result["model_type"] == "gemma2"
     assert result["sparsity"]["pattern"] == "unstructured"
     assert abs(result["sparsity"]["overall"] - 0.6) < 1e-4
-    assert set(result["versions"]) == {"elsa_ds", "torch", "transformers", "lm_eval"}
+    assert {"elsa_ds", "torch", "transformers", "lm_eval"} <= set(result["versions"])
     assert result["tasks"] == {} and result["average_acc"] is None
     assert f"{got['ppl']:.3f}" in md.read_text() and f"{got['ppl']:.3f}" in proc.stdout
     assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporaries
