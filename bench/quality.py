@@ -135,7 +135,7 @@ def main() -> int:
     extra = [a for a in args.elsa_args if a != "--"]
 
     from elsa_ds.cli import _quiet_libraries
-    from elsa_ds.config import DEMO_MODEL_DIR, DEMO_PROFILE, resolve_config
+    from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
     from elsa_ds.zero.ds_config import DsConfig
 
     _quiet_libraries()

@@ -7,18 +7,25 @@ MonitorMaster also checks).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 MONITOR_BLOCKS = ("tensorboard", "wandb", "csv_monitor", "comet")
 
 
-def default_output_paths(ds: dict, output_dir) -> None:
+MONITOR_DIR = "monitor"
+
+
+def default_output_paths(ds: dict, output_dir: Path) -> bool:
     """Point enabled file-based monitors without an ``output_path`` at ``OUTPUT_DIR/monitor`` (DeepSpeed's default
-    is the working directory)."""
+    is the working directory); True when any does. The output's publication carries that folder over."""
+    used = False
     for key in ("tensorboard", "csv_monitor"):
         block = ds.get(key)
         if isinstance(block, dict) and block.get("enabled") and not block.get("output_path"):
-            block["output_path"] = str(output_dir / "monitor")
+            block["output_path"] = str(output_dir / MONITOR_DIR)
+            used = True
+    return used
 
 
 class Monitor:

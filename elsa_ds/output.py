@@ -51,11 +51,15 @@ def fresh_staging(output_dir: Path) -> Path:
     return staging
 
 
-def publish(staging: Path, output_dir: Path, keep_checkpoints: bool) -> None:
+def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tuple[str, ...] = ("monitor",)) -> None:
     """Swap the finished staging directory in for ``output_dir`` (old contents removed only afterwards).
 
-    With ``keep_checkpoints`` the run's checkpoints stay: each finished file is renamed into place instead.
+    With ``keep_checkpoints`` the run's checkpoints stay: each finished file is renamed into place instead. The
+    folders named in ``carry`` that the run wrote into ``output_dir`` while it ran (the monitor's logs) move along.
     """
+    for name in carry:
+        if (output_dir / name).is_dir() and not (staging / name).exists() and not keep_checkpoints:
+            (output_dir / name).rename(staging / name)
     if keep_checkpoints and output_dir.is_dir():
         for f in staging.iterdir():
             f.replace(output_dir / f.name)

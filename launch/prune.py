@@ -14,7 +14,6 @@ Every flag may also sit in the "elsa" block of the DeepSpeed JSON; the command l
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 

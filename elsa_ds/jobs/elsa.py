@@ -7,6 +7,7 @@ Every rank runs this; only rank 0 prints and writes. Collectives are marked wher
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -26,11 +27,11 @@ from elsa_ds.evaluation.perplexity import ppl
 from elsa_ds.jobs import checks, report
 from elsa_ds.jobs.interface import Printer
 from elsa_ds.jobs.warm_start import warm_start_masks, warm_start_path
-from elsa_ds.monitor import Monitor, default_output_paths
+from elsa_ds.monitor import MONITOR_DIR, Monitor, default_output_paths
 from elsa_ds.output import REPORT_NAME, fresh_staging, publish, staging_dir
 from elsa_ds.targets import select_targets
 from elsa_ds.zero import checkpoint, steps
-from elsa_ds.zero.dist import init_distributed, teardown
+from elsa_ds.zero.dist import init_distributed
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import build_admm_engine, full_shapes, load_partitioned
 from elsa_ds.zero.export import export_model
@@ -68,9 +69,11 @@ class ElsaJob:
         data, the warm-start masks and the engine."""
         cfg, opts = self.cfg, self.opts
         self.ds = checks.before_work(cfg, opts, self.ds_config, int(os.environ.get("WORLD_SIZE", "1")), self.source)
-        default_output_paths(self.ds, opts.output_dir)
+        monitor_dir = opts.output_dir / MONITOR_DIR if default_output_paths(self.ds, opts.output_dir) else None
         self.rank, self.world = init_distributed()
         self.say = Printer(self.rank)
+        if monitor_dir is not None and self.rank == 0 and not opts.resume and monitor_dir.exists():
+            shutil.rmtree(monitor_dir)  # an overwritten run's logs; DeepSpeed's csv monitor would append to them
         self.say("[elsa_ds] resolved ELSA config:\n" + json.dumps(cfg.model_dump(mode="json"), indent=2))
         self.say("[elsa_ds] DeepSpeed config:\n" + json.dumps(self.ds, indent=2))
         self._setup_data()
@@ -180,8 +183,10 @@ class ElsaJob:
         sums = self.job.comm.all_reduce_sum(admm.local_metrics())  # collective
         entry = {"step": step + 1, "loss": loss, **summarize_metrics(sums, admm.lam), "final": step == self.cfg.steps - 1}
         self.state.history.append(entry)
+        if entry["final"]:
+            return
         self.monitor.write(step + 1, {k: entry[k] for k in ("residual", "mask_flip_frac", "admm_state_bytes_per_param")})
-        if not entry["final"] and self.rank == 0:
+        if self.rank == 0:
             bar.write(f"[projection] step {step + 1}: loss {loss:.4f}  λ {entry['lambda']:.4g}  "
                       f"residual ‖x−z‖/‖x‖ {entry['residual']:.4f}  mask flips {entry['mask_flip_frac']:.4%}")
 
@@ -221,4 +226,6 @@ class ElsaJob:
         return result
 
     def cleanup(self) -> None:
-        teardown()
+        """Drop the engine and the model; the process group lives until the process exits (``zero/dist.py``)."""
+        self.job = self._partitioned = None
+        gc.collect()

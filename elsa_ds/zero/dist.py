@@ -1,6 +1,7 @@
 """Starting and stopping the process group (gloo on CPU, NCCL on GPU) through DeepSpeed."""
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 
@@ -21,6 +22,7 @@ def init_distributed() -> tuple[int, int]:
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False)
         _unlink_shm_buffer(dist)
+        atexit.register(teardown)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -44,10 +46,11 @@ def _unlink_shm_buffer(dist) -> None:
 
 
 def teardown() -> None:
-    """Destroy the process group: a local teardown, no collective.
+    """Destroy the process group: a local teardown, no collective; registered to run at interpreter exit.
 
     Without it gloo's threads could still be live when the interpreter exits, and a rank then occasionally
-    died in std::terminate after its work was done.
+    died in std::terminate after its work was done. Not earlier: DeepSpeed caches its groups process-wide, so a
+    second job in the same process (the Python API) needs the same process group.
     """
     import torch.distributed as dist
 

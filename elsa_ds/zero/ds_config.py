@@ -15,7 +15,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from elsa_ds.config import ElsaConfig, read_json_object
+from elsa_ds.config import ElsaConfig
+from elsa_ds.config_files import read_json_object
 from elsa_ds.errors import ElsaError
 
 AUTO = "auto"
