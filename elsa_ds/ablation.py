@@ -19,7 +19,7 @@ from pathlib import Path
 
 from elsa_ds.config import resolve_config
 from elsa_ds.zero.ds_config import DsConfig
-from elsa_ds.errors import ElsaError
+from elsa_ds.errors import ElsaError, require
 from elsa_ds.memory import Estimate, estimate, model_shape, resolve_model_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,8 +182,7 @@ def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(out_dir / "ablation.md")
 
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plot", "the ablation's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -13,7 +13,7 @@ import torch
 from elsa_ds.admm.optimizer import AdmmOptimizer
 from elsa_ds.admm.projection import Slice, TorchDistComm
 from elsa_ds.config import BaseOptimizer, ElsaConfig
-from elsa_ds.errors import ElsaError
+from elsa_ds.errors import ElsaError, require
 from elsa_ds.mask_file import MaskReader
 from elsa_ds.models import ModelSource
 from elsa_ds.targets import LayerGoal
@@ -63,10 +63,7 @@ def base_optimizer(cfg: ElsaConfig, params, ds: dict) -> torch.optim.Optimizer:
 
         return DeepSpeedCPUAdam(params, adamw_mode=cfg.weight_decay > 0, **common)
     if kind is BaseOptimizer.adam8bit:
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise ElsaError("base_optimizer adam8bit (ELSA-L) needs bitsandbytes: pip install 'elsa_ds[8bit]'") from None
+        bnb = require("bitsandbytes", "8bit", "base_optimizer adam8bit (ELSA-L)")
         return bnb.optim.Adam8bit(params, **common)
     return (torch.optim.AdamW if cfg.weight_decay > 0 else torch.optim.Adam)(params, **common)
 
