@@ -1,0 +1,79 @@
+"""Honest validation: split by file names, or whole documents held out that training never sees."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elsa_ds.data import documents, evaluation_documents, iter_texts, training_blocks, validation_windows
+from elsa_ds.data.splits import CHUNK_CHARS, HOLDOUT_FRACTION, paragraph_chunks, split_named
+from elsa_ds.errors import ElsaError
+
+
+def marker(i: int) -> str:
+    """A unique tag of letters only (the tests' tokenizer knows no digits): 17 -> [pbar]."""
+    return "[p" + "".join("abcdefghijklmnopqrstuvwxyz"[i // 26 ** k % 26] for k in (2, 1, 0)) + "]"
+
+
+def numbered_text(n: int, words: int = 60) -> str:
+    """``n`` paragraphs separated by blank lines, each with a unique marker."""
+    filler = " ".join(["the quick brown fox jumps over the lazy dog"] * (words // 9))
+    return "\n\n".join(f"{marker(i)} {filler} {marker(i)}." for i in range(n)) + "\n"
+
+
+def markers(text: str) -> set[str]:
+    import re
+
+    return set(re.findall(r"\[p[a-z]{3}\]", text))
+
+
+def test_directory_split_by_file_names(tmp_path):
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": f"train {i}"}) + "\n" for i in range(3)))
+    (tmp_path / "wiki.validation.txt").write_text("held out")
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "part-0.txt").write_text("for the end")
+    (tmp_path / "notes.md").write_text("names no split: not read")
+    assert list(iter_texts(str(tmp_path), "train")) == ["train 0", "train 1", "train 2"]
+    val = documents(str(tmp_path), "validation")
+    assert list(val.texts) == ["held out"] and "wiki.validation.txt" in val.rule
+    assert list(evaluation_documents(str(tmp_path)).texts) == ["held out"]
+    (tmp_path / "wiki.validation.txt").unlink()
+    assert list(documents(str(tmp_path), "validation").texts) == ["for the end"]  # no validation files: the test files
+    assert split_named(tmp_path / "interval.txt", tmp_path) is None and split_named(tmp_path / "dev-1.jsonl", tmp_path) == "validation"
+    (tmp_path / "train.jsonl").unlink()
+    with pytest.raises(ElsaError, match="none for 'train'"):
+        documents(str(tmp_path), "train")
+
+
+def test_single_file_holds_out_whole_chunks(tmp_path):
+    path = tmp_path / "book.txt"
+    path.write_text(numbered_text(400))
+    chunks = paragraph_chunks(path.read_text())
+    assert all(len(c) >= CHUNK_CHARS for c in chunks[:-1]) and "\n\n".join(chunks) + "\n" == path.read_text()
+    train, val = documents(str(path), "train"), documents(str(path), "validation")
+    assert len(val.texts) == max(1, round(HOLDOUT_FRACTION * len(chunks))) and len(train.texts) + len(val.texts) == len(chunks)
+    assert set(train.texts) | set(val.texts) == set(chunks) and not set(train.texts) & set(val.texts)
+    assert "held out" in val.rule and documents(str(path), "validation").texts == val.texts  # deterministic
+    assert list(evaluation_documents(str(path)).texts) == [path.read_text()]                 # evaluate.py reads all of it
+    assert list(documents(str(path), "train", holdout_part=False).texts) == [path.read_text()]  # --val_dataset given
+    one = tmp_path / "tiny.txt"
+    one.write_text("a single paragraph")
+    with pytest.raises(ElsaError, match="cannot be held out"):
+        documents(str(one), "train")
+
+
+@pytest.mark.parametrize("sampling", ["pack", "crop"])
+def test_no_validation_text_in_any_training_block(tmp_path, tiny_model_dir, sampling):
+    """The job's own data functions: decoded training blocks hold training paragraphs, never a held-out one."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    path = tmp_path / "book.txt"
+    path.write_text(numbered_text(300))
+    val_markers = markers("\n\n".join(documents(str(path), "validation").texts))
+    blocks, info = training_blocks(str(path), tok, 64, 400, sampling, seed=0, gemma=True)
+    assert info["sampling"] == sampling and "held out" in info["part"]
+    seen = set().union(*(markers(tok.decode(row)) for row in blocks.tolist()))
+    assert len(seen) > 50 and not seen & val_markers and len(val_markers) > 10
+    windows = validation_windows(str(path), None, tok, 64, "auto", AutoConfig.from_pretrained(tiny_model_dir), None)
+    assert markers(tok.decode(windows.ids.flatten().tolist())) <= val_markers and windows.documents == len(documents(str(path), "validation").texts)
