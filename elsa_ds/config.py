@@ -139,7 +139,7 @@ class ElsaConfig(BaseModel):
     eps: float = Field(1e-8, gt=0.0, **_group("optimizer"))
     """Adam epsilon."""
     weight_decay: float = Field(0.0, ge=0.0, **_group("optimizer"))
-    """Decoupled weight decay (0 = plain Adam, as in the paper)."""
+    """Decoupled weight decay (0 = plain Adam, the ELSA authors' code default)."""
     gradient_checkpointing: bool = Field(True, **_group("optimizer"))
     """Recompute decoder-layer activations in backward (what lets 27B activations fit) [on; demo: off]."""
 

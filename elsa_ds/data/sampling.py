@@ -18,6 +18,7 @@ each rank its fixed slice of each global batch.
 """
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from enum import Enum
@@ -136,5 +137,6 @@ def training_blocks(dataset: str, tokenizer, seqlen: int, n: int, sampling: Samp
         how = (f"{n} random crops as the ELSA authors' _process_and_tokenize draws them (random.seed({seed}); "
                + ("one text, a random window in it" if docs.stream else f"random documents longer than {seqlen} tokens, a random window in each")
                + ("; [BOS] + (seqlen - 1) tokens, Gemma)" if gemma else "; seqlen tokens of tokenizer(document))"))
+    digest = hashlib.sha256(blocks.numpy().tobytes()).hexdigest()[:16]  # equal on every rank and for every world size
     return blocks, {"source": dataset, "part": docs.rule, "sampling": chosen.value, "requested": Sampling(sampling).value,
-                    "rule": how, "sequences": int(blocks.shape[0]), "seqlen": seqlen}
+                    "rule": how, "sequences": int(blocks.shape[0]), "seqlen": seqlen, "sha256": digest}
