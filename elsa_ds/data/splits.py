@@ -10,7 +10,8 @@ Two rules, applied in this order to a local file or directory:
    every run on the same text validates on the same documents, whatever its ``--seed``) is validation, the rest is
    training; training never sees a held-out document. A source of fewer than ``MIN_DOCUMENTS`` documents (a book as
    one .txt file) is first cut into documents at blank lines: consecutive paragraphs grouped into chunks of at least
-   ``CHUNK_CHARS`` characters, so that a fraction can be held out.
+   ``CHUNK_CHARS`` characters (fewer for a text shorter than ``MIN_DOCUMENTS`` such chunks: its length / ``MIN_DOCUMENTS``),
+   so that a fraction can be held out.
 """
 from __future__ import annotations
 
@@ -71,8 +72,11 @@ def holdout(documents: list[str]) -> tuple[list[str], list[str], str]:
     """(training documents, validation documents, the rule in words) for a source without a named split."""
     rule = ""
     if len(documents) < MIN_DOCUMENTS:
-        documents = [chunk for doc in documents for chunk in paragraph_chunks(doc)]
-        rule = f"fewer than {MIN_DOCUMENTS} documents, so cut at blank lines into chunks of >= {CHUNK_CHARS} characters; "
+        size = min(CHUNK_CHARS, max(1, sum(len(d) for d in documents) // MIN_DOCUMENTS))  # a short text: aim for 20 chunks
+        documents = [chunk for doc in documents for chunk in paragraph_chunks(doc, size)]
+        rule = f"fewer than {MIN_DOCUMENTS} documents, so cut at blank lines into chunks of >= {size} characters; "
+    if not documents:
+        return [], [], "no text"
     held = holdout_indices(len(documents))
     train = [d for i, d in enumerate(documents) if i not in held]
     validation = [d for i, d in enumerate(documents) if i in held]

@@ -47,13 +47,19 @@ def test_directory_split_by_file_names(tmp_path):
 
 def test_single_file_holds_out_whole_chunks(tmp_path):
     path = tmp_path / "book.txt"
-    path.write_text(numbered_text(400))
+    path.write_text(numbered_text(1000))
     chunks = paragraph_chunks(path.read_text())
     assert all(len(c) >= CHUNK_CHARS for c in chunks[:-1]) and "\n\n".join(chunks) + "\n" == path.read_text()
     train, val = documents(str(path), "train"), documents(str(path), "validation")
-    assert len(val.texts) == max(1, round(HOLDOUT_FRACTION * len(chunks))) and len(train.texts) + len(val.texts) == len(chunks)
-    assert set(train.texts) | set(val.texts) == set(chunks) and not set(train.texts) & set(val.texts)
+    assert train.texts == [c for c in chunks if c not in val.texts] and len(val.texts) == round(HOLDOUT_FRACTION * len(chunks))
+    assert set(val.texts) < set(chunks) and not set(train.texts) & set(val.texts)
     assert "held out" in val.rule and documents(str(path), "validation").texts == val.texts  # deterministic
+    short = tmp_path / "short.txt"                       # a short text: smaller chunks of whole paragraphs, 10% held out
+    short.write_text(numbered_text(40))
+    train, val = documents(str(short), "train"), documents(str(short), "validation")
+    paragraphs = [p for c in [*train.texts, *val.texts] for p in c.split("\n\n")]
+    assert sorted(paragraphs) == sorted(short.read_text().strip().split("\n\n"))
+    assert len(train.texts) + len(val.texts) >= 10 and len(val.texts) == round(HOLDOUT_FRACTION * (len(train.texts) + len(val.texts)))
     assert list(evaluation_documents(str(path)).texts) == [path.read_text()]                 # evaluate.py reads all of it
     assert list(documents(str(path), "train", holdout_part=False).texts) == [path.read_text()]  # --val_dataset given
     one = tmp_path / "tiny.txt"
