@@ -43,8 +43,9 @@ DEMO_PROFILE: dict[str, Any] = {
 }
 
 # What a resumed run must share with the run that wrote its checkpoint.
-RESUME_MUST_MATCH = ("model", "dataset", "val_dataset", "sampling", "ppl_protocol", "val_windows", "sparsity", "pattern", "sparsity_profile", "init_mask", "targets", "steps", "interval",
-                     "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype", "base_optimizer", "lr", "seqlen", "seed")
+RESUME_MUST_MATCH = ("model", "dataset", "sparsity", "pattern", "sparsity_profile", "init_mask", "targets", "steps", "interval",
+                     "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype", "base_optimizer", "lr", "seqlen", "seed",
+                     "val_dataset", "sampling", "ppl_protocol", "val_windows")
 
 
 def _group(name: str, metavar: str | None = None) -> dict[str, Any]:

@@ -69,6 +69,8 @@ class _Encoded:
 
     def draw_long(self, rng: random.Random) -> int:
         """``i = randint(0, D−1)`` until document i has more than ``keep_over`` tokens (the references' while loop)."""
+        if len(self.texts) == 0:
+            raise NoLongDocument("the training part has no documents")
         while True:
             i = rng.randint(0, len(self.texts) - 1)
             if self.length(i) > self.keep_over:
@@ -80,44 +82,40 @@ class _Encoded:
 def elsa_crops(docs: Documents, tokenizer, n: int, seqlen: int, seed: int, bos_first: bool) -> torch.Tensor:
     """The ELSA authors' ``_process_and_tokenize`` crops [n, seqlen] (see the module docstring)."""
     rng = random.Random(seed)
-    body = seqlen - 1 if bos_first else seqlen
     if docs.stream:
-        stream = torch.tensor(tokenizer("\n\n".join(docs.texts), verbose=False)["input_ids"], dtype=torch.int32)
-        sources: list[torch.Tensor] = [stream]
+        sources = [_encode(tokenizer, "\n\n".join(docs.texts))]
     else:
         encoded = _Encoded(docs.texts, tokenizer, keep_over=seqlen)
         sources = [encoded.kept[encoded.draw_long(rng)] for _ in range(n)]
-    rows = []
-    for _ in range(n):
-        tokens = rng.choice(sources)
-        if tokens.numel() - body - 1 < 0:
-            raise NoLongDocument(f"the training text has {tokens.numel()} tokens, too few for a crop of {body}")
-        start = rng.randint(0, tokens.numel() - body - 1)
-        rows.append(_row(tokens[start:start + body], tokenizer.bos_token_id if bos_first else None))
-    return torch.stack(rows) if rows else torch.empty(0, seqlen, dtype=torch.long)
+    bos = tokenizer.bos_token_id if bos_first else None
+    return _stack([_crop(rng, rng.choice(sources), seqlen - 1 if bos_first else seqlen, bos) for _ in range(n)], seqlen)
 
 
 def wanda_crops(docs: Documents, tokenizer, n: int, seqlen: int, seed: int) -> torch.Tensor:
     """SparseGPT / Wanda calibration crops [n, seqlen]: ``get_c4`` for documents, ``get_wikitext2`` for a stream."""
     rng = random.Random(seed)
     if docs.stream:
-        tokens = torch.tensor(tokenizer(" ".join(docs.texts), verbose=False)["input_ids"], dtype=torch.int32)
-        if tokens.numel() - seqlen - 1 < 0:
-            raise NoLongDocument(f"the training text has {tokens.numel()} tokens, too few for a crop of {seqlen}")
-        starts = [rng.randint(0, tokens.numel() - seqlen - 1) for _ in range(n)]
-        return torch.stack([_row(tokens[s:s + seqlen], None) for s in starts]) if n else torch.empty(0, seqlen, dtype=torch.long)
+        tokens = _encode(tokenizer, " ".join(docs.texts))
+        return _stack([_crop(rng, tokens, seqlen) for _ in range(n)], seqlen)
     encoded = _Encoded(docs.texts, tokenizer, keep_over=seqlen)
-    rows = []
-    for _ in range(n):
-        tokens = encoded.kept[encoded.draw_long(rng)]
-        start = rng.randint(0, tokens.numel() - seqlen - 1)
-        rows.append(_row(tokens[start:start + seqlen], None))
-    return torch.stack(rows) if rows else torch.empty(0, seqlen, dtype=torch.long)
+    return _stack([_crop(rng, encoded.kept[encoded.draw_long(rng)], seqlen) for _ in range(n)], seqlen)
 
 
-def _row(body: torch.Tensor, bos: int | None) -> torch.Tensor:
-    body = body.long()
+def _encode(tokenizer, text: str) -> torch.Tensor:
+    return torch.tensor(tokenizer(text, verbose=False)["input_ids"], dtype=torch.int32)
+
+
+def _crop(rng: random.Random, tokens: torch.Tensor, length: int, bos: int | None = None) -> torch.Tensor:
+    """``s = randint(0, len − length − 1)``, ``tokens[s : s+length]``, after BOS when given."""
+    if tokens.numel() - length - 1 < 0:
+        raise NoLongDocument(f"the training text has {tokens.numel()} tokens, too few for a crop of {length}")
+    start = rng.randint(0, tokens.numel() - length - 1)
+    body = tokens[start:start + length].long()
     return torch.cat([torch.tensor([bos]), body]) if bos is not None else body
+
+
+def _stack(rows: list[torch.Tensor], seqlen: int) -> torch.Tensor:
+    return torch.stack(rows) if rows else torch.empty(0, seqlen, dtype=torch.long)
 
 
 def training_blocks(dataset: str, tokenizer, seqlen: int, n: int, sampling: Sampling | str, seed: int, gemma: bool,

@@ -89,10 +89,9 @@ class ElsaJob:
         self.batches = GlobalBatches(train_blocks, global_batch, micro, self.world, self.rank, cfg.seed)
         self.validation = validation_windows(cfg.dataset, cfg.val_dataset, self.tokenizer, cfg.seqlen, cfg.ppl_protocol,
                                              self.source.config(), cfg.val_windows)
-        self.val = self.validation.ids
         self.say(f"[elsa_ds] training data {cfg.dataset} ({self.train_data['sampling']}): {train_blocks.shape[0]} sequences x {cfg.seqlen} "
                  f"tokens; global batch {global_batch} = {micro} micro x {self.world} ranks x {self.batches.grad_accum} accumulation")
-        self.say(f"[elsa_ds] validation {self.validation.source}: {self.val.shape[0]} windows ({self.validation.protocol.value} "
+        self.say(f"[elsa_ds] validation {self.validation.source}: {self.validation.count} windows ({self.validation.protocol.value} "
                  f"protocol) from {self.validation.documents} documents ({self.validation.rule})")
 
     def _setup_engine(self) -> None:
@@ -132,18 +131,18 @@ class ElsaJob:
     def _measure_references(self) -> None:
         """Validation perplexity of the dense model and of one-shot magnitude pruning, on the same windows. Collective."""
         self.state.dense_ppl = self.validation_ppl()
-        if self.cfg.baseline == "magnitude" and self.val.shape[0] and self.ds_config.uses_nvme:
+        if self.cfg.baseline == "magnitude" and self.validation.count and self.ds_config.uses_nvme:
             self.say("[elsa_ds] one-shot magnitude baseline skipped: it edits resident partitions, which NVMe offload swaps out")
-        elif self.cfg.baseline == "magnitude" and self.val.shape[0]:
+        elif self.cfg.baseline == "magnitude" and self.validation.count:
             with magnitude_pruned(self.job, self.cfg.nm):
                 self.state.baseline_ppl = self.validation_ppl()
         self.say(f"[elsa_ds] validation ppl: dense {self.state.dense_ppl}, one-shot magnitude {self.state.baseline_ppl}")
 
     def validation_ppl(self) -> float | None:
         """Perplexity of the engine's current weights on the validation windows (None without windows). Collective."""
-        if self.val.shape[0] == 0:
+        if self.validation.count == 0:
             return None
-        return self.validation.perplexity(*distributed_nll(self.job, self.val, self.ds["train_micro_batch_size_per_gpu"]))
+        return self.validation.perplexity(*distributed_nll(self.job, self.validation.ids, self.ds["train_micro_batch_size_per_gpu"]))
 
     # ---- train ----------------------------------------------------------------------------------------------------
     def train(self) -> None:

@@ -48,7 +48,6 @@ class OneShotJob:
         self.tokenizer = self.source.load_tokenizer()
         self.validation = validation_windows(cfg.dataset, cfg.val_dataset, self.tokenizer, cfg.seqlen, cfg.ppl_protocol,
                                              self.source.config(), cfg.val_windows)
-        self.val = self.validation.ids
         self.model = load_host_model(self.source)
 
     def load_checkpoint(self) -> None:
@@ -63,7 +62,8 @@ class OneShotJob:
         self.pruned_ppl = self._ppl()
 
     def _ppl(self) -> float | None:
-        return self.validation.perplexity(*layerwise_nll(self.model, self.val, self.device)) if self.val.shape[0] else None
+        v = self.validation
+        return v.perplexity(*layerwise_nll(self.model, v.ids, self.device)) if v.count else None
 
     def save_checkpoint(self) -> None:
         """Nothing to checkpoint: a one-shot method is one pass."""
