@@ -83,3 +83,32 @@ def test_no_validation_text_in_any_training_block(tmp_path, tiny_model_dir, samp
     assert len(seen) > 50 and not seen & val_markers and len(val_markers) > 10
     windows = validation_windows(str(path), None, tok, 64, "auto", AutoConfig.from_pretrained(tiny_model_dir), None)
     assert markers(tok.decode(windows.ids.flatten().tolist())) <= val_markers and windows.documents == len(documents(str(path), "validation").texts)
+
+
+def test_hub_dataset_without_validation_split_holds_out(monkeypatch):
+    """A ``datasets`` name with only a train split: the same seeded hold-out of whole rows (hub calls stubbed)."""
+    import datasets
+
+    rows = datasets.Dataset.from_dict({"text": [f"row {i}" for i in range(50)]})
+    monkeypatch.setattr(datasets, "get_dataset_split_names", lambda name: ["train"])
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: rows)
+    train, val = documents("someone/corpus", "train"), documents("someone/corpus", "validation")
+    assert len(val.texts) == 5 and len(train.texts) == 45 and not set(train.texts) & set(val.texts)
+    assert "no validation split" in val.rule and sorted([*train.texts, *val.texts]) == sorted(rows["text"])
+    assert list(documents("someone/corpus", "train", holdout_part=False).texts) == rows["text"]
+    monkeypatch.setattr(datasets, "get_dataset_split_names", lambda name: ["train", "validation"])
+    assert "split 'validation'" in documents("someone/corpus", "validation").rule
+
+
+def test_val_dataset_is_read_whole_and_dataset_trains_on_everything(tmp_path, tiny_model_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    book, other = tmp_path / "book.txt", tmp_path / "other.txt"
+    book.write_text(numbered_text(300))
+    other.write_text(numbered_text(60))
+    windows = validation_windows(str(book), str(other), tok, 64, "stream", AutoConfig.from_pretrained(tiny_model_dir), None)
+    assert windows.source == str(other) and windows.documents == 1 and "every document of other.txt" in windows.rule
+    everything, info = training_blocks(str(book), tok, 64, 10_000, "pack", seed=0, gemma=True, holdout_part=False)
+    held, _ = training_blocks(str(book), tok, 64, 10_000, "pack", seed=0, gemma=True)
+    assert "every document" in info["part"] and everything.shape[0] > held.shape[0]
