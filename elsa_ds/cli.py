@@ -99,7 +99,8 @@ def _described(name: str, field: FieldInfo) -> tuple[str, str]:
 
 def _help(name: str, field: FieldInfo) -> str:
     text, default = _described(name, field)
-    return text if field.is_required() else f"{text.removesuffix('.')} [{default}]"
+    text = text if field.is_required() else f"{text.removesuffix('.')} [{default}]"
+    return text.replace("%", "%%")  # argparse %-formats help strings ("10%" would be a format spec)
 
 
 def _default_text(name: str, field: FieldInfo) -> str:

@@ -33,6 +33,11 @@ def test_recipe_matches_its_paper_values(path):
     assert path.stem == f"{cfg.model.split('/')[-1].lower()}-s{round(cfg.sparsity * 100)}"
 
 
+def test_help_shows_the_data_flags():
+    text = prune_parser().format_help()  # argparse %-formats help: a docstring's "10%" must not break --help
+    assert all(flag in text for flag in ("--recipe", "--sampling", "--val_dataset", "--ppl_protocol", "10%"))
+
+
 def test_recipe_below_the_command_line():
     args = prune_parser().parse_args(["--deepspeed", "zero3_offload", "--output_dir", "out/x", "--recipe", "gemma-2-27b-s90",
                                       "--lmda", "5e-4"])
