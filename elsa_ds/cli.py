@@ -99,7 +99,8 @@ def _described(name: str, field: FieldInfo) -> tuple[str, str]:
 
 def _help(name: str, field: FieldInfo) -> str:
     text, default = _described(name, field)
-    return text if field.is_required() else f"{text.removesuffix('.')} [{default}]"
+    text = text if field.is_required() else f"{text.removesuffix('.')} [{default}]"
+    return text.replace("%", "%%")  # argparse %-formats help strings ("10%" would be a format spec)
 
 
 def _default_text(name: str, field: FieldInfo) -> str:
@@ -205,6 +206,7 @@ def main_estimate(argv: list[str] | None = None) -> int:
 
 # ---- elsa-evaluate ----------------------------------------------------------------------------------------------------
 def evaluate_parser() -> argparse.ArgumentParser:
+    from elsa_ds.data import PplProtocol
     from elsa_ds.evaluation.run import DTYPES
 
     p = argparse.ArgumentParser(
@@ -220,6 +222,10 @@ def evaluate_parser() -> argparse.ArgumentParser:
                         "arc_easy,arc_challenge,openbookqa [none]")
     p.add_argument("--include_path", metavar="DIR", help="directory of local lm-eval task YAMLs")
     p.add_argument("--seqlen", type=int, default=2048, help="tokens per perplexity window [2048]")
+    p.add_argument("--ppl_protocol", choices=[m.value for m in PplProtocol], default="auto",
+                   help="stream: SparseGPT/Wanda (the text tokenized once, consecutive windows, BOS only where the tokenizer puts "
+                        "it); window: the ELSA authors' Gemma protocol (the same windows, BOS overwrites each window's first "
+                        "token, ppl = exp(sum NLL / (windows x seqlen))); auto: window for Gemma, stream otherwise [auto]")
     p.add_argument("--batch_size", type=int, default=1, help="windows / lm-eval requests per forward [1]")
     p.add_argument("--limit", type=int, default=None, help="examples per task and most windows per dataset; quick checks only [all]")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype [bf16 on CUDA, fp32 on CPU]")
@@ -258,7 +264,7 @@ def main_evaluate(argv: list[str] | None = None) -> int:
         run(EvalSettings(
             model=args.model, ppl=[s for s in (x.strip() for x in args.ppl.split(",")) if s],
             tasks=expand_tasks(args.tasks) if args.tasks is not None else [], include_path=args.include_path,
-            seqlen=args.seqlen, batch_size=args.batch_size, limit=args.limit, dtype=args.dtype, device_map=args.device_map,
+            seqlen=args.seqlen, ppl_protocol=args.ppl_protocol, batch_size=args.batch_size, limit=args.limit, dtype=args.dtype, device_map=args.device_map,
             offload_folder=args.offload_folder, output=args.output, markdown=args.markdown,
         ))
 

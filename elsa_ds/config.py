@@ -20,12 +20,14 @@ from elsa_ds.admm.projection import NM
 from elsa_ds.admm.schedule import LambdaSchedule
 from elsa_ds.admm.state import StateDtype
 from elsa_ds.config_files import load_profile, load_recipe as _load_recipe
+from elsa_ds.data.sampling import Sampling
+from elsa_ds.data.sources import DEMO_DATASET, LOCAL_SUFFIXES
+from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError
 from elsa_ds.methods import ELSA, Method, OneShot, oneshot_names
 from elsa_ds.targets import LayerGoal, layer_goals
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo" / "model"
-DEMO_DATASET = "shakespeare"
 NAMED_TEXT_SOURCES = ("wikitext2", "c4", DEMO_DATASET)
 
 # Settings that make the embedded default finish in minutes on 2 CPU cores; used only for the demo
@@ -42,7 +44,8 @@ DEMO_PROFILE: dict[str, Any] = {
 
 # What a resumed run must share with the run that wrote its checkpoint.
 RESUME_MUST_MATCH = ("model", "dataset", "sparsity", "pattern", "sparsity_profile", "init_mask", "targets", "steps", "interval",
-                     "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype", "base_optimizer", "lr", "seqlen", "seed")
+                     "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype", "base_optimizer", "lr", "seqlen", "seed",
+                     "val_dataset", "sampling", "ppl_protocol", "val_windows")
 
 
 def _group(name: str, metavar: str | None = None) -> dict[str, Any]:
@@ -87,7 +90,11 @@ class ElsaConfig(BaseModel):
 
     # --- data ----------------------------------------------------------------------------------------------
     dataset: str = Field("c4", **_group("data", "SOURCE"))
-    """c4, wikitext2, shakespeare, a datasets name with a text column, or local .txt/.md/.jsonl/.parquet files [c4; demo: shakespeare]."""
+    """c4, wikitext2, shakespeare, a datasets name with a text column, or local .txt/.md/.jsonl/.parquet files; a local directory is split by file names (train/validation/test), otherwise 10% of whole documents are held out for validation [c4; demo: shakespeare]."""
+    val_dataset: str | None = Field(None, **_group("data", "SOURCE"))
+    """Validation text instead of the held-out part of dataset (read as launch/evaluate.py --ppl reads it); dataset then trains on all of its documents."""
+    sampling: Sampling = Field(Sampling.auto, **_group("data"))
+    """Training sequences: crop (the ELSA authors' loader: random documents longer than seqlen, a random window of each; Gemma: BOS + seqlen-1 tokens), pack (documents joined by EOS in BOS-first blocks), auto (crop for c4 and wikitext2, pack otherwise)."""
     seqlen: int = Field(2048, ge=2, **_group("data"))
     """Tokens per training block and validation window."""
     batch_size: int | None = Field(None, gt=0, **_group("data"))
@@ -98,6 +105,8 @@ class ElsaConfig(BaseModel):
     """Seed of data order, calibration sampling and initialization."""
     val_windows: int = Field(128, ge=0, **_group("data"))
     """Validation windows for dense / one-shot / pruned perplexity in the report (0 skips)."""
+    ppl_protocol: PplProtocol = Field(PplProtocol.auto, **_group("data"))
+    """Perplexity windows of the report and of eval_ppl: stream (SparseGPT/Wanda: the text tokenized once, consecutive windows), window (the ELSA authors' Gemma protocol: the same windows, BOS overwrites each first token), auto (window for Gemma, stream otherwise)."""
     baseline: str = Field("magnitude", **_group("data"))
     """One-shot baseline the report evaluates on the same windows: magnitude or none."""
 
@@ -131,7 +140,7 @@ class ElsaConfig(BaseModel):
     eps: float = Field(1e-8, gt=0.0, **_group("optimizer"))
     """Adam epsilon."""
     weight_decay: float = Field(0.0, ge=0.0, **_group("optimizer"))
-    """Decoupled weight decay (0 = plain Adam, as in the paper)."""
+    """Decoupled weight decay (0 = plain Adam, the ELSA authors' code default)."""
     gradient_checkpointing: bool = Field(True, **_group("optimizer"))
     """Recompute decoder-layer activations in backward (what lets 27B activations fit) [on; demo: off]."""
 
@@ -164,6 +173,13 @@ class ElsaConfig(BaseModel):
         missing = [s for s in v if s not in NAMED_TEXT_SOURCES and not Path(s).expanduser().exists()]
         if missing:
             raise ValueError(f"{', '.join(missing)}: no such file or directory (named sources: {', '.join(NAMED_TEXT_SOURCES)})")
+        return v
+
+    @field_validator("val_dataset")
+    @classmethod
+    def _local_val_dataset_exists(cls, v: str | None) -> str | None:
+        if v is not None and (v.startswith((".", "/", "~")) or Path(v).suffix in LOCAL_SUFFIXES) and not Path(v).expanduser().exists():
+            raise ValueError("no such file or directory (or give c4, wikitext2 or a datasets name)")
         return v
 
     @field_validator("model")

@@ -1,8 +1,8 @@
 """Documents -> packed token blocks -> deterministic global batches.
 
-Every block is ``[BOS] + (seqlen - 1)`` text tokens when the tokenizer has a BOS token (the ELSA
-authors' choice for Gemma, applied to every model so calibration, pruning and evaluation agree), else
-``seqlen`` text tokens. Documents are joined with EOS; blocks never overlap; the remainder is dropped.
+Packing (``--sampling pack``): every block is ``[BOS] + (seqlen - 1)`` text tokens when the tokenizer has a BOS
+token, else ``seqlen`` text tokens. Documents are joined with EOS; blocks never overlap; the remainder is dropped.
+(Random crops as the reference code draws them are in ``sampling.py``, perplexity windows in ``windows.py``.)
 
 The *global* batch is the invariant: global batch ``b`` is the same set of blocks for any world size,
 each rank takes a fixed slice of it, so 1 rank and N ranks see the same gradients (up to reduction
@@ -58,10 +58,15 @@ def load_tokenizer(model_id: str):
         raise ElsaError(f"cannot load the tokenizer of {model_id!r}: {str(err).splitlines()[0]}") from None
 
 
-def load_blocks(source: str, split: str, tokenizer, seqlen: int, max_blocks: int | None = None) -> torch.Tensor:
-    """Tokenize a source and pack it into [n, seqlen] blocks (at most ``max_blocks``)."""
-    token_lists = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in iter_texts(source, split) if text)
+def pack_documents(texts: Iterable[str], tokenizer, seqlen: int, max_blocks: int | None = None) -> torch.Tensor:
+    """Tokenize documents (no special tokens) and pack them into [n, seqlen] blocks (at most ``max_blocks``)."""
+    token_lists = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts if text)
     return pack_blocks(token_lists, seqlen, tokenizer.bos_token_id, tokenizer.eos_token_id, max_blocks)
+
+
+def load_blocks(source: str, split: str, tokenizer, seqlen: int, max_blocks: int | None = None, holdout_part: bool = True) -> torch.Tensor:
+    """Pack the documents of a source's split (``sources.documents``) into [n, seqlen] blocks (at most ``max_blocks``)."""
+    return pack_documents(iter_texts(source, split, holdout_part), tokenizer, seqlen, max_blocks)
 
 
 class GlobalBatches:

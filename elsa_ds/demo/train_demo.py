@@ -6,7 +6,8 @@ Fits in about 12 minutes on 2 CPU cores. Train split: every play but ``elsa_ds.d
 tokenizer is a byte-level BPE of 4096 tokens with Gemma's special ids (<pad>=0, <eos>=1, <bos>=2,
 <unk>=3) and no post-processor, so ``tokenizer(text)`` adds nothing; blocks are packed exactly as the
 pruning job packs them (``elsa_ds.data.pack_blocks``: BOS first in every block, EOS between plays), and
-``val_ppl`` uses the pruning report's protocol (``elsa_ds.evaluation.perplexity``) over all validation blocks.
+``val_ppl`` is measured over all validation blocks packed the same way (the pruning report's protocol when the model
+was made; the report now uses ``elsa_ds.data.windows``, so its dense figure differs from ``val_ppl``).
 
 Precision: the weights, AdamW state and the final evaluation are fp32; the training forward/backward
 runs under bf16 autocast (``--precision bf16-mixed``), which halves the step time on a CPU with

@@ -1,7 +1,7 @@
-"""Perplexity with the pruning papers' protocol: non-overlapping seqlen windows, exp(mean token NLL).
+"""Perplexity scoring: the summed next-token NLL of windows [n, seqlen], each token after a window's first predicted once.
 
-Windows come from ``elsa_ds.data.load_blocks`` (BOS at the start of every window when the tokenizer
-has one); every token after the first of a window is predicted once.
+What the windows hold (the published protocols: ``stream`` for SparseGPT/Wanda, ``window`` for the ELSA authors'
+Gemma runs) and how the sum becomes a perplexity is ``elsa_ds.data.windows``; this module only scores.
 """
 from __future__ import annotations
 
@@ -9,11 +9,6 @@ import math
 from collections.abc import Callable
 
 import torch
-
-PROTOCOL = (
-    "non-overlapping windows of seqlen tokens (stride = seqlen, remainder dropped), BOS first in every window "
-    "when the tokenizer has one, documents joined by EOS; ppl = exp(sum NLL / predicted tokens)"
-)
 
 
 def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
@@ -49,4 +44,5 @@ def window_nll(forward: Callable[[torch.Tensor], torch.Tensor], windows: torch.T
 
 
 def ppl(nll_sum: float, tokens: int) -> float:
+    """exp(Σ NLL / predicted tokens): the stream protocol's perplexity (``PplWindows.perplexity`` picks per protocol)."""
     return math.exp(nll_sum / tokens) if tokens else float("nan")

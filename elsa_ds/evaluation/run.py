@@ -18,16 +18,16 @@ from typing import Any
 
 import torch
 
-from elsa_ds.data import load_blocks, load_tokenizer
+from elsa_ds.data import PplProtocol, PplWindows, evaluation_documents, load_tokenizer, ppl_windows, resolve_protocol
+from elsa_ds.data.windows import C4_WINDOWS, LAYOUTS
 from elsa_ds.errors import ElsaError
-from elsa_ds.evaluation.perplexity import PROTOCOL, ppl, window_nll
+from elsa_ds.evaluation.perplexity import window_nll
 from elsa_ds.evaluation.sparsity import sparsity_report
 from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import task_manager, zeroshot
 from elsa_ds.io import versions, write_atomic
 from elsa_ds.models import load_causal_lm, load_config
 
-C4_WINDOWS = 256  # SparseGPT/Wanda: the first 1100 validation documents, truncated to 256 x seqlen tokens
 NAMED_SOURCES = ("wikitext2", "c4")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -38,12 +38,14 @@ class EvalSettings:
 
     model: str
     ppl: list[str] = field(default_factory=list)
-    """wikitext2 | c4 | local text file or directory, each evaluated with the same window protocol."""
+    """wikitext2 | c4 | local text file or directory, each evaluated with the same protocol."""
     tasks: list[str] = field(default_factory=list)
     """lm-eval task names, run 0-shot."""
     include_path: str | None = None
     """Directory of local lm-eval task YAMLs."""
     seqlen: int = 2048
+    ppl_protocol: str = "auto"
+    """auto | stream | window (``elsa_ds.data.windows``)."""
     batch_size: int = 1
     limit: int | None = None
     """Examples per lm-eval task and the most perplexity windows per dataset (for quick checks only)."""
@@ -65,6 +67,8 @@ def check_settings(s: EvalSettings) -> None:
         raise ElsaError(f"--batch_size must be at least 1, got {s.batch_size}")
     if s.limit is not None and s.limit < 1:
         raise ElsaError(f"--limit must be at least 1, got {s.limit}")
+    if s.ppl_protocol not in {p.value for p in PplProtocol}:
+        raise ElsaError(f"--ppl_protocol {s.ppl_protocol!r}: use one of {', '.join(p.value for p in PplProtocol)}")
     if s.dtype is not None and s.dtype not in DTYPES:
         raise ElsaError(f"--dtype {s.dtype!r}: use one of {', '.join(DTYPES)}")
     if s.device_map not in (None, "auto"):
@@ -92,16 +96,10 @@ def resolve_dtype(name: str | None) -> torch.dtype:
     return DTYPES[name] if name else torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
-def max_windows(source: str, limit: int | None) -> int | None:
-    """C4 is capped at 256 windows by the protocol, everything else uses every window; --limit caps all."""
-    caps = [c for c in (C4_WINDOWS if source == "c4" else None, limit) if c is not None]
-    return min(caps) if caps else None
-
-
-def ppl_windows(source: str, tokenizer, seqlen: int, limit: int | None) -> torch.Tensor:
-    """The validation windows [n, seqlen] of one --ppl source; ElsaError when there are none."""
+def source_windows(source: str, tokenizer, seqlen: int, protocol: PplProtocol, requested: PplProtocol, limit: int | None) -> PplWindows:
+    """The windows of one --ppl source (C4: at most 256, the protocol's; --limit caps all); ElsaError when there are none."""
     try:
-        windows = load_blocks(source, "validation", tokenizer, seqlen, max_windows(source, limit))
+        windows = ppl_windows(evaluation_documents(source), source, tokenizer, seqlen, protocol, requested, limit)
     except ElsaError as err:
         raise ElsaError(f"--ppl: {err}") from None
     except Exception as err:  # datasets/hub raise many types; offline machines are the usual cause
@@ -109,7 +107,7 @@ def ppl_windows(source: str, tokenizer, seqlen: int, limit: int | None) -> torch
             raise
         raise ElsaError(f"--ppl {source}: cannot load the dataset ({type(err).__name__}: {str(err).splitlines()[0]}); "
                         "it needs the Hugging Face hub or a local datasets cache") from None
-    if windows.shape[0] == 0:
+    if windows.count == 0:
         raise ElsaError(f"--ppl {source}: no windows of {seqlen} tokens (the text is empty or shorter than one window); "
                         "use a longer text or a smaller --seqlen")
     return windows
@@ -127,7 +125,8 @@ class _Prepared:
     config: Any
     tokenizer: Any
     manager: Any
-    windows: dict[str, torch.Tensor]
+    protocol: PplProtocol
+    windows: dict[str, PplWindows]
 
 
 def prepare(s: EvalSettings) -> _Prepared:
@@ -142,12 +141,13 @@ def prepare(s: EvalSettings) -> _Prepared:
         raise ElsaError(f"--seqlen {s.seqlen} exceeds the model's max_position_embeddings {max_positions}; "
                         f"pass --seqlen {max_positions} or less")
     tokenizer = load_tokenizer(s.model)
-    windows = {source: ppl_windows(source, tokenizer, s.seqlen, s.limit) for source in s.ppl}
+    protocol = resolve_protocol(s.ppl_protocol, config)
+    windows = {source: source_windows(source, tokenizer, s.seqlen, protocol, PplProtocol(s.ppl_protocol), s.limit) for source in s.ppl}
     for source, w in windows.items():
-        say(f"perplexity data {source}: {w.shape[0]} windows x {s.seqlen} tokens")
-        if source == "c4" and s.limit is None and w.shape[0] < C4_WINDOWS:
-            say(f"warning: c4 gave {w.shape[0]} windows, fewer than the protocol's {C4_WINDOWS}; not comparable with published tables")
-    return _Prepared(settings, config, tokenizer, manager, windows)
+        say(f"perplexity data {source}: {w.count} windows x {s.seqlen} tokens, {protocol.value} protocol ({w.rule})")
+        if source == "c4" and s.limit is None and w.count < C4_WINDOWS:
+            say(f"warning: c4 gave {w.count} windows, fewer than the protocol's {C4_WINDOWS}; not comparable with published tables")
+    return _Prepared(settings, config, tokenizer, manager, protocol, windows)
 
 
 def measure(s: EvalSettings, prep: _Prepared) -> dict[str, Any]:
@@ -164,9 +164,10 @@ def measure(s: EvalSettings, prep: _Prepared) -> dict[str, Any]:
             f"{found['dtype']}, {found['device']})")
         found["sparsity"], found["ppl"] = model_sparsity(s.model), {}
         for source, w in prep.windows.items():
-            nll, tokens = window_nll(lambda ids: model(input_ids=ids).logits, w, s.batch_size, device=first.device, progress=True)
-            found["ppl"][source] = {"ppl": ppl(nll, tokens), "windows": int(w.shape[0]), "tokens": tokens}
-            say(f"{source} perplexity {found['ppl'][source]['ppl']:.3f} over {w.shape[0]} windows")
+            nll, tokens = window_nll(lambda ids: model(input_ids=ids).logits, w.ids, s.batch_size, device=first.device, progress=True)
+            found["ppl"][source] = {"ppl": w.perplexity(nll, tokens), "windows": w.count, "tokens": tokens, "nll_sum": nll,
+                                    "text": {"part": w.rule, "documents": w.documents, "text_tokens": w.text_tokens}}
+            say(f"{source} perplexity {found['ppl'][source]['ppl']:.3f} over {w.count} windows")
         found["zeroshot"] = {}
         if s.tasks:
             found["zeroshot"] = zeroshot(model, prep.tokenizer, s.tasks, prep.manager, s.batch_size, s.limit)
@@ -187,10 +188,12 @@ def run(s: EvalSettings) -> dict[str, Any]:
         "model": s.model, "model_type": prep.config.model_type, "dtype": found["dtype"], "device": found["device"],
         "seqlen": s.seqlen, "settings": prep.settings,
         "protocol": {
-            "ppl": PROTOCOL,
-            "bos_per_window": prep.tokenizer.bos_token_id is not None,
-            "ppl_split": "validation (wikitext2: the test split, all windows; c4: the first 1100 validation documents, "
-                         f"{C4_WINDOWS} windows; local files: all windows)",
+            "ppl": prep.protocol.value,
+            "ppl_requested": s.ppl_protocol,
+            "ppl_layout": LAYOUTS[prep.protocol],
+            "ppl_text": "wikitext2: the test split's lines joined by blank lines; c4: the first 1100 validation documents joined "
+                        f"by a space, at most {C4_WINDOWS} windows; local files: their documents joined by blank lines "
+                        "(a directory named for splits: its validation, else test, files); the text tokenized once",
             "zeroshot": "lm-eval-harness simple_evaluate, num_fewshot 0, acc and acc_norm, average = mean acc over tasks",
             "limit": s.limit,
         },

@@ -58,10 +58,20 @@ def results_table(results: list[dict[str, Any]], labels: list[str] | None = None
         cells += [_cell(_percent((r.get("tasks") or {}).get(t, {}).get("acc")), ".2f") for t in tasks]
         cells += [_cell(_percent(r.get("average_acc")), ".2f")] if tasks else []
         lines.append("| " + " | ".join(cells) + " |")
+    protocols = sorted({_ppl_protocol(r) for r in results if r.get("ppl")})
+    if protocols:
+        lines += ["", f"Perplexity protocol: {protocols[0]}" if len(protocols) == 1 else
+                  f"Perplexity protocols differ ({', '.join(protocols)}): these perplexities are not comparable"]
     limited = [label for label, r in zip(labels, results) if (r.get("protocol") or {}).get("limit")]
     if limited:
         lines += ["", f"Run with --limit (a quick check, not comparable with published tables): {', '.join(limited)}"]
     return "\n".join(lines) + "\n"
+
+
+def _ppl_protocol(result: dict[str, Any]) -> str:
+    """stream or window (``elsa_ds.data.windows``); results written before the protocols existed packed BOS-first blocks."""
+    name = (result.get("protocol") or {}).get("ppl")
+    return name if name in ("stream", "window") else "packed BOS-first blocks (elsa_ds before --ppl_protocol)"
 
 
 def _percent(value: float | None) -> float | None:

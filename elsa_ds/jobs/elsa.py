@@ -21,9 +21,8 @@ import torch
 from elsa_ds.admm.optimizer import summarize_metrics
 from elsa_ds.admm.schedule import learning_rate
 from elsa_ds.config import ElsaConfig, JobOptions
-from elsa_ds.data import GlobalBatches, load_blocks
+from elsa_ds.data import GlobalBatches, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
-from elsa_ds.evaluation.perplexity import ppl
 from elsa_ds.jobs import checks, report
 from elsa_ds.jobs.interface import Printer
 from elsa_ds.jobs.warm_start import warm_start_masks, warm_start_path
@@ -84,15 +83,19 @@ class ElsaJob:
         self.monitor = Monitor(self.job.engine, self.rank)
 
     def _setup_data(self) -> None:
+        """Training sequences (identical on every rank: each computes them from the seed) and validation windows."""
         cfg, ds = self.cfg, self.ds
         self.tokenizer = self.source.load_tokenizer()
         global_batch, micro = ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]
-        train_blocks = load_blocks(cfg.dataset, "train", self.tokenizer, cfg.seqlen, max_blocks=cfg.steps * global_batch)
+        train_blocks, self.train_data = training_blocks(cfg.dataset, self.tokenizer, cfg.seqlen, cfg.steps * global_batch, cfg.sampling,
+                                                        cfg.seed, is_gemma(self.source.config()), holdout_part=cfg.val_dataset is None)
         self.batches = GlobalBatches(train_blocks, global_batch, micro, self.world, self.rank, cfg.seed)
-        self.val = (load_blocks(cfg.dataset, "validation", self.tokenizer, cfg.seqlen, max_blocks=cfg.val_windows)
-                    if cfg.val_windows else torch.empty(0, cfg.seqlen, dtype=torch.long))
-        self.say(f"[elsa_ds] data {cfg.dataset}: {train_blocks.shape[0]} train blocks x {cfg.seqlen} tokens, {self.val.shape[0]} "
-                 f"validation windows; global batch {global_batch} = {micro} micro x {self.world} ranks x {self.batches.grad_accum} accumulation")
+        self.validation = validation_windows(cfg.dataset, cfg.val_dataset, self.tokenizer, cfg.seqlen, cfg.ppl_protocol,
+                                             self.source.config(), cfg.val_windows)
+        self.say(f"[elsa_ds] training data {cfg.dataset} ({self.train_data['sampling']}): {train_blocks.shape[0]} sequences x {cfg.seqlen} "
+                 f"tokens; global batch {global_batch} = {micro} micro x {self.world} ranks x {self.batches.grad_accum} accumulation")
+        self.say(f"[elsa_ds] validation {self.validation.source}: {self.validation.count} windows ({self.validation.protocol.value} "
+                 f"protocol) from {self.validation.documents} documents ({self.validation.rule})")
 
     def _setup_engine(self) -> None:
         cfg = self.cfg
@@ -131,18 +134,18 @@ class ElsaJob:
     def _measure_references(self) -> None:
         """Validation perplexity of the dense model and of one-shot magnitude pruning, on the same windows. Collective."""
         self.state.dense_ppl = self.validation_ppl()
-        if self.cfg.baseline == "magnitude" and self.val.shape[0] and self.ds_config.uses_nvme:
+        if self.cfg.baseline == "magnitude" and self.validation.count and self.ds_config.uses_nvme:
             self.say("[elsa_ds] one-shot magnitude baseline skipped: it edits resident partitions, which NVMe offload swaps out")
-        elif self.cfg.baseline == "magnitude" and self.val.shape[0]:
+        elif self.cfg.baseline == "magnitude" and self.validation.count:
             with magnitude_pruned(self.job, self.cfg.nm):
                 self.state.baseline_ppl = self.validation_ppl()
         self.say(f"[elsa_ds] validation ppl: dense {self.state.dense_ppl}, one-shot magnitude {self.state.baseline_ppl}")
 
     def validation_ppl(self) -> float | None:
         """Perplexity of the engine's current weights on the validation windows (None without windows). Collective."""
-        if self.val.shape[0] == 0:
+        if self.validation.count == 0:
             return None
-        return ppl(*distributed_nll(self.job, self.val, self.ds["train_micro_batch_size_per_gpu"]))
+        return self.validation.perplexity(*distributed_nll(self.job, self.validation.ids, self.ds["train_micro_batch_size_per_gpu"]))
 
     # ---- train ----------------------------------------------------------------------------------------------------
     def train(self) -> None:

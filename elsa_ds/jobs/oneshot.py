@@ -11,13 +11,10 @@ import os
 import time
 from typing import Any
 
-import torch
-
 from elsa_ds.admm.projection import keep_count
 from elsa_ds.config import ElsaConfig, JobOptions
-from elsa_ds.data import load_blocks
+from elsa_ds.data import validation_windows
 from elsa_ds.errors import ElsaError
-from elsa_ds.evaluation.perplexity import ppl
 from elsa_ds.jobs import checks, report
 from elsa_ds.jobs.interface import Printer
 from elsa_ds.oneshot.layerwise import layerwise_nll
@@ -49,8 +46,8 @@ class OneShotJob:
         self.say(f"[elsa_ds] one-shot {cfg.method.value} of {cfg.model} to {goal}"
                  f"{' with profile ' + cfg.sparsity_profile if cfg.sparsity_profile else ''} on {self.device}")
         self.tokenizer = self.source.load_tokenizer()
-        self.val = (load_blocks(cfg.dataset, "validation", self.tokenizer, cfg.seqlen, max_blocks=cfg.val_windows)
-                    if cfg.val_windows else torch.empty(0, cfg.seqlen, dtype=torch.long))
+        self.validation = validation_windows(cfg.dataset, cfg.val_dataset, self.tokenizer, cfg.seqlen, cfg.ppl_protocol,
+                                             self.source.config(), cfg.val_windows)
         self.model = load_host_model(self.source)
 
     def load_checkpoint(self) -> None:
@@ -65,7 +62,8 @@ class OneShotJob:
         self.pruned_ppl = self._ppl()
 
     def _ppl(self) -> float | None:
-        return ppl(*layerwise_nll(self.model, self.val, self.device)) if self.val.shape[0] else None
+        v = self.validation
+        return v.perplexity(*layerwise_nll(self.model, v.ids, self.device)) if v.count else None
 
     def save_checkpoint(self) -> None:
         """Nothing to checkpoint: a one-shot method is one pass."""

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from elsa_ds.config import ElsaConfig
-from elsa_ds.evaluation.perplexity import PROTOCOL
+from elsa_ds.data import PplWindows
 from elsa_ds.io import versions, write_json
 from elsa_ds.output import REPORT_NAME, layers_summary, verified_layers
 
@@ -41,7 +41,8 @@ def elsa_report(job, staging: Path, pruned_ppl: float | None) -> dict[str, Any]:
         "residual": projections[-1]["residual"] if projections else None,
         "projections": state.history,
         "admm_state_bytes_per_param": last.get("admm_state_bytes_per_param"),
-        "ppl": {"dense": dense, "magnitude_oneshot": baseline, "pruned": pruned_ppl, **_windows(job.val, cfg)},
+        "training_data": job.train_data,
+        "ppl": {"dense": dense, "magnitude_oneshot": baseline, "pruned": pruned_ppl, **_validation(job.validation)},
         "vs_magnitude": None if baseline is None or pruned_ppl is None else {
             "ppl_ratio": baseline / pruned_ppl, "ppl_reduction": baseline - pruned_ppl},
         "layers": layers,
@@ -65,7 +66,7 @@ def oneshot_report(job, staging: Path, expected: dict[str, int], dense_ppl: floa
         "residual": None,
         "admm_state_bytes_per_param": None,
         "prune_s": done.seconds,
-        "ppl": {"dense": dense_ppl, "pruned": pruned_ppl, **_windows(job.val, cfg)},
+        "ppl": {"dense": dense_ppl, "pruned": pruned_ppl, **_validation(job.validation)},
         "layers": layers,
         "overall_sparsity": layers_summary(layers),
         "wall_s": time.time() - job.started,
@@ -78,8 +79,11 @@ def _common(cfg: ElsaConfig, method: str, ds_config: str, world: int, started: f
             "config": cfg.model_dump(mode="json"), "versions": versions()}
 
 
-def _windows(val: torch.Tensor, cfg: ElsaConfig) -> dict[str, Any]:
-    return {"windows": int(val.shape[0]), "seqlen": cfg.seqlen, "split": "validation", "protocol": PROTOCOL}
+def _validation(windows: PplWindows) -> dict[str, Any]:
+    """The windows' count, length and protocol, and which text they come from (never the training part)."""
+    d = windows.describe()
+    return {"windows": d["windows"], "seqlen": d["seqlen"], "protocol": d["protocol"],
+            "validation": {k: d[k] for k in ("source", "part", "documents", "text_tokens")}}
 
 
 def print_summary(say, result: dict[str, Any], output_dir: Path) -> None:
@@ -89,14 +93,17 @@ def print_summary(say, result: dict[str, Any], output_dir: Path) -> None:
     if p["dense"] is None:
         return
     if result["method"] != "elsa":
-        say(f"[elsa_ds] validation perplexity over {p['windows']} windows of {p['seqlen']}: dense {p['dense']:.3f} | "
-            f"{result['method']} {p['pruned']:.3f}")
+        say(f"[elsa_ds] validation perplexity ({_where(p)}): dense {p['dense']:.3f} | {result['method']} {p['pruned']:.3f}")
         return
     baseline = p["magnitude_oneshot"]
-    say(f"[elsa_ds] validation perplexity over {p['windows']} windows of {p['seqlen']}: dense {p['dense']:.3f} | "
+    say(f"[elsa_ds] validation perplexity ({_where(p)}): dense {p['dense']:.3f} | "
         f"one-shot magnitude {baseline if baseline is None else format(baseline, '.3f')} | ELSA {p['pruned']:.3f}")
     if result["vs_magnitude"]:
         say(f"[elsa_ds] ELSA perplexity is {result['vs_magnitude']['ppl_ratio']:.2f}x lower than one-shot magnitude pruning")
+
+
+def _where(p: dict[str, Any]) -> str:
+    return f"{p['validation']['source']}, {p['windows']} windows of {p['seqlen']}, {p['protocol']['name']} protocol"
 
 
 def evaluate_saved_model(output_dir: Path, cfg: ElsaConfig) -> dict[str, Any]:
@@ -108,7 +115,8 @@ def evaluate_saved_model(output_dir: Path, cfg: ElsaConfig) -> dict[str, Any]:
     print(f"[elsa_ds] evaluating {output_dir} (ppl: {cfg.eval_ppl or 'none'}; tasks: {cfg.eval_tasks or 'none'})", flush=True)
     result = run(EvalSettings(
         model=str(output_dir), ppl=list(cfg.eval_ppl), tasks=expand_tasks(",".join(cfg.eval_tasks)) if cfg.eval_tasks else [],
-        include_path=cfg.eval_include_path, seqlen=cfg.seqlen, device_map="auto" if torch.cuda.is_available() else None,
+        include_path=cfg.eval_include_path, seqlen=cfg.seqlen, ppl_protocol=cfg.ppl_protocol.value,
+        device_map="auto" if torch.cuda.is_available() else None,
         output=output_dir / "eval.json", markdown=output_dir / "eval.md",
     ))
     report_path = output_dir / REPORT_NAME

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from elsa_ds.config import ElsaConfig
+from elsa_ds.data import is_gemma
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
 from elsa_ds.oneshot.calibration import calibration_sequences
@@ -47,7 +48,8 @@ def prune_oneshot(cfg: ElsaConfig, method: OneShot, tokenizer, model: torch.nn.M
     goals = cfg.layer_goals({name: tuple(weights[name].shape) for name in names})
     calibration, info = None, None
     if method.calibrated:
-        calibration, how = calibration_sequences(cfg.dataset, tokenizer, cfg.nsamples, cfg.seqlen, cfg.seed)
+        calibration, how = calibration_sequences(cfg.dataset, tokenizer, cfg.nsamples, cfg.seqlen, cfg.seed, gemma=is_gemma(model.config),
+                                                 holdout_part=cfg.val_dataset is None)
         info = {"dataset": cfg.dataset, "sequences": cfg.nsamples, "seqlen": cfg.seqlen, "sampling": how}
         if method is OneShot.sparsegpt:
             info.update(blocksize=cfg.blocksize, percdamp=cfg.percdamp)
