@@ -42,7 +42,8 @@ DEMO_PROFILE: dict[str, Any] = {
 
 # What a resumed run must share with the run that wrote its checkpoint.
 RESUME_MUST_MATCH = ("model", "dataset", "sparsity", "pattern", "sparsity_profile", "init_mask", "targets", "steps", "interval",
-                     "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype", "base_optimizer", "lr", "seqlen", "seed")
+                     "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype", "base_optimizer", "lr", "seqlen", "seed",
+                     "freeze_embeddings")
 
 
 def _group(name: str, metavar: str | None = None) -> dict[str, Any]:
@@ -134,6 +135,8 @@ class ElsaConfig(BaseModel):
     """Decoupled weight decay (0 = plain Adam, as in the paper)."""
     gradient_checkpointing: bool = Field(True, **_group("optimizer"))
     """Recompute decoder-layer activations in backward (what lets 27B activations fit) [on; demo: off]."""
+    freeze_embeddings: bool = Field(False, **_group("optimizer"))
+    """Train neither the token embedding nor the LM head (no gradient, master, moments, z, u): at a 256k vocabulary the embedding is the largest tensor, and NVMe offload sizes every optimizer swap buffer by it."""
 
     # --- engine, checkpoints, logging ------------------------------------------------------------------------
     nvme_path: str | None = Field(None, **_group("engine", "DIR"))

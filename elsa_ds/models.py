@@ -97,6 +97,13 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, *, random_init: bool = Fal
     return model
 
 
+def freeze_embeddings(model: torch.nn.Module) -> None:
+    """Take the input embedding and the output head (one tensor when tied) out of training."""
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None:
+            module.weight.requires_grad_(False)
+
+
 def meta_model(config) -> torch.nn.Module:
     """An instance of the architecture on the meta device: exact shapes and names, no memory."""
     from transformers import AutoModelForCausalLM

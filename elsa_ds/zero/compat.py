@@ -90,12 +90,7 @@ def shard(param: torch.nn.Parameter) -> torch.Tensor:
     return param.ds_tensor.data.view(-1)
 
 
-# ---- engine ------------------------------------------------------------------------------------------------------
-def gather_16bit_state_dict(engine) -> dict[str, torch.Tensor] | None:
-    """The whole 16-bit state dict on rank 0 (None elsewhere), gathered one layer at a time. Collective."""
-    return engine._zero3_consolidated_16bit_state_dict()
-
-
+# ---- optimizer state ----------------------------------------------------------------------------------------------
 def keep_out_of_swapper(tensor: torch.Tensor) -> None:
     """Mark an optimizer state the NVMe swapper must leave in memory (it reads every swapped state back as fp32)."""
     tensor.swappable = False
