@@ -28,12 +28,14 @@ Prints a table, writes it to ``--markdown`` (default ``bench/results/scale.md``)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -127,6 +129,29 @@ def phase_stats(series: list[tuple[float, float, float, float]], markers: list[d
     return [stats[p] for p in PHASE_ORDER if p in stats]
 
 
+class Guard(threading.Thread):
+    """Stops the job (its own process tree, by pid) when the machine's available memory falls below ``floor`` bytes:
+    on a shared machine the OOM killer would otherwise pick any process."""
+
+    def __init__(self, pid: int, floor: float):
+        super().__init__(daemon=True)
+        self.pid, self.floor, self.tripped = pid, floor, None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        while not self.done.wait(0.2):
+            available = psutil.virtual_memory().available
+            if available < self.floor:
+                self.tripped = available
+                root = psutil.Process(self.pid)
+                for proc in [*root.children(recursive=True), root]:
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()
+                return
+
+
 def check_export(out: Path, sparsity: float) -> dict:
     """Load the export with from_pretrained; every decoder-layer Linear has exactly keep_count nonzeros."""
     import torch
@@ -159,6 +184,8 @@ def main() -> int:
     ap.add_argument("--train_embeddings", action="store_true", help="train the embedding too (default: --freeze_embeddings)")
     ap.add_argument("--markdown", type=Path, default=ROOT / "bench" / "results" / "scale.md")
     ap.add_argument("--keep", action="store_true", help="keep the exported model and the NVMe folder")
+    ap.add_argument("--min_available_gib", type=float, default=1.5,
+                    help="stop the job when the machine's available memory falls below this [1.5]")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -201,15 +228,24 @@ def main() -> int:
     with (out / "prune.log").open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         monitor = TreeMonitor(proc.pid, nvme, period=0.25, record=True)
+        guard = Guard(proc.pid, args.min_available_gib * GIB)
         monitor.start()
+        guard.start()
         rc = proc.wait()
         monitor.done.set()
+        guard.done.set()
         monitor.join()
+    (out / "series.json").write_text(json.dumps({"started": started, "series": monitor.series,
+                                                 "markers": read_phases(phase_log) if phase_log.exists() else []}))
+    if guard.tripped is not None:
+        print(f"[bench/scale] stopped the job: the machine had only {guard.tripped / GIB:.1f} GiB available")
     ended = time.time()
     tail = (out / "prune.log").read_text(errors="replace").splitlines()[-15:]
     if rc != 0:
         print("\n".join(tail))
         print(f"[bench/scale] the job failed with exit code {rc} after {ended - started:.0f} s; log {out / 'prune.log'}")
+        if not args.keep:
+            shutil.rmtree(nvme, ignore_errors=True)
         if args.json:
             print(json.dumps({"layers": layers, "rc": rc, "error": [l for l in tail if "error" in l.lower()][-1:]}))
         return rc
