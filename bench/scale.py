@@ -1,7 +1,7 @@
 """ELSA at Gemma-2-27B's real shapes on a machine whose RAM cannot hold the training state: ZeRO-3 + NVMe offload,
 memory per phase measured against the estimator.
 
-    python bench/scale.py                                        # default N, 2 ranks, ds_configs/zero3_nvme.json
+    python bench/scale.py                                        # default N, 1 rank, ds_configs/zero3_nvme.json
     python bench/scale.py --layers 1 --ranks 1 --nvme_path /mnt/nvme --json
     python bench/scale.py --train_embeddings                     # the embedding trained too: refused up front here
 
@@ -126,7 +126,7 @@ def phase_stats(series: list[tuple[float, float, float, float]], markers: list[d
         row["count"] += 1
         for _, rss, nvme, free in samples:
             row["rss"], row["nvme"], row["disk_free"] = max(row["rss"], rss), max(row["nvme"], nvme), min(row["disk_free"], free)
-    return [stats[p] for p in PHASE_ORDER if p in stats]
+    return [stats[p] for p in PHASE_ORDER if p in stats and stats[p]["rss"] > 0]  # a skipped phase has no samples
 
 
 class Guard(threading.Thread):
@@ -176,8 +176,8 @@ def main() -> int:
     ap.add_argument("--deepspeed", default="ds_configs/zero3_nvme.json")
     ap.add_argument("--nvme_path", type=Path, default=None, help="swap folder [OUT/nvme]")
     ap.add_argument("--out", type=Path, default=None, help="model, run, logs [a temporary folder on the NVMe path's disk]")
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--param_buffers", type=int, default=2, help="NVMe parameter swap buffers (each the embedding's share)")
+    ap.add_argument("--ranks", type=int, default=1, help="ranks on this node [1: see bench/results/scale.md for 2]")
+    ap.add_argument("--param_buffers", type=int, default=1, help="NVMe parameter swap buffers (each the embedding's share)")
     ap.add_argument("--sub_group_size", type=float, default=1e7)
     ap.add_argument("--seqlen", type=int, default=64)
     ap.add_argument("--sparsity", type=float, default=0.7)
@@ -250,14 +250,21 @@ def main() -> int:
             print(json.dumps({"layers": layers, "rc": rc, "error": [l for l in tail if "error" in l.lower()][-1:]}))
         return rc
     markers = read_phases(phase_log)
-    rows = phase_stats(monitor.series, markers, started, ended)
-    export = check_export(run_dir, args.sparsity)
+    rows = compare(phase_stats(monitor.series, markers, started, ended), est)
+    report = json.loads((run_dir / "elsa_report.json").read_text())
+    export = {**check_export(run_dir, args.sparsity), "bytes": sum(f.stat().st_size for f in run_dir.glob("*.safetensors")),
+              "files": sorted(f.name for f in run_dir.glob("*.safetensors*"))}
     result = {"layers": layers, "ranks": args.ranks, "num_params": shape.num_params, "trainable_params": shape.trainable_params,
-              "state_bytes": state, "ram_bytes": ram, "nvme_path": str(nvme), "deepspeed": ds["zero_optimization"],
-              "phases": rows, "export": export, "peak_rss": monitor.peak_rss, "peak_nvme": monitor.peak_folder,
-              "wall_s": ended - started, "estimate": {"per_node_cpu_bytes": est.per_node_cpu_bytes, "nvme_bytes": est.nvme_bytes,
-                                                       "phases": getattr(est, "phases", {})}}
-    print(json.dumps(result, indent=1))
+              "state_bytes": state, "ram_bytes": ram, "deepspeed": ds["zero_optimization"], "seqlen": args.seqlen,
+              "sparsity": args.sparsity, "phases": rows, "export": export,
+              "peak_rss": monitor.peak_rss, "est_host": est.per_node_cpu_bytes, "host_ratio": est.per_node_cpu_bytes / monitor.peak_rss,
+              "peak_nvme": monitor.peak_folder, "est_nvme": est.nvme_bytes, "nvme_ratio": est.nvme_bytes / monitor.peak_folder,
+              "min_disk_free": min(x[3] for x in monitor.series), "wall_s": ended - started,
+              "final_loss": report["final_loss"], "overall_sparsity": report["overall_sparsity"], "verified_layers": len(report["layers"])}
+    table = markdown(result, args.deepspeed)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table)
     if not args.keep:
         shutil.rmtree(nvme, ignore_errors=True)
         for f in run_dir.glob("*.safetensors"):
@@ -265,6 +272,43 @@ def main() -> int:
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def compare(rows: list[dict], est) -> list[dict]:
+    """Each measured phase beside the estimator's prediction for it (a final projection is a projection)."""
+    for row in rows:
+        predicted = est.phases.get("projection" if row["phase"] == "final projection" else row["phase"])
+        row["est"] = predicted["per_node_cpu"] if predicted else None
+        row["ratio"] = row["est"] / row["rss"] if predicted and row["rss"] else None
+    return rows
+
+
+def markdown(r: dict, base: str) -> str:
+    zero = r["deepspeed"]
+    head = (f"ELSA at Gemma-2-27B shapes (`python bench/scale.py`): {r['layers']} decoder layer(s) of the shipped config "
+            f"(hidden 4608, MLP 36864, vocabulary 256000), {r['num_params'] / 1e9:.3f} B parameters, {r['trainable_params'] / 1e9:.3f} B "
+            f"trained (the embedding frozen); ZeRO-3 state (16-bit params + grads, fp32 masters, Adam moments, z, u) "
+            f"{r['state_bytes'] / GIB:.1f} GiB = {r['state_bytes'] / r['ram_bytes']:.2f}x this machine's {r['ram_bytes'] / GIB:.1f} GiB RAM. "
+            f"{r['ranks']} rank(s), DeepSpeed's CPU accelerator (2 cores, no GPU), `{base}` with NVMe buffers fitted: parameter swapper "
+            f"{zero['offload_param']['buffer_count']} x {zero['offload_param']['buffer_size']:,} elements, optimizer swapper "
+            f"{zero['offload_optimizer']['buffer_count']} buffers, sub_group_size {zero['sub_group_size']:.0e}, max_in_cpu 0, "
+            f"stage3_max_reuse_distance 0. {STEPS} steps (projection every {INTERVAL}), seqlen {r['seqlen']}, sparsity {r['sparsity']}, "
+            f"random init, Shakespeare tokens.\n\n")
+    lines = ["| phase | wall (s) | peak RSS, process tree (GiB) | estimated (GiB) | est/meas | NVMe files (GiB) | lowest disk free (GiB) |",
+             "|---|---|---|---|---|---|---|"]
+    for row in r["phases"]:
+        est = "n/a" if row["est"] is None else f"{row['est'] / GIB:.2f}"
+        ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        lines.append(f"| {row['phase']}{'' if row['count'] == 1 else ' (x' + str(row['count']) + ')'} | {row['wall_s']:.0f} | "
+                     f"{row['rss'] / GIB:.2f} | {est} | {ratio} | {row['nvme'] / GIB:.2f} | {row['disk_free'] / GIB:.1f} |")
+    lines.append(f"| **whole run** | {r['wall_s']:.0f} | **{r['peak_rss'] / GIB:.2f}** | {r['est_host'] / GIB:.2f} | {r['host_ratio']:.2f} | "
+                 f"**{r['peak_nvme'] / GIB:.2f}** (est {r['est_nvme'] / GIB:.2f}, {r['nvme_ratio']:.2f}) | {r['min_disk_free'] / GIB:.1f} |")
+    e = r["export"]
+    tail = (f"\nExport: {', '.join(e['files'])} ({e['bytes'] / GIB:.2f} GiB), loaded with `AutoModelForCausalLM.from_pretrained` "
+            f"({e['params']:,} parameters, lm_head tied: {e['tied_lm_head']}); all {e['layers']} pruned weights hold exactly "
+            f"keep_count nonzeros: {e['exact']} (the job's own check from the files: {r['verified_layers']} layers, overall sparsity "
+            f"{r['overall_sparsity']:.4f}). Final loss {r['final_loss']:.3f} (random weights).\n")
+    return head + "\n".join(lines) + "\n" + tail
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ import torch
 
 from elsa_ds.errors import ElsaError
 from elsa_ds.models import embedding_weights, meta_model
+from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, TensorSpec, plan_shards
 from elsa_ds.targets import decoder_layer_list, select_targets
 
 CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
@@ -81,6 +82,9 @@ class ModelShape:
     params: list[tuple[int, bool]] = field(default_factory=list)
     # numel of every frozen parameter (--freeze_embeddings): stored, gathered and swapped, never stepped
     frozen: list[int] = field(default_factory=list)
+    # (numel, pruned) of every parameter in state-dict order (the export's shards), and the numel of tied duplicates
+    order: list[tuple[int, bool]] = field(default_factory=list)
+    tied: int = 0
 
     @property
     def trainable_params(self) -> int:
@@ -126,6 +130,8 @@ def model_shape(config, targets: str | None = None, model: torch.nn.Module | Non
         largest_pruned_param=max((p.numel() for p in model.parameters() if id(p) in pruned_ids), default=0),
         params=[(p.numel(), id(p) in pruned_ids) for p in model.parameters() if id(p) in trained],
         frozen=[p.numel() for p in model.parameters() if id(p) not in trained],
+        order=[(p.numel(), id(p) in pruned_ids) for p in model.parameters()],
+        tied=sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False)) - sum(p.numel() for p in model.parameters()),
     )
 
 
@@ -263,7 +269,7 @@ def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, mic
                                              ("params", "grads", "optimizer", "admm", "workspace", "activations", "buffers", "runtime")}
     groups = sub_groups(shape, job.world, float(zero.get("sub_group_size", 1e9)))
     swapped_fresh = _states(per_rank, shape, zero, job, groups)
-    _buffers(per_rank, ds, job, groups)
+    swapper = _buffers(per_rank, ds, job, groups)
     forward = _forward_backward(shape, ds, job, micro_batch, seqlen, gradient_checkpointing, device)
     per_rank["runtime"]["cpu"] += RUNTIME_HOST_BYTES
     if device == "cuda":
@@ -271,13 +277,16 @@ def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, mic
         per_rank["runtime"]["gpu"] += RUNTIME_GPU_BYTES
     per_rank["activations"]["gpu"] += forward
     transients = _transients(shape, job, groups, swapped_fresh, forward, device)
+    # building the model (zero.Init), before the engine: the runtime, the parameters' home, the parameter swapper
+    transients["build"]["cpu"] += per_rank["runtime"]["cpu"] + per_rank["params"]["cpu"] + swapper
+    transients["build"]["gpu"] += per_rank["runtime"]["gpu"] + per_rank["params"]["gpu"]
     # states the first step creates (Adam's moments and z, u where they are not swapped) are absent while loading
     lazy = {d: per_rank["admm"][d] + per_rank["optimizer"][d] * job.moment_bytes / (4 + job.moment_bytes) for d in ("gpu", "cpu")}
     if device == "cpu":  # the device is the host: resident bytes add up, a phase's transients come one after another
         for row in (*per_rank.values(), lazy):
             row["cpu"], row["gpu"] = row["cpu"] + row["gpu"], 0.0
-        for row in transients.values():
-            row["cpu"], row["gpu"] = max(row["cpu"], row["gpu"]), 0.0
+        for name, row in transients.items():
+            row["cpu"], row["gpu"] = row["cpu"] + row["gpu"] if name == "build" else max(row["cpu"], row["gpu"]), 0.0
     return _totals(per_rank, lazy, transients, shape, job, num_gpus)
 
 
@@ -288,7 +297,9 @@ def _states(per_rank: dict, shape: ModelShape, zero: dict, job: _Job, groups: li
     p, t, half = job.p, job.t, job.half
     opt_home, step_home = where[job.opt_dev], "gpu" if job.opt_dev == "none" else "cpu"
     if job.param_dev == "nvme":
-        per_rank["params"]["nvme"] += _swappable(shape, job.world, half, job.min_aio, frozen=True)
+        # a tied output head is built (and swapped out) as a parameter of its own under zero.Init before transformers
+        # ties it: its file stays beside the embedding's
+        per_rank["params"]["nvme"] += _swappable(shape, job.world, half, job.min_aio, frozen=True) + half * -(-shape.tied // job.world)
         per_rank["params"]["cpu"] += half * min(t, float(zero["offload_param"].get("max_in_cpu", 1e9)))
     else:
         per_rank["params"][where[job.param_dev]] += half * p
@@ -324,20 +335,24 @@ def _admm_states(per_rank: dict, job: _Job, swapped: float, opt_home: str) -> fl
     return 0.0
 
 
-def _buffers(per_rank: dict, ds: dict, job: _Job, groups: list[SubGroup]) -> None:
-    """Buffers kept from start to end: the gradient (reduce) bucket, NVMe's page-locked swap buffers."""
+def _buffers(per_rank: dict, ds: dict, job: _Job, groups: list[SubGroup]) -> float:
+    """Buffers kept from start to end: the gradient (reduce) bucket, NVMe's page-locked swap buffers. Returns the bytes
+    of the parameter swapper's buffers (they exist before the engine: zero.Init makes them)."""
     zero = ds.get("zero_optimization", {})
     per_rank["buffers"]["gpu"] += job.half * float(zero.get("reduce_bucket_size", 5e8))
     if job.opt_dev == "nvme":
         o = zero["offload_optimizer"]
         per_rank["buffers"]["cpu"] += int(o.get("buffer_count", 4)) * max(g.numel for g in groups) * 4
-    if job.param_dev == "nvme":
-        o = zero["offload_param"]
-        per_rank["buffers"]["cpu"] += int(o.get("buffer_count", 5)) * float(o.get("buffer_size", 1e8)) * job.half
-        if job.t > float(o.get("max_in_cpu", 1e9)):
-            # the buffer the step's updated 16-bit shares are swapped out through: DeepSpeed sizes it by the full
-            # (unpartitioned) numel of the largest sub-group's parameters (reserve_partitioned_swap_space)
-            per_rank["buffers"]["cpu"] += job.half * max(g.full for g in groups)
+    if job.param_dev != "nvme":
+        return 0.0
+    o = zero["offload_param"]
+    swapper = int(o.get("buffer_count", 5)) * float(o.get("buffer_size", 1e8)) * job.half
+    per_rank["buffers"]["cpu"] += swapper
+    if job.t > float(o.get("max_in_cpu", 1e9)):
+        # the buffer the step's updated 16-bit shares are swapped out through: DeepSpeed sizes it by the full
+        # (unpartitioned) numel of the largest sub-group's parameters (reserve_partitioned_swap_space)
+        per_rank["buffers"]["cpu"] += job.half * max(g.full for g in groups)
+    return swapper
 
 
 def _forward_backward(shape: ModelShape, ds: dict, job: _Job, micro_batch: int | None, seqlen: int,
@@ -369,19 +384,29 @@ def _transients(shape: ModelShape, job: _Job, groups: list[SubGroup], swapped_fr
     work = {kind: max(_step_workspace(g, job.base, base_on_gpu, job.fisher, low, swapped_fresh, fp32_grad, kind) for g in groups)
             for kind in ("step", "first step", "projection")}
     largest, n_max = float(shape.largest_param), max(g.numel for g in groups)
-    out = {phase: {"gpu": 0.0, "cpu": 0.0} for phase in PHASES}
+    out = {phase: {"gpu": 0.0, "cpu": 0.0} for phase in (*PHASES, "build")}
     for kind, need in work.items():
         out[kind]["gpu"] = forward
         out[kind][step_home] = max(out[kind][step_home], need)
-    # load: a parameter is built whole on every rank, then initialized gathered; the fp32 masters are cut from it
-    out["load"]["gpu"] = 2 * job.half * largest
+    # load, building the model: a parameter is made whole on every rank, then initialized gathered (measured: 2 copies
+    # of the embedding at once); building the engine: the fp32 masters are cut from the 16-bit shares a sub-group at a time
+    out["build"]["gpu"] = 2 * job.half * largest
     out["load"]["cpu"] += 4 * n_max if job.opt_dev != "none" else 0.0
-    # export: every rank gathers one parameter at a time; with a GPU rank 0 copies it to the host to write it
-    out["export"]["gpu"] = job.half * largest
+    # export: every rank gathers one parameter at a time (on the CPU accelerator gloo's all-gather holds a second copy:
+    # measured 2x); with a GPU rank 0 copies it to the host to write it
+    out["export"]["gpu"] = (2 if device == "cpu" else 1) * job.half * largest
     out["rank0"] = {"gpu": 0.0, "cpu": job.half * largest if device == "cuda" else 0.0}
-    # verify: rank 0 reads the export back one tensor at a time (the tensor, its zero mask, N:M group sums)
-    out["rank0 verify"] = {"gpu": 0.0, "cpu": (job.half + 3) * shape.largest_pruned_param}
+    # verify: rank 0 reads the export back one tensor at a time (the tensor, its zero mask, N:M group sums); the pages of
+    # the pruned tensors read from one shard stay mapped (resident, though reclaimable) until the shard is closed
+    pages = max((sum(job.half * n for n, pruned in shard if pruned) for shard in _shards(shape, job.half)), default=0.0)
+    out["rank0 verify"] = {"gpu": 0.0, "cpu": pages + (job.half + 4) * shape.largest_pruned_param}
     return out
+
+
+def _shards(shape: ModelShape, half: int) -> list[list[tuple[int, bool]]]:
+    """The export's shards, as (numel, pruned) lists (``safetensors_writer.plan_shards`` on the state-dict order)."""
+    specs = [TensorSpec(str(i), (n,), torch.bfloat16 if half == 2 else torch.float32) for i, (n, _) in enumerate(shape.order)]
+    return [[shape.order[int(spec.name)] for spec in shard] for shard in plan_shards(specs, DEFAULT_MAX_SHARD_SIZE)]
 
 
 def _totals(per_rank: dict, lazy: dict, transients: dict, shape: ModelShape, job: _Job, num_gpus: int) -> Estimate:
@@ -391,6 +416,8 @@ def _totals(per_rank: dict, lazy: dict, transients: dict, shape: ModelShape, job
     phases = {}
     for phase in PHASES:
         rank = {d: resident[d] + transients[phase][d] - (lazy[d] if phase == "load" else 0.0) for d in ("gpu", "cpu")}
+        if phase == "load":  # the larger of building the model and building the engine
+            rank = {d: max(rank[d], transients["build"][d]) for d in ("gpu", "cpu")}
         extra = {"export": transients["rank0"]["cpu"], "verify": transients["rank0 verify"]["cpu"]}.get(phase, 0.0)
         phases[phase] = {"per_gpu": rank["gpu"], "per_node_cpu": rank["cpu"] * num_gpus + LAUNCHER_HOST_BYTES + extra}
     breakdown = {k: {"per_gpu": v["gpu"], "per_node_cpu": v["cpu"] * num_gpus, "nvme": v["nvme"] * job.world} for k, v in per_rank.items()}

@@ -27,6 +27,7 @@ DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torc
           torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 def parse_size(size: int | str) -> int:
@@ -97,7 +98,7 @@ class ShardedWriter:
     index. The largest tensor handed over is kept in ``largest_tensor_bytes``, for the estimator's export term.
     """
 
-    def __init__(self, out_dir: Path, specs: list[TensorSpec], max_shard_size: int | str = "5GB",
+    def __init__(self, out_dir: Path, specs: list[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                  metadata: dict[str, str] | None = None):
         self.out_dir = Path(out_dir)
         self.shards = plan_shards(specs, max_shard_size)

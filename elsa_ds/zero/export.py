@@ -16,10 +16,8 @@ from pathlib import Path
 
 import torch
 
-from elsa_ds.safetensors_writer import ShardedWriter, TensorSpec
+from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
 from elsa_ds.zero import compat
-
-MAX_SHARD_SIZE = "5GB"
 
 
 def export_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -35,7 +33,7 @@ def export_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def export_model(module: torch.nn.Module, tokenizer, out_dir: Path, rank: int, max_shard_size: int | str = MAX_SHARD_SIZE) -> int:
+def export_model(module: torch.nn.Module, tokenizer, out_dir: Path, rank: int, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> int:
     """Write sharded safetensors, config, generation config and tokenizer to ``out_dir`` (rank 0). Collective: every rank
     must call it, since each parameter is gathered from all ranks in turn. Returns the largest tensor's bytes."""
     import deepspeed
