@@ -45,7 +45,7 @@ DEMO_PROFILE: dict[str, Any] = {
 # What a resumed run must share with the run that wrote its checkpoint.
 RESUME_MUST_MATCH = ("model", "dataset", "sparsity", "pattern", "sparsity_profile", "init_mask", "targets", "steps", "interval",
                      "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype", "base_optimizer", "lr", "seqlen", "seed",
-                     "val_dataset", "sampling", "ppl_protocol", "val_windows")
+                     "val_dataset", "sampling", "ppl_protocol", "val_windows", "freeze_embeddings")
 
 
 def _group(name: str, metavar: str | None = None) -> dict[str, Any]:
@@ -143,6 +143,8 @@ class ElsaConfig(BaseModel):
     """Decoupled weight decay (0 = plain Adam, the ELSA authors' code default)."""
     gradient_checkpointing: bool = Field(True, **_group("optimizer"))
     """Recompute decoder-layer activations in backward (what lets 27B activations fit) [on; demo: off]."""
+    freeze_embeddings: bool = Field(False, **_group("optimizer"))
+    """Train neither the token embedding nor the LM head (no gradient, master, moments, z, u): at a 256k vocabulary the embedding is the largest tensor, and NVMe offload sizes every optimizer swap buffer by it."""
 
     # --- engine, checkpoints, logging ------------------------------------------------------------------------
     nvme_path: str | None = Field(None, **_group("engine", "DIR"))

@@ -97,6 +97,18 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, *, random_init: bool = Fal
     return model
 
 
+def embedding_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The input embedding's and the output head's weights (one tensor when tied)."""
+    modules = (model.get_input_embeddings(), model.get_output_embeddings())
+    return list({id(m.weight): m.weight for m in modules if m is not None}.values())
+
+
+def freeze_embeddings(model: torch.nn.Module) -> None:
+    """Take the input embedding and the output head out of training (--freeze_embeddings)."""
+    for weight in embedding_weights(model):
+        weight.requires_grad_(False)
+
+
 def meta_model(config) -> torch.nn.Module:
     """An instance of the architecture on the meta device: exact shapes and names, no memory."""
     from transformers import AutoModelForCausalLM

@@ -16,7 +16,7 @@ LAYERS: dict[str, int] = {
     "config": 1, "config_files": 1, "targets": 1, "mask_file": 1, "io": 1,
     "data": 1,  # text sources, sampling and windows depend on nothing of ours but errors; config names their enums
     "models": 2, "zero": 2, "oneshot": 2, "evaluation": 2, "output": 2, "memory": 2, "monitor": 2,
-    "reference": 2, "ablation": 2, "finetune": 2, "defaults": 2, "preflight": 2,
+    "reference": 2, "ablation": 2, "shapes": 2, "safetensors_writer": 1, "finetune": 2, "defaults": 2, "preflight": 2,
     "jobs": 3,
     "api": 4, "cli": 4, "__init__": 4, "demo": 4,
 }

@@ -6,9 +6,12 @@ A run that would fail later fails here, in seconds, with one line.
 """
 from __future__ import annotations
 
+from elsa_ds import preflight
 from elsa_ds.config import ElsaConfig, JobOptions
-from elsa_ds.memory import check_nvme_param_buffers
-from elsa_ds.models import ModelSource, hidden_size, meta_model
+from elsa_ds.errors import ElsaError
+from elsa_ds.memory import model_shape
+from elsa_ds.shapes import check_nvme_param_buffers
+from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model
 from elsa_ds.output import check_output_dir
 from elsa_ds.targets import select_targets
 from elsa_ds.zero import checkpoint
@@ -28,18 +31,28 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     ds = ds_config.engine_config(cfg, world_size, hidden_size(model_config))
     meta = meta_model(model_config)
     check_goals(cfg, meta)
-    check_nvme_param_buffers(meta, ds)
+    check_nvme_param_buffers(meta, ds, world_size)
     if cfg.save_interval or opts.resume:
         checkpoint.check_supported(ds)
     check_eval_tasks(cfg)
+    if cfg.oneshot is not None:
+        preflight.check_oneshot(model_shape(model_config, cfg.targets, model=meta), cfg, opts)
+    else:
+        preflight.check_elsa(meta, ds, cfg, opts, world_size)
     return ds
 
 
 def check_goals(cfg: ElsaConfig, meta) -> None:
     """The target regex matches Linears, the profile's entries match pruned layers, N:M fits their shapes."""
-    weights = dict(meta.named_parameters())
+    weights = dict(meta.named_parameters(remove_duplicate=False))
     names = select_targets(meta, cfg.targets).values()
     cfg.layer_goals({name: tuple(weights[name].shape) for name in names})
+    if cfg.freeze_embeddings:
+        freeze_embeddings(meta)
+        frozen = [name for name in names if not weights[name].requires_grad]
+        if frozen:
+            raise ElsaError(f"--freeze_embeddings keeps {', '.join(frozen)} fixed, but --targets prunes it; narrow --targets "
+                            "or drop --freeze_embeddings")
 
 
 def check_eval_tasks(cfg: ElsaConfig) -> None:

@@ -25,7 +25,9 @@ from elsa_ds.data import GlobalBatches, is_gemma, training_blocks, validation_wi
 from elsa_ds.errors import ElsaError
 from elsa_ds.jobs import checks, report
 from elsa_ds.jobs.interface import Printer
+from elsa_ds.jobs.phases import PhaseLog, step_phase
 from elsa_ds.jobs.warm_start import warm_start_masks, warm_start_path
+from elsa_ds.models import freeze_embeddings
 from elsa_ds.monitor import MONITOR_DIR, Monitor, default_output_paths
 from elsa_ds.output import REPORT_NAME, fresh_staging, publish, staging_dir
 from elsa_ds.targets import select_targets
@@ -61,12 +63,14 @@ class ElsaJob:
         self.state = RunState()
         self.ckpt_dir = opts.output_dir / "checkpoints"
         self.source = checks.model_source(cfg, opts)
+        self.phases = PhaseLog(int(os.environ.get("RANK", "0")))
 
     # ---- setup ------------------------------------------------------------------------------------------------
     def setup(self) -> None:
         """Every check that needs no weights (on every rank, before any collective), then the process group, the
         data, the warm-start masks and the engine."""
         cfg, opts = self.cfg, self.opts
+        self.phases.mark("load")
         self.ds = checks.before_work(cfg, opts, self.ds_config, int(os.environ.get("WORLD_SIZE", "1")), self.source)
         monitor_dir = opts.output_dir / MONITOR_DIR if default_output_paths(self.ds, opts.output_dir) else None
         self.rank, self.world = init_distributed()
@@ -101,6 +105,8 @@ class ElsaJob:
         cfg = self.cfg
         self._partitioned = load_partitioned(self.source, self.ds, cfg.gradient_checkpointing, cfg.random_init)
         model = self._partitioned.model
+        if cfg.freeze_embeddings:
+            freeze_embeddings(model)
         pruned = select_targets(model, cfg.targets)
         self.goals = cfg.layer_goals(full_shapes(model, pruned))
         self.job = build_admm_engine(model, cfg, self.ds, pruned, self.goals, self.init_masks)
@@ -173,6 +179,7 @@ class ElsaJob:
         """One global batch: λ and the projection flags for this step, then the engine step. Returns the global mean loss."""
         cfg, job = self.cfg, self.job
         job.admm.begin_step(step)
+        self.phases.mark(step_phase(step, job.admm.projected_this_step, step == cfg.steps - 1), step)
         lr = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_final_ratio)
         return steps.train_step(job.engine, job.admm, job.comm, self.batches.micro_batches(step), lr)
 
@@ -207,19 +214,23 @@ class ElsaJob:
     def finish(self) -> dict[str, Any] | None:
         """Validation of the pruned model, the export, the report; then rank 0 evaluates the saved model alone."""
         cfg, opts = self.cfg, self.opts
+        self.phases.mark("validation")
         pruned_ppl = self.validation_ppl()
         staging = staging_dir(opts.output_dir)
         if self.rank == 0:
             fresh_staging(opts.output_dir)
             if self.init_masks is not None and self.init_masks.source == warm_start_path(opts.output_dir):
                 self.init_masks.source.unlink()  # read at the first step; a resumed run restores z from its checkpoint
-        export_model(self.job, self.tokenizer, staging)  # collective
+        self.phases.mark("export")
+        export_model(self.job.engine.module, self.tokenizer, staging, self.rank)  # collective
         result = None
         if self.rank == 0:
+            self.phases.mark("verify")
             result = report.elsa_report(self, staging, pruned_ppl)
             report.write(staging / REPORT_NAME, result)
             publish(staging, opts.output_dir, keep_checkpoints=bool(opts.resume or cfg.save_interval))
             report.print_summary(self.say, result, opts.output_dir)
+            self.phases.mark("done")
         torch.distributed.barrier()  # the last collective: the other ranks may leave now, rank 0 evaluates alone
         if self.rank == 0 and (cfg.eval_ppl or cfg.eval_tasks):
             self.job = self._partitioned = None

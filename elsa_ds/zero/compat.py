@@ -34,6 +34,49 @@ def prepare_torch_for_zero_init() -> None:
     import torch._dynamo.polyfills.tensor  # noqa: F401
 
 
+@contextlib.contextmanager
+def zero3_init_one_module_at_a_time() -> Iterator[None]:
+    """Inside: transformers' ZeRO-3 weight initialization (``from_config`` under a live ``HfDeepSpeedConfig``) gathers
+    one module's own parameters at a time. Collective.
+
+    transformers 5.x (``integrations/deepspeed.py: initialize_weights_zero3``) gathers a module's parameters together
+    with its children's: Gemma-2's attention module gathers q, k, v and o at once. Under NVMe parameter offload each
+    gathered parameter occupies one swap buffer, and every buffer is as large as the largest parameter's partition
+    (the 256k-row embedding), so that would take four such buffers for the whole run. Architectures whose
+    ``_init_weights`` writes only a module's own parameters (Gemma-2, Llama) are initialized exactly as before.
+    """
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    original = hf_deepspeed.initialize_weights_zero3
+    hf_deepspeed.initialize_weights_zero3 = _initialize_weights_own_parameters
+    try:
+        yield
+    finally:
+        hf_deepspeed.initialize_weights_zero3 = original
+
+
+def _initialize_weights_own_parameters(model) -> None:
+    import deepspeed
+    from transformers.initialization import guard_torch_init_functions
+    from transformers.modeling_utils import PreTrainedModel
+
+    remote = model.is_remote_code()
+
+    def visit(module, init_fn) -> None:
+        for child in module.children():
+            visit(child, child._initialize_weights if isinstance(child, PreTrainedModel) else init_fn)
+        params = list(module.parameters(recurse=False))
+        if not params:
+            init_fn(module, remote)
+            return
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            if deepspeed.comm.get_rank() == 0:
+                init_fn(module, remote)
+
+    with torch.no_grad(), guard_torch_init_functions():
+        visit(model, model._initialize_weights)
+
+
 # ---- stage 3 optimizer (S3 = DeepSpeedZeroOptimizer_Stage3) --------------------------------------------------
 def is_stage3(zero_optimizer) -> bool:
     return hasattr(zero_optimizer, "fp32_partitioned_groups_flat")
@@ -90,12 +133,7 @@ def shard(param: torch.nn.Parameter) -> torch.Tensor:
     return param.ds_tensor.data.view(-1)
 
 
-# ---- engine ------------------------------------------------------------------------------------------------------
-def gather_16bit_state_dict(engine) -> dict[str, torch.Tensor] | None:
-    """The whole 16-bit state dict on rank 0 (None elsewhere), gathered one layer at a time. Collective."""
-    return engine._zero3_consolidated_16bit_state_dict()
-
-
+# ---- optimizer state ----------------------------------------------------------------------------------------------
 def keep_out_of_swapper(tensor: torch.Tensor) -> None:
     """Mark an optimizer state the NVMe swapper must leave in memory (it reads every swapped state back as fp32)."""
     tensor.swappable = False

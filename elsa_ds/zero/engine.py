@@ -6,6 +6,7 @@ optimizer state beside the moments, where DeepSpeed partitions, offloads, swaps 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,9 @@ def load_partitioned(source: ModelSource, ds: dict, gradient_checkpointing: bool
 
     compat.prepare_torch_for_zero_init()
     keep_alive = HfDeepSpeedConfig(ds)
-    model = source.load(model_dtype(ds), random_init)
+    nvme_params = ds["zero_optimization"].get("offload_param", {}).get("device") == "nvme"
+    with compat.zero3_init_one_module_at_a_time() if random_init and nvme_params else contextlib.nullcontext():
+        model = source.load(model_dtype(ds), random_init)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return PartitionedModel(model, keep_alive)
