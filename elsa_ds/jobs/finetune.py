@@ -71,7 +71,7 @@ class FinetuneJob(ElsaJob):
             self.job, self.optimizer = build_masked_engine(model, cfg, self.ds, pruned, self.goals, self.masks)
         what = f"one-shot {cfg.method.value} mask ({len(pruned)} layers to {cfg.pattern if cfg.nm else f'{cfg.sparsity:.0%}'})" \
             if self.masks is not None else "dense model (no pruning)"
-        lora = f" (rank {cfg.lora_rank}, α {cfg.lora_alpha:g})" if cfg.finetune is Finetune.lora else ""
+        lora = f", rank {cfg.lora_rank}, α {cfg.lora_alpha:g}" if cfg.finetune is Finetune.lora else ""
         self.say(f"[elsa_ds] fine-tuning ({cfg.finetune.value}{lora}) the {what}: {cfg.steps} steps, lr {cfg.lr:.3g}")
 
     def _measure_references(self) -> None:

@@ -64,7 +64,9 @@ def finetune_report(job, staging: Path, expected: dict[str, int], tuned_ppl: flo
         "steps": cfg.steps, "tokens": cfg.steps * ds["train_batch_size"] * cfg.seqlen, "calibration": job.calibration,
         "final_loss": state.losses[-1], "final_loss_mean_last_32": sum(tail) / len(tail), "step_time_s": sum(steady) / len(steady),
         "lambda": None, "residual": None, "admm_state_bytes_per_param": None,
-        "ppl": {"dense": None, "before_finetune": state.baseline_ppl, "pruned": tuned_ppl, **_windows(job.val, cfg)},
+        "ppl": {"dense": None, "before_finetune": state.baseline_ppl, "pruned": tuned_ppl, **_windows(job.val, cfg),
+                "measured_on": "the engine's weights" + (": LoRA adapters not yet merged, the mask not yet re-applied "
+                                                         "(evaluate the export for the merged model)" if cfg.finetune.value == "lora" else "")},
         "layers": layers, "overall_sparsity": layers_summary(layers) if layers else 0.0,
         "defaults": job.defaults, "wall_s": time.time() - job.started,
     }
