@@ -277,6 +277,8 @@ class ElsaConfig(BaseModel):
                              f"{self.method.value}")
         if self.select_patience and not self.select_every:
             raise ValueError("select_patience counts scored projections; set select_every too")
+        if self.select_every and not self.val_windows:
+            raise ValueError("select_every scores projections on the validation windows; val_windows must be > 0")
         return self
 
     @property

@@ -73,6 +73,9 @@ class ElsaJob:
         self.cfg, self.defaults = apply_defaults(self.cfg, self.source.config())
         cfg, opts = self.cfg, self.opts
         self.ds = checks.before_work(cfg, opts, self.ds_config, int(os.environ.get("WORLD_SIZE", "1")), self.source)
+        if cfg.select_every and self.ds_config.optimizer_device == "nvme":
+            raise ElsaError("--select_every scores Π(x) from resident fp32 masters and Adam moments, which NVMe optimizer "
+                            "offload swaps out; use zero3_offload or drop --select_every")
         monitor_dir = opts.output_dir / MONITOR_DIR if default_output_paths(self.ds, opts.output_dir) else None
         self.rank, self.world = init_distributed()
         self.say = Printer(self.rank)
@@ -98,10 +101,10 @@ class ElsaJob:
         global_batch, micro = ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]
         train_blocks = load_blocks(cfg.dataset, "train", self.tokenizer, cfg.seqlen, max_blocks=cfg.steps * global_batch)
         self.batches = GlobalBatches(train_blocks, global_batch, micro, self.world, self.rank, cfg.seed)
-        self.val = (load_blocks(cfg.dataset, "validation", self.tokenizer, cfg.seqlen, max_blocks=cfg.val_windows)
+        self.val = (load_blocks(cfg.val_dataset or cfg.dataset, "validation", self.tokenizer, cfg.seqlen, max_blocks=cfg.val_windows)
                     if cfg.val_windows else torch.empty(0, cfg.seqlen, dtype=torch.long))
         self.say(f"[elsa_ds] data {cfg.dataset}: {train_blocks.shape[0]} train blocks x {cfg.seqlen} tokens, {self.val.shape[0]} "
-                 f"validation windows; global batch {global_batch} = {micro} micro x {self.world} ranks x {self.batches.grad_accum} accumulation")
+                 f"validation windows{' from ' + cfg.val_dataset if cfg.val_dataset else ''}; global batch {global_batch} = {micro} micro x {self.world} ranks x {self.batches.grad_accum} accumulation")
 
     def _setup_engine(self) -> None:
         cfg = self.cfg

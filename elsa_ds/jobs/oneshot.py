@@ -49,7 +49,7 @@ class OneShotJob:
         self.say(f"[elsa_ds] one-shot {cfg.method.value} of {cfg.model} to {goal}"
                  f"{' with profile ' + cfg.sparsity_profile if cfg.sparsity_profile else ''} on {self.device}")
         self.tokenizer = self.source.load_tokenizer()
-        self.val = (load_blocks(cfg.dataset, "validation", self.tokenizer, cfg.seqlen, max_blocks=cfg.val_windows)
+        self.val = (load_blocks(cfg.val_dataset or cfg.dataset, "validation", self.tokenizer, cfg.seqlen, max_blocks=cfg.val_windows)
                     if cfg.val_windows else torch.empty(0, cfg.seqlen, dtype=torch.long))
         self.model = load_host_model(self.source)
 

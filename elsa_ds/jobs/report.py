@@ -101,7 +101,8 @@ def _common(cfg: ElsaConfig, method: str, ds_config: str, world: int, started: f
 
 
 def _windows(val: torch.Tensor, cfg: ElsaConfig) -> dict[str, Any]:
-    return {"windows": int(val.shape[0]), "seqlen": cfg.seqlen, "split": "validation", "protocol": PROTOCOL}
+    return {"windows": int(val.shape[0]), "seqlen": cfg.seqlen, "split": "validation", "source": cfg.val_dataset or cfg.dataset,
+            "protocol": PROTOCOL}
 
 
 def print_summary(say, result: dict[str, Any], output_dir: Path) -> None:
