@@ -96,8 +96,9 @@ def heldout_ppl(model: str, source: str, seqlen: int, out: Path, limit: int | No
 
 def budget(report: dict, row: str) -> str:
     if trains(row):
-        per_step = report["tokens"] // max(report["steps"], 1)
-        return f"{report['steps']} steps x {per_step:,} tokens = {report['tokens']:,} tokens"
+        seqlen = report["config"]["seqlen"]
+        batch = report["tokens"] // max(report["steps"] * seqlen, 1)
+        return f"{report['steps']} steps x {batch} x {seqlen} = {report['tokens']:,} tokens"
     return f"{report['tokens']:,} calibration tokens" if report.get("tokens") else "no data"
 
 
@@ -110,7 +111,7 @@ def settings_used(report: dict) -> str:
         text = f"lr {c['lr']:.3g}" + (f", LoRA r {c['lora_rank']} α {c['lora_alpha']:g}" if report["finetune"] == "lora" else "")
     else:
         return ""
-    return text + (" (defaults rule)" if auto else "")
+    return text + ("; from the defaults rule" if auto else "")
 
 
 def main() -> int:

@@ -14,63 +14,24 @@ registers it with the moments.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
 from elsa_ds.admm.projection import Slice
+from elsa_ds.admm.wrapper import OptimizerWrapper
 
 KEEP = "keep_mask"
 
 
-class MaskedOptimizer(torch.optim.Optimizer):
+class MaskedOptimizer(OptimizerWrapper):
     """Wraps ``base``; shares its ``param_groups`` and ``state`` (ZeRO-3 edits them through the wrapper)."""
 
     def __init__(self, base: torch.optim.Optimizer, initial_mask: Callable[[Slice], torch.Tensor]):
-        self.base = base
+        super().__init__(base)
         self.initial_mask = initial_mask
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._slices: dict[int, tuple[torch.Tensor, list[Slice]]] = {}
         # called with a flat's state dict right after the mask was stored (the base state exists by then)
         self.on_state_created: Callable[[dict], None] | None = None
-
-    @property
-    def param_groups(self):
-        return self.base.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.base.param_groups = value
-
-    @property
-    def state(self):
-        return self.base.state
-
-    @state.setter
-    def state(self, value):
-        self.base.state = value
-
-    @property
-    def defaults(self):
-        return self.base.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.base.defaults = value
-
-    def assign(self, flat: torch.Tensor, slices: list[Slice]) -> None:
-        """Declare which entries of ``flat`` belong to pruned layers."""
-        self._slices[id(flat)] = (flat, list(slices))
-
-    def slices_of(self, flat: torch.Tensor) -> list[Slice] | None:
-        entry = self._slices.get(id(flat))
-        return entry[1] if entry is not None and entry[0] is flat else None
 
     def keep_mask(self, flat: torch.Tensor, slices: list[Slice]) -> torch.Tensor:
         """The flat's keep-mask [numel] (True outside the pruned slices), from ``initial_mask`` per slice."""
@@ -99,17 +60,3 @@ class MaskedOptimizer(torch.optim.Optimizer):
                     self.on_state_created(st)
             flat.detach().view(-1).masked_fill_(~st[KEEP], 0.0)
         return loss
-
-    def state_dict(self):
-        return self.base.state_dict()
-
-    def load_state_dict(self, state_dict):
-        """Load the base optimizer's state; give the mask back its bool dtype (torch casts states to the param's)."""
-        result = self.base.load_state_dict(state_dict)
-        for st in self.state.values():
-            if KEEP in st and st[KEEP].dtype != torch.bool:
-                st[KEEP] = st[KEEP] != 0
-        return result
-
-    def zero_grad(self, set_to_none: bool = True):
-        return self.base.zero_grad(set_to_none=set_to_none)
