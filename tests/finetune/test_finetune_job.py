@@ -83,3 +83,14 @@ def test_lora_merges_with_the_mask_and_dense_control_trains_every_weight(tmp_pat
     tuned = load_file(dense / "model.safetensors")
     for name in masks:
         assert int((tuned[name] == 0).sum()) == 0 and not torch.allclose(tuned[name], original[name]), name
+
+
+def test_python_api_runs_the_retraining_baseline(tmp_path, tiny_model_dir, text_dir):
+    import elsa_ds
+
+    ds = derived_config(tmp_path, bf16={"enabled": False})
+    report = elsa_ds.oneshot(str(tiny_model_dir), "magnitude", str(text_dir), output_dir=tmp_path / "out", deepspeed=str(ds),
+                             finetune="full", finetune_steps=2, sparsity=0.5, seqlen=64, micro_batch=2, val_windows=2)
+    assert report["method"] == "magnitude" and report["finetune"] == "full" and report["steps"] == 2
+    assert "lr" in report["defaults"]["applied"]   # no lr given: the defaults rule's retraining lr
+    assert all(layer["zeros"] == round(0.5 * layer["numel"]) for layer in report["layers"].values())
