@@ -7,19 +7,34 @@
 """
 from __future__ import annotations
 
+import types
 from typing import Any
 
+from elsa_ds import oneshot as _oneshot_package
 from elsa_ds.errors import ElsaError
 from elsa_ds.version import __version__
 
 __all__ = ["ElsaConfig", "ElsaError", "__version__", "oneshot", "prune"]
 
 
+class _CallablePackage(types.ModuleType):
+    """``elsa_ds.oneshot`` names both the one-shot subpackage and the API function; whichever Python binds (importing
+    the subpackage rebinds the attribute), calling it runs the API function."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from elsa_ds.api import oneshot
+
+        return oneshot(*args, **kwargs)
+
+
+_oneshot_package.__class__ = _CallablePackage
+
+
 def __getattr__(name: str) -> Any:
-    if name in ("prune", "oneshot"):
+    if name == "prune":
         from elsa_ds import api
 
-        return getattr(api, name)
+        return api.prune
     if name == "ElsaConfig":
         from elsa_ds.config import ElsaConfig
 

@@ -4,6 +4,8 @@
     report = elsa_ds.prune("google/gemma-2-2b", "c4", output_dir="out/g2-70", sparsity=0.7, steps=4096)
     report = elsa_ds.oneshot(model, "sparsegpt", ["a document", "another one", ...], tokenizer=tok,
                              output_dir="out/g2-sgpt-70", sparsity=0.7, seqlen=256)
+    report = elsa_ds.oneshot("google/gemma-2-2b", "wanda", "c4", finetune="full", finetune_steps=4096,
+                             output_dir="out/g2-wanda-ft-90", sparsity=0.9)       # the retraining baseline
 
 Run in one process it is a one-rank job; under ``deepspeed --num_gpus N script.py`` every rank calls it and rank 0
 gets the report (the other ranks get None). Settings are ElsaConfig fields (the command line's flags).
@@ -37,10 +39,13 @@ def prune(model: Any, dataset: Dataset = None, *, output_dir: str | Path, deepsp
 
 
 def oneshot(model: Any, method: str = "sparsegpt", dataset: Dataset = None, *, output_dir: str | Path,
-            deepspeed: str | Path = "zero3_offload", tokenizer: Any = None, overwrite: bool = False, **settings: Any) -> dict[str, Any] | None:
+            deepspeed: str | Path = "zero3_offload", tokenizer: Any = None, overwrite: bool = False, resume: bool = False,
+            **settings: Any) -> dict[str, Any] | None:
     """Prune ``model`` with a one-shot method (magnitude, wanda, sparsegpt), layer by layer; a loaded model is pruned
-    in place. Returns the report."""
-    return _run(model, dataset, output_dir, deepspeed, tokenizer, overwrite, False, None, {**settings, "method": method})
+    in place. With ``finetune="full"`` or ``"lora"`` (and ``finetune_steps``) the mask is then retrained under ZeRO-3 like
+    ELSA trains (``resume`` continues such a run); ``method="dense"`` with ``finetune`` is the unpruned control. Returns
+    the report."""
+    return _run(model, dataset, output_dir, deepspeed, tokenizer, overwrite, resume, None, {**settings, "method": method})
 
 
 def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwrite: bool, resume: bool, recipe: str | None,

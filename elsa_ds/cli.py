@@ -31,6 +31,7 @@ GROUP_TITLES = {
     "sparsity": "sparsity, pattern, one-shot methods",
     "data": "data and validation",
     "admm": "ADMM",
+    "finetune": "retraining a one-shot mask, and the dense control (--method dense)",
     "optimizer": "the optimizer ADMM wraps",
     "engine": "engine, checkpoints, logging",
     "evaluation": "evaluation of the saved model at the end (the launch/evaluate.py protocol, rank 0 alone)",

@@ -24,7 +24,7 @@ from elsa_ds.data.sampling import Sampling
 from elsa_ds.data.sources import DEMO_DATASET, LOCAL_SUFFIXES
 from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError
-from elsa_ds.methods import ELSA, Method, OneShot, oneshot_names
+from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
 from elsa_ds.targets import LayerGoal, layer_goals
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo" / "model"
@@ -36,16 +36,16 @@ DEMO_PROFILE: dict[str, Any] = {
     "dataset": DEMO_DATASET,
     "seqlen": 256,
     "steps": 512,
-    "lr": 1e-3,
     "micro_batch": 4,
     "val_windows": 64,
     "gradient_checkpointing": False,
 }
 
 # What a resumed run must share with the run that wrote its checkpoint.
-RESUME_MUST_MATCH = ("model", "dataset", "sparsity", "pattern", "sparsity_profile", "init_mask", "targets", "steps", "interval",
-                     "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype", "base_optimizer", "lr", "seqlen", "seed",
-                     "val_dataset", "sampling", "ppl_protocol", "val_windows", "freeze_embeddings")
+RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "dataset", "sparsity", "pattern", "sparsity_profile",
+                     "init_mask", "targets", "steps", "interval", "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype",
+                     "base_optimizer", "lr", "seqlen", "seed", "val_dataset", "sampling", "ppl_protocol", "val_windows",
+                     "freeze_embeddings")
 
 
 def _group(name: str, metavar: str | None = None) -> dict[str, Any]:
@@ -66,7 +66,8 @@ class ElsaConfig(BaseModel):
 
     # --- what is pruned, and how ---------------------------------------------------------------------------
     method: Method = Field(Method.elsa, **_group("job"))
-    """elsa, or a one-shot baseline (magnitude, wanda, sparsegpt), run layer by layer in one process."""
+    """elsa, a one-shot baseline (magnitude, wanda, sparsegpt: layer by layer in one process, or retrained with --finetune),
+    or dense (no pruning: the control, with --finetune)."""
     model: str = Field(str(DEMO_MODEL_DIR), **_group("job", "ID_OR_DIR"))
     """Hub id or local directory of the causal LM to prune [the embedded Shakespeare Gemma-2 demo]."""
     random_init: bool = Field(False, **_group("job"))
@@ -88,11 +89,22 @@ class ElsaConfig(BaseModel):
     percdamp: float = Field(0.01, ge=0.0, **_group("sparsity"))
     """SparseGPT dampening, as a fraction of the mean Hessian diagonal."""
 
+    # --- retraining after a one-shot mask (and the dense control) --------------------------------------------
+    finetune: Finetune | None = Field(None, **_group("finetune"))
+    """Train after the one-shot mask, the mask held fixed, on ELSA's data, batch and lr schedule: full (every weight, pruned
+    entries exactly zero) or lora (adapters on the pruned layers, merged with the mask re-applied) [none]."""
+    finetune_steps: int | None = Field(None, gt=0, **_group("finetune"))
+    """Optimizer steps of --finetune (global batches, like ELSA's --steps) [steps]."""
+    lora_rank: int = Field(8, gt=0, **_group("finetune"))
+    """Rank r of the LoRA adapters (--finetune lora)."""
+    lora_alpha: float = Field(16.0, gt=0.0, **_group("finetune"))
+    """LoRA scaling α: the update is (α / r)·B·A."""
+
     # --- data ----------------------------------------------------------------------------------------------
     dataset: str = Field("c4", **_group("data", "SOURCE"))
     """c4, wikitext2, shakespeare, a datasets name with a text column, or local .txt/.md/.jsonl/.parquet files; a local directory is split by file names (train/validation/test), otherwise 10% of whole documents are held out for validation [c4; demo: shakespeare]."""
     val_dataset: str | None = Field(None, **_group("data", "SOURCE"))
-    """Validation text instead of the held-out part of dataset (read as launch/evaluate.py --ppl reads it); dataset then trains on all of its documents."""
+    """Validation text instead of the held-out part of dataset (read as launch/evaluate.py --ppl reads it); dataset then trains on all of its documents; the report's perplexities and --select_every score on it."""
     sampling: Sampling = Field(Sampling.auto, **_group("data"))
     """Training sequences: crop (the ELSA authors' loader: random documents longer than seqlen, a random window of each; Gemma: BOS + seqlen-1 tokens), pack (documents joined by EOS in BOS-first blocks), auto (crop for c4 and wikitext2, pack otherwise)."""
     seqlen: int = Field(2048, ge=2, **_group("data"))
@@ -115,10 +127,15 @@ class ElsaConfig(BaseModel):
     """Optimizer steps (global batches)."""
     interval: int = Field(32, gt=0, **_group("admm"))
     """Steps between projections z = Π(x + u), u = u + x − z."""
+    select_every: int = Field(0, ge=0, **_group("admm"))
+    """Score the hard projection Π(x) on the validation windows every this many projections and export the best one
+    (0 = export the final Π(x))."""
+    select_patience: int = Field(0, ge=0, **_group("admm"))
+    """Stop once this many scored projections in a row did not improve on the best (0 = never stop early)."""
     lmda: float = Field(0.01, ge=0.0, **_group("admm"))
-    """ADMM penalty λ (the peak of a linear or cosine schedule)."""
+    """ADMM penalty λ (the peak of a linear or cosine schedule) [from the defaults rule, elsa_ds/defaults.py]."""
     lmda_schedule: LambdaSchedule = Field(LambdaSchedule.constant, **_group("admm"))
-    """constant, linear or cosine (0 → λ over the run); the scaled dual is rescaled when λ changes."""
+    """constant, linear or cosine (0 → λ over the run); the scaled dual is rescaled when λ changes [from the defaults rule]."""
     projection: Projection = Field(Projection.fisher, **_group("admm"))
     """fisher: keep the largest F·(x+u)², F = the optimizer's second moment; magnitude: the largest (x+u)²."""
     z_dtype: StateDtype = Field(StateDtype.fp32, **_group("admm"))
@@ -130,7 +147,7 @@ class ElsaConfig(BaseModel):
     base_optimizer: BaseOptimizer = Field(BaseOptimizer.auto, **_group("optimizer"))
     """auto (DeepSpeedCPUAdam with optimizer offload, torch Adam otherwise), adam, cpu_adam or adam8bit."""
     lr: float = Field(2e-4, gt=0.0, **_group("optimizer"))
-    """Peak learning rate; linear decay to lr_final_ratio · lr [2e-4; demo: 1e-3]."""
+    """Peak learning rate; linear decay to lr_final_ratio · lr [from the defaults rule, elsa_ds/defaults.py]."""
     lr_final_ratio: float = Field(0.0, ge=0.0, le=1.0, **_group("optimizer"))
     """Final learning rate as a fraction of lr."""
     warmup_steps: int = Field(0, ge=0, **_group("optimizer"))
@@ -254,14 +271,33 @@ class ElsaConfig(BaseModel):
             raise ValueError(f"init_mask warm-starts ELSA; it means nothing with method {self.method.value}")
         return self
 
+    @model_validator(mode="after")
+    def _finetune_fits_method(self) -> ElsaConfig:
+        if self.finetune is not None and self.method is Method.elsa:
+            raise ValueError("finetune retrains a one-shot mask (--method magnitude|wanda|sparsegpt) or the dense model "
+                             "(--method dense); ELSA trains on its own")
+        if self.method.value == DENSE and self.finetune is None:
+            raise ValueError("method dense is the unpruned control: give it --finetune full or lora (the dense model itself "
+                             "needs no job: evaluate it with launch/evaluate.py)")
+        if self.finetune_steps is not None and self.finetune is None:
+            raise ValueError("finetune_steps counts --finetune steps; set --finetune full or lora, or drop it")
+        if (self.select_every or self.select_patience) and self.method is not Method.elsa:
+            raise ValueError("select_every / select_patience pick among ELSA's projections; they mean nothing with method "
+                             f"{self.method.value}")
+        if self.select_patience and not self.select_every:
+            raise ValueError("select_patience counts scored projections; set select_every too")
+        if self.select_every and not self.val_windows:
+            raise ValueError("select_every scores projections on the validation windows; val_windows must be > 0")
+        return self
+
     @property
     def is_demo(self) -> bool:
         return Path(self.model).resolve() == DEMO_MODEL_DIR
 
     @property
     def oneshot(self) -> OneShot | None:
-        """The one-shot method, or None for ELSA."""
-        return None if self.method.value == ELSA else OneShot(self.method.value)
+        """The one-shot method, or None for ELSA and the dense control."""
+        return None if self.method.value in (ELSA, DENSE) else OneShot(self.method.value)
 
     @property
     def nm(self) -> NM | None:

@@ -1,7 +1,7 @@
-"""The one registry of method names: ELSA and the one-shot baselines.
+"""The one registry of method names: ELSA, the one-shot baselines, the dense control, and how a mask is retrained.
 
-Everything that names a method (the ``--method`` and ``--init_mask`` choices, the one-shot dispatch, the
-benchmarks) reads it from here.
+Everything that names a method (the ``--method``, ``--init_mask`` and ``--finetune`` choices, the one-shot
+dispatch, the benchmarks) reads it from here.
 """
 from __future__ import annotations
 
@@ -21,10 +21,18 @@ class OneShot(str, Enum):
         return self is not OneShot.magnitude
 
 
+class Finetune(str, Enum):
+    """Training after a one-shot mask (or of the dense model), the mask held fixed (``elsa_ds/finetune/``)."""
+
+    full = "full"    # every weight trains, pruned entries stay exactly zero (masked gradients and weights)
+    lora = "lora"    # LoRA adapters on the pruned layers, merged at the end with the mask re-applied
+
+
 ELSA = "elsa"
-# ``--method``: ELSA (ADMM on the model's loss under ZeRO-3) or one of the one-shot baselines
-Method = Enum("Method", {ELSA: ELSA, **{m.value: m.value for m in OneShot}}, type=str)
-Method.__doc__ = "elsa, or a one-shot baseline."
+DENSE = "dense"  # no pruning: the control every table needs ("dense fine-tuned on the same tokens")
+# ``--method``: ELSA (ADMM on the model's loss under ZeRO-3), a one-shot baseline, or the dense control
+Method = Enum("Method", {ELSA: ELSA, **{m.value: m.value for m in OneShot}, DENSE: DENSE}, type=str)
+Method.__doc__ = "elsa, a one-shot baseline, or dense (no pruning; with --finetune)."
 
 
 def oneshot_names() -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""The pruning jobs, each a lifecycle (``interface.py``): ELSA under ZeRO-3, or a one-shot baseline.
+"""The pruning jobs, each a lifecycle (``interface.py``): ELSA under ZeRO-3, a one-shot baseline, or the retraining of
+one (``--finetune``, also the dense control).
 
 ``make_job`` is the one place a ``--method`` becomes a job.
 """
@@ -13,6 +14,10 @@ __all__ = ["Job", "make_job", "run_job"]
 
 def make_job(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> Job:
     """The job ``cfg.method`` names."""
+    if cfg.finetune is not None:
+        from elsa_ds.jobs.finetune import FinetuneJob
+
+        return FinetuneJob(cfg, opts, ds_config)
     if cfg.oneshot is not None:
         from elsa_ds.jobs.oneshot import OneShotJob
 

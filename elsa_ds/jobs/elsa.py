@@ -24,8 +24,10 @@ from elsa_ds.config import ElsaConfig, JobOptions
 from elsa_ds.data import GlobalBatches, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
 from elsa_ds.jobs import checks, report
+from elsa_ds.jobs.defaults_applied import apply_defaults
 from elsa_ds.jobs.interface import Printer
 from elsa_ds.jobs.phases import PhaseLog, step_phase
+from elsa_ds.jobs.selection import Selector, snapshot_dir
 from elsa_ds.jobs.warm_start import warm_start_masks, warm_start_path
 from elsa_ds.models import freeze_embeddings
 from elsa_ds.monitor import MONITOR_DIR, Monitor, default_output_paths
@@ -51,6 +53,7 @@ class RunState:
     dense_ppl: float | None = None
     baseline_ppl: float | None = None
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    selection: dict[str, Any] | None = None  # the validation-driven selection's curve and best (--select_every)
 
 
 class ElsaJob:
@@ -69,15 +72,22 @@ class ElsaJob:
     def setup(self) -> None:
         """Every check that needs no weights (on every rank, before any collective), then the process group, the
         data, the warm-start masks and the engine."""
+        self.cfg, self.defaults = apply_defaults(self.cfg, self.source.config())
         cfg, opts = self.cfg, self.opts
         self.phases.mark("load")
         self.ds = checks.before_work(cfg, opts, self.ds_config, int(os.environ.get("WORLD_SIZE", "1")), self.source)
+        if cfg.select_every and self.ds_config.optimizer_device == "nvme":
+            raise ElsaError("--select_every scores Π(x) from resident fp32 masters and Adam moments, which NVMe optimizer "
+                            "offload swaps out; use zero3_offload or drop --select_every")
         monitor_dir = opts.output_dir / MONITOR_DIR if default_output_paths(self.ds, opts.output_dir) else None
         self.rank, self.world = init_distributed()
         self.say = Printer(self.rank)
         if monitor_dir is not None and self.rank == 0 and not opts.resume and monitor_dir.exists():
             shutil.rmtree(monitor_dir)  # an overwritten run's logs; DeepSpeed's csv monitor would append to them
         self.say("[elsa_ds] resolved ELSA config:\n" + json.dumps(cfg.model_dump(mode="json"), indent=2))
+        if self.defaults["applied"]:
+            self.say("[elsa_ds] from the defaults rule (elsa_ds/defaults.py): "
+                     + "; ".join(f"{k} {v} ({self.defaults['why'][k]})" for k, v in self.defaults["applied"].items()))
         self.say("[elsa_ds] DeepSpeed config:\n" + json.dumps(self.ds, indent=2))
         self._setup_data()
         self.init_masks = (warm_start_masks(cfg, self.source, opts.output_dir, self.tokenizer, self.rank, self.say)
@@ -85,6 +95,8 @@ class ElsaJob:
         torch.manual_seed(cfg.seed)
         self._setup_engine()
         self.monitor = Monitor(self.job.engine, self.rank)
+        self.selector = (Selector(cfg.select_every, cfg.select_patience, snapshot_dir(opts.output_dir), self.rank)
+                         if cfg.select_every else None)
 
     def _setup_data(self) -> None:
         """Training sequences (identical on every rank: each computes them from the seed) and validation windows."""
@@ -124,6 +136,8 @@ class ElsaJob:
         fingerprint = self.cfg.resume_fingerprint(self.world)
         self.state = RunState(fingerprint=fingerprint)
         if not self.opts.resume:
+            if self.selector is not None and self.rank == 0:
+                self.selector.clean()  # a crashed run's snapshots
             self._measure_references()
             return
         client = checkpoint.load_latest(self.job.engine, self.ckpt_dir, self.say, self.job.comm)
@@ -135,6 +149,8 @@ class ElsaJob:
                             + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in changed.items()))
         checkpoint.set_rng_state(client.pop("rng"))
         self.state = RunState(**client)
+        if self.selector is not None:
+            self.selector.record = self.state.selection or self.selector.record
         self.say(f"[elsa_ds] continuing at step {self.state.next_step} of {self.cfg.steps}")
 
     def _measure_references(self) -> None:
@@ -159,8 +175,8 @@ class ElsaJob:
         from tqdm import tqdm
 
         cfg, state = self.cfg, self.state
-        self.job.admm.lam = state.lam
-        bar = tqdm(range(state.next_step, cfg.steps), desc="elsa", unit="step", disable=self.rank != 0,
+        self._resume_loop()
+        bar = tqdm(range(state.next_step, cfg.steps), desc=cfg.method.value, unit="step", disable=self.rank != 0,
                    dynamic_ncols=True, initial=state.next_step, total=cfg.steps)
         for step in bar:
             t0 = time.perf_counter()
@@ -170,8 +186,9 @@ class ElsaJob:
                 raise ElsaError(f"the loss became {loss} at step {step}; the run stopped there (the last checkpoint, if any, "
                                 f"is intact; resume with a lower --lr or --lmda)")
             state.losses.append(loss)
-            self._log_step(bar, step, loss)
-            state.next_step, state.lam = step + 1, self.job.admm.lam
+            state.next_step = step + 1
+            if self._after_step(bar, step, loss):
+                break
             if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and step + 1 < cfg.steps:
                 self.save_checkpoint()
 
@@ -183,22 +200,43 @@ class ElsaJob:
         lr = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_final_ratio)
         return steps.train_step(job.engine, job.admm, job.comm, self.batches.micro_batches(step), lr)
 
-    def _log_step(self, bar, step: int, loss: float) -> None:
+    def _resume_loop(self) -> None:
+        self.job.admm.lam = self.state.lam
+
+    def _after_step(self, bar, step: int, loss: float) -> bool:
+        """Log the step and a projection's metrics; score Π(x) when the selection is due. True: stop early."""
         admm, lr = self.job.admm, self.job.admm.param_groups[0]["lr"]
+        self.state.lam = admm.lam
         if step % self.cfg.log_interval == 0:
             bar.set_postfix(loss=f"{loss:.4f}", lmda=f"{admm.lam:.3g}", lr=f"{lr:.2e}")
         self.monitor.write(step + 1, {"loss": loss, "lambda": admm.lam, "lr": lr, "step_time_s": self.state.step_times[-1]})
         if not admm.projected_this_step:
-            return
+            return False
         sums = self.job.comm.all_reduce_sum(admm.local_metrics())  # collective
         entry = {"step": step + 1, "loss": loss, **summarize_metrics(sums, admm.lam), "final": step == self.cfg.steps - 1}
         self.state.history.append(entry)
         if entry["final"]:
-            return
+            return False
         self.monitor.write(step + 1, {k: entry[k] for k in ("residual", "mask_flip_frac", "admm_state_bytes_per_param")})
         if self.rank == 0:
             bar.write(f"[projection] step {step + 1}: loss {loss:.4f}  λ {entry['lambda']:.4g}  "
                       f"residual ‖x−z‖/‖x‖ {entry['residual']:.4f}  mask flips {entry['mask_flip_frac']:.4%}")
+        return self._select(bar, step, sum(1 for h in self.state.history if not h["final"]))
+
+    def _select(self, bar, step: int, projections: int) -> bool:
+        """Score Π(x) on the validation windows when due (collective); True once the patience ran out."""
+        if self.selector is None or self.validation.count == 0 or not self.selector.due(projections):
+            return False
+        value = self.selector.score(self.job, self.validation, self.ds["train_micro_batch_size_per_gpu"], step + 1)
+        self.state.selection = self.selector.record
+        if self.rank == 0:
+            best = self.selector.record["best"]
+            bar.write(f"[selection] step {step + 1}: validation ppl of Π(x) {value:.3f} (best {best['ppl']:.3f} at step {best['step']})")
+        if self.selector.stop:
+            self.selector.record["stopped_at"] = step + 1
+            self.say(f"[elsa_ds] stopping early at step {step + 1}: {self.selector.patience} scored projections without improvement")
+            return True
+        return False
 
     def save_checkpoint(self) -> None:
         """A DeepSpeed checkpoint with the ADMM state, published as ``latest`` once every rank wrote it. Collective."""
@@ -215,7 +253,11 @@ class ElsaJob:
         """Validation of the pruned model, the export, the report; then rank 0 evaluates the saved model alone."""
         cfg, opts = self.cfg, self.opts
         self.phases.mark("validation")
-        pruned_ppl = self.validation_ppl()
+        stopped = self.selector is not None and self.selector.record["stopped_at"] is not None
+        pruned_ppl = None if stopped else self.validation_ppl()
+        if self.selector is not None and self.validation.count:
+            pruned_ppl = self.selector.choose(self.job, pruned_ppl, self.state.next_step)  # collective
+            self.state.selection = self.selector.record
         staging = staging_dir(opts.output_dir)
         if self.rank == 0:
             fresh_staging(opts.output_dir)
@@ -232,6 +274,8 @@ class ElsaJob:
             report.print_summary(self.say, result, opts.output_dir)
             self.phases.mark("done")
         torch.distributed.barrier()  # the last collective: the other ranks may leave now, rank 0 evaluates alone
+        if self.selector is not None and self.rank == 0:
+            self.selector.clean()
         if self.rank == 0 and (cfg.eval_ppl or cfg.eval_tasks):
             self.job = self._partitioned = None
             if torch.cuda.is_available():

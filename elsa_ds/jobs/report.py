@@ -47,7 +47,29 @@ def elsa_report(job, staging: Path, pruned_ppl: float | None) -> dict[str, Any]:
             "ppl_ratio": baseline / pruned_ppl, "ppl_reduction": baseline - pruned_ppl},
         "layers": layers,
         "overall_sparsity": layers_summary(layers),
+        "defaults": job.defaults,
+        "selection": state.selection,
         "wall_s": time.time() - job.started,
+    }
+
+
+def finetune_report(job, staging: Path, expected: dict[str, int], tuned_ppl: float | None) -> dict[str, Any]:
+    """The retraining job's report: the one-shot (or dense) model before, the retrained one after, in the same layout."""
+    cfg, ds, state = job.cfg, job.ds, job.state
+    layers = verified_layers(staging, expected, job.goals, cfg.targets) if expected else {}
+    steady = state.step_times[1:] or state.step_times
+    tail = state.losses[-min(len(state.losses), 32):]
+    return {
+        **_common(cfg, cfg.method.value, job.opts.deepspeed, job.world, job.started),
+        "finetune": cfg.finetune.value, "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha} if cfg.finetune.value == "lora" else None,
+        "steps": cfg.steps, "tokens": cfg.steps * ds["train_batch_size"] * cfg.seqlen, "calibration": job.calibration,
+        "final_loss": state.losses[-1], "final_loss_mean_last_32": sum(tail) / len(tail), "step_time_s": sum(steady) / len(steady),
+        "lambda": None, "residual": None, "admm_state_bytes_per_param": None,
+        "ppl": {"dense": None, "before_finetune": state.baseline_ppl, "pruned": tuned_ppl, **_validation(job.validation),
+                "measured_on": "the engine's weights" + (": LoRA adapters not yet merged, the mask not yet re-applied "
+                                                         "(evaluate the export for the merged model)" if cfg.finetune.value == "lora" else "")},
+        "layers": layers, "overall_sparsity": layers_summary(layers) if layers else 0.0,
+        "defaults": job.defaults, "wall_s": time.time() - job.started,
     }
 
 
@@ -90,6 +112,10 @@ def print_summary(say, result: dict[str, Any], output_dir: Path) -> None:
     p = result["ppl"]
     say(f"[elsa_ds] wrote {output_dir} ({len(result['layers'])} layers, each exactly at its target; overall sparsity "
         f"{result['overall_sparsity']:.4f})")
+    if p.get("before_finetune") is not None:
+        say(f"[elsa_ds] validation perplexity over {p['windows']} windows of {p['seqlen']}: before fine-tuning "
+            f"{p['before_finetune']:.3f} | after {p['pruned']:.3f}")
+        return
     if p["dense"] is None:
         return
     if result["method"] != "elsa":

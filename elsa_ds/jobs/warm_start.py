@@ -1,9 +1,11 @@
-"""Warm start of ELSA's z (``--init_mask``): keep-masks from a one-shot method or an already pruned model."""
+"""One-shot masks for a ZeRO-3 job, computed on rank 0 while the other ranks wait: ELSA's warm start of z
+(``--init_mask``) and the mask (and pruned weights) that ``--finetune`` retrains."""
 from __future__ import annotations
 
 import copy
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,23 +25,34 @@ def warm_start_path(output_dir: Path) -> Path:
 
 
 def warm_start_masks(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer, rank: int, say) -> MaskReader:
-    """Keep-masks for z₀: from a pruned model directory, or computed by a one-shot method on rank 0. Collective.
+    """Keep-masks for z₀: from a pruned model directory, or computed by a one-shot method on rank 0. Collective."""
+    if cfg.init_mask not in {m.value for m in OneShot}:
+        return MaskReader(cfg.init_mask)
+    masks, _ = oneshot_on_rank0(cfg, OneShot(cfg.init_mask), source, tokenizer, rank, say, warm_start_path(output_dir))
+    return masks
+
+
+def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, tokenizer, rank: int, say, mask_path: Path,
+                     model_dir: Path | None = None) -> tuple[MaskReader, dict[str, Any] | None]:
+    """Prune a host copy of the model with ``method`` on rank 0; write its keep-masks to ``mask_path`` and, with
+    ``model_dir``, the pruned model itself. Returns the masks (every rank) and the calibration record (rank 0). Collective.
 
     The one-shot pass (SparseGPT on a 27B model takes hours) runs on rank 0 alone, before the ZeRO-3 model is
     built; the other ranks wait on a group with a long timeout and learn from rank 0 whether it succeeded.
     """
-    if cfg.init_mask not in {m.value for m in OneShot}:
-        return MaskReader(cfg.init_mask)
-    method = OneShot(cfg.init_mask)
-    path = warm_start_path(output_dir)
     waiting = torch.distributed.new_group(backend="gloo", timeout=timedelta(days=3))
     failure: BaseException | None = None
+    calibration = None
     if rank == 0:
         try:
-            say(f"[elsa_ds] warm start: one-shot {method.value} masks (other ranks wait)")
+            say(f"[elsa_ds] one-shot {method.value} masks on rank 0 (other ranks wait)")
             host = ModelSource(source.name, copy.deepcopy(source.module)) if source.module is not None else source
             done = prune_oneshot(cfg, method, tokenizer, load_host_model(host), say)
-            write_masks(path, done.masks)
+            write_masks(mask_path, done.masks)
+            if model_dir is not None:
+                done.model.save_pretrained(model_dir)
+                tokenizer.save_pretrained(model_dir)
+            calibration = done.calibration
             del done
         except BaseException as err:  # the other ranks must hear of it, whatever it is
             failure = err
@@ -48,5 +61,5 @@ def warm_start_masks(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tok
     if failure is not None:
         raise failure
     if not ok.item():
-        raise ElsaError(f"rank 0 could not compute the --init_mask {method.value} masks; its error says why")
-    return MaskReader(path)
+        raise ElsaError(f"rank 0 could not compute the one-shot {method.value} masks; its error says why")
+    return MaskReader(mask_path), calibration

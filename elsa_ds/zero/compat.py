@@ -133,6 +133,24 @@ def shard(param: torch.nn.Parameter) -> torch.Tensor:
     return param.ds_tensor.data.view(-1)
 
 
+# ---- engine ------------------------------------------------------------------------------------------------------
+def gather_16bit_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The whole 16-bit state dict on rank 0 (None elsewhere), gathered one layer at a time. Collective.
+
+    On the CPU accelerator DeepSpeed hands back views into its gather buffers (a module's weight and bias share one
+    coalesced buffer: OPT's fc1), which safetensors refuses to save; such views are copied. Tied parameters stay one
+    tensor.
+    """
+    state_dict = engine._zero3_consolidated_16bit_state_dict()
+    if state_dict is None:
+        return None
+    copies: dict[int, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if value.untyped_storage().nbytes() != value.numel() * value.element_size():
+            state_dict[key] = copies.setdefault(id(value), value.clone())
+    return state_dict
+
+
 # ---- optimizer state ----------------------------------------------------------------------------------------------
 def keep_out_of_swapper(tensor: torch.Tensor) -> None:
     """Mark an optimizer state the NVMe swapper must leave in memory (it reads every swapped state back as fp32)."""

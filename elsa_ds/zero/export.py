@@ -12,6 +12,7 @@ A tied ``lm_head.weight`` is left out (``from_pretrained`` restores the tie from
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,3 +58,29 @@ def export_model(module: torch.nn.Module, tokenizer, out_dir: Path, rank: int, m
         module.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return max((s.nbytes for s in specs), default=0)
+
+
+def export_consolidated(job, tokenizer, out_dir: Path,
+                 transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> None:
+    """``export_model`` through DeepSpeed's consolidated state dict, for an export that must see the whole model at once.
+    Collective. Rank 0 holds the whole 16-bit model in host memory: used for LoRA baselines only, never for ELSA.
+
+    ``transform`` maps rank 0's consolidated state dict before it is saved (LoRA: adapters merged, mask re-applied).
+    """
+    from huggingface_hub import save_torch_state_dict
+
+    state_dict = compat.gather_16bit_state_dict(job.engine)
+    if job.comm.rank != 0:
+        return
+    if transform is not None:
+        state_dict = transform(state_dict)
+    model = job.engine.module
+    tied = [k for k in ("lm_head.weight",) if getattr(model.config, "tie_word_embeddings", False) and k in state_dict]
+    for k in tied:  # the tie is restored by from_pretrained from the config
+        del state_dict[k]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_torch_state_dict(state_dict, out_dir, max_shard_size="5GB")
+    model.config.save_pretrained(out_dir)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
