@@ -34,14 +34,14 @@ RECIPES: dict[str, tuple[str, TrainSettings, str]] = {
     "docs-llama": ("linux-doc", TrainSettings(
         arch="llama", arch_kwargs={"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6,
                                    "num_attention_heads": 6, "num_key_value_heads": 2},
-        vocab=8192, add_bos=True, seqlen=256, batch=16, steps=1800, lr=2e-3, warmup=0.05, final_lr_ratio=0.1,
-        eval_every=100, eval_blocks=64, seed=0),
+        vocab=8192, add_bos=True, seqlen=256, batch=16, steps=400, lr=2e-3, warmup=0.05, final_lr_ratio=0.1,
+        eval_every=50, eval_blocks=64, seed=0, threads=2),
         "the second quality-benchmark model: Llama architecture on the Linux kernel documentation"),
     "check-qwen2": ("manpages", TrainSettings(
         arch="qwen2", arch_kwargs={"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
                                    "num_attention_heads": 4, "num_key_value_heads": 2},
-        vocab=8192, add_bos=False, seqlen=256, batch=16, steps=800, lr=3e-3, warmup=0.05, final_lr_ratio=0.1,
-        eval_every=100, eval_blocks=64, seed=0),
+        vocab=8192, add_bos=False, seqlen=256, batch=16, steps=400, lr=3e-3, warmup=0.05, final_lr_ratio=0.1,
+        eval_every=100, eval_blocks=64, seed=0, threads=1),
         "the check model: a different architecture (Qwen2) on a different corpus (man-pages), tuned on by nobody"),
 }
 
