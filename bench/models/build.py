@@ -28,6 +28,7 @@ from bench.models.train_model import TrainSettings, train  # noqa: E402
 
 MODELS_HOME = Path("~/.cache/elsa_ds/models")
 CORPORA_HOME = Path("~/.cache/elsa_ds/corpora")
+TOKENIZER_PIPELINE = "as-loaded"  # BPE trained under the pre-tokenization AutoTokenizer imposes (train_model.make_tokenizer)
 
 RECIPES: dict[str, tuple[str, TrainSettings, str]] = {
     # name: (corpus, settings, one-line role)
@@ -35,7 +36,7 @@ RECIPES: dict[str, tuple[str, TrainSettings, str]] = {
         arch="llama", arch_kwargs={"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6,
                                    "num_attention_heads": 6, "num_key_value_heads": 2},
         vocab=8192, add_bos=True, seqlen=256, batch=16, steps=400, lr=2e-3, warmup=0.05, final_lr_ratio=0.1,
-        eval_every=50, eval_blocks=64, seed=0, threads=2),
+        eval_every=50, eval_blocks=64, seed=0, threads=1),
         "the second quality-benchmark model: Llama architecture on the Linux kernel documentation"),
     "check-qwen2": ("manpages", TrainSettings(
         arch="qwen2", arch_kwargs={"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
@@ -48,7 +49,7 @@ RECIPES: dict[str, tuple[str, TrainSettings, str]] = {
 
 def recipe_key(corpus_meta: dict, settings: TrainSettings) -> str:
     """Hash of everything that determines the weights we control: the recipe and the exact corpus files."""
-    ident = {"settings": asdict(settings), "corpus": {s: corpus_meta["splits"][s]["sha256"] for s in corpus_meta["splits"]}}
+    ident = {"tokenizer": TOKENIZER_PIPELINE, "settings": asdict(settings), "corpus": {s: corpus_meta["splits"][s]["sha256"] for s in corpus_meta["splits"]}}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 

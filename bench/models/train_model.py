@@ -26,17 +26,19 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import tempfile
+
 import torch
 import transformers
-from tokenizers import processors
-from transformers import PretrainedConfig, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.models.corpora import read_split  # noqa: E402
 from elsa_ds.data import GlobalBatches, pack_blocks  # noqa: E402
-from elsa_ds.demo.train_demo import cosine_lr, train_tokenizer  # noqa: E402
+from elsa_ds.demo.train_demo import SPECIALS, cosine_lr  # noqa: E402
 from elsa_ds.evaluation.perplexity import ppl, window_nll  # noqa: E402
 
 
@@ -85,14 +87,59 @@ def qwen2_config(vocab_size: int, **kw) -> PretrainedConfig:
 ARCHITECTURES = {"llama": llama_config, "qwen2": qwen2_config}
 
 
-def make_tokenizer(texts: list[str], vocab: int, add_bos: bool) -> PreTrainedTokenizerFast:
-    """The demo's byte-level BPE; with ``add_bos`` every ``tokenizer(text)`` starts with <bos> (Llama's behaviour)."""
-    tokenizer = train_tokenizer(texts, vocab)
-    if add_bos:
-        bos = (tokenizer.bos_token, tokenizer.bos_token_id)
-        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-            single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[bos])
-    return tokenizer
+def train_bpe(texts: list[str], vocab: int, normalizer=None, pre_tokenizer=None) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (the demo's: GPT-2 style byte alphabet, Gemma's special ids) under a given pre-tokenization."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    for want, token in enumerate(SPECIALS):
+        assert tok.token_to_id(token) == want, (token, tok.token_to_id(token))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def as_loaded(tokenizer: PreTrainedTokenizerFast, config: PretrainedConfig):
+    """The tokenizer as ``AutoTokenizer.from_pretrained`` returns it next to this model's config.
+
+    transformers 5 rebuilds the pre-tokenization of some model types on load (a Qwen2 checkpoint gets
+    ``Qwen2Tokenizer``: NFC + Qwen's split regex, whatever tokenizer.json says), so the tokenizer elsa_ds
+    will use is not always the one that was trained.
+    """
+    with tempfile.TemporaryDirectory(prefix="elsa_tok_") as tmp:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def pipeline(tokenizer) -> tuple[str, str]:
+    backend = tokenizer.backend_tokenizer
+    return (json.dumps(json.loads(backend.to_str())["normalizer"]), json.dumps(json.loads(backend.to_str())["pre_tokenizer"]))
+
+
+def make_tokenizer(texts: list[str], vocab: int, add_bos: bool, config: PretrainedConfig):
+    """BPE on the train split, trained under the pre-tokenization the model type gets on load; returns it as loaded.
+
+    With ``add_bos`` every ``tokenizer(text)`` starts with <bos> (a TemplateProcessing post-processor, Llama's behaviour).
+    """
+    def fit(normalizer=None, pre_tokenizer=None):
+        tokenizer = train_bpe(texts, vocab, normalizer, pre_tokenizer)
+        if add_bos:
+            tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+                single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", tokenizer.bos_token_id)])
+        return tokenizer
+
+    trained = fit()
+    loaded = as_loaded(trained, config)
+    if pipeline(loaded) != pipeline(trained):  # retrain the merges under the pipeline the loader imposes
+        backend = loaded.backend_tokenizer
+        trained = fit(backend.normalizer, backend.pre_tokenizer)
+        loaded = as_loaded(trained, config)
+        assert pipeline(loaded) == pipeline(trained), "the loader's pre-tokenization is not stable"
+    return loaded
 
 
 def blocks(tokenizer, texts: list[str], seqlen: int) -> torch.Tensor:
@@ -118,7 +165,7 @@ def train(s: TrainSettings, corpus: Path, out: Path, log=print) -> dict:
     torch.set_num_threads(s.threads)
     started = time.time()
     train_texts, val_texts, test_texts = (read_split(corpus, split) for split in ("train", "validation", "test"))
-    tokenizer = make_tokenizer(train_texts, s.vocab, s.add_bos)
+    tokenizer = make_tokenizer(train_texts, s.vocab, s.add_bos, ARCHITECTURES[s.arch](s.vocab, **s.arch_kwargs))
     train_blocks = blocks(tokenizer, train_texts, s.seqlen)
     val_blocks = blocks(tokenizer, val_texts, s.seqlen)
     test_blocks = blocks(tokenizer, test_texts, s.seqlen)
@@ -198,7 +245,9 @@ def train(s: TrainSettings, corpus: Path, out: Path, log=print) -> dict:
         "settings": asdict(s),
         "tokenizer": {"type": "byte-level BPE", "vocab_size": len(tokenizer), "trained_on": "train split only",
                       "specials": {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3},
-                      "post_processor": "TemplateProcessing '<bos> $A'" if s.add_bos else None},
+                      "post_processor": "TemplateProcessing '<bos> $A'" if s.add_bos else None,
+                      "class_on_load": type(tokenizer).__name__,
+                      "normalizer": json.loads(pipeline(tokenizer)[0]), "pre_tokenizer": json.loads(pipeline(tokenizer)[1])},
         "train_wall_s": round(train_wall, 1),
         "eval_wall_s": round(time.time() - eval_started, 1),
         "wall_s": round(time.time() - started, 1),
