@@ -1,7 +1,7 @@
 """Build one of the benchmark models (corpus + tokenizer + training + held-out perplexity), deterministically.
 
-    python bench/models/build.py --name docs-llama          # Llama, 12.6M params, Linux kernel docs (~1 h on 2 cores)
-    python bench/models/build.py --name check-qwen2         # Qwen2, 6.8M params, Linux man-pages (~25 min)
+    python bench/models/build.py --name docs-llama          # Llama, 12.6M params, kernel docs: ~40 min on 2 idle cores
+    python bench/models/build.py --name check-qwen2         # Qwen2, 6.8M params, man-pages: ~15 min idle, ~50 min crowded
     python bench/models/build.py --name docs-llama --out DIR --corpus_dir DIR
 
 The model goes to ``--out`` (default ``~/.cache/elsa_ds/models/<name>``), its corpus to ``--corpus_dir``
@@ -35,8 +35,8 @@ RECIPES: dict[str, tuple[str, TrainSettings, str]] = {
     "docs-llama": ("linux-doc", TrainSettings(
         arch="llama", arch_kwargs={"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6,
                                    "num_attention_heads": 6, "num_key_value_heads": 2},
-        vocab=8192, add_bos=True, seqlen=256, batch=16, steps=400, lr=2e-3, warmup=0.05, final_lr_ratio=0.1,
-        eval_every=50, eval_blocks=64, seed=0, threads=1),
+        vocab=8192, add_bos=True, seqlen=256, batch=16, steps=1200, lr=2e-3, warmup=0.05, final_lr_ratio=0.1,
+        eval_every=100, eval_blocks=64, seed=0, threads=2),
         "the second quality-benchmark model: Llama architecture on the Linux kernel documentation"),
     "check-qwen2": ("manpages", TrainSettings(
         arch="qwen2", arch_kwargs={"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,

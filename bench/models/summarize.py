@@ -4,7 +4,7 @@
         --sanity docs-llama=out/models/docs-llama/quality.json --sanity check-qwen2=out/models/check-qwen2/quality.json
 
 Reads ``training_metrics.json`` of every recipe in ``build.RECIPES`` under ``--models`` (default
-``~/.cache/elsa_ds/models``), and for ``--sanity NAME=FILE`` the ``quality.json`` that ``bench/quality.py``
+``~/.cache/elsa_ds/models``; a model not built there is listed with ``"built": false``), and for ``--sanity NAME=FILE`` the ``quality.json`` that ``bench/quality.py``
 wrote for that model (dense and pruned perplexity on the test split).
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,10 +29,12 @@ def summary(models: Path, sanity: dict[str, Path]) -> dict:
     out = {}
     for name, (corpus, settings, role) in RECIPES.items():
         path = models.expanduser() / name / "training_metrics.json"
-        if not path.is_file():
-            raise SystemExit(f"{path}: missing; build it with python bench/models/build.py --name {name}")
+        if not path.is_file():  # not built: say so rather than drop it
+            out[name] = {"role": role, "built": False, "corpus": {"name": corpus}, "settings": asdict(settings),
+                         "build": f"python bench/models/build.py --name {name}"}
+            continue
         m = json.loads(path.read_text())
-        entry = {"role": role, "corpus": m["corpus"], "settings": m["settings"], **{k: m[k] for k in KEEP}}
+        entry = {"role": role, "built": True, "corpus": m["corpus"], "settings": m["settings"], **{k: m[k] for k in KEEP}}
         if name in sanity:
             q = json.loads(sanity[name].read_text())
             entry["oneshot_sanity"] = {
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         sanity[name] = Path(file)
     data = summary(args.models, sanity)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
-    print(json.dumps({k: {"val_ppl": v["val_ppl"], "test_ppl": v["test_ppl"]} for k, v in data.items()}))
+    print(json.dumps({k: {"val_ppl": v.get("val_ppl"), "test_ppl": v.get("test_ppl")} for k, v in data.items()}))
     return 0
 
 
