@@ -125,8 +125,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
         run_dir = out_dir / "runs" / name
         extra: list[str] = []
         nvme = None
-        zero = raw.get("zero_optimization", {})
-        if "nvme" in (zero.get("offload_param", {}).get("device"), zero.get("offload_optimizer", {}).get("device")):
+        if DsConfig(raw).uses_nvme:
             nvme = out_dir / "nvme" / name
             nvme.mkdir(parents=True, exist_ok=True)
             extra = ["--nvme_path", str(nvme)]

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, TensorSpec, plan_shards
 from elsa_ds.shapes import ModelShape, model_shape, resolve_model_config
 
@@ -140,15 +141,15 @@ class _Job:
 
 
 def _read_job(shape: ModelShape, ds: dict, elsa: dict, world: int) -> _Job:
-    zero = ds.get("zero_optimization", {})
-    opt_dev = zero.get("offload_optimizer", {}).get("device", "none")
+    view = DsConfig(ds)
+    opt_dev = view.optimizer_device
     base = elsa.get("base_optimizer", "auto")
     if base == "auto":
         base = "adam" if opt_dev == "none" else "cpu_adam"
     return _Job(
         world=world, p=shape.num_params / world, t=shape.trainable_params / world,
         half=2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4,
-        param_dev=zero.get("offload_param", {}).get("device", "none"), opt_dev=opt_dev, base=base,
+        param_dev=view.param_device, opt_dev=opt_dev, base=base,
         z_bytes=STATE_BYTES[elsa.get("z_dtype", "fp32")], u_bytes=STATE_BYTES[elsa.get("u_dtype", "fp32")],
         moment_bytes=2 + 2 / 256 * 4 if base == "adam8bit" else 8,
         min_aio=max(2.0**20, float(ds.get("aio", {}).get("block_size", 2**20))),

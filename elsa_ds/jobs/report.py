@@ -13,6 +13,7 @@ from elsa_ds.config import ElsaConfig
 from elsa_ds.data import PplWindows
 from elsa_ds.io import versions, write_json
 from elsa_ds.output import REPORT_NAME, layers_summary, verified_layers
+from elsa_ds.zero.ds_config import DsConfig
 
 write = write_json
 
@@ -32,7 +33,7 @@ def elsa_report(job, staging: Path, pruned_ppl: float | None) -> dict[str, Any]:
         "init_mask": cfg.init_mask,
         "steps": cfg.steps,
         "tokens": cfg.steps * ds["train_batch_size"] * cfg.seqlen,
-        "offload": {k: ds["zero_optimization"].get(k, {}).get("device", "none") for k in ("offload_param", "offload_optimizer")},
+        "offload": {"offload_param": DsConfig(ds).param_device, "offload_optimizer": DsConfig(ds).optimizer_device},
         "final_loss": state.losses[-1],
         "step_time_s": sum(steady) / len(steady),
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,

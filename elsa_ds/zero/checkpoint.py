@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.zero.ds_config import DsConfig
 
 TAG = re.compile(r"^global_step(\d+)$")
 CLIENT_KEY = "elsa"
@@ -45,7 +46,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def check_supported(ds: dict) -> None:
-    if ds["zero_optimization"].get("offload_optimizer", {}).get("device") == "nvme":
+    if DsConfig(ds).optimizer_device == "nvme":
         raise ElsaError("--save_interval/--resume with NVMe optimizer offload is not supported: DeepSpeed does not restore "
                         "NVMe-offloaded optimizer state (Adam moments, z, u); use zero3_offload.json for resumable runs")
 

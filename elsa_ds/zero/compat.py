@@ -12,6 +12,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -163,3 +164,27 @@ def shm_buffer_path(rank: int) -> str:
     name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
             f"{os.environ.get('MASTER_PORT', '')}_{rank}")
     return os.path.join("/dev/shm", name)
+
+
+# ---- torch's JIT extension builds (DeepSpeed's cpu_adam, async_io, ...) ----------------------------------------------
+STALE_LOCK_S = 20 * 60
+
+
+def stale_build_locks(now: float | None = None) -> list[str]:
+    """Warnings for build locks that look abandoned: a ``lock`` file older than 20 minutes in an extension's build
+    directory that holds no built library. torch's FileBaton waits on such a lock forever, so a build killed half-way
+    (a timed-out job) hangs every later run at its first use of that op, silently."""
+    import time
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    now = time.time() if now is None else now
+    found = []
+    for lock in sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock")):
+        age = now - lock.stat().st_mtime
+        if age > STALE_LOCK_S and not any(lock.parent.glob("*.so")):
+            found.append(f"[elsa_ds] warning: {lock} is {age / 60:.0f} min old and {lock.parent.name} was never built there: "
+                         f"a build killed half-way leaves it and every later build waits on it forever; delete it if no "
+                         f"other build is running")
+    return found

@@ -19,6 +19,7 @@ from elsa_ds.mask_file import MaskReader
 from elsa_ds.models import ModelSource
 from elsa_ds.targets import LayerGoal
 from elsa_ds.zero import compat
+from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.layout import SubGroupLayout, build_layout
 
 
@@ -26,12 +27,8 @@ def model_dtype(ds: dict) -> torch.dtype:
     return torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float32
 
 
-def optimizer_offloaded(ds: dict) -> bool:
-    return ds["zero_optimization"].get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
-
-
 def optimizer_on_nvme(ds: dict) -> bool:
-    return ds["zero_optimization"].get("offload_optimizer", {}).get("device") == "nvme"
+    return DsConfig(ds).optimizer_device == "nvme"
 
 
 @dataclass
@@ -47,7 +44,7 @@ def load_partitioned(source: ModelSource, ds: dict, gradient_checkpointing: bool
 
     compat.prepare_torch_for_zero_init()
     keep_alive = HfDeepSpeedConfig(ds)
-    nvme_params = ds["zero_optimization"].get("offload_param", {}).get("device") == "nvme"
+    nvme_params = DsConfig(ds).param_device == "nvme"
     with compat.zero3_init_one_module_at_a_time() if random_init and nvme_params else contextlib.nullcontext():
         model = source.load(model_dtype(ds), random_init)
     if gradient_checkpointing:
@@ -59,7 +56,7 @@ def base_optimizer(cfg: ElsaConfig, params, ds: dict) -> torch.optim.Optimizer:
     """The optimizer ADMM wraps (and the one a plain fine-tuning run steps)."""
     kind = cfg.base_optimizer
     if kind is BaseOptimizer.auto:
-        kind = BaseOptimizer.cpu_adam if optimizer_offloaded(ds) else BaseOptimizer.adam
+        kind = BaseOptimizer.cpu_adam if DsConfig(ds).optimizer_offloaded else BaseOptimizer.adam
     common = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if kind is BaseOptimizer.cpu_adam:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
