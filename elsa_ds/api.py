@@ -21,6 +21,7 @@ from typing import Any
 from elsa_ds.config import JobOptions, job_options, load_recipe, resolve_config
 from elsa_ds.errors import ElsaError
 from elsa_ds.jobs import make_job, run_job
+from elsa_ds.zero.dist import launcher_env_restored
 from elsa_ds.zero.ds_config import DsConfig
 
 Dataset = Any  # a name or path (str / Path), a list of strings, or a datasets.Dataset with a "text" column
@@ -58,7 +59,8 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
         ds_config = DsConfig.load(opts.deepspeed)
         given = {**settings, "model": _model_name(model) if in_memory else str(model), "dataset": name}
         cfg = resolve_config(ds_config.raw, given, source=str(deepspeed), recipe=load_recipe(recipe) if recipe else None)
-        return run_job(make_job(cfg, opts, ds_config))
+        with launcher_env_restored():
+            return run_job(make_job(cfg, opts, ds_config))
 
 
 def _model_name(module: Any) -> str:

@@ -45,17 +45,19 @@ def test_prune_from_python_on_a_list_of_strings_equals_the_cli(tmp_path, tiny_mo
     run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(tmp_path / "docs.jsonl"), *flags,
                            "--output_dir", str(tmp_path / "cli")])
     out = _python(f"""
-import json, elsa_ds
+import json, os, elsa_ds
 from transformers import AutoModelForCausalLM, AutoTokenizer
 docs = json.load(open({str(tmp_path / 'docs.json')!r}))
 by_name = elsa_ds.prune({str(tiny_model_dir)!r}, docs, output_dir={str(tmp_path / 'api')!r}, deepspeed={str(ds)!r}, **{SETTINGS!r})
 model = AutoModelForCausalLM.from_pretrained({str(tiny_model_dir)!r}, dtype="float32")
 loaded = elsa_ds.prune(model, docs, tokenizer=AutoTokenizer.from_pretrained({str(tiny_model_dir)!r}),
                        output_dir={str(tmp_path / 'api_loaded')!r}, deepspeed={str(ds)!r}, **{SETTINGS!r})
-print(json.dumps({{"by_name": by_name["method"], "loaded": loaded["model"], "sparsity": loaded["overall_sparsity"]}}))
+leaked = [k for k in ("RANK", "WORLD_SIZE", "MASTER_PORT") if k in os.environ]
+print(json.dumps({{"by_name": by_name["method"], "loaded": loaded["model"], "sparsity": loaded["overall_sparsity"], "leaked": leaked}}))
 """)
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["by_name"] == "elsa" and summary["sparsity"] == pytest.approx(0.6, abs=1e-4)
+    assert summary["leaked"] == []  # a later subprocess must not take itself for a launched rank
     cli = _masks(tmp_path / "cli")
     for run in ("api", "api_loaded"):
         masks = _masks(tmp_path / run)
@@ -65,7 +67,7 @@ print(json.dumps({{"by_name": by_name["method"], "loaded": loaded["model"], "spa
 
 def test_oneshot_from_python_prunes_a_loaded_model_in_place(tmp_path, tiny_model_dir):
     out = _python(f"""
-import json, elsa_ds
+import json, os, elsa_ds
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained({str(tiny_model_dir)!r}, dtype="float32")
 report = elsa_ds.oneshot(model, "magnitude", "shakespeare", tokenizer=AutoTokenizer.from_pretrained({str(tiny_model_dir)!r}),

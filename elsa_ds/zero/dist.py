@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 
 from elsa_ds.zero import compat
+
+
+SINGLE_PROCESS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def init_distributed() -> tuple[int, int]:
@@ -56,3 +61,22 @@ def teardown() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def launcher_env_restored() -> Iterator[None]:
+    """Undo, on the way out, the launcher variables a single-process run set for itself (``init_distributed``).
+
+    A job run from Python in a process no launcher started must not leave RANK / MASTER_PORT behind: a subprocess
+    started afterwards (another ``python launch/prune.py``) would inherit them, take itself for rank 0 of a launched
+    group and try to listen on the port this process's group still holds. The group itself stays up for the next job.
+    """
+    before = {k: os.environ.get(k) for k in SINGLE_PROCESS_ENV}
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

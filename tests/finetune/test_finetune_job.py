@@ -3,6 +3,7 @@ control."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -92,5 +93,6 @@ def test_python_api_runs_the_retraining_baseline(tmp_path, tiny_model_dir, text_
     report = elsa_ds.oneshot(str(tiny_model_dir), "magnitude", str(text_dir), output_dir=tmp_path / "out", deepspeed=str(ds),
                              finetune="full", finetune_steps=2, sparsity=0.5, seqlen=64, micro_batch=2, val_windows=2)
     assert report["method"] == "magnitude" and report["finetune"] == "full" and report["steps"] == 2
+    assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ  # nothing left for the next subprocess
     assert "lr" in report["defaults"]["applied"]   # no lr given: the defaults rule's retraining lr
     assert all(layer["zeros"] == round(0.5 * layer["numel"]) for layer in report["layers"].values())
