@@ -18,7 +18,7 @@ from types import ModuleType
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bindings.cpp", "xstep.cpp", "xstep8bit.cpp", "select.cpp")
-HEADERS = ("kernels.h", "numerics.h", "plan.h")
+HEADERS = ("kernels.h", "numerics.h", "plan.h", "quant8.h")
 # -ffp-contract=off: every fused multiply-add is written out (std::fma) where DeepSpeed's SIMD code has one,
 # so results do not depend on what the compiler chooses to contract
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-Wno-unknown-pragmas"]
@@ -59,7 +59,7 @@ def _build(name: str, verbose: bool) -> ModuleType | None:
         from torch.utils import cpp_extension
 
         return cpp_extension.load(
-            name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+            name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
             extra_include_paths=[str(CSRC)], verbose=verbose,
         )
     except Exception as err:  # no compiler, no ninja, a build error: say so once, run the eager reference

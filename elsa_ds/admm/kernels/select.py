@@ -58,13 +58,13 @@ def thresholds(kernels, source: tuple, table, slices: list[Slice], comm: Comm,
     x, u, us, f, qmap, absmax = source
     need = torch.tensor([s.keep for s in slices], dtype=torch.int64)
     active = need > 0
-    hist, peaks = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, _EMPTY_I64)
+    hist, peaks = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, _EMPTY_I64, 1)
     comm.all_reduce_sum(hist)
     if scaled:
         comm.all_reduce_max(peaks)
     high, above = _next_digit(hist, need, torch.zeros_like(need))
     prefix = torch.where(active, high, torch.full_like(high, -1))
-    local, _ = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, prefix)
+    local, _ = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, prefix, 1)
     merged = comm.all_reduce_sum(local.clone())
     low, above = _next_digit(merged, need, above)
     threshold = torch.where(active, (high << _DIGIT) | low, torch.full_like(high, _NO_KEY))
@@ -86,7 +86,7 @@ def split(kernels, flat: torch.Tensor, st: dict, keys: tuple[str, str, str, str]
     x, u, us_old = source[0], source[1], source[2]
     metrics, seen = kernels.select_split(
         x, u if mode == UPDATE else _EMPTY, us_old if mode == UPDATE else _EMPTY, *source[3:], st[z_key],
-        st[zs_key].clone(), z_scale, u_scale, table.offsets, table.lengths, threshold, take, mode)
+        st[zs_key].clone(), z_scale, u_scale, table.offsets, table.lengths, threshold, take, ties, mode)
     if not torch.equal(seen, ties):  # pass 2 and pass 3 recompute the same keys: a mismatch is a kernel bug
         raise RuntimeError(f"fused projection: tie counts {seen.tolist()} differ from the histogram's {ties.tolist()}")
     st[zs_key].copy_(z_scale)

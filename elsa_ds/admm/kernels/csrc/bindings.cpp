@@ -93,19 +93,36 @@ ScoreSource source_of(Tensor& x, Tensor& u, const Tensor& u_scale, const Tensor&
 }
 
 std::vector<Tensor> select_histogram_t(Tensor x, Tensor u, Tensor u_scale, Tensor f, Tensor f_qmap, Tensor f_absmax, Tensor offsets,
-                                       Tensor lengths, Tensor prefix) {
+                                       Tensor lengths, Tensor prefix, int64_t stride) {
     const Slices s = slices_of(offsets, lengths);
     const ScoreSource src = source_of(x, u, u_scale, f, f_qmap, f_absmax, s.count);
     if (prefix.numel()) check_flat(prefix, "prefix", s.count, torch::kInt64);
     auto hist = torch::zeros({s.count, 65536}, torch::kInt32);
     auto peaks = torch::zeros({s.count}, torch::kFloat32);
-    select_histogram(src, x.numel(), s, data_or_null<const int64_t>(prefix), hist.data_ptr<int32_t>(), peaks.data_ptr<float>());
+    select_histogram(src, x.numel(), s, data_or_null<const int64_t>(prefix), stride, hist.data_ptr<int32_t>(), peaks.data_ptr<float>());
     return {hist, peaks};
+}
+
+std::vector<Tensor> select_bracket_t(Tensor x, Tensor u, Tensor u_scale, Tensor f, Tensor f_qmap, Tensor f_absmax, Tensor offsets,
+                                     Tensor lengths, Tensor lo, Tensor hi) {
+    const Slices s = slices_of(offsets, lengths);
+    const ScoreSource src = source_of(x, u, u_scale, f, f_qmap, f_absmax, s.count);
+    check_flat(lo, "lo", s.count, torch::kInt64);
+    check_flat(hi, "hi", s.count, torch::kInt64);
+    auto counts = torch::zeros({s.count, 2}, torch::kInt64);
+    auto peaks = torch::zeros({s.count}, torch::kFloat32);
+    auto found = torch::zeros({s.count}, torch::kInt64);
+    auto overflow = torch::zeros({s.count}, torch::kBool);
+    const std::vector<uint32_t> keys = select_bracket(src, x.numel(), s, lo.data_ptr<int64_t>(), hi.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+                                                      peaks.data_ptr<float>(), found.data_ptr<int64_t>(), overflow.data_ptr<bool>());
+    auto out = torch::empty({int64_t(keys.size())}, torch::kInt64);
+    std::copy(keys.begin(), keys.end(), out.data_ptr<int64_t>());
+    return {counts, peaks, out, found, overflow};
 }
 
 std::vector<Tensor> select_split_t(Tensor x, Tensor u, Tensor u_scale_old, Tensor f, Tensor f_qmap, Tensor f_absmax, Tensor z,
                                    Tensor z_scale_old, Tensor z_scale, Tensor u_scale, Tensor offsets, Tensor lengths,
-                                   Tensor threshold, Tensor take, int64_t mode) {
+                                   Tensor threshold, Tensor take, Tensor ties, int64_t mode) {
     TORCH_CHECK(mode >= 0 && mode <= 2, "mode: 0 update, 1 init, 2 final");
     const Slices s = slices_of(offsets, lengths);
     const ScoreSource src = source_of(x, u, u_scale_old, f, f_qmap, f_absmax, s.count);
@@ -115,12 +132,14 @@ std::vector<Tensor> select_split_t(Tensor x, Tensor u, Tensor u_scale_old, Tenso
         check_flat(*t, name, s.count, torch::kFloat32);
     check_flat(threshold, "threshold", s.count, torch::kInt64);
     check_flat(take, "take", s.count, torch::kInt64);
+    check_flat(ties, "ties", s.count, torch::kInt64);
     auto metrics = torch::zeros({3}, torch::kFloat64);
-    auto ties = torch::zeros({s.count}, torch::kInt64);
+    auto seen = torch::zeros({s.count}, torch::kInt64);
     select_split(src, x.numel(), s, z.data_ptr(), storage_of(z), z_scale_old.data_ptr<float>(), z_scale.data_ptr<float>(),
                  data_or_null<void>(u), storage_of(u), u_scale.data_ptr<float>(), threshold.data_ptr<int64_t>(),
-                 take.data_ptr<int64_t>(), SplitMode(mode), metrics.data_ptr<double>(), ties.data_ptr<int64_t>());
-    return {metrics, ties};
+                 take.data_ptr<int64_t>(), ties.data_ptr<int64_t>(), SplitMode(mode), metrics.data_ptr<double>(),
+                 seen.data_ptr<int64_t>());
+    return {metrics, seen};
 }
 
 // the storage conversions on their own, for the tests that hold them to torch's
@@ -144,6 +163,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("adam_step", &adam_step_t, "fused ADMM penalty + DeepSpeed CPU Adam step on one flat");
     m.def("adam8bit_step", &adam8bit_step_t, "fused ADMM penalty + bitsandbytes-format 8-bit Adam step on one flat");
     m.def("select_histogram", &select_histogram_t, "16-bit digit histograms of the projection scores, per slice; peak |v|");
+    m.def("select_bracket", &select_bracket_t, "count keys above a bracket, collect those inside it, per slice; peak |v|");
     m.def("select_split", &select_split_t, "z = v*[key > T] (+ this rank's tied share), u = v - z; metrics, ties");
     m.def("to_fp8", [](const torch::Tensor& x) {
         return convert<uint8_t>(x.to(torch::kFloat32), torch::kUInt8, [](const void* s, int64_t i) { return float_to_fp8(static_cast<const float*>(s)[i]); });

@@ -77,11 +77,19 @@ enum class SplitMode : int { kUpdate = 0, kInit = 1, kFinal = 2 };
 
 // per slice: a 65536-bin histogram of the scores' high 16 key bits (prefix == null), or of the low 16
 // bits of the keys whose high half equals prefix[j]; and each slice's peak |v|
-void select_histogram(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* prefix, int32_t* hist,
-                      float* peaks);
-// z, u (or x) from the thresholds; metrics[0..2] += residual², x², flips; ties[j] = this rank's tied entries
+// (stride > 1: a sample, every stride-th batch of 1024 entries of each piece)
+void select_histogram(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* prefix, int64_t stride,
+                      int32_t* hist, float* peaks);
+// per slice: counts[2j] = keys above hi[j], counts[2j+1] = keys in [lo[j], hi[j]] (none when lo > hi); the
+// in-bracket keys themselves (grouped by slice, found[j] each, unless overflow[j]: more than 1/8 of a piece);
+// peaks[j] = peak |v|
+std::vector<uint32_t> select_bracket(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* lo, const int64_t* hi,
+                                     int64_t* counts, float* peaks, int64_t* found, bool* overflow);
+// z, u (or x) from the threshold keys; of the ties[j] entries of slice j equal to its threshold (this rank's,
+// from the histogram), the first take[j] in index order are kept; metrics[0..2] += residual², x², flips;
+// ties_seen[j]: the ties the split met (== ties[j] unless the passes disagree)
 void select_split(const ScoreSource& src, int64_t n, const Slices& slices, void* z, Storage z_type, const float* z_scale_old,
                   const float* z_scale, void* u, Storage u_type, const float* u_scale, const int64_t* threshold,
-                  const int64_t* take, SplitMode mode, double* metrics, int64_t* ties);
+                  const int64_t* take, const int64_t* ties, SplitMode mode, double* metrics, int64_t* ties_seen);
 
 }  // namespace elsa

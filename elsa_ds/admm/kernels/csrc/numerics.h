@@ -1,7 +1,7 @@
 // Element conversions shared by the fused ADMM kernels: bf16 and fp8 (e4m3fn) storage of z and u.
 //
-// Each conversion reproduces torch's own (c10's round_to_nearest_even for bf16,
-// fp8e4m3fn_from_fp32_value for fp8) bit for bit, but is written without branches so that the
+// Each conversion reproduces torch's own tensor casts (round to nearest even for bf16,
+// c10's fp8e4m3fn_from_fp32_value for fp8) bit for bit, but is written without branches so that the
 // element loops around it vectorize (tests compare them with torch over every fp8 code and over
 // random and edge-case fp32 bit patterns).
 #pragma once
@@ -24,13 +24,13 @@ inline uint32_t as_bits(float f) {
     return b;
 }
 
-// ---- bf16: the upper half of an fp32, rounded to nearest even; NaN -> 0x7FC0 -------------------
+// ---- bf16: the upper half of an fp32, rounded to nearest even; NaN -> 0xFFFF (as torch's vectorized cast)
 inline float bf16_to_float(uint16_t h) { return as_float(uint32_t(h) << 16); }
 
 inline uint16_t float_to_bf16(float f) {
     uint32_t b = as_bits(f);
     uint32_t rounded = (b + (((b >> 16) & 1u) + 0x7FFFu)) >> 16;
-    return uint16_t(f != f ? 0x7FC0u : rounded);
+    return uint16_t(f != f ? 0xFFFFu : rounded);
 }
 
 // ---- fp8 e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no inf; 0x7F / 0xFF are NaN -----

@@ -12,22 +12,17 @@
 // quantizer, a 65536-bin grid, not the exact nearest code. An all-zero block stores absmax 0, codes 0.
 #include <omp.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define ELSA_AVX512 1
-#endif
-
 #include <algorithm>
 #include <type_traits>
 #include <vector>
 
 #include "kernels.h"
+#include "quant8.h"
 
 namespace elsa {
 namespace {
 
 constexpr int64_t kBlock = 256;  // bitsandbytes' block size for optimizer states
-constexpr int kLut = 65536;
 
 struct Adam8Consts {
     float beta1, one_minus_beta1, beta2, one_minus_beta2;  // as bitsandbytes passes them: python floats to fp32
@@ -35,63 +30,7 @@ struct Adam8Consts {
     bool decayed;
 };
 
-// bitsandbytes' build_quantize_lut, in the same float arithmetic
-std::vector<uint8_t> quantize_lut(const float* code) {
-    std::vector<uint8_t> lut(kLut + 4, 0);  // +4: room for a 32-bit gather at the last index
-    float midpoints[255];
-    for (int i = 0; i < 255; ++i) midpoints[i] = 0.5f * (code[i] + code[i + 1]);
-    int k = 0;
-    for (int i = 0; i < kLut; ++i) {
-        float val = -1.0f + (2.0f * i) / (kLut - 1);
-        while (k < 255 && midpoints[k] < val) ++k;
-        lut[i] = uint8_t(k);
-    }
-    return lut;
-}
-
-inline int lut_index(float normed) {
-    float x = std::min(std::max(normed, -1.0f), 1.0f);
-    x = x != x ? normed : x;  // std::clamp lets NaN through
-    return int(uint16_t(int32_t((x + 1.0f) * 0.5f * float(kLut - 1) + 0.5f)));
-}
-
-void dequantize(const uint8_t* codes, const float* table, float scale, float* out, int64_t n) {
-    int64_t i = 0;
-#ifdef ELSA_AVX512
-    const __m512 s = _mm512_set1_ps(scale);
-    for (; i + 16 <= n; i += 16) {
-        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, table, 4), s));
-    }
-#endif
-    for (; i < n; ++i) out[i] = table[codes[i]] * scale;
-}
-
-void quantize(const float* values, const uint8_t* lut, float absmax, uint8_t* codes, int64_t n) {
-    if (absmax == 0.0f) {
-        std::fill(codes, codes + n, uint8_t(0));
-        return;
-    }
-    const float inv = 1.0f / absmax;
-    int64_t i = 0;
-#ifdef ELSA_AVX512
-    const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f);
-    const __m512 half = _mm512_set1_ps(0.5f), grid = _mm512_set1_ps(float(kLut - 1));
-    for (; i + 16 <= n; i += 16) {
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(values + i), vinv);
-        x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);  // NaN becomes −1 here, 0 in bitsandbytes: see below
-        __m512 f = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(x, hi), half), grid), half);
-        __m512i idx = _mm512_and_si512(_mm512_cvttps_epi32(f), _mm512_set1_epi32(0xFFFF));
-        __m512i code = _mm512_and_si512(_mm512_i32gather_epi32(idx, lut, 1), _mm512_set1_epi32(0xFF));
-        __mmask16 nan = _mm512_cmp_ps_mask(_mm512_loadu_ps(values + i), _mm512_loadu_ps(values + i), _CMP_UNORD_Q);
-        code = _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(lut[0]));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));
-    }
-#endif
-    for (; i < n; ++i) codes[i] = lut[lut_index(values[i] * inv)];
-}
-
-template <class ZT, class UT, bool PENALTY>
+template <class ZT, class UT, bool PENALTY, bool DECAY>
 void adam8_span(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
                 const ZT* __restrict z, const UT* __restrict u, const float z_scale, const float u_scale, const float lam,
                 const Adam8Consts c, const int64_t n) {
@@ -106,7 +45,7 @@ void adam8_span(float* __restrict p, const float* __restrict g, float* __restric
         const float mi = std::fma(grad, c.one_minus_beta1, m[i] * c.beta1);
         const float vi = std::fma(c.one_minus_beta2 * grad, grad, v[i] * c.beta2);
         const float denom = std::sqrt(vi) / c.correction2 + c.eps;
-        param = c.decayed ? param * c.decay : param;
+        if constexpr (DECAY) param = param * c.decay;
         p[i] = param + (c.step * mi) / denom;
         m[i] = mi;
         v[i] = vi;
@@ -115,8 +54,22 @@ void adam8_span(float* __restrict p, const float* __restrict g, float* __restric
 
 struct Flat8 {
     float* p; const float* g; uint8_t* c1; uint8_t* c2; float* absmax1; float* absmax2;
-    const float* code1; const float* code2; const uint8_t* lut1; const uint8_t* lut2;
+    const Quantizer8* q1; const Quantizer8* q2;
 };
+
+// the block-by-block loop stalls on loads the hardware prefetcher starts too late: ask a few blocks ahead
+constexpr int64_t kPrefetch = 4 * kBlock;
+inline void prefetch_block(const Flat8& f, int64_t b0, int64_t numel) {
+    if (b0 >= numel) return;
+    for (int64_t i = 0; i < kBlock; i += 16) {
+        __builtin_prefetch(f.p + b0 + i, 1);
+        __builtin_prefetch(f.g + b0 + i, 0);
+    }
+    for (int64_t i = 0; i < kBlock; i += 64) {
+        __builtin_prefetch(f.c1 + b0 + i, 1);
+        __builtin_prefetch(f.c2 + b0 + i, 1);
+    }
+}
 
 inline float block_absmax(const float* x, int64_t n) {
     float peak = 0.0f;
@@ -131,21 +84,30 @@ void adam8_block(const Flat8& f, const ZT* z, const UT* u, const float* zs, cons
                  const Adam8Consts& c, int64_t b0, int64_t n, const Piece* pieces, int64_t n_pieces) {
     alignas(64) float m[kBlock], v[kBlock];
     const int64_t block = b0 / kBlock;
-    dequantize(f.c1 + b0, f.code1, f.absmax1[block], m, n);
-    dequantize(f.c2 + b0, f.code2, f.absmax2[block], v, n);
+    f.q1->dequantize(f.c1 + b0, f.absmax1[block], m, n);
+    f.q2->dequantize(f.c2 + b0, f.absmax2[block], v, n);
     for (int64_t k = 0; k < n_pieces; ++k) {
         const int64_t lo = std::max(pieces[k].begin, b0), hi = std::min(pieces[k].end, b0 + n);
         if (lo >= hi) continue;
         const int64_t j = pieces[k].slice, at = lo - b0;
-        if (j >= 0 && lam != 0.0f)
-            adam8_span<ZT, UT, true>(f.p + lo, f.g + lo, m + at, v + at, z + lo, u + lo, zs[j], us[j], lam, c, hi - lo);
-        else
-            adam8_span<ZT, UT, false>(f.p + lo, f.g + lo, m + at, v + at, z, u, 1.0f, 1.0f, 0.0f, c, hi - lo);
+        const bool penalty = j >= 0 && lam != 0.0f;
+        auto run = [&](auto pen, auto decay) {
+            adam8_span<ZT, UT, decltype(pen)::value, decltype(decay)::value>(f.p + lo, f.g + lo, m + at, v + at, penalty ? z + lo : z,
+                                                                            penalty ? u + lo : u, penalty ? zs[j] : 1.0f,
+                                                                            penalty ? us[j] : 1.0f, lam, c, hi - lo);
+        };
+        if (penalty) {
+            if (c.decayed) run(std::true_type{}, std::true_type{});
+            else run(std::true_type{}, std::false_type{});
+        } else {
+            if (c.decayed) run(std::false_type{}, std::true_type{});
+            else run(std::false_type{}, std::false_type{});
+        }
     }
     f.absmax1[block] = block_absmax(m, n);
     f.absmax2[block] = block_absmax(v, n);
-    quantize(m, f.lut1, f.absmax1[block], f.c1 + b0, n);
-    quantize(v, f.lut2, f.absmax2[block], f.c2 + b0, n);
+    f.q1->quantize(m, f.absmax1[block], f.c1 + b0, n);
+    f.q2->quantize(v, f.absmax2[block], f.c2 + b0, n);
 }
 
 template <class ZT, class UT>
@@ -165,8 +127,10 @@ void adam8_flat(const Flat8& f, int64_t numel, const ZU& zu, const Slices& slice
         const Piece* pieces = plan.data() + first[k];
         const int64_t n_pieces = first[k + 1] - first[k];
         const int64_t begin = pieces[0].begin, end = pieces[n_pieces - 1].end;
-        for (int64_t b0 = begin; b0 < end; b0 += kBlock)
+        for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+            prefetch_block(f, b0 + kPrefetch, numel);
             adam8_block<ZT, UT>(f, z, u, zu.z_scale, zu.u_scale, lam, c, b0, std::min(kBlock, end - b0), pieces, n_pieces);
+        }
     }
 }
 
@@ -174,12 +138,12 @@ void adam8_flat(const Flat8& f, int64_t numel, const ZU& zu, const Slices& slice
 
 void adam8bit_step(float* p, const float* g, const Adam8State& st, int64_t n, const ZU& zu, const Slices& slices, float lam,
                    const Adam8Hyper& h) {
-    const auto lut1 = quantize_lut(st.qmap1), lut2 = quantize_lut(st.qmap2);
+    const Quantizer8 q1(st.qmap1), q2(st.qmap2);
     // bitsandbytes computes these scalars in Python (double) and torch casts them to fp32
     const double c1 = 1.0 - std::pow(h.beta1, double(h.step)), c2 = std::sqrt(1.0 - std::pow(h.beta2, double(h.step)));
     const Adam8Consts c{float(h.beta1), float(1.0 - h.beta1), float(h.beta2), float(1.0 - h.beta2), float(c2), float(h.eps),
                         float(1.0 - h.lr * h.weight_decay), float(-h.lr / c1), h.weight_decay > 0.0};
-    const Flat8 f{p, g, st.state1, st.state2, st.absmax1, st.absmax2, st.qmap1, st.qmap2, lut1.data(), lut2.data()};
+    const Flat8 f{p, g, st.state1, st.state2, st.absmax1, st.absmax2, &q1, &q2};
     with_storage(zu.z_type, [&](auto zt) {
         with_storage(zu.u_type, [&](auto ut) {
             using ZT = decltype(zt);
