@@ -146,12 +146,12 @@ def main() -> int:
     args = ap.parse_args()
 
     from elsa_ds.ablation import run_ablation
-    from elsa_ds.config import read_ds_config
+    from elsa_ds.zero.ds_config import DsConfig
     from elsa_ds.memory import model_shape, resolve_model_config
 
     out = args.out or Path(tempfile.mkdtemp(prefix="elsa_bench_memory_"))
     configs = [str(Path(c)) for c in args.configs]
-    raw_configs = {Path(c).stem: read_ds_config(c) for c in configs}  # every config readable before the first run
+    raw_configs = {Path(c).stem: DsConfig.load(c).raw for c in configs}  # every config readable before the first run
     model = args.model or build_model(out / ("tiny_model" if args.runtime else "model"), TINY if args.runtime else WIDE)
     shape = model_shape(resolve_model_config(str(model)))
     prune_args = ["--model", str(model), "--dataset", "shakespeare", "--steps", str(args.steps), "--interval", "2",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,31 +34,42 @@ def main() -> int:
     args = ap.parse_args()
 
     from elsa_ds.cli import _quiet_libraries
-    from elsa_ds.config import read_ds_config, resolve_config
+    from elsa_ds.config import resolve_config
+    from elsa_ds.zero.ds_config import DsConfig
 
     _quiet_libraries()
-    raw = read_ds_config(args.deepspeed)
-    cfg = resolve_config(raw, {"model": args.model, "dataset": args.dataset, "interval": args.interval, "val_windows": 0})
+    ds_config = DsConfig.load(args.deepspeed)
+    cfg = resolve_config(ds_config.raw, {"model": args.model, "dataset": args.dataset, "interval": args.interval, "val_windows": 0})
     import torch
 
-    from elsa_ds.data import GlobalBatches, load_blocks
-    from elsa_ds.prune import train_step
+    from elsa_ds.admm.schedule import learning_rate
+    from elsa_ds.data import GlobalBatches, load_blocks, load_tokenizer
+    from elsa_ds.models import ModelSource
     from elsa_ds.targets import select_targets
-    from elsa_ds.zero import engine as zero
-    from transformers import AutoTokenizer
+    from elsa_ds.zero import steps as zsteps
+    from elsa_ds.zero.dist import init_distributed
+    from elsa_ds.zero.engine import base_optimizer, build_admm_engine, full_shapes, initialize, load_partitioned
 
-    ds = zero.prepare_ds_config(raw, cfg, int(__import__("os").environ.get("WORLD_SIZE", "1")))
-    rank, world = zero.init_distributed()
+    ds = ds_config.engine_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    rank, world = init_distributed()
     steps = cfg.interval * args.rounds
     cfg = cfg.model_copy(update={"steps": steps + 1})  # the ELSA run never reaches its final projection
-    tok = AutoTokenizer.from_pretrained(cfg.model)
+    tok = load_tokenizer(cfg.model)
     blocks = load_blocks(cfg.dataset, "train", tok, cfg.seqlen, max_blocks=steps * ds["train_batch_size"])
     batches = GlobalBatches(blocks, ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], world, rank, cfg.seed)
 
-    elsa_loaded = zero.load_model(cfg.model, ds, cfg.gradient_checkpointing)
-    pruned = select_targets(elsa_loaded.model, cfg.targets)
-    job = zero.build_engine(elsa_loaded, cfg, ds, pruned, cfg.targets_for(zero.full_shapes(elsa_loaded.model, pruned)))
-    plain_engine, plain_opt, comm = zero.build_plain_engine(zero.load_model(cfg.model, ds, cfg.gradient_checkpointing), cfg, ds)
+    elsa_model = load_partitioned(ModelSource(cfg.model), ds, cfg.gradient_checkpointing)
+    pruned = select_targets(elsa_model.model, cfg.targets)
+    job = build_admm_engine(elsa_model.model, cfg, ds, pruned, cfg.layer_goals(full_shapes(elsa_model.model, pruned)))
+    plain_model = load_partitioned(ModelSource(cfg.model), ds, cfg.gradient_checkpointing)
+    plain_opt = base_optimizer(cfg, [p for p in plain_model.model.parameters() if p.requires_grad], ds)
+    plain_engine, comm = initialize(plain_model.model, plain_opt, ds)
+
+    def train_step(engine, optimizer, step: int) -> float:
+        if optimizer is job.admm:
+            job.admm.begin_step(step)
+        lr = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_final_ratio)
+        return zsteps.train_step(engine, optimizer, comm, batches.micro_batches(step), lr)
 
     def timed(fn) -> float:
         torch.distributed.barrier()
@@ -66,7 +78,7 @@ def main() -> int:
         torch.distributed.barrier()
         return time.perf_counter() - t0
 
-    train_step(plain_engine, plain_opt, comm, batches, 0, cfg)  # warm-up: lazy state, JIT, allocator
+    train_step(plain_engine, plain_opt, 0)  # warm-up: lazy state, JIT, allocator
     plain_times, elsa_times, proj_times = [], [], []
     elsa_step = 0
     plain_step = 0
@@ -75,10 +87,10 @@ def main() -> int:
         for engine_name in (("plain", "elsa") if r % 2 == 0 else ("elsa", "plain")):
             for _ in range(cfg.interval):
                 if engine_name == "plain":
-                    plain_times.append(timed(lambda: train_step(plain_engine, plain_opt, comm, batches, plain_step, cfg)))
+                    plain_times.append(timed(lambda: train_step(plain_engine, plain_opt, plain_step)))
                     plain_step += 1
                 else:
-                    t = timed(lambda: train_step(job.engine, job.admm, job.comm, batches, elsa_step, cfg))
+                    t = timed(lambda: train_step(job.engine, job.admm, elsa_step))
                     (proj_times if job.admm.projected_this_step else elsa_times).append(t)
                     elsa_step += 1
     # the first ELSA step creates z and u (one-off, like Adam's lazy init); report it apart

@@ -1,25 +1,28 @@
-"""Quality benchmark: every method at every sparsity on the same model and data, judged by the same evaluation.
+"""Quality benchmark: dense, dense fine-tuned, one-shot, one-shot + fine-tuning, one-shot + LoRA and ELSA at every
+sparsity on the same model, data and token budget, judged by the same held-out evaluation.
 
-    python bench/quality.py                                  # the shipped demo model, 50-90 %, all four methods
-    python bench/quality.py --sparsities 0.7 0.9 --methods elsa sparsegpt --json out/quality.json
-    python bench/quality.py --model google/gemma-2-2b --dataset c4 --eval_ppl wikitext2 --seqlen 2048 \\
-        --deepspeed ds_configs/zero3_offload.json --num_gpus 8 -- --steps 4096
+    python bench/quality.py                                           # the shipped demo model, every row, 50-99 %
+    python bench/quality.py --quick                                   # dense, dense+ft, sparsegpt, wanda+ft, elsa at 70/90 %
+    python bench/quality.py --model ~/.cache/elsa_ds/models/docs-llama \\
+        --dataset ~/.cache/elsa_ds/models/docs-llama/corpus/train.jsonl \\
+        --eval_ppl ~/.cache/elsa_ds/models/docs-llama/corpus/test.jsonl --seqlen 256 --steps 400 --out out/q-docs
 
-Each model is pruned by ``launch/prune.py`` (ELSA under the deepspeed launcher with --num_gpus ranks, the
-one-shot methods in one process, all with the same calibration/training data), then its held-out perplexity
-is measured by ``elsa_ds.evaluation`` (the code behind ``launch/evaluate.py``), the dense model's too.
-Arguments after ``--`` go to the ELSA runs only (its budget: --steps, --lmda, ...).
+Every pruned or trained model is made by ``launch/prune.py`` (training rows under the deepspeed launcher with
+--num_gpus ranks; one-shot rows in one process), all from the same training / calibration text; its perplexity on
+--eval_ppl (the TEST split: text no run trained or tuned on) is measured by ``elsa_ds.evaluation`` (the code behind
+``launch/evaluate.py``). Training rows (ELSA, ``+ft``, ``+lora``, ``dense+ft``) share one budget: --steps global
+batches of the DeepSpeed JSON's train_batch_size x --seqlen tokens; their lr, λ and λ schedule come from the
+defaults rule (``elsa_ds/defaults.py``) unless --elsa_args / --ft_args set them. Finished runs are reused with --reuse.
 
-Writes OUT/quality.md (table), OUT/quality.png (perplexity vs sparsity, log scale) and OUT/quality.json
-``{"dense_ppl": x, "results": [{"method", "sparsity", "ppl", "wall_s", ...}]}`` (also to --json FILE), and
-prints the issue's targets: ELSA lowest at >= 70 %, its ratio to the best one-shot method at 90 %, and the
-one-shot order SparseGPT <= Wanda <= magnitude at 50-70 %.
+Writes OUT/quality.md (table, every row's budget, the targets), OUT/quality.png (perplexity vs sparsity, log scale)
+and OUT/quality.json (also to --json FILE).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,144 +31,150 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-METHODS = ("magnitude", "wanda", "sparsegpt", "elsa")
+from quality_report import checks, plot, table  # noqa: E402
+
+ONESHOT = ("magnitude", "wanda", "sparsegpt")
+# row name -> (--method, --finetune); "dense" is the model itself, evaluated
+ROWS = {"dense": (None, None), "dense+ft": ("dense", "full"),
+        **{m: (m, None) for m in ONESHOT}, **{f"{m}+ft": (m, "full") for m in ONESHOT},
+        **{f"{m}+lora": (m, "lora") for m in ONESHOT}, "elsa": ("elsa", None)}
+DEFAULT_ROWS = ("dense", "dense+ft", "magnitude", "wanda", "sparsegpt", "wanda+ft", "wanda+lora", "elsa")
+QUICK_ROWS = ("dense", "dense+ft", "sparsegpt", "wanda+ft", "elsa")
+SPARSITIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 
 
-def prune(method: str, sparsity: float, args, out: Path, extra: list[str]) -> dict:
-    """One pruning run through the real entry point; returns its elsa_report.json."""
-    cmd = [str(ROOT / "launch" / "prune.py"), "--deepspeed", args.deepspeed, "--method", method, "--sparsity", str(sparsity),
-           "--output_dir", str(out), "--overwrite", "--val_windows", "0", "--baseline", "none"]
+def trains(row: str) -> bool:
+    return row == "elsa" or "+" in row
+
+
+def prune(row: str, sparsity: float | None, args, out: Path, extra: list[str]) -> dict:
+    """One run through the real entry point (reused with --reuse when the same command finished before)."""
+    method, finetune = ROWS[row]
+    cmd = [str(ROOT / "launch" / "prune.py"), "--deepspeed", args.deepspeed, "--method", method, "--output_dir", str(out),
+           "--overwrite", "--val_windows", "0", "--baseline", "none"]
+    cmd += ["--sparsity", str(sparsity)] if sparsity is not None else []
+    cmd += ["--finetune", finetune] if finetune else []
+    cmd += ["--steps", str(args.steps)] if trains(row) else []
     cmd += [f for flag, value in (("--model", args.model), ("--dataset", args.dataset), ("--seqlen", args.seqlen))
             if value is not None for f in (flag, str(value))]
-    if method == "elsa":
+    cmd += extra
+    if trains(row):
         launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
-        cmd = [launcher, "--num_gpus", str(args.num_gpus), *cmd, *extra]
+        cmd = [launcher, "--num_gpus", str(args.num_gpus), *cmd]
     else:
         cmd = [sys.executable, *cmd]
+    stamp = out.with_name(out.name + "_cmd.json")
+    if args.reuse and (out / "elsa_report.json").is_file() and stamp.is_file() and json.loads(stamp.read_text()) == cmd[1:]:
+        return json.loads((out / "elsa_report.json").read_text())
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log")
     started = time.time()
     with log.open("w") as fh:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
     if rc != 0:
-        raise SystemExit(f"{method} at {sparsity}: launch/prune.py failed with exit code {rc}; see {log}")
+        raise SystemExit(f"{row} at {sparsity}: launch/prune.py failed with exit code {rc}; see {log}")
     report = json.loads((out / "elsa_report.json").read_text())
     report["bench_wall_s"] = time.time() - started
+    (out / "elsa_report.json").write_text(json.dumps(report, indent=2))
+    stamp.write_text(json.dumps(cmd[1:]))
     return report
 
 
-def heldout_ppl(model: str, source: str, seqlen: int, out: Path) -> float:
-    """Perplexity of a saved or hub model on ``source``'s held-out split, by the evaluation entry point's code."""
+def heldout_ppl(model: str, source: str, seqlen: int, out: Path, limit: int | None, reuse: bool) -> float:
+    """Perplexity of a saved model on ``source`` by the evaluation entry point's code (cached in ``out`` with --reuse)."""
     from elsa_ds.evaluation.run import EvalSettings, run
 
-    result = run(EvalSettings(model=model, ppl=[source], seqlen=seqlen, batch_size=8, output=out))
+    if reuse and out.is_file():
+        saved = json.loads(out.read_text())
+        if saved["settings"]["limit"] == limit and source in saved["ppl"]:
+            return saved["ppl"][source]["ppl"]
+    result = run(EvalSettings(model=model, ppl=[source], seqlen=seqlen, batch_size=8, limit=limit, output=out))
     return result["ppl"][source]["ppl"]
 
 
-def table(dense: float, rows: list[dict], sparsities: list[float], methods: list[str]) -> str:
-    lines = [f"Held-out perplexity (dense: {dense:.2f}); lower is better, best per sparsity in bold.", "",
-             "| method | " + " | ".join(f"{s:.0%}" for s in sparsities) + " |", "|---|" + "---:|" * len(sparsities)]
-    best = {s: min(r["ppl"] for r in rows if r["sparsity"] == s) for s in sparsities}
-    for m in methods:
-        cells = []
-        for s in sparsities:
-            (r,) = [r for r in rows if r["method"] == m and r["sparsity"] == s]
-            cells.append(f"**{r['ppl']:.2f}**" if r["ppl"] == best[s] else f"{r['ppl']:.2f}")
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+def budget(report: dict, row: str) -> str:
+    if trains(row):
+        seqlen = report["config"]["seqlen"]
+        batch = report["tokens"] // max(report["steps"] * seqlen, 1)
+        return f"{report['steps']} steps x {batch} x {seqlen} = {report['tokens']:,} tokens"
+    return f"{report['tokens']:,} calibration tokens" if report.get("tokens") else "no data"
 
 
-def plot(dense: float, rows: list[dict], methods: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for m in methods:
-        pts = sorted((r["sparsity"], r["ppl"]) for r in rows if r["method"] == m)
-        ax.plot([100 * s for s, _ in pts], [p for _, p in pts], marker="o", label=m)
-    ax.axhline(dense, color="grey", linestyle="--", label="dense")
-    ax.set_yscale("log")
-    ax.set_xlabel("sparsity (%)")
-    ax.set_ylabel("held-out perplexity (log scale)")
-    ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    tmp.replace(path)
-
-
-def targets(dense: float, rows: list[dict], sparsities: list[float], methods: list[str]) -> list[str]:
-    """The issue's targets, as lines of text (only those the chosen methods and sparsities can speak to)."""
-    said = []
-    at = {(r["method"], r["sparsity"]): r["ppl"] for r in rows}
-    oneshot = [m for m in methods if m != "elsa"]
-    if "elsa" in methods and oneshot:
-        for s in (s for s in sparsities if s >= 0.7):
-            best = min(oneshot, key=lambda m: at[(m, s)])
-            ok = at[("elsa", s)] < at[(best, s)]
-            said.append(f"{s:.0%}: ELSA {at[('elsa', s)]:.2f} vs best one-shot {best} {at[(best, s)]:.2f} "
-                        f"-> {at[(best, s)] / at[('elsa', s)]:.2f}x lower {'(lowest: yes)' if ok else '(lowest: NO)'}"
-                        + (" [target at 90%: >= 2x, goal 5x]" if abs(s - 0.9) < 1e-9 else ""))
-    if {"magnitude", "wanda", "sparsegpt"} <= set(methods):
-        for s in (s for s in sparsities if 0.5 <= s <= 0.7):
-            order = at[("sparsegpt", s)] <= at[("wanda", s)] <= at[("magnitude", s)]
-            said.append(f"{s:.0%}: sparsegpt {at[('sparsegpt', s)]:.2f} <= wanda {at[('wanda', s)]:.2f} <= magnitude "
-                        f"{at[('magnitude', s)]:.2f}: {'yes' if order else 'NO'}")
-    return said
+def settings_used(report: dict) -> str:
+    c = report["config"]
+    auto = (report.get("defaults") or {}).get("applied", {})
+    if report["method"] == "elsa":
+        text = f"lr {c['lr']:.3g}, λ {c['lmda']:g} {c['lmda_schedule']}, interval {c['interval']}"
+    elif report.get("finetune"):
+        text = f"lr {c['lr']:.3g}" + (f", LoRA r {c['lora_rank']} α {c['lora_alpha']:g}" if report["finetune"] == "lora" else "")
+    else:
+        return ""
+    return text + ("; from the defaults rule" if auto else "")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="hub id or directory [the embedded demo]")
-    ap.add_argument("--dataset", default=None, help="calibration / training data [the demo's shakespeare; else c4]")
-    ap.add_argument("--eval_ppl", default=None, help="held-out perplexity source [the dataset's validation split]")
-    ap.add_argument("--seqlen", type=int, default=None, help="tokens per sequence for pruning and evaluation [demo 256; else 2048]")
-    ap.add_argument("--sparsities", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9])
-    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--dataset", default=None, help="training / calibration text [the demo's shakespeare; else c4]")
+    ap.add_argument("--eval_ppl", default=None, help="held-out perplexity source, the TEST split [the dataset's validation split]")
+    ap.add_argument("--seqlen", type=int, default=None, help="tokens per sequence for training and evaluation [demo 256; else 2048]")
+    ap.add_argument("--steps", type=int, default=400, help="the training rows' budget in global batches [400]")
+    ap.add_argument("--sparsities", type=float, nargs="+", default=None, help=f"[{' '.join(map(str, SPARSITIES))}; --quick: 0.7 0.9]")
+    ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=None, help=f"[{' '.join(DEFAULT_ROWS)}]")
+    ap.add_argument("--quick", action="store_true", help=f"rows {' '.join(QUICK_ROWS)} at 70 and 90 %%")
+    ap.add_argument("--limit", type=int, default=None, help="at most this many evaluation windows [all]")
     ap.add_argument("--deepspeed", default="ds_configs/zero3_offload.json")
-    ap.add_argument("--num_gpus", type=int, default=2, help="ranks of the ELSA runs [2]")
+    ap.add_argument("--num_gpus", type=int, default=1, help="ranks of the training runs [1]")
+    ap.add_argument("--elsa_args", default="", help="extra flags for the ELSA runs, one string")
+    ap.add_argument("--ft_args", default="", help="extra flags for the +ft / +lora / dense+ft runs, one string")
+    ap.add_argument("--reuse", action="store_true", help="reuse finished runs and evaluations of the same command in --out")
     ap.add_argument("--out", type=Path, default=Path("out/quality"))
     ap.add_argument("--json", type=Path, default=None, help="also write the JSON here")
-    ap.add_argument("elsa_args", nargs=argparse.REMAINDER, help="-- then flags for the ELSA runs")
     args = ap.parse_args()
-    extra = [a for a in args.elsa_args if a != "--"]
+    rows = args.rows or list(QUICK_ROWS if args.quick else DEFAULT_ROWS)
+    sparsities = args.sparsities or ([0.7, 0.9] if args.quick else list(SPARSITIES))
 
     from elsa_ds.cli import _quiet_libraries
-    from elsa_ds.config import DEMO_MODEL_DIR, DEMO_PROFILE, read_ds_config, resolve_config
+    from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
+    from elsa_ds.zero.ds_config import DsConfig
 
     _quiet_libraries()
     model = args.model or str(DEMO_MODEL_DIR)
-    cfg = resolve_config(read_ds_config(args.deepspeed), {"model": model, "dataset": args.dataset, "seqlen": args.seqlen})
+    cfg = resolve_config(DsConfig.load(args.deepspeed).raw, {"model": model, "dataset": args.dataset, "seqlen": args.seqlen})
     source = args.eval_ppl or cfg.dataset
     args.out.mkdir(parents=True, exist_ok=True)
-    dense = heldout_ppl(model, source, cfg.seqlen, args.out / "dense_eval.json")
-    print(f"[quality] dense {model}: {dense:.3f} on {source} (seqlen {cfg.seqlen})", flush=True)
+    results = []
 
-    rows = []
-    for s in args.sparsities:
-        for m in args.methods:
-            out = args.out / "runs" / f"{m}_{round(100 * s)}"
-            report = prune(m, s, args, out, extra)
-            ppl = heldout_ppl(str(out), source, cfg.seqlen, out.with_name(out.name + "_eval.json"))
-            budget = (f"{report['steps']} steps x {report['tokens'] // max(report['steps'], 1):,} tokens = {report['tokens']:,} tokens"
-                      if m == "elsa" else f"{report['tokens']:,} calibration tokens" if report["tokens"] else "no data")
-            rows.append({"method": m, "sparsity": s, "ppl": ppl, "wall_s": report["bench_wall_s"], "budget": budget,
-                         "steps": report["steps"], "tokens": report["tokens"], "overall_sparsity": report["overall_sparsity"]})
-            print(f"[quality] {m:9s} {s:.0%}: ppl {ppl:10.3f}  ({report['bench_wall_s']:.0f} s; {budget})", flush=True)
+    def record(row: str, sparsity: float | None, path: str, report: dict | None) -> None:
+        ppl = heldout_ppl(path, source, cfg.seqlen, args.out / "runs" / f"{Path(path).name}_eval.json", args.limit, args.reuse) \
+            if report else heldout_ppl(path, source, cfg.seqlen, args.out / "dense_eval.json", args.limit, args.reuse)
+        entry = {"row": row, "sparsity": sparsity, "ppl": ppl, "budget": budget(report, row) if report else "none",
+                 "settings": settings_used(report) if report else "", "wall_s": report.get("bench_wall_s") if report else None,
+                 "tokens": report.get("tokens") if report else 0, "overall_sparsity": report["overall_sparsity"] if report else 0.0}
+        results.append(entry)
+        print(f"[quality] {row:15s} {'' if sparsity is None else f'{sparsity:.0%}':>4s}: ppl {ppl:10.3f}  ({entry['budget']}; "
+              f"{entry['settings']})", flush=True)
 
-    md = table(dense, rows, args.sparsities, args.methods)
-    elsa_budget = sorted({r["budget"] for r in rows if r["method"] == "elsa"})
-    if elsa_budget:
-        md += f"\nELSA budget: {', '.join(elsa_budget)} ({' '.join(extra) or 'the config / demo defaults'}).\n"
-    checks = targets(dense, rows, args.sparsities, args.methods)
-    md += "".join(f"\n- {line}" for line in checks) + ("\n" if checks else "")
+    extra = {"elsa": shlex.split(args.elsa_args), "ft": shlex.split(args.ft_args)}
+    for row in (r for r in rows if ROWS[r][0] in (None, "dense")):  # sparsity-independent: once
+        if row == "dense":
+            record(row, None, model, None)
+        else:
+            out = args.out / "runs" / row.replace("+", "_")
+            record(row, None, str(out), prune(row, None, args, out, extra["ft"]))
+    for s in sparsities:
+        for row in (r for r in rows if ROWS[r][0] not in (None, "dense")):
+            out = args.out / "runs" / f"{row.replace('+', '_')}_{round(100 * s)}"
+            report = prune(row, s, args, out, extra["elsa"] if row == "elsa" else extra["ft"] if trains(row) else [])
+            record(row, s, str(out), report)
+
+    md = table(results, rows, sparsities, source, args.limit) + checks(results)
     (args.out / "quality.md").write_text(md)
-    plot(dense, rows, args.methods, args.out / "quality.png")
-    payload = {"model": model, "eval": source, "seqlen": cfg.seqlen, "dense_ppl": dense, "elsa_args": extra, "results": rows}
+    plot(results, rows, args.out / "quality.png")
+    payload = {"model": model, "eval": source, "seqlen": cfg.seqlen, "steps": args.steps, "limit": args.limit,
+               "elsa_args": args.elsa_args, "ft_args": args.ft_args, "results": results}
     for path in filter(None, (args.out / "quality.json", args.json)):
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(payload, indent=2) + "\n")

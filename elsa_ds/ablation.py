@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -17,8 +18,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from elsa_ds.config import read_ds_config, resolve_config
-from elsa_ds.errors import ElsaError
+from elsa_ds.config import resolve_config
+from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.errors import ElsaError, require
 from elsa_ds.memory import Estimate, estimate, model_shape, resolve_model_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,16 +48,18 @@ class TreeMonitor(threading.Thread):
     """Samples the peak summed RSS of a process and its descendants, and the peak size of a folder.
 
     Also kept: the largest peak of one rank process, and the launcher processes' (deepspeed's runner and
-    launch.py, told apart by their command line) summed peak.
+    launch.py, told apart by their command line) summed peak. With ``record``, every sample is kept in ``series`` as
+    (time since the epoch, summed RSS, folder bytes, free bytes on the folder's file system).
     """
 
-    def __init__(self, pid: int, folder: Path | None, period: float = 0.1):
+    def __init__(self, pid: int, folder: Path | None, period: float = 0.1, record: bool = False):
         super().__init__(daemon=True)
-        self.pid, self.folder, self.period = pid, folder, period
+        self.pid, self.folder, self.period, self.record = pid, folder, period, record
         self.peak_rss = 0.0
         self.peak_rank_rss = 0.0
         self.peak_launcher_rss = 0.0
         self.peak_folder = 0.0
+        self.series: list[tuple[float, float, float, float]] = []
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -64,6 +68,7 @@ class TreeMonitor(threading.Thread):
         root = psutil.Process(self.pid)
         launcher: dict[int, bool] = {}
         while not self.done.is_set():
+            rss, folder = 0.0, 0.0
             try:
                 sizes = {}
                 for proc in [root, *root.children(recursive=True)]:
@@ -73,15 +78,30 @@ class TreeMonitor(threading.Thread):
                         sizes[proc.pid] = float(proc.memory_info().rss)
                     except psutil.Error:
                         continue
-                self.peak_rss = max(self.peak_rss, sum(sizes.values()))
+                rss = sum(sizes.values())
+                self.peak_rss = max(self.peak_rss, rss)
                 self.peak_launcher_rss = max(self.peak_launcher_rss, sum(v for k, v in sizes.items() if launcher[k]))
                 self.peak_rank_rss = max([self.peak_rank_rss, *(v for k, v in sizes.items() if not launcher[k])])
             except psutil.Error:
                 pass
             if self.folder is not None and self.folder.exists():
-                size = sum(f.stat().st_size for f in self.folder.rglob("*") if f.is_file())
-                self.peak_folder = max(self.peak_folder, float(size))
+                try:
+                    folder = float(sum(_size(f) for f in self.folder.rglob("*")))
+                except OSError:  # a sub-folder removed while it was walked: the next sample counts again
+                    folder = self.peak_folder if not self.series else self.series[-1][2]
+                self.peak_folder = max(self.peak_folder, folder)
+            if self.record:
+                free = shutil.disk_usage(self.folder).free if self.folder is not None and self.folder.exists() else 0.0
+                self.series.append((time.time(), rss, folder, float(free)))
             time.sleep(self.period)
+
+
+def _size(path: Path) -> int:
+    """Bytes of a file (0 for a folder, or a file deleted while the folder is walked)."""
+    try:
+        return path.stat().st_size if path.is_file() else 0
+    except OSError:
+        return 0
 
 
 def _masks(out: Path):
@@ -100,7 +120,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
     rows: list[AblationRow] = []
     reference = None
     for cfg_path in configs:
-        raw = read_ds_config(cfg_path)
+        raw = DsConfig.load(cfg_path).raw
         name = Path(cfg_path).stem
         run_dir = out_dir / "runs" / name
         extra: list[str] = []
@@ -181,8 +201,7 @@ def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(out_dir / "ablation.md")
 
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plot", "the ablation's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,20 +1,47 @@
-"""Argument parsing for the entry points; logic lives in the library, errors become one line and exit 2."""
+"""The entry points' argument parsing: generated from the settings models, so a flag exists exactly once.
+
+``elsa-prune`` flags come from :class:`~elsa_ds.config.JobOptions` and :class:`~elsa_ds.config.ElsaConfig`
+(name, type, choices, default, help = the field's docstring); ``python -m elsa_ds.cli --flag-table`` prints the
+README's flag table from the same fields. Errors become one line on stderr and exit code 2.
+"""
 from __future__ import annotations
 
 import argparse
+import enum
 import logging
 import os
+import re
 import sys
+import types
+import typing
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from elsa_ds.config import DEMO_PROFILE, ElsaConfig, JobOptions
 from elsa_ds.errors import ElsaError
+from elsa_ds.version import __version__
+
+GROUP_TITLES = {
+    "run": "the job (not ELSA settings: never in a recipe or the JSON's \"elsa\" block)",
+    "job": "what is pruned",
+    "sparsity": "sparsity, pattern, one-shot methods",
+    "data": "data and validation",
+    "admm": "ADMM",
+    "finetune": "retraining a one-shot mask, and the dense control (--method dense)",
+    "optimizer": "the optimizer ADMM wraps",
+    "engine": "engine, checkpoints, logging",
+    "evaluation": "evaluation of the saved model at the end (the launch/evaluate.py protocol, rank 0 alone)",
+}
 
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    for name in ("DeepSpeed", "deepspeed", "transformers", "datasets"):
+    for name in ("DeepSpeed", "deepspeed", "transformers", "datasets", "lm_eval"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
@@ -28,56 +55,104 @@ def guarded(fn: Callable[[], int | None]) -> int:
         return 2
 
 
+# ---- flags from fields ---------------------------------------------------------------------------------------------
+def _cli_fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    return {name: f for name, f in model.model_fields.items() if (f.json_schema_extra or {}).get("cli", True)}
+
+
+def _argument(name: str, field: FieldInfo, flag_default: bool) -> tuple[list[str], dict[str, Any]]:
+    """argparse's add_argument for one field; not given = None, so lower-precedence sources keep their value."""
+    kind = _unwrap(field.annotation)
+    extra = field.json_schema_extra or {}
+    kwargs: dict[str, Any] = {"help": _help(name, field), "default": None}
+    if kind is bool:
+        kwargs.update(action="store_true", default=False) if flag_default else kwargs.update(action=argparse.BooleanOptionalAction)
+    elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+        kwargs["choices"] = [m.value for m in kind]
+    elif typing.get_origin(kind) is tuple:
+        kwargs.update(nargs=len(typing.get_args(kind)), type=typing.get_args(kind)[0])
+    elif typing.get_origin(kind) is list:
+        kwargs["type"] = str
+    else:
+        kwargs["type"] = kind
+    if field.is_required():
+        kwargs["required"] = True
+    if "metavar" in extra:
+        kwargs["metavar"] = tuple(extra["metavar"].split()) if "nargs" in kwargs else extra["metavar"]
+    return [f"--{name}"], kwargs
+
+
+def _unwrap(annotation: Any) -> Any:
+    """``X | None`` -> X."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return args[0] if is_union and len(args) == 1 else annotation
+
+
+def _described(name: str, field: FieldInfo) -> tuple[str, str]:
+    """(meaning, default as shown): a docstring ending in ``[...]`` states its own default (e.g. the demo's)."""
+    text = (field.description or "").strip()
+    stated = re.search(r"\s*\[([^\]]*)\]\.?$", text)
+    if stated:
+        return text[:stated.start()] + ".", stated.group(1)
+    return text, "required" if field.is_required() else _default_text(name, field)
+
+
+def _help(name: str, field: FieldInfo) -> str:
+    text, default = _described(name, field)
+    text = text if field.is_required() else f"{text.removesuffix('.')} [{default}]"
+    return text.replace("%", "%%")  # argparse %-formats help strings ("10%" would be a format spec)
+
+
+def _default_text(name: str, field: FieldInfo) -> str:
+    default = field.get_default(call_default_factory=True)
+    shown = default.value if isinstance(default, enum.Enum) else "none" if default in (None, []) else default
+    if isinstance(default, bool):
+        shown = "on" if default else "off"
+    if isinstance(default, tuple):
+        shown = " ".join(str(x) for x in default)
+    return f"{shown}; demo: {DEMO_PROFILE[name]}" if name in DEMO_PROFILE else str(shown)
+
+
 def prune_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="elsa-prune",
-        description="Prune a causal LM with ELSA (ADMM, objective-aware projection) under DeepSpeed ZeRO-3.",
-    )
-    p.add_argument("--deepspeed", required=True, metavar="CFG", help="DeepSpeed JSON (ZeRO-3); may hold an \"elsa\" block")
-    p.add_argument("--output_dir", required=True, type=Path, help="where the pruned model and elsa_report.json go")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUTPUT_DIR/checkpoints")
+    p = argparse.ArgumentParser(prog="elsa-prune", description="Prune a causal LM with ELSA (ADMM, objective-aware projection) "
+                                "under DeepSpeed ZeRO-3, or with a one-shot baseline.")
+    p.add_argument("--version", action="version", version=f"elsa_ds {__version__}")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
-    g = p.add_argument_group("ELSA settings (override the JSON's \"elsa\" block; defaults in brackets)")
-    g.add_argument("--method", choices=["elsa", "magnitude", "wanda", "sparsegpt"],
-                   help="elsa, or a one-shot baseline run layer by layer in one process [elsa]")
-    g.add_argument("--model", help="hub id or local directory [the embedded Shakespeare Gemma-2 demo]")
-    g.add_argument("--dataset", help="c4 | wikitext2 | shakespeare | datasets name | local .txt/.jsonl/.parquet path [c4; demo: shakespeare]")
-    g.add_argument("--sparsity", type=float, help="fraction of zeros per pruned layer, in [0, 1) [0.7]")
-    g.add_argument("--pattern", metavar="N:M", help="unstructured, or N:M: at least N zeros in every M consecutive inputs; sets sparsity N/M [unstructured]")
-    g.add_argument("--sparsity_profile", metavar="FILE", help="JSON {module-name regex: sparsity}: per-layer ratios, first match wins [none]")
-    g.add_argument("--init_mask", metavar="METHOD_OR_DIR", help="warm-start ELSA's z from a magnitude|wanda|sparsegpt mask or a pruned model directory [none]")
-    g.add_argument("--nsamples", type=int, help="calibration sequences for wanda/sparsegpt [128]")
-    g.add_argument("--targets", metavar="REGEX", help="regex over module names of nn.Linear layers to prune [every Linear in the decoder layers]")
-    g.add_argument("--steps", type=int, help="optimizer steps [4096; demo: 512]")
-    g.add_argument("--interval", type=int, help="steps between projections [32]")
-    g.add_argument("--lmda", type=float, help="ADMM penalty λ (peak for linear/cosine) [0.01]")
-    g.add_argument("--lmda_schedule", choices=["constant", "linear", "cosine"], help="λ schedule [constant]")
-    g.add_argument("--projection", choices=["fisher", "magnitude"], help="score F·(x+u)² or (x+u)² [fisher]")
-    g.add_argument("--z_dtype", choices=["fp32", "bf16", "fp8"], help="storage of z [fp32]")
-    g.add_argument("--u_dtype", choices=["fp32", "bf16", "fp8"], help="storage of u [fp32]")
-    g.add_argument("--base_optimizer", choices=["auto", "adam", "cpu_adam", "adam8bit"], help="optimizer ADMM wraps [auto]")
-    g.add_argument("--lr", type=float, help="peak learning rate, linear decay [2e-4; demo: 1e-3]")
-    g.add_argument("--seqlen", type=int, help="tokens per block [2048; demo: 256]")
-    g.add_argument("--micro_batch", type=int, help="blocks per rank per forward [train_micro_batch_size_per_gpu; demo: 4]")
-    g.add_argument("--seed", type=int, help="seed of data order [0]")
-    g.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="recompute activations in backward [on; demo: off]")
-    g.add_argument("--val_windows", type=int, help="validation windows for dense/pruned perplexity, 0 = skip [128; demo: 64]")
-    g.add_argument("--save_interval", type=int, help="steps between checkpoints in OUTPUT_DIR/checkpoints, 0 = none [0]")
-    g.add_argument("--keep_checkpoints", type=int, help="newest checkpoints kept [2]")
-    g.add_argument("--nvme_path", metavar="DIR", help="NVMe offload directory (overrides the config's nvme_path)")
-    g.add_argument("--baseline", choices=["magnitude", "none"], help="one-shot baseline evaluated on the same windows [magnitude]")
-    e = p.add_argument_group("evaluation of the saved model at the end (the launch/evaluate.py protocol, rank 0 only)")
-    e.add_argument("--eval_ppl", metavar="LIST", help="comma list of wikitext2 | c4 | local text paths [none]")
-    e.add_argument("--eval_tasks", metavar="LIST", help="comma list of lm-eval tasks, 0-shot; 'paper' = the seven tasks [none]")
-    e.add_argument("--eval_include_path", metavar="DIR", help="directory of local lm-eval task YAMLs")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for model, flag_default in ((JobOptions, True), (ElsaConfig, False)):
+        for name, field in _cli_fields(model).items():
+            group = (field.json_schema_extra or {}).get("group", "job")
+            if group not in groups:
+                groups[group] = p.add_argument_group(GROUP_TITLES.get(group, group))
+            flags, kwargs = _argument(name, field, flag_default)
+            groups[group].add_argument(*flags, **kwargs)
     return p
 
 
-ELSA_FLAGS = ("method", "model", "dataset", "sparsity", "pattern", "sparsity_profile", "init_mask", "nsamples", "targets", "steps", "interval", "lmda", "lmda_schedule", "projection",
-              "z_dtype", "u_dtype", "base_optimizer", "lr", "seqlen", "micro_batch", "seed", "val_windows", "baseline", "nvme_path", "gradient_checkpointing",
-              "save_interval", "keep_checkpoints", "eval_ppl", "eval_tasks", "eval_include_path")
+def flag_table() -> str:
+    """The README's flag table, from the same fields as the parser."""
+    lines = ["| flag | default | meaning |", "|---|---|---|"]
+    for model in (JobOptions, ElsaConfig):
+        for name, field in _cli_fields(model).items():
+            text, default = _described(name, field)
+            kind = _unwrap(field.annotation)
+            if isinstance(kind, type) and issubclass(kind, enum.Enum) and not all(m.value in text for m in kind):
+                text += f" Choices: {', '.join(m.value for m in kind)}."
+            lines.append(f"| `--{name}` | {default} | {text.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def settings_from_args(args: argparse.Namespace):
+    """(JobOptions, ElsaConfig, DsConfig) from parsed flags: the JSON read, a recipe merged, everything validated."""
+    from elsa_ds.config import job_options, load_recipe, resolve_config
+    from elsa_ds.zero.ds_config import DsConfig
+
+    opts = job_options({k: getattr(args, k) for k in _cli_fields(JobOptions)})
+    ds_config = DsConfig.load(opts.deepspeed)
+    recipe = load_recipe(opts.recipe) if opts.recipe else None
+    cfg = resolve_config(ds_config.raw, {k: getattr(args, k) for k in _cli_fields(ElsaConfig)}, source=opts.deepspeed, recipe=recipe)
+    return opts, cfg, ds_config
 
 
 def main_prune(argv: list[str] | None = None) -> int:
@@ -85,29 +160,25 @@ def main_prune(argv: list[str] | None = None) -> int:
     _quiet_libraries()
 
     def go() -> None:
-        from elsa_ds.config import read_ds_config, resolve_config
-        from elsa_ds.output import check_output_dir
-        from elsa_ds.prune import run
+        from elsa_ds.jobs import make_job, run_job
 
-        raw = read_ds_config(args.deepspeed)
-        cfg = resolve_config(raw, {k: getattr(args, k) for k in ELSA_FLAGS}, source=args.deepspeed)
-        check_output_dir(args.output_dir, args.overwrite, args.resume)
-        if cfg.eval_tasks:  # an unknown task must not wait for the end of a multi-day run to be found
-            from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager
-
-            task_manager(expand_tasks(",".join(cfg.eval_tasks)), cfg.eval_include_path)
-        run(cfg, raw, args.output_dir, args.overwrite, ds_config_path=args.deepspeed, resume=args.resume)
+        opts, cfg, ds_config = settings_from_args(args)
+        run_job(make_job(cfg, opts, ds_config))
 
     return guarded(go)
 
 
+# ---- elsa-estimate ----------------------------------------------------------------------------------------------------
 def estimate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elsa-estimate", description="Estimate GPU, CPU and NVMe memory of an ELSA job from configs alone.")
+    p.add_argument("--version", action="version", version=f"elsa_ds {__version__}")
     p.add_argument("--model", required=True, help="hub id (shipped configs resolve offline), model directory or config.json")
-    p.add_argument("--deepspeed", required=True, metavar="CFG", help="DeepSpeed JSON (its \"elsa\" block sets state dtypes and optimizer)")
+    p.add_argument("--deepspeed", required=True, metavar="CFG", help="DeepSpeed JSON by path or shipped name (its \"elsa\" block sets "
+                   "state dtypes and optimizer)")
     p.add_argument("--num_gpus", type=int, default=1, help="GPUs (ranks) per node [1]")
     p.add_argument("--num_nodes", type=int, default=1, help="nodes [1]")
     p.add_argument("--micro_batch", type=int, default=None, help="sequences per GPU per forward [the JSON's]")
+    p.add_argument("--batch_size", type=int, default=None, help="global batch in sequences [the JSON's train_batch_size]")
     p.add_argument("--seqlen", type=int, default=2048, help="tokens per sequence [2048]")
     p.add_argument("--targets", default=None, help="regex of pruned modules [decoder-layer Linears]")
     p.add_argument("--no_gradient_checkpointing", action="store_true", help="estimate activations without checkpointing")
@@ -120,35 +191,30 @@ def main_estimate(argv: list[str] | None = None) -> int:
     _quiet_libraries()
 
     def go() -> None:
-        import json
-
-        from elsa_ds.config import read_ds_config
-        from elsa_ds.memory import estimate, model_shape, resolve_model_config
+        from elsa_ds.memory import estimate_job, format_estimate
 
         if args.num_gpus <= 0 or args.num_nodes <= 0:
             raise ElsaError("--num_gpus and --num_nodes must be positive")
-        ds = read_ds_config(args.deepspeed)
-        shape = model_shape(resolve_model_config(args.model), args.targets)
-        est = estimate(shape, ds, args.num_gpus, args.num_nodes, args.micro_batch, args.seqlen,
-                       gradient_checkpointing=not args.no_gradient_checkpointing)
-        gib = 2 ** 30
-        print(f"{args.model}: {est.num_params / 1e9:.2f} B parameters ({est.pruned_params / 1e9:.2f} B pruned), "
-              f"{args.num_nodes} node(s) x {args.num_gpus} GPU(s), {args.deepspeed}")
-        print(f"{'':12s} {'per GPU':>12s} {'CPU per node':>14s} {'NVMe':>12s}")
-        for name, row in est.breakdown.items():
-            print(f"{name:12s} {row['per_gpu'] / gib:10.2f} GiB {row['per_node_cpu'] / gib:12.2f} GiB {row['nvme'] / gib:10.2f} GiB")
-        print(f"{'total':12s} {est.per_gpu_bytes / gib:10.2f} GiB {est.per_node_cpu_bytes / gib:12.2f} GiB {est.nvme_bytes / gib:10.2f} GiB")
+        est = estimate_job(args.model, args.deepspeed, args.num_gpus, args.num_nodes,
+                           {"micro_batch": args.micro_batch, "batch_size": args.batch_size, "seqlen": args.seqlen,
+                            "targets": args.targets, "gradient_checkpointing": not args.no_gradient_checkpointing})
+        print(format_estimate(est, args.model, args.deepspeed, args.num_gpus, args.num_nodes), flush=True)
         if args.json:
             print(est.to_json())
 
     return guarded(go)
 
 
+# ---- elsa-evaluate ----------------------------------------------------------------------------------------------------
 def evaluate_parser() -> argparse.ArgumentParser:
+    from elsa_ds.data import PplProtocol
+    from elsa_ds.evaluation.run import DTYPES
+
     p = argparse.ArgumentParser(
         prog="elsa-evaluate",
         description="Evaluate a (pruned) causal LM with the pruning papers' protocol: sparsity, perplexity, zero-shot accuracy.",
     )
+    p.add_argument("--version", action="version", version=f"elsa_ds {__version__}")
     p.add_argument("--model", metavar="ID_OR_DIR", help="hub id or saved model directory (required unless --compare)")
     p.add_argument("--ppl", default="", metavar="LIST",
                    help="comma list of wikitext2 | c4 | local .txt/.jsonl/.parquet path or directory [none]")
@@ -157,9 +223,13 @@ def evaluate_parser() -> argparse.ArgumentParser:
                         "arc_easy,arc_challenge,openbookqa [none]")
     p.add_argument("--include_path", metavar="DIR", help="directory of local lm-eval task YAMLs")
     p.add_argument("--seqlen", type=int, default=2048, help="tokens per perplexity window [2048]")
+    p.add_argument("--ppl_protocol", choices=[m.value for m in PplProtocol], default="auto",
+                   help="stream: SparseGPT/Wanda (the text tokenized once, consecutive windows, BOS only where the tokenizer puts "
+                        "it); window: the ELSA authors' Gemma protocol (the same windows, BOS overwrites each window's first "
+                        "token, ppl = exp(sum NLL / (windows x seqlen))); auto: window for Gemma, stream otherwise [auto]")
     p.add_argument("--batch_size", type=int, default=1, help="windows / lm-eval requests per forward [1]")
     p.add_argument("--limit", type=int, default=None, help="examples per task and most windows per dataset; quick checks only [all]")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="weights' dtype [bf16 on CUDA, fp32 on CPU]")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="weights' dtype [bf16 on CUDA, fp32 on CPU]")
     p.add_argument("--device_map", choices=["auto"], default=None,
                    help="spread a model too large for one GPU over GPUs, CPU and disk (CUDA only) [one device]")
     p.add_argument("--offload_folder", metavar="DIR",
@@ -179,25 +249,31 @@ def main_evaluate(argv: list[str] | None = None) -> int:
     if not args.compare and not args.model:
         parser.error("--model is required (or --compare A.json B.json ...)")
     _quiet_libraries()
-    logging.getLogger("lm_eval").setLevel(logging.WARNING)
 
     def go() -> None:
-        if args.compare:
-            from elsa_ds.evaluation.tables import compare, write_atomic
+        from elsa_ds.evaluation.run import EvalSettings, run
+        from elsa_ds.evaluation.tables import compare
+        from elsa_ds.evaluation.zeroshot import expand_tasks
+        from elsa_ds.io import write_atomic
 
+        if args.compare:
             table = compare(args.compare)
             print(table, end="", flush=True)
             if args.markdown is not None:
                 write_atomic(args.markdown, table)
             return
-        from elsa_ds.evaluation.run import EvalSettings, run
-        from elsa_ds.evaluation.zeroshot import expand_tasks
-
         run(EvalSettings(
             model=args.model, ppl=[s for s in (x.strip() for x in args.ppl.split(",")) if s],
             tasks=expand_tasks(args.tasks) if args.tasks is not None else [], include_path=args.include_path,
-            seqlen=args.seqlen, batch_size=args.batch_size, limit=args.limit, dtype=args.dtype, device_map=args.device_map,
+            seqlen=args.seqlen, ppl_protocol=args.ppl_protocol, batch_size=args.batch_size, limit=args.limit, dtype=args.dtype, device_map=args.device_map,
             offload_folder=args.offload_folder, output=args.output, markdown=args.markdown,
         ))
 
     return guarded(go)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--flag-table"]:
+        print(flag_table(), end="")
+    else:
+        sys.exit(main_prune())

@@ -1,11 +1,13 @@
-"""ElsaConfig: the one validated source of truth for an ELSA job, and the DeepSpeed JSON around it.
+"""ElsaConfig: the one validated source of truth for every setting of a pruning job.
 
-Precedence, lowest first: field defaults < the embedded demo's profile (only when no --model is
-given) < the ``"elsa"`` block of the DeepSpeed JSON < the command line. Every error names the field.
+Each field's docstring is its documentation: the command line (``elsa_ds/cli.py``), the README's flag
+table (``python -m elsa_ds.cli --flag-table``) and the error messages are generated from these fields.
+
+Precedence, lowest first: field defaults < the embedded demo's profile (only when no --model is given)
+< a ``--recipe`` file < the ``"elsa"`` block of the DeepSpeed JSON < the command line.
 """
 from __future__ import annotations
 
-import json
 import re
 from enum import Enum
 from pathlib import Path
@@ -17,32 +19,37 @@ from elsa_ds.admm.optimizer import AdmmSettings, Projection
 from elsa_ds.admm.projection import NM
 from elsa_ds.admm.schedule import LambdaSchedule
 from elsa_ds.admm.state import StateDtype
+from elsa_ds.config_files import load_profile, load_recipe as _load_recipe
+from elsa_ds.data.sampling import Sampling
+from elsa_ds.data.sources import DEMO_DATASET, LOCAL_SUFFIXES
+from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError
+from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
+from elsa_ds.targets import LayerGoal, layer_goals
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo" / "model"
-DEMO_DATASET = "shakespeare"
+NAMED_TEXT_SOURCES = ("wikitext2", "c4", DEMO_DATASET)
 
 # Settings that make the embedded default finish in minutes on 2 CPU cores; used only for the demo
-# model and only where neither the JSON nor the command line set the field.
+# model and only where neither a recipe, the JSON nor the command line set the field.
 DEMO_PROFILE: dict[str, Any] = {
     "dataset": DEMO_DATASET,
     "seqlen": 256,
     "steps": 512,
-    "lr": 1e-3,
     "micro_batch": 4,
     "val_windows": 64,
     "gradient_checkpointing": False,
 }
 
+# What a resumed run must share with the run that wrote its checkpoint.
+RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "dataset", "sparsity", "pattern", "sparsity_profile",
+                     "init_mask", "targets", "steps", "interval", "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype",
+                     "base_optimizer", "lr", "seqlen", "seed", "val_dataset", "sampling", "ppl_protocol", "val_windows",
+                     "freeze_embeddings")
 
-class Method(str, Enum):
-    elsa = "elsa"              # ADMM on the model's loss under ZeRO-3 (this project)
-    magnitude = "magnitude"    # one-shot |W| per layer
-    wanda = "wanda"            # one-shot |W|·‖X‖₂ per output row (Sun et al., 2023)
-    sparsegpt = "sparsegpt"    # one-shot OBS reconstruction (Frantar & Alistarh, 2023)
 
-
-ONESHOT_METHODS = ("magnitude", "wanda", "sparsegpt")
+def _group(name: str, metavar: str | None = None) -> dict[str, Any]:
+    return {"json_schema_extra": {"group": name, **({"metavar": metavar} if metavar else {})}}
 
 
 class BaseOptimizer(str, Enum):
@@ -53,53 +60,146 @@ class BaseOptimizer(str, Enum):
 
 
 class ElsaConfig(BaseModel):
-    """Every ELSA setting; JSON block ``"elsa"`` and command-line flags map one-to-one onto fields."""
+    """Every setting of a pruning job; the JSON ``"elsa"`` block and the command-line flags map one-to-one onto fields."""
 
-    model_config = ConfigDict(extra="forbid", use_enum_values=False, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", use_enum_values=False, validate_assignment=True, use_attribute_docstrings=True)
 
-    method: Method = Field(Method.elsa, description="elsa, or a one-shot baseline: magnitude, wanda, sparsegpt.")
-    model: str = Field(str(DEMO_MODEL_DIR), description="Hub id or local directory of the causal LM to prune.")
-    dataset: str = Field("c4", description="c4, wikitext2, shakespeare, a datasets name, or local .txt/.jsonl/.parquet files.")
-    sparsity: float = Field(0.7, ge=0.0, lt=1.0, description="Fraction of zeros in every pruned layer, in [0, 1).")
-    pattern: str = Field("unstructured", description="unstructured, or N:M (at least N zeros in every M consecutive inputs); N:M fixes the sparsity to N/M.")
-    sparsity_profile: str | None = Field(None, description="JSON file {module-name regex: sparsity}: per-layer ratios (first match wins; others get sparsity).")
-    init_mask: str | None = Field(None, description="Warm start of ELSA's z: magnitude, wanda, sparsegpt, or a directory of an already pruned model.")
-    nsamples: int = Field(128, gt=0, description="Calibration sequences of seqlen tokens for wanda / sparsegpt (and --init_mask wanda|sparsegpt).")
-    blocksize: int = Field(128, gt=0, description="SparseGPT column block size.")
-    percdamp: float = Field(0.01, ge=0.0, description="SparseGPT dampening, as a fraction of the mean Hessian diagonal.")
-    targets: str | None = Field(None, description="Regex over module names selecting the nn.Linear layers to prune; default: every Linear inside the decoder layers.")
-    steps: int = Field(4096, gt=0, description="Optimizer steps (global batches).")
-    interval: int = Field(32, gt=0, description="Steps between projections z = Π(x + u).")
-    lmda: float = Field(0.01, ge=0.0, description="ADMM penalty λ (peak value for linear / cosine schedules).")
-    lmda_schedule: LambdaSchedule = Field(LambdaSchedule.constant, description="constant, linear or cosine (0 → λ over the run).")
-    projection: Projection = Field(Projection.fisher, description="fisher: score F·(x+u)² with F = Adam's exp_avg_sq; magnitude: (x+u)².")
-    z_dtype: StateDtype = Field(StateDtype.fp32, description="Storage of z: fp32, bf16 or fp8 (e4m3, scaled).")
-    u_dtype: StateDtype = Field(StateDtype.fp32, description="Storage of u: fp32, bf16 or fp8 (scaled).")
-    base_optimizer: BaseOptimizer = Field(BaseOptimizer.auto, description="auto, adam, cpu_adam or adam8bit.")
-    lr: float = Field(2e-4, gt=0.0, description="Peak learning rate; decays linearly to lr_final_ratio · lr.")
-    lr_final_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final learning rate as a fraction of lr.")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
-    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
-    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay (0 = plain Adam, as in the paper).")
-    seqlen: int = Field(2048, ge=2, description="Tokens per block (BOS included).")
-    micro_batch: int | None = Field(None, gt=0, description="Blocks per rank per forward; default: train_micro_batch_size_per_gpu of the JSON.")
-    gradient_checkpointing: bool = Field(True, description="Recompute decoder-layer activations in backward (needed to fit 27B activations).")
-    seed: int = Field(0, description="Seed of data order and initialization.")
-    val_windows: int = Field(128, ge=0, description="Validation windows of seqlen for dense / pruned perplexity (0 = skip).")
-    baseline: str = Field("magnitude", description="One-shot baseline evaluated on the same windows: magnitude or none.")
-    nvme_path: str | None = Field(None, description="Directory for NVMe offload; overrides nvme_path of offload_param and offload_optimizer.")
-    save_interval: int = Field(0, ge=0, description="Steps between checkpoints in OUTPUT_DIR/checkpoints (0 = none).")
-    keep_checkpoints: int = Field(2, gt=0, description="Checkpoints kept (newest first).")
-    log_interval: int = Field(1, gt=0, description="Steps between progress-bar loss updates.")
-    eval_ppl: list[str] = Field(default_factory=list, description="After the job, evaluate the saved model's perplexity on these (wikitext2, c4, local paths), in-process on rank 0.")
-    eval_tasks: list[str] = Field(default_factory=list, description="After the job, lm-eval zero-shot tasks on the saved model ('paper' = the seven tasks).")
-    eval_include_path: str | None = Field(None, description="Directory of local lm-eval task YAMLs for eval_tasks.")
+    # --- what is pruned, and how ---------------------------------------------------------------------------
+    method: Method = Field(Method.elsa, **_group("job"))
+    """elsa, a one-shot baseline (magnitude, wanda, sparsegpt: layer by layer in one process, or retrained with --finetune),
+    or dense (no pruning: the control, with --finetune)."""
+    model: str = Field(str(DEMO_MODEL_DIR), **_group("job", "ID_OR_DIR"))
+    """Hub id or local directory of the causal LM to prune [the embedded Shakespeare Gemma-2 demo]."""
+    random_init: bool = Field(False, **_group("job"))
+    """Build the model from its config.json with random weights instead of loading weights (benchmarks, scale tests)."""
+    sparsity: float = Field(0.7, ge=0.0, lt=1.0, **_group("sparsity"))
+    """Fraction of zeros in every pruned layer, in [0, 1)."""
+    pattern: str = Field("unstructured", **_group("sparsity", "N:M"))
+    """unstructured, or N:M: at least N zeros in every M consecutive inputs of a row; fixes the sparsity to N/M."""
+    sparsity_profile: str | None = Field(None, **_group("sparsity", "FILE"))
+    """JSON file {module-name regex: sparsity}: per-layer ratios, first match wins, other layers take sparsity."""
+    targets: str | None = Field(None, **_group("sparsity", "REGEX"))
+    """Regex over module names of the nn.Linear layers to prune [every Linear inside the decoder layers]."""
+    init_mask: str | None = Field(None, **_group("sparsity", "METHOD_OR_DIR"))
+    """Warm start of ELSA's z from a magnitude, wanda or sparsegpt mask, or from a pruned model directory."""
+    nsamples: int = Field(128, gt=0, **_group("sparsity"))
+    """Calibration sequences of seqlen tokens for wanda / sparsegpt (and --init_mask wanda|sparsegpt)."""
+    blocksize: int = Field(128, gt=0, **_group("sparsity"))
+    """SparseGPT column block size."""
+    percdamp: float = Field(0.01, ge=0.0, **_group("sparsity"))
+    """SparseGPT dampening, as a fraction of the mean Hessian diagonal."""
+
+    # --- retraining after a one-shot mask (and the dense control) --------------------------------------------
+    finetune: Finetune | None = Field(None, **_group("finetune"))
+    """Train after the one-shot mask, the mask held fixed, on ELSA's data, batch and lr schedule: full (every weight, pruned
+    entries exactly zero) or lora (adapters on the pruned layers, merged with the mask re-applied) [none]."""
+    finetune_steps: int | None = Field(None, gt=0, **_group("finetune"))
+    """Optimizer steps of --finetune (global batches, like ELSA's --steps) [steps]."""
+    lora_rank: int = Field(8, gt=0, **_group("finetune"))
+    """Rank r of the LoRA adapters (--finetune lora)."""
+    lora_alpha: float = Field(16.0, gt=0.0, **_group("finetune"))
+    """LoRA scaling α: the update is (α / r)·B·A."""
+
+    # --- data ----------------------------------------------------------------------------------------------
+    dataset: str = Field("c4", **_group("data", "SOURCE"))
+    """c4, wikitext2, shakespeare, a datasets name with a text column, or local .txt/.md/.jsonl/.parquet files; a local directory is split by file names (train/validation/test), otherwise 10% of whole documents are held out for validation [c4; demo: shakespeare]."""
+    val_dataset: str | None = Field(None, **_group("data", "SOURCE"))
+    """Validation text instead of the held-out part of dataset (read as launch/evaluate.py --ppl reads it); dataset then trains on all of its documents; the report's perplexities and --select_every score on it."""
+    sampling: Sampling = Field(Sampling.auto, **_group("data"))
+    """Training sequences: crop (the ELSA authors' loader: random documents longer than seqlen, a random window of each; Gemma: BOS + seqlen-1 tokens), pack (documents joined by EOS in BOS-first blocks), auto (crop for c4 and wikitext2, pack otherwise)."""
+    seqlen: int = Field(2048, ge=2, **_group("data"))
+    """Tokens per training block and validation window."""
+    batch_size: int | None = Field(None, gt=0, **_group("data"))
+    """Global batch in sequences; overrides the DeepSpeed JSON's train_batch_size (required when that is "auto")."""
+    micro_batch: int | None = Field(None, gt=0, **_group("data"))
+    """Sequences per rank per forward [the JSON's train_micro_batch_size_per_gpu]."""
+    seed: int = Field(0, **_group("data"))
+    """Seed of data order, calibration sampling and initialization."""
+    val_windows: int = Field(128, ge=0, **_group("data"))
+    """Validation windows for dense / one-shot / pruned perplexity in the report (0 skips)."""
+    ppl_protocol: PplProtocol = Field(PplProtocol.auto, **_group("data"))
+    """Perplexity windows of the report and of eval_ppl: stream (SparseGPT/Wanda: the text tokenized once, consecutive windows), window (the ELSA authors' Gemma protocol: the same windows, BOS overwrites each first token), auto (window for Gemma, stream otherwise)."""
+    baseline: str = Field("magnitude", **_group("data"))
+    """One-shot baseline the report evaluates on the same windows: magnitude or none."""
+
+    # --- ADMM ----------------------------------------------------------------------------------------------
+    steps: int = Field(4096, gt=0, **_group("admm"))
+    """Optimizer steps (global batches)."""
+    interval: int = Field(32, gt=0, **_group("admm"))
+    """Steps between projections z = Π(x + u), u = u + x − z."""
+    select_every: int = Field(0, ge=0, **_group("admm"))
+    """Score the hard projection Π(x) on the validation windows every this many projections and export the best one
+    (0 = export the final Π(x))."""
+    select_patience: int = Field(0, ge=0, **_group("admm"))
+    """Stop once this many scored projections in a row did not improve on the best (0 = never stop early)."""
+    lmda: float = Field(0.01, ge=0.0, **_group("admm"))
+    """ADMM penalty λ (the peak of a linear or cosine schedule) [from the defaults rule, elsa_ds/defaults.py]."""
+    lmda_schedule: LambdaSchedule = Field(LambdaSchedule.constant, **_group("admm"))
+    """constant, linear or cosine (0 → λ over the run); the scaled dual is rescaled when λ changes [from the defaults rule]."""
+    projection: Projection = Field(Projection.fisher, **_group("admm"))
+    """fisher: keep the largest F·(x+u)², F = the optimizer's second moment; magnitude: the largest (x+u)²."""
+    z_dtype: StateDtype = Field(StateDtype.fp32, **_group("admm"))
+    """Storage of z: fp32, bf16 or fp8 (e4m3, scaled)."""
+    u_dtype: StateDtype = Field(StateDtype.fp32, **_group("admm"))
+    """Storage of u: fp32, bf16 or fp8 (scaled)."""
+
+    # --- optimizer -----------------------------------------------------------------------------------------
+    base_optimizer: BaseOptimizer = Field(BaseOptimizer.auto, **_group("optimizer"))
+    """auto (DeepSpeedCPUAdam with optimizer offload, torch Adam otherwise), adam, cpu_adam or adam8bit."""
+    lr: float = Field(2e-4, gt=0.0, **_group("optimizer"))
+    """Peak learning rate; linear decay to lr_final_ratio · lr [from the defaults rule, elsa_ds/defaults.py]."""
+    lr_final_ratio: float = Field(0.0, ge=0.0, le=1.0, **_group("optimizer"))
+    """Final learning rate as a fraction of lr."""
+    warmup_steps: int = Field(0, ge=0, **_group("optimizer"))
+    """Linear learning-rate warm-up steps."""
+    betas: tuple[float, float] = Field((0.9, 0.999), **_group("optimizer", "B1 B2"))
+    """Adam betas."""
+    eps: float = Field(1e-8, gt=0.0, **_group("optimizer"))
+    """Adam epsilon."""
+    weight_decay: float = Field(0.0, ge=0.0, **_group("optimizer"))
+    """Decoupled weight decay (0 = plain Adam, the ELSA authors' code default)."""
+    gradient_checkpointing: bool = Field(True, **_group("optimizer"))
+    """Recompute decoder-layer activations in backward (what lets 27B activations fit) [on; demo: off]."""
+    freeze_embeddings: bool = Field(False, **_group("optimizer"))
+    """Train neither the token embedding nor the LM head (no gradient, master, moments, z, u): at a 256k vocabulary the embedding is the largest tensor, and NVMe offload sizes every optimizer swap buffer by it."""
+
+    # --- engine, checkpoints, logging ------------------------------------------------------------------------
+    nvme_path: str | None = Field(None, **_group("engine", "DIR"))
+    """NVMe offload directory; overrides nvme_path of offload_param and offload_optimizer in the JSON."""
+    save_interval: int = Field(0, ge=0, **_group("engine"))
+    """Steps between checkpoints in OUTPUT_DIR/checkpoints (0 = none)."""
+    keep_checkpoints: int = Field(2, gt=0, **_group("engine"))
+    """Checkpoints kept, newest first."""
+    log_interval: int = Field(1, gt=0, **_group("engine"))
+    """Steps between progress-bar updates."""
+
+    # --- evaluation of the saved model at the end ------------------------------------------------------------
+    eval_ppl: list[str] = Field(default_factory=list, **_group("evaluation", "LIST"))
+    """Comma list of wikitext2, c4 or local text paths: perplexity of the saved model, rank 0 alone at the end."""
+    eval_tasks: list[str] = Field(default_factory=list, **_group("evaluation", "LIST"))
+    """Comma list of lm-eval tasks run 0-shot on the saved model ('paper' = the seven tasks of the papers)."""
+    eval_include_path: str | None = Field(None, **_group("evaluation", "DIR"))
+    """Directory of local lm-eval task YAMLs for eval_tasks."""
 
     @field_validator("eval_ppl", "eval_tasks", mode="before")
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
         return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+
+    @field_validator("eval_ppl")
+    @classmethod
+    def _eval_sources_exist(cls, v: list[str]) -> list[str]:
+        missing = [s for s in v if s not in NAMED_TEXT_SOURCES and not Path(s).expanduser().exists()]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: no such file or directory (named sources: {', '.join(NAMED_TEXT_SOURCES)})")
+        return v
+
+    @field_validator("val_dataset")
+    @classmethod
+    def _local_val_dataset_exists(cls, v: str | None) -> str | None:
+        if v is not None and (v.startswith((".", "/", "~")) or Path(v).suffix in LOCAL_SUFFIXES) and not Path(v).expanduser().exists():
+            raise ValueError("no such file or directory (or give c4, wikitext2 or a datasets name)")
+        return v
 
     @field_validator("model")
     @classmethod
@@ -138,8 +238,15 @@ class ElsaConfig(BaseModel):
     @field_validator("init_mask")
     @classmethod
     def _known_init_mask(cls, v: str | None) -> str | None:
-        if v is not None and v not in ONESHOT_METHODS and not (Path(v).expanduser() / "config.json").is_file():
-            raise ValueError(f"must be one of {', '.join(ONESHOT_METHODS)} or a directory holding a pruned model (config.json, *.safetensors)")
+        if v is not None and v not in oneshot_names() and not (Path(v).expanduser() / "config.json").is_file():
+            raise ValueError(f"must be one of {', '.join(oneshot_names())} or a directory holding a pruned model (config.json, *.safetensors)")
+        return v
+
+    @field_validator("baseline")
+    @classmethod
+    def _known_baseline(cls, v: str) -> str:
+        if v not in ("magnitude", "none"):
+            raise ValueError("must be 'magnitude' or 'none'")
         return v
 
     @model_validator(mode="before")
@@ -164,16 +271,33 @@ class ElsaConfig(BaseModel):
             raise ValueError(f"init_mask warm-starts ELSA; it means nothing with method {self.method.value}")
         return self
 
-    @field_validator("baseline")
-    @classmethod
-    def _known_baseline(cls, v: str) -> str:
-        if v not in ("magnitude", "none"):
-            raise ValueError("must be 'magnitude' or 'none'")
-        return v
+    @model_validator(mode="after")
+    def _finetune_fits_method(self) -> ElsaConfig:
+        if self.finetune is not None and self.method is Method.elsa:
+            raise ValueError("finetune retrains a one-shot mask (--method magnitude|wanda|sparsegpt) or the dense model "
+                             "(--method dense); ELSA trains on its own")
+        if self.method.value == DENSE and self.finetune is None:
+            raise ValueError("method dense is the unpruned control: give it --finetune full or lora (the dense model itself "
+                             "needs no job: evaluate it with launch/evaluate.py)")
+        if self.finetune_steps is not None and self.finetune is None:
+            raise ValueError("finetune_steps counts --finetune steps; set --finetune full or lora, or drop it")
+        if (self.select_every or self.select_patience) and self.method is not Method.elsa:
+            raise ValueError("select_every / select_patience pick among ELSA's projections; they mean nothing with method "
+                             f"{self.method.value}")
+        if self.select_patience and not self.select_every:
+            raise ValueError("select_patience counts scored projections; set select_every too")
+        if self.select_every and not self.val_windows:
+            raise ValueError("select_every scores projections on the validation windows; val_windows must be > 0")
+        return self
 
     @property
     def is_demo(self) -> bool:
         return Path(self.model).resolve() == DEMO_MODEL_DIR
+
+    @property
+    def oneshot(self) -> OneShot | None:
+        """The one-shot method, or None for ELSA and the dense control."""
+        return None if self.method.value in (ELSA, DENSE) else OneShot(self.method.value)
 
     @property
     def nm(self) -> NM | None:
@@ -181,16 +305,14 @@ class ElsaConfig(BaseModel):
         return None if self.pattern == "unstructured" else NM.parse(self.pattern)
 
     @property
-    def target(self) -> float | NM:
+    def goal(self) -> LayerGoal:
         """What every layer is pruned to without a profile: the N:M pattern, or the sparsity."""
         return self.nm or self.sparsity
 
-    def targets_for(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, float | NM]:
+    def layer_goals(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, LayerGoal]:
         """Each pruned weight's sparsity or N:M pattern (``shapes``: parameter name -> full shape)."""
-        from elsa_ds.targets import layer_targets
-
         profile = load_profile(self.sparsity_profile) if self.sparsity_profile else None
-        return layer_targets(shapes, self.sparsity, self.nm, profile)
+        return layer_goals(shapes, self.sparsity, self.nm, profile)
 
     def admm_settings(self) -> AdmmSettings:
         return AdmmSettings(
@@ -198,32 +320,47 @@ class ElsaConfig(BaseModel):
             projection=self.projection, z_dtype=self.z_dtype, u_dtype=self.u_dtype, pattern=self.nm,
         )
 
+    def resume_fingerprint(self, world_size: int) -> dict[str, Any]:
+        """Settings a resumed run must share with the run that wrote the checkpoint."""
+        settings = {k: v for k, v in self.model_dump(mode="json").items() if k in RESUME_MUST_MATCH}
+        if self.sparsity_profile:  # the ratios, not the path: an edited profile is a different run
+            settings["sparsity_profile"] = load_profile(self.sparsity_profile)
+        return {"world_size": world_size, **settings}
 
-def load_profile(path: str | Path) -> dict[str, float]:
-    """A per-layer sparsity profile: a JSON object {module-name regex: sparsity in [0, 1)}, in file order.
 
-    OWL-style (one ratio per decoder block, e.g. ``"layers\\.3\\."``) and EvoPress-style (one per module,
-    e.g. ``"layers\\.3\\.mlp\\.down_proj"``) profiles are both written this way.
-    """
+class JobOptions(BaseModel):
+    """Where a pruning job runs and writes: not ELSA settings, so never in a recipe or the JSON's ``"elsa"`` block."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, arbitrary_types_allowed=True)
+
+    deepspeed: str = Field(..., json_schema_extra={"group": "run", "metavar": "CFG"})
+    """DeepSpeed JSON with ZeRO stage 3, by path or by the name of a shipped config (zero3, zero3_offload, zero3_nvme, zero3_offload_elsal)."""
+    output_dir: Path = Field(..., json_schema_extra={"group": "run", "metavar": "DIR"})
+    """Where the pruned model and elsa_report.json go; a non-empty directory is refused unless --overwrite or --resume."""
+    overwrite: bool = Field(False, json_schema_extra={"group": "run"})
+    """Replace a non-empty --output_dir (its old contents are removed only once the new output is complete)."""
+    resume: bool = Field(False, json_schema_extra={"group": "run"})
+    """Continue from the latest checkpoint in OUTPUT_DIR/checkpoints."""
+    recipe: str | None = Field(None, json_schema_extra={"group": "run", "metavar": "NAME_OR_FILE"})
+    """Settings from a recipe (recipes/*.json, by name or path): the paper's per-model, per-sparsity values."""
+    ignore_memory_check: bool = Field(False, json_schema_extra={"group": "run"})
+    """Start even when the pre-flight check estimates that the run does not fit this machine."""
+    model_object: Any = Field(None, json_schema_extra={"cli": False})
+    """A model already in memory (Python API only); ``model`` then names it in the report."""
+    tokenizer_object: Any = Field(None, json_schema_extra={"cli": False})
+    """The in-memory model's tokenizer (Python API only)."""
+
+
+def job_options(values: dict[str, Any]) -> JobOptions:
+    """JobOptions from flags (or API arguments), or one ElsaError naming every bad value."""
     try:
-        profile = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
-    except OSError as err:
-        raise ValueError(f"cannot read {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err.msg} at line {err.lineno}") from None
-    if not isinstance(profile, dict) or not profile:
-        raise ValueError(f"{path} must hold a non-empty JSON object {{regex: sparsity}}")
-    for regex, ratio in profile.items():
-        try:
-            re.compile(regex)
-        except re.error as err:
-            raise ValueError(f"{path}: {regex!r} is not a valid regular expression ({err})") from None
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
-            raise ValueError(f"{path}: sparsity of {regex!r} is {ratio!r}; it must be a number in [0, 1)")
-    return {k: float(v) for k, v in profile.items()}
+        return JobOptions(**values)
+    except ValidationError as err:
+        raise ElsaError(format_validation_error(err, "the command line", JobOptions)) from None
 
 
-def _format_validation_error(err: ValidationError, where: str) -> str:
+def format_validation_error(err: ValidationError, where: str, model: type[BaseModel] = ElsaConfig) -> str:
+    """Every problem of a pydantic ValidationError in one line, each naming its field."""
     parts = []
     for e in err.errors():
         field = ".".join(str(x) for x in e["loc"])
@@ -231,39 +368,29 @@ def _format_validation_error(err: ValidationError, where: str) -> str:
         if not field:  # a rule across fields: the message names them
             parts.append(msg)
         elif e["type"] == "extra_forbidden":
-            parts.append(f"{field}: unknown setting (known: {', '.join(sorted(ElsaConfig.model_fields))})")
+            parts.append(f"{field}: unknown setting (known: {', '.join(sorted(model.model_fields))})")
         else:
             parts.append(f"{field}={e.get('input')!r}: {msg}")
-    return f"invalid ELSA setting in {where}: " + "; ".join(parts)
+    return f"invalid setting in {where}: " + "; ".join(parts)
 
 
-def read_ds_config(path: str | Path) -> dict:
-    """Load a DeepSpeed JSON, or raise ElsaError naming the file and the problem."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ElsaError(f"cannot read DeepSpeed config {path}: {err.strerror}; pass an existing JSON file with --deepspeed") from None
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ElsaError(f"DeepSpeed config {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
-    if not isinstance(cfg, dict):
-        raise ElsaError(f"DeepSpeed config {path} must hold a JSON object")
-    return cfg
+def load_recipe(name_or_path: str) -> dict[str, Any]:
+    """A recipe's settings, checked against ElsaConfig's fields (see ``config_files.load_recipe``)."""
+    return _load_recipe(name_or_path, set(ElsaConfig.model_fields))
 
 
-def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the DeepSpeed JSON") -> ElsaConfig:
-    """Merge defaults, demo profile, the JSON ``elsa`` block and command-line values (None = not given)."""
+def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the DeepSpeed JSON",
+                   recipe: dict[str, Any] | None = None) -> ElsaConfig:
+    """Merge defaults, demo profile, a recipe's settings, the JSON ``elsa`` block and command-line values (None = not given)."""
     block = ds_config.get("elsa", {})
     if not isinstance(block, dict):
         raise ElsaError(f'"elsa" in {source} must be a JSON object')
     given = {k: v for k, v in cli.items() if v is not None}
-    merged = {**block, **given}
+    merged = {**(recipe or {}), **block, **given}
     model = merged.get("model", str(DEMO_MODEL_DIR))
     if Path(str(model)).expanduser().resolve() == DEMO_MODEL_DIR:
         merged = {**DEMO_PROFILE, **merged}
     try:
         return ElsaConfig(**merged)
     except ValidationError as err:
-        raise ElsaError(_format_validation_error(err, f"{source} / command line")) from None
+        raise ElsaError(format_validation_error(err, f"{source} / command line")) from None

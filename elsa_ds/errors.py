@@ -7,3 +7,13 @@ class ElsaError(Exception):
 
     Entry points print it as one line on stderr and exit with code 2.
     """
+
+
+def require(module: str, extra: str, feature: str):
+    """Import an optional dependency, or raise ElsaError naming the extra that installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ElsaError(f"{feature} needs the optional package {module.split('.')[0]}: pip install 'elsa_ds[{extra}]'") from None

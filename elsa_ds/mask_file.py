@@ -11,6 +11,7 @@ then ``weight != 0``, read row range by row range.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -74,6 +75,10 @@ class MaskReader:
         if missing or wrong:
             raise ElsaError(f"--init_mask {self.source}: does not fit this model: "
                             + (f"missing {missing[:3]} " if missing else "") + (f"shape differs: {wrong[:3]}" if wrong else ""))
+
+    def numel(self, name: str) -> int:
+        """Entries of the weight ``name``."""
+        return math.prod(self.shapes[name])
 
     def read(self, name: str, first: int, length: int) -> torch.Tensor:
         """Keep-mask entries [first, first + length) of the flattened weight ``name`` (bool [length])."""

@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 
 from elsa_ds.errors import ElsaError
-from elsa_ds.targets import select_targets
+from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, TensorSpec, plan_shards
+from elsa_ds.shapes import ModelShape, model_shape, resolve_model_config
 
-CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 STATE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 # Host RSS of one rank that holds no model: the peak RSS of a rank process running the whole job (launch/prune.py,
 # 3 steps, --val_windows 0) on a 0.3M-parameter Gemma-2 under each shipped config, 1 and 2 ranks, DeepSpeed's CPU
@@ -63,84 +63,6 @@ CUDA_HOST_BYTES = 0.7e9
 RUNTIME_GPU_BYTES = 0.6e9
 
 
-@dataclass
-class ModelShape:
-    """What the estimator needs to know of a model (exact counts from a meta-device instance)."""
-
-    num_params: int
-    pruned_params: int
-    hidden: int
-    layers: int
-    heads: int
-    vocab: int
-    largest_layer_params: int
-    largest_param: int
-    largest_pruned_param: int = 0
-    # (numel, pruned) of every parameter in the optimizer's order (model.parameters()): ZeRO-3's sub-groups
-    params: list[tuple[int, bool]] = field(default_factory=list)
-
-
-def resolve_model_config(model: str):
-    """A transformers config from a directory, a config.json, a shipped config, or the hub (in that order)."""
-    from transformers import AutoConfig
-
-    path = Path(model).expanduser()
-    if path.is_file():
-        path = path.parent
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ElsaError(f"{model}: directory has no config.json")
-        return AutoConfig.from_pretrained(path)
-    shipped = CONFIG_DIR / model
-    if (shipped / "config.json").exists():
-        return AutoConfig.from_pretrained(shipped)
-    try:
-        return AutoConfig.from_pretrained(model)
-    except (OSError, ValueError) as err:
-        raise ElsaError(f"cannot resolve model {model!r}: not a directory, not shipped in {CONFIG_DIR}, and not loadable ({str(err).splitlines()[0]})") from None
-
-
-def model_shape(config, targets: str | None = None) -> ModelShape:
-    """Exact parameter counts from a meta-device instance of the architecture (no weights, no memory)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    pruned_ids = select_targets(model, targets)
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in _decoder_layers(model)]
-    text = getattr(config, "text_config", config)
-    return ModelShape(
-        num_params=sum(p.numel() for p in model.parameters()),
-        pruned_params=sum(p.numel() for p in model.parameters() if id(p) in pruned_ids),
-        hidden=text.hidden_size, layers=text.num_hidden_layers, heads=text.num_attention_heads,
-        vocab=text.vocab_size, largest_layer_params=max(per_layer) if per_layer else 0,
-        largest_param=max(p.numel() for p in model.parameters()),
-        largest_pruned_param=max((p.numel() for p in model.parameters() if id(p) in pruned_ids), default=0),
-        params=[(p.numel(), id(p) in pruned_ids) for p in model.parameters()],
-    )
-
-
-def check_nvme_param_buffers(model: str, ds: dict) -> None:
-    """DeepSpeed's NVMe parameter swapper needs buffer_size >= the largest parameter; say so before loading."""
-    section = ds.get("zero_optimization", {}).get("offload_param", {})
-    if section.get("device") != "nvme":
-        return
-    largest = model_shape(resolve_model_config(model)).largest_param
-    size = float(section.get("buffer_size", 1e8))
-    if size < largest:
-        raise ElsaError(
-            f"zero_optimization.offload_param.buffer_size is {size:.3g} elements but the model's largest parameter has "
-            f"{largest:,} (usually the embedding); set buffer_size to at least {largest}"
-        )
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and sum(1 for _ in module[0].parameters()) > 1:
-            return list(module)
-    return []
-
-
 @dataclass(frozen=True)
 class SubGroup:
     """One ZeRO-3 sub-group as a rank holds it: entries, entries of pruned layers, the largest pruned layer's share."""
@@ -148,6 +70,7 @@ class SubGroup:
     numel: float
     pruned: float
     largest_pruned: float
+    full: float = 0.0        # the full (unpartitioned) numel of its parameters
 
 
 def sub_groups(shape: ModelShape, world: int, sub_group_size: float) -> list[SubGroup]:
@@ -155,25 +78,27 @@ def sub_groups(shape: ModelShape, world: int, sub_group_size: float) -> list[Sub
     partitions (ceil(numel / W) entries each) in order and close a sub-group once it holds ≥ sub_group_size, so
     one can exceed sub_group_size by a parameter. Without the parameter list, sub-groups of min(sub_group_size, p)."""
     if not shape.params:
-        n = min(sub_group_size, shape.num_params / world)
-        return [SubGroup(n, min(n, shape.pruned_params / world), min(n, shape.largest_pruned_param / world))]
-    groups, numel, pruned, largest = [], 0, 0, 0
+        n = min(sub_group_size, shape.trainable_params / world)
+        return [SubGroup(n, min(n, shape.pruned_params / world), min(n, shape.largest_pruned_param / world), n * world)]
+    groups, numel, pruned, largest, full = [], 0, 0, 0, 0
     for i, (count, is_pruned) in enumerate(shape.params):
         part = -(-count // world)
-        numel += part
+        numel, full = numel + part, full + count
         if is_pruned:
             pruned, largest = pruned + part, max(largest, part)
         if numel >= sub_group_size or i == len(shape.params) - 1:
-            groups.append(SubGroup(float(numel), float(pruned), float(largest)))
-            numel, pruned, largest = 0, 0, 0
+            groups.append(SubGroup(float(numel), float(pruned), float(largest), float(full)))
+            numel, pruned, largest, full = 0, 0, 0, 0
     return groups
 
 
-def _swappable(shape: ModelShape, world: int, element_bytes: int, min_aio: float) -> float:
-    """Bytes one rank swaps of per-parameter tensors (16-bit partitions, fp32 gradients): those of ≥ min_aio bytes."""
+def _swappable(shape: ModelShape, world: int, element_bytes: int, min_aio: float, frozen: bool = False) -> float:
+    """Bytes one rank swaps of per-parameter tensors (16-bit partitions of all parameters with ``frozen``, fp32 gradients
+    of the trained ones): those of ≥ min_aio bytes."""
     if not shape.params:
-        return element_bytes * shape.num_params / world
-    parts = (element_bytes * -(-count // world) for count, _ in shape.params)
+        return element_bytes * (shape.num_params if frozen else shape.trainable_params) / world
+    counts = [count for count, _ in shape.params] + (shape.frozen if frozen else [])
+    parts = (element_bytes * -(-count // world) for count in counts)
     return float(sum(b for b in parts if b >= min_aio))
 
 
@@ -186,9 +111,49 @@ class Estimate:
     per_node_cpu_bytes: float
     nvme_bytes: float
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
+    # host bytes per node (rank 0's node) and bytes per GPU in each phase of the job; the totals are their maxima
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+PHASES = ("load", "first step", "step", "projection", "export", "verify")
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What the estimate depends on, read once from the configs."""
+
+    world: int
+    p: float                 # parameters per rank
+    t: float                 # trained parameters per rank (the optimizer's share)
+    half: int                # bytes of a 16-bit (or fp32) model element
+    param_dev: str
+    opt_dev: str
+    base: str                # adam | cpu_adam | adam8bit
+    z_bytes: int
+    u_bytes: int
+    moment_bytes: float      # per entry: two moments (8-bit: codes + one fp32 absmax per block of 256)
+    min_aio: float           # DeepSpeed swaps a tensor only when it has at least this many bytes
+    fisher: bool
+
+
+def _read_job(shape: ModelShape, ds: dict, elsa: dict, world: int) -> _Job:
+    zero = ds.get("zero_optimization", {})
+    opt_dev = zero.get("offload_optimizer", {}).get("device", "none")
+    base = elsa.get("base_optimizer", "auto")
+    if base == "auto":
+        base = "adam" if opt_dev == "none" else "cpu_adam"
+    return _Job(
+        world=world, p=shape.num_params / world, t=shape.trainable_params / world,
+        half=2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4,
+        param_dev=zero.get("offload_param", {}).get("device", "none"), opt_dev=opt_dev, base=base,
+        z_bytes=STATE_BYTES[elsa.get("z_dtype", "fp32")], u_bytes=STATE_BYTES[elsa.get("u_dtype", "fp32")],
+        moment_bytes=2 + 2 / 256 * 4 if base == "adam8bit" else 8,
+        min_aio=max(2.0**20, float(ds.get("aio", {}).get("block_size", 2**20))),
+        fisher=elsa.get("projection", "fisher") == "fisher",
+    )
 
 
 def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, micro_batch: int | None = None,
@@ -201,117 +166,182 @@ def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, mic
     """
     if device not in ("cuda", "cpu"):
         raise ElsaError(f"device must be cuda or cpu, not {device!r}")
-    elsa = {**ds.get("elsa", {}), **(elsa or {})}
-    world = num_gpus * num_nodes
+    job = _read_job(shape, ds, {**ds.get("elsa", {}), **(elsa or {})}, num_gpus * num_nodes)
     zero = ds.get("zero_optimization", {})
-    p = shape.num_params / world
-    param_dev = zero.get("offload_param", {}).get("device", "none")
-    opt_dev = zero.get("offload_optimizer", {}).get("device", "none")
-    half = 2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4
-    base = elsa.get("base_optimizer", "auto")
-    if base == "auto":
-        base = "adam" if opt_dev == "none" else "cpu_adam"
-    eight_bit = base == "adam8bit"
-    z_b, u_b = STATE_BYTES[elsa.get("z_dtype", "fp32")], STATE_BYTES[elsa.get("u_dtype", "fp32")]
-    moment_bytes = 2 + 2 / 256 * 4 if eight_bit else 8  # per entry: two moments (8-bit: codes + one fp32 absmax per block of 256)
-
-    where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}
-    opt_home = where[opt_dev]
-    step_home = "gpu" if opt_dev == "none" else "cpu"   # where the optimizer steps, and DeepSpeed's self.device
     per_rank: dict[str, dict[str, float]] = {k: {"gpu": 0.0, "cpu": 0.0, "nvme": 0.0} for k in
                                              ("params", "grads", "optimizer", "admm", "workspace", "activations", "buffers", "runtime")}
-    # DeepSpeed swaps a tensor only when it has at least max(1 MiB, aio.block_size) bytes; smaller ones stay in RAM
-    min_aio = max(2.0**20, float(ds.get("aio", {}).get("block_size", 2**20)))
-    if param_dev == "nvme":
-        per_rank["params"]["nvme"] += _swappable(shape, world, half, min_aio)
-        per_rank["params"]["cpu"] += half * min(p, float(zero["offload_param"].get("max_in_cpu", 1e9)))
-    else:
-        per_rank["params"][where[param_dev]] += half * p
-    groups = sub_groups(shape, world, float(zero.get("sub_group_size", 1e9)))
-    sub = max(g.numel for g in groups)                                 # the largest sub-group's entries, n
-    # fp32 master weights and the moments; under NVMe a sub-group's states are swapped when its fp32 flat is
-    swapped = sum(g.numel for g in groups if 4 * g.numel >= min_aio) if opt_dev == "nvme" else p
-    per_rank["optimizer"][opt_home] += (4 + moment_bytes) * swapped
-    per_rank["optimizer"]["cpu"] += (4 + moment_bytes) * (p - swapped)
-    per_rank["grads"][step_home] += half * p                           # partitioned gradient accumulation buffer
-    if opt_dev == "cpu":
-        per_rank["grads"]["cpu"] += 4 * p
-    elif opt_dev == "nvme":
-        per_rank["grads"]["cpu"] += 4 * sub
-        per_rank["grads"]["nvme"] += _swappable(shape, world, 4, min_aio)
-    admm_bytes = (z_b + u_b) * p
-    swapped_fresh = 0.0  # bytes per entry of states the first step creates outside NVMe's swap buffers
-    if opt_dev == "nvme" and (z_b < 4 or u_b < 4 or eight_bit):
-        # low-precision states are kept out of the swapper (it would read them back as fp32): CPU
-        per_rank["admm"]["cpu"] += admm_bytes
-        if eight_bit:
-            moved = moment_bytes * swapped
-            per_rank["optimizer"]["nvme"] -= moved
-            per_rank["optimizer"]["cpu"] += moved
-        else:
-            swapped_fresh = moment_bytes
-    elif opt_dev == "nvme":
-        per_rank["admm"]["nvme"] += (z_b + u_b) * swapped
-        per_rank["admm"]["cpu"] += (z_b + u_b) * (p - swapped)
-        swapped_fresh = moment_bytes + z_b + u_b
-    else:
-        per_rank["admm"][opt_home] += admm_bytes
-    base_on_gpu = opt_dev == "none" and device == "cuda"
-    per_rank["workspace"][step_home] += max(
-        _step_workspace(g, base, base_on_gpu, elsa.get("projection", "fisher") == "fisher", z_b < 4 or u_b < 4,
-                        swapped_fresh, fp32_grad_in_step=opt_dev == "none") for g in groups)
+    groups = sub_groups(shape, job.world, float(zero.get("sub_group_size", 1e9)))
+    swapped_fresh = _states(per_rank, shape, zero, job, groups)
+    swapper = _buffers(per_rank, ds, job, groups)
+    forward = _forward_backward(shape, ds, job, micro_batch, seqlen, gradient_checkpointing, device)
+    per_rank["runtime"]["cpu"] += RUNTIME_HOST_BYTES
+    if device == "cuda":
+        per_rank["runtime"]["cpu"] += CUDA_HOST_BYTES
+        per_rank["runtime"]["gpu"] += RUNTIME_GPU_BYTES
+    per_rank["activations"]["gpu"] += forward
+    transients = _transients(shape, job, groups, swapped_fresh, forward, device)
+    # building the model (zero.Init), before the engine: the runtime, the parameters' home, the parameter swapper
+    transients["build"]["cpu"] += per_rank["runtime"]["cpu"] + per_rank["params"]["cpu"] + swapper
+    transients["build"]["gpu"] += per_rank["runtime"]["gpu"] + per_rank["params"]["gpu"]
+    # states the first step creates (Adam's moments and z, u where they are not swapped) are absent while loading
+    lazy = {d: per_rank["admm"][d] + per_rank["optimizer"][d] * job.moment_bytes / (4 + job.moment_bytes) for d in ("gpu", "cpu")}
+    if device == "cpu":  # the device is the host: resident bytes add up, a phase's transients come one after another
+        for row in (*per_rank.values(), lazy):
+            row["cpu"], row["gpu"] = row["cpu"] + row["gpu"], 0.0
+        for name, row in transients.items():
+            row["cpu"], row["gpu"] = row["cpu"] + row["gpu"] if name == "build" else max(row["cpu"], row["gpu"]), 0.0
+    return _totals(per_rank, lazy, transients, shape, job, num_gpus)
 
-    live = min(float(zero.get("stage3_max_live_parameters", 1e9)), 2.0 * shape.largest_layer_params)
+
+def _states(per_rank: dict, shape: ModelShape, zero: dict, job: _Job, groups: list[SubGroup]) -> float:
+    """Parameters, gradients, masters + moments and z/u where the config puts them. Returns the bytes per entry of
+    the states the first step creates outside NVMe's swap buffers."""
+    where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}
+    p, t, half = job.p, job.t, job.half
+    opt_home, step_home = where[job.opt_dev], "gpu" if job.opt_dev == "none" else "cpu"
+    if job.param_dev == "nvme":
+        # a tied output head is built (and swapped out) as a parameter of its own under zero.Init before transformers
+        # ties it: its file stays beside the embedding's
+        per_rank["params"]["nvme"] += _swappable(shape, job.world, half, job.min_aio, frozen=True) + half * -(-shape.tied // job.world)
+        per_rank["params"]["cpu"] += half * min(t, float(zero["offload_param"].get("max_in_cpu", 1e9)))
+    else:
+        per_rank["params"][where[job.param_dev]] += half * p
+    # fp32 master weights and the moments; under NVMe a sub-group's states are swapped when its fp32 flat is
+    swapped = sum(g.numel for g in groups if 4 * g.numel >= job.min_aio) if job.opt_dev == "nvme" else t
+    per_rank["optimizer"][opt_home] += (4 + job.moment_bytes) * swapped
+    per_rank["optimizer"]["cpu"] += (4 + job.moment_bytes) * (t - swapped)
+    per_rank["grads"][step_home] += half * t                           # partitioned gradient accumulation buffer
+    if job.opt_dev == "cpu":
+        per_rank["grads"]["cpu"] += 4 * t
+    elif job.opt_dev == "nvme":
+        per_rank["grads"]["cpu"] += 4 * max(g.numel for g in groups)
+        per_rank["grads"]["nvme"] += _swappable(shape, job.world, 4, job.min_aio)
+    return _admm_states(per_rank, job, swapped, opt_home)
+
+
+def _admm_states(per_rank: dict, job: _Job, swapped: float, opt_home: str) -> float:
+    zu = job.z_bytes + job.u_bytes
+    if job.opt_dev == "nvme" and (job.z_bytes < 4 or job.u_bytes < 4 or job.base == "adam8bit"):
+        # low-precision states are kept out of the swapper (it would read them back as fp32): CPU
+        per_rank["admm"]["cpu"] += zu * job.t
+        if job.base != "adam8bit":
+            return job.moment_bytes
+        moved = job.moment_bytes * swapped
+        per_rank["optimizer"]["nvme"] -= moved
+        per_rank["optimizer"]["cpu"] += moved
+        return 0.0
+    if job.opt_dev == "nvme":
+        per_rank["admm"]["nvme"] += zu * swapped
+        per_rank["admm"]["cpu"] += zu * (job.t - swapped)
+        return job.moment_bytes + zu
+    per_rank["admm"][opt_home] += zu * job.t
+    return 0.0
+
+
+def _buffers(per_rank: dict, ds: dict, job: _Job, groups: list[SubGroup]) -> float:
+    """Buffers kept from start to end: the gradient (reduce) bucket, NVMe's page-locked swap buffers. Returns the bytes
+    of the parameter swapper's buffers (they exist before the engine: zero.Init makes them)."""
+    zero = ds.get("zero_optimization", {})
+    per_rank["buffers"]["gpu"] += job.half * float(zero.get("reduce_bucket_size", 5e8))
+    if job.opt_dev == "nvme":
+        o = zero["offload_optimizer"]
+        per_rank["buffers"]["cpu"] += int(o.get("buffer_count", 4)) * max(g.numel for g in groups) * 4
+    if job.param_dev != "nvme":
+        return 0.0
+    o = zero["offload_param"]
+    swapper = int(o.get("buffer_count", 5)) * float(o.get("buffer_size", 1e8)) * job.half
+    per_rank["buffers"]["cpu"] += swapper
+    if job.t > float(o.get("max_in_cpu", 1e9)):
+        # the buffer the step's updated 16-bit shares are swapped out through: DeepSpeed sizes it by the full
+        # (unpartitioned) numel of the largest sub-group's parameters (reserve_partitioned_swap_space)
+        per_rank["buffers"]["cpu"] += job.half * max(g.full for g in groups)
+    return swapper
+
+
+def _forward_backward(shape: ModelShape, ds: dict, job: _Job, micro_batch: int | None, seqlen: int,
+                      gradient_checkpointing: bool, device: str) -> float:
+    """Per rank on the device: the gathered parameters in flight (two decoder layers, capped by
+    stage3_max_live_parameters, and never less than the largest parameter, which must be whole to be used: the
+    embedding), the prefetch bucket, a reduce buffer, and the activations."""
+    zero = ds.get("zero_optimization", {})
+    live = max(min(float(zero.get("stage3_max_live_parameters", 1e9)), 2.0 * shape.largest_layer_params), float(shape.largest_param))
     prefetch = float(zero.get("stage3_prefetch_bucket_size", 5e7))
     bucket = float(zero.get("reduce_bucket_size", 5e8))
     if device == "cpu":  # host pages are resident only once touched: a bucket never holds more than the model
         live, prefetch, bucket = (min(v, shape.num_params) for v in (live, prefetch, bucket))
-    per_rank["buffers"]["gpu"] += half * bucket                        # the gradient bucket, kept from start to end
-    if opt_dev == "nvme":
-        o = zero["offload_optimizer"]
-        per_rank["buffers"]["cpu"] += int(o.get("buffer_count", 4)) * sub * 4
-    if param_dev == "nvme":
-        o = zero["offload_param"]
-        per_rank["buffers"]["cpu"] += int(o.get("buffer_count", 5)) * float(o.get("buffer_size", 1e8)) * half
-
     b = micro_batch or ds.get("train_micro_batch_size_per_gpu", 1)
     h, a, n_layers, vocab = shape.hidden, shape.heads, shape.layers, shape.vocab
     full_layer = b * seqlen * h * (34 + 5 * a * seqlen / h)
     acts = (n_layers * 2 * b * seqlen * h + full_layer) if gradient_checkpointing else n_layers * full_layer
     acts += b * seqlen * vocab * 10
-    # forward/backward working set: gathered parameters of the layers in flight, a reduce buffer, activations
-    per_rank["activations"]["gpu"] += half * (live + prefetch) + half * bucket + acts
-    per_rank["runtime"]["cpu"] += RUNTIME_HOST_BYTES
-    if device == "cuda":
-        per_rank["runtime"]["cpu"] += CUDA_HOST_BYTES
-        per_rank["runtime"]["gpu"] += RUNTIME_GPU_BYTES
-    else:
-        for row in per_rank.values():
-            row["cpu"], row["gpu"] = row["cpu"] + row["gpu"], 0.0
+    return job.half * (live + prefetch) + job.half * bucket + acts
 
-    breakdown = {
-        k: {"per_gpu": v["gpu"], "per_node_cpu": v["cpu"] * num_gpus, "nvme": v["nvme"] * world}
-        for k, v in per_rank.items()
-    }
+
+def _transients(shape: ModelShape, job: _Job, groups: list[SubGroup], swapped_fresh: float, forward: float,
+                device: str) -> dict[str, dict[str, float]]:
+    """Per rank, what each phase needs beyond the resident state (gpu: the device, cpu: the host); "rank0" rows are
+    needed once per node, by rank 0 alone."""
+    step_home = "gpu" if job.opt_dev == "none" else "cpu"   # where the optimizer steps, and DeepSpeed's self.device
+    base_on_gpu, fp32_grad = job.opt_dev == "none" and device == "cuda", job.opt_dev == "none"
+    low = job.z_bytes < 4 or job.u_bytes < 4
+    work = {kind: max(_step_workspace(g, job.base, base_on_gpu, job.fisher, low, swapped_fresh, fp32_grad, kind) for g in groups)
+            for kind in ("step", "first step", "projection")}
+    largest, n_max = float(shape.largest_param), max(g.numel for g in groups)
+    out = {phase: {"gpu": 0.0, "cpu": 0.0} for phase in (*PHASES, "build")}
+    for kind, need in work.items():
+        out[kind]["gpu"] = forward
+        out[kind][step_home] = max(out[kind][step_home], need)
+    # load, building the model: a parameter is made whole on every rank, then initialized gathered (measured: 2 copies
+    # of the embedding at once); building the engine: the fp32 masters are cut from the 16-bit shares a sub-group at a time
+    out["build"]["gpu"] = 2 * job.half * largest
+    out["load"]["cpu"] += 4 * n_max if job.opt_dev != "none" else 0.0
+    # export: every rank gathers one parameter at a time (on the CPU accelerator gloo's all-gather holds a second copy:
+    # measured 2x); with a GPU rank 0 copies it to the host to write it
+    out["export"]["gpu"] = (2 if device == "cpu" else 1) * job.half * largest
+    out["rank0"] = {"gpu": 0.0, "cpu": job.half * largest if device == "cuda" else 0.0}
+    # verify: rank 0 reads the export back one tensor at a time (the tensor, its zero mask, N:M group sums); the pages of
+    # the pruned tensors read from one shard stay mapped (resident, though reclaimable) until the shard is closed
+    pages = max((sum(job.half * n for n, pruned in shard if pruned) for shard in _shards(shape, job.half)), default=0.0)
+    out["rank0 verify"] = {"gpu": 0.0, "cpu": pages + (job.half + 4) * shape.largest_pruned_param}
+    return out
+
+
+def _shards(shape: ModelShape, half: int) -> list[list[tuple[int, bool]]]:
+    """The export's shards, as (numel, pruned) lists (``safetensors_writer.plan_shards`` on the state-dict order)."""
+    specs = [TensorSpec(str(i), (n,), torch.bfloat16 if half == 2 else torch.float32) for i, (n, _) in enumerate(shape.order)]
+    return [[shape.order[int(spec.name)] for spec in shard] for shard in plan_shards(specs, DEFAULT_MAX_SHARD_SIZE)]
+
+
+def _totals(per_rank: dict, lazy: dict, transients: dict, shape: ModelShape, job: _Job, num_gpus: int) -> Estimate:
+    """Each phase: the resident state plus that phase's transients; the estimate is the largest phase. In the breakdown
+    the forward/backward working set is "activations", and what the largest phase needs beyond it "workspace"."""
+    resident = {d: sum(v[d] for k, v in per_rank.items() if k not in ("activations", "workspace")) for d in ("gpu", "cpu")}
+    phases = {}
+    for phase in PHASES:
+        rank = {d: resident[d] + transients[phase][d] - (lazy[d] if phase == "load" else 0.0) for d in ("gpu", "cpu")}
+        if phase == "load":  # the larger of building the model and building the engine
+            rank = {d: max(rank[d], transients["build"][d]) for d in ("gpu", "cpu")}
+        extra = {"export": transients["rank0"]["cpu"], "verify": transients["rank0 verify"]["cpu"]}.get(phase, 0.0)
+        phases[phase] = {"per_gpu": rank["gpu"], "per_node_cpu": rank["cpu"] * num_gpus + LAUNCHER_HOST_BYTES + extra}
+    breakdown = {k: {"per_gpu": v["gpu"], "per_node_cpu": v["cpu"] * num_gpus, "nvme": v["nvme"] * job.world} for k, v in per_rank.items()}
     breakdown["runtime"]["per_node_cpu"] += LAUNCHER_HOST_BYTES
-    # Transients that are never live at once: forward/backward (gathered parameters are released before the step),
-    # the optimizer step, and rank 0's export (the consolidated 16-bit state dict on its host, after the last step).
-    # "workspace" is what the step or the export needs beyond the forward/backward working set.
-    ws, fb = breakdown["workspace"], breakdown["activations"]
-    ws["per_gpu"] = max(0.0, ws["per_gpu"] - fb["per_gpu"])
-    ws["per_node_cpu"] = max(0.0, ws["per_node_cpu"] - fb["per_node_cpu"], half * shape.num_params - fb["per_node_cpu"])
+    peak_gpu = max(v["per_gpu"] for v in phases.values())
+    peak_cpu = max(v["per_node_cpu"] for v in phases.values())
+    ws = breakdown["workspace"]
+    ws["per_gpu"] = max(0.0, peak_gpu - sum(v["per_gpu"] for v in breakdown.values()))
+    ws["per_node_cpu"] = max(0.0, peak_cpu - sum(v["per_node_cpu"] for v in breakdown.values()))
     return Estimate(
-        num_params=shape.num_params, pruned_params=shape.pruned_params, world_size=world,
+        num_params=shape.num_params, pruned_params=shape.pruned_params, world_size=job.world,
         per_gpu_bytes=sum(v["per_gpu"] for v in breakdown.values()),
         per_node_cpu_bytes=sum(v["per_node_cpu"] for v in breakdown.values()),
-        nvme_bytes=sum(v["nvme"] for v in breakdown.values()),
-        breakdown=breakdown,
+        nvme_bytes=sum(v["nvme"] for v in breakdown.values()), breakdown=breakdown, phases=phases,
     )
 
 
 def _step_workspace(group: SubGroup, base: str, base_on_gpu: bool, fisher: bool, low_precision_admm: bool,
-                    swapped_fresh: float, fp32_grad_in_step: bool) -> float:
-    """Peak temporaries of one sub-group's optimizer step (base step, ADMM projection, first step), per rank.
+                    swapped_fresh: float, fp32_grad_in_step: bool, kind: str = "projection") -> float:
+    """Peak temporaries of one sub-group's optimizer step, per rank: a plain step (the base step), a projection step
+    or the first step (z = Π(x), and the states it creates outside NVMe's swap buffers).
 
     Counted from the code that runs: torch's single-tensor Adam, bitsandbytes' CPU 8-bit update,
     ``AdmmOptimizer._init_state`` / ``_update_z_u`` / ``_finalize`` and ``projection.scores`` / ``select_masks``.
@@ -320,7 +350,44 @@ def _step_workspace(group: SubGroup, base: str, base_on_gpu: bool, fisher: bool,
     base_step = {"adam": 8 * n, "cpu_adam": 0.0, "adam8bit": 0.0 if base_on_gpu else 20 * n}[base]
     dequant_peak, dequant_kept = (12 * n, 4 * n) if fisher and base == "adam8bit" else (0.0, 0.0)
     dequant_admm = 8 * slice_ if low_precision_admm else 0.0
-    projection = max(5 * pruned + dequant_admm + dequant_peak, 10 * pruned + dequant_kept + 8 * slice_)
-    first = 5 * pruned + 8 * slice_ + dequant_peak + swapped_fresh * n
     fp32_grad = 4 * n if fp32_grad_in_step else 0.0
-    return fp32_grad + max(base_step, projection, first)
+    if kind == "step":
+        return fp32_grad + base_step
+    if kind == "first step":
+        return fp32_grad + max(base_step, 5 * pruned + 8 * slice_ + dequant_peak + swapped_fresh * n)
+    return fp32_grad + max(base_step, 5 * pruned + dequant_admm + dequant_peak, 10 * pruned + dequant_kept + 8 * slice_)
+
+
+def estimate_job(model: str, deepspeed: str, num_gpus: int, num_nodes: int = 1, settings: dict | None = None,
+                 device: str = "cuda") -> Estimate:
+    """The estimate for a job as ``launch/prune.py`` would run it: the DeepSpeed config by path or shipped name, checked
+    as the job checks it (ZeRO stage 3, the batch split over num_gpus × num_nodes ranks; NVMe paths are not checked:
+    they belong to the machine that runs the job), and ``settings`` (ElsaConfig fields) merged over its ``elsa`` block."""
+    from elsa_ds.config import resolve_config
+    from elsa_ds.models import hidden_size
+    from elsa_ds.zero.ds_config import DsConfig
+
+    ds_config = DsConfig.load(deepspeed)
+    config = resolve_model_config(model)
+    model_dir = str(Path(model).expanduser().parent) if Path(model).expanduser().is_file() else model
+    cfg = resolve_config(ds_config.raw, {**(settings or {}), "model": model_dir}, source=deepspeed)
+    world = num_gpus * num_nodes
+    problems = ds_config.problems(cfg, world, hidden_size(config), check_paths=False)
+    if problems:
+        raise ElsaError(f"DeepSpeed config {deepspeed} cannot be used as it is: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
+    shape = model_shape(config, cfg.targets, freeze_embeddings=cfg.freeze_embeddings)
+    ds = {**ds_config.raw, "train_batch_size": ds_config.global_batch(cfg)}
+    return estimate(shape, ds, num_gpus, num_nodes, ds_config.micro_batch(cfg), cfg.seqlen, elsa=cfg.model_dump(mode="json"),
+                    gradient_checkpointing=cfg.gradient_checkpointing, device=device)
+
+
+def format_estimate(est: Estimate, model: str, deepspeed: str, num_gpus: int, num_nodes: int) -> str:
+    """The estimate as the table ``elsa-estimate`` prints."""
+    gib = 2 ** 30
+    lines = [f"{model}: {est.num_params / 1e9:.2f} B parameters ({est.pruned_params / 1e9:.2f} B pruned), "
+             f"{num_nodes} node(s) x {num_gpus} GPU(s), {deepspeed}",
+             f"{'':12s} {'per GPU':>12s} {'CPU per node':>14s} {'NVMe':>12s}"]
+    for name, row in est.breakdown.items():
+        lines.append(f"{name:12s} {row['per_gpu'] / gib:10.2f} GiB {row['per_node_cpu'] / gib:12.2f} GiB {row['nvme'] / gib:10.2f} GiB")
+    lines.append(f"{'total':12s} {est.per_gpu_bytes / gib:10.2f} GiB {est.per_node_cpu_bytes / gib:12.2f} GiB {est.nvme_bytes / gib:10.2f} GiB")
+    return "\n".join(lines)

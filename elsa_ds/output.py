@@ -6,16 +6,14 @@ report's per-layer sparsity is read back from the exported files, never from mem
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.sparsity import sparsity_report
+from elsa_ds.targets import LayerGoal
 
 REPORT_NAME = "elsa_report.json"
 
@@ -53,11 +51,15 @@ def fresh_staging(output_dir: Path) -> Path:
     return staging
 
 
-def publish(staging: Path, output_dir: Path, keep_checkpoints: bool) -> None:
+def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tuple[str, ...] = ("monitor",)) -> None:
     """Swap the finished staging directory in for ``output_dir`` (old contents removed only afterwards).
 
-    With ``keep_checkpoints`` the run's checkpoints stay: each finished file is renamed into place instead.
+    With ``keep_checkpoints`` the run's checkpoints stay: each finished file is renamed into place instead. The
+    folders named in ``carry`` that the run wrote into ``output_dir`` while it ran (the monitor's logs) move along.
     """
+    for name in carry:
+        if (output_dir / name).is_dir() and not (staging / name).exists() and not keep_checkpoints:
+            (output_dir / name).rename(staging / name)
     if keep_checkpoints and output_dir.is_dir():
         for f in staging.iterdir():
             f.replace(output_dir / f.name)
@@ -73,13 +75,7 @@ def publish(staging: Path, output_dir: Path, keep_checkpoints: bool) -> None:
         shutil.rmtree(old)
 
 
-def write_json(path: Path, payload: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(path)
-
-
-def verified_layers(model_dir: Path, expected_zeros: dict[str, int], targets: dict[str, float | NM],
+def verified_layers(model_dir: Path, expected_zeros: dict[str, int], goals: dict[str, LayerGoal],
                     regex: str | None) -> dict[str, dict]:
     """Per pruned layer: numel, zeros, sparsity and pattern as exported; ElsaError if any layer misses its target.
 
@@ -90,7 +86,7 @@ def verified_layers(model_dir: Path, expected_zeros: dict[str, int], targets: di
     layers = {}
     for name, zeros in sorted(expected_zeros.items()):
         got = found.get(name)
-        target = targets[name]
+        target = goals[name]
         if got is None or got["zeros"] != zeros:
             raise ElsaError(f"exported layer {name} has {None if got is None else got['zeros']} zeros, expected {zeros}: export is incomplete")
         if isinstance(target, NM) and str(target) not in got["nm"]:
@@ -103,12 +99,3 @@ def verified_layers(model_dir: Path, expected_zeros: dict[str, int], targets: di
 def layers_summary(layers: dict[str, dict]) -> float:
     """Overall sparsity of the pruned layers."""
     return sum(v["zeros"] for v in layers.values()) / max(sum(v["numel"] for v in layers.values()), 1)
-
-
-def versions() -> dict[str, str]:
-    import deepspeed
-    import transformers
-
-    import elsa_ds
-
-    return {"elsa_ds": elsa_ds.__version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__, "transformers": transformers.__version__}

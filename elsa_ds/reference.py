@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 
 from elsa_ds.admm.optimizer import AdmmOptimizer
-from elsa_ds.admm.projection import NM, Slice, keep_count
+from elsa_ds.admm.projection import Slice, keep_count
 from elsa_ds.admm.schedule import learning_rate
 from elsa_ds.config import ElsaConfig
 from elsa_ds.data import GlobalBatches
 from elsa_ds.mask_file import MaskReader
+from elsa_ds.targets import goal_ratio
 
 
 def train_reference(model: torch.nn.Module, cfg: ElsaConfig, batches: GlobalBatches, pruned: dict[int, str],
@@ -25,10 +26,9 @@ def train_reference(model: torch.nn.Module, cfg: ElsaConfig, batches: GlobalBatc
     if init_masks is not None:
         admm.initial_mask = lambda sl: init_masks.read(sl.layer, sl.start, sl.length)
     weights = {pid: p for p in params if (pid := id(p)) in pruned}
-    targets = cfg.targets_for({pruned[pid]: tuple(w.shape) for pid, w in weights.items()})
+    goals = cfg.layer_goals({pruned[pid]: tuple(w.shape) for pid, w in weights.items()})
     for pid, w in weights.items():
-        target = targets[pruned[pid]]
-        ratio = target.ratio if isinstance(target, NM) else target
+        ratio = goal_ratio(goals[pruned[pid]])
         admm.assign(w, [Slice(pruned[pid], 0, w.numel(), 0, w.numel(), keep_count(w.numel(), ratio))])
     model.train()
     for step in range(cfg.steps):

@@ -1,4 +1,5 @@
-"""Which weights are pruned: nn.Linear layers inside the decoder blocks, or a user regex over module names."""
+"""Which weights are pruned (``targets``: nn.Linear layers inside the decoder blocks, or a user regex over module
+names) and what each is pruned to (its *goal*: a sparsity or an N:M pattern)."""
 from __future__ import annotations
 
 import re
@@ -7,6 +8,8 @@ import torch
 
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError
+
+LayerGoal = float | NM  # what one weight is pruned to: a sparsity in [0, 1), or an N:M pattern
 
 # Gemma/Gemma-2, Llama, Mistral, Qwen2 (model.layers.N.*) and OPT (model.decoder.layers.N.*): every
 # attention and MLP projection; embeddings, norms and lm_head are never inside a decoder block's Linear.
@@ -38,8 +41,8 @@ def decoder_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList:
     raise ElsaError(f"{type(model).__name__}: found no list of decoder layers; layer-by-layer methods need one")
 
 
-def layer_targets(shapes: dict[str, tuple[int, ...]], sparsity: float, pattern: NM | None = None,
-                  profile: dict[str, float] | None = None) -> dict[str, float | NM]:
+def layer_goals(shapes: dict[str, tuple[int, ...]], sparsity: float, pattern: NM | None = None,
+                profile: dict[str, float] | None = None) -> dict[str, LayerGoal]:
     """What each pruned weight (``shapes``: parameter name -> full shape) is pruned to.
 
     An N:M ``pattern`` applies to every layer and needs in_features % M == 0. A ``profile`` maps module-name
@@ -60,6 +63,11 @@ def layer_targets(shapes: dict[str, tuple[int, ...]], sparsity: float, pattern: 
         example = module_name(next(iter(shapes)))
         raise ElsaError(f"sparsity profile entries {unused} match no pruned layer; module names look like {example!r}")
     return {name: next((ratio for pat, _, ratio in compiled if pat.search(module_name(name))), sparsity) for name in shapes}
+
+
+def goal_ratio(goal: LayerGoal) -> float:
+    """The fraction of zeros a goal means (N/M for an N:M pattern)."""
+    return goal.ratio if isinstance(goal, NM) else goal
 
 
 def module_name(param_name: str) -> str:

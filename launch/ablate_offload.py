@@ -30,10 +30,10 @@ def main() -> int:
 
     def go() -> None:
         from elsa_ds.ablation import run_ablation
-        from elsa_ds.config import read_ds_config
+        from elsa_ds.zero.ds_config import DsConfig
 
         for c in args.configs:  # every config readable before the first run starts
-            read_ds_config(c)
+            DsConfig.load(c).raw
         rows = run_ablation(args.configs, args.out, args.num_gpus, extra)
         print((args.out / "ablation.md").read_text())
         print(f"wrote {args.out / 'ablation.csv'}, {args.out / 'ablation.md'}, {args.out / 'ablation.png'} ({len(rows)} configs)")

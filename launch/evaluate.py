@@ -1,7 +1,8 @@
 """Evaluate a (pruned) causal LM: sparsity report, perplexity and zero-shot accuracy, one JSON per model.
 
-The papers' protocol (seqlen 2048, BOS first in every window, WikiText-2 test and 256 C4 windows,
-the seven lm-eval tasks 0-shot):
+The published protocols (seqlen 2048, WikiText-2 test and 256 C4 windows, the seven lm-eval tasks 0-shot); perplexity
+windows as SparseGPT/Wanda cut them (--ppl_protocol stream) or, for Gemma, as the ELSA authors do (window: BOS overwrites
+each window's first token); the default auto picks per model family:
 
     python launch/evaluate.py --model out/gemma2-27b-70 --ppl wikitext2,c4 --tasks paper \\
         --output results/gemma2-27b-70.json --markdown results/gemma2-27b-70.md

@@ -23,24 +23,34 @@ def play_text(name: str) -> str:
 
 @pytest.fixture(scope="session")
 def text_dir(tmp_path_factory) -> Path:
-    """Two plays as local .txt files (train and validation read the same directory)."""
+    """Two plays as local .txt files: too few documents, so each is cut into ~10k-character chunks and 10% are held out."""
     d = tmp_path_factory.mktemp("text")
     for name in PLAYS[:2]:
         (d / f"{name}.txt").write_text(play_text(name), encoding="utf-8")
     return d
 
 
-def _make_model(d: Path, hidden: int, intermediate: int, head_dim: int = 32) -> Path:
-    """A randomly initialized 2-layer Gemma-2 with a 512-token BPE tokenizer, saved in fp32."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Gemma2Config, Gemma2ForCausalLM, PreTrainedTokenizerFast
+def _save_tokenizer(d: Path, bos_first: bool = False) -> None:
+    """A 512-token byte-level BPE (<pad>=0, <eos>=1, <bos>=2, <unk>=3); ``bos_first``: tokenizer(text) prepends BOS, as
+    Llama's and Gemma's tokenizers do (a TemplateProcessing post-processor), otherwise it adds nothing."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([play_text(n) for n in PLAYS], trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"]))
+    if bos_first:
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)])
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>").save_pretrained(d)
+
+
+def _make_model(d: Path, hidden: int, intermediate: int, head_dim: int = 32, bos_first: bool = False) -> Path:
+    """A randomly initialized 2-layer Gemma-2 with a 512-token BPE tokenizer, saved in fp32."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    _save_tokenizer(d, bos_first)
     cfg = Gemma2Config(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=256, sliding_window=64,
                        pad_token_id=0, eos_token_id=1, bos_token_id=2)
@@ -63,6 +73,27 @@ def ragged_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_bos_model_dir(tmp_path_factory) -> Path:
+    """The tiny Gemma-2 with a tokenizer that prepends BOS, as Gemma's own does."""
+    return _make_model(tmp_path_factory.mktemp("gemma_bos_model"), hidden=64, intermediate=128, bos_first=True)
+
+
+@pytest.fixture(scope="session")
+def llama_model_dir(tmp_path_factory) -> Path:
+    """A randomly initialized 2-layer Llama (LlamaConfig) whose tokenizer prepends BOS, as Llama's does; fp32."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("llama_model")
+    _save_tokenizer(d, bos_first=True)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
 def small_model_dir(tmp_path_factory) -> Path:
     """~1M parameters: one sub-group large enough (per rank, 2 ranks) for DeepSpeed to swap it to NVMe."""
     return _make_model(tmp_path_factory.mktemp("small_model"), hidden=256, intermediate=640)
@@ -81,9 +112,10 @@ def derived_config(tmp_path: Path, base: str = "zero3_offload.json", **overrides
     return path
 
 
-def run_entry(script: str, args: list[str], ranks: int | None = None, timeout: int = 900, check: bool = True) -> subprocess.CompletedProcess:
+def run_entry(script: str, args: list[str], ranks: int | None = None, timeout: int = 900, check: bool = True,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run launch/<script> as a plain process (ranks=None) or under the deepspeed launcher with ``ranks``."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **(env or {})}
     if ranks is None:
         cmd = [sys.executable, str(ROOT / "launch" / script), *args]
     else:

@@ -42,7 +42,10 @@ def test_local_txt_jsonl_parquet(tmp_path):
     (tmp_path / "a.txt").write_text("plain text")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one"}) + "\n\n" + json.dumps({"text": "two"}) + "\n")
     pq.write_table(pa.table({"text": ["three"]}), tmp_path / "c.parquet")
-    assert list(iter_texts(str(tmp_path), "train")) == ["plain text", "one", "two", "three"]
+    # every document (no file names a split; training with a --val_dataset, or launch/evaluate.py --ppl DIR)
+    assert list(iter_texts(str(tmp_path), "train", holdout_part=False)) == ["plain text", "one", "two", "three"]
+    held = list(iter_texts(str(tmp_path), "validation"))   # otherwise whole documents are held out, never trained on
+    assert held and not set(held) & set(iter_texts(str(tmp_path), "train"))
     (tmp_path / "d.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(ElsaError, match="no 'text' field"):
         list(iter_texts(str(tmp_path / "d.jsonl"), "train"))

@@ -5,8 +5,10 @@ import json
 
 import pytest
 
-from elsa_ds.config import read_ds_config
-from elsa_ds.memory import CUDA_HOST_BYTES, RUNTIME_GPU_BYTES, ModelShape, estimate, model_shape, resolve_model_config, sub_groups
+from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.shapes import CONFIG_DIR
+from elsa_ds.memory import (CUDA_HOST_BYTES, RUNTIME_GPU_BYTES, ModelShape, estimate, model_shape, resolve_model_config,
+                             sub_groups)
 from tests.conftest import run_entry
 
 GIB = 2 ** 30
@@ -22,29 +24,29 @@ def test_shipped_configs_resolve_offline_with_known_sizes(model, billions):
 
 def test_offload_moves_states_off_the_gpu_and_elsal_costs_three_bytes():
     shape = model_shape(resolve_model_config("google/gemma-2-27b"))
-    plain = estimate(shape, read_ds_config("ds_configs/zero3.json"), num_gpus=1)
-    offload = estimate(shape, read_ds_config("ds_configs/zero3_offload.json"), num_gpus=1)
-    elsal = estimate(shape, read_ds_config("ds_configs/zero3_offload_elsal.json"), num_gpus=1)
-    nvme = estimate(shape, read_ds_config("ds_configs/zero3_nvme.json"), num_gpus=1)
+    plain = estimate(shape, DsConfig.load("ds_configs/zero3.json").raw, num_gpus=1)
+    offload = estimate(shape, DsConfig.load("ds_configs/zero3_offload.json").raw, num_gpus=1)
+    elsal = estimate(shape, DsConfig.load("ds_configs/zero3_offload_elsal.json").raw, num_gpus=1)
+    nvme = estimate(shape, DsConfig.load("ds_configs/zero3_nvme.json").raw, num_gpus=1)
     assert plain.breakdown["admm"]["per_gpu"] == pytest.approx(8 * shape.num_params)
     assert offload.breakdown["admm"]["per_node_cpu"] == pytest.approx(8 * shape.num_params)
     assert elsal.breakdown["admm"]["per_node_cpu"] / shape.num_params <= 3.0
     assert elsal.per_gpu_bytes < 24e9                      # the target: 27B with ELSA-L + CPU offload on one GPU
     # NVMe files: bf16 params, fp32 grads, masters, Adam moments, z, u = 2 + 4 + 4 + 8 + 8 bytes per parameter
-    # (tensors under 1 MiB, the norms here, are not swapped)
-    assert 26 * (shape.num_params - 1e6) < nvme.nvme_bytes <= 26 * shape.num_params
+    # (tensors under 1 MiB, the norms here, are not swapped), and the tied lm_head's own 16-bit file (bench/scale.py)
+    assert 26 * (shape.num_params - 1e6) + 2 * shape.tied < nvme.nvme_bytes <= 26 * shape.num_params + 2 * shape.tied
     # what DeepSpeed still keeps in host memory under NVMe: the bf16 gradient accumulation buffer, max_in_cpu params
     assert nvme.breakdown["grads"]["per_node_cpu"] >= 2 * shape.num_params
     assert nvme.breakdown["params"]["per_node_cpu"] == pytest.approx(2 * 1e9)
     assert nvme.per_node_cpu_bytes < 0.2 * offload.per_node_cpu_bytes
-    eight = estimate(shape, read_ds_config("ds_configs/zero3_offload.json"), num_gpus=8)
+    eight = estimate(shape, DsConfig.load("ds_configs/zero3_offload.json").raw, num_gpus=8)
     assert eight.breakdown["optimizer"]["per_node_cpu"] == pytest.approx(offload.breakdown["optimizer"]["per_node_cpu"])
 
 
 def test_cpu_accelerator_folds_the_gpu_into_host_memory_without_a_cuda_context():
     shape = model_shape(resolve_model_config("google/gemma-2-9b"))
     for name in ("zero3", "zero3_offload", "zero3_offload_elsal", "zero3_nvme"):
-        ds = read_ds_config(f"ds_configs/{name}.json")
+        ds = DsConfig.load(f"ds_configs/{name}.json").raw
         cuda, cpu = estimate(shape, ds, num_gpus=2), estimate(shape, ds, num_gpus=2, device="cpu")
         assert cpu.per_gpu_bytes == 0.0 and cpu.nvme_bytes == cuda.nvme_bytes
         for key in ("params", "grads", "optimizer", "admm", "activations", "buffers"):
@@ -59,7 +61,7 @@ def test_cpu_accelerator_folds_the_gpu_into_host_memory_without_a_cuda_context()
 
 def test_step_workspace_scales_with_the_sub_group_and_follows_the_optimizer():
     shape = model_shape(resolve_model_config("google/gemma-2-27b"))
-    ds = read_ds_config("ds_configs/zero3.json")
+    ds = DsConfig.load("ds_configs/zero3.json").raw
     big = estimate(shape, ds, num_gpus=8)                  # 3.4B entries per rank, sub-groups of 1e9
     ds["zero_optimization"]["sub_group_size"] = 1e8
     small = estimate(shape, ds, num_gpus=8)
@@ -68,8 +70,8 @@ def test_step_workspace_scales_with_the_sub_group_and_follows_the_optimizer():
     assert small.breakdown["workspace"]["per_gpu"] == 0.0  # a 1e8 sub-group's step fits in the forward/backward working set
     assert big.per_gpu_bytes - small.per_gpu_bytes > 4e9
     shape = model_shape(resolve_model_config("google/gemma-2-2b"))
-    offload = estimate(shape, read_ds_config("ds_configs/zero3_offload.json"), num_gpus=8)
-    elsal = estimate(shape, read_ds_config("ds_configs/zero3_offload_elsal.json"), num_gpus=8)
+    offload = estimate(shape, DsConfig.load("ds_configs/zero3_offload.json").raw, num_gpus=8)
+    elsal = estimate(shape, DsConfig.load("ds_configs/zero3_offload_elsal.json").raw, num_gpus=8)
     assert offload.breakdown["workspace"]["per_gpu"] == 0.0  # the optimizer steps on the CPU
     # bitsandbytes' CPU 8-bit Adam dequantizes both moments and copies the gradient: 20 bytes per entry
     assert elsal.breakdown["workspace"]["per_node_cpu"] == pytest.approx(20 * shape.num_params, rel=1e-9)
@@ -83,7 +85,7 @@ def test_sub_groups_are_cut_like_deepspeed_and_small_tensors_stay_off_nvme():
     # a sub-group closes once it holds >= sub_group_size, so it may overshoot by one parameter's partition
     assert [g.numel for g in sub_groups(shape, 1, 100 * m)] == [110 * m, 10 * m + 1000]
     assert [(g.numel, g.pruned, g.largest_pruned) for g in sub_groups(shape, 2, 100 * m)] == [(60 * m + 500, 55 * m, 30 * m)]
-    ds = read_ds_config("ds_configs/zero3_nvme.json")
+    ds = DsConfig.load("ds_configs/zero3_nvme.json").raw
     nvme = estimate(shape, ds, num_gpus=1, device="cpu")
     # the 1000-element tensor (2 and 4 KB) is below DeepSpeed's 1 MiB swap minimum: params and grads files skip it
     assert nvme.breakdown["params"]["nvme"] == 2 * 120 * m and nvme.breakdown["grads"]["nvme"] == 4 * 120 * m
@@ -100,3 +102,44 @@ def test_estimate_entry_point_json_and_errors(tmp_path):
     assert set(last["breakdown"]) >= {"params", "grads", "optimizer", "admm", "activations", "buffers"}
     bad = run_entry("estimate.py", ["--model", str(tmp_path / "nothing"), "--deepspeed", "ds_configs/zero3.json"], check=False)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "elsa_ds: error" in bad.stderr
+
+
+def _scale_job(layers: int, ranks: int = 1, freeze: bool = True):
+    """bench/scale.py's model (Gemma-2-27B shapes, ``layers`` decoder layers) and its fitted zero3_nvme config."""
+    from transformers import AutoConfig
+
+    config = json.loads((CONFIG_DIR / "google/gemma-2-27b/config.json").read_text())
+    shape = model_shape(AutoConfig.for_model(**{**config, "num_hidden_layers": layers}), freeze_embeddings=freeze)
+    ds = DsConfig.load("ds_configs/zero3_nvme.json").raw
+    zero = ds["zero_optimization"]
+    zero["offload_param"].update(buffer_count=1, buffer_size=-(-shape.largest_param // ranks), max_in_cpu=0)
+    zero["offload_optimizer"].update(buffer_count=6)
+    zero.update(sub_group_size=1e7, stage3_max_reuse_distance=0)
+    return shape, {**ds, "train_batch_size": ranks}
+
+
+def test_frozen_embeddings_hold_no_optimizer_state_and_a_tied_head_leaves_a_second_file_on_nvme():
+    trained, ds = _scale_job(1, freeze=False)
+    frozen, _ = _scale_job(1)
+    embedding = 256000 * 4608
+    assert trained.trainable_params - frozen.trainable_params == embedding and frozen.frozen == [embedding]
+    assert frozen.tied == embedding  # lm_head.weight is the embedding under a second name
+    a, b = (estimate(s, ds, 1, micro_batch=1, seqlen=64, device="cpu") for s in (trained, frozen))
+    # masters, moments and z, u (on NVMe) and the fp32 gradient file go; the 16-bit parameter files stay (twice: tied)
+    assert a.nvme_bytes - b.nvme_bytes == pytest.approx(24 * embedding, rel=1e-3)
+    assert b.breakdown["params"]["nvme"] == pytest.approx(2 * (frozen.num_params + embedding), rel=1e-3)
+    # the optimizer's swap buffers are sized by the largest sub-group: the embedding when it is trained
+    assert a.breakdown["buffers"]["per_node_cpu"] - b.breakdown["buffers"]["per_node_cpu"] > 6 * 4 * (embedding - 36864 * 4608)
+
+
+def test_nvme_parameter_buffers_must_hold_the_largest_partition_not_the_whole_parameter():
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.shapes import check_nvme_param_buffers
+    from elsa_ds.models import meta_model
+
+    meta = meta_model(resolve_model_config("google/gemma-2-2b"))
+    largest = max(p.numel() for p in meta.parameters())
+    ds = {"zero_optimization": {"offload_param": {"device": "nvme", "buffer_size": -(-largest // 4)}}}
+    check_nvme_param_buffers(meta, ds, world=4)
+    with pytest.raises(ElsaError, match="buffer_size"):
+        check_nvme_param_buffers(meta, ds, world=2)

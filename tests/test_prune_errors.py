@@ -45,7 +45,7 @@ def test_output_dir_whose_parent_cannot_be_created(tmp_path):
 @pytest.mark.integration
 def test_dataset_smaller_than_one_global_batch(tmp_path, tiny_model_dir):
     small = tmp_path / "small.txt"
-    small.write_text("To be, or not to be, that is the question. " * 20)
+    small.write_text("To be, or not to be, that is the question.\n\n" * 20)  # 20 paragraphs: 2 held out, 18 to train on
     _fails(["--deepspeed", "ds_configs/zero3.json", "--model", str(tiny_model_dir), "--dataset", str(small), "--seqlen", "64",
             "--output_dir", str(tmp_path / "o")], "fewer than one global batch")
 

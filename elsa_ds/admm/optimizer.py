@@ -39,6 +39,7 @@ from elsa_ds.admm.kernels.fused import FusedPath
 from elsa_ds.admm.projection import NM, Comm, LocalComm, Slice, projection_masks
 from elsa_ds.admm.schedule import LambdaSchedule, dual_rescale, interval_lambda
 from elsa_ds.admm.state import StateDtype
+from elsa_ds.admm.wrapper import OptimizerWrapper
 
 Z, U, Z_SCALE, U_SCALE = "admm_z", "admm_u", "admm_z_scale", "admm_u_scale"
 METRIC_NAMES = ("residual_sq", "x_sq", "flips", "pruned_entries", "state_bytes", "state_entries")
@@ -79,23 +80,13 @@ def second_moment(state: dict) -> torch.Tensor | None:
     return None
 
 
-class AdmmOptimizer(torch.optim.Optimizer):
+class AdmmOptimizer(OptimizerWrapper):
     """Wraps ``base``; shares its ``param_groups`` and ``state`` so wrappers that edit them reach the base."""
 
     def __init__(self, base: torch.optim.Optimizer, settings: AdmmSettings, comm: Comm | None = None):
-        self.base = base
+        super().__init__(base)
         self.settings = settings
         self.comm = comm or LocalComm()
-        # torch.optim.Optimizer bookkeeping that hooks and profilers expect, without re-registering params
-        from collections import OrderedDict
-
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._slices: dict[int, tuple[torch.Tensor, list[Slice]]] = {}
         # called with a flat's state dict right after z and u were created (the base state exists by then)
         self.on_state_created: Callable[[dict], None] | None = None
         # warm start: the keep-mask of a slice (from a one-shot method) for z₀ = x ⊙ m instead of z₀ = Π(x)
@@ -107,40 +98,6 @@ class AdmmOptimizer(torch.optim.Optimizer):
         self._finalize_now = False
         self._metrics = torch.zeros(len(METRIC_NAMES), dtype=torch.float64)
         self._fused = FusedPath(base, settings.kernels)
-
-    # base.load_state_dict replaces its state and param_groups objects: always read them through base
-    @property
-    def param_groups(self):
-        return self.base.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.base.param_groups = value
-
-    @property
-    def state(self):
-        return self.base.state
-
-    @state.setter
-    def state(self, value):
-        self.base.state = value
-
-    @property
-    def defaults(self):
-        return self.base.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.base.defaults = value
-
-    # ---- wiring -------------------------------------------------------------------------------
-    def assign(self, flat: torch.Tensor, slices: list[Slice]) -> None:
-        """Declare which entries of ``flat`` belong to pruned layers (order must match across ranks)."""
-        self._slices[id(flat)] = (flat, list(slices))
-
-    def slices_of(self, flat: torch.Tensor) -> list[Slice] | None:
-        entry = self._slices.get(id(flat))
-        return entry[1] if entry is not None and entry[0] is flat else None
 
     # ---- schedule -----------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -329,30 +286,6 @@ class AdmmOptimizer(torch.optim.Optimizer):
     def local_metrics(self) -> torch.Tensor:
         """This rank's metric sums since ``begin_step`` (see METRIC_NAMES); all-reduce to combine."""
         return self._metrics.clone()
-
-    # ---- checkpoint passthrough -----------------------------------------------------------------
-    def state_dict(self):
-        return self.base.state_dict()
-
-    def load_state_dict(self, state_dict):
-        """Load the base optimizer's state, then give every state tensor back its saved dtype.
-
-        torch's Optimizer.load_state_dict casts states to the parameter's dtype (fp32 here), which would
-        turn fp8 z, bf16 u and 8-bit Adam codes into fp32 tensors that are read without their scales.
-        """
-        saved = {(i, k): v.dtype for i, st in state_dict["state"].items() for k, v in st.items() if torch.is_tensor(v)}
-        result = self.base.load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in enumerate(params):
-            st = self.state.get(p, {})
-            for k, v in list(st.items()):
-                dtype = saved.get((i, k))
-                if torch.is_tensor(v) and dtype is not None and v.dtype != dtype:
-                    st[k] = v.to(dtype)
-        return result
-
-    def zero_grad(self, set_to_none: bool = True):
-        return self.base.zero_grad(set_to_none=set_to_none)
 
 
 def summarize_metrics(sums: torch.Tensor, lam: float) -> dict[str, float]:

@@ -2,11 +2,12 @@
 
     python -m elsa_ds.demo.train_demo --out elsa_ds/demo/model
 
-Fits in about 12 minutes on 2 CPU cores. Train split: every play but ``corpus.VALIDATION_PLAYS``. The
+Fits in about 12 minutes on 2 CPU cores. Train split: every play but ``elsa_ds.data.shakespeare.VALIDATION_PLAYS``. The
 tokenizer is a byte-level BPE of 4096 tokens with Gemma's special ids (<pad>=0, <eos>=1, <bos>=2,
 <unk>=3) and no post-processor, so ``tokenizer(text)`` adds nothing; blocks are packed exactly as the
 pruning job packs them (``elsa_ds.data.pack_blocks``: BOS first in every block, EOS between plays), and
-``val_ppl`` uses the pruning report's protocol (``elsa_ds.evaluation.perplexity``) over all validation blocks.
+``val_ppl`` is measured over all validation blocks packed the same way (the pruning report's protocol when the model
+was made; the report now uses ``elsa_ds.data.windows``, so its dense figure differs from ``val_ppl``).
 
 Precision: the weights, AdamW state and the final evaluation are fp32; the training forward/backward
 runs under bf16 autocast (``--precision bf16-mixed``), which halves the step time on a CPU with
@@ -31,7 +32,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import Gemma2Config, Gemma2ForCausalLM, PreTrainedTokenizerFast
 
 from elsa_ds.data import GlobalBatches, pack_blocks
-from elsa_ds.demo.corpus import VALIDATION_PLAYS, split_texts
+from elsa_ds.data.shakespeare import VALIDATION_PLAYS, split_texts
 from elsa_ds.evaluation.perplexity import ppl, window_nll
 
 SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")  # ids 0..3 in this order, Gemma's convention
@@ -103,7 +104,7 @@ def save_atomically(out: Path, model: Gemma2ForCausalLM, tokenizer: PreTrainedTo
         shutil.rmtree(old)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "model", help="output directory")
     ap.add_argument("--steps", type=int, default=750, help="optimizer steps (750 ≈ 12 min on 2 cores in bf16-mixed)")
@@ -118,42 +119,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed",
                     help="training compute dtype; weights, optimizer and evaluation stay fp32")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    args = ap.parse_args(argv)
-    print("config:", json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}), flush=True)
-    torch.set_num_threads(args.threads)
-    started = time.time()
+    return ap.parse_args(argv)
 
-    # data: tokenizer from the train split only, so validation plays are unseen by BPE too
-    train_texts, val_texts = split_texts("train"), split_texts("validation")
-    tokenizer = train_tokenizer(train_texts, args.vocab)
 
-    def blocks(texts: list[str]) -> torch.Tensor:
-        ids = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts)
-        return pack_blocks(ids, args.seqlen, tokenizer.bos_token_id, tokenizer.eos_token_id)
-
-    train, val = blocks(train_texts), blocks(val_texts)
-    batches = GlobalBatches(train, args.batch, args.batch, world_size=1, rank=0, seed=args.seed)
-    print(f"tokenizer {len(tokenizer)} tokens; blocks train {tuple(train.shape)} val {tuple(val.shape)}; "
-          f"{time.time() - started:.0f}s", flush=True)
-
-    # model + optimizer
-    config = demo_config(len(tokenizer))
+def build(args: argparse.Namespace, vocab_size: int) -> tuple[Gemma2ForCausalLM, torch.optim.Optimizer]:
+    """The demo model (seeded) and AdamW with decay on matrices only."""
     torch.manual_seed(args.seed)
-    model = Gemma2ForCausalLM(config)
+    model = Gemma2ForCausalLM(demo_config(vocab_size))
     model.train()
-    n_params = sum(p.numel() for p in model.parameters())  # tied embedding counted once
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]  # RMSNorm scales: decaying them only hurts
     opt = torch.optim.AdamW(
         [{"params": matrices, "weight_decay": args.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95),
     )
-    warmup = max(1, round(args.warmup * args.steps))
-    print(f"model {n_params:,} params", flush=True)
+    return model, opt
 
-    # train
+
+def train(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, batches: GlobalBatches) -> list[float]:
+    """The training loop: cosine schedule with warm-up, bf16 autocast (or fp32), clipping at 1.0; returns the losses."""
+    warmup = max(1, round(args.warmup * args.steps))
     losses: list[float] = []
-    train_started = time.time()
+    started = time.time()
     for step in range(args.steps):
         lr = cosine_lr(step, args.steps, args.lr, warmup, args.final_lr_ratio)
         for group in opt.param_groups:
@@ -167,36 +154,47 @@ def main(argv: list[str] | None = None) -> None:
         opt.step()
         losses.append(loss.item())
         if step % 25 == 0 or step == args.steps - 1:
-            per_step = (time.time() - train_started) / (step + 1)
+            per_step = (time.time() - started) / (step + 1)
             recent = losses[-25:]
             print(f"step {step:4d}/{args.steps} loss {losses[-1]:.4f} (avg {sum(recent) / len(recent):.4f}) "
                   f"lr {lr:.2e} |g| {float(grad_norm):.2f} {per_step:.2f}s/step "
                   f"eta {per_step * (args.steps - step - 1):.0f}s", flush=True)
+    return losses
 
-    # evaluate + save
-    val_ppl = ppl(*window_nll(model, val, args.batch))  # fp32, the pruning report's protocol
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print("config:", json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}), flush=True)
+    torch.set_num_threads(args.threads)
+    started = time.time()
+
+    # data: tokenizer from the train split only, so validation plays are unseen by BPE too
+    train_texts, val_texts = split_texts("train"), split_texts("validation")
+    tokenizer = train_tokenizer(train_texts, args.vocab)
+
+    def blocks(texts: list[str]) -> torch.Tensor:
+        ids = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts)
+        return pack_blocks(ids, args.seqlen, tokenizer.bos_token_id, tokenizer.eos_token_id)
+
+    train_blocks, val = blocks(train_texts), blocks(val_texts)
+    batches = GlobalBatches(train_blocks, args.batch, args.batch, world_size=1, rank=0, seed=args.seed)
+    print(f"tokenizer {len(tokenizer)} tokens; blocks train {tuple(train_blocks.shape)} val {tuple(val.shape)}; "
+          f"{time.time() - started:.0f}s", flush=True)
+    model, opt = build(args, len(tokenizer))
+    n_params = sum(p.numel() for p in model.parameters())  # tied embedding counted once
+    print(f"model {n_params:,} params", flush=True)
+    losses = train(args, model, opt, batches)
+
+    model.eval()
+    val_ppl = ppl(*window_nll(lambda ids: model(input_ids=ids).logits, val, args.batch))  # fp32, the report's protocol
     last = losses[-20:]
     metrics = {
-        "steps": args.steps,
-        "batch": args.batch,
-        "seqlen": args.seqlen,
-        "tokens_seen": args.steps * args.batch * args.seqlen,
-        "final_train_loss": round(sum(last) / len(last), 4),
-        "val_ppl": round(val_ppl, 3),
-        "train_blocks": int(train.shape[0]),
-        "val_blocks": int(val.shape[0]),
-        "n_params": n_params,
-        "wall_s": round(time.time() - started, 1),
-        "seed": args.seed,
-        "lr": args.lr,
-        "warmup_steps": warmup,
-        "final_lr_ratio": args.final_lr_ratio,
-        "precision": args.precision,
-        "weight_decay": args.weight_decay,
-        "vocab_size": len(tokenizer),
-        "validation_plays": list(VALIDATION_PLAYS),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "steps": args.steps, "batch": args.batch, "seqlen": args.seqlen, "tokens_seen": args.steps * args.batch * args.seqlen,
+        "final_train_loss": round(sum(last) / len(last), 4), "val_ppl": round(val_ppl, 3), "train_blocks": int(train_blocks.shape[0]),
+        "val_blocks": int(val.shape[0]), "n_params": n_params, "wall_s": round(time.time() - started, 1), "seed": args.seed,
+        "lr": args.lr, "warmup_steps": max(1, round(args.warmup * args.steps)), "final_lr_ratio": args.final_lr_ratio,
+        "precision": args.precision, "weight_decay": args.weight_decay, "vocab_size": len(tokenizer),
+        "validation_plays": list(VALIDATION_PLAYS), "torch": torch.__version__, "transformers": transformers.__version__,
     }
     save_atomically(args.out, model, tokenizer, metrics)
     print(json.dumps(metrics, indent=2), flush=True)

@@ -1,18 +1,14 @@
-"""Perplexity with the pruning papers' protocol: non-overlapping seqlen windows, exp(mean token NLL).
+"""Perplexity scoring: the summed next-token NLL of windows [n, seqlen], each token after a window's first predicted once.
 
-Windows come from ``elsa_ds.data.load_blocks`` (BOS at the start of every window when the tokenizer
-has one); every token after the first of a window is predicted once.
+What the windows hold (the published protocols: ``stream`` for SparseGPT/Wanda, ``window`` for the ELSA authors'
+Gemma runs) and how the sum becomes a perplexity is ``elsa_ds.data.windows``; this module only scores.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
-
-PROTOCOL = (
-    "non-overlapping windows of seqlen tokens (stride = seqlen, remainder dropped), BOS first in every window "
-    "when the tokenizer has one, documents joined by EOS; ppl = exp(sum NLL / predicted tokens)"
-)
 
 
 def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
@@ -22,23 +18,31 @@ def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
 
 
 @torch.no_grad()
-def window_nll(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 1, progress: bool = False) -> tuple[float, int]:
-    """Summed next-token NLL (fp32 logits) and number of predicted tokens over ``windows`` [n, seqlen]."""
-    device = next(model.parameters()).device
+def window_nll(forward: Callable[[torch.Tensor], torch.Tensor], windows: torch.Tensor, batch_size: int = 1, *,
+               rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu", progress: bool = False) -> tuple[float, int]:
+    """Summed next-token NLL (fp32 logits) and number of predicted tokens over ``windows`` [n, seqlen].
+
+    ``forward(ids) -> logits``. With ``world_size`` > 1 rank r scores windows r, r + W, ... and every rank runs
+    the same number of forwards (ZeRO-3 gathers parameters inside each forward; a rank without a window of its
+    own scores the first one and discards it): the caller sums the ranks' results.
+    """
+    mine = windows[rank::world_size]
+    rounds = -(-windows.shape[0] // (world_size * batch_size))
     total, count = 0.0, 0
-    batches = windows.split(batch_size)
+    steps = range(rounds)
     if progress:
         from tqdm import tqdm
 
-        batches = tqdm(batches, desc="perplexity", unit="batch")
-    model.eval()
-    for batch in batches:
-        ids = batch.to(device)
-        nll, n = token_nll(model(input_ids=ids).logits, ids)
-        total += nll
-        count += n
+        steps = tqdm(steps, desc="perplexity", unit="batch")
+    for i in steps:
+        batch = mine[i * batch_size:(i + 1) * batch_size]
+        ids = (batch if batch.shape[0] else windows[:1]).to(device)
+        nll, n = token_nll(forward(ids), ids)
+        if batch.shape[0]:
+            total, count = total + nll, count + n
     return total, count
 
 
 def ppl(nll_sum: float, tokens: int) -> float:
+    """exp(Σ NLL / predicted tokens): the stream protocol's perplexity (``PplWindows.perplexity`` picks per protocol)."""
     return math.exp(nll_sum / tokens) if tokens else float("nan")

@@ -1,8 +1,9 @@
 """The evaluation job, start to end: model -> sparsity report -> perplexity -> zero-shot -> one JSON.
 
-``launch/evaluate.py`` only parses arguments and calls ``run``. Evaluation runs in its own process on a
-saved model, never inside the pruning job (the ELSA authors' idle ranks hit the collective timeout while
-rank 0 ran long zero-shot tasks). Every cheap check (task names, model config, output paths, text
+``launch/evaluate.py`` only parses arguments and calls ``run``. It evaluates a saved model in a process of its
+own, or (``--eval_ppl`` / ``--eval_tasks`` of a pruning job) in rank 0 of the pruning job after every other rank
+has left: never while other ranks wait on a collective (the ELSA authors' idle ranks hit the collective timeout
+while rank 0 ran long zero-shot tasks). Every cheap check (task names, model config, output paths, text
 windows) runs before the weights are loaded.
 """
 from __future__ import annotations
@@ -17,14 +18,16 @@ from typing import Any
 
 import torch
 
-from elsa_ds.data import load_blocks, load_tokenizer
+from elsa_ds.data import PplProtocol, PplWindows, evaluation_documents, load_tokenizer, ppl_windows, resolve_protocol
+from elsa_ds.data.windows import C4_WINDOWS, LAYOUTS
 from elsa_ds.errors import ElsaError
-from elsa_ds.evaluation.perplexity import PROTOCOL, ppl, window_nll
+from elsa_ds.evaluation.perplexity import window_nll
 from elsa_ds.evaluation.sparsity import sparsity_report
-from elsa_ds.evaluation.tables import results_table, write_atomic
+from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import task_manager, zeroshot
+from elsa_ds.io import versions, write_atomic
+from elsa_ds.models import load_causal_lm, load_config
 
-C4_WINDOWS = 256  # SparseGPT/Wanda: the first 1100 validation documents, truncated to 256 x seqlen tokens
 NAMED_SOURCES = ("wikitext2", "c4")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -35,12 +38,14 @@ class EvalSettings:
 
     model: str
     ppl: list[str] = field(default_factory=list)
-    """wikitext2 | c4 | local text file or directory, each evaluated with the same window protocol."""
+    """wikitext2 | c4 | local text file or directory, each evaluated with the same protocol."""
     tasks: list[str] = field(default_factory=list)
     """lm-eval task names, run 0-shot."""
     include_path: str | None = None
     """Directory of local lm-eval task YAMLs."""
     seqlen: int = 2048
+    ppl_protocol: str = "auto"
+    """auto | stream | window (``elsa_ds.data.windows``)."""
     batch_size: int = 1
     limit: int | None = None
     """Examples per lm-eval task and the most perplexity windows per dataset (for quick checks only)."""
@@ -62,63 +67,39 @@ def check_settings(s: EvalSettings) -> None:
         raise ElsaError(f"--batch_size must be at least 1, got {s.batch_size}")
     if s.limit is not None and s.limit < 1:
         raise ElsaError(f"--limit must be at least 1, got {s.limit}")
+    if s.ppl_protocol not in {p.value for p in PplProtocol}:
+        raise ElsaError(f"--ppl_protocol {s.ppl_protocol!r}: use one of {', '.join(p.value for p in PplProtocol)}")
     if s.dtype is not None and s.dtype not in DTYPES:
         raise ElsaError(f"--dtype {s.dtype!r}: use one of {', '.join(DTYPES)}")
     if s.device_map not in (None, "auto"):
         raise ElsaError(f"--device_map {s.device_map!r}: the only choice is 'auto'")
     for flag, path in (("--output", s.output), ("--markdown", s.markdown)):
-        if path is not None and not Path(path).resolve().parent.is_dir():
+        if path is None:
+            continue
+        if Path(path).is_dir():
+            raise ElsaError(f"{flag} {path} is a directory; give a file name, e.g. {Path(path) / ('result.json' if flag == '--output' else 'result.md')}")
+        if not Path(path).resolve().parent.is_dir():
             raise ElsaError(f"{flag} {path}: directory {Path(path).resolve().parent} does not exist")
 
 
-def load_config(model_id: str):
-    """The model's config, or an ElsaError that says whether a directory or a hub id failed."""
-    from transformers import AutoConfig
-
-    path = Path(model_id).expanduser()
-    if model_id.startswith((".", "/", "~")) and not path.exists():
-        raise ElsaError(f"--model {model_id}: no such directory")
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ElsaError(f"--model {model_id}: directory has no config.json (not a saved transformers model)")
-    try:
-        return AutoConfig.from_pretrained(model_id)
-    except (OSError, ValueError) as err:
-        raise ElsaError(f"--model {model_id}: cannot load its config ({str(err).splitlines()[0]})") from None
-
-
 def load_model(s: EvalSettings, config, offload_folder: str | None) -> torch.nn.Module:
-    """from_pretrained in the chosen dtype; eager attention for Gemma-2 (sdpa drops the logit soft-capping)."""
-    from transformers import AutoModelForCausalLM
-
-    kwargs: dict[str, Any] = {"dtype": resolve_dtype(s.dtype)}
-    if config.model_type == "gemma2":
-        kwargs["attn_implementation"] = "eager"
+    """from_pretrained in the chosen dtype, on the GPU (or spread with device_map="auto") when there is one."""
+    kwargs: dict[str, Any] = {}
     if torch.cuda.is_available():
         kwargs["device_map"] = "auto" if s.device_map else "cuda"
         if s.device_map:
             kwargs["offload_folder"] = offload_folder
-    try:
-        model = AutoModelForCausalLM.from_pretrained(s.model, **kwargs)
-    except (OSError, ValueError) as err:
-        raise ElsaError(f"--model {s.model}: cannot load the weights ({str(err).splitlines()[0]})") from None
-    model.config.use_cache = False  # scoring forwards build no KV cache; generate() follows generation_config instead
-    return model.eval()
+    return load_causal_lm(s.model, resolve_dtype(s.dtype), config=config, **kwargs).eval()
 
 
 def resolve_dtype(name: str | None) -> torch.dtype:
     return DTYPES[name] if name else torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
-def max_windows(source: str, limit: int | None) -> int | None:
-    """C4 is capped at 256 windows by the protocol, everything else uses every window; --limit caps all."""
-    caps = [c for c in (C4_WINDOWS if source == "c4" else None, limit) if c is not None]
-    return min(caps) if caps else None
-
-
-def ppl_windows(source: str, tokenizer, seqlen: int, limit: int | None) -> torch.Tensor:
-    """The validation windows [n, seqlen] of one --ppl source; ElsaError when there are none."""
+def source_windows(source: str, tokenizer, seqlen: int, protocol: PplProtocol, requested: PplProtocol, limit: int | None) -> PplWindows:
+    """The windows of one --ppl source (C4: at most 256, the protocol's; --limit caps all); ElsaError when there are none."""
     try:
-        windows = load_blocks(source, "validation", tokenizer, seqlen, max_windows(source, limit))
+        windows = ppl_windows(evaluation_documents(source), source, tokenizer, seqlen, protocol, requested, limit)
     except ElsaError as err:
         raise ElsaError(f"--ppl: {err}") from None
     except Exception as err:  # datasets/hub raise many types; offline machines are the usual cause
@@ -126,7 +107,7 @@ def ppl_windows(source: str, tokenizer, seqlen: int, limit: int | None) -> torch
             raise
         raise ElsaError(f"--ppl {source}: cannot load the dataset ({type(err).__name__}: {str(err).splitlines()[0]}); "
                         "it needs the Hugging Face hub or a local datasets cache") from None
-    if windows.shape[0] == 0:
+    if windows.count == 0:
         raise ElsaError(f"--ppl {source}: no windows of {seqlen} tokens (the text is empty or shorter than one window); "
                         "use a longer text or a smaller --seqlen")
     return windows
@@ -136,9 +117,20 @@ def say(msg: str) -> None:
     print(f"[elsa_ds] {msg}", flush=True)
 
 
-def run(s: EvalSettings) -> dict[str, Any]:
-    """Evaluate ``s.model``; writes ``s.output``/``s.markdown`` atomically when given and returns the result."""
-    started = time.time()
+@dataclass
+class _Prepared:
+    """What the cheap checks produced, before any weight is loaded."""
+
+    settings: dict[str, Any]
+    config: Any
+    tokenizer: Any
+    manager: Any
+    protocol: PplProtocol
+    windows: dict[str, PplWindows]
+
+
+def prepare(s: EvalSettings) -> _Prepared:
+    """Every check that needs no weights: settings, task names, model config, the perplexity windows."""
     check_settings(s)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items()}
     say("evaluation settings:\n" + json.dumps(settings, indent=2))
@@ -149,58 +141,64 @@ def run(s: EvalSettings) -> dict[str, Any]:
         raise ElsaError(f"--seqlen {s.seqlen} exceeds the model's max_position_embeddings {max_positions}; "
                         f"pass --seqlen {max_positions} or less")
     tokenizer = load_tokenizer(s.model)
-    windows = {source: ppl_windows(source, tokenizer, s.seqlen, s.limit) for source in s.ppl}
+    protocol = resolve_protocol(s.ppl_protocol, config)
+    windows = {source: source_windows(source, tokenizer, s.seqlen, protocol, PplProtocol(s.ppl_protocol), s.limit) for source in s.ppl}
     for source, w in windows.items():
-        say(f"perplexity data {source}: {w.shape[0]} windows x {s.seqlen} tokens")
-        if source == "c4" and s.limit is None and w.shape[0] < C4_WINDOWS:
-            say(f"warning: c4 gave {w.shape[0]} windows, fewer than the protocol's {C4_WINDOWS}; not comparable with published tables")
+        say(f"perplexity data {source}: {w.count} windows x {s.seqlen} tokens, {protocol.value} protocol ({w.rule})")
+        if source == "c4" and s.limit is None and w.count < C4_WINDOWS:
+            say(f"warning: c4 gave {w.count} windows, fewer than the protocol's {C4_WINDOWS}; not comparable with published tables")
+    return _Prepared(settings, config, tokenizer, manager, protocol, windows)
 
+
+def measure(s: EvalSettings, prep: _Prepared) -> dict[str, Any]:
+    """Load the model, then its sparsity, perplexity per source and zero-shot accuracy."""
     if s.device_map and not torch.cuda.is_available():
         say("--device_map auto needs CUDA; loading on the CPU")
     offloading = s.device_map is not None and torch.cuda.is_available()
     offload_dir = tempfile.TemporaryDirectory(prefix="elsa_offload_", dir=s.offload_folder) if offloading else contextlib.nullcontext()
     with offload_dir as offload:
-        model = load_model(s, config, offload)
-        device = str(next(model.parameters()).device)
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        n_params = sum(p.numel() for p in model.parameters())
-        say(f"loaded {s.model} ({config.model_type}, {n_params / 1e6:.1f} M parameters, {dtype}, {device})")
-        sparsity = model_sparsity(s.model)
-        perplexity = {}
-        for source, w in windows.items():
-            nll, tokens = window_nll(model, w, s.batch_size, progress=True)
-            perplexity[source] = {"ppl": ppl(nll, tokens), "windows": int(w.shape[0]), "tokens": tokens}
-            say(f"{source} perplexity {perplexity[source]['ppl']:.3f} over {w.shape[0]} windows")
-        zs: dict[str, Any] = {}
+        model = load_model(s, prep.config, offload)
+        first = next(model.parameters())
+        found: dict[str, Any] = {"device": str(first.device), "dtype": str(first.dtype).removeprefix("torch.")}
+        say(f"loaded {s.model} ({prep.config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
+            f"{found['dtype']}, {found['device']})")
+        found["sparsity"], found["ppl"] = model_sparsity(s.model), {}
+        for source, w in prep.windows.items():
+            nll, tokens = window_nll(lambda ids: model(input_ids=ids).logits, w.ids, s.batch_size, device=first.device, progress=True)
+            found["ppl"][source] = {"ppl": w.perplexity(nll, tokens), "windows": w.count, "tokens": tokens, "nll_sum": nll,
+                                    "text": {"part": w.rule, "documents": w.documents, "text_tokens": w.text_tokens}}
+            say(f"{source} perplexity {found['ppl'][source]['ppl']:.3f} over {w.count} windows")
+        found["zeroshot"] = {}
         if s.tasks:
-            zs = zeroshot(model, tokenizer, s.tasks, manager, s.batch_size, s.limit)
-            if zs["add_bos_token"] and not zs["bos_first"]:
+            found["zeroshot"] = zeroshot(model, prep.tokenizer, s.tasks, prep.manager, s.batch_size, s.limit)
+            if found["zeroshot"]["add_bos_token"] and not found["zeroshot"]["bos_first"]:
                 say("warning: add_bos_token=True, but this tokenizer does not prepend BOS when asked to; "
                     "lm-eval's inputs start without BOS")
+    return found
 
+
+def run(s: EvalSettings) -> dict[str, Any]:
+    """Evaluate ``s.model``; writes ``s.output``/``s.markdown`` atomically when given and returns the result."""
+    started = time.time()
+    prep = prepare(s)
+    found = measure(s, prep)
+    zs = found.pop("zeroshot")
     tasks, average_acc = zs.pop("tasks", {}), zs.pop("average_acc", None)
     result = {
-        "model": s.model,
-        "model_type": config.model_type,
-        "dtype": dtype,
-        "device": device,
-        "seqlen": s.seqlen,
-        "settings": settings,
+        "model": s.model, "model_type": prep.config.model_type, "dtype": found["dtype"], "device": found["device"],
+        "seqlen": s.seqlen, "settings": prep.settings,
         "protocol": {
-            "ppl": PROTOCOL,
-            "bos_per_window": tokenizer.bos_token_id is not None,
-            "ppl_split": "validation (wikitext2: the test split, all windows; c4: the first 1100 validation documents, "
-                         f"{C4_WINDOWS} windows; local files: all windows)",
+            "ppl": prep.protocol.value,
+            "ppl_requested": s.ppl_protocol,
+            "ppl_layout": LAYOUTS[prep.protocol],
+            "ppl_text": "wikitext2: the test split's lines joined by blank lines; c4: the first 1100 validation documents joined "
+                        f"by a space, at most {C4_WINDOWS} windows; local files: their documents joined by blank lines "
+                        "(a directory named for splits: its validation, else test, files); the text tokenized once",
             "zeroshot": "lm-eval-harness simple_evaluate, num_fewshot 0, acc and acc_norm, average = mean acc over tasks",
             "limit": s.limit,
         },
-        "sparsity": sparsity,
-        "ppl": perplexity,
-        "tasks": tasks,
-        "average_acc": average_acc,
-        "zeroshot": zs or None,
-        "wall_s": time.time() - started,
-        "versions": versions(),
+        "sparsity": found["sparsity"], "ppl": found["ppl"], "tasks": tasks, "average_acc": average_acc, "zeroshot": zs or None,
+        "wall_s": time.time() - started, "versions": versions(),
     }
     table = results_table([result])
     print(table, flush=True)
@@ -222,36 +220,3 @@ def model_sparsity(model_id: str) -> dict[str, Any]:
     except (ElsaError, OSError) as err:  # e.g. a .bin-only checkpoint: report why instead of failing the job
         say(f"warning: no sparsity report: {err}")
         return {"error": str(err)}
-
-
-def versions() -> dict[str, str]:
-    import lm_eval
-    import transformers
-
-    import elsa_ds
-
-    return {"elsa_ds": elsa_ds.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "lm_eval": lm_eval.__version__}
-
-
-def evaluate_output(output_dir: Path, ppl_sources: list[str], tasks: list[str], include_path: str | None,
-                    seqlen: int) -> dict[str, Any] | None:
-    """Evaluate a pruning job's saved model in the job's own process (rank 0, after its last collective) and
-    add a summary to its ``elsa_report.json``; the full result goes to ``eval.json`` and ``eval.md`` beside it."""
-    from elsa_ds.evaluation.zeroshot import expand_tasks
-    from elsa_ds.output import REPORT_NAME, write_json
-
-    if not ppl_sources and not tasks:
-        return None
-    say(f"evaluating {output_dir} (ppl: {ppl_sources or 'none'}; tasks: {tasks or 'none'})")
-    result = run(EvalSettings(
-        model=str(output_dir), ppl=list(ppl_sources), tasks=expand_tasks(",".join(tasks)) if tasks else [],
-        include_path=include_path, seqlen=seqlen, device_map="auto" if torch.cuda.is_available() else None,
-        output=output_dir / "eval.json", markdown=output_dir / "eval.md",
-    ))
-    report_path = output_dir / REPORT_NAME
-    report = json.loads(report_path.read_text())
-    report["evaluation"] = {"file": "eval.json", "ppl": {k: v["ppl"] for k, v in result["ppl"].items()},
-                            "tasks": {k: v.get("acc") for k, v in result["tasks"].items()}, "average_acc": result["average_acc"]}
-    write_json(report_path, report)
-    return result

@@ -3,7 +3,6 @@ pruning papers' tables), written atomically."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +18,13 @@ def load_result(path: str | Path) -> dict[str, Any]:
         raise ElsaError(f"--compare {path}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ElsaError(f"--compare {path}: not a readable JSON file ({err})") from None
-    if not isinstance(result, dict) or "model" not in result or "ppl" not in result:
-        raise ElsaError(f"--compare {path}: not an elsa-evaluate result (no 'model'/'ppl' keys); write one with --output")
+    if isinstance(result, dict) and "layers" in result and "method" in result:
+        hint = f" (its eval.json is: --compare {path.with_name('eval.json')})" if path.with_name("eval.json").is_file() else ""
+        raise ElsaError(f"--compare {path}: a pruning job's report, not an evaluation result{hint}; evaluate the model with "
+                        f"launch/evaluate.py --model {path.parent} --ppl ... --output RESULT.json and compare that")
+    if not isinstance(result, dict) or "model" not in result or not isinstance(result.get("ppl"), dict) \
+            or not all(isinstance(v, dict) for v in result["ppl"].values()):
+        raise ElsaError(f"--compare {path}: not an elsa-evaluate result (no 'model' and per-dataset 'ppl'); write one with --output")
     return result
 
 
@@ -54,10 +58,20 @@ def results_table(results: list[dict[str, Any]], labels: list[str] | None = None
         cells += [_cell(_percent((r.get("tasks") or {}).get(t, {}).get("acc")), ".2f") for t in tasks]
         cells += [_cell(_percent(r.get("average_acc")), ".2f")] if tasks else []
         lines.append("| " + " | ".join(cells) + " |")
+    protocols = sorted({_ppl_protocol(r) for r in results if r.get("ppl")})
+    if protocols:
+        lines += ["", f"Perplexity protocol: {protocols[0]}" if len(protocols) == 1 else
+                  f"Perplexity protocols differ ({', '.join(protocols)}): these perplexities are not comparable"]
     limited = [label for label, r in zip(labels, results) if (r.get("protocol") or {}).get("limit")]
     if limited:
         lines += ["", f"Run with --limit (a quick check, not comparable with published tables): {', '.join(limited)}"]
     return "\n".join(lines) + "\n"
+
+
+def _ppl_protocol(result: dict[str, Any]) -> str:
+    """stream or window (``elsa_ds.data.windows``); results written before the protocols existed packed BOS-first blocks."""
+    name = (result.get("protocol") or {}).get("ppl")
+    return name if name in ("stream", "window") else "packed BOS-first blocks (elsa_ds before --ppl_protocol)"
 
 
 def _percent(value: float | None) -> float | None:
@@ -70,13 +84,3 @@ def compare(paths: list[str]) -> str:
     models = [r["model"] for r in results]
     labels = [f"{m} ({Path(p).name})" if models.count(m) > 1 else m for m, p in zip(models, paths)]
     return results_table(results, labels)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write next to ``path`` then rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as err:
-        raise ElsaError(f"cannot write {path}: {err.strerror or err}") from None

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from elsa_ds.errors import ElsaError
+from elsa_ds.errors import ElsaError, require
 
 PAPER_TASKS: tuple[str, ...] = ("boolq", "rte", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 METRICS: tuple[str, ...] = ("acc", "acc_norm")
@@ -35,7 +35,7 @@ def task_manager(tasks: list[str], include_path: str | None):
     With --include_path, the local YAMLs are indexed alone first: indexing the ~15k built-in task YAMLs
     takes ~10 s and is only needed when a requested task is not local.
     """
-    from lm_eval.tasks import TaskManager
+    TaskManager = require("lm_eval.tasks", "eval", "zero-shot evaluation (--tasks, --eval_tasks)").TaskManager
 
     if include_path is not None:
         if not Path(include_path).is_dir():
@@ -67,7 +67,7 @@ def tokenizer_adds_bos(tokenizer) -> bool:
 
 def zeroshot(model: torch.nn.Module, tokenizer, tasks: list[str], manager, batch_size: int, limit: int | None) -> dict[str, Any]:
     """Run ``tasks`` 0-shot on ``model``; per task acc/acc_norm with stderr and sample counts, and the mean acc."""
-    import lm_eval
+    lm_eval = require("lm_eval", "eval", "zero-shot evaluation (--tasks, --eval_tasks)")
     from lm_eval.models.huggingface import HFLM
 
     add_bos = bos_setting(model)

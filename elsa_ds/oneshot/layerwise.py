@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from elsa_ds.evaluation.perplexity import token_nll
 from elsa_ds.targets import decoder_layer_list
 
 
@@ -129,8 +130,6 @@ def finish(model: torch.nn.Module, plan: _Plan, sequence: torch.Tensor, last_hid
 @torch.no_grad()
 def layerwise_nll(model: torch.nn.Module, windows: torch.Tensor, device: torch.device) -> tuple[float, int]:
     """Summed next-token NLL and predicted-token count over ``windows`` [n, seqlen], one layer on ``device`` at a time."""
-    from elsa_ds.evaluation.perplexity import token_nll
-
     model.eval()
     with stubbed(model, device) as plan:
         hidden = capture(model, plan, windows, device)

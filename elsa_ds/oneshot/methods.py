@@ -14,15 +14,13 @@ from collections.abc import Callable
 
 import torch
 
-from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError
+from elsa_ds.methods import OneShot
 from elsa_ds.oneshot.layerwise import capture, run_layer, stubbed
 from elsa_ds.oneshot.masks import magnitude_mask
 from elsa_ds.oneshot.sparsegpt import Hessian, sparsify_weight
 from elsa_ds.oneshot.wanda import InputNorms, wanda_mask
-from elsa_ds.targets import decoder_layer_list
-
-CALIBRATED = ("wanda", "sparsegpt")
+from elsa_ds.targets import LayerGoal, decoder_layer_list
 
 
 def _linears_by_layer(model: torch.nn.Module, names: list[str]) -> list[dict[str, torch.nn.Linear]]:
@@ -43,56 +41,66 @@ def _linears_by_layer(model: torch.nn.Module, names: list[str]) -> list[dict[str
 
 
 @torch.no_grad()
-def prune_model(model: torch.nn.Module, method: str, targets: dict[str, float | NM], calibration: torch.Tensor | None,
+def prune_model(model: torch.nn.Module, method: OneShot | str, goals: dict[str, LayerGoal], calibration: torch.Tensor | None,
                 device: torch.device, blocksize: int = 128, percdamp: float = 0.01,
                 say: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
     """Prune ``model`` in place with ``method``; returns the keep-mask of every pruned weight (on the CPU).
 
-    ``targets`` maps each pruned weight's parameter name to its sparsity or N:M pattern; ``calibration``
+    ``goals`` maps each pruned weight's parameter name to its sparsity or N:M pattern; ``calibration``
     [n, seqlen] token ids are needed by wanda and sparsegpt.
     """
     from tqdm import tqdm
 
+    method = OneShot(method)
     model.eval()
-    per_layer = _linears_by_layer(model, list(targets))
-    masks: dict[str, torch.Tensor] = {}
-    if method == "magnitude":
-        for linears in per_layer:
-            for name, linear in linears.items():
-                keep = magnitude_mask(linear.weight.data, targets[name])
-                linear.weight.data.mul_(keep.to(linear.weight.dtype))
-                masks[name] = keep.cpu()
-        return masks
-    if method not in CALIBRATED:
-        raise ValueError(f"unknown one-shot method {method!r}")
+    per_layer = _linears_by_layer(model, list(goals))
+    if not method.calibrated:
+        return _prune_magnitude(per_layer, goals)
     if calibration is None or calibration.shape[0] == 0:
-        raise ElsaError(f"{method} needs calibration sequences; none were given")
-    started = time.time()
+        raise ElsaError(f"{method.value} needs calibration sequences; none were given")
+    started, masks = time.time(), {}
     with stubbed(model, device) as plan:
         hidden = capture(model, plan, calibration, device)
-        for i, (layer, call, linears) in enumerate(tqdm(list(zip(plan.layers, plan.calls, per_layer)), desc=method, unit="layer")):
+        for layer, call, linears in tqdm(list(zip(plan.layers, plan.calls, per_layer)), desc=method.value, unit="layer"):
             layer.to(device)
             if linears:
-                stats = {name: (InputNorms if method == "wanda" else Hessian)(lin.in_features, device) for name, lin in linears.items()}
-                hooks = [lin.register_forward_hook(lambda _m, inp, _out, s=stats[name]: s.add_batch(inp[0].detach()))
-                         for name, lin in linears.items()]
-                try:
-                    run_layer(layer, call, hidden)      # dense layer, statistics only
-                finally:
-                    for h in hooks:
-                        h.remove()
-                for name, lin in linears.items():
-                    w = lin.weight.data
-                    if method == "wanda":
-                        keep = wanda_mask(w, stats[name].scaler_row, targets[name])
-                        w.mul_(keep.to(w.dtype))
-                    else:
-                        new, keep, _ = sparsify_weight(w, stats[name].H, targets[name], blocksize, percdamp)
-                        w.copy_(new)
-                    masks[name] = keep.cpu()
-                del stats
+                masks.update(_prune_layer(method, layer, call, hidden, linears, goals, device, blocksize, percdamp))
             hidden = run_layer(layer, call, hidden)     # the pruned layer feeds the next one
             layer.to(plan.home)
-    say(f"[elsa_ds] {method}: {len(masks)} layers pruned with {calibration.shape[0]} calibration sequences of "
+    say(f"[elsa_ds] {method.value}: {len(masks)} layers pruned with {calibration.shape[0]} calibration sequences of "
         f"{calibration.shape[1]} tokens in {time.time() - started:.1f} s")
+    return masks
+
+
+def _prune_magnitude(per_layer: list[dict[str, torch.nn.Linear]], goals: dict[str, LayerGoal]) -> dict[str, torch.Tensor]:
+    masks = {}
+    for linears in per_layer:
+        for name, linear in linears.items():
+            keep = magnitude_mask(linear.weight.data, goals[name])
+            linear.weight.data.mul_(keep.to(linear.weight.dtype))
+            masks[name] = keep.cpu()
+    return masks
+
+
+def _prune_layer(method: OneShot, layer: torch.nn.Module, call, hidden: torch.Tensor, linears: dict[str, torch.nn.Linear],
+                 goals: dict[str, LayerGoal], device: torch.device, blocksize: int, percdamp: float) -> dict[str, torch.Tensor]:
+    """Input statistics of the dense layer's pruned Linears over the calibration activations, then each one pruned."""
+    stats = {name: (InputNorms if method is OneShot.wanda else Hessian)(lin.in_features, device) for name, lin in linears.items()}
+    hooks = [lin.register_forward_hook(lambda _m, inp, _out, s=stats[name]: s.add_batch(inp[0].detach()))
+             for name, lin in linears.items()]
+    try:
+        run_layer(layer, call, hidden)      # dense layer, statistics only
+    finally:
+        for h in hooks:
+            h.remove()
+    masks = {}
+    for name, lin in linears.items():
+        w = lin.weight.data
+        if method is OneShot.wanda:
+            keep = wanda_mask(w, stats[name].scaler_row, goals[name])
+            w.mul_(keep.to(w.dtype))
+        else:
+            new, keep, _ = sparsify_weight(w, stats[name].H, goals[name], blocksize, percdamp)
+            w.copy_(new)
+        masks[name] = keep.cpu()
     return masks

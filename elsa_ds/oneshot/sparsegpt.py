@@ -73,51 +73,61 @@ def sparsify_weight(
        their weights are not zeroed: an unseen input is not known to be useless, and zeroing would break
        the exact count. Such a column is decoupled in H, so it neither gives nor receives updates.
     """
-    check_target(target)
-    if weight.dim() != 2 or H.shape != (weight.shape[1], weight.shape[1]):
-        raise ValueError(f"weight {tuple(weight.shape)} needs a Hessian [{weight.shape[-1]}, {weight.shape[-1]}], got {tuple(H.shape)}")
+    _check_inputs(weight, H, target, blocksize)
     rows, cols = weight.shape
-    if isinstance(target, NM):
-        if cols % target.m:
-            raise ValueError(f"N:M {target} needs an input dim that is a multiple of {target.m}, got weight shape {tuple(weight.shape)}")
-        if blocksize % target.m:
-            raise ValueError(f"N:M {target} needs a blocksize that is a multiple of {target.m}, got {blocksize}")
     W = weight.float().clone()
     Hinv = _inverse_cholesky(H.to(W.device), percdamp)
     starts = list(range(0, cols, blocksize))
-    if not isinstance(target, NM):
-        block_pruned = prune_counts([rows * (min(i1 + blocksize, cols) - i1) for i1 in starts], target)
+    block_pruned = None if isinstance(target, NM) else prune_counts([rows * (min(i1 + blocksize, cols) - i1) for i1 in starts], target)
     pruned = torch.zeros_like(W, dtype=torch.bool)
     loss = torch.zeros(rows, device=W.device)
     for b, i1 in enumerate(starts):
         i2 = min(i1 + blocksize, cols)
-        count = i2 - i1
-        W1 = W[:, i1:i2].clone()
-        Q1, Err1, Losses1 = torch.zeros_like(W1), torch.zeros_like(W1), torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        d1 = torch.diag(Hinv1)
-        if isinstance(target, NM):
-            pruned1 = torch.zeros_like(W1, dtype=torch.bool)
-        else:
-            score = W1 ** 2 / d1.unsqueeze(0) ** 2
-            pruned1 = ~keep_largest(score, score.numel() - block_pruned[b])
-        for i in range(count):
-            w, d = W1[:, i], Hinv1[i, i]
-            if isinstance(target, NM) and i % target.m == 0:
-                # scored on the weights as already updated by the columns to the left, as in the reference
-                group = W1[:, i:i + target.m] ** 2 / d1[i:i + target.m].unsqueeze(0) ** 2
-                pruned1[:, i:i + target.m] = ~layer_keep_mask(group, target)
-            q = w.clone()
-            q[pruned1[:, i]] = 0
-            Q1[:, i] = q
-            Losses1[:, i] = (w - q) ** 2 / d ** 2
-            err1 = (w - q) / d
-            W1[:, i:] -= err1.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
-            Err1[:, i] = err1
+        count = None if block_pruned is None else block_pruned[b]
+        Q1, Err1, pruned1, block_loss = _sparsify_block(W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2], target, count)
         W[:, i1:i2] = Q1
         pruned[:, i1:i2] = pruned1
-        loss += torch.sum(Losses1, 1) / 2
+        loss += block_loss
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
     # pruned entries are exact zeros whatever the rounding; a kept entry that an update drove to 0 stays kept
     W.masked_fill_(pruned, 0.0)
     return W.to(weight.dtype), ~pruned, float(loss.sum())
+
+
+def _check_inputs(weight: torch.Tensor, H: torch.Tensor, target: Target, blocksize: int) -> None:
+    check_target(target)
+    if weight.dim() != 2 or H.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(f"weight {tuple(weight.shape)} needs a Hessian [{weight.shape[-1]}, {weight.shape[-1]}], got {tuple(H.shape)}")
+    if isinstance(target, NM):
+        if weight.shape[1] % target.m:
+            raise ValueError(f"N:M {target} needs an input dim that is a multiple of {target.m}, got weight shape {tuple(weight.shape)}")
+        if blocksize % target.m:
+            raise ValueError(f"N:M {target} needs a blocksize that is a multiple of {target.m}, got {blocksize}")
+
+
+def _sparsify_block(W1: torch.Tensor, Hinv1: torch.Tensor, target: Target, prune_count: int | None):
+    """One block of columns, left to right: (pruned weights Q1, scaled errors, pruned mask, per-row OBS loss).
+
+    ``prune_count`` entries of the block are pruned by the lowest w² / [U]_ii² (unstructured); with N:M each
+    group of M columns is scored on the weights as already updated by the columns to its left, as in the reference.
+    """
+    Q1, Err1, Losses1 = torch.zeros_like(W1), torch.zeros_like(W1), torch.zeros_like(W1)
+    d1 = torch.diag(Hinv1)
+    if isinstance(target, NM):
+        pruned1 = torch.zeros_like(W1, dtype=torch.bool)
+    else:
+        score = W1 ** 2 / d1.unsqueeze(0) ** 2
+        pruned1 = ~keep_largest(score, score.numel() - prune_count)
+    for i in range(W1.shape[1]):
+        w, d = W1[:, i], Hinv1[i, i]
+        if isinstance(target, NM) and i % target.m == 0:
+            group = W1[:, i:i + target.m] ** 2 / d1[i:i + target.m].unsqueeze(0) ** 2
+            pruned1[:, i:i + target.m] = ~layer_keep_mask(group, target)
+        q = w.clone()
+        q[pruned1[:, i]] = 0
+        Q1[:, i] = q
+        Losses1[:, i] = (w - q) ** 2 / d ** 2
+        err1 = (w - q) / d
+        W1[:, i:] -= err1.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
+        Err1[:, i] = err1
+    return Q1, Err1, pruned1, torch.sum(Losses1, 1) / 2

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from elsa_ds.admm.projection import NM, Slice, keep_count
+from elsa_ds.admm.projection import Slice, keep_count
+from elsa_ds.targets import LayerGoal, goal_ratio
+from elsa_ds.zero import compat
 
 
 @dataclass(frozen=True)
@@ -29,23 +31,22 @@ def partition_range(numel: int, rank: int, world_size: int) -> tuple[int, int, i
     return pn, start, max(0, min(pn, numel - start))
 
 
-def build_layout(zero_optimizer, pruned: dict[int, str], targets: dict[str, float | NM], rank: int, world_size: int) -> list[SubGroupLayout]:
+def build_layout(zero_optimizer, pruned: dict[int, str], goals: dict[str, LayerGoal], rank: int, world_size: int) -> list[SubGroupLayout]:
     """Slices of every pruned parameter (``pruned``: id(param) -> name) in every sub-group that has one.
 
-    ``targets`` gives each name's sparsity or N:M pattern. Every rank returns the same layers in the same order.
+    ``goals`` gives each name's sparsity or N:M pattern. Every rank returns the same layers in the same order.
     """
     layouts = []
-    for i, group in enumerate(zero_optimizer.fp16_groups):
+    for i, group in enumerate(compat.sub_group_params(zero_optimizer)):
         offset, slices = 0, []
         for p in group:
-            pn, start, real = partition_range(p.ds_numel, rank, world_size)
-            assert pn == p.partition_numel(), "ZeRO-3 partition size differs from ceil(numel / world)"
-            assert zero_optimizer.grad_position[zero_optimizer.get_param_id(p)][:2] == [i, offset]
+            numel = compat.full_numel(p)
+            pn, start, real = partition_range(numel, rank, world_size)
+            assert pn == compat.partition_numel(p), "ZeRO-3 partition size differs from ceil(numel / world)"
+            assert compat.flat_position(zero_optimizer, p) == (i, offset), "ZeRO-3 flat layout differs from fp16_groups order"
             name = pruned.get(id(p))
             if name is not None:
-                target = targets[name]
-                ratio = target.ratio if isinstance(target, NM) else target
-                slices.append(Slice(name, offset, real, start, p.ds_numel, keep_count(p.ds_numel, ratio)))
+                slices.append(Slice(name, offset, real, start, numel, keep_count(numel, goal_ratio(goals[name]))))
             offset += pn
         if slices:
             layouts.append(SubGroupLayout(i, slices))
@@ -54,5 +55,5 @@ def build_layout(zero_optimizer, pruned: dict[int, str], targets: dict[str, floa
 
 def local_partition(param: torch.nn.Parameter, rank: int, world_size: int) -> torch.Tensor:
     """This rank's real (unpadded) entries of a ZeRO-3 parameter's 16-bit partition, as a view."""
-    _, _, real = partition_range(param.ds_numel, rank, world_size)
-    return param.ds_tensor.data.view(-1).narrow(0, 0, real)
+    _, _, real = partition_range(compat.full_numel(param), rank, world_size)
+    return compat.shard(param).narrow(0, 0, real)

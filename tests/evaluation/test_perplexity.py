@@ -1,31 +1,79 @@
-"""Perplexity through launch/evaluate.py equals the protocol computed by hand on the same text."""
+"""Perplexity through launch/evaluate.py equals the published protocols, transcribed here from the reference code."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
+import torch.nn as nn
 
-from elsa_ds.evaluation.run import max_windows
 from tests.conftest import run_entry
 
 SEQLEN = 128
 
 
-def independent_ppl(model_dir, text: str, seqlen: int) -> tuple[float, int]:
-    """[BOS] + (seqlen - 1) tokens per window, the text followed by EOS, remainder dropped; exp(mean NLL)."""
+def _load(model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    stream = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    body = seqlen - 1
-    windows = torch.tensor([[tok.bos_token_id] + stream[i:i + body] for i in range(0, len(stream) - body + 1, body)])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(input_ids=windows).logits.float(), dim=-1)
-    picked = logprobs[:, :-1].gather(-1, windows[:, 1:, None]).squeeze(-1)
-    return math.exp(-picked.mean().item()), windows.shape[0]
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+@torch.no_grad()
+def wanda_eval_ppl(model, tokenizer, text: str, seqlen: int) -> tuple[float, int]:
+    """Wanda's lib/data.py (``testenc = tokenizer(text, return_tensors='pt')``) and lib/eval.py ``eval_ppl_wikitext``."""
+    testenc = tokenizer(text, return_tensors="pt").input_ids
+    nsamples = testenc.numel() // seqlen
+    nlls = []
+    for i in range(nsamples):
+        inputs = testenc[:, (i * seqlen):((i + 1) * seqlen)].reshape(1, seqlen)
+        lm_logits = model(inputs).logits
+        shift_logits = lm_logits[:, :-1, :].contiguous()
+        shift_labels = inputs[:, 1:]
+        loss = nn.CrossEntropyLoss()(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1))
+        nlls.append(loss.float() * seqlen * 1)
+    return torch.exp(torch.stack(nlls).sum() / (nsamples * seqlen)).item(), nsamples
+
+
+@torch.no_grad()
+def elsa_calculate_ppl(model, tokenizer, text: str, seqlen: int) -> tuple[float, int]:
+    """The ELSA authors' lib/eval.py ``calculate_ppl`` (bs 1) on ``tokenizer(text, return_tensors='pt')``, Gemma branch."""
+    testenc = tokenizer(text, return_tensors="pt").input_ids
+    nsamples = testenc.numel() // seqlen
+    nlls = []
+    for i in range(nsamples):
+        model_inputs = testenc[:, (i * seqlen):((i + 1) * seqlen)].clone().reshape(1, seqlen)
+        assert "Gemma" in model.config.architectures[0]
+        model_inputs[:, 0] = tokenizer.bos_token_id
+        shift_labels = model_inputs[:, 1:].contiguous()
+        shift_logits = model(model_inputs).logits[:, :-1, :].contiguous()
+        loss = nn.CrossEntropyLoss()(shift_logits.view(-1, shift_logits.size(-1)).to(torch.float32), shift_labels.view(-1))
+        nlls.append(loss.float() * (shift_labels.numel() / 1))
+    return torch.exp(torch.stack(nlls).sum() / (nsamples * seqlen)).item(), nsamples
+
+
+def _evaluate(tmp_path, model_dir, text_file, protocol: str) -> dict:
+    out = tmp_path / "result.json"
+    run_entry("evaluate.py", ["--model", str(model_dir), "--ppl", str(text_file), "--seqlen", str(SEQLEN), "--ppl_protocol", protocol,
+                              "--batch_size", "4", "--output", str(out)], timeout=300)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_evaluate_equals_the_published_protocol(tmp_path, llama_model_dir, gemma_bos_model_dir, text_dir, offline, family):
+    """stream == Wanda's eval_ppl on a Llama whose tokenizer prepends BOS; window == the ELSA authors' Gemma calculate_ppl."""
+    model_dir, protocol, reference = ((llama_model_dir, "stream", wanda_eval_ppl) if family == "llama"
+                                      else (gemma_bos_model_dir, "window", elsa_calculate_ppl))
+    text_file = tmp_path / "macbeth.txt"
+    text_file.write_text((text_dir / "macbeth.txt").read_text(encoding="utf-8")[:30000], encoding="utf-8")
+    result = _evaluate(tmp_path, model_dir, text_file, protocol)
+    expected, n_windows = reference(*_load(model_dir), text_file.read_text(encoding="utf-8"), SEQLEN)
+    got = result["ppl"][str(text_file)]
+    assert got["windows"] == n_windows > 10 and got["tokens"] == n_windows * (SEQLEN - 1)
+    assert abs(got["ppl"] / expected - 1) < 1e-4, (got["ppl"], expected)
+    assert result["protocol"]["ppl"] == result["protocol"]["ppl_requested"] == protocol
+    assert result["protocol"]["ppl_layout"].startswith("the joined text" if protocol == "stream" else "the same consecutive windows")
 
 
 @pytest.mark.integration
@@ -37,26 +85,16 @@ def test_local_text_ppl_and_sparsity(tmp_path, sixty_model_dir, text_dir, offlin
                                      "--batch_size", "4", "--output", str(out), "--markdown", str(md)], timeout=300)
     result = json.loads(out.read_text())
 
-    expected, n_windows = independent_ppl(sixty_model_dir, text_file.read_text(encoding="utf-8"), SEQLEN)
+    expected, n_windows = elsa_calculate_ppl(*_load(sixty_model_dir), text_file.read_text(encoding="utf-8"), SEQLEN)
     got = result["ppl"][str(text_file)]
-    assert got["windows"] == n_windows > 10
-    assert got["tokens"] == n_windows * (SEQLEN - 1)
-    # fp32 on CPU agrees to ~1e-7; 1e-4 (not 0.5%) because on a random model dropping BOS moves ppl by only ~0.5%
+    assert got["windows"] == n_windows > 10 and got["text"]["documents"] == 1
     assert abs(got["ppl"] / expected - 1) < 1e-4, (got["ppl"], expected)
 
-    assert result["seqlen"] == SEQLEN and result["protocol"]["bos_per_window"] is True
+    assert result["seqlen"] == SEQLEN and result["protocol"]["ppl"] == "window" and result["protocol"]["ppl_requested"] == "auto"
     assert result["dtype"] == "float32" and result["model_type"] == "gemma2"
     assert result["sparsity"]["pattern"] == "unstructured"
     assert abs(result["sparsity"]["overall"] - 0.6) < 1e-4
-    assert set(result["versions"]) == {"elsa_ds", "torch", "transformers", "lm_eval"}
+    assert {"elsa_ds", "torch", "transformers", "lm_eval"} <= set(result["versions"])
     assert result["tasks"] == {} and result["average_acc"] is None
-    assert f"{got['ppl']:.3f}" in md.read_text() and f"{got['ppl']:.3f}" in proc.stdout
+    assert f"{got['ppl']:.3f}" in md.read_text() and f"{got['ppl']:.3f}" in proc.stdout and "Perplexity protocol: window" in md.read_text()
     assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporaries
-
-
-def test_window_caps():
-    assert max_windows("c4", None) == 256
-    assert max_windows("c4", 1000) == 256
-    assert max_windows("c4", 8) == 8
-    assert max_windows("wikitext2", None) is None
-    assert max_windows("/data/text.txt", 8) == 8

@@ -25,7 +25,7 @@ def test_layerwise_nll_equals_a_full_forward(tiny_model_dir, text_dir):
     model, tok = _model(tiny_model_dir)
     windows = load_blocks(str(text_dir), "validation", tok, 128, max_blocks=6)
     nll, n = layerwise_nll(model, windows, torch.device("cpu"))
-    ref_nll, ref_n = window_nll(model, windows, batch_size=3)
+    ref_nll, ref_n = window_nll(lambda ids: model(input_ids=ids).logits, windows, batch_size=3)
     assert n == ref_n == 6 * 127
     assert nll == pytest.approx(ref_nll, rel=1e-6)
     assert all(type(layer).__name__ == "Gemma2DecoderLayer" for layer in model.model.layers)  # stubs removed
@@ -36,7 +36,7 @@ def test_prune_model_calibrates_through_pruned_layers(tiny_model_dir, text_dir):
     from elsa_ds.oneshot.wanda import InputNorms, wanda_mask
 
     model, tok = _model(tiny_model_dir)
-    calib, _ = calibration_sequences(str(text_dir), tok, 4, 64)
+    calib, _ = calibration_sequences(str(text_dir), tok, 4, 64, gemma=True)
     names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)]
     expected = {}
     for i, name in enumerate(names):  # layer i's down_proj inputs, with layer 0's down_proj already pruned
@@ -58,19 +58,21 @@ def test_prune_model_calibrates_through_pruned_layers(tiny_model_dir, text_dir):
         assert torch.allclose(v, reference_state[k], atol=1e-6), k
 
 
-def test_calibration_is_seeded_bos_first_and_falls_back(tiny_model_dir, text_dir, tmp_path):
+def test_calibration_is_seeded_per_family_and_falls_back(tiny_model_dir, text_dir, tmp_path):
     _, tok = _model(tiny_model_dir)
-    a, how = calibration_sequences(str(text_dir), tok, 8, 64, seed=0)
-    b, _ = calibration_sequences(str(text_dir), tok, 8, 64, seed=0)
-    c, _ = calibration_sequences(str(text_dir), tok, 8, 64, seed=1)
+    a, how = calibration_sequences(str(text_dir), tok, 8, 64, seed=0, gemma=True)
+    b, _ = calibration_sequences(str(text_dir), tok, 8, 64, seed=0, gemma=True)
+    c, _ = calibration_sequences(str(text_dir), tok, 8, 64, seed=1, gemma=True)
     assert a.shape == (8, 64) and torch.equal(a, b) and not torch.equal(a, c)
-    assert (a[:, 0] == tok.bos_token_id).all() and "random windows" in how
+    assert (a[:, 0] == tok.bos_token_id).all() and "ELSA authors" in how          # Gemma: [BOS] + 63 tokens
+    d, how = calibration_sequences(str(text_dir), tok, 8, 64, seed=0, gemma=False)
+    assert (d[:, 0] != tok.bos_token_id).all() and "SparseGPT/Wanda" in how     # others: 64 tokens of tokenizer(doc)
     short = tmp_path / "short.jsonl"
     short.write_text("".join('{"text": "To be, or not to be, that is the question number %d."}\n' % i for i in range(300)))
-    blocks, how = calibration_sequences(str(short), tok, 4, 64)
+    blocks, how = calibration_sequences(str(short), tok, 4, 64, gemma=True)
     assert blocks.shape == (4, 64) and "packed" in how
     with pytest.raises(ElsaError, match="fewer than --nsamples"):
-        calibration_sequences(str(short), tok, 10_000, 64)
+        calibration_sequences(str(short), tok, 10_000, 64, gemma=True)
 
 
 def test_mask_file_reads_any_range(tmp_path):

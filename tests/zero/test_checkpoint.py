@@ -87,11 +87,9 @@ def test_nan_stops_with_step_and_keeps_last_checkpoint(tmp_path, tiny_model_dir,
     ds = derived_config(tmp_path, bf16={"enabled": False})
     out = tmp_path / "out"
     env_step = "5"
-    os.environ["ELSA_DS_INJECT_NAN_STEP"] = env_step
-    try:
-        proc = run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, out, "--save_interval", "2"), check=False)
-    finally:
-        del os.environ["ELSA_DS_INJECT_NAN_STEP"]
+    fixture = ROOT / "tests" / "fixtures" / "nan_at_step"
+    env = {"ELSA_TEST_NAN_STEP": env_step, "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, out, "--save_interval", "2"), check=False, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"at step {env_step}" in proc.stderr
     assert (out / "checkpoints" / "latest").read_text() == "global_step4"

@@ -8,11 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elsa_ds.config import read_ds_config, resolve_config
+from elsa_ds.config import resolve_config
+from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.data import GlobalBatches, load_blocks
 from elsa_ds.evaluation.sparsity import sparsity_report
 from elsa_ds.mask_file import MaskReader, write_masks
-from elsa_ds.oneshot.job import load_host_model, prune_oneshot
+from elsa_ds.methods import OneShot
+from elsa_ds.models import ModelSource
+from elsa_ds.oneshot.pipeline import load_host_model, prune_oneshot
 from elsa_ds.reference import train_reference
 from elsa_ds.targets import select_targets
 from tests.conftest import derived_config, run_entry
@@ -26,7 +29,7 @@ ARGS = [a for k, v in SETTINGS.items() for a in (f"--{k}", str(v))] + ["--val_wi
 def _reference(ds_path, model_dir, text_dir, init_masks=None, **settings) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    raw = read_ds_config(ds_path)
+    raw = DsConfig.load(ds_path).raw
     cfg = resolve_config(raw, {"model": str(model_dir), "dataset": str(text_dir), **SETTINGS, **settings})
     tok = AutoTokenizer.from_pretrained(model_dir)
     blocks = load_blocks(cfg.dataset, "train", tok, cfg.seqlen, max_blocks=cfg.steps * raw["train_batch_size"])
@@ -75,10 +78,11 @@ def test_profile_and_wanda_warm_start_match_the_reference(tmp_path, tiny_model_d
         assert layer["zeros"] == round(want * layer["numel"]), name
 
     settings = {"sparsity": 0.6, "sparsity_profile": str(profile)}
-    cfg = resolve_config(read_ds_config(ds), {"model": str(tiny_model_dir), "dataset": str(text_dir), **SETTINGS, **settings})
+    cfg = resolve_config(DsConfig.load(ds).raw, {"model": str(tiny_model_dir), "dataset": str(text_dir), **SETTINGS, **settings})
     from transformers import AutoTokenizer
 
-    done = prune_oneshot(cfg, "wanda", AutoTokenizer.from_pretrained(tiny_model_dir), load_host_model(str(tiny_model_dir)), say=lambda _: None)
+    done = prune_oneshot(cfg, OneShot.wanda, AutoTokenizer.from_pretrained(tiny_model_dir), load_host_model(ModelSource(str(tiny_model_dir))),
+                         say=lambda _: None)
     write_masks(tmp_path / "wanda.safetensors", done.masks)
     warm = _reference(ds, tiny_model_dir, text_dir, MaskReader(tmp_path / "wanda.safetensors"), **settings)
     cold = _reference(ds, tiny_model_dir, text_dir, **settings)

@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elsa_ds.config import read_ds_config, resolve_config
+from elsa_ds.config import resolve_config
+from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.data import GlobalBatches, load_blocks
 from elsa_ds.reference import train_reference
 from elsa_ds.targets import select_targets
@@ -22,7 +23,7 @@ ARGS = ["--seqlen", "64", "--steps", "12", "--interval", "4", "--sparsity", "0.6
 def _reference_masks(ds_path, model_dir, text_dir) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    raw = read_ds_config(ds_path)
+    raw = DsConfig.load(ds_path).raw
     cfg = resolve_config(raw, {"model": str(model_dir), "dataset": str(text_dir), "seqlen": 64, "steps": 12, "interval": 4,
                                "sparsity": 0.6, "lr": 1e-3, "lmda": 0.05, "micro_batch": 2, "seed": 3})
     tok = AutoTokenizer.from_pretrained(model_dir)

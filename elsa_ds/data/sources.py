@@ -1,0 +1,206 @@
+"""Text sources: named corpora (C4, WikiText-2, the Shakespeare demo), ``datasets`` names, and local files.
+
+A source gives :class:`Documents` for a split ('train' or 'validation') with the rule that chose them in words, so a
+report can say what it validated on. Local files: .txt/.md are one document per file, .jsonl/.json one per line (a
+``text`` field), .parquet one per row (a ``text`` column). Validation never overlaps training (``splits.py``).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from elsa_ds.data.splits import files_by_split, holdout, holdout_indices
+from elsa_ds.errors import ElsaError
+
+DEMO_DATASET = "shakespeare"
+LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
+C4_SHARDS = {"train": "en/c4-train.00000-of-01024.json.gz", "validation": "en/c4-validation.00000-of-00008.json.gz"}
+C4_VALIDATION_DOCUMENTS = 1100  # SparseGPT/Wanda: the first 1100 validation documents, joined by a space
+
+
+@dataclass
+class Documents:
+    """The documents of one split of a source and the rule that chose them.
+
+    ``stream``: the texts are the lines of one text (WikiText-2), joined by each reader's own separator.
+    """
+
+    texts: Sequence[str]
+    rule: str
+    stream: bool = False
+
+    def joined(self, separator: str = "\n\n") -> Sequence[str]:
+        """The texts as documents: a stream's lines joined into one, otherwise as they are."""
+        return [separator.join(self.texts)] if self.stream else self.texts
+
+
+def documents(source: str, split: str, holdout_part: bool = True) -> Documents:
+    """Documents of ``source`` for ``split``.
+
+    ``shakespeare`` (the demo corpus, split by play), ``c4`` (train shard 0; validation: the first 1100 documents of
+    validation shard 0 joined by a space), ``wikitext2`` (train / test lines), a local file or directory, or a
+    ``datasets`` name with a ``text`` column. A local source without train/validation file names, and a ``datasets``
+    name without a validation split, hold out whole documents for validation; ``holdout_part=False`` trains on all of
+    them (a separate ``--val_dataset`` validates).
+    """
+    if split not in ("train", "validation"):
+        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+    path = Path(source).expanduser()
+    if source == DEMO_DATASET:
+        from elsa_ds.data.shakespeare import VALIDATION_PLAYS, split_texts
+
+        return Documents(split_texts(split), f"the Shakespeare demo corpus; validation = the plays {', '.join(VALIDATION_PLAYS)}, "
+                                             "training = every other play")
+    if path.exists():
+        return _local(path, split, holdout_part)
+    if source.startswith((".", "/", "~")) or path.suffix in LOCAL_SUFFIXES:
+        raise ElsaError(f"dataset {source!r}: no such file or directory")
+    if source == "wikitext2":
+        from datasets import load_dataset
+
+        name = "test" if split == "validation" else "train"
+        return Documents(list(load_dataset("wikitext", "wikitext-2-raw-v1", split=name)["text"]),
+                         f"wikitext-2-raw-v1 {name} split, its lines joined into one text", stream=True)
+    if source == "c4":
+        from datasets import load_dataset
+
+        ds = load_dataset("allenai/c4", data_files={split: C4_SHARDS[split]}, split=split)
+        if split == "validation":
+            return Documents([" ".join(ds[:C4_VALIDATION_DOCUMENTS]["text"])],
+                             f"allenai/c4 {C4_SHARDS[split]}: the first {C4_VALIDATION_DOCUMENTS} documents joined by a space")
+        return Documents(_TextColumn(ds), f"allenai/c4 {C4_SHARDS[split]}, every document")
+    if "/" in source or source.replace("_", "").replace("-", "").isalnum():
+        return _hub(source, split, holdout_part)
+    raise ElsaError(f"dataset {source!r}: no such file or directory, and not a dataset name")
+
+
+def evaluation_documents(source: str) -> Documents:
+    """What ``launch/evaluate.py --ppl`` and ``--val_dataset`` score: a local file or an unsplit directory entirely
+    (the user named that text), the validation (else test) files of a split directory, a named or ``datasets``
+    source's validation split."""
+    path = Path(source).expanduser()
+    if source != DEMO_DATASET and path.exists():
+        files = local_files(path)
+        named = files_by_split(files, path) if path.is_dir() else None
+        if named is None:
+            return Documents(_read_all(files), f"every document of {_names(files, path)}")
+        return _local(path, "validation", True)
+    return documents(source, "validation")
+
+
+def iter_texts(source: str, split: str, holdout_part: bool = True) -> Iterator[str]:
+    """The documents of ``documents(source, split, holdout_part)`` one by one (a stream's lines joined by blank lines)."""
+    yield from documents(source, split, holdout_part).joined()
+
+
+def local_files(path: Path) -> list[Path]:
+    """The readable text files at ``path`` (a file, or a directory searched recursively), sorted."""
+    if path.is_file():
+        if path.suffix not in LOCAL_SUFFIXES:
+            raise ElsaError(f"{path}: unsupported file type; use one of {', '.join(LOCAL_SUFFIXES)}")
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES)
+    if not files:
+        raise ElsaError(f"{path}: directory holds no {'/'.join(LOCAL_SUFFIXES)} files")
+    return files
+
+
+def _local(path: Path, split: str, holdout_part: bool) -> Documents:
+    files = local_files(path)
+    named = files_by_split(files, path) if path.is_dir() else None
+    if named is not None:
+        part = named["train"] if split == "train" else named["validation"] or named["test"]
+        if not part and split == "train":
+            raise ElsaError(f"dataset {path}: files are named for splits but none for 'train' (e.g. train.jsonl)")
+        if part:
+            return Documents(_read_all(part), f"the files named for the split: {_names(part, path)}")
+        files = named["train"]  # a directory with only training files: hold out from those
+    docs = _read_all(files)
+    if not holdout_part:
+        return Documents(docs, f"every document of {_names(files, path)} (validation comes from --val_dataset)")
+    train, validation, rule = holdout(docs)
+    return Documents(train if split == "train" else validation, f"{_names(files, path)}: {rule}")
+
+
+def _hub(source: str, split: str, holdout_part: bool) -> Documents:
+    from datasets import get_dataset_split_names, load_dataset
+
+    try:
+        splits = get_dataset_split_names(source)
+        has_validation = "validation" in splits
+        ds = load_dataset(source, split=split if has_validation or split == "train" else "train")
+    except Exception as err:  # datasets raises many types; the user needs one message
+        raise ElsaError(f"dataset {source!r}: not a local path and could not be loaded with datasets.load_dataset "
+                        f"({type(err).__name__}: {err})") from None
+    if "text" not in ds.column_names:
+        raise ElsaError(f"dataset {source!r} has no 'text' column (columns: {ds.column_names})")
+    if has_validation or (split == "train" and not holdout_part):
+        return Documents(_TextColumn(ds), f"datasets {source!r}, split {split!r}")
+    held = holdout_indices(len(ds))
+    rows = sorted(held) if split == "validation" else [i for i in range(len(ds)) if i not in held]
+    return Documents(_TextColumn(ds.select(rows)), f"datasets {source!r} has no validation split: {len(held)} of {len(ds)} "
+                                                   f"training documents held out, {'these' if split == 'validation' else 'not these'}")
+
+
+class _TextColumn(Sequence):
+    """The ``text`` column of a ``datasets.Dataset``, read row by row from its memory map (never copied whole)."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> str:
+        return self.ds[i]["text"]
+
+    def __iter__(self) -> Iterator[str]:
+        for batch in self.ds.iter(batch_size=1024):
+            yield from batch["text"]
+
+
+def _names(files: list[Path], root: Path) -> str:
+    shown = [str(f.relative_to(root)) if root.is_dir() else f.name for f in files]
+    return ", ".join(shown[:5]) + (f" and {len(shown) - 5} more files" if len(shown) > 5 else "")
+
+
+def _read_all(files: list[Path]) -> list[str]:
+    return [doc for f in files for doc in _read_local(f)]
+
+
+def _read_local(path: Path) -> Iterator[str]:
+    if path.suffix in (".txt", ".md"):
+        yield _read_utf8(path)
+    elif path.suffix in (".jsonl", ".json"):
+        for n, line in enumerate(_read_utf8(path).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ElsaError(f"{path}:{n}: not a JSON line ({err.msg}); expected one object per line with a 'text' field") from None
+            if not isinstance(record, dict) or "text" not in record:
+                raise ElsaError(f"{path}:{n}: JSON line has no 'text' field")
+            yield str(record["text"])
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if "text" not in table.column_names:
+            raise ElsaError(f"{path}: parquet file has no 'text' column (columns: {table.column_names})")
+        yield from (str(t) for t in table.column("text").to_pylist())
+
+
+def _read_utf8(path: Path) -> str:
+    """A text file's contents; ElsaError (not a traceback) when it is not UTF-8 text."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ElsaError(f"{path}: not UTF-8 text (byte {err.start} is {data[err.start]:#04x}); convert it to UTF-8 "
+                        "or remove it from the dataset") from None
+    if "\x00" in text:
+        raise ElsaError(f"{path}: holds NUL bytes, so it is binary, not text; remove it from the dataset")
+    return text

@@ -1,0 +1,103 @@
+"""The defaults rule: ELSA's lr, λ and λ schedule — and retraining's lr — from model size, sparsity and step budget.
+
+Applied to every one of those settings the user leaves unset (``jobs/defaults_applied.py``); the resolved config and
+the report say which values came from here and why. Pure: numbers in, numbers out.
+
+    lr_pre(N)      = 3e-3 · (N / 4e6)^-0.3                 a typical pre-training peak lr for N parameters
+                                                            (3e-3 at 4 M, 2.1e-3 at 13 M, 3.2e-4 at 7 B: Llama-2's 3e-4;
+                                                            above 7 B steeper, to the paper's Gemma-2-27B setting)
+    lr_elsa        = lr_pre(N) · F · (4096 / T)^β · exp(k·(s − 0.9))       T = steps, s = sparsity
+    λ              = Λ(N) · exp(κ·(s − 0.9))
+    λ schedule     = cosine from 0 when s ≥ 0.7 and T ≥ 2048 (the paper's long runs), else constant
+    lr_retrain     = lr_pre(N) · G · (4096 / T)^β                            (--finetune, and the dense control)
+
+Anchors (see ``ANCHORS``; ``tests/test_defaults.py`` holds the rule to them):
+
+- the paper's appendix, 4096 steps: LLaMA-2-7B lr 5e-5 (50-60 %) .. 1e-4 (70-90 %), λ 1e-3 .. 2e-2 by sparsity,
+  cosine λ from 0 at 70-90 %, constant at 50-60 %; Gemma-2-27B lr 2e-5, λ 2e-3;
+- 400 steps × 8 × 256 tokens, measured with ``bench/quality.py`` on the development models (the shipped 4 M Gemma-2
+  demo and the 13 M docs-llama), validation split only: the lr and λ that won at 70, 80, 90 and 95 %;
+- the check model (6.8 M check-qwen2, man pages) was never used to choose a constant.
+
+Short budgets need larger steps: the pruned weights must travel to zero within T steps, so the lr grows as T
+shrinks (β); higher sparsity moves further from the dense weights and needs larger steps still (k).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from elsa_ds.admm.schedule import LambdaSchedule
+
+RULE_FIELDS = ("lr", "lmda", "lmda_schedule")
+
+REF_STEPS = 4096          # the paper's budget
+BETA = 0.3                # lr ∝ T^-β
+ELSA_F = 0.31             # lr / lr_pre at 90 %, 4096 steps (LLaMA-2-7B: 1e-4 / 3.2e-4)
+ELSA_K = 1.6              # d ln(lr) / d sparsity (LLaMA-2-7B: 5e-5 at 50 % .. 1e-4 at 90 %)
+RETRAIN_G = 0.16          # retraining lr / lr_pre at 4096 steps
+LMDA_KAPPA = 7.5          # d ln(λ) / d sparsity (LLaMA-2-7B: 1e-3 at 50 % .. 2e-2 at 90 %)
+COSINE_FROM = (0.7, 2048)  # cosine λ from 0 at sparsity >= 0.7 with >= 2048 steps
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """Settings the rule proposes, each with the reason shown in the resolved config and the report."""
+
+    values: dict[str, object]
+    why: dict[str, str] = field(default_factory=dict)
+
+
+def pretraining_lr(n_params: int) -> float:
+    """A typical pre-training peak lr for a model of ``n_params`` parameters (the scale every other lr is a fraction of):
+    3e-3 · (N / 4e6)^-0.3 up to 7 B (3.2e-4 there: Llama-2-7B was pre-trained at 3e-4); above, log-linear to the value
+    that puts ELSA's lr for Gemma-2-27B at the paper's 2e-5."""
+    lr_7b = 3e-3 * (7e9 / 4e6) ** -0.3
+    if n_params <= 7e9:
+        return 3e-3 * (n_params / 4e6) ** -0.3
+    slope = math.log(2e-5 / ELSA_F / lr_7b) / math.log(27.2e9 / 7e9)
+    return lr_7b * (n_params / 7e9) ** slope
+
+
+def lmda_at_90(n_params: int) -> float:
+    """λ at 90 % sparsity: 2e-2 up to 7 B parameters (LLaMA-2-7B), falling log-linearly to 2e-3 at 27 B (Gemma-2-27B)."""
+    if n_params <= 7e9:
+        return 2e-2
+    t = min(math.log(n_params / 7e9) / math.log(27e9 / 7e9), 1.0)
+    return math.exp((1 - t) * math.log(2e-2) + t * math.log(2e-3))
+
+
+def elsa_settings(n_params: int, sparsity: float, steps: int) -> Suggestion:
+    """lr, λ and λ schedule for ELSA on a model of ``n_params`` parameters pruned to ``sparsity`` in ``steps`` steps."""
+    budget = (REF_STEPS / steps) ** BETA
+    lr = pretraining_lr(n_params) * ELSA_F * budget * math.exp(ELSA_K * (sparsity - 0.9))
+    lmda = lmda_at_90(n_params) * math.exp(LMDA_KAPPA * (sparsity - 0.9))
+    cosine = sparsity >= COSINE_FROM[0] and steps >= COSINE_FROM[1]
+    schedule = LambdaSchedule.cosine if cosine else LambdaSchedule.constant
+    size = f"{n_params / 1e6:.1f} M parameters"
+    return Suggestion(
+        {"lr": float(f"{lr:.3g}"), "lmda": float(f"{lmda:.3g}"), "lmda_schedule": schedule},
+        {"lr": f"{size} (pre-training-scale lr {pretraining_lr(n_params):.2g}) x {ELSA_F:g} x budget factor "
+               f"(4096/{steps})^{BETA:g} = {budget:.2f} x sparsity factor exp({ELSA_K:g}·({sparsity:g}−0.9))",
+         "lmda": f"λ at 90 % {lmda_at_90(n_params):.2g} for {size} x exp({LMDA_KAPPA:g}·({sparsity:g}−0.9))",
+         "lmda_schedule": ("cosine from 0: sparsity >= 70 % over a long budget (the paper's setting)" if cosine else
+                           "constant: " + ("a short budget (< 2048 steps) has no steps to spare at λ ≈ 0" if sparsity >= COSINE_FROM[0]
+                                           else "sparsity below 70 % (the paper's setting)"))})
+
+
+def retrain_settings(n_params: int, steps: int) -> Suggestion:
+    """lr for retraining with a fixed mask (one-shot + fine-tuning or LoRA) and for the dense control."""
+    budget = (REF_STEPS / steps) ** BETA
+    lr = pretraining_lr(n_params) * RETRAIN_G * budget
+    return Suggestion({"lr": float(f"{lr:.3g}")},
+                      {"lr": f"{n_params / 1e6:.1f} M parameters (pre-training-scale lr {pretraining_lr(n_params):.2g}) x "
+                             f"{RETRAIN_G:g} x budget factor (4096/{steps})^{BETA:g} = {budget:.2f}"})
+
+
+# Settings the rule must reproduce (or stay within), with where each comes from; tests/test_defaults.py checks them.
+ANCHORS = (
+    {"source": "ELSA paper appendix, LLaMA-2-7B, 4096 steps", "n_params": 6.74e9, "steps": 4096,
+     "lr": {0.5: (4e-5, 7e-5), 0.9: (8e-5, 1.3e-4)}, "lmda": {0.5: (5e-4, 2e-3), 0.9: (1e-2, 3e-2)}},
+    {"source": "ELSA paper appendix, Gemma-2-27B, 4096 steps", "n_params": 27.2e9, "steps": 4096,
+     "lr": {0.9: (1.5e-5, 2.5e-5)}, "lmda": {0.9: (1.5e-3, 2.5e-3)}},
+)

@@ -1,0 +1,39 @@
+"""Small file helpers every job shares: atomic writes (temp name, then rename) and the versions a result records."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from elsa_ds.errors import ElsaError
+from elsa_ds.version import __version__
+
+RECORDED_PACKAGES = ("torch", "deepspeed", "transformers", "bitsandbytes", "lm_eval", "peft")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write next to ``path`` then rename: a reader never sees half a file, an old file is never half-overwritten."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:
+        raise ElsaError(f"cannot write {path}: {err.strerror or err}") from None
+
+
+def write_json(path: Path, payload: Any) -> None:
+    write_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+def versions() -> dict[str, str]:
+    """elsa_ds and the installed versions of the packages that shape a result (absent ones are left out)."""
+    found = {"elsa_ds": __version__}
+    for name in RECORDED_PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found

@@ -1,0 +1,63 @@
+"""Everything a job can check before it loads a weight, starts a process group or writes a file.
+
+Each check is cheap: the model's config, the headers of its weight files, a meta-device instance of the
+architecture (names and shapes without memory), the DeepSpeed JSON, the output directory, lm-eval's task index.
+A run that would fail later fails here, in seconds, with one line.
+"""
+from __future__ import annotations
+
+from elsa_ds import preflight
+from elsa_ds.config import ElsaConfig, JobOptions
+from elsa_ds.errors import ElsaError
+from elsa_ds.memory import model_shape
+from elsa_ds.shapes import check_nvme_param_buffers
+from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model
+from elsa_ds.output import check_output_dir
+from elsa_ds.targets import select_targets
+from elsa_ds.zero import checkpoint
+from elsa_ds.zero.ds_config import DsConfig
+
+
+def model_source(cfg: ElsaConfig, opts: JobOptions) -> ModelSource:
+    return ModelSource(cfg.model, opts.model_object, opts.tokenizer_object)
+
+
+def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_size: int, source: ModelSource) -> dict:
+    """Run every check for ``cfg`` on ``world_size`` ranks; returns the engine's DeepSpeed config."""
+    check_output_dir(opts.output_dir, opts.overwrite, opts.resume)
+    model_config = source.config()
+    if not cfg.random_init:
+        source.check_weights()
+    ds = ds_config.engine_config(cfg, world_size, hidden_size(model_config))
+    meta = meta_model(model_config)
+    check_goals(cfg, meta)
+    check_nvme_param_buffers(meta, ds, world_size)
+    if cfg.save_interval or opts.resume:
+        checkpoint.check_supported(ds)
+    check_eval_tasks(cfg)
+    if cfg.oneshot is not None:
+        preflight.check_oneshot(model_shape(model_config, cfg.targets, model=meta), cfg, opts)
+    else:
+        preflight.check_elsa(meta, ds, cfg, opts, world_size)
+    return ds
+
+
+def check_goals(cfg: ElsaConfig, meta) -> None:
+    """The target regex matches Linears, the profile's entries match pruned layers, N:M fits their shapes."""
+    weights = dict(meta.named_parameters(remove_duplicate=False))
+    names = select_targets(meta, cfg.targets).values()
+    cfg.layer_goals({name: tuple(weights[name].shape) for name in names})
+    if cfg.freeze_embeddings:
+        freeze_embeddings(meta)
+        frozen = [name for name in names if not weights[name].requires_grad]
+        if frozen:
+            raise ElsaError(f"--freeze_embeddings keeps {', '.join(frozen)} fixed, but --targets prunes it; narrow --targets "
+                            "or drop --freeze_embeddings")
+
+
+def check_eval_tasks(cfg: ElsaConfig) -> None:
+    """An unknown lm-eval task must not wait for the end of a multi-day run to be found."""
+    if cfg.eval_tasks:
+        from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager
+
+        task_manager(expand_tasks(",".join(cfg.eval_tasks)), cfg.eval_include_path)

@@ -1,0 +1,51 @@
+"""The lifecycle every pruning job follows (torchtune's ``recipe_interfaces.py`` is the model).
+
+    setup            every cheap check first, then the process group, data, model and engine
+    load_checkpoint  continue from the latest checkpoint (--resume), or start fresh
+    train            the loop; calls save_checkpoint every --save_interval steps
+    save_checkpoint  all state needed to continue exactly: weights, optimizer and ADMM state, step, RNG, history
+    finish           final evaluation, export, report (rank 0 returns it), evaluation of the saved model
+    cleanup          tear down the process group, whatever happened before
+
+A job is chosen by ``--method`` (``elsa_ds/jobs/__init__.py``); ``launch/prune.py`` and ``elsa_ds.prune`` only
+build one and call :func:`run_job`.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Job(Protocol):
+    def setup(self) -> None: ...
+
+    def load_checkpoint(self) -> None: ...
+
+    def train(self) -> None: ...
+
+    def save_checkpoint(self) -> None: ...
+
+    def finish(self) -> dict[str, Any] | None: ...
+
+    def cleanup(self) -> None: ...
+
+
+def run_job(job: Job) -> dict[str, Any] | None:
+    """Run a job through its lifecycle; returns its report on rank 0 (None on other ranks)."""
+    try:
+        job.setup()
+        job.load_checkpoint()
+        job.train()
+        return job.finish()
+    finally:
+        job.cleanup()
+
+
+class Printer:
+    """Rank-0 console output."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def __call__(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, flush=True)

@@ -1,0 +1,90 @@
+"""The one-shot job (``--method magnitude|wanda|sparsegpt``): the command line, output directory and report of an
+ELSA run, so the methods are compared on the same data by the same evaluation.
+
+One process does the work (rank 0 under a launcher; the other ranks have nothing to do and exit at once): the
+model sits in host memory and, with CUDA, one decoder layer at a time moves to the GPU. Perplexity before and
+after is measured the same layer-by-layer way.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from elsa_ds.admm.projection import keep_count
+from elsa_ds.config import ElsaConfig, JobOptions
+from elsa_ds.data import validation_windows
+from elsa_ds.errors import ElsaError
+from elsa_ds.jobs import checks, report
+from elsa_ds.jobs.interface import Printer
+from elsa_ds.oneshot.layerwise import layerwise_nll
+from elsa_ds.oneshot.pipeline import accelerator, load_host_model, prune_oneshot
+from elsa_ds.output import REPORT_NAME, fresh_staging, publish
+from elsa_ds.targets import goal_ratio
+from elsa_ds.zero.ds_config import DsConfig
+
+
+class OneShotJob:
+    """Prune ``cfg.model`` with ``cfg.method`` in one process and write the model and its report."""
+
+    def __init__(self, cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig):
+        if opts.resume:
+            raise ElsaError(f"--resume continues an ELSA run; {cfg.method.value} has no checkpoints (it is one pass)")
+        self.cfg, self.opts, self.ds_config = cfg, opts, ds_config
+        self.started = time.time()
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.say = Printer(0)
+        self.device = accelerator()
+        self.source = checks.model_source(cfg, opts)
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        checks.before_work(cfg, self.opts, self.ds_config, 1, self.source)
+        if self.rank != 0:
+            return
+        goal = cfg.pattern if cfg.nm else f"{cfg.sparsity:.0%}"
+        self.say(f"[elsa_ds] one-shot {cfg.method.value} of {cfg.model} to {goal}"
+                 f"{' with profile ' + cfg.sparsity_profile if cfg.sparsity_profile else ''} on {self.device}")
+        self.tokenizer = self.source.load_tokenizer()
+        self.validation = validation_windows(cfg.dataset, cfg.val_dataset, self.tokenizer, cfg.seqlen, cfg.ppl_protocol,
+                                             self.source.config(), cfg.val_windows)
+        self.model = load_host_model(self.source)
+
+    def load_checkpoint(self) -> None:
+        """Nothing to restore: a one-shot method is one pass."""
+
+    def train(self) -> None:
+        if self.rank != 0:
+            print(f"[elsa_ds] rank {self.rank}: {self.cfg.method.value} runs in one process (rank 0); nothing to do here", flush=True)
+            return
+        self.dense_ppl = self._ppl()
+        self.done = prune_oneshot(self.cfg, self.cfg.oneshot, self.tokenizer, self.model, self.say)
+        self.pruned_ppl = self._ppl()
+
+    def _ppl(self) -> float | None:
+        v = self.validation
+        return v.perplexity(*layerwise_nll(self.model, v.ids, self.device)) if v.count else None
+
+    def save_checkpoint(self) -> None:
+        """Nothing to checkpoint: a one-shot method is one pass."""
+
+    def finish(self) -> dict[str, Any] | None:
+        if self.rank != 0:
+            return None
+        cfg, opts = self.cfg, self.opts
+        staging = fresh_staging(opts.output_dir)
+        self.model.save_pretrained(staging)
+        self.tokenizer.save_pretrained(staging)
+        expected = {name: keep.numel() - keep_count(keep.numel(), goal_ratio(self.done.goals[name]))
+                    for name, keep in self.done.masks.items()}
+        result = report.oneshot_report(self, staging, expected, self.dense_ppl, self.pruned_ppl)
+        report.write(staging / REPORT_NAME, result)
+        publish(staging, opts.output_dir, keep_checkpoints=False)
+        report.print_summary(self.say, result, opts.output_dir)
+        if cfg.eval_ppl or cfg.eval_tasks:
+            self.model = self.done = None
+            report.evaluate_saved_model(opts.output_dir, cfg)
+        return result
+
+    def cleanup(self) -> None:
+        """No process group to tear down: the one-shot job runs in one process."""

@@ -1,0 +1,81 @@
+"""Validation-driven selection (``--select_every``): which hard projection Π(x) of an ELSA run gets exported.
+
+Every ``select_every`` projections the projected model Π(x) (the same hard projection the run ends with, on the
+current x) is scored on the job's validation windows — the 16-bit shards are edited in place and restored, no
+weight is gathered — and the best so far is kept as a snapshot of every rank's 16-bit shards beside the output
+(2 bytes per parameter per rank, written only when the best improves). At the end the final Π(x) is scored too;
+if an earlier one was better, its snapshot is written back into the shards and exported instead. With
+``select_patience`` the run stops once that many scored projections in a row did not improve.
+
+The score is only as honest as the validation windows: they must be text the run does not train on
+(``--val_dataset``, or a source whose validation split is held out).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elsa_ds.data import PplWindows
+from elsa_ds.output import staging_dir
+from elsa_ds.zero.partitions import distributed_nll, hard_projected, restore_shards, shard_snapshot
+
+
+def snapshot_dir(output_dir: Path) -> Path:
+    """Beside the output (like the checkpoints, on the filesystem every node shares), removed when the job ends."""
+    return staging_dir(output_dir).with_name(f".{output_dir.name}.best_projection")
+
+
+class Selector:
+    """The curve of scored projections and the best snapshot; ``record`` is the JSON-able state a checkpoint keeps."""
+
+    def __init__(self, every: int, patience: int, directory: Path, rank: int, record: dict[str, Any] | None = None):
+        self.every, self.patience, self.directory, self.rank = every, patience, directory, rank
+        self.record = record or {"curve": [], "best": None, "since_best": 0, "stopped_at": None}
+
+    def due(self, projections: int) -> bool:
+        return projections > 0 and projections % self.every == 0
+
+    @property
+    def stop(self) -> bool:
+        return bool(self.patience) and self.record["since_best"] >= self.patience
+
+    def score(self, job, windows: PplWindows, micro_batch: int, step: int) -> float:
+        """Validation perplexity of Π(x) at ``step``; a snapshot of it when it is the best so far. Collective."""
+        with hard_projected(job):
+            value = windows.perplexity(*distributed_nll(job, windows.ids, micro_batch))
+            improved = self.record["best"] is None or value < self.record["best"]["ppl"]
+            if improved:
+                self._save(job)
+        self.record["curve"].append({"step": step, "ppl": value})
+        if improved:
+            self.record["best"], self.record["since_best"] = {"step": step, "ppl": value}, 0
+        else:
+            self.record["since_best"] += 1
+        return value
+
+    def _save(self, job) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"rank{self.rank}.pt"
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save(shard_snapshot(job), tmp)
+        tmp.replace(path)
+
+    def choose(self, job, final_ppl: float | None, final_step: int) -> float | None:
+        """Score the run's end against the best snapshot; write the snapshot back when it wins (``final_ppl`` None:
+        the run stopped early, there is no final projection). Returns the exported model's perplexity. Collective."""
+        best = self.record["best"]
+        if final_ppl is not None:
+            self.record["curve"].append({"step": final_step, "ppl": final_ppl, "final": True})
+        if best is None or (final_ppl is not None and final_ppl <= best["ppl"]):
+            self.record["chosen"] = {"step": final_step, "ppl": final_ppl, "final": True}
+            return final_ppl
+        restore_shards(job, torch.load(self.directory / f"rank{self.rank}.pt"))
+        self.record["chosen"] = {**best, "final": False}
+        return best["ppl"]
+
+    def clean(self) -> None:
+        """Remove the snapshots (rank 0, once every rank has exported)."""
+        shutil.rmtree(self.directory, ignore_errors=True)

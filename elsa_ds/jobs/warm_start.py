@@ -1,0 +1,65 @@
+"""One-shot masks for a ZeRO-3 job, computed on rank 0 while the other ranks wait: ELSA's warm start of z
+(``--init_mask``) and the mask (and pruned weights) that ``--finetune`` retrains."""
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elsa_ds.config import ElsaConfig
+from elsa_ds.errors import ElsaError
+from elsa_ds.mask_file import MaskReader, write_masks
+from elsa_ds.methods import OneShot
+from elsa_ds.models import ModelSource
+from elsa_ds.oneshot.pipeline import load_host_model, prune_oneshot
+from elsa_ds.output import staging_dir
+
+
+def warm_start_path(output_dir: Path) -> Path:
+    """Where rank 0 leaves the one-shot masks of --init_mask for every rank (beside the output, so on the
+    filesystem every node must share anyway)."""
+    return staging_dir(output_dir).with_name(f".{output_dir.name}.init_mask.safetensors")
+
+
+def warm_start_masks(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer, rank: int, say) -> MaskReader:
+    """Keep-masks for z₀: from a pruned model directory, or computed by a one-shot method on rank 0. Collective."""
+    if cfg.init_mask not in {m.value for m in OneShot}:
+        return MaskReader(cfg.init_mask)
+    masks, _ = oneshot_on_rank0(cfg, OneShot(cfg.init_mask), source, tokenizer, rank, say, warm_start_path(output_dir))
+    return masks
+
+
+def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, tokenizer, rank: int, say, mask_path: Path,
+                     model_dir: Path | None = None) -> tuple[MaskReader, dict[str, Any] | None]:
+    """Prune a host copy of the model with ``method`` on rank 0; write its keep-masks to ``mask_path`` and, with
+    ``model_dir``, the pruned model itself. Returns the masks (every rank) and the calibration record (rank 0). Collective.
+
+    The one-shot pass (SparseGPT on a 27B model takes hours) runs on rank 0 alone, before the ZeRO-3 model is
+    built; the other ranks wait on a group with a long timeout and learn from rank 0 whether it succeeded.
+    """
+    waiting = torch.distributed.new_group(backend="gloo", timeout=timedelta(days=3))
+    failure: BaseException | None = None
+    calibration = None
+    if rank == 0:
+        try:
+            say(f"[elsa_ds] one-shot {method.value} masks on rank 0 (other ranks wait)")
+            host = ModelSource(source.name, copy.deepcopy(source.module)) if source.module is not None else source
+            done = prune_oneshot(cfg, method, tokenizer, load_host_model(host), say)
+            write_masks(mask_path, done.masks)
+            if model_dir is not None:
+                done.model.save_pretrained(model_dir)
+                tokenizer.save_pretrained(model_dir)
+            calibration = done.calibration
+            del done
+        except BaseException as err:  # the other ranks must hear of it, whatever it is
+            failure = err
+    ok = torch.tensor([1.0 if rank == 0 and failure is None else 0.0])
+    torch.distributed.broadcast(ok, src=0, group=waiting)
+    if failure is not None:
+        raise failure
+    if not ok.item():
+        raise ElsaError(f"rank 0 could not compute the one-shot {method.value} masks; its error says why")
+    return MaskReader(mask_path), calibration

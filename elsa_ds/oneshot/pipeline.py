@@ -1,0 +1,61 @@
+"""One-shot pruning of a model in host memory: calibration data, then the method layer by layer.
+
+The model sits in host memory and, with CUDA, one decoder layer at a time is moved to the GPU, so a model
+larger than the GPU is pruned on it. Used by the one-shot job and by ELSA's warm start (``--init_mask``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elsa_ds.config import ElsaConfig
+from elsa_ds.data import is_gemma
+from elsa_ds.methods import OneShot
+from elsa_ds.models import ModelSource
+from elsa_ds.oneshot.calibration import calibration_sequences
+from elsa_ds.oneshot.methods import prune_model
+from elsa_ds.targets import LayerGoal, select_targets
+
+
+def accelerator() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_host_model(source: ModelSource) -> torch.nn.Module:
+    """The whole model in host memory: bf16 when a GPU will do the work, fp32 on a CPU-only machine."""
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return source.load(dtype).eval()
+
+
+@dataclass
+class OneShotResult:
+    """A model pruned in place by a one-shot method, with what each layer was pruned to."""
+
+    model: torch.nn.Module
+    masks: dict[str, torch.Tensor]
+    goals: dict[str, LayerGoal]
+    calibration: dict[str, Any] | None
+    seconds: float
+
+
+def prune_oneshot(cfg: ElsaConfig, method: OneShot, tokenizer, model: torch.nn.Module, say=print) -> OneShotResult:
+    """Prune ``model`` (in host memory) with ``method`` to ``cfg``'s sparsity, pattern or profile."""
+    weights = dict(model.named_parameters())
+    names = list(select_targets(model, cfg.targets).values())
+    goals = cfg.layer_goals({name: tuple(weights[name].shape) for name in names})
+    calibration, info = None, None
+    if method.calibrated:
+        calibration, how = calibration_sequences(cfg.dataset, tokenizer, cfg.nsamples, cfg.seqlen, cfg.seed, gemma=is_gemma(model.config),
+                                                 holdout_part=cfg.val_dataset is None)
+        info = {"dataset": cfg.dataset, "sequences": cfg.nsamples, "seqlen": cfg.seqlen, "sampling": how}
+        if method is OneShot.sparsegpt:
+            info.update(blocksize=cfg.blocksize, percdamp=cfg.percdamp)
+        say(f"[elsa_ds] calibration: {how}")
+    started = time.time()
+    masks = prune_model(model, method, goals, calibration, accelerator(), cfg.blocksize, cfg.percdamp, say)
+    return OneShotResult(model, masks, goals, info, time.time() - started)
+
+

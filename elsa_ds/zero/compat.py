@@ -1,0 +1,165 @@
+"""Every access to DeepSpeed's (and torch's) private internals, in one place, behind a version check.
+
+elsa_ds reads and edits ZeRO-3's flat fp32 partitions and 16-bit parameter shards, which DeepSpeed does not
+expose as an API. The attributes used here were read off DeepSpeed 0.19.x (``runtime/zero/stage3.py``,
+``runtime/zero/partition_parameters.py``, ``runtime/engine.py``, ``csrc/cpu/comm/shm.cpp``); see
+``shared/notes/deepspeed-zero3.md``. Another minor version gets a warning once: re-read those files and
+re-run the integration tests before trusting it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+TESTED_DEEPSPEED = ((0, 19),)
+
+
+def check_deepspeed_version() -> None:
+    """Warn once when DeepSpeed is a release whose internals elsa_ds has not been tested against."""
+    import deepspeed
+
+    major_minor = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
+    if major_minor not in TESTED_DEEPSPEED:
+        warnings.warn(f"elsa_ds was tested with DeepSpeed {', '.join('%d.%d' % v for v in TESTED_DEEPSPEED)}.x, not "
+                      f"{deepspeed.__version__}; it relies on ZeRO-3 internals listed in elsa_ds/zero/compat.py", stacklevel=2)
+
+
+def prepare_torch_for_zero_init() -> None:
+    """torch 2.13: import the dynamo tensor polyfills before ``zero.Init`` patches ``torch.Tensor.__new__``
+    (imported inside it, they reject the patched signature and break the process)."""
+    import torch._dynamo.polyfills.tensor  # noqa: F401
+
+
+@contextlib.contextmanager
+def zero3_init_one_module_at_a_time() -> Iterator[None]:
+    """Inside: transformers' ZeRO-3 weight initialization (``from_config`` under a live ``HfDeepSpeedConfig``) gathers
+    one module's own parameters at a time. Collective.
+
+    transformers 5.x (``integrations/deepspeed.py: initialize_weights_zero3``) gathers a module's parameters together
+    with its children's: Gemma-2's attention module gathers q, k, v and o at once. Under NVMe parameter offload each
+    gathered parameter occupies one swap buffer, and every buffer is as large as the largest parameter's partition
+    (the 256k-row embedding), so that would take four such buffers for the whole run. Architectures whose
+    ``_init_weights`` writes only a module's own parameters (Gemma-2, Llama) are initialized exactly as before.
+    """
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    original = hf_deepspeed.initialize_weights_zero3
+    hf_deepspeed.initialize_weights_zero3 = _initialize_weights_own_parameters
+    try:
+        yield
+    finally:
+        hf_deepspeed.initialize_weights_zero3 = original
+
+
+def _initialize_weights_own_parameters(model) -> None:
+    import deepspeed
+    from transformers.initialization import guard_torch_init_functions
+    from transformers.modeling_utils import PreTrainedModel
+
+    remote = model.is_remote_code()
+
+    def visit(module, init_fn) -> None:
+        for child in module.children():
+            visit(child, child._initialize_weights if isinstance(child, PreTrainedModel) else init_fn)
+        params = list(module.parameters(recurse=False))
+        if not params:
+            init_fn(module, remote)
+            return
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            if deepspeed.comm.get_rank() == 0:
+                init_fn(module, remote)
+
+    with torch.no_grad(), guard_torch_init_functions():
+        visit(model, model._initialize_weights)
+
+
+# ---- stage 3 optimizer (S3 = DeepSpeedZeroOptimizer_Stage3) --------------------------------------------------
+def is_stage3(zero_optimizer) -> bool:
+    return hasattr(zero_optimizer, "fp32_partitioned_groups_flat")
+
+
+def sub_group_params(zero_optimizer) -> list[list[torch.nn.Parameter]]:
+    """The parameters of every sub-group, in the order their shares sit in the sub-group's flat partition."""
+    return zero_optimizer.fp16_groups
+
+
+def flat_partition(zero_optimizer, sub_group: int) -> torch.Tensor:
+    """This rank's fp32 flat partition of a sub-group (numel 0 while swapped out to NVMe)."""
+    return zero_optimizer.fp32_partitioned_groups_flat[sub_group]
+
+
+def flat_position(zero_optimizer, param: torch.nn.Parameter) -> tuple[int, int]:
+    """(sub-group, offset in its flat partition) of a parameter's share."""
+    sub_group, offset = zero_optimizer.grad_position[zero_optimizer.get_param_id(param)][:2]
+    return sub_group, offset
+
+
+def data_parallel_group(zero_optimizer):
+    return zero_optimizer.dp_process_group
+
+
+@contextlib.contextmanager
+def editing_shards(zero_optimizer) -> Iterator[None]:
+    """Release gathered parameters before editing 16-bit shards, re-gather persistent ones after. Collective.
+
+    Parameters below stage3_param_persistence_threshold stay gathered between steps; without the re-gather the
+    forward would keep using their old full copies.
+    """
+    zero_optimizer.checkpoint_event_prologue()
+    yield
+    zero_optimizer.checkpoint_event_epilogue()
+
+
+# ---- ZeRO-3 parameters -----------------------------------------------------------------------------------------
+def full_numel(param: torch.nn.Parameter) -> int:
+    return param.ds_numel
+
+
+def full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+    """The whole parameter's shape, partitioned (built under zero.Init) or not yet (partitioned by deepspeed.initialize)."""
+    return tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
+
+
+def partition_numel(param: torch.nn.Parameter) -> int:
+    return param.partition_numel()
+
+
+def shard(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's 16-bit shard of a ZeRO-3 parameter (padding included), flattened."""
+    return param.ds_tensor.data.view(-1)
+
+
+# ---- engine ------------------------------------------------------------------------------------------------------
+def gather_16bit_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The whole 16-bit state dict on rank 0 (None elsewhere), gathered one layer at a time. Collective.
+
+    On the CPU accelerator DeepSpeed hands back views into its gather buffers (a module's weight and bias share one
+    coalesced buffer: OPT's fc1), which safetensors refuses to save; such views are copied. Tied parameters stay one
+    tensor.
+    """
+    state_dict = engine._zero3_consolidated_16bit_state_dict()
+    if state_dict is None:
+        return None
+    copies: dict[int, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if value.untyped_storage().nbytes() != value.numel() * value.element_size():
+            state_dict[key] = copies.setdefault(id(value), value.clone())
+    return state_dict
+
+
+# ---- optimizer state ----------------------------------------------------------------------------------------------
+def keep_out_of_swapper(tensor: torch.Tensor) -> None:
+    """Mark an optimizer state the NVMe swapper must leave in memory (it reads every swapped state back as fp32)."""
+    tensor.swappable = False
+
+
+# ---- the CPU accelerator's shared-memory all-reduce --------------------------------------------------------------
+def shm_buffer_path(rank: int) -> str:
+    """The /dev/shm file DeepSpeed's CPU shm all-reduce creates per rank (name format of csrc/cpu/comm/shm.cpp)."""
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    return os.path.join("/dev/shm", name)

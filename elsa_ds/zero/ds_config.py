@@ -1,0 +1,245 @@
+"""One typed view of a DeepSpeed JSON: where things are offloaded, the batch split, and the engine's own config.
+
+Every problem a config has is reported at once, in one error. ``"auto"`` values (transformers' stock ZeRO-3
+JSONs) are resolved as transformers' integration resolves them (``integrations/deepspeed.py``:
+``trainer_config_process`` / ``trainer_config_finalize``), from elsa_ds's own settings and the model's
+hidden size; optimizer and scheduler blocks are dropped when every value in them is "auto" (elsa_ds builds
+both from its own settings) and refused when they hold values of their own.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from elsa_ds.config import ElsaConfig
+from elsa_ds.config_files import read_json_object
+from elsa_ds.errors import ElsaError
+
+AUTO = "auto"
+# DeepSpeed needs these to accept a wrapper around an arbitrary torch optimizer under offload
+CLIENT_OPTIMIZER_FLAGS = {"zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+# swapped per sub-group in one optimizer step: fp32 master, exp_avg, exp_avg_sq, z, u, and the gradient
+NVME_OPTIMIZER_BUFFERS = 6
+# optimizer-block parameters and the ElsaConfig field each must agree with
+OPTIMIZER_PARAMS = {"lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The DeepSpeed configs that ship with elsa_ds, by name (``zero3_offload`` ...)."""
+    root = Path(str(resources.files("elsa_ds") / "ds_configs"))
+    return {p.stem: p for p in sorted(root.glob("*.json"))}
+
+
+def resolve_path(name_or_path: str | Path) -> Path:
+    """A config by path, or a shipped config by name (with or without ``.json``)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    shipped = shipped_configs()
+    stem = path.name.removesuffix(".json")
+    if path.parent == Path(".") and stem in shipped:
+        return shipped[stem]
+    raise ElsaError(f"--deepspeed {name_or_path}: no such file, and not a shipped config ({', '.join(shipped)})")
+
+
+@dataclass
+class DsConfig:
+    """A DeepSpeed JSON as read; :meth:`engine_config` gives what the engine gets."""
+
+    raw: dict[str, Any]
+    source: str = "the DeepSpeed JSON"
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> DsConfig:
+        path = resolve_path(name_or_path)
+        return cls(read_json_object(path, "DeepSpeed config", "pass an existing JSON file or a shipped name with --deepspeed"),
+                   str(name_or_path))
+
+    @property
+    def zero(self) -> dict[str, Any]:
+        zero = self.raw.get("zero_optimization", {})
+        return zero if isinstance(zero, dict) else {}
+
+    @property
+    def stage(self) -> Any:
+        return self.zero.get("stage")
+
+    @property
+    def param_device(self) -> str:
+        return str(self.zero.get("offload_param", {}).get("device", "none"))
+
+    @property
+    def optimizer_device(self) -> str:
+        return str(self.zero.get("offload_optimizer", {}).get("device", "none"))
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.param_device, self.optimizer_device)
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        return self.optimizer_device in ("cpu", "nvme")
+
+    @property
+    def bf16(self) -> bool:
+        return self.raw.get("bf16", {}).get("enabled") in (True, AUTO)
+
+    def global_batch(self, cfg: ElsaConfig) -> Any:
+        return cfg.batch_size or self.raw.get("train_batch_size")
+
+    def micro_batch(self, cfg: ElsaConfig) -> Any:
+        value = self.raw.get("train_micro_batch_size_per_gpu", 1)
+        return cfg.micro_batch or (1 if value == AUTO else value)
+
+    def problems(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None, check_paths: bool = True) -> list[str]:
+        """Everything that keeps this config from running ``cfg`` on ``world_size`` ranks (empty: it can); ``check_paths``:
+        also that the NVMe paths exist on this machine."""
+        found = [f"zero_optimization.stage must be 3 (got {self.stage!r}); elsa_ds partitions the ADMM states with ZeRO-3"] if self.stage != 3 else []
+        if self.raw.get("fp16", {}).get("enabled") is True:
+            found.append('fp16 is not supported (its loss scaler skips optimizer steps, which would desynchronize the ADMM '
+                         'schedule); use "bf16": {"enabled": true}')
+        if float(self.zero.get("offload_optimizer", {}).get("ratio", 1.0)) < 1.0:
+            found.append("offload_optimizer.ratio < 1 (partial offload) is not supported: remove it or set it to 1.0")
+        found += self._batch_problems(cfg, world_size)
+        found += self._block_problems(cfg)
+        found += _nvme_problems(self.zero, cfg.nvme_path, check_paths)
+        if hidden_size is None:
+            found += [f"{key} is \"auto\" and the model's hidden size is unknown; set a number" for key in _auto_buckets(self.zero)]
+        found += [f'{key} is "auto" and elsa_ds cannot resolve it; set a value' for key in _unresolvable_autos(self.raw)]
+        return found
+
+    def _batch_problems(self, cfg: ElsaConfig, world_size: int) -> list[str]:
+        global_batch, micro = self.global_batch(cfg), self.micro_batch(cfg)
+        if global_batch == AUTO or global_batch is None:
+            return ['train_batch_size is missing or "auto": set it (the global batch in sequences) in the JSON or with --batch_size']
+        if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch <= 0:
+            return [f"train_batch_size must be a positive integer, got {global_batch!r}"]
+        if not isinstance(micro, int) or micro <= 0:
+            return [f"train_micro_batch_size_per_gpu must be a positive integer, got {micro!r}"]
+        if global_batch % (micro * world_size):
+            return [f"train_batch_size {global_batch} is not a multiple of micro batch {micro} x {world_size} ranks; "
+                    "change train_batch_size (or --batch_size), --micro_batch or the number of ranks"]
+        return []
+
+    def _block_problems(self, cfg: ElsaConfig) -> list[str]:
+        found = []
+        optimizer = self.raw.get("optimizer")
+        if optimizer is not None:
+            if str(optimizer.get("type", "adam")).lower() not in ("adam", "adamw"):
+                found.append(f'optimizer type {optimizer.get("type")!r}: elsa_ds steps Adam (see --base_optimizer); remove the "optimizer" block')
+            for key, value in optimizer.get("params", {}).items():
+                field = OPTIMIZER_PARAMS.get(key)
+                ours = getattr(cfg, field) if field else None
+                if value != AUTO and (field is None or _differs(value, ours)):
+                    hint = f"pass --{field} {value}" if field else "elsa_ds has no such setting"
+                    found.append(f'optimizer.params.{key}={value!r}: elsa_ds builds the optimizer from its own settings; {hint} '
+                                 f'or set it to "auto"')
+        scheduler = self.raw.get("scheduler")
+        if scheduler is not None:
+            own = {k: v for k, v in scheduler.get("params", {}).items() if v != AUTO}
+            if own:
+                found.append(f"scheduler.params {own}: elsa_ds's learning rate decays linearly from --lr after --warmup_steps; "
+                             'remove the "scheduler" block or set its values to "auto"')
+        return found
+
+    def engine_config(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None = None) -> dict[str, Any]:
+        """The config the engine gets: checked, autos resolved, batch split derived from the global batch."""
+        found = self.problems(cfg, world_size, hidden_size)
+        if found:
+            raise ElsaError(f"DeepSpeed config {self.source} cannot be used as it is: " + "; ".join(f"({i}) {p}" for i, p in enumerate(found, 1)))
+        ds = copy.deepcopy({k: v for k, v in self.raw.items() if k not in ("elsa", "optimizer", "scheduler")})
+        zero = ds.setdefault("zero_optimization", {})
+        _apply_nvme_path(zero, cfg.nvme_path)
+        if hidden_size is not None:
+            _resolve_buckets(zero, hidden_size)
+        global_batch, micro = self.global_batch(cfg), self.micro_batch(cfg)
+        ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"] = global_batch, micro
+        ds["gradient_accumulation_steps"] = global_batch // (micro * world_size)
+        if ds.get("gradient_clipping") == AUTO:
+            ds["gradient_clipping"] = 1.0  # transformers' max_grad_norm default
+        for key, value in (("bf16", True), ("fp16", False)):
+            if ds.get(key, {}).get("enabled") == AUTO:
+                ds[key]["enabled"] = value
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+        ds.update(CLIENT_OPTIMIZER_FLAGS)
+        ds.setdefault("steps_per_print", 10**9)
+        ds.setdefault("wall_clock_breakdown", False)
+        return ds
+
+
+def _differs(value: Any, ours: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return list(value) != list(ours)
+    return value != ours
+
+
+_BUCKETS = {  # "auto" -> value from the hidden size h, as transformers' HfTrainerDeepSpeedConfig sets them
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+def _auto_buckets(zero: dict[str, Any]) -> list[str]:
+    return [f"zero_optimization.{k}" for k in _BUCKETS if zero.get(k) == AUTO]
+
+
+def _resolve_buckets(zero: dict[str, Any], hidden_size: int) -> None:
+    for key, rule in _BUCKETS.items():
+        if zero.get(key) == AUTO:
+            zero[key] = rule(hidden_size)
+
+
+RESOLVED_AUTOS = {("train_batch_size",), ("train_micro_batch_size_per_gpu",), ("gradient_accumulation_steps",),
+                  ("gradient_clipping",), ("bf16", "enabled"), ("fp16", "enabled"),
+                  *(("zero_optimization", k) for k in _BUCKETS)}
+
+
+def _unresolvable_autos(raw: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[str]:
+    """Dotted keys holding "auto" that no rule resolves (the optimizer, scheduler and elsa blocks aside)."""
+    found = []
+    for key, value in raw.items():
+        path = (*prefix, key)
+        if not prefix and key in ("optimizer", "scheduler", "elsa"):
+            continue
+        if isinstance(value, dict):
+            found += _unresolvable_autos(value, path)
+        elif value == AUTO and path not in RESOLVED_AUTOS:
+            found.append(".".join(path))
+    return found
+
+
+def _apply_nvme_path(zero: dict[str, Any], nvme_path: str | None) -> None:
+    for key in ("offload_param", "offload_optimizer"):
+        section = zero.get(key, {})
+        if section.get("device") == "nvme" and nvme_path is not None:
+            section["nvme_path"] = nvme_path
+
+
+def _nvme_problems(zero: dict[str, Any], nvme_path: str | None, check_paths: bool = True) -> list[str]:
+    """Every NVMe path must be set (and exist and be writable), and the optimizer swapper needs enough buffers."""
+    found = []
+    for key in ("offload_param", "offload_optimizer"):
+        section = zero.get(key, {})
+        if section.get("device") != "nvme":
+            continue
+        path = nvme_path if nvme_path is not None else section.get("nvme_path")
+        if not path:
+            found.append(f"zero_optimization.{key}.device is nvme but no nvme_path is set; pass --nvme_path DIR")
+        elif not check_paths:
+            continue
+        elif not Path(path).is_dir():
+            found.append(f"NVMe path {path} (zero_optimization.{key}.nvme_path) does not exist or is not a directory; "
+                         "create it or pass --nvme_path DIR")
+        elif not os.access(path, os.W_OK | os.X_OK):
+            found.append(f"NVMe path {path} (zero_optimization.{key}.nvme_path) is not writable; pass --nvme_path DIR on a writable local disk")
+    opt = zero.get("offload_optimizer", {})
+    if opt.get("device") == "nvme" and int(opt.get("buffer_count", 4)) < NVME_OPTIMIZER_BUFFERS:
+        found.append(f"zero_optimization.offload_optimizer.buffer_count is {opt.get('buffer_count', 4)}; ELSA swaps "
+                     f"{NVME_OPTIMIZER_BUFFERS} tensors per sub-group (master, exp_avg, exp_avg_sq, z, u, gradient): "
+                     f"set it to at least {NVME_OPTIMIZER_BUFFERS}")
+    return found

@@ -1,0 +1,53 @@
+"""Engines for retraining under ZeRO-3: MaskedOptimizer as the basic optimizer (full), or LoRA adapters (lora).
+
+full: every parameter trains; the pruned layers' slices of ZeRO-3's flat fp32 partitions carry a fixed keep-mask,
+read per rank from the bit-packed mask file (``mask_file.py``) and kept in the optimizer state, so it is partitioned,
+offloaded and checkpointed with Adam's moments. lora: peft adapters on the pruned layers, the base weights frozen;
+``deepspeed.initialize`` partitions the adapters it finds unpartitioned.
+"""
+from __future__ import annotations
+
+import torch
+
+from elsa_ds.admm.projection import Slice
+from elsa_ds.config import ElsaConfig
+from elsa_ds.finetune.optimizer import MaskedOptimizer
+from elsa_ds.mask_file import MaskReader
+from elsa_ds.targets import LayerGoal
+from elsa_ds.zero import compat
+from elsa_ds.zero.engine import ZeroJob, base_optimizer, full_shapes, initialize, keep_low_precision_states_in_memory, optimizer_on_nvme
+from elsa_ds.zero.layout import build_layout
+
+
+def build_masked_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: dict, pruned: dict[int, str], goals: dict[str, LayerGoal],
+                        masks: MaskReader | None) -> tuple[ZeroJob, torch.optim.Optimizer]:
+    """deepspeed.initialize with MaskedOptimizer (or, without masks: the dense control, the plain base optimizer) as
+    ZeRO-3's basic optimizer. Returns the job and the optimizer whose ``param_groups`` carry the learning rate."""
+    base = base_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], ds)
+    if masks is None:
+        engine, comm = initialize(model, base, ds)
+        return ZeroJob(engine, None, [], pruned, comm), base
+    masks.check(full_shapes(model, pruned))
+
+    def initial_mask(sl: Slice) -> torch.Tensor:
+        return masks.read(sl.layer, sl.start, sl.length)
+
+    masked = MaskedOptimizer(base, initial_mask)
+    engine, comm = initialize(model, masked, ds)
+    if optimizer_on_nvme(ds):
+        masked.on_state_created = keep_low_precision_states_in_memory
+    layout = build_layout(engine.optimizer, pruned, goals, comm.rank, comm.world_size)
+    for sg in layout:
+        masked.assign(compat.flat_partition(engine.optimizer, sg.index), sg.slices)
+    return ZeroJob(engine, None, layout, pruned, comm), masked
+
+
+def build_lora_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: dict, pruned: dict[int, str]) -> tuple[ZeroJob, torch.optim.Optimizer]:
+    """peft LoRA adapters (rank ``cfg.lora_rank``, scaling α/r) on every pruned Linear, then deepspeed.initialize with
+    the base optimizer over the adapters alone."""
+    from elsa_ds.finetune.lora import add_adapters
+
+    peft_model = add_adapters(model, list(pruned.values()), cfg.lora_rank, cfg.lora_alpha)
+    base = base_optimizer(cfg, [p for p in peft_model.parameters() if p.requires_grad], ds)
+    engine, comm = initialize(peft_model, base, ds)
+    return ZeroJob(engine, None, [], pruned, comm), base

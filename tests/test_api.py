@@ -1,0 +1,78 @@
+"""elsa_ds.prune / elsa_ds.oneshot from Python: the same jobs as launch/prune.py, so the same masks."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, derived_config, play_text, run_entry
+
+pytestmark = pytest.mark.integration
+
+SETTINGS = {"seqlen": 64, "steps": 8, "interval": 4, "sparsity": 0.6, "lr": 1e-3, "lmda": 0.05, "val_windows": 0,
+            "baseline": "none", "micro_batch": 2, "seed": 1}
+
+
+def _documents() -> list[str]:
+    """Paragraph-sized documents of two plays."""
+    paragraphs = [p.strip() for name in ("macbeth", "othello") for p in play_text(name).split("\n\n") if p.strip()]
+    return ["\n\n".join(paragraphs[i:i + 40]) for i in range(0, len(paragraphs), 40)]
+
+
+def _masks(out) -> dict[str, torch.Tensor]:
+    report = json.loads((out / "elsa_report.json").read_text())
+    weights = load_file(out / "model.safetensors")
+    return {k: weights[k] != 0 for k in report["layers"]}
+
+
+def _python(script: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_prune_from_python_on_a_list_of_strings_equals_the_cli(tmp_path, tiny_model_dir):
+    docs = _documents()
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "docs.json").write_text(json.dumps(docs))
+    ds = derived_config(tmp_path, bf16={"enabled": False})
+    flags = [x for k, v in SETTINGS.items() for x in (f"--{k}", str(v))]
+    run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(tmp_path / "docs.jsonl"), *flags,
+                           "--output_dir", str(tmp_path / "cli")])
+    out = _python(f"""
+import json, elsa_ds
+from transformers import AutoModelForCausalLM, AutoTokenizer
+docs = json.load(open({str(tmp_path / 'docs.json')!r}))
+by_name = elsa_ds.prune({str(tiny_model_dir)!r}, docs, output_dir={str(tmp_path / 'api')!r}, deepspeed={str(ds)!r}, **{SETTINGS!r})
+model = AutoModelForCausalLM.from_pretrained({str(tiny_model_dir)!r}, dtype="float32")
+loaded = elsa_ds.prune(model, docs, tokenizer=AutoTokenizer.from_pretrained({str(tiny_model_dir)!r}),
+                       output_dir={str(tmp_path / 'api_loaded')!r}, deepspeed={str(ds)!r}, **{SETTINGS!r})
+print(json.dumps({{"by_name": by_name["method"], "loaded": loaded["model"], "sparsity": loaded["overall_sparsity"]}}))
+""")
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["by_name"] == "elsa" and summary["sparsity"] == pytest.approx(0.6, abs=1e-4)
+    cli = _masks(tmp_path / "cli")
+    for run in ("api", "api_loaded"):
+        masks = _masks(tmp_path / run)
+        assert masks.keys() == cli.keys()
+        assert all(torch.equal(masks[k], cli[k]) for k in cli), run
+
+
+def test_oneshot_from_python_prunes_a_loaded_model_in_place(tmp_path, tiny_model_dir):
+    out = _python(f"""
+import json, elsa_ds
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained({str(tiny_model_dir)!r}, dtype="float32")
+report = elsa_ds.oneshot(model, "magnitude", "shakespeare", tokenizer=AutoTokenizer.from_pretrained({str(tiny_model_dir)!r}),
+                         output_dir={str(tmp_path / 'mag')!r}, deepspeed="zero3", sparsity=0.5, seqlen=64, val_windows=2)
+w = model.model.layers[0].mlp.up_proj.weight
+print(json.dumps({{"zeros": int((w == 0).sum()), "numel": w.numel(), "method": report["method"], "dense": report["ppl"]["dense"]}}))
+""")
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["method"] == "magnitude" and got["dense"] > 1
+    assert got["zeros"] == round(0.5 * got["numel"])

@@ -1,0 +1,75 @@
+"""bench/models/corpora.py: markup cleaners, the document split, the missing-package error (no package needed)."""
+from __future__ import annotations
+
+import pytest
+
+from bench.models.corpora import CorpusError, clean_man, clean_rst, package_version, split_documents
+
+RST = """.. SPDX-License-Identifier: GPL-2.0
+
+.. _my_label:
+
+==========
+Page title
+==========
+
+.. toctree::
+   :maxdepth: 2
+
+   other-page
+
+Call :c:func:`kmalloc` with ``GFP_KERNEL``; see :ref:`the guide <guide>` and `LWN <https://lwn.net/>`_.
+This is **important** and *emphasised*, but ``*ptr`` keeps its star. For example::
+
+    int x = 1;
+
+.. note::
+   Notes keep their body.
+
+=====  =====
+a      b
+=====  =====
+"""
+
+
+def test_clean_rst_strips_markup_keeps_prose_and_code():
+    text = clean_rst(RST)
+    assert "SPDX" not in text and "my_label" not in text and "toctree" not in text and "other-page" not in text
+    assert "maxdepth" not in text and "====" not in text and ".." not in text
+    assert text.startswith("Page title\n")
+    assert "Call kmalloc with GFP_KERNEL; see the guide and LWN." in text
+    assert "This is important and emphasised, but *ptr keeps its star. For example:\n" in text
+    assert "    int x = 1;" in text
+    assert "   Notes keep their body." in text
+    assert "`" not in text
+
+
+def test_clean_man_drops_header_footer_boxes_and_padding():
+    pad = " " * 300
+    rendered = (f"open(2){pad}System Calls Manual{pad}open(2)\n\n\n"
+                "NAME\n       open - open a file\n\n"
+                "DESCRIPTION\n       The  open()  call   opens.\n\n"
+                f"{' ' * 400}┌──────┬─────┐\n{' ' * 400}│a     │ b   │\n{' ' * 400}└──────┴─────┘\n"
+                "              indented code\n\n"
+                f"Linux man-pages 6.03{pad}2023-02-05{pad}open(2)\n")
+    text = clean_man(rendered)
+    lines = text.split("\n")
+    assert lines[0] == "NAME" and "open(2)" not in text and "─" not in text and "│" not in text
+    assert "open - open a file" in lines
+    assert "The  open()  call  opens." in lines  # runs of spaces squeezed to two
+    assert max(len(line) - len(line.lstrip()) for line in lines) <= 16
+    assert "       indented code" in lines
+
+
+def test_split_is_seeded_disjoint_and_complete():
+    names = [f"doc{i}" for i in range(200)]
+    a, b = split_documents(names, 0, (0.05, 0.05)), split_documents(names, 0, (0.05, 0.05))
+    assert a == b
+    assert len(a["validation"]) == len(a["test"]) == 10 and len(a["train"]) == 180
+    assert sorted(a["train"] + a["validation"] + a["test"]) == list(range(200))
+    assert split_documents(names, 1, (0.05, 0.05))["test"] != a["test"]
+
+
+def test_missing_package_names_the_install_command():
+    with pytest.raises(CorpusError, match=r"apt-get install -y no-such-package-elsa"):
+        package_version("no-such-package-elsa")

@@ -1,0 +1,71 @@
+"""The defaults rule (elsa_ds/defaults.py) and its application to the settings a user left unset."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elsa_ds.admm.schedule import LambdaSchedule
+from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
+from elsa_ds.defaults import ANCHORS, elsa_settings, pretraining_lr, retrain_settings
+from elsa_ds.jobs.defaults_applied import apply_defaults
+from elsa_ds.models import load_config
+
+
+@pytest.mark.parametrize("anchor", ANCHORS, ids=lambda a: a["source"])
+def test_reproduces_the_papers_settings(anchor):
+    for sparsity, (low, high) in anchor["lr"].items():
+        assert low <= elsa_settings(anchor["n_params"], sparsity, anchor["steps"]).values["lr"] <= high, sparsity
+    for sparsity, (low, high) in anchor["lmda"].items():
+        assert low <= elsa_settings(anchor["n_params"], sparsity, anchor["steps"]).values["lmda"] <= high, sparsity
+
+
+def test_paper_schedule_cosine_at_high_sparsity_constant_below_and_for_short_budgets():
+    assert elsa_settings(6.74e9, 0.9, 4096).values["lmda_schedule"] is LambdaSchedule.cosine
+    assert elsa_settings(6.74e9, 0.7, 4096).values["lmda_schedule"] is LambdaSchedule.cosine
+    assert elsa_settings(6.74e9, 0.6, 4096).values["lmda_schedule"] is LambdaSchedule.constant
+    assert elsa_settings(6.74e9, 0.9, 400).values["lmda_schedule"] is LambdaSchedule.constant
+
+
+def test_larger_steps_for_shorter_budgets_higher_sparsity_and_smaller_models():
+    lr = lambda n, s, t: elsa_settings(n, s, t).values["lr"]  # noqa: E731
+    assert lr(4e6, 0.9, 400) > lr(4e6, 0.9, 4096)
+    assert lr(4e6, 0.95, 400) > lr(4e6, 0.9, 400) > lr(4e6, 0.7, 400) > lr(4e6, 0.5, 400)
+    assert lr(4e6, 0.9, 400) > lr(13e6, 0.9, 400) > lr(7e9, 0.9, 400) > lr(27e9, 0.9, 400)
+    assert elsa_settings(4e6, 0.9, 400).values["lmda"] > elsa_settings(4e6, 0.5, 400).values["lmda"]
+    assert retrain_settings(4e6, 400).values["lr"] > retrain_settings(4e6, 4096).values["lr"] > retrain_settings(7e9, 4096).values["lr"]
+    assert pretraining_lr(6.74e9) == pytest.approx(3e-4, rel=0.1)  # Llama-2-7B's pre-training peak
+
+
+def test_every_value_says_why():
+    for s in (elsa_settings(4e6, 0.9, 400), retrain_settings(4e6, 400)):
+        assert set(s.why) == set(s.values) and all(s.why.values())
+
+
+def _demo(**given):
+    cfg = resolve_config({}, {"model": str(DEMO_MODEL_DIR), **given})
+    return apply_defaults(cfg, load_config(str(DEMO_MODEL_DIR)))
+
+
+def test_applied_only_to_fields_the_user_left_unset():
+    cfg, record = _demo(sparsity=0.9, steps=400)
+    expected = elsa_settings(record["inputs"]["n_params"], 0.9, 400).values
+    assert (cfg.lr, cfg.lmda, cfg.lmda_schedule) == (expected["lr"], expected["lmda"], expected["lmda_schedule"])
+    assert set(record["applied"]) == {"lr", "lmda", "lmda_schedule"} and record["set_by_user"] == []
+    json.dumps(record)  # goes into the report as is
+    cfg, record = _demo(sparsity=0.9, steps=400, lr=5e-4)
+    assert cfg.lr == 5e-4 and set(record["applied"]) == {"lmda", "lmda_schedule"} and record["set_by_user"] == ["lr"]
+
+
+def test_recipe_and_json_block_count_as_set():
+    cfg = resolve_config({"elsa": {"lmda": 0.07}}, {"model": str(DEMO_MODEL_DIR)}, recipe={"lr": 1e-5, "lmda_schedule": "linear"})
+    cfg, record = apply_defaults(cfg, load_config(str(DEMO_MODEL_DIR)))
+    assert (cfg.lr, cfg.lmda, cfg.lmda_schedule) == (1e-5, 0.07, LambdaSchedule.linear) and record["applied"] == {}
+
+
+def test_retraining_and_dense_control_get_the_retraining_lr():
+    cfg, record = _demo(method="wanda", finetune="full", sparsity=0.9, steps=400)
+    assert cfg.lr == retrain_settings(record["inputs"]["n_params"], 400).values["lr"] and set(record["applied"]) == {"lr"}
+    cfg, record = _demo(method="dense", finetune="lora", finetune_steps=200)
+    assert record["inputs"] == {"n_params": record["inputs"]["n_params"], "sparsity": 0.0, "steps": 200}
+    assert cfg.lr == retrain_settings(record["inputs"]["n_params"], 200).values["lr"]

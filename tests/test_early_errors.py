@@ -1,0 +1,133 @@
+"""Each bad input found by trying the tool as a new user would: one line on stderr, exit code 2, no traceback, no work
+started (the job never reaches its resolved-config banner, printed after the checks), nothing overwritten."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from elsa_ds.config import resolve_config
+from elsa_ds.errors import ElsaError
+from elsa_ds.zero.ds_config import DsConfig
+from tests.conftest import ROOT, run_entry, run_fails
+
+BANNER = "resolved ELSA config"  # printed once every check has passed
+
+
+def _prune_fails(args: list[str], *needles: str) -> None:
+    proc = run_entry("prune.py", args, check=False, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    assert BANNER not in proc.stdout
+
+
+def test_truncated_safetensors_is_named_before_loading(tmp_path, tiny_model_dir):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    _prune_fails(["--deepspeed", "zero3", "--model", str(model), "--output_dir", str(tmp_path / "o")], "model.safetensors is damaged")
+    assert not (tmp_path / "o").exists()
+
+
+def test_binary_text_file_in_the_dataset(tmp_path, tiny_model_dir):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "notes.txt").write_bytes(bytes(range(256)) * 64)
+    proc = run_entry("prune.py", ["--deepspeed", "zero3", "--model", str(tiny_model_dir), "--dataset", str(data), "--seqlen", "64",
+                                  "--output_dir", str(tmp_path / "o")], check=False, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "notes.txt: not UTF-8 text" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_compare_of_a_pruning_report_explains_itself(tmp_path):
+    report = tmp_path / "run" / "elsa_report.json"
+    report.parent.mkdir()
+    report.write_text(json.dumps({"model": "m", "method": "elsa", "layers": {}, "ppl": {"dense": 1.0, "pruned": 2.0}}))
+    run_fails("evaluate.py", ["--compare", str(report)], "a pruning job's report, not an evaluation result", "launch/evaluate.py --model")
+
+
+def test_eval_ppl_path_typo_is_caught_before_any_work(tmp_path):
+    _prune_fails(["--deepspeed", "zero3_offload", "--eval_ppl", str(tmp_path / "valdation.txt"), "--output_dir", str(tmp_path / "o")],
+                 "eval_ppl", "valdation.txt: no such file or directory")
+    assert not (tmp_path / "o").exists()
+
+
+def test_evaluate_output_that_is_a_directory_is_refused_before_loading(tmp_path, tiny_model_dir):
+    existing = tmp_path / "results"
+    existing.mkdir()
+    (existing / "keep.json").write_text("{}")
+    proc = run_entry("evaluate.py", ["--model", str(tiny_model_dir), "--ppl", "shakespeare", "--output", str(existing)], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--output" in proc.stderr and "is a directory" in proc.stderr
+    assert "loaded" not in proc.stdout and (existing / "keep.json").read_text() == "{}"
+
+
+def test_targets_matching_nothing_is_caught_before_loading(tmp_path, tiny_model_dir):
+    _prune_fails(["--deepspeed", "zero3", "--model", str(tiny_model_dir), "--targets", r"no_such_module\d",
+                  "--output_dir", str(tmp_path / "o")], "matches no nn.Linear")
+
+
+def test_stage2_config_is_refused_by_oneshot_and_the_estimator(tmp_path, tiny_model_dir):
+    cfg = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    cfg["zero_optimization"]["stage"] = 2
+    path = tmp_path / "zero2.json"
+    path.write_text(json.dumps(cfg))
+    _prune_fails(["--deepspeed", str(path), "--method", "magnitude", "--model", str(tiny_model_dir),
+                  "--output_dir", str(tmp_path / "o")], "stage must be 3")
+    run_fails("estimate.py", ["--model", "google/gemma-2-2b", "--deepspeed", str(path)], "stage must be 3")
+
+
+def test_estimator_refuses_a_micro_batch_that_does_not_divide_the_global_batch():
+    run_fails("estimate.py", ["--model", "google/gemma-2-2b", "--deepspeed", "zero3_offload", "--num_gpus", "3"],
+              "train_batch_size 8 is not a multiple of micro batch 1 x 3 ranks")
+
+
+def _stock_transformers_config() -> dict:
+    """transformers' documented ZeRO-3 example (docs: main_classes/deepspeed), "auto" everywhere."""
+    return {
+        "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+        "zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "offload_param": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    }
+
+
+def test_stock_transformers_zero3_config_resolves_its_autos():
+    ds = DsConfig(_stock_transformers_config())
+    cfg = resolve_config(ds.raw, {"batch_size": 16, "micro_batch": 2})
+    engine = ds.engine_config(cfg, world_size=2, hidden_size=256)
+    assert engine["train_batch_size"] == 16 and engine["train_micro_batch_size_per_gpu"] == 2 and engine["gradient_accumulation_steps"] == 4
+    assert engine["zero_optimization"]["reduce_bucket_size"] == 256 * 256
+    assert engine["zero_optimization"]["stage3_param_persistence_threshold"] == 2560
+    assert engine["gradient_clipping"] == 1.0 and engine["bf16"]["enabled"] is True and engine["fp16"]["enabled"] is False
+    assert "optimizer" not in engine and "scheduler" not in engine
+    assert "auto" not in json.dumps(engine)
+
+
+def test_every_problem_of_a_config_is_reported_at_once(tmp_path):
+    raw = _stock_transformers_config()
+    raw["optimizer"]["params"]["lr"] = 3e-5
+    raw["scheduler"]["params"]["warmup_num_steps"] = 100
+    raw["zero_optimization"]["stage3_max_live_parameters"] = "auto"
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps(raw))
+    _prune_fails(["--deepspeed", str(path), "--output_dir", str(tmp_path / "o")],
+                 "train_batch_size is missing or \"auto\"", "optimizer.params.lr=3e-05", "--lr 3e-05", "scheduler.params",
+                 "zero_optimization.stage3_max_live_parameters is \"auto\"")
+    with pytest.raises(ElsaError, match=r"\(1\).*\(2\).*\(3\).*\(4\)"):
+        ds = DsConfig(raw)
+        ds.engine_config(resolve_config(raw, {}), 1, 64)

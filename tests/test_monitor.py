@@ -1,0 +1,31 @@
+"""Progress reaches DeepSpeed's configured monitor: the csv monitor gets the loss every step and the residual every projection."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from tests.conftest import derived_config, run_entry
+
+pytestmark = pytest.mark.integration
+
+
+def _rows(path) -> list[list[str]]:
+    with path.open() as fh:
+        return list(csv.reader(fh))
+
+
+def test_csv_monitor_receives_step_loss_and_projection_residual(tmp_path, tiny_model_dir, text_dir):
+    ds = derived_config(tmp_path, "zero3_offload_csv.json", bf16={"enabled": False})
+    out = tmp_path / "out"
+    run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--seqlen", "64",
+                           "--steps", "8", "--interval", "3", "--val_windows", "0", "--baseline", "none", "--micro_batch", "2",
+                           "--output_dir", str(out)])
+    logs = out / "monitor" / "elsa"  # OUTPUT_DIR/monitor/<job_name>: the default output_path, carried into the published output
+    loss = _rows(logs / "elsa_loss.csv")
+    assert loss[0] == ["step", "loss"] and [int(r[0]) for r in loss[1:]] == list(range(1, 9))
+    assert all(float(r[1]) > 0 for r in loss[1:])
+    residual = _rows(logs / "elsa_residual.csv")
+    assert [int(r[0]) for r in residual[1:]] == [3, 6]  # projections after steps 3 and 6; the final projection is not one
+    assert all(0 < float(r[1]) < 10 for r in residual[1:])
+    assert {"elsa_lambda.csv", "elsa_lr.csv", "elsa_step_time_s.csv", "elsa_mask_flip_frac.csv"} <= {p.name for p in logs.iterdir()}

@@ -1,0 +1,113 @@
+"""The pre-flight memory check: a run that cannot fit stops in seconds, before anything is loaded, with one line that
+names the shortfall and what would fit."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+
+from elsa_ds import preflight
+from elsa_ds.config import DEMO_MODEL_DIR, JobOptions, resolve_config
+from elsa_ds.errors import ElsaError
+from elsa_ds.memory import estimate, model_shape, resolve_model_config
+from elsa_ds.models import meta_model
+from elsa_ds.zero.ds_config import DsConfig
+from tests.conftest import run_fails
+
+GIB = 2 ** 30
+
+
+def _too_large_model(d, ram: float):
+    """A Gemma-2 config whose ZeRO-3 state with CPU offload (~28 bytes per parameter) is twice ``ram``, with the demo's
+    tokenizer and no weights."""
+    per_layer = 251_658_240  # hidden 4096, MLP 16384, 16 heads / 8 KV heads of 256: attention 50.3M + MLP 201.3M
+    layers = int(2 * ram / (28 * per_layer)) + 1
+    d.mkdir()
+    config = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 32000, "hidden_size": 4096,
+              "intermediate_size": 16384, "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 256, "max_position_embeddings": 4096, "sliding_window": 1024, "pad_token_id": 0, "eos_token_id": 1,
+              "bos_token_id": 2, "tie_word_embeddings": True}
+    (d / "config.json").write_text(json.dumps(config))
+    for f in DEMO_MODEL_DIR.glob("tokenizer*.json"):
+        shutil.copy(f, d / f.name)
+    return d
+
+
+def test_cpu_offload_run_too_large_for_this_machine_is_refused_before_loading(tmp_path):
+    import psutil
+
+    model = _too_large_model(tmp_path / "model", psutil.virtual_memory().total)
+    started = time.time()
+    line = run_fails("prune.py", ["--deepspeed", "ds_configs/zero3_offload.json", "--model", str(model), "--random_init",
+                                  "--dataset", "shakespeare", "--output_dir", str(tmp_path / "out")],
+                     "host memory", "this node has", "±15%", "--ignore_memory_check")
+    assert time.time() - started < 120, "the check must not load anything"
+    assert not (tmp_path / "out").exists()
+    need = float(line.split("needs ~")[1].split(" GiB")[0].replace(",", "")) * GIB
+    assert need > 1.5 * psutil.virtual_memory().total
+
+
+def _job(tmp_path, config: str, **settings):
+    ds_config = DsConfig.load(config)
+    cfg = resolve_config(ds_config.raw, {"model": "google/gemma-2-2b", "seqlen": 512, **settings})
+    opts = JobOptions(deepspeed=config, output_dir=tmp_path / "out")
+    model_config = resolve_model_config("google/gemma-2-2b")
+    ds = ds_config.engine_config(cfg, 1, model_config.hidden_size)
+    return meta_model(model_config), ds, cfg, opts
+
+
+def _host(monkeypatch, host: float):
+    real = preflight.this_machine
+    monkeypatch.setattr(preflight, "this_machine", lambda paths: preflight.Machine(host=host, gpu=None, disks=real(paths).disks))
+
+
+def _estimate(ds_name: str, **elsa) -> float:
+    shape = model_shape(resolve_model_config("google/gemma-2-2b"))
+    ds = DsConfig.load(ds_name).raw
+    ds["zero_optimization"].get("offload_param", {})["buffer_size"] = shape.largest_param
+    return estimate(shape, ds, 1, micro_batch=1, seqlen=512, elsa=elsa, device="cpu").per_node_cpu_bytes
+
+
+def test_refusal_names_the_shipped_config_that_fits_and_the_warning_when_ignored(tmp_path, monkeypatch, capsys):
+    meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_offload.json")
+    nvme, offload = _estimate("ds_configs/zero3_nvme.json"), _estimate("ds_configs/zero3_offload.json")
+    host = 1.02 * nvme
+    assert offload * (1 - preflight.MARGIN) > host, "the scenario needs NVMe to fit where CPU offload does not"
+    _host(monkeypatch, host)
+    with pytest.raises(ElsaError) as err:
+        preflight.check_elsa(meta, ds, cfg, opts, world=1)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("needs ~") and "host memory" in message
+    assert "use ds_configs/zero3_nvme.json" in message and "NVMe" in message and "--ignore_memory_check" in message
+    opts.ignore_memory_check = True
+    preflight.check_elsa(meta, ds, cfg, opts, world=1)  # proceeds
+    assert "warning" in capsys.readouterr().err
+
+
+def test_a_run_that_fits_passes_and_one_inside_the_margin_warns(tmp_path, monkeypatch, capsys):
+    meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_offload.json")
+    need = _estimate("ds_configs/zero3_offload.json")
+    _host(monkeypatch, 2 * need)
+    preflight.check_elsa(meta, ds, cfg, opts, world=1)
+    assert capsys.readouterr().err == ""
+    _host(monkeypatch, 0.95 * need)  # fits only if the estimate is high: start, with a warning
+    preflight.check_elsa(meta, ds, cfg, opts, world=1)
+    assert "may not fit" in capsys.readouterr().err
+
+
+def test_freezing_the_embeddings_is_suggested_when_it_fits(tmp_path, monkeypatch):
+    meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_nvme.json", nvme_path=str(tmp_path))
+    shape = model_shape(meta.config, model=meta_model(meta.config), freeze_embeddings=True)
+    frozen = estimate(shape, ds, 1, micro_batch=1, seqlen=512, device="cpu").per_node_cpu_bytes
+    _host(monkeypatch, 1.05 * frozen)
+    with pytest.raises(ElsaError, match="--freeze_embeddings"):
+        preflight.check_elsa(meta, ds, cfg, opts, world=1)
+
+
+def test_disk_needs_on_one_file_system_add_up(tmp_path):
+    machine = preflight.this_machine([tmp_path])
+    free = next(iter(machine.disks.values()))
+    needs = preflight.disk_needs({tmp_path / "nvme": 0.55 * free, tmp_path / "out": 0.55 * free}, machine)
+    assert len(needs) == 1 and needs[0].need == pytest.approx(1.1 * free) and needs[0].refused is False and needs[0].tight

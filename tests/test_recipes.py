@@ -1,0 +1,46 @@
+"""Every shipped recipe parses, validates against ElsaConfig, cites its source and converts λ as the authors' trainer
+applies it (paper λ / W); a recipe reaches the job through --recipe below the command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elsa_ds.cli import prune_parser, settings_from_args
+from elsa_ds.config import ElsaConfig, load_recipe
+from elsa_ds.config_files import recipe_dir
+
+RECIPES = sorted(recipe_dir().glob("*.json"))
+
+
+def test_recipes_are_shipped_and_linked():
+    assert RECIPES, "no recipe ships"
+    assert (recipe_dir().parent.parent / "recipes").resolve() == recipe_dir()  # the top-level recipes/ symlink
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_matches_its_paper_values(path):
+    raw = json.loads(path.read_text())
+    settings = load_recipe(path.stem)                    # unknown settings are an error there
+    cfg = ElsaConfig(**settings)                         # every value validates
+    assert "2510.01650" in raw["source"] and "table" in raw["source"]
+    paper, world = raw["paper"], raw["conversion"]["world_size"]
+    assert cfg.lmda == pytest.approx(paper["lmda"] / world) and cfg.lr == paper["lr"] and cfg.sparsity == paper["sparsity"]
+    assert (cfg.batch_size, cfg.steps) == (paper["batch_size"], paper["steps"])
+    extreme = cfg.sparsity >= 0.7                        # the paper: cosine from 0 and 8 x 4096 at 70-90 %, else constant, 32 x 1024
+    assert cfg.lmda_schedule.value == ("cosine" if extreme else "constant") and paper["lmda_schedule"].startswith(cfg.lmda_schedule.value)
+    assert (cfg.batch_size, cfg.steps) == ((8, 4096) if extreme else (32, 1024))
+    assert cfg.betas == (0.9, 0.95) and cfg.dataset == "c4" and cfg.sampling.value == "crop" and cfg.seqlen == 2048
+    assert path.stem == f"{cfg.model.split('/')[-1].lower()}-s{round(cfg.sparsity * 100)}"
+
+
+def test_help_shows_the_data_flags():
+    text = prune_parser().format_help()  # argparse %-formats help: a docstring's "10%" must not break --help
+    assert all(flag in text for flag in ("--recipe", "--sampling", "--val_dataset", "--ppl_protocol", "10%"))
+
+
+def test_recipe_below_the_command_line():
+    args = prune_parser().parse_args(["--deepspeed", "zero3_offload", "--output_dir", "out/x", "--recipe", "gemma-2-27b-s90",
+                                      "--lmda", "5e-4"])
+    _, cfg, _ = settings_from_args(args)
+    assert cfg.model == "google/gemma-2-27b" and cfg.lr == 2e-5 and cfg.lmda == 5e-4 and cfg.batch_size == 8
