@@ -15,7 +15,8 @@ both see the same machine noise); medians per step. Pairs:
 ELSA's blocks contain exactly one projection (step t with (t + 1) % interval == 0); the amortized step
 is the plain step + projection / interval. ``--eager`` adds the eager reference (ELSA_DS_KERNELS=0's path).
 Bytes per parameter are those a single fused pass must move (the floor for a memory-bound step); peak
-extra memory is the resident-set high-water mark of one step over the memory before it.
+extra memory is the resident-set high-water mark of one step over the resident set before it (temporaries
+that malloc recycles from earlier steps do not show: a lower bound).
 With --json the last line holds ratio_fp32, ratio_elsal (amortized, both against DeepSpeedCPUAdam) and
 projection_steps_equiv (one projection in DeepSpeedCPUAdam steps), for the first --numel.
 """
@@ -79,7 +80,7 @@ class Runner:
 
 
 def peak_extra_bytes(runner: Runner) -> int:
-    """Resident-set high-water mark of one step minus the resident set before it (Linux; 0 elsewhere)."""
+    """Resident-set high-water mark of one step minus the resident set before it (Linux; 0 elsewhere): a lower bound."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
         before = _status_kb("VmRSS")
@@ -145,10 +146,12 @@ def _makers() -> dict:
 
 def _pair(res: dict, names: tuple[str, str], runners: tuple[Runner, Runner], args, rounds: int) -> None:
     ta, tb = abba(*runners, args.interval, rounds)
+    base_ms = summarize(ta, args.interval)["step_ms"]  # each ratio against the DeepSpeedCPUAdam steps beside it
     for name, times, runner in zip(names, (ta, tb), runners):
         if name not in res:
             res[name] = summarize(times, args.interval)
-            res[name]["peak_extra_MiB"] = peak_extra_bytes(runner) / 2**20
+            res[name]["base_ms"] = base_ms
+            res[name]["rss_growth_MiB"] = peak_extra_bytes(runner) / 2**20
             if runner.admm:
                 st = runner.opt.state[runner.p]
                 res[name]["fused"] = bool(runner.opt._fused.steps(runner.p, st))
@@ -194,16 +197,17 @@ def report(numel: int, res: dict, interval: int) -> dict:
     """Print the table for one size; return its ratios."""
     base = res["deepspeed_adam"]["step_ms"]
     print(f"\n## {numel / 1e6:g}M entries, {interval=}\n")
-    print("| optimizer | step ms | projection ms | amortized ms | / DeepSpeedCPUAdam | peak extra MiB | fused |")
+    print("| optimizer | step ms | projection ms | amortized ms | / DeepSpeedCPUAdam beside it | RSS growth MiB | fused |")
     print("|---|---|---|---|---|---|---|")
     for name, r in res.items():
-        ref = res["cuda_adam"]["step_ms"] if name.startswith("cuda") else base
+        ref = res["cuda_adam"]["step_ms"] if name.startswith("cuda") else r.get("base_ms", base)
         amortized = r.get("amortized_ms", r["step_ms"])
         print(f"| {name} | {r['step_ms']:.1f} | {r.get('projection_ms', float('nan')):.1f} | {amortized:.1f} | "
-              f"{amortized / ref:.2f} | {r.get('peak_extra_MiB', float('nan')):.0f} | {r.get('fused', '')} |")
-    ratios = {"ratio_fp32": res["elsa_fp32"]["amortized_ms"] / base, "ratio_elsal": res["elsa_l"]["amortized_ms"] / base,
-              "projection_steps_equiv": res["elsa_fp32"]["projection_ms"] / base,
-              "projection_steps_equiv_elsal": res["elsa_l"]["projection_ms"] / base, "base_step_ms": base}
+              f"{amortized / ref:.2f} | {r.get('rss_growth_MiB', float('nan')):.0f} | {r.get('fused', '')} |")
+    fp32, low = res["elsa_fp32"], res["elsa_l"]
+    ratios = {"ratio_fp32": fp32["amortized_ms"] / fp32["base_ms"], "ratio_elsal": low["amortized_ms"] / low["base_ms"],
+              "projection_steps_equiv": fp32["projection_ms"] / fp32["base_ms"],
+              "projection_steps_equiv_elsal": low["projection_ms"] / low["base_ms"], "base_step_ms": base}
     floor_fp32 = (BYTES["elsa_fp32"] + PROJECTION_BYTES["fp32"] / interval) / BYTES["adam_fp32"]
     floor_l = (BYTES["elsa_l"] + PROJECTION_BYTES["elsa_l"] / interval) / BYTES["adam_fp32"]
     print(f"\nbytes per parameter per step: DeepSpeedCPUAdam {BYTES['adam_fp32']}, fused ELSA {BYTES['elsa_fp32']}, "
