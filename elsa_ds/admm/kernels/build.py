@@ -40,7 +40,22 @@ def module_name() -> str:
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    h.update(_cpu_features().encode())  # -march=native: a cache shared with another CPU must not load this build
     return f"elsa_admm_{h.hexdigest()[:12]}"
+
+
+def _cpu_features() -> str:
+    """The instruction-set flags -march=native compiles for (Linux: /proc/cpuinfo), else the machine's name."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine()
 
 
 def load(verbose: bool = False) -> ModuleType | None:
