@@ -19,6 +19,10 @@ whatever partitions, offloads or checkpoints those moments does the same for z a
 Per engine step the caller calls ``begin_step(t)`` once, then ``step()`` may be called several times
 (ZeRO-3 steps one sub-group per call); every flat must be stepped exactly once per engine step, on
 every rank in the same order, since projections are collective.
+
+On CPU flats the fused kernels (``kernels/``) take over where they reproduce the base optimizer: the
+penalty and the Adam update in one pass, the projection in three passes with no score buffer. The
+eager code below is their reference and the path for everything else (GPU flats, N:M, other bases).
 """
 from __future__ import annotations
 
@@ -29,6 +33,9 @@ from enum import Enum
 import torch
 
 from elsa_ds.admm import state as admm_state
+from elsa_ds.admm.kernels import select as fused_select
+from elsa_ds.admm.kernels.adam8bit import dequantize_blockwise
+from elsa_ds.admm.kernels.fused import FusedPath
 from elsa_ds.admm.projection import NM, Comm, LocalComm, Slice, projection_masks
 from elsa_ds.admm.schedule import LambdaSchedule, dual_rescale, interval_lambda
 from elsa_ds.admm.state import StateDtype
@@ -55,25 +62,21 @@ class AdmmSettings:
     z_dtype: StateDtype = StateDtype.fp32
     u_dtype: StateDtype = StateDtype.fp32
     pattern: NM | None = None  # N:M instead of a per-layer top-k
-
+    kernels: bool = True  # fused CPU kernels where they apply (ELSA_DS_KERNELS=0 also turns them off)
 
 
 def second_moment(state: dict) -> torch.Tensor | None:
     """The optimizer's diagonal second-moment estimate F for one flat, as fp32, or None if absent.
 
-    Adam, AdamW and DeepSpeedCPUAdam keep it as ``exp_avg_sq``; bitsandbytes 8-bit Adam keeps it
-    block-quantized as ``state2`` with ``absmax2``/``qmap2`` and is dequantized here.
+    Adam, AdamW and DeepSpeedCPUAdam keep it as ``exp_avg_sq``; 8-bit Adam in bitsandbytes' format keeps
+    it block-quantized as ``state2`` (codes into ``qmap2``, one ``absmax2`` per block of 256 entries).
     """
     if "exp_avg_sq" in state:
         return state["exp_avg_sq"].float()
     if "state2" in state and state["state2"].dtype == torch.float32:  # bnb keeps small tensors in 32 bit
         return state["state2"]
     if "state2" in state and "qmap2" in state:
-        codes, qmap, absmax = state["state2"], state["qmap2"], state["absmax2"]
-        values = qmap.float()[codes.long()]
-        block = -(-values.numel() // absmax.numel())
-        padded = torch.nn.functional.pad(values, (0, block * absmax.numel() - values.numel()))
-        return (padded.view(absmax.numel(), block) * absmax.float().view(-1, 1)).view(-1)[: values.numel()]
+        return dequantize_blockwise(state["state2"], state["qmap2"], state["absmax2"])
     return None
 
 
@@ -94,6 +97,7 @@ class AdmmOptimizer(OptimizerWrapper):
         self._project_now = False
         self._finalize_now = False
         self._metrics = torch.zeros(len(METRIC_NAMES), dtype=torch.float64)
+        self._fused = FusedPath(base, settings.kernels)
 
     # ---- schedule -----------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -115,15 +119,20 @@ class AdmmOptimizer(OptimizerWrapper):
     @torch.no_grad()
     def step(self, closure=None):
         flats = [(p, sl) for g in self.param_groups for p in g["params"] if (sl := self.slices_of(p)) is not None]
+        fused = []
         for flat, slices in flats:
             st = self.state[flat]
             if Z not in st:
                 continue  # the first step: no z yet, and the base optimizer must see an empty state to init
             if self._dual_factor != 1.0:
                 self._rescale_dual(st)
-            if flat.grad is not None and self.lam > 0.0:
+            if self._fused.steps(flat, st):
+                fused.append((flat, slices, st))
+            elif flat.grad is not None and self.lam > 0.0:
                 self._add_penalty(flat, slices, st)
-        loss = self.base.step(closure) if closure is not None else self.base.step()
+        loss = self._base_step(closure, {id(flat) for flat, _, _ in fused})
+        for flat, slices, st in fused:  # penalty and Adam in one pass: the base's update, its state
+            self._fused.step(flat, slices, st, self._group_of(flat), self.lam, (st[Z], st[U], st[Z_SCALE], st[U_SCALE]))
         for flat, slices in flats:
             st = self.state[flat]
             if Z not in st:
@@ -137,19 +146,60 @@ class AdmmOptimizer(OptimizerWrapper):
                 self._update_z_u(flat, slices, st)
         return loss
 
+    def _base_step(self, closure, skip: set[int]):
+        """base.step() on every parameter but those in ``skip`` (stepped by the fused kernel instead)."""
+        if not skip:
+            return self.base.step(closure) if closure is not None else self.base.step()
+        saved = [g["params"] for g in self.param_groups]
+        try:
+            for g in self.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) not in skip]
+            if closure is None and not any(g["params"] for g in self.param_groups):
+                return None
+            return self.base.step(closure) if closure is not None else self.base.step()
+        finally:
+            for g, params in zip(self.param_groups, saved):
+                g["params"] = params
+
+    def _group_of(self, flat: torch.Tensor) -> dict:
+        return next(g for g in self.param_groups if any(p is flat for p in g["params"]))
+
     def _init_state(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
         """z = Π(x) after the first x-step (objective-aware: the second moment exists by then), or z = x ⊙ m
-        with a warm-start mask m; u = 0. Collective (without a warm start)."""
+        with a warm-start mask m; u = 0. Collective."""
         s = self.settings
         st[Z], st[Z_SCALE] = admm_state.allocate(flat.numel(), s.z_dtype, len(slices))
         st[U], st[U_SCALE] = admm_state.allocate(flat.numel(), s.u_dtype, len(slices))
+        if self.initial_mask is None and self._fused.projects(flat, slices, s.pattern):
+            self._fused.project(flat, slices, st, self._fisher_state(st), self._keys, self._dtypes, self.comm, fused_select.INIT)
+            return
         xs = [flat.detach().view(-1).narrow(0, sl.offset, sl.length).float() for sl in slices]
         if self.initial_mask is not None:
             masks = [self.initial_mask(sl) for sl in slices]
         else:
             masks = self._project(xs, st, slices)
+        z_scales, _ = self._layer_scales(xs)
         for j, (sl, x, m) in enumerate(zip(slices, xs, masks)):
-            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x * m)
+            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x * m, z_scales[j])
+
+    @property
+    def _keys(self) -> tuple[str, str, str, str]:
+        return Z, U, Z_SCALE, U_SCALE
+
+    @property
+    def _dtypes(self) -> tuple[StateDtype, StateDtype]:
+        return self.settings.z_dtype, self.settings.u_dtype
+
+    def _fisher_state(self, st: dict) -> dict | None:
+        return None if self.settings.projection is Projection.magnitude else st
+
+    def _layer_scales(self, values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 scales of z and u per layer, from the layer's peak |v| over all ranks (one max all-reduce for every
+        layer of the flat, only when a state is fp8); ones otherwise. Collective."""
+        peaks = torch.stack([v.abs().max() if v.numel() else torch.zeros(()) for v in values]).float() if values else torch.zeros(0)
+        if any(d.scaled for d in self._dtypes):
+            self.comm.all_reduce_max(peaks)
+        return admm_state.layer_scales(peaks, self.settings.z_dtype), admm_state.layer_scales(peaks, self.settings.u_dtype)
 
     def _rescale_dual(self, st: dict) -> None:
         if st[U].dtype == torch.float32:
@@ -182,6 +232,14 @@ class AdmmOptimizer(OptimizerWrapper):
 
     def _update_z_u(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
         """z ← Π(x + u), u ← u + x − z; accumulates residual and mask-flip metrics. Collective."""
+        m = self._metrics
+        if self._fused.projects(flat, slices, self.settings.pattern):
+            sums = self._fused.project(flat, slices, st, self._fisher_state(st), self._keys, self._dtypes, self.comm,
+                                       fused_select.UPDATE)
+            m[:3] += sums
+            m[3] += sum(sl.length for sl in slices)
+            self._count_state(flat, st)
+            return
         xs, vs, old_keep = [], [], []
         for j, sl in enumerate(slices):
             x = flat.detach().view(-1).narrow(0, sl.offset, sl.length).float()
@@ -191,11 +249,11 @@ class AdmmOptimizer(OptimizerWrapper):
             vs.append(x + u)
             old_keep.append(z_old != 0)
         masks = self._project(vs, st, slices)
-        m = self._metrics
+        z_scales, u_scales = self._layer_scales(vs)
         for j, (sl, x, v, mask, old) in enumerate(zip(slices, xs, vs, masks, old_keep)):
             z = v * mask
-            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, z)
-            admm_state.store(st[U], st[U_SCALE], j, sl.offset, v - z)
+            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, z, z_scales[j])
+            admm_state.store(st[U], st[U_SCALE], j, sl.offset, v - z, u_scales[j])
             m[0] += float((x - z).square().sum())
             m[1] += float(x.square().sum())
             m[2] += float((mask != old).sum())
@@ -208,19 +266,21 @@ class AdmmOptimizer(OptimizerWrapper):
         self._metrics[5] += flat.numel()
 
     def _finalize(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
-        """x ← Π(x): the hard projection that leaves exactly k entries per layer. Collective."""
+        """x ← Π(x): the hard projection that leaves exactly k entries per layer; then z = x, u = 0. Collective."""
+        if self._fused.projects(flat, slices, self.settings.pattern):
+            self._fused.project(flat, slices, st, self._fisher_state(st), self._keys, self._dtypes, self.comm, fused_select.FINAL)
+            self._count_state(flat, st)
+            return
         xs = [flat.detach().view(-1).narrow(0, sl.offset, sl.length) for sl in slices]
         masks = self._project(xs, st, slices)
+        z_scales, u_scales = self._layer_scales(xs)
         for x, mask in zip(xs, masks):
             x.mul_(mask)
-        self._update_z_after_final(slices, st, xs)
-        self._count_state(flat, st)
-
-    def _update_z_after_final(self, slices: list[Slice], st: dict, xs: list[torch.Tensor]) -> None:
         # z = x, u = 0 after the hard projection: a resumed or continued run starts feasible
         for j, (sl, x) in enumerate(zip(slices, xs)):
-            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x.float())
-            admm_state.store(st[U], st[U_SCALE], j, sl.offset, torch.zeros_like(x, dtype=torch.float32))
+            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x.float(), z_scales[j])
+            admm_state.store(st[U], st[U_SCALE], j, sl.offset, torch.zeros_like(x, dtype=torch.float32), u_scales[j])
+        self._count_state(flat, st)
 
     # ---- metrics ------------------------------------------------------------------------------
     def local_metrics(self) -> torch.Tensor:

@@ -33,13 +33,16 @@ _BINS = 1 << _RADIX_BITS
 
 
 class Comm(Protocol):
-    """The two collectives the projection needs, over the ranks that share the layers' slices."""
+    """The collectives the projection needs, over the ranks that share the layers' slices."""
 
     rank: int
     world_size: int
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks (in place) and return it."""
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum of ``tensor`` over ranks (in place) and return it."""
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Stack every rank's ``tensor`` along a new dim 0, in rank order: [world_size, *shape]."""
@@ -52,6 +55,9 @@ class LocalComm:
     world_size = 1
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -69,8 +75,14 @@ class TorchDistComm:
         self.world_size = dist.get_world_size(group)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(tensor, self._dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(tensor, self._dist.ReduceOp.MAX)
+
+    def _all_reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
         moved = tensor.to(self.device)
-        self._dist.all_reduce(moved, group=self.group)
+        self._dist.all_reduce(moved, op=op, group=self.group)
         tensor.copy_(moved)
         return tensor
 

@@ -1,0 +1,248 @@
+"""The optimizer step alone, the CPU-offload regime's bottleneck: ELSA's work vs the base optimizer's.
+
+    python bench/optimizer_step.py                                   # 32M entries, 8 slices, interval 32
+    python bench/optimizer_step.py --numel 8e6 32e6 128e6 --eager --json
+
+One fp32 flat of ``numel`` entries cut into ``slices`` layer slices (one rank's partition of a ZeRO-3
+sub-group), a fixed gradient, and per pair of optimizers blocks of ``interval`` steps in ABBA order (so
+both see the same machine noise); medians per step. Pairs:
+
+    DeepSpeedCPUAdam         vs  AdmmOptimizer(DeepSpeedCPUAdam), fp32 z/u           (ELSA)
+    DeepSpeedCPUAdam         vs  AdmmOptimizer(bitsandbytes Adam8bit), fp8 z, bf16 u  (ELSA-L, its base included)
+    torch Adam (CUDA)        vs  AdmmOptimizer(torch Adam) on CUDA, when a GPU is present
+    bitsandbytes Adam8bit and the fused 8-bit Adam alone (few steps: bitsandbytes' CPU path is slow)
+
+ELSA's blocks contain exactly one projection (step t with (t + 1) % interval == 0); the amortized step
+is the plain step + projection / interval. ``--eager`` adds the eager reference (ELSA_DS_KERNELS=0's path).
+Bytes per parameter are those a single fused pass must move (the floor for a memory-bound step); peak
+extra memory is the resident-set high-water mark of one step over the resident set before it (temporaries
+that malloc recycles from earlier steps do not show: a lower bound).
+With --json the last line holds ratio_fp32, ratio_elsal (amortized, both against DeepSpeedCPUAdam) and
+projection_steps_equiv (one projection in DeepSpeedCPUAdam steps), for the first --numel.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from elsa_ds.admm.optimizer import AdmmOptimizer, AdmmSettings  # noqa: E402
+from elsa_ds.admm.projection import Slice  # noqa: E402
+from elsa_ds.admm.state import StateDtype  # noqa: E402
+
+# bytes one pass moves per parameter (read + write): p, g, m, v read, p, m, v written; z, u read on pruned entries
+BYTES = {"adam_fp32": 16 + 12, "elsa_fp32": 16 + 12 + 8, "adam_8bit": 10 + 6, "elsa_l": 10 + 6 + 1 + 2}
+# a projection: two histogram passes over x, u, F, then the split (x, u, F, z read; z, u written)
+# (8-bit F: one code per entry; ELSA-L's u bf16, z fp8)
+PROJECTION_BYTES = {"fp32": 2 * 12 + 16 + 8, "elsa_l": 2 * 7 + 8 + 3}
+
+
+class Runner:
+    """One optimizer on its own copy of the flat; ``run(steps)`` returns the per-step seconds and projection flags."""
+
+    def __init__(self, name: str, make, flat: torch.Tensor, grad: torch.Tensor, slices: list[Slice] | None, interval: int,
+                 dtypes=(StateDtype.fp32, StateDtype.fp32), kernels: bool = True):
+        self.name, self.grad = name, grad
+        self.p = torch.nn.Parameter(flat.clone())
+        self.opt = make([self.p])
+        self.admm = slices is not None
+        if self.admm:
+            settings = AdmmSettings(total_steps=1 << 30, interval=interval, lmda=0.01, z_dtype=dtypes[0], u_dtype=dtypes[1],
+                                    kernels=kernels)
+            self.opt = AdmmOptimizer(self.opt, settings)
+            self.opt.assign(self.p, slices)
+        self.t = 0
+
+    def one(self) -> tuple[float, bool]:
+        self.p.grad = self.grad.clone() if self.p.grad is None else self.p.grad.copy_(self.grad)
+        projected = False
+        if self.admm:
+            self.opt.begin_step(self.t)
+            projected = self.opt.projected_this_step
+        if self.p.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        self.opt.step()
+        if self.p.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.t += 1
+        return time.perf_counter() - start, projected
+
+    def run(self, steps: int) -> list[tuple[float, bool]]:
+        return [self.one() for _ in range(steps)]
+
+
+def peak_extra_bytes(runner: Runner) -> int:
+    """Resident-set high-water mark of one step minus the resident set before it (Linux; 0 elsewhere): a lower bound."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _status_kb("VmRSS")
+        runner.one()
+        return max(0, _status_kb("VmHWM") - before) * 1024
+    except OSError:
+        return 0
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def abba(a: Runner, b: Runner, block: int, rounds: int) -> tuple[list, list]:
+    """Blocks of ``block`` steps in the order A B B A, ``rounds`` times; each runner warmed up first."""
+    a.run(2)
+    b.run(2)
+    times = {a.name: [], b.name: []}
+    for _ in range(rounds):
+        for r in (a, b, b, a):
+            times[r.name] += r.run(block)
+    return times[a.name], times[b.name]
+
+
+def summarize(times: list[tuple[float, bool]], interval: int) -> dict:
+    plain = [s for s, proj in times if not proj]
+    proj = [s for s, p in times if p]
+    out = {"step_ms": 1e3 * statistics.median(plain)}
+    if proj:
+        out["projection_ms"] = 1e3 * max(0.0, statistics.median(proj) - statistics.median(plain))
+        out["amortized_ms"] = out["step_ms"] + out["projection_ms"] / interval
+    return out
+
+
+def layer_slices(numel: int, count: int, sparsity: float = 0.5) -> list[Slice]:
+    """``count`` equal layers over the flat, the last taking the remainder."""
+    size = numel // count
+    out = []
+    for j in range(count):
+        length = size if j < count - 1 else numel - size * (count - 1)
+        out.append(Slice(f"layer{j}", j * size, length, 0, length, length - round(sparsity * length)))
+    return out
+
+
+def _makers() -> dict:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    makers = {"deepspeed_adam": lambda ps: DeepSpeedCPUAdam(ps, lr=1e-3)}
+    try:
+        import bitsandbytes as bnb
+
+        makers["bnb_adam8bit"] = lambda ps: bnb.optim.Adam8bit(ps, lr=1e-3)
+    except ImportError:
+        print("bitsandbytes is not installed: ELSA-L runs on the fused 8-bit Adam alone")
+    from elsa_ds.admm.kernels.adam8bit import Adam8bit
+
+    makers["fused_adam8bit"] = lambda ps: Adam8bit(ps, lr=1e-3)
+    return makers
+
+
+def _pair(res: dict, names: tuple[str, str], runners: tuple[Runner, Runner], args, rounds: int) -> None:
+    ta, tb = abba(*runners, args.interval, rounds)
+    base_ms = summarize(ta, args.interval)["step_ms"]  # each ratio against the DeepSpeedCPUAdam steps beside it
+    for name, times, runner in zip(names, (ta, tb), runners):
+        if name not in res:
+            res[name] = summarize(times, args.interval)
+            res[name]["base_ms"] = base_ms
+            res[name]["rss_growth_MiB"] = peak_extra_bytes(runner) / 2**20
+            if runner.admm:
+                st = runner.opt.state[runner.p]
+                res[name]["fused"] = bool(runner.opt._fused.steps(runner.p, st))
+
+
+def measure(numel: int, args) -> dict:
+    """Every pair on one flat of ``numel`` entries; medians in ms."""
+    g = torch.Generator().manual_seed(0)
+    flat, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g) * 1e-3
+    slices = layer_slices(numel, args.slices)
+    mk, res = _makers(), {}
+    low = (StateDtype.fp8, StateDtype.bf16)
+    base8 = mk.get("bnb_adam8bit", mk["fused_adam8bit"])
+    pairs = [(("deepspeed_adam", "elsa_fp32"), (mk["deepspeed_adam"], None, True), (mk["deepspeed_adam"], slices, True, None)),
+             (("deepspeed_adam", "elsa_l"), (mk["deepspeed_adam"], None, True), (base8, slices, True, low))]
+    if args.eager:
+        pairs += [(("deepspeed_adam", "eager_elsa_fp32"), (mk["deepspeed_adam"], None, True), (mk["deepspeed_adam"], slices, False, None)),
+                  (("deepspeed_adam", "eager_elsa_l"), (mk["deepspeed_adam"], None, True), (base8, slices, False, low))]
+    for names, (make_a, _, _), (make_b, sl, on, dtypes) in pairs:
+        a = Runner(names[0], make_a, flat, grad, None, args.interval)
+        b = Runner(names[1], make_b, flat, grad, sl, args.interval, dtypes or (StateDtype.fp32, StateDtype.fp32), on)
+        _pair(res, names, (a, b), args, 1 if names[1].startswith("eager") else args.rounds)
+        del a, b
+    for name in ("bnb_adam8bit", "fused_adam8bit"):
+        if name in mk:
+            r = Runner(name, mk[name], flat, grad, None, args.interval)
+            r.run(2)
+            res[name] = summarize(r.run(4 if name.startswith("bnb") else args.interval), args.interval)
+    if torch.cuda.is_available():
+        _cuda_pair(res, flat, grad, slices, args)
+    return res
+
+
+def _cuda_pair(res: dict, flat, grad, slices, args) -> None:
+    make = lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True)  # noqa: E731
+    a = Runner("cuda_adam", make, flat.cuda(), grad.cuda(), None, args.interval)
+    b = Runner("cuda_elsa_fp32", make, flat.cuda(), grad.cuda(), slices, args.interval)
+    ta, tb = abba(a, b, args.interval, args.rounds)
+    res["cuda_adam"], res["cuda_elsa_fp32"] = summarize(ta, args.interval), summarize(tb, args.interval)
+
+
+def report(numel: int, res: dict, interval: int) -> dict:
+    """Print the table for one size; return its ratios."""
+    base = res["deepspeed_adam"]["step_ms"]
+    print(f"\n## {numel / 1e6:g}M entries, {interval=}\n")
+    print("| optimizer | step ms | projection ms | amortized ms | / DeepSpeedCPUAdam beside it | RSS growth MiB | fused |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in res.items():
+        ref = res["cuda_adam"]["step_ms"] if name.startswith("cuda") else r.get("base_ms", base)
+        amortized = r.get("amortized_ms", r["step_ms"])
+        print(f"| {name} | {r['step_ms']:.1f} | {r.get('projection_ms', float('nan')):.1f} | {amortized:.1f} | "
+              f"{amortized / ref:.2f} | {r.get('rss_growth_MiB', float('nan')):.0f} | {r.get('fused', '')} |")
+    fp32, low = res["elsa_fp32"], res["elsa_l"]
+    ratios = {"ratio_fp32": fp32["amortized_ms"] / fp32["base_ms"], "ratio_elsal": low["amortized_ms"] / low["base_ms"],
+              "projection_steps_equiv": fp32["projection_ms"] / fp32["base_ms"],
+              "projection_steps_equiv_elsal": low["projection_ms"] / low["base_ms"], "base_step_ms": base}
+    floor_fp32 = (BYTES["elsa_fp32"] + PROJECTION_BYTES["fp32"] / interval) / BYTES["adam_fp32"]
+    floor_l = (BYTES["elsa_l"] + PROJECTION_BYTES["elsa_l"] / interval) / BYTES["adam_fp32"]
+    print(f"\nbytes per parameter per step: DeepSpeedCPUAdam {BYTES['adam_fp32']}, fused ELSA {BYTES['elsa_fp32']}, "
+          f"8-bit Adam {BYTES['adam_8bit']}, fused ELSA-L {BYTES['elsa_l']}; per projection {PROJECTION_BYTES['fp32']} (fp32), "
+          f"{PROJECTION_BYTES['elsa_l']} (ELSA-L)")
+    print(f"ratio_fp32 {ratios['ratio_fp32']:.2f} (byte floor {floor_fp32:.2f}), ratio_elsal {ratios['ratio_elsal']:.2f} "
+          f"(byte floor {floor_l:.2f}), projection = {ratios['projection_steps_equiv']:.2f} DeepSpeedCPUAdam steps "
+          f"(ELSA-L {ratios['projection_steps_equiv_elsal']:.2f}); achieved DeepSpeedCPUAdam bandwidth "
+          f"{BYTES['adam_fp32'] * numel / base / 1e6:.1f} GB/s")
+    return ratios
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", type=float, nargs="+", default=[32e6])
+    ap.add_argument("--slices", type=int, default=8)
+    ap.add_argument("--interval", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds of `interval` steps per optimizer")
+    ap.add_argument("--eager", action="store_true", help="also the eager reference path (slow)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    from elsa_ds.admm.kernels import build
+
+    kernels = build.load()
+    print(f"config: {vars(args)}; torch threads {torch.get_num_threads()}; fused kernels "
+          f"{kernels.simd_level() + ', OpenMP threads ' + str(kernels.max_threads()) if kernels else 'unavailable (eager path)'}")
+    out = {}
+    for numel in (int(n) for n in args.numel):
+        out[numel] = report(numel, measure(numel, args), args.interval)
+    if args.json:
+        first = out[int(args.numel[0])]
+        print(json.dumps({**{k: round(v, 3) for k, v in first.items()}, "numel": int(args.numel[0]), "slices": args.slices,
+                          "interval": args.interval}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+// Thin Python binding of the fused ADMM kernels (JIT-built by kernels/build.py): checks the tensors,
+// hands raw pointers to the kernels (kernels.h), which know nothing of torch.
+#include <omp.h>
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+namespace elsa {
+namespace {
+
+using torch::Tensor;
+
+Storage storage_of(const Tensor& t) {
+    if (t.numel() == 0) return Storage::kNone;
+    switch (t.scalar_type()) {
+        case torch::kFloat32: return Storage::kFp32;
+        case torch::kBFloat16: return Storage::kBf16;
+        case torch::kFloat8_e4m3fn: return Storage::kFp8;
+        default: TORCH_CHECK(false, "z/u storage must be float32, bfloat16 or float8_e4m3fn, got ", t.scalar_type());
+    }
+}
+
+void check_flat(const Tensor& t, const char* name, int64_t n, torch::ScalarType dtype) {
+    TORCH_CHECK(t.is_cpu() && t.is_contiguous() && t.numel() == n && t.scalar_type() == dtype, name,
+                " must be a contiguous CPU tensor of ", n, " ", dtype, " entries");
+}
+
+template <class T>
+T* data_or_null(const Tensor& t) {
+    return t.numel() ? reinterpret_cast<T*>(t.data_ptr()) : nullptr;
+}
+
+Slices slices_of(const Tensor& offsets, const Tensor& lengths) {
+    TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64 && offsets.is_contiguous()
+                    && lengths.is_contiguous() && offsets.numel() == lengths.numel(), "slice offsets and lengths: contiguous int64, one each per slice");
+    return Slices{offsets.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), offsets.numel()};
+}
+
+ZU zu_of(Tensor& z, Tensor& u, const Tensor& z_scale, const Tensor& u_scale, int64_t n, const Slices& s) {
+    if (s.count) {
+        TORCH_CHECK(z.numel() == n && u.numel() == n && z.is_contiguous() && u.is_contiguous(), "z and u must be contiguous and as long as the flat");
+        check_flat(z_scale, "z_scale", s.count, torch::kFloat32);
+        check_flat(u_scale, "u_scale", s.count, torch::kFloat32);
+    }
+    return ZU{data_or_null<void>(z), storage_of(z), data_or_null<void>(u), storage_of(u), data_or_null<const float>(z_scale),
+              data_or_null<const float>(u_scale)};
+}
+
+void adam_step_t(Tensor p, Tensor g, Tensor m, Tensor v, Tensor z, Tensor u, Tensor z_scale, Tensor u_scale, Tensor offsets,
+                 Tensor lengths, double lam, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                 double bias_correction1, double bias_correction2) {
+    const int64_t n = p.numel();
+    for (auto [t, name] : {std::pair{&p, "p"}, {&g, "grad"}, {&m, "exp_avg"}, {&v, "exp_avg_sq"}}) check_flat(*t, name, n, torch::kFloat32);
+    const Slices s = slices_of(offsets, lengths);
+    adam_step(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), n, zu_of(z, u, z_scale, u_scale, n, s),
+              s, float(lam), AdamHyper{lr, beta1, beta2, eps, weight_decay, adamw, bias_correction1, bias_correction2});
+}
+
+void adam8bit_step_t(Tensor p, Tensor g, Tensor state1, Tensor state2, Tensor qmap1, Tensor qmap2, Tensor absmax1, Tensor absmax2,
+                     Tensor z, Tensor u, Tensor z_scale, Tensor u_scale, Tensor offsets, Tensor lengths, double lam, double lr,
+                     double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+    const int64_t n = p.numel(), blocks = (n + 255) / 256;
+    check_flat(p, "p", n, torch::kFloat32);
+    check_flat(g, "grad", n, torch::kFloat32);
+    check_flat(state1, "state1", n, torch::kUInt8);
+    check_flat(state2, "state2", n, torch::kUInt8);
+    check_flat(qmap1, "qmap1", 256, torch::kFloat32);
+    check_flat(qmap2, "qmap2", 256, torch::kFloat32);
+    check_flat(absmax1, "absmax1 (one per block of 256)", blocks, torch::kFloat32);
+    check_flat(absmax2, "absmax2 (one per block of 256)", blocks, torch::kFloat32);
+    const Slices s = slices_of(offsets, lengths);
+    const Adam8State st{state1.data_ptr<uint8_t>(), state2.data_ptr<uint8_t>(), qmap1.data_ptr<float>(), qmap2.data_ptr<float>(),
+                        absmax1.data_ptr<float>(), absmax2.data_ptr<float>()};
+    adam8bit_step(p.data_ptr<float>(), g.data_ptr<float>(), st, n, zu_of(z, u, z_scale, u_scale, n, s), s, float(lam),
+                  Adam8Hyper{lr, beta1, beta2, eps, weight_decay, step});
+}
+
+ScoreSource source_of(Tensor& x, Tensor& u, const Tensor& u_scale, const Tensor& f, const Tensor& f_qmap, const Tensor& f_absmax,
+                      int64_t n_slices) {
+    const int64_t n = x.numel();
+    check_flat(x, "x", n, torch::kFloat32);
+    TORCH_CHECK(u.numel() == 0 || (u.numel() == n && u.is_contiguous()), "u must be empty or as long as x");
+    if (u.numel()) check_flat(u_scale, "u_scale", n_slices, torch::kFloat32);
+    const bool bnb = f.numel() && f.scalar_type() == torch::kUInt8;
+    if (f.numel()) check_flat(f, "F", n, bnb ? torch::kUInt8 : torch::kFloat32);
+    if (bnb) {
+        check_flat(f_qmap, "qmap2", 256, torch::kFloat32);
+        check_flat(f_absmax, "absmax2 (one per block of 256)", (n + 255) / 256, torch::kFloat32);
+    }
+    return ScoreSource{x.data_ptr<float>(), data_or_null<const void>(u), storage_of(u), data_or_null<const float>(u_scale),
+                       f.numel() && !bnb ? f.data_ptr<float>() : nullptr, bnb ? f.data_ptr<uint8_t>() : nullptr,
+                       bnb ? f_qmap.data_ptr<float>() : nullptr, bnb ? f_absmax.data_ptr<float>() : nullptr};
+}
+
+std::vector<Tensor> select_histogram_t(Tensor x, Tensor u, Tensor u_scale, Tensor f, Tensor f_qmap, Tensor f_absmax, Tensor offsets,
+                                       Tensor lengths, Tensor prefix, int64_t stride) {
+    const Slices s = slices_of(offsets, lengths);
+    const ScoreSource src = source_of(x, u, u_scale, f, f_qmap, f_absmax, s.count);
+    if (prefix.numel()) check_flat(prefix, "prefix", s.count, torch::kInt64);
+    auto hist = torch::zeros({s.count, 65536}, torch::kInt32);
+    auto peaks = torch::zeros({s.count}, torch::kFloat32);
+    select_histogram(src, x.numel(), s, data_or_null<const int64_t>(prefix), stride, hist.data_ptr<int32_t>(), peaks.data_ptr<float>());
+    return {hist, peaks};
+}
+
+std::vector<Tensor> select_bracket_t(Tensor x, Tensor u, Tensor u_scale, Tensor f, Tensor f_qmap, Tensor f_absmax, Tensor offsets,
+                                     Tensor lengths, Tensor lo, Tensor hi) {
+    const Slices s = slices_of(offsets, lengths);
+    const ScoreSource src = source_of(x, u, u_scale, f, f_qmap, f_absmax, s.count);
+    check_flat(lo, "lo", s.count, torch::kInt64);
+    check_flat(hi, "hi", s.count, torch::kInt64);
+    auto counts = torch::zeros({s.count, 2}, torch::kInt64);
+    auto peaks = torch::zeros({s.count}, torch::kFloat32);
+    auto found = torch::zeros({s.count}, torch::kInt64);
+    auto overflow = torch::zeros({s.count}, torch::kBool);
+    const std::vector<uint32_t> keys = select_bracket(src, x.numel(), s, lo.data_ptr<int64_t>(), hi.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+                                                      peaks.data_ptr<float>(), found.data_ptr<int64_t>(), overflow.data_ptr<bool>());
+    auto out = torch::empty({int64_t(keys.size())}, torch::kInt64);
+    std::copy(keys.begin(), keys.end(), out.data_ptr<int64_t>());
+    return {counts, peaks, out, found, overflow};
+}
+
+std::vector<Tensor> select_split_t(Tensor x, Tensor u, Tensor u_scale_old, Tensor f, Tensor f_qmap, Tensor f_absmax, Tensor z,
+                                   Tensor z_scale_old, Tensor z_scale, Tensor u_scale, Tensor offsets, Tensor lengths,
+                                   Tensor threshold, Tensor take, Tensor ties, int64_t mode) {
+    TORCH_CHECK(mode >= 0 && mode <= 2, "mode: 0 update, 1 init, 2 final");
+    const Slices s = slices_of(offsets, lengths);
+    const ScoreSource src = source_of(x, u, u_scale_old, f, f_qmap, f_absmax, s.count);
+    TORCH_CHECK(z.numel() == x.numel() && z.is_contiguous(), "z must be contiguous and as long as x");
+    TORCH_CHECK(mode != 0 || u.numel() == x.numel(), "the z/u update needs u");
+    for (auto [t, name] : {std::pair{&z_scale_old, "z_scale_old"}, {&z_scale, "z_scale"}, {&u_scale, "u_scale"}})
+        check_flat(*t, name, s.count, torch::kFloat32);
+    check_flat(threshold, "threshold", s.count, torch::kInt64);
+    check_flat(take, "take", s.count, torch::kInt64);
+    check_flat(ties, "ties", s.count, torch::kInt64);
+    auto metrics = torch::zeros({3}, torch::kFloat64);
+    auto seen = torch::zeros({s.count}, torch::kInt64);
+    select_split(src, x.numel(), s, z.data_ptr(), storage_of(z), z_scale_old.data_ptr<float>(), z_scale.data_ptr<float>(),
+                 data_or_null<void>(u), storage_of(u), u_scale.data_ptr<float>(), threshold.data_ptr<int64_t>(),
+                 take.data_ptr<int64_t>(), ties.data_ptr<int64_t>(), SplitMode(mode), metrics.data_ptr<double>(),
+                 seen.data_ptr<int64_t>());
+    return {metrics, seen};
+}
+
+// the storage conversions on their own, for the tests that hold them to torch's
+template <class Out, class F>
+Tensor convert(const Tensor& in, torch::ScalarType out_type, F&& f) {
+    auto src = in.contiguous();
+    auto out = torch::empty(src.sizes(), out_type);
+    const int64_t n = src.numel();
+    auto* dst = reinterpret_cast<Out*>(out.data_ptr());
+    const auto* s = src.data_ptr();
+#pragma omp parallel for
+    for (int64_t i = 0; i < n; ++i) dst[i] = f(s, i);
+    return out;
+}
+
+}  // namespace
+}  // namespace elsa
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    using namespace elsa;
+    m.def("adam_step", &adam_step_t, "fused ADMM penalty + DeepSpeed CPU Adam step on one flat");
+    m.def("adam8bit_step", &adam8bit_step_t, "fused ADMM penalty + bitsandbytes-format 8-bit Adam step on one flat");
+    m.def("select_histogram", &select_histogram_t, "16-bit digit histograms of the projection scores, per slice; peak |v|");
+    m.def("select_bracket", &select_bracket_t, "count keys above a bracket, collect those inside it, per slice; peak |v|");
+    m.def("select_split", &select_split_t, "z = v*[key > T] (+ this rank's tied share), u = v - z; metrics, ties");
+    m.def("to_fp8", [](const torch::Tensor& x) {
+        return convert<uint8_t>(x.to(torch::kFloat32), torch::kUInt8, [](const void* s, int64_t i) { return float_to_fp8(static_cast<const float*>(s)[i]); });
+    });
+    m.def("from_fp8", [](const torch::Tensor& c) {
+        return convert<float>(c, torch::kFloat32, [](const void* s, int64_t i) { return fp8_to_float(static_cast<const uint8_t*>(s)[i]); });
+    });
+    m.def("to_bf16", [](const torch::Tensor& x) {
+        return convert<int16_t>(x.to(torch::kFloat32), torch::kInt16, [](const void* s, int64_t i) { return int16_t(float_to_bf16(static_cast<const float*>(s)[i])); });
+    });
+    m.def("simd_level", []() -> std::string {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        return "AVX512";
+#elif defined(__AVX2__)
+        return "AVX2";
+#else
+        return "scalar";
+#endif
+    });
+    m.def("max_threads", []() { return omp_get_max_threads(); });
+}

@@ -1,0 +1,95 @@
+// The fused ADMM kernels' C++ interface: raw pointers and plain structs, no torch headers, so the kernel
+// translation units compile in seconds; bindings.cpp checks tensors and calls these.
+#pragma once
+
+#include <cstdint>
+
+#include "numerics.h"
+#include "plan.h"
+
+namespace elsa {
+
+enum class Storage : int { kNone = 0, kFp32 = 1, kBf16 = 2, kFp8 = 3 };
+
+struct NoU {};  // "no u": the projection of x alone
+
+// call f with a value of the element type a Storage holds (NoU for kNone)
+template <class F>
+void with_storage(Storage s, F&& f) {
+    switch (s) {
+        case Storage::kFp32: return f(float{});
+        case Storage::kBf16: return f(Bf16{});
+        case Storage::kFp8: return f(Fp8{});
+        default: return f(NoU{});
+    }
+}
+
+// z and u of one flat as stored (any Storage), with their per-slice scales
+struct ZU {
+    void* z;
+    Storage z_type;
+    void* u;
+    Storage u_type;
+    const float* z_scale;
+    const float* u_scale;
+};
+
+// DeepSpeedCPUAdam's hyper-parameters for one step (bias corrections as DeepSpeed computes them)
+struct AdamHyper {
+    double lr, beta1, beta2, eps, weight_decay;
+    bool adamw;
+    double bias_correction1, bias_correction2;  // 1 − β1^t and 1/sqrt(1 − β2^t), in DeepSpeed's float arithmetic
+};
+
+// bitsandbytes 8-bit Adam's hyper-parameters and its blockwise state
+struct Adam8Hyper {
+    double lr, beta1, beta2, eps, weight_decay;
+    int64_t step;
+};
+struct Adam8State {
+    uint8_t* state1;
+    uint8_t* state2;
+    const float* qmap1;
+    const float* qmap2;
+    float* absmax1;
+    float* absmax2;
+};
+
+// x ← Adam(x, g + λ((x − z) + u) on the slices, g elsewhere), m and v updated in place
+void adam_step(float* p, const float* g, float* m, float* v, int64_t n, const ZU& zu, const Slices& slices, float lam,
+               const AdamHyper& h);
+void adam8bit_step(float* p, const float* g, const Adam8State& st, int64_t n, const ZU& zu, const Slices& slices, float lam,
+                   const Adam8Hyper& h);
+
+// where the projection reads its scores: v = x + u (u may be absent), F = fp32, 8-bit (bnb) or none
+struct ScoreSource {
+    float* x;
+    const void* u;
+    Storage u_type;
+    const float* u_scale;
+    const float* f;          // exp_avg_sq, or null
+    const uint8_t* f_codes;  // bitsandbytes' state2, or null
+    const float* f_qmap;
+    const float* f_absmax;
+};
+
+enum class SplitMode : int { kUpdate = 0, kInit = 1, kFinal = 2 };
+
+// per slice: a 65536-bin histogram of the scores' high 16 key bits (prefix == null), or of the low 16
+// bits of the keys whose high half equals prefix[j]; and each slice's peak |v|
+// (stride > 1: a sample, every stride-th batch of 1024 entries of each piece)
+void select_histogram(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* prefix, int64_t stride,
+                      int32_t* hist, float* peaks);
+// per slice: counts[2j] = keys above hi[j], counts[2j+1] = keys in [lo[j], hi[j]] (none when lo > hi); the
+// in-bracket keys themselves (grouped by slice, found[j] each, unless overflow[j]: more than 1/8 of a piece);
+// peaks[j] = peak |v|
+std::vector<uint32_t> select_bracket(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* lo, const int64_t* hi,
+                                     int64_t* counts, float* peaks, int64_t* found, bool* overflow);
+// z, u (or x) from the threshold keys; of the ties[j] entries of slice j equal to its threshold (this rank's,
+// from the histogram), the first take[j] in index order are kept; metrics[0..2] += residual², x², flips;
+// ties_seen[j]: the ties the split met (== ties[j] unless the passes disagree)
+void select_split(const ScoreSource& src, int64_t n, const Slices& slices, void* z, Storage z_type, const float* z_scale_old,
+                  const float* z_scale, void* u, Storage u_type, const float* u_scale, const int64_t* threshold,
+                  const int64_t* take, const int64_t* ties, SplitMode mode, double* metrics, int64_t* ties_seen);
+
+}  // namespace elsa

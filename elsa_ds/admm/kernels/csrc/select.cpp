@@ -1,0 +1,453 @@
+// The passes of the fused projection Π (projection.py holds the eager reference, select_masks).
+//
+// Scores are never stored: every pass recomputes, per entry,
+//   v = x + u (the z/u update) or v = x (initial z, final projection),
+//   key = bits(|nan_to_num(F · v²)|)       (F: exp_avg_sq, bitsandbytes' 8-bit state2, or 1)
+// whose integer order is the scores' order. Two histogram passes of 16-bit digits (high half, then low
+// half among the entries whose high half is the threshold's) give each layer's exact threshold key T;
+// the split pass then writes z = v·[key > T], u = v − z with the tied entries (key == T) kept in index
+// order up to this rank's share, and counts the metrics. Each pass reads x, u, F once.
+#include <omp.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cfloat>
+#include <type_traits>
+#include <vector>
+
+#include "kernels.h"
+
+namespace elsa {
+namespace {
+
+constexpr int64_t kBins = 1 << 16;
+constexpr int64_t kKeys = 1024;  // keys computed (vectorized) per batch before the scalar histogram loop
+
+enum Fisher { kMagnitude = 0, kFp32 = 1, kBnb8 = 2 };
+constexpr int kUpdate = int(SplitMode::kUpdate), kInit = int(SplitMode::kInit), kFinal = int(SplitMode::kFinal);
+using Src = ScoreSource;
+
+// one piece of one slice, as the inner loops see it: restrict pointers at the piece's first entry
+template <class UT, int FK>
+struct Row {
+    float* __restrict x;
+    const UT* __restrict u;          // kUpdate only (NoU otherwise)
+    const float* __restrict f;       // kFp32
+    const uint8_t* __restrict codes; // kBnb8, with its qmap and the absmax of each 256-entry block
+    const float* __restrict qmap;
+    const float* __restrict absmax;
+    int64_t first;                   // the piece's first index in the flat (for the 8-bit blocks)
+    float u_scale;
+
+    Row(const Src& s, const Piece& pc)
+        : x(s.x + pc.begin), u(nullptr), f(s.f ? s.f + pc.begin : nullptr), codes(s.f_codes ? s.f_codes + pc.begin : nullptr),
+          qmap(s.f_qmap), absmax(s.f_absmax), first(pc.begin), u_scale(1.0f) {
+        if constexpr (!std::is_same_v<UT, NoU>) {
+            u = static_cast<const UT*>(s.u) + pc.begin;
+            u_scale = s.u_scale[pc.slice];
+        }
+    }
+
+    // v = x + u (as load() dequantizes u) or v = x
+    inline float value(int64_t i) const {
+        if constexpr (std::is_same_v<UT, NoU>) return x[i];
+        else if constexpr (std::is_same_v<UT, float>) return x[i] + u[i];
+        else return x[i] + to_float(u[i]) * u_scale;
+    }
+
+    // scores() in projection.py: F·v² with F clamped at 0, NaN -> 0, inf -> FLT_MAX, sign cleared
+    inline uint32_t key(int64_t i, float v) const {
+        float score = v * v;
+        if constexpr (FK != kMagnitude) {
+            float fi;
+            if constexpr (FK == kFp32) fi = f[i];
+            else fi = qmap[codes[i]] * absmax[(first + i) / 256];
+            score = score * (fi < 0.0f ? 0.0f : fi);
+        }
+        score = score != score ? 0.0f : score;
+        score = score == INFINITY ? FLT_MAX : score;
+        return as_bits(score) & 0x7FFFFFFFu;
+    }
+};
+
+// ---- histogram passes --------------------------------------------------------------------------
+// the low halves of the keys whose high half is `prefix`, packed to the front of `out` (may be `keys`)
+inline int64_t low_halves(const uint32_t* keys, int64_t m, uint32_t prefix, uint32_t* out) {
+    int64_t found = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512i want = _mm512_set1_epi32(int(prefix)), low = _mm512_set1_epi32(0xFFFF);
+    for (; i + 16 <= m; i += 16) {
+        const __m512i k = _mm512_loadu_si512(keys + i);
+        const __mmask16 hit = _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(k, 16), want);
+        if (!hit) continue;
+        _mm512_mask_compressstoreu_epi32(out + found, hit, _mm512_and_si512(k, low));
+        found += __builtin_popcount(hit);
+    }
+#endif
+    for (; i < m; ++i)
+        if ((keys[i] >> 16) == prefix) out[found++] = keys[i] & 0xFFFFu;
+    return found;
+}
+
+template <class UT, int FK>
+__attribute__((noinline)) void histogram_piece(const Row<UT, FK> r, int64_t n, int64_t prefix, int64_t stride,
+                                               int32_t* __restrict hist, float& peak) {
+    alignas(64) uint32_t keys[kKeys];
+    for (int64_t b = 0; b < n; b += stride * kKeys) {
+        const int64_t m = std::min(kKeys, n - b);
+        float pk = peak;
+#pragma omp simd reduction(max : pk)
+        for (int64_t i = 0; i < m; ++i) {
+            const float v = r.value(b + i);
+            keys[i] = r.key(b + i, v);
+            pk = std::max(pk, std::fabs(v));
+        }
+        peak = pk;
+        if (prefix < 0) {
+            for (int64_t i = 0; i < m; ++i) ++hist[keys[i] >> 16];
+        } else {
+            const int64_t found = low_halves(keys, m, uint32_t(prefix), keys);  // few: the threshold's bin only
+            for (int64_t i = 0; i < found; ++i) ++hist[keys[i]];
+        }
+    }
+}
+
+template <class UT, int FK>
+void histogram(const Src& s, const std::vector<Piece>& plan, const int64_t* prefix, int64_t stride, int64_t n_slices,
+               int32_t* out, float* peaks) {
+    const int threads = omp_get_max_threads();
+    std::vector<int32_t> local(size_t(threads) * n_slices * kBins, 0);
+    std::vector<float> local_peak(size_t(threads) * n_slices, 0.0f);
+    const int64_t pieces = int64_t(plan.size());
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < pieces; ++k) {
+        const Piece& pc = plan[k];
+        const size_t slot = size_t(omp_get_thread_num()) * n_slices + pc.slice;
+        const int64_t p = prefix ? prefix[pc.slice] : -1;
+        if (prefix && p < 0) continue;  // a layer that keeps nothing needs no second digit
+        histogram_piece<UT, FK>(Row<UT, FK>(s, pc), pc.end - pc.begin, p, stride, local.data() + slot * kBins, local_peak[slot]);
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t e = 0; e < n_slices * kBins; ++e) {
+        int32_t sum = 0;
+        for (int t = 0; t < threads; ++t) sum += local[size_t(t) * n_slices * kBins + e];
+        out[e] = sum;
+    }
+    for (int64_t j = 0; j < n_slices; ++j) {
+        float pk = 0.0f;
+        for (int t = 0; t < threads; ++t) pk = std::max(pk, local_peak[size_t(t) * n_slices + j]);
+        peaks[j] = pk;
+    }
+}
+
+// ---- the bracket pass --------------------------------------------------------------------------
+struct Bracket {  // per piece
+    int64_t above = 0, inside = 0;
+    float peak = 0.0f;
+    bool overflow = false;
+    std::vector<uint32_t> keys;  // the keys in [lo, hi]
+};
+
+// count the keys above hi, keep those in [lo, hi] (at most kChunk / 8 per piece), and the peak |v|
+template <class UT, int FK>
+__attribute__((noinline)) void bracket_piece(const Row<UT, FK> r, int64_t n, uint32_t lo, uint32_t hi, Bracket& out) {
+    alignas(64) uint32_t keys[kKeys];
+    const size_t cap = size_t(kChunk / 8);
+    for (int64_t b = 0; b < n; b += kKeys) {
+        const int64_t m = std::min(kKeys, n - b);
+        float pk = out.peak;
+        int64_t above = 0, inside = 0;
+#pragma omp simd reduction(max : pk) reduction(+ : above, inside)
+        for (int64_t i = 0; i < m; ++i) {
+            const float v = r.value(b + i);
+            const uint32_t key = r.key(b + i, v);
+            keys[i] = key;
+            above += key > hi ? 1 : 0;
+            inside += (key >= lo) & (key <= hi) ? 1 : 0;
+            pk = std::max(pk, std::fabs(v));
+        }
+        out.peak = pk;
+        out.above += above;
+        out.inside += inside;
+        if (inside == 0 || out.overflow) continue;
+        if (out.keys.size() + size_t(inside) > cap) {
+            out.overflow = true;
+            continue;
+        }
+        for (int64_t i = 0; i < m; ++i)
+            if (keys[i] >= lo && keys[i] <= hi) out.keys.push_back(keys[i]);
+    }
+}
+
+template <class UT, int FK>
+void bracket(const Src& s, const std::vector<Piece>& plan, const int64_t* lo, const int64_t* hi, std::vector<Bracket>& out) {
+    const int64_t pieces = int64_t(plan.size());
+    out.assign(pieces, Bracket{});
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < pieces; ++k) {
+        const int64_t j = plan[k].slice;
+        if (lo[j] > hi[j]) continue;  // a layer that keeps nothing
+        bracket_piece<UT, FK>(Row<UT, FK>(s, plan[k]), plan[k].end - plan[k].begin, uint32_t(lo[j]), uint32_t(hi[j]), out[k]);
+    }
+}
+
+// ---- the split pass ----------------------------------------------------------------------------
+struct Dest {
+    void* z;
+    const float* z_scale_old;
+    const float* z_scale;  // new scales: fp8 stores clamp(value / s, ±448)
+    void* u;
+    const float* u_scale;
+};
+
+template <class T>
+inline T store_as(float value, float scale) {
+    if constexpr (std::is_same_v<T, Fp8>) {
+        float q = value / scale;
+        q = std::min(std::max(q, -storage_max<T>()), storage_max<T>());
+        return from_float<Fp8>(q);
+    } else {
+        return from_float<T>(value);  // fp32 and bf16 are stored plainly
+    }
+}
+
+struct Tally {  // per piece
+    double residual_sq = 0.0, x_sq = 0.0;
+    int64_t flips = 0, ties = 0;
+};
+
+struct Contribution {  // of one entry (flips as 0.0/1.0: GCC 12 vectorizes no int-from-mixed-compare sums here)
+    float residual_sq, x_sq, flips;
+};
+
+// z and u (or x) of one piece
+template <class ZT, class UT, int FK, int MODE>
+struct Splitter {
+    Row<NoU, FK> r;     // x and F; u is read and written through `u` alone (one restrict pointer per array)
+    ZT* __restrict z;
+    UT* __restrict u;
+    float z_scale_old, z_scale, u_scale_old, u_scale;
+    uint32_t threshold;
+
+    Splitter(const Src& s, const Dest& d, const Piece& pc, uint32_t th)
+        : r(s, pc), z(static_cast<ZT*>(d.z) + pc.begin), u(nullptr), z_scale_old(d.z_scale_old[pc.slice]),
+          z_scale(d.z_scale[pc.slice]), u_scale_old(1.0f), u_scale(d.u_scale[pc.slice]), threshold(th) {
+        if constexpr (MODE == kUpdate) {
+            u = static_cast<UT*>(d.u) + pc.begin;
+            u_scale_old = s.u_scale[pc.slice];
+        }
+    }
+
+    // v = x + u (the z/u update, u dequantized as load() does) or v = x
+    inline float value(int64_t i) const {
+        if constexpr (MODE != kUpdate) return r.x[i];
+        else if constexpr (std::is_same_v<UT, float>) return r.x[i] + u[i];
+        else return r.x[i] + to_float(u[i]) * u_scale_old;
+    }
+
+    // entry i, kept or not; skip: leave it untouched (a tie, decided afterwards)
+    inline Contribution entry(int64_t i, float v, bool keep, bool skip) const {
+        Contribution t{0.0f, 0.0f, 0.0f};
+        const float mask = keep ? 1.0f : 0.0f;
+        const float zn = v * mask;  // v · mask as in the eager z = v * mask (−0.0 for a dropped negative)
+        const ZT z_old = z[i];
+        if constexpr (MODE == kUpdate) {
+            const float x = r.x[i];
+            const float zo = std::is_same_v<ZT, float> ? to_float(z_old) : to_float(z_old) * z_scale_old;
+            z[i] = skip ? z_old : store_as<ZT>(zn, z_scale);
+            u[i] = skip ? u[i] : store_as<UT>(v - zn, u_scale);
+            const float res = (x - zn) * (x - zn), xx = x * x;
+            t.residual_sq = skip ? 0.0f : res;
+            t.x_sq = skip ? 0.0f : xx;
+            const float old = zo != 0.0f ? 1.0f : 0.0f, flip = (mask - old) * (mask - old);
+            t.flips = skip ? 0.0f : flip;
+        } else {
+            if constexpr (MODE == kFinal) r.x[i] = skip ? r.x[i] : zn;  // x ← x ⊙ mask
+            z[i] = skip ? z_old : store_as<ZT>(zn, z_scale);
+        }
+        return t;
+    }
+};
+
+// the entries of one piece whose key is exactly the threshold (the tie counting pass, read only)
+template <class UT, int FK>
+int64_t count_ties(const Row<UT, FK> r, int64_t n, uint32_t threshold) {
+    int64_t ties = 0;
+#pragma omp simd reduction(+ : ties)
+    for (int64_t i = 0; i < n; ++i) ties += r.key(i, r.value(i)) == threshold ? 1 : 0;
+    return ties;
+}
+
+// one piece of a slice without ties on this rank: a single vectorized loop (in fp32 sums of at most kChunk
+// terms, added to the fp64 tally)
+// (noinline: inlined into the OpenMP region, GCC 12 no longer vectorizes these loops)
+template <class ZT, class UT, int FK, int MODE>
+__attribute__((noinline)) void split_untied(const Splitter<ZT, UT, FK, MODE> sp, int64_t n, Tally& t) {
+    float res = 0.0f, xsq = 0.0f, flips = 0.0f;  // at most kChunk terms: flips counts exactly in fp32
+#pragma omp simd reduction(+ : res, xsq, flips)
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = sp.value(i);
+        const Contribution e = sp.entry(i, v, sp.r.key(i, v) > sp.threshold, false);
+        res += e.residual_sq;
+        xsq += e.x_sq;
+        flips += e.flips;
+    }
+    t.residual_sq += res;
+    t.x_sq += xsq;
+    t.flips += int64_t(flips);
+}
+
+// one piece of a slice with ties, in batches: keys first (into a local buffer, so the writes cannot change
+// them), then every untied entry vectorized, then the tied ones in index order: this rank's ties number
+// `rank` on here, the first `take` of the slice's are kept
+template <class ZT, class UT, int FK, int MODE>
+__attribute__((noinline)) void split_tied(const Splitter<ZT, UT, FK, MODE> sp, int64_t n, int64_t rank, int64_t take, Tally& t) {
+    alignas(64) float values[kKeys];
+    alignas(64) uint32_t keys[kKeys];
+    const uint32_t threshold = sp.threshold;
+    for (int64_t b = 0; b < n; b += kKeys) {
+        const int64_t m = std::min(kKeys, n - b);
+#pragma omp simd
+        for (int64_t i = 0; i < m; ++i) {
+            values[i] = sp.value(b + i);
+            keys[i] = sp.r.key(b + i, values[i]);
+        }
+        float res = 0.0f, xsq = 0.0f, flips = 0.0f;
+#pragma omp simd reduction(+ : res, xsq, flips)
+        for (int64_t i = 0; i < m; ++i) {
+            const Contribution e = sp.entry(b + i, values[i], keys[i] > threshold, keys[i] == threshold);
+            res += e.residual_sq;
+            xsq += e.x_sq;
+            flips += e.flips;
+        }
+        t.residual_sq += res;
+        t.x_sq += xsq;
+        t.flips += int64_t(flips);
+        for (int64_t i = 0; i < m; ++i) {
+            if (keys[i] != threshold) continue;
+            const Contribution e = sp.entry(b + i, values[i], rank++ < take, false);
+            t.residual_sq += e.residual_sq;
+            t.x_sq += e.x_sq;
+            t.flips += int64_t(e.flips);
+            ++t.ties;
+        }
+    }
+}
+
+template <class ZT, class UT, int FK, int MODE>
+void split_piece(const Src& s, const Dest& d, const Piece& pc, uint32_t threshold, bool tied, int64_t rank, int64_t take,
+                 Tally& t) {
+    const Splitter<ZT, UT, FK, MODE> sp(s, d, pc, threshold);
+    if (tied) split_tied(sp, pc.end - pc.begin, rank, take, t);
+    else split_untied(sp, pc.end - pc.begin, t);
+}
+
+template <class ZT, class UT, int FK, int MODE>
+void split(const Src& s, const Dest& d, const std::vector<Piece>& plan, const int64_t* threshold, const int64_t* take,
+           const int64_t* ties, int64_t n_slices, double* metrics, int64_t* ties_seen) {
+    using VT = std::conditional_t<MODE == kUpdate, UT, NoU>;
+    const int64_t pieces = int64_t(plan.size());
+    std::vector<Tally> per_piece(pieces);
+    // where a slice has ties on this rank, each piece needs the number of ties before it: count them first
+    std::vector<int64_t> before(pieces, 0);
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < pieces; ++k)
+        if (ties[plan[k].slice] > 0)
+            before[k] = count_ties<VT, FK>(Row<VT, FK>(s, plan[k]), plan[k].end - plan[k].begin, uint32_t(threshold[plan[k].slice]));
+    std::vector<int64_t> seen(n_slices, 0);
+    for (int64_t k = 0; k < pieces; ++k) {
+        const int64_t here = before[k];
+        before[k] = seen[plan[k].slice];
+        seen[plan[k].slice] += here;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < pieces; ++k) {
+        const int64_t j = plan[k].slice;
+        split_piece<ZT, UT, FK, MODE>(s, d, plan[k], uint32_t(threshold[j]), ties[j] > 0, before[k], take[j], per_piece[k]);
+    }
+    for (int64_t j = 0; j < n_slices; ++j) ties_seen[j] = 0;
+    for (int64_t k = 0; k < pieces; ++k) {
+        metrics[0] += per_piece[k].residual_sq;
+        metrics[1] += per_piece[k].x_sq;
+        metrics[2] += double(per_piece[k].flips);
+        ties_seen[plan[k].slice] += per_piece[k].ties;
+    }
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------
+template <class F>
+void with_fisher(const Src& s, F&& f) {
+    if (s.f) return f(std::integral_constant<int, kFp32>{});
+    if (s.f_codes) return f(std::integral_constant<int, kBnb8>{});
+    return f(std::integral_constant<int, kMagnitude>{});
+}
+
+}  // namespace
+
+void select_histogram(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* prefix, int64_t stride,
+                      int32_t* hist, float* peaks) {
+    const auto plan = make_plan(slices, n, /*with_gaps=*/false);
+    with_storage(src.u ? src.u_type : Storage::kNone, [&](auto ut) {
+        with_fisher(src, [&](auto fk) {
+            histogram<decltype(ut), decltype(fk)::value>(src, plan, prefix, std::max<int64_t>(stride, 1), slices.count, hist, peaks);
+        });
+    });
+}
+
+std::vector<uint32_t> select_bracket(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* lo, const int64_t* hi,
+                                     int64_t* counts, float* peaks, int64_t* found, bool* overflow) {
+    const auto plan = make_plan(slices, n, /*with_gaps=*/false);
+    std::vector<Bracket> per_piece;
+    with_storage(src.u ? src.u_type : Storage::kNone, [&](auto ut) {
+        with_fisher(src, [&](auto fk) { bracket<decltype(ut), decltype(fk)::value>(src, plan, lo, hi, per_piece); });
+    });
+    std::vector<uint32_t> keys;
+    for (int64_t j = 0; j < slices.count; ++j) {
+        counts[2 * j] = counts[2 * j + 1] = found[j] = 0;
+        peaks[j] = 0.0f;
+        overflow[j] = false;
+    }
+    for (int64_t j = 0; j < slices.count; ++j)  // keys grouped by slice, in index order
+        for (size_t k = 0; k < plan.size(); ++k) {
+            if (plan[k].slice != j) continue;
+            const Bracket& b = per_piece[k];
+            counts[2 * j] += b.above;
+            counts[2 * j + 1] += b.inside;
+            peaks[j] = std::max(peaks[j], b.peak);
+            overflow[j] = overflow[j] || b.overflow;
+            keys.insert(keys.end(), b.keys.begin(), b.keys.end());
+            found[j] += int64_t(b.keys.size());
+        }
+    return keys;
+}
+
+void select_split(const ScoreSource& src, int64_t n, const Slices& slices, void* z, Storage z_type, const float* z_scale_old,
+                  const float* z_scale, void* u, Storage u_type, const float* u_scale, const int64_t* threshold,
+                  const int64_t* take, const int64_t* ties, SplitMode mode, double* metrics, int64_t* ties_seen) {
+    const auto plan = make_plan(slices, n, /*with_gaps=*/false);
+    const Dest d{z, z_scale_old, z_scale, u, u_scale};
+    with_storage(z_type, [&](auto zt) {
+        using ZT = decltype(zt);
+        if constexpr (!std::is_same_v<ZT, NoU>) {
+            with_fisher(src, [&](auto fk) {
+                constexpr int FK = decltype(fk)::value;
+                auto run = [&](auto ut, auto md) {
+                    split<ZT, decltype(ut), FK, decltype(md)::value>(src, d, plan, threshold, take, ties, slices.count, metrics, ties_seen);
+                };
+                if (mode == SplitMode::kUpdate) {
+                    with_storage(u_type, [&](auto ut) {
+                        if constexpr (!std::is_same_v<decltype(ut), NoU>) run(ut, std::integral_constant<int, kUpdate>{});
+                    });
+                } else if (mode == SplitMode::kInit) {
+                    run(float{}, std::integral_constant<int, kInit>{});
+                } else {
+                    run(float{}, std::integral_constant<int, kFinal>{});
+                }
+            });
+        }
+    });
+}
+
+}  // namespace elsa

@@ -1,0 +1,159 @@
+// The fused ADMM x-step with 8-bit Adam moments in bitsandbytes' blockwise format: one pass over a
+// flat reads p, g, the 8-bit codes of m and v (and z, u on the pruned slices), writes p and the codes.
+//
+// bitsandbytes 0.50 (backends/cpu/ops.py: _optimizer_update_8bit_blockwise_cpu; csrc/cpu_ops.cpp:
+// quantize_cpu_impl), per block of 256 entries, reproduced operation for operation:
+//   m = qmap1[c1] · absmax1,  v = qmap2[c2] · absmax2                       dequantize
+//   g' = g + λ ((x − z) + u)                                               on pruned slices only
+//   m = fma(g', 1 − β1, m·β1);  v = fma((1 − β2)·g', g', v·β2)              mul_/add_, mul_/addcmul_
+//   x = x·(1 − lr·wd);  x = x + (−lr/c1 · m) / (√v / c2 + ε)               mul_, addcdiv_
+//   absmax = max|·| over the block;  code = lut[(u16)((clamp(·/absmax) + 1)/2 · 65535 + ½)]
+// where lut[i] counts the midpoints of adjacent qmap entries below −1 + 2i/65535: bitsandbytes' CPU
+// quantizer, a 65536-bin grid, not the exact nearest code. An all-zero block stores absmax 0, codes 0.
+#include <omp.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "kernels.h"
+#include "quant8.h"
+
+namespace elsa {
+namespace {
+
+constexpr int64_t kBlock = 256;  // bitsandbytes' block size for optimizer states
+
+struct Adam8Consts {
+    float beta1, one_minus_beta1, beta2, one_minus_beta2;  // as bitsandbytes passes them: python floats to fp32
+    float correction2, eps, decay, step;                      // decay = 1 − lr·wd, step = −lr / c1
+    bool decayed;
+};
+
+template <class ZT, class UT, bool PENALTY, bool DECAY>
+void adam8_span(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
+                const ZT* __restrict z, const UT* __restrict u, const float z_scale, const float u_scale, const float lam,
+                const Adam8Consts c, const int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        float grad = g[i], param = p[i];
+        if constexpr (PENALTY) {
+            const float zi = std::is_same_v<ZT, float> ? to_float(z[i]) : to_float(z[i]) * z_scale;
+            const float ui = std::is_same_v<UT, float> ? to_float(u[i]) : to_float(u[i]) * u_scale;
+            grad = std::fma((param - zi) + ui, lam, grad);
+        }
+        const float mi = std::fma(grad, c.one_minus_beta1, m[i] * c.beta1);
+        const float vi = std::fma(c.one_minus_beta2 * grad, grad, v[i] * c.beta2);
+        const float denom = std::sqrt(vi) / c.correction2 + c.eps;
+        if constexpr (DECAY) param = param * c.decay;
+        p[i] = param + (c.step * mi) / denom;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+struct Flat8 {
+    float* p; const float* g; uint8_t* c1; uint8_t* c2; float* absmax1; float* absmax2;
+    const Quantizer8* q1; const Quantizer8* q2;
+};
+
+// the block-by-block loop stalls on loads the hardware prefetcher starts too late: ask a few blocks ahead
+constexpr int64_t kPrefetch = 4 * kBlock;
+inline void prefetch_block(const Flat8& f, int64_t b0, int64_t numel) {
+    if (b0 >= numel) return;
+    for (int64_t i = 0; i < kBlock; i += 16) {
+        __builtin_prefetch(f.p + b0 + i, 1);
+        __builtin_prefetch(f.g + b0 + i, 0);
+    }
+    for (int64_t i = 0; i < kBlock; i += 64) {
+        __builtin_prefetch(f.c1 + b0 + i, 1);
+        __builtin_prefetch(f.c2 + b0 + i, 1);
+    }
+}
+
+inline float block_absmax(const float* x, int64_t n) {
+    float peak = 0.0f;
+#pragma omp simd reduction(max : peak)
+    for (int64_t i = 0; i < n; ++i) peak = std::max(peak, std::fabs(x[i]));
+    return peak;
+}
+
+// one block [b0, b0 + n): dequantize, step every piece it overlaps, re-quantize
+template <class ZT, class UT>
+void adam8_block(const Flat8& f, const ZT* z, const UT* u, const float* zs, const float* us, float lam,
+                 const Adam8Consts& c, int64_t b0, int64_t n, const Piece* pieces, int64_t n_pieces) {
+    alignas(64) float m[kBlock], v[kBlock];
+    const int64_t block = b0 / kBlock;
+    f.q1->dequantize(f.c1 + b0, f.absmax1[block], m, n);
+    f.q2->dequantize(f.c2 + b0, f.absmax2[block], v, n);
+    for (int64_t k = 0; k < n_pieces; ++k) {
+        const int64_t lo = std::max(pieces[k].begin, b0), hi = std::min(pieces[k].end, b0 + n);
+        if (lo >= hi) continue;
+        const int64_t j = pieces[k].slice, at = lo - b0;
+        const bool penalty = j >= 0 && lam != 0.0f;
+        auto run = [&](auto pen, auto decay) {
+            adam8_span<ZT, UT, decltype(pen)::value, decltype(decay)::value>(f.p + lo, f.g + lo, m + at, v + at, penalty ? z + lo : z,
+                                                                            penalty ? u + lo : u, penalty ? zs[j] : 1.0f,
+                                                                            penalty ? us[j] : 1.0f, lam, c, hi - lo);
+        };
+        if (penalty) {
+            if (c.decayed) run(std::true_type{}, std::true_type{});
+            else run(std::true_type{}, std::false_type{});
+        } else {
+            if (c.decayed) run(std::false_type{}, std::true_type{});
+            else run(std::false_type{}, std::false_type{});
+        }
+    }
+    f.absmax1[block] = block_absmax(m, n);
+    f.absmax2[block] = block_absmax(v, n);
+    f.q1->quantize(m, f.absmax1[block], f.c1 + b0, n);
+    f.q2->quantize(v, f.absmax2[block], f.c2 + b0, n);
+}
+
+template <class ZT, class UT>
+void adam8_flat(const Flat8& f, int64_t numel, const ZU& zu, const Slices& slices, float lam, const Adam8Consts& c) {
+    // pieces never straddle a kChunk boundary, and kChunk is a multiple of the block: the blocks of a
+    // chunk see only that chunk's pieces, and one thread owns each block
+    static_assert(kChunk % kBlock == 0, "chunks must hold whole blocks");
+    const auto plan = make_plan(slices, numel, /*with_gaps=*/true);
+    std::vector<int64_t> first(1, 0);
+    for (int64_t k = 1; k <= int64_t(plan.size()); ++k)
+        if (k == int64_t(plan.size()) || plan[k].begin / kChunk != plan[k - 1].begin / kChunk) first.push_back(k);
+    const ZT* z = static_cast<const ZT*>(zu.z);
+    const UT* u = static_cast<const UT*>(zu.u);
+    const int64_t chunks = int64_t(first.size()) - 1;
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < chunks; ++k) {
+        const Piece* pieces = plan.data() + first[k];
+        const int64_t n_pieces = first[k + 1] - first[k];
+        const int64_t begin = pieces[0].begin, end = pieces[n_pieces - 1].end;
+        for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+            prefetch_block(f, b0 + kPrefetch, numel);
+            adam8_block<ZT, UT>(f, z, u, zu.z_scale, zu.u_scale, lam, c, b0, std::min(kBlock, end - b0), pieces, n_pieces);
+        }
+    }
+}
+
+}  // namespace
+
+void adam8bit_step(float* p, const float* g, const Adam8State& st, int64_t n, const ZU& zu, const Slices& slices, float lam,
+                   const Adam8Hyper& h) {
+    const Quantizer8 q1(st.qmap1), q2(st.qmap2);
+    // bitsandbytes computes these scalars in Python (double) and torch casts them to fp32
+    const double c1 = 1.0 - std::pow(h.beta1, double(h.step)), c2 = std::sqrt(1.0 - std::pow(h.beta2, double(h.step)));
+    const Adam8Consts c{float(h.beta1), float(1.0 - h.beta1), float(h.beta2), float(1.0 - h.beta2), float(c2), float(h.eps),
+                        float(1.0 - h.lr * h.weight_decay), float(-h.lr / c1), h.weight_decay > 0.0};
+    const Flat8 f{p, g, st.state1, st.state2, st.absmax1, st.absmax2, &q1, &q2};
+    with_storage(zu.z_type, [&](auto zt) {
+        with_storage(zu.u_type, [&](auto ut) {
+            using ZT = decltype(zt);
+            using UT = decltype(ut);
+            if constexpr (!std::is_same_v<ZT, NoU> && !std::is_same_v<UT, NoU>)
+                adam8_flat<ZT, UT>(f, n, zu, slices, lam, c);
+            else  // no z/u (no slices): plain 8-bit Adam
+                adam8_flat<float, float>(f, n, zu, Slices{nullptr, nullptr, 0}, 0.0f, c);
+        });
+    });
+}
+
+}  // namespace elsa

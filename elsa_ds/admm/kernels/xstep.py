@@ -1,0 +1,95 @@
+"""The fused ADMM x-step on CPU flats: penalty and Adam in one pass (csrc/xstep.cpp, csrc/xstep8bit.cpp).
+
+    g' = g + λ ((x − z) + u)     on the pruned slices, z and u dequantized in registers
+    Adam(x, g')                  DeepSpeedCPUAdam's arithmetic (fp32 m, v), or bitsandbytes' blockwise
+                                 8-bit Adam (uint8 codes of m, v with per-256-entry absmax)
+
+reads p, g, m, v, z, u once and writes p, m, v: 36 bytes per entry for fp32 states instead of the
+eager path's 28 (Adam) + 24 ((x − z) + u into a temporary, added to g). The eager path in
+``optimizer.py`` (penalty into ``grad``, then ``base.step()``) stays the reference the kernels are
+tested against; the kernel leaves ``grad`` untouched.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (one IEEE operation on float32 inputs, emulated exactly)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+@dataclass
+class DeepSpeedBiasCorrection:
+    """DeepSpeed's ``Adam_Optimizer::IncrementStep`` and ``update_state``, in its float32 arithmetic.
+
+    DeepSpeed keeps β1^t, β2^t per optimizer (shared by all its parameters): multiplied by β once per new
+    step, recomputed with ``pow`` when the step jumps (a resumed run) or β changes. One instance per
+    optimizer reproduces that history, so fused flats get DeepSpeed's bias corrections bit for bit.
+    """
+
+    step: int = 0
+    beta1: float = float("nan")
+    beta2: float = float("nan")
+    beta1_t: float = 1.0
+    beta2_t: float = 1.0
+
+    def advance(self, step: int, beta1: float, beta2: float) -> tuple[float, float]:
+        """(1 − β1^t, 1/√(1 − β2^t)) for ``step`` t, as DeepSpeed's float members hold them."""
+        b1, b2 = f32(beta1), f32(beta2)
+        if b1 != self.beta1 or b2 != self.beta2:
+            self.step, self.beta1, self.beta2 = step, b1, b2
+            self.beta1_t, self.beta2_t = f32(math.pow(b1, step)), f32(math.pow(b2, step))
+        elif step == self.step + 1:
+            self.step += 1
+            self.beta1_t, self.beta2_t = f32(self.beta1_t * b1), f32(self.beta2_t * b2)
+        elif step != self.step:
+            self.beta1_t, self.beta2_t = f32(math.pow(b1, step)), f32(math.pow(b2, step))
+            self.step = step
+        return f32(1.0 - self.beta1_t), f32(1.0 / f32(math.sqrt(f32(1.0 - self.beta2_t))))
+
+
+@dataclass(frozen=True)
+class SliceTable:
+    """A flat's slices as the kernels take them: int64 offsets and lengths."""
+
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def of(cls, slices) -> SliceTable:
+        return cls(torch.tensor([s.offset for s in slices], dtype=torch.int64),
+                   torch.tensor([s.length for s in slices], dtype=torch.int64))
+
+    @classmethod
+    def empty(cls) -> SliceTable:
+        """No slices: the plain optimizer step."""
+        return cls(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+
+
+def adam_step(kernels, flat: torch.Tensor, state: dict, group: dict, table: SliceTable, zu: tuple, lam: float,
+              adamw: bool, bias: DeepSpeedBiasCorrection) -> None:
+    """One DeepSpeedCPUAdam step of ``flat`` with the ADMM penalty fused in; ``state['step']`` += 1.
+
+    ``zu`` = (z, u, z_scale, u_scale) as stored; empty tensors and no slices give plain DeepSpeed Adam.
+    """
+    state["step"] += 1
+    beta1, beta2 = group["betas"]
+    bc1, bc2 = bias.advance(state["step"], beta1, beta2) if group.get("bias_correction", True) else (1.0, 1.0)
+    z, u, zs, us = zu
+    kernels.adam_step(flat.data, flat.grad.data, state["exp_avg"], state["exp_avg_sq"], z, u, zs, us, table.offsets,
+                      table.lengths, lam, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], adamw, bc1, bc2)
+
+
+def adam8bit_step(kernels, flat: torch.Tensor, state: dict, group: dict, table: SliceTable, zu: tuple, lam: float) -> None:
+    """One bitsandbytes-format 8-bit Adam step of ``flat`` with the ADMM penalty fused in; ``state['step']`` += 1."""
+    state["step"] += 1
+    beta1, beta2 = group["betas"][:2]
+    z, u, zs, us = zu
+    kernels.adam8bit_step(flat.data, flat.grad.data, state["state1"], state["state2"], state["qmap1"], state["qmap2"],
+                          state["absmax1"], state["absmax2"], z, u, zs, us, table.offsets, table.lengths, lam,
+                          group["lr"], beta1, beta2, group["eps"], group["weight_decay"], state["step"])

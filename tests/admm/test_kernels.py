@@ -1,0 +1,310 @@
+"""The fused CPU kernels (admm/kernels) against the eager reference they replace, on random tensors.
+
+The x-step equals the eager penalty + base step to fp32 rounding (DeepSpeedCPUAdam alone: bit for bit);
+the projection equals the eager one bit for bit (masks, fp8/bf16 codes, scales), on one rank and on two;
+slices start and end at odd offsets, some are empty, some keep nothing or everything.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from elsa_ds.admm.kernels import build
+from elsa_ds.admm.kernels.adam8bit import Adam8bit
+from elsa_ds.admm.optimizer import U, U_SCALE, Z, Z_SCALE, AdmmOptimizer, AdmmSettings, Projection
+from elsa_ds.admm.projection import Slice
+from elsa_ds.admm.state import StateDtype
+
+FP32, BF16, FP8 = StateDtype.fp32, StateDtype.bf16, StateDtype.fp8
+DTYPES = [(FP32, FP32), (FP8, BF16), (BF16, FP8), (FP8, FP8)]
+N = 5003
+# odd offsets, an empty slice, a layer that keeps nothing and one that keeps everything; gaps between them
+SLICES = [Slice("a", 3, 1001, 0, 1001, 300), Slice("b", 1004, 0, 0, 0, 0), Slice("c", 1011, 2777, 0, 2777, 1000),
+          Slice("d", 3790, 1200, 0, 1200, 1200), Slice("e", 4991, 11, 0, 11, 0)]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = build.load()
+    if k is None:
+        pytest.skip("the fused kernels could not be built here (no C++ compiler?)")
+    return k
+
+
+def _values(seed: int, n: int = N, ties: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if ties:  # few distinct magnitudes: many entries share the threshold score
+        return torch.randint(-6, 7, (n,), generator=g).float() / 4
+    return torch.randn(n, generator=g)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    for key in (Z, U, Z_SCALE, U_SCALE):
+        assert torch.equal(_bits(a[key]), _bits(b[key])), key
+
+
+def _deepspeed_adam(p: torch.Tensor, weight_decay: float = 0.0, adamw: bool = True):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam([p], lr=1e-2, weight_decay=weight_decay, adamw_mode=adamw)
+
+
+def _admm(p, base, dtypes=(FP32, FP32), kernels_on=True, lmda=0.3, projection=Projection.fisher, interval=1000, slices=SLICES,
+          comm=None):
+    settings = AdmmSettings(total_steps=10_000, interval=interval, lmda=lmda, projection=projection, z_dtype=dtypes[0],
+                            u_dtype=dtypes[1], kernels=kernels_on)
+    opt = AdmmOptimizer(base, settings, comm)
+    opt.assign(p, slices)
+    return opt
+
+
+def _step(opt, p, t: int, seed: int) -> None:
+    opt.begin_step(t)
+    p.grad = _values(1000 * seed + t, p.numel())
+    opt.step()
+
+
+# ---- the x-step ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("weight_decay,adamw", [(0.0, True), (0.1, True), (0.1, False)])
+def test_fused_adam_without_penalty_is_deepspeed_cpu_adam_bit_for_bit(kernels, weight_decay, adamw):
+    ref, fused = torch.nn.Parameter(_values(1)), torch.nn.Parameter(_values(1))
+    base = _deepspeed_adam(ref, weight_decay, adamw)
+    opt = _admm(fused, _deepspeed_adam(fused, weight_decay, adamw), lmda=0.0)
+    for t in range(5):
+        ref.grad = _values(1000 + t)
+        base.step()
+        _step(opt, fused, t, seed=1)
+    assert opt._fused.steps(fused, opt.state[fused])
+    assert torch.equal(ref.detach(), fused.detach())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(base.state[ref][key], opt.state[fused][key])
+
+
+def _pair(base_of, dtypes, projection=Projection.fisher, seed=2):
+    """Two ADMM optimizers on identical flats, fused and eager, after the same first step (z₀ = Π(x) exists)."""
+    pf, pe = torch.nn.Parameter(_values(seed)), torch.nn.Parameter(_values(seed))
+    of = _admm(pf, base_of(pf), dtypes, True, projection=projection)
+    oe = _admm(pe, base_of(pe), dtypes, False, projection=projection)
+    for opt, p in ((of, pf), (oe, pe)):
+        _step(opt, p, 0, seed)
+        st = opt.state[p]  # a non-trivial dual, stored as the optimizer would store it
+        st[U].copy_((0.05 * _values(seed + 7)).to(st[U].dtype))
+    return (of, pf), (oe, pe)
+
+
+@pytest.mark.parametrize("dtypes", DTYPES)
+@pytest.mark.parametrize("base", ["deepspeed", "adam8bit", "bitsandbytes"])
+def test_fused_x_step_equals_eager_penalty_then_base_step(kernels, dtypes, base):
+    if base == "bitsandbytes":
+        bnb = pytest.importorskip("bitsandbytes")
+    base_of = {"deepspeed": _deepspeed_adam, "adam8bit": lambda p: Adam8bit([p], lr=1e-2, kernels=False),
+               "bitsandbytes": lambda p: bnb.optim.Adam8bit([p], lr=1e-2)}[base]
+    (of, pf), (oe, pe) = _pair(base_of, dtypes)
+    _assert_same_state(of.state[pf], oe.state[pe])  # the initial projection, fused and eager
+    for t in range(1, 4):
+        _step(of, pf, t, seed=2)
+        _step(oe, pe, t, seed=2)
+    assert of._fused.steps(pf, of.state[pf]) and not oe._fused.steps(pe, oe.state[pe])
+    torch.testing.assert_close(pf.detach(), pe.detach(), rtol=1e-5, atol=1e-6)
+    for key in ("exp_avg", "exp_avg_sq") if base == "deepspeed" else ("absmax1", "absmax2"):
+        torch.testing.assert_close(of.state[pf][key], oe.state[pe][key], rtol=1e-4, atol=1e-7)
+    if base != "deepspeed":  # codes of m, v: equal but where fp32 rounding moved a value across a code boundary
+        for key in ("state1", "state2"):
+            assert (of.state[pf][key] != oe.state[pe][key]).float().mean() < 1e-3
+
+
+def test_adam8bit_kernel_equals_its_torch_reference(kernels):
+    pk, pr = torch.nn.Parameter(_values(3, 70_001)), torch.nn.Parameter(_values(3, 70_001))  # a short last block
+    ok, orf = Adam8bit([pk], lr=1e-2, weight_decay=0.01), Adam8bit([pr], lr=1e-2, weight_decay=0.01, kernels=False)
+    for t in range(4):
+        pk.grad, pr.grad = _values(30 + t, pk.numel()), _values(30 + t, pk.numel())
+        ok.step()
+        orf.step()
+    torch.testing.assert_close(pk.detach(), pr.detach(), rtol=1e-5, atol=1e-6)
+    for key in ("state1", "state2"):
+        assert (ok.state[pk][key] != orf.state[pr][key]).float().mean() < 1e-3
+
+
+def test_adam8bit_kernel_matches_bitsandbytes_adam8bit_on_cpu(kernels):
+    bnb = pytest.importorskip("bitsandbytes")
+    pk, pb = torch.nn.Parameter(_values(4, 65_537)), torch.nn.Parameter(_values(4, 65_537))
+    ok, ob = Adam8bit([pk], lr=1e-2), bnb.optim.Adam8bit([pb], lr=1e-2)
+    for t in range(3):
+        pk.grad, pb.grad = _values(40 + t, pk.numel()), _values(40 + t, pk.numel())
+        ok.step()
+        ob.step()
+    torch.testing.assert_close(pk.detach(), pb.detach(), rtol=1e-5, atol=1e-6)
+    for key in ("qmap1", "qmap2"):
+        assert torch.equal(ok.state[pk][key], ob.state[pb][key].float())
+    for key in ("state1", "state2", "absmax1", "absmax2"):  # bitsandbytes' format: the same codes and scales
+        assert torch.equal(ok.state[pk][key], ob.state[pb][key])
+
+
+# ---- the projection -------------------------------------------------------------------------------------
+def _projection_state(seed: int, dtypes, fisher: str) -> tuple[torch.Tensor, dict]:
+    from elsa_ds.admm import state as admm_state
+    from elsa_ds.admm.kernels.adam8bit import dynamic_map, quantize_blockwise_
+
+    x = _values(seed, ties=True)
+    st: dict = {}
+    second = _values(seed + 1).abs() * 1e-3
+    if fisher == "fp32":
+        st["exp_avg_sq"] = second
+    elif fisher == "bnb8":
+        st["state2"], st["qmap2"] = torch.zeros(N, dtype=torch.uint8), dynamic_map(False)
+        st["absmax2"] = torch.zeros(-(-N // 256))
+        quantize_blockwise_(second, st["qmap2"], st["absmax2"], st["state2"])
+    st[Z], st[Z_SCALE] = admm_state.allocate(N, dtypes[0], len(SLICES))
+    st[U], st[U_SCALE] = admm_state.allocate(N, dtypes[1], len(SLICES))
+    z0, u0 = x * (_values(seed + 2) > 0), _values(seed + 3, ties=True) / 8
+    for j, sl in enumerate(SLICES):
+        admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, z0.narrow(0, sl.offset, sl.length))
+        admm_state.store(st[U], st[U_SCALE], j, sl.offset, u0.narrow(0, sl.offset, sl.length))
+    return x, st
+
+
+@pytest.mark.parametrize("dtypes", DTYPES)
+@pytest.mark.parametrize("fisher", ["none", "fp32", "bnb8"])
+@pytest.mark.parametrize("mode", ["init", "update", "final"])
+def test_fused_projection_equals_eager_bit_for_bit(kernels, dtypes, fisher, mode):
+    x, st = _projection_state(5, dtypes, fisher)
+    projection = Projection.magnitude if fisher == "none" else Projection.fisher
+    results = []
+    for on in (True, False):
+        p, s = torch.nn.Parameter(x.clone()), copy.deepcopy(st)
+        opt = _admm(p, torch.optim.SGD([p], lr=0.0), dtypes, on, projection=projection)
+        assert opt._fused.projects(p, SLICES, None) == on
+        if mode == "init":
+            del s[Z], s[U]
+            opt._init_state(p, SLICES, s)
+        elif mode == "update":
+            opt._update_z_u(p, SLICES, s)
+        else:
+            opt._finalize(p, SLICES, s)
+        results.append((p.detach(), s, opt.local_metrics()))
+    (xf, sf, mf), (xe, se, me) = results
+    assert torch.equal(xf, xe)
+    _assert_same_state(sf, se)
+    torch.testing.assert_close(mf, me, rtol=1e-5, atol=1e-6)
+    z = sf[Z].float()
+    for sl in SLICES:  # exactly keep per layer
+        assert int((z.narrow(0, sl.offset, sl.length) != 0).sum()) <= sl.keep
+        if mode == "final":
+            assert int((xf.narrow(0, sl.offset, sl.length) != 0).sum()) <= sl.keep
+
+
+class _ThreadComm:
+    """Collectives between threads standing in for ranks (the kernels hold the GIL: they simply take turns)."""
+
+    def __init__(self, rank: int, world: list, barrier: threading.Barrier):
+        self.rank, self.world_size, self._world, self._barrier = rank, len(world), world, barrier
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._world[self.rank] = tensor.clone()
+        self._barrier.wait()
+        out = torch.stack(self._world)
+        self._barrier.wait()
+        return out
+
+    def all_reduce_sum(self, tensor):
+        return tensor.copy_(self._gather(tensor).sum(0))
+
+    def all_reduce_max(self, tensor):
+        return tensor.copy_(self._gather(tensor).amax(0))
+
+    def all_gather(self, tensor):
+        return self._gather(tensor)
+
+
+@pytest.mark.parametrize("dtypes", [(FP32, FP32), (FP8, BF16)])
+def test_fused_projection_on_two_ranks_equals_the_single_rank_reference(kernels, dtypes):
+    """Layers cut at odd points between two ranks (one rank holds none of layer "b"): same z as one rank, fp8 too."""
+    numel = {"a": 3001, "b": 1500}
+    keep = {"a": 1000, "b": 7}
+    cuts = {"a": 1234, "b": 0}
+    whole = [Slice("a", 0, 3001, 0, 3001, keep["a"]), Slice("b", 3001, 1500, 0, 1500, keep["b"])]
+    x = _values(6, 4501, ties=True)
+    ref_p = torch.nn.Parameter(x.clone())
+    ref = _admm(ref_p, torch.optim.SGD([ref_p], lr=0.0), dtypes, False, projection=Projection.magnitude, slices=whole)
+    ref._init_state(ref_p, whole, ref.state[ref_p])
+    parts = {0: [], 1: []}
+    for rank in (0, 1):
+        offset = 0
+        for sl in whole:
+            lo, hi = (0, cuts[sl.layer]) if rank == 0 else (cuts[sl.layer], numel[sl.layer])
+            parts[rank].append(Slice(sl.layer, offset, hi - lo, lo, numel[sl.layer], keep[sl.layer]))
+            offset += hi - lo
+    world, barrier, out, errors = [None, None], threading.Barrier(2), {}, []
+
+    def rank_main(rank: int) -> None:
+        try:
+            values = torch.cat([x.narrow(0, w.offset + s.start, s.length) for w, s in zip(whole, parts[rank])])
+            p = torch.nn.Parameter(values)
+            opt = _admm(p, torch.optim.SGD([p], lr=0.0), dtypes, True, projection=Projection.magnitude, slices=parts[rank],
+                        comm=_ThreadComm(rank, world, barrier))
+            opt._init_state(p, parts[rank], opt.state[p])
+            out[rank] = opt.state[p]
+        except Exception as err:  # surfaced below; a stuck peer is released by the barrier's abort
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    st = ref.state[ref_p]
+    for j, w in enumerate(whole):
+        pieces = [out[r][Z].narrow(0, parts[r][j].offset, parts[r][j].length) for r in (0, 1)]
+        assert torch.equal(_bits(torch.cat(pieces)), _bits(st[Z].narrow(0, w.offset, w.length))), w.layer
+        assert torch.equal(out[0][Z_SCALE][j], st[Z_SCALE][j]) and torch.equal(out[1][Z_SCALE][j], st[Z_SCALE][j])
+
+
+# ---- storage conversions and the switch -------------------------------------------------------------------
+def test_kernel_conversions_equal_torch_casts(kernels):
+    every_fp8 = torch.arange(256, dtype=torch.uint8)
+    torch.testing.assert_close(kernels.from_fp8(every_fp8), every_fp8.view(torch.float8_e4m3fn).float(), equal_nan=True)
+    g = torch.Generator().manual_seed(8)
+    bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    values = torch.cat([bits.view(torch.float32), torch.tensor([0.0, -0.0, 448.0, 464.0, -1e-9, float("inf")])])
+    finite = values.isfinite() & (values.abs() <= 448)
+    assert torch.equal(kernels.to_fp8(values[finite]), values[finite].to(torch.float8_e4m3fn).view(torch.uint8))
+    not_nan = ~values.isnan()
+    assert torch.equal(kernels.to_bf16(values[not_nan]), values[not_nan].to(torch.bfloat16).view(torch.int16))
+
+
+def test_kernels_off_gives_the_eager_path(monkeypatch):
+    p = torch.nn.Parameter(_values(9))
+    opt = _admm(p, torch.optim.SGD([p], lr=0.1), kernels_on=False)
+    assert opt._fused.kernels is None and not opt._fused.projects(p, SLICES, None)
+    monkeypatch.setenv("ELSA_DS_KERNELS", "0")
+    assert build.load() is None
+    opt = _admm(p, torch.optim.SGD([p], lr=0.1), projection=Projection.magnitude)
+    assert opt._fused.kernels is None
+    calls = []
+    monkeypatch.setattr(opt, "_add_penalty", lambda *a: calls.append(a))
+    for t in range(3):
+        _step(opt, p, t, seed=9)
+    assert len(calls) == 2  # every step after the first (which creates z, u)
+
+
+def test_a_failed_build_falls_back_with_one_notice(monkeypatch, capsys):
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs):
+        raise RuntimeError("no compiler here\nmore lines")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(build, "_cache", {})
+    assert build.load() is None and build.load() is None
+    err = capsys.readouterr().err
+    assert err.count("fused ADMM kernels unavailable (no compiler here)") == 1
+
