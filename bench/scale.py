@@ -175,7 +175,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers [the smallest N whose state > 1.5x RAM]")
     ap.add_argument("--deepspeed", default="ds_configs/zero3_nvme.json")
     ap.add_argument("--nvme_path", type=Path, default=None, help="swap folder [OUT/nvme]")
-    ap.add_argument("--out", type=Path, default=None, help="model, run, logs [a temporary folder on the NVMe path's disk]")
+    ap.add_argument("--out", type=Path, default=None, help="model, run, logs [a temporary folder beside --nvme_path, else in the current directory: not /tmp, often RAM]")
     ap.add_argument("--ranks", type=int, default=1, help="ranks on this node [1: see bench/results/scale.md for 2]")
     ap.add_argument("--param_buffers", type=int, default=1, help="NVMe parameter swap buffers (each the embedding's share)")
     ap.add_argument("--sub_group_size", type=float, default=1e7)
@@ -197,7 +197,7 @@ def main() -> int:
     ram = machine_ram()
     layers = args.layers or default_layers(ram, args.train_embeddings)
     shape = _shape(layers, args.train_embeddings)
-    out = args.out or Path(tempfile.mkdtemp(prefix="elsa_bench_scale_", dir=str(args.nvme_path.parent) if args.nvme_path else "/work"))
+    out = args.out or Path(tempfile.mkdtemp(prefix="elsa_bench_scale_", dir=str(args.nvme_path.parent) if args.nvme_path else os.getcwd()))
     nvme = args.nvme_path or out / "nvme"
     nvme.mkdir(parents=True, exist_ok=True)
     model_dir = build_model_dir(out / "model", layers)
