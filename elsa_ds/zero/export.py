@@ -61,7 +61,7 @@ def export_model(module: torch.nn.Module, tokenizer, out_dir: Path, rank: int, m
 
 
 def export_consolidated(job, tokenizer, out_dir: Path,
-                 transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> None:
+                        transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> None:
     """``export_model`` through DeepSpeed's consolidated state dict, for an export that must see the whole model at once.
     Collective. Rank 0 holds the whole 16-bit model in host memory: used for LoRA baselines only, never for ELSA.
 
