@@ -76,7 +76,7 @@ class ElsaJob:
         cfg, opts = self.cfg, self.opts
         self.phases.mark("load")
         self.ds = checks.before_work(cfg, opts, self.ds_config, int(os.environ.get("WORLD_SIZE", "1")), self.source)
-        if cfg.select_every and self.ds_config.optimizer_device == "nvme":
+        if cfg.select_every and self.ds_config.optimizer_on_nvme:
             raise ElsaError("--select_every scores Π(x) from resident fp32 masters and Adam moments, which NVMe optimizer "
                             "offload swaps out; use zero3_offload or drop --select_every")
         monitor_dir = opts.output_dir / MONITOR_DIR if default_output_paths(self.ds, opts.output_dir) else None

@@ -33,7 +33,7 @@ def elsa_report(job, staging: Path, pruned_ppl: float | None) -> dict[str, Any]:
         "init_mask": cfg.init_mask,
         "steps": cfg.steps,
         "tokens": cfg.steps * ds["train_batch_size"] * cfg.seqlen,
-        "offload": {"offload_param": DsConfig(ds).param_device, "offload_optimizer": DsConfig(ds).optimizer_device},
+        "offload": _offload(DsConfig(ds)),
         "final_loss": state.losses[-1],
         "step_time_s": sum(steady) / len(steady),
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
@@ -152,3 +152,7 @@ def evaluate_saved_model(output_dir: Path, cfg: ElsaConfig) -> dict[str, Any]:
                            "tasks": {k: v.get("acc") for k, v in result["tasks"].items()}, "average_acc": result["average_acc"]}
     write_json(report_path, saved)
     return result
+
+
+def _offload(view: DsConfig) -> dict[str, str]:
+    return {"offload_param": view.param_device, "offload_optimizer": view.optimizer_device}

@@ -46,7 +46,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def check_supported(ds: dict) -> None:
-    if DsConfig(ds).optimizer_device == "nvme":
+    if DsConfig(ds).optimizer_on_nvme:
         raise ElsaError("--save_interval/--resume with NVMe optimizer offload is not supported: DeepSpeed does not restore "
                         "NVMe-offloaded optimizer state (Adam moments, z, u); use zero3_offload.json for resumable runs")
 

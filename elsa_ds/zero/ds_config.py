@@ -81,6 +81,10 @@ class DsConfig:
         return "nvme" in (self.param_device, self.optimizer_device)
 
     @property
+    def optimizer_on_nvme(self) -> bool:
+        return self.optimizer_device == "nvme"
+
+    @property
     def optimizer_offloaded(self) -> bool:
         return self.optimizer_device in ("cpu", "nvme")
 

@@ -27,10 +27,6 @@ def model_dtype(ds: dict) -> torch.dtype:
     return torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float32
 
 
-def optimizer_on_nvme(ds: dict) -> bool:
-    return DsConfig(ds).optimizer_device == "nvme"
-
-
 @dataclass
 class PartitionedModel:
     model: torch.nn.Module
@@ -117,7 +113,7 @@ def build_admm_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: dict, pruned:
         admm.initial_mask = initial_mask
     engine, comm = initialize(model, admm, ds)
     admm.comm = comm
-    if optimizer_on_nvme(ds):
+    if DsConfig(ds).optimizer_on_nvme:
         admm.on_state_created = keep_low_precision_states_in_memory
     layout = build_layout(engine.optimizer, pruned, goals, comm.rank, comm.world_size)
     for sg in layout:

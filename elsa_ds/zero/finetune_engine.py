@@ -15,7 +15,8 @@ from elsa_ds.finetune.optimizer import MaskedOptimizer
 from elsa_ds.mask_file import MaskReader
 from elsa_ds.targets import LayerGoal
 from elsa_ds.zero import compat
-from elsa_ds.zero.engine import ZeroJob, base_optimizer, full_shapes, initialize, keep_low_precision_states_in_memory, optimizer_on_nvme
+from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.zero.engine import ZeroJob, base_optimizer, full_shapes, initialize, keep_low_precision_states_in_memory
 from elsa_ds.zero.layout import build_layout
 
 
@@ -34,7 +35,7 @@ def build_masked_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: dict, prune
 
     masked = MaskedOptimizer(base, initial_mask)
     engine, comm = initialize(model, masked, ds)
-    if optimizer_on_nvme(ds):
+    if DsConfig(ds).optimizer_on_nvme:
         masked.on_state_created = keep_low_precision_states_in_memory
     layout = build_layout(engine.optimizer, pruned, goals, comm.rank, comm.world_size)
     for sg in layout:
