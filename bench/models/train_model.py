@@ -210,7 +210,7 @@ def train(s: TrainSettings, corpus: Path, out: Path, log=print) -> dict:
             log(f"step {step:5d}/{s.steps} loss {losses[-1]:.4f} (avg {sum(recent) / len(recent):.4f}) lr {lr:.2e} "
                 f"|g| {float(grad_norm):.2f} {per_step:.2f}s/step eta {per_step * (s.steps - step - 1):.0f}s")
         if (step + 1) % s.eval_every == 0 or last:
-            probe_ppl = ppl(*window_nll(model, probe, 16))
+            probe_ppl = ppl(*window_nll(lambda ids: model(input_ids=ids).logits, probe, 16))
             curve.append({"step": step + 1, "tokens": (step + 1) * s.batch * s.seqlen, "val_probe_ppl": round(probe_ppl, 3),
                           "train_loss": round(sum(losses[-s.eval_every:]) / len(losses[-s.eval_every:]), 4)})
             log(f"eval step {step + 1}: val probe ppl {probe_ppl:.3f} ({probe.shape[0]} blocks)")

@@ -148,11 +148,11 @@ def test_adam8bit_kernel_matches_bitsandbytes_adam8bit_on_cpu(kernels):
 
 
 # ---- the projection -------------------------------------------------------------------------------------
-def _projection_state(seed: int, dtypes, fisher: str) -> tuple[torch.Tensor, dict]:
+def _projection_state(seed: int, dtypes, fisher: str, ties: bool = True) -> tuple[torch.Tensor, dict]:
     from elsa_ds.admm import state as admm_state
     from elsa_ds.admm.kernels.adam8bit import dynamic_map, quantize_blockwise_
 
-    x = _values(seed, ties=True)
+    x = _values(seed, ties=ties)
     st: dict = {}
     second = _values(seed + 1).abs() * 1e-3
     if fisher == "fp32":
@@ -170,13 +170,24 @@ def _projection_state(seed: int, dtypes, fisher: str) -> tuple[torch.Tensor, dic
     return x, st
 
 
+@pytest.fixture(params=["exact", "bracket"])
+def path(request, monkeypatch):
+    """The projection's threshold search: the exact histogram passes, or the sampled bracket (forced on small flats)."""
+    from elsa_ds.admm.kernels import select
+
+    if request.param == "bracket":
+        monkeypatch.setattr(select, "BRACKET_MIN_NUMEL", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dtypes", DTYPES)
 @pytest.mark.parametrize("fisher", ["none", "fp32", "bnb8"])
 @pytest.mark.parametrize("mode", ["init", "update", "final"])
-def test_fused_projection_equals_eager_bit_for_bit(kernels, dtypes, fisher, mode):
-    x, st = _projection_state(5, dtypes, fisher)
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
+def test_fused_projection_equals_eager_bit_for_bit(kernels, dtypes, fisher, mode, ties, path):
+    x, st = _projection_state(5, dtypes, fisher, ties)
     projection = Projection.magnitude if fisher == "none" else Projection.fisher
-    results = []
+    results, paths = [], {}
     for on in (True, False):
         p, s = torch.nn.Parameter(x.clone()), copy.deepcopy(st)
         opt = _admm(p, torch.optim.SGD([p], lr=0.0), dtypes, on, projection=projection)
@@ -189,7 +200,12 @@ def test_fused_projection_equals_eager_bit_for_bit(kernels, dtypes, fisher, mode
         else:
             opt._finalize(p, SLICES, s)
         results.append((p.detach(), s, opt.local_metrics()))
+        paths = opt._fused.projection_paths if on else paths
     (xf, sf, mf), (xe, se, me) = results
+    if path == "bracket" and not ties:  # small slices never overflow the collection: the bracket holds T
+        assert paths == {"bracket": 1}, paths
+    elif path == "exact":
+        assert paths == {"exact": 1}, paths
     assert torch.equal(xf, xe)
     _assert_same_state(sf, se)
     torch.testing.assert_close(mf, me, rtol=1e-5, atol=1e-6)
@@ -198,6 +214,46 @@ def test_fused_projection_equals_eager_bit_for_bit(kernels, dtypes, fisher, mode
         assert int((z.narrow(0, sl.offset, sl.length) != 0).sum()) <= sl.keep
         if mode == "final":
             assert int((xf.narrow(0, sl.offset, sl.length) != 0).sum()) <= sl.keep
+
+
+@pytest.mark.parametrize("margin", [None, -50.0], ids=["bracket", "missed"])
+def test_bracket_on_a_large_flat_equals_eager_and_a_miss_falls_back(kernels, margin, monkeypatch):
+    """A flat above BRACKET_MIN_NUMEL with rows of different scale (as a weight's rows): the sampled bracket holds
+    every layer's threshold and the result is the eager one bit for bit; a bracket forced to miss (a negative
+    margin) takes the exact passes, with the same result."""
+    from elsa_ds.admm import state as admm_state
+    from elsa_ds.admm.kernels import select
+
+    if margin is not None:
+        monkeypatch.setattr(select, "MARGIN_SIGMAS", margin)
+    g = torch.Generator().manual_seed(11)
+    rows, width = 300, 1500  # three layers of 100 rows; slices at odd offsets
+    n = rows * width + 7
+    x = torch.randn(n, generator=g) * torch.cat([torch.rand(rows, 1, generator=g).expand(-1, width).flatten() + 0.05, torch.ones(7)])
+    length = 100 * width
+    slices = [Slice(f"l{j}", 5 + j * length, length - (2 if j == 2 else 0), 0, length - (2 if j == 2 else 0), keep)
+              for j, keep in enumerate((length // 2, length // 10, length // 20))]
+    assert sum(sl.numel for sl in slices) >= select.BRACKET_MIN_NUMEL // 8  # the flat is large enough to matter...
+    monkeypatch.setattr(select, "BRACKET_MIN_NUMEL", sum(sl.numel for sl in slices))  # ...and takes the bracket
+    second = torch.rand(n, generator=g) * 1e-3
+    results, paths = [], {}
+    for on in (True, False):
+        p = torch.nn.Parameter(x.clone())
+        opt = _admm(p, torch.optim.SGD([p], lr=0.0), (FP8, BF16), on, slices=slices)
+        st = opt.state[p]
+        st["exp_avg_sq"] = second.clone()
+        st[Z], st[Z_SCALE] = admm_state.allocate(n, FP8, len(slices))
+        st[U], st[U_SCALE] = admm_state.allocate(n, BF16, len(slices))
+        for j, sl in enumerate(slices):
+            admm_state.store(st[U], st[U_SCALE], j, sl.offset, torch.randn(sl.length, generator=torch.Generator().manual_seed(j)) / 8)
+        opt._update_z_u(p, slices, st)
+        results.append(st)
+        paths = opt._fused.projection_paths if on else paths
+    _assert_same_state(*results)
+    assert paths == ({"bracket": 1} if margin is None else {"missed": 1}), paths
+    z = results[0][Z]
+    for sl in slices:
+        assert int((z.narrow(0, sl.offset, sl.length) != 0).sum()) == sl.keep
 
 
 class _ThreadComm:
@@ -224,7 +280,7 @@ class _ThreadComm:
 
 
 @pytest.mark.parametrize("dtypes", [(FP32, FP32), (FP8, BF16)])
-def test_fused_projection_on_two_ranks_equals_the_single_rank_reference(kernels, dtypes):
+def test_fused_projection_on_two_ranks_equals_the_single_rank_reference(kernels, dtypes, path):
     """Layers cut at odd points between two ranks (one rank holds none of layer "b"): same z as one rank, fp8 too."""
     numel = {"a": 3001, "b": 1500}
     keep = {"a": 1000, "b": 7}

@@ -41,6 +41,7 @@ class FusedPath:
         self.adamw = bool(getattr(base, "adam_w_mode", True))  # DeepSpeedCPUAdam: AdamW or L2 weight decay
         self.bias = xstep.DeepSpeedBiasCorrection()
         self._tables: dict[int, tuple[torch.Tensor, xstep.SliceTable]] = {}
+        self.projection_paths: dict[str, int] = {}  # how the projections found their thresholds (select.thresholds)
 
     def table(self, flat: torch.Tensor, slices: list[Slice]) -> xstep.SliceTable:
         entry = self._tables.get(id(flat))
@@ -80,4 +81,5 @@ class FusedPath:
         """The z/u update (UPDATE), z₀ = Π(x) (INIT) or x ← Π(x) (FINAL) for one flat; [Σ(x−z)², Σx², flips]. Collective."""
         u = st[keys[1]] if mode == select.UPDATE else torch.empty(0)
         source = (flat.detach(), u, st[keys[3]], *select.fisher_source(fisher_state))
-        return select.split(self.kernels, flat.detach(), st, keys, source, self.table(flat, slices), slices, comm, mode, dtypes)
+        return select.split(self.kernels, flat.detach(), st, keys, source, self.table(flat, slices), slices, comm, mode, dtypes,
+                            self.projection_paths)

@@ -1,21 +1,33 @@
-"""The fused projection Π on CPU flats: exact per-layer top-k in two 16-bit radix passes, then one split pass.
+"""The fused projection Π on CPU flats: exact per-layer top-k, reading the data twice.
 
 The eager reference (``projection.select_masks``) finds each layer's threshold key with four 8-bit
 passes over stored scores; here (csrc/select.cpp) every pass recomputes the key of each entry from
-x, u and F, so no score buffer exists, and
+x, u and F, so no score buffer exists. On large flats (``BRACKET_MIN_NUMEL``):
 
-    pass 1   histogram of the keys' high 16 bits, per slice; peak |v| per slice      all-reduce (sum)
-                                                                                      [all-reduce (max): fp8 scales]
-    pass 2   histogram of the low 16 bits among keys whose high half is T's           all-reduce (sum)
-             -> T, the exact key of each layer's keep-th largest score; this rank's ties
-                                                                                      all-gather (tie counts)
-    pass 3   z = v·[key > T], u = v − z; the tied entries (key == T) kept in index order up to this
-             rank's share (lower global index first, the reference's rule); residual and flip counts
+    sample   high-16-bit histogram of 1/16 of the keys (64-entry blocks at hashed places)  all-reduce (sum)
+             -> per layer a bracket [lo, hi] of keys around the keep-th largest, with a margin of
+                ``MARGIN_SIGMAS`` standard deviations of the sampled rank (blocks counted as correlated)
+    pass 1   count the keys above hi, collect those inside [lo, hi]; peak |v| per slice     all-reduce (sum)
+                                                                                           [all-reduce (max): fp8 scales]
+             -> if every layer's keep-th largest key lies in its bracket (global counts), the two 16-bit
+                digits of the exact threshold T come from histograms of the collected keys alone
+                                                                                           2 all-reduces (sum)
+                this rank's ties (key == T: all inside the bracket)                        all-gather (tie counts)
+    pass 2   the split below
 
-Three passes over the data and three (four with fp8) collectives per flat, whatever its number of
-layers; masks equal the reference's bit for bit, on any number of ranks. (csrc/select.cpp also has a
-sampled histogram (``stride``) and a bracket pass, ``select_bracket``, for a cheaper pass 1 and 2: not
-wired in yet.)
+and when a bracket misses (a skewed sample, or a flood of equal keys overflowing the collection), the exact
+passes run instead, the same on every rank since the decision reads global counts only:
+
+    pass 1   histogram of the keys' high 16 bits, per slice; peak |v| per slice           all-reduce (sum)
+                                                                                           [all-reduce (max)]
+    pass 2   histogram of the low 16 bits among keys whose high half is T's               all-reduce (sum)
+             -> T; this rank's ties                                                        all-gather (tie counts)
+    pass 3   the split
+
+The split: z = v·[key > T], u = v − z; the tied entries (key == T) kept in index order up to this rank's
+share (lower global index first, the reference's rule); residual and flip counts. A bounded number of
+collectives per flat, whatever its number of layers; masks equal the reference's bit for bit, on any number
+of ranks, whichever way T was found.
 """
 from __future__ import annotations
 
@@ -30,6 +42,10 @@ _BINS = 1 << _DIGIT
 _NO_KEY = (1 << 31) - 1  # above every score key (keys are non-negative fp32 bit patterns <= FLT_MAX's)
 _EMPTY = torch.empty(0)
 _EMPTY_I64 = torch.empty(0, dtype=torch.int64)
+BRACKET_MIN_NUMEL = 1 << 20  # flats whose active layers hold fewer entries (globally) take the exact passes
+SAMPLE_STRIDE = 16  # one 64-entry block in every 1024 entries
+MARGIN_SIGMAS = 6.0  # the bracket's half-width in standard deviations of the sampled rank...
+DESIGN_EFFECT = 4.0  # ...whose variance is taken as this many times a simple random sample's (neighbours correlate)
 
 
 def fisher_source(state: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,10 +72,9 @@ def _next_digit(hist: torch.Tensor, need: torch.Tensor, above: torch.Tensor) -> 
     return digit, above + total - cum.gather(1, digit.unsqueeze(1)).squeeze(1)
 
 
-def thresholds(kernels, source: tuple, table, slices: list[Slice], comm: Comm,
+def exact_thresholds(kernels, source: tuple, table, slices: list[Slice], comm: Comm,
                scaled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(T, take, peaks, ties): per slice the exact threshold key, this rank's count of tied entries to keep, the
-    layer's peak |v| over all ranks (max all-reduced only when ``scaled``), this rank's tied entries. Collective."""
+    """(T, take, peaks, ties) by two full histogram passes; see ``thresholds``. Collective."""
     x, u, us, f, qmap, absmax = source
     need = torch.tensor([s.keep for s in slices], dtype=torch.int64)
     active = need > 0
@@ -73,20 +88,94 @@ def thresholds(kernels, source: tuple, table, slices: list[Slice], comm: Comm,
     merged = comm.all_reduce_sum(local.clone())
     low, above = _next_digit(merged, need, above)
     threshold = torch.where(active, (high << _DIGIT) | low, torch.full_like(high, _NO_KEY))
-    ties = torch.where(active, local.to(torch.int64).gather(1, low.clamp_min(0).unsqueeze(1)).squeeze(1), 0)
-    before = comm.all_gather(ties)[: comm.rank].sum(0)
-    take = torch.minimum((need - above - before).clamp_min(0), ties)
+    threshold, take, ties = _resolve(threshold, active, local, low, need, above, comm)
     return threshold, take, peaks, ties
 
 
+def _resolve(threshold, active, local, low, need, above, comm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, take): this rank's tied entries (``local``'s low-digit bin of T) and how many of them to keep."""
+    ties = torch.where(active, local.to(torch.int64).gather(1, low.clamp_min(0).unsqueeze(1)).squeeze(1), 0)
+    before = comm.all_gather(ties)[: comm.rank].sum(0)
+    take = torch.minimum((need - above - before).clamp_min(0), ties)
+    return threshold, take, ties
+
+
+
+
+def _brackets(sample: torch.Tensor, need: torch.Tensor, numel: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per layer, keys [lo, hi] (whole high-digit bins) that should hold the need-th largest key, from the sample's
+    high-digit histogram; lo > hi for a layer that keeps nothing."""
+    from_top = sample.flip(1).cumsum(1, dtype=torch.int64)  # [:, i]: sampled keys in bins >= 65535 - i
+    m = from_top[:, -1].double()
+    rank = need.double() * m / numel.clamp_min(1).double()
+    sigma = torch.sqrt((rank * (1 - rank / m.clamp_min(1))).clamp_min(0) * DESIGN_EFFECT)
+    margin = MARGIN_SIGMAS * sigma + 2 * DESIGN_EFFECT
+    upper, lower = (rank - margin).floor().to(torch.int64), (rank + margin).ceil().to(torch.int64)
+    i_hi = torch.searchsorted(from_top, upper.unsqueeze(1), right=True).squeeze(1).clamp_max(_BINS - 1)
+    i_lo = torch.searchsorted(from_top, lower.unsqueeze(1), right=False).squeeze(1).clamp_max(_BINS - 1)
+    hi = ((_BINS - 1 - i_hi) << _DIGIT) | (_BINS - 1)
+    lo = (_BINS - 1 - i_lo) << _DIGIT
+    return torch.where(active, lo, 1), torch.where(active, hi, 0)
+
+
+def bracket_thresholds(kernels, source: tuple, table, slices: list[Slice], comm: Comm,
+                       scaled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(T, take, peaks, ties) from a sampled bracket and one full pass; None (on every rank) when a bracket missed."""
+    x, u, us, f, qmap, absmax = source
+    need = torch.tensor([s.keep for s in slices], dtype=torch.int64)
+    numel = torch.tensor([s.numel for s in slices], dtype=torch.int64)
+    active = need > 0
+    sample, _ = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, _EMPTY_I64, SAMPLE_STRIDE)
+    comm.all_reduce_sum(sample)
+    lo, hi = _brackets(sample, need, numel, active)
+    counts, peaks, keys, found, overflow = kernels.select_bracket(x, u, us, f, qmap, absmax, table.offsets, table.lengths, lo, hi)
+    totals = comm.all_reduce_sum(torch.cat([counts.flatten(), overflow.to(torch.int64)]))
+    n = len(slices)
+    above, inside, spilled = totals[0:2 * n:2], totals[1:2 * n:2], totals[2 * n:]
+    hit = ~active | ((above < need) & (need <= above + inside) & (spilled == 0))
+    if not bool(hit.all()):
+        return None
+    if scaled:
+        comm.all_reduce_max(peaks)
+    slice_of = torch.repeat_interleave(torch.arange(n), found)
+    high_hist = torch.bincount(slice_of * _BINS + (keys >> _DIGIT), minlength=n * _BINS).view(n, _BINS).int()
+    comm.all_reduce_sum(high_hist)
+    high, above = _next_digit(high_hist, need, above)
+    mine = (keys >> _DIGIT) == high[slice_of]
+    local = torch.bincount(slice_of[mine] * _BINS + (keys[mine] & (_BINS - 1)), minlength=n * _BINS).view(n, _BINS).int()
+    merged = comm.all_reduce_sum(local.clone())
+    low, above = _next_digit(merged, need, above)
+    threshold = torch.where(active, (high << _DIGIT) | low, torch.full_like(high, _NO_KEY))
+    threshold, take, ties = _resolve(threshold, active, local, low, need, above, comm)
+    return threshold, take, peaks, ties
+
+
+def thresholds(kernels, source: tuple, table, slices: list[Slice], comm: Comm, scaled: bool,
+               stats: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, take, peaks, ties): per slice the exact threshold key, this rank's count of tied entries to keep, the
+    layer's peak |v| over all ranks (max all-reduced only when ``scaled``), this rank's tied entries. Collective.
+
+    ``stats`` (optional) counts the paths taken: "bracket", "missed" (bracket tried, exact passes run), "exact"."""
+    stats = {} if stats is None else stats
+    if sum(s.numel for s in slices if s.keep > 0) >= BRACKET_MIN_NUMEL:  # global sizes: the same choice on every rank
+        found = bracket_thresholds(kernels, source, table, slices, comm, scaled)
+        if found is not None:
+            stats["bracket"] = stats.get("bracket", 0) + 1
+            return found
+        stats["missed"] = stats.get("missed", 0) + 1
+    else:
+        stats["exact"] = stats.get("exact", 0) + 1
+    return exact_thresholds(kernels, source, table, slices, comm, scaled)
+
+
 def split(kernels, flat: torch.Tensor, st: dict, keys: tuple[str, str, str, str], source: tuple, table,
-          slices: list[Slice], comm: Comm, mode: int, dtypes: tuple[StateDtype, StateDtype]) -> torch.Tensor:
+          slices: list[Slice], comm: Comm, mode: int, dtypes: tuple[StateDtype, StateDtype], stats: dict | None = None) -> torch.Tensor:
     """z, u ← split of v by Π (mode UPDATE), z ← Π(x) (INIT), or x, z ← Π(x), u ← 0 (FINAL), in place.
 
     Returns this rank's [Σ(x − z)², Σx², flips] (UPDATE; zeros otherwise). Collective.
     """
     z_key, u_key, zs_key, us_key = keys
-    threshold, take, peaks, ties = thresholds(kernels, source, table, slices, comm, any(d.scaled for d in dtypes))
+    threshold, take, peaks, ties = thresholds(kernels, source, table, slices, comm, any(d.scaled for d in dtypes), stats)
     z_scale, u_scale = layer_scales(peaks, dtypes[0]), layer_scales(peaks, dtypes[1])
     x, u, us_old = source[0], source[1], source[2]
     metrics, seen = kernels.select_split(

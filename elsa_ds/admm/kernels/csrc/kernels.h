@@ -77,11 +77,12 @@ enum class SplitMode : int { kUpdate = 0, kInit = 1, kFinal = 2 };
 
 // per slice: a 65536-bin histogram of the scores' high 16 key bits (prefix == null), or of the low 16
 // bits of the keys whose high half equals prefix[j]; and each slice's peak |v|
-// (stride > 1: a sample, every stride-th batch of 1024 entries of each piece)
+// (stride > 1: the high-half histogram of a sample, one block of 64 entries at a pseudo-random place in
+// every stride·64 entries of the flat; peaks are then left at 0)
 void select_histogram(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* prefix, int64_t stride,
                       int32_t* hist, float* peaks);
-// per slice: counts[2j] = keys above hi[j], counts[2j+1] = keys in [lo[j], hi[j]] (none when lo > hi); the
-// in-bracket keys themselves (grouped by slice, found[j] each, unless overflow[j]: more than 1/8 of a piece);
+// per slice: counts[2j] = keys above hi[j], counts[2j+1] = keys in [lo[j], hi[j]] (none when lo > hi; the peak is still found); the
+// in-bracket keys themselves (grouped by slice, found[j] each, unless overflow[j]: more than 1/4 of a piece);
 // peaks[j] = peak |v|
 std::vector<uint32_t> select_bracket(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* lo, const int64_t* hi,
                                      int64_t* counts, float* peaks, int64_t* found, bool* overflow);

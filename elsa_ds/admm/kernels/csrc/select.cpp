@@ -24,6 +24,7 @@ namespace {
 
 constexpr int64_t kBins = 1 << 16;
 constexpr int64_t kKeys = 1024;  // keys computed (vectorized) per batch before the scalar histogram loop
+constexpr int64_t kSample = 64;  // entries per sampled block (select_histogram with stride > 1)
 
 enum Fisher { kMagnitude = 0, kFp32 = 1, kBnb8 = 2 };
 constexpr int kUpdate = int(SplitMode::kUpdate), kInit = int(SplitMode::kInit), kFinal = int(SplitMode::kFinal);
@@ -92,10 +93,9 @@ inline int64_t low_halves(const uint32_t* keys, int64_t m, uint32_t prefix, uint
 }
 
 template <class UT, int FK>
-__attribute__((noinline)) void histogram_piece(const Row<UT, FK> r, int64_t n, int64_t prefix, int64_t stride,
-                                               int32_t* __restrict hist, float& peak) {
+__attribute__((noinline)) void histogram_piece(const Row<UT, FK> r, int64_t n, int64_t prefix, int32_t* __restrict hist, float& peak) {
     alignas(64) uint32_t keys[kKeys];
-    for (int64_t b = 0; b < n; b += stride * kKeys) {
+    for (int64_t b = 0; b < n; b += kKeys) {
         const int64_t m = std::min(kKeys, n - b);
         float pk = peak;
 #pragma omp simd reduction(max : pk)
@@ -114,6 +114,24 @@ __attribute__((noinline)) void histogram_piece(const Row<UT, FK> r, int64_t n, i
     }
 }
 
+// the sample: in every window of stride·kSample entries (windows counted from the flat's start, so a sample
+// does not depend on how the flat is cut into pieces), the kSample entries of one block at a pseudo-random
+// position; blocks are short and scattered so rows and columns of a weight are sampled evenly
+template <class UT, int FK>
+__attribute__((noinline)) void sample_piece(const Row<UT, FK> r, int64_t n, int64_t stride, int32_t* __restrict hist) {
+    const int64_t window = stride * kSample;
+    alignas(64) uint32_t keys[kSample];
+    for (int64_t w = r.first / window; w * window < r.first + n; ++w) {
+        const uint64_t h = uint64_t(w) * 0x9E3779B97F4A7C15ull;
+        const int64_t start = w * window + int64_t((h >> 32) % uint64_t(stride)) * kSample - r.first;
+        const int64_t b = std::max<int64_t>(start, 0), e = std::min(start + kSample, n);
+        if (b >= e) continue;
+#pragma omp simd
+        for (int64_t i = b; i < e; ++i) keys[i - b] = r.key(i, r.value(i));
+        for (int64_t i = 0; i < e - b; ++i) ++hist[keys[i] >> 16];
+    }
+}
+
 template <class UT, int FK>
 void histogram(const Src& s, const std::vector<Piece>& plan, const int64_t* prefix, int64_t stride, int64_t n_slices,
                int32_t* out, float* peaks) {
@@ -127,7 +145,8 @@ void histogram(const Src& s, const std::vector<Piece>& plan, const int64_t* pref
         const size_t slot = size_t(omp_get_thread_num()) * n_slices + pc.slice;
         const int64_t p = prefix ? prefix[pc.slice] : -1;
         if (prefix && p < 0) continue;  // a layer that keeps nothing needs no second digit
-        histogram_piece<UT, FK>(Row<UT, FK>(s, pc), pc.end - pc.begin, p, stride, local.data() + slot * kBins, local_peak[slot]);
+        if (stride > 1 && !prefix) sample_piece<UT, FK>(Row<UT, FK>(s, pc), pc.end - pc.begin, stride, local.data() + slot * kBins);
+        else histogram_piece<UT, FK>(Row<UT, FK>(s, pc), pc.end - pc.begin, p, local.data() + slot * kBins, local_peak[slot]);
     }
 #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < n_slices * kBins; ++e) {
@@ -150,11 +169,32 @@ struct Bracket {  // per piece
     std::vector<uint32_t> keys;  // the keys in [lo, hi]
 };
 
-// count the keys above hi, keep those in [lo, hi] (at most kChunk / 8 per piece), and the peak |v|
+// the keys of keys[0, m) in [lo, hi], packed to the front of keys (in order); how many
+inline int64_t pack_inside(uint32_t* keys, int64_t m, uint32_t lo, uint32_t hi) {
+    int64_t found = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512i vlo = _mm512_set1_epi32(int(lo)), vhi = _mm512_set1_epi32(int(hi));
+    for (; i + 16 <= m; i += 16) {
+        const __m512i k = _mm512_loadu_si512(keys + i);
+        const __mmask16 hit = _mm512_cmpge_epu32_mask(k, vlo) & _mm512_cmple_epu32_mask(k, vhi);
+        if (!hit) continue;
+        _mm512_mask_compressstoreu_epi32(keys + found, hit, k);
+        found += __builtin_popcount(hit);
+    }
+#endif
+    for (; i < m; ++i) {  // branch-free: found <= i, so the write never overtakes the read
+        const uint32_t k = keys[i];
+        keys[found] = k;
+        found += (k >= lo) & (k <= hi);
+    }
+    return found;
+}
+
+// count the keys above hi, keep those in [lo, hi] (at most kChunk / 4 per piece), and the peak |v|
 template <class UT, int FK>
 __attribute__((noinline)) void bracket_piece(const Row<UT, FK> r, int64_t n, uint32_t lo, uint32_t hi, Bracket& out) {
     alignas(64) uint32_t keys[kKeys];
-    const size_t cap = size_t(kChunk / 8);
+    const size_t cap = size_t(kChunk / 4);
     for (int64_t b = 0; b < n; b += kKeys) {
         const int64_t m = std::min(kKeys, n - b);
         float pk = out.peak;
@@ -176,8 +216,8 @@ __attribute__((noinline)) void bracket_piece(const Row<UT, FK> r, int64_t n, uin
             out.overflow = true;
             continue;
         }
-        for (int64_t i = 0; i < m; ++i)
-            if (keys[i] >= lo && keys[i] <= hi) out.keys.push_back(keys[i]);
+        const int64_t found = pack_inside(keys, m, lo, hi);
+        out.keys.insert(out.keys.end(), keys, keys + found);
     }
 }
 
@@ -187,8 +227,7 @@ void bracket(const Src& s, const std::vector<Piece>& plan, const int64_t* lo, co
     out.assign(pieces, Bracket{});
 #pragma omp parallel for schedule(static)
     for (int64_t k = 0; k < pieces; ++k) {
-        const int64_t j = plan[k].slice;
-        if (lo[j] > hi[j]) continue;  // a layer that keeps nothing
+        const int64_t j = plan[k].slice;  // (lo > hi, a layer that keeps nothing: only its peak is wanted)
         bracket_piece<UT, FK>(Row<UT, FK>(s, plan[k]), plan[k].end - plan[k].begin, uint32_t(lo[j]), uint32_t(hi[j]), out[k]);
     }
 }
