@@ -39,9 +39,9 @@ from elsa_ds.admm.state import StateDtype  # noqa: E402
 
 # bytes one pass moves per parameter (read + write): p, g, m, v read, p, m, v written; z, u read on pruned entries
 BYTES = {"adam_fp32": 16 + 12, "elsa_fp32": 16 + 12 + 8, "adam_8bit": 10 + 6, "elsa_l": 10 + 6 + 1 + 2}
-# a projection: two histogram passes over x, u, F, then the split (x, u, F, z read; z, u written)
-# (8-bit F: one code per entry; ELSA-L's u bf16, z fp8)
-PROJECTION_BYTES = {"fp32": 2 * 12 + 16 + 8, "elsa_l": 2 * 7 + 8 + 3}
+# a projection (the sampled-bracket path, admm/kernels/select.py): a 1/16 sample and one full pass over x, u, F,
+# then the split (x, u, F, z read; z, u written) (8-bit F: one code per entry; ELSA-L's u bf16, z fp8)
+PROJECTION_BYTES = {"fp32": 12 / 16 + 12 + 16 + 8, "elsa_l": 7 / 16 + 7 + 8 + 3}
 
 
 class Runner:
@@ -155,6 +155,7 @@ def _pair(res: dict, names: tuple[str, str], runners: tuple[Runner, Runner], arg
             if runner.admm:
                 st = runner.opt.state[runner.p]
                 res[name]["fused"] = bool(runner.opt._fused.steps(runner.p, st))
+                res[name]["projection_paths"] = dict(runner.opt._fused.projection_paths)  # bracket / missed / exact
 
 
 def measure(numel: int, args) -> dict:
@@ -207,7 +208,8 @@ def report(numel: int, res: dict, interval: int) -> dict:
     fp32, low = res["elsa_fp32"], res["elsa_l"]
     ratios = {"ratio_fp32": fp32["amortized_ms"] / fp32["base_ms"], "ratio_elsal": low["amortized_ms"] / low["base_ms"],
               "projection_steps_equiv": fp32["projection_ms"] / fp32["base_ms"],
-              "projection_steps_equiv_elsal": low["projection_ms"] / low["base_ms"], "base_step_ms": base}
+              "projection_steps_equiv_elsal": low["projection_ms"] / low["base_ms"], "base_step_ms": base,
+              "projection_paths": fp32.get("projection_paths", {})}
     floor_fp32 = (BYTES["elsa_fp32"] + PROJECTION_BYTES["fp32"] / interval) / BYTES["adam_fp32"]
     floor_l = (BYTES["elsa_l"] + PROJECTION_BYTES["elsa_l"] / interval) / BYTES["adam_fp32"]
     print(f"\nbytes per parameter per step: DeepSpeedCPUAdam {BYTES['adam_fp32']}, fused ELSA {BYTES['elsa_fp32']}, "
@@ -216,7 +218,7 @@ def report(numel: int, res: dict, interval: int) -> dict:
     print(f"ratio_fp32 {ratios['ratio_fp32']:.2f} (byte floor {floor_fp32:.2f}), ratio_elsal {ratios['ratio_elsal']:.2f} "
           f"(byte floor {floor_l:.2f}), projection = {ratios['projection_steps_equiv']:.2f} DeepSpeedCPUAdam steps "
           f"(ELSA-L {ratios['projection_steps_equiv_elsal']:.2f}); achieved DeepSpeedCPUAdam bandwidth "
-          f"{BYTES['adam_fp32'] * numel / base / 1e6:.1f} GB/s")
+          f"{BYTES['adam_fp32'] * numel / base / 1e6:.1f} GB/s; projection paths {ratios['projection_paths']}")
     return ratios
 
 
@@ -239,7 +241,7 @@ def main() -> int:
         out[numel] = report(numel, measure(numel, args), args.interval)
     if args.json:
         first = out[int(args.numel[0])]
-        print(json.dumps({**{k: round(v, 3) for k, v in first.items()}, "numel": int(args.numel[0]), "slices": args.slices,
+        print(json.dumps({**{k: round(v, 3) if isinstance(v, float) else v for k, v in first.items()}, "numel": int(args.numel[0]), "slices": args.slices,
                           "interval": args.interval}))
     return 0
 

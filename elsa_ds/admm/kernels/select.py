@@ -128,7 +128,8 @@ def bracket_thresholds(kernels, source: tuple, table, slices: list[Slice], comm:
     sample, _ = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, _EMPTY_I64, SAMPLE_STRIDE)
     comm.all_reduce_sum(sample)
     lo, hi = _brackets(sample, need, numel, active)
-    counts, peaks, keys, found, overflow = kernels.select_bracket(x, u, us, f, qmap, absmax, table.offsets, table.lengths, lo, hi)
+    counts, peaks, keys, found, overflow, high_hist = kernels.select_bracket(x, u, us, f, qmap, absmax, table.offsets,
+                                                                            table.lengths, lo, hi)
     totals = comm.all_reduce_sum(torch.cat([counts.flatten(), overflow.to(torch.int64)]))
     n = len(slices)
     above, inside, spilled = totals[0:2 * n:2], totals[1:2 * n:2], totals[2 * n:]
@@ -137,12 +138,9 @@ def bracket_thresholds(kernels, source: tuple, table, slices: list[Slice], comm:
         return None
     if scaled:
         comm.all_reduce_max(peaks)
-    slice_of = torch.repeat_interleave(torch.arange(n), found)
-    high_hist = torch.bincount(slice_of * _BINS + (keys >> _DIGIT), minlength=n * _BINS).view(n, _BINS).int()
     comm.all_reduce_sum(high_hist)
     high, above = _next_digit(high_hist, need, above)
-    mine = (keys >> _DIGIT) == high[slice_of]
-    local = torch.bincount(slice_of[mine] * _BINS + (keys[mine] & (_BINS - 1)), minlength=n * _BINS).view(n, _BINS).int()
+    local = kernels.select_key_histogram(keys, found, torch.where(active, high, -1))
     merged = comm.all_reduce_sum(local.clone())
     low, above = _next_digit(merged, need, above)
     threshold = torch.where(active, (high << _DIGIT) | low, torch.full_like(high, _NO_KEY))
@@ -180,7 +178,7 @@ def split(kernels, flat: torch.Tensor, st: dict, keys: tuple[str, str, str, str]
     x, u, us_old = source[0], source[1], source[2]
     metrics, seen = kernels.select_split(
         x, u if mode == UPDATE else _EMPTY, us_old if mode == UPDATE else _EMPTY, *source[3:], st[z_key],
-        st[zs_key].clone(), z_scale, u_scale, table.offsets, table.lengths, threshold, take, ties, mode)
+        st[zs_key].clone(), z_scale, u_scale, table.offsets, table.lengths, threshold, take, mode)
     if not torch.equal(seen, ties):  # pass 2 and pass 3 recompute the same keys: a mismatch is a kernel bug
         raise RuntimeError(f"fused projection: tie counts {seen.tolist()} differ from the histogram's {ties.tolist()}")
     st[zs_key].copy_(z_scale)

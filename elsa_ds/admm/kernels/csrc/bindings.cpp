@@ -113,16 +113,28 @@ std::vector<Tensor> select_bracket_t(Tensor x, Tensor u, Tensor u_scale, Tensor 
     auto peaks = torch::zeros({s.count}, torch::kFloat32);
     auto found = torch::zeros({s.count}, torch::kInt64);
     auto overflow = torch::zeros({s.count}, torch::kBool);
-    const std::vector<uint32_t> keys = select_bracket(src, x.numel(), s, lo.data_ptr<int64_t>(), hi.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
-                                                      peaks.data_ptr<float>(), found.data_ptr<int64_t>(), overflow.data_ptr<bool>());
-    auto out = torch::empty({int64_t(keys.size())}, torch::kInt64);
-    std::copy(keys.begin(), keys.end(), out.data_ptr<int64_t>());
-    return {counts, peaks, out, found, overflow};
+    auto high = torch::zeros({s.count, 65536}, torch::kInt32);
+    std::vector<int32_t> keys;
+    select_bracket(src, x.numel(), s, lo.data_ptr<int64_t>(), hi.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), peaks.data_ptr<float>(),
+                   found.data_ptr<int64_t>(), overflow.data_ptr<bool>(), keys, high.data_ptr<int32_t>());
+    auto out = torch::empty({int64_t(keys.size())}, torch::kInt32);
+    std::copy(keys.begin(), keys.end(), out.data_ptr<int32_t>());
+    return {counts, peaks, out, found, overflow, high};
+}
+
+Tensor select_key_histogram_t(Tensor keys, Tensor found, Tensor prefix) {
+    const int64_t n_slices = found.numel();
+    check_flat(found, "found", n_slices, torch::kInt64);
+    check_flat(prefix, "prefix", n_slices, torch::kInt64);
+    check_flat(keys, "keys", found.sum().item<int64_t>(), torch::kInt32);
+    auto hist = torch::zeros({n_slices, 65536}, torch::kInt32);
+    select_key_histogram(keys.data_ptr<int32_t>(), found.data_ptr<int64_t>(), n_slices, prefix.data_ptr<int64_t>(), hist.data_ptr<int32_t>());
+    return hist;
 }
 
 std::vector<Tensor> select_split_t(Tensor x, Tensor u, Tensor u_scale_old, Tensor f, Tensor f_qmap, Tensor f_absmax, Tensor z,
                                    Tensor z_scale_old, Tensor z_scale, Tensor u_scale, Tensor offsets, Tensor lengths,
-                                   Tensor threshold, Tensor take, Tensor ties, int64_t mode) {
+                                   Tensor threshold, Tensor take, int64_t mode) {
     TORCH_CHECK(mode >= 0 && mode <= 2, "mode: 0 update, 1 init, 2 final");
     const Slices s = slices_of(offsets, lengths);
     const ScoreSource src = source_of(x, u, u_scale_old, f, f_qmap, f_absmax, s.count);
@@ -132,12 +144,11 @@ std::vector<Tensor> select_split_t(Tensor x, Tensor u, Tensor u_scale_old, Tenso
         check_flat(*t, name, s.count, torch::kFloat32);
     check_flat(threshold, "threshold", s.count, torch::kInt64);
     check_flat(take, "take", s.count, torch::kInt64);
-    check_flat(ties, "ties", s.count, torch::kInt64);
     auto metrics = torch::zeros({3}, torch::kFloat64);
     auto seen = torch::zeros({s.count}, torch::kInt64);
     select_split(src, x.numel(), s, z.data_ptr(), storage_of(z), z_scale_old.data_ptr<float>(), z_scale.data_ptr<float>(),
                  data_or_null<void>(u), storage_of(u), u_scale.data_ptr<float>(), threshold.data_ptr<int64_t>(),
-                 take.data_ptr<int64_t>(), ties.data_ptr<int64_t>(), SplitMode(mode), metrics.data_ptr<double>(),
+                 take.data_ptr<int64_t>(), SplitMode(mode), metrics.data_ptr<double>(),
                  seen.data_ptr<int64_t>());
     return {metrics, seen};
 }
@@ -164,7 +175,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("adam8bit_step", &adam8bit_step_t, "fused ADMM penalty + bitsandbytes-format 8-bit Adam step on one flat");
     m.def("select_histogram", &select_histogram_t, "16-bit digit histograms of the projection scores, per slice; peak |v|");
     m.def("select_bracket", &select_bracket_t, "count keys above a bracket, collect those inside it, per slice; peak |v|");
-    m.def("select_split", &select_split_t, "z = v*[key > T] (+ this rank's tied share), u = v - z; metrics, ties");
+    m.def("select_key_histogram", &select_key_histogram_t, "low-half histogram of bracket keys under each slice's high-half prefix");
+    m.def("select_split", &select_split_t, "z = v*[key > T] (+ this rank's tied share), u = v - z; metrics, ties met");
     m.def("to_fp8", [](const torch::Tensor& x) {
         return convert<uint8_t>(x.to(torch::kFloat32), torch::kUInt8, [](const void* s, int64_t i) { return float_to_fp8(static_cast<const float*>(s)[i]); });
     });

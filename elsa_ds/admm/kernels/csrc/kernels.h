@@ -81,16 +81,20 @@ enum class SplitMode : int { kUpdate = 0, kInit = 1, kFinal = 2 };
 // every stride·64 entries of the flat; peaks are then left at 0)
 void select_histogram(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* prefix, int64_t stride,
                       int32_t* hist, float* peaks);
-// per slice: counts[2j] = keys above hi[j], counts[2j+1] = keys in [lo[j], hi[j]] (none when lo > hi; the peak is still found); the
-// in-bracket keys themselves (grouped by slice, found[j] each, unless overflow[j]: more than 1/4 of a piece);
+// per slice: counts[2j] = keys above hi[j], counts[2j+1] = keys in [lo[j], hi[j]] (none when lo > hi; the
+// peak is still found); the in-bracket keys themselves (grouped by slice, found[j] each, in index order, unless
+// overflow[j]: more than 1/4 of a piece) and their high halves' histogram (high_hist, zeroed, [slices, 65536]);
 // peaks[j] = peak |v|
-std::vector<uint32_t> select_bracket(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* lo, const int64_t* hi,
-                                     int64_t* counts, float* peaks, int64_t* found, bool* overflow);
-// z, u (or x) from the threshold keys; of the ties[j] entries of slice j equal to its threshold (this rank's,
-// from the histogram), the first take[j] in index order are kept; metrics[0..2] += residual², x², flips;
-// ties_seen[j]: the ties the split met (== ties[j] unless the passes disagree)
+void select_bracket(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* lo, const int64_t* hi, int64_t* counts,
+                    float* peaks, int64_t* found, bool* overflow, std::vector<int32_t>& keys, int32_t* high_hist);
+// per slice j with prefix[j] >= 0: the histogram (hist, zeroed, [slices, 65536]) of the low halves of its keys
+// (keys grouped by slice, found[j] each) whose high half is prefix[j]
+void select_key_histogram(const int32_t* keys, const int64_t* found, int64_t n_slices, const int64_t* prefix, int32_t* hist);
+// z, u (or x) from the threshold keys; of slice j's entries equal to its threshold (this rank's ties), the
+// first take[j] in index order are kept; metrics[0..2] += residual², x², flips; ties_seen[j]: the ties met
+// (the caller holds them to the histogram's count)
 void select_split(const ScoreSource& src, int64_t n, const Slices& slices, void* z, Storage z_type, const float* z_scale_old,
                   const float* z_scale, void* u, Storage u_type, const float* u_scale, const int64_t* threshold,
-                  const int64_t* take, const int64_t* ties, SplitMode mode, double* metrics, int64_t* ties_seen);
+                  const int64_t* take, SplitMode mode, double* metrics, int64_t* ties_seen);
 
 }  // namespace elsa

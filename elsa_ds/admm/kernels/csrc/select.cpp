@@ -24,7 +24,7 @@ namespace {
 
 constexpr int64_t kBins = 1 << 16;
 constexpr int64_t kKeys = 1024;  // keys computed (vectorized) per batch before the scalar histogram loop
-constexpr int64_t kSample = 64;  // entries per sampled block (select_histogram with stride > 1)
+constexpr int64_t kSample = 256;  // entries per sampled block (select_histogram with stride > 1)
 
 enum Fisher { kMagnitude = 0, kFp32 = 1, kBnb8 = 2 };
 constexpr int kUpdate = int(SplitMode::kUpdate), kInit = int(SplitMode::kInit), kFinal = int(SplitMode::kFinal);
@@ -83,7 +83,9 @@ inline int64_t low_halves(const uint32_t* keys, int64_t m, uint32_t prefix, uint
         const __m512i k = _mm512_loadu_si512(keys + i);
         const __mmask16 hit = _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(k, 16), want);
         if (!hit) continue;
-        _mm512_mask_compressstoreu_epi32(out + found, hit, _mm512_and_si512(k, low));
+        // compress in a register, then a full store (found <= i: lanes past the hits land on keys already read);
+        // a compress straight to memory is microcoded and slow on AMD Zen 4
+        _mm512_storeu_si512(out + found, _mm512_maskz_compress_epi32(hit, _mm512_and_si512(k, low)));
         found += __builtin_popcount(hit);
     }
 #endif
@@ -178,7 +180,7 @@ inline int64_t pack_inside(uint32_t* keys, int64_t m, uint32_t lo, uint32_t hi) 
         const __m512i k = _mm512_loadu_si512(keys + i);
         const __mmask16 hit = _mm512_cmpge_epu32_mask(k, vlo) & _mm512_cmple_epu32_mask(k, vhi);
         if (!hit) continue;
-        _mm512_mask_compressstoreu_epi32(keys + found, hit, k);
+        _mm512_storeu_si512(keys + found, _mm512_maskz_compress_epi32(hit, k));  // as in low_halves
         found += __builtin_popcount(hit);
     }
 #endif
@@ -310,39 +312,14 @@ struct Splitter {
     }
 };
 
-// the entries of one piece whose key is exactly the threshold (the tie counting pass, read only)
-template <class UT, int FK>
-int64_t count_ties(const Row<UT, FK> r, int64_t n, uint32_t threshold) {
-    int64_t ties = 0;
-#pragma omp simd reduction(+ : ties)
-    for (int64_t i = 0; i < n; ++i) ties += r.key(i, r.value(i)) == threshold ? 1 : 0;
-    return ties;
-}
-
-// one piece of a slice without ties on this rank: a single vectorized loop (in fp32 sums of at most kChunk
-// terms, added to the fp64 tally)
+// one piece, every entry but the ties (key == threshold: left untouched; their places are noted), in batches:
+// keys first (into a local buffer: the writes change u, so a key recomputed later could differ), then one
+// vectorized loop (in fp32 sums of at most kKeys terms, added to the fp64 tally); a batch holding ties is
+// scanned once more for their places
 // (noinline: inlined into the OpenMP region, GCC 12 no longer vectorizes these loops)
 template <class ZT, class UT, int FK, int MODE>
-__attribute__((noinline)) void split_untied(const Splitter<ZT, UT, FK, MODE> sp, int64_t n, Tally& t) {
-    float res = 0.0f, xsq = 0.0f, flips = 0.0f;  // at most kChunk terms: flips counts exactly in fp32
-#pragma omp simd reduction(+ : res, xsq, flips)
-    for (int64_t i = 0; i < n; ++i) {
-        const float v = sp.value(i);
-        const Contribution e = sp.entry(i, v, sp.r.key(i, v) > sp.threshold, false);
-        res += e.residual_sq;
-        xsq += e.x_sq;
-        flips += e.flips;
-    }
-    t.residual_sq += res;
-    t.x_sq += xsq;
-    t.flips += int64_t(flips);
-}
-
-// one piece of a slice with ties, in batches: keys first (into a local buffer, so the writes cannot change
-// them), then every untied entry vectorized, then the tied ones in index order: this rank's ties number
-// `rank` on here, the first `take` of the slice's are kept
-template <class ZT, class UT, int FK, int MODE>
-__attribute__((noinline)) void split_tied(const Splitter<ZT, UT, FK, MODE> sp, int64_t n, int64_t rank, int64_t take, Tally& t) {
+__attribute__((noinline)) void split_untied(const Splitter<ZT, UT, FK, MODE> sp, int64_t n, Tally& t,
+                                            std::vector<int32_t>& tie_at) {
     alignas(64) float values[kKeys];
     alignas(64) uint32_t keys[kKeys];
     const uint32_t threshold = sp.threshold;
@@ -354,64 +331,69 @@ __attribute__((noinline)) void split_tied(const Splitter<ZT, UT, FK, MODE> sp, i
             keys[i] = sp.r.key(b + i, values[i]);
         }
         float res = 0.0f, xsq = 0.0f, flips = 0.0f;
-#pragma omp simd reduction(+ : res, xsq, flips)
+        int64_t ties = 0;
+#pragma omp simd reduction(+ : res, xsq, flips, ties)
         for (int64_t i = 0; i < m; ++i) {
             const Contribution e = sp.entry(b + i, values[i], keys[i] > threshold, keys[i] == threshold);
             res += e.residual_sq;
             xsq += e.x_sq;
             flips += e.flips;
+            ties += keys[i] == threshold ? 1 : 0;
         }
         t.residual_sq += res;
         t.x_sq += xsq;
         t.flips += int64_t(flips);
-        for (int64_t i = 0; i < m; ++i) {
-            if (keys[i] != threshold) continue;
-            const Contribution e = sp.entry(b + i, values[i], rank++ < take, false);
-            t.residual_sq += e.residual_sq;
-            t.x_sq += e.x_sq;
-            t.flips += int64_t(e.flips);
-            ++t.ties;
-        }
+        t.ties += ties;
+        if (ties == 0) continue;
+        for (int64_t i = 0; i < m; ++i)
+            if (keys[i] == threshold) tie_at.push_back(int32_t(b + i));
     }
 }
 
+// the ties of one piece at the places split_untied noted (untouched: their v is as it was), in index order:
+// this rank's ties number `rank` on here, the first `take` of the slice's are kept
 template <class ZT, class UT, int FK, int MODE>
-void split_piece(const Src& s, const Dest& d, const Piece& pc, uint32_t threshold, bool tied, int64_t rank, int64_t take,
-                 Tally& t) {
-    const Splitter<ZT, UT, FK, MODE> sp(s, d, pc, threshold);
-    if (tied) split_tied(sp, pc.end - pc.begin, rank, take, t);
-    else split_untied(sp, pc.end - pc.begin, t);
+__attribute__((noinline)) void split_ties(const Splitter<ZT, UT, FK, MODE> sp, const std::vector<int32_t>& tie_at, int64_t rank,
+                                          int64_t take, Tally& t) {
+    for (const int32_t i : tie_at) {
+        const Contribution e = sp.entry(i, sp.value(i), rank++ < take, false);
+        t.residual_sq += e.residual_sq;
+        t.x_sq += e.x_sq;
+        t.flips += int64_t(e.flips);
+    }
 }
 
+// pass A (parallel): every piece without its ties, counting them; pass B (parallel, the pieces that hold ties
+// only, usually one per slice): the ties, each piece's rank among this rank's ties from pass A's counts
 template <class ZT, class UT, int FK, int MODE>
 void split(const Src& s, const Dest& d, const std::vector<Piece>& plan, const int64_t* threshold, const int64_t* take,
-           const int64_t* ties, int64_t n_slices, double* metrics, int64_t* ties_seen) {
-    using VT = std::conditional_t<MODE == kUpdate, UT, NoU>;
+           int64_t n_slices, double* metrics, int64_t* ties_seen) {
     const int64_t pieces = int64_t(plan.size());
     std::vector<Tally> per_piece(pieces);
-    // where a slice has ties on this rank, each piece needs the number of ties before it: count them first
-    std::vector<int64_t> before(pieces, 0);
+    std::vector<std::vector<int32_t>> tie_at(pieces);  // piece-relative places of the ties (pieces are < 2^31 long)
 #pragma omp parallel for schedule(static)
-    for (int64_t k = 0; k < pieces; ++k)
-        if (ties[plan[k].slice] > 0)
-            before[k] = count_ties<VT, FK>(Row<VT, FK>(s, plan[k]), plan[k].end - plan[k].begin, uint32_t(threshold[plan[k].slice]));
-    std::vector<int64_t> seen(n_slices, 0);
     for (int64_t k = 0; k < pieces; ++k) {
-        const int64_t here = before[k];
+        const Splitter<ZT, UT, FK, MODE> sp(s, d, plan[k], uint32_t(threshold[plan[k].slice]));
+        split_untied(sp, plan[k].end - plan[k].begin, per_piece[k], tie_at[k]);
+    }
+    std::vector<int64_t> before(pieces, 0), seen(n_slices, 0), tied;
+    for (int64_t k = 0; k < pieces; ++k) {  // ranks of each piece's first tie, in index order
         before[k] = seen[plan[k].slice];
-        seen[plan[k].slice] += here;
+        seen[plan[k].slice] += per_piece[k].ties;
+        if (per_piece[k].ties > 0) tied.push_back(k);
     }
-#pragma omp parallel for schedule(static)
-    for (int64_t k = 0; k < pieces; ++k) {
-        const int64_t j = plan[k].slice;
-        split_piece<ZT, UT, FK, MODE>(s, d, plan[k], uint32_t(threshold[j]), ties[j] > 0, before[k], take[j], per_piece[k]);
+    const int64_t n_tied = int64_t(tied.size());
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t q = 0; q < n_tied; ++q) {
+        const int64_t k = tied[q];
+        const Splitter<ZT, UT, FK, MODE> sp(s, d, plan[k], uint32_t(threshold[plan[k].slice]));
+        split_ties(sp, tie_at[k], before[k], take[plan[k].slice], per_piece[k]);
     }
-    for (int64_t j = 0; j < n_slices; ++j) ties_seen[j] = 0;
+    for (int64_t j = 0; j < n_slices; ++j) ties_seen[j] = seen[j];
     for (int64_t k = 0; k < pieces; ++k) {
         metrics[0] += per_piece[k].residual_sq;
         metrics[1] += per_piece[k].x_sq;
         metrics[2] += double(per_piece[k].flips);
-        ties_seen[plan[k].slice] += per_piece[k].ties;
     }
 }
 
@@ -435,36 +417,54 @@ void select_histogram(const ScoreSource& src, int64_t n, const Slices& slices, c
     });
 }
 
-std::vector<uint32_t> select_bracket(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* lo, const int64_t* hi,
-                                     int64_t* counts, float* peaks, int64_t* found, bool* overflow) {
+void select_bracket(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* lo, const int64_t* hi, int64_t* counts,
+                    float* peaks, int64_t* found, bool* overflow, std::vector<int32_t>& keys, int32_t* high_hist) {
     const auto plan = make_plan(slices, n, /*with_gaps=*/false);
     std::vector<Bracket> per_piece;
     with_storage(src.u ? src.u_type : Storage::kNone, [&](auto ut) {
         with_fisher(src, [&](auto fk) { bracket<decltype(ut), decltype(fk)::value>(src, plan, lo, hi, per_piece); });
     });
-    std::vector<uint32_t> keys;
     for (int64_t j = 0; j < slices.count; ++j) {
         counts[2 * j] = counts[2 * j + 1] = found[j] = 0;
         peaks[j] = 0.0f;
         overflow[j] = false;
     }
+    size_t total = 0;
+    for (const Bracket& b : per_piece) total += b.keys.size();
+    keys.clear();
+    keys.reserve(total);
+    std::vector<std::vector<size_t>> pieces_of(slices.count);
+    for (size_t k = 0; k < plan.size(); ++k) pieces_of[plan[k].slice].push_back(k);
     for (int64_t j = 0; j < slices.count; ++j)  // keys grouped by slice, in index order
-        for (size_t k = 0; k < plan.size(); ++k) {
-            if (plan[k].slice != j) continue;
+        for (const size_t k : pieces_of[j]) {
             const Bracket& b = per_piece[k];
             counts[2 * j] += b.above;
             counts[2 * j + 1] += b.inside;
             peaks[j] = std::max(peaks[j], b.peak);
             overflow[j] = overflow[j] || b.overflow;
-            keys.insert(keys.end(), b.keys.begin(), b.keys.end());
+            for (const uint32_t key : b.keys) {
+                keys.push_back(int32_t(key));
+                ++high_hist[j * kBins + (key >> 16)];
+            }
             found[j] += int64_t(b.keys.size());
         }
-    return keys;
+}
+
+void select_key_histogram(const int32_t* keys, const int64_t* found, int64_t n_slices, const int64_t* prefix, int32_t* hist) {
+    int64_t at = 0;
+    for (int64_t j = 0; j < n_slices; ++j) {
+        const int64_t end = at + found[j];
+        if (prefix[j] >= 0) {
+            for (; at < end; ++at)
+                if ((uint32_t(keys[at]) >> 16) == uint32_t(prefix[j])) ++hist[j * kBins + (uint32_t(keys[at]) & 0xFFFFu)];
+        }
+        at = end;
+    }
 }
 
 void select_split(const ScoreSource& src, int64_t n, const Slices& slices, void* z, Storage z_type, const float* z_scale_old,
                   const float* z_scale, void* u, Storage u_type, const float* u_scale, const int64_t* threshold,
-                  const int64_t* take, const int64_t* ties, SplitMode mode, double* metrics, int64_t* ties_seen) {
+                  const int64_t* take, SplitMode mode, double* metrics, int64_t* ties_seen) {
     const auto plan = make_plan(slices, n, /*with_gaps=*/false);
     const Dest d{z, z_scale_old, z_scale, u, u_scale};
     with_storage(z_type, [&](auto zt) {
@@ -473,7 +473,7 @@ void select_split(const ScoreSource& src, int64_t n, const Slices& slices, void*
             with_fisher(src, [&](auto fk) {
                 constexpr int FK = decltype(fk)::value;
                 auto run = [&](auto ut, auto md) {
-                    split<ZT, decltype(ut), FK, decltype(md)::value>(src, d, plan, threshold, take, ties, slices.count, metrics, ties_seen);
+                    split<ZT, decltype(ut), FK, decltype(md)::value>(src, d, plan, threshold, take, slices.count, metrics, ties_seen);
                 };
                 if (mode == SplitMode::kUpdate) {
                     with_storage(u_type, [&](auto ut) {
