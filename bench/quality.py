@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -45,6 +46,13 @@ QUICK_ROWS = ("dense", "dense+ft", "sparsegpt", "wanda+ft", "elsa")
 SPARSITIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 
 
+def free_port() -> int:
+    """A TCP port free now, for the launcher's rendezvous (two benches at once must not both take 29500)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def trains(row: str) -> bool:
     return row == "elsa" or "+" in row
 
@@ -62,11 +70,12 @@ def prune(row: str, sparsity: float | None, args, out: Path, extra: list[str]) -
     cmd += extra
     if trains(row):
         launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
-        cmd = [launcher, "--num_gpus", str(args.num_gpus), *cmd]
+        cmd = [launcher, "--num_gpus", str(args.num_gpus), "--master_port", str(free_port()), *cmd]
     else:
         cmd = [sys.executable, *cmd]
     stamp = out.with_name(out.name + "_cmd.json")
-    if args.reuse and (out / "elsa_report.json").is_file() and stamp.is_file() and json.loads(stamp.read_text()) == cmd[1:]:
+    ident = [c for i, c in enumerate(cmd[1:]) if c != "--master_port" and (i == 0 or cmd[i] != "--master_port")]
+    if args.reuse and (out / "elsa_report.json").is_file() and stamp.is_file() and json.loads(stamp.read_text()) in (ident, cmd[1:]):
         return json.loads((out / "elsa_report.json").read_text())
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log")
@@ -78,7 +87,7 @@ def prune(row: str, sparsity: float | None, args, out: Path, extra: list[str]) -
     report = json.loads((out / "elsa_report.json").read_text())
     report["bench_wall_s"] = time.time() - started
     (out / "elsa_report.json").write_text(json.dumps(report, indent=2))
-    stamp.write_text(json.dumps(cmd[1:]))
+    stamp.write_text(json.dumps(ident))
     return report
 
 
