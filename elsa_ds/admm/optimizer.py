@@ -287,6 +287,11 @@ class AdmmOptimizer(OptimizerWrapper):
         """This rank's metric sums since ``begin_step`` (see METRIC_NAMES); all-reduce to combine."""
         return self._metrics.clone()
 
+    def kernel_report(self) -> dict:
+        """Whether the fused kernels were available, and how the fused projections found their thresholds so far
+        ({"bracket": n, "missed": n, "exact": n}: decided from global counts, so the same on every rank)."""
+        return {"available": self._fused.kernels is not None, "projection_paths": dict(self._fused.projection_paths)}
+
 
 def summarize_metrics(sums: torch.Tensor, lam: float) -> dict[str, float]:
     """Turn all-reduced metric sums into the per-projection log line's numbers."""

@@ -42,6 +42,7 @@ def elsa_report(job, staging: Path, pruned_ppl: float | None) -> dict[str, Any]:
         "residual": projections[-1]["residual"] if projections else None,
         "projections": state.history,
         "admm_state_bytes_per_param": last.get("admm_state_bytes_per_param"),
+        "kernels": job.job.admm.kernel_report(),
         "training_data": job.train_data,
         "ppl": {"dense": dense, "magnitude_oneshot": baseline, "pruned": pruned_ppl, **_validation(job.validation)},
         "vs_magnitude": None if baseline is None or pruned_ppl is None else {

@@ -61,6 +61,8 @@ def test_elsal_low_precision_states_under_cpu_offload(tmp_path, small_model_dir,
     assert report["config"]["z_dtype"] == "fp8" and report["config"]["u_dtype"] == "bf16"
     assert report["config"]["base_optimizer"] == "adam8bit"
     assert report["admm_state_bytes_per_param"] <= 3.01
+    if report["kernels"]["available"]:  # every projection of every CPU flat went through the fused kernels
+        assert sum(report["kernels"]["projection_paths"].values()) >= len(report["projections"]), report["kernels"]
     for name, mask in masks.items():
         assert int((~mask).sum()) == round(0.7 * mask.numel()), name
     if ranks is None:  # fp8 scales per layer over all ranks: the same codes, hence the same masks, on 1 and 2 ranks
