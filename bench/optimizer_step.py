@@ -241,8 +241,8 @@ def main() -> int:
         out[numel] = report(numel, measure(numel, args), args.interval)
     if args.json:
         first = out[int(args.numel[0])]
-        print(json.dumps({**{k: round(v, 3) if isinstance(v, float) else v for k, v in first.items()}, "numel": int(args.numel[0]), "slices": args.slices,
-                          "interval": args.interval}))
+        rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in first.items()}
+        print(json.dumps({**rounded, "numel": int(args.numel[0]), "slices": args.slices, "interval": args.interval}))
     return 0
 
 

@@ -70,24 +70,25 @@ def prune(row: str, sparsity: float | None, args, out: Path, extra: list[str]) -
     cmd += extra
     if trains(row):
         launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
-        cmd = [launcher, "--num_gpus", str(args.num_gpus), "--master_port", str(free_port()), *cmd]
+        cmd = [launcher, "--num_gpus", str(args.num_gpus), *cmd]
     else:
         cmd = [sys.executable, *cmd]
     stamp = out.with_name(out.name + "_cmd.json")
-    ident = [c for i, c in enumerate(cmd[1:]) if c != "--master_port" and (i == 0 or cmd[i] != "--master_port")]
-    if args.reuse and (out / "elsa_report.json").is_file() and stamp.is_file() and json.loads(stamp.read_text()) in (ident, cmd[1:]):
+    if args.reuse and (out / "elsa_report.json").is_file() and stamp.is_file() and json.loads(stamp.read_text()) == cmd[1:]:
         return json.loads((out / "elsa_report.json").read_text())
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log")
     started = time.time()
     with log.open("w") as fh:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        port = ["--master_port", str(free_port())] if trains(row) else []  # not in the stamp: it changes every run
+        rc = subprocess.run(cmd[:1] + port + cmd[1:], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
     if rc != 0:
         raise SystemExit(f"{row} at {sparsity}: launch/prune.py failed with exit code {rc}; see {log}")
     report = json.loads((out / "elsa_report.json").read_text())
     report["bench_wall_s"] = time.time() - started
     (out / "elsa_report.json").write_text(json.dumps(report, indent=2))
-    stamp.write_text(json.dumps(ident))
+    stamp.write_text(json.dumps(cmd[1:]))
     return report
 
 

@@ -13,18 +13,19 @@ WORDS = ("the kernel maps a page into the process address space and the driver r
          "when an interrupt arrives the handler wakes the waiting task and returns").split()
 
 
-def _corpus(tmp_path):
+def _corpus(folder):
+    folder.mkdir()
     for split, docs in (("train", 40), ("validation", 6), ("test", 6)):
-        with (tmp_path / f"{split}.jsonl").open("w") as fh:
+        with (folder / f"{split}.jsonl").open("w") as fh:
             for d in range(docs):
                 text = " ".join(WORDS[(d * 7 + i * 3) % len(WORDS)] for i in range(60))
                 fh.write(json.dumps({"text": text}) + "\n")
-    return tmp_path
+    return folder
 
 
 @pytest.mark.parametrize("arch,add_bos", [("llama", True), ("qwen2", False)])
 def test_train_runs_the_probe_saves_and_scores_held_out_text(tmp_path, arch, add_bos):
-    corpus = _corpus(tmp_path / "corpus" if (tmp_path / "corpus").mkdir() is None else None)
+    corpus = _corpus(tmp_path / "corpus")
     s = TrainSettings(arch=arch, arch_kwargs={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                                               "num_attention_heads": 2, "num_key_value_heads": 1},
                       vocab=300, add_bos=add_bos, seqlen=32, batch=2, steps=3, eval_every=2, eval_blocks=2, threads=1)

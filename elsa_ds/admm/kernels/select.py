@@ -4,7 +4,7 @@ The eager reference (``projection.select_masks``) finds each layer's threshold k
 passes over stored scores; here (csrc/select.cpp) every pass recomputes the key of each entry from
 x, u and F, so no score buffer exists. On large flats (``BRACKET_MIN_NUMEL``):
 
-    sample   high-16-bit histogram of 1/16 of the keys (64-entry blocks at hashed places)  all-reduce (sum)
+    sample   high-16-bit histogram of 1/16 of the keys (256-entry blocks at hashed places) all-reduce (sum)
              -> per layer a bracket [lo, hi] of keys around the keep-th largest, with a margin of
                 ``MARGIN_SIGMAS`` standard deviations of the sampled rank (blocks counted as correlated)
     pass 1   count the keys above hi, collect those inside [lo, hi]; peak |v| per slice     all-reduce (sum)
@@ -43,7 +43,7 @@ _NO_KEY = (1 << 31) - 1  # above every score key (keys are non-negative fp32 bit
 _EMPTY = torch.empty(0)
 _EMPTY_I64 = torch.empty(0, dtype=torch.int64)
 BRACKET_MIN_NUMEL = 1 << 20  # flats whose active layers hold fewer entries (globally) take the exact passes
-SAMPLE_STRIDE = 16  # one 64-entry block in every 1024 entries
+SAMPLE_STRIDE = 16  # one sampled block (256 entries, csrc/select.cpp's kSample) in every 16
 MARGIN_SIGMAS = 6.0  # the bracket's half-width in standard deviations of the sampled rank...
 DESIGN_EFFECT = 4.0  # ...whose variance is taken as this many times a simple random sample's (neighbours correlate)
 
@@ -73,7 +73,7 @@ def _next_digit(hist: torch.Tensor, need: torch.Tensor, above: torch.Tensor) -> 
 
 
 def exact_thresholds(kernels, source: tuple, table, slices: list[Slice], comm: Comm,
-               scaled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     scaled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, take, peaks, ties) by two full histogram passes; see ``thresholds``. Collective."""
     x, u, us, f, qmap, absmax = source
     need = torch.tensor([s.keep for s in slices], dtype=torch.int64)
@@ -85,21 +85,21 @@ def exact_thresholds(kernels, source: tuple, table, slices: list[Slice], comm: C
     high, above = _next_digit(hist, need, torch.zeros_like(need))
     prefix = torch.where(active, high, torch.full_like(high, -1))
     local, _ = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, prefix, 1)
-    merged = comm.all_reduce_sum(local.clone())
-    low, above = _next_digit(merged, need, above)
-    threshold = torch.where(active, (high << _DIGIT) | low, torch.full_like(high, _NO_KEY))
-    threshold, take, ties = _resolve(threshold, active, local, low, need, above, comm)
+    threshold, take, ties = _low_digit(high, above, local, need, active, comm)
     return threshold, take, peaks, ties
 
 
-def _resolve(threshold, active, local, low, need, above, comm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T, take): this rank's tied entries (``local``'s low-digit bin of T) and how many of them to keep."""
+def _low_digit(high, above, local, need, active, comm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, take, ties) from the high digit and this rank's low-digit histogram under it (``local``): the merged
+    histogram gives T's low digit; this rank's ties are local's count in T's bin, and the lower ranks' ties go first
+    (the reference's index order), so this rank keeps ``take`` of them. Collective (all-reduce, all-gather)."""
+    merged = comm.all_reduce_sum(local.clone())
+    low, above = _next_digit(merged, need, above)
+    threshold = torch.where(active, (high << _DIGIT) | low, torch.full_like(high, _NO_KEY))
     ties = torch.where(active, local.to(torch.int64).gather(1, low.clamp_min(0).unsqueeze(1)).squeeze(1), 0)
     before = comm.all_gather(ties)[: comm.rank].sum(0)
     take = torch.minimum((need - above - before).clamp_min(0), ties)
     return threshold, take, ties
-
-
 
 
 def _brackets(sample: torch.Tensor, need: torch.Tensor, numel: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,10 +141,7 @@ def bracket_thresholds(kernels, source: tuple, table, slices: list[Slice], comm:
     comm.all_reduce_sum(high_hist)
     high, above = _next_digit(high_hist, need, above)
     local = kernels.select_key_histogram(keys, found, torch.where(active, high, -1))
-    merged = comm.all_reduce_sum(local.clone())
-    low, above = _next_digit(merged, need, above)
-    threshold = torch.where(active, (high << _DIGIT) | low, torch.full_like(high, _NO_KEY))
-    threshold, take, ties = _resolve(threshold, active, local, low, need, above, comm)
+    threshold, take, ties = _low_digit(high, above, local, need, active, comm)
     return threshold, take, peaks, ties
 
 
@@ -179,7 +176,7 @@ def split(kernels, flat: torch.Tensor, st: dict, keys: tuple[str, str, str, str]
     metrics, seen = kernels.select_split(
         x, u if mode == UPDATE else _EMPTY, us_old if mode == UPDATE else _EMPTY, *source[3:], st[z_key],
         st[zs_key].clone(), z_scale, u_scale, table.offsets, table.lengths, threshold, take, mode)
-    if not torch.equal(seen, ties):  # pass 2 and pass 3 recompute the same keys: a mismatch is a kernel bug
+    if not torch.equal(seen, ties):  # the threshold search and the split compute the same keys: a mismatch is a kernel bug
         raise RuntimeError(f"fused projection: tie counts {seen.tolist()} differ from the histogram's {ties.tolist()}")
     st[zs_key].copy_(z_scale)
     if mode == FINAL:

@@ -77,8 +77,8 @@ enum class SplitMode : int { kUpdate = 0, kInit = 1, kFinal = 2 };
 
 // per slice: a 65536-bin histogram of the scores' high 16 key bits (prefix == null), or of the low 16
 // bits of the keys whose high half equals prefix[j]; and each slice's peak |v|
-// (stride > 1: the high-half histogram of a sample, one block of 64 entries at a pseudo-random place in
-// every stride·64 entries of the flat; peaks are then left at 0)
+// (stride > 1: the high-half histogram of a sample, one block of 256 entries at a pseudo-random place in
+// every stride·256 entries of the flat; peaks are then left at 0)
 void select_histogram(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* prefix, int64_t stride,
                       int32_t* hist, float* peaks);
 // per slice: counts[2j] = keys above hi[j], counts[2j+1] = keys in [lo[j], hi[j]] (none when lo > hi; the

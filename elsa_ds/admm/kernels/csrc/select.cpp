@@ -74,23 +74,26 @@ struct Row {
 };
 
 // ---- histogram passes --------------------------------------------------------------------------
-// the low halves of the keys whose high half is `prefix`, packed to the front of `out` (may be `keys`)
-inline int64_t low_halves(const uint32_t* keys, int64_t m, uint32_t prefix, uint32_t* out) {
+// the keys of keys[0, m) in [lo, hi], packed to the front of keys (in order); how many
+inline int64_t pack_inside(uint32_t* keys, int64_t m, uint32_t lo, uint32_t hi) {
     int64_t found = 0, i = 0;
 #if defined(__AVX512F__)
-    const __m512i want = _mm512_set1_epi32(int(prefix)), low = _mm512_set1_epi32(0xFFFF);
+    const __m512i vlo = _mm512_set1_epi32(int(lo)), vhi = _mm512_set1_epi32(int(hi));
     for (; i + 16 <= m; i += 16) {
         const __m512i k = _mm512_loadu_si512(keys + i);
-        const __mmask16 hit = _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(k, 16), want);
+        const __mmask16 hit = _mm512_cmpge_epu32_mask(k, vlo) & _mm512_cmple_epu32_mask(k, vhi);
         if (!hit) continue;
         // compress in a register, then a full store (found <= i: lanes past the hits land on keys already read);
         // a compress straight to memory is microcoded and slow on AMD Zen 4
-        _mm512_storeu_si512(out + found, _mm512_maskz_compress_epi32(hit, _mm512_and_si512(k, low)));
+        _mm512_storeu_si512(keys + found, _mm512_maskz_compress_epi32(hit, k));
         found += __builtin_popcount(hit);
     }
 #endif
-    for (; i < m; ++i)
-        if ((keys[i] >> 16) == prefix) out[found++] = keys[i] & 0xFFFFu;
+    for (; i < m; ++i) {  // branch-free: found <= i, so the write never overtakes the read
+        const uint32_t k = keys[i];
+        keys[found] = k;
+        found += (k >= lo) & (k <= hi);
+    }
     return found;
 }
 
@@ -110,8 +113,9 @@ __attribute__((noinline)) void histogram_piece(const Row<UT, FK> r, int64_t n, i
         if (prefix < 0) {
             for (int64_t i = 0; i < m; ++i) ++hist[keys[i] >> 16];
         } else {
-            const int64_t found = low_halves(keys, m, uint32_t(prefix), keys);  // few: the threshold's bin only
-            for (int64_t i = 0; i < found; ++i) ++hist[keys[i]];
+            const uint32_t lo = uint32_t(prefix) << 16;  // the keys whose high half is prefix: few, T's bin only
+            const int64_t found = pack_inside(keys, m, lo, lo | 0xFFFFu);
+            for (int64_t i = 0; i < found; ++i) ++hist[keys[i] & 0xFFFFu];
         }
     }
 }
@@ -170,27 +174,6 @@ struct Bracket {  // per piece
     bool overflow = false;
     std::vector<uint32_t> keys;  // the keys in [lo, hi]
 };
-
-// the keys of keys[0, m) in [lo, hi], packed to the front of keys (in order); how many
-inline int64_t pack_inside(uint32_t* keys, int64_t m, uint32_t lo, uint32_t hi) {
-    int64_t found = 0, i = 0;
-#if defined(__AVX512F__)
-    const __m512i vlo = _mm512_set1_epi32(int(lo)), vhi = _mm512_set1_epi32(int(hi));
-    for (; i + 16 <= m; i += 16) {
-        const __m512i k = _mm512_loadu_si512(keys + i);
-        const __mmask16 hit = _mm512_cmpge_epu32_mask(k, vlo) & _mm512_cmple_epu32_mask(k, vhi);
-        if (!hit) continue;
-        _mm512_storeu_si512(keys + found, _mm512_maskz_compress_epi32(hit, k));  // as in low_halves
-        found += __builtin_popcount(hit);
-    }
-#endif
-    for (; i < m; ++i) {  // branch-free: found <= i, so the write never overtakes the read
-        const uint32_t k = keys[i];
-        keys[found] = k;
-        found += (k >= lo) & (k <= hi);
-    }
-    return found;
-}
 
 // count the keys above hi, keep those in [lo, hi] (at most kChunk / 4 per piece), and the peak |v|
 template <class UT, int FK>
