@@ -1,11 +1,14 @@
-"""Collect the built models' metrics and their one-shot sanity runs into one small JSON (no weights).
+"""Collect the built models' metrics and their quality-bench results into one small JSON (no weights).
 
     python bench/models/summarize.py --json bench/results/models.json \\
-        --sanity docs-llama=out/models/docs-llama/quality.json --sanity check-qwen2=out/models/check-qwen2/quality.json
+        --quality docs-llama=bench/results/quality_docs-llama.json \\
+        --quality docs-llama=bench/results/quality_docs-llama_90.json \\
+        --quality check-qwen2=bench/results/quality_check-qwen2.json
 
 Reads ``training_metrics.json`` of every recipe in ``build.RECIPES`` under ``--models`` (default
-``~/.cache/elsa_ds/models``; a model not built there is listed with ``"built": false``), and for ``--sanity NAME=FILE`` the ``quality.json`` that ``bench/quality.py``
-wrote for that model (dense and pruned perplexity on the test split).
+``~/.cache/elsa_ds/models``; a model not built there is listed with ``"built": false``), and for ``--quality NAME=FILE``
+the ``quality.json`` that ``bench/quality.py`` wrote for that model (every row's held-out perplexity, budget and
+settings). The JSON is written to a temporary file and renamed, so an existing one is never half-overwritten.
 """
 from __future__ import annotations
 
@@ -25,7 +28,19 @@ KEEP = ("arch", "n_params", "steps", "batch", "seqlen", "tokens_seen", "epochs",
         "versions", "recipe_key", "val_curve")
 
 
-def summary(models: Path, sanity: dict[str, Path]) -> dict:
+def quality_rows(path: Path) -> dict:
+    """One bench/quality.py JSON, without the absolute paths and the per-run noise."""
+    q = json.loads(path.read_text())
+    if not isinstance(q.get("results"), list) or any("row" not in r for r in q["results"]):
+        raise ValueError(f"{path}: not a bench/quality.py JSON (no results[].row)")
+    return {"file": path.name, "eval": Path(q["eval"]).name, "seqlen": q["seqlen"], "steps": q["steps"],
+            "elsa_args": q["elsa_args"], "ft_args": q["ft_args"],
+            "results": [{"row": r["row"], "sparsity": r["sparsity"], "ppl": round(r["ppl"], 3),
+                         "overall_sparsity": r["overall_sparsity"], "budget": r["budget"], "settings": r["settings"],
+                         "wall_s": None if r["wall_s"] is None else round(r["wall_s"], 1)} for r in q["results"]]}
+
+
+def summary(models: Path, quality: dict[str, list[Path]]) -> dict:
     out = {}
     for name, (corpus, settings, role) in RECIPES.items():
         path = models.expanduser() / name / "training_metrics.json"
@@ -35,14 +50,8 @@ def summary(models: Path, sanity: dict[str, Path]) -> dict:
             continue
         m = json.loads(path.read_text())
         entry = {"role": role, "built": True, "corpus": m["corpus"], "settings": m["settings"], **{k: m[k] for k in KEEP}}
-        if name in sanity:
-            q = json.loads(sanity[name].read_text())
-            entry["oneshot_sanity"] = {
-                "eval": Path(q["eval"]).name, "seqlen": q["seqlen"], "dense_ppl": round(q["dense_ppl"], 3),
-                "results": [{"method": r["method"], "sparsity": r["sparsity"], "ppl": round(r["ppl"], 3),
-                             "overall_sparsity": r["overall_sparsity"], "calibration": r["budget"], "wall_s": round(r["wall_s"], 1)}
-                            for r in q["results"]],
-            }
+        if name in quality:
+            entry["quality"] = [quality_rows(path) for path in quality[name]]
         out[name] = entry
     return out
 
@@ -50,17 +59,24 @@ def summary(models: Path, sanity: dict[str, Path]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", type=Path, default=MODELS_HOME)
-    ap.add_argument("--sanity", action="append", default=[], metavar="NAME=FILE", help="bench/quality.py JSON of a model")
+    ap.add_argument("--quality", action="append", default=[], metavar="NAME=FILE", help="bench/quality.py JSON of a model (repeatable)")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
-    sanity = {}
-    for item in args.sanity:
+    quality = {}
+    for item in args.quality:
         name, _, file = item.partition("=")
         if name not in RECIPES or not file:
-            ap.error(f"--sanity {item!r}: expected NAME=FILE with NAME in {', '.join(RECIPES)}")
-        sanity[name] = Path(file)
-    data = summary(args.models, sanity)
-    args.json.write_text(json.dumps(data, indent=1) + "\n")
+            ap.error(f"--quality {item!r}: expected NAME=FILE with NAME in {', '.join(RECIPES)}")
+        if not Path(file).is_file():
+            ap.error(f"--quality {item!r}: {file} is not a file (run bench/quality.py for {name} first)")
+        quality.setdefault(name, []).append(Path(file))
+    try:
+        data = summary(args.models, quality)
+    except ValueError as e:
+        ap.error(str(e))
+    tmp = args.json.with_name(f".{args.json.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(args.json)
     print(json.dumps({k: {"val_ppl": v.get("val_ppl"), "test_ppl": v.get("test_ppl")} for k, v in data.items()}))
     return 0
 
