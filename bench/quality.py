@@ -148,6 +148,7 @@ def main() -> int:
 
     from elsa_ds.cli import _quiet_libraries
     from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
+    from elsa_ds.io import write_json
     from elsa_ds.zero.ds_config import DsConfig
 
     _quiet_libraries()
@@ -186,9 +187,7 @@ def main() -> int:
     payload = {"model": model, "eval": source, "seqlen": cfg.seqlen, "steps": args.steps, "limit": args.limit,
                "elsa_args": args.elsa_args, "ft_args": args.ft_args, "results": results}
     for path in filter(None, (args.out / "quality.json", args.json)):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(payload, indent=2) + "\n")
-        tmp.replace(path)
+        write_json(path, payload)
     print(md)
     print(json.dumps(payload))
     return 0

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.models.build import MODELS_HOME, RECIPES  # noqa: E402
+from elsa_ds.io import write_atomic  # noqa: E402
 
 KEEP = ("arch", "n_params", "steps", "batch", "seqlen", "tokens_seen", "epochs", "final_train_loss", "val_ppl",
         "test_ppl", "heldout", "tokens", "warmup_steps", "tokenizer", "train_wall_s", "eval_wall_s", "wall_s",
@@ -74,9 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         data = summary(args.models, quality)
     except ValueError as e:
         ap.error(str(e))
-    tmp = args.json.with_name(f".{args.json.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(args.json)
+    write_atomic(args.json, json.dumps(data, indent=1) + "\n")
     print(json.dumps({k: {"val_ppl": v.get("val_ppl"), "test_ppl": v.get("test_ppl")} for k, v in data.items()}))
     return 0
 
