@@ -6,6 +6,9 @@ A run that would fail later fails here, in seconds, with one line.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 from elsa_ds import preflight
 from elsa_ds.config import ElsaConfig, JobOptions
 from elsa_ds.errors import ElsaError
@@ -16,6 +19,7 @@ from elsa_ds.output import check_output_dir
 from elsa_ds.targets import select_targets
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.zero.engine import cpu_bf16_fallback
 
 
 def model_source(cfg: ElsaConfig, opts: JobOptions) -> ModelSource:
@@ -29,6 +33,9 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     if not cfg.random_init:
         source.check_weights()
     ds = ds_config.engine_config(cfg, world_size, hidden_size(model_config))
+    fallback = cpu_bf16_fallback(ds)
+    if fallback and os.environ.get("RANK", "0") == "0":
+        print(fallback, file=sys.stderr)
     meta = meta_model(model_config)
     check_goals(cfg, meta)
     check_nvme_param_buffers(meta, ds, world_size)

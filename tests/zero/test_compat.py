@@ -19,3 +19,24 @@ def test_an_abandoned_build_lock_is_reported_and_a_fresh_or_finished_one_is_not(
     os.utime(built / "lock", (old, old))
     warnings = stale_build_locks()
     assert len(warnings) == 1 and str(killed / "lock") in warnings[0] and "delete it" in warnings[0]
+
+
+def test_bf16_is_switched_off_on_a_cpu_without_a_fast_bf16_matmul_and_kept_where_there_is_one(monkeypatch):
+    import torch
+
+    from elsa_ds.zero.engine import cpu_bf16_fallback
+
+    monkeypatch.delenv("ELSA_DS_CPU_BF16", raising=False)
+    for fast in (False, True):  # what oneDNN reports on an AVX2 CPU / on one with AVX-512 or AMX
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda fast=fast: fast)
+        ds = {"bf16": {"enabled": True}}
+        message = cpu_bf16_fallback(ds)
+        assert ds["bf16"]["enabled"] is fast and (message is None) is fast
+        assert fast or "fp32" in message and "ELSA_DS_CPU_BF16=1" in message
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    monkeypatch.setenv("ELSA_DS_CPU_BF16", "1")  # the user keeps bf16
+    ds = {"bf16": {"enabled": True}}
+    assert cpu_bf16_fallback(ds) is None and ds["bf16"]["enabled"] is True
+    ds = {"bf16": {"enabled": False}}  # an fp32 config is left alone
+    assert cpu_bf16_fallback(ds) is None and ds == {"bf16": {"enabled": False}}
+

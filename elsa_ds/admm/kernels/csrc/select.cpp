@@ -237,6 +237,15 @@ inline T store_as(float value, float scale) {
     }
 }
 
+// skip ? old : fresh, for a storage element. fp8 / bf16 codes are chosen as 32-bit integers and narrowed after: a
+// select of 8- or 16-bit structs is a branch GCC if-converts only into a masked byte store, which AVX2 lacks (the
+// split loop then stayed scalar there, 6x slower than with AVX-512)
+template <class T>
+inline T pick(bool skip, T old, T fresh) {
+    if constexpr (std::is_same_v<T, float>) return skip ? old : fresh;
+    else return T{decltype(old.bits)(skip ? uint32_t(old.bits) : uint32_t(fresh.bits))};
+}
+
 struct Tally {  // per piece
     double residual_sq = 0.0, x_sq = 0.0;
     int64_t flips = 0, ties = 0;
@@ -280,8 +289,8 @@ struct Splitter {
         if constexpr (MODE == kUpdate) {
             const float x = r.x[i];
             const float zo = std::is_same_v<ZT, float> ? to_float(z_old) : to_float(z_old) * z_scale_old;
-            z[i] = skip ? z_old : store_as<ZT>(zn, z_scale);
-            u[i] = skip ? u[i] : store_as<UT>(v - zn, u_scale);
+            z[i] = pick(skip, z_old, store_as<ZT>(zn, z_scale));
+            u[i] = pick(skip, u[i], store_as<UT>(v - zn, u_scale));
             const float res = (x - zn) * (x - zn), xx = x * x;
             t.residual_sq = skip ? 0.0f : res;
             t.x_sq = skip ? 0.0f : xx;
@@ -289,7 +298,7 @@ struct Splitter {
             t.flips = skip ? 0.0f : flip;
         } else {
             if constexpr (MODE == kFinal) r.x[i] = skip ? r.x[i] : zn;  // x ← x ⊙ mask
-            z[i] = skip ? z_old : store_as<ZT>(zn, z_scale);
+            z[i] = pick(skip, z_old, store_as<ZT>(zn, z_scale));
         }
         return t;
     }
@@ -313,16 +322,16 @@ __attribute__((noinline)) void split_untied(const Splitter<ZT, UT, FK, MODE> sp,
             values[i] = sp.value(b + i);
             keys[i] = sp.r.key(b + i, values[i]);
         }
-        float res = 0.0f, xsq = 0.0f, flips = 0.0f;
-        int64_t ties = 0;
-#pragma omp simd reduction(+ : res, xsq, flips, ties)
+        float res = 0.0f, xsq = 0.0f, flips = 0.0f, tied = 0.0f;  // (counts as fp32 sums of <= kKeys ones: exact)
+#pragma omp simd reduction(+ : res, xsq, flips, tied)
         for (int64_t i = 0; i < m; ++i) {
             const Contribution e = sp.entry(b + i, values[i], keys[i] > threshold, keys[i] == threshold);
             res += e.residual_sq;
             xsq += e.x_sq;
             flips += e.flips;
-            ties += keys[i] == threshold ? 1 : 0;
+            tied += keys[i] == threshold ? 1.0f : 0.0f;
         }
+        const int64_t ties = int64_t(tied);
         t.residual_sq += res;
         t.x_sq += xsq;
         t.flips += int64_t(flips);

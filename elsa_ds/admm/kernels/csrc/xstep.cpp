@@ -5,7 +5,7 @@
 //   DeepSpeedCPUAdam's update on g'                  everywhere (cpu_adam.h, Step_AVX / Step_1)
 //
 // The Adam arithmetic is DeepSpeed's, operation for operation: fused multiply-adds where its SIMD body
-// has them, and for the scalar tail (the last numel % 16 entries of a flat) the ones GCC's default fp
+// has them, and for the scalar tail (the last numel % SIMD_WIDTH entries of a flat: 16 with AVX-512, 8 with AVX2) the ones GCC's default fp
 // contraction gives its Step_1 loop; the bias corrections come from the caller exactly as DeepSpeed
 // computes them (kernels/xstep.py). Tests hold the kernel to DeepSpeedCPUAdam bit for bit.
 #include <omp.h>
@@ -18,6 +18,17 @@ namespace elsa {
 namespace {
 
 enum Decay { kNoDecay = 0, kL2 = 1, kAdamW = 2 };
+
+// DeepSpeed's SIMD_WIDTH on this CPU: its op builder compiles cpu_adam with __AVX512__ when the CPU has AVX-512
+// (16 floats), else __AVX256__ with AVX2 (8), else no vector body at all; the entries past the last full vector are
+// its scalar tail (-march=native sees the same CPU)
+#if defined(__AVX512F__)
+constexpr int64_t kDeepSpeedSimdWidth = 16;
+#elif defined(__AVX2__)
+constexpr int64_t kDeepSpeedSimdWidth = 8;
+#else
+constexpr int64_t kDeepSpeedSimdWidth = 0;  // no vector body: every entry is in the scalar tail
+#endif
 
 struct AdamConsts {
     float beta1, beta2, one_minus_beta1, one_minus_beta2;
@@ -73,7 +84,7 @@ void adam_span(float* p, const float* g, float* m, float* v, const ZT* z, const 
 template <class ZT, class UT>
 void adam_flat(float* p, const float* g, float* m, float* v, int64_t n, const ZU& zu, const Slices& slices, float lam,
                const AdamConsts& c) {
-    const int64_t simd_end = n - n % 16;  // where DeepSpeed's vector body ends and its scalar tail starts
+    const int64_t simd_end = kDeepSpeedSimdWidth ? n - n % kDeepSpeedSimdWidth : 0;  // where DeepSpeed's vector body ends and its scalar tail starts
     const auto plan = make_plan(slices, n, /*with_gaps=*/true);
     const ZT* z = static_cast<const ZT*>(zu.z);
     const UT* u = static_cast<const UT*>(zu.u);
