@@ -32,18 +32,12 @@ NAMED_TEXT_SOURCES = ("wikitext2", "c4", DEMO_DATASET)
 
 # Settings that make the embedded default finish in minutes on 2 CPU cores; used only for the demo
 # model and only where neither a recipe, the JSON nor the command line set the field.
-DEMO_PROFILE: dict[str, Any] = {
-    "dataset": DEMO_DATASET,
-    "seqlen": 256,
-    "steps": 512,
-    "micro_batch": 4,
-    "val_windows": 64,
-    "gradient_checkpointing": False,
-}
+DEMO_PROFILE: dict[str, Any] = {"dataset": DEMO_DATASET, "seqlen": 256, "steps": 512, "micro_batch": 4, "val_windows": 64,
+                                "gradient_checkpointing": False}
 
 # What a resumed run must share with the run that wrote its checkpoint.
 RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "dataset", "sparsity", "pattern", "sparsity_profile",
-                     "init_mask", "targets", "steps", "interval", "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype",
+                     "init_mask", "targets", "steps", "interval", "hold_steps", "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype",
                      "base_optimizer", "lr", "seqlen", "seed", "val_dataset", "sampling", "ppl_protocol", "val_windows",
                      "freeze_embeddings")
 
@@ -127,6 +121,8 @@ class ElsaConfig(BaseModel):
     """Optimizer steps (global batches)."""
     interval: int = Field(32, gt=0, **_group("admm"))
     """Steps between projections z = Π(x + u), u = u + x − z."""
+    hold_steps: int = Field(0, ge=0, **_group("admm"))
+    """Train the last this many steps inside a fixed mask: the hard projection x = Π(x) comes that many steps before the end, then no penalty and the pruned entries held at exactly 0 (the masked retraining of ADMM pruning; not in the ELSA paper). λ's schedule runs over the steps before it. 0 = the paper's method."""
     select_every: int = Field(0, ge=0, **_group("admm"))
     """Score the hard projection Π(x) on the validation windows every this many projections and export the best one
     (0 = export the final Π(x))."""
@@ -281,13 +277,16 @@ class ElsaConfig(BaseModel):
                              "needs no job: evaluate it with launch/evaluate.py)")
         if self.finetune_steps is not None and self.finetune is None:
             raise ValueError("finetune_steps counts --finetune steps; set --finetune full or lora, or drop it")
-        if (self.select_every or self.select_patience) and self.method is not Method.elsa:
-            raise ValueError("select_every / select_patience pick among ELSA's projections; they mean nothing with method "
+        if (self.select_every or self.select_patience or self.hold_steps) and self.method is not Method.elsa:
+            raise ValueError("select_every / select_patience / hold_steps shape ELSA's run; they mean nothing with method "
                              f"{self.method.value}")
         if self.select_patience and not self.select_every:
             raise ValueError("select_patience counts scored projections; set select_every too")
         if self.select_every and not self.val_windows:
             raise ValueError("select_every scores projections on the validation windows; val_windows must be > 0")
+        if self.hold_steps and (self.hold_steps >= self.steps or self.select_every):
+            raise ValueError(f"hold_steps ({self.hold_steps}) ends ELSA's run inside a fixed mask: it must be below steps "
+                             f"({self.steps}), and select_every (which picks among the projections before it) must be 0")
         return self
 
     @property
@@ -317,7 +316,7 @@ class ElsaConfig(BaseModel):
     def admm_settings(self) -> AdmmSettings:
         return AdmmSettings(
             total_steps=self.steps, interval=self.interval, lmda=self.lmda, lmda_schedule=self.lmda_schedule,
-            projection=self.projection, z_dtype=self.z_dtype, u_dtype=self.u_dtype, pattern=self.nm,
+            projection=self.projection, z_dtype=self.z_dtype, u_dtype=self.u_dtype, pattern=self.nm, hold_steps=self.hold_steps,
         )
 
     def resume_fingerprint(self, world_size: int) -> dict[str, Any]:

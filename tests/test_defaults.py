@@ -20,11 +20,14 @@ def test_reproduces_the_papers_settings(anchor):
         assert low <= elsa_settings(anchor["n_params"], sparsity, anchor["steps"]).values["lmda"] <= high, sparsity
 
 
-def test_paper_schedule_cosine_at_high_sparsity_constant_below_and_for_short_budgets():
-    assert elsa_settings(6.74e9, 0.9, 4096).values["lmda_schedule"] is LambdaSchedule.cosine
-    assert elsa_settings(6.74e9, 0.7, 4096).values["lmda_schedule"] is LambdaSchedule.cosine
-    assert elsa_settings(6.74e9, 0.6, 4096).values["lmda_schedule"] is LambdaSchedule.constant
-    assert elsa_settings(6.74e9, 0.9, 400).values["lmda_schedule"] is LambdaSchedule.constant
+def test_paper_schedule_cosine_at_high_sparsity_constant_below_and_linear_for_short_budgets():
+    schedule = lambda s, t: elsa_settings(6.74e9, s, t).values["lmda_schedule"]  # noqa: E731
+    assert schedule(0.9, 4096) is LambdaSchedule.cosine and schedule(0.7, 4096) is LambdaSchedule.cosine
+    assert schedule(0.6, 4096) is LambdaSchedule.constant
+    # short budgets: a linear ramp from 0 at >= 80 % (it won at 90 %, lost at 70 %), constant below
+    assert schedule(0.9, 400) is LambdaSchedule.linear and schedule(0.8, 400) is LambdaSchedule.linear
+    assert schedule(0.95, 2047) is LambdaSchedule.linear and schedule(0.95, 2048) is LambdaSchedule.cosine
+    assert schedule(0.7, 400) is LambdaSchedule.constant and schedule(0.5, 400) is LambdaSchedule.constant
 
 
 def test_larger_steps_for_shorter_budgets_higher_sparsity_and_smaller_models():

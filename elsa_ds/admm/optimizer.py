@@ -7,6 +7,11 @@ ELSA solves  min f(x)  s.t.  ‖x_l‖₀ ≤ k_l  for every pruned layer l  by 
     z, u-update (every interval): z ← Π(x + u),   u ← u + x − z
     end                        : x ← Π(x)
 
+With ``hold_steps`` h > 0 (ours, not the paper's: the masked retraining of ADMM pruning, Zhang et al. 2018) the hard
+projection x ← Π(x) comes h steps before the end, and the last h steps train inside that mask: no penalty, the
+gradient of every pruned entry zeroed before the base step and the entry itself after it, so pruned entries stay
+exactly 0 (as one-shot + fine-tuning does for its whole run). λ's schedule then runs over the first T − h steps.
+
 Π keeps per layer the k entries with the largest F_ii (x+u)_i² (F = the base optimizer's second
 moment) or (x+u)_i² (magnitude), see ``projection.py``.
 
@@ -62,6 +67,7 @@ class AdmmSettings:
     z_dtype: StateDtype = StateDtype.fp32
     u_dtype: StateDtype = StateDtype.fp32
     pattern: NM | None = None  # N:M instead of a per-layer top-k
+    hold_steps: int = 0  # the last steps train inside the mask of an early x ← Π(x) (0: the paper's method)
     kernels: bool = True  # fused CPU kernels where they apply (ELSA_DS_KERNELS=0 also turns them off)
 
 
@@ -96,6 +102,7 @@ class AdmmOptimizer(OptimizerWrapper):
         self._dual_factor = 1.0
         self._project_now = False
         self._finalize_now = False
+        self._holding = False
         self._metrics = torch.zeros(len(METRIC_NAMES), dtype=torch.float64)
         self._fused = FusedPath(base, settings.kernels)
 
@@ -103,13 +110,20 @@ class AdmmOptimizer(OptimizerWrapper):
     def begin_step(self, step: int) -> None:
         """Set λ and the projection / finalization flags for engine step ``step`` (0-based)."""
         s = self.settings
-        lam = interval_lambda(step, s.total_steps, s.interval, s.lmda, s.lmda_schedule)
-        self._dual_factor = dual_rescale(self.lam, lam) if step > 0 else 1.0
+        admm_steps = s.total_steps - s.hold_steps  # steps 0 .. admm_steps − 1 are ADMM, the rest hold the mask
+        self._holding = step >= admm_steps
+        lam = interval_lambda(min(step, admm_steps - 1), admm_steps, s.interval, s.lmda, s.lmda_schedule)
+        self._dual_factor = dual_rescale(self.lam, lam) if step > 0 and not self._holding else 1.0
         self.lam = lam
         self.step_index = step
-        self._finalize_now = step == s.total_steps - 1
-        self._project_now = (step + 1) % s.interval == 0 and not self._finalize_now
+        self._finalize_now = step in (admm_steps - 1, s.total_steps - 1)
+        self._project_now = (step + 1) % s.interval == 0 and not self._finalize_now and not self._holding
         self._metrics.zero_()
+
+    @property
+    def holding(self) -> bool:
+        """True in the last ``hold_steps`` steps: training inside the fixed mask, no penalty."""
+        return self._holding
 
     @property
     def projected_this_step(self) -> bool:
@@ -119,20 +133,26 @@ class AdmmOptimizer(OptimizerWrapper):
     @torch.no_grad()
     def step(self, closure=None):
         flats = [(p, sl) for g in self.param_groups for p in g["params"] if (sl := self.slices_of(p)) is not None]
-        fused = []
+        fused, held = [], []
         for flat, slices in flats:
             st = self.state[flat]
             if Z not in st:
                 continue  # the first step: no z yet, and the base optimizer must see an empty state to init
-            if self._dual_factor != 1.0:
+            if self._holding:
+                held.append(self._hold_before(flat, slices))
+            elif self._dual_factor != 1.0:
                 self._rescale_dual(st)
+            lam = 0.0 if self._holding else self.lam
             if self._fused.steps(flat, st):
-                fused.append((flat, slices, st))
-            elif flat.grad is not None and self.lam > 0.0:
+                fused.append((flat, slices, st, lam))
+            elif flat.grad is not None and lam > 0.0:
                 self._add_penalty(flat, slices, st)
-        loss = self._base_step(closure, {id(flat) for flat, _, _ in fused})
-        for flat, slices, st in fused:  # penalty and Adam in one pass: the base's update, its state
-            self._fused.step(flat, slices, st, self._group_of(flat), self.lam, (st[Z], st[U], st[Z_SCALE], st[U_SCALE]))
+        loss = self._base_step(closure, {id(flat) for flat, _, _, _ in fused})
+        for flat, slices, st, lam in fused:  # penalty and Adam in one pass: the base's update, its state
+            self._fused.step(flat, slices, st, self._group_of(flat), lam, (st[Z], st[U], st[Z_SCALE], st[U_SCALE]))
+        for pruned in held:
+            for x, gone in pruned:
+                x.masked_fill_(gone, 0.0)
         for flat, slices in flats:
             st = self.state[flat]
             if Z not in st:
@@ -145,6 +165,22 @@ class AdmmOptimizer(OptimizerWrapper):
             elif self._project_now:
                 self._update_z_u(flat, slices, st)
         return loss
+
+    def _hold_before(self, flat: torch.Tensor, slices: list[Slice]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A held step, before the base step: the pruned entries (x == 0 since the early x ← Π(x); a kept entry that is
+        exactly 0 would stay 0, never more than the requested sparsity) get a zero gradient; returns (x, pruned) per
+        slice for zeroing them again after the step (Adam's momentum would move them)."""
+        out = []
+        grad = flat.grad.view(-1) if flat.grad is not None else None
+        for sl in slices:
+            if sl.length == 0:
+                continue
+            x = flat.detach().view(-1).narrow(0, sl.offset, sl.length)
+            gone = x == 0
+            if grad is not None:
+                grad.narrow(0, sl.offset, sl.length).masked_fill_(gone, 0.0)
+            out.append((x, gone))
+        return out
 
     def _base_step(self, closure, skip: set[int]):
         """base.step() on every parameter but those in ``skip`` (stepped by the fused kernel instead)."""

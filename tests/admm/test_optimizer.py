@@ -74,3 +74,47 @@ def test_second_moment_reads_adam_state():
     x.grad = torch.tensor([1.0, 2.0, 3.0])
     opt.step()
     assert torch.allclose(second_moment(opt.state[x]), 0.001 * torch.tensor([1.0, 4.0, 9.0]))
+
+
+def test_hold_steps_train_inside_the_early_projections_mask():
+    """hold_steps h: x ← Π(x) at step T − h − 1, then h steps of the base optimizer with the pruned entries held at
+    exactly 0 (gradient and value) while the kept ones keep training; λ ramps over the first T − h steps only."""
+    from elsa_ds.admm.schedule import LambdaSchedule
+
+    a, b, _ = _least_squares()
+    steps, hold, keep = 60, 20, keep_count(40, 0.75)
+    x = torch.nn.Parameter(torch.linalg.lstsq(a, b).solution.clone() + 0.3)
+    settings = AdmmSettings(total_steps=steps, interval=10, lmda=0.5, lmda_schedule=LambdaSchedule.linear, hold_steps=hold)
+    opt = AdmmOptimizer(torch.optim.Adam([x], lr=0.02), settings)
+    opt.assign(x, [Slice("x", 0, x.numel(), 0, x.numel(), keep)])
+    lams, kept_at, snapshots = [], None, []
+    for t in range(steps):
+        opt.begin_step(t)
+        lams.append(opt.lam)
+        assert opt.holding is (t >= steps - hold)
+        assert opt.projected_this_step is ((t + 1) % 10 == 0 and t < steps - hold or t in (steps - hold - 1, steps - 1))
+        opt.zero_grad()
+        (0.5 * (a @ x - b).square().mean()).backward()
+        opt.step()
+        if t == steps - hold - 1:  # the early hard projection
+            kept_at = x.detach() != 0
+            assert int(kept_at.sum()) == keep
+        if t >= steps - hold:
+            assert torch.equal(x.detach() != 0, kept_at)  # the mask is held, exactly
+            snapshots.append(x.detach().clone())
+    assert lams[steps - hold - 1] == 0.5 and lams[0] < lams[20] < 0.5  # the ramp ends where the hold starts
+    assert not torch.equal(snapshots[0], snapshots[-1])  # the kept entries train on
+    assert int((x != 0).sum()) == keep
+
+
+def test_hold_steps_is_refused_where_it_means_nothing():
+    import pytest
+
+    from elsa_ds.config import resolve_config
+    from elsa_ds.errors import ElsaError
+
+    for given, words in (({"hold_steps": 100, "steps": 100}, "must be below steps"),
+                         ({"hold_steps": 10, "method": "wanda", "finetune": "full"}, "mean nothing"),
+                         ({"hold_steps": 10, "select_every": 2}, "select_every .* must be 0")):
+        with pytest.raises((ElsaError, ValueError), match=words):
+            resolve_config({}, {"model": "m", **given})

@@ -98,3 +98,15 @@ def test_elsal_under_nvme_equals_cpu_offload(tmp_path, small_model_dir, text_dir
     assert nvme_report["final_loss"] == pytest.approx(cpu_report["final_loss"], rel=1e-5)
     swapped = [p.name for p in (nvme / "zero_stage_3" / "optimizer").rglob("*.tensor.swp")]
     assert swapped and not [n for n in swapped if "-" in n], swapped  # the fp32 masters only: no named state was swapped
+
+
+@pytest.mark.parametrize("config", ["zero3_offload.json", "zero3_offload_elsal.json"])
+def test_hold_steps_end_the_run_inside_a_fixed_mask_on_two_ranks(tmp_path, small_model_dir, text_dir, config):
+    """--hold_steps under ZeRO-3 on 2 ranks through the fused kernels (fp32 Adam; 8-bit Adam with fp8 z / bf16 u): the
+    early x = Π(x) at step T − h, no projection after it, exact sparsity in the export."""
+    out = _elsal(tmp_path, small_model_dir, text_dir, 2, config, "--steps", "12", "--hold_steps", "4")
+    masks, report = _masks(out)
+    assert report["config"]["hold_steps"] == 4
+    assert [p["step"] for p in report["projections"]] == [4, 8, 12], report["projections"]
+    for name, mask in masks.items():
+        assert int((~mask).sum()) == round(0.7 * mask.numel()), name
