@@ -40,6 +40,7 @@ RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "
                      "init_mask", "targets", "steps", "interval", "hold_steps", "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype",
                      "base_optimizer", "lr", "seqlen", "seed", "val_dataset", "sampling", "ppl_protocol", "val_windows",
                      "freeze_embeddings")
+RESUME_DEFAULTS = {"hold_steps": 0}  # settings added since checkpoints were first written: their value before then
 
 
 def _group(name: str, metavar: str | None = None) -> dict[str, Any]:

@@ -129,6 +129,11 @@ class AdmmOptimizer(OptimizerWrapper):
     def projected_this_step(self) -> bool:
         return self._project_now or self._finalize_now
 
+    @property
+    def finalized_this_step(self) -> bool:
+        """True when this step ends with the hard projection x ← Π(x) (the last step; with hold_steps also T − h − 1)."""
+        return self._finalize_now
+
     # ---- the step -----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):

@@ -34,7 +34,8 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
         source.check_weights()
     ds = ds_config.engine_config(cfg, world_size, hidden_size(model_config))
     fallback = cpu_bf16_fallback(ds)
-    if fallback and os.environ.get("RANK", "0") == "0":
+    engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
+    if fallback and engine_used and os.environ.get("RANK", "0") == "0":
         print(fallback, file=sys.stderr)
     meta = meta_model(model_config)
     check_goals(cfg, meta)

@@ -20,7 +20,7 @@ import torch
 
 from elsa_ds.admm.optimizer import summarize_metrics
 from elsa_ds.admm.schedule import learning_rate
-from elsa_ds.config import ElsaConfig, JobOptions
+from elsa_ds.config import RESUME_DEFAULTS, ElsaConfig, JobOptions
 from elsa_ds.data import GlobalBatches, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
 from elsa_ds.jobs import checks, report
@@ -145,7 +145,8 @@ class ElsaJob:
         client = checkpoint.load_latest(self.job.engine, self.ckpt_dir, self.say, self.job.comm)
         if client is None:
             raise ElsaError(f"--resume: no loadable checkpoint in {self.ckpt_dir}; run without --resume to start over")
-        changed = {k: (v, fingerprint.get(k)) for k, v in client["fingerprint"].items() if fingerprint.get(k) != v}
+        written = {**RESUME_DEFAULTS, **client["fingerprint"]}  # a setting added since that checkpoint: as it was then
+        changed = {k: (v, fingerprint.get(k)) for k, v in written.items() if fingerprint.get(k) != v}
         if changed:
             raise ElsaError("--resume with changed settings is not supported (checkpoint vs now): "
                             + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in changed.items()))
@@ -215,7 +216,7 @@ class ElsaJob:
         if not admm.projected_this_step:
             return False
         sums = self.job.comm.all_reduce_sum(admm.local_metrics())  # collective
-        entry = {"step": step + 1, "loss": loss, **summarize_metrics(sums, admm.lam), "final": step == self.cfg.steps - 1}
+        entry = {"step": step + 1, "loss": loss, **summarize_metrics(sums, admm.lam), "final": admm.finalized_this_step}
         self.state.history.append(entry)
         if entry["final"]:
             return False

@@ -364,3 +364,37 @@ def test_a_failed_build_falls_back_with_one_notice(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("fused ADMM kernels unavailable (no compiler here)") == 1
 
+
+
+@pytest.mark.parametrize("base", ["deepspeed", "adam8bit"])
+def test_fused_held_steps_equal_the_eager_ones(kernels, base):
+    """hold_steps through the fused x-step: from the same state at the early x ← Π(x), the held steps (no penalty,
+    pruned gradient and value at 0) equal the eager path's -- bit for bit on DeepSpeedCPUAdam."""
+    base_of = {"deepspeed": _deepspeed_adam, "adam8bit": lambda p: Adam8bit([p], lr=1e-2, kernels=False)}[base]
+    settings = dict(total_steps=12, interval=4, lmda=0.3, hold_steps=5)
+    pf, pe = torch.nn.Parameter(_values(5)), torch.nn.Parameter(_values(5))
+    of = AdmmOptimizer(base_of(pf), AdmmSettings(**settings, kernels=True))
+    oe = AdmmOptimizer(base_of(pe), AdmmSettings(**settings, kernels=False))
+    for opt, p in ((of, pf), (oe, pe)):
+        opt.assign(p, SLICES)
+    for t in range(7):  # ADMM steps 0..6, the early hard projection at step 6
+        _step(of, pf, t, seed=5)
+    _step(oe, pe, 0, seed=5)  # creates its state
+    with torch.no_grad():  # the eager optimizer takes over the fused one's weights and state at that point
+        pe.copy_(pf)
+        for key, value in of.state[pf].items():
+            if torch.is_tensor(value):
+                oe.state[pe][key].copy_(value)
+            else:
+                oe.state[pe][key] = value
+    pruned = pf.detach() == 0
+    assert all(int((~pruned[s.offset:s.offset + s.length]).sum()) == s.keep for s in SLICES)
+    for t in range(7, 12):
+        _step(of, pf, t, seed=5)
+        _step(oe, pe, t, seed=5)
+        assert of.holding and of._fused.steps(pf, of.state[pf]) and not oe._fused.steps(pe, oe.state[pe])
+        assert torch.equal(pf.detach() == 0, pruned)
+    if base == "deepspeed":
+        assert torch.equal(pf.detach(), pe.detach())
+    else:
+        torch.testing.assert_close(pf.detach(), pe.detach(), rtol=1e-5, atol=1e-6)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from elsa_ds.admm.optimizer import AdmmOptimizer, AdmmSettings, Projection, second_moment, summarize_metrics
@@ -88,7 +90,15 @@ def test_hold_steps_train_inside_the_early_projections_mask():
     opt = AdmmOptimizer(torch.optim.Adam([x], lr=0.02), settings)
     opt.assign(x, [Slice("x", 0, x.numel(), 0, x.numel(), keep)])
     lams, kept_at, snapshots = [], None, []
+    ref = None  # from the early hard projection on: plain Adam on the masked gradient, pruned entries re-zeroed
     for t in range(steps):
+        if ref is not None:
+            ref_opt.zero_grad()
+            (0.5 * (a @ ref - b).square().mean()).backward()
+            ref.grad.masked_fill_(~kept_at, 0.0)
+            ref_opt.step()
+            with torch.no_grad():
+                ref.masked_fill_(~kept_at, 0.0)
         opt.begin_step(t)
         lams.append(opt.lam)
         assert opt.holding is (t >= steps - hold)
@@ -99,11 +109,15 @@ def test_hold_steps_train_inside_the_early_projections_mask():
         if t == steps - hold - 1:  # the early hard projection
             kept_at = x.detach() != 0
             assert int(kept_at.sum()) == keep
+            ref = torch.nn.Parameter(x.detach().clone())
+            ref_opt = torch.optim.Adam([ref], lr=0.02)
+            ref_opt.load_state_dict(copy.deepcopy(opt.base.state_dict()))  # its moments and step count, not shared
         if t >= steps - hold:
             assert torch.equal(x.detach() != 0, kept_at)  # the mask is held, exactly
             snapshots.append(x.detach().clone())
     assert lams[steps - hold - 1] == 0.5 and lams[0] < lams[20] < 0.5  # the ramp ends where the hold starts
     assert not torch.equal(snapshots[0], snapshots[-1])  # the kept entries train on
+    assert torch.equal(x.detach(), ref.detach())  # no penalty in the held steps: exactly masked Adam
     assert int((x != 0).sum()) == keep
 
 

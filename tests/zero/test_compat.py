@@ -26,6 +26,13 @@ def test_bf16_is_switched_off_on_a_cpu_without_a_fast_bf16_matmul_and_kept_where
 
     from elsa_ds.zero.engine import cpu_bf16_fallback
 
+    import deepspeed.accelerator
+
+    class Cpu:  # the accelerator DeepSpeed picks on a machine without a GPU (this test also runs on CUDA hosts)
+        def device_name(self):
+            return "cpu"
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: Cpu())
     monkeypatch.delenv("ELSA_DS_CPU_BF16", raising=False)
     for fast in (False, True):  # what oneDNN reports on an AVX2 CPU / on one with AVX-512 or AMX
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda fast=fast: fast)

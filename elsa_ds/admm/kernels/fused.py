@@ -58,8 +58,9 @@ class FusedPath:
         cpu = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in (flat, flat.grad))
         if not cpu or flat.numel() == 0:
             return False
-        if self.kind == DEEPSPEED_ADAM:
-            return all(torch.is_tensor(st.get(k)) and st[k].dtype == torch.float32 for k in ("exp_avg", "exp_avg_sq"))
+        if self.kind == DEEPSPEED_ADAM:  # only where its SIMD width is known (x86 with AVX2 or AVX-512)
+            return self.kernels.deepspeed_adam_simd_width() > 0 and all(
+                torch.is_tensor(st.get(k)) and st[k].dtype == torch.float32 for k in ("exp_avg", "exp_avg_sq"))
         return torch.is_tensor(st.get("state1")) and st["state1"].dtype == torch.uint8 and "absmax1" in st
 
     def step(self, flat: torch.Tensor, slices: list[Slice], st: dict, group: dict, lam: float, zu: tuple) -> None:

@@ -196,4 +196,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
     });
     m.def("max_threads", []() { return omp_get_max_threads(); });
+    m.def("deepspeed_adam_simd_width", []() { return kDeepSpeedAdamSimdWidth; });
 }

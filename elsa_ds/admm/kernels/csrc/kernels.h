@@ -11,6 +11,17 @@ namespace elsa {
 
 enum class Storage : int { kNone = 0, kFp32 = 1, kBf16 = 2, kFp8 = 3 };
 
+// DeepSpeed's SIMD_WIDTH for cpu_adam on this CPU (its op builder: __AVX512__ where the CPU has AVX-512, 16 floats;
+// __AVX256__ with AVX2, 8); 0: a CPU whose DeepSpeedCPUAdam the fused x-step does not reproduce (aarch64 NEON/SVE,
+// x86 without AVX2: fused.py keeps DeepSpeedCPUAdam on the eager path there)
+#if defined(__AVX512F__)
+constexpr int64_t kDeepSpeedAdamSimdWidth = 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kDeepSpeedAdamSimdWidth = 8;
+#else
+constexpr int64_t kDeepSpeedAdamSimdWidth = 0;
+#endif
+
 struct NoU {};  // "no u": the projection of x alone
 
 // call f with a value of the element type a Storage holds (NoU for kNone)

@@ -22,13 +22,8 @@ enum Decay { kNoDecay = 0, kL2 = 1, kAdamW = 2 };
 // DeepSpeed's SIMD_WIDTH on this CPU: its op builder compiles cpu_adam with __AVX512__ when the CPU has AVX-512
 // (16 floats), else __AVX256__ with AVX2 (8), else no vector body at all; the entries past the last full vector are
 // its scalar tail (-march=native sees the same CPU)
-#if defined(__AVX512F__)
-constexpr int64_t kDeepSpeedSimdWidth = 16;
-#elif defined(__AVX2__)
-constexpr int64_t kDeepSpeedSimdWidth = 8;
-#else
-constexpr int64_t kDeepSpeedSimdWidth = 0;  // no vector body: every entry is in the scalar tail
-#endif
+// (other CPUs -- aarch64's NEON/SVE, x86 without AVX2 -- are not reproduced: fused.py leaves them to the eager path)
+constexpr int64_t kDeepSpeedSimdWidth = kDeepSpeedAdamSimdWidth;
 
 struct AdamConsts {
     float beta1, beta2, one_minus_beta1, one_minus_beta2;
@@ -84,7 +79,7 @@ void adam_span(float* p, const float* g, float* m, float* v, const ZT* z, const 
 template <class ZT, class UT>
 void adam_flat(float* p, const float* g, float* m, float* v, int64_t n, const ZU& zu, const Slices& slices, float lam,
                const AdamConsts& c) {
-    const int64_t simd_end = kDeepSpeedSimdWidth ? n - n % kDeepSpeedSimdWidth : 0;  // where DeepSpeed's vector body ends and its scalar tail starts
+    const int64_t simd_end = n - n % (kDeepSpeedSimdWidth ? kDeepSpeedSimdWidth : 1);  // where DeepSpeed's vector body ends and its scalar tail starts
     const auto plan = make_plan(slices, n, /*with_gaps=*/true);
     const ZT* z = static_cast<const ZT*>(zu.z);
     const UT* u = static_cast<const UT*>(zu.u);
