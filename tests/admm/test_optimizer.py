@@ -90,7 +90,7 @@ def test_hold_steps_train_inside_the_early_projections_mask():
     opt = AdmmOptimizer(torch.optim.Adam([x], lr=0.02), settings)
     opt.assign(x, [Slice("x", 0, x.numel(), 0, x.numel(), keep)])
     lams, kept_at, snapshots = [], None, []
-    ref = None  # from the early hard projection on: plain Adam on the masked gradient, pruned entries re-zeroed
+    ref = ref_opt = None  # from the early hard projection on: plain Adam on the masked gradient, pruned entries re-zeroed
     for t in range(steps):
         if ref is not None:
             ref_opt.zero_grad()
