@@ -17,7 +17,7 @@ from elsa_ds.shapes import check_nvme_param_buffers
 from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model
 from elsa_ds.output import check_output_dir
 from elsa_ds.targets import select_targets
-from elsa_ds.zero import checkpoint
+from elsa_ds.zero import checkpoint, compat
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import cpu_bf16_fallback
 
@@ -37,6 +37,8 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
     if fallback and engine_used and os.environ.get("RANK", "0") == "0":
         print(fallback, file=sys.stderr)
+    if DsConfig(ds).uses_nvme and (why := compat.nvme_unavailable()):
+        raise ElsaError(why)
     meta = meta_model(model_config)
     check_goals(cfg, meta)
     check_nvme_param_buffers(meta, ds, world_size)

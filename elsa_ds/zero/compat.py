@@ -188,3 +188,15 @@ def stale_build_locks(now: float | None = None) -> list[str]:
                          f"a build killed half-way leaves it and every later build waits on it forever; delete it if no "
                          f"other build is running")
     return found
+
+
+def nvme_unavailable() -> str | None:
+    """Why DeepSpeed's async_io op (NVMe offload) cannot be built on this machine, or None when it can. Without libaio
+    the engine would fail only after the model is loaded and partitioned, with "Unable to JIT load the async_io op"."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        return None
+    return ("NVMe offload needs DeepSpeed's async_io op, which cannot be built here (libaio and its headers were not "
+            "found): install them (Debian/Ubuntu: apt-get install libaio-dev; RHEL/Fedora: dnf install libaio-devel), "
+            "or use a config without NVMe offload such as ds_configs/zero3_offload.json")

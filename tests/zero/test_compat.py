@@ -47,3 +47,35 @@ def test_bf16_is_switched_off_on_a_cpu_without_a_fast_bf16_matmul_and_kept_where
     ds = {"bf16": {"enabled": False}}  # an fp32 config is left alone
     assert cpu_bf16_fallback(ds) is None and ds == {"bf16": {"enabled": False}}
 
+
+
+def test_nvme_offload_without_libaio_is_named_before_any_work(monkeypatch):
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from elsa_ds.zero.compat import nvme_unavailable
+
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)  # a machine without libaio
+    why = nvme_unavailable()
+    assert "libaio-dev" in why and "zero3_offload.json" in why
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: True)
+    assert nvme_unavailable() is None
+
+
+def test_an_nvme_job_on_a_machine_without_libaio_stops_in_the_checks(tmp_path, tiny_model_dir, monkeypatch):
+    """The job's own checks (jobs/checks.before_work) refuse it before a weight is loaded or a file written."""
+    import pytest
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from elsa_ds.config import JobOptions, resolve_config
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.jobs import checks
+    from elsa_ds.models import ModelSource
+    from elsa_ds.zero.ds_config import DsConfig
+
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    ds_config = DsConfig.load("zero3_nvme.json")
+    cfg = resolve_config(ds_config.raw, {"model": str(tiny_model_dir), "seqlen": 64, "nvme_path": str(tmp_path)})
+    opts = JobOptions(deepspeed="zero3_nvme.json", output_dir=tmp_path / "out")
+    with pytest.raises(ElsaError, match="libaio-dev"):
+        checks.before_work(cfg, opts, ds_config, 1, ModelSource(cfg.model))
+    assert not (tmp_path / "out").exists()
