@@ -37,7 +37,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
     if fallback and engine_used and os.environ.get("RANK", "0") == "0":
         print(fallback, file=sys.stderr)
-    if DsConfig(ds).uses_nvme and (why := compat.nvme_unavailable()):
+    if ds_config.uses_nvme and (why := compat.nvme_unavailable()):
         raise ElsaError(why)
     meta = meta_model(model_config)
     check_goals(cfg, meta)

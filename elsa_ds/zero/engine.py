@@ -38,7 +38,7 @@ def cpu_bf16_fallback(ds: dict) -> str | None:
 
     from deepspeed.accelerator import get_accelerator
 
-    if not ds.get("bf16", {}).get("enabled") or get_accelerator().device_name() != "cpu":
+    if model_dtype(ds) is not torch.bfloat16 or get_accelerator().device_name() != "cpu":
         return None
     if os.environ.get("ELSA_DS_CPU_BF16", "0") == "1" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None

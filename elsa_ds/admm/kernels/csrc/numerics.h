@@ -39,8 +39,7 @@ inline float fp8_to_float(uint8_t code) {
     uint32_t sign = (c & 0x80u) << 24;
     uint32_t exponent = (c >> 3) & 0xFu;
     float normal = as_float(((c & 0x7Fu) << 20) + (120u << 23));  // 2^(e-7) * 1.mmm
-    float subnormal = float(int32_t(c & 7u)) * 0x1p-9f;           // 0.mmm * 2^-6 (a signed conversion: AVX2 has
-                                                                  // no unsigned one, and GCC then leaves the loop scalar)
+    float subnormal = float(c & 7u) * 0x1p-9f;                    // 0.mmm * 2^-6
     float magnitude = exponent ? normal : subnormal;
     magnitude = (c & 0x7Fu) == 0x7Fu ? NAN : magnitude;
     return as_float(as_bits(magnitude) | sign);

@@ -322,16 +322,16 @@ __attribute__((noinline)) void split_untied(const Splitter<ZT, UT, FK, MODE> sp,
             values[i] = sp.value(b + i);
             keys[i] = sp.r.key(b + i, values[i]);
         }
-        float res = 0.0f, xsq = 0.0f, flips = 0.0f, tied = 0.0f;  // (counts as fp32 sums of <= kKeys ones: exact)
-#pragma omp simd reduction(+ : res, xsq, flips, tied)
+        float res = 0.0f, xsq = 0.0f, flips = 0.0f;
+        int64_t ties = 0;
+#pragma omp simd reduction(+ : res, xsq, flips, ties)
         for (int64_t i = 0; i < m; ++i) {
             const Contribution e = sp.entry(b + i, values[i], keys[i] > threshold, keys[i] == threshold);
             res += e.residual_sq;
             xsq += e.x_sq;
             flips += e.flips;
-            tied += keys[i] == threshold ? 1.0f : 0.0f;
+            ties += keys[i] == threshold ? 1 : 0;
         }
-        const int64_t ties = int64_t(tied);
         t.residual_sq += res;
         t.x_sq += xsq;
         t.flips += int64_t(flips);

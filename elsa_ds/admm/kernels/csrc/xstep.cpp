@@ -5,9 +5,10 @@
 //   DeepSpeedCPUAdam's update on g'                  everywhere (cpu_adam.h, Step_AVX / Step_1)
 //
 // The Adam arithmetic is DeepSpeed's, operation for operation: fused multiply-adds where its SIMD body
-// has them, and for the scalar tail (the last numel % SIMD_WIDTH entries of a flat: 16 with AVX-512, 8 with AVX2) the ones GCC's default fp
-// contraction gives its Step_1 loop; the bias corrections come from the caller exactly as DeepSpeed
-// computes them (kernels/xstep.py). Tests hold the kernel to DeepSpeedCPUAdam bit for bit.
+// has them, and for the scalar tail (the last numel % SIMD_WIDTH entries of a flat: 16 with AVX-512, 8 with
+// AVX2) the ones GCC's default fp contraction gives its Step_1 loop; the bias corrections come from the
+// caller exactly as DeepSpeed computes them (kernels/xstep.py). Tests hold the kernel to DeepSpeedCPUAdam bit
+// for bit.
 #include <omp.h>
 
 #include <type_traits>
@@ -18,12 +19,6 @@ namespace elsa {
 namespace {
 
 enum Decay { kNoDecay = 0, kL2 = 1, kAdamW = 2 };
-
-// DeepSpeed's SIMD_WIDTH on this CPU: its op builder compiles cpu_adam with __AVX512__ when the CPU has AVX-512
-// (16 floats), else __AVX256__ with AVX2 (8), else no vector body at all; the entries past the last full vector are
-// its scalar tail (-march=native sees the same CPU)
-// (other CPUs -- aarch64's NEON/SVE, x86 without AVX2 -- are not reproduced: fused.py leaves them to the eager path)
-constexpr int64_t kDeepSpeedSimdWidth = kDeepSpeedAdamSimdWidth;
 
 struct AdamConsts {
     float beta1, beta2, one_minus_beta1, one_minus_beta2;
@@ -79,7 +74,9 @@ void adam_span(float* p, const float* g, float* m, float* v, const ZT* z, const 
 template <class ZT, class UT>
 void adam_flat(float* p, const float* g, float* m, float* v, int64_t n, const ZU& zu, const Slices& slices, float lam,
                const AdamConsts& c) {
-    const int64_t simd_end = n - n % (kDeepSpeedSimdWidth ? kDeepSpeedSimdWidth : 1);  // where DeepSpeed's vector body ends and its scalar tail starts
+    // where DeepSpeed's vector body ends and its scalar tail starts (kernels.h: its SIMD width on this CPU; 0 never
+    // reaches here, fused.py keeps such CPUs on the eager path)
+    const int64_t simd_end = n - n % std::max<int64_t>(kDeepSpeedAdamSimdWidth, 1);
     const auto plan = make_plan(slices, n, /*with_gaps=*/true);
     const ZT* z = static_cast<const ZT*>(zu.z);
     const UT* u = static_cast<const UT*>(zu.u);
