@@ -9,16 +9,19 @@ both see the same machine noise); medians per step. Pairs:
 
     DeepSpeedCPUAdam         vs  AdmmOptimizer(DeepSpeedCPUAdam), fp32 z/u           (ELSA)
     DeepSpeedCPUAdam         vs  AdmmOptimizer(bitsandbytes Adam8bit), fp8 z, bf16 u  (ELSA-L, its base included)
+    DeepSpeedCPUAdam         vs  AdmmOptimizer(Adam8bit, minifloat codes), fp8 z, bf16 u
+                                                              (ELSA-L with --base_optimizer adam8bit_minifloat)
     torch Adam (CUDA)        vs  AdmmOptimizer(torch Adam) on CUDA, when a GPU is present
-    bitsandbytes Adam8bit and the fused 8-bit Adam alone (few steps: bitsandbytes' CPU path is slow)
+    bitsandbytes Adam8bit and the fused 8-bit Adam alone, in both code formats (few steps: bitsandbytes' CPU path is slow)
 
 ELSA's blocks contain exactly one projection (step t with (t + 1) % interval == 0); the amortized step
 is the plain step + projection / interval. ``--eager`` adds the eager reference (ELSA_DS_KERNELS=0's path).
 Bytes per parameter are those a single fused pass must move (the floor for a memory-bound step); peak
 extra memory is the resident-set high-water mark of one step over the resident set before it (temporaries
 that malloc recycles from earlier steps do not show: a lower bound).
-With --json the last line holds ratio_fp32, ratio_elsal (amortized, both against DeepSpeedCPUAdam) and
-projection_steps_equiv (one projection in DeepSpeedCPUAdam steps), for the first --numel.
+With --json the last line holds ratio_fp32, ratio_elsal (bitsandbytes' 8-bit codes), ratio_elsal_minifloat
+(amortized, all against DeepSpeedCPUAdam) and projection_steps_equiv (one projection in DeepSpeedCPUAdam
+steps), for the first --numel.
 """
 from __future__ import annotations
 
@@ -141,6 +144,7 @@ def _makers() -> dict:
     from elsa_ds.admm.kernels.adam8bit import Adam8bit
 
     makers["fused_adam8bit"] = lambda ps: Adam8bit(ps, lr=1e-3)
+    makers["minifloat_adam8bit"] = lambda ps: Adam8bit(ps, lr=1e-3, format="minifloat")
     return makers
 
 
@@ -167,7 +171,9 @@ def measure(numel: int, args) -> dict:
     low = (StateDtype.fp8, StateDtype.bf16)
     base8 = mk.get("bnb_adam8bit", mk["fused_adam8bit"])
     pairs = [(("deepspeed_adam", "elsa_fp32"), (mk["deepspeed_adam"], None, True), (mk["deepspeed_adam"], slices, True, None)),
-             (("deepspeed_adam", "elsa_l"), (mk["deepspeed_adam"], None, True), (base8, slices, True, low))]
+             (("deepspeed_adam", "elsa_l"), (mk["deepspeed_adam"], None, True), (base8, slices, True, low)),
+             (("deepspeed_adam", "elsa_l_minifloat"), (mk["deepspeed_adam"], None, True),
+              (mk["minifloat_adam8bit"], slices, True, low))]
     if args.eager:
         pairs += [(("deepspeed_adam", "eager_elsa_fp32"), (mk["deepspeed_adam"], None, True), (mk["deepspeed_adam"], slices, False, None)),
                   (("deepspeed_adam", "eager_elsa_l"), (mk["deepspeed_adam"], None, True), (base8, slices, False, low))]
@@ -176,7 +182,7 @@ def measure(numel: int, args) -> dict:
         b = Runner(names[1], make_b, flat, grad, sl, args.interval, dtypes or (StateDtype.fp32, StateDtype.fp32), on)
         _pair(res, names, (a, b), args, 1 if names[1].startswith("eager") else args.rounds)
         del a, b
-    for name in ("bnb_adam8bit", "fused_adam8bit"):
+    for name in ("bnb_adam8bit", "fused_adam8bit", "minifloat_adam8bit"):
         if name in mk:
             r = Runner(name, mk[name], flat, grad, None, args.interval)
             r.run(2)
@@ -205,18 +211,20 @@ def report(numel: int, res: dict, interval: int) -> dict:
         amortized = r.get("amortized_ms", r["step_ms"])
         print(f"| {name} | {r['step_ms']:.1f} | {r.get('projection_ms', float('nan')):.1f} | {amortized:.1f} | "
               f"{amortized / ref:.2f} | {r.get('rss_growth_MiB', float('nan')):.0f} | {r.get('fused', '')} |")
-    fp32, low = res["elsa_fp32"], res["elsa_l"]
+    fp32, low, mini = res["elsa_fp32"], res["elsa_l"], res["elsa_l_minifloat"]
     ratios = {"ratio_fp32": fp32["amortized_ms"] / fp32["base_ms"], "ratio_elsal": low["amortized_ms"] / low["base_ms"],
+              "ratio_elsal_minifloat": mini["amortized_ms"] / mini["base_ms"],
               "projection_steps_equiv": fp32["projection_ms"] / fp32["base_ms"],
-              "projection_steps_equiv_elsal": low["projection_ms"] / low["base_ms"], "base_step_ms": base,
+              "projection_steps_equiv_elsal": low["projection_ms"] / low["base_ms"],
+              "projection_steps_equiv_elsal_minifloat": mini["projection_ms"] / mini["base_ms"], "base_step_ms": base,
               "projection_paths": fp32.get("projection_paths", {})}
     floor_fp32 = (BYTES["elsa_fp32"] + PROJECTION_BYTES["fp32"] / interval) / BYTES["adam_fp32"]
     floor_l = (BYTES["elsa_l"] + PROJECTION_BYTES["elsa_l"] / interval) / BYTES["adam_fp32"]
     print(f"\nbytes per parameter per step: DeepSpeedCPUAdam {BYTES['adam_fp32']}, fused ELSA {BYTES['elsa_fp32']}, "
           f"8-bit Adam {BYTES['adam_8bit']}, fused ELSA-L {BYTES['elsa_l']}; per projection {PROJECTION_BYTES['fp32']} (fp32), "
           f"{PROJECTION_BYTES['elsa_l']} (ELSA-L)")
-    print(f"ratio_fp32 {ratios['ratio_fp32']:.2f} (byte floor {floor_fp32:.2f}), ratio_elsal {ratios['ratio_elsal']:.2f} "
-          f"(byte floor {floor_l:.2f}), projection = {ratios['projection_steps_equiv']:.2f} DeepSpeedCPUAdam steps "
+    print(f"ratio_fp32 {ratios['ratio_fp32']:.2f} (byte floor {floor_fp32:.2f}), ratio_elsal {ratios['ratio_elsal']:.2f}, "
+          f"minifloat {ratios['ratio_elsal_minifloat']:.2f} (byte floor {floor_l:.2f}), projection = {ratios['projection_steps_equiv']:.2f} DeepSpeedCPUAdam steps "
           f"(ELSA-L {ratios['projection_steps_equiv_elsal']:.2f}); achieved DeepSpeedCPUAdam bandwidth "
           f"{BYTES['adam_fp32'] * numel / base / 1e6:.1f} GB/s; projection paths {ratios['projection_paths']}")
     return ratios

@@ -51,7 +51,8 @@ class BaseOptimizer(str, Enum):
     auto = "auto"            # DeepSpeedCPUAdam with optimizer offload, torch Adam otherwise
     adam = "adam"            # torch.optim.Adam
     cpu_adam = "cpu_adam"    # deepspeed.ops.adam.DeepSpeedCPUAdam (Adam mode)
-    adam8bit = "adam8bit"    # bitsandbytes.optim.Adam8bit (ELSA-L)
+    adam8bit = "adam8bit"    # bitsandbytes.optim.Adam8bit (ELSA-L, the paper's)
+    adam8bit_minifloat = "adam8bit_minifloat"  # elsa_ds's 8-bit Adam in its own minifloat codes: fast on CPU offload
 
 
 class ElsaConfig(BaseModel):
@@ -142,7 +143,7 @@ class ElsaConfig(BaseModel):
 
     # --- optimizer -----------------------------------------------------------------------------------------
     base_optimizer: BaseOptimizer = Field(BaseOptimizer.auto, **_group("optimizer"))
-    """auto (DeepSpeedCPUAdam with optimizer offload, torch Adam otherwise), adam, cpu_adam or adam8bit."""
+    """auto (DeepSpeedCPUAdam with optimizer offload, else torch Adam), adam, cpu_adam, adam8bit or adam8bit_minifloat."""
     lr: float = Field(2e-4, gt=0.0, **_group("optimizer"))
     """Peak learning rate; linear decay to lr_final_ratio · lr [from the defaults rule, elsa_ds/defaults.py]."""
     lr_final_ratio: float = Field(0.0, ge=0.0, le=1.0, **_group("optimizer"))

@@ -132,7 +132,7 @@ class _Job:
     half: int                # bytes of a 16-bit (or fp32) model element
     param_dev: str
     opt_dev: str
-    base: str                # adam | cpu_adam | adam8bit
+    base: str                # adam | cpu_adam | adam8bit (either 8-bit code format: the same bytes)
     z_bytes: int
     u_bytes: int
     moment_bytes: float      # per entry: two moments (8-bit: codes + one fp32 absmax per block of 256)
@@ -146,6 +146,8 @@ def _read_job(shape: ModelShape, ds: dict, elsa: dict, world: int) -> _Job:
     base = elsa.get("base_optimizer", "auto")
     if base == "auto":
         base = "adam" if opt_dev == "none" else "cpu_adam"
+    if base == "adam8bit_minifloat":  # the same state layout, and the same eager fallback, as bitsandbytes' format
+        base = "adam8bit"
     return _Job(
         world=world, p=shape.num_params / world, t=shape.trainable_params / world,
         half=2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4,

@@ -169,7 +169,7 @@ def checkpoint_bytes(shape: ModelShape, cfg, ds: dict) -> float:
     keep_checkpoints stay and one more exists while it is written."""
     if not cfg.save_interval:
         return 0.0
-    moments = 2 + 2 / 256 * 4 if cfg.base_optimizer.value == "adam8bit" else 8
+    moments = 2 + 2 / 256 * 4 if cfg.base_optimizer.value.startswith("adam8bit") else 8
     per = (4 + moments + STATE_BYTES[cfg.z_dtype.value] + STATE_BYTES[cfg.u_dtype.value]) * shape.trainable_params
     return per * (cfg.keep_checkpoints + 1)
 

@@ -100,11 +100,12 @@ def _pair(base_of, dtypes, projection=Projection.fisher, seed=2):
 
 
 @pytest.mark.parametrize("dtypes", DTYPES)
-@pytest.mark.parametrize("base", ["deepspeed", "adam8bit", "bitsandbytes"])
+@pytest.mark.parametrize("base", ["deepspeed", "adam8bit", "minifloat", "bitsandbytes"])
 def test_fused_x_step_equals_eager_penalty_then_base_step(kernels, dtypes, base):
     if base == "bitsandbytes":
         bnb = pytest.importorskip("bitsandbytes")
     base_of = {"deepspeed": _deepspeed_adam, "adam8bit": lambda p: Adam8bit([p], lr=1e-2, kernels=False),
+               "minifloat": lambda p: Adam8bit([p], lr=1e-2, kernels=False, format="minifloat"),
                "bitsandbytes": lambda p: bnb.optim.Adam8bit([p], lr=1e-2)}[base]
     (of, pf), (oe, pe) = _pair(base_of, dtypes)
     _assert_same_state(of.state[pf], oe.state[pe])  # the initial projection, fused and eager
@@ -366,11 +367,12 @@ def test_a_failed_build_falls_back_with_one_notice(monkeypatch, capsys):
 
 
 
-@pytest.mark.parametrize("base", ["deepspeed", "adam8bit"])
+@pytest.mark.parametrize("base", ["deepspeed", "adam8bit", "minifloat"])
 def test_fused_held_steps_equal_the_eager_ones(kernels, base):
     """hold_steps through the fused x-step: from the same state at the early x ← Π(x), the held steps (no penalty,
     pruned gradient and value at 0) equal the eager path's -- bit for bit on DeepSpeedCPUAdam."""
-    base_of = {"deepspeed": _deepspeed_adam, "adam8bit": lambda p: Adam8bit([p], lr=1e-2, kernels=False)}[base]
+    base_of = {"deepspeed": _deepspeed_adam, "adam8bit": lambda p: Adam8bit([p], lr=1e-2, kernels=False),
+               "minifloat": lambda p: Adam8bit([p], lr=1e-2, kernels=False, format="minifloat")}[base]
     settings = dict(total_steps=12, interval=4, lmda=0.3, hold_steps=5)
     pf, pe = torch.nn.Parameter(_values(5)), torch.nn.Parameter(_values(5))
     of = AdmmOptimizer(base_of(pf), AdmmSettings(**settings, kernels=True))

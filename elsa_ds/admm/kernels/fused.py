@@ -2,7 +2,7 @@
 
 A flat qualifies for the fused x-step when it is a contiguous fp32 CPU tensor with an fp32 gradient and
 the base optimizer is one whose update the kernels reproduce: DeepSpeedCPUAdam (fp32 moments, its
-bias-correction history), or 8-bit Adam in bitsandbytes' blockwise format (``kernels.adam8bit.Adam8bit``,
+bias-correction history), or 8-bit Adam in bitsandbytes' blockwise format or our minifloat codes (``kernels.adam8bit.Adam8bit``,
 or bitsandbytes' own ``Adam8bit`` with its default settings). It qualifies for the fused projection
 when it is a CPU flat and the projection is a per-layer top-k (N:M keeps the eager path). Everything
 else takes the eager path of ``optimizer.py``, which stays the reference.

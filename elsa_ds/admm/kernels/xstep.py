@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from elsa_ds.admm.kernels.adam8bit import MINIFLOAT, state_format
+
 
 def f32(x: float) -> float:
     """``x`` rounded to the nearest float32 (one IEEE operation on float32 inputs, emulated exactly)."""
@@ -86,10 +88,12 @@ def adam_step(kernels, flat: torch.Tensor, state: dict, group: dict, table: Slic
 
 
 def adam8bit_step(kernels, flat: torch.Tensor, state: dict, group: dict, table: SliceTable, zu: tuple, lam: float) -> None:
-    """One bitsandbytes-format 8-bit Adam step of ``flat`` with the ADMM penalty fused in; ``state['step']`` += 1."""
+    """One 8-bit Adam step of ``flat`` (bitsandbytes or minifloat codes, as its maps say) with the ADMM penalty fused
+    in; ``state['step']`` += 1."""
+    fmt = 1 if state_format(state) == MINIFLOAT else 0
     state["step"] += 1
     beta1, beta2 = group["betas"][:2]
     z, u, zs, us = zu
     kernels.adam8bit_step(flat.data, flat.grad.data, state["state1"], state["state2"], state["qmap1"], state["qmap2"],
                           state["absmax1"], state["absmax2"], z, u, zs, us, table.offsets, table.lengths, lam,
-                          group["lr"], beta1, beta2, group["eps"], group["weight_decay"], state["step"])
+                          group["lr"], beta1, beta2, group["eps"], group["weight_decay"], state["step"], fmt)

@@ -58,8 +58,9 @@ void adam_step_t(Tensor p, Tensor g, Tensor m, Tensor v, Tensor z, Tensor u, Ten
 
 void adam8bit_step_t(Tensor p, Tensor g, Tensor state1, Tensor state2, Tensor qmap1, Tensor qmap2, Tensor absmax1, Tensor absmax2,
                      Tensor z, Tensor u, Tensor z_scale, Tensor u_scale, Tensor offsets, Tensor lengths, double lam, double lr,
-                     double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+                     double beta1, double beta2, double eps, double weight_decay, int64_t step, int64_t format) {
     const int64_t n = p.numel(), blocks = (n + 255) / 256;
+    TORCH_CHECK(format == 0 || format == 1, "adam8bit_step: format must be 0 (bitsandbytes) or 1 (minifloat), got ", format);
     check_flat(p, "p", n, torch::kFloat32);
     check_flat(g, "grad", n, torch::kFloat32);
     check_flat(state1, "state1", n, torch::kUInt8);
@@ -69,7 +70,7 @@ void adam8bit_step_t(Tensor p, Tensor g, Tensor state1, Tensor state2, Tensor qm
     check_flat(absmax1, "absmax1 (one per block of 256)", blocks, torch::kFloat32);
     check_flat(absmax2, "absmax2 (one per block of 256)", blocks, torch::kFloat32);
     const Slices s = slices_of(offsets, lengths);
-    const Adam8State st{state1.data_ptr<uint8_t>(), state2.data_ptr<uint8_t>(), qmap1.data_ptr<float>(), qmap2.data_ptr<float>(),
+    const Adam8State st{Adam8Format(format), state1.data_ptr<uint8_t>(), state2.data_ptr<uint8_t>(), qmap1.data_ptr<float>(), qmap2.data_ptr<float>(),
                         absmax1.data_ptr<float>(), absmax2.data_ptr<float>()};
     adam8bit_step(p.data_ptr<float>(), g.data_ptr<float>(), st, n, zu_of(z, u, z_scale, u_scale, n, s), s, float(lam),
                   Adam8Hyper{lr, beta1, beta2, eps, weight_decay, step});
@@ -172,7 +173,7 @@ Tensor convert(const Tensor& in, torch::ScalarType out_type, F&& f) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     using namespace elsa;
     m.def("adam_step", &adam_step_t, "fused ADMM penalty + DeepSpeed CPU Adam step on one flat");
-    m.def("adam8bit_step", &adam8bit_step_t, "fused ADMM penalty + bitsandbytes-format 8-bit Adam step on one flat");
+    m.def("adam8bit_step", &adam8bit_step_t, "fused ADMM penalty + 8-bit Adam step (bitsandbytes or minifloat codes) on one flat");
     m.def("select_histogram", &select_histogram_t, "16-bit digit histograms of the projection scores, per slice; peak |v|");
     m.def("select_bracket", &select_bracket_t, "count keys above a bracket, collect those inside it, per slice; peak |v|");
     m.def("select_key_histogram", &select_key_histogram_t, "low-half histogram of bracket keys under each slice's high-half prefix");

@@ -52,12 +52,15 @@ struct AdamHyper {
     double bias_correction1, bias_correction2;  // 1 − β1^t and 1/sqrt(1 − β2^t), in DeepSpeed's float arithmetic
 };
 
-// bitsandbytes 8-bit Adam's hyper-parameters and its blockwise state
+// 8-bit Adam's hyper-parameters and its blockwise state
 struct Adam8Hyper {
     double lr, beta1, beta2, eps, weight_decay;
     int64_t step;
 };
+// the 8-bit moments' code format: bitsandbytes' dynamic maps (qmap1/qmap2 read), or elsa_ds's minifloat (quant8.h)
+enum class Adam8Format : int { kBitsandbytes = 0, kMiniFloat = 1 };
 struct Adam8State {
+    Adam8Format format;
     uint8_t* state1;
     uint8_t* state2;
     const float* qmap1;

@@ -26,12 +26,16 @@
 #include <cstring>
 #include <vector>
 
+#include "numerics.h"
+
 namespace elsa {
 
 constexpr int kLut = 65536;
 
 class Quantizer8 {
 public:
+    static constexpr bool kInlineDecode = false;  // a table read (AVX-512: register permutes): its own loop
+
     explicit Quantizer8(const float* qmap) : qmap_(qmap), lut_(kLut + 3, 0) {
         // bitsandbytes' build_quantize_lut, in the same float arithmetic
         float midpoints[255];
@@ -214,5 +218,61 @@ private:
     }
 #endif
 };
+
+
+// elsa_ds's own 8-bit moment format, "minifloat" (adam8bit.py: minifloat_map, minifloat_encode): a code is a 4-bit
+// octave and an M-bit mantissa of the value relative to its block's absmax, with a sign bit for m:
+//
+//   magnitude c = 0 → 0;   c ≥ 1 → 2^((c >> M) − 15) · (1 + (c & (2^M − 1)) / 2^M)      (c = 15·2^M is 1.0)
+//   byte        = signed (m, M = 3): sign << 7 | c;   unsigned (v, M = 4): c
+//
+// Encoding is arithmetic, no table: the nearest code (ties away from zero) is the fp32 bit pattern of |x|/absmax
+// rounded to M mantissa bits (add half a code step, shift), re-biased. Below the smallest code a signed value goes to
+// the nearer of 0 and that code; an unsigned positive one goes to the smallest code, so v never becomes 0 while the
+// gradient that made it was not (the Adam denominator keeps its floor). Decoding is the same bits shifted back.
+// Both loops are plain element loops the compiler vectorizes; the torch reference does the same integer arithmetic.
+template <int M, bool SIGNED>
+class MiniFloat8 {
+public:
+    static constexpr int kShift = 23 - M;
+    static constexpr int32_t kOffset = 112 << M;               // fp32 exponent bias 127 − 15, in code units
+    static constexpr uint32_t kMagnitude = SIGNED ? 0x7Fu : 0xFFu;
+
+    static constexpr bool kInlineDecode = true;  // cheap enough to decode inside the step's own loop
+
+    static float decode(uint8_t code) {
+        const uint32_t c = code, mag = c & kMagnitude;
+        uint32_t bits = mag != 0 ? (mag << kShift) + (112u << 23) : 0u;
+        if constexpr (SIGNED) bits |= (c & 0x80u) << 24;
+        return as_float(bits);
+    }
+
+    void dequantize(const uint8_t* codes, float absmax, float* out, int64_t n) const {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) out[i] = decode(codes[i]) * absmax;
+    }
+
+    void quantize(const float* values, float absmax, uint8_t* codes, int64_t n) const {
+        if (absmax == 0.0f) {
+            std::fill(codes, codes + n, uint8_t(0));
+            return;
+        }
+        const float inv = 1.0f / absmax;
+        const float floor = SIGNED ? as_float((112u << 23) + (1u << kShift)) * 0.5f : 0.0f;  // half the smallest code
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+            const float x = values[i];
+            float a = std::fabs(x) * inv;
+            const bool keep = SIGNED ? a >= floor : a > 0.0f;  // false for NaN
+            a = std::min(a, 1.0f);
+            int32_t c = int32_t((as_bits(a) + (1u << (kShift - 1))) >> kShift) - kOffset;
+            c = std::max(c, int32_t(1));
+            if constexpr (SIGNED) c |= int32_t(as_bits(x) >> 31) << 7;
+            codes[i] = uint8_t(keep ? c : 0);
+        }
+    }
+};
+using MiniFloatM = MiniFloat8<3, true>;
+using MiniFloatV = MiniFloat8<4, false>;
 
 }  // namespace elsa
