@@ -26,14 +26,6 @@ SLICES = [Slice("a", 3, 1001, 0, 1001, 300), Slice("b", 1004, 0, 0, 0, 0), Slice
           Slice("d", 3790, 1200, 0, 1200, 1200), Slice("e", 4991, 11, 0, 11, 0)]
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    k = build.load()
-    if k is None:
-        pytest.skip("the fused kernels could not be built here (no C++ compiler?)")
-    return k
-
-
 def _values(seed: int, n: int = N, ties: bool = False) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if ties:  # few distinct magnitudes: many entries share the threshold score

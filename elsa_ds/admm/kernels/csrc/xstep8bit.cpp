@@ -33,28 +33,6 @@ struct Adam8Consts {
     bool decayed;
 };
 
-template <class ZT, class UT, bool PENALTY, bool DECAY>
-void adam8_span(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
-                const ZT* __restrict z, const UT* __restrict u, const float z_scale, const float u_scale, const float lam,
-                const Adam8Consts c, const int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-        float grad = g[i], param = p[i];
-        if constexpr (PENALTY) {
-            const float zi = std::is_same_v<ZT, float> ? to_float(z[i]) : to_float(z[i]) * z_scale;
-            const float ui = std::is_same_v<UT, float> ? to_float(u[i]) : to_float(u[i]) * u_scale;
-            grad = std::fma((param - zi) + ui, lam, grad);
-        }
-        const float mi = std::fma(grad, c.one_minus_beta1, m[i] * c.beta1);
-        const float vi = std::fma(c.one_minus_beta2 * grad, grad, v[i] * c.beta2);
-        const float denom = std::sqrt(vi) / c.correction2 + c.eps;
-        if constexpr (DECAY) param = param * c.decay;
-        p[i] = param + (c.step * mi) / denom;
-        m[i] = mi;
-        v[i] = vi;
-    }
-}
-
 template <class Q1_, class Q2_>
 struct Flat8 {
     using Q1 = Q1_;
@@ -63,15 +41,17 @@ struct Flat8 {
     const Q1_* q1; const Q2_* q2;
 };
 
-// the same step for codes that decode arithmetically (minifloat): m and v decoded in the step's own loop and the
-// block's new peaks taken there, so a block is this loop and the two quantize loops (bitsandbytes' codes: five);
-// √v is multiplied by 1/c2 where bitsandbytes divides by c2 (adam8bit_reference does the same for minifloat)
+// one span of a block: the penalty (on pruned slices) and the Adam update of m, v (fp32, in the block's buffers) and p.
+// Codes that decode arithmetically (minifloat) are decoded here from the flat's codes instead of from buffers a
+// dequantize loop filled, and the block's new peaks are taken here too: a minifloat block is this loop and the two
+// quantize loops (bitsandbytes' codes: five). The minifloat step also multiplies √v by 1/c2 where bitsandbytes
+// divides by c2 (adam8bit_reference does the same for minifloat).
 template <class Q1, class Q2, class ZT, class UT, bool PENALTY, bool DECAY>
-void adam8_span_inline(float* __restrict p, const float* __restrict g, const uint8_t* __restrict c1,
-                       const uint8_t* __restrict c2, const float absmax1, const float absmax2, float* __restrict m,
-                       float* __restrict v, const ZT* __restrict z, const UT* __restrict u, const float z_scale,
-                       const float u_scale, const float lam, const Adam8Consts c, const int64_t n, float& peak1,
-                       float& peak2) {
+void adam8_span(float* __restrict p, const float* __restrict g, const uint8_t* __restrict c1, const uint8_t* __restrict c2,
+                const float absmax1, const float absmax2, float* __restrict m, float* __restrict v, const ZT* __restrict z,
+                const UT* __restrict u, const float z_scale, const float u_scale, const float lam, const Adam8Consts c,
+                const int64_t n, float& peak1, float& peak2) {
+    constexpr bool kInline = Q1::kInlineDecode && Q2::kInlineDecode;
     float pk1 = peak1, pk2 = peak2;
 #pragma omp simd reduction(max : pk1, pk2)
     for (int64_t i = 0; i < n; ++i) {
@@ -81,15 +61,25 @@ void adam8_span_inline(float* __restrict p, const float* __restrict g, const uin
             const float ui = std::is_same_v<UT, float> ? to_float(u[i]) : to_float(u[i]) * u_scale;
             grad = std::fma((param - zi) + ui, lam, grad);
         }
-        const float mi = std::fma(grad, c.one_minus_beta1, (Q1::decode(c1[i]) * absmax1) * c.beta1);
-        const float vi = std::fma(c.one_minus_beta2 * grad, grad, (Q2::decode(c2[i]) * absmax2) * c.beta2);
-        const float denom = std::sqrt(vi) * c.inv_correction2 + c.eps;  // minifloat: × 1/c2 (one division fewer)
+        float m0, v0;
+        if constexpr (kInline) {
+            m0 = Q1::decode(c1[i]) * absmax1;
+            v0 = Q2::decode(c2[i]) * absmax2;
+        } else {
+            m0 = m[i];
+            v0 = v[i];
+        }
+        const float mi = std::fma(grad, c.one_minus_beta1, m0 * c.beta1);
+        const float vi = std::fma(c.one_minus_beta2 * grad, grad, v0 * c.beta2);
+        const float denom = kInline ? std::sqrt(vi) * c.inv_correction2 + c.eps : std::sqrt(vi) / c.correction2 + c.eps;
         if constexpr (DECAY) param = param * c.decay;
         p[i] = param + (c.step * mi) / denom;
         m[i] = mi;
         v[i] = vi;
-        pk1 = std::max(pk1, std::fabs(mi));
-        pk2 = std::max(pk2, std::fabs(vi));
+        if constexpr (kInline) {
+            pk1 = std::max(pk1, std::fabs(mi));
+            pk2 = std::max(pk2, std::fabs(vi));
+        }
     }
     peak1 = pk1;
     peak2 = pk2;
@@ -142,11 +132,8 @@ void adam8_block(const F& f, const ZT* z, const UT* u, const float* zs, const fl
             const ZT* zp = penalty ? z + lo : z;
             const UT* up = penalty ? u + lo : u;
             const float zsj = penalty ? zs[j] : 1.0f, usj = penalty ? us[j] : 1.0f;
-            if constexpr (kInline)
-                adam8_span_inline<Q1, Q2, ZT, UT, P, D>(f.p + lo, f.g + lo, f.c1 + lo, f.c2 + lo, absmax1, absmax2, m + at, v + at,
-                                                        zp, up, zsj, usj, lam, c, hi - lo, peak1, peak2);
-            else
-                adam8_span<ZT, UT, P, D>(f.p + lo, f.g + lo, m + at, v + at, zp, up, zsj, usj, lam, c, hi - lo);
+            adam8_span<Q1, Q2, ZT, UT, P, D>(f.p + lo, f.g + lo, f.c1 + lo, f.c2 + lo, absmax1, absmax2, m + at, v + at, zp, up,
+                                             zsj, usj, lam, c, hi - lo, peak1, peak2);
         };
         if (penalty) {
             if (c.decayed) run(std::true_type{}, std::true_type{});
