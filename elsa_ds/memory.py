@@ -132,7 +132,7 @@ class _Job:
     half: int                # bytes of a 16-bit (or fp32) model element
     param_dev: str
     opt_dev: str
-    base: str                # adam | cpu_adam | adam8bit (either 8-bit code format: the same bytes)
+    base: str                # adam | cpu_adam | adam8bit | adam8bit_minifloat (8-bit: the same state bytes)
     z_bytes: int
     u_bytes: int
     moment_bytes: float      # per entry: two moments (8-bit: codes + one fp32 absmax per block of 256)
@@ -146,14 +146,12 @@ def _read_job(shape: ModelShape, ds: dict, elsa: dict, world: int) -> _Job:
     base = elsa.get("base_optimizer", "auto")
     if base == "auto":
         base = "adam" if opt_dev == "none" else "cpu_adam"
-    if base == "adam8bit_minifloat":  # the same state layout, and the same eager fallback, as bitsandbytes' format
-        base = "adam8bit"
     return _Job(
         world=world, p=shape.num_params / world, t=shape.trainable_params / world,
         half=2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4,
         param_dev=view.param_device, opt_dev=opt_dev, base=base,
         z_bytes=STATE_BYTES[elsa.get("z_dtype", "fp32")], u_bytes=STATE_BYTES[elsa.get("u_dtype", "fp32")],
-        moment_bytes=2 + 2 / 256 * 4 if base == "adam8bit" else 8,
+        moment_bytes=2 + 2 / 256 * 4 if base.startswith("adam8bit") else 8,
         min_aio=max(2.0**20, float(ds.get("aio", {}).get("block_size", 2**20))),
         fisher=elsa.get("projection", "fisher") == "fisher",
     )
@@ -224,10 +222,10 @@ def _states(per_rank: dict, shape: ModelShape, zero: dict, job: _Job, groups: li
 
 def _admm_states(per_rank: dict, job: _Job, swapped: float, opt_home: str) -> float:
     zu = job.z_bytes + job.u_bytes
-    if job.opt_dev == "nvme" and (job.z_bytes < 4 or job.u_bytes < 4 or job.base == "adam8bit"):
+    if job.opt_dev == "nvme" and (job.z_bytes < 4 or job.u_bytes < 4 or job.base.startswith("adam8bit")):
         # low-precision states are kept out of the swapper (it would read them back as fp32): CPU
         per_rank["admm"]["cpu"] += zu * job.t
-        if job.base != "adam8bit":
+        if not job.base.startswith("adam8bit"):
             return job.moment_bytes
         moved = job.moment_bytes * swapped
         per_rank["optimizer"]["nvme"] -= moved
@@ -350,8 +348,11 @@ def _step_workspace(group: SubGroup, base: str, base_on_gpu: bool, fisher: bool,
     ``AdmmOptimizer._init_state`` / ``_update_z_u`` / ``_finalize`` and ``projection.scores`` / ``select_masks``.
     """
     n, pruned, slice_ = group.numel, group.pruned, group.largest_pruned   # n, N, S
-    base_step = {"adam": 8 * n, "cpu_adam": 0.0, "adam8bit": 0.0 if base_on_gpu else 20 * n}[base]
-    dequant_peak, dequant_kept = (12 * n, 4 * n) if fisher and base == "adam8bit" else (0.0, 0.0)
+    # minifloat: the fused kernel on CPU; on a GPU its torch reference (adam8bit_reference: m, v, denom and the
+    # dequantize / encode temporaries, ~32 bytes per entry)
+    base_step = {"adam": 8 * n, "cpu_adam": 0.0, "adam8bit": 0.0 if base_on_gpu else 20 * n,
+                 "adam8bit_minifloat": 32 * n if base_on_gpu else 0.0}[base]
+    dequant_peak, dequant_kept = (12 * n, 4 * n) if fisher and base.startswith("adam8bit") else (0.0, 0.0)
     dequant_admm = 8 * slice_ if low_precision_admm else 0.0
     fp32_grad = 4 * n if fp32_grad_in_step else 0.0
     if kind == "step":

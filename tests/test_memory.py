@@ -75,6 +75,18 @@ def test_step_workspace_scales_with_the_sub_group_and_follows_the_optimizer():
     assert offload.breakdown["workspace"]["per_gpu"] == 0.0  # the optimizer steps on the CPU
     # bitsandbytes' CPU 8-bit Adam dequantizes both moments and copies the gradient: 20 bytes per entry
     assert elsal.breakdown["workspace"]["per_node_cpu"] == pytest.approx(20 * shape.num_params, rel=1e-9)
+    # minifloat codes: the fused kernel on CPU (no step workspace: the projection's is what remains), its torch
+    # reference on a GPU (32 bytes per entry)
+    ds = DsConfig.load("ds_configs/zero3_offload_elsal.json").raw
+    ds["elsa"]["base_optimizer"] = "adam8bit_minifloat"
+    mini = estimate(shape, ds, num_gpus=8)
+    assert mini.breakdown["workspace"]["per_node_cpu"] < 20 * shape.num_params
+    assert mini.breakdown["optimizer"] == elsal.breakdown["optimizer"] and mini.breakdown["admm"] == elsal.breakdown["admm"]
+    ds = DsConfig.load("ds_configs/zero3.json").raw
+    ds["elsa"] = {"base_optimizer": "adam8bit_minifloat", "z_dtype": "fp8", "u_dtype": "bf16"}
+    on_gpu = estimate(shape, ds, num_gpus=8)
+    ds["elsa"]["base_optimizer"] = "adam8bit"
+    assert on_gpu.breakdown["workspace"]["per_gpu"] > estimate(shape, ds, num_gpus=8).breakdown["workspace"]["per_gpu"]
 
 
 def test_sub_groups_are_cut_like_deepspeed_and_small_tensors_stay_off_nvme():

@@ -329,9 +329,11 @@ class AdmmOptimizer(OptimizerWrapper):
         return self._metrics.clone()
 
     def kernel_report(self) -> dict:
-        """Whether the fused kernels were available, and how the fused projections found their thresholds so far
-        ({"bracket": n, "missed": n, "exact": n}: decided from global counts, so the same on every rank)."""
-        return {"available": self._fused.kernels is not None, "projection_paths": dict(self._fused.projection_paths)}
+        """Whether the fused kernels were available, how the fused projections found their thresholds so far
+        ({"bracket": n, "missed": n, "exact": n}: decided from global counts, so the same on every rank), and this
+        rank's fused x-steps per kind ({"deepspeed_adam": n} or {"adam8bit/<code format>": n})."""
+        return {"available": self._fused.kernels is not None, "projection_paths": dict(self._fused.projection_paths),
+                "x_steps": dict(self._fused.x_steps)}
 
 
 def summarize_metrics(sums: torch.Tensor, lam: float) -> dict[str, float]:

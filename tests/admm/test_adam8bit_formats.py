@@ -37,7 +37,12 @@ def test_minifloat_map_layout(signed):
     assert qmap[1] == math.ldexp(1 + 2**-mbits, -15)                               # the smallest nonzero code
     top = 15 << mbits
     assert torch.all(torch.diff(qmap[: top + 1]) > 0)                              # increasing magnitudes up to 1.0
-    assert torch.equal(qmap.double().float(), qmap) and torch.all(torch.isfinite(qmap))
+    exact = [0.0 if c & 0x7F == 0 else math.ldexp(1 + ((c & 0x7F) % (1 << mbits)) / (1 << mbits), ((c & 0x7F) >> mbits) - 15)
+             for c in range(256)] if signed else \
+        [0.0 if c == 0 else math.ldexp(1 + (c % (1 << mbits)) / (1 << mbits), (c >> mbits) - 15) for c in range(256)]
+    exact = torch.tensor(exact, dtype=torch.float64) * torch.where(torch.arange(256) >= 0x80, -1.0, 1.0).double() \
+        if signed else torch.tensor(exact, dtype=torch.float64)
+    assert torch.equal(qmap.double(), exact)                                       # every value exact in fp32
     if signed:
         assert torch.equal(qmap[0x80:], -qmap[:0x80])                               # bit 7 is the sign
     assert map_format(qmap) == (MINIFLOAT, signed)
@@ -65,6 +70,27 @@ def test_minifloat_encode_is_the_nearest_code(signed):
     assert minifloat_encode(torch.tensor([float("nan")]), signed).item() == 0
     if signed:
         assert torch.all((codes >= 0x80) == ((x < 0) & (codes != 0)))
+
+
+def test_the_kernel_encodes_exactly_like_the_reference(kernels):
+    """With β1 = β2 = 0 one step stores m = g and v = g·g: the kernel's codes must be minifloat_encode's, bit for bit,
+    on the sweep (ties, their fp32 neighbours, tiny values, the floor); each block holds a 1.0, so absmax is 1."""
+    x = _sweep(True)
+    x = x[x.abs() <= 1]
+    blocks = -(-x.numel() // 255)
+    g = torch.nn.functional.pad(x, (0, blocks * 255 - x.numel())).view(blocks, 255)
+    g = torch.cat([torch.ones(blocks, 1), g], 1).reshape(-1)
+    p = torch.nn.Parameter(torch.zeros_like(g))
+    p.grad = g.clone()
+    opt = Adam8bit([p], lr=0.0, betas=(0.0, 0.0), format=MINIFLOAT)
+    opt.step()
+    st = opt.state[p]
+    assert opt._compiled() is not None and torch.equal(st["absmax1"], torch.ones(blocks))
+    assert torch.equal(st["state1"], minifloat_encode(g, True))
+    v = g * g
+    peak = v.view(blocks, 256).amax(1)
+    assert torch.equal(st["absmax2"], peak)
+    assert torch.equal(st["state2"], minifloat_encode(v.view(blocks, 256) * (1.0 / peak).unsqueeze(1), False).view(-1))
 
 
 def test_quantize_follows_the_map():

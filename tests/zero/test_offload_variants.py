@@ -78,6 +78,8 @@ def test_elsal_with_minifloat_adam_on_two_ranks(tmp_path, small_model_dir, text_
     out = _elsal(tmp_path, small_model_dir, text_dir, 2, "zero3_offload_elsal.json", "--base_optimizer", "adam8bit_minifloat")
     masks, report = _masks(out)
     assert report["config"]["base_optimizer"] == "adam8bit_minifloat"
+    if report["kernels"]["available"]:  # the fused kernel stepped minifloat codes, nothing else
+        assert set(report["kernels"]["x_steps"]) == {"adam8bit/minifloat"}, report["kernels"]
     assert report["config"]["z_dtype"] == "fp8" and report["config"]["u_dtype"] == "bf16"
     assert report["admm_state_bytes_per_param"] <= 3.01
     if report["kernels"]["available"]:

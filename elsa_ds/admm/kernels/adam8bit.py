@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import struct
+import weakref
 
 import torch
 
@@ -99,11 +100,24 @@ def minifloat_encode(normed: torch.Tensor, signed: bool) -> torch.Tensor:
 
 
 def map_format(qmap: torch.Tensor) -> tuple[str, bool]:
-    """(format, signed) of a 256-entry map: one of the two minifloat maps, else bitsandbytes' (any other map)."""
+    """(format, signed) of a 256-entry map: one of the two minifloat maps, else bitsandbytes' (any other map).
+
+    Remembered per map tensor (the maps are shared by every parameter and never written in place; a loaded
+    checkpoint brings new tensors), so a step costs no device sync after the first."""
+    known = _FORMAT_OF.get(id(qmap))
+    if known is None:
+        known = _detect(qmap)
+        _FORMAT_OF[id(qmap)] = known
+        weakref.finalize(qmap, _FORMAT_OF.pop, id(qmap), None)  # a freed map's id may be reused
+    return known
+
+
+def _detect(qmap: torch.Tensor) -> tuple[str, bool]:
+    host = qmap.detach().float().cpu()
     for signed in (True, False):
-        if torch.equal(qmap.float().cpu(), _minifloat_maps()[signed]):
+        if torch.equal(host, _minifloat_maps()[signed]):
             return MINIFLOAT, signed
-    return BITSANDBYTES, bool(qmap.min() < 0)
+    return BITSANDBYTES, bool(host.min() < 0)
 
 
 def state_format(state: dict) -> str:
@@ -115,6 +129,7 @@ def state_format(state: dict) -> str:
 
 
 _MAPS: dict[bool, torch.Tensor] = {}
+_FORMAT_OF: dict[int, tuple[str, bool]] = {}  # id of a live map tensor -> map_format
 
 
 def _minifloat_maps() -> dict[bool, torch.Tensor]:
@@ -239,16 +254,17 @@ class Adam8bit(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader casts every floating-point parameter's state tensors to the parameter's dtype, which would
-        turn the uint8 codes into fp32 (and the next step into the 32-bit path): put each state back in its saved dtype
-        (uint8 → fp32 → uint8 is exact)."""
-        saved = {idx: {k: v.dtype for k, v in st.items() if torch.is_tensor(v)} for idx, st in state_dict["state"].items()}
+        turn the uint8 codes into fp32 (and the next step into the 32-bit path), and with bf16 parameters round the
+        absmax and the maps: every state whose dtype it changed is restored from the saved tensor itself."""
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = dict(zip(saved_ids, (p for group in self.param_groups for p in group["params"])))
+        saved = {i: {k: v for k, v in st.items() if torch.is_tensor(v)} for i, st in state_dict["state"].items()}
         super().load_state_dict(state_dict)
-        params = [p for group in self.param_groups for p in group["params"]]
-        for idx, dtypes in saved.items():
-            st = self.state[params[idx]]
-            for key, dtype in dtypes.items():
-                if st[key].dtype != dtype:
-                    st[key] = st[key].to(dtype)
+        for i, tensors in saved.items():
+            st = self.state[params[i]]
+            for key, value in tensors.items():
+                if st[key].dtype != value.dtype:
+                    st[key] = value.to(device=st[key].device, copy=True)
 
     def _compiled(self):
         if self._use_kernels and self._kernels is None:

@@ -42,6 +42,7 @@ class FusedPath:
         self.bias = xstep.DeepSpeedBiasCorrection()
         self._tables: dict[int, tuple[torch.Tensor, xstep.SliceTable]] = {}
         self.projection_paths: dict[str, int] = {}  # how the projections found their thresholds (select.thresholds)
+        self.x_steps: dict[str, int] = {}  # fused x-steps per kind: deepspeed_adam, adam8bit/bitsandbytes, adam8bit/minifloat
 
     def table(self, flat: torch.Tensor, slices: list[Slice]) -> xstep.SliceTable:
         entry = self._tables.get(id(flat))
@@ -68,8 +69,10 @@ class FusedPath:
         table = self.table(flat, slices)
         if self.kind == DEEPSPEED_ADAM:
             xstep.adam_step(self.kernels, flat, st, group, table, zu, lam, self.adamw, self.bias)
+            done = DEEPSPEED_ADAM
         else:
-            xstep.adam8bit_step(self.kernels, flat, st, group, table, zu, lam)
+            done = f"{ADAM8BIT}/{xstep.adam8bit_step(self.kernels, flat, st, group, table, zu, lam)}"
+        self.x_steps[done] = self.x_steps.get(done, 0) + 1
 
     # ---- the projection -----------------------------------------------------------------------------
     def projects(self, flat: torch.Tensor, slices: list[Slice], pattern) -> bool:

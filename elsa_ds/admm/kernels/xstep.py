@@ -87,13 +87,14 @@ def adam_step(kernels, flat: torch.Tensor, state: dict, group: dict, table: Slic
                       table.lengths, lam, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], adamw, bc1, bc2)
 
 
-def adam8bit_step(kernels, flat: torch.Tensor, state: dict, group: dict, table: SliceTable, zu: tuple, lam: float) -> None:
+def adam8bit_step(kernels, flat: torch.Tensor, state: dict, group: dict, table: SliceTable, zu: tuple, lam: float) -> str:
     """One 8-bit Adam step of ``flat`` (bitsandbytes or minifloat codes, as its maps say) with the ADMM penalty fused
-    in; ``state['step']`` += 1."""
-    fmt = 1 if state_format(state) == MINIFLOAT else 0
+    in; ``state['step']`` += 1. Returns the code format it stepped."""
+    name = state_format(state)
     state["step"] += 1
     beta1, beta2 = group["betas"][:2]
     z, u, zs, us = zu
     kernels.adam8bit_step(flat.data, flat.grad.data, state["state1"], state["state2"], state["qmap1"], state["qmap2"],
                           state["absmax1"], state["absmax2"], z, u, zs, us, table.offsets, table.lengths, lam,
-                          group["lr"], beta1, beta2, group["eps"], group["weight_decay"], state["step"], fmt)
+                          group["lr"], beta1, beta2, group["eps"], group["weight_decay"], state["step"], int(name == MINIFLOAT))
+    return name

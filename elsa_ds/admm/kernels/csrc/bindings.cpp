@@ -69,6 +69,12 @@ void adam8bit_step_t(Tensor p, Tensor g, Tensor state1, Tensor state2, Tensor qm
     check_flat(qmap2, "qmap2", 256, torch::kFloat32);
     check_flat(absmax1, "absmax1 (one per block of 256)", blocks, torch::kFloat32);
     check_flat(absmax2, "absmax2 (one per block of 256)", blocks, torch::kFloat32);
+    if (format == 1) {  // the kernel decodes minifloat codes arithmetically: the maps the readers use must agree
+        const float* q1 = qmap1.data_ptr<float>();
+        const float* q2 = qmap2.data_ptr<float>();
+        TORCH_CHECK(q1[1] == 0x1.2p-15f && q1[120] == 1.0f && q1[0x81] == -0x1.2p-15f && q2[1] == 0x1.1p-15f && q2[240] == 1.0f,
+                    "adam8bit_step: format 1 (minifloat) with maps that are not adam8bit.minifloat_map's");
+    }
     const Slices s = slices_of(offsets, lengths);
     const Adam8State st{Adam8Format(format), state1.data_ptr<uint8_t>(), state2.data_ptr<uint8_t>(), qmap1.data_ptr<float>(), qmap2.data_ptr<float>(),
                         absmax1.data_ptr<float>(), absmax2.data_ptr<float>()};
