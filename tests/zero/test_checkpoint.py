@@ -111,3 +111,26 @@ def test_emulated_two_nodes_match_one_node_two_ranks(tmp_path, tiny_model_dir, t
     a, b = _weights(tmp_path / "one_node"), _weights(tmp_path / "two_nodes")
     agree = sum(int(((a[k] != 0) == (b[k] != 0)).sum()) for k in report["layers"])
     assert agree / sum(a[k].numel() for k in report["layers"]) >= 0.999
+
+
+def test_elsal_on_minifloat_adam_resumes_where_an_uninterrupted_run_ends(tmp_path, tiny_model_dir, text_dir):
+    """ELSA-L on elsa_ds's own 8-bit Adam (minifloat codes): a run stopped after its step-4 checkpoint (a NaN at step 5)
+    and resumed ends where the uninterrupted run does. The uint8 codes and their maps must come back through DeepSpeed's
+    checkpoint as they were: codes read back as fp32 would send the resumed steps down bitsandbytes' 32-bit path."""
+    ds = derived_config(tmp_path, "zero3_offload_elsal.json", bf16={"enabled": False})
+    extra = ("--base_optimizer", "adam8bit_minifloat", "--save_interval", "2")
+    run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, tmp_path / "ref", *extra))
+    out = tmp_path / "out"
+    fixture = ROOT / "tests" / "fixtures" / "nan_at_step"
+    env = {"ELSA_TEST_NAN_STEP": "5", "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    stopped = run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, out, *extra), check=False, env=env)
+    assert stopped.returncode == 2 and (out / "checkpoints" / "latest").read_text() == "global_step4", stopped.stderr[-2000:]
+    resumed = run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, out, *extra, "--resume"))
+    assert "continuing at step 4" in resumed.stdout
+    report = json.loads((out / "elsa_report.json").read_text())
+    if report["kernels"]["available"]:  # the resumed steps stepped minifloat codes, through the fused kernel
+        assert set(report["kernels"]["x_steps"]) == {"adam8bit/minifloat"}, report["kernels"]
+    reference, got = _weights(tmp_path / "ref"), _weights(out)
+    for name, w in reference.items():
+        assert torch.equal(w != 0, got[name] != 0), name
+        assert torch.allclose(w, got[name], atol=1e-5), name
