@@ -140,6 +140,10 @@ class _Job:
     fisher: bool
 
 
+def moment_bytes(base: str) -> float:  # Adam's moments per entry: fp32, or 8-bit codes + an fp32 absmax per 256 (both formats)
+    return 2 + 2 / 256 * 4 if base.startswith("adam8bit") else 8
+
+
 def _read_job(shape: ModelShape, ds: dict, elsa: dict, world: int) -> _Job:
     view = DsConfig(ds)
     opt_dev = view.optimizer_device
@@ -151,7 +155,7 @@ def _read_job(shape: ModelShape, ds: dict, elsa: dict, world: int) -> _Job:
         half=2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4,
         param_dev=view.param_device, opt_dev=opt_dev, base=base,
         z_bytes=STATE_BYTES[elsa.get("z_dtype", "fp32")], u_bytes=STATE_BYTES[elsa.get("u_dtype", "fp32")],
-        moment_bytes=2 + 2 / 256 * 4 if base.startswith("adam8bit") else 8,
+        moment_bytes=moment_bytes(base),
         min_aio=max(2.0**20, float(ds.get("aio", {}).get("block_size", 2**20))),
         fisher=elsa.get("projection", "fisher") == "fisher",
     )
@@ -348,8 +352,7 @@ def _step_workspace(group: SubGroup, base: str, base_on_gpu: bool, fisher: bool,
     ``AdmmOptimizer._init_state`` / ``_update_z_u`` / ``_finalize`` and ``projection.scores`` / ``select_masks``.
     """
     n, pruned, slice_ = group.numel, group.pruned, group.largest_pruned   # n, N, S
-    # minifloat: the fused kernel on CPU; on a GPU its torch reference (adam8bit_reference: m, v, denom and the
-    # dequantize / encode temporaries, ~32 bytes per entry)
+    # minifloat: the fused kernel on CPU; on a GPU its torch reference (m, v, denom, dequantize/encode temporaries: ~32 B)
     base_step = {"adam": 8 * n, "cpu_adam": 0.0, "adam8bit": 0.0 if base_on_gpu else 20 * n,
                  "adam8bit_minifloat": 32 * n if base_on_gpu else 0.0}[base]
     dequant_peak, dequant_kept = (12 * n, 4 * n) if fisher and base.startswith("adam8bit") else (0.0, 0.0)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elsa_ds.errors import ElsaError
-from elsa_ds.memory import RUNTIME_HOST_BYTES, STATE_BYTES, ModelShape, estimate, model_shape
+from elsa_ds.memory import RUNTIME_HOST_BYTES, STATE_BYTES, ModelShape, estimate, model_shape, moment_bytes
 
 MARGIN = 0.15
 GIB = 2 ** 30
@@ -169,8 +169,8 @@ def checkpoint_bytes(shape: ModelShape, cfg, ds: dict) -> float:
     keep_checkpoints stay and one more exists while it is written."""
     if not cfg.save_interval:
         return 0.0
-    moments = 2 + 2 / 256 * 4 if cfg.base_optimizer.value.startswith("adam8bit") else 8
-    per = (4 + moments + STATE_BYTES[cfg.z_dtype.value] + STATE_BYTES[cfg.u_dtype.value]) * shape.trainable_params
+    states = moment_bytes(cfg.base_optimizer.value) + STATE_BYTES[cfg.z_dtype.value] + STATE_BYTES[cfg.u_dtype.value]
+    per = (4 + states) * shape.trainable_params
     return per * (cfg.keep_checkpoints + 1)
 
 

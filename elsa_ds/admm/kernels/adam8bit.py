@@ -27,10 +27,10 @@ absmax per block; ``dequantize_blockwise`` and every reader of ``state2`` work u
 (``minifloat_encode``: round the fp32 bit pattern, no table). bitsandbytes' quantizer needs a 64 KiB
 table read per code, which made the CPU step compute-bound; the minifloat step costs about what
 DeepSpeedCPUAdam's fp32 step does (bench/optimizer_step.py). Precision: a rounding error ≤ 6.25 % (m)
-and ≤ 3.2 % (v) of the value in all 15 octaves, where the dynamic map is finer near the block's absmax
-(0.7 %) and coarser below a tenth of it (its step doubles every decade); tests/admm/test_adam8bit_formats.py
-holds both against fp32 Adam. The map is what marks a state's
-format, so a checkpoint carries it.
+and ≤ 3.2 % (v) of the value from 2^-14 to 1 of the absmax, where the dynamic map is finer near the block's
+absmax (0.7 %) and coarser below a tenth of it (its step doubles every decade);
+tests/admm/test_adam8bit_formats.py holds both against fp32 Adam. The map is what marks a state's format,
+so a checkpoint carries it.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def dynamic_map(signed: bool) -> torch.Tensor:
 BITSANDBYTES, MINIFLOAT = "bitsandbytes", "minifloat"
 FORMATS = (BITSANDBYTES, MINIFLOAT)
 MINIFLOAT_MANTISSA = {True: 3, False: 4}  # mantissa bits: m (signed: a sign bit too), v (unsigned)
-MINIFLOAT_MIN_OCTAVE = {True: -15, False: -15}  # the smallest nonzero code is 2^-15 · (1 + 2^-M) of the block's absmax
+MINIFLOAT_MIN_OCTAVE = -15  # the smallest nonzero code is 2^-15 · (1 + 2^-M) of the block's absmax (quant8.h: 127 − 15 = 112)
 
 
 def minifloat_map(signed: bool) -> torch.Tensor:
@@ -73,7 +73,7 @@ def minifloat_map(signed: bool) -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.int64)
     mag = codes & 0x7F if signed else codes
     octave, frac = mag >> mbits, (mag & ((1 << mbits) - 1)).double()
-    values = torch.where(mag == 0, 0.0, torch.ldexp(1.0 + frac / (1 << mbits), octave + MINIFLOAT_MIN_OCTAVE[signed]))
+    values = torch.where(mag == 0, 0.0, torch.ldexp(1.0 + frac / (1 << mbits), octave + MINIFLOAT_MIN_OCTAVE))
     if signed:
         values = torch.where(codes >= 0x80, -values, values)
     return values.float()  # every value is exact in fp32
@@ -88,9 +88,9 @@ def minifloat_encode(normed: torch.Tensor, signed: bool) -> torch.Tensor:
     definition, the nearest entry of ``minifloat_map``."""
     mbits = MINIFLOAT_MANTISSA[signed]
     shift = 23 - mbits
-    offset = (127 + MINIFLOAT_MIN_OCTAVE[signed]) << mbits                       # the fp32 exponent bias, re-biased
+    offset = (127 + MINIFLOAT_MIN_OCTAVE) << mbits                       # the fp32 exponent bias, re-biased
     a = normed.float().abs()
-    smallest = math.ldexp(1.0 + 2.0**-mbits, MINIFLOAT_MIN_OCTAVE[signed])
+    smallest = math.ldexp(1.0 + 2.0**-mbits, MINIFLOAT_MIN_OCTAVE)
     keep = a >= 0.5 * smallest if signed else a > 0                      # false for NaN
     bits = a.clamp(max=1.0).view(torch.int32)
     code = (((bits + (1 << (shift - 1))) >> shift) - offset).clamp(min=1)
