@@ -61,15 +61,25 @@ def fisher_source(state: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch
     raise RuntimeError("fisher projection needs the base optimizer's second moment (exp_avg_sq or state2); none was found")
 
 
-def _next_digit(hist: torch.Tensor, need: torch.Tensor, above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cum_search_reference(hist: torch.Tensor, target: torch.Tensor, from_top: bool, right: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``hist`` (counts, [rows, bins]): the first position, scanning bins upward (or downward when
+    ``from_top``), where the running count exceeds ``target`` (``right``) or reaches it, clamped at bins − 1; and the
+    running count there. The readable form of ``kernels.select_cum_search``, which tests hold it to."""
+    cum = (hist.flip(1) if from_top else hist).cumsum(1, dtype=torch.int64)
+    index = torch.searchsorted(cum, target.unsqueeze(1), right=right).squeeze(1).clamp_max(hist.shape[1] - 1)
+    return index, cum.gather(1, index.unsqueeze(1)).squeeze(1)
+
+
+def _next_digit(kernels, hist: torch.Tensor, need: torch.Tensor, above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per slice, the digit whose bin holds the need-th largest key, and the count of keys above that bin.
 
-    With c = cumsum(hist) and t = c[-1], bin b holds it when c[b − 1] ≤ t − (need − above) < c[b]: one binary search.
+    With c = cumsum(hist) and t = c[-1], bin b holds it when c[b − 1] ≤ t − (need − above) < c[b]: the first b with
+    c[b] > t − (need − above). (A scan in C++: torch's cumsum, searchsorted and gather on [slices, 65536] cost ~3 ms
+    a call, a tenth of a projection's passes.)
     """
-    cum = hist.cumsum(1, dtype=torch.int64)
-    total = cum[:, -1]
-    digit = torch.searchsorted(cum, (total - (need - above)).unsqueeze(1), right=True).squeeze(1).clamp_max(_BINS - 1)
-    return digit, above + total - cum.gather(1, digit.unsqueeze(1)).squeeze(1)
+    total = hist.sum(1, dtype=torch.int64)
+    digit, cum = kernels.select_cum_search(hist, total - (need - above), False, True)
+    return digit, above + total - cum
 
 
 def exact_thresholds(kernels, source: tuple, table, slices: list[Slice], comm: Comm,
@@ -82,37 +92,38 @@ def exact_thresholds(kernels, source: tuple, table, slices: list[Slice], comm: C
     comm.all_reduce_sum(hist)
     if scaled:
         comm.all_reduce_max(peaks)
-    high, above = _next_digit(hist, need, torch.zeros_like(need))
+    high, above = _next_digit(kernels, hist, need, torch.zeros_like(need))
     prefix = torch.where(active, high, torch.full_like(high, -1))
     local, _ = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, prefix, 1)
-    threshold, take, ties = _low_digit(high, above, local, need, active, comm)
+    threshold, take, ties = _low_digit(kernels, high, above, local, need, active, comm)
     return threshold, take, peaks, ties
 
 
-def _low_digit(high, above, local, need, active, comm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _low_digit(kernels, high, above, local, need, active, comm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, take, ties) from the high digit and this rank's low-digit histogram under it (``local``): the merged
     histogram gives T's low digit; this rank's ties are local's count in T's bin, and the lower ranks' ties go first
     (the reference's index order), so this rank keeps ``take`` of them. Collective (all-reduce, all-gather)."""
     merged = comm.all_reduce_sum(local.clone())
-    low, above = _next_digit(merged, need, above)
+    low, above = _next_digit(kernels, merged, need, above)
     threshold = torch.where(active, (high << _DIGIT) | low, torch.full_like(high, _NO_KEY))
-    ties = torch.where(active, local.to(torch.int64).gather(1, low.clamp_min(0).unsqueeze(1)).squeeze(1), 0)
+    ties = torch.where(active, local.gather(1, low.clamp_min(0).unsqueeze(1)).squeeze(1).to(torch.int64), 0)
     before = comm.all_gather(ties)[: comm.rank].sum(0)
     take = torch.minimum((need - above - before).clamp_min(0), ties)
     return threshold, take, ties
 
 
-def _brackets(sample: torch.Tensor, need: torch.Tensor, numel: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _brackets(kernels, sample: torch.Tensor, need: torch.Tensor, numel: torch.Tensor,
+              active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per layer, keys [lo, hi] (whole high-digit bins) that should hold the need-th largest key, from the sample's
     high-digit histogram; lo > hi for a layer that keeps nothing."""
-    from_top = sample.flip(1).cumsum(1, dtype=torch.int64)  # [:, i]: sampled keys in bins >= 65535 - i
-    m = from_top[:, -1].double()
+    # from the top, position i is bin 65535 - i; the running count there: sampled keys in bins >= 65535 - i
+    m = sample.sum(1, dtype=torch.int64).double()
     rank = need.double() * m / numel.clamp_min(1).double()
     sigma = torch.sqrt((rank * (1 - rank / m.clamp_min(1))).clamp_min(0) * DESIGN_EFFECT)
     margin = MARGIN_SIGMAS * sigma + 2 * DESIGN_EFFECT
     upper, lower = (rank - margin).floor().to(torch.int64), (rank + margin).ceil().to(torch.int64)
-    i_hi = torch.searchsorted(from_top, upper.unsqueeze(1), right=True).squeeze(1).clamp_max(_BINS - 1)
-    i_lo = torch.searchsorted(from_top, lower.unsqueeze(1), right=False).squeeze(1).clamp_max(_BINS - 1)
+    i_hi, _ = kernels.select_cum_search(sample, upper, True, True)
+    i_lo, _ = kernels.select_cum_search(sample, lower, True, False)
     hi = ((_BINS - 1 - i_hi) << _DIGIT) | (_BINS - 1)
     lo = (_BINS - 1 - i_lo) << _DIGIT
     return torch.where(active, lo, 1), torch.where(active, hi, 0)
@@ -127,7 +138,7 @@ def bracket_thresholds(kernels, source: tuple, table, slices: list[Slice], comm:
     active = need > 0
     sample, _ = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, _EMPTY_I64, SAMPLE_STRIDE)
     comm.all_reduce_sum(sample)
-    lo, hi = _brackets(sample, need, numel, active)
+    lo, hi = _brackets(kernels, sample, need, numel, active)
     counts, peaks, keys, found, overflow, high_hist = kernels.select_bracket(x, u, us, f, qmap, absmax, table.offsets,
                                                                             table.lengths, lo, hi)
     totals = comm.all_reduce_sum(torch.cat([counts.flatten(), overflow.to(torch.int64)]))
@@ -139,9 +150,9 @@ def bracket_thresholds(kernels, source: tuple, table, slices: list[Slice], comm:
     if scaled:
         comm.all_reduce_max(peaks)
     comm.all_reduce_sum(high_hist)
-    high, above = _next_digit(high_hist, need, above)
+    high, above = _next_digit(kernels, high_hist, need, above)
     local = kernels.select_key_histogram(keys, found, torch.where(active, high, -1))
-    threshold, take, ties = _low_digit(high, above, local, need, active, comm)
+    threshold, take, ties = _low_digit(kernels, high, above, local, need, active, comm)
     return threshold, take, peaks, ties
 
 

@@ -120,12 +120,15 @@ std::vector<Tensor> select_bracket_t(Tensor x, Tensor u, Tensor u_scale, Tensor 
     auto peaks = torch::zeros({s.count}, torch::kFloat32);
     auto found = torch::zeros({s.count}, torch::kInt64);
     auto overflow = torch::zeros({s.count}, torch::kBool);
-    auto high = torch::zeros({s.count, 65536}, torch::kInt32);
-    std::vector<int32_t> keys;
+    auto high = torch::empty({s.count, 65536}, torch::kInt32);
+    Tensor out;
     select_bracket(src, x.numel(), s, lo.data_ptr<int64_t>(), hi.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), peaks.data_ptr<float>(),
-                   found.data_ptr<int64_t>(), overflow.data_ptr<bool>(), keys, high.data_ptr<int32_t>());
-    auto out = torch::empty({int64_t(keys.size())}, torch::kInt32);
-    std::copy(keys.begin(), keys.end(), out.data_ptr<int32_t>());
+                   found.data_ptr<int64_t>(), overflow.data_ptr<bool>(),
+                   [&](int64_t total) {
+                       out = torch::empty({total}, torch::kInt32);
+                       return out.data_ptr<int32_t>();
+                   },
+                   high.data_ptr<int32_t>());
     return {counts, peaks, out, found, overflow, high};
 }
 
@@ -137,6 +140,17 @@ Tensor select_key_histogram_t(Tensor keys, Tensor found, Tensor prefix) {
     auto hist = torch::zeros({n_slices, 65536}, torch::kInt32);
     select_key_histogram(keys.data_ptr<int32_t>(), found.data_ptr<int64_t>(), n_slices, prefix.data_ptr<int64_t>(), hist.data_ptr<int32_t>());
     return hist;
+}
+
+std::vector<Tensor> select_cum_search_t(Tensor hist, Tensor target, bool from_top, bool right) {
+    TORCH_CHECK(hist.dim() == 2 && hist.is_cpu() && hist.is_contiguous() && hist.scalar_type() == torch::kInt32 && hist.size(1) > 0,
+                "hist must be a contiguous int32 CPU tensor [rows, bins] with bins > 0");
+    check_flat(target, "target", hist.size(0), torch::kInt64);
+    auto index = torch::empty({hist.size(0)}, torch::kInt64);
+    auto cum = torch::empty({hist.size(0)}, torch::kInt64);
+    select_cum_search(hist.data_ptr<int32_t>(), hist.size(0), hist.size(1), target.data_ptr<int64_t>(), from_top, right,
+                      index.data_ptr<int64_t>(), cum.data_ptr<int64_t>());
+    return {index, cum};
 }
 
 std::vector<Tensor> select_split_t(Tensor x, Tensor u, Tensor u_scale_old, Tensor f, Tensor f_qmap, Tensor f_absmax, Tensor z,
@@ -183,6 +197,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("select_histogram", &select_histogram_t, "16-bit digit histograms of the projection scores, per slice; peak |v|");
     m.def("select_bracket", &select_bracket_t, "count keys above a bracket, collect those inside it, per slice; peak |v|");
     m.def("select_key_histogram", &select_key_histogram_t, "low-half histogram of bracket keys under each slice's high-half prefix");
+    m.def("select_cum_search", &select_cum_search_t, "per row, the first bin where the running count passes a target (searchsorted on cumsum)");
     m.def("select_split", &select_split_t, "z = v*[key > T] (+ this rank's tied share), u = v - z; metrics, ties met");
     m.def("to_fp8", [](const torch::Tensor& x) {
         return convert<uint8_t>(x.to(torch::kFloat32), torch::kUInt8, [](const void* s, int64_t i) { return float_to_fp8(static_cast<const float*>(s)[i]); });

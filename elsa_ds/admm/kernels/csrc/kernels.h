@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "numerics.h"
 #include "plan.h"
@@ -97,13 +98,19 @@ void select_histogram(const ScoreSource& src, int64_t n, const Slices& slices, c
                       int32_t* hist, float* peaks);
 // per slice: counts[2j] = keys above hi[j], counts[2j+1] = keys in [lo[j], hi[j]] (none when lo > hi; the
 // peak is still found); the in-bracket keys themselves (grouped by slice, found[j] each, in index order, unless
-// overflow[j]: more than 1/4 of a piece) and their high halves' histogram (high_hist, zeroed, [slices, 65536]);
-// peaks[j] = peak |v|
+// overflow[j]: more than 1/4 of a piece), written where keys_out(total) says, and their high halves' histogram
+// (high_hist, [slices, 65536], overwritten; an overflowed slice's is partial); peaks[j] = peak |v|
 void select_bracket(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* lo, const int64_t* hi, int64_t* counts,
-                    float* peaks, int64_t* found, bool* overflow, std::vector<int32_t>& keys, int32_t* high_hist);
+                    float* peaks, int64_t* found, bool* overflow, const std::function<int32_t*(int64_t)>& keys_out,
+                    int32_t* high_hist);
 // per slice j with prefix[j] >= 0: the histogram (hist, zeroed, [slices, 65536]) of the low halves of its keys
 // (keys grouped by slice, found[j] each) whose high half is prefix[j]
 void select_key_histogram(const int32_t* keys, const int64_t* found, int64_t n_slices, const int64_t* prefix, int32_t* hist);
+// per row r of hist ([rows, bins], counts): the first bin, in scan order (ascending bins, or descending when from_top),
+// at which the running sum of counts exceeds target[r] (right) or reaches it (!right), as a scan position clamped at
+// bins - 1 (torch.searchsorted on the row's cumsum, flipped first when from_top); cum[r]: the running sum there
+void select_cum_search(const int32_t* hist, int64_t rows, int64_t bins, const int64_t* target, bool from_top, bool right,
+                       int64_t* index, int64_t* cum);
 // z, u (or x) from the threshold keys; of slice j's entries equal to its threshold (this rank's ties), the
 // first take[j] in index order are kept; metrics[0..2] += residual², x², flips; ties_seen[j]: the ties met
 // (the caller holds them to the histogram's count)

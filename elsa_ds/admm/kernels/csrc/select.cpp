@@ -14,6 +14,7 @@
 #endif
 
 #include <cfloat>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -58,6 +59,14 @@ struct Row {
         else return x[i] + to_float(u[i]) * u_scale;
     }
 
+    // the cache lines that value(i) and key(i) read
+    inline void prefetch(int64_t i) const {
+        __builtin_prefetch(x + i);
+        if constexpr (!std::is_same_v<UT, NoU>) __builtin_prefetch(u + i);
+        if constexpr (FK == kFp32) __builtin_prefetch(f + i);
+        if constexpr (FK == kBnb8) __builtin_prefetch(codes + i);
+    }
+
     // scores() in projection.py: F·v² with F clamped at 0, NaN -> 0, inf -> FLT_MAX, sign cleared
     inline uint32_t key(int64_t i, float v) const {
         float score = v * v;
@@ -82,9 +91,9 @@ inline int64_t pack_inside(uint32_t* keys, int64_t m, uint32_t lo, uint32_t hi) 
     for (; i + 16 <= m; i += 16) {
         const __m512i k = _mm512_loadu_si512(keys + i);
         const __mmask16 hit = _mm512_cmpge_epu32_mask(k, vlo) & _mm512_cmple_epu32_mask(k, vhi);
-        if (!hit) continue;
         // compress in a register, then a full store (found <= i: lanes past the hits land on keys already read);
-        // a compress straight to memory is microcoded and slow on AMD Zen 4
+        // a compress straight to memory is microcoded and slow on AMD Zen 4. No branch on an empty mask: with a
+        // few % of keys inside, a third of the vectors hold one, and the mispredictions cost more than the stores
         _mm512_storeu_si512(keys + found, _mm512_maskz_compress_epi32(hit, k));
         found += __builtin_popcount(hit);
     }
@@ -127,10 +136,18 @@ template <class UT, int FK>
 __attribute__((noinline)) void sample_piece(const Row<UT, FK> r, int64_t n, int64_t stride, int32_t* __restrict hist) {
     const int64_t window = stride * kSample;
     alignas(64) uint32_t keys[kSample];
-    for (int64_t w = r.first / window; w * window < r.first + n; ++w) {
+    const auto start_of = [&](int64_t w) {
         const uint64_t h = uint64_t(w) * 0x9E3779B97F4A7C15ull;
-        const int64_t start = w * window + int64_t((h >> 32) % uint64_t(stride)) * kSample - r.first;
+        return w * window + int64_t((h >> 32) % uint64_t(stride)) * kSample - r.first;
+    };
+    for (int64_t w = r.first / window; w * window < r.first + n; ++w) {
+        const int64_t start = start_of(w);
         const int64_t b = std::max<int64_t>(start, 0), e = std::min(start + kSample, n);
+        if (const int64_t next = start_of(w + 1); next >= 0 && next + kSample <= n) {
+            // the next block's lines, requested now: blocks are 1 KiB apart by 15 KiB, too short for the hardware
+            // prefetcher to lock on, so without this every block waits on DRAM latency
+            for (int64_t i = next; i < next + kSample; i += 16) r.prefetch(i);
+        }
         if (b >= e) continue;
 #pragma omp simd
         for (int64_t i = b; i < e; ++i) keys[i - b] = r.key(i, r.value(i));
@@ -172,18 +189,24 @@ struct Bracket {  // per piece
     int64_t above = 0, inside = 0;
     float peak = 0.0f;
     bool overflow = false;
-    std::vector<uint32_t> keys;  // the keys in [lo, hi]
+    int thread = 0;              // the keys in [lo, hi]: [begin, end) of that thread's buffer
+    size_t begin = 0, end = 0;
 };
 
-// count the keys above hi, keep those in [lo, hi] (at most kChunk / 4 per piece), and the peak |v|
+// each OpenMP thread's collected keys, kept across calls so no projection allocates (or page-faults) them afresh
+thread_local std::vector<uint32_t> t_keys;
+
+// count the keys above hi, keep those in [lo, hi] (at most kChunk / 4 per piece) and count their high halves in
+// high_hist (this thread's, this slice's), and the peak |v|
 template <class UT, int FK>
-__attribute__((noinline)) void bracket_piece(const Row<UT, FK> r, int64_t n, uint32_t lo, uint32_t hi, Bracket& out) {
+__attribute__((noinline)) void bracket_piece(const Row<UT, FK> r, int64_t n, uint32_t lo, uint32_t hi, Bracket& out,
+                                             int32_t* __restrict high_hist) {
     alignas(64) uint32_t keys[kKeys];
     const size_t cap = size_t(kChunk / 4);
     for (int64_t b = 0; b < n; b += kKeys) {
         const int64_t m = std::min(kKeys, n - b);
         float pk = out.peak;
-        int64_t above = 0, inside = 0;
+        int32_t above = 0, inside = 0;  // a batch's counts fit 32 bits, and 32-bit sums need no widening per vector
 #pragma omp simd reduction(max : pk) reduction(+ : above, inside)
         for (int64_t i = 0; i < m; ++i) {
             const float v = r.value(b + i);
@@ -197,23 +220,39 @@ __attribute__((noinline)) void bracket_piece(const Row<UT, FK> r, int64_t n, uin
         out.above += above;
         out.inside += inside;
         if (inside == 0 || out.overflow) continue;
-        if (out.keys.size() + size_t(inside) > cap) {
+        if (t_keys.size() - out.begin + size_t(inside) > cap) {
             out.overflow = true;
             continue;
         }
         const int64_t found = pack_inside(keys, m, lo, hi);
-        out.keys.insert(out.keys.end(), keys, keys + found);
+        for (int64_t i = 0; i < found; ++i) ++high_hist[keys[i] >> 16];
+        t_keys.insert(t_keys.end(), keys, keys + found);
     }
+    out.end = t_keys.size();
 }
 
+// the pieces' brackets, and per thread and slice the high halves' histogram of the kept keys (local, zeroed,
+// [threads, slices, 65536]); a piece that overflowed still counted its kept keys there: the caller ignores the
+// histogram of an overflowed slice (the projection then takes the exact passes)
 template <class UT, int FK>
-void bracket(const Src& s, const std::vector<Piece>& plan, const int64_t* lo, const int64_t* hi, std::vector<Bracket>& out) {
+void bracket(const Src& s, const std::vector<Piece>& plan, const int64_t* lo, const int64_t* hi, int64_t n_slices,
+             std::vector<Bracket>& out, std::vector<int32_t>& local, std::vector<const uint32_t*>& buffers) {
     const int64_t pieces = int64_t(plan.size());
     out.assign(pieces, Bracket{});
-#pragma omp parallel for schedule(static)
-    for (int64_t k = 0; k < pieces; ++k) {
-        const int64_t j = plan[k].slice;  // (lo > hi, a layer that keeps nothing: only its peak is wanted)
-        bracket_piece<UT, FK>(Row<UT, FK>(s, plan[k]), plan[k].end - plan[k].begin, uint32_t(lo[j]), uint32_t(hi[j]), out[k]);
+    buffers.assign(size_t(omp_get_max_threads()), nullptr);
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num();
+        t_keys.clear();
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < pieces; ++k) {
+            const int64_t j = plan[k].slice;  // (lo > hi, a layer that keeps nothing: only its peak is wanted)
+            out[k].thread = t;
+            out[k].begin = t_keys.size();
+            bracket_piece<UT, FK>(Row<UT, FK>(s, plan[k]), plan[k].end - plan[k].begin, uint32_t(lo[j]), uint32_t(hi[j]), out[k],
+                                  local.data() + (size_t(t) * n_slices + j) * kBins);
+        }
+        buffers[size_t(t)] = t_keys.data();
     }
 }
 
@@ -323,7 +362,7 @@ __attribute__((noinline)) void split_untied(const Splitter<ZT, UT, FK, MODE> sp,
             keys[i] = sp.r.key(b + i, values[i]);
         }
         float res = 0.0f, xsq = 0.0f, flips = 0.0f;
-        int64_t ties = 0;
+        int32_t ties = 0;  // (as in bracket_piece: 32-bit batch sums)
 #pragma omp simd reduction(+ : res, xsq, flips, ties)
         for (int64_t i = 0; i < m; ++i) {
             const Contribution e = sp.entry(b + i, values[i], keys[i] > threshold, keys[i] == threshold);
@@ -410,36 +449,56 @@ void select_histogram(const ScoreSource& src, int64_t n, const Slices& slices, c
 }
 
 void select_bracket(const ScoreSource& src, int64_t n, const Slices& slices, const int64_t* lo, const int64_t* hi, int64_t* counts,
-                    float* peaks, int64_t* found, bool* overflow, std::vector<int32_t>& keys, int32_t* high_hist) {
+                    float* peaks, int64_t* found, bool* overflow, const std::function<int32_t*(int64_t)>& keys_out,
+                    int32_t* high_hist) {
     const auto plan = make_plan(slices, n, /*with_gaps=*/false);
+    const int threads = omp_get_max_threads();
     std::vector<Bracket> per_piece;
+    std::vector<const uint32_t*> buffers;
+    std::vector<int32_t> local(size_t(threads) * slices.count * kBins, 0);
     with_storage(src.u ? src.u_type : Storage::kNone, [&](auto ut) {
-        with_fisher(src, [&](auto fk) { bracket<decltype(ut), decltype(fk)::value>(src, plan, lo, hi, per_piece); });
+        with_fisher(src, [&](auto fk) {
+            bracket<decltype(ut), decltype(fk)::value>(src, plan, lo, hi, slices.count, per_piece, local, buffers);
+        });
     });
     for (int64_t j = 0; j < slices.count; ++j) {
         counts[2 * j] = counts[2 * j + 1] = found[j] = 0;
         peaks[j] = 0.0f;
         overflow[j] = false;
     }
-    size_t total = 0;
-    for (const Bracket& b : per_piece) total += b.keys.size();
-    keys.clear();
-    keys.reserve(total);
-    std::vector<std::vector<size_t>> pieces_of(slices.count);
-    for (size_t k = 0; k < plan.size(); ++k) pieces_of[plan[k].slice].push_back(k);
-    for (int64_t j = 0; j < slices.count; ++j)  // keys grouped by slice, in index order
-        for (const size_t k : pieces_of[j]) {
+    // keys grouped by slice, in index order: each piece's place in the output, then the copies in parallel
+    const int64_t pieces = int64_t(plan.size());
+    std::vector<std::vector<int64_t>> pieces_of(slices.count);
+    for (int64_t k = 0; k < pieces; ++k) pieces_of[plan[k].slice].push_back(k);
+    std::vector<int64_t> at(pieces, 0);
+    int64_t total = 0;
+    for (int64_t j = 0; j < slices.count; ++j)
+        for (const int64_t k : pieces_of[j]) {
             const Bracket& b = per_piece[k];
             counts[2 * j] += b.above;
             counts[2 * j + 1] += b.inside;
             peaks[j] = std::max(peaks[j], b.peak);
             overflow[j] = overflow[j] || b.overflow;
-            for (const uint32_t key : b.keys) {
-                keys.push_back(int32_t(key));
-                ++high_hist[j * kBins + (key >> 16)];
-            }
-            found[j] += int64_t(b.keys.size());
+            at[k] = total;
+            total += int64_t(b.end - b.begin);
+            found[j] += int64_t(b.end - b.begin);
         }
+    int32_t* keys = keys_out(total);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t k = 0; k < pieces; ++k)
+        {
+            const Bracket& b = per_piece[k];
+            std::copy(buffers[size_t(b.thread)] + b.begin, buffers[size_t(b.thread)] + b.end, keys + at[k]);
+        }
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < slices.count * kBins; ++e) {
+            int32_t sum = 0;
+            for (int t = 0; t < threads; ++t) sum += local[size_t(t) * slices.count * kBins + e];
+            high_hist[e] = sum;
+        }
+    }
 }
 
 void select_key_histogram(const int32_t* keys, const int64_t* found, int64_t n_slices, const int64_t* prefix, int32_t* hist) {
@@ -451,6 +510,23 @@ void select_key_histogram(const int32_t* keys, const int64_t* found, int64_t n_s
                 if ((uint32_t(keys[at]) >> 16) == uint32_t(prefix[j])) ++hist[j * kBins + (uint32_t(keys[at]) & 0xFFFFu)];
         }
         at = end;
+    }
+}
+
+void select_cum_search(const int32_t* hist, int64_t rows, int64_t bins, const int64_t* target, bool from_top, bool right,
+                       int64_t* index, int64_t* cum) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int32_t* h = hist + r * bins;
+        int64_t sum = 0, at = bins - 1;
+        for (int64_t i = 0; i < bins; ++i) {
+            sum += h[from_top ? bins - 1 - i : i];
+            if (right ? sum > target[r] : sum >= target[r]) {
+                at = i;
+                break;
+            }
+        }
+        index[r] = at;  // not found: clamped to the last position, where the running sum is the row's total
+        cum[r] = sum;
     }
 }
 
