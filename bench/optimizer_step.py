@@ -8,9 +8,10 @@ sub-group), a fixed gradient, and per pair of optimizers blocks of ``interval`` 
 both see the same machine noise); medians per step. Pairs:
 
     DeepSpeedCPUAdam         vs  AdmmOptimizer(DeepSpeedCPUAdam), fp32 z/u           (ELSA)
-    DeepSpeedCPUAdam         vs  AdmmOptimizer(bitsandbytes Adam8bit), fp8 z, bf16 u  (ELSA-L, its base included)
     DeepSpeedCPUAdam         vs  AdmmOptimizer(Adam8bit, minifloat codes), fp8 z, bf16 u
-                                                              (ELSA-L with --base_optimizer adam8bit_minifloat)
+                                                              (elsa_l_minifloat: --base_optimizer adam8bit_minifloat)
+    DeepSpeedCPUAdam         vs  AdmmOptimizer(bitsandbytes Adam8bit), fp8 z, bf16 u
+                                                              (elsa_l_bnb: --base_optimizer adam8bit, the paper's codes)
     torch Adam (CUDA)        vs  AdmmOptimizer(torch Adam) on CUDA, when a GPU is present
     bitsandbytes Adam8bit and the fused 8-bit Adam alone, in both code formats (few steps: bitsandbytes' CPU path is slow)
 
@@ -19,8 +20,9 @@ is the plain step + projection / interval. ``--eager`` adds the eager reference 
 Bytes per parameter are those a single fused pass must move (the floor for a memory-bound step); peak
 extra memory is the resident-set high-water mark of one step over the resident set before it (temporaries
 that malloc recycles from earlier steps do not show: a lower bound).
-With --json the last line holds ratio_fp32, ratio_elsal (bitsandbytes' 8-bit codes), ratio_elsal_minifloat
-(amortized, all against DeepSpeedCPUAdam) and projection_steps_equiv (one projection in DeepSpeedCPUAdam
+With --json the last line holds ratio_fp32, ratio_elsal (ELSA-L as ds_configs/zero3_offload_elsal.json sets it up: its
+``elsa.base_optimizer``, named in ``elsal_base_optimizer``), ratio_elsal_minifloat and ratio_elsal_bnb (each code
+format; amortized, all against DeepSpeedCPUAdam) and projection_steps_equiv (one projection in DeepSpeedCPUAdam
 steps), for the first --numel.
 """
 from __future__ import annotations
@@ -171,9 +173,9 @@ def measure(numel: int, args) -> dict:
     low = (StateDtype.fp8, StateDtype.bf16)
     base8 = mk.get("bnb_adam8bit", mk["fused_adam8bit"])
     pairs = [(("deepspeed_adam", "elsa_fp32"), (mk["deepspeed_adam"], None, True), (mk["deepspeed_adam"], slices, True, None)),
-             (("deepspeed_adam", "elsa_l"), (mk["deepspeed_adam"], None, True), (base8, slices, True, low)),
              (("deepspeed_adam", "elsa_l_minifloat"), (mk["deepspeed_adam"], None, True),
-              (mk["minifloat_adam8bit"], slices, True, low))]
+              (mk["minifloat_adam8bit"], slices, True, low)),
+             (("deepspeed_adam", "elsa_l_bnb"), (mk["deepspeed_adam"], None, True), (base8, slices, True, low))]
     if args.eager:
         pairs += [(("deepspeed_adam", "eager_elsa_fp32"), (mk["deepspeed_adam"], None, True), (mk["deepspeed_adam"], slices, False, None)),
                   (("deepspeed_adam", "eager_elsa_l"), (mk["deepspeed_adam"], None, True), (base8, slices, False, low))]
@@ -211,23 +213,33 @@ def report(numel: int, res: dict, interval: int) -> dict:
         amortized = r.get("amortized_ms", r["step_ms"])
         print(f"| {name} | {r['step_ms']:.1f} | {r.get('projection_ms', float('nan')):.1f} | {amortized:.1f} | "
               f"{amortized / ref:.2f} | {r.get('rss_growth_MiB', float('nan')):.0f} | {r.get('fused', '')} |")
-    fp32, low, mini = res["elsa_fp32"], res["elsa_l"], res["elsa_l_minifloat"]
+    fp32, bnb, mini = res["elsa_fp32"], res["elsa_l_bnb"], res["elsa_l_minifloat"]
+    shipped = elsal_base_optimizer()
+    low = mini if shipped == "adam8bit_minifloat" else bnb
     ratios = {"ratio_fp32": fp32["amortized_ms"] / fp32["base_ms"], "ratio_elsal": low["amortized_ms"] / low["base_ms"],
-              "ratio_elsal_minifloat": mini["amortized_ms"] / mini["base_ms"],
+              "elsal_base_optimizer": shipped, "ratio_elsal_minifloat": mini["amortized_ms"] / mini["base_ms"],
+              "ratio_elsal_bnb": bnb["amortized_ms"] / bnb["base_ms"],
               "projection_steps_equiv": fp32["projection_ms"] / fp32["base_ms"],
               "projection_steps_equiv_elsal": low["projection_ms"] / low["base_ms"],
-              "projection_steps_equiv_elsal_minifloat": mini["projection_ms"] / mini["base_ms"], "base_step_ms": base,
+              "projection_steps_equiv_elsal_bnb": bnb["projection_ms"] / bnb["base_ms"], "base_step_ms": base,
               "projection_paths": fp32.get("projection_paths", {})}
     floor_fp32 = (BYTES["elsa_fp32"] + PROJECTION_BYTES["fp32"] / interval) / BYTES["adam_fp32"]
     floor_l = (BYTES["elsa_l"] + PROJECTION_BYTES["elsa_l"] / interval) / BYTES["adam_fp32"]
     print(f"\nbytes per parameter per step: DeepSpeedCPUAdam {BYTES['adam_fp32']}, fused ELSA {BYTES['elsa_fp32']}, "
           f"8-bit Adam {BYTES['adam_8bit']}, fused ELSA-L {BYTES['elsa_l']}; per projection {PROJECTION_BYTES['fp32']} (fp32), "
           f"{PROJECTION_BYTES['elsa_l']} (ELSA-L)")
-    print(f"ratio_fp32 {ratios['ratio_fp32']:.2f} (byte floor {floor_fp32:.2f}), ratio_elsal {ratios['ratio_elsal']:.2f}, "
-          f"minifloat {ratios['ratio_elsal_minifloat']:.2f} (byte floor {floor_l:.2f}), projection = {ratios['projection_steps_equiv']:.2f} DeepSpeedCPUAdam steps "
+    print(f"ratio_fp32 {ratios['ratio_fp32']:.2f} (byte floor {floor_fp32:.2f}), ratio_elsal {ratios['ratio_elsal']:.2f} "
+          f"({shipped}; byte floor {floor_l:.2f}; minifloat {ratios['ratio_elsal_minifloat']:.2f}, bitsandbytes' codes "
+          f"{ratios['ratio_elsal_bnb']:.2f}), projection = {ratios['projection_steps_equiv']:.2f} DeepSpeedCPUAdam steps "
           f"(ELSA-L {ratios['projection_steps_equiv_elsal']:.2f}); achieved DeepSpeedCPUAdam bandwidth "
           f"{BYTES['adam_fp32'] * numel / base / 1e6:.1f} GB/s; projection paths {ratios['projection_paths']}")
     return ratios
+
+
+def elsal_base_optimizer() -> str:
+    """The 8-bit base optimizer ELSA-L runs on under CPU offload: the one ds_configs/zero3_offload_elsal.json names."""
+    config = Path(__file__).resolve().parent.parent / "ds_configs" / "zero3_offload_elsal.json"
+    return json.loads(config.read_text())["elsa"]["base_optimizer"]
 
 
 def main() -> int:

@@ -185,7 +185,7 @@ def main() -> int:
     (args.out / "quality.md").write_text(md)
     plot(results, rows, args.out / "quality.png")
     payload = {"model": model, "eval": source, "seqlen": cfg.seqlen, "steps": args.steps, "limit": args.limit,
-               "elsa_args": args.elsa_args, "ft_args": args.ft_args, "results": results}
+               "deepspeed": args.deepspeed, "elsa_args": args.elsa_args, "ft_args": args.ft_args, "results": results}
     for path in filter(None, (args.out / "quality.json", args.json)):
         write_json(path, payload)
     print(md)

@@ -32,10 +32,13 @@ def test_cum_search_equals_searchsorted_on_the_cumsum(kernels, from_top, right, 
         ref_index, ref_cum = cum_search_reference(hist, target, from_top, right)
         assert torch.equal(index, ref_index), (target.tolist(), index.tolist(), ref_index.tolist())
         assert torch.equal(cum, ref_cum), (target.tolist(), cum.tolist(), ref_cum.tolist())
+    assert torch.equal(kernels.select_row_totals(hist), totals)
 
 
 def test_cum_search_refuses_a_wrong_shape(kernels):
     with pytest.raises(RuntimeError, match="int32"):
         kernels.select_cum_search(torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), False, True)
+    with pytest.raises(RuntimeError, match="int32"):
+        kernels.select_row_totals(torch.zeros(4, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="target"):
         kernels.select_cum_search(torch.zeros(2, 4, dtype=torch.int32), torch.zeros(3, dtype=torch.int64), False, True)

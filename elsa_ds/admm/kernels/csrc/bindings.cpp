@@ -142,9 +142,20 @@ Tensor select_key_histogram_t(Tensor keys, Tensor found, Tensor prefix) {
     return hist;
 }
 
-std::vector<Tensor> select_cum_search_t(Tensor hist, Tensor target, bool from_top, bool right) {
+void check_hist(const Tensor& hist) {
     TORCH_CHECK(hist.dim() == 2 && hist.is_cpu() && hist.is_contiguous() && hist.scalar_type() == torch::kInt32 && hist.size(1) > 0,
                 "hist must be a contiguous int32 CPU tensor [rows, bins] with bins > 0");
+}
+
+Tensor select_row_totals_t(Tensor hist) {
+    check_hist(hist);
+    auto totals = torch::empty({hist.size(0)}, torch::kInt64);
+    select_row_totals(hist.data_ptr<int32_t>(), hist.size(0), hist.size(1), totals.data_ptr<int64_t>());
+    return totals;
+}
+
+std::vector<Tensor> select_cum_search_t(Tensor hist, Tensor target, bool from_top, bool right) {
+    check_hist(hist);
     check_flat(target, "target", hist.size(0), torch::kInt64);
     auto index = torch::empty({hist.size(0)}, torch::kInt64);
     auto cum = torch::empty({hist.size(0)}, torch::kInt64);
@@ -197,6 +208,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("select_histogram", &select_histogram_t, "16-bit digit histograms of the projection scores, per slice; peak |v|");
     m.def("select_bracket", &select_bracket_t, "count keys above a bracket, collect those inside it, per slice; peak |v|");
     m.def("select_key_histogram", &select_key_histogram_t, "low-half histogram of bracket keys under each slice's high-half prefix");
+    m.def("select_row_totals", &select_row_totals_t, "per row, the sum of an int32 histogram (int64)");
     m.def("select_cum_search", &select_cum_search_t, "per row, the first bin where the running count passes a target (searchsorted on cumsum)");
     m.def("select_split", &select_split_t, "z = v*[key > T] (+ this rank's tied share), u = v - z; metrics, ties met");
     m.def("to_fp8", [](const torch::Tensor& x) {

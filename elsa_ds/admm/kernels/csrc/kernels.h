@@ -106,6 +106,8 @@ void select_bracket(const ScoreSource& src, int64_t n, const Slices& slices, con
 // per slice j with prefix[j] >= 0: the histogram (hist, zeroed, [slices, 65536]) of the low halves of its keys
 // (keys grouped by slice, found[j] each) whose high half is prefix[j]
 void select_key_histogram(const int32_t* keys, const int64_t* found, int64_t n_slices, const int64_t* prefix, int32_t* hist);
+// per row r of hist ([rows, bins], counts): the sum of its counts
+void select_row_totals(const int32_t* hist, int64_t rows, int64_t bins, int64_t* totals);
 // per row r of hist ([rows, bins], counts): the first bin, in scan order (ascending bins, or descending when from_top),
 // at which the running sum of counts exceeds target[r] (right) or reaches it (!right), as a scan position clamped at
 // bins - 1 (torch.searchsorted on the row's cumsum, flipped first when from_top); cum[r]: the running sum there

@@ -513,6 +513,16 @@ void select_key_histogram(const int32_t* keys, const int64_t* found, int64_t n_s
     }
 }
 
+void select_row_totals(const int32_t* hist, int64_t rows, int64_t bins, int64_t* totals) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int32_t* h = hist + r * bins;
+        int64_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < bins; ++i) sum += h[i];
+        totals[r] = sum;
+    }
+}
+
 void select_cum_search(const int32_t* hist, int64_t rows, int64_t bins, const int64_t* target, bool from_top, bool right,
                        int64_t* index, int64_t* cum) {
     for (int64_t r = 0; r < rows; ++r) {
