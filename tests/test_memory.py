@@ -26,14 +26,16 @@ def test_offload_moves_states_off_the_gpu_and_elsal_costs_three_bytes():
     shape = model_shape(resolve_model_config("google/gemma-2-27b"))
     plain = estimate(shape, DsConfig.load("ds_configs/zero3.json").raw, num_gpus=1)
     offload = estimate(shape, DsConfig.load("ds_configs/zero3_offload.json").raw, num_gpus=1)
+    shipped = estimate(shape, DsConfig.load("ds_configs/zero3_offload_elsal.json").raw, num_gpus=1)  # minifloat 8-bit Adam
     bnb_config = DsConfig.load("ds_configs/zero3_offload_elsal.json").raw
     bnb_config["elsa"]["base_optimizer"] = "adam8bit"  # the paper's ELSA-L: bitsandbytes' codes
     elsal = estimate(shape, bnb_config, num_gpus=1)
     nvme = estimate(shape, DsConfig.load("ds_configs/zero3_nvme.json").raw, num_gpus=1)
     assert plain.breakdown["admm"]["per_gpu"] == pytest.approx(8 * shape.num_params)
     assert offload.breakdown["admm"]["per_node_cpu"] == pytest.approx(8 * shape.num_params)
-    assert elsal.breakdown["admm"]["per_node_cpu"] / shape.num_params <= 3.0
-    assert elsal.per_gpu_bytes < 24e9                      # the target: 27B with ELSA-L + CPU offload on one GPU
+    for low in (shipped, elsal):  # either code format: the ADMM state and the GPU side do not depend on it
+        assert low.breakdown["admm"]["per_node_cpu"] / shape.num_params <= 3.0
+        assert low.per_gpu_bytes < 24e9                    # the target: 27B with ELSA-L + CPU offload on one GPU
     # NVMe files: bf16 params, fp32 grads, masters, Adam moments, z, u = 2 + 4 + 4 + 8 + 8 bytes per parameter
     # (tensors under 1 MiB, the norms here, are not swapped), and the tied lm_head's own 16-bit file (bench/scale.py)
     assert 26 * (shape.num_params - 1e6) + 2 * shape.tied < nvme.nvme_bytes <= 26 * shape.num_params + 2 * shape.tied

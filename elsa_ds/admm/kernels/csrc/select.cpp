@@ -59,12 +59,19 @@ struct Row {
         else return x[i] + to_float(u[i]) * u_scale;
     }
 
-    // the cache lines that value(i) and key(i) read
+    // the x, u and fp32 F lines that value(i) and key(i) read (8-bit F: prefetch_codes)
     inline void prefetch(int64_t i) const {
         __builtin_prefetch(x + i);
         if constexpr (!std::is_same_v<UT, NoU>) __builtin_prefetch(u + i);
         if constexpr (FK == kFp32) __builtin_prefetch(f + i);
-        if constexpr (FK == kBnb8) __builtin_prefetch(codes + i);
+    }
+
+    // the 8-bit F's lines from entry i on: its codes (one byte per entry, 64 to a line) and its block's absmax
+    inline void prefetch_codes(int64_t i) const {
+        if constexpr (FK == kBnb8) {
+            __builtin_prefetch(codes + i);
+            __builtin_prefetch(absmax + (first + i) / 256);
+        }
     }
 
     // scores() in projection.py: F·v² with F clamped at 0, NaN -> 0, inf -> FLT_MAX, sign cleared
@@ -146,7 +153,10 @@ __attribute__((noinline)) void sample_piece(const Row<UT, FK> r, int64_t n, int6
         if (const int64_t next = start_of(w + 1); next >= 0 && next + kSample <= n) {
             // the next block's lines, requested now: blocks are 1 KiB apart by 15 KiB, too short for the hardware
             // prefetcher to lock on, so without this every block waits on DRAM latency
-            for (int64_t i = next; i < next + kSample; i += 16) r.prefetch(i);
+            for (int64_t i = next; i < next + kSample; i += 16) {
+                r.prefetch(i);
+                if (((i - next) & 63) == 0) r.prefetch_codes(i);
+            }
         }
         if (b >= e) continue;
 #pragma omp simd
@@ -189,18 +199,16 @@ struct Bracket {  // per piece
     int64_t above = 0, inside = 0;
     float peak = 0.0f;
     bool overflow = false;
-    int thread = 0;              // the keys in [lo, hi]: [begin, end) of that thread's buffer
-    size_t begin = 0, end = 0;
+    size_t begin = 0, end = 0;  // its keys in [lo, hi]: [begin, end) of the buffer of the thread that ran it
 };
 
 // each OpenMP thread's collected keys, kept across calls so no projection allocates (or page-faults) them afresh
 thread_local std::vector<uint32_t> t_keys;
 
-// count the keys above hi, keep those in [lo, hi] (at most kChunk / 4 per piece) and count their high halves in
-// high_hist (this thread's, this slice's), and the peak |v|
+// count the keys above hi, keep those in [lo, hi] (at most kChunk / 4 per piece) in this thread's buffer, and the
+// peak |v|
 template <class UT, int FK>
-__attribute__((noinline)) void bracket_piece(const Row<UT, FK> r, int64_t n, uint32_t lo, uint32_t hi, Bracket& out,
-                                             int32_t* __restrict high_hist) {
+__attribute__((noinline)) void bracket_piece(const Row<UT, FK> r, int64_t n, uint32_t lo, uint32_t hi, Bracket& out) {
     alignas(64) uint32_t keys[kKeys];
     const size_t cap = size_t(kChunk / 4);
     for (int64_t b = 0; b < n; b += kKeys) {
@@ -225,21 +233,26 @@ __attribute__((noinline)) void bracket_piece(const Row<UT, FK> r, int64_t n, uin
             continue;
         }
         const int64_t found = pack_inside(keys, m, lo, hi);
-        for (int64_t i = 0; i < found; ++i) ++high_hist[keys[i] >> 16];
         t_keys.insert(t_keys.end(), keys, keys + found);
     }
     out.end = t_keys.size();
 }
 
-// the pieces' brackets, and per thread and slice the high halves' histogram of the kept keys (local, zeroed,
-// [threads, slices, 65536]); a piece that overflowed still counted its kept keys there: the caller ignores the
-// histogram of an overflowed slice (the projection then takes the exact passes)
+// The bracket pass and everything after it in one parallel region, so each thread copies its own buffer's keys (a
+// buffer is never read by another thread, nor after its thread could have left the pool):
+//   every piece's counts and keys (static schedule)  ->  the master totals them per slice and asks keys_out for the
+//   output  ->  each thread copies the keys of the pieces it ran to their place (grouped by slice, in index order)  ->
+//   per slice, the high halves' histogram of its keys (a piece that overflowed keeps the keys it collected: the caller
+//   ignores an overflowed slice's histogram, the projection then takes the exact passes)
 template <class UT, int FK>
-void bracket(const Src& s, const std::vector<Piece>& plan, const int64_t* lo, const int64_t* hi, int64_t n_slices,
-             std::vector<Bracket>& out, std::vector<int32_t>& local, std::vector<const uint32_t*>& buffers) {
-    const int64_t pieces = int64_t(plan.size());
-    out.assign(pieces, Bracket{});
-    buffers.assign(size_t(omp_get_max_threads()), nullptr);
+void bracket(const Src& s, const std::vector<Piece>& plan, const Slices& slices, const int64_t* lo, const int64_t* hi,
+             int64_t* counts, float* peaks, int64_t* found, bool* overflow,
+             const std::function<int32_t*(int64_t)>& keys_out, int32_t* high_hist) {
+    const int64_t pieces = int64_t(plan.size()), n_slices = slices.count;
+    std::vector<Bracket> out(pieces);
+    std::vector<int> ran_by(pieces, 0);
+    std::vector<int64_t> at(pieces, 0), slice_at(n_slices + 1, 0);
+    int32_t* keys = nullptr;
 #pragma omp parallel
     {
         const int t = omp_get_thread_num();
@@ -247,12 +260,46 @@ void bracket(const Src& s, const std::vector<Piece>& plan, const int64_t* lo, co
 #pragma omp for schedule(static)
         for (int64_t k = 0; k < pieces; ++k) {
             const int64_t j = plan[k].slice;  // (lo > hi, a layer that keeps nothing: only its peak is wanted)
-            out[k].thread = t;
+            ran_by[k] = t;
             out[k].begin = t_keys.size();
-            bracket_piece<UT, FK>(Row<UT, FK>(s, plan[k]), plan[k].end - plan[k].begin, uint32_t(lo[j]), uint32_t(hi[j]), out[k],
-                                  local.data() + (size_t(t) * n_slices + j) * kBins);
+            bracket_piece<UT, FK>(Row<UT, FK>(s, plan[k]), plan[k].end - plan[k].begin, uint32_t(lo[j]), uint32_t(hi[j]), out[k]);
         }
-        buffers[size_t(t)] = t_keys.data();
+#pragma omp master
+        {
+            for (int64_t j = 0; j < n_slices; ++j) {
+                counts[2 * j] = counts[2 * j + 1] = found[j] = 0;
+                peaks[j] = 0.0f;
+                overflow[j] = false;
+            }
+            std::vector<std::vector<int64_t>> pieces_of(n_slices);
+            for (int64_t k = 0; k < pieces; ++k) pieces_of[plan[k].slice].push_back(k);
+            int64_t total = 0;
+            for (int64_t j = 0; j < n_slices; ++j) {
+                slice_at[j] = total;
+                for (const int64_t k : pieces_of[j]) {
+                    const Bracket& b = out[k];
+                    counts[2 * j] += b.above;
+                    counts[2 * j + 1] += b.inside;
+                    peaks[j] = std::max(peaks[j], b.peak);
+                    overflow[j] = overflow[j] || b.overflow;
+                    at[k] = total;
+                    total += int64_t(b.end - b.begin);
+                    found[j] += int64_t(b.end - b.begin);
+                }
+            }
+            slice_at[n_slices] = total;
+            keys = keys_out(total);
+        }
+#pragma omp barrier
+        for (int64_t k = 0; k < pieces; ++k)
+            if (ran_by[k] == t) std::copy(t_keys.begin() + out[k].begin, t_keys.begin() + out[k].end, keys + at[k]);
+#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < n_slices; ++j) {
+            int32_t* hist = high_hist + j * kBins;
+            std::fill(hist, hist + kBins, 0);
+            for (int64_t i = slice_at[j]; i < slice_at[j + 1]; ++i) ++hist[uint32_t(keys[i]) >> 16];
+        }
     }
 }
 
@@ -452,53 +499,11 @@ void select_bracket(const ScoreSource& src, int64_t n, const Slices& slices, con
                     float* peaks, int64_t* found, bool* overflow, const std::function<int32_t*(int64_t)>& keys_out,
                     int32_t* high_hist) {
     const auto plan = make_plan(slices, n, /*with_gaps=*/false);
-    const int threads = omp_get_max_threads();
-    std::vector<Bracket> per_piece;
-    std::vector<const uint32_t*> buffers;
-    std::vector<int32_t> local(size_t(threads) * slices.count * kBins, 0);
     with_storage(src.u ? src.u_type : Storage::kNone, [&](auto ut) {
         with_fisher(src, [&](auto fk) {
-            bracket<decltype(ut), decltype(fk)::value>(src, plan, lo, hi, slices.count, per_piece, local, buffers);
+            bracket<decltype(ut), decltype(fk)::value>(src, plan, slices, lo, hi, counts, peaks, found, overflow, keys_out, high_hist);
         });
     });
-    for (int64_t j = 0; j < slices.count; ++j) {
-        counts[2 * j] = counts[2 * j + 1] = found[j] = 0;
-        peaks[j] = 0.0f;
-        overflow[j] = false;
-    }
-    // keys grouped by slice, in index order: each piece's place in the output, then the copies in parallel
-    const int64_t pieces = int64_t(plan.size());
-    std::vector<std::vector<int64_t>> pieces_of(slices.count);
-    for (int64_t k = 0; k < pieces; ++k) pieces_of[plan[k].slice].push_back(k);
-    std::vector<int64_t> at(pieces, 0);
-    int64_t total = 0;
-    for (int64_t j = 0; j < slices.count; ++j)
-        for (const int64_t k : pieces_of[j]) {
-            const Bracket& b = per_piece[k];
-            counts[2 * j] += b.above;
-            counts[2 * j + 1] += b.inside;
-            peaks[j] = std::max(peaks[j], b.peak);
-            overflow[j] = overflow[j] || b.overflow;
-            at[k] = total;
-            total += int64_t(b.end - b.begin);
-            found[j] += int64_t(b.end - b.begin);
-        }
-    int32_t* keys = keys_out(total);
-#pragma omp parallel
-    {
-#pragma omp for schedule(static) nowait
-        for (int64_t k = 0; k < pieces; ++k)
-        {
-            const Bracket& b = per_piece[k];
-            std::copy(buffers[size_t(b.thread)] + b.begin, buffers[size_t(b.thread)] + b.end, keys + at[k]);
-        }
-#pragma omp for schedule(static)
-        for (int64_t e = 0; e < slices.count * kBins; ++e) {
-            int32_t sum = 0;
-            for (int t = 0; t < threads; ++t) sum += local[size_t(t) * slices.count * kBins + e];
-            high_hist[e] = sum;
-        }
-    }
 }
 
 void select_key_histogram(const int32_t* keys, const int64_t* found, int64_t n_slices, const int64_t* prefix, int32_t* hist) {
