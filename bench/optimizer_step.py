@@ -41,6 +41,7 @@ import torch  # noqa: E402
 from elsa_ds.admm.optimizer import AdmmOptimizer, AdmmSettings  # noqa: E402
 from elsa_ds.admm.projection import Slice  # noqa: E402
 from elsa_ds.admm.state import StateDtype  # noqa: E402
+from elsa_ds.zero.ds_config import DsConfig  # noqa: E402
 
 # bytes one pass moves per parameter (read + write): p, g, m, v read, p, m, v written; z, u read on pruned entries
 BYTES = {"adam_fp32": 16 + 12, "elsa_fp32": 16 + 12 + 8, "adam_8bit": 10 + 6, "elsa_l": 10 + 6 + 1 + 2}
@@ -237,9 +238,8 @@ def report(numel: int, res: dict, interval: int) -> dict:
 
 
 def elsal_base_optimizer() -> str:
-    """The 8-bit base optimizer ELSA-L runs on under CPU offload: the one ds_configs/zero3_offload_elsal.json names."""
-    config = Path(__file__).resolve().parent.parent / "ds_configs" / "zero3_offload_elsal.json"
-    return json.loads(config.read_text())["elsa"]["base_optimizer"]
+    """The 8-bit base optimizer ELSA-L runs on under CPU offload: the one the shipped zero3_offload_elsal config names."""
+    return DsConfig.load("zero3_offload_elsal").raw["elsa"]["base_optimizer"]
 
 
 def main() -> int:

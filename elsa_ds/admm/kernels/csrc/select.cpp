@@ -14,7 +14,6 @@
 #endif
 
 #include <cfloat>
-#include <functional>
 #include <type_traits>
 #include <vector>
 
