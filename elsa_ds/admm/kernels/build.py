@@ -18,7 +18,7 @@ from types import ModuleType
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bindings.cpp", "xstep.cpp", "xstep8bit.cpp", "select.cpp")
-HEADERS = ("kernels.h", "numerics.h", "plan.h", "quant8.h")
+HEADERS = ("kernels.h", "numerics.h", "plan.h", "quant8.h", "span8_avx512.h")
 # -ffp-contract=off: every fused multiply-add is written out (std::fma) where DeepSpeed's SIMD code has one,
 # so results do not depend on what the compiler chooses to contract.
 # -fno-thread-jumps: GCC 12's jump threading turns the fp8 conversion's selects into branches with the store of z

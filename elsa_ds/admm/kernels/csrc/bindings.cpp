@@ -229,6 +229,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return "scalar";
 #endif
     });
+    m.def("use_portable_loops", &use_portable_loops, "true: the 8-bit x-step runs its portable loop, not the AVX-512 one (tests)");
+    m.def("has_span8_avx512", &has_span8_avx512, "whether the 8-bit x-step's AVX-512 loop was compiled (AVX-512 F, BW, VL)");
     m.def("max_threads", []() { return omp_get_max_threads(); });
     m.def("deepspeed_adam_simd_width", []() { return kDeepSpeedAdamSimdWidth; });
 }

@@ -75,6 +75,10 @@ void adam_step(float* p, const float* g, float* m, float* v, int64_t n, const ZU
                const AdamHyper& h);
 void adam8bit_step(float* p, const float* g, const Adam8State& st, int64_t n, const ZU& zu, const Slices& slices, float lam,
                    const Adam8Hyper& h);
+// the 8-bit x-step's hand-written AVX-512 loop off (true) or on (false, the default where it is compiled): the
+// portable element loop it reproduces then runs, so tests can hold one to the other on an AVX-512 machine
+void use_portable_loops(bool on);
+bool has_span8_avx512();
 
 // where the projection reads its scores: v = x + u (u may be absent), F = fp32, 8-bit (bnb) or none
 struct ScoreSource {

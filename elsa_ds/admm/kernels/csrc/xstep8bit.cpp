@@ -20,8 +20,20 @@
 
 #include "kernels.h"
 #include "quant8.h"
+#include "span8_avx512.h"
 
 namespace elsa {
+
+static bool g_portable_loops = false;
+void use_portable_loops(bool on) { g_portable_loops = on; }
+bool has_span8_avx512() {
+#ifdef ELSA_SPAN8_AVX512
+    return true;
+#else
+    return false;
+#endif
+}
+
 namespace {
 
 constexpr int64_t kBlock = 256;  // bitsandbytes' block size for optimizer states
@@ -132,6 +144,17 @@ void adam8_block(const F& f, const ZT* z, const UT* u, const float* zs, const fl
             const ZT* zp = penalty ? z + lo : z;
             const UT* up = penalty ? u + lo : u;
             const float zsj = penalty ? zs[j] : 1.0f, usj = penalty ? us[j] : 1.0f;
+#ifdef ELSA_SPAN8_AVX512
+            if (!g_portable_loops) {
+                if (kInline && span8::fp16_scales_exact(std::is_same_v<ZT, Fp8> ? zsj : 1.0f, absmax1, absmax2))
+                    span8::adam8_span<Q1, Q2, ZT, UT, P, D, kInline>(f.p + lo, f.g + lo, f.c1 + lo, f.c2 + lo, absmax1, absmax2,
+                                                                     m + at, v + at, zp, up, zsj, usj, lam, c, hi - lo, peak1, peak2);
+                else
+                    span8::adam8_span<Q1, Q2, ZT, UT, P, D, false>(f.p + lo, f.g + lo, f.c1 + lo, f.c2 + lo, absmax1, absmax2,
+                                                                   m + at, v + at, zp, up, zsj, usj, lam, c, hi - lo, peak1, peak2);
+                return;
+            }
+#endif
             adam8_span<Q1, Q2, ZT, UT, P, D>(f.p + lo, f.g + lo, f.c1 + lo, f.c2 + lo, absmax1, absmax2, m + at, v + at, zp, up,
                                              zsj, usj, lam, c, hi - lo, peak1, peak2);
         };
