@@ -209,16 +209,18 @@ def test_fused_projection_equals_eager_bit_for_bit(kernels, dtypes, fisher, mode
             assert int((xf.narrow(0, sl.offset, sl.length) != 0).sum()) <= sl.keep
 
 
-@pytest.mark.parametrize("margin", [None, -50.0], ids=["bracket", "missed"])
-def test_bracket_on_a_large_flat_equals_eager_and_a_miss_falls_back(kernels, margin, monkeypatch):
-    """A flat above BRACKET_MIN_NUMEL with rows of different scale (as a weight's rows): the sampled bracket holds
-    every layer's threshold and the result is the eager one bit for bit; a bracket forced to miss (a negative
-    margin) takes the exact passes, with the same result."""
+@pytest.mark.parametrize("margin,census", [(None, 0), (None, None), (-50.0, None)], ids=["bracket", "census", "missed"])
+def test_bracket_on_a_large_flat_equals_eager_and_a_miss_falls_back(kernels, margin, census, monkeypatch):
+    """A flat above BRACKET_MIN_NUMEL with rows of different scale (as a weight's rows): the sampled bracket (or, for
+    layers under CENSUS_NUMEL as here by default, the counted one) holds every layer's threshold and the result is the
+    eager one bit for bit; a bracket forced to miss (a negative margin) takes the exact passes, with the same result."""
     from elsa_ds.admm import state as admm_state
     from elsa_ds.admm.kernels import select
 
     if margin is not None:
         monkeypatch.setattr(select, "MARGIN_SIGMAS", margin)
+    if census is not None:
+        monkeypatch.setattr(select, "CENSUS_NUMEL", census)
     g = torch.Generator().manual_seed(11)
     rows, width = 300, 1500  # three layers of 100 rows; slices at odd offsets
     n = rows * width + 7

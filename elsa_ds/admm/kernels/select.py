@@ -4,7 +4,8 @@ The eager reference (``projection.select_masks``) finds each layer's threshold k
 passes over stored scores; here (csrc/select.cpp) every pass recomputes the key of each entry from
 x, u and F, so no score buffer exists. On large flats (``BRACKET_MIN_NUMEL``):
 
-    sample   high-16-bit histogram of 1/16 of the keys (256-entry blocks at hashed places) all-reduce (sum)
+    sample   high-16-bit histogram of 1/16 of the keys (256-entry blocks at hashed places), and of all the
+             keys of a layer under ``CENSUS_NUMEL`` entries (a census)                   all-reduce (sum)
              -> per layer a bracket [lo, hi] of keys around the keep-th largest, with a margin of
                 ``MARGIN_SIGMAS`` standard deviations of the sampled rank (blocks counted as correlated)
     pass 1   count the keys above hi, collect those inside [lo, hi]; peak |v| per slice     all-reduce (sum)
@@ -46,6 +47,12 @@ BRACKET_MIN_NUMEL = 1 << 20  # flats whose active layers hold fewer entries (glo
 SAMPLE_STRIDE = 16  # one sampled block (256 entries, csrc/select.cpp's kSample) in every 16
 MARGIN_SIGMAS = 6.0  # the bracket's half-width in standard deviations of the sampled rank...
 DESIGN_EFFECT = 4.0  # ...whose variance is taken as this many times a simple random sample's (neighbours correlate)
+# A layer smaller than this is counted whole instead of sampled: its 1/16 sample would hold under 256 blocks of 256
+# entries, and a block is often a whole row (or most of one) of a weight whose rows differ in scale, so the few
+# blocks are far more correlated than DESIGN_EFFECT allows. Seen on the demo (2 ranks, 70 %): a 32K-entry k_proj
+# (10 sampled blocks) and a 196K-entry up_proj (48) missed their brackets, 1-2 layers in every projection, and each
+# miss costs the whole flat the exact passes. The census costs one full read of these small layers only.
+CENSUS_NUMEL = SAMPLE_STRIDE * 256 * 256
 
 
 def fisher_source(state: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,6 +144,11 @@ def bracket_thresholds(kernels, source: tuple, table, slices: list[Slice], comm:
     numel = torch.tensor([s.numel for s in slices], dtype=torch.int64)
     active = need > 0
     sample, _ = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, _EMPTY_I64, SAMPLE_STRIDE)
+    small = (active & (numel < CENSUS_NUMEL)).nonzero().flatten()  # global sizes: the same layers on every rank
+    if small.numel():
+        us_small = us[small] if us.numel() else us
+        sample[small], _ = kernels.select_histogram(x, u, us_small, f, qmap, absmax, table.offsets[small], table.lengths[small],
+                                                    _EMPTY_I64, 1)
     comm.all_reduce_sum(sample)
     lo, hi = _brackets(kernels, sample, need, numel, active)
     counts, peaks, keys, found, overflow, high_hist = kernels.select_bracket(x, u, us, f, qmap, absmax, table.offsets,
