@@ -2,8 +2,10 @@
 
 The demo's k_proj is 128 rows of 256 entries: its 1/16 sample is ten 256-entry blocks, i.e. ten whole rows, and the
 rows' scores differ by orders of magnitude, so the sampled bracket missed in every projection of a 2-rank run and
-sent the whole flat through the exact passes. Here the same shape on the real kernels: with the census the bracket
-path holds every layer's threshold (the masks keep exactly k); the projection equals the eager reference bit for bit.
+sent the whole flat through the exact passes. Here 40 such layers beside one large one (sampled, so the flat takes the
+bracket path; a flat of small layers alone now takes the exact passes directly) on the real kernels: with the census
+the bracket holds every layer's threshold (the masks keep exactly k); the projection equals the eager reference bit
+for bit.
 """
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ def _flat(seed: int) -> tuple[torch.Tensor, torch.Tensor, list[Slice]]:
     second = torch.rand(x.numel(), generator=g) * 1e-3
     n = ROWS * WIDTH
     slices = [Slice(f"layers.{j}.k_proj", j * n, n, 0, n, round(0.3 * n)) for j in range(LAYERS)]
+    big = select.CENSUS_NUMEL  # and one layer large enough to be sampled: the flat takes the bracket path
+    x = torch.cat([x, torch.randn(big, generator=g)])
+    second = torch.cat([second, torch.rand(big, generator=g) * 1e-3])
+    slices.append(Slice("layers.0.mlp.up_proj", LAYERS * n, big, 0, big, round(0.3 * big)))
     return x, second, slices
 
 
@@ -46,8 +52,7 @@ def _project(x, second, slices, kernels_on: bool) -> tuple[dict, dict]:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_row_clustered_small_layers_are_counted_whole_and_the_bracket_holds(kernels, seed, monkeypatch):
     x, second, slices = _flat(seed)
-    assert all(s.numel < select.CENSUS_NUMEL for s in slices)
-    monkeypatch.setattr(select, "BRACKET_MIN_NUMEL", sum(s.numel for s in slices))
+    assert all(s.numel < select.CENSUS_NUMEL for s in slices[:-1]) and slices[-1].numel >= select.BRACKET_MIN_NUMEL
     fused, paths = _project(x, second, slices, True)
     eager, _ = _project(x, second, slices, False)
     assert paths == {"bracket": 1}, paths
@@ -60,11 +65,10 @@ def test_row_clustered_small_layers_are_counted_whole_and_the_bracket_holds(kern
 def test_without_the_census_such_layers_miss(kernels, monkeypatch):
     """What the census is for: the same flats sampled (CENSUS_NUMEL = 0) miss at least once in three, and still
     end with the exact result through the exact passes."""
+    flats = [_flat(seed) for seed in (0, 1, 2)]
     monkeypatch.setattr(select, "CENSUS_NUMEL", 0)
     seen = {}
-    for seed in (0, 1, 2):
-        x, second, slices = _flat(seed)
-        monkeypatch.setattr(select, "BRACKET_MIN_NUMEL", sum(s.numel for s in slices))
+    for x, second, slices in flats:
         fused, paths = _project(x, second, slices, True)
         for k, v in paths.items():
             seen[k] = seen.get(k, 0) + v
