@@ -2,7 +2,8 @@
 
 The eager reference (``projection.select_masks``) finds each layer's threshold key with four 8-bit
 passes over stored scores; here (csrc/select.cpp) every pass recomputes the key of each entry from
-x, u and F, so no score buffer exists. On large flats (``BRACKET_MIN_NUMEL``):
+x, u and F, so no score buffer exists. On flats whose large layers (``CENSUS_NUMEL`` entries and more, the ones
+sampled) hold ``BRACKET_MIN_NUMEL`` active entries:
 
     sample   high-16-bit histogram of 1/16 of the keys (256-entry blocks at hashed places), and of all the
              keys of a layer under ``CENSUS_NUMEL`` entries (a census)                   all-reduce (sum)
