@@ -50,7 +50,7 @@ def _project(x, second, slices, kernels_on: bool) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_row_clustered_small_layers_are_counted_whole_and_the_bracket_holds(kernels, seed, monkeypatch):
+def test_row_clustered_small_layers_are_counted_whole_and_the_bracket_holds(kernels, seed):
     x, second, slices = _flat(seed)
     assert all(s.numel < select.CENSUS_NUMEL for s in slices[:-1]) and slices[-1].numel >= select.BRACKET_MIN_NUMEL
     fused, paths = _project(x, second, slices, True)

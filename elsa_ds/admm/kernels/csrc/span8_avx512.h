@@ -113,7 +113,8 @@ void adam8_span(float* __restrict p, const float* __restrict g, const uint8_t* _
     const __m512 b2 = _mm512_set1_ps(c.beta2), omb2 = _mm512_set1_ps(c.one_minus_beta2);
     const __m512 corr2 = _mm512_set1_ps(kInline ? c.inv_correction2 : c.correction2), eps = _mm512_set1_ps(c.eps);
     const __m512 decay = _mm512_set1_ps(c.decay), step = _mm512_set1_ps(c.step), lambda = _mm512_set1_ps(lam);
-    const __m512 zs = _mm512_set1_ps(FP16 && std::is_same_v<ZT, Fp8> ? z_scale * 256.0f : z_scale), us = _mm512_set1_ps(u_scale);
+    constexpr bool kZ16 = FP16 && std::is_same_v<ZT, Fp8>;  // z through fp16: 2^−8 times its value, 256 folded into zs
+    const __m512 zs = _mm512_set1_ps(kZ16 ? z_scale * 256.0f : z_scale), us = _mm512_set1_ps(u_scale);
     const __m512 am1 = _mm512_set1_ps(FP16 ? absmax1 * 0.5f : absmax1), am2 = _mm512_set1_ps(FP16 ? absmax2 * 0.5f : absmax2);
     const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
     __m512 pk1 = _mm512_set1_ps(peak1), pk2 = _mm512_set1_ps(peak2);
@@ -122,9 +123,9 @@ void adam8_span(float* __restrict p, const float* __restrict g, const uint8_t* _
         __m512 grad = _mm512_maskz_loadu_ps(k, g + i), param = _mm512_maskz_loadu_ps(k, p + i);
         if constexpr (PENALTY) {
             __m512 zi, ui = load(u + i, k);
-            if constexpr (FP16 && std::is_same_v<ZT, Fp8>) zi = _mm512_mul_ps(load_fp8_div256(z + i, k), zs);  // zs: 256·z_scale
+            if constexpr (kZ16) zi = load_fp8_div256(z + i, k);
             else zi = load(z + i, k);
-            if constexpr (!std::is_same_v<ZT, float> && !(FP16 && std::is_same_v<ZT, Fp8>)) zi = _mm512_mul_ps(zi, zs);
+            if constexpr (!std::is_same_v<ZT, float>) zi = _mm512_mul_ps(zi, zs);
             if constexpr (!std::is_same_v<UT, float>) ui = _mm512_mul_ps(ui, us);
             grad = _mm512_fmadd_ps(_mm512_add_ps(_mm512_sub_ps(param, zi), ui), lambda, grad);
         }
