@@ -4,8 +4,8 @@ sparsity on the same model, data and token budget, judged by the same held-out e
     python bench/quality.py                                           # the shipped demo model, every row, 50-99 %
     python bench/quality.py --quick                                   # dense, dense+ft, sparsegpt, wanda+ft, elsa at 70/90 %
     python bench/quality.py --model ~/.cache/elsa_ds/models/docs-llama \\
-        --dataset ~/.cache/elsa_ds/models/docs-llama/corpus/train.jsonl \\
-        --eval_ppl ~/.cache/elsa_ds/models/docs-llama/corpus/test.jsonl --seqlen 256 --steps 400 --out out/q-docs
+        --dataset ~/.cache/elsa_ds/corpora/linux-doc/prune.jsonl \\
+        --eval_ppl ~/.cache/elsa_ds/corpora/linux-doc/test.jsonl --seqlen 256 --steps 400 --out out/q-docs
 
 Every pruned or trained model is made by ``launch/prune.py`` (training rows under the deepspeed launcher with
 --num_gpus ranks; one-shot rows in one process), all from the same training / calibration text; its perplexity on

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.models.corpora import CorpusError, clean_man, clean_rst, package_version, split_documents
+from bench.models.corpora import CorpusError, build_corpus, clean_man, clean_rst, package_version, split_documents
 
 RST = """.. SPDX-License-Identifier: GPL-2.0
 
@@ -68,6 +68,22 @@ def test_split_is_seeded_disjoint_and_complete():
     assert len(a["validation"]) == len(a["test"]) == 10 and len(a["train"]) == 180
     assert sorted(a["train"] + a["validation"] + a["test"]) == list(range(200))
     assert split_documents(names, 1, (0.05, 0.05))["test"] != a["test"]
+
+
+def test_prune_split_comes_out_of_train_only():
+    """The prune split (never trained on) takes documents from train alone: validation and test are those of the
+    corpus without it, so held-out figures stay comparable, and no document is in two splits."""
+    names = [f"doc{i}" for i in range(200)]
+    plain, pruned = split_documents(names, 0, (0.05, 0.05)), split_documents(names, 0, (0.05, 0.05), prune=0.25)
+    assert "prune" not in plain and len(pruned["prune"]) == 50 and len(pruned["train"]) == 130
+    assert pruned["validation"] == plain["validation"] and pruned["test"] == plain["test"]
+    assert set(pruned["prune"]) | set(pruned["train"]) == set(plain["train"])
+    assert not set(pruned["prune"]) & set(pruned["train"])
+
+
+def test_prune_fraction_out_of_range_is_refused(tmp_path):
+    with pytest.raises(CorpusError, match=r"prune split's fraction must be in \[0, 0.5\)"):
+        build_corpus("manpages", tmp_path / "c", prune=0.6)
 
 
 def test_missing_package_names_the_install_command():

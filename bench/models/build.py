@@ -31,19 +31,19 @@ CORPORA_HOME = Path("~/.cache/elsa_ds/corpora")
 TOKENIZER_PIPELINE = "as-loaded"  # BPE trained under the pre-tokenization AutoTokenizer imposes (train_model.make_tokenizer)
 
 RECIPES: dict[str, tuple[str, TrainSettings, str]] = {
-    # name: (corpus, settings, one-line role)
+    # name: (corpus, settings, one-line role, fraction of documents in the corpus's prune split)
     "docs-llama": ("linux-doc", TrainSettings(
         arch="llama", arch_kwargs={"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6,
                                    "num_attention_heads": 6, "num_key_value_heads": 2},
-        vocab=8192, add_bos=True, seqlen=256, batch=16, steps=1200, lr=2e-3, warmup=0.05, final_lr_ratio=0.1,
+        vocab=8192, add_bos=True, seqlen=256, batch=16, steps=840, lr=2e-3, warmup=0.05, final_lr_ratio=0.1,
         eval_every=100, eval_blocks=64, seed=0, threads=2),
-        "the second quality-benchmark model: Llama architecture on the Linux kernel documentation"),
+        "the second quality-benchmark model: Llama architecture on the Linux kernel documentation", 0.25),
     "check-qwen2": ("manpages", TrainSettings(
         arch="qwen2", arch_kwargs={"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
                                    "num_attention_heads": 4, "num_key_value_heads": 2},
         vocab=8192, add_bos=False, seqlen=256, batch=16, steps=400, lr=3e-3, warmup=0.05, final_lr_ratio=0.1,
         eval_every=100, eval_blocks=64, seed=0, threads=1),
-        "the check model: a different architecture (Qwen2) on a different corpus (man-pages), tuned on by nobody"),
+        "the check model: a different architecture (Qwen2) on a different corpus (man-pages), tuned on by nobody", 0.0),
 }
 
 
@@ -73,6 +73,9 @@ def model_readme(name: str, role: str, corpus_name: str, corpus_meta: dict, m: d
            "starts with id 2), like Llama's tokenizer" if s["add_bos"] else
            "There is no post-processor: `tokenizer(text)` adds no special token")
     arch = json.dumps(s["arch_kwargs"])
+    prune_line = (f"\n- **Prune split**: {docs['prune']} more documents that neither the tokenizer nor the model trains on: the "
+                  f"text `bench/quality.py` prunes, calibrates and retrains on (`prune.jsonl`), as a large model pruned on "
+                  f"fresh C4 crops has never memorised them." if "prune" in docs else "")
     return f"""# {name}
 
 {role[0].upper() + role[1:]}. Built by
@@ -87,7 +90,7 @@ on 2 shared CPU cores (torch {m['versions']['torch']}, transformers {m['versions
 - **Corpus** `{corpus_name}`: {corpus_meta['description']}, from {pkgs}. One document per source file,
   split by whole document with seed {corpus_meta['seed']}: {docs['train']} train, {docs['validation']} validation,
   {docs['test']} test documents ({m['tokens']['train']:,} / {m['tokens']['validation']:,} / {m['tokens']['test']:,}
-  tokens in 256-token blocks).
+  tokens in 256-token blocks).{prune_line}
 - **Tokenizer**: byte-level BPE, {m['tokenizer']['vocab_size']} tokens, trained on the train split only.
   `<pad>`=0, `<eos>`=1, `<bos>`=2, `<unk>`=3. {bos}. `elsa_ds.data.pack_blocks` encodes with
   `add_special_tokens=False` and puts one BOS at the start of every block, an EOS between documents.
@@ -115,10 +118,10 @@ Training curve (validation probe: {s['eval_blocks']} fixed validation blocks, bf
 
 def build(name: str, out: Path | None = None, corpus_dir: Path | None = None, log=print) -> Path:
     """Build (or reuse) model ``name``; returns its directory."""
-    corpus_name, settings, role = RECIPES[name]
+    corpus_name, settings, role, prune = RECIPES[name]
     out = (out or MODELS_HOME / name).expanduser()
     corpus_dir = (corpus_dir or CORPORA_HOME / corpus_name).expanduser()
-    corpus_meta = build_corpus(corpus_name, corpus_dir)
+    corpus_meta = build_corpus(corpus_name, corpus_dir, prune=prune)
     key = recipe_key(corpus_meta, settings)
     if is_complete(out, key):
         log(f"{out}: complete build of {name} (recipe {key}); reusing it")

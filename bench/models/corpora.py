@@ -10,7 +10,11 @@
 
 A document is one source file. Documents are sorted by path, then a seeded permutation assigns whole
 documents to train/validation/test (~90/5/5), so no held-out document shares a line with training.
-Writes ``train.jsonl``, ``validation.jsonl``, ``test.jsonl`` (one ``{"text": ...}`` per line, the
+With ``--prune F`` a fourth split, ``prune``, takes a fraction F of the documents away from train: text the
+model never trains on, for pruning, calibration and retraining, as a large model pruned on fresh C4 crops
+has never memorised them (a small model trained on a few million tokens has: retraining it on its own
+training text fits that text and loses held-out quality).
+Writes ``train.jsonl``, ``validation.jsonl``, ``test.jsonl`` [, ``prune.jsonl``] (one ``{"text": ...}`` per line, the
 ``datasets`` convention that ``elsa_ds --dataset DIR`` reads) and ``corpus.json`` (packages and
 versions, the document paths of each split, characters per split). The output goes to ``<out>.tmp``
 first and is renamed when complete.
@@ -244,48 +248,61 @@ CORPORA = {
 }
 
 
-def split_documents(names: list[str], seed: int, fractions: tuple[float, float]) -> dict[str, list[int]]:
-    """Indices of sorted documents per split: a seeded shuffle, then validation, test, train in that order."""
+def splits_of(prune: float) -> tuple[str, ...]:
+    return SPLITS + (("prune",) if prune > 0 else ())
+
+
+def split_documents(names: list[str], seed: int, fractions: tuple[float, float], prune: float = 0.0) -> dict[str, list[int]]:
+    """Indices of sorted documents per split: a seeded shuffle, then validation, test, [prune,] train in that order
+    (with ``prune`` 0 the validation and test documents are those of a corpus built without a prune split)."""
     order = list(range(len(names)))
     random.Random(seed).shuffle(order)
     n_val = max(1, round(fractions[0] * len(names)))
     n_test = max(1, round(fractions[1] * len(names)))
-    return {"validation": sorted(order[:n_val]), "test": sorted(order[n_val:n_val + n_test]),
-            "train": sorted(order[n_val + n_test:])}
+    n_prune = round(prune * len(names))
+    held = n_val + n_test + n_prune
+    out = {"validation": sorted(order[:n_val]), "test": sorted(order[n_val:n_val + n_test]), "train": sorted(order[held:])}
+    if prune > 0:
+        out["prune"] = sorted(order[n_val + n_test:held])
+    return out
 
 
-def is_complete(out: Path, name: str, seed: int) -> bool:
-    """Whether ``out`` holds a finished corpus of this name, seed and format."""
+def is_complete(out: Path, name: str, seed: int, prune: float = 0.0) -> bool:
+    """Whether ``out`` holds a finished corpus of this name, seed, prune fraction and format."""
     try:
         meta = json.loads((out / "corpus.json").read_text())
     except (OSError, ValueError):
         return False
     return (meta.get("name") == name and meta.get("seed") == seed and meta.get("format_version") == FORMAT_VERSION
-            and all((out / f"{s}.jsonl").is_file() for s in SPLITS))
+            and meta["held_out_fractions"].get("prune", 0.0) == prune
+            and all((out / f"{s}.jsonl").is_file() for s in splits_of(prune)))
 
 
 def build_corpus(name: str, out: Path, seed: int = 0, held_out: tuple[float, float] = (0.05, 0.05),
-                 force: bool = False) -> dict:
-    """Build (or reuse) corpus ``name`` at ``out``; returns its ``corpus.json``."""
+                 force: bool = False, prune: float = 0.0) -> dict:
+    """Build (or reuse) corpus ``name`` at ``out``; returns its ``corpus.json``. ``prune``: the fraction of documents
+    in the ``prune`` split (never trained on by the model build)."""
     if name not in CORPORA:
         raise CorpusError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)}")
+    if not 0.0 <= prune < 0.5:
+        raise CorpusError(f"--prune {prune}: the prune split's fraction must be in [0, 0.5)")
     out = out.expanduser()
-    if not force and is_complete(out, name, seed):
+    if not force and is_complete(out, name, seed, prune):
         return json.loads((out / "corpus.json").read_text())
     corpus = CORPORA[name]
     docs, versions = corpus.documents()
     docs = [(path, text) for path, text in docs if text.strip()]
     if len(docs) < 20:
         raise CorpusError(f"corpus {name}: only {len(docs)} documents found; is the package complete?")
-    index = split_documents([p for p, _ in docs], seed, held_out)
+    index = split_documents([p for p, _ in docs], seed, held_out, prune)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     meta: dict = {"name": name, "description": corpus.description, "packages": versions, "seed": seed,
-                  "held_out_fractions": {"validation": held_out[0], "test": held_out[1]},
+                  "held_out_fractions": {"validation": held_out[0], "test": held_out[1], **({"prune": prune} if prune else {})},
                   "format_version": FORMAT_VERSION, "splits": {}}
-    for split in SPLITS:
+    for split in splits_of(prune):
         digest = hashlib.sha256()
         with (tmp / f"{split}.jsonl").open("w", encoding="utf-8") as fh:
             for i in index[split]:
@@ -313,14 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="output directory [~/.cache/elsa_ds/corpora/NAME]")
     ap.add_argument("--seed", type=int, default=0, help="document split seed")
     ap.add_argument("--force", action="store_true", help="rebuild even if a complete corpus exists")
+    ap.add_argument("--prune", type=float, default=0.0, help="fraction of documents in a prune split, never trained on [0]")
     args = ap.parse_args(argv)
     out = args.out or Path("~/.cache/elsa_ds/corpora") / args.name
     try:
-        meta = build_corpus(args.name, out, args.seed, force=args.force)
+        meta = build_corpus(args.name, out, args.seed, force=args.force, prune=args.prune)
     except CorpusError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    summary = {s: {k: v for k, v in meta["splits"][s].items() if k != "paths"} for s in SPLITS}
+    summary = {s: {k: v for k, v in meta["splits"][s].items() if k != "paths"} for s in meta["splits"]}
     print(json.dumps({"name": meta["name"], "packages": meta["packages"], "out": str(out.expanduser()), "splits": summary}))
     return 0
 

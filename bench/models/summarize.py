@@ -43,10 +43,10 @@ def quality_rows(path: Path) -> dict:
 
 def summary(models: Path, quality: dict[str, list[Path]]) -> dict:
     out = {}
-    for name, (corpus, settings, role) in RECIPES.items():
+    for name, (corpus, settings, role, prune) in RECIPES.items():
         path = models.expanduser() / name / "training_metrics.json"
         if not path.is_file():  # not built: say so rather than drop it
-            out[name] = {"role": role, "built": False, "corpus": {"name": corpus}, "settings": asdict(settings),
+            out[name] = {"role": role, "built": False, "corpus": {"name": corpus, "prune_fraction": prune}, "settings": asdict(settings),
                          "build": f"python bench/models/build.py --name {name}"}
             continue
         m = json.loads(path.read_text())
