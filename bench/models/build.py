@@ -1,6 +1,6 @@
 """Build one of the benchmark models (corpus + tokenizer + training + held-out perplexity), deterministically.
 
-    python bench/models/build.py --name docs-llama          # Llama, 12.6M params, kernel docs: ~40 min on 2 idle cores
+    python bench/models/build.py --name docs-llama          # Llama, 12.6M params, kernel docs: ~35 min on 2 idle cores
     python bench/models/build.py --name check-qwen2         # Qwen2, 6.8M params, man-pages: ~15 min idle, ~50 min crowded
     python bench/models/build.py --name docs-llama --out DIR --corpus_dir DIR
 
@@ -19,6 +19,7 @@ import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -30,15 +31,21 @@ MODELS_HOME = Path("~/.cache/elsa_ds/models")
 CORPORA_HOME = Path("~/.cache/elsa_ds/corpora")
 TOKENIZER_PIPELINE = "as-loaded"  # BPE trained under the pre-tokenization AutoTokenizer imposes (train_model.make_tokenizer)
 
-RECIPES: dict[str, tuple[str, TrainSettings, str]] = {
-    # name: (corpus, settings, one-line role, fraction of documents in the corpus's prune split)
-    "docs-llama": ("linux-doc", TrainSettings(
+class Recipe(NamedTuple):
+    corpus: str
+    settings: TrainSettings
+    role: str  # one line, for the model card and models.json
+    prune: float  # fraction of the corpus's documents in its prune split (never trained on); 0: no such split
+
+
+RECIPES: dict[str, Recipe] = {
+    "docs-llama": Recipe("linux-doc", TrainSettings(
         arch="llama", arch_kwargs={"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6,
                                    "num_attention_heads": 6, "num_key_value_heads": 2},
         vocab=8192, add_bos=True, seqlen=256, batch=16, steps=840, lr=2e-3, warmup=0.05, final_lr_ratio=0.1,
         eval_every=100, eval_blocks=64, seed=0, threads=2),
         "the second quality-benchmark model: Llama architecture on the Linux kernel documentation", 0.25),
-    "check-qwen2": ("manpages", TrainSettings(
+    "check-qwen2": Recipe("manpages", TrainSettings(
         arch="qwen2", arch_kwargs={"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
                                    "num_attention_heads": 4, "num_key_value_heads": 2},
         vocab=8192, add_bos=False, seqlen=256, batch=16, steps=400, lr=3e-3, warmup=0.05, final_lr_ratio=0.1,
