@@ -37,10 +37,10 @@ DEMO_PROFILE: dict[str, Any] = {"dataset": DEMO_DATASET, "seqlen": 256, "steps":
 
 # What a resumed run must share with the run that wrote its checkpoint.
 RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "dataset", "sparsity", "pattern", "sparsity_profile",
-                     "init_mask", "targets", "steps", "interval", "hold_steps", "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype",
-                     "base_optimizer", "lr", "seqlen", "seed", "val_dataset", "sampling", "ppl_protocol", "val_windows",
-                     "freeze_embeddings")
-RESUME_DEFAULTS = {"hold_steps": 0}  # settings added since checkpoints were first written: their value before then
+                     "init_mask", "init_weights", "targets", "steps", "interval", "hold_steps", "lmda", "lmda_schedule", "projection",
+                     "z_dtype", "u_dtype", "base_optimizer", "lr", "seqlen", "seed", "val_dataset", "sampling", "ppl_protocol",
+                     "val_windows", "freeze_embeddings")
+RESUME_DEFAULTS = {"hold_steps": 0, "init_weights": False}  # settings added since checkpoints were first written: their value before then
 
 
 def _group(name: str, metavar: str | None = None) -> dict[str, Any]:
@@ -78,6 +78,8 @@ class ElsaConfig(BaseModel):
     """Regex over module names of the nn.Linear layers to prune [every Linear inside the decoder layers]."""
     init_mask: str | None = Field(None, **_group("sparsity", "METHOD_OR_DIR"))
     """Warm start of ELSA's z from a magnitude, wanda or sparsegpt mask, or from a pruned model directory."""
+    init_weights: bool = Field(False, **_group("sparsity"))
+    """With init_mask: x starts from its pruned weights too (SparseGPT's reconstruction; a directory's): z₀ = x₀, u₀ = 0."""
     nsamples: int = Field(128, gt=0, **_group("sparsity"))
     """Calibration sequences of seqlen tokens for wanda / sparsegpt (and --init_mask wanda|sparsegpt)."""
     blocksize: int = Field(128, gt=0, **_group("sparsity"))
@@ -126,8 +128,7 @@ class ElsaConfig(BaseModel):
     hold_steps: int = Field(0, ge=0, **_group("admm"))
     """Train the last this many steps inside a fixed mask: the hard projection x = Π(x) comes that many steps before the end, then no penalty and the pruned entries held at exactly 0 (the masked retraining of ADMM pruning; not in the ELSA paper). λ's schedule runs over the steps before it. 0 = the paper's method."""
     select_every: int = Field(0, ge=0, **_group("admm"))
-    """Score the hard projection Π(x) on the validation windows every this many projections and export the best one
-    (0 = export the final Π(x))."""
+    """Score the hard projection Π(x) on the validation windows every this many projections and export the best one (0 = export the final Π(x))."""
     select_patience: int = Field(0, ge=0, **_group("admm"))
     """Stop once this many scored projections in a row did not improve on the best (0 = never stop early)."""
     lmda: float = Field(0.01, ge=0.0, **_group("admm"))
@@ -267,6 +268,8 @@ class ElsaConfig(BaseModel):
     def _init_mask_is_for_elsa(self) -> ElsaConfig:
         if self.init_mask is not None and self.method is not Method.elsa:
             raise ValueError(f"init_mask warm-starts ELSA; it means nothing with method {self.method.value}")
+        if self.init_weights and self.init_mask is None:
+            raise ValueError("init_weights starts x from the pruned weights of --init_mask; set --init_mask too")
         return self
 
     @model_validator(mode="after")

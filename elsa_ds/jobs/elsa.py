@@ -28,7 +28,7 @@ from elsa_ds.jobs.defaults_applied import apply_defaults
 from elsa_ds.jobs.interface import Printer
 from elsa_ds.jobs.phases import PhaseLog, step_phase
 from elsa_ds.jobs.selection import Selector, snapshot_dir
-from elsa_ds.jobs.warm_start import warm_start_masks, warm_start_path
+from elsa_ds.jobs.warm_start import warm_start_masks, warm_start_path, warm_start_weights_dir
 from elsa_ds.models import freeze_embeddings
 from elsa_ds.monitor import MONITOR_DIR, Monitor, default_output_paths
 from elsa_ds.output import REPORT_NAME, fresh_staging, publish, staging_dir
@@ -92,8 +92,8 @@ class ElsaJob:
                      + "; ".join(f"{k} {v} ({self.defaults['why'][k]})" for k, v in self.defaults["applied"].items()))
         self.say("[elsa_ds] DeepSpeed config:\n" + json.dumps(self.ds, indent=2))
         self._setup_data()
-        self.init_masks = (warm_start_masks(cfg, self.source, opts.output_dir, self.tokenizer, self.rank, self.say)
-                           if cfg.init_mask and not opts.resume else None)
+        self.init_masks, self.start = (warm_start_masks(cfg, self.source, opts.output_dir, self.tokenizer, self.rank, self.say)
+                                       if cfg.init_mask and not opts.resume else (None, None))
         torch.manual_seed(cfg.seed)
         self._setup_engine()
         self.monitor = Monitor(self.job.engine, self.rank)
@@ -117,8 +117,13 @@ class ElsaJob:
 
     def _setup_engine(self) -> None:
         cfg = self.cfg
-        self._partitioned = load_partitioned(self.source, self.ds, cfg.gradient_checkpointing, cfg.random_init)
+        start = self.start or self.source  # a resumed run loads the dense model: its checkpoint brings x back
+        self._partitioned = load_partitioned(start, self.ds, cfg.gradient_checkpointing, cfg.random_init and self.start is None)
         model = self._partitioned.model
+        if self.start is not None and self.start.name == str(warm_start_weights_dir(self.opts.output_dir)):
+            torch.distributed.barrier()  # every rank has read it
+            if self.rank == 0:
+                shutil.rmtree(self.start.name)  # partitioned now; a resumed run restores x from its checkpoint
         if cfg.freeze_embeddings:
             freeze_embeddings(model)
         pruned = select_targets(model, cfg.targets)
@@ -128,7 +133,8 @@ class ElsaJob:
         goal = cfg.pattern if cfg.nm else f"{cfg.sparsity:.0%}" + (f" (profile {cfg.sparsity_profile})" if cfg.sparsity_profile else "")
         self.say(f"[elsa_ds] pruning {len(pruned)} layers ({n_pruned:,} weights) to {goal} with ELSA "
                  f"(projection {cfg.projection.value}, λ {cfg.lmda} {cfg.lmda_schedule.value}, interval {cfg.interval}, {cfg.steps} steps"
-                 f"{', z warm-started from ' + cfg.init_mask if self.init_masks else ''})")
+                 f"{', z warm-started from ' + cfg.init_mask if self.init_masks else ''}"
+                 f"{', x too (its pruned weights)' if self.start is not None else ''})")
 
     # ---- load_checkpoint ----------------------------------------------------------------------------------------
     def load_checkpoint(self) -> None:

@@ -31,6 +31,7 @@ def elsa_report(job, staging: Path, pruned_ppl: float | None) -> dict[str, Any]:
     return {
         **_common(cfg, "elsa", job.opts.deepspeed, job.world, job.started),
         "init_mask": cfg.init_mask,
+        "init_weights": cfg.init_weights,
         "steps": cfg.steps,
         "tokens": cfg.steps * ds["train_batch_size"] * cfg.seqlen,
         "offload": _offload(DsConfig(ds)),

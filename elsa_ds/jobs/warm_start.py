@@ -1,8 +1,9 @@
 """One-shot masks for a ZeRO-3 job, computed on rank 0 while the other ranks wait: ELSA's warm start of z
-(``--init_mask``) and the mask (and pruned weights) that ``--finetune`` retrains."""
+(``--init_mask``, with ``--init_weights`` x₀ too) and the mask (and pruned weights) that ``--finetune`` retrains."""
 from __future__ import annotations
 
 import copy
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,22 @@ def warm_start_path(output_dir: Path) -> Path:
     return staging_dir(output_dir).with_name(f".{output_dir.name}.init_mask.safetensors")
 
 
-def warm_start_masks(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer, rank: int, say) -> MaskReader:
-    """Keep-masks for z₀: from a pruned model directory, or computed by a one-shot method on rank 0. Collective."""
+def warm_start_weights_dir(output_dir: Path) -> Path:
+    """Where rank 0 leaves the one-shot's pruned model for --init_weights (removed once the engine holds it)."""
+    return staging_dir(output_dir).with_name(f".{output_dir.name}.init_weights")
+
+
+def warm_start_masks(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer, rank: int,
+                     say) -> tuple[MaskReader, ModelSource | None]:
+    """Keep-masks for z₀ -- from a pruned model directory, or computed by a one-shot method on rank 0 -- and, with
+    ``cfg.init_weights``, the pruned model x₀ starts from (else None: x₀ is the dense model). Collective."""
     if cfg.init_mask not in {m.value for m in OneShot}:
-        return MaskReader(cfg.init_mask)
-    masks, _ = oneshot_on_rank0(cfg, OneShot(cfg.init_mask), source, tokenizer, rank, say, warm_start_path(output_dir))
-    return masks
+        return MaskReader(cfg.init_mask), ModelSource(cfg.init_mask) if cfg.init_weights else None
+    model_dir = warm_start_weights_dir(output_dir) if cfg.init_weights else None
+    if model_dir is not None and rank == 0 and model_dir.exists():
+        shutil.rmtree(model_dir)
+    masks, _ = oneshot_on_rank0(cfg, OneShot(cfg.init_mask), source, tokenizer, rank, say, warm_start_path(output_dir), model_dir)
+    return masks, ModelSource(str(model_dir)) if model_dir is not None else None
 
 
 def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, tokenizer, rank: int, say, mask_path: Path,

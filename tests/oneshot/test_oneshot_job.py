@@ -86,6 +86,7 @@ def test_bad_profile_and_pattern_inputs(tmp_path, tiny_model_dir, text_dir):
         (["--pattern", "4:2"], "0 < N < M"),
         (["--method", "wanda", "--init_mask", "magnitude"], "init_mask warm-starts ELSA"),
         (["--init_mask", str(tmp_path)], "init_mask"),
+        (["--init_weights"], "set --init_mask too"),
         (["--eval_tasks", "no_such_task_xyz"], "unknown task"),
     ]
     for extra, needle in cases:

@@ -27,6 +27,11 @@ ARGS = [a for k, v in SETTINGS.items() for a in (f"--{k}", str(v))] + ["--val_wi
 
 
 def _reference(ds_path, model_dir, text_dir, init_masks=None, **settings) -> dict[str, torch.Tensor]:
+    return _reference_run(ds_path, model_dir, text_dir, init_masks, **settings)[0]
+
+
+def _reference_run(ds_path, model_dir, text_dir, init_masks=None, **settings) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The reference's masks and its trained weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     raw = DsConfig.load(ds_path).raw
@@ -35,7 +40,8 @@ def _reference(ds_path, model_dir, text_dir, init_masks=None, **settings) -> dic
     blocks = load_blocks(cfg.dataset, "train", tok, cfg.seqlen, max_blocks=cfg.steps * raw["train_batch_size"])
     batches = GlobalBatches(blocks, raw["train_batch_size"], cfg.micro_batch, 1, 0, cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    return train_reference(model, cfg, batches, select_targets(model, cfg.targets), raw["gradient_clipping"], init_masks)
+    masks = train_reference(model, cfg, batches, select_targets(model, cfg.targets), raw["gradient_clipping"], init_masks)
+    return masks, {n: t.detach().clone() for n, t in model.state_dict().items()}
 
 
 def _agreement(out, reference) -> float:
@@ -88,3 +94,34 @@ def test_profile_and_wanda_warm_start_match_the_reference(tmp_path, tiny_model_d
     cold = _reference(ds, tiny_model_dir, text_dir, **settings)
     assert _agreement(out, warm) >= 0.999
     assert _agreement(out, cold) < _agreement(out, warm)                  # the warm start really changed the run
+
+
+def test_sparsegpt_warm_start_of_x_matches_the_reference(tmp_path, tiny_model_dir, text_dir):
+    """--init_mask sparsegpt --init_weights: x₀ is SparseGPT's pruned (reconstructed) model, computed on rank 0 of 2 and
+    handed over through a directory that is gone by the end; the run matches the reference started from that model."""
+    ds = derived_config(tmp_path, bf16={"enabled": False})
+    out = tmp_path / "warm_x"
+    proc = run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir), *ARGS,
+                                  "--init_mask", "sparsegpt", "--init_weights", "--output_dir", str(out)], ranks=2)
+    assert "z warm-started from sparsegpt, x too" in proc.stdout
+    assert not list(tmp_path.glob(".*init_*"))                           # the masks and the x₀ copy are cleaned up
+    assert json.loads((out / "elsa_report.json").read_text())["init_weights"] is True
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = resolve_config(DsConfig.load(ds).raw, {"model": str(tiny_model_dir), "dataset": str(text_dir), **SETTINGS})
+    done = prune_oneshot(cfg, OneShot.sparsegpt, tok, load_host_model(ModelSource(str(tiny_model_dir))), say=lambda _: None)
+    write_masks(tmp_path / "sparsegpt.safetensors", done.masks)
+    done.model.save_pretrained(tmp_path / "sparsegpt")
+    tok.save_pretrained(tmp_path / "sparsegpt")
+    masks = MaskReader(tmp_path / "sparsegpt.safetensors")
+    warm_x, x_weights = _reference_run(ds, tmp_path / "sparsegpt", text_dir, masks)
+    _, z_weights = _reference_run(ds, tiny_model_dir, text_dir, masks)     # z warm-started only: x₀ dense
+    assert _agreement(out, warm_x) >= 0.999
+    trained = load_file(out / "model.safetensors")
+
+    def distance(reference: dict[str, torch.Tensor]) -> float:
+        return max(float((w.float() - reference[n]).abs().max()) for n, w in trained.items() if n in reference)
+
+    assert distance(x_weights) * 10 < distance(z_weights)               # x₀ really was SparseGPT's reconstruction
