@@ -77,7 +77,7 @@ class ElsaConfig(BaseModel):
     targets: str | None = Field(None, **_group("sparsity", "REGEX"))
     """Regex over module names of the nn.Linear layers to prune [every Linear inside the decoder layers]."""
     init_mask: str | None = Field(None, **_group("sparsity", "METHOD_OR_DIR"))
-    """Warm start of ELSA's z from a magnitude, wanda or sparsegpt mask, or from a pruned model directory."""
+    """Warm start of ELSA's z from a magnitude, wanda or sparsegpt mask, or a pruned model directory; none: no warm start."""
     init_weights: bool = Field(False, **_group("sparsity"))
     """With init_mask: x starts from its pruned weights too (SparseGPT's reconstruction; a directory's): z₀ = x₀, u₀ = 0."""
     nsamples: int = Field(128, gt=0, **_group("sparsity"))
@@ -237,9 +237,9 @@ class ElsaConfig(BaseModel):
     @field_validator("init_mask")
     @classmethod
     def _known_init_mask(cls, v: str | None) -> str | None:
-        if v is not None and v not in oneshot_names() and not (Path(v).expanduser() / "config.json").is_file():
-            raise ValueError(f"must be one of {', '.join(oneshot_names())} or a directory holding a pruned model (config.json, *.safetensors)")
-        return v
+        if v not in (None, "none", *oneshot_names()) and not (Path(v).expanduser() / "config.json").is_file():
+            raise ValueError(f"must be one of {', '.join(oneshot_names())}, none or a directory holding a pruned model (config.json, *.safetensors)")
+        return None if v == "none" else v  # none: no warm start, said explicitly
 
     @field_validator("baseline")
     @classmethod

@@ -28,7 +28,7 @@ from elsa_ds.jobs.defaults_applied import apply_defaults
 from elsa_ds.jobs.interface import Printer
 from elsa_ds.jobs.phases import PhaseLog, step_phase
 from elsa_ds.jobs.selection import Selector, snapshot_dir
-from elsa_ds.jobs.warm_start import warm_start_masks, warm_start_path, warm_start_weights_dir
+from elsa_ds.jobs.warm_start import warm_start, warm_start_path, warm_start_weights_dir
 from elsa_ds.models import freeze_embeddings
 from elsa_ds.monitor import MONITOR_DIR, Monitor, default_output_paths
 from elsa_ds.output import REPORT_NAME, fresh_staging, publish, staging_dir
@@ -92,8 +92,10 @@ class ElsaJob:
                      + "; ".join(f"{k} {v} ({self.defaults['why'][k]})" for k, v in self.defaults["applied"].items()))
         self.say("[elsa_ds] DeepSpeed config:\n" + json.dumps(self.ds, indent=2))
         self._setup_data()
-        self.init_masks, self.start = (warm_start_masks(cfg, self.source, opts.output_dir, self.tokenizer, self.rank, self.say)
-                                       if cfg.init_mask and not opts.resume else (None, None))
+        warm = (warm_start(cfg, self.source, opts.output_dir, self.tokenizer, self.rank, self.say, self.validation.ids)
+                if cfg.init_mask and not opts.resume else None)
+        self.init_masks, self.start = (warm.masks, warm.start) if warm else (None, None)
+        self.dense_nll = warm.dense_nll if warm else None
         torch.manual_seed(cfg.seed)
         self._setup_engine()
         self.monitor = Monitor(self.job.engine, self.rank)
@@ -163,7 +165,14 @@ class ElsaJob:
         self.say(f"[elsa_ds] continuing at step {self.state.next_step} of {self.cfg.steps}")
 
     def _measure_references(self) -> None:
-        """Validation perplexity of the dense model and of one-shot magnitude pruning, on the same windows. Collective."""
+        """Validation perplexity of the dense model and of one-shot magnitude pruning, on the same windows -- or, when x
+        starts pruned (--init_weights), of that start (the dense model was measured on rank 0 before pruning). Collective."""
+        if self.start is not None:
+            self.state.dense_ppl = self.validation.perplexity(*self.dense_nll) if self.dense_nll else None
+            self.state.baseline_ppl = self.validation_ppl()
+            self.say(f"[elsa_ds] validation ppl: dense {self.state.dense_ppl}, the warm start ({self.cfg.init_mask}) "
+                     f"{self.state.baseline_ppl}")
+            return
         self.state.dense_ppl = self.validation_ppl()
         if self.cfg.baseline == "magnitude" and self.validation.count and self.ds_config.uses_nvme:
             self.say("[elsa_ds] one-shot magnitude baseline skipped: it edits resident partitions, which NVMe offload swaps out")

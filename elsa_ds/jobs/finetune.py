@@ -58,7 +58,7 @@ class FinetuneJob(ElsaJob):
             else:
                 if self.rank == 0 and model_dir.exists():
                     shutil.rmtree(model_dir)
-                self.masks, self.calibration = oneshot_on_rank0(cfg, cfg.oneshot, source, self.tokenizer, self.rank, self.say,
+                self.masks, self.calibration, _ = oneshot_on_rank0(cfg, cfg.oneshot, source, self.tokenizer, self.rank, self.say,
                                                                 mask_path, model_dir)
             source, random_init = ModelSource(str(model_dir)), False
         self._partitioned = load_partitioned(source, self.ds, cfg.gradient_checkpointing, random_init)

@@ -28,6 +28,7 @@ def elsa_report(job, staging: Path, pruned_ppl: float | None) -> dict[str, Any]:
     tail = state.losses[-min(len(state.losses), cfg.interval):]
     steady = state.step_times[1:] or state.step_times  # the first step builds lazy state (Adam, z, u)
     dense, baseline = state.dense_ppl, state.baseline_ppl
+    warm = cfg.init_weights  # then the baseline is the start x₀ (the one-shot ELSA began from), not magnitude pruning
     return {
         **_common(cfg, "elsa", job.opts.deepspeed, job.world, job.started),
         "init_mask": cfg.init_mask,
@@ -45,8 +46,9 @@ def elsa_report(job, staging: Path, pruned_ppl: float | None) -> dict[str, Any]:
         "admm_state_bytes_per_param": last.get("admm_state_bytes_per_param"),
         "kernels": job.job.admm.kernel_report(),
         "training_data": job.train_data,
-        "ppl": {"dense": dense, "magnitude_oneshot": baseline, "pruned": pruned_ppl, **_validation(job.validation)},
-        "vs_magnitude": None if baseline is None or pruned_ppl is None else {
+        "ppl": {"dense": dense, "magnitude_oneshot": None if warm else baseline, "warm_start": baseline if warm else None,
+                "pruned": pruned_ppl, **_validation(job.validation)},
+        "vs_magnitude": None if warm or baseline is None or pruned_ppl is None else {
             "ppl_ratio": baseline / pruned_ppl, "ppl_reduction": baseline - pruned_ppl},
         "layers": layers,
         "overall_sparsity": layers_summary(layers),
@@ -124,9 +126,10 @@ def print_summary(say, result: dict[str, Any], output_dir: Path) -> None:
     if result["method"] != "elsa":
         say(f"[elsa_ds] validation perplexity ({_where(p)}): dense {p['dense']:.3f} | {result['method']} {p['pruned']:.3f}")
         return
-    baseline = p["magnitude_oneshot"]
+    baseline, what = (p["warm_start"], f"warm start ({result['init_mask']})") if result["init_weights"] else \
+        (p["magnitude_oneshot"], "one-shot magnitude")
     say(f"[elsa_ds] validation perplexity ({_where(p)}): dense {p['dense']:.3f} | "
-        f"one-shot magnitude {baseline if baseline is None else format(baseline, '.3f')} | ELSA {p['pruned']:.3f}")
+        f"{what} {baseline if baseline is None else format(baseline, '.3f')} | ELSA {p['pruned']:.3f}")
     if result["vs_magnitude"]:
         say(f"[elsa_ds] ELSA perplexity is {result['vs_magnitude']['ppl_ratio']:.2f}x lower than one-shot magnitude pruning")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.mask_file import MaskReader, write_masks
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
-from elsa_ds.oneshot.pipeline import load_host_model, prune_oneshot
+from elsa_ds.oneshot.layerwise import layerwise_nll
+from elsa_ds.oneshot.pipeline import accelerator, load_host_model, prune_oneshot
 from elsa_ds.output import staging_dir
 
 
@@ -30,35 +32,50 @@ def warm_start_weights_dir(output_dir: Path) -> Path:
     return staging_dir(output_dir).with_name(f".{output_dir.name}.init_weights")
 
 
-def warm_start_masks(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer, rank: int,
-                     say) -> tuple[MaskReader, ModelSource | None]:
-    """Keep-masks for z₀ -- from a pruned model directory, or computed by a one-shot method on rank 0 -- and, with
-    ``cfg.init_weights``, the pruned model x₀ starts from (else None: x₀ is the dense model). Collective."""
+@dataclass
+class WarmStart:
+    """z₀'s keep-masks; with --init_weights the pruned model x₀ starts from, and the dense model's summed NLL and token
+    count on the validation windows (rank 0 measures it before pruning: the engine never holds the dense weights)."""
+
+    masks: MaskReader
+    start: ModelSource | None = None
+    dense_nll: tuple[float, int] | None = None
+
+
+def warm_start(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer, rank: int, say, windows: torch.Tensor) -> WarmStart:
+    """--init_mask (and --init_weights): from a pruned model directory, or computed by a one-shot method on rank 0. Collective."""
     if cfg.init_mask not in {m.value for m in OneShot}:
-        return MaskReader(cfg.init_mask), ModelSource(cfg.init_mask) if cfg.init_weights else None
+        # x₀ from a directory: no rank-0 pass to measure the dense model on, so the report leaves dense out
+        return WarmStart(MaskReader(cfg.init_mask), ModelSource(cfg.init_mask) if cfg.init_weights else None)
     model_dir = warm_start_weights_dir(output_dir) if cfg.init_weights else None
     if model_dir is not None and rank == 0 and model_dir.exists():
         shutil.rmtree(model_dir)
-    masks, _ = oneshot_on_rank0(cfg, OneShot(cfg.init_mask), source, tokenizer, rank, say, warm_start_path(output_dir), model_dir)
-    return masks, ModelSource(str(model_dir)) if model_dir is not None else None
+    masks, _, nll = oneshot_on_rank0(cfg, OneShot(cfg.init_mask), source, tokenizer, rank, say, warm_start_path(output_dir), model_dir,
+                                     windows if model_dir is not None else None)
+    return WarmStart(masks, ModelSource(str(model_dir)) if model_dir is not None else None, nll)
 
 
 def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, tokenizer, rank: int, say, mask_path: Path,
-                     model_dir: Path | None = None) -> tuple[MaskReader, dict[str, Any] | None]:
+                     model_dir: Path | None = None, dense_windows: torch.Tensor | None = None,
+                     ) -> tuple[MaskReader, dict[str, Any] | None, tuple[float, int] | None]:
     """Prune a host copy of the model with ``method`` on rank 0; write its keep-masks to ``mask_path`` and, with
-    ``model_dir``, the pruned model itself. Returns the masks (every rank) and the calibration record (rank 0). Collective.
+    ``model_dir``, the pruned model itself. Returns the masks (every rank), the calibration record (rank 0) and, with
+    ``dense_windows``, the dense model's summed NLL and token count on them (every rank). Collective.
 
     The one-shot pass (SparseGPT on a 27B model takes hours) runs on rank 0 alone, before the ZeRO-3 model is
     built; the other ranks wait on a group with a long timeout and learn from rank 0 whether it succeeded.
     """
     waiting = torch.distributed.new_group(backend="gloo", timeout=timedelta(days=3))
     failure: BaseException | None = None
-    calibration = None
+    calibration, dense = None, (0.0, 0)
     if rank == 0:
         try:
             say(f"[elsa_ds] one-shot {method.value} masks on rank 0 (other ranks wait)")
             host = ModelSource(source.name, copy.deepcopy(source.module)) if source.module is not None else source
-            done = prune_oneshot(cfg, method, tokenizer, load_host_model(host), say)
+            model = load_host_model(host)
+            if dense_windows is not None and len(dense_windows):
+                dense = layerwise_nll(model, dense_windows, accelerator())
+            done = prune_oneshot(cfg, method, tokenizer, model, say)
             write_masks(mask_path, done.masks)
             if model_dir is not None:
                 done.model.save_pretrained(model_dir)
@@ -67,10 +84,11 @@ def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, toke
             del done
         except BaseException as err:  # the other ranks must hear of it, whatever it is
             failure = err
-    ok = torch.tensor([1.0 if rank == 0 and failure is None else 0.0])
+    ok = torch.tensor([1.0 if rank == 0 and failure is None else 0.0, *dense], dtype=torch.float64)
     torch.distributed.broadcast(ok, src=0, group=waiting)
     if failure is not None:
         raise failure
-    if not ok.item():
+    if not ok[0].item():
         raise ElsaError(f"rank 0 could not compute the one-shot {method.value} masks; its error says why")
-    return MaskReader(mask_path), calibration
+    nll = (float(ok[1]), int(ok[2])) if dense_windows is not None and len(dense_windows) else None
+    return MaskReader(mask_path), calibration, nll

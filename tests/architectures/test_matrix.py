@@ -22,7 +22,8 @@ from tests.conftest import ROOT, derived_config, run_entry
 
 pytestmark = pytest.mark.integration
 
-SETTINGS = {"seqlen": 64, "steps": 8, "interval": 4, "sparsity": 0.6, "lr": 1e-3, "lmda": 0.05, "micro_batch": 2, "seed": 3}
+SETTINGS = {"seqlen": 64, "steps": 8, "interval": 4, "sparsity": 0.6, "lr": 1e-3, "lmda": 0.05, "micro_batch": 2, "seed": 3,
+            "init_mask": "none"}  # x₀ dense, as the reference starts
 
 
 @pytest.fixture(scope="module")

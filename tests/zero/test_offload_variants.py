@@ -12,7 +12,7 @@ from tests.conftest import derived_config, run_entry
 pytestmark = pytest.mark.integration
 
 ARGS = ["--seqlen", "64", "--steps", "8", "--interval", "4", "--sparsity", "0.7", "--lr", "1e-3", "--lmda", "0.05",
-        "--val_windows", "0", "--baseline", "none", "--micro_batch", "2"]
+        "--val_windows", "0", "--baseline", "none", "--micro_batch", "2", "--init_mask", "none"]
 
 
 def _masks(out):

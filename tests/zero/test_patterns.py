@@ -22,7 +22,8 @@ from tests.conftest import derived_config, run_entry
 
 pytestmark = pytest.mark.integration
 
-SETTINGS = {"seqlen": 64, "steps": 8, "interval": 4, "lr": 1e-3, "lmda": 0.05, "micro_batch": 2, "seed": 1, "nsamples": 8}
+SETTINGS = {"seqlen": 64, "steps": 8, "interval": 4, "lr": 1e-3, "lmda": 0.05, "micro_batch": 2, "seed": 1, "nsamples": 8,
+            "init_mask": "none"}  # x₀ dense unless a test warm-starts
 ARGS = [a for k, v in SETTINGS.items() for a in (f"--{k}", str(v))] + ["--val_windows", "0", "--baseline", "none"]
 
 
@@ -102,10 +103,14 @@ def test_sparsegpt_warm_start_of_x_matches_the_reference(tmp_path, tiny_model_di
     ds = derived_config(tmp_path, bf16={"enabled": False})
     out = tmp_path / "warm_x"
     proc = run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir), *ARGS,
-                                  "--init_mask", "sparsegpt", "--init_weights", "--output_dir", str(out)], ranks=2)
+                                  "--init_mask", "sparsegpt", "--init_weights", "--val_windows", "4", "--output_dir", str(out)], ranks=2)
     assert "z warm-started from sparsegpt, x too" in proc.stdout
     assert not list(tmp_path.glob(".*init_*"))                           # the masks and the x₀ copy are cleaned up
-    assert json.loads((out / "elsa_report.json").read_text())["init_weights"] is True
+    report = json.loads((out / "elsa_report.json").read_text())
+    ppl = report["ppl"]
+    assert report["init_weights"] is True and ppl["magnitude_oneshot"] is None and report["vs_magnitude"] is None
+    # dense: measured on rank 0 before pruning (the engine only ever held the pruned x₀), so it differs from the start's
+    assert ppl["dense"] != pytest.approx(ppl["warm_start"], rel=1e-3) and "warm start (sparsegpt)" in proc.stdout
 
     from transformers import AutoTokenizer
 

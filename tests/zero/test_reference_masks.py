@@ -17,7 +17,7 @@ from tests.conftest import derived_config, run_entry
 pytestmark = pytest.mark.integration
 
 ARGS = ["--seqlen", "64", "--steps", "12", "--interval", "4", "--sparsity", "0.6", "--lr", "1e-3", "--lmda", "0.05",
-        "--val_windows", "0", "--baseline", "none", "--micro_batch", "2", "--seed", "3"]
+        "--val_windows", "0", "--baseline", "none", "--micro_batch", "2", "--seed", "3", "--init_mask", "none"]
 
 
 def _reference_masks(ds_path, model_dir, text_dir) -> dict[str, torch.Tensor]:
