@@ -41,7 +41,7 @@ ONESHOT = ("magnitude", "wanda", "sparsegpt")
 ROWS = {"dense": (None, None), "dense+ft": ("dense", "full"),
         **{m: (m, None) for m in ONESHOT}, **{f"{m}+ft": (m, "full") for m in ONESHOT},
         **{f"{m}+lora": (m, "lora") for m in ONESHOT}, "elsa": ("elsa", None)}
-DEFAULT_ROWS = ("dense", "dense+ft", "magnitude", "wanda", "sparsegpt", "wanda+ft", "wanda+lora", "elsa")
+DEFAULT_ROWS = ("dense", "dense+ft", "magnitude", "wanda", "sparsegpt", "wanda+ft", "sparsegpt+ft", "wanda+lora", "elsa")
 QUICK_ROWS = ("dense", "dense+ft", "sparsegpt", "wanda+ft", "elsa")
 SPARSITIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 
