@@ -146,8 +146,7 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
     if rank < local:  # rank 0's node writes the export and (shared file system) the checkpoints
         out = Path(opts.output_dir).expanduser().resolve()
         writes[out] = writes.get(out, 0.0) + ds_bytes_export(shape, ds) + checkpoint_bytes(shape, cfg, ds)
-        if cfg.init_weights and cfg.init_mask in ("magnitude", "wanda", "sparsegpt"):  # x₀'s copy, gone before training
-            writes[out] = max(writes[out], ds_bytes_export(shape, ds))
+        # --init_weights' copy of x₀ (one export's size) is deleted before training: export + checkpoints cover it
     machine = this_machine(list(writes))
     host = e.per_node_cpu_bytes
     if cfg.init_mask in ("magnitude", "wanda", "sparsegpt"):  # rank 0 prunes the whole model in host memory first

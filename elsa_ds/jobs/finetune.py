@@ -56,8 +56,6 @@ class FinetuneJob(ElsaJob):
             if opts.resume and mask_path.is_file() and (model_dir / "config.json").is_file():
                 self.masks = MaskReader(mask_path)
             else:
-                if self.rank == 0 and model_dir.exists():
-                    shutil.rmtree(model_dir)
                 self.masks, self.calibration, _ = oneshot_on_rank0(cfg, cfg.oneshot, source, self.tokenizer, self.rank, self.say,
                                                                 mask_path, model_dir)
             source, random_init = ModelSource(str(model_dir)), False

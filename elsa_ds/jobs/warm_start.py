@@ -48,8 +48,6 @@ def warm_start(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer
         # x₀ from a directory: no rank-0 pass to measure the dense model on, so the report leaves dense out
         return WarmStart(MaskReader(cfg.init_mask), ModelSource(cfg.init_mask) if cfg.init_weights else None)
     model_dir = warm_start_weights_dir(output_dir) if cfg.init_weights else None
-    if model_dir is not None and rank == 0 and model_dir.exists():
-        shutil.rmtree(model_dir)
     masks, _, nll = oneshot_on_rank0(cfg, OneShot(cfg.init_mask), source, tokenizer, rank, say, warm_start_path(output_dir), model_dir,
                                      windows if model_dir is not None else None)
     return WarmStart(masks, ModelSource(str(model_dir)) if model_dir is not None else None, nll)
@@ -68,12 +66,15 @@ def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, toke
     waiting = torch.distributed.new_group(backend="gloo", timeout=timedelta(days=3))
     failure: BaseException | None = None
     calibration, dense = None, (0.0, 0)
+    measure = dense_windows is not None and len(dense_windows) > 0
     if rank == 0:
         try:
             say(f"[elsa_ds] one-shot {method.value} masks on rank 0 (other ranks wait)")
+            if model_dir is not None and model_dir.exists():
+                shutil.rmtree(model_dir)  # a crashed run's copy: gone before anything new is written
             host = ModelSource(source.name, copy.deepcopy(source.module)) if source.module is not None else source
             model = load_host_model(host)
-            if dense_windows is not None and len(dense_windows):
+            if measure:
                 dense = layerwise_nll(model, dense_windows, accelerator())
             done = prune_oneshot(cfg, method, tokenizer, model, say)
             write_masks(mask_path, done.masks)
@@ -90,5 +91,4 @@ def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, toke
         raise failure
     if not ok[0].item():
         raise ElsaError(f"rank 0 could not compute the one-shot {method.value} masks; its error says why")
-    nll = (float(ok[1]), int(ok[2])) if dense_windows is not None and len(dense_windows) else None
-    return MaskReader(mask_path), calibration, nll
+    return MaskReader(mask_path), calibration, (float(ok[1]), int(ok[2])) if measure else None
