@@ -169,7 +169,12 @@ class ElsaJob:
         starts pruned (--init_weights), of that start (the dense model was measured on rank 0 before pruning). Collective."""
         if self.start is not None:
             self.state.dense_ppl = self.validation.perplexity(*self.dense_nll) if self.dense_nll else None
-            self.state.baseline_ppl = self.validation_ppl()
+            if self.selector is not None and self.validation.count:  # the start is a candidate for the export: step 0
+                self.state.baseline_ppl = self.selector.score(self.job, self.validation, self.ds["train_micro_batch_size_per_gpu"],
+                                                              0, project=False)
+                self.state.selection = self.selector.record
+            else:
+                self.state.baseline_ppl = self.validation_ppl()
             self.say(f"[elsa_ds] validation ppl: dense {self.state.dense_ppl}, the warm start ({self.cfg.init_mask}) "
                      f"{self.state.baseline_ppl}")
             return

@@ -7,12 +7,16 @@ weight is gathered — and the best so far is kept as a snapshot of every rank's
 if an earlier one was better, its snapshot is written back into the shards and exported instead. With
 ``select_patience`` the run stops once that many scored projections in a row did not improve.
 
+When x starts pruned (``--init_weights``), the start itself is scored first, as step 0: it is already a feasible
+pruned model (SparseGPT's, or the directory's), so the export is never worse on validation than the warm start.
+
 The score is only as honest as the validation windows: they must be text the run does not train on
 (``--val_dataset``, or a source whose validation split is held out).
 """
 from __future__ import annotations
 
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +46,10 @@ class Selector:
     def stop(self) -> bool:
         return bool(self.patience) and self.record["since_best"] >= self.patience
 
-    def score(self, job, windows: PplWindows, micro_batch: int, step: int) -> float:
-        """Validation perplexity of Π(x) at ``step``; a snapshot of it when it is the best so far. Collective."""
-        with hard_projected(job):
+    def score(self, job, windows: PplWindows, micro_batch: int, step: int, project: bool = True) -> float:
+        """Validation perplexity of Π(x) at ``step`` (``project`` False: of the weights as they are -- a pruned start);
+        a snapshot of it when it is the best so far. Collective."""
+        with hard_projected(job) if project else nullcontext():
             value = windows.perplexity(*distributed_nll(job, windows.ids, micro_batch))
             improved = self.record["best"] is None or value < self.record["best"]["ppl"]
             if improved:

@@ -33,3 +33,28 @@ def test_export_is_the_best_scored_projection_on_two_ranks(tmp_path, tiny_model_
     # the exported files are the chosen projection: the evaluation code measures the same perplexity on the same windows
     measured = run(EvalSettings(model=str(out), ppl=[str(text_dir / "othello.txt")], seqlen=64, limit=8))
     assert measured["ppl"][str(text_dir / "othello.txt")]["ppl"] == pytest.approx(chosen["ppl"], rel=1e-4)
+
+
+def test_a_pruned_start_is_scored_as_step_zero_and_kept_when_training_only_hurts(tmp_path, tiny_model_dir, text_dir):
+    """--init_weights with --select_every: the warm start (SparseGPT's model) is the first candidate. lr 0.3 wrecks the
+    first projection (step 2: ppl ~4e4 against ~460), so with patience 1 the run stops there and exports the start
+    itself: the same validation perplexity, the same zeros, and the evaluation code measures what the report says."""
+    ds = derived_config(tmp_path, bf16={"enabled": False})
+    out = tmp_path / "out"
+    val = str(text_dir / "othello.txt")
+    run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--val_dataset", val,
+                           "--seqlen", "64", "--steps", "8", "--interval", "2", "--sparsity", "0.7", "--lr", "0.3", "--lmda", "0.05",
+                           "--micro_batch", "2", "--val_windows", "8", "--select_every", "1", "--select_patience", "1", "--init_mask", "sparsegpt",
+                           "--init_weights", "--output_dir", str(out)], ranks=2)
+    report = json.loads((out / "elsa_report.json").read_text())
+    selection, ppl = report["selection"], report["ppl"]
+    curve = selection["curve"]
+    assert curve[0] == {"step": 0, "ppl": ppl["warm_start"]}               # scored before the first step, unprojected
+    assert [p["step"] for p in curve] == [0, 2] and curve[1]["ppl"] > curve[0]["ppl"] and selection["stopped_at"] == 2
+    assert selection["chosen"] == {"step": 0, "ppl": ppl["warm_start"], "final": False}
+    assert ppl["pruned"] == pytest.approx(ppl["warm_start"])
+    for name, layer in report["layers"].items():
+        assert layer["zeros"] == round(0.7 * layer["numel"]), name
+    measured = run(EvalSettings(model=str(out), ppl=[val], seqlen=64, limit=8))
+    assert measured["ppl"][val]["ppl"] == pytest.approx(ppl["warm_start"], rel=1e-4)
+    assert not list(tmp_path.glob(".*best_projection*")) and not list(tmp_path.glob(".*init_*"))
