@@ -146,8 +146,11 @@ class ElsaJob:
         fingerprint = self.cfg.resume_fingerprint(self.world)
         self.state = RunState(fingerprint=fingerprint)
         if not self.opts.resume:
-            if self.selector is not None and self.rank == 0:
-                self.selector.clean()  # a crashed run's snapshots
+            if self.rank == 0:
+                if self.selector is not None:
+                    self.selector.clean()  # a crashed run's snapshots
+                # a crashed warm start's x₀ copy (this run's own was deleted once partitioned): nothing reads it now
+                shutil.rmtree(warm_start_weights_dir(self.opts.output_dir), ignore_errors=True)
             self._measure_references()
             return
         client = checkpoint.load_latest(self.job.engine, self.ckpt_dir, self.say, self.job.comm)

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from elsa_ds.evaluation.run import EvalSettings, run
+from elsa_ds.jobs.warm_start import warm_start_weights_dir
 from tests.conftest import derived_config, run_entry
 
 pytestmark = pytest.mark.integration
@@ -14,6 +15,9 @@ pytestmark = pytest.mark.integration
 def test_export_is_the_best_scored_projection_on_two_ranks(tmp_path, tiny_model_dir, text_dir):
     ds = derived_config(tmp_path, bf16={"enabled": False})
     out = tmp_path / "out"
+    stale = warm_start_weights_dir(out)  # what a warm start that crashed before partitioning leaves behind
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"left by a crashed run")
     # lr 0.03 makes the second projection (step 4) worse than the first on these windows: with patience 1 the run stops
     # there and exports the snapshot of step 2 (restored into the shards), the path a final Π(x) never takes
     run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir),
@@ -27,6 +31,7 @@ def test_export_is_the_best_scored_projection_on_two_ranks(tmp_path, tiny_model_
     assert chosen["ppl"] == min(p["ppl"] for p in curve)
     assert selection["stopped_at"] == 4 and chosen == {"step": 2, "ppl": curve[0]["ppl"], "final": False}
     assert not any(p.get("final") for p in curve)  # stopped early: no final projection
+    assert not stale.exists()                      # a fresh run sweeps the crashed warm start's x₀ copy
     assert report["ppl"]["pruned"] == pytest.approx(chosen["ppl"])
     for name, layer in report["layers"].items():
         assert layer["zeros"] == round(0.7 * layer["numel"]), name
