@@ -29,14 +29,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from elsa_ds.admm.projection import Slice  # noqa: E402
-from elsa_ds.admm.schedule import learning_rate  # noqa: E402
 from elsa_ds.config import DEMO_MODEL_DIR, resolve_config  # noqa: E402
 from elsa_ds.data import GlobalBatches, load_blocks  # noqa: E402
 from elsa_ds.evaluation.run import EvalSettings, run  # noqa: E402
 from elsa_ds.finetune.optimizer import MaskedOptimizer  # noqa: E402
 from elsa_ds.jobs.defaults_applied import apply_defaults  # noqa: E402
 from elsa_ds.models import load_causal_lm  # noqa: E402
-from elsa_ds.reference import train_reference  # noqa: E402
+from elsa_ds.reference import train_loop, train_reference  # noqa: E402
 from elsa_ds.targets import select_targets  # noqa: E402
 from elsa_ds.zero.ds_config import DsConfig  # noqa: E402
 
@@ -69,17 +68,7 @@ def masked_training(model, cfg, batches, pruned: dict[int, str], clipping: float
         if id(p) in pruned:
             keep[pruned[id(p)]] = (p.detach() != 0).view(-1)
             opt.assign(p, [Slice(pruned[id(p)], 0, p.numel(), 0, p.numel(), int(keep[pruned[id(p)]].sum()))])
-    model.train()
-    for step in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_final_ratio)
-        opt.zero_grad()
-        micro = batches.micro_batches(step)
-        for ids in micro:
-            (model(input_ids=ids, labels=ids).loss / len(micro)).backward()
-        if clipping:
-            torch.nn.utils.clip_grad_norm_(params, clipping)
-        opt.step()
+    train_loop(model, opt, cfg, batches, clipping)
 
 
 def explore(a) -> dict:

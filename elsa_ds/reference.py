@@ -30,16 +30,25 @@ def train_reference(model: torch.nn.Module, cfg: ElsaConfig, batches: GlobalBatc
     for pid, w in weights.items():
         ratio = goal_ratio(goals[pruned[pid]])
         admm.assign(w, [Slice(pruned[pid], 0, w.numel(), 0, w.numel(), keep_count(w.numel(), ratio))])
+    train_loop(model, admm, cfg, batches, gradient_clipping, admm.begin_step)
+    return {pruned[pid]: (w.detach() != 0) for pid, w in weights.items()}
+
+
+def train_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: ElsaConfig, batches: GlobalBatches,
+               gradient_clipping: float | None = None, begin_step=None) -> None:
+    """``cfg.steps`` steps of ``opt`` (its params: the trainable ones): the lr schedule, the mean loss over each global
+    batch, global-norm clipping. ``begin_step(step)`` runs first in every step (ADMM: λ and the projection flags)."""
+    params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     for step in range(cfg.steps):
-        admm.begin_step(step)
-        for group in admm.param_groups:
+        if begin_step is not None:
+            begin_step(step)
+        for group in opt.param_groups:
             group["lr"] = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_final_ratio)
-        admm.zero_grad()
+        opt.zero_grad()
         micro = batches.micro_batches(step)
         for ids in micro:
             (model(input_ids=ids, labels=ids).loss / len(micro)).backward()
         if gradient_clipping:
             torch.nn.utils.clip_grad_norm_(params, gradient_clipping)
-        admm.step()
-    return {pruned[pid]: (w.detach() != 0) for pid, w in weights.items()}
+        opt.step()
