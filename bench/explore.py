@@ -61,13 +61,12 @@ def masked_training(model, cfg, batches, pruned: dict[int, str], clipping: float
     """Adam with the start's zeros in the pruned layers held fixed (MaskedOptimizer: masked gradients and weights);
     no pruned layer: the dense control."""
     params = [p for p in model.parameters() if p.requires_grad]
+    keep = {pruned[id(p)]: (p.detach() != 0).view(-1) for p in params if id(p) in pruned}
     opt = MaskedOptimizer(torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=0.0),
                           initial_mask=lambda sl: keep[sl.layer])
-    keep = {}
     for p in params:
-        if id(p) in pruned:
-            keep[pruned[id(p)]] = (p.detach() != 0).view(-1)
-            opt.assign(p, [Slice(pruned[id(p)], 0, p.numel(), 0, p.numel(), int(keep[pruned[id(p)]].sum()))])
+        if (name := pruned.get(id(p))) is not None:
+            opt.assign(p, [Slice(name, 0, p.numel(), 0, p.numel(), int(keep[name].sum()))])
     train_loop(model, opt, cfg, batches, clipping)
 
 

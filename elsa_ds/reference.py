@@ -6,6 +6,8 @@ any number of ranks, with or without offload, must reproduce its masks (up to fl
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from elsa_ds.admm.optimizer import AdmmOptimizer
@@ -35,7 +37,7 @@ def train_reference(model: torch.nn.Module, cfg: ElsaConfig, batches: GlobalBatc
 
 
 def train_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: ElsaConfig, batches: GlobalBatches,
-               gradient_clipping: float | None = None, begin_step=None) -> None:
+               gradient_clipping: float | None = None, begin_step: Callable[[int], None] | None = None) -> None:
     """``cfg.steps`` steps of ``opt`` (its params: the trainable ones): the lr schedule, the mean loss over each global
     batch, global-norm clipping. ``begin_step(step)`` runs first in every step (ADMM: λ and the projection flags)."""
     params = [p for p in model.parameters() if p.requires_grad]
