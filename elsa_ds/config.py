@@ -150,7 +150,7 @@ class ElsaConfig(BaseModel):
     lr_final_ratio: float = Field(0.0, ge=0.0, le=1.0, **_group("optimizer"))
     """Final learning rate as a fraction of lr."""
     warmup_steps: int = Field(0, ge=0, **_group("optimizer"))
-    """Linear learning-rate warm-up steps."""
+    """Linear learning-rate warm-up steps; with the rule's lr, 10 % of a run under 2048 steps [from the defaults rule]."""
     betas: tuple[float, float] = Field((0.9, 0.999), **_group("optimizer", "B1 B2"))
     """Adam betas."""
     eps: float = Field(1e-8, gt=0.0, **_group("optimizer"))

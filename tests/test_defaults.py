@@ -40,6 +40,14 @@ def test_larger_steps_for_shorter_budgets_higher_sparsity_and_smaller_models():
     assert pretraining_lr(6.74e9) == pytest.approx(3e-4, rel=0.1)  # Llama-2-7B's pre-training peak
 
 
+def test_a_warm_up_of_a_tenth_comes_with_short_budgets_only():
+    for s in (elsa_settings(4e6, 0.9, 400), retrain_settings(4e6, 400)):
+        assert s.values["warmup_steps"] == 40
+    assert elsa_settings(4e6, 0.5, 12).values["warmup_steps"] == 1
+    assert elsa_settings(6.74e9, 0.9, 4096).values["warmup_steps"] == 0 == retrain_settings(6.74e9, 2048).values["warmup_steps"]
+    assert elsa_settings(4e6, 0.9, 2047).values["warmup_steps"] == 205
+
+
 def test_every_value_says_why():
     for s in (elsa_settings(4e6, 0.9, 400), retrain_settings(4e6, 400)):
         assert set(s.why) == set(s.values) and all(s.why.values())
@@ -54,10 +62,14 @@ def test_applied_only_to_fields_the_user_left_unset():
     cfg, record = _demo(sparsity=0.9, steps=400)
     expected = elsa_settings(record["inputs"]["n_params"], 0.9, 400).values
     assert (cfg.lr, cfg.lmda, cfg.lmda_schedule) == (expected["lr"], expected["lmda"], expected["lmda_schedule"])
-    assert set(record["applied"]) == {"lr", "lmda", "lmda_schedule"} and record["set_by_user"] == []
+    assert set(record["applied"]) == {"lr", "lmda", "lmda_schedule", "warmup_steps"} and record["set_by_user"] == []
+    assert cfg.warmup_steps == 40
     json.dumps(record)  # goes into the report as is
-    cfg, record = _demo(sparsity=0.9, steps=400, lr=5e-4)
+    cfg, record = _demo(sparsity=0.9, steps=400, lr=5e-4)  # a user's lr: no warm-up the user did not ask for
     assert cfg.lr == 5e-4 and set(record["applied"]) == {"lmda", "lmda_schedule"} and record["set_by_user"] == ["lr"]
+    assert cfg.warmup_steps == 0
+    cfg, record = _demo(sparsity=0.9, steps=400, warmup_steps=7)
+    assert cfg.warmup_steps == 7 and "warmup_steps" not in record["applied"] and record["set_by_user"] == ["warmup_steps"]
 
 
 def test_recipe_and_json_block_count_as_set():
@@ -68,7 +80,8 @@ def test_recipe_and_json_block_count_as_set():
 
 def test_retraining_and_dense_control_get_the_retraining_lr():
     cfg, record = _demo(method="wanda", finetune="full", sparsity=0.9, steps=400)
-    assert cfg.lr == retrain_settings(record["inputs"]["n_params"], 400).values["lr"] and set(record["applied"]) == {"lr"}
+    assert cfg.lr == retrain_settings(record["inputs"]["n_params"], 400).values["lr"] and set(record["applied"]) == {"lr", "warmup_steps"}
+    assert cfg.warmup_steps == 40
     cfg, record = _demo(method="dense", finetune="lora", finetune_steps=200)
     assert record["inputs"] == {"n_params": record["inputs"]["n_params"], "sparsity": 0.0, "steps": 200}
     assert cfg.lr == retrain_settings(record["inputs"]["n_params"], 200).values["lr"]

@@ -18,6 +18,8 @@ def apply_defaults(cfg: ElsaConfig, model_config) -> tuple[ElsaConfig, dict[str,
     steps = (cfg.finetune_steps or cfg.steps) if cfg.finetune is not None else cfg.steps
     suggestion = retrain_settings(n_params, steps) if cfg.finetune is not None else elsa_settings(n_params, sparsity, steps)
     unset = {k: v for k, v in suggestion.values.items() if k not in cfg.model_fields_set and k in RULE_FIELDS}
+    if "lr" not in unset:  # the warm-up belongs to the rule's lr: a user's lr keeps the user's warm-up
+        unset.pop("warmup_steps", None)
     record = {"inputs": {"n_params": n_params, "sparsity": sparsity, "steps": steps},
               "applied": {k: v.value if hasattr(v, "value") else v for k, v in unset.items()},
               "why": {k: suggestion.why[k] for k in unset}, "set_by_user": sorted(k for k in RULE_FIELDS if k in cfg.model_fields_set)}
