@@ -121,6 +121,7 @@ def settings_used(report: dict) -> str:
         text = f"lr {c['lr']:.3g}" + (f", LoRA r {c['lora_rank']} α {c['lora_alpha']:g}" if report["finetune"] == "lora" else "")
     else:
         return ""
+    text += f", warm-up {c.get('warmup_steps', 0)}"
     return text + ("; from the defaults rule" if auto else "")
 
 
