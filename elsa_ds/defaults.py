@@ -1,4 +1,5 @@
-"""The defaults rule: ELSA's lr, λ and λ schedule — and retraining's lr — from model size, sparsity and step budget.
+"""The defaults rule: ELSA's lr, λ and λ schedule — and retraining's lr — with their warm-up, from model size, sparsity and
+step budget.
 
 Applied to every one of those settings the user leaves unset (``jobs/defaults_applied.py``); the resolved config and
 the report say which values came from here and why. Pure: numbers in, numbers out.
@@ -98,7 +99,7 @@ def warmup(steps: int) -> tuple[int, str]:
 
 
 def elsa_settings(n_params: int, sparsity: float, steps: int) -> Suggestion:
-    """lr, λ and λ schedule for ELSA on a model of ``n_params`` parameters pruned to ``sparsity`` in ``steps`` steps."""
+    """lr, λ, λ schedule and warm-up for ELSA on a model of ``n_params`` parameters pruned to ``sparsity`` in ``steps`` steps."""
     budget = (REF_STEPS / steps) ** BETA
     lr = pretraining_lr(n_params) * ELSA_F * budget * math.exp(ELSA_K * (sparsity - 0.9))
     lmda = lmda_at_90(n_params) * math.exp(LMDA_KAPPA * (sparsity - 0.9))
@@ -120,7 +121,7 @@ def elsa_settings(n_params: int, sparsity: float, steps: int) -> Suggestion:
 
 
 def retrain_settings(n_params: int, steps: int) -> Suggestion:
-    """lr for retraining with a fixed mask (one-shot + fine-tuning or LoRA) and for the dense control."""
+    """lr and warm-up for retraining with a fixed mask (one-shot + fine-tuning or LoRA) and for the dense control."""
     budget = (REF_STEPS / steps) ** BETA
     lr = pretraining_lr(n_params) * RETRAIN_G * budget
     warm, warm_why = warmup(steps)
