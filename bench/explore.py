@@ -10,9 +10,11 @@ what confirms a finding.
         --sparsity 0.9 --set lr=6.59e-4 --out /tmp/x/sgft90                                    # SparseGPT + ft
 
 --start: the weights training begins from (a pruned model: its zeros in the pruned layers are the mask that ``ft``
-keeps, and ELSA's warm start of x and z); ``--model`` names the model whose size the defaults rule reads. Settings
-the user leaves unset come from the defaults rule exactly as ``launch/prune.py`` applies it (``ft`` and ``dense`` get
-the retraining rule). The last line is JSON: mode, sparsity, the settings used, the held-out ppl, training seconds.
+keeps, and ELSA's warm start of x and z, as ``--init_mask DIR --init_weights`` would be); ``--model`` names the model
+whose size the defaults rule reads. Settings the user leaves unset come from the defaults rule exactly as
+``launch/prune.py`` applies it (``ft`` and ``dense`` get the retraining rule); where the rule starts ELSA from a
+one-shot's pruned model (a short budget below 80 %), that one-shot runs here first, on the same calibration data.
+The last line is JSON: mode, sparsity, the settings used, the held-out ppl, training seconds.
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ from elsa_ds.data import GlobalBatches, load_blocks  # noqa: E402
 from elsa_ds.evaluation.run import EvalSettings, run  # noqa: E402
 from elsa_ds.finetune.optimizer import MaskedOptimizer  # noqa: E402
 from elsa_ds.jobs.defaults_applied import apply_defaults  # noqa: E402
+from elsa_ds.methods import OneShot  # noqa: E402
 from elsa_ds.models import load_causal_lm  # noqa: E402
+from elsa_ds.oneshot.pipeline import prune_oneshot  # noqa: E402
 from elsa_ds.reference import train_loop, train_reference  # noqa: E402
 from elsa_ds.targets import select_targets  # noqa: E402
 from elsa_ds.zero.ds_config import DsConfig  # noqa: E402
@@ -74,12 +78,22 @@ def explore(a) -> dict:
     torch.manual_seed(0)
     raw = DsConfig.load(a.deepspeed).raw
     given = {"model": a.model, "dataset": a.dataset, "seqlen": a.seqlen, "steps": a.steps, **MODES[a.mode],
-             **({"sparsity": a.sparsity} if a.mode != "dense" else {}), **parse_set(a.set)}
+             **({"sparsity": a.sparsity} if a.mode != "dense" else {}),
+             **({"init_mask": a.start, "init_weights": True} if a.start and a.mode == "elsa" else {}), **parse_set(a.set)}
     cfg = resolve_config(raw, given)
     start = a.start or a.model
     model = load_causal_lm(start, torch.float32)
     cfg, rule = apply_defaults(cfg, model.config)
-    settings = {k: getattr(cfg, k) for k in ("lr", "lmda", "lmda_schedule", "interval", "hold_steps", "warmup_steps", "steps")}
+    if a.mode == "elsa" and not a.start and cfg.init_mask is not None:  # the rule's one-shot start (or --set's)
+        if not cfg.init_weights or cfg.init_mask not in {m.value for m in OneShot}:
+            raise SystemExit("explore starts ELSA from the dense model, from a one-shot's pruned weights (init_mask=METHOD "
+                             "init_weights=true, the rule's start below 80 %) or from --start DIR")
+        from transformers import AutoTokenizer
+
+        prune_oneshot(cfg, OneShot(cfg.init_mask), AutoTokenizer.from_pretrained(a.model), model)  # in place
+        start = f"{cfg.init_mask} of {a.model}"
+    settings = {k: getattr(cfg, k) for k in ("lr", "lmda", "lmda_schedule", "interval", "hold_steps", "warmup_steps", "steps",
+                                             "init_mask", "init_weights")}
     settings = {k: getattr(v, "value", v) for k, v in settings.items()}
     print("[explore]", json.dumps({"settings": settings, "from_rule": rule["applied"]}), flush=True)
     from transformers import AutoTokenizer

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from elsa_ds.admm.schedule import LambdaSchedule
 
-RULE_FIELDS = ("lr", "lmda", "lmda_schedule", "warmup_steps")
+RULE_FIELDS = ("lr", "lmda", "lmda_schedule", "warmup_steps", "init_mask", "init_weights")
 
 REF_STEPS = 4096          # the paper's budget
 BETA = 0.3                # lr ∝ T^-β
@@ -60,6 +60,7 @@ LMDA_KAPPA = 7.5          # d ln(λ) / d sparsity (LLaMA-2-7B: 1e-3 at 50 % .. 2
 COSINE_FROM = (0.7, 2048)  # cosine λ from 0 at sparsity >= 0.7 with >= 2048 steps
 LINEAR_FROM = 0.8          # shorter budgets: linear λ from 0 at sparsity >= 0.8, constant below
 WARMUP_FRACTION = 0.1      # shorter budgets (< COSINE_FROM[1] steps): lr warm-up over this fraction of the steps
+WARM_START_BELOW = 0.8     # shorter budgets: below this sparsity x and z start from SparseGPT's pruned model
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,19 @@ def warmup(steps: int) -> tuple[int, str]:
                "measured on the demo and docs-llama)")
 
 
-def elsa_settings(n_params: int, sparsity: float, steps: int) -> Suggestion:
-    """lr, λ, λ schedule and warm-up for ELSA on a model of ``n_params`` parameters pruned to ``sparsity`` in ``steps`` steps."""
-    budget = (REF_STEPS / steps) ** BETA
+def rule_warm_start(sparsity: float, steps: int) -> bool:
+    """Whether the rule starts ELSA from SparseGPT's pruned model (x₀ = z₀ = its reconstruction): a short budget below 80 %."""
+    return steps < COSINE_FROM[1] and sparsity < WARM_START_BELOW
+
+
+def elsa_settings(n_params: int, sparsity: float, steps: int, start_pruned: bool | None = None) -> Suggestion:
+    """lr, λ, λ schedule, warm-up and start for ELSA on a model of ``n_params`` parameters pruned to ``sparsity`` in
+    ``steps`` steps. ``start_pruned``: whether x starts from a one-shot's pruned weights as the user set it (their
+    ``--init_mask`` with ``--init_weights``); None: the rule decides, and says so in ``init_mask`` / ``init_weights``."""
+    rule_start = start_pruned is None and rule_warm_start(sparsity, steps)
+    pruned = bool(start_pruned) or rule_start
+    factor = (REF_STEPS / steps) ** BETA
+    budget = min(factor, 1.0) if pruned else factor
     lr = pretraining_lr(n_params) * ELSA_F * budget * math.exp(ELSA_K * (sparsity - 0.9))
     lmda = lmda_at_90(n_params) * math.exp(LMDA_KAPPA * (sparsity - 0.9))
     cosine = sparsity >= COSINE_FROM[0] and steps >= COSINE_FROM[1]
@@ -108,16 +119,24 @@ def elsa_settings(n_params: int, sparsity: float, steps: int) -> Suggestion:
     schedule = LambdaSchedule.cosine if cosine else LambdaSchedule.linear if linear else LambdaSchedule.constant
     size = f"{n_params / 1e6:.1f} M parameters"
     warm, warm_why = warmup(steps)
-    return Suggestion(
-        {"lr": float(f"{lr:.3g}"), "lmda": float(f"{lmda:.3g}"), "lmda_schedule": schedule, "warmup_steps": warm},
-        {"lr": f"{size} (pre-training-scale lr {pretraining_lr(n_params):.2g}) x {ELSA_F:g} x budget factor "
-               f"(4096/{steps})^{BETA:g} = {budget:.2f} x sparsity factor exp({ELSA_K:g}·({sparsity:g}−0.9))",
-         "lmda": f"λ at 90 % {lmda_at_90(n_params):.2g} for {size} x exp({LMDA_KAPPA:g}·({sparsity:g}−0.9))",
-         "lmda_schedule": ("cosine from 0: sparsity >= 70 % over a long budget (the paper's setting)" if cosine else
-                           "linear from 0: sparsity >= 80 % over a short budget (< 2048 steps; ours, measured at 90 %)" if linear else
-                           "constant: " + ("sparsity below 80 % over a short budget (< 2048 steps)" if sparsity >= COSINE_FROM[0]
-                                           else "sparsity below 70 % (the paper's setting)")),
-         "warmup_steps": warm_why})
+    budget_why = (f"budget factor (4096/{steps})^{BETA:g} = {factor:.2f}" if not pruned or factor <= 1.0 else
+                  f"budget factor 1 (x starts pruned: the short-budget factor (4096/{steps})^{BETA:g} = {factor:.2f} "
+                  "would undo the one-shot's reconstruction)")
+    values = {"lr": float(f"{lr:.3g}"), "lmda": float(f"{lmda:.3g}"), "lmda_schedule": schedule, "warmup_steps": warm}
+    why = {"lr": f"{size} (pre-training-scale lr {pretraining_lr(n_params):.2g}) x {ELSA_F:g} x {budget_why} x sparsity "
+                 f"factor exp({ELSA_K:g}·({sparsity:g}−0.9))",
+           "lmda": f"λ at 90 % {lmda_at_90(n_params):.2g} for {size} x exp({LMDA_KAPPA:g}·({sparsity:g}−0.9))",
+           "lmda_schedule": ("cosine from 0: sparsity >= 70 % over a long budget (the paper's setting)" if cosine else
+                             "linear from 0: sparsity >= 80 % over a short budget (< 2048 steps; ours, measured at 90 %)" if linear else
+                             "constant: " + ("sparsity below 80 % over a short budget (< 2048 steps)" if sparsity >= COSINE_FROM[0]
+                                             else "sparsity below 70 % (the paper's setting)")),
+           "warmup_steps": warm_why}
+    if rule_start:
+        values.update(init_mask="sparsegpt", init_weights=True)
+        start_why = (f"start from SparseGPT's pruned model: sparsity below {WARM_START_BELOW:.0%} over a short budget "
+                     f"(< {COSINE_FROM[1]} steps; ours, measured at 70 %)")
+        why.update(init_mask=start_why, init_weights=start_why)
+    return Suggestion(values, why)
 
 
 def retrain_settings(n_params: int, steps: int) -> Suggestion:

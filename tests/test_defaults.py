@@ -7,7 +7,7 @@ import pytest
 
 from elsa_ds.admm.schedule import LambdaSchedule
 from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
-from elsa_ds.defaults import ANCHORS, elsa_settings, pretraining_lr, retrain_settings
+from elsa_ds.defaults import ANCHORS, REF_STEPS, elsa_settings, pretraining_lr, retrain_settings
 from elsa_ds.jobs.defaults_applied import apply_defaults
 from elsa_ds.models import load_config
 
@@ -63,7 +63,7 @@ def test_applied_only_to_fields_the_user_left_unset():
     expected = elsa_settings(record["inputs"]["n_params"], 0.9, 400).values
     assert (cfg.lr, cfg.lmda, cfg.lmda_schedule) == (expected["lr"], expected["lmda"], expected["lmda_schedule"])
     assert set(record["applied"]) == {"lr", "lmda", "lmda_schedule", "warmup_steps"} and record["set_by_user"] == []
-    assert cfg.warmup_steps == 40
+    assert cfg.warmup_steps == 40 and cfg.init_mask is None and not cfg.init_weights  # 90 %: the dense start
     json.dumps(record)  # goes into the report as is
     cfg, record = _demo(sparsity=0.9, steps=400, lr=5e-4)  # a user's lr: no warm-up the user did not ask for
     assert cfg.lr == 5e-4 and set(record["applied"]) == {"lmda", "lmda_schedule"} and record["set_by_user"] == ["lr"]
@@ -85,3 +85,35 @@ def test_retraining_and_dense_control_get_the_retraining_lr():
     cfg, record = _demo(method="dense", finetune="lora", finetune_steps=200)
     assert record["inputs"] == {"n_params": record["inputs"]["n_params"], "sparsity": 0.0, "steps": 200}
     assert cfg.lr == retrain_settings(record["inputs"]["n_params"], 200).values["lr"]
+
+
+def test_short_budgets_below_80_percent_start_from_sparsegpt_with_the_budget_factor_dropped():
+    start = lambda s, t: elsa_settings(4e6, s, t).values.get("init_mask")  # noqa: E731
+    assert start(0.7, 400) == "sparsegpt" and start(0.5, 2047) == "sparsegpt" and elsa_settings(4e6, 0.7, 400).values["init_weights"]
+    assert start(0.8, 400) is None and start(0.9, 400) is None and start(0.7, 2048) is None and start(0.5, 4096) is None
+    factor = (REF_STEPS / 400) ** 0.3
+    dense_start = elsa_settings(4e6, 0.7, 400, start_pruned=False).values["lr"]
+    assert elsa_settings(4e6, 0.7, 400).values["lr"] == pytest.approx(dense_start / factor, rel=0.01)
+    assert elsa_settings(4e6, 0.7, 400, start_pruned=True).values["lr"] == elsa_settings(4e6, 0.7, 400).values["lr"]
+    assert "init_mask" not in elsa_settings(4e6, 0.7, 400, start_pruned=True).values  # the user's start, not the rule's
+    # past the paper's budget the factor is below 1 and stays, pruned start or not
+    assert elsa_settings(4e6, 0.7, 8192, start_pruned=True).values["lr"] == elsa_settings(4e6, 0.7, 8192).values["lr"]
+    assert set(elsa_settings(4e6, 0.7, 400).why) == set(elsa_settings(4e6, 0.7, 400).values)
+
+
+def test_the_rules_start_comes_with_the_rules_lr_and_gives_way_to_the_users():
+    cfg, record = _demo(sparsity=0.7, steps=400)
+    assert (cfg.init_mask, cfg.init_weights) == ("sparsegpt", True) and {"init_mask", "init_weights"} <= set(record["applied"])
+    assert cfg.lr == elsa_settings(record["inputs"]["n_params"], 0.7, 400).values["lr"] and cfg.warmup_steps == 40
+    cfg, record = _demo(sparsity=0.7, steps=400, lr=5e-4)  # a user's lr: the paper's dense start
+    assert cfg.init_mask is None and not cfg.init_weights and "init_mask" not in record["applied"]
+    cfg, record = _demo(sparsity=0.7, steps=400, init_mask="none")  # no warm start, said explicitly
+    assert cfg.init_mask is None and not cfg.init_weights and record["set_by_user"] == ["init_mask"]
+    n = record["inputs"]["n_params"]
+    assert cfg.lr == elsa_settings(n, 0.7, 400, start_pruned=False).values["lr"]  # the dense start's larger steps
+    cfg, record = _demo(sparsity=0.7, steps=400, init_mask="wanda")  # z from Wanda, x dense: the dense start's lr
+    assert (cfg.init_mask, cfg.init_weights, cfg.lr) == ("wanda", False, elsa_settings(n, 0.7, 400, start_pruned=False).values["lr"])
+    cfg, record = _demo(sparsity=0.9, steps=400, init_mask="sparsegpt", init_weights=True)  # the user's pruned start at 90 %
+    assert cfg.lr == elsa_settings(n, 0.9, 400, start_pruned=True).values["lr"] < elsa_settings(n, 0.9, 400).values["lr"]
+    cfg, record = _demo(method="wanda", finetune="full", sparsity=0.7, steps=400)  # retraining has its own mask
+    assert cfg.init_mask is None and "init_mask" not in record["applied"]

@@ -16,8 +16,12 @@ def apply_defaults(cfg: ElsaConfig, model_config) -> tuple[ElsaConfig, dict[str,
     n_params = sum(p.numel() for p in meta_model(model_config).parameters())
     sparsity = goal_ratio(cfg.goal) if cfg.method.value != DENSE else 0.0
     steps = (cfg.finetune_steps or cfg.steps) if cfg.finetune is not None else cfg.steps
-    suggestion = retrain_settings(n_params, steps) if cfg.finetune is not None else elsa_settings(n_params, sparsity, steps)
-    unset = {k: v for k, v in suggestion.values.items() if k not in cfg.model_fields_set and k in RULE_FIELDS}
+    given = cfg.model_fields_set
+    # the rule's start comes with the rule's lr: a user's lr, or a start of the user's, keeps the paper's dense start
+    start_pruned = bool(cfg.init_mask and cfg.init_weights) if given & {"lr", "init_mask", "init_weights"} else None
+    suggestion = (retrain_settings(n_params, steps) if cfg.finetune is not None else
+                  elsa_settings(n_params, sparsity, steps, start_pruned))
+    unset = {k: v for k, v in suggestion.values.items() if k not in given and k in RULE_FIELDS}
     if "lr" not in unset:  # the warm-up belongs to the rule's lr: a user's lr keeps the user's warm-up
         unset.pop("warmup_steps", None)
     record = {"inputs": {"n_params": n_params, "sparsity": sparsity, "steps": steps},

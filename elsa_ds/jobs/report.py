@@ -132,6 +132,10 @@ def print_summary(say, result: dict[str, Any], output_dir: Path) -> None:
         f"{what} {baseline if baseline is None else format(baseline, '.3f')} | ELSA {p['pruned']:.3f}")
     if result["vs_magnitude"]:
         say(f"[elsa_ds] ELSA perplexity is {result['vs_magnitude']['ppl_ratio']:.2f}x lower than one-shot magnitude pruning")
+    elif result["init_weights"] and baseline is not None and p["pruned"] is not None:
+        ratio = baseline / p["pruned"]
+        say(f"[elsa_ds] ELSA perplexity is {ratio if ratio >= 1 else 1 / ratio:.3f}x {'lower' if ratio >= 1 else 'HIGHER'} "
+            f"than its warm start ({result['init_mask']})")
 
 
 def _where(p: dict[str, Any]) -> str:
