@@ -122,6 +122,8 @@ def settings_used(report: dict) -> str:
     else:
         return ""
     text += f", warm-up {c.get('warmup_steps', 0)}"
+    if report["method"] == "elsa" and c.get("init_mask"):
+        text += f", from {c['init_mask']}'s {'pruned model' if c.get('init_weights') else 'mask'}"
     return text + ("; from the defaults rule" if auto else "")
 
 
