@@ -36,7 +36,7 @@ from elsa_ds.data import GlobalBatches, load_blocks  # noqa: E402
 from elsa_ds.evaluation.run import EvalSettings, run  # noqa: E402
 from elsa_ds.finetune.optimizer import MaskedOptimizer  # noqa: E402
 from elsa_ds.jobs.defaults_applied import apply_defaults  # noqa: E402
-from elsa_ds.methods import OneShot  # noqa: E402
+from elsa_ds.methods import OneShot, oneshot_names  # noqa: E402
 from elsa_ds.models import load_causal_lm  # noqa: E402
 from elsa_ds.oneshot.pipeline import prune_oneshot  # noqa: E402
 from elsa_ds.reference import train_loop, train_reference  # noqa: E402
@@ -84,21 +84,19 @@ def explore(a) -> dict:
     start = a.start or a.model
     model = load_causal_lm(start, torch.float32)
     cfg, rule = apply_defaults(cfg, model.config)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model)
     if a.mode == "elsa" and not a.start and cfg.init_mask is not None:  # the rule's one-shot start (or --set's)
-        if not cfg.init_weights or cfg.init_mask not in {m.value for m in OneShot}:
+        if not cfg.init_weights or cfg.init_mask not in oneshot_names():
             raise SystemExit("explore starts ELSA from the dense model, from a one-shot's pruned weights (init_mask=METHOD "
                              "init_weights=true, the rule's start below 80 %) or from --start DIR")
-        from transformers import AutoTokenizer
-
-        prune_oneshot(cfg, OneShot(cfg.init_mask), AutoTokenizer.from_pretrained(a.model), model)  # in place
+        prune_oneshot(cfg, OneShot(cfg.init_mask), tok, model)  # in place
         start = f"{cfg.init_mask} of {a.model}"
     settings = {k: getattr(cfg, k) for k in ("lr", "lmda", "lmda_schedule", "interval", "hold_steps", "warmup_steps", "steps",
                                              "init_mask", "init_weights")}
     settings = {k: getattr(v, "value", v) for k, v in settings.items()}
     print("[explore]", json.dumps({"settings": settings, "from_rule": rule["applied"]}), flush=True)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(a.model)
     batch = raw["train_batch_size"]
     blocks = load_blocks(cfg.dataset, "train", tok, cfg.seqlen, max_blocks=cfg.steps * batch)
     batches = GlobalBatches(blocks, batch, batch, 1, 0, cfg.seed)
