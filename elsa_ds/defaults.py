@@ -1,5 +1,5 @@
-"""The defaults rule: ELSA's lr, λ and λ schedule — and retraining's lr — with their warm-up, from model size, sparsity and
-step budget.
+"""The defaults rule: ELSA's lr, λ, λ schedule, warm-up and start — and retraining's lr and warm-up — from model size,
+sparsity and step budget.
 
 Applied to every one of those settings the user leaves unset (``jobs/defaults_applied.py``); the resolved config and
 the report say which values came from here and why. Pure: numbers in, numbers out.
@@ -17,45 +17,24 @@ the report say which values came from here and why. Pure: numbers in, numbers ou
     lr_retrain     = lr_pre(N) · G · (4096 / T)^β                            (--finetune, and the dense control)
     warm-up        = 10 % of T when T < 2048 and the lr is the rule's (ELSA, retraining, dense control); else none
 
-Anchors (see ``ANCHORS``; ``tests/test_defaults.py`` holds the rule to them): the paper's appendix, 4096 steps --
+Anchors (``ANCHORS``; ``tests/test_defaults.py`` holds the rule to them), the ELSA paper's appendix at 4096 steps:
 LLaMA-2-7B lr 5e-5 (50-60 %) .. 1e-4 (70-90 %), λ 1e-3 .. 2e-2 by sparsity, cosine λ from 0 at 70-90 %, constant at
-50-60 %; Gemma-2-27B lr 2e-5, λ 2e-3. Nothing else: the budget exponent β and the short-budget behaviour are an
-extrapolation. The 400-step sweeps of ``bench/quality.py`` (README "Quality at a fixed budget") do not confirm it
-everywhere: on the under-trained demo and check-qwen2 the larger steps pay, but on docs-llama (a model that has
-seen its corpus once, lr annealed) the same training with no pruning at all (dense + ft) ends 0.8 % worse than the
-model it started from on text it never saw, and 7 % worse on its own training text (the first docs-llama). So at
-budgets far from 4096 steps pass lr and lmda yourself, or check the report's curve.
+50-60 %; Gemma-2-27B lr 2e-5, λ 2e-3. Nothing else: β and the short-budget branches below are ours, an extrapolation
+chosen on small models at 400 steps (the measurements: ``docs/results.md``, "Defaults rule: evidence"). Far from 4096
+steps, pass lr and lmda yourself or check the report's curve.
 
-The linear ramp at short budgets and high sparsity is ours, not the paper's (its short runs do not exist; its long runs
-ramp by cosine): at 90 %, 400 steps it gave 83.37 against 87.31 for constant λ on the demo and 147.18 against 160.19
-on the first docs-llama, while at 70 % there (λ is small) it lost, 130.04 against 128.51 -- so it starts at 80 %.
-The check model does not confirm it: check-qwen2 at 90 % gave 113.82 with the ramp against 111.06 with constant λ.
-A cosine ramp spends too long near λ = 0 for a short run (83.96 on the demo at 90 %). With this rule the demo at 95 %
-gave 89.26 (constant λ: 99.29; Wanda + ft on the same tokens: 95.24); 80 % was not tried with constant λ on the same machine.
-
-Short budgets need larger steps: the pruned weights must travel to zero within T steps, so the lr grows as T
-shrinks (β); higher sparsity moves further from the dense weights and needs larger steps still (k).
-
-Those larger steps come with a linear warm-up over the first 10 % of a short run (ours; the authors' code has none and
-the paper's 4096-step runs keep none here). Adam's first steps move every weight by about the lr whatever its
-gradient: 40 steps at the rule's lr without one raised held-out perplexity by 61 % on docs-llama and 23 % on the demo
-with no pruning at all. Measured at 400 steps, one run each, `bench/explore.py` unless said: ELSA on docs-llama 159.31
-(the bench) → 156.71 at 70 %, 163.91 (the bench) → 160.06 at 80 %; on the first docs-llama 128.51 → 125.53 at 70 %
-(the bench); on the demo 83.48 → 83.25 at 90 %. Wanda + ft on docs-llama 157.19 (the bench) → 155.59 at 80 %, on
-the demo 83.20 → 83.05 at 90 %. It is applied only with the rule's lr: an lr the user sets keeps the warm-up the user
-sets (default none).
-
-Below 80 % over a short budget the rule starts from SparseGPT's pruned model (ours; since 2026-11-26): there the one-shot
-reconstruction keeps most of the model (SparseGPT within 2-3 % of dense at 70 % on docs-llama and check-qwen2), and a
-short run from the dense weights does not get back what its large steps and final cut cost. From that start the
-short-budget lr factor only undoes the reconstruction, so it is dropped. Measured at 70 %, 400 steps (`bench/explore.py`,
-fp32, one run each, warm-up 40): docs-llama 156.71 (dense start, the rule's lr) → 154.76 (SparseGPT start, the same
-lr) → 152.74 (SparseGPT start, no factor; SparseGPT alone: 154.48; through the bench, bf16: 152.68); the demo
-78.35 → 77.90. On the check model (check-qwen2, not tuned on) it costs 7.6 %: 115.49 against the dense start's
-107.35 (both through the bench; exploratory 115.45 and 107.35), still 15 % below SparseGPT's 135.61 -- a model that gains 18 % from dense fine-tuning on 0.8 M tokens wants the larger steps,
-a trained one (the case of a real LLM pruned on C4: docs-llama's dense control gains nothing) wants the start. From
-80 % on the dense start with the larger steps won on the demo (80 %: 79.00 against 79.12-79.37 from SparseGPT; 90 %:
-83.47 against 83.26-83.70). A user's lr, --init_mask or --init_weights keeps the paper's dense start (or their own).
+Why each short-budget branch (T < 2048 steps; the paper has no short runs):
+- budget factor (4096 / T)^β: the pruned weights must travel to zero within T steps, so the lr grows as T shrinks;
+  the sparsity factor k: higher sparsity moves further from the dense weights and needs larger steps still.
+- λ linear from 0 at s ≥ 0.8, constant below: with a constant λ the final x = Π(x) cuts a residual that no step is
+  left to recover; below 80 % λ is small and the ramp does not pay.
+- warm-up over 10 % of T, with the rule's lr only: Adam's first steps move every weight by about the lr whatever its
+  gradient, which a pretrained model pays for at a short budget's larger lr.
+- SparseGPT's pruned start below 80 %, with the rule's lr only and without the budget factor: there the one-shot
+  reconstruction keeps most of the model, which a short run from the dense weights does not get back, and the budget
+  factor would only undo the reconstruction.
+A user's lr, --init_mask or --init_weights keeps the paper's dense start (or their own); a user's lr keeps the warm-up
+the user sets (default none).
 """
 from __future__ import annotations
 
