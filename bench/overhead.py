@@ -108,7 +108,8 @@ def main() -> int:
     if rank == 0:
         print(f"plain ZeRO-3 step        {plain * 1e3:9.1f} ms")
         print(f"ELSA step (no projection) {elsa_plain_step * 1e3:9.1f} ms")
-        print(f"projection               {projection * 1e3:9.1f} ms  (every {cfg.interval} steps, {result['projection_share']:.1%} of ELSA time)")
+        print(f"projection               {projection * 1e3:9.1f} ms  "
+              f"(every {cfg.interval} steps, {result['projection_share']:.1%} of ELSA time)")
         print(f"ELSA step, amortized     {elsa_amortized * 1e3:9.1f} ms")
         print(f"ratio ELSA / plain       {result['ratio']:9.3f}")
         if args.json:

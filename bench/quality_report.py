@@ -14,7 +14,10 @@ def label(row: str) -> str:
 
 
 def _at(results: list[dict], row: str, sparsity: float | None) -> float | None:
-    found = [r["ppl"] for r in results if r["row"] == row and (sparsity is None or r["sparsity"] is None or abs(r["sparsity"] - sparsity) < 1e-9)]
+    def matches(r: dict) -> bool:
+        return sparsity is None or r["sparsity"] is None or abs(r["sparsity"] - sparsity) < 1e-9
+
+    found = [r["ppl"] for r in results if r["row"] == row and matches(r)]
     return found[0] if found else None
 
 

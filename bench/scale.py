@@ -175,7 +175,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers [the smallest N whose state > 1.5x RAM]")
     ap.add_argument("--deepspeed", default="ds_configs/zero3_nvme.json")
     ap.add_argument("--nvme_path", type=Path, default=None, help="swap folder [OUT/nvme]")
-    ap.add_argument("--out", type=Path, default=None, help="model, run, logs [a temporary folder beside --nvme_path, else in the current directory: not /tmp, often RAM]")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="model, run, logs [a temporary folder beside --nvme_path, else in the current directory: "
+                         "not /tmp, often RAM]")
     ap.add_argument("--ranks", type=int, default=1, help="ranks on this node [1: see bench/results/scale.md for 2]")
     ap.add_argument("--param_buffers", type=int, default=1, help="NVMe parameter swap buffers (each the embedding's share)")
     ap.add_argument("--sub_group_size", type=float, default=1e7)
@@ -289,7 +291,8 @@ def markdown(r: dict, base: str) -> str:
     head = (f"ELSA at Gemma-2-27B shapes (`python bench/scale.py`): {r['layers']} decoder layer(s) of the shipped config "
             f"(hidden 4608, MLP 36864, vocabulary 256000), {r['num_params'] / 1e9:.3f} B parameters, {r['trainable_params'] / 1e9:.3f} B "
             f"trained (the embedding frozen); ZeRO-3 state (16-bit params + grads, fp32 masters, Adam moments, z, u) "
-            f"{r['state_bytes'] / GIB:.1f} GiB = {r['state_bytes'] / r['ram_bytes']:.2f}x this machine's {r['ram_bytes'] / GIB:.1f} GiB RAM. "
+            f"{r['state_bytes'] / GIB:.1f} GiB = {r['state_bytes'] / r['ram_bytes']:.2f}x this machine's "
+            f"{r['ram_bytes'] / GIB:.1f} GiB RAM. "
             f"{r['ranks']} rank(s), DeepSpeed's CPU accelerator (2 cores, no GPU), `{base}` with NVMe buffers fitted: parameter swapper "
             f"{zero['offload_param']['buffer_count']} x {zero['offload_param']['buffer_size']:,} elements, optimizer swapper "
             f"{zero['offload_optimizer']['buffer_count']} buffers, sub_group_size {zero['sub_group_size']:.0e}, max_in_cpu 0, "
@@ -302,8 +305,9 @@ def markdown(r: dict, base: str) -> str:
         ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}"
         lines.append(f"| {row['phase']}{'' if row['count'] == 1 else ' (x' + str(row['count']) + ')'} | {row['wall_s']:.0f} | "
                      f"{row['rss'] / GIB:.2f} | {est} | {ratio} | {row['nvme'] / GIB:.2f} | {row['disk_free'] / GIB:.1f} |")
-    lines.append(f"| **whole run** | {r['wall_s']:.0f} | **{r['peak_rss'] / GIB:.2f}** | {r['est_host'] / GIB:.2f} | {r['host_ratio']:.2f} | "
-                 f"**{r['peak_nvme'] / GIB:.2f}** (est {r['est_nvme'] / GIB:.2f}, {r['nvme_ratio']:.2f}) | {r['min_disk_free'] / GIB:.1f} |")
+    lines.append(f"| **whole run** | {r['wall_s']:.0f} | **{r['peak_rss'] / GIB:.2f}** | {r['est_host'] / GIB:.2f} | "
+                 f"{r['host_ratio']:.2f} | **{r['peak_nvme'] / GIB:.2f}** (est {r['est_nvme'] / GIB:.2f}, "
+                 f"{r['nvme_ratio']:.2f}) | {r['min_disk_free'] / GIB:.1f} |")
     e = r["export"]
     tail = (f"\nExport: {', '.join(e['files'])} ({e['bytes'] / GIB:.2f} GiB), loaded with `AutoModelForCausalLM.from_pretrained` "
             f"({e['params']:,} parameters, lm_head tied: {e['tied_lm_head']}); all {e['layers']} pruned weights hold exactly "

@@ -379,9 +379,7 @@ def estimate_job(model: str, deepspeed: str, num_gpus: int, num_nodes: int = 1, 
     model_dir = str(Path(model).expanduser().parent) if Path(model).expanduser().is_file() else model
     cfg = resolve_config(ds_config.raw, {**(settings or {}), "model": model_dir}, source=deepspeed)
     world = num_gpus * num_nodes
-    problems = ds_config.problems(cfg, world, hidden_size(config), check_paths=False)
-    if problems:
-        raise ElsaError(f"DeepSpeed config {deepspeed} cannot be used as it is: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
+    ds_config.check(cfg, world, hidden_size(config), check_paths=False)
     shape = model_shape(config, cfg.targets, freeze_embeddings=cfg.freeze_embeddings)
     ds = {**ds_config.raw, "train_batch_size": ds_config.global_batch(cfg)}
     return estimate(shape, ds, num_gpus, num_nodes, ds_config.micro_batch(cfg), cfg.seqlen, elsa=cfg.model_dump(mode="json"),
@@ -394,7 +392,7 @@ def format_estimate(est: Estimate, model: str, deepspeed: str, num_gpus: int, nu
     lines = [f"{model}: {est.num_params / 1e9:.2f} B parameters ({est.pruned_params / 1e9:.2f} B pruned), "
              f"{num_nodes} node(s) x {num_gpus} GPU(s), {deepspeed}",
              f"{'':12s} {'per GPU':>12s} {'CPU per node':>14s} {'NVMe':>12s}"]
-    for name, row in est.breakdown.items():
-        lines.append(f"{name:12s} {row['per_gpu'] / gib:10.2f} GiB {row['per_node_cpu'] / gib:12.2f} GiB {row['nvme'] / gib:10.2f} GiB")
-    lines.append(f"{'total':12s} {est.per_gpu_bytes / gib:10.2f} GiB {est.per_node_cpu_bytes / gib:12.2f} GiB {est.nvme_bytes / gib:10.2f} GiB")
+    rows = [(name, row["per_gpu"], row["per_node_cpu"], row["nvme"]) for name, row in est.breakdown.items()]
+    for name, gpu, cpu, nvme in rows + [("total", est.per_gpu_bytes, est.per_node_cpu_bytes, est.nvme_bytes)]:
+        lines.append(f"{name:12s} {gpu / gib:10.2f} GiB {cpu / gib:12.2f} GiB {nvme / gib:10.2f} GiB")
     return "\n".join(lines)

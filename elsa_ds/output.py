@@ -27,12 +27,14 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False) ->
     if resume and not (output_dir / "checkpoints" / "latest").exists():
         raise ElsaError(f"--resume: {output_dir / 'checkpoints'} holds no published checkpoint (no 'latest' file)")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not (overwrite or resume):
-        raise ElsaError(f"--output_dir {output_dir} is not empty; pass --overwrite to replace it, --resume to continue it, or choose another directory")
+        raise ElsaError(f"--output_dir {output_dir} is not empty; pass --overwrite to replace it, --resume to continue it, "
+                        "or choose another directory")
     parent = output_dir.resolve().parent
     try:  # the staging directory, checkpoints and warm-start masks all go beside the output
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ElsaError(f"--output_dir {output_dir}: cannot create its parent directory {parent} ({e.strerror}); choose another path") from None
+        raise ElsaError(f"--output_dir {output_dir}: cannot create its parent directory {parent} ({e.strerror}); "
+                        "choose another path") from None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ElsaError(f"--output_dir {output_dir}: parent directory {parent} is not writable; choose another path")
 
@@ -88,7 +90,8 @@ def verified_layers(model_dir: Path, expected_zeros: dict[str, int], goals: dict
         got = found.get(name)
         target = goals[name]
         if got is None or got["zeros"] != zeros:
-            raise ElsaError(f"exported layer {name} has {None if got is None else got['zeros']} zeros, expected {zeros}: export is incomplete")
+            raise ElsaError(f"exported layer {name} has {None if got is None else got['zeros']} zeros, expected {zeros}: "
+                            "export is incomplete")
         if isinstance(target, NM) and str(target) not in got["nm"]:
             raise ElsaError(f"exported layer {name} does not satisfy {target} (found {got['pattern']})")
         layers[name] = {"numel": got["numel"], "zeros": got["zeros"], "sparsity": got["sparsity"], "pattern": got["pattern"],

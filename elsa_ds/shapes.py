@@ -56,7 +56,8 @@ def resolve_model_config(model: str):
     try:
         return AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as err:
-        raise ElsaError(f"cannot resolve model {model!r}: not a directory, not shipped in {CONFIG_DIR}, and not loadable ({str(err).splitlines()[0]})") from None
+        raise ElsaError(f"cannot resolve model {model!r}: not a directory, not shipped in {CONFIG_DIR}, and not loadable "
+                        f"({str(err).splitlines()[0]})") from None
 
 
 def model_shape(config, targets: str | None = None, model: torch.nn.Module | None = None,

@@ -56,7 +56,8 @@ RECIPES: dict[str, Recipe] = {
 
 def recipe_key(corpus_meta: dict, settings: TrainSettings) -> str:
     """Hash of everything that determines the weights we control: the recipe and the exact corpus files."""
-    ident = {"tokenizer": TOKENIZER_PIPELINE, "settings": asdict(settings), "corpus": {s: corpus_meta["splits"][s]["sha256"] for s in corpus_meta["splits"]}}
+    corpus = {s: corpus_meta["splits"][s]["sha256"] for s in corpus_meta["splits"]}
+    ident = {"tokenizer": TOKENIZER_PIPELINE, "settings": asdict(settings), "corpus": corpus}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 

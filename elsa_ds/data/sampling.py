@@ -133,7 +133,8 @@ def training_blocks(dataset: str, tokenizer, seqlen: int, n: int, sampling: Samp
         except NoLongDocument as err:
             raise ElsaError(f"--sampling crop: {err}; use --sampling pack or a shorter --seqlen") from None
         how = (f"{n} random crops as the ELSA authors' _process_and_tokenize draws them (random.seed({seed}); "
-               + ("one text, a random window in it" if docs.stream else f"random documents longer than {seqlen} tokens, a random window in each")
+               + ("one text, a random window in it" if docs.stream
+                  else f"random documents longer than {seqlen} tokens, a random window in each")
                + ("; [BOS] + (seqlen - 1) tokens, Gemma)" if gemma else "; seqlen tokens of tokenizer(document))"))
     digest = hashlib.sha256(blocks.numpy().tobytes()).hexdigest()[:16]  # equal on every rank and for every world size
     return blocks, {"source": dataset, "part": docs.rule, "sampling": chosen.value, "requested": Sampling(sampling).value,

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from elsa_ds.errors import ElsaError
 
-SPLIT_WORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "val", "dev"), "test": ("test", "testing", "eval", "evaluation")}
+SPLIT_WORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "val", "dev"),
+               "test": ("test", "testing", "eval", "evaluation")}
 HOLDOUT_FRACTION = 0.1
 HOLDOUT_SEED = 0
 MIN_DOCUMENTS = 20

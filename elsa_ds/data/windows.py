@@ -117,6 +117,7 @@ def validation_windows(dataset: str, val_dataset: str | None, tokenizer, seqlen:
     validation part of ``dataset`` (never its training part)."""
     source, resolved = val_dataset or dataset, resolve_protocol(protocol, model_config)
     if max_windows == 0:
-        return PplWindows(torch.empty(0, seqlen, dtype=torch.long), resolved, PplProtocol(protocol), source, "not measured (0 windows asked for)", 0, 0)
+        return PplWindows(torch.empty(0, seqlen, dtype=torch.long), resolved, PplProtocol(protocol), source,
+                          "not measured (0 windows asked for)", 0, 0)
     docs = evaluation_documents(val_dataset) if val_dataset else documents(dataset, "validation")
     return ppl_windows(docs, source, tokenizer, seqlen, resolved, PplProtocol(protocol), max_windows)

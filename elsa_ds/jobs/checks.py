@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from elsa_ds import preflight
+from elsa_ds import machine, preflight
 from elsa_ds.config import ElsaConfig, JobOptions
 from elsa_ds.errors import ElsaError
 from elsa_ds.memory import model_shape
@@ -17,9 +17,8 @@ from elsa_ds.shapes import check_nvme_param_buffers
 from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model
 from elsa_ds.output import check_output_dir
 from elsa_ds.targets import select_targets
-from elsa_ds.zero import checkpoint, compat
+from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
-from elsa_ds.zero.engine import cpu_bf16_fallback
 
 
 def model_source(cfg: ElsaConfig, opts: JobOptions) -> ModelSource:
@@ -33,11 +32,11 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     if not cfg.random_init:
         source.check_weights()
     ds = ds_config.engine_config(cfg, world_size, hidden_size(model_config))
-    fallback = cpu_bf16_fallback(ds)
+    fallback = machine.cpu_bf16_fallback(ds)
     engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
     if fallback and engine_used and os.environ.get("RANK", "0") == "0":
         print(fallback, file=sys.stderr)
-    if ds_config.uses_nvme and (why := compat.nvme_unavailable()):
+    if ds_config.uses_nvme and (why := machine.nvme_unavailable()):
         raise ElsaError(why)
     meta = meta_model(model_config)
     check_goals(cfg, meta)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from elsa_ds import machine
 from elsa_ds.admm.optimizer import summarize_metrics
 from elsa_ds.admm.schedule import learning_rate
 from elsa_ds.config import RESUME_DEFAULTS, ElsaConfig, JobOptions
@@ -33,7 +34,7 @@ from elsa_ds.models import freeze_embeddings
 from elsa_ds.monitor import MONITOR_DIR, Monitor, default_output_paths
 from elsa_ds.output import REPORT_NAME, fresh_staging, publish, staging_dir
 from elsa_ds.targets import select_targets
-from elsa_ds.zero import checkpoint, compat, steps
+from elsa_ds.zero import checkpoint, steps
 from elsa_ds.zero.dist import init_distributed
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import build_admm_engine, full_shapes, load_partitioned
@@ -82,7 +83,7 @@ class ElsaJob:
         monitor_dir = opts.output_dir / MONITOR_DIR if default_output_paths(self.ds, opts.output_dir) else None
         self.rank, self.world = init_distributed()
         self.say = Printer(self.rank)
-        for warning in compat.stale_build_locks():
+        for warning in machine.stale_build_locks():
             self.say(warning)
         if monitor_dir is not None and self.rank == 0 and not opts.resume and monitor_dir.exists():
             shutil.rmtree(monitor_dir)  # an overwritten run's logs; DeepSpeed's csv monitor would append to them

@@ -12,7 +12,6 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
@@ -33,6 +32,11 @@ def prepare_torch_for_zero_init() -> None:
     """torch 2.13: import the dynamo tensor polyfills before ``zero.Init`` patches ``torch.Tensor.__new__``
     (imported inside it, they reject the patched signature and break the process)."""
     import torch._dynamo.polyfills.tensor  # noqa: F401
+
+
+def cpu_bf16_matmul_is_fast() -> bool:
+    """Whether oneDNN runs bf16 matmuls on this CPU (AVX-512 or AMX); torch takes a slow reference loop elsewhere."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @contextlib.contextmanager
@@ -164,39 +168,3 @@ def shm_buffer_path(rank: int) -> str:
     name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
             f"{os.environ.get('MASTER_PORT', '')}_{rank}")
     return os.path.join("/dev/shm", name)
-
-
-# ---- torch's JIT extension builds (DeepSpeed's cpu_adam, async_io, ...) ----------------------------------------------
-STALE_LOCK_S = 20 * 60
-
-
-def stale_build_locks(now: float | None = None) -> list[str]:
-    """Warnings for build locks that look abandoned: a ``lock`` file older than 20 minutes in an extension's build
-    directory that holds no built library. torch's FileBaton waits on such a lock forever, so a build killed half-way
-    (a timed-out job) hangs every later run at its first use of that op, silently."""
-    import time
-
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    now = time.time() if now is None else now
-    found = []
-    for lock in sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock")):
-        age = now - lock.stat().st_mtime
-        if age > STALE_LOCK_S and not any(lock.parent.glob("*.so")):
-            found.append(f"[elsa_ds] warning: {lock} is {age / 60:.0f} min old and {lock.parent.name} was never built there: "
-                         f"a build killed half-way leaves it and every later build waits on it forever; delete it if no "
-                         f"other build is running")
-    return found
-
-
-def nvme_unavailable() -> str | None:
-    """Why DeepSpeed's async_io op (NVMe offload) cannot be built on this machine, or None when it can. Without libaio
-    the engine would fail only after the model is loaded and partitioned, with "Unable to JIT load the async_io op"."""
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    if AsyncIOBuilder().is_compatible(verbose=False):
-        return None
-    return ("NVMe offload needs DeepSpeed's async_io op, which cannot be built here (libaio and its headers were not "
-            "found): install them (Debian/Ubuntu: apt-get install libaio-dev; RHEL/Fedora: dnf install libaio-devel), "
-            "or use a config without NVMe offload such as ds_configs/zero3_offload.json")

@@ -102,7 +102,9 @@ class DsConfig:
     def problems(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None, check_paths: bool = True) -> list[str]:
         """Everything that keeps this config from running ``cfg`` on ``world_size`` ranks (empty: it can); ``check_paths``:
         also that the NVMe paths exist on this machine."""
-        found = [f"zero_optimization.stage must be 3 (got {self.stage!r}); elsa_ds partitions the ADMM states with ZeRO-3"] if self.stage != 3 else []
+        found = []
+        if self.stage != 3:
+            found.append(f"zero_optimization.stage must be 3 (got {self.stage!r}); elsa_ds partitions the ADMM states with ZeRO-3")
         if self.raw.get("fp16", {}).get("enabled") is True:
             found.append('fp16 is not supported (its loss scaler skips optimizer steps, which would desynchronize the ADMM '
                          'schedule); use "bf16": {"enabled": true}')
@@ -134,7 +136,8 @@ class DsConfig:
         optimizer = self.raw.get("optimizer")
         if optimizer is not None:
             if str(optimizer.get("type", "adam")).lower() not in ("adam", "adamw"):
-                found.append(f'optimizer type {optimizer.get("type")!r}: elsa_ds steps Adam (see --base_optimizer); remove the "optimizer" block')
+                found.append(f'optimizer type {optimizer.get("type")!r}: elsa_ds steps Adam (see --base_optimizer); '
+                             'remove the "optimizer" block')
             for key, value in optimizer.get("params", {}).items():
                 field = OPTIMIZER_PARAMS.get(key)
                 ours = getattr(cfg, field) if field else None
@@ -150,11 +153,15 @@ class DsConfig:
                              'remove the "scheduler" block or set its values to "auto"')
         return found
 
+    def check(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None, check_paths: bool = True) -> None:
+        """Raise ElsaError naming every one of :meth:`problems`, numbered, in one line."""
+        if found := self.problems(cfg, world_size, hidden_size, check_paths):
+            numbered = "; ".join(f"({i}) {p}" for i, p in enumerate(found, 1))
+            raise ElsaError(f"DeepSpeed config {self.source} cannot be used as it is: {numbered}")
+
     def engine_config(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None = None) -> dict[str, Any]:
         """The config the engine gets: checked, autos resolved, batch split derived from the global batch."""
-        found = self.problems(cfg, world_size, hidden_size)
-        if found:
-            raise ElsaError(f"DeepSpeed config {self.source} cannot be used as it is: " + "; ".join(f"({i}) {p}" for i, p in enumerate(found, 1)))
+        self.check(cfg, world_size, hidden_size)
         ds = copy.deepcopy({k: v for k, v in self.raw.items() if k not in ("elsa", "optimizer", "scheduler")})
         zero = ds.setdefault("zero_optimization", {})
         _apply_nvme_path(zero, cfg.nvme_path)
@@ -240,7 +247,8 @@ def _nvme_problems(zero: dict[str, Any], nvme_path: str | None, check_paths: boo
             found.append(f"NVMe path {path} (zero_optimization.{key}.nvme_path) does not exist or is not a directory; "
                          "create it or pass --nvme_path DIR")
         elif not os.access(path, os.W_OK | os.X_OK):
-            found.append(f"NVMe path {path} (zero_optimization.{key}.nvme_path) is not writable; pass --nvme_path DIR on a writable local disk")
+            found.append(f"NVMe path {path} (zero_optimization.{key}.nvme_path) is not writable; "
+                         "pass --nvme_path DIR on a writable local disk")
     opt = zero.get("offload_optimizer", {})
     if opt.get("device") == "nvme" and int(opt.get("buffer_count", 4)) < NVME_OPTIMIZER_BUFFERS:
         found.append(f"zero_optimization.offload_optimizer.buffer_count is {opt.get('buffer_count', 4)}; ELSA swaps "

@@ -27,26 +27,6 @@ def model_dtype(ds: dict) -> torch.dtype:
     return torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float32
 
 
-def cpu_bf16_fallback(ds: dict) -> str | None:
-    """On a CPU with no fast bf16 matmul, switch the engine's bf16 off (in place) and say so; None when nothing changed.
-
-    torch runs CPU bf16 matmuls through oneDNN only where it supports them (AVX-512 or AMX); elsewhere (an AVX2 CPU such
-    as AMD Zen 2/3) it takes a reference loop, measured 50x slower than fp32 (2048x256 @ 256x1024: 992 vs 19 ms), so a
-    "bf16" run there is an fp32 run made slow. The weights, optimizer and ADMM states are fp32 either way; only the
-    forward/backward precision changes. ``ELSA_DS_CPU_BF16=1`` keeps bf16."""
-    import os
-
-    from deepspeed.accelerator import get_accelerator
-
-    if model_dtype(ds) is not torch.bfloat16 or get_accelerator().device_name() != "cpu":
-        return None
-    if os.environ.get("ELSA_DS_CPU_BF16", "0") == "1" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None
-    ds["bf16"]["enabled"] = False
-    return ("elsa_ds: this CPU has no fast bf16 matmul (oneDNN bf16 needs AVX-512 or AMX; torch would take a loop ~50x "
-            "slower than fp32): forward/backward run in fp32 instead of bf16. ELSA_DS_CPU_BF16=1 keeps bf16.")
-
-
 @dataclass
 class PartitionedModel:
     model: torch.nn.Module

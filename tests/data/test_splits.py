@@ -82,7 +82,8 @@ def test_no_validation_text_in_any_training_block(tmp_path, tiny_model_dir, samp
     seen = set().union(*(markers(tok.decode(row)) for row in blocks.tolist()))
     assert len(seen) > 50 and not seen & val_markers and len(val_markers) > 10
     windows = validation_windows(str(path), None, tok, 64, "auto", AutoConfig.from_pretrained(tiny_model_dir), None)
-    assert markers(tok.decode(windows.ids.flatten().tolist())) <= val_markers and windows.documents == len(documents(str(path), "validation").texts)
+    assert markers(tok.decode(windows.ids.flatten().tolist())) <= val_markers
+    assert windows.documents == len(documents(str(path), "validation").texts)
 
 
 def test_hub_dataset_without_validation_split_holds_out(monkeypatch):

@@ -1,81 +1,37 @@
-"""The adapter's checks that need no engine."""
+"""The adapter's pieces that need no engine: the version guard and the names it derives from DeepSpeed's."""
 from __future__ import annotations
 
-import os
-import time
+import warnings
 
-from elsa_ds.zero.compat import STALE_LOCK_S, stale_build_locks
+import pytest
 
-
-def test_an_abandoned_build_lock_is_reported_and_a_fresh_or_finished_one_is_not(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    killed, running, built = (tmp_path / "py311_cpu" / op for op in ("async_io", "cpu_adam", "shm_comm"))
-    for d in (killed, running, built):
-        d.mkdir(parents=True)
-        (d / "lock").touch()
-    (built / "shm_comm.so").touch()
-    old = time.time() - STALE_LOCK_S - 60
-    os.utime(killed / "lock", (old, old))
-    os.utime(built / "lock", (old, old))
-    warnings = stale_build_locks()
-    assert len(warnings) == 1 and str(killed / "lock") in warnings[0] and "delete it" in warnings[0]
+from elsa_ds.zero import compat
 
 
-def test_bf16_is_switched_off_on_a_cpu_without_a_fast_bf16_matmul_and_kept_where_there_is_one(monkeypatch):
+def test_an_untested_deepspeed_release_is_warned_about_and_a_tested_one_is_not(monkeypatch):
+    import deepspeed
+
+    tested = "%d.%d.3" % compat.TESTED_DEEPSPEED[0]
+    monkeypatch.setattr(deepspeed, "__version__", tested)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compat.check_deepspeed_version()
+    monkeypatch.setattr(deepspeed, "__version__", "9.1.0")
+    with pytest.warns(UserWarning, match=r"not 9\.1\.0.*elsa_ds/zero/compat\.py"):
+        compat.check_deepspeed_version()
+
+
+def test_the_shm_buffer_path_follows_deepspeeds_name_format(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    path = compat.shm_buffer_path(3)
+    assert path.startswith("/dev/shm/deepspeed_allreduce_buffer_")
+    assert path.endswith("_10.0.0.7_29511_3")
+
+
+def test_the_bf16_probe_is_what_onednn_reports(monkeypatch):
     import torch
 
-    from elsa_ds.zero.engine import cpu_bf16_fallback
-
-    import deepspeed.accelerator
-
-    class Cpu:  # the accelerator DeepSpeed picks on a machine without a GPU (this test also runs on CUDA hosts)
-        def device_name(self):
-            return "cpu"
-
-    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: Cpu())
-    monkeypatch.delenv("ELSA_DS_CPU_BF16", raising=False)
-    for fast in (False, True):  # what oneDNN reports on an AVX2 CPU / on one with AVX-512 or AMX
+    for fast in (False, True):
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda fast=fast: fast)
-        ds = {"bf16": {"enabled": True}}
-        message = cpu_bf16_fallback(ds)
-        assert ds["bf16"]["enabled"] is fast and (message is None) is fast
-        assert fast or "fp32" in message and "ELSA_DS_CPU_BF16=1" in message
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    monkeypatch.setenv("ELSA_DS_CPU_BF16", "1")  # the user keeps bf16
-    ds = {"bf16": {"enabled": True}}
-    assert cpu_bf16_fallback(ds) is None and ds["bf16"]["enabled"] is True
-    ds = {"bf16": {"enabled": False}}  # an fp32 config is left alone
-    assert cpu_bf16_fallback(ds) is None and ds == {"bf16": {"enabled": False}}
-
-
-
-def test_nvme_offload_without_libaio_is_named_before_any_work(monkeypatch):
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    from elsa_ds.zero.compat import nvme_unavailable
-
-    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)  # a machine without libaio
-    why = nvme_unavailable()
-    assert "libaio-dev" in why and "zero3_offload.json" in why
-    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: True)
-    assert nvme_unavailable() is None
-
-
-def test_an_nvme_job_on_a_machine_without_libaio_stops_in_the_checks(tmp_path, tiny_model_dir, monkeypatch):
-    """The job's own checks (jobs/checks.before_work) refuse it before a weight is loaded or a file written."""
-    import pytest
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    from elsa_ds.config import JobOptions, resolve_config
-    from elsa_ds.errors import ElsaError
-    from elsa_ds.jobs import checks
-    from elsa_ds.models import ModelSource
-    from elsa_ds.zero.ds_config import DsConfig
-
-    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
-    ds_config = DsConfig.load("zero3_nvme.json")
-    cfg = resolve_config(ds_config.raw, {"model": str(tiny_model_dir), "seqlen": 64, "nvme_path": str(tmp_path)})
-    opts = JobOptions(deepspeed="zero3_nvme.json", output_dir=tmp_path / "out")
-    with pytest.raises(ElsaError, match="libaio-dev"):
-        checks.before_work(cfg, opts, ds_config, 1, ModelSource(cfg.model))
-    assert not (tmp_path / "out").exists()
+        assert compat.cpu_bf16_matmul_is_fast() is fast

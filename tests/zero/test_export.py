@@ -16,7 +16,8 @@ pytestmark = pytest.mark.integration
 def test_export_peak_memory_does_not_grow_with_the_number_of_layers(tmp_path):
     # a fixed mmap threshold: freed tensors go back to the OS at once, so peak RSS follows live bytes, not heap history
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "zero" / "export_probe.py"), str(tmp_path), "2", "8"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     small, large = result["2"], result["8"]

@@ -28,7 +28,8 @@ def test_nvme_offload_matches_cpu_offload_and_swaps_admm_states(tmp_path, small_
     cpu_cfg = derived_config(tmp_path, bf16={"enabled": False})
     nvme_cfg = derived_config(tmp_path, "zero3_nvme.json", bf16={"enabled": False})
     run_entry("prune.py", ["--deepspeed", str(cpu_cfg), *common, "--output_dir", str(tmp_path / "cpu")])
-    run_entry("prune.py", ["--deepspeed", str(nvme_cfg), "--nvme_path", str(nvme), *common, "--output_dir", str(tmp_path / "nvme_out")], ranks=2)
+    run_entry("prune.py", ["--deepspeed", str(nvme_cfg), "--nvme_path", str(nvme), *common,
+                           "--output_dir", str(tmp_path / "nvme_out")], ranks=2)
     swapped = {p.name.split("-")[0] for p in nvme.rglob("*.tensor.swp")}
     assert {"admm_z", "admm_u", "exp_avg", "exp_avg_sq"} <= swapped, swapped
     cpu_masks, _ = _masks(tmp_path / "cpu")

@@ -88,8 +88,8 @@ def test_profile_and_wanda_warm_start_match_the_reference(tmp_path, tiny_model_d
     cfg = resolve_config(DsConfig.load(ds).raw, {"model": str(tiny_model_dir), "dataset": str(text_dir), **SETTINGS, **settings})
     from transformers import AutoTokenizer
 
-    done = prune_oneshot(cfg, OneShot.wanda, AutoTokenizer.from_pretrained(tiny_model_dir), load_host_model(ModelSource(str(tiny_model_dir))),
-                         say=lambda _: None)
+    model = load_host_model(ModelSource(str(tiny_model_dir)))
+    done = prune_oneshot(cfg, OneShot.wanda, AutoTokenizer.from_pretrained(tiny_model_dir), model, say=lambda _: None)
     write_masks(tmp_path / "wanda.safetensors", done.masks)
     warm = _reference(ds, tiny_model_dir, text_dir, MaskReader(tmp_path / "wanda.safetensors"), **settings)
     cold = _reference(ds, tiny_model_dir, text_dir, **settings)

@@ -23,7 +23,8 @@ def test_export_is_the_best_scored_projection_on_two_ranks(tmp_path, tiny_model_
     run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir),
                            "--val_dataset", str(text_dir / "othello.txt"), "--seqlen", "64", "--steps", "16", "--interval", "2",
                            "--sparsity", "0.7", "--lr", "0.03", "--lmda", "0.05", "--micro_batch", "2", "--val_windows", "8",
-                           "--select_every", "1", "--select_patience", "1", "--baseline", "none", "--init_mask", "none", "--output_dir", str(out)], ranks=2)
+                           "--select_every", "1", "--select_patience", "1", "--baseline", "none", "--init_mask", "none",
+                           "--output_dir", str(out)], ranks=2)
     report = json.loads((out / "elsa_report.json").read_text())
     selection = report["selection"]
     curve, chosen = selection["curve"], selection["chosen"]
@@ -49,8 +50,8 @@ def test_a_pruned_start_is_scored_as_step_zero_and_kept_when_training_only_hurts
     val = str(text_dir / "othello.txt")
     run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--val_dataset", val,
                            "--seqlen", "64", "--steps", "8", "--interval", "2", "--sparsity", "0.7", "--lr", "0.3", "--lmda", "0.05",
-                           "--micro_batch", "2", "--val_windows", "8", "--select_every", "1", "--select_patience", "1", "--init_mask", "sparsegpt",
-                           "--init_weights", "--output_dir", str(out)], ranks=2)
+                           "--micro_batch", "2", "--val_windows", "8", "--select_every", "1", "--select_patience", "1",
+                           "--init_mask", "sparsegpt", "--init_weights", "--output_dir", str(out)], ranks=2)
     report = json.loads((out / "elsa_report.json").read_text())
     selection, ppl = report["selection"], report["ppl"]
     curve = selection["curve"]

@@ -1,0 +1,281 @@
+"""The house rules as functions over a source tree (``root`` holds ``elsa_ds/``, ``launch/``, ``bench/``).
+
+Each check returns the violations it found, one readable line each (empty: the rule holds), so that
+``tests/test_structure.py`` can run it on the real tree and on a temporary copy with a planted violation.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SCANNED = ("elsa_ds", "launch", "bench")
+
+# A module may import from its own layer or a lower one, never from a higher one; inside a layer any order is
+# allowed as long as no cycle forms (import_cycles). The key is the name under elsa_ds (module or package).
+LAYERS: dict[str, int] = {
+    # 0: pure math and leaves that import nothing of ours above them
+    "admm": 0, "errors": 0, "version": 0, "methods": 0, "log": 0,
+    # 1: settings, data and plain file formats
+    "config": 1, "config_files": 1, "defaults": 1, "data": 1, "targets": 1, "mask_file": 1, "io": 1,
+    "safetensors_writer": 1,
+    # 2: components: the DeepSpeed adapter, one-shot methods, evaluation, model loading, outputs, the checkpoint format
+    "zero": 2, "oneshot": 2, "evaluation": 2, "models": 2, "output": 2, "monitor": 2, "reference": 2,
+    "shapes": 2, "finetune": 2, "sparse": 2,
+    # 3: what a machine can hold and run, decided before a job starts
+    "memory": 3, "preflight": 3, "ablation": 3, "machine": 3,
+    # 4: the jobs (recipes)
+    "jobs": 4,
+    # 5: the surfaces a user calls
+    "cli": 5, "api": 5, "demo": 5, "__init__": 5,
+}
+OUTSIDE_LAYER = 6  # launch/ and bench/: may import anything in elsa_ds; elsa_ds never imports them
+MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 400
+MAX_LINE_CHARS = 140
+PRIVATE_OWNERS = ("torch", "deepspeed")  # whose private names only the adapter may touch
+PRIVATE_ACCESS_ALLOWED = "elsa_ds/zero/compat.py"
+
+
+def python_files(root: Path, tops: tuple[str, ...] = SCANNED) -> list[Path]:
+    return [p for top in tops if (root / top).is_dir() for p in sorted((root / top).rglob("*.py"))]
+
+
+def module_name(root: Path, path: Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def layer_of(module: str) -> int | None:
+    """Layer of a dotted module name (``elsa_ds.zero.engine`` -> the layer of ``zero``); None when it has none."""
+    parts = module.split(".")
+    if parts[0] != "elsa_ds":
+        return OUTSIDE_LAYER
+    return LAYERS.get(parts[1] if len(parts) > 1 else "__init__")
+
+
+def parse(path: Path) -> ast.Module:
+    try:
+        return ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as e:
+        raise AssertionError(f"{path}:{e.lineno}: does not parse: {e.msg}") from e
+
+
+def _package_of(module: str, path: Path) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _resolve(name: str, importer: str, known: set[str]) -> str | None:
+    """The longest known module ``name`` refers to; a bare name in launch/ or bench/ may be a sibling on sys.path."""
+    for candidate in (name, f"{importer.rpartition('.')[0]}.{name}"):
+        parts = candidate.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in known:
+                return ".".join(parts[:n])
+        if importer.startswith("elsa_ds"):
+            break
+    return None
+
+
+def imports_of(path: Path, module: str, known: set[str]) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in the file, at any depth (function-level imports included)."""
+    found = []
+    for node in ast.walk(parse(path)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = _package_of(module, path).split(".")
+                package = package[:len(package) - node.level + 1]
+                base = ".".join(package + ([node.module] if node.module else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        found += [(target, node.lineno) for target in (_resolve(n, module, known) for n in names) if target is not None]
+    return found
+
+
+def import_graph(root: Path) -> dict[str, dict[str, str]]:
+    """module -> {imported module: "file:line" of its first import}, over every scanned module."""
+    files = {module_name(root, p): p for p in python_files(root)}
+    known = set(files)
+    graph: dict[str, dict[str, str]] = {}
+    for module, path in files.items():
+        edges = graph.setdefault(module, {})
+        for target, line in imports_of(path, module, known):
+            edges.setdefault(target, f"{path.relative_to(root)}:{line}")
+    return graph
+
+
+def upward_imports(root: Path) -> list[str]:
+    """Imports of a higher layer, and modules with no layer at all."""
+    found = []
+    for module, edges in import_graph(root).items():
+        own = layer_of(module)
+        if own is None:
+            found.append(f"{module} has no layer: add its name to LAYERS in tests/structure_rules.py where it belongs")
+            continue
+        for target, where in edges.items():
+            theirs = layer_of(target)
+            if theirs is not None and theirs > own:
+                found.append(f"{where}: {module} (layer {own}) imports {target} (layer {theirs})")
+    return sorted(found)
+
+
+def _strongly_connected(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components (iterative), each in discovery order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, {}))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, {})))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                components.append(sorted(component))
+    return components
+
+
+def _cycle_through(start: str, members: set[str], graph: dict[str, dict[str, str]]) -> list[str]:
+    """A shortest path start -> ... -> start inside one component (breadth first)."""
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph.get(node, {})):
+                if child == start:
+                    back = [node]
+                    while back[-1] != start:
+                        back.append(parent[back[-1]])
+                    return back[::-1] + [start]
+                if child in members and child not in parent:
+                    parent[child] = node
+                    following.append(child)
+        frontier = following
+    raise AssertionError(f"{start} is in a cycle but no path back to it was found")
+
+
+def import_cycles(root: Path) -> list[tuple[frozenset[str], str]]:
+    """Every import cycle, at any depth: (the modules of one strongly connected component, one cycle through it
+    written as ``a (file:line) -> b (file:line) -> a``)."""
+    graph = import_graph(root)
+    cycles = []
+    for component in _strongly_connected(graph):
+        if len(component) == 1 and component[0] not in graph.get(component[0], {}):
+            continue
+        path = _cycle_through(component[0], set(component), graph)
+        steps = [f"{a} ({graph[a][b]})" for a, b in zip(path, path[1:])]
+        extra = f" [{len(component)} modules tangled: {', '.join(component)}]" if len(component) > 2 else ""
+        cycles.append((frozenset(component), " -> ".join(steps + [path[-1]]) + extra))
+    return cycles
+
+
+def long_lines(root: Path) -> list[str]:
+    found = []
+    for path in python_files(root):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if len(line) > MAX_LINE_CHARS:
+                found.append(f"{path.relative_to(root)}:{number}: {len(line)} characters")
+    return found
+
+
+def long_functions_and_files(root: Path) -> list[str]:
+    found = []
+    for path in python_files(root, ("elsa_ds",)):
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            found.append(f"{path.relative_to(root)}: {len(text.splitlines())} lines")
+        for node in ast.walk(parse(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _dotted(node: ast.AST) -> list[str] | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id] + parts[::-1] if isinstance(node, ast.Name) else None
+
+
+def private_accesses(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of every private torch/DeepSpeed name a file imports or reads through a module it imported:
+    ``import torch._dynamo``, ``from torch.x import _y``, ``torch.ops.mkldnn._is_supported()``."""
+    owned = lambda name: name.split(".")[0] in PRIVATE_OWNERS  # noqa: E731
+    aliases: dict[str, str] = {}  # local name -> the torch/deepspeed module or object it stands for
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in (a for a in node.names if owned(a.name)):
+                if any(_is_private(part) for part in alias.name.split(".")):
+                    found.append((node.lineno, alias.name))
+                local = alias.asname or alias.name.split(".")[0]
+                aliases[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and owned(node.module):
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                if any(_is_private(part) for part in name.split(".")):
+                    found.append((node.lineno, name))
+                aliases[alias.asname or alias.name] = name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            chain = _dotted(node)
+            if chain and chain[0] in aliases:
+                found.append((node.lineno, ".".join([aliases[chain[0]]] + chain[1:])))
+    return sorted(found)
+
+
+def private_access_outside_compat(root: Path) -> list[str]:
+    found = []
+    for path in python_files(root):
+        where = path.relative_to(root)
+        if where.as_posix() != PRIVATE_ACCESS_ALLOWED:
+            found += [f"{where}:{line}: {name}" for line, name in private_accesses(parse(path))]
+    return found
+
+
+def core_imports_beyond_torch(root: Path) -> list[str]:
+    """The math core (``admm/``) reads like the paper on plain tensors: no DeepSpeed, no transformers."""
+    found = []
+    for path in python_files(root, ("elsa_ds/admm",)):
+        for node in ast.walk(parse(path)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            found += [f"{path.relative_to(root)}:{node.lineno}: imports {name}" for name in names
+                      if name.split(".")[0] in ("deepspeed", "transformers")]
+    return found
