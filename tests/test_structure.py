@@ -169,3 +169,20 @@ def test_private_torch_access_is_caught_outside_the_adapter_only(tree):
     assert names == ["deepspeed.runtime.zero.stage3._private", "torch._dynamo", "torch.ops.mkldnn._is_mkldnn_bf16_supported",
                      "torch.utils.cpp_extension._join_cuda_home"]
     assert not _new(rules.private_access_outside_compat, tree, lambda: _append(tree / "elsa_ds/zero/compat.py", code))
+
+
+def test_a_library_objects_private_member_is_caught_but_not_our_own_namedtuples_or_the_standard_librarys(tree):
+    code = """
+        import argparse
+
+
+        class Local:
+            def __init__(self):
+                self._ours = 1
+
+
+        def f(engine, point, local) -> argparse._ArgumentGroup:
+            return engine._zero3_consolidated_16bit_state_dict(), point._replace(x=1), local._ours
+    """
+    (found,) = _new(rules.private_access_outside_compat, tree, lambda: _append(tree / "elsa_ds/zero/export.py", code))
+    assert found.startswith("elsa_ds/zero/export.py:") and found.endswith(": engine._zero3_consolidated_16bit_state_dict")
