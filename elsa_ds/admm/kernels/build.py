@@ -39,13 +39,18 @@ def enabled() -> bool:
 
 def module_name() -> str:
     """``elsa_admm_<hash>``: a hash of every source, header and flag, so edits never reuse a stale build."""
+    return extension_name("elsa_admm", CSRC, SOURCES + HEADERS)
+
+
+def extension_name(prefix: str, csrc: Path, files: tuple[str, ...]) -> str:
+    """``<prefix>_<hash>`` of the files in ``csrc``, the flags and the CPU's instruction-set flags."""
     h = hashlib.sha256()
-    for name in (*SOURCES, *HEADERS):
+    for name in files:
         h.update(name.encode())
-        h.update((CSRC / name).read_bytes())
+        h.update((csrc / name).read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
     h.update(_cpu_features().encode())  # -march=native: a cache shared with another CPU must not load this build
-    return f"elsa_admm_{h.hexdigest()[:12]}"
+    return f"{prefix}_{h.hexdigest()[:12]}"
 
 
 def _cpu_features() -> str:
@@ -64,24 +69,33 @@ def _cpu_features() -> str:
 
 def load(verbose: bool = False) -> ModuleType | None:
     """The compiled kernels, built on first call (minutes once, then cached); None when disabled or unbuildable."""
+    return load_extension("elsa_admm", CSRC, SOURCES, HEADERS, "fused ADMM kernels", verbose)
+
+
+def load_extension(prefix: str, csrc: Path, sources: tuple[str, ...], headers: tuple[str, ...], what: str,
+                   verbose: bool = False) -> ModuleType | None:
+    """Any of the project's C++ extensions (``csrc``'s sources, same flags and cache); None when disabled or unbuildable.
+
+    ``what`` names it in the one-line notice a failed build prints (the caller then runs its torch reference).
+    """
     if not enabled():
         return None
-    name = module_name()
+    name = extension_name(prefix, csrc, sources + headers)
     with _lock:
         if name not in _cache:
-            _cache[name] = _build(name, verbose)
+            _cache[name] = _build(name, csrc, sources, what, verbose)
         return _cache[name]
 
 
-def _build(name: str, verbose: bool) -> ModuleType | None:
+def _build(name: str, csrc: Path, sources: tuple[str, ...], what: str, verbose: bool) -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
         return cpp_extension.load(
-            name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-            extra_include_paths=[str(CSRC)], verbose=verbose,
+            name=name, sources=[str(csrc / s) for s in sources], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+            extra_include_paths=[str(csrc)], verbose=verbose,
         )
     except Exception as err:  # no compiler, no ninja, a build error: say so once, run the eager reference
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"elsa_ds: fused ADMM kernels unavailable ({first}); using the eager path", file=sys.stderr)
+        print(f"elsa_ds: {what} unavailable ({first}); using the eager path", file=sys.stderr)
         return None

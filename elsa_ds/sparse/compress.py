@@ -1,0 +1,127 @@
+"""Convert a pruned HF model folder into an elsa-sparse checkpoint, one tensor at a time.
+
+Two passes over the input: the first decides each tensor's code and so its stored shapes (the shard headers are
+fixed before any data exists, as in the dense export); the second encodes and streams each tensor into its shard.
+The output is built in a hidden staging folder beside ``dst`` and renamed into place when complete.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from elsa_ds.errors import ElsaError
+from elsa_ds.io import write_json
+from elsa_ds.output import fresh_staging, publish
+from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
+from elsa_ds.sparse import format as fmt
+from elsa_ds.sparse.folder import TensorReader, is_weight_file
+
+DEFAULT_MIN_SPARSITY = 0.3
+CONFIG_KEY = "elsa_sparse"
+
+
+def check_paths(src: Path, dst: Path, overwrite: bool) -> None:
+    """Cheap checks before any work: the input is a folder, the output is free (or --overwrite) and apart from it."""
+    if not src.is_dir():
+        raise ElsaError(f"input {src} is not a folder")
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents:
+        raise ElsaError(f"output {dst} is inside the input {src}; choose a folder outside it")
+    if d in s.parents:
+        raise ElsaError(f"output {dst} contains the input {src}; replacing it would delete the input")
+    if dst.exists() and not dst.is_dir():
+        raise ElsaError(f"output {dst} exists and is not a folder")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise ElsaError(f"output {dst} is not empty; pass --overwrite to replace it, or choose another folder")
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ElsaError(f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise ElsaError(f"{path}: not valid JSON ({err})") from None
+
+
+def _plan(reader: TensorReader, min_sparsity: float) -> tuple[list[TensorSpec], dict[str, dict]]:
+    """Every stored tensor's spec, and for each weight to compress its code, shape, dtype and counts."""
+    specs, chosen = [], {}
+    for name, tensor in reader.items():
+        if not fmt.compressible(tensor, min_sparsity):
+            specs.append(TensorSpec(name, tuple(tensor.shape), tensor.dtype))
+            continue
+        sizes = fmt.encoded_bytes(tensor)
+        encoding = fmt.BITMASK if sizes[fmt.BITMASK] <= sizes[fmt.DELTA8] else fmt.DELTA8
+        rows, cols = tensor.shape
+        nonzeros = int(torch.count_nonzero(tensor))
+        count = nonzeros if encoding == fmt.BITMASK else fmt.delta8_entries(tensor)
+        specs.append(TensorSpec(f"{name}.values", (count,), tensor.dtype))
+        if encoding == fmt.BITMASK:
+            specs.append(TensorSpec(f"{name}.bitmask", (rows, math.ceil(cols / 8)), torch.uint8))
+        else:
+            specs += [TensorSpec(f"{name}.deltas", (count,), torch.uint8), TensorSpec(f"{name}.row_offsets", (rows + 1,), torch.int64)]
+        chosen[name] = {"shape": [rows, cols], "dtype": str(tensor.dtype).removeprefix("torch."), "encoding": encoding,
+                        "nonzeros": nonzeros, "entries": count, "dense_bytes": tensor.numel() * tensor.element_size(),
+                        "bytes": sizes[encoding]}
+    return specs, chosen
+
+
+def _write(reader: TensorReader, out: Path, specs: list[TensorSpec], chosen: dict[str, dict], max_shard_size) -> None:
+    with ShardedWriter(out, specs, max_shard_size, metadata={"format": "pt", CONFIG_KEY: str(fmt.VERSION)}) as writer:
+        for name, tensor in reader.items():
+            if name not in chosen:
+                writer.write(name, tensor)
+                continue
+            encoded = fmt.encode(tensor, chosen[name]["encoding"])
+            for part in fmt.PARTS[encoded.encoding]:
+                writer.write(f"{name}.{part}", encoded.parts[part])
+
+
+def compress(src: str | Path, dst: str | Path, min_sparsity: float = DEFAULT_MIN_SPARSITY,
+             max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False) -> dict:
+    """Write ``src`` (a pruned HF model folder) to ``dst`` as an elsa-sparse checkpoint; returns what it stored.
+
+    Every 2-D floating tensor with at least ``min_sparsity`` zeros is stored as values + positions (the smaller of
+    bitmask and delta8); everything else as it was. Other files of ``src`` (tokenizer, generation config) are copied.
+    """
+    src, dst = Path(src), Path(dst)
+    if not 0.0 < min_sparsity <= 1.0:
+        raise ElsaError(f"min_sparsity {min_sparsity}: expected a fraction in (0, 1]")
+    check_paths(src, dst, overwrite)
+    config = read_config(src)
+    if CONFIG_KEY in config:
+        raise ElsaError(f"{src} is already an elsa-sparse checkpoint (config.json has {CONFIG_KEY!r})")
+    reader = TensorReader(src)
+    specs, chosen = _plan(reader, min_sparsity)
+    if not chosen:
+        raise ElsaError(f"{src}: no 2-D weight has {min_sparsity:.0%} or more zeros, so nothing would get smaller; "
+                        "is this the pruned model? (lower --min_sparsity to compress less sparse weights)")
+    staging = fresh_staging(dst)
+    try:
+        _write(reader, staging, specs, chosen, max_shard_size)
+        for f in src.iterdir():
+            if f.is_file() and f.name != "config.json" and not is_weight_file(f):
+                shutil.copy2(f, staging / f.name)
+        config[CONFIG_KEY] = {"format": fmt.FORMAT, "version": fmt.VERSION, "min_sparsity": min_sparsity,
+                              "tensors": {n: {k: v for k, v in c.items() if k not in ("dense_bytes", "bytes")} for n, c in chosen.items()}}
+        write_json(staging / "config.json", config)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publish(staging, dst, keep_checkpoints=False, carry=())
+    return summary(src, dst, chosen)
+
+
+def summary(src: Path, dst: Path, chosen: dict[str, dict]) -> dict:
+    """Bytes of the compressed weights before and after, and of the weight files on disk."""
+    def on_disk(folder: Path) -> int:
+        return sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and is_weight_file(f))
+
+    return {"tensors": chosen, "pruned_dense_bytes": sum(c["dense_bytes"] for c in chosen.values()),
+            "pruned_bytes": sum(c["bytes"] for c in chosen.values()), "input_bytes": on_disk(src), "output_bytes": on_disk(dst)}

@@ -1,0 +1,188 @@
+"""The elsa-sparse layout of one pruned weight: encode, decode and check it, in plain torch (the readable reference).
+
+A 2-D weight W [rows, cols] with at least ``min_sparsity`` zeros is stored as its entries in row-major order:
+
+* ``<name>.values``       [n] in W's dtype: the nonzero values (delta8 adds explicit zero fillers, see below);
+* positions, one of two codes, whichever takes fewer bytes (a tie picks bitmask):
+  - ``bitmask``: ``<name>.bitmask`` uint8 [rows, ceil(cols / 8)]: bit ``c % 8`` (least significant first) of byte
+    ``c // 8`` of row r is set when W[r, c] != 0; padding bits are 0; ``values`` holds exactly the set positions;
+  - ``delta8``: ``<name>.deltas`` uint8 [n] and ``<name>.row_offsets`` int64 [rows + 1]: row r's entries are
+    ``row_offsets[r] .. row_offsets[r+1]``; within a row, col(first) = delta[first], col(k) = col(k-1) + 1 + delta[k].
+    A gap longer than 256 columns is bridged by filler entries of value 0 with delta 255, so n = nonzeros + fillers.
+
+Zeros are what ``W == 0`` says: a ``-0.0`` is a zero and comes back as ``+0.0`` (every other bit is kept).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from elsa_ds.errors import ElsaError
+
+FORMAT, VERSION = "elsa-sparse", 1
+BITMASK, DELTA8 = "bitmask", "delta8"
+MAX_GAP = 256  # a delta8 byte moves at most 256 columns
+PARTS = {BITMASK: ("values", "bitmask"), DELTA8: ("values", "deltas", "row_offsets")}
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One weight in its chosen code: the tensors to store, by suffix."""
+
+    encoding: str
+    shape: tuple[int, int]
+    nonzeros: int
+    parts: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+
+def zero_fraction(weight: torch.Tensor) -> float:
+    return 1.0 - int(torch.count_nonzero(weight)) / max(weight.numel(), 1)
+
+
+def compressible(weight: torch.Tensor, min_sparsity: float) -> bool:
+    """A 2-D floating tensor with at least ``min_sparsity`` zeros."""
+    return weight.dim() == 2 and weight.is_floating_point() and weight.numel() > 0 and zero_fraction(weight) >= min_sparsity
+
+
+def _gaps(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row and column of every nonzero (row-major) and the column step from the previous one in its row (from -1)."""
+    rows, cols = torch.nonzero(weight, as_tuple=True)
+    prev = torch.full_like(cols, -1)
+    if cols.numel() > 1:
+        same_row = rows[1:] == rows[:-1]
+        prev[1:] = torch.where(same_row, cols[:-1], prev[1:])
+    return rows, cols, cols - prev
+
+
+def delta8_entries(weight: torch.Tensor) -> int:
+    """How many entries (nonzeros + fillers) delta8 needs for ``weight``."""
+    _, _, step = _gaps(weight)
+    return int(step.numel() + ((step - 1) // MAX_GAP).sum())
+
+
+def encoded_bytes(weight: torch.Tensor) -> dict[str, int]:
+    """Bytes of each code for ``weight`` (without building them)."""
+    rows, cols = weight.shape
+    size, nonzeros = weight.element_size(), int(torch.count_nonzero(weight))
+    entries = delta8_entries(weight)
+    return {BITMASK: nonzeros * size + rows * math.ceil(cols / 8), DELTA8: entries * (size + 1) + (rows + 1) * 8}
+
+
+def encode(weight: torch.Tensor, encoding: str | None = None) -> Encoded:
+    """``weight`` in ``encoding`` (None: the smaller of the two)."""
+    if encoding is None:
+        sizes = encoded_bytes(weight)
+        encoding = BITMASK if sizes[BITMASK] <= sizes[DELTA8] else DELTA8
+    weight = weight.detach().cpu()
+    shape = (int(weight.shape[0]), int(weight.shape[1]))
+    nonzeros = int(torch.count_nonzero(weight))
+    parts = encode_bitmask(weight) if encoding == BITMASK else encode_delta8(weight)
+    return Encoded(encoding, shape, nonzeros, parts)
+
+
+def encode_bitmask(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    rows, cols = weight.shape
+    mask = weight != 0
+    padded = torch.zeros(rows, math.ceil(cols / 8) * 8, dtype=torch.uint8)
+    padded[:, :cols] = mask
+    weights = (2 ** torch.arange(8, dtype=torch.int32)).to(torch.uint8)
+    bits = (padded.view(rows, -1, 8) * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+    return {"values": weight[mask].contiguous(), "bitmask": bits}
+
+
+def encode_delta8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    row, col, step = _gaps(weight)
+    fill = (step - 1) // MAX_GAP  # fillers before each nonzero
+    slot = torch.cumsum(fill + 1, 0) - 1  # where each nonzero lands among the entries
+    entries = int(slot[-1]) + 1 if slot.numel() else 0
+    values = torch.zeros(entries, dtype=weight.dtype)
+    deltas = torch.full((entries,), MAX_GAP - 1, dtype=torch.uint8)
+    values[slot] = weight[row, col]
+    deltas[slot] = (step - 1 - MAX_GAP * fill).to(torch.uint8)
+    per_row = torch.zeros(weight.shape[0], dtype=torch.int64).index_add_(0, row, fill + 1)
+    offsets = torch.zeros(weight.shape[0] + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(per_row, 0)
+    return {"values": values, "deltas": deltas, "row_offsets": offsets}
+
+
+def delta8_positions(deltas: torch.Tensor, row_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of every delta8 entry: col = (running sum of 1 + delta within the row) - 1."""
+    counts = row_offsets[1:] - row_offsets[:-1]
+    row = torch.repeat_interleave(torch.arange(counts.numel(), device=deltas.device), counts)
+    run = torch.cumsum(deltas.to(torch.int64) + 1, 0)
+    before = torch.cat([run.new_zeros(1), run])[row_offsets[:-1]]  # running sum where each row starts
+    return row, run - before[row] - 1
+
+
+def bitmask_mask(bitmask: torch.Tensor, cols: int) -> torch.Tensor:
+    """The bool mask [rows, cols] a bitmask code stands for (padding bits dropped)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :cols].bool()
+
+
+def decode(encoding: str, shape: tuple[int, int], parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The dense weight back (bit for bit, zeros as +0.0); ``parts`` must have passed :func:`check`."""
+    values = parts["values"]
+    dense = torch.zeros(shape, dtype=values.dtype, device=values.device)
+    if encoding == BITMASK:
+        dense[bitmask_mask(parts["bitmask"], shape[1])] = values
+    else:
+        row, col = delta8_positions(parts["deltas"], parts["row_offsets"])
+        dense[row, col] = values
+    return dense
+
+
+def to_delta8(encoding: str, shape: tuple[int, int], parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The delta8 parts of a checked weight (what the decode kernel runs), whatever code it was stored in."""
+    return dict(parts) if encoding == DELTA8 else encode_delta8(decode(encoding, shape, parts))
+
+
+def check(name: str, encoding: str, shape: tuple[int, int], parts: dict[str, torch.Tensor]) -> None:
+    """ElsaError unless ``parts`` are a consistent ``encoding`` of a ``shape`` weight (counts, ranges, dtypes)."""
+    if encoding not in PARTS:
+        raise ElsaError(f"{name}: unknown position code {encoding!r} (this version reads {', '.join(PARTS)})")
+    missing = [p for p in PARTS[encoding] if p not in parts]
+    if missing:
+        raise ElsaError(f"{name}: the checkpoint lacks {', '.join(f'{name}.{p}' for p in missing)}: it is incomplete")
+    values, (rows, cols) = parts["values"], shape
+    if values.dim() != 1 or not values.is_floating_point():
+        raise ElsaError(f"{name}.values: expected a 1-D floating tensor, found {tuple(values.shape)} {values.dtype}")
+    if encoding == BITMASK:
+        _check_bitmask(name, parts["bitmask"], values.numel(), rows, cols)
+    else:
+        _check_delta8(name, parts["deltas"], parts["row_offsets"], values.numel(), rows, cols)
+
+
+def _corrupt(name: str, what: str) -> ElsaError:
+    return ElsaError(f"{name}: {what}; the sparse checkpoint is corrupt (compress the model again)")
+
+
+def _check_bitmask(name: str, bitmask: torch.Tensor, count: int, rows: int, cols: int) -> None:
+    if bitmask.dtype != torch.uint8 or tuple(bitmask.shape) != (rows, math.ceil(cols / 8)):
+        raise _corrupt(name, f"bitmask is {tuple(bitmask.shape)} {bitmask.dtype}, expected ({rows}, {math.ceil(cols / 8)}) uint8")
+    full = bitmask_mask(bitmask, bitmask.shape[1] * 8)
+    if full[:, cols:].any():
+        raise _corrupt(name, "bitmask sets padding bits past the last column")
+    set_bits = int(full.sum())
+    if set_bits != count:
+        raise _corrupt(name, f"bitmask marks {set_bits} positions but there are {count} values")
+
+
+def _check_delta8(name: str, deltas: torch.Tensor, offsets: torch.Tensor, count: int, rows: int, cols: int) -> None:
+    if deltas.dtype != torch.uint8 or deltas.dim() != 1 or deltas.numel() != count:
+        raise _corrupt(name, f"{deltas.numel()} deltas ({deltas.dtype}) for {count} values")
+    if offsets.dtype != torch.int64 or tuple(offsets.shape) != (rows + 1,):
+        raise _corrupt(name, f"row_offsets is {tuple(offsets.shape)} {offsets.dtype}, expected ({rows + 1},) int64")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != count or bool((offsets[1:] < offsets[:-1]).any()):
+        raise _corrupt(name, f"row_offsets do not rise from 0 to the {count} values")
+    if count:
+        _, col = delta8_positions(deltas, offsets)
+        if int(col.max()) >= cols:
+            raise _corrupt(name, f"a delta reaches column {int(col.max())} of a {cols}-column weight")

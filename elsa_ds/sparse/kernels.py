@@ -1,0 +1,53 @@
+"""Sparse-times-dense for decode: the C++ delta8 kernel (``csrc/spmv.cpp``), torch's CSR matmul, and the readable
+reference both are tested against. All three take the delta8 parts and x [n, in] and return fp32 [n, out].
+
+The kernel is JIT-built and cached like the ADMM kernels (``elsa_ds.admm.kernels.build``: -O3 -march=native,
+OpenMP; ``ELSA_DS_KERNELS=0`` switches it off); where it cannot be built the callers take :func:`csr_matmul`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from elsa_ds.admm.kernels import build
+from elsa_ds.sparse.format import delta8_positions
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+MAX_KERNEL_ROWS = 16  # activation rows one kernel call takes (decode: batch x 1 token)
+
+
+def load() -> ModuleType | None:
+    """The compiled delta8 kernel (built once, then cached), or None when switched off or unbuildable."""
+    return build.load_extension("elsa_sparse", CSRC, ("spmv.cpp",), (), "sparse decode kernel")
+
+
+def reference_matmul(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """y[:, r] = Σ_k value_k · x[:, col_k] over row r's entries: a gather, a product, an index_add (fp32)."""
+    row, col = delta8_positions(parts["deltas"], parts["row_offsets"])
+    y = torch.zeros(x.shape[0], out_features, dtype=torch.float32, device=x.device)
+    return y.index_add_(1, row, x[:, col].float() * parts["values"].float())
+
+
+def kernel_matmul(kernels: ModuleType, parts: dict[str, torch.Tensor], x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The C++ kernel on CPU tensors, 1 to 16 rows of x (padded to 1, 2, 4, 8 or 16 columns of its fp32 x^T)."""
+    n = x.shape[0]
+    if not 1 <= n <= MAX_KERNEL_ROWS:
+        raise ValueError(f"the delta8 kernel takes 1 to {MAX_KERNEL_ROWS} rows, got {n}")
+    nb = 1 << (n - 1).bit_length()
+    xt = torch.zeros(x.shape[1], nb, dtype=torch.float32)
+    xt[:, :n] = x.t()
+    yt = torch.empty(out_features, nb, dtype=torch.float32)
+    kernels.delta8_matmul(parts["values"], parts["deltas"], parts["row_offsets"], xt, yt)
+    return yt[:, :n].t()
+
+
+def csr_tensor(parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    """The weight as a torch sparse CSR tensor (fp32 values: torch's CPU CSR matmul has no bf16)."""
+    _, col = delta8_positions(parts["deltas"], parts["row_offsets"])
+    return torch.sparse_csr_tensor(parts["row_offsets"], col, parts["values"].float(), size=shape, check_invariants=False)
+
+
+def csr_matmul(csr: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (csr @ x.t().float()).t()

@@ -1,0 +1,83 @@
+"""SparseLinear: an nn.Linear whose weight stays in elsa-sparse's delta8 code in memory.
+
+Decode-sized inputs (at most 16 rows after flattening the batch and sequence dims) on CPU run the C++ delta8 kernel
+(``decode_path = "kernel"``); without it, torch's CSR matmul (``"csr"``). bench/sparse_decode.py measures both side by
+side; docs/results.md has the figures. Larger inputs (prefill), and any CUDA tensor, decompress the weight for
+the call and run a dense matmul: correct everywhere, but on CUDA no faster than the dense model (there is no GPU
+kernel yet). Every path accumulates in fp32 and returns x's dtype.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from elsa_ds.sparse import kernels as K
+from elsa_ds.sparse.format import DELTA8, check, decode
+
+DECODE_PATHS = ("kernel", "csr", "reference")
+
+
+class SparseLinear(torch.nn.Module):
+    """y = x Wᵀ + b with W [out, in] held as delta8 values, deltas and row offsets (buffers, so ``.to()`` moves them)."""
+
+    def __init__(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], bias: torch.Tensor | None = None,
+                 decode_path: str | None = None, name: str = "weight"):
+        super().__init__()
+        check(name, DELTA8, shape, parts)
+        self.out_features, self.in_features = shape
+        self.register_buffer("values", parts["values"].contiguous())
+        self.register_buffer("deltas", parts["deltas"].contiguous())
+        self.register_buffer("row_offsets", parts["row_offsets"].contiguous())
+        if bias is not None and not isinstance(bias, torch.nn.Parameter):
+            bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.bias = bias  # the replaced Linear's own Parameter: a loader copying into it reaches this module
+        self._kernels = K.load() if decode_path in (None, "kernel") else None
+        self.decode_path = decode_path or ("kernel" if self._kernels is not None else "csr")
+        if self.decode_path not in DECODE_PATHS or (self.decode_path == "kernel" and self._kernels is None):
+            raise ValueError(f"decode_path {self.decode_path!r}: choose from {DECODE_PATHS} (kernel only when built)")
+        self._csr: torch.Tensor | None = None
+
+    @classmethod
+    def from_dense(cls, linear: torch.nn.Linear, decode_path: str | None = None) -> SparseLinear:
+        """A Linear's weight in delta8 (its zeros dropped), same bias."""
+        from elsa_ds.sparse.format import encode_delta8
+
+        return cls(encode_delta8(linear.weight.detach().cpu()), tuple(linear.weight.shape), linear.bias, decode_path)
+
+    @property
+    def parts(self) -> dict[str, torch.Tensor]:
+        return {"values": self.values, "deltas": self.deltas, "row_offsets": self.row_offsets}
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a matrix-vector product streams: values, deltas, row offsets."""
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+    def dense_weight(self) -> torch.Tensor:
+        return decode(DELTA8, (self.out_features, self.in_features), self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.device.type != "cpu" or not 1 <= flat.shape[0] <= K.MAX_KERNEL_ROWS:
+            return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        y = self._decode_matmul(flat)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _decode_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.decode_path == "kernel":
+            return K.kernel_matmul(self._kernels, self.parts, flat, self.out_features)
+        if self.decode_path == "csr":
+            if self._csr is None:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+                    self._csr = K.csr_tensor(self.parts, (self.out_features, self.in_features))
+            return K.csr_matmul(self._csr, flat)
+        return K.reference_matmul(self.parts, flat, self.out_features)
+
+    def extra_repr(self) -> str:
+        density = self.values.numel() / max(self.out_features * self.in_features, 1)
+        return f"in_features={self.in_features}, out_features={self.out_features}, entries={density:.3f}, path={self.decode_path}"
