@@ -11,9 +11,11 @@ from elsa_ds.errors import ElsaError
 
 LayerGoal = float | NM  # what one weight is pruned to: a sparsity in [0, 1), or an N:M pattern
 
-# Gemma/Gemma-2, Llama, Mistral, Qwen2 (model.layers.N.*) and OPT (model.decoder.layers.N.*): every
-# attention and MLP projection; embeddings, norms and lm_head are never inside a decoder block's Linear.
-DEFAULT_TARGETS = r"(^|\.)layers\.\d+\."
+# Gemma/Gemma-2/Gemma-3, Llama, Mistral, Qwen2 (model.layers.N.*), OPT (model.decoder.layers.N.*) and the text decoder of
+# a multimodal model (Gemma3ForConditionalGeneration: model.language_model.layers.N.*): every attention and MLP
+# projection; embeddings, norms and lm_head are never inside a decoder block's Linear, and a name with a component
+# starting "vision" or "audio" (model.vision_tower.encoder.layers.N.*) is never a target by default.
+DEFAULT_TARGETS = r"^(?!(.*\.)?(vision|audio)[^.]*\.)(.*\.)?layers\.\d+\."
 
 
 def select_targets(model: torch.nn.Module, regex: str | None) -> dict[int, str]:
@@ -33,8 +35,13 @@ def select_targets(model: torch.nn.Module, regex: str | None) -> dict[int, str]:
 
 
 def decoder_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The ModuleList of decoder layers (``model.layers``, ``model.decoder.layers``, ...): the first
-    ModuleList whose entries hold parameters of more than one tensor."""
+    """The ModuleList of the text decoder's layers: ``get_decoder().layers`` (``model.layers``, OPT's
+    ``model.decoder.layers``, a multimodal model's ``model.language_model.layers``, never its vision tower's), else
+    the first ModuleList whose entries hold parameters of more than one tensor."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers):
+        return layers
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) and sum(1 for _ in module[0].parameters()) > 1:
             return module

@@ -6,10 +6,21 @@
     window i = ids[:, i·L:(i+1)·L]   (remainder dropped),   labels = window[1:]
     ppl = exp(Σ NLL / (n·(L−1)))                             # = exp(mean of the windows' mean losses)
 
-``window`` — the ELSA authors' Gemma protocol (``lib/eval.py``, ``calculate_ppl``)::
+``window`` — the ELSA authors' Gemma protocol (hyeondo-jang/prune_lora ``lib/eval.py``, ``calculate_ppl``, as of commit
+9494189 "FIX gemma evaluation", 2025-09-14, unchanged at the repository's head ae217f7, 2025-11-18)::
 
     the same windows, window[0] overwritten by BOS,         labels = window[1:] (the text's tokens 1..L−1)
     ppl = exp(Σ NLL / (n·L))                                 # their denominator nsamples·seqlen, L−1 tokens predicted
+
+``prepend`` — the same function at commit 2947127 (2025-09-12), which 9494189 replaced: BOS is put in front of the L−1
+tokens that start at i·L (the window's last token is never read), labels = those L−1 tokens, the same denominator
+(their batch size 1; with a larger batch that version sliced batch·(L−1) consecutive tokens, a different layout)::
+
+    window i = [BOS] + ids[i·L : i·L+L−1],                  labels = window[1:] (the text's tokens 0..L−2)
+    ppl = exp(Σ NLL / (n·L))
+
+Beside these, ``PplWindows.per_token`` gives exp(Σ NLL / predicted tokens), the mean per predicted token (the same number
+as ``perplexity`` for ``stream``).
 
 ``auto`` — ``window`` for the Gemma family (the authors' test: "Gemma" in the architecture), ``stream`` otherwise.
 
@@ -35,6 +46,7 @@ class PplProtocol(str, Enum):
     auto = "auto"      # window for Gemma, stream otherwise
     stream = "stream"  # SparseGPT/Wanda: consecutive windows of the once-tokenized text
     window = "window"  # ELSA authors (Gemma): the same windows, first token of each overwritten by BOS
+    prepend = "prepend"  # ELSA authors at commit 2947127 (Gemma): BOS + the first L-1 tokens of each window
 
 
 LAYOUTS = {
@@ -43,7 +55,10 @@ LAYOUTS = {
                         "ppl = exp(sum NLL / (windows * (L-1))) (SparseGPT/Wanda eval_ppl)",
     PplProtocol.window: "the same consecutive windows with the first token of every window overwritten by BOS; labels = "
                         "the window's tokens 1..L-1; ppl = exp(sum NLL / (windows * L)) (the ELSA authors' calculate_ppl "
-                        "for Gemma, denominator nsamples * seqlen included)",
+                        "for Gemma since commit 9494189, denominator nsamples * seqlen included)",
+    PplProtocol.prepend: "BOS followed by the first L-1 tokens of each consecutive window ids[i*L:(i+1)*L] (its last token "
+                         "unread); labels = those L-1 tokens; ppl = exp(sum NLL / (windows * L)) (the ELSA authors' "
+                         "calculate_ppl for Gemma at commit 2947127, batch size 1)",
 }
 
 
@@ -87,6 +102,10 @@ class PplWindows:
         denominator = tokens if self.protocol is PplProtocol.stream else tokens * self.seqlen / (self.seqlen - 1)
         return math.exp(nll_sum / denominator)
 
+    def per_token(self, nll_sum: float, tokens: int) -> float:
+        """exp(Σ NLL / predicted tokens): the mean per predicted token, whatever the protocol's denominator."""
+        return math.exp(nll_sum / tokens) if tokens else float("nan")
+
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "part": self.rule, "documents": self.documents, "text_tokens": self.text_tokens,
                 "windows": self.count, "seqlen": self.seqlen,
@@ -103,10 +122,12 @@ def ppl_windows(docs: Documents, source: str, tokenizer, seqlen: int, protocol: 
     caps = [c for c in (C4_WINDOWS if source == "c4" else None, max_windows) if c is not None]
     n = min([ids.numel() // seqlen, *caps])
     windows = ids[:n * seqlen].reshape(n, seqlen).clone()
-    if protocol is PplProtocol.window and n:
+    if protocol is not PplProtocol.stream and n:
         if tokenizer.bos_token_id is None:
-            raise ElsaError("the window perplexity protocol puts BOS first in every window, but this tokenizer has no BOS token; "
-                            "use --ppl_protocol stream")
+            raise ElsaError(f"the {protocol.value} perplexity protocol puts BOS first in every window, but this tokenizer has no "
+                            "BOS token; use --ppl_protocol stream")
+        if protocol is PplProtocol.prepend:
+            windows = torch.cat([windows[:, :1], windows[:, :-1]], dim=1)
         windows[:, 0] = tokenizer.bos_token_id
     return PplWindows(windows, protocol, requested or protocol, source, docs.rule, len(texts), int(ids.numel()))
 

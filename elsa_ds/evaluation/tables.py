@@ -69,9 +69,10 @@ def results_table(results: list[dict[str, Any]], labels: list[str] | None = None
 
 
 def _ppl_protocol(result: dict[str, Any]) -> str:
-    """stream or window (``elsa_ds.data.windows``); results written before the protocols existed packed BOS-first blocks."""
+    """stream, window or prepend (``elsa_ds.data.windows``); results written before the protocols existed packed BOS-first
+    blocks."""
     name = (result.get("protocol") or {}).get("ppl")
-    return name if name in ("stream", "window") else "packed BOS-first blocks (elsa_ds before --ppl_protocol)"
+    return name if name in ("stream", "window", "prepend") else "packed BOS-first blocks (elsa_ds before --ppl_protocol)"
 
 
 def _percent(value: float | None) -> float | None:

@@ -12,12 +12,14 @@ IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
 
 
 def arch_config(arch: str):
-    """The transformers config of a tiny ``arch`` (llama, mistral, qwen2, opt, gemma, gemma2)."""
+    """The transformers config of a tiny ``arch`` (llama, mistral, qwen2, opt, gemma, gemma2, gemma3_text, gemma3)."""
     import transformers as tf
 
     common = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": 2,
               "max_position_embeddings": 256, **IDS}
     decoder = {**common, "intermediate_size": INTERMEDIATE, "num_key_value_heads": 1}
+    gemma3_text = {**decoder, "head_dim": 18, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"],
+                   "query_pre_attn_scalar": 18}
     if arch == "llama":
         return tf.LlamaConfig(**decoder)
     if arch == "mistral":
@@ -28,6 +30,13 @@ def arch_config(arch: str):
         return tf.GemmaConfig(**decoder, head_dim=18)
     if arch == "gemma2":
         return tf.Gemma2Config(**decoder, head_dim=18, sliding_window=32)
+    if arch == "gemma3_text":  # a sliding-window layer (window 32 < seqlen 64) and a full-attention one, 2 heads / 1 KV head
+        return tf.Gemma3TextConfig(**gemma3_text)
+    if arch == "gemma3":  # Gemma3ForConditionalGeneration: a tiny SigLIP vision tower beside the same text decoder
+        vision = {"hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+                  "patch_size": 14}
+        return tf.Gemma3Config(text_config=gemma3_text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+                               boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, **IDS)
     if arch == "opt":  # model.decoder.layers, learned positions (offset 2), biases everywhere, tied embeddings
         # dropout 0: OPT's configs ship dropout 0.1, which training keeps (model.train()), and its random draws differ
         # between the reference and ZeRO-3, so masks could not be compared entry by entry
@@ -35,7 +44,7 @@ def arch_config(arch: str):
     raise ValueError(arch)
 
 
-ARCHS = ("llama", "mistral", "qwen2", "opt", "gemma", "gemma2")
+ARCHS = ("llama", "mistral", "qwen2", "opt", "gemma", "gemma2", "gemma3_text")
 
 
 def make_arch_model(directory: Path, arch: str, tokenizer_dir: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Every architecture the README names (Llama, Mistral, Qwen2, OPT, Gemma, Gemma-2), end to end on tiny random models:
+"""Every architecture the README names (Llama, Mistral, Qwen2, OPT, Gemma, Gemma-2, Gemma-3), end to end on tiny random models:
 ELSA under ZeRO-3 on 2 ranks against the single-process reference mask, each one-shot method, the export reloaded
 with ``from_pretrained``, and the evaluation code on the result."""
 from __future__ import annotations
@@ -39,7 +39,7 @@ def ds_fp32(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def elsa_outputs(tmp_path_factory, arch_dirs, text_dir, ds_fp32) -> dict:
-    """ELSA on every architecture in one 2-rank launch (one process group serves all six jobs)."""
+    """ELSA on every architecture in one 2-rank launch (one process group serves every job)."""
     base = tmp_path_factory.mktemp("elsa")
     outs = {arch: base / arch for arch in ARCHS}
     spec = base / "spec.json"
