@@ -144,7 +144,7 @@ def _makers() -> dict:
         makers["bnb_adam8bit"] = lambda ps: bnb.optim.Adam8bit(ps, lr=1e-3)
     except ImportError:
         print("bitsandbytes is not installed: ELSA-L runs on the fused 8-bit Adam alone")
-    from elsa_ds.admm.kernels.adam8bit import Adam8bit
+    from elsa_ds.admm.adam8bit import Adam8bit
 
     makers["fused_adam8bit"] = lambda ps: Adam8bit(ps, lr=1e-3)
     makers["minifloat_adam8bit"] = lambda ps: Adam8bit(ps, lr=1e-3, format="minifloat")

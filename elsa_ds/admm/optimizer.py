@@ -38,9 +38,10 @@ from enum import Enum
 import torch
 
 from elsa_ds.admm import state as admm_state
-from elsa_ds.admm.kernels import select as fused_select
-from elsa_ds.admm.kernels.adam8bit import dequantize_blockwise
-from elsa_ds.admm.kernels.fused import FusedPath
+from elsa_ds.admm.kernels.fused import FusedPath, XStep
+from elsa_ds.admm.kernels.ops import PenaltyState
+from elsa_ds.admm.kernels.quant8 import dequantize_blockwise
+from elsa_ds.admm.kernels.select import FINAL, INIT, UPDATE
 from elsa_ds.admm.projection import NM, Comm, LocalComm, Slice, projection_masks
 from elsa_ds.admm.schedule import LambdaSchedule, dual_rescale, interval_lambda
 from elsa_ds.admm.state import StateDtype
@@ -103,7 +104,7 @@ class AdmmOptimizer(OptimizerWrapper):
         self._project_now = False
         self._finalize_now = False
         self._holding = False
-        self._metrics = torch.zeros(len(METRIC_NAMES), dtype=torch.float64)
+        self._metrics = dict.fromkeys(METRIC_NAMES, 0.0)  # this rank's sums since begin_step
         self._fused = FusedPath(base, settings.kernels)
 
     # ---- schedule -----------------------------------------------------------------------------
@@ -118,7 +119,7 @@ class AdmmOptimizer(OptimizerWrapper):
         self.step_index = step
         self._finalize_now = step in (admm_steps - 1, s.total_steps - 1)
         self._project_now = (step + 1) % s.interval == 0 and not self._finalize_now and not self._holding
-        self._metrics.zero_()
+        self._metrics = dict.fromkeys(METRIC_NAMES, 0.0)
 
     @property
     def holding(self) -> bool:
@@ -147,14 +148,13 @@ class AdmmOptimizer(OptimizerWrapper):
                 held.append(self._hold_before(flat, slices))
             elif self._dual_factor != 1.0:
                 self._rescale_dual(st)
-            lam = 0.0 if self._holding else self.lam
-            if self._fused.steps(flat, st):
-                fused.append((flat, slices, st, lam))
-            elif flat.grad is not None and lam > 0.0:
-                self._add_penalty(flat, slices, st)
-        loss = self._base_step(closure, {id(flat) for flat, _, _, _ in fused})
-        for flat, slices, st, lam in fused:  # penalty and Adam in one pass: the base's update, its state
-            self._fused.step(flat, slices, st, self._group_of(flat), lam, (st[Z], st[U], st[Z_SCALE], st[U_SCALE]))
+            path = self._x_step_path(flat, slices, st)
+            if path is not None:
+                fused.append((path, flat, slices, st))
+        loss = self._base_step(closure, {id(flat) for _, flat, _, _ in fused})
+        lam = 0.0 if self._holding else self.lam
+        for path, flat, slices, st in fused:  # penalty and the base's update in one pass, on the base's state
+            path.step(flat, slices, st, self._group_of(flat), lam, PenaltyState(st[Z], st[U], st[Z_SCALE], st[U_SCALE]))
         for pruned in held:
             for x, gone in pruned:
                 x.masked_fill_(gone, 0.0)
@@ -171,19 +171,28 @@ class AdmmOptimizer(OptimizerWrapper):
                 self._update_z_u(flat, slices, st)
         return loss
 
+    def _x_step_path(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> XStep | None:
+        """The x-step's one fused-or-eager choice, made before the base step: the fused path that steps ``flat`` after
+        it (penalty and update in one pass; the base step skips ``flat``), or None for the eager path, the reference:
+        ∇ ← ∇ + λ (x − z + u) added here, then the base step updates ``flat`` (no penalty while holding)."""
+        if self._fused.steps(flat, st):
+            return self._fused
+        if flat.grad is not None and not self._holding and self.lam > 0.0:
+            self._add_penalty(flat, slices, st)
+        return None
+
     def _hold_before(self, flat: torch.Tensor, slices: list[Slice]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A held step, before the base step: the pruned entries (x == 0 since the early x ← Π(x); a kept entry that is
         exactly 0 would stay 0, never more than the requested sparsity) get a zero gradient; returns (x, pruned) per
         slice for zeroing them again after the step (Adam's momentum would move them)."""
         out = []
-        grad = flat.grad.view(-1) if flat.grad is not None else None
         for sl in slices:
             if sl.length == 0:
                 continue
-            x = flat.detach().view(-1).narrow(0, sl.offset, sl.length)
+            x = sl.view(flat.detach())
             gone = x == 0
-            if grad is not None:
-                grad.narrow(0, sl.offset, sl.length).masked_fill_(gone, 0.0)
+            if flat.grad is not None:
+                sl.view(flat.grad).masked_fill_(gone, 0.0)
             out.append((x, gone))
         return out
 
@@ -205,43 +214,6 @@ class AdmmOptimizer(OptimizerWrapper):
     def _group_of(self, flat: torch.Tensor) -> dict:
         return next(g for g in self.param_groups if any(p is flat for p in g["params"]))
 
-    def _init_state(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
-        """z = Π(x) after the first x-step (objective-aware: the second moment exists by then), or z = x ⊙ m
-        with a warm-start mask m; u = 0. Collective."""
-        s = self.settings
-        st[Z], st[Z_SCALE] = admm_state.allocate(flat.numel(), s.z_dtype, len(slices))
-        st[U], st[U_SCALE] = admm_state.allocate(flat.numel(), s.u_dtype, len(slices))
-        if self.initial_mask is None and self._fused.projects(flat, slices, s.pattern):
-            self._fused.project(flat, slices, st, self._fisher_state(st), self._keys, self._dtypes, self.comm, fused_select.INIT)
-            return
-        xs = [flat.detach().view(-1).narrow(0, sl.offset, sl.length).float() for sl in slices]
-        if self.initial_mask is not None:
-            masks = [self.initial_mask(sl) for sl in slices]
-        else:
-            masks = self._project(xs, st, slices)
-        z_scales, _ = self._layer_scales(xs)
-        for j, (sl, x, m) in enumerate(zip(slices, xs, masks)):
-            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x * m, z_scales[j])
-
-    @property
-    def _keys(self) -> tuple[str, str, str, str]:
-        return Z, U, Z_SCALE, U_SCALE
-
-    @property
-    def _dtypes(self) -> tuple[StateDtype, StateDtype]:
-        return self.settings.z_dtype, self.settings.u_dtype
-
-    def _fisher_state(self, st: dict) -> dict | None:
-        return None if self.settings.projection is Projection.magnitude else st
-
-    def _layer_scales(self, values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp8 scales of z and u per layer, from the layer's peak |v| over all ranks (one max all-reduce for every
-        layer of the flat, only when a state is fp8); ones otherwise. Collective."""
-        peaks = torch.stack([v.abs().max() if v.numel() else torch.zeros(()) for v in values]).float() if values else torch.zeros(0)
-        if any(d.scaled for d in self._dtypes):
-            self.comm.all_reduce_max(peaks)
-        return admm_state.layer_scales(peaks, self.settings.z_dtype), admm_state.layer_scales(peaks, self.settings.u_dtype)
-
     def _rescale_dual(self, st: dict) -> None:
         if st[U].dtype == torch.float32:
             st[U].mul_(self._dual_factor)
@@ -250,40 +222,57 @@ class AdmmOptimizer(OptimizerWrapper):
 
     def _add_penalty(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
         """∇ ← ∇ + λ (x − z + u) on the pruned entries."""
-        grad = flat.grad.view(-1)
         for j, sl in enumerate(slices):
             if sl.length == 0:
                 continue
-            x = flat.detach().view(-1).narrow(0, sl.offset, sl.length)
             z = admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length)
             u = admm_state.load(st[U], st[U_SCALE], j, sl.offset, sl.length)
-            grad.narrow(0, sl.offset, sl.length).add_(x.float() - z + u, alpha=self.lam)
+            sl.view(flat.grad).add_(sl.view(flat.detach()).float() - z + u, alpha=self.lam)
 
-    def _project(self, values: list[torch.Tensor], st: dict, slices: list[Slice]) -> list[torch.Tensor]:
-        """Keep-masks of Π(values) with this run's scores and pattern. Collective."""
-        return projection_masks(values, self._fisher(st, slices), slices, self.comm, self.settings.pattern)
-
-    def _fisher(self, st: dict, slices: list[Slice]) -> list[torch.Tensor] | None:
-        if self.settings.projection is Projection.magnitude:
-            return None
-        f = second_moment(st)
-        if f is None:
-            raise RuntimeError("fisher projection needs the base optimizer's second moment (exp_avg_sq); none was found")
-        return [f.view(-1).narrow(0, sl.offset, sl.length) for sl in slices]
+    # ---- the projection: z₀ = Π(x), z ← Π(x + u), x ← Π(x) --------------------------------------
+    def _init_state(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
+        """z = Π(x) after the first x-step (objective-aware: the second moment exists by then), or z = x ⊙ m
+        with a warm-start mask m; u = 0. Collective."""
+        s = self.settings
+        st[Z], st[Z_SCALE] = admm_state.allocate(flat.numel(), s.z_dtype, len(slices))
+        st[U], st[U_SCALE] = admm_state.allocate(flat.numel(), s.u_dtype, len(slices))
+        self._project_flat(flat, slices, st, INIT)
 
     def _update_z_u(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
         """z ← Π(x + u), u ← u + x − z; accumulates residual and mask-flip metrics. Collective."""
-        m = self._metrics
-        if self._fused.projects(flat, slices, self.settings.pattern):
-            sums = self._fused.project(flat, slices, st, self._fisher_state(st), self._keys, self._dtypes, self.comm,
-                                       fused_select.UPDATE)
-            m[:3] += sums
-            m[3] += sum(sl.length for sl in slices)
-            self._count_state(flat, st)
+        self._project_flat(flat, slices, st, UPDATE)
+        self._count_state(flat, st)
+
+    def _finalize(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
+        """x ← Π(x): the hard projection that leaves exactly k entries per layer; then z = x, u = 0. Collective."""
+        self._project_flat(flat, slices, st, FINAL)
+        self._count_state(flat, st)
+
+    def _project_flat(self, flat: torch.Tensor, slices: list[Slice], st: dict, mode: int) -> None:
+        """The projection's one fused-or-eager choice, for one flat and ``mode`` (INIT, UPDATE, FINAL): the fused kernel
+        on CPU flats with a per-layer top-k (and no warm-start mask), else the eager reference. Collective."""
+        warm_start = mode == INIT and self.initial_mask is not None
+        if not warm_start and self._fused.projects(flat, slices, self.settings.pattern):
+            sums = self._fused.project(flat, slices, st, self._fisher_state(st), (Z, U, Z_SCALE, U_SCALE),
+                                       (self.settings.z_dtype, self.settings.u_dtype), self.comm, mode)
+            if mode == UPDATE:
+                self._add_metrics(residual_sq=float(sums[0]), x_sq=float(sums[1]), flips=float(sums[2]),
+                                  pruned_entries=sum(sl.length for sl in slices))
             return
+        eager = {INIT: self._init_eager, UPDATE: self._update_eager, FINAL: self._finalize_eager}[mode]
+        eager(flat, slices, st)
+
+    def _init_eager(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
+        xs = [sl.view(flat.detach()).float() for sl in slices]
+        masks = [self.initial_mask(sl) for sl in slices] if self.initial_mask is not None else self._project(xs, st, slices)
+        z_scales, _ = self._layer_scales(xs)
+        for j, (sl, x, m) in enumerate(zip(slices, xs, masks)):
+            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x * m, z_scales[j])
+
+    def _update_eager(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
         xs, vs, old_keep = [], [], []
         for j, sl in enumerate(slices):
-            x = flat.detach().view(-1).narrow(0, sl.offset, sl.length).float()
+            x = sl.view(flat.detach()).float()
             u = admm_state.load(st[U], st[U_SCALE], j, sl.offset, sl.length)
             z_old = admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length)
             xs.append(x)
@@ -295,24 +284,11 @@ class AdmmOptimizer(OptimizerWrapper):
             z = v * mask
             admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, z, z_scales[j])
             admm_state.store(st[U], st[U_SCALE], j, sl.offset, v - z, u_scales[j])
-            m[0] += float((x - z).square().sum())
-            m[1] += float(x.square().sum())
-            m[2] += float((mask != old).sum())
-            m[3] += sl.length
-        self._count_state(flat, st)
+            self._add_metrics(residual_sq=float((x - z).square().sum()), x_sq=float(x.square().sum()),
+                              flips=float((mask != old).sum()), pruned_entries=sl.length)
 
-    def _count_state(self, flat: torch.Tensor, st: dict) -> None:
-        """Bytes of z, u and their scales actually held for ``flat``, per entry of the flat."""
-        self._metrics[4] += sum(st[k].numel() * st[k].element_size() for k in (Z, U, Z_SCALE, U_SCALE))
-        self._metrics[5] += flat.numel()
-
-    def _finalize(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
-        """x ← Π(x): the hard projection that leaves exactly k entries per layer; then z = x, u = 0. Collective."""
-        if self._fused.projects(flat, slices, self.settings.pattern):
-            self._fused.project(flat, slices, st, self._fisher_state(st), self._keys, self._dtypes, self.comm, fused_select.FINAL)
-            self._count_state(flat, st)
-            return
-        xs = [flat.detach().view(-1).narrow(0, sl.offset, sl.length) for sl in slices]
+    def _finalize_eager(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
+        xs = [sl.view(flat.detach()) for sl in slices]
         masks = self._project(xs, st, slices)
         z_scales, u_scales = self._layer_scales(xs)
         for x, mask in zip(xs, masks):
@@ -321,12 +297,44 @@ class AdmmOptimizer(OptimizerWrapper):
         for j, (sl, x) in enumerate(zip(slices, xs)):
             admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x.float(), z_scales[j])
             admm_state.store(st[U], st[U_SCALE], j, sl.offset, torch.zeros_like(x, dtype=torch.float32), u_scales[j])
-        self._count_state(flat, st)
+
+    def _fisher_state(self, st: dict) -> dict | None:
+        return None if self.settings.projection is Projection.magnitude else st
+
+    def _layer_scales(self, values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 scales of z and u per layer, from the layer's peak |v| over all ranks (one max all-reduce for every
+        layer of the flat, only when a state is fp8); ones otherwise. Collective."""
+        peaks = torch.stack([v.abs().max() if v.numel() else torch.zeros(()) for v in values]).float() if values else torch.zeros(0)
+        if self.settings.z_dtype.scaled or self.settings.u_dtype.scaled:
+            self.comm.all_reduce_max(peaks)
+        return admm_state.layer_scales(peaks, self.settings.z_dtype), admm_state.layer_scales(peaks, self.settings.u_dtype)
+
+    def _project(self, values: list[torch.Tensor], st: dict, slices: list[Slice]) -> list[torch.Tensor]:
+        """Keep-masks of Π(values) with this run's scores and pattern. Collective."""
+        return projection_masks(values, self._fisher(st, slices), slices, self.comm, self.settings.pattern)
+
+    def _fisher(self, st: dict, slices: list[Slice]) -> list[torch.Tensor] | None:
+        if self.settings.projection is Projection.magnitude:
+            return None
+        f = second_moment(st)
+        if f is None:
+            raise RuntimeError("fisher projection needs the base optimizer's second moment (exp_avg_sq); none was found")
+        return [sl.view(f) for sl in slices]
 
     # ---- metrics ------------------------------------------------------------------------------
+    def _add_metrics(self, **values: float) -> None:
+        """Add to this rank's metric sums by name (METRIC_NAMES)."""
+        for name, value in values.items():
+            self._metrics[name] += value
+
+    def _count_state(self, flat: torch.Tensor, st: dict) -> None:
+        """Bytes of z, u and their scales actually held for ``flat``, per entry of the flat."""
+        self._add_metrics(state_bytes=sum(st[k].numel() * st[k].element_size() for k in (Z, U, Z_SCALE, U_SCALE)),
+                          state_entries=flat.numel())
+
     def local_metrics(self) -> torch.Tensor:
         """This rank's metric sums since ``begin_step`` (see METRIC_NAMES); all-reduce to combine."""
-        return self._metrics.clone()
+        return torch.tensor([self._metrics[name] for name in METRIC_NAMES], dtype=torch.float64)
 
     def kernel_report(self) -> dict:
         """Whether the fused kernels were available, how the fused projections found their thresholds so far

@@ -109,6 +109,10 @@ class Slice:
     numel: int
     keep: int
 
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This slice's entries of ``flat`` (or of any tensor laid out like it: its gradient, a moment), as a view."""
+        return flat.view(-1).narrow(0, self.offset, self.length)
+
 
 @dataclass(frozen=True)
 class NM:

@@ -62,7 +62,8 @@ def base_optimizer(cfg: ElsaConfig, params, ds: dict) -> torch.optim.Optimizer:
         bnb = require("bitsandbytes", "8bit", "base_optimizer adam8bit (ELSA-L)")
         return bnb.optim.Adam8bit(params, **common)
     if kind is BaseOptimizer.adam8bit_minifloat:
-        from elsa_ds.admm.kernels.adam8bit import MINIFLOAT, Adam8bit
+        from elsa_ds.admm.adam8bit import Adam8bit
+        from elsa_ds.admm.kernels.quant8 import MINIFLOAT
 
         return Adam8bit(params, format=MINIFLOAT, **common)
     return (torch.optim.AdamW if cfg.weight_decay > 0 else torch.optim.Adam)(params, **common)

@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from elsa_ds.admm.kernels.adam8bit import (BITSANDBYTES, MINIFLOAT, MINIFLOAT_MANTISSA, Adam8bit, dequantize_blockwise,
-                                           map_format, minifloat_encode, minifloat_map, quantize_blockwise_, state_format)
+from elsa_ds.admm.adam8bit import Adam8bit
+from elsa_ds.admm.kernels.quant8 import (BITSANDBYTES, MINIFLOAT, MINIFLOAT_MANTISSA, dequantize_blockwise, map_format,
+                                         minifloat_encode, minifloat_map, quantize_blockwise_, state_format)
 
 
 def _sweep(signed: bool) -> torch.Tensor:
@@ -95,7 +96,7 @@ def test_the_kernel_encodes_exactly_like_the_reference(kernels):
 
 def test_quantize_follows_the_map():
     """quantize_blockwise_ with a minifloat map writes minifloat codes; with bitsandbytes' map, bitsandbytes' codes."""
-    from elsa_ds.admm.kernels.adam8bit import dynamic_map
+    from elsa_ds.admm.kernels.quant8 import dynamic_map
 
     v = torch.randn(1000) * torch.exp2(-10 * torch.rand(1000))
     for qmap, fmt in ((minifloat_map(True), MINIFLOAT), (dynamic_map(True), BITSANDBYTES)):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from elsa_ds.admm.kernels import build
-from elsa_ds.admm.kernels.adam8bit import Adam8bit
+from elsa_ds.admm.adam8bit import Adam8bit
 from elsa_ds.admm.optimizer import U, U_SCALE, Z, Z_SCALE, AdmmOptimizer, AdmmSettings, Projection
 from elsa_ds.admm.projection import Slice
 from elsa_ds.admm.state import StateDtype
@@ -143,7 +143,7 @@ def test_adam8bit_kernel_matches_bitsandbytes_adam8bit_on_cpu(kernels):
 # ---- the projection -------------------------------------------------------------------------------------
 def _projection_state(seed: int, dtypes, fisher: str, ties: bool = True) -> tuple[torch.Tensor, dict]:
     from elsa_ds.admm import state as admm_state
-    from elsa_ds.admm.kernels.adam8bit import dynamic_map, quantize_blockwise_
+    from elsa_ds.admm.kernels.quant8 import dynamic_map, quantize_blockwise_
 
     x = _values(seed, ties=ties)
     st: dict = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elsa_ds.admm.kernels import ops
 from elsa_ds.admm.kernels.select import cum_search_reference
 
 
@@ -28,17 +29,19 @@ def test_cum_search_equals_searchsorted_on_the_cumsum(kernels, from_top, right, 
     g = torch.Generator().manual_seed(1)
     for target in (torch.full_like(totals, -1), torch.zeros_like(totals), totals // 2, totals - 1, totals, totals + 1,
                    (torch.rand(totals.shape, generator=g, dtype=torch.float64) * (totals + 1)).to(torch.int64)):
-        index, cum = kernels.select_cum_search(hist, target.contiguous(), from_top, right)
+        index, cum = ops.select_cum_search(kernels, hist=hist, target=target.contiguous(), from_top=from_top, right=right)
         ref_index, ref_cum = cum_search_reference(hist, target, from_top, right)
         assert torch.equal(index, ref_index), (target.tolist(), index.tolist(), ref_index.tolist())
         assert torch.equal(cum, ref_cum), (target.tolist(), cum.tolist(), ref_cum.tolist())
-    assert torch.equal(kernels.select_row_totals(hist), totals)
+    assert torch.equal(ops.select_row_totals(kernels, hist=hist), totals)
 
 
 def test_cum_search_refuses_a_wrong_shape(kernels):
     with pytest.raises(RuntimeError, match="int32"):
-        kernels.select_cum_search(torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), False, True)
+        ops.select_cum_search(kernels, hist=torch.zeros(2, 4, dtype=torch.int64), target=torch.zeros(2, dtype=torch.int64),
+                              from_top=False, right=True)
     with pytest.raises(RuntimeError, match="int32"):
-        kernels.select_row_totals(torch.zeros(4, dtype=torch.int32))
+        ops.select_row_totals(kernels, hist=torch.zeros(4, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="target"):
-        kernels.select_cum_search(torch.zeros(2, 4, dtype=torch.int32), torch.zeros(3, dtype=torch.int64), False, True)
+        ops.select_cum_search(kernels, hist=torch.zeros(2, 4, dtype=torch.int32), target=torch.zeros(3, dtype=torch.int64),
+                              from_top=False, right=True)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elsa_ds.admm.kernels.adam8bit import dynamic_map, minifloat_map
+from elsa_ds.admm.kernels import ops
+from elsa_ds.admm.kernels.ops import PenaltyState, SliceTable
+from elsa_ds.admm.kernels.quant8 import dynamic_map, minifloat_map
 
 N = 9001
 OFFSETS, LENGTHS = [5, 1030, 6701, 8999], [1017, 3001, 2289, 2]  # odd starts and ends, a two-entry slice, gaps
@@ -48,9 +50,10 @@ def _inputs(seed: int, z_type: str, u_type: str) -> dict:
 
 def _step(kernels, t: dict, fmt: int, weight_decay: float, step: int) -> None:
     signed, unsigned = (minifloat_map(True), minifloat_map(False)) if fmt else (dynamic_map(True), dynamic_map(False))
-    kernels.adam8bit_step(t["p"], t["grad"], t["state1"], t["state2"], signed, unsigned, t["absmax1"], t["absmax2"], t["z"], t["u"],
-                          t["z_scale"], t["u_scale"], torch.tensor(OFFSETS), torch.tensor(LENGTHS), 0.3, 1e-2, 0.9, 0.999, 1e-8,
-                          weight_decay, step, fmt)
+    ops.adam8bit_step(kernels, p=t["p"], grad=t["grad"], state1=t["state1"], state2=t["state2"], qmap1=signed, qmap2=unsigned,
+                      absmax1=t["absmax1"], absmax2=t["absmax2"], zu=PenaltyState(t["z"], t["u"], t["z_scale"], t["u_scale"]),
+                      table=SliceTable(torch.tensor(OFFSETS), torch.tensor(LENGTHS)), lam=0.3, lr=1e-2, beta1=0.9, beta2=0.999,
+                      eps=1e-8, weight_decay=weight_decay, step=step, minifloat=bool(fmt))
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

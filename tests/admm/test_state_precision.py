@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from elsa_ds.admm import state as admm_state
-from elsa_ds.admm.kernels.adam8bit import dequantize_blockwise
+from elsa_ds.admm.kernels.quant8 import dequantize_blockwise
 from elsa_ds.admm.optimizer import second_moment
 from elsa_ds.admm.state import StateDtype
 

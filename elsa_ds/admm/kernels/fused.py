@@ -2,20 +2,33 @@
 
 A flat qualifies for the fused x-step when it is a contiguous fp32 CPU tensor with an fp32 gradient and
 the base optimizer is one whose update the kernels reproduce: DeepSpeedCPUAdam (fp32 moments, its
-bias-correction history), or 8-bit Adam in bitsandbytes' blockwise format or our minifloat codes (``kernels.adam8bit.Adam8bit``,
-or bitsandbytes' own ``Adam8bit`` with its default settings). It qualifies for the fused projection
+bias-correction history), or 8-bit Adam in bitsandbytes' blockwise format or our minifloat codes
+(``elsa_ds.admm.adam8bit.Adam8bit``, or bitsandbytes' own ``Adam8bit`` with its default settings). It qualifies for the fused projection
 when it is a CPU flat and the projection is a per-layer top-k (N:M keeps the eager path). Everything
 else takes the eager path of ``optimizer.py``, which stays the reference.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from elsa_ds.admm.kernels import build, select, xstep
+from elsa_ds.admm.kernels.ops import PenaltyState, ScoreSource, SliceTable
 from elsa_ds.admm.projection import Comm, Slice
 from elsa_ds.admm.state import StateDtype
 
 DEEPSPEED_ADAM, ADAM8BIT = "deepspeed_adam", "adam8bit"
+
+
+class XStep(Protocol):
+    """A fused x-step the AdmmOptimizer can hand a flat to instead of its eager path (``FusedPath`` is one)."""
+
+    def steps(self, flat: torch.Tensor, st: dict) -> bool:
+        """True when this path steps ``flat`` (then the base optimizer's step skips it)."""
+
+    def step(self, flat: torch.Tensor, slices: list[Slice], st: dict, group: dict, lam: float, zu: PenaltyState) -> None:
+        """x ← the base's update of x with gradient ∇f + λ((x − z) + u) on the slices, and its state updated."""
 
 
 def base_kind(base: torch.optim.Optimizer) -> str | None:
@@ -23,7 +36,7 @@ def base_kind(base: torch.optim.Optimizer) -> str | None:
     name, module = type(base).__name__, type(base).__module__
     if name == "DeepSpeedCPUAdam" and module.startswith("deepspeed") and getattr(base, "fp32_optimizer_states", True):
         return DEEPSPEED_ADAM
-    if name == "Adam8bit" and module.startswith("elsa_ds.admm.kernels"):
+    if name == "Adam8bit" and module == "elsa_ds.admm.adam8bit":
         return ADAM8BIT
     if name == "Adam8bit" and module.startswith("bitsandbytes"):
         args = getattr(base, "args", None)
@@ -40,14 +53,14 @@ class FusedPath:
         self.kernels = build.load() if enabled else None
         self.adamw = bool(getattr(base, "adam_w_mode", True))  # DeepSpeedCPUAdam: AdamW or L2 weight decay
         self.bias = xstep.DeepSpeedBiasCorrection()
-        self._tables: dict[int, tuple[torch.Tensor, xstep.SliceTable]] = {}
+        self._tables: dict[int, tuple[torch.Tensor, SliceTable]] = {}
         self.projection_paths: dict[str, int] = {}  # how the projections found their thresholds (select.thresholds)
         self.x_steps: dict[str, int] = {}  # fused x-steps per kind: deepspeed_adam, adam8bit/bitsandbytes, adam8bit/minifloat
 
-    def table(self, flat: torch.Tensor, slices: list[Slice]) -> xstep.SliceTable:
+    def table(self, flat: torch.Tensor, slices: list[Slice]) -> SliceTable:
         entry = self._tables.get(id(flat))
         if entry is None or entry[0] is not flat:
-            entry = (flat, xstep.SliceTable.of(slices))
+            entry = (flat, SliceTable.of(slices))
             self._tables[id(flat)] = entry
         return entry[1]
 
@@ -64,8 +77,8 @@ class FusedPath:
                 torch.is_tensor(st.get(k)) and st[k].dtype == torch.float32 for k in ("exp_avg", "exp_avg_sq"))
         return torch.is_tensor(st.get("state1")) and st["state1"].dtype == torch.uint8 and "absmax1" in st
 
-    def step(self, flat: torch.Tensor, slices: list[Slice], st: dict, group: dict, lam: float, zu: tuple) -> None:
-        """x ← Adam(x, ∇f + λ((x − z) + u) on the slices), one pass; ``zu`` = (z, u, z_scale, u_scale)."""
+    def step(self, flat: torch.Tensor, slices: list[Slice], st: dict, group: dict, lam: float, zu: PenaltyState) -> None:
+        """x ← Adam(x, ∇f + λ((x − z) + u) on the slices), one pass; ``zu``: z and u as stored, with their scales."""
         table = self.table(flat, slices)
         if self.kind == DEEPSPEED_ADAM:
             xstep.adam_step(self.kernels, flat, st, group, table, zu, lam, self.adamw, self.bias)
@@ -84,6 +97,6 @@ class FusedPath:
                 dtypes: tuple[StateDtype, StateDtype], comm: Comm, mode: int) -> torch.Tensor:
         """The z/u update (UPDATE), z₀ = Π(x) (INIT) or x ← Π(x) (FINAL) for one flat; [Σ(x−z)², Σx², flips]. Collective."""
         u = st[keys[1]] if mode == select.UPDATE else torch.empty(0)
-        source = (flat.detach(), u, st[keys[3]], *select.fisher_source(fisher_state))
-        return select.split(self.kernels, flat.detach(), st, keys, source, self.table(flat, slices), slices, comm, mode, dtypes,
+        source = ScoreSource(flat.detach(), u, st[keys[3]], *select.fisher_source(fisher_state))
+        return select.split(self.kernels, st, keys, source, self.table(flat, slices), slices, comm, mode, dtypes,
                             self.projection_paths)

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from elsa_ds.admm.kernels import ops
+from elsa_ds.admm.kernels.ops import ScoreSource, SliceTable
 from elsa_ds.admm.projection import Comm, Slice
 from elsa_ds.admm.state import StateDtype, layer_scales
 
@@ -85,24 +87,23 @@ def _next_digit(kernels, hist: torch.Tensor, need: torch.Tensor, above: torch.Te
     c[b] > t − (need − above). (A scan in C++: torch's cumsum, searchsorted and gather on [slices, 65536] cost ~3 ms
     a call, a tenth of a projection's passes.)
     """
-    total = kernels.select_row_totals(hist)  # (= hist.sum(1, dtype=torch.int64), which takes ~0.5 ms here)
-    digit, cum = kernels.select_cum_search(hist, total - (need - above), False, True)
+    total = ops.select_row_totals(kernels, hist=hist)  # (= hist.sum(1, dtype=torch.int64), which takes ~0.5 ms here)
+    digit, cum = ops.select_cum_search(kernels, hist=hist, target=total - (need - above), from_top=False, right=True)
     return digit, above + total - cum
 
 
-def exact_thresholds(kernels, source: tuple, table, slices: list[Slice], comm: Comm,
+def exact_thresholds(kernels, source: ScoreSource, table: SliceTable, slices: list[Slice], comm: Comm,
                      scaled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, take, peaks, ties) by two full histogram passes; see ``thresholds``. Collective."""
-    x, u, us, f, qmap, absmax = source
     need = torch.tensor([s.keep for s in slices], dtype=torch.int64)
     active = need > 0
-    hist, peaks = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, _EMPTY_I64, 1)
+    hist, peaks = ops.select_histogram(kernels, source=source, table=table, prefix=_EMPTY_I64, stride=1)
     comm.all_reduce_sum(hist)
     if scaled:
         comm.all_reduce_max(peaks)
     high, above = _next_digit(kernels, hist, need, torch.zeros_like(need))
     prefix = torch.where(active, high, torch.full_like(high, -1))
-    local, _ = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, prefix, 1)
+    local, _ = ops.select_histogram(kernels, source=source, table=table, prefix=prefix, stride=1)
     threshold, take, ties = _low_digit(kernels, high, above, local, need, active, comm)
     return threshold, take, peaks, ties
 
@@ -125,35 +126,33 @@ def _brackets(kernels, sample: torch.Tensor, need: torch.Tensor, numel: torch.Te
     """Per layer, keys [lo, hi] (whole high-digit bins) that should hold the need-th largest key, from the sample's
     high-digit histogram; lo > hi for a layer that keeps nothing."""
     # from the top, position i is bin 65535 - i; the running count there: sampled keys in bins >= 65535 - i
-    m = kernels.select_row_totals(sample).double()
+    m = ops.select_row_totals(kernels, hist=sample).double()
     rank = need.double() * m / numel.clamp_min(1).double()
     sigma = torch.sqrt((rank * (1 - rank / m.clamp_min(1))).clamp_min(0) * DESIGN_EFFECT)
     margin = MARGIN_SIGMAS * sigma + 2 * DESIGN_EFFECT
     upper, lower = (rank - margin).floor().to(torch.int64), (rank + margin).ceil().to(torch.int64)
-    i_hi, _ = kernels.select_cum_search(sample, upper, True, True)
-    i_lo, _ = kernels.select_cum_search(sample, lower, True, False)
+    i_hi, _ = ops.select_cum_search(kernels, hist=sample, target=upper, from_top=True, right=True)
+    i_lo, _ = ops.select_cum_search(kernels, hist=sample, target=lower, from_top=True, right=False)
     hi = ((_BINS - 1 - i_hi) << _DIGIT) | (_BINS - 1)
     lo = (_BINS - 1 - i_lo) << _DIGIT
     return torch.where(active, lo, 1), torch.where(active, hi, 0)
 
 
-def bracket_thresholds(kernels, source: tuple, table, slices: list[Slice], comm: Comm,
+def bracket_thresholds(kernels, source: ScoreSource, table: SliceTable, slices: list[Slice], comm: Comm,
                        scaled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(T, take, peaks, ties) from a sampled bracket and one full pass; None (on every rank) when a bracket missed."""
-    x, u, us, f, qmap, absmax = source
     need = torch.tensor([s.keep for s in slices], dtype=torch.int64)
     numel = torch.tensor([s.numel for s in slices], dtype=torch.int64)
     active = need > 0
-    sample, _ = kernels.select_histogram(x, u, us, f, qmap, absmax, table.offsets, table.lengths, _EMPTY_I64, SAMPLE_STRIDE)
+    sample, _ = ops.select_histogram(kernels, source=source, table=table, prefix=_EMPTY_I64, stride=SAMPLE_STRIDE)
     small = (active & (numel < CENSUS_NUMEL)).nonzero().flatten()  # global sizes: the same layers on every rank
     if small.numel():
-        us_small = us[small] if us.numel() else us
-        sample[small], _ = kernels.select_histogram(x, u, us_small, f, qmap, absmax, table.offsets[small], table.lengths[small],
-                                                    _EMPTY_I64, 1)
+        us = source.u_scale
+        census = source._replace(u_scale=us[small] if us.numel() else us)
+        sample[small], _ = ops.select_histogram(kernels, source=census, table=table.rows(small), prefix=_EMPTY_I64, stride=1)
     comm.all_reduce_sum(sample)
     lo, hi = _brackets(kernels, sample, need, numel, active)
-    counts, peaks, keys, found, overflow, high_hist = kernels.select_bracket(x, u, us, f, qmap, absmax, table.offsets,
-                                                                            table.lengths, lo, hi)
+    counts, peaks, keys, found, overflow, high_hist = ops.select_bracket(kernels, source=source, table=table, lo=lo, hi=hi)
     totals = comm.all_reduce_sum(torch.cat([counts.flatten(), overflow.to(torch.int64)]))
     n = len(slices)
     above, inside, spilled = totals[0:2 * n:2], totals[1:2 * n:2], totals[2 * n:]
@@ -164,12 +163,12 @@ def bracket_thresholds(kernels, source: tuple, table, slices: list[Slice], comm:
         comm.all_reduce_max(peaks)
     comm.all_reduce_sum(high_hist)
     high, above = _next_digit(kernels, high_hist, need, above)
-    local = kernels.select_key_histogram(keys, found, torch.where(active, high, -1))
+    local = ops.select_key_histogram(kernels, keys=keys, found=found, prefix=torch.where(active, high, -1))
     threshold, take, ties = _low_digit(kernels, high, above, local, need, active, comm)
     return threshold, take, peaks, ties
 
 
-def thresholds(kernels, source: tuple, table, slices: list[Slice], comm: Comm, scaled: bool,
+def thresholds(kernels, source: ScoreSource, table: SliceTable, slices: list[Slice], comm: Comm, scaled: bool,
                stats: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, take, peaks, ties): per slice the exact threshold key, this rank's count of tied entries to keep, the
     layer's peak |v| over all ranks (max all-reduced only when ``scaled``), this rank's tied entries. Collective.
@@ -190,8 +189,8 @@ def thresholds(kernels, source: tuple, table, slices: list[Slice], comm: Comm, s
     return exact_thresholds(kernels, source, table, slices, comm, scaled)
 
 
-def split(kernels, flat: torch.Tensor, st: dict, keys: tuple[str, str, str, str], source: tuple, table,
-          slices: list[Slice], comm: Comm, mode: int, dtypes: tuple[StateDtype, StateDtype], stats: dict | None = None) -> torch.Tensor:
+def split(kernels, st: dict, keys: tuple[str, str, str, str], source: ScoreSource, table: SliceTable, slices: list[Slice],
+          comm: Comm, mode: int, dtypes: tuple[StateDtype, StateDtype], stats: dict | None = None) -> torch.Tensor:
     """z, u ← split of v by Π (mode UPDATE), z ← Π(x) (INIT), or x, z ← Π(x), u ← 0 (FINAL), in place.
 
     Returns this rank's [Σ(x − z)², Σx², flips] (UPDATE; zeros otherwise). Collective.
@@ -199,10 +198,10 @@ def split(kernels, flat: torch.Tensor, st: dict, keys: tuple[str, str, str, str]
     z_key, u_key, zs_key, us_key = keys
     threshold, take, peaks, ties = thresholds(kernels, source, table, slices, comm, any(d.scaled for d in dtypes), stats)
     z_scale, u_scale = layer_scales(peaks, dtypes[0]), layer_scales(peaks, dtypes[1])
-    x, u, us_old = source[0], source[1], source[2]
-    metrics, seen = kernels.select_split(
-        x, u if mode == UPDATE else _EMPTY, us_old if mode == UPDATE else _EMPTY, *source[3:], st[z_key],
-        st[zs_key].clone(), z_scale, u_scale, table.offsets, table.lengths, threshold, take, mode)
+    if mode != UPDATE:  # v = x: no u to read (INIT) or u is written as zeros (FINAL)
+        source = source._replace(u=_EMPTY, u_scale=_EMPTY)
+    metrics, seen = ops.select_split(kernels, source=source, z=st[z_key], z_scale_old=st[zs_key].clone(), z_scale=z_scale,
+                                     u_scale=u_scale, table=table, threshold=threshold, take=take, mode=mode)
     if not torch.equal(seen, ties):  # the threshold search and the split compute the same keys: a mismatch is a kernel bug
         raise RuntimeError(f"fused projection: tie counts {seen.tolist()} differ from the histogram's {ties.tolist()}")
     st[zs_key].copy_(z_scale)

@@ -1,8 +1,8 @@
 """The fused ADMM x-step on CPU flats: penalty and Adam in one pass (csrc/xstep.cpp, csrc/xstep8bit.cpp).
 
     g' = g + λ ((x − z) + u)     on the pruned slices, z and u dequantized in registers
-    Adam(x, g')                  DeepSpeedCPUAdam's arithmetic (fp32 m, v), or bitsandbytes' blockwise
-                                 8-bit Adam (uint8 codes of m, v with per-256-entry absmax)
+    Adam(x, g')                  DeepSpeedCPUAdam's arithmetic (fp32 m, v), or blockwise 8-bit Adam (uint8 codes
+                                 of m, v with per-256-entry absmax, in either format of ``quant8.py``)
 
 reads p, g, m, v, z, u once and writes p, m, v: 36 bytes per entry for fp32 states instead of the
 eager path's 28 (Adam) + 24 ((x − z) + u into a temporary, added to g). The eager path in
@@ -12,17 +12,14 @@ tested against; the kernel leaves ``grad`` untouched.
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from elsa_ds.admm.kernels.adam8bit import MINIFLOAT, state_format
-
-
-def f32(x: float) -> float:
-    """``x`` rounded to the nearest float32 (one IEEE operation on float32 inputs, emulated exactly)."""
-    return struct.unpack("f", struct.pack("f", x))[0]
+from elsa_ds.admm.kernels import ops
+from elsa_ds.admm.kernels.ops import PenaltyState, SliceTable
+from elsa_ds.admm.kernels.quant8 import MINIFLOAT, f32, state_format
 
 
 @dataclass
@@ -55,46 +52,29 @@ class DeepSpeedBiasCorrection:
         return f32(1.0 - self.beta1_t), f32(1.0 / f32(math.sqrt(f32(1.0 - self.beta2_t))))
 
 
-@dataclass(frozen=True)
-class SliceTable:
-    """A flat's slices as the kernels take them: int64 offsets and lengths."""
-
-    offsets: torch.Tensor
-    lengths: torch.Tensor
-
-    @classmethod
-    def of(cls, slices) -> SliceTable:
-        return cls(torch.tensor([s.offset for s in slices], dtype=torch.int64),
-                   torch.tensor([s.length for s in slices], dtype=torch.int64))
-
-    @classmethod
-    def empty(cls) -> SliceTable:
-        """No slices: the plain optimizer step."""
-        return cls(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
-
-
-def adam_step(kernels, flat: torch.Tensor, state: dict, group: dict, table: SliceTable, zu: tuple, lam: float,
-              adamw: bool, bias: DeepSpeedBiasCorrection) -> None:
+def adam_step(kernels: ModuleType, flat: torch.Tensor, state: dict, group: dict, table: SliceTable, zu: PenaltyState,
+              lam: float, adamw: bool, bias: DeepSpeedBiasCorrection) -> None:
     """One DeepSpeedCPUAdam step of ``flat`` with the ADMM penalty fused in; ``state['step']`` += 1.
 
-    ``zu`` = (z, u, z_scale, u_scale) as stored; empty tensors and no slices give plain DeepSpeed Adam.
+    ``zu`` as stored; ``PenaltyState.none()`` and no slices give plain DeepSpeed Adam.
     """
     state["step"] += 1
     beta1, beta2 = group["betas"]
     bc1, bc2 = bias.advance(state["step"], beta1, beta2) if group.get("bias_correction", True) else (1.0, 1.0)
-    z, u, zs, us = zu
-    kernels.adam_step(flat.data, flat.grad.data, state["exp_avg"], state["exp_avg_sq"], z, u, zs, us, table.offsets,
-                      table.lengths, lam, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], adamw, bc1, bc2)
+    ops.adam_step(kernels, p=flat.data, grad=flat.grad.data, exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"], zu=zu,
+                  table=table, lam=lam, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                  weight_decay=group["weight_decay"], adamw=adamw, bias_correction1=bc1, bias_correction2=bc2)
 
 
-def adam8bit_step(kernels, flat: torch.Tensor, state: dict, group: dict, table: SliceTable, zu: tuple, lam: float) -> str:
+def adam8bit_step(kernels: ModuleType, flat: torch.Tensor, state: dict, group: dict, table: SliceTable, zu: PenaltyState,
+                  lam: float) -> str:
     """One 8-bit Adam step of ``flat`` (bitsandbytes or minifloat codes, as its maps say) with the ADMM penalty fused
     in; ``state['step']`` += 1. Returns the code format it stepped."""
     name = state_format(state)
     state["step"] += 1
     beta1, beta2 = group["betas"][:2]
-    z, u, zs, us = zu
-    kernels.adam8bit_step(flat.data, flat.grad.data, state["state1"], state["state2"], state["qmap1"], state["qmap2"],
-                          state["absmax1"], state["absmax2"], z, u, zs, us, table.offsets, table.lengths, lam,
-                          group["lr"], beta1, beta2, group["eps"], group["weight_decay"], state["step"], int(name == MINIFLOAT))
+    ops.adam8bit_step(kernels, p=flat.data, grad=flat.grad.data, state1=state["state1"], state2=state["state2"],
+                      qmap1=state["qmap1"], qmap2=state["qmap2"], absmax1=state["absmax1"], absmax2=state["absmax2"], zu=zu,
+                      table=table, lam=lam, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                      weight_decay=group["weight_decay"], step=state["step"], minifloat=name == MINIFLOAT)
     return name
