@@ -17,15 +17,9 @@ from tests import structure_rules as rules
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Cycles being untangled by an open change, each named by its modules. A listed cycle must still exist (its test
-# is a strict xfail): once it is gone the test fails until the entry is removed here.
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset({"elsa_ds.admm.kernels.adam8bit", "elsa_ds.admm.kernels.xstep"}),  # issue 27 item 3: the 8-bit codes as a leaf
-)
-
 
 def _cycles(root: Path) -> list[str]:
-    return [path for members, path in rules.import_cycles(root) if members not in KNOWN_CYCLES]
+    return [path for _, path in rules.import_cycles(root)]
 
 
 def test_no_module_imports_a_higher_layer():
@@ -34,12 +28,6 @@ def test_no_module_imports_a_higher_layer():
 
 def test_no_import_cycles_at_any_depth():
     assert not (found := _cycles(ROOT)), "import cycles:\n" + "\n".join(found)
-
-
-@pytest.mark.parametrize("members", KNOWN_CYCLES, ids=lambda m: " <-> ".join(sorted(m)))
-@pytest.mark.xfail(strict=True, reason="a known cycle being untangled; remove it from KNOWN_CYCLES once it is gone")
-def test_known_cycle_is_gone(members):
-    assert members not in [found for found, _ in rules.import_cycles(ROOT)]
 
 
 def test_lines_are_at_most_140_characters():
