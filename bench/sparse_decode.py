@@ -1,0 +1,144 @@
+"""Sparse checkpoint size and decode speed at LLaMA-2-7B's layer shapes, dense against sparse in one process.
+
+A LlamaForCausalLM with LLaMA-2-7B's layer shapes (hidden 4096, MLP 11008, 32 heads; vocabulary 32000) and a few
+decoder layers, random bf16 weights, its decoder Linear weights magnitude-pruned per tensor to each sparsity in turn
+(nested masks); at each sparsity the dense bf16 export (save_pretrained) is compressed with elsa_ds.sparse.compress
+and timed with elsa_ds.sparse.speed: decode steps at batch 1 and 8, dense mode and sparse mode alternating, the byte
+floor beside each figure. Speed depends on the pattern, not the values, so random weights are enough.
+
+    python bench/sparse_decode.py                                    # 2 layers, 50/70/90/95 %, 1 thread
+    python bench/sparse_decode.py --layers 4 --threads 2 --json bench/results/sparse_decode.json --markdown bench/results/sparse_decode.md
+
+``--threads`` sets OMP_NUM_THREADS before torch starts (the C++ kernel and torch share that OpenMP runtime).
+The last line printed is the JSON of every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+LLAMA2_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32,
+             "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=2, help="decoder layers [2]")
+    p.add_argument("--sparsities", default="0.5,0.7,0.9,0.95", help="comma-separated, rising [0.5,0.7,0.9,0.95]")
+    p.add_argument("--batches", default="1,8", help="decode batch sizes [1,8]")
+    p.add_argument("--steps", type=int, default=6, help="decode steps per timed round [6]")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per batch size (ABBA) [3]")
+    p.add_argument("--with_head", action="store_true", help="also time the whole model (LM head included) [decoder layers only]")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for torch and the kernel [1]")
+    p.add_argument("--vocab", type=int, default=LLAMA2_7B["vocab_size"], help="vocabulary size [32000]")
+    p.add_argument("--workdir", type=Path, default=None, help="where the exports go (default: a temporary folder)")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--markdown", type=Path, default=None, help="also write the table here")
+    return p.parse_args(argv)
+
+
+def build_model(layers: int, vocab: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**LLAMA2_7B, "vocab_size": vocab}, num_hidden_layers=layers, dtype="bfloat16")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return model
+
+
+def prune(model, sparsity: float) -> None:
+    """Magnitude-prune every decoder Linear weight to ``sparsity`` (per tensor; masks nest as sparsity rises)."""
+    import torch
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                w = module.weight
+                k = int(w.numel() * sparsity)
+                threshold = w.abs().flatten().float().kthvalue(k).values.to(w.dtype)
+                w.masked_fill_(w.abs() <= threshold, 0)
+
+
+def one_sparsity(model, sparsity: float, work: Path, args, bandwidth: float) -> dict:
+    from elsa_ds.sparse import compress
+    from elsa_ds.sparse.folder import is_weight_file
+    from elsa_ds.sparse.speed import measure
+
+    prune(model, sparsity)
+    dense_dir, sparse_dir = work / f"dense_{sparsity}", work / f"sparse_{sparsity}"
+    model.save_pretrained(dense_dir)
+    dense_files = sum(f.stat().st_size for f in dense_dir.iterdir() if is_weight_file(f))
+    print(f"{sparsity:.0%}: dense export written, compressing", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    done = compress(dense_dir, sparse_dir, overwrite=True)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(dense_dir)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    row = {"sparsity": sparsity, "compress_s": seconds, "dense_files_bytes": dense_files,
+           "encodings": sorted({t["encoding"] for t in done["tensors"].values()})}
+    for part, layers_only in (("layers", True), ("model", False))[: 2 if args.with_head else 1]:
+        row[part] = measure(sparse_dir, batches, args.steps, args.rounds, layers_only=layers_only, bandwidth=bandwidth)
+        print(f"{sparsity:.0%} {part}: {[round(d['ratio'], 2) for d in row[part]['decode']]}", file=sys.stderr, flush=True)
+    shutil.rmtree(sparse_dir)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| sparsity | pruned layers bytes vs dense bf16 | whole model | part | batch | dense tok/s (floor) | "
+             "sparse tok/s (floor) | sparse/dense (min-max) | logits rel err |", "|" + "---|" * 9]
+    for r in rows:
+        disk = r["layers"]["disk"]
+        for part in [p for p in ("layers", "model") if p in r]:
+            for d in r[part]["decode"]:
+                lines.append(
+                    f"| {r['sparsity']:.0%} | {disk['pruned_sparse'] / disk['pruned_dense']:.3f}x | "
+                    f"{disk['sparse_files'] / r['dense_files_bytes']:.3f}x | {part} | {d['batch']} | "
+                    f"{d['dense']['tokens_per_s']:.2f} ({d['dense']['floor_tokens_per_s']:.1f}) | "
+                    f"{d['sparse']['tokens_per_s']:.2f} ({d['sparse']['floor_tokens_per_s']:.1f}) | "
+                    f"{d['ratio']:.2f}x ({d['ratio_min']:.2f}-{d['ratio_max']:.2f}) | {r[part]['logits_max_rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import torch
+
+    from elsa_ds.sparse import kernels
+    from elsa_ds.sparse.speed import read_bandwidth
+
+    torch.set_num_threads(args.threads)
+    if kernels.load() is None:
+        print("the C++ decode kernel is not available: sparse mode runs torch CSR", file=sys.stderr)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="sparse_decode_"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = build_model(args.layers, args.vocab)
+    bandwidth = read_bandwidth()
+    rows = [one_sparsity(model, float(s), work, args, bandwidth) for s in args.sparsities.split(",")]
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} CPUs", "threads": args.threads, "layers": args.layers, "shapes": "LLaMA-2-7B (4096/11008)",
+              "dtype": "bfloat16", "read_bandwidth_gb_s": bandwidth / 1e9, "rows": rows}
+    text = table(rows)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n", encoding="utf-8")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    if args.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

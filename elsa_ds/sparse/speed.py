@@ -1,0 +1,132 @@
+"""Size and decode speed of a sparse checkpoint: dense mode against sparse mode, side by side in one process.
+
+Decode is timed as the model runs it in ``generate``: a prompt is prefilled once, then every step feeds one token
+per sequence with the KV cache. The two modes alternate round by round (dense, sparse, dense, ...) so that a
+neighbour's load on a shared machine falls on both; every round's ratio is kept, so the spread can be reported.
+Beside each tokens/s figure stands its memory-bandwidth floor: tokens/s if the only cost were streaming the
+weights each step reads once from memory (dense: 2 bytes per bf16 weight; sparse: its values, deltas and row
+offsets) at the read bandwidth measured here (a STREAM-like sum over a buffer far larger than the caches).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from elsa_ds.sparse import format as fmt
+from elsa_ds.sparse.folder import TensorReader, is_weight_file
+from elsa_ds.sparse.linear import SparseLinear
+from elsa_ds.sparse.loader import from_pretrained, sparse_meta
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of a streaming read (torch.sum of an fp32 buffer of ``nbytes``), best of ``repeats``."""
+    buf = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def streamed_bytes(module: torch.nn.Module) -> int:
+    """Weight bytes one decode step reads: every Linear's weight (dense) or a SparseLinear's code."""
+    total = 0
+    for m in module.modules():
+        if isinstance(m, SparseLinear):
+            total += m.weight_bytes
+        elif isinstance(m, torch.nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def disk_bytes(sparse_dir: Path) -> dict[str, int]:
+    """Bytes on disk of the sparse weight files against the dense export's, whole model and pruned weights alone."""
+    meta = sparse_meta(sparse_dir)
+    reader = TensorReader(sparse_dir)
+    owners = {f"{n}.{p}": n for n, info in meta["tensors"].items() for p in fmt.PARTS[info["encoding"]]}
+    pruned = sum(_numel_bytes(reader.get(name)) for name in owners if name in reader.names)
+    plain = sum(_numel_bytes(reader.get(name)) for name in reader.names if name not in owners)
+    pruned_dense = sum(_dense_bytes(info) for info in meta["tensors"].values())
+    files = sum(f.stat().st_size for f in Path(sparse_dir).iterdir() if f.is_file() and is_weight_file(f))
+    return {"pruned_dense": pruned_dense, "pruned_sparse": pruned, "model_dense": pruned_dense + plain,
+            "model_sparse": pruned + plain, "sparse_files": files}
+
+
+def _numel_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _dense_bytes(info: dict) -> int:
+    rows, cols = info["shape"]
+    return rows * cols * torch.empty(0, dtype=getattr(torch, info["dtype"])).element_size()
+
+
+@torch.no_grad()
+def decode_seconds(model: torch.nn.Module, batch: int, steps: int, prompt: int = 16, seed: int = 0, layers_only: bool = False) -> float:
+    """Seconds for ``steps`` decode steps of ``batch`` sequences after a ``prompt``-token prefill (not timed)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(vocab, (batch, prompt), generator=gen)
+    net = model.get_decoder() if layers_only else model
+    out = net(input_ids=ids, use_cache=True)
+    cache = out.past_key_values
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = net(input_ids=torch.randint(vocab, (batch, 1), generator=gen), past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+    return time.perf_counter() - start
+
+
+def _relative(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+
+
+@torch.no_grad()
+def logits_agreement(dense: torch.nn.Module, sparse: torch.nn.Module, batch: int = 2, prompt: int = 8, seed: int = 0) -> float:
+    """max |sparse − dense| / max |dense| over the logits of a prefill and of the decode step after it."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(dense.config.vocab_size, (batch, prompt + 1), generator=gen)
+    a, b = dense(input_ids=ids[:, :prompt], use_cache=True), sparse(input_ids=ids[:, :prompt], use_cache=True)
+    worst = _relative(a.logits, b.logits)
+    a = dense(input_ids=ids[:, prompt:], past_key_values=a.past_key_values, use_cache=True)
+    b = sparse(input_ids=ids[:, prompt:], past_key_values=b.past_key_values, use_cache=True)
+    return max(worst, _relative(a.logits, b.logits))
+
+
+def compare_decode(dense: torch.nn.Module, sparse: torch.nn.Module, batch: int, steps: int, rounds: int, prompt: int,
+                   bandwidth: float, layers_only: bool = False) -> dict:
+    """Decode tokens/s of both models, alternating (ABBA), with each one's byte floor and every round's ratio."""
+    models = {"dense": dense, "sparse": sparse}
+    times: dict[str, list[float]] = {"dense": [], "sparse": []}
+    for r in range(rounds):
+        for name in ("dense", "sparse") if r % 2 == 0 else ("sparse", "dense"):
+            times[name].append(decode_seconds(models[name], batch, steps, prompt, seed=r, layers_only=layers_only))
+    ratios = [d / s for d, s in zip(times["dense"], times["sparse"])]
+    row: dict = {"batch": batch, "steps": steps, "rounds": rounds, "ratio": statistics.median(ratios),
+                 "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    for name, model in models.items():
+        streamed = streamed_bytes(model.get_decoder() if layers_only else model)
+        row[name] = {"tokens_per_s": batch * steps / statistics.median(times[name]), "bytes_per_step": streamed,
+                     "floor_tokens_per_s": batch * bandwidth / streamed}
+    return row
+
+
+def measure(sparse_dir: str | Path, batches: tuple[int, ...] = (1, 8), steps: int = 8, rounds: int = 3, prompt: int = 16,
+            layers_only: bool = False, bandwidth: float | None = None) -> dict:
+    """Bytes on disk, logits agreement and decode tokens/s (dense mode against sparse mode) of a sparse checkpoint.
+
+    ``layers_only`` times the decoder stack without the LM head (a few layers at a big model's shapes stand in for
+    the whole stack, where the head's share is small); ``bandwidth`` in bytes/s, measured here when None.
+    """
+    sparse_dir = Path(sparse_dir)
+    dense, sparse = from_pretrained(sparse_dir, "dense"), from_pretrained(sparse_dir, "sparse")
+    bandwidth = bandwidth or read_bandwidth()
+    result = {"disk": disk_bytes(sparse_dir), "read_bandwidth_gb_s": bandwidth / 1e9, "layers_only": layers_only,
+              "logits_max_rel_err": logits_agreement(dense, sparse), "threads": torch.get_num_threads(), "decode": []}
+    for batch in batches:
+        result["decode"].append(compare_decode(dense, sparse, batch, steps, rounds, prompt, bandwidth, layers_only))
+    return result

@@ -1,0 +1,86 @@
+"""The C++ delta8 kernel and torch's CSR path against the readable reference; SparseLinear's paths against F.linear."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elsa_ds.sparse import kernels as K
+from elsa_ds.sparse.format import encode_delta8
+from elsa_ds.sparse.linear import SparseLinear
+
+SHAPES = [(37, 1000, 0.9), (5, 3, 0.5), (64, 300, 0.99), (9, 70, 0.2), (3, 5000, 0.999), (17, 33, 1.0), (1, 1, 0.0)]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # bf16: the output is rounded to bf16
+
+
+def _weight(out_f, in_f, sparsity, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=gen)
+    w[torch.rand(out_f, in_f, generator=gen) < sparsity] = 0
+    if out_f > 2:
+        w[out_f // 2] = 0  # an empty row
+    return w.to(dtype)
+
+
+def _close(got, ref, dtype):
+    scale = ref.abs().max().clamp_min(1e-6)
+    assert float((got.float() - ref.float()).abs().max() / scale) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("out_f,in_f,sparsity", SHAPES)
+def test_kernel_equals_reference(kernel, out_f, in_f, sparsity, rows, dtype):
+    parts = encode_delta8(_weight(out_f, in_f, sparsity, dtype))
+    x = torch.randn(rows, in_f).to(dtype)
+    ref = K.reference_matmul(parts, x, out_f)
+    got = K.kernel_matmul(kernel, parts, x, out_f)
+    assert got.shape == (rows, out_f) and got.dtype == torch.float32
+    # the kernel and the reference both accumulate bf16 products in fp32: equal up to summation order
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max().clamp_min(1)))
+
+
+def test_fully_empty_matrix_gives_zeros(kernel):
+    parts = encode_delta8(torch.zeros(11, 40, dtype=torch.bfloat16))
+    assert parts["values"].numel() == 0
+    for rows in (1, 5):
+        assert torch.equal(K.kernel_matmul(kernel, parts, torch.randn(rows, 40), 11), torch.zeros(rows, 11))
+
+
+def test_kernel_refuses_too_many_rows(kernel):
+    parts = encode_delta8(torch.eye(4))
+    with pytest.raises(ValueError):
+        K.kernel_matmul(kernel, parts, torch.randn(17, 4), 4)
+
+
+@pytest.mark.parametrize("out_f,in_f,sparsity", SHAPES[:4])
+def test_csr_equals_reference(out_f, in_f, sparsity):
+    parts = encode_delta8(_weight(out_f, in_f, sparsity, torch.float32))
+    x = torch.randn(4, in_f)
+    got = K.csr_matmul(K.csr_tensor(parts, (out_f, in_f)), x)
+    assert torch.allclose(got, K.reference_matmul(parts, x, out_f), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["kernel", "csr", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead", [(1, 1), (2, 4), (3, 40)])  # decode, a small batch, a prefill (> 16 rows: dense)
+def test_sparse_linear_matches_linear(path, dtype, lead, request):
+    if path == "kernel":
+        request.getfixturevalue("kernel")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 50).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(_weight(50, 96, 0.8, dtype))
+    sparse = SparseLinear.from_dense(linear, decode_path=path)
+    x = torch.randn(*lead, 96).to(dtype)
+    ref = F.linear(x.float(), linear.weight.float(), linear.bias.float())
+    got = sparse(x)
+    assert got.shape == (*lead, 50) and got.dtype == dtype
+    _close(got, ref, dtype)
+    assert sparse.weight_bytes < linear.weight.numel() * linear.weight.element_size()
+    assert torch.equal(sparse.dense_weight(), linear.weight.detach())
+
+
+def test_unknown_decode_path_is_refused():
+    with pytest.raises(ValueError, match="decode_path"):
+        SparseLinear.from_dense(torch.nn.Linear(4, 4), decode_path="magic")
