@@ -33,11 +33,11 @@ def main() -> int:
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    from elsa_ds.cli import _quiet_libraries
     from elsa_ds.config import resolve_config
+    from elsa_ds.log import setup_logging
     from elsa_ds.zero.ds_config import DsConfig
 
-    _quiet_libraries()
+    setup_logging()
     ds_config = DsConfig.load(args.deepspeed)
     cfg = resolve_config(ds_config.raw, {"model": args.model, "dataset": args.dataset, "interval": args.interval, "val_windows": 0})
     import torch

@@ -149,12 +149,12 @@ def main() -> int:
     rows = args.rows or list(QUICK_ROWS if args.quick else DEFAULT_ROWS)
     sparsities = args.sparsities or ([0.7, 0.9] if args.quick else list(SPARSITIES))
 
-    from elsa_ds.cli import _quiet_libraries
     from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
     from elsa_ds.io import write_json
+    from elsa_ds.log import setup_logging
     from elsa_ds.zero.ds_config import DsConfig
 
-    _quiet_libraries()
+    setup_logging()
     model = args.model or str(DEMO_MODEL_DIR)
     cfg = resolve_config(DsConfig.load(args.deepspeed).raw, {"model": model, "dataset": args.dataset, "seqlen": args.seqlen})
     source = args.eval_ppl or cfg.dataset

@@ -21,9 +21,11 @@ from pathlib import Path
 from elsa_ds.config import resolve_config
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.errors import ElsaError, require
+from elsa_ds.log import get_logger
 from elsa_ds.memory import Estimate, estimate, model_shape, resolve_model_config
 
 ROOT = Path(__file__).resolve().parent.parent
+log = get_logger(__name__)
 
 
 @dataclass
@@ -131,7 +133,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
             extra = ["--nvme_path", str(nvme)]
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(_free_port()),
                str(ROOT / "launch" / "prune.py"), "--deepspeed", cfg_path, *prune_args, *extra, "--output_dir", str(run_dir), "--overwrite"]
-        print(f"[ablation] {name}: {' '.join(cmd[3:])}", flush=True)
+        log.info(f"ablation run {name}: {' '.join(cmd[3:])}")
         with (out_dir / f"{name}.log").open("w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             monitor = TreeMonitor(proc.pid, nvme)

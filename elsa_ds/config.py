@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from elsa_ds.admm.optimizer import AdmmSettings, Projection
 from elsa_ds.admm.projection import NM
@@ -23,7 +23,8 @@ from elsa_ds.config_files import load_profile, load_recipe as _load_recipe
 from elsa_ds.data.sampling import Sampling
 from elsa_ds.data.sources import DEMO_DATASET, LOCAL_SUFFIXES
 from elsa_ds.data.windows import PplProtocol
-from elsa_ds.errors import ElsaError
+from elsa_ds.errors import ElsaError, format_validation_error
+from elsa_ds.log import LogLevel
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
 from elsa_ds.targets import LayerGoal, layer_goals
 
@@ -41,6 +42,14 @@ RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "
                      "z_dtype", "u_dtype", "base_optimizer", "lr", "seqlen", "seed", "val_dataset", "sampling", "ppl_protocol",
                      "val_windows", "freeze_embeddings")
 RESUME_DEFAULTS = {"hold_steps": 0, "init_weights": False}  # settings added since checkpoints were first written: their value before then
+
+
+def comma_list(value: Any) -> Any:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``: how every comma-list flag is read; anything but a string passes as it is."""
+    return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+
+
+CommaList = Annotated[list[str], BeforeValidator(comma_list)]  # a list setting that a flag gives as "a,b,c"
 
 
 def _group(name: str, metavar: str | None = None) -> dict[str, Any]:
@@ -77,7 +86,8 @@ class ElsaConfig(BaseModel):
     targets: str | None = Field(None, **_group("sparsity", "REGEX"))
     """Regex over module names of the nn.Linear layers to prune [every Linear inside the decoder layers]."""
     init_mask: str | None = Field(None, **_group("sparsity", "METHOD_OR_DIR"))
-    """Warm start of ELSA's z from a magnitude, wanda or sparsegpt mask, or a pruned model directory; none: no warm start. Unset with lr unset: the defaults rule's (sparsegpt with init_weights below 80 % sparsity under 2048 steps)."""
+    """Warm start of ELSA's z from a magnitude, wanda or sparsegpt mask, or a pruned model directory; none: no warm start.
+    Unset with lr unset: the defaults rule's (sparsegpt with init_weights below 80 % sparsity under 2048 steps)."""
     init_weights: bool = Field(False, **_group("sparsity"))
     """With init_mask: x starts from its pruned weights too (SparseGPT's reconstruction; a directory's): z₀ = x₀, u₀ = 0."""
     nsamples: int = Field(128, gt=0, **_group("sparsity"))
@@ -100,11 +110,16 @@ class ElsaConfig(BaseModel):
 
     # --- data ----------------------------------------------------------------------------------------------
     dataset: str = Field("c4", **_group("data", "SOURCE"))
-    """c4, wikitext2, shakespeare, a datasets name with a text column, or local .txt/.md/.jsonl/.parquet files; a local directory is split by file names (train/validation/test), otherwise 10% of whole documents are held out for validation [c4; demo: shakespeare]."""
+    """c4, wikitext2, shakespeare, a datasets name with a text column, or local .txt/.md/.jsonl/.parquet files; a local
+    directory is split by file names (train/validation/test), otherwise 10% of whole documents are held out for
+    validation [c4; demo: shakespeare]."""
     val_dataset: str | None = Field(None, **_group("data", "SOURCE"))
-    """Validation text instead of the held-out part of dataset (read as launch/evaluate.py --ppl reads it); dataset then trains on all of its documents; the report's perplexities and --select_every score on it."""
+    """Validation text instead of the held-out part of dataset (read as launch/evaluate.py --ppl reads it); dataset then
+    trains on all of its documents; the report's perplexities and --select_every score on it."""
     sampling: Sampling = Field(Sampling.auto, **_group("data"))
-    """Training sequences: crop (the ELSA authors' loader: random documents longer than seqlen, a random window of each; Gemma: BOS + seqlen-1 tokens), pack (documents joined by EOS in BOS-first blocks), auto (crop for c4 and wikitext2, pack otherwise)."""
+    """Training sequences: crop (the ELSA authors' loader: random documents longer than seqlen, a random window of
+    each; Gemma: BOS + seqlen-1 tokens), pack (documents joined by EOS in BOS-first blocks), auto (crop for c4 and
+    wikitext2, pack otherwise)."""
     seqlen: int = Field(2048, ge=2, **_group("data"))
     """Tokens per training block and validation window."""
     batch_size: int | None = Field(None, gt=0, **_group("data"))
@@ -116,8 +131,10 @@ class ElsaConfig(BaseModel):
     val_windows: int = Field(128, ge=0, **_group("data"))
     """Validation windows for dense / one-shot / pruned perplexity in the report (0 skips)."""
     ppl_protocol: PplProtocol = Field(PplProtocol.auto, **_group("data"))
-    """Perplexity windows of the report and of eval_ppl: stream (SparseGPT/Wanda: the text tokenized once, consecutive windows), window (the ELSA authors' Gemma protocol: the same windows, BOS overwrites each first token), auto (window for Gemma, stream otherwise)."""
-    baseline: str = Field("magnitude", **_group("data"))
+    """Perplexity windows (the report's, eval_ppl's, launch/evaluate.py's): stream (SparseGPT/Wanda: the text tokenized
+    once, consecutive windows), window (the ELSA authors' Gemma protocol: the same windows, BOS overwrites each first
+    token), auto (window for Gemma, stream otherwise)."""
+    baseline: Literal["magnitude", "none"] = Field("magnitude", **_group("data"))
     """One-shot baseline the report evaluates on the same windows: magnitude or none."""
 
     # --- ADMM ----------------------------------------------------------------------------------------------
@@ -126,9 +143,12 @@ class ElsaConfig(BaseModel):
     interval: int = Field(32, gt=0, **_group("admm"))
     """Steps between projections z = Π(x + u), u = u + x − z."""
     hold_steps: int = Field(0, ge=0, **_group("admm"))
-    """Train the last this many steps inside a fixed mask: the hard projection x = Π(x) comes that many steps before the end, then no penalty and the pruned entries held at exactly 0 (the masked retraining of ADMM pruning; not in the ELSA paper). λ's schedule runs over the steps before it. 0 = the paper's method."""
+    """Train the last this many steps inside a fixed mask: the hard projection x = Π(x) comes that many steps before
+    the end, then no penalty and the pruned entries held at exactly 0 (the masked retraining of ADMM pruning; not in
+    the ELSA paper). λ's schedule runs over the steps before it. 0 = the paper's method."""
     select_every: int = Field(0, ge=0, **_group("admm"))
-    """Score the hard projection Π(x) on the validation windows every this many projections and export the best one (0 = export the final Π(x)); with --init_weights the pruned start is scored too, as step 0."""
+    """Score the hard projection Π(x) on the validation windows every this many projections and export the best one
+    (0 = export the final Π(x)); with --init_weights the pruned start is scored too, as step 0."""
     select_patience: int = Field(0, ge=0, **_group("admm"))
     """Stop once this many scored projections in a row did not improve on the best (0 = never stop early)."""
     lmda: float = Field(0.01, ge=0.0, **_group("admm"))
@@ -160,7 +180,8 @@ class ElsaConfig(BaseModel):
     gradient_checkpointing: bool = Field(True, **_group("optimizer"))
     """Recompute decoder-layer activations in backward (what lets 27B activations fit) [on; demo: off]."""
     freeze_embeddings: bool = Field(False, **_group("optimizer"))
-    """Train neither the token embedding nor the LM head (no gradient, master, moments, z, u): at a 256k vocabulary the embedding is the largest tensor, and NVMe offload sizes every optimizer swap buffer by it."""
+    """Train neither the token embedding nor the LM head (no gradient, master, moments, z, u): at a 256k vocabulary the
+    embedding is the largest tensor, and NVMe offload sizes every optimizer swap buffer by it."""
 
     # --- engine, checkpoints, logging ------------------------------------------------------------------------
     nvme_path: str | None = Field(None, **_group("engine", "DIR"))
@@ -173,17 +194,12 @@ class ElsaConfig(BaseModel):
     """Steps between progress-bar updates."""
 
     # --- evaluation of the saved model at the end ------------------------------------------------------------
-    eval_ppl: list[str] = Field(default_factory=list, **_group("evaluation", "LIST"))
+    eval_ppl: CommaList = Field(default_factory=list, **_group("evaluation", "LIST"))
     """Comma list of wikitext2, c4 or local text paths: perplexity of the saved model, rank 0 alone at the end."""
-    eval_tasks: list[str] = Field(default_factory=list, **_group("evaluation", "LIST"))
+    eval_tasks: CommaList = Field(default_factory=list, **_group("evaluation", "LIST"))
     """Comma list of lm-eval tasks run 0-shot on the saved model ('paper' = the seven tasks of the papers)."""
     eval_include_path: str | None = Field(None, **_group("evaluation", "DIR"))
     """Directory of local lm-eval task YAMLs for eval_tasks."""
-
-    @field_validator("eval_ppl", "eval_tasks", mode="before")
-    @classmethod
-    def _comma_list(cls, v: Any) -> Any:
-        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
 
     @field_validator("eval_ppl")
     @classmethod
@@ -238,15 +254,9 @@ class ElsaConfig(BaseModel):
     @classmethod
     def _known_init_mask(cls, v: str | None) -> str | None:
         if v not in (None, "none", *oneshot_names()) and not (Path(v).expanduser() / "config.json").is_file():
-            raise ValueError(f"must be one of {', '.join(oneshot_names())}, none or a directory holding a pruned model (config.json, *.safetensors)")
+            raise ValueError(f"must be one of {', '.join(oneshot_names())}, none or a directory holding a pruned model "
+                             "(config.json, *.safetensors)")
         return None if v == "none" else v  # none: no warm start, said explicitly
-
-    @field_validator("baseline")
-    @classmethod
-    def _known_baseline(cls, v: str) -> str:
-        if v not in ("magnitude", "none"):
-            raise ValueError("must be 'magnitude' or 'none'")
-        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -338,7 +348,8 @@ class JobOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, arbitrary_types_allowed=True)
 
     deepspeed: str = Field(..., json_schema_extra={"group": "run", "metavar": "CFG"})
-    """DeepSpeed JSON with ZeRO stage 3, by path or by the name of a shipped config (zero3, zero3_offload, zero3_nvme, zero3_offload_elsal)."""
+    """DeepSpeed JSON with ZeRO stage 3, by path or by the name of a shipped config (zero3, zero3_offload, zero3_nvme,
+    zero3_offload_elsal)."""
     output_dir: Path = Field(..., json_schema_extra={"group": "run", "metavar": "DIR"})
     """Where the pruned model and elsa_report.json go; a non-empty directory is refused unless --overwrite or --resume."""
     overwrite: bool = Field(False, json_schema_extra={"group": "run"})
@@ -349,6 +360,8 @@ class JobOptions(BaseModel):
     """Settings from a recipe (recipes/*.json, by name or path): the paper's per-model, per-sparsity values."""
     ignore_memory_check: bool = Field(False, json_schema_extra={"group": "run"})
     """Start even when the pre-flight check estimates that the run does not fit this machine."""
+    log_level: LogLevel = Field("info", json_schema_extra={"group": "run"})
+    """Console detail: rank 0 logs at this level (debug, info, warning, error), other ranks warnings and errors only."""
     model_object: Any = Field(None, json_schema_extra={"cli": False})
     """A model already in memory (Python API only); ``model`` then names it in the report."""
     tokenizer_object: Any = Field(None, json_schema_extra={"cli": False})
@@ -361,21 +374,6 @@ def job_options(values: dict[str, Any]) -> JobOptions:
         return JobOptions(**values)
     except ValidationError as err:
         raise ElsaError(format_validation_error(err, "the command line", JobOptions)) from None
-
-
-def format_validation_error(err: ValidationError, where: str, model: type[BaseModel] = ElsaConfig) -> str:
-    """Every problem of a pydantic ValidationError in one line, each naming its field."""
-    parts = []
-    for e in err.errors():
-        field = ".".join(str(x) for x in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if not field:  # a rule across fields: the message names them
-            parts.append(msg)
-        elif e["type"] == "extra_forbidden":
-            parts.append(f"{field}: unknown setting (known: {', '.join(sorted(model.model_fields))})")
-        else:
-            parts.append(f"{field}={e.get('input')!r}: {msg}")
-    return f"invalid setting in {where}: " + "; ".join(parts)
 
 
 def load_recipe(name_or_path: str) -> dict[str, Any]:
@@ -397,4 +395,4 @@ def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the Deep
     try:
         return ElsaConfig(**merged)
     except ValidationError as err:
-        raise ElsaError(format_validation_error(err, f"{source} / command line")) from None
+        raise ElsaError(format_validation_error(err, f"{source} / command line", ElsaConfig)) from None

@@ -1,6 +1,8 @@
 """The one exception type users see."""
 from __future__ import annotations
 
+from typing import Any
+
 
 class ElsaError(Exception):
     """A problem with the user's input or environment: the message says what is wrong and how to fix it.
@@ -17,3 +19,18 @@ def require(module: str, extra: str, feature: str):
         return importlib.import_module(module)
     except ImportError:
         raise ElsaError(f"{feature} needs the optional package {module.split('.')[0]}: pip install 'elsa_ds[{extra}]'") from None
+
+
+def format_validation_error(err: Any, where: str, model: Any) -> str:
+    """Every problem of a pydantic ValidationError against settings ``model`` in one line, each naming its field."""
+    parts = []
+    for e in err.errors():
+        field = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if not field:  # a rule across fields: the message names them
+            parts.append(msg)
+        elif e["type"] == "extra_forbidden":
+            parts.append(f"{field}: unknown setting (known: {', '.join(sorted(model.model_fields))})")
+        else:
+            parts.append(f"{field}={e.get('input')!r}: {msg}")
+    return f"invalid setting in {where}: " + "; ".join(parts)

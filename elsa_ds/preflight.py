@@ -15,16 +15,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.log import get_logger
 from elsa_ds.memory import RUNTIME_HOST_BYTES, STATE_BYTES, ModelShape, estimate, model_shape, moment_bytes
 
 MARGIN = 0.15
 GIB = 2 ** 30
 ALTERNATIVES = ("zero3_offload", "zero3_offload_elsal", "zero3_nvme")  # cheapest first: no disk, then NVMe
+log = get_logger(__name__)
 
 
 @dataclass
@@ -109,7 +110,7 @@ def disk_needs(needs: dict[Path, float], machine: Machine) -> list[Need]:
 
 # ---- the verdict ----------------------------------------------------------------------------------------------------
 def judge(needs: list[Need], hint: str, ignore: bool, rank: int) -> None:
-    """Refuse (one ElsaError line) or warn (rank 0, one stderr line) about the needs that do not fit."""
+    """Refuse (one ElsaError line) or warn (rank 0, one warning on stderr) about the needs that do not fit."""
     refused = [n for n in needs if n.refused]
     tight = [n for n in needs if n.tight and not n.refused]
     if refused and not ignore:
@@ -117,7 +118,7 @@ def judge(needs: list[Need], hint: str, ignore: bool, rank: int) -> None:
                         "; --ignore_memory_check starts it anyway")
     if rank == 0 and (refused or tight):
         verdict = "does not fit (--ignore_memory_check: starting anyway)" if refused else "may not fit; starting"
-        print(f"elsa_ds: warning: {'; '.join(n.line() for n in refused + tight)}: the run {verdict}", file=sys.stderr, flush=True)
+        log.warning(f"{'; '.join(n.line() for n in refused + tight)}: the run {verdict}")
 
 
 def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:

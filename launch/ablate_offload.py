@@ -14,7 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from elsa_ds.cli import guarded  # noqa: E402
+from elsa_ds.cli import add_flags, guarded, start_logging  # noqa: E402
+from elsa_ds.config import JobOptions  # noqa: E402
+from elsa_ds.log import get_logger  # noqa: E402
 
 DEFAULT_PRUNE_ARGS = ["--steps", "32", "--interval", "16", "--val_windows", "0", "--baseline", "none"]
 
@@ -24,8 +26,10 @@ def main() -> int:
     ap.add_argument("--configs", nargs="+", required=True, help="DeepSpeed configs; the first is the mask reference")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--num_gpus", type=int, default=2, help="ranks per run [2]")
+    add_flags(ap, JobOptions, ("log_level",))
     ap.add_argument("prune_args", nargs=argparse.REMAINDER, help="-- then flags for launch/prune.py")
     args = ap.parse_args()
+    start_logging(args)
     extra = [a for a in args.prune_args if a != "--"] or DEFAULT_PRUNE_ARGS
 
     def go() -> None:
@@ -35,8 +39,9 @@ def main() -> int:
         for c in args.configs:  # every config readable before the first run starts
             DsConfig.load(c).raw
         rows = run_ablation(args.configs, args.out, args.num_gpus, extra)
-        print((args.out / "ablation.md").read_text())
-        print(f"wrote {args.out / 'ablation.csv'}, {args.out / 'ablation.md'}, {args.out / 'ablation.png'} ({len(rows)} configs)")
+        print((args.out / "ablation.md").read_text())  # the table is the command's product: stdout
+        get_logger("elsa_ds.ablation").info(f"wrote {args.out / 'ablation.csv'}, {args.out / 'ablation.md'}, "
+                                            f"{args.out / 'ablation.png'} ({len(rows)} configs)")
 
     return guarded(go)
 

@@ -10,7 +10,8 @@ A real model with the paper's Gemma-2-27B settings at 70% sparsity (recipes/gemm
 
     deepspeed launch/prune.py --deepspeed ds_configs/zero3_offload.json --recipe gemma-2-27b-s70 --output_dir out/gemma2-27b-70
 
-Every flag may also sit in the "elsa" block of the DeepSpeed JSON; the command line wins.
+Every flag may also sit in the "elsa" block of the DeepSpeed JSON; the command line wins. Rank 0 logs progress at
+--log_level (info; warning keeps warnings and errors only), the other ranks their warnings and errors.
 """
 from __future__ import annotations
 

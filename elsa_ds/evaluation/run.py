@@ -12,72 +12,79 @@ import contextlib
 import json
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from copy import copy
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from elsa_ds.data import PplProtocol, PplWindows, evaluation_documents, load_tokenizer, ppl_windows, resolve_protocol
+from elsa_ds.config import CommaList, ElsaConfig
 from elsa_ds.data.windows import C4_WINDOWS, LAYOUTS
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
 from elsa_ds.evaluation.sparsity import sparsity_report
 from elsa_ds.evaluation.tables import results_table
-from elsa_ds.evaluation.zeroshot import task_manager, zeroshot
+from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
 from elsa_ds.io import versions, write_atomic
+from elsa_ds.log import get_logger
 from elsa_ds.models import load_causal_lm, load_config
 
 NAMED_SOURCES = ("wikitext2", "c4")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+log = get_logger(__name__)
 
 
-@dataclass
-class EvalSettings:
-    """One evaluation job; the command line maps onto it one to one."""
+class EvalSettings(BaseModel):
+    """One evaluation job: elsa-evaluate's flags are generated from these fields (``elsa_ds/cli.py``)."""
 
-    model: str
-    ppl: list[str] = field(default_factory=list)
-    """wikitext2 | c4 | local text file or directory, each evaluated with the same protocol."""
-    tasks: list[str] = field(default_factory=list)
-    """lm-eval task names, run 0-shot."""
-    include_path: str | None = None
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    model: str = Field(..., json_schema_extra={"metavar": "ID_OR_DIR"})
+    """Hub id or saved model directory (required unless --compare)."""
+    ppl: CommaList = Field(default_factory=list, json_schema_extra={"metavar": "LIST"})
+    """Comma list of wikitext2, c4 or local .txt/.jsonl/.parquet paths or directories, each evaluated with the same
+    protocol."""
+    tasks: list[str] = Field(default_factory=list, json_schema_extra={"metavar": "LIST", "const": "paper"})
+    """Comma list of lm-eval tasks, run 0-shot; 'paper' (or the flag without a value): boolq, rte, hellaswag, winogrande,
+    arc_easy, arc_challenge, openbookqa."""
+    include_path: str | None = Field(None, json_schema_extra={"metavar": "DIR"})
     """Directory of local lm-eval task YAMLs."""
-    seqlen: int = 2048
-    ppl_protocol: str = "auto"
-    """auto | stream | window (``elsa_ds.data.windows``)."""
-    batch_size: int = 1
-    limit: int | None = None
-    """Examples per lm-eval task and the most perplexity windows per dataset (for quick checks only)."""
-    dtype: str | None = None
-    """bf16 | fp16 | fp32; None: bf16 on CUDA, fp32 on CPU."""
-    device_map: str | None = None
-    """auto: spread a model too big for one GPU over GPUs, CPU and disk (CUDA only)."""
-    offload_folder: str | None = None
-    """Parent of the temporary disk-offload directory for --device_map auto (default: the system's temp dir)."""
-    output: Path | None = None
-    markdown: Path | None = None
+    seqlen: int = Field(2048, ge=2)
+    """Tokens per perplexity window."""
+    ppl_protocol: PplProtocol = copy(ElsaConfig.model_fields["ppl_protocol"])  # the job's field: one meaning, one help text
+    batch_size: int = Field(1, ge=1)
+    """Windows / lm-eval requests per forward."""
+    limit: int | None = Field(None, ge=1)
+    """Examples per lm-eval task and the most perplexity windows per dataset; quick checks only [all]."""
+    dtype: Literal["bf16", "fp16", "fp32"] | None = None
+    """Weights' dtype [bf16 on CUDA, fp32 on CPU]."""
+    device_map: Literal["auto"] | None = None
+    """Spread a model too large for one GPU over GPUs, CPU and disk (CUDA only) [one device]."""
+    offload_folder: str | None = Field(None, json_schema_extra={"metavar": "DIR"})
+    """Parent of the temporary disk-offload directory for --device_map auto [system temp]."""
+    output: Path | None = Field(None, json_schema_extra={"metavar": "FILE.json"})
+    """Write the result JSON here."""
+    markdown: Path | None = Field(None, json_schema_extra={"metavar": "FILE.md"})
+    """Write the markdown table here."""
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _expand_tasks(cls, v: Any) -> Any:
+        """'paper' stands for the seven tasks; a name given twice counts once (ElsaError when none is named)."""
+        return expand_tasks(v if isinstance(v, str) else ",".join(v)) if isinstance(v, str) or v else v
 
 
 def check_settings(s: EvalSettings) -> None:
-    """Reject bad numbers and unwritable outputs before anything is loaded."""
-    if s.seqlen < 2:
-        raise ElsaError(f"--seqlen must be at least 2, got {s.seqlen}")
-    if s.batch_size < 1:
-        raise ElsaError(f"--batch_size must be at least 1, got {s.batch_size}")
-    if s.limit is not None and s.limit < 1:
-        raise ElsaError(f"--limit must be at least 1, got {s.limit}")
-    if s.ppl_protocol not in {p.value for p in PplProtocol}:
-        raise ElsaError(f"--ppl_protocol {s.ppl_protocol!r}: use one of {', '.join(p.value for p in PplProtocol)}")
-    if s.dtype is not None and s.dtype not in DTYPES:
-        raise ElsaError(f"--dtype {s.dtype!r}: use one of {', '.join(DTYPES)}")
-    if s.device_map not in (None, "auto"):
-        raise ElsaError(f"--device_map {s.device_map!r}: the only choice is 'auto'")
+    """Reject unwritable outputs before anything is loaded (the model's fields hold the numbers' bounds)."""
     for flag, path in (("--output", s.output), ("--markdown", s.markdown)):
         if path is None:
             continue
         if Path(path).is_dir():
-            raise ElsaError(f"{flag} {path} is a directory; give a file name, e.g. {Path(path) / ('result.json' if flag == '--output' else 'result.md')}")
+            example = Path(path) / ("result.json" if flag == "--output" else "result.md")
+            raise ElsaError(f"{flag} {path} is a directory; give a file name, e.g. {example}")
         if not Path(path).resolve().parent.is_dir():
             raise ElsaError(f"{flag} {path}: directory {Path(path).resolve().parent} does not exist")
 
@@ -113,10 +120,6 @@ def source_windows(source: str, tokenizer, seqlen: int, protocol: PplProtocol, r
     return windows
 
 
-def say(msg: str) -> None:
-    print(f"[elsa_ds] {msg}", flush=True)
-
-
 @dataclass
 class _Prepared:
     """What the cheap checks produced, before any weight is loaded."""
@@ -132,8 +135,8 @@ class _Prepared:
 def prepare(s: EvalSettings) -> _Prepared:
     """Every check that needs no weights: settings, task names, model config, the perplexity windows."""
     check_settings(s)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items()}
-    say("evaluation settings:\n" + json.dumps(settings, indent=2))
+    settings = s.model_dump(mode="json")
+    log.info("evaluation settings:\n" + json.dumps(settings, indent=2))
     manager = task_manager(s.tasks, s.include_path) if s.tasks else None
     config = load_config(s.model)
     max_positions = getattr(config, "max_position_embeddings", None)
@@ -142,37 +145,38 @@ def prepare(s: EvalSettings) -> _Prepared:
                         f"pass --seqlen {max_positions} or less")
     tokenizer = load_tokenizer(s.model)
     protocol = resolve_protocol(s.ppl_protocol, config)
-    windows = {source: source_windows(source, tokenizer, s.seqlen, protocol, PplProtocol(s.ppl_protocol), s.limit) for source in s.ppl}
+    windows = {source: source_windows(source, tokenizer, s.seqlen, protocol, s.ppl_protocol, s.limit) for source in s.ppl}
     for source, w in windows.items():
-        say(f"perplexity data {source}: {w.count} windows x {s.seqlen} tokens, {protocol.value} protocol ({w.rule})")
+        log.info(f"perplexity data {source}: {w.count} windows x {s.seqlen} tokens, {protocol.value} protocol ({w.rule})")
         if source == "c4" and s.limit is None and w.count < C4_WINDOWS:
-            say(f"warning: c4 gave {w.count} windows, fewer than the protocol's {C4_WINDOWS}; not comparable with published tables")
+            log.warning(f"c4 gave {w.count} windows, fewer than the protocol's {C4_WINDOWS}; not comparable with published tables")
     return _Prepared(settings, config, tokenizer, manager, protocol, windows)
 
 
 def measure(s: EvalSettings, prep: _Prepared) -> dict[str, Any]:
     """Load the model, then its sparsity, perplexity per source and zero-shot accuracy."""
     if s.device_map and not torch.cuda.is_available():
-        say("--device_map auto needs CUDA; loading on the CPU")
+        log.warning("--device_map auto needs CUDA; loading on the CPU")
     offloading = s.device_map is not None and torch.cuda.is_available()
     offload_dir = tempfile.TemporaryDirectory(prefix="elsa_offload_", dir=s.offload_folder) if offloading else contextlib.nullcontext()
     with offload_dir as offload:
         model = load_model(s, prep.config, offload)
         first = next(model.parameters())
         found: dict[str, Any] = {"device": str(first.device), "dtype": str(first.dtype).removeprefix("torch.")}
-        say(f"loaded {s.model} ({prep.config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
+        log.info(f"loaded {s.model} ({prep.config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
             f"{found['dtype']}, {found['device']})")
         found["sparsity"], found["ppl"] = model_sparsity(s.model), {}
         for source, w in prep.windows.items():
             nll, tokens = window_nll(lambda ids: model(input_ids=ids).logits, w.ids, s.batch_size, device=first.device, progress=True)
-            found["ppl"][source] = {"ppl": w.perplexity(nll, tokens), "windows": w.count, "tokens": tokens, "nll_sum": nll,
+            found["ppl"][source] = {"ppl": w.perplexity(nll, tokens), "ppl_per_token": w.per_token(nll, tokens),
+                                    "windows": w.count, "tokens": tokens, "nll_sum": nll,
                                     "text": {"part": w.rule, "documents": w.documents, "text_tokens": w.text_tokens}}
-            say(f"{source} perplexity {found['ppl'][source]['ppl']:.3f} over {w.count} windows")
+            log.info(f"{source} perplexity {found['ppl'][source]['ppl']:.3f} over {w.count} windows")
         found["zeroshot"] = {}
         if s.tasks:
             found["zeroshot"] = zeroshot(model, prep.tokenizer, s.tasks, prep.manager, s.batch_size, s.limit)
             if found["zeroshot"]["add_bos_token"] and not found["zeroshot"]["bos_first"]:
-                say("warning: add_bos_token=True, but this tokenizer does not prepend BOS when asked to; "
+                log.warning("add_bos_token=True, but this tokenizer does not prepend BOS when asked to; "
                     "lm-eval's inputs start without BOS")
     return found
 
@@ -189,7 +193,7 @@ def run(s: EvalSettings) -> dict[str, Any]:
         "seqlen": s.seqlen, "settings": prep.settings,
         "protocol": {
             "ppl": prep.protocol.value,
-            "ppl_requested": s.ppl_protocol,
+            "ppl_requested": s.ppl_protocol.value,
             "ppl_layout": LAYOUTS[prep.protocol],
             "ppl_text": "wikitext2: the test split's lines joined by blank lines; c4: the first 1100 validation documents joined "
                         f"by a space, at most {C4_WINDOWS} windows; local files: their documents joined by blank lines "
@@ -201,13 +205,13 @@ def run(s: EvalSettings) -> dict[str, Any]:
         "wall_s": time.time() - started, "versions": versions(),
     }
     table = results_table([result])
-    print(table, flush=True)
+    print(table, flush=True)  # the table is the command's product: stdout, whatever the log level
     if s.output is not None:
         write_atomic(Path(s.output), json.dumps(result, indent=2) + "\n")
-        say(f"wrote {s.output}")
+        log.info(f"wrote {s.output}")
     if s.markdown is not None:
         write_atomic(Path(s.markdown), table)
-        say(f"wrote {s.markdown}")
+        log.info(f"wrote {s.markdown}")
     return result
 
 
@@ -218,5 +222,5 @@ def model_sparsity(model_id: str) -> dict[str, Any]:
     try:
         return sparsity_report(Path(cached_file(model_id, "config.json")).parent)
     except (ElsaError, OSError) as err:  # e.g. a .bin-only checkpoint: report why instead of failing the job
-        say(f"warning: no sparsity report: {err}")
+        log.warning(f"no sparsity report: {err}")
         return {"error": str(err)}

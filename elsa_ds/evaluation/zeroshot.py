@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from elsa_ds.config import comma_list
 from elsa_ds.errors import ElsaError, require
 
 PAPER_TASKS: tuple[str, ...] = ("boolq", "rte", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
@@ -20,7 +21,7 @@ METRICS: tuple[str, ...] = ("acc", "acc_norm")
 def expand_tasks(spec: str) -> list[str]:
     """Comma list of task names -> unique names in order; ``paper`` stands for the seven tasks of the papers."""
     names: list[str] = []
-    for name in (n.strip() for n in spec.split(",")):
+    for name in comma_list(spec):
         for task in PAPER_TASKS if name == "paper" else (name,) if name else ():
             if task not in names:
                 names.append(task)

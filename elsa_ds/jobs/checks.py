@@ -7,11 +7,11 @@ A run that would fail later fails here, in seconds, with one line.
 from __future__ import annotations
 
 import os
-import sys
 
 from elsa_ds import machine, preflight
 from elsa_ds.config import ElsaConfig, JobOptions
 from elsa_ds.errors import ElsaError
+from elsa_ds.log import get_logger
 from elsa_ds.memory import model_shape
 from elsa_ds.shapes import check_nvme_param_buffers
 from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model
@@ -35,7 +35,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     fallback = machine.cpu_bf16_fallback(ds)
     engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
     if fallback and engine_used and os.environ.get("RANK", "0") == "0":
-        print(fallback, file=sys.stderr)
+        get_logger(__name__).warning(fallback.removeprefix("elsa_ds: "))
     if ds_config.uses_nvme and (why := machine.nvme_unavailable()):
         raise ElsaError(why)
     meta = meta_model(model_config)

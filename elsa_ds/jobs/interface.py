@@ -41,11 +41,20 @@ def run_job(job: Job) -> dict[str, Any] | None:
 
 
 class Printer:
-    """Rank-0 console output."""
+    """Rank-0 console output, through the ``elsa_ds`` logger (``elsa_ds/log.py``: level, streams, rank tags)."""
 
     def __init__(self, rank: int):
+        from elsa_ds.log import get_logger
+
         self.rank = rank
+        self.log = get_logger("elsa_ds.jobs")
 
     def __call__(self, msg: str) -> None:
-        if self.rank == 0:
-            print(msg, flush=True)
+        if self.rank == 0:  # messages may carry the console's "[elsa_ds] " prefix, which the logger adds itself
+            self.log.info(msg.removeprefix("[elsa_ds] "))
+
+    def every_rank(self, msg: str) -> None:
+        """A line each rank shows (tagged with its rank), e.g. why a rank has nothing to do."""
+        from elsa_ds.log import EVERY_RANK
+
+        self.log.info(msg.removeprefix("[elsa_ds] "), extra=EVERY_RANK)

@@ -55,7 +55,7 @@ class OneShotJob:
 
     def train(self) -> None:
         if self.rank != 0:
-            print(f"[elsa_ds] rank {self.rank}: {self.cfg.method.value} runs in one process (rank 0); nothing to do here", flush=True)
+            self.say.every_rank(f"{self.cfg.method.value} runs in one process (rank 0); nothing to do here")
             return
         self.dense_ppl = self._ppl()
         self.done = prune_oneshot(self.cfg, self.cfg.oneshot, self.tokenizer, self.model, self.say)

@@ -147,8 +147,9 @@ def evaluate_saved_model(output_dir: Path, cfg: ElsaConfig) -> dict[str, Any]:
     behind ``launch/evaluate.py``; the full result goes to ``eval.json``/``eval.md``, a summary into the report."""
     from elsa_ds.evaluation.run import EvalSettings, run
     from elsa_ds.evaluation.zeroshot import expand_tasks
+    from elsa_ds.log import get_logger
 
-    print(f"[elsa_ds] evaluating {output_dir} (ppl: {cfg.eval_ppl or 'none'}; tasks: {cfg.eval_tasks or 'none'})", flush=True)
+    get_logger(__name__).info(f"evaluating {output_dir} (ppl: {cfg.eval_ppl or 'none'}; tasks: {cfg.eval_tasks or 'none'})")
     result = run(EvalSettings(
         model=str(output_dir), ppl=list(cfg.eval_ppl), tasks=expand_tasks(",".join(cfg.eval_tasks)) if cfg.eval_tasks else [],
         include_path=cfg.eval_include_path, seqlen=cfg.seqlen, ppl_protocol=cfg.ppl_protocol.value,

@@ -1,0 +1,133 @@
+"""The project's console: ``logging`` with rank-zero output, one ``--log_level``, and the library warnings a user
+cannot act on filtered.
+
+    log = get_logger(__name__)
+    log.info("pruning %d layers", n)          # rank 0:  [elsa_ds] pruning 7 layers           (stdout)
+    log.warning("c4 gave %d windows", 12)     # rank 0:  elsa_ds: warning: c4 gave 12 windows (stderr)
+                                              # rank 1:  elsa_ds: warning (rank 1): ...       (stderr)
+
+Rank 0 logs at the chosen level; other ranks log warnings and errors only (a record with ``extra=EVERY_RANK`` is
+shown by every rank). Records below WARNING go to stdout, the rest to stderr, both looked up when a record is
+written (so a redirected or captured stream is honoured). What stdout is the product of a command (the estimate
+table and JSON, evaluation tables, the flag table) is printed, not logged. The lowest layer: stdlib only.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import Literal, get_args
+
+ROOT = "elsa_ds"
+PREFIX = "[elsa_ds] "
+LogLevel = Literal["debug", "info", "warning", "error"]  # the --log_level choices
+EVERY_RANK = {"every_rank": True}  # extra= of a record every rank shows (e.g. "rank 1: nothing to do here")
+LIBRARIES = ("DeepSpeed", "deepspeed", "transformers", "datasets", "lm_eval", "accelerate")
+
+# Warnings raised inside libraries about their own use of other libraries: (category, message regex, why the user
+# cannot act on it). Each is matched by its category and the start of its message, nothing broader.
+QUIET_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
+    (FutureWarning, r"`gradient_checkpointing_enable` is deprecated",
+     "transformers 5 renamed the method; elsa_ds calls it on any transformers version, the behaviour is the same"),
+    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+     "DeepSpeed's ZeRO-3 gathers and reduce-scatters call it, once per collective kind and rank"),
+    (UserWarning, r"TypedStorage is deprecated",
+     "DeepSpeed's checkpoint and partition code calls tensor.storage(); nothing of the user's touches storages"),
+)
+# DeepSpeed log records that are a consequence of how elsa_ds builds the engine, not of anything the user chose.
+QUIET_LIBRARY_RECORDS: tuple[tuple[str, str, str], ...] = (
+    ("DeepSpeed", "You are using ZeRO with an untested optimizer",
+     "the ADMM wrapper is the optimizer by design (zero_allow_untested_optimizer); tests hold it to a reference"),
+)
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger of module ``name`` (pass ``__name__``), below the ``elsa_ds`` logger that setup_logging configures.
+
+    Until setup_logging runs (the Python API, tests), a default console is installed: rank from $RANK, level info.
+    """
+    root = logging.getLogger(ROOT)
+    if not any(isinstance(h, ConsoleHandler) for h in root.handlers):
+        _configure(root, logging.INFO, int(os.environ.get("RANK", "0") or 0))
+    return logging.getLogger(name if name == ROOT or name.startswith(ROOT + ".") else f"{ROOT}.{name}")
+
+
+def setup_logging(level: str | int = "info", rank: int | None = None) -> logging.Logger:
+    """Console for this process: rank 0 at ``level``, other ranks warnings only; quiet libraries, filtered warnings.
+
+    ``rank`` defaults to $RANK (set by the deepspeed launcher and torchrun). Safe to call again (e.g. per job).
+    """
+    numeric = level if isinstance(level, int) else logging.getLevelName(str(level).upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"log level {level!r}: use one of {', '.join(get_args(LogLevel))}")
+    rank = int(os.environ.get("RANK", "0") or 0) if rank is None else rank
+    root = logging.getLogger(ROOT)
+    _configure(root, numeric, rank)
+    quiet_libraries(max(numeric, logging.WARNING))
+    filter_warnings()
+    return root
+
+
+def _configure(root: logging.Logger, level: int, rank: int) -> None:
+    for handler in [h for h in root.handlers if isinstance(h, ConsoleHandler)]:
+        root.removeHandler(handler)
+    root.addHandler(ConsoleHandler(rank))
+    root.setLevel(level)
+    root.propagate = False  # the root logger's handlers (if an application set some) would print it twice
+
+
+class ConsoleHandler(logging.Handler):
+    """stdout below WARNING, stderr from WARNING on; rank 0 everything it is given, other ranks WARNING and above."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        shown = self.rank == 0 or record.levelno >= logging.WARNING or getattr(record, "every_rank", False)
+        return shown and super().filter(record)
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + logging.Formatter().formatException(record.exc_info)
+        if record.levelno >= logging.WARNING:
+            kind = record.levelname.lower()
+            return f"elsa_ds: {kind}: {text}" if self.rank == 0 else f"elsa_ds: {kind} (rank {self.rank}): {text}"
+        return PREFIX + text if self.rank == 0 else f"{PREFIX}rank {self.rank}: {text}"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # logging's contract: a broken console never raises into the job
+            self.handleError(record)
+
+
+def quiet_libraries(level: int = logging.WARNING) -> None:
+    """Libraries log at WARNING or above; their progress bars and tokenizer threads stay off."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for name in LIBRARIES:
+        logging.getLogger(name).setLevel(level)
+    for name, message, _why in QUIET_LIBRARY_RECORDS:
+        library = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.message == message for f in library.filters):
+            library.addFilter(_DropMessage(message))
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.message not in record.getMessage()
+
+
+def filter_warnings() -> None:
+    """Ignore exactly the QUIET_WARNINGS; every other warning is shown as Python shows it."""
+    for category, message, _why in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)

@@ -1,0 +1,106 @@
+"""elsa-estimate and elsa-evaluate take their flags from the settings models that generate elsa-prune's: a flag that
+means the same thing is declared once, with one help text; comma lists are read by one parser."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from elsa_ds.cli import (ESTIMATE_SHARED, EstimateOptions, _cli_fields, estimate_parser, evaluate_parser, main_estimate,
+                         main_evaluate, prune_parser)
+from elsa_ds.config import DEMO_MODEL_DIR, ElsaConfig, JobOptions, comma_list
+from elsa_ds.evaluation.run import EvalSettings
+from elsa_ds.evaluation.zeroshot import PAPER_TASKS, expand_tasks
+
+PACKAGE = Path(__file__).resolve().parent.parent / "elsa_ds"
+CLI_ONLY = {"--help", "--version", "--json", "--compare"}  # output switches and modes, not settings
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Visible flags by their name (--X of --X/--no-X, --help of -h/--help)."""
+    return {next(o for o in a.option_strings if o.startswith("--") and not o.startswith("--no-")): a
+            for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS}
+
+
+def _docstring(model, name: str) -> str:
+    return " ".join(model.model_fields[name].description.split())
+
+
+@pytest.mark.parametrize("make", [estimate_parser, evaluate_parser], ids=["estimate", "evaluate"])
+def test_every_flag_is_a_settings_field(make):
+    models = (EstimateOptions, JobOptions, ElsaConfig) if make is estimate_parser else (EvalSettings, JobOptions)
+    fields = {f"--{name}" for model in models for name in _cli_fields(model)}
+    flags = set(_flags(make()))
+    assert flags - CLI_ONLY <= fields, flags - CLI_ONLY - fields
+
+
+def test_shared_flags_have_the_job_settings_help_text():
+    prune = _flags(prune_parser())
+    shared = [(model, name, _flags(estimate_parser())) for model, names in ESTIMATE_SHARED.items() for name in names]
+    shared += [(ElsaConfig, "ppl_protocol", _flags(evaluate_parser())), (JobOptions, "log_level", _flags(evaluate_parser()))]
+    assert {name for _, name, _ in shared} >= {"seqlen", "batch_size", "micro_batch", "targets", "deepspeed", "log_level"}
+    for model, name, flags in shared:
+        flag = f"--{name}"
+        assert flags[flag].help == prune[flag].help, flag
+        assert flags[flag].help.replace("%%", "%").startswith(_docstring(model, name).removesuffix("."))
+        assert flags[flag].choices == prune[flag].choices and flags[flag].type == prune[flag].type
+
+
+def test_evaluate_help_is_the_settings_docstrings():
+    flags = _flags(evaluate_parser())
+    for name in _cli_fields(EvalSettings):
+        text = re.sub(r"\s*\[[^\]]*\]\.?$", "", _docstring(EvalSettings, name)).removesuffix(".")
+        assert flags[f"--{name}"].help.startswith(text), name
+    assert "demo" not in flags["--seqlen"].help  # the demo's profile is the pruning job's, not an evaluation's
+    assert "demo: 256" in _flags(estimate_parser())["--seqlen"].help  # the estimate resolves the job's settings
+
+
+def test_existing_flag_spellings_still_parse():
+    est = estimate_parser().parse_args(["--model", "m", "--deepspeed", "zero3", "--num_gpus", "2", "--num_nodes", "3",
+                                        "--micro_batch", "2", "--batch_size", "8", "--seqlen", "512", "--targets", "q_proj",
+                                        "--no_gradient_checkpointing", "--json"])
+    assert (est.num_gpus, est.num_nodes, est.micro_batch, est.batch_size, est.seqlen) == (2, 3, 2, 8, 512)
+    assert est.gradient_checkpointing is False and est.json and est.targets == "q_proj"
+    unset = estimate_parser().parse_args(["--model", "m", "--deepspeed", "zero3"])
+    assert unset.seqlen is None and unset.gradient_checkpointing is None  # not given: the job's value applies
+    ev = evaluate_parser().parse_args(["--model", "m", "--ppl", "wikitext2,c4", "--tasks", "--seqlen", "64", "--dtype", "fp32",
+                                       "--device_map", "auto", "--output", "r.json", "--limit", "3", "--batch_size", "4"])
+    settings = EvalSettings(**{k: v for k in _cli_fields(EvalSettings) if (v := getattr(ev, k)) is not None})
+    assert settings.tasks == list(PAPER_TASKS) and settings.ppl == ["wikitext2", "c4"]
+    assert (settings.seqlen, settings.dtype, settings.device_map, settings.limit, settings.batch_size) == (64, "fp32", "auto", 3, 4)
+    assert settings.output == Path("r.json")
+    assert prune_parser().parse_args(["--deepspeed", "z", "--output_dir", "o", "--no_gradient_checkpointing"]).gradient_checkpointing is False
+
+
+def test_one_parser_for_comma_lists():
+    assert comma_list(" wikitext2, c4,, ") == ["wikitext2", "c4"]
+    assert ElsaConfig(eval_tasks="rte, boolq,").eval_tasks == ["rte", "boolq"]
+    assert EvalSettings(model="m", ppl="c4 ,wikitext2").ppl == ["c4", "wikitext2"]
+    assert expand_tasks("rte,, paper") == ["rte", *[t for t in PAPER_TASKS if t != "rte"]]
+    splitters = [f"{p.relative_to(PACKAGE)}:{n}" for p in PACKAGE.rglob("*.py")
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"""\.split\(\s*["'],["']""", line)]
+    assert [s.split(":")[0] for s in splitters] == ["config.py"], f"one comma-list parser (config.comma_list): {splitters}"
+
+
+def test_bad_settings_are_one_error_line(capsys, tiny_model_dir):
+    assert main_evaluate(["--model", str(tiny_model_dir), "--seqlen", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("elsa_ds: error: ") and "seqlen=1" in err[0]
+    assert main_estimate(["--model", "google/gemma-2-2b", "--deepspeed", "zero3", "--num_gpus", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "num_gpus=0" in err[0]
+    assert main_estimate(["--model", "google/gemma-2-2b", "--deepspeed", "zero3", "--seqlen", "1"]) == 2
+    assert "seqlen=1" in capsys.readouterr().err  # validated by ElsaConfig, as elsa-prune validates it
+
+
+def test_estimate_resolves_unset_settings_as_the_job_does(capsys):
+    """Not given: the JSON's, a recipe's or the demo profile's value, as elsa-prune would run the job."""
+    assert main_estimate(["--model", str(DEMO_MODEL_DIR), "--deepspeed", "zero3", "--json"]) == 0
+    demo = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main_estimate(["--model", str(DEMO_MODEL_DIR), "--deepspeed", "zero3", "--json", "--seqlen", "2048",
+                          "--gradient_checkpointing"]) == 0
+    long = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert demo["breakdown"]["activations"]["per_gpu"] < long["breakdown"]["activations"]["per_gpu"]

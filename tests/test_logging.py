@@ -1,0 +1,120 @@
+"""The console: rank 0 logs at --log_level, other ranks warnings only, library warnings a user cannot act on filtered."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from elsa_ds.log import EVERY_RANK, QUIET_LIBRARY_RECORDS, QUIET_WARNINGS, ROOT, get_logger, setup_logging
+from tests.conftest import ROOT as REPO, run_entry
+
+
+@pytest.fixture
+def console():
+    """setup_logging changes process-wide state: put the elsa_ds logger and the warning filters back afterwards."""
+    root = logging.getLogger(ROOT)
+    handlers, level = list(root.handlers), root.level
+    with warnings.catch_warnings():
+        yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_rank_zero_logs_info_to_stdout_and_warnings_to_stderr(console, capsys):
+    setup_logging("info", rank=0)
+    log = get_logger("elsa_ds.test")
+    log.info("pruning 7 layers")
+    log.warning("c4 gave 12 windows")
+    out, err = capsys.readouterr()
+    assert out == "[elsa_ds] pruning 7 layers\n"
+    assert err == "elsa_ds: warning: c4 gave 12 windows\n"
+
+
+def test_other_ranks_show_warnings_only_tagged_with_their_rank(console, capsys):
+    setup_logging("debug", rank=1)
+    log = get_logger("elsa_ds.test")
+    log.info("pruning 7 layers")
+    log.debug("details")
+    log.warning("disk is slow")
+    log.info("sparsegpt runs in one process (rank 0); nothing to do here", extra=EVERY_RANK)
+    out, err = capsys.readouterr()
+    assert "pruning" not in out and "details" not in out
+    assert out == "[elsa_ds] rank 1: sparsegpt runs in one process (rank 0); nothing to do here\n"
+    assert err == "elsa_ds: warning (rank 1): disk is slow\n"
+
+
+def test_log_level_warning_hides_info_and_debug_shows_it(console, capsys):
+    setup_logging("warning", rank=0)
+    log = get_logger("test_module")  # a name outside the package is put below elsa_ds
+    log.info("hidden")
+    log.error("shown")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "elsa_ds: error: shown\n"
+    setup_logging("debug", rank=0)
+    log.debug("now shown")
+    assert capsys.readouterr().out == "[elsa_ds] now shown\n"
+    with pytest.raises(ValueError, match="debug, info, warning, error"):
+        setup_logging("loud")
+
+
+def test_evaluate_log_level_warning_keeps_the_table_and_drops_the_progress_lines(tmp_path, tiny_model_dir, text_dir):
+    text = sorted(text_dir.glob("*.txt"))[0]
+    args = ["--model", str(tiny_model_dir), "--ppl", str(text), "--seqlen", "32", "--limit", "2"]
+    default = run_entry("evaluate.py", args, timeout=300)
+    quiet = run_entry("evaluate.py", [*args, "--log_level", "warning"], timeout=300)
+    assert "[elsa_ds] loaded" in default.stdout and "[elsa_ds] evaluation settings" in default.stdout
+    assert "[elsa_ds]" not in quiet.stdout
+    table = [line for line in default.stdout.splitlines() if line.startswith("|")]
+    assert table and table == [line for line in quiet.stdout.splitlines() if line.startswith("|")]
+
+
+SCRIPT = """
+import sys, warnings
+import torch
+from transformers import AutoModelForCausalLM
+from deepspeed.utils import logger as ds_logger
+from elsa_ds.log import setup_logging
+if sys.argv[1] == "filtered":  # otherwise Python's default filters: FutureWarning and UserWarning shown
+    setup_logging("info", rank=0)
+AutoModelForCausalLM.from_pretrained(sys.argv[2]).gradient_checkpointing_enable()
+torch.zeros(2).storage()
+ds_logger.warning("**** You are using ZeRO with an untested optimizer, proceed with caution *****")
+ds_logger.warning("an unrelated DeepSpeed warning")
+warnings.warn("an unrelated deprecation", FutureWarning)
+"""
+
+
+def _warnings_of(mode: str, model_dir) -> str:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(model_dir)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def test_library_warnings_a_user_cannot_act_on_are_filtered_and_others_are_not(tiny_model_dir):
+    shown = _warnings_of("plain", tiny_model_dir)
+    filtered = _warnings_of("filtered", tiny_model_dir)
+    quiet = ["`gradient_checkpointing_enable` is deprecated", "TypedStorage is deprecated",
+             "You are using ZeRO with an untested optimizer"]
+    for text in quiet:
+        assert text in shown, f"the library no longer warns {text!r}: drop its filter from elsa_ds/log.py"
+        assert text not in filtered
+    for text in ("an unrelated DeepSpeed warning", "an unrelated deprecation"):
+        assert text in shown and text in filtered
+    assert all(why for *_, why in QUIET_WARNINGS + QUIET_LIBRARY_RECORDS)  # each filter says why it is safe
+
+
+def test_torch_collective_deprecation_is_filtered(console):
+    setup_logging("info", rank=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        from elsa_ds.log import filter_warnings
+
+        filter_warnings()
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning)
+        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning)
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated", UserWarning)  # another category
+    assert [str(w.message) for w in seen] == ["`torch.distributed.all_gather_into_tensor` is deprecated"]
