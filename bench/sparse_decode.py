@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -38,6 +39,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="decode steps per timed round [6]")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per batch size (ABBA) [3]")
     p.add_argument("--with_head", action="store_true", help="also time the whole model (LM head included) [decoder layers only]")
+    p.add_argument("--kernels_only", action="store_true", help="only time one 11008x4096 weight: dense, C++ kernel, torch CSR")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for torch and the kernel [1]")
     p.add_argument("--vocab", type=int, default=LLAMA2_7B["vocab_size"], help="vocabulary size [32000]")
     p.add_argument("--workdir", type=Path, default=None, help="where the exports go (default: a temporary folder)")
@@ -60,13 +62,21 @@ def prune(model, sparsity: float) -> None:
     """Magnitude-prune every decoder Linear weight to ``sparsity`` (per tensor; masks nest as sparsity rises)."""
     import torch
 
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in name:
+            prune_weight(module.weight, sparsity)
+
+
+def prune_weight(w, sparsity: float) -> None:
+    """Zero the ``sparsity`` fraction of smallest |w|: bf16 has many equal magnitudes, so a fixed relative jitter far
+    below bf16's spacing (1e-4 against 2^-8) breaks the ties and the count is exact; the same jitter every call."""
+    import torch
+
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and ".layers." in name:
-                w = module.weight
-                k = int(w.numel() * sparsity)
-                threshold = w.abs().flatten().float().kthvalue(k).values.to(w.dtype)
-                w.masked_fill_(w.abs() <= threshold, 0)
+        gen = torch.Generator().manual_seed(0)
+        score = w.abs().float().flatten() * (1 + 1e-4 * torch.rand(w.numel(), generator=gen))
+        threshold = score.kthvalue(int(w.numel() * sparsity)).values
+        w.view(-1).masked_fill_(score <= threshold, 0)
 
 
 def one_sparsity(model, sparsity: float, work: Path, args, bandwidth: float) -> dict:
@@ -84,13 +94,43 @@ def one_sparsity(model, sparsity: float, work: Path, args, bandwidth: float) -> 
     seconds = time.perf_counter() - start
     shutil.rmtree(dense_dir)
     batches = tuple(int(b) for b in args.batches.split(","))
-    row = {"sparsity": sparsity, "compress_s": seconds, "dense_files_bytes": dense_files,
+    nonzeros = sum(t["nonzeros"] for t in done["tensors"].values())
+    row = {"sparsity": sparsity, "measured_sparsity": 1 - nonzeros / sum(math.prod(t["shape"]) for t in done["tensors"].values()),
+           "compress_s": seconds, "dense_files_bytes": dense_files,
            "encodings": sorted({t["encoding"] for t in done["tensors"].values()})}
     for part, layers_only in (("layers", True), ("model", False))[: 2 if args.with_head else 1]:
         row[part] = measure(sparse_dir, batches, args.steps, args.rounds, layers_only=layers_only, bandwidth=bandwidth)
         print(f"{sparsity:.0%} {part}: {[round(d['ratio'], 2) for d in row[part]['decode']]}", file=sys.stderr, flush=True)
     shutil.rmtree(sparse_dir)
     return row
+
+
+def kernel_rows(sparsities: list[float], batches: tuple[int, ...], repeats: int = 7) -> list[dict]:
+    """One MLP up-projection weight (11008 x 4096, bf16), pruned to each sparsity: ms per matmul, median of ``repeats``
+    (dense F.linear, the C++ delta8 kernel, torch CSR with fp32 values), the three alternating call by call."""
+    import statistics
+
+    import torch
+
+    from elsa_ds.sparse.linear import SparseLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4096, 11008, bias=False).to(torch.bfloat16)
+    rows = []
+    for sparsity in sparsities:
+        prune_weight(linear.weight, sparsity)
+        paths = {"dense": linear, "kernel": SparseLinear.from_dense(linear, "kernel"), "csr": SparseLinear.from_dense(linear, "csr")}
+        for batch in batches:
+            x = torch.randn(batch, 4096).to(torch.bfloat16)
+            times: dict[str, list[float]] = {name: [] for name in paths}
+            with torch.no_grad():
+                for _ in range(repeats + 1):
+                    for name, module in paths.items():
+                        start = time.perf_counter()
+                        module(x)
+                        times[name].append(time.perf_counter() - start)
+            rows.append({"sparsity": sparsity, "batch": batch, **{f"{n}_ms": 1e3 * statistics.median(t[1:]) for n, t in times.items()}})
+    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -120,15 +160,23 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if kernels.load() is None:
         print("the C++ decode kernel is not available: sparse mode runs torch CSR", file=sys.stderr)
+    sparsities = [float(s) for s in args.sparsities.split(",")]
+    kernels_timed = kernel_rows(sparsities, tuple(int(b) for b in args.batches.split(",")))
+    ktext = "\n".join(["| sparsity | batch | dense F.linear ms | C++ delta8 kernel ms | torch CSR ms |", "|---|---|---|---|---|"] + [
+        f"| {k['sparsity']:.0%} | {k['batch']} | {k['dense_ms']:.2f} | {k['kernel_ms']:.2f} | {k['csr_ms']:.2f} |" for k in kernels_timed])
+    print(ktext)
+    if args.kernels_only:
+        print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads, "kernels": kernels_timed}))
+        return 0
     work = args.workdir or Path(tempfile.mkdtemp(prefix="sparse_decode_"))
     work.mkdir(parents=True, exist_ok=True)
     model = build_model(args.layers, args.vocab)
     bandwidth = read_bandwidth()
-    rows = [one_sparsity(model, float(s), work, args, bandwidth) for s in args.sparsities.split(",")]
+    rows = [one_sparsity(model, s, work, args, bandwidth) for s in sparsities]
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} CPUs", "threads": args.threads, "layers": args.layers, "shapes": "LLaMA-2-7B (4096/11008)",
-              "dtype": "bfloat16", "read_bandwidth_gb_s": bandwidth / 1e9, "rows": rows}
-    text = table(rows)
+              "dtype": "bfloat16", "read_bandwidth_gb_s": bandwidth / 1e9, "kernels": kernels_timed, "rows": rows}
+    text = ktext + "\n\n" + table(rows)
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n", encoding="utf-8")

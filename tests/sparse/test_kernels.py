@@ -84,3 +84,13 @@ def test_sparse_linear_matches_linear(path, dtype, lead, request):
 def test_unknown_decode_path_is_refused():
     with pytest.raises(ValueError, match="decode_path"):
         SparseLinear.from_dense(torch.nn.Linear(4, 4), decode_path="magic")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_take_the_dense_fallback():
+    linear = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        linear.weight.copy_(_weight(48, 64, 0.7, torch.float32))
+    sparse = SparseLinear.from_dense(linear).cuda()
+    x = torch.randn(2, 3, 64)
+    assert torch.allclose(sparse(x.cuda()).cpu(), linear(x), rtol=1e-4, atol=1e-5)

@@ -6,8 +6,8 @@
 // and one value (bf16 or fp32), read once, in order: the loop streams 3 (bf16) or 5 (fp32) bytes per entry.
 //
 // OpenMP splits the output rows; each row is independent (no atomics). x is fp32, transposed to [cols][NB] with the
-// batch padded to NB in {1, 2, 4, 8, 16}, so one entry's update is one NB-wide fused multiply-add the compiler
-// vectorizes; batch 1 keeps four independent accumulators so the adds do not wait on each other.
+// batch padded to NB in {1, 2, 4, 8, 16}, so one entry's update is one NB-wide multiply-add the compiler vectorizes,
+// four entries in flight on separate accumulators; batch 1 on AVX-512 decodes 16 entries at once and gathers x.
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -99,17 +99,27 @@ template <typename V, int NB>
 void spmm_rows(const V* values, const uint8_t* deltas, const int64_t* offsets, const float* xt, float* yt, int64_t rows) {
 #pragma omp parallel for schedule(dynamic, 64)
     for (int64_t r = 0; r < rows; ++r) {
-        float acc[NB] = {};
-        int64_t col = -1;
-        for (int64_t k = offsets[r]; k < offsets[r + 1]; ++k) {
+        const int64_t end = offsets[r + 1];
+        float acc[4][NB] = {};  // four entries in flight: each NB-wide add waits on its own chain, not on the last one
+        int64_t col = -1, k = offsets[r];
+        for (; k + 4 <= end; k += 4) {
+            for (int j = 0; j < 4; ++j) {
+                col += 1 + deltas[k + j];
+                const float v = load_value(values, k + j);
+                const float* xc = xt + col * NB;
+#pragma omp simd
+                for (int b = 0; b < NB; ++b) acc[j][b] += v * xc[b];
+            }
+        }
+        for (; k < end; ++k) {
             col += 1 + deltas[k];
             const float v = load_value(values, k);
             const float* xc = xt + col * NB;
 #pragma omp simd
-            for (int b = 0; b < NB; ++b) acc[b] += v * xc[b];
+            for (int b = 0; b < NB; ++b) acc[0][b] += v * xc[b];
         }
         float* out = yt + r * NB;
-        for (int b = 0; b < NB; ++b) out[b] = acc[b];
+        for (int b = 0; b < NB; ++b) out[b] = (acc[0][b] + acc[1][b]) + (acc[2][b] + acc[3][b]);
     }
 }
 
