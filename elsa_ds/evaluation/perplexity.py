@@ -1,7 +1,8 @@
 """Perplexity scoring: the summed next-token NLL of windows [n, seqlen], each token after a window's first predicted once.
 
 What the windows hold (the published protocols: ``stream`` for SparseGPT/Wanda, ``window`` for the ELSA authors'
-Gemma runs) and how the sum becomes a perplexity is ``elsa_ds.data.windows``; this module only scores.
+Gemma runs, ``prepend`` for their older Gemma code) and how the sum becomes a perplexity (and the mean per predicted
+token beside it) is ``elsa_ds.data.windows``; this module only scores.
 """
 from __future__ import annotations
 

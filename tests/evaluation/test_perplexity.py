@@ -37,7 +37,8 @@ def wanda_eval_ppl(model, tokenizer, text: str, seqlen: int) -> tuple[float, int
 
 @torch.no_grad()
 def elsa_calculate_ppl(model, tokenizer, text: str, seqlen: int) -> tuple[float, int]:
-    """The ELSA authors' lib/eval.py ``calculate_ppl`` (bs 1) on ``tokenizer(text, return_tensors='pt')``, Gemma branch."""
+    """The ELSA authors' lib/eval.py ``calculate_ppl`` (bs 1) on ``tokenizer(text, return_tensors='pt')``, Gemma branch, as
+    of their commit 9494189 and their head ae217f7 (the older 2947127 version: tests/evaluation/test_gemma_protocol.py)."""
     testenc = tokenizer(text, return_tensors="pt").input_ids
     nsamples = testenc.numel() // seqlen
     nlls = []
