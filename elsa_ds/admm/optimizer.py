@@ -38,6 +38,7 @@ from enum import Enum
 import torch
 
 from elsa_ds.admm import state as admm_state
+from elsa_ds.admm.kernels.compiled import CompiledStep
 from elsa_ds.admm.kernels.fused import FusedPath, XStep
 from elsa_ds.admm.kernels.ops import PenaltyState
 from elsa_ds.admm.kernels.quant8 import dequantize_blockwise
@@ -106,6 +107,7 @@ class AdmmOptimizer(OptimizerWrapper):
         self._holding = False
         self._metrics = dict.fromkeys(METRIC_NAMES, 0.0)  # this rank's sums since begin_step
         self._fused = FusedPath(base, settings.kernels)
+        self._compiled = CompiledStep(base, settings.kernels)  # GPU flats under torch's Adam (ELSA_DS_COMPILED=0: off)
 
     # ---- schedule -----------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -177,6 +179,8 @@ class AdmmOptimizer(OptimizerWrapper):
         ∇ ← ∇ + λ (x − z + u) added here, then the base step updates ``flat`` (no penalty while holding)."""
         if self._fused.steps(flat, st):
             return self._fused
+        if self._compiled.steps(flat, st):
+            return self._compiled
         if flat.grad is not None and not self._holding and self.lam > 0.0:
             self._add_penalty(flat, slices, st)
         return None
@@ -234,8 +238,8 @@ class AdmmOptimizer(OptimizerWrapper):
         """z = Π(x) after the first x-step (objective-aware: the second moment exists by then), or z = x ⊙ m
         with a warm-start mask m; u = 0. Collective."""
         s = self.settings
-        st[Z], st[Z_SCALE] = admm_state.allocate(flat.numel(), s.z_dtype, len(slices))
-        st[U], st[U_SCALE] = admm_state.allocate(flat.numel(), s.u_dtype, len(slices))
+        st[Z], st[Z_SCALE] = admm_state.allocate(flat.numel(), s.z_dtype, len(slices), flat.device)
+        st[U], st[U_SCALE] = admm_state.allocate(flat.numel(), s.u_dtype, len(slices), flat.device)
         self._project_flat(flat, slices, st, INIT)
 
     def _update_z_u(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
@@ -267,7 +271,7 @@ class AdmmOptimizer(OptimizerWrapper):
         masks = [self.initial_mask(sl) for sl in slices] if self.initial_mask is not None else self._project(xs, st, slices)
         z_scales, _ = self._layer_scales(xs)
         for j, (sl, x, m) in enumerate(zip(slices, xs, masks)):
-            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x * m, z_scales[j])
+            admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x * m.to(x.device), z_scales[j])
 
     def _update_eager(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
         xs, vs, old_keep = [], [], []
@@ -304,7 +308,8 @@ class AdmmOptimizer(OptimizerWrapper):
     def _layer_scales(self, values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """fp8 scales of z and u per layer, from the layer's peak |v| over all ranks (one max all-reduce for every
         layer of the flat, only when a state is fp8); ones otherwise. Collective."""
-        peaks = torch.stack([v.abs().max() if v.numel() else torch.zeros(()) for v in values]).float() if values else torch.zeros(0)
+        peaks = (torch.stack([v.abs().max() if v.numel() else torch.zeros((), device=v.device) for v in values]).float()
+                 if values else torch.zeros(0))
         if self.settings.z_dtype.scaled or self.settings.u_dtype.scaled:
             self.comm.all_reduce_max(peaks)
         return admm_state.layer_scales(peaks, self.settings.z_dtype), admm_state.layer_scales(peaks, self.settings.u_dtype)

@@ -37,9 +37,9 @@ class StateDtype(str, Enum):
         return self is StateDtype.fp8
 
 
-def allocate(numel: int, dtype: StateDtype, n_slices: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero storage for one flat tensor: (data [numel] in the storage dtype, scales [n_slices] fp32)."""
-    return torch.zeros(numel, dtype=dtype.torch_dtype), torch.ones(n_slices, dtype=torch.float32)
+def allocate(numel: int, dtype: StateDtype, n_slices: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero storage for one flat tensor on its device: (data [numel] in the storage dtype, scales [n_slices] fp32)."""
+    return torch.zeros(numel, dtype=dtype.torch_dtype, device=device), torch.ones(n_slices, dtype=torch.float32, device=device)
 
 
 def layer_scales(peaks: torch.Tensor, dtype: StateDtype) -> torch.Tensor:

@@ -119,3 +119,31 @@ def test_which_bases_and_flats_qualify(monkeypatch):
     p.grad = torch.ones(4)
     opt.step()
     assert not compiled.CompiledStep(opt).steps(p, opt.state[p])  # CPU flats have the C++ kernels
+
+
+def test_admm_optimizer_takes_the_compiled_step_and_matches_its_eager_path():
+    """Through AdmmOptimizer (projections included): the compiled x-step gives the eager path's x, z, u and masks."""
+    from elsa_ds.admm.optimizer import AdmmOptimizer, AdmmSettings
+
+    gen = torch.Generator().manual_seed(3)
+    start, grads = torch.randn(NUMEL, generator=gen), [torch.randn(NUMEL, generator=gen) for _ in range(7)]
+    runs = []
+    for kernels in (False, True):
+        p = torch.nn.Parameter(start.clone())
+        opt = AdmmOptimizer(torch.optim.AdamW([p], lr=1e-2, weight_decay=0.01), AdmmSettings(total_steps=8, interval=3, lmda=0.1,
+                                                                                            kernels=kernels))
+        opt.assign(p, [sl for sl in SLICES if sl.length])
+        opt._compiled.cpu = kernels  # CPU flats normally have the C++ kernels; here the compiled step stands in
+        for t, g in enumerate(grads):
+            opt.begin_step(t)
+            p.grad = g.clone()
+            opt.step()
+        runs.append((p, opt))
+    (p_ref, opt_ref), (p_new, opt_new) = runs
+    if not opt_new._compiled.compiled:
+        pytest.skip("torch.compile could not build the step here")
+    assert opt_new._compiled.x_steps == 6 and opt_ref._compiled.x_steps == 0  # every step after the first
+    torch.testing.assert_close(p_new.detach(), p_ref.detach(), rtol=1e-5, atol=1e-6)
+    for key in ("admm_z", "admm_u"):
+        torch.testing.assert_close(opt_new.state[p_new][key], opt_ref.state[p_ref][key], rtol=1e-5, atol=1e-6)
+    assert torch.equal(opt_new.state[p_new]["admm_z"] != 0, opt_ref.state[p_ref]["admm_z"] != 0)

@@ -83,11 +83,12 @@ class CompiledStep:
         self.kind = base_kind(base) if on and enabled() else None
         self._fn = None
         self.compiled = True  # False once a compilation failed: the same function then runs uncompiled
+        self.cpu = False  # also step CPU flats (tests and bench/optimizer_step.py; CPU flats have the C++ kernels)
         self.x_steps = 0
 
     def steps(self, flat: torch.Tensor, st: dict) -> bool:
         """True when this step runs ``flat`` (not on the CPU, fp32, contiguous; Adam's state already there)."""
-        if self.kind is None or flat.grad is None or flat.device.type == "cpu":
+        if self.kind is None or flat.grad is None or (flat.device.type == "cpu" and not self.cpu):
             return False
         tensors = (flat, flat.grad, st.get("exp_avg"), st.get("exp_avg_sq"))
         return "step" in st and all(torch.is_tensor(t) and t.dtype == torch.float32 and t.is_contiguous()
@@ -125,5 +126,6 @@ class CompiledStep:
 
     def _compiled(self):
         if self._fn is None:
-            self._fn = torch.compile(segment, dynamic=True, fullgraph=True)
+            # not fullgraph: past Dynamo's recompile limit (dtype and λ = 0 variants) a variant runs eagerly instead of failing
+            self._fn = torch.compile(segment, dynamic=True)
         return self._fn
