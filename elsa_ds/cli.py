@@ -16,7 +16,6 @@ import sys
 import types
 import typing
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
