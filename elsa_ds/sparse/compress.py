@@ -56,11 +56,11 @@ def _plan(reader: TensorReader, min_sparsity: float) -> tuple[list[TensorSpec], 
         if not fmt.compressible(tensor, min_sparsity):
             specs.append(TensorSpec(name, tuple(tensor.shape), tensor.dtype))
             continue
-        sizes = fmt.encoded_bytes(tensor)
-        encoding = fmt.BITMASK if sizes[fmt.BITMASK] <= sizes[fmt.DELTA8] else fmt.DELTA8
         rows, cols = tensor.shape
-        nonzeros = int(torch.count_nonzero(tensor))
-        count = nonzeros if encoding == fmt.BITMASK else fmt.delta8_entries(tensor)
+        nonzeros, entries = fmt.counts(tensor)
+        sizes = fmt.code_bytes((rows, cols), tensor.element_size(), nonzeros, entries)
+        encoding = fmt.pick(sizes)
+        count = nonzeros if encoding == fmt.BITMASK else entries
         specs.append(TensorSpec(f"{name}.values", (count,), tensor.dtype))
         if encoding == fmt.BITMASK:
             specs.append(TensorSpec(f"{name}.bitmask", (rows, math.ceil(cols / 8)), torch.uint8))

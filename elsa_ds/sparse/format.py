@@ -60,25 +60,32 @@ def _gaps(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return rows, cols, cols - prev
 
 
-def delta8_entries(weight: torch.Tensor) -> int:
-    """How many entries (nonzeros + fillers) delta8 needs for ``weight``."""
+def counts(weight: torch.Tensor) -> tuple[int, int]:
+    """Nonzeros of ``weight`` and the entries (nonzeros + fillers) delta8 needs for it."""
     _, _, step = _gaps(weight)
-    return int(step.numel() + ((step - 1) // MAX_GAP).sum())
+    return int(step.numel()), int(step.numel() + ((step - 1) // MAX_GAP).sum())
+
+
+def code_bytes(shape: tuple[int, int], element_size: int, nonzeros: int, entries: int) -> dict[str, int]:
+    """Bytes of each code for a weight of ``shape`` with these counts."""
+    rows, cols = shape
+    return {BITMASK: nonzeros * element_size + rows * math.ceil(cols / 8), DELTA8: entries * (element_size + 1) + (rows + 1) * 8}
 
 
 def encoded_bytes(weight: torch.Tensor) -> dict[str, int]:
     """Bytes of each code for ``weight`` (without building them)."""
-    rows, cols = weight.shape
-    size, nonzeros = weight.element_size(), int(torch.count_nonzero(weight))
-    entries = delta8_entries(weight)
-    return {BITMASK: nonzeros * size + rows * math.ceil(cols / 8), DELTA8: entries * (size + 1) + (rows + 1) * 8}
+    return code_bytes(tuple(weight.shape), weight.element_size(), *counts(weight))
+
+
+def pick(sizes: dict[str, int]) -> str:
+    """The code with fewer bytes (a tie: bitmask)."""
+    return BITMASK if sizes[BITMASK] <= sizes[DELTA8] else DELTA8
 
 
 def encode(weight: torch.Tensor, encoding: str | None = None) -> Encoded:
     """``weight`` in ``encoding`` (None: the smaller of the two)."""
     if encoding is None:
-        sizes = encoded_bytes(weight)
-        encoding = BITMASK if sizes[BITMASK] <= sizes[DELTA8] else DELTA8
+        encoding = pick(encoded_bytes(weight))
     weight = weight.detach().cpu()
     shape = (int(weight.shape[0]), int(weight.shape[1]))
     nonzeros = int(torch.count_nonzero(weight))
