@@ -344,9 +344,10 @@ class AdmmOptimizer(OptimizerWrapper):
     def kernel_report(self) -> dict:
         """Whether the fused kernels were available, how the fused projections found their thresholds so far
         ({"bracket": n, "missed": n, "exact": n}: decided from global counts, so the same on every rank), and this
-        rank's fused x-steps per kind ({"deepspeed_adam": n} or {"adam8bit/<code format>": n})."""
+        rank's fused x-steps per kind ({"deepspeed_adam": n} or {"adam8bit/<code format>": n}; "compiled": n on GPU flats)."""
+        compiled = {"compiled": self._compiled.x_steps} if self._compiled.x_steps else {}
         return {"available": self._fused.kernels is not None, "projection_paths": dict(self._fused.projection_paths),
-                "x_steps": dict(self._fused.x_steps)}
+                "x_steps": {**self._fused.x_steps, **compiled}}
 
 
 def summarize_metrics(sums: torch.Tensor, lam: float) -> dict[str, float]:
