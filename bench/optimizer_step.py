@@ -12,7 +12,6 @@ both see the same machine noise); medians per step. Pairs:
                                                               (elsa_l_minifloat: --base_optimizer adam8bit_minifloat)
     DeepSpeedCPUAdam         vs  AdmmOptimizer(bitsandbytes Adam8bit), fp8 z, bf16 u
                                                               (elsa_l_bnb: --base_optimizer adam8bit, the paper's codes)
-    torch Adam (CUDA)        vs  AdmmOptimizer(torch Adam) on CUDA, when a GPU is present
     bitsandbytes Adam8bit and the fused 8-bit Adam alone, in both code formats (few steps: bitsandbytes' CPU path is slow)
 
 ELSA's blocks contain exactly one projection (step t with (t + 1) % interval == 0); the amortized step
@@ -20,6 +19,17 @@ is the plain step + projection / interval. ``--eager`` adds the eager reference 
 Bytes per parameter are those a single fused pass must move (the floor for a memory-bound step); peak
 extra memory is the resident-set high-water mark of one step over the resident set before it (temporaries
 that malloc recycles from earlier steps do not show: a lower bound).
+``--device cuda`` (or ``cpu``) measures instead the optimizer-on-the-device regime (ds_configs/zero3.json): torch's fused
+Adam alone vs AdmmOptimizer(torch Adam) on that device, eager (penalty into the gradient, then the base's step) and
+compiled (kernels/compiled.py: penalty and Adam in one torch.compile'd pass); on ``cpu`` the compiled step is forced
+onto the CPU flat (it normally takes the C++ kernels), which rehearses the CUDA rows on a machine without a GPU.
+``--threads 1 2 4 ...`` runs the whole measurement once per thread count, each in a fresh process with
+OMP_NUM_THREADS = n (read at start by every OpenMP runtime in play: torch's, the fused kernels', DeepSpeedCPUAdam's),
+and ends with a table of every ratio per thread count.
+
+    python bench/optimizer_step.py --numel 32e6 --rounds 1 --threads 1 2 4 8 16 --json
+    python bench/optimizer_step.py --device cuda --json
+
 With --json the last line holds ratio_fp32, ratio_elsal (ELSA-L as ds_configs/zero3_offload_elsal.json sets it up: its
 ``elsa.base_optimizer``, named in ``elsal_base_optimizer``), ratio_elsal_minifloat and ratio_elsal_bnb (each code
 format; amortized, all against DeepSpeedCPUAdam) and projection_steps_equiv (one projection in DeepSpeedCPUAdam
@@ -29,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,11 +84,11 @@ class Runner:
         if self.admm:
             self.opt.begin_step(self.t)
             projected = self.opt.projected_this_step
-        if self.p.device.type == "cuda":
+        if self.p.device.type != "cpu":
             torch.cuda.synchronize()
         start = time.perf_counter()
         self.opt.step()
-        if self.p.device.type == "cuda":
+        if self.p.device.type != "cpu":
             torch.cuda.synchronize()
         self.t += 1
         return time.perf_counter() - start, projected
@@ -190,17 +202,63 @@ def measure(numel: int, args) -> dict:
             r = Runner(name, mk[name], flat, grad, None, args.interval)
             r.run(2)
             res[name] = summarize(r.run(4 if name.startswith("bnb") else args.interval), args.interval)
-    if torch.cuda.is_available():
-        _cuda_pair(res, flat, grad, slices, args)
     return res
 
 
-def _cuda_pair(res: dict, flat, grad, slices, args) -> None:
+def measure_device(numel: int, args) -> dict:
+    """torch's fused Adam alone vs ELSA on ``args.device``, eager and compiled (ABBA pairs, as above); medians in ms."""
+    device = torch.device(args.device)
+    g = torch.Generator().manual_seed(0)
+    flat, grad = torch.randn(numel, generator=g).to(device), (torch.randn(numel, generator=g) * 1e-3).to(device)
+    slices = layer_slices(numel, args.slices)
     make = lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True)  # noqa: E731
-    a = Runner("cuda_adam", make, flat.cuda(), grad.cuda(), None, args.interval)
-    b = Runner("cuda_elsa_fp32", make, flat.cuda(), grad.cuda(), slices, args.interval)
-    ta, tb = abba(a, b, args.interval, args.rounds)
-    res["cuda_adam"], res["cuda_elsa_fp32"] = summarize(ta, args.interval), summarize(tb, args.interval)
+    res = {}
+    for name, kernels in (("elsa_eager", False), ("elsa_compiled", True)):
+        a = Runner("torch_adam", make, flat, grad, None, args.interval)
+        b = Runner(name, make, flat, grad, slices, args.interval, kernels=kernels)
+        b.opt._compiled.cpu = kernels  # on a CPU flat (the rehearsal) the compiled step stands in for the C++ kernels
+        ta, tb = abba(a, b, args.interval, args.rounds)
+        res.setdefault("torch_adam", summarize(ta, args.interval))
+        res[name] = {**summarize(tb, args.interval), "base_ms": summarize(ta, args.interval)["step_ms"],
+                     "compiled_x_steps": b.opt._compiled.x_steps, "compiled": b.opt._compiled.compiled}
+        del a, b
+    return res
+
+
+def report_device(numel: int, res: dict, device: str) -> dict:
+    print(f"\n## {device}: {numel / 1e6:g}M entries\n")
+    print("| optimizer | step ms | projection ms | amortized ms | / torch fused Adam beside it | compiled x-steps |")
+    print("|---|---|---|---|---|---|")
+    for name, r in res.items():
+        amortized = r.get("amortized_ms", r["step_ms"])
+        print(f"| {name} | {r['step_ms']:.2f} | {r.get('projection_ms', float('nan')):.2f} | {amortized:.2f} | "
+              f"{amortized / r.get('base_ms', r['step_ms']):.2f} | {r.get('compiled_x_steps', '')} |")
+    eager, comp = res["elsa_eager"], res["elsa_compiled"]
+    return {"device": device, "adam_ms": res["torch_adam"]["step_ms"], "ratio_eager": eager["amortized_ms"] / eager["base_ms"],
+            "ratio_compiled": comp["amortized_ms"] / comp["base_ms"], "step_ratio_eager": eager["step_ms"] / eager["base_ms"],
+            "step_ratio_compiled": comp["step_ms"] / comp["base_ms"], "compiled_x_steps": comp["compiled_x_steps"],
+            "compiled": comp["compiled"]}
+
+
+def per_thread_count(args) -> dict:
+    """The measurement once per thread count, each in a fresh process with OMP_NUM_THREADS = n; their JSON lines."""
+    child = [sys.executable, str(Path(__file__).resolve()), "--numel", *(str(n) for n in args.numel), "--slices", str(args.slices),
+             "--interval", str(args.interval), "--rounds", str(args.rounds), "--json"]
+    child += ["--eager"] if args.eager else []
+    child += ["--device", args.device] if args.device else []
+    out = {}
+    for n in args.threads:
+        print(f"\n# {n} thread(s)", flush=True)
+        proc = subprocess.run(child, env={**os.environ, "OMP_NUM_THREADS": str(n)}, capture_output=True, text=True)
+        print(proc.stdout, proc.stderr[-2000:] if proc.returncode else "", flush=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"the {n}-thread run failed with exit code {proc.returncode}")
+        out[n] = json.loads(proc.stdout.strip().splitlines()[-1])
+    keys = [k for k, v in out[args.threads[0]].items() if isinstance(v, float) and ("ratio" in k or k.endswith("_ms") or "equiv" in k)]
+    print("\n| threads | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
+    for n, row in out.items():
+        print(f"| {n} | " + " | ".join(f"{row[k]:.2f}" for k in keys) + " |")
+    return out
 
 
 def report(numel: int, res: dict, interval: int) -> dict:
@@ -210,7 +268,7 @@ def report(numel: int, res: dict, interval: int) -> dict:
     print("| optimizer | step ms | projection ms | amortized ms | / DeepSpeedCPUAdam beside it | RSS growth MiB | fused |")
     print("|---|---|---|---|---|---|---|")
     for name, r in res.items():
-        ref = res["cuda_adam"]["step_ms"] if name.startswith("cuda") else r.get("base_ms", base)
+        ref = r.get("base_ms", base)
         amortized = r.get("amortized_ms", r["step_ms"])
         print(f"| {name} | {r['step_ms']:.1f} | {r.get('projection_ms', float('nan')):.1f} | {amortized:.1f} | "
               f"{amortized / ref:.2f} | {r.get('rss_growth_MiB', float('nan')):.0f} | {r.get('fused', '')} |")
@@ -250,7 +308,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds of `interval` steps per optimizer")
     ap.add_argument("--eager", action="store_true", help="also the eager reference path (slow)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--device", help="cuda or cpu: the optimizer-on-the-device rows (torch's fused Adam, ELSA eager, compiled)")
+    ap.add_argument("--threads", type=int, nargs="+", help="run once per OpenMP thread count, each in a fresh process")
     args = ap.parse_args()
+    if args.threads:
+        out = per_thread_count(args)
+        if args.json:
+            print(json.dumps({"threads": out}))
+        return 0
     from elsa_ds.admm.kernels import build
 
     kernels = build.load()
@@ -259,11 +324,15 @@ def main() -> int:
           f"{kernels.simd_level() + ', OpenMP threads ' + str(kernels.max_threads()) + ', 8-bit step loop ' + loop8 if kernels else 'unavailable (eager path)'}")
     out = {}
     for numel in (int(n) for n in args.numel):
-        out[numel] = report(numel, measure(numel, args), args.interval)
+        if args.device:
+            out[numel] = report_device(numel, measure_device(numel, args), args.device)
+        else:
+            out[numel] = report(numel, measure(numel, args), args.interval)
     if args.json:
         first = out[int(args.numel[0])]
         rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in first.items()}
-        print(json.dumps({**rounded, "numel": int(args.numel[0]), "slices": args.slices, "interval": args.interval}))
+        print(json.dumps({**rounded, "numel": int(args.numel[0]), "slices": args.slices, "interval": args.interval,
+                          "torch_threads": torch.get_num_threads(), "omp_threads": kernels.max_threads() if kernels else None}))
     return 0
 
 

@@ -27,7 +27,7 @@ have() {  # have NAME VERSION: a wheel of that release is already in the folder
 }
 
 while read -r kind spec _; do
-    [[ -z "$kind" || "$kind" == \#* ]] && continue
+    [[ -z "$kind" || "$kind" == \#* || "$kind" == skip ]] && continue
     name="${spec%%==*}"
     version="${spec##*==}"
     if have "$name" "$version"; then
