@@ -4,6 +4,7 @@ decoder (not the vision tower's layer list), and the export reloads with ``from_
 the pruned layers, the vision tower's included, bit for bit as it was."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from elsa_ds.data import load_blocks
 from elsa_ds.models import load_causal_lm
 from elsa_ds.targets import decoder_layer_list, select_targets
 from tests.architectures.models import make_arch_model
+from tests.conftest import ROOT, derived_config, run_entry
 
 SPARSITY = 0.6
 
@@ -63,6 +65,32 @@ def test_oneshot_prunes_only_the_text_decoder_and_keeps_the_vision_tower(method,
         assert torch.equal(after[key], exported[key]) and not torch.equal(after[key], before[key]), key
     ids = load_blocks(str(text_dir), "train", elsa_ds_tokenizer(mm_dir), 64, max_blocks=1)
     assert torch.isfinite(reloaded(input_ids=ids).logits).all()
+
+
+@pytest.mark.integration
+def test_elsa_on_two_ranks_trains_the_text_decoder_and_keeps_the_vision_tower(mm_dir, text_dir, tmp_path):
+    """ELSA under ZeRO-3 on 2 ranks: the text decoder's linears at the target, the vision tower and the projector (no
+    gradient without images) bit for bit, the export reloaded as the multimodal class."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "elsa"
+    settings = {"seqlen": 64, "steps": 4, "interval": 2, "sparsity": SPARSITY, "lr": 1e-3, "lmda": 0.05, "micro_batch": 2,
+                "seed": 3, "init_mask": "none", "val_windows": 2, "baseline": "none"}
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"deepspeed": str(derived_config(tmp_path, bf16={"enabled": False})), "dataset": str(text_dir),
+                                "settings": settings, "runs": {str(out): str(mm_dir)}}))
+    run_entry(str(ROOT / "tests" / "architectures" / "run_elsa.py"), [str(spec)], ranks=2, timeout=1200)
+    report = json.loads((out / "elsa_report.json").read_text())
+    assert report["world_size"] == 2 and all(name.startswith("model.language_model.layers.") for name in report["layers"])
+    assert len(report["layers"]) == 14 and all(layer["zeros"] == round(SPARSITY * layer["numel"]) for layer in report["layers"].values())
+    before = AutoModelForCausalLM.from_pretrained(mm_dir, dtype=torch.float32).state_dict()
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(reloaded).__name__ == "Gemma3ForConditionalGeneration"
+    after = reloaded.state_dict()
+    kept = [k for k in before if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))]
+    assert kept and all(torch.equal(after[k], before[k]) for k in kept)
+    for name, layer in report["layers"].items():
+        assert int((after[name] == 0).sum()) == layer["zeros"], name
 
 
 def elsa_ds_tokenizer(model_dir):
