@@ -5,6 +5,8 @@
 #     bench/device/check.sh --dry-run               # here, on CPU: the same steps with tiny budgets; must pass
 #     device run, carry ["bench/device/wheels"], timeout_s 600:
 #         bench/device/check.sh
+#     a rerun of some steps after a fix (name install and env too; the steps left out are recorded as skipped):
+#         CHECK_STEPS=install,env,cuda_tests,zero3_gpu bench/device/check.sh
 #
 # Steps, each timed, its result appended to $OUT/results.json (a failing step is recorded and the next one runs;
 # a step that would pass the time budget is cut by `timeout` and recorded as such):
@@ -49,6 +51,10 @@ START=$SECONDS
 step() {
     local name=$1 cap=$2 left t0 rc
     shift 2
+    if [[ -n "${CHECK_STEPS:-}" && ",$CHECK_STEPS," != *",$name,"* ]]; then
+        "$PY" bench/device/kit.py skip "$RESULTS" "$name" "not in CHECK_STEPS"
+        return
+    fi
     left=$((BUDGET - (SECONDS - START)))
     if (( left < 15 )); then
         "$PY" bench/device/kit.py skip "$RESULTS" "$name" "out of time (budget ${BUDGET} s)"

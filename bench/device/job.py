@@ -6,7 +6,7 @@ exact per-layer sparsity, the export reloaded with from_pretrained, and its mask
     python bench/device/job.py --compare W/offload W/cpu --figures F.json --min_agreement 0.97
 
 The job is the README's: ``deepspeed --num_gpus 1 launch/prune.py --deepspeed CONFIG --output_dir OUT`` plus the
-arguments after ``--``. ``--cpu`` runs it with CUDA hidden (DeepSpeed's CPU accelerator, gloo): the CPU reference.
+arguments after ``--``. ``--cpu`` runs it as one plain process with CUDA hidden (DeepSpeed's CPU accelerator, gloo): the CPU reference.
 Host RSS is the largest resident set of any process of the job (getrusage of the waited-for children).
 """
 from __future__ import annotations
@@ -35,8 +35,9 @@ def _port() -> int:
 def run_job(config: str, out: Path, extra: list[str], cpu: bool) -> dict:
     """Launch the job; its wall time, exit code and largest host RSS."""
     launcher = shutil.which("deepspeed") or shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
-    cmd = [launcher, "--num_gpus", "1", "--master_port", str(_port()), str(ROOT / "launch" / "prune.py"), "--deepspeed", config,
-           "--output_dir", str(out), *extra]
+    # the CPU reference runs as a plain process (one rank): the deepspeed launcher would set CUDA_VISIBLE_DEVICES=0 again
+    head = [sys.executable] if cpu else [launcher, "--num_gpus", "1", "--master_port", str(_port())]
+    cmd = [*head, str(ROOT / "launch" / "prune.py"), "--deepspeed", config, "--output_dir", str(out), *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     if cpu:
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
