@@ -6,8 +6,9 @@ decoder layers, random bf16 weights, its decoder Linear weights magnitude-pruned
 and timed with elsa_ds.sparse.speed: decode steps at batch 1 and 8, dense mode and sparse mode alternating, the byte
 floor beside each figure. Speed depends on the pattern, not the values, so random weights are enough.
 
-    python bench/sparse_decode.py                                    # 2 layers, 50/70/90/95 %, 1 thread
-    python bench/sparse_decode.py --layers 4 --threads 2 --json bench/results/sparse_decode.json --markdown bench/results/sparse_decode.md
+    python bench/sparse_decode.py                       # 2 layers; bytes at 50/70/90/95 %, decode timed at 70/90/95 %
+    python bench/sparse_decode.py --layers 1 --json bench/results/sparse_decode.json --markdown bench/results/sparse_decode.md
+    python bench/sparse_decode.py --kernels_only        # one 11008 x 4096 weight: dense F.linear, C++ kernel, torch CSR
 
 ``--threads`` sets OMP_NUM_THREADS before torch starts (the C++ kernel and torch share that OpenMP runtime).
 The last line printed is the JSON of every figure.
@@ -35,6 +36,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2, help="decoder layers [2]")
     p.add_argument("--sparsities", default="0.5,0.7,0.9,0.95", help="comma-separated, rising [0.5,0.7,0.9,0.95]")
+    p.add_argument("--decode_at", default="0.7,0.9,0.95", help="sparsities whose decode is timed (bytes: all) [0.7,0.9,0.95]")
     p.add_argument("--batches", default="1,8", help="decode batch sizes [1,8]")
     p.add_argument("--steps", type=int, default=6, help="decode steps per timed round [6]")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per batch size (ABBA) [3]")
@@ -82,7 +84,7 @@ def prune_weight(w, sparsity: float) -> None:
 def one_sparsity(model, sparsity: float, work: Path, args, bandwidth: float) -> dict:
     from elsa_ds.sparse import compress
     from elsa_ds.sparse.folder import is_weight_file
-    from elsa_ds.sparse.speed import measure
+    from elsa_ds.sparse.speed import disk_bytes, measure
 
     prune(model, sparsity)
     dense_dir, sparse_dir = work / f"dense_{sparsity}", work / f"sparse_{sparsity}"
@@ -98,7 +100,9 @@ def one_sparsity(model, sparsity: float, work: Path, args, bandwidth: float) -> 
     row = {"sparsity": sparsity, "measured_sparsity": 1 - nonzeros / sum(math.prod(t["shape"]) for t in done["tensors"].values()),
            "compress_s": seconds, "dense_files_bytes": dense_files,
            "encodings": sorted({t["encoding"] for t in done["tensors"].values()})}
-    for part, layers_only in (("layers", True), ("model", False))[: 2 if args.with_head else 1]:
+    row["disk"] = disk_bytes(sparse_dir)
+    timed = sparsity in [float(x) for x in args.decode_at.split(",")]
+    for part, layers_only in (("layers", True), ("model", False))[: (2 if args.with_head else 1) if timed else 0]:
         row[part] = measure(sparse_dir, batches, args.steps, args.rounds, layers_only=layers_only, bandwidth=bandwidth)
         print(f"{sparsity:.0%} {part}: {[round(d['ratio'], 2) for d in row[part]['decode']]}", file=sys.stderr, flush=True)
     shutil.rmtree(sparse_dir)
@@ -137,7 +141,10 @@ def table(rows: list[dict]) -> str:
     lines = ["| sparsity | pruned layers bytes vs dense bf16 | whole model | part | batch | dense tok/s (floor) | "
              "sparse tok/s (floor) | sparse/dense (min-max) | logits rel err |", "|" + "---|" * 9]
     for r in rows:
-        disk = r["layers"]["disk"]
+        disk = r["disk"]
+        if "layers" not in r:
+            lines.append(f"| {r['sparsity']:.0%} | {disk['pruned_sparse'] / disk['pruned_dense']:.3f}x | "
+                         f"{disk['sparse_files'] / r['dense_files_bytes']:.3f}x | (not timed) | | | | | |")
         for part in [p for p in ("layers", "model") if p in r]:
             for d in r[part]["decode"]:
                 lines.append(
