@@ -50,24 +50,24 @@ def main() -> int:
     from elsa_ds.zero.dist import init_distributed
     from elsa_ds.zero.engine import base_optimizer, build_admm_engine, full_shapes, initialize, load_partitioned
 
-    ds = ds_config.engine_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    ds = ds_config.resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     rank, world = init_distributed()
     steps = cfg.interval * args.rounds
     cfg = cfg.model_copy(update={"steps": steps + 1})  # the ELSA run never reaches its final projection
     tok = load_tokenizer(cfg.model)
-    blocks = load_blocks(cfg.dataset, "train", tok, cfg.seqlen, max_blocks=steps * ds["train_batch_size"])
-    batches = GlobalBatches(blocks, ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], world, rank, cfg.seed)
+    blocks = load_blocks(cfg.dataset, "train", tok, cfg.seqlen, max_blocks=steps * ds.train_batch_size)
+    batches = GlobalBatches(blocks, ds.train_batch_size, ds.micro_batch_size, world, rank, cfg.seed)
 
     elsa_model = load_partitioned(ModelSource(cfg.model), ds, cfg.gradient_checkpointing)
     pruned = select_targets(elsa_model.model, cfg.targets)
-    job = build_admm_engine(elsa_model.model, cfg, ds, pruned, cfg.layer_goals(full_shapes(elsa_model.model, pruned)))
+    zero, admm = build_admm_engine(elsa_model.model, cfg, ds, pruned, cfg.layer_goals(full_shapes(elsa_model.model, pruned)))
     plain_model = load_partitioned(ModelSource(cfg.model), ds, cfg.gradient_checkpointing)
     plain_opt = base_optimizer(cfg, [p for p in plain_model.model.parameters() if p.requires_grad], ds)
     plain_engine, comm = initialize(plain_model.model, plain_opt, ds)
 
     def train_step(engine, optimizer, step: int) -> float:
-        if optimizer is job.admm:
-            job.admm.begin_step(step)
+        if optimizer is admm:
+            admm.begin_step(step)
         lr = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_final_ratio)
         return zsteps.train_step(engine, optimizer, comm, batches.micro_batches(step), lr)
 
@@ -90,8 +90,8 @@ def main() -> int:
                     plain_times.append(timed(lambda: train_step(plain_engine, plain_opt, plain_step)))
                     plain_step += 1
                 else:
-                    t = timed(lambda: train_step(job.engine, job.admm, elsa_step))
-                    (proj_times if job.admm.projected_this_step else elsa_times).append(t)
+                    t = timed(lambda: train_step(zero.engine, admm, elsa_step))
+                    (proj_times if admm.projected_this_step else elsa_times).append(t)
                     elsa_step += 1
     # the first ELSA step creates z and u (one-off, like Adam's lazy init); report it apart
     first = elsa_times.pop(0)

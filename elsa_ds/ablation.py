@@ -122,12 +122,12 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
     rows: list[AblationRow] = []
     reference = None
     for cfg_path in configs:
-        raw = DsConfig.load(cfg_path).raw
+        view = DsConfig.load(cfg_path)
         name = Path(cfg_path).stem
         run_dir = out_dir / "runs" / name
         extra: list[str] = []
         nvme = None
-        if DsConfig(raw).uses_nvme:
+        if view.uses_nvme:
             nvme = out_dir / "nvme" / name
             nvme.mkdir(parents=True, exist_ok=True)
             extra = ["--nvme_path", str(nvme)]
@@ -148,7 +148,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
         reference = reference or masks
         agree = sum(int((masks[k] == reference[k]).sum()) for k in reference) / sum(m.numel() for m in reference.values())
         gpu_peak = report.get("peak_gpu_bytes")
-        est = estimate_for_report(raw, report, ranks, device="cpu" if gpu_peak is None else "cuda")
+        est = estimate_for_report(view.raw, report, ranks, device="cpu" if gpu_peak is None else "cuda")
         rows.append(AblationRow(
             config=name, step_time_s=report["step_time_s"], peak_host_rss_bytes=monitor.peak_rss,
             est_host_bytes=est.per_node_cpu_bytes, peak_gpu_bytes=gpu_peak,

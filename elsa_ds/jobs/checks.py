@@ -25,14 +25,14 @@ def model_source(cfg: ElsaConfig, opts: JobOptions) -> ModelSource:
     return ModelSource(cfg.model, opts.model_object, opts.tokenizer_object)
 
 
-def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_size: int, source: ModelSource) -> dict:
-    """Run every check for ``cfg`` on ``world_size`` ranks; returns the engine's DeepSpeed config."""
+def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_size: int, source: ModelSource) -> DsConfig:
+    """Run every check for ``cfg`` on ``world_size`` ranks; returns the engine's DeepSpeed config (``ds_config`` resolved)."""
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume)
     model_config = source.config()
     if not cfg.random_init:
         source.check_weights()
-    ds = ds_config.engine_config(cfg, world_size, hidden_size(model_config))
-    fallback = machine.cpu_bf16_fallback(ds)
+    ds = ds_config.resolve(cfg, world_size, hidden_size(model_config))
+    fallback = machine.cpu_bf16_fallback(ds.raw)
     engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
     if fallback and engine_used and os.environ.get("RANK", "0") == "0":
         get_logger(__name__).warning(fallback.removeprefix("elsa_ds: "))
@@ -40,14 +40,17 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
         raise ElsaError(why)
     meta = meta_model(model_config)
     check_goals(cfg, meta)
-    check_nvme_param_buffers(meta, ds, world_size)
+    check_nvme_param_buffers(meta, ds.raw, world_size)
     if cfg.save_interval or opts.resume:
         checkpoint.check_supported(ds)
     check_eval_tasks(cfg)
     if cfg.oneshot is not None:
         preflight.check_oneshot(model_shape(model_config, cfg.targets, model=meta), cfg, opts)
     else:
-        preflight.check_elsa(meta, ds, cfg, opts, world_size)
+        preflight.check_elsa(meta, ds.raw, cfg, opts, world_size)
+    if cfg.select_every and ds_config.optimizer_on_nvme:
+        raise ElsaError("--select_every scores Π(x) from resident fp32 masters and Adam moments, which NVMe optimizer "
+                        "offload swaps out; use zero3_offload or drop --select_every")
     return ds
 
 

@@ -7,11 +7,20 @@
     finish           final evaluation, export, report (rank 0 returns it), evaluation of the saved model
     cleanup          tear down the process group, whatever happened before
 
+Each job is one class that satisfies :class:`Job` structurally and subclasses no other job (as torchtune's recipes):
+``ElsaJob`` (``elsa.py``), ``FinetuneJob`` (``finetune.py``), ``OneShotJob`` (``oneshot.py``). Its whole state is
+declared in ``__init__`` ("set by setup" / "set by the checkpoint loader" where so); its setup helpers return what
+they build. What the jobs share are components they call, never a base class: ``checks.py`` (the checks before any
+work), ``training.py`` (process group start, data, the loop, checkpoints, validation), ``warm_start.py`` (one-shot
+masks on rank 0), ``selection.py``, and ``report.py`` (the report, built from a ``ReportRecord`` the job fills).
+``tests/jobs/test_job_state.py`` holds them to that.
+
 A job is chosen by ``--method`` (``elsa_ds/jobs/__init__.py``); ``launch/prune.py`` and ``elsa_ds.prune`` only
 build one and call :func:`run_job`.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 
@@ -47,7 +56,7 @@ class Printer:
         from elsa_ds.log import get_logger
 
         self.rank = rank
-        self.log = get_logger("elsa_ds.jobs")
+        self.log: logging.Logger = get_logger("elsa_ds.jobs")
 
     def __call__(self, msg: str) -> None:
         if self.rank == 0:  # messages may carry the console's "[elsa_ds] " prefix, which the logger adds itself

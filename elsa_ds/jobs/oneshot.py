@@ -11,15 +11,18 @@ import os
 import time
 from typing import Any
 
+import torch
+
 from elsa_ds.admm.projection import keep_count
 from elsa_ds.config import ElsaConfig, JobOptions
-from elsa_ds.data import validation_windows
+from elsa_ds.data import PplWindows, validation_windows
 from elsa_ds.errors import ElsaError
 from elsa_ds.jobs import checks, report
 from elsa_ds.jobs.interface import Printer
+from elsa_ds.models import ModelSource
 from elsa_ds.oneshot.layerwise import layerwise_nll
-from elsa_ds.oneshot.pipeline import accelerator, load_host_model, prune_oneshot
-from elsa_ds.output import REPORT_NAME, fresh_staging, publish
+from elsa_ds.oneshot.pipeline import OneShotResult, accelerator, load_host_model, prune_oneshot
+from elsa_ds.output import fresh_staging
 from elsa_ds.targets import goal_ratio
 from elsa_ds.zero.ds_config import DsConfig
 
@@ -30,12 +33,20 @@ class OneShotJob:
     def __init__(self, cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig):
         if opts.resume:
             raise ElsaError(f"--resume continues an ELSA run; {cfg.method.value} has no checkpoints (it is one pass)")
-        self.cfg, self.opts, self.ds_config = cfg, opts, ds_config
-        self.started = time.time()
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.say = Printer(0)
-        self.device = accelerator()
-        self.source = checks.model_source(cfg, opts)
+        self.cfg: ElsaConfig = cfg
+        self.opts: JobOptions = opts
+        self.ds_config: DsConfig = ds_config  # checked like an ELSA run's, though no engine runs
+        self.started: float = time.time()
+        self.rank: int = int(os.environ.get("RANK", "0"))
+        self.say: Printer = Printer(0)
+        self.device: torch.device = accelerator()
+        self.source: ModelSource = checks.model_source(cfg, opts)
+        self.tokenizer: Any = None  # set by setup (rank 0)
+        self.validation: PplWindows | None = None  # set by setup (rank 0)
+        self.model: torch.nn.Module | None = None  # set by setup (rank 0): the whole model in host memory
+        self.dense_ppl: float | None = None  # set by train (rank 0)
+        self.done: OneShotResult | None = None  # set by train (rank 0): the pruned model and its masks
+        self.pruned_ppl: float | None = None  # set by train (rank 0)
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -73,18 +84,23 @@ class OneShotJob:
             return None
         cfg, opts = self.cfg, self.opts
         staging = fresh_staging(opts.output_dir)
-        self.model.save_pretrained(staging)
+        self.model.save_pretrained(staging, save_original_format=False)  # module names, as the ZeRO-3 export writes them
         self.tokenizer.save_pretrained(staging)
-        expected = {name: keep.numel() - keep_count(keep.numel(), goal_ratio(self.done.goals[name]))
-                    for name, keep in self.done.masks.items()}
-        result = report.oneshot_report(self, staging, expected, self.dense_ppl, self.pruned_ppl)
-        report.write(staging / REPORT_NAME, result)
-        publish(staging, opts.output_dir, keep_checkpoints=False)
-        report.print_summary(self.say, result, opts.output_dir)
+        result = report.oneshot_report(self._record(), staging)
+        report.publish_report(result, staging, opts.output_dir, False, self.say)
         if cfg.eval_ppl or cfg.eval_tasks:
             self.model = self.done = None
             report.evaluate_saved_model(opts.output_dir, cfg)
         return result
+
+    def _record(self) -> report.ReportRecord:
+        """What the report says: the perplexities before and after, the zeros each pruned layer must hold."""
+        done = self.done
+        expected = {name: keep.numel() - keep_count(keep.numel(), goal_ratio(done.goals[name])) for name, keep in done.masks.items()}
+        return report.ReportRecord(
+            cfg=self.cfg, method=self.cfg.method.value, deepspeed=self.opts.deepspeed, world=1, started=self.started,
+            validation=self.validation.describe(), goals=done.goals, expected_zeros=expected, final_ppl=self.pruned_ppl,
+            dense_ppl=self.dense_ppl, calibration=done.calibration, device=str(self.device), prune_s=done.seconds)
 
     def cleanup(self) -> None:
         """No process group to tear down: the one-shot job runs in one process."""

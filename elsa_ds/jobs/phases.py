@@ -28,7 +28,7 @@ class PhaseLog:
 
     def __init__(self, rank: int):
         path = os.environ.get(PHASE_LOG_ENV)
-        self.path = Path(path) if path and rank == 0 else None
+        self.path: Path | None = Path(path) if path and rank == 0 else None
 
     def mark(self, phase: str, step: int | None = None) -> None:
         if self.path is None:

@@ -1,114 +1,161 @@
 """The report a job writes beside its model (``elsa_report.json``), its console summary, and the evaluation of the
-saved model that ``--eval_ppl`` / ``--eval_tasks`` ask for at the end of a job."""
+saved model that ``--eval_ppl`` / ``--eval_tasks`` ask for at the end of a job.
+
+A job fills one :class:`ReportRecord` with what it measured and decided; the report is built from that record and
+from the exported files (per-layer sparsity is read back from them, never from memory), nothing else."""
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from elsa_ds.config import ElsaConfig
-from elsa_ds.data import PplWindows
 from elsa_ds.io import versions, write_json
-from elsa_ds.output import REPORT_NAME, layers_summary, verified_layers
+from elsa_ds.output import REPORT_NAME, layers_summary, publish, verified_layers
+from elsa_ds.targets import LayerGoal
 from elsa_ds.zero.ds_config import DsConfig
 
 write = write_json
 
 
-def elsa_report(job, staging: Path, pruned_ppl: float | None) -> dict[str, Any]:
+@dataclass
+class ReportRecord:
+    """What a job measured and decided: the one input of its report besides the exported files."""
+
+    cfg: ElsaConfig                    # as the job ran it (the defaults rule applied)
+    method: str                        # "elsa", or the one-shot method run or retrained ("dense": the control)
+    deepspeed: str                     # --deepspeed as given
+    world: int                         # ranks that trained (1: the one-shot job)
+    started: float                     # time.time() at the job's start
+    validation: dict[str, Any]         # the validation windows (PplWindows.describe())
+    goals: dict[str, LayerGoal]        # each pruned layer's sparsity or N:M goal
+    expected_zeros: dict[str, int]     # the layout summary: zeros each pruned layer must hold in the exported files
+    final_ppl: float | None = None     # validation perplexity of the exported model (ELSA: pruned; --finetune: tuned)
+    dense_ppl: float | None = None
+    baseline_ppl: float | None = None  # ELSA: one-shot magnitude, or the warm start x₀; --finetune: before training
+    losses: list[float] = field(default_factory=list)       # per step, global mean
+    step_times: list[float] = field(default_factory=list)   # per step, seconds
+    history: list[dict[str, Any]] = field(default_factory=list)  # ELSA's projections (AdmmOptimizer metrics)
+    selection: dict[str, Any] | None = None   # --select_every's curve and choice
+    defaults: dict[str, Any] | None = None    # what the defaults rule filled in, and why
+    global_batch: int = 0                     # sequences per optimizer step
+    offload: dict[str, str] | None = None     # where ZeRO-3 put parameters and optimizer states
+    training_data: dict[str, Any] | None = None  # how the training sequences were drawn
+    kernels: dict[str, Any] | None = None     # which ADMM kernels ran (fused / eager)
+    calibration: dict[str, Any] | None = None  # the one-shot method's calibration data
+    device: str | None = None                 # where the one-shot job ran
+    prune_s: float | None = None              # the one-shot pass, seconds
+
+
+def offload(ds: DsConfig) -> dict[str, str]:
+    """The record's ``offload`` of an engine's config."""
+    return {"offload_param": ds.param_device, "offload_optimizer": ds.optimizer_device}
+
+
+def elsa_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
     """The ELSA job's report, with per-layer sparsity read back from the exported files (never from memory)."""
-    cfg, ds, state = job.cfg, job.ds, job.state
-    expected = {sl.layer: sl.numel - sl.keep for sg in job.job.layout for sl in sg.slices}
-    layers = verified_layers(staging, expected, job.goals, cfg.targets)
-    last = state.history[-1] if state.history else {}
-    projections = [h for h in state.history if not h["final"]]
-    tail = state.losses[-min(len(state.losses), cfg.interval):]
-    steady = state.step_times[1:] or state.step_times  # the first step builds lazy state (Adam, z, u)
-    dense, baseline = state.dense_ppl, state.baseline_ppl
+    cfg = rec.cfg
+    layers = verified_layers(staging, rec.expected_zeros, rec.goals, cfg.targets)
+    last = rec.history[-1] if rec.history else {}
+    projections = [h for h in rec.history if not h["final"]]
+    tail = rec.losses[-min(len(rec.losses), cfg.interval):]
+    steady = rec.step_times[1:] or rec.step_times  # the first step builds lazy state (Adam, z, u)
+    dense, baseline, pruned_ppl = rec.dense_ppl, rec.baseline_ppl, rec.final_ppl
     warm = cfg.init_weights  # then the baseline is the start x₀ (the one-shot ELSA began from), not magnitude pruning
     return {
-        **_common(cfg, "elsa", job.opts.deepspeed, job.world, job.started),
+        **_common(rec),
         "init_mask": cfg.init_mask,
         "init_weights": cfg.init_weights,
         "steps": cfg.steps,
-        "tokens": cfg.steps * ds["train_batch_size"] * cfg.seqlen,
-        "offload": _offload(DsConfig(ds)),
-        "final_loss": state.losses[-1],
+        "tokens": cfg.steps * rec.global_batch * cfg.seqlen,
+        "offload": rec.offload,
+        "final_loss": rec.losses[-1],
         "step_time_s": sum(steady) / len(steady),
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
         "final_loss_mean_last_interval": sum(tail) / len(tail),
         "lambda": last.get("lambda"),
         "residual": projections[-1]["residual"] if projections else None,
-        "projections": state.history,
+        "projections": rec.history,
         "admm_state_bytes_per_param": last.get("admm_state_bytes_per_param"),
-        "kernels": job.job.admm.kernel_report(),
-        "training_data": job.train_data,
+        "kernels": rec.kernels,
+        "training_data": rec.training_data,
         "ppl": {"dense": dense, "magnitude_oneshot": None if warm else baseline, "warm_start": baseline if warm else None,
-                "pruned": pruned_ppl, **_validation(job.validation)},
+                "pruned": pruned_ppl, **_validation(rec.validation)},
         "vs_magnitude": None if warm or baseline is None or pruned_ppl is None else {
             "ppl_ratio": baseline / pruned_ppl, "ppl_reduction": baseline - pruned_ppl},
         "layers": layers,
         "overall_sparsity": layers_summary(layers),
-        "defaults": job.defaults,
-        "selection": state.selection,
-        "wall_s": time.time() - job.started,
+        "defaults": rec.defaults,
+        "selection": rec.selection,
+        "wall_s": time.time() - rec.started,
     }
 
 
-def finetune_report(job, staging: Path, expected: dict[str, int], tuned_ppl: float | None) -> dict[str, Any]:
+def finetune_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
     """The retraining job's report: the one-shot (or dense) model before, the retrained one after, in the same layout."""
-    cfg, ds, state = job.cfg, job.ds, job.state
-    layers = verified_layers(staging, expected, job.goals, cfg.targets) if expected else {}
-    steady = state.step_times[1:] or state.step_times
-    tail = state.losses[-min(len(state.losses), 32):]
+    cfg = rec.cfg
+    layers = verified_layers(staging, rec.expected_zeros, rec.goals, cfg.targets) if rec.expected_zeros else {}
+    steady = rec.step_times[1:] or rec.step_times
+    tail = rec.losses[-min(len(rec.losses), 32):]
+    lora = cfg.finetune.value == "lora"
+    measured_on = "the engine's weights" + (": LoRA adapters not yet merged, the mask not yet re-applied "
+                                            "(evaluate the export for the merged model)" if lora else "")
     return {
-        **_common(cfg, cfg.method.value, job.opts.deepspeed, job.world, job.started),
-        "finetune": cfg.finetune.value, "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha} if cfg.finetune.value == "lora" else None,
-        "steps": cfg.steps, "tokens": cfg.steps * ds["train_batch_size"] * cfg.seqlen, "calibration": job.calibration,
-        "final_loss": state.losses[-1], "final_loss_mean_last_32": sum(tail) / len(tail), "step_time_s": sum(steady) / len(steady),
+        **_common(rec),
+        "finetune": cfg.finetune.value, "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha} if lora else None,
+        "steps": cfg.steps, "tokens": cfg.steps * rec.global_batch * cfg.seqlen, "calibration": rec.calibration,
+        "final_loss": rec.losses[-1], "final_loss_mean_last_32": sum(tail) / len(tail),
+        "step_time_s": sum(steady) / len(steady),
         "lambda": None, "residual": None, "admm_state_bytes_per_param": None,
-        "ppl": {"dense": None, "before_finetune": state.baseline_ppl, "pruned": tuned_ppl, **_validation(job.validation),
-                "measured_on": "the engine's weights" + (": LoRA adapters not yet merged, the mask not yet re-applied "
-                                                         "(evaluate the export for the merged model)" if cfg.finetune.value == "lora" else "")},
+        "ppl": {"dense": None, "before_finetune": rec.baseline_ppl, "pruned": rec.final_ppl, **_validation(rec.validation),
+                "measured_on": measured_on},
         "layers": layers, "overall_sparsity": layers_summary(layers) if layers else 0.0,
-        "defaults": job.defaults, "wall_s": time.time() - job.started,
+        "defaults": rec.defaults, "wall_s": time.time() - rec.started,
     }
 
 
-def oneshot_report(job, staging: Path, expected: dict[str, int], dense_ppl: float | None, pruned_ppl: float | None) -> dict[str, Any]:
+def oneshot_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
     """The one-shot job's report, in the ELSA report's layout (ADMM fields None)."""
-    cfg, done = job.cfg, job.done
-    layers = verified_layers(staging, expected, done.goals, cfg.targets)
+    cfg = rec.cfg
+    layers = verified_layers(staging, rec.expected_zeros, rec.goals, cfg.targets)
     return {
-        **_common(cfg, cfg.method.value, job.opts.deepspeed, 1, job.started),
+        **_common(rec),
         "steps": 0,
-        "tokens": done.calibration["sequences"] * cfg.seqlen if done.calibration else 0,
-        "device": str(job.device),
-        "calibration": done.calibration,
+        "tokens": rec.calibration["sequences"] * cfg.seqlen if rec.calibration else 0,
+        "device": rec.device,
+        "calibration": rec.calibration,
         "final_loss": None,
         "lambda": None,
         "residual": None,
         "admm_state_bytes_per_param": None,
-        "prune_s": done.seconds,
-        "ppl": {"dense": dense_ppl, "pruned": pruned_ppl, **_validation(job.validation)},
+        "prune_s": rec.prune_s,
+        "ppl": {"dense": rec.dense_ppl, "pruned": rec.final_ppl, **_validation(rec.validation)},
         "layers": layers,
         "overall_sparsity": layers_summary(layers),
-        "wall_s": time.time() - job.started,
+        "wall_s": time.time() - rec.started,
     }
 
 
-def _common(cfg: ElsaConfig, method: str, ds_config: str, world: int, started: float) -> dict[str, Any]:
-    return {"model": cfg.model, "method": method, "dataset": cfg.dataset, "sparsity": cfg.sparsity, "pattern": cfg.pattern,
-            "sparsity_profile": cfg.sparsity_profile, "world_size": world, "deepspeed_config": ds_config,
+def publish_report(result: dict[str, Any], staging: Path, output_dir: Path, keep_checkpoints: bool, say) -> None:
+    """Write the report into the staged output, publish the output in place of ``output_dir``, print the summary."""
+    write(staging / REPORT_NAME, result)
+    publish(staging, output_dir, keep_checkpoints=keep_checkpoints)
+    print_summary(say, result, output_dir)
+
+
+def _common(rec: ReportRecord) -> dict[str, Any]:
+    cfg = rec.cfg
+    return {"model": cfg.model, "method": rec.method, "dataset": cfg.dataset, "sparsity": cfg.sparsity, "pattern": cfg.pattern,
+            "sparsity_profile": cfg.sparsity_profile, "world_size": rec.world, "deepspeed_config": rec.deepspeed,
             "config": cfg.model_dump(mode="json"), "versions": versions()}
 
 
-def _validation(windows: PplWindows) -> dict[str, Any]:
+def _validation(d: dict[str, Any]) -> dict[str, Any]:
     """The windows' count, length and protocol, and which text they come from (never the training part)."""
-    d = windows.describe()
     return {"windows": d["windows"], "seqlen": d["seqlen"], "protocol": d["protocol"],
             "validation": {k: d[k] for k in ("source", "part", "documents", "text_tokens")}}
 
@@ -162,7 +209,3 @@ def evaluate_saved_model(output_dir: Path, cfg: ElsaConfig) -> dict[str, Any]:
                            "tasks": {k: v.get("acc") for k, v in result["tasks"].items()}, "average_acc": result["average_acc"]}
     write_json(report_path, saved)
     return result
-
-
-def _offload(view: DsConfig) -> dict[str, str]:
-    return {"offload_param": view.param_device, "offload_optimizer": view.optimizer_device}

@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
+from elsa_ds.admm.optimizer import AdmmOptimizer
 from elsa_ds.data import PplWindows
 from elsa_ds.output import staging_dir
+from elsa_ds.zero.engine import ZeroEngine
 from elsa_ds.zero.partitions import distributed_nll, hard_projected, restore_shards, shard_snapshot
 
 
@@ -36,8 +38,11 @@ class Selector:
     """The curve of scored projections and the best snapshot; ``record`` is the JSON-able state a checkpoint keeps."""
 
     def __init__(self, every: int, patience: int, directory: Path, rank: int, record: dict[str, Any] | None = None):
-        self.every, self.patience, self.directory, self.rank = every, patience, directory, rank
-        self.record = record or {"curve": [], "best": None, "since_best": 0, "stopped_at": None}
+        self.every: int = every  # score every this many projections
+        self.patience: int = patience  # stop after this many scored projections without improvement (0: never)
+        self.directory: Path = directory  # the best snapshot, one file per rank
+        self.rank: int = rank
+        self.record: dict[str, Any] = record or {"curve": [], "best": None, "since_best": 0, "stopped_at": None}
 
     def due(self, projections: int) -> bool:
         return projections > 0 and projections % self.every == 0
@@ -46,14 +51,15 @@ class Selector:
     def stop(self) -> bool:
         return bool(self.patience) and self.record["since_best"] >= self.patience
 
-    def score(self, job, windows: PplWindows, micro_batch: int, step: int, project: bool = True) -> float:
+    def score(self, zero: ZeroEngine, admm: AdmmOptimizer, windows: PplWindows, micro_batch: int, step: int,
+              project: bool = True) -> float:
         """Validation perplexity of Π(x) at ``step`` (``project`` False: of the weights as they are -- a pruned start);
         a snapshot of it when it is the best so far. Collective."""
-        with hard_projected(job) if project else nullcontext():
-            value = windows.perplexity(*distributed_nll(job, windows.ids, micro_batch))
+        with hard_projected(zero, admm) if project else nullcontext():
+            value = windows.perplexity(*distributed_nll(zero, windows.ids, micro_batch))
             improved = self.record["best"] is None or value < self.record["best"]["ppl"]
             if improved:
-                self._save(job)
+                self._save(zero)
         self.record["curve"].append({"step": step, "ppl": value})
         if improved:
             self.record["best"], self.record["since_best"] = {"step": step, "ppl": value}, 0
@@ -61,14 +67,14 @@ class Selector:
             self.record["since_best"] += 1
         return value
 
-    def _save(self, job) -> None:
+    def _save(self, zero: ZeroEngine) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"rank{self.rank}.pt"
         tmp = path.with_name(f".{path.name}.tmp")
-        torch.save(shard_snapshot(job), tmp)
+        torch.save(shard_snapshot(zero), tmp)
         tmp.replace(path)
 
-    def choose(self, job, final_ppl: float | None, final_step: int) -> float | None:
+    def choose(self, zero: ZeroEngine, final_ppl: float | None, final_step: int) -> float | None:
         """Score the run's end against the best snapshot; write the snapshot back when it wins (``final_ppl`` None:
         the run stopped early, there is no final projection). Returns the exported model's perplexity. Collective."""
         best = self.record["best"]
@@ -77,7 +83,7 @@ class Selector:
         if best is None or (final_ppl is not None and final_ppl <= best["ppl"]):
             self.record["chosen"] = {"step": final_step, "ppl": final_ppl, "final": True}
             return final_ppl
-        restore_shards(job, torch.load(self.directory / f"rank{self.rank}.pt"))
+        restore_shards(zero, torch.load(self.directory / f"rank{self.rank}.pt"))
         self.record["chosen"] = {**best, "final": False}
         return best["ppl"]
 

@@ -45,8 +45,8 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def check_supported(ds: dict) -> None:
-    if DsConfig(ds).optimizer_on_nvme:
+def check_supported(ds: DsConfig) -> None:
+    if ds.optimizer_on_nvme:
         raise ElsaError("--save_interval/--resume with NVMe optimizer offload is not supported: DeepSpeed does not restore "
                         "NVMe-offloaded optimizer state (Adam moments, z, u); use zero3_offload.json for resumable runs")
 

@@ -48,7 +48,8 @@ def resolve_path(name_or_path: str | Path) -> Path:
 
 @dataclass
 class DsConfig:
-    """A DeepSpeed JSON as read; :meth:`engine_config` gives what the engine gets."""
+    """A typed view of a DeepSpeed JSON holding the dict it reads: as read (:meth:`load`), or resolved for one run
+    (:meth:`resolve`: the engine's own config, the one object a job passes to everything that builds or asks the engine)."""
 
     raw: dict[str, Any]
     source: str = "the DeepSpeed JSON"
@@ -91,6 +92,16 @@ class DsConfig:
     @property
     def bf16(self) -> bool:
         return self.raw.get("bf16", {}).get("enabled") in (True, AUTO)
+
+    @property
+    def train_batch_size(self) -> int:
+        """The global batch in sequences (of a resolved config)."""
+        return self.raw["train_batch_size"]
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Sequences per rank per forward pass (of a resolved config)."""
+        return self.raw["train_micro_batch_size_per_gpu"]
 
     def global_batch(self, cfg: ElsaConfig) -> Any:
         return cfg.batch_size or self.raw.get("train_batch_size")
@@ -180,6 +191,10 @@ class DsConfig:
         ds.setdefault("steps_per_print", 10**9)
         ds.setdefault("wall_clock_breakdown", False)
         return ds
+
+    def resolve(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None = None) -> DsConfig:
+        """:meth:`engine_config` as a view: the one DeepSpeed config object a job builds and passes on."""
+        return DsConfig(self.engine_config(cfg, world_size, hidden_size), self.source)
 
 
 def _differs(value: Any, ours: Any) -> bool:

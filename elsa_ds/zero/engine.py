@@ -33,26 +33,27 @@ class PartitionedModel:
     hf_ds_config: object  # must stay referenced: transformers reads ZeRO-3 settings through it
 
 
-def load_partitioned(source: ModelSource, ds: dict, gradient_checkpointing: bool = False, random_init: bool = False) -> PartitionedModel:
+def load_partitioned(source: ModelSource, ds: DsConfig, gradient_checkpointing: bool = False,
+                     random_init: bool = False) -> PartitionedModel:
     """Load a causal LM straight into ZeRO-3 partitions (no full copy of the model on any rank); a model given in
     memory is partitioned by deepspeed.initialize instead."""
     from transformers.integrations import HfDeepSpeedConfig
 
     compat.prepare_torch_for_zero_init()
-    keep_alive = HfDeepSpeedConfig(ds)
-    nvme_params = DsConfig(ds).param_device == "nvme"
+    keep_alive = HfDeepSpeedConfig(ds.raw)
+    nvme_params = ds.param_device == "nvme"
     with compat.zero3_init_one_module_at_a_time() if random_init and nvme_params else contextlib.nullcontext():
-        model = source.load(model_dtype(ds), random_init)
+        model = source.load(model_dtype(ds.raw), random_init)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return PartitionedModel(model, keep_alive)
 
 
-def base_optimizer(cfg: ElsaConfig, params, ds: dict) -> torch.optim.Optimizer:
+def base_optimizer(cfg: ElsaConfig, params, ds: DsConfig) -> torch.optim.Optimizer:
     """The optimizer ADMM wraps (and the one a plain fine-tuning run steps)."""
     kind = cfg.base_optimizer
     if kind is BaseOptimizer.auto:
-        kind = BaseOptimizer.cpu_adam if DsConfig(ds).optimizer_offloaded else BaseOptimizer.adam
+        kind = BaseOptimizer.cpu_adam if ds.optimizer_offloaded else BaseOptimizer.adam
     common = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if kind is BaseOptimizer.cpu_adam:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -69,12 +70,12 @@ def base_optimizer(cfg: ElsaConfig, params, ds: dict) -> torch.optim.Optimizer:
     return (torch.optim.AdamW if cfg.weight_decay > 0 else torch.optim.Adam)(params, **common)
 
 
-def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: dict):
+def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: DsConfig):
     """deepspeed.initialize with a client optimizer; returns the engine and a Comm over its data-parallel group."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds.raw)
     if not compat.is_stage3(engine.optimizer):
         raise ElsaError("the engine is not running ZeRO stage 3; check zero_optimization in the DeepSpeed config")
     device = "cpu" if get_accelerator().device_name() == "cpu" else get_accelerator().current_device_name()
@@ -82,11 +83,12 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: dic
 
 
 @dataclass
-class ZeroJob:
-    """The engine and what a recipe needs to drive ADMM through it."""
+class ZeroEngine:
+    """The DeepSpeed engine and what a job needs beside it: which ranges of the flat partitions are which pruned layer
+    (``layout``: empty when nothing is masked), the pruned weights by ``id`` and the data-parallel ``comm``. The basic
+    optimizer a builder installs (AdmmOptimizer, MaskedOptimizer or the plain one) is returned next to it."""
 
     engine: object
-    admm: AdmmOptimizer
     layout: list[SubGroupLayout]
     pruned: dict[int, str]
     comm: TorchDistComm
@@ -101,8 +103,8 @@ def full_shapes(model: torch.nn.Module, pruned: dict[int, str]) -> dict[str, tup
     return {pruned[id(p)]: compat.full_shape(p) for p in model.parameters() if id(p) in pruned}
 
 
-def build_admm_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: dict, pruned: dict[int, str],
-                      goals: dict[str, LayerGoal], init_masks: MaskReader | None = None) -> ZeroJob:
+def build_admm_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: DsConfig, pruned: dict[int, str],
+                      goals: dict[str, LayerGoal], init_masks: MaskReader | None = None) -> tuple[ZeroEngine, AdmmOptimizer]:
     """deepspeed.initialize with AdmmOptimizer as ZeRO-3's basic optimizer, and the slice layout wired in.
 
     ``goals`` gives each pruned weight's sparsity or N:M pattern; ``init_masks`` warm-starts z from keep-masks on
@@ -118,12 +120,12 @@ def build_admm_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: dict, pruned:
         admm.initial_mask = initial_mask
     engine, comm = initialize(model, admm, ds)
     admm.comm = comm
-    if DsConfig(ds).optimizer_on_nvme:
+    if ds.optimizer_on_nvme:
         admm.on_state_created = keep_low_precision_states_in_memory
     layout = build_layout(engine.optimizer, pruned, goals, comm.rank, comm.world_size)
     for sg in layout:
         admm.assign(compat.flat_partition(engine.optimizer, sg.index), sg.slices)
-    return ZeroJob(engine, admm, layout, pruned, comm)
+    return ZeroEngine(engine, layout, pruned, comm), admm
 
 
 def keep_low_precision_states_in_memory(state: dict) -> None:

@@ -16,18 +16,18 @@ from elsa_ds.mask_file import MaskReader
 from elsa_ds.targets import LayerGoal
 from elsa_ds.zero import compat
 from elsa_ds.zero.ds_config import DsConfig
-from elsa_ds.zero.engine import ZeroJob, base_optimizer, full_shapes, initialize, keep_low_precision_states_in_memory
+from elsa_ds.zero.engine import ZeroEngine, base_optimizer, full_shapes, initialize, keep_low_precision_states_in_memory
 from elsa_ds.zero.layout import build_layout
 
 
-def build_masked_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: dict, pruned: dict[int, str], goals: dict[str, LayerGoal],
-                        masks: MaskReader | None) -> tuple[ZeroJob, torch.optim.Optimizer]:
+def build_masked_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: DsConfig, pruned: dict[int, str], goals: dict[str, LayerGoal],
+                        masks: MaskReader | None) -> tuple[ZeroEngine, torch.optim.Optimizer]:
     """deepspeed.initialize with MaskedOptimizer (or, without masks: the dense control, the plain base optimizer) as
-    ZeRO-3's basic optimizer. Returns the job and the optimizer whose ``param_groups`` carry the learning rate."""
+    ZeRO-3's basic optimizer. Returns the engine and the optimizer whose ``param_groups`` carry the learning rate."""
     base = base_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], ds)
     if masks is None:
         engine, comm = initialize(model, base, ds)
-        return ZeroJob(engine, None, [], pruned, comm), base
+        return ZeroEngine(engine, [], pruned, comm), base
     masks.check(full_shapes(model, pruned))
 
     def initial_mask(sl: Slice) -> torch.Tensor:
@@ -35,15 +35,16 @@ def build_masked_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: dict, prune
 
     masked = MaskedOptimizer(base, initial_mask)
     engine, comm = initialize(model, masked, ds)
-    if DsConfig(ds).optimizer_on_nvme:
+    if ds.optimizer_on_nvme:
         masked.on_state_created = keep_low_precision_states_in_memory
     layout = build_layout(engine.optimizer, pruned, goals, comm.rank, comm.world_size)
     for sg in layout:
         masked.assign(compat.flat_partition(engine.optimizer, sg.index), sg.slices)
-    return ZeroJob(engine, None, layout, pruned, comm), masked
+    return ZeroEngine(engine, layout, pruned, comm), masked
 
 
-def build_lora_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: dict, pruned: dict[int, str]) -> tuple[ZeroJob, torch.optim.Optimizer]:
+def build_lora_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: DsConfig, pruned: dict[int, str],
+                      ) -> tuple[ZeroEngine, torch.optim.Optimizer]:
     """peft LoRA adapters (rank ``cfg.lora_rank``, scaling α/r) on every pruned Linear, then deepspeed.initialize with
     the base optimizer over the adapters alone."""
     from elsa_ds.finetune.lora import add_adapters
@@ -51,4 +52,4 @@ def build_lora_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: dict, pruned:
     peft_model = add_adapters(model, list(pruned.values()), cfg.lora_rank, cfg.lora_alpha)
     base = base_optimizer(cfg, [p for p in peft_model.parameters() if p.requires_grad], ds)
     engine, comm = initialize(peft_model, base, ds)
-    return ZeroJob(engine, None, [], pruned, comm), base
+    return ZeroEngine(engine, [], pruned, comm), base

@@ -7,16 +7,17 @@ from collections.abc import Iterator
 
 import torch
 
+from elsa_ds.admm.optimizer import AdmmOptimizer, Projection, second_moment
 from elsa_ds.admm.projection import NM, projection_masks
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
 from elsa_ds.zero import compat
-from elsa_ds.zero.engine import ZeroJob
+from elsa_ds.zero.engine import ZeroEngine
 from elsa_ds.zero.layout import local_partition
 
 
 @torch.no_grad()
-def distributed_nll(job: ZeroJob, windows: torch.Tensor, micro_batch: int) -> tuple[float, int]:
+def distributed_nll(job: ZeroEngine, windows: torch.Tensor, micro_batch: int) -> tuple[float, int]:
     """Summed next-token NLL and token count of the engine's current weights over ``windows``, split over ranks. Collective."""
     engine = job.engine
     was_training = engine.module.training
@@ -28,13 +29,13 @@ def distributed_nll(job: ZeroJob, windows: torch.Tensor, micro_batch: int) -> tu
     return float(total[0]), int(total[1])
 
 
-def pruned_params(job: ZeroJob) -> list[tuple[str, torch.nn.Parameter]]:
+def pruned_params(job: ZeroEngine) -> list[tuple[str, torch.nn.Parameter]]:
     by_id = {id(p): p for p in job.engine.module.parameters()}
     return [(name, by_id[pid]) for pid, name in job.pruned.items()]
 
 
 @contextlib.contextmanager
-def magnitude_pruned(job: ZeroJob, pattern: NM | None = None) -> Iterator[None]:
+def magnitude_pruned(job: ZeroEngine, pattern: NM | None = None) -> Iterator[None]:
     """Temporarily zero the 16-bit model shards by one-shot magnitude pruning. Collective.
 
     The per-layer threshold comes from the same exact distributed selection ELSA uses, on each rank's own
@@ -50,32 +51,30 @@ def magnitude_pruned(job: ZeroJob, pattern: NM | None = None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def hard_projected(job: ZeroJob) -> Iterator[None]:
+def hard_projected(job: ZeroEngine, admm: AdmmOptimizer) -> Iterator[None]:
     """Temporarily set the pruned layers' 16-bit shards to Π(x), the hard projection ELSA ends with: x = the fp32
-    masters, scores from the optimizer's second moment (Fisher) or magnitude, as the run's projection. Collective."""
-    from elsa_ds.admm.optimizer import Projection, second_moment
-
+    masters, scores from ``admm``'s second moment (Fisher) or magnitude, as the run's projection. Collective."""
     _check_resident(job, "scoring the projected model", "drop --select_every")
-    s3, settings, masks = job.zero_optimizer, job.admm.settings, []
+    s3, settings, masks = job.zero_optimizer, admm.settings, []
     for sg in job.layout:  # sub-group by sub-group, in the same order on every rank (the selection is collective)
         flat = compat.flat_partition(s3, sg.index)
         xs = [flat.detach().view(-1).narrow(0, sl.offset, sl.length) for sl in sg.slices]
         fisher = None
         if settings.projection is Projection.fisher:
-            f = second_moment(job.admm.state[flat]).view(-1)
+            f = second_moment(admm.state[flat]).view(-1)
             fisher = [f.narrow(0, sl.offset, sl.length) for sl in sg.slices]
         masks += projection_masks(xs, fisher, sg.slices, job.comm, settings.pattern)
     with masked_shards(job, masks):
         yield
 
 
-def _check_resident(job: ZeroJob, what: str, fix: str) -> None:
+def _check_resident(job: ZeroEngine, what: str, fix: str) -> None:
     if any(compat.flat_partition(job.zero_optimizer, sg.index).numel() == 0 for sg in job.layout):
         raise ElsaError(f"{what} needs resident fp32 masters; it is not available with NVMe optimizer offload ({fix})")
 
 
 @contextlib.contextmanager
-def masked_shards(job: ZeroJob, masks: list[torch.Tensor]) -> Iterator[None]:
+def masked_shards(job: ZeroEngine, masks: list[torch.Tensor]) -> Iterator[None]:
     """Multiply the pruned layers' 16-bit shards by ``masks`` (one per slice of ``job.layout``, in order) for the
     duration; on exit restore them from the fp32 masters (never touched). Collective."""
     s3, rank, world = job.zero_optimizer, job.comm.rank, job.comm.world_size
@@ -95,12 +94,12 @@ def masked_shards(job: ZeroJob, masks: list[torch.Tensor]) -> Iterator[None]:
                     local_partition(by_name[sl.layer], rank, world).copy_(flat.narrow(0, sl.offset, sl.length))
 
 
-def shard_snapshot(job: ZeroJob) -> list[torch.Tensor]:
+def shard_snapshot(job: ZeroEngine) -> list[torch.Tensor]:
     """A copy of this rank's 16-bit shard of every parameter of the model (engine order)."""
     return [compat.shard(p).clone() for p in job.engine.module.parameters()]
 
 
-def restore_shards(job: ZeroJob, snapshot: list[torch.Tensor]) -> None:
+def restore_shards(job: ZeroEngine, snapshot: list[torch.Tensor]) -> None:
     """Write a :func:`shard_snapshot` back into the 16-bit shards (the fp32 masters are not touched). Collective."""
     params = list(job.engine.module.parameters())
     if len(params) != len(snapshot):

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from elsa_ds.models import ModelSource  # noqa: E402
 from elsa_ds.zero.dist import init_distributed, teardown  # noqa: E402
+from elsa_ds.zero.ds_config import DsConfig  # noqa: E402
 from elsa_ds.zero.engine import load_partitioned  # noqa: E402
 from elsa_ds.zero.export import export_model  # noqa: E402
 
@@ -51,7 +52,7 @@ def main() -> None:
     result = {}
     first = None
     for layers in depths:
-        built = load_partitioned(ModelSource(str(model_dir(root, layers))), DS, random_init=True)
+        built = load_partitioned(ModelSource(str(model_dir(root, layers))), DsConfig(DS), random_init=True)
         gc.collect()
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         before = status_kib("VmRSS")

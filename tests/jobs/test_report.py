@@ -1,0 +1,66 @@
+"""A report is built from the record a job fills and the exported files, nothing else (``elsa_ds/jobs/report.py``)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from elsa_ds.config import resolve_config
+from elsa_ds.errors import ElsaError
+from elsa_ds.jobs.report import ReportRecord, elsa_report, finetune_report, oneshot_report
+
+LAYER = "model.layers.0.mlp.down_proj.weight"
+VALIDATION = {"source": "text", "part": "held out", "documents": 3, "text_tokens": 900, "windows": 4, "seqlen": 8,
+              "protocol": {"name": "stream", "requested": "auto", "layout": "concatenated"}}
+
+
+def _staged(tmp_path, zeros: int):
+    """An exported model directory with one 4x8 pruned layer holding ``zeros`` zeros."""
+    weight = torch.arange(1, 33, dtype=torch.float32).view(4, 8)
+    weight.view(-1)[:zeros] = 0
+    save_file({LAYER: weight}, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+def _record(label: str = "elsa", **settings) -> ReportRecord:
+    cfg = resolve_config({}, {"model": "toy", "steps": 4, "interval": 2, "seqlen": 8, "sparsity": 0.5, **settings})
+    return ReportRecord(cfg=cfg, method=label, deepspeed="zero3_offload", world=2, started=time.time() - 5,
+                        validation=VALIDATION, goals=cfg.layer_goals({LAYER: (4, 8)}), expected_zeros={LAYER: 16})
+
+
+def test_the_elsa_report_reads_the_record_and_the_exported_files(tmp_path):
+    rec = _record()
+    rec.final_ppl, rec.dense_ppl, rec.baseline_ppl = 20.0, 15.0, 40.0
+    rec.losses, rec.step_times, rec.global_batch = [4.0, 3.0, 2.0, 1.0], [9.0, 1.0, 2.0, 3.0], 16
+    rec.history = [{"step": 2, "lambda": 0.1, "residual": 0.5, "admm_state_bytes_per_param": 8.0, "final": False},
+                   {"step": 4, "lambda": 0.2, "residual": 0.0, "admm_state_bytes_per_param": 8.0, "final": True}]
+    report = elsa_report(rec, _staged(tmp_path, 16))
+    assert report["tokens"] == 4 * 16 * 8 and report["world_size"] == 2 and report["deepspeed_config"] == "zero3_offload"
+    assert report["step_time_s"] == 2.0  # the first step (lazy state) left out
+    assert report["final_loss"] == 1.0 and report["final_loss_mean_last_interval"] == 1.5
+    assert report["lambda"] == 0.2 and report["residual"] == 0.5  # the last projection's λ; the last non-final residual
+    assert report["ppl"]["magnitude_oneshot"] == 40.0 and report["ppl"]["warm_start"] is None
+    assert report["vs_magnitude"] == {"ppl_ratio": 2.0, "ppl_reduction": 20.0}
+    assert report["layers"][LAYER]["zeros"] == 16 and report["overall_sparsity"] == 0.5
+    assert report["ppl"]["windows"] == 4 and report["ppl"]["validation"]["source"] == "text"
+
+
+def test_a_report_refuses_an_export_that_misses_the_layout(tmp_path):
+    with pytest.raises(ElsaError, match="has 15 zeros, expected 16"):
+        elsa_report(_record(), _staged(tmp_path, 15))
+
+
+def test_the_retraining_and_oneshot_reports_read_their_own_fields(tmp_path):
+    staging = _staged(tmp_path, 16)
+    rec = _record("wanda", method="wanda", finetune="full")
+    rec.losses, rec.step_times, rec.global_batch, rec.baseline_ppl, rec.final_ppl = [2.0, 1.0], [5.0, 1.0], 4, 30.0, 25.0
+    tuned = finetune_report(rec, staging)
+    assert tuned["ppl"]["before_finetune"] == 30.0 and tuned["ppl"]["pruned"] == 25.0 and tuned["tokens"] == 4 * 4 * 8
+    rec.expected_zeros = {}  # the dense control: nothing to verify
+    assert finetune_report(rec, staging)["layers"] == {}
+    one = _record("wanda", method="wanda")
+    one.calibration, one.device, one.prune_s = {"sequences": 3}, "cpu", 1.5
+    report = oneshot_report(one, staging)
+    assert report["tokens"] == 3 * 8 and report["device"] == "cpu" and report["world_size"] == 2
