@@ -3,7 +3,7 @@
     g' = g + λ ((x − z·s_z) + u·s_u)      on the pruned slices (z, u stored in fp32, bf16 or fp8 with scales s)
     Adam(x, g')                           torch.optim.Adam / AdamW's arithmetic (fp32 m, v; L2 or decoupled decay)
 
-``torch.compile`` turns ``_segment`` into one kernel per dtype combination (Triton on CUDA, C++ on CPU) that
+``torch.compile`` turns ``segment`` into one kernel per dtype combination (Triton on CUDA, C++ on CPU) that
 reads p, g, m, v, z, u once and writes p, m, v: no slice-sized temporary, where the eager path of
 ``optimizer.py`` writes (x − z) + u into one and adds it to the gradient before ``base.step()``. That eager
 path stays the reference this step is tested against; this step leaves ``grad`` untouched.
