@@ -36,7 +36,8 @@ def _linears_by_layer(model: torch.nn.Module, names: list[str]) -> list[dict[str
             if full in by_module:
                 found[where[id(layer)]][by_module.pop(full)] = module
     if by_module:
-        raise ElsaError(f"one-shot methods prune Linears inside decoder layers only; {sorted(by_module)[:3]} are outside (narrow --targets)")
+        raise ElsaError(f"one-shot methods prune Linears inside decoder layers only; {sorted(by_module)[:3]} are outside "
+                        "(narrow --targets)")
     return found
 
 

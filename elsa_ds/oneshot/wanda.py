@@ -28,7 +28,8 @@ class InputNorms:
         scaler ← scaler · n / (n + b);  n ← n + b;  scaler += Σ_tokens x_j² / n   (b = sequences in the batch)
         """
         if inp.dim() not in (2, 3) or inp.shape[-1] != self.scaler_row.numel():
-            raise ValueError(f"expected input [batch, tokens, {self.scaler_row.numel()}] or [tokens, {self.scaler_row.numel()}], got {tuple(inp.shape)}")
+            width = self.scaler_row.numel()
+            raise ValueError(f"expected input [batch, tokens, {width}] or [tokens, {width}], got {tuple(inp.shape)}")
         batch = inp.shape[0] if inp.dim() == 3 else 1
         x = inp.reshape(-1, inp.shape[-1]).to(self.scaler_row.device, torch.float32)
         self.scaler_row *= self.nsamples / (self.nsamples + batch)
