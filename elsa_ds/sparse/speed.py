@@ -72,12 +72,10 @@ def decode_seconds(model: torch.nn.Module, batch: int, steps: int, prompt: int =
     vocab = model.config.vocab_size
     ids = torch.randint(vocab, (batch, prompt), generator=gen)
     net = model.get_decoder() if layers_only else model
-    out = net(input_ids=ids, use_cache=True)
-    cache = out.past_key_values
+    cache = net(input_ids=ids, use_cache=True).cache
     start = time.perf_counter()
     for _ in range(steps):
-        out = net(input_ids=torch.randint(vocab, (batch, 1), generator=gen), past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        cache = net(input_ids=torch.randint(vocab, (batch, 1), generator=gen), cache=cache, use_cache=True).cache
     return time.perf_counter() - start
 
 
@@ -92,8 +90,8 @@ def logits_agreement(dense: torch.nn.Module, sparse: torch.nn.Module, batch: int
     ids = torch.randint(dense.config.vocab_size, (batch, prompt + 1), generator=gen)
     a, b = dense(input_ids=ids[:, :prompt], use_cache=True), sparse(input_ids=ids[:, :prompt], use_cache=True)
     worst = _relative(a.logits, b.logits)
-    a = dense(input_ids=ids[:, prompt:], past_key_values=a.past_key_values, use_cache=True)
-    b = sparse(input_ids=ids[:, prompt:], past_key_values=b.past_key_values, use_cache=True)
+    a = dense(input_ids=ids[:, prompt:], cache=a.cache, use_cache=True)
+    b = sparse(input_ids=ids[:, prompt:], cache=b.cache, use_cache=True)
     return max(worst, _relative(a.logits, b.logits))
 
 

@@ -1,0 +1,21 @@
+"""speed.measure on the pruned demo: bytes consistent with the checkpoint, floors from the bytes, agreement, ratios."""
+from __future__ import annotations
+
+from elsa_ds.sparse import speed
+from elsa_ds.sparse.folder import TensorReader
+
+
+def test_measure_reports_bytes_floors_and_ratios(sparse_dir):
+    result = speed.measure(sparse_dir, batches=(1, 2), steps=2, rounds=2, prompt=4, bandwidth=10e9)
+    disk = result["disk"]
+    reader = TensorReader(sparse_dir)
+    stored = sum(reader.get(n).numel() * reader.get(n).element_size() for n in reader.names)
+    assert disk["model_sparse"] == stored and disk["pruned_sparse"] < 0.5 * disk["pruned_dense"]
+    assert disk["model_dense"] - disk["pruned_dense"] == disk["model_sparse"] - disk["pruned_sparse"]
+    assert result["logits_max_rel_err"] <= 1e-3
+    for row, batch in zip(result["decode"], (1, 2)):
+        assert row["batch"] == batch and row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+        for mode in ("dense", "sparse"):
+            assert row[mode]["tokens_per_s"] > 0
+            assert abs(row[mode]["floor_tokens_per_s"] - batch * 10e9 / row[mode]["bytes_per_step"]) < 1e-6
+        assert row["sparse"]["bytes_per_step"] < row["dense"]["bytes_per_step"]
