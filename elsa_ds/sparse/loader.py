@@ -69,9 +69,12 @@ def _empty_model(path: Path, dtype: torch.dtype | None):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    config = AutoConfig.from_pretrained(path)
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(config, "dtype", None) or torch.float32)
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(config, "dtype", None) or torch.float32)
+    except (ValueError, KeyError, OSError) as err:
+        raise ElsaError(f"{path}: transformers cannot build a causal LM from its config.json ({str(err).splitlines()[0]})") from None
     model.tie_weights()  # no_init_weights skips init_weights, which is where transformers ties them
     return model
 
