@@ -103,7 +103,7 @@ def test_check_dry_run_passes_every_step(tmp_path):
         pytest.skip("no wheels: run bench/device/prepare.sh first (it needs the package index)")
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", str(DEVICE / "check.sh"), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1500)
+                          timeout=2100)
     results = json.loads((tmp_path / "results.json").read_text())
     names = [s["name"] for s in results["steps"]]
     bad = [s for s in results["steps"] if s["status"] != "ok"]

@@ -36,7 +36,7 @@ cd "$ROOT"
 exec > >(tee -a "$OUT/log") 2>&1
 
 if (( DRY )); then
-    BUDGET=${CHECK_BUDGET_S:-1500}; MAIN_STEPS=2; CMP_STEPS=2; NUMEL=3e5; THREADS="1 2"; DEVICE=cpu
+    BUDGET=${CHECK_BUDGET_S:-1800}; MAIN_STEPS=2; CMP_STEPS=2; NUMEL=3e5; THREADS="1 2"; DEVICE=cpu
     CAP_SCALE=4  # the caps are the device's; jobs on 2 shared CPU cores take several times longer
     MAIN_EXTRA=(--init_mask none --baseline none --val_windows 0)  # SparseGPT's warm start takes minutes on 2 cores
 else
