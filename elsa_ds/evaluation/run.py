@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import platform
 import tempfile
 import time
 from copy import copy
@@ -69,6 +71,16 @@ class EvalSettings(BaseModel):
     """Write the result JSON here."""
     markdown: Path | None = Field(None, json_schema_extra={"metavar": "FILE.md"})
     """Write the markdown table here."""
+    speed: bool = False
+    """Instead of perplexity and zero-shot: bytes on disk, memory, prefill and decode tokens/s and logits agreement of the
+    model's dense and sparse modes side by side on the CPU (a local elsa-sparse checkpoint, or a dense pruned folder,
+    compressed to a temporary one first)."""
+    speed_prompt: int = Field(128, ge=1)
+    """--speed: prompt tokens per sequence, prefilled before decoding."""
+    speed_steps: int = Field(8, ge=1)
+    """--speed: decode steps per timed round."""
+    speed_rounds: int = Field(3, ge=1)
+    """--speed: timed rounds per batch size, dense and sparse alternating."""
 
     @field_validator("tasks", mode="before")
     @classmethod
@@ -184,6 +196,8 @@ def measure(s: EvalSettings, prep: _Prepared) -> dict[str, Any]:
 def run(s: EvalSettings) -> dict[str, Any]:
     """Evaluate ``s.model``; writes ``s.output``/``s.markdown`` atomically when given and returns the result."""
     started = time.time()
+    if s.speed:
+        return run_speed(s, started)
     prep = prepare(s)
     found = measure(s, prep)
     zs = found.pop("zeroshot")
@@ -212,6 +226,29 @@ def run(s: EvalSettings) -> dict[str, Any]:
     if s.markdown is not None:
         write_atomic(Path(s.markdown), table)
         log.info(f"wrote {s.markdown}")
+    return result
+
+
+def run_speed(s: EvalSettings, started: float) -> dict[str, Any]:
+    """--speed: dense mode against sparse mode (elsa_ds.sparse.speed.speed_report) at batch 1 and 8, table and JSON."""
+    from elsa_ds.sparse.speed import speed_report, speed_table
+
+    check_settings(s)
+    if s.ppl or s.tasks:
+        raise ElsaError("--speed measures size and speed only; run --ppl/--tasks in a separate command")
+    if not Path(s.model).is_dir():
+        raise ElsaError(f"--speed needs a local model folder (an elsa-sparse checkpoint or a dense pruned export); {s.model} is not one")
+    result = speed_report(s.model, (1, 8), s.speed_prompt, s.speed_steps, s.speed_rounds)
+    result.update(settings=s.model_dump(mode="json"), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+                  load_average=os.getloadavg(), wall_s=time.time() - started, versions=versions())
+    table = speed_table(result)
+    print(table, end="", flush=True)  # the table is the command's product: stdout
+    if s.output is not None:
+        write_atomic(Path(s.output), json.dumps(result, indent=2) + "\n")
+        log.info(f"wrote {s.output}")
+    if s.markdown is not None:
+        write_atomic(Path(s.markdown), table)
     return result
 
 

@@ -9,16 +9,24 @@ offsets) at the read bandwidth measured here (a STREAM-like sum over a buffer fa
 """
 from __future__ import annotations
 
+import gc
+import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from elsa_ds.errors import ElsaError
+from elsa_ds.log import get_logger
 from elsa_ds.sparse import format as fmt
+from elsa_ds.sparse.compress import CONFIG_KEY, compress, read_config
 from elsa_ds.sparse.folder import TensorReader, is_weight_file
 from elsa_ds.sparse.linear import SparseLinear
 from elsa_ds.sparse.loader import from_pretrained, sparse_meta
+
+log = get_logger(__name__)
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -128,3 +136,133 @@ def measure(sparse_dir: str | Path, batches: tuple[int, ...] = (1, 8), steps: in
     for batch in batches:
         result["decode"].append(compare_decode(dense, sparse, batch, steps, rounds, prompt, bandwidth, layers_only))
     return result
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size (Linux /proc/self/statm), None where it cannot be read."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, a tensor shared by two modules (tied weights) counted once."""
+    seen: dict[int, int] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+    return sum(seen.values())
+
+
+def load_measured(sparse_dir: Path, mode: str) -> tuple[torch.nn.Module, dict]:
+    """from_pretrained in ``mode``, with the RSS growth over the load and the model's tensor bytes."""
+    gc.collect()
+    before = rss_bytes()
+    model = from_pretrained(sparse_dir, mode)
+    after = rss_bytes()
+    delta = None if before is None or after is None else after - before
+    return model, {"rss_delta_bytes": delta, "tensor_bytes": tensor_bytes(model)}
+
+
+@torch.no_grad()
+def prefill_seconds(model: torch.nn.Module, batch: int, prompt: int, seed: int = 0) -> float:
+    """Seconds for one forward of ``batch`` random prompts of ``prompt`` tokens (KV cache built, as generate does)."""
+    ids = torch.randint(model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(seed))
+    start = time.perf_counter()
+    model(input_ids=ids, use_cache=True)
+    return time.perf_counter() - start
+
+
+def compare_prefill(dense: torch.nn.Module, sparse: torch.nn.Module, batch: int, prompt: int, rounds: int, bandwidth: float) -> dict:
+    """Prefill tokens/s of both models alternating (ABBA); the floor: one pass over the weights per forward."""
+    models = {"dense": dense, "sparse": sparse}
+    times: dict[str, list[float]] = {"dense": [], "sparse": []}
+    for r in range(rounds):
+        for name in ("dense", "sparse") if r % 2 == 0 else ("sparse", "dense"):
+            times[name].append(prefill_seconds(models[name], batch, prompt, seed=r))
+    ratios = [d / s for d, s in zip(times["dense"], times["sparse"])]
+    row: dict = {"batch": batch, "prompt": prompt, "rounds": rounds, "ratio": statistics.median(ratios),
+                 "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    for name, model in models.items():
+        streamed = streamed_bytes(model)
+        row[name] = {"tokens_per_s": batch * prompt / statistics.median(times[name]), "bytes_per_step": streamed,
+                     "floor_tokens_per_s": batch * prompt * bandwidth / streamed}
+    return row
+
+
+def speed_report(model_dir: str | Path, batches: tuple[int, ...] = (1, 8), prompt: int = 128, steps: int = 8,
+                 rounds: int = 3, bandwidth: float | None = None) -> dict:
+    """Size, memory, prefill and decode speed, and logits agreement of a model's dense and sparse modes, side by side.
+
+    ``model_dir``: an elsa-sparse checkpoint, or a dense pruned Hugging Face folder, compressed first into a temporary
+    checkpoint (ElsaError when it has no pruned weight). Memory is given two ways: the process's RSS growth over each
+    load (dense loaded first) and the bytes of the model's tensors. ``bandwidth`` in bytes/s, measured when None.
+    """
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ElsaError(f"{path}: not a folder; the speed comparison needs a local sparse checkpoint or dense pruned model folder")
+    if CONFIG_KEY in read_config(path):
+        sparse_meta(path)  # an unknown version or a broken block: one line before anything is loaded
+        return _report(path, path, batches, prompt, steps, rounds, bandwidth)
+    with tempfile.TemporaryDirectory(prefix="elsa_speed_") as tmp:
+        log.info(f"{path} is a dense folder: compressing it into a temporary elsa-sparse checkpoint")
+        compress(path, Path(tmp) / "sparse")
+        return _report(path, Path(tmp) / "sparse", batches, prompt, steps, rounds, bandwidth)
+
+
+def _warm_up(sparse_dir: Path) -> None:
+    """Build the model once on the meta device (no memory), so the modeling code's imports do not count in the first
+    load's RSS growth, and build or load the decode kernel for the same reason."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from elsa_ds.sparse import kernels
+
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sparse_dir))
+    kernels.load()
+
+
+def _report(path: Path, sparse_dir: Path, batches: tuple[int, ...], prompt: int, steps: int, rounds: int,
+            bandwidth: float | None) -> dict:
+    _warm_up(sparse_dir)
+    dense, dense_memory = load_measured(sparse_dir, "dense")
+    sparse, sparse_memory = load_measured(sparse_dir, "sparse")
+    bandwidth = bandwidth or read_bandwidth()
+    meta = sparse_meta(sparse_dir)
+    dtypes = sorted({info["dtype"] for info in meta["tensors"].values()})
+    result = {"model": str(path), "compressed_here": sparse_dir != path, "pruned_weights": len(meta["tensors"]),
+              "pruned_dtype": ",".join(dtypes), "disk": disk_bytes(sparse_dir),
+              "memory": {"dense": dense_memory, "sparse": sparse_memory}, "read_bandwidth_gb_s": bandwidth / 1e9,
+              "threads": torch.get_num_threads(), "logits_max_rel_err": logits_agreement(dense, sparse),
+              "prefill": [compare_prefill(dense, sparse, b, prompt, rounds, bandwidth) for b in batches],
+              "decode": [compare_decode(dense, sparse, b, steps, rounds, prompt, bandwidth) for b in batches]}
+    return result
+
+
+def _mb(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def speed_table(r: dict) -> str:
+    """Markdown: bytes and memory, then prefill and decode tokens/s of both modes with their byte floors."""
+    disk, mem = r["disk"], r["memory"]
+    lines = [f"Dense vs sparse mode of {r['model']} ({r['pruned_weights']} pruned weights, {r['pruned_dtype']}; "
+             f"{r['threads']} threads; read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s; logits max rel. err "
+             f"{r['logits_max_rel_err']:.1e})", "",
+             "| measure | dense | sparse | sparse / dense |", "|---|---|---|---|"]
+    for label, d, s in (("disk, pruned weights", disk["pruned_dense"], disk["pruned_sparse"]),
+                        ("disk, whole model", disk["model_dense"], disk["model_sparse"]),
+                        ("memory, tensor bytes", mem["dense"]["tensor_bytes"], mem["sparse"]["tensor_bytes"]),
+                        ("memory, RSS growth at load", mem["dense"]["rss_delta_bytes"], mem["sparse"]["rss_delta_bytes"])):
+        ratio = f"{s / d:.3f}x" if d and s is not None else "n/a"
+        lines.append(f"| {label} | {_mb(d)} | {_mb(s)} | {ratio} |")
+    lines += ["", "| phase | batch | dense tok/s (floor) | sparse tok/s (floor) | sparse / dense (min-max) | "
+              "bytes read per step dense / sparse |", "|---|---|---|---|---|---|"]
+    for phase in ("prefill", "decode"):
+        for row in r[phase]:
+            what = f"{phase} ({row['prompt']} tokens)" if phase == "prefill" else f"decode ({row['steps']} steps)"
+            lines.append(f"| {what} | {row['batch']} | {row['dense']['tokens_per_s']:.2f} ({row['dense']['floor_tokens_per_s']:.1f}) | "
+                         f"{row['sparse']['tokens_per_s']:.2f} ({row['sparse']['floor_tokens_per_s']:.1f}) | "
+                         f"{row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
+                         f"{_mb(row['dense']['bytes_per_step'])} / {_mb(row['sparse']['bytes_per_step'])} |")
+    return "\n".join(lines) + "\n"
