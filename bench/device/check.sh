@@ -49,11 +49,13 @@ CMP_EXTRA=(--steps "$CMP_STEPS" --init_mask none --baseline none --val_windows 0
 START=$SECONDS
 "$PY" bench/device/kit.py init "$RESULTS" --mode "$( ((DRY)) && echo dry-run || echo device)" || exit 1
 
+selected() { [[ -z "${CHECK_STEPS:-}" || ",$CHECK_STEPS," == *",$1,"* ]]; }
+
 # step NAME CAP_S CMD...: run CMD under `timeout` (the cap, or what is left of the budget), record it with $WORK/NAME.json
 step() {
     local name=$1 cap=$2 left t0 rc
     shift 2
-    if [[ -n "${CHECK_STEPS:-}" && ",$CHECK_STEPS," != *",$name,"* ]]; then
+    if ! selected "$name"; then
         "$PY" bench/device/kit.py skip "$RESULTS" "$name" "not in CHECK_STEPS"
         return
     fi
@@ -116,7 +118,7 @@ step cuda_tests 240 cuda_tests
 step main_job 150 job main ds_configs/zero3_offload.json -- --steps "$MAIN_STEPS" "${MAIN_EXTRA[@]}"
 
 # the CPU references of the three configs run one after another in the background while the GPU jobs run
-(
+selected references_cpu && (
     for cfg in zero3_offload zero3 zero3_offload_elsal; do
         FIG="$WORK/${cfg}_cpu.json" "$PY" bench/device/job.py --config "ds_configs/$cfg.json" --out "$WORK/${cfg}_cpu" \
             --figures "$WORK/${cfg}_cpu.json" --cpu -- "${CMP_EXTRA[@]}" > "$WORK/${cfg}_cpu.log" 2>&1
@@ -137,6 +139,7 @@ export REFS
 step references_cpu 240 wait_refs
 kill -- "$REFS" 2>/dev/null
 for cfg in zero3_offload zero3 zero3_offload_elsal; do
+    selected references_cpu || break
     if [[ "$(cat "$WORK/${cfg}_cpu.rc" 2>/dev/null)" == 0 ]]; then
         "$PY" bench/device/kit.py record "$RESULTS" "${cfg}_cpu" 0 "$((SECONDS - REFS_T0))" "$WORK/${cfg}_cpu.json"
         step "${cfg}_mask" 60 "$PY" bench/device/job.py --compare "$WORK/${cfg}_gpu" "$WORK/${cfg}_cpu" --figures "$WORK/${cfg}_mask.json"
