@@ -320,8 +320,9 @@ def main() -> int:
 
     kernels = build.load()
     loop8 = "hand-written AVX-512" if kernels and kernels.has_span8_avx512() else "portable"
-    print(f"config: {vars(args)}; torch threads {torch.get_num_threads()}; fused kernels "
-          f"{kernels.simd_level() + ', OpenMP threads ' + str(kernels.max_threads()) + ', 8-bit step loop ' + loop8 if kernels else 'unavailable (eager path)'}")
+    fused = (f"{kernels.simd_level()}, OpenMP threads {kernels.max_threads()}, 8-bit step loop {loop8}" if kernels
+             else "unavailable (eager path)")
+    print(f"config: {vars(args)}; torch threads {torch.get_num_threads()}; fused kernels {fused}")
     out = {}
     for numel in (int(n) for n in args.numel):
         if args.device:

@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from elsa_ds.config import JobOptions, job_options, load_recipe, resolve_config
+from elsa_ds.config import load_recipe, resolve_config
+from elsa_ds.options import JobOptions, job_options
 from elsa_ds.errors import ElsaError
 from elsa_ds.jobs import make_job, run_job
 from elsa_ds.zero.dist import launcher_env_restored

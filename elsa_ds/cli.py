@@ -21,7 +21,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
-from elsa_ds.config import DEMO_PROFILE, ElsaConfig, JobOptions
+from elsa_ds.config import DEMO_PROFILE, ElsaConfig
+from elsa_ds.options import JobOptions
 from elsa_ds.errors import ElsaError, format_validation_error
 from elsa_ds.log import setup_logging
 from elsa_ds.version import __version__
@@ -184,7 +185,8 @@ def flag_table() -> str:
 
 def settings_from_args(args: argparse.Namespace):
     """(JobOptions, ElsaConfig, DsConfig) from parsed flags: the JSON read, a recipe merged, everything validated."""
-    from elsa_ds.config import job_options, load_recipe, resolve_config
+    from elsa_ds.config import load_recipe, resolve_config
+    from elsa_ds.options import job_options
     from elsa_ds.zero.ds_config import DsConfig
 
     opts = job_options({k: v for k in _cli_fields(JobOptions) if (v := getattr(args, k)) is not None})

@@ -24,7 +24,6 @@ from elsa_ds.data.sampling import Sampling
 from elsa_ds.data.sources import DEMO_DATASET, LOCAL_SUFFIXES
 from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, format_validation_error
-from elsa_ds.log import LogLevel
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
 from elsa_ds.targets import LayerGoal, layer_goals
 
@@ -340,40 +339,6 @@ class ElsaConfig(BaseModel):
         if self.sparsity_profile:  # the ratios, not the path: an edited profile is a different run
             settings["sparsity_profile"] = load_profile(self.sparsity_profile)
         return {"world_size": world_size, **settings}
-
-
-class JobOptions(BaseModel):
-    """Where a pruning job runs and writes: not ELSA settings, so never in a recipe or the JSON's ``"elsa"`` block."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, arbitrary_types_allowed=True)
-
-    deepspeed: str = Field(..., json_schema_extra={"group": "run", "metavar": "CFG"})
-    """DeepSpeed JSON with ZeRO stage 3, by path or by the name of a shipped config (zero3, zero3_offload, zero3_nvme,
-    zero3_offload_elsal)."""
-    output_dir: Path = Field(..., json_schema_extra={"group": "run", "metavar": "DIR"})
-    """Where the pruned model and elsa_report.json go; a non-empty directory is refused unless --overwrite or --resume."""
-    overwrite: bool = Field(False, json_schema_extra={"group": "run"})
-    """Replace a non-empty --output_dir (its old contents are removed only once the new output is complete)."""
-    resume: bool = Field(False, json_schema_extra={"group": "run"})
-    """Continue from the latest checkpoint in OUTPUT_DIR/checkpoints."""
-    recipe: str | None = Field(None, json_schema_extra={"group": "run", "metavar": "NAME_OR_FILE"})
-    """Settings from a recipe (recipes/*.json, by name or path): the paper's per-model, per-sparsity values."""
-    ignore_memory_check: bool = Field(False, json_schema_extra={"group": "run"})
-    """Start even when the pre-flight check estimates that the run does not fit this machine."""
-    log_level: LogLevel = Field("info", json_schema_extra={"group": "run"})
-    """Console detail: rank 0 logs at this level (debug, info, warning, error), other ranks warnings and errors only."""
-    model_object: Any = Field(None, json_schema_extra={"cli": False})
-    """A model already in memory (Python API only); ``model`` then names it in the report."""
-    tokenizer_object: Any = Field(None, json_schema_extra={"cli": False})
-    """The in-memory model's tokenizer (Python API only)."""
-
-
-def job_options(values: dict[str, Any]) -> JobOptions:
-    """JobOptions from flags (or API arguments), or one ElsaError naming every bad value."""
-    try:
-        return JobOptions(**values)
-    except ValidationError as err:
-        raise ElsaError(format_validation_error(err, "the command line", JobOptions)) from None
 
 
 def load_recipe(name_or_path: str) -> dict[str, Any]:

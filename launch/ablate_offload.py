@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from elsa_ds.cli import add_flags, guarded, start_logging  # noqa: E402
-from elsa_ds.config import JobOptions  # noqa: E402
+from elsa_ds.options import JobOptions  # noqa: E402
 from elsa_ds.log import get_logger  # noqa: E402
 
 DEFAULT_PRUNE_ARGS = ["--steps", "32", "--interval", "16", "--val_windows", "0", "--baseline", "none"]

@@ -11,7 +11,8 @@ import pytest
 
 from elsa_ds.cli import (ESTIMATE_SHARED, EstimateOptions, _cli_fields, estimate_parser, evaluate_parser, main_estimate,
                          main_evaluate, prune_parser)
-from elsa_ds.config import DEMO_MODEL_DIR, ElsaConfig, JobOptions, comma_list
+from elsa_ds.config import DEMO_MODEL_DIR, ElsaConfig, comma_list
+from elsa_ds.options import JobOptions
 from elsa_ds.evaluation.run import EvalSettings
 from elsa_ds.evaluation.zeroshot import PAPER_TASKS, expand_tasks
 

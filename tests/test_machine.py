@@ -61,7 +61,8 @@ def test_an_nvme_job_on_a_machine_without_libaio_stops_in_the_checks(tmp_path, t
     import pytest
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    from elsa_ds.config import JobOptions, resolve_config
+    from elsa_ds.config import resolve_config
+    from elsa_ds.options import JobOptions
     from elsa_ds.errors import ElsaError
     from elsa_ds.jobs import checks
     from elsa_ds.models import ModelSource

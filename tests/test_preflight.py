@@ -9,7 +9,8 @@ import time
 import pytest
 
 from elsa_ds import preflight
-from elsa_ds.config import DEMO_MODEL_DIR, JobOptions, resolve_config
+from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
+from elsa_ds.options import JobOptions
 from elsa_ds.errors import ElsaError
 from elsa_ds.memory import estimate, model_shape, resolve_model_config
 from elsa_ds.models import meta_model

@@ -5,7 +5,8 @@ one (``--finetune``, also the dense control).
 """
 from __future__ import annotations
 
-from elsa_ds.config import ElsaConfig, JobOptions
+from elsa_ds.config import ElsaConfig
+from elsa_ds.options import JobOptions
 from elsa_ds.jobs.interface import Job, run_job
 from elsa_ds.zero.ds_config import DsConfig
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 import os
 
 from elsa_ds import machine, preflight
-from elsa_ds.config import ElsaConfig, JobOptions
+from elsa_ds.config import ElsaConfig
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.memory import model_shape
-from elsa_ds.shapes import check_nvme_param_buffers
+from elsa_ds.methods import DENSE
 from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model
+from elsa_ds.options import JobOptions
 from elsa_ds.output import check_output_dir
+from elsa_ds.shapes import check_nvme_param_buffers
 from elsa_ds.targets import select_targets
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
@@ -28,6 +30,9 @@ def model_source(cfg: ElsaConfig, opts: JobOptions) -> ModelSource:
 def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_size: int, source: ModelSource) -> DsConfig:
     """Run every check for ``cfg`` on ``world_size`` ranks; returns the engine's DeepSpeed config (``ds_config`` resolved)."""
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume)
+    if opts.export_format == "sparse" and (cfg.method.value == DENSE or cfg.sparsity == 0 and not cfg.sparsity_profile):
+        raise ElsaError("--export_format sparse stores pruned weights as values + positions, but this run prunes nothing "
+                        f"(--method {cfg.method.value}, --sparsity {cfg.sparsity}); drop --export_format sparse")
     model_config = source.config()
     if not cfg.random_init:
         source.check_weights()

@@ -17,7 +17,8 @@ import torch
 
 from elsa_ds.admm.optimizer import AdmmOptimizer, summarize_metrics
 from elsa_ds.admm.schedule import learning_rate
-from elsa_ds.config import ElsaConfig, JobOptions
+from elsa_ds.config import ElsaConfig
+from elsa_ds.options import JobOptions
 from elsa_ds.jobs import checks, report
 from elsa_ds.jobs.defaults_applied import apply_defaults
 from elsa_ds.jobs.interface import Printer
@@ -221,7 +222,7 @@ class ElsaJob:
         if self.rank == 0:
             self.phases.mark("verify")
             result = report.elsa_report(self._record(pruned_ppl), staging)
-            report.publish_report(result, staging, opts.output_dir, bool(opts.resume or cfg.save_interval), self.say)
+            report.publish_report(result, staging, opts, bool(opts.resume or cfg.save_interval), self.say)
             self.phases.mark("done")
         torch.distributed.barrier()  # the last collective: the other ranks may leave now, rank 0 evaluates alone
         if self.selector is not None and self.rank == 0:

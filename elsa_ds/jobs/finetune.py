@@ -21,7 +21,8 @@ import torch
 
 from elsa_ds.admm.projection import keep_count
 from elsa_ds.admm.schedule import learning_rate
-from elsa_ds.config import ElsaConfig, JobOptions
+from elsa_ds.config import ElsaConfig
+from elsa_ds.options import JobOptions
 from elsa_ds.jobs import checks, report
 from elsa_ds.jobs.defaults_applied import apply_defaults
 from elsa_ds.jobs.interface import Printer
@@ -176,7 +177,7 @@ class FinetuneJob:
         result = None
         if self.rank == 0:
             result = report.finetune_report(self._record(tuned_ppl), staging)
-            report.publish_report(result, staging, opts.output_dir, bool(opts.resume or cfg.save_interval), self.say)
+            report.publish_report(result, staging, opts, bool(opts.resume or cfg.save_interval), self.say)
         torch.distributed.barrier()  # the last collective: the other ranks may leave now, rank 0 evaluates alone
         if self.rank == 0:
             mask_path, model_dir = oneshot_paths(opts.output_dir)

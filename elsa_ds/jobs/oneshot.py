@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from elsa_ds.admm.projection import keep_count
-from elsa_ds.config import ElsaConfig, JobOptions
+from elsa_ds.config import ElsaConfig
+from elsa_ds.options import JobOptions
 from elsa_ds.data import PplWindows, validation_windows
 from elsa_ds.errors import ElsaError
 from elsa_ds.jobs import checks, report
@@ -87,7 +88,7 @@ class OneShotJob:
         self.model.save_pretrained(staging, save_original_format=False)  # module names, as the ZeRO-3 export writes them
         self.tokenizer.save_pretrained(staging)
         result = report.oneshot_report(self._record(), staging)
-        report.publish_report(result, staging, opts.output_dir, False, self.say)
+        report.publish_report(result, staging, opts, False, self.say)
         if cfg.eval_ppl or cfg.eval_tasks:
             self.model = self.done = None
             report.evaluate_saved_model(opts.output_dir, cfg)

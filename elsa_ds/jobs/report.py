@@ -15,7 +15,10 @@ import torch
 
 from elsa_ds.config import ElsaConfig
 from elsa_ds.io import versions, write_json
+from elsa_ds.options import JobOptions
 from elsa_ds.output import REPORT_NAME, layers_summary, publish, verified_layers
+from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY
+from elsa_ds.sparse.export import compress_in_place
 from elsa_ds.targets import LayerGoal
 from elsa_ds.zero.ds_config import DsConfig
 
@@ -140,11 +143,28 @@ def oneshot_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
     }
 
 
-def publish_report(result: dict[str, Any], staging: Path, output_dir: Path, keep_checkpoints: bool, say) -> None:
-    """Write the report into the staged output, publish the output in place of ``output_dir``, print the summary."""
+def publish_report(result: dict[str, Any], staging: Path, opts: JobOptions, keep_checkpoints: bool, say) -> None:
+    """Write the report into the staged output (first re-encoded as elsa-sparse with --export_format sparse), publish
+    the output in place of --output_dir, print the summary."""
+    if opts.export_format == "sparse":
+        result["export"] = sparse_export(staging, result["layers"])
+        say(f"[elsa_ds] elsa-sparse checkpoint: the pruned layers take {result['export']['pruned_ratio']:.3f}x their dense "
+            f"bytes, the weight files {result['export']['files_ratio']:.3f}x")
     write(staging / REPORT_NAME, result)
-    publish(staging, output_dir, keep_checkpoints=keep_checkpoints)
-    print_summary(say, result, output_dir)
+    publish(staging, opts.output_dir, keep_checkpoints=keep_checkpoints)
+    print_summary(say, result, opts.output_dir)
+
+
+def sparse_export(staging: Path, layers: dict[str, dict]) -> dict[str, Any]:
+    """Re-encode the verified dense export in ``staging`` as an elsa-sparse checkpoint; the report's ``export`` entry.
+
+    Every pruned layer is stored sparse: the code's threshold is lowered to the least sparse pruned layer when that is
+    below its default."""
+    pruned = [layer["sparsity"] for layer in layers.values() if layer["sparsity"] > 0]
+    stored = compress_in_place(staging, min([DEFAULT_MIN_SPARSITY, *pruned]))
+    return {"format": "sparse", "pruned_dense_bytes": stored["pruned_dense_bytes"], "pruned_bytes": stored["pruned_bytes"],
+            "pruned_ratio": stored["pruned_bytes"] / stored["pruned_dense_bytes"], "dense_files_bytes": stored["input_bytes"],
+            "files_bytes": stored["output_bytes"], "files_ratio": stored["output_bytes"] / stored["input_bytes"]}
 
 
 def _common(rec: ReportRecord) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from elsa_ds import machine
-from elsa_ds.config import RESUME_DEFAULTS, ElsaConfig, JobOptions
+from elsa_ds.config import RESUME_DEFAULTS, ElsaConfig
+from elsa_ds.options import JobOptions
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
 from elsa_ds.jobs.interface import Printer

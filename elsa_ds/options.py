@@ -1,0 +1,49 @@
+"""JobOptions: where a pruning job runs and writes (not ELSA settings: never in a recipe or the JSON's "elsa" block)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from elsa_ds.errors import ElsaError, format_validation_error
+from elsa_ds.log import LogLevel
+
+ExportFormat = Literal["dense", "sparse"]  # the --export_format choices
+
+
+class JobOptions(BaseModel):
+    """Where a pruning job runs and writes: not ELSA settings, so never in a recipe or the JSON's ``"elsa"`` block."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, arbitrary_types_allowed=True)
+
+    deepspeed: str = Field(..., json_schema_extra={"group": "run", "metavar": "CFG"})
+    """DeepSpeed JSON with ZeRO stage 3, by path or by the name of a shipped config (zero3, zero3_offload, zero3_nvme,
+    zero3_offload_elsal)."""
+    output_dir: Path = Field(..., json_schema_extra={"group": "run", "metavar": "DIR"})
+    """Where the pruned model and elsa_report.json go; a non-empty directory is refused unless --overwrite or --resume."""
+    overwrite: bool = Field(False, json_schema_extra={"group": "run"})
+    """Replace a non-empty --output_dir (its old contents are removed only once the new output is complete)."""
+    resume: bool = Field(False, json_schema_extra={"group": "run"})
+    """Continue from the latest checkpoint in OUTPUT_DIR/checkpoints."""
+    recipe: str | None = Field(None, json_schema_extra={"group": "run", "metavar": "NAME_OR_FILE"})
+    """Settings from a recipe (recipes/*.json, by name or path): the paper's per-model, per-sparsity values."""
+    ignore_memory_check: bool = Field(False, json_schema_extra={"group": "run"})
+    """Start even when the pre-flight check estimates that the run does not fit this machine."""
+    export_format: ExportFormat = Field("dense", json_schema_extra={"group": "run"})
+    """dense: safetensors as save_pretrained writes them; sparse: the elsa-sparse checkpoint (each pruned weight as its
+    nonzero values and their positions; load it with elsa_ds.sparse.from_pretrained: smaller on disk, faster decode)."""
+    log_level: LogLevel = Field("info", json_schema_extra={"group": "run"})
+    """Console detail: rank 0 logs at this level (debug, info, warning, error), other ranks warnings and errors only."""
+    model_object: Any = Field(None, json_schema_extra={"cli": False})
+    """A model already in memory (Python API only); ``model`` then names it in the report."""
+    tokenizer_object: Any = Field(None, json_schema_extra={"cli": False})
+    """The in-memory model's tokenizer (Python API only)."""
+
+
+def job_options(values: dict[str, Any]) -> JobOptions:
+    """JobOptions from flags (or API arguments), or one ElsaError naming every bad value."""
+    try:
+        return JobOptions(**values)
+    except ValidationError as err:
+        raise ElsaError(format_validation_error(err, "the command line", JobOptions)) from None
