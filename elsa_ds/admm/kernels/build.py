@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import threading
 from pathlib import Path
 from types import ModuleType
+
+from elsa_ds.log import get_logger
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bindings.cpp", "xstep.cpp", "xstep8bit.cpp", "select.cpp")
@@ -30,6 +31,7 @@ LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _cache: dict[str, ModuleType | None] = {}
+log = get_logger(__name__)
 
 
 def enabled() -> bool:
@@ -97,5 +99,5 @@ def _build(name: str, csrc: Path, sources: tuple[str, ...], what: str, verbose: 
         )
     except Exception as err:  # no compiler, no ninja, a build error: say so once, run the eager reference
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"elsa_ds: {what} unavailable ({first}); using the eager path", file=sys.stderr)
+        log.warning(f"{what} unavailable ({first}); using the eager path")
         return None
