@@ -10,7 +10,8 @@ floor beside each figure. Speed depends on the pattern, not the values, so rando
     python bench/sparse_decode.py --layers 1 --json bench/results/sparse_decode.json --markdown bench/results/sparse_decode.md
     python bench/sparse_decode.py --kernels_only        # one 11008 x 4096 weight: dense F.linear, C++ kernel, torch CSR
 
-``--threads`` sets OMP_NUM_THREADS before torch starts (the C++ kernel and torch share that OpenMP runtime).
+``--threads`` sets OMP_NUM_THREADS before torch starts (the C++ kernel and torch share that OpenMP runtime);
+``--omp_wait_policy passive`` stops idle OpenMP threads spinning (on a loaded box they take the busy thread's core).
 The last line printed is the JSON of every figure.
 """
 from __future__ import annotations
@@ -43,6 +44,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--with_head", action="store_true", help="also time the whole model (LM head included) [decoder layers only]")
     p.add_argument("--kernels_only", action="store_true", help="only time one 11008x4096 weight: dense, C++ kernel, torch CSR")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for torch and the kernel [1]")
+    p.add_argument("--omp_wait_policy", choices=("active", "passive"), default=None,
+                   help="OMP_WAIT_POLICY before torch starts: passive stops idle threads spinning on a loaded box [the runtime's]")
     p.add_argument("--vocab", type=int, default=LLAMA2_7B["vocab_size"], help="vocabulary size [32000]")
     p.add_argument("--workdir", type=Path, default=None, help="where the exports go (default: a temporary folder)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -159,6 +162,8 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.omp_wait_policy:
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     import torch
 
     from elsa_ds.sparse import kernels
@@ -181,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = read_bandwidth()
     rows = [one_sparsity(model, s, work, args, bandwidth) for s in sparsities]
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} CPUs", "threads": args.threads, "layers": args.layers, "shapes": "LLaMA-2-7B (4096/11008)",
-              "dtype": "bfloat16", "read_bandwidth_gb_s": bandwidth / 1e9, "kernels": kernels_timed, "rows": rows}
+              f"{os.cpu_count()} CPUs", "threads": args.threads,
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_average": os.getloadavg(), "layers": args.layers,
+              "shapes": "LLaMA-2-7B (4096/11008)", "dtype": "bfloat16", "read_bandwidth_gb_s": bandwidth / 1e9,
+              "kernels": kernels_timed, "rows": rows}
     text = ktext + "\n\n" + table(rows)
     print(text)
     if args.markdown:
