@@ -134,8 +134,8 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(_free_port()),
                str(ROOT / "launch" / "prune.py"), "--deepspeed", cfg_path, *prune_args, *extra, "--output_dir", str(run_dir), "--overwrite"]
         log.info(f"ablation run {name}: {' '.join(cmd[3:])}")
-        with (out_dir / f"{name}.log").open("w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        with (out_dir / f"{name}.log").open("w") as run_log:
+            proc = subprocess.Popen(cmd, stdout=run_log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             monitor = TreeMonitor(proc.pid, nvme)
             monitor.start()
             rc = proc.wait()
