@@ -143,15 +143,16 @@ def test_adam8bit_kernel_matches_bitsandbytes_adam8bit_on_cpu(kernels):
 # ---- the projection -------------------------------------------------------------------------------------
 def _projection_state(seed: int, dtypes, fisher: str, ties: bool = True) -> tuple[torch.Tensor, dict]:
     from elsa_ds.admm import state as admm_state
-    from elsa_ds.admm.kernels.quant8 import dynamic_map, quantize_blockwise_
+    from elsa_ds.admm.kernels.quant8 import dynamic_map, minifloat_map, quantize_blockwise_
 
     x = _values(seed, ties=ties)
     st: dict = {}
     second = _values(seed + 1).abs() * 1e-3
     if fisher == "fp32":
         st["exp_avg_sq"] = second
-    elif fisher == "bnb8":
-        st["state2"], st["qmap2"] = torch.zeros(N, dtype=torch.uint8), dynamic_map(False)
+    elif fisher in ("bnb8", "mini8"):  # bitsandbytes' dynamic codes (a table), or minifloat's (decoded by arithmetic)
+        qmap = dynamic_map(False) if fisher == "bnb8" else minifloat_map(False)
+        st["state2"], st["qmap2"] = torch.zeros(N, dtype=torch.uint8), qmap
         st["absmax2"] = torch.zeros(-(-N // 256))
         quantize_blockwise_(second, st["qmap2"], st["absmax2"], st["state2"])
     st[Z], st[Z_SCALE] = admm_state.allocate(N, dtypes[0], len(SLICES))
@@ -174,7 +175,7 @@ def path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtypes", DTYPES)
-@pytest.mark.parametrize("fisher", ["none", "fp32", "bnb8"])
+@pytest.mark.parametrize("fisher", ["none", "fp32", "bnb8", "mini8"])
 @pytest.mark.parametrize("mode", ["init", "update", "final"])
 @pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
 def test_fused_projection_equals_eager_bit_for_bit(kernels, dtypes, fisher, mode, ties, path):

@@ -3,7 +3,9 @@
 // Scores are never stored: every pass recomputes, per entry,
 //   v = x + u (the z/u update) or v = x (initial z, final projection),
 //   key = bits(|nan_to_num(F · v²)|)       (F: exp_avg_sq, bitsandbytes' 8-bit state2, or 1)
-// whose integer order is the scores' order. Two histogram passes of 16-bit digits (high half, then low
+// whose integer order is the scores' order. An 8-bit F's block scale (absmax, one per 256 entries) is read once per
+// block (keys_of: the inner loops run per block with it broadcast), and minifloat codes (quant8.h) are decoded by
+// their arithmetic rather than read from the 256-entry map: the same fp32 values, bit for bit (is_minifloat_map). Two histogram passes of 16-bit digits (high half, then low
 // half among the entries whose high half is the threshold's) give each layer's exact threshold key T;
 // the split pass then writes z = v·[key > T], u = v − z with the tied entries (key == T) kept in index
 // order up to this rank's share, and counts the metrics. Each pass reads x, u, F once.
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "quant8.h"
 
 namespace elsa {
 namespace {
@@ -26,7 +29,8 @@ constexpr int64_t kBins = 1 << 16;
 constexpr int64_t kKeys = 1024;  // keys computed (vectorized) per batch before the scalar histogram loop
 constexpr int64_t kSample = 256;  // entries per sampled block (select_histogram with stride > 1)
 
-enum Fisher { kMagnitude = 0, kFp32 = 1, kBnb8 = 2 };
+enum Fisher { kMagnitude = 0, kFp32 = 1, kBnb8 = 2, kMini8 = 3 };  // kMini8: 8-bit codes of minifloat V
+constexpr int64_t kCodeBlock = 256;  // entries per absmax of the 8-bit F
 constexpr int kUpdate = int(SplitMode::kUpdate), kInit = int(SplitMode::kInit), kFinal = int(SplitMode::kFinal);
 using Src = ScoreSource;
 
@@ -67,19 +71,21 @@ struct Row {
 
     // the 8-bit F's lines from entry i on: its codes (one byte per entry, 64 to a line) and its block's absmax
     inline void prefetch_codes(int64_t i) const {
-        if constexpr (FK == kBnb8) {
+        if constexpr (FK == kBnb8 || FK == kMini8) {
             __builtin_prefetch(codes + i);
             __builtin_prefetch(absmax + (first + i) / 256);
         }
     }
 
-    // scores() in projection.py: F·v² with F clamped at 0, NaN -> 0, inf -> FLT_MAX, sign cleared
-    inline uint32_t key(int64_t i, float v) const {
+    // scores() in projection.py: F·v² with F clamped at 0, NaN -> 0, inf -> FLT_MAX, sign cleared; block_absmax: the
+    // absmax of entry i's 8-bit block (8-bit F only)
+    inline uint32_t key(int64_t i, float v, float block_absmax) const {
         float score = v * v;
         if constexpr (FK != kMagnitude) {
             float fi;
             if constexpr (FK == kFp32) fi = f[i];
-            else fi = qmap[codes[i]] * absmax[(first + i) / 256];
+            else if constexpr (FK == kBnb8) fi = qmap[codes[i]] * block_absmax;
+            else fi = MiniFloatV::decode(codes[i]) * block_absmax;
             score = score * (fi < 0.0f ? 0.0f : fi);
         }
         score = score != score ? 0.0f : score;
@@ -87,6 +93,36 @@ struct Row {
         return as_bits(score) & 0x7FFFFFFFu;
     }
 };
+
+// values (v = value_of(i), when VALUES) and keys of a row's entries [b, b + m) into values[0, m) and keys[0, m): one
+// vectorized loop per run of entries that share an 8-bit block (its absmax broadcast), one loop in all otherwise
+template <bool VALUES, class UT, int FK, class V>
+inline void keys_of(const Row<UT, FK>& r, const V& value_of, int64_t b, int64_t m, float* __restrict values,
+                    uint32_t* __restrict keys) {
+    for (int64_t s = 0; s < m;) {
+        int64_t e = m;
+        float am = 0.0f;
+        if constexpr (FK == kBnb8 || FK == kMini8) {
+            const int64_t block = (r.first + b + s) / kCodeBlock;
+            e = std::min(m, (block + 1) * kCodeBlock - r.first - b);
+            am = r.absmax[block];
+        }
+#pragma omp simd
+        for (int64_t i = s; i < e; ++i) {
+            const float v = value_of(b + i);
+            if constexpr (VALUES) values[i] = v;
+            keys[i] = r.key(b + i, v, am);
+        }
+        s = e;
+    }
+}
+
+// the peak |v| of values[0, m), from `peak` on
+inline float peak_of(const float* __restrict values, int64_t m, float peak) {
+#pragma omp simd reduction(max : peak)
+    for (int64_t i = 0; i < m; ++i) peak = std::max(peak, std::fabs(values[i]));
+    return peak;
+}
 
 // ---- histogram passes --------------------------------------------------------------------------
 // the keys of keys[0, m) in [lo, hi], packed to the front of keys (in order); how many
@@ -115,16 +151,11 @@ inline int64_t pack_inside(uint32_t* keys, int64_t m, uint32_t lo, uint32_t hi) 
 template <class UT, int FK>
 __attribute__((noinline)) void histogram_piece(const Row<UT, FK> r, int64_t n, int64_t prefix, int32_t* __restrict hist, float& peak) {
     alignas(64) uint32_t keys[kKeys];
+    alignas(64) float values[kKeys];
     for (int64_t b = 0; b < n; b += kKeys) {
         const int64_t m = std::min(kKeys, n - b);
-        float pk = peak;
-#pragma omp simd reduction(max : pk)
-        for (int64_t i = 0; i < m; ++i) {
-            const float v = r.value(b + i);
-            keys[i] = r.key(b + i, v);
-            pk = std::max(pk, std::fabs(v));
-        }
-        peak = pk;
+        keys_of<true>(r, [&](int64_t i) { return r.value(i); }, b, m, values, keys);
+        peak = peak_of(values, m, peak);
         if (prefix < 0) {
             for (int64_t i = 0; i < m; ++i) ++hist[keys[i] >> 16];
         } else {
@@ -158,8 +189,8 @@ __attribute__((noinline)) void sample_piece(const Row<UT, FK> r, int64_t n, int6
             }
         }
         if (b >= e) continue;
-#pragma omp simd
-        for (int64_t i = b; i < e; ++i) keys[i - b] = r.key(i, r.value(i));
+        // (one 8-bit block: windows and blocks are 256-aligned)
+        keys_of<false>(r, [&](int64_t i) { return r.value(i); }, b, e - b, nullptr, keys);
         for (int64_t i = 0; i < e - b; ++i) ++hist[keys[i] >> 16];
     }
 }
@@ -209,21 +240,19 @@ thread_local std::vector<uint32_t> t_keys;
 template <class UT, int FK>
 __attribute__((noinline)) void bracket_piece(const Row<UT, FK> r, int64_t n, uint32_t lo, uint32_t hi, Bracket& out) {
     alignas(64) uint32_t keys[kKeys];
+    alignas(64) float values[kKeys];
     const size_t cap = size_t(kChunk / 4);
     for (int64_t b = 0; b < n; b += kKeys) {
         const int64_t m = std::min(kKeys, n - b);
-        float pk = out.peak;
+        keys_of<true>(r, [&](int64_t i) { return r.value(i); }, b, m, values, keys);
+        out.peak = peak_of(values, m, out.peak);
         int32_t above = 0, inside = 0;  // a batch's counts fit 32 bits, and 32-bit sums need no widening per vector
-#pragma omp simd reduction(max : pk) reduction(+ : above, inside)
+#pragma omp simd reduction(+ : above, inside)
         for (int64_t i = 0; i < m; ++i) {
-            const float v = r.value(b + i);
-            const uint32_t key = r.key(b + i, v);
-            keys[i] = key;
+            const uint32_t key = keys[i];
             above += key > hi ? 1 : 0;
             inside += (key >= lo) & (key <= hi) ? 1 : 0;
-            pk = std::max(pk, std::fabs(v));
         }
-        out.peak = pk;
         out.above += above;
         out.inside += inside;
         if (inside == 0 || out.overflow) continue;
@@ -402,11 +431,7 @@ __attribute__((noinline)) void split_untied(const Splitter<ZT, UT, FK, MODE> sp,
     const uint32_t threshold = sp.threshold;
     for (int64_t b = 0; b < n; b += kKeys) {
         const int64_t m = std::min(kKeys, n - b);
-#pragma omp simd
-        for (int64_t i = 0; i < m; ++i) {
-            values[i] = sp.value(b + i);
-            keys[i] = sp.r.key(b + i, values[i]);
-        }
+        keys_of<true>(sp.r, [&](int64_t i) { return sp.value(i); }, b, m, values, keys);
         float res = 0.0f, xsq = 0.0f, flips = 0.0f;
         int32_t ties = 0;  // (as in bracket_piece: 32-bit batch sums)
 #pragma omp simd reduction(+ : res, xsq, flips, ties)
@@ -475,9 +500,18 @@ void split(const Src& s, const Dest& d, const std::vector<Piece>& plan, const in
 }
 
 // ---- dispatch ----------------------------------------------------------------------------------
+// true when qmap[c] is the minifloat V decode of c, bit for bit, for every code: the arithmetic decode then gives the
+// map's values exactly
+bool is_minifloat_map(const float* qmap) {
+    for (int c = 0; c < 256; ++c)
+        if (as_bits(qmap[c]) != as_bits(MiniFloatV::decode(uint8_t(c)))) return false;
+    return true;
+}
+
 template <class F>
 void with_fisher(const Src& s, F&& f) {
     if (s.f) return f(std::integral_constant<int, kFp32>{});
+    if (s.f_codes && is_minifloat_map(s.f_qmap)) return f(std::integral_constant<int, kMini8>{});
     if (s.f_codes) return f(std::integral_constant<int, kBnb8>{});
     return f(std::integral_constant<int, kMagnitude>{});
 }
