@@ -100,7 +100,8 @@ def heldout_ppl(model: str, source: str, seqlen: int, out: Path, limit: int | No
         saved = json.loads(out.read_text())
         if saved["settings"]["limit"] == limit and source in saved["ppl"]:
             return saved["ppl"][source]["ppl"]
-    result = run(EvalSettings(model=model, ppl=[source], seqlen=seqlen, batch_size=8, limit=limit, output=out))
+    result = run(EvalSettings(model=model, ppl=[source], seqlen=seqlen, batch_size=8, limit=limit, output=out,
+                              overwrite=True))  # --reuse decides about an existing result
     return result["ppl"][source]["ppl"]
 
 

@@ -13,15 +13,16 @@ gets the report (the other ranks get None). Settings are ElsaConfig fields (the 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from elsa_ds.config import load_recipe, resolve_config
 from elsa_ds.options import JobOptions, job_options
 from elsa_ds.errors import ElsaError
-from elsa_ds.jobs import make_job, run_job
+from elsa_ds.jobs.owner import run_owned
 from elsa_ds.zero.dist import launcher_env_restored
 from elsa_ds.zero.ds_config import DsConfig
 
@@ -52,7 +53,8 @@ def oneshot(model: Any, method: str = "sparsegpt", dataset: Dataset = None, *, o
 
 def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwrite: bool, resume: bool, recipe: str | None,
          settings: dict[str, Any]) -> dict[str, Any] | None:
-    in_memory = not isinstance(model, (str, Path))
+    _check_arguments(model, output_dir, deepspeed, tokenizer, overwrite, resume, recipe)
+    in_memory = not isinstance(model, (str, os.PathLike))
     with tempfile.TemporaryDirectory(prefix="elsa_ds_documents_") as tmp:
         name = _dataset_name(dataset, Path(tmp))
         opts = job_options({"deepspeed": str(deepspeed), "output_dir": Path(output_dir), "overwrite": overwrite, "resume": resume,
@@ -61,7 +63,35 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
         given = {**settings, "model": _model_name(model) if in_memory else str(model), "dataset": name}
         cfg = resolve_config(ds_config.raw, given, source=str(deepspeed), recipe=load_recipe(recipe) if recipe else None)
         with launcher_env_restored():
-            return run_job(make_job(cfg, opts, ds_config))
+            return run_owned(cfg, opts, ds_config)
+
+
+def _check_arguments(model: Any, output_dir: Any, deepspeed: Any, tokenizer: Any, overwrite: Any, resume: Any, recipe: Any) -> None:
+    """Wrong argument types, named before anything is read (the settings are checked by ElsaConfig, the dataset by
+    ``_dataset_name``)."""
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    def wrong(name: str, value: Any, expected: str) -> ElsaError:
+        return ElsaError(f"{name}: expected {expected}, got {type(value).__name__} {_short(value)}")
+
+    if not isinstance(model, (str, os.PathLike)) and not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
+        raise wrong("model", model, "a hub id, a model directory or a loaded transformers model (with its .config)")
+    for name, value in (("output_dir", output_dir), ("deepspeed", deepspeed)):
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise wrong(name, value, "a path (str or pathlib.Path)")
+    if recipe is not None and not isinstance(recipe, (str, os.PathLike)):
+        raise wrong("recipe", recipe, "a recipe name or path")
+    if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise wrong("tokenizer", tokenizer, "a transformers tokenizer")
+    for name, value in (("overwrite", overwrite), ("resume", resume)):
+        if not isinstance(value, bool):
+            raise wrong(name, value, "True or False")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _model_name(module: Any) -> str:
@@ -85,11 +115,17 @@ def _dataset_name(dataset: Dataset, tmp: Path) -> str | None:
 
 
 def _texts(dataset: Any) -> Iterable[str]:
+    if isinstance(dataset, Mapping):  # a dict (or a datasets.DatasetDict) would be read as its keys
+        raise ElsaError(f"dataset: a {type(dataset).__name__} is not a list of documents; pass its texts as a list, or one "
+                        "split of a DatasetDict (e.g. dataset['train'])")
     if hasattr(dataset, "column_names"):  # a datasets.Dataset
         if "text" not in dataset.column_names:
             raise ElsaError(f"the dataset has no 'text' column (columns: {dataset.column_names})")
         return [str(t) for t in dataset["text"]]
-    texts = list(dataset)
+    try:
+        texts = list(dataset)
+    except TypeError:
+        texts = []  # not iterable: refused below
     if not texts or not all(isinstance(t, str) for t in texts):
         raise ElsaError("dataset must be a name, a path, a non-empty list of strings or a datasets.Dataset with a 'text' column")
     return texts

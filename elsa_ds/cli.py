@@ -202,10 +202,10 @@ def main_prune(argv: list[str] | None = None) -> int:
     start_logging(args)
 
     def go() -> None:
-        from elsa_ds.jobs import make_job, run_job
+        from elsa_ds.jobs.owner import run_owned
 
         opts, cfg, ds_config = settings_from_args(args)
-        run_job(make_job(cfg, opts, ds_config))
+        run_owned(cfg, opts, ds_config)
 
     return guarded(go)
 
@@ -298,7 +298,13 @@ def main_evaluate(argv: list[str] | None = None) -> int:
             if args.markdown is not None:
                 write_atomic(args.markdown, table)
             return
-        run(validated(EvalSettings, {k: v for k in _cli_fields(EvalSettings) if (v := getattr(args, k)) is not None}))
+        from elsa_ds.evaluation.run import check_settings
+        from elsa_ds.ownership import owned
+
+        settings = validated(EvalSettings, {k: v for k in _cli_fields(EvalSettings) if (v := getattr(args, k)) is not None})
+        check_settings(settings)  # again under the lock, by run: a refusal for the path itself comes first
+        with owned(settings.output, "--output"):
+            run(settings)
 
     return guarded(go)
 

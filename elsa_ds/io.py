@@ -16,11 +16,12 @@ RECORDED_PACKAGES = ("torch", "deepspeed", "transformers", "bitsandbytes", "lm_e
 def write_atomic(path: Path, text: str) -> None:
     """Write next to ``path`` then rename: a reader never sees half a file, an old file is never half-overwritten."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: two writers never share it
     try:
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     except OSError as err:
+        tmp.unlink(missing_ok=True)
         raise ElsaError(f"cannot write {path}: {err.strerror or err}") from None
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.sparsity import sparsity_report
+from elsa_ds.log import get_logger
 from elsa_ds.targets import LayerGoal
 
 REPORT_NAME = "elsa_report.json"
@@ -37,18 +38,37 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False) ->
                         "choose another path") from None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ElsaError(f"--output_dir {output_dir}: parent directory {parent} is not writable; choose another path")
+    check_publishable(output_dir)
+
+
+def check_publishable(output_dir: Path) -> None:
+    """The final rename will work: an existing output is no mount point (the staging directory beside it sits on its
+    parent's filesystem, and a rename cannot cross filesystems or replace a mount) and can be written into and removed."""
+    if not output_dir.is_dir():
+        return
+    if os.stat(output_dir).st_dev != os.stat(output_dir.resolve().parent).st_dev:
+        raise ElsaError(f"--output_dir {output_dir} is a mount point (another filesystem than its parent): the finished output "
+                        f"is built beside it and renamed into place, which cannot cross filesystems; use a folder inside it")
+    if not os.access(output_dir, os.W_OK | os.X_OK):
+        raise ElsaError(f"--output_dir {output_dir} is not writable, so it cannot be continued or replaced; choose another path")
 
 
 def staging_dir(output_dir: Path) -> Path:
-    """Where rank 0 builds the output before it is renamed into place."""
-    return output_dir.resolve().parent / f".{output_dir.name}.partial"
+    """Where rank 0 of this job builds the output before it is renamed into place: named for its process, so two jobs
+    (or a dead job's leftover) never share one. Its siblings (warm-start masks, snapshots) take their names from it."""
+    return output_dir.resolve().parent / f".{output_dir.name}.partial.{os.getpid()}"
 
 
 def fresh_staging(output_dir: Path) -> Path:
-    """An empty staging directory (a leftover of a crashed run is removed)."""
+    """An empty staging directory for this job. Leftovers of earlier jobs are named, not removed: one may hold a
+    finished output whose final rename failed."""
     staging = staging_dir(output_dir)
     if staging.exists():
         shutil.rmtree(staging)
+    leftovers = sorted(str(p) for p in staging.parent.glob(f".{output_dir.name}.partial*") if p != staging)
+    if leftovers:
+        get_logger(__name__).warning(f"staging folders of earlier jobs on {output_dir} remain: {', '.join(leftovers)} "
+                                     "(delete them once you know nothing in them is wanted)")
     staging.mkdir(parents=True)
     return staging
 
@@ -58,23 +78,36 @@ def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tupl
 
     With ``keep_checkpoints`` the run's checkpoints stay: each finished file is renamed into place instead. The
     folders named in ``carry`` that the run wrote into ``output_dir`` while it ran (the monitor's logs) move along.
+    Should a rename fail, the ElsaError says where the finished output is.
     """
-    for name in carry:
-        if (output_dir / name).is_dir() and not (staging / name).exists() and not keep_checkpoints:
-            (output_dir / name).rename(staging / name)
-    if keep_checkpoints and output_dir.is_dir():
-        for f in staging.iterdir():
-            f.replace(output_dir / f.name)
-        staging.rmdir()
-        return
-    old = output_dir.resolve().parent / f".{output_dir.name}.old"
-    if old.exists():
-        shutil.rmtree(old)
-    if output_dir.exists():
-        output_dir.rename(old)
-    staging.rename(output_dir)
-    if old.exists():
-        shutil.rmtree(old)
+    old = output_dir.resolve().parent / f".{output_dir.name}.old.{os.getpid()}"
+    try:
+        for name in carry:
+            if (output_dir / name).is_dir() and not (staging / name).exists() and not keep_checkpoints:
+                (output_dir / name).rename(staging / name)
+        if keep_checkpoints and output_dir.is_dir():
+            for f in staging.iterdir():
+                f.replace(output_dir / f.name)
+            staging.rmdir()
+            return
+        if output_dir.exists():
+            output_dir.rename(old)
+        try:
+            staging.rename(output_dir)
+        except OSError:
+            if old.exists() and not output_dir.exists():
+                old.rename(output_dir)  # the previous output back where it was
+            raise
+    except OSError as err:
+        where = (f"the files not moved yet are in {staging}: move them into {output_dir} yourself" if keep_checkpoints else
+                 f"it is complete in {staging}: move it there yourself (mv {staging} {output_dir})")
+        raise ElsaError(f"the finished output could not be moved to {output_dir} ({err.strerror or err}); {where}") from None
+    try:
+        if old.exists():
+            shutil.rmtree(old)
+    except OSError as err:
+        get_logger(__name__).warning(f"wrote {output_dir}, but the previous output moved aside to {old} could not be removed "
+                                     f"({err.strerror or err}); delete it yourself")
 
 
 def verified_layers(model_dir: Path, expected_zeros: dict[str, int], goals: dict[str, LayerGoal],

@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "admm": 0, "errors": 0, "version": 0, "methods": 0, "log": 0,
     # 1: settings, data and plain file formats
     "config": 1, "options": 1, "config_files": 1, "defaults": 1, "data": 1, "targets": 1, "mask_file": 1, "io": 1,
+    "ownership": 1,
     "safetensors_writer": 1,
     # 2: components: the DeepSpeed adapter, one-shot methods, evaluation, model loading, outputs, the checkpoint format.
     # zero.partitions scores the engine with evaluation.perplexity's window_nll (a torch-only leaf), so the run's

@@ -71,6 +71,8 @@ class EvalSettings(BaseModel):
     """Write the result JSON here."""
     markdown: Path | None = Field(None, json_schema_extra={"metavar": "FILE.md"})
     """Write the markdown table here."""
+    overwrite: bool = False
+    """Replace an existing --output file (without it the file is refused before anything loads)."""
     speed: bool = False
     """Instead of perplexity and zero-shot: bytes on disk, memory, prefill and decode tokens/s and logits agreement of the
     model's dense and sparse modes side by side on the CPU (a local elsa-sparse checkpoint, or a dense pruned folder,
@@ -99,6 +101,8 @@ def check_settings(s: EvalSettings) -> None:
             raise ElsaError(f"{flag} {path} is a directory; give a file name, e.g. {example}")
         if not Path(path).resolve().parent.is_dir():
             raise ElsaError(f"{flag} {path}: directory {Path(path).resolve().parent} does not exist")
+    if s.output is not None and Path(s.output).exists() and not s.overwrite:
+        raise ElsaError(f"--output {s.output} exists; pass --overwrite to replace it, or choose another file")
 
 
 def load_model(s: EvalSettings, config, offload_folder: str | None) -> torch.nn.Module:

@@ -221,7 +221,7 @@ def evaluate_saved_model(output_dir: Path, cfg: ElsaConfig) -> dict[str, Any]:
         model=str(output_dir), ppl=list(cfg.eval_ppl), tasks=expand_tasks(",".join(cfg.eval_tasks)) if cfg.eval_tasks else [],
         include_path=cfg.eval_include_path, seqlen=cfg.seqlen, ppl_protocol=cfg.ppl_protocol.value,
         device_map="auto" if torch.cuda.is_available() else None,
-        output=output_dir / "eval.json", markdown=output_dir / "eval.md",
+        output=output_dir / "eval.json", markdown=output_dir / "eval.md", overwrite=True,  # the job owns output_dir
     ))
     report_path = output_dir / REPORT_NAME
     saved = json.loads(report_path.read_text())

@@ -16,6 +16,7 @@ import torch
 from elsa_ds.errors import ElsaError
 from elsa_ds.io import write_json
 from elsa_ds.output import fresh_staging, publish
+from elsa_ds.ownership import check_apart, owned
 from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
 from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.folder import TensorReader, is_weight_file
@@ -28,11 +29,7 @@ def check_paths(src: Path, dst: Path, overwrite: bool) -> None:
     """Cheap checks before any work: the input is a folder, the output is free (or --overwrite) and apart from it."""
     if not src.is_dir():
         raise ElsaError(f"input {src} is not a folder")
-    s, d = src.resolve(), dst.resolve()
-    if d == s or s in d.parents:
-        raise ElsaError(f"output {dst} is inside the input {src}; choose a folder outside it")
-    if d in s.parents:
-        raise ElsaError(f"output {dst} contains the input {src}; replacing it would delete the input")
+    check_apart(dst, "output", {"": src})
     if dst.exists() and not dst.is_dir():
         raise ElsaError(f"output {dst} exists and is not a folder")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
@@ -102,19 +99,22 @@ def compress(src: str | Path, dst: str | Path, min_sparsity: float = DEFAULT_MIN
     if not chosen:
         raise ElsaError(f"{src}: no 2-D weight has {min_sparsity:.0%} or more zeros, so nothing would get smaller; "
                         "is this the pruned model? (lower --min_sparsity to compress less sparse weights)")
-    staging = fresh_staging(dst)
-    try:
-        _write(reader, staging, specs, chosen, max_shard_size)
-        for f in src.iterdir():
-            if f.is_file() and f.name != "config.json" and not is_weight_file(f):
-                shutil.copy2(f, staging / f.name)
-        config[CONFIG_KEY] = {"format": fmt.FORMAT, "version": fmt.VERSION, "min_sparsity": min_sparsity,
-                              "tensors": {n: {k: v for k, v in c.items() if k not in ("dense_bytes", "bytes")} for n, c in chosen.items()}}
-        write_json(staging / "config.json", config)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    publish(staging, dst, keep_checkpoints=False, carry=())
+    with owned(dst, "output"):
+        check_paths(src, dst, overwrite)  # again, now that no other job can write dst
+        staging = fresh_staging(dst)
+        try:
+            _write(reader, staging, specs, chosen, max_shard_size)
+            for f in src.iterdir():
+                if f.is_file() and f.name != "config.json" and not is_weight_file(f):
+                    shutil.copy2(f, staging / f.name)
+            config[CONFIG_KEY] = {"format": fmt.FORMAT, "version": fmt.VERSION, "min_sparsity": min_sparsity,
+                                  "tensors": {n: {k: v for k, v in c.items() if k not in ("dense_bytes", "bytes")}
+                                              for n, c in chosen.items()}}
+            write_json(staging / "config.json", config)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        publish(staging, dst, keep_checkpoints=False, carry=())
     return summary(src, dst, chosen)
 
 

@@ -1,0 +1,36 @@
+"""A pruning job as its output's one owner: inputs kept apart from --output_dir, then (on the rank that writes) the
+output's lock held from before the first costly step until the job ends, however it ends (``elsa_ds/ownership.py``)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from elsa_ds.config import ElsaConfig
+from elsa_ds.jobs import make_job, run_job
+from elsa_ds.methods import oneshot_names
+from elsa_ds.options import JobOptions
+from elsa_ds.output import check_output_dir
+from elsa_ds.ownership import check_apart, owned
+from elsa_ds.zero.ds_config import DsConfig
+
+
+def job_inputs(cfg: ElsaConfig, opts: JobOptions) -> dict[str, str | Path | None]:
+    """Every local path the job reads, by its flag (hub names and sources that are not paths are skipped later)."""
+    inputs: dict[str, str | Path | None] = {
+        "--model": cfg.model, "--init_mask": None if cfg.init_mask in oneshot_names() else cfg.init_mask,
+        "--dataset": cfg.dataset, "--val_dataset": cfg.val_dataset, "--sparsity_profile": cfg.sparsity_profile,
+        "--eval_include_path": cfg.eval_include_path, "--deepspeed": opts.deepspeed, "--recipe": opts.recipe,
+    }
+    for i, source in enumerate(cfg.eval_ppl):
+        inputs[f"--eval_ppl{'' if i == 0 else f' (entry {i + 1})'}"] = source
+    return inputs
+
+
+def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[str, Any] | None:
+    """Run the job ``cfg`` names, owning ``opts.output_dir``; rank 0 (the rank that writes) takes the lock, the other
+    ranks of a launcher rely on it."""
+    check_apart(opts.output_dir, "--output_dir", job_inputs(cfg, opts))
+    check_output_dir(opts.output_dir, opts.overwrite, opts.resume)  # again under the lock, by the job's own checks
+    with owned(opts.output_dir, "--output_dir", take=os.environ.get("RANK", "0") == "0"):
+        return run_job(make_job(cfg, opts, ds_config))

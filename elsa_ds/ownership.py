@@ -1,0 +1,174 @@
+"""One owner per output: an exclusive lock beside every output a job writes, and outputs kept apart from inputs.
+
+The lock is ``.NAME.lock`` in the output's parent directory, held with ``flock`` for the job's lifetime and naming its
+holder (pid, host, start time). The kernel drops a ``flock`` when its process dies, so the lock file a killed job
+leaves behind is taken over by the next job; a lock file that names a live process on this host, or a process on
+another host (which ``flock`` may not reach across a network filesystem), is refused with its holder named.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from elsa_ds.errors import ElsaError
+from elsa_ds.log import get_logger
+
+NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # filesystems without flock: the file decides
+
+
+def lock_path(output: Path) -> Path:
+    """The lock file of ``output``: beside it, like its staging directory."""
+    output = Path(output)
+    return output.resolve().parent / f".{output.name}.lock"
+
+
+def check_apart(output: Path, flag: str, inputs: Mapping[str, str | Path | None]) -> None:
+    """Refuse an output that is, contains or sits inside one of the local ``inputs`` ({flag: path}); hub names and
+    paths that do not exist are skipped. Writing there would replace or mix with what the job reads, so --overwrite
+    does not change the answer."""
+    out = Path(output).expanduser().resolve()
+    for label, value in inputs.items():
+        if value is None or not str(value) or not Path(value).expanduser().exists():
+            continue
+        given = Path(value).expanduser().resolve()
+        the_input = f"the input {label + ' ' if label else ''}{value}"
+        if out == given:
+            why = f"is inside {the_input}, the very same folder: writing there would replace it"
+        elif given in out.parents:
+            why = f"is inside {the_input}: the job would write into what it reads"
+        elif out in given.parents:
+            why = f"contains {the_input}: replacing it would delete the input"
+        else:
+            continue
+        raise ElsaError(f"{flag} {output} {why} (--overwrite does not change this); choose a path apart from it")
+
+
+@contextlib.contextmanager
+def owned(output: Path | None, flag: str, take: bool = True) -> Iterator[None]:
+    """Hold the lock of ``output`` while the block runs (nothing with ``output`` None or ``take`` False: e.g. on a rank
+    that does not write); released on the way out, an exception included."""
+    if output is None or not take:
+        yield
+        return
+    fd = acquire(Path(output), flag)
+    try:
+        yield
+    finally:
+        release(Path(output), fd)
+
+
+def acquire(output: Path, flag: str) -> int:
+    """Take the lock of ``output`` (its file descriptor, for :func:`release`), or ElsaError naming the holder."""
+    path = lock_path(output)
+    for _ in range(5):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            raise ElsaError(f"{flag} {output}: cannot create its lock file {path} ({err.strerror}); choose another path") from None
+        try:
+            locked = _flock(fd)
+            if locked is False:
+                raise ElsaError(_busy(output, flag, path, _holder(path)))
+            if not _same_file(fd, path):  # the holder released (and unlinked) it between our open and our flock
+                os.close(fd)
+                continue
+            _check_previous(output, flag, path, flock_works=locked)
+            info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "pid_start": _pid_start(os.getpid())}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+            os.fsync(fd)
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+    raise ElsaError(f"{flag} {output}: its lock {path} keeps changing hands; try again")
+
+
+def release(output: Path, fd: int) -> None:
+    """Give the lock up: the file is removed while still held (a job waiting on it then retries on a new one)."""
+    path = lock_path(output)
+    try:
+        if _same_file(fd, path):
+            path.unlink()
+    except OSError:
+        pass  # the lock is released with the descriptor anyway
+    finally:
+        os.close(fd)
+
+
+def holder_text(info: dict) -> str:
+    """'pid 123 on host since 2026-01-01 12:00:00' from a lock file's contents."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"])) if "started" in info else "an unknown time"
+    return f"pid {info.get('pid', '?')} on {info.get('host', '?')} since {since}"
+
+
+def _flock(fd: int) -> bool | None:
+    """True: locked; False: another process holds it; None: this filesystem has no flock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as err:
+        if err.errno in NO_FLOCK:
+            return None
+        raise
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st, now = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+
+def _holder(path: Path) -> dict:
+    try:
+        info = json.loads(path.read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _busy(output: Path, flag: str, path: Path, info: dict) -> str:
+    who = holder_text(info) if info else "a job that has not written its name yet"
+    return f"{flag} {output} is being written by another job ({who}; lock {path}); wait for it to end or choose another path"
+
+
+def _check_previous(output: Path, flag: str, path: Path, flock_works: bool | None) -> None:
+    """A lock file left by an earlier holder: stale when its process is gone from this host; otherwise refused."""
+    info = _holder(path)
+    if not info.get("pid"):
+        return
+    if info.get("host") != socket.gethostname():
+        raise ElsaError(_busy(output, flag, path, info).replace("; wait", "; if that job is gone, delete the lock file; wait"))
+    if _alive(int(info["pid"]), info.get("pid_start")) and (flock_works is None or int(info["pid"]) != os.getpid()):
+        raise ElsaError(_busy(output, flag, path, info))
+    get_logger(__name__).warning(f"{flag} {output}: taking over the lock of {holder_text(info)}, a process that is gone")
+
+
+def _pid_start(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot, from /proc): tells a reused pid from the lock holder's."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, someone else's
+    now = _pid_start(pid)
+    return started is None or now is None or now == started

@@ -1,0 +1,202 @@
+"""One owner per output, through the real entry points: an output that is, contains or sits inside an input is refused
+even with --overwrite; a second job on a locked output is refused naming the first; a dead job's lock and staging
+folders do not block a new one; evaluate.py keeps an existing result file without --overwrite; a failed final rename
+says where the finished output is."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elsa_ds.errors import ElsaError
+from elsa_ds.output import check_publishable, publish, staging_dir
+from elsa_ds.ownership import lock_path, owned
+from tests.conftest import ROOT, run_entry, run_fails
+
+
+def _fast(model: Path, text_dir: Path, out: Path, *extra: str) -> list[str]:
+    return ["--deepspeed", "zero3", "--model", str(model), "--dataset", str(text_dir), "--seqlen", "64", "--nsamples", "8",
+            "--val_windows", "4", "--method", "magnitude", *extra, "--output_dir", str(out)]
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def model(tmp_path, tiny_model_dir) -> Path:
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, copy)
+    return copy
+
+
+# ---- outputs apart from inputs ------------------------------------------------------------------------------------------
+def test_output_equal_to_the_model_is_refused_even_with_overwrite(model, text_dir):
+    before = _digest(model)
+    line = run_fails("prune.py", _fast(model, text_dir, model, "--overwrite"), "is inside the input --model", "the very same folder",
+                     "--overwrite does not change")
+    assert "pass --overwrite" not in line
+    assert _digest(model) == before
+
+
+def test_output_inside_the_model_is_refused(model, text_dir):
+    before = _digest(model)
+    run_fails("prune.py", _fast(model, text_dir, model / "pruned", "--overwrite"), "is inside the input --model")
+    assert _digest(model) == before and not (model / "pruned").exists()
+
+
+def test_model_inside_the_output_is_refused(tmp_path, tiny_model_dir, text_dir):
+    work = tmp_path / "work"
+    shutil.copytree(tiny_model_dir, work / "model")
+    before = _digest(work)
+    run_fails("prune.py", _fast(work / "model", text_dir, work, "--overwrite"), "contains the input --model")
+    assert _digest(work) == before
+
+
+def test_init_mask_and_dataset_inside_the_output_are_refused(tmp_path, tiny_model_dir, text_dir):
+    work = tmp_path / "work"
+    shutil.copytree(tiny_model_dir, work / "mask")
+    shutil.copytree(text_dir, work / "text")
+    before = _digest(work)
+    args = ["--deepspeed", "zero3", "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--init_mask", str(work / "mask"),
+            "--output_dir", str(work), "--overwrite"]
+    run_fails("prune.py", args, "contains the input --init_mask")
+    run_fails("prune.py", _fast(tiny_model_dir, work / "text", work, "--overwrite"), "contains the input --dataset")
+    assert _digest(work) == before
+
+
+# ---- one job per output ---------------------------------------------------------------------------------------------
+def test_a_second_job_on_a_locked_output_is_refused_naming_the_first(tmp_path, tiny_model_dir, text_dir):
+    out = tmp_path / "out"
+    with owned(out, "--output_dir"):                       # this test process plays the first job
+        line = run_fails("prune.py", _fast(tiny_model_dir, text_dir, out), "is being written by another job")
+        assert f"pid {os.getpid()} on {socket.gethostname()} since " in line
+        assert not out.exists() and not list(tmp_path.glob(".out.partial*"))
+    assert not lock_path(out).exists()                       # released on the way out
+
+
+def test_two_concurrent_jobs_one_refused_the_other_intact(tmp_path, tiny_model_dir, text_dir):
+    """Started together with different sparsities: one publishes, the other exits 2; the output is the winner's."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    jobs = {s: subprocess.Popen([sys.executable, str(ROOT / "launch" / "prune.py"), *_fast(tiny_model_dir, text_dir, out, "--sparsity", s)],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in ("0.5", "0.6")}
+    done = {s: (p, *p.communicate(timeout=300)) for s, p in jobs.items()}
+    codes = sorted(p.returncode for p, _, _ in done.values())
+    assert codes == [0, 2], {s: err[-2000:] for s, (_, _, err) in done.items()}
+    (winner,) = [s for s, (p, _, _) in done.items() if p.returncode == 0]
+    (loser,) = [s for s in done if s != winner]
+    errors = [line for line in done[loser][2].splitlines() if line.startswith("elsa_ds: error")]
+    assert len(errors) == 1 and "Traceback" not in done[loser][2]
+    assert f"another job (pid {done[winner][0].pid} " in errors[0] or "is not empty" in errors[0], errors[0]
+    assert json.loads((out / "elsa_report.json").read_text())["sparsity"] == float(winner)
+    assert not lock_path(out).exists() and not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.integration
+def test_under_the_launcher_rank_0_alone_takes_the_lock(tmp_path, tiny_model_dir, text_dir):
+    """Held elsewhere: one error line (rank 0's), exit 2. Free: two ranks run (rank 1 taking it too would refuse one)."""
+    out = tmp_path / "out"
+    with owned(out, "--output_dir"):
+        proc = run_entry("prune.py", _fast(tiny_model_dir, text_dir, out), ranks=2, check=False, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+    assert proc.returncode == 2 and len(errors) == 1 and f"another job (pid {os.getpid()} " in errors[0], proc.stderr[-3000:]
+    run_entry("prune.py", _fast(tiny_model_dir, text_dir, out), ranks=2, timeout=300)
+    assert json.loads((out / "elsa_report.json").read_text())["world_size"] == 1 and not lock_path(out).exists()
+
+
+def test_a_dead_jobs_lock_and_staging_do_not_block_a_new_one(tmp_path, tiny_model_dir, text_dir):
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; from elsa_ds.ownership import acquire; "
+                               f"acquire(Path({str(out)!r}), '--output_dir'); print('held', flush=True); time.sleep(600)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.send_signal(signal.SIGKILL)                     # no clean-up: its lock file stays, naming it
+    holder.wait()
+    assert json.loads(lock_path(out).read_text())["pid"] == holder.pid
+    for leftover in (tmp_path / ".out.partial", tmp_path / f".out.partial.{holder.pid}"):  # old fixed name, dead job's
+        leftover.mkdir()
+        (leftover / "junk.bin").write_bytes(b"x")
+    proc = run_entry("prune.py", _fast(tiny_model_dir, text_dir, out))
+    assert "taking over the lock" in proc.stderr + proc.stdout and f"pid {holder.pid}" in proc.stderr + proc.stdout
+    assert (out / "elsa_report.json").is_file() and not lock_path(out).exists()
+    assert (tmp_path / ".out.partial" / "junk.bin").read_bytes() == b"x"   # named in a warning, never deleted
+
+
+def test_staging_is_named_for_its_job(tmp_path):
+    mine = staging_dir(tmp_path / "out")
+    other = subprocess.run([sys.executable, "-c", f"from pathlib import Path; from elsa_ds.output import staging_dir; "
+                            f"print(staging_dir(Path({str(tmp_path / 'out')!r})))"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert mine.parent == tmp_path and mine.name.startswith(".out.partial")
+    assert other.stdout.strip() != str(mine)
+
+
+# ---- evaluate.py --output -------------------------------------------------------------------------------------------
+def test_evaluate_keeps_an_existing_result_without_overwrite(tmp_path, tiny_model_dir, text_dir):
+    result = tmp_path / "result.json"
+    result.write_text('{"mine": 1}\n')
+    args = ["--model", str(tiny_model_dir), "--ppl", str(text_dir / "macbeth.txt"), "--seqlen", "64", "--limit", "2", "--output", str(result)]
+    run_fails("evaluate.py", args, f"--output {result} exists", "--overwrite")
+    assert result.read_text() == '{"mine": 1}\n'
+    with owned(result, "--output"):
+        line = run_fails("evaluate.py", [*args, "--overwrite"], "is being written by another job")
+        assert f"pid {os.getpid()} " in line and result.read_text() == '{"mine": 1}\n'
+    run_entry("evaluate.py", [*args, "--overwrite"], timeout=300)
+    assert "ppl" in json.loads(result.read_text()) and not lock_path(result).exists()
+    assert not list(tmp_path.glob(".result.json*"))        # no temp file, no lock left
+
+
+# ---- publication ------------------------------------------------------------------------------------------------------
+def test_a_failed_final_rename_says_where_the_result_is(tmp_path, monkeypatch):
+    out, staging = tmp_path / "out", staging_dir(tmp_path / "out")
+    out.mkdir()
+    (out / "old.txt").write_text("previous")
+    staging.mkdir()
+    (staging / "new.txt").write_text("finished")
+    real_rename = Path.rename
+
+    def failing(self, target):
+        if self == staging:
+            raise PermissionError(13, "Permission denied")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    with pytest.raises(ElsaError, match="could not be moved") as err:
+        publish(staging, out, keep_checkpoints=False)
+    assert f"it is complete in {staging}" in str(err.value) and "Permission denied" in str(err.value)
+    assert (out / "old.txt").read_text() == "previous" and (staging / "new.txt").read_text() == "finished"
+
+
+def test_a_mount_point_output_is_refused_before_the_job():
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(shm.parent).st_dev:
+        pytest.skip("no mount point to try here")
+    with pytest.raises(ElsaError, match="is a mount point"):
+        check_publishable(shm)
+
+
+def test_compress_refuses_an_output_another_job_writes(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    from elsa_ds.sparse.compress import compress
+
+    pruned = tmp_path / "pruned"
+    shutil.copytree(tiny_model_dir, pruned)
+    weights = load_file(pruned / "model.safetensors")
+    save_file({k: (v * (v.abs() > v.abs().median()) if v.dim() == 2 else v) for k, v in weights.items()}, pruned / "model.safetensors",
+              metadata={"format": "pt"})
+    with owned(tmp_path / "sparse", "output"):
+        with pytest.raises(ElsaError, match=f"being written by another job \\(pid {os.getpid()} "):
+            compress(pruned, tmp_path / "sparse", min_sparsity=0.4)
+    assert not (tmp_path / "sparse").exists()
+    compress(pruned, tmp_path / "sparse", min_sparsity=0.4)
+    assert (tmp_path / "sparse" / "config.json").is_file() and not lock_path(tmp_path / "sparse").exists()
