@@ -394,7 +394,16 @@ struct Splitter {
         else return r.x[i] + to_float(u[i]) * u_scale_old;
     }
 
-    // entry i, kept or not; skip: leave it untouched (a tie, decided afterwards)
+    // whether an old fp8 z is nonzero can be read off its code (magnitude bits, NaN included) instead of decoding it:
+    // true when code · z_scale_old is nonzero for every nonzero code, i.e. the scale is finite and its product with the
+    // smallest fp8 magnitude (2^-9) does not underflow (layer_scales floors it at 2^-126)
+    bool code_flips() const {
+        if constexpr (std::is_same_v<ZT, Fp8>) return std::isfinite(z_scale_old) && z_scale_old * 0x1p-9f != 0.0f;
+        else return false;
+    }
+
+    // entry i, kept or not; skip: leave it untouched (a tie, decided afterwards); CODE_FLIPS: see code_flips()
+    template <bool CODE_FLIPS>
     inline Contribution entry(int64_t i, float v, bool keep, bool skip) const {
         Contribution t{0.0f, 0.0f, 0.0f};
         const float mask = keep ? 1.0f : 0.0f;
@@ -402,7 +411,9 @@ struct Splitter {
         const ZT z_old = z[i];
         if constexpr (MODE == kUpdate) {
             const float x = r.x[i];
-            const float zo = std::is_same_v<ZT, float> ? to_float(z_old) : to_float(z_old) * z_scale_old;
+            float zo;
+            if constexpr (CODE_FLIPS && std::is_same_v<ZT, Fp8>) zo = (uint32_t(z_old.bits) & 0x7Fu) != 0 ? 1.0f : 0.0f;
+            else zo = std::is_same_v<ZT, float> ? to_float(z_old) : to_float(z_old) * z_scale_old;
             z[i] = pick(skip, z_old, store_as<ZT>(zn, z_scale));
             u[i] = pick(skip, u[i], store_as<UT>(v - zn, u_scale));
             const float res = (x - zn) * (x - zn), xx = x * x;
@@ -429,19 +440,25 @@ __attribute__((noinline)) void split_untied(const Splitter<ZT, UT, FK, MODE> sp,
     alignas(64) float values[kKeys];
     alignas(64) uint32_t keys[kKeys];
     const uint32_t threshold = sp.threshold;
+    const bool code_flips = sp.code_flips();
     for (int64_t b = 0; b < n; b += kKeys) {
         const int64_t m = std::min(kKeys, n - b);
         keys_of<true>(sp.r, [&](int64_t i) { return sp.value(i); }, b, m, values, keys);
         float res = 0.0f, xsq = 0.0f, flips = 0.0f;
         int32_t ties = 0;  // (as in bracket_piece: 32-bit batch sums)
+        const auto batch = [&](auto code_flips) {
 #pragma omp simd reduction(+ : res, xsq, flips, ties)
-        for (int64_t i = 0; i < m; ++i) {
-            const Contribution e = sp.entry(b + i, values[i], keys[i] > threshold, keys[i] == threshold);
-            res += e.residual_sq;
-            xsq += e.x_sq;
-            flips += e.flips;
-            ties += keys[i] == threshold ? 1 : 0;
-        }
+            for (int64_t i = 0; i < m; ++i) {
+                const Contribution e = sp.template entry<decltype(code_flips)::value>(b + i, values[i], keys[i] > threshold,
+                                                                                       keys[i] == threshold);
+                res += e.residual_sq;
+                xsq += e.x_sq;
+                flips += e.flips;
+                ties += keys[i] == threshold ? 1 : 0;
+            }
+        };
+        if (code_flips) batch(std::true_type{});
+        else batch(std::false_type{});
         t.residual_sq += res;
         t.x_sq += xsq;
         t.flips += int64_t(flips);
@@ -458,7 +475,7 @@ template <class ZT, class UT, int FK, int MODE>
 __attribute__((noinline)) void split_ties(const Splitter<ZT, UT, FK, MODE> sp, const std::vector<int32_t>& tie_at, int64_t rank,
                                           int64_t take, Tally& t) {
     for (const int32_t i : tie_at) {
-        const Contribution e = sp.entry(i, sp.value(i), rank++ < take, false);
+        const Contribution e = sp.template entry<false>(i, sp.value(i), rank++ < take, false);
         t.residual_sq += e.residual_sq;
         t.x_sq += e.x_sq;
         t.flips += int64_t(e.flips);
