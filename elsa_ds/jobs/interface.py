@@ -16,7 +16,7 @@ masks on rank 0), ``selection.py``, and ``report.py`` (the report, built from a 
 ``tests/jobs/test_job_state.py`` holds them to that.
 
 A job is chosen by ``--method`` (``elsa_ds/jobs/__init__.py``); ``launch/prune.py`` and ``elsa_ds.prune`` only
-build one and call :func:`run_job`.
+call ``owner.run_owned``: the inputs kept apart from the output, its lock taken (rank 0), then :func:`run_job`.
 """
 from __future__ import annotations
 
