@@ -85,6 +85,11 @@ def environment() -> dict:
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
     env["nvcc"] = _run([nvcc, "--version"]).splitlines()[-1] if nvcc else None
     try:
+        models = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
+        env["cpu_model"] = models[0] if models else None
+    except OSError:
+        pass
+    try:
         env["host_memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError):
         pass

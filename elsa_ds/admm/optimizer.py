@@ -107,7 +107,7 @@ class AdmmOptimizer(OptimizerWrapper):
         self._holding = False
         self._metrics = dict.fromkeys(METRIC_NAMES, 0.0)  # this rank's sums since begin_step
         self._fused = FusedPath(base, settings.kernels)
-        self._compiled = CompiledStep(base, settings.kernels)  # GPU flats under torch's Adam (ELSA_DS_COMPILED=0: off)
+        self._compiled = CompiledStep(base, settings.kernels)  # GPU flats under torch's Adam (opt-in: ELSA_DS_COMPILED=1)
 
     # ---- schedule -----------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:

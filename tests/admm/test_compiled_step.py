@@ -15,6 +15,12 @@ SLICES = [Slice("a", 3, 101, 0, 101, 40), Slice("empty", 104, 0, 0, 0, 0), Slice
 NUMEL = 181
 
 
+@pytest.fixture(autouse=True)
+def _opted_in(monkeypatch):
+    """The compiled step is opt-in (ELSA_DS_COMPILED=1); every test here opts in unless it says otherwise."""
+    monkeypatch.setenv("ELSA_DS_COMPILED", "1")
+
+
 def _compiled_or_skip(step: compiled.CompiledStep) -> None:
     if not step.compiled:
         pytest.skip("torch.compile could not build the step here (no C++ compiler for Inductor?)")
@@ -110,6 +116,8 @@ def test_which_bases_and_flats_qualify(monkeypatch):
     assert compiled.CompiledStep(torch.optim.SGD([p], lr=0.1)).kind is None
     assert compiled.CompiledStep(torch.optim.Adam([p]), on=False).kind is None
     monkeypatch.setenv("ELSA_DS_COMPILED", "0")
+    assert compiled.CompiledStep(torch.optim.Adam([p])).kind is None
+    monkeypatch.delenv("ELSA_DS_COMPILED")  # opt-in: off when unset
     assert compiled.CompiledStep(torch.optim.Adam([p])).kind is None
     monkeypatch.setenv("ELSA_DS_COMPILED", "1")
     monkeypatch.setenv("ELSA_DS_KERNELS", "0")

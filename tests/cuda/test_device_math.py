@@ -15,7 +15,8 @@ from tests.admm.test_compiled_step import NUMEL, SLICES, _eager
 
 
 @pytest.mark.parametrize("dtypes", [(StateDtype.fp32, StateDtype.fp32), (StateDtype.fp8, StateDtype.bf16)], ids=["fp32", "elsal"])
-def test_compiled_step_equals_eager_on_cuda(dtypes):
+def test_compiled_step_equals_eager_on_cuda(dtypes, monkeypatch):
+    monkeypatch.setenv("ELSA_DS_COMPILED", "1")  # opt-in
     gen = torch.Generator().manual_seed(5)
     start = torch.randn(NUMEL, generator=gen)
     ps = [torch.nn.Parameter(start.clone().cuda()) for _ in range(2)]

@@ -27,11 +27,11 @@ def _agreement(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("config", ["zero3_offload.json", "zero3.json"])
 def test_one_gpu_gives_the_reference_mask(tmp_path, tiny_model_dir, text_dir, config):
     """zero3_offload: CPU flats (fused C++ kernels), params and grads through pinned memory; zero3: the flats on the GPU
-    (the compiled x-step, the eager projection, counts all-reduced over NCCL)."""
+    (the compiled x-step, opted into here, the eager projection, counts all-reduced over NCCL)."""
     ds_path = derived_config(tmp_path, config, bf16={"enabled": False})
     out = tmp_path / "gpu"
     run_entry("prune.py", ["--deepspeed", str(ds_path), "--model", str(tiny_model_dir), "--dataset", str(text_dir), *ARGS,
-                           "--output_dir", str(out)], ranks=1)
+                           "--output_dir", str(out)], ranks=1, env={"ELSA_DS_COMPILED": "1"})
     masks, report = _masks(out)
     assert report["world_size"] == 1 and report["peak_gpu_bytes"] > 0
     if config == "zero3.json":
