@@ -58,11 +58,9 @@ RUNTIME_HOST_BYTES = 520 * 2**20
 # The deepspeed launcher's two processes on a node (runner and launch.py; each imports torch): 244 MiB RSS each,
 # measured the same way.
 LAUNCHER_HOST_BYTES = 2 * 244 * 2**20
-# The extra host RSS of a CUDA rank (CUDA runtime, cuBLAS and cuDNN mapped in, pinned staging): the same 32-step demo job
-# (zero3_offload.json, 1 rank) on one H100 against the same job as a plain process with CUDA hidden, peak RSS of the
-# largest process: 2.501e9 against 1.433e9 bytes (torch 2.11+cu130, DeepSpeed 0.19.8; bench/device/check.sh, 2026-11-26,
-# docs/results.md "GPU device kit"). The CUDA context on the GPU, which torch.cuda.max_memory_allocated does not count,
-# is a typical value (not measured: the kit reads torch's allocator only).
+# A CUDA rank's extra host RSS (CUDA runtime, cuBLAS/cuDNN mapped in, pinned staging): the 32-step demo job on one H100
+# against the same job with CUDA hidden, peak RSS 2.501e9 vs 1.433e9 bytes (torch 2.11+cu130; docs/results.md, "GPU
+# device kit"). The CUDA context on the GPU (not in torch.cuda.max_memory_allocated) is a typical value, not measured.
 CUDA_HOST_BYTES = 1.07e9
 RUNTIME_GPU_BYTES = 0.6e9
 
