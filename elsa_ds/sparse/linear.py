@@ -1,10 +1,11 @@
 """SparseLinear: an nn.Linear whose weight stays in elsa-sparse's delta8 code in memory.
 
 Decode-sized inputs (at most 16 rows after flattening the batch and sequence dims) on CPU run the C++ delta8 kernel
-(``decode_path = "kernel"``); without it, torch's CSR matmul (``"csr"``). bench/sparse_decode.py measures both side by
-side; docs/results.md has the figures. Larger inputs (prefill), and any CUDA tensor, decompress the weight for
-the call and run a dense matmul: correct everywhere, but on CUDA no faster than the dense model (there is no GPU
-kernel yet). Every path accumulates in fp32 and returns x's dtype.
+(``decode_path = "kernel"``); without it, torch's CSR matmul (``"csr"``). On CUDA they run the Triton delta8 kernel
+(``triton_spmv.py``, ``decode_path = "triton"``) where triton is installed; without it (``"decompress"``, the reason in
+``triton_unavailable``) and for larger inputs (prefill) on any device, the weight is decompressed for the call and
+multiplied densely: correct everywhere, no faster than the dense model. bench/sparse_decode.py measures the paths side
+by side; docs/results.md has the figures. Every path accumulates in fp32 and returns x's dtype.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from elsa_ds.sparse import kernels as K
 from elsa_ds.sparse.format import DELTA8, check, decode
 
-DECODE_PATHS = ("kernel", "csr", "reference")
+DECODE_PATHS = ("kernel", "csr", "reference")  # on CPU; CUDA tensors take "triton" or "decompress"
 
 
 class SparseLinear(torch.nn.Module):
@@ -34,10 +35,24 @@ class SparseLinear(torch.nn.Module):
             bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.bias = bias  # the replaced Linear's own Parameter: a loader copying into it reaches this module
         self._kernels = K.load() if decode_path in (None, "kernel") else None
-        self.decode_path = decode_path or ("kernel" if self._kernels is not None else "csr")
-        if self.decode_path not in DECODE_PATHS or (self.decode_path == "kernel" and self._kernels is None):
-            raise ValueError(f"decode_path {self.decode_path!r}: choose from {DECODE_PATHS} (kernel only when built)")
+        self.cpu_path = decode_path or ("kernel" if self._kernels is not None else "csr")
+        if self.cpu_path not in DECODE_PATHS or (self.cpu_path == "kernel" and self._kernels is None):
+            raise ValueError(f"decode_path {self.cpu_path!r}: choose from {DECODE_PATHS} (kernel only when built)")
         self._csr: torch.Tensor | None = None
+
+    @property
+    def decode_path(self) -> str:
+        """What a decode-sized input on the weight's device runs: the CPU path, or on CUDA "triton" / "decompress"."""
+        if self.values.device.type == "cpu":
+            return self.cpu_path
+        return "decompress" if self.triton_unavailable is not None else "triton"
+
+    @property
+    def triton_unavailable(self) -> str | None:
+        """Why the Triton kernel cannot run on the weight's device (None: it can)."""
+        from elsa_ds.sparse import triton_spmv  # imports triton: only when asked
+
+        return triton_spmv.unavailable(self.values.device)
 
     @classmethod
     def from_dense(cls, linear: torch.nn.Linear, decode_path: str | None = None) -> SparseLinear:
@@ -60,7 +75,13 @@ class SparseLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type != "cpu" or not 1 <= flat.shape[0] <= K.MAX_KERNEL_ROWS:
+        decode_sized = 1 <= flat.shape[0] <= K.MAX_KERNEL_ROWS
+        if decode_sized and flat.device.type == "cuda" and self.decode_path == "triton":
+            from elsa_ds.sparse import triton_spmv
+
+            y = triton_spmv.delta8_linear(self.parts, flat, self.out_features, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if flat.device.type != "cpu" or not decode_sized:
             return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         y = self._decode_matmul(flat)
         if self.bias is not None:
@@ -68,9 +89,9 @@ class SparseLinear(torch.nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _decode_matmul(self, flat: torch.Tensor) -> torch.Tensor:
-        if self.decode_path == "kernel":
+        if self.cpu_path == "kernel":
             return K.kernel_matmul(self._kernels, self.parts, flat, self.out_features)
-        if self.decode_path == "csr":
+        if self.cpu_path == "csr":
             if self._csr is None:
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")

@@ -1,0 +1,108 @@
+"""The delta8 decode matmul on CUDA as a Triton kernel: y[n, out] = x[n, in] · Wᵀ (+ b) for 1 to 16 rows of x.
+
+One program per output row r walks r's entries ``row_offsets[r] .. row_offsets[r+1]`` in blocks of ``BLOCK``:
+
+    col = carry + cumsum(1 + delta) - 1        (within the block; carry = the block's last column, starting at -1)
+    acc[b, :] += value · x[b, col]             (fp32, for every row b of x; x is a few KiB and stays in cache)
+    y[b, r] = Σ acc[b, :] (+ bias[r])          (stored in y's dtype, x's)
+
+so a call streams each entry once (one delta byte and one value) and needs no metadata beyond the checkpoint's own
+parts: nothing is precomputed, and ``SparseLinear.weight_bytes`` is what the kernel reads of the weight.
+
+Triton is imported when this module is, and this module only when a CUDA tensor reaches SparseLinear (or a test
+imports it): without triton or a GPU :func:`unavailable` names the reason and callers take the decompress path.
+``TRITON_INTERPRET=1`` in the environment before triton is imported (triton decorates its own language functions
+then) runs the same kernel on CPU tensors in Triton's interpreter; tests/sparse/test_triton_spmv.py does so.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")  # as triton reads it on import
+try:
+    import triton
+    import triton.language as tl
+except Exception as err:  # noqa: BLE001 - a broken install is as unavailable as a missing one
+    triton = tl = None
+    _IMPORT_ERROR: str | None = f"triton is not importable ({type(err).__name__}: {err})"
+else:
+    _IMPORT_ERROR = None
+
+MAX_ROWS = 16  # rows of x one call takes (decode: batch x 1 token)
+
+
+def _delta8_rows(values, deltas, row_offsets, x, bias, y, n, in_features, out_features,
+                 HAS_BIAS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: output row ``pid`` for every row of x (x [n, in] and y [n, out] contiguous)."""
+    r = tl.program_id(0)
+    begin = tl.load(row_offsets + r)
+    end = tl.load(row_offsets + r + 1)
+    b = tl.arange(0, BLOCK_B)
+    lane = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK_B, BLOCK), dtype=tl.float32)
+    carry = tl.full((), -1, tl.int32)
+    start = begin
+    while start < end:  # not range(begin, end, BLOCK): the interpreter's range() needs numpy < 2.4 for tensor bounds
+        k = start + lane
+        inside = k < end
+        step = tl.where(inside, tl.load(deltas + k, mask=inside, other=0).to(tl.int32) + 1, 0)
+        col = carry + tl.cumsum(step, 0)
+        carry = carry + tl.sum(step, 0)
+        value = tl.load(values + k, mask=inside, other=0.0).to(tl.float32)
+        take = (b[:, None] < n) & inside[None, :]
+        xs = tl.load(x + b[:, None] * in_features + col[None, :], mask=take, other=0.0).to(tl.float32)
+        acc += xs * value[None, :]
+        start += BLOCK
+    out = tl.sum(acc, 1)
+    if HAS_BIAS:
+        out += tl.load(bias + r).to(tl.float32)
+    tl.store(y + b * out_features + r, out.to(y.dtype.element_ty), mask=b < n)
+
+
+@functools.cache
+def _kernel():
+    """The jitted kernel (compiled, or interpreted under TRITON_INTERPRET=1)."""
+    return triton.jit(_delta8_rows)
+
+
+def unavailable(device: torch.device | str = "cuda") -> str | None:
+    """Why the kernel cannot run on ``device`` (None: it can): no triton, or no GPU and no interpreter."""
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    if INTERPRET:
+        return None if torch.device(device).type == "cpu" else "TRITON_INTERPRET=1 runs Triton kernels on CPU tensors only"
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return f"the Triton kernel runs on CUDA tensors (got {torch.device(device)}; torch.cuda.is_available() = " \
+               f"{torch.cuda.is_available()})"
+    return None
+
+
+def block_sizes(n: int, entries_per_row: float) -> tuple[int, int]:
+    """(BLOCK_B, BLOCK): the batch padded to a power of two, and entries per step keeping the tile near 2048 values."""
+    block_b = max(1 << (n - 1).bit_length(), 1)
+    block = max(32, min(512, 2048 // block_b, triton.next_power_of_2(max(int(entries_per_row), 1))))
+    return block_b, block
+
+
+def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x Wᵀ (+ bias) in x's dtype, fp32 accumulation; x [n, in] with 1 <= n <= 16, on the parts' device."""
+    reason = unavailable(x.device)
+    if reason is not None:
+        raise RuntimeError(f"the Triton delta8 kernel is unavailable: {reason}")
+    n = x.shape[0]
+    if not 1 <= n <= MAX_ROWS:
+        raise ValueError(f"the Triton delta8 kernel takes 1 to {MAX_ROWS} rows, got {n}")
+    x = x.contiguous()
+    y = torch.empty(n, out_features, dtype=x.dtype, device=x.device)
+    if out_features == 0:
+        return y
+    block_b, block = block_sizes(n, parts["values"].numel() / out_features)
+    _kernel()[(out_features,)](
+        parts["values"], parts["deltas"], parts["row_offsets"], x, y if bias is None else bias, y,
+        n, x.shape[1], out_features, HAS_BIAS=bias is not None, BLOCK_B=block_b, BLOCK=block,
+        num_warps=4 if block_b * block >= 2048 else 2)
+    return y

@@ -1,0 +1,133 @@
+"""The Triton delta8 kernel against the readable reference, run on CPU by Triton's interpreter (TRITON_INTERPRET=1).
+
+Triton reads TRITON_INTERPRET when it is imported, so the kernel runs in one subprocess started with it set (this
+file run as a script: it prints every case's error as JSON); the tests judge those errors. The same kernel compiled
+for a GPU is checked in tests/cuda/test_triton_gpu.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from elsa_ds.sparse import kernels as K
+from elsa_ds.sparse.format import MAX_GAP, encode_delta8
+
+TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}  # half dtypes: the output is rounded to them
+BATCHES = (1, 3, 8, 16)
+SHAPES = ((1, 1, 1.0), (5, 3, 0.5), (3, 2000, 0.002), (40, 33, 1.0))
+
+
+def odd_weight(out_f: int = 67, in_f: int = 700, density: float = 0.1, seed: int = 0) -> torch.Tensor:
+    """Rows not a multiple of any block; an all-zero row, a dense row, rows whose gaps need fillers (> 256 columns)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=gen) * (torch.rand(out_f, in_f, generator=gen) < density)
+    w[3] = 0
+    w[5] = torch.randn(in_f, generator=gen)
+    w[7] = 0
+    w[7, 0], w[7, in_f - 1] = 1.5, -2.0  # two fillers between them at 700 columns
+    w[9] = 0
+    w[9, in_f - 1] = 0.5  # the only entry, after two fillers
+    w[0, -1] = 0  # row 0's entries can all move one column right (the wrong-column case)
+    return w
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest error relative to the reference's largest entry (sums of ~70 terms cancel elementwise)."""
+    return float((got.float() - ref).abs().max()) / float(ref.abs().max().clamp_min(1e-6))
+
+
+def run_cases() -> dict[str, dict]:
+    """Every case under the interpreter (this process must have started with TRITON_INTERPRET=1)."""
+    from elsa_ds.sparse import triton_spmv as T
+
+    assert T.INTERPRET and T.unavailable("cpu") is None, T.unavailable("cpu")
+    out: dict[str, dict] = {}
+
+    def record(name, parts, x, out_f, bias=None, ref=None):
+        got = T.delta8_linear(parts, x, out_f, bias)
+        ref = K.reference_matmul(parts, x, out_f) if ref is None else ref
+        out[name] = {"err": relative_error(got, ref), "shape": list(got.shape), "dtype": str(got.dtype).split(".")[-1],
+                     "empty_row_zero": bool((got[:, 3] == 0).all()) if out_f > 3 else None}
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        parts = encode_delta8(odd_weight().to(dtype))
+        for n in BATCHES:
+            record(f"odd-{str(dtype).split('.')[-1]}-{n}", parts, torch.randn(n, 700).to(dtype), 67)
+    for out_f, in_f, density in SHAPES:
+        w = torch.randn(out_f, in_f) * (torch.rand(out_f, in_f) < density)
+        record(f"shape-{out_f}x{in_f}", encode_delta8(w), torch.randn(2, in_f), out_f)
+    parts, bias, x = encode_delta8(odd_weight().to(torch.bfloat16)), torch.randn(67).to(torch.bfloat16), torch.randn(4, 700)
+    record("bias", parts, x.to(torch.bfloat16), 67, bias, K.reference_matmul(parts, x.to(torch.bfloat16), 67) + bias.float())
+    parts = encode_delta8(odd_weight())
+    moved = dict(parts, deltas=parts["deltas"].clone())
+    moved["deltas"][0] += 1  # row 0's first entry one column right, and the rest of the row with it
+    x = torch.randn(1, 700)
+    record("wrong-column", moved, x, 67, ref=K.reference_matmul(parts, x, 67))
+    try:
+        T.delta8_linear(parts, torch.randn(17, 700), 67)
+        out["17-rows"] = {"refused": ""}
+    except ValueError as err:
+        out["17-rows"] = {"refused": str(err)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")  # the interpreter runs the kernel's blocks as numpy arrays
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_odd_weight_has_the_cases():
+    parts = encode_delta8(odd_weight())
+    per_row = parts["row_offsets"].diff()
+    assert int(per_row[3]) == 0 and int(per_row[5]) == 700  # an empty row and a full one
+    assert int((parts["deltas"] == MAX_GAP - 1).sum()) >= 4 and int(per_row[9]) == 3  # fillers; a row of 2 + 1
+
+
+@pytest.mark.parametrize("dtype", TOL)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_kernel_equals_reference(results, batch, dtype):
+    r = results[f"odd-{dtype}-{batch}"]
+    assert r["shape"] == [batch, 67] and r["dtype"] == dtype and r["empty_row_zero"]
+    assert r["err"] <= TOL[dtype]
+
+
+@pytest.mark.parametrize("out_f,in_f,density", SHAPES)
+def test_small_and_extreme_shapes(results, out_f, in_f, density):
+    assert results[f"shape-{out_f}x{in_f}"]["err"] <= TOL["float32"]
+
+
+def test_bias_is_added_in_fp32(results):
+    assert results["bias"]["dtype"] == "bfloat16" and results["bias"]["err"] <= TOL["bfloat16"]
+
+
+def test_a_wrong_column_would_be_caught(results):
+    """The comparison is sharp: one row shifted by a column moves the product far beyond the tolerance."""
+    assert results["wrong-column"]["err"] > 100 * TOL["float32"]
+
+
+def test_more_than_16_rows_are_refused(results):
+    assert "1 to 16 rows" in results["17-rows"]["refused"]
+
+
+def test_unavailable_names_the_reason(monkeypatch):
+    from elsa_ds.sparse import triton_spmv as T
+
+    if T.triton is not None and not T.INTERPRET and not torch.cuda.is_available():
+        assert "CUDA" in T.unavailable("cpu")
+    monkeypatch.setattr(T, "_IMPORT_ERROR", "triton is not importable (ImportError: test)")
+    assert "not importable" in T.unavailable("cuda")
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    print(json.dumps(run_cases()))
