@@ -112,10 +112,11 @@ def test_check_dry_run_passes_every_step(tmp_path):
     assert results["mode"] == "dry-run"
     for cfg in ("zero3_offload", "zero3", "zero3_offload_elsal"):
         assert {f"{cfg}_gpu", f"{cfg}_cpu", f"{cfg}_mask"} <= set(names), names
-    assert {"wheels", "install", "env", "cuda_tests", "main_job", "bench_device", "bench_threads"} <= set(names), names
+    assert {"wheels", "install", "env", "cuda_tests", "main_job", "bench_device", "sparse_gpu", "bench_threads"} <= set(names), names
     steps = {s["name"]: s for s in results["steps"]}
     assert steps["cuda_tests"]["figures"]["skipped"] >= 1  # no CUDA here: skipped, never silently absent
     main = steps["main_job"]["figures"]
     assert main["reload"]["zeros_mismatch"] == [] and main["estimate"]["per_node_cpu_bytes"] > 0
     assert set(steps["bench_threads"]["figures"]["threads"]) == {"1", "2"}
     assert steps["bench_device"]["figures"]["compiled_x_steps"] > 0
+    assert "CUDA" in steps["sparse_gpu"]["figures"]["skipped"]  # no GPU here: the reason is recorded

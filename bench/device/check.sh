@@ -19,6 +19,7 @@
 #   <cfg>_cpu     the same with CUDA hidden (run in the background while the GPU jobs run), the reference
 #   <cfg>_mask    mask agreement of <cfg>_gpu with <cfg>_cpu (exact sparsity and the reload are checked in each job)
 #   bench_device  bench/optimizer_step.py --device cuda: torch's fused Adam, ELSA eager, ELSA compiled (32M flat)
+#   sparse_gpu    bench/sparse_decode_gpu.py: decode at batch 1, dense bf16 F.linear vs the Triton delta8 kernel (7B shapes)
 #   bench_threads bench/optimizer_step.py --threads 1 4 16: every ratio per OpenMP thread count (the host's cores)
 set -uo pipefail
 
@@ -99,9 +100,15 @@ bench() {
     return "$rc"
 }
 
+sparse_gpu() {  # no CUDA (the dry run): the script prints {"skipped": why} and exits 0
+    "$PY" bench/sparse_decode_gpu.py "$@" | tee "$WORK/sparse_gpu.log"
+    local rc=${PIPESTATUS[0]}
+    tail -n 1 "$WORK/sparse_gpu.log" > "$FIG"
+    return "$rc"
+}
 wheels() { "$PY" bench/device/kit.py wheels bench/device/wheels "$FIG"; }
 envstep() { "$PY" bench/device/kit.py env "$FIG"; }
-export -f install rehearse_install cuda_tests job bench wheels envstep
+export -f install rehearse_install cuda_tests job bench sparse_gpu wheels envstep
 export PY WORK SITE NUMEL
 
 step wheels 30 wheels
@@ -148,6 +155,7 @@ for cfg in zero3_offload zero3 zero3_offload_elsal; do
     fi
 done
 step bench_device 120 bench --device "$DEVICE"
+step sparse_gpu 90 sparse_gpu
 # shellcheck disable=SC2086
 step bench_threads 180 bench --threads $THREADS
 

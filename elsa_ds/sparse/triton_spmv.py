@@ -74,9 +74,10 @@ def unavailable(device: torch.device | str = "cuda") -> str | None:
         return _IMPORT_ERROR
     if INTERPRET:
         return None if torch.device(device).type == "cpu" else "TRITON_INTERPRET=1 runs Triton kernels on CPU tensors only"
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return f"the Triton kernel runs on CUDA tensors (got {torch.device(device)}; torch.cuda.is_available() = " \
-               f"{torch.cuda.is_available()})"
+    if torch.device(device).type != "cuda":
+        return f"the Triton kernel runs on CUDA tensors, not {torch.device(device)} ones"
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
     return None
 
 

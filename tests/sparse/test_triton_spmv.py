@@ -119,6 +119,26 @@ def test_more_than_16_rows_are_refused(results):
     assert "1 to 16 rows" in results["17-rows"]["refused"]
 
 
+@pytest.mark.parametrize("dtype,block_b,block", [("bf16", 1, 512), ("fp32", 16, 128)])
+def test_kernel_compiles_for_an_h100(dtype, block_b, block):
+    """The compiled path, which the interpreter does not take: Triton lowers the kernel to an sm_90 cubin (its bundled
+    ptxas) with no GPU present; running it is tests/cuda/test_triton_gpu.py's part."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from elsa_ds.sparse import triton_spmv as T
+
+    if T.INTERPRET:
+        pytest.skip("TRITON_INTERPRET is set in this process: triton.jit gives the interpreter")
+    sig = {"values": f"*{dtype}", "deltas": "*u8", "row_offsets": "*i64", "x": f"*{dtype}", "bias": f"*{dtype}",
+           "y": f"*{dtype}", "n": "i32", "in_features": "i32", "out_features": "i32",
+           "HAS_BIAS": "constexpr", "BLOCK_B": "constexpr", "BLOCK": "constexpr"}
+    src = ASTSource(fn=T._kernel(), signature=sig, constexprs={"HAS_BIAS": True, "BLOCK_B": block_b, "BLOCK": block})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+
+
 def test_unavailable_names_the_reason(monkeypatch):
     from elsa_ds.sparse import triton_spmv as T
 

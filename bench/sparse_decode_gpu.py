@@ -1,0 +1,165 @@
+"""Decode on CUDA at LLaMA-2-7B's layer shapes: dense bf16 F.linear against the Triton delta8 kernel, one weight at a time.
+
+Each weight (4096 x 4096 attention, 11008 x 4096 MLP; random bf16, magnitude-pruned, masks nested as sparsity rises)
+is timed at batch 1 (``--batches``) two ways: ``graph``, a CUDA graph of back-to-back calls timed by CUDA events (the
+GPU's time per call, no launch overhead), and ``eager``, the same calls launched from Python (what an un-captured
+decode loop pays). The calls cycle through enough copies of the weight (``--min_mb`` in all) that it is read from
+HBM, not from L2. The byte floor is the bytes a call must read (weight parts and x) over the read bandwidth a
+1 GiB sum measures on the same GPU. The last line printed is the JSON of every figure; without CUDA (or triton) the
+script prints why and a JSON line with ``skipped`` and exits 0 (bench/device/check.sh --dry-run runs it so).
+
+    python bench/sparse_decode_gpu.py
+    python bench/sparse_decode_gpu.py --sparsities 0.7,0.9,0.95 --batches 1,8 --json bench/results/sparse_decode_gpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sparse_decode import prune_weight  # noqa: E402 - the CPU bench's pruning: same masks
+
+SHAPES = {"attn 4096x4096": (4096, 4096), "mlp 11008x4096": (11008, 4096)}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sparsities", default="0.7,0.9,0.95", help="comma-separated, rising [0.7,0.9,0.95]")
+    p.add_argument("--batches", default="1", help="decode rows per call [1]")
+    p.add_argument("--calls", type=int, default=200, help="calls per timed round [200]")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds, median reported [5]")
+    p.add_argument("--min_mb", type=float, default=256, help="bytes the weight copies span, so calls read HBM, not L2 [256]")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    return p.parse_args(argv)
+
+
+def read_bandwidth() -> float:
+    """Bytes per second a 1 GiB bf16 sum reads (median of 5)."""
+    src = torch.ones(1 << 29, dtype=torch.bfloat16, device="cuda")
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        src.sum(dtype=torch.float32)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return src.numel() * src.element_size() / statistics.median(times[1:])
+
+
+def time_calls(calls: list, rounds: int) -> dict[str, float]:
+    """Microseconds per call: CUDA-graph replay (GPU time) and eager launches (wall), medians over ``rounds``."""
+    for fn in calls[:3]:
+        fn()  # compile / warm up before capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph_us, eager_us = [], []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        graph_us.append(start.elapsed_time(end) * 1e3 / len(calls))
+        t0 = time.perf_counter()
+        for fn in calls:
+            fn()
+        torch.cuda.synchronize()
+        eager_us.append((time.perf_counter() - t0) * 1e6 / len(calls))
+    return {"graph_us": statistics.median(graph_us), "eager_us": statistics.median(eager_us)}
+
+
+def one_weight(weight: torch.Tensor, batch: int, args, bandwidth: float) -> dict:
+    """Dense F.linear and the Triton kernel on copies of one pruned bf16 weight (on the GPU): times, bytes, floors."""
+    from elsa_ds.sparse import triton_spmv
+    from elsa_ds.sparse.format import encode_delta8
+
+    out_f, in_f = weight.shape
+    parts = {k: v.cuda() for k, v in encode_delta8(weight).items()}
+    dense = weight.cuda()
+    x = torch.randn(batch, in_f, device="cuda").to(torch.bfloat16)
+    y_dense, y_sparse = F.linear(x, dense), triton_spmv.delta8_linear(parts, x, out_f)
+    err = float((y_sparse.float() - y_dense.float()).abs().max() / y_dense.float().abs().max())
+    sparse_bytes = sum(t.numel() * t.element_size() for t in parts.values())
+    dense_bytes = dense.numel() * dense.element_size()
+    row = {"batch": batch, "entries": parts["values"].numel(), "dense_bytes": dense_bytes, "sparse_bytes": sparse_bytes,
+           "max_rel_err_vs_dense": err}
+    x_bytes = x.numel() * x.element_size()
+    for name, nbytes in (("dense", dense_bytes), ("triton", sparse_bytes)):
+        copies = max(1, min(256, math.ceil(args.min_mb * 2**20 / nbytes)))
+        if name == "dense":
+            ws = [dense.clone() for _ in range(copies)]
+            calls = [lambda w=w: F.linear(x, w) for w in ws]
+        else:
+            ws = [{k: v.clone() for k, v in parts.items()} for _ in range(copies)]
+            calls = [lambda p=p: triton_spmv.delta8_linear(p, x, out_f) for p in ws]
+        timed = time_calls([calls[i % copies] for i in range(args.calls)], args.rounds)
+        floor_us = (nbytes + x_bytes) / bandwidth * 1e6
+        row[name] = {**timed, "copies": copies, "floor_us": floor_us, "graph_gb_s": (nbytes + x_bytes) / timed["graph_us"] / 1e3}
+        del ws, calls
+    row["speedup_graph"] = row["dense"]["graph_us"] / row["triton"]["graph_us"]
+    row["speedup_eager"] = row["dense"]["eager_us"] / row["triton"]["eager_us"]
+    return row
+
+
+def environment() -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": props.name,
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton.__version__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from elsa_ds.sparse import triton_spmv
+
+    reason = triton_spmv.unavailable("cuda")
+    if reason is not None:
+        print(f"skipped: {reason}", file=sys.stderr)
+        print(json.dumps({"skipped": reason}))
+        return 0
+    result = {**environment(), "read_bandwidth_gb_s": read_bandwidth() / 1e9, "dtype": "bfloat16", "rows": []}
+    bandwidth = result["read_bandwidth_gb_s"] * 1e9
+    print("| weight | sparsity | batch | dense us (floor) | triton us (floor) | speedup graph | eager dense / triton us | rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, (out_f, in_f) in SHAPES.items():
+        torch.manual_seed(0)
+        weight = torch.randn(out_f, in_f).to(torch.bfloat16)
+        for sparsity in (float(s) for s in args.sparsities.split(",")):
+            prune_weight(weight, sparsity)
+            for batch in (int(b) for b in args.batches.split(",")):
+                row = {"weight": label, "sparsity": sparsity, **one_weight(weight, batch, args, bandwidth)}
+                result["rows"].append(row)
+                d, t = row["dense"], row["triton"]
+                print(f"| {label} | {sparsity:.0%} | {batch} | {d['graph_us']:.1f} ({d['floor_us']:.1f}) | "
+                      f"{t['graph_us']:.1f} ({t['floor_us']:.1f}) | {row['speedup_graph']:.2f}x | "
+                      f"{d['eager_us']:.1f} / {t['eager_us']:.1f} | {row['max_rel_err_vs_dense']:.1e} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

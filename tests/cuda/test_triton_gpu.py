@@ -1,0 +1,60 @@
+"""The Triton delta8 kernel compiled for the GPU equals the readable reference, and SparseLinear on CUDA takes it.
+Marked ``cuda`` (conftest.py); the same cases under Triton's CPU interpreter are tests/sparse/test_triton_spmv.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elsa_ds.sparse import kernels as K
+from elsa_ds.sparse.format import encode_delta8
+from elsa_ds.sparse.linear import SparseLinear
+from tests.sparse.test_triton_spmv import BATCHES, TOL, odd_weight, relative_error
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@pytest.fixture(scope="module")
+def triton_spmv():
+    from elsa_ds.sparse import triton_spmv as T
+
+    reason = T.unavailable("cuda")
+    assert reason is None, f"the Triton kernel should run on this GPU host: {reason}"
+    return T
+
+
+def pruned(out_f: int, in_f: int, sparsity: float, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=gen)
+    return w * (torch.rand(out_f, in_f, generator=gen) >= sparsity)
+
+
+@pytest.mark.parametrize("dtype", TOL)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("shape", ["odd", "4096x4096@0.9", "11008x4096@0.7"])
+def test_triton_equals_reference_on_cuda(triton_spmv, shape, batch, dtype):
+    if shape == "odd":
+        w = odd_weight()
+    else:
+        dims, sparsity = shape.split("@")
+        w = pruned(*(int(d) for d in dims.split("x")), float(sparsity))
+    parts = {k: v.cuda() for k, v in encode_delta8(w.to(DTYPES[dtype])).items()}
+    x = torch.randn(batch, w.shape[1], device="cuda").to(DTYPES[dtype])
+    got = triton_spmv.delta8_linear(parts, x, w.shape[0])
+    ref = K.reference_matmul(parts, x, w.shape[0])
+    assert got.shape == (batch, w.shape[0]) and got.dtype == DTYPES[dtype] and got.is_cuda
+    assert relative_error(got, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("batch", [1, 5, 16, 17])
+def test_sparse_linear_on_cuda_takes_triton(batch):
+    linear = torch.nn.Linear(700, 67).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(odd_weight().to(torch.bfloat16))
+    sparse = SparseLinear.from_dense(linear).cuda()
+    assert sparse.decode_path == "triton", sparse.triton_unavailable
+    x = torch.randn(batch, 1, 700, device="cuda").to(torch.bfloat16)
+    got = sparse(x)
+    ref = F.linear(x.float(), linear.weight.float().cuda(), linear.bias.float().cuda())
+    assert got.shape == (batch, 1, 67) and got.dtype == torch.bfloat16
+    assert relative_error(got, ref) <= TOL["bfloat16"]  # 17 rows: the decompress path, same answer
