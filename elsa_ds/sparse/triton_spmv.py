@@ -36,7 +36,7 @@ MAX_ROWS = 16  # rows of x one call takes (decode: batch x 1 token)
 
 def _delta8_rows(values, deltas, row_offsets, x, bias, y, n, in_features, out_features,
                  HAS_BIAS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: output row ``pid`` for every row of x (x [n, in] and y [n, out] contiguous)."""
+    """One program: output row r = program_id(0) for every row of x (x [n, in] and y [n, out] contiguous)."""
     r = tl.program_id(0)
     begin = tl.load(row_offsets + r)
     end = tl.load(row_offsets + r + 1)
