@@ -2,6 +2,8 @@
 Marked ``cuda`` (conftest.py); the same cases under Triton's CPU interpreter are tests/sparse/test_triton_spmv.py."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,26 +25,29 @@ def triton_spmv():
     return T
 
 
-def pruned(out_f: int, in_f: int, sparsity: float, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(out_f, in_f, generator=gen)
-    return w * (torch.rand(out_f, in_f, generator=gen) >= sparsity)
+@functools.cache
+def cuda_parts(shape: str) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+    """One fp32 weight's delta8 parts on the GPU, encoded once per shape (a 7B MLP weight takes seconds on the CPU)."""
+    if shape == "odd":
+        w = odd_weight()
+    else:
+        dims, sparsity = shape.split("@")
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(*(int(d) for d in dims.split("x")), generator=gen)
+        w = w * (torch.rand(w.shape, generator=gen) >= float(sparsity))
+    return {k: v.cuda() for k, v in encode_delta8(w).items()}, tuple(w.shape)
 
 
 @pytest.mark.parametrize("dtype", TOL)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("shape", ["odd", "4096x4096@0.9", "11008x4096@0.7"])
 def test_triton_equals_reference_on_cuda(triton_spmv, shape, batch, dtype):
-    if shape == "odd":
-        w = odd_weight()
-    else:
-        dims, sparsity = shape.split("@")
-        w = pruned(*(int(d) for d in dims.split("x")), float(sparsity))
-    parts = {k: v.cuda() for k, v in encode_delta8(w.to(DTYPES[dtype])).items()}
-    x = torch.randn(batch, w.shape[1], device="cuda").to(DTYPES[dtype])
-    got = triton_spmv.delta8_linear(parts, x, w.shape[0])
-    ref = K.reference_matmul(parts, x, w.shape[0])
-    assert got.shape == (batch, w.shape[0]) and got.dtype == DTYPES[dtype] and got.is_cuda
+    fp32, (out_f, in_f) = cuda_parts(shape)
+    parts = {**fp32, "values": fp32["values"].to(DTYPES[dtype])}  # same entries: both sides read these parts
+    x = torch.randn(batch, in_f, device="cuda").to(DTYPES[dtype])
+    got = triton_spmv.delta8_linear(parts, x, out_f)
+    ref = K.reference_matmul(parts, x, out_f)
+    assert got.shape == (batch, out_f) and got.dtype == DTYPES[dtype] and got.is_cuda
     assert relative_error(got, ref) <= TOL[dtype]
 
 
