@@ -23,7 +23,7 @@ from pydantic.fields import FieldInfo
 
 from elsa_ds.config import DEMO_PROFILE, ElsaConfig
 from elsa_ds.options import JobOptions
-from elsa_ds.errors import ElsaError, format_validation_error
+from elsa_ds.errors import ElsaError, OneLineParser, format_validation_error
 from elsa_ds.log import setup_logging
 from elsa_ds.version import __version__
 
@@ -161,7 +161,7 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], names: tu
 
 
 def prune_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elsa-prune", description="Prune a causal LM with ELSA (ADMM, objective-aware projection) "
+    p = OneLineParser(prog="elsa-prune", description="Prune a causal LM with ELSA (ADMM, objective-aware projection) "
                                 "under DeepSpeed ZeRO-3, or with a one-shot baseline.")
     p.add_argument("--version", action="version", version=f"elsa_ds {__version__}")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
@@ -183,6 +183,11 @@ def flag_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+# ELSA's own settings: given on the command line to a one-shot method or the dense control, nobody would read them (the
+# JSON's "elsa" block may carry them for any method: the shipped ELSA-L config does)
+ELSA_ONLY = ("interval", "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype")
+
+
 def settings_from_args(args: argparse.Namespace):
     """(JobOptions, ElsaConfig, DsConfig) from parsed flags: the JSON read, a recipe merged, everything validated."""
     from elsa_ds.config import load_recipe, resolve_config
@@ -194,6 +199,11 @@ def settings_from_args(args: argparse.Namespace):
     recipe = load_recipe(opts.recipe) if opts.recipe else None
     given = {k: getattr(args, k) for k in _cli_fields(ElsaConfig)}
     cfg = resolve_config(ds_config.raw, given, source=opts.deepspeed, recipe=recipe)
+    stray = [f"--{k}" for k in ELSA_ONLY if given.get(k) is not None]
+    if stray and cfg.method.value != "elsa":
+        raise ElsaError(f"{', '.join(stray)} shape{'s' if len(stray) == 1 else ''} ELSA's ADMM run; with --method "
+                        f"{cfg.method.value} nothing reads {'it' if len(stray) == 1 else 'them'}: drop "
+                        f"{'it' if len(stray) == 1 else 'them'} (or use --method elsa)")
     return opts, cfg, ds_config
 
 
@@ -233,7 +243,7 @@ ESTIMATE_SHARED: dict[type[BaseModel], tuple[str, ...]] = {
 
 
 def estimate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elsa-estimate", description="Estimate GPU, CPU and NVMe memory of an ELSA job from configs alone.")
+    p = OneLineParser(prog="elsa-estimate", description="Estimate GPU, CPU and NVMe memory of an ELSA job from configs alone.")
     p.add_argument("--version", action="version", version=f"elsa_ds {__version__}")
     add_flags(p, EstimateOptions)
     for model, names in ESTIMATE_SHARED.items():
@@ -264,7 +274,7 @@ def main_estimate(argv: list[str] | None = None) -> int:
 def evaluate_parser() -> argparse.ArgumentParser:
     from elsa_ds.evaluation.run import EvalSettings
 
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="elsa-evaluate",
         description="Evaluate a (pruned) causal LM with the pruning papers' protocol: sparsity, perplexity, zero-shot accuracy.",
     )

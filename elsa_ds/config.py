@@ -273,6 +273,20 @@ class ElsaConfig(BaseModel):
             raise ValueError(f"pattern {nm} fixes every layer's sparsity; a sparsity_profile cannot be combined with it")
         return {**data, "sparsity": nm.ratio}
 
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError("Adam's betas are decay rates: each must be in [0, 1) (the usual 0.9 0.999)")
+        return v
+
+    @model_validator(mode="after")
+    def _sparsity_prunes_something(self) -> ElsaConfig:
+        if self.sparsity == 0.0 and self.nm is None and self.sparsity_profile is None and self.method.value != DENSE:
+            raise ValueError("sparsity 0 prunes nothing: give a sparsity in (0, 1), e.g. --sparsity 0.7 (the unpruned "
+                             "control is --method dense --finetune full)")
+        return self
+
     @model_validator(mode="after")
     def _init_mask_is_for_elsa(self) -> ElsaConfig:
         if self.init_mask is not None and self.method is not Method.elsa:

@@ -1,7 +1,9 @@
 """The one exception type users see."""
 from __future__ import annotations
 
-from typing import Any
+import argparse
+import sys
+from typing import Any, NoReturn
 
 
 class ElsaError(Exception):
@@ -34,3 +36,12 @@ def format_validation_error(err: Any, where: str, model: Any) -> str:
         else:
             parts.append(f"{field}={e.get('input')!r}: {msg}")
     return f"invalid setting in {where}: " + "; ".join(parts)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with the entry points' contract for a flag it cannot parse: one ``elsa_ds: error`` line naming the flag
+    and what it took, exit 2 (argparse itself prints the whole usage, dozens of lines, before its message)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"elsa_ds: error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        raise SystemExit(2)

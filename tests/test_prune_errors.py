@@ -75,3 +75,30 @@ def test_empty_dataset(tmp_path, tiny_model_dir):
     (tmp_path / "data" / "empty.txt").write_text("")
     _fails(["--deepspeed", "ds_configs/zero3_offload.json", "--model", str(tiny_model_dir), "--dataset", str(tmp_path / "data"),
             "--seqlen", "64", "--output_dir", str(tmp_path / "o")], "fewer than one global batch")
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--sparsity", "0"], ("sparsity 0 prunes nothing", "--method dense")),
+    (["--sparsity", "70%"], ("--sparsity", "'70%'", "elsa-prune --help")),  # one line, not argparse's whole usage
+    (["--betas", "0.9", "1.5"], ("betas", "[0, 1)")),
+    (["--method", "sparsegpt", "--lmda", "0.1", "--interval", "4"], ("--interval, --lmda", "sparsegpt", "drop them")),
+    (["--method", "wanda", "--z_dtype", "fp8"], ("--z_dtype", "wanda")),
+], ids=["sparsity-0", "percent", "betas", "elsa-flags-sparsegpt", "elsa-flag-wanda"])
+def test_settings_checked_for_meaning(tmp_path, flags, needles):
+    """Values of the right type that the run cannot honour: refused before anything starts, the output never made."""
+    out = tmp_path / "o"
+    _fails(["--deepspeed", "ds_configs/zero3_offload.json", *flags, "--output_dir", str(out)], *needles)
+    assert not out.exists() and not list(tmp_path.glob(".o.*"))
+
+
+def test_elsa_settings_in_the_json_do_not_block_a_one_shot_method():
+    """The shipped ELSA-L config carries z_dtype/u_dtype in its "elsa" block: a one-shot run with it is not refused."""
+    import argparse
+
+    from elsa_ds.cli import prune_parser, settings_from_args
+
+    args = prune_parser().parse_args(["--deepspeed", "ds_configs/zero3_offload_elsal.json", "--method", "wanda",
+                                      "--output_dir", "unused"])
+    assert isinstance(args, argparse.Namespace)
+    _, cfg, _ = settings_from_args(args)
+    assert cfg.method.value == "wanda"

@@ -12,7 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-from elsa_ds.errors import ElsaError
+from elsa_ds.errors import ElsaError, OneLineParser
 from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY, check_paths, compress
 from elsa_ds.sparse.loader import verify
@@ -21,7 +21,7 @@ log = logging.getLogger("elsa_ds.sparse")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elsa-compress", description=__doc__.splitlines()[0],
+    p = OneLineParser(prog="elsa-compress", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
     p.add_argument("input", type=Path, help="a pruned Hugging Face model folder (or, with --verify, a sparse checkpoint)")
     p.add_argument("output", type=Path, nargs="?", help="the sparse checkpoint to write (must not exist or be empty)")
