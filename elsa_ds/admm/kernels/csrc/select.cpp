@@ -94,11 +94,12 @@ struct Row {
     }
 };
 
-// values (v = value_of(i), when VALUES) and keys of a row's entries [b, b + m) into values[0, m) and keys[0, m): one
-// vectorized loop per run of entries that share an 8-bit block (its absmax broadcast), one loop in all otherwise
+// keys of a row's entries [b, b + m) into keys[0, m), their values v = value_of(i) into values[0, m) (when VALUES), and
+// the peak |v| from `peak` on (returned): one vectorized loop per run of entries that share an 8-bit block (its absmax
+// broadcast), one loop in all otherwise
 template <bool VALUES, class UT, int FK, class V>
-inline void keys_of(const Row<UT, FK>& r, const V& value_of, int64_t b, int64_t m, float* __restrict values,
-                    uint32_t* __restrict keys) {
+inline float keys_of(const Row<UT, FK>& r, const V& value_of, int64_t b, int64_t m, float* __restrict values,
+                     uint32_t* __restrict keys, float peak = 0.0f) {
     for (int64_t s = 0; s < m;) {
         int64_t e = m;
         float am = 0.0f;
@@ -107,20 +108,17 @@ inline void keys_of(const Row<UT, FK>& r, const V& value_of, int64_t b, int64_t 
             e = std::min(m, (block + 1) * kCodeBlock - r.first - b);
             am = r.absmax[block];
         }
-#pragma omp simd
+        float pk = peak;
+#pragma omp simd reduction(max : pk)
         for (int64_t i = s; i < e; ++i) {
             const float v = value_of(b + i);
             if constexpr (VALUES) values[i] = v;
             keys[i] = r.key(b + i, v, am);
+            pk = std::max(pk, std::fabs(v));
         }
+        peak = pk;
         s = e;
     }
-}
-
-// the peak |v| of values[0, m), from `peak` on
-inline float peak_of(const float* __restrict values, int64_t m, float peak) {
-#pragma omp simd reduction(max : peak)
-    for (int64_t i = 0; i < m; ++i) peak = std::max(peak, std::fabs(values[i]));
     return peak;
 }
 
@@ -151,11 +149,9 @@ inline int64_t pack_inside(uint32_t* keys, int64_t m, uint32_t lo, uint32_t hi) 
 template <class UT, int FK>
 __attribute__((noinline)) void histogram_piece(const Row<UT, FK> r, int64_t n, int64_t prefix, int32_t* __restrict hist, float& peak) {
     alignas(64) uint32_t keys[kKeys];
-    alignas(64) float values[kKeys];
     for (int64_t b = 0; b < n; b += kKeys) {
         const int64_t m = std::min(kKeys, n - b);
-        keys_of<true>(r, [&](int64_t i) { return r.value(i); }, b, m, values, keys);
-        peak = peak_of(values, m, peak);
+        peak = keys_of<false>(r, [&](int64_t i) { return r.value(i); }, b, m, nullptr, keys, peak);
         if (prefix < 0) {
             for (int64_t i = 0; i < m; ++i) ++hist[keys[i] >> 16];
         } else {
@@ -240,12 +236,10 @@ thread_local std::vector<uint32_t> t_keys;
 template <class UT, int FK>
 __attribute__((noinline)) void bracket_piece(const Row<UT, FK> r, int64_t n, uint32_t lo, uint32_t hi, Bracket& out) {
     alignas(64) uint32_t keys[kKeys];
-    alignas(64) float values[kKeys];
     const size_t cap = size_t(kChunk / 4);
     for (int64_t b = 0; b < n; b += kKeys) {
         const int64_t m = std::min(kKeys, n - b);
-        keys_of<true>(r, [&](int64_t i) { return r.value(i); }, b, m, values, keys);
-        out.peak = peak_of(values, m, out.peak);
+        out.peak = keys_of<false>(r, [&](int64_t i) { return r.value(i); }, b, m, nullptr, keys, out.peak);
         int32_t above = 0, inside = 0;  // a batch's counts fit 32 bits, and 32-bit sums need no widening per vector
 #pragma omp simd reduction(+ : above, inside)
         for (int64_t i = 0; i < m; ++i) {

@@ -112,6 +112,14 @@ inline void prefetch_block(const F& f, int64_t b0, int64_t numel) {
     }
 }
 
+// z and u of the same block (read on pruned slices; their lines over the flat, like p's: fp8 z 4 lines, bf16 u 8)
+template <class ZT, class UT>
+inline void prefetch_zu(const ZT* z, const UT* u, int64_t b0, int64_t numel) {
+    if (b0 >= numel) return;
+    for (int64_t i = 0; i < kBlock; i += 64 / int64_t(sizeof(ZT))) __builtin_prefetch(z + b0 + i, 0);
+    for (int64_t i = 0; i < kBlock; i += 64 / int64_t(sizeof(UT))) __builtin_prefetch(u + b0 + i, 0);
+}
+
 inline float block_absmax(const float* x, int64_t n) {
     float peak = 0.0f;
 #pragma omp simd reduction(max : peak)
@@ -188,6 +196,7 @@ void adam8_flat(const F& f, int64_t numel, const ZU& zu, const Slices& slices, f
     const ZT* z = static_cast<const ZT*>(zu.z);
     const UT* u = static_cast<const UT*>(zu.u);
     const int64_t chunks = int64_t(first.size()) - 1;
+    const bool with_zu = slices.count > 0 && z != nullptr && u != nullptr && lam != 0.0f;
 #pragma omp parallel for schedule(static)
     for (int64_t k = 0; k < chunks; ++k) {
         const Piece* pieces = plan.data() + first[k];
@@ -195,6 +204,7 @@ void adam8_flat(const F& f, int64_t numel, const ZU& zu, const Slices& slices, f
         const int64_t begin = pieces[0].begin, end = pieces[n_pieces - 1].end;
         for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
             prefetch_block(f, b0 + kPrefetch, numel);
+            if (with_zu) prefetch_zu(z, u, b0 + kPrefetch, numel);
             adam8_block<ZT, UT>(f, z, u, zu.z_scale, zu.u_scale, lam, c, b0, std::min(kBlock, end - b0), pieces, n_pieces);
         }
     }
