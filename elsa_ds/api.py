@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from elsa_ds.config import load_recipe, resolve_config
+from elsa_ds.config import load_recipe, refuse_unread_elsa_settings, resolve_config
 from elsa_ds.options import JobOptions, job_options
 from elsa_ds.errors import ElsaError
 from elsa_ds.jobs.owner import run_owned
@@ -62,6 +62,7 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
         ds_config = DsConfig.load(opts.deepspeed)
         given = {**settings, "model": _model_name(model) if in_memory else str(model), "dataset": name}
         cfg = resolve_config(ds_config.raw, given, source=str(deepspeed), recipe=load_recipe(recipe) if recipe else None)
+        refuse_unread_elsa_settings(cfg, settings, "")
         with launcher_env_restored():
             return run_owned(cfg, opts, ds_config)
 

@@ -12,7 +12,9 @@ import argparse
 import enum
 import os
 import re
+import signal
 import sys
+import threading
 import types
 import typing
 from collections.abc import Callable
@@ -23,7 +25,7 @@ from pydantic.fields import FieldInfo
 
 from elsa_ds.config import DEMO_PROFILE, ElsaConfig
 from elsa_ds.options import JobOptions
-from elsa_ds.errors import ElsaError, OneLineParser, format_validation_error
+from elsa_ds.errors import ElsaError, OneLineParser, Terminated, format_validation_error, on_sigterm
 from elsa_ds.log import setup_logging
 from elsa_ds.version import __version__
 
@@ -41,14 +43,23 @@ GROUP_TITLES = {
 
 
 def guarded(fn: Callable[[], int | None]) -> int:
-    """Run ``fn``; an ElsaError becomes one line on stderr and exit code 2, with no traceback."""
+    """Run ``fn``; an ElsaError becomes one line on stderr and exit code 2, with no traceback. Ctrl-C (exit 130) and
+    SIGTERM (143) end it with one line too: the jobs' own cleanup (the output's lock, this job's staging) runs on the
+    way out, nothing unfinished is published and the previous output stays as it was."""
+    rank = os.environ.get("RANK", "0")
+    where = "" if rank == "0" else f" (rank {rank})"
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return fn() or 0
     except ElsaError as err:  # printed, not logged: the one-line contract holds whatever the log level
-        rank = os.environ.get("RANK", "0")
-        where = "" if rank == "0" else f" (rank {rank})"
         print(f"elsa_ds: error{where}: {err}", file=sys.stderr, flush=True)
         return 2
+    except (KeyboardInterrupt, Terminated) as err:
+        what, code = ("interrupted (Ctrl-C)", 130) if isinstance(err, KeyboardInterrupt) else ("terminated (SIGTERM)", 143)
+        print(f"elsa_ds: {what}{where}: nothing unfinished was published; a run saving checkpoints continues with --resume",
+              file=sys.stderr, flush=True)
+        return code
 
 
 def validated(model: type[BaseModel], values: dict[str, Any], where: str = "the command line") -> Any:
@@ -183,14 +194,9 @@ def flag_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-# ELSA's own settings: given on the command line to a one-shot method or the dense control, nobody would read them (the
-# JSON's "elsa" block may carry them for any method: the shipped ELSA-L config does)
-ELSA_ONLY = ("interval", "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype")
-
-
 def settings_from_args(args: argparse.Namespace):
     """(JobOptions, ElsaConfig, DsConfig) from parsed flags: the JSON read, a recipe merged, everything validated."""
-    from elsa_ds.config import load_recipe, resolve_config
+    from elsa_ds.config import load_recipe, refuse_unread_elsa_settings, resolve_config
     from elsa_ds.options import job_options
     from elsa_ds.zero.ds_config import DsConfig
 
@@ -199,11 +205,7 @@ def settings_from_args(args: argparse.Namespace):
     recipe = load_recipe(opts.recipe) if opts.recipe else None
     given = {k: getattr(args, k) for k in _cli_fields(ElsaConfig)}
     cfg = resolve_config(ds_config.raw, given, source=opts.deepspeed, recipe=recipe)
-    stray = [f"--{k}" for k in ELSA_ONLY if given.get(k) is not None]
-    if stray and cfg.method.value != "elsa":
-        raise ElsaError(f"{', '.join(stray)} shape{'s' if len(stray) == 1 else ''} ELSA's ADMM run; with --method "
-                        f"{cfg.method.value} nothing reads {'it' if len(stray) == 1 else 'them'}: drop "
-                        f"{'it' if len(stray) == 1 else 'them'} (or use --method elsa)")
+    refuse_unread_elsa_settings(cfg, given, "--")
     return opts, cfg, ds_config
 
 

@@ -375,3 +375,19 @@ def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the Deep
         return ElsaConfig(**merged)
     except ValidationError as err:
         raise ElsaError(format_validation_error(err, f"{source} / command line", ElsaConfig)) from None
+
+
+# ELSA's own settings: passed explicitly (command line, API keywords) to a one-shot method or the dense control, nothing
+# would read them. The JSON's "elsa" block may carry them for any method: the shipped ELSA-L config does.
+ELSA_ONLY = ("interval", "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype")
+
+
+def refuse_unread_elsa_settings(cfg: ElsaConfig, given: dict[str, Any], prefix: str) -> None:
+    """ElsaError when ``given`` (what the user passed explicitly) holds ELSA-only settings and the method is not ELSA;
+    ``prefix``: how the user spelt them ("--" for flags, "" for keywords)."""
+    stray = [f"{prefix}{k}" for k in ELSA_ONLY if given.get(k) is not None]
+    if not stray or cfg.method is Method.elsa:
+        return
+    one = len(stray) == 1
+    raise ElsaError(f"{', '.join(stray)} shape{'s' if one else ''} ELSA's ADMM run; with method {cfg.method.value} nothing "
+                    f"reads {'it' if one else 'them'}: drop {'it' if one else 'them'} (or use method elsa)")

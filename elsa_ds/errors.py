@@ -6,6 +6,15 @@ import sys
 from typing import Any, NoReturn
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread by ``on_sigterm`` (a BaseException, like KeyboardInterrupt, so no ``except
+    Exception`` on the way up swallows it)."""
+
+
+def on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
 class ElsaError(Exception):
     """A problem with the user's input or environment: the message says what is wrong and how to fix it.
 

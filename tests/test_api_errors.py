@@ -28,6 +28,8 @@ CASES = {  # name: (call, the argument the message must name first)
     "seqlen list": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, seqlen=[64]), "seqlen="),
     "eval_ppl int": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, eval_ppl=5), "eval_ppl="),
     "init_mask int": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, init_mask=5), "init_mask="),
+    # right types, no meaning: ELSA's own settings given to a one-shot method
+    "lmda to wanda": (lambda m, d, o: elsa_ds.oneshot(m, "wanda", d, output_dir=o, lmda=0.1, interval=8), "interval, lmda"),
 }
 
 

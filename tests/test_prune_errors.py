@@ -81,7 +81,7 @@ def test_empty_dataset(tmp_path, tiny_model_dir):
     (["--sparsity", "0"], ("sparsity 0 prunes nothing", "--method dense")),
     (["--sparsity", "70%"], ("--sparsity", "'70%'", "elsa-prune --help")),  # one line, not argparse's whole usage
     (["--betas", "0.9", "1.5"], ("betas", "[0, 1)")),
-    (["--method", "sparsegpt", "--lmda", "0.1", "--interval", "4"], ("--interval, --lmda", "sparsegpt", "drop them")),
+    (["--method", "sparsegpt", "--lmda", "0.1", "--interval", "4"], ("--interval, --lmda", "method sparsegpt", "drop them")),
     (["--method", "wanda", "--z_dtype", "fp8"], ("--z_dtype", "wanda")),
 ], ids=["sparsity-0", "percent", "betas", "elsa-flags-sparsegpt", "elsa-flag-wanda"])
 def test_settings_checked_for_meaning(tmp_path, flags, needles):

@@ -3,6 +3,7 @@ output's lock held from before the first costly step until the job ends, however
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +11,13 @@ from elsa_ds.config import ElsaConfig
 from elsa_ds.jobs import make_job, run_job
 from elsa_ds.methods import oneshot_names
 from elsa_ds.options import JobOptions
-from elsa_ds.output import check_output_dir
+from elsa_ds.errors import Terminated
+from elsa_ds.output import check_output_dir, staging_dir
 from elsa_ds.ownership import check_apart, owned
 from elsa_ds.zero.ds_config import DsConfig
+
+# the side files beside the output (jobs/warm_start.py, jobs/finetune.py, jobs/selection.py name them from the staging's)
+SIDE_FILES = ("init_mask.safetensors", "init_weights", "oneshot", "best_projection")
 
 
 def job_inputs(cfg: ElsaConfig, opts: JobOptions) -> dict[str, str | Path | None]:
@@ -32,5 +37,23 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
     ranks of a launcher rely on it."""
     check_apart(opts.output_dir, "--output_dir", job_inputs(cfg, opts))
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume)  # again under the lock, by the job's own checks
-    with owned(opts.output_dir, "--output_dir", take=os.environ.get("RANK", "0") == "0"):
-        return run_job(make_job(cfg, opts, ds_config))
+    writer = os.environ.get("RANK", "0") == "0"
+    with owned(opts.output_dir, "--output_dir", take=writer):
+        try:
+            return run_job(make_job(cfg, opts, ds_config))
+        except (KeyboardInterrupt, Terminated):
+            if writer:
+                discard_unpublished(Path(opts.output_dir))
+            raise
+
+
+def discard_unpublished(output_dir: Path) -> None:
+    """After an interrupt: this job's staging folder and the side files a job keeps beside its output until it consumes
+    them (warm-start mask and weights, the one-shot model of a retraining run, the best projection); the checkpoints
+    (resumable) and the previous output stay."""
+    staging = staging_dir(output_dir)
+    for path in (staging, *(staging.with_name(f".{output_dir.name}.{s}") for s in SIDE_FILES)):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink(missing_ok=True)

@@ -1,0 +1,80 @@
+"""Ctrl-C and SIGTERM at any point of a job: one line, exit 130 / 143, no traceback, the previous output untouched, no
+stray files beside it (staging, lock, warm-start copies), and a checkpointed run resumable afterwards. A plain process
+through launch/prune.py (the entry point's own handling; under the deepspeed launcher the launcher forwards the signal
+to every rank)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.conftest import ROOT, run_entry
+
+pytestmark = pytest.mark.integration
+
+FAST = ["--seqlen", "64", "--interval", "4", "--sparsity", "0.6", "--lr", "1e-3", "--lmda", "0.05", "--val_windows", "0",
+        "--baseline", "none", "--micro_batch", "2", "--seed", "3", "--deepspeed", "ds_configs/zero3_offload.json"]
+
+
+def _interrupt(args: list[str], sig: int, when: str, timeout: float = 180) -> tuple[int, str]:
+    """Start launch/prune.py, send ``sig`` once ``when`` shows on its stderr, return (exit code, stderr)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "prune.py"), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen, chunks = threading.Event(), []
+
+    def read() -> None:
+        while (c := proc.stderr.read(64)):
+            chunks.append(c)
+            if when in "".join(chunks[-4:]) or when in "".join(chunks):
+                seen.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert seen.wait(timeout), "".join(chunks)[-3000:]
+    time.sleep(0.5)
+    proc.send_signal(sig)
+    code = proc.wait(timeout=120)
+    reader.join(timeout=10)
+    return code, "".join(chunks)
+
+
+def _strays(tmp_path, name: str = "o") -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f".{name}."))
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("when", ["step/s", "sparsegpt"], ids=["training", "warm-start"])
+def test_interrupt_keeps_the_previous_output_and_leaves_nothing(tmp_path, tiny_model_dir, text_dir, sig, code, when):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    start = ["--init_mask", "sparsegpt" if when == "sparsegpt" else "none"]
+    rc, err = _interrupt([*FAST, *start, "--steps", "100000", "--model", str(tiny_model_dir), "--dataset", str(text_dir),
+                          "--output_dir", str(out), "--overwrite"], sig, when)
+    assert rc == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert sum(line.startswith("elsa_ds: interrupted") or line.startswith("elsa_ds: terminated")
+               for line in err.splitlines()) == 1, err[-3000:]
+    assert (out / "precious.txt").read_text() == "keep me" and [p.name for p in out.iterdir()] == ["precious.txt"]
+    assert _strays(tmp_path) == [], _strays(tmp_path)
+
+
+def test_interrupted_checkpointed_run_resumes(tmp_path, tiny_model_dir, text_dir):
+    """Ctrl-C after a checkpoint was published: --resume continues from it and ends with exact sparsity per layer."""
+    out = tmp_path / "o"
+    common = [*FAST, "--init_mask", "none", "--steps", "40", "--save_interval", "4", "--model", str(tiny_model_dir),
+              "--dataset", str(text_dir), "--output_dir", str(out)]
+    rc, err = _interrupt(common, signal.SIGINT, "9/40")
+    assert rc == 130 and (out / "checkpoints" / "latest").exists(), err[-3000:]
+    assert not (out / "elsa_report.json").exists() and _strays(tmp_path) == [], _strays(tmp_path)
+    run_entry("prune.py", [*common, "--resume"])  # (without --resume the non-empty output would be refused)
+    report = json.loads((out / "elsa_report.json").read_text())
+    assert report["steps"] == 40
+    for name, layer in report["layers"].items():
+        assert layer["zeros"] == round(0.6 * layer["numel"]), name
