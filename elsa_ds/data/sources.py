@@ -58,15 +58,11 @@ def documents(source: str, split: str, holdout_part: bool = True) -> Documents:
     if source.startswith((".", "/", "~")) or path.suffix in LOCAL_SUFFIXES:
         raise ElsaError(f"dataset {source!r}: no such file or directory")
     if source == "wikitext2":
-        from datasets import load_dataset
-
         name = "test" if split == "validation" else "train"
-        return Documents(list(load_dataset("wikitext", "wikitext-2-raw-v1", split=name)["text"]),
-                         f"wikitext-2-raw-v1 {name} split, its lines joined into one text", stream=True)
+        ds = _download(source, "wikitext", "wikitext-2-raw-v1", split=name)
+        return Documents(list(ds["text"]), f"wikitext-2-raw-v1 {name} split, its lines joined into one text", stream=True)
     if source == "c4":
-        from datasets import load_dataset
-
-        ds = load_dataset("allenai/c4", data_files={split: C4_SHARDS[split]}, split=split)
+        ds = _download(source, "allenai/c4", data_files={split: C4_SHARDS[split]}, split=split)
         if split == "validation":
             return Documents([" ".join(ds[:C4_VALIDATION_DOCUMENTS]["text"])],
                              f"allenai/c4 {C4_SHARDS[split]}: the first {C4_VALIDATION_DOCUMENTS} documents joined by a space")
@@ -122,6 +118,19 @@ def _local(path: Path, split: str, holdout_part: bool) -> Documents:
         return Documents(docs, f"every document of {_names(files, path)} (validation comes from --val_dataset)")
     train, validation, rule = holdout(docs)
     return Documents(train if split == "train" else validation, f"{_names(files, path)}: {rule}")
+
+
+def _download(source: str, *args, **kwargs):
+    """``datasets.load_dataset(*args, **kwargs)``; a failure (offline, no such dataset, a broken cache) as one ElsaError
+    naming ``source`` and the way out."""
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(*args, **kwargs)
+    except Exception as err:  # datasets and huggingface_hub raise many types; the user needs one line
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise ElsaError(f"dataset {source!r} could not be downloaded ({type(err).__name__}: {first}); without network, "
+                        "give --dataset a local file or folder (.txt, .md, .jsonl, .parquet)") from None
 
 
 def _hub(source: str, split: str, holdout_part: bool) -> Documents:
@@ -187,7 +196,11 @@ def _read_local(path: Path) -> Iterator[str]:
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except Exception as err:  # pyarrow's ArrowInvalid / ArrowException, OSError: a corrupt or foreign file
+            raise ElsaError(f"{path}: not a readable Parquet file ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+                            "give a Parquet file with a 'text' column, or a .txt / .jsonl file") from None
         if "text" not in table.column_names:
             raise ElsaError(f"{path}: parquet file has no 'text' column (columns: {table.column_names})")
         yield from (str(t) for t in table.column("text").to_pylist())
