@@ -30,9 +30,28 @@ def load_config(model_id: str):
     if path.is_dir() and not (path / "config.json").is_file():
         raise ElsaError(f"model {model_id}: directory has no config.json (not a saved transformers model)")
     try:
-        return AutoConfig.from_pretrained(model_id)
+        config = AutoConfig.from_pretrained(model_id)
     except (OSError, ValueError) as err:
         raise ElsaError(f"model {model_id}: cannot load its config ({str(err).splitlines()[0]})") from None
+    check_causal_lm(config, model_id)
+    return config
+
+
+# heads that predict the next token: what ELSA's loss, the one-shot calibration and perplexity all need
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def check_causal_lm(config, model_id: str) -> None:
+    """ElsaError for a model that is not a causal LM (an encoder such as BERT saved as a masked LM, a classifier, a
+    sequence-to-sequence model): transformers would load some of them into a causal-LM class with a warning and the job
+    would train or score next-token prediction the model was never built for."""
+    archs = list(getattr(config, "architectures", None) or [])
+    kind = f"{getattr(config, 'model_type', '?')} ({', '.join(archs) or 'no architectures listed'})"
+    if getattr(config, "is_encoder_decoder", False):
+        raise ElsaError(f"model {model_id} is an encoder-decoder model, {kind}: elsa_ds prunes decoder-only causal LMs")
+    if archs and not any(a.endswith(CAUSAL_HEADS) for a in archs):
+        raise ElsaError(f"model {model_id} is {kind}, not a causal language model (a ...ForCausalLM): ELSA prunes on the "
+                        "next-token loss, which this model was not trained for")
 
 
 def attention_implementation(config) -> str:

@@ -122,3 +122,19 @@ def test_hub_dataset_without_network_is_one_line(tmp_path, tiny_model_dir):
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("elsa_ds: error")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(errors) == 1 and "'c4'" in errors[0] and "local file" in errors[0], errors
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused_as_such(tmp_path):
+    """A BERT masked LM (transformers would load it into BertLMHeadModel with a warning): refused by prune.py and
+    evaluate.py, naming what it is."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from tests.conftest import run_fails
+
+    bert = tmp_path / "bert"
+    BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=32)).save_pretrained(bert)
+    _fails(["--deepspeed", "ds_configs/zero3_offload.json", "--model", str(bert), "--targets", r"intermediate\.dense",
+            "--output_dir", str(tmp_path / "o")], "BertForMaskedLM", "not a causal language model")
+    run_fails("evaluate.py", ["--model", str(bert), "--ppl", "wikitext2"], "BertForMaskedLM", "not a causal language model")
+    assert not (tmp_path / "o").exists()
