@@ -138,3 +138,21 @@ def test_a_model_that_is_not_a_causal_lm_is_refused_as_such(tmp_path):
             "--output_dir", str(tmp_path / "o")], "BertForMaskedLM", "not a causal language model")
     run_fails("evaluate.py", ["--model", str(bert), "--ppl", "wikitext2"], "BertForMaskedLM", "not a causal language model")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.integration
+def test_init_mask_of_another_shape_or_without_zeros_is_refused_before_loading(tmp_path, tiny_model_dir, ragged_model_dir,
+                                                                                 text_dir):
+    """--init_mask is read from headers (names, shapes) and one row per weight (zeros) before the model loads: a folder
+    of another model and a dense folder are one line each."""
+    args = ["--deepspeed", "ds_configs/zero3_offload.json", "--model", str(tiny_model_dir), "--output_dir", str(tmp_path / "o")]
+    _fails([*args, "--init_mask", str(ragged_model_dir)], "does not fit this model", "shape differs")
+    _fails([*args, "--init_mask", str(tiny_model_dir)], "no zeros")
+    # and a pruned folder of this model passes the check (the warm start then reads it)
+    from tests.conftest import run_entry
+
+    pruned = tmp_path / "magnitude"
+    fast = ["--dataset", str(text_dir), "--seqlen", "64", "--micro_batch", "2", "--val_windows", "0", "--baseline", "none"]
+    run_entry("prune.py", [*args[:4], *fast, "--method", "magnitude", "--sparsity", "0.6", "--output_dir", str(pruned)])
+    run_entry("prune.py", [*args, *fast, "--init_mask", str(pruned), "--sparsity", "0.6", "--steps", "2", "--lr", "1e-3"])
+    assert (tmp_path / "o" / "elsa_report.json").exists()

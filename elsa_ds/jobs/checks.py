@@ -12,8 +12,9 @@ from elsa_ds import machine, preflight
 from elsa_ds.config import ElsaConfig
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
+from elsa_ds.mask_file import MaskReader
 from elsa_ds.memory import model_shape
-from elsa_ds.methods import DENSE
+from elsa_ds.methods import DENSE, oneshot_names
 from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model
 from elsa_ds.options import JobOptions
 from elsa_ds.output import check_output_dir
@@ -45,6 +46,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
         raise ElsaError(why)
     meta = meta_model(model_config)
     check_goals(cfg, meta)
+    check_init_mask(cfg, meta)
     check_nvme_param_buffers(meta, ds.raw, world_size)
     if cfg.save_interval or opts.resume:
         checkpoint.check_supported(ds)
@@ -70,6 +72,20 @@ def check_goals(cfg: ElsaConfig, meta) -> None:
         if frozen:
             raise ElsaError(f"--freeze_embeddings keeps {', '.join(frozen)} fixed, but --targets prunes it; narrow --targets "
                             "or drop --freeze_embeddings")
+
+
+def check_init_mask(cfg: ElsaConfig, meta) -> None:
+    """--init_mask from a folder or mask file: every pruned weight there with this model's shape (headers), and zeros in
+    it (one row of each weight read), before anything loads; otherwise the engine would find out after the model load."""
+    if cfg.init_mask is None or cfg.init_mask in oneshot_names():
+        return
+    weights = dict(meta.named_parameters(remove_duplicate=False))
+    names = list(select_targets(meta, cfg.targets).values())
+    reader = MaskReader(cfg.init_mask)
+    reader.check({name: tuple(weights[name].shape) for name in names})
+    if names and not any(bool((~reader.read(n, 0, reader.shapes[n][-1])).any()) for n in names):
+        raise ElsaError(f"--init_mask {cfg.init_mask}: the first row of every pruned weight there is dense (no zeros), so it "
+                        "holds no mask; give the folder a pruning job (or a one-shot method) wrote, or --init_mask sparsegpt")
 
 
 def check_eval_tasks(cfg: ElsaConfig) -> None:
