@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, run_entry
+from tests.conftest import ROOT, run_entry, run_fails
 
 pytestmark = pytest.mark.integration
 
@@ -73,6 +73,9 @@ def test_interrupted_checkpointed_run_resumes(tmp_path, tiny_model_dir, text_dir
     rc, err = _interrupt(common, signal.SIGINT, "9/40")
     assert rc == 130 and (out / "checkpoints" / "latest").exists(), err[-3000:]
     assert not (out / "elsa_report.json").exists() and _strays(tmp_path) == [], _strays(tmp_path)
+    assert json.loads((out / "checkpoints" / "elsa_fingerprint.json").read_text())["sparsity"] == 0.6
+    changed = [a if a != "0.6" else "0.7" for a in common]  # a changed setting: refused from that file, before loading
+    err = run_fails("prune.py", [*changed, "--resume"], "--resume with changed settings", "sparsity 0.6 vs 0.7")
     run_entry("prune.py", [*common, "--resume"])  # (without --resume the non-empty output would be refused)
     report = json.loads((out / "elsa_report.json").read_text())
     assert report["steps"] == 40

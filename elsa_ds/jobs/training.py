@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from elsa_ds import machine
-from elsa_ds.config import RESUME_DEFAULTS, ElsaConfig
+from elsa_ds.config import ElsaConfig, resume_changes
 from elsa_ds.options import JobOptions
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
@@ -148,11 +148,9 @@ class Checkpoints:
         client = checkpoint.load_latest(engine, self.directory, say, comm)
         if client is None:
             raise ElsaError(f"--resume: no loadable checkpoint in {self.directory}; run without --resume to start over")
-        written = {**RESUME_DEFAULTS, **client["fingerprint"]}  # a setting added since that checkpoint: as it was then
-        changed = {k: (v, fingerprint.get(k)) for k, v in written.items() if fingerprint.get(k) != v}
-        if changed:
-            raise ElsaError("--resume with changed settings is not supported (checkpoint vs now): "
-                            + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in changed.items()))
+        refusal = resume_changes(client["fingerprint"], fingerprint)  # (also checked before the model loads: checks.py)
+        if refusal:
+            raise ElsaError(refusal)
         checkpoint.set_rng_state(client.pop("rng"))
         return RunState(**client)
 
@@ -160,6 +158,7 @@ class Checkpoints:
         """Save after step ``state.next_step`` - 1. Collective."""
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+            checkpoint.write_fingerprint(self.directory, state.fingerprint)
         torch.distributed.barrier()
         client = {**asdict(state), "rng": checkpoint.rng_state()}
         tag = checkpoint.save(engine, self.directory, state.next_step - 1, client, self.keep, rank)

@@ -15,6 +15,7 @@ and ADMM.
 """
 from __future__ import annotations
 
+import json
 import random
 import re
 import shutil
@@ -27,6 +28,24 @@ from elsa_ds.zero.ds_config import DsConfig
 
 TAG = re.compile(r"^global_step(\d+)$")
 CLIENT_KEY = "elsa"
+FINGERPRINT = "elsa_fingerprint.json"  # the run's settings beside its tags: readable before any model or engine exists
+
+
+def write_fingerprint(ckpt_dir: Path, fingerprint: dict) -> None:
+    """The settings a resumed run must share (``ElsaConfig.resume_fingerprint``), as JSON in ``ckpt_dir`` (rank 0)."""
+    from elsa_ds.io import write_json
+
+    write_json(ckpt_dir / FINGERPRINT, fingerprint)
+
+
+def read_fingerprint(ckpt_dir: Path) -> dict | None:
+    """The fingerprint ``write_fingerprint`` left, or None (a checkpoint written before it existed, or unreadable: the
+    check against the checkpoint's own client state still runs once the engine loads it)."""
+    try:
+        written = json.loads((Path(ckpt_dir) / FINGERPRINT).read_text())
+    except (OSError, ValueError):
+        return None
+    return written if isinstance(written, dict) else None
 
 
 def tags_newest_first(ckpt_dir: Path) -> list[str]:
