@@ -43,16 +43,6 @@ RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "
 RESUME_DEFAULTS = {"hold_steps": 0, "init_weights": False}  # settings added since checkpoints were first written: their value before then
 
 
-def resume_changes(written: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """What differs between a checkpoint's fingerprint and this run's (``ElsaConfig.resume_fingerprint``), as the
-    refusal's text; None when nothing does."""
-    changed = {k: (v, now.get(k)) for k, v in {**RESUME_DEFAULTS, **written}.items() if now.get(k) != v}
-    if not changed:
-        return None
-    return ("--resume with changed settings is not supported (checkpoint vs now): "
-            + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in changed.items()))
-
-
 def comma_list(value: Any) -> Any:
     """``"a, b,,c"`` -> ``["a", "b", "c"]``: how every comma-list flag is read; anything but a string passes as it is."""
     return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from elsa_ds import machine, preflight
-from elsa_ds.config import ElsaConfig, resume_changes
+from elsa_ds.config import ElsaConfig
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.mask_file import MaskReader
@@ -51,7 +51,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     if cfg.save_interval or opts.resume:
         checkpoint.check_supported(ds)
     if opts.resume and (written := checkpoint.read_fingerprint(opts.output_dir / "checkpoints")) is not None:
-        if refusal := resume_changes(written, cfg.resume_fingerprint(world_size)):
+        if refusal := checkpoint.resume_changes(written, cfg.resume_fingerprint(world_size)):
             raise ElsaError(refusal)
     check_eval_tasks(cfg)
     if cfg.oneshot is not None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from elsa_ds import machine
-from elsa_ds.config import ElsaConfig, resume_changes
+from elsa_ds.config import ElsaConfig
 from elsa_ds.options import JobOptions
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
@@ -148,7 +148,7 @@ class Checkpoints:
         client = checkpoint.load_latest(engine, self.directory, say, comm)
         if client is None:
             raise ElsaError(f"--resume: no loadable checkpoint in {self.directory}; run without --resume to start over")
-        refusal = resume_changes(client["fingerprint"], fingerprint)  # (also checked before the model loads: checks.py)
+        refusal = checkpoint.resume_changes(client["fingerprint"], fingerprint)  # (also checked before the model loads: checks.py)
         if refusal:
             raise ElsaError(refusal)
         checkpoint.set_rng_state(client.pop("rng"))

@@ -20,9 +20,11 @@ import random
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from elsa_ds.config import RESUME_DEFAULTS
 from elsa_ds.errors import ElsaError
 from elsa_ds.zero.ds_config import DsConfig
 
@@ -36,6 +38,16 @@ def write_fingerprint(ckpt_dir: Path, fingerprint: dict) -> None:
     from elsa_ds.io import write_json
 
     write_json(ckpt_dir / FINGERPRINT, fingerprint)
+
+
+def resume_changes(written: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """What differs between a checkpoint's fingerprint and this run's (``ElsaConfig.resume_fingerprint``), as the
+    refusal's text; None when nothing does."""
+    changed = {k: (v, now.get(k)) for k, v in {**RESUME_DEFAULTS, **written}.items() if now.get(k) != v}
+    if not changed:
+        return None
+    return ("--resume with changed settings is not supported (checkpoint vs now): "
+            + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in changed.items()))
 
 
 def read_fingerprint(ckpt_dir: Path) -> dict | None:
