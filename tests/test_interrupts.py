@@ -25,7 +25,11 @@ FAST = ["--seqlen", "64", "--interval", "4", "--sparsity", "0.6", "--lr", "1e-3"
 def _interrupt(args: list[str], sig: int, when: str, timeout: float = 180) -> tuple[int, str]:
     """Start launch/prune.py, send ``sig`` once ``when`` shows on its stderr, return (exit code, stderr)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "prune.py"), *args], cwd=ROOT, env=env,
+    # a shell without job control (CI) starts background jobs with SIGINT ignored, and Python then installs no Ctrl-C
+    # handler: the child gets Python's own back, as a process started from a terminal has it, then runs the entry point
+    start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv = sys.argv[1:]; "
+             "runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", start, str(ROOT / "launch" / "prune.py"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen, chunks = threading.Event(), []
 
@@ -36,10 +40,15 @@ def _interrupt(args: list[str], sig: int, when: str, timeout: float = 180) -> tu
                 seen.set()
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    assert seen.wait(timeout), "".join(chunks)[-3000:]
-    time.sleep(0.5)
-    proc.send_signal(sig)
-    code = proc.wait(timeout=120)
+    try:
+        assert seen.wait(timeout), "".join(chunks)[-3000:]
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=120)
+    finally:  # a failed wait or a signal that did not end it: never leave a 100000-step job running
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     reader.join(timeout=10)
     return code, "".join(chunks)
 
