@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import argparse
 import enum
-import os
 import re
-import signal
 import sys
-import threading
 import types
 import typing
-from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -25,7 +21,7 @@ from pydantic.fields import FieldInfo
 
 from elsa_ds.config import DEMO_PROFILE, ElsaConfig
 from elsa_ds.options import JobOptions
-from elsa_ds.errors import ElsaError, OneLineParser, Terminated, format_validation_error, on_sigterm
+from elsa_ds.errors import ElsaError, OneLineParser, format_validation_error, guarded  # noqa: F401 (guarded: the entry points')
 from elsa_ds.log import setup_logging
 from elsa_ds.version import __version__
 
@@ -40,26 +36,6 @@ GROUP_TITLES = {
     "engine": "engine, checkpoints, logging",
     "evaluation": "evaluation of the saved model at the end (the launch/evaluate.py protocol, rank 0 alone)",
 }
-
-
-def guarded(fn: Callable[[], int | None]) -> int:
-    """Run ``fn``; an ElsaError becomes one line on stderr and exit code 2, with no traceback. Ctrl-C (exit 130) and
-    SIGTERM (143) end it with one line too: the jobs' own cleanup (the output's lock, this job's staging) runs on the
-    way out, nothing unfinished is published and the previous output stays as it was."""
-    rank = os.environ.get("RANK", "0")
-    where = "" if rank == "0" else f" (rank {rank})"
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        return fn() or 0
-    except ElsaError as err:  # printed, not logged: the one-line contract holds whatever the log level
-        print(f"elsa_ds: error{where}: {err}", file=sys.stderr, flush=True)
-        return 2
-    except (KeyboardInterrupt, Terminated) as err:
-        what, code = ("interrupted (Ctrl-C)", 130) if isinstance(err, KeyboardInterrupt) else ("terminated (SIGTERM)", 143)
-        print(f"elsa_ds: {what}{where}: nothing unfinished was published; a run saving checkpoints continues with --resume",
-              file=sys.stderr, flush=True)
-        return code
 
 
 def validated(model: type[BaseModel], values: dict[str, Any], where: str = "the command line") -> Any:

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 
@@ -54,3 +58,23 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"elsa_ds: error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
         raise SystemExit(2)
+
+
+def guarded(fn: Callable[[], int | None]) -> int:
+    """Run ``fn``; an ElsaError becomes one line on stderr and exit code 2, with no traceback. Ctrl-C (exit 130) and
+    SIGTERM (143) end it with one line too: the jobs' own cleanup (the output's lock, this job's staging) runs on the
+    way out, nothing unfinished is published and the previous output stays as it was."""
+    rank = os.environ.get("RANK", "0")
+    where = "" if rank == "0" else f" (rank {rank})"
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return fn() or 0
+    except ElsaError as err:  # printed, not logged: the one-line contract holds whatever the log level
+        print(f"elsa_ds: error{where}: {err}", file=sys.stderr, flush=True)
+        return 2
+    except (KeyboardInterrupt, Terminated) as err:
+        what, code = ("interrupted (Ctrl-C)", 130) if isinstance(err, KeyboardInterrupt) else ("terminated (SIGTERM)", 143)
+        print(f"elsa_ds: {what}{where}: nothing unfinished was published",
+              file=sys.stderr, flush=True)
+        return code

@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
-from elsa_ds.errors import ElsaError, OneLineParser, Terminated, on_sigterm
+from elsa_ds.errors import ElsaError, OneLineParser, guarded
 from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY, check_paths, compress
 from elsa_ds.sparse.loader import verify
@@ -56,18 +55,7 @@ def _run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The entry point: an ElsaError becomes one line on stderr and exit code 2."""
     args = parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        _run(args)
-    except ElsaError as err:
-        print(f"elsa_ds: error: {err}", file=sys.stderr, flush=True)
-        return 2
-    except (KeyboardInterrupt, Terminated) as err:  # the output is built beside the target: nothing half-written
-        code = 130 if isinstance(err, KeyboardInterrupt) else 143
-        print(f"elsa_ds: {'interrupted' if code == 130 else 'terminated'}: nothing was written to {args.output}",
-              file=sys.stderr, flush=True)
-        return code
-    return 0
+    return guarded(lambda: _run(args))
 
 
 if __name__ == "__main__":
