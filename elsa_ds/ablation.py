@@ -142,7 +142,9 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
             monitor.done.set()
             monitor.join()
         if rc != 0:
-            raise ElsaError(f"ablation run {name} failed with exit code {rc}; see {out_dir / (name + '.log')}")
+            said = [line for line in (out_dir / f"{name}.log").read_text(errors="replace").splitlines() if "elsa_ds: error" in line]
+            raise ElsaError(f"ablation run {name} failed with exit code {rc}" + (f" ({said[0].strip()})" if said else "")
+                            + f"; see {out_dir / (name + '.log')}")
         report = json.loads((run_dir / "elsa_report.json").read_text())
         masks = _masks(run_dir)
         reference = reference or masks

@@ -61,7 +61,8 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
                             "recipe": recipe, "model_object": model if in_memory else None, "tokenizer_object": tokenizer})
         ds_config = DsConfig.load(opts.deepspeed)
         given = {**settings, "model": _model_name(model) if in_memory else str(model), "dataset": name}
-        cfg = resolve_config(ds_config.raw, given, source=str(deepspeed), recipe=load_recipe(recipe) if recipe else None)
+        cfg = resolve_config(ds_config.raw, given, source=str(deepspeed), recipe=load_recipe(recipe) if recipe else None,
+                             recipe_source=f"recipe {recipe}")
         refuse_unread_elsa_settings(cfg, settings, "")
         with launcher_env_restored():
             return run_owned(cfg, opts, ds_config)

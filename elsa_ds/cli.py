@@ -180,7 +180,7 @@ def settings_from_args(args: argparse.Namespace):
     ds_config = DsConfig.load(opts.deepspeed)
     recipe = load_recipe(opts.recipe) if opts.recipe else None
     given = {k: getattr(args, k) for k in _cli_fields(ElsaConfig)}
-    cfg = resolve_config(ds_config.raw, given, source=opts.deepspeed, recipe=recipe)
+    cfg = resolve_config(ds_config.raw, given, source=opts.deepspeed, recipe=recipe, recipe_source=f"recipe {opts.recipe}")
     refuse_unread_elsa_settings(cfg, given, "--")
     return opts, cfg, ds_config
 

@@ -19,7 +19,7 @@ from elsa_ds.admm.optimizer import AdmmSettings, Projection
 from elsa_ds.admm.projection import NM
 from elsa_ds.admm.schedule import LambdaSchedule
 from elsa_ds.admm.state import StateDtype
-from elsa_ds.config_files import load_profile, load_recipe as _load_recipe
+from elsa_ds.config_files import check_each_source, load_profile, load_recipe as _load_recipe
 from elsa_ds.data.sampling import Sampling
 from elsa_ds.data.sources import DEMO_DATASET, LOCAL_SUFFIXES
 from elsa_ds.data.windows import PplProtocol
@@ -361,12 +361,14 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
 
 
 def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the DeepSpeed JSON",
-                   recipe: dict[str, Any] | None = None) -> ElsaConfig:
-    """Merge defaults, demo profile, a recipe's settings, the JSON ``elsa`` block and command-line values (None = not given)."""
+                   recipe: dict[str, Any] | None = None, recipe_source: str = "the recipe") -> ElsaConfig:
+    """Merge defaults, demo profile, a recipe's settings, the JSON ``elsa`` block and command-line values (None = not
+    given); each source's own settings are checked first and blamed on it."""
     block = ds_config.get("elsa", {})
     if not isinstance(block, dict):
         raise ElsaError(f'"elsa" in {source} must be a JSON object')
     given = {k: v for k, v in cli.items() if v is not None}
+    check_each_source(ElsaConfig, [(recipe_source, recipe or {}), (f'the "elsa" block of {source}', block)])
     merged = {**(recipe or {}), **block, **given}
     model = merged.get("model", str(DEMO_MODEL_DIR))
     if Path(str(model)).expanduser().resolve() == DEMO_MODEL_DIR:
@@ -374,7 +376,8 @@ def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the Deep
     try:
         return ElsaConfig(**merged)
     except ValidationError as err:
-        raise ElsaError(format_validation_error(err, f"{source} / command line", ElsaConfig)) from None
+        where = [w for w, used in ((recipe_source, recipe), (source, block), ("the command line", given)) if used]
+        raise ElsaError(format_validation_error(err, " / ".join(where) or "the defaults", ElsaConfig)) from None
 
 
 # ELSA's own settings: passed explicitly (command line, API keywords) to a one-shot method or the dense control, nothing

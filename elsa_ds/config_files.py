@@ -49,6 +49,22 @@ def load_recipe(name_or_path: str, known: set[str]) -> dict[str, Any]:
     return settings
 
 
+def check_each_source(model: Any, sources: list[tuple[str, dict[str, Any]]]) -> None:
+    """ElsaError naming the source of every setting that is wrong on its own (type, range, unknown name), even where a
+    later source overrides it: a recipe's ``"steps": "four"`` is the recipe's error, also when --steps replaces it.
+    Rules across settings are left to the merged config (a source alone may be incomplete)."""
+    from pydantic import ValidationError
+
+    from elsa_ds.errors import format_validation_error
+
+    for where, values in sources:
+        try:
+            model(**values)
+        except ValidationError as err:
+            if own := [e for e in err.errors() if e["loc"] and e["loc"][0] in values]:
+                raise ElsaError(format_validation_error(err, where, model, own)) from None
+
+
 def load_profile(path: str | Path) -> dict[str, float]:
     """A per-layer sparsity profile: a JSON object {module-name regex: sparsity in [0, 1)}, in file order.
 

@@ -16,7 +16,21 @@ class Terminated(BaseException):
 
 
 def on_sigterm(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, _after_the_first)  # the cleanup on the way out runs to its end (see on_sigint)
     raise Terminated()
+
+
+def on_sigint(signum: int, frame: Any) -> None:
+    """Ctrl-C: KeyboardInterrupt, as Python's own handler, and a SIGTERM after it is ignored. Under the deepspeed launcher
+    a Ctrl-C reaches every rank and the launcher then sends each one SIGTERM: that second signal must not cut short the
+    first one's cleanup (staging, lock). A second Ctrl-C still stops the cleanup."""
+    signal.signal(signal.SIGTERM, _after_the_first)
+    raise KeyboardInterrupt
+
+
+def _after_the_first(signum: int, frame: Any) -> None:
+    """A Python no-op, not SIG_IGN: a SIGTERM already pending when the handler changes would make Python raise
+    "OSError: Signal 15 ignored due to race condition" in the middle of the cleanup."""
 
 
 class ElsaError(Exception):
@@ -36,10 +50,11 @@ def require(module: str, extra: str, feature: str):
         raise ElsaError(f"{feature} needs the optional package {module.split('.')[0]}: pip install 'elsa_ds[{extra}]'") from None
 
 
-def format_validation_error(err: Any, where: str, model: Any) -> str:
-    """Every problem of a pydantic ValidationError against settings ``model`` in one line, each naming its field."""
+def format_validation_error(err: Any, where: str, model: Any, errors: list | None = None) -> str:
+    """Every problem of a pydantic ValidationError against settings ``model`` in one line, each naming its field
+    (``errors``: only these of ``err.errors()``)."""
     parts = []
-    for e in err.errors():
+    for e in err.errors() if errors is None else errors:
         field = ".".join(str(x) for x in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if not field:  # a rule across fields: the message names them
@@ -68,6 +83,8 @@ def guarded(fn: Callable[[], int | None]) -> int:
     where = "" if rank == "0" else f" (rank {rank})"
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored (nohup, background)
+            signal.signal(signal.SIGINT, on_sigint)
     try:
         return fn() or 0
     except ElsaError as err:  # printed, not logged: the one-line contract holds whatever the log level

@@ -78,6 +78,20 @@ def check_local_weights(model_id: str) -> None:
             raise ElsaError(f"model {model_id}: {file.name} is damaged ({problem}); copy or download it again")
 
 
+# A tokenizer's vocabulary, one of these per tokenizer type (fast, SentencePiece, BPE, WordPiece, tiktoken). Without one,
+# transformers may still build a tokenizer from tokenizer_config.json alone: a few special tokens, every text 0 blocks.
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
+               "tokenizer.tiktoken")
+
+
+def check_local_tokenizer(model_id: str) -> None:
+    """A local model directory holds a tokenizer's vocabulary (hub ids are resolved by transformers)."""
+    path = Path(model_id).expanduser()
+    if path.is_dir() and not any((path / name).is_file() for name in VOCAB_FILES):
+        raise ElsaError(f"model {model_id} has no tokenizer (none of {', '.join(VOCAB_FILES)}): save it there with "
+                        "AutoTokenizer.from_pretrained(<the model's hub id>).save_pretrained(<this folder>)")
+
+
 def _safetensors_problem(file: Path) -> str | None:
     size = file.stat().st_size
     with file.open("rb") as fh:
@@ -154,6 +168,10 @@ class ModelSource:
     def check_weights(self) -> None:
         if self.module is None:
             check_local_weights(self.name)
+
+    def check_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            check_local_tokenizer(self.name)
 
     def load_tokenizer(self):
         return self.tokenizer if self.tokenizer is not None else load_tokenizer(self.name)

@@ -131,3 +131,37 @@ def test_every_problem_of_a_config_is_reported_at_once(tmp_path):
     with pytest.raises(ElsaError, match=r"\(1\).*\(2\).*\(3\).*\(4\)"):
         ds = DsConfig(raw)
         ds.engine_config(resolve_config(raw, {}), 1, 64)
+
+
+def test_each_settings_source_is_checked_and_named(tmp_path):
+    """A recipe's bad value is the recipe's error, also when the command line overrides it; the JSON's "elsa" block is
+    named as such; a gradient_accumulation_steps that contradicts the batch split is refused, not replaced."""
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"source": "a test", "settings": {"steps": "four", "interval": 2}}))
+    _prune_fails(["--deepspeed", "zero3_offload", "--recipe", str(recipe), "--steps", "4", "--output_dir", str(tmp_path / "o")],
+                 f"invalid setting in recipe {recipe}: steps='four'")
+    raw = json.loads((ROOT / "ds_configs" / "zero3_offload.json").read_text())
+    block = tmp_path / "block.json"
+    block.write_text(json.dumps({**raw, "elsa": {"interval": "two"}}))
+    _prune_fails(["--deepspeed", str(block), "--interval", "4", "--output_dir", str(tmp_path / "o")],
+                 f'the "elsa" block of {block}: interval=\'two\'')
+    accumulation = tmp_path / "accumulation.json"
+    accumulation.write_text(json.dumps({**raw, "gradient_accumulation_steps": 3}))
+    _prune_fails(["--deepspeed", str(accumulation), "--micro_batch", "2", "--output_dir", str(tmp_path / "o")],
+                 "gradient_accumulation_steps 3 disagrees with train_batch_size 8 / (micro batch 2 x 1 ranks) = 4")
+    fine = tmp_path / "fine.json"
+    fine.write_text(json.dumps({**raw, "gradient_accumulation_steps": 4}))
+    assert DsConfig.load(str(fine)).engine_config(resolve_config({}, {"micro_batch": 2}), 1, 64)["gradient_accumulation_steps"] == 4
+
+
+def test_model_folder_without_a_tokenizer_is_named(tmp_path, tiny_model_dir, text_dir):
+    """A folder with weights and no vocabulary: named by prune (every method) and by evaluate, before the model loads."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.suffix == ".safetensors" or f.name == "config.json":
+            shutil.copy(f, bare / f.name)
+    for method in ("elsa", "magnitude"):
+        _prune_fails(["--deepspeed", "zero3_offload", "--method", method, "--model", str(bare), "--dataset", str(text_dir),
+                      "--output_dir", str(tmp_path / "o")], f"model {bare} has no tokenizer")
+    run_fails("evaluate.py", ["--model", str(bare), "--ppl", str(text_dir), "--seqlen", "64"], f"model {bare} has no tokenizer")

@@ -1,7 +1,7 @@
 """Ctrl-C and SIGTERM at any point of a job: one line, exit 130 / 143, no traceback, the previous output untouched, no
 stray files beside it (staging, lock, warm-start copies), and a checkpointed run resumable afterwards. A plain process
-through launch/prune.py (the entry point's own handling; under the deepspeed launcher the launcher forwards the signal
-to every rank)."""
+through launch/prune.py during the warm start and training, the Python API during the export, and 2 ranks under the
+deepspeed launcher during training."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,86 @@ def test_interrupted_checkpointed_run_resumes(tmp_path, tiny_model_dir, text_dir
     assert report["steps"] == 40
     for name, layer in report["layers"].items():
         assert layer["zeros"] == round(0.6 * layer["numel"]), name
+
+
+def test_interrupt_during_the_export(tmp_path, tiny_model_dir, text_dir):
+    """KeyboardInterrupt raised inside the safetensors export (after its first tensor) of a real ELSA run through the
+    Python API: it reaches the caller, the previous output is untouched and no staging, lock or side file is left."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    script = f"""
+import elsa_ds
+from elsa_ds.safetensors_writer import ShardedWriter
+real, calls = ShardedWriter.write, []
+def write(self, name, tensor):
+    calls.append(name)
+    if len(calls) == 2:
+        raise KeyboardInterrupt
+    real(self, name, tensor)
+ShardedWriter.write = write
+try:
+    elsa_ds.prune({str(tiny_model_dir)!r}, {str(text_dir)!r}, output_dir={str(out)!r}, overwrite=True,
+                  deepspeed="zero3_offload", seqlen=64, steps=4, interval=2, sparsity=0.6, lr=1e-3, lmda=0.05,
+                  val_windows=0, baseline="none", micro_batch=2, init_mask="none")
+except KeyboardInterrupt:
+    print("interrupted after", len(calls), "tensors")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert "interrupted after 2 tensors" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+    assert [p.name for p in out.iterdir()] == ["precious.txt"] and _strays(tmp_path) == [], _strays(tmp_path)
+
+
+def test_ctrl_c_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir):
+    """A terminal's Ctrl-C under `deepspeed --num_gpus 2`: SIGINT reaches the launcher and both ranks, then the launcher
+    sends each rank SIGTERM. Each rank says one line (the SIGTERM after it is ignored, so the cleanup runs to its end),
+    the previous output stays, nothing is left beside it. The exit code is the launcher's own (1), not ours."""
+    import psutil
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), "launch/prune.py", *FAST,
+                             "--init_mask", "none", "--steps", "100000", "--model", str(tiny_model_dir), "--dataset",
+                             str(text_dir), "--output_dir", str(out), "--overwrite"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "step/s" in line:
+                seen.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(300), "".join(lines)[-3000:]
+        time.sleep(0.5)
+        # the terminal's process group minus DeepSpeed's runner (its own Ctrl-C traceback is DeepSpeed's, not ours)
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+            child.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=10)
+    text = "".join(lines)
+    assert code != 0, text[-3000:]
+    ranks = [line for line in text.splitlines() if "elsa_ds: interrupted" in line]
+    assert len(ranks) == 2 and "Traceback" not in text, text[-3000:]
+    assert [p.name for p in out.iterdir()] == ["precious.txt"] and _strays(tmp_path) == [], _strays(tmp_path)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -37,6 +37,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     model_config = source.config()
     if not cfg.random_init:
         source.check_weights()
+    source.check_tokenizer()  # every job tokenizes text (calibration, training or validation)
     ds = ds_config.resolve(cfg, world_size, hidden_size(model_config))
     fallback = machine.cpu_bf16_fallback(ds.raw)
     engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine

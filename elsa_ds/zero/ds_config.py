@@ -140,6 +140,11 @@ class DsConfig:
         if global_batch % (micro * world_size):
             return [f"train_batch_size {global_batch} is not a multiple of micro batch {micro} x {world_size} ranks; "
                     "change train_batch_size (or --batch_size), --micro_batch or the number of ranks"]
+        accumulation, derived = self.raw.get("gradient_accumulation_steps", AUTO), global_batch // (micro * world_size)
+        if accumulation != AUTO and accumulation != derived:
+            return [f"gradient_accumulation_steps {accumulation!r} disagrees with train_batch_size {global_batch} / (micro "
+                    f"batch {micro} x {world_size} ranks) = {derived}: elsa_ds derives it from the global batch; set it to "
+                    f'"auto" or {derived}, or remove it']
         return []
 
     def _block_problems(self, cfg: ElsaConfig) -> list[str]:

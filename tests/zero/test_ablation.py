@@ -31,3 +31,14 @@ def test_offload_ablation_measures_each_config_beside_its_estimate(tmp_path, sma
     table = (out / "ablation.md").read_text().splitlines()
     assert len(table) == 4 and table[2].startswith(f"| {cpu_cfg.stem} |")
     assert (out / "ablation.png").stat().st_size > 10_000
+
+
+def test_bad_flags_after_the_separator_are_refused_before_any_run(tmp_path):
+    """The flags for launch/prune.py are checked (parsed and resolved against every config) before the first run starts:
+    one line naming the flag, exit 2, no output folder."""
+    from tests.conftest import run_fails
+
+    out = tmp_path / "ablation"
+    for flags, needle in ((["--steps", "four"], "--steps: invalid int value: 'four'"), (["--sparsity", "1.5"], "sparsity=1.5")):
+        run_fails("ablate_offload.py", ["--configs", "ds_configs/zero3_offload.json", "--out", str(out), "--", *flags], needle)
+    assert not out.exists()
