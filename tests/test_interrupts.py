@@ -131,6 +131,7 @@ def test_ctrl_c_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir)
     out = tmp_path / "o"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
+    shm_before = set(Path("/dev/shm").glob("deepspeed_*"))
     launcher = str(Path(sys.executable).parent / "deepspeed")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), "launch/prune.py", *FAST,
@@ -166,6 +167,7 @@ def test_ctrl_c_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir)
     ranks = [line for line in text.splitlines() if "elsa_ds: interrupted" in line]
     assert len(ranks) == 2 and "Traceback" not in text, text[-3000:]
     assert [p.name for p in out.iterdir()] == ["precious.txt"] and _strays(tmp_path) == [], _strays(tmp_path)
+    assert set(Path("/dev/shm").glob("deepspeed_*")) <= shm_before  # the ranks' shared-memory buffers are gone too
 
 
 def _free_port() -> int:
