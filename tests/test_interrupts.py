@@ -24,18 +24,18 @@ FAST = ["--seqlen", "64", "--interval", "4", "--sparsity", "0.6", "--lr", "1e-3"
 
 
 def _interrupt(args: list[str], sig: int, when: str, timeout: float = 180) -> tuple[int, str]:
-    """Start launch/prune.py, send ``sig`` once ``when`` shows on its stderr, return (exit code, stderr)."""
+    """Start launch/prune.py, send ``sig`` once ``when`` shows in its output, return (exit code, stdout and stderr)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     # a shell without job control (CI) starts background jobs with SIGINT ignored, and Python then installs no Ctrl-C
     # handler: the child gets Python's own back, as a process started from a terminal has it, then runs the entry point
     start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv = sys.argv[1:]; "
              "runpy.run_path(sys.argv[0], run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", start, str(ROOT / "launch" / "prune.py"), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # the log is on stdout
     seen, chunks = threading.Event(), []
 
     def read() -> None:
-        while (c := proc.stderr.read(64)):
+        while (c := proc.stdout.read(64)):
             chunks.append(c)
             if when in "".join(chunks[-4:]) or when in "".join(chunks):
                 seen.set()
@@ -59,7 +59,7 @@ def _strays(tmp_path, name: str = "o") -> list[str]:
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
-@pytest.mark.parametrize("when", ["step/s", "sparsegpt"], ids=["training", "warm-start"])
+@pytest.mark.parametrize("when", ["step/s", "sparsegpt", "resolved ELSA config"], ids=["training", "warm-start", "loading"])
 def test_interrupt_keeps_the_previous_output_and_leaves_nothing(tmp_path, tiny_model_dir, text_dir, sig, code, when):
     out = tmp_path / "o"
     out.mkdir()
