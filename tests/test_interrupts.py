@@ -164,7 +164,8 @@ def test_ctrl_c_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir)
     reader.join(timeout=10)
     text = "".join(lines)
     assert code != 0, text[-3000:]
-    ranks = [line for line in text.splitlines() if "elsa_ds: interrupted" in line]
+    # a loaded box may deliver the launcher's SIGTERM before the Ctrl-C: either way, one line per rank
+    ranks = [line for line in text.splitlines() if "elsa_ds: interrupted" in line or "elsa_ds: terminated" in line]
     assert len(ranks) == 2 and "Traceback" not in text, text[-3000:]
     assert [p.name for p in out.iterdir()] == ["precious.txt"] and _strays(tmp_path) == [], _strays(tmp_path)
     assert set(Path("/dev/shm").glob("deepspeed_*")) <= shm_before  # the ranks' shared-memory buffers are gone too
