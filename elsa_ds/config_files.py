@@ -58,6 +58,8 @@ def check_each_source(model: Any, sources: list[tuple[str, dict[str, Any]]]) -> 
     from elsa_ds.errors import format_validation_error
 
     for where, values in sources:
+        if not values:
+            continue
         try:
             model(**values)
         except ValidationError as err:

@@ -16,20 +16,27 @@ class Terminated(BaseException):
 
 
 def on_sigterm(signum: int, frame: Any) -> None:
-    signal.signal(signal.SIGTERM, _after_the_first)  # the cleanup on the way out runs to its end (see on_sigint)
+    _first_signal_taken()
     raise Terminated()
 
 
 def on_sigint(signum: int, frame: Any) -> None:
-    """Ctrl-C: KeyboardInterrupt, as Python's own handler, and a SIGTERM after it is ignored. Under the deepspeed launcher
-    a Ctrl-C reaches every rank and the launcher then sends each one SIGTERM: that second signal must not cut short the
-    first one's cleanup (staging, lock). A second Ctrl-C still stops the cleanup."""
-    signal.signal(signal.SIGTERM, _after_the_first)
+    """Ctrl-C: KeyboardInterrupt, as Python's own handler (see ``_first_signal_taken``)."""
+    _first_signal_taken()
     raise KeyboardInterrupt
 
 
+def _first_signal_taken() -> None:
+    """The first Ctrl-C or SIGTERM ends the job; any signal after it must not cut short that exit's cleanup (staging, lock).
+    Under the deepspeed launcher a terminal's Ctrl-C reaches every rank and the launcher sends each one SIGTERM at once,
+    in either order: a second exception raised mid-cleanup (for instance inside tqdm's close) prints a traceback and
+    leaves files behind. A cleanup that hangs is stopped with Ctrl-\\ (SIGQUIT) or kill -9."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _after_the_first)
+
+
 def _after_the_first(signum: int, frame: Any) -> None:
-    """A Python no-op, not SIG_IGN: a SIGTERM already pending when the handler changes would make Python raise
+    """A Python no-op, not SIG_IGN: a signal already pending when the handler changes would make Python raise
     "OSError: Signal 15 ignored due to race condition" in the middle of the cleanup."""
 
 
@@ -83,7 +90,7 @@ def guarded(fn: Callable[[], int | None]) -> int:
     where = "" if rank == "0" else f" (rank {rank})"
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored (nohup, background)
+        if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _after_the_first):  # not where Ctrl-C is ignored
             signal.signal(signal.SIGINT, on_sigint)
     try:
         return fn() or 0
@@ -92,6 +99,5 @@ def guarded(fn: Callable[[], int | None]) -> int:
         return 2
     except (KeyboardInterrupt, Terminated) as err:
         what, code = ("interrupted (Ctrl-C)", 130) if isinstance(err, KeyboardInterrupt) else ("terminated (SIGTERM)", 143)
-        print(f"elsa_ds: {what}{where}: nothing unfinished was published",
-              file=sys.stderr, flush=True)
+        print(f"elsa_ds: {what}{where}: nothing unfinished was published", file=sys.stderr, flush=True)
         return code

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from elsa_ds.data import load_tokenizer
+from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.errors import ElsaError
 
 _HEADER_LIMIT = 100 * 2**20  # safetensors headers are small; a larger "length" means a corrupt file
@@ -76,20 +77,6 @@ def check_local_weights(model_id: str) -> None:
         problem = _safetensors_problem(file)
         if problem:
             raise ElsaError(f"model {model_id}: {file.name} is damaged ({problem}); copy or download it again")
-
-
-# A tokenizer's vocabulary, one of these per tokenizer type (fast, SentencePiece, BPE, WordPiece, tiktoken). Without one,
-# transformers may still build a tokenizer from tokenizer_config.json alone: a few special tokens, every text 0 blocks.
-VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
-               "tokenizer.tiktoken")
-
-
-def check_local_tokenizer(model_id: str) -> None:
-    """A local model directory holds a tokenizer's vocabulary (hub ids are resolved by transformers)."""
-    path = Path(model_id).expanduser()
-    if path.is_dir() and not any((path / name).is_file() for name in VOCAB_FILES):
-        raise ElsaError(f"model {model_id} has no tokenizer (none of {', '.join(VOCAB_FILES)}): save it there with "
-                        "AutoTokenizer.from_pretrained(<the model's hub id>).save_pretrained(<this folder>)")
 
 
 def _safetensors_problem(file: Path) -> str | None:

@@ -34,12 +34,9 @@ def main() -> int:
 
     def go() -> None:
         from elsa_ds.ablation import run_ablation
-        from elsa_ds.zero.ds_config import DsConfig
-
         from elsa_ds.cli import prune_parser, settings_from_args
 
-        for c in args.configs:  # every config, and the flags after --, checked before the first run starts
-            DsConfig.load(c).raw
+        for c in args.configs:  # every config (read there), and the flags after --, checked before the first run starts
             settings_from_args(prune_parser().parse_args([*extra, "--deepspeed", c, "--output_dir", str(args.out / "check")]))
         rows = run_ablation(args.configs, args.out, args.num_gpus, extra)
         print((args.out / "ablation.md").read_text())  # the table is the command's product: stdout

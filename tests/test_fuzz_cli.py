@@ -12,8 +12,6 @@ import contextlib
 import io
 import random
 
-import pytest
-
 import elsa_ds.jobs.owner as owner
 from elsa_ds import cli
 from elsa_ds.config import ELSA_ONLY

@@ -11,6 +11,7 @@ order) and produce the same mask.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -48,10 +49,25 @@ def pack_blocks(
     return torch.tensor(rows, dtype=torch.long)
 
 
+# A tokenizer's vocabulary, one of these per tokenizer type (fast, SentencePiece, BPE, WordPiece, tiktoken). Without one,
+# transformers may still build a tokenizer from tokenizer_config.json alone: a few special tokens, every text 0 blocks.
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
+               "tokenizer.tiktoken")
+
+
+def check_local_tokenizer(model_id: str) -> None:
+    """A local model directory holds a tokenizer's vocabulary (hub ids are resolved by transformers)."""
+    path = Path(model_id).expanduser()
+    if path.is_dir() and not any((path / name).is_file() for name in VOCAB_FILES):
+        raise ElsaError(f"model {model_id} has no tokenizer (none of {', '.join(VOCAB_FILES)}): save it there with "
+                        "AutoTokenizer.from_pretrained(<the model's hub id>).save_pretrained(<this folder>)")
+
+
 def load_tokenizer(model_id: str):
     """The model's tokenizer, or an ElsaError naming the model."""
     from transformers import AutoTokenizer
 
+    check_local_tokenizer(model_id)
     try:
         return AutoTokenizer.from_pretrained(model_id)
     except (OSError, ValueError) as err:

@@ -32,7 +32,7 @@ from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
 from elsa_ds.io import versions, write_atomic
 from elsa_ds.log import get_logger
-from elsa_ds.models import check_local_tokenizer, load_causal_lm, load_config
+from elsa_ds.models import load_causal_lm, load_config
 
 NAMED_SOURCES = ("wikitext2", "c4")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -159,7 +159,6 @@ def prepare(s: EvalSettings) -> _Prepared:
     if s.ppl and max_positions and s.seqlen > max_positions:
         raise ElsaError(f"--seqlen {s.seqlen} exceeds the model's max_position_embeddings {max_positions}; "
                         f"pass --seqlen {max_positions} or less")
-    check_local_tokenizer(s.model)
     tokenizer = load_tokenizer(s.model)
     protocol = resolve_protocol(s.ppl_protocol, config)
     windows = {source: source_windows(source, tokenizer, s.seqlen, protocol, s.ppl_protocol, s.limit) for source in s.ppl}
