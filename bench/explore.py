@@ -13,7 +13,7 @@ what confirms a finding.
 keeps, and ELSA's warm start of x and z, as ``--init_mask DIR --init_weights`` would be); ``--model`` names the model
 whose size the defaults rule reads. Settings the user leaves unset come from the defaults rule exactly as
 ``launch/prune.py`` applies it (``ft`` and ``dense`` get the retraining rule); where the rule starts ELSA from a
-one-shot's pruned model (a short budget below 80 %), that one-shot runs here first, on the same calibration data.
+one-shot's pruned model (a short budget up to 90 %), that one-shot runs here first, on the same calibration data.
 The last line is JSON: mode, sparsity, the settings used, the held-out ppl, training seconds.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ def explore(a) -> dict:
     if a.mode == "elsa" and not a.start and cfg.init_mask is not None:  # the rule's one-shot start (or --set's)
         if not cfg.init_weights or cfg.init_mask not in oneshot_names():
             raise SystemExit("explore starts ELSA from the dense model, from a one-shot's pruned weights (init_mask=METHOD "
-                             "init_weights=true, the rule's start below 80 %) or from --start DIR")
+                             "init_weights=true, the rule's start up to 90 %) or from --start DIR")
         prune_oneshot(cfg, OneShot(cfg.init_mask), tok, model)  # in place
         start = f"{cfg.init_mask} of {a.model}"
     settings = {k: getattr(cfg, k) for k in ("lr", "lmda", "lmda_schedule", "interval", "hold_steps", "warmup_steps", "steps",

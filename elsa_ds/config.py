@@ -86,7 +86,7 @@ class ElsaConfig(BaseModel):
     """Regex over module names of the nn.Linear layers to prune [every Linear inside the decoder layers]."""
     init_mask: str | None = Field(None, **_group("sparsity", "METHOD_OR_DIR"))
     """Warm start of ELSA's z from a magnitude, wanda or sparsegpt mask, or a pruned model directory; none: no warm start.
-    Unset with lr unset: the defaults rule's (sparsegpt with init_weights below 80 % sparsity under 2048 steps)."""
+    Unset with lr unset: the defaults rule's (sparsegpt with init_weights up to 90 % sparsity under 2048 steps)."""
     init_weights: bool = Field(False, **_group("sparsity"))
     """With init_mask: x starts from its pruned weights too (SparseGPT's reconstruction; a directory's): z₀ = x₀, u₀ = 0."""
     nsamples: int = Field(128, gt=0, **_group("sparsity"))

@@ -31,7 +31,7 @@ def test_paper_schedule_cosine_at_high_sparsity_constant_below_and_linear_for_sh
 
 
 def test_larger_steps_for_shorter_budgets_higher_sparsity_and_smaller_models():
-    lr = lambda n, s, t: elsa_settings(n, s, t).values["lr"]  # noqa: E731
+    lr = lambda n, s, t: elsa_settings(n, s, t, start_pruned=False).values["lr"]  # noqa: E731  (from the dense weights)
     assert lr(4e6, 0.9, 400) > lr(4e6, 0.9, 4096)
     assert lr(4e6, 0.95, 400) > lr(4e6, 0.9, 400) > lr(4e6, 0.7, 400) > lr(4e6, 0.5, 400)
     assert lr(4e6, 0.9, 400) > lr(13e6, 0.9, 400) > lr(7e9, 0.9, 400) > lr(27e9, 0.9, 400)
@@ -62,8 +62,10 @@ def test_applied_only_to_fields_the_user_left_unset():
     cfg, record = _demo(sparsity=0.9, steps=400)
     expected = elsa_settings(record["inputs"]["n_params"], 0.9, 400).values
     assert (cfg.lr, cfg.lmda, cfg.lmda_schedule) == (expected["lr"], expected["lmda"], expected["lmda_schedule"])
-    assert set(record["applied"]) == {"lr", "lmda", "lmda_schedule", "warmup_steps"} and record["set_by_user"] == []
-    assert cfg.warmup_steps == 40 and cfg.init_mask is None and not cfg.init_weights  # 90 %: the dense start
+    assert set(record["applied"]) == {"lr", "lmda", "lmda_schedule", "warmup_steps", "init_mask", "init_weights"}
+    assert record["set_by_user"] == []
+    assert cfg.warmup_steps == 40 and (cfg.init_mask, cfg.init_weights) == ("sparsegpt", True)  # 90 %, 400 steps: the pruned start
+    assert {"init_mask", "init_weights"} <= set(record["applied"])
     json.dumps(record)  # goes into the report as is
     cfg, record = _demo(sparsity=0.9, steps=400, lr=5e-4)  # a user's lr: no warm-up the user did not ask for
     assert cfg.lr == 5e-4 and set(record["applied"]) == {"lmda", "lmda_schedule"} and record["set_by_user"] == ["lr"]
@@ -87,10 +89,11 @@ def test_retraining_and_dense_control_get_the_retraining_lr():
     assert cfg.lr == retrain_settings(record["inputs"]["n_params"], 200).values["lr"]
 
 
-def test_short_budgets_below_80_percent_start_from_sparsegpt_with_the_budget_factor_dropped():
+def test_short_budgets_up_to_90_percent_start_from_sparsegpt_with_the_budget_factor_dropped():
     start = lambda s, t: elsa_settings(4e6, s, t).values.get("init_mask")  # noqa: E731
     assert start(0.7, 400) == "sparsegpt" and start(0.5, 2047) == "sparsegpt" and elsa_settings(4e6, 0.7, 400).values["init_weights"]
-    assert start(0.8, 400) is None and start(0.9, 400) is None and start(0.7, 2048) is None and start(0.5, 4096) is None
+    assert start(0.8, 400) == start(0.9, 400) == start(0.9, 100) == "sparsegpt" and start(0.95, 400) is None
+    assert start(0.9, 2048) is None and start(0.7, 2048) is None and start(0.5, 4096) is None
     factor = (REF_STEPS / 400) ** 0.3
     dense_start = elsa_settings(4e6, 0.7, 400, start_pruned=False).values["lr"]
     assert elsa_settings(4e6, 0.7, 400).values["lr"] == pytest.approx(dense_start / factor, rel=0.01)
@@ -114,6 +117,7 @@ def test_the_rules_start_comes_with_the_rules_lr_and_gives_way_to_the_users():
     cfg, record = _demo(sparsity=0.7, steps=400, init_mask="wanda")  # z from Wanda, x dense: the dense start's lr
     assert (cfg.init_mask, cfg.init_weights, cfg.lr) == ("wanda", False, elsa_settings(n, 0.7, 400, start_pruned=False).values["lr"])
     cfg, record = _demo(sparsity=0.9, steps=400, init_mask="sparsegpt", init_weights=True)  # the user's pruned start at 90 %
-    assert cfg.lr == elsa_settings(n, 0.9, 400, start_pruned=True).values["lr"] < elsa_settings(n, 0.9, 400).values["lr"]
+    assert cfg.lr == elsa_settings(n, 0.9, 400, start_pruned=True).values["lr"] < elsa_settings(n, 0.9, 400, False).values["lr"]
+    assert "init_mask" not in record["applied"] and record["set_by_user"] == ["init_mask", "init_weights"]
     cfg, record = _demo(method="wanda", finetune="full", sparsity=0.7, steps=400)  # retraining has its own mask
     assert cfg.init_mask is None and "init_mask" not in record["applied"]
