@@ -31,10 +31,10 @@ Why each short-budget branch (T < 2048 steps; the paper has no short runs):
 - warm-up over 10 % of T, with the rule's lr only: Adam's first steps move every weight by about the lr whatever its
   gradient, which a pretrained model pays for at a short budget's larger lr.
 - SparseGPT's pruned start up to 90 %, with the rule's lr only and without the budget factor: a short run from the
-  dense weights never brings a trained model's x near the sparse set (Gemma-3 270M at 90 %, 100 steps: ‖x − z‖/‖x‖
-  0.58 at the last projection, the dense weights' own 0.67), so the final x = Π(x) is a one-shot cut; from the
-  one-shot's reconstruction x stays near it (0.16). The budget factor would only undo the reconstruction. Above 90 %
-  the dense start (measured there on docs-llama at 95 %, where it beat Wanda + ft).
+  dense weights never brings a trained model's x near the sparse set (‖x − z‖/‖x‖ at the last projection stays near
+  the dense weights' own), so the final x = Π(x) is a one-shot cut of a fine-tuned dense model; from the one-shot's
+  reconstruction x stays near the sparse set. The budget factor would only undo the reconstruction. Above 90 % the
+  dense start, which is where it was measured to win (docs-llama at 95 %).
 A user's lr, --init_mask or --init_weights keeps the paper's dense start (or their own); a user's lr keeps the warm-up
 the user sets (default none).
 """
