@@ -65,7 +65,6 @@ def test_applied_only_to_fields_the_user_left_unset():
     assert set(record["applied"]) == {"lr", "lmda", "lmda_schedule", "warmup_steps", "init_mask", "init_weights"}
     assert record["set_by_user"] == []
     assert cfg.warmup_steps == 40 and (cfg.init_mask, cfg.init_weights) == ("sparsegpt", True)  # 90 %, 400 steps: the pruned start
-    assert {"init_mask", "init_weights"} <= set(record["applied"])
     json.dumps(record)  # goes into the report as is
     cfg, record = _demo(sparsity=0.9, steps=400, lr=5e-4)  # a user's lr: no warm-up the user did not ask for
     assert cfg.lr == 5e-4 and set(record["applied"]) == {"lmda", "lmda_schedule"} and record["set_by_user"] == ["lr"]

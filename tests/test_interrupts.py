@@ -35,7 +35,7 @@ def _run_and_signal(cmd: list[str], when: str, send, timeout: float = 180) -> tu
     def read() -> None:
         while (c := proc.stdout.read(64)):
             chunks.append(c)
-            if when in "".join(chunks[-4:]) or when in "".join(chunks):
+            if not seen.is_set() and when in "".join(chunks[-4:]):  # the last 256 characters: ``when`` across a chunk boundary
                 seen.set()
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
