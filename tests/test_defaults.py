@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -101,6 +102,18 @@ def test_short_budgets_up_to_90_percent_start_from_sparsegpt_with_the_budget_fac
     # past the paper's budget the factor is below 1 and stays, pruned start or not
     assert elsa_settings(4e6, 0.7, 8192, start_pruned=True).values["lr"] == elsa_settings(4e6, 0.7, 8192).values["lr"]
     assert set(elsa_settings(4e6, 0.7, 400).why) == set(elsa_settings(4e6, 0.7, 400).values)
+
+
+def test_a_pruned_start_from_80_percent_takes_retrainings_lr_where_it_is_larger():
+    n = 268.1e6  # Gemma-3 270M
+    retrain = lambda t: retrain_settings(n, t).values["lr"]  # noqa: E731
+    pruned = lambda s, t: elsa_settings(n, s, t).values["lr"]  # noqa: E731  (the rule's start: pruned, t < 2048)
+    assert pruned(0.9, 100) == retrain(100) > 1.5 * elsa_settings(n, 0.7, 100).values["lr"] / math.exp(1.6 * -0.2)
+    assert pruned(0.8, 100) == pytest.approx(retrain(100) * math.exp(1.6 * -0.1), rel=0.01)  # the sparsity factor stays
+    assert pruned(0.9, 2000) > retrain(2000) and pruned(0.9, 2000) == pruned(0.9, 1000)  # longer: ELSA's own is larger
+    assert "retraining rule" in elsa_settings(n, 0.9, 100).why["lr"] and "retraining" not in elsa_settings(n, 0.7, 100).why["lr"]
+    assert elsa_settings(n, 0.9, 100, start_pruned=True).values["lr"] == retrain(100)  # the user's pruned start too
+    assert elsa_settings(n, 0.9, 100, start_pruned=False).values["lr"] > 1.9 * retrain(100)  # the dense start keeps its own
 
 
 def test_the_rules_start_comes_with_the_rules_lr_and_gives_way_to_the_users():
