@@ -36,8 +36,8 @@ Why each short-budget branch (T < 2048 steps; the paper has no short runs):
   the dense weights' own), so the final x = Π(x) is a one-shot cut of a fine-tuned dense model; from the one-shot's
   reconstruction x stays near the sparse set. The budget factor would only undo the reconstruction. Above 90 % the
   dense start, which is where it was measured to win (docs-llama at 95 %).
-- from 80 %, a pruned start's lr is at least the retraining rule's G·(4096 / T)^β (1.6x ELSA's at 100 steps, the same
-  at 400): retraining starts from the same one-shot model and trains T steps inside its mask at that lr without
+- from 80 %, a pruned start's lr is at least the retraining rule's G·(4096 / T)^β (1.6x ELSA's at 100 steps, 1.04x at
+  400, none from ~450): retraining starts from the same one-shot model and trains T steps inside its mask at that lr without
   losing the reconstruction, and at 90 % ELSA from the pruned start gained with it (Gemma-3 270M, 100 steps).
 A user's lr, --init_mask or --init_weights keeps the paper's dense start (or their own); a user's lr keeps the warm-up
 the user sets (default none).
@@ -111,9 +111,16 @@ def elsa_settings(n_params: int, sparsity: float, steps: int, start_pruned: bool
     rule_start = start_pruned is None and rule_warm_start(sparsity, steps)
     pruned = bool(start_pruned) or rule_start
     factor = (REF_STEPS / steps) ** BETA
-    budget = min(factor, 1.0) if pruned else factor
-    retrain_floor = pruned and sparsity >= LINEAR_FROM - 1e-9 and RETRAIN_G * factor > ELSA_F * budget
-    scale = RETRAIN_G * factor if retrain_floor else ELSA_F * budget
+    budget_why = f"budget factor (4096/{steps})^{BETA:g} = {factor:.2f}"
+    if not pruned or factor <= 1.0:
+        scale, scale_why = ELSA_F * factor, f"{ELSA_F:g} x {budget_why}"
+    elif sparsity >= LINEAR_FROM - 1e-9 and RETRAIN_G * factor > ELSA_F:
+        scale, scale_why = RETRAIN_G * factor, (f"{RETRAIN_G:g} x {budget_why} (x starts pruned at >= {LINEAR_FROM:.0%}: the "
+                                                "retraining rule's lr, which starts from the same one-shot model, as it is "
+                                                f"above ELSA's {ELSA_F:g})")
+    else:
+        scale, scale_why = ELSA_F, (f"{ELSA_F:g} x budget factor 1 (x starts pruned: the short budget's {budget_why} would "
+                                    "undo the one-shot's reconstruction)")
     lr = pretraining_lr(n_params) * scale * math.exp(ELSA_K * (sparsity - 0.9))
     lmda = lmda_at_90(n_params) * math.exp(LMDA_KAPPA * (sparsity - 0.9))
     cosine = sparsity >= COSINE_FROM[0] and steps >= COSINE_FROM[1]
@@ -121,14 +128,8 @@ def elsa_settings(n_params: int, sparsity: float, steps: int, start_pruned: bool
     schedule = LambdaSchedule.cosine if cosine else LambdaSchedule.linear if linear else LambdaSchedule.constant
     size = f"{n_params / 1e6:.1f} M parameters"
     warm, warm_why = warmup(steps)
-    budget_why = (f"{ELSA_F:g} x budget factor (4096/{steps})^{BETA:g} = {factor:.2f}" if not pruned or factor <= 1.0 else
-                  f"{RETRAIN_G:g} x budget factor (4096/{steps})^{BETA:g} = {factor:.2f} (x starts pruned at >= "
-                  f"{LINEAR_FROM:.0%}: the retraining rule's lr, which starts from the same one-shot model, as it is "
-                  f"above ELSA's {ELSA_F:g})" if retrain_floor else
-                  f"{ELSA_F:g} x budget factor 1 (x starts pruned: the short-budget factor (4096/{steps})^{BETA:g} = "
-                  f"{factor:.2f} would undo the one-shot's reconstruction)")
     values = {"lr": float(f"{lr:.3g}"), "lmda": float(f"{lmda:.3g}"), "lmda_schedule": schedule, "warmup_steps": warm}
-    why = {"lr": f"{size} (pre-training-scale lr {pretraining_lr(n_params):.2g}) x {budget_why} x sparsity "
+    why = {"lr": f"{size} (pre-training-scale lr {pretraining_lr(n_params):.2g}) x {scale_why} x sparsity "
                  f"factor exp({ELSA_K:g}·({sparsity:g}−0.9))",
            "lmda": f"λ at 90 % {lmda_at_90(n_params):.2g} for {size} x exp({LMDA_KAPPA:g}·({sparsity:g}−0.9))",
            "lmda_schedule": ("cosine from 0: sparsity >= 70 % over a long budget (the paper's setting)" if cosine else
