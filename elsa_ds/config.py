@@ -144,7 +144,8 @@ class ElsaConfig(BaseModel):
     hold_steps: int = Field(0, ge=0, **_group("admm"))
     """Train the last this many steps inside a fixed mask: the hard projection x = Π(x) comes that many steps before
     the end, then no penalty and the pruned entries held at exactly 0 (the masked retraining of ADMM pruning; not in
-    the ELSA paper). λ's schedule runs over the steps before it. 0 = the paper's method."""
+    the ELSA paper). λ's schedule runs over the steps before it. 0 = the paper's method [from the defaults rule: half
+    the steps where its pruned start at ≥ 80 % takes retraining's lr (below ~450 steps); else 0]."""
     select_every: int = Field(0, ge=0, **_group("admm"))
     """Score the hard projection Π(x) on the validation windows every this many projections and export the best one
     (0 = export the final Π(x)); with --init_weights the pruned start is scored too, as step 0."""

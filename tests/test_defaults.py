@@ -63,13 +63,14 @@ def test_applied_only_to_fields_the_user_left_unset():
     cfg, record = _demo(sparsity=0.9, steps=400)
     expected = elsa_settings(record["inputs"]["n_params"], 0.9, 400).values
     assert (cfg.lr, cfg.lmda, cfg.lmda_schedule) == (expected["lr"], expected["lmda"], expected["lmda_schedule"])
-    assert set(record["applied"]) == {"lr", "lmda", "lmda_schedule", "warmup_steps", "init_mask", "init_weights"}
+    assert set(record["applied"]) == {"lr", "lmda", "lmda_schedule", "warmup_steps", "init_mask", "init_weights", "hold_steps"}
+    assert cfg.hold_steps == 200  # 90 %, 400 steps, the pruned start with retraining's lr: the last half inside the mask
     assert record["set_by_user"] == []
     assert cfg.warmup_steps == 40 and (cfg.init_mask, cfg.init_weights) == ("sparsegpt", True)  # 90 %, 400 steps: the pruned start
     json.dumps(record)  # goes into the report as is
     cfg, record = _demo(sparsity=0.9, steps=400, lr=5e-4)  # a user's lr: no warm-up the user did not ask for
     assert cfg.lr == 5e-4 and set(record["applied"]) == {"lmda", "lmda_schedule"} and record["set_by_user"] == ["lr"]
-    assert cfg.warmup_steps == 0
+    assert cfg.warmup_steps == 0 and cfg.hold_steps == 0  # the paper's dense start, the paper's end
     cfg, record = _demo(sparsity=0.9, steps=400, warmup_steps=7)
     assert cfg.warmup_steps == 7 and "warmup_steps" not in record["applied"] and record["set_by_user"] == ["warmup_steps"]
 
@@ -133,3 +134,22 @@ def test_the_rules_start_comes_with_the_rules_lr_and_gives_way_to_the_users():
     assert "init_mask" not in record["applied"] and record["set_by_user"] == ["init_mask", "init_weights"]
     cfg, record = _demo(method="wanda", finetune="full", sparsity=0.7, steps=400)  # retraining has its own mask
     assert cfg.init_mask is None and "init_mask" not in record["applied"]
+
+
+def test_a_pruned_start_with_retrainings_lr_ends_its_last_half_inside_the_mask():
+    hold = lambda s, t, start=None: elsa_settings(268.1e6, s, t, start).values.get("hold_steps", 0)  # noqa: E731
+    assert hold(0.9, 100) == 50 and hold(0.8, 400) == 200 and hold(0.8 - 1e-12, 400) == 200
+    assert hold(0.7, 100) == 0 and hold(0.95, 100) == 0  # below 80 %: the paper's end; above 90 %: the dense start's
+    assert hold(0.9, 500) == 0 and hold(0.9, 2047) == 0  # from ~450 steps ELSA's own lr, and the paper's end
+    assert hold(0.9, 100, False) == 0 and hold(0.9, 100, True) == 50  # the user's pruned start too, not the dense one
+    for t in range(3, 2048, 7):  # the held end comes exactly with retraining's lr
+        values = elsa_settings(268.1e6, 0.9, t).values
+        assert ("hold_steps" in values) == (values["lr"] == retrain_settings(268.1e6, t).values["lr"]), t
+    assert "inside the mask" in elsa_settings(268.1e6, 0.9, 100).why["hold_steps"]
+    assert "hold_steps" not in elsa_settings(268.1e6, 0.7, 100).why and hold(0.9, 1) == 0  # half of one step: nothing to hold
+    cfg, record = _demo(sparsity=0.9, steps=100)
+    assert cfg.hold_steps == 50 and record["applied"]["hold_steps"] == 50
+    cfg, record = _demo(sparsity=0.9, steps=100, hold_steps=0)  # the paper's end, asked for
+    assert cfg.hold_steps == 0 and "hold_steps" not in record["applied"] and record["set_by_user"] == ["hold_steps"]
+    cfg, record = _demo(sparsity=0.9, steps=100, select_every=10, val_windows=4)  # selection keeps its own end
+    assert cfg.hold_steps == 0

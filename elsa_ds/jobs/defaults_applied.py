@@ -24,6 +24,8 @@ def apply_defaults(cfg: ElsaConfig, model_config) -> tuple[ElsaConfig, dict[str,
     unset = {k: v for k, v in suggestion.values.items() if k not in given and k in RULE_FIELDS}
     if "lr" not in unset:  # the warm-up belongs to the rule's lr: a user's lr keeps the user's warm-up
         unset.pop("warmup_steps", None)
+    if cfg.select_every:  # selection picks its own end among the projections: no held end (the paper's)
+        unset.pop("hold_steps", None)
     record = {"inputs": {"n_params": n_params, "sparsity": sparsity, "steps": steps},
               "applied": {k: v.value if hasattr(v, "value") else v for k, v in unset.items()},
               "why": {k: suggestion.why[k] for k in unset}, "set_by_user": sorted(k for k in RULE_FIELDS if k in cfg.model_fields_set)}
