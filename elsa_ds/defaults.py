@@ -157,8 +157,9 @@ def elsa_settings(n_params: int, sparsity: float, steps: int, start_pruned: bool
         start_why = (f"start from SparseGPT's pruned model: sparsity up to {WARM_START_UP_TO:.0%} over a short budget "
                      f"(< {COSINE_FROM[1]} steps; ours, measured at 70 and 90 %)")
         why.update(init_mask=start_why, init_weights=start_why)
-    if retrain_like and round(HOLD_FRACTION * steps):
-        values["hold_steps"] = round(HOLD_FRACTION * steps)  # else unset: the paper's end (x = Π(x) at the last step)
+    hold = round(HOLD_FRACTION * steps) if retrain_like else 0
+    if hold:  # else unset: the paper's end (x = Π(x) at the last step)
+        values["hold_steps"] = hold
         why["hold_steps"] = (f"{HOLD_FRACTION:.0%} of {steps} steps inside the mask of an early x = Π(x): x starts pruned at "
                              f">= {LINEAR_FROM:.0%} where retraining's lr is above ELSA's (below ~450 steps; ours, measured "
                              "at 80 and 90 %)")
