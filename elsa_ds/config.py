@@ -38,8 +38,8 @@ DEMO_PROFILE: dict[str, Any] = {"dataset": DEMO_DATASET, "seqlen": 256, "steps":
 # What a resumed run must share with the run that wrote its checkpoint.
 RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "dataset", "sparsity", "pattern", "sparsity_profile",
                      "init_mask", "init_weights", "targets", "steps", "interval", "hold_steps", "lmda", "lmda_schedule", "projection",
-                     "z_dtype", "u_dtype", "base_optimizer", "lr", "seqlen", "seed", "val_dataset", "sampling", "ppl_protocol",
-                     "val_windows", "freeze_embeddings")
+                     "z_dtype", "u_dtype", "base_optimizer", "lr", "warmup_steps", "lr_final_ratio", "seqlen", "seed", "val_dataset",
+                     "sampling", "ppl_protocol", "val_windows", "freeze_embeddings")
 RESUME_DEFAULTS = {"hold_steps": 0, "init_weights": False}  # settings added since checkpoints were first written: their value before then
 
 

@@ -118,6 +118,19 @@ def rule_warm_start(sparsity: float, steps: int) -> bool:
     return steps < COSINE_FROM[1] and sparsity <= WARM_START_UP_TO + TOL
 
 
+def schedule_why(sparsity: float, cosine: bool, linear: bool) -> str:
+    """Why the λ schedule is what it is, in the thresholds' own values (COSINE_FROM, LINEAR_FROM)."""
+    low, long_budget = COSINE_FROM
+    short = f"a short budget (< {long_budget} steps"
+    if cosine:
+        return f"cosine from 0: sparsity >= {low:.0%} over a long budget (>= {long_budget} steps; the paper's setting)"
+    if linear:
+        return f"linear from 0: sparsity >= {LINEAR_FROM:.0%} over {short}; ours, measured at 90 %)"
+    if at_least(sparsity, low):
+        return f"constant: sparsity below {LINEAR_FROM:.0%} over {short})"
+    return f"constant: sparsity below {low:.0%} (the paper's setting)"
+
+
 def elsa_settings(n_params: int, sparsity: float, steps: int, start_pruned: bool | None = None) -> Suggestion:
     """lr, λ, λ schedule, warm-up and start for ELSA on a model of ``n_params`` parameters pruned to ``sparsity`` in
     ``steps`` steps. ``start_pruned``: whether x starts from a one-shot's pruned weights as the user set it (their
@@ -147,10 +160,7 @@ def elsa_settings(n_params: int, sparsity: float, steps: int, start_pruned: bool
     why = {"lr": f"{size} (pre-training-scale lr {pretraining_lr(n_params):.2g}) x {scale_why} x sparsity "
                  f"factor exp({ELSA_K:g}·({sparsity:g}−0.9))",
            "lmda": f"λ at 90 % {lmda_at_90(n_params):.2g} for {size} x exp({LMDA_KAPPA:g}·({sparsity:g}−0.9))",
-           "lmda_schedule": ("cosine from 0: sparsity >= 70 % over a long budget (the paper's setting)" if cosine else
-                             "linear from 0: sparsity >= 80 % over a short budget (< 2048 steps; ours, measured at 90 %)" if linear else
-                             "constant: " + ("sparsity below 80 % over a short budget (< 2048 steps)" if at_least(sparsity, COSINE_FROM[0])
-                                             else "sparsity below 70 % (the paper's setting)")),
+           "lmda_schedule": schedule_why(sparsity, cosine, linear),
            "warmup_steps": warm_why}
     if rule_start:
         values.update(init_mask="sparsegpt", init_weights=True)

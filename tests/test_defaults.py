@@ -11,6 +11,7 @@ from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
 from elsa_ds.defaults import ANCHORS, REF_STEPS, elsa_settings, pretraining_lr, retrain_settings
 from elsa_ds.jobs.defaults_applied import apply_defaults
 from elsa_ds.models import load_config
+from elsa_ds.zero.checkpoint import resume_changes
 
 
 @pytest.mark.parametrize("anchor", ANCHORS, ids=lambda a: a["source"])
@@ -54,9 +55,21 @@ def test_every_value_says_why():
         assert set(s.why) == set(s.values) and all(s.why.values())
 
 
-def _demo(**given):
+def test_the_schedules_reason_quotes_the_thresholds_it_was_decided_by(monkeypatch):
+    import elsa_ds.defaults as rule
+    why = lambda s, t: elsa_settings(4e6, s, t).why["lmda_schedule"]  # noqa: E731
+    assert why(0.9, 400).startswith("linear") and "80%" in why(0.9, 400) and "2048" in why(0.9, 400)
+    assert why(0.75, 400).startswith("constant") and "below 80%" in why(0.75, 400)
+    assert why(0.6, 400) == "constant: sparsity below 70% (the paper's setting)" and why(0.9, 4096).startswith("cosine")
+    monkeypatch.setattr(rule, "LINEAR_FROM", 0.85)
+    monkeypatch.setattr(rule, "COSINE_FROM", (0.65, 1024))
+    assert "85%" in why(0.9, 400) and "1024" in why(0.9, 400) and "below 85%" in why(0.8, 400)
+    assert "below 65%" in why(0.6, 400) and why(0.9, 1024).startswith("cosine")
+
+
+def _demo(resumed=None, **given):
     cfg = resolve_config({}, {"model": str(DEMO_MODEL_DIR), **given})
-    return apply_defaults(cfg, load_config(str(DEMO_MODEL_DIR)))
+    return apply_defaults(cfg, load_config(str(DEMO_MODEL_DIR)), resumed)
 
 
 def test_applied_only_to_fields_the_user_left_unset():
@@ -153,3 +166,32 @@ def test_a_pruned_start_with_retrainings_lr_ends_its_last_half_inside_the_mask()
     assert cfg.hold_steps == 0 and "hold_steps" not in record["applied"] and record["set_by_user"] == ["hold_steps"]
     cfg, record = _demo(sparsity=0.9, steps=100, select_every=10, val_windows=4)  # selection keeps its own end
     assert cfg.hold_steps == 0
+
+
+def test_a_resumed_run_keeps_the_rule_values_it_started_with_where_the_rule_changed_since():
+    fresh, _ = _demo(sparsity=0.9, steps=100)
+    written = fresh.resume_fingerprint(1)
+    assert _demo(written, sparsity=0.9, steps=100)[0] == fresh  # the same rule: nothing kept, nothing changed
+    # a checkpoint from before the held end existed (no hold_steps key), with another lr and λ schedule
+    old = {k: v for k, v in written.items() if k != "hold_steps"} | {"lr": 1.23e-4, "lmda_schedule": "constant"}
+    cfg, record = _demo(old, sparsity=0.9, steps=100)
+    assert (cfg.hold_steps, cfg.lr, cfg.lmda_schedule) == (0, 1.23e-4, LambdaSchedule.constant)
+    assert cfg.resume_fingerprint(1) == {**old, "hold_steps": 0}  # so the resume check finds nothing changed
+    assert record["applied"]["hold_steps"] == 0 and record["applied"]["lmda_schedule"] == "constant"
+    assert "kept from the checkpoint" in record["why"]["hold_steps"] and "now be 50" in record["why"]["hold_steps"]
+    assert cfg.lmda == fresh.lmda and cfg.init_mask == fresh.init_mask  # unchanged fields stay the rule's
+    # what the user sets is the user's: a changed setting is still refused by the resume check, not silently undone
+    cfg, record = _demo(old, sparsity=0.9, steps=100, hold_steps=20, lr=2e-4)
+    assert (cfg.hold_steps, cfg.lr) == (20, 2e-4) and "hold_steps" not in record["applied"]
+    assert "hold_steps 0 vs 20" in resume_changes(old, cfg.resume_fingerprint(1))
+    # a checkpoint that did not record its warm-up: its lr is not kept alone (one schedule), so the resume is refused
+    cfg, _ = _demo({k: v for k, v in old.items() if k != "warmup_steps"}, sparsity=0.9, steps=100)
+    assert cfg.lr == fresh.lr and "lr 0.000123 vs" in resume_changes(old, cfg.resume_fingerprint(1))
+    # a held end does not come back beside --select_every, and a damaged value is not kept (the resume check says why)
+    cfg, _ = _demo(written | {"hold_steps": 30}, sparsity=0.9, steps=100, select_every=10, val_windows=4)
+    assert cfg.hold_steps == 0
+    cfg, record = _demo(written | {"lr": "not a number"}, sparsity=0.9, steps=100)
+    assert cfg.lr == fresh.lr and "kept" not in record["why"].get("lr", "")
+    # a checkpoint with a held end the rule no longer gives keeps it too
+    cfg, record = _demo(written | {"hold_steps": 30}, sparsity=0.9, steps=100)
+    assert cfg.hold_steps == 30 and "now be 50" in record["why"]["hold_steps"]

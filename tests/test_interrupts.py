@@ -98,9 +98,15 @@ def test_interrupted_checkpointed_run_resumes(tmp_path, tiny_model_dir, text_dir
     assert json.loads((out / "checkpoints" / "elsa_fingerprint.json").read_text())["sparsity"] == 0.6
     changed = [a if a != "0.6" else "0.7" for a in common]  # a changed setting: refused from that file, before loading
     err = run_fails("prune.py", [*changed, "--resume"], "--resume with changed settings", "sparsity 0.6 vs 0.7")
-    run_entry("prune.py", [*common, "--resume"])  # (without --resume the non-empty output would be refused)
+    # without --lr / --lmda the defaults rule would give others: the resumed run keeps the checkpoint's (the run started
+    # with them), and says so (an upgrade that changes the rule does not stop a run half-way)
+    unset = [a for i, a in enumerate(common) if a not in ("--lr", "--lmda") and common[i - 1] not in ("--lr", "--lmda")]
+    run_entry("prune.py", [*unset, "--resume"])  # (without --resume the non-empty output would be refused)
     report = json.loads((out / "elsa_report.json").read_text())
     assert report["steps"] == 120
+    kept = {k: report["defaults"]["applied"][k] for k in ("lr", "lmda", "warmup_steps")}
+    assert kept == {"lr": 1e-3, "lmda": 0.05, "warmup_steps": 0}, report["defaults"]
+    assert all("kept from the checkpoint" in report["defaults"]["why"][k] for k in kept), report["defaults"]
     for name, layer in report["layers"].items():
         assert layer["zeros"] == round(0.6 * layer["numel"]), name
 

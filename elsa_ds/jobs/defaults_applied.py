@@ -3,16 +3,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from elsa_ds.config import ElsaConfig
+from pydantic import TypeAdapter, ValidationError
+
+from elsa_ds.config import RESUME_DEFAULTS, ElsaConfig
 from elsa_ds.methods import DENSE
 from elsa_ds.defaults import RULE_FIELDS, elsa_settings, retrain_settings
 from elsa_ds.models import meta_model
 from elsa_ds.targets import goal_ratio
 
 
-def apply_defaults(cfg: ElsaConfig, model_config) -> tuple[ElsaConfig, dict[str, Any]]:
+def apply_defaults(cfg: ElsaConfig, model_config, resumed: dict[str, Any] | None = None) -> tuple[ElsaConfig, dict[str, Any]]:
     """``cfg`` with every rule field the user did not set (command line, JSON ``elsa`` block, recipe, API) taken from
-    the rule, and the record of what was taken and why (printed, and kept in the report)."""
+    the rule, and the record of what was taken and why (printed, and kept in the report). ``resumed``: the fingerprint
+    of the checkpoint a ``--resume`` continues; an unset field keeps the value the run started with where the rule now
+    gives another (the rule changed since), so an upgrade does not stop a run half-way."""
     n_params = sum(p.numel() for p in meta_model(model_config).parameters())
     sparsity = goal_ratio(cfg.goal) if cfg.method.value != DENSE else 0.0
     steps = (cfg.finetune_steps or cfg.steps) if cfg.finetune is not None else cfg.steps
@@ -26,7 +30,39 @@ def apply_defaults(cfg: ElsaConfig, model_config) -> tuple[ElsaConfig, dict[str,
         unset.pop("warmup_steps", None)
     if cfg.select_every:  # selection picks its own end among the projections: no held end (the paper's)
         unset.pop("hold_steps", None)
+    kept = _kept_from_checkpoint(cfg, unset, resumed)
+    unset.update({k: value for k, (value, _) in kept.items()})
     record = {"inputs": {"n_params": n_params, "sparsity": sparsity, "steps": steps},
-              "applied": {k: v.value if hasattr(v, "value") else v for k, v in unset.items()},
-              "why": {k: suggestion.why[k] for k in unset}, "set_by_user": sorted(k for k in RULE_FIELDS if k in cfg.model_fields_set)}
+              "applied": {k: _plain(v) for k, v in unset.items()},
+              "why": {k: suggestion.why.get(k, "") for k in unset},
+              "set_by_user": sorted(k for k in RULE_FIELDS if k in cfg.model_fields_set)}
+    for k, (_, now) in kept.items():
+        record["why"][k] = f"kept from the checkpoint --resume continues (the run started with it; unset, it would now be {now})"
     return (cfg.model_copy(update=unset) if unset else cfg), record
+
+
+def _plain(value: Any) -> Any:
+    return value.value if hasattr(value, "value") else value
+
+
+def _kept_from_checkpoint(cfg: ElsaConfig, unset: dict[str, Any], resumed: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:
+    """The rule fields the user left unset whose value now (the rule's, else the field's default) differs from the
+    checkpoint's (a key it lacks: ``RESUME_DEFAULTS``, the value before the setting existed): {field: (the checkpoint's
+    value typed as ElsaConfig's field, the value now)}. Not kept, so that the resume check refuses as before: the lr
+    of a checkpoint that did not record its warm-up (the two make one schedule), a held end beside --select_every
+    (they exclude each other), a value that does not validate (a damaged fingerprint)."""
+    if resumed is None:
+        return {}
+    written = {**RESUME_DEFAULTS, **resumed}
+    skip = {"lr"} if "warmup_steps" not in resumed else set()
+    skip |= {"hold_steps"} if cfg.select_every else set()
+    kept = {}
+    for k in RULE_FIELDS:
+        now = _plain(unset.get(k, getattr(cfg, k)))
+        if k in cfg.model_fields_set or k in skip or k not in written or written[k] == now:
+            continue
+        try:
+            kept[k] = (TypeAdapter(ElsaConfig.model_fields[k].annotation).validate_python(written[k]), now)
+        except ValidationError:
+            continue
+    return kept

@@ -31,7 +31,7 @@ from elsa_ds.models import ModelSource, freeze_embeddings
 from elsa_ds.monitor import Monitor
 from elsa_ds.output import fresh_staging, staging_dir
 from elsa_ds.targets import LayerGoal, select_targets
-from elsa_ds.zero import steps
+from elsa_ds.zero import checkpoint, steps
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import PartitionedModel, ZeroEngine, build_admm_engine, full_shapes, load_partitioned
 from elsa_ds.zero.export import export_model
@@ -68,7 +68,8 @@ class ElsaJob:
     def setup(self) -> None:
         """Every check that needs no weights (on every rank, before any collective), then the process group, the
         data, the warm-start masks and the engine."""
-        self.cfg, self.defaults = apply_defaults(self.cfg, self.source.config())
+        resumed = checkpoint.resumed_fingerprint(self.opts.output_dir, self.opts.resume)
+        self.cfg, self.defaults = apply_defaults(self.cfg, self.source.config(), resumed)
         cfg = self.cfg
         self.phases.mark("load")
         self.ds = checks.before_work(cfg, self.opts, self.ds_config, launched_world_size(), self.source)

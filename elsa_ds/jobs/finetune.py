@@ -36,7 +36,7 @@ from elsa_ds.models import ModelSource
 from elsa_ds.monitor import Monitor
 from elsa_ds.output import fresh_staging, staging_dir
 from elsa_ds.targets import LayerGoal, goal_ratio, select_targets
-from elsa_ds.zero import steps
+from elsa_ds.zero import checkpoint, steps
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import PartitionedModel, ZeroEngine, full_shapes, load_partitioned
 from elsa_ds.zero.export import export_consolidated, export_model
@@ -81,7 +81,8 @@ class FinetuneJob:
     def setup(self) -> None:
         """The checks, the process group and the data as ELSA's job has them; then the one-shot pass (rank 0) and the
         engine that retrains its result."""
-        self.cfg, self.defaults = apply_defaults(self.cfg, self.source.config())
+        resumed = checkpoint.resumed_fingerprint(self.opts.output_dir, self.opts.resume)
+        self.cfg, self.defaults = apply_defaults(self.cfg, self.source.config(), resumed)
         cfg = self.cfg
         self.phases.mark("load")
         self.ds = checks.before_work(cfg, self.opts, self.ds_config, launched_world_size(), self.source)

@@ -60,6 +60,11 @@ def read_fingerprint(ckpt_dir: Path) -> dict | None:
     return written if isinstance(written, dict) else None
 
 
+def resumed_fingerprint(output_dir: Path, resume: bool) -> dict | None:
+    """The fingerprint of the checkpoint a ``--resume`` run continues (None: a fresh run, or none written)."""
+    return read_fingerprint(Path(output_dir) / "checkpoints") if resume else None
+
+
 def tags_newest_first(ckpt_dir: Path) -> list[str]:
     if not ckpt_dir.is_dir():
         return []
