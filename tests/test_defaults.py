@@ -179,6 +179,7 @@ def test_a_resumed_run_keeps_the_rule_values_it_started_with_where_the_rule_chan
     assert cfg.resume_fingerprint(1) == {**old, "hold_steps": 0}  # so the resume check finds nothing changed
     assert record["applied"]["hold_steps"] == 0 and record["applied"]["lmda_schedule"] == "constant"
     assert "kept from the checkpoint" in record["why"]["hold_steps"] and "now be 50" in record["why"]["hold_steps"]
+    assert record["kept_from_checkpoint"] == ["hold_steps", "lmda_schedule", "lr"]
     assert cfg.lmda == fresh.lmda and cfg.init_mask == fresh.init_mask  # unchanged fields stay the rule's
     # what the user sets is the user's: a changed setting is still refused by the resume check, not silently undone
     cfg, record = _demo(old, sparsity=0.9, steps=100, hold_steps=20, lr=2e-4)

@@ -51,7 +51,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     check_nvme_param_buffers(meta, ds.raw, world_size)
     if cfg.save_interval or opts.resume:
         checkpoint.check_supported(ds)
-    if opts.resume and (written := checkpoint.read_fingerprint(opts.output_dir / "checkpoints")) is not None:
+    if (written := checkpoint.resumed_fingerprint(opts.output_dir, opts.resume)) is not None:
         if refusal := checkpoint.resume_changes(written, cfg.resume_fingerprint(world_size)):
             raise ElsaError(refusal)
     check_eval_tasks(cfg)

@@ -34,10 +34,10 @@ def apply_defaults(cfg: ElsaConfig, model_config, resumed: dict[str, Any] | None
     unset.update({k: value for k, (value, _) in kept.items()})
     record = {"inputs": {"n_params": n_params, "sparsity": sparsity, "steps": steps},
               "applied": {k: _plain(v) for k, v in unset.items()},
-              "why": {k: suggestion.why.get(k, "") for k in unset},
-              "set_by_user": sorted(k for k in RULE_FIELDS if k in cfg.model_fields_set)}
-    for k, (_, now) in kept.items():
-        record["why"][k] = f"kept from the checkpoint --resume continues (the run started with it; unset, it would now be {now})"
+              "why": {k: (f"kept from the checkpoint --resume continues (the run started with it; unset, it would now be "
+                          f"{kept[k][1]})" if k in kept else suggestion.why[k]) for k in unset},
+              "set_by_user": sorted(k for k in RULE_FIELDS if k in cfg.model_fields_set),
+              "kept_from_checkpoint": sorted(kept)}
     return (cfg.model_copy(update=unset) if unset else cfg), record
 
 

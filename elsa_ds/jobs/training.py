@@ -76,8 +76,8 @@ def start_process_group(cfg: ElsaConfig, opts: JobOptions, ds: DsConfig, default
         shutil.rmtree(monitor_dir)  # an overwritten run's logs; DeepSpeed's csv monitor would append to them
     say("[elsa_ds] resolved ELSA config:\n" + json.dumps(cfg.model_dump(mode="json"), indent=2))
     if defaults["applied"]:
-        kept = any(why.startswith("kept from the checkpoint") for why in defaults["why"].values())
-        say(f"[elsa_ds] from the defaults rule (elsa_ds/defaults.py){' or the checkpoint resumed' if kept else ''}: "
+        kept = " or the checkpoint resumed" if defaults["kept_from_checkpoint"] else ""
+        say(f"[elsa_ds] from the defaults rule (elsa_ds/defaults.py){kept}: "
             + "; ".join(f"{k} {v} ({defaults['why'][k]})" for k, v in defaults["applied"].items()))
     say("[elsa_ds] DeepSpeed config:\n" + json.dumps(ds.raw, indent=2))
     return rank, world, say
