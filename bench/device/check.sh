@@ -121,7 +121,8 @@ else
     nvidia-smi || true
 fi
 step env 60 envstep
-step cuda_tests 240 cuda_tests
+step sparse_gpu 90 sparse_gpu  # first: the newest path, never run on a GPU before 2026-11-27
+step cuda_tests 380 cuda_tests
 step main_job 150 job main ds_configs/zero3_offload.json -- --steps "$MAIN_STEPS" "${MAIN_EXTRA[@]}"
 
 # the CPU references of the three configs run one after another in the background while the GPU jobs run
@@ -155,7 +156,6 @@ for cfg in zero3_offload zero3 zero3_offload_elsal; do
     fi
 done
 step bench_device 120 bench --device "$DEVICE"
-step sparse_gpu 90 sparse_gpu
 # shellcheck disable=SC2086
 step bench_threads 180 bench --threads $THREADS
 
