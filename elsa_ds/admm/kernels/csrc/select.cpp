@@ -16,6 +16,7 @@
 #endif
 
 #include <cfloat>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -191,12 +192,12 @@ __attribute__((noinline)) void sample_piece(const Row<UT, FK> r, int64_t n, int6
     }
 }
 
-// Each thread histograms a contiguous range of pieces into one 2^16-bin block per slice it meets (pieces of a slice
-// are adjacent in the plan, so a thread meets each of its slices once, in one run), then every output bin sums the
-// blocks that cover its slice. Memory and reduction are ~(slices + threads) blocks: one block per thread per slice
+// The pieces are cut into one contiguous range per thread; a range keeps one 2^16-bin block per slice it meets (pieces
+// of a slice are adjacent in the plan, so it meets each of its slices once, in one run), then every output bin sums
+// the blocks that cover its slice. Memory and reduction are ~(slices + threads) blocks: one block per thread per slice
 // (threads x slices x 256 KiB, zeroed by the calling thread) made the sample pass cost 2.7 ms on 2 threads and 28 ms
-// on 16 (a 32M flat of 8 slices), and grow with every slice a flat holds. One parallel region, so a thread's block is
-// read by the others only while the pool that owns it is alive.
+// on 16 (a 32M flat of 8 slices), and grow with every slice a flat holds. The blocks are allocated before the parallel
+// region (a failed allocation is then an exception the caller sees) and zeroed inside it, by the thread that fills them.
 template <class UT, int FK>
 void histogram(const Src& s, const std::vector<Piece>& plan, const int64_t* prefix, int64_t stride, int64_t n_slices,
                int32_t* out, float* peaks) {
@@ -205,34 +206,40 @@ void histogram(const Src& s, const std::vector<Piece>& plan, const int64_t* pref
         int32_t* bins;
         float peak;
     };
-    const int threads = omp_get_max_threads();
-    const int64_t pieces = int64_t(plan.size());
-    std::vector<std::vector<Block>> blocks(threads);
-    std::vector<std::vector<int32_t>> storage(threads);
-    std::vector<std::vector<const Block*>> cover(n_slices);  // per slice, the blocks that hold its counts
-#pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t k0 = pieces * t / nt, k1 = pieces * (t + 1) / nt;
-        std::vector<Block>& mine = blocks[t];
+    const int64_t ranges = omp_get_max_threads(), pieces = int64_t(plan.size());
+    const auto first = [&](int64_t r) { return pieces * r / ranges; };
+    const auto starts_run = [&](int64_t k) { return k == first(0) || plan[k].slice != plan[k - 1].slice; };
+    std::vector<std::vector<Block>> blocks(ranges);
+    std::vector<std::unique_ptr<int32_t[]>> storage(ranges);
+    for (int64_t r = 0; r < ranges; ++r) {
         int64_t runs = 0;
-        for (int64_t k = k0; k < k1; ++k) runs += (k == k0 || plan[k].slice != plan[k - 1].slice) ? 1 : 0;
-        storage[t].assign(size_t(runs) * kBins, 0);  // zeroed here: first touch on this thread's node
-        for (int64_t k = k0; k < k1; ++k) {
-            const Piece& pc = plan[k];
-            if (k == k0 || pc.slice != plan[k - 1].slice)
-                mine.push_back({pc.slice, storage[t].data() + mine.size() * kBins, 0.0f});
-            Block& b = mine.back();
-            const int64_t p = prefix ? prefix[pc.slice] : -1;
-            if (prefix && p < 0) continue;  // a layer that keeps nothing needs no second digit
-            if (stride > 1 && !prefix) sample_piece<UT, FK>(Row<UT, FK>(s, pc), pc.end - pc.begin, stride, b.bins);
-            else histogram_piece<UT, FK>(Row<UT, FK>(s, pc), pc.end - pc.begin, p, b.bins, b.peak);
+        for (int64_t k = first(r); k < first(r + 1); ++k) runs += (k == first(r) || starts_run(k)) ? 1 : 0;
+        storage[r].reset(new int32_t[size_t(runs) * kBins]);  // uninitialized: zeroed by the thread that fills it
+        blocks[r].reserve(size_t(runs));
+    }
+    std::vector<std::vector<const Block*>> cover(n_slices);  // per slice, the blocks that hold its counts
+#pragma omp parallel
+    {
+#pragma omp for schedule(static, 1)
+        for (int64_t r = 0; r < ranges; ++r) {
+            std::vector<Block>& mine = blocks[r];
+            for (int64_t k = first(r); k < first(r + 1); ++k) {
+                const Piece& pc = plan[k];
+                if (k == first(r) || starts_run(k)) {
+                    int32_t* bins = storage[r].get() + mine.size() * kBins;
+                    std::fill(bins, bins + kBins, 0);
+                    mine.push_back({pc.slice, bins, 0.0f});
+                }
+                Block& b = mine.back();
+                const int64_t p = prefix ? prefix[pc.slice] : -1;
+                if (prefix && p < 0) continue;  // a layer that keeps nothing needs no second digit
+                if (stride > 1 && !prefix) sample_piece<UT, FK>(Row<UT, FK>(s, pc), pc.end - pc.begin, stride, b.bins);
+                else histogram_piece<UT, FK>(Row<UT, FK>(s, pc), pc.end - pc.begin, p, b.bins, b.peak);
+            }
         }
-#pragma omp barrier
-#pragma omp master
-        for (int u = 0; u < nt; ++u)
-            for (const Block& b : blocks[u]) cover[b.slice].push_back(&b);
-#pragma omp barrier
+#pragma omp single
+        for (int64_t r = 0; r < ranges; ++r)
+            for (const Block& b : blocks[r]) cover[b.slice].push_back(&b);
         constexpr int64_t kSpan = 4096;  // bins per reduction task
 #pragma omp for schedule(static)
         for (int64_t e = 0; e < n_slices * kBins; e += kSpan) {
