@@ -119,6 +119,7 @@ def kernel_rows(sparsities: list[float], batches: tuple[int, ...], repeats: int 
 
     import torch
 
+    from elsa_ds.sparse import kernels
     from elsa_ds.sparse.linear import SparseLinear
 
     torch.manual_seed(0)
@@ -127,6 +128,10 @@ def kernel_rows(sparsities: list[float], batches: tuple[int, ...], repeats: int 
     for sparsity in sparsities:
         prune_weight(linear.weight, sparsity)
         paths = {"dense": linear, "kernel": SparseLinear.from_dense(linear, "kernel"), "csr": SparseLinear.from_dense(linear, "csr")}
+        built, sl = kernels.load(), paths["kernel"]
+        if getattr(built, "avx512", False):  # batch 1's two loops where both are built, whichever SparseLinear takes
+            for name, plain in (("avx512", False), ("portable", True)):
+                paths[name] = lambda x, sl=sl, plain=plain: kernels.kernel_matmul(built, sl.parts, x, sl.out_features, plain)
         for batch in batches:
             x = torch.randn(batch, 4096).to(torch.bfloat16)
             times: dict[str, list[float]] = {name: [] for name in paths}
@@ -174,11 +179,19 @@ def main(argv: list[str] | None = None) -> int:
         print("the C++ decode kernel is not available: sparse mode runs torch CSR", file=sys.stderr)
     sparsities = [float(s) for s in args.sparsities.split(",")]
     kernels_timed = kernel_rows(sparsities, tuple(int(b) for b in args.batches.split(",")))
-    ktext = "\n".join(["| sparsity | batch | dense F.linear ms | C++ delta8 kernel ms | torch CSR ms |", "|---|---|---|---|---|"] + [
-        f"| {k['sparsity']:.0%} | {k['batch']} | {k['dense_ms']:.2f} | {k['kernel_ms']:.2f} | {k['csr_ms']:.2f} |" for k in kernels_timed])
+    nan = float("nan")
+    ktext = "\n".join([f"| sparsity | batch | dense F.linear ms | C++ delta8 kernel ms (SparseLinear; batch 1 "
+                       f"{'portable' if kernels.prefer_portable() else 'AVX-512'}) | batch 1's AVX-512 gather loop ms | "
+                       "the portable loop ms | torch CSR ms |", "|---|---|---|---|---|---|---|"] + [
+        f"| {k['sparsity']:.0%} | {k['batch']} | {k['dense_ms']:.2f} | {k['kernel_ms']:.2f} | "
+        f"{k.get('avx512_ms', nan):.2f} | {k.get('portable_ms', nan):.2f} | {k['csr_ms']:.2f} |" for k in kernels_timed])
     print(ktext)
     if args.kernels_only:
-        print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads, "kernels": kernels_timed}))
+        result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": platform.processor() or platform.machine(),
+                  "threads": args.threads, "portable_at_batch_1": kernels.prefer_portable(), "kernels": kernels_timed}
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(json.dumps(result))
         return 0
     work = args.workdir or Path(tempfile.mkdtemp(prefix="sparse_decode_"))
     work.mkdir(parents=True, exist_ok=True)

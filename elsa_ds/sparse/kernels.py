@@ -6,6 +6,8 @@ OpenMP; ``ELSA_DS_KERNELS=0`` switches it off); where it cannot be built the cal
 """
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -18,9 +20,27 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 MAX_KERNEL_ROWS = 16  # activation rows one kernel call takes (decode: batch x 1 token)
 
 
+LOOPS_ENV = "ELSA_DS_SPARSE_LOOPS"  # "portable" or "avx512": overrides prefer_portable's choice
+
+
 def load() -> ModuleType | None:
     """The compiled delta8 kernel (built once, then cached), or None when switched off or unbuildable."""
     return build.load_extension("elsa_sparse", CSRC, ("spmv.cpp",), (), "sparse decode kernel")
+
+
+@functools.cache
+def prefer_portable() -> bool:
+    """Whether batch 1 takes the portable loop where the AVX-512 gather loop is also built: on AMD CPUs (whose gathers
+    are slow: on an AMD EPYC the portable loop was 3-10 % faster, cold caches, ABBA; docs/results.md), unless
+    ``ELSA_DS_SPARSE_LOOPS`` says otherwise. Larger batches always take the portable loops."""
+    choice = os.environ.get(LOOPS_ENV, "").strip().lower()
+    if choice in ("portable", "avx512"):
+        return choice == "portable"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return "AuthenticAMD" in f.read(4096)
+    except OSError:
+        return False
 
 
 def reference_matmul(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -30,8 +50,11 @@ def reference_matmul(parts: dict[str, torch.Tensor], x: torch.Tensor, out_featur
     return y.index_add_(1, row, x[:, col].float() * parts["values"].float())
 
 
-def kernel_matmul(kernels: ModuleType, parts: dict[str, torch.Tensor], x: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The C++ kernel on CPU tensors, 1 to 16 rows of x (padded to 1, 2, 4, 8 or 16 columns of its fp32 x^T)."""
+def kernel_matmul(kernels: ModuleType, parts: dict[str, torch.Tensor], x: torch.Tensor, out_features: int,
+                  portable: bool | None = None) -> torch.Tensor:
+    """The C++ kernel on CPU tensors, 1 to 16 rows of x (padded to 1, 2, 4, 8 or 16 columns of its fp32 x^T);
+    ``portable``: the plain loop for batch 1 even where the AVX-512 one is built (``kernels.avx512``); None: as
+    :func:`prefer_portable` says."""
     n = x.shape[0]
     if not 1 <= n <= MAX_KERNEL_ROWS:
         raise ValueError(f"the delta8 kernel takes 1 to {MAX_KERNEL_ROWS} rows, got {n}")
@@ -39,7 +62,8 @@ def kernel_matmul(kernels: ModuleType, parts: dict[str, torch.Tensor], x: torch.
     xt = torch.zeros(x.shape[1], nb, dtype=torch.float32)
     xt[:, :n] = x.t()
     yt = torch.empty(out_features, nb, dtype=torch.float32)
-    kernels.delta8_matmul(parts["values"], parts["deltas"], parts["row_offsets"], xt, yt)
+    kernels.delta8_matmul(parts["values"], parts["deltas"], parts["row_offsets"], xt, yt,
+                          prefer_portable() if portable is None else portable)
     return yt[:, :n].t()
 
 

@@ -40,6 +40,30 @@ def test_kernel_equals_reference(kernel, out_f, in_f, sparsity, rows, dtype):
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max().clamp_min(1)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("portable", [True, False], ids=["portable", "avx512"])
+def test_batch_one_loops_equal_the_reference(kernel, portable, dtype):
+    """Batch 1's two loops (the AVX-512 gather loop where it is built, and the portable one, whichever
+    prefer_portable picks by default) on full 16-entry blocks, tails, empty rows and filler entries."""
+    if not portable and not kernel.avx512:
+        pytest.skip("this CPU has no AVX-512: only the portable loops are built")
+    for out_f, in_f, sparsity in [(40, 1000, 0.5), (29, 3000, 0.99), (7, 70, 0.0), (64, 4096, 0.9)]:
+        parts = encode_delta8(_weight(out_f, in_f, sparsity, dtype, seed=out_f))
+        x = torch.randn(1, in_f).to(dtype)
+        ref = K.reference_matmul(parts, x, out_f)
+        got = K.kernel_matmul(kernel, parts, x, out_f, portable=portable)
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max().clamp_min(1))), (out_f, in_f)
+
+
+def test_the_loop_choice_follows_the_environment(monkeypatch):
+    for value, want in (("portable", True), ("avx512", False)):
+        monkeypatch.setenv(K.LOOPS_ENV, value)
+        K.prefer_portable.cache_clear()
+        assert K.prefer_portable() is want
+    monkeypatch.delenv(K.LOOPS_ENV)
+    K.prefer_portable.cache_clear()
+
+
 def test_fully_empty_matrix_gives_zeros(kernel):
     parts = encode_delta8(torch.zeros(11, 40, dtype=torch.bfloat16))
     assert parts["values"].numel() == 0

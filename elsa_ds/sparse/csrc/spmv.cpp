@@ -6,8 +6,11 @@
 // and one value (bf16 or fp32), read once, in order: the loop streams 3 (bf16) or 5 (fp32) bytes per entry.
 //
 // OpenMP splits the output rows; each row is independent (no atomics). x is fp32, transposed to [cols][NB] with the
-// batch padded to NB in {1, 2, 4, 8, 16}, so one entry's update is one NB-wide multiply-add the compiler vectorizes,
-// four entries in flight on separate accumulators; batch 1 on AVX-512 decodes 16 entries at once and gathers x.
+// batch padded to NB in {1, 2, 4, 8, 16}: the portable loops do one NB-wide multiply-add per entry, four entries in
+// flight, on every CPU. Batch 1 has a second loop on AVX-512 (`portable` false): 16 entries' columns at once by a prefix
+// sum, x gathered at them. Which is faster depends on the CPU's gathers (docs/results.md: on an AMD EPYC the portable
+// loop); elsa_ds.sparse.kernels.prefer_portable picks. A hand-vectorized batch > 1 loop (each value broadcast against
+// its contiguous x^T row, columns by the prefix sum) was measured slower than the portable one there and dropped.
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -48,7 +51,7 @@ inline __m512i columns16(const uint8_t* d, __mmask16 m, __m512i base) {
 }
 
 template <typename V>
-void spmv_rows(const V* values, const uint8_t* deltas, const int64_t* offsets, const float* x, float* y, int64_t rows) {
+void spmv_rows_avx512(const V* values, const uint8_t* deltas, const int64_t* offsets, const float* x, float* y, int64_t rows) {
     const __m512i last = _mm512_set1_epi32(15);
 #pragma omp parallel for schedule(dynamic, 64)
     for (int64_t r = 0; r < rows; ++r) {
@@ -72,9 +75,11 @@ void spmv_rows(const V* values, const uint8_t* deltas, const int64_t* offsets, c
         y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
     }
 }
-#else
+#endif
+
+// the portable loops: every CPU without AVX-512, and `portable=true` (the tests hold the AVX-512 loops to them)
 template <typename V>
-void spmv_rows(const V* values, const uint8_t* deltas, const int64_t* offsets, const float* x, float* y, int64_t rows) {
+void spmv_rows_portable(const V* values, const uint8_t* deltas, const int64_t* offsets, const float* x, float* y, int64_t rows) {
 #pragma omp parallel for schedule(dynamic, 64)
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t begin = offsets[r], end = offsets[r + 1];
@@ -93,10 +98,9 @@ void spmv_rows(const V* values, const uint8_t* deltas, const int64_t* offsets, c
         y[r] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
     }
 }
-#endif
 
 template <typename V, int NB>
-void spmm_rows(const V* values, const uint8_t* deltas, const int64_t* offsets, const float* xt, float* yt, int64_t rows) {
+void spmm_rows_portable(const V* values, const uint8_t* deltas, const int64_t* offsets, const float* xt, float* yt, int64_t rows) {
 #pragma omp parallel for schedule(dynamic, 64)
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t end = offsets[r + 1];
@@ -123,14 +127,27 @@ void spmm_rows(const V* values, const uint8_t* deltas, const int64_t* offsets, c
     }
 }
 
+
+template <typename V, int NB>
+void rows_nb(const V* values, const uint8_t* deltas, const int64_t* offsets, const float* x, float* y, int64_t rows, bool portable) {
+#ifdef ELSA_SPARSE_AVX512
+    if constexpr (NB == 1) {
+        if (!portable) return spmv_rows_avx512<V>(values, deltas, offsets, x, y, rows);
+    }
+#endif
+    if constexpr (NB == 1) spmv_rows_portable<V>(values, deltas, offsets, x, y, rows);
+    else spmm_rows_portable<V, NB>(values, deltas, offsets, x, y, rows);
+}
+
 template <typename V>
-void dispatch(const V* values, const uint8_t* deltas, const int64_t* offsets, const float* x, float* y, int64_t rows, int64_t nb) {
+void dispatch(const V* values, const uint8_t* deltas, const int64_t* offsets, const float* x, float* y, int64_t rows, int64_t nb,
+              bool portable) {
     switch (nb) {
-        case 1: spmv_rows<V>(values, deltas, offsets, x, y, rows); break;
-        case 2: spmm_rows<V, 2>(values, deltas, offsets, x, y, rows); break;
-        case 4: spmm_rows<V, 4>(values, deltas, offsets, x, y, rows); break;
-        case 8: spmm_rows<V, 8>(values, deltas, offsets, x, y, rows); break;
-        case 16: spmm_rows<V, 16>(values, deltas, offsets, x, y, rows); break;
+        case 1: rows_nb<V, 1>(values, deltas, offsets, x, y, rows, portable); break;
+        case 2: rows_nb<V, 2>(values, deltas, offsets, x, y, rows, portable); break;
+        case 4: rows_nb<V, 4>(values, deltas, offsets, x, y, rows, portable); break;
+        case 8: rows_nb<V, 8>(values, deltas, offsets, x, y, rows, portable); break;
+        case 16: rows_nb<V, 16>(values, deltas, offsets, x, y, rows, portable); break;
         default: TORCH_CHECK(false, "delta8 kernel: padded batch must be 1, 2, 4, 8 or 16, got ", nb);
     }
 }
@@ -138,7 +155,9 @@ void dispatch(const V* values, const uint8_t* deltas, const int64_t* offsets, co
 }  // namespace
 
 // xt: fp32 [cols, nb] (nb = 1: just x), yt: fp32 [rows, nb]; checks of shapes and codes are done by the caller.
-void delta8_matmul(torch::Tensor values, torch::Tensor deltas, torch::Tensor row_offsets, torch::Tensor xt, torch::Tensor yt) {
+// portable: the plain loops even where the AVX-512 ones are built
+void delta8_matmul(torch::Tensor values, torch::Tensor deltas, torch::Tensor row_offsets, torch::Tensor xt, torch::Tensor yt,
+                   bool portable) {
     TORCH_CHECK(xt.scalar_type() == torch::kFloat32 && yt.scalar_type() == torch::kFloat32, "delta8 kernel: x and y are fp32");
     TORCH_CHECK(xt.is_contiguous() && yt.is_contiguous() && values.is_contiguous() && deltas.is_contiguous(), "contiguous");
     const int64_t rows = row_offsets.numel() - 1, nb = xt.size(1);
@@ -146,13 +165,22 @@ void delta8_matmul(torch::Tensor values, torch::Tensor deltas, torch::Tensor row
     const int64_t* off = row_offsets.data_ptr<int64_t>();
     if (values.scalar_type() == torch::kBFloat16) {
         dispatch(reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()), d, off, xt.data_ptr<float>(),
-                 yt.data_ptr<float>(), rows, nb);
+                 yt.data_ptr<float>(), rows, nb, portable);
     } else {
         TORCH_CHECK(values.scalar_type() == torch::kFloat32, "delta8 kernel: values are bf16 or fp32");
-        dispatch(values.data_ptr<float>(), d, off, xt.data_ptr<float>(), yt.data_ptr<float>(), rows, nb);
+        dispatch(values.data_ptr<float>(), d, off, xt.data_ptr<float>(), yt.data_ptr<float>(), rows, nb, portable);
     }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("delta8_matmul", &delta8_matmul, "y = W x for a delta8-coded sparse W and 1-16 fp32 activation columns");
+    m.def("delta8_matmul", &delta8_matmul, "y = W x for a delta8-coded sparse W and 1-16 fp32 activation columns",
+          pybind11::arg("values"), pybind11::arg("deltas"), pybind11::arg("row_offsets"), pybind11::arg("xt"), pybind11::arg("yt"),
+          pybind11::arg("portable") = false);
+    m.attr("avx512") = pybind11::bool_(
+#ifdef ELSA_SPARSE_AVX512
+        true
+#else
+        false
+#endif
+    );
 }
