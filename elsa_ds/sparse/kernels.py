@@ -32,7 +32,7 @@ def load() -> ModuleType | None:
 def prefer_portable() -> bool:
     """Whether batch 1 takes the portable loop where the AVX-512 gather loop is also built: on AMD CPUs (whose gathers
     are slow: on an AMD EPYC the portable loop was 3-10 % faster, cold caches, ABBA; docs/results.md), unless
-    ``ELSA_DS_SPARSE_LOOPS`` says otherwise. Larger batches always take the portable loops."""
+    ``ELSA_DS_SPARSE_LOOPS`` says otherwise (read once per process). Larger batches always take the portable loops."""
     choice = os.environ.get(LOOPS_ENV, "").strip().lower()
     if choice in ("portable", "avx512"):
         return choice == "portable"

@@ -55,13 +55,19 @@ def test_batch_one_loops_equal_the_reference(kernel, portable, dtype):
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max().clamp_min(1))), (out_f, in_f)
 
 
-def test_the_loop_choice_follows_the_environment(monkeypatch):
+@pytest.fixture
+def fresh_choice():
+    """prefer_portable is cached per process: cleared before and after, so no choice made here leaks out."""
+    K.prefer_portable.cache_clear()
+    yield
+    K.prefer_portable.cache_clear()
+
+
+def test_the_loop_choice_follows_the_environment(monkeypatch, fresh_choice):
     for value, want in (("portable", True), ("avx512", False)):
         monkeypatch.setenv(K.LOOPS_ENV, value)
         K.prefer_portable.cache_clear()
         assert K.prefer_portable() is want
-    monkeypatch.delenv(K.LOOPS_ENV)
-    K.prefer_portable.cache_clear()
 
 
 def test_fully_empty_matrix_gives_zeros(kernel):

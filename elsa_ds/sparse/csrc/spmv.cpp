@@ -77,7 +77,8 @@ void spmv_rows_avx512(const V* values, const uint8_t* deltas, const int64_t* off
 }
 #endif
 
-// the portable loops: every CPU without AVX-512, and `portable=true` (the tests hold the AVX-512 loops to them)
+// the portable loops: every batch above 1 on every CPU, and batch 1 without AVX-512 or with `portable` (the tests hold
+// them and the AVX-512 loop to the readable reference)
 template <typename V>
 void spmv_rows_portable(const V* values, const uint8_t* deltas, const int64_t* offsets, const float* x, float* y, int64_t rows) {
 #pragma omp parallel for schedule(dynamic, 64)
