@@ -128,16 +128,16 @@ void spmm_rows_portable(const V* values, const uint8_t* deltas, const int64_t* o
     }
 }
 
-
 template <typename V, int NB>
 void rows_nb(const V* values, const uint8_t* deltas, const int64_t* offsets, const float* x, float* y, int64_t rows, bool portable) {
-#ifdef ELSA_SPARSE_AVX512
     if constexpr (NB == 1) {
+#ifdef ELSA_SPARSE_AVX512
         if (!portable) return spmv_rows_avx512<V>(values, deltas, offsets, x, y, rows);
-    }
 #endif
-    if constexpr (NB == 1) spmv_rows_portable<V>(values, deltas, offsets, x, y, rows);
-    else spmm_rows_portable<V, NB>(values, deltas, offsets, x, y, rows);
+        spmv_rows_portable<V>(values, deltas, offsets, x, y, rows);
+    } else {
+        spmm_rows_portable<V, NB>(values, deltas, offsets, x, y, rows);
+    }
 }
 
 template <typename V>

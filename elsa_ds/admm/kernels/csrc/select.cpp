@@ -208,12 +208,13 @@ void histogram(const Src& s, const std::vector<Piece>& plan, const int64_t* pref
     };
     const int64_t ranges = omp_get_max_threads(), pieces = int64_t(plan.size());
     const auto first = [&](int64_t r) { return pieces * r / ranges; };
-    const auto starts_run = [&](int64_t k) { return k == first(0) || plan[k].slice != plan[k - 1].slice; };
+    // piece k opens a block of range r: the range's first piece, or the first of another slice
+    const auto starts_run = [&](int64_t k, int64_t r) { return k == first(r) || plan[k].slice != plan[k - 1].slice; };
     std::vector<std::vector<Block>> blocks(ranges);
     std::vector<std::unique_ptr<int32_t[]>> storage(ranges);
     for (int64_t r = 0; r < ranges; ++r) {
         int64_t runs = 0;
-        for (int64_t k = first(r); k < first(r + 1); ++k) runs += (k == first(r) || starts_run(k)) ? 1 : 0;
+        for (int64_t k = first(r); k < first(r + 1); ++k) runs += starts_run(k, r) ? 1 : 0;
         storage[r].reset(new int32_t[size_t(runs) * kBins]);  // uninitialized: zeroed by the thread that fills it
         blocks[r].reserve(size_t(runs));
     }
@@ -225,7 +226,7 @@ void histogram(const Src& s, const std::vector<Piece>& plan, const int64_t* pref
             std::vector<Block>& mine = blocks[r];
             for (int64_t k = first(r); k < first(r + 1); ++k) {
                 const Piece& pc = plan[k];
-                if (k == first(r) || starts_run(k)) {
+                if (starts_run(k, r)) {
                     int32_t* bins = storage[r].get() + mine.size() * kBins;
                     std::fill(bins, bins + kBins, 0);
                     mine.push_back({pc.slice, bins, 0.0f});
