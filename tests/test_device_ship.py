@@ -1,0 +1,191 @@
+"""Shipping the real model to a GPU machine and the budget curve's runner (bench/device/ship.py, quality.sh, curve.py),
+rehearsed end to end on a tiny stand-in: a random 2-layer Gemma-3 GGUF (tests/test_bench_gemma3.py's), its tokenizer and
+stand-in corpora packed, cut into parts, each part put into a scratch folder by the real command line as the device calls
+would, joined, checked, built into a model folder, then two cells run by quality.sh's dry run on CPU."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.device import curve, ship
+from bench.models.gemma3 import GgufSource, build, file_sha256
+from tests.test_bench_gemma3 import WORDS, write_tiny_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIP = [sys.executable, str(ROOT / "bench" / "device" / "ship.py")]
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory) -> dict:
+    """The tiny GGUF, a tokenizer folder built from it, and corpora in the layout ship.py packs."""
+    root = tmp_path_factory.mktemp("stand_in")
+    gguf = root / "tiny-gemma3.gguf"
+    write_tiny_gguf(gguf)
+    sha = file_sha256(gguf)
+
+    def assemble(target: Path) -> Path:
+        target.write_bytes(gguf.read_bytes())
+        return target
+
+    tokenizer = build(root / "built", GgufSource(gguf.name, sha, assemble), say=lambda _: None)
+    rng, words = random.Random(0), [w.lstrip("▁") for w in WORDS]
+    for name, files in ship.CORPORA.items():
+        (root / "corpora" / name).mkdir(parents=True)
+        for f in files:
+            lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(150))}) for _ in range(30)]
+            (root / "corpora" / name / f).write_text("{}" if f == "corpus.json" else "\n".join(lines) + "\n")
+    terms = root / "GEMMA_TERMS.html"
+    terms.write_text("<p>terms</p>")
+    return {"gguf": gguf, "sha": sha, "tokenizer": tokenizer, "corpora": root / "corpora", "terms": terms}
+
+
+@pytest.fixture(scope="module")
+def packed(stand_in, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("ship")
+    manifest = ship.pack(stand_in["gguf"], stand_in["sha"], stand_in["tokenizer"], stand_in["corpora"], stand_in["terms"],
+                         out, part_mib=0.05)
+    return out, manifest
+
+
+def put(index: int, src: Path, dest: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*SHIP, "put", str(index), "--ship", str(src), "--dest", str(dest)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_pack_cuts_parts_that_rejoin_to_the_payload_and_plans_one_call_each(packed):
+    out, manifest = packed
+    parts = manifest["parts"]
+    assert len(parts) >= 3 and all(p["bytes"] <= manifest["part_bytes"] for p in parts)
+    assert sum(p["bytes"] for p in parts) == manifest["payload_bytes"]
+    calls = manifest["calls"]
+    assert [c["carry"][1] for c in calls[:len(parts)]] == [f"bench/device/ship/{p['name']}" for p in parts]
+    assert all("bench/device/ship/manifest.json" in c["carry"] for c in calls)
+    assert "quality.sh start" in calls[-1]["command"] and "bench/device/wheels" in calls[-1]["carry"]
+    assert (out / "calls.md").read_text().count("run  command:") == len(calls) + 1  # + the wait call
+
+
+def test_real_part_size_leaves_room_for_the_checkout():
+    """Without --part_mib a part fits the device tool's 64 MiB beside what the checkout carries."""
+    travel = ship.travel_bytes()
+    assert 1 << 20 < travel < 40 << 20
+    assert (ship.TRAVEL_MIB - ship.MARGIN_MIB) * ship.MIB - travel > 8 << 20
+
+
+def test_puts_then_join_build_the_model_and_corpora(packed, stand_in, tmp_path):
+    out, manifest = packed
+    dest = tmp_path / "device"
+    for i in range(len(manifest["parts"])):
+        proc = put(i, out, dest)
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout.splitlines()[-1])
+        assert result["persisted"] and result["earlier_parts_present"] == i
+    unpacked = ship.join(dest)
+    model = ship.build_model(unpacked, tmp_path / "models" / "gemma3")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoModelForCausalLM.from_pretrained(model).num_parameters() > 0
+    assert AutoTokenizer.from_pretrained(model)("the cat").input_ids == AutoTokenizer.from_pretrained(stand_in["tokenizer"])("the cat").input_ids
+    for name, files in ship.CORPORA.items():
+        for f in files:
+            assert (unpacked / "corpora" / name / f).read_bytes() == (stand_in["corpora"] / name / f).read_bytes()
+    assert (model / "GEMMA_TERMS.html").is_file() and json.loads((model / "build.json").read_text())["gguf_sha256"] == stand_in["sha"]
+    assert ship.join(dest) == unpacked  # a second join finds it unpacked
+
+
+def test_a_part_gone_between_calls_is_reported_and_a_tampered_one_refused(packed, tmp_path):
+    out, manifest = packed
+    dest = tmp_path / "device"
+    assert put(0, out, dest).returncode == 0
+    (dest / "part00").unlink()  # a fresh machine: the first call's file did not persist
+    proc = put(1, out, dest)
+    assert proc.returncode == 3 and "did not persist" in proc.stderr and "Traceback" not in proc.stderr
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in out.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    data = bytearray((bad / "part01").read_bytes())
+    data[100] ^= 0xFF
+    (bad / "part01").write_bytes(bytes(data))
+    proc = put(1, bad, tmp_path / "device2")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not the packed bytes" in proc.stderr
+
+
+def test_join_refuses_a_part_changed_after_put_and_names_it(packed, tmp_path):
+    out, manifest = packed
+    dest = tmp_path / "device"
+    for i in range(len(manifest["parts"])):
+        assert put(i, out, dest).returncode == 0
+    data = bytearray((dest / "part01").read_bytes())
+    data[7] ^= 1
+    (dest / "part01").write_bytes(bytes(data))
+    proc = subprocess.run([*SHIP, "join", "--dest", str(dest)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "part01" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (dest / "payload").exists()
+
+
+def test_pack_refuses_a_gguf_that_is_not_the_packages(stand_in, tmp_path):
+    with pytest.raises(ship.ShipError, match="sha256"):
+        ship.pack(stand_in["gguf"], "0" * 64, stand_in["tokenizer"], stand_in["corpora"], None, tmp_path / "s", part_mib=1)
+    (stand_in["corpora"] / "manpages" / "test.jsonl").rename(tmp_path / "moved")
+    try:
+        with pytest.raises(ship.ShipError, match="corpora.py --name manpages"):
+            ship.pack(stand_in["gguf"], stand_in["sha"], stand_in["tokenizer"], stand_in["corpora"], None, tmp_path / "s")
+    finally:
+        (tmp_path / "moved").rename(stand_in["corpora"] / "manpages" / "test.jsonl")
+
+
+def test_the_plan_runs_small_budgets_first_and_skips_cells_done_before(tmp_path):
+    plan = curve.curve_plan(2000)
+    assert [c.steps for c in plan[:9]] == [125] * 3 + [500] * 3 + [2000] * 3 and {c.sparsity for c in plan[:9]} == {0.9}
+    assert {c.method for c in plan if c.steps == 2000 and c.sparsity == 0.7} == {"elsa", "sparsegpt+ft", "wanda+ft"}
+    assert curve.Cell("elsa", 0.9, 2000, "paper") in plan and curve.Cell("dense+ft", None, 2000) in plan
+    done = tmp_path / "done.jsonl"
+    done.write_text(json.dumps({"key": plan[0].key(512), "status": "ok"}) + "\n" + json.dumps({"key": plan[1].key(512), "status": "cut"}) + "\n")
+    assert curve.done_keys(done) == {plan[0].key(512)}
+    with pytest.raises(ValueError, match="method:sparsity:steps"):
+        curve.parse_cell("elsa:0.9")
+    with pytest.raises(ValueError, match="paper"):
+        curve.parse_cell("wanda+ft:0.9:100:paper")
+
+
+def test_the_estimate_learns_from_finished_cells_of_the_same_device():
+    lines = [{"device": "H", "status": "ok", "kind": "train", "steps": 100, "step_s": 0.2, "wall_s": 80.0},
+             {"device": "other", "status": "ok", "kind": "train", "steps": 100, "step_s": 9.0, "wall_s": 990.0}]
+    est = curve.Estimator("H", lines)
+    assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(60.0 + 1000 * 0.2)
+    assert est.seconds(curve.Cell("sparsegpt", 0.9, 0), 3) == curve.PRIOR_OVERHEAD_S["oneshot"]
+
+
+@pytest.mark.integration
+def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
+    """quality.sh start on CPU: join + build from the put parts, the runner detached, two cells, their lines back in OUT."""
+    out, manifest = packed
+    dest = tmp_path / "device"
+    for i in range(len(manifest["parts"])):
+        assert put(i, out, dest).returncode == 0
+    env = {**os.environ, "ELSA_SHIP": str(dest), "ELSA_MODELS": str(tmp_path / "models"), "ELSA_CURVE": str(tmp_path / "runs"),
+           "OUT": str(tmp_path / "OUT"), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
+           "CURVE_ARGS": f"--cells dense:-:0,elsa:0.9:2:rule:2 --seqlen 32 --micro_batch 2 --eval_limit 4 --parallel 2 "
+                         f"--results {tmp_path / 'none.jsonl'}"}
+    proc = subprocess.run(["bash", "bench/device/quality.sh", "--dry-run", "start", "500", "480"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "OUT" / "cells.jsonl").read_text().splitlines()]
+    assert {x["key"] for x in lines} == {"dense|-|0x8x32|rule", "elsa|0.9|2x2x32|rule"}
+    for line in lines:
+        assert line["status"] == "ok" and math.isfinite(line["test_ppl"]) and math.isfinite(line["linuxdoc_ppl"])
+        assert line["device"] == "cpu" and line["code_sha"] and line["eval"]["windows"]["test"] == 4
+    elsa = next(x for x in lines if x["method"] == "elsa")
+    assert elsa["tokens"] == 2 * 2 * 32 and abs(elsa["overall_sparsity"] - 0.9) < 1e-3 and elsa["settings_used"]["lr"] > 0
+    assert (tmp_path / "OUT" / "curve.log").is_file() and not (tmp_path / "runs" / "work" / "elsa_90_2_rule").exists()
+    listing = subprocess.run([sys.executable, "bench/device/curve.py", "--list", "--cells", "dense:-:0,elsa:0.9:2:rule:2,wanda+ft:0.9:2",
+                              "--seqlen", "32", "--results", str(tmp_path / "OUT" / "cells.jsonl")], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+    assert listing.stdout.split("\n")[:3] == ["done  dense|-|0x8x32|rule", "done  elsa|0.9|2x2x32|rule", "todo  wanda+ft|0.9|2x8x32|rule"]
