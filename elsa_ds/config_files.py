@@ -25,6 +25,24 @@ def read_json_object(path: str | Path, what: str, hint: str) -> dict:
     return data
 
 
+# Settings that name code, taken from the command line (or the API's keywords) only, never from a file a user may have
+# downloaded (a recipe, the DeepSpeed JSON's "elsa" block): a file is data. lm-eval imports the Python module a task YAML
+# names with `!function module.fn` from that YAML's own folder, so an include path in such a file would run its code.
+# eval_tasks stays allowed in files: a name is only looked up among the task YAMLs lm-eval installs (with no include
+# path, evaluation.zeroshot.task_manager refuses any other name, a path included, before lm-eval loads anything), and
+# the only code those YAMLs import is the installed lm_eval package's own.
+COMMAND_LINE_ONLY = ("eval_include_path",)
+
+
+def refuse_command_line_only(settings: dict[str, Any], where: str) -> None:
+    """ElsaError when a file's ``settings`` (``where``: which file) carry a setting of COMMAND_LINE_ONLY."""
+    found = [k for k in COMMAND_LINE_ONLY if k in settings]
+    if found:
+        flags = ", ".join(f"--{k}" for k in found)
+        raise ElsaError(f"{where} sets {', '.join(found)}: a folder whose Python lm-eval would import, so it is read from the command "
+                        f"line only ({flags} DIR), never from a file; remove it there and pass {flags} yourself if you trust that folder")
+
+
 def recipe_dir() -> Path:
     """The paper's settings that ship with elsa_ds (``recipes/`` in the repository)."""
     return Path(__file__).resolve().parent / "recipes"
@@ -46,13 +64,15 @@ def load_recipe(name_or_path: str, known: set[str]) -> dict[str, Any]:
     unknown = sorted(set(settings) - set(known))
     if unknown:
         raise ElsaError(f"recipe {path}: unknown settings {unknown} (known: {', '.join(sorted(known))})")
+    refuse_command_line_only(settings, f"recipe {path}")
     return settings
 
 
 def check_each_source(model: Any, sources: list[tuple[str, dict[str, Any]]]) -> None:
     """ElsaError naming the source of every setting that is wrong on its own (type, range, unknown name), even where a
     later source overrides it: a recipe's ``"steps": "four"`` is the recipe's error, also when --steps replaces it.
-    Rules across settings are left to the merged config (a source alone may be incomplete)."""
+    Rules across settings are left to the merged config (a source alone may be incomplete). The sources are files, so a
+    setting that names code is refused there (``refuse_command_line_only``)."""
     from pydantic import ValidationError
 
     from elsa_ds.errors import format_validation_error
@@ -60,6 +80,7 @@ def check_each_source(model: Any, sources: list[tuple[str, dict[str, Any]]]) -> 
     for where, values in sources:
         if not values:
             continue
+        refuse_command_line_only(values, where)
         try:
             model(**values)
         except ValidationError as err:

@@ -3,7 +3,9 @@
 The lock is ``.NAME.lock`` in the output's parent directory, held with ``flock`` for the job's lifetime and naming its
 holder (pid, host, start time). The kernel drops a ``flock`` when its process dies, so the lock file a killed job
 leaves behind is taken over by the next job; a lock file that names a live process on this host, or a process on
-another host (which ``flock`` may not reach across a network filesystem), is refused with its holder named.
+another host (which ``flock`` may not reach across a network filesystem), is refused with its holder named. A job
+writes only into a lock file it created (``O_EXCL``), never through a symbolic link: the lock path sits in a folder
+others may write to, and a link planted there must not turn the lock into an overwrite of its target.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -65,30 +68,69 @@ def owned(output: Path | None, flag: str, take: bool = True) -> Iterator[None]:
 
 
 def acquire(output: Path, flag: str) -> int:
-    """Take the lock of ``output`` (its file descriptor, for :func:`release`), or ElsaError naming the holder."""
+    """Take the lock of ``output`` (its file descriptor, for :func:`release`), or ElsaError naming the holder.
+
+    A job writes its name only into a lock file it has just created itself (``O_CREAT | O_EXCL | O_NOFOLLOW``): a file
+    or symbolic link someone put at the lock path is never truncated or written through. A stale lock (its holder gone)
+    is unlinked, once checked to be the regular file that was examined, and created anew."""
     path = lock_path(output)
     for _ in range(5):
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as err:
-            raise ElsaError(f"{flag} {output}: cannot create its lock file {path} ({err.strerror}); choose another path") from None
+        fd, created = _open_lock(output, flag, path)
+        if fd is None:  # removed between looking and opening: look again
+            continue
         try:
             locked = _flock(fd)
-            if locked is False:
-                raise ElsaError(_busy(output, flag, path, _holder(path)))
-            if not _same_file(fd, path):  # the holder released (and unlinked) it between our open and our flock
+            if locked is False and _same_file(fd, path):
+                raise ElsaError(_busy(output, flag, path, _holder(fd)))
+            if locked is False or not _same_file(fd, path):  # released (unlinked) or replaced since our open
                 os.close(fd)
                 continue
-            _check_previous(output, flag, path, flock_works=locked)
+            if not created:
+                _check_previous(output, flag, path, _holder(fd), flock_works=locked)  # refuses a live holder
+                if _same_file(fd, path):
+                    path.unlink()  # the stale file examined above: the next round creates a new one
+                os.close(fd)
+                continue
             info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "pid_start": _pid_start(os.getpid())}
-            os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(info).encode(), 0)
             os.fsync(fd)
-            return fd
+            if _same_file(fd, path):  # without flock, another job may have taken the empty file over meanwhile
+                return fd
+            os.close(fd)
         except BaseException:
             os.close(fd)
             raise
     raise ElsaError(f"{flag} {output}: its lock {path} keeps changing hands; try again")
+
+
+def _open_lock(output: Path, flag: str, path: Path) -> tuple[int | None, bool]:
+    """(descriptor, created here): a new lock file, else the regular file already at ``path`` opened as it is (no
+    truncation: it is only read; read-write because flock over NFS is an fcntl lock, which needs a writable descriptor);
+    (None, False) when it vanished meanwhile. A symbolic link there is refused, never followed (it could point at any
+    file of the user's, which the lock would overwrite)."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+    except FileExistsError:
+        pass  # a lock file (or something else) is there already: examined below
+    except OSError as err:
+        raise ElsaError(f"{flag} {output}: cannot create its lock file {path} ({err.strerror}); choose another path") from None
+    try:
+        kind = os.lstat(path).st_mode
+        if stat.S_ISREG(kind):
+            fd = os.open(path, flags | os.O_NONBLOCK)
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return fd, False
+            os.close(fd)
+    except FileNotFoundError:
+        return None, False
+    except OSError as err:
+        if err.errno != errno.ELOOP:  # ELOOP: a symbolic link swapped in after lstat, refused below
+            raise ElsaError(f"{flag} {output}: cannot open its lock file {path} ({err.strerror}); choose another path") from None
+        kind = stat.S_IFLNK
+    what = "a symbolic link" if stat.S_ISLNK(kind) else "not a regular file"
+    raise ElsaError(f"{flag} {output}: its lock file {path} is {what}, which elsa_ds never follows or replaces; "
+                    "remove it if it is yours, or choose another path")
 
 
 def release(output: Path, fd: int) -> None:
@@ -123,16 +165,18 @@ def _flock(fd: int) -> bool | None:
 
 
 def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` itself (not what a symbolic link there points at) is the file open as ``fd``."""
     try:
-        st, now = os.fstat(fd), os.stat(path)
+        st, now = os.fstat(fd), os.lstat(path)
     except FileNotFoundError:
         return False
     return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
 
 
-def _holder(path: Path) -> dict:
+def _holder(fd: int) -> dict:
+    """The holder a lock file names, read through the descriptor examined (not the path: it may have been swapped)."""
     try:
-        info = json.loads(path.read_text(encoding="utf-8") or "{}")
+        info = json.loads(os.pread(fd, 1 << 16, 0).decode("utf-8") or "{}")
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}
@@ -143,9 +187,9 @@ def _busy(output: Path, flag: str, path: Path, info: dict) -> str:
     return f"{flag} {output} is being written by another job ({who}; lock {path}); wait for it to end or choose another path"
 
 
-def _check_previous(output: Path, flag: str, path: Path, flock_works: bool | None) -> None:
-    """A lock file left by an earlier holder: stale when its process is gone from this host; otherwise refused."""
-    info = _holder(path)
+def _check_previous(output: Path, flag: str, path: Path, info: dict, flock_works: bool | None) -> None:
+    """A lock file left by an earlier holder (``info``: what it names): stale when its process is gone from this host;
+    otherwise refused."""
     if not info.get("pid"):
         return
     if info.get("host") != socket.gethostname():

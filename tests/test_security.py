@@ -1,0 +1,169 @@
+"""Files and arguments from elsewhere stay data (issue 42): a symbolic link at an output's lock path is refused, never
+written through; the SLURM launcher hands its arguments on without a shell re-reading them and removes its hostfile
+however it ends; a recipe or the DeepSpeed JSON's "elsa" block cannot name a folder whose Python lm-eval would import."""
+from __future__ import annotations
+
+import json
+import re
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elsa_ds.cli import main_evaluate, prune_parser, settings_from_args
+from elsa_ds.errors import ElsaError
+from elsa_ds.ownership import acquire, lock_path, owned, release
+from tests.conftest import ROOT, derived_config
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("elsa_ds: error")]
+
+
+# ---- finding 2: the lock never writes through a link or into a file it did not create --------------------------------
+def test_a_symlink_at_the_lock_path_is_refused_and_its_target_kept(tmp_path, capsys):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"someone's precious bytes\n")
+    result = tmp_path / "result.json"
+    lock_path(result).symlink_to(victim)
+    code = main_evaluate(["--model", str(tmp_path / "no_model"), "--ppl", "wikitext2", "--output", str(result)])
+    errors = _error_lines(capsys.readouterr().err)
+    assert victim.read_bytes() == b"someone's precious bytes\n"
+    assert code == 2 and len(errors) == 1, errors
+    assert "is a symbolic link" in errors[0] and str(lock_path(result)) in errors[0]
+    assert lock_path(result).is_symlink() and not result.exists()
+
+
+def test_a_dangling_link_is_not_created_through_and_a_stale_hard_link_is_replaced_not_written(tmp_path):
+    out = tmp_path / "out"
+    lock_path(out).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ElsaError, match="is a symbolic link") as err:
+        acquire(out, "--output_dir")
+    assert "\n" not in str(err.value) and not (tmp_path / "elsewhere").exists()
+    lock_path(out).unlink()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not a lock")
+    os.link(victim, lock_path(out))                        # a lock file that names no live holder: stale, taken over
+    fd = acquire(out, "--output_dir")
+    try:
+        assert json.loads(lock_path(out).read_text())["pid"] == os.getpid() and victim.read_text() == "not a lock"
+        with pytest.raises(ElsaError, match="being written by another job"):
+            with owned(out, "--output_dir"):
+                pass
+    finally:
+        release(out, fd)
+    assert not lock_path(out).exists() and victim.read_text() == "not a lock"
+
+
+# ---- finding 3: launch/slurm_prune.sbatch passes its arguments as they are ----------------------------------------------
+STUB_DEEPSPEED = """#!{python}
+import json, os, sys, time
+args = sys.argv[1:]
+hostfile = args[args.index("--hostfile") + 1]
+record = {{"argv": args, "hostfile": open(hostfile).read(), "cwd": os.getcwd()}}
+with open(os.environ["STUB_RECORD"] + ".tmp", "w") as f:
+    json.dump(record, f)
+os.replace(os.environ["STUB_RECORD"] + ".tmp", os.environ["STUB_RECORD"])
+time.sleep(float(os.environ.get("STUB_SLEEP", "0")))
+sys.exit(int(os.environ.get("STUB_RC", "0")))
+"""
+STUB_SRUN = """#!/usr/bin/env bash
+while [[ $1 == -* ]]; do shift; done   # srun's own options; the rest is the command it runs on every node
+SLURM_NODEID=0 exec "$@"
+"""
+STUB_SCONTROL = """#!/usr/bin/env bash
+[[ $1 == show && $2 == hostnames ]] && printf 'node-a\\nnode-b\\n'
+"""
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    """A submit directory and stub srun / scontrol / deepspeed on PATH; the deepspeed stub records what it was given."""
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    stubs, work = tmp_path / "bin", tmp_path / "submit"
+    stubs.mkdir()
+    work.mkdir()
+    for name, text in (("deepspeed", STUB_DEEPSPEED.format(python=sys.executable)), ("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL)):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(work),
+           "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_GPUS_PER_NODE": "4", "STUB_RECORD": str(tmp_path / "record.json")}
+    return work, env, tmp_path / "record.json"
+
+
+ARGS = ["--output_dir", "/shared/out/with space", "--model", "m$(touch PWNED)", "--tag", "`touch PWNED2`;touch PWNED3"]
+
+
+def _sbatch(work: Path, env: dict[str, str], **kw) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(ROOT / "launch" / "slurm_prune.sbatch"), *ARGS], cwd=work, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_slurm_launcher_passes_arguments_unparsed_and_removes_its_hostfile(slurm):
+    work, env, record = slurm
+    proc = _sbatch(work, env)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    seen = json.loads(record.read_text())
+    assert seen["argv"][seen["argv"].index("launch/prune.py") + 1:] == ARGS      # one entry each, space and $(...) kept as text
+    assert seen["argv"][seen["argv"].index("--node_rank") + 1] == "0" and seen["hostfile"] == "node-a slots=4\nnode-b slots=4\n"
+    assert seen["argv"][seen["argv"].index("--master_addr") + 1] == "node-a"
+    assert not list(work.parent.rglob("PWNED*")) and Path(seen["cwd"]) == work
+    assert not list(work.glob("hostfile.*"))
+
+    env["STUB_RC"] = "3"                                   # a failed job removes it too, and its exit code comes through
+    proc = _sbatch(work, env)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 3 and not list(work.glob("hostfile.*"))
+
+    env["STUB_RC"], env["STUB_SLEEP"] = "0", "60"            # scancel: SIGTERM to the job's processes
+    record.unlink()
+    proc = _sbatch(work, env, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(work.glob("hostfile.*")), "the job should be running with its hostfile"
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode != 0 and not list(work.glob("hostfile.*"))
+
+
+# ---- finding 4: no code path from a recipe or the DeepSpeed JSON --------------------------------------------------------
+def _recipe(tmp_path: Path, settings: dict) -> Path:
+    path = tmp_path / "downloaded-recipe.json"
+    path.write_text(json.dumps({"source": "somewhere on the internet", "settings": settings}))
+    return path
+
+
+def _prune_args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--deepspeed", "zero3", "--output_dir", str(tmp_path / "out"), *extra]
+
+
+def test_a_recipe_or_the_json_cannot_name_an_lm_eval_include_path(tmp_path, capsys):
+    from elsa_ds.cli import main_prune
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    recipe = _recipe(tmp_path, {"eval_tasks": "my_task", "eval_include_path": str(tasks)})
+    with pytest.raises(ElsaError, match="eval_include_path") as err:
+        settings_from_args(prune_parser().parse_args(_prune_args(tmp_path, "--recipe", str(recipe))))
+    assert str(recipe) in str(err.value) and "command line only" in str(err.value) and "\n" not in str(err.value)
+    assert main_prune(_prune_args(tmp_path, "--recipe", str(recipe))) == 2
+    errors = _error_lines(capsys.readouterr().err)
+    assert len(errors) == 1 and "eval_include_path" in errors[0], errors
+
+    ds_json = derived_config(tmp_path, "zero3.json", elsa={"eval_include_path": str(tasks)})
+    with pytest.raises(ElsaError, match=re.escape(f'the "elsa" block of {ds_json}') + '.*eval_include_path'):
+        settings_from_args(prune_parser().parse_args(["--deepspeed", str(ds_json), "--output_dir", str(tmp_path / "out")]))
+
+    # task names alone stay allowed in a recipe (looked up among lm-eval's installed tasks); the folder comes from the flag
+    names_only = _recipe(tmp_path, {"eval_tasks": "boolq,rte"})
+    args = prune_parser().parse_args(_prune_args(tmp_path, "--recipe", str(names_only), "--eval_include_path", str(tasks)))
+    _, cfg, _ = settings_from_args(args)
+    assert cfg.eval_tasks == ["boolq", "rte"] and cfg.eval_include_path == str(tasks)
