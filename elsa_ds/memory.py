@@ -59,8 +59,8 @@ RUNTIME_HOST_BYTES = 520 * 2**20
 # measured the same way.
 LAUNCHER_HOST_BYTES = 2 * 244 * 2**20
 # A CUDA rank's extra host RSS (CUDA runtime, cuBLAS/cuDNN mapped in, pinned staging): the 32-step demo job on one H100
-# against the same job with CUDA hidden, peak RSS 2.501e9 vs 1.433e9 bytes (torch 2.11+cu130; docs/results.md, "GPU
-# device kit"). The CUDA context on the GPU (not in torch.cuda.max_memory_allocated) is a typical value, not measured.
+# against the same job with CUDA hidden, peak RSS 2.501e9 vs 1.433e9 bytes (torch 2.11+cu130; docs/history.md, "GPU
+# device kit: the first run on a GPU"). The CUDA context on the GPU (not in torch.cuda.max_memory_allocated) is a typical value, not measured.
 CUDA_HOST_BYTES = 1.07e9
 RUNTIME_GPU_BYTES = 0.6e9
 
@@ -372,13 +372,14 @@ def estimate_job(model: str, deepspeed: str, num_gpus: int, num_nodes: int = 1, 
     as the job checks it (ZeRO stage 3, the batch split over num_gpus × num_nodes ranks; NVMe paths are not checked:
     they belong to the machine that runs the job), and ``settings`` (ElsaConfig fields) merged over its ``elsa`` block."""
     from elsa_ds.config import resolve_config
-    from elsa_ds.models import hidden_size
+    from elsa_ds.models import check_seqlen, guarded_config, hidden_size
     from elsa_ds.zero.ds_config import DsConfig
 
     ds_config = DsConfig.load(deepspeed)
-    config = resolve_model_config(model)
+    config = guarded_config(model, lambda: resolve_model_config(model))
     model_dir = str(Path(model).expanduser().parent) if Path(model).expanduser().is_file() else model
     cfg = resolve_config(ds_config.raw, {**(settings or {}), "model": model_dir}, source=deepspeed)
+    check_seqlen(config, cfg.seqlen, model)
     world = num_gpus * num_nodes
     ds_config.check(cfg, world, hidden_size(config), check_paths=False)
     shape = model_shape(config, cfg.targets, freeze_embeddings=cfg.freeze_embeddings)

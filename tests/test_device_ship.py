@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.device import curve, ship
+from bench.device import curve, curve_report, ship
 from bench.models.gemma3 import GgufSource, build, file_sha256
 from tests.test_bench_gemma3 import WORDS, write_tiny_gguf
 
@@ -161,6 +161,26 @@ def test_the_estimate_learns_from_finished_cells_of_the_same_device():
     est = curve.Estimator("H", lines)
     assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(60.0 + 1000 * 0.2)
     assert est.seconds(curve.Cell("sparsegpt", 0.9, 0), 3) == curve.PRIOR_OVERHEAD_S["oneshot"]
+
+
+def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp_path):
+    def cell(method, sparsity, steps, test, kind="train", settings="rule", status="ok"):
+        key = f"{method}|{sparsity}|{steps}|{settings}"
+        return {"key": key, "method": method, "sparsity": sparsity, "steps": steps, "settings": settings, "kind": kind,
+                "tokens": steps * 4096, "test_ppl": test, "linuxdoc_ppl": 2 * test, "status": status, "device": "GPU"}
+
+    lines = [cell("elsa", 0.9, 125, 40.0), cell("sparsegpt+ft", 0.9, 125, 32.0), cell("wanda+ft", 0.9, 125, 36.0),
+             cell("elsa", 0.9, 2000, 30.0, status="cut"), cell("elsa", 0.9, 2000, 20.0), cell("wanda+ft", 0.9, 2000, 25.0),
+             cell("elsa", 0.9, 2000, 22.0, settings="paper"), cell("dense", None, 0, 20.0, kind="eval"),
+             cell("sparsegpt", 0.9, 0, 700.0, kind="oneshot")]
+    results = tmp_path / "cells.jsonl"
+    results.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert curve_report.main(["--results", str(results), "--out", str(tmp_path / "curve")]) == 0
+    md = (tmp_path / "curve.md").read_text()
+    assert "| **ELSA / best retraining**, man pages test | 1.25 | 0.80 |" in md  # 40/32 at 125 steps; 20/25 at 2000 (not the cut 30)
+    assert "elsa (paper's settings), man pages test |  | 22.00 |" in md and "sparsegpt 700.00 / 1400.00" in md
+    assert (tmp_path / "curve.png").stat().st_size > 10_000
+    assert curve_report.main(["--results", str(tmp_path / "none.jsonl")]) == 2
 
 
 @pytest.mark.integration

@@ -13,7 +13,7 @@ base is a plain ``torch.optim.Adam`` or ``AdamW`` (no amsgrad, maximize, captura
 state already exists. It is opt-in, ``ELSA_DS_COMPILED=1`` (``ELSA_DS_KERNELS=0`` turns every fast path off): on the one
 GPU measured (an H100, ``bench/optimizer_step.py --device cuda``, 32M entries in 8 layers) it took 1.61 ms a step where
 the eager path took 0.77 ms (the penalty into the gradient, then torch's fused Adam), most likely the per-call cost of
-Dynamo's guards over one call per slice and gap (docs/results.md, "GPU device kit"). A compilation that fails says
+Dynamo's guards over one call per slice and gap (docs/results.md, section 3, "On the GPU"). A compilation that fails says
 why once and this flat's step then runs the same function uncompiled.
 """
 from __future__ import annotations

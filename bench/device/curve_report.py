@@ -1,0 +1,130 @@
+"""The budget curve's table and plot from the cells' JSON lines (bench/device/curve.py).
+
+    python bench/device/curve_report.py                                     # bench/results/gpu_quality_gemma3-270m.jsonl
+    python bench/device/curve_report.py --results FILE --out bench/results/gpu_quality_gemma3-270m
+
+Writes OUT.md (per sparsity: held-out perplexity by method and training tokens on both test texts, and ELSA's ratio to the
+best retraining baseline at each budget: the issue's target is <= 0.8 at the largest) and OUT.png (perplexity against
+training tokens, log-log, one line per method, a panel per sparsity and text; one-shot starts and the dense model as
+horizontal references). The last line printed is JSON: the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
+TEXTS = (("test_ppl", "man pages test"), ("linuxdoc_ppl", "linux-doc test"))
+RETRAINING = ("sparsegpt+ft", "wanda+ft")
+TARGET = 0.8
+COLORS = {"elsa": "C1", "elsa (paper's settings)": "C2", "sparsegpt+ft": "C3", "wanda+ft": "C4", "dense+ft": "C0"}
+
+
+def load(path: Path) -> list[dict]:
+    """The ``ok`` cells; a key measured twice keeps its latest line."""
+    latest: dict[str, dict] = {}
+    for line in (json.loads(x) for x in path.read_text().splitlines() if x.strip()):
+        if line.get("status") == "ok":
+            latest[line["key"]] = line
+    return list(latest.values())
+
+
+def series(cells: list[dict], sparsity: float | None) -> dict[str, dict[int, dict]]:
+    """{method label: {tokens: cell}} of the training cells at ``sparsity`` (the paper's settings as their own label)."""
+    out: dict[str, dict[int, dict]] = defaultdict(dict)
+    for c in cells:
+        if c["kind"] == "train" and (c["sparsity"] == sparsity or c["method"] == "dense+ft"):
+            label = c["method"] + (" (paper's settings)" if c.get("settings") == "paper" else "")
+            out[label][c["tokens"]] = c
+    return dict(out)
+
+
+def references(cells: list[dict], sparsity: float) -> dict[str, dict]:
+    """The untrained rows: dense and the one-shot starts at ``sparsity``."""
+    return {c["method"]: c for c in cells if c["kind"] == "eval" or (c["kind"] == "oneshot" and c["sparsity"] == sparsity)}
+
+
+def ratios(curves: dict[str, dict[int, dict]], metric: str) -> dict[int, float]:
+    """ELSA (rule) / the best retraining baseline at every budget both were measured on."""
+    out = {}
+    for tokens, cell in curves.get("elsa", {}).items():
+        base = [curves[m][tokens][metric] for m in RETRAINING if tokens in curves.get(m, {})]
+        if base:
+            out[tokens] = cell[metric] / min(base)
+    return out
+
+
+def table(cells: list[dict], sparsity: float) -> tuple[str, dict]:
+    curves, refs = series(cells, sparsity), references(cells, sparsity)
+    budgets = sorted({t for s in curves.values() for t in s})
+    lines = [f"### {sparsity:.0%} sparsity", "", "| method | " + " | ".join(f"{t:,} tokens" for t in budgets) + " |",
+             "|---|" + "---:|" * len(budgets)]
+    for metric, text in TEXTS:
+        for label in sorted(curves):
+            row = [f"{curves[label][t][metric]:.2f}" if t in curves[label] else "" for t in budgets]
+            lines.append(f"| {label}, {text} | " + " | ".join(row) + " |")
+        r = ratios(curves, metric)
+        lines.append(f"| **ELSA / best retraining**, {text} | " + " | ".join(f"{r[t]:.2f}" if t in r else "" for t in budgets) + " |")
+    lines += ["", "Untrained: " + ", ".join(f"{m} {c['test_ppl']:.2f} / {c['linuxdoc_ppl']:.2f}" for m, c in sorted(refs.items()))
+              + " (man pages / linux-doc).", ""]
+    figures = {text: {str(t): round(v, 4) for t, v in ratios(curves, metric).items()} for metric, text in TEXTS}
+    return "\n".join(lines), figures
+
+
+def plot(cells: list[dict], sparsities: list[float], out: Path) -> None:
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(TEXTS), len(sparsities), figsize=(5.5 * len(sparsities), 8), squeeze=False)
+    for col, sparsity in enumerate(sparsities):
+        curves, refs = series(cells, sparsity), references(cells, sparsity)
+        for row, (metric, text) in enumerate(TEXTS):
+            ax = axes[row][col]
+            for label, points in sorted(curves.items()):
+                xs = sorted(points)
+                ax.plot(xs, [points[t][metric] for t in xs], marker="o", label=label, color=COLORS.get(label))
+            for name, cell in sorted(refs.items()):
+                ax.axhline(cell[metric], linestyle=":" if name == "dense" else "--", linewidth=1, color="grey")
+                ax.annotate(f"{name} (untrained)", (0.01, cell[metric]), xycoords=("axes fraction", "data"), fontsize=7)
+            ax.set(xscale="log", yscale="log", xlabel="training tokens", ylabel=f"perplexity, {text}",
+                   title=f"Gemma-3 270M, {sparsity:.0%}")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS.with_suffix(""), help="OUT.md and OUT.png [next to --results]")
+    args = ap.parse_args(argv)
+    if not args.results.is_file():
+        print(f"error: {args.results} does not exist: no cell has run yet (bench/device/README.md)", file=sys.stderr)
+        return 2
+    cells = load(args.results)
+    sparsities = sorted({c["sparsity"] for c in cells if c["kind"] == "train" and c["sparsity"] is not None}, reverse=True)
+    parts, figures = [], {}
+    for s in sparsities:
+        text, figures[f"{s:g}"] = table(cells, s)
+        parts.append(text)
+    devices = sorted({c["device"] for c in cells})
+    head = [f"# The budget curve on Gemma-3 270M ({', '.join(devices)})", "",
+            f"Perplexity, fp32, window protocol; target: ELSA / best retraining <= {TARGET} at the largest budget.", ""]
+    args.out.with_suffix(".md").write_text("\n".join(head + parts))
+    if sparsities:
+        plot(cells, sparsities, args.out.with_suffix(".png"))
+    print("\n".join(head + parts))
+    print(json.dumps({"ratios": figures, "cells": len(cells)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
