@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from elsa_ds.sparse.compress import compress
+from elsa_ds.sparse.integrity import SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError
 from elsa_ds.sparse.linear import SparseLinear
 from elsa_ds.sparse.loader import from_pretrained, verify
 
-__all__ = ["compress", "from_pretrained", "verify", "SparseLinear"]
+__all__ = ["compress", "from_pretrained", "verify", "SparseLinear", "SparseCheckpointError", "SparseArgumentError",
+           "SparseArgumentTypeError"]

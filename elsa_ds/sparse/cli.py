@@ -29,7 +29,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"store a 2-D weight compressed when at least this fraction is zero [{DEFAULT_MIN_SPARSITY}]")
     p.add_argument("--max_shard_size", default=DEFAULT_MAX_SHARD_SIZE, help=f"as save_pretrained's [{DEFAULT_MAX_SHARD_SIZE}]")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    p.add_argument("--verify", action="store_true", help="check INPUT, an elsa-sparse checkpoint, instead of writing one")
+    p.add_argument("--verify", action="store_true",
+                   help="check INPUT, an elsa-sparse checkpoint (each tensor against its checksum), instead of writing one")
     p.add_argument("--log_level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 

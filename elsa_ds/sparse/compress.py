@@ -6,8 +6,9 @@ The output is built in a hidden staging folder beside ``dst`` and renamed into p
 """
 from __future__ import annotations
 
-import json
 import math
+import numbers
+import os
 import shutil
 from pathlib import Path
 
@@ -20,30 +21,24 @@ from elsa_ds.ownership import check_apart, owned
 from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
 from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.folder import TensorReader, is_weight_file
+from elsa_ds.sparse.integrity import SparseArgumentError, check_type, tensor_digest
+from elsa_ds.sparse.meta import CONFIG_KEY, block, read_config, seal
 
 DEFAULT_MIN_SPARSITY = 0.3
-CONFIG_KEY = "elsa_sparse"
 
 
 def check_paths(src: Path, dst: Path, overwrite: bool) -> None:
     """Cheap checks before any work: the input is a folder, the output is free (or --overwrite) and apart from it."""
     if not src.is_dir():
-        raise ElsaError(f"input {src} is not a folder")
-    check_apart(dst, "output", {"": src})
-    if dst.exists() and not dst.is_dir():
-        raise ElsaError(f"output {dst} exists and is not a folder")
-    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
-        raise ElsaError(f"output {dst} is not empty; pass --overwrite to replace it, or choose another folder")
-
-
-def read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ElsaError(f"{folder} has no config.json: not a Hugging Face model folder")
+        raise SparseArgumentError(f"input {src} is not a folder")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as err:
-        raise ElsaError(f"{path}: not valid JSON ({err})") from None
+        check_apart(dst, "output", {"": src})
+    except ElsaError as err:  # the API's contract: a ValueError
+        raise SparseArgumentError(str(err)) from None
+    if dst.exists() and not dst.is_dir():
+        raise SparseArgumentError(f"output {dst} exists and is not a folder")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise SparseArgumentError(f"output {dst} is not empty; pass --overwrite to replace it, or choose another folder")
 
 
 def _plan(reader: TensorReader, min_sparsity: float) -> tuple[list[TensorSpec], dict[str, dict]]:
@@ -69,15 +64,31 @@ def _plan(reader: TensorReader, min_sparsity: float) -> tuple[list[TensorSpec], 
     return specs, chosen
 
 
-def _write(reader: TensorReader, out: Path, specs: list[TensorSpec], chosen: dict[str, dict], max_shard_size) -> None:
+def _write(reader: TensorReader, out: Path, specs: list[TensorSpec], chosen: dict[str, dict], max_shard_size) -> dict[str, str]:
+    """Stream every tensor into the shards; returns each stored tensor's digest."""
+    digests = {}
     with ShardedWriter(out, specs, max_shard_size, metadata={"format": "pt", CONFIG_KEY: str(fmt.VERSION)}) as writer:
         for name, tensor in reader.items():
-            if name not in chosen:
-                writer.write(name, tensor)
-                continue
-            encoded = fmt.encode(tensor, chosen[name]["encoding"])
-            for part in fmt.PARTS[encoded.encoding]:
-                writer.write(f"{name}.{part}", encoded.parts[part])
+            if name in chosen:
+                encoded = fmt.encode(tensor, chosen[name]["encoding"])
+                stored = {f"{name}.{part}": encoded.parts[part] for part in fmt.PARTS[encoded.encoding]}
+            else:
+                stored = {name: tensor}
+            for key, t in stored.items():
+                writer.write(key, t)
+                digests[key] = tensor_digest(key, t)
+    return digests
+
+
+def _check_arguments(src: object, dst: object, min_sparsity: object, max_shard_size: object, overwrite: object) -> None:
+    """Wrong types and values as one line each (SparseArgumentTypeError / SparseArgumentError), before any work."""
+    for label, value in (("src", src), ("dst", dst)):
+        check_type(label, value, (str, os.PathLike), "a folder path (str or Path)")
+    check_type("min_sparsity", min_sparsity, numbers.Real, "a fraction in (0, 1]")
+    check_type("max_shard_size", max_shard_size, (int, str), "a number of bytes or a size such as '5GB'")
+    check_type("overwrite", overwrite, bool, "True or False")
+    if not 0.0 < min_sparsity <= 1.0:
+        raise SparseArgumentError(f"min_sparsity {min_sparsity}: expected a fraction in (0, 1]")
 
 
 def compress(src: str | Path, dst: str | Path, min_sparsity: float = DEFAULT_MIN_SPARSITY,
@@ -87,30 +98,27 @@ def compress(src: str | Path, dst: str | Path, min_sparsity: float = DEFAULT_MIN
     Every 2-D floating tensor with at least ``min_sparsity`` zeros is stored as values + positions (the smaller of
     bitmask and delta8); everything else as it was. Other files of ``src`` (tokenizer, generation config) are copied.
     """
+    _check_arguments(src, dst, min_sparsity, max_shard_size, overwrite)
     src, dst = Path(src), Path(dst)
-    if not 0.0 < min_sparsity <= 1.0:
-        raise ElsaError(f"min_sparsity {min_sparsity}: expected a fraction in (0, 1]")
     check_paths(src, dst, overwrite)
     config = read_config(src)
     if CONFIG_KEY in config:
-        raise ElsaError(f"{src} is already an elsa-sparse checkpoint (config.json has {CONFIG_KEY!r})")
+        raise SparseArgumentError(f"{src} is already an elsa-sparse checkpoint (config.json has {CONFIG_KEY!r})")
     reader = TensorReader(src)
     specs, chosen = _plan(reader, min_sparsity)
     if not chosen:
-        raise ElsaError(f"{src}: no 2-D weight has {min_sparsity:.0%} or more zeros, so nothing would get smaller; "
-                        "is this the pruned model? (lower --min_sparsity to compress less sparse weights)")
+        raise SparseArgumentError(f"{src}: no 2-D weight has {min_sparsity:.0%} or more zeros, so nothing would get smaller; "
+                                  "is this the pruned model? (lower --min_sparsity to compress less sparse weights)")
     with owned(dst, "output"):
         check_paths(src, dst, overwrite)  # again, now that no other job can write dst
         staging = fresh_staging(dst)
         try:
-            _write(reader, staging, specs, chosen, max_shard_size)
+            digests = _write(reader, staging, specs, chosen, max_shard_size)
             for f in src.iterdir():
                 if f.is_file() and f.name != "config.json" and not is_weight_file(f):
                     shutil.copy2(f, staging / f.name)
-            config[CONFIG_KEY] = {"format": fmt.FORMAT, "version": fmt.VERSION, "min_sparsity": min_sparsity,
-                                  "tensors": {n: {k: v for k, v in c.items() if k not in ("dense_bytes", "bytes")}
-                                              for n, c in chosen.items()}}
-            write_json(staging / "config.json", config)
+            config[CONFIG_KEY] = block(min_sparsity, chosen, digests)
+            write_json(staging / "config.json", seal(config))
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

@@ -1,38 +1,74 @@
 """Reading a model folder's tensors one at a time: safetensors or pytorch_model.bin, one file or sharded with an index.
 
-Every read problem (a truncated or corrupt file, a shard the index names but the folder lacks) becomes an ElsaError
-that names the file.
+Every read problem (a truncated or corrupt file, a shard the index names but the folder lacks, an index that
+disagrees with its shards, a shard name that leads outside the folder) becomes a SparseCheckpointError that names
+the file. A file from elsewhere is data: its names never reach outside the folder (the Hugging Face hub cache's own
+layout, snapshot files linked into the repository's ``blobs/``, excepted).
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 
-from elsa_ds.errors import ElsaError
+from elsa_ds.sparse.integrity import SparseCheckpointError
 
 SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
 WEIGHT_NAMES = ("model.safetensors", SAFETENSORS_INDEX, "pytorch_model.bin", BIN_INDEX)
 
 
-def weight_files(folder: Path) -> list[Path]:
-    """The folder's weight files in index order; ElsaError when it has none or its index names missing shards."""
+def locate(folder: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """The folder's weight files in index order, and the index's tensor -> shard map (None: a single file).
+
+    SparseCheckpointError when the folder has none, its index is malformed or names shards it lacks or outside it."""
     for index_name, single in ((SAFETENSORS_INDEX, "model.safetensors"), (BIN_INDEX, "pytorch_model.bin")):
-        if (folder / index_name).is_file():
-            try:
-                weight_map = json.loads((folder / index_name).read_text(encoding="utf-8"))["weight_map"]
-            except (ValueError, KeyError, TypeError) as err:
-                raise ElsaError(f"{folder / index_name}: not a valid shard index ({err})") from None
-            files = [folder / name for name in dict.fromkeys(weight_map.values())]
-            absent = [f.name for f in files if not f.is_file()]
+        index = folder / index_name
+        if index.is_file():
+            weight_map = read_index(index)
+            shards = {name: inside(folder, name, index) for name in dict.fromkeys(weight_map.values())}
+            absent = [name for name, f in shards.items() if not f.is_file()]
             if absent:
-                raise ElsaError(f"{folder}: the shard index names {', '.join(absent)}, which the folder lacks")
-            return files
+                raise SparseCheckpointError(f"{index}: names {', '.join(absent)}, which the folder lacks")
+            return list(shards.values()), {tensor: shards[name] for tensor, name in weight_map.items()}
         if (folder / single).is_file():
-            return [folder / single]
-    raise ElsaError(f"{folder} holds no model weights ({' or '.join(WEIGHT_NAMES)})")
+            return [inside(folder, single, folder)], None
+    raise SparseCheckpointError(f"{folder} holds no model weights ({' or '.join(WEIGHT_NAMES)})")
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The folder's weight files in index order (see :func:`locate`)."""
+    return locate(folder)[0]
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a shard index: tensor name -> shard file name, both strings."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise SparseCheckpointError(f"{index}: not a valid shard index ({type(err).__name__}: {err})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise SparseCheckpointError(f"{index}: weight_map must map tensor names to shard file names, found {str(weight_map)[:80]}")
+    return weight_map
+
+
+def inside(folder: Path, name: str, listed_in: Path) -> Path:
+    """``folder / name`` where ``name`` is relative, has no ``..`` and, links resolved, stays inside ``folder``."""
+    where = f"{listed_in}: shard {name!r}"
+    if not name or "\0" in name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).anchor:
+        raise SparseCheckpointError(f"{where} is not a relative file name: shards must lie inside the checkpoint folder")
+    if ".." in PureWindowsPath(name).parts:  # splits on / and \\ alike
+        raise SparseCheckpointError(f"{where} climbs out with '..': shards must lie inside the checkpoint folder")
+    path, root = folder / name, folder.resolve()
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError) as err:  # a link loop
+        raise SparseCheckpointError(f"{where} cannot be resolved ({err})") from None
+    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    if not target.is_relative_to(root) and not (hub_blobs is not None and target.is_relative_to(hub_blobs)):
+        raise SparseCheckpointError(f"{where} is a link to {target}, outside {folder}: shards must lie inside the checkpoint folder")
+    return path
 
 
 def is_weight_file(path: Path) -> bool:
@@ -44,12 +80,33 @@ class TensorReader:
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
-        self.files = weight_files(self.folder)
+        self.files, index = locate(self.folder)
         self._where: dict[str, Path] = {}
         self._open: dict[Path, object] = {}
         for path in self.files:
             for name in self._handle(path).keys():
+                if name in self._where:
+                    raise SparseCheckpointError(f"{path}: holds {name}, which {self._where[name].name} holds too")
                 self._where[name] = path
+        if index is not None:
+            self._agree(index)
+
+    def _agree(self, index: dict[str, Path]) -> None:
+        """The index and the shards' headers name the same tensors in the same files."""
+        listed = next(f for f in (self.folder / SAFETENSORS_INDEX, self.folder / BIN_INDEX) if f.is_file())
+        for name, path in index.items():
+            if self._where.get(name) != path:
+                found = f"{self._where[name].name} holds it" if name in self._where else "no shard it names holds it"
+                raise SparseCheckpointError(f"{listed}: puts {name} in {path.name}, but {found}")
+        unlisted = [n for n in self._where if n not in index]
+        if unlisted:
+            raise SparseCheckpointError(f"{self._where[unlisted[0]]}: holds {unlisted[0]}, which {listed.name} does not list")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def where(self, name: str) -> Path:
+        return self._where[name]
 
     @property
     def names(self) -> list[str]:
@@ -61,7 +118,7 @@ class TensorReader:
         try:
             return handle.get_tensor(name) if path.suffix == ".safetensors" else handle[name]
         except Exception as err:
-            raise ElsaError(f"cannot read {name} from {path}: {_first_line(err)}; the file is truncated or corrupt") from None
+            raise SparseCheckpointError(f"cannot read {name} from {path}: {_first_line(err)}; the file is truncated or corrupt") from None
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names:
@@ -77,7 +134,11 @@ class TensorReader:
                 else:
                     self._open[path] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             except Exception as err:
-                raise ElsaError(f"cannot read {path}: {_first_line(err)}; the file is truncated or corrupt") from None
+                raise SparseCheckpointError(f"cannot read {path}: {_first_line(err)}; the file is truncated or corrupt") from None
+            handle = self._open[path]
+            if path.suffix != ".safetensors" and not (isinstance(handle, dict) and all(
+                    isinstance(k, str) and torch.is_tensor(v) for k, v in handle.items())):
+                raise SparseCheckpointError(f"{path}: not a state dict (tensors by name)")
         return self._open[path]
 
 

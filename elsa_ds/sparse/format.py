@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from elsa_ds.errors import ElsaError
+from elsa_ds.sparse.integrity import SparseCheckpointError
 
-FORMAT, VERSION = "elsa-sparse", 1
+FORMAT, VERSION = "elsa-sparse", 2  # version 2: checksums recorded (elsa_ds/sparse/meta.py)
 BITMASK, DELTA8 = "bitmask", "delta8"
 MAX_GAP = 256  # a delta8 byte moves at most 256 columns
 PARTS = {BITMASK: ("values", "bitmask"), DELTA8: ("values", "deltas", "row_offsets")}
@@ -152,32 +152,32 @@ def to_delta8(encoding: str, shape: tuple[int, int], parts: dict[str, torch.Tens
 
 
 def check(name: str, encoding: str, shape: tuple[int, int], parts: dict[str, torch.Tensor]) -> None:
-    """ElsaError unless ``parts`` are a consistent ``encoding`` of a ``shape`` weight (counts, ranges, dtypes)."""
+    """SparseCheckpointError unless ``parts`` are a consistent ``encoding`` of a ``shape`` weight (counts, ranges, dtypes)."""
     if encoding not in PARTS:
-        raise ElsaError(f"{name}: unknown position code {encoding!r} (this version reads {', '.join(PARTS)})")
+        raise SparseCheckpointError(f"{name}: unknown position code {encoding!r} (this version reads {', '.join(PARTS)})")
     missing = [p for p in PARTS[encoding] if p not in parts]
     if missing:
-        raise ElsaError(f"{name}: the checkpoint lacks {', '.join(f'{name}.{p}' for p in missing)}: it is incomplete")
+        raise SparseCheckpointError(f"{name}: the checkpoint lacks {', '.join(f'{name}.{p}' for p in missing)}: it is incomplete")
     values, (rows, cols) = parts["values"], shape
     if values.dim() != 1 or not values.is_floating_point():
-        raise ElsaError(f"{name}.values: expected a 1-D floating tensor, found {tuple(values.shape)} {values.dtype}")
+        raise SparseCheckpointError(f"{name}.values: expected a 1-D floating tensor, found {tuple(values.shape)} {values.dtype}")
     if encoding == BITMASK:
         _check_bitmask(name, parts["bitmask"], values.numel(), rows, cols)
     else:
         _check_delta8(name, parts["deltas"], parts["row_offsets"], values.numel(), rows, cols)
 
 
-def _corrupt(name: str, what: str) -> ElsaError:
-    return ElsaError(f"{name}: {what}; the sparse checkpoint is corrupt (compress the model again)")
+def _corrupt(name: str, what: str) -> SparseCheckpointError:
+    return SparseCheckpointError(f"{name}: {what}; the sparse checkpoint is corrupt (compress the model again)")
 
 
 def _check_bitmask(name: str, bitmask: torch.Tensor, count: int, rows: int, cols: int) -> None:
     if bitmask.dtype != torch.uint8 or tuple(bitmask.shape) != (rows, math.ceil(cols / 8)):
         raise _corrupt(name, f"bitmask is {tuple(bitmask.shape)} {bitmask.dtype}, expected ({rows}, {math.ceil(cols / 8)}) uint8")
-    full = bitmask_mask(bitmask, bitmask.shape[1] * 8)
-    if full[:, cols:].any():
+    if cols % 8 and bool((bitmask[:, -1] >> (cols % 8)).any()):
         raise _corrupt(name, "bitmask sets padding bits past the last column")
-    set_bits = int(full.sum())
+    popcount = torch.tensor([bin(byte).count("1") for byte in range(256)])
+    set_bits = int((torch.bincount(bitmask.reshape(-1), minlength=256) * popcount).sum())  # a pass over the bytes, no bool mask
     if set_bits != count:
         raise _corrupt(name, f"bitmask marks {set_bits} positions but there are {count} values")
 
@@ -189,7 +189,8 @@ def _check_delta8(name: str, deltas: torch.Tensor, offsets: torch.Tensor, count:
         raise _corrupt(name, f"row_offsets is {tuple(offsets.shape)} {offsets.dtype}, expected ({rows + 1},) int64")
     if int(offsets[0]) != 0 or int(offsets[-1]) != count or bool((offsets[1:] < offsets[:-1]).any()):
         raise _corrupt(name, f"row_offsets do not rise from 0 to the {count} values")
-    if count:
-        _, col = delta8_positions(deltas, offsets)
-        if int(col.max()) >= cols:
-            raise _corrupt(name, f"a delta reaches column {int(col.max())} of a {cols}-column weight")
+    if count:  # deltas are >= 0, so a row's last entry has its largest column: (sum of 1 + delta over the row) - 1
+        run = torch.cat([offsets.new_zeros(1), torch.cumsum(deltas.to(torch.int64) + 1, 0)])
+        last = int((run[offsets[1:]] - run[offsets[:-1]]).max()) - 1
+        if last >= cols:
+            raise _corrupt(name, f"a delta reaches column {last} of a {cols}-column weight")

@@ -5,58 +5,87 @@ into place one at a time; in ``sparse`` mode each compressed nn.Linear weight be
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from elsa_ds.errors import ElsaError
 from elsa_ds.sparse import format as fmt
-from elsa_ds.sparse.compress import CONFIG_KEY, read_config
+from elsa_ds.sparse import kernels as K
 from elsa_ds.sparse.folder import TensorReader
-from elsa_ds.sparse.linear import SparseLinear
+from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError, check_type,
+                                      tensor_digest)
+from elsa_ds.sparse.linear import DECODE_PATHS, SparseLinear
+from elsa_ds.sparse.meta import UNSEALED_VERSION, sparse_meta
 
 MODES = ("dense", "sparse")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def sparse_meta(path: Path) -> dict:
-    """The checkpoint's ``elsa_sparse`` block, checked: ElsaError for a dense folder or an unknown format version."""
-    meta = read_config(path).get(CONFIG_KEY)
-    if meta is None:
-        raise ElsaError(f"{path} is not an elsa-sparse checkpoint (its config.json has no {CONFIG_KEY!r}); "
-                        "load a dense folder with transformers' from_pretrained, or make a sparse one with elsa-compress")
-    if not isinstance(meta, dict) or meta.get("format") != fmt.FORMAT or not isinstance(meta.get("tensors"), dict):
-        raise ElsaError(f"{path}: config.json's {CONFIG_KEY!r} is not an {fmt.FORMAT} block")
-    if meta.get("version") != fmt.VERSION:
-        raise ElsaError(f"{path}: {fmt.FORMAT} format version {meta.get('version')!r}; this elsa_ds reads version {fmt.VERSION} "
-                        "(upgrade elsa_ds, or compress the dense model again)")
-    return meta
+def stored_tensors(path: Path, meta: dict, verify: bool = True) -> Iterator[tuple[str, torch.Tensor | tuple[str, tuple[int, int], dict]]]:
+    """Each weight of the checkpoint once, in stored order: a plain tensor, or (encoding, shape, checked parts).
 
-
-def stored_tensors(path: Path, meta: dict) -> Iterator[tuple[str, torch.Tensor | tuple[str, tuple[int, int], dict]]]:
-    """Each weight of the checkpoint once, in stored order: a plain tensor, or (encoding, shape, checked parts)."""
+    ``verify``: every stored tensor against its recorded checksum (``meta`` from ``sparse_meta``, which checked it)."""
     reader = TensorReader(path)
+    digests = _digests(path, reader, meta) if verify else None
     compressed, done = meta["tensors"], set()
-    owner = {f"{name}.{part}": name for name, info in compressed.items() for part in fmt.PARTS.get(info.get("encoding"), ())}
+    owner = {f"{name}.{part}": name for name, info in compressed.items() for part in fmt.PARTS[info["encoding"]]}
     for stored in reader.names:
         name = owner.get(stored)
         if name is None:
-            yield stored, reader.get(stored)
+            yield stored, _read(reader, stored, digests)
         elif name not in done:
             done.add(name)
-            info = compressed[name]
-            shape = tuple(info.get("shape", ()))
-            parts = {p: reader.get(f"{name}.{p}") for p in fmt.PARTS[info["encoding"]] if f"{name}.{p}" in reader.names}
-            fmt.check(name, info["encoding"], shape, parts)
-            yield name, (info["encoding"], shape, parts)
+            yield name, _compressed(reader, name, compressed[name], digests)
     absent = [n for n in compressed if n not in done]
     if absent:
-        raise ElsaError(f"{path}: config.json lists {absent[0]} as compressed but no shard holds it; the checkpoint is incomplete")
+        raise SparseCheckpointError(f"{path}: config.json lists {absent[0]} as compressed but no shard holds it; "
+                                    "the checkpoint is incomplete")
+
+
+def _digests(path: Path, reader: TensorReader, meta: dict) -> dict[str, str] | None:
+    """The recorded digest of every stored tensor (None: version 1, which records none); the names must agree."""
+    if meta["version"] == UNSEALED_VERSION:
+        return None
+    digests = meta["checksum"]["tensors"]
+    unlisted = [n for n in reader.names if n not in digests]
+    if unlisted:
+        raise SparseCheckpointError(f"{reader.where(unlisted[0])}: holds {unlisted[0]}, for which config.json records no "
+                                    "checksum: the checkpoint was changed after it was written")
+    absent = [n for n in digests if n not in reader]
+    if absent:
+        raise SparseCheckpointError(f"{path}: config.json records a checksum for {absent[0]}, which no shard holds; "
+                                    "the checkpoint is incomplete")
+    return digests
+
+
+def _read(reader: TensorReader, name: str, digests: dict[str, str] | None) -> torch.Tensor:
+    tensor = reader.get(name)
+    if digests is not None and tensor_digest(name, tensor) != digests[name]:
+        raise SparseCheckpointError(f"{reader.where(name)}: {name} does not match its recorded checksum: the file was changed "
+                                    "or corrupted (compress the model again; verify=False skips the checks)")
+    return tensor
+
+
+def _compressed(reader: TensorReader, name: str, info: dict, digests: dict[str, str] | None) -> tuple[str, tuple[int, int], dict]:
+    """One compressed weight's parts, read (and checked against their digests) and checked as a code."""
+    encoding, shape = info["encoding"], tuple(info["shape"])
+    parts = {p: _read(reader, f"{name}.{p}", digests) for p in fmt.PARTS[encoding] if f"{name}.{p}" in reader}
+    try:
+        fmt.check(name, encoding, shape, parts)
+        values = parts["values"]
+        if str(values.dtype).removeprefix("torch.") != info["dtype"] or values.numel() != info["entries"]:
+            raise SparseCheckpointError(f"{name}.values: {values.numel()} {values.dtype} entries, config.json says "
+                                        f"{info['entries']} {info['dtype']}; the sparse checkpoint is corrupt")
+    except SparseCheckpointError as err:
+        raise SparseCheckpointError(f"{reader.where(f'{name}.values') if 'values' in parts else reader.folder}: {err}") from None
+    return encoding, shape, parts
 
 
 def verify(path: str | Path) -> dict:
-    """Read and check every tensor of a sparse checkpoint (no model built); returns counts per code."""
+    """Read and check every tensor of a sparse checkpoint against its checksum (no model built); returns counts per code."""
+    check_type("path", path, (str, os.PathLike), "a folder path (str or Path)")
     path = Path(path)
     meta = sparse_meta(path)
     counts = {"plain": 0, fmt.BITMASK: 0, fmt.DELTA8: 0}
@@ -73,48 +102,80 @@ def _empty_model(path: Path, dtype: torch.dtype | None):
         config = AutoConfig.from_pretrained(path)
         with no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(config, "dtype", None) or torch.float32)
-    except (ValueError, KeyError, OSError) as err:
-        raise ElsaError(f"{path}: transformers cannot build a causal LM from its config.json ({str(err).splitlines()[0]})") from None
+    except Exception as err:  # whatever the modeling code raises on a config it cannot take
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise SparseCheckpointError(f"{path}: transformers cannot build a causal LM from its config.json ({first})") from None
     model.tie_weights()  # no_init_weights skips init_weights, which is where transformers ties them
     return model
 
 
 def from_pretrained(path: str | Path, mode: str = "dense", dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                    decode_path: str | None = None) -> torch.nn.Module:
+                    decode_path: str | None = None, verify: bool = True) -> torch.nn.Module:
     """A transformers causal LM from an elsa-sparse checkpoint, in eval mode on ``device``.
 
     ``mode="dense"``: every weight decompressed (bit for bit the dense export). ``mode="sparse"``: every compressed
     nn.Linear weight kept compressed in a SparseLinear (``decode_path``: kernel, csr or reference; default the C++
     kernel where built and the values are fp32 or bf16, else csr). ``dtype``: the stored dtype by default.
+    ``verify=False`` skips the checksums (config.json's and every tensor's, one SHA-256 pass over the weights' bytes):
+    faster, and a corrupted or edited checkpoint then loads as whatever it now holds. The checks of each code's
+    structure (counts, ranges) always run. A bad checkpoint raises SparseCheckpointError (a ValueError), a bad
+    argument SparseArgumentError (ValueError) or SparseArgumentTypeError (TypeError); all three are ElsaErrors.
     """
-    path = Path(path)
-    if mode not in MODES:
-        raise ElsaError(f"mode {mode!r}: choose from {', '.join(MODES)}")
-    meta = sparse_meta(path)
+    path = _check_arguments(path, mode, dtype, device, decode_path, verify)
+    meta = sparse_meta(path, verify)
     model = _empty_model(path, dtype)
     dtype = next(model.parameters()).dtype
     targets = model.state_dict(keep_vars=True)
     loaded: set[str] = set()
-    for name, item in stored_tensors(path, meta):
+    for name, item in stored_tensors(path, meta, verify):
         if not torch.is_tensor(item) and mode == "sparse" and _replace_linear(model, name, item, dtype, decode_path):
             loaded.add(name)
             continue
-        tensor = item if torch.is_tensor(item) else fmt.decode(*item)
-        _copy_into(targets, name, tensor)
+        _copy_into(targets, name, item)
         loaded.add(name)
     _check_complete(path, model, targets, loaded)
     return model.to(device).eval()
 
 
+def _check_arguments(path: object, mode: object, dtype: object, device: object, decode_path: object, verify: object) -> Path:
+    """Each argument of ``from_pretrained`` of the right type and value, or one line saying which is not."""
+    check_type("path", path, (str, os.PathLike), "a folder path (str or Path)")
+    check_type("mode", mode, str, f"one of {', '.join(MODES)}")
+    if mode not in MODES:
+        raise SparseArgumentError(f"mode {mode!r}: choose from {', '.join(MODES)}")
+    if dtype is not None:
+        check_type("dtype", dtype, torch.dtype, "a torch.dtype such as torch.bfloat16, or None")
+        if not dtype.is_floating_point:
+            raise SparseArgumentError(f"dtype={dtype}: expected a floating dtype such as torch.bfloat16")
+    check_type("device", device, (str, torch.device), "a device such as 'cpu' or 'cuda:0'")
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise SparseArgumentError(f"device={device!r}: {str(err).splitlines()[0]}") from None
+    if decode_path is not None:
+        check_type("decode_path", decode_path, str, f"one of {', '.join(DECODE_PATHS)}, or None")
+        if decode_path not in DECODE_PATHS:
+            raise SparseArgumentError(f"decode_path {decode_path!r}: choose from {', '.join(DECODE_PATHS)}, or None for the default")
+        if mode != "sparse":
+            raise SparseArgumentError(f"decode_path {decode_path!r} picks SparseLinear's CPU path: it needs mode='sparse'")
+        if decode_path == "kernel" and K.load() is None:
+            raise SparseArgumentError("decode_path 'kernel': the C++ decode kernel could not be built here; choose 'csr', or None")
+    check_type("verify", verify, bool, "True or False")
+    return Path(path)
+
+
 def _replace_linear(model: torch.nn.Module, name: str, item: tuple, dtype: torch.dtype, decode_path: str | None) -> bool:
     """Put a SparseLinear where ``name`` is an nn.Linear's weight; False when it is not (it is then loaded dense)."""
     module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
+    try:
+        module = model.get_submodule(module_name) if module_name else model
+    except AttributeError:  # no such module: _copy_into names the tensor the model lacks
+        return False
     if leaf != "weight" or not isinstance(module, torch.nn.Linear):
         return False
     encoding, shape, parts = item
     if tuple(module.weight.shape) != shape:
-        raise ElsaError(f"{name}: stored shape {shape}, the model's config says {tuple(module.weight.shape)}")
+        raise SparseCheckpointError(f"{name}: stored shape {shape}, the model's config says {tuple(module.weight.shape)}")
     delta8 = fmt.to_delta8(encoding, shape, parts)
     delta8["values"] = delta8["values"].to(dtype)
     path = decode_path or (None if dtype in KERNEL_DTYPES else "csr")
@@ -124,14 +185,16 @@ def _replace_linear(model: torch.nn.Module, name: str, item: tuple, dtype: torch
     return True
 
 
-def _copy_into(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
+def _copy_into(targets: dict[str, torch.Tensor], name: str, item: torch.Tensor | tuple) -> None:
+    """A stored tensor, or a compressed weight decoded (only once its shape is the model's), into its place."""
     target = targets.get(name)
     if target is None:
-        raise ElsaError(f"the checkpoint holds {name}, which this model (built from its config.json) does not have")
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ElsaError(f"{name}: stored shape {tuple(tensor.shape)}, the model's config says {tuple(target.shape)}")
+        raise SparseCheckpointError(f"the checkpoint holds {name}, which this model (built from its config.json) does not have")
+    shape = tuple(item.shape) if torch.is_tensor(item) else item[1]
+    if tuple(target.shape) != shape:
+        raise SparseCheckpointError(f"{name}: stored shape {shape}, the model's config says {tuple(target.shape)}")
     with torch.no_grad():
-        target.copy_(tensor)
+        target.copy_(item if torch.is_tensor(item) else fmt.decode(*item))
 
 
 def _check_complete(path: Path, model: torch.nn.Module, targets: dict[str, torch.Tensor], loaded: set[str]) -> None:
@@ -140,7 +203,8 @@ def _check_complete(path: Path, model: torch.nn.Module, targets: dict[str, torch
     now = model.state_dict(keep_vars=True)
     missing = [n for n, t in now.items() if n not in loaded and id(targets.get(n, t)) not in filled and not _in_sparse(n, loaded)]
     if missing:
-        raise ElsaError(f"{path}: the checkpoint lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise SparseCheckpointError(f"{path}: the checkpoint lacks {missing[0]}{more}")
 
 
 def _in_sparse(name: str, loaded: set[str]) -> bool:

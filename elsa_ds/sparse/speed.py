@@ -21,10 +21,11 @@ import torch
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.sparse import format as fmt
-from elsa_ds.sparse.compress import CONFIG_KEY, compress, read_config
+from elsa_ds.sparse.compress import compress
 from elsa_ds.sparse.folder import TensorReader, is_weight_file
 from elsa_ds.sparse.linear import SparseLinear
-from elsa_ds.sparse.loader import from_pretrained, sparse_meta
+from elsa_ds.sparse.loader import from_pretrained
+from elsa_ds.sparse.meta import CONFIG_KEY, read_config, sparse_meta
 
 log = get_logger(__name__)
 
@@ -53,7 +54,7 @@ def streamed_bytes(module: torch.nn.Module) -> int:
 
 def disk_bytes(sparse_dir: Path) -> dict[str, int]:
     """Bytes on disk of the sparse weight files against the dense export's, whole model and pruned weights alone."""
-    meta = sparse_meta(sparse_dir)
+    meta = sparse_meta(sparse_dir, verify=False)  # sizes only: from_pretrained checks the checksums
     reader = TensorReader(sparse_dir)
     owners = {f"{n}.{p}": n for n, info in meta["tensors"].items() for p in fmt.PARTS[info["encoding"]]}
     pruned = sum(_numel_bytes(reader.get(name)) for name in owners if name in reader.names)
@@ -202,7 +203,7 @@ def speed_report(model_dir: str | Path, batches: tuple[int, ...] = (1, 8), promp
     if not path.is_dir():
         raise ElsaError(f"{path}: not a folder; the speed comparison needs a local sparse checkpoint or dense pruned model folder")
     if CONFIG_KEY in read_config(path):
-        sparse_meta(path)  # an unknown version or a broken block: one line before anything is loaded
+        sparse_meta(path)  # an unknown version, a broken block or an edited config: one line before anything is loaded
         return _report(path, path, batches, prompt, steps, rounds, bandwidth)
     with tempfile.TemporaryDirectory(prefix="elsa_speed_") as tmp:
         log.info(f"{path} is a dense folder: compressing it into a temporary elsa-sparse checkpoint")
@@ -228,7 +229,7 @@ def _report(path: Path, sparse_dir: Path, batches: tuple[int, ...], prompt: int,
     dense, dense_memory = load_measured(sparse_dir, "dense")
     sparse, sparse_memory = load_measured(sparse_dir, "sparse")
     bandwidth = bandwidth or read_bandwidth()
-    meta = sparse_meta(sparse_dir)
+    meta = sparse_meta(sparse_dir, verify=False)  # the loads above checked it
     dtypes = sorted({info["dtype"] for info in meta["tensors"].values()})
     result = {"model": str(path), "compressed_here": sparse_dir != path, "pruned_weights": len(meta["tensors"]),
               "pruned_dtype": ",".join(dtypes), "disk": disk_bytes(sparse_dir),

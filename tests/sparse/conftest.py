@@ -54,3 +54,30 @@ def kernel():
     if k is None:
         pytest.skip("the sparse decode kernel could not be built here (no C++ compiler?)")
     return k
+
+
+def tiny_pruned(dst: Path) -> Path:
+    """A one-layer Llama (hidden 16, MLP 256, vocab 32; fp32), attention 60 % and MLP 95 % pruned: down_proj takes delta8."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                w = module.weight
+                w.masked_fill_(w.abs() <= w.abs().flatten().kthvalue(int(w.numel() * (0.95 if ".mlp." in name else 0.6))).values, 0)
+    model.save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_sparse_dir(tmp_path_factory) -> Path:
+    """The tiny model's sparse checkpoint in 2 KB shards (an index and several shard files); copy it before changing it."""
+    from elsa_ds.sparse import compress
+
+    root = tmp_path_factory.mktemp("tiny")
+    compress(tiny_pruned(root / "pruned"), root / "sparse", max_shard_size="2KB")
+    return root / "sparse"

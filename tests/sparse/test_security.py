@@ -1,0 +1,179 @@
+"""A sparse checkpoint is data from elsewhere: its index never reaches outside its folder, every tensor and config.json
+are held to the checksums recorded when it was written (a moved bitmask bit is refused), version 1 loads unverified
+with a warning, and ``verify=False`` skips the checksums."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from elsa_ds.sparse import SparseCheckpointError, from_pretrained, verify
+from tests.sparse.conftest import tiny_pruned
+
+INDEX = "model.safetensors.index.json"
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def _rewrite(shard, change):
+    """Load a shard's tensors, ``change`` them (a dict, in place), write it back with its header metadata."""
+    with safe_open(str(shard), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(shard)
+    change(tensors)
+    save_file(tensors, shard, metadata=metadata)
+
+
+def _shard_of(folder, name):
+    return folder / json.loads((folder / INDEX).read_text())["weight_map"][name]
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _outside_by_name(ckpt, elsewhere, absolute):
+    index = json.loads((ckpt / INDEX).read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    elsewhere.mkdir()
+    shutil.move(ckpt / shard, elsewhere / shard)  # a valid shard, only somewhere else
+    named = str(elsewhere / shard) if absolute else f"../{elsewhere.name}/{shard}"
+    index["weight_map"] = {k: named if v == shard else v for k, v in index["weight_map"].items()}
+    (ckpt / INDEX).write_text(json.dumps(index))
+    return named
+
+
+def _outside_by_link(ckpt, elsewhere, absolute):
+    shard = sorted(set(json.loads((ckpt / INDEX).read_text())["weight_map"].values()))[0]
+    elsewhere.mkdir()
+    shutil.move(ckpt / shard, elsewhere / shard)
+    os.symlink(elsewhere / shard if absolute else f"../{elsewhere.name}/{shard}", ckpt / shard)
+    return shard
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute", "link", "absolute_link"])
+def test_a_shard_outside_the_folder_is_refused(tiny_sparse_dir, tmp_path, how):
+    ckpt = _copy(tiny_sparse_dir, tmp_path / "ckpt")
+    make = _outside_by_link if how.endswith("link") else _outside_by_name
+    named = make(ckpt, tmp_path / "elsewhere", how.startswith("absolute"))
+    for load in (verify, lambda p: from_pretrained(p, mode="sparse"), lambda p: from_pretrained(p, verify=False)):
+        with pytest.raises(SparseCheckpointError, match="inside the checkpoint folder") as err:
+            load(ckpt)
+        assert str(ckpt / INDEX) in str(err.value) and repr(named) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_single_file_linked_outside_is_refused(tmp_path):
+    from elsa_ds.sparse import compress
+
+    ckpt = tmp_path / "ckpt"
+    compress(tiny_pruned(tmp_path / "pruned"), ckpt)
+    (tmp_path / "elsewhere").mkdir()
+    shutil.move(ckpt / "model.safetensors", tmp_path / "elsewhere" / "model.safetensors")
+    os.symlink(tmp_path / "elsewhere" / "model.safetensors", ckpt / "model.safetensors")
+    with pytest.raises(SparseCheckpointError, match="'model.safetensors' is a link to .*outside"):
+        from_pretrained(ckpt)
+
+
+def test_the_hub_cache_layout_still_loads(tiny_sparse_dir, tmp_path):
+    """huggingface_hub's snapshot files are links into the repository's blobs/: inside the download, so allowed."""
+    repo = tmp_path / "models--someone--tiny-sparse"
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for f in tiny_sparse_dir.iterdir():
+        shutil.copy(f, repo / "blobs" / f"blob-{f.name}")
+        os.symlink(f"../../blobs/blob-{f.name}", snapshot / f.name)
+    assert torch.equal(from_pretrained(snapshot).lm_head.weight, from_pretrained(tiny_sparse_dir).lm_head.weight)
+
+
+def _move_one_bit(name):
+    """Within one byte of bitmask ``name``, clear a set bit and set a clear one: the count is unchanged, the model not."""
+    def change(tensors):
+        flat = tensors[name].view(-1)
+        i = next(i for i in range(flat.numel()) if 0 < int(flat[i]) < 0xFF)
+        byte = int(flat[i])
+        set_bit, clear_bit = next(b for b in range(8) if byte >> b & 1), next(b for b in range(8) if not byte >> b & 1)
+        flat[i] = byte & ~(1 << set_bit) | (1 << clear_bit)
+    return change
+
+
+def test_a_moved_bitmask_bit_is_refused_and_verify_false_skips_the_check(tiny_sparse_dir, tmp_path):
+    ckpt = _copy(tiny_sparse_dir, tmp_path / "ckpt")
+    name = "model.layers.0.self_attn.q_proj.weight.bitmask"  # 16 columns: every bit of every byte is a column
+    _rewrite(_shard_of(ckpt, name), _move_one_bit(name))
+    for load in (verify, lambda p: from_pretrained(p, mode="dense"), lambda p: from_pretrained(p, mode="sparse")):
+        with pytest.raises(SparseCheckpointError, match=r"q_proj\.weight\.bitmask does not match its recorded checksum"):
+            load(ckpt)
+    moved = from_pretrained(ckpt, verify=False)  # what the structural checks alone let through: another model
+    original = from_pretrained(tiny_sparse_dir)
+    assert not torch.equal(moved.model.layers[0].self_attn.q_proj.weight, original.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_two_tensors_swapped_by_name_are_refused(tiny_sparse_dir, tmp_path):
+    """Same shard, shape and dtype: only the name in each digest tells them apart."""
+    ckpt = _copy(tiny_sparse_dir, tmp_path / "ckpt")
+    for shard in sorted(ckpt.glob("model-*.safetensors")):
+        tensors = load_file(shard)
+        pairs = [(a, b) for a in tensors for b in tensors if a < b and tensors[a].shape == tensors[b].shape
+                 and tensors[a].dtype == tensors[b].dtype and not torch.equal(tensors[a], tensors[b])]
+        if pairs:
+            a, b = pairs[0]
+            _rewrite(shard, lambda t: t.update({a: t[b], b: t[a]}))
+            break
+    else:
+        pytest.fail("no shard holds two tensors of one shape")
+    with pytest.raises(SparseCheckpointError, match="does not match its recorded checksum"):
+        from_pretrained(ckpt)
+
+
+def test_an_edited_config_is_refused(tiny_sparse_dir, tmp_path):
+    ckpt = _copy(tiny_sparse_dir, tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["rms_norm_eps"] = 0.5  # loads fine, computes something else
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SparseCheckpointError, match="config.json: does not match the checksum"):
+        from_pretrained(ckpt)
+    assert from_pretrained(ckpt, verify=False).config.rms_norm_eps == 0.5
+    config["rms_norm_eps"] = json.loads((tiny_sparse_dir / "config.json").read_text())["rms_norm_eps"]
+    (ckpt / "config.json").write_text(json.dumps(config, indent=7))  # the same content in another layout
+    from_pretrained(ckpt)
+
+
+def _as_version_1(ckpt):
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["elsa_sparse"]["checksum"]
+    config["elsa_sparse"]["version"] = 1
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+def test_version_1_loads_unverified_with_a_warning(tiny_sparse_dir, tmp_path, capsys):
+    ckpt = _copy(tiny_sparse_dir, tmp_path / "ckpt")
+    _as_version_1(ckpt)
+    capsys.readouterr()
+    loaded = from_pretrained(ckpt, mode="dense")
+    warned = capsys.readouterr().err
+    assert "elsa_ds: warning:" in warned and "format version 1 records no checksums" in warned and "unverified" in warned
+    reference = _state(from_pretrained(tiny_sparse_dir))
+    assert all(torch.equal(t, reference[k]) for k, t in loaded.state_dict().items())
+
+
+def test_a_version_flipped_to_1_or_a_missing_checksum_is_refused(tiny_sparse_dir, tmp_path):
+    ckpt = _copy(tiny_sparse_dir, tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["elsa_sparse"]["version"] = 1  # a checksum block that version 1 never wrote
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SparseCheckpointError, match="version 1 with a checksum block"):
+        from_pretrained(ckpt, verify=False)
+    config["elsa_sparse"]["version"] = 2
+    del config["elsa_sparse"]["checksum"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SparseCheckpointError, match="checksum: missing"):
+        from_pretrained(ckpt)
