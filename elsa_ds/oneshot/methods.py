@@ -53,6 +53,8 @@ def prune_model(model: torch.nn.Module, method: OneShot | str, goals: dict[str, 
     from tqdm import tqdm
 
     method = OneShot(method)
+    if method.calibrated and method not in CALIBRATED:
+        raise ElsaError(f"one-shot method {method.value} has no statistics and pruning function in oneshot.methods.CALIBRATED")
     model.eval()
     per_layer = _linears_by_layer(model, list(goals))
     if not method.calibrated:
@@ -83,10 +85,32 @@ def _prune_magnitude(per_layer: list[dict[str, torch.nn.Linear]], goals: dict[st
     return masks
 
 
+def _wanda(weight: torch.Tensor, stats: InputNorms, goal: LayerGoal, blocksize: int, percdamp: float) -> torch.Tensor:
+    keep = wanda_mask(weight, stats.scaler_row, goal)
+    weight.mul_(keep.to(weight.dtype))
+    return keep
+
+
+def _sparsegpt(weight: torch.Tensor, stats: Hessian, goal: LayerGoal, blocksize: int, percdamp: float) -> torch.Tensor:
+    new, keep, _ = sparsify_weight(weight, stats.H, goal, blocksize, percdamp)
+    weight.copy_(new)
+    return keep
+
+
+# The calibrated methods: the input statistics a method gathers, and how it prunes a weight (in place) from them, returning
+# the keep-mask. One entry per calibrated OneShot member (tests/oneshot/test_layerwise.py holds the registry to the enum):
+# a new method is a new entry, never a branch that another name could fall into.
+CALIBRATED: dict[OneShot, tuple[type, Callable[..., torch.Tensor]]] = {
+    OneShot.wanda: (InputNorms, _wanda),
+    OneShot.sparsegpt: (Hessian, _sparsegpt),
+}
+
+
 def _prune_layer(method: OneShot, layer: torch.nn.Module, call, hidden: torch.Tensor, linears: dict[str, torch.nn.Linear],
                  goals: dict[str, LayerGoal], device: torch.device, blocksize: int, percdamp: float) -> dict[str, torch.Tensor]:
     """Input statistics of the dense layer's pruned Linears over the calibration activations, then each one pruned."""
-    stats = {name: (InputNorms if method is OneShot.wanda else Hessian)(lin.in_features, device) for name, lin in linears.items()}
+    statistics, prune = CALIBRATED[method]
+    stats = {name: statistics(lin.in_features, device) for name, lin in linears.items()}
     hooks = [lin.register_forward_hook(lambda _m, inp, _out, s=stats[name]: s.add_batch(inp[0].detach()))
              for name, lin in linears.items()]
     try:
@@ -94,14 +118,4 @@ def _prune_layer(method: OneShot, layer: torch.nn.Module, call, hidden: torch.Te
     finally:
         for h in hooks:
             h.remove()
-    masks = {}
-    for name, lin in linears.items():
-        w = lin.weight.data
-        if method is OneShot.wanda:
-            keep = wanda_mask(w, stats[name].scaler_row, goals[name])
-            w.mul_(keep.to(w.dtype))
-        else:
-            new, keep, _ = sparsify_weight(w, stats[name].H, goals[name], blocksize, percdamp)
-            w.copy_(new)
-        masks[name] = keep.cpu()
-    return masks
+    return {name: prune(lin.weight.data, stats[name], goals[name], blocksize, percdamp).cpu() for name, lin in linears.items()}

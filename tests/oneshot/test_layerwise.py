@@ -91,3 +91,15 @@ def test_mask_file_reads_any_range(tmp_path):
         reader.check({"a.weight": (13, 7)})
     with pytest.raises(ElsaError, match="missing"):
         reader.check({"c.weight": (1, 1)})
+
+
+def test_every_calibrated_method_has_one_registry_entry_and_none_falls_into_another(monkeypatch):
+    """The dispatch reads oneshot.methods.CALIBRATED: a calibrated method without an entry is refused, never run as another."""
+    from elsa_ds.methods import OneShot
+    from elsa_ds.oneshot import methods
+
+    assert set(methods.CALIBRATED) == {m for m in OneShot if m.calibrated}
+    monkeypatch.delitem(methods.CALIBRATED, OneShot.wanda)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ElsaError, match="wanda has no statistics"):
+        prune_model(model, "wanda", {}, torch.zeros(1, 4, dtype=torch.long), torch.device("cpu"))
