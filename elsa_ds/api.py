@@ -21,7 +21,7 @@ from typing import Any
 
 from elsa_ds.config import load_recipe, refuse_unread_elsa_settings, resolve_config
 from elsa_ds.options import JobOptions, job_options
-from elsa_ds.errors import ElsaError
+from elsa_ds.errors import ElsaError, sigterm_unwinds
 from elsa_ds.jobs.owner import run_owned
 from elsa_ds.zero.dist import launcher_env_restored
 from elsa_ds.zero.ds_config import DsConfig
@@ -37,6 +37,8 @@ def prune(model: Any, dataset: Dataset = None, *, output_dir: str | Path, deepsp
     ``dataset``: a source name (``c4``, ``wikitext2``, a ``datasets`` name), a local path, a list of documents or
     a ``datasets.Dataset``; in-memory documents are read exactly like a .jsonl file holding them. A loaded model is
     consumed (ZeRO-3 partitions its parameters): load the result from ``output_dir``. Returns the report.
+    A SIGTERM during the call (with Python's default handler in place) ends the process as it would anyway, once the
+    job's staging, side files and lock are gone.
     """
     return _run(model, dataset, output_dir, deepspeed, tokenizer, overwrite, resume, recipe, settings)
 
@@ -55,7 +57,7 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
          settings: dict[str, Any]) -> dict[str, Any] | None:
     _check_arguments(model, output_dir, deepspeed, tokenizer, overwrite, resume, recipe)
     in_memory = not isinstance(model, (str, os.PathLike))
-    with tempfile.TemporaryDirectory(prefix="elsa_ds_documents_") as tmp:
+    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="elsa_ds_documents_") as tmp:  # SIGTERM: both cleaned up
         name = _dataset_name(dataset, Path(tmp))
         opts = job_options({"deepspeed": str(deepspeed), "output_dir": Path(output_dir), "overwrite": overwrite, "resume": resume,
                             "recipe": recipe, "model_object": model if in_memory else None, "tokenizer_object": tokenizer})

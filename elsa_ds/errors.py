@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 
@@ -38,6 +39,29 @@ def _first_signal_taken() -> None:
 def _after_the_first(signum: int, frame: Any) -> None:
     """A Python no-op, not SIG_IGN: a signal already pending when the handler changes would make Python raise
     "OSError: Signal 15 ignored due to race condition" in the middle of the cleanup."""
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """For a job called from Python (``elsa_ds.prune``): while the block runs, SIGTERM raises :class:`Terminated`, so the
+    job's cleanup (staging, side files, lock) runs on the way out; then the caller's handlers are back and the signal is
+    delivered again, ending the process as it would have ended without us. A caller with its own SIGTERM handler, or a
+    call outside the main thread, is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    except Terminated:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        signal.raise_signal(signal.SIGTERM)  # the default action: the process ends here, as killed by SIGTERM
+        raise
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 class ElsaError(Exception):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from elsa_ds.disk_room import writing
 from elsa_ds.errors import ElsaError
 
 _BITS = torch.arange(8, dtype=torch.uint8)
@@ -36,14 +37,19 @@ def unpack(packed: torch.Tensor, first: int, length: int) -> torch.Tensor:
 
 
 def write_masks(path: Path, masks: dict[str, torch.Tensor]) -> None:
-    """Write keep-masks (name -> bool tensor of the weight's shape), atomically."""
+    """Write keep-masks (name -> bool tensor of the weight's shape), atomically: a write that fails (a full disk:
+    ``DiskFull``) or is interrupted leaves no file behind."""
     from safetensors.torch import save_file
 
     tensors = {name: pack(m) for name, m in masks.items()}
     meta = {"format": "elsa_ds packed keep-masks", "shapes": json.dumps({n: list(m.shape) for n, m in masks.items()})}
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
+    try:
+        with writing(path, sum(t.numel() for t in tensors.values())):
+            save_file(tensors, str(tmp), metadata=meta)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class MaskReader:

@@ -9,6 +9,8 @@ Shards follow huggingface_hub's split (``split_state_dict_into_shards_factory``)
 past ``max_shard_size`` starts the next one, a tensor larger than ``max_shard_size`` gets a shard of its own;
 ``model.safetensors`` when there is one shard, else ``model-0000i-of-0000n.safetensors`` and
 ``model.safetensors.index.json``.
+
+A full disk becomes ``disk_room.DiskFull`` naming the shard and the bytes of every shard together.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from elsa_ds.disk_room import writing
 from elsa_ds.errors import ElsaError
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
@@ -109,17 +112,28 @@ class ShardedWriter:
         self._file = None
         self._open_index = -1
         self.largest_tensor_bytes = 0
+        self.total_bytes = sum(len(header_bytes(shard, self.metadata)) + sum(s.nbytes for s in shard) for shard in self.shards)
 
     def __enter__(self) -> ShardedWriter:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None
+        try:
+            if file is not None:
+                with self._room(self._open_index):
+                    file.close()
+        except Exception:
+            if exc_type is None:
+                raise  # else the error on the way out stays the one reported
         if exc_type is None:
-            self._finish()
+            with self._room(self._open_index):
+                self._finish()
+
+    def _room(self, shard: int):
+        """A full disk while writing: DiskFull naming the shard and the bytes of the whole export."""
+        return writing(self.out_dir / self.names[max(shard, 0)], self.total_bytes)
 
     @property
     def pending(self) -> TensorSpec | None:
@@ -134,11 +148,12 @@ class ShardedWriter:
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise ElsaError(f"export: {name} is {tuple(tensor.shape)} {tensor.dtype}, its header says {spec.shape} {spec.dtype}")
         shard = self._queue[self._next][0]
-        if shard != self._open_index:
-            self._open(shard)
         data = tensor.detach().reshape(-1).contiguous().cpu()
-        if data.numel():
-            self._file.write(data.view(torch.uint8).numpy().data)
+        with self._room(shard):
+            if shard != self._open_index:
+                self._open(shard)
+            if data.numel():
+                self._file.write(data.view(torch.uint8).numpy().data)
         self.largest_tensor_bytes = max(self.largest_tensor_bytes, spec.nbytes)
         self._next += 1
 

@@ -17,6 +17,7 @@ from elsa_ds.admm.projection import keep_count
 from elsa_ds.config import ElsaConfig
 from elsa_ds.options import JobOptions
 from elsa_ds.data import PplWindows, validation_windows
+from elsa_ds.disk_room import saved_bytes, writing
 from elsa_ds.errors import ElsaError
 from elsa_ds.jobs import checks, report
 from elsa_ds.jobs.interface import Printer
@@ -85,8 +86,9 @@ class OneShotJob:
             return None
         cfg, opts = self.cfg, self.opts
         staging = fresh_staging(opts.output_dir)
-        self.model.save_pretrained(staging, save_original_format=False)  # module names, as the ZeRO-3 export writes them
-        self.tokenizer.save_pretrained(staging)
+        with writing(staging, saved_bytes(self.model)):
+            self.model.save_pretrained(staging, save_original_format=False)  # module names, as the ZeRO-3 export writes them
+            self.tokenizer.save_pretrained(staging)
         result = report.oneshot_report(self._record(), staging)
         report.publish_report(result, staging, opts, False, self.say)
         if cfg.eval_ppl or cfg.eval_tasks:

@@ -1,5 +1,9 @@
 """A pruning job as its output's one owner: inputs kept apart from --output_dir, then (on the rank that writes) the
-output's lock held from before the first costly step until the job ends, however it ends (``elsa_ds/ownership.py``)."""
+output's lock held from before the first costly step until the job ends, however it ends (``elsa_ds/ownership.py``).
+
+However it ends short of publishing (an error, a NaN loss, a full disk, Ctrl-C, SIGTERM), nothing of it stays beside the
+output: its staging folder and side files go, then its lock; its checkpoints (resumable) and the previous output stay.
+A full disk ends it with one line saying where, how much the write needed and how much is free once they are gone."""
 from __future__ import annotations
 
 import os
@@ -8,16 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from elsa_ds.config import ElsaConfig
+from elsa_ds.disk_room import disk_full
 from elsa_ds.jobs import make_job, run_job
 from elsa_ds.methods import oneshot_names
 from elsa_ds.options import JobOptions
-from elsa_ds.errors import Terminated
 from elsa_ds.output import check_output_dir, staging_dir
 from elsa_ds.ownership import check_apart, owned
 from elsa_ds.zero.ds_config import DsConfig
 
-# the side files beside the output (jobs/warm_start.py, jobs/finetune.py, jobs/selection.py name them from the staging's)
-SIDE_FILES = ("init_mask.safetensors", "init_weights", "oneshot", "best_projection")
+# the side files beside the output (jobs/warm_start.py, jobs/finetune.py, jobs/selection.py name them from the staging's;
+# "mask.safetensors" is the retraining's one-shot mask, oneshot_paths' ".oneshot" suffix replaced)
+SIDE_FILES = ("init_mask.safetensors", "init_weights", "oneshot", "mask.safetensors", "best_projection")
 
 
 def job_inputs(cfg: ElsaConfig, opts: JobOptions) -> dict[str, str | Path | None]:
@@ -41,18 +46,21 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
     with owned(opts.output_dir, "--output_dir", take=writer):
         try:
             return run_job(make_job(cfg, opts, ds_config))
-        except (KeyboardInterrupt, Terminated):
+        except BaseException as err:  # every way out short of publishing; the lock goes right after
             if writer:
                 discard_unpublished(Path(opts.output_dir))
+            if (full := disk_full(err, Path(opts.output_dir))) is not None:
+                raise full from None  # one line (ElsaError), its free space measured with the partial files gone
             raise
 
 
 def discard_unpublished(output_dir: Path) -> None:
-    """After an interrupt: this job's staging folder and the side files a job keeps beside its output until it consumes
-    them (warm-start mask and weights, the one-shot model of a retraining run, the best projection); the checkpoints
-    (resumable) and the previous output stay."""
+    """After a job that did not publish: its staging folder and the side files a job keeps beside its output until it
+    consumes them (warm-start mask and weights, the one-shot model of a retraining run, the best projection) and their
+    ``.tmp`` files; the checkpoints (resumable) and the previous output stay."""
     staging = staging_dir(output_dir)
-    for path in (staging, *(staging.with_name(f".{output_dir.name}.{s}") for s in SIDE_FILES)):
+    sides = [staging.with_name(f".{output_dir.name}.{s}") for s in SIDE_FILES]
+    for path in (staging, *sides, *(p.with_name(f".{p.name}.tmp") for p in sides)):
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         elif path.exists():

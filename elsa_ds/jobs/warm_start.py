@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from elsa_ds.config import ElsaConfig
+from elsa_ds.disk_room import saved_bytes, writing
 from elsa_ds.errors import ElsaError
 from elsa_ds.mask_file import MaskReader, write_masks
 from elsa_ds.methods import OneShot
@@ -79,8 +80,9 @@ def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, toke
             done = prune_oneshot(cfg, method, tokenizer, model, say)
             write_masks(mask_path, done.masks)
             if model_dir is not None:
-                done.model.save_pretrained(model_dir)
-                tokenizer.save_pretrained(model_dir)
+                with writing(model_dir, saved_bytes(done.model)):
+                    done.model.save_pretrained(model_dir)
+                    tokenizer.save_pretrained(model_dir)
             calibration = done.calibration
             del done
         except BaseException as err:  # the other ranks must hear of it, whatever it is

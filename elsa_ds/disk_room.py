@@ -1,0 +1,116 @@
+"""A full disk as one line: the error a write that runs out of room becomes, wherever in a job it happens.
+
+The exporter, the mask writer and the warm start's model copy name the file and the bytes the whole write needs
+(:func:`writing`); any other ``OSError`` of that kind (ENOSPC, EDQUOT, EFBIG), or safetensors' error wrapping one, is
+recognised on the way out of the job (:func:`disk_full`). The room a job needs is checked before work by
+``preflight.py`` (the export and checkpoints against the free space of the output's file system).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from elsa_ds.errors import ElsaError
+
+REASONS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
+           errno.EFBIG: "file size limit reached"}  # EFBIG: ulimit -f, or the file system's own largest file
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust side names the OS error it wraps
+_MOUNT_ESCAPE = re.compile(r"\\([0-7]{3})")  # /proc/self/mounts writes a space in a path as \040
+
+
+class DiskFull(ElsaError):
+    """A write ran out of room: the file, the bytes its whole write needs (None: not known) and the free space now."""
+
+    def __init__(self, path: Path, needed: int | None, code: int = errno.ENOSPC):
+        self.path, self.needed, self.code = Path(path), needed, code
+        where = existing_ancestor(self.path)
+        try:
+            device, free = filesystem(where), f"{shutil.disk_usage(where).free:,}"
+        except OSError:  # the message must not fail in its turn
+            device, free = str(where), "an unknown number of bytes"
+        need = f"{needed:,} bytes needed, " if needed is not None else ""
+        super().__init__(f"{REASONS.get(code, REASONS[errno.ENOSPC])} on {device} writing {self.path}: {need}{free} free; "
+                         "free space or choose another --output_dir")
+
+    def measured_again(self) -> DiskFull:
+        """The same error with the free space measured now (once the job's partial files are gone)."""
+        return DiskFull(self.path, self.needed, self.code)
+
+
+def disk_full_errno(err: BaseException) -> int | None:
+    """The errno that says ``err`` (or an exception it was raised from) ran out of room, else None."""
+    found = _full_disk_cause(err)
+    return None if found is None else found[1]
+
+
+def _full_disk_cause(err: BaseException | None) -> tuple[BaseException, int] | None:
+    """(the exception in ``err``'s chain that ran out of room, its errno), or None."""
+    for _ in range(8):
+        if err is None:
+            return None
+        if isinstance(err, OSError) and err.errno in REASONS:
+            return err, err.errno
+        if type(err).__module__.startswith("safetensors") and (m := _OS_ERROR.search(str(err))) and int(m[1]) in REASONS:
+            return err, int(m[1])
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def disk_full(err: BaseException, fallback: Path) -> DiskFull | None:
+    """``err`` as a :class:`DiskFull` measured now, or None when it is no full disk. ``fallback``: the path it names
+    when the error itself names none."""
+    if isinstance(err, DiskFull):
+        return err.measured_again()
+    found = _full_disk_cause(err)
+    if found is None:
+        return None
+    name = getattr(found[0], "filename", None)
+    return DiskFull(Path(name) if isinstance(name, (str, os.PathLike)) else fallback, None, found[1])
+
+
+@contextlib.contextmanager
+def writing(path: Path, needed: int | None) -> Iterator[None]:
+    """A full disk inside the block becomes :class:`DiskFull` naming ``path`` and the ``needed`` bytes of the whole write."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except BaseException as err:
+        code = disk_full_errno(err)
+        if code is None:
+            raise
+        raise DiskFull(path, needed, code) from None
+
+
+def saved_bytes(module) -> int:
+    """The bytes of ``module``'s state dict (a tied weight once): what ``save_pretrained`` writes, less headers."""
+    unique = {(t.data_ptr(), t.dtype, t.numel()): t for t in module.state_dict().values()}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest parent that exists (where the free space of a file not written yet is measured)."""
+    path = Path(path).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def filesystem(path: Path) -> str:
+    """The file system holding ``path``, as ``df`` names it: its source (device) and mount point."""
+    mount = Path(path).resolve()
+    dev = os.stat(mount).st_dev
+    while mount != mount.parent and os.stat(mount.parent).st_dev == dev:
+        mount = mount.parent
+    source = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 1 and _MOUNT_ESCAPE.sub(lambda m: chr(int(m[1], 8)), fields[1]) == str(mount):
+                source = fields[0]  # the last mount on a path is the one seen
+    return f"{source} at {mount}" if source else str(mount)

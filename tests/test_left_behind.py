@@ -1,0 +1,174 @@
+"""Nothing left behind on any way out of a job: a full disk during the export or the warm start, a NaN loss, SIGTERM to
+a Python API call. The output folder and its parent read the same afterwards as before (every name, every byte); a
+command-line job says one line and exits 2. The full disk is a real one, a small tmpfs, where this process may mount
+it; elsewhere a file size limit (RLIMIT_FSIZE) makes the same writes fail (EFBIG). The embedded demo model, 2-4 steps."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from elsa_ds.config import DEMO_MODEL_DIR
+from elsa_ds.disk_room import DiskFull, disk_full, disk_full_errno
+from elsa_ds.jobs.warm_start import warm_start_path
+from elsa_ds.ownership import lock_path
+from tests.conftest import ROOT, run_entry
+from tests.test_interrupts import _run_and_signal
+
+pytestmark = pytest.mark.integration
+
+QUICK = ["--deepspeed", "ds_configs/zero3_offload.json", "--seqlen", "64", "--micro_batch", "2", "--interval", "1", "--lr", "1e-3",
+         "--lmda", "0.05", "--val_windows", "0", "--baseline", "none", "--init_mask", "magnitude"]
+ERROR_LINE = "elsa_ds: error"
+
+
+def _listing(folder: Path) -> dict[str, str]:
+    """Every entry under ``folder``, hidden ones too: a folder as "dir", a file as the sha256 of its bytes."""
+    return {str(p.relative_to(folder)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*"))}
+
+
+def _previous_output(parent: Path) -> Path:
+    out = parent / "o"
+    out.mkdir(parents=True)
+    (out / "precious.txt").write_text("keep me")
+    return out
+
+
+def _limit_file_size(limit: int) -> Callable[[], None]:
+    def apply() -> None:  # in the child: a write past ``limit`` bytes fails with EFBIG instead of killing it (SIGXFSZ)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+@contextlib.contextmanager
+def _small_disk(where: Path, size: int) -> Iterator[Callable[[], None] | None]:
+    """A ``size``-byte file system mounted at ``where`` (yields None), or, where mounting is not allowed, a file size limit
+    of ``size`` bytes for the child process (yields its preexec_fn)."""
+    where.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                                                   capture_output=True).returncode == 0
+    try:
+        yield None if mounted else _limit_file_size(size)
+    finally:
+        if mounted and subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)  # busy: detached now, freed when let go
+
+
+def _prune(args: list[str], preexec: Callable[[], None] | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    if preexec is None:
+        return run_entry("prune.py", args, check=False, env=env, timeout=600)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "prune.py"), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600, preexec_fn=preexec)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(ERROR_LINE)]
+    assert len(errors) == 1, proc.stderr[-4000:]
+    return errors[0]
+
+
+# ---- a full disk ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size,written", [(4 * 2**20, "model.safetensors"), (256 * 2**10, ".o.init_mask.safetensors")],
+                         ids=["export", "warm-start"])
+def test_a_full_disk_leaves_nothing_and_says_one_line(tmp_path, size, written):
+    """The demo model's bf16 export (8.4 MB) on a 4 MiB disk, or its magnitude warm-start masks (393 kB) on 256 KiB: the
+    run starts (--ignore_memory_check past the pre-flight refusal), fails writing, and leaves the disk as it found it."""
+    parent = tmp_path / "disk"
+    with _small_disk(parent, size) as preexec:
+        out = _previous_output(parent)
+        before, before_out = _listing(parent), _listing(out)
+        proc = _prune([*QUICK, "--steps", "2", "--output_dir", str(out), "--overwrite", "--ignore_memory_check"], preexec)
+        line = _one_error_line(proc)
+        assert (_listing(parent), _listing(out)) == (before, before_out), line
+    assert re.search(r"^elsa_ds: error: (no space left|file size limit reached) on .+ writing \S+: [\d,]+ bytes needed, [\d,]+ free; "
+                     r"free space or choose another --output_dir$", line), line
+    assert f"{written}:" in line, line
+
+
+def test_a_disk_too_small_for_the_export_is_refused_before_work(tmp_path):
+    """The pre-flight check (``preflight.py``: the export against the output's free space) refuses in seconds, before
+    any weight loads, and leaves nothing; only a real small file system shows it (a file size limit leaves space free)."""
+    parent = tmp_path / "disk"
+    with _small_disk(parent, 2 * 2**20) as preexec:
+        if preexec is not None:
+            pytest.skip("no tmpfs can be mounted here (needs root)")
+        out = _previous_output(parent)
+        before = _listing(parent)
+        proc = _prune([*QUICK, "--steps", "2", "--output_dir", str(out), "--overwrite"])
+        line = _one_error_line(proc)
+        assert _listing(parent) == before, line
+    assert f"disk at {out}" in line and "--ignore_memory_check" in line, line
+    assert "one-shot magnitude masks" not in proc.stdout + proc.stderr  # refused before the warm start
+
+
+# ---- a NaN loss -----------------------------------------------------------------------------------------------------
+def test_a_nan_stop_leaves_nothing_beside_the_output(tmp_path):
+    """A NaN loss at step 1 of 4 after a magnitude warm start: its masks file goes with the staging and the lock."""
+    parent = tmp_path / "parent"
+    out = _previous_output(parent)
+    before, before_out = _listing(parent), _listing(out)
+    fixture = ROOT / "tests" / "fixtures" / "nan_at_step"
+    env = {"ELSA_TEST_NAN_STEP": "1", "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = _prune([*QUICK, "--steps", "4", "--output_dir", str(out), "--overwrite"], env=env)
+    line = _one_error_line(proc)
+    assert "the loss became nan at step 1" in line, line
+    assert "one-shot magnitude masks" in proc.stdout + proc.stderr  # the warm start did write its masks
+    assert (_listing(parent), _listing(out)) == (before, before_out)
+
+
+# ---- SIGTERM to elsa_ds.prune ---------------------------------------------------------------------------------------
+def test_sigterm_to_the_python_api_leaves_no_lock_and_no_init_mask(tmp_path):
+    """elsa_ds.prune in a script with Python's default SIGTERM handling, signalled during training: the process still
+    ends as killed by SIGTERM, and its lock, warm-start masks and staging are gone first."""
+    parent = tmp_path / "parent"
+    out = _previous_output(parent)
+    before = _listing(parent)
+    script = f"""
+import elsa_ds
+elsa_ds.prune({str(DEMO_MODEL_DIR)!r}, output_dir={str(out)!r}, overwrite=True, deepspeed="zero3_offload", seqlen=64,
+              micro_batch=2, steps=100000, interval=2, lr=1e-3, lmda=0.05, val_windows=0, baseline="none",
+              init_mask="magnitude")
+"""
+    during = {}
+
+    def terminate(proc) -> None:
+        during.update(lock=lock_path(out).exists(), mask=warm_start_path(out).exists())
+        proc.send_signal(signal.SIGTERM)
+    code, text = _run_and_signal([sys.executable, "-c", script], "step/s", terminate)
+    assert during == {"lock": True, "mask": True}, text[-3000:]  # both were there while it trained
+    assert code == -signal.SIGTERM and "Traceback" not in text, text[-3000:]
+    assert _listing(parent) == before
+
+
+# ---- recognising a full disk ----------------------------------------------------------------------------------------
+def test_a_full_disk_is_recognised_through_safetensors_and_chained_errors(tmp_path):
+    from safetensors import SafetensorError
+
+    wrapped = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert disk_full_errno(wrapped) == errno.ENOSPC
+    assert disk_full_errno(SafetensorError("Error while serializing: I/O error: File too large (os error 27)")) == errno.EFBIG
+    assert disk_full_errno(SafetensorError("Error while deserializing header: HeaderTooLarge")) is None
+    try:
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded", str(tmp_path / "f"))
+        except OSError as inner:
+            raise RuntimeError("writing failed") from inner
+    except RuntimeError as outer:
+        full = disk_full(outer, tmp_path)
+    assert isinstance(full, DiskFull) and str(full).startswith("disk quota exceeded on ") and f"writing {tmp_path / 'f'}: " in str(full)
+    assert disk_full(ValueError("no"), tmp_path) is None and disk_full_errno(OSError(errno.EACCES, "denied")) is None
