@@ -46,6 +46,17 @@ def validated(model: type[BaseModel], values: dict[str, Any], where: str = "the 
         raise ElsaError(format_validation_error(err, where, model)) from None
 
 
+def positive_int(text: str) -> int:
+    """argparse's type for a count of at least 1 that no settings model holds (launch/ablate_offload.py's --num_gpus)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def start_logging(args: argparse.Namespace) -> None:
     """The console of this process at ``--log_level`` (rank 0; other ranks log warnings only)."""
     setup_logging(args.log_level or JobOptions.model_fields["log_level"].default)

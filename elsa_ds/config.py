@@ -19,6 +19,7 @@ from elsa_ds.admm.optimizer import AdmmSettings, Projection
 from elsa_ds.admm.projection import NM
 from elsa_ds.admm.schedule import LambdaSchedule
 from elsa_ds.admm.state import StateDtype
+from elsa_ds.config_checks import cross_checks
 from elsa_ds.config_files import check_each_source, load_profile, load_recipe as _load_recipe
 from elsa_ds.data.sampling import Sampling
 from elsa_ds.data.sources import DEMO_DATASET, LOCAL_SUFFIXES
@@ -66,7 +67,7 @@ class BaseOptimizer(str, Enum):
 class ElsaConfig(BaseModel):
     """Every setting of a pruning job; the JSON ``"elsa"`` block and the command-line flags map one-to-one onto fields."""
 
-    model_config = ConfigDict(extra="forbid", use_enum_values=False, validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     # --- what is pruned, and how ---------------------------------------------------------------------------
     method: Method = Field(Method.elsa, **_group("job"))
@@ -317,6 +318,8 @@ class ElsaConfig(BaseModel):
             raise ValueError(f"hold_steps ({self.hold_steps}) ends ELSA's run inside a fixed mask: it must be below steps "
                              f"({self.steps}), and select_every (which picks among the projections before it) must be 0")
         return self
+
+    _cross_checks = model_validator(mode="after")(cross_checks)  # a schedule the run reaches, whole --init_mask files
 
     @property
     def is_demo(self) -> bool:

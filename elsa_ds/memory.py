@@ -59,8 +59,9 @@ RUNTIME_HOST_BYTES = 520 * 2**20
 # measured the same way.
 LAUNCHER_HOST_BYTES = 2 * 244 * 2**20
 # A CUDA rank's extra host RSS (CUDA runtime, cuBLAS/cuDNN mapped in, pinned staging): the 32-step demo job on one H100
-# against the same job with CUDA hidden, peak RSS 2.501e9 vs 1.433e9 bytes (torch 2.11+cu130; docs/history.md, "GPU
-# device kit: the first run on a GPU"). The CUDA context on the GPU (not in torch.cuda.max_memory_allocated) is a typical value, not measured.
+# against the same job with CUDA hidden, peak RSS 2.501e9 vs 1.433e9 bytes (torch 2.11+cu130; docs/history.md,
+# "GPU device kit: the first run on a GPU"). The CUDA context on the GPU (not in torch.cuda.max_memory_allocated) is a
+# typical value, not measured.
 CUDA_HOST_BYTES = 1.07e9
 RUNTIME_GPU_BYTES = 0.6e9
 
@@ -147,10 +148,10 @@ def moment_bytes(base: str) -> float:  # Adam's moments per entry: fp32, or 8-bi
 
 def _read_job(shape: ModelShape, ds: dict, elsa: dict, world: int) -> _Job:
     view = DsConfig(ds)
-    opt_dev = view.optimizer_device
-    base = elsa.get("base_optimizer", "auto")
-    if base == "auto":
-        base = "adam" if opt_dev == "none" else "cpu_adam"
+    opt_dev, base = view.optimizer_device, elsa.get("base_optimizer", "auto")
+    if bad := sorted({view.param_device, opt_dev} - {"none", "cpu", "nvme"}):  # until DsConfig.check names it
+        raise ElsaError(f"zero_optimization: offload_param / offload_optimizer device {bad[0]!r}: DeepSpeed takes none, cpu or nvme")
+    base = ("adam" if opt_dev == "none" else "cpu_adam") if base == "auto" else base
     return _Job(
         world=world, p=shape.num_params / world, t=shape.trainable_params / world,
         half=2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4,
@@ -373,7 +374,6 @@ def estimate_job(model: str, deepspeed: str, num_gpus: int, num_nodes: int = 1, 
     they belong to the machine that runs the job), and ``settings`` (ElsaConfig fields) merged over its ``elsa`` block."""
     from elsa_ds.config import resolve_config
     from elsa_ds.models import check_seqlen, guarded_config, hidden_size
-    from elsa_ds.zero.ds_config import DsConfig
 
     ds_config = DsConfig.load(deepspeed)
     config = guarded_config(model, lambda: resolve_model_config(model))

@@ -7,7 +7,7 @@ memory estimator (meta device: shapes without memory).
 from __future__ import annotations
 
 import json
-import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +17,47 @@ import torch
 from elsa_ds.data import load_tokenizer
 from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.errors import ElsaError
+from elsa_ds.weight_files import check_weight_files, stored_shapes
 
-_HEADER_LIMIT = 100 * 2**20  # safetensors headers are small; a larger "length" means a corrupt file
+
+def config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config.json it cannot read or build a config from: OSError and ValueError of its
+    own, huggingface_hub's strict-dataclass validation (a field of the wrong type), and the TypeError, KeyError,
+    AttributeError, IndexError or ZeroDivisionError of a value of the wrong shape or size read deep inside a config
+    class (0 attention heads)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError, ArithmeticError, StrictDataclassError)
+
+
+def reason(err: BaseException) -> str:
+    """An exception as one short line: transformers' messages span lines; a bare KeyError is only the key."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    text = text if isinstance(err, (OSError, ValueError)) else f"{type(err).__name__}: {text}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def config_json(model_id: str) -> dict | None:
+    """A local model's config.json (``model_id``: its directory or the file) read as JSON: ElsaError naming the file when
+    it is not JSON, not an object, or names code of its own (``auto_map``) for an architecture transformers does not
+    ship, which transformers would ask to run (``trust_remote_code``) and elsa_ds never does. None for a hub id."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = Path(model_id).expanduser()
+    file = path if path.is_file() else path / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ElsaError(f"{file}: not valid JSON ({reason(err)}); fix it or copy the model's config.json again") from None
+    if not isinstance(data, dict):
+        raise ElsaError(f"{file}: holds a JSON {type(data).__name__}, not an object of settings; copy the model's config.json again")
+    model_type = data.get("model_type")
+    if data.get("auto_map") and not (isinstance(model_type, str) and model_type in CONFIG_MAPPING):
+        raise ElsaError(f"{file}: model_type {model_type!r} needs its own Python code (auto_map, trust_remote_code), "
+                        "which elsa_ds never runs; use a model whose architecture transformers ships")
+    return data
 
 
 def load_config(model_id: str):
@@ -30,12 +69,37 @@ def load_config(model_id: str):
         raise ElsaError(f"model {model_id}: no such directory")
     if path.is_dir() and not (path / "config.json").is_file():
         raise ElsaError(f"model {model_id}: directory has no config.json (not a saved transformers model)")
-    try:
-        config = AutoConfig.from_pretrained(model_id)
-    except (OSError, ValueError) as err:
-        raise ElsaError(f"model {model_id}: cannot load its config ({str(err).splitlines()[0]})") from None
+    config = guarded_config(model_id, lambda: AutoConfig.from_pretrained(model_id, trust_remote_code=False))
     check_causal_lm(config, model_id)
     return config
+
+
+def guarded_config(model_id: str, read: Callable[[], Any]):
+    """``read()``, a config loader for ``model_id`` (``load_config``'s, the estimator's), after :func:`config_json`'s checks
+    of a local config.json; what transformers raises for a malformed one becomes an ElsaError naming the file."""
+    config_json(model_id)
+    path = Path(model_id).expanduser()
+    where = path if path.is_file() else path / "config.json" if path.is_dir() else f"model {model_id}"
+    try:
+        return read()
+    except config_errors() as err:
+        raise ElsaError(f"{where}: cannot load it as a transformers config ({reason(err)})") from None
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the model was built for (``max_position_embeddings``, of the text model for a multimodal
+    one); None when its config does not say."""
+    value = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def check_seqlen(config, seqlen: int, model_id: str) -> None:
+    """ElsaError for a --seqlen beyond the model's positions: learned position embeddings index past their table, rotary
+    ones run outside what the model was trained on."""
+    limit = max_positions(config)
+    if limit is not None and seqlen > limit:
+        raise ElsaError(f"--seqlen {seqlen} exceeds the max_position_embeddings {limit} of model {model_id}; "
+                        f"pass --seqlen {limit} or less")
 
 
 # heads that predict the next token: what ELSA's loss, the one-shot calibration and perplexity all need
@@ -46,13 +110,26 @@ def check_causal_lm(config, model_id: str) -> None:
     """ElsaError for a model that is not a causal LM (an encoder such as BERT saved as a masked LM, a classifier, a
     sequence-to-sequence model): transformers would load some of them into a causal-LM class with a warning and the job
     would train or score next-token prediction the model was never built for."""
-    archs = list(getattr(config, "architectures", None) or [])
+    archs = getattr(config, "architectures", None) or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ElsaError(f"model {model_id}: architectures in its config.json is {archs!r}, not a list of class names "
+                        "(e.g. [\"LlamaForCausalLM\"])")
     kind = f"{getattr(config, 'model_type', '?')} ({', '.join(archs) or 'no architectures listed'})"
     if getattr(config, "is_encoder_decoder", False):
         raise ElsaError(f"model {model_id} is an encoder-decoder model, {kind}: elsa_ds prunes decoder-only causal LMs")
     if archs and not any(a.endswith(CAUSAL_HEADS) for a in archs):
         raise ElsaError(f"model {model_id} is {kind}, not a causal language model (a ...ForCausalLM): ELSA prunes on the "
                         "next-token loss, which this model was not trained for")
+
+
+def check_token_ids(ids: torch.Tensor, config, model_id: str, what: str) -> None:
+    """ElsaError when ``ids`` (``what`` tokenized) hold a token id the model has no embedding row for: a tokenizer of
+    another model (or a damaged tokenizer.json) would otherwise fail inside the first forward pass."""
+    vocab = getattr(getattr(config, "text_config", None) or config, "vocab_size", None)
+    largest = int(ids.max()) if ids.numel() else -1
+    if isinstance(vocab, int) and largest >= vocab:
+        raise ElsaError(f"{what}: the tokenizer of model {model_id} gives token id {largest}, beyond the vocab_size {vocab} of "
+                        "its config.json; the tokenizer files and the model do not belong together")
 
 
 def attention_implementation(config) -> str:
@@ -65,36 +142,21 @@ def hidden_size(config) -> int | None:
     return getattr(getattr(config, "text_config", config), "hidden_size", None)
 
 
-def check_local_weights(model_id: str) -> None:
-    """Each safetensors file of a local model directory has a readable header and the size its header announces.
-
-    A truncated download or copy otherwise fails deep inside from_pretrained, after minutes of loading.
-    """
-    path = Path(model_id).expanduser()
-    if not path.is_dir():
-        return
-    for file in sorted(path.glob("*.safetensors")):
-        problem = _safetensors_problem(file)
-        if problem:
-            raise ElsaError(f"model {model_id}: {file.name} is damaged ({problem}); copy or download it again")
-
-
-def _safetensors_problem(file: Path) -> str | None:
-    size = file.stat().st_size
-    with file.open("rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            return f"{size} bytes, no header"
-        (length,) = struct.unpack("<Q", head)
-        if length > min(_HEADER_LIMIT, size - 8):
-            return "header length beyond the end of the file"
-        try:
-            header = json.loads(fh.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return "header is not valid JSON"
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-    expected = 8 + length + max(ends, default=0)
-    return None if expected == size else f"{size:,} bytes, its header needs {expected:,}"
+def check_local_weights(model_id: str, config=None) -> None:
+    """Each safetensors file of a local model directory is whole (``weight_files.py``) and, given its ``config``, holds
+    each tensor it shares with the architecture in the shape the architecture gives it (from the headers: a config.json
+    of another size fails inside from_pretrained otherwise, after the load). A hub id is not checked."""
+    check_weight_files(model_id, f"model {model_id}")
+    if config is None or not Path(model_id).expanduser().is_dir() or getattr(config, "quantization_config", None):
+        return  # a quantized checkpoint stores its weights packed, in other shapes than the architecture's
+    stored = stored_shapes(model_id)
+    built = {name: tuple(p.shape) for name, p in meta_model(config).named_parameters(remove_duplicate=False)}
+    wrong = [f"{file}: {name} {list(shape)} where config.json builds {list(built[name])}"
+             for name, (shape, file) in stored.items() if name in built and built[name] != shape]
+    if wrong:
+        many = f"{len(wrong)} tensors differ, e.g." if len(wrong) > 1 else "1 tensor differs:"
+        raise ElsaError(f"model {model_id}: config.json does not describe its weights ({many} {wrong[0]}); the config and the "
+                        "weights come from different models")
 
 
 def load_causal_lm(model_id: str, dtype: torch.dtype, *, random_init: bool = False, config=None, **kwargs: Any) -> torch.nn.Module:
@@ -133,8 +195,12 @@ def meta_model(config) -> torch.nn.Module:
     """An instance of the architecture on the meta device: exact shapes and names, no memory."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except (*config_errors(), RuntimeError) as err:  # e.g. a negative size: torch's RuntimeError
+        name = getattr(config, "name_or_path", "") or getattr(config, "model_type", "?")
+        raise ElsaError(f"model {name}: its config.json describes no model transformers can build ({reason(err)})") from None
 
 
 @dataclass
@@ -154,7 +220,7 @@ class ModelSource:
 
     def check_weights(self) -> None:
         if self.module is None:
-            check_local_weights(self.name)
+            check_local_weights(self.name, self.config())
 
     def check_tokenizer(self) -> None:
         if self.tokenizer is None:

@@ -18,9 +18,11 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elsa_ds.config_checks import schedule_oddities, schedule_refusals
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.memory import RUNTIME_HOST_BYTES, STATE_BYTES, ModelShape, estimate, model_shape, moment_bytes
+from elsa_ds.models import check_seqlen, load_config
 
 MARGIN = 0.15
 GIB = 2 ** 30
@@ -121,11 +123,24 @@ def judge(needs: list[Need], hint: str, ignore: bool, rank: int) -> None:
         log.warning(f"{'; '.join(n.line() for n in refused + tight)}: the run {verdict}")
 
 
+def check_schedule(cfg, rank: int) -> None:
+    """The schedule as the defaults rule resolved it (``config_checks.py``): refused where the run cannot do what it was
+    asked, a warning (rank 0) for each part of it the run never reaches."""
+    refusals = schedule_refusals(cfg)
+    if refusals:
+        raise ElsaError("; ".join(refusals))
+    if rank == 0:
+        for line in schedule_oddities(cfg):
+            log.warning(line)
+
+
 def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
     """The pre-flight check of an ELSA job (meta: the model on the meta device, ds: the engine's config, cfg: ElsaConfig,
-    opts: JobOptions)."""
+    opts: JobOptions): the sequence length against the model's positions, the schedule, then memory and disk."""
     import torch
 
+    check_seqlen(meta.config, cfg.seqlen, cfg.model)
+    check_schedule(cfg, int(os.environ.get("RANK", "0")))
     # the shape as configured, and (an alternative for the hint) with the embeddings frozen
     shape = model_shape(meta.config, cfg.targets, model=meta, freeze_embeddings=cfg.freeze_embeddings)
     frozen = None if cfg.freeze_embeddings else model_shape(meta.config, cfg.targets, model=meta, freeze_embeddings=True)
@@ -238,9 +253,13 @@ def oneshot_host_bytes(shape: ModelShape, method: str, cfg, cuda: bool) -> float
 
 
 def check_oneshot(shape: ModelShape, cfg, opts) -> None:
-    """The pre-flight check of a one-shot job: host memory, and the disk its model is saved to."""
+    """The pre-flight check of a one-shot job (and its --finetune): the sequence length against the positions of a local
+    model's config, the schedule, host memory, and the disk its model is saved to."""
     import torch
 
+    if Path(cfg.model).expanduser().is_dir():
+        check_seqlen(load_config(cfg.model), cfg.seqlen, cfg.model)
+    check_schedule(cfg, int(os.environ.get("RANK", "0")))
     cuda = torch.cuda.is_available()
     out = Path(opts.output_dir).expanduser().resolve()
     writes = {out: (2 if cuda else 4) * shape.num_params}

@@ -49,12 +49,12 @@ def resolve_model_config(model: str):
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ElsaError(f"{model}: directory has no config.json")
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
     shipped = CONFIG_DIR / model
     if (shipped / "config.json").exists():
-        return AutoConfig.from_pretrained(shipped)
+        return AutoConfig.from_pretrained(shipped, trust_remote_code=False)
     try:
-        return AutoConfig.from_pretrained(model)
+        return AutoConfig.from_pretrained(model, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ElsaError(f"cannot resolve model {model!r}: not a directory, not shipped in {CONFIG_DIR}, and not loadable "
                         f"({str(err).splitlines()[0]})") from None

@@ -14,21 +14,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from elsa_ds.cli import add_flags, guarded, start_logging  # noqa: E402
+from elsa_ds.cli import add_flags, guarded, positive_int, start_logging  # noqa: E402
+from elsa_ds.errors import OneLineParser  # noqa: E402
 from elsa_ds.options import JobOptions  # noqa: E402
 from elsa_ds.log import get_logger  # noqa: E402
 
 DEFAULT_PRUNE_ARGS = ["--steps", "32", "--interval", "16", "--val_windows", "0", "--baseline", "none"]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = OneLineParser(prog="ablate_offload.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", required=True, help="DeepSpeed configs; the first is the mask reference")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--num_gpus", type=int, default=2, help="ranks per run [2]")
+    ap.add_argument("--num_gpus", type=positive_int, default=2, help="ranks per run [2]")
     add_flags(ap, JobOptions, ("log_level",))
     ap.add_argument("prune_args", nargs=argparse.REMAINDER, help="-- then flags for launch/prune.py")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     start_logging(args)
     extra = [a for a in args.prune_args if a != "--"] or DEFAULT_PRUNE_ARGS
 

@@ -19,7 +19,8 @@ LAYERS: dict[str, int] = {
     # 1: settings, data and plain file formats
     "config": 1, "options": 1, "config_files": 1, "defaults": 1, "data": 1, "targets": 1, "mask_file": 1, "io": 1,
     "ownership": 1,
-    "safetensors_writer": 1,
+    "weight_files": 1, "config_checks": 1,
+    "safetensors_writer": 1, "disk_room": 1,
     # 2: components: the DeepSpeed adapter, one-shot methods, evaluation, model loading, outputs, the checkpoint format.
     # zero.partitions scores the engine with evaluation.perplexity's window_nll (a torch-only leaf), so the run's
     # validation perplexity is the evaluator's protocol by construction: a one-way edge inside the layer.

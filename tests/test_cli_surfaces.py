@@ -101,7 +101,7 @@ def test_estimate_resolves_unset_settings_as_the_job_does(capsys):
     """Not given: the JSON's, a recipe's or the demo profile's value, as elsa-prune would run the job."""
     assert main_estimate(["--model", str(DEMO_MODEL_DIR), "--deepspeed", "zero3", "--json"]) == 0
     demo = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert main_estimate(["--model", str(DEMO_MODEL_DIR), "--deepspeed", "zero3", "--json", "--seqlen", "2048",
+    assert main_estimate(["--model", str(DEMO_MODEL_DIR), "--deepspeed", "zero3", "--json", "--seqlen", "512",
                           "--gradient_checkpointing"]) == 0
     long = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert demo["breakdown"]["activations"]["per_gpu"] < long["breakdown"]["activations"]["per_gpu"]

@@ -108,7 +108,7 @@ def test_corrupt_parquet_dataset_is_one_line(tmp_path, tiny_model_dir):
     bad = tmp_path / "data.parquet"
     bad.write_bytes(b"PAR1 but not really parquet")
     _fails(["--deepspeed", "ds_configs/zero3_offload.json", "--model", str(tiny_model_dir), "--dataset", str(bad),
-            "--init_mask", "none", "--output_dir", str(tmp_path / "o")], "data.parquet", "not a readable Parquet file")
+            "--init_mask", "none", "--seqlen", "64", "--output_dir", str(tmp_path / "o")], "data.parquet", "not a readable Parquet file")
     assert [p.name for p in tmp_path.iterdir()] == ["data.parquet"]  # no output, staging or lock left
 
 
@@ -117,7 +117,8 @@ def test_hub_dataset_without_network_is_one_line(tmp_path, tiny_model_dir):
     from tests.conftest import run_entry
 
     proc = run_entry("prune.py", ["--deepspeed", "ds_configs/zero3_offload.json", "--model", str(tiny_model_dir), "--dataset",
-                                  "c4", "--init_mask", "none", "--output_dir", str(tmp_path / "o")], check=False, timeout=300,
+                                  "c4", "--init_mask", "none", "--seqlen", "64", "--output_dir", str(tmp_path / "o")], check=False,
+                     timeout=300,
                      env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("elsa_ds: error")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

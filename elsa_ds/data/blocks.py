@@ -10,6 +10,7 @@ order) and produce the same mask.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -56,11 +57,41 @@ VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepie
 
 
 def check_local_tokenizer(model_id: str) -> None:
-    """A local model directory holds a tokenizer's vocabulary (hub ids are resolved by transformers)."""
+    """A local model directory holds a tokenizer's vocabulary (hub ids are resolved by transformers), and its
+    tokenizer.json, when it has one, is one the tokenizers library can read: ElsaError naming the file otherwise."""
     path = Path(model_id).expanduser()
-    if path.is_dir() and not any((path / name).is_file() for name in VOCAB_FILES):
+    if not path.is_dir():
+        return
+    if not any((path / name).is_file() for name in VOCAB_FILES):
         raise ElsaError(f"model {model_id} has no tokenizer (none of {', '.join(VOCAB_FILES)}): save it there with "
                         "AutoTokenizer.from_pretrained(<the model's hub id>).save_pretrained(<this folder>)")
+    file = path / "tokenizer.json"
+    if file.is_file():
+        _check_tokenizer_json(file)
+
+
+def _check_tokenizer_json(file: Path) -> None:
+    """JSON, an object of the tokenizers library's shape, and one it reads (as transformers will)."""
+    from tokenizers import Tokenizer
+
+    try:
+        text = file.read_text(encoding="utf-8")
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ElsaError(f"{file}: not valid JSON ({' '.join(str(err).split())}); copy the model's tokenizer again") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict) or not isinstance(data.get("added_tokens"), list):
+        raise ElsaError(f"{file}: not a tokenizer (a JSON object with a \"model\" object and an \"added_tokens\" list); "
+                        "copy the model's tokenizer again")
+    try:
+        Tokenizer.from_str(text)
+    except Exception as err:  # the tokenizers library raises a bare Exception for every file it cannot read
+        raise ElsaError(f"{file}: not a tokenizer the tokenizers library can read ({' '.join(str(err).split())}); "
+                        "copy the model's tokenizer again") from None
+
+
+# what transformers raises for tokenizer files it cannot read: its own errors, and those of a value of the wrong type
+# or a missing key deep in its loading code
+TOKENIZER_ERRORS = (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError)
 
 
 def load_tokenizer(model_id: str):
@@ -69,9 +100,11 @@ def load_tokenizer(model_id: str):
 
     check_local_tokenizer(model_id)
     try:
-        return AutoTokenizer.from_pretrained(model_id)
-    except (OSError, ValueError) as err:
-        raise ElsaError(f"cannot load the tokenizer of {model_id!r}: {str(err).splitlines()[0]}") from None
+        return AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
+    except TOKENIZER_ERRORS as err:
+        text = " ".join(str(err).split()) or type(err).__name__
+        raise ElsaError(f"cannot load the tokenizer of {model_id!r} ({type(err).__name__}: {text[:300]}); check its tokenizer "
+                        "files (tokenizer.json, tokenizer_config.json)") from None
 
 
 def pack_documents(texts: Iterable[str], tokenizer, seqlen: int, max_blocks: int | None = None) -> torch.Tensor:

@@ -32,7 +32,7 @@ from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
 from elsa_ds.io import versions, write_atomic
 from elsa_ds.log import get_logger
-from elsa_ds.models import load_causal_lm, load_config
+from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, load_causal_lm, load_config
 
 NAMED_SOURCES = ("wikitext2", "c4")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -155,14 +155,14 @@ def prepare(s: EvalSettings) -> _Prepared:
     log.info("evaluation settings:\n" + json.dumps(settings, indent=2))
     manager = task_manager(s.tasks, s.include_path) if s.tasks else None
     config = load_config(s.model)
-    max_positions = getattr(config, "max_position_embeddings", None)
-    if s.ppl and max_positions and s.seqlen > max_positions:
-        raise ElsaError(f"--seqlen {s.seqlen} exceeds the model's max_position_embeddings {max_positions}; "
-                        f"pass --seqlen {max_positions} or less")
+    if s.ppl:
+        check_seqlen(config, s.seqlen, s.model)
+    check_local_weights(s.model, config)
     tokenizer = load_tokenizer(s.model)
     protocol = resolve_protocol(s.ppl_protocol, config)
     windows = {source: source_windows(source, tokenizer, s.seqlen, protocol, s.ppl_protocol, s.limit) for source in s.ppl}
     for source, w in windows.items():
+        check_token_ids(w.ids, config, s.model, f"--ppl {source}")
         log.info(f"perplexity data {source}: {w.count} windows x {s.seqlen} tokens, {protocol.value} protocol ({w.rule})")
         if source == "c4" and s.limit is None and w.count < C4_WINDOWS:
             log.warning(f"c4 gave {w.count} windows, fewer than the protocol's {C4_WINDOWS}; not comparable with published tables")

@@ -21,7 +21,7 @@ from elsa_ds.options import JobOptions
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
 from elsa_ds.jobs.interface import Printer
-from elsa_ds.models import ModelSource
+from elsa_ds.models import ModelSource, check_token_ids
 from elsa_ds.monitor import MONITOR_DIR, default_output_paths
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.dist import init_distributed
@@ -89,6 +89,7 @@ def load_data(cfg: ElsaConfig, source: ModelSource, ds: DsConfig, rank: int, wor
     global_batch, micro = ds.train_batch_size, ds.micro_batch_size
     blocks, sampling = training_blocks(cfg.dataset, tokenizer, cfg.seqlen, cfg.steps * global_batch, cfg.sampling, cfg.seed,
                                        is_gemma(source.config()), holdout_part=cfg.val_dataset is None)
+    check_token_ids(blocks, source.config(), cfg.model, f"training data {cfg.dataset}")
     batches = GlobalBatches(blocks, global_batch, micro, world, rank, cfg.seed)
     validation = validation_windows(cfg.dataset, cfg.val_dataset, tokenizer, cfg.seqlen, cfg.ppl_protocol, source.config(),
                                     cfg.val_windows)

@@ -1,0 +1,86 @@
+"""ElsaConfig's checks across settings and files: a training schedule whose parts the run reaches, an --init_mask
+folder whose weight files are whole.
+
+``cross_checks`` is ElsaConfig's validator, on the values as given (an error names them before anything is read). The
+pre-flight check runs ``schedule_refusals`` and ``schedule_oddities`` again on the values the defaults rule resolved
+(``preflight.check_schedule``): a rule-given held end or warm-up meets the user's interval or steps only there.
+
+What the run cannot do as asked is refused; what it can do, only oddly, is said as a warning:
+- a warm-up of ``steps`` or more: the lr reaches its peak on the last step (or never) and never decays: refused;
+- no projection before the end (``interval`` ≥ the ADMM steps): z and u are never updated, ELSA becomes penalized
+  training towards the first z and the final cut: a warning (a short smoke run does this on purpose);
+- ``select_every`` beyond the projections the run makes: nothing is scored but the end: a warning;
+- ``save_interval`` ≥ ``steps``: no checkpoint is ever written: a warning.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from elsa_ds.methods import Method, oneshot_names
+from elsa_ds.weight_files import check_weight_files
+
+
+def trained_steps(cfg: Any) -> int | None:
+    """Optimizer steps the job trains: ELSA's steps, or --finetune's; None for a one-shot job, which trains nothing."""
+    if cfg.finetune is not None:
+        return cfg.finetune_steps or cfg.steps
+    return cfg.steps if cfg.method is Method.elsa else None
+
+
+def _steps_name(cfg: Any) -> str:
+    return "finetune_steps" if cfg.finetune is not None and cfg.finetune_steps else "steps"
+
+
+def schedule_refusals(cfg: Any) -> list[str]:
+    """What the run cannot do as asked, one sentence each (empty: nothing)."""
+    steps = trained_steps(cfg)
+    if steps is None:
+        return []
+    found = []
+    if cfg.warmup_steps > 1 and cfg.warmup_steps >= steps:  # one step of warm-up in a one-step run is no warm-up
+        when = "reach lr only at the last step and never decay" if cfg.warmup_steps == steps else "never reach lr"
+        found.append(f"warmup_steps ({cfg.warmup_steps}) must be below the {steps} {_steps_name(cfg)} it warms up: the learning "
+                     f"rate would {when}; lower warmup_steps or raise {_steps_name(cfg)}")
+    return found
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def schedule_oddities(cfg: Any) -> list[str]:
+    """Parts of the schedule the run never reaches, though it runs: one sentence each (empty: none)."""
+    steps = trained_steps(cfg)
+    if steps is None:
+        return []
+    found = []
+    if cfg.save_interval and cfg.save_interval >= steps:
+        found.append(f"save_interval {cfg.save_interval} is not below the {steps} {_steps_name(cfg)}: no checkpoint is written "
+                     "before the run ends (none is written at the end); lower it to be able to resume a stopped run")
+    if cfg.method is not Method.elsa:
+        return found
+    admm = steps - cfg.hold_steps
+    projections = (admm - 1) // cfg.interval  # z ← Π(x + u), u ← u + x − z before the final x = Π(x)
+    held = f", before the last {cfg.hold_steps} held by hold_steps," if cfg.hold_steps else ""
+    if projections == 0:
+        fix = f"set interval below {admm}" if admm > 1 else "give it more steps"
+        found.append(f"interval {cfg.interval}: the run's {_plural(admm, 'ADMM step')}{held} end before the first projection, "
+                     "so z and u are never updated: ELSA becomes penalized training towards the first z and the final cut "
+                     f"x = Π(x); {fix}")
+    if cfg.select_every and projections < cfg.select_every:
+        start = " and the pruned start" if cfg.init_weights else ""
+        fix = f"set select_every to {projections} or less, or " if projections else ""
+        found.append(f"select_every {cfg.select_every}: the run makes {_plural(projections, 'projection')} before its end, so "
+                     f"none is scored: only the final Π(x){start} compete; {fix}shorten interval, or drop select_every")
+    return found
+
+
+def cross_checks(cfg: Any) -> Any:
+    """ElsaConfig's validator: a schedule it can run (ValueError, reported with the settings' sources), an --init_mask
+    folder whose safetensors files are whole (ElsaError naming the file)."""
+    refusals = schedule_refusals(cfg)
+    if refusals:
+        raise ValueError("; ".join(refusals))
+    if cfg.init_mask is not None and cfg.init_mask not in oneshot_names():
+        check_weight_files(cfg.init_mask, f"--init_mask {cfg.init_mask}")
+    return cfg

@@ -1,0 +1,68 @@
+"""Is a safetensors file whole? Decided from its header and its size, before anything reads a tensor from it.
+
+A truncated download or copy, or a flipped byte in the header, otherwise fails deep inside ``from_pretrained`` (or
+the warm start's mask reader) after minutes of loading, with safetensors' own error and a traceback.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from elsa_ds.errors import ElsaError
+
+_HEADER_LIMIT = 100 * 2**20  # safetensors headers are small; a larger "length" means a corrupt file
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """What is wrong with ``file`` as a safetensors file, in a few words; None when it is whole."""
+    from safetensors import SafetensorError, safe_open
+
+    size = file.stat().st_size
+    with file.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, no header"
+        (length,) = struct.unpack("<Q", head)
+        if length > min(_HEADER_LIMIT, size - 8):
+            return "header length beyond the end of the file"
+        try:
+            header = json.loads(fh.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "header is not valid JSON"
+    try:
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+        expected = 8 + length + max(ends, default=0)
+    except (AttributeError, KeyError, TypeError, IndexError, ValueError):
+        return "header does not describe tensors"
+    if expected != size:
+        return f"{size:,} bytes, its header needs {expected:,}"
+    try:  # safetensors' own reading of the header: dtypes, shapes against offsets, no gaps
+        with safe_open(str(file), framework="pt"):
+            pass
+    except SafetensorError as err:
+        return " ".join(str(err).split())
+    return None
+
+
+def stored_shapes(folder: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, file name) of every tensor in the (whole) ``*.safetensors`` files of ``folder``, from the headers."""
+    found = {}
+    for file in sorted(Path(folder).expanduser().glob("*.safetensors")):
+        with file.open("rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+        found.update({name: (tuple(entry["shape"]), file.name) for name, entry in header.items() if name != "__metadata__"})
+    return found
+
+
+def check_weight_files(folder: str | Path, who: str) -> None:
+    """ElsaError naming the first damaged ``*.safetensors`` file of a local ``folder`` (``who``: how the message names
+    the folder, e.g. ``model out/x`` or ``--init_mask out/x``); nothing for a hub id."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        return
+    for file in sorted(path.glob("*.safetensors")):
+        problem = safetensors_problem(file)
+        if problem:
+            raise ElsaError(f"{who}: {file.name} is damaged ({problem}); copy or download it again")

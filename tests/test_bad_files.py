@@ -1,0 +1,209 @@
+"""Files a user can have, damaged, and settings that pass their bounds but not the run (issue 42): each named in one line
+on stderr with exit code 2 (an ElsaError from the API) before any weight is loaded, never a traceback; settings that
+leave part of the schedule unreachable are said, not run silently."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+import elsa_ds
+from elsa_ds import cli
+from elsa_ds.config import DEMO_MODEL_DIR
+from elsa_ds.errors import ElsaError
+from tests.inprocess import demo_copy, one_line, run_main, stop_at_the_job  # noqa: F401 (a fixture)
+
+FAST = ["--deepspeed", "zero3_offload", "--dataset", "shakespeare", "--seqlen", "64", "--steps", "8", "--val_windows", "0",
+        "--baseline", "none"]
+
+
+def _prune(model, out, *extra: str) -> tuple[int, str, str]:
+    elsa = [] if "--method" in extra else ["--interval", "2"]
+    return run_main(cli.main_prune, [*FAST, *elsa, "--model", str(model), "--output_dir", str(out), *extra])
+
+
+def _evaluate(model, tmp_path, *extra: str) -> tuple[int, str, str]:
+    return run_main(cli.main_evaluate, ["--model", str(model), "--ppl", "shakespeare", "--seqlen", "64", "--limit", "2",
+                                        "--output", str(tmp_path / "result.json"), *extra])
+
+
+def _estimate(model, *extra: str) -> tuple[int, str, str]:
+    return run_main(cli.main_estimate, ["--model", str(model), "--deepspeed", "zero3_offload", "--seqlen", "64", *extra])
+
+
+def _edit_json(path, edit) -> None:
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+
+# ---- config.json ------------------------------------------------------------------------------------------------------
+CONFIGS = {
+    "a field of the wrong type": lambda p: _edit_json(p, lambda c: {**c, "hidden_size": "big"}),
+    "a list where a number goes": lambda p: _edit_json(p, lambda c: {**c, "num_hidden_layers": [4]}),
+    "not JSON": lambda p: p.write_text('{"architectures": ['),
+    "not an object": lambda p: p.write_text("[1, 2, 3]"),
+    "no attention heads": lambda p: _edit_json(p, lambda c: {**c, "num_attention_heads": 0}),  # a ZeroDivisionError inside
+}
+
+
+@pytest.mark.parametrize("damage", list(CONFIGS))
+def test_a_damaged_config_json_is_one_line_for_prune_estimate_and_evaluate(damage, tmp_path, stop_at_the_job):
+    model = demo_copy(tmp_path / "model")
+    CONFIGS[damage](model / "config.json")
+    one_line(*_prune(model, tmp_path / "o")[:2], "config.json")
+    one_line(*_estimate(model)[:2], "config.json")
+    one_line(*_evaluate(model, tmp_path)[:2], "config.json")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "result.json").exists()
+
+
+def test_a_damaged_config_json_is_an_elsa_error_from_the_api(tmp_path, stop_at_the_job):
+    model = demo_copy(tmp_path / "model")
+    CONFIGS["a field of the wrong type"](model / "config.json")
+    with pytest.raises(ElsaError, match="hidden_size"):
+        elsa_ds.prune(str(model), "shakespeare", output_dir=tmp_path / "o", seqlen=64, steps=4)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_model_that_needs_remote_code_is_refused_without_a_prompt(tmp_path, stop_at_the_job):
+    model = demo_copy(tmp_path / "model")
+    _edit_json(model / "config.json", lambda c: {**c, "model_type": "my_own_llm",
+                                                 "auto_map": {"AutoConfig": "configuration_mine.MyConfig",
+                                                              "AutoModelForCausalLM": "modeling_mine.MyModel"}})
+    for code, err, out in (_estimate(model), _prune(model, tmp_path / "o"), _evaluate(model, tmp_path)):
+        one_line(code, err, "config.json", "its own Python code")
+        assert "Do you wish to run" not in out + err
+
+
+def test_a_config_json_of_another_model_than_its_weights_is_named_before_loading(tmp_path, stop_at_the_job):
+    model = demo_copy(tmp_path / "model")
+    _edit_json(model / "config.json", lambda c: {**c, "hidden_size": 320})
+    needles = ("config.json does not describe its weights", "model.embed_tokens.weight [4096, 256]", "[4096, 320]")
+    one_line(*_prune(model, tmp_path / "o")[:2], *needles)
+    code, err, out = _evaluate(model, tmp_path)
+    one_line(code, err, *needles)
+    assert "loaded" not in out + err
+    _edit_json(model / "config.json", lambda c: {**c, "hidden_size": 256, "architectures": "Gemma2ForCausalLM"})
+    one_line(*_prune(model, tmp_path / "o")[:2], "architectures in its config.json", "not a list")
+
+
+# ---- tokenizer.json ---------------------------------------------------------------------------------------------------
+TOKENIZERS = {
+    "no model": lambda p: _edit_json(p, lambda t: {k: v for k, v in t.items() if k != "model"}),
+    "a list": lambda p: p.write_text("[1, 2]"),
+    "an empty object": lambda p: p.write_text("{}"),
+    "added_tokens a string": lambda p: _edit_json(p, lambda t: {**t, "added_tokens": "x"}),
+    "vocab a list": lambda p: _edit_json(p, lambda t: {**t, "model": {**t["model"], "vocab": [1, 2]}}),
+}
+
+
+@pytest.mark.parametrize("damage", list(TOKENIZERS))
+def test_a_tokenizer_json_of_the_wrong_structure_is_one_line_before_the_model_loads(damage, tmp_path, stop_at_the_job):
+    model = demo_copy(tmp_path / "model")
+    TOKENIZERS[damage](model / "tokenizer.json")
+    one_line(*_prune(model, tmp_path / "o")[:2], "tokenizer.json")
+    code, err, out = _evaluate(model, tmp_path)
+    one_line(code, err, "tokenizer.json")
+    assert "loaded" not in out + err and not (tmp_path / "o").exists()
+
+
+def test_a_tokenizer_with_ids_beyond_the_models_vocabulary_is_named_by_evaluate(tmp_path):
+    model = demo_copy(tmp_path / "model")
+    _edit_json(model / "tokenizer.json", lambda t: {**t, "model": {**t["model"], "vocab": {
+        token: i + 5000 if 300 <= i < 800 else i for token, i in t["model"]["vocab"].items()}}})
+    one_line(*_evaluate(model, tmp_path)[:2], "--ppl shakespeare", "beyond the vocab_size 4096")
+    assert not (tmp_path / "result.json").exists()
+
+
+# ---- model.safetensors ------------------------------------------------------------------------------------------------
+def test_a_truncated_init_mask_folder_is_named_before_loading(tmp_path, stop_at_the_job):
+    pruned = demo_copy(tmp_path / "pruned")
+    weights = pruned / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", "--init_mask", str(pruned))[:2], "--init_mask", "model.safetensors")
+    with pytest.raises(ElsaError, match="model.safetensors"):
+        elsa_ds.prune(str(DEMO_MODEL_DIR), "shakespeare", output_dir=tmp_path / "o", seqlen=64, steps=4, init_mask=str(pruned))
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "unknown dtype"])
+def test_a_damaged_model_safetensors_is_named_by_evaluate_before_loading(damage, tmp_path):
+    model = demo_copy(tmp_path / "model")
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 1000] if damage == "truncated" else data.replace(b'"F32"', b'"F33"', 1))
+    code, err, out = _evaluate(model, tmp_path)
+    one_line(code, err, "model.safetensors")
+    assert "loaded" not in out + err and not (tmp_path / "result.json").exists()
+
+
+# ---- values that pass their bounds but not the run ----------------------------------------------------------------------
+@pytest.mark.parametrize("flags", [["--lmda", "inf"], ["--weight_decay", "inf"], ["--lr", "inf"], ["--eps", "inf"],
+                                   ["--lora_alpha", "inf", "--method", "wanda", "--finetune", "lora"], ["--percdamp", "inf"]])
+def test_a_non_finite_float_setting_is_refused_up_front(flags, tmp_path, stop_at_the_job):
+    one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", *flags)[:2], flags[0].removeprefix("--"), "finite")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_non_finite_float_in_a_recipe_or_from_the_api_is_refused(tmp_path, stop_at_the_job):
+    recipe = tmp_path / "r.json"
+    recipe.write_text('{"source": "a test", "settings": {"lmda": Infinity}}')
+    one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", "--recipe", str(recipe))[:2], "recipe", "lmda", "finite")
+    with pytest.raises(ElsaError, match="lr=inf"):
+        elsa_ds.prune(str(DEMO_MODEL_DIR), "shakespeare", output_dir=tmp_path / "o", lr=float("inf"))
+
+
+# ---- a schedule the run cannot reach ------------------------------------------------------------------------------------
+def test_a_warm_up_as_long_as_the_run_is_refused(tmp_path, stop_at_the_job):
+    one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", "--warmup_steps", "8", "--lr", "1e-3")[:2], "warmup_steps", "steps")
+    one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", "--warmup_steps", "20", "--lr", "1e-3")[:2], "warmup_steps")
+    one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", "--method", "wanda", "--finetune", "full", "--finetune_steps", "4",
+                     "--warmup_steps", "4", "--lr", "1e-3")[:2], "warmup_steps")
+    code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--warmup_steps", "7", "--lr", "1e-3")
+    assert code == 0, err
+
+
+def _warnings(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("elsa_ds: warning")]
+
+
+def test_parts_of_the_schedule_the_run_never_reaches_are_warned_about(tmp_path, stop_at_the_job):
+    args = ["--lr", "1e-3", "--init_mask", "none", "--sparsity", "0.5"]
+    code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", *args, "--interval", "16")  # 8 steps, one projection every 16
+    assert code == 0 and any("interval 16" in w and "never" in w for w in _warnings(err)), err
+    code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", *args, "--select_every", "4", "--val_windows", "2")  # 3 projections
+    assert code == 0 and any("select_every 4" in w and "3 projections" in w for w in _warnings(err)), err
+    code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", *args, "--save_interval", "8")
+    assert code == 0 and any("save_interval 8" in w and "no checkpoint" in w for w in _warnings(err)), err
+    code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", *args)  # a schedule the run reaches: no word
+    assert code == 0 and not _warnings(err), err
+
+
+def test_the_schedule_is_checked_with_the_values_the_defaults_rule_resolved(tmp_path, stop_at_the_job):
+    """At 90 % over 100 steps the rule starts pruned and holds the last 50 steps: an interval of 64 then leaves the
+    ADMM part with no projection, which only the resolved hold_steps shows."""
+    code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--sparsity", "0.9", "--steps", "100", "--interval", "64")
+    assert code == 0 and any("interval 64" in w and "hold_steps" in w for w in _warnings(err)), err
+    code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--sparsity", "0.9", "--steps", "100", "--interval", "8")
+    assert code == 0 and not _warnings(err), err
+    code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--sparsity", "0.5", "--steps", "1", "--interval", "1")
+    assert code == 0, err  # the rule's warm-up of one step in a one-step run is no warm-up at all: not refused
+
+
+# ---- seqlen beyond the model's positions ---------------------------------------------------------------------------------
+def test_a_seqlen_beyond_the_models_positions_is_refused_before_loading(tmp_path, stop_at_the_job):
+    one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", "--seqlen", "1024")[:2], "--seqlen 1024", "max_position_embeddings 512")
+    one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", "--seqlen", "1024", "--method", "magnitude")[:2], "max_position_embeddings")
+    one_line(*_estimate(DEMO_MODEL_DIR, "--seqlen", "1024")[:2], "max_position_embeddings 512")
+    assert not (tmp_path / "o").exists()
+    assert _prune(DEMO_MODEL_DIR, tmp_path / "o", "--seqlen", "512")[0] == 0
+
+
+# ---- launch/ablate_offload.py ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_ablation_refuses_a_non_positive_rank_count(value, tmp_path):
+    spec = importlib.util.spec_from_file_location("ablate_offload", cli.__file__.replace("elsa_ds/cli.py", "launch/ablate_offload.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    code, err, _ = run_main(module.main, ["--configs", "zero3_offload", "--out", str(tmp_path / "a"), "--num_gpus", value])
+    one_line(code, err, "--num_gpus")
+    assert not (tmp_path / "a").exists()
