@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elsa_ds.config_checks import schedule_oddities, schedule_refusals
+from elsa_ds.disk_room import existing_ancestor
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.memory import RUNTIME_HOST_BYTES, STATE_BYTES, ModelShape, estimate, model_shape, moment_bytes
@@ -44,21 +45,25 @@ class Need:
     what: str           # "host memory", "GPU memory", "disk at /path"
     need: float
     have: float
+    margin: float = MARGIN  # memory is an estimate; the bytes a disk gets are counted exactly (margin 0)
 
     @property
     def refused(self) -> bool:
-        return self.need * (1 - MARGIN) > self.have
+        return self.need * (1 - self.margin) > self.have
 
     @property
     def tight(self) -> bool:
-        return self.need * (1 + MARGIN) > self.have
+        return self.need * (1 + self.margin) > self.have
 
     def line(self) -> str:
         left = "free" if self.what.startswith("disk") else "available"
-        return f"needs ~{_gib(self.need)} {self.what} (estimate ±{MARGIN:.0%}), this node has {_gib(self.have)} {left}"
+        spread = f" (estimate ±{self.margin:.0%})" if self.margin else ""
+        return f"needs ~{_gib(self.need)} {self.what}{spread}, this node has {_gib(self.have)} {left}"
 
 
 def _gib(b: float) -> str:
+    if b < GIB / 10:
+        return f"{b / 2**20:.1f} MiB"
     return f"{b / GIB:,.0f} GiB" if b >= 10 * GIB else f"{b / GIB:.1f} GiB"
 
 
@@ -91,13 +96,6 @@ def own_processes_rss() -> float:
         return float(psutil.Process().memory_info().rss)
 
 
-def existing_ancestor(path: Path) -> Path:
-    path = Path(path).expanduser().resolve()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
 def disk_needs(needs: dict[Path, float], machine: Machine) -> list[Need]:
     """Bytes to write per path, summed per file system, against its free space."""
     by_fs: dict[int, tuple[list[str], float]] = {}
@@ -107,7 +105,7 @@ def disk_needs(needs: dict[Path, float], machine: Machine) -> list[Need]:
         dev = os.stat(existing_ancestor(path)).st_dev
         names, total = by_fs.get(dev, ([], 0.0))
         by_fs[dev] = ([*names, str(path)], total + amount)
-    return [Need(f"disk at {' + '.join(names)}", total, machine.disks[dev]) for dev, (names, total) in by_fs.items()]
+    return [Need(f"disk at {' + '.join(names)}", total, machine.disks[dev], margin=0.0) for dev, (names, total) in by_fs.items()]
 
 
 # ---- the verdict ----------------------------------------------------------------------------------------------------
@@ -161,7 +159,8 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
     writes = {p: e.nvme_bytes / nodes for p in nvme}
     if rank < local:  # rank 0's node writes the export and (shared file system) the checkpoints
         out = Path(opts.output_dir).expanduser().resolve()
-        writes[out] = writes.get(out, 0.0) + ds_bytes_export(shape, ds) + checkpoint_bytes(shape, cfg, ds)
+        mask = shape.pruned_params / 8 if cfg.init_mask in ("magnitude", "wanda", "sparsegpt") else 0.0  # 1 bit a pruned weight
+        writes[out] = writes.get(out, 0.0) + ds_bytes_export(shape, ds) + checkpoint_bytes(shape, cfg, ds) + mask
         # --init_weights' copy of x₀ (one export's size) is deleted before training: export + checkpoints cover it
     machine = this_machine(list(writes))
     host = e.per_node_cpu_bytes

@@ -111,4 +111,7 @@ def test_disk_needs_on_one_file_system_add_up(tmp_path):
     machine = preflight.this_machine([tmp_path])
     free = next(iter(machine.disks.values()))
     needs = preflight.disk_needs({tmp_path / "nvme": 0.55 * free, tmp_path / "out": 0.55 * free}, machine)
-    assert len(needs) == 1 and needs[0].need == pytest.approx(1.1 * free) and needs[0].refused is False and needs[0].tight
+    assert len(needs) == 1 and needs[0].need == pytest.approx(1.1 * free) and needs[0].refused  # bytes on disk: no margin
+    needs = preflight.disk_needs({tmp_path / "nvme": 0.45 * free, tmp_path / "out": 0.45 * free}, machine)
+    assert not needs[0].refused and not needs[0].tight and "±" not in needs[0].line()
+    assert preflight._gib(3 * 2**20) == "3.0 MiB" and preflight._gib(2.5 * 2**30) == "2.5 GiB"
