@@ -54,6 +54,8 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     if (written := checkpoint.resumed_fingerprint(opts.output_dir, opts.resume)) is not None:
         if refusal := checkpoint.resume_changes(written, cfg.resume_fingerprint(world_size)):
             raise ElsaError(refusal)
+    if opts.resume:  # latest names a tag on disk, one is readable, no file needs a class outside the allow-list
+        checkpoint.check_resume(opts.output_dir / "checkpoints")
     check_eval_tasks(cfg)
     if cfg.oneshot is not None:
         preflight.check_oneshot(model_shape(model_config, cfg.targets, model=meta), cfg, opts)

@@ -9,6 +9,10 @@ A checkpoint becomes ``latest`` only after every rank finished writing it (barri
 rename of the ``latest`` file), and only the newest ``keep`` tags are kept. Loading tries the tags from
 the newest down, so a checkpoint corrupted by a crash mid-write falls back to the one before.
 
+A checkpoint is read as data: every file of the tags a resume may load is scanned before any model or engine exists
+(``check_resume``), and DeepSpeed reads it with ``torch.load(weights_only=True)`` and an allow-list of the classes its
+checkpoints hold (``compat.checkpoint_classes``). A file whose pickle names anything else is refused, not run.
+
 NVMe optimizer offload is refused for checkpointing: DeepSpeed's NVMe path restores the masters but
 not the optimizer state (notes/deepspeed-zero3.md §5), so a resumed run would silently restart Adam
 and ADMM.
@@ -16,6 +20,7 @@ and ADMM.
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import re
 import shutil
@@ -26,6 +31,7 @@ import torch
 
 from elsa_ds.config import RESUME_DEFAULTS
 from elsa_ds.errors import ElsaError
+from elsa_ds.zero import compat
 from elsa_ds.zero.ds_config import DsConfig
 
 TAG = re.compile(r"^global_step(\d+)$")
@@ -85,6 +91,88 @@ def check_supported(ds: DsConfig) -> None:
     if ds.optimizer_on_nvme:
         raise ElsaError("--save_interval/--resume with NVMe optimizer offload is not supported: DeepSpeed does not restore "
                         "NVMe-offloaded optimizer state (Adam moments, z, u); use zero3_offload.json for resumable runs")
+    section = ds.raw.get("checkpoint")
+    section = section if isinstance(section, dict) else {}
+    if section.get("load_universal"):
+        raise ElsaError('--save_interval/--resume with "checkpoint": {"load_universal": true} is not supported: DeepSpeed\'s '
+                        "universal loader drops z and u and unpickles its files with weights_only=False; remove it")
+    if section.get("checkpoint_serialization") is False:
+        raise ElsaError('--save_interval/--resume with "checkpoint": {"checkpoint_serialization": false} is not supported: '
+                        "elsa_ds scans a checkpoint for code before loading it, which needs torch's zip format; remove it")
+
+
+class UnsafeCheckpointError(ElsaError):
+    """A checkpoint file whose pickle names a class outside the allow-list: loading it could run code, so it is refused."""
+
+
+def _refusal(path: Path, what: str) -> UnsafeCheckpointError:
+    allowed = ", ".join(c.__name__ for c in compat.checkpoint_classes())
+    return UnsafeCheckpointError(f"--resume: refusing checkpoint file {path}: it needs {what}, which an elsa_ds checkpoint "
+                                 f"never holds (tensors, plain containers, {allowed}), and loading it could run code; it "
+                                 "was not written by elsa_ds or was altered: restore the run from a copy you trust")
+
+
+def unsafe_classes(path: Path) -> list[str]:
+    """The globals ``path``'s pickle names beyond torch's weights-only set and ``compat.checkpoint_classes``, read from the
+    pickle's instructions (nothing is unpickled). Raises UnsafeCheckpointError for instructions the scan cannot follow,
+    another exception for a file that is not a readable torch zip."""
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in compat.checkpoint_classes()}
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except pickle.UnpicklingError as err:  # an opcode torch.save (protocol 2) never writes
+        raise _refusal(path, f"pickle instructions a checkpoint does not use ({err})") from None
+    return sorted(set(found) - allowed)
+
+
+def read_checkpoint_file(path: str | Path, map_location: Any = None) -> Any:
+    """``torch.load`` as data only: tensors, plain containers and ``compat.checkpoint_classes``. A pickle naming anything
+    else raises UnsafeCheckpointError; nothing of it runs. The loader ``load_latest`` gives DeepSpeed."""
+    with torch.serialization.safe_globals(compat.checkpoint_classes()):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as err:
+            named = re.search(r"GLOBAL (\S+)", str(err)) or re.search(r"WeightsUnpickler error: ([^\n]+)", str(err))
+            raise _refusal(Path(path), named.group(1) if named else "objects torch's weights-only loader refuses") from None
+
+
+def resume_order(ckpt_dir: Path) -> list[str]:
+    """The tags a ``--resume`` tries, newest first from the one ``latest`` names (a newer, unpublished tag is never tried);
+    ElsaError when ``latest`` is unreadable or names no tag on disk."""
+    latest_file = ckpt_dir / "latest"
+    try:
+        latest = latest_file.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ElsaError(f"--resume: cannot read {latest_file} ({err}); run without --resume to start over") from None
+    tags = tags_newest_first(ckpt_dir)
+    if latest not in tags:
+        raise ElsaError(f"--resume: {latest_file} names {latest!r}, which is not a checkpoint in {ckpt_dir} (there: "
+                        f"{', '.join(tags) or 'none'}); restore that tag or run without --resume to start over")
+    return tags[tags.index(latest):]
+
+
+def check_resume(ckpt_dir: Path) -> None:
+    """Before any model or engine exists (on every rank; they read the same files): ``latest`` names a tag on disk, some
+    tag a resume may load is readable, and no file of those tags names a class outside the allow-list (refused,
+    UnsafeCheckpointError). An unreadable newer tag is left to ``load_latest``, which falls back past it."""
+    unreadable = {}
+    tags = resume_order(ckpt_dir)
+    for tag in tags:
+        files = sorted((ckpt_dir / tag).glob("*.pt"))
+        if not files:
+            unreadable[tag] = "no checkpoint files"
+        for path in files:
+            try:
+                classes = unsafe_classes(path)
+            except UnsafeCheckpointError:
+                raise
+            except Exception as err:  # truncated, missing or not a torch zip: the scan reads, never runs
+                unreadable.setdefault(tag, f"{path.name}: {type(err).__name__}: {' '.join(str(err).split())[:120]}")
+                continue
+            if classes:
+                raise _refusal(path, ", ".join(classes))
+    if len(unreadable) == len(tags):
+        raise ElsaError(f"--resume: no checkpoint in {ckpt_dir} is readable ("
+                        + "; ".join(f"{tag}: {why}" for tag, why in unreadable.items()) + "); run without --resume to start over")
 
 
 def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) -> str:
@@ -105,21 +193,25 @@ def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) 
 
 
 def load_latest(engine, ckpt_dir: Path, say, comm) -> dict | None:
-    """Load the newest loadable checkpoint; returns its client state (None when there is none). Collective."""
-    tags = tags_newest_first(ckpt_dir)
-    latest = (ckpt_dir / "latest").read_text().strip() if (ckpt_dir / "latest").exists() else None
-    if latest in tags:  # an unpublished (incomplete) newer tag is never tried first
-        tags = tags[tags.index(latest):]
-    for tag in tags:
+    """Load the newest loadable checkpoint, its files read as data only (``read_checkpoint_file``); returns its client
+    state (None when there is none). A file that needs a class outside the allow-list stops every rank. Collective."""
+    for tag in resume_order(ckpt_dir):
+        refusal = None
         try:
-            path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=True,
-                                                  load_optimizer_states=True, load_lr_scheduler_states=False)
+            with compat.checkpoint_files_read_with(engine, read_checkpoint_file):
+                path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=True,
+                                                      load_optimizer_states=True, load_lr_scheduler_states=False)
             ok = path is not None and client is not None and CLIENT_KEY in client
+        except UnsafeCheckpointError as err:  # refused on every rank below, not skipped for an older tag
+            ok, refusal = False, err
         except Exception as err:  # a truncated or missing shard: fall back to the previous tag
             say(f"[elsa_ds] checkpoint {tag} is unreadable ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
             ok = False
-        loaded = comm.all_reduce_sum(torch.tensor([1.0 if ok else 0.0]))  # every rank must have loaded this tag
-        if loaded.item() == comm.world_size:
+        # every rank must have loaded this tag; none may have met a refused file
+        loaded, refused = comm.all_reduce_sum(torch.tensor([1.0 if ok else 0.0, 0.0 if refusal is None else 1.0])).tolist()
+        if refused:
+            raise refusal or UnsafeCheckpointError(f"--resume: another rank refused a file of {ckpt_dir / tag} (see its line)")
+        if loaded == comm.world_size:
             say(f"[elsa_ds] resumed from {ckpt_dir / tag}")
             return client[CLIENT_KEY]
     return None

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -154,6 +155,37 @@ def gather_16bit_state_dict(engine) -> dict[str, torch.Tensor] | None:
         if value.untyped_storage().nbytes() != value.numel() * value.element_size():
             state_dict[key] = copies.setdefault(id(value), value.clone())
     return state_dict
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------------
+def checkpoint_classes() -> list[type]:
+    """The classes beyond tensors and plain containers that DeepSpeed pickles into the checkpoints elsa_ds writes: S3's
+    ``zero_stage`` and its static ``loss_scaler``, in each rank's ``*optim_states.pt`` (``S3._rigid_state_dict``); the
+    ``*model_states.pt`` hold none. Read off checkpoints of every job, base optimizer, offload and precision elsa_ds
+    runs, loaded with ``weights_only=True``: re-read them when DeepSpeed changes (a missing class refuses every resume)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [ZeroStageEnum, LossScaler]
+
+
+@contextlib.contextmanager
+def checkpoint_files_read_with(engine, load: Callable[..., Any]) -> Iterator[None]:
+    """Inside: every file ``engine.load_checkpoint`` reads goes through ``load(path, map_location=None)``.
+
+    DeepSpeed reads a tag's files through ``engine.checkpoint_engine.load`` (the model states by way of
+    ``runtime/state_dict_factory.py``, each rank's optimizer states in ``_get_all_zero_checkpoint_state_dicts``), and
+    its ``TorchCheckpointEngine`` (``runtime/checkpoint_engine/torch_checkpoint_engine.py``) unpickles them with
+    ``torch.load(..., weights_only=False)``: whatever a pickle names would run. The universal-checkpoint loader reads
+    its files past this engine; ``checkpoint.check_supported`` refuses it.
+    """
+    reader = engine.checkpoint_engine
+    original = reader.load
+    reader.load = load  # the instance attribute shadows the class's method
+    try:
+        yield
+    finally:
+        reader.load = original
 
 
 # ---- optimizer state ----------------------------------------------------------------------------------------------

@@ -1,0 +1,193 @@
+"""A checkpoint is data (issue 42): --resume never unpickles code. A pickle that names a class outside the allow-list is
+refused with one line naming the file, before the model loads (the scan) and inside DeepSpeed's own reads of the files
+(weights_only=True); a ``latest`` naming a missing tag or checkpoints that are all unreadable are refused before the
+model loads too; the --select_every snapshot is read with weights_only=True whatever torch's default."""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from elsa_ds.errors import ElsaError
+from elsa_ds.jobs.selection import Selector
+from elsa_ds.zero import checkpoint
+from elsa_ds.zero.ds_config import DsConfig
+from tests.conftest import ROOT, run_entry
+
+FAST = ["--seqlen", "64", "--interval", "2", "--sparsity", "0.6", "--lr", "1e-3", "--lmda", "0.05", "--val_windows", "0",
+        "--baseline", "none", "--micro_batch", "2", "--seed", "3", "--init_mask", "none", "--steps", "4",
+        "--save_interval", "2", "--deepspeed", "ds_configs/zero3_offload.json"]
+LOADING = "resolved ELSA config"  # printed once the checks passed, before the process group, the model and the engine
+
+
+class WritesAFile:
+    """Unpickled, it writes ``path``: the payload a crafted checkpoint would carry (os.system-free)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.write_text, (self.path, "pwned"))
+
+
+def _plant(file: Path, payload: Path, **save) -> None:
+    """The file as it was (our own, trusted here) plus a payload under a key nobody reads."""
+    state = torch.load(file, weights_only=False) if file.exists() else {}
+    state["elsa_payload"] = WritesAFile(payload)
+    torch.save(state, file, **save)
+
+
+# ---- the scan and the reader, on files written here ------------------------------------------------------------------
+def _tag(ckpt: Path, name: str, *files: str) -> Path:
+    (ckpt / name).mkdir(parents=True)
+    for f in files:
+        torch.save({"module": {"w": torch.ones(2)}, "global_steps": 2}, ckpt / name / f)
+    return ckpt / name
+
+
+def test_reader_refuses_a_pickle_that_runs_code(tmp_path):
+    file, payload = tmp_path / "zero_pp_rank_0_mp_rank_00_model_states.pt", tmp_path / "pwned"
+    torch.save({"module": {"w": torch.ones(2)}}, file)
+    assert checkpoint.read_checkpoint_file(file, map_location="cpu")["module"]["w"].sum() == 2
+    _plant(file, payload)
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="getattr") as refused:
+        checkpoint.read_checkpoint_file(file)
+    assert str(file) in str(refused.value) and "\n" not in str(refused.value)
+    assert not payload.exists()
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_scan_refuses_every_tag_a_resume_may_load(tmp_path, protocol):
+    """The tags from ``latest`` down are scanned, an older one too (a resume falls back to it); protocol 4's opcodes
+    (which torch.save never writes) are refused as well, not taken for an unreadable file."""
+    ckpt, payload = tmp_path / "checkpoints", tmp_path / "pwned"
+    _tag(ckpt, "global_step4", "model_states.pt")
+    _plant(_tag(ckpt, "global_step2", "model_states.pt") / "model_states.pt", payload, pickle_protocol=protocol)
+    (ckpt / "latest").write_text("global_step4")
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="global_step2/model_states.pt"):
+        checkpoint.check_resume(ckpt)
+    assert not payload.exists()
+
+
+def test_scan_refuses_a_latest_without_its_tag_and_checkpoints_that_are_all_unreadable(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    _tag(ckpt, "global_step2", "model_states.pt", "optim_states.pt")
+    _tag(ckpt, "global_step9", "model_states.pt")  # newer than latest: never published, never tried
+    (ckpt / "latest").write_text("global_step4")
+    with pytest.raises(ElsaError, match="names 'global_step4', which is not a checkpoint"):
+        checkpoint.check_resume(ckpt)
+    (ckpt / "latest").write_text("global_step2")
+    checkpoint.check_resume(ckpt)
+    truncated = ckpt / "global_step2" / "optim_states.pt"
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    with pytest.raises(ElsaError, match="no checkpoint in .* is readable .*global_step2: optim_states.pt"):
+        checkpoint.check_resume(ckpt)
+
+
+@pytest.mark.parametrize("section,needle", [({"load_universal": True}, "load_universal"),
+                                            ({"checkpoint_serialization": False}, "checkpoint_serialization")])
+def test_checkpoint_settings_that_bypass_the_reader_are_refused(section, needle):
+    with pytest.raises(ElsaError, match=needle):
+        checkpoint.check_supported(DsConfig({"zero_optimization": {"stage": 3}, "checkpoint": section}))
+
+
+def test_selection_snapshot_is_read_as_data_whatever_torchs_default(tmp_path, monkeypatch):
+    """torch >= 2.6 defaults to weights_only=True, but TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD (or an older torch) turns an
+    implicit default off: the snapshot must be read with weights_only=True explicitly."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    payload = tmp_path / "pwned"
+    selector = Selector(every=1, patience=0, directory=tmp_path / "best", rank=0,
+                        record={"curve": [], "best": {"step": 2, "ppl": 10.0}, "since_best": 0, "stopped_at": None})
+    selector.directory.mkdir()
+    _plant(selector.directory / "rank0.pt", payload)
+    with pytest.raises(pickle.UnpicklingError):
+        selector.choose(None, final_ppl=None, final_step=4)  # the snapshot wins: it is read before the shards are touched
+    assert not payload.exists()
+
+
+# ---- a real run's checkpoint, resumed --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory, tiny_model_dir, text_dir) -> tuple[Path, list[str]]:
+    """A finished 4-step run whose checkpoint (global_step2) is published; the args that resume it."""
+    out = tmp_path_factory.mktemp("checkpointed") / "o"
+    args = [*FAST, "--model", str(tiny_model_dir), "--dataset", str(text_dir)]
+    run_entry("prune.py", [*args, "--output_dir", str(out)])
+    assert (out / "checkpoints" / "latest").read_text() == "global_step2"
+    return out, args
+
+
+def _copy(checkpointed, tmp_path) -> tuple[Path, list[str]]:
+    """The run's output as an interrupted run leaves it (no exported model), and the args that resume it."""
+    source, args = checkpointed
+    out = tmp_path / "o"
+    shutil.copytree(source, out)
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    return out, [*args, "--output_dir", str(out), "--resume"]
+
+
+def _refused(args: list[str], *needles: str, env: dict[str, str] | None = None) -> str:
+    """Exit 2, no traceback, one error line holding ``needles``; returns everything the run printed."""
+    proc = run_entry("prune.py", args, check=False, timeout=600, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in text, text[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+    assert len(errors) == 1, text[-3000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return text
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["model_states", "optim_states"])
+def test_a_pickle_in_a_checkpoint_is_refused_before_the_model_loads(checkpointed, tmp_path, kind):
+    out, args = _copy(checkpointed, tmp_path)
+    (file,) = (out / "checkpoints" / "global_step2").glob(f"*{kind}.pt")
+    payload = tmp_path / "pwned"
+    _plant(file, payload)
+    text = _refused(args, "refusing checkpoint file", str(file), "getattr")
+    assert LOADING not in text and not payload.exists()
+
+
+@pytest.mark.integration
+def test_deepspeeds_own_reads_of_the_files_refuse_it_too(checkpointed, tmp_path):
+    """The scan skipped (test-only sitecustomize): DeepSpeed reads the files through elsa_ds's weights-only reader, which
+    refuses the planted pickle in the optimizer states (read after the model states) without running it."""
+    out, args = _copy(checkpointed, tmp_path)
+    (file,) = (out / "checkpoints" / "global_step2").glob("*optim_states.pt")
+    payload = tmp_path / "pwned"
+    _plant(file, payload)
+    fixture = ROOT / "tests" / "fixtures" / "skip_resume_scan"
+    env = {"ELSA_TEST_SKIP_RESUME_SCAN": "1",
+           "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    text = _refused(args, "refusing checkpoint file", str(file), "getattr", env=env)
+    assert LOADING in text and not payload.exists()  # the engine was built: the refusal came from the load
+
+
+@pytest.mark.integration
+def test_a_latest_naming_a_missing_tag_is_refused_before_the_model_loads(checkpointed, tmp_path):
+    out, args = _copy(checkpointed, tmp_path)
+    (out / "checkpoints" / "latest").write_text("global_step6")
+    text = _refused(args, "latest names 'global_step6', which is not a checkpoint", "global_step2")
+    assert LOADING not in text
+
+
+@pytest.mark.integration
+def test_unreadable_checkpoints_are_refused_before_the_model_loads(checkpointed, tmp_path):
+    out, args = _copy(checkpointed, tmp_path)
+    for f in (out / "checkpoints").glob("global_step*/*optim_states.pt"):
+        f.write_bytes(f.read_bytes()[:100])  # a crash mid-write
+    text = _refused(args, "no checkpoint in", "is readable", "global_step2")
+    assert LOADING not in text
+
+
+@pytest.mark.integration
+def test_a_genuine_checkpoint_still_resumes(checkpointed, tmp_path):
+    out, args = _copy(checkpointed, tmp_path)
+    proc = run_entry("prune.py", args)
+    assert "resumed from" in proc.stdout and "continuing at step 2" in proc.stdout, proc.stdout[-3000:]
+    assert (out / "model.safetensors").exists()
