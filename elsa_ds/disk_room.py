@@ -73,6 +73,21 @@ def disk_full(err: BaseException, fallback: Path) -> DiskFull | None:
     return DiskFull(Path(name) if isinstance(name, (str, os.PathLike)) else fallback, None, found[1])
 
 
+def writer_ran_out(err: BaseException, path: Path, room: int = 16 * 2**20) -> DiskFull | None:
+    """``err`` as a :class:`DiskFull` naming ``path`` when it is a full disk: by its errno, or, for torch's zip writer (whose
+    failed write is a RuntimeError without one: "[enforce fail at inline_container.cc:...] . unexpected pos ..." or
+    "PytorchStreamWriter failed writing file"), when the file system it wrote to has less than ``room`` bytes left."""
+    found = disk_full(err, path)
+    torch_writer = any(mark in str(err) for mark in ("inline_container.cc", "PytorchStreamWriter"))
+    if found is not None or not isinstance(err, RuntimeError) or not torch_writer:
+        return found
+    try:
+        free = shutil.disk_usage(existing_ancestor(path)).free
+    except OSError:
+        return None
+    return DiskFull(path, None) if free < room else None
+
+
 @contextlib.contextmanager
 def writing(path: Path, needed: int | None) -> Iterator[None]:
     """A full disk inside the block becomes :class:`DiskFull` naming ``path`` and the ``needed`` bytes of the whole write."""

@@ -31,6 +31,7 @@ import torch
 
 from elsa_ds.config import RESUME_DEFAULTS
 from elsa_ds.errors import ElsaError
+from elsa_ds.disk_room import writer_ran_out
 from elsa_ds.zero import compat
 from elsa_ds.zero.ds_config import DsConfig
 
@@ -180,7 +181,16 @@ def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) 
     import torch.distributed as dist
 
     tag = f"global_step{step + 1}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={CLIENT_KEY: client}, save_latest=False)
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={CLIENT_KEY: client}, save_latest=False)
+    except Exception as err:
+        full = writer_ran_out(err, ckpt_dir / tag)
+        if full is None:
+            raise
+        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)  # never published: "latest" still names the previous tag
+        if rank == 0 and not (ckpt_dir / "latest").exists():  # nothing published: this run made the folder (an older run's
+            shutil.rmtree(ckpt_dir, ignore_errors=True)      # went with --overwrite; --resume needs a latest)
+        raise full.measured_again() from None
     dist.barrier()  # every rank's shard is on disk before the tag is published
     if rank == 0:
         tmp = ckpt_dir / "latest.tmp"
