@@ -207,3 +207,17 @@ def test_ablation_refuses_a_non_positive_rank_count(value, tmp_path):
     code, err, _ = run_main(module.main, ["--configs", "zero3_offload", "--out", str(tmp_path / "a"), "--num_gpus", value])
     one_line(code, err, "--num_gpus")
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("section", [{"zero_optimization": []}, {"bf16": True}, {"elsa": "x"},
+                                     {"zero_optimization": {"stage": 3, "offload_param": "cpu"}}])
+def test_a_deepspeed_json_section_of_the_wrong_type_is_named(tmp_path, section):
+    """Seed 4242 of the file fuzz found ``"offload_param": "cpu"`` reaching an AttributeError in the estimator."""
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.zero.ds_config import DsConfig
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, **section}))
+    with pytest.raises(ElsaError, match=r"must be a JSON object") as err:
+        DsConfig.load(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)

@@ -9,6 +9,7 @@ both from its own settings) and refused when they hold values of their own.
 from __future__ import annotations
 
 import copy
+import json
 import os
 from dataclasses import dataclass
 from importlib import resources
@@ -57,8 +58,9 @@ class DsConfig:
     @classmethod
     def load(cls, name_or_path: str | Path) -> DsConfig:
         path = resolve_path(name_or_path)
-        return cls(read_json_object(path, "DeepSpeed config", "pass an existing JSON file or a shipped name with --deepspeed"),
-                   str(name_or_path))
+        raw = read_json_object(path, "DeepSpeed config", "pass an existing JSON file or a shipped name with --deepspeed")
+        _check_sections(raw, path)
+        return cls(raw, str(name_or_path))
 
     @property
     def zero(self) -> dict[str, Any]:
@@ -175,9 +177,11 @@ class DsConfig:
             numbered = "; ".join(f"({i}) {p}" for i, p in enumerate(found, 1))
             raise ElsaError(f"DeepSpeed config {self.source} cannot be used as it is: {numbered}")
 
-    def engine_config(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None = None) -> dict[str, Any]:
-        """The config the engine gets: checked, autos resolved, batch split derived from the global batch."""
-        self.check(cfg, world_size, hidden_size)
+    def engine_config(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None = None,
+                      check_paths: bool = True) -> dict[str, Any]:
+        """The config the engine gets: checked (``check_paths``: the NVMe paths too), autos resolved, batch split derived
+        from the global batch."""
+        self.check(cfg, world_size, hidden_size, check_paths)
         ds = copy.deepcopy({k: v for k, v in self.raw.items() if k not in ("elsa", "optimizer", "scheduler")})
         zero = ds.setdefault("zero_optimization", {})
         _apply_nvme_path(zero, cfg.nvme_path)
@@ -197,9 +201,9 @@ class DsConfig:
         ds.setdefault("wall_clock_breakdown", False)
         return ds
 
-    def resolve(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None = None) -> DsConfig:
+    def resolve(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None = None, check_paths: bool = True) -> DsConfig:
         """:meth:`engine_config` as a view: the one DeepSpeed config object a job builds and passes on."""
-        return DsConfig(self.engine_config(cfg, world_size, hidden_size), self.source)
+        return DsConfig(self.engine_config(cfg, world_size, hidden_size, check_paths), self.source)
 
 
 def _differs(value: Any, ours: Any) -> bool:
@@ -242,6 +246,20 @@ def _unresolvable_autos(raw: dict[str, Any], prefix: tuple[str, ...] = ()) -> li
         elif value == AUTO and path not in RESOLVED_AUTOS:
             found.append(".".join(path))
     return found
+
+
+SECTIONS = ("zero_optimization", "bf16", "fp16", "elsa", "checkpoint", "optimizer", "scheduler")
+
+
+def _check_sections(raw: dict[str, Any], path: Path) -> None:
+    """ElsaError naming the file where a section that must be a JSON object is something else (the readers index it)."""
+    zero = raw.get("zero_optimization", {})
+    nested = [("zero_optimization." + k, zero[k]) for k in ("offload_param", "offload_optimizer")
+              if isinstance(zero, dict) and k in zero]
+    for name, value in [*((k, raw[k]) for k in SECTIONS if k in raw), *nested]:
+        if not isinstance(value, dict):
+            raise ElsaError(f"DeepSpeed config {path}: \"{name}\" must be a JSON object, not {type(value).__name__} "
+                            f"({json.dumps(value)[:40]}); fix the file or pass a shipped config with --deepspeed")
 
 
 def _apply_nvme_path(zero: dict[str, Any], nvme_path: str | None) -> None:
