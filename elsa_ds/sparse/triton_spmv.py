@@ -62,10 +62,47 @@ def _delta8_rows(values, deltas, row_offsets, x, bias, y, n, in_features, out_fe
     tl.store(y + b * out_features + r, out.to(y.dtype.element_ty), mask=b < n)
 
 
+def _delta8_groups(values, deltas, row_offsets, x, bias, y, n, in_features, out_features,
+                   HAS_BIAS: tl.constexpr, BLOCK_B: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: ROWS consecutive output rows, each its own chain, stepped together as a [ROWS, BLOCK] tile (more
+    bytes in flight per program, ROWS times fewer programs; a short row's lanes are masked while a long one goes on)."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = r < out_features
+    begin = tl.load(row_offsets + r, mask=live, other=0)
+    end = tl.load(row_offsets + r + 1, mask=live, other=0)
+    b = tl.arange(0, BLOCK_B)
+    lane = tl.arange(0, BLOCK)
+    acc = tl.zeros((ROWS, BLOCK_B, BLOCK), dtype=tl.float32)
+    carry = tl.full((ROWS,), -1, tl.int32)
+    longest = tl.max(end - begin, 0)
+    start = longest * 0
+    while start < longest:
+        k = begin[:, None] + start + lane[None, :]
+        inside = k < end[:, None]
+        step = tl.where(inside, tl.load(deltas + k, mask=inside, other=0).to(tl.int32) + 1, 0)
+        col = carry[:, None] + tl.cumsum(step, 1)
+        carry = carry + tl.sum(step, 1)
+        value = tl.load(values + k, mask=inside, other=0.0).to(tl.float32)
+        take = (b[None, :, None] < n) & inside[:, None, :]
+        xs = tl.load(x + b[None, :, None] * in_features + col[:, None, :], mask=take, other=0.0).to(tl.float32)
+        acc += xs * value[:, None, :]
+        start += BLOCK
+    out = tl.sum(acc, 2)
+    if HAS_BIAS:
+        out += tl.load(bias + r, mask=live, other=0.0).to(tl.float32)[:, None]
+    tl.store(y + b[None, :] * out_features + r[:, None], out.to(y.dtype.element_ty), mask=live[:, None] & (b[None, :] < n))
+
+
 @functools.cache
 def _kernel():
     """The jitted kernel (compiled, or interpreted under TRITON_INTERPRET=1)."""
     return triton.jit(_delta8_rows)
+
+
+@functools.cache
+def _group_kernel():
+    """The row-group kernel, jitted as :func:`_kernel`."""
+    return triton.jit(_delta8_groups)
 
 
 def unavailable(device: torch.device | str = "cuda") -> str | None:
@@ -88,9 +125,15 @@ def block_sizes(n: int, entries_per_row: float) -> tuple[int, int]:
     return block_b, block
 
 
+def group_block(block_b: int, rows: int, entries_per_row: float) -> int:
+    """Entries per row and step of the row-group kernel: the [rows, batch, block] tile kept near 4096 values."""
+    return max(16, min(256, 4096 // (block_b * rows), triton.next_power_of_2(max(int(entries_per_row), 1))))
+
+
 def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features: int,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x Wᵀ (+ bias) in x's dtype, fp32 accumulation; x [n, in] with 1 <= n <= 16, on the parts' device."""
+                  bias: torch.Tensor | None = None, rows_per_program: int = 1) -> torch.Tensor:
+    """y = x Wᵀ (+ bias) in x's dtype, fp32 accumulation; x [n, in] with 1 <= n <= 16, on the parts' device.
+    ``rows_per_program`` (a power of two): 1, one output row a program; more, the row-group kernel."""
     reason = unavailable(x.device)
     if reason is not None:
         raise RuntimeError(f"the Triton delta8 kernel is unavailable: {reason}")
@@ -101,7 +144,16 @@ def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features:
     y = torch.empty(n, out_features, dtype=x.dtype, device=x.device)
     if out_features == 0:
         return y
+    if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"rows_per_program must be a power of two, got {rows_per_program}")
     block_b, block = block_sizes(n, parts["values"].numel() / out_features)
+    if rows_per_program > 1:
+        block = group_block(block_b, rows_per_program, parts["values"].numel() / out_features)
+        _group_kernel()[(triton.cdiv(out_features, rows_per_program),)](
+            parts["values"], parts["deltas"], parts["row_offsets"], x, y if bias is None else bias, y,
+            n, x.shape[1], out_features, HAS_BIAS=bias is not None, BLOCK_B=block_b, ROWS=rows_per_program, BLOCK=block,
+            num_warps=4)
+        return y
     _kernel()[(out_features,)](
         parts["values"], parts["deltas"], parts["row_offsets"], x, y if bias is None else bias, y,
         n, x.shape[1], out_features, HAS_BIAS=bias is not None, BLOCK_B=block_b, BLOCK=block,

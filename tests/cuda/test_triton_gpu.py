@@ -38,14 +38,15 @@ def cuda_parts(shape: str) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
     return {k: v.cuda() for k, v in encode_delta8(w).items()}, tuple(w.shape)
 
 
+@pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("dtype", TOL)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("shape", ["odd", "4096x4096@0.9", "11008x4096@0.7"])
-def test_triton_equals_reference_on_cuda(triton_spmv, shape, batch, dtype):
+def test_triton_equals_reference_on_cuda(triton_spmv, shape, batch, dtype, rows):
     fp32, (out_f, in_f) = cuda_parts(shape)
     parts = {**fp32, "values": fp32["values"].to(DTYPES[dtype])}  # same entries: both sides read these parts
     x = torch.randn(batch, in_f, device="cuda").to(DTYPES[dtype])
-    got = triton_spmv.delta8_linear(parts, x, out_f)
+    got = triton_spmv.delta8_linear(parts, x, out_f, rows_per_program=rows)
     ref = K.reference_matmul(parts, x, out_f)
     assert got.shape == (batch, out_f) and got.dtype == DTYPES[dtype] and got.is_cuda
     assert relative_error(got, ref) <= TOL[dtype]

@@ -20,6 +20,7 @@ from elsa_ds.sparse.format import MAX_GAP, encode_delta8
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}  # half dtypes: the output is rounded to them
 BATCHES = (1, 3, 8, 16)
 SHAPES = ((1, 1, 1.0), (5, 3, 0.5), (3, 2000, 0.002), (40, 33, 1.0))
+ROWS = (1, 4, 16)  # rows_per_program: 1 = one output row a program; more = the row-group kernel
 
 
 def odd_weight(out_f: int = 67, in_f: int = 700, density: float = 0.1, seed: int = 0) -> torch.Tensor:
@@ -49,10 +50,12 @@ def run_cases() -> dict[str, dict]:
     out: dict[str, dict] = {}
 
     def record(name, parts, x, out_f, bias=None, ref=None):
-        got = T.delta8_linear(parts, x, out_f, bias)
         ref = K.reference_matmul(parts, x, out_f) if ref is None else ref
-        out[name] = {"err": relative_error(got, ref), "shape": list(got.shape), "dtype": str(got.dtype).split(".")[-1],
-                     "empty_row_zero": bool((got[:, 3] == 0).all()) if out_f > 3 else None}
+        for rows in ROWS:
+            got = T.delta8_linear(parts, x, out_f, bias, rows_per_program=rows)
+            out[f"{name}-r{rows}"] = {"err": relative_error(got, ref), "shape": list(got.shape),
+                                      "dtype": str(got.dtype).split(".")[-1],
+                                      "empty_row_zero": bool((got[:, 3] == 0).all()) if out_f > 3 else None}
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         parts = encode_delta8(odd_weight().to(dtype))
@@ -68,6 +71,11 @@ def run_cases() -> dict[str, dict]:
     moved["deltas"][0] += 1  # row 0's first entry one column right, and the rest of the row with it
     x = torch.randn(1, 700)
     record("wrong-column", moved, x, 67, ref=K.reference_matmul(parts, x, 67))
+    try:
+        T.delta8_linear(parts, x, 67, rows_per_program=3)
+        out["3-rows-a-program"] = {"refused": ""}
+    except ValueError as err:
+        out["3-rows-a-program"] = {"refused": str(err)}
     try:
         T.delta8_linear(parts, torch.randn(17, 700), 67)
         out["17-rows"] = {"refused": ""}
@@ -93,30 +101,36 @@ def test_odd_weight_has_the_cases():
     assert int((parts["deltas"] == MAX_GAP - 1).sum()) >= 4 and int(per_row[9]) == 3  # fillers; a row of 2 + 1
 
 
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", TOL)
 @pytest.mark.parametrize("batch", BATCHES)
-def test_kernel_equals_reference(results, batch, dtype):
-    r = results[f"odd-{dtype}-{batch}"]
+def test_kernel_equals_reference(results, batch, dtype, rows):
+    r = results[f"odd-{dtype}-{batch}-r{rows}"]
     assert r["shape"] == [batch, 67] and r["dtype"] == dtype and r["empty_row_zero"]
     assert r["err"] <= TOL[dtype]
 
 
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("out_f,in_f,density", SHAPES)
-def test_small_and_extreme_shapes(results, out_f, in_f, density):
-    assert results[f"shape-{out_f}x{in_f}"]["err"] <= TOL["float32"]
+def test_small_and_extreme_shapes(results, out_f, in_f, density, rows):
+    """Fewer output rows than a group (1, 5, 3, 40 against 4 and 16) included."""
+    assert results[f"shape-{out_f}x{in_f}-r{rows}"]["err"] <= TOL["float32"]
 
 
-def test_bias_is_added_in_fp32(results):
-    assert results["bias"]["dtype"] == "bfloat16" and results["bias"]["err"] <= TOL["bfloat16"]
+@pytest.mark.parametrize("rows", ROWS)
+def test_bias_is_added_in_fp32(results, rows):
+    assert results[f"bias-r{rows}"]["dtype"] == "bfloat16" and results[f"bias-r{rows}"]["err"] <= TOL["bfloat16"]
 
 
-def test_a_wrong_column_would_be_caught(results):
+@pytest.mark.parametrize("rows", ROWS)
+def test_a_wrong_column_would_be_caught(results, rows):
     """The comparison is sharp: one row shifted by a column moves the product far beyond the tolerance."""
-    assert results["wrong-column"]["err"] > 100 * TOL["float32"]
+    assert results[f"wrong-column-r{rows}"]["err"] > 100 * TOL["float32"]
 
 
-def test_more_than_16_rows_are_refused(results):
+def test_more_than_16_rows_are_refused_and_groups_are_powers_of_two(results):
     assert "1 to 16 rows" in results["17-rows"]["refused"]
+    assert "power of two" in results["3-rows-a-program"]["refused"]
 
 
 @pytest.mark.parametrize("dtype,block_b,block", [("bf16", 1, 512), ("fp32", 16, 128)])
@@ -135,6 +149,11 @@ def test_kernel_compiles_for_an_h100(dtype, block_b, block):
            "y": f"*{dtype}", "n": "i32", "in_features": "i32", "out_features": "i32",
            "HAS_BIAS": "constexpr", "BLOCK_B": "constexpr", "BLOCK": "constexpr"}
     src = ASTSource(fn=T._kernel(), signature=sig, constexprs={"HAS_BIAS": True, "BLOCK_B": block_b, "BLOCK": block})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+    rows = 8  # the row-group kernel at the same tile
+    src = ASTSource(fn=T._group_kernel(), signature={**sig, "ROWS": "constexpr"},
+                    constexprs={"HAS_BIAS": True, "BLOCK_B": block_b, "ROWS": rows, "BLOCK": T.group_block(block_b, rows, 410)})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
 
