@@ -14,6 +14,7 @@ import re
 import sys
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -22,8 +23,10 @@ from pydantic.fields import FieldInfo
 from elsa_ds.config import DEMO_PROFILE, ElsaConfig
 from elsa_ds.options import JobOptions
 from elsa_ds.errors import ElsaError, OneLineParser, format_validation_error, guarded  # noqa: F401 (guarded: the entry points')
-from elsa_ds.log import setup_logging
+from elsa_ds.log import get_logger, setup_logging
 from elsa_ds.version import __version__
+
+log = get_logger(__name__)
 
 GROUP_TITLES = {
     "run": "the job (not ELSA settings: never in a recipe or the JSON's \"elsa\" block)",
@@ -183,17 +186,24 @@ def flag_table() -> str:
 
 def settings_from_args(args: argparse.Namespace):
     """(JobOptions, ElsaConfig, DsConfig) from parsed flags: the JSON read, a recipe merged, everything validated."""
-    from elsa_ds.config import load_recipe, refuse_unread_elsa_settings, resolve_config
     from elsa_ds.options import job_options
     from elsa_ds.zero.ds_config import DsConfig
 
     opts = job_options({k: v for k in _cli_fields(JobOptions) if (v := getattr(args, k)) is not None})
     ds_config = DsConfig.load(opts.deepspeed)
-    recipe = load_recipe(opts.recipe) if opts.recipe else None
-    given = {k: getattr(args, k) for k in _cli_fields(ElsaConfig)}
-    cfg = resolve_config(ds_config.raw, given, source=opts.deepspeed, recipe=recipe, recipe_source=f"recipe {opts.recipe}")
-    refuse_unread_elsa_settings(cfg, given, "--")
+    cfg = resolved_settings(ds_config, opts.deepspeed, opts.recipe, {k: getattr(args, k) for k in _cli_fields(ElsaConfig)})
     return opts, cfg, ds_config
+
+
+def resolved_settings(ds_config, deepspeed: str, recipe: str | None, given: dict[str, Any]) -> ElsaConfig:
+    """ElsaConfig from the flags ``given`` (None: not given) over the JSON's ``elsa`` block and a recipe, validated; ELSA's
+    own flags refused for another method."""
+    from elsa_ds.config import load_recipe, refuse_unread_elsa_settings, resolve_config
+
+    settings = load_recipe(recipe) if recipe else None
+    cfg = resolve_config(ds_config.raw, given, source=deepspeed, recipe=settings, recipe_source=f"recipe {recipe}")
+    refuse_unread_elsa_settings(cfg, given, "--")
+    return cfg
 
 
 def main_prune(argv: list[str] | None = None) -> int:
@@ -223,12 +233,35 @@ class EstimateOptions(BaseModel):
     """Nodes."""
 
 
-# The job settings the estimate depends on, read as elsa-prune reads them (not given: the JSON "elsa" block's, the demo
-# profile's or the field's default).
+# The job settings the estimate depends on, read as elsa-prune reads them (not given: a recipe's, the JSON "elsa" block's,
+# the demo profile's, the defaults rule's or the field's default): the batch and its activations, what is pruned and
+# trained, the optimizer's and ADMM's state types, and what decides a one-shot warm start (--init_mask, or the defaults
+# rule's SparseGPT start from steps, sparsity and a user's lr) and its working set. --random_init is not among them: both
+# load paths build into partitions module by module under zero.Init.
 ESTIMATE_SHARED: dict[type[BaseModel], tuple[str, ...]] = {
-    JobOptions: ("deepspeed", "log_level"),
-    ElsaConfig: ("seqlen", "batch_size", "micro_batch", "targets", "gradient_checkpointing"),
+    JobOptions: ("deepspeed", "recipe", "log_level"),
+    ElsaConfig: ("seqlen", "batch_size", "micro_batch", "targets", "gradient_checkpointing", "freeze_embeddings", "base_optimizer",
+                 "z_dtype", "u_dtype", "projection", "steps", "sparsity", "pattern", "sparsity_profile", "lr", "init_mask",
+                 "init_weights", "nsamples", "val_windows"),
 }
+
+
+def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) -> ElsaConfig:
+    """The ElsaConfig of the job elsa-estimate sizes, resolved as elsa-prune resolves it: flags over the JSON's ``elsa``
+    block and a recipe, then the defaults rule (which may start from a SparseGPT-pruned model: a one-shot warm start)."""
+    from elsa_ds.jobs.defaults_applied import apply_defaults
+    from elsa_ds.memory import model_config
+    from elsa_ds.methods import ELSA
+
+    model = Path(opts.model).expanduser()
+    given = {**{k: getattr(args, k) for k in ESTIMATE_SHARED[ElsaConfig]}, "model": str(model.parent) if model.is_file() else opts.model}
+    cfg = resolved_settings(ds_config, args.deepspeed, args.recipe, given)
+    if cfg.method.value != ELSA:
+        raise ElsaError(f"elsa-estimate sizes ELSA jobs, but the recipe or the JSON's elsa block sets method {cfg.method.value}")
+    cfg, defaults = apply_defaults(cfg, model_config(cfg.model))
+    if defaults["applied"]:
+        log.info("[elsa_ds] from the defaults rule: " + "; ".join(f"{k} {v}" for k, v in defaults["applied"].items()))
+    return cfg
 
 
 def estimate_parser() -> argparse.ArgumentParser:
@@ -246,11 +279,12 @@ def main_estimate(argv: list[str] | None = None) -> int:
     start_logging(args)
 
     def go() -> None:
-        from elsa_ds.memory import estimate_job, format_estimate
+        from elsa_ds.memory import estimate_config, format_estimate
+        from elsa_ds.zero.ds_config import DsConfig
 
         opts = validated(EstimateOptions, {k: getattr(args, k) for k in _cli_fields(EstimateOptions) if getattr(args, k) is not None})
-        settings = {k: getattr(args, k) for k in ESTIMATE_SHARED[ElsaConfig]}
-        est = estimate_job(opts.model, args.deepspeed, opts.num_gpus, opts.num_nodes, settings)
+        ds_config = DsConfig.load(args.deepspeed)
+        est = estimate_config(estimated_job(args, opts, ds_config), ds_config, opts.num_gpus, opts.num_nodes)
         # the table and the JSON line are the command's product: stdout, whatever the log level
         print(format_estimate(est, opts.model, args.deepspeed, opts.num_gpus, opts.num_nodes), flush=True)
         if args.json:

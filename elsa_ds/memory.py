@@ -8,8 +8,8 @@ runs on its CPU accelerator):
     params      h·p                  where offload_param puts them; NVMe: files of h·p, and DeepSpeed keeps the
                                      first max_in_cpu elements in a CPU buffer as well
     master      4p fp32              where offload_optimizer puts them
-    grads       h·p                  partitioned accumulation buffer (grad_accum_dtype = the model's), on the
-                                     device without optimizer offload, else on the CPU
+    grads       h·p                  partitioned accumulation buffer (data_types.grad_accum_dtype, else the
+                                     model's), on the device without optimizer offload, else on the CPU
                 + 4p fp32            CPU offload: one buffer per sub-group; NVMe: a 4n CPU buffer and 4p of files;
                                      without offload built per sub-group during the step (see workspace)
     optimizer   8p Adam moments, 2p 8-bit Adam (+ block absmax)
@@ -19,11 +19,14 @@ runs on its CPU accelerator):
                   base step   torch Adam 8n (sqrt and quotient); DeepSpeedCPUAdam 0 (fused);
                               8-bit Adam on the CPU 20n (fp32 copies of both moments and the gradient, the
                               denominator; bitsandbytes' CPU backend), 0 on CUDA (fused kernel)
-                  projection  fp32 z, u: 10N + 8S (x+u, the old keep-mask, scores, keep-masks; one layer's
-                              scoring temporaries); with fisher scores from 8-bit moments + 12n while they
-                              are dequantized (4n kept); low-precision z, u: + 8S (one layer's dequantized z, u)
-                  first step  z = Π(x): 5N + 8S; with NVMe the swapped states it creates (moments, fp32 z, u)
-                              live outside the swap buffers until swapped out: + their bytes·n
+                  projection  the fused CPU kernels (CPU flats, per-layer top-k: keys recomputed, no score
+                              buffer): 0; the eager reference (GPU flats, N:M): fp32 z, u: 10N + 8S (x+u, the old
+                              keep-mask, scores, keep-masks; one layer's scoring temporaries); with fisher scores
+                              from 8-bit moments + 12n while they are dequantized (4n kept); low-precision z, u:
+                              + 8S (one layer's dequantized z, u)
+                  first step  z = Π(x): fused n (measured ≤ 1.1 bytes per entry); eager (and with a warm-start
+                              mask) 5N + 8S, + 12n to dequantize 8-bit moments; with NVMe the swapped states it
+                              creates (moments, fp32 z, u) live outside the swap buffers until swapped out: + their bytes·n
                 + 4n         the fp32 gradient of the sub-group when the optimizer is not offloaded
                 and, on rank 0's host only, the consolidated 16-bit state dict of the export (h·P);
                 counted beyond the forward/backward working set, which is released before the step
@@ -35,6 +38,12 @@ runs on its CPU accelerator):
                 and their gradient (B·L·V·10 bytes); without, every layer's full activations
     runtime     per process: the framework itself (torch, DeepSpeed, transformers, the job's code and data;
                 the CUDA context and libraries on a GPU); per node: the launcher's two processes
+
+On a GPU host the CPU buffers of an offload section with pin_memory are pinned by torch's CUDA caching host allocator,
+which takes the next power of two of each and keeps freed blocks (``resident.pinned_reserved``): zero.Init's
+per-parameter partitions (the trained ones' blocks stay cached once the engine moves them into its flat 16-bit
+buffer), that flat buffer, each sub-group's fp32 gradient and the flat gradient accumulation buffer. A job with a
+one-shot --init_mask first prunes the whole model on rank 0 (``oneshot_host_bytes``): the "warm start" phase.
 """
 from __future__ import annotations
 
@@ -45,11 +54,13 @@ from pathlib import Path
 import torch
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.methods import oneshot_names
+from elsa_ds.resident import (COMPONENTS, STATE_BYTES, Job, SubGroup, buffers, moment_bytes, read_job, states,  # noqa: F401
+                              sub_groups)
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, TensorSpec, plan_shards
 from elsa_ds.shapes import ModelShape, model_shape, resolve_model_config
 
-STATE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 # Host RSS of one rank that holds no model: the peak RSS of a rank process running the whole job (launch/prune.py,
 # 3 steps, --val_windows 0) on a 0.3M-parameter Gemma-2 under each shipped config, 1 and 2 ranks, DeepSpeed's CPU
 # accelerator, less the estimate of its (tiny) model state and NVMe buffers: 507-519 MiB (torch 2.13 CPU, DeepSpeed
@@ -64,45 +75,6 @@ LAUNCHER_HOST_BYTES = 2 * 244 * 2**20
 # typical value, not measured.
 CUDA_HOST_BYTES = 1.07e9
 RUNTIME_GPU_BYTES = 0.6e9
-
-
-@dataclass(frozen=True)
-class SubGroup:
-    """One ZeRO-3 sub-group as a rank holds it: entries, entries of pruned layers, the largest pruned layer's share."""
-
-    numel: float
-    pruned: float
-    largest_pruned: float
-    full: float = 0.0        # the full (unpartitioned) numel of its parameters
-
-
-def sub_groups(shape: ModelShape, world: int, sub_group_size: float) -> list[SubGroup]:
-    """The sub-groups of one rank, cut as DeepSpeed cuts them (``_create_fp16_sub_groups``): walk the parameters'
-    partitions (ceil(numel / W) entries each) in order and close a sub-group once it holds ≥ sub_group_size, so
-    one can exceed sub_group_size by a parameter. Without the parameter list, sub-groups of min(sub_group_size, p)."""
-    if not shape.params:
-        n = min(sub_group_size, shape.trainable_params / world)
-        return [SubGroup(n, min(n, shape.pruned_params / world), min(n, shape.largest_pruned_param / world), n * world)]
-    groups, numel, pruned, largest, full = [], 0, 0, 0, 0
-    for i, (count, is_pruned) in enumerate(shape.params):
-        part = -(-count // world)
-        numel, full = numel + part, full + count
-        if is_pruned:
-            pruned, largest = pruned + part, max(largest, part)
-        if numel >= sub_group_size or i == len(shape.params) - 1:
-            groups.append(SubGroup(float(numel), float(pruned), float(largest), float(full)))
-            numel, pruned, largest, full = 0, 0, 0, 0
-    return groups
-
-
-def _swappable(shape: ModelShape, world: int, element_bytes: int, min_aio: float, frozen: bool = False) -> float:
-    """Bytes one rank swaps of per-parameter tensors (16-bit partitions of all parameters with ``frozen``, fp32 gradients
-    of the trained ones): those of ≥ min_aio bytes."""
-    if not shape.params:
-        return element_bytes * (shape.num_params if frozen else shape.trainable_params) / world
-    counts = [count for count, _ in shape.params] + (shape.frozen if frozen else [])
-    parts = (element_bytes * -(-count // world) for count in counts)
-    return float(sum(b for b in parts if b >= min_aio))
 
 
 @dataclass
@@ -124,45 +96,6 @@ class Estimate:
 PHASES = ("load", "first step", "step", "projection", "export", "verify")
 
 
-@dataclass(frozen=True)
-class _Job:
-    """What the estimate depends on, read once from the configs."""
-
-    world: int
-    p: float                 # parameters per rank
-    t: float                 # trained parameters per rank (the optimizer's share)
-    half: int                # bytes of a 16-bit (or fp32) model element
-    param_dev: str
-    opt_dev: str
-    base: str                # adam | cpu_adam | adam8bit | adam8bit_minifloat (8-bit: the same state bytes)
-    z_bytes: int
-    u_bytes: int
-    moment_bytes: float      # per entry: two moments (8-bit: codes + one fp32 absmax per block of 256)
-    min_aio: float           # DeepSpeed swaps a tensor only when it has at least this many bytes
-    fisher: bool
-
-
-def moment_bytes(base: str) -> float:  # Adam's moments per entry: fp32, or 8-bit codes + an fp32 absmax per 256 (both formats)
-    return 2 + 2 / 256 * 4 if base.startswith("adam8bit") else 8
-
-
-def _read_job(shape: ModelShape, ds: dict, elsa: dict, world: int) -> _Job:
-    view = DsConfig(ds)
-    opt_dev, base = view.optimizer_device, elsa.get("base_optimizer", "auto")
-    if bad := sorted({view.param_device, opt_dev} - {"none", "cpu", "nvme"}):  # until DsConfig.check names it
-        raise ElsaError(f"zero_optimization: offload_param / offload_optimizer device {bad[0]!r}: DeepSpeed takes none, cpu or nvme")
-    base = ("adam" if opt_dev == "none" else "cpu_adam") if base == "auto" else base
-    return _Job(
-        world=world, p=shape.num_params / world, t=shape.trainable_params / world,
-        half=2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4,
-        param_dev=view.param_device, opt_dev=opt_dev, base=base,
-        z_bytes=STATE_BYTES[elsa.get("z_dtype", "fp32")], u_bytes=STATE_BYTES[elsa.get("u_dtype", "fp32")],
-        moment_bytes=moment_bytes(base),
-        min_aio=max(2.0**20, float(ds.get("aio", {}).get("block_size", 2**20))),
-        fisher=elsa.get("projection", "fisher") == "fisher",
-    )
-
-
 def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, micro_batch: int | None = None,
              seqlen: int = 2048, elsa: dict | None = None, gradient_checkpointing: bool = True,
              device: str = "cuda") -> Estimate:
@@ -173,13 +106,12 @@ def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, mic
     """
     if device not in ("cuda", "cpu"):
         raise ElsaError(f"device must be cuda or cpu, not {device!r}")
-    job = _read_job(shape, ds, {**ds.get("elsa", {}), **(elsa or {})}, num_gpus * num_nodes)
+    job = read_job(shape, ds, {**ds.get("elsa", {}), **(elsa or {})}, num_gpus * num_nodes, device)
     zero = ds.get("zero_optimization", {})
-    per_rank: dict[str, dict[str, float]] = {k: {"gpu": 0.0, "cpu": 0.0, "nvme": 0.0} for k in
-                                             ("params", "grads", "optimizer", "admm", "workspace", "activations", "buffers", "runtime")}
+    per_rank: dict[str, dict[str, float]] = {k: {"gpu": 0.0, "cpu": 0.0, "nvme": 0.0} for k in COMPONENTS}
     groups = sub_groups(shape, job.world, float(zero.get("sub_group_size", 1e9)))
-    swapped_fresh = _states(per_rank, shape, zero, job, groups)
-    swapper = _buffers(per_rank, ds, job, groups)
+    swapped_fresh = states(per_rank, shape, zero, job, groups)
+    swapper = buffers(per_rank, ds, job, groups)
     forward = _forward_backward(shape, ds, job, micro_batch, seqlen, gradient_checkpointing, device)
     per_rank["runtime"]["cpu"] += RUNTIME_HOST_BYTES
     if device == "cuda":
@@ -200,72 +132,7 @@ def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, mic
     return _totals(per_rank, lazy, transients, shape, job, num_gpus)
 
 
-def _states(per_rank: dict, shape: ModelShape, zero: dict, job: _Job, groups: list[SubGroup]) -> float:
-    """Parameters, gradients, masters + moments and z/u where the config puts them. Returns the bytes per entry of
-    the states the first step creates outside NVMe's swap buffers."""
-    where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}
-    p, t, half = job.p, job.t, job.half
-    opt_home, step_home = where[job.opt_dev], "gpu" if job.opt_dev == "none" else "cpu"
-    if job.param_dev == "nvme":
-        # a tied output head is built (and swapped out) as a parameter of its own under zero.Init before transformers
-        # ties it: its file stays beside the embedding's
-        per_rank["params"]["nvme"] += _swappable(shape, job.world, half, job.min_aio, frozen=True) + half * -(-shape.tied // job.world)
-        per_rank["params"]["cpu"] += half * min(t, float(zero["offload_param"].get("max_in_cpu", 1e9)))
-    else:
-        per_rank["params"][where[job.param_dev]] += half * p
-    # fp32 master weights and the moments; under NVMe a sub-group's states are swapped when its fp32 flat is
-    swapped = sum(g.numel for g in groups if 4 * g.numel >= job.min_aio) if job.opt_dev == "nvme" else t
-    per_rank["optimizer"][opt_home] += (4 + job.moment_bytes) * swapped
-    per_rank["optimizer"]["cpu"] += (4 + job.moment_bytes) * (t - swapped)
-    per_rank["grads"][step_home] += half * t                           # partitioned gradient accumulation buffer
-    if job.opt_dev == "cpu":
-        per_rank["grads"]["cpu"] += 4 * t
-    elif job.opt_dev == "nvme":
-        per_rank["grads"]["cpu"] += 4 * max(g.numel for g in groups)
-        per_rank["grads"]["nvme"] += _swappable(shape, job.world, 4, job.min_aio)
-    return _admm_states(per_rank, job, swapped, opt_home)
-
-
-def _admm_states(per_rank: dict, job: _Job, swapped: float, opt_home: str) -> float:
-    zu = job.z_bytes + job.u_bytes
-    if job.opt_dev == "nvme" and (job.z_bytes < 4 or job.u_bytes < 4 or job.base.startswith("adam8bit")):
-        # low-precision states are kept out of the swapper (it would read them back as fp32): CPU
-        per_rank["admm"]["cpu"] += zu * job.t
-        if not job.base.startswith("adam8bit"):
-            return job.moment_bytes
-        moved = job.moment_bytes * swapped
-        per_rank["optimizer"]["nvme"] -= moved
-        per_rank["optimizer"]["cpu"] += moved
-        return 0.0
-    if job.opt_dev == "nvme":
-        per_rank["admm"]["nvme"] += zu * swapped
-        per_rank["admm"]["cpu"] += zu * (job.t - swapped)
-        return job.moment_bytes + zu
-    per_rank["admm"][opt_home] += zu * job.t
-    return 0.0
-
-
-def _buffers(per_rank: dict, ds: dict, job: _Job, groups: list[SubGroup]) -> float:
-    """Buffers kept from start to end: the gradient (reduce) bucket, NVMe's page-locked swap buffers. Returns the bytes
-    of the parameter swapper's buffers (they exist before the engine: zero.Init makes them)."""
-    zero = ds.get("zero_optimization", {})
-    per_rank["buffers"]["gpu"] += job.half * float(zero.get("reduce_bucket_size", 5e8))
-    if job.opt_dev == "nvme":
-        o = zero["offload_optimizer"]
-        per_rank["buffers"]["cpu"] += int(o.get("buffer_count", 4)) * max(g.numel for g in groups) * 4
-    if job.param_dev != "nvme":
-        return 0.0
-    o = zero["offload_param"]
-    swapper = int(o.get("buffer_count", 5)) * float(o.get("buffer_size", 1e8)) * job.half
-    per_rank["buffers"]["cpu"] += swapper
-    if job.t > float(o.get("max_in_cpu", 1e9)):
-        # the buffer the step's updated 16-bit shares are swapped out through: DeepSpeed sizes it by the full
-        # (unpartitioned) numel of the largest sub-group's parameters (reserve_partitioned_swap_space)
-        per_rank["buffers"]["cpu"] += job.half * max(g.full for g in groups)
-    return swapper
-
-
-def _forward_backward(shape: ModelShape, ds: dict, job: _Job, micro_batch: int | None, seqlen: int,
+def _forward_backward(shape: ModelShape, ds: dict, job: Job, micro_batch: int | None, seqlen: int,
                       gradient_checkpointing: bool, device: str) -> float:
     """Per rank on the device: the gathered parameters in flight (two decoder layers, capped by
     stage3_max_live_parameters, and never less than the largest parameter, which must be whole to be used: the
@@ -284,14 +151,13 @@ def _forward_backward(shape: ModelShape, ds: dict, job: _Job, micro_batch: int |
     return job.half * (live + prefetch) + job.half * bucket + acts
 
 
-def _transients(shape: ModelShape, job: _Job, groups: list[SubGroup], swapped_fresh: float, forward: float,
+def _transients(shape: ModelShape, job: Job, groups: list[SubGroup], swapped_fresh: float, forward: float,
                 device: str) -> dict[str, dict[str, float]]:
     """Per rank, what each phase needs beyond the resident state (gpu: the device, cpu: the host); "rank0" rows are
     needed once per node, by rank 0 alone."""
     step_home = "gpu" if job.opt_dev == "none" else "cpu"   # where the optimizer steps, and DeepSpeed's self.device
     base_on_gpu, fp32_grad = job.opt_dev == "none" and device == "cuda", job.opt_dev == "none"
-    low = job.z_bytes < 4 or job.u_bytes < 4
-    work = {kind: max(_step_workspace(g, job.base, base_on_gpu, job.fisher, low, swapped_fresh, fp32_grad, kind) for g in groups)
+    work = {kind: max(_step_workspace(g, job, base_on_gpu, swapped_fresh, fp32_grad, kind) for g in groups)
             for kind in ("step", "first step", "projection")}
     largest, n_max = float(shape.largest_param), max(g.numel for g in groups)
     out = {phase: {"gpu": 0.0, "cpu": 0.0} for phase in (*PHASES, "build")}
@@ -319,7 +185,7 @@ def _shards(shape: ModelShape, half: int) -> list[list[tuple[int, bool]]]:
     return [[shape.order[int(spec.name)] for spec in shard] for shard in plan_shards(specs, DEFAULT_MAX_SHARD_SIZE)]
 
 
-def _totals(per_rank: dict, lazy: dict, transients: dict, shape: ModelShape, job: _Job, num_gpus: int) -> Estimate:
+def _totals(per_rank: dict, lazy: dict, transients: dict, shape: ModelShape, job: Job, num_gpus: int) -> Estimate:
     """Each phase: the resident state plus that phase's transients; the estimate is the largest phase. In the breakdown
     the forward/backward working set is "activations", and what the largest phase needs beyond it "workspace"."""
     resident = {d: sum(v[d] for k, v in per_rank.items() if k not in ("activations", "workspace")) for d in ("gpu", "cpu")}
@@ -345,47 +211,94 @@ def _totals(per_rank: dict, lazy: dict, transients: dict, shape: ModelShape, job
     )
 
 
-def _step_workspace(group: SubGroup, base: str, base_on_gpu: bool, fisher: bool, low_precision_admm: bool,
-                    swapped_fresh: float, fp32_grad_in_step: bool, kind: str = "projection") -> float:
+def _step_workspace(group: SubGroup, job: Job, base_on_gpu: bool, swapped_fresh: float, fp32_grad_in_step: bool,
+                    kind: str = "projection") -> float:
     """Peak temporaries of one sub-group's optimizer step, per rank: a plain step (the base step), a projection step
     or the first step (z = Π(x), and the states it creates outside NVMe's swap buffers).
 
-    Counted from the code that runs: torch's single-tensor Adam, bitsandbytes' CPU 8-bit update,
-    ``AdmmOptimizer._init_state`` / ``_update_z_u`` / ``_finalize`` and ``projection.scores`` / ``select_masks``.
+    Counted from the code that runs: torch's single-tensor Adam, bitsandbytes' CPU 8-bit update, and the projection:
+    on CPU flats with a per-layer top-k the fused kernels (``admm/kernels/select.py``: each entry's key recomputed from
+    x, u and F, 8-bit codes read as stored, no score buffer), else the eager reference (``AdmmOptimizer._init_state`` /
+    ``_update_z_u`` / ``_finalize``, ``projection.scores`` / ``select_masks``). Measured for the fused path (1 rank,
+    CPU, a 28.3M-entry flat, fp32 and ELSA-L states): a projection step's peak within 1 MB of a plain step's, the first
+    step's transients (beyond the states it creates) 15 and 30 MB, ≤ 1.1 bytes per entry.
     """
     n, pruned, slice_ = group.numel, group.pruned, group.largest_pruned   # n, N, S
     # minifloat: the fused kernel on CPU; on a GPU its torch reference (m, v, denom, dequantize/encode temporaries: ~32 B)
     base_step = {"adam": 8 * n, "cpu_adam": 0.0, "adam8bit": 0.0 if base_on_gpu else 20 * n,
-                 "adam8bit_minifloat": 32 * n if base_on_gpu else 0.0}[base]
-    dequant_peak, dequant_kept = (12 * n, 4 * n) if fisher and base.startswith("adam8bit") else (0.0, 0.0)
-    dequant_admm = 8 * slice_ if low_precision_admm else 0.0
+                 "adam8bit_minifloat": 32 * n if base_on_gpu else 0.0}[job.base]
+    dequant_peak, dequant_kept = (12 * n, 4 * n) if job.fisher and job.base.startswith("adam8bit") else (0.0, 0.0)
+    dequant_admm = 8 * slice_ if job.z_bytes < 4 or job.u_bytes < 4 else 0.0
     fp32_grad = 4 * n if fp32_grad_in_step else 0.0
-    if kind == "step":
+    if kind == "step" or (kind == "projection" and job.fused):
         return fp32_grad + base_step
     if kind == "first step":
-        return fp32_grad + max(base_step, 5 * pruned + 8 * slice_ + dequant_peak + swapped_fresh * n)
+        init = 1.0 * n if job.fused_init else 5 * pruned + 8 * slice_ + dequant_peak
+        return fp32_grad + max(base_step, init + swapped_fresh * n)
     return fp32_grad + max(base_step, 5 * pruned + dequant_admm + dequant_peak, 10 * pruned + dequant_kept + 8 * slice_)
+
+
+def job_estimate(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int = 1, device: str = "cuda") -> Estimate:
+    """An ELSA job's estimate as it runs (``ds``: the engine's DeepSpeed config, ``cfg``: its ElsaConfig after the defaults
+    rule): the engine's phases and, with a one-shot --init_mask, the "warm start" before them, rank 0 pruning the whole
+    model in host memory while the node's other ranks wait (what the largest phase needs beyond the rows above it is
+    the "warm start" row)."""
+    est = estimate(shape, ds, num_gpus, num_nodes, ds["train_micro_batch_size_per_gpu"], cfg.seqlen, elsa=cfg.model_dump(mode="json"),
+                   gradient_checkpointing=cfg.gradient_checkpointing, device=device)
+    if cfg.init_mask in oneshot_names():
+        host = oneshot_host_bytes(shape, cfg.init_mask, cfg, device == "cuda") + (num_gpus - 1) * RUNTIME_HOST_BYTES
+        est.phases["warm start"] = {"per_gpu": 0.0, "per_node_cpu": host}
+        est.breakdown["warm start"] = {"per_gpu": 0.0, "per_node_cpu": max(0.0, host - est.per_node_cpu_bytes), "nvme": 0.0}
+        est.per_node_cpu_bytes = max(est.per_node_cpu_bytes, host)
+    return est
+
+
+def estimate_config(cfg, ds_config: DsConfig, num_gpus: int, num_nodes: int = 1, device: str = "cuda") -> Estimate:
+    """The estimate for ``cfg`` (an ElsaConfig resolved as the job resolves it) under ``ds_config`` on num_gpus × num_nodes
+    ranks, both checked as the job checks them (NVMe paths aside: they belong to the machine that runs the job)."""
+    from elsa_ds.models import check_seqlen, hidden_size
+
+    config = model_config(cfg.model)
+    check_seqlen(config, cfg.seqlen, cfg.model)
+    ds = ds_config.resolve(cfg, num_gpus * num_nodes, hidden_size(config), check_paths=False)
+    shape = model_shape(config, cfg.targets, freeze_embeddings=cfg.freeze_embeddings)
+    return job_estimate(shape, ds.raw, cfg, num_gpus, num_nodes, device)
+
+
+def model_config(model: str):
+    """A model's transformers config as the estimator reads it (shipped configs offline); a damaged file is named."""
+    from elsa_ds.models import guarded_config
+
+    return guarded_config(model, lambda: resolve_model_config(model))
 
 
 def estimate_job(model: str, deepspeed: str, num_gpus: int, num_nodes: int = 1, settings: dict | None = None,
                  device: str = "cuda") -> Estimate:
-    """The estimate for a job as ``launch/prune.py`` would run it: the DeepSpeed config by path or shipped name, checked
-    as the job checks it (ZeRO stage 3, the batch split over num_gpus × num_nodes ranks; NVMe paths are not checked:
-    they belong to the machine that runs the job), and ``settings`` (ElsaConfig fields) merged over its ``elsa`` block."""
+    """:func:`estimate_config` for ``settings`` (ElsaConfig fields) merged over the ``elsa`` block of the DeepSpeed config
+    (by path or shipped name); the defaults rule is not applied (``elsa-estimate`` applies it, as the job does)."""
     from elsa_ds.config import resolve_config
-    from elsa_ds.models import check_seqlen, guarded_config, hidden_size
 
     ds_config = DsConfig.load(deepspeed)
-    config = guarded_config(model, lambda: resolve_model_config(model))
     model_dir = str(Path(model).expanduser().parent) if Path(model).expanduser().is_file() else model
     cfg = resolve_config(ds_config.raw, {**(settings or {}), "model": model_dir}, source=deepspeed)
-    check_seqlen(config, cfg.seqlen, model)
-    world = num_gpus * num_nodes
-    ds_config.check(cfg, world, hidden_size(config), check_paths=False)
-    shape = model_shape(config, cfg.targets, freeze_embeddings=cfg.freeze_embeddings)
-    ds = {**ds_config.raw, "train_batch_size": ds_config.global_batch(cfg)}
-    return estimate(shape, ds, num_gpus, num_nodes, ds_config.micro_batch(cfg), cfg.seqlen, elsa=cfg.model_dump(mode="json"),
-                    gradient_checkpointing=cfg.gradient_checkpointing, device=device)
+    return estimate_config(cfg, ds_config, num_gpus, num_nodes, device)
+
+
+def oneshot_host_bytes(shape: ModelShape, method: str, cfg, cuda: bool) -> float:
+    """Host memory of a one-shot job (one process): the whole model (fp32 on a CPU, bf16 with a GPU), the runtime,
+    and on a CPU the layer-by-layer working set: calibration (or validation) activations in and out of a layer, and
+    the method's statistics of one decoder layer's Linears (SparseGPT: an in² Hessian per Linear, the largest one
+    inverted; Wanda, magnitude: scores and a sort of the largest weight). Not validated by a benchmark yet."""
+    h = 2 if cuda else 4
+    rows = max(cfg.nsamples if method != "magnitude" else 0, cfg.val_windows)
+    acts = 2 * rows * cfg.seqlen * shape.hidden * h
+    largest = shape.largest_pruned_param
+    if method == "sparsegpt":
+        inputs = [shape.hidden] * 6 + [largest // shape.hidden]          # q, k, v, o (≈ hidden), gate, up; down
+        work = 4 * sum(i * i for i in inputs) + 8 * max(inputs) ** 2 + 12 * largest
+    else:
+        work = 16 * largest
+    return h * shape.num_params + RUNTIME_HOST_BYTES + (0 if cuda else acts + work)
 
 
 def format_estimate(est: Estimate, model: str, deepspeed: str, num_gpus: int, num_nodes: int) -> str:

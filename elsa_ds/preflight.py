@@ -7,8 +7,10 @@ space on every file system the job writes to (needs on one file system add up).
 
 The estimator is validated within ±15 % (``bench/memory.py``, ``bench/scale.py``), so a need is judged with that
 margin: a run that cannot fit even if the estimate is 15 % high is refused (ElsaError: one line, exit code 2,
-naming the shortfall and a shipped config, node count or setting that would fit); one that fits only if the
-estimate is not 15 % low starts with a warning. ``--ignore_memory_check`` turns a refusal into a warning.
+naming the shortfall, its largest parts and the phase of its peak, and each change tried with its estimate, those
+that would fit first: another shipped config, ELSA-L's states, NVMe for the optimizer states or the parameters,
+--freeze_embeddings, more nodes); one that fits only if the estimate is not 15 % low starts with a warning.
+``--ignore_memory_check`` turns a refusal into a warning.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from elsa_ds.config_checks import schedule_oddities, schedule_refusals
 from elsa_ds.disk_room import existing_ancestor
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
-from elsa_ds.memory import RUNTIME_HOST_BYTES, STATE_BYTES, ModelShape, estimate, model_shape, moment_bytes
+from elsa_ds.memory import STATE_BYTES, Estimate, ModelShape, job_estimate, model_shape, moment_bytes, oneshot_host_bytes
 from elsa_ds.models import check_seqlen, load_config
 
 MARGIN = 0.15
@@ -46,6 +48,7 @@ class Need:
     need: float
     have: float
     margin: float = MARGIN  # memory is an estimate; the bytes a disk gets are counted exactly (margin 0)
+    detail: str = ""        # what the need is made of (memory: its largest parts and the phase of its peak)
 
     @property
     def refused(self) -> bool:
@@ -57,7 +60,8 @@ class Need:
 
     def line(self) -> str:
         left = "free" if self.what.startswith("disk") else "available"
-        spread = f" (estimate ±{self.margin:.0%})" if self.margin else ""
+        inside = "; ".join(x for x in (f"estimate ±{self.margin:.0%}" if self.margin else "", self.detail) if x)
+        spread = f" ({inside})" if inside else ""
         return f"needs ~{_gib(self.need)} {self.what}{spread}, this node has {_gib(self.have)} {left}"
 
 
@@ -139,39 +143,26 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
 
     check_seqlen(meta.config, cfg.seqlen, cfg.model)
     check_schedule(cfg, int(os.environ.get("RANK", "0")))
-    # the shape as configured, and (an alternative for the hint) with the embeddings frozen
     shape = model_shape(meta.config, cfg.targets, model=meta, freeze_embeddings=cfg.freeze_embeddings)
-    frozen = None if cfg.freeze_embeddings else model_shape(meta.config, cfg.targets, model=meta, freeze_embeddings=True)
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    local = int(os.environ.get("LOCAL_SIZE", world))
-    nodes = max(1, world // max(local, 1))
+    job = _Run(meta, ds, cfg, Path(opts.deepspeed).stem, "cuda" if torch.cuda.is_available() else "cpu",
+               int(os.environ.get("LOCAL_SIZE", world)), world)
     rank = int(os.environ.get("RANK", "0"))
-    settings = cfg.model_dump(mode="json")
-
-    def est(ds_: dict, nodes_: int = nodes, shape_: ModelShape = shape, elsa: dict | None = None):
-        return estimate(shape_, ds_, local, nodes_, ds_["train_micro_batch_size_per_gpu"], cfg.seqlen, elsa={**settings, **(elsa or {})},
-                        gradient_checkpointing=cfg.gradient_checkpointing, device=device)
-
-    e = est(ds)
+    e = job.estimate()
     zero = ds["zero_optimization"]
     nvme = {Path(zero[k]["nvme_path"]) for k in ("offload_param", "offload_optimizer") if zero.get(k, {}).get("device") == "nvme"}
-    writes = {p: e.nvme_bytes / nodes for p in nvme}
-    if rank < local:  # rank 0's node writes the export and (shared file system) the checkpoints
+    writes = {p: e.nvme_bytes / job.nodes for p in nvme}
+    if rank < job.local:  # rank 0's node writes the export and (shared file system) the checkpoints
         out = Path(opts.output_dir).expanduser().resolve()
         mask = shape.pruned_params / 8 if cfg.init_mask in ("magnitude", "wanda", "sparsegpt") else 0.0  # 1 bit a pruned weight
         writes[out] = writes.get(out, 0.0) + ds_bytes_export(shape, ds) + checkpoint_bytes(shape, cfg, ds) + mask
         # --init_weights' copy of x₀ (one export's size) is deleted before training: export + checkpoints cover it
     machine = this_machine(list(writes))
-    host = e.per_node_cpu_bytes
-    if cfg.init_mask in ("magnitude", "wanda", "sparsegpt"):  # rank 0 prunes the whole model in host memory first
-        host = max(host, oneshot_host_bytes(shape, cfg.init_mask, cfg, device == "cuda") + (local - 1) * RUNTIME_HOST_BYTES)
-    needs = [Need("host memory", host, machine.host), *disk_needs(writes, machine)]
+    needs = [Need("host memory", e.per_node_cpu_bytes, machine.host, detail=_parts(e, "per_node_cpu")), *disk_needs(writes, machine)]
     if machine.gpu is not None:
-        needs.append(Need("GPU memory", e.per_gpu_bytes, machine.gpu))
+        needs.append(Need("GPU memory", e.per_gpu_bytes, machine.gpu, detail=_parts(e, "per_gpu")))
     hint = ""
     if any(n.refused for n in needs if n.what in ("host memory", "GPU memory")):
-        hint = _alternatives(shape, frozen, ds, opts, machine, est, nodes, world)
+        hint = _alternatives(job, machine)
     judge(needs, hint, opts.ignore_memory_check, rank)
 
 
@@ -190,35 +181,94 @@ def checkpoint_bytes(shape: ModelShape, cfg, ds: dict) -> float:
     return per * (cfg.keep_checkpoints + 1)
 
 
-def _alternatives(shape: ModelShape, frozen: ModelShape | None, ds: dict, opts, machine: Machine, est, nodes: int, world: int) -> str:
-    """What would fit: another shipped config, more nodes, or --freeze_embeddings."""
+PART_NAMES = {"params": "16-bit parameters", "grads": "gradients", "optimizer": "fp32 masters + moments", "admm": "ADMM z, u",
+              "workspace": "step workspace", "activations": "activations", "buffers": "buffers", "runtime": "runtime",
+              "warm start": "one-shot --init_mask"}
+
+
+def _parts(e: Estimate, key: str) -> str:
+    """The three largest rows of the estimate for ``key`` (per_node_cpu, per_gpu) and the phase of its peak."""
+    rows = sorted(((row[key], name) for name, row in e.breakdown.items() if row[key] >= GIB / 10), reverse=True)[:3]
+    peak = max(e.phases, key=lambda phase: e.phases[phase][key])
+    return f"largest: {', '.join(f'{PART_NAMES.get(n, n)} {_gib(b)}' for b, n in rows)}; peak phase: {peak}" if rows else ""
+
+
+@dataclass
+class _Run:
+    """An ELSA job as the check sees it, to estimate it and the changes that would make it fit."""
+
+    meta: object          # the model on the meta device
+    ds: dict              # the engine's DeepSpeed config
+    cfg: object           # ElsaConfig after the defaults rule
+    config_name: str      # --deepspeed's stem
+    device: str           # cuda, or cpu (DeepSpeed's CPU accelerator)
+    local: int            # ranks per node
+    world: int
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world // max(self.local, 1))
+
+    def estimate(self, ds: dict | None = None, elsa: dict | None = None, freeze: bool | None = None,
+                 nodes: int | None = None) -> Estimate:
+        """The estimate of this job, or of it with another DeepSpeed config, ELSA settings, embeddings or node count."""
+        cfg = self.cfg if not elsa else type(self.cfg).model_validate({**self.cfg.model_dump(), **elsa})
+        freeze = cfg.freeze_embeddings if freeze is None else freeze
+        shape = model_shape(self.meta.config, cfg.targets, model=self.meta, freeze_embeddings=freeze)
+        return job_estimate(shape, ds or self.ds, cfg, self.local, nodes or self.nodes, self.device)
+
+
+def _alternatives(job: _Run, machine: Machine) -> str:
+    """Each change that could make the job fit and its estimate, those that fit first: another shipped config, ELSA-L's
+    low-precision states, NVMe for the optimizer states or the parameters, --freeze_embeddings, more nodes."""
     from elsa_ds.zero.ds_config import shipped_configs
 
-    def fits(e) -> bool:
-        return e.per_node_cpu_bytes <= machine.host and (machine.gpu is None or e.per_gpu_bytes <= machine.gpu)
-
-    found = []
-    current = Path(opts.deepspeed).stem
+    shipped = {name: json.loads(path.read_text()) for name, path in shipped_configs().items()}
+    shape = model_shape(job.meta.config, job.cfg.targets, model=job.meta, freeze_embeddings=job.cfg.freeze_embeddings)
+    zero = job.ds["zero_optimization"]
+    tried: list[tuple[str, Estimate, int]] = []  # (the change, its estimate, nodes)
     for name in ALTERNATIVES:
-        if name == current:
-            continue
-        raw = json.loads(shipped_configs()[name].read_text())
-        candidate = {**ds, "zero_optimization": {**ds["zero_optimization"], **raw["zero_optimization"]}}
-        note = _fit_param_buffers(candidate, shape, world)
-        e = est(candidate, elsa=raw.get("elsa"))
-        if fits(e):
-            nvme = f" + {_gib(e.nvme_bytes / nodes)} NVMe" if e.nvme_bytes else ""
-            found.append(f"use ds_configs/{name}.json{note} ({_gib(e.per_node_cpu_bytes)} host{nvme})")
+        if name != job.config_name:
+            candidate = {**job.ds, "zero_optimization": {**zero, **shipped[name]["zero_optimization"]}}
+            note = _fit_param_buffers(candidate, shape, job.world)
+            tried.append((f"ds_configs/{name}.json{note}", job.estimate(candidate, shipped[name].get("elsa")), job.nodes))
+    elsal = shipped["zero3_offload_elsal"]["elsa"]
+    if any(str(getattr(job.cfg, k).value) != v for k, v in elsal.items()):
+        flags = " ".join(f"--{k} {v}" for k, v in elsal.items())
+        tried.append((f"ELSA-L's states ({flags})", job.estimate(elsa=elsal), job.nodes))
+    nvme = shipped["zero3_nvme"]["zero_optimization"]
+    if not any(zero.get(k, {}).get("device") == "nvme" for k in ("offload_optimizer", "offload_param")):
+        # the optimizer's swap buffers are sized by the largest sub-group: with it come zero3_nvme.json's sub-groups
+        for keys, what in ((("offload_optimizer", "sub_group_size"), "the optimizer states"), (("offload_param",), "the parameters")):
+            candidate = {**job.ds, "zero_optimization": {**zero, **{k: nvme[k] for k in keys}}}
+            note = _fit_param_buffers(candidate, shape, job.world)
+            tried.append((f"{what} on NVMe ({' and '.join(keys)} of ds_configs/zero3_nvme.json{note}, --nvme_path DIR)",
+                          job.estimate(candidate), job.nodes))
+    if not job.cfg.freeze_embeddings:
+        tried.append(("--freeze_embeddings", job.estimate(freeze=True), job.nodes))
+    counts = [n for n in (2, 4, 8, 16, 32, 64) if n > job.nodes]
+    for n in counts:  # the fewest nodes that fit, or the most tried
+        e = job.estimate(nodes=n)
+        if _fits(e, machine) or n == counts[-1]:
+            tried.append((f"{n} nodes", e, n))
             break
-    for more in (2, 4, 8, 16, 32, 64):
-        if more > nodes and fits(est(ds, more)):
-            found.append(f"{more} nodes")
-            break
-    if frozen is not None:
-        e = est(ds, shape_=frozen)
-        if fits(e):
-            found.append(f"--freeze_embeddings ({_gib(e.per_node_cpu_bytes)} host)")
-    return " or ".join(found) if found else "no shipped config, node count up to 64 or --freeze_embeddings fits this machine"
+    verdicts: dict[bool, dict[str, list[str]]] = {True: {}, False: {}}  # fits -> the estimate -> the changes that give it
+    for label, e, n in tried:
+        verdicts[_fits(e, machine)].setdefault(_cost(e, machine, n), []).append(label)
+    fit, rest = ([f"{' or '.join(labels)} ({cost})" for cost, labels in verdicts[v].items()] for v in (True, False))
+    return "; ".join([f"would fit: {', '.join(fit)}" if fit else "nothing tried fits this machine"] +
+                     ([f"would not: {', '.join(rest)}"] if rest else []))
+
+
+def _fits(e: Estimate, machine: Machine) -> bool:
+    return e.per_node_cpu_bytes <= machine.host and (machine.gpu is None or e.per_gpu_bytes <= machine.gpu)
+
+
+def _cost(e: Estimate, machine: Machine, nodes: int) -> str:
+    """An alternative's estimate: host memory per node, memory per GPU (on a GPU node), NVMe per node."""
+    gpu = f", {_gib(e.per_gpu_bytes)} per GPU" if machine.gpu is not None else ""
+    nvme = f" + {_gib(e.nvme_bytes / nodes)} NVMe" if e.nvme_bytes else ""
+    return f"~{_gib(e.per_node_cpu_bytes)} host{gpu}{nvme}"
 
 
 def _fit_param_buffers(candidate: dict, shape: ModelShape, world: int) -> str:
@@ -234,23 +284,6 @@ def _fit_param_buffers(candidate: dict, shape: ModelShape, world: int) -> str:
 
 
 # ---- one-shot methods ---------------------------------------------------------------------------------------------
-def oneshot_host_bytes(shape: ModelShape, method: str, cfg, cuda: bool) -> float:
-    """Host memory of a one-shot job (one process): the whole model (fp32 on a CPU, bf16 with a GPU), the runtime,
-    and on a CPU the layer-by-layer working set: calibration (or validation) activations in and out of a layer, and
-    the method's statistics of one decoder layer's Linears (SparseGPT: an in² Hessian per Linear, the largest one
-    inverted; Wanda, magnitude: scores and a sort of the largest weight). Not validated by a benchmark yet."""
-    h = 2 if cuda else 4
-    rows = max(cfg.nsamples if method != "magnitude" else 0, cfg.val_windows)
-    acts = 2 * rows * cfg.seqlen * shape.hidden * h
-    largest = shape.largest_pruned_param
-    if method == "sparsegpt":
-        inputs = [shape.hidden] * 6 + [largest // shape.hidden]          # q, k, v, o (≈ hidden), gate, up; down
-        work = 4 * sum(i * i for i in inputs) + 8 * max(inputs) ** 2 + 12 * largest
-    else:
-        work = 16 * largest
-    return h * shape.num_params + RUNTIME_HOST_BYTES + (0 if cuda else acts + work)
-
-
 def check_oneshot(shape: ModelShape, cfg, opts) -> None:
     """The pre-flight check of a one-shot job (and its --finetune): the sequence length against the positions of a local
     model's config, the schedule, host memory, and the disk its model is saved to."""

@@ -12,7 +12,7 @@ from elsa_ds import preflight
 from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
 from elsa_ds.options import JobOptions
 from elsa_ds.errors import ElsaError
-from elsa_ds.memory import estimate, model_shape, resolve_model_config
+from elsa_ds.memory import PHASES, estimate, model_shape, resolve_model_config
 from elsa_ds.models import meta_model
 from elsa_ds.zero.ds_config import DsConfig
 from tests.conftest import run_fails
@@ -48,6 +48,29 @@ def test_cpu_offload_run_too_large_for_this_machine_is_refused_before_loading(tm
     assert not (tmp_path / "out").exists()
     need = float(line.split("needs ~")[1].split(" GiB")[0].replace(",", "")) * GIB
     assert need > 1.5 * psutil.virtual_memory().total
+    # what the need is made of: its largest rows (the optimizer's states first: 12 of ~28 bytes a parameter) and its phase
+    parts = line.split("largest: ")[1].split("; peak phase: ")
+    assert parts[0].startswith("fp32 masters + moments ") and parts[1].split(")")[0] in (*PHASES, "warm start")
+    # every change tried, with its estimate: ELSA-L's states, NVMe for the optimizer states or the parameters or both,
+    # --freeze_embeddings, more nodes; those that fit the machine before those that do not
+    have = float(line.split("this node has ")[1].split(" GiB")[0].replace(",", "")) * GIB
+    changes = dict(_changes(line))
+    for label in ("ELSA-L's states", "the optimizer states on NVMe", "the parameters on NVMe", "ds_configs/zero3_nvme.json",
+                  "--freeze_embeddings", "nodes"):
+        assert any(label in change for change in changes), (label, line)
+    for change, (host, fits) in changes.items():  # (the parameters on NVMe may cost more: max_in_cpu and swap buffers stay)
+        assert (host <= have) == fits and (host < need or "parameters on NVMe" in change), (change, line)
+    assert changes[next(c for c in changes if "optimizer states on NVMe" in c)][0] < 0.5 * need  # 12 + 8 of ~28 bytes
+
+
+def _changes(line: str):
+    """(change, (host bytes it estimates, whether it was listed as fitting)) from a refusal's hint."""
+    hint = line.split("available: ")[1].split("; --ignore_memory_check")[0]
+    for verdict in hint.split("; "):
+        fits = verdict.startswith("would fit: ")
+        for entry in verdict.split(": ", 1)[1].split("), "):
+            change, cost = entry.rsplit(" (~", 1)
+            yield change, (float(cost.split(" GiB host")[0].replace(",", "")) * GIB, fits)
 
 
 def _job(tmp_path, config: str, **settings):
@@ -81,7 +104,9 @@ def test_refusal_names_the_shipped_config_that_fits_and_the_warning_when_ignored
         preflight.check_elsa(meta, ds, cfg, opts, world=1)
     message = str(err.value)
     assert "\n" not in message and message.startswith("needs ~") and "host memory" in message
-    assert "use ds_configs/zero3_nvme.json" in message and "NVMe" in message and "--ignore_memory_check" in message
+    assert "would fit: ds_configs/zero3_nvme.json" in message and "NVMe)" in message and "--ignore_memory_check" in message
+    fitting = {change for change, (_, fits) in _changes(message) if fits}
+    assert "--freeze_embeddings" not in fitting and any("zero3_nvme.json" in change for change in fitting)
     opts.ignore_memory_check = True
     preflight.check_elsa(meta, ds, cfg, opts, world=1)  # proceeds
     assert "warning" in capsys.readouterr().err
