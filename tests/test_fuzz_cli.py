@@ -61,7 +61,7 @@ def _draw(rng: random.Random, paths: dict[str, str]) -> list[str]:
 def test_random_flags_give_exit_0_or_one_line_and_change_nothing(tmp_path, tiny_model_dir, text_dir, monkeypatch):
     started = []
     monkeypatch.setattr(owner, "make_job", lambda cfg, opts, ds: (cfg, opts))
-    monkeypatch.setattr(owner, "run_job", lambda job: started.append(job) or None)
+    monkeypatch.setattr(owner, "run_job", lambda job, mark=None: started.append(job) or None)
     full = tmp_path / "full"
     full.mkdir()
     (full / "precious.txt").write_text("an earlier result")

@@ -21,6 +21,7 @@ call ``owner.run_owned``: the inputs kept apart from the output, its lock taken 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -38,12 +39,18 @@ class Job(Protocol):
     def cleanup(self) -> None: ...
 
 
-def run_job(job: Job) -> dict[str, Any] | None:
-    """Run a job through its lifecycle; returns its report on rank 0 (None on other ranks)."""
+def run_job(job: Job, mark: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+    """Run a job through its lifecycle; returns its report on rank 0 (None on other ranks). ``mark`` hears each stage
+    as it begins (rank 0's watchdog: the phase a killed job had reached)."""
+    mark = mark or (lambda stage: None)
     try:
+        mark("setup")
         job.setup()
+        mark("load_checkpoint")
         job.load_checkpoint()
+        mark("train")
         job.train()
+        mark("finish")
         return job.finish()
     finally:
         job.cleanup()

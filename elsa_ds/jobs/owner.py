@@ -3,7 +3,9 @@ output's lock held from before the first costly step until the job ends, however
 
 However it ends short of publishing (an error, a NaN loss, a full disk, Ctrl-C, SIGTERM), nothing of it stays beside the
 output: its staging folder and side files go, then its lock; its checkpoints (resumable) and the previous output stay.
-A full disk ends it with one line saying where, how much the write needed and how much is free once they are gone."""
+A full disk ends it with one line saying where, how much the write needed and how much is free once they are gone.
+A rank killed outright (SIGKILL: the kernel's out-of-memory killer) runs no exit path: rank 0's watchdog
+(``elsa_ds/watchdog.py``), started once the output is owned, removes the same files and says one line instead."""
 from __future__ import annotations
 
 import os
@@ -14,10 +16,12 @@ from typing import Any
 from elsa_ds.config import ElsaConfig
 from elsa_ds.disk_room import disk_full
 from elsa_ds.jobs import make_job, run_job
+from elsa_ds.jobs.phases import PhaseLog
 from elsa_ds.methods import oneshot_names
 from elsa_ds.options import JobOptions
 from elsa_ds.output import check_output_dir, staging_dir
-from elsa_ds.ownership import check_apart, owned
+from elsa_ds.ownership import check_apart, lock_path, owned
+from elsa_ds.watchdog import Watchdog
 from elsa_ds.zero.ds_config import DsConfig
 
 # the side files beside the output (jobs/warm_start.py, jobs/finetune.py, jobs/selection.py name them from the staging's;
@@ -38,29 +42,43 @@ def job_inputs(cfg: ElsaConfig, opts: JobOptions) -> dict[str, str | Path | None
 
 
 def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[str, Any] | None:
-    """Run the job ``cfg`` names, owning ``opts.output_dir``; rank 0 (the rank that writes) takes the lock, the other
-    ranks of a launcher rely on it."""
+    """Run the job ``cfg`` names, owning ``opts.output_dir``; rank 0 (the rank that writes) takes the lock and starts the
+    watchdog, the other ranks of a launcher rely on them. The watchdog hears of the job's end once the lock is released."""
     check_apart(opts.output_dir, "--output_dir", job_inputs(cfg, opts))
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume)  # again under the lock, by the job's own checks
     writer = os.environ.get("RANK", "0") == "0"
-    with owned(opts.output_dir, "--output_dir", take=writer):
-        try:
-            return run_job(make_job(cfg, opts, ds_config))
-        except BaseException as err:  # every way out short of publishing; the lock goes right after
-            if writer:
-                discard_unpublished(Path(opts.output_dir))
-            if (full := disk_full(err, Path(opts.output_dir))) is not None:
-                raise full from None  # one line (ElsaError), its free space measured with the partial files gone
-            raise
+    dog = Watchdog()
+    try:
+        with owned(opts.output_dir, "--output_dir", take=writer):
+            try:
+                job = make_job(cfg, opts, ds_config)
+                if writer:  # the loop's step count: job.cfg (a fine-tuning job's own count)
+                    dog.start(lock_path(opts.output_dir), unpublished_paths(Path(opts.output_dir)), getattr(job, "cfg", cfg).steps)
+                    if isinstance(phases := getattr(job, "phases", None), PhaseLog):
+                        phases.forward = dog.mark  # the training step a killed job had reached
+                return run_job(job, dog.mark)
+            except BaseException as err:  # every way out short of publishing; the lock goes right after
+                if writer:
+                    discard_unpublished(Path(opts.output_dir))
+                if (full := disk_full(err, Path(opts.output_dir))) is not None:
+                    raise full from None  # one line (ElsaError), its free space measured with the partial files gone
+                raise
+    finally:
+        dog.end()
+
+
+def unpublished_paths(output_dir: Path) -> list[Path]:
+    """What a job that did not publish leaves beside its output until it ends: its staging folder and the side files a
+    job keeps there until it consumes them (warm-start mask and weights, the one-shot model of a retraining run, the best
+    projection) and their ``.tmp`` files. Its checkpoints (resumable) and the previous output are not among them."""
+    staging = staging_dir(output_dir)
+    sides = [staging.with_name(f".{output_dir.name}.{s}") for s in SIDE_FILES]
+    return [staging, *sides, *(p.with_name(f".{p.name}.tmp") for p in sides)]
 
 
 def discard_unpublished(output_dir: Path) -> None:
-    """After a job that did not publish: its staging folder and the side files a job keeps beside its output until it
-    consumes them (warm-start mask and weights, the one-shot model of a retraining run, the best projection) and their
-    ``.tmp`` files; the checkpoints (resumable) and the previous output stay."""
-    staging = staging_dir(output_dir)
-    sides = [staging.with_name(f".{output_dir.name}.{s}") for s in SIDE_FILES]
-    for path in (staging, *sides, *(p.with_name(f".{p.name}.tmp") for p in sides)):
+    """After a job that did not publish: remove its :func:`unpublished_paths`."""
+    for path in unpublished_paths(output_dir):
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         elif path.exists():

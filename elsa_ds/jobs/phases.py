@@ -3,6 +3,8 @@
 Off unless the environment variable ``ELSA_DS_PHASE_LOG`` names a file; rank 0 then appends one JSON line per
 phase as it begins, ``{"phase": "projection", "step": 1, "t": 1732390000.123}`` (t: seconds since the epoch, the
 clock a sampler in another process reads too). A phase lasts until the next marker; the last one is ``done``.
+Whatever the variable, rank 0 forwards each marker to its watchdog (``elsa_ds/watchdog.py``), which names the last one
+should the job be killed.
 
     load              from the job's start (checks, process group, data, model, engine) to the first step
     first step        step 0: the base optimizer's and ADMM's lazy state is created (z = Π(x))
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PHASE_LOG_ENV = "ELSA_DS_PHASE_LOG"
@@ -29,8 +32,11 @@ class PhaseLog:
     def __init__(self, rank: int):
         path = os.environ.get(PHASE_LOG_ENV)
         self.path: Path | None = Path(path) if path and rank == 0 else None
+        self.forward: Callable[[str, int | None], None] | None = None  # rank 0's watchdog, set by jobs/owner.py
 
     def mark(self, phase: str, step: int | None = None) -> None:
+        if self.forward is not None:
+            self.forward(phase, step)
         if self.path is None:
             return
         with self.path.open("a", encoding="utf-8") as fh:

@@ -1,0 +1,126 @@
+"""A job killed outright (SIGKILL on a rank: the kernel's out-of-memory killer, kill -9) runs no exit path: rank 0's
+watchdog (``elsa_ds/watchdog.py``) says one line naming the kill, the phase and the memory, and leaves the output folder
+and its parent as they were (no staging, lock or warm-start mask; what an earlier job left stays). A clean end and a
+handled error: not a word from it. The embedded demo model: one plain process, and 2 ranks under the deepspeed launcher,
+rank 0 or rank 1 killed, or the launcher's whole process group (the watchdog then the only one left to speak)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, _free_port, run_entry
+from tests.test_interrupts import _run_and_signal
+from tests.test_left_behind import ERROR_LINE, QUICK, _listing, _previous_output
+
+pytestmark = pytest.mark.integration
+
+KILLED = re.compile(r"^elsa_ds: error: the job was killed \((SIGKILL, rank (\d) pid \d+|rank 0 pid \d+ vanished without running its "
+                    r"exit path: SIGKILL, or a crash)\) during training step \d+ of 100000; host memory peaked at [\d.]+ of "
+                    r"[\d.]+ GiB \(the job's processes [\d.]+ GiB.*\); .+; nothing unfinished was published")
+
+
+def _rank(proc: subprocess.Popen, rank: int) -> psutil.Process:
+    """The process of ``rank`` under the launcher ``proc`` (or ``proc`` itself, a plain run)."""
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        if child.environ().get("RANK") == str(rank) and "LOCAL_RANK" in child.environ():
+            return child
+    return psutil.Process(proc.pid)
+
+
+def _killed_line(text: str) -> re.Match:
+    """The watchdog's line, the only ``elsa_ds: error`` line. A surviving rank may show a traceback of its own: its
+    collective failed (gloo: connection reset by peer) before the launcher stopped it."""
+    errors = [line for line in text.splitlines() if line.startswith(ERROR_LINE)]
+    tracebacks = [line for line in text.splitlines() if "Traceback" in line and not re.search(r"\[rank\d\]: Traceback", line)]
+    assert len(errors) == 1 and not tracebacks, text[-4000:]
+    assert (m := KILLED.match(errors[0])), errors[0]
+    return m
+
+
+def _no_watchdog_left(out: Path) -> None:
+    """No watchdog of this job is left running (it exits once its line is out, or on the job's clean end)."""
+    lock = str(out.parent / f".{out.name}.lock")
+    mine = [p for p in psutil.process_iter(["cmdline"]) if "elsa_ds.watchdog" in (p.info["cmdline"] or []) and
+            lock in (p.info["cmdline"] or [])]
+    _, left = psutil.wait_procs(mine, timeout=5)  # the last moments of its exit
+    assert not left, [p.cmdline() for p in left]
+
+
+@pytest.mark.parametrize("ranks,victim", [(None, 0), (2, 0), (2, 1), (2, "group")],
+                         ids=["plain", "launcher-rank0", "launcher-rank1", "launcher-group"])
+def test_a_killed_job_says_one_line_and_leaves_nothing(tmp_path, ranks, victim):
+    """SIGKILL during training after a magnitude warm start (its masks file beside the output). Where the watchdog cleans
+    up (rank 0 gone), a stale side file of an earlier job (a retraining run's one-shot model) is no file of this job's: it
+    stays. (Rank 1 killed: rank 0, stopped by the launcher, cleans up by its own exit path, which removes that too.)"""
+    parent = tmp_path / "parent"
+    out = _previous_output(parent)
+    if victim != 1:
+        (parent / ".o.oneshot").mkdir()
+        (parent / ".o.oneshot" / "config.json").write_text("{}")
+    before = _listing(parent)
+    args = [*QUICK, "--steps", "100000", "--output_dir", str(out), "--overwrite"]
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(_free_port())]
+    cmd = [sys.executable, str(ROOT / "launch" / "prune.py"), *args] if ranks is None else [*launcher, "launch/prune.py", *args]
+
+    def kill(proc) -> None:
+        assert (parent / ".o.init_mask.safetensors").exists() and (parent / ".o.lock").exists()  # there while it trains
+        if victim == "group":  # the runner, the launcher and the ranks, as a kill of their process group (not the watchdog's)
+            for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+                p.kill()
+        else:
+            _rank(proc, victim).send_signal(signal.SIGKILL)
+    _, text = _run_and_signal(cmd, "step/s", kill, timeout=240)  # returns once the watchdog, the last writer, is gone
+    m = _killed_line(text)
+    if ranks is not None and victim != "group":  # read from the rank's exit status before the launcher reaped it
+        assert m.group(2) == str(victim), m.group(0)
+    assert _listing(parent) == before, m.group(0)
+    _no_watchdog_left(out)
+
+
+@pytest.mark.parametrize("nan", [False, True], ids=["success", "handled-error"])
+def test_a_clean_end_gets_no_word_from_the_watchdog(tmp_path, nan):
+    """A run that publishes, and one that stops on a NaN loss (exit 2, its own one line): nothing from the watchdog, which
+    is gone by the time the job's output pipes close."""
+    parent = tmp_path / "parent"
+    out = _previous_output(parent)
+    fixture = ROOT / "tests" / "fixtures" / "nan_at_step"
+    env = {"ELSA_TEST_NAN_STEP": "1", "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = run_entry("prune.py", [*QUICK, "--steps", "2", "--output_dir", str(out), "--overwrite"], check=False,
+                     env=env if nan else None, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(ERROR_LINE)]
+    if nan:
+        assert proc.returncode == 2 and len(errors) == 1 and "the loss became nan" in errors[0], proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0 and not errors and (out / "elsa_report.json").exists(), proc.stderr[-3000:]
+    assert "killed" not in proc.stderr + proc.stdout
+    assert sorted(p.name for p in parent.iterdir()) == ["o"]
+    _no_watchdog_left(out)
+
+
+def test_the_watchdog_cleans_only_under_the_dead_jobs_lock(tmp_path):
+    """Its cleanup on its own: what changed since the watch began goes, with the lock, while the lock names the dead rank 0;
+    a lock naming another job (it took the output over) leaves every file as it is."""
+    from argparse import Namespace
+
+    from elsa_ds.watchdog import Rank, Watch, cleanup, path_state
+
+    old, new, lock = tmp_path / ".o.oneshot", tmp_path / ".o.partial.123", tmp_path / ".o.lock"
+    old.write_text("an earlier job's")
+    w = Watch(Namespace(lock=str(lock), pid=123))
+    w.ranks[123] = Rank(0, 123, "456")
+    w.before = {str(p): path_state(p) for p in (old, new)}
+    new.mkdir()
+    (new / "model.safetensors").write_text("half")
+    lock.write_text('{"pid": 999, "pid_start": "1"}')
+    assert "names another job" in cleanup(w) and new.exists() and lock.exists()
+    lock.write_text('{"pid": 123, "pid_start": "456"}')
+    assert "its lock and 1 unfinished file beside the output are removed" in cleanup(w)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".o.oneshot"]
+    assert "already released" in cleanup(w)
