@@ -52,16 +52,17 @@ def sigterm_unwinds() -> Iterator[None]:
         return
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGTERM, on_sigterm)
+    terminated = False
     try:
         yield
     except Terminated:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-        signal.raise_signal(signal.SIGTERM)  # the default action: the process ends here, as killed by SIGTERM
+        terminated = True
         raise
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+        if terminated:
+            signal.raise_signal(signal.SIGTERM)  # the default action: the process ends here, as killed by SIGTERM
 
 
 class ElsaError(Exception):

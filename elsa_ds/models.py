@@ -6,7 +6,6 @@ memory estimator (meta device: shapes without memory).
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import torch
 
+from elsa_ds.config_files import read_json_object
 from elsa_ds.data import load_tokenizer
 from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.errors import ElsaError
@@ -47,12 +47,7 @@ def config_json(model_id: str) -> dict | None:
     file = path if path.is_file() else path / "config.json"
     if not file.is_file():
         return None
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ElsaError(f"{file}: not valid JSON ({reason(err)}); fix it or copy the model's config.json again") from None
-    if not isinstance(data, dict):
-        raise ElsaError(f"{file}: holds a JSON {type(data).__name__}, not an object of settings; copy the model's config.json again")
+    data = read_json_object(file, "model config", "fix it or copy the model's config.json again")
     model_type = data.get("model_type")
     if data.get("auto_map") and not (isinstance(model_type, str) and model_type in CONFIG_MAPPING):
         raise ElsaError(f"{file}: model_type {model_type!r} needs its own Python code (auto_map, trust_remote_code), "

@@ -81,12 +81,12 @@ def acquire(output: Path, flag: str) -> int:
         try:
             locked = _flock(fd)
             if locked is False and _same_file(fd, path):
-                raise ElsaError(_busy(output, flag, path, _holder(fd)))
+                raise ElsaError(_busy(output, flag, path, read_holder(fd)))
             if locked is False or not _same_file(fd, path):  # released (unlinked) or replaced since our open
                 os.close(fd)
                 continue
             if not created:
-                _check_previous(output, flag, path, _holder(fd), flock_works=locked)  # refuses a live holder
+                _check_previous(output, flag, path, read_holder(fd), flock_works=locked)  # refuses a live holder
                 if _same_file(fd, path):
                     path.unlink()  # the stale file examined above: the next round creates a new one
                 os.close(fd)
@@ -173,7 +173,7 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
 
 
-def _holder(fd: int) -> dict:
+def read_holder(fd: int) -> dict:
     """The holder a lock file names, read through the descriptor examined (not the path: it may have been swapped)."""
     try:
         info = json.loads(os.pread(fd, 1 << 16, 0).decode("utf-8") or "{}")

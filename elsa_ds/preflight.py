@@ -24,6 +24,7 @@ from elsa_ds.config_checks import schedule_oddities, schedule_refusals
 from elsa_ds.disk_room import existing_ancestor
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
+from elsa_ds.methods import oneshot_names
 from elsa_ds.memory import STATE_BYTES, Estimate, ModelShape, job_estimate, model_shape, moment_bytes, oneshot_host_bytes
 from elsa_ds.models import check_seqlen, load_config
 
@@ -153,7 +154,7 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
     writes = {p: e.nvme_bytes / job.nodes for p in nvme}
     if rank < job.local:  # rank 0's node writes the export and (shared file system) the checkpoints
         out = Path(opts.output_dir).expanduser().resolve()
-        mask = shape.pruned_params / 8 if cfg.init_mask in ("magnitude", "wanda", "sparsegpt") else 0.0  # 1 bit a pruned weight
+        mask = shape.pruned_params / 8 if cfg.init_mask in oneshot_names() else 0.0  # the warm start's mask: 1 bit a pruned weight
         writes[out] = writes.get(out, 0.0) + ds_bytes_export(shape, ds) + checkpoint_bytes(shape, cfg, ds) + mask
         # --init_weights' copy of x₀ (one export's size) is deleted before training: export + checkpoints cover it
     machine = this_machine(list(writes))

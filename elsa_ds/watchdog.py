@@ -38,6 +38,8 @@ from typing import Any
 
 import psutil
 
+from elsa_ds.ownership import read_holder
+
 GIB = 2**30
 SAMPLE_S = 0.5
 LAUNCHER_WAIT_S = 40.0  # deepspeed's launch.py gives the other ranks 30 s to stop after SIGTERM
@@ -284,9 +286,9 @@ def cleanup(w: Watch) -> str:
     except OSError:
         return "nothing unfinished of it is left (its lock was already released)"
     try:
-        holder = json.loads(os.pread(fd, 1 << 16, 0) or b"{}")
+        holder = read_holder(fd)
         rank0 = w.ranks[w.args.pid]
-        if not isinstance(holder, dict) or holder.get("pid") != rank0.pid or holder.get("pid_start") not in (None, rank0.start):
+        if holder.get("pid") != rank0.pid or holder.get("pid_start") not in (None, rank0.start):
             return f"its files beside the output are left as they are: the lock {lock} names another job now"
         deadline = time.monotonic() + LOCK_WAIT_S  # held on by a straggler of rank 0 past it: still no other job's
         while not flocked(fd) and time.monotonic() < deadline:

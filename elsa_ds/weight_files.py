@@ -14,22 +14,31 @@ from elsa_ds.errors import ElsaError
 _HEADER_LIMIT = 100 * 2**20  # safetensors headers are small; a larger "length" means a corrupt file
 
 
+def read_header(file: Path) -> tuple[int, object]:
+    """(header length, the header parsed) of a safetensors file; ValueError saying what is wrong when it has none."""
+    size = file.stat().st_size
+    with file.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes, no header")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(_HEADER_LIMIT, size - 8):
+            raise ValueError("header length beyond the end of the file")
+        try:
+            return length, json.loads(fh.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError("header is not valid JSON") from None
+
+
 def safetensors_problem(file: Path) -> str | None:
     """What is wrong with ``file`` as a safetensors file, in a few words; None when it is whole."""
     from safetensors import SafetensorError, safe_open
 
     size = file.stat().st_size
-    with file.open("rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            return f"{size} bytes, no header"
-        (length,) = struct.unpack("<Q", head)
-        if length > min(_HEADER_LIMIT, size - 8):
-            return "header length beyond the end of the file"
-        try:
-            header = json.loads(fh.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return "header is not valid JSON"
+    try:
+        length, header = read_header(file)
+    except ValueError as err:
+        return str(err)
     try:
         ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
         expected = 8 + length + max(ends, default=0)
@@ -49,9 +58,7 @@ def stored_shapes(folder: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Name -> (shape, file name) of every tensor in the (whole) ``*.safetensors`` files of ``folder``, from the headers."""
     found = {}
     for file in sorted(Path(folder).expanduser().glob("*.safetensors")):
-        with file.open("rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(length))
+        header = read_header(file)[1]
         found.update({name: (tuple(entry["shape"]), file.name) for name, entry in header.items() if name != "__metadata__"})
     return found
 

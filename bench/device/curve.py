@@ -32,6 +32,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.quality import free_port  # noqa: E402 - the quality bench's rendezvous port: two launchers at once
 RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
 ONESHOT = ("sparsegpt", "wanda")
@@ -87,11 +90,14 @@ def curve_plan(largest: int = 2000) -> list[Cell]:
     return cells
 
 
+def read_lines(path: Path) -> list[dict]:
+    """Every line of a cells file (none when it does not exist yet)."""
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
 def done_keys(path: Path) -> set[str]:
     """Keys of the cells a results file already holds (``ok`` lines only)."""
-    if not path.is_file():
-        return set()
-    return {line["key"] for line in map(json.loads, filter(str.strip, path.read_text().splitlines())) if line.get("status") == "ok"}
+    return {line["key"] for line in read_lines(path) if line.get("status") == "ok"}
 
 
 class Estimator:
@@ -132,14 +138,6 @@ class Run:
     deadline: float
     parallel: int
     env: dict
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
@@ -284,10 +282,6 @@ def collect(future: Future, cell: Cell, run: Run) -> dict:
     except Exception as err:  # a bug in this runner: recorded, the other cells go on
         return {"key": cell.key(run.seqlen), **asdict(cell), "kind": cell.kind, "status": "failed", "phase": "runner",
                 "error": repr(err), "wall_s": 0.0}
-
-
-def read_lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
 def main(argv: list[str] | None = None) -> int:

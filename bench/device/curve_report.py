@@ -17,6 +17,9 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.device.curve import read_lines  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TEXTS = (("test_ppl", "man pages test"), ("linuxdoc_ppl", "linux-doc test"))
 RETRAINING = ("sparsegpt+ft", "wanda+ft")
@@ -27,7 +30,7 @@ COLORS = {"elsa": "C1", "elsa (paper's settings)": "C2", "sparsegpt+ft": "C3", "
 def load(path: Path) -> list[dict]:
     """The ``ok`` cells; a key measured twice keeps its latest line."""
     latest: dict[str, dict] = {}
-    for line in (json.loads(x) for x in path.read_text().splitlines() if x.strip()):
+    for line in read_lines(path):
         if line.get("status") == "ok":
             latest[line["key"]] = line
     return list(latest.values())
