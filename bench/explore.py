@@ -35,7 +35,7 @@ from elsa_ds.config import DEMO_MODEL_DIR, resolve_config  # noqa: E402
 from elsa_ds.data import GlobalBatches, load_blocks  # noqa: E402
 from elsa_ds.evaluation.run import EvalSettings, run  # noqa: E402
 from elsa_ds.finetune.optimizer import MaskedOptimizer  # noqa: E402
-from elsa_ds.jobs.defaults_applied import apply_defaults  # noqa: E402
+from elsa_ds.plan.defaults_applied import apply_defaults  # noqa: E402
 from elsa_ds.methods import OneShot, oneshot_names  # noqa: E402
 from elsa_ds.models import load_causal_lm  # noqa: E402
 from elsa_ds.oneshot.pipeline import prune_oneshot  # noqa: E402

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from elsa_ds.config import resolve_config
@@ -44,6 +44,7 @@ class AblationRow:
     ranks: int = 1
     peak_rank_rss_bytes: float = 0.0      # the largest peak of one rank process
     launcher_rss_bytes: float = 0.0       # the deepspeed launcher's processes (runner, launch.py) together, at their peak
+    est_step_time_s: float = 0.0          # elsa-estimate's step time, as the report averages it, at rates measured here
 
 
 class TreeMonitor(threading.Thread):
@@ -118,9 +119,15 @@ def _masks(out: Path):
 
 def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list[str]) -> list[AblationRow]:
     """Run ``launch/prune.py`` once per config with ``prune_args``; returns one row per config."""
+    import torch
+
+    from elsa_ds.step_time import DEFAULT_MACHINE, TYPICAL, measure
+
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     rows: list[AblationRow] = []
     reference = None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rates = measure(device, TYPICAL[DEFAULT_MACHINE[device]])  # before the runs, on the machine they run on
     for cfg_path in configs:
         view = DsConfig.load(cfg_path)
         name = Path(cfg_path).stem
@@ -151,6 +158,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
         agree = sum(int((masks[k] == reference[k]).sum()) for k in reference) / sum(m.numel() for m in reference.values())
         gpu_peak = report.get("peak_gpu_bytes")
         est = estimate_for_report(view.raw, report, ranks, device="cpu" if gpu_peak is None else "cuda")
+        timed = step_time_for_report(view, report, ranks, "cpu" if gpu_peak is None else "cuda", rates)
         rows.append(AblationRow(
             config=name, step_time_s=report["step_time_s"], peak_host_rss_bytes=monitor.peak_rss,
             est_host_bytes=est.per_node_cpu_bytes, peak_gpu_bytes=gpu_peak,
@@ -158,6 +166,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
             est_nvme_bytes=est.nvme_bytes, final_loss=report["final_loss"], mask_agreement=agree,
             admm_state_bytes_per_param=report["admm_state_bytes_per_param"], ranks=ranks,
             peak_rank_rss_bytes=monitor.peak_rank_rss, launcher_rss_bytes=monitor.peak_launcher_rss,
+            est_step_time_s=timed.report_mean(),
         ))
     write_outputs(rows, out_dir)
     return rows
@@ -169,6 +178,22 @@ def estimate_for_report(raw: dict, report: dict, ranks: int, device: str) -> Est
     return estimate(model_shape(resolve_model_config(report["model"]), cfg.targets), raw, num_gpus=ranks,
                     micro_batch=report["config"]["micro_batch"], seqlen=report["config"]["seqlen"], elsa=report["config"],
                     gradient_checkpointing=report["config"]["gradient_checkpointing"], device=device)
+
+
+def step_time_for_report(view: DsConfig, report: dict, ranks: int, device: str, rates):
+    """elsa-estimate's step time for the job an ``elsa_report.json`` describes, its engine config resolved as the job
+    resolved it, against ``rates`` (the matmul's timed again at the job's own shape)."""
+    from elsa_ds.config import ElsaConfig
+    from elsa_ds.memory import resolved_job
+    from elsa_ds.resident import read_job
+    from elsa_ds.step_time import matmul_rate, step_time
+
+    cfg = ElsaConfig.model_validate(report["config"])
+    shape, ds = resolved_job(cfg, view, ranks)
+    job = read_job(shape, ds, {**ds.get("elsa", {}), **cfg.model_dump(mode="json")}, ranks, device)
+    gemm = (ds["train_micro_batch_size_per_gpu"] * cfg.seqlen, shape.hidden, shape.hidden)  # the job's own matmul
+    rates = replace(rates, matmul_flops=matmul_rate(device, 8 * job.half, gemm))
+    return step_time(shape, ds, job, cfg, ranks, 1, device, rates)
 
 
 def _free_port() -> int:
@@ -193,12 +218,13 @@ def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:
     def fmt(v, scale=mib):
         return "n/a" if v is None else f"{v / scale:,.0f}"
 
-    lines = ["| config | step time (s) | peak host RSS (MiB) | estimated (MiB) | peak GPU (MiB) | estimated GPU (MiB) | "
-             "NVMe peak (MiB) | estimated NVMe (MiB) | final loss | mask agreement | ADMM bytes/param |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | step time (s) | estimated (s) | peak host RSS (MiB) | estimated (MiB) | peak GPU (MiB) | "
+             "estimated GPU (MiB) | NVMe peak (MiB) | estimated NVMe (MiB) | final loss | mask agreement | ADMM bytes/param |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.config} | {r.step_time_s:.3f} | {fmt(r.peak_host_rss_bytes)} | {fmt(r.est_host_bytes)} | "
-                     f"{fmt(r.peak_gpu_bytes)} | {fmt(r.est_gpu_bytes)} | {fmt(r.nvme_peak_bytes)} | {fmt(r.est_nvme_bytes)} | "
+        lines.append(f"| {r.config} | {r.step_time_s:.3f} | {r.est_step_time_s:.3f} | {fmt(r.peak_host_rss_bytes)} | "
+                     f"{fmt(r.est_host_bytes)} | {fmt(r.peak_gpu_bytes)} | {fmt(r.est_gpu_bytes)} | {fmt(r.nvme_peak_bytes)} | "
+                     f"{fmt(r.est_nvme_bytes)} | "
                      f"{r.final_loss:.4f} | {r.mask_agreement:.4%} | {r.admm_state_bytes_per_param:.2f} |")
     tmp = out_dir / "ablation.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
@@ -211,8 +237,10 @@ def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     names = [r.config for r in rows]
     x = range(len(rows))
-    axes[0].bar(x, [r.step_time_s for r in rows])
+    axes[0].bar([i - 0.2 for i in x], [r.step_time_s for r in rows], width=0.4, label="measured")
+    axes[0].bar([i + 0.2 for i in x], [r.est_step_time_s for r in rows], width=0.4, label="estimated")
     axes[0].set_title("step time (s)")
+    axes[0].legend()
     axes[1].bar([i - 0.2 for i in x], [r.peak_host_rss_bytes / mib for r in rows], width=0.4, label="measured")
     axes[1].bar([i + 0.2 for i in x], [r.est_host_bytes / mib for r in rows], width=0.4, label="estimated")
     axes[1].set_title("host memory (MiB)")

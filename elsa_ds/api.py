@@ -19,12 +19,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from elsa_ds.config import load_recipe, refuse_unread_elsa_settings, resolve_config
 from elsa_ds.options import JobOptions, job_options
 from elsa_ds.errors import ElsaError, sigterm_unwinds
 from elsa_ds.jobs.owner import run_owned
+from elsa_ds.plan import read_settings
 from elsa_ds.zero.dist import launcher_env_restored
-from elsa_ds.zero.ds_config import DsConfig
 
 Dataset = Any  # a name or path (str / Path), a list of strings, or a datasets.Dataset with a "text" column
 
@@ -61,11 +60,8 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
         name = _dataset_name(dataset, Path(tmp))
         opts = job_options({"deepspeed": str(deepspeed), "output_dir": Path(output_dir), "overwrite": overwrite, "resume": resume,
                             "recipe": recipe, "model_object": model if in_memory else None, "tokenizer_object": tokenizer})
-        ds_config = DsConfig.load(opts.deepspeed)
         given = {**settings, "model": _model_name(model) if in_memory else str(model), "dataset": name}
-        cfg = resolve_config(ds_config.raw, given, source=str(deepspeed), recipe=load_recipe(recipe) if recipe else None,
-                             recipe_source=f"recipe {recipe}")
-        refuse_unread_elsa_settings(cfg, settings, "")
+        cfg, ds_config = read_settings(opts, given, spelt="")
         with launcher_env_restored():
             return run_owned(cfg, opts, ds_config)
 

@@ -1,164 +1,30 @@
-"""The entry points' argument parsing: generated from the settings models, so a flag exists exactly once.
+"""The entry points' argument parsing: generated from the settings models (``elsa_ds/flags.py``), so a flag exists once.
 
-Every flag is a field of a pydantic settings model (name, type, choices, default, help = the field's docstring):
-``elsa-prune``'s are :class:`~elsa_ds.config.JobOptions` and :class:`~elsa_ds.config.ElsaConfig`;
+``elsa-prune``'s flags are :class:`~elsa_ds.options.JobOptions` and :class:`~elsa_ds.config.ElsaConfig`;
 ``elsa-estimate`` takes the job settings it shares with them from the same fields, plus :class:`EstimateOptions`;
-``elsa-evaluate``'s are :class:`~elsa_ds.evaluation.run.EvalSettings`. ``python -m elsa_ds.cli --flag-table`` prints
-the README's flag table from the fields of ``elsa-prune``. Errors become one line on stderr and exit code 2.
+``elsa-evaluate``'s are :class:`~elsa_ds.evaluation.run.EvalSettings`; ``elsa-compress``'s (``sparse/cli.py``) its
+``CompressSettings``. ``python -m elsa_ds.cli --flag-table`` prints the README's flag table from the fields of
+``elsa-prune``. Errors become one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
 import argparse
-import enum
-import re
+import json
 import sys
-import types
-import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.fields import FieldInfo
+from pydantic import BaseModel, ConfigDict, Field
 
-from elsa_ds.config import DEMO_PROFILE, ElsaConfig
+from elsa_ds.config import ElsaConfig
 from elsa_ds.options import JobOptions
-from elsa_ds.errors import ElsaError, OneLineParser, format_validation_error, guarded  # noqa: F401 (guarded: the entry points')
-from elsa_ds.log import get_logger, setup_logging
+from elsa_ds.errors import ElsaError, OneLineParser, guarded  # noqa: F401 (guarded: the entry points')
+from elsa_ds.flags import add_flags, flag_table, start_logging, validated
+from elsa_ds.flags import cli_fields as _cli_fields
+from elsa_ds.log import get_logger
 from elsa_ds.version import __version__
 
 log = get_logger(__name__)
-
-GROUP_TITLES = {
-    "run": "the job (not ELSA settings: never in a recipe or the JSON's \"elsa\" block)",
-    "job": "what is pruned",
-    "sparsity": "sparsity, pattern, one-shot methods",
-    "data": "data and validation",
-    "admm": "ADMM",
-    "finetune": "retraining a one-shot mask, and the dense control (--method dense)",
-    "optimizer": "the optimizer ADMM wraps",
-    "engine": "engine, checkpoints, logging",
-    "evaluation": "evaluation of the saved model at the end (the launch/evaluate.py protocol, rank 0 alone)",
-}
-
-
-def validated(model: type[BaseModel], values: dict[str, Any], where: str = "the command line") -> Any:
-    """``model(**values)``, or one ElsaError naming every bad value."""
-    try:
-        return model(**values)
-    except ValidationError as err:
-        raise ElsaError(format_validation_error(err, where, model)) from None
-
-
-def positive_int(text: str) -> int:
-    """argparse's type for a count of at least 1 that no settings model holds (launch/ablate_offload.py's --num_gpus)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def start_logging(args: argparse.Namespace) -> None:
-    """The console of this process at ``--log_level`` (rank 0; other ranks log warnings only)."""
-    setup_logging(args.log_level or JobOptions.model_fields["log_level"].default)
-
-
-# ---- flags from fields ---------------------------------------------------------------------------------------------
-def _cli_fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
-    return {name: f for name, f in model.model_fields.items() if (f.json_schema_extra or {}).get("cli", True)}
-
-
-def _choices(kind: Any) -> list[str] | None:
-    """The allowed values of an Enum or Literal field, else None."""
-    if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return [m.value for m in kind]
-    return [str(v) for v in typing.get_args(kind)] if typing.get_origin(kind) is typing.Literal else None
-
-
-def _argument(name: str, field: FieldInfo, flag_default: bool, model: type[BaseModel]) -> dict[str, Any]:
-    """argparse's add_argument keywords for one field; not given = None, so lower-precedence sources keep their value."""
-    kind = _unwrap(field.annotation)
-    extra = field.json_schema_extra or {}
-    kwargs: dict[str, Any] = {"help": _help(name, field, model), "default": None}
-    if kind is bool:
-        kwargs.update(action="store_true", default=False) if flag_default else kwargs.update(action=argparse.BooleanOptionalAction)
-    elif _choices(kind) is not None:
-        kwargs["choices"] = _choices(kind)
-    elif typing.get_origin(kind) is tuple:
-        kwargs.update(nargs=len(typing.get_args(kind)), type=typing.get_args(kind)[0])
-    elif typing.get_origin(kind) is list:
-        kwargs["type"] = str  # a comma list, read by the model's validator (config.comma_list)
-    else:
-        kwargs["type"] = kind
-    if "const" in extra:  # the flag alone means this value (e.g. --tasks = --tasks paper)
-        kwargs.update(nargs="?", const=extra["const"])
-    if field.is_required():
-        kwargs["required"] = True
-    if "metavar" in extra:
-        kwargs["metavar"] = tuple(extra["metavar"].split()) if "nargs" in kwargs and "const" not in extra else extra["metavar"]
-    return kwargs
-
-
-def _unwrap(annotation: Any) -> Any:
-    """``X | None`` -> X; ``Annotated[X, ...]`` -> X."""
-    if typing.get_origin(annotation) is typing.Annotated:
-        annotation = typing.get_args(annotation)[0]
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    return args[0] if is_union and len(args) == 1 else annotation
-
-
-def _described(name: str, field: FieldInfo, model: type[BaseModel]) -> tuple[str, str]:
-    """(meaning, default as shown): a docstring ending in ``[...]`` states its own default (e.g. the demo's)."""
-    text = " ".join((field.description or "").split())  # a docstring wrapped over lines is one paragraph
-    stated = re.search(r"\s*\[([^\]]*)\]\.?$", text)
-    if stated:
-        return text[:stated.start()] + ".", stated.group(1)
-    return text, "required" if field.is_required() else _default_text(name, field, model)
-
-
-def _help(name: str, field: FieldInfo, model: type[BaseModel]) -> str:
-    text, default = _described(name, field, model)
-    text = text if field.is_required() else f"{text.removesuffix('.')} [{default}]"
-    return text.replace("%", "%%")  # argparse %-formats help strings ("10%" would be a format spec)
-
-
-def _default_text(name: str, field: FieldInfo, model: type[BaseModel]) -> str:
-    default = field.get_default(call_default_factory=True)
-    shown = default.value if isinstance(default, enum.Enum) else "none" if default in (None, []) else default
-    if isinstance(default, bool):
-        shown = "on" if default else "off"
-    if isinstance(default, tuple):
-        shown = " ".join(str(x) for x in default)
-    demo = model is ElsaConfig and name in DEMO_PROFILE  # the demo's profile applies to the job's settings only
-    return f"{shown}; demo: {DEMO_PROFILE[name]}" if demo else str(shown)
-
-
-def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], names: tuple[str, ...] | None = None,
-              flag_default: bool = False, grouped: bool = False, optional: tuple[str, ...] = ()) -> None:
-    """One flag per field of ``model`` (or the fields ``names``), in argument groups by the field's group if ``grouped``.
-
-    ``flag_default``: a bool field is a plain switch (off unless given) instead of --X / --no-X; ``optional``: fields
-    that are required by the model but may be left out on this command line (checked after parsing).
-    """
-    fields = _cli_fields(model)
-    groups: dict[str, Any] = {}
-    for name in names or tuple(fields):
-        field = fields[name]
-        kwargs = _argument(name, field, flag_default, model)
-        if name in optional:
-            kwargs["required"] = False
-        target: Any = parser
-        if grouped:
-            group = (field.json_schema_extra or {}).get("group", "job")
-            if group not in groups:
-                groups[group] = parser.add_argument_group(GROUP_TITLES.get(group, group))
-            target = groups[group]
-        target.add_argument(f"--{name}", **kwargs)
-        if kwargs.get("action") is argparse.BooleanOptionalAction:  # --no_X too: the spelling of every other flag
-            target.add_argument(f"--no_{name}", dest=name, action="store_false", default=None, help=argparse.SUPPRESS)
 
 
 def prune_parser() -> argparse.ArgumentParser:
@@ -171,39 +37,23 @@ def prune_parser() -> argparse.ArgumentParser:
     return p
 
 
-def flag_table() -> str:
-    """The README's flag table, from the same fields as the parser."""
-    lines = ["| flag | default | meaning |", "|---|---|---|"]
-    for model in (JobOptions, ElsaConfig):
-        for name, field in _cli_fields(model).items():
-            text, default = _described(name, field, model)
-            choices = _choices(_unwrap(field.annotation)) or []
-            if choices and not all(c in text for c in choices):
-                text += f" Choices: {', '.join(choices)}."
-            lines.append(f"| `--{name}` | {default} | {text.replace('|', '/')} |")
-    return "\n".join(lines) + "\n"
-
-
 def settings_from_args(args: argparse.Namespace):
-    """(JobOptions, ElsaConfig, DsConfig) from parsed flags: the JSON read, a recipe merged, everything validated."""
+    """(JobOptions, ElsaConfig as given, the DeepSpeed JSON as read) from parsed flags, validated: what the plan is made
+    from (``elsa_ds/plan``)."""
     from elsa_ds.options import job_options
-    from elsa_ds.zero.ds_config import DsConfig
+    from elsa_ds.plan import read_settings
 
     opts = job_options({k: v for k in _cli_fields(JobOptions) if (v := getattr(args, k)) is not None})
-    ds_config = DsConfig.load(opts.deepspeed)
-    cfg = resolved_settings(ds_config, opts.deepspeed, opts.recipe, {k: getattr(args, k) for k in _cli_fields(ElsaConfig)})
+    cfg, ds_config = read_settings(opts, {k: getattr(args, k) for k in _cli_fields(ElsaConfig)})
     return opts, cfg, ds_config
 
 
 def resolved_settings(ds_config, deepspeed: str, recipe: str | None, given: dict[str, Any]) -> ElsaConfig:
-    """ElsaConfig from the flags ``given`` (None: not given) over the JSON's ``elsa`` block and a recipe, validated; ELSA's
-    own flags refused for another method."""
-    from elsa_ds.config import load_recipe, refuse_unread_elsa_settings, resolve_config
+    """ElsaConfig from the flags ``given`` (None: not given) over the JSON's ``elsa`` block and a recipe, validated, as the
+    plan reads them (``plan.elsa_settings``); ELSA's own flags refused for another method."""
+    from elsa_ds.plan import elsa_settings
 
-    settings = load_recipe(recipe) if recipe else None
-    cfg = resolve_config(ds_config.raw, given, source=deepspeed, recipe=settings, recipe_source=f"recipe {recipe}")
-    refuse_unread_elsa_settings(cfg, given, "--")
-    return cfg
+    return elsa_settings(ds_config, deepspeed, recipe, given)
 
 
 def main_prune(argv: list[str] | None = None) -> int:
@@ -231,17 +81,25 @@ class EstimateOptions(BaseModel):
     """GPUs (ranks) per node."""
     num_nodes: int = Field(1, gt=0)
     """Nodes."""
+    accelerator: Literal["cuda", "cpu"] = "cuda"
+    """Where the ranks compute: cuda (GPUs), or cpu (DeepSpeed's CPU accelerator: no GPU, host memory only)."""
+    machine: Literal["auto", "gpu-server", "gpu-vm-16c", "cpu-2c"] = "auto"
+    """The host whose typical rates time the step: auto (gpu-server with cuda, cpu-2c with cpu), an 8-GPU server, the
+    lent 1-GPU 16-core machine, a 2-core CPU box."""
+    measure: bool = False
+    """Time the step against rates measured on this machine (a few seconds: copies, a matmul, DeepSpeedCPUAdam)
+    instead of a typical machine's."""
 
 
 # The job settings the estimate depends on, read as elsa-prune reads them (not given: a recipe's, the JSON "elsa" block's,
 # the demo profile's, the defaults rule's or the field's default): the batch and its activations, what is pruned and
 # trained, the optimizer's and ADMM's state types, and what decides a one-shot warm start (--init_mask, or the defaults
-# rule's SparseGPT start from steps, sparsity and a user's lr) and its working set. --random_init is not among them: both
-# load paths build into partitions module by module under zero.Init.
+# rule's SparseGPT start from steps, sparsity and a user's lr) and its working set; the steps and the projection interval
+# time the run. --random_init is not among them: both load paths build into partitions module by module under zero.Init.
 ESTIMATE_SHARED: dict[type[BaseModel], tuple[str, ...]] = {
     JobOptions: ("deepspeed", "recipe", "log_level"),
     ElsaConfig: ("seqlen", "batch_size", "micro_batch", "targets", "gradient_checkpointing", "freeze_embeddings", "base_optimizer",
-                 "z_dtype", "u_dtype", "projection", "steps", "sparsity", "pattern", "sparsity_profile", "lr", "init_mask",
+                 "z_dtype", "u_dtype", "projection", "steps", "interval", "sparsity", "pattern", "sparsity_profile", "lr", "init_mask",
                  "init_weights", "nsamples", "val_windows"),
 }
 
@@ -249,7 +107,7 @@ ESTIMATE_SHARED: dict[type[BaseModel], tuple[str, ...]] = {
 def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) -> ElsaConfig:
     """The ElsaConfig of the job elsa-estimate sizes, resolved as elsa-prune resolves it: flags over the JSON's ``elsa``
     block and a recipe, then the defaults rule (which may start from a SparseGPT-pruned model: a one-shot warm start)."""
-    from elsa_ds.jobs.defaults_applied import apply_defaults
+    from elsa_ds.plan.defaults_applied import apply_defaults
     from elsa_ds.memory import model_config
     from elsa_ds.methods import ELSA
 
@@ -260,7 +118,7 @@ def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) ->
         raise ElsaError(f"elsa-estimate sizes ELSA jobs, but the recipe or the JSON's elsa block sets method {cfg.method.value}")
     cfg, defaults = apply_defaults(cfg, model_config(cfg.model))
     if defaults["applied"]:
-        log.info("[elsa_ds] from the defaults rule: " + "; ".join(f"{k} {v}" for k, v in defaults["applied"].items()))
+        log.info("from the defaults rule: " + "; ".join(f"{k} {v}" for k, v in defaults["applied"].items()))
     return cfg
 
 
@@ -279,16 +137,26 @@ def main_estimate(argv: list[str] | None = None) -> int:
     start_logging(args)
 
     def go() -> None:
-        from elsa_ds.memory import estimate_config, format_estimate
+        from elsa_ds.memory import format_estimate, job_estimate, resolved_job
+        from elsa_ds.resident import read_job
+        from elsa_ds.step_time import DEFAULT_MACHINE, TYPICAL, format_time, measure, step_time
         from elsa_ds.zero.ds_config import DsConfig
 
         opts = validated(EstimateOptions, {k: getattr(args, k) for k in _cli_fields(EstimateOptions) if getattr(args, k) is not None})
         ds_config = DsConfig.load(args.deepspeed)
-        est = estimate_config(estimated_job(args, opts, ds_config), ds_config, opts.num_gpus, opts.num_nodes)
+        cfg = estimated_job(args, opts, ds_config)
+        shape, ds = resolved_job(cfg, ds_config, opts.num_gpus * opts.num_nodes)
+        est = job_estimate(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator)
+        typical = TYPICAL[DEFAULT_MACHINE[opts.accelerator] if opts.machine == "auto" else opts.machine]
+        gemm = (ds["train_micro_batch_size_per_gpu"] * cfg.seqlen, shape.hidden, shape.hidden)
+        rates = measure(opts.accelerator, typical, 16 if ds.get("bf16", {}).get("enabled") else 32, gemm) if opts.measure else typical
+        job = read_job(shape, ds, {**ds.get("elsa", {}), **cfg.model_dump(mode="json")}, opts.num_gpus * opts.num_nodes, opts.accelerator)
+        timing = step_time(shape, ds, job, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates)
         # the table and the JSON line are the command's product: stdout, whatever the log level
         print(format_estimate(est, opts.model, args.deepspeed, opts.num_gpus, opts.num_nodes), flush=True)
+        print(format_time(timing), flush=True)
         if args.json:
-            print(est.to_json())
+            print(json.dumps({**json.loads(est.to_json()), "time": timing.to_dict()}))
 
     return guarded(go)
 

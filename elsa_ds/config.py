@@ -254,7 +254,7 @@ class ElsaConfig(BaseModel):
     @field_validator("init_mask")
     @classmethod
     def _known_init_mask(cls, v: str | None) -> str | None:
-        if v not in (None, "none", *oneshot_names()) and not (Path(v).expanduser() / "config.json").is_file():
+        if v is not None and v not in ("none", *oneshot_names()) and not (Path(v).expanduser() / "config.json").is_file():
             raise ValueError(f"must be one of {', '.join(oneshot_names())}, none or a directory holding a pruned model "
                              "(config.json, *.safetensors)")
         return None if v == "none" else v  # none: no warm start, said explicitly

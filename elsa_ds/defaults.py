@@ -1,7 +1,7 @@
 """The defaults rule: ELSA's lr, λ, λ schedule, warm-up, start and held end — and retraining's lr and warm-up — from
 model size, sparsity and step budget.
 
-Applied to every one of those settings the user leaves unset (``jobs/defaults_applied.py``); the resolved config and
+Applied to every one of those settings the user leaves unset (``plan/defaults_applied.py``); the resolved config and
 the report say which values came from here and why. Pure: numbers in, numbers out.
 
     lr_pre(N)      = 3e-3 · (N / 4e6)^-0.3                 a typical pre-training peak lr for N parameters

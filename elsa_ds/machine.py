@@ -32,7 +32,7 @@ def cpu_bf16_fallback(ds: dict) -> str | None:
     if os.environ.get("ELSA_DS_CPU_BF16", "0") == "1" or compat.cpu_bf16_matmul_is_fast():
         return None
     ds["bf16"]["enabled"] = False
-    return ("elsa_ds: this CPU has no fast bf16 matmul (oneDNN bf16 needs AVX-512 or AMX; torch would take a loop ~50x "
+    return ("this CPU has no fast bf16 matmul (oneDNN bf16 needs AVX-512 or AMX; torch would take a loop ~50x "
             "slower than fp32): forward/backward run in fp32 instead of bf16. ELSA_DS_CPU_BF16=1 keeps bf16.")
 
 
@@ -61,7 +61,7 @@ def stale_build_locks(now: float | None = None) -> list[str]:
     for lock in sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock")):
         age = now - lock.stat().st_mtime
         if age > STALE_LOCK_S and not any(lock.parent.glob("*.so")):
-            found.append(f"[elsa_ds] warning: {lock} is {age / 60:.0f} min old and {lock.parent.name} was never built "
+            found.append(f"{lock} is {age / 60:.0f} min old and {lock.parent.name} was never built "
                          f"there: a build killed half-way leaves it and every later build waits on it forever; delete "
                          f"it if no other build is running")
     return found

@@ -256,13 +256,18 @@ def job_estimate(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int
 def estimate_config(cfg, ds_config: DsConfig, num_gpus: int, num_nodes: int = 1, device: str = "cuda") -> Estimate:
     """The estimate for ``cfg`` (an ElsaConfig resolved as the job resolves it) under ``ds_config`` on num_gpus × num_nodes
     ranks, both checked as the job checks them (NVMe paths aside: they belong to the machine that runs the job)."""
+    shape, ds = resolved_job(cfg, ds_config, num_gpus * num_nodes)
+    return job_estimate(shape, ds, cfg, num_gpus, num_nodes, device)
+
+
+def resolved_job(cfg, ds_config: DsConfig, world: int) -> tuple[ModelShape, dict]:
+    """The model's shape and the engine's DeepSpeed config of ``cfg`` on ``world`` ranks, as the job resolves them."""
     from elsa_ds.models import check_seqlen, hidden_size
 
     config = model_config(cfg.model)
     check_seqlen(config, cfg.seqlen, cfg.model)
-    ds = ds_config.resolve(cfg, num_gpus * num_nodes, hidden_size(config), check_paths=False)
-    shape = model_shape(config, cfg.targets, freeze_embeddings=cfg.freeze_embeddings)
-    return job_estimate(shape, ds.raw, cfg, num_gpus, num_nodes, device)
+    ds = ds_config.resolve(cfg, world, hidden_size(config), check_paths=False)
+    return model_shape(config, cfg.targets, freeze_embeddings=cfg.freeze_embeddings), ds.raw
 
 
 def model_config(model: str):

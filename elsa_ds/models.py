@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -18,6 +18,9 @@ from elsa_ds.data import load_tokenizer
 from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.errors import ElsaError
 from elsa_ds.weight_files import check_weight_files, stored_shapes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def config_errors() -> tuple[type[BaseException], ...]:
@@ -154,7 +157,7 @@ def check_local_weights(model_id: str, config=None) -> None:
                         "weights come from different models")
 
 
-def load_causal_lm(model_id: str, dtype: torch.dtype, *, random_init: bool = False, config=None, **kwargs: Any) -> torch.nn.Module:
+def load_causal_lm(model_id: str, dtype: torch.dtype, *, random_init: bool = False, config=None, **kwargs: Any) -> PreTrainedModel:
     """``from_pretrained`` (or ``from_config`` with ``random_init``) with the attention rule; ElsaError on failure.
 
     Under a live ``HfDeepSpeedConfig`` with ZeRO-3 both build straight into partitions.
@@ -174,10 +177,18 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, *, random_init: bool = Fal
     return model
 
 
+def as_transformers(model: torch.nn.Module) -> PreTrainedModel:
+    """``model`` typed as the transformers model it is: every model elsa_ds loads or is given is one, though the engine
+    and the jobs carry it as an nn.Module (whose attributes torch types as tensors or modules)."""
+    return cast("PreTrainedModel", model)
+
+
 def embedding_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The input embedding's and the output head's weights (one tensor when tied)."""
-    modules = (model.get_input_embeddings(), model.get_output_embeddings())
-    return list({id(m.weight): m.weight for m in modules if m is not None}.values())
+    hf = as_transformers(model)
+    modules = (hf.get_input_embeddings(), hf.get_output_embeddings())
+    weights = [m.get_parameter("weight") for m in modules if m is not None]  # m.weight, typed as the Parameter it is
+    return list({id(w): w for w in weights}.values())
 
 
 def freeze_embeddings(model: torch.nn.Module) -> None:
@@ -186,14 +197,15 @@ def freeze_embeddings(model: torch.nn.Module) -> None:
         weight.requires_grad_(False)
 
 
-def meta_model(config) -> torch.nn.Module:
+def meta_model(config) -> PreTrainedModel:
     """An instance of the architecture on the meta device: exact shapes and names, no memory."""
     from transformers import AutoModelForCausalLM
 
+    errors: tuple[type[BaseException], ...] = (*config_errors(), RuntimeError)
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
-    except (*config_errors(), RuntimeError) as err:  # e.g. a negative size: torch's RuntimeError
+    except errors as err:  # e.g. a negative size: torch's RuntimeError
         name = getattr(config, "name_or_path", "") or getattr(config, "model_type", "?")
         raise ElsaError(f"model {name}: its config.json describes no model transformers can build ({reason(err)})") from None
 
@@ -207,7 +219,7 @@ class ModelSource:
     """
 
     name: str
-    module: torch.nn.Module | None = None
+    module: PreTrainedModel | None = None
     tokenizer: Any = None
 
     def config(self):
@@ -224,11 +236,14 @@ class ModelSource:
     def load_tokenizer(self):
         return self.tokenizer if self.tokenizer is not None else load_tokenizer(self.name)
 
-    def load(self, dtype: torch.dtype, random_init: bool = False) -> torch.nn.Module:
+    def load(self, dtype: torch.dtype, random_init: bool = False) -> PreTrainedModel:
         """The model in ``dtype``: the in-memory one, or loaded (``random_init``: built from the config)."""
         if self.module is None:
             return load_causal_lm(self.name, dtype, random_init=random_init)
         if random_init:
             raise ElsaError("random_init builds a model from its config; it cannot be combined with a model given in memory")
         self.module.config.use_cache = False
-        return self.module.to(dtype)
+        # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stubs drop the binding of self: called
+        # as nn.Module's to (PreTrainedModel's own still runs), which converts the module in place and returns it
+        cast(torch.nn.Module, self.module).to(dtype)
+        return self.module

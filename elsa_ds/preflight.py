@@ -19,7 +19,9 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from elsa_ds.config import ElsaConfig
 from elsa_ds.config_checks import schedule_oddities, schedule_refusals
 from elsa_ds.disk_room import existing_ancestor
 from elsa_ds.errors import ElsaError
@@ -165,6 +167,20 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
     if any(n.refused for n in needs if n.what in ("host memory", "GPU memory")):
         hint = _alternatives(job, machine)
     judge(needs, hint, opts.ignore_memory_check, rank)
+    if rank == 0:
+        log.info(_expected_time(shape, job))
+
+
+def _expected_time(shape: ModelShape, job: _Run) -> str:
+    """What the run will take at the typical rates of a host like this one (its core count picks the profile)."""
+    from elsa_ds.resident import read_job
+    from elsa_ds.step_time import TYPICAL, step_time
+
+    name = "cpu-2c" if job.device == "cpu" else "gpu-server" if (os.cpu_count() or 1) >= 64 else "gpu-vm-16c"
+    run = read_job(shape, job.ds, {**job.ds.get("elsa", {}), **job.cfg.model_dump(mode="json")}, job.world, job.device)
+    t = step_time(shape, job.ds, run, job.cfg, job.local, job.nodes, job.device, TYPICAL[name])
+    return (f"expected: {t.step_s:.3g} s a step, {t.run_s / 3600:.3g} h for the run ({t.steps} steps) at the typical rates "
+            f"of a {name} host (elsa-estimate --measure times this one)")
 
 
 def ds_bytes_export(shape: ModelShape, ds: dict) -> float:
@@ -198,9 +214,9 @@ def _parts(e: Estimate, key: str) -> str:
 class _Run:
     """An ELSA job as the check sees it, to estimate it and the changes that would make it fit."""
 
-    meta: object          # the model on the meta device
+    meta: Any             # the model on the meta device (a transformers PreTrainedModel)
     ds: dict              # the engine's DeepSpeed config
-    cfg: object           # ElsaConfig after the defaults rule
+    cfg: ElsaConfig       # after the defaults rule
     config_name: str      # --deepspeed's stem
     device: str           # cuda, or cpu (DeepSpeed's CPU accelerator)
     local: int            # ranks per node
@@ -295,7 +311,7 @@ def check_oneshot(shape: ModelShape, cfg, opts) -> None:
     check_schedule(cfg, int(os.environ.get("RANK", "0")))
     cuda = torch.cuda.is_available()
     out = Path(opts.output_dir).expanduser().resolve()
-    writes = {out: (2 if cuda else 4) * shape.num_params}
+    writes: dict[Path, float] = {out: float((2 if cuda else 4) * shape.num_params)}
     machine = this_machine(list(writes))
     needs = [Need("host memory", oneshot_host_bytes(shape, cfg.method.value, cfg, cuda), machine.host), *disk_needs(writes, machine)]
     hint = "prune with ELSA under ZeRO-3 (--method elsa) and an offloading config, or on a machine with more memory"

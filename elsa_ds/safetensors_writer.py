@@ -20,6 +20,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -109,7 +110,7 @@ class ShardedWriter:
         self.metadata = metadata or {"format": "pt"}
         self._queue = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
         self._next = 0
-        self._file = None
+        self._file: BinaryIO | None = None  # the shard being written (``_open_index``)
         self._open_index = -1
         self.largest_tensor_bytes = 0
         self.total_bytes = sum(len(header_bytes(shard, self.metadata)) + sum(s.nbytes for s in shard) for shard in self.shards)
@@ -150,27 +151,27 @@ class ShardedWriter:
         shard = self._queue[self._next][0]
         data = tensor.detach().reshape(-1).contiguous().cpu()
         with self._room(shard):
-            if shard != self._open_index:
-                self._open(shard)
+            file = self._open(shard) if shard != self._open_index else self._file
+            assert file is not None, "the shard of a written tensor is open (_open_index is -1 until one is)"
             if data.numel():
-                self._file.write(data.view(torch.uint8).numpy().data)
+                file.write(data.view(torch.uint8).numpy().data)
         self.largest_tensor_bytes = max(self.largest_tensor_bytes, spec.nbytes)
         self._next += 1
 
-    def _open(self, shard: int) -> None:
+    def _open(self, shard: int) -> BinaryIO:
         if self._file is not None:
             self._file.close()
-        self._file = (self.out_dir / self.names[shard]).open("wb")
-        self._file.write(header_bytes(self.shards[shard], self.metadata))
+        self._file = file = (self.out_dir / self.names[shard]).open("wb")
+        file.write(header_bytes(self.shards[shard], self.metadata))
         self._open_index = shard
+        return file
 
     def _finish(self) -> None:
         if self._next != len(self._queue):
-            raise ElsaError(f"export stopped after {self._next} of {len(self._queue)} tensors; next was {self.pending.name}")
+            raise ElsaError(f"export stopped after {self._next} of {len(self._queue)} tensors; next was {self._queue[self._next][1].name}")
         for shard in range(len(self.shards)):
             if shard > self._open_index:  # shards left empty (a model without tensors) still get a valid file
-                self._open(shard)
-                self._file.close()
+                self._open(shard).close()
                 self._file = None
         if len(self.shards) > 1:
             weight_map = {spec.name: self.names[i] for i, shard in enumerate(self.shards) for spec in shard}

@@ -38,7 +38,8 @@ def decoder_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The ModuleList of the text decoder's layers: ``get_decoder().layers`` (``model.layers``, OPT's
     ``model.decoder.layers``, a multimodal model's ``model.language_model.layers``, never its vision tower's), else
     the first ModuleList whose entries hold parameters of more than one tensor."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    get_decoder = getattr(model, "get_decoder", None)  # a transformers PreTrainedModel's
+    decoder = get_decoder() if get_decoder is not None else None
     layers = getattr(decoder, "layers", None)
     if isinstance(layers, torch.nn.ModuleList) and len(layers):
         return layers

@@ -71,6 +71,7 @@ class Watchdog:
         cmd = [sys.executable, "-E", "-m", "elsa_ds.watchdog", "--pid", str(os.getpid()), "--launcher", str(launcher),
                "--ranks", local, "--steps", str(steps or 0), "--lock", str(lock), *(a for p in clean for a in ("--clean", str(p)))]
         read, write, proc = *os.pipe(), None
+        code: int | str  # the first process's exit code, or why it did not run
         try:  # -E: none of the job's PYTHON* variables (a sitecustomize that imports torch); elsa_ds found from cwd
             proc = subprocess.Popen(cmd, stdin=read, stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent,
                                     start_new_session=True)
@@ -331,6 +332,7 @@ def say(w: Watch, cleaned: str) -> None:
         with contextlib.suppress(psutil.Error):
             psutil.Process(w.args.launcher).wait(timeout=LAUNCHER_WAIT_S)
     r = w.killed
+    assert r is not None, "said only once a rank is known killed (run() sets w.killed first)"
     ident = f"rank {r.rank} pid {r.pid}"
     signum = (r.status or 0) & 0x7F
     if r.status is None:
@@ -340,21 +342,21 @@ def say(w: Watch, cleaned: str) -> None:
     else:
         what = f"ended abruptly ({ident} exited with code {r.status >> 8} without running its exit path)"
     step, steps = w.phase.get("step"), w.args.steps
-    phase = (f"training step {step + 1}" + (f" of {steps}" if steps else "") if isinstance(step, int)
-             else PHASES.get(w.phase.get("phase"), str(w.phase.get("phase"))))
+    name = str(w.phase.get("phase"))  # as sent (a str from rank 0's mark())
+    phase = f"training step {step + 1}" + (f" of {steps}" if steps else "") if isinstance(step, int) else PHASES.get(name, name)
     total, limit = psutil.virtual_memory().total, cgroup_limit()
     limited = f"; the limit of its cgroup {limit / GIB:.1f} GiB" if limit is not None and limit < total else ""
     memory = (f"host memory peaked at {w.peak_used / GIB:.1f} of {total / GIB:.1f} GiB "
               f"(the job's processes {w.peak_job / GIB:.1f} GiB{limited})")
     with contextlib.suppress(OSError):  # a closed terminal or pipe: the cleanup is done anyway
-        print(f"\nelsa_ds: error: the job {what} during {phase}; {memory}; {cause(w, total, limit)}; {cleaned}",
+        print(f"\nelsa_ds: error: the job {what} during {phase}; {memory}; {cause(w, r, total, limit)}; {cleaned}",
               file=sys.stderr, flush=True)
 
 
-def cause(w: Watch, total: int, limit: int | None) -> str:
-    """Whether the kernel's out-of-memory killer did it: its counter when readable, else how full the memory was."""
-    signum = (w.killed.status or 0) & 0x7F
-    if w.killed.status is not None and signum != signal.SIGKILL:
+def cause(w: Watch, killed: Rank, total: int, limit: int | None) -> str:
+    """Whether the kernel's out-of-memory killer ended ``killed``: its counter when readable, else how full the memory was."""
+    signum = (killed.status or 0) & 0x7F
+    if killed.status is not None and signum != signal.SIGKILL:
         return ("not the out-of-memory killer (it sends SIGKILL)" if signum else
                 "something in it called exit without unwinding (os._exit, a native library)")
     oom_now = oom_kills()

@@ -8,14 +8,17 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 from elsa_ds.errors import ElsaError
 
 _HEADER_LIMIT = 100 * 2**20  # safetensors headers are small; a larger "length" means a corrupt file
 
 
-def read_header(file: Path) -> tuple[int, object]:
-    """(header length, the header parsed) of a safetensors file; ValueError saying what is wrong when it has none."""
+def read_header(file: Path) -> tuple[int, Any]:
+    """(header length, the header parsed) of a safetensors file; ValueError saying what is wrong when it has none.
+
+    The header is whatever JSON the file holds (normally a dict of tensor entries): callers check its shape."""
     size = file.stat().st_size
     with file.open("rb") as fh:
         head = fh.read(8)

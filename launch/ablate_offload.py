@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from elsa_ds.cli import add_flags, guarded, positive_int, start_logging  # noqa: E402
-from elsa_ds.errors import OneLineParser  # noqa: E402
+from elsa_ds.errors import OneLineParser, guarded  # noqa: E402
+from elsa_ds.flags import add_flags, positive_int, start_logging  # noqa: E402
 from elsa_ds.options import JobOptions  # noqa: E402
 from elsa_ds.log import get_logger  # noqa: E402
 

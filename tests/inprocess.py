@@ -28,8 +28,8 @@ def stop_at_the_job(monkeypatch):
     import elsa_ds.jobs.elsa as elsa_job
     import elsa_ds.jobs.finetune as finetune_job
 
-    monkeypatch.setattr(elsa_job, "start_process_group", _reached)
-    monkeypatch.setattr(finetune_job, "start_process_group", _reached)
+    monkeypatch.setattr(elsa_job, "open_training", _reached)
+    monkeypatch.setattr(finetune_job, "open_training", _reached)
 
 
 def run_main(main, argv: list[str]) -> tuple[int, str, str]:

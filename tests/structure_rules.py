@@ -18,7 +18,7 @@ LAYERS: dict[str, int] = {
     "admm": 0, "errors": 0, "version": 0, "methods": 0, "log": 0,
     # 1: settings, data and plain file formats
     "config": 1, "options": 1, "config_files": 1, "defaults": 1, "data": 1, "targets": 1, "mask_file": 1, "io": 1,
-    "ownership": 1, "watchdog": 1,
+    "ownership": 1, "watchdog": 1, "flags": 1,
     "weight_files": 1, "config_checks": 1,
     "safetensors_writer": 1, "disk_room": 1,
     # 2: components: the DeepSpeed adapter, one-shot methods, evaluation, model loading, outputs, the checkpoint format.
@@ -26,8 +26,8 @@ LAYERS: dict[str, int] = {
     # validation perplexity is the evaluator's protocol by construction: a one-way edge inside the layer.
     "zero": 2, "oneshot": 2, "evaluation": 2, "models": 2, "output": 2, "monitor": 2, "reference": 2,
     "shapes": 2, "finetune": 2, "sparse": 2,
-    # 3: what a machine can hold and run, decided before a job starts
-    "memory": 3, "resident": 3, "preflight": 3, "ablation": 3, "machine": 3,
+    # 3: what a machine can hold and run, decided before a job starts; the plan (settings, defaults rule, checks) it feeds
+    "memory": 3, "resident": 3, "step_time": 3, "preflight": 3, "ablation": 3, "machine": 3, "plan": 3,
     # 4: the jobs (recipes)
     "jobs": 4,
     # 5: the surfaces a user calls

@@ -105,3 +105,25 @@ def test_estimate_resolves_unset_settings_as_the_job_does(capsys):
                           "--gradient_checkpointing"]) == 0
     long = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert demo["breakdown"]["activations"]["per_gpu"] < long["breakdown"]["activations"]["per_gpu"]
+
+
+def test_compress_flags_are_its_settings_fields_with_the_other_entry_points_log_level():
+    """elsa-compress is generated like the others: its arguments are CompressSettings' fields, --log_level is JobOptions'
+    (the same levels and help as elsa-prune's), and its existing spellings still parse."""
+    from elsa_ds.sparse.cli import CompressSettings, parser
+
+    flags = _flags(parser())
+    fields = _cli_fields(CompressSettings)
+    positional = [a.dest for a in parser()._actions if not a.option_strings]
+    assert positional == [name for name, f in fields.items() if (f.json_schema_extra or {}).get("positional")] == ["input", "output"]
+    assert set(flags) - CLI_ONLY == {f"--{name}" for name in fields if name not in positional} | {"--log_level"}
+    prune = _flags(prune_parser())["--log_level"]
+    assert (flags["--log_level"].help, flags["--log_level"].choices) == (prune.help, prune.choices)
+    assert flags["--log_level"].choices == ["debug", "info", "warning", "error"]
+    for name in ("min_sparsity", "max_shard_size", "overwrite", "verify"):
+        assert flags[f"--{name}"].help.startswith(_docstring(CompressSettings, name).removesuffix(".")), name
+    args = parser().parse_args(["in", "out", "--min_sparsity", "0.4", "--max_shard_size", "2GB", "--overwrite", "--log_level", "warning"])
+    assert (args.input, args.output, args.min_sparsity, args.max_shard_size, args.overwrite, args.verify) == (
+        Path("in"), Path("out"), 0.4, "2GB", True, False)
+    check = parser().parse_args(["--verify", "ckpt"])
+    assert check.verify and check.output is None and check.log_level is None  # not given: JobOptions' default (info)

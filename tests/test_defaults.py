@@ -9,7 +9,7 @@ import pytest
 from elsa_ds.admm.schedule import LambdaSchedule
 from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
 from elsa_ds.defaults import ANCHORS, REF_STEPS, elsa_settings, pretraining_lr, retrain_settings
-from elsa_ds.jobs.defaults_applied import apply_defaults
+from elsa_ds.plan.defaults_applied import apply_defaults
 from elsa_ds.models import load_config
 from elsa_ds.zero.checkpoint import resume_changes
 

@@ -57,14 +57,14 @@ def test_nvme_offload_without_libaio_is_named_before_any_work(monkeypatch):
 
 
 def test_an_nvme_job_on_a_machine_without_libaio_stops_in_the_checks(tmp_path, tiny_model_dir, monkeypatch):
-    """The job's own checks (jobs/checks.before_work) refuse it before a weight is loaded or a file written."""
+    """The plan's checks (plan/checks.before_work) refuse it before a weight is loaded or a file written."""
     import pytest
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     from elsa_ds.config import resolve_config
     from elsa_ds.options import JobOptions
     from elsa_ds.errors import ElsaError
-    from elsa_ds.jobs import checks
+    from elsa_ds.plan import checks
     from elsa_ds.models import ModelSource
     from elsa_ds.zero.ds_config import DsConfig
 

@@ -173,7 +173,7 @@ def test_estimate_takes_the_jobs_memory_settings_and_resolves_them_as_the_job_do
     """elsa-estimate's figure is the pre-flight check's for the same flags: the prune parser's settings, the defaults rule
     (at 100 steps and 70 % it starts from SparseGPT's pruned model: a one-shot warm start on rank 0), the engine config."""
     from elsa_ds.cli import main_estimate, prune_parser, settings_from_args
-    from elsa_ds.jobs.defaults_applied import apply_defaults
+    from elsa_ds.plan.defaults_applied import apply_defaults
     from elsa_ds.memory import job_estimate
 
     model = "google/gemma-2-2b"

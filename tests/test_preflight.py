@@ -117,7 +117,9 @@ def test_a_run_that_fits_passes_and_one_inside_the_margin_warns(tmp_path, monkey
     need = _estimate("ds_configs/zero3_offload.json")
     _host(monkeypatch, 2 * need)
     preflight.check_elsa(meta, ds, cfg, opts, world=1)
-    assert capsys.readouterr().err == ""
+    said = capsys.readouterr()
+    assert said.err == ""
+    assert f"h for the run ({cfg.steps} steps) at the typical rates of a " in said.out  # what the run will take
     _host(monkeypatch, 0.95 * need)  # fits only if the estimate is high: start, with a warning
     preflight.check_elsa(meta, ds, cfg, opts, world=1)
     assert "may not fit" in capsys.readouterr().err

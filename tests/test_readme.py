@@ -1,5 +1,7 @@
-"""The README stays a manual: at most 450 lines, a tests table that names every test file and folder (and nothing
-that is gone), and every repository path it or docs/results.md mentions present in the checkout."""
+"""The README stays a manual: at most 450 lines, prose lines of at most 120 characters (tables and fenced code may be
+wider), a tests table that names every test file and folder (and nothing that is gone), and every repository path it
+or docs/ mentions present in the checkout. Reference material goes to docs/ (design.md, results.md), not into wider
+lines."""
 from __future__ import annotations
 
 import itertools
@@ -10,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_README_LINES = 450
+MAX_PROSE_CHARS = 120
 # A token is taken for a repository path when it starts with one of these folders (out/, /tmp, ~/.cache are not).
 REPO_FOLDERS = ("elsa_ds", "bench", "tests", "docs", "recipes", "ds_configs", "launch")
 _SPAN = re.compile(r"`([^`]+)`")
@@ -81,16 +84,32 @@ def path_problems(text: str, doc_dir: Path, root: Path) -> list[str]:
     return sorted(set(problems))
 
 
+def long_prose_lines(text: str) -> list[str]:
+    """Lines over MAX_PROSE_CHARS outside tables (lines starting with '|') and fenced code blocks."""
+    problems, fenced = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced and not line.startswith("|") and len(line) > MAX_PROSE_CHARS:
+            problems.append(f"line {number}: {len(line)} characters (at most {MAX_PROSE_CHARS} outside tables and code)")
+    return problems
+
+
 def test_readme_is_manual_sized():
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines <= MAX_README_LINES, f"README.md has {lines} lines (at most {MAX_README_LINES}): measurements go to docs/results.md"
+
+
+def test_readme_prose_lines_are_at_most_120_characters():
+    assert long_prose_lines((ROOT / "README.md").read_text()) == []
 
 
 def test_readme_tests_table_is_current():
     assert table_problems((ROOT / "README.md").read_text(), ROOT) == []
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/results.md", "docs/design.md"])
 def test_repository_paths_named_in_the_docs_exist(doc):
     path = ROOT / doc
     assert path_problems(path.read_text(), path.parent, ROOT) == []
@@ -117,3 +136,6 @@ def test_the_checks_catch_planted_violations(tmp_path):
     assert path_problems(text, root, root) == ["bench/missing.py does not exist", "bench/y.py does not exist",
                                                "launch/nothing.py does not exist", "link target docs/gone.md does not exist"]
     assert len((good + "line\n" * MAX_README_LINES).splitlines()) > MAX_README_LINES
+    wide = "x" * (MAX_PROSE_CHARS + 1)
+    assert long_prose_lines(f"ok\n| {wide} |\n```\n{wide}\n```\n{wide}\n") == [
+        f"line 6: {MAX_PROSE_CHARS + 1} characters (at most {MAX_PROSE_CHARS} outside tables and code)"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from types import ModuleType
+from typing import Literal
 
 import torch
 
@@ -91,7 +92,7 @@ class Adam8bit(torch.optim.Optimizer):
         self.format = format
         self.min_8bit_size = min_8bit_size
         self._use_kernels = kernels
-        self._kernels = None
+        self._kernels: ModuleType | Literal[False] | None = None  # None: not loaded yet; False: unavailable
         self._maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _init_state(self, p: torch.Tensor, st: dict) -> None:
@@ -147,15 +148,17 @@ class Adam8bit(torch.optim.Optimizer):
         return loss
 
     def _step_one(self, p: torch.Tensor, st: dict, group: dict) -> None:
+        grad = p.grad
+        assert grad is not None, "step() skips parameters without a gradient"
         hyper = dict(lr=group["lr"], betas=tuple(group["betas"][:2]), eps=group["eps"], weight_decay=group["weight_decay"])
         if st["state1"].dtype == torch.float32:
             st["step"] += 1
-            adam32_reference(p.data, p.grad, st, **hyper)
+            adam32_reference(p.data, grad, st, **hyper)
             return
         kernels = self._compiled()
-        flat_cpu = p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() and p.grad.is_contiguous()
-        if kernels is not None and flat_cpu and p.grad.dtype == torch.float32:
+        flat_cpu = p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() and grad.is_contiguous()
+        if kernels is not None and flat_cpu and grad.dtype == torch.float32:
             xstep.adam8bit_step(kernels, p, st, group, SliceTable.empty(), PenaltyState.none(), 0.0)
             return
         st["step"] += 1
-        adam8bit_reference(p.data, p.grad, st, **hyper)
+        adam8bit_reference(p.data, grad, st, **hyper)

@@ -226,12 +226,14 @@ class AdmmOptimizer(OptimizerWrapper):
 
     def _add_penalty(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
         """∇ ← ∇ + λ (x − z + u) on the pruned entries."""
+        grad = flat.grad
+        assert grad is not None, "the penalty is added only to a flat with a gradient"
         for j, sl in enumerate(slices):
             if sl.length == 0:
                 continue
             z = admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length)
             u = admm_state.load(st[U], st[U_SCALE], j, sl.offset, sl.length)
-            sl.view(flat.grad).add_(sl.view(flat.detach()).float() - z + u, alpha=self.lam)
+            sl.view(grad).add_(sl.view(flat.detach()).float() - z + u, alpha=self.lam)
 
     # ---- the projection: z₀ = Π(x), z ← Π(x + u), x ← Π(x) --------------------------------------
     def _init_state(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:

@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 from elsa_ds.data.splits import files_by_split, holdout, holdout_indices
 from elsa_ds.errors import ElsaError
@@ -153,7 +154,7 @@ def _hub(source: str, split: str, holdout_part: bool) -> Documents:
                                                    f"training documents held out, {'these' if split == 'validation' else 'not these'}")
 
 
-class _TextColumn(Sequence):
+class _TextColumn(Sequence[str]):
     """The ``text`` column of a ``datasets.Dataset``, read row by row from its memory map (never copied whole)."""
 
     def __init__(self, ds):
@@ -162,8 +163,13 @@ class _TextColumn(Sequence):
     def __len__(self) -> int:
         return len(self.ds)
 
-    def __getitem__(self, i: int) -> str:
-        return self.ds[i]["text"]
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        return self.ds[i]["text"]  # a slice of a Dataset is a dict of columns: its texts, a list
 
     def __iter__(self) -> Iterator[str]:
         for batch in self.ds.iter(batch_size=1024):

@@ -76,7 +76,8 @@ def demo_config(vocab_size: int) -> Gemma2Config:
         eos_token_id=1,
         bos_token_id=2,
         tie_word_embeddings=True,
-        attn_implementation="eager",
+        # accepted at runtime (PreTrainedConfig.__init__ takes it from **kwargs), but not in the typed signature
+        attn_implementation="eager",  # type: ignore[call-arg]
     )
 
 

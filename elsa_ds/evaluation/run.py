@@ -17,7 +17,7 @@ import time
 from copy import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -34,9 +34,18 @@ from elsa_ds.io import versions, write_atomic
 from elsa_ds.log import get_logger
 from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, load_causal_lm, load_config
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 NAMED_SOURCES = ("wikitext2", "c4")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 log = get_logger(__name__)
+
+
+def _job_field(name: str) -> Any:
+    """A copy of the job's field ``name`` (ElsaConfig's: default, bounds, help text), for a field that means the same:
+    one meaning, one help text. Typed as pydantic types ``Field()``, which it stands for."""
+    return copy(ElsaConfig.model_fields[name])
 
 
 class EvalSettings(BaseModel):
@@ -56,7 +65,7 @@ class EvalSettings(BaseModel):
     """Directory of local lm-eval task YAMLs."""
     seqlen: int = Field(2048, ge=2)
     """Tokens per perplexity window."""
-    ppl_protocol: PplProtocol = copy(ElsaConfig.model_fields["ppl_protocol"])  # the job's field: one meaning, one help text
+    ppl_protocol: PplProtocol = _job_field("ppl_protocol")
     batch_size: int = Field(1, ge=1)
     """Windows / lm-eval requests per forward."""
     limit: int | None = Field(None, ge=1)
@@ -105,7 +114,7 @@ def check_settings(s: EvalSettings) -> None:
         raise ElsaError(f"--output {s.output} exists; pass --overwrite to replace it, or choose another file")
 
 
-def load_model(s: EvalSettings, config, offload_folder: str | None) -> torch.nn.Module:
+def load_model(s: EvalSettings, config, offload_folder: str | None) -> PreTrainedModel:
     """from_pretrained in the chosen dtype, on the GPU (or spread with device_map="auto") when there is one."""
     kwargs: dict[str, Any] = {}
     if torch.cuda.is_available():
@@ -261,7 +270,10 @@ def model_sparsity(model_id: str) -> dict[str, Any]:
     from transformers.utils import cached_file
 
     try:
-        return sparsity_report(Path(cached_file(model_id, "config.json")).parent)
+        config_file = cached_file(model_id, "config.json")
+        if config_file is None:  # only with cached_file's raising turned off; it raises OSError otherwise
+            raise OSError(f"{model_id}: no config.json")
+        return sparsity_report(Path(config_file).parent)
     except (ElsaError, OSError) as err:  # e.g. a .bin-only checkpoint: report why instead of failing the job
         log.warning(f"no sparsity report: {err}")
         return {"error": str(err)}

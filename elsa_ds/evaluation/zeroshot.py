@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from elsa_ds.config import comma_list
 from elsa_ds.errors import ElsaError, require
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PAPER_TASKS: tuple[str, ...] = ("boolq", "rte", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 METRICS: tuple[str, ...] = ("acc", "acc_norm")
@@ -55,7 +56,7 @@ def task_manager(tasks: list[str], include_path: str | None):
     return manager
 
 
-def bos_setting(model: torch.nn.Module) -> bool | None:
+def bos_setting(model: PreTrainedModel) -> bool | None:
     """add_bos_token for HFLM: True for Gemma (0.4.9+ no longer sets it), else the tokenizer's default."""
     return True if model.config.model_type.startswith("gemma") else None
 
@@ -66,7 +67,7 @@ def tokenizer_adds_bos(tokenizer) -> bool:
     return tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
-def zeroshot(model: torch.nn.Module, tokenizer, tasks: list[str], manager, batch_size: int, limit: int | None) -> dict[str, Any]:
+def zeroshot(model: PreTrainedModel, tokenizer, tasks: list[str], manager, batch_size: int, limit: int | None) -> dict[str, Any]:
     """Run ``tasks`` 0-shot on ``model``; per task acc/acc_norm with stderr and sample counts, and the mean acc."""
     lm_eval = require("lm_eval", "eval", "zero-shot evaluation (--tasks, --eval_tasks)")
     from lm_eval.models.huggingface import HFLM

@@ -23,7 +23,9 @@ def add_adapters(model: torch.nn.Module, weight_names: list[str], rank: int, alp
     from peft import LoraConfig, get_peft_model
 
     modules = sorted(name.removesuffix(".weight") for name in weight_names)
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=modules)
+    # peft annotates lora_alpha int, but only ever divides it (lora_alpha / r): a float alpha scales as asked
+    config = LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]
+                        lora_dropout=0.0, bias="none", target_modules=modules)
     return get_peft_model(model, config)
 
 

@@ -1,28 +1,28 @@
 """The pruning jobs, each a lifecycle (``interface.py``): ELSA under ZeRO-3, a one-shot baseline, or the retraining of
 one (``--finetune``, also the dense control).
 
-``make_job`` is the one place a ``--method`` becomes a job.
+``make_job`` is the one place a ``--method`` becomes a job; every job is built from the finished plan (``elsa_ds/plan``).
 """
 from __future__ import annotations
 
-from elsa_ds.config import ElsaConfig
-from elsa_ds.options import JobOptions
+from typing import Any
+
 from elsa_ds.jobs.interface import Job, run_job
-from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.plan import Plan
 
 __all__ = ["Job", "make_job", "run_job"]
 
 
-def make_job(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> Job:
-    """The job ``cfg.method`` names."""
-    if cfg.finetune is not None:
+def make_job(plan: Plan) -> Job[Any]:
+    """The job ``plan.cfg.method`` names."""
+    if plan.cfg.finetune is not None:
         from elsa_ds.jobs.finetune import FinetuneJob
 
-        return FinetuneJob(cfg, opts, ds_config)
-    if cfg.oneshot is not None:
+        return FinetuneJob(plan)
+    if plan.cfg.oneshot is not None:
         from elsa_ds.jobs.oneshot import OneShotJob
 
-        return OneShotJob(cfg, opts, ds_config)
+        return OneShotJob(plan)
     from elsa_ds.jobs.elsa import ElsaJob
 
-    return ElsaJob(cfg, opts, ds_config)
+    return ElsaJob(plan)

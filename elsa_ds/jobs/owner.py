@@ -21,6 +21,7 @@ from elsa_ds.methods import oneshot_names
 from elsa_ds.options import JobOptions
 from elsa_ds.output import check_output_dir, staging_dir
 from elsa_ds.ownership import check_apart, lock_path, owned
+from elsa_ds.plan import log_plan, make_plan
 from elsa_ds.watchdog import Watchdog
 from elsa_ds.zero.ds_config import DsConfig
 
@@ -42,18 +43,22 @@ def job_inputs(cfg: ElsaConfig, opts: JobOptions) -> dict[str, str | Path | None
 
 
 def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[str, Any] | None:
-    """Run the job ``cfg`` names, owning ``opts.output_dir``; rank 0 (the rank that writes) takes the lock and starts the
-    watchdog, the other ranks of a launcher rely on them. The watchdog hears of the job's end once the lock is released."""
+    """Run the job ``cfg`` (the settings as given) names, owning ``opts.output_dir``: its plan made under the lock (the
+    defaults rule, every check that needs no weights), logged once, then the job built from it. Rank 0 (the rank that
+    writes) takes the lock and starts the watchdog, the other ranks of a launcher rely on them. The watchdog hears of the
+    job's end once the lock is released."""
     check_apart(opts.output_dir, "--output_dir", job_inputs(cfg, opts))
-    check_output_dir(opts.output_dir, opts.overwrite, opts.resume)  # again under the lock, by the job's own checks
+    check_output_dir(opts.output_dir, opts.overwrite, opts.resume)  # again under the lock, by the plan's checks
     writer = os.environ.get("RANK", "0") == "0"
     dog = Watchdog()
     try:
         with owned(opts.output_dir, "--output_dir", take=writer):
             try:
-                job = make_job(cfg, opts, ds_config)
-                if writer:  # the loop's step count: job.cfg (a fine-tuning job's own count)
-                    dog.start(lock_path(opts.output_dir), unpublished_paths(Path(opts.output_dir)), getattr(job, "cfg", cfg).steps)
+                plan = make_plan(cfg, opts, ds_config)
+                log_plan(plan)
+                job = make_job(plan)
+                if writer:  # the loop's step count: the plan's (a fine-tuning job's own count)
+                    dog.start(lock_path(opts.output_dir), unpublished_paths(Path(opts.output_dir)), plan.cfg.steps)
                     if isinstance(phases := getattr(job, "phases", None), PhaseLog):
                         phases.forward = dog.mark  # the training step a killed job had reached
                 return run_job(job, dog.mark)

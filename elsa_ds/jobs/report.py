@@ -15,6 +15,7 @@ import torch
 
 from elsa_ds.config import ElsaConfig
 from elsa_ds.io import versions, write_json
+from elsa_ds.log import get_logger
 from elsa_ds.options import JobOptions
 from elsa_ds.output import REPORT_NAME, layers_summary, publish, verified_layers
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY
@@ -22,6 +23,7 @@ from elsa_ds.sparse.export import compress_in_place
 from elsa_ds.targets import LayerGoal
 from elsa_ds.zero.ds_config import DsConfig
 
+log = get_logger(__name__)
 write = write_json
 
 
@@ -52,6 +54,7 @@ class ReportRecord:
     calibration: dict[str, Any] | None = None  # the one-shot method's calibration data
     device: str | None = None                 # where the one-shot job ran
     prune_s: float | None = None              # the one-shot pass, seconds
+    deepspeed_resolved: dict[str, Any] | None = None  # the plan's DeepSpeed config as the engine got it (None: no engine)
 
 
 def offload(ds: DsConfig) -> dict[str, str]:
@@ -101,15 +104,18 @@ def elsa_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
 def finetune_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
     """The retraining job's report: the one-shot (or dense) model before, the retrained one after, in the same layout."""
     cfg = rec.cfg
+    if cfg.finetune is None:
+        raise ValueError("finetune_report is the retraining job's report: its config names --finetune full or lora")
+    finetune = cfg.finetune
     layers = verified_layers(staging, rec.expected_zeros, rec.goals, cfg.targets) if rec.expected_zeros else {}
     steady = rec.step_times[1:] or rec.step_times
     tail = rec.losses[-min(len(rec.losses), 32):]
-    lora = cfg.finetune.value == "lora"
+    lora = finetune.value == "lora"
     measured_on = "the engine's weights" + (": LoRA adapters not yet merged, the mask not yet re-applied "
                                             "(evaluate the export for the merged model)" if lora else "")
     return {
         **_common(rec),
-        "finetune": cfg.finetune.value, "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha} if lora else None,
+        "finetune": finetune.value, "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha} if lora else None,
         "steps": cfg.steps, "tokens": cfg.steps * rec.global_batch * cfg.seqlen, "calibration": rec.calibration,
         "final_loss": rec.losses[-1], "final_loss_mean_last_32": sum(tail) / len(tail),
         "step_time_s": sum(steady) / len(steady),
@@ -143,16 +149,16 @@ def oneshot_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
     }
 
 
-def publish_report(result: dict[str, Any], staging: Path, opts: JobOptions, keep_checkpoints: bool, say) -> None:
+def publish_report(result: dict[str, Any], staging: Path, opts: JobOptions, keep_checkpoints: bool) -> None:
     """Write the report into the staged output (first re-encoded as elsa-sparse with --export_format sparse), publish
     the output in place of --output_dir, print the summary."""
     if opts.export_format == "sparse":
         result["export"] = sparse_export(staging, result["layers"])
-        say(f"[elsa_ds] elsa-sparse checkpoint: the pruned layers take {result['export']['pruned_ratio']:.3f}x their dense "
-            f"bytes, the weight files {result['export']['files_ratio']:.3f}x")
+        log.info(f"elsa-sparse checkpoint: the pruned layers take {result['export']['pruned_ratio']:.3f}x their dense "
+                 f"bytes, the weight files {result['export']['files_ratio']:.3f}x")
     write(staging / REPORT_NAME, result)
     publish(staging, opts.output_dir, keep_checkpoints=keep_checkpoints)
-    print_summary(say, result, opts.output_dir)
+    print_summary(result, opts.output_dir)
 
 
 def sparse_export(staging: Path, layers: dict[str, dict]) -> dict[str, Any]:
@@ -171,6 +177,7 @@ def _common(rec: ReportRecord) -> dict[str, Any]:
     cfg = rec.cfg
     return {"model": cfg.model, "method": rec.method, "dataset": cfg.dataset, "sparsity": cfg.sparsity, "pattern": cfg.pattern,
             "sparsity_profile": cfg.sparsity_profile, "world_size": rec.world, "deepspeed_config": rec.deepspeed,
+            "deepspeed_resolved": rec.deepspeed_resolved,
             "config": cfg.model_dump(mode="json"), "versions": versions()}
 
 
@@ -180,29 +187,29 @@ def _validation(d: dict[str, Any]) -> dict[str, Any]:
             "validation": {k: d[k] for k in ("source", "part", "documents", "text_tokens")}}
 
 
-def print_summary(say, result: dict[str, Any], output_dir: Path) -> None:
+def print_summary(result: dict[str, Any], output_dir: Path) -> None:
     p = result["ppl"]
-    say(f"[elsa_ds] wrote {output_dir} ({len(result['layers'])} layers, each exactly at its target; overall sparsity "
-        f"{result['overall_sparsity']:.4f})")
+    log.info(f"wrote {output_dir} ({len(result['layers'])} layers, each exactly at its target; overall sparsity "
+             f"{result['overall_sparsity']:.4f})")
     if p.get("before_finetune") is not None:
-        say(f"[elsa_ds] validation perplexity over {p['windows']} windows of {p['seqlen']}: before fine-tuning "
-            f"{p['before_finetune']:.3f} | after {p['pruned']:.3f}")
+        log.info(f"validation perplexity over {p['windows']} windows of {p['seqlen']}: before fine-tuning "
+                 f"{p['before_finetune']:.3f} | after {p['pruned']:.3f}")
         return
     if p["dense"] is None:
         return
     if result["method"] != "elsa":
-        say(f"[elsa_ds] validation perplexity ({_where(p)}): dense {p['dense']:.3f} | {result['method']} {p['pruned']:.3f}")
+        log.info(f"validation perplexity ({_where(p)}): dense {p['dense']:.3f} | {result['method']} {p['pruned']:.3f}")
         return
     baseline, what = (p["warm_start"], f"warm start ({result['init_mask']})") if result["init_weights"] else \
         (p["magnitude_oneshot"], "one-shot magnitude")
-    say(f"[elsa_ds] validation perplexity ({_where(p)}): dense {p['dense']:.3f} | "
-        f"{what} {baseline if baseline is None else format(baseline, '.3f')} | ELSA {p['pruned']:.3f}")
+    log.info(f"validation perplexity ({_where(p)}): dense {p['dense']:.3f} | "
+             f"{what} {baseline if baseline is None else format(baseline, '.3f')} | ELSA {p['pruned']:.3f}")
     if result["vs_magnitude"]:
-        say(f"[elsa_ds] ELSA perplexity is {result['vs_magnitude']['ppl_ratio']:.2f}x lower than one-shot magnitude pruning")
+        log.info(f"ELSA perplexity is {result['vs_magnitude']['ppl_ratio']:.2f}x lower than one-shot magnitude pruning")
     elif result["init_weights"] and baseline is not None and p["pruned"] is not None:
         ratio = baseline / p["pruned"]
-        say(f"[elsa_ds] ELSA perplexity is {ratio if ratio >= 1 else 1 / ratio:.3f}x {'lower' if ratio >= 1 else 'HIGHER'} "
-            f"than its warm start ({result['init_mask']})")
+        log.info(f"ELSA perplexity is {ratio if ratio >= 1 else 1 / ratio:.3f}x {'lower' if ratio >= 1 else 'HIGHER'} "
+                 f"than its warm start ({result['init_mask']})")
 
 
 def _where(p: dict[str, Any]) -> str:
@@ -214,9 +221,8 @@ def evaluate_saved_model(output_dir: Path, cfg: ElsaConfig) -> dict[str, Any]:
     behind ``launch/evaluate.py``; the full result goes to ``eval.json``/``eval.md``, a summary into the report."""
     from elsa_ds.evaluation.run import EvalSettings, run
     from elsa_ds.evaluation.zeroshot import expand_tasks
-    from elsa_ds.log import get_logger
 
-    get_logger(__name__).info(f"evaluating {output_dir} (ppl: {cfg.eval_ppl or 'none'}; tasks: {cfg.eval_tasks or 'none'})")
+    log.info(f"evaluating {output_dir} (ppl: {cfg.eval_ppl or 'none'}; tasks: {cfg.eval_tasks or 'none'})")
     result = run(EvalSettings(
         model=str(output_dir), ppl=list(cfg.eval_ppl), tasks=expand_tasks(",".join(cfg.eval_tasks)) if cfg.eval_tasks else [],
         include_path=cfg.eval_include_path, seqlen=cfg.seqlen, ppl_protocol=cfg.ppl_protocol.value,

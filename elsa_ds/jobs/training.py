@@ -1,11 +1,9 @@
-"""Components the two ZeRO-3 training jobs (ELSA, ``--finetune``) share: the process group start, the data, the
-loop, checkpoints and validation. Plain functions and small classes that know nothing of the job calling them: a
+"""Components the two ZeRO-3 training jobs (ELSA, ``--finetune``) share: their opening (the process group, the data),
+the loop, checkpoints and validation. Plain functions and small classes that know nothing of the job calling them: a
 job passes in what they need and keeps what they return (torchtune's recipes over components)."""
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -20,14 +18,16 @@ from elsa_ds.config import ElsaConfig
 from elsa_ds.options import JobOptions
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
-from elsa_ds.jobs.interface import Printer
-from elsa_ds.models import ModelSource, check_token_ids
+from elsa_ds.log import get_logger
+from elsa_ds.models import check_token_ids
 from elsa_ds.monitor import MONITOR_DIR, default_output_paths
+from elsa_ds.plan import Plan
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.dist import init_distributed
-from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import ZeroEngine
 from elsa_ds.zero.partitions import distributed_nll
+
+log = get_logger(__name__)
 
 # called after each step with (progress bar, step, loss); True stops the loop early
 AfterStep = Callable[[Any, int, float], bool]
@@ -59,32 +59,34 @@ class TrainingData:
     sampling: dict[str, Any]
 
 
-def launched_world_size() -> int:
-    """The number of ranks the launcher started (before the process group exists)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+@dataclass(frozen=True)
+class Opened:
+    """What both training jobs open with: this rank of the started process group, and the run's text."""
+
+    rank: int
+    world: int
+    data: TrainingData
 
 
-def start_process_group(cfg: ElsaConfig, opts: JobOptions, ds: DsConfig, defaults: dict[str, Any]) -> tuple[int, int, Printer]:
-    """Point DeepSpeed's file monitors into the output, start the process group, print the resolved settings.
-    Returns (rank, world size, rank-0 printer). Collective."""
-    monitor_dir = opts.output_dir / MONITOR_DIR if default_output_paths(ds.raw, opts.output_dir) else None
+def open_training(plan: Plan) -> Opened:
+    """The two training jobs' opening: point DeepSpeed's file monitors into the output, start the process group, load
+    the training sequences for ``cfg.steps`` global batches and the validation windows. Collective."""
+    opts = plan.opts
+    monitor_dir = opts.output_dir / MONITOR_DIR if default_output_paths(plan.ds.raw, opts.output_dir) else None
     rank, world = init_distributed()
-    say = Printer(rank)
-    for warning in machine.stale_build_locks():
-        say(warning)
-    if monitor_dir is not None and rank == 0 and not opts.resume and monitor_dir.exists():
-        shutil.rmtree(monitor_dir)  # an overwritten run's logs; DeepSpeed's csv monitor would append to them
-    say("[elsa_ds] resolved ELSA config:\n" + json.dumps(cfg.model_dump(mode="json"), indent=2))
-    if defaults["applied"]:
-        kept = " or the checkpoint resumed" if defaults["kept_from_checkpoint"] else ""
-        say(f"[elsa_ds] from the defaults rule (elsa_ds/defaults.py){kept}: "
-            + "; ".join(f"{k} {v} ({defaults['why'][k]})" for k, v in defaults["applied"].items()))
-    say("[elsa_ds] DeepSpeed config:\n" + json.dumps(ds.raw, indent=2))
-    return rank, world, say
+    if world != plan.world_size:
+        raise ElsaError(f"the process group has {world} ranks, but the plan was checked for {plan.world_size} (WORLD_SIZE)")
+    if rank == 0:
+        for warning in machine.stale_build_locks():
+            log.warning(warning)
+        if monitor_dir is not None and not opts.resume and monitor_dir.exists():
+            shutil.rmtree(monitor_dir)  # an overwritten run's logs; DeepSpeed's csv monitor would append to them
+    return Opened(rank, world, load_data(plan, rank, world))
 
 
-def load_data(cfg: ElsaConfig, source: ModelSource, ds: DsConfig, rank: int, world: int, say: Printer) -> TrainingData:
+def load_data(plan: Plan, rank: int, world: int) -> TrainingData:
     """Training sequences for ``cfg.steps`` global batches and the validation windows."""
+    cfg, source, ds = plan.cfg, plan.source, plan.ds
     tokenizer = source.load_tokenizer()
     global_batch, micro = ds.train_batch_size, ds.micro_batch_size
     blocks, sampling = training_blocks(cfg.dataset, tokenizer, cfg.seqlen, cfg.steps * global_batch, cfg.sampling, cfg.seed,
@@ -93,10 +95,10 @@ def load_data(cfg: ElsaConfig, source: ModelSource, ds: DsConfig, rank: int, wor
     batches = GlobalBatches(blocks, global_batch, micro, world, rank, cfg.seed)
     validation = validation_windows(cfg.dataset, cfg.val_dataset, tokenizer, cfg.seqlen, cfg.ppl_protocol, source.config(),
                                     cfg.val_windows)
-    say(f"[elsa_ds] training data {cfg.dataset} ({sampling['sampling']}): {blocks.shape[0]} sequences x {cfg.seqlen} "
-        f"tokens; global batch {global_batch} = {micro} micro x {world} ranks x {batches.grad_accum} accumulation")
-    say(f"[elsa_ds] validation {validation.source}: {validation.count} windows ({validation.protocol.value} "
-        f"protocol) from {validation.documents} documents ({validation.rule})")
+    log.info(f"training data {cfg.dataset} ({sampling['sampling']}): {blocks.shape[0]} sequences x {cfg.seqlen} "
+             f"tokens; global batch {global_batch} = {micro} micro x {world} ranks x {batches.grad_accum} accumulation")
+    log.info(f"validation {validation.source}: {validation.count} windows ({validation.protocol.value} "
+             f"protocol) from {validation.documents} documents ({validation.rule})")
     return TrainingData(tokenizer, batches, validation, sampling)
 
 
@@ -140,23 +142,23 @@ class Checkpoints:
         self.resume: bool = opts.resume  # continue from the latest tag
         self.overwrite: bool = opts.overwrite  # an older run's tags go first
 
-    def load(self, engine, comm, fingerprint: dict[str, Any], rank: int, say: Printer) -> RunState:
+    def load(self, engine, comm, fingerprint: dict[str, Any], rank: int) -> RunState:
         """The state the loop starts from: fresh, or (--resume) the latest loadable checkpoint's, loaded into
         ``engine`` with the RNG. Refuses a checkpoint written with other settings (``fingerprint``). Collective."""
         if self.overwrite and rank == 0 and self.directory.exists():
             shutil.rmtree(self.directory)  # a fresh run never mixes its checkpoints with an older run's
         if not self.resume:
             return RunState(fingerprint=fingerprint)
-        client = checkpoint.load_latest(engine, self.directory, say, comm)
+        client = checkpoint.load_latest(engine, self.directory, comm)
         if client is None:
             raise ElsaError(f"--resume: no loadable checkpoint in {self.directory}; run without --resume to start over")
-        refusal = checkpoint.resume_changes(client["fingerprint"], fingerprint)  # (also checked before the model loads: checks.py)
+        refusal = checkpoint.resume_changes(client["fingerprint"], fingerprint)  # (also checked before the model loads: plan/checks.py)
         if refusal:
             raise ElsaError(refusal)
         checkpoint.set_rng_state(client.pop("rng"))
         return RunState(**client)
 
-    def save(self, engine, state: RunState, rank: int, say: Printer) -> None:
+    def save(self, engine, state: RunState, rank: int) -> None:
         """Save after step ``state.next_step`` - 1. Collective."""
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -164,4 +166,4 @@ class Checkpoints:
         torch.distributed.barrier()
         client = {**asdict(state), "rng": checkpoint.rng_state()}
         tag = checkpoint.save(engine, self.directory, state.next_step - 1, client, self.keep, rank)
-        say(f"[elsa_ds] checkpoint {self.directory / tag}")
+        log.info(f"checkpoint {self.directory / tag}")

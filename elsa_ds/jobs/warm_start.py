@@ -14,12 +14,15 @@ import torch
 from elsa_ds.config import ElsaConfig
 from elsa_ds.disk_room import saved_bytes, writing
 from elsa_ds.errors import ElsaError
+from elsa_ds.log import get_logger
 from elsa_ds.mask_file import MaskReader, write_masks
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
 from elsa_ds.oneshot.layerwise import layerwise_nll
 from elsa_ds.oneshot.pipeline import accelerator, load_host_model, prune_oneshot
 from elsa_ds.output import staging_dir
+
+log = get_logger(__name__)
 
 
 def warm_start_path(output_dir: Path) -> Path:
@@ -43,18 +46,21 @@ class WarmStart:
     dense_nll: tuple[float, int] | None = None
 
 
-def warm_start(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer, rank: int, say, windows: torch.Tensor) -> WarmStart:
+def warm_start(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer, rank: int, windows: torch.Tensor) -> WarmStart:
     """--init_mask (and --init_weights): from a pruned model directory, or computed by a one-shot method on rank 0. Collective."""
-    if cfg.init_mask not in {m.value for m in OneShot}:
+    init_mask = cfg.init_mask
+    if init_mask is None:
+        raise ValueError("warm_start starts from --init_mask; the config has none (the job asks only when it is set)")
+    if init_mask not in {m.value for m in OneShot}:
         # x₀ from a directory: no rank-0 pass to measure the dense model on, so the report leaves dense out
-        return WarmStart(MaskReader(cfg.init_mask), ModelSource(cfg.init_mask) if cfg.init_weights else None)
+        return WarmStart(MaskReader(init_mask), ModelSource(init_mask) if cfg.init_weights else None)
     model_dir = warm_start_weights_dir(output_dir) if cfg.init_weights else None
-    masks, _, nll = oneshot_on_rank0(cfg, OneShot(cfg.init_mask), source, tokenizer, rank, say, warm_start_path(output_dir), model_dir,
+    masks, _, nll = oneshot_on_rank0(cfg, OneShot(init_mask), source, tokenizer, rank, warm_start_path(output_dir), model_dir,
                                      windows if model_dir is not None else None)
     return WarmStart(masks, ModelSource(str(model_dir)) if model_dir is not None else None, nll)
 
 
-def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, tokenizer, rank: int, say, mask_path: Path,
+def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, tokenizer, rank: int, mask_path: Path,
                      model_dir: Path | None = None, dense_windows: torch.Tensor | None = None,
                      ) -> tuple[MaskReader, dict[str, Any] | None, tuple[float, int] | None]:
     """Prune a host copy of the model with ``method`` on rank 0; write its keep-masks to ``mask_path`` and, with
@@ -67,17 +73,18 @@ def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, toke
     waiting = torch.distributed.new_group(backend="gloo", timeout=timedelta(days=3))
     failure: BaseException | None = None
     calibration, dense = None, (0.0, 0)
-    measure = dense_windows is not None and len(dense_windows) > 0
+    measured = dense_windows if dense_windows is not None and len(dense_windows) > 0 else None
+    measure = measured is not None
     if rank == 0:
         try:
-            say(f"[elsa_ds] one-shot {method.value} masks on rank 0 (other ranks wait)")
+            log.info(f"one-shot {method.value} masks on rank 0 (other ranks wait)")
             if model_dir is not None and model_dir.exists():
                 shutil.rmtree(model_dir)  # a crashed run's copy: gone before anything new is written
             host = ModelSource(source.name, copy.deepcopy(source.module)) if source.module is not None else source
             model = load_host_model(host)
-            if measure:
-                dense = layerwise_nll(model, dense_windows, accelerator())
-            done = prune_oneshot(cfg, method, tokenizer, model, say)
+            if measured is not None:
+                dense = layerwise_nll(model, measured, accelerator())
+            done = prune_oneshot(cfg, method, tokenizer, model)
             write_masks(mask_path, done.masks)
             if model_dir is not None:
                 with writing(model_dir, saved_bytes(done.model)):

@@ -66,7 +66,10 @@ class _Plan:
 
     def visit(self, index: int, hidden: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         if self.mode == "finish":
-            return self.final.to(hidden.device, hidden.dtype) if index == self.n_layers - 1 else hidden
+            if index != self.n_layers - 1:
+                return hidden
+            assert self.final is not None, "finish() sets final with the finish mode"
+            return self.final.to(hidden.device, hidden.dtype)
         if index == 0:
             self.inputs.append(hidden.detach())
         if len(self.calls) < self.n_layers:  # the first sequence's arguments serve every sequence

@@ -15,12 +15,15 @@ from collections.abc import Callable
 import torch
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.log import get_logger
 from elsa_ds.methods import OneShot
 from elsa_ds.oneshot.layerwise import capture, run_layer, stubbed
 from elsa_ds.oneshot.masks import magnitude_mask
 from elsa_ds.oneshot.sparsegpt import Hessian, sparsify_weight
 from elsa_ds.oneshot.wanda import InputNorms, wanda_mask
 from elsa_ds.targets import LayerGoal, decoder_layer_list
+
+log = get_logger(__name__)
 
 
 def _linears_by_layer(model: torch.nn.Module, names: list[str]) -> list[dict[str, torch.nn.Linear]]:
@@ -43,8 +46,7 @@ def _linears_by_layer(model: torch.nn.Module, names: list[str]) -> list[dict[str
 
 @torch.no_grad()
 def prune_model(model: torch.nn.Module, method: OneShot | str, goals: dict[str, LayerGoal], calibration: torch.Tensor | None,
-                device: torch.device, blocksize: int = 128, percdamp: float = 0.01,
-                say: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
+                device: torch.device, blocksize: int = 128, percdamp: float = 0.01) -> dict[str, torch.Tensor]:
     """Prune ``model`` in place with ``method``; returns the keep-mask of every pruned weight (on the CPU).
 
     ``goals`` maps each pruned weight's parameter name to its sparsity or N:M pattern; ``calibration``
@@ -70,8 +72,8 @@ def prune_model(model: torch.nn.Module, method: OneShot | str, goals: dict[str, 
                 masks.update(_prune_layer(method, layer, call, hidden, linears, goals, device, blocksize, percdamp))
             hidden = run_layer(layer, call, hidden)     # the pruned layer feeds the next one
             layer.to(plan.home)
-    say(f"[elsa_ds] {method.value}: {len(masks)} layers pruned with {calibration.shape[0]} calibration sequences of "
-        f"{calibration.shape[1]} tokens in {time.time() - started:.1f} s")
+    log.info(f"{method.value}: {len(masks)} layers pruned with {calibration.shape[0]} calibration sequences of "
+             f"{calibration.shape[1]} tokens in {time.time() - started:.1f} s")
     return masks
 
 

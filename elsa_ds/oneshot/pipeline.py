@@ -7,24 +7,30 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from elsa_ds.config import ElsaConfig
 from elsa_ds.data import is_gemma
+from elsa_ds.log import get_logger
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
 from elsa_ds.oneshot.calibration import calibration_sequences
 from elsa_ds.oneshot.methods import prune_model
 from elsa_ds.targets import LayerGoal, select_targets
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = get_logger(__name__)
+
 
 def accelerator() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def load_host_model(source: ModelSource) -> torch.nn.Module:
+def load_host_model(source: ModelSource) -> PreTrainedModel:
     """The whole model in host memory: bf16 when a GPU will do the work, fp32 on a CPU-only machine."""
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return source.load(dtype).eval()
@@ -34,14 +40,14 @@ def load_host_model(source: ModelSource) -> torch.nn.Module:
 class OneShotResult:
     """A model pruned in place by a one-shot method, with what each layer was pruned to."""
 
-    model: torch.nn.Module
+    model: PreTrainedModel
     masks: dict[str, torch.Tensor]
     goals: dict[str, LayerGoal]
     calibration: dict[str, Any] | None
     seconds: float
 
 
-def prune_oneshot(cfg: ElsaConfig, method: OneShot, tokenizer, model: torch.nn.Module, say=print) -> OneShotResult:
+def prune_oneshot(cfg: ElsaConfig, method: OneShot, tokenizer, model: PreTrainedModel) -> OneShotResult:
     """Prune ``model`` (in host memory) with ``method`` to ``cfg``'s sparsity, pattern or profile."""
     weights = dict(model.named_parameters())
     names = list(select_targets(model, cfg.targets).values())
@@ -53,9 +59,9 @@ def prune_oneshot(cfg: ElsaConfig, method: OneShot, tokenizer, model: torch.nn.M
         info = {"dataset": cfg.dataset, "sequences": cfg.nsamples, "seqlen": cfg.seqlen, "sampling": how}
         if method is OneShot.sparsegpt:
             info.update(blocksize=cfg.blocksize, percdamp=cfg.percdamp)
-        say(f"[elsa_ds] calibration: {how}")
+        log.info(f"calibration: {how}")
     started = time.time()
-    masks = prune_model(model, method, goals, calibration, accelerator(), cfg.blocksize, cfg.percdamp, say)
+    masks = prune_model(model, method, goals, calibration, accelerator(), cfg.blocksize, cfg.percdamp)
     return OneShotResult(model, masks, goals, info, time.time() - started)
 
 

@@ -116,6 +116,7 @@ def _sparsify_block(W1: torch.Tensor, Hinv1: torch.Tensor, target: Target, prune
     if isinstance(target, NM):
         pruned1 = torch.zeros_like(W1, dtype=torch.bool)
     else:
+        assert prune_count is not None, "an unstructured target gives each block its count (sparsify)"
         score = W1 ** 2 / d1.unsqueeze(0) ** 2
         pruned1 = ~keep_largest(score, score.numel() - prune_count)
     for i in range(W1.shape[1]):

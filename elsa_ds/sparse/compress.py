@@ -80,8 +80,9 @@ def _write(reader: TensorReader, out: Path, specs: list[TensorSpec], chosen: dic
     return digests
 
 
-def _check_arguments(src: object, dst: object, min_sparsity: object, max_shard_size: object, overwrite: object) -> None:
-    """Wrong types and values as one line each (SparseArgumentTypeError / SparseArgumentError), before any work."""
+def _check_arguments(src: str | Path, dst: str | Path, min_sparsity: float, max_shard_size: int | str, overwrite: bool) -> None:
+    """Wrong types and values as one line each (SparseArgumentTypeError / SparseArgumentError), before any work (typed as
+    ``compress`` declares them: the checks are for callers that ignore the declaration)."""
     for label, value in (("src", src), ("dst", dst)):
         check_type(label, value, (str, os.PathLike), "a folder path (str or Path)")
     check_type("min_sparsity", min_sparsity, numbers.Real, "a fraction in (0, 1]")

@@ -74,7 +74,8 @@ def code_bytes(shape: tuple[int, int], element_size: int, nonzeros: int, entries
 
 def encoded_bytes(weight: torch.Tensor) -> dict[str, int]:
     """Bytes of each code for ``weight`` (without building them)."""
-    return code_bytes(tuple(weight.shape), weight.element_size(), *counts(weight))
+    rows, cols = weight.shape
+    return code_bytes((rows, cols), weight.element_size(), *counts(weight))
 
 
 def pick(sizes: dict[str, int]) -> str:

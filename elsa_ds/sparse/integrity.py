@@ -37,7 +37,7 @@ def tensor_digest(name: str, tensor: torch.Tensor) -> str:
     h = hashlib.new(ALGORITHM, f"{name}\0{dtype}\0{list(tensor.shape)}\0".encode())
     data = tensor.detach().cpu().reshape(-1).contiguous()
     if data.numel():
-        h.update(data.view(torch.uint8).numpy())
+        h.update(data.view(torch.uint8).numpy().data)  # its memoryview: numpy's stubs give ndarray __buffer__ on 3.12+ only
     return h.hexdigest()
 
 

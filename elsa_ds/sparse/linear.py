@@ -23,6 +23,10 @@ DECODE_PATHS = ("kernel", "csr", "reference")  # on CPU; CUDA tensors take "trit
 class SparseLinear(torch.nn.Module):
     """y = x Wᵀ + b with W [out, in] held as delta8 values, deltas and row offsets (buffers, so ``.to()`` moves them)."""
 
+    values: torch.Tensor  # the buffers register_buffer sets in __init__
+    deltas: torch.Tensor
+    row_offsets: torch.Tensor
+
     def __init__(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], bias: torch.Tensor | None = None,
                  decode_path: str | None = None, name: str = "weight"):
         super().__init__()
@@ -59,7 +63,8 @@ class SparseLinear(torch.nn.Module):
         """A Linear's weight in delta8 (its zeros dropped), same bias."""
         from elsa_ds.sparse.format import encode_delta8
 
-        return cls(encode_delta8(linear.weight.detach().cpu()), tuple(linear.weight.shape), linear.bias, decode_path)
+        rows, cols = linear.weight.shape
+        return cls(encode_delta8(linear.weight.detach().cpu()), (rows, cols), linear.bias, decode_path)
 
     @property
     def parts(self) -> dict[str, torch.Tensor]:
@@ -90,6 +95,7 @@ class SparseLinear(torch.nn.Module):
 
     def _decode_matmul(self, flat: torch.Tensor) -> torch.Tensor:
         if self.cpu_path == "kernel":
+            assert self._kernels is not None, "__init__ refuses the kernel path without the kernels"
             return K.kernel_matmul(self._kernels, self.parts, flat, self.out_features)
         if self.cpu_path == "csr":
             if self._csr is None:

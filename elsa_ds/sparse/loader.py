@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -18,6 +19,9 @@ from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeErr
                                       tensor_digest)
 from elsa_ds.sparse.linear import DECODE_PATHS, SparseLinear
 from elsa_ds.sparse.meta import UNSEALED_VERSION, sparse_meta
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 MODES = ("dense", "sparse")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -94,7 +98,7 @@ def verify(path: str | Path) -> dict:
     return counts
 
 
-def _empty_model(path: Path, dtype: torch.dtype | None):
+def _empty_model(path: Path, dtype: torch.dtype | None) -> PreTrainedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -110,7 +114,7 @@ def _empty_model(path: Path, dtype: torch.dtype | None):
 
 
 def from_pretrained(path: str | Path, mode: str = "dense", dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                    decode_path: str | None = None, verify: bool = True) -> torch.nn.Module:
+                    decode_path: str | None = None, verify: bool = True) -> PreTrainedModel:
     """A transformers causal LM from an elsa-sparse checkpoint, in eval mode on ``device``.
 
     ``mode="dense"``: every weight decompressed (bit for bit the dense export). ``mode="sparse"``: every compressed
@@ -134,11 +138,16 @@ def from_pretrained(path: str | Path, mode: str = "dense", dtype: torch.dtype | 
         _copy_into(targets, name, item)
         loaded.add(name)
     _check_complete(path, model, targets, loaded)
-    return model.to(device).eval()
+    # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stubs drop the binding of self: called
+    # as nn.Module's to (PreTrainedModel's own still runs), which moves the module in place
+    cast(torch.nn.Module, model).to(device)
+    return model.eval()
 
 
-def _check_arguments(path: object, mode: object, dtype: object, device: object, decode_path: object, verify: object) -> Path:
-    """Each argument of ``from_pretrained`` of the right type and value, or one line saying which is not."""
+def _check_arguments(path: str | Path, mode: str, dtype: torch.dtype | None, device: str | torch.device,
+                     decode_path: str | None, verify: bool) -> Path:
+    """Each argument of ``from_pretrained`` of the right type and value, or one line saying which is not (typed as
+    ``from_pretrained`` declares them: the checks are for callers that ignore the declaration)."""
     check_type("path", path, (str, os.PathLike), "a folder path (str or Path)")
     check_type("mode", mode, str, f"one of {', '.join(MODES)}")
     if mode not in MODES:

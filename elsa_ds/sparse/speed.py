@@ -15,6 +15,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +27,9 @@ from elsa_ds.sparse.folder import TensorReader, is_weight_file
 from elsa_ds.sparse.linear import SparseLinear
 from elsa_ds.sparse.loader import from_pretrained
 from elsa_ds.sparse.meta import CONFIG_KEY, read_config, sparse_meta
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = get_logger(__name__)
 
@@ -75,7 +79,7 @@ def _dense_bytes(info: dict) -> int:
 
 
 @torch.no_grad()
-def decode_seconds(model: torch.nn.Module, batch: int, steps: int, prompt: int = 16, seed: int = 0, layers_only: bool = False) -> float:
+def decode_seconds(model: PreTrainedModel, batch: int, steps: int, prompt: int = 16, seed: int = 0, layers_only: bool = False) -> float:
     """Seconds for ``steps`` decode steps of ``batch`` sequences after a ``prompt``-token prefill (not timed)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
@@ -93,7 +97,7 @@ def _relative(ref: torch.Tensor, got: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def logits_agreement(dense: torch.nn.Module, sparse: torch.nn.Module, batch: int = 2, prompt: int = 8, seed: int = 0) -> float:
+def logits_agreement(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int = 2, prompt: int = 8, seed: int = 0) -> float:
     """max |sparse − dense| / max |dense| over the logits of a prefill and of the decode step after it."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(dense.config.vocab_size, (batch, prompt + 1), generator=gen)
@@ -104,7 +108,7 @@ def logits_agreement(dense: torch.nn.Module, sparse: torch.nn.Module, batch: int
     return max(worst, _relative(a.logits, b.logits))
 
 
-def compare_decode(dense: torch.nn.Module, sparse: torch.nn.Module, batch: int, steps: int, rounds: int, prompt: int,
+def compare_decode(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int, steps: int, rounds: int, prompt: int,
                    bandwidth: float, layers_only: bool = False) -> dict:
     """Decode tokens/s of both models, alternating (ABBA), with each one's byte floor and every round's ratio."""
     models = {"dense": dense, "sparse": sparse}
@@ -132,7 +136,7 @@ def measure(sparse_dir: str | Path, batches: tuple[int, ...] = (1, 8), steps: in
     sparse_dir = Path(sparse_dir)
     dense, sparse = from_pretrained(sparse_dir, "dense"), from_pretrained(sparse_dir, "sparse")
     bandwidth = bandwidth or read_bandwidth()
-    result = {"disk": disk_bytes(sparse_dir), "read_bandwidth_gb_s": bandwidth / 1e9, "layers_only": layers_only,
+    result: dict[str, Any] = {"disk": disk_bytes(sparse_dir), "read_bandwidth_gb_s": bandwidth / 1e9, "layers_only": layers_only,
               "logits_max_rel_err": logits_agreement(dense, sparse), "threads": torch.get_num_threads(), "decode": []}
     for batch in batches:
         result["decode"].append(compare_decode(dense, sparse, batch, steps, rounds, prompt, bandwidth, layers_only))
@@ -155,7 +159,7 @@ def tensor_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def load_measured(sparse_dir: Path, mode: str) -> tuple[torch.nn.Module, dict]:
+def load_measured(sparse_dir: Path, mode: str) -> tuple[PreTrainedModel, dict]:
     """from_pretrained in ``mode``, with the RSS growth over the load and the model's tensor bytes."""
     gc.collect()
     before = rss_bytes()
@@ -166,7 +170,7 @@ def load_measured(sparse_dir: Path, mode: str) -> tuple[torch.nn.Module, dict]:
 
 
 @torch.no_grad()
-def prefill_seconds(model: torch.nn.Module, batch: int, prompt: int, seed: int = 0) -> float:
+def prefill_seconds(model: PreTrainedModel, batch: int, prompt: int, seed: int = 0) -> float:
     """Seconds for one forward of ``batch`` random prompts of ``prompt`` tokens (KV cache built, as generate does)."""
     ids = torch.randint(model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(seed))
     start = time.perf_counter()
@@ -174,7 +178,7 @@ def prefill_seconds(model: torch.nn.Module, batch: int, prompt: int, seed: int =
     return time.perf_counter() - start
 
 
-def compare_prefill(dense: torch.nn.Module, sparse: torch.nn.Module, batch: int, prompt: int, rounds: int, bandwidth: float) -> dict:
+def compare_prefill(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int, prompt: int, rounds: int, bandwidth: float) -> dict:
     """Prefill tokens/s of both models alternating (ABBA); the floor: one pass over the weights per forward."""
     models = {"dense": dense, "sparse": sparse}
     times: dict[str, list[float]] = {"dense": [], "sparse": []}

@@ -32,8 +32,11 @@ import torch
 from elsa_ds.config import RESUME_DEFAULTS
 from elsa_ds.errors import ElsaError
 from elsa_ds.disk_room import writer_ran_out
+from elsa_ds.log import get_logger
 from elsa_ds.zero import compat
 from elsa_ds.zero.ds_config import DsConfig
+
+log = get_logger(__name__)
 
 TAG = re.compile(r"^global_step(\d+)$")
 CLIENT_KEY = "elsa"
@@ -128,7 +131,7 @@ def unsafe_classes(path: Path) -> list[str]:
 def read_checkpoint_file(path: str | Path, map_location: Any = None) -> Any:
     """``torch.load`` as data only: tensors, plain containers and ``compat.checkpoint_classes``. A pickle naming anything
     else raises UnsafeCheckpointError; nothing of it runs. The loader ``load_latest`` gives DeepSpeed."""
-    with torch.serialization.safe_globals(compat.checkpoint_classes()):
+    with torch.serialization.safe_globals([*compat.checkpoint_classes()]):  # a list of callables, as its stubs ask
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as err:
@@ -202,7 +205,7 @@ def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) 
     return tag
 
 
-def load_latest(engine, ckpt_dir: Path, say, comm) -> dict | None:
+def load_latest(engine, ckpt_dir: Path, comm) -> dict | None:
     """Load the newest loadable checkpoint, its files read as data only (``read_checkpoint_file``); returns its client
     state (None when there is none). A file that needs a class outside the allow-list stops every rank. Collective."""
     for tag in resume_order(ckpt_dir):
@@ -215,13 +218,13 @@ def load_latest(engine, ckpt_dir: Path, say, comm) -> dict | None:
         except UnsafeCheckpointError as err:  # refused on every rank below, not skipped for an older tag
             ok, refusal = False, err
         except Exception as err:  # a truncated or missing shard: fall back to the previous tag
-            say(f"[elsa_ds] checkpoint {tag} is unreadable ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
+            log.info(f"checkpoint {tag} is unreadable ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
             ok = False
         # every rank must have loaded this tag; none may have met a refused file
         loaded, refused = comm.all_reduce_sum(torch.tensor([1.0 if ok else 0.0, 0.0 if refusal is None else 1.0])).tolist()
         if refused:
             raise refusal or UnsafeCheckpointError(f"--resume: another rank refused a file of {ckpt_dir / tag} (see its line)")
         if loaded == comm.world_size:
-            say(f"[elsa_ds] resumed from {ckpt_dir / tag}")
+            log.info(f"resumed from {ckpt_dir / tag}")
             return client[CLIENT_KEY]
     return None

@@ -121,22 +121,28 @@ def editing_shards(zero_optimizer) -> Iterator[None]:
 
 
 # ---- ZeRO-3 parameters -----------------------------------------------------------------------------------------
-def full_numel(param: torch.nn.Parameter) -> int:
-    return param.ds_numel
+def _with_deepspeed_attributes(tensor: torch.Tensor) -> Any:
+    """``tensor`` itself, typed to carry the attributes DeepSpeed sets on it at runtime (ZeRO-3's ``ds_numel``,
+    ``ds_shape``, ``ds_tensor``, ``partition_numel()``; the swapper's ``swappable``), which torch's stubs cannot know."""
+    return tensor
 
 
-def full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+def full_numel(param: torch.Tensor) -> int:
+    return _with_deepspeed_attributes(param).ds_numel
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """The whole parameter's shape, partitioned (built under zero.Init) or not yet (partitioned by deepspeed.initialize)."""
-    return tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
+    return tuple(_with_deepspeed_attributes(param).ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
 
 
-def partition_numel(param: torch.nn.Parameter) -> int:
-    return param.partition_numel()
+def partition_numel(param: torch.Tensor) -> int:
+    return _with_deepspeed_attributes(param).partition_numel()
 
 
-def shard(param: torch.nn.Parameter) -> torch.Tensor:
+def shard(param: torch.Tensor) -> torch.Tensor:
     """This rank's 16-bit shard of a ZeRO-3 parameter (padding included), flattened."""
-    return param.ds_tensor.data.view(-1)
+    return _with_deepspeed_attributes(param).ds_tensor.data.view(-1)
 
 
 # ---- engine ------------------------------------------------------------------------------------------------------
@@ -191,7 +197,7 @@ def checkpoint_files_read_with(engine, load: Callable[..., Any]) -> Iterator[Non
 # ---- optimizer state ----------------------------------------------------------------------------------------------
 def keep_out_of_swapper(tensor: torch.Tensor) -> None:
     """Mark an optimizer state the NVMe swapper must leave in memory (it reads every swapped state back as fp32)."""
-    tensor.swappable = False
+    _with_deepspeed_attributes(tensor).swappable = False
 
 
 # ---- the CPU accelerator's shared-memory all-reduce --------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any, TypedDict
 
 import torch
 
@@ -15,6 +16,7 @@ from elsa_ds.admm.optimizer import AdmmOptimizer
 from elsa_ds.admm.projection import Slice, TorchDistComm
 from elsa_ds.config import BaseOptimizer, ElsaConfig
 from elsa_ds.errors import ElsaError, require
+from elsa_ds.finetune.optimizer import MaskedOptimizer
 from elsa_ds.mask_file import MaskReader
 from elsa_ds.models import ModelSource
 from elsa_ds.targets import LayerGoal
@@ -49,12 +51,21 @@ def load_partitioned(source: ModelSource, ds: DsConfig, gradient_checkpointing: 
     return PartitionedModel(model, keep_alive)
 
 
+class AdamSettings(TypedDict):
+    """The settings every base optimizer takes, by keyword."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
 def base_optimizer(cfg: ElsaConfig, params, ds: DsConfig) -> torch.optim.Optimizer:
     """The optimizer ADMM wraps (and the one a plain fine-tuning run steps)."""
     kind = cfg.base_optimizer
     if kind is BaseOptimizer.auto:
         kind = BaseOptimizer.cpu_adam if ds.optimizer_offloaded else BaseOptimizer.adam
-    common = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    common = AdamSettings(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if kind is BaseOptimizer.cpu_adam:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -88,7 +99,7 @@ class ZeroEngine:
     (``layout``: empty when nothing is masked), the pruned weights by ``id`` and the data-parallel ``comm``. The basic
     optimizer a builder installs (AdmmOptimizer, MaskedOptimizer or the plain one) is returned next to it."""
 
-    engine: object
+    engine: Any  # deepspeed.DeepSpeedEngine, which DeepSpeed leaves untyped
     layout: list[SubGroupLayout]
     pruned: dict[int, str]
     comm: TorchDistComm
@@ -118,14 +129,22 @@ def build_admm_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: DsConfig, pru
             return init_masks.read(sl.layer, sl.start, sl.length)
 
         admm.initial_mask = initial_mask
-    engine, comm = initialize(model, admm, ds)
-    admm.comm = comm
+    zero = initialize_sliced(model, admm, ds, pruned, goals)
+    admm.comm = zero.comm
+    return zero, admm
+
+
+def initialize_sliced(model: torch.nn.Module, wrapper: AdmmOptimizer | MaskedOptimizer, ds: DsConfig, pruned: dict[int, str],
+                      goals: dict[str, LayerGoal]) -> ZeroEngine:
+    """deepspeed.initialize with a wrapper that knows the pruned slices (AdmmOptimizer, MaskedOptimizer) as ZeRO-3's
+    basic optimizer; each sub-group's flat partition is handed its slices (``layout.py``)."""
+    engine, comm = initialize(model, wrapper, ds)
     if ds.optimizer_on_nvme:
-        admm.on_state_created = keep_low_precision_states_in_memory
+        wrapper.on_state_created = keep_low_precision_states_in_memory
     layout = build_layout(engine.optimizer, pruned, goals, comm.rank, comm.world_size)
     for sg in layout:
-        admm.assign(compat.flat_partition(engine.optimizer, sg.index), sg.slices)
-    return ZeroEngine(engine, layout, pruned, comm), admm
+        wrapper.assign(compat.flat_partition(engine.optimizer, sg.index), sg.slices)
+    return ZeroEngine(engine, layout, pruned, comm)
 
 
 def keep_low_precision_states_in_memory(state: dict) -> None:

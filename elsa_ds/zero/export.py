@@ -14,11 +14,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
 from elsa_ds.zero import compat
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def export_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -34,7 +38,7 @@ def export_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def export_model(module: torch.nn.Module, tokenizer, out_dir: Path, rank: int, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> int:
+def export_model(module: PreTrainedModel, tokenizer, out_dir: Path, rank: int, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> int:
     """Write sharded safetensors, config, generation config and tokenizer to ``out_dir`` (rank 0). Collective: every rank
     must call it, since each parameter is gathered from all ranks in turn. Returns the largest tensor's bytes."""
     import deepspeed
@@ -54,8 +58,9 @@ def export_model(module: torch.nn.Module, tokenizer, out_dir: Path, rank: int, m
     if rank != 0:
         return 0
     module.config.save_pretrained(out_dir)
-    if getattr(module, "generation_config", None) is not None:
-        module.generation_config.save_pretrained(out_dir)
+    generation_config = getattr(module, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return max((s.nbytes for s in specs), default=0)
 
@@ -72,6 +77,7 @@ def export_consolidated(job, tokenizer, out_dir: Path,
     state_dict = compat.gather_16bit_state_dict(job.engine)
     if job.comm.rank != 0:
         return
+    assert state_dict is not None, "rank 0 gets the consolidated state dict"
     if transform is not None:
         state_dict = transform(state_dict)
     model = job.engine.module

@@ -14,10 +14,8 @@ from elsa_ds.config import ElsaConfig
 from elsa_ds.finetune.optimizer import MaskedOptimizer
 from elsa_ds.mask_file import MaskReader
 from elsa_ds.targets import LayerGoal
-from elsa_ds.zero import compat
 from elsa_ds.zero.ds_config import DsConfig
-from elsa_ds.zero.engine import ZeroEngine, base_optimizer, full_shapes, initialize, keep_low_precision_states_in_memory
-from elsa_ds.zero.layout import build_layout
+from elsa_ds.zero.engine import ZeroEngine, base_optimizer, full_shapes, initialize, initialize_sliced
 
 
 def build_masked_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: DsConfig, pruned: dict[int, str], goals: dict[str, LayerGoal],
@@ -34,13 +32,7 @@ def build_masked_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: DsConfig, p
         return masks.read(sl.layer, sl.start, sl.length)
 
     masked = MaskedOptimizer(base, initial_mask)
-    engine, comm = initialize(model, masked, ds)
-    if ds.optimizer_on_nvme:
-        masked.on_state_created = keep_low_precision_states_in_memory
-    layout = build_layout(engine.optimizer, pruned, goals, comm.rank, comm.world_size)
-    for sg in layout:
-        masked.assign(compat.flat_partition(engine.optimizer, sg.index), sg.slices)
-    return ZeroEngine(engine, layout, pruned, comm), masked
+    return initialize_sliced(model, masked, ds, pruned, goals), masked
 
 
 def build_lora_engine(model: torch.nn.Module, cfg: ElsaConfig, ds: DsConfig, pruned: dict[int, str],

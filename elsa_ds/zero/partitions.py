@@ -61,7 +61,10 @@ def hard_projected(job: ZeroEngine, admm: AdmmOptimizer) -> Iterator[None]:
         xs = [flat.detach().view(-1).narrow(0, sl.offset, sl.length) for sl in sg.slices]
         fisher = None
         if settings.projection is Projection.fisher:
-            f = second_moment(admm.state[flat]).view(-1)
+            f = second_moment(admm.state[flat])
+            if f is None:  # as AdmmOptimizer._fisher says it
+                raise RuntimeError("fisher projection needs the base optimizer's second moment (exp_avg_sq); none was found")
+            f = f.view(-1)
             fisher = [f.narrow(0, sl.offset, sl.length) for sl in sg.slices]
         masks += projection_masks(xs, fisher, sg.slices, job.comm, settings.pattern)
     with masked_shards(job, masks):

@@ -104,7 +104,7 @@ def test_oneshot_methods_export_and_evaluate(arch, arch_dirs, text_dir, tmp_path
     for method in ("magnitude", "wanda"):
         model = load_causal_lm(str(arch_dirs[arch]), torch.float32)
         names = list(select_targets(model, None).values())
-        masks = prune_model(model, method, dict.fromkeys(names, 0.6), windows, torch.device("cpu"), say=lambda _: None)
+        masks = prune_model(model, method, dict.fromkeys(names, 0.6), windows, torch.device("cpu"))
         weights = dict(model.named_parameters())
         for name in names:
             assert int((~masks[name]).sum()) == round(0.6 * masks[name].numel()) == int((weights[name] == 0).sum()), (method, name)

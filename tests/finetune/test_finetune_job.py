@@ -26,7 +26,7 @@ def _oneshot(model_dir, text_dir, method: str) -> tuple[dict[str, torch.Tensor],
     """The one-shot masks and pruned weights the job starts from, computed here in one process."""
     cfg = resolve_config({}, {"model": str(model_dir), "dataset": str(text_dir), **SETTINGS})
     source = ModelSource(str(model_dir))
-    done = prune_oneshot(cfg, OneShot(method), source.load_tokenizer(), load_host_model(source), say=lambda _: None)
+    done = prune_oneshot(cfg, OneShot(method), source.load_tokenizer(), load_host_model(source))
     weights = dict(done.model.named_parameters())
     return done.masks, {name: weights[name].detach() for name in done.masks}
 
@@ -77,13 +77,15 @@ def test_lora_merges_with_the_mask_and_dense_control_trains_every_weight(tmp_pat
         assert torch.equal(weights[name] != 0, keep), name
         assert not torch.allclose(weights[name], oneshot_weights[name])          # the merged update is there
     dense = tmp_path / "dense"
-    _run(ds, tiny_model_dir, text_dir, dense, "--method", "dense", "--finetune", "full")
+    _run(ds, tiny_model_dir, text_dir, dense, "--method", "dense", "--finetune", "full", "--freeze_embeddings")
     report = json.loads((dense / "elsa_report.json").read_text())
     assert report["method"] == "dense" and report["layers"] == {} and report["ppl"]["pruned"] < report["ppl"]["before_finetune"]
     original = load_file(tiny_model_dir / "model.safetensors")
     tuned = load_file(dense / "model.safetensors")
     for name in masks:
         assert int((tuned[name] == 0).sum()) == 0 and not torch.allclose(tuned[name], original[name]), name
+    embedding = next(k for k in original if "embed_tokens" in k)
+    assert torch.equal(tuned[embedding], original[embedding])  # --freeze_embeddings holds in retraining as in ELSA
 
 
 def test_python_api_runs_the_retraining_baseline(tmp_path, tiny_model_dir, text_dir):

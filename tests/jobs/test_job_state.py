@@ -6,7 +6,9 @@ with ``ast``:
    declared as a field, or stored by ``__post_init__``); ``setattr(self, ...)`` outside ``__init__`` is refused outright.
 2. typed state: the first store of each attribute in ``__init__`` carries an annotation, or copies the ``__init__``
    parameter of the same name, which is annotated.
-3. no job inheritance: no class in ``elsa_ds/jobs/`` has a base that is a class defined in ``elsa_ds/jobs/`` (by name),
+3. nothing left for setup to fill: no attribute is declared ``X | None`` (or ``Optional[X]``) as None in ``__init__`` and
+   stored again by another method; what setup builds, it returns.
+4. no job inheritance: no class in ``elsa_ds/jobs/`` has a base that is a class defined in ``elsa_ds/jobs/`` (by name),
    except a ``Protocol`` there (an interface: its methods may hold only a docstring, ``...`` or ``pass``). Bases from
    outside (``object``, ``Protocol``, library classes) are allowed.
 
@@ -120,6 +122,28 @@ def untyped_attributes(source: str) -> list[str]:
     return problems
 
 
+def _optional(annotation: ast.expr | None) -> bool:
+    """``X | None``, ``None | X`` or ``Optional[X]``."""
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        return any(isinstance(side, ast.Constant) and side.value is None or _optional(side)
+                   for side in (annotation.left, annotation.right))
+    return isinstance(annotation, ast.Subscript) and getattr(annotation.value, "id", getattr(annotation.value, "attr", "")) == "Optional"
+
+
+def filled_later(source: str) -> list[str]:
+    """``Class.X`` for every attribute ``__init__`` declares ``X | None = None`` that another method stores."""
+    problems = []
+    for cls in _classes(ast.parse(source)):
+        methods = _methods(cls)
+        if "__init__" not in methods:
+            continue
+        empty = {attr for attr, node in _stores(methods["__init__"]) if isinstance(node, ast.AnnAssign)
+                 and _optional(node.annotation) and isinstance(node.value, ast.Constant) and node.value.value is None}
+        later = {attr for name, fn in methods.items() if name != "__init__" for attr, _ in _stores(fn)}
+        problems += [f"{cls.name}.{attr}" for attr in sorted(empty & later)]
+    return problems
+
+
 def _base_name(base: ast.expr) -> str:
     if isinstance(base, ast.Subscript):
         base = base.value
@@ -163,6 +187,10 @@ def test_every_job_attribute_is_declared_in_init():
 
 def test_every_job_attribute_is_typed_in_init():
     assert [f"{m}: {p}" for m, text in _package().items() for p in untyped_attributes(text)] == []
+
+
+def test_no_job_attribute_is_none_until_setup():
+    assert [f"{m}: {p}" for m, text in _package().items() for p in filled_later(text)] == []
 
 
 def test_no_job_inherits_from_another():
@@ -228,3 +256,22 @@ def test_planted_job_inheritance_is_found():
         "fat": "from typing import Protocol\nclass Fat(Protocol):\n    def go(self) -> int:\n        return 1\n",
     }
     assert job_inheritance(planted) == ["FinetuneJob(ElsaJob)", "Fat.go has a body"]
+
+
+def test_planted_attributes_left_for_setup_are_found():
+    planted = '''
+from typing import Optional
+
+class Job:
+    def __init__(self, plan: int):
+        self.plan = plan
+        self.engine: Engine | None = None       # set by setup: refused
+        self.data: Optional[Data] = None        # set by setup: refused
+        self.selector: Selector | None = None   # never stored again: a real "none" (e.g. without --select_every)
+        self.state: State = State()             # replaced by load_checkpoint, never None: fine
+
+    def setup(self):
+        self.engine, self.data = build(), load()
+        self.state = State()
+'''
+    assert filled_later(planted) == ["Job.data", "Job.engine"]

@@ -1,4 +1,5 @@
-"""launch/ablate_offload.py end to end: two real runs (CPU offload, NVMe offload) on 2 ranks, measured side by side."""
+"""launch/ablate_offload.py end to end: two real runs (CPU offload, NVMe offload) on 2 ranks, measured side by side;
+the NVMe run also stands as the check that NVMe offload swaps the ADMM states and reproduces the CPU-offload mask."""
 from __future__ import annotations
 
 import csv
@@ -6,7 +7,7 @@ import csv
 import pytest
 
 from tests.conftest import derived_config, run_entry
-from tests.zero.test_offload_variants import ARGS
+from tests.zero.test_offload_variants import ARGS, _masks
 
 pytestmark = pytest.mark.integration
 
@@ -27,10 +28,20 @@ def test_offload_ablation_measures_each_config_beside_its_estimate(tmp_path, sma
     for row in (cpu, nvme):
         assert row["step_time_s"] > 0 and row["peak_host_rss_bytes"] > 0 and row["est_host_bytes"] > 0 and row["ranks"] == 2
         assert row["admm_state_bytes_per_param"] == pytest.approx(8.0, rel=1e-3)  # fp32 z and u (+ per-slice scales)
+    # elsa-estimate's step time beside each, against rates measured before the runs; NVMe adds the states' traffic
+    assert 0 < cpu["est_step_time_s"] < nvme["est_step_time_s"]
     assert all(r["peak_gpu_bytes"] == "" for r in rows)  # no GPU: DeepSpeed's CPU accelerator, nothing on a device
     table = (out / "ablation.md").read_text().splitlines()
     assert len(table) == 4 and table[2].startswith(f"| {cpu_cfg.stem} |")
     assert (out / "ablation.png").stat().st_size > 10_000
+    # the NVMe run itself (it was tests/zero/test_offload_variants.py's own pair of runs): z, u and the Adam moments were
+    # swapped to the NVMe folder, the report says so, and the export has exact sparsity in every pruned layer
+    swapped = {p.name.split("-")[0] for p in (out / "nvme" / nvme_cfg.stem).rglob("*.tensor.swp")}
+    assert {"admm_z", "admm_u", "exp_avg", "exp_avg_sq"} <= swapped, swapped
+    nvme_masks, report = _masks(out / "runs" / nvme_cfg.stem)
+    assert report["offload"] == {"offload_param": "nvme", "offload_optimizer": "nvme"}
+    for name, mask in nvme_masks.items():
+        assert int((~mask).sum()) == round(0.7 * mask.numel()), name
 
 
 def test_bad_flags_after_the_separator_are_refused_before_any_run(tmp_path):

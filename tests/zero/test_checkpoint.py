@@ -98,9 +98,10 @@ def test_nan_stops_with_step_and_keeps_last_checkpoint(tmp_path, tiny_model_dir,
     assert changed.returncode == 2 and "sparsity" in changed.stderr and "Traceback" not in changed.stderr
 
 
-def test_emulated_two_nodes_match_one_node_two_ranks(tmp_path, tiny_model_dir, text_dir, uninterrupted):
-    ds, _ = uninterrupted
-    run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, tmp_path / "one_node"), ranks=2)
+def test_emulated_two_nodes_match_one_node(tmp_path, tiny_model_dir, text_dir, uninterrupted):
+    """Two emulated nodes of one rank each end with the mask of the uninterrupted one-rank run (one node); that one and
+    two ranks on one node give the reference mask is tests/zero/test_reference_masks.py's."""
+    ds, one_node = uninterrupted
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", str(ROOT / "launch" / "multinode_local.sh"), str(ROOT / "launch" / "prune.py"),
                            *_args(ds, tiny_model_dir, text_dir, tmp_path / "two_nodes")], cwd=ROOT, env=env,
@@ -108,7 +109,7 @@ def test_emulated_two_nodes_match_one_node_two_ranks(tmp_path, tiny_model_dir, t
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "two_nodes" / "elsa_report.json").read_text())
     assert report["world_size"] == 2
-    a, b = _weights(tmp_path / "one_node"), _weights(tmp_path / "two_nodes")
+    a, b = one_node, _weights(tmp_path / "two_nodes")
     agree = sum(int(((a[k] != 0) == (b[k] != 0)).sum()) for k in report["layers"])
     assert agree / sum(a[k].numel() for k in report["layers"]) >= 0.999
 

@@ -89,7 +89,7 @@ def test_profile_and_wanda_warm_start_match_the_reference(tmp_path, tiny_model_d
     from transformers import AutoTokenizer
 
     model = load_host_model(ModelSource(str(tiny_model_dir)))
-    done = prune_oneshot(cfg, OneShot.wanda, AutoTokenizer.from_pretrained(tiny_model_dir), model, say=lambda _: None)
+    done = prune_oneshot(cfg, OneShot.wanda, AutoTokenizer.from_pretrained(tiny_model_dir), model)
     write_masks(tmp_path / "wanda.safetensors", done.masks)
     warm = _reference(ds, tiny_model_dir, text_dir, MaskReader(tmp_path / "wanda.safetensors"), **settings)
     cold = _reference(ds, tiny_model_dir, text_dir, **settings)
@@ -116,7 +116,7 @@ def test_sparsegpt_warm_start_of_x_matches_the_reference(tmp_path, tiny_model_di
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = resolve_config(DsConfig.load(ds).raw, {"model": str(tiny_model_dir), "dataset": str(text_dir), **SETTINGS})
-    done = prune_oneshot(cfg, OneShot.sparsegpt, tok, load_host_model(ModelSource(str(tiny_model_dir))), say=lambda _: None)
+    done = prune_oneshot(cfg, OneShot.sparsegpt, tok, load_host_model(ModelSource(str(tiny_model_dir))))
     write_masks(tmp_path / "sparsegpt.safetensors", done.masks)
     done.model.save_pretrained(tmp_path / "sparsegpt")
     tok.save_pretrained(tmp_path / "sparsegpt")

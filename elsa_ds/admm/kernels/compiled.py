@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -69,6 +70,7 @@ def segment(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, 
     """
     grad = g
     if z is not None:
+        assert u is not None and zs is not None and us is not None, "z, u and their scales come together (step's zu)"
         grad = grad + h[_LAM] * ((p - z.float() * zs) + u.float() * us)
     if adamw:
         p.mul_(h[_DECAY])
@@ -84,7 +86,7 @@ class CompiledStep:
 
     def __init__(self, base: torch.optim.Optimizer, on: bool = True):
         self.kind = base_kind(base) if on and enabled() else None
-        self._fn = None
+        self._fn: Callable[..., None] | None = None  # segment compiled, on first use
         self.compiled = True  # False once a compilation failed: the same function then runs uncompiled
         self.cpu = False  # also step CPU flats (tests and bench/optimizer_step.py; CPU flats have the C++ kernels)
         self.x_steps = 0
@@ -101,7 +103,9 @@ class CompiledStep:
         """x ← Adam(x, ∇f + λ((x − z) + u) on the slices); ``zu`` = (z, u, z_scale, u_scale); ``st['step']`` += 1."""
         st["step"] += 1
         h = hyper(group, float(st["step"]), lam, self.kind == ADAMW, flat.device)
-        p, g, m, v = (t.view(-1) for t in (flat.detach(), flat.grad, st["exp_avg"], st["exp_avg_sq"]))
+        grad = flat.grad
+        assert grad is not None, "steps() ran this flat only with its gradient"
+        p, g, m, v = (t.view(-1) for t in (flat.detach(), grad, st["exp_avg"], st["exp_avg_sq"]))
         z, u, zs, us = zu
         done = 0
         for j, sl in sorted(enumerate(slices), key=lambda js: js[1].offset):
@@ -123,7 +127,7 @@ class CompiledStep:
                 return self._compiled()(*args)
             except Exception as err:  # no Triton, no compiler, an Inductor bug: say why once, run it uncompiled
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                log.warning("elsa_ds: the compiled ADMM step is unavailable (%s); running it uncompiled", first)
+                log.warning("the compiled ADMM step is unavailable (%s); running it uncompiled", first)
                 self.compiled = False
         segment(*args)
 

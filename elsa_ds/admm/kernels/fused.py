@@ -79,12 +79,14 @@ class FusedPath:
 
     def step(self, flat: torch.Tensor, slices: list[Slice], st: dict, group: dict, lam: float, zu: PenaltyState) -> None:
         """x ← Adam(x, ∇f + λ((x − z) + u) on the slices), one pass; ``zu``: z and u as stored, with their scales."""
+        kernels = self.kernels
+        assert kernels is not None, "stepped only where steps() said so, which needs the kernels"
         table = self.table(flat, slices)
         if self.kind == DEEPSPEED_ADAM:
-            xstep.adam_step(self.kernels, flat, st, group, table, zu, lam, self.adamw, self.bias)
+            xstep.adam_step(kernels, flat, st, group, table, zu, lam, self.adamw, self.bias)
             done = DEEPSPEED_ADAM
         else:
-            done = f"{ADAM8BIT}/{xstep.adam8bit_step(self.kernels, flat, st, group, table, zu, lam)}"
+            done = f"{ADAM8BIT}/{xstep.adam8bit_step(kernels, flat, st, group, table, zu, lam)}"
         self.x_steps[done] = self.x_steps.get(done, 0) + 1
 
     # ---- the projection -----------------------------------------------------------------------------

@@ -58,10 +58,12 @@ def adam_step(kernels: ModuleType, flat: torch.Tensor, state: dict, group: dict,
 
     ``zu`` as stored; ``PenaltyState.none()`` and no slices give plain DeepSpeed Adam.
     """
+    grad = flat.grad
+    assert grad is not None, "the optimizer steps only flats with a gradient"
     state["step"] += 1
     beta1, beta2 = group["betas"]
     bc1, bc2 = bias.advance(state["step"], beta1, beta2) if group.get("bias_correction", True) else (1.0, 1.0)
-    ops.adam_step(kernels, p=flat.data, grad=flat.grad.data, exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"], zu=zu,
+    ops.adam_step(kernels, p=flat.data, grad=grad.data, exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"], zu=zu,
                   table=table, lam=lam, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                   weight_decay=group["weight_decay"], adamw=adamw, bias_correction1=bc1, bias_correction2=bc2)
 
@@ -70,10 +72,12 @@ def adam8bit_step(kernels: ModuleType, flat: torch.Tensor, state: dict, group: d
                   lam: float) -> str:
     """One 8-bit Adam step of ``flat`` (bitsandbytes or minifloat codes, as its maps say) with the ADMM penalty fused
     in; ``state['step']`` += 1. Returns the code format it stepped."""
+    grad = flat.grad
+    assert grad is not None, "the optimizer steps only flats with a gradient"
     name = state_format(state)
     state["step"] += 1
     beta1, beta2 = group["betas"][:2]
-    ops.adam8bit_step(kernels, p=flat.data, grad=flat.grad.data, state1=state["state1"], state2=state["state2"],
+    ops.adam8bit_step(kernels, p=flat.data, grad=grad.data, state1=state["state1"], state2=state["state2"],
                       qmap1=state["qmap1"], qmap2=state["qmap2"], absmax1=state["absmax1"], absmax2=state["absmax2"], zu=zu,
                       table=table, lam=lam, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                       weight_decay=group["weight_decay"], step=state["step"], minifloat=name == MINIFLOAT)

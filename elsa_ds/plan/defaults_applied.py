@@ -61,8 +61,10 @@ def _kept_from_checkpoint(cfg: ElsaConfig, unset: dict[str, Any], resumed: dict[
         now = _plain(unset.get(k, getattr(cfg, k)))
         if k in cfg.model_fields_set or k in skip or k not in written or written[k] == now:
             continue
+        annotation = ElsaConfig.model_fields[k].annotation
+        assert annotation is not None, f"ElsaConfig.{k} is declared with a type (pydantic keeps None only for unannotated fields)"
         try:
-            kept[k] = (TypeAdapter(ElsaConfig.model_fields[k].annotation).validate_python(written[k]), now)
+            kept[k] = (TypeAdapter(annotation).validate_python(written[k]), now)
         except ValidationError:
             continue
     return kept

@@ -1,4 +1,4 @@
-"""Everything a job can check before it loads a weight, starts a process group or writes a file.
+"""Everything the plan checks before a job loads a weight, starts a process group or writes a file.
 
 Each check is cheap: the model's config, the headers of its weight files, a meta-device instance of the
 architecture (names and shapes without memory), the DeepSpeed JSON, the output directory, lm-eval's task index.
@@ -42,7 +42,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     fallback = machine.cpu_bf16_fallback(ds.raw)
     engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
     if fallback and engine_used and os.environ.get("RANK", "0") == "0":
-        get_logger(__name__).warning(fallback.removeprefix("elsa_ds: "))
+        get_logger(__name__).warning(fallback)
     if ds_config.uses_nvme and (why := machine.nvme_unavailable()):
         raise ElsaError(why)
     meta = meta_model(model_config)

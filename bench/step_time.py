@@ -1,0 +1,190 @@
+"""elsa-estimate's time per step against real runs, and its answer for the paper's 27B budget.
+
+    python bench/step_time.py                       # the demo job (2 ranks) under zero3_offload and ELSA-L, measured
+    python bench/step_time.py --configs ds_configs/zero3.json ds_configs/zero3_nvme.json --steps 16 --json
+    python bench/step_time.py --plan                # no run: Gemma-2/3-27B, 4096 steps of 8 x 2048 tokens per GPU
+    python bench/step_time.py --layers 4 --ranks 1 --steps 8 --json   # on a GPU host: issue 43's 27B-shaped jobs
+
+A run is ``launch/ablate_offload.py``'s (``elsa_ds.ablation.run_ablation``): the README's main job on the embedded demo
+model (its profile: seqlen 256, micro batch 4) for ``--steps`` steps, projection every ``--interval``, no validation, no
+one-shot start, under each config; the rates are measured on this machine first (``step_time.measure``), and every row
+puts the job's mean step time (its report's, the first step left out) beside the estimate. The report's mean holds
+the projections that fall in steps 1 .. steps-1 where the estimate amortizes one per interval: the row compares the
+estimate counted as the report counts (``StepTime.report_mean``). On a GPU host the same command measures the GPU
+path (the rates then include the pinned copies and the GPU's matmul). ``--layers N`` runs issue 43's jobs instead of
+the demo: Gemma-2-27B's shapes cut to N decoder layers (``bench/scale.py``'s model), --random_init --freeze_embeddings,
+Shakespeare, seqlen 2048, micro batch 1, a batch of one sequence per rank, 90 %.
+
+``--plan`` prints, from typical rates alone (``--machine``), memory per rank and node and the time of the mission's run:
+Gemma-2-27B and Gemma-3-27B, 4096 steps of 8 x 2048 tokens per GPU (micro batch 1), on one 8-GPU node and on two, for
+each shipped offload config; and the lent H200's 4-layer jobs of issue 43 (8 steps, interval 4) with what they measured.
+With --json the last line is one JSON object: the rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ["ds_configs/zero3_offload.json", "ds_configs/zero3_offload_elsal.json"]
+PLAN_CONFIGS = ("zero3_offload", "zero3_offload_elsal", "zero3_nvme")
+PLAN_MODELS = ("google/gemma-2-27b", "google/gemma-3-27b-pt")
+# issue 43's runs on the lent H200 (16-core host; Gemma-2-27B cut to 4 layers, --random_init --freeze_embeddings,
+# seqlen 2048, batch 1, 8 steps, interval 4, 90 %): the report's step_time_s, as the issue records them
+H200_RUNS = {"zero3_offload": 2.14, "zero3_offload_elsal": 1.69}
+
+
+def measured_rows(args) -> list[dict]:
+    from elsa_ds.ablation import run_ablation
+
+    out = args.out or Path(tempfile.mkdtemp(prefix="elsa_bench_step_time_"))
+    prune_args = ["--steps", str(args.steps), "--interval", str(args.interval), "--val_windows", "0", "--baseline", "none",
+                  "--init_mask", "none"]
+    if args.layers:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from scale import build_model_dir
+
+        model = build_model_dir(out / "model", args.layers)
+        prune_args += ["--model", str(model), "--random_init", "--freeze_embeddings", "--dataset", "shakespeare",
+                       "--seqlen", "2048", "--micro_batch", "1", "--batch_size", str(args.ranks), "--sparsity", "0.9"]
+    prune_args += [a for a in args.prune_args if a != "--"]
+    rows = []
+    for row in run_ablation(args.configs, out, args.ranks, prune_args):
+        report = json.loads((out / "runs" / row.config / "elsa_report.json").read_text())
+        steps = len(report.get("step_times", [])) or args.steps
+        estimate = row.est_step_time_s
+        rows.append({"config": row.config, "ranks": args.ranks, "steps": args.steps, "interval": args.interval,
+                     "measured_s": row.step_time_s, "estimated_s": estimate, "ratio": estimate / row.step_time_s,
+                     "within_25pct": abs(estimate / row.step_time_s - 1) <= 0.25, "steps_timed": steps})
+    return rows
+
+
+def _timing(model: str, config: str, num_gpus: int, num_nodes: int, machine: str, settings: dict):
+    from elsa_ds.config import resolve_config
+    from elsa_ds.memory import job_estimate, resolved_job
+    from elsa_ds.plan.defaults_applied import apply_defaults
+    from elsa_ds.memory import model_config
+    from elsa_ds.resident import read_job
+    from elsa_ds.step_time import TYPICAL, step_time
+    from elsa_ds.zero.ds_config import DsConfig
+
+    ds_config = DsConfig.load(config)
+    cfg = resolve_config(ds_config.raw, {**settings, "model": model}, source=config)
+    cfg, _ = apply_defaults(cfg, model_config(cfg.model))
+    shape, ds = resolved_job(cfg, ds_config, num_gpus * num_nodes)
+    est = job_estimate(shape, ds, cfg, num_gpus, num_nodes)
+    job = read_job(shape, ds, {**ds.get("elsa", {}), **cfg.model_dump(mode="json")}, num_gpus * num_nodes, "cuda")
+    return est, step_time(shape, ds, job, cfg, num_gpus, num_nodes, "cuda", TYPICAL[machine])
+
+
+def plan_rows(machine: str) -> list[dict]:
+    gib = 2**30
+    rows = []
+    for model in PLAN_MODELS:
+        for config in PLAN_CONFIGS:
+            for nodes in (1, 2):
+                settings = {"seqlen": 2048, "micro_batch": 1, "batch_size": 8 * 8 * nodes, "steps": 4096,
+                            "nvme_path": "/local_nvme"}
+                est, t = _timing(model, config, 8, nodes, machine, settings)
+                rows.append({"model": model, "config": config, "nodes": nodes, "gpus_per_node": 8, "machine": machine,
+                             "per_gpu_gib": est.per_gpu_bytes / gib, "cpu_per_node_gib": est.per_node_cpu_bytes / gib,
+                             "nvme_gib": est.nvme_bytes / gib, "step_s": t.step_s, "run_h": t.run_s / 3600,
+                             "tokens": 4096 * 8 * 8 * nodes * 2048, "components": t.components})
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from scale import build_model_dir
+
+        model_dir = build_model_dir(Path(tmp) / "model", 4)
+        for config, measured in H200_RUNS.items():
+            settings = {"seqlen": 2048, "micro_batch": 1, "batch_size": 1, "steps": 8, "interval": 4, "sparsity": 0.9,
+                        "freeze_embeddings": True, "init_mask": "none", "val_windows": 0}
+            est, t = _timing(str(model_dir), config, 1, 1, "gpu-vm-16c", settings)
+            estimate = t.report_mean()
+            rows.append({"model": "gemma-2-27b, 4 layers", "config": config, "nodes": 1, "gpus_per_node": 1,
+                         "machine": "gpu-vm-16c", "cpu_per_node_gib": est.per_node_cpu_bytes / gib, "step_s": estimate,
+                         "measured_step_s": measured, "ratio": estimate / measured, "components": t.components})
+    return rows
+
+
+# the lent GPU machine (bench/results/device_check_2026-11-27_h200.json): host memory, GPU memory (H200; an H100 has 79.2),
+# and its 64 GiB disk less the checkout, the wheels and the ship's payload (~10 GiB) for NVMe files and the export
+LENT_HOST_GIB, LENT_GPU_GIB, LENT_DISK_GIB = 125.9, 139.8, 54.0
+FIT_CONFIGS = ("zero3", "zero3_offload", "zero3_offload_elsal", "zero3_nvme")
+
+
+def fit_rows() -> list[dict]:
+    """The most Gemma-2-27B-shaped decoder layers each config can prune on the lent machine by the estimate (host, GPU
+    and NVMe all within the machine), embeddings frozen and trained, seqlen 2048, batch 1, and the time of a step there."""
+    gib = 2**30
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from scale import build_model_dir
+
+        for config in FIT_CONFIGS:
+            for frozen in (True, False):
+                best = None
+                for layers in range(1, 47):
+                    settings = {"seqlen": 2048, "micro_batch": 1, "batch_size": 1, "steps": 4096, "sparsity": 0.9,
+                                "freeze_embeddings": frozen, "init_mask": "none", "nvme_path": tmp}
+                    est, t = _timing(str(build_model_dir(Path(tmp) / f"m{layers}", layers)), f"ds_configs/{config}.json",
+                                     1, 1, "gpu-vm-16c", settings)
+                    if (est.per_node_cpu_bytes > LENT_HOST_GIB * gib or est.per_gpu_bytes > LENT_GPU_GIB * gib
+                            or est.nvme_bytes > LENT_DISK_GIB * gib):
+                        break
+                    best = {"config": config, "freeze_embeddings": frozen, "layers": layers, "params_b": est.num_params / 1e9,
+                            "cpu_gib": est.per_node_cpu_bytes / gib, "gpu_gib": est.per_gpu_bytes / gib,
+                            "nvme_gib": est.nvme_bytes / gib, "step_s": t.step_s}
+                rows.append(best or {"config": config, "freeze_embeddings": frozen, "layers": 0})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", default=CONFIGS)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--interval", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=0, help="Gemma-2-27B's shapes cut to this many layers [0: the demo]")
+    ap.add_argument("--out", type=Path, default=None, help="runs and logs [a temporary directory]")
+    ap.add_argument("--plan", action="store_true", help="no run: the 27B budget's estimates and issue 43's H200 jobs")
+    ap.add_argument("--machine", default="gpu-server", help="typical rates for --plan's 8-GPU nodes [gpu-server]")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("prune_args", nargs=argparse.REMAINDER, help="-- then more flags for launch/prune.py")
+    args = ap.parse_args()
+    if args.plan:
+        rows = plan_rows(args.machine)
+        fits = fit_rows()
+        print("| model | config | nodes x GPUs | per GPU GiB | CPU per node GiB | NVMe GiB | s/step | run h | measured s/step |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['model']} | {r['config']} | {r['nodes']} x {r['gpus_per_node']} | {r.get('per_gpu_gib', float('nan')):.1f} | "
+                  f"{r['cpu_per_node_gib']:.0f} | {r.get('nvme_gib', 0):.0f} | {r['step_s']:.2f} | "
+                  f"{r.get('run_h', float('nan')):.1f} | {r.get('measured_step_s', '')} |")
+        print(f"\nOn the lent machine ({LENT_HOST_GIB} GiB host, {LENT_GPU_GIB} GiB GPU, {LENT_DISK_GIB} GiB disk free), "
+              "Gemma-2-27B's layers, seqlen 2048, batch 1:")
+        print("| config | embeddings | layers | B params | CPU GiB | GPU GiB | NVMe GiB | s/step |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for r in fits:
+            print(f"| {r['config']} | {'frozen' if r['freeze_embeddings'] else 'trained'} | {r['layers']} | "
+                  f"{r.get('params_b', 0):.2f} | {r.get('cpu_gib', 0):.1f} | {r.get('gpu_gib', 0):.1f} | "
+                  f"{r.get('nvme_gib', 0):.1f} | {r.get('step_s', 0):.2f} |")
+        rows = rows + [{"fits_lent_machine": r} for r in fits]
+    else:
+        rows = measured_rows(args)
+        print("| config | ranks | steps | measured s/step | estimated | est / measured |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['config']} | {r['ranks']} | {r['steps']} | {r['measured_s']:.3f} | {r['estimated_s']:.3f} | {r['ratio']:.2f} |")
+    if args.json:
+        print(json.dumps({"rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The plan: every setting of a pruning job, finished before the job is built (torchtune's ``config.parse``).
+
+    flags or API keywords, a recipe, the JSON's "elsa" block   ─> elsa_settings ─> ElsaConfig as given  ─┐
+    the DeepSpeed JSON as read                                                                            ├─> make_plan ─> Plan
+    the defaults rule, a resumed checkpoint's values kept (defaults_applied.py)                          │    (frozen)
+    every check that needs no weights, the JSON resolved for the engine (checks.py)                    ──┘
+
+A job takes the :class:`Plan` and reads it; nothing after it changes a setting. Its setup builds only what needs the
+process group, the data and the weights. The plan is logged once (rank 0) and kept in the report.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from elsa_ds.config import ElsaConfig, load_recipe, refuse_unread_elsa_settings, resolve_config
+from elsa_ds.errors import ElsaError
+from elsa_ds.log import get_logger
+from elsa_ds.models import ModelSource
+from elsa_ds.options import JobOptions
+from elsa_ds.plan.checks import before_work, model_source
+from elsa_ds.plan.defaults_applied import apply_defaults
+from elsa_ds.zero import checkpoint
+from elsa_ds.zero.ds_config import DsConfig
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a job is told before it is built, checked and resolved; assigning to it raises."""
+
+    cfg: ElsaConfig         # the ELSA settings as the job runs them: the defaults rule applied (retraining: its own steps)
+    opts: JobOptions        # where the job runs and writes
+    ds: DsConfig            # the engine's DeepSpeed config: the JSON checked against cfg, autos resolved, batch split derived
+    defaults: dict[str, Any]  # what the defaults rule filled in and why (empty for a one-shot job: the rule is ELSA's)
+    world_size: int         # the ranks the checks were made for: the launcher's (1 for a one-shot job, one process)
+    source: ModelSource     # the model (and tokenizer) the job loads
+
+    @property
+    def trains(self) -> bool:
+        """A ZeRO-3 engine trains (ELSA, --finetune); a one-shot job alone runs none."""
+        return self.cfg.oneshot is None or self.cfg.finetune is not None
+
+
+def launched_world_size() -> int:
+    """The number of ranks the launcher started (before the process group exists)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def elsa_settings(ds_config: DsConfig, deepspeed: str, recipe: str | None, given: dict[str, Any], spelt: str = "--") -> ElsaConfig:
+    """ElsaConfig from ``given`` (flags or API keywords; None: not given) over the JSON's ``elsa`` block over a recipe,
+    validated; ELSA's own settings refused for another method (``spelt``: "--" for flags, "" for keywords)."""
+    settings = load_recipe(recipe) if recipe else None
+    cfg = resolve_config(ds_config.raw, given, source=deepspeed, recipe=settings, recipe_source=f"recipe {recipe}")
+    refuse_unread_elsa_settings(cfg, given, spelt)
+    return cfg
+
+
+def read_settings(opts: JobOptions, given: dict[str, Any], spelt: str = "--") -> tuple[ElsaConfig, DsConfig]:
+    """The ELSA settings as their sources give them (:func:`elsa_settings`) and the DeepSpeed JSON ``opts`` names, as read."""
+    ds_config = DsConfig.load(opts.deepspeed)
+    return elsa_settings(ds_config, opts.deepspeed, opts.recipe, given, spelt), ds_config
+
+
+def make_plan(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> Plan:
+    """The finished plan of the job ``cfg.method`` names: the defaults rule applied to what the user left unset (keeping
+    a resumed checkpoint's values), then every check that needs no weights, which resolves the DeepSpeed JSON for the
+    engine. Runs on every rank, before any collective."""
+    source = model_source(cfg, opts)
+    if cfg.oneshot is not None and cfg.finetune is None:
+        if opts.resume:
+            raise ElsaError(f"--resume continues an ELSA run; {cfg.method.value} has no checkpoints (it is one pass)")
+        return Plan(cfg, opts, before_work(cfg, opts, ds_config, 1, source), {}, 1, source)
+    if cfg.finetune is not None:  # the loop runs cfg.steps: the retraining's own count
+        cfg = cfg.model_copy(update={"steps": cfg.finetune_steps or cfg.steps})
+    world = launched_world_size()
+    cfg, defaults = apply_defaults(cfg, source.config(), checkpoint.resumed_fingerprint(opts.output_dir, opts.resume))
+    return Plan(cfg, opts, before_work(cfg, opts, ds_config, world, source), defaults, world, source)
+
+
+def log_plan(plan: Plan) -> None:
+    """The plan on the console, once (rank 0): the ELSA settings, what the defaults rule filled in and why, and the
+    engine's DeepSpeed config (a one-shot job runs no engine)."""
+    log.info("resolved ELSA config:\n" + json.dumps(plan.cfg.model_dump(mode="json"), indent=2))
+    if plan.defaults.get("applied"):
+        kept = " or the checkpoint resumed" if plan.defaults["kept_from_checkpoint"] else ""
+        log.info(f"from the defaults rule (elsa_ds/defaults.py){kept}: "
+                 + "; ".join(f"{k} {v} ({plan.defaults['why'][k]})" for k, v in plan.defaults["applied"].items()))
+    if plan.trains:
+        log.info("DeepSpeed config:\n" + json.dumps(plan.ds.raw, indent=2))

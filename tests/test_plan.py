@@ -1,0 +1,87 @@
+"""The plan (``elsa_ds/plan``): every setting finished before a job is built, the way from the command line down the
+layers only, and nothing after it resolving a setting again."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from elsa_ds.config import DEMO_MODEL_DIR
+from elsa_ds.errors import ElsaError
+from elsa_ds.options import JobOptions
+from elsa_ds.plan import Plan, make_plan, read_settings
+from tests import structure_rules as rules
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_BUILDERS = ("elsa_ds.zero.engine", "elsa_ds.zero.finetune_engine", "elsa_ds.zero.dist")
+
+
+def _plan_edges() -> dict[str, str]:
+    """Every module a module of elsa_ds/plan imports (at any depth), with where."""
+    graph = rules.import_graph(ROOT)
+    return {target: where for module, edges in graph.items() if module.split(".")[:2] == ["elsa_ds", "plan"]
+            for target, where in edges.items() if not target.startswith("elsa_ds.plan")}
+
+
+def test_the_plan_sits_below_the_jobs_and_imports_nothing_above_it_or_that_builds_an_engine():
+    own = rules.layer_of("elsa_ds.plan")
+    assert own is not None and own < rules.layer_of("elsa_ds.jobs") < rules.layer_of("elsa_ds.cli")
+    edges = _plan_edges()
+    assert edges, "the plan's imports were not found"
+    above = [f"{where}: {target}" for target, where in edges.items() if (rules.layer_of(target) or 0) > own]
+    assert above == []
+    assert [t for t in edges if t.startswith(ENGINE_BUILDERS)] == []
+
+
+def test_the_settings_go_from_the_entry_points_through_the_plan_to_the_jobs():
+    graph = rules.import_graph(ROOT)
+    for surface in ("elsa_ds.cli", "elsa_ds.api", "elsa_ds.jobs.owner"):
+        assert "elsa_ds.plan" in graph[surface], surface
+    assert {"elsa_ds.plan"} <= set(graph["elsa_ds.jobs.elsa"]) and {"elsa_ds.plan"} <= set(graph["elsa_ds.jobs.finetune"])
+
+
+def test_no_job_resolves_a_setting_again():
+    """The defaults rule, the checks, the DeepSpeed JSON's resolution and settings copies happen in the plan alone."""
+    found = []
+    for path in sorted((ROOT / "elsa_ds" / "jobs").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if name in ("apply_defaults", "before_work", "resolve", "engine_config", "model_copy", "resolve_config", "make_plan"):
+                found.append(f"{path.name}: {name}")
+    assert sorted(set(found)) == ["owner.py: make_plan"]  # the job's owner makes the plan once, under the output's lock
+
+
+@pytest.fixture
+def demo_plan(tmp_path, monkeypatch) -> Plan:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    opts = JobOptions(deepspeed="zero3_offload", output_dir=tmp_path / "out")
+    cfg, ds_config = read_settings(opts, {"steps": 64})
+    return make_plan(cfg, opts, ds_config)
+
+
+def test_a_plan_is_finished_and_frozen(demo_plan):
+    plan = demo_plan
+    assert Path(plan.cfg.model).resolve() == DEMO_MODEL_DIR and plan.world_size == 1 and plan.trains
+    assert plan.defaults["applied"] and set(plan.defaults["applied"]) <= set(plan.defaults["why"])  # the rule, and why
+    assert all(getattr(plan.cfg, k) == v or getattr(getattr(plan.cfg, k), "value", None) == v
+               for k, v in plan.defaults["applied"].items())
+    ds = plan.ds.raw  # resolved for the engine: the batch split derived, no "auto" left, no elsa block
+    assert ds["gradient_accumulation_steps"] == ds["train_batch_size"] // ds["train_micro_batch_size_per_gpu"]
+    assert "elsa" not in ds and "auto" not in repr(ds)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.cfg = plan.cfg.model_copy(update={"steps": 1})  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.world_size = 2  # type: ignore[misc]
+
+
+def test_a_retraining_plan_runs_its_own_steps_and_a_one_shot_plan_refuses_resume(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    opts = JobOptions(deepspeed="zero3_offload", output_dir=tmp_path / "out")
+    cfg, ds_config = read_settings(opts, {"method": "magnitude", "finetune": "full", "finetune_steps": 24, "steps": 64})
+    assert make_plan(cfg, opts, ds_config).cfg.steps == 24
+    resumed = JobOptions(deepspeed="zero3_offload", output_dir=tmp_path / "out", resume=True)
+    cfg, ds_config = read_settings(resumed, {"method": "magnitude"})
+    with pytest.raises(ElsaError, match="has no checkpoints"):
+        make_plan(cfg, resumed, ds_config)

@@ -1,0 +1,109 @@
+"""elsa-estimate's time: a step's components follow the bytes and FLOPs the configs imply, the machine's rates come from
+a measurement or a named typical host, and the whole run's hours are printed (and in --json) offline, in seconds."""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+from transformers import AutoConfig
+
+from elsa_ds.cli import main_estimate
+from elsa_ds.config import ElsaConfig
+from elsa_ds.memory import model_shape
+from elsa_ds.resident import read_job
+from elsa_ds.shapes import CONFIG_DIR
+from elsa_ds.step_time import TYPICAL, measure, step_time
+from elsa_ds.zero.ds_config import DsConfig
+
+GEMMA2_27B = json.loads((CONFIG_DIR / "google/gemma-2-27b/config.json").read_text())
+
+
+def _timed(layers: int = 4, deepspeed: str = "zero3_offload", num_gpus: int = 1, num_nodes: int = 1, device: str = "cuda",
+           machine: str = "gpu-vm-16c", freeze: bool = True, **settings):
+    shape = model_shape(AutoConfig.for_model(**{**GEMMA2_27B, "num_hidden_layers": layers}), freeze_embeddings=freeze)
+    world = num_gpus * num_nodes
+    ds = {**DsConfig.load(deepspeed).raw, "train_batch_size": settings.pop("batch", world), "train_micro_batch_size_per_gpu": 1}
+    cfg = ElsaConfig(model="m", seqlen=2048, **{**ds.get("elsa", {}), **settings})  # the JSON's block, as the job reads it
+    job = read_job(shape, ds, {**ds.get("elsa", {}), **cfg.model_dump(mode="json")}, world, device)
+    return step_time(shape, ds, job, cfg, num_gpus, num_nodes, device, TYPICAL[machine]), shape
+
+
+def test_the_step_is_the_sum_of_its_components_and_the_run_adds_what_steps_do_not():
+    t, _ = _timed(steps=100)
+    assert t.step_s == pytest.approx(sum(t.components.values()))
+    assert t.run_parts["steps"] == pytest.approx(100 * t.step_s)
+    assert t.run_s == pytest.approx(sum(t.run_parts.values())) and t.run_s > t.run_parts["steps"]
+    assert t.components["nvme"] == 0 and all(v > 0 for k, v in t.components.items() if k != "nvme")
+
+
+def test_host_work_follows_the_trained_entries_and_the_projection_its_interval():
+    frozen, shape = _timed(interval=8)
+    trained, shape_all = _timed(interval=8, freeze=False)
+    ratio = shape_all.trainable_params / shape.trainable_params
+    for name in ("optimizer", "host passes", "projection"):
+        assert trained.components[name] == pytest.approx(ratio * frozen.components[name])
+    sparse_projection, _ = _timed(interval=32)
+    assert sparse_projection.components["projection"] == pytest.approx(frozen.components["projection"] / 4)
+    assert sparse_projection.components["optimizer"] == frozen.components["optimizer"]
+
+
+def test_elsal_and_its_kernel_cost_and_nvme_traffic():
+    fp32, _ = _timed()
+    elsal, _ = _timed(deepspeed="zero3_offload_elsal")
+    assert elsal.components["optimizer"] / fp32.components["optimizer"] == pytest.approx(
+        TYPICAL["gpu-vm-16c"].kernel["adam8bit_minifloat"] / TYPICAL["gpu-vm-16c"].kernel["cpu_adam"])
+    nvme, _ = _timed(deepspeed="zero3_nvme", nvme_path="/tmp")
+    assert nvme.components["nvme"] > 0 and nvme.step_s > fp32.step_s
+
+
+def test_more_ranks_share_the_host_and_a_second_node_halves_its_share():
+    one, _ = _timed(num_gpus=1)
+    eight, _ = _timed(num_gpus=8, machine="gpu-server")
+    sixteen, _ = _timed(num_gpus=8, num_nodes=2, machine="gpu-server")
+    # 8 ranks on a node: each steps 1/8 of the entries but shares the node's host with 7 others
+    assert eight.components["optimizer"] == pytest.approx(
+        one.components["optimizer"] * TYPICAL["gpu-vm-16c"].adam / TYPICAL["gpu-server"].adam)
+    assert sixteen.components["optimizer"] == pytest.approx(eight.components["optimizer"] / 2)
+    assert sixteen.components["forward/backward"] > 0
+
+
+def test_the_optimizer_on_the_gpu_leaves_no_host_pass_and_a_cpu_job_no_pcie():
+    gpu, _ = _timed(deepspeed="zero3")
+    assert gpu.components["host passes"] == 0 and gpu.components["optimizer"] < 0.1
+    cpu, _ = _timed(layers=1, device="cpu", machine="cpu-2c", num_gpus=2)
+    assert cpu.components["forward/backward"] > gpu.components["forward/backward"]  # 2 cores against an H100
+
+
+def test_measure_times_this_machine_in_seconds():
+    t0 = time.perf_counter()
+    rates = measure("cpu", TYPICAL["cpu-2c"], 32)
+    assert time.perf_counter() - t0 < 60
+    assert rates.source.startswith("measured on this machine")
+    for name in ("matmul_flops", "host_bw", "adam", "device_bw"):
+        value = getattr(rates, name)
+        assert math.isfinite(value) and value > 0, name
+    assert rates.adam != TYPICAL["cpu-2c"].adam  # DeepSpeedCPUAdam ran here
+
+
+def test_the_mission_case_prints_memory_and_hours_offline_in_seconds(capsys):
+    t0 = time.perf_counter()
+    assert main_estimate(["--model", "google/gemma-2-27b", "--deepspeed", "zero3_offload_elsal", "--num_gpus", "8",
+                          "--seqlen", "2048", "--batch_size", "64", "--micro_batch", "1", "--steps", "4096", "--json"]) == 0
+    assert time.perf_counter() - t0 < 30
+    out = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("time per step") for line in out)
+    assert any(line.startswith("the run: 4096 steps") and " h (" in line for line in out)
+    last = json.loads(out[-1])
+    assert last["per_node_cpu_bytes"] > 0 and last["time"]["steps"] == 4096
+    assert last["time"]["run_s"] > 4096 * last["time"]["step_s"] * 0.99
+    assert last["time"]["rates"]["source"].startswith("typical 8-GPU server")
+
+
+def test_the_reports_mean_counts_the_projections_in_the_steps_it_averages():
+    t, _ = _timed(steps=8, interval=4)
+    plain, each = t.step_s - t.components["projection"], t.components["projection"] * 4
+    assert t.report_mean() == pytest.approx(plain + each * 2 / 7)  # steps 1..7: step 3 projects, step 7 finalizes
+    long, _ = _timed(steps=4096, interval=32)
+    assert long.report_mean() == pytest.approx(long.step_s, rel=1e-3)
