@@ -23,14 +23,17 @@ With --json the last line is one JSON object: the rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale import build_model_dir  # noqa: E402  (Gemma-2-27B's config cut to N layers)
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["ds_configs/zero3_offload.json", "ds_configs/zero3_offload_elsal.json"]
 PLAN_CONFIGS = ("zero3_offload", "zero3_offload_elsal", "zero3_nvme")
 PLAN_MODELS = ("google/gemma-2-27b", "google/gemma-3-27b-pt")
@@ -46,40 +49,34 @@ def measured_rows(args) -> list[dict]:
     prune_args = ["--steps", str(args.steps), "--interval", str(args.interval), "--val_windows", "0", "--baseline", "none",
                   "--init_mask", "none"]
     if args.layers:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from scale import build_model_dir
-
         model = build_model_dir(out / "model", args.layers)
         prune_args += ["--model", str(model), "--random_init", "--freeze_embeddings", "--dataset", "shakespeare",
                        "--seqlen", "2048", "--micro_batch", "1", "--batch_size", str(args.ranks), "--sparsity", "0.9"]
     prune_args += [a for a in args.prune_args if a != "--"]
     rows = []
     for row in run_ablation(args.configs, out, args.ranks, prune_args):
-        report = json.loads((out / "runs" / row.config / "elsa_report.json").read_text())
-        steps = len(report.get("step_times", [])) or args.steps
         estimate = row.est_step_time_s
         rows.append({"config": row.config, "ranks": args.ranks, "steps": args.steps, "interval": args.interval,
                      "measured_s": row.step_time_s, "estimated_s": estimate, "ratio": estimate / row.step_time_s,
-                     "within_25pct": abs(estimate / row.step_time_s - 1) <= 0.25, "steps_timed": steps})
+                     "within_25pct": abs(estimate / row.step_time_s - 1) <= 0.25})
     return rows
 
 
 def _timing(model: str, config: str, num_gpus: int, num_nodes: int, machine: str, settings: dict):
-    from elsa_ds.config import resolve_config
-    from elsa_ds.memory import job_estimate, resolved_job
-    from elsa_ds.plan.defaults_applied import apply_defaults
-    from elsa_ds.memory import model_config
-    from elsa_ds.resident import read_job
-    from elsa_ds.step_time import TYPICAL, step_time
-    from elsa_ds.zero.ds_config import DsConfig
+    """(memory, time) of the job as ``elsa-estimate --json`` gives them: the entry point itself, the settings as flags."""
+    from elsa_ds.cli import main_estimate
+    from elsa_ds.step_time import StepTime
 
-    ds_config = DsConfig.load(config)
-    cfg = resolve_config(ds_config.raw, {**settings, "model": model}, source=config)
-    cfg, _ = apply_defaults(cfg, model_config(cfg.model))
-    shape, ds = resolved_job(cfg, ds_config, num_gpus * num_nodes)
-    est = job_estimate(shape, ds, cfg, num_gpus, num_nodes)
-    job = read_job(shape, ds, {**ds.get("elsa", {}), **cfg.model_dump(mode="json")}, num_gpus * num_nodes, "cuda")
-    return est, step_time(shape, ds, job, cfg, num_gpus, num_nodes, "cuda", TYPICAL[machine])
+    argv = ["--model", model, "--deepspeed", config, "--num_gpus", str(num_gpus), "--num_nodes", str(num_nodes),
+            "--machine", machine, "--log_level", "warning", "--json"]
+    for name, value in settings.items():
+        argv += [f"--{name}"] if value is True else [f"--no_{name}"] if value is False else [f"--{name}", str(value)]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        if main_estimate(argv) != 0:
+            raise SystemExit(f"elsa-estimate {' '.join(argv)} failed (its error is above)")
+    est = json.loads(printed.getvalue().strip().splitlines()[-1])
+    return est, StepTime(**est.pop("time"))
 
 
 def plan_rows(machine: str) -> list[dict]:
@@ -88,17 +85,13 @@ def plan_rows(machine: str) -> list[dict]:
     for model in PLAN_MODELS:
         for config in PLAN_CONFIGS:
             for nodes in (1, 2):
-                settings = {"seqlen": 2048, "micro_batch": 1, "batch_size": 8 * 8 * nodes, "steps": 4096,
-                            "nvme_path": "/local_nvme"}
+                settings = {"seqlen": 2048, "micro_batch": 1, "batch_size": 8 * 8 * nodes, "steps": 4096}
                 est, t = _timing(model, config, 8, nodes, machine, settings)
                 rows.append({"model": model, "config": config, "nodes": nodes, "gpus_per_node": 8, "machine": machine,
-                             "per_gpu_gib": est.per_gpu_bytes / gib, "cpu_per_node_gib": est.per_node_cpu_bytes / gib,
-                             "nvme_gib": est.nvme_bytes / gib, "step_s": t.step_s, "run_h": t.run_s / 3600,
+                             "per_gpu_gib": est["per_gpu_bytes"] / gib, "cpu_per_node_gib": est["per_node_cpu_bytes"] / gib,
+                             "nvme_gib": est["nvme_bytes"] / gib, "step_s": t.step_s, "run_h": t.run_s / 3600,
                              "tokens": 4096 * 8 * 8 * nodes * 2048, "components": t.components})
     with tempfile.TemporaryDirectory() as tmp:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from scale import build_model_dir
-
         model_dir = build_model_dir(Path(tmp) / "model", 4)
         for config, measured in H200_RUNS.items():
             settings = {"seqlen": 2048, "micro_batch": 1, "batch_size": 1, "steps": 8, "interval": 4, "sparsity": 0.9,
@@ -106,7 +99,7 @@ def plan_rows(machine: str) -> list[dict]:
             est, t = _timing(str(model_dir), config, 1, 1, "gpu-vm-16c", settings)
             estimate = t.report_mean()
             rows.append({"model": "gemma-2-27b, 4 layers", "config": config, "nodes": 1, "gpus_per_node": 1,
-                         "machine": "gpu-vm-16c", "cpu_per_node_gib": est.per_node_cpu_bytes / gib, "step_s": estimate,
+                         "machine": "gpu-vm-16c", "cpu_per_node_gib": est["per_node_cpu_bytes"] / gib, "step_s": estimate,
                          "measured_step_s": measured, "ratio": estimate / measured, "components": t.components})
     return rows
 
@@ -123,23 +116,20 @@ def fit_rows() -> list[dict]:
     gib = 2**30
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from scale import build_model_dir
-
         for config in FIT_CONFIGS:
             for frozen in (True, False):
                 best = None
                 for layers in range(1, 47):
                     settings = {"seqlen": 2048, "micro_batch": 1, "batch_size": 1, "steps": 4096, "sparsity": 0.9,
-                                "freeze_embeddings": frozen, "init_mask": "none", "nvme_path": tmp}
+                                "freeze_embeddings": frozen, "init_mask": "none"}
                     est, t = _timing(str(build_model_dir(Path(tmp) / f"m{layers}", layers)), f"ds_configs/{config}.json",
                                      1, 1, "gpu-vm-16c", settings)
-                    if (est.per_node_cpu_bytes > LENT_HOST_GIB * gib or est.per_gpu_bytes > LENT_GPU_GIB * gib
-                            or est.nvme_bytes > LENT_DISK_GIB * gib):
+                    if (est["per_node_cpu_bytes"] > LENT_HOST_GIB * gib or est["per_gpu_bytes"] > LENT_GPU_GIB * gib
+                            or est["nvme_bytes"] > LENT_DISK_GIB * gib):
                         break
-                    best = {"config": config, "freeze_embeddings": frozen, "layers": layers, "params_b": est.num_params / 1e9,
-                            "cpu_gib": est.per_node_cpu_bytes / gib, "gpu_gib": est.per_gpu_bytes / gib,
-                            "nvme_gib": est.nvme_bytes / gib, "step_s": t.step_s}
+                    best = {"config": config, "freeze_embeddings": frozen, "layers": layers, "params_b": est["num_params"] / 1e9,
+                            "cpu_gib": est["per_node_cpu_bytes"] / gib, "gpu_gib": est["per_gpu_bytes"] / gib,
+                            "nvme_gib": est["nvme_bytes"] / gib, "step_s": t.step_s}
                 rows.append(best or {"config": config, "freeze_embeddings": frozen, "layers": 0})
     return rows
 

@@ -185,15 +185,12 @@ def step_time_for_report(view: DsConfig, report: dict, ranks: int, device: str, 
     resolved it, against ``rates`` (the matmul's timed again at the job's own shape)."""
     from elsa_ds.config import ElsaConfig
     from elsa_ds.memory import resolved_job
-    from elsa_ds.resident import read_job
-    from elsa_ds.step_time import matmul_rate, step_time
+    from elsa_ds.step_time import job_matmul, matmul_rate, step_time
 
     cfg = ElsaConfig.model_validate(report["config"])
     shape, ds = resolved_job(cfg, view, ranks)
-    job = read_job(shape, ds, {**ds.get("elsa", {}), **cfg.model_dump(mode="json")}, ranks, device)
-    gemm = (ds["train_micro_batch_size_per_gpu"] * cfg.seqlen, shape.hidden, shape.hidden)  # the job's own matmul
-    rates = replace(rates, matmul_flops=matmul_rate(device, 8 * job.half, gemm))
-    return step_time(shape, ds, job, cfg, ranks, 1, device, rates)
+    rates = replace(rates, matmul_flops=matmul_rate(device, *job_matmul(shape, ds, cfg)))  # the job's own matmul
+    return step_time(shape, ds, cfg, ranks, 1, device, rates)
 
 
 def _free_port() -> int:

@@ -48,14 +48,6 @@ def settings_from_args(args: argparse.Namespace):
     return opts, cfg, ds_config
 
 
-def resolved_settings(ds_config, deepspeed: str, recipe: str | None, given: dict[str, Any]) -> ElsaConfig:
-    """ElsaConfig from the flags ``given`` (None: not given) over the JSON's ``elsa`` block and a recipe, validated, as the
-    plan reads them (``plan.elsa_settings``); ELSA's own flags refused for another method."""
-    from elsa_ds.plan import elsa_settings
-
-    return elsa_settings(ds_config, deepspeed, recipe, given)
-
-
 def main_prune(argv: list[str] | None = None) -> int:
     args = prune_parser().parse_args(argv)
     start_logging(args)
@@ -107,13 +99,14 @@ ESTIMATE_SHARED: dict[type[BaseModel], tuple[str, ...]] = {
 def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) -> ElsaConfig:
     """The ElsaConfig of the job elsa-estimate sizes, resolved as elsa-prune resolves it: flags over the JSON's ``elsa``
     block and a recipe, then the defaults rule (which may start from a SparseGPT-pruned model: a one-shot warm start)."""
-    from elsa_ds.plan.defaults_applied import apply_defaults
     from elsa_ds.memory import model_config
     from elsa_ds.methods import ELSA
+    from elsa_ds.plan import elsa_settings
+    from elsa_ds.plan.defaults_applied import apply_defaults
 
     model = Path(opts.model).expanduser()
     given = {**{k: getattr(args, k) for k in ESTIMATE_SHARED[ElsaConfig]}, "model": str(model.parent) if model.is_file() else opts.model}
-    cfg = resolved_settings(ds_config, args.deepspeed, args.recipe, given)
+    cfg = elsa_settings(ds_config, args.deepspeed, args.recipe, given)
     if cfg.method.value != ELSA:
         raise ElsaError(f"elsa-estimate sizes ELSA jobs, but the recipe or the JSON's elsa block sets method {cfg.method.value}")
     cfg, defaults = apply_defaults(cfg, model_config(cfg.model))
@@ -138,8 +131,7 @@ def main_estimate(argv: list[str] | None = None) -> int:
 
     def go() -> None:
         from elsa_ds.memory import format_estimate, job_estimate, resolved_job
-        from elsa_ds.resident import read_job
-        from elsa_ds.step_time import DEFAULT_MACHINE, TYPICAL, format_time, measure, step_time
+        from elsa_ds.step_time import DEFAULT_MACHINE, TYPICAL, format_time, job_matmul, measure, step_time
         from elsa_ds.zero.ds_config import DsConfig
 
         opts = validated(EstimateOptions, {k: getattr(args, k) for k in _cli_fields(EstimateOptions) if getattr(args, k) is not None})
@@ -148,10 +140,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
         shape, ds = resolved_job(cfg, ds_config, opts.num_gpus * opts.num_nodes)
         est = job_estimate(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator)
         typical = TYPICAL[DEFAULT_MACHINE[opts.accelerator] if opts.machine == "auto" else opts.machine]
-        gemm = (ds["train_micro_batch_size_per_gpu"] * cfg.seqlen, shape.hidden, shape.hidden)
-        rates = measure(opts.accelerator, typical, 16 if ds.get("bf16", {}).get("enabled") else 32, gemm) if opts.measure else typical
-        job = read_job(shape, ds, {**ds.get("elsa", {}), **cfg.model_dump(mode="json")}, opts.num_gpus * opts.num_nodes, opts.accelerator)
-        timing = step_time(shape, ds, job, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates)
+        rates = measure(opts.accelerator, typical, *job_matmul(shape, ds, cfg)) if opts.measure else typical
+        timing = step_time(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates)
         # the table and the JSON line are the command's product: stdout, whatever the log level
         print(format_estimate(est, opts.model, args.deepspeed, opts.num_gpus, opts.num_nodes), flush=True)
         print(format_time(timing), flush=True)

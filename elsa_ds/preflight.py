@@ -173,12 +173,10 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
 
 def _expected_time(shape: ModelShape, job: _Run) -> str:
     """What the run will take at the typical rates of a host like this one (its core count picks the profile)."""
-    from elsa_ds.resident import read_job
     from elsa_ds.step_time import TYPICAL, step_time
 
     name = "cpu-2c" if job.device == "cpu" else "gpu-server" if (os.cpu_count() or 1) >= 64 else "gpu-vm-16c"
-    run = read_job(shape, job.ds, {**job.ds.get("elsa", {}), **job.cfg.model_dump(mode="json")}, job.world, job.device)
-    t = step_time(shape, job.ds, run, job.cfg, job.local, job.nodes, job.device, TYPICAL[name])
+    t = step_time(shape, job.ds, job.cfg, job.local, job.nodes, job.device, TYPICAL[name])
     return (f"expected: {t.step_s:.3g} s a step, {t.run_s / 3600:.3g} h for the run ({t.steps} steps) at the typical rates "
             f"of a {name} host (elsa-estimate --measure times this one)")
 

@@ -30,7 +30,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from elsa_ds.resident import Job
+from elsa_ds.resident import Job, read_job
 from elsa_ds.shapes import ModelShape
 
 
@@ -134,9 +134,17 @@ def _micro_steps(ds: dict, world: int) -> tuple[int, int]:
     return micro, max(1, int(ds["train_batch_size"]) // (micro * world))
 
 
-def step_time(shape: ModelShape, ds: dict, job: Job, cfg, num_gpus: int, num_nodes: int, device: str, rates: Rates) -> StepTime:
-    """Seconds per step and for the run of an ELSA job (``ds``: the engine's DeepSpeed config, ``job``: what
-    ``resident.read_job`` read from it, ``cfg``: the ElsaConfig after the defaults rule)."""
+def job_matmul(shape: ModelShape, ds: dict, cfg) -> tuple[int, tuple[int, int, int]]:
+    """(bits of the compute dtype, the job's typical matmul: a micro-step's tokens x hidden @ hidden x hidden), what
+    :func:`measure` and :func:`matmul_rate` time for this job."""
+    bits = 16 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 32
+    return bits, (int(ds["train_micro_batch_size_per_gpu"]) * cfg.seqlen, shape.hidden, shape.hidden)
+
+
+def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, device: str, rates: Rates) -> StepTime:
+    """Seconds per step and for the run of an ELSA job (``ds``: the engine's DeepSpeed config, ``cfg``: the ElsaConfig
+    after the defaults rule) on num_gpus x num_nodes ranks."""
+    job = read_job(shape, ds, {**ds.get("elsa", {}), **cfg.model_dump(mode="json")}, num_gpus * num_nodes, device)
     micro, accumulation = _micro_steps(ds, job.world)
     # a CPU node's ranks share its cores: each gets 1/g of the node's matmul rate (the host's rates are always shared)
     flop_rate = rates.matmul_flops / num_gpus if device == "cpu" else rates.matmul_flops

@@ -12,7 +12,6 @@ from transformers import AutoConfig
 from elsa_ds.cli import main_estimate
 from elsa_ds.config import ElsaConfig
 from elsa_ds.memory import model_shape
-from elsa_ds.resident import read_job
 from elsa_ds.shapes import CONFIG_DIR
 from elsa_ds.step_time import TYPICAL, measure, step_time
 from elsa_ds.zero.ds_config import DsConfig
@@ -26,8 +25,7 @@ def _timed(layers: int = 4, deepspeed: str = "zero3_offload", num_gpus: int = 1,
     world = num_gpus * num_nodes
     ds = {**DsConfig.load(deepspeed).raw, "train_batch_size": settings.pop("batch", world), "train_micro_batch_size_per_gpu": 1}
     cfg = ElsaConfig(model="m", seqlen=2048, **{**ds.get("elsa", {}), **settings})  # the JSON's block, as the job reads it
-    job = read_job(shape, ds, {**ds.get("elsa", {}), **cfg.model_dump(mode="json")}, world, device)
-    return step_time(shape, ds, job, cfg, num_gpus, num_nodes, device, TYPICAL[machine]), shape
+    return step_time(shape, ds, cfg, num_gpus, num_nodes, device, TYPICAL[machine]), shape
 
 
 def test_the_step_is_the_sum_of_its_components_and_the_run_adds_what_steps_do_not():
