@@ -85,13 +85,18 @@ class Job:
     fused_init: bool         # z₀ = Π(x) does too (no warm-start mask)
 
 
+def element_bytes(ds: dict) -> int:
+    """Bytes of a model element in the engine: 2 with bf16 or fp16 on, else 4 (fp32)."""
+    return 2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4
+
+
 def read_job(shape: ModelShape, ds: dict, elsa: dict, world: int, device: str) -> Job:
     view = DsConfig(ds)
     opt_dev, base = view.optimizer_device, elsa.get("base_optimizer", "auto")
     if bad := sorted({view.param_device, opt_dev} - {"none", "cpu", "nvme"}):  # until DsConfig.check names it
         raise ElsaError(f"zero_optimization: offload_param / offload_optimizer device {bad[0]!r}: DeepSpeed takes none, cpu or nvme")
     base = ("adam" if opt_dev == "none" else "cpu_adam") if base == "auto" else base
-    half = 2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4
+    half = element_bytes(ds)
     zero = view.zero
     pins = {k: device == "cuda" and bool(zero.get(k, {}).get("pin_memory")) for k in ("offload_param", "offload_optimizer")}
     fused = (opt_dev != "none" or device == "cpu") and elsa.get("pattern", "unstructured") == "unstructured"

@@ -30,7 +30,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from elsa_ds.resident import Job, read_job
+from elsa_ds.resident import Job, element_bytes, read_job
 from elsa_ds.shapes import ModelShape
 
 
@@ -137,8 +137,7 @@ def _micro_steps(ds: dict, world: int) -> tuple[int, int]:
 def job_matmul(shape: ModelShape, ds: dict, cfg) -> tuple[int, tuple[int, int, int]]:
     """(bits of the compute dtype, the job's typical matmul: a micro-step's tokens x hidden @ hidden x hidden), what
     :func:`measure` and :func:`matmul_rate` time for this job."""
-    bits = 16 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 32
-    return bits, (int(ds["train_micro_batch_size_per_gpu"]) * cfg.seqlen, shape.hidden, shape.hidden)
+    return 8 * element_bytes(ds), (int(ds["train_micro_batch_size_per_gpu"]) * cfg.seqlen, shape.hidden, shape.hidden)
 
 
 def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, device: str, rates: Rates) -> StepTime:
