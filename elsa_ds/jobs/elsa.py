@@ -24,17 +24,18 @@ from elsa_ds.options import JobOptions
 from elsa_ds.jobs import report
 from elsa_ds.jobs.phases import PhaseLog, step_phase
 from elsa_ds.jobs.selection import Selector, snapshot_dir
-from elsa_ds.jobs.training import Checkpoints, RunState, TrainingData, open_training, train_loop, windows_ppl
+from elsa_ds.jobs.training import (Checkpoints, RunState, TrainingData, load_for_training, open_training, train_loop,
+                                   windows_ppl)
 from elsa_ds.jobs.warm_start import WarmStart, warm_start, warm_start_path, warm_start_weights_dir
 from elsa_ds.log import get_logger
-from elsa_ds.models import ModelSource, freeze_embeddings
+from elsa_ds.models import ModelSource
 from elsa_ds.monitor import Monitor
 from elsa_ds.output import fresh_staging, staging_dir
 from elsa_ds.plan import Plan
-from elsa_ds.targets import LayerGoal, select_targets
+from elsa_ds.targets import LayerGoal
 from elsa_ds.zero import steps
 from elsa_ds.zero.ds_config import DsConfig
-from elsa_ds.zero.engine import PartitionedModel, ZeroEngine, build_admm_engine, full_shapes, load_partitioned
+from elsa_ds.zero.engine import PartitionedModel, ZeroEngine, build_admm_engine
 from elsa_ds.zero.export import export_model
 from elsa_ds.zero.partitions import magnitude_pruned
 
@@ -90,17 +91,12 @@ class ElsaJob:
         cfg = self.cfg
         masks, start = (warm.masks, warm.start) if warm else (None, None)
         # a resumed run loads the dense model: its checkpoint brings x back
-        partitioned = load_partitioned(start or self.source, self.ds, cfg.gradient_checkpointing, cfg.random_init and start is None)
-        model = partitioned.model
+        partitioned, pruned, goals = load_for_training(cfg, self.ds, self.source, start)
         if start is not None and start.name == str(warm_start_weights_dir(self.opts.output_dir)):
             torch.distributed.barrier()  # every rank has read it
             if rank == 0:
                 shutil.rmtree(start.name)  # partitioned now; a resumed run restores x from its checkpoint
-        if cfg.freeze_embeddings:
-            freeze_embeddings(model)
-        pruned = select_targets(model, cfg.targets)
-        goals = cfg.layer_goals(full_shapes(model, pruned))
-        zero, admm = build_admm_engine(model, cfg, self.ds, pruned, goals, masks)
+        zero, admm = build_admm_engine(partitioned.model, cfg, self.ds, pruned, goals, masks)
         n_pruned = sum(sl.numel for sg in zero.layout for sl in sg.slices if sl.start == 0)
         goal = cfg.pattern if cfg.nm else f"{cfg.sparsity:.0%}" + (f" (profile {cfg.sparsity_profile})" if cfg.sparsity_profile else "")
         log.info(f"pruning {len(pruned)} layers ({n_pruned:,} weights) to {goal} with ELSA "

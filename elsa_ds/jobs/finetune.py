@@ -28,19 +28,20 @@ from elsa_ds.config import ElsaConfig
 from elsa_ds.options import JobOptions
 from elsa_ds.jobs import report
 from elsa_ds.jobs.phases import PhaseLog
-from elsa_ds.jobs.training import Checkpoints, Opened, RunState, TrainingData, open_training, train_loop, windows_ppl
+from elsa_ds.jobs.training import (Checkpoints, Opened, RunState, TrainingData, load_for_training, open_training, train_loop,
+                                   windows_ppl)
 from elsa_ds.jobs.warm_start import oneshot_on_rank0
 from elsa_ds.log import get_logger
 from elsa_ds.mask_file import MaskReader
 from elsa_ds.methods import Finetune
-from elsa_ds.models import ModelSource, freeze_embeddings
+from elsa_ds.models import ModelSource
 from elsa_ds.monitor import Monitor
 from elsa_ds.output import fresh_staging, staging_dir
 from elsa_ds.plan import Plan
-from elsa_ds.targets import LayerGoal, goal_ratio, select_targets
+from elsa_ds.targets import LayerGoal, goal_ratio
 from elsa_ds.zero import steps
 from elsa_ds.zero.ds_config import DsConfig
-from elsa_ds.zero.engine import PartitionedModel, ZeroEngine, full_shapes, load_partitioned
+from elsa_ds.zero.engine import PartitionedModel, ZeroEngine
 from elsa_ds.zero.export import export_consolidated, export_model
 from elsa_ds.zero.finetune_engine import build_lora_engine, build_masked_engine
 
@@ -117,13 +118,8 @@ class FinetuneJob:
     def _build_engine(self, start: ModelSource | None, masks: MaskReader | None,
                       ) -> tuple[PartitionedModel, dict[str, LayerGoal], ZeroEngine, torch.optim.Optimizer]:
         cfg = self.cfg
-        random_init = cfg.random_init and start is None
-        partitioned = load_partitioned(start or self.source, self.ds, cfg.gradient_checkpointing, random_init)
+        partitioned, pruned, goals = load_for_training(cfg, self.ds, self.source, start)
         model = partitioned.model
-        if cfg.freeze_embeddings:  # as ELSA's job: the same weights trained, the same states held
-            freeze_embeddings(model)
-        pruned = select_targets(model, cfg.targets)
-        goals = cfg.layer_goals(full_shapes(model, pruned))
         if cfg.finetune is Finetune.lora:
             zero, optimizer = build_lora_engine(model, cfg, self.ds, pruned)
         else:

@@ -19,12 +19,14 @@ from elsa_ds.options import JobOptions
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
-from elsa_ds.models import check_token_ids
+from elsa_ds.models import ModelSource, check_token_ids, freeze_embeddings
 from elsa_ds.monitor import MONITOR_DIR, default_output_paths
 from elsa_ds.plan import Plan
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.dist import init_distributed
-from elsa_ds.zero.engine import ZeroEngine
+from elsa_ds.targets import LayerGoal, select_targets
+from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.zero.engine import PartitionedModel, ZeroEngine, full_shapes, load_partitioned
 from elsa_ds.zero.partitions import distributed_nll
 
 log = get_logger(__name__)
@@ -66,6 +68,19 @@ class Opened:
     rank: int
     world: int
     data: TrainingData
+
+
+def load_for_training(cfg: ElsaConfig, ds: DsConfig, source: ModelSource, start: ModelSource | None,
+                      ) -> tuple[PartitionedModel, dict[int, str], dict[str, LayerGoal]]:
+    """The model a training job steps, in ZeRO-3 partitions: ``start`` (a pruned warm start, a one-shot result) or the
+    source (random with --random_init when nothing starts it); its embeddings frozen with --freeze_embeddings (both
+    jobs: the same weights trained, the same states held); the layers --targets prunes (id(weight) -> name) and each
+    one's goal."""
+    partitioned = load_partitioned(start or source, ds, cfg.gradient_checkpointing, cfg.random_init and start is None)
+    if cfg.freeze_embeddings:
+        freeze_embeddings(partitioned.model)
+    pruned = select_targets(partitioned.model, cfg.targets)
+    return partitioned, pruned, cfg.layer_goals(full_shapes(partitioned.model, pruned))
 
 
 def open_training(plan: Plan) -> Opened:
