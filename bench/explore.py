@@ -31,15 +31,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from elsa_ds.admm.projection import Slice  # noqa: E402
-from elsa_ds.config import DEMO_MODEL_DIR, resolve_config  # noqa: E402
 from elsa_ds.data import GlobalBatches, load_blocks  # noqa: E402
-from elsa_ds.evaluation.run import EvalSettings, run  # noqa: E402
 from elsa_ds.finetune.optimizer import MaskedOptimizer  # noqa: E402
-from elsa_ds.plan.defaults_applied import apply_defaults  # noqa: E402
+from elsa_ds.jobs.evaluate import EvalSettings, run  # noqa: E402
 from elsa_ds.methods import OneShot, oneshot_names  # noqa: E402
 from elsa_ds.models import load_causal_lm  # noqa: E402
 from elsa_ds.oneshot.pipeline import prune_oneshot  # noqa: E402
+from elsa_ds.plan.defaults_applied import apply_defaults  # noqa: E402
 from elsa_ds.reference import train_loop, train_reference  # noqa: E402
+from elsa_ds.settings.config import DEMO_MODEL_DIR, resolve_config  # noqa: E402
 from elsa_ds.targets import select_targets  # noqa: E402
 from elsa_ds.zero.ds_config import DsConfig  # noqa: E402
 

@@ -7,8 +7,8 @@
 
 Every run is a real ``launch/prune.py`` job (3 steps, projection interval 2: the first step, one
 projection and the final one; seqlen 128, --val_windows 0 --baseline none) started through
-``elsa_ds.ablation.run_ablation``, which samples the peak RSS of the whole process tree (launcher and
-ranks) and the NVMe folder's size, and puts ``elsa_ds.memory.estimate`` for the same job beside them.
+``elsa_ds.capacity.ablation.run_ablation``, which samples the peak RSS of the whole process tree (launcher and
+ranks) and the NVMe folder's size, and puts ``elsa_ds.capacity.memory.estimate`` for the same job beside them.
 On a CUDA machine the peak GPU memory of rank 0 (``torch.cuda.max_memory_allocated``) is compared with
 the estimate's per-GPU bytes without the CUDA context; without a GPU, DeepSpeed runs on its CPU
 accelerator and "GPU" memory is host memory (estimated with ``device="cpu"``).
@@ -46,7 +46,7 @@ def build_model(out: Path, shape: dict) -> Path:
     import torch
     from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM
 
-    from elsa_ds.config import DEMO_MODEL_DIR
+    from elsa_ds.settings.config import DEMO_MODEL_DIR
 
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     cfg = Gemma2Config(vocab_size=tok.vocab_size, max_position_embeddings=512, sliding_window=128,
@@ -109,7 +109,7 @@ def print_table(results: list[dict], tol: float) -> None:
 def runtime_table(rows, raw_configs: dict[str, dict], out: Path) -> list[dict]:
     """Per-process baseline: a rank's peak RSS minus the estimate of everything but the runtime (≈ 0 on a tiny
     model, except NVMe's page-locked swap buffers), and the launcher's processes."""
-    from elsa_ds.ablation import estimate_for_report
+    from elsa_ds.capacity.ablation import estimate_for_report
 
     result = []
     for r in rows:
@@ -124,7 +124,7 @@ def runtime_table(rows, raw_configs: dict[str, dict], out: Path) -> list[dict]:
     for x in result:
         print(f"| {x['config']} | {x['ranks']} | {x['rank_peak'] / MIB:,.0f} | {x['rest_est'] / MIB:,.0f} | "
               f"{x['rank_runtime'] / MIB:,.0f} | {x['launcher'] / MIB:,.0f} |")
-    from elsa_ds.memory import LAUNCHER_HOST_BYTES, RUNTIME_HOST_BYTES
+    from elsa_ds.capacity.memory import LAUNCHER_HOST_BYTES, RUNTIME_HOST_BYTES
 
     print(f"largest rank runtime {max(x['rank_runtime'] for x in result) / MIB:,.0f} MiB "
           f"(memory.RUNTIME_HOST_BYTES = {RUNTIME_HOST_BYTES / MIB:,.0f} MiB); largest launcher "
@@ -145,9 +145,9 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from elsa_ds.ablation import run_ablation
+    from elsa_ds.capacity.ablation import run_ablation
+    from elsa_ds.capacity.memory import model_shape, resolve_model_config
     from elsa_ds.zero.ds_config import DsConfig
-    from elsa_ds.memory import model_shape, resolve_model_config
 
     out = args.out or Path(tempfile.mkdtemp(prefix="elsa_bench_memory_"))
     configs = [str(Path(c)) for c in args.configs]

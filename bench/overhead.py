@@ -33,8 +33,8 @@ def main() -> int:
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    from elsa_ds.config import resolve_config
     from elsa_ds.log import setup_logging
+    from elsa_ds.settings.config import resolve_config
     from elsa_ds.zero.ds_config import DsConfig
 
     setup_logging()

@@ -12,7 +12,7 @@ Every pruned or trained model is made by ``launch/prune.py`` (training rows unde
 --eval_ppl (the TEST split: text no run trained or tuned on) is measured by ``elsa_ds.evaluation`` (the code behind
 ``launch/evaluate.py``). Training rows (ELSA, ``+ft``, ``+lora``, ``dense+ft``) share one budget: --steps global
 batches of the DeepSpeed JSON's train_batch_size x --seqlen tokens; their lr, λ and λ schedule come from the
-defaults rule (``elsa_ds/defaults.py``) unless --elsa_args / --ft_args set them. Finished runs are reused with --reuse.
+defaults rule (``elsa_ds/settings/defaults.py``) unless --elsa_args / --ft_args set them. Finished runs are reused with --reuse.
 
 Writes OUT/quality.md (table, every row's budget, the targets), OUT/quality.png (perplexity vs sparsity, log scale)
 and OUT/quality.json (also to --json FILE).
@@ -94,7 +94,7 @@ def prune(row: str, sparsity: float | None, args, out: Path, extra: list[str]) -
 
 def heldout_ppl(model: str, source: str, seqlen: int, out: Path, limit: int | None, reuse: bool) -> float:
     """Perplexity of a saved model on ``source`` by the evaluation entry point's code (cached in ``out`` with --reuse)."""
-    from elsa_ds.evaluation.run import EvalSettings, run
+    from elsa_ds.jobs.evaluate import EvalSettings, run
 
     if reuse and out.is_file():
         saved = json.loads(out.read_text())
@@ -150,9 +150,9 @@ def main() -> int:
     rows = args.rows or list(QUICK_ROWS if args.quick else DEFAULT_ROWS)
     sparsities = args.sparsities or ([0.7, 0.9] if args.quick else list(SPARSITIES))
 
-    from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
-    from elsa_ds.io import write_json
+    from elsa_ds.files.io import write_json
     from elsa_ds.log import setup_logging
+    from elsa_ds.settings.config import DEMO_MODEL_DIR, resolve_config
     from elsa_ds.zero.ds_config import DsConfig
 
     setup_logging()

@@ -56,7 +56,7 @@ def machine_ram() -> int:
 
 def build_model_dir(out: Path, layers: int) -> Path:
     """config.json of Gemma-2-27B with ``layers`` decoder layers, and the demo's tokenizer (no weights: --random_init)."""
-    from elsa_ds.config import DEMO_MODEL_DIR
+    from elsa_ds.settings.config import DEMO_MODEL_DIR
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(_config(layers), indent=2) + "\n")
@@ -85,7 +85,7 @@ def fitted_config(base: str, largest_partition: int, ranks: int, param_buffers: 
 
 def default_layers(ram: int, train_embeddings: bool) -> int:
     """The smallest N whose state (params + grads + fp32 masters + Adam moments + z/u) exceeds 1.5x ``ram``."""
-    from elsa_ds.shapes import state_bytes
+    from elsa_ds.capacity.shapes import state_bytes
 
     for n in range(1, 47):
         if state_bytes(_shape(n, train_embeddings)) > 1.5 * ram:
@@ -95,7 +95,7 @@ def default_layers(ram: int, train_embeddings: bool) -> int:
 
 def _config(layers: int) -> dict:
     """The shipped Gemma-2-27B config.json with ``layers`` decoder layers."""
-    from elsa_ds.shapes import CONFIG_DIR
+    from elsa_ds.capacity.shapes import CONFIG_DIR
 
     config = json.loads((CONFIG_DIR / BASE_MODEL / "config.json").read_text())
     config["num_hidden_layers"] = layers
@@ -106,7 +106,7 @@ def _config(layers: int) -> dict:
 def _shape(layers: int, train_embeddings: bool):
     from transformers import AutoConfig
 
-    from elsa_ds.memory import model_shape
+    from elsa_ds.capacity.memory import model_shape
 
     config = _config(layers)
     return model_shape(AutoConfig.for_model(**config), freeze_embeddings=not train_embeddings)
@@ -191,10 +191,10 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from elsa_ds.ablation import TreeMonitor, _free_port
+    from elsa_ds.capacity.ablation import TreeMonitor, _free_port
+    from elsa_ds.capacity.memory import estimate_job
+    from elsa_ds.capacity.shapes import state_bytes
     from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases
-    from elsa_ds.memory import estimate_job
-    from elsa_ds.shapes import state_bytes
 
     ram = machine_ram()
     layers = args.layers or default_layers(ram, args.train_embeddings)

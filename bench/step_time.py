@@ -5,7 +5,7 @@
     python bench/step_time.py --plan                # no run: Gemma-2/3-27B, 4096 steps of 8 x 2048 tokens per GPU
     python bench/step_time.py --layers 4 --ranks 1 --steps 8 --json   # on a GPU host: issue 43's 27B-shaped jobs
 
-A run is ``launch/ablate_offload.py``'s (``elsa_ds.ablation.run_ablation``): the README's main job on the embedded demo
+A run is ``launch/ablate_offload.py``'s (``elsa_ds.capacity.ablation.run_ablation``): the README's main job on the embedded demo
 model (its profile: seqlen 256, micro batch 4) for ``--steps`` steps, projection every ``--interval``, no validation, no
 one-shot start, under each config; the rates are measured on this machine first (``step_time.measure``), and every row
 puts the job's mean step time (its report's, the first step left out) beside the estimate. The report's mean holds
@@ -43,7 +43,7 @@ H200_RUNS = {"zero3_offload": 2.14, "zero3_offload_elsal": 1.69}
 
 
 def measured_rows(args) -> list[dict]:
-    from elsa_ds.ablation import run_ablation
+    from elsa_ds.capacity.ablation import run_ablation
 
     out = args.out or Path(tempfile.mkdtemp(prefix="elsa_bench_step_time_"))
     prune_args = ["--steps", str(args.steps), "--interval", str(args.interval), "--val_windows", "0", "--baseline", "none",
@@ -64,8 +64,8 @@ def measured_rows(args) -> list[dict]:
 
 def _timing(model: str, config: str, num_gpus: int, num_nodes: int, machine: str, settings: dict):
     """(memory, time) of the job as ``elsa-estimate --json`` gives them: the entry point itself, the settings as flags."""
+    from elsa_ds.capacity.step_time import StepTime
     from elsa_ds.cli import main_estimate
-    from elsa_ds.step_time import StepTime
 
     argv = ["--model", model, "--deepspeed", config, "--num_gpus", str(num_gpus), "--num_nodes", str(num_nodes),
             "--machine", machine, "--log_level", "warning", "--json"]

@@ -36,7 +36,7 @@ def __getattr__(name: str) -> Any:
 
         return api.prune
     if name == "ElsaConfig":
-        from elsa_ds.config import ElsaConfig
+        from elsa_ds.settings.config import ElsaConfig
 
         return ElsaConfig
     raise AttributeError(f"module 'elsa_ds' has no attribute {name!r}")

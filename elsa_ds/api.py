@@ -19,10 +19,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from elsa_ds.options import JobOptions, job_options
 from elsa_ds.errors import ElsaError, sigterm_unwinds
 from elsa_ds.jobs.owner import run_owned
 from elsa_ds.plan import read_settings
+from elsa_ds.settings.options import JobOptions, job_options
 from elsa_ds.zero.dist import launcher_env_restored
 
 Dataset = Any  # a name or path (str / Path), a list of strings, or a datasets.Dataset with a "text" column

@@ -1,8 +1,8 @@
-"""The entry points' argument parsing: generated from the settings models (``elsa_ds/flags.py``), so a flag exists once.
+"""The entry points' argument parsing: generated from the settings models (``elsa_ds/settings/flags.py``), so a flag exists once.
 
-``elsa-prune``'s flags are :class:`~elsa_ds.options.JobOptions` and :class:`~elsa_ds.config.ElsaConfig`;
+``elsa-prune``'s flags are :class:`~elsa_ds.settings.options.JobOptions` and :class:`~elsa_ds.settings.config.ElsaConfig`;
 ``elsa-estimate`` takes the job settings it shares with them from the same fields, plus :class:`EstimateOptions`;
-``elsa-evaluate``'s are :class:`~elsa_ds.evaluation.run.EvalSettings`; ``elsa-compress``'s (``sparse/cli.py``) its
+``elsa-evaluate``'s are :class:`~elsa_ds.jobs.evaluate.EvalSettings`; ``elsa-compress``'s (``sparse/cli.py``) its
 ``CompressSettings``. ``python -m elsa_ds.cli --flag-table`` prints the README's flag table from the fields of
 ``elsa-prune``. Errors become one line on stderr and exit code 2.
 """
@@ -16,12 +16,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from elsa_ds.config import ElsaConfig
-from elsa_ds.options import JobOptions
 from elsa_ds.errors import ElsaError, OneLineParser, guarded  # noqa: F401 (guarded: the entry points')
-from elsa_ds.flags import add_flags, flag_table, start_logging, validated
-from elsa_ds.flags import cli_fields as _cli_fields
 from elsa_ds.log import get_logger
+from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.settings.flags import add_flags, flag_table, start_logging, validated
+from elsa_ds.settings.flags import cli_fields as _cli_fields
+from elsa_ds.settings.options import JobOptions
 from elsa_ds.version import __version__
 
 log = get_logger(__name__)
@@ -40,8 +40,8 @@ def prune_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace):
     """(JobOptions, ElsaConfig as given, the DeepSpeed JSON as read) from parsed flags, validated: what the plan is made
     from (``elsa_ds/plan``)."""
-    from elsa_ds.options import job_options
     from elsa_ds.plan import read_settings
+    from elsa_ds.settings.options import job_options
 
     opts = job_options({k: v for k in _cli_fields(JobOptions) if (v := getattr(args, k)) is not None})
     cfg, ds_config = read_settings(opts, {k: getattr(args, k) for k in _cli_fields(ElsaConfig)})
@@ -99,7 +99,7 @@ ESTIMATE_SHARED: dict[type[BaseModel], tuple[str, ...]] = {
 def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) -> ElsaConfig:
     """The ElsaConfig of the job elsa-estimate sizes, resolved as elsa-prune resolves it: flags over the JSON's ``elsa``
     block and a recipe, then the defaults rule (which may start from a SparseGPT-pruned model: a one-shot warm start)."""
-    from elsa_ds.memory import model_config
+    from elsa_ds.capacity.memory import model_config
     from elsa_ds.methods import ELSA
     from elsa_ds.plan import elsa_settings
     from elsa_ds.plan.defaults_applied import apply_defaults
@@ -130,8 +130,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
     start_logging(args)
 
     def go() -> None:
-        from elsa_ds.memory import format_estimate, job_estimate, resolved_job
-        from elsa_ds.step_time import DEFAULT_MACHINE, TYPICAL, format_time, job_matmul, measure, step_time
+        from elsa_ds.capacity.memory import format_estimate, job_estimate, resolved_job
+        from elsa_ds.capacity.step_time import DEFAULT_MACHINE, TYPICAL, format_time, job_matmul, measure, step_time
         from elsa_ds.zero.ds_config import DsConfig
 
         opts = validated(EstimateOptions, {k: getattr(args, k) for k in _cli_fields(EstimateOptions) if getattr(args, k) is not None})
@@ -153,7 +153,7 @@ def main_estimate(argv: list[str] | None = None) -> int:
 
 # ---- elsa-evaluate ----------------------------------------------------------------------------------------------------
 def evaluate_parser() -> argparse.ArgumentParser:
-    from elsa_ds.evaluation.run import EvalSettings
+    from elsa_ds.jobs.evaluate import EvalSettings
 
     p = OneLineParser(
         prog="elsa-evaluate",
@@ -168,7 +168,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
 
 
 def main_evaluate(argv: list[str] | None = None) -> int:
-    from elsa_ds.evaluation.run import EvalSettings
+    from elsa_ds.jobs.evaluate import EvalSettings
 
     parser = evaluate_parser()
     args = parser.parse_args(argv)
@@ -179,9 +179,9 @@ def main_evaluate(argv: list[str] | None = None) -> int:
     start_logging(args)
 
     def go() -> None:
-        from elsa_ds.evaluation.run import run
         from elsa_ds.evaluation.tables import compare
-        from elsa_ds.io import write_atomic
+        from elsa_ds.files.io import write_atomic
+        from elsa_ds.jobs.evaluate import run
 
         if args.compare:
             table = compare(args.compare)
@@ -189,8 +189,8 @@ def main_evaluate(argv: list[str] | None = None) -> int:
             if args.markdown is not None:
                 write_atomic(args.markdown, table)
             return
-        from elsa_ds.evaluation.run import check_settings
-        from elsa_ds.ownership import owned
+        from elsa_ds.files.ownership import owned
+        from elsa_ds.jobs.evaluate import check_settings
 
         settings = validated(EvalSettings, {k: v for k in _cli_fields(EvalSettings) if (v := getattr(args, k)) is not None})
         check_settings(settings)  # again under the lock, by run: a refusal for the path itself comes first

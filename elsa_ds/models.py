@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from elsa_ds.config_files import read_json_object
 from elsa_ds.data import load_tokenizer
 from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.errors import ElsaError
-from elsa_ds.weight_files import check_weight_files, stored_shapes
+from elsa_ds.files.weight_files import check_weight_files, stored_shapes
+from elsa_ds.settings.config_files import read_json_object
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -13,9 +13,9 @@ import torch
 from elsa_ds.admm.optimizer import AdmmOptimizer
 from elsa_ds.admm.projection import Slice, keep_count
 from elsa_ds.admm.schedule import learning_rate
-from elsa_ds.config import ElsaConfig
 from elsa_ds.data import GlobalBatches
-from elsa_ds.mask_file import MaskReader
+from elsa_ds.files.mask_file import MaskReader
+from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.targets import goal_ratio
 
 

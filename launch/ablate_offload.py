@@ -15,9 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from elsa_ds.errors import OneLineParser, guarded  # noqa: E402
-from elsa_ds.flags import add_flags, positive_int, start_logging  # noqa: E402
-from elsa_ds.options import JobOptions  # noqa: E402
 from elsa_ds.log import get_logger  # noqa: E402
+from elsa_ds.settings.flags import add_flags, positive_int, start_logging  # noqa: E402
+from elsa_ds.settings.options import JobOptions  # noqa: E402
 
 DEFAULT_PRUNE_ARGS = ["--steps", "32", "--interval", "16", "--val_windows", "0", "--baseline", "none"]
 
@@ -34,14 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     extra = [a for a in args.prune_args if a != "--"] or DEFAULT_PRUNE_ARGS
 
     def go() -> None:
-        from elsa_ds.ablation import run_ablation
+        from elsa_ds.capacity.ablation import run_ablation
         from elsa_ds.cli import prune_parser, settings_from_args
 
         for c in args.configs:  # every config (read there), and the flags after --, checked before the first run starts
             settings_from_args(prune_parser().parse_args([*extra, "--deepspeed", c, "--output_dir", str(args.out / "check")]))
         rows = run_ablation(args.configs, args.out, args.num_gpus, extra)
         print((args.out / "ablation.md").read_text())  # the table is the command's product: stdout
-        get_logger("elsa_ds.ablation").info(f"wrote {args.out / 'ablation.csv'}, {args.out / 'ablation.md'}, "
+        get_logger("elsa_ds.capacity.ablation").info(f"wrote {args.out / 'ablation.csv'}, {args.out / 'ablation.md'}, "
                                             f"{args.out / 'ablation.png'} ({len(rows)} configs)")
 
     return guarded(go)

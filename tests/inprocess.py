@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elsa_ds.config import DEMO_MODEL_DIR
+from elsa_ds.settings.config import DEMO_MODEL_DIR
 
 
 class ReachedTheJob(Exception):

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elsa_ds.config import resolve_config  # noqa: E402
 from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, load_config  # noqa: E402
+from elsa_ds.settings.config import resolve_config  # noqa: E402
 from elsa_ds.targets import select_targets  # noqa: E402
 from elsa_ds.zero import compat, steps  # noqa: E402
 from elsa_ds.zero.dist import init_distributed, teardown  # noqa: E402

@@ -11,28 +11,29 @@ from pathlib import Path
 
 SCANNED = ("elsa_ds", "launch", "bench")
 
-# A module may import from its own layer or a lower one, never from a higher one; inside a layer any order is
-# allowed as long as no cycle forms (import_cycles). The key is the name under elsa_ds (module or package).
-LAYERS: dict[str, int] = {
-    # 0: pure math and leaves that import nothing of ours above them
-    "admm": 0, "errors": 0, "version": 0, "methods": 0, "log": 0,
-    # 1: settings, data and plain file formats
-    "config": 1, "options": 1, "config_files": 1, "defaults": 1, "data": 1, "targets": 1, "mask_file": 1, "io": 1,
-    "ownership": 1, "watchdog": 1, "flags": 1,
-    "weight_files": 1, "config_checks": 1,
-    "safetensors_writer": 1, "disk_room": 1,
-    # 2: components: the DeepSpeed adapter, one-shot methods, evaluation, model loading, outputs, the checkpoint format.
-    # zero.partitions scores the engine with evaluation.perplexity's window_nll (a torch-only leaf), so the run's
-    # validation perplexity is the evaluator's protocol by construction: a one-way edge inside the layer.
-    "zero": 2, "oneshot": 2, "evaluation": 2, "models": 2, "output": 2, "monitor": 2, "reference": 2,
-    "shapes": 2, "finetune": 2, "sparse": 2,
-    # 3: what a machine can hold and run, decided before a job starts; the plan (settings, defaults rule, checks) it feeds
-    "memory": 3, "resident": 3, "step_time": 3, "preflight": 3, "ablation": 3, "machine": 3, "plan": 3,
-    # 4: the jobs (recipes)
-    "jobs": 4,
-    # 5: the surfaces a user calls
-    "cli": 5, "api": 5, "demo": 5, "__init__": 5,
-}
+# The rooms of elsa_ds (the names under it, module or package), layer by layer, each layer in order. A room may
+# import its own modules (import_cycles keeps those acyclic), any room of a lower layer, and the rooms listed before it
+# in its own layer: never one listed after it, never a higher layer. So the table is the design's reading order, and
+# no cycle can form between rooms.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # 0: leaves. Pure math (admm), the method names, which weights are pruned (targets), and the evaluation's measures:
+    # perplexity over windows, sparsity read from files, zero-shot accuracy (their runner is jobs/evaluate.py).
+    ("errors", "version", "log", "methods", "admm", "targets", "evaluation"),
+    # 1: plain data: the text corpora; the files a job reads and writes (formats, atomic writes, ownership, the output
+    # folder); the settings a user gives (settings models, options, config files, the defaults rule, the flags).
+    ("data", "files", "settings"),
+    # 2: components: model loading, the retraining's adapters, the DeepSpeed adapter (zero scores its engine with
+    # evaluation.perplexity's window_nll, so the run's validation perplexity is the evaluator's protocol by
+    # construction), the one-shot methods, the sparse checkpoint, the single-process reference, the monitor.
+    ("models", "finetune", "monitor", "zero", "oneshot", "sparse", "reference"),
+    # 3: before a job starts: what a machine can hold and run (capacity), then the finished plan it feeds.
+    ("capacity", "plan"),
+    # 4: the jobs (the pruning jobs, the evaluation runner).
+    ("jobs",),
+    # 5: the surfaces a user calls.
+    ("demo", "cli", "api", "__init__"),
+)
+RANK: dict[str, tuple[int, int]] = {name: (layer, i) for layer, names in enumerate(LAYERS) for i, name in enumerate(names)}
 OUTSIDE_LAYER = 6  # launch/ and bench/: may import anything in elsa_ds; elsa_ds never imports them
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 400
@@ -50,12 +51,23 @@ def module_name(root: Path, path: Path) -> str:
     return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
 
 
+def room_of(module: str) -> str:
+    """The room of a dotted module name: ``elsa_ds.zero.engine`` -> ``zero``, ``elsa_ds`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def rank_of(module: str) -> tuple[int, int] | None:
+    """(layer, place in its layer) of a dotted module name; launch/ and bench/ are above every layer; None: no room."""
+    if module.split(".")[0] != "elsa_ds":
+        return (OUTSIDE_LAYER, 0)
+    return RANK.get(room_of(module))
+
+
 def layer_of(module: str) -> int | None:
     """Layer of a dotted module name (``elsa_ds.zero.engine`` -> the layer of ``zero``); None when it has none."""
-    parts = module.split(".")
-    if parts[0] != "elsa_ds":
-        return OUTSIDE_LAYER
-    return LAYERS.get(parts[1] if len(parts) > 1 else "__init__")
+    rank = rank_of(module)
+    return None if rank is None else rank[0]
 
 
 def parse(path: Path) -> ast.Module:
@@ -113,17 +125,22 @@ def import_graph(root: Path) -> dict[str, dict[str, str]]:
 
 
 def upward_imports(root: Path) -> list[str]:
-    """Imports of a higher layer, and modules with no layer at all."""
+    """Imports of a higher layer or of a room listed later in the same layer, and modules with no room at all."""
     found = []
     for module, edges in import_graph(root).items():
-        own = layer_of(module)
+        own = rank_of(module)
         if own is None:
             found.append(f"{module} has no layer: add its name to LAYERS in tests/structure_rules.py where it belongs")
             continue
         for target, where in edges.items():
-            theirs = layer_of(target)
-            if theirs is not None and theirs > own:
-                found.append(f"{where}: {module} (layer {own}) imports {target} (layer {theirs})")
+            theirs = rank_of(target)
+            if theirs is None or room_of(target) == room_of(module) and target.startswith("elsa_ds"):
+                continue
+            if theirs[0] > own[0]:
+                found.append(f"{where}: {module} (layer {own[0]}) imports {target} (layer {theirs[0]})")
+            elif theirs[0] == own[0] and theirs[1] > own[1]:
+                found.append(f"{where}: {module} imports {target}, a room listed after its own in layer {own[0]}: "
+                             f"move the code, or reorder LAYERS if the design changed")
     return sorted(found)
 
 

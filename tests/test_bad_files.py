@@ -10,8 +10,8 @@ import pytest
 
 import elsa_ds
 from elsa_ds import cli
-from elsa_ds.config import DEMO_MODEL_DIR
 from elsa_ds.errors import ElsaError
+from elsa_ds.settings.config import DEMO_MODEL_DIR
 from tests.inprocess import demo_copy, one_line, run_main, stop_at_the_job  # noqa: F401 (a fixture)
 
 FAST = ["--deepspeed", "zero3_offload", "--dataset", "shakespeare", "--seqlen", "64", "--steps", "8", "--val_windows", "0",

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from bench.explore import main
-from elsa_ds.defaults import elsa_settings
 from elsa_ds.models import load_causal_lm
+from elsa_ds.settings.defaults import elsa_settings
 
 ARGS = ["--seqlen", "32", "--steps", "4", "--limit", "4"]
 

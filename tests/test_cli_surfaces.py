@@ -11,10 +11,10 @@ import pytest
 
 from elsa_ds.cli import (ESTIMATE_SHARED, EstimateOptions, _cli_fields, estimate_parser, evaluate_parser, main_estimate,
                          main_evaluate, prune_parser)
-from elsa_ds.config import DEMO_MODEL_DIR, ElsaConfig, comma_list
-from elsa_ds.options import JobOptions
-from elsa_ds.evaluation.run import EvalSettings
 from elsa_ds.evaluation.zeroshot import PAPER_TASKS, expand_tasks
+from elsa_ds.jobs.evaluate import EvalSettings
+from elsa_ds.settings.config import DEMO_MODEL_DIR, ElsaConfig, comma_list
+from elsa_ds.settings.options import JobOptions
 
 PACKAGE = Path(__file__).resolve().parent.parent / "elsa_ds"
 CLI_ONLY = {"--help", "--version", "--json", "--compare"}  # output switches and modes, not settings
@@ -80,10 +80,10 @@ def test_one_parser_for_comma_lists():
     assert comma_list(" wikitext2, c4,, ") == ["wikitext2", "c4"]
     assert ElsaConfig(eval_tasks="rte, boolq,").eval_tasks == ["rte", "boolq"]
     assert EvalSettings(model="m", ppl="c4 ,wikitext2").ppl == ["c4", "wikitext2"]
-    assert expand_tasks("rte,, paper") == ["rte", *[t for t in PAPER_TASKS if t != "rte"]]
+    assert expand_tasks(["rte", "", " paper"]) == ["rte", *[t for t in PAPER_TASKS if t != "rte"]]
     splitters = [f"{p.relative_to(PACKAGE)}:{n}" for p in PACKAGE.rglob("*.py")
                  for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"""\.split\(\s*["'],["']""", line)]
-    assert [s.split(":")[0] for s in splitters] == ["config.py"], f"one comma-list parser (config.comma_list): {splitters}"
+    assert [s.split(":")[0] for s in splitters] == ["settings/config.py"], f"one comma-list parser (config.comma_list): {splitters}"
 
 
 def test_bad_settings_are_one_error_line(capsys, tiny_model_dir):

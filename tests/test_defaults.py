@@ -1,4 +1,4 @@
-"""The defaults rule (elsa_ds/defaults.py) and its application to the settings a user left unset."""
+"""The defaults rule (elsa_ds/settings/defaults.py) and its application to the settings a user left unset."""
 from __future__ import annotations
 
 import json
@@ -7,10 +7,10 @@ import math
 import pytest
 
 from elsa_ds.admm.schedule import LambdaSchedule
-from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
-from elsa_ds.defaults import ANCHORS, REF_STEPS, elsa_settings, pretraining_lr, retrain_settings
-from elsa_ds.plan.defaults_applied import apply_defaults
 from elsa_ds.models import load_config
+from elsa_ds.plan.defaults_applied import apply_defaults
+from elsa_ds.settings.config import DEMO_MODEL_DIR, resolve_config
+from elsa_ds.settings.defaults import ANCHORS, REF_STEPS, elsa_settings, pretraining_lr, retrain_settings
 from elsa_ds.zero.checkpoint import resume_changes
 
 
@@ -56,7 +56,7 @@ def test_every_value_says_why():
 
 
 def test_the_schedules_reason_quotes_the_thresholds_it_was_decided_by(monkeypatch):
-    import elsa_ds.defaults as rule
+    import elsa_ds.settings.defaults as rule
     why = lambda s, t: elsa_settings(4e6, s, t).why["lmda_schedule"]  # noqa: E731
     assert why(0.9, 400).startswith("linear") and "80%" in why(0.9, 400) and "2048" in why(0.9, 400)
     assert why(0.75, 400).startswith("constant") and "below 80%" in why(0.75, 400)

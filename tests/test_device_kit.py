@@ -101,7 +101,8 @@ def test_check_dry_run_passes_every_step(tmp_path):
     """bench/device/check.sh --dry-run: the device call's steps on CPU with tiny budgets, each recorded ok in one JSON."""
     if not list((DEVICE / "wheels").glob("*.whl")):
         pytest.skip("no wheels: run bench/device/prepare.sh first (it needs the package index)")
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    (scratch := tmp_path / "scratch").mkdir()  # mktemp's folder for the jobs: gone when the script ends
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)}
     proc = subprocess.run(["bash", str(DEVICE / "check.sh"), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=2100)
     results = json.loads((tmp_path / "results.json").read_text())
@@ -110,6 +111,7 @@ def test_check_dry_run_passes_every_step(tmp_path):
     assert not bad, f"{bad}\n{proc.stdout[-4000:]}"
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert results["mode"] == "dry-run"
+    assert not list(scratch.glob("tmp.*")), "check.sh left its work folder behind"
     for cfg in ("zero3_offload", "zero3", "zero3_offload_elsal"):
         assert {f"{cfg}_gpu", f"{cfg}_cpu", f"{cfg}_mask"} <= set(names), names
     assert {"wheels", "install", "env", "cuda_tests", "main_job", "bench_device", "sparse_gpu", "bench_threads"} <= set(names), names

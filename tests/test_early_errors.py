@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from elsa_ds.config import resolve_config
 from elsa_ds.errors import ElsaError
+from elsa_ds.settings.config import resolve_config
 from elsa_ds.zero.ds_config import DsConfig
 from tests.conftest import ROOT, run_entry, run_fails
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from elsa_ds import cli
-from elsa_ds.config import DEMO_MODEL_DIR
+from elsa_ds.settings.config import DEMO_MODEL_DIR
 from tests.conftest import ROOT
 from tests.inprocess import demo_copy, one_line, run_main, stop_at_the_job  # noqa: F401 (a fixture)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elsa_ds.shapes import model_shape, resolve_model_config
+from elsa_ds.capacity.shapes import model_shape, resolve_model_config
 from tests.conftest import ROOT
 
 

@@ -119,7 +119,7 @@ def test_interrupt_during_the_export(tmp_path, tiny_model_dir, text_dir):
     (out / "precious.txt").write_text("keep me")
     script = f"""
 import elsa_ds
-from elsa_ds.safetensors_writer import ShardedWriter
+from elsa_ds.files.safetensors_writer import ShardedWriter
 real, calls = ShardedWriter.write, []
 def write(self, name, tensor):
     calls.append(name)

@@ -1,5 +1,5 @@
 """A job killed outright (SIGKILL on a rank: the kernel's out-of-memory killer, kill -9) runs no exit path: rank 0's
-watchdog (``elsa_ds/watchdog.py``) says one line naming the kill, the phase and the memory, and leaves the output folder
+watchdog (``elsa_ds/files/watchdog.py``) says one line naming the kill, the phase and the memory, and leaves the output folder
 and its parent as they were (no staging, lock or warm-start mask; what an earlier job left stays). A clean end and a
 handled error: not a word from it. The embedded demo model: one plain process, and 2 ranks under the deepspeed launcher,
 rank 0 or rank 1 killed, or the launcher's whole process group (the watchdog then the only one left to speak)."""
@@ -47,7 +47,7 @@ def _killed_line(text: str) -> re.Match:
 def _no_watchdog_left(out: Path) -> None:
     """No watchdog of this job is left running (it exits once its line is out, or on the job's clean end)."""
     lock = str(out.parent / f".{out.name}.lock")
-    mine = [p for p in psutil.process_iter(["cmdline"]) if "elsa_ds.watchdog" in (p.info["cmdline"] or []) and
+    mine = [p for p in psutil.process_iter(["cmdline"]) if "elsa_ds.files.watchdog" in (p.info["cmdline"] or []) and
             lock in (p.info["cmdline"] or [])]
     _, left = psutil.wait_procs(mine, timeout=5)  # the last moments of its exit
     assert not left, [p.cmdline() for p in left]
@@ -109,7 +109,7 @@ def test_the_watchdog_cleans_only_under_the_dead_jobs_lock(tmp_path):
     a lock naming another job (it took the output over) leaves every file as it is."""
     from argparse import Namespace
 
-    from elsa_ds.watchdog import Rank, Watch, cleanup, path_state
+    from elsa_ds.files.watchdog import Rank, Watch, cleanup, path_state
 
     old, new, lock = tmp_path / ".o.oneshot", tmp_path / ".o.partial.123", tmp_path / ".o.lock"
     old.write_text("an earlier job's")

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from elsa_ds.config import DEMO_MODEL_DIR
-from elsa_ds.disk_room import DiskFull, disk_full, disk_full_errno
+from elsa_ds.files.disk_room import DiskFull, disk_full, disk_full_errno
+from elsa_ds.files.ownership import lock_path
 from elsa_ds.jobs.warm_start import warm_start_path
-from elsa_ds.ownership import lock_path
+from elsa_ds.settings.config import DEMO_MODEL_DIR
 from tests.conftest import ROOT, run_entry
 from tests.test_interrupts import _run_and_signal
 

@@ -1,10 +1,10 @@
-"""The machine checks (``elsa_ds/machine.py``): what the host lacks is named before any work."""
+"""The machine checks (``elsa_ds/capacity/machine.py``): what the host lacks is named before any work."""
 from __future__ import annotations
 
 import os
 import time
 
-from elsa_ds.machine import STALE_LOCK_S, cpu_bf16_fallback, nvme_unavailable, stale_build_locks
+from elsa_ds.capacity.machine import STALE_LOCK_S, cpu_bf16_fallback, nvme_unavailable, stale_build_locks
 
 
 def test_an_abandoned_build_lock_is_reported_and_a_fresh_or_finished_one_is_not(tmp_path, monkeypatch):
@@ -61,11 +61,11 @@ def test_an_nvme_job_on_a_machine_without_libaio_stops_in_the_checks(tmp_path, t
     import pytest
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    from elsa_ds.config import resolve_config
-    from elsa_ds.options import JobOptions
     from elsa_ds.errors import ElsaError
-    from elsa_ds.plan import checks
     from elsa_ds.models import ModelSource
+    from elsa_ds.plan import checks
+    from elsa_ds.settings.config import resolve_config
+    from elsa_ds.settings.options import JobOptions
     from elsa_ds.zero.ds_config import DsConfig
 
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
+from elsa_ds.capacity.memory import (CUDA_HOST_BYTES, RUNTIME_GPU_BYTES, ModelShape, estimate, model_shape, resolve_model_config,
+                                     sub_groups)
+from elsa_ds.capacity.resident import pinned_block, pinned_reserved
+from elsa_ds.capacity.shapes import CONFIG_DIR
 from elsa_ds.zero.ds_config import DsConfig
-from elsa_ds.shapes import CONFIG_DIR
-from elsa_ds.memory import (CUDA_HOST_BYTES, RUNTIME_GPU_BYTES, ModelShape, estimate, model_shape, resolve_model_config,
-                             sub_groups)
-from elsa_ds.resident import pinned_block, pinned_reserved
 from tests.conftest import run_entry
 
 GIB = 2 ** 30
@@ -157,8 +157,8 @@ def test_frozen_embeddings_hold_no_optimizer_state_and_a_tied_head_leaves_a_seco
 
 
 def test_nvme_parameter_buffers_must_hold_the_largest_partition_not_the_whole_parameter():
+    from elsa_ds.capacity.shapes import check_nvme_param_buffers
     from elsa_ds.errors import ElsaError
-    from elsa_ds.shapes import check_nvme_param_buffers
     from elsa_ds.models import meta_model
 
     meta = meta_model(resolve_model_config("google/gemma-2-2b"))
@@ -172,9 +172,9 @@ def test_nvme_parameter_buffers_must_hold_the_largest_partition_not_the_whole_pa
 def test_estimate_takes_the_jobs_memory_settings_and_resolves_them_as_the_job_does(tmp_path, capsys):
     """elsa-estimate's figure is the pre-flight check's for the same flags: the prune parser's settings, the defaults rule
     (at 100 steps and 70 % it starts from SparseGPT's pruned model: a one-shot warm start on rank 0), the engine config."""
+    from elsa_ds.capacity.memory import job_estimate
     from elsa_ds.cli import main_estimate, prune_parser, settings_from_args
     from elsa_ds.plan.defaults_applied import apply_defaults
-    from elsa_ds.memory import job_estimate
 
     model = "google/gemma-2-2b"
     flags = ["--deepspeed", "zero3_offload", "--freeze_embeddings", "--base_optimizer", "adam8bit_minifloat", "--z_dtype", "fp8",
@@ -202,7 +202,7 @@ def test_gemma2_27b_cut_to_layers_on_a_gpu_host_within_the_margin_of_the_h200_ru
     """The runs of issue 43 (H200, 125.9 GiB host RAM; Gemma-2-27B's shapes cut to 4 layers, --random_init
     --freeze_embeddings, seqlen 2048, batch 1): ~98 GiB host in fp32 ELSA, ~72 in ELSA-L; 8 layers of ELSA-L killed by the
     kernel at 125.4 GiB. Before pinned buffers were counted as the caching host allocator holds them: 75.1, 59.3, 95.2."""
-    from elsa_ds.memory import estimate_job
+    from elsa_ds.capacity.memory import estimate_job
 
     settings = {"freeze_embeddings": True, "seqlen": 2048, "batch_size": 1, "micro_batch": 1}
     config_json = json.loads((CONFIG_DIR / "google/gemma-2-27b/config.json").read_text())

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from elsa_ds.memory import estimate, model_shape
+from elsa_ds.capacity.memory import estimate, model_shape
+from elsa_ds.capacity.resident import pinned_events, pinned_reserved, read_job, sub_groups
 from elsa_ds.models import load_config
-from elsa_ds.resident import pinned_events, pinned_reserved, read_job, sub_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.integration

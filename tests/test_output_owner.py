@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from elsa_ds.errors import ElsaError
-from elsa_ds.output import check_publishable, publish, staging_dir
-from elsa_ds.ownership import lock_path, owned
+from elsa_ds.files.output import check_publishable, publish, staging_dir
+from elsa_ds.files.ownership import lock_path, owned
 from tests.conftest import ROOT, run_entry, run_fails
 
 
@@ -115,7 +115,8 @@ def test_under_the_launcher_rank_0_alone_takes_the_lock(tmp_path, tiny_model_dir
 
 def test_a_dead_jobs_lock_and_staging_do_not_block_a_new_one(tmp_path, tiny_model_dir, text_dir):
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; from elsa_ds.ownership import acquire; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from elsa_ds.files.ownership import acquire; "
                                f"acquire(Path({str(out)!r}), '--output_dir'); print('held', flush=True); time.sleep(600)"],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -133,7 +134,7 @@ def test_a_dead_jobs_lock_and_staging_do_not_block_a_new_one(tmp_path, tiny_mode
 
 def test_staging_is_named_for_its_job(tmp_path):
     mine = staging_dir(tmp_path / "out")
-    other = subprocess.run([sys.executable, "-c", f"from pathlib import Path; from elsa_ds.output import staging_dir; "
+    other = subprocess.run([sys.executable, "-c", f"from pathlib import Path; from elsa_ds.files.output import staging_dir; "
                             f"print(staging_dir(Path({str(tmp_path / 'out')!r})))"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert mine.parent == tmp_path and mine.name.startswith(".out.partial")
     assert other.stdout.strip() != str(mine)

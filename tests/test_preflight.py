@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from elsa_ds import preflight
-from elsa_ds.config import DEMO_MODEL_DIR, resolve_config
-from elsa_ds.options import JobOptions
+from elsa_ds.capacity import preflight
+from elsa_ds.capacity.memory import PHASES, estimate, model_shape, resolve_model_config
 from elsa_ds.errors import ElsaError
-from elsa_ds.memory import PHASES, estimate, model_shape, resolve_model_config
 from elsa_ds.models import meta_model
+from elsa_ds.settings.config import DEMO_MODEL_DIR, resolve_config
+from elsa_ds.settings.options import JobOptions
 from elsa_ds.zero.ds_config import DsConfig
 from tests.conftest import run_fails
 
@@ -142,3 +142,10 @@ def test_disk_needs_on_one_file_system_add_up(tmp_path):
     needs = preflight.disk_needs({tmp_path / "nvme": 0.45 * free, tmp_path / "out": 0.45 * free}, machine)
     assert not needs[0].refused and not needs[0].tight and "±" not in needs[0].line()
     assert preflight._gib(3 * 2**20) == "3.0 MiB" and preflight._gib(2.5 * 2**30) == "2.5 GiB"
+
+
+def test_the_exports_bytes_follow_the_engines_dtype_fp16_included():
+    shape = model_shape(resolve_model_config("google/gemma-2-2b"))
+    sizes = {name: preflight.ds_bytes_export(shape, ds) for name, ds in
+             {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}.items()}
+    assert sizes == {"fp32": 4 * shape.num_params, "bf16": 2 * shape.num_params, "fp16": 2 * shape.num_params}

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from elsa_ds.cli import prune_parser, settings_from_args
-from elsa_ds.config import ElsaConfig, load_recipe
-from elsa_ds.config_files import recipe_dir
+from elsa_ds.settings.config import ElsaConfig, load_recipe
+from elsa_ds.settings.config_files import recipe_dir
 
 RECIPES = sorted(recipe_dir().glob("*.json"))
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from elsa_ds.errors import ElsaError
-from elsa_ds.safetensors_writer import INDEX_NAME, ShardedWriter, TensorSpec, parse_size, plan_shards
+from elsa_ds.files.safetensors_writer import INDEX_NAME, ShardedWriter, TensorSpec, parse_size, plan_shards
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import pytest
 
 from elsa_ds.cli import main_evaluate, prune_parser, settings_from_args
 from elsa_ds.errors import ElsaError
-from elsa_ds.ownership import acquire, lock_path, owned, release
+from elsa_ds.files.ownership import acquire, lock_path, owned, release
 from tests.conftest import ROOT, derived_config
 
 

@@ -9,11 +9,11 @@ import time
 import pytest
 from transformers import AutoConfig
 
+from elsa_ds.capacity.memory import model_shape
+from elsa_ds.capacity.shapes import CONFIG_DIR
+from elsa_ds.capacity.step_time import TYPICAL, measure, step_time
 from elsa_ds.cli import main_estimate
-from elsa_ds.config import ElsaConfig
-from elsa_ds.memory import model_shape
-from elsa_ds.shapes import CONFIG_DIR
-from elsa_ds.step_time import TYPICAL, measure, step_time
+from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.zero.ds_config import DsConfig
 
 GEMMA2_27B = json.loads((CONFIG_DIR / "google/gemma-2-27b/config.json").read_text())

@@ -97,6 +97,13 @@ def test_an_upward_import_is_caught(tree):
     assert "elsa_ds/admm/schedule.py:" in found
 
 
+def test_an_import_of_a_room_listed_later_in_the_same_layer_is_caught(tree):
+    plant = lambda: _append(tree / "elsa_ds/files/io.py", "def f():\n    from elsa_ds.settings import config\n")  # noqa: E731
+    (found,) = _new(rules.upward_imports, tree, plant)
+    assert "elsa_ds.files.io imports elsa_ds.settings.config, a room listed after its own in layer 1" in found
+    assert "elsa_ds/files/io.py:" in found
+
+
 def test_the_package_importing_launch_or_bench_is_caught(tree):
     (tree / "launch/__init__.py").touch()
     (found,) = _new(rules.upward_imports, tree, lambda: _append(tree / "elsa_ds/cli.py", "import launch.prune\n"))
@@ -129,15 +136,15 @@ def test_a_longer_cycle_is_caught_with_its_whole_path(tree):
 
 
 def test_a_long_line_is_caught(tree):
-    plant = lambda: _append(tree / "elsa_ds/io.py", "# " + "x" * (rules.MAX_LINE_CHARS - 1) + "\n")  # noqa: E731
+    plant = lambda: _append(tree / "elsa_ds/files/io.py", "# " + "x" * (rules.MAX_LINE_CHARS - 1) + "\n")  # noqa: E731
     (found,) = _new(rules.long_lines, tree, plant)
-    assert found.startswith("elsa_ds/io.py:") and found.endswith(f": {rules.MAX_LINE_CHARS + 1} characters")
+    assert found.startswith("elsa_ds/files/io.py:") and found.endswith(f": {rules.MAX_LINE_CHARS + 1} characters")
     assert not _new(rules.long_lines, tree, lambda: _append(tree / "bench/scale.py", "#" * rules.MAX_LINE_CHARS + "\n"))
 
 
 def test_a_long_function_is_caught(tree):
     body = "".join(f"    x{i} = {i}\n" for i in range(rules.MAX_FUNCTION_LINES))  # def line + 60 = 61 lines
-    (found,) = _new(rules.long_functions_and_files, tree, lambda: _append(tree / "elsa_ds/io.py", "def planted():\n" + body))
+    (found,) = _new(rules.long_functions_and_files, tree, lambda: _append(tree / "elsa_ds/files/io.py", "def planted():\n" + body))
     assert found.endswith(f"planted: {rules.MAX_FUNCTION_LINES + 1} lines")
 
 

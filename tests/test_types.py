@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 PLANTED = '''\
 from pathlib import Path
 
-from elsa_ds.weight_files import safetensors_problem, stored_shapes
+from elsa_ds.files.weight_files import safetensors_problem, stored_shapes
 
 stored_shapes({folder})
 problem = safetensors_problem(Path("model.safetensors"))

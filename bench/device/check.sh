@@ -29,6 +29,7 @@ DRY=0
 OUT="${OUT:-$ROOT/out/device_check}"
 mkdir -p "$OUT"
 WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT  # the jobs' folders and logs: the figures are in $OUT, the folder goes with the run
 SITE="${SITE:-/tmp/elsa_ds_site}"
 RESULTS="$OUT/results.json"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

@@ -58,7 +58,7 @@ def report_figures(out: Path) -> dict:
 
 def estimate(config: str) -> dict:
     """The estimator's figures for this job on 1 GPU (the job's own model, the demo's unless overridden)."""
-    from elsa_ds.memory import estimate_job
+    from elsa_ds.capacity.memory import estimate_job
 
     est = estimate_job(str(ROOT / "elsa_ds" / "demo" / "model"), config, 1)
     return {"per_gpu_bytes": est.per_gpu_bytes, "per_node_cpu_bytes": est.per_node_cpu_bytes}

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.models.build import MODELS_HOME, RECIPES  # noqa: E402
-from elsa_ds.io import write_atomic  # noqa: E402
+from elsa_ds.files.io import write_atomic  # noqa: E402
 
 KEEP = ("arch", "n_params", "steps", "batch", "seqlen", "tokens_seen", "epochs", "final_train_loss", "val_ppl",
         "test_ppl", "heldout", "tokens", "warmup_steps", "tokenizer", "train_wall_s", "eval_wall_s", "wall_s",

@@ -13,7 +13,7 @@ weights and optimizer; a seeded block order (``elsa_ds.data.GlobalBatches``).
 
 During training a fixed subset of validation blocks is scored every ``eval_every`` steps (the curve
 goes into ``training_metrics.json``). At the end the model is saved (fp32 safetensors + tokenizer) and
-its validation and test perplexities are measured on the *saved* model by ``elsa_ds.evaluation.run``,
+its validation and test perplexities are measured on the *saved* model by ``elsa_ds.jobs.evaluate``,
 the code behind ``launch/evaluate.py --ppl <dir>/validation.jsonl --seqlen 256``.
 """
 from __future__ import annotations
@@ -150,7 +150,7 @@ def blocks(tokenizer, texts: list[str], seqlen: int) -> torch.Tensor:
 
 def heldout_ppl(model_dir: Path, corpus: Path, seqlen: int) -> dict[str, dict]:
     """Validation and test perplexity of the saved model by launch/evaluate.py's code (fp32, CPU)."""
-    from elsa_ds.evaluation.run import EvalSettings, run
+    from elsa_ds.jobs.evaluate import EvalSettings, run
 
     result = run(EvalSettings(model=str(model_dir), ppl=[str(corpus / "validation.jsonl"), str(corpus / "test.jsonl")],
                               seqlen=seqlen, batch_size=8, dtype="fp32"))
@@ -234,7 +234,7 @@ def train(s: TrainSettings, corpus: Path, out: Path, log=print) -> dict:
         "val_ppl": heldout["validation"]["ppl"],
         "test_ppl": heldout["test"]["ppl"],
         "heldout": heldout,
-        "ppl_protocol": "elsa_ds.evaluation.run (launch/evaluate.py --ppl <corpus>/{validation,test}.jsonl --seqlen 256), "
+        "ppl_protocol": "elsa_ds.jobs.evaluate (launch/evaluate.py --ppl <corpus>/{validation,test}.jsonl --seqlen 256), "
                         "fp32, every window: BOS + 255 tokens, documents joined by EOS",
         "blocks": {"train": int(train_blocks.shape[0]), "validation": int(val_blocks.shape[0]),
                    "test": int(test_blocks.shape[0])},

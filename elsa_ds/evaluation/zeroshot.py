@@ -6,10 +6,10 @@ the unweighted mean of acc over the requested tasks.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elsa_ds.config import comma_list
 from elsa_ds.errors import ElsaError, require
 
 if TYPE_CHECKING:
@@ -19,15 +19,15 @@ PAPER_TASKS: tuple[str, ...] = ("boolq", "rte", "hellaswag", "winogrande", "arc_
 METRICS: tuple[str, ...] = ("acc", "acc_norm")
 
 
-def expand_tasks(spec: str) -> list[str]:
-    """Comma list of task names -> unique names in order; ``paper`` stands for the seven tasks of the papers."""
+def expand_tasks(given: Sequence[str]) -> list[str]:
+    """Task names -> unique names in order; ``paper`` stands for the seven tasks of the papers."""
     names: list[str] = []
-    for name in comma_list(spec):
+    for name in (n.strip() for n in given):
         for task in PAPER_TASKS if name == "paper" else (name,) if name else ():
             if task not in names:
                 names.append(task)
     if not names:
-        raise ElsaError(f"--tasks {spec!r} names no task; give e.g. --tasks paper or --tasks boolq,rte")
+        raise ElsaError(f"--tasks {','.join(given)!r} names no task; give e.g. --tasks paper or --tasks boolq,rte")
     return names
 
 

@@ -19,8 +19,7 @@ import torch
 
 from elsa_ds.admm.optimizer import AdmmOptimizer, summarize_metrics
 from elsa_ds.admm.schedule import learning_rate
-from elsa_ds.config import ElsaConfig
-from elsa_ds.options import JobOptions
+from elsa_ds.files.output import fresh_staging, staging_dir
 from elsa_ds.jobs import report
 from elsa_ds.jobs.phases import PhaseLog, step_phase
 from elsa_ds.jobs.selection import Selector, snapshot_dir
@@ -30,8 +29,9 @@ from elsa_ds.jobs.warm_start import WarmStart, warm_start, warm_start_path, warm
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource
 from elsa_ds.monitor import Monitor
-from elsa_ds.output import fresh_staging, staging_dir
 from elsa_ds.plan import Plan
+from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import LayerGoal
 from elsa_ds.zero import steps
 from elsa_ds.zero.ds_config import DsConfig

@@ -24,20 +24,20 @@ import torch
 
 from elsa_ds.admm.projection import keep_count
 from elsa_ds.admm.schedule import learning_rate
-from elsa_ds.config import ElsaConfig
-from elsa_ds.options import JobOptions
+from elsa_ds.files.mask_file import MaskReader
+from elsa_ds.files.output import fresh_staging, staging_dir
 from elsa_ds.jobs import report
 from elsa_ds.jobs.phases import PhaseLog
 from elsa_ds.jobs.training import (Checkpoints, Opened, RunState, TrainingData, load_for_training, open_training, train_loop,
                                    windows_ppl)
 from elsa_ds.jobs.warm_start import oneshot_on_rank0
 from elsa_ds.log import get_logger
-from elsa_ds.mask_file import MaskReader
 from elsa_ds.methods import Finetune
 from elsa_ds.models import ModelSource
 from elsa_ds.monitor import Monitor
-from elsa_ds.output import fresh_staging, staging_dir
 from elsa_ds.plan import Plan
+from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import LayerGoal, goal_ratio
 from elsa_ds.zero import steps
 from elsa_ds.zero.ds_config import DsConfig

@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elsa_ds.admm.projection import keep_count
-from elsa_ds.config import ElsaConfig
-from elsa_ds.options import JobOptions
 from elsa_ds.data import PplWindows, validation_windows
-from elsa_ds.disk_room import saved_bytes, writing
+from elsa_ds.files.disk_room import saved_bytes, writing
+from elsa_ds.files.output import fresh_staging
 from elsa_ds.jobs import report
 from elsa_ds.log import EVERY_RANK, get_logger
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
 from elsa_ds.oneshot.layerwise import layerwise_nll
 from elsa_ds.oneshot.pipeline import OneShotResult, accelerator, load_host_model, prune_oneshot
-from elsa_ds.output import fresh_staging
 from elsa_ds.plan import Plan
+from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import goal_ratio
 
 if TYPE_CHECKING:

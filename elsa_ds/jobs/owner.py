@@ -1,11 +1,11 @@
 """A pruning job as its output's one owner: inputs kept apart from --output_dir, then (on the rank that writes) the
-output's lock held from before the first costly step until the job ends, however it ends (``elsa_ds/ownership.py``).
+output's lock held from before the first costly step until the job ends, however it ends (``elsa_ds/files/ownership.py``).
 
 However it ends short of publishing (an error, a NaN loss, a full disk, Ctrl-C, SIGTERM), nothing of it stays beside the
 output: its staging folder and side files go, then its lock; its checkpoints (resumable) and the previous output stay.
 A full disk ends it with one line saying where, how much the write needed and how much is free once they are gone.
 A rank killed outright (SIGKILL: the kernel's out-of-memory killer) runs no exit path: rank 0's watchdog
-(``elsa_ds/watchdog.py``), started once the output is owned, removes the same files and says one line instead."""
+(``elsa_ds/files/watchdog.py``), started once the output is owned, removes the same files and says one line instead."""
 from __future__ import annotations
 
 import os
@@ -13,16 +13,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from elsa_ds.config import ElsaConfig
-from elsa_ds.disk_room import disk_full
+from elsa_ds.files.disk_room import disk_full
+from elsa_ds.files.output import check_output_dir, staging_dir
+from elsa_ds.files.ownership import check_apart, lock_path, owned
+from elsa_ds.files.watchdog import Watchdog
 from elsa_ds.jobs import make_job, run_job
 from elsa_ds.jobs.phases import PhaseLog
 from elsa_ds.methods import oneshot_names
-from elsa_ds.options import JobOptions
-from elsa_ds.output import check_output_dir, staging_dir
-from elsa_ds.ownership import check_apart, lock_path, owned
 from elsa_ds.plan import log_plan, make_plan
-from elsa_ds.watchdog import Watchdog
+from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.settings.options import JobOptions
 from elsa_ds.zero.ds_config import DsConfig
 
 # the side files beside the output (jobs/warm_start.py, jobs/finetune.py, jobs/selection.py name them from the staging's;

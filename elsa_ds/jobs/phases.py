@@ -3,7 +3,7 @@
 Off unless the environment variable ``ELSA_DS_PHASE_LOG`` names a file; rank 0 then appends one JSON line per
 phase as it begins, ``{"phase": "projection", "step": 1, "t": 1732390000.123}`` (t: seconds since the epoch, the
 clock a sampler in another process reads too). A phase lasts until the next marker; the last one is ``done``.
-Whatever the variable, rank 0 forwards each marker to its watchdog (``elsa_ds/watchdog.py``), which names the last one
+Whatever the variable, rank 0 forwards each marker to its watchdog (``elsa_ds/files/watchdog.py``), which names the last one
 should the job be killed.
 
     load              from the job's start (checks, process group, data, model, engine) to the first step

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from elsa_ds.config import ElsaConfig
-from elsa_ds.io import versions, write_json
+from elsa_ds.files.io import versions, write_json
+from elsa_ds.files.output import REPORT_NAME, layers_summary, publish, verified_layers
 from elsa_ds.log import get_logger
-from elsa_ds.options import JobOptions
-from elsa_ds.output import REPORT_NAME, layers_summary, publish, verified_layers
+from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.settings.options import JobOptions
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY
 from elsa_ds.sparse.export import compress_in_place
 from elsa_ds.targets import LayerGoal
@@ -219,12 +219,12 @@ def _where(p: dict[str, Any]) -> str:
 def evaluate_saved_model(output_dir: Path, cfg: ElsaConfig) -> dict[str, Any]:
     """Evaluate a job's saved model in the job's own process (rank 0, after its last collective) with the code
     behind ``launch/evaluate.py``; the full result goes to ``eval.json``/``eval.md``, a summary into the report."""
-    from elsa_ds.evaluation.run import EvalSettings, run
     from elsa_ds.evaluation.zeroshot import expand_tasks
+    from elsa_ds.jobs.evaluate import EvalSettings, run
 
     log.info(f"evaluating {output_dir} (ppl: {cfg.eval_ppl or 'none'}; tasks: {cfg.eval_tasks or 'none'})")
     result = run(EvalSettings(
-        model=str(output_dir), ppl=list(cfg.eval_ppl), tasks=expand_tasks(",".join(cfg.eval_tasks)) if cfg.eval_tasks else [],
+        model=str(output_dir), ppl=list(cfg.eval_ppl), tasks=expand_tasks(cfg.eval_tasks) if cfg.eval_tasks else [],
         include_path=cfg.eval_include_path, seqlen=cfg.seqlen, ppl_protocol=cfg.ppl_protocol.value,
         device_map="auto" if torch.cuda.is_available() else None,
         output=output_dir / "eval.json", markdown=output_dir / "eval.md", overwrite=True,  # the job owns output_dir

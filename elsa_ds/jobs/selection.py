@@ -24,7 +24,7 @@ import torch
 
 from elsa_ds.admm.optimizer import AdmmOptimizer
 from elsa_ds.data import PplWindows
-from elsa_ds.output import staging_dir
+from elsa_ds.files.output import staging_dir
 from elsa_ds.zero.engine import ZeroEngine
 from elsa_ds.zero.partitions import distributed_nll, hard_projected, restore_shards, shard_snapshot
 

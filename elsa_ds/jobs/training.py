@@ -13,18 +13,18 @@ from typing import Any
 
 import torch
 
-from elsa_ds import machine
-from elsa_ds.config import ElsaConfig
-from elsa_ds.options import JobOptions
+from elsa_ds.capacity import machine
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource, check_token_ids, freeze_embeddings
 from elsa_ds.monitor import MONITOR_DIR, default_output_paths
 from elsa_ds.plan import Plan
+from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.settings.options import JobOptions
+from elsa_ds.targets import LayerGoal, select_targets
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.dist import init_distributed
-from elsa_ds.targets import LayerGoal, select_targets
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import PartitionedModel, ZeroEngine, full_shapes, load_partitioned
 from elsa_ds.zero.partitions import distributed_nll

@@ -11,16 +11,16 @@ from typing import Any
 
 import torch
 
-from elsa_ds.config import ElsaConfig
-from elsa_ds.disk_room import saved_bytes, writing
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.disk_room import saved_bytes, writing
+from elsa_ds.files.mask_file import MaskReader, write_masks
+from elsa_ds.files.output import staging_dir
 from elsa_ds.log import get_logger
-from elsa_ds.mask_file import MaskReader, write_masks
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
 from elsa_ds.oneshot.layerwise import layerwise_nll
 from elsa_ds.oneshot.pipeline import accelerator, load_host_model, prune_oneshot
-from elsa_ds.output import staging_dir
+from elsa_ds.settings.config import ElsaConfig
 
 log = get_logger(__name__)
 

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from elsa_ds.config import ElsaConfig
 from elsa_ds.data import is_gemma
 from elsa_ds.log import get_logger
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
 from elsa_ds.oneshot.calibration import calibration_sequences
 from elsa_ds.oneshot.methods import prune_model
+from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.targets import LayerGoal, select_targets
 
 if TYPE_CHECKING:

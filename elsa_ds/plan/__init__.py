@@ -15,13 +15,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from elsa_ds.config import ElsaConfig, load_recipe, refuse_unread_elsa_settings, resolve_config
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource
-from elsa_ds.options import JobOptions
 from elsa_ds.plan.checks import before_work, model_source
 from elsa_ds.plan.defaults_applied import apply_defaults
+from elsa_ds.settings.config import ElsaConfig, load_recipe, refuse_unread_elsa_settings, resolve_config
+from elsa_ds.settings.options import JobOptions
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
 
@@ -87,7 +87,7 @@ def log_plan(plan: Plan) -> None:
     log.info("resolved ELSA config:\n" + json.dumps(plan.cfg.model_dump(mode="json"), indent=2))
     if plan.defaults.get("applied"):
         kept = " or the checkpoint resumed" if plan.defaults["kept_from_checkpoint"] else ""
-        log.info(f"from the defaults rule (elsa_ds/defaults.py){kept}: "
+        log.info(f"from the defaults rule (elsa_ds/settings/defaults.py){kept}: "
                  + "; ".join(f"{k} {v} ({plan.defaults['why'][k]})" for k, v in plan.defaults["applied"].items()))
     if plan.trains:
         log.info("DeepSpeed config:\n" + json.dumps(plan.ds.raw, indent=2))

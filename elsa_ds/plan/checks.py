@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import os
 
-from elsa_ds import machine, preflight
-from elsa_ds.config import ElsaConfig
+from elsa_ds.capacity import machine, preflight
+from elsa_ds.capacity.memory import model_shape
+from elsa_ds.capacity.shapes import check_nvme_param_buffers
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.mask_file import MaskReader
+from elsa_ds.files.output import check_output_dir
 from elsa_ds.log import get_logger
-from elsa_ds.mask_file import MaskReader
-from elsa_ds.memory import model_shape
 from elsa_ds.methods import DENSE, oneshot_names
 from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model
-from elsa_ds.options import JobOptions
-from elsa_ds.output import check_output_dir
-from elsa_ds.shapes import check_nvme_param_buffers
+from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import select_targets
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
@@ -99,4 +99,4 @@ def check_eval_tasks(cfg: ElsaConfig) -> None:
     if cfg.eval_tasks:
         from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager
 
-        task_manager(expand_tasks(",".join(cfg.eval_tasks)), cfg.eval_include_path)
+        task_manager(expand_tasks(cfg.eval_tasks), cfg.eval_include_path)

@@ -1,14 +1,14 @@
-"""Apply the defaults rule (``elsa_ds/defaults.py``) to the settings a user left unset."""
+"""Apply the defaults rule (``elsa_ds/settings/defaults.py``) to the settings a user left unset."""
 from __future__ import annotations
 
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from elsa_ds.config import RESUME_DEFAULTS, ElsaConfig
 from elsa_ds.methods import DENSE
-from elsa_ds.defaults import RULE_FIELDS, elsa_settings, retrain_settings
 from elsa_ds.models import meta_model
+from elsa_ds.settings.config import RESUME_DEFAULTS, ElsaConfig
+from elsa_ds.settings.defaults import RULE_FIELDS, elsa_settings, retrain_settings
 from elsa_ds.targets import goal_ratio
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from elsa_ds.errors import ElsaError, OneLineParser, guarded
-from elsa_ds.flags import add_flags, cli_fields, start_logging, validated
+from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE
 from elsa_ds.log import get_logger
-from elsa_ds.options import JobOptions
-from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE
+from elsa_ds.settings.flags import add_flags, cli_fields, start_logging, validated
+from elsa_ds.settings.options import JobOptions
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY, check_paths, compress
 from elsa_ds.sparse.loader import verify
 

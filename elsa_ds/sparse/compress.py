@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from elsa_ds.errors import ElsaError
-from elsa_ds.io import write_json
-from elsa_ds.output import fresh_staging, publish
-from elsa_ds.ownership import check_apart, owned
-from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
+from elsa_ds.files.io import write_json
+from elsa_ds.files.output import fresh_staging, publish
+from elsa_ds.files.ownership import check_apart, owned
+from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
 from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.folder import TensorReader, is_weight_file
 from elsa_ds.sparse.integrity import SparseArgumentError, check_type, tensor_digest

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from elsa_ds.files.safetensors_writer import DTYPES
 from elsa_ds.log import get_logger
-from elsa_ds.safetensors_writer import DTYPES
 from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.integrity import ALGORITHM, SparseCheckpointError, is_digest, json_digest
 

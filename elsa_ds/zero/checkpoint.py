@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from elsa_ds.config import RESUME_DEFAULTS
 from elsa_ds.errors import ElsaError
-from elsa_ds.disk_room import writer_ran_out
+from elsa_ds.files.disk_room import writer_ran_out
 from elsa_ds.log import get_logger
+from elsa_ds.settings.config import RESUME_DEFAULTS
 from elsa_ds.zero import compat
 from elsa_ds.zero.ds_config import DsConfig
 
@@ -45,7 +45,7 @@ FINGERPRINT = "elsa_fingerprint.json"  # the run's settings beside its tags: rea
 
 def write_fingerprint(ckpt_dir: Path, fingerprint: dict) -> None:
     """The settings a resumed run must share (``ElsaConfig.resume_fingerprint``), as JSON in ``ckpt_dir`` (rank 0)."""
-    from elsa_ds.io import write_json
+    from elsa_ds.files.io import write_json
 
     write_json(ckpt_dir / FINGERPRINT, fingerprint)
 

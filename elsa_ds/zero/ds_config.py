@@ -16,9 +16,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from elsa_ds.config import ElsaConfig
-from elsa_ds.config_files import read_json_object
 from elsa_ds.errors import ElsaError
+from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.settings.config_files import read_json_object
 
 AUTO = "auto"
 # DeepSpeed needs these to accept a wrapper around an arbitrary torch optimizer under offload

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
+from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
 from elsa_ds.zero import compat
 
 if TYPE_CHECKING:

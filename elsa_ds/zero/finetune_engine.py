@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from elsa_ds.admm.projection import Slice
-from elsa_ds.config import ElsaConfig
+from elsa_ds.files.mask_file import MaskReader
 from elsa_ds.finetune.optimizer import MaskedOptimizer
-from elsa_ds.mask_file import MaskReader
+from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.targets import LayerGoal
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import ZeroEngine, base_optimizer, full_shapes, initialize, initialize_sliced

@@ -124,8 +124,8 @@ def test_hold_steps_train_inside_the_early_projections_mask():
 def test_hold_steps_is_refused_where_it_means_nothing():
     import pytest
 
-    from elsa_ds.config import resolve_config
     from elsa_ds.errors import ElsaError
+    from elsa_ds.settings.config import resolve_config
 
     for given, words in (({"hold_steps": 100, "steps": 100}, "must be below steps"),
                          ({"hold_steps": 10, "method": "wanda", "finetune": "full"}, "mean nothing"),

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elsa_ds.config import resolve_config
 from elsa_ds.data import GlobalBatches, load_blocks
-from elsa_ds.evaluation.run import EvalSettings, run
+from elsa_ds.jobs.evaluate import EvalSettings, run
 from elsa_ds.models import load_causal_lm
 from elsa_ds.reference import train_reference
+from elsa_ds.settings.config import resolve_config
 from elsa_ds.targets import select_targets
 from elsa_ds.zero.ds_config import DsConfig
 from tests.architectures.models import ARCHS, make_arch_model

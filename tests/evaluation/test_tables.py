@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from elsa_ds.evaluation.run import EvalSettings, run
+from elsa_ds.jobs.evaluate import EvalSettings, run
 from tests.conftest import run_entry
 
 

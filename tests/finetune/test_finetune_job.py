@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elsa_ds.config import resolve_config
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
 from elsa_ds.oneshot.pipeline import load_host_model, prune_oneshot
+from elsa_ds.settings.config import resolve_config
 from tests.conftest import derived_config, run_entry
 
 pytestmark = pytest.mark.integration

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from elsa_ds.config import resolve_config
 from elsa_ds.errors import ElsaError
 from elsa_ds.jobs.report import ReportRecord, elsa_report, finetune_report, oneshot_report
+from elsa_ds.settings.config import resolve_config
 
 LAYER = "model.layers.0.mlp.down_proj.weight"
 VALIDATION = {"source": "text", "part": "held out", "documents": 3, "text_tokens": 900, "windows": 4, "seqlen": 8,

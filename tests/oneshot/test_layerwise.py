@@ -7,7 +7,7 @@ import torch
 from elsa_ds.data import load_blocks
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
-from elsa_ds.mask_file import MaskReader, pack, unpack, write_masks
+from elsa_ds.files.mask_file import MaskReader, pack, unpack, write_masks
 from elsa_ds.oneshot.calibration import calibration_sequences
 from elsa_ds.oneshot.layerwise import layerwise_nll
 from elsa_ds.oneshot.methods import prune_model

@@ -8,16 +8,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elsa_ds.config import resolve_config
-from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.data import GlobalBatches, load_blocks
 from elsa_ds.evaluation.sparsity import sparsity_report
-from elsa_ds.mask_file import MaskReader, write_masks
+from elsa_ds.files.mask_file import MaskReader, write_masks
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
 from elsa_ds.oneshot.pipeline import load_host_model, prune_oneshot
 from elsa_ds.reference import train_reference
+from elsa_ds.settings.config import resolve_config
 from elsa_ds.targets import select_targets
+from elsa_ds.zero.ds_config import DsConfig
 from tests.conftest import derived_config, run_entry
 
 pytestmark = pytest.mark.integration

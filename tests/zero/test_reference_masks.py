@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elsa_ds.config import resolve_config
-from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.data import GlobalBatches, load_blocks
 from elsa_ds.reference import train_reference
+from elsa_ds.settings.config import resolve_config
 from elsa_ds.targets import select_targets
+from elsa_ds.zero.ds_config import DsConfig
 from tests.conftest import derived_config, run_entry
 
 pytestmark = pytest.mark.integration

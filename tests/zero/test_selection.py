@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from elsa_ds.evaluation.run import EvalSettings, run
+from elsa_ds.jobs.evaluate import EvalSettings, run
 from elsa_ds.jobs.warm_start import warm_start_weights_dir
 from tests.conftest import derived_config, run_entry
 

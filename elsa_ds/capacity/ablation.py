@@ -18,13 +18,13 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from elsa_ds.config import resolve_config
-from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.capacity.memory import Estimate, estimate, model_shape, resolve_model_config
 from elsa_ds.errors import ElsaError, require
 from elsa_ds.log import get_logger
-from elsa_ds.memory import Estimate, estimate, model_shape, resolve_model_config
+from elsa_ds.settings.config import resolve_config
+from elsa_ds.zero.ds_config import DsConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 log = get_logger(__name__)
 
 
@@ -121,7 +121,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
     """Run ``launch/prune.py`` once per config with ``prune_args``; returns one row per config."""
     import torch
 
-    from elsa_ds.step_time import DEFAULT_MACHINE, TYPICAL, measure
+    from elsa_ds.capacity.step_time import DEFAULT_MACHINE, TYPICAL, measure
 
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     rows: list[AblationRow] = []
@@ -183,9 +183,9 @@ def estimate_for_report(raw: dict, report: dict, ranks: int, device: str) -> Est
 def step_time_for_report(view: DsConfig, report: dict, ranks: int, device: str, rates):
     """elsa-estimate's step time for the job an ``elsa_report.json`` describes, its engine config resolved as the job
     resolved it, against ``rates`` (the matmul's timed again at the job's own shape)."""
-    from elsa_ds.config import ElsaConfig
-    from elsa_ds.memory import resolved_job
-    from elsa_ds.step_time import job_matmul, matmul_rate, step_time
+    from elsa_ds.capacity.memory import resolved_job
+    from elsa_ds.capacity.step_time import job_matmul, matmul_rate, step_time
+    from elsa_ds.settings.config import ElsaConfig
 
     cfg = ElsaConfig.model_validate(report["config"])
     shape, ds = resolved_job(cfg, view, ranks)

@@ -5,7 +5,7 @@ rank is killed by a signal no process can catch: SIGKILL, most often from the ke
 the deepspeed launcher says "exits with return code = -9" and nothing more. So rank 0 (the rank that writes), once it
 owns the output, starts this small process (stdlib and psutil only):
 
-    python -E -m elsa_ds.watchdog --pid RANK0 [--launcher PID --ranks N] --steps N --lock LOCK --clean PATH ...
+    python -E -m elsa_ds.files.watchdog --pid RANK0 [--launcher PID --ranks N] --steps N --lock LOCK --clean PATH ...
 
 It forks away at once into a session of its own: neither a kill of the job's process group nor the launcher's kill of
 rank 0's process tree takes it. Through its stdin rank 0 tells it each phase it begins (``jobs/phases.py``, the stages
@@ -38,7 +38,7 @@ from typing import Any
 
 import psutil
 
-from elsa_ds.ownership import read_holder
+from elsa_ds.files.ownership import read_holder
 
 GIB = 2**30
 SAMPLE_S = 0.5
@@ -68,12 +68,12 @@ class Watchdog:
         the job be killed; a watchdog that cannot start is a warning, not a reason to stop the job."""
         local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"
         launcher = os.getppid() if "LOCAL_RANK" in os.environ else 0  # deepspeed's launch.py, torchrun's agent
-        cmd = [sys.executable, "-E", "-m", "elsa_ds.watchdog", "--pid", str(os.getpid()), "--launcher", str(launcher),
+        cmd = [sys.executable, "-E", "-m", "elsa_ds.files.watchdog", "--pid", str(os.getpid()), "--launcher", str(launcher),
                "--ranks", local, "--steps", str(steps or 0), "--lock", str(lock), *(a for p in clean for a in ("--clean", str(p)))]
         read, write, proc = *os.pipe(), None
         code: int | str  # the first process's exit code, or why it did not run
         try:  # -E: none of the job's PYTHON* variables (a sitecustomize that imports torch); elsa_ds found from cwd
-            proc = subprocess.Popen(cmd, stdin=read, stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent,
+            proc = subprocess.Popen(cmd, stdin=read, stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[2],
                                     start_new_session=True)
             code = proc.wait(timeout=120)  # the first process forks the watchdog off and returns once it is ready
         except (OSError, subprocess.TimeoutExpired) as err:
@@ -371,7 +371,7 @@ def cause(w: Watch, killed: Rank, total: int, limit: int | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m elsa_ds.watchdog", description=__doc__.partition("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m elsa_ds.files.watchdog", description=__doc__.partition("\n")[0])
     parser.add_argument("--pid", type=int, required=True, help="rank 0 (or the single process), which starts this")
     parser.add_argument("--launcher", type=int, default=0, help="the launcher whose children are the job's ranks (0: none)")
     parser.add_argument("--ranks", type=int, default=1, help="how many ranks the launcher starts on this node")

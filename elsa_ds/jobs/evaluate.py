@@ -23,16 +23,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from elsa_ds.data import PplProtocol, PplWindows, evaluation_documents, load_tokenizer, ppl_windows, resolve_protocol
-from elsa_ds.config import CommaList, ElsaConfig
 from elsa_ds.data.windows import C4_WINDOWS, LAYOUTS
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
 from elsa_ds.evaluation.sparsity import sparsity_report
 from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
-from elsa_ds.io import versions, write_atomic
+from elsa_ds.files.io import versions, write_atomic
 from elsa_ds.log import get_logger
 from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, load_causal_lm, load_config
+from elsa_ds.settings.config import CommaList, ElsaConfig, comma_list
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -97,7 +97,7 @@ class EvalSettings(BaseModel):
     @classmethod
     def _expand_tasks(cls, v: Any) -> Any:
         """'paper' stands for the seven tasks; a name given twice counts once (ElsaError when none is named)."""
-        return expand_tasks(v if isinstance(v, str) else ",".join(v)) if isinstance(v, str) or v else v
+        return expand_tasks(comma_list(v)) if isinstance(v, str) or v else v
 
 
 def check_settings(s: EvalSettings) -> None:

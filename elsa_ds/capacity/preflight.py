@@ -21,14 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elsa_ds.config import ElsaConfig
-from elsa_ds.config_checks import schedule_oddities, schedule_refusals
-from elsa_ds.disk_room import existing_ancestor
+from elsa_ds.capacity.memory import STATE_BYTES, Estimate, ModelShape, job_estimate, model_shape, moment_bytes, oneshot_host_bytes
+from elsa_ds.capacity.resident import element_bytes
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.disk_room import existing_ancestor
 from elsa_ds.log import get_logger
 from elsa_ds.methods import oneshot_names
-from elsa_ds.memory import STATE_BYTES, Estimate, ModelShape, job_estimate, model_shape, moment_bytes, oneshot_host_bytes
 from elsa_ds.models import check_seqlen, load_config
+from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.settings.config_checks import schedule_oddities, schedule_refusals
 
 MARGIN = 0.15
 GIB = 2 ** 30
@@ -173,7 +174,7 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
 
 def _expected_time(shape: ModelShape, job: _Run) -> str:
     """What the run will take at the typical rates of a host like this one (its core count picks the profile)."""
-    from elsa_ds.step_time import TYPICAL, step_time
+    from elsa_ds.capacity.step_time import TYPICAL, step_time
 
     name = "cpu-2c" if job.device == "cpu" else "gpu-server" if (os.cpu_count() or 1) >= 64 else "gpu-vm-16c"
     t = step_time(shape, job.ds, job.cfg, job.local, job.nodes, job.device, TYPICAL[name])
@@ -182,8 +183,8 @@ def _expected_time(shape: ModelShape, job: _Run) -> str:
 
 
 def ds_bytes_export(shape: ModelShape, ds: dict) -> float:
-    """The consolidated export: every parameter once in the model's 16-bit (or fp32) dtype."""
-    return (2 if ds.get("bf16", {}).get("enabled") else 4) * shape.num_params
+    """The consolidated export: every parameter once in the engine's dtype (the exporter writes the tensors as held)."""
+    return element_bytes(ds) * shape.num_params
 
 
 def checkpoint_bytes(shape: ModelShape, cfg, ds: dict) -> float:

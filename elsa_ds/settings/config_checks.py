@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from elsa_ds.files.weight_files import check_weight_files
 from elsa_ds.methods import Method, oneshot_names
-from elsa_ds.weight_files import check_weight_files
 
 
 def trained_steps(cfg: Any) -> int | None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from elsa_ds.capacity.shapes import ModelShape
 from elsa_ds.errors import ElsaError
-from elsa_ds.shapes import ModelShape
 from elsa_ds.zero.ds_config import DsConfig
 
 STATE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}

@@ -45,7 +45,7 @@ def refuse_command_line_only(settings: dict[str, Any], where: str) -> None:
 
 def recipe_dir() -> Path:
     """The paper's settings that ship with elsa_ds (``recipes/`` in the repository)."""
-    return Path(__file__).resolve().parent / "recipes"
+    return Path(__file__).resolve().parents[1] / "recipes"
 
 
 def load_recipe(name_or_path: str, known: set[str]) -> dict[str, Any]:

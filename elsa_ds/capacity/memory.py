@@ -53,13 +53,13 @@ from pathlib import Path
 
 import torch
 
+from elsa_ds.capacity.resident import (COMPONENTS, STATE_BYTES, Job, SubGroup, buffers, moment_bytes, read_job, states,  # noqa: F401
+                                       sub_groups)
+from elsa_ds.capacity.shapes import ModelShape, model_shape, resolve_model_config
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, TensorSpec, plan_shards
 from elsa_ds.methods import oneshot_names
-from elsa_ds.resident import (COMPONENTS, STATE_BYTES, Job, SubGroup, buffers, moment_bytes, read_job, states,  # noqa: F401
-                              sub_groups)
 from elsa_ds.zero.ds_config import DsConfig
-from elsa_ds.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, TensorSpec, plan_shards
-from elsa_ds.shapes import ModelShape, model_shape, resolve_model_config
 
 # Host RSS of one rank that holds no model: the peak RSS of a rank process running the whole job (launch/prune.py,
 # 3 steps, --val_windows 0) on a 0.3M-parameter Gemma-2 under each shipped config, 1 and 2 ranks, DeepSpeed's CPU
@@ -281,7 +281,7 @@ def estimate_job(model: str, deepspeed: str, num_gpus: int, num_nodes: int = 1, 
                  device: str = "cuda") -> Estimate:
     """:func:`estimate_config` for ``settings`` (ElsaConfig fields) merged over the ``elsa`` block of the DeepSpeed config
     (by path or shipped name); the defaults rule is not applied (``elsa-estimate`` applies it, as the job does)."""
-    from elsa_ds.config import resolve_config
+    from elsa_ds.settings.config import resolve_config
 
     ds_config = DsConfig.load(deepspeed)
     model_dir = str(Path(model).expanduser().parent) if Path(model).expanduser().is_file() else model

@@ -17,10 +17,10 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from elsa_ds.config import DEMO_PROFILE, ElsaConfig
 from elsa_ds.errors import ElsaError, format_validation_error
 from elsa_ds.log import setup_logging
-from elsa_ds.options import JobOptions
+from elsa_ds.settings.config import DEMO_PROFILE, ElsaConfig
+from elsa_ds.settings.options import JobOptions
 
 GROUP_TITLES = {
     "run": "the job (not ELSA settings: never in a recipe or the JSON's \"elsa\" block)",

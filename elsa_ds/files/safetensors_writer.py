@@ -24,8 +24,8 @@ from typing import BinaryIO
 
 import torch
 
-from elsa_ds.disk_room import writing
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.disk_room import writing
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
           torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}

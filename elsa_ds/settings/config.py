@@ -19,16 +19,16 @@ from elsa_ds.admm.optimizer import AdmmSettings, Projection
 from elsa_ds.admm.projection import NM
 from elsa_ds.admm.schedule import LambdaSchedule
 from elsa_ds.admm.state import StateDtype
-from elsa_ds.config_checks import cross_checks
-from elsa_ds.config_files import check_each_source, load_profile, load_recipe as _load_recipe
 from elsa_ds.data.sampling import Sampling
 from elsa_ds.data.sources import DEMO_DATASET, LOCAL_SUFFIXES
 from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
+from elsa_ds.settings.config_checks import cross_checks
+from elsa_ds.settings.config_files import check_each_source, load_profile, load_recipe as _load_recipe
 from elsa_ds.targets import LayerGoal, layer_goals
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo" / "model"
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo" / "model"
 NAMED_TEXT_SOURCES = ("wikitext2", "c4", DEMO_DATASET)
 
 # Settings that make the embedded default finish in minutes on 2 CPU cores; used only for the demo
@@ -153,7 +153,7 @@ class ElsaConfig(BaseModel):
     select_patience: int = Field(0, ge=0, **_group("admm"))
     """Stop once this many scored projections in a row did not improve on the best (0 = never stop early)."""
     lmda: float = Field(0.01, ge=0.0, **_group("admm"))
-    """ADMM penalty λ (the peak of a linear or cosine schedule) [from the defaults rule, elsa_ds/defaults.py]."""
+    """ADMM penalty λ (the peak of a linear or cosine schedule) [from the defaults rule, elsa_ds/settings/defaults.py]."""
     lmda_schedule: LambdaSchedule = Field(LambdaSchedule.constant, **_group("admm"))
     """constant, linear or cosine (0 → λ over the run); the scaled dual is rescaled when λ changes [from the defaults rule]."""
     projection: Projection = Field(Projection.fisher, **_group("admm"))
@@ -167,7 +167,7 @@ class ElsaConfig(BaseModel):
     base_optimizer: BaseOptimizer = Field(BaseOptimizer.auto, **_group("optimizer"))
     """auto (DeepSpeedCPUAdam with optimizer offload, else torch Adam), adam, cpu_adam, adam8bit or adam8bit_minifloat."""
     lr: float = Field(2e-4, gt=0.0, **_group("optimizer"))
-    """Peak learning rate; linear decay to lr_final_ratio · lr [from the defaults rule, elsa_ds/defaults.py]."""
+    """Peak learning rate; linear decay to lr_final_ratio · lr [from the defaults rule, elsa_ds/settings/defaults.py]."""
     lr_final_ratio: float = Field(0.0, ge=0.0, le=1.0, **_group("optimizer"))
     """Final learning rate as a fraction of lr."""
     warmup_steps: int = Field(0, ge=0, **_group("optimizer"))

@@ -30,8 +30,8 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from elsa_ds.resident import Job, element_bytes, read_job
-from elsa_ds.shapes import ModelShape
+from elsa_ds.capacity.resident import Job, element_bytes, read_job
+from elsa_ds.capacity.shapes import ModelShape
 
 
 @dataclass(frozen=True)

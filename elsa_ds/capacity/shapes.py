@@ -11,7 +11,7 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.models import embedding_weights, meta_model
 from elsa_ds.targets import decoder_layer_list, select_targets
 
-CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_configs"
 
 @dataclass
 class ModelShape:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from elsa_ds.disk_room import writing
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.disk_room import writing
 
 _BITS = torch.arange(8, dtype=torch.uint8)
 
