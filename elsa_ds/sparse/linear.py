@@ -15,9 +15,18 @@ import torch
 import torch.nn.functional as F
 
 from elsa_ds.sparse import kernels as K
+from elsa_ds.sparse import ops
 from elsa_ds.sparse.format import DELTA8, check, decode
 
 DECODE_PATHS = ("kernel", "csr", "reference")  # on CPU; CUDA tensors take "triton" or "decompress"
+
+
+@torch.compiler.assume_constant_result
+def _triton_runs_on(device_type: str) -> bool:
+    """Whether the Triton kernel runs on this kind of device: asked once per trace, a constant inside a compiled graph."""
+    from elsa_ds.sparse import triton_spmv
+
+    return triton_spmv.unavailable(device_type) is None
 
 
 class SparseLinear(torch.nn.Module):
@@ -80,30 +89,31 @@ class SparseLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        decode_sized = 1 <= flat.shape[0] <= K.MAX_KERNEL_ROWS
-        if decode_sized and flat.device.type == "cuda" and self.decode_path == "triton":
-            from elsa_ds.sparse import triton_spmv
-
-            y = triton_spmv.delta8_linear(self.parts, flat, self.out_features, self.bias)
-            return y.reshape(*x.shape[:-1], self.out_features)
-        if flat.device.type != "cpu" or not decode_sized:
+        path = self._path_for(flat)
+        if path is None:
             return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        y = self._decode_matmul(flat)
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if path == "csr":
+            y = K.csr_matmul(self._csr_weight(), flat)
+            y = (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+        else:  # under torch.compile the registered operator (one opaque node), eagerly the same function without dispatch
+            args = (self.values, self.deltas, self.row_offsets, flat, self.out_features, self.bias, path)
+            y = ops.delta8_linear(*args) if torch.compiler.is_compiling() else ops.delta8_linear_impl(*args)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _decode_matmul(self, flat: torch.Tensor) -> torch.Tensor:
-        if self.cpu_path == "kernel":
-            assert self._kernels is not None, "__init__ refuses the kernel path without the kernels"
-            return K.kernel_matmul(self._kernels, self.parts, flat, self.out_features)
-        if self.cpu_path == "csr":
-            if self._csr is None:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-                    self._csr = K.csr_tensor(self.parts, (self.out_features, self.in_features))
-            return K.csr_matmul(self._csr, flat)
-        return K.reference_matmul(self.parts, flat, self.out_features)
+    def _path_for(self, flat: torch.Tensor) -> str | None:
+        """The decode path for these rows of x; None: decompress and multiply densely (prefill-sized, or no kernel)."""
+        if not 1 <= flat.shape[0] <= K.MAX_KERNEL_ROWS:
+            return None
+        if flat.device.type == "cpu":
+            return self.cpu_path
+        return "triton" if _triton_runs_on(flat.device.type) else None
+
+    def _csr_weight(self) -> torch.Tensor:
+        if self._csr is None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+                self._csr = K.csr_tensor(self.parts, (self.out_features, self.in_features))
+        return self._csr
 
     def extra_repr(self) -> str:
         density = self.values.numel() / max(self.out_features * self.in_features, 1)

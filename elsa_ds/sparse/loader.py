@@ -119,7 +119,8 @@ def from_pretrained(path: str | Path, mode: str = "dense", dtype: torch.dtype | 
 
     ``mode="dense"``: every weight decompressed (bit for bit the dense export). ``mode="sparse"``: every compressed
     nn.Linear weight kept compressed in a SparseLinear (``decode_path``: kernel, csr or reference; default the C++
-    kernel where built and the values are fp32 or bf16, else csr). ``dtype``: the stored dtype by default.
+    kernel where built and the values are fp32 or bf16, else csr; on CUDA the Triton kernel, and generate() takes a
+    static cache, so that it compiles its decode step into a CUDA graph). ``dtype``: the stored dtype by default.
     ``verify=False`` skips the checksums (config.json's and every tensor's, one SHA-256 pass over the weights' bytes):
     faster, and a corrupted or edited checkpoint then loads as whatever it now holds. The checks of each code's
     structure (counts, ranges) always run. A bad checkpoint raises SparseCheckpointError (a ValueError), a bad
@@ -141,6 +142,10 @@ def from_pretrained(path: str | Path, mode: str = "dense", dtype: torch.dtype | 
     # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stubs drop the binding of self: called
     # as nn.Module's to (PreTrainedModel's own still runs), which moves the module in place
     cast(torch.nn.Module, model).to(device)
+    if mode == "sparse" and torch.device(device).type == "cuda":
+        # a static cache makes generate() compile its decode step (mode reduce-overhead: one CUDA graph a step), the
+        # delta8 operator inside it: no Python and no kernel launch from Python per layer (elsa_ds/sparse/ops.py)
+        model.generation_config.cache_implementation = "static"
     return model.eval()
 
 

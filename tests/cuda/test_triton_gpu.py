@@ -64,3 +64,27 @@ def test_sparse_linear_on_cuda_takes_triton(batch):
     ref = F.linear(x.float(), linear.weight.float().cuda(), linear.bias.float().cuda())
     assert got.shape == (batch, 1, 67) and got.dtype == torch.bfloat16
     assert relative_error(got, ref) <= TOL["bfloat16"]  # 17 rows: the decompress path, same answer
+
+
+def test_generate_on_cuda_compiles_the_sparse_decode_step_into_a_cuda_graph_and_keeps_greedy_tokens(tmp_path):
+    """from_pretrained(mode="sparse", device="cuda") sets the static cache; generate() then compiles the decode step
+    (transformers' own choice on CUDA: mode reduce-overhead, a CUDA graph) with the Triton operator inside it, and its
+    greedy tokens are the dense model's."""
+    from torch._dynamo.utils import counters
+
+    from elsa_ds.sparse import compress, from_pretrained
+    from tests.sparse.conftest import pruned_demo
+
+    sparse_dir = tmp_path / "sparse"
+    compress(pruned_demo(tmp_path / "pruned"), sparse_dir)
+    torch._dynamo.reset()
+    counters.clear()
+    dense = from_pretrained(sparse_dir, mode="dense", device="cuda")
+    sparse = from_pretrained(sparse_dir, mode="sparse", device="cuda")
+    assert sparse.generation_config.cache_implementation == "static"
+    ids = torch.tensor([[2, 651, 1009, 576, 573]], device="cuda")
+    want = dense.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static")
+    for _ in range(2):  # the second call replays what the first compiled and recorded
+        got = sparse.generate(ids, max_new_tokens=12, do_sample=False)
+        assert got.tolist() == want.tolist()
+    assert counters["stats"]["unique_graphs"] >= 1, "generate() did not compile its decode step"

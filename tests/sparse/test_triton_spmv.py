@@ -66,6 +66,11 @@ def run_cases() -> dict[str, dict]:
         record(f"shape-{out_f}x{in_f}", encode_delta8(w), torch.randn(2, in_f), out_f)
     parts, bias, x = encode_delta8(odd_weight().to(torch.bfloat16)), torch.randn(67).to(torch.bfloat16), torch.randn(4, 700)
     record("bias", parts, x.to(torch.bfloat16), 67, bias, K.reference_matmul(parts, x.to(torch.bfloat16), 67) + bias.float())
+    from elsa_ds.sparse import ops  # the operator a compiled decode step calls (tests/sparse/test_compiled_decode.py)
+
+    got = ops.delta8_linear(parts["values"], parts["deltas"], parts["row_offsets"], x.to(torch.bfloat16), 67, bias, "triton")
+    ref = K.reference_matmul(parts, x.to(torch.bfloat16), 67) + bias.float()
+    out["operator"] = {"err": relative_error(got, ref), "shape": list(got.shape), "dtype": str(got.dtype).split(".")[-1]}
     parts = encode_delta8(odd_weight())
     moved = dict(parts, deltas=parts["deltas"].clone())
     moved["deltas"][0] += 1  # row 0's first entry one column right, and the rest of the row with it
@@ -120,6 +125,11 @@ def test_small_and_extreme_shapes(results, out_f, in_f, density, rows):
 @pytest.mark.parametrize("rows", ROWS)
 def test_bias_is_added_in_fp32(results, rows):
     assert results[f"bias-r{rows}"]["dtype"] == "bfloat16" and results[f"bias-r{rows}"]["err"] <= TOL["bfloat16"]
+
+
+def test_the_registered_operator_runs_the_triton_path(results):
+    r = results["operator"]
+    assert r["shape"] == [4, 67] and r["dtype"] == "bfloat16" and r["err"] <= TOL["bfloat16"]
 
 
 @pytest.mark.parametrize("rows", ROWS)
