@@ -13,11 +13,20 @@ x's dtype, y [n, out_features] (contiguous) for x [n, in_features], 1 <= n <= 16
 """
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 
 from elsa_ds.sparse import kernels as K
 
 PATHS = ("triton", "kernel", "reference")
+
+
+@functools.cache
+def _kernels() -> ModuleType | None:
+    """The C++ kernels, looked up once: ``kernels.load`` hashes the sources to name the build, too slow for every call."""
+    return K.load()
 
 
 def delta8_linear_impl(values: torch.Tensor, deltas: torch.Tensor, row_offsets: torch.Tensor, x: torch.Tensor,
@@ -29,7 +38,7 @@ def delta8_linear_impl(values: torch.Tensor, deltas: torch.Tensor, row_offsets: 
 
         return triton_spmv.delta8_linear(parts, x, out_features, bias)
     if path == "kernel":
-        kernels = K.load()
+        kernels = _kernels()
         if kernels is None:
             raise RuntimeError("the delta8 C++ kernel is not built here: take the reference or csr path")
         y = K.kernel_matmul(kernels, parts, x, out_features)
