@@ -10,10 +10,11 @@ model (its profile: seqlen 256, micro batch 4) for ``--steps`` steps, projection
 one-shot start, under each config; the rates are measured on this machine first (``step_time.measure``), and every row
 puts the job's mean step time (its report's, the first step left out) beside the estimate. The report's mean holds
 the projections that fall in steps 1 .. steps-1 where the estimate amortizes one per interval: the row compares the
-estimate counted as the report counts (``StepTime.report_mean``). On a GPU host the same command measures the GPU
-path (the rates then include the pinned copies and the GPU's matmul). ``--layers N`` runs issue 43's jobs instead of
-the demo: Gemma-2-27B's shapes cut to N decoder layers (``bench/scale.py``'s model), --random_init --freeze_embeddings,
-Shakespeare, seqlen 2048, micro batch 1, a batch of one sequence per rank, 90 %.
+estimate counted as the report counts (``StepTime.report_mean``); beside it, from the same runs, the peak host RSS of
+the job's process tree and the GPU allocator's peak against elsa-estimate's host and GPU figures. On a GPU host the
+same command measures the GPU path (the rates then include the pinned copies and the GPU's matmul). ``--layers N``
+runs issue 43's jobs instead of the demo: Gemma-2-27B's shapes cut to N decoder layers (``bench/scale.py``'s model),
+--random_init --freeze_embeddings, Shakespeare, seqlen 2048, micro batch 1, a batch of one sequence per rank, 90 %.
 
 ``--plan`` prints, from typical rates alone (``--machine``), memory per rank and node and the time of the mission's run:
 Gemma-2-27B and Gemma-3-27B, 4096 steps of 8 x 2048 tokens per GPU (micro batch 1), on one 8-GPU node and on two, for
@@ -58,7 +59,13 @@ def measured_rows(args) -> list[dict]:
         estimate = row.est_step_time_s
         rows.append({"config": row.config, "ranks": args.ranks, "steps": args.steps, "interval": args.interval,
                      "measured_s": row.step_time_s, "estimated_s": estimate, "ratio": estimate / row.step_time_s,
-                     "within_25pct": abs(estimate / row.step_time_s - 1) <= 0.25})
+                     "within_25pct": abs(estimate / row.step_time_s - 1) <= 0.25,
+                     # issue 43's memory check from the same runs: the process tree's peak host RSS and the GPU's
+                     # allocator peak (report) against elsa-estimate's per-node host and per-GPU figures
+                     "host_peak_bytes": row.peak_host_rss_bytes, "host_est_bytes": row.est_host_bytes,
+                     "host_ratio": row.est_host_bytes / row.peak_host_rss_bytes if row.peak_host_rss_bytes else None,
+                     "gpu_peak_bytes": row.peak_gpu_bytes, "gpu_est_bytes": row.est_gpu_bytes,
+                     "nvme_peak_bytes": row.nvme_peak_bytes, "nvme_est_bytes": row.est_nvme_bytes})
     return rows
 
 
@@ -167,10 +174,15 @@ def main() -> int:
         rows = rows + [{"fits_lent_machine": r} for r in fits]
     else:
         rows = measured_rows(args)
-        print("| config | ranks | steps | measured s/step | estimated | est / measured |")
-        print("|---|---:|---:|---:|---:|---:|")
+        gib = lambda b: "—" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
+        print("| config | ranks | steps | measured s/step | estimated | est / measured | host peak GiB | est | est / peak |"
+              " GPU peak GiB | est |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['config']} | {r['ranks']} | {r['steps']} | {r['measured_s']:.3f} | {r['estimated_s']:.3f} | {r['ratio']:.2f} |")
+            host = "—" if r["host_ratio"] is None else f"{r['host_ratio']:.2f}"
+            print(f"| {r['config']} | {r['ranks']} | {r['steps']} | {r['measured_s']:.3f} | {r['estimated_s']:.3f} | {r['ratio']:.2f} "
+                  f"| {gib(r['host_peak_bytes'])} | {gib(r['host_est_bytes'])} | {host} | {gib(r['gpu_peak_bytes'])} "
+                  f"| {gib(r['gpu_est_bytes'])} |")
     if args.json:
         print(json.dumps({"rows": rows}))
     return 0

@@ -59,3 +59,18 @@ def test_what_fits_the_lent_machine_is_the_largest_cut_inside_it(plan):
         assert f["cpu_gib"] <= bench.LENT_HOST_GIB and f["gpu_gib"] <= bench.LENT_GPU_GIB and f["nvme_gib"] <= bench.LENT_DISK_GIB
         assert fits[config, True]["layers"] >= fits[config, False]["layers"]  # frozen embeddings: no moments for them
     assert fits["zero3_offload_elsal", True]["layers"] >= fits["zero3_offload", True]["layers"]
+
+
+@pytest.mark.integration
+def test_a_measured_run_puts_time_and_memory_beside_the_estimate(tmp_path):
+    """The measured mode on the demo, one rank, one config, 3 steps: the real job through the ablation's harness."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "step_time.py"), "--configs", "ds_configs/zero3_offload.json",
+                           "--ranks", "1", "--steps", "3", "--interval", "2", "--out", str(tmp_path), "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    assert row["config"] == "zero3_offload" and row["measured_s"] > 0 and row["estimated_s"] > 0
+    assert row["ratio"] == pytest.approx(row["estimated_s"] / row["measured_s"])
+    assert row["host_peak_bytes"] > 0 and row["host_ratio"] == pytest.approx(row["host_est_bytes"] / row["host_peak_bytes"])
+    assert row["gpu_peak_bytes"] is None  # no GPU here: the report has no allocator peak
+    assert f"| zero3_offload | 1 | 3 | {row['measured_s']:.3f} |" in proc.stdout

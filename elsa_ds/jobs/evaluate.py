@@ -243,7 +243,8 @@ def run(s: EvalSettings) -> dict[str, Any]:
 
 
 def run_speed(s: EvalSettings, started: float) -> dict[str, Any]:
-    """--speed: dense mode against sparse mode (elsa_ds.sparse.speed.speed_report) at batch 1 and 8, table and JSON."""
+    """--speed: dense mode against sparse mode (elsa_ds.sparse.speed.speed_report) at batch 1 and 8, table and JSON; on
+    the GPU when there is one, as the other evaluations."""
     from elsa_ds.sparse.speed import speed_report, speed_table
 
     check_settings(s)
@@ -251,7 +252,8 @@ def run_speed(s: EvalSettings, started: float) -> dict[str, Any]:
         raise ElsaError("--speed measures size and speed only; run --ppl/--tasks in a separate command")
     if not Path(s.model).is_dir():
         raise ElsaError(f"--speed needs a local model folder (an elsa-sparse checkpoint or a dense pruned export); {s.model} is not one")
-    result = speed_report(s.model, (1, 8), s.speed_prompt, s.speed_steps, s.speed_rounds)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = speed_report(s.model, (1, 8), s.speed_prompt, s.speed_steps, s.speed_rounds, device=device)
     result.update(settings=s.model_dump(mode="json"), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
                   load_average=os.getloadavg(), wall_s=time.time() - started, versions=versions())

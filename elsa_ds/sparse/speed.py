@@ -34,14 +34,21 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of a streaming read (torch.sum of an fp32 buffer of ``nbytes``), best of ``repeats``."""
-    buf = torch.ones(nbytes // 4)
+def now(device: torch.device | str = "cpu") -> float:
+    """A clock reading after the device's queued work is done (a CUDA timing must not stop at the launch)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Bytes/s of a streaming read (torch.sum of an fp32 buffer of ``nbytes`` on ``device``), best of ``repeats``."""
+    buf = torch.ones(nbytes // 4, device=device)
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now(device)
         buf.sum()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, now(device) - start)
     return nbytes / best
 
 
@@ -82,14 +89,15 @@ def _dense_bytes(info: dict) -> int:
 def decode_seconds(model: PreTrainedModel, batch: int, steps: int, prompt: int = 16, seed: int = 0, layers_only: bool = False) -> float:
     """Seconds for ``steps`` decode steps of ``batch`` sequences after a ``prompt``-token prefill (not timed)."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    ids = torch.randint(vocab, (batch, prompt), generator=gen)
+    vocab, device = model.config.vocab_size, model.device
+    ids = torch.randint(vocab, (batch, prompt), generator=gen).to(device)
+    steps_ids = torch.randint(vocab, (steps, batch, 1), generator=gen).to(device)
     net = model.get_decoder() if layers_only else model
     cache = net(input_ids=ids, use_cache=True).cache
-    start = time.perf_counter()
-    for _ in range(steps):
-        cache = net(input_ids=torch.randint(vocab, (batch, 1), generator=gen), cache=cache, use_cache=True).cache
-    return time.perf_counter() - start
+    start = now(device)
+    for step in steps_ids:
+        cache = net(input_ids=step, cache=cache, use_cache=True).cache
+    return now(device) - start
 
 
 def _relative(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -100,7 +108,7 @@ def _relative(ref: torch.Tensor, got: torch.Tensor) -> float:
 def logits_agreement(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int = 2, prompt: int = 8, seed: int = 0) -> float:
     """max |sparse − dense| / max |dense| over the logits of a prefill and of the decode step after it."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(dense.config.vocab_size, (batch, prompt + 1), generator=gen)
+    ids = torch.randint(dense.config.vocab_size, (batch, prompt + 1), generator=gen).to(dense.device)
     a, b = dense(input_ids=ids[:, :prompt], use_cache=True), sparse(input_ids=ids[:, :prompt], use_cache=True)
     worst = _relative(a.logits, b.logits)
     a = dense(input_ids=ids[:, prompt:], cache=a.cache, use_cache=True)
@@ -143,6 +151,42 @@ def measure(sparse_dir: str | Path, batches: tuple[int, ...] = (1, 8), steps: in
     return result
 
 
+@torch.no_grad()
+def generate_tokens(model: PreTrainedModel, batch: int, steps: int, prompt: int, seed: int = 0) -> tuple[float, torch.Tensor]:
+    """One ``generate()`` as a user calls it: ``batch`` random prompts of ``prompt`` tokens, ``steps`` new tokens (greedy,
+    no early stop). On CUDA with a static cache, which transformers compiles into a CUDA graph (a sparse model loaded on
+    CUDA has it by default; a dense one is given it here, so both run compiled). Seconds, prefill included, and the
+    new tokens."""
+    ids = torch.randint(model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(seed)).to(model.device)
+    static = {"cache_implementation": "static"} if model.device.type == "cuda" else {}
+    start = now(model.device)
+    generate: Any = model.generate  # GenerationMixin's; the stubs of PreTrainedModel's __getattr__ say Tensor
+    out = generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps, do_sample=False, **static)
+    return now(model.device) - start, out[:, prompt:]
+
+
+def compare_generate(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int, steps: int, rounds: int, prompt: int) -> dict:
+    """generate() tokens/s of both models alternating (ABBA) after one untimed call each (on CUDA: the compile), and
+    whether the sparse model's greedy tokens were the dense model's in every round."""
+    models = {"dense": dense, "sparse": sparse}
+    for model in models.values():
+        generate_tokens(model, batch, steps, prompt, seed=rounds)
+    times: dict[str, list[float]] = {"dense": [], "sparse": []}
+    same = True
+    for r in range(rounds):
+        tokens = {}
+        for name in ("dense", "sparse") if r % 2 == 0 else ("sparse", "dense"):
+            seconds, tokens[name] = generate_tokens(models[name], batch, steps, prompt, seed=r)
+            times[name].append(seconds)
+        same = same and torch.equal(tokens["dense"], tokens["sparse"])
+    ratios = [d / s for d, s in zip(times["dense"], times["sparse"])]
+    row: dict = {"batch": batch, "steps": steps, "prompt": prompt, "rounds": rounds, "ratio": statistics.median(ratios),
+                 "ratio_min": min(ratios), "ratio_max": max(ratios), "same_tokens": same}
+    for name in models:
+        row[name] = {"tokens_per_s": batch * steps / statistics.median(times[name])}
+    return row
+
+
 def rss_bytes() -> int | None:
     """This process's resident set size (Linux /proc/self/statm), None where it cannot be read."""
     try:
@@ -159,23 +203,25 @@ def tensor_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def load_measured(sparse_dir: Path, mode: str) -> tuple[PreTrainedModel, dict]:
-    """from_pretrained in ``mode``, with the RSS growth over the load and the model's tensor bytes."""
+def load_measured(sparse_dir: Path, mode: str, device: str = "cpu") -> tuple[PreTrainedModel, dict]:
+    """from_pretrained in ``mode`` on ``device``, with the growth over the load of the process's RSS (on CUDA: of the
+    GPU memory torch has allocated) and the model's tensor bytes."""
     gc.collect()
-    before = rss_bytes()
-    model = from_pretrained(sparse_dir, mode)
-    after = rss_bytes()
+    cuda = torch.device(device).type == "cuda"
+    before = torch.cuda.memory_allocated(device) if cuda else rss_bytes()
+    model = from_pretrained(sparse_dir, mode, device=device)
+    after = torch.cuda.memory_allocated(device) if cuda else rss_bytes()
     delta = None if before is None or after is None else after - before
-    return model, {"rss_delta_bytes": delta, "tensor_bytes": tensor_bytes(model)}
+    return model, {"gpu_allocated_delta_bytes" if cuda else "rss_delta_bytes": delta, "tensor_bytes": tensor_bytes(model)}
 
 
 @torch.no_grad()
 def prefill_seconds(model: PreTrainedModel, batch: int, prompt: int, seed: int = 0) -> float:
     """Seconds for one forward of ``batch`` random prompts of ``prompt`` tokens (KV cache built, as generate does)."""
-    ids = torch.randint(model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(seed))
-    start = time.perf_counter()
+    ids = torch.randint(model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(seed)).to(model.device)
+    start = now(model.device)
     model(input_ids=ids, use_cache=True)
-    return time.perf_counter() - start
+    return now(model.device) - start
 
 
 def compare_prefill(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int, prompt: int, rounds: int, bandwidth: float) -> dict:
@@ -196,23 +242,24 @@ def compare_prefill(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int,
 
 
 def speed_report(model_dir: str | Path, batches: tuple[int, ...] = (1, 8), prompt: int = 128, steps: int = 8,
-                 rounds: int = 3, bandwidth: float | None = None) -> dict:
+                 rounds: int = 3, bandwidth: float | None = None, device: str = "cpu") -> dict:
     """Size, memory, prefill and decode speed, and logits agreement of a model's dense and sparse modes, side by side.
 
     ``model_dir``: an elsa-sparse checkpoint, or a dense pruned Hugging Face folder, compressed first into a temporary
     checkpoint (ElsaError when it has no pruned weight). Memory is given two ways: the process's RSS growth over each
-    load (dense loaded first) and the bytes of the model's tensors. ``bandwidth`` in bytes/s, measured when None.
+    load (dense loaded first; on CUDA the growth of the GPU memory torch allocated) and the bytes of the model's tensors.
+    ``bandwidth`` in bytes/s, measured on ``device`` when None. Beside prefill and decode, ``generate()`` end to end.
     """
     path = Path(model_dir)
     if not path.is_dir():
         raise ElsaError(f"{path}: not a folder; the speed comparison needs a local sparse checkpoint or dense pruned model folder")
     if CONFIG_KEY in read_config(path):
         sparse_meta(path)  # an unknown version, a broken block or an edited config: one line before anything is loaded
-        return _report(path, path, batches, prompt, steps, rounds, bandwidth)
+        return _report(path, path, batches, prompt, steps, rounds, bandwidth, device)
     with tempfile.TemporaryDirectory(prefix="elsa_speed_") as tmp:
         log.info(f"{path} is a dense folder: compressing it into a temporary elsa-sparse checkpoint")
         compress(path, Path(tmp) / "sparse")
-        return _report(path, Path(tmp) / "sparse", batches, prompt, steps, rounds, bandwidth)
+        return _report(path, Path(tmp) / "sparse", batches, prompt, steps, rounds, bandwidth, device)
 
 
 def _warm_up(sparse_dir: Path) -> None:
@@ -228,19 +275,20 @@ def _warm_up(sparse_dir: Path) -> None:
 
 
 def _report(path: Path, sparse_dir: Path, batches: tuple[int, ...], prompt: int, steps: int, rounds: int,
-            bandwidth: float | None) -> dict:
+            bandwidth: float | None, device: str) -> dict:
     _warm_up(sparse_dir)
-    dense, dense_memory = load_measured(sparse_dir, "dense")
-    sparse, sparse_memory = load_measured(sparse_dir, "sparse")
-    bandwidth = bandwidth or read_bandwidth()
+    dense, dense_memory = load_measured(sparse_dir, "dense", device)
+    sparse, sparse_memory = load_measured(sparse_dir, "sparse", device)
+    bandwidth = bandwidth or read_bandwidth(device=device)
     meta = sparse_meta(sparse_dir, verify=False)  # the loads above checked it
     dtypes = sorted({info["dtype"] for info in meta["tensors"].values()})
-    result = {"model": str(path), "compressed_here": sparse_dir != path, "pruned_weights": len(meta["tensors"]),
-              "pruned_dtype": ",".join(dtypes), "disk": disk_bytes(sparse_dir),
+    result = {"model": str(path), "device": str(dense.device), "compressed_here": sparse_dir != path,
+              "pruned_weights": len(meta["tensors"]), "pruned_dtype": ",".join(dtypes), "disk": disk_bytes(sparse_dir),
               "memory": {"dense": dense_memory, "sparse": sparse_memory}, "read_bandwidth_gb_s": bandwidth / 1e9,
               "threads": torch.get_num_threads(), "logits_max_rel_err": logits_agreement(dense, sparse),
               "prefill": [compare_prefill(dense, sparse, b, prompt, rounds, bandwidth) for b in batches],
-              "decode": [compare_decode(dense, sparse, b, steps, rounds, prompt, bandwidth) for b in batches]}
+              "decode": [compare_decode(dense, sparse, b, steps, rounds, prompt, bandwidth) for b in batches],
+              "generate": [compare_generate(dense, sparse, b, steps, rounds, prompt) for b in batches]}
     return result
 
 
@@ -252,13 +300,14 @@ def speed_table(r: dict) -> str:
     """Markdown: bytes and memory, then prefill and decode tokens/s of both modes with their byte floors."""
     disk, mem = r["disk"], r["memory"]
     lines = [f"Dense vs sparse mode of {r['model']} ({r['pruned_weights']} pruned weights, {r['pruned_dtype']}; "
-             f"{r['threads']} threads; read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s; logits max rel. err "
+             f"{r['device']}, {r['threads']} threads; read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s; logits max rel. err "
              f"{r['logits_max_rel_err']:.1e})", "",
              "| measure | dense | sparse | sparse / dense |", "|---|---|---|---|"]
     for label, d, s in (("disk, pruned weights", disk["pruned_dense"], disk["pruned_sparse"]),
                         ("disk, whole model", disk["model_dense"], disk["model_sparse"]),
                         ("memory, tensor bytes", mem["dense"]["tensor_bytes"], mem["sparse"]["tensor_bytes"]),
-                        ("memory, RSS growth at load", mem["dense"]["rss_delta_bytes"], mem["sparse"]["rss_delta_bytes"])):
+                        (_growth_label(mem), *(next(v for k, v in mem[m].items() if k.endswith("delta_bytes"))
+                                               for m in ("dense", "sparse")))):
         ratio = f"{s / d:.3f}x" if d and s is not None else "n/a"
         lines.append(f"| {label} | {_mb(d)} | {_mb(s)} | {ratio} |")
     lines += ["", "| phase | batch | dense tok/s (floor) | sparse tok/s (floor) | sparse / dense (min-max) | "
@@ -270,4 +319,14 @@ def speed_table(r: dict) -> str:
                          f"{row['sparse']['tokens_per_s']:.2f} ({row['sparse']['floor_tokens_per_s']:.1f}) | "
                          f"{row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
                          f"{_mb(row['dense']['bytes_per_step'])} / {_mb(row['sparse']['bytes_per_step'])} |")
+    lines += ["", "| generate() end to end | batch | dense tok/s | sparse tok/s | sparse / dense (min-max) | "
+              "greedy tokens equal |", "|---|---|---|---|---|---|"]
+    for row in r["generate"]:
+        lines.append(f"| {row['steps']} new tokens after {row['prompt']} | {row['batch']} | {row['dense']['tokens_per_s']:.2f} | "
+                     f"{row['sparse']['tokens_per_s']:.2f} | {row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
+                     f"{'yes' if row['same_tokens'] else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def _growth_label(memory: dict) -> str:
+    return "memory, GPU allocated at load" if "gpu_allocated_delta_bytes" in memory["dense"] else "memory, RSS growth at load"

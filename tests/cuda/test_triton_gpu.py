@@ -88,3 +88,17 @@ def test_generate_on_cuda_compiles_the_sparse_decode_step_into_a_cuda_graph_and_
         got = sparse.generate(ids, max_new_tokens=12, do_sample=False)
         assert got.tolist() == want.tolist()
     assert counters["stats"]["unique_graphs"] >= 1, "generate() did not compile its decode step"
+
+
+def test_speed_on_cuda_times_both_modes_there_and_generate_keeps_the_tokens(tmp_path):
+    """speed_report on CUDA (launch/evaluate.py --speed on a GPU host): every phase on the GPU, the GPU memory the loads
+    allocated, and generate() compiled on both sides with the sparse model's greedy tokens the dense model's."""
+    from elsa_ds.sparse import compress
+    from elsa_ds.sparse.speed import speed_report, speed_table
+    from tests.sparse.conftest import pruned_demo
+
+    sparse_dir = tmp_path / "sparse"
+    compress(pruned_demo(tmp_path / "pruned"), sparse_dir)
+    r = speed_report(sparse_dir, batches=(1, 8), prompt=8, steps=4, rounds=2, device="cuda")
+    assert r["device"].startswith("cuda") and r["memory"]["sparse"]["gpu_allocated_delta_bytes"] > 0
+    assert all(row["same_tokens"] for row in r["generate"]) and "| 4 new tokens after 8 | 1 |" in speed_table(r)

@@ -1,6 +1,6 @@
 """launch/evaluate.py --speed on the magnitude-pruned demo: a dense pruned folder (compressed on the fly) and a sparse
-checkpoint give the same structure (bytes, memory, prefill and decode at batch 1 and 8 with their floors) and logits
-that agree; bad input is one line and exit 2 with nothing written. Timings are not asserted: only their structure."""
+checkpoint give the same structure (bytes, memory, prefill and decode at batch 1 and 8 with their floors, generate()
+end to end with the same greedy tokens) and logits that agree; bad input is one line and exit 2 with nothing written. Timings are not asserted: only their structure."""
 from __future__ import annotations
 
 import json
@@ -30,6 +30,11 @@ def _check_report(r: dict, model: Path, compressed_here: bool) -> None:
             for mode in ("dense", "sparse"):
                 floor = row["batch"] * tokens * bandwidth / row[mode]["bytes_per_step"]
                 assert row[mode]["tokens_per_s"] > 0 and abs(row[mode]["floor_tokens_per_s"] / floor - 1) < 1e-9
+    assert r["device"] == "cpu" and "rss_delta_bytes" in r["memory"]["dense"]
+    assert [row["batch"] for row in r["generate"]] == [1, 8]
+    for row in r["generate"]:  # generate() as a user calls it: greedy tokens of the sparse mode are the dense mode's
+        assert row["same_tokens"] is True and row["steps"] == 2 and row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+        assert row["dense"]["tokens_per_s"] > 0 and row["sparse"]["tokens_per_s"] > 0
 
 
 def test_speed_of_a_dense_pruned_folder_through_the_script(pruned_dir, tmp_path):
@@ -38,6 +43,7 @@ def test_speed_of_a_dense_pruned_folder_through_the_script(pruned_dir, tmp_path)
                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "| decode (2 steps) | 8 |" in done.stdout and "| disk, pruned weights |" in done.stdout
+    assert "| 2 new tokens after 8 | 8 |" in done.stdout
     _check_report(json.loads(out.read_text()), pruned_dir, compressed_here=True)
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("elsa_speed_*/sparse/config.json"))  # temp removed
 
