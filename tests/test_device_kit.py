@@ -122,3 +122,22 @@ def test_check_dry_run_passes_every_step(tmp_path):
     assert set(steps["bench_threads"]["figures"]["threads"]) == {"1", "2"}
     assert steps["bench_device"]["figures"]["compiled_x_steps"] > 0
     assert "CUDA" in steps["sparse_gpu"]["figures"]["skipped"]  # no GPU here: the reason is recorded
+
+
+@pytest.mark.integration
+def test_scale_dry_run_times_the_demo_and_refuses_the_8_layer_job(tmp_path):
+    """bench/device/scale.sh --dry-run: issue 43's call on CPU: a measured demo run with its estimate beside it, and the
+    issue's 8-layer Gemma-2-27B ELSA-L job refused before any weight (exit 2, one line), no output, nothing left."""
+    (scratch := tmp_path / "scratch").mkdir()
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "TMPDIR": str(scratch)}
+    proc = subprocess.run(["bash", str(DEVICE / "scale.sh"), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "scale.jsonl").read_text().splitlines())}
+    assert set(rows) == {"step_time", "refuse"}  # no oom here: it would exhaust this box
+    (timed,) = rows["step_time"]["rows"]
+    assert rows["step_time"]["rc"] == 0 and timed["measured_s"] > 0 and timed["host_ratio"] > 0
+    refused = rows["refuse"]
+    assert refused["rc"] == 2 and "host memory" in refused["line"] and "would fit" in refused["line"]
+    assert not refused["output_made"] and refused["left_behind"] == []
+    assert not list(scratch.glob("tmp.*")), "scale.sh left its work folder behind"  # mktemp's; torch keeps its caches
