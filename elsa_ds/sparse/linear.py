@@ -47,9 +47,9 @@ class SparseLinear(torch.nn.Module):
         if bias is not None and not isinstance(bias, torch.nn.Parameter):
             bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.bias = bias  # the replaced Linear's own Parameter: a loader copying into it reaches this module
-        self._kernels = K.load() if decode_path in (None, "kernel") else None
-        self.cpu_path = decode_path or ("kernel" if self._kernels is not None else "csr")
-        if self.cpu_path not in DECODE_PATHS or (self.cpu_path == "kernel" and self._kernels is None):
+        kernels = ops.cpu_kernels() if decode_path in (None, "kernel") else None
+        self.cpu_path = decode_path or ("kernel" if kernels is not None else "csr")
+        if self.cpu_path not in DECODE_PATHS or (self.cpu_path == "kernel" and kernels is None):
             raise ValueError(f"decode_path {self.cpu_path!r}: choose from {DECODE_PATHS} (kernel only when built)")
         self._csr: torch.Tensor | None = None
 

@@ -24,8 +24,9 @@ PATHS = ("triton", "kernel", "reference")
 
 
 @functools.cache
-def _kernels() -> ModuleType | None:
-    """The C++ kernels, looked up once: ``kernels.load`` hashes the sources to name the build, too slow for every call."""
+def cpu_kernels() -> ModuleType | None:
+    """The C++ kernels (None: not built here), looked up once a process: ``kernels.load`` hashes the sources to name the
+    build, too slow for every call and every SparseLinear of a model."""
     return K.load()
 
 
@@ -38,7 +39,7 @@ def delta8_linear_impl(values: torch.Tensor, deltas: torch.Tensor, row_offsets: 
 
         return triton_spmv.delta8_linear(parts, x, out_features, bias)
     if path == "kernel":
-        kernels = _kernels()
+        kernels = cpu_kernels()
         if kernels is None:
             raise RuntimeError("the delta8 C++ kernel is not built here: take the reference or csr path")
         y = K.kernel_matmul(kernels, parts, x, out_features)
