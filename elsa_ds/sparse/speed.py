@@ -14,6 +14,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,20 +117,29 @@ def logits_agreement(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int
     return max(worst, _relative(a.logits, b.logits))
 
 
+def alternating(seconds: Callable[[str, int], float], rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """``seconds(mode, round)`` for both modes every round, dense first in even rounds and sparse first in odd ones
+    (ABBA: a neighbour's load falls on both): each mode's median, and the per-round dense / sparse ratio's median and
+    range (``ratio``, ``ratio_min``, ``ratio_max``, the keys of a row)."""
+    times: dict[str, list[float]] = {"dense": [], "sparse": []}
+    for r in range(rounds):
+        for name in ("dense", "sparse") if r % 2 == 0 else ("sparse", "dense"):
+            times[name].append(seconds(name, r))
+    ratios = [d / s for d, s in zip(times["dense"], times["sparse"])]
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    return medians, {"ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+
 def compare_decode(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int, steps: int, rounds: int, prompt: int,
                    bandwidth: float, layers_only: bool = False) -> dict:
     """Decode tokens/s of both models, alternating (ABBA), with each one's byte floor and every round's ratio."""
     models = {"dense": dense, "sparse": sparse}
-    times: dict[str, list[float]] = {"dense": [], "sparse": []}
-    for r in range(rounds):
-        for name in ("dense", "sparse") if r % 2 == 0 else ("sparse", "dense"):
-            times[name].append(decode_seconds(models[name], batch, steps, prompt, seed=r, layers_only=layers_only))
-    ratios = [d / s for d, s in zip(times["dense"], times["sparse"])]
-    row: dict = {"batch": batch, "steps": steps, "rounds": rounds, "ratio": statistics.median(ratios),
-                 "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    median, ratio = alternating(lambda name, r: decode_seconds(models[name], batch, steps, prompt, seed=r, layers_only=layers_only),
+                                rounds)
+    row: dict = {"batch": batch, "steps": steps, "rounds": rounds, **ratio}
     for name, model in models.items():
         streamed = streamed_bytes(model.get_decoder() if layers_only else model)
-        row[name] = {"tokens_per_s": batch * steps / statistics.median(times[name]), "bytes_per_step": streamed,
+        row[name] = {"tokens_per_s": batch * steps / median[name], "bytes_per_step": streamed,
                      "floor_tokens_per_s": batch * bandwidth / streamed}
     return row
 
@@ -171,19 +181,17 @@ def compare_generate(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int
     models = {"dense": dense, "sparse": sparse}
     for model in models.values():
         generate_tokens(model, batch, steps, prompt, seed=rounds)
-    times: dict[str, list[float]] = {"dense": [], "sparse": []}
-    same = True
-    for r in range(rounds):
-        tokens = {}
-        for name in ("dense", "sparse") if r % 2 == 0 else ("sparse", "dense"):
-            seconds, tokens[name] = generate_tokens(models[name], batch, steps, prompt, seed=r)
-            times[name].append(seconds)
-        same = same and torch.equal(tokens["dense"], tokens["sparse"])
-    ratios = [d / s for d, s in zip(times["dense"], times["sparse"])]
-    row: dict = {"batch": batch, "steps": steps, "prompt": prompt, "rounds": rounds, "ratio": statistics.median(ratios),
-                 "ratio_min": min(ratios), "ratio_max": max(ratios), "same_tokens": same}
+    tokens: dict[tuple[str, int], torch.Tensor] = {}
+
+    def seconds(name: str, r: int) -> float:
+        took, tokens[name, r] = generate_tokens(models[name], batch, steps, prompt, seed=r)
+        return took
+
+    median, ratio = alternating(seconds, rounds)
+    same = all(torch.equal(tokens["dense", r], tokens["sparse", r]) for r in range(rounds))
+    row: dict = {"batch": batch, "steps": steps, "prompt": prompt, "rounds": rounds, **ratio, "same_tokens": same}
     for name in models:
-        row[name] = {"tokens_per_s": batch * steps / statistics.median(times[name])}
+        row[name] = {"tokens_per_s": batch * steps / median[name]}
     return row
 
 
@@ -227,16 +235,11 @@ def prefill_seconds(model: PreTrainedModel, batch: int, prompt: int, seed: int =
 def compare_prefill(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int, prompt: int, rounds: int, bandwidth: float) -> dict:
     """Prefill tokens/s of both models alternating (ABBA); the floor: one pass over the weights per forward."""
     models = {"dense": dense, "sparse": sparse}
-    times: dict[str, list[float]] = {"dense": [], "sparse": []}
-    for r in range(rounds):
-        for name in ("dense", "sparse") if r % 2 == 0 else ("sparse", "dense"):
-            times[name].append(prefill_seconds(models[name], batch, prompt, seed=r))
-    ratios = [d / s for d, s in zip(times["dense"], times["sparse"])]
-    row: dict = {"batch": batch, "prompt": prompt, "rounds": rounds, "ratio": statistics.median(ratios),
-                 "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    median, ratio = alternating(lambda name, r: prefill_seconds(models[name], batch, prompt, seed=r), rounds)
+    row: dict = {"batch": batch, "prompt": prompt, "rounds": rounds, **ratio}
     for name, model in models.items():
         streamed = streamed_bytes(model)
-        row[name] = {"tokens_per_s": batch * prompt / statistics.median(times[name]), "bytes_per_step": streamed,
+        row[name] = {"tokens_per_s": batch * prompt / median[name], "bytes_per_step": streamed,
                      "floor_tokens_per_s": batch * prompt * bandwidth / streamed}
     return row
 
