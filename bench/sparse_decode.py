@@ -74,12 +74,13 @@ def prune(model, sparsity: float) -> None:
 
 def prune_weight(w, sparsity: float) -> None:
     """Zero the ``sparsity`` fraction of smallest |w|: bf16 has many equal magnitudes, so a fixed relative jitter far
-    below bf16's spacing (1e-4 against 2^-8) breaks the ties and the count is exact; the same jitter every call."""
+    below bf16's spacing (1e-4 against 2^-8) breaks the ties and the count is exact; the same jitter every call (drawn on
+    w's device: a GPU's stream differs from the CPU's)."""
     import torch
 
     with torch.no_grad():
-        gen = torch.Generator().manual_seed(0)
-        score = w.abs().float().flatten() * (1 + 1e-4 * torch.rand(w.numel(), generator=gen))
+        gen = torch.Generator(device=w.device).manual_seed(0)
+        score = w.abs().float().flatten() * (1 + 1e-4 * torch.rand(w.numel(), generator=gen, device=w.device))
         threshold = score.kthvalue(int(w.numel() * sparsity)).values
         w.view(-1).masked_fill_(score <= threshold, 0)
 

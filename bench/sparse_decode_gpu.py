@@ -136,15 +136,29 @@ def environment() -> dict:
             "cuda": torch.version.cuda, "triton": triton.__version__}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def skipped() -> str | None:
+    """Why the kernel cannot be timed here (no CUDA, no triton), None when it can."""
     from elsa_ds.sparse import triton_spmv
 
-    reason = triton_spmv.unavailable("cuda")
+    return triton_spmv.unavailable("cuda")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    reason = skipped()
     if reason is not None:
         print(f"skipped: {reason}", file=sys.stderr)
         print(json.dumps({"skipped": reason}))
         return 0
+    result = measure(args)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(json.dumps(result))
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Every weight, sparsity and batch of ``args``: the table printed row by row, the figures returned."""
     result = {**environment(), "read_bandwidth_gb_s": read_bandwidth() / 1e9, "dtype": "bfloat16", "rows": []}
     bandwidth = result["read_bandwidth_gb_s"] * 1e9
     print("| weight | sparsity | batch | dense us (floor) | triton us (floor; best rows/program) | speedup graph | eager dense / triton us "
@@ -162,10 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {label} | {sparsity:.0%} | {batch} | {d['graph_us']:.1f} ({d['floor_us']:.1f}) | "
                       f"{t['graph_us']:.1f} ({t['floor_us']:.1f}; {row['best_rows_per_program']}) | {row['speedup_graph']:.2f}x | "
                       f"{d['eager_us']:.1f} / {t['eager_us']:.1f} | {row['max_rel_err_vs_dense']:.1e} |", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print(json.dumps(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@
 #   <cfg>_mask    mask agreement of <cfg>_gpu with <cfg>_cpu (exact sparsity and the reload are checked in each job)
 #   bench_device  bench/optimizer_step.py --device cuda: torch's fused Adam, ELSA eager, ELSA compiled (32M flat)
 #   sparse_gpu    bench/sparse_decode_gpu.py: decode at batch 1, dense bf16 F.linear vs the Triton delta8 kernel (7B shapes)
+#   gpu_decode    bench/gpu_decode.py: the same per matrix, then generate() of a LLaMA-2-7B-shaped model, dense vs
+#                 sparsify()'s twin at 90/70/95 % (batch 1, then 8) as far as its budget goes; $OUT/gpu_decode.json
 #   bench_threads bench/optimizer_step.py --threads 1 4 16: every ratio per OpenMP thread count (the host's cores)
 set -uo pipefail
 
@@ -107,10 +109,16 @@ sparse_gpu() {  # no CUDA (the dry run): the script prints {"skipped": why} and 
     tail -n 1 "$WORK/sparse_gpu.log" > "$FIG"
     return "$rc"
 }
+gpu_decode() {  # rewrites $OUT/gpu_decode.json after every cell: a cut run keeps what it measured
+    "$PY" bench/gpu_decode.py --json "$OUT/gpu_decode.json" "$@" | tee "$WORK/gpu_decode.log"
+    local rc=${PIPESTATUS[0]}
+    tail -n 1 "$WORK/gpu_decode.log" > "$FIG"
+    return "$rc"
+}
 wheels() { "$PY" bench/device/kit.py wheels bench/device/wheels "$FIG"; }
 envstep() { "$PY" bench/device/kit.py env "$FIG"; }
-export -f install rehearse_install cuda_tests job bench sparse_gpu wheels envstep
-export PY WORK SITE NUMEL
+export -f install rehearse_install cuda_tests job bench sparse_gpu gpu_decode wheels envstep
+export PY WORK SITE NUMEL OUT
 
 step wheels 30 wheels
 if (( DRY )); then
@@ -123,6 +131,11 @@ else
 fi
 step env 60 envstep
 step sparse_gpu 90 sparse_gpu  # first: the newest path, never run on a GPU before 2026-11-27
+if (( DRY )); then
+    step gpu_decode 60 gpu_decode --device cpu --tiny --compile --sparsities 0.9,0.7 --batches 1 --steps 4 --rounds 1 --budget_s 200
+else
+    step gpu_decode 330 gpu_decode --budget_s 300  # its cells stop at 300 s; the step's cap is the backstop
+fi
 step cuda_tests 380 cuda_tests
 step main_job 150 job main ds_configs/zero3_offload.json -- --steps "$MAIN_STEPS" "${MAIN_EXTRA[@]}"
 

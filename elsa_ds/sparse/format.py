@@ -105,16 +105,18 @@ def encode_bitmask(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def encode_delta8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``weight``'s delta8 parts, on its device."""
     row, col, step = _gaps(weight)
     fill = (step - 1) // MAX_GAP  # fillers before each nonzero
     slot = torch.cumsum(fill + 1, 0) - 1  # where each nonzero lands among the entries
     entries = int(slot[-1]) + 1 if slot.numel() else 0
-    values = torch.zeros(entries, dtype=weight.dtype)
-    deltas = torch.full((entries,), MAX_GAP - 1, dtype=torch.uint8)
+    device = weight.device  # encoded where the weight is: on a GPU, a 7B model's weights in seconds
+    values = torch.zeros(entries, dtype=weight.dtype, device=device)
+    deltas = torch.full((entries,), MAX_GAP - 1, dtype=torch.uint8, device=device)
     values[slot] = weight[row, col]
     deltas[slot] = (step - 1 - MAX_GAP * fill).to(torch.uint8)
-    per_row = torch.zeros(weight.shape[0], dtype=torch.int64).index_add_(0, row, fill + 1)
-    offsets = torch.zeros(weight.shape[0] + 1, dtype=torch.int64)
+    per_row = torch.zeros(weight.shape[0], dtype=torch.int64, device=device).index_add_(0, row, fill + 1)
+    offsets = torch.zeros(weight.shape[0] + 1, dtype=torch.int64, device=device)
     offsets[1:] = torch.cumsum(per_row, 0)
     return {"values": values, "deltas": deltas, "row_offsets": offsets}
 

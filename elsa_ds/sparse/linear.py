@@ -10,6 +10,7 @@ by side; docs/results.md has the figures. Every path accumulates in fp32 and ret
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ import torch.nn.functional as F
 from elsa_ds.sparse import kernels as K
 from elsa_ds.sparse import ops
 from elsa_ds.sparse.format import DELTA8, check, decode
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DECODE_PATHS = ("kernel", "csr", "reference")  # on CPU; CUDA tensors take "triton" or "decompress"
 
@@ -27,6 +31,27 @@ def _triton_runs_on(device_type: str) -> bool:
     from elsa_ds.sparse import triton_spmv
 
     return triton_spmv.unavailable(device_type) is None
+
+
+def _default_cpu_path() -> str:
+    return "kernel" if ops.cpu_kernels() is not None else "csr"
+
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ kernel takes; other dtypes default to csr
+
+
+def default_path(dtype: torch.dtype, decode_path: str | None) -> str | None:
+    """SparseLinear's decode_path for values of ``dtype``: the one asked for, else the default (None) where the C++
+    kernel takes the dtype, else csr."""
+    return decode_path or (None if dtype in KERNEL_DTYPES else "csr")
+
+
+def ready_to_decode(model: PreTrainedModel, device: torch.device) -> None:
+    """For a model on ``device``: on CUDA, a static cache for ``generate()``: transformers then compiles the decode
+    step (mode reduce-overhead: one CUDA graph a step), the delta8 operator inside it: no Python and no kernel launch
+    from Python per layer (elsa_ds/sparse/ops.py). On CPU the model is left as transformers makes it."""
+    if device.type == "cuda":
+        model.generation_config.cache_implementation = "static"
 
 
 class SparseLinear(torch.nn.Module):
@@ -47,11 +72,19 @@ class SparseLinear(torch.nn.Module):
         if bias is not None and not isinstance(bias, torch.nn.Parameter):
             bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.bias = bias  # the replaced Linear's own Parameter: a loader copying into it reaches this module
-        kernels = ops.cpu_kernels() if decode_path in (None, "kernel") else None
-        self.cpu_path = decode_path or ("kernel" if kernels is not None else "csr")
-        if self.cpu_path not in DECODE_PATHS or (self.cpu_path == "kernel" and kernels is None):
-            raise ValueError(f"decode_path {self.cpu_path!r}: choose from {DECODE_PATHS} (kernel only when built)")
+        if decode_path is not None and (decode_path not in DECODE_PATHS or (decode_path == "kernel" and ops.cpu_kernels() is None)):
+            raise ValueError(f"decode_path {decode_path!r}: choose from {DECODE_PATHS} (kernel only when built)")
+        # the CPU path by default: the C++ kernel where it is built. Built on a GPU, the weight may never reach the CPU:
+        # the lookup (a JIT build on a machine that has none yet) waits until it does
+        self._cpu_path = decode_path or (None if self.values.device.type != "cpu" else _default_cpu_path())
         self._csr: torch.Tensor | None = None
+
+    @property
+    def cpu_path(self) -> str:
+        """What a decode-sized input takes on CPU: ``kernel``, ``csr`` or ``reference``."""
+        if self._cpu_path is None:
+            self._cpu_path = _default_cpu_path()
+        return self._cpu_path
 
     @property
     def decode_path(self) -> str:
@@ -69,11 +102,11 @@ class SparseLinear(torch.nn.Module):
 
     @classmethod
     def from_dense(cls, linear: torch.nn.Linear, decode_path: str | None = None) -> SparseLinear:
-        """A Linear's weight in delta8 (its zeros dropped), same bias."""
+        """A Linear's weight in delta8 (its zeros dropped), on its device, same bias."""
         from elsa_ds.sparse.format import encode_delta8
 
         rows, cols = linear.weight.shape
-        return cls(encode_delta8(linear.weight.detach().cpu()), (rows, cols), linear.bias, decode_path)
+        return cls(encode_delta8(linear.weight.detach()), (rows, cols), linear.bias, decode_path)
 
     @property
     def parts(self) -> dict[str, torch.Tensor]:

@@ -17,14 +17,13 @@ from elsa_ds.sparse import kernels as K
 from elsa_ds.sparse.folder import TensorReader
 from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError, check_type,
                                       tensor_digest)
-from elsa_ds.sparse.linear import DECODE_PATHS, SparseLinear
+from elsa_ds.sparse.linear import DECODE_PATHS, SparseLinear, default_path, ready_to_decode
 from elsa_ds.sparse.meta import UNSEALED_VERSION, sparse_meta
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 MODES = ("dense", "sparse")
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def stored_tensors(path: Path, meta: dict, verify: bool = True) -> Iterator[tuple[str, torch.Tensor | tuple[str, tuple[int, int], dict]]]:
@@ -142,10 +141,8 @@ def from_pretrained(path: str | Path, mode: str = "dense", dtype: torch.dtype | 
     # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stubs drop the binding of self: called
     # as nn.Module's to (PreTrainedModel's own still runs), which moves the module in place
     cast(torch.nn.Module, model).to(device)
-    if mode == "sparse" and torch.device(device).type == "cuda":
-        # a static cache makes generate() compile its decode step (mode reduce-overhead: one CUDA graph a step), the
-        # delta8 operator inside it: no Python and no kernel launch from Python per layer (elsa_ds/sparse/ops.py)
-        model.generation_config.cache_implementation = "static"
+    if mode == "sparse":
+        ready_to_decode(model, torch.device(device))
     return model.eval()
 
 
@@ -192,8 +189,7 @@ def _replace_linear(model: torch.nn.Module, name: str, item: tuple, dtype: torch
         raise SparseCheckpointError(f"{name}: stored shape {shape}, the model's config says {tuple(module.weight.shape)}")
     delta8 = fmt.to_delta8(encoding, shape, parts)
     delta8["values"] = delta8["values"].to(dtype)
-    path = decode_path or (None if dtype in KERNEL_DTYPES else "csr")
-    sparse = SparseLinear(delta8, shape, module.bias, decode_path=path, name=name)
+    sparse = SparseLinear(delta8, shape, module.bias, decode_path=default_path(dtype, decode_path), name=name)
     parent_name, _, child = module_name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, sparse)
     return True

@@ -176,11 +176,11 @@ def generate_tokens(model: PreTrainedModel, batch: int, steps: int, prompt: int,
 
 
 def compare_generate(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int, steps: int, rounds: int, prompt: int) -> dict:
-    """generate() tokens/s of both models alternating (ABBA) after one untimed call each (on CUDA: the compile), and
-    whether the sparse model's greedy tokens were the dense model's in every round."""
+    """generate() tokens/s of both models alternating (ABBA) after one untimed call each (on CUDA: the compile; its
+    seconds are ``first_call_s``), whether the sparse model's greedy tokens were the dense model's in every round
+    (``same_tokens``), and the fraction of them that were (``equal_token_fraction``)."""
     models = {"dense": dense, "sparse": sparse}
-    for model in models.values():
-        generate_tokens(model, batch, steps, prompt, seed=rounds)
+    first = {name: generate_tokens(model, batch, steps, prompt, seed=rounds)[0] for name, model in models.items()}
     tokens: dict[tuple[str, int], torch.Tensor] = {}
 
     def seconds(name: str, r: int) -> float:
@@ -189,9 +189,11 @@ def compare_generate(dense: PreTrainedModel, sparse: PreTrainedModel, batch: int
 
     median, ratio = alternating(seconds, rounds)
     same = all(torch.equal(tokens["dense", r], tokens["sparse", r]) for r in range(rounds))
-    row: dict = {"batch": batch, "steps": steps, "prompt": prompt, "rounds": rounds, **ratio, "same_tokens": same}
+    equal = sum(int((tokens["dense", r] == tokens["sparse", r]).sum()) for r in range(rounds)) / (rounds * batch * steps)
+    row: dict = {"batch": batch, "steps": steps, "prompt": prompt, "rounds": rounds, **ratio, "same_tokens": same,
+                 "equal_token_fraction": equal}
     for name in models:
-        row[name] = {"tokens_per_s": batch * steps / median[name]}
+        row[name] = {"tokens_per_s": batch * steps / median[name], "first_call_s": first[name]}
     return row
 
 

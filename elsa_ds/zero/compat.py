@@ -35,6 +35,14 @@ def prepare_torch_for_zero_init() -> None:
     import torch._dynamo.polyfills.tensor  # noqa: F401
 
 
+def allow_recompiles(limit: int) -> None:
+    """Let dynamo keep ``limit`` compiled entries per function (its default, 8, is one model's worth of shapes): past
+    it, a process that compiles many models in turn (a benchmark's cells) would run the rest eagerly, unannounced."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(limit, torch._dynamo.config.recompile_limit)
+
+
 def cpu_bf16_matmul_is_fast() -> bool:
     """Whether oneDNN runs bf16 matmuls on this CPU (AVX-512 or AMX); torch takes a slow reference loop elsewhere."""
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -102,3 +102,51 @@ def test_speed_on_cuda_times_both_modes_there_and_generate_keeps_the_tokens(tmp_
     r = speed_report(sparse_dir, batches=(1, 8), prompt=8, steps=4, rounds=2, device="cuda")
     assert r["device"].startswith("cuda") and r["memory"]["sparse"]["gpu_allocated_delta_bytes"] > 0
     assert all(row["same_tokens"] for row in r["generate"]) and "| 4 new tokens after 8 | 1 |" in speed_table(r)
+
+
+def test_delta8_encoded_on_the_gpu_is_the_cpu_encoding():
+    """encode_delta8 runs where the weight is: on the GPU its parts are the CPU's, bit for bit (gaps past 256 included)."""
+    w = odd_weight()
+    want, got = encode_delta8(w), encode_delta8(w.cuda())
+    assert all(got[k].device.type == "cuda" and torch.equal(got[k].cpu(), want[k]) for k in want)
+
+
+def test_sparsify_on_cuda_encodes_there_takes_triton_and_keeps_greedy_tokens(tmp_path):
+    """sparsify of a pruned model on the GPU: the twin's SparseLinears are encoded on the GPU (the CPU kernel is not
+    looked up until one is moved to the CPU), generate() compiles with the static cache it sets, the greedy tokens are
+    the dense model's; moved to the CPU, a SparseLinear picks its CPU path then."""
+    from transformers import AutoModelForCausalLM
+
+    from elsa_ds.sparse import sparsify
+    from tests.sparse.conftest import pruned_demo
+
+    dense = AutoModelForCausalLM.from_pretrained(pruned_demo(tmp_path / "pruned"), dtype=torch.bfloat16).cuda().eval()
+    twin = sparsify(dense)
+    layers = [m for m in twin.modules() if isinstance(m, SparseLinear)]
+    assert len(layers) == 28 and all(m.values.is_cuda and m._cpu_path is None and m.decode_path == "triton" for m in layers)
+    assert twin.generation_config.cache_implementation == "static"
+    ids = torch.tensor([[2, 651, 1009, 576, 573]], device="cuda")
+    want = dense.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    assert twin.generate(ids, max_new_tokens=8, do_sample=False).tolist() == want.tolist()
+    moved = layers[0].to("cpu")
+    assert moved.decode_path in ("kernel", "csr") and moved(torch.randn(1, moved.in_features).to(torch.bfloat16)).shape == (1, moved.out_features)
+
+
+def test_the_gpu_decode_bench_runs_one_cell_on_the_device(tmp_path):
+    """bench/gpu_decode.py, 2 layers of LLaMA-2-7B's shapes, one cell (90 %, batch 1), no per-matrix part: the row and
+    the issue's keys (the figures themselves come from the full run)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "gpu_decode.json"
+    done = subprocess.run([sys.executable, str(root / "bench" / "gpu_decode.py"), "--layers", "2", "--sparsities", "0.9",
+                           "--batches", "1", "--steps", "8", "--rounds", "1", "--no_matrix", "--json", str(out)],
+                          capture_output=True, text=True, cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["compiled"] and r["gpu_memory_gib"] > 0 and list(r["generate_speedup"]) == ["0.9"]
+    row = r["generate"][0]
+    assert row["same_tokens"] in (True, False) and row["pruned_weight_bytes"]["sparse"] < 0.2 * row["pruned_weight_bytes"]["dense"]

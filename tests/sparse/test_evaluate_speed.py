@@ -34,7 +34,8 @@ def _check_report(r: dict, model: Path, compressed_here: bool) -> None:
     assert [row["batch"] for row in r["generate"]] == [1, 8]
     for row in r["generate"]:  # generate() as a user calls it: greedy tokens of the sparse mode are the dense mode's
         assert row["same_tokens"] is True and row["steps"] == 2 and row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
-        assert row["dense"]["tokens_per_s"] > 0 and row["sparse"]["tokens_per_s"] > 0
+        assert row["dense"]["tokens_per_s"] > 0 and row["sparse"]["tokens_per_s"] > 0 and row["equal_token_fraction"] == 1.0
+        assert row["dense"]["first_call_s"] > 0 and row["sparse"]["first_call_s"] > 0  # the untimed call (on CUDA: the compile)
 
 
 def test_speed_of_a_dense_pruned_folder_through_the_script(pruned_dir, tmp_path):

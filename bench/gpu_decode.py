@@ -1,0 +1,250 @@
+"""Sparse decode on a GPU, end to end: each LLaMA-2-7B matrix, then generate() of a whole LLaMA-2-7B-shaped model.
+
+Two parts, each figure beside its dense bf16 counterpart measured in the same process:
+
+* ``matrix``: bench/sparse_decode_gpu.py's per-weight timing (4096x4096 and 11008x4096 at batch 1: a CUDA graph of
+  back-to-back calls against dense ``F.linear``, the byte floor from the measured read bandwidth, every
+  rows_per_program of the Triton kernel); without CUDA it records why it skipped.
+* ``generate``: a LlamaForCausalLM with LLaMA-2-7B's shapes (``--layers`` of its 32; random bf16 weights built on the
+  device), its decoder Linear weights magnitude-pruned on the device to each sparsity, the sparse model made from it
+  by ``elsa_ds.sparse.sparsify`` (the same SparseLinears ``from_pretrained(..., mode="sparse")`` builds, encoded on
+  the GPU instead of read from disk; on CUDA with the static cache generate() compiles into a CUDA graph), then
+  ``elsa_ds.sparse.speed.compare_generate``: both models' ``generate()`` as a user calls it, alternating (ABBA) after
+  one untimed call each (the compile), tokens/s, the greedy tokens compared. The dense model is the same object
+  throughout (its weights restored from a host copy before each cell), so it compiles once per batch size.
+
+Cells run in order of what the issue must show first (90 % at batch 1, then 70 %, 95 %, then batch 8); a cell is
+started only while ``--budget_s`` has room for it at the pace of the slowest so far, and the JSON (``--json``) is
+rewritten after every cell, so a cut run keeps what it measured. ``--tiny`` shrinks the model (for the rehearsal on a
+CPU: no compile there, the same code path otherwise). The last line printed is the JSON of every figure:
+``device``, ``matrix_speedup`` ({sparsity: {weight: sparse / dense speed, CUDA graph, batch 1}}),
+``generate_speedup`` ({sparsity: sparse / dense tokens/s at batch 1}) and the raw rows beside them.
+
+    python bench/gpu_decode.py --json bench/results/gpu_decode.json
+    python bench/gpu_decode.py --device cpu --tiny --budget_s 120          # the rehearsal (tests/test_bench_gpu_decode.py)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LLAMA2_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32,
+             "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "num_hidden_layers": 32}
+TINY = {"hidden_size": 128, "intermediate_size": 352, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "num_hidden_layers": 2}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="where the model is built and timed [cuda]")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers [32; --tiny: 2]")
+    p.add_argument("--tiny", action="store_true", help="a small Llama instead of LLaMA-2-7B's shapes (the CPU rehearsal)")
+    p.add_argument("--sparsities", default="0.9,0.7,0.95", help="the generate cells' sparsities, in order [0.9,0.7,0.95]")
+    p.add_argument("--batches", default="1,8", help="generate batch sizes; every sparsity at the first, then the next [1,8]")
+    p.add_argument("--steps", type=int, default=64, help="new tokens per generate() [64]")
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens [16]")
+    p.add_argument("--rounds", type=int, default=3, help="timed generate() calls per model and cell (ABBA) [3]")
+    p.add_argument("--compile", action="store_true",
+                   help="off CUDA too: a static cache and the compiled decode step, as generate() takes on CUDA by itself")
+    p.add_argument("--no_matrix", action="store_true", help="skip the per-matrix part")
+    p.add_argument("--matrix_calls", type=int, default=100, help="per-matrix calls per timed round [100]")
+    p.add_argument("--budget_s", type=float, default=540, help="start no cell that would end past this many seconds [540]")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here (rewritten after every cell)")
+    return p.parse_args(argv)
+
+
+def environment(device: str) -> dict:
+    import torch
+    import transformers
+
+    env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+           "transformers": transformers.__version__}
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(torch.device(device))
+        env.update(device=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            env["triton"] = None
+    else:
+        from sparse_decode import cpu_model
+
+        env.update(device=cpu_model(), threads=torch.get_num_threads())
+    return env
+
+
+def build_model(shape: dict, layers: int, device: str):
+    """A LlamaForCausalLM of ``shape`` with ``layers`` decoder layers, bf16, its random weights drawn on ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**{**shape, "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def pruned_linears(model) -> dict:
+    """The decoder's Linear modules by name (what the cells prune)."""
+    import torch
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+
+
+def matrix_part(args: argparse.Namespace) -> dict:
+    import torch
+
+    import sparse_decode_gpu
+
+    reason = "not a CUDA device" if torch.device(args.device).type != "cuda" else sparse_decode_gpu.skipped()
+    if reason is not None:
+        return {"skipped": reason}
+    matrix_args = sparse_decode_gpu.parse(["--sparsities", "0.7,0.9,0.95", "--batches", "1", "--calls", str(args.matrix_calls)])
+    return sparse_decode_gpu.measure(matrix_args)
+
+
+def gpu_memory(device: str) -> dict | None:
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    return {"allocated_gib": torch.cuda.memory_allocated(device) / 2**30, "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+def cells(sparsities: list[float], batches: list[int]) -> list[tuple[float, int]]:
+    """Every sparsity at the first batch size, then at the next: what the issue must show (batch 1) comes first."""
+    return [(s, b) for b in batches for s in sparsities]
+
+
+def generate_cell(dense, originals: dict, sparsity: float, batch: int, args: argparse.Namespace) -> dict:
+    """Restore the dense weights, prune them to ``sparsity``, sparsify, and time generate() of both models."""
+    import torch
+
+    from sparse_decode import prune_weight
+
+    from elsa_ds.sparse import SparseLinear, sparsify
+    from elsa_ds.sparse.speed import compare_generate, tensor_bytes
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for name, module in pruned_linears(dense).items():
+            module.weight.copy_(originals[name], non_blocking=True)  # the same storage: a captured dense graph stays valid
+            prune_weight(module.weight, sparsity)
+    pruned_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    sparse = sparsify(dense)
+    sparsify_s = time.perf_counter() - t0
+    if args.compile:
+        compiled_everywhere(sparse)
+    linears = pruned_linears(dense)
+    dense_weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears.values())
+    sparse_weight_bytes = sum(m.weight_bytes for m in sparse.modules() if isinstance(m, SparseLinear))
+    row = {"sparsity": sparsity, "batch": batch, "prune_s": pruned_s, "sparsify_s": sparsify_s,
+           "pruned_weight_bytes": {"dense": dense_weight_bytes, "sparse": sparse_weight_bytes},
+           "model_tensor_bytes": {"dense": tensor_bytes(dense), "sparse": tensor_bytes(sparse)}}
+    row.update(compare_generate(dense, sparse, batch, args.steps, args.rounds, args.prompt))
+    row["gpu_memory"] = gpu_memory(args.device)
+    del sparse
+    gc.collect()
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def compiled_everywhere(model) -> None:
+    """generate() with a static cache and its decode step compiled on any device (transformers does it by itself on
+    CUDA; on a CPU only when asked, so that the rehearsal takes the compiled path: mode default, no CUDA graph)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.compile_config = config
+
+
+def summarize(result: dict) -> None:
+    """The issue's keys from the raw rows."""
+    matrix = result["matrix"]
+    result["matrix_speedup"] = {}
+    for row in matrix.get("rows", []):
+        if row["batch"] == 1:
+            result["matrix_speedup"].setdefault(str(row["sparsity"]), {})[row["weight"]] = row["speedup_graph"]
+    rows = result["generate"]
+    first_batch = min((r["batch"] for r in rows), default=None)
+    result["generate_speedup"] = {str(r["sparsity"]): r["ratio"] for r in rows if r["batch"] == first_batch == 1}
+    result["generate_same_tokens"] = {f"{r['sparsity']}@{r['batch']}": r["same_tokens"] for r in rows}
+
+
+def write(result: dict, path: Path | None) -> None:
+    summarize(result)
+    if path is not None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    start = time.perf_counter()
+    import torch
+
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device (run with --device cpu --tiny to rehearse)"}))
+        return 0
+    from elsa_ds.zero.compat import allow_recompiles
+
+    allow_recompiles(64)  # the dense model per batch size and a sparse model per cell: a user's process compiles one
+    shape = TINY if args.tiny else LLAMA2_7B
+    layers = args.layers or shape["num_hidden_layers"]
+    from elsa_ds.sparse.speed import read_bandwidth
+
+    result: dict = {**environment(args.device), "shape": "tiny" if args.tiny else "llama-2-7b", "layers": layers,
+                    "compiled": args.compile or torch.device(args.device).type == "cuda",
+                    "read_bandwidth_gb_s": read_bandwidth(1 << 30 if not args.tiny else 1 << 26, device=args.device) / 1e9,
+                    "matrix": {}, "generate": [], "cut": []}
+    result["matrix"] = {"skipped": "--no_matrix"} if args.no_matrix else matrix_part(args)
+    result["matrix_s"] = time.perf_counter() - start
+    write(result, args.json)
+    t0 = time.perf_counter()
+    dense = build_model(shape, layers, args.device)
+    originals = {n: m.weight.detach().to("cpu", copy=True) for n, m in pruned_linears(dense).items()}
+    if args.compile:
+        compiled_everywhere(dense)
+    result["build_s"] = time.perf_counter() - t0
+    print(f"model built in {result['build_s']:.1f} s: {layers} layers, {sum(p.numel() for p in dense.parameters()) / 1e9:.2f}B "
+          "parameters", file=sys.stderr, flush=True)
+    slowest = 0.0
+    for sparsity, batch in cells([float(s) for s in args.sparsities.split(",")], [int(b) for b in args.batches.split(",")]):
+        left = args.budget_s - (time.perf_counter() - start)
+        if slowest > left:
+            result["cut"].append({"sparsity": sparsity, "batch": batch, "why": f"{left:.0f} s left, a cell took {slowest:.0f} s"})
+            continue
+        t0 = time.perf_counter()
+        row = generate_cell(dense, originals, sparsity, batch, args)
+        row["cell_s"] = time.perf_counter() - t0
+        slowest = max(slowest, row["cell_s"])
+        result["generate"].append(row)
+        print(f"{sparsity:.0%} batch {batch}: sparse / dense generate() {row['ratio']:.2f}x ({row['ratio_min']:.2f}-"
+              f"{row['ratio_max']:.2f}), dense {row['dense']['tokens_per_s']:.1f} tok/s, sparse {row['sparse']['tokens_per_s']:.1f}; "
+              f"same tokens {row['same_tokens']} ({row['equal_token_fraction']:.0%}); first calls {row['dense']['first_call_s']:.1f} / "
+              f"{row['sparse']['first_call_s']:.1f} s; cell {row['cell_s']:.0f} s", file=sys.stderr, flush=True)
+        write(result, args.json)
+    result["seconds"] = time.perf_counter() - start
+    write(result, args.json)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
