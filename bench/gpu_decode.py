@@ -56,6 +56,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="off CUDA too: a static cache and the compiled decode step, as generate() takes on CUDA by itself")
     p.add_argument("--no_matrix", action="store_true", help="skip the per-matrix part")
     p.add_argument("--matrix_calls", type=int, default=100, help="per-matrix calls per timed round [100]")
+    p.add_argument("--triton_rows", type=int, default=None,
+                   help="rows_per_program of the sparse model's Triton kernel [the per-matrix part's fastest at 90 %%, else "
+                        "the library's default]")
     p.add_argument("--budget_s", type=float, default=540, help="start no cell that would end past this many seconds [540]")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here (rewritten after every cell)")
     return p.parse_args(argv)
@@ -120,6 +123,24 @@ def gpu_memory(device: str) -> dict | None:
     if torch.device(device).type != "cuda":
         return None
     return {"allocated_gib": torch.cuda.memory_allocated(device) / 2**30, "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+def generate_rows(matrix: dict, asked: int | None) -> int | None:
+    """The Triton kernel's rows_per_program for the generate cells, set for the whole process (ELSA_DS_TRITON_ROWS):
+    the one asked for, else the per-matrix part's fastest at 90 % (least CUDA-graph µs summed over the two weights,
+    default warps), else None (the library's default)."""
+    from elsa_ds.sparse.triton_spmv import ROWS_ENV
+
+    rows = asked
+    if rows is None and matrix.get("rows"):
+        at90 = [r for r in matrix["rows"] if r["sparsity"] == 0.9 and r["batch"] == 1]
+        names = [k for k in at90[0] if k.startswith("triton_r") and "w" not in k.removeprefix("triton_r")] if at90 else []
+        if names:
+            best = min(names, key=lambda k: sum(r[k]["graph_us"] for r in at90))
+            rows = int(best.removeprefix("triton_r"))
+    if rows is not None:
+        os.environ[ROWS_ENV] = str(rows)
+    return rows
 
 
 def cells(sparsities: list[float], batches: list[int]) -> list[tuple[float, int]]:
@@ -215,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                     "matrix": {}, "generate": [], "cut": []}
     result["matrix"] = {"skipped": "--no_matrix"} if args.no_matrix else matrix_part(args)
     result["matrix_s"] = time.perf_counter() - start
+    result["triton_rows"] = generate_rows(result["matrix"], args.triton_rows)
     write(result, args.json)
     t0 = time.perf_counter()
     dense = build_model(shape, layers, args.device)

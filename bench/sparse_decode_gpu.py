@@ -39,7 +39,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=200, help="calls per timed round [200]")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds, median reported [5]")
     p.add_argument("--min_mb", type=float, default=256, help="bytes the weight copies span, so calls read HBM, not L2 [256]")
-    p.add_argument("--rows", default="1,4,8,16", help="rows_per_program of the Triton kernel, each timed [1,4,8,16]")
+    p.add_argument("--rows", default="1,4,8,16,32", help="rows_per_program of the Triton kernel, each timed [1,4,8,16,32]")
+    p.add_argument("--warps", default="0", help="num_warps of the Triton kernel, each timed with every --rows; 0: its default [0]")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     return p.parse_args(argv)
 
@@ -105,23 +106,28 @@ def one_weight(weight: torch.Tensor, batch: int, args, bandwidth: float) -> dict
     row = {"batch": batch, "entries": parts["values"].numel(), "dense_bytes": dense_bytes, "sparse_bytes": sparse_bytes,
            "max_rel_err_vs_dense": err}
     x_bytes = x.numel() * x.element_size()
-    variants = [("dense", dense_bytes, None), *((f"triton_r{r}", sparse_bytes, int(r)) for r in args.rows.split(","))]
-    for name, nbytes, rows in variants:
+    variants = [("dense", dense_bytes, None, 0),
+                *((f"triton_r{r}" + (f"w{w}" if int(w) else ""), sparse_bytes, int(r), int(w))
+                  for r in args.rows.split(",") for w in args.warps.split(","))]
+    for name, nbytes, rows, warps in variants:
         copies = max(1, min(256, math.ceil(args.min_mb * 2**20 / nbytes)))
         if rows is None:
             ws = [dense.clone() for _ in range(copies)]
             calls = [lambda w=w: F.linear(x, w) for w in ws]
         else:
             ws = [{k: v.clone() for k, v in parts.items()} for _ in range(copies)]
-            calls = [lambda p=p, r=rows: triton_spmv.delta8_linear(p, x, out_f, rows_per_program=r) for p in ws]
-            got = triton_spmv.delta8_linear(parts, x, out_f, rows_per_program=rows)
+            calls = [lambda p=p, r=rows, w=warps: triton_spmv.delta8_linear(p, x, out_f, rows_per_program=r, num_warps=w or None)
+                     for p in ws]
+            got = triton_spmv.delta8_linear(parts, x, out_f, rows_per_program=rows, num_warps=warps or None)
             row[f"{name}_max_rel_err_vs_dense"] = float((got.float() - y_dense.float()).abs().max() / y_dense.float().abs().max())
         timed = time_calls([calls[i % copies] for i in range(args.calls)], args.rounds)
         floor_us = (nbytes + x_bytes) / bandwidth * 1e6
         row[name] = {**timed, "copies": copies, "floor_us": floor_us, "graph_gb_s": (nbytes + x_bytes) / timed["graph_us"] / 1e3}
         del ws, calls
     best = min((k for k in row if k.startswith("triton_r") and isinstance(row[k], dict)), key=lambda k: row[k]["graph_us"])
-    row["triton"], row["best_rows_per_program"] = row[best], int(best.removeprefix("triton_r"))
+    rows_text, _, warps_text = best.removeprefix("triton_r").partition("w")
+    row["triton"], row["best_variant"] = row[best], best
+    row["best_rows_per_program"], row["best_num_warps"] = int(rows_text), int(warps_text or 0)
     row["speedup_graph"] = row["dense"]["graph_us"] / row["triton"]["graph_us"]
     row["speedup_eager"] = row["dense"]["eager_us"] / row["triton"]["eager_us"]
     return row

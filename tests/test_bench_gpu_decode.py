@@ -5,6 +5,7 @@ run of the same script is tests/cuda/test_triton_gpu.py's."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,23 @@ def test_a_budget_with_no_room_starts_no_cell(tmp_path):
     r = _run("--no_matrix", "--budget_s", "0", "--sparsities", "0.9,0.7", out=tmp_path / "cut.json")
     assert r["generate"] == [] and [(c["sparsity"], c["batch"]) for c in r["cut"]] == [(0.9, 1), (0.7, 1)]
     assert r["generate_speedup"] == {}
+
+
+def test_the_generate_cells_take_the_fastest_row_groups_at_90_percent(monkeypatch):
+    """The per-matrix part's rows (as bench/sparse_decode_gpu.py writes them): the fastest default-warps variant at 90 %
+    summed over both weights sets ELSA_DS_TRITON_ROWS; an explicit --triton_rows wins; no rows (no CUDA): the default."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_decode
+
+    from elsa_ds.sparse.triton_spmv import ROWS_ENV
+
+    def row(sparsity, **us):
+        return {"sparsity": sparsity, "batch": 1, **{f"triton_{k}": {"graph_us": v} for k, v in us.items()}}
+
+    matrix = {"rows": [row(0.9, r1=9.0, r4=5.0, r16=4.0, r16w8=1.0), row(0.9, r1=18.0, r4=9.0, r16=10.5, r16w8=1.0),
+                       row(0.7, r1=1.0, r4=50.0, r16=50.0, r16w8=50.0)]}
+    monkeypatch.delenv(ROWS_ENV, raising=False)
+    assert gpu_decode.generate_rows(matrix, None) == 4 and os.environ[ROWS_ENV] == "4"  # 14 us against r16's 14.5 (r16w8 has other warps)
+    assert gpu_decode.generate_rows(matrix, 32) == 32 and os.environ[ROWS_ENV] == "32"
+    monkeypatch.delenv(ROWS_ENV)
+    assert gpu_decode.generate_rows({"skipped": "no CUDA"}, None) is None and ROWS_ENV not in os.environ

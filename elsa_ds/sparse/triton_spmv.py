@@ -9,6 +9,11 @@ One program per output row r walks r's entries ``row_offsets[r] .. row_offsets[r
 so a call streams each entry once (one delta byte and one value) and needs no metadata beyond the checkpoint's own
 parts: nothing is precomputed, and ``SparseLinear.weight_bytes`` is what the kernel reads of the weight.
 
+With ``rows_per_program`` > 1 (``ELSA_DS_TRITON_ROWS`` when the caller gives none) the row-group kernel runs instead:
+one program per row of x and group of that many output rows, their chains stepped together as one [BLOCK, rows] tile
+(fewer, larger programs: the H200's 1-row kernel spent ~5 µs a call on fixed costs and streamed at ~1 TB/s;
+``_delta8_tiles`` says why the tile is transposed). Which is faster per shape is bench/sparse_decode_gpu.py's to say.
+
 Triton is imported when this module is, and this module only when a CUDA tensor reaches SparseLinear (or a test
 imports it): without triton or a GPU :func:`unavailable` names the reason and callers take the decompress path.
 ``TRITON_INTERPRET=1`` in the environment before triton is imported (triton decorates its own language functions
@@ -62,35 +67,44 @@ def _delta8_rows(values, deltas, row_offsets, x, bias, y, n, in_features, out_fe
     tl.store(y + b * out_features + r, out.to(y.dtype.element_ty), mask=b < n)
 
 
-def _delta8_groups(values, deltas, row_offsets, x, bias, y, n, in_features, out_features,
-                   HAS_BIAS: tl.constexpr, BLOCK_B: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: ROWS consecutive output rows, each its own chain, stepped together as a [ROWS, BLOCK] tile (more
-    bytes in flight per program, ROWS times fewer programs; a short row's lanes are masked while a long one goes on)."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def _delta8_tiles(values, deltas, row_offsets, x, bias, y, in_features, out_features,
+                  HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: row b = program_id(0) of x against ROWS consecutive output rows (program_id(1)), each row its own
+    chain, stepped together as a [BLOCK, ROWS] tile: entries along dim 0, rows along dim 1.
+
+    The tile is transposed on purpose. Triton lays out a load whose addresses it cannot analyse (the gather of x at the
+    decoded columns) with dim 0 fastest across a warp's lanes; with entries along dim 0 that is the layout of the
+    values and deltas loads too, so a warp's 32 lanes read 32 consecutive entries of one row (coalesced) and gather x
+    at 32 nearby columns (a few cache lines), and nothing is shuffled between layouts inside the loop. As [ROWS, BLOCK]
+    the gather took rows fastest (32 lanes, 16 rows' scattered columns) behind two layout conversions a step through
+    shared memory (tests/sparse/test_triton_spmv.py reads the compiled IR for it). Each program takes one row of x:
+    the programs of one row group run together (b varies fastest), so the weight comes once from memory and the
+    other rows of x find it in L2."""
+    b = tl.program_id(0)
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     live = r < out_features
     begin = tl.load(row_offsets + r, mask=live, other=0)
     end = tl.load(row_offsets + r + 1, mask=live, other=0)
-    b = tl.arange(0, BLOCK_B)
     lane = tl.arange(0, BLOCK)
-    acc = tl.zeros((ROWS, BLOCK_B, BLOCK), dtype=tl.float32)
+    acc = tl.zeros((BLOCK, ROWS), dtype=tl.float32)
     carry = tl.full((ROWS,), -1, tl.int32)
     longest = tl.max(end - begin, 0)
     start = longest * 0
-    while start < longest:
-        k = begin[:, None] + start + lane[None, :]
-        inside = k < end[:, None]
+    xb = x + b * in_features
+    while start < longest:  # a short row's lanes are masked while a long one goes on
+        k = begin[None, :] + start + lane[:, None]
+        inside = k < end[None, :]
         step = tl.where(inside, tl.load(deltas + k, mask=inside, other=0).to(tl.int32) + 1, 0)
-        col = carry[:, None] + tl.cumsum(step, 1)
-        carry = carry + tl.sum(step, 1)
+        col = carry[None, :] + tl.cumsum(step, 0)
+        carry = carry + tl.sum(step, 0)
         value = tl.load(values + k, mask=inside, other=0.0).to(tl.float32)
-        take = (b[None, :, None] < n) & inside[:, None, :]
-        xs = tl.load(x + b[None, :, None] * in_features + col[:, None, :], mask=take, other=0.0).to(tl.float32)
-        acc += xs * value[:, None, :]
+        xs = tl.load(xb + col, mask=inside, other=0.0).to(tl.float32)
+        acc += xs * value
         start += BLOCK
-    out = tl.sum(acc, 2)
+    out = tl.sum(acc, 0)
     if HAS_BIAS:
-        out += tl.load(bias + r, mask=live, other=0.0).to(tl.float32)[:, None]
-    tl.store(y + b[None, :] * out_features + r[:, None], out.to(y.dtype.element_ty), mask=live[:, None] & (b[None, :] < n))
+        out += tl.load(bias + r, mask=live, other=0.0).to(tl.float32)
+    tl.store(y + b * out_features + r, out.to(y.dtype.element_ty), mask=live)
 
 
 @functools.cache
@@ -100,9 +114,9 @@ def _kernel():
 
 
 @functools.cache
-def _group_kernel():
+def _tile_kernel():
     """The row-group kernel, jitted as :func:`_kernel`."""
-    return triton.jit(_delta8_groups)
+    return triton.jit(_delta8_tiles)
 
 
 def unavailable(device: torch.device | str = "cuda") -> str | None:
@@ -125,15 +139,33 @@ def block_sizes(n: int, entries_per_row: float) -> tuple[int, int]:
     return block_b, block
 
 
-def group_block(block_b: int, rows: int, entries_per_row: float) -> int:
-    """Entries per row and step of the row-group kernel: the [rows, batch, block] tile kept near 4096 values."""
-    return max(16, min(256, 4096 // (block_b * rows), triton.next_power_of_2(max(int(entries_per_row), 1))))
+def tile_block(rows: int, entries_per_row: float) -> int:
+    """Entries per row and step of the row-group kernel: the [block, rows] tile kept near 4096 values."""
+    return max(16, min(512, 4096 // rows, triton.next_power_of_2(max(int(entries_per_row), 1))))
+
+
+ROWS_ENV = "ELSA_DS_TRITON_ROWS"
+
+
+def default_rows() -> int:
+    """rows_per_program when the caller gives none: ``ELSA_DS_TRITON_ROWS`` (read each call, so a benchmark can set it
+    for a whole model), else 1."""
+    text = os.environ.get(ROWS_ENV, "1")
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = 0
+    if not 1 <= rows <= 64 or rows & (rows - 1):
+        raise ValueError(f"{ROWS_ENV}={text!r}: expected a power of two from 1 to 64 (output rows per Triton program)")
+    return rows
 
 
 def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features: int,
-                  bias: torch.Tensor | None = None, rows_per_program: int = 1) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, rows_per_program: int | None = None,
+                  num_warps: int | None = None) -> torch.Tensor:
     """y = x Wᵀ (+ bias) in x's dtype, fp32 accumulation; x [n, in] with 1 <= n <= 16, on the parts' device.
-    ``rows_per_program`` (a power of two): 1, one output row a program; more, the row-group kernel."""
+    ``rows_per_program`` (a power of two; None: :func:`default_rows`): 1, one output row a program for every row of x;
+    more, the row-group kernel, one row of x a program. ``num_warps``: Triton's, None for the default."""
     reason = unavailable(x.device)
     if reason is not None:
         raise RuntimeError(f"the Triton delta8 kernel is unavailable: {reason}")
@@ -144,18 +176,20 @@ def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features:
     y = torch.empty(n, out_features, dtype=x.dtype, device=x.device)
     if out_features == 0:
         return y
+    rows_per_program = default_rows() if rows_per_program is None else rows_per_program
     if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {rows_per_program}")
-    block_b, block = block_sizes(n, parts["values"].numel() / out_features)
+    entries_per_row = parts["values"].numel() / out_features
     if rows_per_program > 1:
-        block = group_block(block_b, rows_per_program, parts["values"].numel() / out_features)
-        _group_kernel()[(triton.cdiv(out_features, rows_per_program),)](
+        block = tile_block(rows_per_program, entries_per_row)
+        _tile_kernel()[(n, triton.cdiv(out_features, rows_per_program))](
             parts["values"], parts["deltas"], parts["row_offsets"], x, y if bias is None else bias, y,
-            n, x.shape[1], out_features, HAS_BIAS=bias is not None, BLOCK_B=block_b, ROWS=rows_per_program, BLOCK=block,
-            num_warps=4)
+            x.shape[1], out_features, HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK=block,
+            num_warps=num_warps or (4 if block * rows_per_program >= 2048 else 2))
         return y
+    block_b, block = block_sizes(n, entries_per_row)
     _kernel()[(out_features,)](
         parts["values"], parts["deltas"], parts["row_offsets"], x, y if bias is None else bias, y,
         n, x.shape[1], out_features, HAS_BIAS=bias is not None, BLOCK_B=block_b, BLOCK=block,
-        num_warps=4 if block_b * block >= 2048 else 2)
+        num_warps=num_warps or (4 if block_b * block >= 2048 else 2))
     return y

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ from elsa_ds.sparse.format import MAX_GAP, encode_delta8
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}  # half dtypes: the output is rounded to them
 BATCHES = (1, 3, 8, 16)
 SHAPES = ((1, 1, 1.0), (5, 3, 0.5), (3, 2000, 0.002), (40, 33, 1.0))
-ROWS = (1, 4, 16)  # rows_per_program: 1 = one output row a program; more = the row-group kernel
+ROWS = (1, 4, 16, 64)  # rows_per_program: 1 = one output row a program; more = the row-group kernel
 
 
 def odd_weight(out_f: int = 67, in_f: int = 700, density: float = 0.1, seed: int = 0) -> torch.Tensor:
@@ -71,6 +72,10 @@ def run_cases() -> dict[str, dict]:
     got = ops.delta8_linear(parts["values"], parts["deltas"], parts["row_offsets"], x.to(torch.bfloat16), 67, bias, "triton")
     ref = K.reference_matmul(parts, x.to(torch.bfloat16), 67) + bias.float()
     out["operator"] = {"err": relative_error(got, ref), "shape": list(got.shape), "dtype": str(got.dtype).split(".")[-1]}
+    os.environ[T.ROWS_ENV] = "16"  # the operator with no rows given takes them from the environment (the benchmarks')
+    got = ops.delta8_linear(parts["values"], parts["deltas"], parts["row_offsets"], x.to(torch.bfloat16), 67, bias, "triton")
+    out["operator-16-rows"] = {"err": relative_error(got, ref), "default_rows": T.default_rows()}
+    del os.environ[T.ROWS_ENV]
     parts = encode_delta8(odd_weight())
     moved = dict(parts, deltas=parts["deltas"].clone())
     moved["deltas"][0] += 1  # row 0's first entry one column right, and the rest of the row with it
@@ -130,6 +135,20 @@ def test_bias_is_added_in_fp32(results, rows):
 def test_the_registered_operator_runs_the_triton_path(results):
     r = results["operator"]
     assert r["shape"] == [4, 67] and r["dtype"] == "bfloat16" and r["err"] <= TOL["bfloat16"]
+    r = results["operator-16-rows"]
+    assert r["default_rows"] == 16 and r["err"] <= TOL["bfloat16"]
+
+
+@pytest.mark.parametrize("text", ["3", "0", "128", "four"])
+def test_rows_from_the_environment_are_a_power_of_two(monkeypatch, text):
+    pytest.importorskip("triton")
+    from elsa_ds.sparse import triton_spmv as T
+
+    monkeypatch.setenv(T.ROWS_ENV, text)
+    with pytest.raises(ValueError, match=rf"ELSA_DS_TRITON_ROWS='{text}': expected a power of two from 1 to 64"):
+        T.default_rows()
+    monkeypatch.setenv(T.ROWS_ENV, "32")
+    assert T.default_rows() == 32
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -143,10 +162,8 @@ def test_more_than_16_rows_are_refused_and_groups_are_powers_of_two(results):
     assert "power of two" in results["3-rows-a-program"]["refused"]
 
 
-@pytest.mark.parametrize("dtype,block_b,block", [("bf16", 1, 512), ("fp32", 16, 128)])
-def test_kernel_compiles_for_an_h100(dtype, block_b, block):
-    """The compiled path, which the interpreter does not take: Triton lowers the kernel to an sm_90 cubin (its bundled
-    ptxas) with no GPU present; running it is tests/cuda/test_triton_gpu.py's part."""
+def _compile_for_h100(fn, signature: dict, constexprs: dict, num_warps: int = 4):
+    """``fn`` lowered by Triton to an sm_90 cubin (its bundled ptxas) with no GPU present."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -155,17 +172,48 @@ def test_kernel_compiles_for_an_h100(dtype, block_b, block):
 
     if T.INTERPRET:
         pytest.skip("TRITON_INTERPRET is set in this process: triton.jit gives the interpreter")
-    sig = {"values": f"*{dtype}", "deltas": "*u8", "row_offsets": "*i64", "x": f"*{dtype}", "bias": f"*{dtype}",
-           "y": f"*{dtype}", "n": "i32", "in_features": "i32", "out_features": "i32",
-           "HAS_BIAS": "constexpr", "BLOCK_B": "constexpr", "BLOCK": "constexpr"}
-    src = ASTSource(fn=T._kernel(), signature=sig, constexprs={"HAS_BIAS": True, "BLOCK_B": block_b, "BLOCK": block})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps})
     assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
-    rows = 8  # the row-group kernel at the same tile
-    src = ASTSource(fn=T._group_kernel(), signature={**sig, "ROWS": "constexpr"},
-                    constexprs={"HAS_BIAS": True, "BLOCK_B": block_b, "ROWS": rows, "BLOCK": T.group_block(block_b, rows, 410)})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
+    return compiled
+
+
+def _signature(dtype: str, *constexprs: str, batch_arg: bool = True) -> dict:
+    sig = {"values": f"*{dtype}", "deltas": "*u8", "row_offsets": "*i64", "x": f"*{dtype}", "bias": f"*{dtype}", "y": f"*{dtype}"}
+    sig.update({"n": "i32"} if batch_arg else {})
+    sig.update({"in_features": "i32", "out_features": "i32"})
+    return {**sig, **{c: "constexpr" for c in constexprs}}
+
+
+@pytest.mark.parametrize("dtype,block_b,block", [("bf16", 1, 512), ("fp32", 16, 128)])
+def test_kernel_compiles_for_an_h100(dtype, block_b, block):
+    """The compiled path, which the interpreter does not take; running it is tests/cuda/test_triton_gpu.py's part."""
+    from elsa_ds.sparse import triton_spmv as T
+
+    pytest.importorskip("triton")
+    _compile_for_h100(T._kernel(), _signature(dtype, "HAS_BIAS", "BLOCK_B", "BLOCK"),
+                      {"HAS_BIAS": True, "BLOCK_B": block_b, "BLOCK": block})
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("rows", [4, 16, 64])
+def test_the_row_group_kernel_compiles_with_one_layout_in_its_loop(dtype, rows):
+    """The row-group kernel at sm_90, read in Triton's GPU IR: the values, deltas and x loads of its loop share one
+    layout with a warp's lanes along the entries (a row's consecutive entries: coalesced loads, x gathered at nearby
+    columns), and nothing in the loop converts between layouts (a trip through shared memory each step). Its first form,
+    a [rows, block] tile, failed both: Triton put the x gather's lanes across rows."""
+    from elsa_ds.sparse import triton_spmv as T
+
+    pytest.importorskip("triton")
+    block = T.tile_block(rows, 410)
+    ir = _compile_for_h100(T._tile_kernel(), _signature(dtype, "HAS_BIAS", "ROWS", "BLOCK", batch_arg=False),
+                           {"HAS_BIAS": True, "ROWS": rows, "BLOCK": block}).asm["ttgir"]
+    loop = ir[ir.index("scf.while"):ir.index("scf.yield")]
+    loads = re.findall(rf"tt\.load %\S+, %\S+, %\S+ : tensor<{block}x{rows}x!tt\.ptr<\w+>, (#\w+)>", loop)
+    assert len(loads) == 3 and len(set(loads)) == 1, loads  # deltas, values, x
+    layout = re.search(rf"^{loads[0]} = #ttg\.blocked<\{{(.*)\}}>", ir, re.M).group(1)
+    assert "order = [0, 1]" in layout and re.search(r"threadsPerWarp = \[(\d+), 1\]", layout), layout
+    assert "convert_layout" not in loop
 
 
 def test_unavailable_names_the_reason(monkeypatch):
