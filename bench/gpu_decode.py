@@ -113,7 +113,8 @@ def matrix_part(args: argparse.Namespace) -> dict:
     reason = "not a CUDA device" if torch.device(args.device).type != "cuda" else sparse_decode_gpu.skipped()
     if reason is not None:
         return {"skipped": reason}
-    matrix_args = sparse_decode_gpu.parse(["--sparsities", "0.7,0.9,0.95", "--batches", "1", "--calls", str(args.matrix_calls)])
+    matrix_args = sparse_decode_gpu.parse(["--sparsities", "0.7,0.9,0.95", "--batches", "1", "--calls", str(args.matrix_calls),
+                                           "--warps", "0,1"])  # 1 warp: the row-group kernel's scan stays in one warp
     return sparse_decode_gpu.measure(matrix_args)
 
 
@@ -127,17 +128,20 @@ def gpu_memory(device: str) -> dict | None:
 
 def generate_rows(matrix: dict, asked: int | None) -> int | None:
     """The Triton kernel's rows_per_program for the generate cells, set for the whole process (ELSA_DS_TRITON_ROWS):
-    the one asked for, else the per-matrix part's fastest at 90 % (least CUDA-graph µs summed over the two weights,
-    default warps), else None (the library's default)."""
+    the one asked for, else the per-matrix part's fastest at 90 % in the layout the sparse model takes on a GPU
+    (``ELSA_DS_GPU_LAYOUT``; least CUDA-graph µs summed over the two weights, default warps), else None (the
+    library's default)."""
+    from elsa_ds.sparse.linear import gpu_layout
     from elsa_ds.sparse.triton_spmv import ROWS_ENV
 
+    prefix = "cols16_r" if gpu_layout() == "cols16" else "triton_r"
     rows = asked
     if rows is None and matrix.get("rows"):
         at90 = [r for r in matrix["rows"] if r["sparsity"] == 0.9 and r["batch"] == 1]
-        names = [k for k in at90[0] if k.startswith("triton_r") and "w" not in k.removeprefix("triton_r")] if at90 else []
+        names = [k for k in at90[0] if k.startswith(prefix) and "w" not in k.removeprefix(prefix)] if at90 else []
         if names:
             best = min(names, key=lambda k: sum(r[k]["graph_us"] for r in at90))
-            rows = int(best.removeprefix("triton_r"))
+            rows = int(best.removeprefix(prefix))
     if rows is not None:
         os.environ[ROWS_ENV] = str(rows)
     return rows
@@ -237,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     result["matrix"] = {"skipped": "--no_matrix"} if args.no_matrix else matrix_part(args)
     result["matrix_s"] = time.perf_counter() - start
     result["triton_rows"] = generate_rows(result["matrix"], args.triton_rows)
+    from elsa_ds.sparse.linear import gpu_layout
+
+    result["gpu_layout"] = gpu_layout()
     write(result, args.json)
     t0 = time.perf_counter()
     dense = build_model(shape, layers, args.device)

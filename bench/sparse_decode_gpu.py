@@ -1,12 +1,14 @@
-"""Decode on CUDA at LLaMA-2-7B's layer shapes: dense bf16 F.linear against the Triton delta8 kernel, one weight at a time.
+"""Decode on CUDA at LLaMA-2-7B's layer shapes: dense bf16 F.linear against the Triton kernels, one weight at a time.
 
 Each weight (4096 x 4096 attention, 11008 x 4096 MLP; random bf16, magnitude-pruned, masks nested as sparsity rises)
-is timed at batch 1 (``--batches``) two ways: ``graph``, a CUDA graph of back-to-back calls timed by CUDA events (the
-GPU's time per call, no launch overhead), and ``eager``, the same calls launched from Python (what an un-captured
-decode loop pays). The calls cycle through enough copies of the weight (``--min_mb`` in all) that it is read from
-HBM, not from L2. The byte floor is the bytes a call must read (weight parts and x) over the read bandwidth a
-1 GiB sum measures on the same GPU. The last line printed is the JSON of every figure; without CUDA (or triton) the
-script prints why and a JSON line with ``skipped`` and exits 0 (bench/device/check.sh --dry-run runs it so).
+is timed in both GPU layouts (``triton_r*``: delta8's kernels; ``cols16_r*``: the cols16 layout's, columns whole),
+each at every ``--rows`` (and ``--warps``), at batch 1 (``--batches``) two ways: ``graph``, a CUDA graph of
+back-to-back calls timed by CUDA events (the GPU's time per call, no launch overhead), and ``eager``, the same calls
+launched from Python (what an un-captured decode loop pays). The calls cycle through enough copies of the weight
+(``--min_mb`` in all) that it is read from HBM, not from L2. The byte floor is the bytes a call must read (weight
+parts and x) over the read bandwidth a 1 GiB sum measures on the same GPU. The last line printed is the JSON of
+every figure; without CUDA (or triton) the script prints why and a JSON line with ``skipped`` and exits 0
+(bench/device/check.sh --dry-run runs it so).
 
     python bench/sparse_decode_gpu.py
     python bench/sparse_decode_gpu.py --sparsities 0.7,0.9,0.95 --batches 1,8 --json bench/results/sparse_decode_gpu.json
@@ -90,47 +92,67 @@ def time_calls(calls: list, rounds: int) -> dict[str, float]:
     return {"graph_us": statistics.median(graph_us), "eager_us": statistics.median(eager_us)}
 
 
-def one_weight(weight: torch.Tensor, batch: int, args, bandwidth: float) -> dict:
-    """Dense F.linear and the Triton kernel on copies of one pruned bf16 weight (on the GPU): times, bytes, floors."""
+def variants(weight: torch.Tensor, batch: int, args, device: str = "cuda") -> tuple[dict, dict]:
+    """The calls to time for one pruned weight: dense ``F.linear`` and every layout x rows x warps of the Triton kernels,
+    each over enough copies of its bytes to come from HBM, with the first call's error against dense. Returns
+    ({name: (bytes read, [calls])}, the row's sizes and errors). ``device`` cpu runs the kernels under
+    TRITON_INTERPRET=1 (tests/test_bench_gpu_decode.py rehearses this so)."""
     from elsa_ds.sparse import triton_spmv
-    from elsa_ds.sparse.format import encode_delta8
+    from elsa_ds.sparse.format import delta8_to_cols16, encode_delta8
 
     out_f, in_f = weight.shape
-    parts = {k: v.cuda() for k, v in encode_delta8(weight).items()}
-    dense = weight.cuda()
-    x = torch.randn(batch, in_f, device="cuda").to(torch.bfloat16)
-    y_dense, y_sparse = F.linear(x, dense), triton_spmv.delta8_linear(parts, x, out_f)
-    err = float((y_sparse.float() - y_dense.float()).abs().max() / y_dense.float().abs().max())
-    sparse_bytes = sum(t.numel() * t.element_size() for t in parts.values())
-    dense_bytes = dense.numel() * dense.element_size()
-    row = {"batch": batch, "entries": parts["values"].numel(), "dense_bytes": dense_bytes, "sparse_bytes": sparse_bytes,
-           "max_rel_err_vs_dense": err}
-    x_bytes = x.numel() * x.element_size()
-    variants = [("dense", dense_bytes, None, 0),
-                *((f"triton_r{r}" + (f"w{w}" if int(w) else ""), sparse_bytes, int(r), int(w))
-                  for r in args.rows.split(",") for w in args.warps.split(","))]
-    for name, nbytes, rows, warps in variants:
-        copies = max(1, min(256, math.ceil(args.min_mb * 2**20 / nbytes)))
-        if rows is None:
-            ws = [dense.clone() for _ in range(copies)]
-            calls = [lambda w=w: F.linear(x, w) for w in ws]
-        else:
-            ws = [{k: v.clone() for k, v in parts.items()} for _ in range(copies)]
-            calls = [lambda p=p, r=rows, w=warps: triton_spmv.delta8_linear(p, x, out_f, rows_per_program=r, num_warps=w or None)
-                     for p in ws]
-            got = triton_spmv.delta8_linear(parts, x, out_f, rows_per_program=rows, num_warps=warps or None)
-            row[f"{name}_max_rel_err_vs_dense"] = float((got.float() - y_dense.float()).abs().max() / y_dense.float().abs().max())
-        timed = time_calls([calls[i % copies] for i in range(args.calls)], args.rounds)
-        floor_us = (nbytes + x_bytes) / bandwidth * 1e6
-        row[name] = {**timed, "copies": copies, "floor_us": floor_us, "graph_gb_s": (nbytes + x_bytes) / timed["graph_us"] / 1e3}
-        del ws, calls
-    best = min((k for k in row if k.startswith("triton_r") and isinstance(row[k], dict)), key=lambda k: row[k]["graph_us"])
-    rows_text, _, warps_text = best.removeprefix("triton_r").partition("w")
-    row["triton"], row["best_variant"] = row[best], best
+    parts = {k: v.to(device) for k, v in encode_delta8(weight).items()}
+    layouts = {"triton": parts, "cols16": delta8_to_cols16(parts, (out_f, in_f))}  # the delta8 kernels; the GPU layout's
+    dense = weight.to(device)
+    x = torch.randn(batch, in_f, device=device).to(torch.bfloat16)
+    y_dense = F.linear(x.float(), dense.float())
+    nbytes_of = {name: sum(t.numel() * t.element_size() for t in p.values()) for name, p in layouts.items()}
+    row = {"batch": batch, "entries": parts["values"].numel(), "dense_bytes": dense.numel() * dense.element_size(),
+           "sparse_bytes": nbytes_of["triton"], "cols16_bytes": nbytes_of["cols16"], "x_bytes": x.numel() * x.element_size()}
+
+    def error(y: torch.Tensor) -> float:
+        return float((y.float() - y_dense).abs().max() / y_dense.abs().max())
+
+    def copies(nbytes: int) -> int:
+        return max(1, min(256, math.ceil(args.min_mb * 2**20 / nbytes)))
+
+    dense_copies = [dense.clone() for _ in range(copies(row["dense_bytes"]))]
+    timed = {"dense": (row["dense_bytes"], [lambda w=w: F.linear(x, w) for w in dense_copies])}
+    row["dense_max_rel_err"] = error(F.linear(x, dense))
+    for layout, lparts in layouts.items():
+        for r in (int(v) for v in args.rows.split(",")):
+            for w in (int(v) for v in args.warps.split(",")):
+                name = f"{layout}_r{r}" + (f"w{w}" if w else "")
+                ws = [{k: v.clone() for k, v in lparts.items()} for _ in range(copies(nbytes_of[layout]))]
+                timed[name] = (nbytes_of[layout], [lambda p=p, r=r, w=w: triton_spmv.delta8_linear(
+                    p, x, out_f, rows_per_program=r, num_warps=w or None) for p in ws])
+                row[f"{name}_max_rel_err_vs_dense"] = error(timed[name][1][0]())
+    row["max_rel_err_vs_dense"] = max(v for k, v in row.items() if k.endswith("_max_rel_err_vs_dense"))  # the worst variant's
+    return timed, row
+
+
+def one_weight(weight: torch.Tensor, batch: int, args, bandwidth: float) -> dict:
+    """Dense F.linear and the Triton kernels on copies of one pruned bf16 weight (on the GPU): times, bytes, floors."""
+    timed, row = variants(weight, batch, args)
+    for name, (nbytes, calls) in timed.items():
+        times = time_calls([calls[i % len(calls)] for i in range(args.calls)], args.rounds)
+        floor_us = (nbytes + row["x_bytes"]) / bandwidth * 1e6
+        row[name] = {**times, "copies": len(calls), "floor_us": floor_us, "graph_gb_s": (nbytes + row["x_bytes"]) / times["graph_us"] / 1e3}
+    del timed
+    pick_best(row)
+    return row
+
+
+def pick_best(row: dict) -> None:
+    """The fastest sparse variant in a CUDA graph: its times as ``triton``, its name, layout, rows and warps, and its
+    speed-up over dense (graph and eager)."""
+    best = min((k for k in row if k.startswith(("triton_r", "cols16_r")) and isinstance(row[k], dict)), key=lambda k: row[k]["graph_us"])
+    layout, _, variant = best.partition("_r")
+    rows_text, _, warps_text = variant.partition("w")
+    row["triton"], row["best_variant"], row["best_layout"] = row[best], best, "delta8" if layout == "triton" else layout
     row["best_rows_per_program"], row["best_num_warps"] = int(rows_text), int(warps_text or 0)
     row["speedup_graph"] = row["dense"]["graph_us"] / row["triton"]["graph_us"]
     row["speedup_eager"] = row["dense"]["eager_us"] / row["triton"]["eager_us"]
-    return row
 
 
 def environment() -> dict:
@@ -167,7 +189,7 @@ def measure(args: argparse.Namespace) -> dict:
     """Every weight, sparsity and batch of ``args``: the table printed row by row, the figures returned."""
     result = {**environment(), "read_bandwidth_gb_s": read_bandwidth() / 1e9, "dtype": "bfloat16", "rows": []}
     bandwidth = result["read_bandwidth_gb_s"] * 1e9
-    print("| weight | sparsity | batch | dense us (floor) | triton us (floor; best rows/program) | speedup graph | eager dense / triton us "
+    print("| weight | sparsity | batch | dense us (floor) | best sparse us (floor; its variant) | speedup graph | eager dense / sparse us "
           "| rel err |")
     print("|---|---|---|---|---|---|---|---|")
     for label, (out_f, in_f) in SHAPES.items():
@@ -180,7 +202,7 @@ def measure(args: argparse.Namespace) -> dict:
                 result["rows"].append(row)
                 d, t = row["dense"], row["triton"]
                 print(f"| {label} | {sparsity:.0%} | {batch} | {d['graph_us']:.1f} ({d['floor_us']:.1f}) | "
-                      f"{t['graph_us']:.1f} ({t['floor_us']:.1f}; {row['best_rows_per_program']}) | {row['speedup_graph']:.2f}x | "
+                      f"{t['graph_us']:.1f} ({t['floor_us']:.1f}; {row['best_variant']}) | {row['speedup_graph']:.2f}x | "
                       f"{d['eager_us']:.1f} / {t['eager_us']:.1f} | {row['max_rel_err_vs_dense']:.1e} |", flush=True)
     return result
 

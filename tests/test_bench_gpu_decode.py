@@ -1,7 +1,8 @@
-"""bench/gpu_decode.py (issue 45's end-to-end figures on a GPU) rehearsed on the CPU: a tiny Llama built, pruned,
-sparsified and timed through generate() with the decode step compiled (as generate() does by itself on CUDA), the
-dense weights restored between cells, the issue's keys written; a budget too small for a cell starts none. The GPU
-run of the same script is tests/cuda/test_triton_gpu.py's."""
+"""The GPU decode benches rehearsed on the CPU. bench/gpu_decode.py (issue 45's end-to-end figures): a tiny Llama
+built, pruned, sparsified and timed through generate() with the decode step compiled (as generate() does by itself on
+CUDA), the dense weights restored between cells, the issue's keys written; a budget too small for a cell starts none
+(its GPU run: tests/cuda/test_triton_gpu.py). bench/sparse_decode_gpu.py's variants under Triton's interpreter.
+bench/kernel_code.py: the kernels' sm_90 machine code read without a GPU."""
 from __future__ import annotations
 
 import json
@@ -52,13 +53,70 @@ def test_the_generate_cells_take_the_fastest_row_groups_at_90_percent(monkeypatc
 
     from elsa_ds.sparse.triton_spmv import ROWS_ENV
 
-    def row(sparsity, **us):
-        return {"sparsity": sparsity, "batch": 1, **{f"triton_{k}": {"graph_us": v} for k, v in us.items()}}
+    from elsa_ds.sparse.linear import GPU_LAYOUT_ENV
 
-    matrix = {"rows": [row(0.9, r1=9.0, r4=5.0, r16=4.0, r16w8=1.0), row(0.9, r1=18.0, r4=9.0, r16=10.5, r16w8=1.0),
-                       row(0.7, r1=1.0, r4=50.0, r16=50.0, r16w8=50.0)]}
+    def row(sparsity, layout, **us):
+        return {"sparsity": sparsity, "batch": 1, **{f"{layout}_{k}": {"graph_us": v} for k, v in us.items()}}
+
+    matrix = {"rows": [row(0.9, "triton", r1=9.0, r4=5.0, r16=4.0, r16w8=1.0), row(0.9, "triton", r1=18.0, r4=9.0, r16=10.5, r16w8=1.0),
+                       row(0.7, "triton", r1=1.0, r4=50.0, r16=50.0, r16w8=50.0)]}
+    for r in matrix["rows"]:
+        r.update(row(r["sparsity"], "cols16", r2=3.0 if r["sparsity"] == 0.9 else 0.1, r8=2.0, r8w1=0.5))
     monkeypatch.delenv(ROWS_ENV, raising=False)
+    monkeypatch.setenv(GPU_LAYOUT_ENV, "delta8")
     assert gpu_decode.generate_rows(matrix, None) == 4 and os.environ[ROWS_ENV] == "4"  # 14 us against r16's 14.5 (r16w8 has other warps)
+    monkeypatch.delenv(GPU_LAYOUT_ENV)  # the default GPU layout, cols16: its own variants
+    assert gpu_decode.generate_rows(matrix, None) == 8 and os.environ[ROWS_ENV] == "8"
     assert gpu_decode.generate_rows(matrix, 32) == 32 and os.environ[ROWS_ENV] == "32"
     monkeypatch.delenv(ROWS_ENV)
     assert gpu_decode.generate_rows({"skipped": "no CUDA"}, None) is None and ROWS_ENV not in os.environ
+
+
+REHEARSE_VARIANTS = """
+import json, sys, torch
+sys.path.insert(0, "bench")
+import sparse_decode_gpu as g
+from sparse_decode import prune_weight
+w = torch.randn(40, 300).to(torch.bfloat16)
+prune_weight(w, 0.9)
+timed, row = g.variants(w, 2, g.parse(["--rows", "1,4", "--warps", "0,1", "--min_mb", "0.01"]), device="cpu")
+for name, (nbytes, calls) in timed.items():
+    row[name] = {"graph_us": 1.0 if name == "cols16_r4w1" else 5.0, "eager_us": 2.0, "copies": len(calls)}
+g.pick_best(row)
+print(json.dumps({"names": sorted(timed), "row": row}))
+"""
+
+
+def test_the_per_matrix_variants_run_under_the_interpreter():
+    """bench/sparse_decode_gpu.py's variants on a CPU under TRITON_INTERPRET=1 (its CUDA-graph timing is the GPU's):
+    dense and both layouts at every rows and warps, each call's product within bf16 of the fp32 one, the copies
+    spanning --min_mb; the best variant's name parsed back into its layout, rows and warps."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", REHEARSE_VARIANTS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["names"] == sorted(["dense", *(f"{lay}_r{r}{w}" for lay in ("triton", "cols16") for r in (1, 4) for w in ("", "w1"))])
+    row = out["row"]
+    assert row["max_rel_err_vs_dense"] <= 1e-2 and row["cols16_bytes"] > row["sparse_bytes"] * 0.99  # 4 B an entry against 3 + fillers
+    assert row["triton_r1"]["copies"] > 1 and row["dense"]["copies"] >= 1
+    assert (row["best_variant"], row["best_layout"], row["best_rows_per_program"], row["best_num_warps"]) == ("cols16_r4w1", "cols16", 4, 1)
+    assert row["speedup_graph"] == 5.0 and row["triton"] == row["cols16_r4w1"]
+
+
+def test_the_kernels_machine_code_is_read_without_a_gpu(tmp_path):
+    """bench/kernel_code.py compiles every variant for sm_90 and reads its loop: the cols16 kernels issue well under
+    half the instructions an entry of the delta8 ones (no running sum), and the cols16 default spills nothing."""
+    pytest.importorskip("triton")  # its wheel carries ptxas, nvdisasm and cuobjdump
+    from elsa_ds.sparse.triton_spmv import DEFAULT_ROWS
+
+    out = tmp_path / "code.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_code.py"), "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert json.loads(out.read_text()) == r and r["target"] == "sm_90"
+    per_entry = {v["name"]: v["instructions_per_entry"] for v in r["variants"]}
+    assert all(n > 0 for n in per_entry.values())
+    assert max(v for k, v in per_entry.items() if k.startswith("cols16")) < 0.5 * min(v for k, v in per_entry.items() if k.startswith("delta8"))
+    default = next(v for v in r["variants"] if v["name"] == f"cols16_r{DEFAULT_ROWS['cols16']}")
+    assert default["stack_bytes"] == 0 and default["issue_us_h200"] < r["byte_floor_us"]["cols16"]

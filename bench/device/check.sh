@@ -19,7 +19,7 @@
 #   <cfg>_cpu     the same with CUDA hidden (run in the background while the GPU jobs run), the reference
 #   <cfg>_mask    mask agreement of <cfg>_gpu with <cfg>_cpu (exact sparsity and the reload are checked in each job)
 #   bench_device  bench/optimizer_step.py --device cuda: torch's fused Adam, ELSA eager, ELSA compiled (32M flat)
-#   sparse_gpu    bench/sparse_decode_gpu.py: decode at batch 1, dense bf16 F.linear vs the Triton delta8 kernel (7B shapes)
+#   sparse_gpu    bench/sparse_decode_gpu.py: decode at batch 1, dense bf16 F.linear vs the Triton kernels (7B shapes)
 #   gpu_decode    bench/gpu_decode.py: the same per matrix, then generate() of a LLaMA-2-7B-shaped model, dense vs
 #                 sparsify()'s twin at 90/70/95 % (batch 1, then 8) as far as its budget goes; $OUT/gpu_decode.json
 #   bench_threads bench/optimizer_step.py --threads 1 4 16: every ratio per OpenMP thread count (the host's cores)

@@ -11,6 +11,11 @@ A 2-D weight W [rows, cols] with at least ``min_sparsity`` zeros is stored as it
     A gap longer than 256 columns is bridged by filler entries of value 0 with delta 255, so n = nonzeros + fillers.
 
 Zeros are what ``W == 0`` says: a ``-0.0`` is a zero and comes back as ``+0.0`` (every other bit is kept).
+
+Not stored, built from delta8 on a GPU at load (:func:`delta8_to_cols16`): ``cols16``, the same rows with each entry's
+column in full, ``<name>.cols`` int16 [n] (the column's 16 bits: columns up to 65535), ``values`` [n] without delta8's
+fillers, ``row_offsets`` int32 [rows + 1]. One byte more an entry than delta8, and no running sum to decode: each entry
+stands alone (elsa_ds/sparse/triton_spmv.py says why a GPU wants that).
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ FORMAT, VERSION = "elsa-sparse", 2  # version 2: checksums recorded (elsa_ds/spa
 BITMASK, DELTA8 = "bitmask", "delta8"
 MAX_GAP = 256  # a delta8 byte moves at most 256 columns
 PARTS = {BITMASK: ("values", "bitmask"), DELTA8: ("values", "deltas", "row_offsets")}
+COLS16 = "cols16"  # the GPU layout, built at load, never stored
+LAYOUT_PARTS = {DELTA8: PARTS[DELTA8], COLS16: ("values", "cols", "row_offsets")}
+MAX_COLS16 = 1 << 16  # columns a cols16 entry can name
 
 
 @dataclass(frozen=True)
@@ -50,19 +58,18 @@ def compressible(weight: torch.Tensor, min_sparsity: float) -> bool:
     return weight.dim() == 2 and weight.is_floating_point() and weight.numel() > 0 and zero_fraction(weight) >= min_sparsity
 
 
-def _gaps(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row and column of every nonzero (row-major) and the column step from the previous one in its row (from -1)."""
-    rows, cols = torch.nonzero(weight, as_tuple=True)
+def _steps(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The column step of every entry (row-major) from the previous one in its row (from -1)."""
     prev = torch.full_like(cols, -1)
     if cols.numel() > 1:
         same_row = rows[1:] == rows[:-1]
         prev[1:] = torch.where(same_row, cols[:-1], prev[1:])
-    return rows, cols, cols - prev
+    return cols - prev
 
 
 def counts(weight: torch.Tensor) -> tuple[int, int]:
     """Nonzeros of ``weight`` and the entries (nonzeros + fillers) delta8 needs for it."""
-    _, _, step = _gaps(weight)
+    step = _steps(*torch.nonzero(weight, as_tuple=True))
     return int(step.numel()), int(step.numel() + ((step - 1) // MAX_GAP).sum())
 
 
@@ -106,17 +113,23 @@ def encode_bitmask(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def encode_delta8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """``weight``'s delta8 parts, on its device."""
-    row, col, step = _gaps(weight)
+    rows, cols = torch.nonzero(weight, as_tuple=True)
+    return _delta8_from_positions(rows, cols, weight[rows, cols], weight.shape[0])
+
+
+def _delta8_from_positions(row: torch.Tensor, col: torch.Tensor, nonzero: torch.Tensor, n_rows: int) -> dict[str, torch.Tensor]:
+    """delta8 parts of the entries at (row, col) in row-major order, their values ``nonzero``."""
+    step = _steps(row, col)
     fill = (step - 1) // MAX_GAP  # fillers before each nonzero
     slot = torch.cumsum(fill + 1, 0) - 1  # where each nonzero lands among the entries
     entries = int(slot[-1]) + 1 if slot.numel() else 0
-    device = weight.device  # encoded where the weight is: on a GPU, a 7B model's weights in seconds
-    values = torch.zeros(entries, dtype=weight.dtype, device=device)
+    device = nonzero.device  # encoded where the weight is: on a GPU, a 7B model's weights in seconds
+    values = torch.zeros(entries, dtype=nonzero.dtype, device=device)
     deltas = torch.full((entries,), MAX_GAP - 1, dtype=torch.uint8, device=device)
-    values[slot] = weight[row, col]
+    values[slot] = nonzero
     deltas[slot] = (step - 1 - MAX_GAP * fill).to(torch.uint8)
-    per_row = torch.zeros(weight.shape[0], dtype=torch.int64, device=device).index_add_(0, row, fill + 1)
-    offsets = torch.zeros(weight.shape[0] + 1, dtype=torch.int64, device=device)
+    per_row = torch.zeros(n_rows, dtype=torch.int64, device=device).index_add_(0, row, fill + 1)
+    offsets = torch.zeros(n_rows + 1, dtype=torch.int64, device=device)
     offsets[1:] = torch.cumsum(per_row, 0)
     return {"values": values, "deltas": deltas, "row_offsets": offsets}
 
@@ -128,6 +141,42 @@ def delta8_positions(deltas: torch.Tensor, row_offsets: torch.Tensor) -> tuple[t
     run = torch.cumsum(deltas.to(torch.int64) + 1, 0)
     before = torch.cat([run.new_zeros(1), run])[row_offsets[:-1]]  # running sum where each row starts
     return row, run - before[row] - 1
+
+
+def cols16_positions(cols: torch.Tensor, row_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of every cols16 entry (the int16's 16 bits, read unsigned)."""
+    counts = row_offsets[1:] - row_offsets[:-1]
+    row = torch.repeat_interleave(torch.arange(counts.numel(), device=cols.device), counts)
+    return row, cols.to(torch.int64) & (MAX_COLS16 - 1)
+
+
+def positions(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of every entry of delta8 or cols16 parts."""
+    if "cols" in parts:
+        return cols16_positions(parts["cols"], parts["row_offsets"])
+    return delta8_positions(parts["deltas"], parts["row_offsets"])
+
+
+def delta8_to_cols16(parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """The cols16 layout of checked delta8 parts, on their device: fillers dropped (the only stored zeros: entries are
+    nonzeros and fillers), each column in full. ValueError past 65536 columns or 2^31 entries."""
+    if shape[1] > MAX_COLS16 or parts["values"].numel() >= 1 << 31:
+        raise ValueError(f"a {shape[0]}x{shape[1]} weight with {parts['values'].numel()} entries does not fit cols16 (at most "
+                         f"{MAX_COLS16} columns and 2^31 entries): keep it in delta8")
+    row, col = delta8_positions(parts["deltas"], parts["row_offsets"])
+    keep = parts["values"] != 0
+    row, col = row[keep], col[keep]
+    per_row = torch.zeros(shape[0], dtype=torch.int64, device=row.device).index_add_(0, row, torch.ones_like(row))
+    offsets = torch.zeros(shape[0] + 1, dtype=torch.int64, device=row.device)
+    offsets[1:] = torch.cumsum(per_row, 0)
+    signed = torch.where(col >= MAX_COLS16 // 2, col - MAX_COLS16, col)  # the 16 bits as an int16
+    return {"values": parts["values"][keep].contiguous(), "cols": signed.to(torch.int16), "row_offsets": offsets.to(torch.int32)}
+
+
+def cols16_to_delta8(parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """The delta8 parts of cols16 ones, on their device (fillers put back where a gap passes 256 columns)."""
+    row, col = cols16_positions(parts["cols"], parts["row_offsets"])
+    return _delta8_from_positions(row, col, parts["values"], shape[0])
 
 
 def bitmask_mask(bitmask: torch.Tensor, cols: int) -> torch.Tensor:
@@ -143,8 +192,8 @@ def decode(encoding: str, shape: tuple[int, int], parts: dict[str, torch.Tensor]
     dense = torch.zeros(shape, dtype=values.dtype, device=values.device)
     if encoding == BITMASK:
         dense[bitmask_mask(parts["bitmask"], shape[1])] = values
-    else:
-        row, col = delta8_positions(parts["deltas"], parts["row_offsets"])
+    else:  # delta8, or the cols16 layout
+        row, col = positions(parts)
         dense[row, col] = values
     return dense
 

@@ -1,5 +1,6 @@
 """Sparse-times-dense for decode: the C++ delta8 kernel (``csrc/spmv.cpp``), torch's CSR matmul, and the readable
-reference both are tested against. All three take the delta8 parts and x [n, in] and return fp32 [n, out].
+reference both are tested against. All three take the delta8 parts (the reference and CSR also the GPU's cols16
+layout) and x [n, in] and return fp32 [n, out].
 
 The kernel is JIT-built and cached like the ADMM kernels (``elsa_ds.admm.kernels.build``: -O3 -march=native,
 OpenMP; ``ELSA_DS_KERNELS=0`` switches it off); where it cannot be built the callers take :func:`csr_matmul`.
@@ -14,7 +15,7 @@ from types import ModuleType
 import torch
 
 from elsa_ds.admm.kernels import build
-from elsa_ds.sparse.format import delta8_positions
+from elsa_ds.sparse.format import positions
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 MAX_KERNEL_ROWS = 16  # activation rows one kernel call takes (decode: batch x 1 token)
@@ -45,7 +46,7 @@ def prefer_portable() -> bool:
 
 def reference_matmul(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features: int) -> torch.Tensor:
     """y[:, r] = Σ_k value_k · x[:, col_k] over row r's entries: a gather, a product, an index_add (fp32)."""
-    row, col = delta8_positions(parts["deltas"], parts["row_offsets"])
+    row, col = positions(parts)
     y = torch.zeros(x.shape[0], out_features, dtype=torch.float32, device=x.device)
     return y.index_add_(1, row, x[:, col].float() * parts["values"].float())
 
@@ -69,8 +70,8 @@ def kernel_matmul(kernels: ModuleType, parts: dict[str, torch.Tensor], x: torch.
 
 def csr_tensor(parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
     """The weight as a torch sparse CSR tensor (fp32 values: torch's CPU CSR matmul has no bf16)."""
-    _, col = delta8_positions(parts["deltas"], parts["row_offsets"])
-    return torch.sparse_csr_tensor(parts["row_offsets"], col, parts["values"].float(), size=shape, check_invariants=False)
+    _, col = positions(parts)
+    return torch.sparse_csr_tensor(parts["row_offsets"].long(), col, parts["values"].float(), size=shape, check_invariants=False)
 
 
 def csr_matmul(csr: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

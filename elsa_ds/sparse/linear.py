@@ -1,23 +1,26 @@
-"""SparseLinear: an nn.Linear whose weight stays in elsa-sparse's delta8 code in memory.
+"""SparseLinear: an nn.Linear whose weight stays compressed in memory: elsa-sparse's delta8 code, or on a GPU the cols16
+layout built from it (elsa_ds/sparse/format.py: each column whole, no running sum to decode; ``layout``).
 
 Decode-sized inputs (at most 16 rows after flattening the batch and sequence dims) on CPU run the C++ delta8 kernel
-(``decode_path = "kernel"``); without it, torch's CSR matmul (``"csr"``). On CUDA they run the Triton delta8 kernel
-(``triton_spmv.py``, ``decode_path = "triton"``) where triton is installed; without it (``"decompress"``, the reason in
-``triton_unavailable``) and for larger inputs (prefill) on any device, the weight is decompressed for the call and
-multiplied densely: correct everywhere, no faster than the dense model. bench/sparse_decode.py measures the paths side
-by side; docs/results.md has the figures. Every path accumulates in fp32 and returns x's dtype.
+(``decode_path = "kernel"``); without it, or on cols16, torch's CSR matmul (``"csr"``). On CUDA they run a Triton
+kernel (``triton_spmv.py``, ``decode_path = "triton"``) where triton is installed; without it (``"decompress"``, the
+reason in ``triton_unavailable``) and for larger inputs (prefill) on any device, the weight is decompressed for the
+call and multiplied densely: correct everywhere, no faster than the dense model. bench/sparse_decode.py and
+bench/sparse_decode_gpu.py measure the paths side by side; docs/results.md has the figures. Every path accumulates in
+fp32 and returns x's dtype.
 """
 from __future__ import annotations
 
+import os
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 
 from elsa_ds.sparse import kernels as K
 from elsa_ds.sparse import ops
-from elsa_ds.sparse.format import DELTA8, check, decode
+from elsa_ds.sparse.format import COLS16, DELTA8, MAX_COLS16, check, cols16_to_delta8, decode, delta8_to_cols16
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -46,19 +49,37 @@ def default_path(dtype: torch.dtype, decode_path: str | None) -> str | None:
     return decode_path or (None if dtype in KERNEL_DTYPES else "csr")
 
 
+GPU_LAYOUT_ENV = "ELSA_DS_GPU_LAYOUT"
+
+
+def gpu_layout() -> str:
+    """The layout SparseLinear takes on a GPU: ``ELSA_DS_GPU_LAYOUT`` (cols16 or delta8), cols16 by default: its
+    kernel issues ~16 instructions an entry against delta8's 55-80 (read off the sm_90 code, not yet timed: delta8's
+    1-row kernel is the one measured on a GPU, docs/results.md), for one byte more an entry."""
+    layout = os.environ.get(GPU_LAYOUT_ENV, COLS16).strip().lower()
+    if layout not in (COLS16, DELTA8):
+        raise ValueError(f"{GPU_LAYOUT_ENV}={layout!r}: choose {COLS16} or {DELTA8}")
+    return layout
+
+
 def ready_to_decode(model: PreTrainedModel, device: torch.device) -> None:
-    """For a model on ``device``: on CUDA, a static cache for ``generate()``: transformers then compiles the decode
-    step (mode reduce-overhead: one CUDA graph a step), the delta8 operator inside it: no Python and no kernel launch
-    from Python per layer (elsa_ds/sparse/ops.py). On CPU the model is left as transformers makes it."""
+    """For a model on ``device``: on CUDA, every SparseLinear in the GPU layout (:func:`gpu_layout`; a weight past 65536
+    columns stays delta8), and a static cache for ``generate()``: transformers then compiles the decode step (mode
+    reduce-overhead: one CUDA graph a step), the sparse operator inside it: no Python and no kernel launch from Python
+    per layer (elsa_ds/sparse/ops.py). On CPU the model is left as transformers makes it."""
     if device.type == "cuda":
+        layout = gpu_layout()
+        for module in model.modules():
+            if isinstance(module, SparseLinear):
+                module.to_layout(layout if module.in_features <= MAX_COLS16 else DELTA8)
         model.generation_config.cache_implementation = "static"
 
 
 class SparseLinear(torch.nn.Module):
-    """y = x Wᵀ + b with W [out, in] held as delta8 values, deltas and row offsets (buffers, so ``.to()`` moves them)."""
+    """y = x Wᵀ + b with W [out, in] held as buffers (so ``.to()`` moves them): values, row offsets and the positions,
+    delta8's deltas or cols16's columns (``layout``; built from delta8 parts, :meth:`to_layout` converts)."""
 
-    values: torch.Tensor  # the buffers register_buffer sets in __init__
-    deltas: torch.Tensor
+    values: torch.Tensor  # the buffers register_buffer sets
     row_offsets: torch.Tensor
 
     def __init__(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], bias: torch.Tensor | None = None,
@@ -69,6 +90,7 @@ class SparseLinear(torch.nn.Module):
         self.register_buffer("values", parts["values"].contiguous())
         self.register_buffer("deltas", parts["deltas"].contiguous())
         self.register_buffer("row_offsets", parts["row_offsets"].contiguous())
+        self.layout = DELTA8
         if bias is not None and not isinstance(bias, torch.nn.Parameter):
             bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.bias = bias  # the replaced Linear's own Parameter: a loader copying into it reaches this module
@@ -90,8 +112,11 @@ class SparseLinear(torch.nn.Module):
     def decode_path(self) -> str:
         """What a decode-sized input on the weight's device runs: the CPU path, or on CUDA "triton" / "decompress"."""
         if self.values.device.type == "cpu":
-            return self.cpu_path
+            return self._cpu_decode_path()
         return "decompress" if self.triton_unavailable is not None else "triton"
+
+    def _cpu_decode_path(self) -> str:
+        return "csr" if self.cpu_path == "kernel" and self.layout == COLS16 else self.cpu_path  # the C++ kernel: delta8
 
     @property
     def triton_unavailable(self) -> str | None:
@@ -109,16 +134,35 @@ class SparseLinear(torch.nn.Module):
         return cls(encode_delta8(linear.weight.detach()), (rows, cols), linear.bias, decode_path)
 
     @property
+    def positions(self) -> torch.Tensor:
+        """The deltas (delta8) or the columns (cols16)."""
+        return cast(torch.Tensor, getattr(self, "deltas" if self.layout == DELTA8 else "cols"))
+
+    @property
     def parts(self) -> dict[str, torch.Tensor]:
-        return {"values": self.values, "deltas": self.deltas, "row_offsets": self.row_offsets}
+        return {"values": self.values, "deltas" if self.layout == DELTA8 else "cols": self.positions, "row_offsets": self.row_offsets}
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes a matrix-vector product streams: values, deltas, row offsets."""
+        """Bytes a matrix-vector product streams: values, positions, row offsets."""
         return sum(t.numel() * t.element_size() for t in self.parts.values())
 
     def dense_weight(self) -> torch.Tensor:
-        return decode(DELTA8, (self.out_features, self.in_features), self.parts)
+        return decode(self.layout, (self.out_features, self.in_features), self.parts)
+
+    def to_layout(self, layout: str) -> SparseLinear:
+        """This module with its weight in ``layout`` (delta8 or cols16), converted in place on its device; the product
+        is the same (entries are not rounded, delta8's zero fillers are dropped or put back)."""
+        if layout not in (DELTA8, COLS16):
+            raise ValueError(f"layout {layout!r}: choose {DELTA8} or {COLS16}")
+        if layout != self.layout:
+            shape = (self.out_features, self.in_features)
+            parts = delta8_to_cols16(self.parts, shape) if layout == COLS16 else cols16_to_delta8(self.parts, shape)
+            delattr(self, "deltas" if layout == COLS16 else "cols")  # a buffer: Module.__delattr__ drops it
+            for name, tensor in parts.items():
+                self.register_buffer(name, tensor)
+            self.layout, self._csr = layout, None
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -129,8 +173,8 @@ class SparseLinear(torch.nn.Module):
             y = K.csr_matmul(self._csr_weight(), flat)
             y = (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         else:  # under torch.compile the registered operator (one opaque node), eagerly the same function without dispatch
-            args = (self.values, self.deltas, self.row_offsets, flat, self.out_features, self.bias, path)
-            y = ops.delta8_linear(*args) if torch.compiler.is_compiling() else ops.delta8_linear_impl(*args)
+            args = (self.values, self.positions, self.row_offsets, flat, self.out_features, self.bias, path)
+            y = ops.sparse_linear(*args) if torch.compiler.is_compiling() else ops.sparse_linear_impl(*args)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _path_for(self, flat: torch.Tensor) -> str | None:
@@ -138,7 +182,7 @@ class SparseLinear(torch.nn.Module):
         if not 1 <= flat.shape[0] <= K.MAX_KERNEL_ROWS:
             return None
         if flat.device.type == "cpu":
-            return self.cpu_path
+            return self._cpu_decode_path()
         return "triton" if _triton_runs_on(flat.device.type) else None
 
     def _csr_weight(self) -> torch.Tensor:
@@ -150,4 +194,5 @@ class SparseLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         density = self.values.numel() / max(self.out_features * self.in_features, 1)
-        return f"in_features={self.in_features}, out_features={self.out_features}, entries={density:.3f}, path={self.decode_path}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, entries={density:.3f}, layout={self.layout}, "
+                f"path={self.decode_path}")

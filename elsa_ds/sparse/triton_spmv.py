@@ -12,7 +12,9 @@ parts: nothing is precomputed, and ``SparseLinear.weight_bytes`` is what the ker
 With ``rows_per_program`` > 1 (``ELSA_DS_TRITON_ROWS`` when the caller gives none) the row-group kernel runs instead:
 one program per row of x and group of that many output rows, their chains stepped together as one [BLOCK, rows] tile
 (fewer, larger programs: the H200's 1-row kernel spent ~5 µs a call on fixed costs and streamed at ~1 TB/s;
-``_delta8_tiles`` says why the tile is transposed). Which is faster per shape is bench/sparse_decode_gpu.py's to say.
+``_delta8_tiles`` says why the tile is transposed). On the cols16 layout (each column whole, built from delta8 on a
+GPU at load: elsa_ds/sparse/format.py) :func:`_cols16_tiles` runs, the row-group kernel without the running sum.
+Which is faster per shape is bench/sparse_decode_gpu.py's to say.
 
 Triton is imported when this module is, and this module only when a CUDA tensor reaches SparseLinear (or a test
 imports it): without triton or a GPU :func:`unavailable` names the reason and callers take the decompress path.
@@ -107,6 +109,36 @@ def _delta8_tiles(values, deltas, row_offsets, x, bias, y, in_features, out_feat
     tl.store(y + b * out_features + r, out.to(y.dtype.element_ty), mask=live)
 
 
+def _cols16_tiles(values, cols, row_offsets, x, bias, y, in_features, out_features,
+                  HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """The row-group kernel on the cols16 layout (elsa_ds/sparse/format.py): each entry's column read whole, so no
+    running sum, no carry between steps and no fillers; the tile as :func:`_delta8_tiles`'s. Compiled for sm_90 it
+    issues ~16 instructions an entry where the delta8 kernels issue 55-80 (the scan's shuffles, its cross-warp barriers,
+    64-bit offsets): at 90 % on LLaMA-2-7B's MLP the delta8 kernels' instructions alone outlast the bytes they read."""
+    b = tl.program_id(0)
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    live = r < out_features
+    begin = tl.load(row_offsets + r, mask=live, other=0)
+    end = tl.load(row_offsets + r + 1, mask=live, other=0)
+    lane = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK, ROWS), dtype=tl.float32)
+    longest = tl.max(end - begin, 0)
+    start = longest * 0
+    xb = x + b * in_features
+    while start < longest:
+        k = begin[None, :] + start + lane[:, None]
+        inside = k < end[None, :]
+        col = tl.load(cols + k, mask=inside, other=0).to(tl.int32) & 0xFFFF
+        value = tl.load(values + k, mask=inside, other=0.0).to(tl.float32)
+        xs = tl.load(xb + col, mask=inside, other=0.0).to(tl.float32)
+        acc += xs * value
+        start += BLOCK
+    out = tl.sum(acc, 0)
+    if HAS_BIAS:
+        out += tl.load(bias + r, mask=live, other=0.0).to(tl.float32)
+    tl.store(y + b * out_features + r, out.to(y.dtype.element_ty), mask=live)
+
+
 @functools.cache
 def _kernel():
     """The jitted kernel (compiled, or interpreted under TRITON_INTERPRET=1)."""
@@ -117,6 +149,12 @@ def _kernel():
 def _tile_kernel():
     """The row-group kernel, jitted as :func:`_kernel`."""
     return triton.jit(_delta8_tiles)
+
+
+@functools.cache
+def _cols16_kernel():
+    """The cols16 row-group kernel, jitted as :func:`_kernel`."""
+    return triton.jit(_cols16_tiles)
 
 
 def unavailable(device: torch.device | str = "cuda") -> str | None:
@@ -147,10 +185,14 @@ def tile_block(rows: int, entries_per_row: float) -> int:
 ROWS_ENV = "ELSA_DS_TRITON_ROWS"
 
 
-def default_rows() -> int:
+DEFAULT_ROWS = {"delta8": 1, "cols16": 4}  # delta8: the kernel timed on a GPU; cols16: from its compiled code, untimed
+
+
+def default_rows(layout: str = "delta8") -> int:
     """rows_per_program when the caller gives none: ``ELSA_DS_TRITON_ROWS`` (read each call, so a benchmark can set it
-    for a whole model), else 1."""
-    text = os.environ.get(ROWS_ENV, "1")
+    for a whole model), else the layout's default (cols16: 4 rows of up to 512 entries a trip, 72 registers and no
+    spill at sm_90, bench/kernel_code.py: more programs resident per SM than 8 rows' 128 registers allow)."""
+    text = os.environ.get(ROWS_ENV, str(DEFAULT_ROWS[layout]))
     try:
         rows = int(text)
     except ValueError:
@@ -163,9 +205,10 @@ def default_rows() -> int:
 def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None = None, rows_per_program: int | None = None,
                   num_warps: int | None = None) -> torch.Tensor:
-    """y = x Wᵀ (+ bias) in x's dtype, fp32 accumulation; x [n, in] with 1 <= n <= 16, on the parts' device.
-    ``rows_per_program`` (a power of two; None: :func:`default_rows`): 1, one output row a program for every row of x;
-    more, the row-group kernel, one row of x a program. ``num_warps``: Triton's, None for the default."""
+    """y = x Wᵀ (+ bias) in x's dtype, fp32 accumulation; x [n, in] with 1 <= n <= 16, on the parts' device; ``parts``
+    delta8 or the cols16 layout (``cols``: the row-group kernel at any rows_per_program). ``rows_per_program`` (a power of
+    two; None: :func:`default_rows`): 1, one output row a program for every row of x; more, the row-group kernel, one
+    row of x a program. ``num_warps``: Triton's, None for the default."""
     reason = unavailable(x.device)
     if reason is not None:
         raise RuntimeError(f"the Triton delta8 kernel is unavailable: {reason}")
@@ -176,14 +219,15 @@ def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features:
     y = torch.empty(n, out_features, dtype=x.dtype, device=x.device)
     if out_features == 0:
         return y
-    rows_per_program = default_rows() if rows_per_program is None else rows_per_program
+    rows_per_program = default_rows("cols16" if "cols" in parts else "delta8") if rows_per_program is None else rows_per_program
     if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {rows_per_program}")
     entries_per_row = parts["values"].numel() / out_features
-    if rows_per_program > 1:
+    if "cols" in parts or rows_per_program > 1:  # the GPU layout has only the row-group kernel
         block = tile_block(rows_per_program, entries_per_row)
-        _tile_kernel()[(n, triton.cdiv(out_features, rows_per_program))](
-            parts["values"], parts["deltas"], parts["row_offsets"], x, y if bias is None else bias, y,
+        kernel, positions = (_cols16_kernel(), parts["cols"]) if "cols" in parts else (_tile_kernel(), parts["deltas"])
+        kernel[(n, triton.cdiv(out_features, rows_per_program))](
+            parts["values"], positions, parts["row_offsets"], x, y if bias is None else bias, y,
             x.shape[1], out_features, HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK=block,
             num_warps=num_warps or (4 if block * rows_per_program >= 2048 else 2))
         return y

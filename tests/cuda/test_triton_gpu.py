@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from elsa_ds.sparse import kernels as K
-from elsa_ds.sparse.format import encode_delta8
+from elsa_ds.sparse.format import delta8_to_cols16, encode_delta8
 from elsa_ds.sparse.linear import SparseLinear
 from tests.sparse.test_triton_spmv import BATCHES, TOL, odd_weight, relative_error
 
@@ -38,13 +38,16 @@ def cuda_parts(shape: str) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
     return {k: v.cuda() for k, v in encode_delta8(w).items()}, tuple(w.shape)
 
 
+@pytest.mark.parametrize("layout", ["delta8", "cols16"])
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("dtype", TOL)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("shape", ["odd", "4096x4096@0.9", "11008x4096@0.7"])
-def test_triton_equals_reference_on_cuda(triton_spmv, shape, batch, dtype, rows):
+def test_triton_equals_reference_on_cuda(triton_spmv, shape, batch, dtype, rows, layout):
     fp32, (out_f, in_f) = cuda_parts(shape)
     parts = {**fp32, "values": fp32["values"].to(DTYPES[dtype])}  # same entries: both sides read these parts
+    if layout == "cols16":
+        parts = delta8_to_cols16(parts, (out_f, in_f))  # built on the GPU, as ready_to_decode does
     x = torch.randn(batch, in_f, device="cuda").to(DTYPES[dtype])
     got = triton_spmv.delta8_linear(parts, x, out_f, rows_per_program=rows)
     ref = K.reference_matmul(parts, x, out_f)
@@ -52,12 +55,13 @@ def test_triton_equals_reference_on_cuda(triton_spmv, shape, batch, dtype, rows)
     assert relative_error(got, ref) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("layout", ["delta8", "cols16"])
 @pytest.mark.parametrize("batch", [1, 5, 16, 17])
-def test_sparse_linear_on_cuda_takes_triton(batch):
+def test_sparse_linear_on_cuda_takes_triton(batch, layout):
     linear = torch.nn.Linear(700, 67).to(torch.bfloat16)
     with torch.no_grad():
         linear.weight.copy_(odd_weight().to(torch.bfloat16))
-    sparse = SparseLinear.from_dense(linear).cuda()
+    sparse = SparseLinear.from_dense(linear).cuda().to_layout(layout)
     assert sparse.decode_path == "triton", sparse.triton_unavailable
     x = torch.randn(batch, 1, 700, device="cuda").to(torch.bfloat16)
     got = sparse(x)
@@ -124,6 +128,7 @@ def test_sparsify_on_cuda_encodes_there_takes_triton_and_keeps_greedy_tokens(tmp
     twin = sparsify(dense)
     layers = [m for m in twin.modules() if isinstance(m, SparseLinear)]
     assert len(layers) == 28 and all(m.values.is_cuda and m._cpu_path is None and m.decode_path == "triton" for m in layers)
+    assert {m.layout for m in layers} == {"cols16"}  # the GPU layout, built from the GPU's delta8 encoding
     assert twin.generation_config.cache_implementation == "static"
     ids = torch.tensor([[2, 651, 1009, 576, 573]], device="cuda")
     want = dense.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")

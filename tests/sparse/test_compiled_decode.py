@@ -1,4 +1,4 @@
-"""SparseLinear under torch.compile: the delta8 matmul is one registered operator (``torch.ops.elsa_ds.delta8_linear``),
+"""SparseLinear under torch.compile: the delta8 matmul is one registered operator (``torch.ops.elsa_ds.sparse_linear``),
 so a compiled decode step holds it without a graph break, as transformers' generate() compiles the step when the cache
 is static (on CUDA by itself, mode reduce-overhead: a CUDA graph; here on CPU, asked for with ``_compile_all_devices``).
 The operator is held to torch's own operator checks and to the eager path; the Triton path of the same operator runs in
@@ -11,7 +11,7 @@ import torch
 from elsa_ds.sparse import from_pretrained
 from elsa_ds.sparse import kernels as K
 from elsa_ds.sparse import ops
-from elsa_ds.sparse.format import encode_delta8
+from elsa_ds.sparse.format import delta8_to_cols16, encode_delta8
 from elsa_ds.sparse.linear import SparseLinear
 
 
@@ -21,40 +21,44 @@ def _parts(out_f: int = 24, in_f: int = 40, seed: int = 0) -> dict[str, torch.Te
     return encode_delta8(w)
 
 
-@pytest.mark.parametrize("path", ["reference", "kernel"])
+@pytest.mark.parametrize("path", ["reference", "kernel", "reference-cols16"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_operator_passes_torchs_operator_checks(path, bias, request):
     if path == "kernel":
         request.getfixturevalue("kernel")
     p = _parts()
-    args = (p["values"], p["deltas"], p["row_offsets"], torch.randn(3, 40), 24, torch.randn(24) if bias else None, path)
-    torch.library.opcheck(ops.delta8_linear, args)  # schema, the shape function against the real call, no aliasing
-    got = ops.delta8_linear(*args)
-    ref = K.reference_matmul(p, args[3], 24) + (args[5] if bias else 0)
+    if path == "reference-cols16":
+        p, path = delta8_to_cols16(p, (24, 40)), "reference"
+    positions = p["deltas"] if "deltas" in p else p["cols"]
+    args = (p["values"], positions, p["row_offsets"], torch.randn(3, 40), 24, torch.randn(24) if bias else None, path)
+    torch.library.opcheck(ops.sparse_linear, args)  # schema, the shape function against the real call, no aliasing
+    got = ops.sparse_linear(*args)
+    ref = K.reference_matmul(_parts(), args[3], 24) + (args[5] if bias else 0)
     assert got.shape == (3, 24) and torch.allclose(got, ref, atol=1e-5)
 
 
 def test_an_unknown_path_is_refused_by_name():
     p = _parts()
     with pytest.raises(ValueError, match="path 'gpu'"):
-        ops.delta8_linear_impl(p["values"], p["deltas"], p["row_offsets"], torch.randn(1, 40), 24, None, "gpu")
+        ops.sparse_linear_impl(p["values"], p["deltas"], p["row_offsets"], torch.randn(1, 40), 24, None, "gpu")
 
 
+@pytest.mark.parametrize("layout", ["delta8", "cols16"])
 @pytest.mark.parametrize("path", ["reference", "kernel", "csr"])
-def test_a_compiled_sparse_linear_has_no_graph_break_and_equals_eager(path, request):
+def test_a_compiled_sparse_linear_has_no_graph_break_and_equals_eager(path, layout, request):
     if path == "kernel":
         request.getfixturevalue("kernel")
     torch._dynamo.reset()
     linear = torch.nn.Linear(40, 24)
     with torch.no_grad():
         linear.weight.mul_(torch.rand(24, 40) < 0.3)
-    sparse = SparseLinear.from_dense(linear, decode_path=path)
+    sparse = SparseLinear.from_dense(linear, decode_path=path).to_layout(layout)
     x = torch.randn(2, 1, 40)
     with torch.no_grad():  # decoding: the operator has no backward (SparseLinear is for inference)
         explained = torch._dynamo.explain(sparse)(x)
-        if path != "csr":  # torch's sparse CSR matmul is outside what dynamo traces: a break, still correct
+        if sparse.decode_path != "csr":  # torch's sparse CSR matmul is outside what dynamo traces: a break, still correct
             assert explained.graph_break_count == 0, explained.break_reasons
-        compiled = torch.compile(sparse, backend="inductor", fullgraph=path != "csr")
+        compiled = torch.compile(sparse, backend="inductor", fullgraph=sparse.decode_path != "csr")
         assert torch.allclose(compiled(x), sparse(x), atol=1e-6)
 
 
@@ -84,5 +88,7 @@ def test_a_cuda_sparse_model_generates_with_a_static_cache_by_default(sparse_dir
     monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(a) or self)
     model = from_pretrained(sparse_dir, mode="sparse", device="cuda")
     assert moved and model.generation_config.cache_implementation == "static"
+    layers = [m for m in model.modules() if isinstance(m, SparseLinear)]
+    assert layers and {m.layout for m in layers} == {"cols16"}  # the GPU layout, built at load
     assert from_pretrained(sparse_dir, mode="sparse").generation_config.cache_implementation != "static"
     assert from_pretrained(sparse_dir, mode="dense", device="cuda").generation_config.cache_implementation != "static"

@@ -43,6 +43,32 @@ def test_long_gaps_get_fillers_and_stay_exact():
     assert col.max() < 2000 and torch.equal(fmt.decode(fmt.DELTA8, enc.shape, enc.parts), w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,sparsity", CASES)
+def test_the_gpu_layout_round_trips_through_delta8(shape, sparsity, dtype):
+    """cols16 from delta8 and back: the same parts bit for bit, the fillers dropped and put back, the same weight."""
+    w = _pruned(shape, sparsity, dtype)
+    d8 = fmt.encode_delta8(w)
+    c16 = fmt.delta8_to_cols16(d8, shape)
+    assert c16["cols"].dtype == torch.int16 and c16["row_offsets"].dtype == torch.int32
+    assert c16["values"].numel() == int(torch.count_nonzero(w)) and bool((c16["values"] != 0).all())
+    assert torch.equal(fmt.decode(fmt.COLS16, shape, c16), w)
+    back = fmt.cols16_to_delta8(c16, shape)
+    assert all(torch.equal(back[k], d8[k]) for k in d8)
+
+
+def test_the_gpu_layout_reads_columns_past_32767_and_refuses_past_65536():
+    """A column's 16 bits in an int16: 40000 is stored negative and read back whole; 65537 columns are refused."""
+    w = torch.zeros(2, 65536)
+    w[0, 0], w[0, 40000], w[1, 65535], w[1, 300] = 1.0, 2.0, 3.0, 4.0
+    c16 = fmt.delta8_to_cols16(fmt.encode_delta8(w), (2, 65536))
+    assert int(c16["cols"].min()) < 0 and torch.equal(fmt.decode(fmt.COLS16, (2, 65536), c16), w)
+    row, col = fmt.cols16_positions(c16["cols"], c16["row_offsets"])
+    assert row.tolist() == [0, 0, 1, 1] and col.tolist() == [0, 40000, 300, 65535]
+    with pytest.raises(ValueError, match="does not fit cols16 .*keep it in delta8"):
+        fmt.delta8_to_cols16(fmt.encode_delta8(torch.ones(1, 65537)), (1, 65537))
+
+
 def test_negative_zero_is_a_zero():
     w = torch.tensor([[0.0, -0.0, 1.5, -2.0]])
     for encoding in (fmt.BITMASK, fmt.DELTA8):

@@ -91,17 +91,20 @@ def test_csr_equals_reference(out_f, in_f, sparsity):
     assert torch.allclose(got, K.reference_matmul(parts, x, out_f), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["delta8", "cols16"])
 @pytest.mark.parametrize("path", ["kernel", "csr", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lead", [(1, 1), (2, 4), (3, 40)])  # decode, a small batch, a prefill (> 16 rows: dense)
-def test_sparse_linear_matches_linear(path, dtype, lead, request):
+def test_sparse_linear_matches_linear(path, dtype, lead, layout, request):
+    """Every CPU path on both layouts (the C++ kernel takes delta8: on cols16 its path is csr)."""
     if path == "kernel":
         request.getfixturevalue("kernel")
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 50).to(dtype)
     with torch.no_grad():
         linear.weight.copy_(_weight(50, 96, 0.8, dtype))
-    sparse = SparseLinear.from_dense(linear, decode_path=path)
+    sparse = SparseLinear.from_dense(linear, decode_path=path).to_layout(layout)
+    assert sparse.layout == layout and sparse.decode_path == ("csr" if (path, layout) == ("kernel", "cols16") else path)
     x = torch.randn(*lead, 96).to(dtype)
     ref = F.linear(x.float(), linear.weight.float(), linear.bias.float())
     got = sparse(x)
@@ -109,6 +112,38 @@ def test_sparse_linear_matches_linear(path, dtype, lead, request):
     _close(got, ref, dtype)
     assert sparse.weight_bytes < linear.weight.numel() * linear.weight.element_size()
     assert torch.equal(sparse.dense_weight(), linear.weight.detach())
+
+
+def test_a_layout_change_keeps_the_weight_and_comes_back_bit_for_bit():
+    """delta8 -> cols16 -> delta8 on the same module: its buffers swapped (no deltas beside the columns), the weight
+    the same, the delta8 parts back exactly (fillers included: a 700-column row with two entries 699 apart)."""
+    linear = torch.nn.Linear(700, 12)
+    with torch.no_grad():
+        linear.weight.copy_(_weight(12, 700, 0.95, torch.float32))
+        linear.weight[3] = 0
+        linear.weight[3, 0], linear.weight[3, 699] = 1.5, -2.0
+    sparse = SparseLinear.from_dense(linear)
+    before = {k: v.clone() for k, v in sparse.parts.items()}
+    sparse.to_layout("cols16")
+    assert sorted(n for n, _ in sparse.named_buffers()) == ["cols", "row_offsets", "values"]
+    assert sparse.weight_bytes == sum(t.numel() * t.element_size() for t in sparse.parts.values()) and "layout=cols16" in repr(sparse)
+    assert torch.equal(sparse.dense_weight(), linear.weight.detach())
+    sparse.to_layout("delta8")
+    assert sorted(before) == sorted(sparse.parts) and all(torch.equal(before[k], sparse.parts[k]) for k in before)
+    with pytest.raises(ValueError, match="layout 'csr'"):
+        sparse.to_layout("csr")
+
+
+def test_the_gpu_layout_follows_the_environment(monkeypatch):
+    from elsa_ds.sparse.linear import GPU_LAYOUT_ENV, gpu_layout
+
+    monkeypatch.delenv(GPU_LAYOUT_ENV, raising=False)
+    assert gpu_layout() == "cols16"
+    monkeypatch.setenv(GPU_LAYOUT_ENV, "delta8")
+    assert gpu_layout() == "delta8"
+    monkeypatch.setenv(GPU_LAYOUT_ENV, "csr")
+    with pytest.raises(ValueError, match="ELSA_DS_GPU_LAYOUT='csr': choose cols16 or delta8"):
+        gpu_layout()
 
 
 def test_unknown_decode_path_is_refused():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from elsa_ds.sparse import kernels as K
-from elsa_ds.sparse.format import MAX_GAP, encode_delta8
+from elsa_ds.sparse.format import MAX_GAP, delta8_to_cols16, encode_delta8
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}  # half dtypes: the output is rounded to them
 BATCHES = (1, 3, 8, 16)
@@ -52,11 +52,13 @@ def run_cases() -> dict[str, dict]:
 
     def record(name, parts, x, out_f, bias=None, ref=None):
         ref = K.reference_matmul(parts, x, out_f) if ref is None else ref
-        for rows in ROWS:
-            got = T.delta8_linear(parts, x, out_f, bias, rows_per_program=rows)
-            out[f"{name}-r{rows}"] = {"err": relative_error(got, ref), "shape": list(got.shape),
-                                      "dtype": str(got.dtype).split(".")[-1],
-                                      "empty_row_zero": bool((got[:, 3] == 0).all()) if out_f > 3 else None}
+        layouts = {"": parts, "c16-": delta8_to_cols16(parts, (out_f, x.shape[1]))}  # the delta8 kernels; the cols16 one
+        for prefix, layout in layouts.items():
+            for rows in ROWS:
+                got = T.delta8_linear(layout, x, out_f, bias, rows_per_program=rows)
+                out[f"{prefix}{name}-r{rows}"] = {"err": relative_error(got, ref), "shape": list(got.shape),
+                                                  "dtype": str(got.dtype).split(".")[-1],
+                                                  "empty_row_zero": bool((got[:, 3] == 0).all()) if out_f > 3 else None}
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         parts = encode_delta8(odd_weight().to(dtype))
@@ -69,11 +71,11 @@ def run_cases() -> dict[str, dict]:
     record("bias", parts, x.to(torch.bfloat16), 67, bias, K.reference_matmul(parts, x.to(torch.bfloat16), 67) + bias.float())
     from elsa_ds.sparse import ops  # the operator a compiled decode step calls (tests/sparse/test_compiled_decode.py)
 
-    got = ops.delta8_linear(parts["values"], parts["deltas"], parts["row_offsets"], x.to(torch.bfloat16), 67, bias, "triton")
+    got = ops.sparse_linear(parts["values"], parts["deltas"], parts["row_offsets"], x.to(torch.bfloat16), 67, bias, "triton")
     ref = K.reference_matmul(parts, x.to(torch.bfloat16), 67) + bias.float()
     out["operator"] = {"err": relative_error(got, ref), "shape": list(got.shape), "dtype": str(got.dtype).split(".")[-1]}
     os.environ[T.ROWS_ENV] = "16"  # the operator with no rows given takes them from the environment (the benchmarks')
-    got = ops.delta8_linear(parts["values"], parts["deltas"], parts["row_offsets"], x.to(torch.bfloat16), 67, bias, "triton")
+    got = ops.sparse_linear(parts["values"], parts["deltas"], parts["row_offsets"], x.to(torch.bfloat16), 67, bias, "triton")
     out["operator-16-rows"] = {"err": relative_error(got, ref), "default_rows": T.default_rows()}
     del os.environ[T.ROWS_ENV]
     parts = encode_delta8(odd_weight())
@@ -81,6 +83,10 @@ def run_cases() -> dict[str, dict]:
     moved["deltas"][0] += 1  # row 0's first entry one column right, and the rest of the row with it
     x = torch.randn(1, 700)
     record("wrong-column", moved, x, 67, ref=K.reference_matmul(parts, x, 67))
+    c16 = delta8_to_cols16(parts, (67, 700))
+    c16["cols"][0] += 1  # cols16: row 0's first entry alone one column right
+    got = T.delta8_linear(c16, x, 67)
+    out["c16-wrong-column"] = {"err": relative_error(got, K.reference_matmul(parts, x, 67))}
     try:
         T.delta8_linear(parts, x, 67, rows_per_program=3)
         out["3-rows-a-program"] = {"refused": ""}
@@ -111,25 +117,32 @@ def test_odd_weight_has_the_cases():
     assert int((parts["deltas"] == MAX_GAP - 1).sum()) >= 4 and int(per_row[9]) == 3  # fillers; a row of 2 + 1
 
 
+LAYOUTS = {"delta8": "", "cols16": "c16-"}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", TOL)
 @pytest.mark.parametrize("batch", BATCHES)
-def test_kernel_equals_reference(results, batch, dtype, rows):
-    r = results[f"odd-{dtype}-{batch}-r{rows}"]
+def test_kernel_equals_reference(results, batch, dtype, rows, layout):
+    r = results[f"{LAYOUTS[layout]}odd-{dtype}-{batch}-r{rows}"]
     assert r["shape"] == [batch, 67] and r["dtype"] == dtype and r["empty_row_zero"]
     assert r["err"] <= TOL[dtype]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("out_f,in_f,density", SHAPES)
-def test_small_and_extreme_shapes(results, out_f, in_f, density, rows):
+def test_small_and_extreme_shapes(results, out_f, in_f, density, rows, layout):
     """Fewer output rows than a group (1, 5, 3, 40 against 4 and 16) included."""
-    assert results[f"shape-{out_f}x{in_f}-r{rows}"]["err"] <= TOL["float32"]
+    assert results[f"{LAYOUTS[layout]}shape-{out_f}x{in_f}-r{rows}"]["err"] <= TOL["float32"]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", ROWS)
-def test_bias_is_added_in_fp32(results, rows):
-    assert results[f"bias-r{rows}"]["dtype"] == "bfloat16" and results[f"bias-r{rows}"]["err"] <= TOL["bfloat16"]
+def test_bias_is_added_in_fp32(results, rows, layout):
+    r = results[f"{LAYOUTS[layout]}bias-r{rows}"]
+    assert r["dtype"] == "bfloat16" and r["err"] <= TOL["bfloat16"]
 
 
 def test_the_registered_operator_runs_the_triton_path(results):
@@ -153,8 +166,10 @@ def test_rows_from_the_environment_are_a_power_of_two(monkeypatch, text):
 
 @pytest.mark.parametrize("rows", ROWS)
 def test_a_wrong_column_would_be_caught(results, rows):
-    """The comparison is sharp: one row shifted by a column moves the product far beyond the tolerance."""
+    """The comparison is sharp: one row shifted by a column (cols16: one entry) moves the product far beyond the
+    tolerance."""
     assert results[f"wrong-column-r{rows}"]["err"] > 100 * TOL["float32"]
+    assert results["c16-wrong-column"]["err"] > 100 * TOL["float32"]
 
 
 def test_more_than_16_rows_are_refused_and_groups_are_powers_of_two(results):
@@ -195,9 +210,10 @@ def test_kernel_compiles_for_an_h100(dtype, block_b, block):
                       {"HAS_BIAS": True, "BLOCK_B": block_b, "BLOCK": block})
 
 
+@pytest.mark.parametrize("kernel", ["delta8", "cols16"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("rows", [4, 16, 64])
-def test_the_row_group_kernel_compiles_with_one_layout_in_its_loop(dtype, rows):
+def test_the_row_group_kernel_compiles_with_one_layout_in_its_loop(dtype, rows, kernel):
     """The row-group kernel at sm_90, read in Triton's GPU IR: the values, deltas and x loads of its loop share one
     layout with a warp's lanes along the entries (a row's consecutive entries: coalesced loads, x gathered at nearby
     columns), and nothing in the loop converts between layouts (a trip through shared memory each step). Its first form,
@@ -206,8 +222,12 @@ def test_the_row_group_kernel_compiles_with_one_layout_in_its_loop(dtype, rows):
 
     pytest.importorskip("triton")
     block = T.tile_block(rows, 410)
-    ir = _compile_for_h100(T._tile_kernel(), _signature(dtype, "HAS_BIAS", "ROWS", "BLOCK", batch_arg=False),
-                           {"HAS_BIAS": True, "ROWS": rows, "BLOCK": block}).asm["ttgir"]
+    signature = _signature(dtype, "HAS_BIAS", "ROWS", "BLOCK", batch_arg=False)
+    if kernel == "cols16":
+        signature = {("cols" if k == "deltas" else k): ("*i16" if k == "deltas" else "*i32" if k == "row_offsets" else v)
+                     for k, v in signature.items()}
+    fn = T._tile_kernel() if kernel == "delta8" else T._cols16_kernel()
+    ir = _compile_for_h100(fn, signature, {"HAS_BIAS": True, "ROWS": rows, "BLOCK": block}).asm["ttgir"]
     loop = ir[ir.index("scf.while"):ir.index("scf.yield")]
     loads = re.findall(rf"tt\.load %\S+, %\S+, %\S+ : tensor<{block}x{rows}x!tt\.ptr<\w+>, (#\w+)>", loop)
     assert len(loads) == 3 and len(set(loads)) == 1, loads  # deltas, values, x
