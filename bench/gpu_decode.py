@@ -114,7 +114,7 @@ def matrix_part(args: argparse.Namespace) -> dict:
     if reason is not None:
         return {"skipped": reason}
     matrix_args = sparse_decode_gpu.parse(["--sparsities", "0.7,0.9,0.95", "--batches", "1", "--calls", str(args.matrix_calls),
-                                           "--warps", "0,1"])  # 1 warp: the row-group kernel's scan stays in one warp
+                                           "--rows", "1,4,8,16"])  # both layouts, default warps: 9 variants a weight
     return sparse_decode_gpu.measure(matrix_args)
 
 

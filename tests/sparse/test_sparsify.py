@@ -97,3 +97,21 @@ def test_a_model_on_two_devices_or_on_meta_is_refused():
     model.lm_head.weight = torch.nn.Parameter(torch.empty(32, 16, device="meta"))
     with pytest.raises(SparseArgumentError, match=r"on 2 devices \(cpu, meta\).*one device"):
         sparsify(model)
+
+
+def test_the_gpu_layout_gives_the_same_model(dense):
+    """What ready_to_decode does on CUDA (every SparseLinear rebuilt as cols16), done here on CPU tensors: the same
+    logits and greedy tokens as the delta8 twin, fewer entries (no fillers), one more byte an entry."""
+    from elsa_ds.sparse.linear import ready_to_decode
+
+    twin, gpu = sparsify(dense), sparsify(dense)
+    ready_to_decode(gpu, torch.device("cuda"))
+    layers = {n: m for n, m in gpu.named_modules() if isinstance(m, SparseLinear)}
+    assert len(layers) == 28 and {m.layout for m in layers.values()} == {"cols16"}
+    assert gpu.generation_config.cache_implementation == "static"
+    for name, module in layers.items():
+        assert torch.equal(module.dense_weight(), twin.get_submodule(name).dense_weight())
+    with torch.no_grad():
+        assert torch.allclose(gpu(IDS).logits, twin(IDS).logits, atol=1e-5, rtol=1e-5)
+    gpu.generation_config.cache_implementation = None  # the static cache is for CUDA's compiled step
+    assert gpu.generate(IDS, max_new_tokens=6, do_sample=False).tolist() == twin.generate(IDS, max_new_tokens=6, do_sample=False).tolist()
