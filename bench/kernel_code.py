@@ -60,15 +60,13 @@ def compile_variant(layout: str, rows: int, warps: int, entries_per_row: int) ->
         sig.update(n="i32", in_features="i32", out_features="i32", HAS_BIAS="constexpr", BLOCK_B="constexpr", BLOCK="constexpr")
         consts = {"HAS_BIAS": False, "BLOCK_B": 1, "BLOCK": block}
     else:
-        block = T.tile_block(rows, entries_per_row)
-        sig.update(in_features="i32", out_features="i32", HAS_BIAS="constexpr", ROWS="constexpr", BLOCK="constexpr")
+        fn, block = T._tile_kernel(), T.tile_block(rows, entries_per_row)
+        sig = {("positions" if k == "deltas" else k): v for k, v in sig.items()}
         if layout == "cols16":
-            fn = T._cols16_kernel()
-            sig = {("cols" if k == "deltas" else k): v for k, v in sig.items()}
-            sig.update(cols="*i16", row_offsets="*i32")
-        else:
-            fn = T._tile_kernel()
-        consts = {"HAS_BIAS": False, "ROWS": rows, "BLOCK": block}
+            sig.update(positions="*i16", row_offsets="*i32")
+        sig.update(in_features="i32", out_features="i32", HAS_BIAS="constexpr", COLS16="constexpr", ROWS="constexpr",
+                   BLOCK="constexpr")
+        consts = {"HAS_BIAS": False, "COLS16": layout == "cols16", "ROWS": rows, "BLOCK": block}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps})
     return compiled.asm["cubin"], block, block * rows // (32 * warps)

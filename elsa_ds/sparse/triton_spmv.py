@@ -12,8 +12,8 @@ parts: nothing is precomputed, and ``SparseLinear.weight_bytes`` is what the ker
 With ``rows_per_program`` > 1 (``ELSA_DS_TRITON_ROWS`` when the caller gives none) the row-group kernel runs instead:
 one program per row of x and group of that many output rows, their chains stepped together as one [BLOCK, rows] tile
 (fewer, larger programs: the H200's 1-row kernel spent ~5 µs a call on fixed costs and streamed at ~1 TB/s;
-``_delta8_tiles`` says why the tile is transposed). On the cols16 layout (each column whole, built from delta8 on a
-GPU at load: elsa_ds/sparse/format.py) :func:`_cols16_tiles` runs, the row-group kernel without the running sum.
+``_row_group_tiles`` says why the tile is transposed). On the cols16 layout (each column whole, built from delta8 on a
+GPU at load: elsa_ds/sparse/format.py) the row-group kernel runs without the running sum.
 Which is faster per shape is bench/sparse_decode_gpu.py's to say.
 
 Triton is imported when this module is, and this module only when a CUDA tensor reaches SparseLinear (or a test
@@ -69,15 +69,19 @@ def _delta8_rows(values, deltas, row_offsets, x, bias, y, n, in_features, out_fe
     tl.store(y + b * out_features + r, out.to(y.dtype.element_ty), mask=b < n)
 
 
-def _delta8_tiles(values, deltas, row_offsets, x, bias, y, in_features, out_features,
-                  HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _row_group_tiles(values, positions, row_offsets, x, bias, y, in_features, out_features,
+                     HAS_BIAS: tl.constexpr, COLS16: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """One program: row b = program_id(0) of x against ROWS consecutive output rows (program_id(1)), each row its own
-    chain, stepped together as a [BLOCK, ROWS] tile: entries along dim 0, rows along dim 1.
+    chain, stepped together as a [BLOCK, ROWS] tile: entries along dim 0, rows along dim 1. ``positions``: delta8's
+    deltas (a running sum per row, carried between steps), or with COLS16 the cols16 layout's columns (each read whole:
+    no running sum, no carry, no fillers; elsa_ds/sparse/format.py). Compiled for sm_90, COLS16 issues ~16 instructions
+    an entry where delta8 issues 55-80 (the scan's shuffles, its cross-warp barriers, 64-bit offsets): at 90 % on
+    LLaMA-2-7B's MLP delta8's instructions alone outlast the bytes it reads (bench/kernel_code.py).
 
     The tile is transposed on purpose. Triton lays out a load whose addresses it cannot analyse (the gather of x at the
     decoded columns) with dim 0 fastest across a warp's lanes; with entries along dim 0 that is the layout of the
-    values and deltas loads too, so a warp's 32 lanes read 32 consecutive entries of one row (coalesced) and gather x
-    at 32 nearby columns (a few cache lines), and nothing is shuffled between layouts inside the loop. As [ROWS, BLOCK]
+    values and positions loads too, so a warp's 32 lanes read 32 consecutive entries of one row (coalesced) and gather
+    x at 32 nearby columns (a few cache lines), and nothing is shuffled between layouts inside the loop. As [ROWS, BLOCK]
     the gather took rows fastest (32 lanes, 16 rows' scattered columns) behind two layout conversions a step through
     shared memory (tests/sparse/test_triton_spmv.py reads the compiled IR for it). Each program takes one row of x:
     the programs of one row group run together (b varies fastest), so the weight comes once from memory and the
@@ -96,39 +100,12 @@ def _delta8_tiles(values, deltas, row_offsets, x, bias, y, in_features, out_feat
     while start < longest:  # a short row's lanes are masked while a long one goes on
         k = begin[None, :] + start + lane[:, None]
         inside = k < end[None, :]
-        step = tl.where(inside, tl.load(deltas + k, mask=inside, other=0).to(tl.int32) + 1, 0)
-        col = carry[None, :] + tl.cumsum(step, 0)
-        carry = carry + tl.sum(step, 0)
-        value = tl.load(values + k, mask=inside, other=0.0).to(tl.float32)
-        xs = tl.load(xb + col, mask=inside, other=0.0).to(tl.float32)
-        acc += xs * value
-        start += BLOCK
-    out = tl.sum(acc, 0)
-    if HAS_BIAS:
-        out += tl.load(bias + r, mask=live, other=0.0).to(tl.float32)
-    tl.store(y + b * out_features + r, out.to(y.dtype.element_ty), mask=live)
-
-
-def _cols16_tiles(values, cols, row_offsets, x, bias, y, in_features, out_features,
-                  HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """The row-group kernel on the cols16 layout (elsa_ds/sparse/format.py): each entry's column read whole, so no
-    running sum, no carry between steps and no fillers; the tile as :func:`_delta8_tiles`'s. Compiled for sm_90 it
-    issues ~16 instructions an entry where the delta8 kernels issue 55-80 (the scan's shuffles, its cross-warp barriers,
-    64-bit offsets): at 90 % on LLaMA-2-7B's MLP the delta8 kernels' instructions alone outlast the bytes they read."""
-    b = tl.program_id(0)
-    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    live = r < out_features
-    begin = tl.load(row_offsets + r, mask=live, other=0)
-    end = tl.load(row_offsets + r + 1, mask=live, other=0)
-    lane = tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK, ROWS), dtype=tl.float32)
-    longest = tl.max(end - begin, 0)
-    start = longest * 0
-    xb = x + b * in_features
-    while start < longest:
-        k = begin[None, :] + start + lane[:, None]
-        inside = k < end[None, :]
-        col = tl.load(cols + k, mask=inside, other=0).to(tl.int32) & 0xFFFF
+        if COLS16:
+            col = tl.load(positions + k, mask=inside, other=0).to(tl.int32) & 0xFFFF
+        else:
+            step = tl.where(inside, tl.load(positions + k, mask=inside, other=0).to(tl.int32) + 1, 0)
+            col = carry[None, :] + tl.cumsum(step, 0)
+            carry = carry + tl.sum(step, 0)
         value = tl.load(values + k, mask=inside, other=0.0).to(tl.float32)
         xs = tl.load(xb + col, mask=inside, other=0.0).to(tl.float32)
         acc += xs * value
@@ -147,14 +124,8 @@ def _kernel():
 
 @functools.cache
 def _tile_kernel():
-    """The row-group kernel, jitted as :func:`_kernel`."""
-    return triton.jit(_delta8_tiles)
-
-
-@functools.cache
-def _cols16_kernel():
-    """The cols16 row-group kernel, jitted as :func:`_kernel`."""
-    return triton.jit(_cols16_tiles)
+    """The row-group kernel (either layout), jitted as :func:`_kernel`."""
+    return triton.jit(_row_group_tiles)
 
 
 def unavailable(device: torch.device | str = "cuda") -> str | None:
@@ -225,10 +196,10 @@ def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features:
     entries_per_row = parts["values"].numel() / out_features
     if "cols" in parts or rows_per_program > 1:  # the GPU layout has only the row-group kernel
         block = tile_block(rows_per_program, entries_per_row)
-        kernel, positions = (_cols16_kernel(), parts["cols"]) if "cols" in parts else (_tile_kernel(), parts["deltas"])
-        kernel[(n, triton.cdiv(out_features, rows_per_program))](
-            parts["values"], positions, parts["row_offsets"], x, y if bias is None else bias, y,
-            x.shape[1], out_features, HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK=block,
+        cols16 = "cols" in parts
+        _tile_kernel()[(n, triton.cdiv(out_features, rows_per_program))](
+            parts["values"], parts["cols" if cols16 else "deltas"], parts["row_offsets"], x, y if bias is None else bias, y,
+            x.shape[1], out_features, HAS_BIAS=bias is not None, COLS16=cols16, ROWS=rows_per_program, BLOCK=block,
             num_warps=num_warps or (4 if block * rows_per_program >= 2048 else 2))
         return y
     block_b, block = block_sizes(n, entries_per_row)

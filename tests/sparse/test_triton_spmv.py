@@ -222,12 +222,12 @@ def test_the_row_group_kernel_compiles_with_one_layout_in_its_loop(dtype, rows, 
 
     pytest.importorskip("triton")
     block = T.tile_block(rows, 410)
-    signature = _signature(dtype, "HAS_BIAS", "ROWS", "BLOCK", batch_arg=False)
+    signature = {("positions" if k == "deltas" else k): v
+                 for k, v in _signature(dtype, "HAS_BIAS", "COLS16", "ROWS", "BLOCK", batch_arg=False).items()}
     if kernel == "cols16":
-        signature = {("cols" if k == "deltas" else k): ("*i16" if k == "deltas" else "*i32" if k == "row_offsets" else v)
-                     for k, v in signature.items()}
-    fn = T._tile_kernel() if kernel == "delta8" else T._cols16_kernel()
-    ir = _compile_for_h100(fn, signature, {"HAS_BIAS": True, "ROWS": rows, "BLOCK": block}).asm["ttgir"]
+        signature.update(positions="*i16", row_offsets="*i32")
+    consts = {"HAS_BIAS": True, "COLS16": kernel == "cols16", "ROWS": rows, "BLOCK": block}
+    ir = _compile_for_h100(T._tile_kernel(), signature, consts).asm["ttgir"]
     loop = ir[ir.index("scf.while"):ir.index("scf.yield")]
     loads = re.findall(rf"tt\.load %\S+, %\S+, %\S+ : tensor<{block}x{rows}x!tt\.ptr<\w+>, (#\w+)>", loop)
     assert len(loads) == 3 and len(set(loads)) == 1, loads  # deltas, values, x
