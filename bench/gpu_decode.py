@@ -18,7 +18,8 @@ started only while ``--budget_s`` has room for it at the pace of the slowest so 
 rewritten after every cell, so a cut run keeps what it measured. ``--tiny`` shrinks the model (for the rehearsal on a
 CPU: no compile there, the same code path otherwise). The last line printed is the JSON of every figure:
 ``device``, ``matrix_speedup`` ({sparsity: {weight: sparse / dense speed, CUDA graph, batch 1}}),
-``generate_speedup`` ({sparsity: sparse / dense tokens/s at batch 1}) and the raw rows beside them.
+``generate_speedup`` ({sparsity: sparse / dense tokens/s at batch 1}) and the raw rows beside them; a part or cell that
+raises is recorded in ``failed`` (its error and traceback), the rest run on, and the exit status is 1.
 
     python bench/gpu_decode.py --json bench/results/gpu_decode.json
     python bench/gpu_decode.py --device cpu --tiny --budget_s 120          # the rehearsal (tests/test_bench_gpu_decode.py)
@@ -61,7 +62,29 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "the library's default]")
     p.add_argument("--budget_s", type=float, default=540, help="start no cell that would end past this many seconds [540]")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here (rewritten after every cell)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        sparsities = [float(v) for v in args.sparsities.split(",")]
+        batches = [int(v) for v in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--sparsities {args.sparsities!r} / --batches {args.batches!r}: comma-separated numbers")
+    if not all(0 < v < 1 for v in sparsities) or not all(1 <= b <= 16 for b in batches):
+        p.error(f"--sparsities {args.sparsities} must lie in (0, 1) and --batches {args.batches} in 1..16 (the kernels' rows)")
+    if min(args.steps, args.prompt, args.rounds, args.layers or 1) < 1:
+        p.error("--steps, --prompt, --rounds and --layers take 1 or more")
+    return args
+
+
+def guarded(what: str, fn, *a):
+    """``fn(*a)``, or on an exception a record of it (type, message, the traceback's last lines) and None: one failed
+    part or cell costs its own figures, not the rest of a GPU call's."""
+    try:
+        return fn(*a), None
+    except Exception as err:  # noqa: BLE001 - recorded and reported; the run goes on
+        import traceback
+
+        print(f"{what} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return None, {"what": what, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-2000:]}
 
 
 def environment(device: str) -> dict:
@@ -238,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
                     "compiled": args.compile or torch.device(args.device).type == "cuda",
                     "read_bandwidth_gb_s": read_bandwidth(1 << 30 if not args.tiny else 1 << 26, device=args.device) / 1e9,
                     "matrix": {}, "generate": [], "cut": []}
-    result["matrix"] = {"skipped": "--no_matrix"} if args.no_matrix else matrix_part(args)
+    result["failed"] = []
+    if args.no_matrix:
+        result["matrix"] = {"skipped": "--no_matrix"}
+    else:
+        matrix, failure = guarded("the per-matrix part", matrix_part, args)
+        result["matrix"] = matrix if failure is None else {"skipped": failure["error"]}
+        result["failed"] += [failure] if failure else []
     result["matrix_s"] = time.perf_counter() - start
     result["triton_rows"] = generate_rows(result["matrix"], args.triton_rows)
     from elsa_ds.sparse.linear import gpu_layout
@@ -260,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
             result["cut"].append({"sparsity": sparsity, "batch": batch, "why": f"{left:.0f} s left, a cell took {slowest:.0f} s"})
             continue
         t0 = time.perf_counter()
-        row = generate_cell(dense, originals, sparsity, batch, args)
+        row, failure = guarded(f"the {sparsity:.0%} batch {batch} cell", generate_cell, dense, originals, sparsity, batch, args)
+        if failure is not None:
+            result["failed"].append({**failure, "sparsity": sparsity, "batch": batch})
+            write(result, args.json)
+            continue
         row["cell_s"] = time.perf_counter() - t0
         slowest = max(slowest, row["cell_s"])
         result["generate"].append(row)
@@ -272,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = time.perf_counter() - start
     write(result, args.json)
     print(json.dumps(result))
-    return 0
+    return 1 if result["failed"] else 0
 
 
 if __name__ == "__main__":

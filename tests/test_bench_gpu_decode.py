@@ -120,3 +120,31 @@ def test_the_kernels_machine_code_is_read_without_a_gpu(tmp_path):
     assert max(v for k, v in per_entry.items() if k.startswith("cols16")) < 0.5 * min(v for k, v in per_entry.items() if k.startswith("delta8"))
     default = next(v for v in r["variants"] if v["name"] == f"cols16_r{DEFAULT_ROWS['cols16']}")
     assert default["stack_bytes"] == 0 and default["issue_us_h200"] < r["byte_floor_us"]["cols16"]
+
+
+def test_a_failing_cell_is_recorded_and_the_rest_run_on(tmp_path, monkeypatch, capsys):
+    """A cell that raises (here the 70 % one: its prune is handed a weight it cannot take) is kept in ``failed`` with its
+    error; the cells after it still run, the JSON holds both, and the exit status is 1. Bad arguments: exit 2 first."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_decode
+
+    real = gpu_decode.generate_cell
+
+    def cell(dense, originals, sparsity, batch, args):
+        if sparsity == 0.7:
+            originals = {name: w[:, :-1] for name, w in originals.items()}  # one column short: copy_ raises
+        return real(dense, originals, sparsity, batch, args)
+
+    monkeypatch.setattr(gpu_decode, "generate_cell", cell)
+    out = tmp_path / "gpu_decode.json"
+    code = gpu_decode.main(["--device", "cpu", "--tiny", "--no_matrix", "--sparsities", "0.9,0.7,0.95", "--batches", "1",
+                            "--steps", "2", "--rounds", "1", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert code == 1 and [row["sparsity"] for row in r["generate"]] == [0.9, 0.95]
+    (failed,) = r["failed"]
+    assert (failed["sparsity"], failed["batch"]) == (0.7, 1) and "RuntimeError" in failed["error"] and failed["traceback"]
+    for bad in (["--sparsities", "0.9,1.2"], ["--batches", "17"], ["--steps", "0"], ["--sparsities", "ninety"]):
+        with pytest.raises(SystemExit) as exit_:
+            gpu_decode.parse(bad)
+        assert exit_.value.code == 2
+    capsys.readouterr()
