@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from elsa_ds.sparse import kernels as K
 from elsa_ds.sparse import ops
 from elsa_ds.sparse.format import COLS16, DELTA8, MAX_COLS16, check, cols16_to_delta8, decode, delta8_to_cols16
+from elsa_ds.sparse.integrity import SparseArgumentError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -58,7 +59,7 @@ def gpu_layout() -> str:
     1-row kernel is the one measured on a GPU, docs/results.md), for one byte more an entry."""
     layout = os.environ.get(GPU_LAYOUT_ENV, COLS16).strip().lower()
     if layout not in (COLS16, DELTA8):
-        raise ValueError(f"{GPU_LAYOUT_ENV}={layout!r}: choose {COLS16} or {DELTA8}")
+        raise SparseArgumentError(f"{GPU_LAYOUT_ENV}={layout!r}: choose {COLS16} or {DELTA8}")
     return layout
 
 

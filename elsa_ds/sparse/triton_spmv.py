@@ -169,7 +169,9 @@ def default_rows(layout: str = "delta8") -> int:
     except ValueError:
         rows = 0
     if not 1 <= rows <= 64 or rows & (rows - 1):
-        raise ValueError(f"{ROWS_ENV}={text!r}: expected a power of two from 1 to 64 (output rows per Triton program)")
+        from elsa_ds.sparse.integrity import SparseArgumentError  # an ElsaError: one line from the command-line tools
+
+        raise SparseArgumentError(f"{ROWS_ENV}={text!r}: expected a power of two from 1 to 64 (output rows per Triton program)")
     return rows
 
 
