@@ -34,7 +34,7 @@ def sparsify(model: PreTrainedModel, min_sparsity: float = DEFAULT_MIN_SPARSITY,
     (its decode step compiled into a CUDA graph), as ``from_pretrained(..., mode="sparse")`` sets it. SparseArgumentError
     when no Linear is that sparse (is this the pruned model?) or the model spans several devices.
     """
-    _check_arguments(model, min_sparsity, decode_path)
+    device = _check_arguments(model, min_sparsity, decode_path)
     twin = _shell(model)
     shared = _tied(model)
     converted = 0
@@ -54,11 +54,12 @@ def sparsify(model: PreTrainedModel, min_sparsity: float = DEFAULT_MIN_SPARSITY,
         raise SparseArgumentError(f"no nn.Linear weight of this {type(model).__name__} has {min_sparsity:.0%} or more zeros, so "
                                   "nothing would get smaller; is this the pruned model? (lower min_sparsity to convert less "
                                   "sparse weights)")
-    ready_to_decode(twin, model.device)
+    ready_to_decode(twin, device)
     return twin.eval()
 
 
-def _check_arguments(model: Any, min_sparsity: float, decode_path: str | None) -> None:
+def _check_arguments(model: Any, min_sparsity: float, decode_path: str | None) -> torch.device:
+    """Each argument of the right type and value, or one line saying which is not; the model's one device."""
     check_type("model", model, torch.nn.Module, "a transformers model (a PreTrainedModel)")
     if not hasattr(model, "config") or not hasattr(model, "generation_config"):
         raise SparseArgumentError(f"model: a {type(model).__name__} has no config / generation_config; sparsify takes a "
@@ -76,8 +77,10 @@ def _check_arguments(model: Any, min_sparsity: float, decode_path: str | None) -
     if len(devices) != 1:
         raise SparseArgumentError(f"the model's tensors are on {len(devices)} devices ({', '.join(sorted(map(str, devices)))}); "
                                   "sparsify takes a model on one device: move it there first (model.to(device))")
-    if next(iter(devices)).type == "meta":
+    (device,) = devices
+    if device.type == "meta":
         raise SparseArgumentError("the model is on the meta device (no weights): load or move its weights first")
+    return device
 
 
 def _tied(model: torch.nn.Module) -> set[int]:
