@@ -37,8 +37,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-LLAMA2_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32,
-             "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "num_hidden_layers": 32}
+from sparse_decode import LLAMA2_7B as _LLAMA2_7B_LAYER  # noqa: E402 - the CPU bench's shapes
+
+LLAMA2_7B = {**_LLAMA2_7B_LAYER, "num_hidden_layers": 32}
 TINY = {"hidden_size": 128, "intermediate_size": 352, "num_attention_heads": 4, "num_key_value_heads": 4,
         "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "num_hidden_layers": 2}
 
@@ -94,14 +95,10 @@ def environment(device: str) -> dict:
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
            "transformers": transformers.__version__}
     if torch.device(device).type == "cuda":
-        props = torch.cuda.get_device_properties(torch.device(device))
-        env.update(device=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
-        try:
-            import triton
+        import sparse_decode_gpu
 
-            env["triton"] = triton.__version__
-        except ImportError:
-            env["triton"] = None
+        gpu = sparse_decode_gpu.environment()  # the per-matrix bench's: GPU, its memory, CUDA, triton
+        env.update({k: v for k, v in gpu.items() if k not in ("date", "torch")}, device=gpu["gpu"])
     else:
         from sparse_decode import cpu_model
 
@@ -119,13 +116,6 @@ def build_model(shape: dict, layers: int, device: str):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     return model.eval()
-
-
-def pruned_linears(model) -> dict:
-    """The decoder's Linear modules by name (what the cells prune)."""
-    import torch
-
-    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
 
 
 def matrix_part(args: argparse.Namespace) -> dict:
@@ -179,23 +169,23 @@ def generate_cell(dense, originals: dict, sparsity: float, batch: int, args: arg
     """Restore the dense weights, prune them to ``sparsity``, sparsify, and time generate() of both models."""
     import torch
 
-    from sparse_decode import prune_weight
+    from sparse_decode import decoder_linears, prune
 
     from elsa_ds.sparse import SparseLinear, sparsify
     from elsa_ds.sparse.speed import compare_generate, tensor_bytes
 
     t0 = time.perf_counter()
+    linears = decoder_linears(dense)
     with torch.no_grad():
-        for name, module in pruned_linears(dense).items():
+        for name, module in linears.items():
             module.weight.copy_(originals[name], non_blocking=True)  # the same storage: a captured dense graph stays valid
-            prune_weight(module.weight, sparsity)
+    prune(dense, sparsity)
     pruned_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     sparse = sparsify(dense)
     sparsify_s = time.perf_counter() - t0
     if args.compile:
         compiled_everywhere(sparse)
-    linears = pruned_linears(dense)
     dense_weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears.values())
     sparse_weight_bytes = sum(m.weight_bytes for m in sparse.modules() if isinstance(m, SparseLinear))
     row = {"sparsity": sparsity, "batch": batch, "prune_s": pruned_s, "sparsify_s": sparsify_s,
@@ -276,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     write(result, args.json)
     t0 = time.perf_counter()
     dense = build_model(shape, layers, args.device)
-    originals = {n: m.weight.detach().to("cpu", copy=True) for n, m in pruned_linears(dense).items()}
+    from sparse_decode import decoder_linears
+
+    originals = {n: m.weight.detach().to("cpu", copy=True) for n, m in decoder_linears(dense).items()}
     if args.compile:
         compiled_everywhere(dense)
     result["build_s"] = time.perf_counter() - t0

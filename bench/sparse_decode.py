@@ -63,13 +63,17 @@ def build_model(layers: int, vocab: int):
     return model
 
 
-def prune(model, sparsity: float) -> None:
-    """Magnitude-prune every decoder Linear weight to ``sparsity`` (per tensor; masks nest as sparsity rises)."""
+def decoder_linears(model) -> dict:
+    """The decoder layers' Linear modules by name: what the benches prune."""
     import torch
 
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and ".layers." in name:
-            prune_weight(module.weight, sparsity)
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+
+
+def prune(model, sparsity: float) -> None:
+    """Magnitude-prune every decoder Linear weight to ``sparsity`` (per tensor; masks nest as sparsity rises)."""
+    for module in decoder_linears(model).values():
+        prune_weight(module.weight, sparsity)
 
 
 def prune_weight(w, sparsity: float) -> None:

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elsa_ds.sparse import format as fmt
-from elsa_ds.sparse import ops
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY
 from elsa_ds.sparse.integrity import SparseArgumentError, check_type
-from elsa_ds.sparse.linear import DECODE_PATHS, SparseLinear, default_path, ready_to_decode
+from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path, ready_to_decode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -67,12 +66,7 @@ def _check_arguments(model: Any, min_sparsity: float, decode_path: str | None) -
     check_type("min_sparsity", min_sparsity, numbers.Real, "a fraction in (0, 1]")
     if not 0.0 < min_sparsity <= 1.0:
         raise SparseArgumentError(f"min_sparsity {min_sparsity}: expected a fraction in (0, 1]")
-    if decode_path is not None:
-        check_type("decode_path", decode_path, str, f"one of {', '.join(DECODE_PATHS)}, or None")
-        if decode_path not in DECODE_PATHS:
-            raise SparseArgumentError(f"decode_path {decode_path!r}: choose from {', '.join(DECODE_PATHS)}, or None for the default")
-        if decode_path == "kernel" and ops.cpu_kernels() is None:
-            raise SparseArgumentError("decode_path 'kernel': the C++ decode kernel could not be built here; choose 'csr', or None")
+    check_decode_path(decode_path)
     devices = {t.device for t in (*model.parameters(), *model.buffers())}
     if len(devices) != 1:
         raise SparseArgumentError(f"the model's tensors are on {len(devices)} devices ({', '.join(sorted(map(str, devices)))}); "

@@ -31,7 +31,7 @@ BITMASK, DELTA8 = "bitmask", "delta8"
 MAX_GAP = 256  # a delta8 byte moves at most 256 columns
 PARTS = {BITMASK: ("values", "bitmask"), DELTA8: ("values", "deltas", "row_offsets")}
 COLS16 = "cols16"  # the GPU layout, built at load, never stored
-LAYOUT_PARTS = {DELTA8: PARTS[DELTA8], COLS16: ("values", "cols", "row_offsets")}
+POSITIONS = {DELTA8: "deltas", COLS16: "cols"}  # each layout's positions part, beside values and row_offsets
 MAX_COLS16 = 1 << 16  # columns a cols16 entry can name
 
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from elsa_ds.sparse import kernels as K
 from elsa_ds.sparse import ops
-from elsa_ds.sparse.format import COLS16, DELTA8, MAX_COLS16, check, cols16_to_delta8, decode, delta8_to_cols16
-from elsa_ds.sparse.integrity import SparseArgumentError
+from elsa_ds.sparse.format import COLS16, DELTA8, MAX_COLS16, POSITIONS, check, cols16_to_delta8, decode, delta8_to_cols16
+from elsa_ds.sparse.integrity import SparseArgumentError, check_type
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -42,6 +42,20 @@ def _default_cpu_path() -> str:
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ kernel takes; other dtypes default to csr
+
+
+def check_decode_path(decode_path: str | None, mode: str = "sparse") -> None:
+    """A ``decode_path`` argument of from_pretrained or sparsify (``mode``: the loader's), or one line saying what is
+    wrong with it (SparseArgumentTypeError / SparseArgumentError)."""
+    if decode_path is None:
+        return
+    check_type("decode_path", decode_path, str, f"one of {', '.join(DECODE_PATHS)}, or None")
+    if decode_path not in DECODE_PATHS:
+        raise SparseArgumentError(f"decode_path {decode_path!r}: choose from {', '.join(DECODE_PATHS)}, or None for the default")
+    if mode != "sparse":
+        raise SparseArgumentError(f"decode_path {decode_path!r} picks SparseLinear's CPU path: it needs mode='sparse'")
+    if decode_path == "kernel" and ops.cpu_kernels() is None:
+        raise SparseArgumentError("decode_path 'kernel': the C++ decode kernel could not be built here; choose 'csr', or None")
 
 
 def default_path(dtype: torch.dtype, decode_path: str | None) -> str | None:
@@ -137,11 +151,11 @@ class SparseLinear(torch.nn.Module):
     @property
     def positions(self) -> torch.Tensor:
         """The deltas (delta8) or the columns (cols16)."""
-        return cast(torch.Tensor, getattr(self, "deltas" if self.layout == DELTA8 else "cols"))
+        return cast(torch.Tensor, getattr(self, POSITIONS[self.layout]))
 
     @property
     def parts(self) -> dict[str, torch.Tensor]:
-        return {"values": self.values, "deltas" if self.layout == DELTA8 else "cols": self.positions, "row_offsets": self.row_offsets}
+        return {"values": self.values, POSITIONS[self.layout]: self.positions, "row_offsets": self.row_offsets}
 
     @property
     def weight_bytes(self) -> int:
@@ -159,7 +173,7 @@ class SparseLinear(torch.nn.Module):
         if layout != self.layout:
             shape = (self.out_features, self.in_features)
             parts = delta8_to_cols16(self.parts, shape) if layout == COLS16 else cols16_to_delta8(self.parts, shape)
-            delattr(self, "deltas" if layout == COLS16 else "cols")  # a buffer: Module.__delattr__ drops it
+            delattr(self, POSITIONS[self.layout])  # a buffer: Module.__delattr__ drops it
             for name, tensor in parts.items():
                 self.register_buffer(name, tensor)
             self.layout, self._csr = layout, None

@@ -13,11 +13,10 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from elsa_ds.sparse import format as fmt
-from elsa_ds.sparse import kernels as K
 from elsa_ds.sparse.folder import TensorReader
 from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError, check_type,
                                       tensor_digest)
-from elsa_ds.sparse.linear import DECODE_PATHS, SparseLinear, default_path, ready_to_decode
+from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path, ready_to_decode
 from elsa_ds.sparse.meta import UNSEALED_VERSION, sparse_meta
 
 if TYPE_CHECKING:
@@ -163,14 +162,7 @@ def _check_arguments(path: str | Path, mode: str, dtype: torch.dtype | None, dev
         torch.device(device)
     except (RuntimeError, ValueError) as err:
         raise SparseArgumentError(f"device={device!r}: {str(err).splitlines()[0]}") from None
-    if decode_path is not None:
-        check_type("decode_path", decode_path, str, f"one of {', '.join(DECODE_PATHS)}, or None")
-        if decode_path not in DECODE_PATHS:
-            raise SparseArgumentError(f"decode_path {decode_path!r}: choose from {', '.join(DECODE_PATHS)}, or None for the default")
-        if mode != "sparse":
-            raise SparseArgumentError(f"decode_path {decode_path!r} picks SparseLinear's CPU path: it needs mode='sparse'")
-        if decode_path == "kernel" and K.load() is None:
-            raise SparseArgumentError("decode_path 'kernel': the C++ decode kernel could not be built here; choose 'csr', or None")
+    check_decode_path(decode_path, mode)
     check_type("verify", verify, bool, "True or False")
     return Path(path)
 
