@@ -48,27 +48,10 @@ def tools() -> Path:
 
 def compile_variant(layout: str, rows: int, warps: int, entries_per_row: int) -> tuple[bytes, int, int]:
     """The sm_90 cubin of one variant in bf16, its block (entries a row a trip) and its entries a thread a trip."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from elsa_ds.sparse import triton_spmv as T
 
-    sig = {"values": "*bf16", "deltas": "*u8", "row_offsets": "*i64", "x": "*bf16", "bias": "*bf16", "y": "*bf16"}
-    if layout == "delta8" and rows == 1:
-        fn, block = T._kernel(), T.block_sizes(1, entries_per_row)[1]
-        sig.update(n="i32", in_features="i32", out_features="i32", HAS_BIAS="constexpr", BLOCK_B="constexpr", BLOCK="constexpr")
-        consts = {"HAS_BIAS": False, "BLOCK_B": 1, "BLOCK": block}
-    else:
-        fn, block = T._tile_kernel(), T.tile_block(rows, entries_per_row)
-        sig = {("positions" if k == "deltas" else k): v for k, v in sig.items()}
-        if layout == "cols16":
-            sig.update(positions="*i16", row_offsets="*i32")
-        sig.update(in_features="i32", out_features="i32", HAS_BIAS="constexpr", COLS16="constexpr", ROWS="constexpr",
-                   BLOCK="constexpr")
-        consts = {"HAS_BIAS": False, "COLS16": layout == "cols16", "ROWS": rows, "BLOCK": block}
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps})
+    block = T.block_sizes(1, entries_per_row)[1] if layout == "delta8" and rows == 1 else T.tile_block(rows, entries_per_row)
+    compiled = T.compile_ahead(layout, rows, "bf16", block, num_warps=warps)
     return compiled.asm["cubin"], block, block * rows // (32 * warps)
 
 

@@ -128,6 +128,31 @@ def _tile_kernel():
     return triton.jit(_row_group_tiles)
 
 
+def compile_ahead(layout: str, rows: int, dtype: str, block: int, *, has_bias: bool = False, block_b: int = 1,
+                  num_warps: int = 4, capability: int = 90):
+    """One variant compiled by Triton for a CUDA GPU of compute ``capability`` with no GPU present (its bundled ptxas):
+    the kernel :func:`delta8_linear` would launch for ``layout`` ('delta8' / 'cols16') at ``rows`` per program, its
+    arguments typed as the launches pass them (``dtype`` 'bf16', 'fp16' or 'fp32'). Returns Triton's compiled kernel
+    (``.asm``: ttgir, ptx, cubin) for reading its code: bench/kernel_code.py and tests/sparse/test_triton_spmv.py."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointers = {"values": f"*{dtype}", "positions": "*u8", "row_offsets": "*i64", "x": f"*{dtype}", "bias": f"*{dtype}",
+                "y": f"*{dtype}"}
+    if layout == "delta8" and rows == 1:
+        fn, consts = _kernel(), {"HAS_BIAS": has_bias, "BLOCK_B": block_b, "BLOCK": block}
+        pointers["deltas"] = pointers.pop("positions")
+        signature = {**pointers, "n": "i32", "in_features": "i32", "out_features": "i32"}
+    else:
+        fn, consts = _tile_kernel(), {"HAS_BIAS": has_bias, "COLS16": layout == "cols16", "ROWS": rows, "BLOCK": block}
+        if layout == "cols16":
+            pointers.update(positions="*i16", row_offsets="*i32")
+        signature = {**pointers, "in_features": "i32", "out_features": "i32"}
+    signature = {name: signature[name] for name in fn.arg_names if name in signature} | {c: "constexpr" for c in consts}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": num_warps})
+
+
 def unavailable(device: torch.device | str = "cuda") -> str | None:
     """Why the kernel cannot run on ``device`` (None: it can): no triton, or no GPU and no interpreter."""
     if _IMPORT_ERROR is not None:

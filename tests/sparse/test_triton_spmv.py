@@ -177,37 +177,23 @@ def test_more_than_16_rows_are_refused_and_groups_are_powers_of_two(results):
     assert "power of two" in results["3-rows-a-program"]["refused"]
 
 
-def _compile_for_h100(fn, signature: dict, constexprs: dict, num_warps: int = 4):
-    """``fn`` lowered by Triton to an sm_90 cubin (its bundled ptxas) with no GPU present."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def _compile_for_h100(layout: str, rows: int, dtype: str, block: int, **options):
+    """The kernel ``delta8_linear`` launches for ``layout`` and ``rows``, lowered by Triton to an sm_90 cubin (its bundled
+    ptxas) with no GPU present."""
+    pytest.importorskip("triton")
     from elsa_ds.sparse import triton_spmv as T
 
     if T.INTERPRET:
         pytest.skip("TRITON_INTERPRET is set in this process: triton.jit gives the interpreter")
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps})
+    compiled = T.compile_ahead(layout, rows, dtype, block, has_bias=True, **options)
     assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]
     return compiled
-
-
-def _signature(dtype: str, *constexprs: str, batch_arg: bool = True) -> dict:
-    sig = {"values": f"*{dtype}", "deltas": "*u8", "row_offsets": "*i64", "x": f"*{dtype}", "bias": f"*{dtype}", "y": f"*{dtype}"}
-    sig.update({"n": "i32"} if batch_arg else {})
-    sig.update({"in_features": "i32", "out_features": "i32"})
-    return {**sig, **{c: "constexpr" for c in constexprs}}
 
 
 @pytest.mark.parametrize("dtype,block_b,block", [("bf16", 1, 512), ("fp32", 16, 128)])
 def test_kernel_compiles_for_an_h100(dtype, block_b, block):
     """The compiled path, which the interpreter does not take; running it is tests/cuda/test_triton_gpu.py's part."""
-    from elsa_ds.sparse import triton_spmv as T
-
-    pytest.importorskip("triton")
-    _compile_for_h100(T._kernel(), _signature(dtype, "HAS_BIAS", "BLOCK_B", "BLOCK"),
-                      {"HAS_BIAS": True, "BLOCK_B": block_b, "BLOCK": block})
+    _compile_for_h100("delta8", 1, dtype, block, block_b=block_b)
 
 
 @pytest.mark.parametrize("kernel", ["delta8", "cols16"])
@@ -222,12 +208,7 @@ def test_the_row_group_kernel_compiles_with_one_layout_in_its_loop(dtype, rows, 
 
     pytest.importorskip("triton")
     block = T.tile_block(rows, 410)
-    signature = {("positions" if k == "deltas" else k): v
-                 for k, v in _signature(dtype, "HAS_BIAS", "COLS16", "ROWS", "BLOCK", batch_arg=False).items()}
-    if kernel == "cols16":
-        signature.update(positions="*i16", row_offsets="*i32")
-    consts = {"HAS_BIAS": True, "COLS16": kernel == "cols16", "ROWS": rows, "BLOCK": block}
-    ir = _compile_for_h100(T._tile_kernel(), signature, consts).asm["ttgir"]
+    ir = _compile_for_h100(kernel, rows, dtype, block).asm["ttgir"]
     loop = ir[ir.index("scf.while"):ir.index("scf.yield")]
     loads = re.findall(rf"tt\.load %\S+, %\S+, %\S+ : tensor<{block}x{rows}x!tt\.ptr<\w+>, (#\w+)>", loop)
     assert len(loads) == 3 and len(set(loads)) == 1, loads  # deltas, values, x
