@@ -183,6 +183,27 @@ def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp
     assert curve_report.main(["--results", str(tmp_path / "none.jsonl")]) == 2
 
 
+def test_the_report_draws_the_same_curve_from_the_quality_bench_on_another_model(tmp_path):
+    """bench/quality.py's payloads, one per budget: a cell per row, dense and the starts once, one held-out text."""
+    def payload(steps, elsa, wanda_ft, extra=()):
+        rows = [{"row": "dense", "sparsity": None, "ppl": 70.0, "tokens": 0},
+                {"row": "sparsegpt", "sparsity": 0.9, "ppl": 300.0, "tokens": 32768},
+                {"row": "wanda+ft", "sparsity": 0.9, "ppl": wanda_ft, "tokens": steps * 2048},
+                {"row": "elsa", "sparsity": 0.9, "ppl": elsa, "tokens": steps * 2048}, *extra]
+        path = tmp_path / f"s{steps}.json"
+        path.write_text(json.dumps({"model": "demo", "seqlen": 256, "steps": steps, "results": rows}))
+        return path
+
+    paths = [payload(125, 100.0, 80.0), payload(2000, 60.0, 75.0, [{"row": "dense+ft", "sparsity": None, "ppl": 50.0,
+                                                                      "tokens": 2000 * 2048}])]
+    assert curve_report.main(["--quality", *map(str, paths), "--name", "the demo", "--test_label", "held-out plays"]) == 0
+    md = (tmp_path / "s2000.md").read_text()
+    assert md.startswith("# The budget curve on the demo (cpu)") and "linux-doc" not in md
+    assert "| **ELSA / best retraining**, held-out plays | 1.25 | 0.80 |" in md
+    assert "| dense+ft, held-out plays |  | 50.00 |" in md and "Untrained: dense 70.00, sparsegpt 300.00 (held-out plays)." in md
+    assert (tmp_path / "s2000.png").stat().st_size > 10_000
+
+
 @pytest.mark.integration
 def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
     """quality.sh start on CPU: join + build from the put parts, the runner detached, two cells, their lines back in OUT."""

@@ -7,6 +7,10 @@ Writes OUT.md (per sparsity: held-out perplexity by method and training tokens o
 best retraining baseline at each budget: the issue's target is <= 0.8 at the largest) and OUT.png (perplexity against
 training tokens, log-log, one line per method, a panel per sparsity and text; one-shot starts and the dense model as
 horizontal references). The last line printed is JSON: the ratios.
+
+The same curve from bench/quality.py's runs on another model (one JSON per budget, a single held-out text):
+
+    python bench/device/curve_report.py --quality s125.json s500.json s2000.json --name "the demo" --test_label "held-out plays"
 """
 from __future__ import annotations
 
@@ -19,12 +23,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.device.curve import read_lines  # noqa: E402
+from bench.device.curve import ONESHOT, TRAINING, read_lines  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TEXTS = (("test_ppl", "man pages test"), ("linuxdoc_ppl", "linux-doc test"))
 RETRAINING = ("sparsegpt+ft", "wanda+ft")
 TARGET = 0.8
 COLORS = {"elsa": "C1", "elsa (paper's settings)": "C2", "sparsegpt+ft": "C3", "wanda+ft": "C4", "dense+ft": "C0"}
+
+
+def from_quality(paths: list[Path]) -> list[dict]:
+    """Cells as curve.py writes them from bench/quality.py's JSON payloads (one per budget): each row a cell, the held-out
+    perplexity as ``test_ppl``; rows shared by the payloads (dense, the one-shot starts) count once."""
+    cells: dict[str, dict] = {}
+    for path in paths:
+        payload = json.loads(path.read_text())
+        for r in payload["results"]:
+            kind = "train" if r["row"] in TRAINING else "oneshot" if r["row"] in ONESHOT else "eval"
+            steps = payload["steps"] if kind == "train" else 0
+            sparsity = None if r["row"] in ("dense", "dense+ft") else r["sparsity"]
+            key = f"{r['row']}|{'-' if sparsity is None else f'{sparsity:g}'}|{steps}x{payload['seqlen']}|rule"
+            cells[key] = {"key": key, "method": r["row"], "sparsity": sparsity, "steps": steps, "settings": "rule",
+                          "kind": kind, "tokens": r["tokens"] if kind == "train" else 0, "test_ppl": r["ppl"],
+                          "status": "ok", "device": "cpu", "model": payload["model"]}
+    return list(cells.values())
 
 
 def load(path: Path) -> list[dict]:
@@ -61,34 +82,34 @@ def ratios(curves: dict[str, dict[int, dict]], metric: str) -> dict[int, float]:
     return out
 
 
-def table(cells: list[dict], sparsity: float) -> tuple[str, dict]:
+def table(cells: list[dict], sparsity: float, texts: tuple) -> tuple[str, dict]:
     curves, refs = series(cells, sparsity), references(cells, sparsity)
     budgets = sorted({t for s in curves.values() for t in s})
     lines = [f"### {sparsity:.0%} sparsity", "", "| method | " + " | ".join(f"{t:,} tokens" for t in budgets) + " |",
              "|---|" + "---:|" * len(budgets)]
-    for metric, text in TEXTS:
+    for metric, text in texts:
         for label in sorted(curves):
             row = [f"{curves[label][t][metric]:.2f}" if t in curves[label] else "" for t in budgets]
             lines.append(f"| {label}, {text} | " + " | ".join(row) + " |")
         r = ratios(curves, metric)
         lines.append(f"| **ELSA / best retraining**, {text} | " + " | ".join(f"{r[t]:.2f}" if t in r else "" for t in budgets) + " |")
-    lines += ["", "Untrained: " + ", ".join(f"{m} {c['test_ppl']:.2f} / {c['linuxdoc_ppl']:.2f}" for m, c in sorted(refs.items()))
-              + " (man pages / linux-doc).", ""]
-    figures = {text: {str(t): round(v, 4) for t, v in ratios(curves, metric).items()} for metric, text in TEXTS}
+    lines += ["", "Untrained: " + ", ".join(f"{m} " + " / ".join(f"{c[metric]:.2f}" for metric, _ in texts)
+                                            for m, c in sorted(refs.items())) + f" ({' / '.join(t for _, t in texts)}).", ""]
+    figures = {text: {str(t): round(v, 4) for t, v in ratios(curves, metric).items()} for metric, text in texts}
     return "\n".join(lines), figures
 
 
-def plot(cells: list[dict], sparsities: list[float], out: Path) -> None:
+def plot(cells: list[dict], sparsities: list[float], out: Path, texts: tuple, name: str) -> None:
     import matplotlib
     import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(TEXTS), len(sparsities), figsize=(5.5 * len(sparsities), 8), squeeze=False)
+    fig, axes = plt.subplots(len(texts), len(sparsities), figsize=(5.5 * len(sparsities), 4 * len(texts)), squeeze=False)
     for col, sparsity in enumerate(sparsities):
         curves, refs = series(cells, sparsity), references(cells, sparsity)
-        for row, (metric, text) in enumerate(TEXTS):
+        for row, (metric, text) in enumerate(texts):
             ax = axes[row][col]
             for label, points in sorted(curves.items()):
                 xs = sorted(points)
@@ -97,7 +118,7 @@ def plot(cells: list[dict], sparsities: list[float], out: Path) -> None:
                 ax.axhline(cell[metric], linestyle=":" if name == "dense" else "--", linewidth=1, color="grey")
                 ax.annotate(f"{name} (untrained)", (0.01, cell[metric]), xycoords=("axes fraction", "data"), fontsize=7)
             ax.set(xscale="log", yscale="log", xlabel="training tokens", ylabel=f"perplexity, {text}",
-                   title=f"Gemma-3 270M, {sparsity:.0%}")
+                   title=f"{name}, {sparsity:.0%}")
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.legend(fontsize=7)
     fig.tight_layout()
@@ -107,23 +128,31 @@ def plot(cells: list[dict], sparsities: list[float], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=RESULTS)
-    ap.add_argument("--out", type=Path, default=RESULTS.with_suffix(""), help="OUT.md and OUT.png [next to --results]")
+    ap.add_argument("--quality", type=Path, nargs="+", default=None,
+                    help="bench/quality.py JSON payloads (one per budget) instead of --results")
+    ap.add_argument("--out", type=Path, default=None, help="OUT.md and OUT.png [next to --results]")
+    ap.add_argument("--name", default="Gemma-3 270M", help="the model, in titles [Gemma-3 270M]")
+    ap.add_argument("--test_label", default=TEXTS[0][1], help=f"what test_ppl measures [{TEXTS[0][1]}]")
     args = ap.parse_args(argv)
-    if not args.results.is_file():
-        print(f"error: {args.results} does not exist: no cell has run yet (bench/device/README.md)", file=sys.stderr)
+    missing = [p for p in args.quality or [args.results] if not p.is_file()]
+    if missing:
+        print(f"error: {missing[0]} does not exist: no cell has run yet (bench/device/README.md)", file=sys.stderr)
         return 2
-    cells = load(args.results)
+    cells = from_quality(args.quality) if args.quality else load(args.results)
+    out = args.out or (args.quality[-1] if args.quality else args.results).with_suffix("")
+    texts = tuple((metric, args.test_label if metric == "test_ppl" else text) for metric, text in TEXTS
+                  if any(metric in c for c in cells))
     sparsities = sorted({c["sparsity"] for c in cells if c["kind"] == "train" and c["sparsity"] is not None}, reverse=True)
     parts, figures = [], {}
     for s in sparsities:
-        text, figures[f"{s:g}"] = table(cells, s)
+        text, figures[f"{s:g}"] = table(cells, s, texts)
         parts.append(text)
     devices = sorted({c["device"] for c in cells})
-    head = [f"# The budget curve on Gemma-3 270M ({', '.join(devices)})", "",
+    head = [f"# The budget curve on {args.name} ({', '.join(devices)})", "",
             f"Perplexity, fp32, window protocol; target: ELSA / best retraining <= {TARGET} at the largest budget.", ""]
-    args.out.with_suffix(".md").write_text("\n".join(head + parts))
+    out.with_suffix(".md").write_text("\n".join(head + parts))
     if sparsities:
-        plot(cells, sparsities, args.out.with_suffix(".png"))
+        plot(cells, sparsities, out.with_suffix(".png"), texts, args.name)
     print("\n".join(head + parts))
     print(json.dumps({"ratios": figures, "cells": len(cells)}))
     return 0
