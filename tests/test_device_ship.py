@@ -155,6 +155,34 @@ def test_the_plan_runs_small_budgets_first_and_skips_cells_done_before(tmp_path)
         curve.parse_cell("wanda+ft:0.9:100:paper")
 
 
+def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_to_the_rule(tmp_path, monkeypatch):
+    """Each cell's command as launch/prune.py reads it, made into the job's plan (weight-free): the paper's cell takes the
+    authors' README recipe and their code's defaults, not the rule's; the rule's cell sets none of them."""
+    from elsa_ds.cli import prune_parser, settings_from_args
+    from elsa_ds.plan import make_plan
+    from elsa_ds.settings.config import DEMO_MODEL_DIR
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    text = tmp_path / "train.jsonl"
+    text.write_text("".join(json.dumps({"text": f"line {i} of the training text"}) + "\n" for i in range(64)))
+    run = curve.Run(str(DEMO_MODEL_DIR), str(text), str(text), str(text), 64, 8, "zero3_offload", 4, tmp_path, 0.0, 1, {})
+
+    def plan(cell: curve.Cell):
+        cmd = curve.prune_command(cell, run, tmp_path / cell.slug())
+        argv = cmd[cmd.index(str(ROOT / "launch" / "prune.py")) + 1:]
+        opts, cfg, ds_config = settings_from_args(prune_parser().parse_args(argv))
+        return make_plan(cfg, opts, ds_config)
+
+    paper = plan(curve.Cell("elsa", 0.9, 40, "paper"))
+    c = paper.cfg
+    assert (c.lr, c.lmda, c.lmda_schedule.value, c.interval, c.warmup_steps, c.lr_final_ratio) == (2e-4, 0.01, "constant", 32, 0, 0.0)
+    assert tuple(c.betas) == (0.9, 0.95) and c.init_mask is None and c.hold_steps == 0 and c.projection.value == "fisher"
+    assert not {"lr", "lmda", "lmda_schedule", "interval", "warmup_steps", "init_mask", "hold_steps"} & set(paper.defaults["applied"])
+    assert (c.steps, c.sparsity) == (40, 0.9)
+    rule = plan(curve.Cell("elsa", 0.9, 40))
+    assert {"lr", "lmda", "init_mask"} <= set(rule.defaults["applied"]) and tuple(rule.cfg.betas) == (0.9, 0.999)
+
+
 def test_the_estimate_learns_from_finished_cells_of_the_same_device():
     lines = [{"device": "H", "status": "ok", "kind": "train", "steps": 100, "step_s": 0.2, "wall_s": 80.0},
              {"device": "other", "status": "ok", "kind": "train", "steps": 100, "step_s": 9.0, "wall_s": 990.0}]

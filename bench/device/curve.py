@@ -6,15 +6,17 @@ and on linux-doc's (text no run trained on).
     python bench/device/curve.py --model DIR --corpora DIR --budget_s 600 --out OUT      # what quality.sh runs
     python bench/device/curve.py --list       # the plan, and which cells bench/results already holds
 
-A cell is (method, sparsity, steps, settings): ``launch/prune.py`` under the deepspeed launcher on the one GPU
-(--batch sequences of --seqlen tokens a step, one forward each), then ``launch/evaluate.py``'s perplexity in fp32 on both
-test splits (window protocol, at most --eval_limit windows each). ``settings`` is ``rule`` (everything the user leaves
-unset comes from the defaults rule) or ``paper`` (the authors' README recipe: lr 2e-4, λ 0.01 constant, projection every
-32 steps, no warm-up, dense start). Cells already in --results (same key, any earlier session) are skipped; the rest run
-in the plan's order, --parallel at a time, each started only if its estimated time fits what is left of --budget_s
-(estimate: seconds per step and per-run overhead measured on earlier cells of the same GPU and concurrency, else the
-priors below). Every finished or failed cell is one JSON line appended to OUT/cells.jsonl (the lines marked ``ok`` go
-into bench/results/gpu_quality_gemma3-270m.jsonl); the last line printed is a JSON summary.
+A cell is (method, sparsity, steps, settings): ``launch/prune.py`` under the deepspeed launcher on the one GPU (--batch
+sequences of --seqlen tokens a step, one forward each), then ``launch/evaluate.py``'s perplexity in fp32 on both test
+splits (window protocol, at most --eval_limit windows each). ``settings`` is ``rule`` (everything the user leaves unset
+comes from the defaults rule) or ``paper`` (the authors' README recipe, one process: lr 2e-4, λ 0.01 constant,
+projection every 32 steps; their code's defaults: no warm-up, lr decayed linearly to 0, Adam betas 0.9 / 0.95, dense
+start; the projection stays the paper's Fisher-scored one, as in the recipes: recipes/README.md). Cells already in
+--results (same key, any earlier session) are skipped; the rest run in the plan's order, --parallel at a time, each
+started only if its estimated time fits what is left of --budget_s (estimate: seconds per step and per-run overhead
+measured on earlier cells of the same GPU and concurrency, else the priors below). Every finished or failed cell is one
+JSON line appended to OUT/cells.jsonl (the lines marked ``ok`` go into bench/results/gpu_quality_gemma3-270m.jsonl); the
+last line printed is a JSON summary.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
 ONESHOT = ("sparsegpt", "wanda")
 PAPER_ARGS = ["--lr", "2e-4", "--lmda", "0.01", "--lmda_schedule", "constant", "--interval", "32", "--warmup_steps", "0",
-              "--init_mask", "none", "--hold_steps", "0", "--lr_final_ratio", "0"]
+              "--init_mask", "none", "--hold_steps", "0", "--lr_final_ratio", "0", "--betas", "0.9", "0.95"]
 PRIOR_STEP_S = 0.4  # an H100 ran the 4M demo's ZeRO-3 step (8 micro-batches) in 0.16-0.21 s; 270M in one micro-batch: a guess
 PRIOR_OVERHEAD_S = {"train": 150.0, "oneshot": 90.0, "eval": 60.0}  # launcher, load, warm start, export, evaluation
 MARGIN_S = 20.0
