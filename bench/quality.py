@@ -57,22 +57,37 @@ def trains(row: str) -> bool:
     return row == "elsa" or "+" in row
 
 
-def prune(row: str, sparsity: float | None, args, out: Path, extra: list[str]) -> dict:
-    """One run through the real entry point (reused with --reuse when the same command finished before)."""
-    method, finetune = ROWS[row]
-    cmd = [str(ROOT / "launch" / "prune.py"), "--deepspeed", args.deepspeed, "--method", method, "--output_dir", str(out),
+def prune_command(method: str, finetune: str | None, sparsity: float | None, out: Path, *, deepspeed: str,
+                  steps: int | None = None, num_gpus: int = 1, model: str | None = None, dataset: str | None = None,
+                  seqlen: int | None = None, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """``launch/prune.py``'s command for one run, without validation or a baseline evaluation (the bench evaluates on
+    its own): a run that trains (``steps`` given) under the deepspeed launcher with ``num_gpus`` ranks, a one-shot one
+    in one process. :func:`with_port` gives the launcher a free rendezvous port. bench/device/curve.py builds its cells'
+    commands here too."""
+    cmd = [str(ROOT / "launch" / "prune.py"), "--deepspeed", deepspeed, "--method", method, "--output_dir", str(out),
            "--overwrite", "--val_windows", "0", "--baseline", "none"]
     cmd += ["--sparsity", str(sparsity)] if sparsity is not None else []
     cmd += ["--finetune", finetune] if finetune else []
-    cmd += ["--steps", str(args.steps)] if trains(row) else []
-    cmd += [f for flag, value in (("--model", args.model), ("--dataset", args.dataset), ("--seqlen", args.seqlen))
+    cmd += ["--steps", str(steps)] if steps is not None else []
+    cmd += [f for flag, value in (("--model", model), ("--dataset", dataset), ("--seqlen", seqlen))
             if value is not None for f in (flag, str(value))]
-    cmd += extra
-    if trains(row):
-        launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
-        cmd = [launcher, "--num_gpus", str(args.num_gpus), *cmd]
-    else:
-        cmd = [sys.executable, *cmd]
+    cmd += list(extra)
+    if steps is None:
+        return [sys.executable, *cmd]
+    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed") or "deepspeed"
+    return [launcher, "--num_gpus", str(num_gpus), *cmd]
+
+
+def with_port(cmd: list[str]) -> list[str]:
+    """A launcher command with a free ``--master_port`` (two at once must not both take 29500); others unchanged."""
+    return cmd[:1] + ["--master_port", str(free_port())] + cmd[1:] if cmd[0] != sys.executable else cmd
+
+
+def prune(row: str, sparsity: float | None, args, out: Path, extra: list[str]) -> dict:
+    """One run through the real entry point (reused with --reuse when the same command finished before)."""
+    method, finetune = ROWS[row]
+    cmd = prune_command(method, finetune, sparsity, out, deepspeed=args.deepspeed, steps=args.steps if trains(row) else None,
+                        num_gpus=args.num_gpus, model=args.model, dataset=args.dataset, seqlen=args.seqlen, extra=extra)
     stamp = out.with_name(out.name + "_cmd.json")
     if args.reuse and (out / "elsa_report.json").is_file() and stamp.is_file() and json.loads(stamp.read_text()) == cmd[1:]:
         return json.loads((out / "elsa_report.json").read_text())
@@ -80,8 +95,7 @@ def prune(row: str, sparsity: float | None, args, out: Path, extra: list[str]) -
     log = out.with_suffix(".log")
     started = time.time()
     with log.open("w") as fh:
-        port = ["--master_port", str(free_port())] if trains(row) else []  # not in the stamp: it changes every run
-        rc = subprocess.run(cmd[:1] + port + cmd[1:], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+        rc = subprocess.run(with_port(cmd), cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,  # the port: not in the stamp
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
     if rc != 0:
         raise SystemExit(f"{row} at {sparsity}: launch/prune.py failed with exit code {rc}; see {log}")

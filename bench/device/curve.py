@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.quality import free_port  # noqa: E402 - the quality bench's rendezvous port: two launchers at once
+from bench import quality  # noqa: E402 - its commands and rendezvous ports
 RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
 ONESHOT = ("sparsegpt", "wanda")
@@ -143,19 +143,15 @@ class Run:
 
 
 def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
-    """``launch/prune.py`` for one cell: under the deepspeed launcher for a training cell, one process for a one-shot."""
+    """``launch/prune.py`` for one cell (the quality bench's command): under the deepspeed launcher for a training cell,
+    one process for a one-shot."""
     method, finetune = (cell.method.split("+")[0], "full") if "+" in cell.method else (cell.method, None)
-    cmd = [str(ROOT / "launch" / "prune.py"), "--deepspeed", run.deepspeed, "--method", method, "--output_dir", str(out),
-           "--overwrite", "--model", run.model, "--dataset", run.train, "--seqlen", str(run.seqlen), "--val_windows", "0",
-           "--baseline", "none"]
-    cmd += ["--sparsity", f"{cell.sparsity:g}"] if cell.sparsity is not None else []
-    cmd += ["--finetune", finetune] if finetune else []
-    if cell.kind != "train":
-        return [sys.executable, *cmd]
-    cmd += ["--steps", str(cell.steps), "--batch_size", str(cell.batch), "--micro_batch", str(min(run.micro_batch, cell.batch))]
-    cmd += PAPER_ARGS if cell.settings == "paper" else []
-    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed") or "deepspeed"
-    return [launcher, "--num_gpus", "1", "--master_port", str(free_port()), *cmd]
+    trains = cell.kind == "train"
+    extra = ["--batch_size", str(cell.batch), "--micro_batch", str(min(run.micro_batch, cell.batch))] if trains else []
+    extra += PAPER_ARGS if cell.settings == "paper" else []
+    return quality.prune_command(method, finetune, cell.sparsity, out, deepspeed=run.deepspeed,
+                                 steps=cell.steps if trains else None, model=run.model, dataset=run.train,
+                                 seqlen=run.seqlen, extra=extra)
 
 
 def call(cmd: list[str], log: Path, deadline: float) -> int:
@@ -204,7 +200,7 @@ def run_cell(cell: Cell, run: Run) -> dict:
             "tokens": cell.steps * cell.batch * run.seqlen, "deepspeed": run.deepspeed, "concurrency": run.parallel, **run.env}
     report: dict = {}
     if cell.method != "dense":
-        rc = call(prune_command(cell, run, out), log, run.deadline)
+        rc = call(quality.with_port(prune_command(cell, run, out)), log, run.deadline)
         if rc != 0 or not (out / "elsa_report.json").is_file():
             return line | failed(rc, "prune", log, started)
         report = json.loads((out / "elsa_report.json").read_text())
