@@ -89,3 +89,27 @@ def test_prune_fraction_out_of_range_is_refused(tmp_path):
 def test_missing_package_names_the_install_command():
     with pytest.raises(CorpusError, match=r"apt-get install -y no-such-package-elsa"):
         package_version("no-such-package-elsa")
+
+
+def test_a_mix_shuffles_its_sources_splits_together_and_keeps_every_test_document_held_out(tmp_path, monkeypatch):
+    """techdocs' construction on three stand-in sources: each split of the mix is the union of the sources' same split
+    (no document crosses splits), its documents interleaved (a prefix holds every source), rebuilt only when a source
+    changed; a prune split is refused for a mix."""
+    from bench.models import corpora
+
+    def source(tag: str):
+        return lambda: ([(f"{tag}/{i:03d}", f"{tag} document {i}\n") for i in range(60)], {f"pkg-{tag}": "1.0"})
+
+    monkeypatch.setattr(corpora, "CORPORA", {t: corpora.Corpus(t, t, source(t)) for t in ("a", "b", "c")})
+    monkeypatch.setattr(corpora, "MIXES", {"mix": ("a", "b", "c")})
+    meta = corpora.build_mix("mix", tmp_path / "mix")
+    splits = {s: corpora.read_split(tmp_path / "mix", s) for s in corpora.SPLITS}
+    for s in corpora.SPLITS:
+        assert sorted(splits[s]) == sorted(t for src in "abc" for t in corpora.read_split(tmp_path / src, s))
+        assert meta["splits"][s]["documents"] == len(splits[s])
+    assert not set(splits["train"]) & set(splits["test"]) and not set(splits["train"]) & set(splits["validation"])
+    assert {t[0] for t in splits["train"][:20]} == {"a", "b", "c"}  # interleaved, not source after source
+    assert meta["packages"] == {"pkg-a": "1.0", "pkg-b": "1.0", "pkg-c": "1.0"}
+    stamp = (tmp_path / "mix" / "train.jsonl").stat().st_mtime_ns
+    assert corpora.build_mix("mix", tmp_path / "mix") == meta and (tmp_path / "mix" / "train.jsonl").stat().st_mtime_ns == stamp
+    assert corpora.main(["--name", "mix", "--out", str(tmp_path / "mix"), "--prune", "0.1"]) == 2

@@ -133,12 +133,12 @@ def test_join_refuses_a_part_changed_after_put_and_names_it(packed, tmp_path):
 def test_pack_refuses_a_gguf_that_is_not_the_packages(stand_in, tmp_path):
     with pytest.raises(ship.ShipError, match="sha256"):
         ship.pack(stand_in["gguf"], "0" * 64, stand_in["tokenizer"], stand_in["corpora"], None, tmp_path / "s", part_mib=1)
-    (stand_in["corpora"] / "manpages" / "test.jsonl").rename(tmp_path / "moved")
+    (stand_in["corpora"] / "techdocs" / "test.jsonl").rename(tmp_path / "moved")
     try:
-        with pytest.raises(ship.ShipError, match="corpora.py --name manpages"):
+        with pytest.raises(ship.ShipError, match="corpora.py --name techdocs"):
             ship.pack(stand_in["gguf"], stand_in["sha"], stand_in["tokenizer"], stand_in["corpora"], None, tmp_path / "s")
     finally:
-        (tmp_path / "moved").rename(stand_in["corpora"] / "manpages" / "test.jsonl")
+        (tmp_path / "moved").rename(stand_in["corpora"] / "techdocs" / "test.jsonl")
 
 
 def test_the_plan_runs_small_budgets_first_and_skips_cells_done_before(tmp_path):
@@ -205,8 +205,8 @@ def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp
     results.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert curve_report.main(["--results", str(results), "--out", str(tmp_path / "curve")]) == 0
     md = (tmp_path / "curve.md").read_text()
-    assert "| **ELSA / best retraining**, man pages test | 1.25 | 0.80 |" in md  # 40/32 at 125 steps; 20/25 at 2000 (not the cut 30)
-    assert "elsa (paper's settings), man pages test |  | 22.00 |" in md and "sparsegpt 700.00 / 1400.00" in md
+    assert "| **ELSA / best retraining**, techdocs test | 1.25 | 0.80 |" in md  # 40/32 at 125 steps; 20/25 at 2000 (not the cut 30)
+    assert "elsa (paper's settings), techdocs test |  | 22.00 |" in md and "sparsegpt 700.00 / 1400.00" in md
     assert (tmp_path / "curve.png").stat().st_size > 10_000
     assert curve_report.main(["--results", str(tmp_path / "none.jsonl")]) == 2
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.device.curve import ONESHOT, TRAINING, read_lines  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
-TEXTS = (("test_ppl", "man pages test"), ("linuxdoc_ppl", "linux-doc test"))
+TEXTS = (("test_ppl", "techdocs test"), ("linuxdoc_ppl", "linux-doc test"))
 RETRAINING = ("sparsegpt+ft", "wanda+ft")
 TARGET = 0.8
 COLORS = {"elsa": "C1", "elsa (paper's settings)": "C2", "sparsegpt+ft": "C3", "wanda+ft": "C4", "dense+ft": "C0"}

@@ -1,7 +1,7 @@
 """Ship the real Gemma-3 270M and its corpora to a lent GPU machine, in parts that travel beside the checkout.
 
 The device tool carries at most 64 MiB a call, the checkout (~19 MiB) included, and nothing can be downloaded there; the
-model's GGUF alone is 253 MB. So the payload (the GGUF, the tokenizer built here, the man pages' train and test splits,
+model's GGUF alone is 253 MB. So the payload (the GGUF, the tokenizer built here, techdocs' train and test splits,
 linux-doc's test split, the Gemma terms) is one gzip'd tar cut into parts that each fit beside the checkout: one `run` a
 part, back to back (a held machine goes back ~30 s after a call; a fresh one is bare), each copying its part to a folder
 outside the checkout; the last call joins them, checks every sha256 and builds the model folder there.
@@ -43,7 +43,7 @@ DEST = Path(os.environ.get("ELSA_SHIP", "/tmp/elsa_ship"))  # on the device: out
 TRAVEL_MIB = 64  # what one call may carry, checkout included
 MARGIN_MIB = 3  # for files added to the checkout after packing
 FORMAT = 1
-CORPORA = {"manpages": ("train.jsonl", "test.jsonl", "corpus.json"), "linux-doc": ("test.jsonl", "corpus.json")}
+CORPORA = {"techdocs": ("train.jsonl", "test.jsonl", "corpus.json"), "linux-doc": ("test.jsonl", "corpus.json")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "generation_config.json")
 MIB = 1 << 20

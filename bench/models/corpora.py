@@ -1,12 +1,19 @@
-"""Two English corpora from Debian packages, cleaned to plain text and split by whole document.
+"""English corpora from Debian packages, cleaned to plain text and split by whole document.
 
     python bench/models/corpora.py --name linux-doc --out ~/.cache/elsa_ds/corpora/linux-doc
     python bench/models/corpora.py --name manpages --out ~/.cache/elsa_ds/corpora/manpages
+    python bench/models/corpora.py --name techdocs      # manpages + python-doc + perl-doc, shuffled together per split
 
 - ``linux-doc``: the kernel's ``Documentation/**/*.rst`` from ``linux-doc-<ver>`` (translations
   excluded), reStructuredText with the markup stripped (``clean_rst``).
 - ``manpages``: the regular (non-``.so``) pages of ``manpages`` and ``manpages-dev``, rendered by
   ``groff -man -Tutf8`` (no hyphenation, one line per paragraph) and cleaned (``clean_man``).
+- ``python-doc``: the Python documentation's pages, the reStructuredText sources Sphinx ships beside the HTML
+  (``python3.X-doc``), cleaned as linux-doc's.
+- ``perl-doc``: Perl's POD pages (``perl-doc``) rendered by ``pod2text``, one line per paragraph.
+- ``techdocs`` (a mix): the splits of manpages, python-doc and perl-doc, each split's documents shuffled together
+  (seeded), so any prefix holds every source in proportion and no split shares a document with another; the GPU budget
+  curve trains on its train split (4.85 M Gemma-3 tokens, where the man pages alone have 1.5 M).
 
 A document is one source file. Documents are sorted by path, then a seeded permutation assigns whole
 documents to train/validation/test (~90/5/5), so no held-out document shares a line with training.
@@ -232,6 +239,44 @@ def manpage_documents() -> tuple[list[tuple[str, str]], dict[str, str]]:
     return sorted(docs), versions
 
 
+# --- python-doc: the Python documentation's reStructuredText sources -> text -------------------------------------
+
+def python_doc_documents() -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(path under html/_sources, cleaned text) of every page of the Python documentation (Sphinx ships each page's
+    reStructuredText source beside its HTML), markup stripped as linux-doc's."""
+    roots = sorted((r for r in Path("/usr/share/doc").glob("python3.*/html/_sources") if re.fullmatch(r"python3\.\d+", r.parents[1].name)),
+                   key=lambda r: int(r.parents[1].name.split(".")[1]))
+    if not roots:
+        raise CorpusError("the Python documentation is not installed (/usr/share/doc/python3.*/html/_sources); "
+                          "run: apt-get install -y python3-doc")
+    root = roots[-1]
+    package = f"{root.parents[1].name}-doc"  # python3.11-doc
+    versions = {package: package_version(package)}
+    docs = [(path.relative_to(root).as_posix().removesuffix(".txt"), clean_rst(read_maybe_gz(path)))
+            for path in sorted(root.rglob("*.rst.txt"))]
+    return sorted(docs), versions
+
+
+# --- perl-doc: POD -> text ----------------------------------------------------------------------------------------
+
+def render_pod(path: Path) -> str:
+    """A POD file through pod2text: no indent, one output line per paragraph (verbatim blocks keep theirs)."""
+    res = subprocess.run(["pod2text", "--utf8", "--indent", "0", "--width", "10000", str(path)], capture_output=True,
+                         text=True, env={"LC_ALL": "C.UTF-8", "PATH": "/usr/bin:/bin"})
+    if res.returncode != 0:
+        raise CorpusError(f"pod2text failed on {path}: {res.stderr.strip()[:200]}")
+    return _squeeze("\n".join(line.rstrip() for line in res.stdout.split("\n")))
+
+
+def perl_doc_documents() -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(file name, text) of every POD page of perl-doc (perlfunc, perlop, the FAQs, the release notes, ...)."""
+    versions = {"perl-doc": package_version("perl-doc")}
+    if shutil.which("pod2text") is None:
+        raise CorpusError("pod2text is not installed; run: apt-get install -y perl")
+    docs = [(path.name, render_pod(path)) for path in package_files("perl-doc") if path.suffix == ".pod"]
+    return sorted(docs), versions
+
+
 # --- splitting and writing ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -245,6 +290,9 @@ CORPORA = {
     "linux-doc": Corpus("linux-doc", "Linux kernel Documentation/*.rst (English), markup stripped", linux_doc_documents),
     "manpages": Corpus("manpages", "Linux man-pages (sections 1-8 of manpages, manpages-dev) rendered by groff",
                        manpage_documents),
+    "python-doc": Corpus("python-doc", "the Python documentation's pages (python3.X-doc's reStructuredText sources), "
+                         "markup stripped", python_doc_documents),
+    "perl-doc": Corpus("perl-doc", "Perl's documentation (perl-doc's POD pages) rendered by pod2text", perl_doc_documents),
 }
 
 
@@ -318,6 +366,49 @@ def build_corpus(name: str, out: Path, seed: int = 0, held_out: tuple[float, flo
     return meta
 
 
+# A mix: the same-named splits of several corpora, documents shuffled together (seeded), so that every prefix of a split
+# (what packed training blocks and the first perplexity windows read) holds each source in proportion. A source's test
+# documents are the mix's test documents: no mix split shares a document with another.
+MIXES = {"techdocs": ("manpages", "python-doc", "perl-doc")}
+
+
+def build_mix(name: str, out: Path, seed: int = 0, force: bool = False) -> dict:
+    """Build (or reuse) mix ``name`` at ``out`` from its sources, each built (or reused) beside it; returns its
+    ``corpus.json`` (each source's packages and split digests, and the mix's own per split)."""
+    out = out.expanduser()
+    sources = {src: build_corpus(src, out.parent / src, seed) for src in MIXES[name]}
+    digest_in = hashlib.sha256(json.dumps({k: {s: v["splits"][s]["sha256"] for s in SPLITS} for k, v in sources.items()},
+                                          sort_keys=True).encode()).hexdigest()
+    if not force and is_complete(out, name, seed) and json.loads((out / "corpus.json").read_text()).get("sources_sha256") == digest_in:
+        return json.loads((out / "corpus.json").read_text())
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    meta: dict = {"name": name, "description": f"the documents of {', '.join(MIXES[name])}, shuffled together per split",
+                  "packages": {k: v for src in sources.values() for k, v in src["packages"].items()}, "seed": seed,
+                  "held_out_fractions": {"validation": 0.05, "test": 0.05}, "format_version": FORMAT_VERSION,
+                  "sources": {src: {s: {k: v for k, v in meta_s["splits"][s].items() if k != "paths"} for s in SPLITS}
+                              for src, meta_s in sources.items()},
+                  "sources_sha256": digest_in, "splits": {}}
+    for split in SPLITS:
+        docs = [(src, text) for src in MIXES[name] for text in read_split(out.parent / src, split)]
+        random.Random(f"{seed}:{split}").shuffle(docs)
+        digest = hashlib.sha256()
+        with (tmp / f"{split}.jsonl").open("w", encoding="utf-8") as fh:
+            for _, text in docs:
+                line = json.dumps({"text": text}, ensure_ascii=False) + "\n"
+                fh.write(line)
+                digest.update(line.encode())
+        meta["splits"][split] = {"documents": len(docs), "chars": sum(len(t) for _, t in docs), "sha256": digest.hexdigest(),
+                                 "sources": [src for src, _ in docs]}
+    (tmp / "corpus.json").write_text(json.dumps(meta, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return meta
+
+
 def read_split(out: Path, split: str) -> list[str]:
     """The document texts of one split file, in order."""
     with (out / f"{split}.jsonl").open(encoding="utf-8") as fh:
@@ -326,7 +417,7 @@ def read_split(out: Path, split: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--name", choices=sorted(CORPORA), required=True)
+    ap.add_argument("--name", choices=sorted([*CORPORA, *MIXES]), required=True)
     ap.add_argument("--out", type=Path, help="output directory [~/.cache/elsa_ds/corpora/NAME]")
     ap.add_argument("--seed", type=int, default=0, help="document split seed")
     ap.add_argument("--force", action="store_true", help="rebuild even if a complete corpus exists")
@@ -334,11 +425,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = args.out or Path("~/.cache/elsa_ds/corpora") / args.name
     try:
-        meta = build_corpus(args.name, out, args.seed, force=args.force, prune=args.prune)
+        if args.name in MIXES and args.prune:
+            raise CorpusError(f"--prune: a mix ({args.name}) takes its sources' splits as they are")
+        meta = (build_mix(args.name, out, args.seed, force=args.force) if args.name in MIXES
+                else build_corpus(args.name, out, args.seed, force=args.force, prune=args.prune))
     except CorpusError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    summary = {s: {k: v for k, v in meta["splits"][s].items() if k != "paths"} for s in meta["splits"]}
+    summary = {s: {k: v for k, v in meta["splits"][s].items() if k not in ("paths", "sources")} for s in meta["splits"]}
     print(json.dumps({"name": meta["name"], "packages": meta["packages"], "out": str(out.expanduser()), "splits": summary}))
     return 0
 
