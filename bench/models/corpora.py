@@ -343,22 +343,30 @@ def build_corpus(name: str, out: Path, seed: int = 0, held_out: tuple[float, flo
     if len(docs) < 20:
         raise CorpusError(f"corpus {name}: only {len(docs)} documents found; is the package complete?")
     index = split_documents([p for p, _ in docs], seed, held_out, prune)
+    meta: dict = {"name": name, "description": corpus.description, "packages": versions, "seed": seed,
+                  "held_out_fractions": {"validation": held_out[0], "test": held_out[1], **({"prune": prune} if prune else {})},
+                  "format_version": FORMAT_VERSION}
+    return write_corpus(out, meta, {split: [docs[i][1] for i in index[split]] for split in splits_of(prune)},
+                        {split: {"paths": [docs[i][0] for i in index[split]]} for split in splits_of(prune)})
+
+
+def write_corpus(out: Path, meta: dict, splits: dict[str, list[str]], extra: dict[str, dict]) -> dict:
+    """Each split's texts as ``<split>.jsonl`` and ``meta`` (with every split's documents, characters, sha256 and
+    ``extra[split]``) as ``corpus.json``, written to ``<out>.tmp`` and renamed to ``out`` when complete."""
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    meta: dict = {"name": name, "description": corpus.description, "packages": versions, "seed": seed,
-                  "held_out_fractions": {"validation": held_out[0], "test": held_out[1], **({"prune": prune} if prune else {})},
-                  "format_version": FORMAT_VERSION, "splits": {}}
-    for split in splits_of(prune):
+    meta = {**meta, "splits": {}}
+    for split, texts in splits.items():
         digest = hashlib.sha256()
         with (tmp / f"{split}.jsonl").open("w", encoding="utf-8") as fh:
-            for i in index[split]:
-                line = json.dumps({"text": docs[i][1]}, ensure_ascii=False) + "\n"
+            for text in texts:
+                line = json.dumps({"text": text}, ensure_ascii=False) + "\n"
                 fh.write(line)
                 digest.update(line.encode())
-        meta["splits"][split] = {"documents": len(index[split]), "chars": sum(len(docs[i][1]) for i in index[split]),
-                                 "sha256": digest.hexdigest(), "paths": [docs[i][0] for i in index[split]]}
+        meta["splits"][split] = {"documents": len(texts), "chars": sum(map(len, texts)), "sha256": digest.hexdigest(),
+                                 **extra[split]}
     (tmp / "corpus.json").write_text(json.dumps(meta, indent=1) + "\n")
     if out.exists():
         shutil.rmtree(out)
@@ -381,32 +389,19 @@ def build_mix(name: str, out: Path, seed: int = 0, force: bool = False) -> dict:
                                           sort_keys=True).encode()).hexdigest()
     if not force and is_complete(out, name, seed) and json.loads((out / "corpus.json").read_text()).get("sources_sha256") == digest_in:
         return json.loads((out / "corpus.json").read_text())
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     meta: dict = {"name": name, "description": f"the documents of {', '.join(MIXES[name])}, shuffled together per split",
                   "packages": {k: v for src in sources.values() for k, v in src["packages"].items()}, "seed": seed,
                   "held_out_fractions": {"validation": 0.05, "test": 0.05}, "format_version": FORMAT_VERSION,
                   "sources": {src: {s: {k: v for k, v in meta_s["splits"][s].items() if k != "paths"} for s in SPLITS}
                               for src, meta_s in sources.items()},
-                  "sources_sha256": digest_in, "splits": {}}
+                  "sources_sha256": digest_in}
+    mixed = {}
     for split in SPLITS:
         docs = [(src, text) for src in MIXES[name] for text in read_split(out.parent / src, split)]
         random.Random(f"{seed}:{split}").shuffle(docs)
-        digest = hashlib.sha256()
-        with (tmp / f"{split}.jsonl").open("w", encoding="utf-8") as fh:
-            for _, text in docs:
-                line = json.dumps({"text": text}, ensure_ascii=False) + "\n"
-                fh.write(line)
-                digest.update(line.encode())
-        meta["splits"][split] = {"documents": len(docs), "chars": sum(len(t) for _, t in docs), "sha256": digest.hexdigest(),
-                                 "sources": [src for src, _ in docs]}
-    (tmp / "corpus.json").write_text(json.dumps(meta, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return meta
+        mixed[split] = docs
+    return write_corpus(out, meta, {split: [t for _, t in docs] for split, docs in mixed.items()},
+                        {split: {"sources": [src for src, _ in docs]} for split, docs in mixed.items()})
 
 
 def read_split(out: Path, split: str) -> list[str]:
