@@ -142,10 +142,11 @@ def test_pack_refuses_a_gguf_that_is_not_the_packages(stand_in, tmp_path):
 
 
 def test_the_plan_runs_small_budgets_first_and_skips_cells_done_before(tmp_path):
-    plan = curve.curve_plan(2000)
-    assert [c.steps for c in plan[:9]] == [125] * 3 + [500] * 3 + [2000] * 3 and {c.sparsity for c in plan[:9]} == {0.9}
-    assert {c.method for c in plan if c.steps == 2000 and c.sparsity == 0.7} == {"elsa", "sparsegpt+ft", "wanda+ft"}
-    assert curve.Cell("elsa", 0.9, 2000, "paper") in plan and curve.Cell("dense+ft", None, 2000) in plan
+    plan = curve.curve_plan()
+    assert [c.steps for c in plan[:9]] == [128] * 3 + [512] * 3 + [2048] * 3 and {c.sparsity for c in plan[:9]} == {0.9}
+    assert plan[9] == curve.Cell("elsa", 0.9, 512, "dense")  # which start wins where the rule starts from SparseGPT's
+    assert {c.method for c in plan if c.steps == 2048 and c.sparsity == 0.7} == {"elsa", "sparsegpt+ft", "wanda+ft"}
+    assert curve.Cell("elsa", 0.9, 2048, "paper") in plan and curve.Cell("dense+ft", None, 2048) in plan
     done = tmp_path / "done.jsonl"
     done.write_text(json.dumps({"key": plan[0].key(512), "status": "ok"}) + "\n" + json.dumps({"key": plan[1].key(512), "status": "cut"}) + "\n")
     assert curve.done_keys(done) == {plan[0].key(512)}
@@ -181,6 +182,9 @@ def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_
     assert (c.steps, c.sparsity) == (40, 0.9)
     rule = plan(curve.Cell("elsa", 0.9, 40))
     assert {"lr", "lmda", "init_mask"} <= set(rule.defaults["applied"]) and tuple(rule.cfg.betas) == (0.9, 0.999)
+    assert rule.cfg.init_mask is not None and rule.cfg.init_weights  # a short budget: the rule starts from SparseGPT's model
+    dense = plan(curve.Cell("elsa", 0.9, 40, "dense"))
+    assert dense.cfg.init_mask is None and "init_mask" not in dense.defaults["applied"] and "lr" in dense.defaults["applied"]
 
 
 def test_the_estimate_learns_from_finished_cells_of_the_same_device():
@@ -230,6 +234,8 @@ def test_the_report_draws_the_same_curve_from_the_quality_bench_on_another_model
     assert "| **ELSA / best retraining**, held-out plays | 1.25 | 0.80 |" in md
     assert "| dense+ft, held-out plays |  | 50.00 |" in md and "Untrained: dense 70.00, sparsegpt 300.00 (held-out plays)." in md
     assert (tmp_path / "s2000.png").stat().st_size > 10_000
+    cells = curve_report.from_quality(paths)
+    assert curve_report.plot(cells, [0.9], tmp_path / "p.png", (("test_ppl", "plays"),), "the demo") == ["the demo, 90%"]
 
 
 @pytest.mark.integration

@@ -28,7 +28,9 @@ RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TEXTS = (("test_ppl", "techdocs test"), ("linuxdoc_ppl", "linux-doc test"))
 RETRAINING = ("sparsegpt+ft", "wanda+ft")
 TARGET = 0.8
-COLORS = {"elsa": "C1", "elsa (paper's settings)": "C2", "sparsegpt+ft": "C3", "wanda+ft": "C4", "dense+ft": "C0"}
+LABELS = {"paper": " (paper's settings)", "dense": " (dense start)"}
+COLORS = {"elsa": "C1", "elsa (paper's settings)": "C2", "elsa (dense start)": "C5", "sparsegpt+ft": "C3", "wanda+ft": "C4",
+          "dense+ft": "C0"}
 
 
 def from_quality(paths: list[Path]) -> list[dict]:
@@ -58,11 +60,12 @@ def load(path: Path) -> list[dict]:
 
 
 def series(cells: list[dict], sparsity: float | None) -> dict[str, dict[int, dict]]:
-    """{method label: {tokens: cell}} of the training cells at ``sparsity`` (the paper's settings as their own label)."""
+    """{method label: {tokens: cell}} of the training cells at ``sparsity`` (the paper's settings and the dense start as
+    their own labels)."""
     out: dict[str, dict[int, dict]] = defaultdict(dict)
     for c in cells:
         if c["kind"] == "train" and (c["sparsity"] == sparsity or c["method"] == "dense+ft"):
-            label = c["method"] + (" (paper's settings)" if c.get("settings") == "paper" else "")
+            label = c["method"] + LABELS.get(c.get("settings", "rule"), "")
             out[label][c["tokens"]] = c
     return dict(out)
 
@@ -99,7 +102,8 @@ def table(cells: list[dict], sparsity: float, texts: tuple) -> tuple[str, dict]:
     return "\n".join(lines), figures
 
 
-def plot(cells: list[dict], sparsities: list[float], out: Path, texts: tuple, name: str) -> None:
+def plot(cells: list[dict], sparsities: list[float], out: Path, texts: tuple, name: str) -> list[str]:
+    """OUT.png: a panel per text (rows) and sparsity (columns); returns the panels' titles."""
     import matplotlib
     import matplotlib.ticker
 
@@ -114,15 +118,16 @@ def plot(cells: list[dict], sparsities: list[float], out: Path, texts: tuple, na
             for label, points in sorted(curves.items()):
                 xs = sorted(points)
                 ax.plot(xs, [points[t][metric] for t in xs], marker="o", label=label, color=COLORS.get(label))
-            for name, cell in sorted(refs.items()):
-                ax.axhline(cell[metric], linestyle=":" if name == "dense" else "--", linewidth=1, color="grey")
-                ax.annotate(f"{name} (untrained)", (0.01, cell[metric]), xycoords=("axes fraction", "data"), fontsize=7)
+            for ref, cell in sorted(refs.items()):
+                ax.axhline(cell[metric], linestyle=":" if ref == "dense" else "--", linewidth=1, color="grey")
+                ax.annotate(f"{ref} (untrained)", (0.01, cell[metric]), xycoords=("axes fraction", "data"), fontsize=7)
             ax.set(xscale="log", yscale="log", xlabel="training tokens", ylabel=f"perplexity, {text}",
                    title=f"{name}, {sparsity:.0%}")
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+    return [ax.get_title() for row in axes for ax in row]
 
 
 def main(argv: list[str] | None = None) -> int:
