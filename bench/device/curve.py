@@ -1,6 +1,6 @@
 """The budget curve on one GPU (issue 41): ELSA with the defaults rule against SparseGPT + full retraining, Wanda + full
 retraining and the dense control, all on the same training tokens (``techdocs``: Debian's man pages, Python and Perl
-documentation, 4.85 M Gemma tokens, so that the largest budget reads it 1.7 times, not the man pages' 1.5 M tokens 5.5
+documentation, 4.85 M Gemma tokens, so that the largest budget reads it 1.7 times, not the man pages' 1.5 M tokens 5.6
 times), each cell's model judged on techdocs' held-out test documents and on linux-doc's (text no run trained on).
 
     bench/device/quality.sh start 600         # there, after bench/device/ship.py's calls (bench/device/README.md)
