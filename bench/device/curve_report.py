@@ -18,12 +18,13 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.device.curve import ONESHOT, TRAINING, read_lines  # noqa: E402
+from bench.device.curve import Cell, read_lines  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TEXTS = (("test_ppl", "techdocs test"), ("linuxdoc_ppl", "linux-doc test"))
 RETRAINING = ("sparsegpt+ft", "wanda+ft")
@@ -40,13 +41,14 @@ def from_quality(paths: list[Path]) -> list[dict]:
     for path in paths:
         payload = json.loads(path.read_text())
         for r in payload["results"]:
-            kind = "train" if r["row"] in TRAINING else "oneshot" if r["row"] in ONESHOT else "eval"
-            steps = payload["steps"] if kind == "train" else 0
             sparsity = None if r["row"] in ("dense", "dense+ft") else r["sparsity"]
-            key = f"{r['row']}|{'-' if sparsity is None else f'{sparsity:g}'}|{steps}x{payload['seqlen']}|rule"
-            cells[key] = {"key": key, "method": r["row"], "sparsity": sparsity, "steps": steps, "settings": "rule",
-                          "kind": kind, "tokens": r["tokens"] if kind == "train" else 0, "test_ppl": r["ppl"],
-                          "status": "ok", "device": "cpu", "model": payload["model"]}
+            cell = Cell(r["row"], sparsity, 0)
+            if cell.kind == "train":  # the batch in sequences, from the tokens the run read
+                steps = payload["steps"]
+                cell = Cell(r["row"], sparsity, steps, batch=r["tokens"] // (steps * payload["seqlen"]))
+            key = cell.key(payload["seqlen"])
+            cells[key] = {"key": key, **asdict(cell), "kind": cell.kind, "tokens": r["tokens"] if cell.kind == "train" else 0,
+                          "test_ppl": r["ppl"], "status": "ok", "device": "cpu", "model": payload["model"]}
     return list(cells.values())
 
 
