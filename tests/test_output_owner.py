@@ -18,7 +18,7 @@ import pytest
 
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import check_publishable, publish, staging_dir
-from elsa_ds.files.ownership import lock_path, owned
+from elsa_ds.files.ownership import acquire, lock_path, owned
 from tests.conftest import ROOT, run_entry, run_fails
 
 
@@ -200,3 +200,29 @@ def test_compress_refuses_an_output_another_job_writes(tmp_path, tiny_model_dir)
     assert not (tmp_path / "sparse").exists()
     compress(pruned, tmp_path / "sparse", min_sparsity=0.4)
     assert (tmp_path / "sparse" / "config.json").is_file() and not lock_path(tmp_path / "sparse").exists()
+
+
+def test_a_job_refused_before_the_holder_wrote_its_name_waits_for_it(tmp_path, monkeypatch):
+    """The holder creates, locks, then names the lock file: a job refused in between names the holder all the same
+    (two jobs started together on a loaded host), and says so plainly when the name never comes."""
+    import fcntl
+    import threading
+
+    out = tmp_path / "out"
+    path = lock_path(out)
+    held = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)   # another open file description: flock conflicts
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        named = {"pid": 4242, "host": socket.gethostname(), "started": 0.0}
+        later = threading.Timer(0.3, lambda: os.pwrite(held, json.dumps(named).encode(), 0))
+        later.start()
+        with pytest.raises(ElsaError, match="being written by another job \\(pid 4242 on "):
+            acquire(out, "--output_dir")
+        later.join()
+        os.ftruncate(held, 0)
+        monkeypatch.setattr("elsa_ds.files.ownership.NAME_WAIT_S", 0.1)
+        with pytest.raises(ElsaError, match="a job that has not written its name yet"):
+            acquire(out, "--output_dir")
+    finally:
+        os.close(held)
+    assert path.exists() and not out.exists()                   # the refused job removed nothing

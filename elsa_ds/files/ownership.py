@@ -24,6 +24,7 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # filesystems without flock: the file decides
+NAME_WAIT_S = 5.0  # how long a refused job waits for a lock's new holder to write its name (a loaded host can be slow)
 
 
 def lock_path(output: Path) -> Path:
@@ -81,7 +82,7 @@ def acquire(output: Path, flag: str) -> int:
         try:
             locked = _flock(fd)
             if locked is False and _same_file(fd, path):
-                raise ElsaError(_busy(output, flag, path, read_holder(fd)))
+                raise ElsaError(_busy(output, flag, path, _named_holder(fd, NAME_WAIT_S)))
             if locked is False or not _same_file(fd, path):  # released (unlinked) or replaced since our open
                 os.close(fd)
                 continue
@@ -180,6 +181,17 @@ def read_holder(fd: int) -> dict:
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}
+
+
+def _named_holder(fd: int, wait_s: float) -> dict:
+    """The holder of a lock held by another job. Its holder creates the file, locks it, then writes its name: a job
+    refused in between waits up to ``wait_s`` for the name, so that the refusal can say whom it waits for."""
+    deadline = time.monotonic() + wait_s
+    info = read_holder(fd)
+    while not info.get("pid") and time.monotonic() < deadline:
+        time.sleep(0.02)
+        info = read_holder(fd)
+    return info
 
 
 def _busy(output: Path, flag: str, path: Path, info: dict) -> str:
