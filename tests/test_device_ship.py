@@ -147,6 +147,7 @@ def test_the_plan_runs_small_budgets_first_and_skips_cells_done_before(tmp_path)
     assert plan[9] == curve.Cell("elsa", 0.9, 512, "dense")  # which start wins where the rule starts from SparseGPT's
     assert {c.method for c in plan if c.steps == 2048 and c.sparsity == 0.7} == {"elsa", "sparsegpt+ft", "wanda+ft"}
     assert curve.Cell("elsa", 0.9, 2048, "paper") in plan and curve.Cell("dense+ft", None, 2048) in plan
+    assert plan[-1] == curve.Cell("elsa", 0.9, 512, "adaptive")  # the remedy last, beside plan[9]
     done = tmp_path / "done.jsonl"
     done.write_text(json.dumps({"key": plan[0].key(512), "status": "ok"}) + "\n" + json.dumps({"key": plan[1].key(512), "status": "cut"}) + "\n")
     assert curve.done_keys(done) == {plan[0].key(512)}
@@ -185,6 +186,9 @@ def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_
     assert rule.cfg.init_mask is not None and rule.cfg.init_weights  # a short budget: the rule starts from SparseGPT's model
     dense = plan(curve.Cell("elsa", 0.9, 40, "dense"))
     assert dense.cfg.init_mask is None and "init_mask" not in dense.defaults["applied"] and "lr" in dense.defaults["applied"]
+    adaptive = plan(curve.Cell("elsa", 0.9, 40, "adaptive"))  # the remedy: the dense cell's settings but the λ schedule
+    assert adaptive.cfg.lmda_schedule.value == "adaptive" and adaptive.cfg.init_mask is None
+    assert adaptive.cfg.model_dump(exclude={"lmda_schedule"}) == dense.cfg.model_dump(exclude={"lmda_schedule"})
 
 
 def test_the_estimate_learns_from_finished_cells_of_the_same_device():

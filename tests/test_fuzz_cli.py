@@ -14,7 +14,7 @@ import random
 
 import elsa_ds.jobs.owner as owner
 from elsa_ds import cli
-from elsa_ds.settings.config import ELSA_ONLY
+from elsa_ds.settings.config_checks import ELSA_ONLY
 
 SEED, CASES = 20261126, 300
 

@@ -13,7 +13,8 @@ splits (window protocol, at most --eval_limit windows each). ``settings`` is ``r
 comes from the defaults rule) or ``paper`` (the authors' README recipe, one process: lr 2e-4, λ 0.01 constant,
 projection every 32 steps; their code's defaults: no warm-up, lr decayed linearly to 0, Adam betas 0.9 / 0.95, dense
 start; the projection stays the paper's Fisher-scored one, as in the recipes: recipes/README.md) or ``dense`` (the
-rule from the dense weights, ``--init_mask none``, where it would start from SparseGPT's). Cells already in
+rule from the dense weights, ``--init_mask none``, where it would start from SparseGPT's) or ``adaptive`` (that, with
+the authors' residual balancing of λ per layer: ``--lmda_schedule adaptive``). Cells already in
 --results (same key, any earlier session) are skipped; the rest run in the plan's order, --parallel at a time, each
 started only if its estimated time fits what is left of --budget_s (estimate: seconds per step and per-run overhead
 measured on earlier cells of the same GPU and concurrency, else the priors below). Every finished or failed cell is one
@@ -44,7 +45,10 @@ TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
 ONESHOT = ("sparsegpt", "wanda")
 PAPER_ARGS = ["--lr", "2e-4", "--lmda", "0.01", "--lmda_schedule", "constant", "--interval", "32", "--warmup_steps", "0",
               "--init_mask", "none", "--hold_steps", "0", "--lr_final_ratio", "0", "--betas", "0.9", "0.95"]
-SETTINGS = {"rule": [], "paper": PAPER_ARGS, "dense": ["--init_mask", "none"]}  # a cell's flags beyond the rule's
+# a cell's flags beyond the rule's; "adaptive": the authors' residual balancing, a remedy (issue 41 item 4), from the
+# dense start so that it differs from the "dense" cell in the λ schedule alone
+SETTINGS = {"rule": [], "paper": PAPER_ARGS, "dense": ["--init_mask", "none"],
+            "adaptive": ["--init_mask", "none", "--lmda_schedule", "adaptive"]}
 # 2048, not 2000: from 2048 steps the rule takes the paper's branch (dense start, cosine λ), which on the demo beat its
 # short-budget branch (SparseGPT's start) by 4.3 % (71.30 at 2048 steps against 74.52 at 2000; docs/results.md 1.4)
 LARGEST = 2048
@@ -58,7 +62,7 @@ class Cell:
     method: str  # elsa | sparsegpt+ft | wanda+ft | dense+ft | sparsegpt | wanda | dense
     sparsity: float | None
     steps: int
-    settings: str = "rule"  # rule | paper | dense (the rule from the dense weights: --init_mask none)
+    settings: str = "rule"  # rule | paper | dense (the rule from the dense weights: --init_mask none) | adaptive
     batch: int = 8
 
     @property
@@ -91,13 +95,15 @@ def curve_plan(largest: int = LARGEST) -> list[Cell]:
     """The issue's cells in the order they should run: 90 % at three budgets spanning 16x (the small ones first: their
     step times size the rest) and ELSA from the dense start at the middle one (where the rule starts from SparseGPT's
     model: which start wins there decides the rule's threshold), 70 % at the largest, the paper's settings beside the
-    rule's, the dense control, the starts."""
+    rule's, the dense control, the starts; last, the authors' residual balancing at the middle budget (a remedy, beside
+    the dense-start cell)."""
     budgets = (largest // 16, largest // 4, largest)
     cells = [Cell(m, 0.9, t) for t in budgets for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     cells += [Cell("elsa", 0.9, budgets[1], "dense")]
     cells += [Cell(m, 0.7, largest) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     cells += [Cell("elsa", 0.9, largest, "paper"), Cell("dense+ft", None, largest), Cell("dense", None, 0)]
     cells += [Cell(m, s, 0) for s in (0.9, 0.7) for m in ONESHOT]
+    cells += [Cell("elsa", 0.9, budgets[1], "adaptive")]
     return cells
 
 

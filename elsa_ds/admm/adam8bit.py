@@ -162,3 +162,18 @@ class Adam8bit(torch.optim.Optimizer):
             return
         st["step"] += 1
         adam8bit_reference(p.data, grad, st, **hyper)
+
+
+def second_moment(state: dict) -> torch.Tensor | None:
+    """The optimizer's diagonal second-moment estimate F for one flat, as fp32, or None if absent.
+
+    Adam, AdamW and DeepSpeedCPUAdam keep it as ``exp_avg_sq``; 8-bit Adam in bitsandbytes' format keeps
+    it block-quantized as ``state2`` (codes into ``qmap2``, one ``absmax2`` per block of 256 entries).
+    """
+    if "exp_avg_sq" in state:
+        return state["exp_avg_sq"].float()
+    if "state2" in state and state["state2"].dtype == torch.float32:  # bnb keeps small tensors in 32 bit
+        return state["state2"]
+    if "state2" in state and "qmap2" in state:
+        return dequantize_blockwise(state["state2"], state["qmap2"], state["absmax2"])
+    return None

@@ -4,7 +4,7 @@ ELSA solves  min f(x)  s.t.  ‖x_l‖₀ ≤ k_l  for every pruned layer l  by 
 
     x-update (every step)      : one base-optimizer step on  f(x) + λ/2 ‖x − z + u‖²,
                                  i.e.  ∇ ← ∇f(x) + λ (x − z + u)
-    z, u-update (every interval): z ← Π(x + u),   u ← u + x − z
+    z, u-update (every interval): z ← Π(x + u),   u ← u + x − z   (u ← u + α (x − z) with over-relaxation α)
     end                        : x ← Π(x)
 
 With ``hold_steps`` h > 0 (ours, not the paper's: the masked retraining of ADMM pruning, Zhang et al. 2018) the hard
@@ -14,6 +14,10 @@ exactly 0 (as one-shot + fine-tuning does for its whole run). λ's schedule then
 
 Π keeps per layer the k entries with the largest F_ii (x+u)_i² (F = the base optimizer's second
 moment) or (x+u)_i² (magnitude), see ``projection.py``.
+
+With the ``adaptive`` λ schedule (``balance.py``) each layer has its own λ, kept per slice in ``state[flat]`` beside z
+and u (partitioned, offloaded and checkpointed with them), moved at each projection, its u rescaled at once; those runs
+take the eager path (the fused kernels take one λ).
 
 The optimizer never needs whole weights: a parameter tensor it steps ("flat") carries a list of
 ``Slice``s saying which of its entries belong to which pruned layer. Under ZeRO-3 a flat is one rank's
@@ -38,17 +42,19 @@ from enum import Enum
 import torch
 
 from elsa_ds.admm import state as admm_state
+from elsa_ds.admm.adam8bit import second_moment
 from elsa_ds.admm.kernels.compiled import CompiledStep
 from elsa_ds.admm.kernels.fused import FusedPath, XStep
 from elsa_ds.admm.kernels.ops import PenaltyState
-from elsa_ds.admm.kernels.quant8 import dequantize_blockwise
 from elsa_ds.admm.kernels.select import FINAL, INIT, UPDATE
 from elsa_ds.admm.projection import NM, Comm, LocalComm, Slice, projection_masks
+from elsa_ds.admm.balance import balanced_lambdas, lambda_summary
 from elsa_ds.admm.schedule import LambdaSchedule, dual_rescale, interval_lambda
 from elsa_ds.admm.state import StateDtype
 from elsa_ds.admm.wrapper import OptimizerWrapper
 
 Z, U, Z_SCALE, U_SCALE = "admm_z", "admm_u", "admm_z_scale", "admm_u_scale"
+LAM = "admm_lmda"  # per-slice λ of the adaptive schedule (fp32, one per slice of the flat)
 METRIC_NAMES = ("residual_sq", "x_sq", "flips", "pruned_entries", "state_bytes", "state_entries")
 
 
@@ -70,22 +76,10 @@ class AdmmSettings:
     u_dtype: StateDtype = StateDtype.fp32
     pattern: NM | None = None  # N:M instead of a per-layer top-k
     hold_steps: int = 0  # the last steps train inside the mask of an early x ← Π(x) (0: the paper's method)
+    balance_mu: float = 1.5  # adaptive λ: the residuals' ratio that moves a layer's λ (the authors' --admm_mu)
+    balance_tau: float = 2.0  # adaptive λ: the factor it moves by (their --admm_tau_incr and --admm_tau_decr)
+    relaxation: float = 1.0  # α of the dual update u ← u + α (x − z) (their --admm_alpha; 1: plain ADMM)
     kernels: bool = True  # fused CPU kernels where they apply (ELSA_DS_KERNELS=0 also turns them off)
-
-
-def second_moment(state: dict) -> torch.Tensor | None:
-    """The optimizer's diagonal second-moment estimate F for one flat, as fp32, or None if absent.
-
-    Adam, AdamW and DeepSpeedCPUAdam keep it as ``exp_avg_sq``; 8-bit Adam in bitsandbytes' format keeps
-    it block-quantized as ``state2`` (codes into ``qmap2``, one ``absmax2`` per block of 256 entries).
-    """
-    if "exp_avg_sq" in state:
-        return state["exp_avg_sq"].float()
-    if "state2" in state and state["state2"].dtype == torch.float32:  # bnb keeps small tensors in 32 bit
-        return state["state2"]
-    if "state2" in state and "qmap2" in state:
-        return dequantize_blockwise(state["state2"], state["qmap2"], state["absmax2"])
-    return None
 
 
 class AdmmOptimizer(OptimizerWrapper):
@@ -106,6 +100,8 @@ class AdmmOptimizer(OptimizerWrapper):
         self._finalize_now = False
         self._holding = False
         self._metrics = dict.fromkeys(METRIC_NAMES, 0.0)  # this rank's sums since begin_step
+        self._per_layer = settings.lmda_schedule is LambdaSchedule.adaptive
+        self.layer_lambdas: dict[str, float] = {}  # adaptive λ: each layer's, as of its flat's last step (same on every rank)
         self._fused = FusedPath(base, settings.kernels)
         self._compiled = CompiledStep(base, settings.kernels)  # GPU flats under torch's Adam (opt-in: ELSA_DS_COMPILED=1)
 
@@ -122,6 +118,16 @@ class AdmmOptimizer(OptimizerWrapper):
         self._finalize_now = step in (admm_steps - 1, s.total_steps - 1)
         self._project_now = (step + 1) % s.interval == 0 and not self._finalize_now and not self._holding
         self._metrics = dict.fromkeys(METRIC_NAMES, 0.0)
+
+    def lambda_now(self) -> float:
+        """λ in force: the schedule's, or with the adaptive schedule the geometric mean of the layers' λ."""
+        summary = lambda_summary(self.layer_lambdas) if self._per_layer else None
+        return self.lam if summary is None else summary[0]
+
+    def lambda_range(self) -> tuple[float, float] | None:
+        """(smallest, largest) of the layers' λ with the adaptive schedule, else None."""
+        summary = lambda_summary(self.layer_lambdas) if self._per_layer else None
+        return None if summary is None else summary[1:]
 
     @property
     def holding(self) -> bool:
@@ -146,6 +152,8 @@ class AdmmOptimizer(OptimizerWrapper):
             st = self.state[flat]
             if Z not in st:
                 continue  # the first step: no z yet, and the base optimizer must see an empty state to init
+            if LAM in st:
+                self._note_lambdas(slices, st)
             if self._holding:
                 held.append(self._hold_before(flat, slices))
             elif self._dual_factor != 1.0:
@@ -177,9 +185,9 @@ class AdmmOptimizer(OptimizerWrapper):
         """The x-step's one fused-or-eager choice, made before the base step: the fused path that steps ``flat`` after
         it (penalty and update in one pass; the base step skips ``flat``), or None for the eager path, the reference:
         ∇ ← ∇ + λ (x − z + u) added here, then the base step updates ``flat`` (no penalty while holding)."""
-        if self._fused.steps(flat, st):
+        if not self._per_layer and self._fused.steps(flat, st):
             return self._fused
-        if self._compiled.steps(flat, st):
+        if not self._per_layer and self._compiled.steps(flat, st):
             return self._compiled
         if flat.grad is not None and not self._holding and self.lam > 0.0:
             self._add_penalty(flat, slices, st)
@@ -225,15 +233,16 @@ class AdmmOptimizer(OptimizerWrapper):
             st[U_SCALE].mul_(self._dual_factor)
 
     def _add_penalty(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
-        """∇ ← ∇ + λ (x − z + u) on the pruned entries."""
+        """∇ ← ∇ + λ (x − z + u) on the pruned entries (λ the slice's own with the adaptive schedule)."""
         grad = flat.grad
         assert grad is not None, "the penalty is added only to a flat with a gradient"
+        lams = st[LAM].tolist() if LAM in st else [self.lam] * len(slices)
         for j, sl in enumerate(slices):
             if sl.length == 0:
                 continue
             z = admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length)
             u = admm_state.load(st[U], st[U_SCALE], j, sl.offset, sl.length)
-            sl.view(grad).add_(sl.view(flat.detach()).float() - z + u, alpha=self.lam)
+            sl.view(grad).add_(sl.view(flat.detach()).float() - z + u, alpha=lams[j])
 
     # ---- the projection: z₀ = Π(x), z ← Π(x + u), x ← Π(x) --------------------------------------
     def _init_state(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
@@ -242,6 +251,9 @@ class AdmmOptimizer(OptimizerWrapper):
         s = self.settings
         st[Z], st[Z_SCALE] = admm_state.allocate(flat.numel(), s.z_dtype, len(slices), flat.device)
         st[U], st[U_SCALE] = admm_state.allocate(flat.numel(), s.u_dtype, len(slices), flat.device)
+        if self._per_layer:
+            st[LAM] = torch.full((len(slices),), s.lmda, dtype=torch.float32, device=flat.device)
+            self._note_lambdas(slices, st)
         self._project_flat(flat, slices, st, INIT)
 
     def _update_z_u(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
@@ -258,7 +270,9 @@ class AdmmOptimizer(OptimizerWrapper):
         """The projection's one fused-or-eager choice, for one flat and ``mode`` (INIT, UPDATE, FINAL): the fused kernel
         on CPU flats with a per-layer top-k (and no warm-start mask), else the eager reference. Collective."""
         warm_start = mode == INIT and self.initial_mask is not None
-        if not warm_start and self._fused.projects(flat, slices, self.settings.pattern):
+        # the kernel neither sums each layer's residuals (adaptive λ) nor over-relaxes u
+        eager_only = mode == UPDATE and (self._per_layer or self.settings.relaxation != 1.0)
+        if not warm_start and not eager_only and self._fused.projects(flat, slices, self.settings.pattern):
             sums = self._fused.project(flat, slices, st, self._fisher_state(st), (Z, U, Z_SCALE, U_SCALE),
                                        (self.settings.z_dtype, self.settings.u_dtype), self.comm, mode)
             if mode == UPDATE:
@@ -276,22 +290,39 @@ class AdmmOptimizer(OptimizerWrapper):
             admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x * m.to(x.device), z_scales[j])
 
     def _update_eager(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
-        xs, vs, old_keep = [], [], []
+        xs, vs, olds = [], [], []
         for j, sl in enumerate(slices):
             x = sl.view(flat.detach()).float()
             u = admm_state.load(st[U], st[U_SCALE], j, sl.offset, sl.length)
             z_old = admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length)
             xs.append(x)
             vs.append(x + u)
-            old_keep.append(z_old != 0)
+            olds.append(z_old.clone() if self._per_layer else z_old != 0)  # clone: the store below overwrites z
         masks = self._project(vs, st, slices)
-        z_scales, u_scales = self._layer_scales(vs)
-        for j, (sl, x, v, mask, old) in enumerate(zip(slices, xs, vs, masks, old_keep)):
-            z = v * mask
+        zs = [v * mask for v, mask in zip(vs, masks)]
+        alpha = self.settings.relaxation
+        us = [v - z if alpha == 1.0 else v - z + (alpha - 1.0) * (x - z) for x, v, z in zip(xs, vs, zs)]  # u + α (x − z)
+        if self._per_layer:
+            us = [u * f for u, f in zip(us, self._balance(slices, st, xs, zs, olds))]
+        z_scales, u_scales = self._layer_scales(vs, us if self._per_layer or alpha != 1.0 else None)
+        for j, (sl, x, z, u, mask, old) in enumerate(zip(slices, xs, zs, us, masks, olds)):
             admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, z, z_scales[j])
-            admm_state.store(st[U], st[U_SCALE], j, sl.offset, v - z, u_scales[j])
+            admm_state.store(st[U], st[U_SCALE], j, sl.offset, u, u_scales[j])
             self._add_metrics(residual_sq=float((x - z).square().sum()), x_sq=float(x.square().sum()),
-                              flips=float((mask != old).sum()), pruned_entries=sl.length)
+                              flips=float((mask != (old != 0 if self._per_layer else old)).sum()), pruned_entries=sl.length)
+
+    def _balance(self, slices: list[Slice], st: dict, xs: list[torch.Tensor], zs: list[torch.Tensor],
+                 z_olds: list[torch.Tensor]) -> list[float]:
+        """Every layer's next λ (``balance.py``) into ``st[LAM]``; returns u's factors λ_old/λ_new. Collective."""
+        old = st[LAM].tolist()
+        st[LAM].copy_(torch.tensor(balanced_lambdas(xs, zs, z_olds, old, self.comm, self.settings.balance_mu,
+                                                    self.settings.balance_tau), dtype=torch.float32))
+        self._note_lambdas(slices, st)
+        return [dual_rescale(a, b) for a, b in zip(old, st[LAM].tolist())]
+
+    def _note_lambdas(self, slices: list[Slice], st: dict) -> None:
+        for sl, lam in zip(slices, st[LAM].tolist()):
+            self.layer_lambdas[sl.layer] = lam
 
     def _finalize_eager(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
         xs = [sl.view(flat.detach()) for sl in slices]
@@ -307,14 +338,19 @@ class AdmmOptimizer(OptimizerWrapper):
     def _fisher_state(self, st: dict) -> dict | None:
         return None if self.settings.projection is Projection.magnitude else st
 
-    def _layer_scales(self, values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer_scales(self, values: list[torch.Tensor], u_values: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """fp8 scales of z and u per layer, from the layer's peak |v| over all ranks (one max all-reduce for every
-        layer of the flat, only when a state is fp8); ones otherwise. Collective."""
-        peaks = (torch.stack([v.abs().max() if v.numel() else torch.zeros((), device=v.device) for v in values]).float()
-                 if values else torch.zeros(0))
+        layer of the flat, only when a state is fp8); ones otherwise. u = v − z needs no peak of its own (|u| ≤ |v|);
+        ``u_values``: a u that may exceed v (over-relaxed, or rescaled by an adaptive λ), scaled by its own peak. Collective."""
+        def peaks_of(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return (torch.stack([t.abs().max() if t.numel() else torch.zeros((), device=t.device) for t in tensors]).float()
+                    if tensors else torch.zeros(0))
+
+        peaks = peaks_of(values) if u_values is None else torch.cat([peaks_of(values), peaks_of(u_values)])
         if self.settings.z_dtype.scaled or self.settings.u_dtype.scaled:
             self.comm.all_reduce_max(peaks)
-        return admm_state.layer_scales(peaks, self.settings.z_dtype), admm_state.layer_scales(peaks, self.settings.u_dtype)
+        z_peaks, u_peaks = (peaks, peaks) if u_values is None else peaks.split(len(values))
+        return admm_state.layer_scales(z_peaks, self.settings.z_dtype), admm_state.layer_scales(u_peaks, self.settings.u_dtype)
 
     def _project(self, values: list[torch.Tensor], st: dict, slices: list[Slice]) -> list[torch.Tensor]:
         """Keep-masks of Π(values) with this run's scores and pattern. Collective."""

@@ -9,6 +9,10 @@ ADMM's scaled dual is u = y / λ (y the unscaled multiplier). When the penalty m
 interval all solve the same augmented Lagrangian; the value used for interval j (steps
 [j·interval, (j+1)·interval)) is the schedule at the interval's end, so a schedule that starts at 0
 already penalizes during the first interval.
+
+``adaptive`` is residual balancing (Boyd et al. 2011, §3.4.1; the authors' ``adaptive_boyd``): every layer has its own
+λ, starting at the given one and moved at each projection by ``balanced_lambda`` from the layer's residuals; its u is
+rescaled in the same update. The optimizer keeps those λ; the schedule's own λ stays the starting value.
 """
 from __future__ import annotations
 
@@ -20,13 +24,14 @@ class LambdaSchedule(str, Enum):
     constant = "constant"
     linear = "linear"
     cosine = "cosine"
+    adaptive = "adaptive"
 
 
 def lambda_at(step: int, total_steps: int, peak: float, schedule: LambdaSchedule | str) -> float:
     """λ(t) for t = ``step`` of ``total_steps``: constant λ, or 0 → λ linearly or along a half cosine."""
     frac = min(max(step / max(total_steps, 1), 0.0), 1.0)
     schedule = LambdaSchedule(schedule)
-    if schedule is LambdaSchedule.constant:
+    if schedule in (LambdaSchedule.constant, LambdaSchedule.adaptive):
         return peak
     if schedule is LambdaSchedule.linear:
         return peak * frac
@@ -37,6 +42,17 @@ def interval_lambda(step: int, total_steps: int, interval: int, peak: float, sch
     """λ in force at ``step``: the schedule at the end of the step's projection interval."""
     end = min((step // interval + 1) * interval, total_steps)
     return lambda_at(end, total_steps, peak, schedule)
+
+
+def balanced_lambda(lam: float, primal: float, dual: float, mu: float, tau: float) -> float:
+    """A layer's next λ by residual balancing: × ``tau`` when its primal residual ‖x − z‖/‖x‖ exceeds ``mu`` times its
+    dual residual ‖z − z_prev‖/‖z_prev‖ (x far from the sparse set: press harder), ÷ ``tau`` in the opposite case (z
+    still moving: ease off), else unchanged; both residuals relative, as the authors' code has them."""
+    if primal > mu * dual:
+        return lam * tau
+    if dual > mu * primal:
+        return lam / tau
+    return lam
 
 
 def dual_rescale(lam_old: float, lam_new: float) -> float:

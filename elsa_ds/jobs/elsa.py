@@ -167,18 +167,21 @@ class ElsaJob:
         admm, lr = run.admm, run.admm.param_groups[0]["lr"]
         self.state.lam = admm.lam
         if step % self.cfg.log_interval == 0:
-            bar.set_postfix(loss=f"{loss:.4f}", lmda=f"{admm.lam:.3g}", lr=f"{lr:.2e}")
-        run.monitor.write(step + 1, {"loss": loss, "lambda": admm.lam, "lr": lr, "step_time_s": self.state.step_times[-1]})
+            bar.set_postfix(loss=f"{loss:.4f}", lmda=f"{admm.lambda_now():.3g}", lr=f"{lr:.2e}")
+        run.monitor.write(step + 1, {"loss": loss, "lambda": admm.lambda_now(), "lr": lr, "step_time_s": self.state.step_times[-1]})
         if not admm.projected_this_step:
             return False
         sums = run.zero.comm.all_reduce_sum(admm.local_metrics())  # collective
-        entry = {"step": step + 1, "loss": loss, **summarize_metrics(sums, admm.lam), "final": admm.finalized_this_step}
+        spread = admm.lambda_range()  # the adaptive schedule: λ per layer, logged as their mean and range
+        entry: dict = {"step": step + 1, "loss": loss, **summarize_metrics(sums, admm.lambda_now()), "final": admm.finalized_this_step,
+                       **({"lambda_range": list(spread)} if spread is not None else {})}
         self.state.history.append(entry)
         if entry["final"]:
             return False
         run.monitor.write(step + 1, {k: entry[k] for k in ("residual", "mask_flip_frac", "admm_state_bytes_per_param")})
         if run.rank == 0:
-            bar.write(f"[projection] step {step + 1}: loss {loss:.4f}  λ {entry['lambda']:.4g}  "
+            by_layer = f" ({spread[0]:.3g}-{spread[1]:.3g} by layer)" if spread is not None else ""
+            bar.write(f"[projection] step {step + 1}: loss {loss:.4f}  λ {entry['lambda']:.4g}{by_layer}  "
                       f"residual ‖x−z‖/‖x‖ {entry['residual']:.4f}  mask flips {entry['mask_flip_frac']:.4%}")
         return self._select(run, bar, step, sum(1 for h in self.state.history if not h["final"]))
 

@@ -205,11 +205,14 @@ def print_summary(result: dict[str, Any], output_dir: Path) -> None:
     log.info(f"validation perplexity ({_where(p)}): dense {p['dense']:.3f} | "
              f"{what} {baseline if baseline is None else format(baseline, '.3f')} | ELSA {p['pruned']:.3f}")
     if result["vs_magnitude"]:
-        log.info(f"ELSA perplexity is {result['vs_magnitude']['ppl_ratio']:.2f}x lower than one-shot magnitude pruning")
+        log.info(f"ELSA perplexity is {_times(result['vs_magnitude']['ppl_ratio'])} than one-shot magnitude pruning")
     elif result["init_weights"] and baseline is not None and p["pruned"] is not None:
-        ratio = baseline / p["pruned"]
-        log.info(f"ELSA perplexity is {ratio if ratio >= 1 else 1 / ratio:.3f}x {'lower' if ratio >= 1 else 'HIGHER'} "
-                 f"than its warm start ({result['init_mask']})")
+        log.info(f"ELSA perplexity is {_times(baseline / p['pruned'])} than its warm start ({result['init_mask']})")
+
+
+def _times(ratio: float) -> str:
+    """'1.250x lower' for a baseline / ELSA perplexity ratio of 1.25; '1.250x HIGHER' for 0.8 (never '0.80x lower')."""
+    return f"{ratio:.3f}x lower" if ratio >= 1 else f"{1 / ratio:.3f}x HIGHER"
 
 
 def _where(p: dict[str, Any]) -> str:

@@ -20,7 +20,8 @@ from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource
 from elsa_ds.plan.checks import before_work, model_source
 from elsa_ds.plan.defaults_applied import apply_defaults
-from elsa_ds.settings.config import ElsaConfig, load_recipe, refuse_unread_elsa_settings, resolve_config
+from elsa_ds.settings.config import ElsaConfig, load_recipe, resolve_config
+from elsa_ds.settings.config_checks import refuse_unread_elsa_settings
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig

@@ -38,10 +38,12 @@ DEMO_PROFILE: dict[str, Any] = {"dataset": DEMO_DATASET, "seqlen": 256, "steps":
 
 # What a resumed run must share with the run that wrote its checkpoint.
 RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "dataset", "sparsity", "pattern", "sparsity_profile",
-                     "init_mask", "init_weights", "targets", "steps", "interval", "hold_steps", "lmda", "lmda_schedule", "projection",
+                     "init_mask", "init_weights", "targets", "steps", "interval", "hold_steps", "lmda", "lmda_schedule", "balance_mu",
+                     "balance_tau", "relaxation", "projection",
                      "z_dtype", "u_dtype", "base_optimizer", "lr", "warmup_steps", "lr_final_ratio", "seqlen", "seed", "val_dataset",
                      "sampling", "ppl_protocol", "val_windows", "freeze_embeddings")
-RESUME_DEFAULTS = {"hold_steps": 0, "init_weights": False}  # settings added since checkpoints were first written: their value before then
+# settings added since checkpoints were first written: their value before then
+RESUME_DEFAULTS = {"hold_steps": 0, "init_weights": False, "balance_mu": 1.5, "balance_tau": 2.0, "relaxation": 1.0}
 
 
 def comma_list(value: Any) -> Any:
@@ -155,7 +157,17 @@ class ElsaConfig(BaseModel):
     lmda: float = Field(0.01, ge=0.0, **_group("admm"))
     """ADMM penalty λ (the peak of a linear or cosine schedule) [from the defaults rule, elsa_ds/settings/defaults.py]."""
     lmda_schedule: LambdaSchedule = Field(LambdaSchedule.constant, **_group("admm"))
-    """constant, linear or cosine (0 → λ over the run); the scaled dual is rescaled when λ changes [from the defaults rule]."""
+    """constant, linear or cosine (0 → λ over the run), or adaptive: residual balancing, a λ per layer starting at lmda,
+    × or ÷ balance_tau at each projection as the layer's residuals say (the authors' adaptive_boyd; eager path, slower on
+    CPU); the scaled dual is rescaled when λ changes [from the defaults rule]."""
+    balance_mu: float = Field(1.5, gt=1.0, **_group("admm"))
+    """adaptive λ: a layer's λ grows when ‖x − z‖/‖x‖ exceeds this times ‖z − z_prev‖/‖z_prev‖, and shrinks in the
+    opposite case (the authors' default)."""
+    balance_tau: float = Field(2.0, gt=1.0, **_group("admm"))
+    """adaptive λ: the factor a layer's λ moves by (the authors' default)."""
+    relaxation: float = Field(1.0, gt=0.0, lt=2.0, **_group("admm"))
+    """Over-relaxation α of the dual update u = u + α (x − z) (the authors' --admm_alpha; 1 = plain ADMM; Boyd et al.
+    suggest 1.5-1.8); α ≠ 1 takes the eager projection (slower on CPU)."""
     projection: Projection = Field(Projection.fisher, **_group("admm"))
     """fisher: keep the largest F·(x+u)², F = the optimizer's second moment; magnitude: the largest (x+u)²."""
     z_dtype: StateDtype = Field(StateDtype.fp32, **_group("admm"))
@@ -349,6 +361,7 @@ class ElsaConfig(BaseModel):
         return AdmmSettings(
             total_steps=self.steps, interval=self.interval, lmda=self.lmda, lmda_schedule=self.lmda_schedule,
             projection=self.projection, z_dtype=self.z_dtype, u_dtype=self.u_dtype, pattern=self.nm, hold_steps=self.hold_steps,
+            balance_mu=self.balance_mu, balance_tau=self.balance_tau, relaxation=self.relaxation,
         )
 
     def resume_fingerprint(self, world_size: int) -> dict[str, Any]:
@@ -382,19 +395,3 @@ def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the Deep
     except ValidationError as err:
         where = [w for w, used in ((recipe_source, recipe), (source, block), ("the command line", given)) if used]
         raise ElsaError(format_validation_error(err, " / ".join(where) or "the defaults", ElsaConfig)) from None
-
-
-# ELSA's own settings: passed explicitly (command line, API keywords) to a one-shot method or the dense control, nothing
-# would read them. The JSON's "elsa" block may carry them for any method: the shipped ELSA-L config does.
-ELSA_ONLY = ("interval", "lmda", "lmda_schedule", "projection", "z_dtype", "u_dtype")
-
-
-def refuse_unread_elsa_settings(cfg: ElsaConfig, given: dict[str, Any], prefix: str) -> None:
-    """ElsaError when ``given`` (what the user passed explicitly) holds ELSA-only settings and the method is not ELSA;
-    ``prefix``: how the user spelt them ("--" for flags, "" for keywords)."""
-    stray = [f"{prefix}{k}" for k in ELSA_ONLY if given.get(k) is not None]
-    if not stray or cfg.method is Method.elsa:
-        return
-    one = len(stray) == 1
-    raise ElsaError(f"{', '.join(stray)} shape{'s' if one else ''} ELSA's ADMM run; with method {cfg.method.value} nothing "
-                    f"reads {'it' if one else 'them'}: drop {'it' if one else 'them'} (or use method elsa)")

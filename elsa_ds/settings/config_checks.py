@@ -11,11 +11,14 @@ What the run cannot do as asked is refused; what it can do, only oddly, is said 
   training towards the first z and the final cut: a warning (a short smoke run does this on purpose);
 - ``select_every`` beyond the projections the run makes: nothing is scored but the end: a warning;
 - ``save_interval`` ≥ ``steps``: no checkpoint is ever written: a warning.
+
+``refuse_unread_elsa_settings``: ELSA's own settings passed explicitly with another method, which would not read them.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from elsa_ds.errors import ElsaError
 from elsa_ds.files.weight_files import check_weight_files
 from elsa_ds.methods import Method, oneshot_names
 
@@ -31,12 +34,22 @@ def _steps_name(cfg: Any) -> str:
     return "finetune_steps" if cfg.finetune is not None and cfg.finetune_steps else "steps"
 
 
+def _balance_refusals(cfg: Any) -> list[str]:
+    """The adaptive λ's settings without that schedule (nothing would read them), or with λ 0 (it would stay 0)."""
+    adaptive = cfg.lmda_schedule.value == "adaptive"
+    stray = sorted(k for k in ("balance_mu", "balance_tau") if k in cfg.model_fields_set and not adaptive)
+    found = [f"{' and '.join(stray)} tune the adaptive λ schedule; add --lmda_schedule adaptive, or drop them"] if stray else []
+    if adaptive and cfg.lmda == 0.0:
+        found.append("the adaptive λ schedule moves each layer's λ by a factor from lmda: lmda must be above 0")
+    return found
+
+
 def schedule_refusals(cfg: Any) -> list[str]:
     """What the run cannot do as asked, one sentence each (empty: nothing)."""
     steps = trained_steps(cfg)
+    found = _balance_refusals(cfg)
     if steps is None:
-        return []
-    found = []
+        return found
     if cfg.warmup_steps > 1 and cfg.warmup_steps >= steps:  # one step of warm-up in a one-step run is no warm-up
         when = "reach lr only at the last step and never decay" if cfg.warmup_steps == steps else "never reach lr"
         found.append(f"warmup_steps ({cfg.warmup_steps}) must be below the {steps} {_steps_name(cfg)} it warms up: the learning "
@@ -84,3 +97,20 @@ def cross_checks(cfg: Any) -> Any:
     if cfg.init_mask is not None and cfg.init_mask not in oneshot_names():
         check_weight_files(cfg.init_mask, f"--init_mask {cfg.init_mask}")
     return cfg
+
+
+# ELSA's own settings: passed explicitly (command line, API keywords) to a one-shot method or the dense control, nothing
+# would read them. The JSON's "elsa" block may carry them for any method: the shipped ELSA-L config does.
+ELSA_ONLY = ("interval", "lmda", "lmda_schedule", "balance_mu", "balance_tau", "relaxation", "projection", "z_dtype",
+             "u_dtype")
+
+
+def refuse_unread_elsa_settings(cfg: Any, given: dict[str, Any], prefix: str) -> None:
+    """ElsaError when ``given`` (what the user passed explicitly) holds ELSA-only settings and the method is not ELSA;
+    ``prefix``: how the user spelt them ("--" for flags, "" for keywords)."""
+    stray = [f"{prefix}{k}" for k in ELSA_ONLY if given.get(k) is not None]
+    if not stray or cfg.method is Method.elsa:
+        return
+    one = len(stray) == 1
+    raise ElsaError(f"{', '.join(stray)} shape{'s' if one else ''} ELSA's ADMM run; with method {cfg.method.value} nothing "
+                    f"reads {'it' if one else 'them'}: drop {'it' if one else 'them'} (or use method elsa)")

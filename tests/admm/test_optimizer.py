@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from elsa_ds.admm.optimizer import AdmmOptimizer, AdmmSettings, Projection, second_moment, summarize_metrics
@@ -132,3 +133,201 @@ def test_hold_steps_is_refused_where_it_means_nothing():
                          ({"hold_steps": 10, "select_every": 2}, "select_every .* must be 0")):
         with pytest.raises((ElsaError, ValueError), match=words):
             resolve_config({}, {"model": "m", **given})
+
+
+# ---- the adaptive λ (residual balancing) ------------------------------------------------------------------------------
+def _adaptive(params_lr: float, slices, x, **extra):
+    from elsa_ds.admm.schedule import LambdaSchedule
+
+    settings = AdmmSettings(total_steps=100, interval=4, lmda=0.5, lmda_schedule=LambdaSchedule.adaptive,
+                            projection=Projection.magnitude, **extra)
+    opt = AdmmOptimizer(torch.optim.SGD([x], lr=params_lr), settings)
+    opt.assign(x, slices)
+    return opt
+
+
+def test_adaptive_lambda_moves_each_layers_own_and_rescales_its_u():
+    """At a projection every layer's λ moves by its own residuals (checked against the rule written out here: × 2 when
+    ‖x − z‖/‖x‖ > 1.5 ‖z − z_prev‖/‖z_prev‖, ÷ 2 in the opposite case), its u is rescaled by λ_old/λ_new in the same
+    update, and the next x-step's penalty uses each layer's λ."""
+    g = torch.Generator().manual_seed(3)
+    slices = [Slice("a", 0, 30, 0, 30, keep=6), Slice("b", 30, 50, 0, 50, keep=40)]
+    x = torch.nn.Parameter(torch.randn(80, generator=g))
+    opt = _adaptive(0.05, slices, x)
+    grads = [torch.randn(80, generator=g) for _ in range(6)]
+    for t in range(5):
+        opt.begin_step(t)
+        x.grad = grads[t].clone()
+        if t == 3:  # the first z, u update: snapshot what it starts from
+            st = opt.state[x]
+            z_old, u_old, lam_old = st["admm_z"].clone(), st["admm_u"].clone(), st["admm_lmda"].clone()
+            expected_x = x.detach() - 0.05 * (grads[t] + torch.cat([lam_old[j] * (sl.view(x.detach()) - sl.view(z_old) + sl.view(u_old))
+                                                                     for j, sl in enumerate(slices)]))
+        if t == 4:
+            lam_now, z_now, u_now = st["admm_lmda"].clone(), st["admm_z"].clone(), st["admm_u"].clone()
+            before = x.detach().clone()
+        opt.step()
+        if t == 3:
+            assert torch.allclose(x.detach(), expected_x)  # the x-step before the update: each layer's own λ (0.5 both)
+    for j, sl in enumerate(slices):
+        xs, v = sl.view(expected_x), sl.view(expected_x) + sl.view(u_old)
+        z = torch.zeros_like(v)
+        top = v.abs().topk(sl.keep).indices
+        z[top] = v[top]
+        primal = float((xs - z).norm() / xs.norm())
+        dual = float((z - sl.view(z_old)).norm() / sl.view(z_old).norm())
+        lam = 0.5 * 2 if primal > 1.5 * dual else 0.5 / 2 if dual > 1.5 * primal else 0.5
+        assert float(lam_now[j]) == pytest.approx(lam), sl.layer
+        assert torch.allclose(sl.view(z_now), z)
+        assert torch.allclose(sl.view(u_now), (v - z) * 0.5 / lam)
+    assert float(lam_now[0]) != float(lam_now[1])  # the two layers went apart: the test sees per-layer λ
+    penalty = torch.cat([lam_now[j] * (sl.view(before) - sl.view(z_now) + sl.view(u_now)) for j, sl in enumerate(slices)])
+    assert torch.allclose(x.detach(), before - 0.05 * (grads[4] + penalty))
+    assert opt.layer_lambdas == {"a": float(lam_now[0]), "b": float(lam_now[1])}
+    assert opt.lambda_range() == (float(lam_now.min()), float(lam_now.max()))
+    assert opt.lambda_now() == pytest.approx(float(lam_now.log().mean().exp()))
+
+
+def test_adaptive_lambda_reaches_the_sparse_optimum_with_low_precision_states():
+    from elsa_ds.admm.schedule import LambdaSchedule
+
+    for z_dtype, u_dtype in ((StateDtype.fp32, StateDtype.fp32), (StateDtype.fp8, StateDtype.bf16)):
+        a, b, truth = _least_squares()
+        x = torch.nn.Parameter(torch.linalg.lstsq(a, b).solution.clone() + 0.3)
+        settings = AdmmSettings(total_steps=600, interval=10, lmda=0.5, lmda_schedule=LambdaSchedule.adaptive, z_dtype=z_dtype,
+                                u_dtype=u_dtype)
+        opt = AdmmOptimizer(torch.optim.Adam([x], lr=0.02), settings)
+        opt.assign(x, [Slice("x", 0, x.numel(), 0, x.numel(), keep_count(x.numel(), 0.75))])
+        seen = set()
+        for t in range(600):
+            opt.begin_step(t)
+            opt.zero_grad()
+            (0.5 * (a @ x - b).square().mean()).backward()
+            opt.step()
+            seen.add(opt.lambda_now())
+        assert int((x != 0).sum()) == keep_count(x.numel(), 0.75) and torch.equal(x != 0, truth != 0)
+        assert torch.allclose(x.detach(), truth, atol=0.05)
+        assert len(seen) > 1  # λ did move
+
+
+def test_adaptive_lambda_on_two_ranks_equals_one_rank():
+    """A layer cut between two ranks (one holds none of layer "b"): the residuals are summed over ranks, so both ranks
+    move every λ as the single rank does, and the z, u pieces put together equal its."""
+    import threading
+
+    from tests.admm.test_kernels import _ThreadComm
+
+    g = torch.Generator().manual_seed(5)
+    numel, keep, cuts = {"a": 301, "b": 150}, {"a": 100, "b": 30}, {"a": 123, "b": 0}
+    whole = [Slice("a", 0, 301, 0, 301, keep["a"]), Slice("b", 301, 150, 0, 150, keep["b"])]
+    x0, grads = torch.randn(451, generator=g), [torch.randn(451, generator=g) for _ in range(9)]
+
+    def run(p, slices, comm=None, pick=lambda t: t):
+        opt = _adaptive(0.05, slices, p, balance_mu=1.2)
+        if comm is not None:
+            opt.comm = comm
+        lams = []
+        for t in range(9):
+            opt.begin_step(t)
+            p.grad = pick(grads[t]).clone()
+            opt.step()
+            lams.append(dict(opt.layer_lambdas))
+        return opt.state[p], lams
+
+    ref_p = torch.nn.Parameter(x0.clone())
+    ref_state, ref_lams = run(ref_p, whole)
+    parts = {0: [], 1: []}
+    for rank in (0, 1):
+        offset = 0
+        for sl in whole:
+            lo, hi = (0, cuts[sl.layer]) if rank == 0 else (cuts[sl.layer], numel[sl.layer])
+            parts[rank].append(Slice(sl.layer, offset, hi - lo, lo, numel[sl.layer], keep[sl.layer]))
+            offset += hi - lo
+    world, barrier, out, errors = [None, None], threading.Barrier(2), {}, []
+
+    def piece(rank, t):
+        return torch.cat([t.narrow(0, w.offset + s.start, s.length) for w, s in zip(whole, parts[rank])])
+
+    def rank_main(rank: int) -> None:
+        try:
+            p = torch.nn.Parameter(piece(rank, x0))
+            out[rank] = run(p, parts[rank], _ThreadComm(rank, world, barrier), lambda t: piece(rank, t))
+        except Exception as err:
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert out[0][1] == out[1][1] == ref_lams and len({tuple(d.values()) for d in ref_lams}) > 1
+    for key in ("admm_z", "admm_u"):
+        joined = torch.cat([torch.cat([out[r][0][key].narrow(0, parts[r][j].offset, parts[r][j].length) for r in (0, 1)])
+                            for j in range(2)])
+        assert torch.allclose(joined, ref_state[key], atol=1e-6), key
+
+
+def test_adaptive_settings_are_refused_where_they_mean_nothing():
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.settings.config import resolve_config
+
+    for given, words in (({"balance_mu": 2.0}, "balance_mu tune the adaptive"),
+                         ({"balance_tau": 3.0, "lmda_schedule": "linear"}, "balance_tau tune the adaptive"),
+                         ({"lmda_schedule": "adaptive", "lmda": 0.0}, "lmda must be above 0"),
+                         ({"lmda_schedule": "adaptive", "balance_mu": 1.0}, "balance_mu"),
+                         ({"balance_mu": 2.0, "method": "wanda", "finetune": "full"}, "balance_mu"),
+                         ({"relaxation": 2.0}, "relaxation")):
+        with pytest.raises((ElsaError, ValueError), match=words):
+            resolve_config({}, {"model": "m", **given})
+    from elsa_ds.settings.config_checks import refuse_unread_elsa_settings
+
+    given = {"relaxation": 1.5, "method": "dense", "finetune": "full"}
+    with pytest.raises(ElsaError, match="--relaxation shapes ELSA's ADMM run"):
+        refuse_unread_elsa_settings(resolve_config({}, {"model": "m", **given}), given, "--")
+    cfg = resolve_config({}, {"model": "m", "lmda_schedule": "adaptive", "balance_mu": 2.0, "balance_tau": 4.0})
+    assert (cfg.admm_settings().balance_mu, cfg.admm_settings().balance_tau) == (2.0, 4.0)
+
+
+def test_over_relaxation_moves_u_by_alpha_times_the_residual():
+    """u ← u + α (x − z) (the authors' --admm_alpha), z unchanged; an fp8 u is scaled by its own peak, which with α > 1
+    can exceed |x + u|'s (stored as v's scale, it would saturate); α = 1.6 still reaches the sparse optimum."""
+    g = torch.Generator().manual_seed(4)
+    slices = [Slice("a", 0, 30, 0, 30, keep=6), Slice("b", 30, 50, 0, 50, keep=40)]
+    for u_dtype, tol in ((StateDtype.fp32, 1e-6), (StateDtype.fp8, 0.07)):
+        x0 = torch.randn(80, generator=g)
+        x0[:30] = x0[:30].sign() * (0.95 + 0.05 * torch.rand(30, generator=g))  # layer a: magnitudes alike, so 1.6 × a pruned
+        x = torch.nn.Parameter(x0)                                                # entry exceeds the largest kept one
+        opt = AdmmOptimizer(torch.optim.SGD([x], lr=0.05), AdmmSettings(total_steps=100, interval=4, lmda=0.5, u_dtype=u_dtype,
+                                                                      projection=Projection.magnitude, relaxation=1.6))
+        opt.assign(x, slices)
+        for t in range(4):
+            opt.begin_step(t)
+            x.grad = 0.1 * torch.randn(80, generator=g)
+            if t == 3:
+                u_old = opt.state[x]["admm_u"].float() * 1.0  # fp32 until the first update (all zeros)
+            opt.step()
+        st = opt.state[x]
+        for j, sl in enumerate(slices):
+            xs = sl.view(x.detach())
+            v = xs + sl.view(u_old)
+            z = torch.zeros_like(v)
+            top = v.abs().topk(sl.keep).indices
+            z[top] = v[top]
+            want = sl.view(u_old) + 1.6 * (xs - z)
+            got = sl.view(st["admm_u"]).float() * st["admm_u_scale"][j]
+            assert torch.equal(sl.view(st["admm_z"]), z)
+            assert float((got - want).abs().max()) <= tol * float(want.abs().max()), (u_dtype, sl.layer)
+            if u_dtype is StateDtype.fp8 and sl.layer == "a":
+                assert float(want.abs().max()) > float(v.abs().max())  # the case a scale from v would saturate
+    a, b, truth = _least_squares()
+    x = torch.nn.Parameter(torch.linalg.lstsq(a, b).solution.clone() + 0.3)
+    opt = AdmmOptimizer(torch.optim.Adam([x], lr=0.02), AdmmSettings(total_steps=600, interval=10, lmda=0.5, relaxation=1.6))
+    opt.assign(x, [Slice("x", 0, 40, 0, 40, keep_count(40, 0.75))])
+    for t in range(600):
+        opt.begin_step(t)
+        opt.zero_grad()
+        (0.5 * (a @ x - b).square().mean()).backward()
+        opt.step()
+    assert torch.equal(x != 0, truth != 0) and torch.allclose(x.detach(), truth, atol=0.05)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from elsa_ds.admm.schedule import dual_rescale, interval_lambda, lambda_at
+from elsa_ds.admm.schedule import balanced_lambda, dual_rescale, interval_lambda, lambda_at
 
 
 def test_constant_linear_cosine_endpoints_and_midpoint():
@@ -41,3 +41,11 @@ def test_dual_rescale_keeps_unscaled_multiplier():
 def test_unknown_schedule_is_rejected():
     with pytest.raises(ValueError):
         lambda_at(1, 10, 1.0, "exponential")
+
+
+def test_balanced_lambda_presses_where_x_lags_and_eases_where_z_moves():
+    assert balanced_lambda(0.1, primal=0.4, dual=0.2, mu=1.5, tau=2.0) == pytest.approx(0.2)   # 0.4 > 1.5 · 0.2
+    assert balanced_lambda(0.1, primal=0.1, dual=0.2, mu=1.5, tau=2.0) == pytest.approx(0.05)  # 0.2 > 1.5 · 0.1
+    assert balanced_lambda(0.1, primal=0.25, dual=0.2, mu=1.5, tau=2.0) == 0.1                 # within μ of each other
+    assert balanced_lambda(0.1, primal=0.0, dual=0.0, mu=1.5, tau=2.0) == 0.1
+    assert lambda_at(0, 100, 2.0, "adaptive") == interval_lambda(99, 100, 10, 2.0, "adaptive") == 2.0  # the start, held
