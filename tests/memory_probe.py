@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("config")
     parser.add_argument("--freeze_embeddings", action="store_true")
     parser.add_argument("--sub_group_size", type=float, default=ZERO["sub_group_size"])
+    parser.add_argument("--lmda_schedule", default=None)  # adaptive: the eager z, u update
+    parser.add_argument("--relaxation", type=float, default=None)
     args = parser.parse_args()
     model_dir, config, freeze = args.model_dir, args.config, args.freeze_embeddings
     init_distributed()
@@ -99,7 +101,8 @@ def main() -> None:
     ds_config = DsConfig.load(config)
     ds_config.raw["zero_optimization"].update({**ZERO, "sub_group_size": args.sub_group_size})
     cfg = resolve_config(ds_config.raw, {"model": model_dir, "seqlen": 32, "batch_size": 1, "micro_batch": 1, "steps": 4,
-                                         "interval": 2, "lr": 1e-4, "freeze_embeddings": freeze})
+                                         "interval": 2, "lr": 1e-4, "freeze_embeddings": freeze,
+                                         "lmda_schedule": args.lmda_schedule, "relaxation": args.relaxation})
     ds = ds_config.resolve(cfg, 1, hidden_size(load_config(model_dir)), check_paths=False)
     torch.manual_seed(0)
     model = load_partitioned(ModelSource(model_dir), ds, random_init=True).model

@@ -91,3 +91,26 @@ def test_the_fused_projection_needs_no_workspace_beyond_a_plain_step(tmp_path, c
     # the first step creates the moments and z, u; what it needs beyond them and a plain step's working set
     created = rows["optimizer"]["per_node_cpu"] - real["masters"] + rows["admm"]["per_node_cpu"]
     assert first - created - plain < 1.5 * shape.trainable_params, (first, created, plain)
+
+
+@pytest.mark.parametrize("extra", [("--lmda_schedule", "adaptive"), ("--relaxation", "1.6")])
+def test_an_eager_update_stays_within_its_estimate(tmp_path, extra):
+    """The adaptive λ and over-relaxation update z, u on the eager path even on CPU flats: the estimate counts its
+    workspace (``resident.read_job``: not fused), and the engine's projection step grows by no more than that, one layer's
+    temporaries at a time (a whole-flat copy of z or u would be 4N more). The same 28M-entry sub-group as above."""
+    from transformers import Gemma2Config
+
+    from elsa_ds.capacity.memory import _step_workspace
+
+    Gemma2Config(vocab_size=512, hidden_size=1024, intermediate_size=8192, num_hidden_layers=1, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=128, max_position_embeddings=256, sliding_window=64, pad_token_id=0,
+                 eos_token_id=1, bos_token_id=2).save_pretrained(tmp_path)
+    real = _probe(tmp_path, "zero3_offload", True, "--sub_group_size", "1e9", *extra)
+    shape = model_shape(load_config(str(tmp_path)), freeze_embeddings=True)
+    job = read_job(shape, real["ds"], real["cfg"], 1, "cpu")
+    (group,) = sub_groups(shape, 1, real["ds"]["zero_optimization"]["sub_group_size"])
+    estimated = _step_workspace(group, job, False, 0.0, False, "projection")
+    assert not job.fused and job.fused_init and estimated == 10 * group.pruned + 8 * group.largest_pruned
+    (_, _), (projection, projected), (plain, plain_projected), (final, _) = real["step_growth"]
+    assert projected and not plain_projected and (real["cfg"]["lmda_schedule"], real["cfg"]["relaxation"]) != ("constant", 1.0)
+    assert 0.25 * estimated < projection - plain <= estimated, (projection - plain, estimated)

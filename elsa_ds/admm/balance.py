@@ -17,15 +17,17 @@ from elsa_ds.admm.schedule import balanced_lambda
 EPS = 1e-8  # keeps a residual finite when a layer's x or z_prev is all zeros (the authors' value)
 
 
-def balanced_lambdas(xs: list[torch.Tensor], zs: list[torch.Tensor], z_olds: list[torch.Tensor], lams: list[float],
-                     comm: Comm, mu: float, tau: float) -> list[float]:
-    """The next λ of each layer from this rank's slices of x, the new z and the previous z (one entry per layer, in
-    the same order on every rank; an empty slice where a rank holds none of the layer). Collective."""
-    sums = torch.tensor([[float((x - z).double().square().sum()), float(x.double().square().sum()),
-                          float((z - zo).double().square().sum()), float(zo.double().square().sum())]
-                         for x, z, zo in zip(xs, zs, z_olds)], dtype=torch.float64).reshape(len(xs), 4)
-    comm.all_reduce_sum(sums)
-    return [balanced_lambda(lam, r / (x + EPS), d / (zo + EPS), mu, tau) for lam, (r, x, d, zo) in zip(lams, sums.sqrt().tolist())]
+def residual_sums(x: torch.Tensor, z: torch.Tensor, z_old: torch.Tensor) -> list[float]:
+    """This rank's share of one layer's ‖x − z‖², ‖x‖², ‖z − z_prev‖², ‖z_prev‖² (fp64)."""
+    return [float((x - z).double().square().sum()), float(x.double().square().sum()),
+            float((z - z_old).double().square().sum()), float(z_old.double().square().sum())]
+
+
+def balanced_lambdas(sums: list[list[float]], lams: list[float], comm: Comm, mu: float, tau: float) -> list[float]:
+    """The next λ of each layer from this rank's ``residual_sums`` of it (one entry per layer, in the same order on every
+    rank; zeros where a rank holds none of the layer), summed over the ranks. Collective."""
+    total = comm.all_reduce_sum(torch.tensor(sums, dtype=torch.float64).reshape(len(lams), 4))
+    return [balanced_lambda(lam, r / (x + EPS), d / (zo + EPS), mu, tau) for lam, (r, x, d, zo) in zip(lams, total.sqrt().tolist())]
 
 
 def lambda_summary(layer_lambdas: dict[str, float]) -> tuple[float, float, float] | None:

@@ -36,8 +36,6 @@ eager code below is their reference and the path for everything else (GPU flats,
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
@@ -47,39 +45,15 @@ from elsa_ds.admm.kernels.compiled import CompiledStep
 from elsa_ds.admm.kernels.fused import FusedPath, XStep
 from elsa_ds.admm.kernels.ops import PenaltyState
 from elsa_ds.admm.kernels.select import FINAL, INIT, UPDATE
-from elsa_ds.admm.projection import NM, Comm, LocalComm, Slice, projection_masks
-from elsa_ds.admm.balance import balanced_lambdas, lambda_summary
+from elsa_ds.admm.projection import Comm, LocalComm, Slice, projection_masks
+from elsa_ds.admm.balance import balanced_lambdas, lambda_summary, residual_sums
 from elsa_ds.admm.schedule import LambdaSchedule, dual_rescale, interval_lambda
-from elsa_ds.admm.state import StateDtype
+from elsa_ds.admm.settings import AdmmSettings, Projection
 from elsa_ds.admm.wrapper import OptimizerWrapper
 
 Z, U, Z_SCALE, U_SCALE = "admm_z", "admm_u", "admm_z_scale", "admm_u_scale"
 LAM = "admm_lmda"  # per-slice λ of the adaptive schedule (fp32, one per slice of the flat)
 METRIC_NAMES = ("residual_sq", "x_sq", "flips", "pruned_entries", "state_bytes", "state_entries")
-
-
-class Projection(str, Enum):
-    fisher = "fisher"
-    magnitude = "magnitude"
-
-
-@dataclass(frozen=True)
-class AdmmSettings:
-    """The ADMM knobs the optimizer needs (validated upstream by ElsaConfig)."""
-
-    total_steps: int
-    interval: int = 32
-    lmda: float = 0.01
-    lmda_schedule: LambdaSchedule = LambdaSchedule.constant
-    projection: Projection = Projection.fisher
-    z_dtype: StateDtype = StateDtype.fp32
-    u_dtype: StateDtype = StateDtype.fp32
-    pattern: NM | None = None  # N:M instead of a per-layer top-k
-    hold_steps: int = 0  # the last steps train inside the mask of an early x ← Π(x) (0: the paper's method)
-    balance_mu: float = 1.5  # adaptive λ: the residuals' ratio that moves a layer's λ (the authors' --admm_mu)
-    balance_tau: float = 2.0  # adaptive λ: the factor it moves by (their --admm_tau_incr and --admm_tau_decr)
-    relaxation: float = 1.0  # α of the dual update u ← u + α (x − z) (their --admm_alpha; 1: plain ADMM)
-    kernels: bool = True  # fused CPU kernels where they apply (ELSA_DS_KERNELS=0 also turns them off)
 
 
 class AdmmOptimizer(OptimizerWrapper):
@@ -290,33 +264,40 @@ class AdmmOptimizer(OptimizerWrapper):
             admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, x * m.to(x.device), z_scales[j])
 
     def _update_eager(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
-        xs, vs, olds = [], [], []
+        xs, vs, old_keep = [], [], []
         for j, sl in enumerate(slices):
             x = sl.view(flat.detach()).float()
             u = admm_state.load(st[U], st[U_SCALE], j, sl.offset, sl.length)
             z_old = admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length)
             xs.append(x)
             vs.append(x + u)
-            olds.append(z_old.clone() if self._per_layer else z_old != 0)  # clone: the store below overwrites z
+            old_keep.append(z_old != 0)
         masks = self._project(vs, st, slices)
-        zs = [v * mask for v, mask in zip(vs, masks)]
-        alpha = self.settings.relaxation
-        us = [v - z if alpha == 1.0 else v - z + (alpha - 1.0) * (x - z) for x, v, z in zip(xs, vs, zs)]  # u + α (x − z)
-        if self._per_layer:
-            us = [u * f for u, f in zip(us, self._balance(slices, st, xs, zs, olds))]
-        z_scales, u_scales = self._layer_scales(vs, us if self._per_layer or alpha != 1.0 else None)
-        for j, (sl, x, z, u, mask, old) in enumerate(zip(slices, xs, zs, us, masks, olds)):
+        factors = self._balance(slices, st, xs, vs, masks) if self._per_layer else [1.0] * len(slices)
+        plain = self.settings.relaxation == 1.0 and not self._per_layer  # |u| ≤ |v|: v's peak scales u too
+        u_peaks = None if plain else [_peak(self._dual(x, v, v * m, f)) for x, v, m, f in zip(xs, vs, masks, factors)]
+        z_scales, u_scales = self._layer_scales(vs, u_peaks)
+        for j, (sl, x, v, mask, old) in enumerate(zip(slices, xs, vs, masks, old_keep)):
+            z = v * mask
             admm_state.store(st[Z], st[Z_SCALE], j, sl.offset, z, z_scales[j])
-            admm_state.store(st[U], st[U_SCALE], j, sl.offset, u, u_scales[j])
+            admm_state.store(st[U], st[U_SCALE], j, sl.offset, self._dual(x, v, z, factors[j]), u_scales[j])
             self._add_metrics(residual_sq=float((x - z).square().sum()), x_sq=float(x.square().sum()),
-                              flips=float((mask != (old != 0 if self._per_layer else old)).sum()), pruned_entries=sl.length)
+                              flips=float((mask != old).sum()), pruned_entries=sl.length)
 
-    def _balance(self, slices: list[Slice], st: dict, xs: list[torch.Tensor], zs: list[torch.Tensor],
-                 z_olds: list[torch.Tensor]) -> list[float]:
-        """Every layer's next λ (``balance.py``) into ``st[LAM]``; returns u's factors λ_old/λ_new. Collective."""
+    def _dual(self, x: torch.Tensor, v: torch.Tensor, z: torch.Tensor, factor: float) -> torch.Tensor:
+        """The new u: u + α (x − z) = v − z + (α − 1)(x − z), times the adaptive λ's λ_old/λ_new."""
+        alpha = self.settings.relaxation
+        u = v - z if alpha == 1.0 else (v - z).add_(x - z, alpha=alpha - 1.0)
+        return u if factor == 1.0 else u.mul_(factor)
+
+    def _balance(self, slices: list[Slice], st: dict, xs: list[torch.Tensor], vs: list[torch.Tensor],
+                 masks: list[torch.Tensor]) -> list[float]:
+        """Each layer's next λ (``balance.py``; z_prev still in ``st``) into ``st[LAM]``; returns u's λ_old/λ_new. Collective."""
+        sums = [residual_sums(x, v * m, admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length))
+                for j, (sl, x, v, m) in enumerate(zip(slices, xs, vs, masks))]
         old = st[LAM].tolist()
-        st[LAM].copy_(torch.tensor(balanced_lambdas(xs, zs, z_olds, old, self.comm, self.settings.balance_mu,
-                                                    self.settings.balance_tau), dtype=torch.float32))
+        st[LAM].copy_(torch.tensor(balanced_lambdas(sums, old, self.comm, self.settings.balance_mu, self.settings.balance_tau),
+                                   dtype=torch.float32))
         self._note_lambdas(slices, st)
         return [dual_rescale(a, b) for a, b in zip(old, st[LAM].tolist())]
 
@@ -338,19 +319,16 @@ class AdmmOptimizer(OptimizerWrapper):
     def _fisher_state(self, st: dict) -> dict | None:
         return None if self.settings.projection is Projection.magnitude else st
 
-    def _layer_scales(self, values: list[torch.Tensor], u_values: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp8 scales of z and u per layer, from the layer's peak |v| over all ranks (one max all-reduce for every
-        layer of the flat, only when a state is fp8); ones otherwise. u = v − z needs no peak of its own (|u| ≤ |v|);
-        ``u_values``: a u that may exceed v (over-relaxed, or rescaled by an adaptive λ), scaled by its own peak. Collective."""
-        def peaks_of(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return (torch.stack([t.abs().max() if t.numel() else torch.zeros((), device=t.device) for t in tensors]).float()
-                    if tensors else torch.zeros(0))
-
-        peaks = peaks_of(values) if u_values is None else torch.cat([peaks_of(values), peaks_of(u_values)])
+    def _layer_scales(self, values: list[torch.Tensor], u_peaks: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 scales of z and u per layer, from the layer's peak |v| over all ranks (one max all-reduce for every layer
+        of the flat, only when a state is fp8); ones otherwise. u = v − z needs no peak of its own (|u| ≤ |v|); ``u_peaks``
+        (this rank's, per layer): a u that may exceed v (over-relaxed, or rescaled by an adaptive λ). Collective."""
+        peaks = torch.stack([_peak(v) for v in values] + [p.to(values[0].device) for p in u_peaks or []]).float() \
+            if values else torch.zeros(0)
         if self.settings.z_dtype.scaled or self.settings.u_dtype.scaled:
             self.comm.all_reduce_max(peaks)
-        z_peaks, u_peaks = (peaks, peaks) if u_values is None else peaks.split(len(values))
-        return admm_state.layer_scales(z_peaks, self.settings.z_dtype), admm_state.layer_scales(u_peaks, self.settings.u_dtype)
+        z_peaks, u_peaks_all = peaks.split(len(values)) if u_peaks is not None else (peaks, peaks)
+        return admm_state.layer_scales(z_peaks, self.settings.z_dtype), admm_state.layer_scales(u_peaks_all, self.settings.u_dtype)
 
     def _project(self, values: list[torch.Tensor], st: dict, slices: list[Slice]) -> list[torch.Tensor]:
         """Keep-masks of Π(values) with this run's scores and pattern. Collective."""
@@ -397,3 +375,8 @@ def summarize_metrics(sums: torch.Tensor, lam: float) -> dict[str, float]:
         "mask_flip_frac": d["flips"] / max(d["pruned_entries"], 1.0),
         "admm_state_bytes_per_param": d["state_bytes"] / max(d["state_entries"], 1.0),
     }
+
+
+def _peak(t: torch.Tensor) -> torch.Tensor:
+    """max |t| (0 for an empty slice: a rank may hold none of a layer)."""
+    return t.abs().max() if t.numel() else torch.zeros((), device=t.device)

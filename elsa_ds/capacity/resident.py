@@ -110,7 +110,9 @@ def read_job(shape: ModelShape, ds: dict, elsa: dict, world: int, device: str) -
         fisher=elsa.get("projection", "fisher") == "fisher",
         pin_params=pins["offload_param"] and view.param_device != "none",
         pin_grads=pins["offload_optimizer"] and opt_dev != "none",
-        fused=fused, fused_init=fused and not elsa.get("init_mask"),
+        # the adaptive λ and over-relaxation update z, u on the eager path (their first z = Π(x) stays fused)
+        fused=fused and elsa.get("lmda_schedule") != "adaptive" and elsa.get("relaxation", 1.0) == 1.0,
+        fused_init=fused and not elsa.get("init_mask"),
     )
 
 

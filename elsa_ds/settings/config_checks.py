@@ -35,9 +35,11 @@ def _steps_name(cfg: Any) -> str:
 
 
 def _balance_refusals(cfg: Any) -> list[str]:
-    """The adaptive λ's settings without that schedule (nothing would read them), or with λ 0 (it would stay 0)."""
+    """The adaptive λ's settings moved off their defaults without that schedule (nothing would read them), or that
+    schedule with λ 0 (it would stay 0)."""
     adaptive = cfg.lmda_schedule.value == "adaptive"
-    stray = sorted(k for k in ("balance_mu", "balance_tau") if k in cfg.model_fields_set and not adaptive)
+    fields = type(cfg).model_fields
+    stray = sorted(k for k in ("balance_mu", "balance_tau") if getattr(cfg, k) != fields[k].default and not adaptive)
     found = [f"{' and '.join(stray)} tune the adaptive λ schedule; add --lmda_schedule adaptive, or drop them"] if stray else []
     if adaptive and cfg.lmda == 0.0:
         found.append("the adaptive λ schedule moves each layer's λ by a factor from lmda: lmda must be above 0")

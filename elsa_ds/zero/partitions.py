@@ -7,7 +7,9 @@ from collections.abc import Iterator
 
 import torch
 
-from elsa_ds.admm.optimizer import AdmmOptimizer, Projection, second_moment
+from elsa_ds.admm.adam8bit import second_moment
+from elsa_ds.admm.optimizer import AdmmOptimizer
+from elsa_ds.admm.settings import Projection
 from elsa_ds.admm.projection import NM, projection_masks
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
