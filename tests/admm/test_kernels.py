@@ -7,7 +7,6 @@ slices start and end at odd offsets, some are empty, some keep nothing or everyt
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from elsa_ds.admm.adam8bit import Adam8bit
 from elsa_ds.admm.optimizer import U, U_SCALE, Z, Z_SCALE, AdmmOptimizer, AdmmSettings, Projection
 from elsa_ds.admm.projection import Slice
 from elsa_ds.admm.state import StateDtype
+from tests.admm.two_ranks import cut, on_two_ranks, share
 
 FP32, BF16, FP8 = StateDtype.fp32, StateDtype.bf16, StateDtype.fp8
 DTYPES = [(FP32, FP32), (FP8, BF16), (BF16, FP8), (FP8, FP8)]
@@ -252,67 +252,23 @@ def test_bracket_on_a_large_flat_equals_eager_and_a_miss_falls_back(kernels, mar
         assert int((z.narrow(0, sl.offset, sl.length) != 0).sum()) == sl.keep
 
 
-class _ThreadComm:
-    """Collectives between threads standing in for ranks (the kernels hold the GIL: they simply take turns)."""
-
-    def __init__(self, rank: int, world: list, barrier: threading.Barrier):
-        self.rank, self.world_size, self._world, self._barrier = rank, len(world), world, barrier
-
-    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._world[self.rank] = tensor.clone()
-        self._barrier.wait()
-        out = torch.stack(self._world)
-        self._barrier.wait()
-        return out
-
-    def all_reduce_sum(self, tensor):
-        return tensor.copy_(self._gather(tensor).sum(0))
-
-    def all_reduce_max(self, tensor):
-        return tensor.copy_(self._gather(tensor).amax(0))
-
-    def all_gather(self, tensor):
-        return self._gather(tensor)
-
-
 @pytest.mark.parametrize("dtypes", [(FP32, FP32), (FP8, BF16)])
 def test_fused_projection_on_two_ranks_equals_the_single_rank_reference(kernels, dtypes, path):
     """Layers cut at odd points between two ranks (one rank holds none of layer "b"): same z as one rank, fp8 too."""
-    numel = {"a": 3001, "b": 1500}
-    keep = {"a": 1000, "b": 7}
-    cuts = {"a": 1234, "b": 0}
-    whole = [Slice("a", 0, 3001, 0, 3001, keep["a"]), Slice("b", 3001, 1500, 0, 1500, keep["b"])]
+    whole = [Slice("a", 0, 3001, 0, 3001, 1000), Slice("b", 3001, 1500, 0, 1500, 7)]
     x = _values(6, 4501, ties=True)
     ref_p = torch.nn.Parameter(x.clone())
     ref = _admm(ref_p, torch.optim.SGD([ref_p], lr=0.0), dtypes, False, projection=Projection.magnitude, slices=whole)
     ref._init_state(ref_p, whole, ref.state[ref_p])
-    parts = {0: [], 1: []}
-    for rank in (0, 1):
-        offset = 0
-        for sl in whole:
-            lo, hi = (0, cuts[sl.layer]) if rank == 0 else (cuts[sl.layer], numel[sl.layer])
-            parts[rank].append(Slice(sl.layer, offset, hi - lo, lo, numel[sl.layer], keep[sl.layer]))
-            offset += hi - lo
-    world, barrier, out, errors = [None, None], threading.Barrier(2), {}, []
+    parts = cut(whole, {"a": 1234, "b": 0})
 
-    def rank_main(rank: int) -> None:
-        try:
-            values = torch.cat([x.narrow(0, w.offset + s.start, s.length) for w, s in zip(whole, parts[rank])])
-            p = torch.nn.Parameter(values)
-            opt = _admm(p, torch.optim.SGD([p], lr=0.0), dtypes, True, projection=Projection.magnitude, slices=parts[rank],
-                        comm=_ThreadComm(rank, world, barrier))
-            opt._init_state(p, parts[rank], opt.state[p])
-            out[rank] = opt.state[p]
-        except Exception as err:  # surfaced below; a stuck peer is released by the barrier's abort
-            errors.append(err)
-            barrier.abort()
+    def rank_main(rank: int, comm) -> dict:
+        p = torch.nn.Parameter(share(x, whole, parts[rank]))
+        opt = _admm(p, torch.optim.SGD([p], lr=0.0), dtypes, True, projection=Projection.magnitude, slices=parts[rank], comm=comm)
+        opt._init_state(p, parts[rank], opt.state[p])
+        return opt.state[p]
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    out = on_two_ranks(rank_main)
     st = ref.state[ref_p]
     for j, w in enumerate(whole):
         pieces = [out[r][Z].narrow(0, parts[r][j].offset, parts[r][j].length) for r in (0, 1)]

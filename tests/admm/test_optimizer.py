@@ -213,13 +213,10 @@ def test_adaptive_lambda_reaches_the_sparse_optimum_with_low_precision_states():
 def test_adaptive_lambda_on_two_ranks_equals_one_rank():
     """A layer cut between two ranks (one holds none of layer "b"): the residuals are summed over ranks, so both ranks
     move every λ as the single rank does, and the z, u pieces put together equal its."""
-    import threading
-
-    from tests.admm.test_kernels import _ThreadComm
+    from tests.admm.two_ranks import cut, on_two_ranks, share
 
     g = torch.Generator().manual_seed(5)
-    numel, keep, cuts = {"a": 301, "b": 150}, {"a": 100, "b": 30}, {"a": 123, "b": 0}
-    whole = [Slice("a", 0, 301, 0, 301, keep["a"]), Slice("b", 301, 150, 0, 150, keep["b"])]
+    whole = [Slice("a", 0, 301, 0, 301, 100), Slice("b", 301, 150, 0, 150, 30)]
     x0, grads = torch.randn(451, generator=g), [torch.randn(451, generator=g) for _ in range(9)]
 
     def run(p, slices, comm=None, pick=lambda t: t):
@@ -236,32 +233,9 @@ def test_adaptive_lambda_on_two_ranks_equals_one_rank():
 
     ref_p = torch.nn.Parameter(x0.clone())
     ref_state, ref_lams = run(ref_p, whole)
-    parts = {0: [], 1: []}
-    for rank in (0, 1):
-        offset = 0
-        for sl in whole:
-            lo, hi = (0, cuts[sl.layer]) if rank == 0 else (cuts[sl.layer], numel[sl.layer])
-            parts[rank].append(Slice(sl.layer, offset, hi - lo, lo, numel[sl.layer], keep[sl.layer]))
-            offset += hi - lo
-    world, barrier, out, errors = [None, None], threading.Barrier(2), {}, []
-
-    def piece(rank, t):
-        return torch.cat([t.narrow(0, w.offset + s.start, s.length) for w, s in zip(whole, parts[rank])])
-
-    def rank_main(rank: int) -> None:
-        try:
-            p = torch.nn.Parameter(piece(rank, x0))
-            out[rank] = run(p, parts[rank], _ThreadComm(rank, world, barrier), lambda t: piece(rank, t))
-        except Exception as err:
-            errors.append(err)
-            barrier.abort()
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    parts = cut(whole, {"a": 123, "b": 0})
+    out = on_two_ranks(lambda rank, comm: run(torch.nn.Parameter(share(x0, whole, parts[rank])), parts[rank], comm,
+                                              lambda t: share(t, whole, parts[rank])))
     assert out[0][1] == out[1][1] == ref_lams and len({tuple(d.values()) for d in ref_lams}) > 1
     for key in ("admm_z", "admm_u"):
         joined = torch.cat([torch.cat([out[r][0][key].narrow(0, parts[r][j].offset, parts[r][j].length) for r in (0, 1)])
