@@ -52,6 +52,7 @@ import torch  # noqa: E402
 
 from elsa_ds.admm.optimizer import AdmmOptimizer, AdmmSettings  # noqa: E402
 from elsa_ds.admm.projection import Slice  # noqa: E402
+from elsa_ds.admm.schedule import LambdaSchedule  # noqa: E402
 from elsa_ds.admm.state import StateDtype  # noqa: E402
 from elsa_ds.zero.ds_config import DsConfig  # noqa: E402
 
@@ -62,18 +63,22 @@ BYTES = {"adam_fp32": 16 + 12, "elsa_fp32": 16 + 12 + 8, "adam_8bit": 10 + 6, "e
 PROJECTION_BYTES = {"fp32": 12 / 16 + 12 + 16 + 8, "elsa_l": 7 / 16 + 7 + 8 + 3}
 
 
+# the authors' remedies (--lmda_schedule adaptive, --relaxation), as AdmmSettings fields
+REMEDIES = {"adaptive": {"lmda_schedule": LambdaSchedule.adaptive}, "relaxed": {"relaxation": 1.6}}
+
+
 class Runner:
     """One optimizer on its own copy of the flat; ``run(steps)`` returns the per-step seconds and projection flags."""
 
     def __init__(self, name: str, make, flat: torch.Tensor, grad: torch.Tensor, slices: list[Slice] | None, interval: int,
-                 dtypes=(StateDtype.fp32, StateDtype.fp32), kernels: bool = True):
+                 dtypes=(StateDtype.fp32, StateDtype.fp32), kernels: bool = True, remedy: dict | None = None):
         self.name, self.grad = name, grad
         self.p = torch.nn.Parameter(flat.clone())
         self.opt = make([self.p])
         self.admm = slices is not None
         if self.admm:
             settings = AdmmSettings(total_steps=1 << 30, interval=interval, lmda=0.01, z_dtype=dtypes[0], u_dtype=dtypes[1],
-                                    kernels=kernels)
+                                    kernels=kernels, **(remedy or {}))
             self.opt = AdmmOptimizer(self.opt, settings)
             self.opt.assign(self.p, slices)
         self.t = 0
@@ -173,7 +178,7 @@ def _pair(res: dict, names: tuple[str, str], runners: tuple[Runner, Runner], arg
             res[name]["rss_growth_MiB"] = peak_extra_bytes(runner) / 2**20
             if runner.admm:
                 st = runner.opt.state[runner.p]
-                res[name]["fused"] = bool(runner.opt._fused.steps(runner.p, st))
+                res[name]["fused"] = bool(runner.opt._fused.steps(runner.p, st)) and not runner.opt._per_layer  # adaptive: eager
                 res[name]["projection_paths"] = dict(runner.opt._fused.projection_paths)  # bracket / missed / exact
 
 
@@ -192,10 +197,16 @@ def measure(numel: int, args) -> dict:
     if args.eager:
         pairs += [(("deepspeed_adam", "eager_elsa_fp32"), (mk["deepspeed_adam"], None, True), (mk["deepspeed_adam"], slices, False, None)),
                   (("deepspeed_adam", "eager_elsa_l"), (mk["deepspeed_adam"], None, True), (base8, slices, False, low))]
+    if args.remedies:  # kernels on: what each remedy leaves to the eager path (REMEDIES), on each base
+        bases = {"fp32": (mk["deepspeed_adam"], None), "l_minifloat": (mk["minifloat_adam8bit"], low), "l_bnb": (base8, low)}
+        pairs += [(("deepspeed_adam", f"{name}_{kind}"), (mk["deepspeed_adam"], None, True), (make, slices, True, dtypes))
+                  for name in REMEDIES for kind, (make, dtypes) in bases.items()]
     for names, (make_a, _, _), (make_b, sl, on, dtypes) in pairs:
         a = Runner(names[0], make_a, flat, grad, None, args.interval)
-        b = Runner(names[1], make_b, flat, grad, sl, args.interval, dtypes or (StateDtype.fp32, StateDtype.fp32), on)
-        _pair(res, names, (a, b), args, 1 if names[1].startswith("eager") else args.rounds)
+        b = Runner(names[1], make_b, flat, grad, sl, args.interval, dtypes or (StateDtype.fp32, StateDtype.fp32), on,
+                   REMEDIES.get(names[1].split("_")[0]))
+        slow = names[1].startswith("eager") or names[1].split("_")[0] in REMEDIES  # their eager parts: one ABBA round
+        _pair(res, names, (a, b), args, 1 if slow else args.rounds)
         del a, b
     for name in ("bnb_adam8bit", "fused_adam8bit", "minifloat_adam8bit"):
         if name in mk:
@@ -246,6 +257,7 @@ def per_thread_count(args) -> dict:
     child = [sys.executable, str(Path(__file__).resolve()), "--numel", *(str(n) for n in args.numel), "--slices", str(args.slices),
              "--interval", str(args.interval), "--rounds", str(args.rounds), "--json"]
     child += ["--eager"] if args.eager else []
+    child += ["--remedies"] if args.remedies else []
     child += ["--device", args.device] if args.device else []
     out = {}
     for n in args.threads:
@@ -283,6 +295,7 @@ def report(numel: int, res: dict, interval: int) -> dict:
               "projection_steps_equiv_elsal": low["projection_ms"] / low["base_ms"],
               "projection_steps_equiv_elsal_bnb": bnb["projection_ms"] / bnb["base_ms"], "base_step_ms": base,
               "projection_paths": fp32.get("projection_paths", {})}
+    ratios["remedies"] = remedy_factors(res)
     floor_fp32 = (BYTES["elsa_fp32"] + PROJECTION_BYTES["fp32"] / interval) / BYTES["adam_fp32"]
     floor_l = (BYTES["elsa_l"] + PROJECTION_BYTES["elsa_l"] / interval) / BYTES["adam_fp32"]
     print(f"\nbytes per parameter per step: DeepSpeedCPUAdam {BYTES['adam_fp32']}, fused ELSA {BYTES['elsa_fp32']}, "
@@ -294,6 +307,19 @@ def report(numel: int, res: dict, interval: int) -> dict:
           f"(ELSA-L {ratios['projection_steps_equiv_elsal']:.2f}); achieved DeepSpeedCPUAdam bandwidth "
           f"{BYTES['adam_fp32'] * numel / base / 1e6:.1f} GB/s; projection paths {ratios['projection_paths']}")
     return ratios
+
+
+def remedy_factors(res: dict) -> dict:
+    """Each remedy's step and projection against the fused ELSA's beside the same DeepSpeedCPUAdam (the factors
+    ``elsa_ds/capacity/step_time.py`` applies to the fused figures), printed; {} without --remedies."""
+    out = {}
+    for name in (n for n in res if n.split("_")[0] in REMEDIES):
+        fused = res["elsa_" + name.split("_", 1)[1]]  # elsa_fp32, elsa_l_minifloat, elsa_l_bnb
+        r = res[name]
+        out[name] = {"step_vs_fused": (r["step_ms"] / r["base_ms"]) / (fused["step_ms"] / fused["base_ms"]),
+                     "projection_vs_fused": (r["projection_ms"] / r["base_ms"]) / (fused["projection_ms"] / fused["base_ms"])}
+        print(f"{name}: step {out[name]['step_vs_fused']:.2f}x, projection {out[name]['projection_vs_fused']:.2f}x the fused ELSA's")
+    return out
 
 
 def elsal_base_optimizer() -> str:
@@ -308,6 +334,7 @@ def main() -> int:
     ap.add_argument("--interval", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds of `interval` steps per optimizer")
     ap.add_argument("--eager", action="store_true", help="also the eager reference path (slow)")
+    ap.add_argument("--remedies", action="store_true", help="also the adaptive λ and over-relaxation (their eager parts)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--device", help="cuda or cpu: the optimizer-on-the-device rows (torch's fused Adam, ELSA eager, compiled)")
     ap.add_argument("--threads", type=int, nargs="+", help="run once per OpenMP thread count, each in a fresh process")

@@ -85,14 +85,15 @@ class EstimateOptions(BaseModel):
 
 # The job settings the estimate depends on, read as elsa-prune reads them (not given: a recipe's, the JSON "elsa" block's,
 # the demo profile's, the defaults rule's or the field's default): the batch and its activations, what is pruned and
-# trained, the optimizer's and ADMM's state types, and what decides a one-shot warm start (--init_mask, or the defaults
-# rule's SparseGPT start from steps, sparsity and a user's lr) and its working set; the steps and the projection interval
-# time the run. --random_init is not among them: both load paths build into partitions module by module under zero.Init.
+# trained, the optimizer's and ADMM's state types, the authors' remedies (their eager parts), and what decides a one-shot
+# warm start (--init_mask, or the defaults rule's SparseGPT start from steps, sparsity and a user's lr) and its working
+# set; the steps and the projection interval time the run. --random_init is not among them: both load paths build
+# into partitions module by module under zero.Init.
 ESTIMATE_SHARED: dict[type[BaseModel], tuple[str, ...]] = {
     JobOptions: ("deepspeed", "recipe", "log_level"),
     ElsaConfig: ("seqlen", "batch_size", "micro_batch", "targets", "gradient_checkpointing", "freeze_embeddings", "base_optimizer",
                  "z_dtype", "u_dtype", "projection", "steps", "interval", "sparsity", "pattern", "sparsity_profile", "lr", "init_mask",
-                 "init_weights", "nsamples", "val_windows"),
+                 "init_weights", "nsamples", "val_windows", "lmda_schedule", "relaxation"),
 }
 
 

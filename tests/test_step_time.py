@@ -56,6 +56,25 @@ def test_elsal_and_its_kernel_cost_and_nvme_traffic():
     assert nvme.components["nvme"] > 0 and nvme.step_s > fp32.step_s
 
 
+def test_the_remedies_eager_parts_cost_what_the_bench_measured_against_the_fused_step():
+    """--lmda_schedule adaptive steps and updates z, u on the eager path, --relaxation only updates them there: each
+    costs its measured factor (bench/optimizer_step.py --remedies) over the fused figures, on ELSA-L's base too."""
+    from elsa_ds.capacity.step_time import REMEDY_FACTORS
+
+    for deepspeed, base in (("zero3_offload", "cpu_adam"), ("zero3_offload_elsal", "adam8bit_minifloat")):
+        fused, _ = _timed(deepspeed=deepspeed)
+        for remedy, settings in (("adaptive", {"lmda_schedule": "adaptive"}), ("relaxed", {"relaxation": 1.6})):
+            t, _ = _timed(deepspeed=deepspeed, **settings)
+            step, projection = REMEDY_FACTORS[remedy][base]
+            assert t.components["optimizer"] == pytest.approx(step * fused.components["optimizer"]), (remedy, base)
+            assert t.components["projection"] == pytest.approx(projection * fused.components["projection"]), (remedy, base)
+            assert t.components["forward/backward"] == fused.components["forward/backward"] and t.step_s > fused.step_s
+            assert t.run_parts["first projection"] == fused.run_parts["first projection"]  # z₀ = Π(x): fused with either
+        assert REMEDY_FACTORS["relaxed"][base][0] == 1.0  # its x-step stays fused
+    on_gpu, _ = _timed(deepspeed="zero3")           # the optimizer on the GPU: eager there already, nothing to scale
+    assert _timed(deepspeed="zero3", lmda_schedule="adaptive")[0].components == on_gpu.components
+
+
 def test_more_ranks_share_the_host_and_a_second_node_halves_its_share():
     one, _ = _timed(num_gpus=1)
     eight, _ = _timed(num_gpus=8, machine="gpu-server")
@@ -97,6 +116,12 @@ def test_the_mission_case_prints_memory_and_hours_offline_in_seconds(capsys):
     assert last["per_node_cpu_bytes"] > 0 and last["time"]["steps"] == 4096
     assert last["time"]["run_s"] > 4096 * last["time"]["step_s"] * 0.99
     assert last["time"]["rates"]["source"].startswith("typical 8-GPU server")
+    # a remedy is a setting the estimate reads as elsa-prune does: the same command with it takes longer
+    assert main_estimate(["--model", "google/gemma-2-27b", "--deepspeed", "zero3_offload_elsal", "--num_gpus", "8", "--seqlen",
+                          "2048", "--batch_size", "64", "--micro_batch", "1", "--steps", "4096", "--lmda_schedule", "adaptive",
+                          "--json"]) == 0
+    adaptive = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert adaptive["time"]["run_s"] > 2 * last["time"]["run_s"]
 
 
 def test_the_reports_mean_counts_the_projections_in_the_steps_it_averages():

@@ -83,6 +83,7 @@ class Job:
     pin_grads: bool          # offload_optimizer's CPU gradient buffers are (a GPU host)
     fused: bool              # the projection runs on the fused CPU kernels (CPU flats, per-layer top-k): no score buffers
     fused_init: bool         # z₀ = Π(x) does too (no warm-start mask)
+    remedy: str = ""         # adaptive | relaxed: the authors' remedy the run takes, whose parts run on the eager path
 
 
 def element_bytes(ds: dict) -> int:
@@ -100,6 +101,7 @@ def read_job(shape: ModelShape, ds: dict, elsa: dict, world: int, device: str) -
     zero = view.zero
     pins = {k: device == "cuda" and bool(zero.get(k, {}).get("pin_memory")) for k in ("offload_param", "offload_optimizer")}
     fused = (opt_dev != "none" or device == "cpu") and elsa.get("pattern", "unstructured") == "unstructured"
+    remedy = "adaptive" if elsa.get("lmda_schedule") == "adaptive" else "relaxed" if elsa.get("relaxation", 1.0) != 1.0 else ""
     return Job(
         world=world, p=shape.num_params / world, t=shape.trainable_params / world, half=half,
         grad_accum=DTYPE_BYTES.get(str(ds.get("data_types", {}).get("grad_accum_dtype")), half),
@@ -111,8 +113,7 @@ def read_job(shape: ModelShape, ds: dict, elsa: dict, world: int, device: str) -
         pin_params=pins["offload_param"] and view.param_device != "none",
         pin_grads=pins["offload_optimizer"] and opt_dev != "none",
         # the adaptive λ and over-relaxation update z, u on the eager path (their first z = Π(x) stays fused)
-        fused=fused and elsa.get("lmda_schedule") != "adaptive" and elsa.get("relaxation", 1.0) == 1.0,
-        fused_init=fused and not elsa.get("init_mask"),
+        fused=fused and not remedy, fused_init=fused and not elsa.get("init_mask"), remedy=remedy,
     )
 
 

@@ -12,7 +12,8 @@ model element; a micro-steps of b sequences of L tokens; every host figure is th
                   at the intra-node rate, or the inter-node rate when the job spans nodes
     + hooks       ZeRO-3's per-tensor fetch and release work, twice a micro-step, per parameter tensor
     optimizer     offloaded: T/W entries at DeepSpeedCPUAdam's measured rate times the fused ELSA kernel's cost
-                  relative to it (bench/optimizer_step.py), and DeepSpeed's host passes around it (stage3.py: the
+                  relative to it (bench/optimizer_step.py; the authors' remedies times their eager parts' measured
+                  factors, REMEDY_FACTORS), and DeepSpeed's host passes around it (stage3.py: the
                   gradient norm read, the gradient unscaled in place, the fp32 → 16-bit parameter copy: 16 + h bytes
                   an entry) at the host's copy rate; on the device: Adam's and ELSA's state traffic (28 + z + u bytes an entry read or
                   written, twice for torch's unfused passes) at the device's memory rate
@@ -65,6 +66,13 @@ _KERNEL_GPU_HOST = {"cpu_adam": 1.505, "adam8bit_minifloat": 1.064, "adam8bit": 
 _PROJECTION_GPU_HOST = {"cpu_adam": 5.417, "adam8bit_minifloat": 5.221, "adam8bit": 4.961}
 _KERNEL_CPU_HOST = {"cpu_adam": 1.42, "adam8bit_minifloat": 1.15, "adam8bit": 3.36}
 _PROJECTION_CPU_HOST = {"cpu_adam": 2.26, "adam8bit_minifloat": 3.75, "adam8bit": 6.07}
+# The authors' remedies under optimizer offload (bench/optimizer_step.py --remedies on the 2-core AMD EPYC box,
+# 2026-11-28, bench/results/optimizer_step_remedies_32m_2026-11-28_epyc.txt; one run, not measured on the GPU host):
+# (step, projection) against the fused ELSA's beside the same DeepSpeedCPUAdam, applied to every host's fused figures.
+# adaptive: the penalty added in torch per layer, then the base's own step; both remedies update z, u on the eager path.
+# relaxed: its x-step is the fused one (1 by construction; measured 0.98-1.20, the run's noise).
+REMEDY_FACTORS = {"adaptive": {"cpu_adam": (1.81, 15.9), "adam8bit_minifloat": (6.30, 34.1), "adam8bit": (16.9, 54.3)},
+                  "relaxed": {"cpu_adam": (1.0, 11.4), "adam8bit_minifloat": (1.0, 28.2), "adam8bit": (1.0, 25.0)}}
 
 TYPICAL = {
     # The lent GPU machine: one H100 or H200 and a 16-core Xeon VM. Measured there: DeepSpeedCPUAdam 32M entries in
@@ -148,7 +156,7 @@ def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, d
     # a CPU node's ranks share its cores: each gets 1/g of the node's matmul rate (the host's rates are always shared)
     flop_rate = rates.matmul_flops / num_gpus if device == "cpu" else rates.matmul_flops
     micro_s = _micro_step(shape, job, cfg, micro, num_gpus, num_nodes, device, rates, flop_rate)
-    optimizer, projection, host = _optimizer(shape, job, cfg, num_gpus, rates)
+    optimizer, projection, first_projection, host = _optimizer(shape, job, cfg, num_gpus, rates)
     components = {"forward/backward": accumulation * micro_s, "optimizer": optimizer, "host passes": host,
                   "projection": projection, "nvme": _nvme(shape, job, accumulation, num_gpus, rates)}
     step_s = sum(components.values())
@@ -157,7 +165,7 @@ def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, d
     forward = max((2 * p_mm + 4 * cfg.seqlen * shape.hidden * shape.layers) * micro * cfg.seqlen / flop_rate,
                   _fetch_bytes(shape, job) / 2 / rates.h2d if device == "cuda" else 0.0)
     parts = {"steps": cfg.steps * step_s,
-             "first projection": projection * cfg.interval,      # z₀ = Π(x)
+             "first projection": first_projection,              # z₀ = Π(x)
              "validation": 3 * -(-windows // micro) * forward,    # the dense model, the start, the end
              "load and export": 2 * job.half * shape.num_params / rates.disk}
     return StepTime(components=components, step_s=step_s, steps=cfg.steps, interval=cfg.interval,
@@ -190,17 +198,20 @@ def _micro_step(shape: ModelShape, job: Job, cfg, micro: int, num_gpus: int, num
     return max(compute, copies, collectives) + hooks
 
 
-def _optimizer(shape: ModelShape, job: Job, cfg, num_gpus: int, rates: Rates) -> tuple[float, float, float]:
-    """(the step, one projection amortized over the interval, DeepSpeed's host passes) of a rank's T/W entries."""
+def _optimizer(shape: ModelShape, job: Job, cfg, num_gpus: int, rates: Rates) -> tuple[float, float, float, float]:
+    """(the step, one projection amortized over the interval, the first projection z₀ = Π(x) (fused with any remedy),
+    DeepSpeed's host passes) of a rank's T/W entries."""
     entries = shape.trainable_params / job.world
     if job.opt_dev == "none":                                     # on the device: bytes at its memory rate
         base = (28 + job.z_bytes + job.u_bytes) * entries / rates.device_bw
         step = base * (2 if job.base == "adam" else 1)            # torch's Adam: unfused passes
-        return step, base * rates.projection["cpu_adam"] / cfg.interval, 0.0
+        return step, base * rates.projection["cpu_adam"] / cfg.interval, base * rates.projection["cpu_adam"], 0.0
     adam = entries * num_gpus / rates.adam                        # the node's g ranks step at once
-    step = adam * rates.kernel.get(job.base, rates.kernel["cpu_adam"])
-    projection = adam * rates.projection.get(job.base, rates.projection["cpu_adam"]) / cfg.interval
-    return step, projection, (16 + job.half) * entries * num_gpus / rates.host_bw
+    factors = REMEDY_FACTORS.get(job.remedy, {})
+    step_factor, projection_factor = factors.get(job.base, factors.get("cpu_adam", (1.0, 1.0)))  # 1, 1 without a remedy
+    step = adam * rates.kernel.get(job.base, rates.kernel["cpu_adam"]) * step_factor
+    first = adam * rates.projection.get(job.base, rates.projection["cpu_adam"])
+    return step, first * projection_factor / cfg.interval, first, (16 + job.half) * entries * num_gpus / rates.host_bw
 
 
 def _nvme(shape: ModelShape, job: Job, accumulation: int, num_gpus: int, rates: Rates) -> float:
