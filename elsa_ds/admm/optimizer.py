@@ -41,12 +41,12 @@ import torch
 
 from elsa_ds.admm import state as admm_state
 from elsa_ds.admm.adam8bit import second_moment
+from elsa_ds.admm.balance import balanced_lambdas, lambda_summary, residual_sums
 from elsa_ds.admm.kernels.compiled import CompiledStep
 from elsa_ds.admm.kernels.fused import FusedPath, XStep
 from elsa_ds.admm.kernels.ops import PenaltyState
 from elsa_ds.admm.kernels.select import FINAL, INIT, UPDATE
 from elsa_ds.admm.projection import Comm, LocalComm, Slice, projection_masks
-from elsa_ds.admm.balance import balanced_lambdas, lambda_summary, residual_sums
 from elsa_ds.admm.schedule import LambdaSchedule, dual_rescale, interval_lambda
 from elsa_ds.admm.settings import AdmmSettings, Projection
 from elsa_ds.admm.wrapper import OptimizerWrapper
