@@ -126,8 +126,8 @@ class AdmmOptimizer(OptimizerWrapper):
             st = self.state[flat]
             if Z not in st:
                 continue  # the first step: no z yet, and the base optimizer must see an empty state to init
-            if LAM in st:
-                self._note_lambdas(slices, st)
+            if LAM in st and any(sl.layer not in self.layer_lambdas for sl in slices):
+                self._note_lambdas(slices, st)  # a resumed run: its λs came back in the state
             if self._holding:
                 held.append(self._hold_before(flat, slices))
             elif self._dual_factor != 1.0:
@@ -210,7 +210,7 @@ class AdmmOptimizer(OptimizerWrapper):
         """∇ ← ∇ + λ (x − z + u) on the pruned entries (λ the slice's own with the adaptive schedule)."""
         grad = flat.grad
         assert grad is not None, "the penalty is added only to a flat with a gradient"
-        lams = st[LAM].tolist() if LAM in st else [self.lam] * len(slices)
+        lams = [self.layer_lambdas[sl.layer] for sl in slices] if LAM in st else [self.lam] * len(slices)
         for j, sl in enumerate(slices):
             if sl.length == 0:
                 continue
@@ -273,9 +273,17 @@ class AdmmOptimizer(OptimizerWrapper):
             vs.append(x + u)
             old_keep.append(z_old != 0)
         masks = self._project(vs, st, slices)
-        factors = self._balance(slices, st, xs, vs, masks) if self._per_layer else [1.0] * len(slices)
-        plain = self.settings.relaxation == 1.0 and not self._per_layer  # |u| ≤ |v|: v's peak scales u too
-        u_peaks = None if plain else [_peak(self._dual(x, v, v * m, f)) for x, v, m, f in zip(xs, vs, masks, factors)]
+        factors, u_peaks = [1.0] * len(slices), None  # |u| ≤ |v| in plain ADMM: v's peak scales u too
+        if self._per_layer or self.settings.relaxation != 1.0:  # u may exceed v: its own peak, one layer at a time
+            sums, u_peaks = [], []
+            for j, (sl, x, v, m) in enumerate(zip(slices, xs, vs, masks)):
+                z = v * m
+                if self._per_layer:  # z_prev is still in the state
+                    sums.append(residual_sums(x, z, admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length)))
+                u_peaks.append(_peak(self._dual(x, v, z, 1.0)))
+            if self._per_layer:
+                factors = self._balance(slices, st, sums)
+                u_peaks = [peak * f for peak, f in zip(u_peaks, factors)]
         z_scales, u_scales = self._layer_scales(vs, u_peaks)
         for j, (sl, x, v, mask, old) in enumerate(zip(slices, xs, vs, masks, old_keep)):
             z = v * mask
@@ -290,11 +298,9 @@ class AdmmOptimizer(OptimizerWrapper):
         u = v - z if alpha == 1.0 else (v - z).add_(x - z, alpha=alpha - 1.0)
         return u if factor == 1.0 else u.mul_(factor)
 
-    def _balance(self, slices: list[Slice], st: dict, xs: list[torch.Tensor], vs: list[torch.Tensor],
-                 masks: list[torch.Tensor]) -> list[float]:
-        """Each layer's next λ (``balance.py``; z_prev still in ``st``) into ``st[LAM]``; returns u's λ_old/λ_new. Collective."""
-        sums = [residual_sums(x, v * m, admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length))
-                for j, (sl, x, v, m) in enumerate(zip(slices, xs, vs, masks))]
+    def _balance(self, slices: list[Slice], st: dict, sums: list[list[float]]) -> list[float]:
+        """Each layer's next λ from this rank's ``residual_sums`` (``balance.py``) into ``st[LAM]``; returns u's
+        λ_old/λ_new. Collective."""
         old = st[LAM].tolist()
         st[LAM].copy_(torch.tensor(balanced_lambdas(sums, old, self.comm, self.settings.balance_mu, self.settings.balance_tau),
                                    dtype=torch.float32))
