@@ -112,6 +112,14 @@ def derived_config(tmp_path: Path, base: str = "zero3_offload.json", **overrides
     return path
 
 
+def nan_at_step_env(step: int) -> dict[str, str]:
+    """The environment that makes a job's loss NaN at ``step`` (``tests/fixtures/nan_at_step``, loaded as sitecustomize
+    by every process of the job): its stop after the last checkpoint before it is what resume tests start from."""
+    fixture = ROOT / "tests" / "fixtures" / "nan_at_step"
+    path = os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {"ELSA_TEST_NAN_STEP": str(step), "PYTHONPATH": path}
+
+
 def run_entry(script: str, args: list[str], ranks: int | None = None, timeout: int = 900, check: bool = True,
               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run launch/<script> as a plain process (ranks=None) or under the deepspeed launcher with ``ranks``."""

@@ -5,7 +5,6 @@ handled error: not a word from it. The embedded demo model: one plain process, a
 rank 0 or rank 1 killed, or the launcher's whole process group (the watchdog then the only one left to speak)."""
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import ROOT, _free_port, run_entry
+from tests.conftest import ROOT, _free_port, nan_at_step_env, run_entry
 from tests.test_interrupts import _run_and_signal
 from tests.test_left_behind import ERROR_LINE, QUICK, _listing, _previous_output
 
@@ -90,8 +89,7 @@ def test_a_clean_end_gets_no_word_from_the_watchdog(tmp_path, nan):
     is gone by the time the job's output pipes close."""
     parent = tmp_path / "parent"
     out = _previous_output(parent)
-    fixture = ROOT / "tests" / "fixtures" / "nan_at_step"
-    env = {"ELSA_TEST_NAN_STEP": "1", "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = nan_at_step_env(1)
     proc = run_entry("prune.py", [*QUICK, "--steps", "2", "--output_dir", str(out), "--overwrite"], check=False,
                      env=env if nan else None, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith(ERROR_LINE)]

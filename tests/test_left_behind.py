@@ -22,7 +22,7 @@ from elsa_ds.files.disk_room import DiskFull, disk_full, disk_full_errno
 from elsa_ds.files.ownership import lock_path
 from elsa_ds.jobs.warm_start import warm_start_path
 from elsa_ds.settings.config import DEMO_MODEL_DIR
-from tests.conftest import ROOT, run_entry
+from tests.conftest import ROOT, nan_at_step_env, run_entry
 from tests.test_interrupts import _run_and_signal
 
 pytestmark = pytest.mark.integration
@@ -122,8 +122,7 @@ def test_a_nan_stop_leaves_nothing_beside_the_output(tmp_path):
     parent = tmp_path / "parent"
     out = _previous_output(parent)
     before, before_out = _listing(parent), _listing(out)
-    fixture = ROOT / "tests" / "fixtures" / "nan_at_step"
-    env = {"ELSA_TEST_NAN_STEP": "1", "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = nan_at_step_env(1)
     proc = _prune([*QUICK, "--steps", "4", "--output_dir", str(out), "--overwrite"], env=env)
     line = _one_error_line(proc)
     assert "the loss became nan at step 1" in line, line

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, derived_config, run_entry
+from tests.conftest import ROOT, derived_config, nan_at_step_env, run_entry
 
 pytestmark = pytest.mark.integration
 
@@ -87,8 +87,7 @@ def test_nan_stops_with_step_and_keeps_last_checkpoint(tmp_path, tiny_model_dir,
     ds = derived_config(tmp_path, bf16={"enabled": False})
     out = tmp_path / "out"
     env_step = "5"
-    fixture = ROOT / "tests" / "fixtures" / "nan_at_step"
-    env = {"ELSA_TEST_NAN_STEP": env_step, "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = nan_at_step_env(env_step)
     proc = run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, out, "--save_interval", "2"), check=False, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"at step {env_step}" in proc.stderr
@@ -122,8 +121,7 @@ def test_elsal_on_minifloat_adam_resumes_where_an_uninterrupted_run_ends(tmp_pat
     extra = ("--base_optimizer", "adam8bit_minifloat", "--save_interval", "2")
     run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, tmp_path / "ref", *extra))
     out = tmp_path / "out"
-    fixture = ROOT / "tests" / "fixtures" / "nan_at_step"
-    env = {"ELSA_TEST_NAN_STEP": "5", "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = nan_at_step_env(5)
     stopped = run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, out, *extra), check=False, env=env)
     assert stopped.returncode == 2 and (out / "checkpoints" / "latest").read_text() == "global_step4", stopped.stderr[-2000:]
     resumed = run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, out, *extra, "--resume"))

@@ -12,7 +12,7 @@ from elsa_ds.reference import train_reference
 from elsa_ds.settings.config import resolve_config
 from elsa_ds.targets import select_targets
 from elsa_ds.zero.ds_config import DsConfig
-from tests.conftest import derived_config, run_entry
+from tests.conftest import derived_config, nan_at_step_env, run_entry
 
 pytestmark = pytest.mark.integration
 
@@ -59,16 +59,11 @@ def test_adaptive_lambda_on_two_ranks_reproduces_the_reference_and_resumes(tmp_p
     engine: two ranks of ZeRO-3 + CPU offload pick the single-process reference's masks; the per-layer λ live in the
     optimizer state, so a run stopped after its step-4 checkpoint (a NaN at step 5) and resumed ends where the
     uninterrupted run does, λ by λ."""
-    import os
-
-    from tests.conftest import ROOT
-
     ds_path = derived_config(tmp_path, bf16={"enabled": False})
     extra = ["--lmda_schedule", "adaptive", "--save_interval", "2"]
     common = ["--deepspeed", str(ds_path), "--model", str(tiny_model_dir), "--dataset", str(text_dir), *ARGS, *extra]
     run_entry("prune.py", [*common, "--output_dir", str(tmp_path / "whole")], ranks=2)
-    fixture = ROOT / "tests" / "fixtures" / "nan_at_step"
-    env = {"ELSA_TEST_NAN_STEP": "5", "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = nan_at_step_env(5)
     out = tmp_path / "resumed"
     stopped = run_entry("prune.py", [*common, "--output_dir", str(out)], ranks=2, check=False, env=env)
     assert stopped.returncode == 2 and (out / "checkpoints" / "latest").read_text() == "global_step4", stopped.stderr[-2000:]
