@@ -15,7 +15,9 @@ both see the same machine noise); medians per step. Pairs:
     bitsandbytes Adam8bit and the fused 8-bit Adam alone, in both code formats (few steps: bitsandbytes' CPU path is slow)
 
 ELSA's blocks contain exactly one projection (step t with (t + 1) % interval == 0); the amortized step
-is the plain step + projection / interval. ``--eager`` adds the eager reference (ELSA_DS_KERNELS=0's path).
+is the plain step + projection / interval. ``--eager`` adds the eager reference (ELSA_DS_KERNELS=0's path);
+``--remedies`` the authors' remedies (the adaptive λ, over-relaxation) on each base, kernels on, and their step and
+projection against the fused ELSA's (the factors ``elsa_ds/capacity/step_time.py`` applies).
 Bytes per parameter are those a single fused pass must move (the floor for a memory-bound step); peak
 extra memory is the resident-set high-water mark of one step over the resident set before it (temporaries
 that malloc recycles from earlier steps do not show: a lower bound).
