@@ -151,7 +151,7 @@ def generate_rows(matrix: dict, asked: int | None) -> int | None:
     rows = asked
     if rows is None and matrix.get("rows"):
         at90 = [r for r in matrix["rows"] if r["sparsity"] == 0.9 and r["batch"] == 1]
-        names = [k for k in at90[0] if k.startswith(prefix) and "w" not in k.removeprefix(prefix)] if at90 else []
+        names = [k for k in at90[0] if k.startswith(prefix) and k.removeprefix(prefix).isdigit()] if at90 else []
         if names:
             best = min(names, key=lambda k: sum(r[k]["graph_us"] for r in at90))
             rows = int(best.removeprefix(prefix))

@@ -15,6 +15,7 @@ from elsa_ds.admm.projection import Slice, keep_count
 from elsa_ds.admm.schedule import learning_rate
 from elsa_ds.data import GlobalBatches
 from elsa_ds.files.mask_file import MaskReader
+from elsa_ds.loss import next_token_loss
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.targets import goal_ratio
 
@@ -50,7 +51,7 @@ def train_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: ElsaConf
         opt.zero_grad()
         micro = batches.micro_batches(step)
         for ids in micro:
-            (model(input_ids=ids, labels=ids).loss / len(micro)).backward()
+            (next_token_loss(model(input_ids=ids, use_cache=False).logits, ids) / len(micro)).backward()
         if gradient_clipping:
             torch.nn.utils.clip_grad_norm_(params, gradient_clipping)
         opt.step()

@@ -62,6 +62,8 @@ def test_the_generate_cells_take_the_fastest_row_groups_at_90_percent(monkeypatc
                        row(0.7, "triton", r1=1.0, r4=50.0, r16=50.0, r16w8=50.0)]}
     for r in matrix["rows"]:
         r.update(row(r["sparsity"], "cols16", r2=3.0 if r["sparsity"] == 0.9 else 0.1, r8=2.0, r8w1=0.5))
+        # the rows' error figures share the variants' prefix (the H200's first gpu_decode, 2026-11-28, stopped on them)
+        r.update({f"{layout}_r{k}_max_rel_err_vs_dense": 2e-3 for layout in ("triton", "cols16") for k in (1, 4, 8)})
     monkeypatch.delenv(ROWS_ENV, raising=False)
     monkeypatch.setenv(GPU_LAYOUT_ENV, "delta8")
     assert gpu_decode.generate_rows(matrix, None) == 4 and os.environ[ROWS_ENV] == "4"  # 14 us against r16's 14.5 (r16w8 has other warps)

@@ -10,12 +10,14 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from bench.device import curve, curve_report, ship
+from bench.device import curve, curve_report, estimate, ship
 from bench.models.gemma3 import GgufSource, build, file_sha256
+from elsa_ds.settings.config import DEMO_MODEL_DIR
 from tests.test_bench_gemma3 import WORDS, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,10 +145,11 @@ def test_pack_refuses_a_gguf_that_is_not_the_packages(stand_in, tmp_path):
 
 def test_the_plan_runs_small_budgets_first_and_skips_cells_done_before(tmp_path):
     plan = curve.curve_plan()
-    assert [c.steps for c in plan[:9]] == [128] * 3 + [512] * 3 + [2048] * 3 and {c.sparsity for c in plan[:9]} == {0.9}
+    tokens = [c.steps * c.batch for c in plan[:9]]  # sequences of 512: three budgets spanning 16x, the largest the issue's
+    assert tokens == [128 * 8] * 3 + [512 * 8] * 3 + [2048 * 8] * 3 and {c.sparsity for c in plan[:9]} == {0.9}
     assert plan[9] == curve.Cell("elsa", 0.9, 512, "dense")  # which start wins where the rule starts from SparseGPT's
-    assert {c.method for c in plan if c.steps == 2048 and c.sparsity == 0.7} == {"elsa", "sparsegpt+ft", "wanda+ft"}
-    assert curve.Cell("elsa", 0.9, 2048, "paper") in plan and curve.Cell("dense+ft", None, 2048) in plan
+    assert {c.method for c in plan if c.batch == 32 and c.sparsity == 0.7} == {"elsa", "sparsegpt+ft", "wanda+ft"}
+    assert curve.Cell("elsa", 0.9, 512, "paper", 32) in plan and curve.Cell("dense+ft", None, 512, batch=32) in plan
     assert plan[-1] == curve.Cell("elsa", 0.9, 512, "adaptive")  # the remedy last, beside plan[9]
     done = tmp_path / "done.jsonl"
     done.write_text(json.dumps({"key": plan[0].key(512), "status": "ok"}) + "\n" + json.dumps({"key": plan[1].key(512), "status": "cut"}) + "\n")
@@ -162,7 +165,6 @@ def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_
     authors' README recipe and their code's defaults, not the rule's; the rule's cell sets none of them."""
     from elsa_ds.cli import prune_parser, settings_from_args
     from elsa_ds.plan import make_plan
-    from elsa_ds.settings.config import DEMO_MODEL_DIR
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     text = tmp_path / "train.jsonl"
@@ -192,11 +194,50 @@ def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_
 
 
 def test_the_estimate_learns_from_finished_cells_of_the_same_device():
-    lines = [{"device": "H", "status": "ok", "kind": "train", "steps": 100, "step_s": 0.2, "wall_s": 80.0},
-             {"device": "other", "status": "ok", "kind": "train", "steps": 100, "step_s": 9.0, "wall_s": 990.0}]
-    est = curve.Estimator("H", lines)
-    assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(60.0 + 1000 * 0.2)
-    assert est.seconds(curve.Cell("sparsegpt", 0.9, 0), 3) == curve.PRIOR_OVERHEAD_S["oneshot"]
+    """Seconds per forward, and measured / estimated GPU bytes, from finished cells of the same GPU; runs without gradient
+    checkpointing measured apart from those with it once there are any (before 2026-11-29 all had it)."""
+    lines = [{"device": "H", "status": "ok", "kind": "train", "steps": 100, "batch": 8, "seqlen": 512, "step_s": 0.3,
+              "wall_s": 80.0, "peak_gpu_bytes": 3e9, "est_gpu_bytes": 2e9},
+             {"device": "other", "status": "ok", "kind": "train", "steps": 100, "step_s": 9.0, "wall_s": 990.0,
+              "peak_gpu_bytes": 9e9, "est_gpu_bytes": 1e9}]
+    est = estimate.Estimator("H", lines, micro_batch=16, model=str(DEMO_MODEL_DIR), deepspeed="ds_configs/zero3.json", seqlen=64)
+    assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(50.0 + 1000 * 0.3)
+    assert est.seconds(curve.Cell("elsa", 0.9, 1000, batch=32), 3) == pytest.approx(50.0 + 2000 * 0.3)  # two forwards a step
+    assert est.seconds(curve.Cell("sparsegpt", 0.9, 0), 3) == estimate.PRIOR_OVERHEAD_S["oneshot"]
+    big, small = curve.Cell("elsa", 0.9, 10, batch=32), curve.Cell("wanda+ft", 0.9, 10, batch=8)
+    assert est.gpu_bytes(big) == pytest.approx(1.5 * est.estimate(big)) and est.estimate(big) > est.estimate(small) > 0
+    assert est.gpu_bytes(curve.Cell("dense", None, 0)) == estimate.OTHER_GPU_BYTES
+    est.add({"device": "H", "status": "ok", "kind": "train", "steps": 100, "batch": 32, "seqlen": 512, "step_s": 0.4,
+             "forwards": 2, "gradient_checkpointing": False, "wall_s": 60.0})
+    assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(50.0 + 1000 * 0.2)
+    assert estimate.Estimator("H", [], model=str(DEMO_MODEL_DIR), seqlen=64).gpu_bytes(small) == pytest.approx(
+        estimate.PRIOR_GPU_RATIO * est.estimate(small))  # no cell measured yet: the prior ratio
+
+
+def test_cells_start_only_while_their_gpu_peaks_fit_beside_the_running_ones(tmp_path, monkeypatch):
+    """Two cells that would not fit together run one after the other; one that fits with neither never starts."""
+    started: list[tuple[str, int]] = []
+    running: set[str] = set()
+
+    def fake_cell(cell, run):
+        running.add(cell.key(run.seqlen))
+        started.append((cell.key(run.seqlen), len(running)))
+        time.sleep(0.3)
+        running.discard(cell.key(run.seqlen))
+        return {"key": cell.key(run.seqlen), "status": "ok", "kind": cell.kind, "steps": cell.steps, "wall_s": 0.3}
+
+    class Sized(estimate.Estimator):
+        def estimate(self, cell):
+            return cell.batch * 1e9
+
+    monkeypatch.setattr(curve, "run_cell", fake_cell)
+    est = Sized("H", [], micro_batch=64)
+    one = est.gpu_bytes(curve.Cell("elsa", 0.9, 1, batch=16)) / curve.GPU_SHARE
+    run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 3, {}, gpu_memory=1.5 * one)
+    cells = [curve.Cell("elsa", 0.9, 1, batch=16), curve.Cell("wanda+ft", 0.9, 1, batch=16), curve.Cell("elsa", 0.9, 1, batch=64)]
+    lines, skipped = curve.schedule(cells, run, est, tmp_path / "cells.jsonl")
+    assert [k for k, _ in started] == [cells[0].key(64), cells[1].key(64)] and all(n == 1 for _, n in started)
+    assert [s["key"] for s in skipped] == [cells[2].key(64)] and len(lines) == 2
 
 
 def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp_path):
@@ -263,7 +304,7 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
         assert line["device"] == "cpu" and line["code_sha"] and line["eval"]["windows"]["test"] == 4
     elsa = next(x for x in lines if x["method"] == "elsa")
     assert elsa["tokens"] == 2 * 2 * 32 and abs(elsa["overall_sparsity"] - 0.9) < 1e-3 and elsa["settings_used"]["lr"] > 0
-    assert (tmp_path / "OUT" / "curve.log").is_file() and not (tmp_path / "runs" / "work" / "elsa_90_2_rule").exists()
+    assert (tmp_path / "OUT" / "curve.log").is_file() and not (tmp_path / "runs" / "work" / "elsa_90_2x2_rule").exists()
     listing = subprocess.run([sys.executable, "bench/device/curve.py", "--list", "--cells", "dense:-:0,elsa:0.9:2:rule:2,wanda+ft:0.9:2",
                               "--seqlen", "32", "--results", str(tmp_path / "OUT" / "cells.jsonl")], cwd=ROOT, capture_output=True,
                              text=True, timeout=60)

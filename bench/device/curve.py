@@ -7,19 +7,21 @@ times), each cell's model judged on techdocs' held-out test documents and on lin
     python bench/device/curve.py --model DIR --corpora DIR --budget_s 600 --out OUT      # what quality.sh runs
     python bench/device/curve.py --list       # the plan, and which cells bench/results already holds
 
-A cell is (method, sparsity, steps, settings): ``launch/prune.py`` under the deepspeed launcher on the one GPU (--batch
-sequences of --seqlen tokens a step, one forward each), then ``launch/evaluate.py``'s perplexity in fp32 on both test
-splits (window protocol, at most --eval_limit windows each). ``settings`` is ``rule`` (everything the user leaves unset
-comes from the defaults rule) or ``paper`` (the authors' README recipe, one process: lr 2e-4, λ 0.01 constant,
-projection every 32 steps; their code's defaults: no warm-up, lr decayed linearly to 0, Adam betas 0.9 / 0.95, dense
-start; the projection stays the paper's Fisher-scored one, as in the recipes: recipes/README.md) or ``dense`` (the
-rule from the dense weights, ``--init_mask none``, where it would start from SparseGPT's) or ``adaptive`` (that, with
-the authors' residual balancing of λ per layer: ``--lmda_schedule adaptive``). Cells already in
---results (same key, any earlier session) are skipped; the rest run in the plan's order, --parallel at a time, each
-started only if its estimated time fits what is left of --budget_s (estimate: seconds per step and per-run overhead
-measured on earlier cells of the same GPU and concurrency, else the priors below). Every finished or failed cell is one
-JSON line appended to OUT/cells.jsonl (the lines marked ``ok`` go into bench/results/gpu_quality_gemma3-270m.jsonl); the
-last line printed is a JSON summary.
+A cell is (method, sparsity, steps, settings, batch): ``launch/prune.py`` under the deepspeed launcher on the one GPU
+(batch sequences of --seqlen tokens a step, at most --micro_batch a forward, no gradient checkpointing), then
+``launch/evaluate.py``'s perplexity in fp32 on both test splits (window protocol, at most --eval_limit windows each).
+``settings`` is ``rule`` (everything the user leaves unset comes from the defaults rule) or ``paper`` (the authors'
+README recipe, one process: lr 2e-4, λ 0.01 constant, projection every 32 steps; their code's defaults: no warm-up, lr
+decayed linearly to 0, Adam betas 0.9 / 0.95, dense start; the projection stays the paper's Fisher-scored one, as in the
+recipes: recipes/README.md) or ``dense`` (the rule from the dense weights, ``--init_mask none``, where it would start
+from SparseGPT's) or ``adaptive`` (that, with the authors' residual balancing of λ per layer: ``--lmda_schedule
+adaptive``). Cells already in --results (same key, any earlier session) are skipped; the rest run in the plan's order,
+--parallel at a time, each started only if its estimated time fits what is left of --budget_s (estimate: seconds per
+forward and per-run overhead measured on earlier cells of the same GPU, else priors) and its predicted GPU peak (elsa_ds's
+own estimate times the measured / estimated ratio of earlier cells) fits beside the running cells' in 90 % of the GPU's
+memory (bench/device/estimate.py). Every
+finished or failed cell is one JSON line appended to OUT/cells.jsonl (the lines marked ``ok`` go into
+bench/results/gpu_quality_gemma3-270m.jsonl); the last line printed is a JSON summary.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench import quality  # noqa: E402 - its commands and rendezvous ports
+from bench.device.estimate import GPU_SHARE, Estimator, estimated_gpu_bytes, forwards  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
 ONESHOT = ("sparsegpt", "wanda")
@@ -49,11 +52,11 @@ PAPER_ARGS = ["--lr", "2e-4", "--lmda", "0.01", "--lmda_schedule", "constant", "
 # dense start so that it differs from the "dense" cell in the λ schedule alone
 SETTINGS = {"rule": [], "paper": PAPER_ARGS, "dense": ["--init_mask", "none"],
             "adaptive": ["--init_mask", "none", "--lmda_schedule", "adaptive"]}
-# 2048, not 2000: from 2048 steps the rule takes the paper's branch (dense start, cosine λ), which on the demo beat its
-# short-budget branch (SparseGPT's start) by 4.3 % (71.30 at 2048 steps against 74.52 at 2000; docs/results.md 1.4)
-LARGEST = 2048
-PRIOR_STEP_S = 0.4  # an H100 ran the 4M demo's ZeRO-3 step (8 micro-batches) in 0.16-0.21 s; 270M in one micro-batch: a guess
-PRIOR_OVERHEAD_S = {"train": 150.0, "oneshot": 90.0, "eval": 60.0}  # launcher, load, warm start, export, evaluation
+# (steps, sequences a step) of the three budgets: 0.5 M, 2.1 M, 8.4 M tokens of 512. The largest holds the issue's 2048 x 8
+# x 512 tokens batched as the paper batches its steps (16,384 tokens each): on the H200 a 270M step cost ~0.6 s with one
+# forward whatever else ran (bound by the host, not the GPU: 2026-11-28), so 2048 steps could not end inside one 15-minute
+# loan. At 512 steps the rule takes its short-budget branch (SparseGPT's start), as at the middle budget.
+BUDGETS = ((128, 8), (512, 8), (512, 32))
 MARGIN_S = 20.0
 
 
@@ -75,7 +78,7 @@ class Cell:
 
     def slug(self) -> str:
         s = "dense" if self.sparsity is None else f"{round(100 * self.sparsity)}"
-        return f"{self.method.replace('+', '_')}_{s}_{self.steps}_{self.settings}"
+        return f"{self.method.replace('+', '_')}_{s}_{self.steps}x{self.batch}_{self.settings}"
 
 
 def parse_cell(text: str) -> Cell:
@@ -91,19 +94,19 @@ def parse_cell(text: str) -> Cell:
     return cell
 
 
-def curve_plan(largest: int = LARGEST) -> list[Cell]:
+def curve_plan(budgets: tuple[tuple[int, int], ...] = BUDGETS) -> list[Cell]:
     """The issue's cells in the order they should run: 90 % at three budgets spanning 16x (the small ones first: their
     step times size the rest) and ELSA from the dense start at the middle one (where the rule starts from SparseGPT's
     model: which start wins there decides the rule's threshold), 70 % at the largest, the paper's settings beside the
     rule's, the dense control, the starts; last, the authors' residual balancing at the middle budget (a remedy, beside
     the dense-start cell)."""
-    budgets = (largest // 16, largest // 4, largest)
-    cells = [Cell(m, 0.9, t) for t in budgets for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
-    cells += [Cell("elsa", 0.9, budgets[1], "dense")]
-    cells += [Cell(m, 0.7, largest) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
-    cells += [Cell("elsa", 0.9, largest, "paper"), Cell("dense+ft", None, largest), Cell("dense", None, 0)]
+    (middle, middle_batch), (largest, batch) = budgets[1], budgets[-1]
+    cells = [Cell(m, 0.9, t, batch=b) for t, b in budgets for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
+    cells += [Cell("elsa", 0.9, middle, "dense", middle_batch)]
+    cells += [Cell(m, 0.7, largest, batch=batch) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
+    cells += [Cell("elsa", 0.9, largest, "paper", batch), Cell("dense+ft", None, largest, batch=batch), Cell("dense", None, 0)]
     cells += [Cell(m, s, 0) for s in (0.9, 0.7) for m in ONESHOT]
-    cells += [Cell("elsa", 0.9, budgets[1], "adaptive")]
+    cells += [Cell("elsa", 0.9, middle, "adaptive", middle_batch)]
     return cells
 
 
@@ -115,28 +118,6 @@ def read_lines(path: Path) -> list[dict]:
 def done_keys(path: Path) -> set[str]:
     """Keys of the cells a results file already holds (``ok`` lines only)."""
     return {line["key"] for line in read_lines(path) if line.get("status") == "ok"}
-
-
-class Estimator:
-    """Seconds a cell will take: overhead + steps x seconds per step, from finished cells (same GPU), else the priors."""
-
-    def __init__(self, device: str, lines: list[dict]):
-        self.step_s: list[float] = []
-        self.overhead: dict[str, list[float]] = {k: [] for k in PRIOR_OVERHEAD_S}
-        for line in lines:
-            if line.get("device") == device and line.get("status") == "ok":
-                self.add(line)
-
-    def add(self, line: dict) -> None:
-        if line.get("step_s"):
-            self.step_s.append(line["step_s"])
-        if line.get("wall_s") is not None:
-            self.overhead[line["kind"]].append(max(0.0, line["wall_s"] - line["steps"] * (line.get("step_s") or 0.0)))
-
-    def seconds(self, cell: Cell, concurrency: int) -> float:
-        step = max(self.step_s) if self.step_s else PRIOR_STEP_S * concurrency
-        overhead = max(self.overhead[cell.kind]) if self.overhead[cell.kind] else PRIOR_OVERHEAD_S[cell.kind]
-        return overhead + (cell.steps * step if cell.kind == "train" else 0.0)
 
 
 @dataclass
@@ -155,6 +136,8 @@ class Run:
     deadline: float
     parallel: int
     env: dict
+    checkpointing: bool = False  # the same math either way; off: no forward recomputed in the backward (0.66x the step)
+    gpu_memory: float | None = None  # the GPU's bytes: cells start only while their predicted peaks fit (None: no check)
 
 
 def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
@@ -162,7 +145,8 @@ def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
     one process for a one-shot."""
     method, finetune = (cell.method.split("+")[0], "full") if "+" in cell.method else (cell.method, None)
     trains = cell.kind == "train"
-    extra = ["--batch_size", str(cell.batch), "--micro_batch", str(min(run.micro_batch, cell.batch))] if trains else []
+    extra = ["--batch_size", str(cell.batch), "--micro_batch", str(min(run.micro_batch, cell.batch)),
+             "--gradient_checkpointing" if run.checkpointing else "--no-gradient_checkpointing"] if trains else []
     extra += SETTINGS[cell.settings]
     return quality.prune_command(method, finetune, cell.sparsity, out, deepspeed=run.deepspeed,
                                  steps=cell.steps if trains else None, model=run.model, dataset=run.train,
@@ -175,7 +159,8 @@ def call(cmd: list[str], log: Path, deadline: float) -> int:
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                                     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})  # 3 processes share the GPU
         try:
             return proc.wait(timeout=max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
@@ -213,12 +198,18 @@ def run_cell(cell: Cell, run: Run) -> dict:
     log.unlink(missing_ok=True)
     line = {"key": cell.key(run.seqlen), **asdict(cell), "kind": cell.kind, "seqlen": run.seqlen,
             "tokens": cell.steps * cell.batch * run.seqlen, "deepspeed": run.deepspeed, "concurrency": run.parallel, **run.env}
+    if cell.kind == "train":
+        line |= {"micro_batch": min(run.micro_batch, cell.batch), "forwards": forwards(cell.batch, run.micro_batch),
+                 "gradient_checkpointing": run.checkpointing, "loss": "chunked",  # elsa_ds/loss.py, from 2026-11-29
+                 "est_gpu_bytes": estimated_gpu_bytes(run.model, run.deepspeed, run.seqlen, cell.batch, run.micro_batch,
+                                                      run.checkpointing)}
     report: dict = {}
     if cell.method != "dense":
         rc = call(quality.with_port(prune_command(cell, run, out)), log, run.deadline)
         if rc != 0 or not (out / "elsa_report.json").is_file():
             return line | failed(rc, "prune", log, started)
         report = json.loads((out / "elsa_report.json").read_text())
+    line["prune_s"] = round(time.time() - started, 1)  # the launch, the one-shot or warm start, training, the export
     rc, result = evaluate(run.model if cell.method == "dense" else str(out), run, out, log)
     if result is None:
         return line | failed(rc, "evaluate", log, started)
@@ -258,16 +249,29 @@ def environment() -> dict:
             "transformers": transformers.__version__, "commit": os.environ.get("ELSA_COMMIT", "unknown"), "code_sha": code_sha()}
 
 
+def gpu_memory() -> float | None:
+    """The GPU's memory in bytes (None without one)."""
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+
+
 def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> tuple[list[dict], list[dict]]:
-    """Run ``cells`` in order, ``run.parallel`` at a time, each only if its estimate fits before the deadline; every
-    finished line appended to ``sink`` at once (a cut call still returns them). Returns (lines, cells not started)."""
+    """Run ``cells`` in order, ``run.parallel`` at a time, each only if its estimate fits before the deadline and its
+    predicted GPU peak beside the running cells' in ``GPU_SHARE`` of the GPU's memory; every finished line appended to
+    ``sink`` at once (a cut call still returns them). Returns (lines, cells not started)."""
     pending, lines, running = list(cells), [], {}
+
+    def room(cell: Cell) -> bool:
+        used = sum(estimator.gpu_bytes(c) for c in running.values())
+        return run.gpu_memory is None or used + estimator.gpu_bytes(cell) <= GPU_SHARE * run.gpu_memory
+
     with ThreadPoolExecutor(run.parallel) as pool:
         while pending or running:
             left = run.deadline - time.time() - MARGIN_S
             fits = [c for c in pending if estimator.seconds(c, run.parallel) <= left]
-            while fits and len(running) < run.parallel:
-                cell = fits.pop(0)
+            while len(running) < run.parallel and (cell := next((c for c in fits if room(c)), None)):
+                fits.remove(cell)
                 pending.remove(cell)
                 print(f"[curve] start {cell.key(run.seqlen)} (estimate {estimator.seconds(cell, run.parallel):.0f} s, "
                       f"{left:.0f} s left)", flush=True)
@@ -284,8 +288,8 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
                 print(f"[curve] {line['status']:6s} {line['key']}: test {line.get('test_ppl')}, linux-doc "
                       f"{line.get('linuxdoc_ppl')}, {line['wall_s']} s", flush=True)
     left = run.deadline - time.time()
-    skipped = [{"key": c.key(run.seqlen), "estimate_s": round(estimator.seconds(c, run.parallel)), "left_s": round(left)}
-               for c in pending]
+    skipped = [{"key": c.key(run.seqlen), "estimate_s": round(estimator.seconds(c, run.parallel)), "left_s": round(left),
+                "gpu_gib": round(estimator.gpu_bytes(c) / 2**30, 1)} for c in pending]
     return lines, skipped
 
 
@@ -302,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="the built Gemma-3 270M folder (bench/device/ship.py join --model_out)")
     ap.add_argument("--corpora", type=Path, help="folder holding techdocs/{train,test}.jsonl and linux-doc/test.jsonl")
     ap.add_argument("--cells", default=None, help="comma list of method:sparsity:steps[:settings[:batch]] [the curve's plan]")
-    ap.add_argument("--largest", type=int, default=LARGEST, help=f"the plan's largest budget in steps [{LARGEST}]; the others /4, /16")
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--micro_batch", type=int, default=8, help="sequences per forward [8: one forward per step]")
+    ap.add_argument("--micro_batch", type=int, default=32, help="sequences per forward at most [32: one forward a step]")
+    ap.add_argument("--gradient_checkpointing", action="store_true", help="recompute the forward in the backward [off]")
     ap.add_argument("--deepspeed", default="ds_configs/zero3.json", help="[zero3.json: the optimizer on the GPU]")
     ap.add_argument("--eval_limit", type=int, default=256, help="at most this many windows per test split [256]")
     ap.add_argument("--parallel", type=int, default=3, help="cells at once on the one GPU [3]")
@@ -315,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the plan and what --results holds, run nothing")
     args = ap.parse_args(argv)
     try:
-        cells = [parse_cell(t) for t in args.cells.split(",")] if args.cells else curve_plan(args.largest)
+        cells = [parse_cell(t) for t in args.cells.split(",")] if args.cells else curve_plan()
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -333,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     c = args.corpora
     run = Run(args.model, str(c / "techdocs" / "train.jsonl"), str(c / "techdocs" / "test.jsonl"),
               str(c / "linux-doc" / "test.jsonl"), args.seqlen, args.micro_batch, args.deepspeed, args.eval_limit, args.work,
-              time.time() + args.budget_s, args.parallel, environment())
-    estimator = Estimator(run.env["device"], read_lines(args.results) + read_lines(args.out / "cells.jsonl"))
+              time.time() + args.budget_s, args.parallel, environment(), args.gradient_checkpointing, gpu_memory())
+    estimator = Estimator(run.env["device"], read_lines(args.results) + read_lines(args.out / "cells.jsonl"), args.micro_batch,
+                          args.gradient_checkpointing, args.model, args.deepspeed, args.seqlen)
     lines, skipped = schedule(todo, run, estimator, args.out / "cells.jsonl")
     summary = {"device": run.env["device"], "ran": len(lines), "ok": sum(x.get("status") == "ok" for x in lines),
                "done_before": len(cells) - len(todo), "not_started": skipped}

@@ -35,6 +35,7 @@ copy_back() {
     cp "$RUNS/log" "$OUT/curve.log" 2>/dev/null
     cp "$RUNS/cells.jsonl" "$OUT/cells.jsonl" 2>/dev/null
     cp "$SHIP/put.log" "$OUT/put.log" 2>/dev/null
+    mkdir -p "$OUT/logs" && cp "$RUNS"/work/*.log "$OUT/logs/" 2>/dev/null  # each cell's own log: where its time went
     return 0
 }
 

@@ -58,6 +58,7 @@ from elsa_ds.capacity.resident import (COMPONENTS, STATE_BYTES, Job, SubGroup, b
 from elsa_ds.capacity.shapes import ModelShape, model_shape, resolve_model_config
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, TensorSpec, plan_shards
+from elsa_ds.loss import ROW_ELEMENTS
 from elsa_ds.methods import oneshot_names
 from elsa_ds.zero.ds_config import DsConfig
 
@@ -147,7 +148,9 @@ def _forward_backward(shape: ModelShape, ds: dict, job: Job, micro_batch: int | 
     h, a, n_layers, vocab = shape.hidden, shape.heads, shape.layers, shape.vocab
     full_layer = b * seqlen * h * (34 + 5 * a * seqlen / h)
     acts = (n_layers * 2 * b * seqlen * h + full_layer) if gradient_checkpointing else n_layers * full_layer
-    acts += b * seqlen * vocab * 10
+    # the loss (elsa_ds/loss.py): the logits and their gradient in the model's dtype, fp32 a chunk of rows at a time (the
+    # chunk, its softmax in place, logsumexp's temporary)
+    acts += b * seqlen * vocab * 2 * job.half + 3 * 4 * min(b * seqlen * vocab, ROW_ELEMENTS)
     return job.half * (live + prefetch) + job.half * bucket + acts
 
 

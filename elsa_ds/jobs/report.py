@@ -81,7 +81,6 @@ def elsa_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
         "offload": rec.offload,
         "final_loss": rec.losses[-1],
         "step_time_s": sum(steady) / len(steady),
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
         "final_loss_mean_last_interval": sum(tail) / len(tail),
         "lambda": last.get("lambda"),
         "residual": projections[-1]["residual"] if projections else None,
@@ -178,6 +177,7 @@ def _common(rec: ReportRecord) -> dict[str, Any]:
     return {"model": cfg.model, "method": rec.method, "dataset": cfg.dataset, "sparsity": cfg.sparsity, "pattern": cfg.pattern,
             "sparsity_profile": cfg.sparsity_profile, "world_size": rec.world, "deepspeed_config": rec.deepspeed,
             "deepspeed_resolved": rec.deepspeed_resolved,
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
             "config": cfg.model_dump(mode="json"), "versions": versions()}
 
 

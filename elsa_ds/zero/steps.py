@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from elsa_ds.loss import next_token_loss
+
 
 def train_step(engine, optimizer: torch.optim.Optimizer, comm, micro_batches: list[torch.Tensor], lr: float) -> float:
     """Set the learning rate, accumulate the micro batches, step. Returns the global mean loss. Collective.
@@ -15,7 +17,7 @@ def train_step(engine, optimizer: torch.optim.Optimizer, comm, micro_batches: li
     loss_sum = torch.zeros(2, dtype=torch.float64)
     for ids in micro_batches:
         ids = ids.to(engine.device)
-        loss = engine(input_ids=ids, labels=ids).loss
+        loss = next_token_loss(engine(input_ids=ids, use_cache=False).logits, ids)  # the logits' fp32 copies never whole
         engine.backward(loss)
         engine.step()
         loss_sum += torch.tensor([float(loss.detach()), 1.0], dtype=torch.float64)

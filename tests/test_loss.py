@@ -1,0 +1,59 @@
+"""elsa_ds/loss.py: the chunked next-token loss is transformers' loss, value and gradient, in any chunking."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from elsa_ds.loss import next_token_loss
+from elsa_ds.settings.config import DEMO_MODEL_DIR
+
+
+def reference(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' arithmetic: the logits upcast whole, cross-entropy over every position but the last."""
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 1000])
+def test_value_and_gradient_are_the_whole_upcast_loss_in_any_chunking(dtype, rows):
+    torch.manual_seed(0)
+    vocab = 101
+    logits = (3 * torch.randn(3, 17, vocab)).to(dtype)
+    ids = torch.randint(0, vocab, (3, 17))
+    mine, theirs = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = next_token_loss(mine, ids, row_elements=rows * vocab)
+    (0.25 * loss).backward()  # a scaled loss, as DeepSpeed's 1 / gradient accumulation scales it
+    (0.25 * reference(theirs, ids)).backward()
+    assert loss.dtype == torch.float32 and float(loss.detach()) == pytest.approx(float(reference(logits, ids)), rel=1e-6)
+    assert mine.grad.dtype == dtype
+    tol = 1e-8 if dtype == torch.float32 else 2e-3 * float(theirs.grad.abs().max())  # bf16: one rounding of the same fp32
+    assert float((mine.grad.float() - theirs.grad.float()).abs().max()) <= tol
+    assert float(mine.grad[:, -1].abs().max()) == 0.0  # a sequence's last position predicts nothing
+    assert torch.equal(logits, mine.detach())  # the logits themselves untouched (fp32: no in-place softmax on them)
+
+
+def test_on_a_model_it_is_the_models_own_loss_and_gradient():
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    theirs = model(input_ids=ids, labels=ids).loss
+    theirs.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    mine = next_token_loss(model(input_ids=ids, use_cache=False).logits, ids, row_elements=7 * model.config.vocab_size)
+    mine.backward()
+    assert float(mine) == pytest.approx(float(theirs), rel=1e-6)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[name], rtol=1e-4, atol=1e-7), name
+
+
+def test_it_keeps_no_fp32_copy_for_the_backward_and_refuses_bad_shapes():
+    logits = torch.randn(2, 9, 50, dtype=torch.bfloat16, requires_grad=True)
+    loss = next_token_loss(logits, torch.randint(0, 50, (2, 9)), row_elements=100)
+    saved = loss.grad_fn.saved_tensors
+    assert [t.dtype for t in saved] == [torch.bfloat16] and saved[0].numel() == logits.numel()
+    with torch.no_grad():  # evaluation: no gradient made at all
+        assert next_token_loss(logits, torch.randint(0, 50, (2, 9))).grad_fn is None
+    with pytest.raises(ValueError, match="logits \\[batch, seq, vocab\\]"):
+        next_token_loss(logits[0], torch.randint(0, 50, (9,)))
