@@ -21,7 +21,7 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor, row_elements: int =
     if logits.dim() != 3 or ids.shape != logits.shape[:2]:
         raise ValueError(f"next_token_loss: logits [batch, seq, vocab] and ids [batch, seq], got {tuple(logits.shape)} "
                          f"and {tuple(ids.shape)}")
-    targets = torch.full_like(ids, -1)
+    targets = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)  # int32 ids too
     targets[:, :-1] = ids[:, 1:]
     rows = max(1, row_elements // logits.shape[-1])
     return _ChunkedNextToken.apply(logits, targets.reshape(-1), rows)

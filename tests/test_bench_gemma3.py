@@ -68,13 +68,23 @@ def source(tiny, calls: list, sha: str | None = None, terms: Path | None = None)
     return GgufSource(path.name, sha or real_sha, assemble, terms)
 
 
-def test_build_dequantizes_saves_and_reuses(tiny, tmp_path):
+def test_build_dequantizes_saves_and_reuses(tiny, tmp_path, monkeypatch):
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     terms = tmp_path / "GEMMA_TERMS.html"
     terms.write_text("<p>terms</p>")
     calls: list = []
+    parses: list = []
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            parses.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
     out = build(tmp_path / "gemma3-tiny", source(tiny, calls, terms=terms), say=lambda _: None)
+    assert len(parses) == 1 and gguf.GGUFReader is Counted  # the config's parse serves the weights; put back after
     assert len(calls) == 1 and not calls[0].exists()  # the GGUF was assembled into a scratch folder, then removed
     assert not (tmp_path / "gemma3-tiny.tmp").exists() and not list(tmp_path.glob("gguf_*"))
     config = json.loads((out / "config.json").read_text())

@@ -54,6 +54,8 @@ def test_it_keeps_no_fp32_copy_for_the_backward_and_refuses_bad_shapes():
     saved = loss.grad_fn.saved_tensors
     assert [t.dtype for t in saved] == [torch.bfloat16] and saved[0].numel() == logits.numel()
     with torch.no_grad():  # evaluation: no gradient made at all
-        assert next_token_loss(logits, torch.randint(0, 50, (2, 9))).grad_fn is None
+        ids = torch.randint(0, 50, (2, 9))
+        assert next_token_loss(logits, ids).grad_fn is None
+        assert float(next_token_loss(logits, ids.int())) == float(next_token_loss(logits, ids))  # int32 ids as int64
     with pytest.raises(ValueError, match="logits \\[batch, seq, vocab\\]"):
         next_token_loss(logits[0], torch.randint(0, 50, (9,)))
