@@ -304,6 +304,9 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
         assert line["device"] == "cpu" and line["code_sha"] and line["eval"]["windows"]["test"] == 4
     elsa = next(x for x in lines if x["method"] == "elsa")
     assert elsa["tokens"] == 2 * 2 * 32 and abs(elsa["overall_sparsity"] - 0.9) < 1e-3 and elsa["settings_used"]["lr"] > 0
+    assert (elsa["forwards"], elsa["gradient_checkpointing"], elsa["loss"]) == (1, False, "chunked") and elsa["est_gpu_bytes"] > 0
+    assert elsa["prune_s"] > elsa["job_s"] > 0 and sorted(p.name for p in (tmp_path / "OUT" / "logs").iterdir()) == [
+        "dense_dense_0x8_rule.log", "elsa_90_2x2_rule.log"]  # each cell's own log came back
     assert (tmp_path / "OUT" / "curve.log").is_file() and not (tmp_path / "runs" / "work" / "elsa_90_2x2_rule").exists()
     listing = subprocess.run([sys.executable, "bench/device/curve.py", "--list", "--cells", "dense:-:0,elsa:0.9:2:rule:2,wanda+ft:0.9:2",
                               "--seqlen", "32", "--results", str(tmp_path / "OUT" / "cells.jsonl")], cwd=ROOT, capture_output=True,
