@@ -35,7 +35,8 @@ copy_back() {
     cp "$RUNS/log" "$OUT/curve.log" 2>/dev/null
     cp "$RUNS/cells.jsonl" "$OUT/cells.jsonl" 2>/dev/null
     cp "$SHIP/put.log" "$OUT/put.log" 2>/dev/null
-    mkdir -p "$OUT/logs" && cp "$RUNS"/work/*.log "$OUT/logs/" 2>/dev/null  # each cell's own log: where its time went
+    # each cell's own log (where its time went), in one file: at most 8 files come back from $OUT
+    (cd "$RUNS/work" 2>/dev/null && compgen -G "*.log" > /dev/null && tar -czf "$OUT/cell_logs.tgz" ./*.log)
     return 0
 }
 
