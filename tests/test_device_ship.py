@@ -213,6 +213,8 @@ def test_the_estimate_learns_from_finished_cells_of_the_same_device():
     assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(50.0 + 1000 * 0.2)
     assert estimate.Estimator("H", [], model=str(DEMO_MODEL_DIR), seqlen=64).gpu_bytes(small) == pytest.approx(
         estimate.PRIOR_GPU_RATIO * est.estimate(small))  # no cell measured yet: the prior ratio
+    nowhere = estimate.Estimator("H", [], model=str(ROOT / "no-such-model"), seqlen=64)
+    assert nowhere.estimate(small) is None and nowhere.gpu_bytes(small) == 0.0  # no estimate: never a lost cell
 
 
 def test_cells_start_only_while_their_gpu_peaks_fit_beside_the_running_ones(tmp_path, monkeypatch):
