@@ -7,6 +7,8 @@ the ELSA job's peak was 22.0 GiB, ~15 of them the logits' copies; bench/results/
 loss and its gradient are computed together in the forward, ``ROW_ELEMENTS`` logits at a time in fp32, the gradient kept
 in the logits' own dtype: the fp32 copies never exist whole, and the backward only scales the kept gradient. The value
 and the gradient are transformers' (the same fp32 arithmetic, summed in another order): tests/test_loss.py holds it to them.
+The gradient is kept unscaled in the logits' dtype: right for bf16 and fp32; fp16 (whose loss scale would then come
+after the rounding) is refused by the DeepSpeed config checks.
 """
 from __future__ import annotations
 
