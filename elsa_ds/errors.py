@@ -98,12 +98,19 @@ def format_validation_error(err: Any, where: str, model: Any, errors: list | Non
     return f"invalid setting in {where}: " + "; ".join(parts)
 
 
+def stderr_line(text: str) -> None:
+    """``text`` and its newline on stderr in one write: ranks sharing a terminal or a pipe never splice their lines (under
+    the launcher's ``python -u`` print's text and its end are two writes, and two ranks' Ctrl-C lines once ran together)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse with the entry points' contract for a flag it cannot parse: one ``elsa_ds: error`` line naming the flag
     and what it took, exit 2 (argparse itself prints the whole usage, dozens of lines, before its message)."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"elsa_ds: error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        stderr_line(f"elsa_ds: error: {self.prog}: {message} (see {self.prog} --help)")
         raise SystemExit(2)
 
 
@@ -120,9 +127,9 @@ def guarded(fn: Callable[[], int | None]) -> int:
     try:
         return fn() or 0
     except ElsaError as err:  # printed, not logged: the one-line contract holds whatever the log level
-        print(f"elsa_ds: error{where}: {err}", file=sys.stderr, flush=True)
+        stderr_line(f"elsa_ds: error{where}: {err}")
         return 2
     except (KeyboardInterrupt, Terminated) as err:
         what, code = ("interrupted (Ctrl-C)", 130) if isinstance(err, KeyboardInterrupt) else ("terminated (SIGTERM)", 143)
-        print(f"elsa_ds: {what}{where}: nothing unfinished was published", file=sys.stderr, flush=True)
+        stderr_line(f"elsa_ds: {what}{where}: nothing unfinished was published")
         return code

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from elsa_ds.errors import ElsaError, guarded
 from tests.conftest import ROOT, _free_port, run_entry, run_fails
 
 pytestmark = pytest.mark.integration
@@ -165,3 +166,33 @@ def test_ctrl_c_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir)
     assert [p.name for p in out.iterdir()] == ["precious.txt"] and _strays(tmp_path) == [], _strays(tmp_path)
     assert set(Path("/dev/shm").glob("deepspeed_*")) <= shm_before  # the ranks' shared-memory buffers are gone too
 
+
+
+@pytest.mark.parametrize("raised, code", [(KeyboardInterrupt(), 130), (ElsaError("bad"), 2)])
+def test_each_ranks_line_is_one_write(monkeypatch, raised, code):
+    """Under the launcher (``python -u``) print's text and its newline were two writes, and two ranks' Ctrl-C lines once
+    ran together on one line of the shared pipe (CI, 2026-11-28): the line and its newline now go in one write."""
+    class Recorder:
+        def __init__(self):
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    def fail():
+        raise raised
+
+    err, handlers = Recorder(), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("RANK", "1")
+    try:
+        assert guarded(fail) == code
+    finally:  # guarded() installs the entry points' handlers: this process keeps its own
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert len(err.writes) == 1 and err.writes[0].startswith("elsa_ds: ") and err.writes[0].endswith("\n")
+    assert "(rank 1)" in err.writes[0] and err.writes[0].count("\n") == 1

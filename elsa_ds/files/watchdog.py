@@ -38,6 +38,7 @@ from typing import Any
 
 import psutil
 
+from elsa_ds.errors import stderr_line
 from elsa_ds.files.ownership import read_holder
 
 GIB = 2**30
@@ -349,8 +350,7 @@ def say(w: Watch, cleaned: str) -> None:
     memory = (f"host memory peaked at {w.peak_used / GIB:.1f} of {total / GIB:.1f} GiB "
               f"(the job's processes {w.peak_job / GIB:.1f} GiB{limited})")
     with contextlib.suppress(OSError):  # a closed terminal or pipe: the cleanup is done anyway
-        print(f"\nelsa_ds: error: the job {what} during {phase}; {memory}; {cause(w, r, total, limit)}; {cleaned}",
-              file=sys.stderr, flush=True)
+        stderr_line(f"\nelsa_ds: error: the job {what} during {phase}; {memory}; {cause(w, r, total, limit)}; {cleaned}")
 
 
 def cause(w: Watch, killed: Rank, total: int, limit: int | None) -> str:
