@@ -17,11 +17,10 @@ recipes: recipes/README.md) or ``dense`` (the rule from the dense weights, ``--i
 from SparseGPT's) or ``adaptive`` (that, with the authors' residual balancing of λ per layer: ``--lmda_schedule
 adaptive``). Cells already in --results (same key, any earlier session) are skipped; the rest run in the plan's order,
 --parallel at a time, each started only if its estimated time fits what is left of --budget_s (estimate: seconds per
-forward and per-run overhead measured on earlier cells of the same GPU, else priors) and its predicted GPU peak (elsa_ds's
-own estimate times the measured / estimated ratio of earlier cells) fits beside the running cells' in 90 % of the GPU's
-memory (bench/device/estimate.py). Every
-finished or failed cell is one JSON line appended to OUT/cells.jsonl (the lines marked ``ok`` go into
-bench/results/gpu_quality_gemma3-270m.jsonl); the last line printed is a JSON summary.
+forward and per-run overhead measured on earlier cells of the same GPU, else priors) and its predicted GPU peak
+(elsa_ds's own estimate times the measured / estimated ratio of earlier cells) fits beside the running cells' in 90 % of
+the GPU's memory (bench/device/estimate.py). Every finished or failed cell is one JSON line appended to OUT/cells.jsonl
+(the lines marked ``ok`` go into bench/results/gpu_quality_gemma3-270m.jsonl); the last line printed is a JSON summary.
 """
 from __future__ import annotations
 
