@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench import quality  # noqa: E402 - its commands and rendezvous ports
-from bench.device.estimate import GPU_SHARE, Estimator, estimated_gpu_bytes, forwards  # noqa: E402
+from bench.device.estimate import GPU_SHARE, Estimator, forwards  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
 ONESHOT = ("sparsegpt", "wanda")
@@ -199,9 +199,7 @@ def run_cell(cell: Cell, run: Run) -> dict:
             "tokens": cell.steps * cell.batch * run.seqlen, "deepspeed": run.deepspeed, "concurrency": run.parallel, **run.env}
     if cell.kind == "train":
         line |= {"micro_batch": min(run.micro_batch, cell.batch), "forwards": forwards(cell.batch, run.micro_batch),
-                 "gradient_checkpointing": run.checkpointing, "loss": "chunked",  # elsa_ds/loss.py, from 2026-11-29
-                 "est_gpu_bytes": estimated_gpu_bytes(run.model, run.deepspeed, run.seqlen, cell.batch, run.micro_batch,
-                                                      run.checkpointing)}
+                 "gradient_checkpointing": run.checkpointing, "loss": "chunked"}  # elsa_ds/loss.py, from 2026-11-29
     report: dict = {}
     if cell.method != "dense":
         rc = call(quality.with_port(prune_command(cell, run, out)), log, run.deadline)
@@ -281,7 +279,10 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
                 break
             finished, _ = wait(list(running), timeout=10, return_when=FIRST_COMPLETED)
             for future in finished:
-                line = collect(future, running.pop(future), run)
+                cell = running.pop(future)
+                line = collect(future, cell, run)
+                if cell.kind == "train":  # beside its measured peak: the ratio that gates the cells after it
+                    line["est_gpu_bytes"] = estimator.estimate(cell)
                 lines.append(line)
                 estimator.add(line)
                 with sink.open("a") as fh:
