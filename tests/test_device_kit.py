@@ -144,3 +144,15 @@ def test_scale_dry_run_times_the_demo_and_refuses_the_8_layer_job(tmp_path):
     assert refused["rc"] == 2 and "host memory" in refused["line"] and "would fit" in refused["line"]
     assert not refused["output_made"] and refused["left_behind"] == []
     assert not list(scratch.glob("tmp.*")), "scale.sh left its work folder behind"  # mktemp's; torch keeps its caches
+
+
+@pytest.mark.integration
+def test_scale_runs_only_the_steps_asked(tmp_path):
+    """SCALE_STEPS=refuse (a loan's last minutes): the 8-layer refusal alone, no step_time run."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "SCALE_STEPS": "refuse"}
+    proc = subprocess.run(["bash", str(DEVICE / "scale.sh"), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    rows = [json.loads(r) for r in (tmp_path / "scale.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == ["refuse"] and rows[0]["rc"] == 2
+    assert not (tmp_path / "step_time.log").exists()

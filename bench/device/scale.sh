@@ -13,7 +13,10 @@
 #
 #   bench/device/scale.sh --dry-run                                      # here (tests/test_device_kit.py)
 #   run  command: bench/device/scale.sh   carry: ["bench/device/wheels"]   timeout_s: 600     # there
+#   SCALE_STEPS=refuse,oom bench/device/scale.sh                         # some steps only (a loan's last minutes)
 set -uo pipefail
+STEPS=",${SCALE_STEPS:-step_time,refuse,oom},"
+wants() { [[ "$STEPS" == *",$1,"* ]]; }
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 DRY=0
@@ -59,12 +62,14 @@ JOB8=(--num_gpus 1 launch/prune.py --deepspeed ds_configs/zero3_offload_elsal.js
       --freeze_embeddings --dataset shakespeare --seqlen 2048 --micro_batch 1 --batch_size 1 --steps 8 --interval 4
       --sparsity 0.9 --init_mask none --val_windows 0 --baseline none)
 
-echo "=== step_time"
-t0=$SECONDS
-timeout -k 10 330 "$PY" bench/step_time.py --ranks 1 "${TIME_ARGS[@]}" --out "$WORK/time" --json > "$OUT/step_time.log" 2>&1
-rc=$?
-cat "$OUT/step_time.log"
-note step_time "$rc" $((SECONDS - t0)) "$(tail -n 1 "$OUT/step_time.log" | grep '^{' || echo '{}')"
+if wants step_time; then
+    echo "=== step_time"
+    t0=$SECONDS
+    timeout -k 10 330 "$PY" bench/step_time.py --ranks 1 "${TIME_ARGS[@]}" --out "$WORK/time" --json > "$OUT/step_time.log" 2>&1
+    rc=$?
+    cat "$OUT/step_time.log"
+    note step_time "$rc" $((SECONDS - t0)) "$(tail -n 1 "$OUT/step_time.log" | grep '^{' || echo '{}')"
+fi
 
 outcome() {  # outcome LOG PATTERN: its first line matching, whether $WORK/out8 was made, what was left beside it
     "$PY" - "$(grep -m 1 "$2" "$1" || true)" "$WORK" <<'EOF'
@@ -76,14 +81,16 @@ print(json.dumps({"line": line, "output_made": (work / "out8").exists(),
 EOF
 }
 
-echo "=== refuse"
-t0=$SECONDS
-timeout -k 10 60 "$LAUNCHER" "${JOB8[@]}" --output_dir "$WORK/out8" > "$OUT/refuse.log" 2>&1
-rc=$?
-note refuse "$rc" $((SECONDS - t0)) "$(outcome "$OUT/refuse.log" 'elsa_ds: error:')"
-tail -n 1 "$OUT/scale.jsonl"
+if wants refuse; then
+    echo "=== refuse"
+    t0=$SECONDS
+    timeout -k 10 60 "$LAUNCHER" "${JOB8[@]}" --output_dir "$WORK/out8" > "$OUT/refuse.log" 2>&1
+    rc=$?
+    note refuse "$rc" $((SECONDS - t0)) "$(outcome "$OUT/refuse.log" 'elsa_ds: error:')"
+    tail -n 1 "$OUT/scale.jsonl"
+fi
 
-if (( ! DRY )); then
+if (( ! DRY )) && wants oom; then
     echo "=== oom"
     (while :; do free -b | awk '/^Mem:/ {print $3}'; sleep 1; done) > "$WORK/used" &
     sampler=$!
