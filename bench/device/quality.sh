@@ -3,10 +3,11 @@
 #
 #     ELSA_COMMIT=<sha> bench/device/quality.sh start BUDGET_S [WAIT_S]
 #         install the kit's wheels, join + check + build the shipped model, start bench/device/curve.py detached
-#         (setsid: it outlives this call, while the machine is held) with BUDGET_S seconds for its cells, then follow it
-#         for WAIT_S seconds [530] and copy its cells.jsonl and log to $OUT
+#         (setsid: it outlives this call, while the machine is held) with what is left of BUDGET_S seconds (counted from
+#         this call's start) for its cells, then follow it WAIT_S seconds [BUDGET_S + 8: to its end] and copy its
+#         cells.jsonl and log to $OUT. Plan BUDGET_S so the cells end inside the call: a next call may find a bare machine
 #     bench/device/quality.sh wait [WAIT_S]
-#         the next call, at once (the machine goes back ~30 s after a call): follow the runner WAIT_S more seconds, copy
+#         a next call, if the machine is still held: follow the runner WAIT_S more seconds, copy
 #     bench/device/quality.sh --dry-run start ...   here, on CPU: no install, the caller's ELSA_SHIP / ELSA_MODELS, and
 #         CURVE_ARGS (tiny cells) passed to curve.py; tests/test_device_ship.py runs it
 #
@@ -53,7 +54,7 @@ follow() {  # follow WAIT_S: print the runner's log until it exits or WAIT_S pas
 case "$MODE" in
 start)
     BUDGET="${2:?start needs BUDGET_S: the seconds the cells may take}"
-    WAIT="${3:-530}"
+    WAIT="${3:-$((BUDGET + 8))}"
     T0=$SECONDS
     if (( ! DRY )); then
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

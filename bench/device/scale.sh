@@ -71,6 +71,12 @@ if wants step_time; then
     note step_time "$rc" $((SECONDS - t0)) "$(tail -n 1 "$OUT/step_time.log" | grep '^{' || echo '{}')"
 fi
 
+settle() {  # until the job's processes have ended (<= 45 s): the deepspeed command returns on a stop before its ranks
+    # have finished their way out (their lock goes last), so what is left is looked at once they are gone
+    local i
+    for i in $(seq 45); do pgrep -f -- "--output_dir $WORK/out8" > /dev/null || return 0; sleep 1; done
+}
+
 outcome() {  # outcome LOG PATTERN: its first line matching, whether $WORK/out8 was made, what was left beside it
     "$PY" - "$(grep -m 1 "$2" "$1" || true)" "$WORK" <<'EOF'
 import json, sys
@@ -86,6 +92,7 @@ if wants refuse; then
     t0=$SECONDS
     timeout -k 10 60 "$LAUNCHER" "${JOB8[@]}" --output_dir "$WORK/out8" > "$OUT/refuse.log" 2>&1
     rc=$?
+    settle
     note refuse "$rc" $((SECONDS - t0)) "$(outcome "$OUT/refuse.log" 'elsa_ds: error:')"
     tail -n 1 "$OUT/scale.jsonl"
 fi
@@ -97,6 +104,7 @@ if (( ! DRY )) && wants oom; then
     t0=$SECONDS
     timeout -k 10 180 "$LAUNCHER" "${JOB8[@]}" --ignore_memory_check --output_dir "$WORK/out8" > "$OUT/oom.log" 2>&1
     rc=$?
+    settle
     kill "$sampler" 2>/dev/null
     note oom "$rc" $((SECONDS - t0)) "$(outcome "$OUT/oom.log" 'elsa_ds: error: the job')" \
         "{\"host_used_peak_bytes\": $(sort -n "$WORK/used" | tail -n 1), \"host_total_bytes\": $(free -b | awk '/^Mem:/ {print $2}')}"

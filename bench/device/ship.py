@@ -120,7 +120,7 @@ def plan_calls(parts: list[dict], part_bytes: int, wheels: int) -> list[dict]:
     manifest = "bench/device/ship/manifest.json"
     calls = [{"carry": [manifest, f"bench/device/ship/{p['name']}"], "command": f"python3 bench/device/ship.py put {i}"}
              for i, p in enumerate(parts)]
-    start = "ELSA_COMMIT=<commit> bench/device/quality.sh start <budget_left_s - 90>"
+    start = "ELSA_COMMIT=<commit> bench/device/quality.sh start <min(580, budget_left_s - 20)>"
     last = {"carry": [manifest, "bench/device/wheels"], "command": start}
     if parts and parts[-1]["bytes"] + wheels <= part_bytes:
         calls[-1]["carry"].append("bench/device/wheels")
@@ -137,8 +137,8 @@ def calls_markdown(manifest: dict) -> str:
     for i, call in enumerate(manifest["calls"], 1):
         lines.append(f"{i}. run  command: `{call['command']}`  carry: `{json.dumps(call['carry'])}`  timeout_s: "
                      f"{600 if 'quality.sh' in call['command'] else 60}")
-    lines += [f"{len(manifest['calls']) + 1}. at once, while device time is left: run  command: `bench/device/quality.sh wait "
-              "<min(560, budget_left_s - 30)>`  timeout_s: 600", "",
+    lines += ["", "The last call runs the cells to their end inside it (its budget counts the build): a second call, even at once,",
+              "may find a fresh, bare machine (2026-11-28: the machine went back between a 530 s call and the next).",
               "<commit>: `git rev-parse HEAD` here; <budget_left_s>: the device tool's status. Then give_back, and append the",
               "`ok` lines of $OUT/cells.jsonl to bench/results/gpu_quality_gemma3-270m.jsonl."]
     return "\n".join(lines) + "\n"
