@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import quality  # noqa: E402 - its commands and rendezvous ports
 from bench.device.estimate import GPU_SHARE, Estimator, forwards  # noqa: E402
+from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases  # noqa: E402 - where a cell's time goes
 RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
 ONESHOT = ("sparsegpt", "wanda")
@@ -94,18 +95,18 @@ def parse_cell(text: str) -> Cell:
 
 
 def curve_plan(budgets: tuple[tuple[int, int], ...] = BUDGETS) -> list[Cell]:
-    """The issue's cells in the order they should run: 90 % at three budgets spanning 16x (the small ones first: their
-    step times size the rest) and ELSA from the dense start at the middle one (where the rule starts from SparseGPT's
-    model: which start wins there decides the rule's threshold), 70 % at the largest, the paper's settings beside the
-    rule's, the dense control, the starts; last, the authors' residual balancing at the middle budget (a remedy, beside
-    the dense-start cell)."""
+    """The issue's cells in the order they should run: 90 % at the two smaller budgets (their step times size the
+    rest), with ELSA from the dense start at the middle one (where the rule starts from SparseGPT's model: which start
+    wins there decides the rule's threshold) and the authors' residual balancing from that start (a remedy); then the
+    largest budget at 90 %, 70 % there, the paper's settings beside the rule's, the dense control, the starts. (The
+    middle-budget cells fit a loan's one call three at once; a largest-budget cell's time there is not measured yet.)"""
     (middle, middle_batch), (largest, batch) = budgets[1], budgets[-1]
-    cells = [Cell(m, 0.9, t, batch=b) for t, b in budgets for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
-    cells += [Cell("elsa", 0.9, middle, "dense", middle_batch)]
+    cells = [Cell(m, 0.9, t, batch=b) for t, b in budgets[:-1] for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
+    cells += [Cell("elsa", 0.9, middle, "dense", middle_batch), Cell("elsa", 0.9, middle, "adaptive", middle_batch)]
+    cells += [Cell(m, 0.9, largest, batch=batch) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     cells += [Cell(m, 0.7, largest, batch=batch) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     cells += [Cell("elsa", 0.9, largest, "paper", batch), Cell("dense+ft", None, largest, batch=batch), Cell("dense", None, 0)]
     cells += [Cell(m, s, 0) for s in (0.9, 0.7) for m in ONESHOT]
-    cells += [Cell("elsa", 0.9, middle, "adaptive", middle_batch)]
     return cells
 
 
@@ -152,14 +153,14 @@ def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
                                  seqlen=run.seqlen, extra=extra)
 
 
-def call(cmd: list[str], log: Path, deadline: float) -> int:
+def call(cmd: list[str], log: Path, deadline: float, env: dict | None = None) -> int:
     """``cmd`` in its own process group, output to ``log``; killed (the whole group) at ``deadline``: rc 124."""
     with log.open("a") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-                                     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})  # 3 processes share the GPU
+                                     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **(env or {})})  # 3 share the GPU
         try:
             return proc.wait(timeout=max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
@@ -201,14 +202,17 @@ def run_cell(cell: Cell, run: Run) -> dict:
         line |= {"micro_batch": min(run.micro_batch, cell.batch), "forwards": forwards(cell.batch, run.micro_batch),
                  "gradient_checkpointing": run.checkpointing, "loss": "chunked"}  # elsa_ds/loss.py, from 2026-11-29
     report: dict = {}
+    phase_log = run.work / f"{cell.slug()}.phases"
+    phase_log.unlink(missing_ok=True)
     if cell.method != "dense":
-        rc = call(quality.with_port(prune_command(cell, run, out)), log, run.deadline)
+        rc = call(quality.with_port(prune_command(cell, run, out)), log, run.deadline, {PHASE_LOG_ENV: str(phase_log)})
         if rc != 0 or not (out / "elsa_report.json").is_file():
             return line | failed(rc, "prune", log, started)
         report = json.loads((out / "elsa_report.json").read_text())
     # where a cell's time goes: the prune call (launch, one-shot or warm start, training, export), the job inside it
     # (from its own start: the rest is the launcher's and the imports'), a one-shot's pass; the evaluation is the rest
-    line |= {"prune_s": round(time.time() - started, 1), "job_s": report.get("wall_s"), "oneshot_s": report.get("prune_s")}
+    line |= {"prune_s": round(time.time() - started, 1), "job_s": report.get("wall_s"), "oneshot_s": report.get("prune_s"),
+             "phase_s": phase_seconds(phase_log, started, time.time())}
     rc, result = evaluate(run.model if cell.method == "dense" else str(out), run, out, log)
     if result is None:
         return line | failed(rc, "evaluate", log, started)
@@ -222,6 +226,21 @@ def run_cell(cell: Cell, run: Run) -> dict:
              "projections": report.get("projections") or [], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     shutil.rmtree(out, ignore_errors=True)
     return line
+
+
+def phase_seconds(path: Path, started: float, ended: float) -> dict | None:
+    """Seconds in each phase of the prune call (``elsa_ds/jobs/phases.py``'s markers; the steps summed): ``launch``
+    from the call to the job's first marker (the launcher, the imports), ``after`` from its last to the call's end."""
+    if not path.is_file():
+        return None
+    marks = read_phases(path)
+    if not marks:
+        return None
+    seconds: dict[str, float] = {"launch": marks[0]["t"] - started}
+    for mark, nxt in zip(marks, marks[1:]):
+        seconds[mark["phase"]] = seconds.get(mark["phase"], 0.0) + nxt["t"] - mark["t"]
+    seconds["after"] = ended - marks[-1]["t"]
+    return {k: round(v, 1) for k, v in seconds.items()}
 
 
 def failed(rc: int, phase: str, log: Path, started: float) -> dict:
