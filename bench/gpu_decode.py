@@ -56,6 +56,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="timed generate() calls per model and cell (ABBA) [3]")
     p.add_argument("--compile", action="store_true",
                    help="off CUDA too: a static cache and the compiled decode step, as generate() takes on CUDA by itself")
+    p.add_argument("--backend", default="inductor", choices=("inductor", "cudagraphs", "aot_eager"),
+                   help="torch.compile's backend for generate()'s decode step, both models [inductor: what a user gets; "
+                        "cudagraphs: the same CUDA graph without inductor's code generation, a much shorter first call]")
     p.add_argument("--no_matrix", action="store_true", help="skip the per-matrix part")
     p.add_argument("--matrix_calls", type=int, default=100, help="per-matrix calls per timed round [100]")
     p.add_argument("--triton_rows", type=int, default=None,
@@ -184,8 +187,8 @@ def generate_cell(dense, originals: dict, sparsity: float, batch: int, args: arg
     t0 = time.perf_counter()
     sparse = sparsify(dense)
     sparsify_s = time.perf_counter() - t0
-    if args.compile:
-        compiled_everywhere(sparse)
+    if args.compile or args.backend != "inductor":
+        compiled_with(sparse, args.backend, everywhere=args.compile)
     dense_weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears.values())
     sparse_weight_bytes = sum(m.weight_bytes for m in sparse.modules() if isinstance(m, SparseLinear))
     row = {"sparsity": sparsity, "batch": batch, "prune_s": pruned_s, "sparsify_s": sparsify_s,
@@ -200,13 +203,18 @@ def generate_cell(dense, originals: dict, sparsity: float, batch: int, args: arg
     return row
 
 
-def compiled_everywhere(model) -> None:
-    """generate() with a static cache and its decode step compiled on any device (transformers does it by itself on
-    CUDA; on a CPU only when asked, so that the rehearsal takes the compiled path: mode default, no CUDA graph)."""
+def compiled_with(model, backend: str, everywhere: bool) -> None:
+    """generate() with a static cache and its decode step compiled by ``backend`` (transformers compiles it by itself on
+    CUDA with inductor's reduce-overhead mode: a CUDA graph of inductor's kernels; ``cudagraphs`` captures the same step
+    in a CUDA graph without inductor's code generation), on any device with ``everywhere`` (on a CPU only when asked,
+    so that the rehearsal takes the compiled path: no CUDA graph there)."""
     from transformers import CompileConfig
 
-    config = CompileConfig(mode="default")
-    config._compile_all_devices = True
+    if backend == "inductor":
+        config = CompileConfig(mode="default" if everywhere else "reduce-overhead")
+    else:
+        config = CompileConfig(backend=backend, mode=None)  # a mode is inductor's alone
+    config._compile_all_devices = everywhere or None
     model.generation_config.cache_implementation = "static"
     model.generation_config.compile_config = config
 
@@ -248,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     from elsa_ds.sparse.speed import read_bandwidth
 
     result: dict = {**environment(args.device), "shape": "tiny" if args.tiny else "llama-2-7b", "layers": layers,
-                    "compiled": args.compile or torch.device(args.device).type == "cuda",
+                    "compiled": args.compile or torch.device(args.device).type == "cuda", "compile_backend": args.backend,
                     "read_bandwidth_gb_s": read_bandwidth(1 << 30 if not args.tiny else 1 << 26, device=args.device) / 1e9,
                     "matrix": {}, "generate": [], "cut": []}
     result["failed"] = []
@@ -269,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     from sparse_decode import decoder_linears
 
     originals = {n: m.weight.detach().to("cpu", copy=True) for n, m in decoder_linears(dense).items()}
-    if args.compile:
-        compiled_everywhere(dense)
+    if args.compile or args.backend != "inductor":
+        compiled_with(dense, args.backend, everywhere=args.compile)
     result["build_s"] = time.perf_counter() - t0
     print(f"model built in {result['build_s']:.1f} s: {layers} layers, {sum(p.numel() for p in dense.parameters()) / 1e9:.2f}B "
           "parameters", file=sys.stderr, flush=True)

@@ -150,3 +150,20 @@ def test_a_failing_cell_is_recorded_and_the_rest_run_on(tmp_path, monkeypatch, c
             gpu_decode.parse(bad)
         assert exit_.value.code == 2
     capsys.readouterr()
+
+
+@pytest.mark.integration
+def test_another_compile_backend_takes_both_models(tmp_path):
+    """--backend (cudagraphs on a GPU: inductor's CUDA graph without its code generation) set on the dense and the
+    sparse model alike; rehearsed with aot_eager, the backend cudagraphs builds on, which a CPU can run."""
+    r = _run("--compile", "--backend", "aot_eager", "--no_matrix", "--sparsities", "0.9", out=tmp_path / "gpu_decode.json")
+    assert r["compile_backend"] == "aot_eager" and [row["same_tokens"] for row in r["generate"]] == [True]
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_decode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**{**gpu_decode.TINY, "num_hidden_layers": 1}))
+    gpu_decode.compiled_with(model, "cudagraphs", everywhere=False)
+    config = model.generation_config.compile_config
+    assert (config.backend, config.mode, config._compile_all_devices) == ("cudagraphs", None, None)
+    assert model.generation_config.cache_implementation == "static"

@@ -134,7 +134,8 @@ step sparse_gpu 90 sparse_gpu  # first: the newest path, never run on a GPU befo
 if (( DRY )); then
     step gpu_decode 60 gpu_decode --device cpu --tiny --compile --sparsities 0.9,0.7 --batches 1 --steps 4 --rounds 1 --budget_s 200
 else
-    step gpu_decode 330 gpu_decode --budget_s 300  # its cells stop at 300 s; the step's cap is the backstop
+    # shellcheck disable=SC2086  # GPU_DECODE_ARGS: more flags, e.g. "--no_matrix --backend cudagraphs"
+    step gpu_decode 330 gpu_decode --budget_s 300 ${GPU_DECODE_ARGS:-}  # its cells stop at 300 s; the cap is the backstop
 fi
 step cuda_tests 380 cuda_tests
 step main_job 150 job main ds_configs/zero3_offload.json -- --steps "$MAIN_STEPS" "${MAIN_EXTRA[@]}"
