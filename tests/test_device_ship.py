@@ -69,9 +69,11 @@ def test_pack_cuts_parts_that_rejoin_to_the_payload_and_plans_one_call_each(pack
     assert sum(p["bytes"] for p in parts) == manifest["payload_bytes"]
     calls = manifest["calls"]
     assert [c["carry"][1] for c in calls[:len(parts)]] == [f"bench/device/ship/{p['name']}" for p in parts]
-    assert all("bench/device/ship/manifest.json" in c["carry"] for c in calls)
-    assert "quality.sh start" in calls[-1]["command"] and "bench/device/wheels" in calls[-1]["carry"]
-    assert (out / "calls.md").read_text().count("run  command:") == len(calls)  # the cells end inside the last one
+    assert all("bench/device/ship/manifest.json" in c["carry"] for c in calls[:-1])
+    assert "quality.sh start" in calls[-2]["command"] and "bench/device/wheels" in calls[-2]["carry"]
+    assert "quality.sh wait" in calls[-1]["command"]  # sent in the same message: the machine is still held
+    text = (out / "calls.md").read_text()
+    assert text.count("run  command:") == len(calls) and "ONE message" in text
 
 
 def test_real_part_size_leaves_room_for_the_checkout():

@@ -5,9 +5,10 @@
 #         install the kit's wheels, join + check + build the shipped model, start bench/device/curve.py detached
 #         (setsid: it outlives this call, while the machine is held) with what is left of BUDGET_S seconds (counted from
 #         this call's start) for its cells, then follow it WAIT_S seconds [BUDGET_S + 8: to its end] and copy its
-#         cells.jsonl and log to $OUT. Plan BUDGET_S so the cells end inside the call: a next call may find a bare machine
+#         cells.jsonl and log to $OUT
 #     bench/device/quality.sh wait [WAIT_S]
-#         a next call, if the machine is still held: follow the runner WAIT_S more seconds, copy
+#         the next call, sent in the same message as the start (a reply in between can outlast the ~30 s the machine
+#         stays warm: then this finds a bare machine): follow the runner WAIT_S more seconds, copy
 #     bench/device/quality.sh --dry-run start ...   here, on CPU: no install, the caller's ELSA_SHIP / ELSA_MODELS, and
 #         CURVE_ARGS (tiny cells) passed to curve.py; tests/test_device_ship.py runs it
 #

@@ -116,31 +116,35 @@ def cut(payload: Path, out: Path, part_bytes: int) -> list[dict]:
 
 
 def plan_calls(parts: list[dict], part_bytes: int, wheels: int) -> list[dict]:
-    """The device calls in order: one a part, ``put``; the kit's wheels ride with the last part where they fit."""
+    """The device calls in order, all sent in one message: one a part, ``put``; the kit's wheels ride with the last part
+    where they fit, and that call starts the cells; a last call follows them on. <B> is the device time left before the
+    first call (the puts take ~60 s with the machine's start, the start call 600): the runner's budget counts from the
+    start call's beginning and ends its cells ~70 s before the device time does."""
     manifest = "bench/device/ship/manifest.json"
-    calls = [{"carry": [manifest, f"bench/device/ship/{p['name']}"], "command": f"python3 bench/device/ship.py put {i}"}
-             for i, p in enumerate(parts)]
-    start = "ELSA_COMMIT=<commit> bench/device/quality.sh start <min(580, budget_left_s - 20)>"
-    last = {"carry": [manifest, "bench/device/wheels"], "command": start}
+    calls = [{"carry": [manifest, f"bench/device/ship/{p['name']}"], "command": f"python3 bench/device/ship.py put {i}",
+              "timeout_s": "60"} for i, p in enumerate(parts)]
+    start = "ELSA_COMMIT=<commit> bench/device/quality.sh start <B - 130> 585"
+    follow = {"carry": [], "command": "bench/device/quality.sh wait <B - 690>", "timeout_s": "<B - 680>"}
     if parts and parts[-1]["bytes"] + wheels <= part_bytes:
         calls[-1]["carry"].append("bench/device/wheels")
         calls[-1]["command"] += " && " + start
-        return calls
-    return calls + [last]
+        calls[-1]["timeout_s"] = "600"
+        return calls + [follow]
+    return calls + [{"carry": [manifest, "bench/device/wheels"], "command": start, "timeout_s": "600"}, follow]
 
 
 def calls_markdown(manifest: dict) -> str:
     lines = [f"# Shipping the payload ({manifest['payload_bytes']:,} bytes in {len(manifest['parts'])} parts "
              f"of at most {manifest['part_bytes'] / MIB:.1f} MiB; packed {manifest['created']})", "",
-             "Back to back, each as soon as the last returns (the machine goes back ~30 s after a call). A `put` that",
-             "finds an earlier part missing exits 3: files did not persist; then join on the fewest calls possible.", ""]
+             "All in ONE message, in this order: the tool runs a message's calls back to back, while a reply between two",
+             "calls can outlast the ~30 s a machine stays warm after a call (2026-11-28: a `wait` sent in the next reply",
+             "found a fresh, bare machine; the puts sent together found each other's parts). A `put` that finds an",
+             "earlier part missing exits 3: files did not persist. <B>: the device tool's budget_left_s before the first call.", ""]
     for i, call in enumerate(manifest["calls"], 1):
         lines.append(f"{i}. run  command: `{call['command']}`  carry: `{json.dumps(call['carry'])}`  timeout_s: "
-                     f"{600 if 'quality.sh' in call['command'] else 60}")
-    lines += ["", "The last call runs the cells to their end inside it (its budget counts the build): a second call, even at once,",
-              "may find a fresh, bare machine (2026-11-28: the machine went back between a 530 s call and the next).",
-              "<commit>: `git rev-parse HEAD` here; <budget_left_s>: the device tool's status. Then give_back, and append the",
-              "`ok` lines of $OUT/cells.jsonl to bench/results/gpu_quality_gemma3-270m.jsonl."]
+                     f"{call.get('timeout_s', 600 if 'quality.sh' in call['command'] else 60)}")
+    lines += ["", "<commit>: `git rev-parse HEAD` here. Then give_back, save $OUT of both quality.sh calls, and append the",
+              "`ok` lines of the last cells.jsonl to bench/results/gpu_quality_gemma3-270m.jsonl."]
     return "\n".join(lines) + "\n"
 
 
