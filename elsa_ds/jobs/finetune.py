@@ -154,6 +154,7 @@ class FinetuneJob:
     def train_step(self, run: Retraining, step: int) -> float:
         """One global batch at this step's learning rate. Returns the global mean loss."""
         cfg = self.cfg
+        self.phases.mark("first step" if step == 0 else "step", step)  # ELSA's names (no projection here)
         lr = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_final_ratio)
         return steps.train_step(run.zero.engine, run.optimizer, run.zero.comm, run.data.batches.micro_batches(step), lr)
 
@@ -172,18 +173,22 @@ class FinetuneJob:
     def finish(self, run: Retraining) -> dict[str, Any] | None:
         """Validation, the export (LoRA merged, mask re-applied), the report verified from the files. Collective."""
         cfg, opts = self.cfg, self.opts
+        self.phases.mark("validation")
         tuned_ppl = self.validation_ppl(run)
         staging = staging_dir(opts.output_dir)
         if run.rank == 0:
             fresh_staging(opts.output_dir)
+        self.phases.mark("export")
         if cfg.finetune is Finetune.lora:
             export_consolidated(run.zero, run.data.tokenizer, staging, transform=partial(self._merge, run.masks))  # collective
         else:
             export_model(run.zero.engine.module, run.data.tokenizer, staging, run.rank)  # collective
         result = None
         if run.rank == 0:
+            self.phases.mark("verify")
             result = report.finetune_report(self._record(run, tuned_ppl), staging)
             report.publish_report(result, staging, opts, bool(opts.resume or cfg.save_interval))
+            self.phases.mark("done")
         torch.distributed.barrier()  # the last collective: the other ranks may leave now, rank 0 evaluates alone
         if run.rank == 0:
             mask_path, model_dir = oneshot_paths(opts.output_dir)

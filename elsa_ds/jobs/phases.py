@@ -1,6 +1,7 @@
 """Timestamped phase markers of a job, for benchmarks that sample its memory over time (``bench/scale.py``).
 
-Off unless the environment variable ``ELSA_DS_PHASE_LOG`` names a file; rank 0 then appends one JSON line per
+ELSA's jobs and the retraining baselines' (which have no projection phases) mark them alike. Off unless the environment
+variable ``ELSA_DS_PHASE_LOG`` names a file; rank 0 then appends one JSON line per
 phase as it begins, ``{"phase": "projection", "step": 1, "t": 1732390000.123}`` (t: seconds since the epoch, the
 clock a sampler in another process reads too). A phase lasts until the next marker; the last one is ``done``.
 Whatever the variable, rank 0 forwards each marker to its watchdog (``elsa_ds/files/watchdog.py``), which names the last one

@@ -88,9 +88,11 @@ def test_lora_merges_with_the_mask_and_dense_control_trains_every_weight(tmp_pat
     assert torch.equal(tuned[embedding], original[embedding])  # --freeze_embeddings holds in retraining as in ELSA
 
 
-def test_python_api_runs_the_retraining_baseline(tmp_path, tiny_model_dir, text_dir):
+def test_python_api_runs_the_retraining_baseline(tmp_path, tiny_model_dir, text_dir, monkeypatch):
     import elsa_ds
+    from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases
 
+    monkeypatch.setenv(PHASE_LOG_ENV, str(tmp_path / "phases.jsonl"))  # where a retraining run's time goes, as ELSA's
     ds = derived_config(tmp_path, bf16={"enabled": False})
     report = elsa_ds.oneshot(str(tiny_model_dir), "magnitude", str(text_dir), output_dir=tmp_path / "out", deepspeed=str(ds),
                              finetune="full", finetune_steps=2, sparsity=0.5, seqlen=64, micro_batch=2, val_windows=2)
@@ -98,3 +100,6 @@ def test_python_api_runs_the_retraining_baseline(tmp_path, tiny_model_dir, text_
     assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ  # nothing left for the next subprocess
     assert "lr" in report["defaults"]["applied"]   # no lr given: the defaults rule's retraining lr
     assert all(layer["zeros"] == round(0.5 * layer["numel"]) for layer in report["layers"].values())
+    marks = read_phases(tmp_path / "phases.jsonl")
+    assert [m["phase"] for m in marks] == ["load", "first step", "step", "validation", "export", "verify", "done"]
+    assert [m["step"] for m in marks[1:3]] == [0, 1] and all(a["t"] <= b["t"] for a, b in zip(marks, marks[1:]))
