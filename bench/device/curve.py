@@ -99,7 +99,7 @@ def curve_plan(budgets: tuple[tuple[int, int], ...] = BUDGETS) -> list[Cell]:
     rest), with ELSA from the dense start at the middle one (where the rule starts from SparseGPT's model: which start
     wins there decides the rule's threshold) and the authors' residual balancing from that start (a remedy); then the
     largest budget at 90 %, 70 % there, the paper's settings beside the rule's, the dense control, the starts. (The
-    middle-budget cells fit a loan's one call three at once; a largest-budget cell's time there is not measured yet.)"""
+    middle budget's four cells fit one loan at once; a largest-budget cell's time there is not measured yet.)"""
     (middle, middle_batch), (largest, batch) = budgets[1], budgets[-1]
     cells = [Cell(m, 0.9, t, batch=b) for t, b in budgets[:-1] for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     cells += [Cell("elsa", 0.9, middle, "dense", middle_batch), Cell("elsa", 0.9, middle, "adaptive", middle_batch)]
@@ -160,7 +160,7 @@ def call(cmd: list[str], log: Path, deadline: float, env: dict | None = None) ->
         fh.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-                                     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **(env or {})})  # 3 share the GPU
+                                     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **(env or {})})  # cells share the GPU
         try:
             return proc.wait(timeout=max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
