@@ -187,8 +187,7 @@ def generate_cell(dense, originals: dict, sparsity: float, batch: int, args: arg
     t0 = time.perf_counter()
     sparse = sparsify(dense)
     sparsify_s = time.perf_counter() - t0
-    if args.compile or args.backend != "inductor":
-        compiled_with(sparse, args.backend, everywhere=args.compile)
+    compiled_with(sparse, args.backend, everywhere=args.compile)
     dense_weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears.values())
     sparse_weight_bytes = sum(m.weight_bytes for m in sparse.modules() if isinstance(m, SparseLinear))
     row = {"sparsity": sparsity, "batch": batch, "prune_s": pruned_s, "sparsify_s": sparsify_s,
@@ -207,13 +206,13 @@ def compiled_with(model, backend: str, everywhere: bool) -> None:
     """generate() with a static cache and its decode step compiled by ``backend`` (transformers compiles it by itself on
     CUDA with inductor's reduce-overhead mode: a CUDA graph of inductor's kernels; ``cudagraphs`` captures the same step
     in a CUDA graph without inductor's code generation), on any device with ``everywhere`` (on a CPU only when asked,
-    so that the rehearsal takes the compiled path: no CUDA graph there)."""
+    so that the rehearsal takes the compiled path: no CUDA graph there); inductor on CUDA is left to transformers."""
     from transformers import CompileConfig
 
-    if backend == "inductor":
-        config = CompileConfig(mode="default" if everywhere else "reduce-overhead")
-    else:
-        config = CompileConfig(backend=backend, mode=None)  # a mode is inductor's alone
+    if backend == "inductor" and not everywhere:
+        return  # transformers' own default on CUDA, as a user gets it
+    # a mode is inductor's alone
+    config = CompileConfig(mode="default") if backend == "inductor" else CompileConfig(backend=backend, mode=None)
     config._compile_all_devices = everywhere or None
     model.generation_config.cache_implementation = "static"
     model.generation_config.compile_config = config
@@ -277,8 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     from sparse_decode import decoder_linears
 
     originals = {n: m.weight.detach().to("cpu", copy=True) for n, m in decoder_linears(dense).items()}
-    if args.compile or args.backend != "inductor":
-        compiled_with(dense, args.backend, everywhere=args.compile)
+    compiled_with(dense, args.backend, everywhere=args.compile)
     result["build_s"] = time.perf_counter() - t0
     print(f"model built in {result['build_s']:.1f} s: {layers} layers, {sum(p.numel() for p in dense.parameters()) / 1e9:.2f}B "
           "parameters", file=sys.stderr, flush=True)

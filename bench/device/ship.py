@@ -142,7 +142,7 @@ def calls_markdown(manifest: dict) -> str:
              "earlier part missing exits 3: files did not persist. <B>: the device tool's budget_left_s before the first call.", ""]
     for i, call in enumerate(manifest["calls"], 1):
         lines.append(f"{i}. run  command: `{call['command']}`  carry: `{json.dumps(call['carry'])}`  timeout_s: "
-                     f"{call.get('timeout_s', 600 if 'quality.sh' in call['command'] else 60)}")
+                     f"{call['timeout_s']}")
     lines += ["", "<commit>: `git rev-parse HEAD` here. Then give_back, save $OUT of both quality.sh calls, and append the",
               "`ok` lines of the last cells.jsonl to bench/results/gpu_quality_gemma3-270m.jsonl."]
     return "\n".join(lines) + "\n"

@@ -12,7 +12,8 @@ of its peak, and each change tried with its estimate, those that would fit first
 states, NVMe for the optimizer states or the parameters, --freeze_embeddings, more nodes); one that fits only if the
 estimate is not 15 % low starts with a warning. (Refusing only what could not fit even were the estimate 15 % high let
 the 8-layer ELSA-L job, 131 GiB by the estimate on a 126 GiB host, start and be killed by the kernel at its first step.)
-GPU memory keeps that wider band: running out there is CUDA's own error, which says so.
+GPU memory keeps that wider band: running out there is CUDA's own error, which says so. A one-shot job's host memory
+(``check_oneshot``) is judged as a training job's: the kernel's kill is as silent there.
 ``--ignore_memory_check`` turns a refusal into a warning.
 """
 from __future__ import annotations
