@@ -4,6 +4,7 @@
     python bench/memory.py --ranks 1 --configs ds_configs/zero3_nvme.json --json
     python bench/memory.py --model DIR --out out/bench_memory
     python bench/memory.py --runtime                         # the per-process baseline behind memory.RUNTIME_HOST_BYTES
+    python bench/memory.py --oneshot sparsegpt wanda magnitude --model DIR --seqlen 512   # one-shot jobs' host memory
 
 Every run is a real ``launch/prune.py`` job (3 steps, projection interval 2: the first step, one
 projection and the final one; seqlen 128, --val_windows 0 --baseline none) started through
@@ -18,6 +19,10 @@ demo tokenizer), so that model state dominates the fixed process overhead (~26 b
 against ~1.5 GB of runtime for 2 ranks) and every MLP weight of a rank is at least 32 MiB in fp32, as in
 a real LLM: glibc then serves it with mmap and returns it on free. With many small tensors freed memory
 stays in the heap and RSS exceeds the live bytes, which no config-only estimate can know.
+
+``--oneshot`` runs instead each named one-shot method as its own ``launch/prune.py`` process (90 %, --nsamples
+calibration sequences, --val_windows windows scored before and after, layer by layer on the CPU) and puts
+``elsa_ds.capacity.memory.oneshot_host_bytes`` (what the pre-flight check refuses by) beside its peak RSS.
 
 Prints one row per run: measured peak and estimate for host RSS, NVMe bytes (and GPU), est/measured and
 whether it is within the tolerance (default ±15%); with --json the last line is a JSON object with the rows.
@@ -132,6 +137,59 @@ def runtime_table(rows, raw_configs: dict[str, dict], out: Path) -> list[dict]:
     return result
 
 
+def phase_peaks(series: list[tuple[float, float, float, float]], marks: list[dict]) -> dict[str, float]:
+    """The largest sampled RSS in each phase (a phase lasts until the next marker; before the first: ``start``;
+    a phase that recurs, as validation before and after pruning, keeps its largest)."""
+    peaks: dict[str, float] = {}
+    for t, rss, _folder, _free in series:
+        phase = next((m["phase"] for m in reversed(marks) if m["t"] <= t), "start")
+        peaks[phase] = max(peaks.get(phase, 0.0), rss)
+    return peaks
+
+
+def oneshot_rows(model: Path, methods: list[str], out: Path, args) -> list[dict]:
+    """Each one-shot method as its own ``launch/prune.py`` process: its peak RSS beside ``oneshot_host_bytes``."""
+    import subprocess
+
+    import os
+
+    from elsa_ds.capacity.ablation import TreeMonitor
+    from elsa_ds.capacity.memory import model_shape, oneshot_host_bytes, resolve_model_config
+    from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases
+    from elsa_ds.settings.config import ElsaConfig
+
+    rows = []
+    for method in methods:
+        run = out / "oneshot" / method
+        cmd = [sys.executable, str(ROOT / "launch" / "prune.py"), "--deepspeed", SHIPPED[0], "--method", method,
+               "--model", str(model), "--dataset", args.dataset, "--seqlen", str(args.seqlen), "--sparsity", "0.9",
+               "--nsamples", str(args.nsamples), "--val_windows", str(args.val_windows), "--output_dir", str(run), "--overwrite"]
+        print(f"[bench/memory] {' '.join(cmd[1:])}", flush=True)
+        run.parent.mkdir(parents=True, exist_ok=True)
+        phase_log = out / f"oneshot_{method}.phases"
+        phase_log.unlink(missing_ok=True)
+        with (out / f"oneshot_{method}.log").open("w") as fh:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, PHASE_LOG_ENV: str(phase_log)})
+            monitor = TreeMonitor(proc.pid, None, record=True)
+            monitor.start()
+            rc = proc.wait()
+            monitor.done.set()
+            monitor.join()
+        if rc != 0:
+            raise SystemExit(f"[bench/memory] {method} failed (exit {rc}); see {out / f'oneshot_{method}.log'}")
+        cfg = ElsaConfig.model_validate(json.loads((run / "elsa_report.json").read_text())["config"])
+        est = oneshot_host_bytes(model_shape(resolve_model_config(str(model)), cfg.targets), method, cfg, cuda=False)
+        marks = read_phases(phase_log) if phase_log.is_file() else []
+        peaks = phase_peaks(monitor.series, marks)
+        print(f"[bench/memory] {method}: peak RSS by phase (MiB): "
+              + ", ".join(f"{k} {v / MIB:,.0f}" for k, v in peaks.items()), flush=True)
+        rows.append({"config": f"oneshot {method}", "ranks": 1, "phase_peaks": peaks, "host_measured": monitor.peak_rss, "host_est": est,
+                     "host_ratio": ratio(est, monitor.peak_rss), "host_ok": within(ratio(est, monitor.peak_rss), args.tolerance),
+                     "nvme_measured": 0.0, "nvme_est": 0.0, "nvme_ratio": 1.0, "nvme_ok": True, "gpu_measured": None,
+                     "gpu_est": None, "gpu_ratio": None, "gpu_ok": None, "step_time_s": None})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="model directory [build a random wide Gemma-2 under OUT/model]")
@@ -142,6 +200,11 @@ def main() -> int:
     ap.add_argument("--seqlen", type=int, default=128)
     ap.add_argument("--tolerance", type=float, default=0.15)
     ap.add_argument("--runtime", action="store_true", help="measure the per-process baseline on a 0.3M-parameter model instead")
+    ap.add_argument("--oneshot", nargs="+", choices=["sparsegpt", "wanda", "magnitude"], default=None,
+                    help="run these one-shot methods (one process each) instead of the ELSA configs")
+    ap.add_argument("--nsamples", type=int, default=32, help="--oneshot: calibration sequences")
+    ap.add_argument("--val_windows", type=int, default=8, help="--oneshot: validation windows scored before and after")
+    ap.add_argument("--dataset", default="shakespeare", help="--oneshot: the calibration text")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -161,9 +224,12 @@ def main() -> int:
     print(f"[bench/memory] launch/prune.py {' '.join(prune_args)}", flush=True)
 
     rows = []
-    for ranks in args.ranks:
+    for ranks in args.ranks if not args.oneshot else []:
         rows += run_ablation(configs, out / f"ranks{ranks}", ranks, prune_args)
-    if args.runtime:
+    if args.oneshot:
+        result = oneshot_rows(model, args.oneshot, out, args)
+        print_table(result, args.tolerance)
+    elif args.runtime:
         result = runtime_table(rows, raw_configs, out)
     else:
         result = compare(rows, args.tolerance)
@@ -171,6 +237,7 @@ def main() -> int:
         if all(r["gpu_measured"] is None for r in result):
             print("no GPU: DeepSpeed ran on its CPU accelerator, so GPU-side memory (activations, gathered parameters, "
                   "buckets, the step's temporaries) is host memory, measured and estimated with it")
+    if not args.runtime:
         bad = [f"{r['config']} x{r['ranks']} {k}" for r in result for k in ("host", "nvme", "gpu") if r[f"{k}_ok"] is False]
         print("all within ±{:.0%}".format(args.tolerance) if not bad else "outside ±{:.0%}: {}".format(args.tolerance, ", ".join(bad)))
     if args.json:

@@ -53,7 +53,7 @@ def stand_in(tmp_path_factory) -> dict:
 def packed(stand_in, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("ship")
     manifest = ship.pack(stand_in["gguf"], stand_in["sha"], stand_in["tokenizer"], stand_in["corpora"], stand_in["terms"],
-                         out, part_mib=0.05)
+                         out, part_mib=0.05, results=out / "no_cells_yet.jsonl")
     return out, manifest
 
 
@@ -144,6 +144,31 @@ def test_pack_refuses_a_gguf_that_is_not_the_packages(stand_in, tmp_path):
             ship.pack(stand_in["gguf"], stand_in["sha"], stand_in["tokenizer"], stand_in["corpora"], None, tmp_path / "s")
     finally:
         (tmp_path / "moved").rename(stand_in["corpora"] / "techdocs" / "test.jsonl")
+
+
+def test_cells_on_other_texts_are_refused_before_packing_and_before_running(stand_in, tmp_path):
+    """A corpus rebuilt from other package versions is another text: pack (here) and the runner (there) refuse to add
+    its cells to results that ran on other texts, naming the text; the first loans' lines (no digests) count as run
+    on UNRECORDED_TEXTS."""
+    texts = ship.texts_sha256(stand_in["corpora"])
+    assert set(texts) == {"train", "test", "linuxdoc"} and texts != ship.UNRECORDED_TEXTS
+    same, other, unrecorded = (tmp_path / f"{n}.jsonl" for n in ("same", "other", "unrecorded"))
+    line = {"key": "wanda+ft|0.9|128x8x512|rule", "status": "ok"}
+    same.write_text(json.dumps(line | {"texts": texts}) + "\n" + json.dumps({"key": "x", "status": "failed"}) + "\n")
+    other.write_text(json.dumps(line | {"texts": texts | {"test": "0" * 64}}) + "\n")
+    unrecorded.write_text(json.dumps(line) + "\n")
+    assert ship.texts_mismatch(ship.read_lines(same), texts, same) is None
+    why = ship.texts_mismatch(ship.read_lines(other), texts, other)
+    assert "test " + texts["test"][:12] + " here, 000000000000 there" in why and "train" not in why and line["key"] in why
+    assert "train" in ship.texts_mismatch(ship.read_lines(unrecorded), texts, unrecorded)
+    with pytest.raises(ship.ShipError, match="texts differ"):
+        ship.pack(stand_in["gguf"], stand_in["sha"], stand_in["tokenizer"], stand_in["corpora"], stand_in["terms"],
+                  tmp_path / "ship", part_mib=0.05, results=other)
+    assert not (tmp_path / "ship").exists()  # refused before anything was written
+    proc = subprocess.run([sys.executable, "bench/device/curve.py", "--model", str(stand_in["tokenizer"]), "--corpora",
+                           str(stand_in["corpora"]), "--results", str(unrecorded), "--out", str(tmp_path / "OUT")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "texts differ" in proc.stderr and not (tmp_path / "OUT").exists()
 
 
 def test_the_plan_runs_the_smaller_budgets_first_and_skips_cells_done_before(tmp_path):
@@ -310,6 +335,7 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
     for line in lines:
         assert line["status"] == "ok" and math.isfinite(line["test_ppl"]) and math.isfinite(line["linuxdoc_ppl"])
         assert line["device"] == "cpu" and line["code_sha"] and line["eval"]["windows"]["test"] == 4
+        assert line["texts"] == ship.texts_sha256(dest / "payload" / "corpora")  # the shipped texts, by sha256
     elsa = next(x for x in lines if x["method"] == "elsa")
     assert elsa["tokens"] == 2 * 2 * 32 and abs(elsa["overall_sparsity"] - 0.9) < 1e-3 and elsa["settings_used"]["lr"] > 0
     assert (elsa["forwards"], elsa["gradient_checkpointing"], elsa["loss"]) == (1, False, "chunked") and elsa["est_gpu_bytes"] > 0

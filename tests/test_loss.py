@@ -59,3 +59,20 @@ def test_it_keeps_no_fp32_copy_for_the_backward_and_refuses_bad_shapes():
         assert float(next_token_loss(logits, ids.int())) == float(next_token_loss(logits, ids))  # int32 ids as int64
     with pytest.raises(ValueError, match="logits \\[batch, seq, vocab\\]"):
         next_token_loss(logits[0], torch.randint(0, 50, (9,)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 1000])
+def test_evaluation_nll_is_the_whole_upcast_sum_in_any_chunking(dtype, rows):
+    """elsa_ds.evaluation.perplexity.token_nll: the summed fp32 NLL that perplexity reports, a chunk of rows at a time."""
+    from elsa_ds.evaluation.perplexity import token_nll
+
+    torch.manual_seed(2)
+    vocab = 97
+    logits = (4 * torch.randn(3, 13, vocab)).to(dtype)
+    ids = torch.randint(0, vocab, (3, 13), dtype=torch.int32)
+    whole = F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1).long(), reduction="sum")
+    nll, count = token_nll(logits, ids, row_elements=rows * vocab)
+    assert count == 3 * 12
+    assert nll == pytest.approx(float(whole), rel=1e-6)
+    assert token_nll(logits, ids)[0] == pytest.approx(nll, rel=1e-6)  # the default chunk: one per sequence here

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench import quality  # noqa: E402 - its commands and rendezvous ports
 from bench.device.estimate import GPU_SHARE, Estimator, forwards  # noqa: E402
 from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases  # noqa: E402 - where a cell's time goes
-RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
+from bench.device.ship import RESULTS, read_lines, texts_mismatch, texts_sha256  # noqa: E402 - the texts the cells read
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
 ONESHOT = ("sparsegpt", "wanda")
 PAPER_ARGS = ["--lr", "2e-4", "--lmda", "0.01", "--lmda_schedule", "constant", "--interval", "32", "--warmup_steps", "0",
@@ -58,6 +58,7 @@ SETTINGS = {"rule": [], "paper": PAPER_ARGS, "dense": ["--init_mask", "none"],
 # loan. At 512 steps the rule takes its short-budget branch (SparseGPT's start), as at the middle budget.
 BUDGETS = ((128, 8), (512, 8), (512, 32))
 MARGIN_S = 20.0
+
 
 
 @dataclass(frozen=True)
@@ -108,11 +109,6 @@ def curve_plan(budgets: tuple[tuple[int, int], ...] = BUDGETS) -> list[Cell]:
     cells += [Cell("elsa", 0.9, largest, "paper", batch), Cell("dense+ft", None, largest, batch=batch), Cell("dense", None, 0)]
     cells += [Cell(m, s, 0) for s in (0.9, 0.7) for m in ONESHOT]
     return cells
-
-
-def read_lines(path: Path) -> list[dict]:
-    """Every line of a cells file (none when it does not exist yet)."""
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
 def done_keys(path: Path) -> set[str]:
@@ -355,12 +351,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model or not args.corpora:
         print("error: --model and --corpora are required (bench/device/ship.py join prints both)", file=sys.stderr)
         return 2
+    c = args.corpora
+    try:
+        texts = texts_sha256(c)
+    except OSError as err:
+        print(f"error: --corpora {c}: {err}", file=sys.stderr)
+        return 2
+    if why := texts_mismatch(read_lines(args.results), texts, args.results):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    c = args.corpora
     run = Run(args.model, str(c / "techdocs" / "train.jsonl"), str(c / "techdocs" / "test.jsonl"),
               str(c / "linux-doc" / "test.jsonl"), args.seqlen, args.micro_batch, args.deepspeed, args.eval_limit, args.work,
-              time.time() + args.budget_s, args.parallel, environment(), args.gradient_checkpointing, gpu_memory())
+              time.time() + args.budget_s, args.parallel, environment() | {"texts": texts}, args.gradient_checkpointing,
+              gpu_memory())
     estimator = Estimator(run.env["device"], read_lines(args.results) + read_lines(args.out / "cells.jsonl"), args.micro_batch,
                           args.gradient_checkpointing, args.model, args.deepspeed, args.seqlen)
     lines, skipped = schedule(todo, run, estimator, args.out / "cells.jsonl")

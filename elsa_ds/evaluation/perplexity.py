@@ -11,11 +11,22 @@ from collections.abc import Callable
 
 import torch
 
+from elsa_ds.loss import ROW_ELEMENTS
 
-def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
-    """Summed NLL of ids[:, 1:] under logits[:, :-1] (computed in fp32) and the number of predicted tokens."""
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-    return float(nll), ids[:, 1:].numel()
+
+def token_nll(logits: torch.Tensor, ids: torch.Tensor, row_elements: int = ROW_ELEMENTS) -> tuple[float, int]:
+    """Summed NLL of ids[:, 1:] under logits[:, :-1] and the number of predicted tokens: fp32 arithmetic, as
+    ``cross_entropy(logits.float(), reduction="sum")``, ``row_elements`` logits upcast at a time (Gemma's 262,144-entry
+    vocabulary made the whole fp32 copy and log_softmax's output 8 GiB at 8 x 512 tokens), the chunks' sums added in fp64."""
+    tokens, vocab = logits.shape[1] - 1, logits.shape[-1]
+    rows = max(1, row_elements // vocab)
+    total = 0.0
+    for b in range(logits.shape[0]):
+        for start in range(0, tokens, rows):
+            x = logits[b, start:min(start + rows, tokens)].float()
+            t = ids[b, start + 1:start + 1 + x.shape[0]].long()
+            total += float((torch.logsumexp(x, dim=-1) - x.gather(1, t[:, None]).squeeze(1)).sum(dtype=torch.float64))
+    return total, ids[:, 1:].numel()
 
 
 @torch.no_grad()

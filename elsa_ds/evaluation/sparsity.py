@@ -40,7 +40,10 @@ def sparsity_report(model_dir: str | Path, targets: str | None = None) -> dict:
     """Zeros per 2-D weight matching ``targets`` (default: decoder-layer weights) and overall, with the
     sparsity pattern ("2:4", "4:8", "unstructured" or "dense") per layer and for the whole model.
 
-    Reads one tensor at a time (safetensors ``safe_open``), so a 27B export needs no 54 GB of RAM.
+    Reads one tensor at a time (safetensors ``safe_open``), so a 27B export needs no 54 GB of RAM: each tensor from its own
+    opening of the file, since an open file stays memory-mapped and every page read through it counts in the process's
+    resident memory until it closes (a one-shot job's verify peaked at its model plus the whole file so:
+    ``bench/memory.py --oneshot``).
     """
     from safetensors import safe_open
 
@@ -51,18 +54,18 @@ def sparsity_report(model_dir: str | Path, targets: str | None = None) -> dict:
     layers, found_nm, zeros_total, numel_total = {}, [], 0, 0
     for file in files:
         with safe_open(str(file), framework="pt") as fh:
-            for key in fh.keys():
-                if not key.endswith(".weight") or not pattern.search(key[: -len(".weight")]):
-                    continue
+            keys = [k for k in fh.keys() if k.endswith(".weight") and pattern.search(k[: -len(".weight")])]
+        for key in keys:
+            with safe_open(str(file), framework="pt") as fh:
                 t = fh.get_tensor(key)
-                if t.dim() != 2:
-                    continue
-                zeros = int((t == 0).sum())
-                nm = nm_patterns(t) if zeros else []
-                layers[key] = {"numel": t.numel(), "zeros": zeros, "sparsity": zeros / t.numel(),
-                               "pattern": nm[0] if nm else ("unstructured" if zeros else "dense"), "nm": nm}
-                found_nm.append(nm)
-                zeros_total += zeros
-                numel_total += t.numel()
+            if t.dim() != 2:
+                continue
+            zeros = int((t == 0).sum())
+            nm = nm_patterns(t) if zeros else []
+            layers[key] = {"numel": t.numel(), "zeros": zeros, "sparsity": zeros / t.numel(),
+                           "pattern": nm[0] if nm else ("unstructured" if zeros else "dense"), "nm": nm}
+            found_nm.append(nm)
+            zeros_total += zeros
+            numel_total += t.numel()
     return {"layers": dict(sorted(layers.items())), "overall": zeros_total / max(numel_total, 1), "pruned_numel": numel_total,
             "pattern": overall_pattern(zeros_total, found_nm)}

@@ -19,6 +19,7 @@ from elsa_ds.data import PplWindows, validation_windows
 from elsa_ds.files.disk_room import saved_bytes, writing
 from elsa_ds.files.output import fresh_staging
 from elsa_ds.jobs import report
+from elsa_ds.jobs.phases import PhaseLog
 from elsa_ds.log import EVERY_RANK, get_logger
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
@@ -67,12 +68,14 @@ class OneShotJob:
         self.rank: int = int(os.environ.get("RANK", "0"))
         self.device: torch.device = accelerator()
         self.state: PassState = PassState()  # set by train (rank 0)
+        self.phases: PhaseLog = PhaseLog(self.rank)  # load, validation, prune, validation, export, verify, done
 
     def setup(self) -> HostModel | None:
         """Rank 0 loads the model into host memory; the other ranks have nothing to build."""
         cfg = self.cfg
         if self.rank != 0:
             return None
+        self.phases.mark("load")
         goal = cfg.pattern if cfg.nm else f"{cfg.sparsity:.0%}"
         log.info(f"one-shot {cfg.method.value} of {cfg.model} to {goal}"
                  f"{' with profile ' + cfg.sparsity_profile if cfg.sparsity_profile else ''} on {self.device}")
@@ -88,8 +91,11 @@ class OneShotJob:
         if host is None:
             log.info(f"{self.cfg.method.value} runs in one process (rank 0); nothing to do here", extra=EVERY_RANK)
             return
+        self.phases.mark("validation")
         self.state.dense_ppl = self._ppl(host)
+        self.phases.mark("prune")
         self.state.result = prune_oneshot(self.cfg, self.method, host.tokenizer, host.model)
+        self.phases.mark("validation")
         self.state.pruned_ppl = self._ppl(host)
 
     def _ppl(self, host: HostModel) -> float | None:
@@ -105,11 +111,14 @@ class OneShotJob:
             return None
         opts = self.opts
         staging = fresh_staging(opts.output_dir)
+        self.phases.mark("export")
         with writing(staging, saved_bytes(host.model)):
             host.model.save_pretrained(staging, save_original_format=False)  # module names, as the ZeRO-3 export writes them
             host.tokenizer.save_pretrained(staging)
+        self.phases.mark("verify")
         result = report.oneshot_report(self._record(host, done), staging)
         report.publish_report(result, staging, opts, False)
+        self.phases.mark("done")
         return result
 
     def _record(self, host: HostModel, done: OneShotResult) -> report.ReportRecord:

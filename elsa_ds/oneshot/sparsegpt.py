@@ -52,7 +52,10 @@ def _inverse_cholesky(H: torch.Tensor, percdamp: float) -> torch.Tensor:
         L = torch.linalg.cholesky(H)
     except torch.linalg.LinAlgError as err:
         raise ValueError(f"Hessian is not positive definite after damping {percdamp}; raise percdamp") from err
-    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+    del H                                    # at most two in x in copies alive beside the caller's: the down projection's
+    inverse = torch.cholesky_inverse(L)      # (in = the MLP width) is the one-shot's host peak (bench/memory.py --oneshot)
+    del L
+    return torch.linalg.cholesky(inverse, upper=True)
 
 
 def sparsify_weight(

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from elsa_ds.evaluation.sparsity import sparsity_report
+from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases
 from tests.conftest import derived_config, run_entry, run_fails
 
 pytestmark = pytest.mark.integration
@@ -17,10 +18,10 @@ REPORT_KEYS = {"model", "method", "dataset", "sparsity", "pattern", "steps", "wo
                "residual", "admm_state_bytes_per_param", "ppl", "layers", "overall_sparsity", "wall_s", "versions"}
 
 
-def _run(tmp_path, tiny_model_dir, text_dir, name, *extra, ranks=None):
+def _run(tmp_path, tiny_model_dir, text_dir, name, *extra, ranks=None, env=None):
     out = tmp_path / name
     proc = run_entry("prune.py", ["--deepspeed", str(derived_config(tmp_path)), "--model", str(tiny_model_dir),
-                                  "--dataset", str(text_dir), *COMMON, *extra, "--output_dir", str(out)], ranks=ranks)
+                                  "--dataset", str(text_dir), *COMMON, *extra, "--output_dir", str(out)], ranks=ranks, env=env)
     return out, json.loads((out / "elsa_report.json").read_text()), proc
 
 
@@ -48,7 +49,10 @@ def test_wanda_two_four_and_evaluation_at_the_end(tmp_path, tiny_model_dir, text
 
 
 def test_magnitude_four_eight_is_per_layer_magnitude(tmp_path, tiny_model_dir, text_dir):
-    out, report, _ = _run(tmp_path, tiny_model_dir, text_dir, "mag", "--method", "magnitude", "--pattern", "4:8")
+    phases = tmp_path / "phases.jsonl"  # the phases bench/memory.py --oneshot times its memory by
+    out, report, _ = _run(tmp_path, tiny_model_dir, text_dir, "mag", "--method", "magnitude", "--pattern", "4:8",
+                          env={PHASE_LOG_ENV: str(phases)})
+    assert [m["phase"] for m in read_phases(phases)] == ["load", "validation", "prune", "validation", "export", "verify", "done"]
     assert sparsity_report(out)["pattern"] in ("4:8", "2:4") and report["calibration"] is None
     dense, pruned = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "model.safetensors")
     w, p = dense["model.layers.1.mlp.up_proj.weight"], pruned["model.layers.1.mlp.up_proj.weight"]
