@@ -37,7 +37,8 @@ runs on its CPU accelerator):
                 layer's full activations B·L·H·(34 + 5·a·L/H) bytes (Korthikanti et al.), plus fp32 logits
                 and their gradient (B·L·V·10 bytes); without, every layer's full activations
     runtime     per process: the framework itself (torch, DeepSpeed, transformers, the job's code and data;
-                the CUDA context and libraries on a GPU); per node: the launcher's two processes
+                the CUDA context and libraries on a GPU) and the tokenizer every rank loads (per vocabulary entry);
+                per node: the launcher's two processes
 
 On a GPU host the CPU buffers of an offload section with pin_memory are pinned by torch's CUDA caching host allocator,
 which takes the next power of two of each and keeps freed blocks (``resident.pinned_reserved``): zero.Init's
@@ -67,6 +68,12 @@ from elsa_ds.zero.ds_config import DsConfig
 # accelerator, less the estimate of its (tiny) model state and NVMe buffers: 507-519 MiB (torch 2.13 CPU, DeepSpeed
 # 0.19.8, transformers 5.23; `python bench/memory.py --runtime`).
 RUNTIME_HOST_BYTES = 520 * 2**20
+# A one-shot job's process beside its model: the validation phase's peak RSS less the fp32 model (464 MiB) on the
+# 121.6 M-parameter one-layer Gemma-2 with the demo's 4,096-entry tokenizer (bench/memory.py --oneshot, 2026-11-29:
+# 1,181-1,183 MiB), i.e. the imports (477 MiB before the job's first phase) and what loading and the texts leave on the
+# heap. A fast tokenizer adds ~1.26 KiB per vocabulary entry (Gemma's 262,144: +322 MiB measured in one process).
+ONESHOT_RUNTIME_HOST_BYTES = 718 * 2**20
+TOKENIZER_BYTES_PER_ENTRY = 322 * 2**20 / 262144
 # The deepspeed launcher's two processes on a node (runner and launch.py; each imports torch): 244 MiB RSS each,
 # measured the same way.
 LAUNCHER_HOST_BYTES = 2 * 244 * 2**20
@@ -114,7 +121,7 @@ def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, mic
     swapped_fresh = states(per_rank, shape, zero, job, groups)
     swapper = buffers(per_rank, ds, job, groups)
     forward = _forward_backward(shape, ds, job, micro_batch, seqlen, gradient_checkpointing, device)
-    per_rank["runtime"]["cpu"] += RUNTIME_HOST_BYTES
+    per_rank["runtime"]["cpu"] += RUNTIME_HOST_BYTES + TOKENIZER_BYTES_PER_ENTRY * shape.vocab  # every rank loads it
     if device == "cuda":
         per_rank["runtime"]["cpu"] += CUDA_HOST_BYTES
         per_rank["runtime"]["gpu"] += RUNTIME_GPU_BYTES
@@ -249,7 +256,8 @@ def job_estimate(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int
     est = estimate(shape, ds, num_gpus, num_nodes, ds["train_micro_batch_size_per_gpu"], cfg.seqlen, elsa=cfg.model_dump(mode="json"),
                    gradient_checkpointing=cfg.gradient_checkpointing, device=device)
     if cfg.init_mask in oneshot_names():
-        host = oneshot_host_bytes(shape, cfg.init_mask, cfg, device == "cuda") + (num_gpus - 1) * RUNTIME_HOST_BYTES
+        rank = RUNTIME_HOST_BYTES + TOKENIZER_BYTES_PER_ENTRY * shape.vocab
+        host = oneshot_host_bytes(shape, cfg.init_mask, cfg, device == "cuda") + (num_gpus - 1) * rank
         est.phases["warm start"] = {"per_gpu": 0.0, "per_node_cpu": host}
         est.breakdown["warm start"] = {"per_gpu": 0.0, "per_node_cpu": max(0.0, host - est.per_node_cpu_bytes), "nvme": 0.0}
         est.per_node_cpu_bytes = max(est.per_node_cpu_bytes, host)
@@ -293,10 +301,12 @@ def estimate_job(model: str, deepspeed: str, num_gpus: int, num_nodes: int = 1, 
 
 
 def oneshot_host_bytes(shape: ModelShape, method: str, cfg, cuda: bool) -> float:
-    """Host memory of a one-shot job (one process): the whole model (fp32 on a CPU, bf16 with a GPU), the runtime,
-    and on a CPU the layer-by-layer working set: calibration (or validation) activations in and out of a layer, and
-    the method's statistics of one decoder layer's Linears (SparseGPT: an in² Hessian per Linear, the largest one
-    inverted; Wanda, magnitude: scores and a sort of the largest weight). Not validated by a benchmark yet."""
+    """Host memory of a one-shot job (one process): the whole model (fp32 on a CPU, bf16 with a GPU), the process's
+    runtime with its tokenizer, and on a CPU the larger of the layer-by-layer working set (calibration or validation
+    activations in and out of a layer, and the method's statistics of one decoder layer's Linears: SparseGPT an in²
+    Hessian per Linear, the largest one inverted; Wanda, magnitude scores and a sort of the largest weight) and the
+    validation's logits (one window's, fp32, and the NLL's fp32 chunk). Checked against measured peaks by
+    ``bench/memory.py --oneshot`` (docs/results.md section 2)."""
     h = 2 if cuda else 4
     rows = max(cfg.nsamples if method != "magnitude" else 0, cfg.val_windows)
     acts = 2 * rows * cfg.seqlen * shape.hidden * h
@@ -306,7 +316,10 @@ def oneshot_host_bytes(shape: ModelShape, method: str, cfg, cuda: bool) -> float
         work = 4 * sum(i * i for i in inputs) + 8 * max(inputs) ** 2 + 12 * largest
     else:
         work = 16 * largest
-    return h * shape.num_params + RUNTIME_HOST_BYTES + (0 if cuda else acts + work)
+    logits = cfg.seqlen * shape.vocab * 4 if cfg.val_windows else 0
+    logits += min(ROW_ELEMENTS, logits // 4) * 4
+    runtime = ONESHOT_RUNTIME_HOST_BYTES + TOKENIZER_BYTES_PER_ENTRY * shape.vocab
+    return h * shape.num_params + runtime + (0 if cuda else max(acts + work, logits))
 
 
 def format_estimate(est: Estimate, model: str, deepspeed: str, num_gpus: int, num_nodes: int) -> str:
