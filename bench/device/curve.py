@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench import quality  # noqa: E402 - its commands and rendezvous ports
 from bench.device.estimate import GPU_SHARE, Estimator, forwards  # noqa: E402
 from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases  # noqa: E402 - where a cell's time goes
-from bench.device.ship import RESULTS, read_lines, texts_mismatch, texts_sha256  # noqa: E402 - the texts the cells read
+from bench.device.ship import RESULTS, TEXTS, read_lines, texts_mismatch, texts_sha256  # noqa: E402 - the texts the cells read
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
 ONESHOT = ("sparsegpt", "wanda")
 PAPER_ARGS = ["--lr", "2e-4", "--lmda", "0.01", "--lmda_schedule", "constant", "--interval", "32", "--warmup_steps", "0",
@@ -58,7 +58,6 @@ SETTINGS = {"rule": [], "paper": PAPER_ARGS, "dense": ["--init_mask", "none"],
 # loan. At 512 steps the rule takes its short-budget branch (SparseGPT's start), as at the middle budget.
 BUDGETS = ((128, 8), (512, 8), (512, 32))
 MARGIN_S = 20.0
-
 
 
 @dataclass(frozen=True)
@@ -362,10 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    run = Run(args.model, str(c / "techdocs" / "train.jsonl"), str(c / "techdocs" / "test.jsonl"),
-              str(c / "linux-doc" / "test.jsonl"), args.seqlen, args.micro_batch, args.deepspeed, args.eval_limit, args.work,
-              time.time() + args.budget_s, args.parallel, environment() | {"texts": texts}, args.gradient_checkpointing,
-              gpu_memory())
+    text = {name: str(c / corpus / file) for name, (corpus, file) in TEXTS.items()}  # the files texts_sha256 read
+    run = Run(args.model, text["train"], text["test"], text["linuxdoc"], args.seqlen, args.micro_batch, args.deepspeed,
+              args.eval_limit, args.work, time.time() + args.budget_s, args.parallel, environment() | {"texts": texts},
+              args.gradient_checkpointing, gpu_memory())
     estimator = Estimator(run.env["device"], read_lines(args.results) + read_lines(args.out / "cells.jsonl"), args.micro_batch,
                           args.gradient_checkpointing, args.model, args.deepspeed, args.seqlen)
     lines, skipped = schedule(todo, run, estimator, args.out / "cells.jsonl")

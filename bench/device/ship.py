@@ -95,11 +95,11 @@ def read_lines(path: Path) -> list[dict]:
 
 def texts_mismatch(lines: list[dict], texts: dict[str, str], results: Path) -> str | None:
     """Why cells on ``texts`` cannot join ``lines`` (an ``ok`` line that ran on other texts), or None."""
-    for line in lines:
+    for line in (x for x in lines if x.get("status") == "ok"):
         theirs = line.get("texts") or UNRECORDED_TEXTS
         differ = [f"{name} {texts.get(name, '?')[:12]} here, {theirs.get(name, '?')[:12]} there" for name in TEXTS
                   if theirs.get(name) != texts.get(name)]
-        if line.get("status") == "ok" and differ:
+        if differ:
             return (f"the corpora's texts differ from those {results} records for {line['key']} (sha256 of "
                     f"{'; '.join(differ)}): cells on other texts are not comparable; rebuild the corpora from the package "
                     "versions their corpus.json names (bench/models/corpora.py) or write the cells to another --results")
@@ -183,7 +183,7 @@ def calls_markdown(manifest: dict) -> str:
 def pack(gguf: Path, gguf_sha: str, tokenizer: Path, corpora: Path, terms: Path | None, out: Path,
          part_mib: float | None = None, results: Path = RESULTS) -> dict:
     """The payload cut into parts in ``out`` beside ``manifest.json`` and ``calls.md``; returns the manifest. Refused when
-    the corpora's texts are not those the cells in ``results`` ran on (bench/device/curve.py's ``texts_mismatch``)."""
+    the corpora's texts are not those the cells in ``results`` ran on (``texts_mismatch``)."""
     members = payload_members(gguf, tokenizer, corpora, terms)
     travel = travel_bytes()
     part_bytes = int((part_mib * MIB) if part_mib else (TRAVEL_MIB - MARGIN_MIB) * MIB - travel - 4096)

@@ -121,7 +121,7 @@ def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, mic
     swapped_fresh = states(per_rank, shape, zero, job, groups)
     swapper = buffers(per_rank, ds, job, groups)
     forward = _forward_backward(shape, ds, job, micro_batch, seqlen, gradient_checkpointing, device)
-    per_rank["runtime"]["cpu"] += RUNTIME_HOST_BYTES + TOKENIZER_BYTES_PER_ENTRY * shape.vocab  # every rank loads it
+    per_rank["runtime"]["cpu"] += rank_runtime_bytes(shape)
     if device == "cuda":
         per_rank["runtime"]["cpu"] += CUDA_HOST_BYTES
         per_rank["runtime"]["gpu"] += RUNTIME_GPU_BYTES
@@ -256,8 +256,7 @@ def job_estimate(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int
     est = estimate(shape, ds, num_gpus, num_nodes, ds["train_micro_batch_size_per_gpu"], cfg.seqlen, elsa=cfg.model_dump(mode="json"),
                    gradient_checkpointing=cfg.gradient_checkpointing, device=device)
     if cfg.init_mask in oneshot_names():
-        rank = RUNTIME_HOST_BYTES + TOKENIZER_BYTES_PER_ENTRY * shape.vocab
-        host = oneshot_host_bytes(shape, cfg.init_mask, cfg, device == "cuda") + (num_gpus - 1) * rank
+        host = oneshot_host_bytes(shape, cfg.init_mask, cfg, device == "cuda") + (num_gpus - 1) * rank_runtime_bytes(shape)
         est.phases["warm start"] = {"per_gpu": 0.0, "per_node_cpu": host}
         est.breakdown["warm start"] = {"per_gpu": 0.0, "per_node_cpu": max(0.0, host - est.per_node_cpu_bytes), "nvme": 0.0}
         est.per_node_cpu_bytes = max(est.per_node_cpu_bytes, host)
@@ -298,6 +297,11 @@ def estimate_job(model: str, deepspeed: str, num_gpus: int, num_nodes: int = 1, 
     model_dir = str(Path(model).expanduser().parent) if Path(model).expanduser().is_file() else model
     cfg = resolve_config(ds_config.raw, {**(settings or {}), "model": model_dir}, source=deepspeed)
     return estimate_config(cfg, ds_config, num_gpus, num_nodes, device)
+
+
+def rank_runtime_bytes(shape: ModelShape) -> float:
+    """A training rank's host runtime: the framework's and the tokenizer it loads (every rank loads one)."""
+    return RUNTIME_HOST_BYTES + TOKENIZER_BYTES_PER_ENTRY * shape.vocab
 
 
 def oneshot_host_bytes(shape: ModelShape, method: str, cfg, cuda: bool) -> float:

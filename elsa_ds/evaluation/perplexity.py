@@ -20,13 +20,13 @@ def token_nll(logits: torch.Tensor, ids: torch.Tensor, row_elements: int = ROW_E
     vocabulary made the whole fp32 copy and log_softmax's output 8 GiB at 8 x 512 tokens), the chunks' sums added in fp64."""
     tokens, vocab = logits.shape[1] - 1, logits.shape[-1]
     rows = max(1, row_elements // vocab)
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)  # read once at the end: one device sync
     for b in range(logits.shape[0]):
         for start in range(0, tokens, rows):
             x = logits[b, start:min(start + rows, tokens)].float()
             t = ids[b, start + 1:start + 1 + x.shape[0]].long()
-            total += float((torch.logsumexp(x, dim=-1) - x.gather(1, t[:, None]).squeeze(1)).sum(dtype=torch.float64))
-    return total, ids[:, 1:].numel()
+            total += (torch.logsumexp(x, dim=-1) - x.gather(1, t[:, None]).squeeze(1)).sum(dtype=torch.float64)
+    return float(total), ids[:, 1:].numel()
 
 
 @torch.no_grad()
