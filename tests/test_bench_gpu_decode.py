@@ -27,6 +27,7 @@ def _run(*args: str, out: Path) -> dict:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_the_cells_run_compiled_with_the_weights_restored_between_them(tmp_path):
     r = _run("--compile", "--sparsities", "0.9,0.7", out=tmp_path / "gpu_decode.json")
     assert r["compiled"] and r["matrix"] == {"skipped": "not a CUDA device"} and r["matrix_speedup"] == {} and r["cut"] == []

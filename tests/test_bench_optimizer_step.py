@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_optimizer_step_bench_json_names_the_shipped_elsal_format():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "optimizer_step.py"), "--numel", "3e5", "--slices", "3",
                            "--interval", "4", "--rounds", "1", "--remedies", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -62,6 +62,7 @@ def test_what_fits_the_lent_machine_is_the_largest_cut_inside_it(plan):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_a_measured_run_puts_time_and_memory_beside_the_estimate(tmp_path):
     """The measured mode on the demo, one rank, one config, 3 steps: the real job through the ablation's harness."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "step_time.py"), "--configs", "ds_configs/zero3_offload.json",

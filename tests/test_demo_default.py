@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import run_entry
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # ~9 min on 2 cores: run with --slow
 
 
 def test_default_run_beats_its_sparsegpt_start(tmp_path):

@@ -97,6 +97,7 @@ def test_prepare_checks_the_folder_size_and_pins_one_release_each():
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_check_dry_run_passes_every_step(tmp_path):
     """bench/device/check.sh --dry-run: the device call's steps on CPU with tiny budgets, each recorded ok in one JSON."""
     if not list((DEVICE / "wheels").glob("*.whl")):
@@ -128,6 +129,7 @@ def test_check_dry_run_passes_every_step(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_scale_dry_run_times_the_demo_and_refuses_the_8_layer_job(tmp_path):
     """bench/device/scale.sh --dry-run: issue 43's call on CPU: a measured demo run with its estimate beside it, and the
     issue's 8-layer Gemma-2-27B ELSA-L job refused before any weight (exit 2, one line), no output, nothing left."""
@@ -147,6 +149,7 @@ def test_scale_dry_run_times_the_demo_and_refuses_the_8_layer_job(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_scale_runs_only_the_steps_asked(tmp_path):
     """SCALE_STEPS=refuse (a loan's last minutes): the 8-layer refusal alone, no step_time run."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "SCALE_STEPS": "refuse"}

@@ -86,6 +86,7 @@ def test_interrupt_keeps_the_previous_output_and_leaves_nothing(tmp_path, tiny_m
     assert _strays(tmp_path) == [], _strays(tmp_path)
 
 
+@pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_interrupted_checkpointed_run_resumes(tmp_path, tiny_model_dir, text_dir):
     """Ctrl-C after a checkpoint was published: --resume continues from it and ends with exact sparsity per layer."""
     out = tmp_path / "o"

@@ -83,7 +83,7 @@ def test_a_killed_job_says_one_line_and_leaves_nothing(tmp_path, ranks, victim):
     _no_watchdog_left(out)
 
 
-@pytest.mark.parametrize("nan", [False, True], ids=["success", "handled-error"])
+@pytest.mark.parametrize("nan", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["success", "handled-error"])
 def test_a_clean_end_gets_no_word_from_the_watchdog(tmp_path, nan):
     """A run that publishes, and one that stops on a NaN loss (exit 2, its own one line): nothing from the watchdog, which
     is gone by the time the job's output pipes close."""

@@ -72,7 +72,7 @@ def test_each_row_is_the_bytes_the_engine_allocates(probe_model, config, freeze)
         assert gpu[row]["per_node_cpu"] == pinned_reserved(seen), row  # offloaded, everything in the row is pinned
 
 
-@pytest.mark.parametrize("config", ["zero3_offload", "zero3_offload_elsal"])
+@pytest.mark.parametrize("config", ["zero3_offload", pytest.param("zero3_offload_elsal", marks=pytest.mark.slow)])
 def test_the_fused_projection_needs_no_workspace_beyond_a_plain_step(tmp_path, config):
     """The estimate counts no projection workspace on CPU flats and ~1 byte per entry at the first step (``memory.py``):
     the fused kernels keep no score buffer. One 28M-entry sub-group, where the eager reference's 10N + 8S is ~350 MB."""
@@ -93,7 +93,7 @@ def test_the_fused_projection_needs_no_workspace_beyond_a_plain_step(tmp_path, c
     assert first - created - plain < 1.5 * shape.trainable_params, (first, created, plain)
 
 
-@pytest.mark.parametrize("extra", [("--lmda_schedule", "adaptive"), ("--relaxation", "1.6")])
+@pytest.mark.parametrize("extra", [("--lmda_schedule", "adaptive"), pytest.param(("--relaxation", "1.6"), marks=pytest.mark.slow)])
 def test_an_eager_update_stays_within_its_estimate(tmp_path, extra):
     """The adaptive λ and over-relaxation update z, u on the eager path even on CPU flats: the estimate counts its
     workspace (``resident.read_job``: not fused), and the engine's projection step grows by no more than that, one layer's

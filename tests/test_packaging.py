@@ -21,6 +21,7 @@ def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_wheel_installs_and_estimates_offline_without_extras(tmp_path):
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(ROOT)])
     (wheel,) = (tmp_path / "dist").glob("elsa_ds-*.whl")

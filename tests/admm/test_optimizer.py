@@ -189,17 +189,23 @@ def test_adaptive_lambda_moves_each_layers_own_and_rescales_its_u():
 
 
 def test_adaptive_lambda_reaches_the_sparse_optimum_with_low_precision_states():
-    from elsa_ds.admm.schedule import LambdaSchedule
+    """With fp32 states residual balancing drives λ up without bound here (both residuals reach rounding noise, the
+    primal staying above the dual), and Adam then moves x by ~lr around z at every step: at a constant lr the final
+    error sits at 0.02-0.05 and an ulp of difference in the start moves it across the tolerance (seen: it failed or
+    passed with the process's memory layout). The lr decays as the jobs' does (linearly to 0): 0.012-0.025 then."""
+    from elsa_ds.admm.schedule import LambdaSchedule, learning_rate
 
     for z_dtype, u_dtype in ((StateDtype.fp32, StateDtype.fp32), (StateDtype.fp8, StateDtype.bf16)):
         a, b, truth = _least_squares()
         x = torch.nn.Parameter(torch.linalg.lstsq(a, b).solution.clone() + 0.3)
         settings = AdmmSettings(total_steps=600, interval=10, lmda=0.5, lmda_schedule=LambdaSchedule.adaptive, z_dtype=z_dtype,
                                 u_dtype=u_dtype)
-        opt = AdmmOptimizer(torch.optim.Adam([x], lr=0.02), settings)
+        base = torch.optim.Adam([x], lr=0.02)
+        opt = AdmmOptimizer(base, settings)
         opt.assign(x, [Slice("x", 0, x.numel(), 0, x.numel(), keep_count(x.numel(), 0.75))])
         seen = set()
         for t in range(600):
+            base.param_groups[0]["lr"] = learning_rate(t, 600, 0.02)
             opt.begin_step(t)
             opt.zero_grad()
             (0.5 * (a @ x - b).square().mean()).backward()

@@ -12,6 +12,7 @@ from tests.zero.test_offload_variants import ARGS, _masks
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_offload_ablation_measures_each_config_beside_its_estimate(tmp_path, small_model_dir, text_dir):
     cpu_cfg = derived_config(tmp_path, bf16={"enabled": False})
     nvme_cfg = derived_config(tmp_path, "zero3_nvme.json", bf16={"enabled": False})

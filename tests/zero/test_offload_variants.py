@@ -109,7 +109,7 @@ def test_elsal_under_nvme_equals_cpu_offload(tmp_path, small_model_dir, text_dir
     assert swapped and not [n for n in swapped if "-" in n], swapped  # the fp32 masters only: no named state was swapped
 
 
-@pytest.mark.parametrize("config", ["zero3_offload.json", "zero3_offload_elsal.json"])
+@pytest.mark.parametrize("config", ["zero3_offload.json", pytest.param("zero3_offload_elsal.json", marks=pytest.mark.slow)])
 def test_hold_steps_end_the_run_inside_a_fixed_mask_on_two_ranks(tmp_path, small_model_dir, text_dir, config):
     """--hold_steps under ZeRO-3 on 2 ranks through the fused kernels (fp32 Adam; 8-bit Adam with fp8 z / bf16 u): the
     early x = Π(x) at step T − h, no projection after it, exact sparsity in the export."""
