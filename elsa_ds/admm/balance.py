@@ -23,11 +23,14 @@ def residual_sums(x: torch.Tensor, z: torch.Tensor, z_old: torch.Tensor) -> list
             float((z - z_old).double().square().sum()), float(z_old.double().square().sum())]
 
 
-def balanced_lambdas(sums: list[list[float]], lams: list[float], comm: Comm, mu: float, tau: float) -> list[float]:
+def balanced_lambdas(sums: list[list[float]], lams: list[float], comm: Comm, mu: float, tau: float,
+                     start: float | None = None) -> list[float]:
     """The next λ of each layer from this rank's ``residual_sums`` of it (one entry per layer, in the same order on every
-    rank; zeros where a rank holds none of the layer), summed over the ranks. Collective."""
+    rank; zeros where a rank holds none of the layer), summed over the ranks, kept within ``BALANCE_SPAN`` of ``start``.
+    Collective."""
     total = comm.all_reduce_sum(torch.tensor(sums, dtype=torch.float64).reshape(len(lams), 4))
-    return [balanced_lambda(lam, r / (x + EPS), d / (zo + EPS), mu, tau) for lam, (r, x, d, zo) in zip(lams, total.sqrt().tolist())]
+    return [balanced_lambda(lam, r / (x + EPS), d / (zo + EPS), mu, tau, start)
+            for lam, (r, x, d, zo) in zip(lams, total.sqrt().tolist())]
 
 
 def lambda_summary(layer_lambdas: dict[str, float]) -> tuple[float, float, float] | None:

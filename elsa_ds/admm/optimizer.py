@@ -302,8 +302,8 @@ class AdmmOptimizer(OptimizerWrapper):
         """Each layer's next λ from this rank's ``residual_sums`` (``balance.py``) into ``st[LAM]``; returns u's
         λ_old/λ_new. Collective."""
         old = st[LAM].tolist()
-        st[LAM].copy_(torch.tensor(balanced_lambdas(sums, old, self.comm, self.settings.balance_mu, self.settings.balance_tau),
-                                   dtype=torch.float32))
+        cfg = self.settings
+        st[LAM].copy_(torch.tensor(balanced_lambdas(sums, old, self.comm, cfg.balance_mu, cfg.balance_tau, cfg.lmda), dtype=torch.float32))
         self._note_lambdas(slices, st)
         return [dual_rescale(a, b) for a, b in zip(old, st[LAM].tolist())]
 

@@ -44,14 +44,25 @@ def interval_lambda(step: int, total_steps: int, interval: int, peak: float, sch
     return lambda_at(end, total_steps, peak, schedule)
 
 
-def balanced_lambda(lam: float, primal: float, dual: float, mu: float, tau: float) -> float:
+BALANCE_SPAN = 1e12  # an adaptive λ stays within this factor of its start either way (not in the authors' code)
+
+
+def balanced_lambda(lam: float, primal: float, dual: float, mu: float, tau: float, start: float | None = None) -> float:
     """A layer's next λ by residual balancing: × ``tau`` when its primal residual ‖x − z‖/‖x‖ exceeds ``mu`` times its
     dual residual ‖z − z_prev‖/‖z_prev‖ (x far from the sparse set: press harder), ÷ ``tau`` in the opposite case (z
-    still moving: ease off), else unchanged; both residuals relative, as the authors' code has them."""
+    still moving: ease off), else unchanged; both residuals relative, as the authors' code has them.
+
+    With ``start`` (the λ the layer began at) the result is kept within ``BALANCE_SPAN`` of it. Once both residuals are
+    rounding noise one of them may stay the larger, and λ then doubles (or halves) at every projection without end
+    (seen on a least-squares problem: ×2⁴⁶ in 600 steps): λ is held in fp32, so a long run at a short interval would
+    reach inf (a NaN step) or 0 (the penalty gone for good). Within 10¹² of the start nothing is lost: Adam normalizes the
+    step, and far before that factor the penalty's gradient has swamped (or vanished beside) the loss's."""
     if primal > mu * dual:
-        return lam * tau
-    if dual > mu * primal:
-        return lam / tau
+        lam = lam * tau
+    elif dual > mu * primal:
+        lam = lam / tau
+    if start is not None and start > 0.0:
+        lam = min(max(lam, start / BALANCE_SPAN), start * BALANCE_SPAN)
     return lam
 
 

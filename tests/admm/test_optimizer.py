@@ -193,7 +193,7 @@ def test_adaptive_lambda_reaches_the_sparse_optimum_with_low_precision_states():
     primal staying above the dual), and Adam then moves x by ~lr around z at every step: at a constant lr the final
     error sits at 0.02-0.05 and an ulp of difference in the start moves it across the tolerance (seen: it failed or
     passed with the process's memory layout). The lr decays as the jobs' does (linearly to 0): 0.012-0.025 then."""
-    from elsa_ds.admm.schedule import LambdaSchedule, learning_rate
+    from elsa_ds.admm.schedule import BALANCE_SPAN, LambdaSchedule, learning_rate
 
     for z_dtype, u_dtype in ((StateDtype.fp32, StateDtype.fp32), (StateDtype.fp8, StateDtype.bf16)):
         a, b, truth = _least_squares()
@@ -214,6 +214,7 @@ def test_adaptive_lambda_reaches_the_sparse_optimum_with_low_precision_states():
         assert int((x != 0).sum()) == keep_count(x.numel(), 0.75) and torch.equal(x != 0, truth != 0)
         assert torch.allclose(x.detach(), truth, atol=0.05)
         assert len(seen) > 1  # λ did move
+        assert 0.5 / BALANCE_SPAN <= min(seen) and max(seen) <= 0.5 * BALANCE_SPAN * (1 + 1e-6)  # within its span (fp32 reaches it)
 
 
 def test_adaptive_lambda_on_two_ranks_equals_one_rank():

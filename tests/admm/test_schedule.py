@@ -3,6 +3,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from elsa_ds.admm.schedule import balanced_lambda, dual_rescale, interval_lambda, lambda_at
 
@@ -49,3 +50,19 @@ def test_balanced_lambda_presses_where_x_lags_and_eases_where_z_moves():
     assert balanced_lambda(0.1, primal=0.25, dual=0.2, mu=1.5, tau=2.0) == 0.1                 # within μ of each other
     assert balanced_lambda(0.1, primal=0.0, dual=0.0, mu=1.5, tau=2.0) == 0.1
     assert lambda_at(0, 100, 2.0, "adaptive") == interval_lambda(99, 100, 10, 2.0, "adaptive") == 2.0  # the start, held
+
+
+def test_balanced_lambda_stays_within_its_span_of_the_start_and_finite_in_fp32():
+    """A residual that stays the larger forever (rounding noise at convergence) would double λ at every projection:
+    2¹²⁸ x 0.01 is fp32's inf. With its start given, λ stops at BALANCE_SPAN either way and stays there."""
+    from elsa_ds.admm.schedule import BALANCE_SPAN
+
+    up, down, free = 0.01, 0.01, 0.01
+    for _ in range(300):
+        up = balanced_lambda(up, primal=1e-7, dual=1e-9, mu=1.5, tau=2.0, start=0.01)
+        down = balanced_lambda(down, primal=1e-9, dual=1e-7, mu=1.5, tau=2.0, start=0.01)
+        free = balanced_lambda(free, primal=1e-7, dual=1e-9, mu=1.5, tau=2.0)  # no start: the authors' rule, unbounded
+    assert up == pytest.approx(0.01 * BALANCE_SPAN) and down == pytest.approx(0.01 / BALANCE_SPAN)
+    assert torch.isfinite(torch.tensor([up], dtype=torch.float32)).all() and torch.tensor([down], dtype=torch.float32) > 0
+    assert not torch.isfinite(torch.tensor([free], dtype=torch.float32)).all()
+    assert balanced_lambda(0.2, primal=0.4, dual=0.2, mu=1.5, tau=2.0, start=0.1) == pytest.approx(0.4)  # inside: as before
