@@ -20,11 +20,16 @@ def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run the tests marked slow (the README's full suite)")
 
 
+def slow_enabled(config) -> bool:
+    """Whether this run includes the tests marked slow (--slow or ELSA_DS_SLOW=1)."""
+    return bool(config.getoption("--slow")) or os.environ.get(SLOW_ENV) == "1"
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` (the embedded default run end to end, the GPU kit's dry runs, a wheel built and installed,
     variants whose path another test already covers) are skipped, with that reason, unless --slow or ELSA_DS_SLOW=1:
     the default run is the one CI makes, and it must fit its budget on a 2-core machine without a fast bf16 matmul."""
-    if config.getoption("--slow") or os.environ.get(SLOW_ENV) == "1":
+    if slow_enabled(config):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow (or ELSA_DS_SLOW=1)")
     for item in items:

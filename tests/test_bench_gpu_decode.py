@@ -154,6 +154,7 @@ def test_a_failing_cell_is_recorded_and_the_rest_run_on(tmp_path, monkeypatch, c
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_another_compile_backend_takes_both_models(tmp_path):
     """--backend (cudagraphs on a GPU: inductor's CUDA graph without its code generation) set on the dense and the
     sparse model alike; rehearsed with aot_eager, the backend cudagraphs builds on, which a CPU can run."""

@@ -52,7 +52,7 @@ def _no_watchdog_left(out: Path) -> None:
     assert not left, [p.cmdline() for p in left]
 
 
-@pytest.mark.parametrize("ranks,victim", [(None, 0), (2, 0), (2, 1), (2, "group")],
+@pytest.mark.parametrize("ranks,victim", [(None, 0), (2, 0), pytest.param(2, 1, marks=pytest.mark.slow), (2, "group")],
                          ids=["plain", "launcher-rank0", "launcher-rank1", "launcher-group"])
 def test_a_killed_job_says_one_line_and_leaves_nothing(tmp_path, ranks, victim):
     """SIGKILL during training after a magnitude warm start (its masks file beside the output). Where the watchdog cleans

@@ -68,6 +68,7 @@ def test_oneshot_prunes_only_the_text_decoder_and_keeps_the_vision_tower(method,
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_elsa_on_two_ranks_trains_the_text_decoder_and_keeps_the_vision_tower(mm_dir, text_dir, tmp_path):
     """ELSA under ZeRO-3 on 2 ranks: the text decoder's linears at the target, the vision tower and the projector (no
     gradient without images) bit for bit, the export reloaded as the multimodal class."""

@@ -64,6 +64,7 @@ def test_full_finetune_keeps_the_oneshot_mask_bitwise_on_two_ranks_and_resumes(t
         assert torch.allclose(w, resumed[name], atol=1e-5), name
 
 
+@pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_lora_merges_with_the_mask_and_dense_control_trains_every_weight(tmp_path, tiny_model_dir, text_dir):
     ds = derived_config(tmp_path, bf16={"enabled": False})
     lora = tmp_path / "lora"

@@ -20,6 +20,7 @@ from elsa_ds.sparse.format import MAX_GAP, delta8_to_cols16, encode_delta8
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}  # half dtypes: the output is rounded to them
 BATCHES = (1, 3, 8, 16)
+SLOW_BATCHES = (8, 16)  # ~80 s of the interpreter's ~105 on 2 cores: only with --slow (every other case always)
 SHAPES = ((1, 1, 1.0), (5, 3, 0.5), (3, 2000, 0.002), (40, 33, 1.0))
 ROWS = (1, 4, 16, 64)  # rows_per_program: 1 = one output row a program; more = the row-group kernel
 
@@ -43,7 +44,7 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref).abs().max()) / float(ref.abs().max().clamp_min(1e-6))
 
 
-def run_cases() -> dict[str, dict]:
+def run_cases(batches: tuple[int, ...] = BATCHES) -> dict[str, dict]:
     """Every case under the interpreter (this process must have started with TRITON_INTERPRET=1)."""
     from elsa_ds.sparse import triton_spmv as T
 
@@ -62,7 +63,7 @@ def run_cases() -> dict[str, dict]:
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         parts = encode_delta8(odd_weight().to(dtype))
-        for n in BATCHES:
+        for n in batches:
             record(f"odd-{str(dtype).split('.')[-1]}-{n}", parts, torch.randn(n, 700).to(dtype), 67)
     for out_f, in_f, density in SHAPES:
         w = torch.randn(out_f, in_f) * (torch.rand(out_f, in_f) < density)
@@ -101,11 +102,14 @@ def run_cases() -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, dict]:
+def results(request) -> dict[str, dict]:
     pytest.importorskip("triton")
     pytest.importorskip("numpy")  # the interpreter runs the kernel's blocks as numpy arrays
+    from tests.conftest import slow_enabled
+
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    quick = [] if slow_enabled(request.config) else ["--quick"]
+    proc = subprocess.run([sys.executable, __file__, *quick], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -123,7 +127,7 @@ LAYOUTS = {"delta8": "", "cols16": "c16-"}
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", TOL)
-@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("batch", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_BATCHES else n for n in BATCHES])
 def test_kernel_equals_reference(results, batch, dtype, rows, layout):
     r = results[f"{LAYOUTS[layout]}odd-{dtype}-{batch}-r{rows}"]
     assert r["shape"] == [batch, 67] and r["dtype"] == dtype and r["empty_row_zero"]
@@ -228,4 +232,4 @@ def test_unavailable_names_the_reason(monkeypatch):
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    print(json.dumps(run_cases()))
+    print(json.dumps(run_cases(tuple(n for n in BATCHES if n not in SLOW_BATCHES) if "--quick" in sys.argv else BATCHES)))
