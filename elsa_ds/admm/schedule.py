@@ -54,8 +54,8 @@ def balanced_lambda(lam: float, primal: float, dual: float, mu: float, tau: floa
 
     With ``start`` (the λ the layer began at) the result is kept within ``BALANCE_SPAN`` of it. Once both residuals are
     rounding noise one of them may stay the larger, and λ then doubles (or halves) at every projection without end
-    (seen on a least-squares problem: ×2⁴⁶ in 600 steps): λ is held in fp32, so a long run at a short interval would
-    reach inf (a NaN step) or 0 (the penalty gone for good). Within 10¹² of the start nothing is lost: Adam normalizes the
+    (docs/history.md, 2026-11-29): λ is held in fp32, so a long run at a short interval would reach inf (a NaN step) or
+    0 (the penalty gone for good). Within 10¹² of the start nothing is lost: Adam normalizes the
     step, and far before that factor the penalty's gradient has swamped (or vanished beside) the loss's."""
     if primal > mu * dual:
         lam = lam * tau
