@@ -20,6 +20,21 @@ def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run the tests marked slow (the README's full suite)")
 
 
+WORKER_GIB = 6  # host memory one test worker may need at once: its 2-rank DeepSpeed job, the job's JIT-loaded ops, pytest
+
+
+def pytest_xdist_auto_num_workers(config):
+    """setup.cfg's ``-n auto``: one worker per CPU the process may use, as many as the host memory holds at WORKER_GIB
+    each (each worker runs its own jobs of up to 2 ranks). PYTEST_XDIST_AUTO_NUM_WORKERS, or ``-n N``, overrides it;
+    ``-n 0`` runs everything in this one process."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    import psutil
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cpus, int(psutil.virtual_memory().total / 2**30 // WORKER_GIB)))
+
+
 def slow_enabled(config) -> bool:
     """Whether this run includes the tests marked slow (--slow or ELSA_DS_SLOW=1)."""
     return bool(config.getoption("--slow")) or os.environ.get(SLOW_ENV) == "1"

@@ -149,7 +149,9 @@ def test_ctrl_c_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir)
     out = tmp_path / "o"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    shm_before = set(Path("/dev/shm").glob("deepspeed_*"))
+    port = _free_port()
+    shm = f"deepspeed_*_{port}_*"  # this job's buffers only: another test worker may run a job beside it
+    shm_before = set(Path("/dev/shm").glob(shm))
 
     def ctrl_c(proc) -> None:  # the terminal's process group minus DeepSpeed's runner (its own Ctrl-C traceback is DeepSpeed's)
         import psutil
@@ -157,7 +159,7 @@ def test_ctrl_c_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir)
         for child in psutil.Process(proc.pid).children(recursive=True):
             child.send_signal(signal.SIGINT)
     code, text = _run_and_signal([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
-                                  str(_free_port()), "launch/prune.py", *FAST, "--init_mask", "none", "--steps", "100000",
+                                  str(port), "launch/prune.py", *FAST, "--init_mask", "none", "--steps", "100000",
                                   "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--output_dir", str(out),
                                   "--overwrite"], "step/s", ctrl_c, timeout=300)
     assert code != 0, text[-3000:]
@@ -165,7 +167,7 @@ def test_ctrl_c_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir)
     ranks = [line for line in text.splitlines() if "elsa_ds: interrupted" in line or "elsa_ds: terminated" in line]
     assert len(ranks) == 2 and "Traceback" not in text, text[-3000:]
     assert [p.name for p in out.iterdir()] == ["precious.txt"] and _strays(tmp_path) == [], _strays(tmp_path)
-    assert set(Path("/dev/shm").glob("deepspeed_*")) <= shm_before  # the ranks' shared-memory buffers are gone too
+    assert set(Path("/dev/shm").glob(shm)) <= shm_before  # the ranks' shared-memory buffers are gone too
 
 
 
