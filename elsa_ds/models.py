@@ -168,9 +168,10 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, *, random_init: bool = Fal
     attn = attention_implementation(config)
     try:
         if random_init:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn, trust_remote_code=False)
         else:
-            model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, attn_implementation=attn, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, attn_implementation=attn, trust_remote_code=False,
+                                                         **kwargs)
     except (OSError, ValueError) as err:
         raise ElsaError(f"cannot load model {model_id!r}: {str(err).splitlines()[0]}") from None
     model.config.use_cache = False  # scoring and training forwards build no KV cache
@@ -204,7 +205,7 @@ def meta_model(config) -> PreTrainedModel:
     errors: tuple[type[BaseException], ...] = (*config_errors(), RuntimeError)
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except errors as err:  # e.g. a negative size: torch's RuntimeError
         name = getattr(config, "name_or_path", "") or getattr(config, "model_type", "?")
         raise ElsaError(f"model {name}: its config.json describes no model transformers can build ({reason(err)})") from None

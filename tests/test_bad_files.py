@@ -136,6 +136,33 @@ def test_a_damaged_model_safetensors_is_named_by_evaluate_before_loading(damage,
     assert "loaded" not in out + err and not (tmp_path / "result.json").exists()
 
 
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_a_shard_index_naming_weights_outside_the_model_folder_is_refused(where, tmp_path, stop_at_the_job):
+    """transformers joins an index's file names onto the folder as given: '..' or an absolute name would have it read
+    weights from anywhere on disk. Refused in one line by prune and evaluate, before anything loads; a folder whose
+    index names its own shards loads as before (the estimate reads it)."""
+    from elsa_ds.files.weight_files import check_weight_files
+
+    model, elsewhere = demo_copy(tmp_path / "model"), tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (model / "model.safetensors").rename(elsewhere / "model-00001-of-00001.safetensors")
+    names = json.loads((DEMO_MODEL_DIR / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (DEMO_MODEL_DIR / "model.safetensors").read_bytes()[:8], "little")])
+    shard = "../elsewhere/model-00001-of-00001.safetensors" if where == "relative" else str(elsewhere / "model-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": {name: shard for name in names if name != "__metadata__"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    one_line(*_prune(model, tmp_path / "o")[:2], "model.safetensors.index.json", repr(shard), "must lie inside")
+    assert not (tmp_path / "o").exists()
+    code, err, out = _evaluate(model, tmp_path)
+    one_line(code, err, "model.safetensors.index.json", "must lie inside")
+    assert "loaded" not in out + err and not (tmp_path / "result.json").exists()
+    (elsewhere / "model-00001-of-00001.safetensors").rename(model / "model-00001-of-00001.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": {
+        name: "model-00001-of-00001.safetensors" for name in index["weight_map"]}}))
+    check_weight_files(model, f"model {model}")  # its own shard: nothing to refuse
+    assert _estimate(model)[0] == 0
+
+
 # ---- values that pass their bounds but not the run ----------------------------------------------------------------------
 @pytest.mark.parametrize("flags", [["--lmda", "inf"], ["--weight_decay", "inf"], ["--lr", "inf"], ["--eps", "inf"],
                                    ["--lora_alpha", "inf", "--method", "wanda", "--finetune", "lora"], ["--percdamp", "inf"]])

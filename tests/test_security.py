@@ -1,6 +1,7 @@
 """Files and arguments from elsewhere stay data (issue 42): a symbolic link at an output's lock path is refused, never
 written through; the SLURM launcher hands its arguments on without a shell re-reading them and removes its hostfile
-however it ends; a recipe or the DeepSpeed JSON's "elsa" block cannot name a folder whose Python lm-eval would import."""
+however it ends; a recipe or the DeepSpeed JSON's "elsa" block cannot name a folder whose Python lm-eval would import;
+a model folder's own Python (auto_map) never runs, even where transformers would ask and stdin says yes."""
 from __future__ import annotations
 
 import json
@@ -167,3 +168,70 @@ def test_a_recipe_or_the_json_cannot_name_an_lm_eval_include_path(tmp_path, caps
     args = prune_parser().parse_args(_prune_args(tmp_path, "--recipe", str(names_only), "--eval_include_path", str(tasks)))
     _, cfg, _ = settings_from_args(args)
     assert cfg.eval_tasks == ["boolq", "rte"] and cfg.eval_include_path == str(tasks)
+
+
+# ---- a model folder's own Python never runs, even where transformers would ask and stdin answers yes ------------------
+_CODE_RUNNER = """
+import sys, torch
+from elsa_ds.errors import ElsaError
+from elsa_ds.models import load_causal_lm, load_config, meta_model
+from elsa_ds.sparse import from_pretrained
+known, unknown = sys.argv[1:3]
+calls = {"meta_model": lambda: meta_model(load_config(known)),
+         "random_init": lambda: load_causal_lm(known, torch.float32, random_init=True),
+         "from_pretrained": lambda: load_causal_lm(known, torch.float32),
+         "sparse": lambda: from_pretrained(unknown)}
+for name, call in calls.items():
+    try:
+        call()
+        print(name, "loaded")
+    except ElsaError as err:
+        print(name, "refused", type(err).__name__)
+"""
+
+
+def _code_folder(folder: Path, marker: Path, config: dict) -> Path:
+    """A model folder whose config.json names Python of its own (auto_map) that, imported, writes ``marker``."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+                                             "class EvilForCausalLM:\n    pass\nclass EvilConfig:\n    pass\n")
+    return folder
+
+
+def test_a_model_folders_own_code_never_runs_even_when_stdin_answers_yes(tmp_path):
+    """A model_type transformers ships (ViT) whose auto_map names a causal LM of its own passes config_json's check, and
+    transformers then asks on stdin whether to run that code (trust_remote_code unset); a sparse checkpoint's config is
+    read with no check at all. Every load passes trust_remote_code=False: refused, nothing of the folder imported."""
+    from elsa_ds.sparse.meta import CONFIG_KEY, block, seal
+
+    marker = tmp_path / "ran"
+    auto_map = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    known = _code_folder(tmp_path / "known", marker, {
+        "model_type": "vit", "architectures": ["EvilForCausalLM"], "auto_map": auto_map, "hidden_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16})
+    (known / "model.safetensors").write_bytes(b"")  # never reached: the config's own class is refused first
+    unknown = _code_folder(tmp_path / "unknown", marker, seal({"model_type": "evil", "architectures": ["EvilForCausalLM"],
+                                                               "auto_map": auto_map, CONFIG_KEY: block(0.5, {}, {})}))
+    proc = subprocess.run([sys.executable, "-c", _CODE_RUNNER, str(known), str(unknown)], input="y\n" * 8, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert not marker.exists(), proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for name in ("meta_model", "random_init", "from_pretrained", "sparse"):
+        assert any(line.startswith(f"{name} refused") for line in lines), proc.stdout + proc.stderr[-3000:]
+
+
+def test_an_atomic_write_never_writes_through_a_link_at_its_temporary_name(tmp_path):
+    """A folder copied from elsewhere (a checkpoint folder a resume writes its fingerprint into) may hold a link where
+    write_atomic puts its temporary file: the link goes, its target stays as it was, the file is written whole."""
+    from elsa_ds.files.io import write_json
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    folder = tmp_path / "copied"
+    folder.mkdir()
+    (folder / f".elsa_fingerprint.json.{os.getpid()}.tmp").symlink_to(victim)
+    write_json(folder / "elsa_fingerprint.json", {"steps": 4})
+    assert victim.read_text() == "keep me" and json.loads((folder / "elsa_fingerprint.json").read_text()) == {"steps": 4}
+    assert [p.name for p in folder.iterdir()] == ["elsa_fingerprint.json"]

@@ -18,7 +18,9 @@ def write_atomic(path: Path, text: str) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: two writers never share it
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.unlink(missing_ok=True)  # a link left at that name (a copied folder's) goes; "x" then never writes through one
+        with open(tmp, "x", encoding="utf-8") as fh:
+            fh.write(text)
         os.replace(tmp, path)
     except OSError as err:
         tmp.unlink(missing_ok=True)

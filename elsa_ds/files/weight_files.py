@@ -1,18 +1,21 @@
 """Is a safetensors file whole? Decided from its header and its size, before anything reads a tensor from it.
 
 A truncated download or copy, or a flipped byte in the header, otherwise fails deep inside ``from_pretrained`` (or
-the warm start's mask reader) after minutes of loading, with safetensors' own error and a traceback.
+the warm start's mask reader) after minutes of loading, with safetensors' own error and a traceback. A shard index's
+names stay inside the folder (``inside_folder``): transformers joins them onto it as given, so an absolute name or
+``..`` would have it read weights from anywhere on disk.
 """
 from __future__ import annotations
 
 import json
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from elsa_ds.errors import ElsaError
 
 _HEADER_LIMIT = 100 * 2**20  # safetensors headers are small; a larger "length" means a corrupt file
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def read_header(file: Path) -> tuple[int, Any]:
@@ -72,7 +75,42 @@ def check_weight_files(folder: str | Path, who: str) -> None:
     path = Path(folder).expanduser()
     if not path.is_dir():
         return
+    for name in SHARD_INDEXES:
+        if (path / name).exists():
+            for shard in index_shards(path / name, ElsaError):
+                inside_folder(path, shard, path / name, ElsaError)
     for file in sorted(path.glob("*.safetensors")):
         problem = safetensors_problem(file)
         if problem:
             raise ElsaError(f"{who}: {file.name} is damaged ({problem}); copy or download it again")
+
+
+def index_shards(index: Path, error: type[Exception]) -> list[str]:
+    """The shard file names a Hugging Face index (``weight_map``: tensor name -> file) lists, each once, in order."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map is not a mapping of tensor names to file names")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise error(f"{index}: not a readable shard index ({type(err).__name__}: {err})") from None
+    return list(dict.fromkeys(weight_map.values()))
+
+
+def inside_folder(folder: Path, name: str, listed_in: Path, error: type[Exception]) -> Path:
+    """``folder / name`` where ``name`` (a file ``listed_in`` names) is relative, has no ``..`` and, links resolved, stays
+    inside ``folder`` (the Hugging Face hub cache's snapshot files, links into the repository's ``blobs/``, excepted);
+    otherwise ``error`` naming it."""
+    where = f"{listed_in}: shard {name!r}"
+    if not name or "\0" in name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).anchor:
+        raise error(f"{where} is not a relative file name: shards must lie inside {folder}")
+    if ".." in PureWindowsPath(name).parts:  # splits on / and \\ alike
+        raise error(f"{where} climbs out with '..': shards must lie inside {folder}")
+    path, root = folder / name, folder.resolve()
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError) as err:  # a link loop
+        raise error(f"{where} cannot be resolved ({err})") from None
+    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    if not target.is_relative_to(root) and not (hub_blobs is not None and target.is_relative_to(hub_blobs)):
+        raise error(f"{where} is a link to {target}, outside {folder}: shards must lie inside it")
+    return path

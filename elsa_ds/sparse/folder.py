@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 
 import torch
 
+from elsa_ds.files.weight_files import inside_folder
 from elsa_ds.sparse.integrity import SparseCheckpointError
 
 SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
@@ -55,20 +56,7 @@ def read_index(index: Path) -> dict[str, str]:
 
 def inside(folder: Path, name: str, listed_in: Path) -> Path:
     """``folder / name`` where ``name`` is relative, has no ``..`` and, links resolved, stays inside ``folder``."""
-    where = f"{listed_in}: shard {name!r}"
-    if not name or "\0" in name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).anchor:
-        raise SparseCheckpointError(f"{where} is not a relative file name: shards must lie inside the checkpoint folder")
-    if ".." in PureWindowsPath(name).parts:  # splits on / and \\ alike
-        raise SparseCheckpointError(f"{where} climbs out with '..': shards must lie inside the checkpoint folder")
-    path, root = folder / name, folder.resolve()
-    try:
-        target = path.resolve()
-    except (OSError, RuntimeError) as err:  # a link loop
-        raise SparseCheckpointError(f"{where} cannot be resolved ({err})") from None
-    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
-    if not target.is_relative_to(root) and not (hub_blobs is not None and target.is_relative_to(hub_blobs)):
-        raise SparseCheckpointError(f"{where} is a link to {target}, outside {folder}: shards must lie inside the checkpoint folder")
-    return path
+    return inside_folder(folder, name, listed_in, SparseCheckpointError)
 
 
 def is_weight_file(path: Path) -> bool:

@@ -101,9 +101,10 @@ def _empty_model(path: Path, dtype: torch.dtype | None) -> PreTrainedModel:
     from transformers.initialization import no_init_weights
 
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         with no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(config, "dtype", None) or torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(config, "dtype", None) or torch.float32,
+                                                     trust_remote_code=False)
     except Exception as err:  # whatever the modeling code raises on a config it cannot take
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise SparseCheckpointError(f"{path}: transformers cannot build a causal LM from its config.json ({first})") from None

@@ -275,7 +275,7 @@ def _warm_up(sparse_dir: Path) -> None:
     from elsa_ds.sparse import kernels
 
     with torch.device("meta"):
-        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sparse_dir))
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sparse_dir, trust_remote_code=False), trust_remote_code=False)
     kernels.load()
 
 

@@ -6,8 +6,9 @@ state dict — which holds z and u, since they live in ``optimizer.state`` — p
 data position is the step itself (global batches are a pure function of seed and step).
 
 A checkpoint becomes ``latest`` only after every rank finished writing it (barrier, then an atomic
-rename of the ``latest`` file), and only the newest ``keep`` tags are kept. Loading tries the tags from
-the newest down, so a checkpoint corrupted by a crash mid-write falls back to the one before.
+rename of the ``latest`` file), and only it and the ``keep`` - 1 tags before it are kept. Loading tries the tags from
+the newest down, so a checkpoint corrupted by a crash mid-write falls back to the one before. Links a copied checkpoint
+folder holds where a save writes are removed, never written through (``clear_for_save``, ``publish_latest``).
 
 A checkpoint is read as data: every file of the tags a resume may load is scanned before any model or engine exists
 (``check_resume``), and DeepSpeed reads it with ``torch.load(weights_only=True)`` and an allow-list of the classes its
@@ -40,6 +41,7 @@ log = get_logger(__name__)
 
 TAG = re.compile(r"^global_step(\d+)$")
 CLIENT_KEY = "elsa"
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them beside the tags at each save
 FINGERPRINT = "elsa_fingerprint.json"  # the run's settings beside its tags: readable before any model or engine exists
 
 
@@ -184,25 +186,60 @@ def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) 
     import torch.distributed as dist
 
     tag = f"global_step{step + 1}"
+    if rank == 0:
+        clear_for_save(ckpt_dir, tag)
+    dist.barrier()
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={CLIENT_KEY: client}, save_latest=False)
     except Exception as err:
         full = writer_ran_out(err, ckpt_dir / tag)
         if full is None:
             raise
-        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)  # never published: "latest" still names the previous tag
+        remove_tag(ckpt_dir / tag)  # never published: "latest" still names the previous tag
         if rank == 0 and not (ckpt_dir / "latest").exists():  # nothing published: this run made the folder (an older run's
             shutil.rmtree(ckpt_dir, ignore_errors=True)      # went with --overwrite; --resume needs a latest)
         raise full.measured_again() from None
     dist.barrier()  # every rank's shard is on disk before the tag is published
     if rank == 0:
-        tmp = ckpt_dir / "latest.tmp"
-        tmp.write_text(tag)
-        tmp.replace(ckpt_dir / "latest")
-        for old in tags_newest_first(ckpt_dir)[keep:]:
-            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+        publish_latest(ckpt_dir, tag, keep)
     dist.barrier()
     return tag
+
+
+def clear_for_save(ckpt_dir: Path, tag: str) -> None:
+    """Rank 0, before every rank writes ``tag``: a killed run's unpublished copy of it goes, and links a copied folder may
+    hold where DeepSpeed writes (the tag, its recovery scripts, which ``shutil.copyfile`` would write through)."""
+    remove_tag(ckpt_dir / tag)
+    for name in RECOVERY_SCRIPTS:
+        if (ckpt_dir / name).is_symlink():
+            (ckpt_dir / name).unlink()
+
+
+def remove_tag(path: Path) -> None:
+    """A tag's folder gone; a link there is removed itself, never followed."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def publish_latest(ckpt_dir: Path, tag: str, keep: int) -> None:
+    """Rank 0, once every rank wrote ``tag``: ``latest`` names it (a new temp file, never written through a link a copied
+    checkpoint may hold, renamed over it; removed when the write fails), then every tag but ``tag`` and the ``keep`` - 1
+    before it goes: newer ones a killed run never published (never tried by a resume) must not push ``tag`` out."""
+    tmp = ckpt_dir / "latest.tmp"
+    try:
+        tmp.unlink(missing_ok=True)
+        with open(tmp, "x", encoding="utf-8") as fh:  # O_EXCL: fails rather than follow a link planted since
+            fh.write(tag)
+        tmp.replace(ckpt_dir / "latest")
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    tags = tags_newest_first(ckpt_dir)
+    at = tags.index(tag)
+    for old in tags[:at] + tags[at + keep:]:
+        remove_tag(ckpt_dir / old)
 
 
 def load_latest(engine, ckpt_dir: Path, comm) -> dict | None:

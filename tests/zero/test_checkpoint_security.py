@@ -95,6 +95,34 @@ def test_checkpoint_settings_that_bypass_the_reader_are_refused(section, needle)
         checkpoint.check_supported(DsConfig({"zero_optimization": {"stage": 3}, "checkpoint": section}))
 
 
+def test_publishing_never_writes_through_a_link_nor_prunes_the_tag_it_published(tmp_path):
+    """A copied checkpoint folder may hold links: ``latest.tmp`` to a file outside, a tag to a folder outside. Publishing
+    replaces the link, never writes its target; removing a tag removes the link, never what it points at. A tag newer
+    than the one published (a killed run's, never published) does not count against --keep_checkpoints: with keep 1 it
+    once pushed out the tag ``latest`` had just named, leaving no checkpoint to resume."""
+    ckpt, outside = tmp_path / "checkpoints", tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_text("keep me")
+    (outside / "shard.pt").write_text("keep me too")
+    for tag in ("global_step10", "global_step15", "global_step20"):
+        _tag(ckpt, tag, "model_states.pt")
+    (ckpt / "global_step30").symlink_to(outside, target_is_directory=True)
+    (ckpt / "latest").write_text("global_step10")
+    (ckpt / "latest.tmp").symlink_to(victim)
+    checkpoint.publish_latest(ckpt, "global_step15", keep=1)
+    assert (ckpt / "latest").read_text() == "global_step15" and not (ckpt / "latest").is_symlink()
+    assert not (ckpt / "latest.tmp").exists() and victim.read_text() == "keep me"
+    assert checkpoint.resume_order(ckpt) == ["global_step15"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step15", "latest"]
+    assert sorted(p.name for p in outside.iterdir()) == ["shard.pt", "victim.txt"]
+    (ckpt / "global_step20").symlink_to(outside, target_is_directory=True)
+    (ckpt / "zero_to_fp32.py").symlink_to(victim)  # DeepSpeed copies its script there with shutil.copyfile
+    checkpoint.clear_for_save(ckpt, "global_step20")  # rank 0, before every rank writes that tag
+    assert not (ckpt / "global_step20").exists() and not (ckpt / "zero_to_fp32.py").exists()
+    assert (outside / "shard.pt").read_text() == "keep me too" and victim.read_text() == "keep me"
+
+
 def test_selection_snapshot_is_read_as_data_whatever_torchs_default(tmp_path, monkeypatch):
     """torch >= 2.6 defaults to weights_only=True, but TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD (or an older torch) turns an
     implicit default off: the snapshot must be read with weights_only=True explicitly."""
