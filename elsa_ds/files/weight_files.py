@@ -77,7 +77,7 @@ def check_weight_files(folder: str | Path, who: str) -> None:
         return
     for name in SHARD_INDEXES:
         if (path / name).exists():
-            for shard in index_shards(path / name, ElsaError):
+            for shard in dict.fromkeys(read_index(path / name, ElsaError).values()):
                 inside_folder(path, shard, path / name, ElsaError)
     for file in sorted(path.glob("*.safetensors")):
         problem = safetensors_problem(file)
@@ -85,15 +85,15 @@ def check_weight_files(folder: str | Path, who: str) -> None:
             raise ElsaError(f"{who}: {file.name} is damaged ({problem}); copy or download it again")
 
 
-def index_shards(index: Path, error: type[Exception]) -> list[str]:
-    """The shard file names a Hugging Face index (``weight_map``: tensor name -> file) lists, each once, in order."""
+def read_index(index: Path, error: type[Exception]) -> dict[str, str]:
+    """The ``weight_map`` of a Hugging Face shard index: tensor name -> shard file name, both strings; else ``error``."""
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("weight_map is not a mapping of tensor names to file names")
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise error(f"{index}: not a readable shard index ({type(err).__name__}: {err})") from None
-    return list(dict.fromkeys(weight_map.values()))
+        raise error(f"{index}: not a valid shard index ({type(err).__name__}: {err})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise error(f"{index}: weight_map must map tensor names to shard file names, found {str(weight_map)[:80]}")
+    return weight_map
 
 
 def inside_folder(folder: Path, name: str, listed_in: Path, error: type[Exception]) -> Path:

@@ -7,13 +7,12 @@ layout, snapshot files linked into the repository's ``blobs/``, excepted).
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from elsa_ds.files.weight_files import inside_folder
+from elsa_ds.files.weight_files import inside_folder, read_index as read_weight_map
 from elsa_ds.sparse.integrity import SparseCheckpointError
 
 SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
@@ -45,13 +44,7 @@ def weight_files(folder: Path) -> list[Path]:
 
 def read_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` of a shard index: tensor name -> shard file name, both strings."""
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise SparseCheckpointError(f"{index}: not a valid shard index ({type(err).__name__}: {err})") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise SparseCheckpointError(f"{index}: weight_map must map tensor names to shard file names, found {str(weight_map)[:80]}")
-    return weight_map
+    return read_weight_map(index, SparseCheckpointError)
 
 
 def inside(folder: Path, name: str, listed_in: Path) -> Path:
