@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -114,10 +115,45 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's tcp transport, a peer gone
+PEER_GRACE_S = 5.0  # how long a rank whose peer is gone waits for its own stop: deepspeed's launcher polls its ranks each second
+
+
+def peer_gone(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed because another rank's process is gone (gloo raises a plain
+    RuntimeError naming its transport; torch's DistNetworkError for the same, where it wraps it)."""
+    return isinstance(err, RuntimeError) and (type(err).__name__ == "DistNetworkError" or any(t in str(err) for t in PEER_GONE))
+
+
+def _stop_line(err: BaseException, where: str) -> int:
+    what, code = ("interrupted (Ctrl-C)", 130) if isinstance(err, KeyboardInterrupt) else ("terminated (SIGTERM)", 143)
+    stderr_line(f"elsa_ds: {what}{where}: nothing unfinished was published")
+    return code
+
+
+def _after_peer_gone(err: RuntimeError, where: str) -> int:
+    """A collective failed because another rank is gone, and this rank's cleanup has run on the way here. Most often the
+    job is being stopped: a terminal's Ctrl-C reaches every rank, one rank ends first, and the others' signal (or the
+    launcher's SIGTERM, which follows a rank's exit within a second) can arrive after their collective has failed. So
+    wait a moment for that stop and report it as such (one line, like every other rank's); without one, say that another
+    rank ended first, in one line, not gloo's traceback: that rank's own line (or the launcher's) says why."""
+    deadline = time.monotonic() + PEER_GRACE_S
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (KeyboardInterrupt, Terminated) as stop:
+        return _stop_line(stop, where)
+    reason = next((t for t in PEER_GONE if t in str(err)), type(err).__name__)
+    stderr_line(f"elsa_ds: error{where}: another rank of this job ended first ({reason}), so this rank stopped too; that rank's "
+                "own line, or the launcher's, says why; nothing unfinished was published")
+    return 1
+
+
 def guarded(fn: Callable[[], int | None]) -> int:
     """Run ``fn``; an ElsaError becomes one line on stderr and exit code 2, with no traceback. Ctrl-C (exit 130) and
     SIGTERM (143) end it with one line too: the jobs' own cleanup (the output's lock, this job's staging) runs on the
-    way out, nothing unfinished is published and the previous output stays as it was."""
+    way out, nothing unfinished is published and the previous output stays as it was. A collective that failed because
+    another rank is gone ends in one line too (``_after_peer_gone``)."""
     rank = os.environ.get("RANK", "0")
     where = "" if rank == "0" else f" (rank {rank})"
     if threading.current_thread() is threading.main_thread():
@@ -130,6 +166,8 @@ def guarded(fn: Callable[[], int | None]) -> int:
         stderr_line(f"elsa_ds: error{where}: {err}")
         return 2
     except (KeyboardInterrupt, Terminated) as err:
-        what, code = ("interrupted (Ctrl-C)", 130) if isinstance(err, KeyboardInterrupt) else ("terminated (SIGTERM)", 143)
-        stderr_line(f"elsa_ds: {what}{where}: nothing unfinished was published")
-        return code
+        return _stop_line(err, where)
+    except RuntimeError as err:
+        if not peer_gone(err):
+            raise
+        return _after_peer_gone(err, where)
