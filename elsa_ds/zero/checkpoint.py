@@ -32,6 +32,7 @@ import torch
 
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import writer_ran_out
+from elsa_ds.files.io import write_atomic
 from elsa_ds.log import get_logger
 from elsa_ds.settings.config import RESUME_DEFAULTS
 from elsa_ds.zero import compat
@@ -224,18 +225,11 @@ def remove_tag(path: Path) -> None:
 
 
 def publish_latest(ckpt_dir: Path, tag: str, keep: int) -> None:
-    """Rank 0, once every rank wrote ``tag``: ``latest`` names it (a new temp file, never written through a link a copied
-    checkpoint may hold, renamed over it; removed when the write fails), then every tag but ``tag`` and the ``keep`` - 1
-    before it goes: newer ones a killed run never published (never tried by a resume) must not push ``tag`` out."""
-    tmp = ckpt_dir / "latest.tmp"
-    try:
-        tmp.unlink(missing_ok=True)
-        with open(tmp, "x", encoding="utf-8") as fh:  # O_EXCL: fails rather than follow a link planted since
-            fh.write(tag)
-        tmp.replace(ckpt_dir / "latest")
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Rank 0, once every rank wrote ``tag``: ``latest`` names it (``write_atomic``: a new temp file, never written through
+    a link a copied checkpoint may hold, renamed over it; an ElsaError when it cannot be written), then every tag but
+    ``tag`` and the ``keep`` - 1 before it goes: newer ones a killed run never published (never tried by a resume) must
+    not push ``tag`` out."""
+    write_atomic(ckpt_dir / "latest", tag)
     tags = tags_newest_first(ckpt_dir)
     at = tags.index(tag)
     for old in tags[:at] + tags[at + keep:]:

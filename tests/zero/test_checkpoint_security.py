@@ -96,7 +96,7 @@ def test_checkpoint_settings_that_bypass_the_reader_are_refused(section, needle)
 
 
 def test_publishing_never_writes_through_a_link_nor_prunes_the_tag_it_published(tmp_path):
-    """A copied checkpoint folder may hold links: ``latest.tmp`` to a file outside, a tag to a folder outside. Publishing
+    """A copied checkpoint folder may hold links: at the temporary name ``latest`` is written under, to a file outside, a tag to a folder outside. Publishing
     replaces the link, never writes its target; removing a tag removes the link, never what it points at. A tag newer
     than the one published (a killed run's, never published) does not count against --keep_checkpoints: with keep 1 it
     once pushed out the tag ``latest`` had just named, leaving no checkpoint to resume."""
@@ -109,10 +109,11 @@ def test_publishing_never_writes_through_a_link_nor_prunes_the_tag_it_published(
         _tag(ckpt, tag, "model_states.pt")
     (ckpt / "global_step30").symlink_to(outside, target_is_directory=True)
     (ckpt / "latest").write_text("global_step10")
-    (ckpt / "latest.tmp").symlink_to(victim)
+    temp = ckpt / f".latest.{os.getpid()}.tmp"  # files/io.write_atomic's name for it, in this process
+    temp.symlink_to(victim)
     checkpoint.publish_latest(ckpt, "global_step15", keep=1)
     assert (ckpt / "latest").read_text() == "global_step15" and not (ckpt / "latest").is_symlink()
-    assert not (ckpt / "latest.tmp").exists() and victim.read_text() == "keep me"
+    assert not temp.exists() and not temp.is_symlink() and victim.read_text() == "keep me"
     assert checkpoint.resume_order(ckpt) == ["global_step15"]
     assert sorted(p.name for p in ckpt.iterdir()) == ["global_step15", "latest"]
     assert sorted(p.name for p in outside.iterdir()) == ["shard.pt", "victim.txt"]
