@@ -184,18 +184,22 @@ def main_evaluate(argv: list[str] | None = None) -> int:
         from elsa_ds.files.io import write_atomic
         from elsa_ds.jobs.evaluate import run
 
+        from elsa_ds.files.ownership import owned
+        from elsa_ds.jobs.evaluate import check_new_files, check_settings
+
         if args.compare:
+            check_new_files({"--markdown": args.markdown}, bool(args.overwrite))
+            if args.markdown is not None and Path(args.markdown).resolve() in {Path(p).resolve() for p in args.compare}:
+                raise ElsaError(f"--markdown {args.markdown} is one of the --compare inputs: give the table its own file")
             table = compare(args.compare)
             print(table, end="", flush=True)  # the table is the command's product: stdout
             if args.markdown is not None:
-                write_atomic(args.markdown, table)
+                with owned(args.markdown, "--markdown"):
+                    write_atomic(args.markdown, table)
             return
-        from elsa_ds.files.ownership import owned
-        from elsa_ds.jobs.evaluate import check_settings
-
         settings = validated(EvalSettings, {k: v for k in _cli_fields(EvalSettings) if (v := getattr(args, k)) is not None})
         check_settings(settings)  # again under the lock, by run: a refusal for the path itself comes first
-        with owned(settings.output, "--output"):
+        with owned(settings.output, "--output"), owned(settings.markdown, "--markdown"):
             run(settings)
 
     return guarded(go)

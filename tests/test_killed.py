@@ -103,21 +103,26 @@ def test_a_clean_end_gets_no_word_from_the_watchdog(tmp_path, nan):
 
 def test_the_watchdog_cleans_only_under_the_dead_jobs_lock(tmp_path):
     """Its cleanup on its own: what changed since the watch began goes, with the lock, while the lock names the dead rank 0;
-    a lock naming another job (it took the output over) leaves every file as it is."""
+    a lock naming another job (it took the output over) leaves every file as it is. Once the job published a checkpoint,
+    what a --resume reads again (the best projection's snapshot) stays."""
     from argparse import Namespace
 
     from elsa_ds.files.watchdog import Rank, Watch, cleanup, path_state
 
     old, new, lock = tmp_path / ".o.oneshot", tmp_path / ".o.partial.123", tmp_path / ".o.lock"
+    best, latest = tmp_path / ".o.best_projection", tmp_path / "o" / "checkpoints" / "latest"
     old.write_text("an earlier job's")
-    w = Watch(Namespace(lock=str(lock), pid=123))
+    w = Watch(Namespace(lock=str(lock), pid=123, resumable=[str(best)], published=str(latest)))
     w.ranks[123] = Rank(0, 123, "456")
-    w.before = {str(p): path_state(p) for p in (old, new)}
+    w.before = {str(p): path_state(p) for p in (old, new, best)}
     new.mkdir()
     (new / "model.safetensors").write_text("half")
+    best.mkdir()
+    latest.parent.mkdir(parents=True)
+    latest.write_text("global_step4")
     lock.write_text('{"pid": 999, "pid_start": "1"}')
     assert "names another job" in cleanup(w) and new.exists() and lock.exists()
     lock.write_text('{"pid": 123, "pid_start": "456"}')
     assert "its lock and 1 unfinished file beside the output are removed" in cleanup(w)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".o.oneshot"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".o.best_projection", ".o.oneshot", "o"]
     assert "already released" in cleanup(w)

@@ -1,6 +1,6 @@
 """Train the embedded demo model: a 4.2M-parameter Gemma-2 on Shakespeare, with its own BPE tokenizer.
 
-    python -m elsa_ds.demo.train_demo --out elsa_ds/demo/model
+    python -m elsa_ds.demo.train_demo --out elsa_ds/demo/model --overwrite
 
 Fits in about 12 minutes on 2 CPU cores. Train split: every play but ``elsa_ds.data.shakespeare.VALIDATION_PLAYS``. The
 tokenizer is a byte-level BPE of 4096 tokens with Gemma's special ids (<pad>=0, <eos>=1, <bos>=2,
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, PreTrainedTokenizerFas
 from elsa_ds.data import GlobalBatches, pack_blocks
 from elsa_ds.data.shakespeare import VALIDATION_PLAYS, split_texts
 from elsa_ds.evaluation.perplexity import ppl, window_nll
+from elsa_ds.errors import stderr_line
 
 SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")  # ids 0..3 in this order, Gemma's convention
 
@@ -90,11 +92,9 @@ def cosine_lr(step: int, total_steps: int, peak: float, warmup: int, final_ratio
 
 
 def save_atomically(out: Path, model: Gemma2ForCausalLM, tokenizer: PreTrainedTokenizerFast, metrics: dict) -> None:
-    """Write everything to ``<out>.tmp``, then swap it in; a crash leaves the old ``out`` intact."""
-    tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
-    for stale in (tmp, old):
-        if stale.exists():
-            shutil.rmtree(stale)
+    """Write everything beside ``out`` under this process's own temporary names, then swap it in; a crash leaves the old
+    ``out`` intact (``check_out`` ran before the training)."""
+    tmp, old = out.with_name(f".{out.name}.{os.getpid()}.tmp"), out.with_name(f".{out.name}.{os.getpid()}.old")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
@@ -103,6 +103,21 @@ def save_atomically(out: Path, model: Gemma2ForCausalLM, tokenizer: PreTrainedTo
     tmp.rename(out)
     if old.exists():
         shutil.rmtree(old)
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Before the training: ``out`` is new, empty, or (with --overwrite) an earlier demo model, never another folder;
+    else one line and exit 2."""
+    refusal = None
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        refusal = f"--out {out} is not a folder of its own (a file or a link): choose another path"
+    elif out.is_dir() and any(out.iterdir()) and not overwrite:
+        refusal = f"--out {out} is not empty: pass --overwrite to replace an earlier demo model there"
+    elif out.is_dir() and any(out.iterdir()) and not (out / "training_metrics.json").is_file():
+        refusal = f"--out {out} holds no demo model (no training_metrics.json): it is never replaced; choose another path"
+    if refusal:
+        stderr_line(f"train_demo: error: {refusal}")
+        raise SystemExit(2)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,6 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed",
                     help="training compute dtype; weights, optimizer and evaluation stay fp32")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--overwrite", action="store_true", help="replace an earlier demo model at --out")
     return ap.parse_args(argv)
 
 
@@ -165,6 +181,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Opt
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    check_out(args.out, args.overwrite)
     print("config:", json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}), flush=True)
     torch.set_num_threads(args.threads)
     started = time.time()

@@ -22,9 +22,11 @@ def write_atomic(path: Path, text: str) -> None:
         with open(tmp, "x", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, path)
-    except OSError as err:
+    except BaseException as err:  # Ctrl-C or SIGTERM mid-write too: no temp file stays beside the path
         tmp.unlink(missing_ok=True)
-        raise ElsaError(f"cannot write {path}: {err.strerror or err}") from None
+        if isinstance(err, OSError):
+            raise ElsaError(f"cannot write {path}: {err.strerror or err}") from None
+        raise
 
 
 def write_json(path: Path, payload: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from elsa_ds.admm.projection import NM
@@ -21,6 +22,7 @@ REPORT_NAME = "elsa_report.json"
 
 def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False) -> None:
     """Refuse a non-empty output directory unless overwriting or resuming; cheap, so it runs before heavy work."""
+    check_output_path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise ElsaError(f"--output_dir {output_dir} exists and is not a directory")
     if resume and overwrite:
@@ -41,6 +43,33 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False) ->
     check_publishable(output_dir)
 
 
+def check_output_path(output_dir: Path) -> None:
+    """The output is named by its own path: no symbolic link at it (its lock, staging and side files are named from the
+    path, so a second name for one folder would give a second owner, and a dangling link would build beside its
+    target), no ``.`` or ``..`` as its last part, and no folder a replaced output would take with it: the current
+    directory, this Python environment, the installed elsa_ds, the home directory, the Hugging Face cache, or one
+    containing them."""
+    if output_dir.is_symlink():
+        raise ElsaError(f"--output_dir {output_dir} is a symbolic link (to {os.readlink(output_dir)}): give the folder's own "
+                        f"path, e.g. {output_dir.resolve()}")
+    if output_dir.name in ("", ".", ".."):
+        raise ElsaError(f"--output_dir {output_dir}: name a folder of its own, not /, . or .. (e.g. {output_dir.resolve()})")
+    out = output_dir.expanduser().resolve()
+    for what, path in _kept_folders():
+        if out == path or out in path.parents:
+            raise ElsaError(f"--output_dir {output_dir} {'is' if out == path else 'contains'} {what} ({path}): a replaced or "
+                            "continued output would take it along; choose a folder of its own")
+
+
+def _kept_folders() -> list[tuple[str, Path]]:
+    home = Path.home()
+    hf = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME") or home / ".cache" / "huggingface") / "hub")
+    return [(what, Path(path).expanduser().resolve()) for what, path in (
+        ("the current directory", Path.cwd()), ("this Python environment", sys.prefix),
+        ("the installed elsa_ds", Path(__file__).resolve().parents[1]), ("the home directory", home),
+        ("the Hugging Face cache", hf))]
+
+
 def check_publishable(output_dir: Path) -> None:
     """The final rename will work: an existing output is no mount point (the staging directory beside it sits on its
     parent's filesystem, and a rename cannot cross filesystems or replace a mount) and can be written into and removed."""
@@ -59,6 +88,40 @@ def staging_dir(output_dir: Path) -> Path:
     return output_dir.resolve().parent / f".{output_dir.name}.partial.{os.getpid()}"
 
 
+def aside_dir(output_dir: Path) -> Path:
+    """Where an --overwrite job keeps the previous output's folders that the run writes anew in place (checkpoints, the
+    monitor's logs) until the new output is published (then removed) or the job fails (then put back)."""
+    return output_dir.resolve().parent / f".{output_dir.name}.replaced.{os.getpid()}"
+
+
+def set_aside(output_dir: Path, name: str) -> None:
+    """Rank 0 of an --overwrite job, before the run writes ``output_dir / name``: the previous output's copy moves aside
+    (not deleted: the old output stays whole until the new one is complete)."""
+    if (output_dir / name).exists() or (output_dir / name).is_symlink():
+        aside_dir(output_dir).mkdir(exist_ok=True)
+        (output_dir / name).rename(aside_dir(output_dir) / name)
+
+
+def put_back(output_dir: Path) -> None:
+    """A job that did not publish: the folders :func:`set_aside` moved go back in place of what the run wrote there, but
+    checkpoints the run published (a --resume continues them): then the previous ones stay aside, named in a warning."""
+    aside = aside_dir(output_dir)
+    if not aside.is_dir():
+        return
+    if (output_dir / "checkpoints" / "latest").exists():  # this run's: the previous output's went aside first
+        get_logger(__name__).warning(f"this run's checkpoints in {output_dir / 'checkpoints'} can be resumed (--resume); the "
+                                     f"previous output's checkpoints and logs are in {aside} (delete it once not wanted)")
+        return
+    for entry in sorted(aside.iterdir()):
+        target = output_dir / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target, ignore_errors=True)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        entry.rename(target)
+    aside.rmdir()
+
+
 def fresh_staging(output_dir: Path) -> Path:
     """An empty staging directory for this job. Leftovers of earlier jobs are named, not removed: one may hold a
     finished output whose final rename failed."""
@@ -73,12 +136,23 @@ def fresh_staging(output_dir: Path) -> Path:
     return staging
 
 
+class PublishFailed(ElsaError):
+    """The finished output could not be renamed into place: it stays where the message says (``kept``), and no exit path
+    may remove it."""
+
+    def __init__(self, message: str, kept: Path):
+        super().__init__(message)
+        self.kept = kept
+
+
 def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tuple[str, ...] = ("monitor",)) -> None:
     """Swap the finished staging directory in for ``output_dir`` (old contents removed only afterwards).
 
-    With ``keep_checkpoints`` the run's checkpoints stay: each finished file is renamed into place instead. The
-    folders named in ``carry`` that the run wrote into ``output_dir`` while it ran (the monitor's logs) move along.
-    Should a rename fail, the ElsaError says where the finished output is.
+    With ``keep_checkpoints`` the run's checkpoints stay: the previous output's other entries move aside first (none of
+    its files stays mixed with the new ones), then each finished file is renamed into place. The folders named in
+    ``carry`` that the run wrote into ``output_dir`` while it ran (the monitor's logs) move along (with
+    ``keep_checkpoints`` they stay where they are). Should a rename fail, a :class:`PublishFailed` says where the
+    finished output is.
     """
     old = output_dir.resolve().parent / f".{output_dir.name}.old.{os.getpid()}"
     try:
@@ -86,28 +160,50 @@ def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tupl
             if (output_dir / name).is_dir() and not (staging / name).exists() and not keep_checkpoints:
                 (output_dir / name).rename(staging / name)
         if keep_checkpoints and output_dir.is_dir():
-            for f in staging.iterdir():
-                f.replace(output_dir / f.name)
-            staging.rmdir()
-            return
-        if output_dir.exists():
-            output_dir.rename(old)
-        try:
-            staging.rename(output_dir)
-        except OSError:
-            if old.exists() and not output_dir.exists():
-                old.rename(output_dir)  # the previous output back where it was
-            raise
+            _publish_into(staging, output_dir, old, stay=("checkpoints", *carry))
+        else:
+            if output_dir.exists():
+                output_dir.rename(old)
+            try:
+                staging.rename(output_dir)
+            except OSError:
+                if old.exists() and not output_dir.exists():
+                    old.rename(output_dir)  # the previous output back where it was
+                raise
     except OSError as err:
         where = (f"the files not moved yet are in {staging}: move them into {output_dir} yourself" if keep_checkpoints else
                  f"it is complete in {staging}: move it there yourself (mv {staging} {output_dir})")
-        raise ElsaError(f"the finished output could not be moved to {output_dir} ({err.strerror or err}); {where}") from None
+        raise PublishFailed(f"the finished output could not be moved to {output_dir} ({err.strerror or err}); {where}",
+                            staging) from None
     try:
         if old.exists():
             shutil.rmtree(old)
+        if aside_dir(output_dir).exists():  # the previous output's checkpoints and logs, set aside by --overwrite
+            shutil.rmtree(aside_dir(output_dir))
     except OSError as err:
         get_logger(__name__).warning(f"wrote {output_dir}, but the previous output moved aside to {old} could not be removed "
                                      f"({err.strerror or err}); delete it yourself")
+
+
+def _publish_into(staging: Path, output_dir: Path, old: Path, stay: tuple[str, ...]) -> None:
+    """``output_dir`` keeps the entries named in ``stay`` (the run's checkpoints and logs); every other entry of the
+    previous output moves into ``old`` (removed by the caller), then each finished file moves in. A failure while the
+    previous entries move aside puts them back."""
+    old.mkdir()
+    moved = []
+    try:
+        for entry in sorted(output_dir.iterdir()):
+            if entry.name not in stay:
+                entry.rename(old / entry.name)
+                moved.append(entry.name)
+    except OSError:
+        for name in moved:
+            (old / name).rename(output_dir / name)
+        old.rmdir()
+        raise
+    for f in sorted(staging.iterdir()):
+        f.replace(output_dir / f.name)
+    staging.rmdir()
 
 
 def verified_layers(model_dir: Path, expected_zeros: dict[str, int], goals: dict[str, LayerGoal],

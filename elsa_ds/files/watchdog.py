@@ -64,13 +64,15 @@ class Watchdog:
     def __init__(self) -> None:
         self.fd: int | None = None  # the pipe's write end, non-blocking: a full pipe drops a phase, never stalls a step
 
-    def start(self, lock: Path, clean: list[Path], steps: int | None) -> None:
-        """Start the watchdog of this process's job (the ranks on this node), which removes ``clean`` and ``lock`` should
-        the job be killed; a watchdog that cannot start is a warning, not a reason to stop the job."""
+    def start(self, lock: Path, clean: list[Path], steps: int | None, resumable: list[Path] | None = None,
+              published: Path | None = None) -> None:
+        """Start the watchdog of this process's job (the ranks on this node), which removes ``clean`` (but ``resumable``
+        once ``published`` exists) and ``lock`` should the job be killed; a watchdog that cannot start is a warning, not a reason to stop the job."""
         local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"
         launcher = os.getppid() if "LOCAL_RANK" in os.environ else 0  # deepspeed's launch.py, torchrun's agent
         cmd = [sys.executable, "-E", "-m", "elsa_ds.files.watchdog", "--pid", str(os.getpid()), "--launcher", str(launcher),
-               "--ranks", local, "--steps", str(steps or 0), "--lock", str(lock), *(a for p in clean for a in ("--clean", str(p)))]
+               "--ranks", local, "--steps", str(steps or 0), "--lock", str(lock), *(a for p in clean for a in ("--clean", str(p))),
+               *(a for p in resumable or [] for a in ("--resumable", str(p))), *(("--published", str(published)) if published else ())]
         read, write, proc = *os.pipe(), None
         code: int | str  # the first process's exit code, or why it did not run
         try:  # -E: none of the job's PYTHON* variables (a sitecustomize that imports torch); elsa_ds found from cwd
@@ -296,10 +298,11 @@ def cleanup(w: Watch) -> str:
         while not flocked(fd) and time.monotonic() < deadline:
             time.sleep(0.2)
         removed = 0
+        resumable = set(w.args.resumable) if w.args.published and os.path.exists(w.args.published) else set()
         for path, before in w.before.items():
             now = path_state(Path(path))
-            if now is None or now == before:
-                continue  # absent, or there before this job and untouched by it
+            if now is None or now == before or path in resumable:
+                continue  # absent, there before this job and untouched by it, or read again by a --resume
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -378,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=0, help="the job's training steps (0: unknown)")
     parser.add_argument("--lock", required=True, help="the output's lock file, held by rank 0")
     parser.add_argument("--clean", action="append", default=[], help="a path rank 0's exit path removes (repeatable)")
+    parser.add_argument("--resumable", action="append", default=[], help="a --clean path kept once --published exists")
+    parser.add_argument("--published", default="", help="the file that says the job published a checkpoint")
     args = parser.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGHUP):  # a terminal's Ctrl-C or hangup is the job's business
         signal.signal(sig, signal.SIG_IGN)

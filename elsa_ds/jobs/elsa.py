@@ -112,7 +112,7 @@ class ElsaJob:
         self.state = self.checkpoints.load(run.zero.engine, run.zero.comm, fingerprint, run.rank)
         if self.opts.resume:
             if run.selector is not None:
-                run.selector.record = self.state.selection or run.selector.record
+                run.selector.resumed(self.state.selection)
             log.info(f"continuing at step {self.state.next_step} of {self.cfg.steps}")
             return
         if run.rank == 0:

@@ -81,7 +81,7 @@ class EvalSettings(BaseModel):
     markdown: Path | None = Field(None, json_schema_extra={"metavar": "FILE.md"})
     """Write the markdown table here."""
     overwrite: bool = False
-    """Replace an existing --output file (without it the file is refused before anything loads)."""
+    """Replace an existing --output or --markdown file (without it the file is refused before anything loads)."""
     speed: bool = False
     """Instead of perplexity and zero-shot: bytes on disk, memory, prefill and decode tokens/s and logits agreement of the
     model's dense and sparse modes side by side on the CPU (a local elsa-sparse checkpoint, or a dense pruned folder,
@@ -110,8 +110,20 @@ def check_settings(s: EvalSettings) -> None:
             raise ElsaError(f"{flag} {path} is a directory; give a file name, e.g. {example}")
         if not Path(path).resolve().parent.is_dir():
             raise ElsaError(f"{flag} {path}: directory {Path(path).resolve().parent} does not exist")
-    if s.output is not None and Path(s.output).exists() and not s.overwrite:
-        raise ElsaError(f"--output {s.output} exists; pass --overwrite to replace it, or choose another file")
+    check_new_files({"--output": s.output, "--markdown": s.markdown}, s.overwrite)
+
+
+def check_new_files(paths: dict[str, Path | None], overwrite: bool) -> None:
+    """The files a command writes (by flag): none exists unless ``overwrite``, and no two are the same file."""
+    given = {flag: Path(path) for flag, path in paths.items() if path is not None}
+    for flag, path in given.items():
+        if (path.exists() or path.is_symlink()) and not overwrite:
+            raise ElsaError(f"{flag} {path} exists; pass --overwrite to replace it, or choose another file")
+    seen: dict[Path, str] = {}
+    for flag, path in given.items():
+        if (same := seen.get(path.resolve())) is not None:
+            raise ElsaError(f"{same} and {flag} name the same file {path}: give each its own")
+        seen[path.resolve()] = flag
 
 
 def load_model(s: EvalSettings, config, offload_folder: str | None) -> PreTrainedModel:

@@ -2,7 +2,8 @@
 output's lock held from before the first costly step until the job ends, however it ends (``elsa_ds/files/ownership.py``).
 
 However it ends short of publishing (an error, a NaN loss, a full disk, Ctrl-C, SIGTERM), nothing of it stays beside the
-output: its staging folder and side files go, then its lock; its checkpoints (resumable) and the previous output stay.
+output: its staging folder and side files go, then its lock; its checkpoints (resumable) and the previous output stay
+(with --overwrite the previous checkpoints and logs the run set aside go back, unless the run published a checkpoint).
 A full disk ends it with one line saying where, how much the write needed and how much is free once they are gone.
 A rank killed outright (SIGKILL: the kernel's out-of-memory killer) runs no exit path: rank 0's watchdog
 (``elsa_ds/files/watchdog.py``), started once the output is owned, removes the same files and says one line instead."""
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from elsa_ds.files.disk_room import disk_full
-from elsa_ds.files.output import check_output_dir, staging_dir
+from elsa_ds.files.output import PublishFailed, check_output_dir, put_back, staging_dir
 from elsa_ds.files.ownership import check_apart, lock_path, owned
 from elsa_ds.files.watchdog import Watchdog
 from elsa_ds.jobs import make_job, run_job
@@ -23,11 +24,13 @@ from elsa_ds.methods import oneshot_names
 from elsa_ds.plan import log_plan, make_plan
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
+from elsa_ds.sparse.export import sparse_paths
 from elsa_ds.zero.ds_config import DsConfig
 
 # the side files beside the output (jobs/warm_start.py, jobs/finetune.py, jobs/selection.py name them from the staging's;
 # "mask.safetensors" is the retraining's one-shot mask, oneshot_paths' ".oneshot" suffix replaced)
 SIDE_FILES = ("init_mask.safetensors", "init_weights", "oneshot", "mask.safetensors", "best_projection")
+RESUMABLE = ("oneshot", "mask.safetensors", "best_projection")  # what a --resume of a checkpointed run reads again
 
 
 def job_inputs(cfg: ElsaConfig, opts: JobOptions) -> dict[str, str | Path | None]:
@@ -58,13 +61,14 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                 log_plan(plan)
                 job = make_job(plan)
                 if writer:  # the loop's step count: the plan's (a fine-tuning job's own count)
-                    dog.start(lock_path(opts.output_dir), unpublished_paths(Path(opts.output_dir)), plan.cfg.steps)
+                    out = Path(opts.output_dir)
+                    dog.start(lock_path(out), unpublished_paths(out), plan.cfg.steps, resumable_paths(out), published(out))
                     if isinstance(phases := getattr(job, "phases", None), PhaseLog):
                         phases.forward = dog.mark  # the training step a killed job had reached
                 return run_job(job, dog.mark)
             except BaseException as err:  # every way out short of publishing; the lock goes right after
-                if writer:
-                    discard_unpublished(Path(opts.output_dir))
+                if writer:  # a finished output whose final rename failed stays where the error says
+                    discard_unpublished(Path(opts.output_dir), keep=err.kept if isinstance(err, PublishFailed) else None)
                 if (full := disk_full(err, Path(opts.output_dir))) is not None:
                     raise full from None  # one line (ElsaError), its free space measured with the partial files gone
                 raise
@@ -75,15 +79,36 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
 def unpublished_paths(output_dir: Path) -> list[Path]:
     """What a job that did not publish leaves beside its output until it ends: its staging folder and the side files a
     job keeps there until it consumes them (warm-start mask and weights, the one-shot model of a retraining run, the best
-    projection) and their ``.tmp`` files. Its checkpoints (resumable) and the previous output are not among them."""
+    projection) and their ``.tmp`` files, and the elsa-sparse export being built beside the staging folder. Its
+    checkpoints (resumable), the previous output and what --overwrite set aside of it are not among them."""
     staging = staging_dir(output_dir)
     sides = [staging.with_name(f".{output_dir.name}.{s}") for s in SIDE_FILES]
-    return [staging, *sides, *(p.with_name(f".{p.name}.tmp") for p in sides)]
+    return [staging, *sparse_paths(staging), *sides, *(p.with_name(f".{p.name}.tmp") for p in sides)]
 
 
-def discard_unpublished(output_dir: Path) -> None:
-    """After a job that did not publish: remove its :func:`unpublished_paths`."""
+def published(output_dir: Path) -> Path:
+    """The file that says this run published a checkpoint a --resume continues (with --overwrite the previous run's
+    checkpoints were set aside, so it is this run's)."""
+    return output_dir / "checkpoints" / "latest"
+
+
+def resumable_paths(output_dir: Path) -> list[Path]:
+    """The side files a --resume reads again (the one-shot model under a retraining run, the best projection's
+    snapshot that a checkpoint's selection record names): kept when the run published a checkpoint."""
+    staging = staging_dir(output_dir)
+    return [staging.with_name(f".{output_dir.name}.{s}") for s in RESUMABLE]
+
+
+def discard_unpublished(output_dir: Path, keep: Path | None = None) -> None:
+    """After a job that did not publish: remove its :func:`unpublished_paths` but ``keep`` (a finished output the final
+    rename could not move, which the error names) and, once the run published a checkpoint, what a --resume reads
+    again (:func:`resumable_paths`); first, what an --overwrite job set aside of the previous output goes back
+    (``files/output.put_back``)."""
+    put_back(output_dir)
+    kept = {keep, *(resumable_paths(output_dir) if published(output_dir).exists() else [])}
     for path in unpublished_paths(output_dir):
+        if path in kept:
+            continue
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         elif path.exists():

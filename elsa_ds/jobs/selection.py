@@ -24,6 +24,7 @@ import torch
 
 from elsa_ds.admm.optimizer import AdmmOptimizer
 from elsa_ds.data import PplWindows
+from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import staging_dir
 from elsa_ds.zero.engine import ZeroEngine
 from elsa_ds.zero.partitions import distributed_nll, hard_projected, restore_shards, shard_snapshot
@@ -73,6 +74,15 @@ class Selector:
         tmp = path.with_name(f".{path.name}.tmp")
         torch.save(shard_snapshot(zero), tmp)
         tmp.replace(path)
+
+    def resumed(self, record: dict[str, Any] | None) -> None:
+        """--resume: the checkpoint's record, whose best projection's snapshot must still be on disk (a failed end keeps
+        it once a checkpoint is published; an older elsa_ds removed it): refused before any step when it is gone."""
+        self.record = record or self.record
+        best, path = self.record["best"], self.directory / f"rank{self.rank}.pt"
+        if best is not None and not path.is_file():
+            raise ElsaError(f"--resume: the checkpoint's selection names the best projection of step {best['step']}, but its "
+                            f"snapshot {path} is gone; start the run again without --resume")
 
     def choose(self, zero: ZeroEngine, final_ppl: float | None, final_step: int) -> float | None:
         """Score the run's end against the best snapshot; write the snapshot back when it wins (``final_ppl`` None:

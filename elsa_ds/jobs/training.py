@@ -4,7 +4,6 @@ job passes in what they need and keeps what they return (torchtune's recipes ove
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -16,6 +15,7 @@ import torch
 from elsa_ds.capacity import machine
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.output import set_aside
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource, check_token_ids, freeze_embeddings
 from elsa_ds.monitor import MONITOR_DIR, default_output_paths
@@ -87,15 +87,16 @@ def open_training(plan: Plan) -> Opened:
     """The two training jobs' opening: point DeepSpeed's file monitors into the output, start the process group, load
     the training sequences for ``cfg.steps`` global batches and the validation windows. Collective."""
     opts = plan.opts
-    monitor_dir = opts.output_dir / MONITOR_DIR if default_output_paths(plan.ds.raw, opts.output_dir) else None
+    default_output_paths(plan.ds.raw, opts.output_dir)
     rank, world = init_distributed()
     if world != plan.world_size:
         raise ElsaError(f"the process group has {world} ranks, but the plan was checked for {plan.world_size} (WORLD_SIZE)")
     if rank == 0:
         for warning in machine.stale_build_locks():
             log.warning(warning)
-        if monitor_dir is not None and not opts.resume and monitor_dir.exists():
-            shutil.rmtree(monitor_dir)  # an overwritten run's logs; DeepSpeed's csv monitor would append to them
+        if opts.overwrite:  # the previous output's checkpoints and logs (the csv monitor would append to them) until publication
+            for name in ("checkpoints", MONITOR_DIR):
+                set_aside(opts.output_dir, name)
     return Opened(rank, world, load_data(plan, rank, world))
 
 
@@ -155,13 +156,10 @@ class Checkpoints:
         self.directory: Path = opts.output_dir / "checkpoints"
         self.keep: int = keep  # how many tags stay on disk
         self.resume: bool = opts.resume  # continue from the latest tag
-        self.overwrite: bool = opts.overwrite  # an older run's tags go first
 
     def load(self, engine, comm, fingerprint: dict[str, Any], rank: int) -> RunState:
         """The state the loop starts from: fresh, or (--resume) the latest loadable checkpoint's, loaded into
         ``engine`` with the RNG. Refuses a checkpoint written with other settings (``fingerprint``). Collective."""
-        if self.overwrite and rank == 0 and self.directory.exists():
-            shutil.rmtree(self.directory)  # a fresh run never mixes its checkpoints with an older run's
         if not self.resume:
             return RunState(fingerprint=fingerprint)
         client = checkpoint.load_latest(engine, self.directory, comm)

@@ -4,8 +4,22 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from elsa_ds.files.output import staging_dir
+from elsa_ds.files.ownership import lock_path
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY, compress
 from elsa_ds.sparse.loader import verify
+
+
+def sparse_sibling(folder: Path) -> Path:
+    """Where :func:`compress_in_place` builds ``folder``'s elsa-sparse checkpoint."""
+    return folder.with_name(f"{folder.name}.sparse")
+
+
+def sparse_paths(folder: Path) -> list[Path]:
+    """What :func:`compress_in_place` may leave beside ``folder`` when it is stopped part-way (a job's exit path and its
+    watchdog remove them): the checkpoint being built and checked, and compress's own staging folder and lock."""
+    sparse = sparse_sibling(folder)
+    return [sparse, staging_dir(sparse), lock_path(sparse)]
 
 
 def compress_in_place(folder: Path, min_sparsity: float = DEFAULT_MIN_SPARSITY) -> dict:
@@ -14,7 +28,7 @@ def compress_in_place(folder: Path, min_sparsity: float = DEFAULT_MIN_SPARSITY) 
     The checkpoint is built and checked beside ``folder`` first; the dense files are removed only once it is complete.
     Returns what ``compress`` stored.
     """
-    sparse = folder.with_name(f"{folder.name}.sparse")
+    sparse = sparse_sibling(folder)
     if sparse.exists():
         shutil.rmtree(sparse)
     stored = compress(folder, sparse, min_sparsity=min_sparsity)

@@ -1,0 +1,215 @@
+"""What a job removes, moves or replaces: never a user's file, never a finished result (an audit's finds, 2026-11-29).
+
+A final rename that fails keeps the finished output where the error says; --overwrite sets the previous output's
+checkpoints and logs aside (not deleted) and puts them back when the job does not publish; publishing into a kept
+checkpoint folder leaves none of the previous output's files mixed with the new ones; a stopped sparse export leaves
+nothing beside the output; an output named by a link, by . or .., or around the working directory, the Python
+environment, the home directory or the Hugging Face cache is refused; evaluate never writes over a --markdown file
+without --overwrite, nor over one of its inputs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elsa_ds import cli
+from elsa_ds.errors import ElsaError
+from elsa_ds.files.io import write_atomic
+from elsa_ds.files.output import aside_dir, check_output_path, publish, staging_dir
+from elsa_ds.jobs.owner import discard_unpublished
+from elsa_ds.sparse.export import sparse_paths
+from tests.conftest import ROOT
+from tests.inprocess import one_line, run_main
+from tests.test_left_behind import _listing
+
+JOB = """
+import json, sys
+from pathlib import Path
+import elsa_ds
+from elsa_ds.files.safetensors_writer import ShardedWriter
+out, how = Path(sys.argv[1]), sys.argv[2]
+if how == "rename fails":
+    real = Path.rename
+    def rename(self, target):
+        if self.name.startswith(".o.partial.") and Path(target) == out:  # the final rename only
+            raise PermissionError(13, "Permission denied")
+        return real(self, target)
+    Path.rename = rename
+else:
+    def write(self, name, tensor):
+        raise KeyboardInterrupt
+    ShardedWriter.write = write
+try:
+    elsa_ds.prune(sys.argv[3], sys.argv[4], output_dir=str(out), overwrite=True, deepspeed="ds_configs/zero3_offload_csv.json",
+                  seqlen=64, steps=4, interval=2, sparsity=0.6, lr=1e-3, lmda=0.05, val_windows=0, baseline="none",
+                  micro_batch=2, init_mask="none")
+except (elsa_ds.ElsaError, KeyboardInterrupt) as err:
+    print("stopped:", type(err).__name__, err)
+"""
+
+
+def _previous_run(parent: Path) -> Path:
+    """An earlier run's output: its model, its published checkpoint and its monitor's logs."""
+    out = parent / "o"
+    (out / "checkpoints" / "global_step8").mkdir(parents=True)
+    (out / "checkpoints" / "global_step8" / "model_states.pt").write_text("earlier run")
+    (out / "checkpoints" / "latest").write_text("global_step8")
+    (out / "monitor").mkdir()
+    (out / "monitor" / "loss.csv").write_text("step,loss\n8,5.0\n")
+    (out / "model.safetensors").write_text("earlier model")
+    return out
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("how", ["rename fails", "interrupted"])
+def test_a_job_that_does_not_publish_leaves_the_previous_output_whole(tmp_path, tiny_model_dir, text_dir, how):
+    """--overwrite over an earlier run's output (checkpoints, monitor logs): the run sets them aside, and when it does not
+    publish (its final rename fails, or Ctrl-C in the export) they are back, the output as it was. A failed rename keeps
+    the finished output where its one line says (the exit path once removed it)."""
+    parent = tmp_path / "parent"
+    out = _previous_run(parent)
+    before = _listing(parent)
+    proc = subprocess.run([sys.executable, "-c", JOB, str(out), how, str(tiny_model_dir), str(text_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "stopped:" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+    kept = sorted(p for p in parent.iterdir() if p.name != "o")
+    assert _listing(out) == {k.removeprefix("o/"): v for k, v in before.items() if k.startswith("o/")}
+    if how == "rename fails":
+        assert "PublishFailed" in proc.stdout and f"it is complete in {kept[0]}" in proc.stdout, proc.stdout
+        assert len(kept) == 1 and kept[0].name.startswith(".o.partial.")
+        assert {"model.safetensors", "elsa_report.json", "monitor"} <= {p.name for p in kept[0].iterdir()}
+    else:
+        assert kept == [] and _listing(parent) == before, sorted(p.name for p in parent.iterdir())
+
+
+def test_publishing_into_kept_checkpoints_leaves_no_old_file_beside_the_new(tmp_path):
+    """--save_interval or --resume: the checkpoints (and the monitor's logs) stay; every other file of the previous output
+    goes, so an old shard, index or eval.json is never read as part of the new model."""
+    out = tmp_path / "o"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("global_step4")
+    (out / "monitor").mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "eval.json", "config.json"):
+        (out / name).write_text("old")
+    staging = staging_dir(out)
+    staging.mkdir()
+    for name in ("model.safetensors", "config.json", "elsa_report.json"):
+        (staging / name).write_text("new")
+    publish(staging, out, keep_checkpoints=True)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json", "elsa_report.json", "model.safetensors",
+                                                    "monitor"]
+    assert (out / "config.json").read_text() == "new" and (out / "checkpoints" / "latest").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+def test_a_stopped_sparse_export_leaves_nothing_beside_the_output(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    for path in sparse_paths(staging_dir(out)):  # the checkpoint being checked, compress's staging and its lock
+        path.mkdir() if path.suffix != ".lock" else path.write_text("")
+    discard_unpublished(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"] and (out / "precious.txt").exists()
+
+
+def test_put_back_keeps_a_resumable_runs_checkpoints(tmp_path):
+    """The run published a checkpoint before it stopped: --resume continues it, so its checkpoints stay in place and the
+    previous ones stay aside (named in a warning), never deleted."""
+    out = _previous_run(tmp_path)
+    from elsa_ds.files.output import set_aside
+
+    set_aside(out, "checkpoints")
+    (out / "checkpoints" / "global_step2").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("global_step2")
+    discard_unpublished(out)
+    assert (out / "checkpoints" / "latest").read_text() == "global_step2"
+    assert (aside_dir(out) / "checkpoints" / "latest").read_text() == "global_step8"
+
+
+@pytest.mark.parametrize("name", ["link", "dangling link", ".", "..", "cwd parent", "venv", "home"])
+def test_an_output_that_would_take_something_else_along_is_refused(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "dangling link").symlink_to(tmp_path / "nowhere")
+    path = {"cwd parent": tmp_path.parent, "venv": Path(sys.prefix), "home": Path.home()}.get(name, Path(name))
+    with pytest.raises(ElsaError, match="symbolic link|not /, . or ..|contains|is the|is this"):
+        check_output_path(path)
+    assert not (tmp_path / "nowhere").exists()
+    check_output_path(tmp_path / "new")  # a folder of its own, inside the working directory
+
+
+def test_evaluate_never_writes_over_a_markdown_file_without_overwrite(tmp_path, tiny_model_dir):
+    md, js = tmp_path / "table.md", tmp_path / "r.json"
+    md.write_text("my notes")
+    js.write_text('{"model": "m", "ppl": {}}')
+    base = ["--model", str(tiny_model_dir), "--ppl", "shakespeare", "--seqlen", "64", "--limit", "2"]
+    one_line(*run_main(cli.main_evaluate, [*base, "--markdown", str(md)])[:2], "--markdown", "exists")
+    one_line(*run_main(cli.main_evaluate, [*base, "--output", str(md), "--markdown", str(md), "--overwrite"])[:2],
+             "name the same file")
+    one_line(*run_main(cli.main_evaluate, ["--compare", str(js), "--markdown", str(md)])[:2], "--markdown", "exists")
+    one_line(*run_main(cli.main_evaluate, ["--compare", str(js), "--markdown", str(js), "--overwrite"])[:2], "--compare inputs")
+    assert md.read_text() == "my notes" and js.read_text() == '{"model": "m", "ppl": {}}'
+
+
+def test_an_interrupted_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    real = os.replace
+
+    def stopped(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(tmp_path / "latest", "global_step2")
+    monkeypatch.setattr(os, "replace", real)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_what_a_resume_reads_again_stays_once_a_checkpoint_is_published(tmp_path, checkpointed):
+    """A retraining run's one-shot model and mask, the best projection's snapshot: a --resume of a checkpointed run reads
+    them again (the checkpoint's selection record names the snapshot's step), so a failed end keeps them then."""
+    out = tmp_path / "o"
+    (out / "checkpoints").mkdir(parents=True)
+    if checkpointed:
+        (out / "checkpoints" / "latest").write_text("global_step4")
+    for name in (".o.oneshot", ".o.best_projection"):
+        (tmp_path / name).mkdir()
+    (tmp_path / ".o.mask.safetensors").write_text("mask")
+    (tmp_path / ".o.init_mask.safetensors").write_text("consumed at the start")
+    staging_dir(out).mkdir()
+    discard_unpublished(out)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ([".o.best_projection", ".o.mask.safetensors", ".o.oneshot", "o"] if checkpointed else ["o"]), left
+
+
+def test_a_resume_whose_best_snapshot_is_gone_is_refused_before_any_step(tmp_path):
+    from elsa_ds.jobs.selection import Selector
+
+    record = {"curve": [{"step": 8, "ppl": 50.0}], "best": {"step": 8, "ppl": 50.0}, "since_best": 0, "stopped_at": None}
+    selector = Selector(every=1, patience=0, directory=tmp_path / "best", rank=0)
+    with pytest.raises(ElsaError, match="best projection of step 8, but its snapshot .* is gone"):
+        selector.resumed(record)
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "rank0.pt").write_bytes(b"")
+    selector.resumed(record)
+    assert selector.record is record
+
+
+def test_the_demo_trainer_replaces_only_an_earlier_demo_model(tmp_path, capsys):
+    from elsa_ds.demo.train_demo import check_out
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("mine")
+    for overwrite in (False, True):
+        with pytest.raises(SystemExit) as stop:
+            check_out(notes, overwrite)
+        assert stop.value.code == 2
+    assert "holds no demo model" in capsys.readouterr().err and (notes / "thesis.tex").read_text() == "mine"
+    (notes / "training_metrics.json").write_text("{}")
+    check_out(notes, overwrite=True)
+    check_out(tmp_path / "new", overwrite=False)
