@@ -66,6 +66,28 @@ def sigterm_unwinds() -> Iterator[None]:
             signal.raise_signal(signal.SIGTERM)  # the default action: the process ends here, as killed by SIGTERM
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait while the block runs (a cleanup that must not stop half-way: files put back), then take
+    effect as they would have (the handler in place is called, or the default action taken). In the main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    saved: dict[int, Any] = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in saved:
+        signal.signal(sig, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        if got and callable(handler := saved[got[0]]):
+            handler(got[0], None)
+        elif got and handler == signal.SIG_DFL:
+            signal.raise_signal(got[0])
+
+
 class ElsaError(Exception):
     """A problem with the user's input or environment: the message says what is wrong and how to fix it.
 

@@ -9,8 +9,10 @@ without --overwrite, nor over one of its inputs."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,9 @@ import pytest
 from elsa_ds import cli
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.io import write_atomic
-from elsa_ds.files.output import aside_dir, check_output_path, publish, staging_dir
-from elsa_ds.jobs.owner import discard_unpublished
+from elsa_ds.errors import signals_held
+from elsa_ds.files.output import aside_dir, check_output_path, fresh_staging, publish, set_aside, staging_dir
+from elsa_ds.jobs.owner import discard_unpublished, resumable_paths
 from elsa_ds.sparse.export import sparse_paths
 from tests.conftest import ROOT
 from tests.inprocess import one_line, run_main
@@ -86,12 +89,13 @@ def test_a_job_that_does_not_publish_leaves_the_previous_output_whole(tmp_path, 
 
 
 def test_publishing_into_kept_checkpoints_leaves_no_old_file_beside_the_new(tmp_path):
-    """--save_interval or --resume: the checkpoints (and the monitor's logs) stay; every other file of the previous output
-    goes, so an old shard, index or eval.json is never read as part of the new model."""
+    """--save_interval or --resume: the output's folders stay (the checkpoints, the monitor's logs wherever they are set);
+    every file of the previous output goes, so an old shard, index or eval.json is never read as part of the new model."""
     out = tmp_path / "o"
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints" / "latest").write_text("global_step4")
     (out / "monitor").mkdir()
+    (out / "tb").mkdir()  # a monitor's output_path set inside the output: this run's logs
     for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "eval.json", "config.json"):
         (out / name).write_text("old")
     staging = staging_dir(out)
@@ -100,7 +104,7 @@ def test_publishing_into_kept_checkpoints_leaves_no_old_file_beside_the_new(tmp_
         (staging / name).write_text("new")
     publish(staging, out, keep_checkpoints=True)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json", "elsa_report.json", "model.safetensors",
-                                                    "monitor"]
+                                                    "monitor", "tb"]
     assert (out / "config.json").read_text() == "new" and (out / "checkpoints" / "latest").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
 
@@ -119,14 +123,66 @@ def test_put_back_keeps_a_resumable_runs_checkpoints(tmp_path):
     """The run published a checkpoint before it stopped: --resume continues it, so its checkpoints stay in place and the
     previous ones stay aside (named in a warning), never deleted."""
     out = _previous_run(tmp_path)
-    from elsa_ds.files.output import set_aside
-
-    set_aside(out, "checkpoints")
+    set_aside(out, [out / "checkpoints"])
     (out / "checkpoints" / "global_step2").mkdir(parents=True)
     (out / "checkpoints" / "latest").write_text("global_step2")
     discard_unpublished(out)
     assert (out / "checkpoints" / "latest").read_text() == "global_step2"
     assert (aside_dir(out) / "checkpoints" / "latest").read_text() == "global_step8"
+
+
+def test_an_overwrite_that_fails_puts_the_previous_runs_resumable_state_back(tmp_path):
+    """--overwrite over a checkpointed run whose one-shot model a --resume would read: the failed run's own side file of
+    that name goes, the previous one comes back with its checkpoints (the order matters: the restored `latest` must not
+    make the failed run's files look resumable). After a publication nothing set aside can come back."""
+    out = _previous_run(tmp_path)
+    (tmp_path / ".o.oneshot").mkdir()
+    (tmp_path / ".o.oneshot" / "config.json").write_text("the previous run's")
+    before = _listing(tmp_path)
+    set_aside(out, [out / "checkpoints", out / "monitor", *resumable_paths(out)])
+    (tmp_path / ".o.oneshot").mkdir()
+    (tmp_path / ".o.oneshot" / "config.json").write_text("the failed run's")
+    (out / "monitor").mkdir()
+    (out / "monitor" / "loss.csv").write_text("the failed run's")
+    staging_dir(out).mkdir()
+    discard_unpublished(out)
+    assert _listing(tmp_path) == before
+    set_aside(out, [out / "checkpoints", out / "monitor", *resumable_paths(out)])
+    staging = staging_dir(out)
+    staging.mkdir()
+    (staging / "model.safetensors").write_text("new")
+    publish(staging, out, keep_checkpoints=False)
+    discard_unpublished(out)  # an exception after the publication: nothing is put back into the new output
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"] and not aside_dir(out).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # the previous run's side file went with its output
+
+
+def test_a_staging_folder_of_an_earlier_job_with_this_process_id_is_kept(tmp_path):
+    """Containers reuse process ids (often 1): an earlier job's staging under this id may hold a finished output whose
+    final rename failed; it is renamed, never deleted."""
+    out = tmp_path / "o"
+    staging_dir(out).mkdir()
+    (staging_dir(out) / "model.safetensors").write_text("finished")
+    assert fresh_staging(out) == staging_dir(out) and list(staging_dir(out).iterdir()) == []
+    earlier = [p for p in tmp_path.iterdir() if p.name.startswith(f"{staging_dir(out).name}.earlier.")]
+    assert len(earlier) == 1 and (earlier[0] / "model.safetensors").read_text() == "finished"
+
+
+def test_a_signal_during_a_held_cleanup_takes_effect_after_it():
+    seen = []
+
+    def handler(signum, frame):
+        seen.append(("handler", signum))
+
+    saved = signal.signal(signal.SIGTERM, handler)
+    try:
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            seen.append("cleanup done")
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+    assert seen == ["cleanup done", ("handler", signal.SIGTERM)]
 
 
 @pytest.mark.parametrize("name", ["link", "dangling link", ".", "..", "cwd parent", "venv", "home"])

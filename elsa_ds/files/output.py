@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from elsa_ds.admm.projection import NM
@@ -46,15 +48,16 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False) ->
 def check_output_path(output_dir: Path) -> None:
     """The output is named by its own path: no symbolic link at it (its lock, staging and side files are named from the
     path, so a second name for one folder would give a second owner, and a dangling link would build beside its
-    target), no ``.`` or ``..`` as its last part, and no folder a replaced output would take with it: the current
-    directory, this Python environment, the installed elsa_ds, the home directory, the Hugging Face cache, or one
-    containing them."""
+    target), no ``.`` or ``..`` as its last part, and no folder a replaced or continued output would take with it: the
+    current directory, this Python environment, the installed elsa_ds, the home directory, the Hugging Face cache, or
+    one containing them. Whatever the other flags."""
+    real = os.path.realpath(output_dir)
     if output_dir.is_symlink():
         raise ElsaError(f"--output_dir {output_dir} is a symbolic link (to {os.readlink(output_dir)}): give the folder's own "
-                        f"path, e.g. {output_dir.resolve()}")
+                        f"path, e.g. {real}")
     if output_dir.name in ("", ".", ".."):
-        raise ElsaError(f"--output_dir {output_dir}: name a folder of its own, not /, . or .. (e.g. {output_dir.resolve()})")
-    out = output_dir.expanduser().resolve()
+        raise ElsaError(f"--output_dir {output_dir}: name a folder of its own, not /, . or .. (e.g. {real})")
+    out = Path(real)
     for what, path in _kept_folders():
         if out == path or out in path.parents:
             raise ElsaError(f"--output_dir {output_dir} {'is' if out == path else 'contains'} {what} ({path}): a replaced or "
@@ -62,12 +65,19 @@ def check_output_path(output_dir: Path) -> None:
 
 
 def _kept_folders() -> list[tuple[str, Path]]:
-    home = Path.home()
-    hf = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME") or home / ".cache" / "huggingface") / "hub")
-    return [(what, Path(path).expanduser().resolve()) for what, path in (
-        ("the current directory", Path.cwd()), ("this Python environment", sys.prefix),
-        ("the installed elsa_ds", Path(__file__).resolve().parents[1]), ("the home directory", home),
-        ("the Hugging Face cache", hf))]
+    """The folders no output may be or contain; one that cannot be told (no home, a deleted working directory) is left out."""
+    found: list[tuple[str, Callable[[], str | Path]]] = [
+        ("this Python environment", lambda: sys.prefix), ("the installed elsa_ds", lambda: Path(__file__).parents[1]),
+        ("the current directory", Path.cwd), ("the home directory", Path.home),
+        ("the Hugging Face cache", lambda: os.environ.get("HF_HUB_CACHE") or Path(
+            os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub")]
+    kept = []
+    for what, where in found:
+        try:
+            kept.append((what, Path(os.path.realpath(Path(where()).expanduser()))))
+        except (OSError, RuntimeError):
+            continue
+    return kept
 
 
 def check_publishable(output_dir: Path) -> None:
@@ -89,48 +99,68 @@ def staging_dir(output_dir: Path) -> Path:
 
 
 def aside_dir(output_dir: Path) -> Path:
-    """Where an --overwrite job keeps the previous output's folders that the run writes anew in place (checkpoints, the
-    monitor's logs) until the new output is published (then removed) or the job fails (then put back)."""
+    """Where an --overwrite job keeps what the run would replace before it publishes (the previous output's checkpoints
+    and monitor logs, the side files a --resume of it would read), until the new output is published (then removed) or
+    the job fails (then put back)."""
     return output_dir.resolve().parent / f".{output_dir.name}.replaced.{os.getpid()}"
 
 
-def set_aside(output_dir: Path, name: str) -> None:
-    """Rank 0 of an --overwrite job, before the run writes ``output_dir / name``: the previous output's copy moves aside
-    (not deleted: the old output stays whole until the new one is complete)."""
-    if (output_dir / name).exists() or (output_dir / name).is_symlink():
-        aside_dir(output_dir).mkdir(exist_ok=True)
-        (output_dir / name).rename(aside_dir(output_dir) / name)
+def set_aside(output_dir: Path, paths: list[Path]) -> None:
+    """Rank 0 of an --overwrite job, before any work: ``paths`` (in the output or beside it) move aside, not deleted, so
+    the previous output stays whole until the new one is complete. An aside folder an earlier job of this process id
+    left (containers reuse ids) is renamed first, never merged into."""
+    aside = aside_dir(output_dir)
+    if (aside.exists() or aside.is_symlink()) and not _moved_away(aside, "earlier"):
+        raise ElsaError(f"{aside}, left by an earlier job, is in the way and could not be renamed: move it away first")
+    for path in paths:
+        if path.exists() or path.is_symlink():
+            aside.mkdir(exist_ok=True)
+            path.rename(aside / path.name)
 
 
 def put_back(output_dir: Path) -> None:
-    """A job that did not publish: the folders :func:`set_aside` moved go back in place of what the run wrote there, but
-    checkpoints the run published (a --resume continues them): then the previous ones stay aside, named in a warning."""
-    aside = aside_dir(output_dir)
+    """A job that did not publish: what :func:`set_aside` moved goes back, each in place of what the run wrote there
+    (that moved away first, then removed), unless the run published a checkpoint of its own (a --resume continues it):
+    then all of it stays aside, named in a warning. A failure is a warning naming the aside folder, never an error that
+    would hide the job's own."""
+    aside, log = aside_dir(output_dir), get_logger(__name__)
     if not aside.is_dir():
         return
-    if (output_dir / "checkpoints" / "latest").exists():  # this run's: the previous output's went aside first
-        get_logger(__name__).warning(f"this run's checkpoints in {output_dir / 'checkpoints'} can be resumed (--resume); the "
-                                     f"previous output's checkpoints and logs are in {aside} (delete it once not wanted)")
+    if (output_dir / "checkpoints" / "latest").exists():  # this run's: the previous output's went aside before any work
+        log.warning(f"this run's checkpoints in {output_dir / 'checkpoints'} can be resumed (--resume); what it would have "
+                    f"replaced of the previous output is in {aside} (delete it once not wanted)")
         return
-    for entry in sorted(aside.iterdir()):
-        target = output_dir / entry.name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target, ignore_errors=True)
-        elif target.exists() or target.is_symlink():
-            target.unlink()
-        entry.rename(target)
-    aside.rmdir()
+    try:
+        for entry in sorted(aside.iterdir()):
+            target = (output_dir.resolve().parent if entry.name.startswith(f".{output_dir.name}.") else output_dir) / entry.name
+            trash = _moved_away(target, "unpublished")
+            entry.rename(target)
+            if trash is not None:
+                shutil.rmtree(trash, ignore_errors=True) if trash.is_dir() and not trash.is_symlink() else trash.unlink()
+        aside.rmdir()
+    except OSError as err:
+        log.warning(f"the previous output's checkpoints, logs or side files could not all be put back ({err}): what is left "
+                    f"of them is in {aside}")
+
+
+def _moved_away(path: Path, why: str) -> Path | None:
+    """Rename ``path`` (if there) to a new name beside it; that name, or None when there was nothing to move."""
+    if not (path.exists() or path.is_symlink()):
+        return None
+    away = path.with_name(f"{path.name}.{why}.{time.time_ns()}")
+    path.rename(away)
+    return away
 
 
 def fresh_staging(output_dir: Path) -> Path:
-    """An empty staging directory for this job. Leftovers of earlier jobs are named, not removed: one may hold a
-    finished output whose final rename failed."""
+    """An empty staging directory for this job. Leftovers of earlier jobs (one of this process id renamed first) are
+    named, not removed: one may hold a finished output whose final rename failed."""
     staging = staging_dir(output_dir)
-    if staging.exists():
-        shutil.rmtree(staging)
-    leftovers = sorted(str(p) for p in staging.parent.glob(f".{output_dir.name}.partial*") if p != staging)
-    if leftovers:
-        get_logger(__name__).warning(f"staging folders of earlier jobs on {output_dir} remain: {', '.join(leftovers)} "
+    _moved_away(staging, "earlier")  # an earlier job of this process id (containers reuse ids): it may hold a finished output
+    leftovers = sorted(str(p) for pattern in (".partial*", ".replaced.*") for p in staging.parent.glob(f".{output_dir.name}{pattern}")
+                       if p != staging)
+    if leftovers:  # a failed final rename's finished output; what a killed --overwrite job had set aside of the output before
+        get_logger(__name__).warning(f"folders of earlier jobs on {output_dir} remain: {', '.join(leftovers)} "
                                      "(delete them once you know nothing in them is wanted)")
     staging.mkdir(parents=True)
     return staging
@@ -148,8 +178,8 @@ class PublishFailed(ElsaError):
 def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tuple[str, ...] = ("monitor",)) -> None:
     """Swap the finished staging directory in for ``output_dir`` (old contents removed only afterwards).
 
-    With ``keep_checkpoints`` the run's checkpoints stay: the previous output's other entries move aside first (none of
-    its files stays mixed with the new ones), then each finished file is renamed into place. The folders named in
+    With ``keep_checkpoints`` the output's folders stay (the run's checkpoints, its logs): the previous output's files
+    move aside first (none stays mixed with the new ones), then each finished file is renamed into place. The folders named in
     ``carry`` that the run wrote into ``output_dir`` while it ran (the monitor's logs) move along (with
     ``keep_checkpoints`` they stay where they are). Should a rename fail, a :class:`PublishFailed` says where the
     finished output is.
@@ -160,7 +190,7 @@ def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tupl
             if (output_dir / name).is_dir() and not (staging / name).exists() and not keep_checkpoints:
                 (output_dir / name).rename(staging / name)
         if keep_checkpoints and output_dir.is_dir():
-            _publish_into(staging, output_dir, old, stay=("checkpoints", *carry))
+            _publish_into(staging, output_dir, old)
         else:
             if output_dir.exists():
                 output_dir.rename(old)
@@ -175,25 +205,24 @@ def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tupl
                  f"it is complete in {staging}: move it there yourself (mv {staging} {output_dir})")
         raise PublishFailed(f"the finished output could not be moved to {output_dir} ({err.strerror or err}); {where}",
                             staging) from None
-    try:
-        if old.exists():
-            shutil.rmtree(old)
-        if aside_dir(output_dir).exists():  # the previous output's checkpoints and logs, set aside by --overwrite
-            shutil.rmtree(aside_dir(output_dir))
-    except OSError as err:
-        get_logger(__name__).warning(f"wrote {output_dir}, but the previous output moved aside to {old} could not be removed "
-                                     f"({err.strerror or err}); delete it yourself")
+    for gone in (old, _moved_away(aside_dir(output_dir), "published")):  # what --overwrite set aside: never put back now
+        try:
+            if gone is not None and gone.exists():
+                shutil.rmtree(gone)
+        except OSError as err:
+            get_logger(__name__).warning(f"wrote {output_dir}, but the previous output moved aside to {gone} could not be "
+                                         f"removed ({err.strerror or err}); delete it yourself")
 
 
-def _publish_into(staging: Path, output_dir: Path, old: Path, stay: tuple[str, ...]) -> None:
-    """``output_dir`` keeps the entries named in ``stay`` (the run's checkpoints and logs); every other entry of the
-    previous output moves into ``old`` (removed by the caller), then each finished file moves in. A failure while the
-    previous entries move aside puts them back."""
+def _publish_into(staging: Path, output_dir: Path, old: Path) -> None:
+    """``output_dir`` keeps its folders (the run's checkpoints and logs); every file of the previous output moves into
+    ``old`` (removed by the caller), then each finished file moves in. A failure while the previous files move aside
+    puts them back."""
     old.mkdir()
     moved = []
     try:
         for entry in sorted(output_dir.iterdir()):
-            if entry.name not in stay:
+            if entry.is_symlink() or not entry.is_dir():
                 entry.rename(old / entry.name)
                 moved.append(entry.name)
     except OSError:

@@ -6,6 +6,7 @@ the deepspeed launcher says "exits with return code = -9" and nothing more. So r
 owns the output, starts this small process (stdlib and psutil only):
 
     python -E -m elsa_ds.files.watchdog --pid RANK0 [--launcher PID --ranks N] --steps N --lock LOCK --clean PATH ...
+        [--resumable PATH ... --published LATEST]
 
 It forks away at once into a session of its own: neither a kill of the job's process group nor the launcher's kill of
 rank 0's process tree takes it. Through its stdin rank 0 tells it each phase it begins (``jobs/phases.py``, the stages
@@ -14,10 +15,11 @@ host memory and the job's resident memory, keeping the peaks. A rank that dies i
 status read from /proc before the launcher, which polls each second, reaps it.
 
 Rank 0 gone without its exit path: it removes what that path would have, only under the output's lock naming rank 0
-and only what this job created or changed, then says one line on the job's stderr after the launcher's: which rank,
-which signal, the phase, the memory peaks, and whether the kernel's out-of-memory killer ran meanwhile (``oom_kill`` in
-``/proc/vmstat``). Another rank killed, rank 0 then stopped by the launcher: the same line, rank 0 having cleaned up.
-A clean end: not a word. Only the ranks on rank 0's node are watched.
+and only what this job created or changed (but what a --resume reads again once the job published a checkpoint), then
+says one line on the job's stderr after the launcher's: which rank, which signal, the phase, the memory peaks, and
+whether the kernel's out-of-memory killer ran meanwhile (``oom_kill`` in ``/proc/vmstat``). Another rank killed, rank 0
+then stopped by the launcher: the same line, rank 0 having cleaned up. A clean end: not a word. Only the ranks on rank
+0's node are watched. What --overwrite set aside of the previous output (``.NAME.replaced.PID``) it leaves where it is.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ import psutil
 
 from elsa_ds.errors import stderr_line
 from elsa_ds.files.ownership import read_holder
+from elsa_ds.files.procfs import cgroup_limit, oom_kills, path_state, proc_stat
 
 GIB = 2**30
 SAMPLE_S = 0.5
@@ -66,13 +69,14 @@ class Watchdog:
 
     def start(self, lock: Path, clean: list[Path], steps: int | None, resumable: list[Path] | None = None,
               published: Path | None = None) -> None:
-        """Start the watchdog of this process's job (the ranks on this node), which removes ``clean`` (but ``resumable``
-        once ``published`` exists) and ``lock`` should the job be killed; a watchdog that cannot start is a warning, not a reason to stop the job."""
+        """Start the watchdog of this process's job (the ranks on this node), which removes ``clean`` (``resumable`` only
+        while ``published`` is absent) and ``lock`` should the job be killed; one that cannot start is a warning only."""
         local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"
         launcher = os.getppid() if "LOCAL_RANK" in os.environ else 0  # deepspeed's launch.py, torchrun's agent
+        paths = [("--clean", p) for p in clean] + [("--resumable", p) for p in resumable or []]
+        paths += [("--published", published)] if published else []
         cmd = [sys.executable, "-E", "-m", "elsa_ds.files.watchdog", "--pid", str(os.getpid()), "--launcher", str(launcher),
-               "--ranks", local, "--steps", str(steps or 0), "--lock", str(lock), *(a for p in clean for a in ("--clean", str(p))),
-               *(a for p in resumable or [] for a in ("--resumable", str(p))), *(("--published", str(published)) if published else ())]
+               "--ranks", local, "--steps", str(steps or 0), "--lock", str(lock), *(a for f, p in paths for a in (f, str(p)))]
         read, write, proc = *os.pipe(), None
         code: int | str  # the first process's exit code, or why it did not run
         try:  # -E: none of the job's PYTHON* variables (a sitecustomize that imports torch); elsa_ds found from cwd
@@ -144,47 +148,6 @@ class Watch:
     peak_used: int = 0
     peak_job: int = 0
     oom_before: int | None = None
-
-
-def proc_stat(pid: int) -> tuple[str, str, int | None] | None:
-    """(state, start time, exit status) of ``pid`` from /proc: the exit status of a zombie not yet reaped (Linux ≥ 3.5)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return fields[0], fields[19], int(fields[49]) if len(fields) > 49 else None
-
-
-def oom_kills() -> int | None:
-    """How many processes the kernel's out-of-memory killer has ended since boot, cgroup limits included."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/vmstat").read_text().splitlines():
-            if line.startswith("oom_kill "):
-                return int(line.split()[1])
-    return None
-
-
-def cgroup_limit() -> int | None:
-    """The memory limit of this process's cgroup: the tightest memory.max (v2) or memory.limit_in_bytes (v1) up its tree."""
-    limits = []
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            v1 = "memory" in controllers.replace(",", " ").split()  # /proc/self/cgroup: "id:controllers:path"
-            base, name = (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes") if v1 else (Path("/sys/fs/cgroup"), "memory.max")
-            for d in (base / path.lstrip("/"), *(base / path.lstrip("/")).parents) if v1 or not controllers else ():
-                if (d / name).is_file() and (value := (d / name).read_text().strip()) != "max":
-                    limits.append(int(value))
-                if d == base:
-                    break
-    return min(limits) if limits else None
-
-
-def path_state(path: Path) -> tuple | None:
-    with contextlib.suppress(OSError):
-        st = os.lstat(path)
-        return st.st_dev, st.st_ino, st.st_ctime_ns
-    return None
 
 
 def add_rank(w: Watch, pid: int, rank: int) -> None:
@@ -297,8 +260,7 @@ def cleanup(w: Watch) -> str:
         deadline = time.monotonic() + LOCK_WAIT_S  # held on by a straggler of rank 0 past it: still no other job's
         while not flocked(fd) and time.monotonic() < deadline:
             time.sleep(0.2)
-        removed = 0
-        resumable = set(w.args.resumable) if w.args.published and os.path.exists(w.args.published) else set()
+        removed, resumable = 0, set(w.args.resumable) if w.args.published and os.path.exists(w.args.published) else set()
         for path, before in w.before.items():
             now = path_state(Path(path))
             if now is None or now == before or path in resumable:

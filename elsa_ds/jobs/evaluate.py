@@ -111,6 +111,10 @@ def check_settings(s: EvalSettings) -> None:
         if not Path(path).resolve().parent.is_dir():
             raise ElsaError(f"{flag} {path}: directory {Path(path).resolve().parent} does not exist")
     check_new_files({"--output": s.output, "--markdown": s.markdown}, s.overwrite)
+    inputs = {Path(p).resolve() for p in s.ppl if Path(p).is_file()}
+    for flag, path in (("--output", s.output), ("--markdown", s.markdown)):
+        if path is not None and Path(path).resolve() in inputs:
+            raise ElsaError(f"{flag} {path} is one of the --ppl texts: give the result its own file")
 
 
 def check_new_files(paths: dict[str, Path | None], overwrite: bool) -> None:

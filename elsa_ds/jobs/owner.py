@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from elsa_ds.files.disk_room import disk_full
-from elsa_ds.files.output import PublishFailed, check_output_dir, put_back, staging_dir
+from elsa_ds.errors import signals_held
+from elsa_ds.files.output import PublishFailed, check_output_dir, put_back, set_aside, staging_dir
 from elsa_ds.files.ownership import check_apart, lock_path, owned
 from elsa_ds.files.watchdog import Watchdog
 from elsa_ds.jobs import make_job, run_job
 from elsa_ds.jobs.phases import PhaseLog
 from elsa_ds.methods import oneshot_names
+from elsa_ds.monitor import MONITOR_DIR
 from elsa_ds.plan import log_plan, make_plan
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
@@ -57,18 +59,21 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
     try:
         with owned(opts.output_dir, "--output_dir", take=writer):
             try:
+                out = Path(opts.output_dir)
+                if writer and opts.overwrite:  # the previous output's checkpoints, logs and resumable side files, until published
+                    set_aside(out, [out / "checkpoints", out / MONITOR_DIR, *resumable_paths(out)])
                 plan = make_plan(cfg, opts, ds_config)
                 log_plan(plan)
                 job = make_job(plan)
                 if writer:  # the loop's step count: the plan's (a fine-tuning job's own count)
-                    out = Path(opts.output_dir)
                     dog.start(lock_path(out), unpublished_paths(out), plan.cfg.steps, resumable_paths(out), published(out))
                     if isinstance(phases := getattr(job, "phases", None), PhaseLog):
                         phases.forward = dog.mark  # the training step a killed job had reached
                 return run_job(job, dog.mark)
             except BaseException as err:  # every way out short of publishing; the lock goes right after
                 if writer:  # a finished output whose final rename failed stays where the error says
-                    discard_unpublished(Path(opts.output_dir), keep=err.kept if isinstance(err, PublishFailed) else None)
+                    with signals_held():
+                        discard_unpublished(out, keep=err.kept if isinstance(err, PublishFailed) else None)
                 if (full := disk_full(err, Path(opts.output_dir))) is not None:
                     raise full from None  # one line (ElsaError), its free space measured with the partial files gone
                 raise
@@ -89,7 +94,7 @@ def unpublished_paths(output_dir: Path) -> list[Path]:
 def published(output_dir: Path) -> Path:
     """The file that says this run published a checkpoint a --resume continues (with --overwrite the previous run's
     checkpoints were set aside, so it is this run's)."""
-    return output_dir / "checkpoints" / "latest"
+    return output_dir.resolve() / "checkpoints" / "latest"  # absolute: the watchdog runs from /
 
 
 def resumable_paths(output_dir: Path) -> list[Path]:
@@ -102,9 +107,8 @@ def resumable_paths(output_dir: Path) -> list[Path]:
 def discard_unpublished(output_dir: Path, keep: Path | None = None) -> None:
     """After a job that did not publish: remove its :func:`unpublished_paths` but ``keep`` (a finished output the final
     rename could not move, which the error names) and, once the run published a checkpoint, what a --resume reads
-    again (:func:`resumable_paths`); first, what an --overwrite job set aside of the previous output goes back
-    (``files/output.put_back``)."""
-    put_back(output_dir)
+    again (:func:`resumable_paths`); then what an --overwrite job set aside of the previous output goes back
+    (``files/output.put_back``; it was set aside before any work, so a published checkpoint is this run's)."""
     kept = {keep, *(resumable_paths(output_dir) if published(output_dir).exists() else [])}
     for path in unpublished_paths(output_dir):
         if path in kept:
@@ -113,3 +117,4 @@ def discard_unpublished(output_dir: Path, keep: Path | None = None) -> None:
             shutil.rmtree(path, ignore_errors=True)
         elif path.exists():
             path.unlink(missing_ok=True)
+    put_back(output_dir)

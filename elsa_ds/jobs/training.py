@@ -15,7 +15,6 @@ import torch
 from elsa_ds.capacity import machine
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.output import set_aside
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource, check_token_ids, freeze_embeddings
 from elsa_ds.monitor import MONITOR_DIR, default_output_paths
@@ -94,9 +93,6 @@ def open_training(plan: Plan) -> Opened:
     if rank == 0:
         for warning in machine.stale_build_locks():
             log.warning(warning)
-        if opts.overwrite:  # the previous output's checkpoints and logs (the csv monitor would append to them) until publication
-            for name in ("checkpoints", MONITOR_DIR):
-                set_aside(opts.output_dir, name)
     return Opened(rank, world, load_data(plan, rank, world))
 
 

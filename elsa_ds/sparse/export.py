@@ -4,7 +4,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from elsa_ds.files.output import staging_dir
+from elsa_ds.errors import ElsaError
+from elsa_ds.files.output import PublishFailed, staging_dir
 from elsa_ds.files.ownership import lock_path
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY, compress
 from elsa_ds.sparse.loader import verify
@@ -31,7 +32,10 @@ def compress_in_place(folder: Path, min_sparsity: float = DEFAULT_MIN_SPARSITY) 
     sparse = sparse_sibling(folder)
     if sparse.exists():
         shutil.rmtree(sparse)
-    stored = compress(folder, sparse, min_sparsity=min_sparsity)
+    try:
+        stored = compress(folder, sparse, min_sparsity=min_sparsity)
+    except PublishFailed as err:  # compress's own staging, inside this job's: not what the job's error may point a user to
+        raise ElsaError(f"the elsa-sparse export could not be built: {str(err).partition(';')[0]}") from None
     verify(sparse)
     shutil.rmtree(folder)
     sparse.rename(folder)
