@@ -110,12 +110,15 @@ def set_aside(output_dir: Path, paths: list[Path]) -> None:
     the previous output stays whole until the new one is complete. An aside folder an earlier job of this process id
     left (containers reuse ids) is renamed first, never merged into."""
     aside = aside_dir(output_dir)
-    if (aside.exists() or aside.is_symlink()) and not _moved_away(aside, "earlier"):
-        raise ElsaError(f"{aside}, left by an earlier job, is in the way and could not be renamed: move it away first")
-    for path in paths:
-        if path.exists() or path.is_symlink():
-            aside.mkdir(exist_ok=True)
-            path.rename(aside / path.name)
+    try:
+        _moved_away(aside, "earlier")
+        for path in paths:
+            if path.exists() or path.is_symlink():
+                aside.mkdir(exist_ok=True)
+                path.rename(aside / path.name)
+    except OSError as err:
+        raise ElsaError(f"--overwrite: the previous output's {err.filename or 'files'} could not be moved aside to {aside} "
+                        f"({err.strerror or err}); nothing was replaced") from None
 
 
 def put_back(output_dir: Path) -> None:
