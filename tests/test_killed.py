@@ -112,7 +112,7 @@ def test_the_watchdog_cleans_only_under_the_dead_jobs_lock(tmp_path):
     old, new, lock = tmp_path / ".o.oneshot", tmp_path / ".o.partial.123", tmp_path / ".o.lock"
     best, latest = tmp_path / ".o.best_projection", tmp_path / "o" / "checkpoints" / "latest"
     old.write_text("an earlier job's")
-    w = Watch(Namespace(lock=str(lock), pid=123, resumable=[str(best)], published=str(latest)))
+    w = Watch(Namespace(lock=str(lock), pid=123, resumable=[str(best)], output=str(tmp_path / "o")))
     w.ranks[123] = Rank(0, 123, "456")
     w.before = {str(p): path_state(p) for p in (old, new, best)}
     new.mkdir()

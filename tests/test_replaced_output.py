@@ -21,7 +21,8 @@ from elsa_ds import cli
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.io import write_atomic
 from elsa_ds.errors import signals_held
-from elsa_ds.files.output import aside_dir, check_output_path, fresh_staging, publish, set_aside, staging_dir
+from elsa_ds.files.aside import aside_dir, set_aside
+from elsa_ds.files.output import check_output_path, fresh_staging, publish, staging_dir
 from elsa_ds.jobs.owner import discard_unpublished, resumable_paths
 from elsa_ds.sparse.export import sparse_paths
 from tests.conftest import ROOT

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.sparsity import sparsity_report
+from elsa_ds.files.aside import aside_dir, moved_away
 from elsa_ds.log import get_logger
 from elsa_ds.targets import LayerGoal
 
@@ -98,68 +98,11 @@ def staging_dir(output_dir: Path) -> Path:
     return output_dir.resolve().parent / f".{output_dir.name}.partial.{os.getpid()}"
 
 
-def aside_dir(output_dir: Path) -> Path:
-    """Where an --overwrite job keeps what the run would replace before it publishes (the previous output's checkpoints
-    and monitor logs, the side files a --resume of it would read), until the new output is published (then removed) or
-    the job fails (then put back)."""
-    return output_dir.resolve().parent / f".{output_dir.name}.replaced.{os.getpid()}"
-
-
-def set_aside(output_dir: Path, paths: list[Path]) -> None:
-    """Rank 0 of an --overwrite job, before any work: ``paths`` (in the output or beside it) move aside, not deleted, so
-    the previous output stays whole until the new one is complete. An aside folder an earlier job of this process id
-    left (containers reuse ids) is renamed first, never merged into."""
-    aside = aside_dir(output_dir)
-    try:
-        _moved_away(aside, "earlier")
-        for path in paths:
-            if path.exists() or path.is_symlink():
-                aside.mkdir(exist_ok=True)
-                path.rename(aside / path.name)
-    except OSError as err:
-        raise ElsaError(f"--overwrite: the previous output's {err.filename or 'files'} could not be moved aside to {aside} "
-                        f"({err.strerror or err}); nothing was replaced") from None
-
-
-def put_back(output_dir: Path) -> None:
-    """A job that did not publish: what :func:`set_aside` moved goes back, each in place of what the run wrote there
-    (that moved away first, then removed), unless the run published a checkpoint of its own (a --resume continues it):
-    then all of it stays aside, named in a warning. A failure is a warning naming the aside folder, never an error that
-    would hide the job's own."""
-    aside, log = aside_dir(output_dir), get_logger(__name__)
-    if not aside.is_dir():
-        return
-    if (output_dir / "checkpoints" / "latest").exists():  # this run's: the previous output's went aside before any work
-        log.warning(f"this run's checkpoints in {output_dir / 'checkpoints'} can be resumed (--resume); what it would have "
-                    f"replaced of the previous output is in {aside} (delete it once not wanted)")
-        return
-    try:
-        for entry in sorted(aside.iterdir()):
-            target = (output_dir.resolve().parent if entry.name.startswith(f".{output_dir.name}.") else output_dir) / entry.name
-            trash = _moved_away(target, "unpublished")
-            entry.rename(target)
-            if trash is not None:
-                shutil.rmtree(trash, ignore_errors=True) if trash.is_dir() and not trash.is_symlink() else trash.unlink()
-        aside.rmdir()
-    except OSError as err:
-        log.warning(f"the previous output's checkpoints, logs or side files could not all be put back ({err}): what is left "
-                    f"of them is in {aside}")
-
-
-def _moved_away(path: Path, why: str) -> Path | None:
-    """Rename ``path`` (if there) to a new name beside it; that name, or None when there was nothing to move."""
-    if not (path.exists() or path.is_symlink()):
-        return None
-    away = path.with_name(f"{path.name}.{why}.{time.time_ns()}")
-    path.rename(away)
-    return away
-
-
 def fresh_staging(output_dir: Path) -> Path:
     """An empty staging directory for this job. Leftovers of earlier jobs (one of this process id renamed first) are
     named, not removed: one may hold a finished output whose final rename failed."""
     staging = staging_dir(output_dir)
-    _moved_away(staging, "earlier")  # an earlier job of this process id (containers reuse ids): it may hold a finished output
+    moved_away(staging, "earlier")  # an earlier job of this process id (containers reuse ids): it may hold a finished output
     leftovers = sorted(str(p) for pattern in (".partial*", ".replaced.*") for p in staging.parent.glob(f".{output_dir.name}{pattern}")
                        if p != staging)
     if leftovers:  # a failed final rename's finished output; what a killed --overwrite job had set aside of the output before
@@ -208,7 +151,7 @@ def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tupl
                  f"it is complete in {staging}: move it there yourself (mv {staging} {output_dir})")
         raise PublishFailed(f"the finished output could not be moved to {output_dir} ({err.strerror or err}); {where}",
                             staging) from None
-    for gone in (old, _moved_away(aside_dir(output_dir), "published")):  # what --overwrite set aside: never put back now
+    for gone in (old, moved_away(aside_dir(output_dir), "published")):  # what --overwrite set aside: never put back now
         try:
             if gone is not None and gone.exists():
                 shutil.rmtree(gone)

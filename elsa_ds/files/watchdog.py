@@ -6,7 +6,7 @@ the deepspeed launcher says "exits with return code = -9" and nothing more. So r
 owns the output, starts this small process (stdlib and psutil only):
 
     python -E -m elsa_ds.files.watchdog --pid RANK0 [--launcher PID --ranks N] --steps N --lock LOCK --clean PATH ...
-        [--resumable PATH ... --published LATEST]
+        [--resumable PATH ... --output OUT]
 
 It forks away at once into a session of its own: neither a kill of the job's process group nor the launcher's kill of
 rank 0's process tree takes it. Through its stdin rank 0 tells it each phase it begins (``jobs/phases.py``, the stages
@@ -19,7 +19,7 @@ and only what this job created or changed (but what a --resume reads again once 
 says one line on the job's stderr after the launcher's: which rank, which signal, the phase, the memory peaks, and
 whether the kernel's out-of-memory killer ran meanwhile (``oom_kill`` in ``/proc/vmstat``). Another rank killed, rank 0
 then stopped by the launcher: the same line, rank 0 having cleaned up. A clean end: not a word. Only the ranks on rank
-0's node are watched. What --overwrite set aside of the previous output (``.NAME.replaced.PID``) it leaves where it is.
+0's node are watched. What --overwrite set aside of the previous output it puts back (``aside.put_back``).
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from typing import Any
 import psutil
 
 from elsa_ds.errors import stderr_line
+from elsa_ds.files.aside import published, put_back
 from elsa_ds.files.ownership import read_holder
 from elsa_ds.files.procfs import cgroup_limit, oom_kills, path_state, proc_stat
 
@@ -68,13 +69,14 @@ class Watchdog:
         self.fd: int | None = None  # the pipe's write end, non-blocking: a full pipe drops a phase, never stalls a step
 
     def start(self, lock: Path, clean: list[Path], steps: int | None, resumable: list[Path] | None = None,
-              published: Path | None = None) -> None:
+              output: Path | None = None) -> None:
         """Start the watchdog of this process's job (the ranks on this node), which removes ``clean`` (``resumable`` only
-        while ``published`` is absent) and ``lock`` should the job be killed; one that cannot start is a warning only."""
+        while ``output`` has no published checkpoint) and ``lock``, and puts back what --overwrite set aside of ``output``,
+        should the job be killed; one that cannot start is a warning only."""
         local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"
         launcher = os.getppid() if "LOCAL_RANK" in os.environ else 0  # deepspeed's launch.py, torchrun's agent
         paths = [("--clean", p) for p in clean] + [("--resumable", p) for p in resumable or []]
-        paths += [("--published", published)] if published else []
+        paths += [("--output", output.resolve())] if output else []
         cmd = [sys.executable, "-E", "-m", "elsa_ds.files.watchdog", "--pid", str(os.getpid()), "--launcher", str(launcher),
                "--ranks", local, "--steps", str(steps or 0), "--lock", str(lock), *(a for f, p in paths for a in (f, str(p)))]
         read, write, proc = *os.pipe(), None
@@ -260,7 +262,8 @@ def cleanup(w: Watch) -> str:
         deadline = time.monotonic() + LOCK_WAIT_S  # held on by a straggler of rank 0 past it: still no other job's
         while not flocked(fd) and time.monotonic() < deadline:
             time.sleep(0.2)
-        removed, resumable = 0, set(w.args.resumable) if w.args.published and os.path.exists(w.args.published) else set()
+        output = Path(w.args.output) if w.args.output else None
+        removed, resumable = 0, set(w.args.resumable) if output and published(output).exists() else set()
         for path, before in w.before.items():
             now = path_state(Path(path))
             if now is None or now == before or path in resumable:
@@ -270,10 +273,11 @@ def cleanup(w: Watch) -> str:
             else:
                 os.unlink(path)
             removed += 1
+        left = put_back(output, rank0.pid) if output else None  # what --overwrite set aside of the previous output
         if (path_state(lock) or ())[:2] == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
             lock.unlink()
         return (f"nothing unfinished was published; its lock and {removed} unfinished file{'s' * (removed != 1)} beside "
-                "the output are removed")
+                f"the output are removed{'; ' + left if left else ''}")
     except (OSError, ValueError) as err:
         return f"its cleanup failed ({err}): remove this job's staging and lock beside the output by hand"
     finally:
@@ -344,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lock", required=True, help="the output's lock file, held by rank 0")
     parser.add_argument("--clean", action="append", default=[], help="a path rank 0's exit path removes (repeatable)")
     parser.add_argument("--resumable", action="append", default=[], help="a --clean path kept once --published exists")
-    parser.add_argument("--published", default="", help="the file that says the job published a checkpoint")
+    parser.add_argument("--output", default="", help="the output (absolute): its published checkpoint, what was set aside")
     args = parser.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGHUP):  # a terminal's Ctrl-C or hangup is the job's business
         signal.signal(sig, signal.SIG_IGN)

@@ -16,11 +16,13 @@ from typing import Any
 
 from elsa_ds.files.disk_room import disk_full
 from elsa_ds.errors import signals_held
-from elsa_ds.files.output import PublishFailed, check_output_dir, put_back, set_aside, staging_dir
+from elsa_ds.files.aside import published, put_back, set_aside
+from elsa_ds.files.output import PublishFailed, check_output_dir, staging_dir
 from elsa_ds.files.ownership import check_apart, lock_path, owned
 from elsa_ds.files.watchdog import Watchdog
 from elsa_ds.jobs import make_job, run_job
 from elsa_ds.jobs.phases import PhaseLog
+from elsa_ds.log import get_logger
 from elsa_ds.methods import oneshot_names
 from elsa_ds.monitor import MONITOR_DIR
 from elsa_ds.plan import log_plan, make_plan
@@ -66,7 +68,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                 log_plan(plan)
                 job = make_job(plan)
                 if writer:  # the loop's step count: the plan's (a fine-tuning job's own count)
-                    dog.start(lock_path(out), unpublished_paths(out), plan.cfg.steps, resumable_paths(out), published(out))
+                    dog.start(lock_path(out), unpublished_paths(out), plan.cfg.steps, resumable_paths(out), out)
                     if isinstance(phases := getattr(job, "phases", None), PhaseLog):
                         phases.forward = dog.mark  # the training step a killed job had reached
                 return run_job(job, dog.mark)
@@ -91,12 +93,6 @@ def unpublished_paths(output_dir: Path) -> list[Path]:
     return [staging, *sparse_paths(staging), *sides, *(p.with_name(f".{p.name}.tmp") for p in sides)]
 
 
-def published(output_dir: Path) -> Path:
-    """The file that says this run published a checkpoint a --resume continues (with --overwrite the previous run's
-    checkpoints were set aside, so it is this run's)."""
-    return output_dir.resolve() / "checkpoints" / "latest"  # absolute: the watchdog runs from /
-
-
 def resumable_paths(output_dir: Path) -> list[Path]:
     """The side files a --resume reads again (the one-shot model under a retraining run, the best projection's
     snapshot that a checkpoint's selection record names): kept when the run published a checkpoint."""
@@ -108,7 +104,7 @@ def discard_unpublished(output_dir: Path, keep: Path | None = None) -> None:
     """After a job that did not publish: remove its :func:`unpublished_paths` but ``keep`` (a finished output the final
     rename could not move, which the error names) and, once the run published a checkpoint, what a --resume reads
     again (:func:`resumable_paths`); then what an --overwrite job set aside of the previous output goes back
-    (``files/output.put_back``; it was set aside before any work, so a published checkpoint is this run's)."""
+    (``files/aside.put_back``; it was set aside before any work, so a published checkpoint is this run's)."""
     kept = {keep, *(resumable_paths(output_dir) if published(output_dir).exists() else [])}
     for path in unpublished_paths(output_dir):
         if path in kept:
@@ -117,4 +113,5 @@ def discard_unpublished(output_dir: Path, keep: Path | None = None) -> None:
             shutil.rmtree(path, ignore_errors=True)
         elif path.exists():
             path.unlink(missing_ok=True)
-    put_back(output_dir)
+    if (left := put_back(output_dir)) is not None:
+        get_logger(__name__).warning(left)

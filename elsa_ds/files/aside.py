@@ -1,0 +1,74 @@
+"""What an --overwrite job sets aside of the previous output until the new one is published: its checkpoints and
+monitor logs, and the side files a --resume of it would read. Moved, never deleted, before any work; put back by the
+job's exit path (``jobs/owner.py``) or its watchdog (``watchdog.py``) when the job does not publish. Stdlib only."""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from elsa_ds.errors import ElsaError
+
+
+def published(output_dir: Path) -> Path:
+    """The file that says a run published a checkpoint a --resume continues (with --overwrite the previous run's went
+    aside first, so it is this run's)."""
+    return output_dir / "checkpoints" / "latest"
+
+
+def aside_dir(output_dir: Path, pid: int | None = None) -> Path:
+    """Where an --overwrite job keeps what the run would replace before it publishes (the previous output's checkpoints
+    and monitor logs, the side files a --resume of it would read), until the new output is published (then removed) or
+    the job fails (then put back). ``pid``: the job's rank 0 (this process by default; the watchdog names it)."""
+    return output_dir.resolve().parent / f".{output_dir.name}.replaced.{pid or os.getpid()}"
+
+
+def set_aside(output_dir: Path, paths: list[Path]) -> None:
+    """Rank 0 of an --overwrite job, before any work: ``paths`` (in the output or beside it) move aside, not deleted, so
+    the previous output stays whole until the new one is complete. An aside folder an earlier job of this process id
+    left (containers reuse ids) is renamed first, never merged into."""
+    aside = aside_dir(output_dir)
+    try:
+        moved_away(aside, "earlier")
+        for path in paths:
+            if path.exists() or path.is_symlink():
+                aside.mkdir(exist_ok=True)
+                path.rename(aside / path.name)
+    except OSError as err:
+        raise ElsaError(f"--overwrite: the previous output's {err.filename or 'files'} could not be moved aside to {aside} "
+                        f"({err.strerror or err}); nothing was replaced") from None
+
+
+def put_back(output_dir: Path, pid: int | None = None) -> str | None:
+    """A job that did not publish: what :func:`set_aside` moved goes back, each in place of what the run wrote there
+    (that moved away first, then removed), unless the run published a checkpoint of its own (a --resume continues it):
+    then all of it stays aside. Returns the warning to give (what stays aside, where), never raises: an error here would
+    hide the job's own. Stdlib only: the watchdog calls it too, after a SIGKILL."""
+    aside = aside_dir(output_dir, pid)
+    if not aside.is_dir():
+        return None
+    if published(output_dir).exists():  # this run's: the previous output's went aside before any work
+        return (f"this run's checkpoints in {output_dir / 'checkpoints'} can be resumed (--resume); what it would have "
+                f"replaced of the previous output is in {aside} (delete it once not wanted)")
+    try:
+        for entry in sorted(aside.iterdir()):
+            target = (output_dir.resolve().parent if entry.name.startswith(f".{output_dir.name}.") else output_dir) / entry.name
+            trash = moved_away(target, "unpublished")
+            entry.rename(target)
+            if trash is not None:
+                shutil.rmtree(trash, ignore_errors=True) if trash.is_dir() and not trash.is_symlink() else trash.unlink()
+        aside.rmdir()
+    except OSError as err:
+        return (f"the previous output's checkpoints, logs or side files could not all be put back ({err}): what is left of "
+                f"them is in {aside}")
+    return None
+
+
+def moved_away(path: Path, why: str) -> Path | None:
+    """Rename ``path`` (if there) to a new name beside it; that name, or None when there was nothing to move."""
+    if not (path.exists() or path.is_symlink()):
+        return None
+    away = path.with_name(f"{path.name}.{why}.{time.time_ns()}")
+    path.rename(away)
+    return away
