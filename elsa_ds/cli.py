@@ -182,10 +182,8 @@ def main_evaluate(argv: list[str] | None = None) -> int:
     def go() -> None:
         from elsa_ds.evaluation.tables import compare
         from elsa_ds.files.io import write_atomic
-        from elsa_ds.jobs.evaluate import run
-
         from elsa_ds.files.ownership import owned
-        from elsa_ds.jobs.evaluate import check_new_files, check_settings
+        from elsa_ds.jobs.evaluate import check_new_files, check_settings, run
 
         if args.compare:
             check_new_files({"--markdown": args.markdown}, bool(args.overwrite))

@@ -82,10 +82,12 @@ def signals_held() -> Iterator[None]:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
-        if got and callable(handler := saved[got[0]]):
-            handler(got[0], None)
-        elif got and handler == signal.SIG_DFL:
-            signal.raise_signal(got[0])
+        if got:
+            first = saved[got[0]]
+            if callable(first):
+                first(got[0], None)
+            elif first == signal.SIG_DFL:
+                signal.raise_signal(got[0])
 
 
 class ElsaError(Exception):
@@ -159,10 +161,8 @@ def _after_peer_gone(err: RuntimeError, where: str) -> int:
     launcher's SIGTERM, which follows a rank's exit within a second) can arrive after their collective has failed. So
     wait a moment for that stop and report it as such (one line, like every other rank's); without one, say that another
     rank ended first, in one line, not gloo's traceback: that rank's own line (or the launcher's) says why."""
-    deadline = time.monotonic() + PEER_GRACE_S
     try:
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
+        time.sleep(PEER_GRACE_S)  # a stop's handler raises inside the sleep
     except (KeyboardInterrupt, Terminated) as stop:
         return _stop_line(stop, where)
     reason = next((t for t in PEER_GONE if t in str(err)), type(err).__name__)

@@ -56,8 +56,10 @@ def put_back(output_dir: Path, pid: int | None = None) -> str | None:
             target = (output_dir.resolve().parent if entry.name.startswith(f".{output_dir.name}.") else output_dir) / entry.name
             trash = moved_away(target, "unpublished")
             entry.rename(target)
-            if trash is not None:
-                shutil.rmtree(trash, ignore_errors=True) if trash.is_dir() and not trash.is_symlink() else trash.unlink()
+            if trash is not None and trash.is_dir() and not trash.is_symlink():
+                shutil.rmtree(trash, ignore_errors=True)
+            elif trash is not None:
+                trash.unlink()
         aside.rmdir()
     except OSError as err:
         return (f"the previous output's checkpoints, logs or side files could not all be put back ({err}): what is left of "

@@ -109,7 +109,7 @@ class ElsaJob:
     def load_checkpoint(self, run: ElsaRun) -> None:
         """Continue from the latest loadable checkpoint (--resume), or start fresh. Collective."""
         fingerprint = self.cfg.resume_fingerprint(run.world)
-        self.state = self.checkpoints.load(run.zero.engine, run.zero.comm, fingerprint, run.rank)
+        self.state = self.checkpoints.load(run.zero.engine, run.zero.comm, fingerprint)
         if self.opts.resume:
             if run.selector is not None:
                 run.selector.resumed(self.state.selection)

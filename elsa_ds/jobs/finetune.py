@@ -134,7 +134,7 @@ class FinetuneJob:
     def load_checkpoint(self, run: Retraining) -> None:
         """Continue from the latest loadable checkpoint (--resume), or measure the model before training. Collective."""
         fingerprint = self.cfg.resume_fingerprint(run.world)
-        self.state = self.checkpoints.load(run.zero.engine, run.zero.comm, fingerprint, run.rank)
+        self.state = self.checkpoints.load(run.zero.engine, run.zero.comm, fingerprint)
         if self.opts.resume:
             log.info(f"continuing at step {self.state.next_step} of {self.cfg.steps}")
             return

@@ -76,7 +76,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                 if writer:  # a finished output whose final rename failed stays where the error says
                     with signals_held():
                         discard_unpublished(out, keep=err.kept if isinstance(err, PublishFailed) else None)
-                if (full := disk_full(err, Path(opts.output_dir))) is not None:
+                if (full := disk_full(err, out)) is not None:
                     raise full from None  # one line (ElsaError), its free space measured with the partial files gone
                 raise
     finally:
@@ -88,16 +88,19 @@ def unpublished_paths(output_dir: Path) -> list[Path]:
     job keeps there until it consumes them (warm-start mask and weights, the one-shot model of a retraining run, the best
     projection) and their ``.tmp`` files, and the elsa-sparse export being built beside the staging folder. Its
     checkpoints (resumable), the previous output and what --overwrite set aside of it are not among them."""
-    staging = staging_dir(output_dir)
-    sides = [staging.with_name(f".{output_dir.name}.{s}") for s in SIDE_FILES]
-    return [staging, *sparse_paths(staging), *sides, *(p.with_name(f".{p.name}.tmp") for p in sides)]
+    sides = _side_paths(output_dir, SIDE_FILES)
+    return [staging_dir(output_dir), *sparse_paths(staging_dir(output_dir)), *sides, *(p.with_name(f".{p.name}.tmp") for p in sides)]
 
 
 def resumable_paths(output_dir: Path) -> list[Path]:
     """The side files a --resume reads again (the one-shot model under a retraining run, the best projection's
     snapshot that a checkpoint's selection record names): kept when the run published a checkpoint."""
-    staging = staging_dir(output_dir)
-    return [staging.with_name(f".{output_dir.name}.{s}") for s in RESUMABLE]
+    return _side_paths(output_dir, RESUMABLE)
+
+
+def _side_paths(output_dir: Path, names: tuple[str, ...]) -> list[Path]:
+    """``.NAME.<name>`` beside the output, for each of ``names`` (where the jobs write their side files)."""
+    return [staging_dir(output_dir).with_name(f".{output_dir.name}.{n}") for n in names]
 
 
 def discard_unpublished(output_dir: Path, keep: Path | None = None) -> None:

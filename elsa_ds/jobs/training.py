@@ -153,7 +153,7 @@ class Checkpoints:
         self.keep: int = keep  # how many tags stay on disk
         self.resume: bool = opts.resume  # continue from the latest tag
 
-    def load(self, engine, comm, fingerprint: dict[str, Any], rank: int) -> RunState:
+    def load(self, engine, comm, fingerprint: dict[str, Any]) -> RunState:
         """The state the loop starts from: fresh, or (--resume) the latest loadable checkpoint's, loaded into
         ``engine`` with the RNG. Refuses a checkpoint written with other settings (``fingerprint``). Collective."""
         if not self.resume:
