@@ -9,6 +9,7 @@ without --overwrite, nor over one of its inputs."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from elsa_ds import cli
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.io import write_atomic
 from elsa_ds.errors import signals_held
-from elsa_ds.files.aside import aside_dir, set_aside
+from elsa_ds.files.aside import aside_dir, old_dir, set_aside, settle_old
 from elsa_ds.files.output import check_output_path, fresh_staging, publish, staging_dir
 from elsa_ds.jobs.owner import discard_unpublished, resumable_paths
 from elsa_ds.sparse.export import sparse_paths
@@ -186,6 +187,78 @@ def test_a_signal_during_a_held_cleanup_takes_effect_after_it():
     assert seen == ["cleanup done", ("handler", signal.SIGTERM)]
 
 
+class Stopped(Exception):
+    pass
+
+
+def _stop(signum, frame):
+    raise Stopped
+
+
+@pytest.mark.parametrize("when", ["between the renames", "while the previous output goes"])
+def test_a_stop_during_the_publication_waits_until_it_is_done(tmp_path, monkeypatch, when):
+    """A SIGTERM (or Ctrl-C) between moving the previous output aside and moving the new one in, or while the previous
+    output is removed, takes effect once the publication is done: the new output in place, nothing of the old one left
+    (it once left no output at all, or the previous one half removed beside the new)."""
+    out = _previous_run(tmp_path)
+    staging = staging_dir(out)
+    staging.mkdir()
+    (staging / "model.safetensors").write_text("new")
+    real_rename, real_rmtree = Path.rename, shutil.rmtree
+
+    def rename(self, target):  # the previous output moved aside: the stop comes right after
+        done = real_rename(self, target)
+        if self == out and when == "between the renames":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return done
+
+    def rmtree(path, *args, **kwargs):  # the stop comes while the previous output is removed
+        if Path(path).name.startswith(".o.old.") and when != "between the renames":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    saved = signal.signal(signal.SIGTERM, _stop)
+    try:
+        with pytest.raises(Stopped):
+            publish(staging, out, keep_checkpoints=False)
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "monitor"]  # the run's logs carried along
+    assert (out / "model.safetensors").read_text() == "new"
+
+
+@pytest.mark.parametrize("killed", ["between the renames", "while the previous output goes", "keeping checkpoints"])
+def test_the_watchdog_settles_a_publication_cut_short_by_a_kill(tmp_path, killed):
+    """Rank 0 killed outright (SIGKILL) inside its publication: the watchdog brings the previous output back when no
+    output is in place, removes what is left of it when the new one is, and names it when the two are mixed."""
+    out = _previous_run(tmp_path)
+    pid = os.getpid()
+    old, staging = old_dir(out, pid), staging_dir(out)
+    staging.mkdir()
+    (staging / "model.safetensors").write_text("new")
+    if killed == "keeping checkpoints":
+        old.mkdir()
+        (out / "model.safetensors").rename(old / "model.safetensors")
+    else:
+        out.rename(old)
+    if killed == "while the previous output goes":
+        staging.rename(out)
+        (old / "monitor" / "loss.csv").unlink()
+        (tmp_path / f"{aside_dir(out, pid).name}.published.1").mkdir()  # what --overwrite had set aside
+    said = settle_old(out, pid)
+    if killed == "between the renames":
+        assert said is None and not old.exists() and (out / "model.safetensors").read_text() == "earlier model"
+    elif killed == "while the previous output goes":
+        assert said is None and sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+        assert [p.name for p in out.iterdir()] == ["model.safetensors"] and (out / "model.safetensors").read_text() == "new"
+    else:
+        assert str(old) in said and (old / "model.safetensors").read_text() == "earlier model"
+
+
 @pytest.mark.parametrize("name", ["link", "dangling link", ".", "..", "cwd parent", "venv", "home"])
 def test_an_output_that_would_take_something_else_along_is_refused(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
@@ -210,6 +283,15 @@ def test_evaluate_never_writes_over_a_markdown_file_without_overwrite(tmp_path, 
     one_line(*run_main(cli.main_evaluate, ["--compare", str(js), "--markdown", str(md)])[:2], "--markdown", "exists")
     one_line(*run_main(cli.main_evaluate, ["--compare", str(js), "--markdown", str(js), "--overwrite"])[:2], "--compare inputs")
     assert md.read_text() == "my notes" and js.read_text() == '{"model": "m", "ppl": {}}'
+
+
+def test_a_refused_job_leaves_no_folder_it_made_for_its_output(tmp_path, tiny_model_dir):
+    """The output's missing parents are made before the lock (it lies beside the output); a refusal under the lock (the
+    plan's checks) removes those it left empty, not the folder that was there before."""
+    out = tmp_path / "new" / "deeper" / "o"
+    argv = ["--deepspeed", "zero3", "--model", str(tiny_model_dir), "--method", "dense", "--finetune", "full", "--export_format", "sparse"]
+    one_line(*run_main(cli.main_prune, [*argv, "--output_dir", str(out)])[:2], "--export_format sparse")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_interrupted_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):

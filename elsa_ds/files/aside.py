@@ -17,11 +17,41 @@ def published(output_dir: Path) -> Path:
     return output_dir / "checkpoints" / "latest"
 
 
+def beside(output_dir: Path, what: str, pid: int | None = None) -> Path:
+    """``.NAME.<what>.<pid>`` beside the output: a folder of one job's rank 0 (this process by default)."""
+    return output_dir.resolve().parent / f".{output_dir.name}.{what}.{pid or os.getpid()}"
+
+
 def aside_dir(output_dir: Path, pid: int | None = None) -> Path:
     """Where an --overwrite job keeps what the run would replace before it publishes (the previous output's checkpoints
     and monitor logs, the side files a --resume of it would read), until the new output is published (then removed) or
     the job fails (then put back). ``pid``: the job's rank 0 (this process by default; the watchdog names it)."""
-    return output_dir.resolve().parent / f".{output_dir.name}.replaced.{pid or os.getpid()}"
+    return beside(output_dir, "replaced", pid)
+
+
+def old_dir(output_dir: Path, pid: int | None = None) -> Path:
+    """Where the publication moves the previous output (or, with checkpoints kept, its files) just before the new one
+    takes its place; removed right after. ``pid``: the job's rank 0 (this process by default; the watchdog names it)."""
+    return beside(output_dir, "old", pid)
+
+
+def settle_old(output_dir: Path, pid: int) -> str | None:
+    """After rank 0 was killed (the watchdog, when no folder had that name as the job began): a previous output its
+    publication had moved to :func:`old_dir`. Published (the staging folder gone): what is left of it goes. Killed
+    between the two renames (no output): it goes back. Killed while the previous files moved out of a kept-checkpoints
+    output: it stays, named in the warning returned."""
+    old = old_dir(output_dir, pid)
+    if not beside(output_dir, "partial", pid).exists():  # published; so was what --overwrite set aside, renamed first
+        for gone in (old, *old.parent.glob(f"{aside_dir(output_dir, pid).name}.published.*")):
+            if gone.is_dir() and not gone.is_symlink():
+                shutil.rmtree(gone, ignore_errors=True)
+        return None if not old.exists() else f"the previous output, half removed, is left in {old}: delete it"
+    if not old.is_dir() or old.is_symlink():
+        return None
+    if not (output_dir.exists() or output_dir.is_symlink()):
+        old.rename(output_dir)
+        return None
+    return f"the previous output's files are in {old} (the new output's publication was cut short): move back what you need"
 
 
 def set_aside(output_dir: Path, paths: list[Path]) -> None:

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elsa_ds.admm.projection import NM
-from elsa_ds.errors import ElsaError
+from elsa_ds.errors import ElsaError, signals_held
 from elsa_ds.evaluation.sparsity import sparsity_report
-from elsa_ds.files.aside import aside_dir, moved_away
+from elsa_ds.files.aside import aside_dir, beside, moved_away, old_dir
 from elsa_ds.log import get_logger
 from elsa_ds.targets import LayerGoal
 
@@ -43,6 +43,26 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False) ->
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ElsaError(f"--output_dir {output_dir}: parent directory {parent} is not writable; choose another path")
     check_publishable(output_dir)
+
+
+def missing_parents(output_dir: Path) -> list[Path]:
+    """The folders above ``output_dir`` that do not exist yet (the deepest first): :func:`check_output_dir` creates them,
+    and a job that ends without an output removes those it left empty (:func:`remove_if_empty`)."""
+    missing = []
+    for parent in Path(os.path.abspath(output_dir)).parents:
+        if parent.exists() or parent.is_symlink():
+            break
+        missing.append(parent)
+    return missing
+
+
+def remove_if_empty(folders: list[Path]) -> None:
+    """Remove each of ``folders`` (the deepest first) that is empty; stop at the first that is not (or cannot go)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def check_output_path(output_dir: Path) -> None:
@@ -95,7 +115,13 @@ def check_publishable(output_dir: Path) -> None:
 def staging_dir(output_dir: Path) -> Path:
     """Where rank 0 of this job builds the output before it is renamed into place: named for its process, so two jobs
     (or a dead job's leftover) never share one. Its siblings (warm-start masks, snapshots) take their names from it."""
-    return output_dir.resolve().parent / f".{output_dir.name}.partial.{os.getpid()}"
+    return beside(output_dir, "partial")
+
+
+def side_path(output_dir: Path, name: str) -> Path:
+    """``.NAME.<name>`` beside the output: where a job keeps a side file until it consumes it (the warm start's mask and
+    weights, a retraining run's one-shot model, the best projection's snapshot); ``jobs/owner.py`` lists them all."""
+    return output_dir.resolve().parent / f".{output_dir.name}.{name}"
 
 
 def fresh_staging(output_dir: Path) -> Path:
@@ -103,8 +129,8 @@ def fresh_staging(output_dir: Path) -> Path:
     named, not removed: one may hold a finished output whose final rename failed."""
     staging = staging_dir(output_dir)
     moved_away(staging, "earlier")  # an earlier job of this process id (containers reuse ids): it may hold a finished output
-    leftovers = sorted(str(p) for pattern in (".partial*", ".replaced.*") for p in staging.parent.glob(f".{output_dir.name}{pattern}")
-                       if p != staging)
+    leftovers = sorted(str(p) for pattern in (".partial*", ".replaced.*", ".old.*")
+                       for p in staging.parent.glob(f".{output_dir.name}{pattern}") if p != staging)
     if leftovers:  # a failed final rename's finished output; what a killed --overwrite job had set aside of the output before
         get_logger(__name__).warning(f"folders of earlier jobs on {output_dir} remain: {', '.join(leftovers)} "
                                      "(delete them once you know nothing in them is wanted)")
@@ -128,36 +154,39 @@ def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tupl
     move aside first (none stays mixed with the new ones), then each finished file is renamed into place. The folders named in
     ``carry`` that the run wrote into ``output_dir`` while it ran (the monitor's logs) move along (with
     ``keep_checkpoints`` they stay where they are). Should a rename fail, a :class:`PublishFailed` says where the
-    finished output is.
+    finished output is. Ctrl-C and SIGTERM wait until it is done (then take effect); after a SIGKILL the watchdog
+    settles what was moved (``aside.settle_old``).
     """
-    old = output_dir.resolve().parent / f".{output_dir.name}.old.{os.getpid()}"
-    try:
-        for name in carry:
-            if (output_dir / name).is_dir() and not (staging / name).exists() and not keep_checkpoints:
-                (output_dir / name).rename(staging / name)
-        if keep_checkpoints and output_dir.is_dir():
-            _publish_into(staging, output_dir, old)
-        else:
-            if output_dir.exists():
-                output_dir.rename(old)
-            try:
-                staging.rename(output_dir)
-            except OSError:
-                if old.exists() and not output_dir.exists():
-                    old.rename(output_dir)  # the previous output back where it was
-                raise
-    except OSError as err:
-        where = (f"the files not moved yet are in {staging}: move them into {output_dir} yourself" if keep_checkpoints else
-                 f"it is complete in {staging}: move it there yourself (mv {staging} {output_dir})")
-        raise PublishFailed(f"the finished output could not be moved to {output_dir} ({err.strerror or err}); {where}",
-                            staging) from None
-    for gone in (old, moved_away(aside_dir(output_dir), "published")):  # what --overwrite set aside: never put back now
+    with signals_held():  # a Ctrl-C between the renames, or while the previous output goes, would leave it half there
+        old = old_dir(output_dir)
         try:
-            if gone is not None and gone.exists():
-                shutil.rmtree(gone)
+            moved_away(old, "earlier")  # an earlier job of this process id left it (containers reuse ids): never merged into
+            for name in carry:
+                if (output_dir / name).is_dir() and not (staging / name).exists() and not keep_checkpoints:
+                    (output_dir / name).rename(staging / name)
+            if keep_checkpoints and output_dir.is_dir():
+                _publish_into(staging, output_dir, old)
+            else:
+                if output_dir.exists():
+                    output_dir.rename(old)
+                try:
+                    staging.rename(output_dir)
+                except OSError:
+                    if old.exists() and not output_dir.exists():
+                        old.rename(output_dir)  # the previous output back where it was
+                    raise
         except OSError as err:
-            get_logger(__name__).warning(f"wrote {output_dir}, but the previous output moved aside to {gone} could not be "
-                                         f"removed ({err.strerror or err}); delete it yourself")
+            where = (f"the files not moved yet are in {staging}: move them into {output_dir} yourself" if keep_checkpoints
+                     else f"it is complete in {staging}: move it there yourself (mv {staging} {output_dir})")
+            raise PublishFailed(f"the finished output could not be moved to {output_dir} ({err.strerror or err}); {where}",
+                                staging) from None
+        for gone in (old, moved_away(aside_dir(output_dir), "published")):  # what --overwrite set aside: never put back now
+            try:
+                if gone is not None and gone.exists():
+                    shutil.rmtree(gone)
+            except OSError as err:
+                get_logger(__name__).warning(f"wrote {output_dir}, but the previous output moved aside to {gone} could not be "
+                                             f"removed ({err.strerror or err}); delete it yourself")
 
 
 def _publish_into(staging: Path, output_dir: Path, old: Path) -> None:

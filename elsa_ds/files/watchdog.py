@@ -19,7 +19,8 @@ and only what this job created or changed (but what a --resume reads again once 
 says one line on the job's stderr after the launcher's: which rank, which signal, the phase, the memory peaks, and
 whether the kernel's out-of-memory killer ran meanwhile (``oom_kill`` in ``/proc/vmstat``). Another rank killed, rank 0
 then stopped by the launcher: the same line, rank 0 having cleaned up. A clean end: not a word. Only the ranks on rank
-0's node are watched. What --overwrite set aside of the previous output it puts back (``aside.put_back``).
+0's node are watched. What --overwrite set aside of the previous output it puts back (``aside.put_back``); a publication
+cut short it settles (``aside.settle_old``: the previous output back when none is in place).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from typing import Any
 import psutil
 
 from elsa_ds.errors import stderr_line
-from elsa_ds.files.aside import published, put_back
+from elsa_ds.files.aside import old_dir, published, put_back, settle_old
 from elsa_ds.files.ownership import read_holder
 from elsa_ds.files.procfs import cgroup_limit, oom_kills, path_state, proc_stat
 
@@ -150,6 +151,7 @@ class Watch:
     peak_used: int = 0
     peak_job: int = 0
     oom_before: int | None = None
+    old_before: bool = False         # a folder named as rank 0's publication names the previous output: not this job's
 
 
 def add_rank(w: Watch, pid: int, rank: int) -> None:
@@ -263,6 +265,7 @@ def cleanup(w: Watch) -> str:
         while not flocked(fd) and time.monotonic() < deadline:
             time.sleep(0.2)
         output = Path(w.args.output) if w.args.output else None
+        moved = settle_old(output, rank0.pid) if output and not w.old_before else None  # a publication cut short
         removed, resumable = 0, set(w.args.resumable) if output and published(output).exists() else set()
         for path, before in w.before.items():
             now = path_state(Path(path))
@@ -273,7 +276,7 @@ def cleanup(w: Watch) -> str:
             else:
                 os.unlink(path)
             removed += 1
-        left = put_back(output, rank0.pid) if output else None  # what --overwrite set aside of the previous output
+        left = "; ".join(filter(None, (moved, put_back(output, rank0.pid) if output else None)))  # what --overwrite set aside
         if (path_state(lock) or ())[:2] == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
             lock.unlink()
         return (f"nothing unfinished was published; its lock and {removed} unfinished file{'s' * (removed != 1)} beside "
@@ -357,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pid not in w.ranks:
         return 1
     w.before = {p: path_state(Path(p)) for p in args.clean}
+    w.old_before = bool(args.output) and path_state(old_dir(Path(args.output), args.pid)) is not None
     w.oom_before = oom_kills()
     discover(w)
     if os.fork() > 0:

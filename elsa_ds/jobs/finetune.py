@@ -25,7 +25,7 @@ import torch
 from elsa_ds.admm.projection import keep_count
 from elsa_ds.admm.schedule import learning_rate
 from elsa_ds.files.mask_file import MaskReader
-from elsa_ds.files.output import fresh_staging, staging_dir
+from elsa_ds.files.output import fresh_staging, side_path, staging_dir
 from elsa_ds.jobs import report
 from elsa_ds.jobs.phases import PhaseLog
 from elsa_ds.jobs.training import (Checkpoints, Opened, RunState, TrainingData, load_for_training, open_training, train_loop,
@@ -51,7 +51,7 @@ log = get_logger(__name__)
 def oneshot_paths(output_dir: Path) -> tuple[Path, Path]:
     """(mask file, pruned model directory) of the one-shot pass, beside the output until the job publishes (a resumed
     run reuses them: LoRA's frozen base weights are not in ZeRO-3's checkpoints)."""
-    base = staging_dir(output_dir).with_name(f".{output_dir.name}.oneshot")
+    base = side_path(output_dir, "oneshot")
     return base.with_suffix(".mask.safetensors"), base
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from elsa_ds.files.disk_room import disk_full
 from elsa_ds.errors import signals_held
 from elsa_ds.files.aside import published, put_back, set_aside
-from elsa_ds.files.output import PublishFailed, check_output_dir, staging_dir
+from elsa_ds.files.output import PublishFailed, check_output_dir, missing_parents, remove_if_empty, side_path, staging_dir
 from elsa_ds.files.ownership import check_apart, lock_path, owned
 from elsa_ds.files.watchdog import Watchdog
 from elsa_ds.jobs import make_job, run_job
@@ -31,7 +31,7 @@ from elsa_ds.settings.options import JobOptions
 from elsa_ds.sparse.export import sparse_paths
 from elsa_ds.zero.ds_config import DsConfig
 
-# the side files beside the output (jobs/warm_start.py, jobs/finetune.py, jobs/selection.py name them from the staging's;
+# the side files beside the output (files/output.side_path, as jobs/warm_start.py, finetune.py and selection.py name them;
 # "mask.safetensors" is the retraining's one-shot mask, oneshot_paths' ".oneshot" suffix replaced)
 SIDE_FILES = ("init_mask.safetensors", "init_weights", "oneshot", "mask.safetensors", "best_projection")
 RESUMABLE = ("oneshot", "mask.safetensors", "best_projection")  # what a --resume of a checkpointed run reads again
@@ -55,6 +55,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
     writes) takes the lock and starts the watchdog, the other ranks of a launcher rely on them. The watchdog hears of the
     job's end once the lock is released."""
     check_apart(opts.output_dir, "--output_dir", job_inputs(cfg, opts))
+    created = missing_parents(opts.output_dir)
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume)  # again under the lock, by the plan's checks
     writer = os.environ.get("RANK", "0") == "0"
     dog = Watchdog()
@@ -81,6 +82,8 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                 raise
     finally:
         dog.end()
+        if writer:  # the folders made for an output that is not there: a refused or failed job leaves no empty folder
+            remove_if_empty(created)
 
 
 def unpublished_paths(output_dir: Path) -> list[Path]:
@@ -100,7 +103,7 @@ def resumable_paths(output_dir: Path) -> list[Path]:
 
 def _side_paths(output_dir: Path, names: tuple[str, ...]) -> list[Path]:
     """``.NAME.<name>`` beside the output, for each of ``names`` (where the jobs write their side files)."""
-    return [staging_dir(output_dir).with_name(f".{output_dir.name}.{n}") for n in names]
+    return [side_path(output_dir, n) for n in names]
 
 
 def discard_unpublished(output_dir: Path, keep: Path | None = None) -> None:

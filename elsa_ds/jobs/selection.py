@@ -25,14 +25,14 @@ import torch
 from elsa_ds.admm.optimizer import AdmmOptimizer
 from elsa_ds.data import PplWindows
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.output import staging_dir
+from elsa_ds.files.output import side_path
 from elsa_ds.zero.engine import ZeroEngine
 from elsa_ds.zero.partitions import distributed_nll, hard_projected, restore_shards, shard_snapshot
 
 
 def snapshot_dir(output_dir: Path) -> Path:
     """Beside the output (like the checkpoints, on the filesystem every node shares), removed when the job ends."""
-    return staging_dir(output_dir).with_name(f".{output_dir.name}.best_projection")
+    return side_path(output_dir, "best_projection")
 
 
 class Selector:

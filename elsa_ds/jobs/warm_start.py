@@ -14,7 +14,7 @@ import torch
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import saved_bytes, writing
 from elsa_ds.files.mask_file import MaskReader, write_masks
-from elsa_ds.files.output import staging_dir
+from elsa_ds.files.output import side_path
 from elsa_ds.log import get_logger
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
@@ -28,12 +28,12 @@ log = get_logger(__name__)
 def warm_start_path(output_dir: Path) -> Path:
     """Where rank 0 leaves the one-shot masks of --init_mask for every rank (beside the output, so on the
     filesystem every node must share anyway)."""
-    return staging_dir(output_dir).with_name(f".{output_dir.name}.init_mask.safetensors")
+    return side_path(output_dir, "init_mask.safetensors")
 
 
 def warm_start_weights_dir(output_dir: Path) -> Path:
     """Where rank 0 leaves the one-shot's pruned model for --init_weights (removed once the engine holds it)."""
-    return staging_dir(output_dir).with_name(f".{output_dir.name}.init_weights")
+    return side_path(output_dir, "init_weights")
 
 
 @dataclass
