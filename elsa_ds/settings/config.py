@@ -62,7 +62,7 @@ class BaseOptimizer(str, Enum):
     auto = "auto"            # DeepSpeedCPUAdam with optimizer offload, torch Adam otherwise
     adam = "adam"            # torch.optim.Adam
     cpu_adam = "cpu_adam"    # deepspeed.ops.adam.DeepSpeedCPUAdam (Adam mode)
-    adam8bit = "adam8bit"    # bitsandbytes.optim.Adam8bit (ELSA-L, the paper's)
+    adam8bit = "adam8bit"    # bitsandbytes.optim.Adam8bit (ELSA-L's 8-bit Adam; the authors' code uses torchao's)
     adam8bit_minifloat = "adam8bit_minifloat"  # elsa_ds's 8-bit Adam in its own minifloat codes: fast on CPU offload
 
 
@@ -162,12 +162,12 @@ class ElsaConfig(BaseModel):
     CPU); the scaled dual is rescaled when λ changes [from the defaults rule]."""
     balance_mu: float = Field(1.5, gt=1.0, **_group("admm"))
     """adaptive λ: a layer's λ grows when ‖x − z‖/‖x‖ exceeds this times ‖z − z_prev‖/‖z_prev‖, and shrinks in the
-    opposite case (the authors' default)."""
+    opposite case (the authors' optimizer's default; their command line's is 10)."""
     balance_tau: float = Field(2.0, gt=1.0, **_group("admm"))
     """adaptive λ: the factor a layer's λ moves by (the authors' default)."""
     relaxation: float = Field(1.0, gt=0.0, lt=2.0, **_group("admm"))
-    """Over-relaxation α of the dual update u = u + α (x − z) (the authors' --admm_alpha; 1 = plain ADMM; Boyd et al.
-    suggest 1.5-1.8); α ≠ 1 takes the eager projection (slower on CPU)."""
+    """Over-relaxation α of the dual update u = u + α (x − z) (the authors' --admm_alpha; 1 = plain ADMM; not Boyd et
+    al.'s form, so their 1.5-1.8 does not carry over); α ≠ 1 takes the eager projection (slower on CPU)."""
     projection: Projection = Field(Projection.fisher, **_group("admm"))
     """fisher: keep the largest F·(x+u)², F = the optimizer's second moment; magnitude: the largest (x+u)²."""
     z_dtype: StateDtype = Field(StateDtype.fp32, **_group("admm"))
