@@ -10,10 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from elsa_ds.files.output import MONITOR_DIR
+
 MONITOR_BLOCKS = ("tensorboard", "wandb", "csv_monitor", "comet")
-
-
-MONITOR_DIR = "monitor"
 
 
 def default_output_paths(ds: dict, output_dir: Path) -> bool:

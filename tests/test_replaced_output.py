@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from elsa_ds import cli
 from elsa_ds.errors import ElsaError
@@ -333,7 +334,10 @@ def test_a_resume_whose_best_snapshot_is_gone_is_refused_before_any_step(tmp_pat
     with pytest.raises(ElsaError, match="best projection of step 8, but its snapshot .* is gone"):
         selector.resumed(record)
     (tmp_path / "best").mkdir()
-    (tmp_path / "best" / "rank0.pt").write_bytes(b"")
+    (tmp_path / "best" / "rank0.pt").write_bytes(b"")  # damaged: refused now, not at the run's end
+    with pytest.raises(ElsaError, match="snapshot .* is unreadable"):
+        selector.resumed(record)
+    torch.save({"shard": torch.ones(2)}, tmp_path / "best" / "rank0.pt")
     selector.resumed(record)
     assert selector.record is record
 

@@ -235,3 +235,57 @@ def test_an_atomic_write_never_writes_through_a_link_at_its_temporary_name(tmp_p
     write_json(folder / "elsa_fingerprint.json", {"steps": 4})
     assert victim.read_text() == "keep me" and json.loads((folder / "elsa_fingerprint.json").read_text()) == {"steps": 4}
     assert [p.name for p in folder.iterdir()] == ["elsa_fingerprint.json"]
+
+
+# ---- an audit's finds (2026-11-29): a DeepSpeed JSON naming code, a pickled .bin, a mask file's metadata ----------------
+def test_a_deepspeed_json_that_names_modules_to_import_is_refused(tmp_path, capsys):
+    """DeepSpeed imports every name in torch_autocast.lower_precision_safe_modules (runtime/torch_autocast.py): a config
+    file would run code. Refused when the file is read, before any work; the module is never imported."""
+    from elsa_ds.cli import main_prune
+
+    (tmp_path / "evil_module.py").write_text(f"import pathlib\npathlib.Path({str(tmp_path / 'ran')!r}).write_text('ran')\n")
+    ds_json = derived_config(tmp_path, "zero3.json", torch_autocast={
+        "enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": ["evil_module.Anything"]})
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert main_prune(["--deepspeed", str(ds_json), "--output_dir", str(tmp_path / "out")]) == 2
+    finally:
+        sys.path.remove(str(tmp_path))
+    errors = _error_lines(capsys.readouterr().err)
+    assert len(errors) == 1 and "torch_autocast.lower_precision_safe_modules" in errors[0], errors
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_pickled_bin_model_or_a_damaged_mask_file_is_one_line(tmp_path, tiny_model_dir):
+    """A .bin weights file with a pickle beyond tensors: torch's weights-only load refuses it and the load says so (it
+    was a traceback); a packed mask file whose shapes metadata is not JSON: one line naming it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from elsa_ds.files.mask_file import MaskReader
+    from elsa_ds.models import load_causal_lm
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    state = load_file(model / "model.safetensors")
+    (model / "model.safetensors").unlink()
+    state["payload"] = _Runs(tmp_path / "ran")
+    torch.save(state, model / "pytorch_model.bin")
+    with pytest.raises(ElsaError, match="holds objects beyond tensors") as refused:
+        load_causal_lm(str(model), torch.float32)
+    assert "\n" not in str(refused.value) and not (tmp_path / "ran").exists()
+    masks = tmp_path / "mask.safetensors"
+    save_file({"w": torch.zeros(1, dtype=torch.uint8)}, str(masks), metadata={"shapes": "{not json"})
+    with pytest.raises(ElsaError, match="not JSON") as refused:
+        MaskReader(masks)
+    assert str(masks) in str(refused.value)
+
+
+class _Runs:
+    """Unpickled, it writes ``path`` (the payload a crafted weights file would carry)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.write_text, (self.path, "ran"))

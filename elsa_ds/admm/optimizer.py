@@ -40,19 +40,19 @@ from collections.abc import Callable
 import torch
 
 from elsa_ds.admm import state as admm_state
+from elsa_ds.admm.state import LAM, U, U_SCALE, Z, Z_SCALE
 from elsa_ds.admm.adam8bit import second_moment
 from elsa_ds.admm.balance import balanced_lambdas, lambda_summary, residual_sums
 from elsa_ds.admm.kernels.compiled import CompiledStep
 from elsa_ds.admm.kernels.fused import FusedPath, XStep
 from elsa_ds.admm.kernels.ops import PenaltyState
 from elsa_ds.admm.kernels.select import FINAL, INIT, UPDATE
+from elsa_ds.admm.loaded import state_problem
 from elsa_ds.admm.projection import Comm, LocalComm, Slice, projection_masks
 from elsa_ds.admm.schedule import LambdaSchedule, dual_rescale, interval_lambda
 from elsa_ds.admm.settings import AdmmSettings, Projection
 from elsa_ds.admm.wrapper import OptimizerWrapper
 
-Z, U, Z_SCALE, U_SCALE = "admm_z", "admm_u", "admm_z_scale", "admm_u_scale"
-LAM = "admm_lmda"  # per-slice λ of the adaptive schedule (fp32, one per slice of the flat)
 METRIC_NAMES = ("residual_sq", "x_sq", "flips", "pruned_entries", "state_bytes", "state_entries")
 
 
@@ -78,6 +78,13 @@ class AdmmOptimizer(OptimizerWrapper):
         self.layer_lambdas: dict[str, float] = {}  # adaptive λ: each layer's, as of its flat's last step (same on every rank)
         self._fused = FusedPath(base, settings.kernels)
         self._compiled = CompiledStep(base, settings.kernels)  # GPU flats under torch's Adam (opt-in: ELSA_DS_COMPILED=1)
+
+    def load_state_dict(self, state_dict):
+        """The base's state, then z, u, their scales and λ checked against this run's flats (``loaded.state_problem``)."""
+        result = super().load_state_dict(state_dict)
+        if (problem := state_problem(self, self.settings)) is not None:
+            raise ValueError(f"the checkpoint's ADMM state does not fit this run: {problem}")  # resume: an unreadable tag
+        return result
 
     # ---- schedule -----------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:

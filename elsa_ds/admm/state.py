@@ -17,6 +17,8 @@ from enum import Enum
 
 import torch
 
+Z, U, Z_SCALE, U_SCALE = "admm_z", "admm_u", "admm_z_scale", "admm_u_scale"  # keys of a flat's optimizer state
+LAM = "admm_lmda"  # per-slice λ of the adaptive schedule (fp32, one per slice of the flat)
 FP8_MAX = 448.0
 # the scale floor keeps s a normal fp32 number: an all-zero layer (peak 0) gets a finite, non-zero scale
 SCALE_FLOOR = torch.finfo(torch.float32).tiny

@@ -68,7 +68,7 @@ class MaskReader:
         for file in files:
             with safe_open(str(file), framework="pt") as fh:
                 meta = fh.metadata() or {}
-                shapes = json.loads(meta["shapes"]) if self.packed and "shapes" in meta else {}
+                shapes = _stored_shapes(file, meta) if self.packed else {}
                 for key in fh.keys():
                     self.where[key] = file
                     self.shapes[key] = tuple(shapes.get(key) or fh.get_slice(key).get_shape())
@@ -97,3 +97,14 @@ class MaskReader:
             cols = self.shapes[name][-1]
             rows = view[first // cols:-(-(first + length) // cols)]
             return (rows.reshape(-1) != 0)[first % cols:first % cols + length]
+
+
+def _stored_shapes(file: Path, meta: dict[str, str]) -> dict[str, list[int]]:
+    """A packed mask file's ``shapes`` metadata: tensor name -> shape (a list of ints); ElsaError naming the file else."""
+    try:
+        shapes = json.loads(meta.get("shapes", "{}"))
+    except ValueError as err:
+        raise ElsaError(f"{file}: its 'shapes' metadata is not JSON ({err}); write the mask file again") from None
+    if not isinstance(shapes, dict) or not all(isinstance(v, list) and all(isinstance(d, int) for d in v) for v in shapes.values()):
+        raise ElsaError(f"{file}: its 'shapes' metadata is not a map of tensor names to shapes; write the mask file again")
+    return shapes

@@ -16,10 +16,13 @@ from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError, signals_held
 from elsa_ds.evaluation.sparsity import sparsity_report
 from elsa_ds.files.aside import aside_dir, beside, moved_away, old_dir
+from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.log import get_logger
 from elsa_ds.targets import LayerGoal
 
 REPORT_NAME = "elsa_report.json"
+MONITOR_DIR = "monitor"  # where DeepSpeed's file monitors write without an output_path of their own (elsa_ds/monitor.py)
+RESUMABLE = ("oneshot", "mask.safetensors", "best_projection")  # side files a --resume of a checkpointed run reads again
 
 
 def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False) -> None:
@@ -29,6 +32,10 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False) ->
         raise ElsaError(f"--output_dir {output_dir} exists and is not a directory")
     if resume and overwrite:
         raise ElsaError("--resume and --overwrite exclude each other: --resume continues the run in --output_dir")
+    if resume:  # before anything in it is read: no link, no FIFO where the resume reads and writes
+        for path, what in [(output_dir / "checkpoints", "the checkpoints"), (output_dir / MONITOR_DIR, "the monitor's logs"),
+                           *((side_path(output_dir, n), "the run's side files") for n in RESUMABLE)]:
+            check_plain_tree(path, what)
     if resume and not (output_dir / "checkpoints" / "latest").exists():
         raise ElsaError(f"--resume: {output_dir / 'checkpoints'} holds no published checkpoint (no 'latest' file)")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not (overwrite or resume):

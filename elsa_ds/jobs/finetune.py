@@ -26,6 +26,7 @@ from elsa_ds.admm.projection import keep_count
 from elsa_ds.admm.schedule import learning_rate
 from elsa_ds.files.mask_file import MaskReader
 from elsa_ds.files.output import fresh_staging, side_path, staging_dir
+from elsa_ds.files.weight_files import check_weight_files
 from elsa_ds.jobs import report
 from elsa_ds.jobs.phases import PhaseLog
 from elsa_ds.jobs.training import (Checkpoints, Opened, RunState, TrainingData, load_for_training, open_training, train_loop,
@@ -109,6 +110,7 @@ class FinetuneJob:
         mask_path, model_dir = oneshot_paths(self.opts.output_dir)
         calibration = None
         if self.opts.resume and mask_path.is_file() and (model_dir / "config.json").is_file():
+            check_weight_files(model_dir, f"the one-shot model {model_dir} a --resume reads again")  # shards inside it
             masks = MaskReader(mask_path)
         else:
             masks, calibration, _ = oneshot_on_rank0(cfg, cfg.oneshot, self.source, opened.data.tokenizer, opened.rank,

@@ -17,7 +17,8 @@ from typing import Any
 from elsa_ds.files.disk_room import disk_full
 from elsa_ds.errors import signals_held
 from elsa_ds.files.aside import published, put_back, set_aside
-from elsa_ds.files.output import PublishFailed, check_output_dir, missing_parents, remove_if_empty, side_path, staging_dir
+from elsa_ds.files.output import (RESUMABLE, PublishFailed, check_output_dir, missing_parents, remove_if_empty, side_path,
+                                  staging_dir)
 from elsa_ds.files.ownership import check_apart, lock_path, owned
 from elsa_ds.files.watchdog import Watchdog
 from elsa_ds.jobs import make_job, run_job
@@ -34,7 +35,6 @@ from elsa_ds.zero.ds_config import DsConfig
 # the side files beside the output (files/output.side_path, as jobs/warm_start.py, finetune.py and selection.py name them;
 # "mask.safetensors" is the retraining's one-shot mask, oneshot_paths' ".oneshot" suffix replaced)
 SIDE_FILES = ("init_mask.safetensors", "init_weights", "oneshot", "mask.safetensors", "best_projection")
-RESUMABLE = ("oneshot", "mask.safetensors", "best_projection")  # what a --resume of a checkpointed run reads again
 
 
 def job_inputs(cfg: ElsaConfig, opts: JobOptions) -> dict[str, str | Path | None]:

@@ -26,6 +26,7 @@ from elsa_ds.admm.optimizer import AdmmOptimizer
 from elsa_ds.data import PplWindows
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import side_path
+from elsa_ds.zero import checkpoint
 from elsa_ds.zero.engine import ZeroEngine
 from elsa_ds.zero.partitions import distributed_nll, hard_projected, restore_shards, shard_snapshot
 
@@ -72,7 +73,9 @@ class Selector:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"rank{self.rank}.pt"
         tmp = path.with_name(f".{path.name}.tmp")
-        torch.save(shard_snapshot(zero), tmp)
+        tmp.unlink(missing_ok=True)  # a link left at the name is removed, never written through
+        with open(tmp, "xb") as file:
+            torch.save(shard_snapshot(zero), file)
         tmp.replace(path)
 
     def resumed(self, record: dict[str, Any] | None) -> None:
@@ -83,6 +86,8 @@ class Selector:
         if best is not None and not path.is_file():
             raise ElsaError(f"--resume: the checkpoint's selection names the best projection of step {best['step']}, but its "
                             f"snapshot {path} is gone; start the run again without --resume")
+        if best is not None:  # read at the run's end: scanned now, before any step
+            checkpoint.check_file(path, "the best projection's snapshot")
 
     def choose(self, zero: ZeroEngine, final_ppl: float | None, final_step: int) -> float | None:
         """Score the run's end against the best snapshot; write the snapshot back when it wins (``final_ppl`` None:
@@ -93,7 +98,7 @@ class Selector:
         if best is None or (final_ppl is not None and final_ppl <= best["ppl"]):
             self.record["chosen"] = {"step": final_step, "ppl": final_ppl, "final": True}
             return final_ppl
-        restore_shards(zero, torch.load(self.directory / f"rank{self.rank}.pt", weights_only=True))
+        restore_shards(zero, checkpoint.read_checkpoint_file(self.directory / f"rank{self.rank}.pt"))
         self.record["chosen"] = {**best, "final": False}
         return best["ppl"]
 

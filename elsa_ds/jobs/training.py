@@ -49,6 +49,48 @@ class RunState:
     selection: dict[str, Any] | None = None  # the validation-driven selection's curve and best (--select_every)
 
 
+def run_state_problem(client: Any) -> str | None:
+    """What is wrong with a checkpoint's client state (a :class:`RunState` and the RNG, as ``Checkpoints.save`` writes
+    it), or None: every field there with its type (``CLIENT_FIELDS``), the RNG as ``checkpoint.rng_state()`` makes it."""
+    if not isinstance(client, dict):
+        return f"a {type(client).__name__}, not a dict"
+    if not {"next_step", "fingerprint", "rng"} <= set(client) <= set(CLIENT_FIELDS):  # an older run's may lack the others
+        return f"its keys are {sorted(map(str, client))}, expected {sorted(CLIENT_FIELDS)}"
+    bad = [key for key, ok in CLIENT_FIELDS.items() if key in client and not ok(client[key])]
+    return f"{', '.join(bad)} of the wrong type" if bad else None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(check(x) for x in value)
+
+
+def _rng_state_ok(rng: Any) -> bool:
+    """``checkpoint.rng_state()``'s shape: torch's state a uint8 tensor, Python's (version, 625 ints, gauss_next)."""
+    if not isinstance(rng, dict) or set(rng) != {"torch", "python"}:
+        return False
+    torch_state, python_state = rng["torch"], rng["python"]
+    return (isinstance(torch_state, torch.Tensor) and torch_state.dtype == torch.uint8
+            and torch_state.shape == torch.get_rng_state().shape
+            and isinstance(python_state, tuple) and len(python_state) == 3 and isinstance(python_state[1], tuple)
+            and len(python_state[1]) == 625 and all(isinstance(x, int) for x in python_state[1])
+            and (python_state[2] is None or isinstance(python_state[2], float)))
+
+
+CLIENT_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "next_step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "lam": _number,
+    "history": _list_of(lambda x: isinstance(x, dict)), "losses": _list_of(_number), "step_times": _list_of(_number),
+    "dense_ppl": _optional(_number), "baseline_ppl": _optional(_number), "fingerprint": lambda v: isinstance(v, dict),
+    "selection": _optional(lambda v: isinstance(v, dict)), "rng": _rng_state_ok}
+
+
 @dataclass
 class TrainingData:
     """The run's text: the global batches (identical on every rank: each computes them from the seed), the validation
@@ -161,6 +203,10 @@ class Checkpoints:
         client = checkpoint.load_latest(engine, self.directory, comm)
         if client is None:
             raise ElsaError(f"--resume: no loadable checkpoint in {self.directory}; run without --resume to start over")
+        if (problem := run_state_problem(client)) is not None:
+            raise ElsaError(f"--resume: the loop state in {self.directory}'s checkpoint is not what elsa_ds writes ({problem}): it "
+                            "was altered or written by another program; restore the run from a copy you trust or start "
+                            "without --resume")
         refusal = checkpoint.resume_changes(client["fingerprint"], fingerprint)  # (also checked before the model loads: plan/checks.py)
         if refusal:
             raise ElsaError(refusal)

@@ -131,6 +131,20 @@ def unsafe_classes(path: Path) -> list[str]:
     return sorted(set(found) - allowed)
 
 
+def check_file(path: Path, what: str) -> None:
+    """ElsaError unless ``path`` is a torch file whose pickle names only what a checkpoint holds (scanned, nothing run):
+    for files a resume reads later than the checkpoint itself (``what`` names it)."""
+    try:
+        classes = unsafe_classes(path)
+    except UnsafeCheckpointError:
+        raise
+    except Exception as err:  # truncated, not a torch zip
+        raise ElsaError(f"--resume: {what} {path} is unreadable ({type(err).__name__}: {' '.join(str(err).split())[:120]}); "
+                        "start the run again without --resume") from None
+    if classes:
+        raise _refusal(path, ", ".join(classes))
+
+
 def read_checkpoint_file(path: str | Path, map_location: Any = None) -> Any:
     """``torch.load`` as data only: tensors, plain containers and ``compat.checkpoint_classes``. A pickle naming anything
     else raises UnsafeCheckpointError; nothing of it runs. The loader ``load_latest`` gives DeepSpeed."""
@@ -152,7 +166,7 @@ def resume_order(ckpt_dir: Path) -> list[str]:
         raise ElsaError(f"--resume: cannot read {latest_file} ({err}); run without --resume to start over") from None
     tags = tags_newest_first(ckpt_dir)
     if latest not in tags:
-        raise ElsaError(f"--resume: {latest_file} names {latest!r}, which is not a checkpoint in {ckpt_dir} (there: "
+        raise ElsaError(f"--resume: {latest_file} names {latest[:80]!r}, which is not a checkpoint in {ckpt_dir} (there: "
                         f"{', '.join(tags) or 'none'}); restore that tag or run without --resume to start over")
     return tags[tags.index(latest):]
 
@@ -246,6 +260,9 @@ def load_latest(engine, ckpt_dir: Path, comm) -> dict | None:
                 path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=True,
                                                       load_optimizer_states=True, load_lr_scheduler_states=False)
             ok = path is not None and client is not None and CLIENT_KEY in client
+            if ok and (problem := compat.loss_scaler_problem(engine)) is not None:
+                raise UnsafeCheckpointError(f"--resume: {ckpt_dir / tag} is not what elsa_ds writes ({problem}); it was "
+                                            "altered: restore the run from a copy you trust")
         except UnsafeCheckpointError as err:  # refused on every rank below, not skipped for an older tag
             ok, refusal = False, err
         except Exception as err:  # a truncated or missing shard: fall back to the previous tag

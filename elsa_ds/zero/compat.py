@@ -183,6 +183,23 @@ def checkpoint_classes() -> list[type]:
     return [ZeroStageEnum, LossScaler]
 
 
+def loss_scaler_problem(engine) -> str | None:
+    """After a resume's load: S3 takes its loss scaler from the checkpoint as pickled (``_rigid_load_state_dict``). The
+    runs elsa_ds writes (bf16 or fp32; fp16 is refused) hold a static ``LossScaler`` with a positive finite scale and
+    nothing else; what is wrong with the loaded one, or None."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is None:
+        return None
+    fields = vars(scaler) if type(scaler) is LossScaler else {}
+    scale = fields.get("cur_scale")
+    if set(fields) != {"cur_scale", "dynamic"} or fields["dynamic"] is not False or isinstance(scale, bool) \
+            or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        return f"its loss scaler, a {type(scaler).__name__}, is not a static LossScaler holding a positive finite scale"
+    return None
+
+
 @contextlib.contextmanager
 def checkpoint_files_read_with(engine, load: Callable[..., Any]) -> Iterator[None]:
     """Inside: every file ``engine.load_checkpoint`` reads goes through ``load(path, map_location=None)``.

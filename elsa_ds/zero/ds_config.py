@@ -249,6 +249,9 @@ def _unresolvable_autos(raw: dict[str, Any], prefix: tuple[str, ...] = ()) -> li
 
 
 SECTIONS = ("zero_optimization", "bf16", "fp16", "elsa", "checkpoint", "optimizer", "scheduler")
+# keys whose values DeepSpeed imports as Python (runtime/torch_autocast.py: importlib.import_module of each name): a
+# config file is data, so they are refused (unset, DeepSpeed's own list of module classes applies)
+CODE_KEYS = (("torch_autocast", "lower_precision_safe_modules"),)
 
 
 def _check_sections(raw: dict[str, Any], path: Path) -> None:
@@ -260,6 +263,11 @@ def _check_sections(raw: dict[str, Any], path: Path) -> None:
         if not isinstance(value, dict):
             raise ElsaError(f"DeepSpeed config {path}: \"{name}\" must be a JSON object, not {type(value).__name__} "
                             f"({json.dumps(value)[:40]}); fix the file or pass a shipped config with --deepspeed")
+    for section, key in CODE_KEYS:
+        if isinstance(raw.get(section), dict) and raw[section].get(key) is not None:
+            raise ElsaError(f"DeepSpeed config {path}: \"{section}.{key}\" names Python modules for DeepSpeed to import, "
+                            "and a config file is read as data, never as code; remove the key (DeepSpeed's own list "
+                            "of module classes then applies)")
 
 
 def _apply_nvme_path(zero: dict[str, Any], nvme_path: str | None) -> None:

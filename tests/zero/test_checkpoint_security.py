@@ -5,15 +5,17 @@ model loads too; the --select_every snapshot is read with weights_only=True what
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.output import check_output_dir
 from elsa_ds.jobs.selection import Selector
+from elsa_ds.jobs.training import RunState, run_state_problem
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
 from tests.conftest import ROOT, run_entry
@@ -133,9 +135,11 @@ def test_selection_snapshot_is_read_as_data_whatever_torchs_default(tmp_path, mo
                         record={"curve": [], "best": {"step": 2, "ppl": 10.0}, "since_best": 0, "stopped_at": None})
     selector.directory.mkdir()
     _plant(selector.directory / "rank0.pt", payload)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="rank0.pt"):
         selector.choose(None, final_ppl=None, final_step=4)  # the snapshot wins: it is read before the shards are touched
     assert not payload.exists()
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="rank0.pt"):  # and a resume scans it before any step
+        selector.resumed(selector.record)
 
 
 # ---- a real run's checkpoint, resumed --------------------------------------------------------------------------------
@@ -220,3 +224,88 @@ def test_a_genuine_checkpoint_still_resumes(checkpointed, tmp_path):
     proc = run_entry("prune.py", args)
     assert "resumed from" in proc.stdout and "continuing at step 2" in proc.stdout, proc.stdout[-3000:]
     assert (out / "model.safetensors").exists()
+
+
+# ---- a folder handed over: links, special files and altered state (an audit's finds, 2026-11-29) ---------------------
+@pytest.mark.parametrize("where", ["checkpoints", "tag", "file", "latest fifo", "monitor", "side folder"])
+def test_a_resumed_folder_with_a_link_or_a_fifo_is_refused_before_anything_in_it_is_read(tmp_path, where):
+    """A link would send the resume's reads, DeepSpeed's writes and the old tags' removal outside the folder; a FIFO at
+    `latest` hung the job while it held the output's lock."""
+    out, elsewhere = tmp_path / "o", tmp_path / "elsewhere"
+    ckpt = out / "checkpoints"
+    _tag(ckpt, "global_step2", "model_states.pt")
+    (ckpt / "latest").write_text("global_step2")
+    elsewhere.mkdir()
+    (elsewhere / "precious.txt").write_text("keep")
+    target = {"checkpoints": ckpt, "tag": ckpt / "global_step2", "file": ckpt / "global_step2" / "model_states.pt",
+              "monitor": out / "monitor", "side folder": tmp_path / ".o.best_projection"}.get(where)
+    if where == "latest fifo":
+        (ckpt / "latest").unlink()
+        os.mkfifo(ckpt / "latest")
+        target = ckpt / "latest"
+    else:
+        if target.exists():
+            shutil.move(target, elsewhere / target.name)
+        target.symlink_to(elsewhere / target.name if (elsewhere / target.name).exists() else elsewhere)
+    with pytest.raises(ElsaError, match="FIFO" if where == "latest fifo" else "symbolic link") as refused:
+        check_output_dir(out, overwrite=False, resume=True)
+    assert str(target) in str(refused.value) and "\n" not in str(refused.value)
+    assert (elsewhere / "precious.txt").read_text() == "keep"
+
+
+def test_an_altered_loop_state_is_named_not_a_traceback():
+    """The client state DeepSpeed hands back: every field with its type, the RNG as elsa_ds saves it."""
+    good = {**asdict(RunState(fingerprint={"sparsity": 0.6})), "rng": checkpoint.rng_state()}
+    assert run_state_problem(good) is None
+    older = {k: v for k, v in good.items() if k not in ("selection", "baseline_ppl")}  # an older elsa_ds's checkpoint
+    assert run_state_problem(older) is None
+    for change, needle in [({"next_step": "3"}, "next_step"), ({"rng": {"torch": torch.zeros(3)}}, "rng"),
+                           ({"losses": [1.0, "x"]}, "losses"), ({"extra": 1}, "keys")]:
+        assert needle in run_state_problem({**good, **change})
+    assert "not a dict" in run_state_problem(["a", "list"])
+    del good["fingerprint"]
+    assert "keys" in run_state_problem(good)
+
+
+def _altered(path: Path, change) -> None:
+    state = torch.load(path, weights_only=False)  # our own file, trusted here
+    change(state)
+    torch.save(state, path)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("what", ["client state", "loss scaler", "admm state"])
+def test_an_altered_checkpoint_is_refused_in_one_line(checkpointed, tmp_path, what):
+    """Tensors and allowed classes only, but not what elsa_ds wrote: the loop's state without its fingerprint, a loss
+    scaler replaced by a dict, z of the wrong size: one line each (they were tracebacks, the last two after training
+    had started)."""
+    out, args = _copy(checkpointed, tmp_path)
+    tag = out / "checkpoints" / "global_step2"
+    model, optim = next(tag.glob("*model_states.pt")), next(tag.glob("*optim_states.pt"))
+    if what == "client state":
+        _altered(model, lambda s: s[checkpoint.CLIENT_KEY].pop("fingerprint"))
+        _refused(args, "loop state", "not what elsa_ds writes")
+    elif what == "loss scaler":
+        _altered(optim, lambda s: s["optimizer_state_dict"].__setitem__("loss_scaler", {"cur_scale": 1.0}))
+        _refused(args, "loss scaler", "not what elsa_ds writes")
+    else:
+        def shrink(s):
+            (st,) = [v for v in s["optimizer_state_dict"]["optimizer_state_dict"]["state"].values() if "admm_z" in v]
+            st["admm_z"] = torch.zeros(10, dtype=st["admm_z"].dtype)
+        _altered(optim, shrink)
+        _refused(args, "no loadable checkpoint")
+
+
+@pytest.mark.integration
+def test_a_resume_through_a_linked_checkpoint_folder_writes_nothing_there(checkpointed, tmp_path):
+    """The audit's case: `checkpoints` a link to another run's folder; the resume wrote its tag and `latest` there and
+    pruned that folder's older tags. Refused now, before the model loads; the other folder as it was."""
+    out, args = _copy(checkpointed, tmp_path)
+    other = tmp_path / "other_run_checkpoints"
+    shutil.move(out / "checkpoints", other)
+    (other / "global_step1").mkdir()
+    (other / "global_step1" / "precious.txt").write_text("keep")
+    before = sorted(str(p.relative_to(other)) for p in other.rglob("*"))
+    (out / "checkpoints").symlink_to(other)
+    text = _refused(args, "symbolic link", str(out / "checkpoints"))
+    assert LOADING not in text and sorted(str(p.relative_to(other)) for p in other.rglob("*")) == before
