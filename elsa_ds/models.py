@@ -176,9 +176,10 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, *, random_init: bool = Fal
                                                          **kwargs)
     except (OSError, ValueError) as err:
         raise ElsaError(f"cannot load model {model_id!r}: {str(err).splitlines()[0]}") from None
-    except pickle.UnpicklingError:  # torch's weights-only loader refused a .bin file: nothing of it ran
-        raise ElsaError(f"cannot load model {model_id!r}: a .bin weights file holds objects beyond tensors, and loading it "
-                        "could run code; use the model's safetensors files or a copy you trust") from None
+    except pickle.UnpicklingError as err:  # torch's weights-only loader refused a .bin file: nothing of it ran
+        raise ElsaError(f"cannot load model {model_id!r}: a .bin weights file holds objects beyond tensors or is damaged "
+                        f"({str(err).splitlines()[0][:120]}), and loading it could run code; use the model's safetensors "
+                        "files or a copy you trust") from None
     model.config.use_cache = False  # scoring and training forwards build no KV cache
     return model
 

@@ -24,8 +24,8 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.files.io import write_atomic
 from elsa_ds.errors import signals_held
 from elsa_ds.files.aside import aside_dir, old_dir, set_aside, settle_old
-from elsa_ds.files.output import check_output_path, fresh_staging, publish, staging_dir
-from elsa_ds.jobs.owner import discard_unpublished, resumable_paths
+from elsa_ds.files.output import PublishFailed, check_output_path, fresh_staging, publish, staging_dir
+from elsa_ds.jobs.owner import kept_output, discard_unpublished, resumable_paths
 from elsa_ds.sparse.export import sparse_paths
 from tests.conftest import ROOT
 from tests.inprocess import one_line, run_main
@@ -230,6 +230,25 @@ def test_a_stop_during_the_publication_waits_until_it_is_done(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "monitor"]  # the run's logs carried along
     assert (out / "model.safetensors").read_text() == "new"
+
+
+def test_a_stop_held_during_a_failed_publication_keeps_the_finished_output(tmp_path):
+    """The final rename fails while a SIGTERM is held: the stop takes effect on the way out and replaces the error, and
+    the exit path must still keep the staging folder the error named (it removed it)."""
+    out = _previous_run(tmp_path)
+    staging = staging_dir(out)
+    staging.mkdir()
+    (staging / "model.safetensors").write_text("new")
+    (staging / "sub").mkdir()
+    try:
+        try:
+            raise PublishFailed("the final rename failed", staging)
+        except PublishFailed:
+            raise Stopped
+    except Stopped as stop:
+        discard_unpublished(out, keep=kept_output(stop))
+    assert (staging / "model.safetensors").read_text() == "new"
+    assert kept_output(KeyboardInterrupt()) is None
 
 
 @pytest.mark.parametrize("killed", ["between the renames", "while the previous output goes", "keeping checkpoints"])

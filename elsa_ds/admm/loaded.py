@@ -9,6 +9,12 @@ from elsa_ds.admm.state import LAM, U, U_SCALE, Z, Z_SCALE
 from elsa_ds.admm.wrapper import OptimizerWrapper
 
 
+class StateMismatch(ValueError):
+    """A loaded ADMM state that does not fit the run (``AdmmOptimizer.load_state_dict``); the resume refuses the checkpoint
+    on every rank (``zero/checkpoint.load_latest``): DeepSpeed's load leaves its parameter groups half-set after a raise,
+    so an older tag cannot be tried instead."""
+
+
 def state_problem(opt: OptimizerWrapper, s: AdmmSettings) -> str | None:
     """What of the loaded z, u, their scales and the per-layer λ does not fit ``opt``'s flats (entries, dtypes as ``s``
     stores them, one scale and one λ per pruned slice), or None."""

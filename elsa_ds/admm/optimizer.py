@@ -47,7 +47,7 @@ from elsa_ds.admm.kernels.compiled import CompiledStep
 from elsa_ds.admm.kernels.fused import FusedPath, XStep
 from elsa_ds.admm.kernels.ops import PenaltyState
 from elsa_ds.admm.kernels.select import FINAL, INIT, UPDATE
-from elsa_ds.admm.loaded import state_problem
+from elsa_ds.admm.loaded import StateMismatch, state_problem
 from elsa_ds.admm.projection import Comm, LocalComm, Slice, projection_masks
 from elsa_ds.admm.schedule import LambdaSchedule, dual_rescale, interval_lambda
 from elsa_ds.admm.settings import AdmmSettings, Projection
@@ -83,7 +83,7 @@ class AdmmOptimizer(OptimizerWrapper):
         """The base's state, then z, u, their scales and λ checked against this run's flats (``loaded.state_problem``)."""
         result = super().load_state_dict(state_dict)
         if (problem := state_problem(self, self.settings)) is not None:
-            raise ValueError(f"the checkpoint's ADMM state does not fit this run: {problem}")  # resume: an unreadable tag
+            raise StateMismatch(f"its ADMM state does not fit this run: {problem}")
         return result
 
     # ---- schedule -----------------------------------------------------------------------------

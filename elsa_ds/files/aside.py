@@ -41,8 +41,8 @@ def settle_old(output_dir: Path, pid: int) -> str | None:
     between the two renames (no output): it goes back. Killed while the previous files moved out of a kept-checkpoints
     output: it stays, named in the warning returned."""
     old = old_dir(output_dir, pid)
-    if not beside(output_dir, "partial", pid).exists():  # published; so was what --overwrite set aside, renamed first
-        for gone in (old, *old.parent.glob(f"{aside_dir(output_dir, pid).name}.published.*")):
+    if not beside(output_dir, "partial", pid).exists():  # published: what --overwrite set aside is never put back now
+        for gone in (old, aside_dir(output_dir, pid), *old.parent.glob(f"{aside_dir(output_dir, pid).name}.published.*")):
             if gone.is_dir() and not gone.is_symlink():
                 shutil.rmtree(gone, ignore_errors=True)
         return None if not old.exists() else f"the previous output, half removed, is left in {old}: delete it"

@@ -151,7 +151,7 @@ class Watch:
     peak_used: int = 0
     peak_job: int = 0
     oom_before: int | None = None
-    old_before: bool = False         # a folder named as rank 0's publication names the previous output: not this job's
+    old_before: tuple | None = None  # the folder rank 0's publication would move the previous output to, as it was
 
 
 def add_rank(w: Watch, pid: int, rank: int) -> None:
@@ -265,7 +265,8 @@ def cleanup(w: Watch) -> str:
         while not flocked(fd) and time.monotonic() < deadline:
             time.sleep(0.2)
         output = Path(w.args.output) if w.args.output else None
-        moved = settle_old(output, rank0.pid) if output and not w.old_before else None  # a publication cut short
+        moved = (settle_old(output, rank0.pid) if output and path_state(old_dir(output, rank0.pid)) != w.old_before
+                 else None)  # a publication cut short (the folder there before the watch began is an earlier job's)
         removed, resumable = 0, set(w.args.resumable) if output and published(output).exists() else set()
         for path, before in w.before.items():
             now = path_state(Path(path))
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pid not in w.ranks:
         return 1
     w.before = {p: path_state(Path(p)) for p in args.clean}
-    w.old_before = bool(args.output) and path_state(old_dir(Path(args.output), args.pid)) is not None
+    w.old_before = path_state(old_dir(Path(args.output), args.pid)) if args.output else None
     w.oom_before = oom_kills()
     discover(w)
     if os.fork() > 0:

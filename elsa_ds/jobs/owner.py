@@ -76,7 +76,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
             except BaseException as err:  # every way out short of publishing; the lock goes right after
                 if writer:  # a finished output whose final rename failed stays where the error says
                     with signals_held():
-                        discard_unpublished(out, keep=err.kept if isinstance(err, PublishFailed) else None)
+                        discard_unpublished(out, keep=kept_output(err))
                 if (full := disk_full(err, out)) is not None:
                     raise full from None  # one line (ElsaError), its free space measured with the partial files gone
                 raise
@@ -84,6 +84,16 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
         dog.end()
         if writer:  # the folders made for an output that is not there: a refused or failed job leaves no empty folder
             remove_if_empty(created)
+
+
+def kept_output(err: BaseException | None) -> Path | None:
+    """The finished output a failed final rename left (``PublishFailed.kept``), also when a Ctrl-C or SIGTERM held during
+    the publication took effect on the way out and replaced the error (it is then the exception's context)."""
+    while err is not None:
+        if isinstance(err, PublishFailed):
+            return err.kept
+        err = err.__context__
+    return None
 
 
 def unpublished_paths(output_dir: Path) -> list[Path]:

@@ -53,11 +53,11 @@ def run_state_problem(client: Any) -> str | None:
     """What is wrong with a checkpoint's client state (a :class:`RunState` and the RNG, as ``Checkpoints.save`` writes
     it), or None: every field there with its type (``CLIENT_FIELDS``), the RNG as ``checkpoint.rng_state()`` makes it."""
     if not isinstance(client, dict):
-        return f"a {type(client).__name__}, not a dict"
+        return f"its loop state is a {type(client).__name__}, not a dict"
     if not {"next_step", "fingerprint", "rng"} <= set(client) <= set(CLIENT_FIELDS):  # an older run's may lack the others
-        return f"its keys are {sorted(map(str, client))}, expected {sorted(CLIENT_FIELDS)}"
+        return f"its loop state's keys are {sorted(map(str, client))}, expected {sorted(CLIENT_FIELDS)}"
     bad = [key for key, ok in CLIENT_FIELDS.items() if key in client and not ok(client[key])]
-    return f"{', '.join(bad)} of the wrong type" if bad else None
+    return f"its loop state's {', '.join(bad)} of the wrong type" if bad else None
 
 
 def _number(value: Any) -> bool:
@@ -79,8 +79,9 @@ def _rng_state_ok(rng: Any) -> bool:
     torch_state, python_state = rng["torch"], rng["python"]
     return (isinstance(torch_state, torch.Tensor) and torch_state.dtype == torch.uint8
             and torch_state.shape == torch.get_rng_state().shape
-            and isinstance(python_state, tuple) and len(python_state) == 3 and isinstance(python_state[1], tuple)
-            and len(python_state[1]) == 625 and all(isinstance(x, int) for x in python_state[1])
+            and isinstance(python_state, tuple) and len(python_state) == 3 and python_state[0] == 3
+            and isinstance(python_state[1], tuple) and len(python_state[1]) == 625
+            and all(isinstance(x, int) and 0 <= x < 2**32 for x in python_state[1]) and python_state[1][-1] <= 624
             and (python_state[2] is None or isinstance(python_state[2], float)))
 
 
@@ -88,7 +89,7 @@ CLIENT_FIELDS: dict[str, Callable[[Any], bool]] = {
     "next_step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "lam": _number,
     "history": _list_of(lambda x: isinstance(x, dict)), "losses": _list_of(_number), "step_times": _list_of(_number),
     "dense_ppl": _optional(_number), "baseline_ppl": _optional(_number), "fingerprint": lambda v: isinstance(v, dict),
-    "selection": _optional(lambda v: isinstance(v, dict)), "rng": _rng_state_ok}
+    "selection": _optional(lambda v: isinstance(v, dict) and {"curve", "best", "since_best"} <= set(v)), "rng": _rng_state_ok}
 
 
 @dataclass
@@ -200,13 +201,9 @@ class Checkpoints:
         ``engine`` with the RNG. Refuses a checkpoint written with other settings (``fingerprint``). Collective."""
         if not self.resume:
             return RunState(fingerprint=fingerprint)
-        client = checkpoint.load_latest(engine, self.directory, comm)
+        client = checkpoint.load_latest(engine, self.directory, comm, run_state_problem)  # the loop's state checked there
         if client is None:
             raise ElsaError(f"--resume: no loadable checkpoint in {self.directory}; run without --resume to start over")
-        if (problem := run_state_problem(client)) is not None:
-            raise ElsaError(f"--resume: the loop state in {self.directory}'s checkpoint is not what elsa_ds writes ({problem}): it "
-                            "was altered or written by another program; restore the run from a copy you trust or start "
-                            "without --resume")
         refusal = checkpoint.resume_changes(client["fingerprint"], fingerprint)  # (also checked before the model loads: plan/checks.py)
         if refusal:
             raise ElsaError(refusal)

@@ -25,11 +25,13 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from elsa_ds.admm.loaded import StateMismatch
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import writer_ran_out
 from elsa_ds.files.io import write_atomic
@@ -250,9 +252,11 @@ def publish_latest(ckpt_dir: Path, tag: str, keep: int) -> None:
         remove_tag(ckpt_dir / old)
 
 
-def load_latest(engine, ckpt_dir: Path, comm) -> dict | None:
+def load_latest(engine, ckpt_dir: Path, comm, client_problem: Callable[[Any], str | None]) -> dict | None:
     """Load the newest loadable checkpoint, its files read as data only (``read_checkpoint_file``); returns its client
-    state (None when there is none). A file that needs a class outside the allow-list stops every rank. Collective."""
+    state (None when there is none). A file that needs a class outside the allow-list, or that loads into something
+    elsa_ds never writes (the loop's state as ``client_problem`` judges it, the loss scaler, z and u), stops every rank.
+    Collective."""
     for tag in resume_order(ckpt_dir):
         refusal = None
         try:
@@ -260,11 +264,12 @@ def load_latest(engine, ckpt_dir: Path, comm) -> dict | None:
                 path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=True,
                                                       load_optimizer_states=True, load_lr_scheduler_states=False)
             ok = path is not None and client is not None and CLIENT_KEY in client
-            if ok and (problem := compat.loss_scaler_problem(engine)) is not None:
-                raise UnsafeCheckpointError(f"--resume: {ckpt_dir / tag} is not what elsa_ds writes ({problem}); it was "
-                                            "altered: restore the run from a copy you trust")
-        except UnsafeCheckpointError as err:  # refused on every rank below, not skipped for an older tag
-            ok, refusal = False, err
+            if ok and (problem := compat.loss_scaler_problem(engine) or client_problem(client[CLIENT_KEY])) is not None:
+                raise StateMismatch(problem)
+        except (UnsafeCheckpointError, StateMismatch) as err:  # refused on every rank below, not skipped for an older tag
+            ok, refusal = False, (err if isinstance(err, UnsafeCheckpointError) else UnsafeCheckpointError(
+                f"--resume: {ckpt_dir / tag} is not what elsa_ds writes ({err}); it was altered or written by another "
+                "program: restore the run from a copy you trust or start without --resume"))
         except Exception as err:  # a truncated or missing shard: fall back to the previous tag
             log.info(f"checkpoint {tag} is unreadable ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
             ok = False

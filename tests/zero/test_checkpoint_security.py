@@ -293,7 +293,7 @@ def test_an_altered_checkpoint_is_refused_in_one_line(checkpointed, tmp_path, wh
             (st,) = [v for v in s["optimizer_state_dict"]["optimizer_state_dict"]["state"].values() if "admm_z" in v]
             st["admm_z"] = torch.zeros(10, dtype=st["admm_z"].dtype)
         _altered(optim, shrink)
-        _refused(args, "no loadable checkpoint")
+        _refused(args, "ADMM state does not fit", "admm_z holds 10")
 
 
 @pytest.mark.integration
