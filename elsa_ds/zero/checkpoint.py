@@ -133,18 +133,25 @@ def unsafe_classes(path: Path) -> list[str]:
     return sorted(set(found) - allowed)
 
 
-def check_file(path: Path, what: str) -> None:
-    """ElsaError unless ``path`` is a torch file whose pickle names only what a checkpoint holds (scanned, nothing run):
-    for files a resume reads later than the checkpoint itself (``what`` names it)."""
+def _scan(path: Path) -> str | None:
+    """Why ``path`` is unreadable as a torch file (truncated, not a torch zip), or None; UnsafeCheckpointError when its
+    pickle names a class outside the allow-list (scanned, nothing run)."""
     try:
         classes = unsafe_classes(path)
     except UnsafeCheckpointError:
         raise
-    except Exception as err:  # truncated, not a torch zip
-        raise ElsaError(f"--resume: {what} {path} is unreadable ({type(err).__name__}: {' '.join(str(err).split())[:120]}); "
-                        "start the run again without --resume") from None
+    except Exception as err:  # truncated, missing or not a torch zip: the scan reads, never runs
+        return f"{type(err).__name__}: {' '.join(str(err).split())[:120]}"
     if classes:
         raise _refusal(path, ", ".join(classes))
+    return None
+
+
+def check_file(path: Path, what: str) -> None:
+    """ElsaError unless ``path`` is a torch file whose pickle names only what a checkpoint holds (:func:`_scan`): for
+    files a resume reads later than the checkpoint itself (``what`` names it)."""
+    if (why := _scan(path)) is not None:
+        raise ElsaError(f"--resume: {what} {path} is unreadable ({why}); start the run again without --resume")
 
 
 def read_checkpoint_file(path: str | Path, map_location: Any = None) -> Any:
@@ -184,15 +191,8 @@ def check_resume(ckpt_dir: Path) -> None:
         if not files:
             unreadable[tag] = "no checkpoint files"
         for path in files:
-            try:
-                classes = unsafe_classes(path)
-            except UnsafeCheckpointError:
-                raise
-            except Exception as err:  # truncated, missing or not a torch zip: the scan reads, never runs
-                unreadable.setdefault(tag, f"{path.name}: {type(err).__name__}: {' '.join(str(err).split())[:120]}")
-                continue
-            if classes:
-                raise _refusal(path, ", ".join(classes))
+            if (why := _scan(path)) is not None:
+                unreadable.setdefault(tag, f"{path.name}: {why}")
     if len(unreadable) == len(tags):
         raise ElsaError(f"--resume: no checkpoint in {ckpt_dir} is readable ("
                         + "; ".join(f"{tag}: {why}" for tag, why in unreadable.items()) + "); run without --resume to start over")
