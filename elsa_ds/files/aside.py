@@ -17,9 +17,15 @@ def published(output_dir: Path) -> Path:
     return output_dir / "checkpoints" / "latest"
 
 
+def side_path(output_dir: Path, name: str) -> Path:
+    """``.NAME.<name>`` beside the output: where a job keeps a side file until it consumes it (the warm start's mask and
+    weights, a retraining run's one-shot model, the best projection's snapshot); ``jobs/owner.py`` lists them all."""
+    return output_dir.resolve().parent / f".{output_dir.name}.{name}"
+
+
 def beside(output_dir: Path, what: str, pid: int | None = None) -> Path:
     """``.NAME.<what>.<pid>`` beside the output: a folder of one job's rank 0 (this process by default)."""
-    return output_dir.resolve().parent / f".{output_dir.name}.{what}.{pid or os.getpid()}"
+    return side_path(output_dir, f"{what}.{pid or os.getpid()}")
 
 
 def aside_dir(output_dir: Path, pid: int | None = None) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError, signals_held
 from elsa_ds.evaluation.sparsity import sparsity_report
-from elsa_ds.files.aside import aside_dir, beside, moved_away, old_dir
+from elsa_ds.files.aside import aside_dir, beside, moved_away, old_dir, side_path  # side_path: the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.log import get_logger
 from elsa_ds.targets import LayerGoal
@@ -123,12 +123,6 @@ def staging_dir(output_dir: Path) -> Path:
     """Where rank 0 of this job builds the output before it is renamed into place: named for its process, so two jobs
     (or a dead job's leftover) never share one. Its siblings (warm-start masks, snapshots) take their names from it."""
     return beside(output_dir, "partial")
-
-
-def side_path(output_dir: Path, name: str) -> Path:
-    """``.NAME.<name>`` beside the output: where a job keeps a side file until it consumes it (the warm start's mask and
-    weights, a retraining run's one-shot model, the best projection's snapshot); ``jobs/owner.py`` lists them all."""
-    return output_dir.resolve().parent / f".{output_dir.name}.{name}"
 
 
 def fresh_staging(output_dir: Path) -> Path:
