@@ -151,7 +151,11 @@ def peer_gone(err: BaseException) -> bool:
 
 def _stop_line(err: BaseException, where: str) -> int:
     what, code = ("interrupted (Ctrl-C)", 130) if isinstance(err, KeyboardInterrupt) else ("terminated (SIGTERM)", 143)
-    stderr_line(f"elsa_ds: {what}{where}: nothing unfinished was published")
+    if (published := getattr(err, "published", None)) is not None:  # held through a publication that succeeded
+        stderr_line(f"elsa_ds: {what}{where} just after the output was published: {published} is complete (its summary was "
+                    "not printed)")
+    else:
+        stderr_line(f"elsa_ds: {what}{where}: nothing unfinished was published")
     return code
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -161,6 +163,30 @@ def test_a_shard_index_naming_weights_outside_the_model_folder_is_refused(where,
         name: "model-00001-of-00001.safetensors" for name in index["weight_map"]}}))
     check_weight_files(model, f"model {model}")  # its own shard: nothing to refuse
     assert _estimate(model)[0] == 0
+
+
+@pytest.mark.parametrize("linked", ["model.safetensors", "config.json"])
+def test_a_model_folders_file_linked_outside_it_is_refused_and_the_hub_caches_layout_is_not(linked, tmp_path, stop_at_the_job):
+    """A folder handed over is data: a link among its own files that leads outside it is refused in one line before
+    anything loads (prune and evaluate); the hub cache's snapshot, whose files link into the repository's blobs/, loads."""
+    model, elsewhere = demo_copy(tmp_path / "model"), tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (model / linked).rename(elsewhere / linked)
+    (model / linked).symlink_to(elsewhere / linked)
+    one_line(*_prune(model, tmp_path / "o")[:2], repr(linked), "outside", "cp -L")
+    assert not (tmp_path / "o").exists()
+    code, err, out = _evaluate(model, tmp_path)
+    one_line(code, err, repr(linked), "outside")
+    assert "loaded" not in out + err and not (tmp_path / "result.json").exists()
+    repo = tmp_path / "hub" / "models--org--demo"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for file in sorted(DEMO_MODEL_DIR.iterdir()):
+        if file.is_file():
+            shutil.copy2(file, blobs / file.name)
+            (snapshot / file.name).symlink_to(Path("..", "..", "blobs", file.name))
+    assert _estimate(snapshot)[0] == 0
 
 
 # ---- values that pass their bounds but not the run ----------------------------------------------------------------------

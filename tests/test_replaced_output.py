@@ -22,7 +22,7 @@ import torch
 from elsa_ds import cli
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.io import write_atomic
-from elsa_ds.errors import signals_held
+from elsa_ds.errors import guarded, signals_held
 from elsa_ds.files.aside import aside_dir, old_dir, set_aside, settle_old
 from elsa_ds.files.output import PublishFailed, check_output_path, fresh_staging, publish, staging_dir
 from elsa_ds.jobs.owner import kept_output, discard_unpublished, resumable_paths
@@ -230,6 +230,40 @@ def test_a_stop_during_the_publication_waits_until_it_is_done(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "monitor"]  # the run's logs carried along
     assert (out / "model.safetensors").read_text() == "new"
+
+
+@pytest.mark.parametrize("renamed", ["whole", "the final rename fails"])
+def test_a_stop_held_through_the_publication_says_whether_the_output_is_complete(tmp_path, monkeypatch, capsys, renamed):
+    """Through the entry points' guard: a SIGTERM held while the new output goes in ends the job with one line that says
+    the output is complete when it is (it said "nothing unfinished was published", leaving the user to wonder), and the
+    usual line when the publication failed."""
+    out = _previous_run(tmp_path)
+    staging = staging_dir(out)
+    staging.mkdir()
+    (staging / "model.safetensors").write_text("new")
+    real_rename = Path.rename
+
+    def rename(self, target):
+        if self == staging and renamed != "whole":
+            raise OSError(28, "No space left on device")
+        done = real_rename(self, target)
+        if self == out:  # the previous output moved aside: the stop comes right after
+            os.kill(os.getpid(), signal.SIGTERM)
+        return done
+
+    monkeypatch.setattr(Path, "rename", rename)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert guarded(lambda: publish(staging, out, keep_checkpoints=False)) == 143
+    finally:  # guarded() installs the entry points' handlers: this process keeps its own
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    line = capsys.readouterr().err
+    assert line.startswith("elsa_ds: terminated (SIGTERM)") and line.count("\n") == 1
+    if renamed == "whole":
+        assert f"{out} is complete" in line and (out / "model.safetensors").read_text() == "new"
+    else:
+        assert "nothing unfinished was published" in line and (staging / "model.safetensors").read_text() == "new"
 
 
 def test_a_stop_held_during_a_failed_publication_keeps_the_finished_output(tmp_path):

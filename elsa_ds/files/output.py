@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elsa_ds.admm.projection import NM
-from elsa_ds.errors import ElsaError, signals_held
+from elsa_ds.errors import ElsaError, Terminated, signals_held
 from elsa_ds.evaluation.sparsity import sparsity_report
 from elsa_ds.files.aside import aside_dir, beside, moved_away, old_dir, side_path  # side_path: the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
@@ -156,8 +156,18 @@ def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tupl
     ``carry`` that the run wrote into ``output_dir`` while it ran (the monitor's logs) move along (with
     ``keep_checkpoints`` they stay where they are). Should a rename fail, a :class:`PublishFailed` says where the
     finished output is. Ctrl-C and SIGTERM wait until it is done (then take effect); after a SIGKILL the watchdog
-    settles what was moved (``aside.settle_old``).
+    settles what was moved (``aside.settle_old``). A stop held through a publication that succeeded carries the output's
+    path (``published``): the entry point's line then says the output is whole.
     """
+    try:
+        _publish(staging, output_dir, keep_checkpoints, carry)
+    except (KeyboardInterrupt, Terminated) as stop:
+        if stop.__context__ is None:  # raised as the signals were let through, the publication done
+            stop.published = output_dir  # type: ignore[union-attr]
+        raise
+
+
+def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tuple[str, ...]) -> None:
     with signals_held():  # a Ctrl-C between the renames, or while the previous output goes, would leave it half there
         old = old_dir(output_dir)
         try:

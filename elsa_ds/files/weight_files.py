@@ -3,7 +3,8 @@
 A truncated download or copy, or a flipped byte in the header, otherwise fails deep inside ``from_pretrained`` (or
 the warm start's mask reader) after minutes of loading, with safetensors' own error and a traceback. A shard index's
 names stay inside the folder (``inside_folder``): transformers joins them onto it as given, so an absolute name or
-``..`` would have it read weights from anywhere on disk.
+``..`` would have it read weights from anywhere on disk; so do the folder's own files when they are links (the hub
+cache's snapshot links into its ``blobs/`` excepted).
 """
 from __future__ import annotations
 
@@ -75,6 +76,9 @@ def check_weight_files(folder: str | Path, who: str) -> None:
     path = Path(folder).expanduser()
     if not path.is_dir():
         return
+    for entry in sorted(path.iterdir()):
+        if entry.is_symlink():
+            inside_folder(path, entry.name, path, ElsaError, what="file")
     for name in SHARD_INDEXES:
         if (path / name).exists():
             for shard in dict.fromkeys(read_index(path / name, ElsaError).values()):
@@ -96,15 +100,15 @@ def read_index(index: Path, error: type[Exception]) -> dict[str, str]:
     return weight_map
 
 
-def inside_folder(folder: Path, name: str, listed_in: Path, error: type[Exception]) -> Path:
-    """``folder / name`` where ``name`` (a file ``listed_in`` names) is relative, has no ``..`` and, links resolved, stays
-    inside ``folder`` (the Hugging Face hub cache's snapshot files, links into the repository's ``blobs/``, excepted);
-    otherwise ``error`` naming it."""
-    where = f"{listed_in}: shard {name!r}"
+def inside_folder(folder: Path, name: str, listed_in: Path, error: type[Exception], what: str = "shard") -> Path:
+    """``folder / name`` where ``name`` (a ``what`` that ``listed_in`` names) is relative, has no ``..`` and, links
+    resolved, stays inside ``folder`` (the Hugging Face hub cache's snapshot files, links into the repository's
+    ``blobs/``, excepted); otherwise ``error`` naming it."""
+    where = f"{listed_in}: {what} {name!r}"
     if not name or "\0" in name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).anchor:
-        raise error(f"{where} is not a relative file name: shards must lie inside {folder}")
+        raise error(f"{where} is not a relative file name: {what}s must lie inside {folder}")
     if ".." in PureWindowsPath(name).parts:  # splits on / and \\ alike
-        raise error(f"{where} climbs out with '..': shards must lie inside {folder}")
+        raise error(f"{where} climbs out with '..': {what}s must lie inside {folder}")
     path, root = folder / name, folder.resolve()
     try:
         target = path.resolve()
@@ -112,5 +116,5 @@ def inside_folder(folder: Path, name: str, listed_in: Path, error: type[Exceptio
         raise error(f"{where} cannot be resolved ({err})") from None
     hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
     if not target.is_relative_to(root) and not (hub_blobs is not None and target.is_relative_to(hub_blobs)):
-        raise error(f"{where} is a link to {target}, outside {folder}: shards must lie inside it")
+        raise error(f"{where} is a link to {target}, outside {folder}: {what}s must lie inside it (copy them in: cp -L)")
     return path

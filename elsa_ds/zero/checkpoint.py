@@ -12,7 +12,7 @@ folder holds where a save writes are removed, never written through (``clear_for
 
 A checkpoint is read as data: every file of the tags a resume may load is scanned before any model or engine exists
 (``check_resume``), and DeepSpeed reads it with ``torch.load(weights_only=True)`` and an allow-list of the classes its
-checkpoints hold (``compat.checkpoint_classes``). A file whose pickle names anything else is refused, not run.
+checkpoints hold (``compat.checkpoint_globals``). A file whose pickle names anything else is refused, not run.
 
 NVMe optimizer offload is refused for checkpointing: DeepSpeed's NVMe path restores the masters but
 not the optimizer state (notes/deepspeed-zero3.md §5), so a resumed run would silently restart Adam
@@ -115,17 +115,17 @@ class UnsafeCheckpointError(ElsaError):
 
 
 def _refusal(path: Path, what: str) -> UnsafeCheckpointError:
-    allowed = ", ".join(c.__name__ for c in compat.checkpoint_classes())
+    allowed = ", ".join(name.rsplit(".", 1)[-1] for _, name in compat.checkpoint_globals())
     return UnsafeCheckpointError(f"--resume: refusing checkpoint file {path}: it needs {what}, which an elsa_ds checkpoint "
                                  f"never holds (tensors, plain containers, {allowed}), and loading it could run code; it "
                                  "was not written by elsa_ds or was altered: restore the run from a copy you trust")
 
 
 def unsafe_classes(path: Path) -> list[str]:
-    """The globals ``path``'s pickle names beyond torch's weights-only set and ``compat.checkpoint_classes``, read from the
+    """The globals ``path``'s pickle names beyond torch's weights-only set and ``compat.checkpoint_globals``, read from the
     pickle's instructions (nothing is unpickled). Raises UnsafeCheckpointError for instructions the scan cannot follow,
     another exception for a file that is not a readable torch zip."""
-    allowed = {f"{c.__module__}.{c.__qualname__}" for c in compat.checkpoint_classes()}
+    allowed = {name for _, name in compat.checkpoint_globals()}
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except pickle.UnpicklingError as err:  # an opcode torch.save (protocol 2) never writes
@@ -155,9 +155,9 @@ def check_file(path: Path, what: str) -> None:
 
 
 def read_checkpoint_file(path: str | Path, map_location: Any = None) -> Any:
-    """``torch.load`` as data only: tensors, plain containers and ``compat.checkpoint_classes``. A pickle naming anything
+    """``torch.load`` as data only: tensors, plain containers and ``compat.checkpoint_globals``. A pickle naming anything
     else raises UnsafeCheckpointError; nothing of it runs. The loader ``load_latest`` gives DeepSpeed."""
-    with torch.serialization.safe_globals([*compat.checkpoint_classes()]):  # a list of callables, as its stubs ask
+    with torch.serialization.safe_globals([*compat.checkpoint_globals()]):
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as err:

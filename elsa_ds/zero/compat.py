@@ -172,15 +172,28 @@ def gather_16bit_state_dict(engine) -> dict[str, torch.Tensor] | None:
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------------------
-def checkpoint_classes() -> list[type]:
-    """The classes beyond tensors and plain containers that DeepSpeed pickles into the checkpoints elsa_ds writes: S3's
-    ``zero_stage`` and its static ``loss_scaler``, in each rank's ``*optim_states.pt`` (``S3._rigid_state_dict``); the
-    ``*model_states.pt`` hold none. Read off checkpoints of every job, base optimizer, offload and precision elsa_ds
-    runs, loaded with ``weights_only=True``: re-read them when DeepSpeed changes (a missing class refuses every resume)."""
+def _zero_stage(value: Any) -> Any:
+    """The member ``ZeroStageEnum(value)``: what a pickled ``zero_stage`` names, stood in for the class (see below)."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return ZeroStageEnum(value)
+
+
+def checkpoint_globals() -> list[tuple[Callable[..., Any], str]]:
+    """What a checkpoint's pickle may name beyond tensors and plain containers, as ``(callable, name in the pickle)``:
+    S3's ``zero_stage`` and its static ``loss_scaler``, in each rank's ``*optim_states.pt`` (``S3._rigid_state_dict``);
+    the ``*model_states.pt`` hold none. Read off checkpoints of every job, base optimizer, offload and precision elsa_ds
+    runs, loaded with ``weights_only=True``: re-read them when DeepSpeed changes (a missing name refuses every resume).
+
+    The enum's name maps to a function returning the member, not to the class: torch's weights-only loader lets a pickle
+    set any attribute (BUILD) on an instance of an allowed class, and an enum member is one object for the whole process
+    (DeepSpeed compares stages with it). A member is not an instance of an allowed class this way, so such a pickle is
+    refused. ``LossScaler`` is built fresh per load (its fields are checked after it, ``loss_scaler_problem``)."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    return [ZeroStageEnum, LossScaler]
+    return [(_zero_stage, f"{ZeroStageEnum.__module__}.{ZeroStageEnum.__qualname__}"),
+            (LossScaler, f"{LossScaler.__module__}.{LossScaler.__qualname__}")]
 
 
 def loss_scaler_problem(engine) -> str | None:

@@ -62,6 +62,33 @@ def test_reader_refuses_a_pickle_that_runs_code(tmp_path):
     assert not payload.exists()
 
 
+class RewritesAStage:
+    """Unpickled, it sets attributes on ZeroStageEnum's member 3, an object DeepSpeed shares process-wide (BUILD)."""
+
+    def __reduce__(self):
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        return (ZeroStageEnum, (3,), {"_value_": 1, "elsa_payload": "pwned"})
+
+
+def test_the_reader_never_lets_a_pickle_set_attributes_on_deepspeeds_enum(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    stage = ZeroStageEnum(3)
+    before = dict(vars(stage))
+    genuine, altered = tmp_path / "genuine_optim_states.pt", tmp_path / "altered_optim_states.pt"
+    torch.save({"zero_stage": stage, "loss_scaler": LossScaler(1.0)}, genuine)
+    loaded = checkpoint.read_checkpoint_file(genuine)
+    assert loaded["zero_stage"] is stage and loaded["loss_scaler"].cur_scale == 1.0
+    assert checkpoint.unsafe_classes(genuine) == []
+    torch.save({"zero_stage": RewritesAStage()}, altered)
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="ZeroStageEnum") as refused:
+        checkpoint.read_checkpoint_file(altered)
+    assert str(altered) in str(refused.value) and "\n" not in str(refused.value)
+    assert dict(vars(stage)) == before and stage.value == 3
+
+
 @pytest.mark.parametrize("protocol", [2, 4])
 def test_scan_refuses_every_tag_a_resume_may_load(tmp_path, protocol):
     """The tags from ``latest`` down are scanned, an older one too (a resume falls back to it); protocol 4's opcodes
