@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import re
 import resource
@@ -100,16 +101,21 @@ def test_a_full_disk_leaves_nothing_and_says_one_line(tmp_path, size, written):
     assert f"{written}:" in line, line
 
 
-def test_a_disk_too_small_for_the_export_is_refused_before_work(tmp_path):
+@pytest.mark.parametrize("size,export", [(2 * 2**20, []), (20 * 2**20, ["--export_format", "sparse"])], ids=["dense", "sparse"])
+def test_a_disk_too_small_for_the_export_is_refused_before_work(tmp_path, size, export):
     """The pre-flight check (``preflight.py``: the export against the output's free space) refuses in seconds, before
-    any weight loads, and leaves nothing; only a real small file system shows it (a file size limit leaves space free)."""
+    any weight loads, and leaves nothing; only a real small file system shows it (a file size limit leaves space free).
+    The sparse export is built beside the dense one: in fp32, 20 MiB holds the demo's dense export (16.8 MB) and its
+    masks, not the sparse checkpoint beside them."""
     parent = tmp_path / "disk"
-    with _small_disk(parent, 2 * 2**20) as preexec:
+    fp32 = tmp_path / "fp32.json"  # whether this CPU keeps bf16 or not, the export's bytes are fp32's
+    fp32.write_text(json.dumps({**json.loads((ROOT / QUICK[1]).read_text()), "bf16": {"enabled": False}}))
+    with _small_disk(parent, size) as preexec:
         if preexec is not None:
             pytest.skip("no tmpfs can be mounted here (needs root)")
         out = _previous_output(parent)
         before = _listing(parent)
-        proc = _prune([*QUICK, "--steps", "2", "--output_dir", str(out), "--overwrite"])
+        proc = _prune([*QUICK, "--steps", "2", "--output_dir", str(out), "--overwrite", *export, "--deepspeed", str(fp32)])
         line = _one_error_line(proc)
         assert _listing(parent) == before, line
     assert f"disk at {out}" in line and "--ignore_memory_check" in line, line
@@ -186,3 +192,68 @@ def test_a_full_disk_at_a_checkpoint_leaves_nothing_and_says_one_line(tmp_path):
         after = _listing(parent)
         assert after == before, (line, set(after) ^ set(before))
     assert re.search(r"^elsa_ds: error: (no space left|file size limit reached) on .+ writing \S+checkpoints/global_step2", line), line
+
+
+# ---- a disk already full: the lock, and the sparse checkpoint ---------------------------------------------------------
+def test_a_lock_that_cannot_be_written_is_one_error_and_no_file(tmp_path, monkeypatch):
+    """The lock is the first file every entry point writes: on a full disk its write failed with a traceback and left an
+    empty lock file behind. Now a DiskFull naming the lock and the flag to change, and no file."""
+    from elsa_ds.files import ownership
+
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ownership.os, "pwrite", pwrite)
+    with pytest.raises(DiskFull, match="choose another --output$") as full:
+        ownership.acquire(tmp_path / "r.json", "--output")
+    assert str(lock_path(tmp_path / "r.json")) in str(full.value) and list(tmp_path.iterdir()) == []
+
+
+def test_every_entry_point_on_a_full_disk_says_one_line_and_leaves_nothing(tmp_path):
+    """A file system with no byte free: prune, evaluate and compress each end in one line naming the disk, exit 2, and
+    the folder reads as before (no lock file, no staging)."""
+    from tests.sparse.conftest import pruned_demo
+
+    pruned, parent = pruned_demo(tmp_path / "pruned", 0.9), tmp_path / "disk"
+    with _small_disk(parent, 2**20) as preexec:
+        if preexec is not None:
+            pytest.skip("no tmpfs can be mounted here (needs root)")
+        with contextlib.suppress(OSError):
+            with (parent / "fill").open("wb") as fill:
+                while fill.write(bytes(2**16)):
+                    pass
+        before = _listing(parent)
+        runs = {"prune.py": [*QUICK, "--steps", "2", "--output_dir", str(parent / "o")],
+                "evaluate.py": ["--model", str(pruned), "--ppl", "shakespeare", "--seqlen", "64", "--limit", "2",
+                                "--output", str(parent / "r.json")],
+                "compress.py": [str(pruned), str(parent / "sparse")]}
+        for script, args in runs.items():
+            line = _one_error_line(run_entry(script, args, check=False, timeout=600))
+            assert re.search(r"^elsa_ds: error: no space left on .+ writing \S+\.lock: 0 free; free space or choose", line), line
+            assert _listing(parent) == before, (script, line)
+
+
+def test_compress_refuses_a_disk_too_small_before_writing_and_names_a_late_full_disk_right(tmp_path):
+    """elsa-compress counts what it will write (every stored part, the copied files) against the free space before
+    writing anything; a write that fails anyway (here a file size limit) is one line too, its hint compress's own
+    (another output folder, not prune's --output_dir), and nothing is left."""
+    from tests.sparse.conftest import pruned_demo
+
+    pruned, parent = pruned_demo(tmp_path / "pruned", 0.9), tmp_path / "disk"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "launch" / "compress.py"), str(pruned), str(parent / "sparse")]
+    with _small_disk(parent, 2**20) as preexec:
+        before = _listing(parent)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, preexec_fn=preexec)
+        line = _one_error_line(proc)
+        assert _listing(parent) == before, line
+    if preexec is None:  # a real small disk: refused before the first write
+        assert re.search(r"^elsa_ds: error: no space left on .+ writing \S+/sparse: [\d,]+ bytes needed, [\d,]+ free; free "
+                         r"space or choose another output folder$", line), line
+    with _small_disk(tmp_path / "big", 64 * 2**20):
+        proc = subprocess.run([*cmd[:-1], str(tmp_path / "big" / "sparse")], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=600, preexec_fn=_limit_file_size(2**20))
+        line = _one_error_line(proc)
+        assert sorted(p.name for p in (tmp_path / "big").iterdir()) == [], line
+    assert re.search(r"^elsa_ds: error: file size limit reached on .+ writing \S+model\.safetensors: [\d,]+ bytes needed, "
+                     r"[\d,]+ free; free space or choose another output folder$", line), line

@@ -162,3 +162,27 @@ def test_host_memory_is_refused_past_what_there_is_gpu_memory_past_its_band():
     assert host.refused and not gpu.refused and gpu.tight
     assert preflight.Need("GPU memory", 1.2 * GIB, GIB, slack=preflight.MARGIN).refused
     assert not preflight.Need("host memory", 0.99 * GIB, GIB).refused and preflight.Need("host memory", 0.99 * GIB, GIB).tight
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.9])
+def test_the_sparse_exports_room_bounds_what_compress_writes(tmp_path, sparsity):
+    """--export_format sparse builds the elsa-sparse checkpoint beside the dense export: the pre-flight counts its bytes
+    as the bitmask code's, an upper bound, held here to what compress writes for the demo model pruned per layer."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from elsa_ds.sparse.compress import compress
+    from tests.sparse.conftest import pruned_demo
+
+    pruned = pruned_demo(tmp_path / "pruned", sparsity)
+    compress(pruned, tmp_path / "sparse")
+    written = sum(f.stat().st_size for f in (tmp_path / "sparse").glob("*.safetensors"))
+    shape = model_shape(AutoConfig.from_pretrained(pruned))
+    cfg = SimpleNamespace(sparsity=sparsity, sparsity_profile=None)
+    bound = preflight.sparse_export_bytes(shape, 4, cfg, SimpleNamespace(export_format="sparse"))
+    assert written <= bound <= 1.1 * written + preflight.HEADER_ROOM, (written, bound)
+    assert preflight.sparse_export_bytes(shape, 4, cfg, SimpleNamespace(export_format="dense")) == 0
+    profiled = preflight.sparse_export_bytes(shape, 4, SimpleNamespace(sparsity=sparsity, sparsity_profile="p"),
+                                             SimpleNamespace(export_format="sparse"))
+    assert profiled == 4 * shape.num_params + preflight.HEADER_ROOM  # no sparsity assumed: the dense bytes

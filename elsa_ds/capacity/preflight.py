@@ -164,7 +164,8 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
     if rank < job.local:  # rank 0's node writes the export and (shared file system) the checkpoints
         out = Path(opts.output_dir).expanduser().resolve()
         mask = shape.pruned_params / 8 if cfg.init_mask in oneshot_names() else 0.0  # the warm start's mask: 1 bit a pruned weight
-        writes[out] = writes.get(out, 0.0) + ds_bytes_export(shape, ds) + checkpoint_bytes(shape, cfg, ds) + mask
+        export = ds_bytes_export(shape, ds) + sparse_export_bytes(shape, element_bytes(ds), cfg, opts)
+        writes[out] = writes.get(out, 0.0) + export + checkpoint_bytes(shape, cfg, ds) + mask
         # --init_weights' copy of x₀ (one export's size) is deleted before training: export + checkpoints cover it
     machine = this_machine(list(writes))
     needs = [Need("host memory", e.per_node_cpu_bytes, machine.host, detail=_parts(e, "per_node_cpu")), *disk_needs(writes, machine)]
@@ -191,6 +192,20 @@ def _expected_time(shape: ModelShape, job: _Run) -> str:
 def ds_bytes_export(shape: ModelShape, ds: dict) -> float:
     """The consolidated export: every parameter once in the engine's dtype (the exporter writes the tensors as held)."""
     return element_bytes(ds) * shape.num_params
+
+
+HEADER_ROOM = 2**20  # the sparse checkpoint's JSON headers (a few hundred bytes a stored part) and bitmask rows' padding
+
+
+def sparse_export_bytes(shape: ModelShape, element: float, cfg, opts) -> float:
+    """--export_format sparse: the elsa-sparse checkpoint, built beside the dense export before that goes. At most the
+    bitmask code's bytes (delta8 is stored only where smaller, and a layer is stored dense where that is smaller still),
+    linear in the kept weights, so the mean sparsity bounds the whole (a sparsity profile: none assumed)."""
+    if opts.export_format != "sparse":
+        return 0.0
+    kept = 1.0 if cfg.sparsity_profile else 1.0 - cfg.sparsity
+    pruned = shape.pruned_params * min(element, kept * element + 1 / 8)
+    return element * (shape.num_params - shape.pruned_params) + pruned + HEADER_ROOM
 
 
 def checkpoint_bytes(shape: ModelShape, cfg, ds: dict) -> float:
@@ -316,7 +331,8 @@ def check_oneshot(shape: ModelShape, cfg, opts) -> None:
     check_schedule(cfg, int(os.environ.get("RANK", "0")))
     cuda = torch.cuda.is_available()
     out = Path(opts.output_dir).expanduser().resolve()
-    writes: dict[Path, float] = {out: float((2 if cuda else 4) * shape.num_params)}
+    element = 2 if cuda else 4  # the model as saved: bf16 on a GPU, fp32 on the CPU
+    writes: dict[Path, float] = {out: float(element * shape.num_params) + sparse_export_bytes(shape, element, cfg, opts)}
     machine = this_machine(list(writes))
     needs = [Need("host memory", oneshot_host_bytes(shape, cfg.method.value, cfg, cuda), machine.host), *disk_needs(writes, machine)]
     hint = "prune with ELSA under ZeRO-3 (--method elsa) and an offloading config, or on a machine with more memory"

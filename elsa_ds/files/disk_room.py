@@ -23,11 +23,14 @@ _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust side name
 _MOUNT_ESCAPE = re.compile(r"\\([0-7]{3})")  # /proc/self/mounts writes a space in a path as \040
 
 
+OUTPUT_DIR_FIX = "choose another --output_dir"  # what a full disk's message tells the user to do, unless told otherwise
+
+
 class DiskFull(ElsaError):
     """A write ran out of room: the file, the bytes its whole write needs (None: not known) and the free space now."""
 
-    def __init__(self, path: Path, needed: int | None, code: int = errno.ENOSPC):
-        self.path, self.needed, self.code = Path(path), needed, code
+    def __init__(self, path: Path, needed: int | None, code: int = errno.ENOSPC, fix: str = OUTPUT_DIR_FIX):
+        self.path, self.needed, self.code, self.fix = Path(path), needed, code, fix
         where = existing_ancestor(self.path)
         try:
             device, free = filesystem(where), f"{shutil.disk_usage(where).free:,}"
@@ -35,11 +38,12 @@ class DiskFull(ElsaError):
             device, free = str(where), "an unknown number of bytes"
         need = f"{needed:,} bytes needed, " if needed is not None else ""
         super().__init__(f"{REASONS.get(code, REASONS[errno.ENOSPC])} on {device} writing {self.path}: {need}{free} free; "
-                         "free space or choose another --output_dir")
+                         f"free space or {fix}")
 
-    def measured_again(self) -> DiskFull:
-        """The same error with the free space measured now (once the job's partial files are gone)."""
-        return DiskFull(self.path, self.needed, self.code)
+    def measured_again(self, fix: str | None = None) -> DiskFull:
+        """The same error with the free space measured now (once the job's partial files are gone); ``fix``: what the
+        message tells the user to choose instead, when another entry point than prune's reports it."""
+        return DiskFull(self.path, self.needed, self.code, self.fix if fix is None else fix)
 
 
 def disk_full_errno(err: BaseException) -> int | None:

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.disk_room import DiskFull, disk_full_errno
 from elsa_ds.log import get_logger
 
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # filesystems without flock: the file decides
@@ -93,8 +94,15 @@ def acquire(output: Path, flag: str) -> int:
                 os.close(fd)
                 continue
             info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "pid_start": _pid_start(os.getpid())}
-            os.pwrite(fd, json.dumps(info).encode(), 0)
-            os.fsync(fd)
+            try:
+                os.pwrite(fd, json.dumps(info).encode(), 0)
+                os.fsync(fd)
+            except OSError as err:  # a full disk most often: the empty file made here is not left behind
+                if _same_file(fd, path):
+                    path.unlink()
+                if (code := disk_full_errno(err)) is not None:
+                    raise DiskFull(path, None, code, fix=f"choose another {flag}") from None
+                raise ElsaError(f"{flag} {output}: cannot write its lock file {path} ({err.strerror}); choose another path") from None
             if _same_file(fd, path):  # without flock, another job may have taken the empty file over meanwhile
                 return fd
             os.close(fd)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.disk_room import DiskFull, disk_full, existing_ancestor
 from elsa_ds.files.io import write_json
 from elsa_ds.files.output import fresh_staging, publish
 from elsa_ds.files.ownership import check_apart, owned
@@ -25,6 +26,7 @@ from elsa_ds.sparse.integrity import SparseArgumentError, check_type, tensor_dig
 from elsa_ds.sparse.meta import CONFIG_KEY, block, read_config, seal
 
 DEFAULT_MIN_SPARSITY = 0.3
+ANOTHER_OUTPUT = "choose another output folder"  # what a message of a full disk tells the user to do instead
 
 
 def check_paths(src: Path, dst: Path, overwrite: bool) -> None:
@@ -39,6 +41,13 @@ def check_paths(src: Path, dst: Path, overwrite: bool) -> None:
         raise SparseArgumentError(f"output {dst} exists and is not a folder")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise SparseArgumentError(f"output {dst} is not empty; pass --overwrite to replace it, or choose another folder")
+
+
+def check_room(dst: Path, needed: int) -> None:
+    """DiskFull before any write when the file system that will hold ``dst`` has less than ``needed`` bytes free (the
+    stored tensors and copied files; the previous output, with --overwrite, stays until the new one is complete)."""
+    if needed > shutil.disk_usage(existing_ancestor(dst)).free:
+        raise DiskFull(dst, needed, fix=ANOTHER_OUTPUT)
 
 
 def _plan(reader: TensorReader, min_sparsity: float) -> tuple[list[TensorSpec], dict[str, dict]]:
@@ -110,18 +119,21 @@ def compress(src: str | Path, dst: str | Path, min_sparsity: float = DEFAULT_MIN
     if not chosen:
         raise SparseArgumentError(f"{src}: no 2-D weight has {min_sparsity:.0%} or more zeros, so nothing would get smaller; "
                                   "is this the pruned model? (lower --min_sparsity to compress less sparse weights)")
+    copied = [f for f in src.iterdir() if f.is_file() and f.name != "config.json" and not is_weight_file(f)]
     with owned(dst, "output"):
         check_paths(src, dst, overwrite)  # again, now that no other job can write dst
+        check_room(dst, sum(spec.nbytes for spec in specs) + sum(f.stat().st_size for f in copied))
         staging = fresh_staging(dst)
         try:
             digests = _write(reader, staging, specs, chosen, max_shard_size)
-            for f in src.iterdir():
-                if f.is_file() and f.name != "config.json" and not is_weight_file(f):
-                    shutil.copy2(f, staging / f.name)
+            for f in copied:
+                shutil.copy2(f, staging / f.name)
             config[CONFIG_KEY] = block(min_sparsity, chosen, digests)
             write_json(staging / "config.json", seal(config))
-        except BaseException:
+        except BaseException as err:
             shutil.rmtree(staging, ignore_errors=True)
+            if (full := disk_full(err, staging)) is not None:  # its free space measured with the partial files gone
+                raise full.measured_again(fix=ANOTHER_OUTPUT) from None
             raise
         publish(staging, dst, keep_checkpoints=False, carry=())
     return summary(src, dst, chosen)

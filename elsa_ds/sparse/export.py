@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.disk_room import OUTPUT_DIR_FIX, DiskFull
 from elsa_ds.files.output import PublishFailed, staging_dir
 from elsa_ds.files.ownership import lock_path
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY, compress
@@ -36,6 +37,8 @@ def compress_in_place(folder: Path, min_sparsity: float = DEFAULT_MIN_SPARSITY) 
         stored = compress(folder, sparse, min_sparsity=min_sparsity)
     except PublishFailed as err:  # compress's own staging, inside this job's: not what the job's error may point a user to
         raise ElsaError(f"the elsa-sparse export could not be built: {str(err).partition(';')[0]}") from None
+    except DiskFull as full:  # a job's export: the user chooses another --output_dir, not another compress output
+        raise full.measured_again(fix=OUTPUT_DIR_FIX) from None
     verify(sparse)
     shutil.rmtree(folder)
     sparse.rename(folder)
