@@ -122,14 +122,41 @@ def existing_ancestor(path: Path) -> Path:
 
 def filesystem(path: Path) -> str:
     """The file system holding ``path``, as ``df`` names it: its source (device) and mount point."""
+    source, mount, _ = _mount_of(path)
+    return f"{source} at {mount}" if source else str(mount)
+
+
+def _mount_of(path: Path) -> tuple[str | None, Path, str | None]:
+    """(source, mount point, type) of the file system holding ``path``; source and type None where /proc says nothing."""
     mount = Path(path).resolve()
     dev = os.stat(mount).st_dev
     while mount != mount.parent and os.stat(mount.parent).st_dev == dev:
         mount = mount.parent
-    source = None
+    source = kind = None
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/mounts").read_text().splitlines():
             fields = line.split()
-            if len(fields) > 1 and _MOUNT_ESCAPE.sub(lambda m: chr(int(m[1], 8)), fields[1]) == str(mount):
-                source = fields[0]  # the last mount on a path is the one seen
-    return f"{source} at {mount}" if source else str(mount)
+            if len(fields) > 2 and _MOUNT_ESCAPE.sub(lambda m: chr(int(m[1], 8)), fields[1]) == str(mount):
+                source, kind = fields[0], fields[2]  # the last mount on a path is the one seen
+    return source, mount, kind
+
+
+COMPRESSING = ("zfs", "btrfs", "bcachefs", "f2fs")  # may store a file in fewer blocks than its size without a hole
+LOW_ROOM = 256 * 2**20  # there, a file short of blocks counts as unwritten only beside this little free space
+
+
+def unwritten(folders: list[Path]) -> list[Path]:
+    """The files in ``folders`` with fewer bytes allocated than their size: holes where a write failed (DeepSpeed's
+    asynchronous writes never check a write's result, so a full disk leaves them and the run reads zeros back). On a
+    compressing file system (COMPRESSING) only beside less than LOW_ROOM bytes free."""
+    found = []
+    for folder in folders:
+        try:
+            entries = [e for e in os.scandir(folder) if e.is_file(follow_symlinks=False)]
+        except OSError:
+            continue
+        short = [Path(e.path) for e in entries if e.stat(follow_symlinks=False).st_blocks * 512 < e.stat(follow_symlinks=False).st_size]
+        if short and _mount_of(folder)[2] in COMPRESSING and shutil.disk_usage(folder).free >= LOW_ROOM:
+            continue
+        found += short
+    return found

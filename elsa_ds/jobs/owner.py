@@ -31,6 +31,7 @@ from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.sparse.export import sparse_paths
 from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.zero.swap_files import swap_files_owned
 
 # the side files beside the output (files/output.side_path, as jobs/warm_start.py, finetune.py and selection.py name them;
 # "mask.safetensors" is the retraining's one-shot mask, oneshot_paths' ".oneshot" suffix replaced)
@@ -72,7 +73,8 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                     dog.start(lock_path(out), unpublished_paths(out), plan.cfg.steps, resumable_paths(out), out)
                     if isinstance(phases := getattr(job, "phases", None), PhaseLog):
                         phases.forward = dog.mark  # the training step a killed job had reached
-                return run_job(job, dog.mark)
+                with swap_files_owned(plan.ds):  # NVMe offload: this host's swap folders, removed at the end
+                    return run_job(job, dog.mark)
             except BaseException as err:  # every way out short of publishing; the lock goes right after
                 if writer:  # a finished output whose final rename failed stays where the error says
                     with signals_held():

@@ -12,6 +12,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -233,6 +234,30 @@ def checkpoint_files_read_with(engine, load: Callable[..., Any]) -> Iterator[Non
 
 
 # ---- optimizer state ----------------------------------------------------------------------------------------------
+def swap_root(nvme_path: str | Path) -> Path:
+    """Where DeepSpeed's swappers write under an ``nvme_path`` (``partitioned_param_swapper.py``, ``optimizer_utils.py``)."""
+    return Path(nvme_path) / "zero_stage_3"
+
+
+def rank_swap_folders(nvme_path: str | Path, rank: int | str) -> list[Path]:
+    """A rank's swap folders under ``nvme_path``: ``zero_stage_3/optimizer/rank{R}``, ``zero_stage_3/{dtype}params/rank{R}``."""
+    return sorted(swap_root(nvme_path).glob(f"*/rank{rank}"))
+
+
+def swap_folders(engine) -> list[Path]:
+    """The folders this rank's NVMe swap files are in (none without NVMe offload): the optimizer swapper's
+    (``S3.optimizer_swapper.swap_folder``, ``<nvme_path>/zero_stage_3/optimizer/rank{R}``) and the parameter swapper's
+    (each partitioned parameter's ``nvme_swapper``, ``<nvme_path>/zero_stage_3/{dtype}params/rank{R}``)."""
+    folders = []
+    if (optimizer_swapper := getattr(engine.optimizer, "optimizer_swapper", None)) is not None:
+        folders.append(Path(optimizer_swapper.swap_folder))
+    for param in engine.module.parameters():
+        if (param_swapper := getattr(param, "nvme_swapper", None)) is not None:
+            folders.append(Path(param_swapper.swap_folder))
+            break
+    return folders
+
+
 def keep_out_of_swapper(tensor: torch.Tensor) -> None:
     """Mark an optimizer state the NVMe swapper must leave in memory (it reads every swapped state back as fp32)."""
     _with_deepspeed_attributes(tensor).swappable = False

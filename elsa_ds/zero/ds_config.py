@@ -84,6 +84,12 @@ class DsConfig:
         return "nvme" in (self.param_device, self.optimizer_device)
 
     @property
+    def nvme_paths(self) -> set[str]:
+        """The nvme_path of each section offloaded to NVMe (of a resolved config: --nvme_path applied)."""
+        sections = (self.zero.get(key, {}) for key in ("offload_param", "offload_optimizer"))
+        return {str(s["nvme_path"]) for s in sections if isinstance(s, dict) and s.get("device") == "nvme" and s.get("nvme_path")}
+
+    @property
     def optimizer_on_nvme(self) -> bool:
         return self.optimizer_device == "nvme"
 

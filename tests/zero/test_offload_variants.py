@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from elsa_ds.zero.swap_files import KEEP_ENV
 from tests.conftest import derived_config, run_entry
 
 pytestmark = pytest.mark.integration
@@ -25,11 +26,11 @@ def _masks(out):
 # tests/zero/test_ablation.py, which runs both configs on 2 ranks anyway.
 
 
-def _elsal(tmp_path, small_model_dir, text_dir, ranks, config="zero3_offload_elsal.json", *extra):
+def _elsal(tmp_path, small_model_dir, text_dir, ranks, config="zero3_offload_elsal.json", *extra, env=None):
     cfg = derived_config(tmp_path, config, bf16={"enabled": False})
     out = tmp_path / f"elsal_{ranks}_{config}"
     run_entry("prune.py", ["--deepspeed", str(cfg), "--model", str(small_model_dir), "--dataset", str(text_dir), *ARGS, *extra,
-                           "--output_dir", str(out)], ranks=ranks)
+                           "--output_dir", str(out)], ranks=ranks, env=env)
     return out
 
 
@@ -99,7 +100,7 @@ def test_elsal_under_nvme_equals_cpu_offload(tmp_path, small_model_dir, text_dir
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     out = _elsal(tmp_path, small_model_dir, text_dir, 2, "zero3_nvme.json", "--nvme_path", str(nvme), "--base_optimizer",
-                 "adam8bit_minifloat", "--z_dtype", "fp8", "--u_dtype", "bf16")
+                 "adam8bit_minifloat", "--z_dtype", "fp8", "--u_dtype", "bf16", env={KEEP_ENV: "1"})  # swap files kept
     nvme_masks, nvme_report = _masks(out)
     cpu_masks, cpu_report = _masks(elsal_two_ranks)
     assert nvme_report["offload"]["offload_optimizer"] == "nvme" and nvme_report["admm_state_bytes_per_param"] <= 3.01
