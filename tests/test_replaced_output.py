@@ -266,6 +266,23 @@ def test_a_stop_held_through_the_publication_says_whether_the_output_is_complete
         assert "nothing unfinished was published" in line and (staging / "model.safetensors").read_text() == "new"
 
 
+def test_a_stop_held_through_the_sparse_exports_own_publication_does_not_call_the_job_complete(tmp_path, monkeypatch):
+    """compress publishes the sparse checkpoint into the job's staging: a stop held through that publication is not the
+    job's output being complete, so the entry point's line must not say it is."""
+    from elsa_ds.sparse import export
+
+    def compress(folder, sparse, min_sparsity):
+        stop = KeyboardInterrupt()
+        stop.published = sparse  # what publish() marks on a stop held through its (successful) renames
+        raise stop
+
+    monkeypatch.setattr(export, "compress", compress)
+    (tmp_path / "staging").mkdir()
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        export.compress_in_place(tmp_path / "staging")
+    assert getattr(stopped.value, "published", None) is None
+
+
 def test_a_stop_held_during_a_failed_publication_keeps_the_finished_output(tmp_path):
     """The final rename fails while a SIGTERM is held: the stop takes effect on the way out and replaces the error, and
     the exit path must still keep the staging folder the error named (it removed it)."""

@@ -141,22 +141,34 @@ def _mount_of(path: Path) -> tuple[str | None, Path, str | None]:
     return source, mount, kind
 
 
-COMPRESSING = ("zfs", "btrfs", "bcachefs", "f2fs")  # may store a file in fewer blocks than its size without a hole
-LOW_ROOM = 256 * 2**20  # there, a file short of blocks counts as unwritten only beside this little free space
+EXACT_BLOCKS = ("ext2", "ext3", "ext4", "xfs")  # a file's blocks are what was written: a hole is a write that failed
+LOW_ROOM = 256 * 2**20  # elsewhere (compression, network, FUSE) a file short of blocks counts only beside this little room
+FULL_ROOM = 2**20  # less free than one of DeepSpeed's aio writes (its block_size, 1 MiB in the shipped configs): full
 
 
-def unwritten(folders: list[Path]) -> list[Path]:
-    """The files in ``folders`` with fewer bytes allocated than their size: holes where a write failed (DeepSpeed's
-    asynchronous writes never check a write's result, so a full disk leaves them and the run reads zeros back). On a
-    compressing file system (COMPRESSING) only beside less than LOW_ROOM bytes free."""
+def swap_problems(folders: list[Path]) -> list[str]:
+    """Why the swap files in ``folders`` may not hold what DeepSpeed wrote, one phrase each (empty: none seen).
+    DeepSpeed's asynchronous writes never check a write's result: a full disk leaves a file with a hole or short of its
+    end, and the run reads zeros back. Seen here: a file system with less than FULL_ROOM free (root may fill the blocks
+    kept for it: its figure), a state file with fewer bytes allocated than its size (on EXACT_BLOCKS file systems, or
+    anywhere beside less than LOW_ROOM free) or with no byte. Gradient files are left out (rewritten every step, maybe
+    still in flight after a skipped step): a full disk shows in the free space. Never raises (a rank's error here would
+    leave the others in the collective that follows)."""
     found = []
     for folder in folders:
         try:
-            entries = [e for e in os.scandir(folder) if e.is_file(follow_symlinks=False)]
+            vfs = os.statvfs(folder)
+            free = (vfs.f_bfree if os.geteuid() == 0 else vfs.f_bavail) * vfs.f_frsize
+            kind = _mount_of(folder)[2]
+            entries = [e for e in os.scandir(folder) if e.is_file(follow_symlinks=False) and "_gradient_" not in e.name]
         except OSError:
             continue
-        short = [Path(e.path) for e in entries if e.stat(follow_symlinks=False).st_blocks * 512 < e.stat(follow_symlinks=False).st_size]
-        if short and _mount_of(folder)[2] in COMPRESSING and shutil.disk_usage(folder).free >= LOW_ROOM:
-            continue
-        found += short
-    return found
+        if free < FULL_ROOM:
+            found.append(f"{filesystem(folder)} has {free:,} bytes free")
+        holes_count = kind in EXACT_BLOCKS or free < LOW_ROOM
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                if st.st_size == 0 or (holes_count and st.st_blocks * 512 < st.st_size):
+                    found.append(f"{entry.path} is not fully written ({st.st_blocks * 512:,} of {st.st_size:,} bytes on disk)")
+    return list(dict.fromkeys(found))  # one file system's free space once

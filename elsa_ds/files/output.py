@@ -159,15 +159,16 @@ def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tupl
     settles what was moved (``aside.settle_old``). A stop held through a publication that succeeded carries the output's
     path (``published``): the entry point's line then says the output is whole.
     """
+    done: list[bool] = []
     try:
-        _publish(staging, output_dir, keep_checkpoints, carry)
+        _publish(staging, output_dir, keep_checkpoints, carry, done)
     except (KeyboardInterrupt, Terminated) as stop:
-        if stop.__context__ is None:  # raised as the signals were let through, the publication done
+        if done:  # raised as the held signals were let through, the publication complete
             stop.published = output_dir  # type: ignore[union-attr]
         raise
 
 
-def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tuple[str, ...]) -> None:
+def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tuple[str, ...], done: list[bool]) -> None:
     with signals_held():  # a Ctrl-C between the renames, or while the previous output goes, would leave it half there
         old = old_dir(output_dir)
         try:
@@ -198,6 +199,7 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
             except OSError as err:
                 get_logger(__name__).warning(f"wrote {output_dir}, but the previous output moved aside to {gone} could not be "
                                              f"removed ({err.strerror or err}); delete it yourself")
+        done.append(True)
 
 
 def _publish_into(staging: Path, output_dir: Path, old: Path) -> None:

@@ -102,8 +102,8 @@ def read_index(index: Path, error: type[Exception]) -> dict[str, str]:
 
 def inside_folder(folder: Path, name: str, listed_in: Path, error: type[Exception], what: str = "shard") -> Path:
     """``folder / name`` where ``name`` (a ``what`` that ``listed_in`` names) is relative, has no ``..`` and, links
-    resolved, stays inside ``folder`` (the Hugging Face hub cache's snapshot files, links into the repository's
-    ``blobs/``, excepted); otherwise ``error`` naming it."""
+    resolved, stays inside ``folder`` (links into a Hugging Face hub cache repository's ``blobs/``, as its snapshots and
+    older ``local_dir`` downloads hold, excepted); otherwise ``error`` naming it."""
     where = f"{listed_in}: {what} {name!r}"
     if not name or "\0" in name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).anchor:
         raise error(f"{where} is not a relative file name: {what}s must lie inside {folder}")
@@ -114,7 +114,7 @@ def inside_folder(folder: Path, name: str, listed_in: Path, error: type[Exceptio
         target = path.resolve()
     except (OSError, RuntimeError) as err:  # a link loop
         raise error(f"{where} cannot be resolved ({err})") from None
-    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
-    if not target.is_relative_to(root) and not (hub_blobs is not None and target.is_relative_to(hub_blobs)):
+    hub_blob = target.parent.name == "blobs" and target.parent.parent.name.startswith(("models--", "datasets--"))
+    if not target.is_relative_to(root) and not hub_blob:  # a snapshot's (or an older local_dir download's) link into the cache
         raise error(f"{where} is a link to {target}, outside {folder}: {what}s must lie inside it (copy them in: cp -L)")
     return path

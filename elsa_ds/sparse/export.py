@@ -4,7 +4,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from elsa_ds.errors import ElsaError
+from elsa_ds.errors import ElsaError, Terminated
 from elsa_ds.files.disk_room import OUTPUT_DIR_FIX, DiskFull
 from elsa_ds.files.output import PublishFailed, staging_dir
 from elsa_ds.files.ownership import lock_path
@@ -39,6 +39,9 @@ def compress_in_place(folder: Path, min_sparsity: float = DEFAULT_MIN_SPARSITY) 
         raise ElsaError(f"the elsa-sparse export could not be built: {str(err).partition(';')[0]}") from None
     except DiskFull as full:  # a job's export: the user chooses another --output_dir, not another compress output
         raise full.measured_again(fix=OUTPUT_DIR_FIX) from None
+    except (KeyboardInterrupt, Terminated) as stop:  # held through compress's own publication: not the job's output
+        stop.published = None  # type: ignore[union-attr]
+        raise
     verify(sparse)
     shutil.rmtree(folder)
     sparse.rename(folder)

@@ -87,7 +87,8 @@ class DsConfig:
     def nvme_paths(self) -> set[str]:
         """The nvme_path of each section offloaded to NVMe (of a resolved config: --nvme_path applied)."""
         sections = (self.zero.get(key, {}) for key in ("offload_param", "offload_optimizer"))
-        return {str(s["nvme_path"]) for s in sections if isinstance(s, dict) and s.get("device") == "nvme" and s.get("nvme_path")}
+        return {str(Path(str(s["nvme_path"])).expanduser().resolve()) for s in sections
+                if isinstance(s, dict) and s.get("device") == "nvme" and s.get("nvme_path")}  # one folder, one name
 
     @property
     def optimizer_on_nvme(self) -> bool:

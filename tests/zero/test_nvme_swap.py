@@ -25,27 +25,43 @@ QUICK = ["--deepspeed", "ds_configs/zero3_nvme.json", "--seqlen", "64", "--micro
          "--val_windows", "0", "--baseline", "none", "--init_mask", "none", "--steps", "2"]
 
 
-def test_a_file_short_of_its_blocks_counts_as_unwritten_except_on_a_compressing_file_system(tmp_path, monkeypatch):
-    written, holed = tmp_path / "written.swp", tmp_path / "holed.swp"
+def test_swap_problems_are_holes_empty_state_files_and_a_full_disk(tmp_path, monkeypatch):
+    written, holed, empty, gradient = (tmp_path / n for n in ("0_45.tensor.swp", "exp_avg-0_45.tensor.swp",
+                                                            "admm_z-0_45.tensor.swp", "0_45_gradient_0_64.tensor.swp"))
     written.write_bytes(os.urandom(2**16))
-    with holed.open("wb") as f:
-        f.truncate(2**20)  # what a failed write leaves: the size, no blocks
-    assert disk_room.unwritten([tmp_path, tmp_path / "absent"]) == [holed]
+    for f, size in ((holed, 2**20), (empty, 0), (gradient, 2**20)):
+        with f.open("wb") as fh:
+            fh.truncate(size)  # what a failed write leaves: the size without its blocks, or nothing
+    monkeypatch.setattr(disk_room, "_mount_of", lambda path: ("/dev/nvme0n1", Path("/"), "ext4"))
+    found = disk_room.swap_problems([tmp_path, tmp_path / "absent"])
+    assert sorted(f.split(" ")[0] for f in found) == sorted([str(empty), str(holed)]), found  # gradients: rewritten each step
     monkeypatch.setattr(disk_room, "_mount_of", lambda path: ("pool", Path("/"), "zfs"))
-    assert disk_room.unwritten([tmp_path]) == []  # zfs stores a file compressed: short of blocks, no hole
-    monkeypatch.setattr(disk_room.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30, 2**10))
-    assert disk_room.unwritten([tmp_path]) == [holed]  # beside a full disk it counts
+    big = os.statvfs_result((4096, 4096, 2**20, 2**19, 2**19, 0, 0, 0, 0, 255))
+    monkeypatch.setattr(disk_room.os, "statvfs", lambda path: big)
+    assert disk_room.swap_problems([tmp_path]) == [f"{empty} is not fully written (0 of 0 bytes on disk)"]  # zfs compresses
+    full = os.statvfs_result((4096, 4096, 2**20, 16, 16, 0, 0, 0, 0, 255))  # 64 KiB free: one 1 MiB write cannot land
+    monkeypatch.setattr(disk_room.os, "statvfs", lambda path: full)
+    found = disk_room.swap_problems([tmp_path, tmp_path])
+    assert found[0].endswith("has 65,536 bytes free") and len(found) == 3, found  # beside a full disk holes count too
 
 
 def test_a_job_owns_its_nvme_swap_folders_and_removes_them_at_its_end(tmp_path):
+    """A second job on the same --nvme_path is refused and leaves the first one's live swap files alone; a job empties
+    its stale optimizer folder (an earlier run's file with a hole does not stop it) and removes its folders at its end."""
     nvme = tmp_path / "nvme"
-    nvme.mkdir()
+    live = [nvme / "zero_stage_3" / "optimizer" / "rank0" / "0_45.tensor.swp", nvme / "zero_stage_3" / "float32params" /
+            "rank0" / "0_param.tensor.swp"]
+    for f in live:
+        f.parent.mkdir(parents=True)
+        f.write_bytes(b"live")
     args = [*QUICK, "--nvme_path", str(nvme)]
     with owned(compat.swap_root(nvme).with_name(f"zero_stage_3.{socket.gethostname()}"), "--nvme_path"):
         proc = run_entry("prune.py", [*args, "--output_dir", str(tmp_path / "refused")], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert re.search(r"^elsa_ds: error: --nvme_path \S+zero_stage_3\.\S+ is being written by another job", proc.stderr, re.M)
-    assert not (tmp_path / "refused").exists()
+    assert not (tmp_path / "refused").exists() and all(f.read_bytes() == b"live" for f in live)
+    with live[0].with_name("exp_avg-9_99.tensor.swp").open("wb") as stale:
+        stale.truncate(2**20)  # a killed run's file with a hole, under a name this run never writes
     run_entry("prune.py", [*args, "--output_dir", str(tmp_path / "out")])
     assert (tmp_path / "out" / "model.safetensors").is_file() and sorted(os.listdir(nvme)) == []  # no swap file, no lock
 
@@ -68,6 +84,5 @@ def test_a_full_nvme_disk_stops_the_run_in_one_line_and_leaves_nothing(tmp_path)
             subprocess.run(["umount", "-l", str(disk)], capture_output=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
-    assert len(errors) == 1 and re.match(r"elsa_ds: error: NVMe offload: \d+ swap files? not fully written \(\S+\.tensor\.swp; ",
-                                         errors[0]), errors
+    assert len(errors) == 1 and re.match(r"elsa_ds: error: NVMe offload: .+ (bytes free|is not fully written)", errors[0]), errors
     assert after == before and not (tmp_path / "out").exists(), (after, errors)  # no swap file, no lock, no output
