@@ -276,11 +276,19 @@ def test_a_stop_held_through_the_sparse_exports_own_publication_does_not_call_th
         stop.published = sparse  # what publish() marks on a stop held through its (successful) renames
         raise stop
 
-    monkeypatch.setattr(export, "compress", compress)
+    def compress_failed(folder, sparse, min_sparsity):
+        try:
+            raise PublishFailed("compress's final rename failed", staging_dir(sparse))
+        except PublishFailed:
+            raise KeyboardInterrupt()  # a stop held through compress's failed publication: PublishFailed its context
+
     (tmp_path / "staging").mkdir()
-    with pytest.raises(KeyboardInterrupt) as stopped:
-        export.compress_in_place(tmp_path / "staging")
-    assert getattr(stopped.value, "published", None) is None
+    for fake in (compress, compress_failed):
+        monkeypatch.setattr(export, "compress", fake)
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            export.compress_in_place(tmp_path / "staging")
+        assert getattr(stopped.value, "published", None) is None  # not the job's output
+        assert kept_output(stopped.value) is None  # nor compress's staging folder, which the job's exit path removes
 
 
 def test_a_stop_held_during_a_failed_publication_keeps_the_finished_output(tmp_path):

@@ -149,7 +149,7 @@ FULL_ROOM = 2**20  # less free than one of DeepSpeed's aio writes (its block_siz
 def swap_problems(folders: list[Path]) -> list[str]:
     """Why the swap files in ``folders`` may not hold what DeepSpeed wrote, one phrase each (empty: none seen).
     DeepSpeed's asynchronous writes never check a write's result: a full disk leaves a file with a hole or short of its
-    end, and the run reads zeros back. Seen here: a file system with less than FULL_ROOM free (root may fill the blocks
+    end, and the run reads zeros back. Seen here: a folder gone, a file system with less than FULL_ROOM free (root may fill the blocks
     kept for it: its figure), a state file with fewer bytes allocated than its size (on EXACT_BLOCKS file systems, or
     anywhere beside less than LOW_ROOM free) or with no byte. Gradient files are left out (rewritten every step, maybe
     still in flight after a skipped step): a full disk shows in the free space. Never raises (a rank's error here would
@@ -159,12 +159,15 @@ def swap_problems(folders: list[Path]) -> list[str]:
         try:
             vfs = os.statvfs(folder)
             free = (vfs.f_bfree if os.geteuid() == 0 else vfs.f_bavail) * vfs.f_frsize
-            kind = _mount_of(folder)[2]
+            source, mount, kind = _mount_of(folder)
             entries = [e for e in os.scandir(folder) if e.is_file(follow_symlinks=False) and "_gradient_" not in e.name]
+        except FileNotFoundError:
+            found.append(f"{folder} is gone")  # removed under the run: what DeepSpeed reads back from it is zeros
+            continue
         except OSError:
             continue
         if free < FULL_ROOM:
-            found.append(f"{filesystem(folder)} has {free:,} bytes free")
+            found.append(f"{f'{source} at {mount}' if source else mount} has {free:,} bytes free")
         holes_count = kind in EXACT_BLOCKS or free < LOW_ROOM
         for entry in entries:
             with contextlib.suppress(OSError):

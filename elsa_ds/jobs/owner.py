@@ -94,6 +94,8 @@ def kept_output(err: BaseException | None) -> Path | None:
     while err is not None:
         if isinstance(err, PublishFailed):
             return err.kept
+        if err.__suppress_context__:  # raised "from None" in its place: its context is not this job's to keep
+            return None
         err = err.__context__
     return None
 

@@ -41,7 +41,7 @@ def compress_in_place(folder: Path, min_sparsity: float = DEFAULT_MIN_SPARSITY) 
         raise full.measured_again(fix=OUTPUT_DIR_FIX) from None
     except (KeyboardInterrupt, Terminated) as stop:  # held through compress's own publication: not the job's output
         stop.published = None  # type: ignore[union-attr]
-        raise
+        raise stop from None  # nor is a compress staging folder its context may name (owner.kept_output)
     verify(sparse)
     shutil.rmtree(folder)
     sparse.rename(folder)

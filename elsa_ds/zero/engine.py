@@ -7,7 +7,6 @@ optimizer state beside the moments, where DeepSpeed partitions, offloads, swaps 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -23,7 +22,6 @@ from elsa_ds.settings.config import BaseOptimizer, ElsaConfig
 from elsa_ds.targets import LayerGoal
 from elsa_ds.zero import compat
 from elsa_ds.zero.ds_config import DsConfig
-from elsa_ds.zero import swap_files
 from elsa_ds.zero.layout import SubGroupLayout, build_layout
 
 
@@ -88,9 +86,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: DsC
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    swap_files.clear_stale(ds, os.environ.get("RANK", "0"))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds.raw)
-    swap_files.record(engine)  # NVMe offload: its swap folders, removed when the job ends
     if not compat.is_stage3(engine.optimizer):
         raise ElsaError("the engine is not running ZeRO stage 3; check zero_optimization in the DeepSpeed config")
     device = "cpu" if get_accelerator().device_name() == "cpu" else get_accelerator().current_device_name()

@@ -1,20 +1,19 @@
 """DeepSpeed's NVMe swap files, owned by one job at a time and removed when it ends.
 
 DeepSpeed writes each rank's swapped parameters and optimizer states under ``<nvme_path>/zero_stage_3`` (its layout:
-``compat.rank_swap_folders``). It empties a rank's parameter folder when its next engine starts, reuses the optimizer
-folder as it finds it, and removes neither at the end: a finished 27B run leaves hundreds of GB there, and a second job
-started on the same host with the same ``nvme_path`` deletes the first one's parameter files (the first then reads
-zeros back: DeepSpeed's asynchronous reads and writes never check a result). So the job's first rank on each host holds
-the swap folder's lock (a second job there is refused in one line); each rank empties its optimizer folder before its
-engine is built (stale files of an earlier run are not this run's) and, when the job ends however it ends, removes the
-folders its engine used, before the lock goes (``ELSA_DS_KEEP_SWAP_FILES=1`` keeps them for inspection).
+``compat.rank_swap_folders``). It empties a rank's parameter folder when its next engine starts (at model load,
+before any collective), reuses the optimizer folder as it finds it, and removes neither at the end: a finished 27B run
+leaves hundreds of GB there, and a second job started with the same ``nvme_path`` and rank numbers deletes the first
+one's files (the first then reads zeros back: DeepSpeed's asynchronous reads and writes never check a result). So each
+rank holds the lock of its own swap folders for the whole job (a second job is refused in one line before it loads
+anything), empties them when it takes it (an earlier run's files are not this run's) and removes them when the job
+ends, however it ends, before the lock goes (``ELSA_DS_KEEP_SWAP_FILES=1`` keeps them for inspection).
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,59 +23,40 @@ from elsa_ds.zero import compat
 from elsa_ds.zero.ds_config import DsConfig
 
 log = get_logger(__name__)
-KEEP_ENV = "ELSA_DS_KEEP_SWAP_FILES"  # =1: leave them for inspection (the next engine on that path clears them)
-_USED: list[Path] = []  # the swap folders of the engine this process built (``record``), removed at the job's end
+KEEP_ENV = "ELSA_DS_KEEP_SWAP_FILES"  # =1: leave them for inspection (the next job on that path removes them)
 
 
 @contextlib.contextmanager
 def swap_files_owned(ds: DsConfig) -> Iterator[None]:
-    """Inside: this host's swap folders under the config's nvme paths are this job's (its first rank on the host holds
-    their lock); on the way out, before the lock goes, each rank removes the folders its engine used (none when the job
-    ended before its engine was built: a job refused the lock never touches another's files)."""
+    """Inside: this rank's swap folders under each of the config's nvme paths are this job's (their lock held, any
+    earlier run's files gone); on the way out, before the lock goes, they are removed."""
     paths = sorted(ds.nvme_paths)
     if not paths:
         yield
         return
-    first_on_host = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
-    _USED.clear()
+    rank = os.environ.get("RANK", "0")
     with contextlib.ExitStack() as locks:
-        for path in paths:  # one lock per host: ranks of one job on other hosts of a shared file system use other folders
-            locks.enter_context(owned(compat.swap_root(path).with_name(f"zero_stage_3.{socket.gethostname()}"),
-                                      "--nvme_path", take=first_on_host))
+        for path in paths:  # per rank: one job's ranks on other hosts of a shared file system use other folders
+            locks.enter_context(owned(compat.swap_root(path).with_name(f"zero_stage_3.rank{rank}"), "--nvme_path"))
+        _remove_rank_folders(paths, rank)
         try:
             yield
         finally:
             if os.environ.get(KEEP_ENV) != "1":
-                for folder in _USED:
-                    _remove(folder)
-            _USED.clear()
+                _remove_rank_folders(paths, rank)
 
 
-def clear_stale(ds: DsConfig, rank: int | str) -> None:
-    """Before the engine is built (every rank has joined the process group, so the job holds the lock): empty this rank's
-    optimizer swap folders, which DeepSpeed reuses as it finds them (an earlier run's files are not this run's)."""
-    for path in sorted(ds.nvme_paths):
+def _remove_rank_folders(paths: list[str], rank: str) -> None:
+    """Remove this rank's swap folders under ``paths``, then their parents left empty; a failure is a warning."""
+    for path in paths:
         for folder in compat.rank_swap_folders(path, rank):
-            if folder.parent.name == "optimizer" and folder.is_dir() and not folder.is_symlink():
-                _remove(folder)
-
-
-def record(engine) -> None:
-    """The engine's swap folders, removed when the job ends (``swap_files_owned``)."""
-    _USED.extend(f for f in compat.swap_folders(engine) if f not in _USED)
-
-
-def _remove(folder: Path) -> None:
-    """Remove a rank's swap folder, then its parents left empty; a failure is a warning naming it."""
-    try:
-        if folder.is_symlink():
-            return
-        shutil.rmtree(folder)
-    except FileNotFoundError:
-        return
-    except OSError as err:
-        log.warning(f"the NVMe swap files in {folder} could not be removed ({err.strerror or err}); delete them yourself")
-        return
-    for parent in (folder.parent, folder.parent.parent):
-        with contextlib.suppress(OSError):
-            parent.rmdir()  # only when empty: another rank's or host's folders stay
+            try:
+                if folder.is_symlink() or not folder.is_dir():
+                    continue
+                shutil.rmtree(folder)
+            except OSError as err:
+                log.warning(f"the NVMe swap files in {folder} could not be removed ({err.strerror or err}); delete them yourself")
+                continue
+            for parent in (folder.parent, folder.parent.parent):
+                with contextlib.suppress(OSError):
+                    parent.rmdir()  # only when empty: other ranks' folders stay

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
@@ -34,7 +33,8 @@ def test_swap_problems_are_holes_empty_state_files_and_a_full_disk(tmp_path, mon
             fh.truncate(size)  # what a failed write leaves: the size without its blocks, or nothing
     monkeypatch.setattr(disk_room, "_mount_of", lambda path: ("/dev/nvme0n1", Path("/"), "ext4"))
     found = disk_room.swap_problems([tmp_path, tmp_path / "absent"])
-    assert sorted(f.split(" ")[0] for f in found) == sorted([str(empty), str(holed)]), found  # gradients: rewritten each step
+    assert found[-1] == f"{tmp_path / 'absent'} is gone", found  # removed under the run: DeepSpeed would read zeros
+    assert sorted(f.split(" ")[0] for f in found[:-1]) == sorted([str(empty), str(holed)]), found  # gradients: rewritten
     monkeypatch.setattr(disk_room, "_mount_of", lambda path: ("pool", Path("/"), "zfs"))
     big = os.statvfs_result((4096, 4096, 2**20, 2**19, 2**19, 0, 0, 0, 0, 255))
     monkeypatch.setattr(disk_room.os, "statvfs", lambda path: big)
@@ -46,8 +46,9 @@ def test_swap_problems_are_holes_empty_state_files_and_a_full_disk(tmp_path, mon
 
 
 def test_a_job_owns_its_nvme_swap_folders_and_removes_them_at_its_end(tmp_path):
-    """A second job on the same --nvme_path is refused and leaves the first one's live swap files alone; a job empties
-    its stale optimizer folder (an earlier run's file with a hole does not stop it) and removes its folders at its end."""
+    """A second job on the same --nvme_path and rank is refused and leaves the first one's live swap files alone; a job
+    empties its rank's folders when it starts (an earlier run's file with a hole does not stop it) and removes them at its
+    end, whatever dtype its parameters are swapped in."""
     nvme = tmp_path / "nvme"
     live = [nvme / "zero_stage_3" / "optimizer" / "rank0" / "0_45.tensor.swp", nvme / "zero_stage_3" / "float32params" /
             "rank0" / "0_param.tensor.swp"]
@@ -55,10 +56,10 @@ def test_a_job_owns_its_nvme_swap_folders_and_removes_them_at_its_end(tmp_path):
         f.parent.mkdir(parents=True)
         f.write_bytes(b"live")
     args = [*QUICK, "--nvme_path", str(nvme)]
-    with owned(compat.swap_root(nvme).with_name(f"zero_stage_3.{socket.gethostname()}"), "--nvme_path"):
+    with owned(compat.swap_root(nvme).with_name("zero_stage_3.rank0"), "--nvme_path"):  # another job's rank 0
         proc = run_entry("prune.py", [*args, "--output_dir", str(tmp_path / "refused")], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert re.search(r"^elsa_ds: error: --nvme_path \S+zero_stage_3\.\S+ is being written by another job", proc.stderr, re.M)
+    assert re.search(r"^elsa_ds: error: --nvme_path \S+zero_stage_3\.rank0 is being written by another job", proc.stderr, re.M)
     assert not (tmp_path / "refused").exists() and all(f.read_bytes() == b"live" for f in live)
     with live[0].with_name("exp_avg-9_99.tensor.swp").open("wb") as stale:
         stale.truncate(2**20)  # a killed run's file with a hole, under a name this run never writes
