@@ -122,7 +122,10 @@ def existing_ancestor(path: Path) -> Path:
 
 def filesystem(path: Path) -> str:
     """The file system holding ``path``, as ``df`` names it: its source (device) and mount point."""
-    source, mount, _ = _mount_of(path)
+    return _named(*_mount_of(path)[:2])
+
+
+def _named(source: str | None, mount: Path) -> str:
     return f"{source} at {mount}" if source else str(mount)
 
 
@@ -149,9 +152,9 @@ FULL_ROOM = 2**20  # less free than one of DeepSpeed's aio writes (its block_siz
 def swap_problems(folders: list[Path]) -> list[str]:
     """Why the swap files in ``folders`` may not hold what DeepSpeed wrote, one phrase each (empty: none seen).
     DeepSpeed's asynchronous writes never check a write's result: a full disk leaves a file with a hole or short of its
-    end, and the run reads zeros back. Seen here: a folder gone, a file system with less than FULL_ROOM free (root may fill the blocks
-    kept for it: its figure), a state file with fewer bytes allocated than its size (on EXACT_BLOCKS file systems, or
-    anywhere beside less than LOW_ROOM free) or with no byte. Gradient files are left out (rewritten every step, maybe
+    end, and the run reads zeros back. Seen here: a folder gone, a file system with less than FULL_ROOM free (root may
+    fill the blocks kept for it: its figure), a state file with fewer bytes allocated than its size (on EXACT_BLOCKS file
+    systems, or anywhere beside less than LOW_ROOM free) or with no byte. Gradient files are left out (rewritten every step, maybe
     still in flight after a skipped step): a full disk shows in the free space. Never raises (a rank's error here would
     leave the others in the collective that follows)."""
     found = []
@@ -167,7 +170,7 @@ def swap_problems(folders: list[Path]) -> list[str]:
         except OSError:
             continue
         if free < FULL_ROOM:
-            found.append(f"{f'{source} at {mount}' if source else mount} has {free:,} bytes free")
+            found.append(f"{_named(source, mount)} has {free:,} bytes free")
         holes_count = kind in EXACT_BLOCKS or free < LOW_ROOM
         for entry in entries:
             with contextlib.suppress(OSError):

@@ -3,8 +3,8 @@
 A truncated download or copy, or a flipped byte in the header, otherwise fails deep inside ``from_pretrained`` (or
 the warm start's mask reader) after minutes of loading, with safetensors' own error and a traceback. A shard index's
 names stay inside the folder (``inside_folder``): transformers joins them onto it as given, so an absolute name or
-``..`` would have it read weights from anywhere on disk; so do the folder's own files when they are links (the hub
-cache's snapshot links into its ``blobs/`` excepted).
+``..`` would have it read weights from anywhere on disk; so do the folder's own files when they are links (links into
+a hub cache repository's ``blobs/`` excepted).
 """
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                     dog.start(lock_path(out), unpublished_paths(out), plan.cfg.steps, resumable_paths(out), out)
                     if isinstance(phases := getattr(job, "phases", None), PhaseLog):
                         phases.forward = dog.mark  # the training step a killed job had reached
-                with swap_files_owned(plan.ds):  # NVMe offload: this host's swap folders, removed at the end
+                with swap_files_owned(plan.ds):  # NVMe offload: this rank's swap folders, locked, removed at the end
                     return run_job(job, dog.mark)
             except BaseException as err:  # every way out short of publishing; the lock goes right after
                 if writer:  # a finished output whose final rename failed stays where the error says

@@ -247,14 +247,14 @@ def rank_swap_folders(nvme_path: str | Path, rank: int | str) -> list[Path]:
 def swap_folders(engine) -> list[Path]:
     """The folders this rank's NVMe swap files are in (none without NVMe offload): the optimizer swapper's
     (``S3.optimizer_swapper.swap_folder``, ``<nvme_path>/zero_stage_3/optimizer/rank{R}``) and the parameter swapper's
-    (each partitioned parameter's ``nvme_swapper``, ``<nvme_path>/zero_stage_3/{dtype}params/rank{R}``)."""
+    (``Init._convert_to_deepspeed_param`` gives every parameter its ``nvme_swapper``, None without NVMe: the first
+    parameter's is read, so that a step without NVMe offload pays no walk over the parameters)."""
     folders = []
     if (optimizer_swapper := getattr(engine.optimizer, "optimizer_swapper", None)) is not None:
         folders.append(Path(optimizer_swapper.swap_folder))
-    for param in engine.module.parameters():
-        if (param_swapper := getattr(param, "nvme_swapper", None)) is not None:
-            folders.append(Path(param_swapper.swap_folder))
-            break
+    first = next(iter(engine.module.parameters()), None)
+    if (param_swapper := getattr(first, "nvme_swapper", None)) is not None:
+        folders.append(Path(param_swapper.swap_folder))
     return folders
 
 

@@ -17,6 +17,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from elsa_ds.files.output import remove_if_empty
 from elsa_ds.files.ownership import owned
 from elsa_ds.log import get_logger
 from elsa_ds.zero import compat
@@ -57,6 +58,4 @@ def _remove_rank_folders(paths: list[str], rank: str) -> None:
             except OSError as err:
                 log.warning(f"the NVMe swap files in {folder} could not be removed ({err.strerror or err}); delete them yourself")
                 continue
-            for parent in (folder.parent, folder.parent.parent):
-                with contextlib.suppress(OSError):
-                    parent.rmdir()  # only when empty: other ranks' folders stay
+            remove_if_empty([folder.parent, folder.parent.parent])  # other ranks' folders stay
