@@ -173,13 +173,15 @@ def test_cells_on_other_texts_are_refused_before_packing_and_before_running(stan
 
 def test_the_plan_runs_the_smaller_budgets_first_and_skips_cells_done_before(tmp_path):
     plan = curve.curve_plan()
-    smaller = [c for c in plan[:8] if c.settings == "rule"]
-    largest = plan[8:11]  # sequences of 512: three budgets spanning 16x, the largest the issue's 2048 x 8 x 512 tokens
+    smaller = [c for c in plan[:9] if c.settings == "rule"]
+    largest = plan[9:12]  # sequences of 512: three budgets spanning 16x, the largest the issue's 2048 x 8 x 512 tokens
     assert [c.steps * c.batch for c in smaller + largest] == [128 * 8] * 3 + [512 * 8] * 3 + [2048 * 8] * 3
-    assert {c.sparsity for c in plan[:11]} == {0.9} and {c.method for c in largest} == {"elsa", "sparsegpt+ft", "wanda+ft"}
-    # the middle budget's ELSA variants before the largest (whose cells' time on the device is not measured yet): which
-    # start wins where the rule starts from SparseGPT's, and the authors' residual balancing from that start
-    assert plan[6:8] == [curve.Cell("elsa", 0.9, 512, "dense"), curve.Cell("elsa", 0.9, 512, "adaptive")]
+    assert {c.sparsity for c in plan[:13]} == {0.9} and {c.method for c in largest} == {"elsa", "sparsegpt+ft", "wanda+ft"}
+    # the middle budget's ELSA variants before the largest (whose cells' time on the device is not measured yet): the
+    # rule's held end where the rule has none, which start wins where the rule starts from SparseGPT's, and the authors'
+    # residual balancing from that start; the held end beside the rule's at the largest budget too
+    assert plan[6:9] == [curve.Cell("elsa", 0.9, 512, s) for s in ("held", "dense", "adaptive")]
+    assert plan[12] == curve.Cell("elsa", 0.9, 512, "held", 32)
     assert {c.method for c in plan if c.batch == 32 and c.sparsity == 0.7} == {"elsa", "sparsegpt+ft", "wanda+ft"}
     assert curve.Cell("elsa", 0.9, 512, "paper", 32) in plan and curve.Cell("dense+ft", None, 512, batch=32) in plan
     done = tmp_path / "done.jsonl"
@@ -222,6 +224,9 @@ def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_
     adaptive = plan(curve.Cell("elsa", 0.9, 40, "adaptive"))  # the remedy: the dense cell's settings but the λ schedule
     assert adaptive.cfg.lmda_schedule.value == "adaptive" and adaptive.cfg.init_mask is None
     assert adaptive.cfg.model_dump(exclude={"lmda_schedule"}) == dense.cfg.model_dump(exclude={"lmda_schedule"})
+    long_rule, held = plan(curve.Cell("elsa", 0.9, 512)), plan(curve.Cell("elsa", 0.9, 512, "held"))
+    assert long_rule.cfg.hold_steps == 0 and held.cfg.hold_steps == 256  # from ~450 steps the rule holds no end: the cell does
+    assert held.cfg.model_dump(exclude={"hold_steps"}) == long_rule.cfg.model_dump(exclude={"hold_steps"})
 
 
 def test_the_estimate_learns_from_finished_cells_of_the_same_device():
@@ -281,7 +286,8 @@ def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp
 
     lines = [cell("elsa", 0.9, 125, 40.0), cell("sparsegpt+ft", 0.9, 125, 32.0), cell("wanda+ft", 0.9, 125, 36.0),
              cell("elsa", 0.9, 2000, 30.0, status="cut"), cell("elsa", 0.9, 2000, 20.0), cell("wanda+ft", 0.9, 2000, 25.0),
-             cell("elsa", 0.9, 2000, 22.0, settings="paper"), cell("dense", None, 0, 20.0, kind="eval"),
+             cell("elsa", 0.9, 2000, 22.0, settings="paper"), cell("elsa", 0.9, 2000, 10.0, settings="held"),
+             cell("elsa", 0.9, 2000, 12.0, settings="adaptive"), cell("dense", None, 0, 20.0, kind="eval"),
              cell("sparsegpt", 0.9, 0, 700.0, kind="oneshot")]
     results = tmp_path / "cells.jsonl"
     results.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -289,6 +295,8 @@ def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp
     md = (tmp_path / "curve.md").read_text()
     assert "| **ELSA / best retraining**, techdocs test | 1.25 | 0.80 |" in md  # 40/32 at 125 steps; 20/25 at 2000 (not the cut 30)
     assert "elsa (paper's settings), techdocs test |  | 22.00 |" in md and "sparsegpt 700.00 / 1400.00" in md
+    # the variants are rows of their own: none of them takes the rule's place in the ratio
+    assert "elsa (held end), techdocs test |  | 10.00 |" in md and "elsa (residual balancing), techdocs test |  | 12.00 |" in md
     assert (tmp_path / "curve.png").stat().st_size > 10_000
     assert curve_report.main(["--results", str(tmp_path / "none.jsonl")]) == 2
 

@@ -44,14 +44,17 @@ from bench import quality  # noqa: E402 - its commands and rendezvous ports
 from bench.device.estimate import GPU_SHARE, Estimator, forwards  # noqa: E402
 from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases  # noqa: E402 - where a cell's time goes
 from bench.device.ship import RESULTS, TEXTS, read_lines, texts_mismatch, texts_sha256  # noqa: E402 - the texts the cells read
+from elsa_ds.settings.defaults import HOLD_FRACTION  # noqa: E402 - the "held" cells' end: the rule's own fraction
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
 ONESHOT = ("sparsegpt", "wanda")
 PAPER_ARGS = ["--lr", "2e-4", "--lmda", "0.01", "--lmda_schedule", "constant", "--interval", "32", "--warmup_steps", "0",
               "--init_mask", "none", "--hold_steps", "0", "--lr_final_ratio", "0", "--betas", "0.9", "0.95"]
 # a cell's flags beyond the rule's; "adaptive": the authors' residual balancing, a remedy (issue 41 item 4), from the
-# dense start so that it differs from the "dense" cell in the λ schedule alone
+# dense start so that it differs from the "dense" cell in the λ schedule alone; "held": the rule with its held end
+# (--hold_steps, HOLD_FRACTION of the steps) where the rule has none: it holds only below ~450 steps, where retraining's lr
+# is above ELSA's, yet the middle budget's ELSA cell still had ‖x − z‖/‖x‖ 0.159 at step 480 of 512 for the final cut
 SETTINGS = {"rule": [], "paper": PAPER_ARGS, "dense": ["--init_mask", "none"],
-            "adaptive": ["--init_mask", "none", "--lmda_schedule", "adaptive"]}
+            "adaptive": ["--init_mask", "none", "--lmda_schedule", "adaptive"], "held": ["--hold_steps", "{held}"]}
 # (steps, sequences a step) of the three budgets: 0.5 M, 2.1 M, 8.4 M tokens of 512. The largest holds the issue's 2048 x 8
 # x 512 tokens batched as the paper batches its steps (16,384 tokens each): on the H200 a 270M step cost ~0.6 s with one
 # forward whatever else ran (bound by the host, not the GPU: 2026-11-28), so 2048 steps could not end inside one 15-minute
@@ -65,7 +68,7 @@ class Cell:
     method: str  # elsa | sparsegpt+ft | wanda+ft | dense+ft | sparsegpt | wanda | dense
     sparsity: float | None
     steps: int
-    settings: str = "rule"  # rule | paper | dense (the rule from the dense weights: --init_mask none) | adaptive
+    settings: str = "rule"  # rule | paper | dense (the rule from the dense weights: --init_mask none) | adaptive | held
     batch: int = 8
 
     @property
@@ -96,14 +99,16 @@ def parse_cell(text: str) -> Cell:
 
 def curve_plan(budgets: tuple[tuple[int, int], ...] = BUDGETS) -> list[Cell]:
     """The issue's cells in the order they should run: 90 % at the two smaller budgets (their step times size the
-    rest), with ELSA from the dense start at the middle one (where the rule starts from SparseGPT's model: which start
-    wins there decides the rule's threshold) and the authors' residual balancing from that start (a remedy); then the
-    largest budget at 90 %, 70 % there, the paper's settings beside the rule's, the dense control, the starts. (The
+    rest), with ELSA's variants at the middle one: the rule's held end (which the rule drops from ~450 steps: whether it
+    should), the dense start (where the rule starts from SparseGPT's model: which start wins there decides the rule's
+    threshold) and the authors' residual balancing from that start (a remedy); then the largest budget at 90 % (the held
+    end beside the rule's), 70 % there, the paper's settings beside the rule's, the dense control, the starts. (The
     middle budget's four cells fit one loan at once; a largest-budget cell's time there is not measured yet.)"""
     (middle, middle_batch), (largest, batch) = budgets[1], budgets[-1]
     cells = [Cell(m, 0.9, t, batch=b) for t, b in budgets[:-1] for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
-    cells += [Cell("elsa", 0.9, middle, "dense", middle_batch), Cell("elsa", 0.9, middle, "adaptive", middle_batch)]
+    cells += [Cell("elsa", 0.9, middle, s, middle_batch) for s in ("held", "dense", "adaptive")]
     cells += [Cell(m, 0.9, largest, batch=batch) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
+    cells += [Cell("elsa", 0.9, largest, "held", batch)]
     cells += [Cell(m, 0.7, largest, batch=batch) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     cells += [Cell("elsa", 0.9, largest, "paper", batch), Cell("dense+ft", None, largest, batch=batch), Cell("dense", None, 0)]
     cells += [Cell(m, s, 0) for s in (0.9, 0.7) for m in ONESHOT]
@@ -142,7 +147,7 @@ def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
     trains = cell.kind == "train"
     extra = ["--batch_size", str(cell.batch), "--micro_batch", str(min(run.micro_batch, cell.batch)),
              "--gradient_checkpointing" if run.checkpointing else "--no-gradient_checkpointing"] if trains else []
-    extra += SETTINGS[cell.settings]
+    extra += [flag.format(held=round(HOLD_FRACTION * cell.steps)) for flag in SETTINGS[cell.settings]]
     return quality.prune_command(method, finetune, cell.sparsity, out, deepspeed=run.deepspeed,
                                  steps=cell.steps if trains else None, model=run.model, dataset=run.train,
                                  seqlen=run.seqlen, extra=extra)

@@ -29,9 +29,10 @@ RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TEXTS = (("test_ppl", "techdocs test"), ("linuxdoc_ppl", "linux-doc test"))
 RETRAINING = ("sparsegpt+ft", "wanda+ft")
 TARGET = 0.8
-LABELS = {"paper": " (paper's settings)", "dense": " (dense start)"}
-COLORS = {"elsa": "C1", "elsa (paper's settings)": "C2", "elsa (dense start)": "C5", "sparsegpt+ft": "C3", "wanda+ft": "C4",
-          "dense+ft": "C0"}
+LABELS = {"paper": " (paper's settings)", "dense": " (dense start)", "adaptive": " (residual balancing)",
+          "held": " (held end)"}
+COLORS = {"elsa": "C1", "elsa (paper's settings)": "C2", "elsa (dense start)": "C5", "elsa (residual balancing)": "C6",
+          "elsa (held end)": "C7", "sparsegpt+ft": "C3", "wanda+ft": "C4", "dense+ft": "C0"}
 
 
 def from_quality(paths: list[Path]) -> list[dict]:
