@@ -29,10 +29,11 @@ def config_errors() -> tuple[type[BaseException], ...]:
     """What transformers raises for a config.json it cannot read or build a config from: OSError and ValueError of its
     own, huggingface_hub's strict-dataclass validation (a field of the wrong type), and the TypeError, KeyError,
     AttributeError, IndexError or ZeroDivisionError of a value of the wrong shape or size read deep inside a config
-    class (0 attention heads)."""
+    class (0 attention heads), and json's RecursionError for a JSON file nested deeper than Python's stack."""
     from huggingface_hub.errors import StrictDataclassError
 
-    return (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError, ArithmeticError, StrictDataclassError)
+    return (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError, ArithmeticError, StrictDataclassError,
+            RecursionError)
 
 
 def reason(err: BaseException) -> str:
@@ -174,7 +175,7 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, *, random_init: bool = Fal
         else:
             model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, attn_implementation=attn, trust_remote_code=False,
                                                          **kwargs)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: a side file (generation_config.json) nested too deep
         raise ElsaError(f"cannot load model {model_id!r}: {str(err).splitlines()[0]}") from None
     except pickle.UnpicklingError as err:  # torch's weights-only loader refused a .bin file: nothing of it ran
         raise ElsaError(f"cannot load model {model_id!r}: a .bin weights file holds objects beyond tensors or is damaged "

@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 0: leaves. Pure math (admm, the training loss), the method names, which weights are pruned (targets), and the
     # evaluation's measures: perplexity over windows, sparsity read from files, zero-shot accuracy (their runner is
     # jobs/evaluate.py).
-    ("errors", "version", "log", "methods", "admm", "loss", "targets", "evaluation"),
+    ("errors", "version", "log", "json_data", "methods", "admm", "loss", "targets", "evaluation"),
     # 1: plain data: the text corpora; the files a job reads and writes (formats, atomic writes, ownership, the output
     # folder); the settings a user gives (settings models, options, config files, the defaults rule, the flags).
     ("data", "files", "settings"),

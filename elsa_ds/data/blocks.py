@@ -10,12 +10,12 @@ order) and produce the same mask.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from elsa_ds import json_data
 from elsa_ds.data.sources import iter_texts
 from elsa_ds.errors import ElsaError
 
@@ -75,9 +75,11 @@ def _check_tokenizer_json(file: Path) -> None:
     from tokenizers import Tokenizer
 
     try:
+        if (size := file.stat().st_size) > json_data.MODEL_FILE_BYTES:
+            raise ValueError(f"{size:,} bytes, more than the {json_data.MODEL_FILE_BYTES:,} a tokenizer holds")
         text = file.read_text(encoding="utf-8")
-        data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        data = json_data.loads(text)
+    except ValueError as err:  # not JSON, not UTF-8, too large, nested too deeply
         raise ElsaError(f"{file}: not valid JSON ({' '.join(str(err).split())}); copy the model's tokenizer again") from None
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict) or not isinstance(data.get("added_tokens"), list):
         raise ElsaError(f"{file}: not a tokenizer (a JSON object with a \"model\" object and an \"added_tokens\" list); "
@@ -89,9 +91,9 @@ def _check_tokenizer_json(file: Path) -> None:
                         "copy the model's tokenizer again") from None
 
 
-# what transformers raises for tokenizer files it cannot read: its own errors, and those of a value of the wrong type
-# or a missing key deep in its loading code
-TOKENIZER_ERRORS = (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError)
+# what transformers raises for tokenizer files it cannot read: its own errors, those of a value of the wrong type or a
+# missing key deep in its loading code, and json's for a file nested deeper than Python's stack
+TOKENIZER_ERRORS = (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)
 
 
 def load_tokenizer(model_id: str):

@@ -6,12 +6,12 @@ report can say what it validated on. Local files: .txt/.md are one document per 
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import overload
 
+from elsa_ds import json_data
 from elsa_ds.data.splits import files_by_split, holdout, holdout_indices
 from elsa_ds.errors import ElsaError
 
@@ -193,9 +193,10 @@ def _read_local(path: Path) -> Iterator[str]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ElsaError(f"{path}:{n}: not a JSON line ({err.msg}); expected one object per line with a 'text' field") from None
+                record = json_data.loads(line)
+            except ValueError as err:  # not JSON, nested too deeply
+                raise ElsaError(f"{path}:{n}: not a JSON line ({getattr(err, 'msg', err)}); expected one object per line with a "
+                                "'text' field") from None
             if not isinstance(record, dict) or "text" not in record:
                 raise ElsaError(f"{path}:{n}: JSON line has no 'text' field")
             yield str(record["text"])

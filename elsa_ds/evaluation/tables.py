@@ -2,10 +2,10 @@
 pruning papers' tables), written atomically."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
 
 
@@ -13,10 +13,10 @@ def load_result(path: str | Path) -> dict[str, Any]:
     """One JSON written by ``elsa-evaluate --output``."""
     path = Path(path)
     try:
-        result = json.loads(path.read_text(encoding="utf-8"))
+        result = json_data.read(path)
     except FileNotFoundError:
         raise ElsaError(f"--compare {path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:  # not UTF-8, not JSON, too large, nested too deeply
         raise ElsaError(f"--compare {path}: not a readable JSON file ({err})") from None
     if isinstance(result, dict) and "layers" in result and "method" in result:
         hint = f" (its eval.json is: --compare {path.with_name('eval.json')})" if path.with_name("eval.json").is_file() else ""
@@ -25,7 +25,38 @@ def load_result(path: str | Path) -> dict[str, Any]:
     if not isinstance(result, dict) or "model" not in result or not isinstance(result.get("ppl"), dict) \
             or not all(isinstance(v, dict) for v in result["ppl"].values()):
         raise ElsaError(f"--compare {path}: not an elsa-evaluate result (no 'model' and per-dataset 'ppl'); write one with --output")
+    if (problem := _field_problem(result)) is not None:
+        raise ElsaError(f"--compare {path}: {problem}, which elsa-evaluate never writes; evaluate the model again with --output")
     return result
+
+
+def _number(value: Any) -> bool:
+    """None, or a number the table can format (an int beyond a float's range cannot be)."""
+    if value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
+def _field_problem(result: dict[str, Any]) -> str | None:
+    """The first field the table reads that holds what no elsa-evaluate result does (a string where a number goes)."""
+    sparsity, tasks, protocol = result.get("sparsity") or {}, result.get("tasks") or {}, result.get("protocol") or {}
+    if not isinstance(result["model"], str):
+        return "its 'model' is not a string"
+    if not isinstance(sparsity, dict) or not _number(sparsity.get("overall")) or not isinstance(sparsity.get("pattern", ""), str):
+        return "its 'sparsity' is not an object with a number 'overall' and a string 'pattern'"
+    if not isinstance(protocol, dict):
+        return "its 'protocol' is not an object"
+    if bad := next((d for d, v in result["ppl"].items() if not _number(v.get("ppl"))), None):
+        return f"its perplexity of {str(bad)[:40]!r} is not a number"
+    if not isinstance(tasks, dict) or not all(isinstance(v, dict) and _number(v.get("acc")) for v in tasks.values()):
+        return "its 'tasks' are not objects with a number 'acc'"
+    return None if _number(result.get("average_acc")) else "its 'average_acc' is not a number"
 
 
 def _ordered_union(rows: list[dict]) -> list[str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import writing
 
@@ -63,15 +64,22 @@ class MaskReader:
             raise ElsaError(f"{source}: no .safetensors files to read masks from (save the pruned model with safetensors)")
         self.where: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         for file in files:
-            with safe_open(str(file), framework="pt") as fh:
-                meta = fh.metadata() or {}
-                shapes = _stored_shapes(file, meta) if self.packed else {}
-                for key in fh.keys():
-                    self.where[key] = file
-                    self.shapes[key] = tuple(shapes.get(key) or fh.get_slice(key).get_shape())
+            try:
+                with safe_open(str(file), framework="pt") as fh:
+                    meta = fh.metadata() or {}
+                    shapes = _stored_shapes(file, meta) if self.packed else {}
+                    for key in fh.keys():
+                        self.where[key] = file
+                        stored = fh.get_slice(key)
+                        if self.packed:
+                            _check_packed(file, key, shapes.get(key), stored.get_shape(), stored.get_dtype())
+                        self.shapes[key] = tuple(shapes.get(key) or stored.get_shape())
+            except SafetensorError as err:
+                raise ElsaError(f"{file}: not a readable safetensors file ({' '.join(str(err).split())}); write or copy it "
+                                "again") from None
         self.source = source
 
     def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -102,9 +110,20 @@ class MaskReader:
 def _stored_shapes(file: Path, meta: dict[str, str]) -> dict[str, list[int]]:
     """A packed mask file's ``shapes`` metadata: tensor name -> shape (a list of ints); ElsaError naming the file else."""
     try:
-        shapes = json.loads(meta.get("shapes", "{}"))
+        shapes = json_data.loads(meta.get("shapes", "{}"))
     except ValueError as err:
         raise ElsaError(f"{file}: its 'shapes' metadata is not JSON ({err}); write the mask file again") from None
     if not isinstance(shapes, dict) or not all(isinstance(v, list) and all(isinstance(d, int) for d in v) for v in shapes.values()):
         raise ElsaError(f"{file}: its 'shapes' metadata is not a map of tensor names to shapes; write the mask file again")
     return shapes
+
+
+def _check_packed(file: Path, name: str, shape: list[int] | None, stored: list[int], dtype: str) -> None:
+    """A packed mask file's tensor: uint8 bytes, one dimension, exactly the bytes its ``shapes`` entry packs into
+    (:func:`pack`); ElsaError naming the file and tensor else (a short one would be read as a mask of another size)."""
+    if shape is None:
+        raise ElsaError(f"{file}: its 'shapes' metadata has no entry for {name}; write the mask file again")
+    need = -(-math.prod(shape) // 8)
+    if dtype != "U8" or list(stored) != [need]:
+        raise ElsaError(f"{file}: {name} holds {dtype} {list(stored)}, where a packed mask of shape {shape} is U8 [{need}]; "
+                        "write the mask file again")

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import DiskFull, disk_full_errno
 from elsa_ds.log import get_logger
@@ -185,7 +186,7 @@ def _same_file(fd: int, path: Path) -> bool:
 def read_holder(fd: int) -> dict:
     """The holder a lock file names, read through the descriptor examined (not the path: it may have been swapped)."""
     try:
-        info = json.loads(os.pread(fd, 1 << 16, 0).decode("utf-8") or "{}")
+        info = json_data.loads(os.pread(fd, 1 << 16, 0).decode("utf-8") or "{}")
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}

@@ -8,12 +8,13 @@ a hub cache repository's ``blobs/`` excepted).
 """
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
+from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
+from elsa_ds.files import torch_files
 
 _HEADER_LIMIT = 100 * 2**20  # safetensors headers are small; a larger "length" means a corrupt file
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -32,8 +33,8 @@ def read_header(file: Path) -> tuple[int, Any]:
         if length > min(_HEADER_LIMIT, size - 8):
             raise ValueError("header length beyond the end of the file")
         try:
-            return length, json.loads(fh.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            return length, json_data.loads(fh.read(length))
+        except ValueError:  # not JSON, not UTF-8, nested too deeply
             raise ValueError("header is not valid JSON") from None
 
 
@@ -71,9 +72,14 @@ def stored_shapes(folder: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def check_weight_files(folder: str | Path, who: str) -> None:
-    """ElsaError naming the first damaged ``*.safetensors`` file of a local ``folder`` (``who``: how the message names
-    the folder, e.g. ``model out/x`` or ``--init_mask out/x``); nothing for a hub id."""
+    """ElsaError naming the first damaged ``*.safetensors`` file of a local ``folder`` (or the file itself: a packed mask
+    file), or a ``*.bin`` file no ``torch.save`` wrote (``who``: how the message names the folder, e.g. ``model out/x``
+    or ``--init_mask out/x``); nothing for a hub id."""
     path = Path(folder).expanduser()
+    if path.is_file():
+        if path.suffix == ".safetensors" and (problem := safetensors_problem(path)):
+            raise ElsaError(f"{who}: {path.name} is damaged ({problem}); write or copy it again")
+        return
     if not path.is_dir():
         return
     for entry in sorted(path.iterdir()):
@@ -87,12 +93,23 @@ def check_weight_files(folder: str | Path, who: str) -> None:
         problem = safetensors_problem(file)
         if problem:
             raise ElsaError(f"{who}: {file.name} is damaged ({problem}); copy or download it again")
+    for file in sorted(f for f in path.glob("*.json") if f.is_file()):  # transformers reads each whole
+        if (size := file.stat().st_size) > json_data.MODEL_FILE_BYTES:
+            raise ElsaError(f"{who}: {file.name} holds {size:,} bytes, more than any model's JSON file "
+                            f"({json_data.MODEL_FILE_BYTES:,}); copy or download it again")
+    for file in sorted(f for f in path.glob("*.bin") if f.is_file()):  # a FIFO would block the zip reader
+        try:
+            problem = torch_files.zip_problem(file)  # transformers' torch.load would unpack a compressed entry whole
+        except OSError as err:
+            raise ElsaError(f"{who}: cannot read {file.name} ({err.strerror or err})") from None
+        if problem is not None:
+            raise ElsaError(f"{who}: {file.name} is no file torch.save wrote ({problem.text}); copy or download it again")
 
 
 def read_index(index: Path, error: type[Exception]) -> dict[str, str]:
     """The ``weight_map`` of a Hugging Face shard index: tensor name -> shard file name, both strings; else ``error``."""
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = json_data.read(index)["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise error(f"{index}: not a valid shard index ({type(err).__name__}: {err})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
 
 
@@ -13,13 +14,13 @@ def read_json_object(path: str | Path, what: str, hint: str) -> dict:
     """A JSON object from a file, or ElsaError naming the file, the problem and ``hint``."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = json_data.read(path)
     except (OSError, UnicodeDecodeError) as err:
         raise ElsaError(f"cannot read {what} {path}: {getattr(err, 'strerror', None) or err}; {hint}") from None
-    try:
-        data = json.loads(text)
     except json.JSONDecodeError as err:
         raise ElsaError(f"{what} {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+    except ValueError as err:  # too large, nested too deeply
+        raise ElsaError(f"{what} {path} is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise ElsaError(f"{what} {path} must hold a JSON object")
     return data
@@ -95,10 +96,10 @@ def load_profile(path: str | Path) -> dict[str, float]:
     e.g. ``"layers\\.3\\.mlp\\.down_proj"``) profiles are both written this way.
     """
     try:
-        profile = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+        profile = json_data.read(Path(path).expanduser())
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except ValueError as err:  # not JSON, not UTF-8, too large, nested too deeply
         raise ValueError(f"{path} is not valid JSON: {getattr(err, 'msg', err)}") from None
     if not isinstance(profile, dict) or not profile:
         raise ValueError(f"{path} must hold a non-empty JSON object {{regex: sparsity}}")

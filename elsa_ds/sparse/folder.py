@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from elsa_ds.files import torch_files
 from elsa_ds.files.weight_files import inside_folder, read_index as read_weight_map
 from elsa_ds.sparse.integrity import SparseCheckpointError
 
@@ -107,20 +108,31 @@ class TensorReader:
 
     def _handle(self, path: Path):
         if path not in self._open:
-            try:
-                if path.suffix == ".safetensors":
-                    from safetensors import safe_open
-
-                    self._open[path] = safe_open(str(path), framework="pt")
-                else:
-                    self._open[path] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            except Exception as err:
-                raise SparseCheckpointError(f"cannot read {path}: {_first_line(err)}; the file is truncated or corrupt") from None
-            handle = self._open[path]
-            if path.suffix != ".safetensors" and not (isinstance(handle, dict) and all(
-                    isinstance(k, str) and torch.is_tensor(v) for k, v in handle.items())):
-                raise SparseCheckpointError(f"{path}: not a state dict (tensors by name)")
+            self._open[path] = _opened(path)
         return self._open[path]
+
+
+def _opened(path: Path):
+    """A safetensors file's handle, or a .bin file's state dict (checked: tensors by name, none bigger than its
+    storage); SparseCheckpointError naming the file else."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            return safe_open(str(path), framework="pt")
+        if (problem := torch_files.zip_problem(path)) is not None:  # before torch unpacks anything
+            raise SparseCheckpointError(f"{path}: {problem.text}; copy the checkpoint again")
+        handle = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except SparseCheckpointError:
+        raise
+    except Exception as err:
+        raise SparseCheckpointError(f"cannot read {path}: {_first_line(err)}; the file is truncated or corrupt") from None
+    if not (isinstance(handle, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in handle.items())):
+        raise SparseCheckpointError(f"{path}: not a state dict (tensors by name)")
+    if (problem := torch_files.inflated_tensor(handle)) is not None:
+        raise SparseCheckpointError(f"{path}: {problem} (a view repeating its storage); the file was altered: copy the "
+                                    "checkpoint again")
+    return handle
 
 
 def _first_line(err: BaseException) -> str:

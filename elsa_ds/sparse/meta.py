@@ -9,9 +9,9 @@ around it or the JSON itself is one SparseCheckpointError naming the file and th
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from elsa_ds import json_data
 from elsa_ds.files.safetensors_writer import DTYPES
 from elsa_ds.log import get_logger
 from elsa_ds.sparse import format as fmt
@@ -31,8 +31,10 @@ def read_config(folder: Path) -> dict:
     if not path.is_file():
         raise SparseCheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as err:  # UnicodeDecodeError included
+        config = json_data.read(path)
+    except OSError as err:
+        raise SparseCheckpointError(f"cannot read {path}: {err.strerror or err}") from None
+    except ValueError as err:  # UnicodeDecodeError, too large and nested too deeply included
         raise SparseCheckpointError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(config, dict):
         raise SparseCheckpointError(f"{path}: expected a JSON object, found {type(config).__name__}")

@@ -20,7 +20,6 @@ and ADMM.
 """
 from __future__ import annotations
 
-import json
 import pickle
 import random
 import re
@@ -31,9 +30,11 @@ from typing import Any
 
 import torch
 
+from elsa_ds import json_data
 from elsa_ds.admm.loaded import StateMismatch
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import writer_ran_out
+from elsa_ds.files import torch_files
 from elsa_ds.files.io import write_atomic
 from elsa_ds.log import get_logger
 from elsa_ds.settings.config import RESUME_DEFAULTS
@@ -46,6 +47,7 @@ TAG = re.compile(r"^global_step(\d+)$")
 CLIENT_KEY = "elsa"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them beside the tags at each save
 FINGERPRINT = "elsa_fingerprint.json"  # the run's settings beside its tags: readable before any model or engine exists
+LATEST_BYTES = 255  # what `latest` holds: one tag's folder name
 
 
 def write_fingerprint(ckpt_dir: Path, fingerprint: dict) -> None:
@@ -69,7 +71,7 @@ def read_fingerprint(ckpt_dir: Path) -> dict | None:
     """The fingerprint ``write_fingerprint`` left, or None (a checkpoint written before it existed, or unreadable: the
     check against the checkpoint's own client state still runs once the engine loads it)."""
     try:
-        written = json.loads((Path(ckpt_dir) / FINGERPRINT).read_text())
+        written = json_data.read(Path(ckpt_dir) / FINGERPRINT)
     except (OSError, ValueError):
         return None
     return written if isinstance(written, dict) else None
@@ -121,11 +123,19 @@ def _refusal(path: Path, what: str) -> UnsafeCheckpointError:
                                  "was not written by elsa_ds or was altered: restore the run from a copy you trust")
 
 
+def _altered(path: Path, problem: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(f"--resume: refusing checkpoint file {path}: {problem}, so it could take far more memory "
+                                 "than its size; it was not written by elsa_ds or was altered: restore the run from a copy "
+                                 "you trust")
+
+
 def unsafe_classes(path: Path) -> list[str]:
     """The globals ``path``'s pickle names beyond torch's weights-only set and ``compat.checkpoint_globals``, read from the
-    pickle's instructions (nothing is unpickled). Raises UnsafeCheckpointError for instructions the scan cannot follow,
-    another exception for a file that is not a readable torch zip."""
+    pickle's instructions (nothing is unpickled). Raises UnsafeCheckpointError for instructions the scan cannot follow or
+    a zip no torch.save writes (``torch_files.zip_problem``), another exception for a file that is not a whole torch zip."""
     allowed = {name for _, name in compat.checkpoint_globals()}
+    if (problem := torch_files.zip_problem(path)) is not None:  # before the scan, which unpacks the pickle's entry whole
+        raise _altered(Path(path), problem.text) if problem.altered else ValueError(problem.text)
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except pickle.UnpicklingError as err:  # an opcode torch.save (protocol 2) never writes
@@ -158,11 +168,16 @@ def read_checkpoint_file(path: str | Path, map_location: Any = None) -> Any:
     """``torch.load`` as data only: tensors, plain containers and ``compat.checkpoint_globals``. A pickle naming anything
     else raises UnsafeCheckpointError; nothing of it runs. The loader ``load_latest`` gives DeepSpeed."""
     with torch.serialization.safe_globals([*compat.checkpoint_globals()]):
+        if (problem := torch_files.zip_problem(Path(path))) is not None:  # not left to the scan before: torch unpacks it whole
+            raise _altered(Path(path), problem.text) if problem.altered else ValueError(f"{path}: {problem.text}")
         try:
-            return torch.load(path, map_location=map_location, weights_only=True)
+            loaded = torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as err:
             named = re.search(r"GLOBAL (\S+)", str(err)) or re.search(r"WeightsUnpickler error: ([^\n]+)", str(err))
             raise _refusal(Path(path), named.group(1) if named else "objects torch's weights-only loader refuses") from None
+    if (problem := torch_files.inflated_tensor(loaded)) is not None:  # a copy or a contiguous() would make it whole
+        raise _altered(Path(path), problem)
+    return loaded
 
 
 def resume_order(ckpt_dir: Path) -> list[str]:
@@ -170,9 +185,14 @@ def resume_order(ckpt_dir: Path) -> list[str]:
     ElsaError when ``latest`` is unreadable or names no tag on disk."""
     latest_file = ckpt_dir / "latest"
     try:
-        latest = latest_file.read_text().strip()
+        with latest_file.open("rb") as fh:  # a tag name: a folder's, at most 255 bytes; a longer file is no `latest`
+            raw = fh.read(LATEST_BYTES + 2)  # and DeepSpeed's newline
+        latest = raw.decode("utf-8").strip()
     except (OSError, UnicodeDecodeError) as err:
         raise ElsaError(f"--resume: cannot read {latest_file} ({err}); run without --resume to start over") from None
+    if len(raw) > LATEST_BYTES + 1:
+        raise ElsaError(f"--resume: {latest_file} holds more than a tag's name ({LATEST_BYTES} bytes at most); restore "
+                        "the run from a copy you trust or run without --resume to start over")
     tags = tags_newest_first(ckpt_dir)
     if latest not in tags:
         raise ElsaError(f"--resume: {latest_file} names {latest[:80]!r}, which is not a checkpoint in {ckpt_dir} (there: "
@@ -187,7 +207,7 @@ def check_resume(ckpt_dir: Path) -> None:
     unreadable = {}
     tags = resume_order(ckpt_dir)
     for tag in tags:
-        files = sorted((ckpt_dir / tag).glob("*.pt"))
+        files = sorted((ckpt_dir / tag).glob("*.pt"))  # check_plain_tree has refused links and special files there
         if not files:
             unreadable[tag] = "no checkpoint files"
         for path in files:

@@ -1,0 +1,88 @@
+"""A ``torch.save`` file from elsewhere, looked at before torch reads it and after: no bigger in memory than on disk.
+
+torch's weights-only loader keeps a pickle from running code, not from taking memory: a zip entry stored compressed
+(deflate packs ~1000:1; ``torch.save`` never compresses) unpacks whole into memory when the file is scanned or loaded,
+and a tensor saved as a view that repeats its storage (``expand``: stride 0) becomes its full size the moment anything
+makes it contiguous (a checksum, a copy). :func:`zip_problem` is read from the zip's directory alone (nothing is
+unpacked); :func:`inflated_tensor` from the loaded object's tensors, whose storages are what the file held.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ZIP_MAGIC = b"PK\x03\x04"  # how torch tells its zip format from the legacy one: the file's first bytes
+
+
+@dataclass(frozen=True)
+class ZipProblem:
+    """What is wrong with a torch zip: ``altered`` when no writer of a whole file makes it so (a compressed entry, data
+    in front of the first entry, entries claiming more than the file), else the file may only be cut short."""
+
+    text: str
+    altered: bool
+
+
+def zip_problem(file: Path) -> ZipProblem | None:
+    """Why torch must not read ``file`` as a zip, from its directory alone; None for a ``torch.save`` zip, and for a
+    file in torch's legacy format (not a zip: nothing in it is compressed). A zip that Python's zipfile cannot read is
+    not read by torch either (miniz, torch's reader, accepts zips that zipfile refuses, and the two can disagree on
+    which directory a file holds: data in front of the first entry, an extra field zipfile rejects)."""
+    with open(file, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            return ZipProblem("it is not a regular file", altered=True)
+        if fh.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+            return None
+    size = Path(file).stat().st_size
+    try:
+        with zipfile.ZipFile(file) as zf:
+            entries = zf.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, NotImplementedError) as err:
+        return ZipProblem(f"its zip directory is unreadable ({' '.join(str(err).split())[:120]})", altered=False)
+    if entries and min(e.header_offset for e in entries) != 0:
+        return ZipProblem("it holds data in front of its first zip entry", altered=True)
+    for entry in entries:
+        if entry.compress_type != zipfile.ZIP_STORED:
+            return ZipProblem(f"its entry {entry.filename[:80]!r} is stored compressed, which torch.save never writes",
+                              altered=True)
+        if entry.file_size != entry.compress_size or entry.file_size > size:
+            return ZipProblem(f"its entry {entry.filename[:80]!r} claims {entry.file_size:,} bytes stored in "
+                              f"{entry.compress_size:,}, in a file of {size:,}", altered=True)
+    if sum(e.file_size for e in entries) > size:
+        return ZipProblem(f"its entries claim more bytes than the file's {size:,}", altered=True)
+    return None
+
+
+def inflated_tensor(obj: Any) -> str | None:
+    """The first tensor in ``obj`` (inside dicts, lists, tuples and sets, however deep) that claims more bytes than its
+    storage holds (a view repeating its storage), or that is not a plain strided tensor with data (sparse, meta): none
+    is what ``torch.save`` of a model's or an optimizer's state writes. Named by its path of keys; None when there is none."""
+    todo: list[tuple[Any, Any]] = [((), obj)]  # (where, item): where = (its parent's where, its key), built on refusal only
+    while todo:  # a loop, not recursion: a pickle can nest containers deeper than Python's stack
+        where, item = todo.pop()
+        if torch.is_tensor(item):
+            if item.layout != torch.strided or item.is_meta:
+                return f"{_name(where)} is a {'meta' if item.is_meta else item.layout} tensor"
+            claims, held = item.numel() * item.element_size(), item.untyped_storage().nbytes()
+            if claims > held:
+                return f"{_name(where)} claims {claims:,} bytes over a storage of {held:,}"
+        elif isinstance(item, dict):
+            todo += [((where, key), value) for key, value in item.items()]
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            todo += [((where, key), value) for key, value in enumerate(item)]
+    return None
+
+
+def _name(where: tuple) -> str:
+    keys = []
+    while where:
+        where, key = where
+        keys.append(key)
+    keys.reverse()
+    return (str(keys[0]) + "".join(f"[{k!r}]" for k in keys[1:])) if keys else "a tensor"

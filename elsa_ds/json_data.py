@@ -1,0 +1,35 @@
+"""JSON from elsewhere, read as data: a size cap before the file is read, and nesting too deep as a ValueError.
+
+``json.loads`` raises RecursionError, a RuntimeError that no reader's ``except ValueError`` catches, on 50 kB of ``[``,
+and ``Path.read_text`` reads a 50 GB "config.json" whole into memory before the JSON is even looked at. Every reader of
+a file handed over (configs, shard indexes, recipes, fingerprints, evaluation results, the text corpora's lines) goes
+through :func:`read` (a file) or :func:`loads` (JSON held in another file), so both become the reader's own one line.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+MAX_BYTES = 64 * 2**20  # configs, indexes, reports: kilobytes; a 262,144-token tokenizer.json 33 MB
+MODEL_FILE_BYTES = 256 * 2**20  # the most any JSON file of a model folder holds (transformers reads them whole)
+
+
+def loads(text: str | bytes) -> Any:
+    """``json.loads``; ValueError (json.JSONDecodeError, or nesting too deep for Python's stack) when not JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
+
+
+def read(path: str | Path, limit: int = MAX_BYTES) -> Any:
+    """The JSON document in the UTF-8 file ``path``: ValueError when it is larger than ``limit`` bytes (refused before
+    reading it), not UTF-8 (UnicodeDecodeError) or not JSON; OSError as ``open`` raises it."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        data = b"" if size > limit else fh.read(limit + 1)  # a file that grows while it is read stops at the limit too
+    if size > limit or len(data) > limit:
+        raise ValueError(f"{max(size, len(data)):,} bytes, more than the {limit:,} any such file holds")
+    return loads(data.decode("utf-8"))

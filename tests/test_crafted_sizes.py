@@ -1,0 +1,288 @@
+"""Files from elsewhere cannot take more memory than they hold, nor crash a reader: crafted sizes and depths.
+
+A small file could make a reader allocate gigabytes (a zip entry stored compressed, a tensor view repeating its storage,
+a 1 GB ``latest``) or raise a raw RecursionError (50 kB of ``[``); a packed mask file's bytes could disagree with the
+shape it claims. Each case here is a small crafted file fed to the real reader, which must refuse it in one ElsaError
+(or its own ValueError, for the helpers) before it reads more than the file holds.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from elsa_ds import json_data
+from elsa_ds.errors import ElsaError
+from elsa_ds.evaluation.tables import load_result
+from elsa_ds.files import torch_files
+from elsa_ds.files.mask_file import MaskReader, write_masks
+from elsa_ds.files.weight_files import check_weight_files, read_header, read_index
+from elsa_ds.settings.config_files import load_profile, read_json_object
+from elsa_ds.sparse.compress import compress
+from elsa_ds.sparse.integrity import SparseCheckpointError
+from elsa_ds.sparse.loader import verify
+from elsa_ds.zero.checkpoint import UnsafeCheckpointError, check_resume, read_checkpoint_file, read_fingerprint, resume_order
+
+DEEP = "[" * 50_000  # deeper than Python's stack: json.loads raises RecursionError
+
+
+def _folder_with(folder: Path, file: Path, name: str) -> Path:
+    """A model folder holding ``file`` as ``name``."""
+    folder.mkdir()
+    shutil.copy(file, folder / name)
+    return folder
+
+
+def test_json_data_refuses_depth_and_size_as_value_errors(tmp_path):
+    with pytest.raises(ValueError, match="nested too deeply"):
+        json_data.loads(DEEP)
+    big = tmp_path / "big.json"
+    with big.open("wb") as fh:  # a sparse file: 65 MiB claimed, nothing written
+        fh.truncate(json_data.MAX_BYTES + 1)
+    with pytest.raises(ValueError, match="more than the"):
+        json_data.read(big)
+    (tmp_path / "ok.json").write_text('{"a": [1, 2]}')
+    assert json_data.read(tmp_path / "ok.json") == {"a": [1, 2]}
+
+
+def test_every_json_reader_turns_deep_nesting_into_its_own_error(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text(DEEP)
+    with pytest.raises(ElsaError, match="not valid JSON"):
+        read_json_object(deep, "recipe", "a hint")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_profile(deep)
+    with pytest.raises(ElsaError, match="not a readable JSON file"):
+        load_result(deep)
+    with pytest.raises(ElsaError, match="not a valid shard index"):
+        read_index(deep, ElsaError)
+    (tmp_path / "ckpt").mkdir()
+    shutil.copy(deep, tmp_path / "ckpt" / "elsa_fingerprint.json")
+    assert read_fingerprint(tmp_path / "ckpt") is None  # unreadable: the client state's own check runs later
+    header = tmp_path / "model.safetensors"
+    header.write_bytes(struct.pack("<Q", len(DEEP)) + DEEP.encode())
+    with pytest.raises(ValueError, match="not valid JSON"):
+        read_header(header)
+    with pytest.raises(ElsaError, match="damaged"):
+        check_weight_files(_folder_with(tmp_path / "model", header, "model.safetensors"), "model x")
+
+
+def _sparse_checkpoint(root: Path) -> Path:
+    dense = root / "dense"
+    dense.mkdir(parents=True)
+    w = torch.randn(16, 64)
+    w[torch.rand_like(w) < 0.7] = 0
+    save_file({"a.weight": w, "norm": torch.ones(16)}, str(dense / "model.safetensors"))
+    (dense / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    compress(dense, root / "sparse")
+    return root / "sparse"
+
+
+def test_a_sparse_checkpoint_whose_config_is_too_deep_or_too_large_is_refused_before_it_is_read(tmp_path):
+    sparse = _sparse_checkpoint(tmp_path)
+    (sparse / "config.json").write_text(DEEP)
+    with pytest.raises(SparseCheckpointError, match="not valid JSON.*nested too deeply"):
+        verify(sparse)
+    with (sparse / "config.json").open("wb") as fh:
+        fh.truncate(2**30)  # 1 GiB claimed: refused from its size alone
+    with pytest.raises(SparseCheckpointError, match="more than the"):
+        verify(sparse)
+
+
+def _as_bin(sparse: Path, **replace: torch.Tensor) -> dict:
+    from safetensors.torch import load_file
+
+    state = load_file(str(sparse / "model.safetensors")) | replace
+    (sparse / "model.safetensors").unlink()
+    return state
+
+
+def test_a_tensor_view_repeating_its_storage_is_refused_not_inflated(tmp_path):
+    sparse = _sparse_checkpoint(tmp_path)
+    state = _as_bin(sparse, norm=torch.zeros(1).expand(2**28))  # 1 GiB claimed over 4 bytes
+    torch.save(state, sparse / "pytorch_model.bin")
+    assert (sparse / "pytorch_model.bin").stat().st_size < 20_000
+    with pytest.raises(SparseCheckpointError, match="claims 1,073,741,824 bytes over a storage of 4"):
+        verify(sparse)
+    path = tmp_path / "state.pt"
+    torch.save({"optimizer": {"state": [torch.ones(3), torch.zeros(2).expand(8, 2)]}}, path)
+    with pytest.raises(UnsafeCheckpointError, match=r"\['state'\]\[1\] claims 64 bytes over a storage of 8"):
+        read_checkpoint_file(path)
+    torch.save({"optimizer": {"state": [torch.ones(3), torch.arange(8.0)[::2]]}}, path)  # a real view: smaller than its storage
+    assert read_checkpoint_file(path)["optimizer"]["state"][1].tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def _compressed_copy(src: Path, dst: Path, pad: int) -> None:
+    """``src`` (a torch.save zip) with its pickle stored deflated and ``pad`` zero bytes after it: a small file that
+    unpacks to ``pad`` more bytes."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("data.pkl"):
+                zout.writestr(info.filename, data + b"\0" * pad, compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
+            else:
+                zout.writestr(info, data)
+
+
+def test_a_torch_zip_stored_compressed_is_refused_before_anything_unpacks_it(tmp_path):
+    plain = tmp_path / "plain.pt"
+    torch.save({"x": torch.ones(4)}, plain)
+    assert torch_files.zip_problem(plain) is None
+    tags = tmp_path / "checkpoints"
+    (tags / "global_step1").mkdir(parents=True)
+    (tags / "latest").write_text("global_step1")
+    bomb = tags / "global_step1" / "mp_rank_00_model_states.pt"
+    _compressed_copy(plain, bomb, 64 * 2**20)  # 64 MiB unpacked
+    assert bomb.stat().st_size < 2**20  # ~0.3 MB
+    assert "stored compressed" in torch_files.zip_problem(bomb).text
+    with pytest.raises(UnsafeCheckpointError, match="stored compressed, which torch.save never writes"):
+        check_resume(tags)
+    with pytest.raises(ElsaError, match="pytorch_model.bin is no file torch.save wrote"):
+        check_weight_files(_folder_with(tmp_path / "model", bomb, "pytorch_model.bin"), "model x")
+    sparse = _sparse_checkpoint(tmp_path / "s")
+    torch.save(_as_bin(sparse), tmp_path / "s.bin")
+    _compressed_copy(tmp_path / "s.bin", sparse / "pytorch_model.bin", 64 * 2**20)
+    with pytest.raises(SparseCheckpointError, match="stored compressed"):
+        verify(sparse)
+
+
+def test_a_latest_file_longer_than_a_tag_is_refused_without_reading_it(tmp_path):
+    (tmp_path / "global_step1").mkdir()
+    with (tmp_path / "latest").open("wb") as fh:
+        fh.write(b"global_step1")
+        fh.truncate(2**30)  # 1 GiB
+    with pytest.raises(ElsaError, match="holds more than a tag's name"):
+        resume_order(tmp_path)
+    (tmp_path / "latest").write_text("global_step1\n")
+    assert resume_order(tmp_path) == ["global_step1"]
+
+
+def test_a_packed_mask_whose_bytes_disagree_with_its_shape_is_refused(tmp_path):
+    good = tmp_path / "good.safetensors"
+    write_masks(good, {"w": torch.rand(64, 64) < 0.5})
+    assert MaskReader(good).shapes == {"w": (64, 64)}
+    meta = {"format": "elsa_ds packed keep-masks", "shapes": json.dumps({"w": [4096, 4096]})}
+    for name, tensor in (("short", torch.zeros(1, dtype=torch.uint8)), ("float", torch.zeros(4096 * 4096 // 32))):
+        save_file({"w": tensor}, str(tmp_path / f"{name}.safetensors"), metadata=meta)
+        with pytest.raises(ElsaError, match=r"where a packed mask of shape \[4096, 4096\] is U8 \[2097152\]"):
+            MaskReader(tmp_path / f"{name}.safetensors")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(good.read_bytes()[:-100])
+    with pytest.raises(ElsaError, match="cut.safetensors is damaged"):
+        check_weight_files(cut, "--init_mask x")
+    with pytest.raises(ElsaError, match="not a readable safetensors file"):
+        MaskReader(cut)
+
+
+@pytest.mark.parametrize("field", [{"ppl": {"wiki": {"ppl": "x"}}}, {"sparsity": [1]}, {"sparsity": {"overall": "a"}},
+                                   {"tasks": {"arc": {"acc": "high"}}}, {"average_acc": "0.5"}, {"model": 3},
+                                   {"sparsity": {"overall": 10**400}}])
+def test_an_evaluation_result_with_a_string_where_a_number_goes_is_refused(tmp_path, field):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"model": "m", "ppl": {"wiki": {"ppl": 5.0}}} | field))
+    with pytest.raises(ElsaError, match="which elsa-evaluate never writes"):
+        load_result(path)
+
+
+def test_a_model_folder_whose_side_files_are_too_deep_or_too_large_is_refused_in_one_error(tmp_path):
+    from elsa_ds.data.blocks import load_tokenizer
+    from elsa_ds.models import load_causal_lm
+    from elsa_ds.settings.config import DEMO_MODEL_DIR
+
+    model = tmp_path / "model"
+    shutil.copytree(DEMO_MODEL_DIR, model)
+    (model / "generation_config.json").write_text('{"a": ' + DEEP + "}")
+    with pytest.raises(ElsaError, match="cannot load model"):
+        load_causal_lm(str(model), torch.float32)
+    (model / "generation_config.json").write_text("{}")
+    (model / "tokenizer_config.json").write_text('{"a": ' + DEEP + "}")
+    with pytest.raises(ElsaError, match="cannot load the tokenizer"):
+        load_tokenizer(str(model))
+    with (model / "special_tokens_map.json").open("wb") as fh:
+        fh.truncate(json_data.MODEL_FILE_BYTES + 1)  # transformers would read it whole
+    with pytest.raises(ElsaError, match="special_tokens_map.json holds 268,435,457 bytes"):
+        check_weight_files(model, "model x")
+
+
+def _rewritten(plain: Path, out: Path, pad: int, extra: bytes = b"") -> bytes:
+    """``plain`` with its pickle deflated and padded by ``pad`` zeros, its entry given ``extra`` as its extra field."""
+    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(out, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("data.pkl"):
+                entry = zipfile.ZipInfo(info.filename)
+                entry.compress_type, entry.extra = zipfile.ZIP_DEFLATED, extra
+                zout.writestr(entry, data + b"\0" * pad, compresslevel=1)
+            else:
+                zout.writestr(info, data)
+    return out.read_bytes()
+
+
+def _with_decoy_directory(raw: bytes) -> bytes:
+    """A second central directory, every entry marked stored, put just before the end record: Python's zipfile reads
+    it (taking the gap for data in front of the zip); torch's reader goes by the end record's offset to the real one."""
+    end = raw.rfind(b"PK\x05\x06")
+    size_cd, offset_cd = struct.unpack_from("<II", raw, end + 12)
+    decoy, p = bytearray(raw[offset_cd:offset_cd + size_cd]), 0
+    while p < len(decoy):
+        names, extras, comments = struct.unpack_from("<HHH", decoy, p + 28)
+        struct.pack_into("<H", decoy, p + 10, 0)  # stored
+        struct.pack_into("<I", decoy, p + 24, struct.unpack_from("<I", decoy, p + 20)[0])  # its size as stored
+        p += 46 + names + extras + comments
+    return raw[:end] + bytes(decoy) + raw[end:]
+
+
+def test_a_zip_that_python_and_torch_read_differently_never_reaches_torch(tmp_path):
+    """Found by a review: zipfile refuses an extra field that torch's reader ignores, and reads a decoy directory that
+    torch's does not; either let a compressed pickle through a check that trusted zipfile's reading."""
+    plain = tmp_path / "plain.pt"
+    torch.save({"x": torch.ones(4)}, plain)
+    odd_extra = tmp_path / "extra.pt"
+    _rewritten(plain, odd_extra, 8 * 2**20, extra=b"\x99\x99\xff\x00")  # claims 255 bytes where none follow
+    decoy = tmp_path / "decoy.pt"
+    decoy.write_bytes(_with_decoy_directory(_rewritten(plain, tmp_path / "deflated.pt", 8 * 2**20)))
+    assert not torch_files.zip_problem(odd_extra).altered  # unreadable to zipfile: as a cut file is, torch never reads it
+    assert "in front of its first zip entry" in torch_files.zip_problem(decoy).text
+    with pytest.raises(ValueError, match="zip directory is unreadable"):
+        read_checkpoint_file(odd_extra)  # load_latest then falls back to the previous tag
+    with pytest.raises(UnsafeCheckpointError, match="in front of its first zip entry"):
+        read_checkpoint_file(decoy)
+    for path, refusal in ((odd_extra, "is readable"), (decoy, "in front of its first zip entry")):
+        tags = tmp_path / path.stem
+        (tags / "global_step1").mkdir(parents=True)
+        (tags / "latest").write_text("global_step1")
+        shutil.copy(path, tags / "global_step1" / "mp_rank_00_model_states.pt")
+        with pytest.raises(ElsaError, match=refusal):
+            check_resume(tags)
+
+
+def test_sparse_and_meta_tensors_are_refused(tmp_path):
+    path = tmp_path / "state.pt"
+    for tensor, kind in ((torch.sparse_coo_tensor(torch.zeros(2, 1, dtype=torch.long), torch.ones(1), (2**20, 2**20)),
+                          "sparse_coo"), (torch.empty(2**20, 2**20, device="meta"), "meta")):
+        torch.save({"w": tensor}, path)
+        with pytest.raises(UnsafeCheckpointError, match=f"w is a (torch.)?{kind} tensor"):
+            read_checkpoint_file(path)
+
+
+def test_odd_entries_of_a_model_folder_neither_crash_nor_hang_its_check(tmp_path):
+    import os
+    import signal
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "training_args.bin").mkdir()  # a folder with a weight file's name
+    (model / "gone.json").symlink_to(model / "missing.json")  # a link inside the folder, to nothing
+    os.mkfifo(model / "pipe.bin")  # opening it would wait for a writer
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("check_weight_files hung on a FIFO"))
+    signal.alarm(20)
+    try:
+        assert check_weight_files(model, "model x") is None
+    finally:
+        signal.alarm(0)
