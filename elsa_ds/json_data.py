@@ -12,7 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-MAX_BYTES = 64 * 2**20  # configs, indexes, reports: kilobytes; a 262,144-token tokenizer.json 33 MB
+# configs, shard indexes, recipes, results: kilobytes; a 27B model's sparse config.json with its checksums ~0.3 MB. Parsed,
+# JSON takes up to ~20x its bytes in Python objects: 16 MiB of it stays under ~0.4 GB
+MAX_BYTES = 16 * 2**20
 MODEL_FILE_BYTES = 256 * 2**20  # the most any JSON file of a model folder holds (transformers reads them whole)
 
 
