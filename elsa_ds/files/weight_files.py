@@ -99,11 +99,11 @@ def check_weight_files(folder: str | Path, who: str) -> None:
                             f"({json_data.MODEL_FILE_BYTES:,}); copy or download it again")
     for file in sorted(f for f in path.glob("*.bin") if f.is_file()):  # a FIFO would block the zip reader
         try:
-            problem = torch_files.zip_problem(file)  # transformers' torch.load would unpack a compressed entry whole
+            zipped = torch_files.zip_problem(file)  # transformers' torch.load would unpack a compressed entry whole
         except OSError as err:
             raise ElsaError(f"{who}: cannot read {file.name} ({err.strerror or err})") from None
-        if problem is not None:
-            raise ElsaError(f"{who}: {file.name} is no file torch.save wrote ({problem.text}); copy or download it again")
+        if zipped is not None:
+            raise ElsaError(f"{who}: {file.name} is no file torch.save wrote ({zipped.text}); copy or download it again")
 
 
 def read_index(index: Path, error: type[Exception]) -> dict[str, str]:

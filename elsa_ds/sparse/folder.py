@@ -129,8 +129,8 @@ def _opened(path: Path):
         raise SparseCheckpointError(f"cannot read {path}: {_first_line(err)}; the file is truncated or corrupt") from None
     if not (isinstance(handle, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in handle.items())):
         raise SparseCheckpointError(f"{path}: not a state dict (tensors by name)")
-    if (problem := torch_files.inflated_tensor(handle)) is not None:
-        raise SparseCheckpointError(f"{path}: {problem} (a view repeating its storage); the file was altered: copy the "
+    if (inflated := torch_files.inflated_tensor(handle)) is not None:
+        raise SparseCheckpointError(f"{path}: {inflated}, which no saved state dict holds; the file was altered: copy the "
                                     "checkpoint again")
     return handle
 

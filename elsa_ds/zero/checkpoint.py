@@ -175,8 +175,8 @@ def read_checkpoint_file(path: str | Path, map_location: Any = None) -> Any:
         except pickle.UnpicklingError as err:
             named = re.search(r"GLOBAL (\S+)", str(err)) or re.search(r"WeightsUnpickler error: ([^\n]+)", str(err))
             raise _refusal(Path(path), named.group(1) if named else "objects torch's weights-only loader refuses") from None
-    if (problem := torch_files.inflated_tensor(loaded)) is not None:  # a copy or a contiguous() would make it whole
-        raise _altered(Path(path), problem)
+    if (inflated := torch_files.inflated_tensor(loaded)) is not None:  # a copy or a contiguous() would make it whole
+        raise _altered(Path(path), inflated)
     return loaded
 
 

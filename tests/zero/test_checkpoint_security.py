@@ -229,6 +229,25 @@ def test_deepspeeds_own_reads_of_the_files_refuse_it_too(checkpointed, tmp_path)
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("reader", ["scan", "deepspeed"])
+def test_a_checkpoint_file_that_would_unpack_to_far_more_than_its_size_is_refused(checkpointed, tmp_path, reader):
+    """The optimizer states rewritten with their pickle deflated (64 MiB more unpacked) behind a decoy directory that
+    Python's zipfile reads as stored: refused by the scan before the model loads, and by elsa_ds's reader inside
+    DeepSpeed's own load when the scan is skipped (test-only sitecustomize), never unpacked by torch."""
+    from tests.test_crafted_sizes import _rewritten, _with_decoy_directory
+
+    out, args = _copy(checkpointed, tmp_path)
+    (file,) = (out / "checkpoints" / "global_step2").glob("*optim_states.pt")
+    file.write_bytes(_with_decoy_directory(_rewritten(file, tmp_path / "deflated.pt", 64 * 2**20)))
+    fixture = ROOT / "tests" / "fixtures" / "skip_resume_scan"
+    env = {"ELSA_TEST_SKIP_RESUME_SCAN": "1",
+           "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    text = _refused(args, "refusing checkpoint file", str(file), "in front of its first zip entry",
+                    env=env if reader == "deepspeed" else None)
+    assert (LOADING in text) == (reader == "deepspeed")
+
+
+@pytest.mark.integration
 def test_a_latest_naming_a_missing_tag_is_refused_before_the_model_loads(checkpointed, tmp_path):
     out, args = _copy(checkpointed, tmp_path)
     (out / "checkpoints" / "latest").write_text("global_step6")
