@@ -26,12 +26,19 @@ def loads(text: str | bytes) -> Any:
         raise ValueError("JSON nested too deeply to read") from None
 
 
-def read(path: str | Path, limit: int = MAX_BYTES) -> Any:
-    """The JSON document in the UTF-8 file ``path``: ValueError when it is larger than ``limit`` bytes (refused before
-    reading it), not UTF-8 (UnicodeDecodeError) or not JSON; OSError as ``open`` raises it."""
+def read_text(path: str | Path, limit: int = MAX_BYTES) -> str:
+    """The UTF-8 text of ``path``: ValueError when it is larger than ``limit`` bytes (refused before reading it) or not
+    UTF-8 (UnicodeDecodeError); OSError as ``open`` raises it."""
     with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        data = b"" if size > limit else fh.read(limit + 1)  # a file that grows while it is read stops at the limit too
-    if size > limit or len(data) > limit:
-        raise ValueError(f"{max(size, len(data)):,} bytes, more than the {limit:,} any such file holds")
-    return loads(data.decode("utf-8"))
+        if (size := os.fstat(fh.fileno()).st_size) > limit:
+            raise ValueError(f"{size:,} bytes, more than the {limit:,} any such file holds")
+        data = fh.read(limit + 1)  # a file that grows while it is read stops at the limit too
+    if len(data) > limit:
+        raise ValueError(f"more than the {limit:,} bytes any such file holds")
+    return data.decode("utf-8")
+
+
+def read(path: str | Path, limit: int = MAX_BYTES) -> Any:
+    """The JSON document in the UTF-8 file ``path``: ValueError when it is too large or not UTF-8 (:func:`read_text`),
+    or not JSON; OSError as ``open`` raises it."""
+    return loads(read_text(path, limit))

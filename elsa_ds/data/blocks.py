@@ -75,9 +75,7 @@ def _check_tokenizer_json(file: Path) -> None:
     from tokenizers import Tokenizer
 
     try:
-        if (size := file.stat().st_size) > json_data.MODEL_FILE_BYTES:
-            raise ValueError(f"{size:,} bytes, more than the {json_data.MODEL_FILE_BYTES:,} a tokenizer holds")
-        text = file.read_text(encoding="utf-8")
+        text = json_data.read_text(file, json_data.MODEL_FILE_BYTES)
         data = json_data.loads(text)
     except ValueError as err:  # not JSON, not UTF-8, too large, nested too deeply
         raise ElsaError(f"{file}: not valid JSON ({' '.join(str(err).split())}); copy the model's tokenizer again") from None

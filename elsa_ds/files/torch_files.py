@@ -35,11 +35,11 @@ def zip_problem(file: Path) -> ZipProblem | None:
     not read by torch either (miniz, torch's reader, accepts zips that zipfile refuses, and the two can disagree on
     which directory a file holds: data in front of the first entry, an extra field zipfile rejects)."""
     with open(file, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+        if not stat.S_ISREG((st := os.fstat(fh.fileno())).st_mode):
             return ZipProblem("it is not a regular file", altered=True)
         if fh.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
             return None
-    size = Path(file).stat().st_size
+    size = st.st_size
     try:
         with zipfile.ZipFile(file) as zf:
             entries = zf.infolist()

@@ -129,13 +129,19 @@ def _altered(path: Path, problem: str) -> UnsafeCheckpointError:
                                  "you trust")
 
 
+def _check_zip(path: Path) -> None:
+    """UnsafeCheckpointError for a zip no torch.save writes (``torch_files.zip_problem``), ValueError for one that may
+    only be cut short (an unreadable tag: a resume falls back past it); nothing for a whole torch file."""
+    if (problem := torch_files.zip_problem(path)) is not None:
+        raise _altered(path, problem.text) if problem.altered else ValueError(f"{path}: {problem.text}")
+
+
 def unsafe_classes(path: Path) -> list[str]:
     """The globals ``path``'s pickle names beyond torch's weights-only set and ``compat.checkpoint_globals``, read from the
     pickle's instructions (nothing is unpickled). Raises UnsafeCheckpointError for instructions the scan cannot follow or
     a zip no torch.save writes (``torch_files.zip_problem``), another exception for a file that is not a whole torch zip."""
     allowed = {name for _, name in compat.checkpoint_globals()}
-    if (problem := torch_files.zip_problem(path)) is not None:  # before the scan, which unpacks the pickle's entry whole
-        raise _altered(Path(path), problem.text) if problem.altered else ValueError(problem.text)
+    _check_zip(Path(path))  # before the scan, which unpacks the pickle's entry whole
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except pickle.UnpicklingError as err:  # an opcode torch.save (protocol 2) never writes
@@ -168,8 +174,7 @@ def read_checkpoint_file(path: str | Path, map_location: Any = None) -> Any:
     """``torch.load`` as data only: tensors, plain containers and ``compat.checkpoint_globals``. A pickle naming anything
     else raises UnsafeCheckpointError; nothing of it runs. The loader ``load_latest`` gives DeepSpeed."""
     with torch.serialization.safe_globals([*compat.checkpoint_globals()]):
-        if (problem := torch_files.zip_problem(Path(path))) is not None:  # not left to the scan before: torch unpacks it whole
-            raise _altered(Path(path), problem.text) if problem.altered else ValueError(f"{path}: {problem.text}")
+        _check_zip(Path(path))  # not left to the scan before: torch would unpack it whole
         try:
             loaded = torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as err:
