@@ -18,7 +18,7 @@ import torch
 from elsa_ds.data import load_tokenizer
 from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.weight_files import check_weight_files, stored_shapes
+from elsa_ds.files.weight_files import check_model_folder, check_weight_files, stored_shapes
 from elsa_ds.settings.config_files import read_json_object
 
 if TYPE_CHECKING:
@@ -77,7 +77,10 @@ def load_config(model_id: str):
 
 def guarded_config(model_id: str, read: Callable[[], Any]):
     """``read()``, a config loader for ``model_id`` (``load_config``'s, the estimator's), after :func:`config_json`'s checks
-    of a local config.json; what transformers raises for a malformed one becomes an ElsaError naming the file."""
+    of a local config.json and :func:`check_model_folder`'s of its folder (read for its config and tokenizer even when
+    its weights are not: ``--random_init``, the estimate); what transformers raises for a malformed one becomes an
+    ElsaError naming the file."""
+    check_model_folder(model_id, f"model {model_id}")
     config_json(model_id)
     path = Path(model_id).expanduser()
     where = path if path.is_file() else path / "config.json" if path.is_dir() else f"model {model_id}"

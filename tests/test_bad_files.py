@@ -168,12 +168,15 @@ def test_a_shard_index_naming_weights_outside_the_model_folder_is_refused(where,
 @pytest.mark.parametrize("linked", ["model.safetensors", "config.json"])
 def test_a_model_folders_file_linked_outside_it_is_refused_and_the_hub_caches_layout_is_not(linked, tmp_path, stop_at_the_job):
     """A folder handed over is data: a link among its own files that leads outside it is refused in one line before
-    anything loads (prune and evaluate); the hub cache's snapshot, whose files link into the repository's blobs/, loads."""
+    anything loads (prune, with --random_init too, evaluate and the estimate); the hub cache's snapshot, whose files link
+    into the repository's blobs/, loads."""
     model, elsewhere = demo_copy(tmp_path / "model"), tmp_path / "elsewhere"
     elsewhere.mkdir()
     (model / linked).rename(elsewhere / linked)
     (model / linked).symlink_to(elsewhere / linked)
     one_line(*_prune(model, tmp_path / "o")[:2], repr(linked), "outside", "cp -L")
+    one_line(*_prune(model, tmp_path / "o", "--random_init")[:2], repr(linked), "outside")  # its tokenizer and config read
+    one_line(*_estimate(model)[:2], repr(linked), "outside")
     assert not (tmp_path / "o").exists()
     code, err, out = _evaluate(model, tmp_path)
     one_line(code, err, repr(linked), "outside")

@@ -73,8 +73,8 @@ def stored_shapes(folder: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 def check_weight_files(folder: str | Path, who: str) -> None:
     """ElsaError naming the first damaged ``*.safetensors`` file of a local ``folder`` (or the file itself: a packed mask
-    file), or a ``*.bin`` file no ``torch.save`` wrote (``who``: how the message names the folder, e.g. ``model out/x``
-    or ``--init_mask out/x``); nothing for a hub id."""
+    file), or a ``*.bin`` file no ``torch.save`` wrote, after :func:`check_model_folder` (``who``: how the message names
+    the folder, e.g. ``model out/x`` or ``--init_mask out/x``); nothing for a hub id."""
     path = Path(folder).expanduser()
     if path.is_file():
         if path.suffix == ".safetensors" and (problem := safetensors_problem(path)):
@@ -82,9 +82,7 @@ def check_weight_files(folder: str | Path, who: str) -> None:
         return
     if not path.is_dir():
         return
-    for entry in sorted(path.iterdir()):
-        if entry.is_symlink():
-            inside_folder(path, entry.name, path, ElsaError, what="file")
+    check_model_folder(path, who)
     for name in SHARD_INDEXES:
         if (path / name).exists():
             for shard in dict.fromkeys(read_index(path / name, ElsaError).values()):
@@ -93,17 +91,29 @@ def check_weight_files(folder: str | Path, who: str) -> None:
         problem = safetensors_problem(file)
         if problem:
             raise ElsaError(f"{who}: {file.name} is damaged ({problem}); copy or download it again")
-    for file in sorted(f for f in path.glob("*.json") if f.is_file()):  # transformers reads each whole
-        if (size := file.stat().st_size) > json_data.MODEL_FILE_BYTES:
-            raise ElsaError(f"{who}: {file.name} holds {size:,} bytes, more than any model's JSON file "
-                            f"({json_data.MODEL_FILE_BYTES:,}); copy or download it again")
     for file in sorted(f for f in path.glob("*.bin") if f.is_file()):  # a FIFO would block the zip reader
         try:
             zipped = torch_files.zip_problem(file)  # transformers' torch.load would unpack a compressed entry whole
         except OSError as err:
-            raise ElsaError(f"{who}: cannot read {file.name} ({err.strerror or err})") from None
+            raise ElsaError(f"{who}: cannot read {file.name} ({err.strerror or err}); copy or download it again") from None
         if zipped is not None:
             raise ElsaError(f"{who}: {file.name} is no file torch.save wrote ({zipped.text}); copy or download it again")
+
+
+def check_model_folder(folder: str | Path, who: str) -> None:
+    """What a local model ``folder`` gives every reader, its weights read or not (``--random_init`` reads only its
+    config and tokenizer): no top-level link leads out of it, no JSON file (transformers reads each whole) is larger
+    than any model's; ElsaError naming the file. Nothing for a hub id or a file."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        return
+    for entry in sorted(path.iterdir()):
+        if entry.is_symlink():
+            inside_folder(path, entry.name, path, ElsaError, what="file")
+    for file in sorted(f for f in path.glob("*.json") if f.is_file()):
+        if (size := file.stat().st_size) > json_data.MODEL_FILE_BYTES:
+            raise ElsaError(f"{who}: {file.name} holds {size:,} bytes, more than any model's JSON file "
+                            f"({json_data.MODEL_FILE_BYTES:,}); copy or download it again")
 
 
 def read_index(index: Path, error: type[Exception]) -> dict[str, str]:
