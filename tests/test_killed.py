@@ -126,3 +126,27 @@ def test_the_watchdog_cleans_only_under_the_dead_jobs_lock(tmp_path):
     assert "its lock and 1 unfinished file beside the output are removed" in cleanup(w)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".o.best_projection", ".o.oneshot", "o"]
     assert "already released" in cleanup(w)
+
+
+def test_the_watchdog_completes_a_publication_the_kill_cut_short_and_says_so(tmp_path):
+    """Killed between the publication's two renames (the previous output moved aside, the finished one still staged):
+    the cleanup puts the finished output in place, removes the previous one and its lock, and its line says the output
+    is whole (not that nothing was published)."""
+    from argparse import Namespace
+
+    from elsa_ds.files.aside import old_dir
+    from elsa_ds.files.watchdog import Rank, Watch, cleanup, path_state
+
+    out, staging, lock = tmp_path / "o", tmp_path / ".o.partial.123", tmp_path / ".o.lock"
+    w = Watch(Namespace(lock=str(lock), pid=123, resumable=[], output=str(out)))
+    w.ranks[123] = Rank(0, 123, "456")
+    w.before, w.old_before = {str(staging): path_state(staging)}, path_state(old_dir(out, 123))
+    out.mkdir()
+    (out / "model.safetensors").write_text("earlier")
+    staging.mkdir()
+    (staging / "model.safetensors").write_text("new")
+    out.rename(old_dir(out, 123))
+    lock.write_text('{"pid": 123, "pid_start": "456"}')
+    said = cleanup(w)
+    assert f"its publication, cut short, is completed: the output {out} is whole" in said, said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"] and (out / "model.safetensors").read_text() == "new"

@@ -23,7 +23,7 @@ from elsa_ds import cli
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.io import write_atomic
 from elsa_ds.errors import guarded, signals_held
-from elsa_ds.files.aside import aside_dir, old_dir, set_aside, settle_old
+from elsa_ds.files.aside import ALL_MOVED_OUT, aside_dir, move_out, old_dir, set_aside, settle_old
 from elsa_ds.files.output import PublishFailed, check_output_path, fresh_staging, publish, staging_dir
 from elsa_ds.jobs.owner import kept_output, discard_unpublished, resumable_paths
 from elsa_ds.sparse.export import sparse_paths
@@ -310,32 +310,53 @@ def test_a_stop_held_during_a_failed_publication_keeps_the_finished_output(tmp_p
     assert kept_output(KeyboardInterrupt()) is None
 
 
-@pytest.mark.parametrize("killed", ["between the renames", "while the previous output goes", "keeping checkpoints"])
-def test_the_watchdog_settles_a_publication_cut_short_by_a_kill(tmp_path, killed):
-    """Rank 0 killed outright (SIGKILL) inside its publication: the watchdog brings the previous output back when no
-    output is in place, removes what is left of it when the new one is, and names it when the two are mixed."""
+KILLED_IN_PUBLICATION = ["between the renames", "while the previous output goes", "moving the previous files out",
+                         "moving the new files in"]
+
+
+@pytest.mark.parametrize("killed", KILLED_IN_PUBLICATION)
+def test_the_watchdog_completes_a_publication_cut_short_by_a_kill(tmp_path, killed):
+    """Rank 0 killed outright (SIGKILL) inside its publication, whose staging folder is the finished output: the watchdog
+    completes it (the new output in place, the previous one's files gone, a kept-checkpoints output's folders kept) and
+    removes what is left of the previous output, wherever the kill came."""
     out = _previous_run(tmp_path)
+    (out / "index.json").write_text("earlier index")  # a previous file the new output has no namesake of
     pid = os.getpid()
     old, staging = old_dir(out, pid), staging_dir(out)
     staging.mkdir()
-    (staging / "model.safetensors").write_text("new")
-    if killed == "keeping checkpoints":
+    for name in ("a_report.json", "model.safetensors", "z_config.json"):
+        (staging / name).write_text(f"new {name}")
+    kept = killed.startswith("moving")
+    if kept:  # _publish_into's two halves, cut short
         old.mkdir()
-        (out / "model.safetensors").rename(old / "model.safetensors")
+        (out / "index.json").rename(old / "index.json")
+        if killed == "moving the new files in":
+            move_out(out, old)
+            (staging / "a_report.json").rename(out / "a_report.json")
     else:
         out.rename(old)
     if killed == "while the previous output goes":
         staging.rename(out)
         (old / "monitor" / "loss.csv").unlink()
         (tmp_path / f"{aside_dir(out, pid).name}.published.1").mkdir()  # what --overwrite had set aside
-    said = settle_old(out, pid)
-    if killed == "between the renames":
-        assert said is None and not old.exists() and (out / "model.safetensors").read_text() == "earlier model"
-    elif killed == "while the previous output goes":
-        assert said is None and sorted(p.name for p in tmp_path.iterdir()) == ["o"]
-        assert [p.name for p in out.iterdir()] == ["model.safetensors"] and (out / "model.safetensors").read_text() == "new"
-    else:
-        assert str(old) in said and (old / "model.safetensors").read_text() == "earlier model"
+    completed, said = settle_old(out, pid)
+    assert said is None and completed == (killed != "while the previous output goes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+    assert {p.name: p.read_text() for p in out.iterdir() if p.is_file()} == {
+        name: f"new {name}" for name in ("a_report.json", "model.safetensors", "z_config.json")}
+    assert (out / "checkpoints" / "latest").exists() == kept  # a kept-checkpoints output keeps its folders
+
+
+def test_a_publication_into_kept_checkpoints_runs_the_halves_the_watchdog_would_complete(tmp_path):
+    """The publication itself, through the same two halves: the previous files out (marked done), the new ones in."""
+    out = _previous_run(tmp_path)
+    staging = staging_dir(out)
+    staging.mkdir()
+    (staging / "model.safetensors").write_text("new")
+    publish(staging, out, keep_checkpoints=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+    assert (out / "model.safetensors").read_text() == "new" and (out / "checkpoints" / "latest").exists()
+    assert not any(p.name == ALL_MOVED_OUT for p in out.rglob("*"))
 
 
 @pytest.mark.parametrize("name", ["link", "dangling link", ".", "..", "cwd parent", "venv", "home"])

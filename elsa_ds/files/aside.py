@@ -41,23 +41,57 @@ def old_dir(output_dir: Path, pid: int | None = None) -> Path:
     return beside(output_dir, "old", pid)
 
 
-def settle_old(output_dir: Path, pid: int) -> str | None:
-    """After rank 0 was killed (the watchdog, when no folder had that name as the job began): a previous output its
-    publication had moved to :func:`old_dir`. Published (the staging folder gone): what is left of it goes. Killed
-    between the two renames (no output): it goes back. Killed while the previous files moved out of a kept-checkpoints
-    output: it stays, named in the warning returned."""
-    old = old_dir(output_dir, pid)
-    if not beside(output_dir, "partial", pid).exists():  # published: what --overwrite set aside is never put back now
-        for gone in (old, aside_dir(output_dir, pid), *old.parent.glob(f"{aside_dir(output_dir, pid).name}.published.*")):
-            if gone.is_dir() and not gone.is_symlink():
-                shutil.rmtree(gone, ignore_errors=True)
-        return None if not old.exists() else f"the previous output, half removed, is left in {old}: delete it"
-    if not old.is_dir() or old.is_symlink():
-        return None
-    if not (output_dir.exists() or output_dir.is_symlink()):
-        old.rename(output_dir)
-        return None
-    return f"the previous output's files are in {old} (the new output's publication was cut short): move back what you need"
+ALL_MOVED_OUT = ".elsa_all_moved_out"  # made in old_dir once every file of a kept-checkpoints output is in it
+
+
+def move_out(output_dir: Path, old: Path) -> list[str]:
+    """The first half of a publication into a kept-checkpoints output: every file of the previous output (its folders,
+    the run's checkpoints and logs, stay) moves into ``old``; then :data:`ALL_MOVED_OUT` marks it done. Returns the
+    names moved (an OSError leaves those in ``old``). Run again after a kill, it moves what is left."""
+    moved = []
+    for entry in sorted(output_dir.iterdir()):
+        if entry.is_symlink() or not entry.is_dir():
+            entry.rename(old / entry.name)
+            moved.append(entry.name)
+    (old / ALL_MOVED_OUT).touch()
+    return moved
+
+
+def move_in(staging: Path, output_dir: Path) -> None:
+    """The second half: each file of the finished ``staging`` folder moves into ``output_dir``, in place of its
+    namesake; the emptied ``staging`` goes. Run again after a kill, it moves what is left."""
+    for f in sorted(staging.iterdir()):
+        f.replace(output_dir / f.name)
+    staging.rmdir()
+
+
+def settle_old(output_dir: Path, pid: int) -> tuple[bool, str | None]:
+    """After rank 0 was killed (the watchdog, when no folder had that name as the job began) with a previous output its
+    publication had moved (or begun to move) to :func:`old_dir`: whether this completed the publication, and a warning.
+    The publication had begun, so its staging folder is the finished output (a job publishes only that): killed between
+    the two renames, it takes the output's place; killed while the files of a kept-checkpoints output moved, the rest
+    move as the publication would have moved them (:func:`move_out` unless marked done, then :func:`move_in`). Then
+    what is left of the previous output, and what --overwrite set aside, is removed."""
+    old, staging = old_dir(output_dir, pid), beside(output_dir, "partial", pid)
+    completed = False
+    if old.is_dir() and not old.is_symlink() and staging.is_dir() and not staging.is_symlink():
+        try:
+            if not (output_dir.exists() or output_dir.is_symlink()):
+                staging.rename(output_dir)
+            elif output_dir.is_dir() and not output_dir.is_symlink():
+                if not (old / ALL_MOVED_OUT).exists():
+                    move_out(output_dir, old)
+                move_in(staging, output_dir)
+            completed = not staging.exists()
+        except OSError as err:
+            return False, (f"its publication, cut short, could not be completed ({err.strerror or err}): the finished output "
+                           f"is in {staging}, the previous output's files in {old}; move them yourself")
+    if staging.exists():  # a publication never begun (an old folder of this job's with nothing of it moved)
+        return False, None
+    for gone in (old, aside_dir(output_dir, pid), *old.parent.glob(f"{aside_dir(output_dir, pid).name}.published.*")):
+        if gone.is_dir() and not gone.is_symlink():
+            shutil.rmtree(gone, ignore_errors=True)
+    return completed, None if not old.exists() else f"the previous output, half removed, is left in {old}: delete it"
 
 
 def set_aside(output_dir: Path, paths: list[Path]) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError, Terminated, signals_held
 from elsa_ds.evaluation.sparsity import sparsity_report
-from elsa_ds.files.aside import aside_dir, beside, moved_away, old_dir, side_path  # side_path: the jobs import it here
+from elsa_ds.files.aside import (ALL_MOVED_OUT, aside_dir, beside, move_in, move_out, moved_away, old_dir,
+                                 side_path)  # side_path: the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.log import get_logger
 from elsa_ds.targets import LayerGoal
@@ -203,24 +204,19 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
 
 
 def _publish_into(staging: Path, output_dir: Path, old: Path) -> None:
-    """``output_dir`` keeps its folders (the run's checkpoints and logs); every file of the previous output moves into
-    ``old`` (removed by the caller), then each finished file moves in. A failure while the previous files move aside
-    puts them back."""
+    """``output_dir`` keeps its folders (the run's checkpoints and logs): every file of the previous output moves into
+    ``old`` (removed by the caller), then each finished file moves in (``aside.move_out``, ``aside.move_in``: a watchdog
+    completes them after a kill). A failure while the previous files move aside puts them back."""
     old.mkdir()
-    moved = []
     try:
-        for entry in sorted(output_dir.iterdir()):
-            if entry.is_symlink() or not entry.is_dir():
-                entry.rename(old / entry.name)
-                moved.append(entry.name)
+        move_out(output_dir, old)
     except OSError:
-        for name in moved:
-            (old / name).rename(output_dir / name)
+        (old / ALL_MOVED_OUT).unlink(missing_ok=True)
+        for entry in sorted(old.iterdir()):
+            entry.rename(output_dir / entry.name)
         old.rmdir()
         raise
-    for f in sorted(staging.iterdir()):
-        f.replace(output_dir / f.name)
-    staging.rmdir()
+    move_in(staging, output_dir)
 
 
 def verified_layers(model_dir: Path, expected_zeros: dict[str, int], goals: dict[str, LayerGoal],

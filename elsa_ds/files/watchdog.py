@@ -20,7 +20,7 @@ says one line on the job's stderr after the launcher's: which rank, which signal
 whether the kernel's out-of-memory killer ran meanwhile (``oom_kill`` in ``/proc/vmstat``). Another rank killed, rank 0
 then stopped by the launcher: the same line, rank 0 having cleaned up. A clean end: not a word. Only the ranks on rank
 0's node are watched. What --overwrite set aside of the previous output it puts back (``aside.put_back``); a publication
-cut short it settles (``aside.settle_old``: the previous output back when none is in place).
+cut short it completes (``aside.settle_old``: the staging folder is the finished output).
 """
 from __future__ import annotations
 
@@ -265,8 +265,8 @@ def cleanup(w: Watch) -> str:
         while not flocked(fd) and time.monotonic() < deadline:
             time.sleep(0.2)
         output = Path(w.args.output) if w.args.output else None
-        moved = (settle_old(output, rank0.pid) if output and path_state(old_dir(output, rank0.pid)) != w.old_before
-                 else None)  # a publication cut short (the folder there before the watch began is an earlier job's)
+        completed, moved = (settle_old(output, rank0.pid) if output and path_state(old_dir(output, rank0.pid)) != w.old_before
+                            else (False, None))  # a publication cut short (the folder there before the watch began: an earlier job's)
         removed, resumable = 0, set(w.args.resumable) if output and published(output).exists() else set()
         for path, before in w.before.items():
             now = path_state(Path(path))
@@ -280,8 +280,10 @@ def cleanup(w: Watch) -> str:
         left = "; ".join(filter(None, (moved, put_back(output, rank0.pid) if output else None)))  # what --overwrite set aside
         if (path_state(lock) or ())[:2] == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
             lock.unlink()
-        return (f"nothing unfinished was published; its lock and {removed} unfinished file{'s' * (removed != 1)} beside "
-                f"the output are removed{'; ' + left if left else ''}")
+        done = (f"its publication, cut short, is completed: the output {output} is whole (its summary was not printed)"
+                if completed else "nothing unfinished was published")
+        return (f"{done}; its lock and {removed} unfinished file{'s' * (removed != 1)} beside the output are removed"
+                f"{'; ' + left if left else ''}")
     except (OSError, ValueError) as err:
         return f"its cleanup failed ({err}): remove this job's staging and lock beside the output by hand"
     finally:
