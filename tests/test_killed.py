@@ -148,5 +148,33 @@ def test_the_watchdog_completes_a_publication_the_kill_cut_short_and_says_so(tmp
     out.rename(old_dir(out, 123))
     lock.write_text('{"pid": 123, "pid_start": "456"}')
     said = cleanup(w)
-    assert f"its publication, cut short, is completed: the output {out} is whole" in said, said
+    assert f"its output {out} is published, whole" in said, said
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"] and (out / "model.safetensors").read_text() == "new"
+
+
+def test_an_earlier_jobs_old_folder_is_no_publication_of_this_one(tmp_path):
+    """Containers reuse process ids: a `.NAME.old.PID` an earlier job left, changed by the user during this job (a file
+    moved out of it), is not this job's publication begun: the watchdog removes this job's half-written staging folder
+    as unfinished and leaves the output and that folder alone."""
+    from argparse import Namespace
+
+    from elsa_ds.files.aside import old_dir
+    from elsa_ds.files.watchdog import Rank, Watch, cleanup, path_state
+
+    out, staging, lock = tmp_path / "o", tmp_path / ".o.partial.123", tmp_path / ".o.lock"
+    out.mkdir()
+    (out / "model.safetensors").write_text("earlier")
+    leftover = old_dir(out, 123)
+    leftover.mkdir()
+    (leftover / "a.txt").write_text("the earlier job's")
+    (leftover / "b.txt").write_text("the earlier job's")
+    w = Watch(Namespace(lock=str(lock), pid=123, resumable=[], output=str(out)))
+    w.ranks[123] = Rank(0, 123, "456")
+    w.before, w.old_before = {str(staging): path_state(staging)}, path_state(leftover)
+    (leftover / "b.txt").unlink()  # the user tidies it up meanwhile
+    staging.mkdir()
+    (staging / "model-00001-of-00002.safetensors").write_text("half an export")
+    lock.write_text('{"pid": 123, "pid_start": "456"}')
+    said = cleanup(w)
+    assert "nothing unfinished was published" in said and not staging.exists(), said
+    assert (out / "model.safetensors").read_text() == "earlier" and [p.name for p in leftover.iterdir()] == ["a.txt"]

@@ -339,12 +339,26 @@ def test_the_watchdog_completes_a_publication_cut_short_by_a_kill(tmp_path, kill
         staging.rename(out)
         (old / "monitor" / "loss.csv").unlink()
         (tmp_path / f"{aside_dir(out, pid).name}.published.1").mkdir()  # what --overwrite had set aside
-    completed, said = settle_old(out, pid)
-    assert said is None and completed == (killed != "while the previous output goes")
+    assert settle_old(out, pid) == (True, None, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
     assert {p.name: p.read_text() for p in out.iterdir() if p.is_file()} == {
         name: f"new {name}" for name in ("a_report.json", "model.safetensors", "z_config.json")}
     assert (out / "checkpoints" / "latest").exists() == kept  # a kept-checkpoints output keeps its folders
+
+
+def test_a_publication_the_watchdog_cannot_complete_keeps_both_outputs_and_says_where(tmp_path):
+    """Something else than a folder now stands at the output's name: the finished output stays staged, the previous
+    one's files where the publication moved them, both named, neither removed."""
+    out = _previous_run(tmp_path)
+    pid = os.getpid()
+    old, staging = old_dir(out, pid), staging_dir(out)
+    staging.mkdir()
+    (staging / "model.safetensors").write_text("new")
+    out.rename(old)
+    out.write_text("a file put there since")
+    settled = settle_old(out, pid)
+    assert not settled.published and settled.kept == staging and str(staging) in settled.warning and str(old) in settled.warning
+    assert (staging / "model.safetensors").read_text() == "new" and (old / "model.safetensors").read_text() == "earlier model"
 
 
 def test_a_publication_into_kept_checkpoints_runs_the_halves_the_watchdog_would_complete(tmp_path):

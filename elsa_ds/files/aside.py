@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from elsa_ds.errors import ElsaError
 
@@ -44,17 +45,14 @@ def old_dir(output_dir: Path, pid: int | None = None) -> Path:
 ALL_MOVED_OUT = ".elsa_all_moved_out"  # made in old_dir once every file of a kept-checkpoints output is in it
 
 
-def move_out(output_dir: Path, old: Path) -> list[str]:
+def move_out(output_dir: Path, old: Path) -> None:
     """The first half of a publication into a kept-checkpoints output: every file of the previous output (its folders,
-    the run's checkpoints and logs, stay) moves into ``old``; then :data:`ALL_MOVED_OUT` marks it done. Returns the
-    names moved (an OSError leaves those in ``old``). Run again after a kill, it moves what is left."""
-    moved = []
+    the run's checkpoints and logs, stay) moves into ``old``; then :data:`ALL_MOVED_OUT` marks it done (an OSError
+    leaves what moved in ``old``, unmarked). Run again after a kill, it moves what is left."""
     for entry in sorted(output_dir.iterdir()):
         if entry.is_symlink() or not entry.is_dir():
             entry.rename(old / entry.name)
-            moved.append(entry.name)
     (old / ALL_MOVED_OUT).touch()
-    return moved
 
 
 def move_in(staging: Path, output_dir: Path) -> None:
@@ -65,16 +63,23 @@ def move_in(staging: Path, output_dir: Path) -> None:
     staging.rmdir()
 
 
-def settle_old(output_dir: Path, pid: int) -> tuple[bool, str | None]:
-    """After rank 0 was killed (the watchdog, when no folder had that name as the job began) with a previous output its
-    publication had moved (or begun to move) to :func:`old_dir`: whether this completed the publication, and a warning.
-    The publication had begun, so its staging folder is the finished output (a job publishes only that): killed between
-    the two renames, it takes the output's place; killed while the files of a kept-checkpoints output moved, the rest
-    move as the publication would have moved them (:func:`move_out` unless marked done, then :func:`move_in`). Then
-    what is left of the previous output, and what --overwrite set aside, is removed."""
+class Settled(NamedTuple):
+    """What :func:`settle_old` found: whether the output in place is the job's whole new one, a warning to give, and
+    a folder the watchdog must keep (the finished output, when its publication could not be completed)."""
+    published: bool
+    warning: str | None = None
+    kept: Path | None = None
+
+
+def settle_old(output_dir: Path, pid: int) -> Settled:
+    """After rank 0 was killed (the watchdog, when :func:`old_dir` is a folder this job made) with a previous output its
+    publication had moved (or begun to move) there. The publication had begun, so its staging folder is the finished
+    output (a job publishes only that), and it is completed: killed between the two renames, the staging folder takes
+    the output's place; killed while the files of a kept-checkpoints output moved, the rest move as the publication
+    would have moved them (:func:`move_out` unless marked done, then :func:`move_in`). Then what is left of the
+    previous output, and what --overwrite set aside, is removed. Should it fail, everything stays, named in the warning."""
     old, staging = old_dir(output_dir, pid), beside(output_dir, "partial", pid)
-    completed = False
-    if old.is_dir() and not old.is_symlink() and staging.is_dir() and not staging.is_symlink():
+    if staging.is_dir() and not staging.is_symlink():
         try:
             if not (output_dir.exists() or output_dir.is_symlink()):
                 staging.rename(output_dir)
@@ -82,16 +87,24 @@ def settle_old(output_dir: Path, pid: int) -> tuple[bool, str | None]:
                 if not (old / ALL_MOVED_OUT).exists():
                     move_out(output_dir, old)
                 move_in(staging, output_dir)
-            completed = not staging.exists()
+            else:
+                raise OSError(f"{output_dir} is no longer a folder")
         except OSError as err:
-            return False, (f"its publication, cut short, could not be completed ({err.strerror or err}): the finished output "
-                           f"is in {staging}, the previous output's files in {old}; move them yourself")
-    if staging.exists():  # a publication never begun (an old folder of this job's with nothing of it moved)
-        return False, None
-    for gone in (old, aside_dir(output_dir, pid), *old.parent.glob(f"{aside_dir(output_dir, pid).name}.published.*")):
+            return Settled(False, f"its publication, cut short, could not be completed ({err.strerror or err}): the "
+                                  f"finished output is in {staging}, the previous output's files in {old}; move them yourself",
+                           staging)
+    remove_published_aside(output_dir, pid)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    return Settled(True, None if not old.exists() else f"the previous output, half removed, is left in {old}: delete it")
+
+
+def remove_published_aside(output_dir: Path, pid: int | None = None) -> None:
+    """What --overwrite set aside, once the new output is published (renamed ``.published.*`` first): never put back."""
+    aside = aside_dir(output_dir, pid)
+    for gone in (aside, *aside.parent.glob(f"{aside.name}.published.*")):
         if gone.is_dir() and not gone.is_symlink():
             shutil.rmtree(gone, ignore_errors=True)
-    return completed, None if not old.exists() else f"the previous output, half removed, is left in {old}: delete it"
 
 
 def set_aside(output_dir: Path, paths: list[Path]) -> None:

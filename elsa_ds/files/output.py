@@ -15,8 +15,7 @@ from pathlib import Path
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError, Terminated, signals_held
 from elsa_ds.evaluation.sparsity import sparsity_report
-from elsa_ds.files.aside import (ALL_MOVED_OUT, aside_dir, beside, move_in, move_out, moved_away, old_dir,
-                                 side_path)  # side_path: the jobs import it here
+from elsa_ds.files.aside import aside_dir, beside, move_in, move_out, moved_away, old_dir, side_path  # side_path: the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.log import get_logger
 from elsa_ds.targets import LayerGoal
@@ -193,7 +192,8 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
                      else f"it is complete in {staging}: move it there yourself (mv {staging} {output_dir})")
             raise PublishFailed(f"the finished output could not be moved to {output_dir} ({err.strerror or err}); {where}",
                                 staging) from None
-        for gone in (old, moved_away(aside_dir(output_dir), "published")):  # what --overwrite set aside: never put back now
+        set_aside = moved_away(aside_dir(output_dir), "published")  # what --overwrite set aside: never put back now
+        for gone in (set_aside, old):  # the old folder last: while it is there, a watchdog finishes this (aside.settle_old)
             try:
                 if gone is not None and gone.exists():
                     shutil.rmtree(gone)
@@ -210,8 +210,7 @@ def _publish_into(staging: Path, output_dir: Path, old: Path) -> None:
     old.mkdir()
     try:
         move_out(output_dir, old)
-    except OSError:
-        (old / ALL_MOVED_OUT).unlink(missing_ok=True)
+    except OSError:  # unmarked: the marker is move_out's last step
         for entry in sorted(old.iterdir()):
             entry.rename(output_dir / entry.name)
         old.rmdir()

@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 
 from elsa_ds.errors import stderr_line
-from elsa_ds.files.aside import old_dir, published, put_back, settle_old
+from elsa_ds.files.aside import Settled, old_dir, published, put_back, settle_old
 from elsa_ds.files.ownership import read_holder
 from elsa_ds.files.procfs import cgroup_limit, oom_kills, path_state, proc_stat
 
@@ -265,29 +265,35 @@ def cleanup(w: Watch) -> str:
         while not flocked(fd) and time.monotonic() < deadline:
             time.sleep(0.2)
         output = Path(w.args.output) if w.args.output else None
-        completed, moved = (settle_old(output, rank0.pid) if output and path_state(old_dir(output, rank0.pid)) != w.old_before
-                            else (False, None))  # a publication cut short (the folder there before the watch began: an earlier job's)
+        settled = settle_old(output, rank0.pid) if output and began_publication(w, output) else Settled(False)
         removed, resumable = 0, set(w.args.resumable) if output and published(output).exists() else set()
         for path, before in w.before.items():
             now = path_state(Path(path))
-            if now is None or now == before or path in resumable:
-                continue  # absent, there before this job and untouched by it, or read again by a --resume
+            if now is None or now == before or path in resumable or path == str(settled.kept):
+                continue  # absent, there before this job and untouched by it, read again by a --resume, or the finished output
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 os.unlink(path)
             removed += 1
-        left = "; ".join(filter(None, (moved, put_back(output, rank0.pid) if output else None)))  # what --overwrite set aside
+        left = "; ".join(filter(None, (settled.warning, put_back(output, rank0.pid) if output else None)))  # --overwrite's
         if (path_state(lock) or ())[:2] == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
             lock.unlink()
-        done = (f"its publication, cut short, is completed: the output {output} is whole (its summary was not printed)"
-                if completed else "nothing unfinished was published")
+        done = (f"its output {output} is published, whole (its summary was not printed)" if settled.published
+                else "nothing was published" if settled.kept else "nothing unfinished was published")
         return (f"{done}; its lock and {removed} unfinished file{'s' * (removed != 1)} beside the output are removed"
                 f"{'; ' + left if left else ''}")
     except (OSError, ValueError) as err:
         return f"its cleanup failed ({err}): remove this job's staging and lock beside the output by hand"
     finally:
         os.close(fd)
+
+
+def began_publication(w: Watch, output: Path) -> bool:
+    """Whether rank 0's publication had begun: its :func:`old_dir` is a folder this job made (another inode than the
+    one there as the watch began, which the publication renames away: an earlier job of this process id left it)."""
+    now = path_state(old_dir(output, w.args.pid))
+    return now is not None and now[:2] != (w.old_before or ())[:2]
 
 
 def flocked(fd: int) -> bool:
