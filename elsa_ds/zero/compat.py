@@ -239,9 +239,20 @@ def swap_root(nvme_path: str | Path) -> Path:
     return Path(nvme_path) / "zero_stage_3"
 
 
+def swap_kinds(nvme_path: str | Path) -> list[Path]:
+    """The folders DeepSpeed's swappers make under :func:`swap_root` that are there (links included, never followed):
+    ``optimizer`` (``optimizer_utils.py``) and ``{dtype}params`` (``partitioned_param_swapper.py``)."""
+    root = swap_root(nvme_path)
+    if root.is_symlink() or not root.is_dir():
+        return []
+    return sorted(kind for kind in root.iterdir() if kind.name == "optimizer" or kind.name.endswith("params"))
+
+
 def rank_swap_folders(nvme_path: str | Path, rank: int | str) -> list[Path]:
-    """A rank's swap folders under ``nvme_path``: ``zero_stage_3/optimizer/rank{R}``, ``zero_stage_3/{dtype}params/rank{R}``."""
-    return sorted(swap_root(nvme_path).glob(f"*/rank{rank}"))
+    """A rank's swap folders under ``nvme_path`` that are there: ``zero_stage_3/optimizer/rank{R}``,
+    ``zero_stage_3/{dtype}params/rank{R}`` (none below a link: a link is never followed)."""
+    below = (kind / f"rank{rank}" for kind in swap_kinds(nvme_path) if not kind.is_symlink())
+    return [folder for folder in below if folder.exists() or folder.is_symlink()]
 
 
 def swap_folders(engine) -> list[Path]:

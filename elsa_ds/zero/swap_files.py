@@ -17,6 +17,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import remove_if_empty
 from elsa_ds.files.ownership import owned
 from elsa_ds.log import get_logger
@@ -39,12 +40,24 @@ def swap_files_owned(ds: DsConfig) -> Iterator[None]:
     with contextlib.ExitStack() as locks:
         for path in paths:  # per rank: one job's ranks on other hosts of a shared file system use other folders
             locks.enter_context(owned(compat.swap_root(path).with_name(f"zero_stage_3.rank{rank}"), "--nvme_path"))
+            check_no_links(path, rank)
         _remove_rank_folders(paths, rank)
         try:
             yield
         finally:
             if os.environ.get(KEEP_ENV) != "1":
                 _remove_rank_folders(paths, rank)
+
+
+def check_no_links(path: str, rank: str) -> None:
+    """ElsaError when a symbolic link stands where this rank's swap files go under ``path`` (``zero_stage_3``, its
+    ``optimizer`` and ``{dtype}params`` folders, their ``rank{R}``): DeepSpeed would write its swap files through it
+    and the job's cleanup would remove what is there."""
+    for folder in [compat.swap_root(path), *compat.swap_kinds(path), *compat.rank_swap_folders(path, rank)]:
+        if folder.is_symlink():
+            raise ElsaError(f"--nvme_path {path}: {folder} is a symbolic link (to {os.readlink(folder)}); DeepSpeed would "
+                            "write its swap files through it and the job would remove them there at its end: remove the "
+                            "link or choose another nvme_path")
 
 
 def _remove_rank_folders(paths: list[str], rank: str) -> None:

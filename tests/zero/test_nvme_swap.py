@@ -67,6 +67,29 @@ def test_a_job_owns_its_nvme_swap_folders_and_removes_them_at_its_end(tmp_path):
     assert (tmp_path / "out" / "model.safetensors").is_file() and sorted(os.listdir(nvme)) == []  # no swap file, no lock
 
 
+@pytest.mark.parametrize("at", ["zero_stage_3", "zero_stage_3/optimizer", "zero_stage_3/optimizer/rank0"])
+def test_a_link_where_the_swap_files_go_is_refused_and_its_target_kept(tmp_path, at):
+    """A symbolic link planted in the NVMe folder (at its zero_stage_3, a swapper's folder, or the rank's folder) would
+    have DeepSpeed write its swap files through it, and the job's cleanup remove what is there: refused in one line
+    before the model loads, the link's target as it was. A folder of the user's under zero_stage_3 whose name is not a
+    swapper's is never removed."""
+    nvme, victim = tmp_path / "nvme", tmp_path / "victim"
+    (victim / "rank0").mkdir(parents=True)
+    (victim / "rank0" / "0_45.tensor.swp").write_text("user data")
+    (nvme / at).parent.mkdir(parents=True, exist_ok=True)
+    (nvme / at).symlink_to(victim / "rank0" if at.endswith("rank0") else victim)
+    proc = run_entry("prune.py", [*QUICK, "--nvme_path", str(nvme), "--output_dir", str(tmp_path / "out")], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(rf"^elsa_ds: error: --nvme_path \S+: \S+{at} is a symbolic link", proc.stderr, re.M), proc.stderr[-2000:]
+    assert [p.name for p in victim.rglob("*")] == ["rank0", "0_45.tensor.swp"] and not (tmp_path / "out").exists()
+    assert (victim / "rank0" / "0_45.tensor.swp").read_text() == "user data"
+    mine = nvme / "zero_stage_3" / "old_run" / "rank0" / "notes.txt"  # not a swapper's folder name
+    (nvme / at).unlink()
+    mine.parent.mkdir(parents=True)
+    mine.write_text("mine")
+    assert compat.rank_swap_folders(nvme, 0) == [] and mine.read_text() == "mine"
+
+
 def test_a_full_nvme_disk_stops_the_run_in_one_line_and_leaves_nothing(tmp_path):
     image, disk = tmp_path / "nvme.img", tmp_path / "nvme"
     disk.mkdir()
