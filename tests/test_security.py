@@ -289,3 +289,45 @@ class _Runs:
 
     def __reduce__(self):
         return (Path.write_text, (self.path, "ran"))
+
+
+# ---- a write-side audit's finds (2026-11-30): links and hard links where a job writes ----------------------------------
+def test_a_link_where_the_job_keeps_a_side_file_is_refused_before_any_work(tmp_path):
+    """A fresh run (neither --resume nor --overwrite) looked nowhere before writing its side files beside the output: a
+    link at `.NAME.best_projection` had its snapshot written into the link's target. Refused in one line now."""
+    from elsa_ds.cli import main_prune
+    from tests.inprocess import run_main
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "rank0.pt").write_text("the user's")
+    (tmp_path / ".out.best_projection").symlink_to(victim)
+    code, err, _ = run_main(main_prune, ["--deepspeed", "zero3_offload", "--dataset", "shakespeare", "--seqlen", "64",
+                                         "--steps", "4", "--interval", "2", "--val_windows", "2", "--baseline", "none",
+                                         "--init_mask", "none", "--select_every", "1", "--output_dir", str(tmp_path / "out")])
+    lines = _error_lines(err)
+    assert code == 2 and len(lines) == 1 and ".out.best_projection beside it is a symbolic link" in lines[0], err[-2000:]
+    assert (victim / "rank0.pt").read_text() == "the user's" and not (tmp_path / "out").exists()
+
+
+def test_a_resumed_folders_hard_linked_files_get_copies_of_their_own(tmp_path):
+    """`cp -al` copies a run folder as hard links: what the resumed run appends to a monitor log, or the recovery script
+    DeepSpeed copies beside the tags at each save, went into the other name too (the copy made executable)."""
+    from elsa_ds.files.handed import own_copies
+    from elsa_ds.zero.checkpoint import clear_for_save
+
+    snapshot, run = tmp_path / "snapshot", tmp_path / "run"
+    (snapshot / "monitor" / "elsa").mkdir(parents=True)
+    (snapshot / "checkpoints").mkdir()
+    (snapshot / "monitor" / "elsa" / "loss.csv").write_text("step,loss\n2,5.0\n")
+    (snapshot / "checkpoints" / "zero_to_fp32.py").write_text("the snapshot's script")
+    shutil.copytree(snapshot, run, copy_function=os.link)  # cp -al
+    own_copies(run / "monitor")
+    with (run / "monitor" / "elsa" / "loss.csv").open("a") as log:
+        log.write("4,4.0\n")
+    assert (snapshot / "monitor" / "elsa" / "loss.csv").read_text() == "step,loss\n2,5.0\n"
+    assert (run / "monitor" / "elsa" / "loss.csv").read_text() == "step,loss\n2,5.0\n4,4.0\n"
+    assert [p.name for p in (run / "monitor" / "elsa").iterdir()] == ["loss.csv"]
+    clear_for_save(run / "checkpoints", "global_step4")
+    assert not (run / "checkpoints" / "zero_to_fp32.py").exists()
+    assert (snapshot / "checkpoints" / "zero_to_fp32.py").read_text() == "the snapshot's script"

@@ -6,6 +6,7 @@ holds the output's lock). Checked with ``lstat``, before anything in it is opene
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -37,3 +38,27 @@ def _check_entry(path: Path, what: str) -> bool:
 
 def _unreadable(err: OSError) -> None:
     raise ElsaError(f"--resume: cannot read {err.filename} ({err.strerror}); fix its permissions or start without --resume")
+
+
+def own_copies(path: Path) -> None:
+    """Each regular file below ``path`` (a resumed run's folder, checked by :func:`check_plain_tree`) that has other
+    names (hard links, as ``cp -al`` makes) becomes a copy of its own, so that what the run appends to it (DeepSpeed's
+    CSV monitor opens its files for appending) stays in this folder, the other names as they were."""
+    if not path.is_dir() or path.is_symlink():
+        return
+    for root, _, files in os.walk(path, followlinks=False):
+        for name in files:
+            file = Path(root) / name
+            st = os.lstat(file)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink < 2:
+                continue
+            own = file.with_name(f".{name}.{os.getpid()}.own")
+            try:
+                own.unlink(missing_ok=True)  # a link left at the name is removed, never written through
+                shutil.copy2(file, own)
+                os.replace(own, file)
+            except OSError as err:
+                own.unlink(missing_ok=True)
+                raise ElsaError(f"--resume: {file} has {st.st_nlink - 1} other name(s) (a hard link) and the run appends to "
+                                f"it; a copy of its own could not be made ({err.strerror or err}): copy it yourself "
+                                "(cp --remove-destination) or start without --resume") from None

@@ -100,19 +100,19 @@ def check_weight_files(folder: str | Path, who: str) -> None:
             raise ElsaError(f"{who}: {file.name} is no file torch.save wrote ({zipped.text}); copy or download it again")
 
 
-def check_model_folder(folder: str | Path, who: str) -> None:
+def check_model_folder(folder: str | Path, who: str, error: type[Exception] = ElsaError) -> None:
     """What a local model ``folder`` gives every reader, its weights read or not (``--random_init`` reads only its
-    config and tokenizer): no top-level link leads out of it, no JSON file (transformers reads each whole) is larger
-    than any model's; ElsaError naming the file. Nothing for a hub id or a file."""
+    config and tokenizer; ``elsa-compress`` copies its other files): no top-level link leads out of it, no JSON file
+    (transformers reads each whole) is larger than any model's; ``error`` naming the file. Nothing for a hub id or a file."""
     path = Path(folder).expanduser()
     if not path.is_dir():
         return
     for entry in sorted(path.iterdir()):
         if entry.is_symlink():
-            inside_folder(path, entry.name, path, ElsaError, what="file")
+            inside_folder(path, entry.name, path, error, what="file")
     for file in sorted(f for f in path.glob("*.json") if f.is_file()):
         if (size := file.stat().st_size) > json_data.MODEL_FILE_BYTES:
-            raise ElsaError(f"{who}: {file.name} holds {size:,} bytes, more than any model's JSON file "
+            raise error(f"{who}: {file.name} holds {size:,} bytes, more than any model's JSON file "
                             f"({json_data.MODEL_FILE_BYTES:,}); copy or download it again")
 
 

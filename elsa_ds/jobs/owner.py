@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from elsa_ds.files.disk_room import disk_full
-from elsa_ds.errors import signals_held
+from elsa_ds.errors import ElsaError, signals_held
 from elsa_ds.files.aside import published, put_back, set_aside
 from elsa_ds.files.output import (RESUMABLE, PublishFailed, check_output_dir, missing_parents, remove_if_empty, side_path,
                                   staging_dir)
+from elsa_ds.files.handed import own_copies
 from elsa_ds.files.ownership import check_apart, lock_path, owned
 from elsa_ds.files.watchdog import Watchdog
 from elsa_ds.jobs import make_job, run_job
@@ -56,6 +57,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
     writes) takes the lock and starts the watchdog, the other ranks of a launcher rely on them. The watchdog hears of the
     job's end once the lock is released."""
     check_apart(opts.output_dir, "--output_dir", job_inputs(cfg, opts))
+    check_side_paths(Path(opts.output_dir))
     created = missing_parents(opts.output_dir)
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume)  # again under the lock, by the plan's checks
     writer = os.environ.get("RANK", "0") == "0"
@@ -66,6 +68,8 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                 out = Path(opts.output_dir)
                 if writer and opts.overwrite:  # the previous output's checkpoints, logs and resumable side files, until published
                     set_aside(out, [out / "checkpoints", out / MONITOR_DIR, *resumable_paths(out)])
+                if writer and opts.resume:  # the monitor's files the run appends to: none shared with another folder
+                    own_copies(out / MONITOR_DIR)
                 plan = make_plan(cfg, opts, ds_config)
                 log_plan(plan)
                 job = make_job(plan)
@@ -86,6 +90,17 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
         dog.end()
         if writer:  # the folders made for an output that is not there: a refused or failed job leaves no empty folder
             remove_if_empty(created)
+
+
+def check_side_paths(output_dir: Path) -> None:
+    """ElsaError for a symbolic link where the job keeps a side file or folder beside its output (its staging folder, the
+    warm start's mask and weights, a retraining run's one-shot model, the best projection's snapshot): the job would
+    write through it, and a fresh run (neither --resume nor --overwrite) looks nowhere else before it does."""
+    for path in [*unpublished_paths(output_dir), *resumable_paths(output_dir)]:
+        if path.is_symlink():
+            raise ElsaError(f"--output_dir {output_dir}: {path} beside it is a symbolic link (to {os.readlink(path)}) where "
+                            "the job keeps its side files, and it would write through it: remove the link or choose "
+                            "another --output_dir")
 
 
 def kept_output(err: BaseException | None) -> Path | None:

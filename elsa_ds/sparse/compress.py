@@ -19,10 +19,11 @@ from elsa_ds.files.disk_room import DiskFull, disk_full, existing_ancestor
 from elsa_ds.files.io import write_json
 from elsa_ds.files.output import fresh_staging, publish
 from elsa_ds.files.ownership import check_apart, owned
+from elsa_ds.files.weight_files import check_model_folder
 from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
 from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.folder import TensorReader, is_weight_file
-from elsa_ds.sparse.integrity import SparseArgumentError, check_type, tensor_digest
+from elsa_ds.sparse.integrity import SparseArgumentError, SparseCheckpointError, check_type, tensor_digest
 from elsa_ds.sparse.meta import CONFIG_KEY, block, read_config, seal
 
 DEFAULT_MIN_SPARSITY = 0.3
@@ -33,6 +34,7 @@ def check_paths(src: Path, dst: Path, overwrite: bool) -> None:
     """Cheap checks before any work: the input is a folder, the output is free (or --overwrite) and apart from it."""
     if not src.is_dir():
         raise SparseArgumentError(f"input {src} is not a folder")
+    check_model_folder(src, f"input {src}", SparseCheckpointError)  # no link out of it: its other files are copied
     try:
         check_apart(dst, "output", {"": src})
     except ElsaError as err:  # the API's contract: a ValueError

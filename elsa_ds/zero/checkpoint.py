@@ -249,11 +249,12 @@ def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) 
 
 
 def clear_for_save(ckpt_dir: Path, tag: str) -> None:
-    """Rank 0, before every rank writes ``tag``: a killed run's unpublished copy of it goes, and links a copied folder may
-    hold where DeepSpeed writes (the tag, its recovery scripts, which ``shutil.copyfile`` would write through)."""
+    """Rank 0, before every rank writes ``tag``: a killed run's unpublished copy of it goes, and the recovery scripts
+    DeepSpeed copies beside the tags at each save (``shutil.copyfile`` writes into the file there, then makes it
+    executable: through a link, or into every other name of a hard-linked file, that a copied folder may hold)."""
     remove_tag(ckpt_dir / tag)
     for name in RECOVERY_SCRIPTS:
-        if (ckpt_dir / name).is_symlink():
+        if (ckpt_dir / name).is_symlink() or (ckpt_dir / name).is_file():
             (ckpt_dir / name).unlink()
 
 

@@ -82,6 +82,19 @@ def test_a_single_file_linked_outside_is_refused(tmp_path):
         from_pretrained(ckpt)
 
 
+def test_compress_never_copies_a_file_linked_from_outside_its_input(tmp_path):
+    """compress copies the input's other files (tokenizer, generation config) into its output: a link among them to a
+    file outside the folder (an audit's find, 2026-11-30) would have copied that file's content in. Refused up front."""
+    from elsa_ds.sparse import compress
+
+    pruned, secret = tiny_pruned(tmp_path / "pruned"), tmp_path / "secret.txt"
+    secret.write_text("not the model's")
+    (pruned / "notes.txt").symlink_to(secret)
+    with pytest.raises(SparseCheckpointError, match=r"'notes.txt' is a link to .*outside"):
+        compress(pruned, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_the_hub_cache_layout_still_loads(tiny_sparse_dir, tmp_path):
     """huggingface_hub's snapshot files are links into the repository's blobs/: inside the download, so allowed."""
     repo = tmp_path / "models--someone--tiny-sparse"

@@ -266,10 +266,21 @@ def test_unreadable_checkpoints_are_refused_before_the_model_loads(checkpointed,
 
 @pytest.mark.integration
 def test_a_genuine_checkpoint_still_resumes(checkpointed, tmp_path):
+    """... also when the folder is a hard-link copy (`cp -al`) of another: the other names stay as they were."""
     out, args = _copy(checkpointed, tmp_path)
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(out, snapshot)
+    for name in ("checkpoints/zero_to_fp32.py", "monitor/elsa/loss.csv"):  # DeepSpeed rewrites one, appends to the other
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).write_text("the snapshot's")
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).unlink(missing_ok=True)
+        os.link(snapshot / name, out / name)
     proc = run_entry("prune.py", args)
     assert "resumed from" in proc.stdout and "continuing at step 2" in proc.stdout, proc.stdout[-3000:]
     assert (out / "model.safetensors").exists()
+    assert all((snapshot / name).read_text() == "the snapshot's" for name in ("checkpoints/zero_to_fp32.py", "monitor/elsa/loss.csv"))
+    assert os.stat(out / "monitor" / "elsa" / "loss.csv").st_nlink == 1
 
 
 # ---- a folder handed over: links, special files and altered state (an audit's finds, 2026-11-29) ---------------------
