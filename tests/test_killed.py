@@ -178,3 +178,25 @@ def test_an_earlier_jobs_old_folder_is_no_publication_of_this_one(tmp_path):
     said = cleanup(w)
     assert "nothing unfinished was published" in said and not staging.exists(), said
     assert (out / "model.safetensors").read_text() == "earlier" and [p.name for p in leftover.iterdir()] == ["a.txt"]
+
+
+def test_the_watchdog_waits_for_the_other_ranks_before_it_puts_anything_back(tmp_path):
+    """Another rank may still write a checkpoint's shards by path after rank 0 died inside a save: the watchdog waits
+    (bounded) until every watched rank has ended before its cleanup puts the previous checkpoints back."""
+    import subprocess
+    import sys
+    import time
+    from argparse import Namespace
+
+    from elsa_ds.files.procfs import proc_stat
+    from elsa_ds.files.watchdog import Rank, Watch, wait_for_ranks
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    w = Watch(Namespace(lock="", pid=other.pid, resumable=[], output=""))
+    w.ranks[other.pid] = Rank(1, other.pid, proc_stat(other.pid)[1])
+    begun = time.monotonic()
+    wait_for_ranks(w, 0.5)
+    assert not w.ranks[other.pid].gone and time.monotonic() - begun < 1.0  # bounded
+    wait_for_ranks(w, 30)
+    assert w.ranks[other.pid].gone and time.monotonic() - begun < 10
+    other.wait()

@@ -134,6 +134,21 @@ def test_put_back_keeps_a_resumable_runs_checkpoints(tmp_path):
     assert (aside_dir(out) / "checkpoints" / "latest").read_text() == "global_step8"
 
 
+def test_put_back_waits_out_a_checkpoint_tag_another_rank_may_still_write(tmp_path):
+    """Rank 0 failed inside a save of global_step8 while rank 1 may still write that tag's files by path: put back, the
+    previous checkpoints' own global_step8 would take them (its shards overwritten). They stay aside, named; a tag they do
+    not hold, or none in flight, puts them back."""
+    out = _previous_run(tmp_path)
+    set_aside(out, [out / "checkpoints"])
+    (out / "checkpoints" / "global_step8").mkdir(parents=True)  # this run's save, cut short
+    discard_unpublished(out, busy="global_step8")
+    assert (aside_dir(out) / "checkpoints" / "global_step8" / "model_states.pt").read_text() == "earlier run"
+    assert not (out / "checkpoints" / "latest").exists()  # this run's, where the other rank writes
+    discard_unpublished(out, busy="global_step4")
+    assert (out / "checkpoints" / "global_step8" / "model_states.pt").read_text() == "earlier run"
+    assert not aside_dir(out).exists()
+
+
 def test_an_overwrite_that_fails_puts_the_previous_runs_resumable_state_back(tmp_path):
     """--overwrite over a checkpointed run whose one-shot model a --resume would read: the failed run's own side file of
     that name goes, the previous one comes back with its checkpoints (the order matters: the restored `latest` must not

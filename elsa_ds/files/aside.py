@@ -123,17 +123,22 @@ def set_aside(output_dir: Path, paths: list[Path]) -> None:
                         f"({err.strerror or err}); nothing was replaced") from None
 
 
-def put_back(output_dir: Path, pid: int | None = None) -> str | None:
+def put_back(output_dir: Path, pid: int | None = None, busy: str | None = None) -> str | None:
     """A job that did not publish: what :func:`set_aside` moved goes back, each in place of what the run wrote there
-    (that moved away first, then removed), unless the run published a checkpoint of its own (a --resume continues it):
-    then all of it stays aside. Returns the warning to give (what stays aside, where), never raises: an error here would
-    hide the job's own. Stdlib only: the watchdog calls it too, after a SIGKILL."""
+    (that moved away first, then removed), unless the run published a checkpoint of its own (a --resume continues it),
+    or another rank may still be writing a checkpoint tag (``busy``) the previous checkpoints hold too (its files would
+    land in theirs): then all of it stays aside. Returns the warning to give (what stays aside, where), never raises: an
+    error here would hide the job's own. Stdlib only: the watchdog calls it too, after a SIGKILL, once the ranks are gone."""
     aside = aside_dir(output_dir, pid)
     if not aside.is_dir():
         return None
     if published(output_dir).exists():  # this run's: the previous output's went aside before any work
         return (f"this run's checkpoints in {output_dir / 'checkpoints'} can be resumed (--resume); what it would have "
                 f"replaced of the previous output is in {aside} (delete it once not wanted)")
+    if busy is not None and (aside / "checkpoints" / busy).exists():
+        return (f"another rank may still be writing checkpoint {busy} into {output_dir / 'checkpoints'}, and the previous "
+                f"output's checkpoints hold a {busy} of their own: they stay in {aside} with its logs and side files "
+                "(move them back once the job's processes are gone)")
     try:
         for entry in sorted(aside.iterdir()):
             target = (output_dir.resolve().parent if entry.name.startswith(f".{output_dir.name}.") else output_dir) / entry.name

@@ -244,8 +244,17 @@ def watch(w: Watch, channel: int) -> None:
             return
         if rank0.gone:
             w.killed = w.killed or rank0
+            wait_for_ranks(w, LAUNCHER_WAIT_S)  # none still writes a checkpoint's shards when what was set aside goes back
             say(w, cleanup(w))
             return
+
+
+def wait_for_ranks(w: Watch, limit: float) -> None:
+    """Until every watched rank has ended (the launcher stops the others once rank 0 is gone), at most ``limit`` s."""
+    deadline = time.monotonic() + limit
+    while not all(r.gone for r in w.ranks.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)  # not the poller: rank 0's pipe, closed, would wake it at once
+        check_ranks(w)
 
 
 def cleanup(w: Watch) -> str:

@@ -31,6 +31,7 @@ from elsa_ds.plan import log_plan, make_plan
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.sparse.export import sparse_paths
+from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.swap_files import swap_files_owned
 
@@ -82,7 +83,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
             except BaseException as err:  # every way out short of publishing; the lock goes right after
                 if writer:  # a finished output whose final rename failed stays where the error says
                     with signals_held():
-                        discard_unpublished(out, keep=kept_output(err))
+                        discard_unpublished(out, keep=kept_output(err), busy=checkpoint.take_tag_being_written())
                 if (full := disk_full(err, out)) is not None:
                     raise full from None  # one line (ElsaError), its free space measured with the partial files gone
                 raise
@@ -135,11 +136,12 @@ def _side_paths(output_dir: Path, names: tuple[str, ...]) -> list[Path]:
     return [side_path(output_dir, n) for n in names]
 
 
-def discard_unpublished(output_dir: Path, keep: Path | None = None) -> None:
+def discard_unpublished(output_dir: Path, keep: Path | None = None, busy: str | None = None) -> None:
     """After a job that did not publish: remove its :func:`unpublished_paths` but ``keep`` (a finished output the final
     rename could not move, which the error names) and, once the run published a checkpoint, what a --resume reads
     again (:func:`resumable_paths`); then what an --overwrite job set aside of the previous output goes back
-    (``files/aside.put_back``; it was set aside before any work, so a published checkpoint is this run's)."""
+    (``files/aside.put_back``; it was set aside before any work, so a published checkpoint is this run's), unless
+    another rank may still be writing a checkpoint tag (``busy``) that the previous checkpoints hold too."""
     kept = {keep, *(resumable_paths(output_dir) if published(output_dir).exists() else [])}
     for path in unpublished_paths(output_dir):
         if path in kept:
@@ -148,5 +150,5 @@ def discard_unpublished(output_dir: Path, keep: Path | None = None) -> None:
             shutil.rmtree(path, ignore_errors=True)
         elif path.exists():
             path.unlink(missing_ok=True)
-    if (left := put_back(output_dir)) is not None:
+    if (left := put_back(output_dir, busy=busy)) is not None:
         get_logger(__name__).warning(left)

@@ -223,6 +223,18 @@ def check_resume(ckpt_dir: Path) -> None:
                         + "; ".join(f"{tag}: {why}" for tag, why in unreadable.items()) + "); run without --resume to start over")
 
 
+_WRITING: list[str] = []  # the tag this process's save began and has not seen every rank finish (more than one rank)
+
+
+def take_tag_being_written() -> str | None:
+    """The tag whose save this process began and did not see every rank finish (then forgotten: the next job of this
+    process starts clear): after a failure here another rank may still be writing its files, by path, into the
+    output's checkpoints folder. None with one rank."""
+    tag = _WRITING[-1] if _WRITING else None
+    _WRITING.clear()
+    return tag
+
+
 def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) -> str:
     """Save after ``step`` (0-based) as tag global_step{step+1}; publish it as latest; prune old tags. Collective."""
     import torch.distributed as dist
@@ -231,6 +243,7 @@ def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) 
     if rank == 0:
         clear_for_save(ckpt_dir, tag)
     dist.barrier()
+    _WRITING[:] = [tag] if dist.get_world_size() > 1 else []
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={CLIENT_KEY: client}, save_latest=False)
     except Exception as err:
@@ -242,6 +255,7 @@ def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) 
             shutil.rmtree(ckpt_dir, ignore_errors=True)      # went with --overwrite; --resume needs a latest)
         raise full.measured_again() from None
     dist.barrier()  # every rank's shard is on disk before the tag is published
+    _WRITING.clear()
     if rank == 0:
         publish_latest(ckpt_dir, tag, keep)
     dist.barrier()
