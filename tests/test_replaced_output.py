@@ -141,10 +141,10 @@ def test_put_back_waits_out_a_checkpoint_tag_another_rank_may_still_write(tmp_pa
     out = _previous_run(tmp_path)
     set_aside(out, [out / "checkpoints"])
     (out / "checkpoints" / "global_step8").mkdir(parents=True)  # this run's save, cut short
-    discard_unpublished(out, busy="global_step8")
+    discard_unpublished(out, busy=("global_step8",))
     assert (aside_dir(out) / "checkpoints" / "global_step8" / "model_states.pt").read_text() == "earlier run"
     assert not (out / "checkpoints" / "latest").exists()  # this run's, where the other rank writes
-    discard_unpublished(out, busy="global_step4")
+    discard_unpublished(out, busy=("global_step4",))
     assert (out / "checkpoints" / "global_step8" / "model_states.pt").read_text() == "earlier run"
     assert not aside_dir(out).exists()
 
@@ -325,8 +325,8 @@ def test_a_stop_held_during_a_failed_publication_keeps_the_finished_output(tmp_p
     assert kept_output(KeyboardInterrupt()) is None
 
 
-KILLED_IN_PUBLICATION = ["between the renames", "while the previous output goes", "moving the previous files out",
-                         "moving the new files in"]
+KILLED_IN_PUBLICATION = ["announced, a swap", "between the renames", "while the previous output goes",
+                         "announced, files into", "moving the previous files out", "moving the new files in"]
 
 
 @pytest.mark.parametrize("killed", KILLED_IN_PUBLICATION)
@@ -341,8 +341,10 @@ def test_the_watchdog_completes_a_publication_cut_short_by_a_kill(tmp_path, kill
     staging.mkdir()
     for name in ("a_report.json", "model.safetensors", "z_config.json"):
         (staging / name).write_text(f"new {name}")
-    kept = killed.startswith("moving")
-    if kept:  # _publish_into's two halves, cut short
+    kept = killed.startswith("moving") or killed == "announced, files into"
+    if killed.startswith("announced"):
+        pass  # rank 0 said which publication it begins, then nothing moved
+    elif kept:  # _publish_into's two halves, cut short
         old.mkdir()
         (out / "index.json").rename(old / "index.json")
         if killed == "moving the new files in":
@@ -354,7 +356,7 @@ def test_the_watchdog_completes_a_publication_cut_short_by_a_kill(tmp_path, kill
         staging.rename(out)
         (old / "monitor" / "loss.csv").unlink()
         (tmp_path / f"{aside_dir(out, pid).name}.published.1").mkdir()  # what --overwrite had set aside
-    assert settle_old(out, pid) == (True, None, None)
+    assert settle_old(out, pid, "publish_into" if kept else "publish") == (True, None, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
     assert {p.name: p.read_text() for p in out.iterdir() if p.is_file()} == {
         name: f"new {name}" for name in ("a_report.json", "model.safetensors", "z_config.json")}
@@ -371,7 +373,7 @@ def test_a_publication_the_watchdog_cannot_complete_keeps_both_outputs_and_says_
     (staging / "model.safetensors").write_text("new")
     out.rename(old)
     out.write_text("a file put there since")
-    settled = settle_old(out, pid)
+    settled = settle_old(out, pid, "publish")
     assert not settled.published and settled.kept == staging and str(staging) in settled.warning and str(old) in settled.warning
     assert (staging / "model.safetensors").read_text() == "new" and (old / "model.safetensors").read_text() == "earlier model"
 

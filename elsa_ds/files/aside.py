@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import NamedTuple
 
@@ -43,6 +44,7 @@ def old_dir(output_dir: Path, pid: int | None = None) -> Path:
 
 
 ALL_MOVED_OUT = ".elsa_all_moved_out"  # made in old_dir once every file of a kept-checkpoints output is in it
+PUBLICATIONS = ("publish", "publish_into")  # what rank 0 announces just before it moves anything: a swap, or files into
 
 
 def move_out(output_dir: Path, old: Path) -> None:
@@ -71,24 +73,27 @@ class Settled(NamedTuple):
     kept: Path | None = None
 
 
-def settle_old(output_dir: Path, pid: int) -> Settled:
-    """After rank 0 was killed (the watchdog, when :func:`old_dir` is a folder this job made) with a previous output its
-    publication had moved (or begun to move) there. The publication had begun, so its staging folder is the finished
-    output (a job publishes only that), and it is completed: killed between the two renames, the staging folder takes
-    the output's place; killed while the files of a kept-checkpoints output moved, the rest move as the publication
-    would have moved them (:func:`move_out` unless marked done, then :func:`move_in`). Then what is left of the
-    previous output, and what --overwrite set aside, is removed. Should it fail, everything stays, named in the warning."""
+def settle_old(output_dir: Path, pid: int, kind: str) -> Settled:
+    """After rank 0 was killed inside its publication (``kind``, as it announced it just before the first move; any
+    earlier job's :func:`old_dir` renamed away by then), complete it: its staging folder is the finished output (a job
+    publishes only that). ``publish``: the previous output to :func:`old_dir`, the staging folder in its place;
+    ``publish_into`` (checkpoints kept): the previous files into :func:`old_dir` (:func:`move_out`, unless marked done),
+    then the staged ones in (:func:`move_in`). Then what is left of the previous output, and what --overwrite set
+    aside, is removed. Should it fail, everything stays, named in the warning."""
     old, staging = old_dir(output_dir, pid), beside(output_dir, "partial", pid)
     if staging.is_dir() and not staging.is_symlink():
         try:
-            if not (output_dir.exists() or output_dir.is_symlink()):
-                staging.rename(output_dir)
-            elif output_dir.is_dir() and not output_dir.is_symlink():
+            if kind == "publish_into" and output_dir.is_dir() and not output_dir.is_symlink():
+                old.mkdir(exist_ok=True)
                 if not (old / ALL_MOVED_OUT).exists():
                     move_out(output_dir, old)
                 move_in(staging, output_dir)
-            else:
-                raise OSError(f"{output_dir} is no longer a folder")
+            elif kind == "publish" and not old.exists() and (output_dir.exists() or output_dir.is_symlink()):
+                output_dir.rename(old)
+            if kind == "publish" and not (output_dir.exists() or output_dir.is_symlink()):
+                staging.rename(output_dir)
+            if staging.exists():
+                raise OSError(f"{output_dir} is no longer the folder it was")
         except OSError as err:
             return Settled(False, f"its publication, cut short, could not be completed ({err.strerror or err}): the "
                                   f"finished output is in {staging}, the previous output's files in {old}; move them yourself",
@@ -97,6 +102,15 @@ def settle_old(output_dir: Path, pid: int) -> Settled:
     if old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)
     return Settled(True, None if not old.exists() else f"the previous output, half removed, is left in {old}: delete it")
+
+
+def tags_begun(output_dir: Path) -> tuple[str, ...]:
+    """The checkpoint tags in ``output_dir/checkpoints`` while none is published: a save the run began (an --overwrite
+    run's folder is its own), whose files other ranks may still be writing after rank 0 was killed."""
+    ckpt = output_dir / "checkpoints"
+    if published(output_dir).exists() or ckpt.is_symlink() or not ckpt.is_dir():
+        return ()
+    return tuple(sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global_step")))
 
 
 def remove_published_aside(output_dir: Path, pid: int | None = None) -> None:
@@ -123,11 +137,11 @@ def set_aside(output_dir: Path, paths: list[Path]) -> None:
                         f"({err.strerror or err}); nothing was replaced") from None
 
 
-def put_back(output_dir: Path, pid: int | None = None, busy: str | None = None) -> str | None:
+def put_back(output_dir: Path, pid: int | None = None, busy: Collection[str] = ()) -> str | None:
     """A job that did not publish: what :func:`set_aside` moved goes back, each in place of what the run wrote there
     (that moved away first, then removed), unless the run published a checkpoint of its own (a --resume continues it),
-    or another rank may still be writing a checkpoint tag (``busy``) the previous checkpoints hold too (its files would
-    land in theirs): then all of it stays aside. Returns the warning to give (what stays aside, where), never raises: an
+    or another rank may still be writing a checkpoint tag (one of ``busy``) the previous checkpoints hold too (its files
+    would land in theirs): then all of it stays aside. Returns the warning to give (what stays aside, where), never raises: an
     error here would hide the job's own. Stdlib only: the watchdog calls it too, after a SIGKILL, once the ranks are gone."""
     aside = aside_dir(output_dir, pid)
     if not aside.is_dir():
@@ -135,9 +149,9 @@ def put_back(output_dir: Path, pid: int | None = None, busy: str | None = None) 
     if published(output_dir).exists():  # this run's: the previous output's went aside before any work
         return (f"this run's checkpoints in {output_dir / 'checkpoints'} can be resumed (--resume); what it would have "
                 f"replaced of the previous output is in {aside} (delete it once not wanted)")
-    if busy is not None and (aside / "checkpoints" / busy).exists():
-        return (f"another rank may still be writing checkpoint {busy} into {output_dir / 'checkpoints'}, and the previous "
-                f"output's checkpoints hold a {busy} of their own: they stay in {aside} with its logs and side files "
+    if tag := next((t for t in busy if (aside / "checkpoints" / t).exists()), None):
+        return (f"another rank may still be writing checkpoint {tag} into {output_dir / 'checkpoints'}, and the previous "
+                f"output's checkpoints hold a {tag} of their own: they stay in {aside} with its logs and side files "
                 "(move them back once the job's processes are gone)")
     try:
         for entry in sorted(aside.iterdir()):

@@ -5,6 +5,7 @@ to wherever it points) or anything but a folder or a regular file (a FIFO at ``l
 holds the output's lock). Checked with ``lstat``, before anything in it is opened. Stdlib only."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -58,7 +59,8 @@ def own_copies(path: Path) -> None:
                 shutil.copy2(file, own)
                 os.replace(own, file)
             except OSError as err:
-                own.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    own.unlink(missing_ok=True)
                 raise ElsaError(f"--resume: {file} has {st.st_nlink - 1} other name(s) (a hard link) and the run appends to "
                                 f"it; a copy of its own could not be made ({err.strerror or err}): copy it yourself "
                                 "(cp --remove-destination) or start without --resume") from None

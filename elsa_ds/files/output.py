@@ -148,7 +148,8 @@ class PublishFailed(ElsaError):
         self.kept = kept
 
 
-def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tuple[str, ...] = ("monitor",)) -> None:
+def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tuple[str, ...] = ("monitor",),
+            announce: Callable[[str], None] | None = None) -> None:
     """Swap the finished staging directory in for ``output_dir`` (old contents removed only afterwards).
 
     With ``keep_checkpoints`` the output's folders stay (the run's checkpoints, its logs): the previous output's files
@@ -157,22 +158,26 @@ def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tupl
     ``keep_checkpoints`` they stay where they are). Should a rename fail, a :class:`PublishFailed` says where the
     finished output is. Ctrl-C and SIGTERM wait until it is done (then take effect); after a SIGKILL the watchdog
     settles what was moved (``aside.settle_old``). A stop held through a publication that succeeded carries the output's
-    path (``published``): the entry point's line then says the output is whole.
+    path (``published``): the entry point's line then says the output is whole. ``announce`` (rank 0's watchdog) hears
+    the publication's kind (``aside.PUBLICATIONS``) just before anything moves: after a SIGKILL the watchdog completes it.
     """
     done: list[bool] = []
     try:
-        _publish(staging, output_dir, keep_checkpoints, carry, done)
+        _publish(staging, output_dir, keep_checkpoints, carry, done, announce)
     except (KeyboardInterrupt, Terminated) as stop:
         if done:  # raised as the held signals were let through, the publication complete
             stop.published = output_dir  # type: ignore[union-attr]
         raise
 
 
-def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tuple[str, ...], done: list[bool]) -> None:
+def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tuple[str, ...], done: list[bool],
+             announce: Callable[[str], None] | None) -> None:
     with signals_held():  # a Ctrl-C between the renames, or while the previous output goes, would leave it half there
         old = old_dir(output_dir)
         try:
             moved_away(old, "earlier")  # an earlier job of this process id left it (containers reuse ids): never merged into
+            if announce is not None:
+                announce("publish_into" if keep_checkpoints and output_dir.is_dir() else "publish")
             for name in carry:
                 if (output_dir / name).is_dir() and not (staging / name).exists() and not keep_checkpoints:
                     (output_dir / name).rename(staging / name)

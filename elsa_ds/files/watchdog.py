@@ -20,7 +20,7 @@ says one line on the job's stderr after the launcher's: which rank, which signal
 whether the kernel's out-of-memory killer ran meanwhile (``oom_kill`` in ``/proc/vmstat``). Another rank killed, rank 0
 then stopped by the launcher: the same line, rank 0 having cleaned up. A clean end: not a word. Only the ranks on rank
 0's node are watched. What --overwrite set aside of the previous output it puts back (``aside.put_back``); a publication
-cut short it completes (``aside.settle_old``: the staging folder is the finished output).
+cut short it completes (``aside.settle_old``: rank 0 announces it once its staging folder is the finished output).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 
 from elsa_ds.errors import stderr_line
-from elsa_ds.files.aside import Settled, old_dir, published, put_back, settle_old
+from elsa_ds.files.aside import PUBLICATIONS, Settled, published, put_back, settle_old, tags_begun
 from elsa_ds.files.ownership import read_holder
 from elsa_ds.files.procfs import cgroup_limit, oom_kills, path_state, proc_stat
 
@@ -56,6 +56,7 @@ PHASES = {  # what each phase name rank 0 sends means to a user (anything else i
     "load_checkpoint": "the checkpoint's load or the reference perplexities", "train": "the job's train stage",
     "finish": "the finish (validation, export, report)", "validation": "the validation of the pruned model",
     "export": "the export of the pruned model", "verify": "the report (the export read back)",
+    "publish": "the output's publication", "publish_into": "the output's publication",
     "done": "the evaluation after the output was published",
 }
 OOM_ADVICE = ("see what each phase needs with elsa-estimate (the job's flags) and choose a config that needs less host memory "
@@ -151,7 +152,6 @@ class Watch:
     peak_used: int = 0
     peak_job: int = 0
     oom_before: int | None = None
-    old_before: tuple | None = None  # the folder rank 0's publication would move the previous output to, as it was
 
 
 def add_rank(w: Watch, pid: int, rank: int) -> None:
@@ -244,17 +244,8 @@ def watch(w: Watch, channel: int) -> None:
             return
         if rank0.gone:
             w.killed = w.killed or rank0
-            wait_for_ranks(w, LAUNCHER_WAIT_S)  # none still writes a checkpoint's shards when what was set aside goes back
             say(w, cleanup(w))
             return
-
-
-def wait_for_ranks(w: Watch, limit: float) -> None:
-    """Until every watched rank has ended (the launcher stops the others once rank 0 is gone), at most ``limit`` s."""
-    deadline = time.monotonic() + limit
-    while not all(r.gone for r in w.ranks.values()) and time.monotonic() < deadline:
-        time.sleep(0.2)  # not the poller: rank 0's pipe, closed, would wake it at once
-        check_ranks(w)
 
 
 def cleanup(w: Watch) -> str:
@@ -274,7 +265,8 @@ def cleanup(w: Watch) -> str:
         while not flocked(fd) and time.monotonic() < deadline:
             time.sleep(0.2)
         output = Path(w.args.output) if w.args.output else None
-        settled = settle_old(output, rank0.pid) if output and began_publication(w, output) else Settled(False)
+        kind = str(w.phase.get("phase"))  # rank 0 says so just before its publication's first move (files/output.publish)
+        settled = settle_old(output, rank0.pid, kind) if output and kind in PUBLICATIONS else Settled(False)
         removed, resumable = 0, set(w.args.resumable) if output and published(output).exists() else set()
         for path, before in w.before.items():
             now = path_state(Path(path))
@@ -285,7 +277,8 @@ def cleanup(w: Watch) -> str:
             else:
                 os.unlink(path)
             removed += 1
-        left = "; ".join(filter(None, (settled.warning, put_back(output, rank0.pid) if output else None)))  # --overwrite's
+        back = put_back(output, rank0.pid, tags_begun(output)) if output else None  # --overwrite's (other ranks may write)
+        left = "; ".join(filter(None, (settled.warning, back)))
         if (path_state(lock) or ())[:2] == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
             lock.unlink()
         done = (f"its output {output} is published, whole (its summary was not printed)" if settled.published
@@ -296,13 +289,6 @@ def cleanup(w: Watch) -> str:
         return f"its cleanup failed ({err}): remove this job's staging and lock beside the output by hand"
     finally:
         os.close(fd)
-
-
-def began_publication(w: Watch, output: Path) -> bool:
-    """Whether rank 0's publication had begun: its :func:`old_dir` is a folder this job made (another inode than the
-    one there as the watch began, which the publication renames away: an earlier job of this process id left it)."""
-    now = path_state(old_dir(output, w.args.pid))
-    return now is not None and now[:2] != (w.old_before or ())[:2]
 
 
 def flocked(fd: int) -> bool:
@@ -378,7 +364,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.pid not in w.ranks:
         return 1
     w.before = {p: path_state(Path(p)) for p in args.clean}
-    w.old_before = path_state(old_dir(Path(args.output), args.pid)) if args.output else None
     w.oom_before = oom_kills()
     discover(w)
     if os.fork() > 0:

@@ -224,7 +224,7 @@ class ElsaJob:
         if run.rank == 0:
             self.phases.mark("verify")
             result = report.elsa_report(self._record(run, pruned_ppl), staging)
-            report.publish_report(result, staging, opts, bool(opts.resume or cfg.save_interval))
+            report.publish_report(result, staging, opts, bool(opts.resume or cfg.save_interval), self.phases.mark)
             self.phases.mark("done")
         torch.distributed.barrier()  # the last collective: the other ranks may leave now, rank 0 evaluates alone
         if run.selector is not None and run.rank == 0:

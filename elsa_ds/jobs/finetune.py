@@ -189,7 +189,7 @@ class FinetuneJob:
         if run.rank == 0:
             self.phases.mark("verify")
             result = report.finetune_report(self._record(run, tuned_ppl), staging)
-            report.publish_report(result, staging, opts, bool(opts.resume or cfg.save_interval))
+            report.publish_report(result, staging, opts, bool(opts.resume or cfg.save_interval), self.phases.mark)
             self.phases.mark("done")
         torch.distributed.barrier()  # the last collective: the other ranks may leave now, rank 0 evaluates alone
         if run.rank == 0:

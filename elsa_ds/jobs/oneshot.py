@@ -117,7 +117,7 @@ class OneShotJob:
             host.tokenizer.save_pretrained(staging)
         self.phases.mark("verify")
         result = report.oneshot_report(self._record(host, done), staging)
-        report.publish_report(result, staging, opts, False)
+        report.publish_report(result, staging, opts, False, self.phases.mark)
         self.phases.mark("done")
         return result
 

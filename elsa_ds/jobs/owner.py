@@ -83,7 +83,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
             except BaseException as err:  # every way out short of publishing; the lock goes right after
                 if writer:  # a finished output whose final rename failed stays where the error says
                     with signals_held():
-                        discard_unpublished(out, keep=kept_output(err), busy=checkpoint.take_tag_being_written())
+                        discard_unpublished(out, keep=kept_output(err), busy=tuple(filter(None, [checkpoint.take_tag_being_written()])))
                 if (full := disk_full(err, out)) is not None:
                     raise full from None  # one line (ElsaError), its free space measured with the partial files gone
                 raise
@@ -136,7 +136,7 @@ def _side_paths(output_dir: Path, names: tuple[str, ...]) -> list[Path]:
     return [side_path(output_dir, n) for n in names]
 
 
-def discard_unpublished(output_dir: Path, keep: Path | None = None, busy: str | None = None) -> None:
+def discard_unpublished(output_dir: Path, keep: Path | None = None, busy: tuple[str, ...] = ()) -> None:
     """After a job that did not publish: remove its :func:`unpublished_paths` but ``keep`` (a finished output the final
     rename could not move, which the error names) and, once the run published a checkpoint, what a --resume reads
     again (:func:`resumable_paths`); then what an --overwrite job set aside of the previous output goes back

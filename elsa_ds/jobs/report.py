@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,15 +149,16 @@ def oneshot_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
     }
 
 
-def publish_report(result: dict[str, Any], staging: Path, opts: JobOptions, keep_checkpoints: bool) -> None:
+def publish_report(result: dict[str, Any], staging: Path, opts: JobOptions, keep_checkpoints: bool,
+                   mark: Callable[[str], None] | None = None) -> None:
     """Write the report into the staged output (first re-encoded as elsa-sparse with --export_format sparse), publish
-    the output in place of --output_dir, print the summary."""
+    the output in place of --output_dir (``mark``: the job's phase log, which tells the watchdog), print the summary."""
     if opts.export_format == "sparse":
         result["export"] = sparse_export(staging, result["layers"])
         log.info(f"elsa-sparse checkpoint: the pruned layers take {result['export']['pruned_ratio']:.3f}x their dense "
                  f"bytes, the weight files {result['export']['files_ratio']:.3f}x")
     write(staging / REPORT_NAME, result)
-    publish(staging, opts.output_dir, keep_checkpoints=keep_checkpoints)
+    publish(staging, opts.output_dir, keep_checkpoints=keep_checkpoints, announce=mark)
     print_summary(result, opts.output_dir)
 
 

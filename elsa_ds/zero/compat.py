@@ -241,11 +241,17 @@ def swap_root(nvme_path: str | Path) -> Path:
 
 def swap_kinds(nvme_path: str | Path) -> list[Path]:
     """The folders DeepSpeed's swappers make under :func:`swap_root` that are there (links included, never followed):
-    ``optimizer`` (``optimizer_utils.py``) and ``{dtype}params`` (``partitioned_param_swapper.py``)."""
+    ``optimizer`` (``optimizer_utils.py``) and ``{dtype}params`` (``partitioned_param_swapper.py``); no other name."""
     root = swap_root(nvme_path)
     if root.is_symlink() or not root.is_dir():
         return []
-    return sorted(kind for kind in root.iterdir() if kind.name == "optimizer" or kind.name.endswith("params"))
+    return sorted(kind for kind in root.iterdir() if kind.name == "optimizer" or _dtype_params(kind.name))
+
+
+def _dtype_params(name: str) -> bool:
+    """``{dtype}params``, as the parameter swapper names its folder (``str(dtype).split(".")[1]``: bfloat16params)."""
+    stem = name.removesuffix("params")
+    return stem != name and isinstance(getattr(torch, stem, None), torch.dtype)
 
 
 def rank_swap_folders(nvme_path: str | Path, rank: int | str) -> list[Path]:

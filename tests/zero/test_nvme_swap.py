@@ -83,11 +83,11 @@ def test_a_link_where_the_swap_files_go_is_refused_and_its_target_kept(tmp_path,
     assert re.search(rf"^elsa_ds: error: --nvme_path \S+: \S+{at} is a symbolic link", proc.stderr, re.M), proc.stderr[-2000:]
     assert [p.name for p in victim.rglob("*")] == ["rank0", "0_45.tensor.swp"] and not (tmp_path / "out").exists()
     assert (victim / "rank0" / "0_45.tensor.swp").read_text() == "user data"
-    mine = nvme / "zero_stage_3" / "old_run" / "rank0" / "notes.txt"  # not a swapper's folder name
     (nvme / at).unlink()
-    mine.parent.mkdir(parents=True)
-    mine.write_text("mine")
-    assert compat.rank_swap_folders(nvme, 0) == [] and mine.read_text() == "mine"
+    for name in ("old_run", "old_params"):  # not a swapper's folder name
+        (nvme / "zero_stage_3" / name / "rank0").mkdir(parents=True)
+    (nvme / "zero_stage_3" / "bfloat16params" / "rank0").mkdir(parents=True)
+    assert compat.rank_swap_folders(nvme, 0) == [nvme / "zero_stage_3" / "bfloat16params" / "rank0"]
 
 
 def test_a_full_nvme_disk_stops_the_run_in_one_line_and_leaves_nothing(tmp_path):
