@@ -102,5 +102,5 @@ def test_python_api_runs_the_retraining_baseline(tmp_path, tiny_model_dir, text_
     assert "lr" in report["defaults"]["applied"]   # no lr given: the defaults rule's retraining lr
     assert all(layer["zeros"] == round(0.5 * layer["numel"]) for layer in report["layers"].values())
     marks = read_phases(tmp_path / "phases.jsonl")
-    assert [m["phase"] for m in marks] == ["load", "first step", "step", "validation", "export", "verify", "done"]
+    assert [m["phase"] for m in marks] == ["load", "first step", "step", "validation", "export", "verify", "publish", "done"]
     assert [m["step"] for m in marks[1:3]] == [0, 1] and all(a["t"] <= b["t"] for a, b in zip(marks, marks[1:]))

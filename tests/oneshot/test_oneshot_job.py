@@ -52,7 +52,7 @@ def test_magnitude_four_eight_is_per_layer_magnitude(tmp_path, tiny_model_dir, t
     phases = tmp_path / "phases.jsonl"  # the phases bench/memory.py --oneshot times its memory by
     out, report, _ = _run(tmp_path, tiny_model_dir, text_dir, "mag", "--method", "magnitude", "--pattern", "4:8",
                           env={PHASE_LOG_ENV: str(phases)})
-    assert [m["phase"] for m in read_phases(phases)] == ["load", "validation", "prune", "validation", "export", "verify", "done"]
+    assert [m["phase"] for m in read_phases(phases)] == ["load", "validation", "prune", "validation", "export", "verify", "publish", "done"]
     assert sparsity_report(out)["pattern"] in ("4:8", "2:4") and report["calibration"] is None
     dense, pruned = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "model.safetensors")
     w, p = dense["model.layers.1.mlp.up_proj.weight"], pruned["model.layers.1.mlp.up_proj.weight"]
