@@ -141,8 +141,9 @@ def put_back(output_dir: Path, pid: int | None = None, busy: Collection[str] = (
     """A job that did not publish: what :func:`set_aside` moved goes back, each in place of what the run wrote there
     (that moved away first, then removed), unless the run published a checkpoint of its own (a --resume continues it),
     or another rank may still be writing a checkpoint tag (one of ``busy``) the previous checkpoints hold too (its files
-    would land in theirs): then all of it stays aside. Returns the warning to give (what stays aside, where), never raises: an
-    error here would hide the job's own. Stdlib only: the watchdog calls it too, after a SIGKILL, once the ranks are gone."""
+    would land in theirs): then all of it stays aside. Returns the warning to give (what stays aside, where), never
+    raises: an error here would hide the job's own. Stdlib only: the watchdog calls it too, after a SIGKILL (``busy``:
+    :func:`tags_begun`)."""
     aside = aside_dir(output_dir, pid)
     if not aside.is_dir():
         return None

@@ -156,10 +156,10 @@ def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tupl
     move aside first (none stays mixed with the new ones), then each finished file is renamed into place. The folders named in
     ``carry`` that the run wrote into ``output_dir`` while it ran (the monitor's logs) move along (with
     ``keep_checkpoints`` they stay where they are). Should a rename fail, a :class:`PublishFailed` says where the
-    finished output is. Ctrl-C and SIGTERM wait until it is done (then take effect); after a SIGKILL the watchdog
-    settles what was moved (``aside.settle_old``). A stop held through a publication that succeeded carries the output's
-    path (``published``): the entry point's line then says the output is whole. ``announce`` (rank 0's watchdog) hears
-    the publication's kind (``aside.PUBLICATIONS``) just before anything moves: after a SIGKILL the watchdog completes it.
+    finished output is. Ctrl-C and SIGTERM wait until it is done (then take effect). ``announce`` (rank 0's watchdog)
+    hears the publication's kind (``aside.PUBLICATIONS``) just before anything moves: after a SIGKILL the watchdog
+    completes it (``aside.settle_old``). A stop held through a publication that succeeded carries the output's path
+    (``published``): the entry point's line then says the output is whole.
     """
     done: list[bool] = []
     try:
@@ -176,12 +176,13 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
         old = old_dir(output_dir)
         try:
             moved_away(old, "earlier")  # an earlier job of this process id left it (containers reuse ids): never merged into
+            into = keep_checkpoints and output_dir.is_dir()
             if announce is not None:
-                announce("publish_into" if keep_checkpoints and output_dir.is_dir() else "publish")
+                announce("publish_into" if into else "publish")
             for name in carry:
                 if (output_dir / name).is_dir() and not (staging / name).exists() and not keep_checkpoints:
                     (output_dir / name).rename(staging / name)
-            if keep_checkpoints and output_dir.is_dir():
+            if into:
                 _publish_into(staging, output_dir, old)
             else:
                 if output_dir.exists():
