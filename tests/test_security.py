@@ -256,6 +256,24 @@ def test_a_deepspeed_json_that_names_modules_to_import_is_refused(tmp_path, caps
     assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", ["../../escaped", "/tmp/elsa_abs_monitor", "..", "logs/run", 7])
+def test_a_monitor_job_name_that_leaves_its_folder_is_refused(tmp_path, capsys, name):
+    """DeepSpeed's CSV and TensorBoard monitors write in os.path.join(output_path, job_name): a config file's job_name
+    with a separator or ".." (or an absolute one, which join takes whole) would put logs outside the folder. Refused
+    when the file is read, one line, before any work; a plain name is accepted."""
+    from elsa_ds.cli import main_prune
+    from elsa_ds.zero.ds_config import DsConfig
+
+    ds_json = derived_config(tmp_path, "zero3.json", csv_monitor={"enabled": True, "output_path": str(tmp_path / "logs"),
+                                                                 "job_name": name})
+    assert main_prune(["--deepspeed", str(ds_json), "--output_dir", str(tmp_path / "out")]) == 2
+    errors = _error_lines(capsys.readouterr().err)
+    assert len(errors) == 1 and "csv_monitor.job_name" in errors[0], errors
+    assert not (tmp_path / "out").exists() and not (tmp_path / "logs").exists()
+    plain = derived_config(tmp_path, "zero3.json", tensorboard={"enabled": True, "job_name": "run-1.a"})
+    assert DsConfig.load(plain).raw["tensorboard"]["job_name"] == "run-1.a"
+
+
 def test_a_pickled_bin_model_or_a_damaged_mask_file_is_one_line(tmp_path, tiny_model_dir):
     """A .bin weights file with a pickle beyond tensors: torch's weights-only load refuses it and the load says so (it
     was a traceback); a packed mask file whose shapes metadata is not JSON: one line naming it."""

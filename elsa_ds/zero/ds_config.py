@@ -255,7 +255,10 @@ def _unresolvable_autos(raw: dict[str, Any], prefix: tuple[str, ...] = ()) -> li
     return found
 
 
-SECTIONS = ("zero_optimization", "bf16", "fp16", "elsa", "checkpoint", "optimizer", "scheduler")
+SECTIONS = ("zero_optimization", "bf16", "fp16", "elsa", "checkpoint", "optimizer", "scheduler", "tensorboard", "csv_monitor")
+# DeepSpeed's file monitors write under os.path.join(output_path, job_name): a name with a separator, "..", or an absolute
+# one, would put a config file's logs outside the folder it names
+FILE_MONITORS = ("tensorboard", "csv_monitor")
 # keys whose values DeepSpeed imports as Python (runtime/torch_autocast.py: importlib.import_module of each name): a
 # config file is data, so they are refused (unset, DeepSpeed's own list of module classes applies)
 CODE_KEYS = (("torch_autocast", "lower_precision_safe_modules"),)
@@ -270,6 +273,12 @@ def _check_sections(raw: dict[str, Any], path: Path) -> None:
         if not isinstance(value, dict):
             raise ElsaError(f"DeepSpeed config {path}: \"{name}\" must be a JSON object, not {type(value).__name__} "
                             f"({json.dumps(value)[:40]}); fix the file or pass a shipped config with --deepspeed")
+    for section in FILE_MONITORS:
+        name = raw.get(section, {}).get("job_name", "DeepSpeedJobName")
+        if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+            raise ElsaError(f"DeepSpeed config {path}: \"{section}.job_name\" must be one plain folder name (DeepSpeed writes "
+                            f"the logs in output_path/job_name), not {json.dumps(name)[:60]}; name the folder with "
+                            "output_path, or leave both out (the logs then go to OUTPUT_DIR/monitor)")
     for section, key in CODE_KEYS:
         if isinstance(raw.get(section), dict) and raw[section].get(key) is not None:
             raise ElsaError(f"DeepSpeed config {path}: \"{section}.{key}\" names Python modules for DeepSpeed to import, "
