@@ -286,3 +286,28 @@ def test_odd_entries_of_a_model_folder_neither_crash_nor_hang_its_check(tmp_path
         assert check_weight_files(model, "model x") is None
     finally:
         signal.alarm(0)
+
+
+def test_a_zip_directory_larger_than_any_torch_save_writes_is_refused_before_it_is_read(tmp_path):
+    """zipfile holds ~0.6 KiB for each directory entry it reads (5x a file of empty entries, and seconds per 100,000):
+    the end records' counts are read first, zipfile's and torch's (miniz) alike, the zip64 record torch always writes
+    included. A real zip of MAX + 1 entries, and a torch.save file whose zip64 record alone claims a huge directory."""
+    plain = tmp_path / "plain.pt"
+    torch.save({"x": torch.ones(4)}, plain)
+    assert torch_files.zip_problem(plain) is None
+    many = tmp_path / "many.pt"
+    with zipfile.ZipFile(many, "w") as zf:
+        for i in range(torch_files.MAX_ZIP_ENTRIES + 1):
+            zf.writestr(f"many/data/{i}", b"")
+    with pytest.raises(UnsafeCheckpointError, match=f"declares {torch_files.MAX_ZIP_ENTRIES + 1:,} entries"):
+        read_checkpoint_file(many)
+    raw = bytearray(plain.read_bytes())
+    zip64 = len(raw) - 22 - 20 - 56  # torch writes the zip64 end record, its locator and the classic record last
+    assert raw[zip64:zip64 + 4] == torch_files.ZIP64_END_RECORD
+    struct.pack_into("<Q", raw, zip64 + 40, 2**40)  # the directory's size in the zip64 record only
+    claims = tmp_path / "claims.pt"
+    claims.write_bytes(bytes(raw))
+    problem = torch_files.zip_problem(claims)
+    assert problem is not None and problem.altered and f"{2**40:,} bytes" in problem.text
+    with pytest.raises(ElsaError, match="pytorch_model.bin is no file torch.save wrote"):
+        check_weight_files(_folder_with(tmp_path / "model", claims, "pytorch_model.bin"), "model x")

@@ -3,13 +3,15 @@
 torch's weights-only loader keeps a pickle from running code, not from taking memory: a zip entry stored compressed
 (deflate packs ~1000:1; ``torch.save`` never compresses) unpacks whole into memory when the file is scanned or loaded,
 and a tensor saved as a view that repeats its storage (``expand``: stride 0) becomes its full size the moment anything
-makes it contiguous (a checksum, a copy). :func:`zip_problem` is read from the zip's directory alone (nothing is
+makes it contiguous (a checksum, a copy); and a zip's directory costs its reader ~0.6 KiB an entry, so one of more entries
+than ``torch.save`` writes takes far more memory than its file. :func:`zip_problem` is read from the zip's directory alone (nothing is
 unpacked); :func:`inflated_tensor` from the loaded object's tensors, whose storages are what the file held.
 """
 from __future__ import annotations
 
 import os
 import stat
+import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,11 @@ from typing import Any
 import torch
 
 ZIP_MAGIC = b"PK\x03\x04"  # how torch tells its zip format from the legacy one: the file's first bytes
+# torch.save writes an entry a storage and four more (a 27B model's state: a few thousand, ~0.1 KiB each in the
+# directory); Python's zipfile holds ~0.6 KiB for each entry it reads (300,000 empty entries: a 34 MB file, 171 MB and
+# ~25 s to read it), so a directory's size is read from the zip's end records before zipfile or torch reads it
+MAX_ZIP_ENTRIES, MAX_ZIP_DIRECTORY = 100_000, 32 * 2**20
+END_RECORD, ZIP64_LOCATOR, ZIP64_END_RECORD = b"PK\x05\x06", b"PK\x06\x07", b"PK\x06\x06"
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,11 @@ def zip_problem(file: Path) -> ZipProblem | None:
             return ZipProblem("it is not a regular file", altered=True)
         if fh.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
             return None
-    size = st.st_size
+        size = st.st_size
+        declared, directory = _declared_directory(fh, size)
+        if declared > MAX_ZIP_ENTRIES or directory > MAX_ZIP_DIRECTORY:
+            return ZipProblem(f"its zip directory declares {declared:,} entries in {directory:,} bytes, more than any "
+                              f"torch.save file holds ({MAX_ZIP_ENTRIES:,} entries, {MAX_ZIP_DIRECTORY:,} bytes)", altered=True)
     try:
         with zipfile.ZipFile(file) as zf:
             entries = zf.infolist()
@@ -57,6 +68,34 @@ def zip_problem(file: Path) -> ZipProblem | None:
     if sum(e.file_size for e in entries) > size:
         return ZipProblem(f"its entries claim more bytes than the file's {size:,}", altered=True)
     return None
+
+
+def _declared_directory(fh: Any, size: int) -> tuple[int, int]:
+    """The most entries and directory bytes any end record of the zip declares, for every record a reader may take:
+    zipfile's (the record ending the file, else the last signature in the last 64 KiB + 22 bytes; the zip64 record
+    just before its locator) and miniz's, torch's reader (the last signature; the zip64 record where the locator
+    points). (0, 0) where there is none: that zip is refused as unreadable."""
+    tail_bytes = min(size, 22 + 0xFFFF)
+    fh.seek(size - tail_bytes)
+    tail = fh.read(tail_bytes)
+    ends = {at for at in (len(tail) - 22, tail.rfind(END_RECORD)) if at >= 0 and tail[at:at + 4] == END_RECORD}
+    entries = directory = 0
+    for at in ends:
+        if len(tail) - at < 22:
+            continue
+        count, nbytes = struct.unpack_from("<HI", tail, at + 10)
+        entries, directory = max(entries, count), max(directory, nbytes)
+        if at < 20 or tail[at - 20:at - 16] != ZIP64_LOCATOR:
+            continue
+        (pointed,) = struct.unpack_from("<Q", tail, at - 12)
+        for offset in {size - tail_bytes + at - 20 - 56, pointed}:
+            if 0 <= offset <= size - 56:
+                fh.seek(offset)
+                record = fh.read(56)
+                if record[:4] == ZIP64_END_RECORD:
+                    count64, nbytes64 = struct.unpack_from("<QQ", record, 32)
+                    entries, directory = max(entries, count64), max(directory, nbytes64)
+    return entries, directory
 
 
 def inflated_tensor(obj: Any) -> str | None:
