@@ -378,6 +378,42 @@ def test_a_publication_the_watchdog_cannot_complete_keeps_both_outputs_and_says_
     assert (staging / "model.safetensors").read_text() == "new" and (old / "model.safetensors").read_text() == "earlier model"
 
 
+@pytest.mark.parametrize("keep_checkpoints", [False, True])
+def test_a_failed_publication_is_announced_and_the_watchdog_keeps_what_its_error_named(tmp_path, monkeypatch, keep_checkpoints):
+    """The final rename fails (another file system, say): rank 0 tells its watchdog so before the error, and should it
+    die on its way out, the watchdog keeps the finished output where the error said it is, the previous output whole."""
+    out = _previous_run(tmp_path)
+    pid = os.getpid()
+    staging = staging_dir(out)
+    staging.mkdir()
+    (staging / "model.safetensors").write_text("new")
+    real_rename = Path.rename
+
+    real_replace = Path.replace
+
+    def moved(real):
+        def move(self, target):
+            if self.parent == staging or self == staging:
+                raise OSError(18, "Invalid cross-device link")
+            return real(self, target)
+        return move
+
+    monkeypatch.setattr(Path, "rename", moved(real_rename))
+    monkeypatch.setattr(Path, "replace", moved(real_replace))
+    announced: list[str] = []
+    with pytest.raises(PublishFailed) as failed:
+        publish(staging, out, keep_checkpoints=keep_checkpoints, announce=announced.append)
+    monkeypatch.undo()
+    assert announced == ["publish_into" if keep_checkpoints else "publish", "publish_failed"]
+    assert failed.value.kept == staging and str(staging) in str(failed.value)
+    settled = settle_old(out, pid, announced[-1])  # what the watchdog does after a SIGKILL in the exit path
+    assert not settled.published and settled.kept == staging and str(staging) in settled.warning
+    old = old_dir(out, pid)  # the previous output: whole in place, or its files where the error and the warning say
+    assert (staging / "model.safetensors").read_text() == "new"
+    assert ((old if keep_checkpoints else out) / "model.safetensors").read_text() == "earlier model"
+    assert old.exists() == keep_checkpoints and (str(old) in settled.warning) == keep_checkpoints == (str(old) in str(failed.value))
+
+
 def test_a_publication_into_kept_checkpoints_runs_the_halves_the_watchdog_would_complete(tmp_path):
     """The publication itself, through the same two halves: the previous files out (marked done), the new ones in."""
     out = _previous_run(tmp_path)

@@ -45,6 +45,7 @@ def old_dir(output_dir: Path, pid: int | None = None) -> Path:
 
 ALL_MOVED_OUT = ".elsa_all_moved_out"  # made in old_dir once every file of a kept-checkpoints output is in it
 PUBLICATIONS = ("publish", "publish_into")  # what rank 0 announces just before it moves anything: a swap, or files into
+PUBLISH_FAILED = "publish_failed"  # what it announces when a move failed (PublishFailed): its staging folder is kept
 
 
 def move_out(output_dir: Path, old: Path) -> None:
@@ -79,8 +80,14 @@ def settle_old(output_dir: Path, pid: int, kind: str) -> Settled:
     publishes only that). ``publish``: the previous output to :func:`old_dir`, the staging folder in its place;
     ``publish_into`` (checkpoints kept): the previous files into :func:`old_dir` (:func:`move_out`, unless marked done),
     then the staged ones in (:func:`move_in`). Then what is left of the previous output, and what --overwrite set
-    aside, is removed. Should it fail, everything stays, named in the warning."""
+    aside, is removed. Should it fail, everything stays, named in the warning. ``publish_failed`` (rank 0's publication
+    had failed, its exit path was cut short): its staging folder is kept (what the error named), nothing moved."""
     old, staging = old_dir(output_dir, pid), beside(output_dir, "partial", pid)
+    if kind == PUBLISH_FAILED:  # the exit path of a failed publication, cut short: as its error said, nothing more moves
+        whole = staging.is_dir() and not staging.is_symlink()
+        previous = f", the previous output's files in {old}" if old.exists() else ""
+        return Settled(False, f"its publication had failed: the finished output stays in {staging}{previous}; move them "
+                              "yourself" if whole else None, staging if whole else None)
     if staging.is_dir() and not staging.is_symlink():
         try:
             if kind == "publish_into" and output_dir.is_dir() and not output_dir.is_symlink():

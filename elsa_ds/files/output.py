@@ -15,7 +15,8 @@ from pathlib import Path
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError, Terminated, signals_held
 from elsa_ds.evaluation.sparsity import sparsity_report
-from elsa_ds.files.aside import aside_dir, beside, move_in, move_out, moved_away, old_dir, side_path  # side_path: the jobs import it here
+from elsa_ds.files.aside import PUBLISH_FAILED, aside_dir, beside, move_in, move_out, moved_away, old_dir
+from elsa_ds.files.aside import side_path  # the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.log import get_logger
 from elsa_ds.targets import LayerGoal
@@ -194,8 +195,11 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
                         old.rename(output_dir)  # the previous output back where it was
                     raise
         except OSError as err:
+            if announce is not None:  # the watchdog keeps the staging folder this error names, should rank 0 die on its way out
+                announce(PUBLISH_FAILED)
             where = (f"the files not moved yet are in {staging}: move them into {output_dir} yourself" if keep_checkpoints
                      else f"it is complete in {staging}: move it there yourself (mv {staging} {output_dir})")
+            where += f"; the previous output's files are in {old}" if old.exists() else ""
             raise PublishFailed(f"the finished output could not be moved to {output_dir} ({err.strerror or err}); {where}",
                                 staging) from None
         set_aside = moved_away(aside_dir(output_dir), "published")  # what --overwrite set aside: never put back now

@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 
 from elsa_ds.errors import stderr_line
-from elsa_ds.files.aside import PUBLICATIONS, Settled, published, put_back, settle_old, tags_begun
+from elsa_ds.files.aside import PUBLICATIONS, PUBLISH_FAILED, Settled, published, put_back, settle_old, tags_begun
 from elsa_ds.files.ownership import read_holder
 from elsa_ds.files.procfs import cgroup_limit, oom_kills, path_state, proc_stat
 
@@ -57,6 +57,7 @@ PHASES = {  # what each phase name rank 0 sends means to a user (anything else i
     "finish": "the finish (validation, export, report)", "validation": "the validation of the pruned model",
     "export": "the export of the pruned model", "verify": "the report (the export read back)",
     "publish": "the output's publication", "publish_into": "the output's publication",
+    PUBLISH_FAILED: "the exit after the output's publication failed",
     "done": "the evaluation after the output was published",
 }
 OOM_ADVICE = ("see what each phase needs with elsa-estimate (the job's flags) and choose a config that needs less host memory "
@@ -266,7 +267,7 @@ def cleanup(w: Watch) -> str:
             time.sleep(0.2)
         output = Path(w.args.output) if w.args.output else None
         kind = str(w.phase.get("phase"))  # rank 0 says so just before its publication's first move (files/output.publish)
-        settled = settle_old(output, rank0.pid, kind) if output and kind in PUBLICATIONS else Settled(False)
+        settled = settle_old(output, rank0.pid, kind) if output and kind in (*PUBLICATIONS, PUBLISH_FAILED) else Settled(False)
         removed, resumable = 0, set(w.args.resumable) if output and published(output).exists() else set()
         for path, before in w.before.items():
             now = path_state(Path(path))
