@@ -83,7 +83,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
             except BaseException as err:  # every way out short of publishing; the lock goes right after
                 if writer:  # a finished output whose final rename failed stays where the error says
                     with signals_held():
-                        discard_unpublished(out, keep=kept_output(err), busy=tuple(filter(None, [checkpoint.take_tag_being_written()])))
+                        discard_unpublished(out, keep=kept_output(err), busy=checkpoint.take_tags_being_written())
                 if (full := disk_full(err, out)) is not None:
                     raise full from None  # one line (ElsaError), its free space measured with the partial files gone
                 raise

@@ -226,13 +226,13 @@ def check_resume(ckpt_dir: Path) -> None:
 _WRITING: list[str] = []  # the tag this process's save began and has not seen every rank finish (more than one rank)
 
 
-def take_tag_being_written() -> str | None:
-    """The tag whose save this process began and did not see every rank finish (then forgotten: the next job of this
-    process starts clear): after a failure here another rank may still be writing its files, by path, into the
-    output's checkpoints folder. None with one rank."""
-    tag = _WRITING[-1] if _WRITING else None
+def take_tags_being_written() -> tuple[str, ...]:
+    """The tag whose save this process began and did not see every rank finish, if any (then forgotten: the next job of
+    this process starts clear): after a failure here another rank may still be writing its files, by path, into the
+    output's checkpoints folder. Empty with one rank."""
+    tags = tuple(_WRITING)
     _WRITING.clear()
-    return tag
+    return tags
 
 
 def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) -> str:
