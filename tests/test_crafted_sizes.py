@@ -311,3 +311,34 @@ def test_a_zip_directory_larger_than_any_torch_save_writes_is_refused_before_it_
     assert problem is not None and problem.altered and f"{2**40:,} bytes" in problem.text
     with pytest.raises(ElsaError, match="pytorch_model.bin is no file torch.save wrote"):
         check_weight_files(_folder_with(tmp_path / "model", claims, "pytorch_model.bin"), "model x")
+
+
+def _crafted_directory(path: Path, n: int, layout: str) -> None:
+    """A zip of one local entry and ``n`` central-directory entries (46 bytes + a 1-byte name each), whose end records
+    tell the readers so in three ways a review found a first version of the check missed: the classic record's count
+    says 1 (zipfile reads the declared bytes whatever the count); the record 65,558 bytes from the end, behind a comment
+    (the edge of zipfile's search); a small classic record whose zip64 locator and record, just before a 64 KiB
+    comment's search window, declare the directory (zipfile and miniz seek them in the file)."""
+    local = struct.pack("<4s5H3I2H", b"PK\x03\x04", 20, 0, 0, 0, 0, 0, 0, 0, 1, 0) + b"a"
+    directory = (struct.pack("<4s6H3I5H2I", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0) + b"a") * n
+    head, size, at = local + directory, len(directory), len(local)
+    if layout == "count says 1":
+        tail = struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, 1, 1, size, at, 0)
+    elif layout == "at the window's edge":
+        tail = struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, size, at, 0xFFFF) + b"\0" * 0x10000
+    else:
+        zip64 = struct.pack("<4sQ2H2I4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, size, at)
+        locator = struct.pack("<4sIQI", b"PK\x06\x07", 0, len(head), 1)
+        tail = zip64 + locator + struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, 1, 1, 46, at, 0xFFFF) + b"\0" * 65518
+    path.write_bytes(head + tail)
+
+
+@pytest.mark.parametrize("layout", ["count says 1", "at the window's edge", "zip64 before the comment"])
+def test_a_directory_declared_where_only_one_reader_looks_is_refused_too(tmp_path, layout):
+    crafted = tmp_path / "crafted.pt"
+    n = torch_files.MAX_ZIP_DIRECTORY // 47 + 1  # one entry's bytes past the cap
+    _crafted_directory(crafted, n, layout)
+    with zipfile.ZipFile(crafted) as zf:
+        assert len(zf.infolist()) == n  # what zipfile would read, were it let
+    problem = torch_files.zip_problem(crafted)
+    assert problem is not None and problem.altered and "its zip directory declares" in problem.text

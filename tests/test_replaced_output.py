@@ -412,6 +412,16 @@ def test_a_failed_publication_is_announced_and_the_watchdog_keeps_what_its_error
     assert (staging / "model.safetensors").read_text() == "new"
     assert ((old if keep_checkpoints else out) / "model.safetensors").read_text() == "earlier model"
     assert old.exists() == keep_checkpoints and (str(old) in settled.warning) == keep_checkpoints == (str(old) in str(failed.value))
+    if keep_checkpoints:
+        return
+    monkeypatch.setattr(Path, "rename", moved(real_rename))
+
+    def log_gone(phase):  # the phase log's folder removed meanwhile: its append fails (a review's find)
+        if phase == "publish_failed":
+            raise FileNotFoundError(2, "No such file or directory")
+
+    with pytest.raises(PublishFailed):  # still the error that keeps the finished output, not the log's
+        publish(staging, out, keep_checkpoints=False, announce=log_gone)
 
 
 def test_a_publication_into_kept_checkpoints_runs_the_halves_the_watchdog_would_complete(tmp_path):

@@ -6,6 +6,7 @@ report's per-layer sparsity is read back from the exported files, never from mem
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -196,7 +197,8 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
                     raise
         except OSError as err:
             if announce is not None:  # the watchdog keeps the staging folder this error names, should rank 0 die on its way out
-                announce(PUBLISH_FAILED)
+                with contextlib.suppress(OSError):  # the phase log's own failure must not replace the error that keeps it
+                    announce(PUBLISH_FAILED)
             where = (f"the files not moved yet are in {staging}: move them into {output_dir} yourself" if keep_checkpoints
                      else f"it is complete in {staging}: move it there yourself (mv {staging} {output_dir})")
             where += f"; the previous output's files are in {old}" if old.exists() else ""

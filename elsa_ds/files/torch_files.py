@@ -20,10 +20,12 @@ from typing import Any
 import torch
 
 ZIP_MAGIC = b"PK\x03\x04"  # how torch tells its zip format from the legacy one: the file's first bytes
-# torch.save writes an entry a storage and four more (a 27B model's state: a few thousand, ~0.1 KiB each in the
+# torch.save writes an entry a storage and four more (a 27B model's state: a few thousand, ~70 bytes each in the
 # directory); Python's zipfile holds ~0.6 KiB for each entry it reads (300,000 empty entries: a 34 MB file, 171 MB and
-# ~25 s to read it), so a directory's size is read from the zip's end records before zipfile or torch reads it
-MAX_ZIP_ENTRIES, MAX_ZIP_DIRECTORY = 100_000, 32 * 2**20
+# ~25 s to read it), so a directory's size is read from the zip's end records before zipfile or torch reads it. miniz
+# allocates by the count, zipfile reads the bytes the record declares whatever the count: 8 MiB holds at most ~182,000
+# entries of the smallest kind (46 bytes)
+MAX_ZIP_ENTRIES, MAX_ZIP_DIRECTORY = 100_000, 8 * 2**20
 END_RECORD, ZIP64_LOCATOR, ZIP64_END_RECORD = b"PK\x05\x06", b"PK\x06\x07", b"PK\x06\x06"
 
 
@@ -71,24 +73,33 @@ def zip_problem(file: Path) -> ZipProblem | None:
 
 
 def _declared_directory(fh: Any, size: int) -> tuple[int, int]:
-    """The most entries and directory bytes any end record of the zip declares, for every record a reader may take:
-    zipfile's (the record ending the file, else the last signature in the last 64 KiB + 22 bytes; the zip64 record
-    just before its locator) and miniz's, torch's reader (the last signature; the zip64 record where the locator
-    points). (0, 0) where there is none: that zip is refused as unreadable."""
-    tail_bytes = min(size, 22 + 0xFFFF)
-    fh.seek(size - tail_bytes)
-    tail = fh.read(tail_bytes)
-    ends = {at for at in (len(tail) - 22, tail.rfind(END_RECORD)) if at >= 0 and tail[at:at + 4] == END_RECORD}
+    """The most entries and directory bytes the zip's end records declare, over every record a reader takes: zipfile's
+    (``_EndRecData``: the record ending the file when it has no comment, else the last signature in the last 64 KiB +
+    22 bytes) and miniz's, torch's reader (the last signature with a record's 22 bytes after it, searched ~4 KiB
+    further back); for each, the zip64 record just before its locator (zipfile) and where the locator points (miniz).
+    (0, 0) where there is none: that zip is refused as unreadable."""
+    window = min(size, 0x10000 + 22 + 4096)
+    base = size - window
+    fh.seek(base)
+    tail = fh.read(window)
+    if tail[-22:-18] == END_RECORD and tail[-2:] == b"\0\0":
+        ends = {window - 22}
+    else:
+        ends = {tail.rfind(END_RECORD, max(0, window - 0x10000 - 22))}
+    ends.add(tail.rfind(END_RECORD, 0, window - 18))  # the last one with 22 bytes from its start to the file's end
     entries = directory = 0
-    for at in ends:
-        if len(tail) - at < 22:
+    for at in ends - {-1}:
+        if window - at < 22:
             continue
         count, nbytes = struct.unpack_from("<HI", tail, at + 10)
         entries, directory = max(entries, count), max(directory, nbytes)
-        if at < 20 or tail[at - 20:at - 16] != ZIP64_LOCATOR:
+        if base + at < 20:
             continue
-        (pointed,) = struct.unpack_from("<Q", tail, at - 12)
-        for offset in {size - tail_bytes + at - 20 - 56, pointed}:
+        fh.seek(base + at - 20)
+        locator = fh.read(20)
+        if locator[:4] != ZIP64_LOCATOR:
+            continue
+        for offset in {base + at - 20 - 56, struct.unpack_from("<Q", locator, 8)[0]}:
             if 0 <= offset <= size - 56:
                 fh.seek(offset)
                 record = fh.read(56)
