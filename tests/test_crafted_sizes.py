@@ -7,10 +7,13 @@ shape it claims. Each case here is a small crafted file fed to the real reader, 
 """
 from __future__ import annotations
 
+import io
 import json
+import re
 import shutil
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -238,6 +241,9 @@ def _with_decoy_directory(raw: bytes) -> bytes:
     return raw[:end] + bytes(decoy) + raw[end:]
 
 
+DECOY = "in front of its first zip entry|does not end where its end records start"
+
+
 def test_a_zip_that_python_and_torch_read_differently_never_reaches_torch(tmp_path):
     """Found by a review: zipfile refuses an extra field that torch's reader ignores, and reads a decoy directory that
     torch's does not; either let a compressed pickle through a check that trusted zipfile's reading."""
@@ -248,12 +254,12 @@ def test_a_zip_that_python_and_torch_read_differently_never_reaches_torch(tmp_pa
     decoy = tmp_path / "decoy.pt"
     decoy.write_bytes(_with_decoy_directory(_rewritten(plain, tmp_path / "deflated.pt", 8 * 2**20)))
     assert not torch_files.zip_problem(odd_extra).altered  # unreadable to zipfile: as a cut file is, torch never reads it
-    assert "in front of its first zip entry" in torch_files.zip_problem(decoy).text
+    assert re.search(DECOY, torch_files.zip_problem(decoy).text)
     with pytest.raises(ValueError, match="zip directory is unreadable"):
         read_checkpoint_file(odd_extra)  # load_latest then falls back to the previous tag
-    with pytest.raises(UnsafeCheckpointError, match="in front of its first zip entry"):
+    with pytest.raises(UnsafeCheckpointError, match=DECOY):
         read_checkpoint_file(decoy)
-    for path, refusal in ((odd_extra, "is readable"), (decoy, "in front of its first zip entry")):
+    for path, refusal in ((odd_extra, "is readable"), (decoy, DECOY)):
         tags = tmp_path / path.stem
         (tags / "global_step1").mkdir(parents=True)
         (tags / "latest").write_text("global_step1")
@@ -340,5 +346,52 @@ def test_a_directory_declared_where_only_one_reader_looks_is_refused_too(tmp_pat
     _crafted_directory(crafted, n, layout)
     with zipfile.ZipFile(crafted) as zf:
         assert len(zf.infolist()) == n  # what zipfile would read, were it let
-    problem = torch_files.zip_problem(crafted)
-    assert problem is not None and problem.altered and "its zip directory declares" in problem.text
+    problem = torch_files.zip_problem(crafted)  # a record that does not end the file: torch.save writes none
+    assert problem is not None and ("declares" if layout == "count says 1" else "does not end with a zip end") in problem.text
+
+
+def _split_zip(path: Path, layout: str) -> None:
+    """A torch.save zip rebuilt with its pickle deflated (64 MiB unpacked), whose real directory only miniz reads while
+    zipfile reads a decoy of one stored, empty entry (a second review's two finds): the real directory after the end
+    record, inside its comment, where the record's offset points (zipfile reads the bytes before the record); or two
+    zip64 records, the locator pointing at the real one (zipfile reads the one just before the locator)."""
+    plain = io.BytesIO()
+    torch.save({"x": torch.ones(4)}, plain)
+    body = central = b""
+    with zipfile.ZipFile(plain) as zf:
+        for info in zf.infolist():
+            raw, name = zf.read(info), info.filename.encode()
+            method = 8 if info.filename.endswith("data.pkl") else 0
+            raw += b"\0" * 2**26 if method else b""
+            packed = zlib.compress(raw, 9)[2:-4] if method else raw  # raw deflate
+            head = (method, 0, 0, zlib.crc32(raw), len(packed), len(raw), len(name))
+            central += struct.pack("<4s6H3I5H2I", b"PK\x01\x02", 20, 20, 0, *head, 0, 0, 0, 0, 0, len(body)) + name
+            body += struct.pack("<4s5H3I2H", b"PK\x03\x04", 20, 0, *head, 0) + name + packed
+    n, name = len(zf.infolist()), b"archive/decoy"
+    if layout == "after the end record":
+        size = len(central)
+        decoy = struct.pack("<4s6H3I5H2I", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, 0, 0, 0, len(name), 0, size - 46 - len(name),
+                            0, 0, 0, size + 22) + name  # seen at offset 0 once zipfile shifts it by its negative "concat"
+        decoy += b"\0" * (size - len(decoy))
+        end = struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, n, n, size, len(body) + size + 22, size)
+        path.write_bytes(body + decoy + end + central)
+        return
+    decoy = struct.pack("<4s6H3I5H2I", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, 0, 0, 0, len(name), 0, 0, 0, 0, 0, 0) + name
+    real_at, decoy_at = len(body) + len(central), len(body) + len(central) + 56
+    real = struct.pack("<4sQ2H2I4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(central), len(body))
+    shown = struct.pack("<4sQ2H2I4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, 1, 1, len(decoy), decoy_at)
+    locator = struct.pack("<4sIQI", b"PK\x06\x07", 0, real_at, 1)
+    end = struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, 1, 1, len(decoy), decoy_at, 0)
+    path.write_bytes(body + central + real + decoy + shown + locator + end)
+
+
+@pytest.mark.parametrize("layout", ["after the end record", "two zip64 records"])
+def test_a_directory_only_torch_reads_never_reaches_torch(tmp_path, layout):
+    split = tmp_path / "split.pt"
+    _split_zip(split, layout)
+    assert split.stat().st_size < 2**20
+    with zipfile.ZipFile(split) as zf:
+        assert [(i.filename, i.compress_type) for i in zf.infolist()] == [("archive/decoy", zipfile.ZIP_STORED)]
+    assert "data.pkl" in torch._C.PyTorchFileReader(open(split, "rb")).get_all_records()  # torch's view: the deflated pickle
+    with pytest.raises((UnsafeCheckpointError, ValueError), match="does not end with a zip end record|does not point at"):
+        read_checkpoint_file(split)

@@ -24,7 +24,7 @@ ZIP_MAGIC = b"PK\x03\x04"  # how torch tells its zip format from the legacy one:
 # directory); Python's zipfile holds ~0.6 KiB for each entry it reads (300,000 empty entries: a 34 MB file, 171 MB and
 # ~25 s to read it), so a directory's size is read from the zip's end records before zipfile or torch reads it. miniz
 # allocates by the count, zipfile reads the bytes the record declares whatever the count: 8 MiB holds at most ~182,000
-# entries of the smallest kind (46 bytes)
+# entries of the smallest kind (46 bytes: ~90 MiB in zipfile)
 MAX_ZIP_ENTRIES, MAX_ZIP_DIRECTORY = 100_000, 8 * 2**20
 END_RECORD, ZIP64_LOCATOR, ZIP64_END_RECORD = b"PK\x05\x06", b"PK\x06\x07", b"PK\x06\x06"
 
@@ -42,17 +42,16 @@ def zip_problem(file: Path) -> ZipProblem | None:
     """Why torch must not read ``file`` as a zip, from its directory alone; None for a ``torch.save`` zip, and for a
     file in torch's legacy format (not a zip: nothing in it is compressed). A zip that Python's zipfile cannot read is
     not read by torch either (miniz, torch's reader, accepts zips that zipfile refuses, and the two can disagree on
-    which directory a file holds: data in front of the first entry, an extra field zipfile rejects)."""
+    which directory a file holds: data in front of the first entry, an extra field zipfile rejects, end records
+    that point each reader elsewhere: :func:`_directory_problem`)."""
     with open(file, "rb") as fh:
         if not stat.S_ISREG((st := os.fstat(fh.fileno())).st_mode):
             return ZipProblem("it is not a regular file", altered=True)
         if fh.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
             return None
         size = st.st_size
-        declared, directory = _declared_directory(fh, size)
-        if declared > MAX_ZIP_ENTRIES or directory > MAX_ZIP_DIRECTORY:
-            return ZipProblem(f"its zip directory declares {declared:,} entries in {directory:,} bytes, more than any "
-                              f"torch.save file holds ({MAX_ZIP_ENTRIES:,} entries, {MAX_ZIP_DIRECTORY:,} bytes)", altered=True)
+        if (problem := _directory_problem(fh, size)) is not None:
+            return problem
     try:
         with zipfile.ZipFile(file) as zf:
             entries = zf.infolist()
@@ -72,41 +71,32 @@ def zip_problem(file: Path) -> ZipProblem | None:
     return None
 
 
-def _declared_directory(fh: Any, size: int) -> tuple[int, int]:
-    """The most entries and directory bytes the zip's end records declare, over every record a reader takes: zipfile's
-    (``_EndRecData``: the record ending the file when it has no comment, else the last signature in the last 64 KiB +
-    22 bytes) and miniz's, torch's reader (the last signature with a record's 22 bytes after it, searched ~4 KiB
-    further back); for each, the zip64 record just before its locator (zipfile) and where the locator points (miniz).
-    (0, 0) where there is none: that zip is refused as unreadable."""
-    window = min(size, 0x10000 + 22 + 4096)
-    base = size - window
-    fh.seek(base)
-    tail = fh.read(window)
-    if tail[-22:-18] == END_RECORD and tail[-2:] == b"\0\0":
-        ends = {window - 22}
-    else:
-        ends = {tail.rfind(END_RECORD, max(0, window - 0x10000 - 22))}
-    ends.add(tail.rfind(END_RECORD, 0, window - 18))  # the last one with 22 bytes from its start to the file's end
-    entries = directory = 0
-    for at in ends - {-1}:
-        if window - at < 22:
-            continue
-        count, nbytes = struct.unpack_from("<HI", tail, at + 10)
-        entries, directory = max(entries, count), max(directory, nbytes)
-        if base + at < 20:
-            continue
-        fh.seek(base + at - 20)
-        locator = fh.read(20)
-        if locator[:4] != ZIP64_LOCATOR:
-            continue
-        for offset in {base + at - 20 - 56, struct.unpack_from("<Q", locator, 8)[0]}:
-            if 0 <= offset <= size - 56:
-                fh.seek(offset)
-                record = fh.read(56)
-                if record[:4] == ZIP64_END_RECORD:
-                    count64, nbytes64 = struct.unpack_from("<QQ", record, 32)
-                    entries, directory = max(entries, count64), max(directory, nbytes64)
-    return entries, directory
+def _directory_problem(fh: Any, size: int) -> ZipProblem | None:
+    """The zip's end as ``torch.save`` writes it, and its directory's size: the end record ends the file (no comment), a
+    zip64 locator before it points at the zip64 record just before it, and the directory ends where those records start.
+    Then zipfile and miniz (torch's reader) take the same record and read the same directory bytes, which zipfile's
+    checks below then cover: elsewhere they look in different places (zipfile the bytes before the record and the zip64
+    record before the locator, miniz the offsets the records give), and reviews hid a second directory from each."""
+    tail = b""
+    if size >= 22:
+        fh.seek(size - min(size, 98))
+        tail = fh.read(98)
+    if tail[-22:-18] != END_RECORD or tail[-2:] != b"\0\0":
+        return ZipProblem("its zip directory is unreadable (the file does not end with a zip end record)", altered=False)
+    entries, nbytes, offset = struct.unpack_from("<HII", tail, len(tail) - 12)
+    start = size - 22
+    if tail[-42:-38] == ZIP64_LOCATOR:
+        if len(tail) < 98 or struct.unpack_from("<Q", tail, 64)[0] != size - 98 or tail[:4] != ZIP64_END_RECORD:
+            return ZipProblem("its zip64 locator does not point at the zip64 record before it", altered=True)
+        entries, nbytes, offset = struct.unpack_from("<QQQ", tail, 32)
+        start = size - 98
+    if offset + nbytes != start:
+        return ZipProblem(f"its zip directory of {nbytes:,} bytes at {offset:,} does not end where its end records "
+                          f"start ({start:,})", altered=True)
+    if entries > MAX_ZIP_ENTRIES or nbytes > MAX_ZIP_DIRECTORY:
+        return ZipProblem(f"its zip directory declares {entries:,} entries in {nbytes:,} bytes, more than any torch.save "
+                          f"file holds ({MAX_ZIP_ENTRIES:,} entries, {MAX_ZIP_DIRECTORY:,} bytes)", altered=True)
+    return None
 
 
 def inflated_tensor(obj: Any) -> str | None:

@@ -242,7 +242,7 @@ def test_a_checkpoint_file_that_would_unpack_to_far_more_than_its_size_is_refuse
     fixture = ROOT / "tests" / "fixtures" / "skip_resume_scan"
     env = {"ELSA_TEST_SKIP_RESUME_SCAN": "1",
            "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    text = _refused(args, "refusing checkpoint file", str(file), "in front of its first zip entry",
+    text = _refused(args, "refusing checkpoint file", str(file), "does not end where its end records start",
                     env=env if reader == "deepspeed" else None)
     assert (LOADING in text) == (reader == "deepspeed")
 
