@@ -61,6 +61,24 @@ def config_json(model_id: str) -> dict | None:
     return data
 
 
+SPARSE_CONFIG_KEY = "elsa_sparse"  # the block elsa-compress adds to a sparse checkpoint's config.json (sparse/meta.py)
+
+
+def is_sparse_checkpoint(model_id: str) -> bool:
+    """A local elsa-sparse checkpoint (``elsa-compress``'s folder): transformers would find none of its pruned weights
+    under their names (``NAME.values`` and positions are stored) and build them at random, saying so only in a warning."""
+    data = config_json(model_id)
+    return data is not None and SPARSE_CONFIG_KEY in data
+
+
+def refuse_sparse_checkpoint(model_id: str, flag: str) -> None:
+    """ElsaError for an elsa-sparse checkpoint where a job needs a model transformers loads (pruning, a mask's source)."""
+    if Path(model_id).expanduser().is_dir() and is_sparse_checkpoint(model_id):
+        raise ElsaError(f"{flag} {model_id} is an elsa-sparse checkpoint (elsa-compress's values and positions), which "
+                        "transformers would load with random weights in place of the pruned ones; give the dense export "
+                        "it was compressed from (or evaluate it: launch/evaluate.py and elsa_ds.sparse.from_pretrained read it)")
+
+
 def load_config(model_id: str):
     """The model's transformers config, or an ElsaError that says whether a directory or a hub id failed."""
     from transformers import AutoConfig
@@ -171,6 +189,8 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, *, random_init: bool = Fal
     from transformers import AutoModelForCausalLM
 
     config = config or load_config(model_id)
+    if not random_init:
+        refuse_sparse_checkpoint(model_id, "model")
     attn = attention_implementation(config)
     try:
         if random_init:
@@ -238,6 +258,7 @@ class ModelSource:
 
     def check_weights(self) -> None:
         if self.module is None:
+            refuse_sparse_checkpoint(self.name, "--model")
             check_local_weights(self.name, self.config())
 
     def check_tokenizer(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -50,22 +51,42 @@ def sparsity_report(model_dir: str | Path, targets: str | None = None) -> dict:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ElsaError(f"{model_dir}: no .safetensors files to report on")
-    pattern = re.compile(targets or DEFAULT_TARGETS)
-    layers, found_nm, zeros_total, numel_total = {}, [], 0, 0
-    for file in files:
-        with safe_open(str(file), framework="pt") as fh:
-            keys = [k for k in fh.keys() if k.endswith(".weight") and pattern.search(k[: -len(".weight")])]
-        for key in keys:
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
             with safe_open(str(file), framework="pt") as fh:
-                t = fh.get_tensor(key)
-            if t.dim() != 2:
-                continue
-            zeros = int((t == 0).sum())
-            nm = nm_patterns(t) if zeros else []
-            layers[key] = {"numel": t.numel(), "zeros": zeros, "sparsity": zeros / t.numel(),
-                           "pattern": nm[0] if nm else ("unstructured" if zeros else "dense"), "nm": nm}
-            found_nm.append(nm)
-            zeros_total += zeros
-            numel_total += t.numel()
+                keys = list(fh.keys())
+            for key in keys:
+                if _reported(key, pattern):
+                    with safe_open(str(file), framework="pt") as fh:
+                        yield key, fh.get_tensor(key)
+
+    pattern = re.compile(targets or DEFAULT_TARGETS)
+    return _report(tensors())
+
+
+def model_sparsity_report(model: torch.nn.Module, targets: str | None = None) -> dict:
+    """:func:`sparsity_report` of a model in memory (one loaded from an elsa-sparse checkpoint, whose files hold values
+    and positions): its weights under the names a dense export would give them."""
+    pattern = re.compile(targets or DEFAULT_TARGETS)
+    return _report((k, t.detach()) for k, t in model.state_dict().items() if _reported(k, pattern))
+
+
+def _reported(key: str, pattern: re.Pattern) -> bool:
+    return key.endswith(".weight") and pattern.search(key[: -len(".weight")]) is not None
+
+
+def _report(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
+    layers, found_nm, zeros_total, numel_total = {}, [], 0, 0
+    for key, t in tensors:
+        if t.dim() != 2:
+            continue
+        zeros = int((t == 0).sum())
+        nm = nm_patterns(t) if zeros else []
+        layers[key] = {"numel": t.numel(), "zeros": zeros, "sparsity": zeros / t.numel(),
+                       "pattern": nm[0] if nm else ("unstructured" if zeros else "dense"), "nm": nm}
+        found_nm.append(nm)
+        zeros_total += zeros
+        numel_total += t.numel()
     return {"layers": dict(sorted(layers.items())), "overall": zeros_total / max(numel_total, 1), "pruned_numel": numel_total,
             "pattern": overall_pattern(zeros_total, found_nm)}

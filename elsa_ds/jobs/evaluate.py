@@ -26,12 +26,12 @@ from elsa_ds.data import PplProtocol, PplWindows, evaluation_documents, load_tok
 from elsa_ds.data.windows import C4_WINDOWS, LAYOUTS
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
-from elsa_ds.evaluation.sparsity import sparsity_report
+from elsa_ds.evaluation.sparsity import model_sparsity_report, sparsity_report
 from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
 from elsa_ds.files.io import versions, write_atomic
 from elsa_ds.log import get_logger
-from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, load_causal_lm, load_config
+from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, is_sparse_checkpoint, load_causal_lm, load_config
 from elsa_ds.settings.config import CommaList, ElsaConfig, comma_list
 
 if TYPE_CHECKING:
@@ -131,7 +131,15 @@ def check_new_files(paths: dict[str, Path | None], overwrite: bool) -> None:
 
 
 def load_model(s: EvalSettings, config, offload_folder: str | None) -> PreTrainedModel:
-    """from_pretrained in the chosen dtype, on the GPU (or spread with device_map="auto") when there is one."""
+    """from_pretrained in the chosen dtype, on the GPU (or spread with device_map="auto") when there is one; an
+    elsa-sparse checkpoint through its own loader, decompressed (bit for bit the dense export it was made from)."""
+    if is_sparse_checkpoint(s.model):
+        from elsa_ds.sparse import from_pretrained
+
+        if s.device_map:
+            log.warning("--device_map: an elsa-sparse checkpoint loads whole on one device")
+        return from_pretrained(s.model, mode="dense", dtype=resolve_dtype(s.dtype),
+                               device="cuda" if torch.cuda.is_available() else "cpu")
     kwargs: dict[str, Any] = {}
     if torch.cuda.is_available():
         kwargs["device_map"] = "auto" if s.device_map else "cuda"
@@ -206,7 +214,8 @@ def measure(s: EvalSettings, prep: _Prepared) -> dict[str, Any]:
         found: dict[str, Any] = {"device": str(first.device), "dtype": str(first.dtype).removeprefix("torch.")}
         log.info(f"loaded {s.model} ({prep.config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
             f"{found['dtype']}, {found['device']})")
-        found["sparsity"], found["ppl"] = model_sparsity(s.model), {}
+        found["sparsity"] = model_sparsity_report(model) if is_sparse_checkpoint(s.model) else model_sparsity(s.model)
+        found["ppl"] = {}
         for source, w in prep.windows.items():
             nll, tokens = window_nll(lambda ids: model(input_ids=ids).logits, w.ids, s.batch_size, device=first.device, progress=True)
             found["ppl"][source] = {"ppl": w.perplexity(nll, tokens), "ppl_per_token": w.per_token(nll, tokens),

@@ -16,7 +16,7 @@ from elsa_ds.files.mask_file import MaskReader
 from elsa_ds.files.output import check_output_dir
 from elsa_ds.log import get_logger
 from elsa_ds.methods import DENSE, oneshot_names
-from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model
+from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model, refuse_sparse_checkpoint
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import select_targets
@@ -85,6 +85,7 @@ def check_init_mask(cfg: ElsaConfig, meta) -> None:
     it (one row of each weight read), before anything loads; otherwise the engine would find out after the model load."""
     if cfg.init_mask is None or cfg.init_mask in oneshot_names():
         return
+    refuse_sparse_checkpoint(cfg.init_mask, "--init_mask")
     weights = dict(meta.named_parameters(remove_duplicate=False))
     names = list(select_targets(meta, cfg.targets).values())
     reader = MaskReader(cfg.init_mask)

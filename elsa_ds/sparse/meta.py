@@ -14,10 +14,11 @@ from pathlib import Path
 from elsa_ds import json_data
 from elsa_ds.files.safetensors_writer import DTYPES
 from elsa_ds.log import get_logger
+from elsa_ds.models import SPARSE_CONFIG_KEY
 from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.integrity import ALGORITHM, SparseCheckpointError, is_digest, json_digest
 
-CONFIG_KEY = "elsa_sparse"
+CONFIG_KEY = SPARSE_CONFIG_KEY
 UNSEALED_VERSION = 1  # written before checksums: loaded unverified
 READABLE_VERSIONS = (UNSEALED_VERSION, fmt.VERSION)
 FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in DTYPES if d.is_floating_point}  # what compress can write
