@@ -84,8 +84,6 @@ def load_config(model_id: str):
     from transformers import AutoConfig
 
     path = Path(model_id).expanduser()
-    if model_id.startswith((".", "/", "~")) and not path.exists():
-        raise ElsaError(f"model {model_id}: no such directory")
     if path.is_dir() and not (path / "config.json").is_file():
         raise ElsaError(f"model {model_id}: directory has no config.json (not a saved transformers model)")
     config = guarded_config(model_id, lambda: AutoConfig.from_pretrained(model_id, trust_remote_code=False))
@@ -93,11 +91,23 @@ def load_config(model_id: str):
     return config
 
 
+def check_local_path(model_id: str) -> None:
+    """ElsaError for a model named as a path that is not there: one starting with ., / or ~, or whose first part is a
+    folder here (``out/run1`` from a typo), which transformers would otherwise take for a hub id and retry for ~30 s."""
+    path = Path(model_id).expanduser()
+    first = model_id.split("/")[0]
+    if path.exists() or not (model_id.startswith((".", "/", "~")) or ("/" in model_id and Path(first).is_dir())):
+        return
+    why = "" if model_id.startswith((".", "/", "~")) else f" ({first}/ is a folder here, so the name is read as a path)"
+    raise ElsaError(f"model {model_id}: no such directory{why}")
+
+
 def guarded_config(model_id: str, read: Callable[[], Any]):
     """``read()``, a config loader for ``model_id`` (``load_config``'s, the estimator's), after :func:`config_json`'s checks
     of a local config.json and :func:`check_model_folder`'s of its folder (read for its config and tokenizer even when
     its weights are not: ``--random_init``, the estimate); what transformers raises for a malformed one becomes an
     ElsaError naming the file."""
+    check_local_path(model_id)
     check_model_folder(model_id, f"model {model_id}")
     config_json(model_id)
     path = Path(model_id).expanduser()

@@ -62,6 +62,8 @@ def test_target_regex_matching_nothing(tmp_path, tiny_model_dir, text_dir):
     (["--steps", "0"], "steps"),
     (["--pattern", "2:4:8"], "N:M"),
     (["--model", "/no/such/model"], "no such directory"),
+    (["--model", "tests/no_such_model"], "no such directory (tests/ is a folder here"),  # not a hub id: no 30 s of retries
+    (["--dataset", "./missing.txt"], "dataset='./missing.txt': no such file"),  # before the plan's logs
     (["--nsamples", "0"], "nsamples"),
 ])
 def test_bad_numbers_and_paths_are_named(tmp_path, flags, needle):

@@ -131,7 +131,7 @@ def _download(source: str, *args, **kwargs):
     except Exception as err:  # datasets and huggingface_hub raise many types; the user needs one line
         first = (str(err).strip().splitlines() or [""])[0][:300]
         raise ElsaError(f"dataset {source!r} could not be downloaded ({type(err).__name__}: {first}); without network, "
-                        "give --dataset a local file or folder (.txt, .md, .jsonl, .parquet)") from None
+                        "give a local file or folder instead (.txt, .md, .jsonl, .parquet)") from None
 
 
 def _hub(source: str, split: str, holdout_part: bool) -> Documents:

@@ -222,9 +222,9 @@ class ElsaConfig(BaseModel):
             raise ValueError(f"{', '.join(missing)}: no such file or directory (named sources: {', '.join(NAMED_TEXT_SOURCES)})")
         return v
 
-    @field_validator("val_dataset")
+    @field_validator("dataset", "val_dataset")
     @classmethod
-    def _local_val_dataset_exists(cls, v: str | None) -> str | None:
+    def _local_dataset_exists(cls, v: str | None) -> str | None:
         if v is not None and (v.startswith((".", "/", "~")) or Path(v).suffix in LOCAL_SUFFIXES) and not Path(v).expanduser().exists():
             raise ValueError("no such file or directory (or give c4, wikitext2 or a datasets name)")
         return v
