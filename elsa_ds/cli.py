@@ -67,8 +67,9 @@ class EstimateOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    model: str = Field(..., json_schema_extra={"metavar": "ID_OR_DIR"})
-    """Hub id (shipped configs resolve offline), model directory or config.json."""
+    model: str | None = Field(None, json_schema_extra={"metavar": "ID_OR_DIR"})
+    """Hub id (shipped configs resolve offline), model directory or config.json; default: the recipe's model, else
+    elsa-prune's (the embedded demo)."""
     num_gpus: int = Field(1, gt=0)
     """GPUs (ranks) per node."""
     num_nodes: int = Field(1, gt=0)
@@ -105,8 +106,10 @@ def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) ->
     from elsa_ds.plan import elsa_settings
     from elsa_ds.plan.defaults_applied import apply_defaults
 
-    model = Path(opts.model).expanduser()
-    given = {**{k: getattr(args, k) for k in ESTIMATE_SHARED[ElsaConfig]}, "model": str(model.parent) if model.is_file() else opts.model}
+    given = {k: getattr(args, k) for k in ESTIMATE_SHARED[ElsaConfig]}
+    if opts.model is not None:
+        model = Path(opts.model).expanduser()
+        given["model"] = str(model.parent) if model.is_file() else opts.model
     cfg = elsa_settings(ds_config, args.deepspeed, args.recipe, given)
     if cfg.method.value != ELSA:
         raise ElsaError(f"elsa-estimate sizes ELSA jobs, but the recipe or the JSON's elsa block sets method {cfg.method.value}")
@@ -144,7 +147,7 @@ def main_estimate(argv: list[str] | None = None) -> int:
         rates = measure(opts.accelerator, typical, *job_matmul(shape, ds, cfg)) if opts.measure else typical
         timing = step_time(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates)
         # the table and the JSON line are the command's product: stdout, whatever the log level
-        print(format_estimate(est, opts.model, args.deepspeed, opts.num_gpus, opts.num_nodes), flush=True)
+        print(format_estimate(est, opts.model or cfg.model, args.deepspeed, opts.num_gpus, opts.num_nodes), flush=True)
         print(format_time(timing), flush=True)
         if args.json:
             print(json.dumps({**json.loads(est.to_json()), "time": timing.to_dict()}))

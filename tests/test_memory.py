@@ -222,3 +222,18 @@ def test_the_caching_host_allocator_rounds_up_and_keeps_freed_blocks():
     assert pinned_reserved([("pin", 3000), ("free", 3000), ("pin", 5000)]) == 4096 + 8192
     assert pinned_reserved([("pin", 5000), ("pin", 3000)]) == 8192 + 4096
 
+
+
+def test_the_estimate_takes_its_model_from_the_recipe_or_the_demo_as_the_job_does(capsys):
+    """A user's walk through the README: `elsa-estimate --recipe gemma-2-27b-s70` asked for --model the recipe names.
+    Without --model the estimate sizes the recipe's model, or elsa-prune's default (the embedded demo)."""
+    from elsa_ds.cli import main_estimate
+
+    runs = {}
+    for name, flags in (("recipe", ["--recipe", "gemma-2-27b-s70"]), ("recipe, its model named", ["--recipe", "gemma-2-27b-s70",
+                        "--model", "google/gemma-2-27b"]), ("demo", [])):
+        assert main_estimate(["--deepspeed", "zero3_offload", *flags, "--json"]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        runs[name] = (next(line for line in out if " parameters (" in line), json.loads(out[-1]))
+    assert runs["recipe"][0].startswith("google/gemma-2-27b: 27.") and runs["recipe"][1] == runs["recipe, its model named"][1]
+    assert "demo" in runs["demo"][0] and " M parameters" in runs["demo"][0]

@@ -329,7 +329,8 @@ def oneshot_host_bytes(shape: ModelShape, method: str, cfg, cuda: bool) -> float
 def format_estimate(est: Estimate, model: str, deepspeed: str, num_gpus: int, num_nodes: int) -> str:
     """The estimate as the table ``elsa-estimate`` prints."""
     gib = 2 ** 30
-    lines = [f"{model}: {est.num_params / 1e9:.2f} B parameters ({est.pruned_params / 1e9:.2f} B pruned), "
+    scale, unit = (1e9, "B") if est.num_params >= 1e9 else (1e6, "M")
+    lines = [f"{model}: {est.num_params / scale:.2f} {unit} parameters ({est.pruned_params / scale:.2f} {unit} pruned), "
              f"{num_nodes} node(s) x {num_gpus} GPU(s), {deepspeed}",
              f"{'':12s} {'per GPU':>12s} {'CPU per node':>14s} {'NVMe':>12s}"]
     rows = [(name, row["per_gpu"], row["per_node_cpu"], row["nvme"]) for name, row in est.breakdown.items()]
