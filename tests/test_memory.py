@@ -237,3 +237,6 @@ def test_the_estimate_takes_its_model_from_the_recipe_or_the_demo_as_the_job_doe
         runs[name] = (next(line for line in out if " parameters (" in line), json.loads(out[-1]))
     assert runs["recipe"][0].startswith("google/gemma-2-27b: 27.") and runs["recipe"][1] == runs["recipe, its model named"][1]
     assert "demo" in runs["demo"][0] and " M parameters" in runs["demo"][0]
+    # the run's time says what it leaves out: the defaults rule's SparseGPT start on the demo, none on the recipe's 4096 steps
+    assert runs["demo"][1]["time"]["uncounted"][0] == "the sparsegpt warm start"
+    assert not any("warm start" in part for part in runs["recipe"][1]["time"]["uncounted"])

@@ -119,7 +119,8 @@ def test_a_run_that_fits_passes_and_one_inside_the_margin_warns(tmp_path, monkey
     preflight.check_elsa(meta, ds, cfg, opts, world=1)
     said = capsys.readouterr()
     assert said.err == ""
-    assert f"h for the run ({cfg.steps} steps) at the typical rates of a " in said.out  # what the run will take
+    assert f"h for the run ({cfg.steps} steps; not counted: " in said.out and "at the typical rates of a " in said.out
+    assert "--num_gpus 1 --accelerator cpu --measure" in said.out  # the estimate that times this machine, for this job
     _host(monkeypatch, 1.05 * need)  # fits unless the estimate is more than 5 % low: start, with a warning
     preflight.check_elsa(meta, ds, cfg, opts, world=1)
     assert "may not fit" in capsys.readouterr().err

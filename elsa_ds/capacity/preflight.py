@@ -185,8 +185,9 @@ def _expected_time(shape: ModelShape, job: _Run) -> str:
 
     name = "cpu-2c" if job.device == "cpu" else "gpu-server" if (os.cpu_count() or 1) >= 64 else "gpu-vm-16c"
     t = step_time(shape, job.ds, job.cfg, job.local, job.nodes, job.device, TYPICAL[name])
-    return (f"expected: {t.step_s:.3g} s a step, {t.run_s / 3600:.3g} h for the run ({t.steps} steps) at the typical rates "
-            f"of a {name} host (elsa-estimate --measure times this one)")
+    return (f"expected: {t.step_s:.3g} s a step, {t.run_s / 3600:.3g} h for the run ({t.steps} steps; not counted: "
+            f"{', '.join(t.uncounted)}) at the typical rates of a {name} host (elsa-estimate with this job's flags and "
+            f"--num_gpus {job.local} --accelerator {job.device} --measure times this one)")
 
 
 def ds_bytes_export(shape: ModelShape, ds: dict) -> float:

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from elsa_ds.capacity.resident import Job, element_bytes, read_job
+from elsa_ds.methods import oneshot_names
 from elsa_ds.capacity.shapes import ModelShape
 
 
@@ -115,6 +116,7 @@ class StepTime:
     run_s: float
     run_parts: dict[str, float]
     rates: dict
+    uncounted: tuple[str, ...] = ()  # what the run also does that run_s leaves out
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -172,8 +174,9 @@ def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, d
              "first projection": first_projection,              # z₀ = Π(x)
              "validation": 3 * -(-windows // micro) * forward,    # the dense model, the start, the end
              "load and export": 2 * job.half * shape.num_params / rates.disk}
+    uncounted = (*([f"the {cfg.init_mask} warm start"] if cfg.init_mask in oneshot_names() else []), "start-up (processes, engine)")
     return StepTime(components=components, step_s=step_s, steps=cfg.steps, interval=cfg.interval,
-                    run_s=sum(parts.values()), run_parts=parts, rates=rates.to_dict())
+                    run_s=sum(parts.values()), run_parts=parts, rates=rates.to_dict(), uncounted=uncounted)
 
 
 def _fetch_bytes(shape: ModelShape, job: Job) -> float:
@@ -234,7 +237,8 @@ def format_time(t: StepTime) -> str:
     hours = t.run_s / 3600
     return "\n".join([f"time per step {t.step_s:.3g} s ({parts}); {t.rates['source']}",
                       f"the run: {t.steps} steps, {hours:.3g} h ({t.run_s:,.0f} s; "
-                      + ", ".join(f"{k} {v:,.0f} s" for k, v in t.run_parts.items()) + ")"])
+                      + ", ".join(f"{k} {v:,.0f} s" for k, v in t.run_parts.items()) + ")"
+                      + (f"; not counted: {', '.join(t.uncounted)}" if t.uncounted else "")])
 
 
 # ---- measuring this machine ----------------------------------------------------------------------------------------
