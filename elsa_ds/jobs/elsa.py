@@ -133,7 +133,7 @@ class ElsaJob:
                 state.selection = selector.record
             else:
                 state.baseline_ppl = self.validation_ppl(run)
-            log.info(f"validation ppl: dense {state.dense_ppl}, the warm start ({self.cfg.init_mask}) {state.baseline_ppl}")
+            _log_references(state.dense_ppl, f"the warm start ({self.cfg.init_mask})", state.baseline_ppl)
             return
         state.dense_ppl = self.validation_ppl(run)
         if self.cfg.baseline == "magnitude" and validation.count and self.ds.uses_nvme:
@@ -141,7 +141,7 @@ class ElsaJob:
         elif self.cfg.baseline == "magnitude" and validation.count:
             with magnitude_pruned(run.zero, self.cfg.nm):
                 state.baseline_ppl = self.validation_ppl(run)
-        log.info(f"validation ppl: dense {state.dense_ppl}, one-shot magnitude {state.baseline_ppl}")
+        _log_references(state.dense_ppl, "one-shot magnitude", state.baseline_ppl)
 
     def validation_ppl(self, run: ElsaRun) -> float | None:
         """Perplexity of the engine's current weights on the validation windows (None without windows). Collective."""
@@ -267,3 +267,10 @@ class ElsaJob:
     def cleanup(self) -> None:
         """Collect what setup built; the process group lives until the process exits (``zero/dist.py``)."""
         gc.collect()
+
+
+def _log_references(dense: float | None, name: str, baseline: float | None) -> None:
+    """The reference perplexities measured (none without validation windows or a baseline), three decimals."""
+    found = [f"{what} {ppl:.3f}" for what, ppl in (("dense", dense), (name, baseline)) if ppl is not None]
+    if found:
+        log.info("validation ppl: " + ", ".join(found))
