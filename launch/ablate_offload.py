@@ -4,7 +4,8 @@
         ds_configs/zero3_offload_elsal.json ds_configs/zero3_nvme.json --out out/ablation
 
 Writes OUT/ablation.csv, OUT/ablation.md and OUT/ablation.png; each run's model and log stay in OUT.
-Arguments after ``--`` go to launch/prune.py (default: the embedded demo, 32 steps, 128 validation-free).
+Arguments after -- go to launch/prune.py (default: the embedded demo with --steps 32 --interval 16 --val_windows 0
+--baseline none).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ DEFAULT_PRUNE_ARGS = ["--steps", "32", "--interval", "16", "--val_windows", "0",
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="ablate_offload.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", required=True, help="DeepSpeed configs; the first is the mask reference")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="folder for the table, the plot and each run's model and log")
     ap.add_argument("--num_gpus", type=positive_int, default=2, help="ranks per run [2]")
     add_flags(ap, JobOptions, ("log_level",))
     ap.add_argument("prune_args", nargs=argparse.REMAINDER, help="-- then flags for launch/prune.py")

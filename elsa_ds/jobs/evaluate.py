@@ -56,8 +56,8 @@ class EvalSettings(BaseModel):
     model: str = Field(..., json_schema_extra={"metavar": "ID_OR_DIR"})
     """Hub id or saved model directory (required unless --compare)."""
     ppl: CommaList = Field(default_factory=list, json_schema_extra={"metavar": "LIST"})
-    """Comma list of wikitext2, c4 or local .txt/.jsonl/.parquet paths or directories, each evaluated with the same
-    protocol."""
+    """Comma list of wikitext2, c4, shakespeare or local .txt/.md/.jsonl/.parquet paths or directories, each evaluated
+    with the same protocol."""
     tasks: list[str] = Field(default_factory=list, json_schema_extra={"metavar": "LIST", "const": "paper"})
     """Comma list of lm-eval tasks, run 0-shot; 'paper' (or the flag without a value): boolq, rte, hellaswag, winogrande,
     arc_easy, arc_challenge, openbookqa."""

@@ -89,9 +89,11 @@ class ElsaConfig(BaseModel):
     """Regex over module names of the nn.Linear layers to prune [every Linear inside the decoder layers]."""
     init_mask: str | None = Field(None, **_group("sparsity", "METHOD_OR_DIR"))
     """Warm start of ELSA's z from a magnitude, wanda or sparsegpt mask, or a pruned model directory; none: no warm start.
-    Unset with lr unset: the defaults rule's (sparsegpt with init_weights up to 90 % sparsity under 2048 steps)."""
+    Unset with lr unset: the defaults rule's (sparsegpt with init_weights up to 90 % sparsity under 2048 steps) [from the
+    defaults rule; none with your lr]."""
     init_weights: bool = Field(False, **_group("sparsity"))
-    """With init_mask: x starts from its pruned weights too (SparseGPT's reconstruction; a directory's): z₀ = x₀, u₀ = 0."""
+    """With init_mask: x starts from its pruned weights too (SparseGPT's reconstruction; a directory's): z₀ = x₀,
+    u₀ = 0 [from the defaults rule; off with your lr]."""
     nsamples: int = Field(128, gt=0, **_group("sparsity"))
     """Calibration sequences of seqlen tokens for wanda / sparsegpt (and --init_mask wanda|sparsegpt)."""
     blocksize: int = Field(128, gt=0, **_group("sparsity"))
@@ -135,9 +137,9 @@ class ElsaConfig(BaseModel):
     ppl_protocol: PplProtocol = Field(PplProtocol.auto, **_group("data"))
     """Perplexity windows (the report's, eval_ppl's, launch/evaluate.py's): stream (SparseGPT/Wanda: the text tokenized
     once, consecutive windows), window (the ELSA authors' Gemma protocol: the same windows, BOS overwrites each first
-    token), auto (window for Gemma, stream otherwise)."""
+    token), prepend (their code at 2947127: BOS + each window's first L-1 tokens), auto (window for Gemma, else stream)."""
     baseline: Literal["magnitude", "none"] = Field("magnitude", **_group("data"))
-    """One-shot baseline the report evaluates on the same windows: magnitude or none."""
+    """One-shot baseline the report evaluates on the same windows: magnitude or none (a warm start is compared instead)."""
 
     # --- ADMM ----------------------------------------------------------------------------------------------
     steps: int = Field(4096, gt=0, **_group("admm"))
@@ -208,7 +210,8 @@ class ElsaConfig(BaseModel):
 
     # --- evaluation of the saved model at the end ------------------------------------------------------------
     eval_ppl: CommaList = Field(default_factory=list, **_group("evaluation", "LIST"))
-    """Comma list of wikitext2, c4 or local text paths: perplexity of the saved model, rank 0 alone at the end."""
+    """Comma list of wikitext2, c4, shakespeare or local .txt/.md/.jsonl/.parquet paths or folders: perplexity of the
+    saved model, rank 0 alone at the end."""
     eval_tasks: CommaList = Field(default_factory=list, **_group("evaluation", "LIST"))
     """Comma list of lm-eval tasks run 0-shot on the saved model ('paper' = the seven tasks of the papers)."""
     eval_include_path: str | None = Field(None, **_group("evaluation", "DIR"))

@@ -44,7 +44,7 @@ class CompressSettings(BaseModel):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="elsa-compress", description=__doc__.splitlines()[0],
+    p = OneLineParser(prog="elsa-compress", description=__doc__.splitlines()[0].replace("``", ""),
                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
     add_flags(p, CompressSettings, flag_default=True)
     add_flags(p, JobOptions, ("log_level",))
