@@ -59,7 +59,8 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
     with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="elsa_ds_documents_") as tmp:  # SIGTERM: both cleaned up
         name = _dataset_name(dataset, Path(tmp))
         opts = job_options({"deepspeed": str(deepspeed), "output_dir": Path(output_dir), "overwrite": overwrite, "resume": resume,
-                            "recipe": recipe, "model_object": model if in_memory else None, "tokenizer_object": tokenizer})
+                            "recipe": recipe, "model_object": model if in_memory else None, "tokenizer_object": tokenizer},
+                           given_as="the arguments")
         given = {**settings, "model": _model_name(model) if in_memory else str(model), "dataset": name}
         cfg, ds_config = read_settings(opts, given, spelt="")
         with launcher_env_restored():

@@ -40,4 +40,5 @@ def test_wrong_argument_type_is_an_elsa_error_naming_it(name, tmp_path, tiny_mod
     with pytest.raises(ElsaError) as err:
         call(str(tiny_model_dir), str(text_dir), str(out))
     assert names in str(err.value), str(err.value)
+    assert "command line" not in str(err.value)  # a Python call has none: its arguments are named as such
     assert not out.exists() and list(tmp_path.iterdir()) == []      # nothing written, not even a lock or staging folder

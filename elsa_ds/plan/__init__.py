@@ -55,7 +55,8 @@ def elsa_settings(ds_config: DsConfig, deepspeed: str, recipe: str | None, given
     """ElsaConfig from ``given`` (flags or API keywords; None: not given) over the JSON's ``elsa`` block over a recipe,
     validated; ELSA's own settings refused for another method (``spelt``: "--" for flags, "" for keywords)."""
     settings = load_recipe(recipe) if recipe else None
-    cfg = resolve_config(ds_config.raw, given, source=deepspeed, recipe=settings, recipe_source=f"recipe {recipe}")
+    cfg = resolve_config(ds_config.raw, given, source=deepspeed, recipe=settings, recipe_source=f"recipe {recipe}",
+                         given_as="the command line" if spelt else "the arguments")
     refuse_unread_elsa_settings(cfg, given, spelt)
     return cfg
 

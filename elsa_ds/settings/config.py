@@ -380,8 +380,8 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
     return _load_recipe(name_or_path, set(ElsaConfig.model_fields))
 
 
-def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the DeepSpeed JSON",
-                   recipe: dict[str, Any] | None = None, recipe_source: str = "the recipe") -> ElsaConfig:
+def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the DeepSpeed JSON", recipe: dict[str, Any] | None = None,
+                   recipe_source: str = "the recipe", given_as: str = "the command line") -> ElsaConfig:
     """Merge defaults, demo profile, a recipe's settings, the JSON ``elsa`` block and command-line values (None = not
     given); each source's own settings are checked first and blamed on it."""
     block = ds_config.get("elsa", {})
@@ -396,5 +396,5 @@ def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the Deep
     try:
         return ElsaConfig(**merged)
     except ValidationError as err:
-        where = [w for w, used in ((recipe_source, recipe), (source, block), ("the command line", given)) if used]
+        where = [w for w, used in ((recipe_source, recipe), (source, block), (given_as, given)) if used]
         raise ElsaError(format_validation_error(err, " / ".join(where) or "the defaults", ElsaConfig)) from None

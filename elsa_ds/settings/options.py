@@ -41,9 +41,9 @@ class JobOptions(BaseModel):
     """The in-memory model's tokenizer (Python API only)."""
 
 
-def job_options(values: dict[str, Any]) -> JobOptions:
-    """JobOptions from flags (or API arguments), or one ElsaError naming every bad value."""
+def job_options(values: dict[str, Any], given_as: str = "the command line") -> JobOptions:
+    """JobOptions from flags (or API arguments: ``given_as`` "the arguments"), or one ElsaError naming every bad value."""
     try:
         return JobOptions(**values)
     except ValidationError as err:
-        raise ElsaError(format_validation_error(err, "the command line", JobOptions)) from None
+        raise ElsaError(format_validation_error(err, given_as, JobOptions)) from None
