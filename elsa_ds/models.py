@@ -18,7 +18,7 @@ import torch
 from elsa_ds.data import load_tokenizer
 from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.weight_files import check_model_folder, check_weight_files, stored_shapes
+from elsa_ds.files.weight_files import check_model_folder, check_weight_files, read_header, stored_shapes
 from elsa_ds.settings.config_files import read_json_object
 
 if TYPE_CHECKING:
@@ -61,22 +61,34 @@ def config_json(model_id: str) -> dict | None:
     return data
 
 
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"  # hub models' configs the estimate reads offline
 SPARSE_CONFIG_KEY = "elsa_sparse"  # the block elsa-compress adds to a sparse checkpoint's config.json (sparse/meta.py)
 
 
 def is_sparse_checkpoint(model_id: str) -> bool:
     """A local elsa-sparse checkpoint (``elsa-compress``'s folder): transformers would find none of its pruned weights
-    under their names (``NAME.values`` and positions are stored) and build them at random, saying so only in a warning."""
+    under their names (``NAME.values`` and positions are stored) and build them at random, saying so only in a warning.
+    Known by its config.json's block and its shards' own mark (a dense model saved from one may carry the block)."""
     data = config_json(model_id)
-    return data is not None and SPARSE_CONFIG_KEY in data
+    if data is None or SPARSE_CONFIG_KEY not in data:
+        return False
+    for file in sorted(Path(model_id).expanduser().glob("*.safetensors")):
+        try:
+            _, header = read_header(file)
+        except (OSError, ValueError):
+            continue
+        if isinstance(header, dict) and SPARSE_CONFIG_KEY in (header.get("__metadata__") or {}):
+            return True
+    return False
 
 
 def refuse_sparse_checkpoint(model_id: str, flag: str) -> None:
     """ElsaError for an elsa-sparse checkpoint where a job needs a model transformers loads (pruning, a mask's source)."""
     if Path(model_id).expanduser().is_dir() and is_sparse_checkpoint(model_id):
         raise ElsaError(f"{flag} {model_id} is an elsa-sparse checkpoint (elsa-compress's values and positions), which "
-                        "transformers would load with random weights in place of the pruned ones; give the dense export "
-                        "it was compressed from (or evaluate it: launch/evaluate.py and elsa_ds.sparse.from_pretrained read it)")
+                        "transformers would load with random weights in place of the pruned ones; give a dense folder "
+                        "(elsa_ds.sparse.from_pretrained(path, mode='dense') then save_pretrained makes one; "
+                        "launch/evaluate.py reads the sparse one as it is)")
 
 
 def load_config(model_id: str):
@@ -93,13 +105,24 @@ def load_config(model_id: str):
 
 def check_local_path(model_id: str) -> None:
     """ElsaError for a model named as a path that is not there: one starting with ., / or ~, or whose first part is a
-    folder here (``out/run1`` from a typo), which transformers would otherwise take for a hub id and retry for ~30 s."""
+    folder here (``out/run1`` from a typo), which transformers would otherwise take for a hub id and retry for ~30 s;
+    unless it is a hub id this machine knows (a shipped config, or in the Hugging Face cache)."""
     path = Path(model_id).expanduser()
-    first = model_id.split("/")[0]
-    if path.exists() or not (model_id.startswith((".", "/", "~")) or ("/" in model_id and Path(first).is_dir())):
+    if path.exists():
         return
-    why = "" if model_id.startswith((".", "/", "~")) else f" ({first}/ is a folder here, so the name is read as a path)"
-    raise ElsaError(f"model {model_id}: no such directory{why}")
+    if model_id.startswith((".", "/", "~")):
+        raise ElsaError(f"model {model_id}: no such directory")
+    parts = model_id.split("/")
+    if len(parts) < 2 or not Path(parts[0]).is_dir() or len(parts) == 2 and _known_hub_id(model_id):
+        return
+    raise ElsaError(f"model {model_id}: no such directory ({parts[0]}/ is a folder here, so the name is read as a path; "
+                    "for the hub model, run from another folder)")
+
+
+def _known_hub_id(model_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return (SHIPPED_CONFIGS / model_id / "config.json").is_file() or isinstance(try_to_load_from_cache(model_id, "config.json"), str)
 
 
 def guarded_config(model_id: str, read: Callable[[], Any]):

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from elsa_ds.errors import ElsaError
-from elsa_ds.models import embedding_weights, meta_model
+from elsa_ds.models import SHIPPED_CONFIGS, embedding_weights, meta_model
 from elsa_ds.targets import decoder_layer_list, select_targets
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_configs"
+CONFIG_DIR = SHIPPED_CONFIGS
 
 @dataclass
 class ModelShape:

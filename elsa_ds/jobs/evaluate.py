@@ -136,10 +136,12 @@ def load_model(s: EvalSettings, config, offload_folder: str | None) -> PreTraine
     if is_sparse_checkpoint(s.model):
         from elsa_ds.sparse import from_pretrained
 
-        if s.device_map:
-            log.warning("--device_map: an elsa-sparse checkpoint loads whole on one device")
-        return from_pretrained(s.model, mode="dense", dtype=resolve_dtype(s.dtype),
-                               device="cuda" if torch.cuda.is_available() else "cpu")
+        if s.device_map and torch.cuda.is_available():
+            log.warning("an elsa-sparse checkpoint loads whole on one GPU (device_map is not applied to it)")
+        model = from_pretrained(s.model, mode="dense", dtype=resolve_dtype(s.dtype),
+                                device="cuda" if torch.cuda.is_available() else "cpu")
+        model.config.use_cache = False  # scoring forwards build no KV cache, as load_causal_lm's models
+        return model
     kwargs: dict[str, Any] = {}
     if torch.cuda.is_available():
         kwargs["device_map"] = "auto" if s.device_map else "cuda"

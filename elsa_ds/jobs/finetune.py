@@ -141,7 +141,8 @@ class FinetuneJob:
             log.info(f"continuing at step {self.state.next_step} of {self.cfg.steps}")
             return
         self.state.baseline_ppl = self.validation_ppl(run)
-        log.info(f"validation ppl before fine-tuning: {self.state.baseline_ppl}")
+        if self.state.baseline_ppl is not None:
+            log.info(f"validation ppl before fine-tuning: {self.state.baseline_ppl:.3f}")
 
     def validation_ppl(self, run: Retraining) -> float | None:
         """Perplexity of the engine's current weights on the validation windows (None without windows). Collective."""

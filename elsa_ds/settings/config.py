@@ -229,7 +229,7 @@ class ElsaConfig(BaseModel):
     @classmethod
     def _local_dataset_exists(cls, v: str | None) -> str | None:
         if v is not None and (v.startswith((".", "/", "~")) or Path(v).suffix in LOCAL_SUFFIXES) and not Path(v).expanduser().exists():
-            raise ValueError("no such file or directory (or give c4, wikitext2 or a datasets name)")
+            raise ValueError("no such file or directory (or give c4, wikitext2, shakespeare or a datasets name)")
         return v
 
     @field_validator("model")

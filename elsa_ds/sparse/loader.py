@@ -17,7 +17,7 @@ from elsa_ds.sparse.folder import TensorReader
 from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError, check_type,
                                       tensor_digest)
 from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path, ready_to_decode
-from elsa_ds.sparse.meta import UNSEALED_VERSION, sparse_meta
+from elsa_ds.sparse.meta import CONFIG_KEY, UNSEALED_VERSION, sparse_meta
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -109,6 +109,8 @@ def _empty_model(path: Path, dtype: torch.dtype | None) -> PreTrainedModel:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise SparseCheckpointError(f"{path}: transformers cannot build a causal LM from its config.json ({first})") from None
     model.tie_weights()  # no_init_weights skips init_weights, which is where transformers ties them
+    if hasattr(model.config, CONFIG_KEY):  # the block describes the files, not the model: a save of it is dense
+        delattr(model.config, CONFIG_KEY)
     return model
 
 

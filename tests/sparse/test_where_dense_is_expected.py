@@ -33,3 +33,36 @@ def test_a_pruning_job_refuses_a_sparse_checkpoint_in_one_line(sparse_dir, tmp_p
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("elsa_ds: error")]
     assert len(errors) == 1 and f"{flag} {sparse_dir} is an elsa-sparse checkpoint" in errors[0], errors
     assert not (tmp_path / "out").exists()
+
+
+def test_a_dense_folder_saved_from_a_sparse_checkpoint_is_dense(sparse_dir, tmp_path, capsys):
+    """The refusal's way out (a review's find): from_pretrained(mode="dense") then save_pretrained. The block in
+    config.json describes the sparse files, not the model, so the save is a plain dense folder: evaluated by
+    transformers, accepted by a pruning job; a config that kept the block beside dense shards is not taken for sparse."""
+    import shutil
+
+    from elsa_ds.models import is_sparse_checkpoint
+    from elsa_ds.sparse import from_pretrained
+
+    dense = tmp_path / "dense"
+    from_pretrained(sparse_dir, mode="dense").save_pretrained(dense)
+    assert "elsa_sparse" not in json.loads((dense / "config.json").read_text())
+    stale = tmp_path / "stale"  # a save from before the block was dropped
+    shutil.copytree(dense, stale)
+    config = json.loads((stale / "config.json").read_text())
+    config["elsa_sparse"] = json.loads((sparse_dir / "config.json").read_text())["elsa_sparse"]
+    (stale / "config.json").write_text(json.dumps(config))
+    assert is_sparse_checkpoint(str(sparse_dir)) and not is_sparse_checkpoint(str(dense)) and not is_sparse_checkpoint(str(stale))
+
+
+def test_a_hub_id_whose_owner_is_also_a_folder_here(tmp_path, monkeypatch):
+    """A name whose first part is a folder here is a path (a typo'd out/run1 is 'no such directory' at once, not ~30 s of
+    hub retries), unless it is a hub id this machine knows: a shipped config (offline estimates) or one in the cache."""
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.models import check_local_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "google").mkdir()
+    check_local_path("google/gemma-2-27b")  # shipped in elsa_ds/model_configs
+    with pytest.raises(ElsaError, match="no such directory .google/ is a folder here.*run from another folder"):
+        check_local_path("google/no-such-model")
