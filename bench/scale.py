@@ -95,9 +95,9 @@ def default_layers(ram: int, train_embeddings: bool) -> int:
 
 def _config(layers: int) -> dict:
     """The shipped Gemma-2-27B config.json with ``layers`` decoder layers."""
-    from elsa_ds.capacity.shapes import CONFIG_DIR
+    from elsa_ds.models import SHIPPED_CONFIGS
 
-    config = json.loads((CONFIG_DIR / BASE_MODEL / "config.json").read_text())
+    config = json.loads((SHIPPED_CONFIGS / BASE_MODEL / "config.json").read_text())
     config["num_hidden_layers"] = layers
     config.pop("layer_types", None)  # derived from the layer count by transformers
     return config

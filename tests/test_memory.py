@@ -8,7 +8,7 @@ import pytest
 from elsa_ds.capacity.memory import (CUDA_HOST_BYTES, RUNTIME_GPU_BYTES, ModelShape, estimate, model_shape, resolve_model_config,
                                      sub_groups)
 from elsa_ds.capacity.resident import pinned_block, pinned_reserved
-from elsa_ds.capacity.shapes import CONFIG_DIR
+from elsa_ds.models import SHIPPED_CONFIGS
 from elsa_ds.zero.ds_config import DsConfig
 from tests.conftest import run_entry
 
@@ -132,7 +132,7 @@ def _scale_job(layers: int, ranks: int = 1, freeze: bool = True):
     """bench/scale.py's model (Gemma-2-27B shapes, ``layers`` decoder layers) and its fitted zero3_nvme config."""
     from transformers import AutoConfig
 
-    config = json.loads((CONFIG_DIR / "google/gemma-2-27b/config.json").read_text())
+    config = json.loads((SHIPPED_CONFIGS / "google/gemma-2-27b/config.json").read_text())
     shape = model_shape(AutoConfig.for_model(**{**config, "num_hidden_layers": layers}), freeze_embeddings=freeze)
     ds = DsConfig.load("ds_configs/zero3_nvme.json").raw
     zero = ds["zero_optimization"]
@@ -205,7 +205,7 @@ def test_gemma2_27b_cut_to_layers_on_a_gpu_host_within_the_margin_of_the_h200_ru
     from elsa_ds.capacity.memory import estimate_job
 
     settings = {"freeze_embeddings": True, "seqlen": 2048, "batch_size": 1, "micro_batch": 1}
-    config_json = json.loads((CONFIG_DIR / "google/gemma-2-27b/config.json").read_text())
+    config_json = json.loads((SHIPPED_CONFIGS / "google/gemma-2-27b/config.json").read_text())
     for n in (layers, 8):
         (tmp_path / str(n)).mkdir()
         (tmp_path / str(n) / "config.json").write_text(json.dumps({**config_json, "num_hidden_layers": n}))

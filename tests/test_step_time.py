@@ -10,13 +10,13 @@ import pytest
 from transformers import AutoConfig
 
 from elsa_ds.capacity.memory import model_shape
-from elsa_ds.capacity.shapes import CONFIG_DIR
 from elsa_ds.capacity.step_time import TYPICAL, measure, step_time
 from elsa_ds.cli import main_estimate
+from elsa_ds.models import SHIPPED_CONFIGS
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.zero.ds_config import DsConfig
 
-GEMMA2_27B = json.loads((CONFIG_DIR / "google/gemma-2-27b/config.json").read_text())
+GEMMA2_27B = json.loads((SHIPPED_CONFIGS / "google/gemma-2-27b/config.json").read_text())
 
 
 def _timed(layers: int = 4, deepspeed: str = "zero3_offload", num_gpus: int = 1, num_nodes: int = 1, device: str = "cuda",

@@ -11,7 +11,6 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.models import SHIPPED_CONFIGS, embedding_weights, meta_model
 from elsa_ds.targets import decoder_layer_list, select_targets
 
-CONFIG_DIR = SHIPPED_CONFIGS
 
 @dataclass
 class ModelShape:
@@ -50,13 +49,13 @@ def resolve_model_config(model: str):
         if not (path / "config.json").exists():
             raise ElsaError(f"{model}: directory has no config.json")
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    shipped = CONFIG_DIR / model
+    shipped = SHIPPED_CONFIGS / model
     if (shipped / "config.json").exists():
         return AutoConfig.from_pretrained(shipped, trust_remote_code=False)
     try:
         return AutoConfig.from_pretrained(model, trust_remote_code=False)
     except (OSError, ValueError) as err:
-        raise ElsaError(f"cannot resolve model {model!r}: not a directory, not shipped in {CONFIG_DIR}, and not loadable "
+        raise ElsaError(f"cannot resolve model {model!r}: not a directory, not shipped in {SHIPPED_CONFIGS}, and not loadable "
                         f"({str(err).splitlines()[0]})") from None
 
 

@@ -32,8 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from elsa_ds.capacity.resident import Job, element_bytes, read_job
-from elsa_ds.methods import oneshot_names
 from elsa_ds.capacity.shapes import ModelShape
+from elsa_ds.methods import oneshot_names
 
 
 @dataclass(frozen=True)

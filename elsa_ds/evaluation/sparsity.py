@@ -51,6 +51,7 @@ def sparsity_report(model_dir: str | Path, targets: str | None = None) -> dict:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ElsaError(f"{model_dir}: no .safetensors files to report on")
+    pattern = re.compile(targets or DEFAULT_TARGETS)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
@@ -61,7 +62,6 @@ def sparsity_report(model_dir: str | Path, targets: str | None = None) -> dict:
                     with safe_open(str(file), framework="pt") as fh:
                         yield key, fh.get_tensor(key)
 
-    pattern = re.compile(targets or DEFAULT_TARGETS)
     return _report(tensors())
 
 

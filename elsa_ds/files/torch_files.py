@@ -3,9 +3,10 @@
 torch's weights-only loader keeps a pickle from running code, not from taking memory: a zip entry stored compressed
 (deflate packs ~1000:1; ``torch.save`` never compresses) unpacks whole into memory when the file is scanned or loaded,
 and a tensor saved as a view that repeats its storage (``expand``: stride 0) becomes its full size the moment anything
-makes it contiguous (a checksum, a copy); and a zip's directory costs its reader ~0.6 KiB an entry, so one of more entries
-than ``torch.save`` writes takes far more memory than its file. :func:`zip_problem` is read from the zip's directory alone (nothing is
-unpacked); :func:`inflated_tensor` from the loaded object's tensors, whose storages are what the file held.
+makes it contiguous (a checksum, a copy); and a zip's directory costs its reader ~0.6 KiB an entry, so one of more
+entries than ``torch.save`` writes takes far more memory than its file. :func:`zip_problem` is read from the zip's
+directory alone (nothing is unpacked); :func:`inflated_tensor` from the loaded object's tensors, whose storages are
+what the file held.
 """
 from __future__ import annotations
 

@@ -130,10 +130,10 @@ def check_new_files(paths: dict[str, Path | None], overwrite: bool) -> None:
         seen[path.resolve()] = flag
 
 
-def load_model(s: EvalSettings, config, offload_folder: str | None) -> PreTrainedModel:
+def load_model(s: EvalSettings, config, offload_folder: str | None, sparse: bool) -> PreTrainedModel:
     """from_pretrained in the chosen dtype, on the GPU (or spread with device_map="auto") when there is one; an
-    elsa-sparse checkpoint through its own loader, decompressed (bit for bit the dense export it was made from)."""
-    if is_sparse_checkpoint(s.model):
+    elsa-sparse checkpoint (``sparse``) through its own loader, decompressed (bit for bit the dense export it was made from)."""
+    if sparse:
         from elsa_ds.sparse import from_pretrained
 
         if s.device_map and torch.cuda.is_available():
@@ -211,12 +211,13 @@ def measure(s: EvalSettings, prep: _Prepared) -> dict[str, Any]:
     offloading = s.device_map is not None and torch.cuda.is_available()
     offload_dir = tempfile.TemporaryDirectory(prefix="elsa_offload_", dir=s.offload_folder) if offloading else contextlib.nullcontext()
     with offload_dir as offload:
-        model = load_model(s, prep.config, offload)
+        sparse = is_sparse_checkpoint(s.model)
+        model = load_model(s, prep.config, offload, sparse)
         first = next(model.parameters())
         found: dict[str, Any] = {"device": str(first.device), "dtype": str(first.dtype).removeprefix("torch.")}
         log.info(f"loaded {s.model} ({prep.config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
             f"{found['dtype']}, {found['device']})")
-        found["sparsity"] = model_sparsity_report(model) if is_sparse_checkpoint(s.model) else model_sparsity(s.model)
+        found["sparsity"] = model_sparsity_report(model) if sparse else model_sparsity(s.model)
         found["ppl"] = {}
         for source, w in prep.windows.items():
             nll, tokens = window_nll(lambda ids: model(input_ids=ids).logits, w.ids, s.batch_size, device=first.device, progress=True)
