@@ -66,9 +66,10 @@ SPARSE_CONFIG_KEY = "elsa_sparse"  # the block elsa-compress adds to a sparse ch
 
 
 def is_sparse_checkpoint(model_id: str) -> bool:
-    """A local elsa-sparse checkpoint (``elsa-compress``'s folder): transformers would find none of its pruned weights
-    under their names (``NAME.values`` and positions are stored) and build them at random, saying so only in a warning.
-    Known by its config.json's block and its shards' own mark (a dense model saved from one may carry the block)."""
+    """A local elsa-sparse checkpoint (``elsa-compress``'s folder), whose pruned weights are stored as ``NAME.values`` and
+    positions: transformers finds no weight files in one of format version 3, and in one of versions 1 and 2 builds
+    them at random, saying so only in a warning. Known by its config.json's block and its shards' own mark (a dense
+    model saved from one may carry the block)."""
     data = config_json(model_id)
     if data is None or SPARSE_CONFIG_KEY not in data:
         return False
@@ -86,7 +87,7 @@ def refuse_sparse_checkpoint(model_id: str, flag: str) -> None:
     """ElsaError for an elsa-sparse checkpoint where a job needs a model transformers loads (pruning, a mask's source)."""
     if Path(model_id).expanduser().is_dir() and is_sparse_checkpoint(model_id):
         raise ElsaError(f"{flag} {model_id} is an elsa-sparse checkpoint (elsa-compress's values and positions), which "
-                        "transformers would load with random weights in place of the pruned ones; give a dense folder "
+                        "transformers cannot load as the model; give a dense folder "
                         "(elsa_ds.sparse.from_pretrained(path, mode='dense') then save_pretrained makes one; "
                         "launch/evaluate.py reads the sparse one as it is)")
 

@@ -99,9 +99,13 @@ def test_a_sparse_checkpoint_whose_config_is_too_deep_or_too_large_is_refused_be
 
 
 def _as_bin(sparse: Path, **replace: torch.Tensor) -> dict:
+    """The checkpoint's tensors (``replace`` put in), its safetensors file gone: a version 2 checkpoint (the last whose
+    weights could be a pytorch_model.bin) once they are saved as one."""
     from safetensors.torch import load_file
 
-    state = load_file(str(sparse / "model.safetensors")) | replace
+    from tests.sparse.conftest import as_model_named
+
+    state = load_file(str(as_model_named(sparse, version=2) / "model.safetensors")) | replace
     (sparse / "model.safetensors").unlink()
     return state
 

@@ -255,5 +255,5 @@ def test_compress_refuses_a_disk_too_small_before_writing_and_names_a_late_full_
                               text=True, timeout=600, preexec_fn=_limit_file_size(2**20))
         line = _one_error_line(proc)
         assert sorted(p.name for p in (tmp_path / "big").iterdir()) == [], line
-    assert re.search(r"^elsa_ds: error: file size limit reached on .+ writing \S+model\.safetensors: [\d,]+ bytes needed, "
+    assert re.search(r"^elsa_ds: error: file size limit reached on .+ writing \S+elsa-sparse\.safetensors: [\d,]+ bytes needed, "
                      r"[\d,]+ free; free space or choose another output folder$", line), line

@@ -8,7 +8,7 @@ each tensor arrives and dropped at once: the writer never holds more than the te
 Shards follow huggingface_hub's split (``split_state_dict_into_shards_factory``): a tensor that would push a shard
 past ``max_shard_size`` starts the next one, a tensor larger than ``max_shard_size`` gets a shard of its own;
 ``model.safetensors`` when there is one shard, else ``model-0000i-of-0000n.safetensors`` and
-``model.safetensors.index.json``.
+``model.safetensors.index.json`` (another ``stem`` in place of ``model``: an elsa-sparse checkpoint's ``elsa-sparse``).
 
 A full disk becomes ``disk_room.DiskFull`` naming the shard and the bytes of every shard together.
 """
@@ -30,7 +30,6 @@ from elsa_ds.files.disk_room import writing
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
           torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
@@ -77,8 +76,12 @@ def plan_shards(specs: list[TensorSpec], max_shard_size: int | str) -> list[list
     return shards
 
 
-def shard_names(count: int) -> list[str]:
-    return ["model.safetensors"] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+def shard_names(count: int, stem: str = "model") -> list[str]:
+    return [f"{stem}.safetensors"] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def index_name(stem: str = "model") -> str:
+    return f"{stem}.safetensors.index.json"
 
 
 def header_bytes(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
@@ -103,10 +106,11 @@ class ShardedWriter:
     """
 
     def __init__(self, out_dir: Path, specs: list[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, stem: str = "model"):
         self.out_dir = Path(out_dir)
         self.shards = plan_shards(specs, max_shard_size)
-        self.names = shard_names(len(self.shards))
+        self.names = shard_names(len(self.shards), stem)
+        self.index_name = index_name(stem)
         self.metadata = metadata or {"format": "pt"}
         self._queue = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
         self._next = 0
@@ -176,4 +180,4 @@ class ShardedWriter:
         if len(self.shards) > 1:
             weight_map = {spec.name: self.names[i] for i, shard in enumerate(self.shards) for spec in shard}
             index = {"metadata": {"total_size": sum(s.nbytes for shard in self.shards for s in shard)}, "weight_map": weight_map}
-            (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            (self.out_dir / self.index_name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -17,7 +17,8 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.files import torch_files
 
 _HEADER_LIMIT = 100 * 2**20  # safetensors headers are small; a larger "length" means a corrupt file
-SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SPARSE_STEM = "elsa-sparse"  # an elsa-sparse checkpoint's weight files (version 3): names transformers never reads
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", f"{SPARSE_STEM}.safetensors.index.json")
 
 
 def read_header(file: Path) -> tuple[int, Any]:

@@ -9,38 +9,47 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from elsa_ds.files import torch_files
-from elsa_ds.files.weight_files import inside_folder, read_index as read_weight_map
+from elsa_ds.files.safetensors_writer import index_name
+from elsa_ds.files.weight_files import SPARSE_STEM, inside_folder, read_index as read_weight_map
 from elsa_ds.sparse.integrity import SparseCheckpointError
 
-SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
-WEIGHT_NAMES = ("model.safetensors", SAFETENSORS_INDEX, "pytorch_model.bin", BIN_INDEX)
+DENSE = "model"  # transformers' weight files; an elsa-sparse checkpoint's (format version 3) are SPARSE_STEM's
+SAFETENSORS_INDEX, BIN_INDEX = index_name(DENSE), "pytorch_model.bin.index.json"
+WEIGHT_NAMES = ("model.safetensors", SAFETENSORS_INDEX, "pytorch_model.bin", BIN_INDEX, f"{SPARSE_STEM}.safetensors",
+                index_name(SPARSE_STEM))
 
 
-def locate(folder: Path) -> tuple[list[Path], dict[str, Path] | None]:
-    """The folder's weight files in index order, and the index's tensor -> shard map (None: a single file).
+def locate(folder: Path, stem: str = DENSE) -> tuple[list[Path], dict[str, Path] | None, Path | None]:
+    """The folder's weight files in index order, the index's tensor -> shard map (None: a single file) and the index.
 
-    SparseCheckpointError when the folder has none, its index is malformed or names shards it lacks or outside it."""
-    for index_name, single in ((SAFETENSORS_INDEX, "model.safetensors"), (BIN_INDEX, "pytorch_model.bin")):
-        index = folder / index_name
+    ``stem``: transformers' files (``model.safetensors``, ``pytorch_model.bin``, sharded or not), or another stem's
+    safetensors (``elsa-sparse.safetensors``, sharded or not). SparseCheckpointError when the folder has none, its
+    index is malformed or names shards it lacks or outside it."""
+    layouts = ((SAFETENSORS_INDEX, "model.safetensors"), (BIN_INDEX, "pytorch_model.bin")) if stem == DENSE else \
+        ((index_name(stem), f"{stem}.safetensors"),)
+    for name, single in layouts:
+        index = folder / name
         if index.is_file():
             weight_map = read_index(index)
             shards = {name: inside(folder, name, index) for name in dict.fromkeys(weight_map.values())}
             absent = [name for name, f in shards.items() if not f.is_file()]
             if absent:
                 raise SparseCheckpointError(f"{index}: names {', '.join(absent)}, which the folder lacks")
-            return list(shards.values()), {tensor: shards[name] for tensor, name in weight_map.items()}
+            return list(shards.values()), {tensor: shards[name] for tensor, name in weight_map.items()}, index
         if (folder / single).is_file():
-            return [inside(folder, single, folder)], None
-    raise SparseCheckpointError(f"{folder} holds no model weights ({' or '.join(WEIGHT_NAMES)})")
+            return [inside(folder, single, folder)], None, None
+    names = " or ".join(n for layout in layouts for n in layout[::-1])
+    raise SparseCheckpointError(f"{folder} holds no {'model' if stem == DENSE else stem} weights ({names})")
 
 
-def weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path, stem: str = DENSE) -> list[Path]:
     """The folder's weight files in index order (see :func:`locate`)."""
-    return locate(folder)[0]
+    return locate(folder, stem)[0]
 
 
 def read_index(index: Path) -> dict[str, str]:
@@ -54,15 +63,17 @@ def inside(folder: Path, name: str, listed_in: Path) -> Path:
 
 
 def is_weight_file(path: Path) -> bool:
-    return path.name in WEIGHT_NAMES or (path.name.startswith(("model-", "pytorch_model-")) and path.suffix in (".safetensors", ".bin"))
+    """A weight file or shard index of transformers' names, or of an elsa-sparse checkpoint's."""
+    return path.name in WEIGHT_NAMES or (path.name.startswith(("model-", "pytorch_model-", f"{SPARSE_STEM}-"))
+                                         and path.suffix in (".safetensors", ".bin"))
 
 
 class TensorReader:
     """The tensors of a folder by name, read lazily (safetensors: memory-mapped per tensor; .bin: torch.load mmap)."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, stem: str = DENSE):
         self.folder = Path(folder)
-        self.files, index = locate(self.folder)
+        self.files, index, self._index_file = locate(self.folder, stem)
         self._where: dict[str, Path] = {}
         self._open: dict[Path, object] = {}
         for path in self.files:
@@ -75,7 +86,7 @@ class TensorReader:
 
     def _agree(self, index: dict[str, Path]) -> None:
         """The index and the shards' headers name the same tensors in the same files."""
-        listed = next(f for f in (self.folder / SAFETENSORS_INDEX, self.folder / BIN_INDEX) if f.is_file())
+        listed = cast(Path, self._index_file)
         for name, path in index.items():
             if self._where.get(name) != path:
                 found = f"{self._where[name].name} holds it" if name in self._where else "no shard it names holds it"

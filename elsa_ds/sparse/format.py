@@ -26,7 +26,7 @@ import torch
 
 from elsa_ds.sparse.integrity import SparseCheckpointError
 
-FORMAT, VERSION = "elsa-sparse", 2  # version 2: checksums recorded (elsa_ds/sparse/meta.py)
+FORMAT, VERSION = "elsa-sparse", 3  # 2: checksums recorded (elsa_ds/sparse/meta.py); 3: weight files transformers never reads
 BITMASK, DELTA8 = "bitmask", "delta8"
 MAX_GAP = 256  # a delta8 byte moves at most 256 columns
 PARTS = {BITMASK: ("values", "bitmask"), DELTA8: ("values", "deltas", "row_offsets")}

@@ -1,6 +1,6 @@
 """The ``elsa_sparse`` block of a sparse checkpoint's config.json: written sealed with its checksums, read back checked.
 
-    "elsa_sparse": {"format": "elsa-sparse", "version": 2, "min_sparsity": 0.3,
+    "elsa_sparse": {"format": "elsa-sparse", "version": 3, "min_sparsity": 0.3,
                     "tensors": {NAME: {"shape": [rows, cols], "dtype", "encoding", "nonzeros", "entries"}},
                     "checksum": {"algorithm": "sha256", "tensors": {STORED_NAME: hex}, "config": hex}}
 
@@ -13,14 +13,17 @@ from pathlib import Path
 
 from elsa_ds import json_data
 from elsa_ds.files.safetensors_writer import DTYPES
+from elsa_ds.files.weight_files import SPARSE_STEM
 from elsa_ds.log import get_logger
 from elsa_ds.models import SPARSE_CONFIG_KEY
 from elsa_ds.sparse import format as fmt
+from elsa_ds.sparse.folder import DENSE
 from elsa_ds.sparse.integrity import ALGORITHM, SparseCheckpointError, is_digest, json_digest
 
 CONFIG_KEY = SPARSE_CONFIG_KEY
 UNSEALED_VERSION = 1  # written before checksums: loaded unverified
-READABLE_VERSIONS = (UNSEALED_VERSION, fmt.VERSION)
+MODEL_NAMED_VERSIONS = (UNSEALED_VERSION, 2)  # weights in model.safetensors, which transformers loads without the block
+READABLE_VERSIONS = (*MODEL_NAMED_VERSIONS, fmt.VERSION)
 FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in DTYPES if d.is_floating_point}  # what compress can write
 
 log = get_logger(__name__)
@@ -47,6 +50,13 @@ def block(min_sparsity: float, chosen: dict[str, dict], digests: dict[str, str])
     tensors = {n: {k: v for k, v in c.items() if k not in ("dense_bytes", "bytes")} for n, c in chosen.items()}
     return {"format": fmt.FORMAT, "version": fmt.VERSION, "min_sparsity": min_sparsity, "tensors": tensors,
             "checksum": {"algorithm": ALGORITHM, "tensors": digests, "config": ""}}
+
+
+def weights_stem(meta: dict) -> str:
+    """The stem of a checkpoint's weight files: ``elsa-sparse`` (``elsa-sparse.safetensors``, sharded or not), where
+    ``transformers.from_pretrained`` finds no weights and fails, instead of building the pruned ones at random beside
+    the ``NAME.values`` it does not know; ``model`` in versions 1 and 2."""
+    return DENSE if meta["version"] in MODEL_NAMED_VERSIONS else SPARSE_STEM
 
 
 def config_digest(config: dict) -> str:

@@ -1,16 +1,40 @@
 """Fixtures of the sparse-checkpoint tests: the shipped demo model magnitude-pruned, and its sparse checkpoint."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from elsa_ds.files.safetensors_writer import index_name
+from elsa_ds.files.weight_files import SPARSE_STEM
 from elsa_ds.sparse import kernels as K
 
 DEMO = Path(__file__).resolve().parents[2] / "elsa_ds" / "demo" / "model"
 SPARSITY = 0.6  # the demo still writes text at 60 %, so greedy generate() compares real tokens
+SPARSE_FILE, SPARSE_INDEX, SPARSE_SHARDS = f"{SPARSE_STEM}.safetensors", index_name(SPARSE_STEM), f"{SPARSE_STEM}-*.safetensors"
+
+
+def as_model_named(ckpt: Path, version: int = 2) -> Path:
+    """``ckpt`` (written as version 3) laid out as versions 1 and 2 wrote it: weight files named as transformers' (the
+    ``elsa_sparse`` block's version set, a version 2 block resealed over the same content, version 1's checksums dropped)."""
+    from elsa_ds.sparse.meta import seal
+
+    for file in sorted(ckpt.glob(f"{SPARSE_STEM}*.safetensors")):
+        file.rename(ckpt / file.name.replace(SPARSE_STEM, "model", 1))
+    if (ckpt / SPARSE_INDEX).is_file():
+        index = json.loads((ckpt / SPARSE_INDEX).read_text())
+        index["weight_map"] = {k: v.replace(SPARSE_STEM, "model", 1) for k, v in index["weight_map"].items()}
+        (ckpt / index_name()).write_text(json.dumps(index))
+        (ckpt / SPARSE_INDEX).unlink()
+    config = json.loads((ckpt / "config.json").read_text())
+    config["elsa_sparse"]["version"] = version
+    if version == 1:
+        del config["elsa_sparse"]["checksum"]
+    (ckpt / "config.json").write_text(json.dumps(seal(config) if version > 1 else config))
+    return ckpt
 
 
 def magnitude_prune(model: torch.nn.Module, sparsity: float) -> None:

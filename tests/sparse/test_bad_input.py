@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.weight_files import SPARSE_STEM
 from elsa_ds.sparse import from_pretrained
 from tests.conftest import run_entry, run_fails
-from tests.sparse.conftest import DEMO
+from tests.sparse.conftest import DEMO, SPARSE_FILE, SPARSE_INDEX, SPARSE_SHARDS
 
 
 def _copy(src, tmp_path, name="copy"):
@@ -24,17 +25,17 @@ def _copy(src, tmp_path, name="copy"):
 
 def _truncated(sparse_dir, tmp_path):
     bad = _copy(sparse_dir, tmp_path)
-    data = (bad / "model.safetensors").read_bytes()
-    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    weights = next(bad / name for name in (SPARSE_FILE, "model.safetensors") if (bad / name).is_file())  # sparse or dense
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     return bad
 
 
 def _count_mismatch(sparse_dir, tmp_path):
     bad = _copy(sparse_dir, tmp_path)
-    tensors = load_file(bad / "model.safetensors")
+    tensors = load_file(bad / SPARSE_FILE)
     name = next(n for n in tensors if n.endswith(".values"))
     tensors[name] = tensors[name][:-3].clone()
-    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    save_file(tensors, bad / SPARSE_FILE, metadata={"format": "pt"})
     return bad
 
 
@@ -87,7 +88,7 @@ def test_existing_output_needs_overwrite(pruned_dir, tmp_path):
     run_fails("compress.py", [str(pruned_dir), str(out)], "--overwrite")
     assert (out / "keep.txt").read_text() == "mine"
     run_entry("compress.py", [str(pruned_dir), str(out), "--overwrite"])
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert not (out / "keep.txt").exists() and (out / SPARSE_FILE).is_file()
     run_entry("compress.py", ["--verify", str(out)])
 
 
@@ -124,7 +125,7 @@ def _reseal(ckpt):
     from elsa_ds.sparse.integrity import tensor_digest
     from elsa_ds.sparse.meta import seal
 
-    reader = TensorReader(ckpt)
+    reader = TensorReader(ckpt, SPARSE_STEM)
     config = json.loads((ckpt / "config.json").read_text())
     config["elsa_sparse"]["checksum"]["tensors"] = {n: tensor_digest(n, reader.get(n)) for n in reader.names}
     (ckpt / "config.json").write_text(json.dumps(seal(config)))
@@ -132,8 +133,8 @@ def _reseal(ckpt):
 
 def _renamed(ckpt, old="self_attn.q_proj", new="self_attn.qq_proj"):
     """q_proj renamed everywhere (shard, index, config) and resealed: a weight this model does not have."""
-    index = ckpt / "model.safetensors.index.json"
-    for shard in sorted(ckpt.glob("model-*.safetensors")):
+    index = ckpt / SPARSE_INDEX
+    for shard in sorted(ckpt.glob(SPARSE_SHARDS)):
         tensors = load_file(shard)
         if any(old in n for n in tensors):
             save_file({n.replace(old, new): t for n, t in tensors.items()}, shard, metadata={"format": "pt"})
@@ -144,7 +145,7 @@ def _renamed(ckpt, old="self_attn.q_proj", new="self_attn.qq_proj"):
 
 
 def _shard(ckpt, i=0):
-    return sorted(ckpt.glob("model-*.safetensors"))[i]
+    return sorted(ckpt.glob(SPARSE_SHARDS))[i]
 
 
 def _cut(path, keep):
@@ -169,14 +170,14 @@ def _huge_shape_forged(ckpt):
 
 
 def _index_dropped(ckpt):
-    _json(ckpt / "model.safetensors.index.json", lambda i: i["weight_map"].pop("model.norm.weight"))  # its shard holds more
+    _json(ckpt / SPARSE_INDEX, lambda i: i["weight_map"].pop("model.norm.weight"))  # its shard holds more
 
 
 def _index_moved(ckpt):
-    _json(ckpt / "model.safetensors.index.json", lambda i: i["weight_map"].update({"model.norm.weight": _shard(ckpt, 0).name}))
+    _json(ckpt / SPARSE_INDEX, lambda i: i["weight_map"].update({"model.norm.weight": _shard(ckpt, 0).name}))
 
 
-INDEX_JSON = "model.safetensors.index.json"
+INDEX_JSON = SPARSE_INDEX
 TAMPERED = {  # name: (change the copy, what the message says); each today a traceback or a silent load
     "entry_not_a_dict": (lambda d: _json(d / "config.json", lambda c: c["elsa_sparse"]["tensors"].update(
         {"model.layers.0.self_attn.q_proj.weight": "bitmask"})), "expected an object, found str"),
@@ -195,8 +196,8 @@ TAMPERED = {  # name: (change the copy, what the message says); each today a tra
     "weight_map_value_int": (lambda d: _json(d / INDEX_JSON, lambda i: i["weight_map"].update(
         {"lm_head.weight": 3})), "weight_map must map"),
     "index_truncated": (lambda d: _cut(d / INDEX_JSON, lambda n: n - 5), "not a valid shard index"),
-    "index_drops_a_tensor": (_index_dropped, "model.safetensors.index.json does not list"),
-    "index_moves_a_tensor": (_index_moved, "puts model.norm.weight in model-00001-of-00006.safetensors, but model-00006"),
+    "index_drops_a_tensor": (_index_dropped, f"{SPARSE_INDEX} does not list"),
+    "index_moves_a_tensor": (_index_moved, f"puts model.norm.weight in {SPARSE_STEM}-00001-of-00006.safetensors, but {SPARSE_STEM}-00006"),
     "shard_truncated": (lambda d: _cut(_shard(d), lambda n: n - 1), "truncated or corrupt"),
     "shard_header_cut": (lambda d: _cut(_shard(d), lambda n: 5), "truncated or corrupt"),
     "unknown_weight_forged": (_renamed, "qq_proj.weight, which this model .* does not have"),

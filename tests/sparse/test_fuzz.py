@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from elsa_ds.sparse import SparseCheckpointError, from_pretrained, verify
+from tests.sparse.conftest import SPARSE_INDEX, SPARSE_SHARDS
 
 SEED = 20240542
 FLIPS_PER_FILE = 8
 SWAPS = (None, "x", 1.5, -3, [], {}, [16, "16"], {"a": 1}, True)
-INDEX = "model.safetensors.index.json"
+INDEX = SPARSE_INDEX
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _files(ckpt: Path) -> list[Path]:
-    return [ckpt / "config.json", ckpt / INDEX] + sorted(ckpt.glob("model-*.safetensors"))
+    return [ckpt / "config.json", ckpt / INDEX] + sorted(ckpt.glob(SPARSE_SHARDS))
 
 
 def _outcome(work, label: str, mode: str, check: bool = True) -> str:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from elsa_ds.files.weight_files import SPARSE_STEM
 from elsa_ds.sparse import compress, from_pretrained, verify
 from elsa_ds.sparse.folder import TensorReader
 from elsa_ds.sparse.linear import SparseLinear
-from tests.sparse.conftest import pruned_demo
+from tests.sparse.conftest import SPARSE_FILE, SPARSE_INDEX, SPARSE_SHARDS, pruned_demo
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,7 @@ def test_sparse_mode_logits_and_greedy_tokens(sparse_dir):
 
 
 def test_sizes_of_the_pruned_demo(pruned_dir, sparse_dir, tmp_path):
-    reader = TensorReader(sparse_dir)
+    reader = TensorReader(sparse_dir, SPARSE_STEM)
     assert any(n.endswith(".bitmask") for n in reader.names)  # 60 % in fp32: the bitmask is smaller
     files = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
     # 60 % of the decoder weights in fp32 (4 bytes + 1/8 byte of bitmask per kept weight), the embedding dense
@@ -56,7 +57,7 @@ def test_sizes_of_the_pruned_demo(pruned_dir, sparse_dir, tmp_path):
     assert done["pruned_bytes"] <= 0.2 * done["pruned_dense_bytes"]
     assert done["output_bytes"] < 0.5 * done["input_bytes"]
     assert sorted(p.name for p in (tmp_path / "bf16-90-sparse").iterdir()) == sorted(
-        ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"])
+        ["config.json", "generation_config.json", SPARSE_FILE, "tokenizer.json", "tokenizer_config.json"])
     assert verify(tmp_path / "bf16-90-sparse")["plain"] > 0
 
 
@@ -72,7 +73,7 @@ def test_sharded_and_bin_inputs_and_sharded_output(pruned_dir, tmp_path):
     for name in ("sharded", "bin"):
         out = tmp_path / f"{name}-sparse"
         compress(tmp_path / name, out, max_shard_size="1MB")
-        assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("model-*.safetensors"))) > 1
+        assert (out / SPARSE_INDEX).is_file() and len(list(out.glob(SPARSE_SHARDS))) > 1
         _assert_dense_export_equal(pruned_dir, from_pretrained(out, mode="dense"))
     assert not list(tmp_path.glob(".*partial"))
 

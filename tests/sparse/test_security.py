@@ -13,9 +13,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from elsa_ds.sparse import SparseCheckpointError, from_pretrained, verify
-from tests.sparse.conftest import tiny_pruned
+from tests.sparse.conftest import SPARSE_FILE, SPARSE_INDEX, SPARSE_SHARDS, as_model_named, tiny_pruned
 
-INDEX = "model.safetensors.index.json"
+INDEX = SPARSE_INDEX
 
 
 def _copy(src, dst):
@@ -76,9 +76,9 @@ def test_a_single_file_linked_outside_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
     compress(tiny_pruned(tmp_path / "pruned"), ckpt)
     (tmp_path / "elsewhere").mkdir()
-    shutil.move(ckpt / "model.safetensors", tmp_path / "elsewhere" / "model.safetensors")
-    os.symlink(tmp_path / "elsewhere" / "model.safetensors", ckpt / "model.safetensors")
-    with pytest.raises(SparseCheckpointError, match="'model.safetensors' is a link to .*outside"):
+    shutil.move(ckpt / SPARSE_FILE, tmp_path / "elsewhere" / SPARSE_FILE)
+    os.symlink(tmp_path / "elsewhere" / SPARSE_FILE, ckpt / SPARSE_FILE)
+    with pytest.raises(SparseCheckpointError, match=f"'{SPARSE_FILE}' is a link to .*outside"):
         from_pretrained(ckpt)
 
 
@@ -133,7 +133,7 @@ def test_a_moved_bitmask_bit_is_refused_and_verify_false_skips_the_check(tiny_sp
 def test_two_tensors_swapped_by_name_are_refused(tiny_sparse_dir, tmp_path):
     """Same shard, shape and dtype: only the name in each digest tells them apart."""
     ckpt = _copy(tiny_sparse_dir, tmp_path / "ckpt")
-    for shard in sorted(ckpt.glob("model-*.safetensors")):
+    for shard in sorted(ckpt.glob(SPARSE_SHARDS)):
         tensors = load_file(shard)
         pairs = [(a, b) for a in tensors for b in tensors if a < b and tensors[a].shape == tensors[b].shape
                  and tensors[a].dtype == tensors[b].dtype and not torch.equal(tensors[a], tensors[b])]
@@ -160,16 +160,9 @@ def test_an_edited_config_is_refused(tiny_sparse_dir, tmp_path):
     from_pretrained(ckpt)
 
 
-def _as_version_1(ckpt):
-    config = json.loads((ckpt / "config.json").read_text())
-    del config["elsa_sparse"]["checksum"]
-    config["elsa_sparse"]["version"] = 1
-    (ckpt / "config.json").write_text(json.dumps(config))
-
-
 def test_version_1_loads_unverified_with_a_warning(tiny_sparse_dir, tmp_path, capsys):
     ckpt = _copy(tiny_sparse_dir, tmp_path / "ckpt")
-    _as_version_1(ckpt)
+    as_model_named(ckpt, version=1)
     capsys.readouterr()
     loaded = from_pretrained(ckpt, mode="dense")
     warned = capsys.readouterr().err
