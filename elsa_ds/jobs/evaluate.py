@@ -132,14 +132,16 @@ def check_new_files(paths: dict[str, Path | None], overwrite: bool) -> None:
 
 def load_model(s: EvalSettings, config, offload_folder: str | None, sparse: bool) -> PreTrainedModel:
     """from_pretrained in the chosen dtype, on the GPU (or spread with device_map="auto") when there is one; an
-    elsa-sparse checkpoint (``sparse``) through its own loader, decompressed (bit for bit the dense export it was made from)."""
+    elsa-sparse checkpoint (``sparse``) through its own loader, decompressed (bit for bit the dense export it was made
+    from), then spread as the dense export would be (:func:`spread`)."""
     if sparse:
         from elsa_ds.sparse import from_pretrained
 
-        if s.device_map and torch.cuda.is_available():
-            log.warning("an elsa-sparse checkpoint loads whole on one GPU (device_map is not applied to it)")
+        spreading = s.device_map is not None and torch.cuda.is_available()
         model = from_pretrained(s.model, mode="dense", dtype=resolve_dtype(s.dtype),
-                                device="cuda" if torch.cuda.is_available() else "cpu")
+                                device="cuda" if torch.cuda.is_available() and not spreading else "cpu")
+        if spreading:
+            model = spread(model, offload_folder)
         model.config.use_cache = False  # scoring forwards build no KV cache, as load_causal_lm's models
         return model
     kwargs: dict[str, Any] = {}
@@ -148,6 +150,24 @@ def load_model(s: EvalSettings, config, offload_folder: str | None, sparse: bool
         if s.device_map:
             kwargs["offload_folder"] = offload_folder
     return load_causal_lm(s.model, resolve_dtype(s.dtype), config=config, **kwargs).eval()
+
+
+def spread(model: PreTrainedModel, offload_folder: str | None, max_memory: dict[int | str, int] | None = None) -> PreTrainedModel:
+    """``device_map="auto"`` for a model already built on the CPU (a decompressed elsa-sparse checkpoint): accelerate's
+    placement as transformers computes it (balanced over the GPUs, then the CPU, then ``offload_folder``), so that a
+    sparse export is scored where its dense export would be, not loaded whole onto one GPU (a 27B model on 24-80 GiB
+    cards). ``max_memory``: accelerate's, by device (None: what each has free)."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    from elsa_ds.zero.compat import placement_hints
+
+    no_split, skip_keys = placement_hints(model)
+    budget = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split)
+    device_map = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split)
+    placed = sorted({f"cuda:{d}" if isinstance(d, int) else str(d) for d in device_map.values()})  # GPUs by index
+    log.info(f"spreading the decompressed model over {', '.join(placed)} (device_map auto)")
+    return dispatch_model(model, device_map=device_map, offload_dir=offload_folder, skip_keys=skip_keys)
 
 
 def resolve_dtype(name: str | None) -> torch.dtype:

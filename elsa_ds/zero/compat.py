@@ -93,6 +93,12 @@ def _initialize_weights_own_parameters(model) -> None:
 
 
 # ---- stage 3 optimizer (S3 = DeepSpeedZeroOptimizer_Stage3) --------------------------------------------------
+def placement_hints(model) -> tuple[list[str] | None, str | list[str] | None]:
+    """transformers' hints for accelerate's placement, as its own ``device_map="auto"`` passes them: the module classes
+    never split across devices (``_no_split_modules``), the keys ``dispatch_model`` leaves where they are."""
+    return getattr(model, "_no_split_modules", None), getattr(model, "_skip_keys_device_placement", None)
+
+
 def is_stage3(zero_optimizer) -> bool:
     return hasattr(zero_optimizer, "fp32_partitioned_groups_flat")
 

@@ -106,3 +106,26 @@ def test_a_version_2_checkpoint_still_loads(tiny_sparse_dir, tmp_path):
     (v3 / "config.json").write_text(json.dumps(seal(stamped)))
     with pytest.raises(SparseCheckpointError, match=r"holds no model weights \(model.safetensors or"):
         verify(v3)
+
+
+def test_a_decompressed_checkpoint_is_spread_as_device_map_auto_spreads_the_dense_export(sparse_dir, tmp_path, capsys):
+    """The evaluation's --device_map auto (a pruning job's own end-of-run evaluation sets it on a GPU host) spreads a
+    decompressed sparse checkpoint with accelerate as transformers spreads the dense export, where it used to load it
+    whole onto one GPU. Here the GPUs' tier is absent: the CPU is given room for half the weights, the rest goes to the
+    offload folder, and the logits are the unspread model's bit for bit."""
+    from elsa_ds.jobs.evaluate import spread
+    from elsa_ds.sparse import from_pretrained
+
+    reference = from_pretrained(sparse_dir)
+    ids = torch.randint(0, reference.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    model = from_pretrained(sparse_dir)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    (tmp_path / "offload").mkdir()  # the evaluation's temporary folder
+    spread_model = spread(model, str(tmp_path / "offload"), max_memory={"cpu": weights // 2})
+    assert set(spread_model.hf_device_map.values()) == {"cpu", "disk"}, spread_model.hf_device_map
+    assert "spreading the decompressed model over cpu, disk (device_map auto)" in capsys.readouterr().out
+    assert any((tmp_path / "offload").iterdir())  # the disk tier holds weights
+    with torch.no_grad():
+        assert torch.equal(spread_model(input_ids=ids).logits, expected)
