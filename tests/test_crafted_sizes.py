@@ -93,8 +93,8 @@ def test_a_sparse_checkpoint_whose_config_is_too_deep_or_too_large_is_refused_be
     with pytest.raises(SparseCheckpointError, match="not valid JSON.*nested too deeply"):
         verify(sparse)
     with (sparse / "config.json").open("wb") as fh:
-        fh.truncate(2**30)  # 1 GiB claimed: refused from its size alone
-    with pytest.raises(SparseCheckpointError, match="more than the"):
+        fh.truncate(2**30)  # 1 GiB claimed: refused from its size alone, by the folder's check
+    with pytest.raises(SparseCheckpointError, match="config.json holds 1,073,741,824 bytes, more than any model's JSON"):
         verify(sparse)
 
 

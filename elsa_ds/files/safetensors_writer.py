@@ -8,7 +8,7 @@ each tensor arrives and dropped at once: the writer never holds more than the te
 Shards follow huggingface_hub's split (``split_state_dict_into_shards_factory``): a tensor that would push a shard
 past ``max_shard_size`` starts the next one, a tensor larger than ``max_shard_size`` gets a shard of its own;
 ``model.safetensors`` when there is one shard, else ``model-0000i-of-0000n.safetensors`` and
-``model.safetensors.index.json`` (another ``stem`` in place of ``model``: an elsa-sparse checkpoint's ``elsa-sparse``).
+``model.safetensors.index.json`` (an elsa-sparse checkpoint: ``elsa-sparse`` in place of ``model``, another index name).
 
 A full disk becomes ``disk_room.DiskFull`` naming the shard and the bytes of every shard together.
 """
@@ -106,11 +106,11 @@ class ShardedWriter:
     """
 
     def __init__(self, out_dir: Path, specs: list[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                 metadata: dict[str, str] | None = None, stem: str = "model"):
+                 metadata: dict[str, str] | None = None, stem: str = "model", index: str | None = None):
         self.out_dir = Path(out_dir)
         self.shards = plan_shards(specs, max_shard_size)
         self.names = shard_names(len(self.shards), stem)
-        self.index_name = index_name(stem)
+        self.index_name = index or index_name(stem)
         self.metadata = metadata or {"format": "pt"}
         self._queue = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
         self._next = 0

@@ -17,8 +17,10 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.files import torch_files
 
 _HEADER_LIMIT = 100 * 2**20  # safetensors headers are small; a larger "length" means a corrupt file
-SPARSE_STEM = "elsa-sparse"  # an elsa-sparse checkpoint's weight files (version 3): names transformers never reads
-SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", f"{SPARSE_STEM}.safetensors.index.json")
+# an elsa-sparse checkpoint's weight files (format version 3) and its shard index: names neither transformers (which
+# reads model*.safetensors, pytorch_model*.bin) nor accelerate (which takes a folder's one *.index.json) reads
+SPARSE_STEM, SPARSE_INDEX = "elsa-sparse", "elsa-sparse.shards.json"
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", SPARSE_INDEX)
 
 
 def read_header(file: Path) -> tuple[int, Any]:

@@ -19,7 +19,7 @@ from elsa_ds.files.disk_room import DiskFull, disk_full, existing_ancestor
 from elsa_ds.files.io import write_json
 from elsa_ds.files.output import fresh_staging, publish
 from elsa_ds.files.ownership import check_apart, owned
-from elsa_ds.files.weight_files import SPARSE_STEM, check_model_folder
+from elsa_ds.files.weight_files import SPARSE_INDEX, SPARSE_STEM, check_model_folder
 from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
 from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.folder import TensorReader, is_weight_file
@@ -79,7 +79,7 @@ def _write(reader: TensorReader, out: Path, specs: list[TensorSpec], chosen: dic
     """Stream every tensor into the shards; returns each stored tensor's digest."""
     digests = {}
     metadata = {"format": "pt", CONFIG_KEY: str(fmt.VERSION)}
-    with ShardedWriter(out, specs, max_shard_size, metadata=metadata, stem=SPARSE_STEM) as writer:
+    with ShardedWriter(out, specs, max_shard_size, metadata=metadata, stem=SPARSE_STEM, index=SPARSE_INDEX) as writer:
         for name, tensor in reader.items():
             if name in chosen:
                 encoded = fmt.encode(tensor, chosen[name]["encoding"])

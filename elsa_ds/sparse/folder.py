@@ -7,6 +7,7 @@ layout, snapshot files linked into the repository's ``blobs/``, excepted).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -14,29 +15,32 @@ from typing import cast
 import torch
 
 from elsa_ds.files import torch_files
-from elsa_ds.files.safetensors_writer import index_name
-from elsa_ds.files.weight_files import SPARSE_STEM, inside_folder, read_index as read_weight_map
+from elsa_ds.files.weight_files import SPARSE_INDEX, SPARSE_STEM, inside_folder, read_index as read_weight_map
 from elsa_ds.sparse.integrity import SparseCheckpointError
 
-DENSE = "model"  # transformers' weight files; an elsa-sparse checkpoint's (format version 3) are SPARSE_STEM's
-SAFETENSORS_INDEX, BIN_INDEX = index_name(DENSE), "pytorch_model.bin.index.json"
-WEIGHT_NAMES = ("model.safetensors", SAFETENSORS_INDEX, "pytorch_model.bin", BIN_INDEX, f"{SPARSE_STEM}.safetensors",
-                index_name(SPARSE_STEM))
+SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
+SPARSE_SINGLE = f"{SPARSE_STEM}.safetensors"
+SPARSE_SHARD = re.compile(rf"{SPARSE_STEM}-\d{{5}}-of-\d{{5}}\.safetensors")
+WEIGHT_NAMES = ("model.safetensors", SAFETENSORS_INDEX, "pytorch_model.bin", BIN_INDEX, SPARSE_SINGLE, SPARSE_INDEX)
 
 
-def locate(folder: Path, stem: str = DENSE) -> tuple[list[Path], dict[str, Path] | None, Path | None]:
+def locate(folder: Path, sparse: bool = False) -> tuple[list[Path], dict[str, Path] | None, Path | None]:
     """The folder's weight files in index order, the index's tensor -> shard map (None: a single file) and the index.
 
-    ``stem``: transformers' files (``model.safetensors``, ``pytorch_model.bin``, sharded or not), or another stem's
-    safetensors (``elsa-sparse.safetensors``, sharded or not). SparseCheckpointError when the folder has none, its
-    index is malformed or names shards it lacks or outside it."""
-    layouts = ((SAFETENSORS_INDEX, "model.safetensors"), (BIN_INDEX, "pytorch_model.bin")) if stem == DENSE else \
-        ((index_name(stem), f"{stem}.safetensors"),)
+    transformers' files (``model.safetensors``, ``pytorch_model.bin``, sharded or not), or (``sparse``) an elsa-sparse
+    checkpoint's of format version 3 (:func:`check_sparse_layout`). SparseCheckpointError when the folder has none,
+    its index is malformed or names shards it lacks or outside it."""
+    if sparse:
+        check_sparse_layout(folder)
+    layouts = ((SPARSE_INDEX, SPARSE_SINGLE),) if sparse else ((SAFETENSORS_INDEX, "model.safetensors"), (BIN_INDEX, "pytorch_model.bin"))
     for name, single in layouts:
         index = folder / name
         if index.is_file():
             weight_map = read_index(index)
             shards = {name: inside(folder, name, index) for name in dict.fromkeys(weight_map.values())}
+            if sparse and (odd := next((n for n in shards if not SPARSE_SHARD.fullmatch(n)), None)) is not None:
+                raise SparseCheckpointError(f"{index}: names {odd!r}, which is no elsa-sparse shard's name "
+                                            f"({SPARSE_STEM}-0000i-of-0000n.safetensors): the index was edited")
             absent = [name for name, f in shards.items() if not f.is_file()]
             if absent:
                 raise SparseCheckpointError(f"{index}: names {', '.join(absent)}, which the folder lacks")
@@ -44,12 +48,26 @@ def locate(folder: Path, stem: str = DENSE) -> tuple[list[Path], dict[str, Path]
         if (folder / single).is_file():
             return [inside(folder, single, folder)], None, None
     names = " or ".join(n for layout in layouts for n in layout[::-1])
-    raise SparseCheckpointError(f"{folder} holds no {'model' if stem == DENSE else stem} weights ({names})")
+    raise SparseCheckpointError(f"{folder} holds no {SPARSE_STEM if sparse else 'model'} weights ({names})")
 
 
-def weight_files(folder: Path, stem: str = DENSE) -> list[Path]:
+def check_sparse_layout(folder: Path) -> None:
+    """A version 3 checkpoint's weight files are its own: a transformers weight file beside them (a v2 checkpoint's
+    left under a v3 copied over it, or a version edited) would have transformers load the folder with random weights
+    again, and both a single file and an index would leave one of them unread. SparseCheckpointError naming it."""
+    for entry in sorted(folder.iterdir()):
+        if is_weight_file(entry) and not entry.name.startswith(SPARSE_STEM):
+            raise SparseCheckpointError(f"{entry}: a transformers weight file, which an elsa-sparse checkpoint of format "
+                                        "version 3 never holds (left from an older checkpoint, or config.json's version was "
+                                        "edited); remove it, or write the checkpoint again into an empty folder")
+    if (folder / SPARSE_INDEX).exists() and (folder / SPARSE_SINGLE).exists():
+        raise SparseCheckpointError(f"{folder}: holds both {SPARSE_INDEX} and {SPARSE_SINGLE}, of two different writes; "
+                                    "write the checkpoint again into an empty folder")
+
+
+def weight_files(folder: Path, sparse: bool = False) -> list[Path]:
     """The folder's weight files in index order (see :func:`locate`)."""
-    return locate(folder, stem)[0]
+    return locate(folder, sparse)[0]
 
 
 def read_index(index: Path) -> dict[str, str]:
@@ -71,9 +89,9 @@ def is_weight_file(path: Path) -> bool:
 class TensorReader:
     """The tensors of a folder by name, read lazily (safetensors: memory-mapped per tensor; .bin: torch.load mmap)."""
 
-    def __init__(self, folder: Path, stem: str = DENSE):
+    def __init__(self, folder: Path, sparse: bool = False):
         self.folder = Path(folder)
-        self.files, index, self._index_file = locate(self.folder, stem)
+        self.files, index, self._index_file = locate(self.folder, sparse)
         self._where: dict[str, Path] = {}
         self._open: dict[Path, object] = {}
         for path in self.files:

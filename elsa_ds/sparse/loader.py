@@ -17,7 +17,7 @@ from elsa_ds.sparse.folder import TensorReader
 from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError, check_type,
                                       tensor_digest)
 from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path, ready_to_decode
-from elsa_ds.sparse.meta import CONFIG_KEY, UNSEALED_VERSION, sparse_meta, weights_stem
+from elsa_ds.sparse.meta import CONFIG_KEY, UNSEALED_VERSION, sparse_meta, elsa_named
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -29,7 +29,7 @@ def stored_tensors(path: Path, meta: dict, verify: bool = True) -> Iterator[tupl
     """Each weight of the checkpoint once, in stored order: a plain tensor, or (encoding, shape, checked parts).
 
     ``verify``: every stored tensor against its recorded checksum (``meta`` from ``sparse_meta``, which checked it)."""
-    reader = TensorReader(path, weights_stem(meta))
+    reader = TensorReader(path, elsa_named(meta))
     digests = _digests(path, reader, meta) if verify else None
     compressed, done = meta["tensors"], set()
     owner = {f"{name}.{part}": name for name, info in compressed.items() for part in fmt.PARTS[info["encoding"]]}

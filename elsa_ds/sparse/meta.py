@@ -13,11 +13,10 @@ from pathlib import Path
 
 from elsa_ds import json_data
 from elsa_ds.files.safetensors_writer import DTYPES
-from elsa_ds.files.weight_files import SPARSE_STEM
+from elsa_ds.files.weight_files import check_model_folder
 from elsa_ds.log import get_logger
 from elsa_ds.models import SPARSE_CONFIG_KEY
 from elsa_ds.sparse import format as fmt
-from elsa_ds.sparse.folder import DENSE
 from elsa_ds.sparse.integrity import ALGORITHM, SparseCheckpointError, is_digest, json_digest
 
 CONFIG_KEY = SPARSE_CONFIG_KEY
@@ -52,11 +51,12 @@ def block(min_sparsity: float, chosen: dict[str, dict], digests: dict[str, str])
             "checksum": {"algorithm": ALGORITHM, "tensors": digests, "config": ""}}
 
 
-def weights_stem(meta: dict) -> str:
-    """The stem of a checkpoint's weight files: ``elsa-sparse`` (``elsa-sparse.safetensors``, sharded or not), where
-    ``transformers.from_pretrained`` finds no weights and fails, instead of building the pruned ones at random beside
-    the ``NAME.values`` it does not know; ``model`` in versions 1 and 2."""
-    return DENSE if meta["version"] in MODEL_NAMED_VERSIONS else SPARSE_STEM
+def elsa_named(meta: dict) -> bool:
+    """Whether a checkpoint's weight files are ``elsa-sparse.safetensors`` (sharded: ``elsa-sparse-*.safetensors`` and
+    ``elsa-sparse.shards.json``), where ``transformers.from_pretrained`` finds no weights and fails, instead of building
+    the pruned ones at random beside the ``NAME.values`` it does not know: format version 3; versions 1 and 2 used
+    transformers' names."""
+    return meta["version"] not in MODEL_NAMED_VERSIONS
 
 
 def config_digest(config: dict) -> str:
@@ -76,6 +76,7 @@ def sparse_meta(path: Path, verify: bool = True) -> dict:
 
     SparseCheckpointError for a dense folder, an unknown format version or anything malformed.
     """
+    check_model_folder(path, str(path), SparseCheckpointError)  # config.json, the index: no link leads out of the folder
     config = read_config(path)
     meta = config.get(CONFIG_KEY)
     where = f"{path / 'config.json'}: {CONFIG_KEY}"

@@ -27,7 +27,7 @@ from elsa_ds.sparse.compress import compress
 from elsa_ds.sparse.folder import TensorReader, is_weight_file
 from elsa_ds.sparse.linear import SparseLinear
 from elsa_ds.sparse.loader import from_pretrained
-from elsa_ds.sparse.meta import CONFIG_KEY, read_config, sparse_meta, weights_stem
+from elsa_ds.sparse.meta import CONFIG_KEY, read_config, sparse_meta, elsa_named
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -67,7 +67,7 @@ def streamed_bytes(module: torch.nn.Module) -> int:
 def disk_bytes(sparse_dir: Path) -> dict[str, int]:
     """Bytes on disk of the sparse weight files against the dense export's, whole model and pruned weights alone."""
     meta = sparse_meta(sparse_dir, verify=False)  # sizes only: from_pretrained checks the checksums
-    reader = TensorReader(sparse_dir, weights_stem(meta))
+    reader = TensorReader(sparse_dir, elsa_named(meta))
     owners = {f"{n}.{p}": n for n, info in meta["tensors"].items() for p in fmt.PARTS[info["encoding"]]}
     pruned = sum(_numel_bytes(reader.get(name)) for name in owners if name in reader.names)
     plain = sum(_numel_bytes(reader.get(name)) for name in reader.names if name not in owners)

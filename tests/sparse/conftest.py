@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from elsa_ds.files.safetensors_writer import index_name
-from elsa_ds.files.weight_files import SPARSE_STEM
+from elsa_ds.files.weight_files import SPARSE_INDEX, SPARSE_STEM
 from elsa_ds.sparse import kernels as K
 
 DEMO = Path(__file__).resolve().parents[2] / "elsa_ds" / "demo" / "model"
 SPARSITY = 0.6  # the demo still writes text at 60 %, so greedy generate() compares real tokens
-SPARSE_FILE, SPARSE_INDEX, SPARSE_SHARDS = f"{SPARSE_STEM}.safetensors", index_name(SPARSE_STEM), f"{SPARSE_STEM}-*.safetensors"
+SPARSE_FILE, SPARSE_SHARDS = f"{SPARSE_STEM}.safetensors", f"{SPARSE_STEM}-*.safetensors"
 
 
 def as_model_named(ckpt: Path, version: int = 2) -> Path:
@@ -27,7 +26,7 @@ def as_model_named(ckpt: Path, version: int = 2) -> Path:
     if (ckpt / SPARSE_INDEX).is_file():
         index = json.loads((ckpt / SPARSE_INDEX).read_text())
         index["weight_map"] = {k: v.replace(SPARSE_STEM, "model", 1) for k, v in index["weight_map"].items()}
-        (ckpt / index_name()).write_text(json.dumps(index))
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
         (ckpt / SPARSE_INDEX).unlink()
     config = json.loads((ckpt / "config.json").read_text())
     config["elsa_sparse"]["version"] = version

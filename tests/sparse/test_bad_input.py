@@ -125,7 +125,7 @@ def _reseal(ckpt):
     from elsa_ds.sparse.integrity import tensor_digest
     from elsa_ds.sparse.meta import seal
 
-    reader = TensorReader(ckpt, SPARSE_STEM)
+    reader = TensorReader(ckpt, sparse=True)
     config = json.loads((ckpt / "config.json").read_text())
     config["elsa_sparse"]["checksum"]["tensors"] = {n: tensor_digest(n, reader.get(n)) for n in reader.names}
     (ckpt / "config.json").write_text(json.dumps(seal(config)))

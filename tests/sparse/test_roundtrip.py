@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from elsa_ds.files.weight_files import SPARSE_STEM
 from elsa_ds.sparse import compress, from_pretrained, verify
 from elsa_ds.sparse.folder import TensorReader
 from elsa_ds.sparse.linear import SparseLinear
@@ -47,7 +46,7 @@ def test_sparse_mode_logits_and_greedy_tokens(sparse_dir):
 
 
 def test_sizes_of_the_pruned_demo(pruned_dir, sparse_dir, tmp_path):
-    reader = TensorReader(sparse_dir, SPARSE_STEM)
+    reader = TensorReader(sparse_dir, sparse=True)
     assert any(n.endswith(".bitmask") for n in reader.names)  # 60 % in fp32: the bitmask is smaller
     files = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
     # 60 % of the decoder weights in fp32 (4 bytes + 1/8 byte of bitmask per kept weight), the embedding dense

@@ -1,7 +1,6 @@
 """speed.measure on the pruned demo: bytes consistent with the checkpoint, floors from the bytes, agreement, ratios."""
 from __future__ import annotations
 
-from elsa_ds.files.weight_files import SPARSE_STEM
 from elsa_ds.sparse import speed
 from elsa_ds.sparse.folder import TensorReader
 
@@ -9,7 +8,7 @@ from elsa_ds.sparse.folder import TensorReader
 def test_measure_reports_bytes_floors_and_ratios(sparse_dir):
     result = speed.measure(sparse_dir, batches=(1, 2), steps=2, rounds=2, prompt=4, bandwidth=10e9)
     disk = result["disk"]
-    reader = TensorReader(sparse_dir, SPARSE_STEM)
+    reader = TensorReader(sparse_dir, sparse=True)
     stored = sum(reader.get(n).numel() * reader.get(n).element_size() for n in reader.names)
     assert disk["model_sparse"] == stored and disk["pruned_sparse"] < 0.5 * disk["pruned_dense"]
     assert disk["model_dense"] - disk["pruned_dense"] == disk["model_sparse"] - disk["pruned_sparse"]

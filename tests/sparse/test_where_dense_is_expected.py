@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from elsa_ds.cli import main_evaluate, main_prune
-from elsa_ds.sparse.meta import seal
 
 EVAL = ["--ppl", "shakespeare", "--seqlen", "64", "--limit", "4", "--batch_size", "4"]
 
@@ -68,44 +67,6 @@ def test_a_hub_id_whose_owner_is_also_a_folder_here(tmp_path, monkeypatch):
     check_local_path("google/gemma-2-27b")  # shipped in elsa_ds/model_configs
     with pytest.raises(ElsaError, match="no such directory .google/ is a folder here.*run from another folder"):
         check_local_path("google/no-such-model")
-
-
-def test_transformers_finds_no_weights_in_a_sparse_checkpoint(sparse_dir):
-    """Format version 3 stores the weights as elsa-sparse*.safetensors: transformers' from_pretrained stops with an
-    error where version 2's model.safetensors had it build every pruned weight at random, with a warning only. The
-    config and tokenizer still load (an elsa-sparse folder is the model's folder with other weight files)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    with pytest.raises(OSError, match="model.safetensors"):
-        AutoModelForCausalLM.from_pretrained(sparse_dir)
-    assert AutoConfig.from_pretrained(sparse_dir).model_type and AutoTokenizer.from_pretrained(sparse_dir)("a b").input_ids
-
-
-def test_a_version_2_checkpoint_still_loads(tiny_sparse_dir, tmp_path):
-    """Version 2 (weights in model*.safetensors) loads, verifies and is known as sparse as before; each version's
-    config with the other's file names is refused in one line naming the files it looked for."""
-    import shutil
-
-    from elsa_ds.models import is_sparse_checkpoint
-    from elsa_ds.sparse import SparseCheckpointError, from_pretrained, verify
-    from tests.sparse.conftest import SPARSE_FILE, as_model_named
-
-    v2 = as_model_named(shutil.copytree(tiny_sparse_dir, tmp_path / "v2"), version=2)
-    assert not list(v2.glob("elsa-sparse*")) and list(v2.glob("model*.safetensors*"))
-    assert verify(v2) == verify(tiny_sparse_dir) and is_sparse_checkpoint(str(v2))
-    loaded, reference = from_pretrained(v2).state_dict(), from_pretrained(tiny_sparse_dir).state_dict()
-    assert loaded.keys() == reference.keys() and all(torch.equal(t, reference[k]) for k, t in loaded.items())
-    relabeled = json.loads((v2 / "config.json").read_text())
-    relabeled["elsa_sparse"]["version"] = 3
-    (v2 / "config.json").write_text(json.dumps(seal(relabeled)))
-    with pytest.raises(SparseCheckpointError, match=f"holds no elsa-sparse weights \\({SPARSE_FILE} or"):
-        from_pretrained(v2)
-    v3 = shutil.copytree(tiny_sparse_dir, tmp_path / "v3")
-    stamped = json.loads((v3 / "config.json").read_text())
-    stamped["elsa_sparse"]["version"] = 2
-    (v3 / "config.json").write_text(json.dumps(seal(stamped)))
-    with pytest.raises(SparseCheckpointError, match=r"holds no model weights \(model.safetensors or"):
-        verify(v3)
 
 
 def test_a_decompressed_checkpoint_is_spread_as_device_map_auto_spreads_the_dense_export(sparse_dir, tmp_path, capsys):
