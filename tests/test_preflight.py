@@ -11,6 +11,7 @@ import pytest
 from elsa_ds.capacity import preflight
 from elsa_ds.capacity.memory import PHASES, estimate, model_shape, resolve_model_config
 from elsa_ds.errors import ElsaError
+from elsa_ds.files import procfs
 from elsa_ds.models import meta_model
 from elsa_ds.settings.config import DEMO_MODEL_DIR, resolve_config
 from elsa_ds.settings.options import JobOptions
@@ -187,3 +188,90 @@ def test_the_sparse_exports_room_bounds_what_compress_writes(tmp_path, sparsity)
     profiled = preflight.sparse_export_bytes(shape, 4, SimpleNamespace(sparsity=sparsity, sparsity_profile="p"),
                                              SimpleNamespace(export_format="sparse"))
     assert profiled == 4 * shape.num_params + preflight.HEADER_ROOM  # no sparsity assumed: the dense bytes
+
+
+def _cgroup_tree(root, v1: bool, levels: list[tuple[int, int, int]]):
+    """A copy of /proc/self/cgroup and the memory cgroup files it leads to: (limit, usage, inactive cache) per level, the
+    job's own first, each level's folder inside the next one's."""
+    names = [f"level{i}" for i in range(len(levels))][::-1]  # outermost first on the path
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(("4:memory:/" if v1 else "0::/") + "/".join(names) + "\n")
+    base = root / ("sys/fs/cgroup/memory" if v1 else "sys/fs/cgroup")
+    limit_name, usage_name, cache_key = procfs.V1_FILES if v1 else procfs.V2_FILES
+    for depth, (limit, usage, cache) in enumerate(levels[::-1]):
+        folder = base.joinpath(*names[:depth + 1])
+        folder.mkdir(parents=True)
+        (folder / limit_name).write_text(f"{limit}\n")
+        (folder / usage_name).write_text(f"{usage}\n")
+        (folder / "memory.stat").write_text(f"anon 5\n{cache_key} {cache}\nfile {cache}\n")
+    return root
+
+
+@pytest.mark.parametrize("v1", [True, False], ids=["cgroup_v1", "cgroup_v2"])
+def test_the_room_a_cgroup_leaves_is_its_tightest_levels_limit_less_what_cannot_be_reclaimed(tmp_path, v1):
+    """A SLURM allocation or a container caps the job below the node's free memory (psutil sees the node's): the
+    check takes, of every level up the job's cgroup tree, its limit less its usage less its inactive page cache."""
+    root = _cgroup_tree(tmp_path, v1, [(8 * GIB, 3 * GIB, GIB), (10 * GIB, 5 * GIB, 0)])  # job: 6 GiB left, parent: 5
+    assert procfs.cgroup_room(root) == (5 * GIB, 10 * GIB) and procfs.cgroup_limit(root) == 8 * GIB
+    root = _cgroup_tree(tmp_path / "b", v1, [(8 * GIB, 3 * GIB, GIB), (64 * GIB, 5 * GIB, 0)])
+    assert procfs.cgroup_room(root) == (6 * GIB, 8 * GIB)
+    (tmp_path / "c/proc/self").mkdir(parents=True)
+    (tmp_path / "c/proc/self/cgroup").write_text("0::/\n")
+    assert procfs.cgroup_room(tmp_path / "c") is None  # no limit anywhere
+    need = preflight.Need("host memory", 7 * GIB, 6 * GIB, limit=8 * GIB)
+    assert need.refused and "this job's cgroup lets it take 6.0 GiB (its memory limit 8.0 GiB: SLURM's --mem" in need.line()
+
+
+def _limited_cgroup(limit: int):
+    """A child of this process's memory cgroup (v1, as this box has) limited to ``limit`` bytes; None where it cannot be
+    made (no cgroup v1 memory controller, or not allowed)."""
+    import contextlib
+    import uuid
+
+    from pathlib import Path
+
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        own = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                   if "memory" in line.split(":")[1].split(","))
+        child = Path("/sys/fs/cgroup/memory") / own.lstrip("/") / f"elsa_test_{uuid.uuid4().hex[:8]}"
+        child.mkdir()
+        try:
+            (child / "memory.limit_in_bytes").write_text(str(limit))
+        except OSError:
+            child.rmdir()
+            raise
+        return child
+    return None
+
+
+def test_a_job_in_a_cgroup_smaller_than_it_is_refused_where_the_node_would_fit_it(tmp_path):
+    """The walk's SLURM case (2026-11-30): psutil reports the node's available memory, so a job in an allocation too small
+    for it started and was killed by the kernel, silently. Run inside a real cgroup limited to 3 GiB, a job the node has
+    room for but the cgroup has not is refused in one line that names the cgroup's limit."""
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.conftest import ROOT
+
+    limit = 3 * GIB
+    model = _too_large_model(tmp_path / "model", 2 * GIB)  # ~4 GiB and more with CPU offload
+    cgroup = _limited_cgroup(limit)
+    if cgroup is None:
+        pytest.skip("no writable cgroup v1 memory controller here")
+    try:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, str(ROOT / "launch" / "prune.py"), "--deepspeed", "ds_configs/zero3_offload.json",
+                               "--model", str(model), "--random_init", "--dataset", "shakespeare", "--output_dir", str(tmp_path / "out")],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                              preexec_fn=lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid())))
+    finally:
+        cgroup.rmdir()
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "host memory" in errors[0] and "this job's cgroup lets it take" in errors[0] and "its memory limit 3.0 GiB" in errors[0]
+    need = float(errors[0].split("needs ~")[1].split(" GiB")[0].replace(",", "")) * GIB
+    assert need < psutil.virtual_memory().available, "the node alone would have let it start"
+    assert not (tmp_path / "out").exists()

@@ -90,6 +90,8 @@ def slurm(tmp_path):
     stubs, work = tmp_path / "bin", tmp_path / "submit"
     stubs.mkdir()
     work.mkdir()
+    (work / "launch").mkdir()
+    (work / "launch" / "prune.py").write_text("")  # submitted from a checkout's root
     for name, text in (("deepspeed", STUB_DEEPSPEED.format(python=sys.executable)), ("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL)):
         (stubs / name).write_text(text)
         (stubs / name).chmod(0o755)
@@ -118,6 +120,10 @@ def test_slurm_launcher_passes_arguments_unparsed_and_removes_its_hostfile(slurm
     assert not list(work.parent.rglob("PWNED*")) and Path(seen["cwd"]) == work
     assert not list(work.glob("hostfile.*"))
 
+    env["SLURM_GPUS_PER_NODE"] = "h100:4"                  # --gpus-per-node=h100:4: the hostfile takes the count
+    assert _sbatch(work, env).wait(timeout=60) == 0 and "node-a slots=4\nnode-b slots=4\n" == json.loads(record.read_text())["hostfile"]
+    env["SLURM_GPUS_PER_NODE"] = "4"
+
     env["STUB_RC"] = "3"                                   # a failed job removes it too, and its exit code comes through
     proc = _sbatch(work, env)
     proc.communicate(timeout=60)
@@ -133,6 +139,15 @@ def test_slurm_launcher_passes_arguments_unparsed_and_removes_its_hostfile(slurm
     os.killpg(proc.pid, signal.SIGTERM)
     proc.communicate(timeout=30)
     assert proc.returncode != 0 and not list(work.glob("hostfile.*"))
+
+
+def test_slurm_launcher_submitted_outside_a_checkout_says_where_to_submit_from(slurm):
+    work, env, record = slurm
+    shutil.rmtree(work / "launch")
+    proc = _sbatch(work, env)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and err.startswith(f"elsa_ds: error: {work} has no launch/prune.py: submit from the root")
+    assert not record.exists() and not list(work.glob("hostfile.*"))
 
 
 # ---- finding 4: no code path from a recipe or the DeepSpeed JSON --------------------------------------------------------

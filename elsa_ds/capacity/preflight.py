@@ -29,6 +29,7 @@ from elsa_ds.capacity.memory import STATE_BYTES, Estimate, ModelShape, job_estim
 from elsa_ds.capacity.resident import element_bytes
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import existing_ancestor
+from elsa_ds.files.procfs import cgroup_room
 from elsa_ds.log import get_logger
 from elsa_ds.methods import oneshot_names
 from elsa_ds.models import check_seqlen, load_config
@@ -48,6 +49,7 @@ class Machine:
     host: float                                   # bytes of host memory this job may use
     gpu: float | None = None                      # free bytes of this rank's GPU (None without CUDA)
     disks: dict[int, float] = field(default_factory=dict)   # file system (st_dev) -> free bytes
+    host_limit: float | None = None               # the memory limit of the job's cgroup where that, not the node, binds
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Need:
     need: float
     have: float
     margin: float = MARGIN  # memory is an estimate (the warning's band); the bytes a disk gets are counted exactly (0)
+    limit: float | None = None  # host memory: the cgroup limit that leaves the job ``have`` (SLURM, containers)
     slack: float = 0.0      # refused once need x (1 - slack) > have: GPU memory MARGIN (running out there is CUDA's
     #                         out-of-memory error, which says so; host memory runs out in the kernel's silent kill)
     detail: str = ""        # what the need is made of (memory: its largest parts and the phase of its peak)
@@ -72,6 +75,9 @@ class Need:
         left = "free" if self.what.startswith("disk") else "available"
         inside = "; ".join(x for x in (f"estimate ±{self.margin:.0%}" if self.margin else "", self.detail) if x)
         spread = f" ({inside})" if inside else ""
+        if self.limit is not None:
+            return (f"needs ~{_gib(self.need)} {self.what}{spread}, this job's cgroup lets it take {_gib(self.have)} "
+                    f"(its memory limit {_gib(self.limit)}: SLURM's --mem, a container's; the node may have more)")
         return f"needs ~{_gib(self.need)} {self.what}{spread}, this node has {_gib(self.have)} {left}"
 
 
@@ -83,7 +89,8 @@ def _gib(b: float) -> str:
 
 # ---- the machine --------------------------------------------------------------------------------------------------
 def this_machine(paths: list[Path]) -> Machine:
-    """Host memory available to this job, this rank's free GPU memory, free space where ``paths`` live."""
+    """Host memory available to this job (the node's available memory, or less where the memory limit of the job's
+    cgroup leaves less: a SLURM allocation, a container), this rank's free GPU memory, free space where ``paths`` live."""
     import psutil
     import torch
 
@@ -94,7 +101,10 @@ def this_machine(paths: list[Path]) -> Machine:
     for path in paths:
         existing = existing_ancestor(path)
         disks[os.stat(existing).st_dev] = float(shutil.disk_usage(existing).free)
-    return Machine(host=float(psutil.virtual_memory().available) + own_processes_rss(), gpu=gpu, disks=disks)
+    host, limit = float(psutil.virtual_memory().available), None
+    if (room := cgroup_room()) is not None and room[0] < host:
+        host, limit = float(room[0]), float(room[1])
+    return Machine(host=host + own_processes_rss(), gpu=gpu, disks=disks, host_limit=limit)
 
 
 def own_processes_rss() -> float:
@@ -168,7 +178,8 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
         writes[out] = writes.get(out, 0.0) + export + checkpoint_bytes(shape, cfg, ds) + mask
         # --init_weights' copy of x₀ (one export's size) is deleted before training: export + checkpoints cover it
     machine = this_machine(list(writes))
-    needs = [Need("host memory", e.per_node_cpu_bytes, machine.host, detail=_parts(e, "per_node_cpu")), *disk_needs(writes, machine)]
+    needs = [Need("host memory", e.per_node_cpu_bytes, machine.host, detail=_parts(e, "per_node_cpu"), limit=machine.host_limit),
+             *disk_needs(writes, machine)]
     if machine.gpu is not None:
         needs.append(Need("GPU memory", e.per_gpu_bytes, machine.gpu, slack=MARGIN, detail=_parts(e, "per_gpu")))
     hint = ""
@@ -335,6 +346,7 @@ def check_oneshot(shape: ModelShape, cfg, opts) -> None:
     element = 2 if cuda else 4  # the model as saved: bf16 on a GPU, fp32 on the CPU
     writes: dict[Path, float] = {out: float(element * shape.num_params) + sparse_export_bytes(shape, element, cfg, opts)}
     machine = this_machine(list(writes))
-    needs = [Need("host memory", oneshot_host_bytes(shape, cfg.method.value, cfg, cuda), machine.host), *disk_needs(writes, machine)]
+    needs = [Need("host memory", oneshot_host_bytes(shape, cfg.method.value, cfg, cuda), machine.host, limit=machine.host_limit),
+             *disk_needs(writes, machine)]
     hint = "prune with ELSA under ZeRO-3 (--method elsa) and an offloading config, or on a machine with more memory"
     judge(needs, hint, opts.ignore_memory_check, int(os.environ.get("RANK", "0")))

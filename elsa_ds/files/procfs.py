@@ -25,20 +25,51 @@ def oom_kills() -> int | None:
     return None
 
 
-def cgroup_limit() -> int | None:
-    """The memory limit of this process's cgroup: the tightest memory.max (v2) or memory.limit_in_bytes (v1) up its tree."""
-    limits = []
+V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")  # limit, usage, reclaimable cache
+V2_FILES = ("memory.max", "memory.current", "inactive_file")
+
+
+def _cgroup_levels(root: Path = Path("/")) -> list[tuple[int, int | None]]:
+    """(limit, bytes it counts against that limit that cannot be reclaimed; None where unreadable) of every level of this
+    process's memory cgroup with a limit, from its own up to the root (v1 or v2). ``root``: tests read a copy."""
+    levels = []
     with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
+        for line in (root / "proc/self/cgroup").read_text().splitlines():
             _, controllers, path = line.split(":", 2)
             v1 = "memory" in controllers.replace(",", " ").split()  # /proc/self/cgroup: "id:controllers:path"
-            base, name = (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes") if v1 else (Path("/sys/fs/cgroup"), "memory.max")
-            for d in (base / path.lstrip("/"), *(base / path.lstrip("/")).parents) if v1 or not controllers else ():
-                if (d / name).is_file() and (value := (d / name).read_text().strip()) != "max":
-                    limits.append(int(value))
+            if not (v1 or not controllers):
+                continue
+            base = root / ("sys/fs/cgroup/memory" if v1 else "sys/fs/cgroup")
+            limit_name, usage_name, cache_key = V1_FILES if v1 else V2_FILES
+            for d in (base / path.lstrip("/"), *(base / path.lstrip("/")).parents):
+                if (d / limit_name).is_file() and (value := (d / limit_name).read_text().strip()) != "max":
+                    levels.append((int(value), _unreclaimable(d, usage_name, cache_key)))
                 if d == base:
                     break
+    return levels
+
+
+def _unreclaimable(folder: Path, usage_name: str, cache_key: str) -> int | None:
+    """A cgroup's usage less its inactive page cache (the kernel reclaims that before it kills), as container tools count
+    a working set; None when the files cannot be read."""
+    with contextlib.suppress(OSError, ValueError):
+        usage = int((folder / usage_name).read_text().strip())
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
+        return max(0, usage - int(stat.get(cache_key, 0)))
+    return None
+
+
+def cgroup_limit(root: Path = Path("/")) -> int | None:
+    """The memory limit of this process's cgroup: the tightest memory.max (v2) or memory.limit_in_bytes (v1) up its tree."""
+    limits = [limit for limit, _ in _cgroup_levels(root)]
     return min(limits) if limits else None
+
+
+def cgroup_room(root: Path = Path("/")) -> tuple[int, int] | None:
+    """(bytes this process's cgroup lets its processes take beyond what they and the rest of the cgroup hold now, the
+    limit of the level that leaves least), or None without a limit. A level whose usage cannot be read counts as empty."""
+    rooms = [(limit - (used or 0), limit) for limit, used in _cgroup_levels(root)]
+    return min(rooms) if rooms else None
 
 
 def path_state(path: Path) -> tuple | None:
