@@ -85,7 +85,15 @@ def test_stage2_config_is_refused_by_oneshot_and_the_estimator(tmp_path, tiny_mo
 
 def test_estimator_refuses_a_micro_batch_that_does_not_divide_the_global_batch():
     run_fails("estimate.py", ["--model", "google/gemma-2-2b", "--deepspeed", "zero3_offload", "--num_gpus", "3"],
-              "train_batch_size 8 is not a multiple of micro batch 1 x 3 ranks")
+              "train_batch_size 8 is not a multiple of micro batch 1 x 3 ranks", "pass --batch_size 9 (or another multiple of 3)")
+
+
+def test_a_global_batch_from_a_recipe_is_named_as_such_with_the_batch_that_fits():
+    """A recipe's batch_size takes the place of the JSON's train_batch_size; on 2 nodes x 8 GPUs the refusal named the
+    JSON's key with the recipe's value (a user's walk, 2026-11-30): it now says where the batch came from and what fits."""
+    run_fails("estimate.py", ["--recipe", "gemma-2-27b-s90", "--deepspeed", "zero3_offload", "--num_gpus", "8", "--num_nodes", "2"],
+              "the global batch 8 (batch_size of the settings: --batch_size, a recipe or the elsa block; the JSON's "
+              "train_batch_size 8 gives way to it) is not a multiple of micro batch 1 x 16 ranks; pass --batch_size 16")
 
 
 def _stock_transformers_config() -> dict:

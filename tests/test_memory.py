@@ -240,3 +240,35 @@ def test_the_estimate_takes_its_model_from_the_recipe_or_the_demo_as_the_job_doe
     # the run's time says what it leaves out: the defaults rule's SparseGPT start on the demo, none on the recipe's 4096 steps
     assert runs["demo"][1]["time"]["uncounted"][0] == "the sparsegpt warm start"
     assert not any("warm start" in part for part in runs["recipe"][1]["time"]["uncounted"])
+
+
+def test_the_shipped_nvme_configs_parameter_buffers_hold_the_largest_partition_at_any_scale():
+    """zero3_nvme's offload_param.buffer_size is "auto": the largest parameter's partition (at 27B the 256k x 4608
+    embedding: 1.18e9 elements on one rank, 1.47e8 on 8), never below DeepSpeed's 1e8. With a fixed 1e8 the README's
+    27B command was refused on one node while elsa-estimate priced it (a user's walk, 2026-11-30)."""
+    from elsa_ds.capacity.memory import estimate_job, format_estimate, resolved_job
+    from elsa_ds.capacity.shapes import check_nvme_param_buffers
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.models import meta_model
+    from elsa_ds.settings.config import resolve_config
+
+    view = DsConfig.load("zero3_nvme")
+    assert view.raw["zero_optimization"]["offload_param"]["buffer_size"] == "auto"
+    cfg = resolve_config(view.raw, {"model": "google/gemma-2-27b", "nvme_path": "/tmp", "batch_size": 16})
+    meta = meta_model(resolve_model_config("google/gemma-2-27b"))
+    largest = max(p.numel() for p in meta.parameters())
+    assert largest == 256000 * 4608
+    for world, expected in ((1, largest), (8, -(-largest // 8)), (16, 1e8)):
+        shape, ds = resolved_job(cfg, view, world)
+        assert ds["zero_optimization"]["offload_param"]["buffer_size"] == expected
+        check_nvme_param_buffers(meta, ds, world)  # what the job checks before loading: passes
+    fixed = json.loads(json.dumps(view.raw))
+    fixed["zero_optimization"]["offload_param"]["buffer_size"] = 1e8
+    with pytest.raises(ElsaError, match="buffer_size is 1e\\+08 elements but .* 147,456,000 per rank on 8"):
+        check_nvme_param_buffers(meta, fixed, 8)
+    # the swapper's 5 buffers of 2-byte elements are in the host estimate: 5 x 2 x (1.47e8 - 1e8) more than a 1e8 buffer
+    one_node, two_nodes = (estimate_job("google/gemma-2-27b", "zero3_nvme", 8, n, {"nvme_path": "/tmp", "batch_size": 16})
+                           for n in (1, 2))
+    assert one_node.breakdown["buffers"]["per_node_cpu"] >= 8 * 5 * 2 * -(-largest // 8)
+    table = format_estimate(two_nodes, "google/gemma-2-27b", "zero3_nvme", 8, 2)
+    assert "NVMe per node" in table and f"{two_nodes.nvme_bytes / 2 / 2**30:12.2f} GiB" in table.splitlines()[-1]

@@ -276,8 +276,8 @@ def resolved_job(cfg, ds_config: DsConfig, world: int) -> tuple[ModelShape, dict
 
     config = model_config(cfg.model)
     check_seqlen(config, cfg.seqlen, cfg.model)
-    ds = ds_config.resolve(cfg, world, hidden_size(config), check_paths=False)
-    return model_shape(config, cfg.targets, freeze_embeddings=cfg.freeze_embeddings), ds.raw
+    shape = model_shape(config, cfg.targets, freeze_embeddings=cfg.freeze_embeddings)
+    return shape, ds_config.resolve(cfg, world, hidden_size(config), check_paths=False, largest_param=shape.largest_param).raw
 
 
 def model_config(model: str):
@@ -332,8 +332,9 @@ def format_estimate(est: Estimate, model: str, deepspeed: str, num_gpus: int, nu
     scale, unit = (1e9, "B") if est.num_params >= 1e9 else (1e6, "M")
     lines = [f"{model}: {est.num_params / scale:.2f} {unit} parameters ({est.pruned_params / scale:.2f} {unit} pruned), "
              f"{num_nodes} node(s) x {num_gpus} GPU(s), {deepspeed}",
-             f"{'':12s} {'per GPU':>12s} {'CPU per node':>14s} {'NVMe':>12s}"]
+             f"{'':12s} {'per GPU':>12s} {'CPU per node':>14s} {'NVMe per node':>14s}"]
     rows = [(name, row["per_gpu"], row["per_node_cpu"], row["nvme"]) for name, row in est.breakdown.items()]
     for name, gpu, cpu, nvme in rows + [("total", est.per_gpu_bytes, est.per_node_cpu_bytes, est.nvme_bytes)]:
-        lines.append(f"{name:12s} {gpu / gib:10.2f} GiB {cpu / gib:12.2f} GiB {nvme / gib:10.2f} GiB")
+        # NVMe: the job's whole (est.nvme_bytes, --json), each node's own disk holding its ranks' share
+        lines.append(f"{name:12s} {gpu / gib:10.2f} GiB {cpu / gib:12.2f} GiB {nvme / num_nodes / gib:12.2f} GiB")
     return "\n".join(lines)

@@ -35,6 +35,7 @@ from elsa_ds.methods import oneshot_names
 from elsa_ds.models import check_seqlen, load_config
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.config_checks import schedule_oddities, schedule_refusals
+from elsa_ds.zero.ds_config import param_buffer_size
 
 MARGIN = 0.15
 GIB = 2 ** 30
@@ -326,7 +327,7 @@ def _fit_param_buffers(candidate: dict, shape: ModelShape, world: int) -> str:
     if section.get("device") != "nvme":
         return ""
     need = -(-shape.largest_param // world)
-    if float(section.get("buffer_size", 1e8)) >= need:
+    if (param_buffer_size(candidate["zero_optimization"], shape.largest_param, world) or 0.0) >= need:
         return ""
     candidate["zero_optimization"]["offload_param"] = {**section, "buffer_size": need}
     return f" with offload_param.buffer_size {need}"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from elsa_ds.capacity.shapes import ModelShape
 from elsa_ds.errors import ElsaError
-from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.zero.ds_config import DEFAULT_PARAM_BUFFER, DsConfig, param_buffer_size
 
 STATE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
@@ -84,6 +84,7 @@ class Job:
     fused: bool              # the projection runs on the fused CPU kernels (CPU flats, per-layer top-k): no score buffers
     fused_init: bool         # z₀ = Π(x) does too (no warm-start mask)
     remedy: str = ""         # adaptive | relaxed: the authors' remedy the run takes, whose parts run on the eager path
+    param_buffer: float = DEFAULT_PARAM_BUFFER  # elements of each of the NVMe parameter swapper's buffers ("auto" resolved)
 
 
 def element_bytes(ds: dict) -> int:
@@ -114,6 +115,7 @@ def read_job(shape: ModelShape, ds: dict, elsa: dict, world: int, device: str) -
         pin_grads=pins["offload_optimizer"] and opt_dev != "none",
         # the adaptive λ and over-relaxation update z, u on the eager path (their first z = Π(x) stays fused)
         fused=fused and not remedy, fused_init=fused and not elsa.get("init_mask"), remedy=remedy,
+        param_buffer=param_buffer_size(zero, shape.largest_param, world) or DEFAULT_PARAM_BUFFER,
     )
 
 
@@ -232,7 +234,7 @@ def buffers(per_rank: dict, ds: dict, job: Job, groups: list[SubGroup]) -> float
     if job.param_dev != "nvme":
         return 0.0
     o = zero["offload_param"]
-    swapper = int(o.get("buffer_count", 5)) * float(o.get("buffer_size", 1e8)) * job.half
+    swapper = int(o.get("buffer_count", 5)) * job.param_buffer * job.half
     per_rank["buffers"]["cpu"] += swapper
     if job.t > float(o.get("max_in_cpu", 1e9)):
         # the buffer the step's updated 16-bit shares are swapped out through: DeepSpeed sizes it by the full

@@ -10,6 +10,7 @@ import torch
 from elsa_ds.errors import ElsaError
 from elsa_ds.models import SHIPPED_CONFIGS, embedding_weights, meta_model
 from elsa_ds.targets import decoder_layer_list, select_targets
+from elsa_ds.zero.ds_config import param_buffer_size
 
 
 @dataclass
@@ -100,7 +101,7 @@ def check_nvme_param_buffers(model: torch.nn.Module, ds: dict, world: int = 1) -
         return
     largest = max(p.numel() for p in model.parameters())
     partition = -(-largest // world)
-    size = float(section.get("buffer_size", 1e8))
+    size = param_buffer_size(ds["zero_optimization"], largest, world) or 0.0
     if size < partition:
         raise ElsaError(
             f"zero_optimization.offload_param.buffer_size is {size:.3g} elements but the model's largest parameter has "

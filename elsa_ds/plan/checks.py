@@ -38,14 +38,15 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     if not cfg.random_init:
         source.check_weights()
     source.check_tokenizer()  # every job tokenizes text (calibration, training or validation)
-    ds = ds_config.resolve(cfg, world_size, hidden_size(model_config))
+    meta = meta_model(model_config)
+    largest = max(p.numel() for p in meta.parameters())
+    ds = ds_config.resolve(cfg, world_size, hidden_size(model_config), largest_param=largest)
     fallback = machine.cpu_bf16_fallback(ds.raw)
     engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
     if fallback and engine_used and os.environ.get("RANK", "0") == "0":
         get_logger(__name__).warning(fallback)
     if ds_config.uses_nvme and (why := machine.nvme_unavailable()):
         raise ElsaError(why)
-    meta = meta_model(model_config)
     check_goals(cfg, meta)
     check_init_mask(cfg, meta)
     check_nvme_param_buffers(meta, ds.raw, world_size)

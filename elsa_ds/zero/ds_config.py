@@ -147,8 +147,13 @@ class DsConfig:
         if not isinstance(micro, int) or micro <= 0:
             return [f"train_micro_batch_size_per_gpu must be a positive integer, got {micro!r}"]
         if global_batch % (micro * world_size):
-            return [f"train_batch_size {global_batch} is not a multiple of micro batch {micro} x {world_size} ranks; "
-                    "change train_batch_size (or --batch_size), --micro_batch or the number of ranks"]
+            unit = micro * world_size
+            origin = f"train_batch_size {global_batch}"
+            if cfg.batch_size:  # a recipe's, the elsa block's or the command line's: the JSON's own value gives way to it
+                origin = (f"the global batch {global_batch} (batch_size of the settings: --batch_size, a recipe or the elsa "
+                          f"block; the JSON's train_batch_size {self.raw.get('train_batch_size')!r} gives way to it)")
+            return [f"{origin} is not a multiple of micro batch {micro} x {world_size} ranks; pass --batch_size "
+                    f"{-(-global_batch // unit) * unit} (or another multiple of {unit}), a smaller --micro_batch, or fewer ranks"]
         accumulation, derived = self.raw.get("gradient_accumulation_steps", AUTO), global_batch // (micro * world_size)
         if accumulation != AUTO and accumulation != derived:
             return [f"gradient_accumulation_steps {accumulation!r} disagrees with train_batch_size {global_batch} / (micro "
@@ -185,15 +190,17 @@ class DsConfig:
             raise ElsaError(f"DeepSpeed config {self.source} cannot be used as it is: {numbered}")
 
     def engine_config(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None = None,
-                      check_paths: bool = True) -> dict[str, Any]:
-        """The config the engine gets: checked (``check_paths``: the NVMe paths too), autos resolved, batch split derived
-        from the global batch."""
+                      check_paths: bool = True, largest_param: int | None = None) -> dict[str, Any]:
+        """The config the engine gets: checked (``check_paths``: the NVMe paths too), autos resolved (the parameter
+        swapper's buffer from ``largest_param``, the model's largest parameter), batch split derived from the global batch."""
         self.check(cfg, world_size, hidden_size, check_paths)
         ds = copy.deepcopy({k: v for k, v in self.raw.items() if k not in ("elsa", "optimizer", "scheduler")})
         zero = ds.setdefault("zero_optimization", {})
         _apply_nvme_path(zero, cfg.nvme_path)
         if hidden_size is not None:
             _resolve_buckets(zero, hidden_size)
+        if zero.get("offload_param", {}).get("buffer_size") == AUTO and largest_param is not None:
+            zero["offload_param"]["buffer_size"] = param_buffer_size(zero, largest_param, world_size)
         global_batch, micro = self.global_batch(cfg), self.micro_batch(cfg)
         ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"] = global_batch, micro
         ds["gradient_accumulation_steps"] = global_batch // (micro * world_size)
@@ -208,9 +215,10 @@ class DsConfig:
         ds.setdefault("wall_clock_breakdown", False)
         return ds
 
-    def resolve(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None = None, check_paths: bool = True) -> DsConfig:
+    def resolve(self, cfg: ElsaConfig, world_size: int, hidden_size: int | None = None, check_paths: bool = True,
+                largest_param: int | None = None) -> DsConfig:
         """:meth:`engine_config` as a view: the one DeepSpeed config object a job builds and passes on."""
-        return DsConfig(self.engine_config(cfg, world_size, hidden_size, check_paths), self.source)
+        return DsConfig(self.engine_config(cfg, world_size, hidden_size, check_paths, largest_param), self.source)
 
 
 def _differs(value: Any, ours: Any) -> bool:
@@ -236,8 +244,21 @@ def _resolve_buckets(zero: dict[str, Any], hidden_size: int) -> None:
             zero[key] = rule(hidden_size)
 
 
+DEFAULT_PARAM_BUFFER = 1e8  # DeepSpeed's offload_param.buffer_size
+
+
+def param_buffer_size(zero: dict[str, Any], largest_param: int | None, world_size: int) -> float | None:
+    """offload_param.buffer_size in elements: as given, or for "auto" the largest parameter's partition on
+    ``world_size`` ranks (DeepSpeed's NVMe swapper holds one in each buffer), at least DeepSpeed's default; None for an
+    "auto" while the model's shape is unknown (``largest_param`` None)."""
+    value = zero.get("offload_param", {}).get("buffer_size", DEFAULT_PARAM_BUFFER)
+    if value != AUTO:
+        return float(value)
+    return None if largest_param is None else max(DEFAULT_PARAM_BUFFER, float(-(-largest_param // world_size)))
+
+
 RESOLVED_AUTOS = {("train_batch_size",), ("train_micro_batch_size_per_gpu",), ("gradient_accumulation_steps",),
-                  ("gradient_clipping",), ("bf16", "enabled"), ("fp16", "enabled"),
+                  ("gradient_clipping",), ("bf16", "enabled"), ("fp16", "enabled"), ("zero_optimization", "offload_param", "buffer_size"),
                   *(("zero_optimization", k) for k in _BUCKETS)}
 
 
