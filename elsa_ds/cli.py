@@ -119,6 +119,14 @@ def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) ->
     return cfg
 
 
+def job_only_flags() -> dict[type[BaseModel], tuple[str, ...]]:
+    """elsa-prune's flags the estimate does not use (data, output, checkpoints, the method's own settings): accepted, so
+    that a job's command line can be estimated as it stands (the job's own time hint says to)."""
+    taken = set(_cli_fields(EstimateOptions))
+    return {model: tuple(n for n in _cli_fields(model) if n not in shared and n not in taken)
+            for model, shared in ESTIMATE_SHARED.items()}
+
+
 def estimate_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="elsa-estimate", description="Estimate GPU, CPU and NVMe memory of an ELSA job from configs alone.")
     p.add_argument("--version", action="version", version=f"elsa_ds {__version__}")
@@ -126,6 +134,10 @@ def estimate_parser() -> argparse.ArgumentParser:
     for model, names in ESTIMATE_SHARED.items():
         add_flags(p, model, names)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")  # output format, no setting
+    unused = p.add_argument_group("elsa-prune's other flags: accepted as a job's command line gives them, not used by the "
+                                  "estimate (it says which it left out)")
+    for model, names in job_only_flags().items():
+        add_flags(unused, model, names, flag_default=model is JobOptions, optional=names)  # type: ignore[arg-type]
     return p
 
 
@@ -139,6 +151,9 @@ def main_estimate(argv: list[str] | None = None) -> int:
         from elsa_ds.zero.ds_config import DsConfig
 
         opts = validated(EstimateOptions, {k: getattr(args, k) for k in _cli_fields(EstimateOptions) if getattr(args, k) is not None})
+        left = [f"--{n}" for names in job_only_flags().values() for n in names if getattr(args, n) not in (None, False)]
+        if left:
+            log.info(f"not used by the estimate (the job's data, output, checkpoints and method settings): {', '.join(left)}")
         ds_config = DsConfig.load(args.deepspeed)
         cfg = estimated_job(args, opts, ds_config)
         shape, ds = resolved_job(cfg, ds_config, opts.num_gpus * opts.num_nodes)

@@ -107,6 +107,22 @@ def test_estimate_resolves_unset_settings_as_the_job_does(capsys):
     assert demo["breakdown"]["activations"]["per_gpu"] < long["breakdown"]["activations"]["per_gpu"]
 
 
+def test_estimate_takes_a_jobs_command_line_as_it_stands_and_says_what_it_left_out(capsys):
+    """The job's time hint says to run elsa-estimate with the job's flags: --output_dir, --dataset, --nvme_path were
+    refused as unrecognized (a user's walk, 2026-11-30). Every elsa-prune flag is accepted; those it does not use are
+    named, and the figures are those without them."""
+    job = ["--deepspeed", "zero3_offload", "--recipe", "gemma-2-27b-s90", "--num_gpus", "8", "--json"]
+    assert main_estimate(job) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(_flags(prune_parser())) - {"--local_rank"} <= set(_flags(estimate_parser())) | {"--model"}
+    assert main_estimate([*job, "--output_dir", "/nowhere/out", "--dataset", "c4", "--nvme_path", "/nowhere/nvme",
+                          "--save_interval", "256", "--overwrite"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1]) == plain
+    line = next(x for x in (captured.out + captured.err).splitlines() if "not used by the estimate" in x)
+    assert {"--output_dir", "--dataset", "--nvme_path", "--save_interval", "--overwrite"} == set(line.split(": ")[-1].split(", "))
+
+
 def test_compress_flags_are_its_settings_fields_with_the_other_entry_points_log_level():
     """elsa-compress is generated like the others: its arguments are CompressSettings' fields, --log_level is JobOptions'
     (the same levels and help as elsa-prune's), and its existing spellings still parse."""
