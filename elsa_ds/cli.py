@@ -106,13 +106,15 @@ def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) ->
     from elsa_ds.plan import elsa_settings
     from elsa_ds.plan.defaults_applied import apply_defaults
 
-    given = {k: getattr(args, k) for k in ESTIMATE_SHARED[ElsaConfig]}
+    given = {k: getattr(args, k) for k in (*ESTIMATE_SHARED[ElsaConfig], "method", "finetune")}  # the last two: refused
     if opts.model is not None:
         model = Path(opts.model).expanduser()
         given["model"] = str(model.parent) if model.is_file() else opts.model
     cfg = elsa_settings(ds_config, args.deepspeed, args.recipe, given)
-    if cfg.method.value != ELSA:
-        raise ElsaError(f"elsa-estimate sizes ELSA jobs, but the recipe or the JSON's elsa block sets method {cfg.method.value}")
+    if cfg.method.value != ELSA or cfg.finetune is not None:
+        what = f"method {cfg.method.value}" if cfg.method.value != ELSA else f"--finetune {getattr(cfg.finetune, 'value', '')}"
+        raise ElsaError(f"elsa-estimate sizes ELSA jobs, but the command line, the recipe or the JSON's elsa block sets {what}; "
+                        "a one-shot or retraining job's host memory is checked by elsa-prune itself before it loads anything")
     cfg, defaults = apply_defaults(cfg, model_config(cfg.model))
     if defaults["applied"]:
         log.info("from the defaults rule: " + "; ".join(f"{k} {v}" for k, v in defaults["applied"].items()))
@@ -151,7 +153,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
         from elsa_ds.zero.ds_config import DsConfig
 
         opts = validated(EstimateOptions, {k: getattr(args, k) for k in _cli_fields(EstimateOptions) if getattr(args, k) is not None})
-        left = [f"--{n}" for names in job_only_flags().values() for n in names if getattr(args, n) not in (None, False)]
+        left = [f"--{n}" for names in job_only_flags().values() for n in names
+                if (v := getattr(args, n)) is not None and v is not False and n not in ("method", "finetune")]
         if left:
             log.info(f"not used by the estimate (the job's data, output, checkpoints and method settings): {', '.join(left)}")
         ds_config = DsConfig.load(args.deepspeed)

@@ -121,6 +121,11 @@ def test_estimate_takes_a_jobs_command_line_as_it_stands_and_says_what_it_left_o
     assert json.loads(captured.out.strip().splitlines()[-1]) == plain
     line = next(x for x in (captured.out + captured.err).splitlines() if "not used by the estimate" in x)
     assert {"--output_dir", "--dataset", "--nvme_path", "--save_interval", "--overwrite"} == set(line.split(": ")[-1].split(", "))
+    assert main_estimate([*job, "--hold_steps", "0"]) == 0 and "not used by the estimate" in "".join(capsys.readouterr())
+    for other in (["--method", "sparsegpt"], ["--method", "sparsegpt", "--finetune", "lora"]):  # a job it does not size
+        assert main_estimate([*job, *other]) == 2
+        assert "elsa-estimate sizes ELSA jobs, but the command line, the recipe or the JSON's elsa block sets method " \
+               "sparsegpt" in capsys.readouterr().err
 
 
 def test_compress_flags_are_its_settings_fields_with_the_other_entry_points_log_level():

@@ -272,3 +272,16 @@ def test_the_shipped_nvme_configs_parameter_buffers_hold_the_largest_partition_a
     assert one_node.breakdown["buffers"]["per_node_cpu"] >= 8 * 5 * 2 * -(-largest // 8)
     table = format_estimate(two_nodes, "google/gemma-2-27b", "zero3_nvme", 8, 2)
     assert "NVMe per node" in table and f"{two_nodes.nvme_bytes / 2 / 2**30:12.2f} GiB" in table.splitlines()[-1]
+
+
+def test_an_auto_nvme_buffer_without_the_models_shape_is_refused_not_left_to_deepspeeds_default():
+    """DeepSpeed reads an "auto" buffer_size as its default 1e8, the size that failed at 27B: a caller that cannot give
+    the model's largest parameter gets one line instead (the job and the estimator always give it)."""
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.settings.config import resolve_config
+
+    view = DsConfig.load("zero3_nvme")
+    cfg = resolve_config(view.raw, {"model": "google/gemma-2-2b", "nvme_path": "/tmp"})
+    with pytest.raises(ElsaError, match='buffer_size is "auto", which is resolved from the model\'s largest parameter'):
+        view.resolve(cfg, 1, check_paths=False)
+    assert view.resolve(cfg, 1, check_paths=False, largest_param=10).raw["zero_optimization"]["offload_param"]["buffer_size"] == 1e8

@@ -79,8 +79,9 @@ def _job(tmp_path, config: str, **settings):
     cfg = resolve_config(ds_config.raw, {"model": "google/gemma-2-2b", "seqlen": 512, **settings})
     opts = JobOptions(deepspeed=config, output_dir=tmp_path / "out")
     model_config = resolve_model_config("google/gemma-2-2b")
-    ds = ds_config.engine_config(cfg, 1, model_config.hidden_size)
-    return meta_model(model_config), ds, cfg, opts
+    meta = meta_model(model_config)
+    ds = ds_config.engine_config(cfg, 1, model_config.hidden_size, largest_param=max(p.numel() for p in meta.parameters()))
+    return meta, ds, cfg, opts
 
 
 def _host(monkeypatch, host: float):
@@ -197,24 +198,27 @@ def _cgroup_tree(root, v1: bool, levels: list[tuple[int, int, int]]):
     (root / "proc/self").mkdir(parents=True)
     (root / "proc/self/cgroup").write_text(("4:memory:/" if v1 else "0::/") + "/".join(names) + "\n")
     base = root / ("sys/fs/cgroup/memory" if v1 else "sys/fs/cgroup")
-    limit_name, usage_name, cache_key = procfs.V1_FILES if v1 else procfs.V2_FILES
+    limit_name, usage_name, (active_key, inactive_key) = procfs.V1_FILES if v1 else procfs.V2_FILES
     for depth, (limit, usage, cache) in enumerate(levels[::-1]):
         folder = base.joinpath(*names[:depth + 1])
         folder.mkdir(parents=True)
         (folder / limit_name).write_text(f"{limit}\n")
         (folder / usage_name).write_text(f"{usage}\n")
-        (folder / "memory.stat").write_text(f"anon 5\n{cache_key} {cache}\nfile {cache}\n")
+        (folder / "memory.stat").write_text(f"anon 5\n{active_key} {cache // 2}\n{inactive_key} {cache - cache // 2}\nfile {cache}\n")
     return root
 
 
 @pytest.mark.parametrize("v1", [True, False], ids=["cgroup_v1", "cgroup_v2"])
 def test_the_room_a_cgroup_leaves_is_its_tightest_levels_limit_less_what_cannot_be_reclaimed(tmp_path, v1):
     """A SLURM allocation or a container caps the job below the node's free memory (psutil sees the node's): the
-    check takes, of every level up the job's cgroup tree, its limit less its usage less its inactive page cache."""
+    check takes, of every level up the job's cgroup tree, its limit less its usage less its file page cache (active and
+    inactive: the kernel reclaims both before it kills)."""
     root = _cgroup_tree(tmp_path, v1, [(8 * GIB, 3 * GIB, GIB), (10 * GIB, 5 * GIB, 0)])  # job: 6 GiB left, parent: 5
     assert procfs.cgroup_room(root) == (5 * GIB, 10 * GIB) and procfs.cgroup_limit(root) == 8 * GIB
     root = _cgroup_tree(tmp_path / "b", v1, [(8 * GIB, 3 * GIB, GIB), (64 * GIB, 5 * GIB, 0)])
     assert procfs.cgroup_room(root) == (6 * GIB, 8 * GIB)
+    max((tmp_path / "b").rglob("memory.stat"), key=lambda f: len(f.parts)).unlink()  # the job's: its whole usage counts
+    assert procfs.cgroup_room(root) == (5 * GIB, 8 * GIB)
     (tmp_path / "c/proc/self").mkdir(parents=True)
     (tmp_path / "c/proc/self/cgroup").write_text("0::/\n")
     assert procfs.cgroup_room(tmp_path / "c") is None  # no limit anywhere

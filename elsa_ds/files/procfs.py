@@ -25,8 +25,8 @@ def oom_kills() -> int | None:
     return None
 
 
-V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")  # limit, usage, reclaimable cache
-V2_FILES = ("memory.max", "memory.current", "inactive_file")
+V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_active_file", "total_inactive_file"))  # limit, usage,
+V2_FILES = ("memory.max", "memory.current", ("active_file", "inactive_file"))  # and the page cache the kernel reclaims
 
 
 def _cgroup_levels(root: Path = Path("/")) -> list[tuple[int, int | None]]:
@@ -40,23 +40,26 @@ def _cgroup_levels(root: Path = Path("/")) -> list[tuple[int, int | None]]:
             if not (v1 or not controllers):
                 continue
             base = root / ("sys/fs/cgroup/memory" if v1 else "sys/fs/cgroup")
-            limit_name, usage_name, cache_key = V1_FILES if v1 else V2_FILES
+            limit_name, usage_name, cache_keys = V1_FILES if v1 else V2_FILES
             for d in (base / path.lstrip("/"), *(base / path.lstrip("/")).parents):
                 if (d / limit_name).is_file() and (value := (d / limit_name).read_text().strip()) != "max":
-                    levels.append((int(value), _unreclaimable(d, usage_name, cache_key)))
+                    levels.append((int(value), _unreclaimable(d, usage_name, cache_keys)))
                 if d == base:
                     break
     return levels
 
 
-def _unreclaimable(folder: Path, usage_name: str, cache_key: str) -> int | None:
-    """A cgroup's usage less its inactive page cache (the kernel reclaims that before it kills), as container tools count
-    a working set; None when the files cannot be read."""
-    with contextlib.suppress(OSError, ValueError):
+def _unreclaimable(folder: Path, usage_name: str, cache_keys: tuple[str, str]) -> int | None:
+    """A cgroup's usage less its file page cache, active and inactive (the kernel reclaims it before it kills; shared
+    memory is not in it); its whole usage when memory.stat cannot be read; None when the usage cannot."""
+    try:
         usage = int((folder / usage_name).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    with contextlib.suppress(OSError, ValueError):
         stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
-        return max(0, usage - int(stat.get(cache_key, 0)))
-    return None
+        return max(0, usage - sum(int(stat.get(key, 0)) for key in cache_keys))
+    return usage
 
 
 def cgroup_limit(root: Path = Path("/")) -> int | None:

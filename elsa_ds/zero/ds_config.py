@@ -199,8 +199,11 @@ class DsConfig:
         _apply_nvme_path(zero, cfg.nvme_path)
         if hidden_size is not None:
             _resolve_buckets(zero, hidden_size)
-        if zero.get("offload_param", {}).get("buffer_size") == AUTO and largest_param is not None:
-            zero["offload_param"]["buffer_size"] = param_buffer_size(zero, largest_param, world_size)
+        if zero.get("offload_param", {}).get("buffer_size") == AUTO:
+            if largest_param is None and zero["offload_param"].get("device") == "nvme":  # DeepSpeed would take 1e8 silently
+                raise ElsaError('zero_optimization.offload_param.buffer_size is "auto", which is resolved from the model\'s '
+                                "largest parameter, unknown here; set a number of elements")
+            zero["offload_param"]["buffer_size"] = param_buffer_size(zero, largest_param, world_size) or DEFAULT_PARAM_BUFFER
         global_batch, micro = self.global_batch(cfg), self.micro_batch(cfg)
         ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"] = global_batch, micro
         ds["gradient_accumulation_steps"] = global_batch // (micro * world_size)
