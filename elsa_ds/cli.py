@@ -98,6 +98,10 @@ ESTIMATE_SHARED: dict[type[BaseModel], tuple[str, ...]] = {
 }
 
 
+# the job's method and retraining: read, so that a job the estimate does not size (one-shot, retrained) is refused
+ESTIMATE_REFUSED = ("method", "finetune")
+
+
 def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) -> ElsaConfig:
     """The ElsaConfig of the job elsa-estimate sizes, resolved as elsa-prune resolves it: flags over the JSON's ``elsa``
     block and a recipe, then the defaults rule (which may start from a SparseGPT-pruned model: a one-shot warm start)."""
@@ -106,7 +110,7 @@ def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) ->
     from elsa_ds.plan import elsa_settings
     from elsa_ds.plan.defaults_applied import apply_defaults
 
-    given = {k: getattr(args, k) for k in (*ESTIMATE_SHARED[ElsaConfig], "method", "finetune")}  # the last two: refused
+    given = {k: getattr(args, k) for k in (*ESTIMATE_SHARED[ElsaConfig], *ESTIMATE_REFUSED)}
     if opts.model is not None:
         model = Path(opts.model).expanduser()
         given["model"] = str(model.parent) if model.is_file() else opts.model
@@ -124,7 +128,7 @@ def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) ->
 def job_only_flags() -> dict[type[BaseModel], tuple[str, ...]]:
     """elsa-prune's flags the estimate does not use (data, output, checkpoints, the method's own settings): accepted, so
     that a job's command line can be estimated as it stands (the job's own time hint says to)."""
-    taken = set(_cli_fields(EstimateOptions))
+    taken = {*_cli_fields(EstimateOptions), *ESTIMATE_REFUSED}
     return {model: tuple(n for n in _cli_fields(model) if n not in shared and n not in taken)
             for model, shared in ESTIMATE_SHARED.items()}
 
@@ -135,6 +139,7 @@ def estimate_parser() -> argparse.ArgumentParser:
     add_flags(p, EstimateOptions)
     for model, names in ESTIMATE_SHARED.items():
         add_flags(p, model, names)
+    add_flags(p, ElsaConfig, ESTIMATE_REFUSED)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")  # output format, no setting
     unused = p.add_argument_group("elsa-prune's other flags: accepted as a job's command line gives them, not used by the "
                                   "estimate (it says which it left out)")
@@ -154,7 +159,7 @@ def main_estimate(argv: list[str] | None = None) -> int:
 
         opts = validated(EstimateOptions, {k: getattr(args, k) for k in _cli_fields(EstimateOptions) if getattr(args, k) is not None})
         left = [f"--{n}" for names in job_only_flags().values() for n in names
-                if (v := getattr(args, n)) is not None and v is not False and n not in ("method", "finetune")]
+                if (v := getattr(args, n)) is not None and v is not False]
         if left:
             log.info(f"not used by the estimate (the job's data, output, checkpoints and method settings): {', '.join(left)}")
         ds_config = DsConfig.load(args.deepspeed)

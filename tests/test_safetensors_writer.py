@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.safetensors_writer import ShardedWriter, index_name, TensorSpec, parse_size, plan_shards
+from elsa_ds.files.safetensors_writer import INDEX_NAME, ShardedWriter, TensorSpec, parse_size, plan_shards
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -41,11 +41,11 @@ def test_files_read_back_exactly_and_shard_like_huggingface_hub(tmp_path, max_sh
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert files == sorted(hub.filename_to_tensors)
     if hub.is_sharded:
-        index = json.loads((tmp_path / index_name()).read_text())
+        index = json.loads((tmp_path / INDEX_NAME).read_text())
         assert index["weight_map"] == hub.tensor_to_filename
         assert index["metadata"]["total_size"] == hub.metadata["total_size"]
     else:
-        assert not (tmp_path / index_name()).exists()
+        assert not (tmp_path / INDEX_NAME).exists()
     read = {}
     for name in files:
         with safe_open(str(tmp_path / name), framework="pt") as fh:

@@ -328,7 +328,7 @@ def _fit_param_buffers(candidate: dict, shape: ModelShape, world: int) -> str:
     if section.get("device") != "nvme":
         return ""
     need = -(-shape.largest_param // world)
-    if (param_buffer_size(candidate["zero_optimization"], shape.largest_param, world) or 0.0) >= need:
+    if param_buffer_size(candidate["zero_optimization"], shape.largest_param, world) >= need:
         return ""
     candidate["zero_optimization"]["offload_param"] = {**section, "buffer_size": need}
     return f" with offload_param.buffer_size {need}"

@@ -115,7 +115,7 @@ def read_job(shape: ModelShape, ds: dict, elsa: dict, world: int, device: str) -
         pin_grads=pins["offload_optimizer"] and opt_dev != "none",
         # the adaptive λ and over-relaxation update z, u on the eager path (their first z = Π(x) stays fused)
         fused=fused and not remedy, fused_init=fused and not elsa.get("init_mask"), remedy=remedy,
-        param_buffer=param_buffer_size(zero, shape.largest_param, world) or DEFAULT_PARAM_BUFFER,
+        param_buffer=param_buffer_size(zero, shape.largest_param, world),
     )
 
 

@@ -101,7 +101,7 @@ def check_nvme_param_buffers(model: torch.nn.Module, ds: dict, world: int = 1) -
         return
     largest = max(p.numel() for p in model.parameters())
     partition = -(-largest // world)
-    size = param_buffer_size(ds["zero_optimization"], largest, world) or 0.0
+    size = param_buffer_size(ds["zero_optimization"], largest, world)
     if size < partition:
         raise ElsaError(
             f"zero_optimization.offload_param.buffer_size is {size:.3g} elements but the model's largest parameter has "

@@ -29,6 +29,7 @@ from elsa_ds.files.disk_room import writing
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
           torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+INDEX_NAME = "model.safetensors.index.json"
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
@@ -80,10 +81,6 @@ def shard_names(count: int, stem: str = "model") -> list[str]:
     return [f"{stem}.safetensors"] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def index_name(stem: str = "model") -> str:
-    return f"{stem}.safetensors.index.json"
-
-
 def header_bytes(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
     """A safetensors header: little-endian u64 length, then JSON padded with spaces to a multiple of 8 bytes."""
     entries: dict[str, object] = {"__metadata__": metadata}
@@ -106,11 +103,11 @@ class ShardedWriter:
     """
 
     def __init__(self, out_dir: Path, specs: list[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                 metadata: dict[str, str] | None = None, stem: str = "model", index: str | None = None):
+                 metadata: dict[str, str] | None = None, stem: str = "model", index: str = INDEX_NAME):
         self.out_dir = Path(out_dir)
         self.shards = plan_shards(specs, max_shard_size)
         self.names = shard_names(len(self.shards), stem)
-        self.index_name = index or index_name(stem)
+        self.index_name = index
         self.metadata = metadata or {"format": "pt"}
         self._queue = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
         self._next = 0

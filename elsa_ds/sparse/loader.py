@@ -17,7 +17,7 @@ from elsa_ds.sparse.folder import TensorReader
 from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError, check_type,
                                       tensor_digest)
 from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path, ready_to_decode
-from elsa_ds.sparse.meta import CONFIG_KEY, UNSEALED_VERSION, sparse_meta, elsa_named
+from elsa_ds.sparse.meta import CONFIG_KEY, UNSEALED_VERSION, elsa_named, sparse_meta
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -27,7 +27,7 @@ from elsa_ds.sparse.compress import compress
 from elsa_ds.sparse.folder import TensorReader, is_weight_file
 from elsa_ds.sparse.linear import SparseLinear
 from elsa_ds.sparse.loader import from_pretrained
-from elsa_ds.sparse.meta import CONFIG_KEY, read_config, sparse_meta, elsa_named
+from elsa_ds.sparse.meta import CONFIG_KEY, elsa_named, read_config, sparse_meta
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

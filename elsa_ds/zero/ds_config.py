@@ -203,7 +203,9 @@ class DsConfig:
             if largest_param is None and zero["offload_param"].get("device") == "nvme":  # DeepSpeed would take 1e8 silently
                 raise ElsaError('zero_optimization.offload_param.buffer_size is "auto", which is resolved from the model\'s '
                                 "largest parameter, unknown here; set a number of elements")
-            zero["offload_param"]["buffer_size"] = param_buffer_size(zero, largest_param, world_size) or DEFAULT_PARAM_BUFFER
+            # unused off NVMe: DeepSpeed's default stands in when the shape is unknown
+            zero["offload_param"]["buffer_size"] = DEFAULT_PARAM_BUFFER if largest_param is None else \
+                param_buffer_size(zero, largest_param, world_size)
         global_batch, micro = self.global_batch(cfg), self.micro_batch(cfg)
         ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"] = global_batch, micro
         ds["gradient_accumulation_steps"] = global_batch // (micro * world_size)
@@ -250,14 +252,11 @@ def _resolve_buckets(zero: dict[str, Any], hidden_size: int) -> None:
 DEFAULT_PARAM_BUFFER = 1e8  # DeepSpeed's offload_param.buffer_size
 
 
-def param_buffer_size(zero: dict[str, Any], largest_param: int | None, world_size: int) -> float | None:
+def param_buffer_size(zero: dict[str, Any], largest_param: int, world_size: int) -> float:
     """offload_param.buffer_size in elements: as given, or for "auto" the largest parameter's partition on
-    ``world_size`` ranks (DeepSpeed's NVMe swapper holds one in each buffer), at least DeepSpeed's default; None for an
-    "auto" while the model's shape is unknown (``largest_param`` None)."""
+    ``world_size`` ranks (DeepSpeed's NVMe swapper holds one in each buffer), at least DeepSpeed's default."""
     value = zero.get("offload_param", {}).get("buffer_size", DEFAULT_PARAM_BUFFER)
-    if value != AUTO:
-        return float(value)
-    return None if largest_param is None else max(DEFAULT_PARAM_BUFFER, float(-(-largest_param // world_size)))
+    return float(value) if value != AUTO else max(DEFAULT_PARAM_BUFFER, float(-(-largest_param // world_size)))
 
 
 RESOLVED_AUTOS = {("train_batch_size",), ("train_micro_batch_size_per_gpu",), ("gradient_accumulation_steps",),
