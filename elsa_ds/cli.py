@@ -88,13 +88,13 @@ class EstimateOptions(BaseModel):
 # the demo profile's, the defaults rule's or the field's default): the batch and its activations, what is pruned and
 # trained, the optimizer's and ADMM's state types, the authors' remedies (their eager parts), and what decides a one-shot
 # warm start (--init_mask, or the defaults rule's SparseGPT start from steps, sparsity and a user's lr) and its working
-# set; the steps and the projection interval time the run. --random_init is not among them: both load paths build
-# into partitions module by module under zero.Init.
+# set; the steps and the projection interval time the run; the export's format and the checkpoints size the disk under
+# --output_dir. --random_init is not among them: both load paths build into partitions module by module under zero.Init.
 ESTIMATE_SHARED: dict[type[BaseModel], tuple[str, ...]] = {
-    JobOptions: ("deepspeed", "recipe", "log_level"),
+    JobOptions: ("deepspeed", "recipe", "log_level", "export_format"),
     ElsaConfig: ("seqlen", "batch_size", "micro_batch", "targets", "gradient_checkpointing", "freeze_embeddings", "base_optimizer",
                  "z_dtype", "u_dtype", "projection", "steps", "interval", "sparsity", "pattern", "sparsity_profile", "lr", "init_mask",
-                 "init_weights", "nsamples", "val_windows", "lmda_schedule", "relaxation"),
+                 "init_weights", "nsamples", "val_windows", "lmda_schedule", "relaxation", "save_interval", "keep_checkpoints"),
 }
 
 
@@ -154,6 +154,7 @@ def main_estimate(argv: list[str] | None = None) -> int:
 
     def go() -> None:
         from elsa_ds.capacity.memory import format_estimate, job_estimate, resolved_job
+        from elsa_ds.capacity.preflight import format_output, output_bytes
         from elsa_ds.capacity.step_time import DEFAULT_MACHINE, TYPICAL, format_time, job_matmul, measure, step_time
         from elsa_ds.zero.ds_config import DsConfig
 
@@ -171,9 +172,11 @@ def main_estimate(argv: list[str] | None = None) -> int:
         timing = step_time(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates)
         # the table and the JSON line are the command's product: stdout, whatever the log level
         print(format_estimate(est, opts.model or cfg.model, args.deepspeed, opts.num_gpus, opts.num_nodes), flush=True)
+        written = output_bytes(shape, ds, cfg, args.export_format or "dense")
         print(format_time(timing), flush=True)
+        print(format_output(written, shape, cfg), flush=True)
         if args.json:
-            print(json.dumps({**json.loads(est.to_json()), "time": timing.to_dict()}))
+            print(json.dumps({**json.loads(est.to_json()), "time": timing.to_dict(), "output_dir_bytes": written}))
 
     return guarded(go)
 

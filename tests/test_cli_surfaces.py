@@ -116,11 +116,11 @@ def test_estimate_takes_a_jobs_command_line_as_it_stands_and_says_what_it_left_o
     plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(_flags(prune_parser())) - {"--local_rank"} <= set(_flags(estimate_parser())) | {"--model"}
     assert main_estimate([*job, "--output_dir", "/nowhere/out", "--dataset", "c4", "--nvme_path", "/nowhere/nvme",
-                          "--save_interval", "256", "--overwrite"]) == 0
+                          "--lmda", "0.05", "--overwrite"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out.strip().splitlines()[-1]) == plain
     line = next(x for x in (captured.out + captured.err).splitlines() if "not used by the estimate" in x)
-    assert {"--output_dir", "--dataset", "--nvme_path", "--save_interval", "--overwrite"} == set(line.split(": ")[-1].split(", "))
+    assert {"--output_dir", "--dataset", "--nvme_path", "--lmda", "--overwrite"} == set(line.split(": ")[-1].split(", "))
     assert main_estimate([*job, "--hold_steps", "0"]) == 0 and "not used by the estimate" in "".join(capsys.readouterr())
     for other in (["--method", "sparsegpt"], ["--method", "sparsegpt", "--finetune", "lora"]):  # a job it does not size
         assert main_estimate([*job, *other]) == 2

@@ -285,3 +285,38 @@ def test_an_auto_nvme_buffer_without_the_models_shape_is_refused_not_left_to_dee
     with pytest.raises(ElsaError, match='buffer_size is "auto", which is resolved from the model\'s largest parameter'):
         view.resolve(cfg, 1, check_paths=False)
     assert view.resolve(cfg, 1, check_paths=False, largest_param=10).raw["zero_optimization"]["offload_param"]["buffer_size"] == 1e8
+
+
+def test_the_estimate_sizes_the_disk_under_the_output_dir_as_the_jobs_check_does(tmp_path, capsys, monkeypatch):
+    """A user's walk planning 27B (2026-11-30): `--save_interval 256` asks ~1.5 TiB of disk, which the job's pre-flight check
+    counted and elsa-estimate did not show. Now it prints that disk, part by part, from the same function as the check;
+    a job without --save_interval still learns what each checkpoint would take."""
+    from elsa_ds.capacity import preflight
+    from elsa_ds.cli import main_estimate, prune_parser, settings_from_args
+    from elsa_ds.models import meta_model
+    from elsa_ds.plan.defaults_applied import apply_defaults
+
+    model = "google/gemma-2-2b"
+    flags = ["--deepspeed", "zero3_offload", "--seqlen", "512", "--steps", "100", "--export_format", "sparse"]
+    saved = ["--save_interval", "25", "--keep_checkpoints", "1"]
+    said = {}
+    for name, extra in (("saved", saved), ("unsaved", [])):
+        assert main_estimate(["--model", model, *flags, *extra, "--json"]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        said[name] = (next(line for line in out if line.startswith("disk under --output_dir")), json.loads(out[-1])["output_dir_bytes"])
+    line, parts = said["saved"]
+    assert parts["checkpoints"] > parts["export"] > parts["sparse export"] > 0 and parts["warm-start mask"] > 0  # 70 %: SparseGPT start
+    assert "2 x " in line and "every 25 steps" in line and "--keep_checkpoints 1" in line
+    assert said["unsaved"][1]["checkpoints"] == 0 and "no checkpoints (--save_interval 0; each would take" in said["unsaved"][0]
+    assert said["unsaved"][1]["export"] == parts["export"]
+    # the job's own check, for the same flags, counts these bytes under its --output_dir
+    opts, cfg, ds_config = settings_from_args(prune_parser().parse_args([*flags, *saved, "--model", model, "--output_dir", str(tmp_path / "out")]))
+    config = resolve_model_config(model)
+    cfg, _ = apply_defaults(cfg, config)
+    meta = meta_model(config)
+    ds = ds_config.resolve(cfg, 1, config.hidden_size, check_paths=False, largest_param=max(p.numel() for p in meta.parameters()))
+    counted = {}
+    monkeypatch.setattr(preflight, "disk_needs", lambda writes, machine: counted.update(writes) or [])
+    monkeypatch.setattr(preflight, "this_machine", lambda paths: preflight.Machine(host=1e15))
+    preflight.check_elsa(meta, ds.raw, cfg, opts, world=1)
+    assert counted == {(tmp_path / "out").resolve(): pytest.approx(sum(parts.values()))}

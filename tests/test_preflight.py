@@ -183,11 +183,10 @@ def test_the_sparse_exports_room_bounds_what_compress_writes(tmp_path, sparsity)
     written = sum(f.stat().st_size for f in (tmp_path / "sparse").glob("*.safetensors"))
     shape = model_shape(AutoConfig.from_pretrained(pruned))
     cfg = SimpleNamespace(sparsity=sparsity, sparsity_profile=None)
-    bound = preflight.sparse_export_bytes(shape, 4, cfg, SimpleNamespace(export_format="sparse"))
+    bound = preflight.sparse_export_bytes(shape, 4, cfg, "sparse")
     assert written <= bound <= 1.1 * written + preflight.HEADER_ROOM, (written, bound)
-    assert preflight.sparse_export_bytes(shape, 4, cfg, SimpleNamespace(export_format="dense")) == 0
-    profiled = preflight.sparse_export_bytes(shape, 4, SimpleNamespace(sparsity=sparsity, sparsity_profile="p"),
-                                             SimpleNamespace(export_format="sparse"))
+    assert preflight.sparse_export_bytes(shape, 4, cfg, "dense") == 0
+    profiled = preflight.sparse_export_bytes(shape, 4, SimpleNamespace(sparsity=sparsity, sparsity_profile="p"), "sparse")
     assert profiled == 4 * shape.num_params + preflight.HEADER_ROOM  # no sparsity assumed: the dense bytes
 
 

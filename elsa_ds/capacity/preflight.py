@@ -174,10 +174,7 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
     writes = {p: e.nvme_bytes / job.nodes for p in nvme}
     if rank < job.local:  # rank 0's node writes the export and (shared file system) the checkpoints
         out = Path(opts.output_dir).expanduser().resolve()
-        mask = shape.pruned_params / 8 if cfg.init_mask in oneshot_names() else 0.0  # the warm start's mask: 1 bit a pruned weight
-        export = ds_bytes_export(shape, ds) + sparse_export_bytes(shape, element_bytes(ds), cfg, opts)
-        writes[out] = writes.get(out, 0.0) + export + checkpoint_bytes(shape, cfg, ds) + mask
-        # --init_weights' copy of x₀ (one export's size) is deleted before training: export + checkpoints cover it
+        writes[out] = writes.get(out, 0.0) + sum(output_bytes(shape, ds, cfg, opts.export_format).values())
     machine = this_machine(list(writes))
     needs = [Need("host memory", e.per_node_cpu_bytes, machine.host, detail=_parts(e, "per_node_cpu"), limit=machine.host_limit),
              *disk_needs(writes, machine)]
@@ -211,25 +208,49 @@ def ds_bytes_export(shape: ModelShape, ds: dict) -> float:
 HEADER_ROOM = 2**20  # the sparse checkpoint's JSON headers (a few hundred bytes a stored part) and bitmask rows' padding
 
 
-def sparse_export_bytes(shape: ModelShape, element: float, cfg, opts) -> float:
+def output_bytes(shape: ModelShape, ds: dict, cfg, export_format: str) -> dict[str, float]:
+    """What an ELSA job writes under --output_dir (on rank 0's node), by part: the export, the sparse one beside it,
+    the checkpoints, the one-shot warm start's mask (1 bit a pruned weight). --init_weights' copy of x₀ (one export's
+    size) is deleted before training: the export and the checkpoints cover it."""
+    return {"export": ds_bytes_export(shape, ds), "sparse export": sparse_export_bytes(shape, element_bytes(ds), cfg, export_format),
+            "checkpoints": checkpoint_bytes(shape, cfg),
+            "warm-start mask": shape.pruned_params / 8 if cfg.init_mask in oneshot_names() else 0.0}
+
+
+def format_output(parts: dict[str, float], shape: ModelShape, cfg) -> str:
+    """elsa-estimate's line for the disk under --output_dir (``parts``: output_bytes), checkpoints always sized."""
+    each = checkpoint_tag_bytes(shape, cfg)
+    written = ", ".join(f"{name} {_gib(b)}" for name, b in parts.items() if b and name != "checkpoints")
+    if cfg.save_interval:
+        kept = cfg.keep_checkpoints + 1
+        saved = (f"checkpoints {_gib(parts['checkpoints'])} ({kept} x {_gib(each)} every {cfg.save_interval} steps: "
+                 f"--keep_checkpoints {cfg.keep_checkpoints} and the one being written)")
+    else:
+        saved = f"no checkpoints (--save_interval 0; each would take {_gib(each)})"
+    return f"disk under --output_dir (rank 0's node): {_gib(sum(parts.values()))}: {written}; {saved}"
+
+
+def sparse_export_bytes(shape: ModelShape, element: float, cfg, export_format: str) -> float:
     """--export_format sparse: the elsa-sparse checkpoint, built beside the dense export before that goes. At most the
     bitmask code's bytes (delta8 is stored only where smaller, and a layer is stored dense where that is smaller still),
     linear in the kept weights, so the mean sparsity bounds the whole (a sparsity profile: none assumed)."""
-    if opts.export_format != "sparse":
+    if export_format != "sparse":
         return 0.0
     kept = 1.0 if cfg.sparsity_profile else 1.0 - cfg.sparsity
     pruned = shape.pruned_params * min(element, kept * element + 1 / 8)
     return element * (shape.num_params - shape.pruned_params) + pruned + HEADER_ROOM
 
 
-def checkpoint_bytes(shape: ModelShape, cfg, ds: dict) -> float:
-    """--save_interval: fp32 masters, Adam moments and z, u of the trained parameters, per checkpoint; the newest
-    keep_checkpoints stay and one more exists while it is written."""
-    if not cfg.save_interval:
-        return 0.0
+def checkpoint_tag_bytes(shape: ModelShape, cfg) -> float:
+    """One checkpoint: fp32 masters, Adam moments and z, u of the trained parameters. (DeepSpeed's files hold these and
+    ~25 kB more, the model-states file's metadata; tests/zero/test_checkpoint.py holds this to the files written.)"""
     states = moment_bytes(cfg.base_optimizer.value) + STATE_BYTES[cfg.z_dtype.value] + STATE_BYTES[cfg.u_dtype.value]
-    per = (4 + states) * shape.trainable_params
-    return per * (cfg.keep_checkpoints + 1)
+    return (4 + states) * shape.trainable_params
+
+
+def checkpoint_bytes(shape: ModelShape, cfg) -> float:
+    """--save_interval: the newest keep_checkpoints stay and one more exists while it is written."""
+    return checkpoint_tag_bytes(shape, cfg) * (cfg.keep_checkpoints + 1) if cfg.save_interval else 0.0
 
 
 PART_NAMES = {"params": "16-bit parameters", "grads": "gradients", "optimizer": "fp32 masters + moments", "admm": "ADMM z, u",
@@ -346,7 +367,7 @@ def check_oneshot(shape: ModelShape, cfg, opts) -> None:
     cuda = torch.cuda.is_available()
     out = Path(opts.output_dir).expanduser().resolve()
     element = 2 if cuda else 4  # the model as saved: bf16 on a GPU, fp32 on the CPU
-    writes: dict[Path, float] = {out: float(element * shape.num_params) + sparse_export_bytes(shape, element, cfg, opts)}
+    writes: dict[Path, float] = {out: float(element * shape.num_params) + sparse_export_bytes(shape, element, cfg, opts.export_format)}
     machine = this_machine(list(writes))
     needs = [Need("host memory", oneshot_host_bytes(shape, cfg.method.value, cfg, cuda), machine.host, limit=machine.host_limit),
              *disk_needs(writes, machine)]

@@ -12,6 +12,11 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from elsa_ds.capacity.memory import model_shape
+from elsa_ds.capacity.preflight import checkpoint_tag_bytes
+from elsa_ds.settings.config import resolve_config
 
 from tests.conftest import ROOT, derived_config, nan_at_step_env, run_entry
 
@@ -72,6 +77,12 @@ def test_corrupted_newest_checkpoint_falls_back_to_previous(tmp_path, tiny_model
     run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, out, "--save_interval", "4", "--keep_checkpoints", "3"))
     ckpt = out / "checkpoints"
     assert (ckpt / "latest").read_text() == "global_step8"
+    # each tag is what the estimate and the pre-flight check count a checkpoint to take (DeepSpeed's files as written)
+    cfg = resolve_config(json.loads(ds.read_text()), {"model": str(tiny_model_dir)})
+    each = checkpoint_tag_bytes(model_shape(AutoConfig.from_pretrained(tiny_model_dir), cfg.targets), cfg)
+    for tag in ("global_step4", "global_step8"):
+        written = sum(f.stat().st_size for f in (ckpt / tag).iterdir())
+        assert each <= written <= 1.02 * each + 64 * 1024, (tag, written, each)
     for f in (ckpt / "global_step8").glob("*optim_states.pt"):
         f.write_bytes(f.read_bytes()[:100])  # a crash mid-write
     for f in out.glob("*.safetensors"):
