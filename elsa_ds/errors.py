@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import hashlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -130,12 +133,39 @@ def stderr_line(text: str) -> None:
     sys.stderr.flush()
 
 
+_CLAIMED: dict[str, socket.socket] = {}  # the lines this process said first: each claim lasts as long as the process
+
+
+def first_to_say(text: str) -> bool:
+    """Whether this rank is the first of its node to say ``text``: ranks started together on the same input refuse it alike,
+    and a pre-flight refusal printed once per rank was 16 identical lines on 2 x 8 GPUs. Under a launcher of several ranks
+    (LOCAL_RANK set, WORLD_SIZE > 1) the first rank to say a line claims it, an abstract Unix socket named by the
+    launcher's pid and the line's hash (no file: it goes with the process); a rank that finds it claimed by another stays
+    silent, its exit code unchanged. Lines that differ, a line this process said before, every line of a single process
+    and every line where no such socket exists (not Linux) are said."""
+    if "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not sys.platform.startswith("linux"):
+        return True
+    key = hashlib.sha256(text.encode()).hexdigest()[:24]
+    if key in _CLAIMED:
+        return True
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        claim.bind(f"\0elsa_ds-{os.getppid()}-{key}")
+    except OSError as err:
+        claim.close()
+        return err.errno != errno.EADDRINUSE
+    _CLAIMED[key] = claim
+    return True
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse with the entry points' contract for a flag it cannot parse: one ``elsa_ds: error`` line naming the flag
     and what it took, exit 2 (argparse itself prints the whole usage, dozens of lines, before its message)."""
 
     def error(self, message: str) -> NoReturn:
-        stderr_line(f"elsa_ds: error: {self.prog}: {message} (see {self.prog} --help)")
+        line = f"elsa_ds: error: {self.prog}: {message} (see {self.prog} --help)"
+        if first_to_say(line):
+            stderr_line(line)
         raise SystemExit(2)
 
 
@@ -189,7 +219,8 @@ def guarded(fn: Callable[[], int | None]) -> int:
     try:
         return fn() or 0
     except ElsaError as err:  # printed, not logged: the one-line contract holds whatever the log level
-        stderr_line(f"elsa_ds: error{where}: {err}")
+        if first_to_say(str(err)):
+            stderr_line(f"elsa_ds: error{where}: {err}")
         return 2
     except (KeyboardInterrupt, Terminated) as err:
         return _stop_line(err, where)

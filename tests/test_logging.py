@@ -118,3 +118,46 @@ def test_torch_collective_deprecation_is_filtered(console):
         warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning)
         warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated", UserWarning)  # another category
     assert [str(w.message) for w in seen] == ["`torch.distributed.all_gather_into_tensor` is deprecated"]
+
+
+def test_ranks_of_one_launcher_say_a_shared_refusal_once(tmp_path, tiny_model_dir):
+    """Ranks started together on the same bad input refuse it alike: a pre-flight refusal was printed once per rank (16
+    copies on 2 x 8 GPUs, a user's walk of 2026-11-30). Under the launcher, a bad value and an unknown flag: one line, exit 2."""
+    common = ["--deepspeed", "ds_configs/zero3_offload.json", "--model", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")]
+    for bad in (["--sparsity", "1.5"], ["--sparsty", "0.5"]):
+        proc = run_entry("prune.py", [*common, *bad], ranks=2, check=False, timeout=300)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+        assert proc.returncode == 2 and len(errors) == 1 and bad[0].strip("-")[:6] in errors[0], proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_line_is_claimed_once_per_launcher_and_different_lines_are_all_said(monkeypatch):
+    """The claim behind it: the first process under a launcher of several ranks (LOCAL_RANK set, WORLD_SIZE > 1) to say a
+    line says it; a sibling (same parent) finds it claimed while the first lives, and says it once the first has ended;
+    another line is said, and a line a process said before is said again by it; a single process says every line."""
+    import os
+    import uuid
+
+    from elsa_ds.errors import first_to_say
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert first_to_say("a line") and first_to_say("a line")
+    line = f"refused {uuid.uuid4().hex}"
+    code = "import sys, time; from elsa_ds.errors import first_to_say; print(first_to_say(sys.argv[1]), flush=True); time.sleep(float(sys.argv[2]))"
+    env = {**os.environ, "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+
+    def rank(pause: float) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code, line, str(pause)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+
+    first = rank(30)
+    assert first.stdout.readline().strip() == "True"
+    second = rank(0)
+    assert second.communicate(timeout=60)[0].strip() == "False"
+    first.kill()
+    first.wait()
+    assert rank(0).communicate(timeout=60)[0].strip() == "True"  # the claim went with the process
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a single process (elsa_ds sets these for itself): never silent
+    assert first_to_say(line) and first_to_say(line)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert first_to_say(line + " and more") and first_to_say(line + " and more")  # this process's own claim
