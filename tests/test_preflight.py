@@ -122,6 +122,7 @@ def test_a_run_that_fits_passes_and_one_inside_the_margin_warns(tmp_path, monkey
     said = capsys.readouterr()
     assert said.err == ""
     assert f"h for the run ({cfg.steps} steps; not counted: " in said.out and "at the typical rates of a " in said.out
+    assert f"(this job may use {procfs.usable_cpus():g} CPUs; elsa-estimate" in said.out
     assert "--num_gpus 1 --accelerator cpu --measure" in said.out  # the estimate that times this machine, for this job
     _host(monkeypatch, 1.05 * need)  # fits unless the estimate is more than 5 % low: start, with a warning
     preflight.check_elsa(meta, ds, cfg, opts, world=1)
@@ -223,6 +224,34 @@ def test_the_room_a_cgroup_leaves_is_its_tightest_levels_limit_less_what_cannot_
     assert procfs.cgroup_room(tmp_path / "c") is None  # no limit anywhere
     need = preflight.Need("host memory", 7 * GIB, 6 * GIB, limit=8 * GIB)
     assert need.refused and "this job's cgroup lets it take 6.0 GiB (its memory limit 8.0 GiB: SLURM's --mem" in need.line()
+
+
+@pytest.mark.parametrize("v1", [True, False], ids=["cgroup_v1", "cgroup_v2"])
+def test_the_cpus_a_job_may_use_are_its_affinity_and_its_cgroups_quota(tmp_path, v1):
+    """The time hint's host profile was picked by os.cpu_count(), the machine's: a SLURM job of 16 CPUs on a 224-core
+    server was timed as the whole server. The CPUs it may use: its affinity, and a cgroup's CPU quota (a container's
+    --cpus) where that is smaller, at any level up the tree."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text(("3:cpu,cpuacct:/" if v1 else "0::/") + "job\n")
+    base = tmp_path / "sys/fs/cgroup" / ("cpu,cpuacct" if v1 else "")
+    (base / "job").mkdir(parents=True)
+    for folder, quota in ((base, None), (base / "job", 150000)):
+        if v1:
+            (folder / "cpu.cfs_quota_us").write_text(f"{quota or -1}\n")
+            (folder / "cpu.cfs_period_us").write_text("100000\n")
+        else:
+            (folder / "cpu.max").write_text(f"{quota or 'max'} 100000\n")
+    mine = len(os.sched_getaffinity(0))
+    assert procfs.usable_cpus(tmp_path) == min(1.5, mine)
+    (base / "job" / ("cpu.cfs_quota_us" if v1 else "cpu.max")).write_text("-1\n" if v1 else "max 100000\n")
+    assert procfs.usable_cpus(tmp_path) == mine
+    pinned = subprocess.run([sys.executable, "-c", "from elsa_ds.files.procfs import usable_cpus; print(usable_cpus())"],
+                            capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    assert pinned.stdout.strip() == "1.0", pinned.stderr
 
 
 def _limited_cgroup(limit: int):

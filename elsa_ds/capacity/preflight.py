@@ -29,7 +29,7 @@ from elsa_ds.capacity.memory import STATE_BYTES, Estimate, ModelShape, job_estim
 from elsa_ds.capacity.resident import element_bytes
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import existing_ancestor
-from elsa_ds.files.procfs import cgroup_room
+from elsa_ds.files.procfs import cgroup_room, usable_cpus
 from elsa_ds.log import get_logger
 from elsa_ds.methods import oneshot_names
 from elsa_ds.models import check_seqlen, load_config
@@ -189,14 +189,16 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
 
 
 def _expected_time(shape: ModelShape, job: _Run) -> str:
-    """What the run will take at the typical rates of a host like this one (its core count picks the profile)."""
+    """What the run will take at the typical rates of a host like this one: the CPUs the job may use (its allocation's,
+    not the machine's count: a SLURM job of 16 CPUs on an 8-GPU server has a 16-core host's optimizer pass) pick them."""
     from elsa_ds.capacity.step_time import TYPICAL, step_time
 
-    name = "cpu-2c" if job.device == "cpu" else "gpu-server" if (os.cpu_count() or 1) >= 64 else "gpu-vm-16c"
+    cpus = usable_cpus()
+    name = "cpu-2c" if job.device == "cpu" else "gpu-server" if cpus >= 64 else "gpu-vm-16c"
     t = step_time(shape, job.ds, job.cfg, job.local, job.nodes, job.device, TYPICAL[name])
     return (f"expected: {t.step_s:.3g} s a step, {t.run_s / 3600:.3g} h for the run ({t.steps} steps; not counted: "
-            f"{', '.join(t.uncounted)}) at the typical rates of a {name} host (elsa-estimate with this job's flags and "
-            f"--num_gpus {job.local}{f' --num_nodes {job.nodes}' if job.nodes > 1 else ''} --accelerator {job.device} "
+            f"{', '.join(t.uncounted)}) at the typical rates of a {name} host (this job may use {cpus:g} CPUs; elsa-estimate "
+            f"with this job's flags and --num_gpus {job.local}{f' --num_nodes {job.nodes}' if job.nodes > 1 else ''} --accelerator {job.device} "
             "--measure times this one)")
 
 

@@ -1,5 +1,6 @@
-"""What /proc says of a process and of the machine, for the watchdog (``watchdog.py``): a process's state, start time
-and exit status, the out-of-memory killer's count, the cgroup's memory limit, and a path's identity. Stdlib only."""
+"""What /proc says of a process and of the machine, for the watchdog (``watchdog.py``) and the pre-flight check: a
+process's state, start time and exit status, the out-of-memory killer's count, the cgroup's memory limit and room, the
+CPUs a process may use, and a path's identity. Stdlib only."""
 from __future__ import annotations
 
 import contextlib
@@ -29,24 +30,50 @@ V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_active_fil
 V2_FILES = ("memory.max", "memory.current", ("active_file", "inactive_file"))  # and the page cache the kernel reclaims
 
 
+def _cgroup_dirs(controller: str, root: Path = Path("/")) -> list[tuple[Path, bool]]:
+    """(folder, whether it is v1) of every level of this process's cgroup for ``controller`` (v1's "memory", "cpu"; v2's
+    one tree), from its own up to the root. ``root``: tests read a copy."""
+    dirs = []
+    with contextlib.suppress(OSError, ValueError):
+        for line in (root / "proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            v1 = controller in controllers.replace(",", " ").split()  # /proc/self/cgroup: "id:controllers:path"
+            if not (v1 or not controllers):
+                continue
+            base = root / "sys/fs/cgroup" / (controllers if v1 else "")
+            if v1 and not base.is_dir():  # v1 mounts "cpu,cpuacct" as that folder, often with "cpu" as a link to it
+                base = root / "sys/fs/cgroup" / controller
+            for d in (base / path.lstrip("/"), *(base / path.lstrip("/")).parents):
+                dirs.append((d, v1))
+                if d == base:
+                    break
+    return dirs
+
+
 def _cgroup_levels(root: Path = Path("/")) -> list[tuple[int, int | None]]:
     """(limit, bytes it counts against that limit that cannot be reclaimed; None where unreadable) of every level of this
     process's memory cgroup with a limit, from its own up to the root (v1 or v2). ``root``: tests read a copy."""
     levels = []
     with contextlib.suppress(OSError, ValueError):
-        for line in (root / "proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            v1 = "memory" in controllers.replace(",", " ").split()  # /proc/self/cgroup: "id:controllers:path"
-            if not (v1 or not controllers):
-                continue
-            base = root / ("sys/fs/cgroup/memory" if v1 else "sys/fs/cgroup")
+        for d, v1 in _cgroup_dirs("memory", root):
             limit_name, usage_name, cache_keys = V1_FILES if v1 else V2_FILES
-            for d in (base / path.lstrip("/"), *(base / path.lstrip("/")).parents):
-                if (d / limit_name).is_file() and (value := (d / limit_name).read_text().strip()) != "max":
-                    levels.append((int(value), _unreclaimable(d, usage_name, cache_keys)))
-                if d == base:
-                    break
+            if (d / limit_name).is_file() and (value := (d / limit_name).read_text().strip()) != "max":
+                levels.append((int(value), _unreclaimable(d, usage_name, cache_keys)))
     return levels
+
+
+def usable_cpus(root: Path = Path("/")) -> float:
+    """The CPUs this process may run on: its affinity (SLURM's --cpus-per-task, taskset) and its cgroup's CPU quota
+    (a container's --cpus: cpu.max in v2, cpu.cfs_quota_us over cpu.cfs_period_us in v1), the smaller; the machine's
+    count is what psutil and os.cpu_count() report either way."""
+    counts: list[float] = [float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)]
+    for d, v1 in _cgroup_dirs("cpu", root):
+        with contextlib.suppress(OSError, ValueError):
+            quota, period = ((d / "cpu.cfs_quota_us").read_text(), (d / "cpu.cfs_period_us").read_text()) if v1 else \
+                (d / "cpu.max").read_text().split()
+            if quota.strip() not in ("max", "-1"):
+                counts.append(int(quota) / int(period))
+    return min(counts)
 
 
 def _unreclaimable(folder: Path, usage_name: str, cache_keys: tuple[str, str]) -> int | None:
