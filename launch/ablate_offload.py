@@ -23,6 +23,30 @@ from elsa_ds.settings.options import JobOptions  # noqa: E402
 DEFAULT_PRUNE_ARGS = ["--steps", "32", "--interval", "16", "--val_windows", "0", "--baseline", "none"]
 
 
+def check_run(config: str, out: Path, ranks: int, extra: list[str]) -> None:
+    """The plan of one ablation run as its ``ranks`` ranks will make it (``run_ablation``'s output folder and, for an NVMe
+    config, a folder on the disk of its swap folder, which the run makes): every check a job makes before it loads a
+    weight, the pre-flight memory and disk check included. Nothing is written."""
+    import os
+
+    from elsa_ds.cli import prune_parser, settings_from_args
+    from elsa_ds.files.disk_room import existing_ancestor
+    from elsa_ds.plan import make_plan
+    from elsa_ds.zero.ds_config import DsConfig
+
+    name = Path(config).stem
+    nvme = ["--nvme_path", str(existing_ancestor((out / "nvme" / name).resolve()))] if DsConfig.load(config).uses_nvme else []
+    argv = [*extra, "--deepspeed", config, *nvme, "--output_dir", str(out / "runs" / name), "--overwrite"]
+    opts, cfg, ds_config = settings_from_args(prune_parser().parse_args(argv))
+    launched = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_SIZE")}
+    os.environ.update(RANK="0", WORLD_SIZE=str(ranks), LOCAL_SIZE=str(ranks))  # as the launcher will set them for rank 0
+    try:
+        make_plan(cfg, opts, ds_config)
+    finally:
+        for k, v in launched.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="ablate_offload.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", required=True, help="DeepSpeed configs; the first is the mask reference")
@@ -36,10 +60,16 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> None:
         from elsa_ds.capacity.ablation import run_ablation
-        from elsa_ds.cli import prune_parser, settings_from_args
 
-        for c in args.configs:  # every config (read there), and the flags after --, checked before the first run starts
-            settings_from_args(prune_parser().parse_args([*extra, "--deepspeed", c, "--output_dir", str(args.out / "check")]))
+        from elsa_ds.files.output import missing_parents, remove_if_empty
+
+        made = missing_parents(args.out / "runs" / "any")  # the plan makes each run's parent: a refusal leaves none
+        try:
+            for c in args.configs:  # every run planned and checked as its job will (memory, disk, NVMe, the flags after --)
+                check_run(c, args.out, args.num_gpus, extra)  # before the first one starts: a late refusal wastes the others
+        except BaseException:
+            remove_if_empty(made)
+            raise
         rows = run_ablation(args.configs, args.out, args.num_gpus, extra)
         print((args.out / "ablation.md").read_text())  # the table is the command's product: stdout
         get_logger("elsa_ds.capacity.ablation").info(f"wrote {args.out / 'ablation.csv'}, {args.out / 'ablation.md'}, "

@@ -54,3 +54,8 @@ def test_bad_flags_after_the_separator_are_refused_before_any_run(tmp_path):
     for flags, needle in ((["--steps", "four"], "--steps: invalid int value: 'four'"), (["--sparsity", "1.5"], "sparsity=1.5")):
         run_fails("ablate_offload.py", ["--configs", "ds_configs/zero3_offload.json", "--out", str(out), "--", *flags], needle)
     assert not out.exists()
+    # what only the job's plan finds (a user's walk, 2026-11-30: the later configs were checked when their turn came):
+    # checkpoints under NVMe optimizer offload, refused before the first config's run, as that job would refuse it
+    run_fails("ablate_offload.py", ["--configs", "ds_configs/zero3_offload.json", "ds_configs/zero3_nvme.json", "--out", str(out),
+                                    "--", "--save_interval", "16"], "NVMe")
+    assert not out.exists()
