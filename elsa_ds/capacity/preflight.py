@@ -198,8 +198,8 @@ def _expected_time(shape: ModelShape, job: _Run) -> str:
     t = step_time(shape, job.ds, job.cfg, job.local, job.nodes, job.device, TYPICAL[name])
     return (f"expected: {t.step_s:.3g} s a step, {t.run_s / 3600:.3g} h for the run ({t.steps} steps; not counted: "
             f"{', '.join(t.uncounted)}) at the typical rates of a {name} host (this job may use {cpus:g} CPUs; elsa-estimate "
-            f"with this job's flags and --num_gpus {job.local}{f' --num_nodes {job.nodes}' if job.nodes > 1 else ''} --accelerator {job.device} "
-            "--measure times this one)")
+            f"with this job's flags and --num_gpus {job.local}{f' --num_nodes {job.nodes}' if job.nodes > 1 else ''} "
+            f"--accelerator {job.device} --measure times this one)")
 
 
 def ds_bytes_export(shape: ModelShape, ds: dict) -> float:

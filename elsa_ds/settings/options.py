@@ -1,13 +1,14 @@
 """JobOptions: where a pruning job runs and writes (not ELSA settings: never in a recipe or the JSON's "elsa" block)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from elsa_ds.errors import ElsaError, format_validation_error
-from elsa_ds.log import LogLevel
+from elsa_ds.log import LogLevel, get_logger
 
 ExportFormat = Literal["dense", "sparse"]  # the --export_format choices
 
@@ -26,6 +27,9 @@ class JobOptions(BaseModel):
     """Replace a non-empty --output_dir (its old contents are removed only once the new output is complete)."""
     resume: bool = Field(False, json_schema_extra={"group": "run"})
     """Continue from the latest checkpoint in OUTPUT_DIR/checkpoints."""
+    resume_if_any: bool = Field(False, json_schema_extra={"group": "run"})
+    """--resume when OUTPUT_DIR/checkpoints has a checkpoint, else a fresh start: one command line for every attempt of a
+    job that a scheduler requeues or a time limit cuts (SLURM's --requeue, a resubmitted sbatch)."""
     recipe: str | None = Field(None, json_schema_extra={"group": "run", "metavar": "NAME_OR_FILE"})
     """Settings from a recipe (recipes/*.json, by name or path): the paper's per-model, per-sparsity values."""
     ignore_memory_check: bool = Field(False, json_schema_extra={"group": "run"})
@@ -44,6 +48,19 @@ class JobOptions(BaseModel):
 def job_options(values: dict[str, Any], given_as: str = "the command line") -> JobOptions:
     """JobOptions from flags (or API arguments: ``given_as`` "the arguments"), or one ElsaError naming every bad value."""
     try:
-        return JobOptions(**values)
+        opts = JobOptions(**values)
     except ValidationError as err:
         raise ElsaError(format_validation_error(err, given_as, JobOptions)) from None
+    return resolve_resume(opts) if opts.resume_if_any else opts
+
+
+def resolve_resume(opts: JobOptions) -> JobOptions:
+    """--resume_if_any as --resume or a fresh start: a checkpoint published in OUTPUT_DIR/checkpoints (its ``latest``,
+    a link included: the resume's own checks refuse one) decides. Every rank reads the same folder before any writes it."""
+    if opts.resume or opts.overwrite:
+        raise ElsaError(f"--resume_if_any decides whether to resume by itself; drop --{'resume' if opts.resume else 'overwrite'}")
+    latest = Path(opts.output_dir).expanduser() / "checkpoints" / "latest"
+    found = os.path.lexists(latest)
+    get_logger(__name__).info(f"--resume_if_any: {'continuing from the checkpoints in' if found else 'no checkpoint in'} "
+                              f"{latest.parent}{'' if found else ': starting fresh'}")
+    return opts.model_copy(update={"resume": found})

@@ -108,6 +108,27 @@ def test_nan_stops_with_step_and_keeps_last_checkpoint(tmp_path, tiny_model_dir,
     assert changed.returncode == 2 and "sparsity" in changed.stderr and "Traceback" not in changed.stderr
 
 
+def test_one_command_line_for_every_attempt_of_a_requeued_job(tmp_path, tiny_model_dir, text_dir, uninterrupted):
+    """SLURM requeues a job with the command line it was submitted with (a user's walk, 2026-11-30: --resume refused the
+    first attempt, its absence the second). --resume_if_any starts fresh without a checkpoint and resumes with one; the
+    attempts end where the uninterrupted run does."""
+    ds, reference = uninterrupted
+    out = tmp_path / "out"
+    args = _args(ds, tiny_model_dir, text_dir, out, "--save_interval", "2", "--resume_if_any")
+    first = run_entry("prune.py", args, check=False, env=nan_at_step_env(5))  # stopped after its step-4 checkpoint
+    assert first.returncode == 2 and "--resume_if_any: no checkpoint in" in first.stdout, first.stderr[-2000:]
+    assert (out / "checkpoints" / "latest").read_text() == "global_step4"
+    second = run_entry("prune.py", args)
+    assert "--resume_if_any: continuing from the checkpoints in" in second.stdout and "continuing at step 4" in second.stdout
+    resumed = _weights(out)
+    for name, w in reference.items():
+        assert torch.equal(w != 0, resumed[name] != 0), name
+        assert torch.allclose(w, resumed[name], atol=1e-5), name
+    for other in ("--resume", "--overwrite"):  # it decides both itself
+        refused = run_entry("prune.py", [*args, other], check=False)
+        assert refused.returncode == 2 and f"--resume_if_any decides whether to resume by itself; drop {other}" in refused.stderr
+
+
 def test_emulated_two_nodes_match_one_node(tmp_path, tiny_model_dir, text_dir, uninterrupted):
     """Two emulated nodes of one rank each end with the mask of the uninterrupted one-rank run (one node); that one and
     two ranks on one node give the reference mask is tests/zero/test_reference_masks.py's."""
