@@ -36,7 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale import build_model_dir  # noqa: E402  (Gemma-2-27B's config cut to N layers)
 
 CONFIGS = ["ds_configs/zero3_offload.json", "ds_configs/zero3_offload_elsal.json"]
-PLAN_CONFIGS = ("zero3_offload", "zero3_offload_elsal", "zero3_nvme")
+# the budget's configs: a shipped JSON and the settings it runs with; ELSA-L's states with everything on 80 GB GPUs
+PLAN_CONFIGS = {"zero3_offload": ("zero3_offload", {}), "zero3_offload_elsal": ("zero3_offload_elsal", {}),
+                "zero3_nvme": ("zero3_nvme", {}),
+                "zero3 + ELSA-L's states": ("zero3", {"base_optimizer": "adam8bit", "z_dtype": "fp8", "u_dtype": "bf16"})}
 PLAN_MODELS = ("google/gemma-2-27b", "google/gemma-3-27b-pt")
 # issue 43's runs on the lent H200 (16-core host; Gemma-2-27B cut to 4 layers, --random_init --freeze_embeddings,
 # seqlen 2048, batch 1, 8 steps, interval 4, 90 %): the report's step_time_s, as the issue records them
@@ -90,10 +93,10 @@ def plan_rows(machine: str) -> list[dict]:
     gib = 2**30
     rows = []
     for model in PLAN_MODELS:
-        for config in PLAN_CONFIGS:
+        for config, (json_name, states) in PLAN_CONFIGS.items():
             for nodes in (1, 2):
-                settings = {"seqlen": 2048, "micro_batch": 1, "batch_size": 8 * 8 * nodes, "steps": 4096}
-                est, t = _timing(model, config, 8, nodes, machine, settings)
+                settings = {"seqlen": 2048, "micro_batch": 1, "batch_size": 8 * 8 * nodes, "steps": 4096, **states}
+                est, t = _timing(model, json_name, 8, nodes, machine, settings)
                 rows.append({"model": model, "config": config, "nodes": nodes, "gpus_per_node": 8, "machine": machine,
                              "per_gpu_gib": est["per_gpu_bytes"] / gib, "cpu_per_node_gib": est["per_node_cpu_bytes"] / gib,
                              "nvme_gib": est["nvme_bytes"] / gib, "step_s": t.step_s, "run_h": t.run_s / 3600,
