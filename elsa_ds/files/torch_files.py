@@ -16,7 +16,7 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -39,22 +39,34 @@ class ZipProblem:
     altered: bool
 
 
-def zip_problem(file: Path) -> ZipProblem | None:
+def zip_problem(file: Path | BinaryIO) -> ZipProblem | None:
     """Why torch must not read ``file`` as a zip, from its directory alone; None for a ``torch.save`` zip, and for a
     file in torch's legacy format (not a zip: nothing in it is compressed). A zip that Python's zipfile cannot read is
     not read by torch either (miniz, torch's reader, accepts zips that zipfile refuses, and the two can disagree on
     which directory a file holds: data in front of the first entry, an extra field zipfile rejects, end records
-    that point each reader elsewhere: :func:`_directory_problem`)."""
-    with open(file, "rb") as fh:
-        if not stat.S_ISREG((st := os.fstat(fh.fileno())).st_mode):
-            return ZipProblem("it is not a regular file", altered=True)
-        if fh.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
-            return None
-        size = st.st_size
-        if (problem := _directory_problem(fh, size)) is not None:
-            return problem
+    that point each reader elsewhere: :func:`_directory_problem`). ``file``: a path, or a file opened for reading, which
+    is then the one checked and is left at its start (so that what torch reads next is what was checked)."""
+    if not hasattr(file, "read"):
+        with open(file, "rb") as fh:
+            return zip_problem(fh)
+    fh = file
     try:
-        with zipfile.ZipFile(file) as zf:
+        return _zip_problem(fh)
+    finally:
+        fh.seek(0)
+
+
+def _zip_problem(fh: BinaryIO) -> ZipProblem | None:
+    if not stat.S_ISREG((st := os.fstat(fh.fileno())).st_mode):
+        return ZipProblem("it is not a regular file", altered=True)
+    fh.seek(0)
+    if fh.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+        return None
+    size = st.st_size
+    if (problem := _directory_problem(fh, size)) is not None:
+        return problem
+    try:
+        with zipfile.ZipFile(fh) as zf:  # the handle checked above (ZipFile leaves a file it was given open)
             entries = zf.infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, NotImplementedError) as err:
         return ZipProblem(f"its zip directory is unreadable ({' '.join(str(err).split())[:120]})", altered=False)

@@ -20,13 +20,16 @@ and ADMM.
 """
 from __future__ import annotations
 
+import errno
+import os
 import pickle
 import random
 import re
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -129,11 +132,28 @@ def _altered(path: Path, problem: str) -> UnsafeCheckpointError:
                                  "you trust")
 
 
-def _check_zip(path: Path) -> None:
+def _check_zip(path: Path, fh: BinaryIO) -> None:
     """UnsafeCheckpointError for a zip no torch.save writes (``torch_files.zip_problem``), ValueError for one that may
-    only be cut short (an unreadable tag: a resume falls back past it); nothing for a whole torch file."""
-    if (problem := torch_files.zip_problem(path)) is not None:
+    only be cut short (an unreadable tag: a resume falls back past it); nothing for a whole torch file. ``fh``: the
+    file as opened by :func:`_open_checkpoint_file`, which torch then reads, so the file checked is the file read."""
+    if (problem := torch_files.zip_problem(fh)) is not None:
         raise _altered(path, problem.text) if problem.altered else ValueError(f"{path}: {problem.text}")
+
+
+def _open_checkpoint_file(path: Path) -> BinaryIO:
+    """``path`` opened once for its check and its read: a file swapped in after a check is never the one read. Not
+    through a link (a resumed folder holds none: ``check_plain_tree``), and a FIFO put there is refused, not waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise _altered(path, "it is a link, which no checkpoint holds") from None
+        raise
+    handle = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        handle.close()
+        raise _altered(path, "it is not a regular file")
+    return handle
 
 
 def unsafe_classes(path: Path) -> list[str]:
@@ -141,11 +161,12 @@ def unsafe_classes(path: Path) -> list[str]:
     pickle's instructions (nothing is unpickled). Raises UnsafeCheckpointError for instructions the scan cannot follow or
     a zip no torch.save writes (``torch_files.zip_problem``), another exception for a file that is not a whole torch zip."""
     allowed = {name for _, name in compat.checkpoint_globals()}
-    _check_zip(Path(path))  # before the scan, which unpacks the pickle's entry whole
-    try:
-        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except pickle.UnpicklingError as err:  # an opcode torch.save (protocol 2) never writes
-        raise _refusal(path, f"pickle instructions a checkpoint does not use ({err})") from None
+    with _open_checkpoint_file(Path(path)) as fh:
+        _check_zip(Path(path), fh)  # before the scan, which unpacks the pickle's entry whole
+        try:
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(fh)
+        except pickle.UnpicklingError as err:  # an opcode torch.save (protocol 2) never writes
+            raise _refusal(Path(path), f"pickle instructions a checkpoint does not use ({err})") from None
     return sorted(set(found) - allowed)
 
 
@@ -173,10 +194,10 @@ def check_file(path: Path, what: str) -> None:
 def read_checkpoint_file(path: str | Path, map_location: Any = None) -> Any:
     """``torch.load`` as data only: tensors, plain containers and ``compat.checkpoint_globals``. A pickle naming anything
     else raises UnsafeCheckpointError; nothing of it runs. The loader ``load_latest`` gives DeepSpeed."""
-    with torch.serialization.safe_globals([*compat.checkpoint_globals()]):
-        _check_zip(Path(path))  # not left to the scan before: torch would unpack it whole
+    with torch.serialization.safe_globals([*compat.checkpoint_globals()]), _open_checkpoint_file(Path(path)) as fh:
+        _check_zip(Path(path), fh)  # not left to the scan before: torch would unpack it whole
         try:
-            loaded = torch.load(path, map_location=map_location, weights_only=True)
+            loaded = torch.load(fh, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as err:
             named = re.search(r"GLOBAL (\S+)", str(err)) or re.search(r"WeightsUnpickler error: ([^\n]+)", str(err))
             raise _refusal(Path(path), named.group(1) if named else "objects torch's weights-only loader refuses") from None

@@ -62,6 +62,34 @@ def test_reader_refuses_a_pickle_that_runs_code(tmp_path):
     assert not payload.exists()
 
 
+def test_the_file_checked_is_the_file_read_and_never_a_link_or_a_fifo(tmp_path, monkeypatch):
+    """The zip check and torch's read were two opens of one path: a file swapped in between them was read unchecked (a
+    review's find, 2026-11-30). One handle now serves both; the path is opened without following a link, and a FIFO put
+    where a checkpoint file was is refused, not waited on."""
+    from elsa_ds.files import torch_files
+
+    file, other = tmp_path / "zero_pp_rank_0_mp_rank_00_model_states.pt", tmp_path / "swapped.pt"
+    torch.save({"module": {"w": torch.ones(2)}}, file)
+    torch.save({"module": {"w": torch.full((2,), 7.0)}}, other)
+    checked = torch_files.zip_problem
+
+    def swap_after_the_check(fh):
+        problem = checked(fh)
+        os.replace(other, file)  # what the path names once the check has passed
+        return problem
+
+    monkeypatch.setattr(torch_files, "zip_problem", swap_after_the_check)
+    assert checkpoint.read_checkpoint_file(file)["module"]["w"].tolist() == [1.0, 1.0]  # the file that was checked
+    monkeypatch.undo()
+    link, fifo = tmp_path / "linked_optim_states.pt", tmp_path / "fifo_optim_states.pt"
+    link.symlink_to(file)
+    os.mkfifo(fifo)
+    for path, needle in ((link, "it is a link"), (fifo, "not a regular file")):
+        for read in (checkpoint.read_checkpoint_file, checkpoint.unsafe_classes):
+            with pytest.raises(checkpoint.UnsafeCheckpointError, match=needle):
+                read(path)
+
+
 class RewritesAStage:
     """Unpickled, it sets attributes on ZeroStageEnum's member 3, an object DeepSpeed shares process-wide (BUILD)."""
 
