@@ -151,6 +151,22 @@ def test_disk_needs_on_one_file_system_add_up(tmp_path):
     assert preflight._gib(3 * 2**20) == "3.0 MiB" and preflight._gib(2.5 * 2**30) == "2.5 GiB"
 
 
+def test_swap_files_are_charged_to_the_folder_each_goes_to_once(tmp_path, monkeypatch):
+    """A JSON with the parameters' and the optimizer's NVMe folders apart (on one disk here) was charged the whole NVMe
+    total at each (a walk's find, 2026-11-30): each folder now takes its own files, and on one disk they add up to it."""
+    meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_nvme.json", nvme_path=str(tmp_path))
+    zero = ds["zero_optimization"]
+    (tmp_path / "params").mkdir(), (tmp_path / "states").mkdir()
+    zero["offload_param"]["nvme_path"], zero["offload_optimizer"]["nvme_path"] = str(tmp_path / "params"), str(tmp_path / "states")
+    counted = {}
+    monkeypatch.setattr(preflight, "disk_needs", lambda writes, machine: counted.update(writes) or [])
+    monkeypatch.setattr(preflight, "this_machine", lambda paths: preflight.Machine(host=1e15))
+    preflight.check_elsa(meta, ds, cfg, opts, world=1)
+    e = preflight._Run(meta, ds, cfg, "zero3_nvme", "cpu", 1, 1).estimate()
+    assert counted[tmp_path / "params"] == e.breakdown["params"]["nvme"] > 0
+    assert counted[tmp_path / "params"] + counted[tmp_path / "states"] == pytest.approx(e.nvme_bytes)
+
+
 def test_the_exports_bytes_follow_the_engines_dtype_fp16_included():
     shape = model_shape(resolve_model_config("google/gemma-2-2b"))
     sizes = {name: preflight.ds_bytes_export(shape, ds) for name, ds in

@@ -170,8 +170,12 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
     rank = int(os.environ.get("RANK", "0"))
     e = job.estimate()
     zero = ds["zero_optimization"]
-    nvme = {Path(zero[k]["nvme_path"]) for k in ("offload_param", "offload_optimizer") if zero.get(k, {}).get("device") == "nvme"}
-    writes = {p: e.nvme_bytes / job.nodes for p in nvme}
+    writes: dict[Path, float] = {}  # each node's share of the parameters' and the optimizer's swap files, where each goes
+    swapped = {"offload_param": e.breakdown["params"]["nvme"], "offload_optimizer": e.nvme_bytes - e.breakdown["params"]["nvme"]}
+    for key, size in swapped.items():
+        if zero.get(key, {}).get("device") == "nvme":
+            path = Path(zero[key]["nvme_path"])
+            writes[path] = writes.get(path, 0.0) + size / job.nodes
     if rank < job.local:  # rank 0's node writes the export and (shared file system) the checkpoints
         out = Path(opts.output_dir).expanduser().resolve()
         writes[out] = writes.get(out, 0.0) + sum(output_bytes(shape, ds, cfg, opts.export_format).values())

@@ -26,10 +26,11 @@ import torch
 
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import writing
+from elsa_ds.files.weight_files import SAFETENSORS_INDEX
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
           torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-INDEX_NAME = "model.safetensors.index.json"
+INDEX_NAME = SAFETENSORS_INDEX
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 

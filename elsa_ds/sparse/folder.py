@@ -15,10 +15,10 @@ from typing import cast
 import torch
 
 from elsa_ds.files import torch_files
-from elsa_ds.files.weight_files import SPARSE_INDEX, SPARSE_STEM, inside_folder, read_index as read_weight_map
+from elsa_ds.files.weight_files import BIN_INDEX, SAFETENSORS_INDEX, SPARSE_INDEX, SPARSE_STEM, inside_folder
+from elsa_ds.files.weight_files import read_index as read_weight_map
 from elsa_ds.sparse.integrity import SparseCheckpointError
 
-SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
 SPARSE_SINGLE = f"{SPARSE_STEM}.safetensors"
 SPARSE_SHARD = re.compile(rf"{SPARSE_STEM}-\d{{5}}-of-\d{{5}}\.safetensors")
 WEIGHT_NAMES = ("model.safetensors", SAFETENSORS_INDEX, "pytorch_model.bin", BIN_INDEX, SPARSE_SINGLE, SPARSE_INDEX)
