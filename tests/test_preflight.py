@@ -132,6 +132,24 @@ def test_a_run_that_fits_passes_and_one_inside_the_margin_warns(tmp_path, monkey
         preflight.check_elsa(meta, ds, cfg, opts, world=1)
 
 
+def test_on_gpus_that_hold_it_everything_on_the_gpus_is_suggested(tmp_path):
+    """An 8 x H100 node with less host memory than an offloaded 27B job takes was pointed at NVMe (10x slower by the
+    estimate) while 80 GB GPUs hold the whole job with ELSA-L's states (README: 62 GiB each, 11 h). On a GPU host the
+    refusal prices that too (ds_configs/zero3.json, bitsandbytes' 8-bit Adam, fp8 z, bf16 u); on a CPU one it cannot."""
+    meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_offload.json")
+    offloaded = preflight._Run(meta, ds, cfg, "zero3_offload", "cuda", 1, 1)
+    resident_ds = {**ds, "zero_optimization": DsConfig.load("ds_configs/zero3.json").raw["zero_optimization"]}
+    resident = offloaded.estimate(resident_ds, preflight.GPU_ELSAL)
+    assert resident.per_node_cpu_bytes < 0.3 * offloaded.estimate().per_node_cpu_bytes
+    machine = preflight.Machine(host=1.1 * resident.per_node_cpu_bytes, gpu=1.1 * resident.per_gpu_bytes)
+    hint = preflight._alternatives(offloaded, machine)
+    fitting = {change for change, (_, fits) in _changes(f"available: {hint}; --ignore_memory_check") if fits}
+    assert any(c.startswith("everything on the GPUs (ds_configs/zero3.json, ELSA-L's states: --base_optimizer adam8bit")
+               for c in fitting), hint
+    on_cpu = preflight._Run(meta, ds, cfg, "zero3_offload", "cpu", 1, 1)
+    assert "everything on the GPUs" not in preflight._alternatives(on_cpu, preflight.Machine(host=machine.host))
+
+
 def test_freezing_the_embeddings_is_suggested_when_it_fits(tmp_path, monkeypatch):
     meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_nvme.json", nvme_path=str(tmp_path))
     shape = model_shape(meta.config, model=meta_model(meta.config), freeze_embeddings=True)

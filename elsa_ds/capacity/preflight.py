@@ -40,6 +40,9 @@ from elsa_ds.zero.ds_config import param_buffer_size
 MARGIN = 0.15
 GIB = 2 ** 30
 ALTERNATIVES = ("zero3_offload", "zero3_offload_elsal", "zero3_nvme")  # cheapest first: no disk, then NVMe
+# ELSA-L's states with the optimizer on the GPUs: bitsandbytes' 8-bit Adam (its CUDA kernel; elsa_ds's minifloat codes
+# step there through their torch reference, ~32 bytes an entry of workspace)
+GPU_ELSAL = {"base_optimizer": "adam8bit", "z_dtype": "fp8", "u_dtype": "bf16"}
 log = get_logger(__name__)
 
 
@@ -298,7 +301,8 @@ class _Run:
 
 def _alternatives(job: _Run, machine: Machine) -> str:
     """Each change that could make the job fit and its estimate, those that fit first: another shipped config, ELSA-L's
-    low-precision states, NVMe for the optimizer states or the parameters, --freeze_embeddings, more nodes."""
+    low-precision states, with CUDA everything on the GPUs, NVMe for the optimizer states or the parameters,
+    --freeze_embeddings, more nodes."""
     from elsa_ds.zero.ds_config import shipped_configs
 
     shipped = {name: json.loads(path.read_text()) for name, path in shipped_configs().items()}
@@ -314,6 +318,13 @@ def _alternatives(job: _Run, machine: Machine) -> str:
     if any(str(getattr(job.cfg, k).value) != v for k, v in elsal.items()):
         flags = " ".join(f"--{k} {v}" for k, v in elsal.items())
         tried.append((f"ELSA-L's states ({flags})", job.estimate(elsa=elsal), job.nodes))
+    offloaded = [k for k in ("offload_param", "offload_optimizer") if zero.get(k, {}).get("device") in ("cpu", "nvme")]
+    if job.device == "cuda" and offloaded:  # 80 GB GPUs hold a 27B job's ELSA-L states on 8 ranks: no host pass, no PCIe
+        resident = {**job.ds, "zero_optimization": {**{k: v for k, v in zero.items() if k not in offloaded},
+                                                    **shipped["zero3"]["zero_optimization"]}}
+        flags = " ".join(f"--{k} {v}" for k, v in GPU_ELSAL.items())
+        tried.append((f"everything on the GPUs (ds_configs/zero3.json, ELSA-L's states: {flags})",
+                      job.estimate(resident, GPU_ELSAL), job.nodes))
     nvme = shipped["zero3_nvme"]["zero_optimization"]
     if not any(zero.get(k, {}).get("device") == "nvme" for k in ("offload_optimizer", "offload_param")):
         # the optimizer's swap buffers are sized by the largest sub-group: with it come zero3_nvme.json's sub-groups

@@ -129,7 +129,7 @@ class ElsaConfig(BaseModel):
     batch_size: int | None = Field(None, gt=0, **_group("data"))
     """Global batch in sequences; overrides the DeepSpeed JSON's train_batch_size (required when that is "auto")."""
     micro_batch: int | None = Field(None, gt=0, **_group("data"))
-    """Sequences per rank per forward [the JSON's train_micro_batch_size_per_gpu]."""
+    """Sequences per rank per forward [the JSON's train_micro_batch_size_per_gpu]; on a CPU, the whole batch at once is fastest."""
     seed: int = Field(0, **_group("data"))
     """Seed of data order, calibration sampling and initialization."""
     val_windows: int = Field(128, ge=0, **_group("data"))
