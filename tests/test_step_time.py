@@ -36,6 +36,21 @@ def test_the_step_is_the_sum_of_its_components_and_the_run_adds_what_steps_do_no
     assert t.components["nvme"] == 0 and all(v > 0 for k, v in t.components.items() if k != "nvme")
 
 
+def test_checkpoints_add_their_writes_to_the_run():
+    """--save_interval's checkpoints were not in the run's hours (Gemma-2-27B at 256: 15 saves of 507 GiB, ~27 min on a
+    typical server's disk). Each save writes one checkpoint's bytes, a node its ranks' share; the last step saves none."""
+    from elsa_ds.capacity.resident import checkpoint_tag_bytes
+
+    plain, shape = _timed(steps=100)
+    saved, _ = _timed(steps=100, save_interval=25)
+    two_nodes, _ = _timed(steps=100, save_interval=25, num_gpus=1, num_nodes=2, batch=2)
+    cfg = ElsaConfig(model="m", seqlen=2048, steps=100, save_interval=25)
+    assert plain.run_parts["checkpoints"] == 0
+    assert saved.run_parts["checkpoints"] == pytest.approx(3 * checkpoint_tag_bytes(shape, cfg) / TYPICAL["gpu-vm-16c"].disk)
+    assert saved.run_s - plain.run_s == pytest.approx(saved.run_parts["checkpoints"])
+    assert two_nodes.run_parts["checkpoints"] == pytest.approx(saved.run_parts["checkpoints"] / 2)
+
+
 def test_host_work_follows_the_trained_entries_and_the_projection_its_interval():
     frozen, shape = _timed(interval=8)
     trained, shape_all = _timed(interval=8, freeze=False)

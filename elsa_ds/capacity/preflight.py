@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elsa_ds.capacity.memory import STATE_BYTES, Estimate, ModelShape, job_estimate, model_shape, moment_bytes, oneshot_host_bytes
-from elsa_ds.capacity.resident import element_bytes
+from elsa_ds.capacity.memory import Estimate, ModelShape, job_estimate, model_shape, oneshot_host_bytes
+from elsa_ds.capacity.resident import checkpoint_tag_bytes, element_bytes
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import existing_ancestor
 from elsa_ds.files.procfs import cgroup_room, usable_cpus
@@ -248,13 +248,6 @@ def sparse_export_bytes(shape: ModelShape, element: float, cfg, export_format: s
     kept = 1.0 if cfg.sparsity_profile else 1.0 - cfg.sparsity
     pruned = shape.pruned_params * min(element, kept * element + 1 / 8)
     return element * (shape.num_params - shape.pruned_params) + pruned + HEADER_ROOM
-
-
-def checkpoint_tag_bytes(shape: ModelShape, cfg) -> float:
-    """One checkpoint: fp32 masters, Adam moments and z, u of the trained parameters. (DeepSpeed's files hold these and
-    ~25 kB more, the model-states file's metadata; tests/zero/test_checkpoint.py holds this to the files written.)"""
-    states = moment_bytes(cfg.base_optimizer.value) + STATE_BYTES[cfg.z_dtype.value] + STATE_BYTES[cfg.u_dtype.value]
-    return (4 + states) * shape.trainable_params
 
 
 def checkpoint_bytes(shape: ModelShape, cfg) -> float:

@@ -31,7 +31,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from elsa_ds.capacity.resident import Job, element_bytes, read_job
+from elsa_ds.capacity.resident import Job, checkpoint_tag_bytes, element_bytes, read_job
 from elsa_ds.capacity.shapes import ModelShape
 from elsa_ds.methods import oneshot_names
 
@@ -173,10 +173,17 @@ def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, d
     parts = {"steps": cfg.steps * step_s,
              "first projection": first_projection,              # z₀ = Π(x)
              "validation": 3 * -(-windows // micro) * forward,    # the dense model, the start, the end
-             "load and export": 2 * job.half * shape.num_params / rates.disk}
+             "load and export": 2 * job.half * shape.num_params / rates.disk,
+             # --save_interval: every rank writes its partition of each checkpoint, a node its ranks' share
+             "checkpoints": _saves(cfg) * checkpoint_tag_bytes(shape, cfg) / num_nodes / rates.disk}
     uncounted = (*([f"the {cfg.init_mask} warm start"] if cfg.init_mask in oneshot_names() else []), "start-up (processes, engine)")
     return StepTime(components=components, step_s=step_s, steps=cfg.steps, interval=cfg.interval,
                     run_s=sum(parts.values()), run_parts=parts, rates=rates.to_dict(), uncounted=uncounted)
+
+
+def _saves(cfg) -> int:
+    """Checkpoints a run writes: after every save_interval-th step but the last (``jobs/training.py``)."""
+    return (cfg.steps - 1) // cfg.save_interval if cfg.save_interval else 0
 
 
 def _fetch_bytes(shape: ModelShape, job: Job) -> float:
@@ -237,7 +244,7 @@ def format_time(t: StepTime) -> str:
     hours = t.run_s / 3600
     return "\n".join([f"time per step {t.step_s:.3g} s ({parts}); {t.rates['source']}",
                       f"the run: {t.steps} steps, {hours:.3g} h ({t.run_s:,.0f} s; "
-                      + ", ".join(f"{k} {v:,.0f} s" for k, v in t.run_parts.items()) + ")"
+                      + ", ".join(f"{k} {v:,.0f} s" for k, v in t.run_parts.items() if v > 0) + ")"
                       + (f"; not counted: {', '.join(t.uncounted)}" if t.uncounted else "")])
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from elsa_ds.capacity.memory import model_shape
-from elsa_ds.capacity.preflight import checkpoint_tag_bytes
+from elsa_ds.capacity.resident import checkpoint_tag_bytes
 from elsa_ds.settings.config import resolve_config
 
 from tests.conftest import ROOT, derived_config, nan_at_step_env, run_entry
