@@ -46,14 +46,13 @@ def zip_problem(file: Path | BinaryIO) -> ZipProblem | None:
     which directory a file holds: data in front of the first entry, an extra field zipfile rejects, end records
     that point each reader elsewhere: :func:`_directory_problem`). ``file``: a path, or a file opened for reading, which
     is then the one checked and is left at its start (so that what torch reads next is what was checked)."""
-    if not hasattr(file, "read"):
-        with open(file, "rb") as fh:
-            return zip_problem(fh)
-    fh = file
+    if isinstance(file, (str, os.PathLike)):
+        with open(file, "rb") as opened:
+            return zip_problem(opened)
     try:
-        return _zip_problem(fh)
+        return _zip_problem(file)
     finally:
-        fh.seek(0)
+        file.seek(0)
 
 
 def _zip_problem(fh: BinaryIO) -> ZipProblem | None:
