@@ -174,7 +174,7 @@ def main_estimate(argv: list[str] | None = None) -> int:
         print(format_estimate(est, opts.model or cfg.model, args.deepspeed, opts.num_gpus, opts.num_nodes), flush=True)
         written = output_bytes(shape, ds, cfg, args.export_format or "dense")
         print(format_time(timing), flush=True)
-        print(format_output(written, shape, cfg), flush=True)
+        print(format_output(written, shape, cfg, ds), flush=True)
         if args.json:
             print(json.dumps({**json.loads(est.to_json()), "time": timing.to_dict(), "output_dir_bytes": written}))
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import errno
 import hashlib
@@ -133,6 +134,7 @@ def stderr_line(text: str) -> None:
     sys.stderr.flush()
 
 
+CLAIM_LINGER_S = 1.5
 _CLAIMED: dict[str, socket.socket] = {}  # the lines this process said first: each claim lasts as long as the process
 
 
@@ -140,9 +142,9 @@ def first_to_say(text: str) -> bool:
     """Whether this rank is the first of its node to say ``text``: ranks started together on the same input refuse it alike,
     and a pre-flight refusal printed once per rank was 16 identical lines on 2 x 8 GPUs. Under a launcher of several ranks
     (LOCAL_RANK set, WORLD_SIZE > 1) the first rank to say a line claims it, an abstract Unix socket named by the
-    launcher's pid and the line's hash (no file: it goes with the process); a rank that finds it claimed by another stays
-    silent, its exit code unchanged. Lines that differ, a line this process said before, every line of a single process
-    and every line where no such socket exists (not Linux) are said."""
+    launcher's pid and the line's hash (no file: it goes with the process, which keeps it CLAIM_LINGER_S longer); a rank
+    that finds it claimed by another stays silent, its exit code unchanged. Lines that differ, a line this process said
+    before, every line of a single process and every line where no such socket exists (not Linux) are said."""
     if "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not sys.platform.startswith("linux"):
         return True
     key = hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -154,6 +156,8 @@ def first_to_say(text: str) -> bool:
     except OSError as err:
         claim.close()
         return err.errno != errno.EADDRINUSE
+    if not _CLAIMED:  # the claim outlives a quick exit a moment, while the launcher (which looks once a second) lets
+        atexit.register(time.sleep, CLAIM_LINGER_S)  # the other ranks reach the same line
     _CLAIMED[key] = claim
     return True
 

@@ -279,13 +279,20 @@ def test_the_cpus_a_job_may_use_are_its_affinity_and_its_cgroups_quota(tmp_path,
             (folder / "cpu.cfs_period_us").write_text("100000\n")
         else:
             (folder / "cpu.max").write_text(f"{quota or 'max'} 100000\n")
-    mine = len(os.sched_getaffinity(0))
-    assert procfs.usable_cpus(tmp_path) == min(1.5, mine)
+    affinity = len(os.sched_getaffinity(0))
+    assert procfs.usable_cpus(tmp_path) == min(1.5, affinity)
     (base / "job" / ("cpu.cfs_quota_us" if v1 else "cpu.max")).write_text("-1\n" if v1 else "max 100000\n")
-    assert procfs.usable_cpus(tmp_path) == mine
-    pinned = subprocess.run([sys.executable, "-c", "from elsa_ds.files.procfs import usable_cpus; print(usable_cpus())"],
-                            capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
-    assert pinned.stdout.strip() == "1.0", pinned.stderr
+    assert procfs.usable_cpus(tmp_path) == affinity
+    def pinned(**env: str) -> float:  # a child of this process bound to one of its CPUs
+        run = subprocess.run([sys.executable, "-c", "from elsa_ds.files.procfs import usable_cpus; print(usable_cpus())"],
+                             capture_output=True, text=True, env={**os.environ, **env},
+                             preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+        return float(run.stdout.strip() or "nan")
+
+    mine = procfs.usable_cpus()  # this process's affinity and its cgroup's quota (a CI container's may be below 1)
+    assert pinned() == min(1.0, mine)
+    # a rank under a launcher of several ranks counts its launcher's allocation (here: this process's), not its own cores
+    assert pinned(LOCAL_RANK="0", WORLD_SIZE="2") == mine
 
 
 def _limited_cgroup(limit: int):

@@ -39,16 +39,38 @@ def test_the_step_is_the_sum_of_its_components_and_the_run_adds_what_steps_do_no
 def test_checkpoints_add_their_writes_to_the_run():
     """--save_interval's checkpoints were not in the run's hours (Gemma-2-27B at 256: 15 saves of 507 GiB, ~27 min on a
     typical server's disk). Each save writes one checkpoint's bytes, a node its ranks' share; the last step saves none."""
-    from elsa_ds.capacity.resident import checkpoint_tag_bytes
+    from elsa_ds.capacity.resident import checkpoint_tag_bytes, element_bytes
 
     plain, shape = _timed(steps=100)
     saved, _ = _timed(steps=100, save_interval=25)
     two_nodes, _ = _timed(steps=100, save_interval=25, num_gpus=1, num_nodes=2, batch=2)
     cfg = ElsaConfig(model="m", seqlen=2048, steps=100, save_interval=25)
     assert plain.run_parts["checkpoints"] == 0
-    assert saved.run_parts["checkpoints"] == pytest.approx(3 * checkpoint_tag_bytes(shape, cfg) / TYPICAL["gpu-vm-16c"].disk)
+    each = checkpoint_tag_bytes(shape, cfg, element_bytes(DsConfig.load("zero3_offload").raw))  # the frozen embedding in bf16
+    assert saved.run_parts["checkpoints"] == pytest.approx(3 * each / TYPICAL["gpu-vm-16c"].disk)
     assert saved.run_s - plain.run_s == pytest.approx(saved.run_parts["checkpoints"])
     assert two_nodes.run_parts["checkpoints"] == pytest.approx(saved.run_parts["checkpoints"] / 2)
+
+
+def test_a_job_allowed_part_of_a_server_gets_that_parts_cpu_rates_and_the_servers_others():
+    """Under SLURM's --cpus-per-task 32 an 8-GPU server's job was timed as the 16-core VM (one NVMe drive, its host copy
+    rate: 28.5 h for zero3_offload where the server's profile says 17.4; a review's find). The server's profile stays;
+    its CPU-bound rates (DeepSpeedCPUAdam, the host's copies) are at most the lent 16-core host's per CPU."""
+    from elsa_ds.capacity.step_time import LENT_HOST_CPUS, allotted
+
+    server, lent = TYPICAL["gpu-server"], TYPICAL["gpu-vm-16c"]
+    assert allotted(server, 224) is server and allotted(lent, 16) is lent  # the whole machine: its own rates
+    part = allotted(server, 32)
+    assert part.adam == pytest.approx(32 * lent.adam / LENT_HOST_CPUS) and part.adam < server.adam and part.host_bw < server.host_bw
+    assert (part.nvme, part.h2d, part.inter, part.matmul_flops) == (server.nvme, server.h2d, server.inter, server.matmul_flops)
+    assert "for the 32 CPUs allowed" in part.source
+    whole, _ = _timed(machine="gpu-server", steps=100)
+    shape = _timed(steps=100)[1]
+    ds = {**DsConfig.load("zero3_offload").raw, "train_batch_size": 1, "train_micro_batch_size_per_gpu": 1}
+    cfg = ElsaConfig(model="m", seqlen=2048, steps=100)
+    cut = step_time(shape, ds, cfg, 1, 1, "cuda", part)
+    assert cut.components["optimizer"] > whole.components["optimizer"]
+    assert cut.components["forward/backward"] == pytest.approx(whole.components["forward/backward"])
 
 
 def test_host_work_follows_the_trained_entries_and_the_projection_its_interval():

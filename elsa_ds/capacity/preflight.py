@@ -196,13 +196,15 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
 
 
 def _expected_time(shape: ModelShape, job: _Run) -> str:
-    """What the run will take at the typical rates of a host like this one: the CPUs the job may use (its allocation's,
-    not the machine's count: a SLURM job of 16 CPUs on an 8-GPU server has a 16-core host's optimizer pass) pick them."""
-    from elsa_ds.capacity.step_time import TYPICAL, step_time
+    """What the run will take at the typical rates of a host like this one (its core count picks the profile), the CPU
+    rates for the CPUs the job may use (a SLURM job of 32 CPUs on an 8-GPU server does not get the server's optimizer pass:
+    ``step_time.allotted``)."""
+    from elsa_ds.capacity.step_time import TYPICAL, allotted, step_time
 
     cpus = usable_cpus()
-    name = "cpu-2c" if job.device == "cpu" else "gpu-server" if cpus >= 64 else "gpu-vm-16c"
-    t = step_time(shape, job.ds, job.cfg, job.local, job.nodes, job.device, TYPICAL[name])
+    name = "cpu-2c" if job.device == "cpu" else "gpu-server" if (os.cpu_count() or 1) >= 64 else "gpu-vm-16c"
+    rates = TYPICAL[name] if job.device == "cpu" else allotted(TYPICAL[name], cpus)
+    t = step_time(shape, job.ds, job.cfg, job.local, job.nodes, job.device, rates)
     return (f"expected: {t.step_s:.3g} s a step, {t.run_s / 3600:.3g} h for the run ({t.steps} steps; not counted: "
             f"{', '.join(t.uncounted)}) at the typical rates of a {name} host (this job may use {cpus:g} CPUs; elsa-estimate "
             f"with this job's flags and --num_gpus {job.local}{f' --num_nodes {job.nodes}' if job.nodes > 1 else ''} "
@@ -222,13 +224,13 @@ def output_bytes(shape: ModelShape, ds: dict, cfg, export_format: str) -> dict[s
     the checkpoints, the one-shot warm start's mask (1 bit a pruned weight). --init_weights' copy of x₀ (one export's
     size) is deleted before training: the export and the checkpoints cover it."""
     return {"export": ds_bytes_export(shape, ds), "sparse export": sparse_export_bytes(shape, element_bytes(ds), cfg, export_format),
-            "checkpoints": checkpoint_bytes(shape, cfg),
+            "checkpoints": checkpoint_bytes(shape, cfg, element_bytes(ds)),
             "warm-start mask": shape.pruned_params / 8 if cfg.init_mask in oneshot_names() else 0.0}
 
 
-def format_output(parts: dict[str, float], shape: ModelShape, cfg) -> str:
+def format_output(parts: dict[str, float], shape: ModelShape, cfg, ds: dict) -> str:
     """elsa-estimate's line for the disk under --output_dir (``parts``: output_bytes), checkpoints always sized."""
-    each = checkpoint_tag_bytes(shape, cfg)
+    each = checkpoint_tag_bytes(shape, cfg, element_bytes(ds))
     written = ", ".join(f"{name} {_gib(b)}" for name, b in parts.items() if b and name != "checkpoints")
     if cfg.save_interval:
         kept = cfg.keep_checkpoints + 1
@@ -250,9 +252,9 @@ def sparse_export_bytes(shape: ModelShape, element: float, cfg, export_format: s
     return element * (shape.num_params - shape.pruned_params) + pruned + HEADER_ROOM
 
 
-def checkpoint_bytes(shape: ModelShape, cfg) -> float:
+def checkpoint_bytes(shape: ModelShape, cfg, element: float) -> float:
     """--save_interval: the newest keep_checkpoints stay and one more exists while it is written."""
-    return checkpoint_tag_bytes(shape, cfg) * (cfg.keep_checkpoints + 1) if cfg.save_interval else 0.0
+    return checkpoint_tag_bytes(shape, cfg, element) * (cfg.keep_checkpoints + 1) if cfg.save_interval else 0.0
 
 
 PART_NAMES = {"params": "16-bit parameters", "grads": "gradients", "optimizer": "fp32 masters + moments", "admm": "ADMM z, u",

@@ -62,12 +62,13 @@ def moment_bytes(base: str) -> float:  # Adam's moments per entry: fp32, or 8-bi
     return 2 + 2 / 256 * 4 if base.startswith("adam8bit") else 8
 
 
-def checkpoint_tag_bytes(shape: ModelShape, cfg) -> float:
+def checkpoint_tag_bytes(shape: ModelShape, cfg, element: float) -> float:
     """One checkpoint of an ELSA run (``cfg``: its ElsaConfig): fp32 masters, Adam moments and z, u of the trained
-    parameters. (DeepSpeed's files hold these and ~25 kB more, the model-states file's metadata;
-    tests/zero/test_checkpoint.py holds this to the files written.)"""
+    parameters, and the frozen ones' partitions in the engine's dtype (``element`` bytes: DeepSpeed's
+    frozen_param_fragments). DeepSpeed's files hold these and ~25 kB more, the model-states file's metadata;
+    tests/zero/test_checkpoint.py holds this to the files written."""
     states = moment_bytes(cfg.base_optimizer.value) + STATE_BYTES[cfg.z_dtype.value] + STATE_BYTES[cfg.u_dtype.value]
-    return (4 + states) * shape.trainable_params
+    return (4 + states) * shape.trainable_params + element * (shape.num_params - shape.trainable_params)
 
 
 @dataclass(frozen=True)

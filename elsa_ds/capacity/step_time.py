@@ -103,6 +103,18 @@ TYPICAL = {
                     hook_s=0.9e-3, kernel=_KERNEL_CPU_HOST, projection=_PROJECTION_CPU_HOST),
 }
 DEFAULT_MACHINE = {"cuda": "gpu-server", "cpu": "cpu-2c"}
+LENT_HOST_CPUS = 16  # the cores behind gpu-vm-16c's measured DeepSpeedCPUAdam and copy rates
+
+
+def allotted(rates: Rates, cpus: float) -> Rates:
+    """``rates`` for a job that may use ``cpus`` CPUs of the host (a SLURM allocation's, a container's): its CPU-bound
+    rates, DeepSpeedCPUAdam's (which ELSA's kernels are priced against) and the host's copies, at most the profile's
+    own and at most the lent 16-core host's per CPU; the rest (GPU, PCIe, NVMe, network) is the machine's."""
+    lent = TYPICAL["gpu-vm-16c"]
+    adam, host_bw = (min(mine, cpus * theirs / LENT_HOST_CPUS) for mine, theirs in ((rates.adam, lent.adam), (rates.host_bw, lent.host_bw)))
+    if (adam, host_bw) == (rates.adam, rates.host_bw):
+        return rates
+    return replace(rates, adam=adam, host_bw=host_bw, source=f"{rates.source}; its CPU rates for the {cpus:g} CPUs allowed")
 
 
 @dataclass
@@ -175,7 +187,7 @@ def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, d
              "validation": 3 * -(-windows // micro) * forward,    # the dense model, the start, the end
              "load and export": 2 * job.half * shape.num_params / rates.disk,
              # --save_interval: every rank writes its partition of each checkpoint, a node its ranks' share
-             "checkpoints": _saves(cfg) * checkpoint_tag_bytes(shape, cfg) / num_nodes / rates.disk}
+             "checkpoints": _saves(cfg) * checkpoint_tag_bytes(shape, cfg, job.half) / num_nodes / rates.disk}
     uncounted = (*([f"the {cfg.init_mask} warm start"] if cfg.init_mask in oneshot_names() else []), "start-up (processes, engine)")
     return StepTime(components=components, step_s=step_s, steps=cfg.steps, interval=cfg.interval,
                     run_s=sum(parts.values()), run_parts=parts, rates=rates.to_dict(), uncounted=uncounted)

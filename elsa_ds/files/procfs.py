@@ -63,10 +63,15 @@ def _cgroup_levels(root: Path = Path("/")) -> list[tuple[int, int | None]]:
 
 
 def usable_cpus(root: Path = Path("/")) -> float:
-    """The CPUs this process may run on: its affinity (SLURM's --cpus-per-task, taskset) and its cgroup's CPU quota
-    (a container's --cpus: cpu.max in v2, cpu.cfs_quota_us over cpu.cfs_period_us in v1), the smaller; the machine's
-    count is what psutil and os.cpu_count() report either way."""
-    counts: list[float] = [float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)]
+    """The CPUs this job may run on: the affinity (SLURM's --cpus-per-task, taskset) of this process, or under a launcher
+    of several ranks of the launcher, which holds the allocation its ranks share (a rank bound to cores of its own,
+    deepspeed's --bind_cores_to_rank, has a part of it); and its cgroup's CPU quota (a container's --cpus: cpu.max in v2,
+    cpu.cfs_quota_us over cpu.cfs_period_us in v1), the smaller. The machine's count is os.cpu_count()'s."""
+    launched = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    try:
+        counts: list[float] = [float(len(os.sched_getaffinity(os.getppid() if launched else 0)))]
+    except (AttributeError, OSError):  # no affinity on this system, or the launcher is gone
+        counts = [float(os.cpu_count() or 1)]
     for d, v1 in _cgroup_dirs("cpu", root):
         with contextlib.suppress(OSError, ValueError):
             quota, period = ((d / "cpu.cfs_quota_us").read_text(), (d / "cpu.cfs_period_us").read_text()) if v1 else \

@@ -3,6 +3,7 @@ the loop, checkpoints and validation. Plain functions and small classes that kno
 job passes in what they need and keeps what they return (torchtune's recipes over components)."""
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import LayerGoal, select_targets
 from elsa_ds.zero import checkpoint
-from elsa_ds.zero.dist import init_distributed
+from elsa_ds.zero.dist import init_distributed, same_on_every_rank
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import PartitionedModel, ZeroEngine, full_shapes, load_partitioned
 from elsa_ds.zero.partitions import distributed_nll
@@ -133,6 +134,10 @@ def open_training(plan: Plan) -> Opened:
     rank, world = init_distributed()
     if world != plan.world_size:
         raise ElsaError(f"the process group has {world} ranks, but the plan was checked for {plan.world_size} (WORLD_SIZE)")
+    if not same_on_every_rank(json.dumps([opts.resume, plan.cfg.resume_fingerprint(world)], sort_keys=True, default=str)):
+        raise ElsaError("the ranks planned different jobs (whether to resume, or the settings a checkpoint records): nodes "
+                        "that read --output_dir, a recipe or the DeepSpeed JSON differently (a network file system's "
+                        "caches with --resume_if_any); give --resume or leave it out, and the same files to every node")
     if rank == 0:
         for warning in machine.stale_build_locks():
             log.warning(warning)

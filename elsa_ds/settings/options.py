@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from elsa_ds.errors import ElsaError, format_validation_error
+from elsa_ds.files.output import REPORT_NAME
 from elsa_ds.log import LogLevel, get_logger
 
 ExportFormat = Literal["dense", "sparse"]  # the --export_format choices
@@ -56,11 +57,20 @@ def job_options(values: dict[str, Any], given_as: str = "the command line") -> J
 
 def resolve_resume(opts: JobOptions) -> JobOptions:
     """--resume_if_any as --resume or a fresh start: a checkpoint published in OUTPUT_DIR/checkpoints (its ``latest``,
-    a link included: the resume's own checks refuse one) decides. Every rank reads the same folder before any writes it."""
+    a link included: the resume's own checks refuse one) decides. A fresh start sets aside what an earlier attempt left
+    there (a partial first checkpoint, the monitor's logs) as --overwrite does; a finished run is refused, not redone.
+    Every rank reads the same folder before any writes it (the ranks' plans are compared once the process group forms)."""
     if opts.resume or opts.overwrite:
         raise ElsaError(f"--resume_if_any decides whether to resume by itself; drop --{'resume' if opts.resume else 'overwrite'}")
-    latest = Path(opts.output_dir).expanduser() / "checkpoints" / "latest"
-    found = os.path.lexists(latest)
-    get_logger(__name__).info(f"--resume_if_any: {'continuing from the checkpoints in' if found else 'no checkpoint in'} "
-                              f"{latest.parent}{'' if found else ': starting fresh'}")
-    return opts.model_copy(update={"resume": found})
+    out = Path(opts.output_dir).expanduser()
+    if (out / REPORT_NAME).exists():
+        raise ElsaError(f"--resume_if_any: {out} holds a finished run ({REPORT_NAME}), so there is nothing to continue; "
+                        "--resume continues its checkpoints, --overwrite replaces it, or choose another --output_dir")
+    latest = out / "checkpoints" / "latest"
+    if os.path.lexists(latest):
+        get_logger(__name__).info(f"--resume_if_any: continuing from the checkpoints in {latest.parent}")
+        return opts.model_copy(update={"resume": True})
+    leftovers = out.is_dir() and any(out.iterdir())
+    get_logger(__name__).info(f"--resume_if_any: no checkpoint in {latest.parent}: starting fresh"
+                              + ("; what an earlier attempt left there is set aside as --overwrite does" if leftovers else ""))
+    return opts.model_copy(update={"resume": False, "overwrite": leftovers})

@@ -143,17 +143,23 @@ def _check_zip(path: Path, fh: BinaryIO) -> None:
 def _open_checkpoint_file(path: Path) -> BinaryIO:
     """``path`` opened once for its check and its read: a file swapped in after a check is never the one read. Not
     through a link (a resumed folder holds none: ``check_plain_tree``), and a FIFO put there is refused, not waited on."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, flags)
     except OSError as err:
         if err.errno == errno.ELOOP:
-            raise _altered(path, "it is a link, which no checkpoint holds") from None
+            raise _not_a_file(path, "a link") from None
         raise
     handle = os.fdopen(fd, "rb")
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         handle.close()
-        raise _altered(path, "it is not a regular file")
+        raise _not_a_file(path, "not a regular file")
     return handle
+
+
+def _not_a_file(path: Path, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(f"--resume: refusing checkpoint file {path}: it is {what}, which no checkpoint holds, and "
+                                 "it appeared after the checks before loading; restore the run from a copy you trust")
 
 
 def unsafe_classes(path: Path) -> list[str]:

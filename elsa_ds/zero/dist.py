@@ -31,6 +31,24 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def same_on_every_rank(text: str) -> bool:
+    """Whether every rank of the process group passed the same ``text`` (a digest of it, compared in one all-reduce on
+    the backend's device). Collective."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    if dist.get_world_size() == 1:
+        return True
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")  # 56 bits: int64 either way round
+    device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0")))
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest digest and minus the smallest
+    return int(extremes[0]) == -int(extremes[1])
+
+
 def _unlink_shm_buffer(dist) -> None:
     """Remove this rank's /dev/shm all-reduce buffer of DeepSpeed's CPU backend once every rank has mapped it.
 

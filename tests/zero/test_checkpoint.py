@@ -79,7 +79,7 @@ def test_corrupted_newest_checkpoint_falls_back_to_previous(tmp_path, tiny_model
     assert (ckpt / "latest").read_text() == "global_step8"
     # each tag is what the estimate and the pre-flight check count a checkpoint to take (DeepSpeed's files as written)
     cfg = resolve_config(json.loads(ds.read_text()), {"model": str(tiny_model_dir)})
-    each = checkpoint_tag_bytes(model_shape(AutoConfig.from_pretrained(tiny_model_dir), cfg.targets), cfg)
+    each = checkpoint_tag_bytes(model_shape(AutoConfig.from_pretrained(tiny_model_dir), cfg.targets), cfg, 4)  # fp32
     for tag in ("global_step4", "global_step8"):
         written = sum(f.stat().st_size for f in (ckpt / tag).iterdir())
         assert each <= written <= 1.02 * each + 64 * 1024, (tag, written, each)
@@ -99,10 +99,16 @@ def test_nan_stops_with_step_and_keeps_last_checkpoint(tmp_path, tiny_model_dir,
     out = tmp_path / "out"
     env_step = "5"
     env = nan_at_step_env(env_step)
-    proc = run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, out, "--save_interval", "2"), check=False, env=env)
+    proc = run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, out, "--save_interval", "2", "--freeze_embeddings"),
+                     check=False, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"at step {env_step}" in proc.stderr
     assert (out / "checkpoints" / "latest").read_text() == "global_step4"
+    # a checkpoint holds the frozen embedding's partitions too, in the engine's dtype (a review's find, 2026-11-30)
+    cfg = resolve_config(json.loads(ds.read_text()), {"model": str(tiny_model_dir), "freeze_embeddings": True})
+    shape = model_shape(AutoConfig.from_pretrained(tiny_model_dir), cfg.targets, freeze_embeddings=True)
+    each, written = checkpoint_tag_bytes(shape, cfg, 4), sum(f.stat().st_size for f in (out / "checkpoints" / "global_step4").iterdir())
+    assert shape.num_params > shape.trainable_params and each <= written <= 1.02 * each + 64 * 1024, (written, each)
     assert not (out / "model.safetensors").exists()
     changed = run_entry("prune.py", [*_args(ds, tiny_model_dir, text_dir, out, "--resume"), "--sparsity", "0.5"], check=False)
     assert changed.returncode == 2 and "sparsity" in changed.stderr and "Traceback" not in changed.stderr
@@ -110,23 +116,34 @@ def test_nan_stops_with_step_and_keeps_last_checkpoint(tmp_path, tiny_model_dir,
 
 def test_one_command_line_for_every_attempt_of_a_requeued_job(tmp_path, tiny_model_dir, text_dir, uninterrupted):
     """SLURM requeues a job with the command line it was submitted with (a user's walk, 2026-11-30: --resume refused the
-    first attempt, its absence the second). --resume_if_any starts fresh without a checkpoint and resumes with one; the
-    attempts end where the uninterrupted run does."""
+    first attempt, its absence the second). --resume_if_any starts fresh without a checkpoint, setting aside what an
+    attempt killed before its first save left (its fingerprint, the monitor's logs: a review's find), resumes with one,
+    and refuses to redo a finished run; the attempts end where the uninterrupted run does."""
     ds, reference = uninterrupted
     out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)  # an attempt killed inside its first save, and its monitor's log
+    (out / "checkpoints" / "elsa_fingerprint.json").write_text("{}")
+    (out / "monitor").mkdir()
+    (out / "monitor" / "loss.csv").write_text("step,loss\n")
     args = _args(ds, tiny_model_dir, text_dir, out, "--save_interval", "2", "--resume_if_any")
     first = run_entry("prune.py", args, check=False, env=nan_at_step_env(5))  # stopped after its step-4 checkpoint
     assert first.returncode == 2 and "--resume_if_any: no checkpoint in" in first.stdout, first.stderr[-2000:]
+    assert "set aside as --overwrite does" in first.stdout
     assert (out / "checkpoints" / "latest").read_text() == "global_step4"
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".out.replaced.")]  # named in its warning, nothing lost
+    assert len(aside) == 1 and (aside[0] / "monitor" / "loss.csv").read_text() == "step,loss\n", first.stderr[-2000:]
+    assert str(aside[0]) in first.stderr
     second = run_entry("prune.py", args)
     assert "--resume_if_any: continuing from the checkpoints in" in second.stdout and "continuing at step 4" in second.stdout
     resumed = _weights(out)
     for name, w in reference.items():
         assert torch.equal(w != 0, resumed[name] != 0), name
         assert torch.allclose(w, resumed[name], atol=1e-5), name
-    for other in ("--resume", "--overwrite"):  # it decides both itself
-        refused = run_entry("prune.py", [*args, other], check=False)
-        assert refused.returncode == 2 and f"--resume_if_any decides whether to resume by itself; drop {other}" in refused.stderr
+    for extra, needle in (([], "holds a finished run (elsa_report.json), so there is nothing to continue"),
+                          (["--resume"], "--resume_if_any decides whether to resume by itself; drop --resume"),
+                          (["--overwrite"], "--resume_if_any decides whether to resume by itself; drop --overwrite")):
+        refused = run_entry("prune.py", [*args, *extra], check=False)
+        assert refused.returncode == 2 and needle in refused.stderr, refused.stderr[-2000:]
 
 
 def test_emulated_two_nodes_match_one_node(tmp_path, tiny_model_dir, text_dir, uninterrupted):

@@ -84,7 +84,7 @@ def test_the_file_checked_is_the_file_read_and_never_a_link_or_a_fifo(tmp_path, 
     link, fifo = tmp_path / "linked_optim_states.pt", tmp_path / "fifo_optim_states.pt"
     link.symlink_to(file)
     os.mkfifo(fifo)
-    for path, needle in ((link, "it is a link"), (fifo, "not a regular file")):
+    for path, needle in ((link, "it is a link, which no checkpoint holds"), (fifo, "it is not a regular file")):
         for read in (checkpoint.read_checkpoint_file, checkpoint.unsafe_classes):
             with pytest.raises(checkpoint.UnsafeCheckpointError, match=needle):
                 read(path)

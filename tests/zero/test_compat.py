@@ -35,3 +35,33 @@ def test_the_bf16_probe_is_what_onednn_reports(monkeypatch):
     for fast in (False, True):
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda fast=fast: fast)
         assert compat.cpu_bf16_matmul_is_fast() is fast
+
+
+AGREE = """
+import sys
+import torch.distributed as dist
+from elsa_ds.zero.dist import same_on_every_rank
+
+dist.init_process_group("gloo")
+print(same_on_every_rank(sys.argv[1]), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_that_planned_different_jobs_are_told_so_on_every_rank():
+    """Each rank makes its plan alone, before the process group: with --resume_if_any, nodes whose network file system
+    cached OUTPUT_DIR/checkpoints differently could plan a resume and a fresh start (a review's find, 2026-11-30).
+    Once the group forms the ranks compare their plans: two real gloo ranks, the same text and different ones."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, _free_port
+
+    for texts, agree in ((["resume", "resume"], "True"), (["resume", "fresh"], "False")):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+               "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen([sys.executable, "-c", AGREE, text], cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r, text in enumerate(texts)]
+        said = [p.communicate(timeout=120) for p in procs]
+        assert [out.strip().splitlines()[-1] if out.strip() else err[-2000:] for out, err in said] == [agree, agree]
