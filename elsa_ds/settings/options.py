@@ -29,8 +29,9 @@ class JobOptions(BaseModel):
     resume: bool = Field(False, json_schema_extra={"group": "run"})
     """Continue from the latest checkpoint in OUTPUT_DIR/checkpoints."""
     resume_if_any: bool = Field(False, json_schema_extra={"group": "run"})
-    """--resume when OUTPUT_DIR/checkpoints has a checkpoint, else a fresh start: one command line for every attempt of a
-    job that a scheduler requeues or a time limit cuts (SLURM's --requeue, a resubmitted sbatch)."""
+    """--resume when OUTPUT_DIR/checkpoints has a checkpoint, else a fresh start (an earlier attempt's leftovers set aside
+    as --overwrite does; a finished run refused): one command line for every attempt of a job that a scheduler requeues
+    or a time limit cuts (SLURM's --requeue, a resubmitted sbatch)."""
     recipe: str | None = Field(None, json_schema_extra={"group": "run", "metavar": "NAME_OR_FILE"})
     """Settings from a recipe (recipes/*.json, by name or path): the paper's per-model, per-sparsity values."""
     ignore_memory_check: bool = Field(False, json_schema_extra={"group": "run"})
