@@ -157,9 +157,20 @@ def first_to_say(text: str) -> bool:
         claim.close()
         return err.errno != errno.EADDRINUSE
     if not _CLAIMED:  # the claim outlives a quick exit a moment, while the launcher (which looks once a second) lets
-        atexit.register(time.sleep, CLAIM_LINGER_S)  # the other ranks reach the same line
+        atexit.register(_linger)  # the other ranks reach the same line
     _CLAIMED[key] = claim
     return True
+
+
+def _linger() -> None:
+    """The claim's last moment; the launcher's SIGTERM or a Ctrl-C (once a silent rank has exited) ends it quietly, with
+    the exit code the process had (an argparse refusal lingers before any handler of ours was installed: one now)."""
+    with contextlib.suppress(ValueError):  # not the main thread: the signal's default stays
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        time.sleep(CLAIM_LINGER_S)
+    except (KeyboardInterrupt, Terminated):
+        pass
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -43,6 +43,7 @@ def old_dir(output_dir: Path, pid: int | None = None) -> Path:
     return beside(output_dir, "old", pid)
 
 
+REPORT_NAME = "elsa_report.json"  # a job's report: moved in last, so that an output holding one is whole
 ALL_MOVED_OUT = ".elsa_all_moved_out"  # made in old_dir once every file of a kept-checkpoints output is in it
 PUBLICATIONS = ("publish", "publish_into")  # what rank 0 announces just before it moves anything: a swap, or files into
 PUBLISH_FAILED = "publish_failed"  # what it announces when a move failed (PublishFailed): its staging folder is kept
@@ -60,8 +61,8 @@ def move_out(output_dir: Path, old: Path) -> None:
 
 def move_in(staging: Path, output_dir: Path) -> None:
     """The second half: each file of the finished ``staging`` folder moves into ``output_dir``, in place of its
-    namesake; the emptied ``staging`` goes. Run again after a kill, it moves what is left."""
-    for f in sorted(staging.iterdir()):
+    namesake, the report last; the emptied ``staging`` goes. Run again after a kill, it moves what is left."""
+    for f in sorted(staging.iterdir(), key=lambda f: (f.name == REPORT_NAME, f.name)):
         f.replace(output_dir / f.name)
     staging.rmdir()
 

@@ -16,31 +16,41 @@ from pathlib import Path
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError, Terminated, signals_held
 from elsa_ds.evaluation.sparsity import sparsity_report
-from elsa_ds.files.aside import PUBLISH_FAILED, aside_dir, beside, move_in, move_out, moved_away, old_dir
+from elsa_ds.files.aside import PUBLISH_FAILED, REPORT_NAME, aside_dir, beside, move_in, move_out, moved_away, old_dir, published
 from elsa_ds.files.aside import side_path  # the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.log import get_logger
 from elsa_ds.targets import LayerGoal
 
-REPORT_NAME = "elsa_report.json"
 MONITOR_DIR = "monitor"  # where DeepSpeed's file monitors write without an output_path of their own (elsa_ds/monitor.py)
 RESUMABLE = ("oneshot", "mask.safetensors", "best_projection")  # side files a --resume of a checkpointed run reads again
+ATTEMPT_LEFTOVERS = ("checkpoints", MONITOR_DIR)  # what a run that published nothing leaves in its output folder
 
 
-def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False) -> None:
-    """Refuse a non-empty output directory unless overwriting or resuming; cheap, so it runs before heavy work."""
+def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, restart: bool = False) -> None:
+    """Refuse a non-empty output directory unless overwriting or resuming, or restarting over what an attempt that
+    published nothing left (``restart``: --resume_if_any); cheap, so it runs before heavy work."""
     check_output_path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise ElsaError(f"--output_dir {output_dir} exists and is not a directory")
     if resume and overwrite:
         raise ElsaError("--resume and --overwrite exclude each other: --resume continues the run in --output_dir")
+    if restart and output_dir.is_dir():  # what goes or is appended to: an attempt's leftovers, nothing published, no link
+        left = [p.name for p in output_dir.iterdir() if p.name not in ATTEMPT_LEFTOVERS]
+        if left or published(output_dir).exists():
+            raise ElsaError(f"--resume_if_any: {output_dir} changed since it was read ({', '.join(left) or 'a checkpoint'} "
+                            "appeared); run the job again")
+        if linked := [name for name in ATTEMPT_LEFTOVERS if (output_dir / name).is_symlink()]:
+            raise ElsaError(f"--resume_if_any: {output_dir / linked[0]} is a symbolic link, which no attempt of a job leaves; "
+                            "remove it or choose another --output_dir")
+        check_plain_tree(output_dir / MONITOR_DIR, "the monitor's logs")  # appended to; the checkpoints' tags go (unfollowed)
     if resume:  # before anything in it is read: no link, no FIFO where the resume reads and writes
         for path, what in [(output_dir / "checkpoints", "the checkpoints"), (output_dir / MONITOR_DIR, "the monitor's logs"),
                            *((side_path(output_dir, n), "the run's side files") for n in RESUMABLE)]:
             check_plain_tree(path, what)
     if resume and not (output_dir / "checkpoints" / "latest").exists():
         raise ElsaError(f"--resume: {output_dir / 'checkpoints'} holds no published checkpoint (no 'latest' file)")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not (overwrite or resume):
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not (overwrite or resume or restart):
         raise ElsaError(f"--output_dir {output_dir} is not empty; pass --overwrite to replace it, --resume to continue it, "
                         "or choose another directory")
     parent = output_dir.resolve().parent

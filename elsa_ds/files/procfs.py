@@ -68,9 +68,10 @@ def usable_cpus(root: Path = Path("/")) -> float:
     deepspeed's --bind_cores_to_rank, has a part of it); and its cgroup's CPU quota (a container's --cpus: cpu.max in v2,
     cpu.cfs_quota_us over cpu.cfs_period_us in v1), the smaller. The machine's count is os.cpu_count()'s."""
     launched = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    try:
-        counts: list[float] = [float(len(os.sched_getaffinity(os.getppid() if launched else 0)))]
-    except (AttributeError, OSError):  # no affinity on this system, or the launcher is gone
+    parent = os.getppid()
+    try:  # a launcher that is gone left this process to init (pid 1) or a subreaper: its own affinity then
+        counts: list[float] = [float(len(os.sched_getaffinity(parent if launched and parent > 1 else 0)))]
+    except (AttributeError, OSError):  # no affinity on this system, or the launcher ended just now
         counts = [float(os.cpu_count() or 1)]
     for d, v1 in _cgroup_dirs("cpu", root):
         with contextlib.suppress(OSError, ValueError):

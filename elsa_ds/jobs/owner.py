@@ -60,7 +60,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
     check_apart(opts.output_dir, "--output_dir", job_inputs(cfg, opts))
     check_side_paths(Path(opts.output_dir))
     created = missing_parents(opts.output_dir)
-    check_output_dir(opts.output_dir, opts.overwrite, opts.resume)  # again under the lock, by the plan's checks
+    check_output_dir(opts.output_dir, opts.overwrite, opts.resume, opts.restart)  # again under the lock, by the plan's checks
     writer = os.environ.get("RANK", "0") == "0"
     dog = Watchdog()
     try:
@@ -69,8 +69,10 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                 out = Path(opts.output_dir)
                 if writer and opts.overwrite:  # the previous output's checkpoints, logs and resumable side files, until published
                     set_aside(out, [out / "checkpoints", out / MONITOR_DIR, *resumable_paths(out)])
-                if writer and opts.resume:  # the monitor's files the run appends to: none shared with another folder
+                if writer and (opts.resume or opts.restart):  # the monitor's files the run appends to: none shared elsewhere
                     own_copies(out / MONITOR_DIR)
+                if writer and opts.restart and not published(out).exists():  # --resume_if_any over an attempt that published
+                    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # no checkpoint: nothing can load its tags
                 plan = make_plan(cfg, opts, ds_config)
                 log_plan(plan)
                 job = make_job(plan)

@@ -30,7 +30,7 @@ def model_source(cfg: ElsaConfig, opts: JobOptions) -> ModelSource:
 
 def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_size: int, source: ModelSource) -> DsConfig:
     """Run every check for ``cfg`` on ``world_size`` ranks; returns the engine's DeepSpeed config (``ds_config`` resolved)."""
-    check_output_dir(opts.output_dir, opts.overwrite, opts.resume)
+    check_output_dir(opts.output_dir, opts.overwrite, opts.resume, opts.restart)
     if opts.export_format == "sparse" and (cfg.method.value == DENSE or cfg.sparsity == 0 and not cfg.sparsity_profile):
         raise ElsaError("--export_format sparse stores pruned weights as values + positions, but this run prunes nothing "
                         f"(--method {cfg.method.value}, --sparsity {cfg.sparsity}); drop --export_format sparse")

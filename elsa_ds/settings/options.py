@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from elsa_ds.errors import ElsaError, format_validation_error
-from elsa_ds.files.output import REPORT_NAME
+from elsa_ds.files.output import ATTEMPT_LEFTOVERS, REPORT_NAME
 from elsa_ds.log import LogLevel, get_logger
 
 ExportFormat = Literal["dense", "sparse"]  # the --export_format choices
@@ -43,6 +43,9 @@ class JobOptions(BaseModel):
     """Console detail: rank 0 logs at this level (debug, info, warning, error), other ranks warnings and errors only."""
     model_object: Any = Field(None, json_schema_extra={"cli": False})
     """A model already in memory (Python API only); ``model`` then names it in the report."""
+    restart: bool = Field(False, json_schema_extra={"cli": False})
+    """Set by --resume_if_any when OUTPUT_DIR holds an earlier attempt's leftovers and no checkpoint: its unpublished
+    checkpoint folder goes (nothing can load it), its monitor logs are appended to."""
     tokenizer_object: Any = Field(None, json_schema_extra={"cli": False})
     """The in-memory model's tokenizer (Python API only)."""
 
@@ -58,9 +61,10 @@ def job_options(values: dict[str, Any], given_as: str = "the command line") -> J
 
 def resolve_resume(opts: JobOptions) -> JobOptions:
     """--resume_if_any as --resume or a fresh start: a checkpoint published in OUTPUT_DIR/checkpoints (its ``latest``,
-    a link included: the resume's own checks refuse one) decides. A fresh start sets aside what an earlier attempt left
-    there (a partial first checkpoint, the monitor's logs) as --overwrite does; a finished run is refused, not redone.
-    Every rank reads the same folder before any writes it (the ranks' plans are compared once the process group forms)."""
+    a link included: the resume's own checks refuse one) decides. A fresh start over what an earlier attempt left (a
+    first save cut short, the monitor's logs: ``restart``) removes the unpublished checkpoints under the output's lock;
+    anything else there is refused, and so is a finished run (not redone). Every rank reads the same folder before any
+    writes it (the ranks' plans are compared once the process group forms)."""
     if opts.resume or opts.overwrite:
         raise ElsaError(f"--resume_if_any decides whether to resume by itself; drop --{'resume' if opts.resume else 'overwrite'}")
     out = Path(opts.output_dir).expanduser()
@@ -71,7 +75,10 @@ def resolve_resume(opts: JobOptions) -> JobOptions:
     if os.path.lexists(latest):
         get_logger(__name__).info(f"--resume_if_any: continuing from the checkpoints in {latest.parent}")
         return opts.model_copy(update={"resume": True})
-    leftovers = out.is_dir() and any(out.iterdir())
+    left = sorted(p.name for p in out.iterdir()) if out.is_dir() and not out.is_symlink() else []
+    if others := [name for name in left if name not in ATTEMPT_LEFTOVERS]:
+        raise ElsaError(f"--resume_if_any: {out} has no checkpoint to continue and holds {', '.join(others[:5])}, which no "
+                        "attempt of a pruning job leaves there; choose another --output_dir, or --overwrite to replace it")
     get_logger(__name__).info(f"--resume_if_any: no checkpoint in {latest.parent}: starting fresh"
-                              + ("; what an earlier attempt left there is set aside as --overwrite does" if leftovers else ""))
-    return opts.model_copy(update={"resume": False, "overwrite": leftovers})
+                              + ("; an earlier attempt's unpublished checkpoints go, its monitor logs stay" if left else ""))
+    return opts.model_copy(update={"restart": bool(left)})

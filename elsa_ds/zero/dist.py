@@ -43,7 +43,8 @@ def same_on_every_rank(text: str) -> bool:
     if dist.get_world_size() == 1:
         return True
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")  # 56 bits: int64 either way round
-    device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0")))
+    gloo = dist.get_backend() == "gloo"  # CPU tensors, whatever accelerator this machine has
+    device = torch.device("cpu") if gloo else torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0")))
     extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest digest and minus the smallest
     return int(extremes[0]) == -int(extremes[1])

@@ -116,34 +116,40 @@ def test_nan_stops_with_step_and_keeps_last_checkpoint(tmp_path, tiny_model_dir,
 
 def test_one_command_line_for_every_attempt_of_a_requeued_job(tmp_path, tiny_model_dir, text_dir, uninterrupted):
     """SLURM requeues a job with the command line it was submitted with (a user's walk, 2026-11-30: --resume refused the
-    first attempt, its absence the second). --resume_if_any starts fresh without a checkpoint, setting aside what an
-    attempt killed before its first save left (its fingerprint, the monitor's logs: a review's find), resumes with one,
-    and refuses to redo a finished run; the attempts end where the uninterrupted run does."""
+    first attempt, its absence the second). --resume_if_any starts fresh without a checkpoint, over what an attempt
+    killed inside its first save left (its unpublished tag goes, its monitor log stays: reviews' finds), resumes with
+    one, refuses a folder holding anything else and a finished run; the attempts end where the uninterrupted run does,
+    with nothing beside the output."""
     ds, reference = uninterrupted
     out = tmp_path / "out"
-    (out / "checkpoints").mkdir(parents=True)  # an attempt killed inside its first save, and its monitor's log
-    (out / "checkpoints" / "elsa_fingerprint.json").write_text("{}")
+    (out / "checkpoints" / "global_step2").mkdir(parents=True)  # an attempt killed inside its first save, and its log
+    (out / "checkpoints" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"cut short")
     (out / "monitor").mkdir()
     (out / "monitor" / "loss.csv").write_text("step,loss\n")
     args = _args(ds, tiny_model_dir, text_dir, out, "--save_interval", "2", "--resume_if_any")
     first = run_entry("prune.py", args, check=False, env=nan_at_step_env(5))  # stopped after its step-4 checkpoint
     assert first.returncode == 2 and "--resume_if_any: no checkpoint in" in first.stdout, first.stderr[-2000:]
-    assert "set aside as --overwrite does" in first.stdout
+    assert "an earlier attempt's unpublished checkpoints go, its monitor logs stay" in first.stdout
     assert (out / "checkpoints" / "latest").read_text() == "global_step4"
-    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".out.replaced.")]  # named in its warning, nothing lost
-    assert len(aside) == 1 and (aside[0] / "monitor" / "loss.csv").read_text() == "step,loss\n", first.stderr[-2000:]
-    assert str(aside[0]) in first.stderr
+    assert not (out / "checkpoints" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").read_bytes() == b"cut short"
     second = run_entry("prune.py", args)
     assert "--resume_if_any: continuing from the checkpoints in" in second.stdout and "continuing at step 4" in second.stdout
     resumed = _weights(out)
     for name, w in reference.items():
         assert torch.equal(w != 0, resumed[name] != 0), name
         assert torch.allclose(w, resumed[name], atol=1e-5), name
+    assert (out / "monitor" / "loss.csv").read_text().startswith("step,loss\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no folder set aside, nothing left beside it
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
     for extra, needle in (([], "holds a finished run (elsa_report.json), so there is nothing to continue"),
+                          (["--output_dir", str(other)], "has no checkpoint to continue and holds notes.txt"),
                           (["--resume"], "--resume_if_any decides whether to resume by itself; drop --resume"),
                           (["--overwrite"], "--resume_if_any decides whether to resume by itself; drop --overwrite")):
         refused = run_entry("prune.py", [*args, *extra], check=False)
         assert refused.returncode == 2 and needle in refused.stderr, refused.stderr[-2000:]
+    assert (other / "notes.txt").read_text() == "mine"
 
 
 def test_emulated_two_nodes_match_one_node(tmp_path, tiny_model_dir, text_dir, uninterrupted):
