@@ -23,12 +23,17 @@ from elsa_ds.settings.options import JobOptions  # noqa: E402
 DEFAULT_PRUNE_ARGS = ["--steps", "32", "--interval", "16", "--val_windows", "0", "--baseline", "none"]
 
 
-def check_run(config: str, out: Path, ranks: int, extra: list[str]) -> None:
+def check_run(config: str, out: Path, ranks: int, extra: list[str]) -> tuple[float, float]:
     """The plan of one ablation run as its ``ranks`` ranks will make it (``run_ablation``'s output folder and, for an NVMe
     config, a folder on the disk of its swap folder, which the run makes): every check a job makes before it loads a
-    weight, the pre-flight memory and disk check included. Nothing is written."""
+    weight, the pre-flight memory and disk check included. Nothing is written. Returns (the bytes its output keeps under
+    ``out``, the bytes it swaps there while it runs)."""
     import os
 
+    import torch
+
+    from elsa_ds.capacity.memory import job_estimate, model_shape
+    from elsa_ds.capacity.preflight import output_bytes
     from elsa_ds.cli import prune_parser, settings_from_args
     from elsa_ds.files.disk_room import existing_ancestor
     from elsa_ds.plan import make_plan
@@ -41,10 +46,29 @@ def check_run(config: str, out: Path, ranks: int, extra: list[str]) -> None:
     launched = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_SIZE")}
     os.environ.update(RANK="0", WORLD_SIZE=str(ranks), LOCAL_SIZE=str(ranks))  # as the launcher will set them for rank 0
     try:
-        make_plan(cfg, opts, ds_config)
+        plan = make_plan(cfg, opts, ds_config)
     finally:
         for k, v in launched.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    shape = model_shape(plan.source.config(), plan.cfg.targets, freeze_embeddings=plan.cfg.freeze_embeddings)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    swapped = job_estimate(shape, plan.ds.raw, plan.cfg, ranks, 1, device).nvme_bytes if nvme else 0.0
+    return sum(output_bytes(shape, plan.ds.raw, plan.cfg, opts.export_format).values()), swapped
+
+
+def check_disk(out: Path, kept: list[float], swapped: list[float]) -> None:
+    """Each run's own check sees the disk as it is; the runs keep their outputs under ``out`` one after another, and the
+    NVMe run swaps there too (at worst last): all of it must fit the free space now (the 27B-shaped ablation on the lent
+    machine: four 4-layer exports of ~6.9 GB and the NVMe run's swap files on a 54 GiB disk)."""
+    from elsa_ds.capacity.preflight import this_machine
+    from elsa_ds.errors import ElsaError
+
+    gib = 2**30
+    need, free = sum(kept) + max(swapped, default=0.0), min(this_machine([out.resolve()]).disks.values())
+    if need > free:
+        raise ElsaError(f"ablate_offload.py: the {len(kept)} runs keep ~{sum(kept) / gib:.1f} GiB of outputs under {out} and "
+                        f"swap up to ~{max(swapped, default=0.0) / gib:.1f} GiB there: ~{need / gib:.1f} GiB, where "
+                        f"{free / gib:.1f} GiB are free; fewer --configs, a smaller model or another --out")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,13 +84,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> None:
         from elsa_ds.capacity.ablation import run_ablation
-
         from elsa_ds.files.output import missing_parents, remove_if_empty
 
         made = missing_parents(args.out / "runs" / "any")  # the plan makes each run's parent: a refusal leaves none
         try:
-            for c in args.configs:  # every run planned and checked as its job will (memory, disk, NVMe, the flags after --)
-                check_run(c, args.out, args.num_gpus, extra)  # before the first one starts: a late refusal wastes the others
+            # every run planned and checked as its job will, before the first one starts (a late refusal wastes the
+            # others), then the disk all of them take together
+            sizes = [check_run(c, args.out, args.num_gpus, extra) for c in args.configs]
+            check_disk(args.out, [kept for kept, _ in sizes], [swap for _, swap in sizes])
         except BaseException:
             remove_if_empty(made)
             raise

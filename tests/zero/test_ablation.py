@@ -62,3 +62,29 @@ def test_bad_flags_after_the_separator_are_refused_before_any_run(tmp_path):
     run_fails("ablate_offload.py", ["--configs", "ds_configs/zero3_offload.json", "ds_configs/zero3_nvme.json", "--out", str(out),
                                     "--", "--save_interval", "16"], needle)
     assert not out.exists()
+
+
+def test_the_runs_outputs_together_are_checked_against_the_disk_before_any_run(tmp_path, monkeypatch):
+    """Each run's own check sees the disk as it is, but the runs keep their outputs one after another and the NVMe run
+    swaps beside them (the 27B-shaped ablation on the lent machine's 54 GiB disk): refused before the first run when
+    all of it does not fit, though each run alone would."""
+    import importlib.util
+    import os
+
+    from elsa_ds.capacity import machine, preflight
+    from tests.conftest import ROOT
+    from tests.inprocess import one_line, run_main
+
+    spec = importlib.util.spec_from_file_location("ablate_offload", ROOT / "launch" / "ablate_offload.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, configs = tmp_path / "ablation", ["ds_configs/zero3_offload.json", "ds_configs/zero3_nvme.json"]
+    sizes = [module.check_run(c, tmp_path / "probe", 2, module.DEFAULT_PRUNE_ARGS) for c in configs]  # (makes its parents)
+    alone, together = max(kept + swap for kept, swap in sizes), sum(kept for kept, _ in sizes) + max(swap for _, swap in sizes)
+    assert sizes[1][1] > 0 and alone < together  # the NVMe run swaps, and the two outputs add up
+    free = {os.stat(tmp_path).st_dev: (alone + together) / 2}  # the disk the job's own check and this one read
+    monkeypatch.setattr(preflight, "this_machine", lambda paths: preflight.Machine(host=1e15, disks=free))
+    monkeypatch.setattr(machine, "nvme_unavailable", lambda: None)  # checked above; its compile probe needs a real stderr
+    code, err, _ = run_main(module.main, ["--configs", *configs, "--out", str(out)])
+    one_line(code, err, "ablate_offload.py: the 2 runs keep", "fewer --configs")
+    assert not out.exists()
