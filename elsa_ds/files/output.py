@@ -27,6 +27,13 @@ RESUMABLE = ("oneshot", "mask.safetensors", "best_projection")  # side files a -
 ATTEMPT_LEFTOVERS = ("checkpoints", MONITOR_DIR)  # what a run that published nothing leaves in its output folder
 
 
+def foreign_entries(output_dir: Path) -> list[str]:
+    """The names in ``output_dir`` (if a folder) that no attempt of a job leaves there (:data:`ATTEMPT_LEFTOVERS`)."""
+    if not output_dir.is_dir() or output_dir.is_symlink():
+        return []
+    return sorted(p.name for p in output_dir.iterdir() if p.name not in ATTEMPT_LEFTOVERS)
+
+
 def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, restart: bool = False) -> None:
     """Refuse a non-empty output directory unless overwriting or resuming, or restarting over what an attempt that
     published nothing left (``restart``: --resume_if_any); cheap, so it runs before heavy work."""
@@ -36,7 +43,7 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, re
     if resume and overwrite:
         raise ElsaError("--resume and --overwrite exclude each other: --resume continues the run in --output_dir")
     if restart and output_dir.is_dir():  # what goes or is appended to: an attempt's leftovers, nothing published, no link
-        left = [p.name for p in output_dir.iterdir() if p.name not in ATTEMPT_LEFTOVERS]
+        left = foreign_entries(output_dir)
         if left or published(output_dir).exists():
             raise ElsaError(f"--resume_if_any: {output_dir} changed since it was read ({', '.join(left) or 'a checkpoint'} "
                             "appeared); run the job again")

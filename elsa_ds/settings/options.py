@@ -8,7 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from elsa_ds.errors import ElsaError, format_validation_error
-from elsa_ds.files.output import ATTEMPT_LEFTOVERS, REPORT_NAME
+from elsa_ds.files.aside import published
+from elsa_ds.files.output import REPORT_NAME, foreign_entries
 from elsa_ds.log import LogLevel, get_logger
 
 ExportFormat = Literal["dense", "sparse"]  # the --export_format choices
@@ -29,9 +30,9 @@ class JobOptions(BaseModel):
     resume: bool = Field(False, json_schema_extra={"group": "run"})
     """Continue from the latest checkpoint in OUTPUT_DIR/checkpoints."""
     resume_if_any: bool = Field(False, json_schema_extra={"group": "run"})
-    """--resume when OUTPUT_DIR/checkpoints has a checkpoint, else a fresh start (an earlier attempt's leftovers set aside
-    as --overwrite does; a finished run refused): one command line for every attempt of a job that a scheduler requeues
-    or a time limit cuts (SLURM's --requeue, a resubmitted sbatch)."""
+    """--resume when OUTPUT_DIR/checkpoints has a checkpoint, else a fresh start (an earlier attempt's unpublished
+    checkpoints removed, its monitor logs appended to; anything else there, or a finished run, refused): one command line
+    for every attempt of a job that a scheduler requeues or a time limit cuts (SLURM's --requeue, a resubmitted sbatch)."""
     recipe: str | None = Field(None, json_schema_extra={"group": "run", "metavar": "NAME_OR_FILE"})
     """Settings from a recipe (recipes/*.json, by name or path): the paper's per-model, per-sparsity values."""
     ignore_memory_check: bool = Field(False, json_schema_extra={"group": "run"})
@@ -71,14 +72,14 @@ def resolve_resume(opts: JobOptions) -> JobOptions:
     if (out / REPORT_NAME).exists():
         raise ElsaError(f"--resume_if_any: {out} holds a finished run ({REPORT_NAME}), so there is nothing to continue; "
                         "--resume continues its checkpoints, --overwrite replaces it, or choose another --output_dir")
-    latest = out / "checkpoints" / "latest"
+    latest = published(out)
     if os.path.lexists(latest):
         get_logger(__name__).info(f"--resume_if_any: continuing from the checkpoints in {latest.parent}")
         return opts.model_copy(update={"resume": True})
-    left = sorted(p.name for p in out.iterdir()) if out.is_dir() and not out.is_symlink() else []
-    if others := [name for name in left if name not in ATTEMPT_LEFTOVERS]:
+    left = out.is_dir() and not out.is_symlink() and any(out.iterdir())
+    if others := foreign_entries(out):
         raise ElsaError(f"--resume_if_any: {out} has no checkpoint to continue and holds {', '.join(others[:5])}, which no "
                         "attempt of a pruning job leaves there; choose another --output_dir, or --overwrite to replace it")
     get_logger(__name__).info(f"--resume_if_any: no checkpoint in {latest.parent}: starting fresh"
                               + ("; an earlier attempt's unpublished checkpoints go, its monitor logs stay" if left else ""))
-    return opts.model_copy(update={"restart": bool(left)})
+    return opts.model_copy(update={"restart": left})
