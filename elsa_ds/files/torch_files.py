@@ -10,6 +10,7 @@ what the file held.
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import struct
@@ -37,6 +38,42 @@ class ZipProblem:
 
     text: str
     altered: bool
+
+
+class NotRegularFile(OSError):
+    """A path that :func:`open_regular` refused: ``what`` it is (a link, not a regular file)."""
+
+    def __init__(self, path: Path, what: str):
+        super().__init__(f"{path}: {what}")
+        self.what = what
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """``path`` opened once for reading, so that what is checked through the handle is the file read through it: not
+    through a link at its last component, and a FIFO or a device is refused, not waited on (NotRegularFile)."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise NotRegularFile(path, "a link") from None
+        raise
+    handle = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        handle.close()
+        raise NotRegularFile(path, "not a regular file")
+    return handle
+
+
+def same_file_name(handle: BinaryIO) -> str | None:
+    """A name that opens the very file ``handle`` holds, whatever is at its path now (Linux's ``/proc/self/fd``), for
+    readers that take only a name (torch's mmap, safetensors); None where there is none."""
+    name = f"/proc/self/fd/{handle.fileno()}"
+    try:
+        same = os.path.samestat(os.stat(name), os.fstat(handle.fileno()))
+    except OSError:
+        return None
+    return name if same else None
 
 
 def zip_problem(file: Path | BinaryIO) -> ZipProblem | None:

@@ -135,6 +135,13 @@ def inside_folder(folder: Path, name: str, listed_in: Path, error: type[Exceptio
     """``folder / name`` where ``name`` (a ``what`` that ``listed_in`` names) is relative, has no ``..`` and, links
     resolved, stays inside ``folder`` (links into a Hugging Face hub cache repository's ``blobs/``, as its snapshots and
     older ``local_dir`` downloads hold, excepted); otherwise ``error`` naming it."""
+    checked_target(folder, name, listed_in, error, what)
+    return folder / name
+
+
+def checked_target(folder: Path, name: str, listed_in: Path, error: type[Exception], what: str = "shard") -> Path:
+    """The file ``folder / name`` leads to, links resolved, checked as :func:`inside_folder` checks it: the path to open
+    (without following links: one put there since is then refused, not followed)."""
     where = f"{listed_in}: {what} {name!r}"
     if not name or "\0" in name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).anchor:
         raise error(f"{where} is not a relative file name: {what}s must lie inside {folder}")
@@ -148,4 +155,4 @@ def inside_folder(folder: Path, name: str, listed_in: Path, error: type[Exceptio
     hub_blob = target.parent.name == "blobs" and target.parent.parent.name.startswith(("models--", "datasets--"))
     if not target.is_relative_to(root) and not hub_blob:  # a snapshot's (or an older local_dir download's) link into the cache
         raise error(f"{where} is a link to {target}, outside {folder}: {what}s must lie inside it (copy them in: cp -L)")
-    return path
+    return target

@@ -7,15 +7,17 @@ layout, snapshot files linked into the repository's ``blobs/``, excepted).
 """
 from __future__ import annotations
 
+import os
 import re
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
+from typing import BinaryIO, cast
 
 import torch
 
 from elsa_ds.files import torch_files
-from elsa_ds.files.weight_files import BIN_INDEX, SAFETENSORS_INDEX, SPARSE_INDEX, SPARSE_STEM, inside_folder
+from elsa_ds.files.weight_files import BIN_INDEX, SAFETENSORS_INDEX, SPARSE_INDEX, SPARSE_STEM, checked_target, inside_folder
 from elsa_ds.files.weight_files import read_index as read_weight_map
 from elsa_ds.sparse.integrity import SparseCheckpointError
 
@@ -94,6 +96,8 @@ class TensorReader:
         self.files, index, self._index_file = locate(self.folder, sparse)
         self._where: dict[str, Path] = {}
         self._open: dict[Path, object] = {}
+        self._kept: list[BinaryIO] = []  # files a handle reads by their /proc name: open while the reader lives
+        weakref.finalize(self, _close, self._kept)
         for path in self.files:
             for name in self._handle(path).keys():
                 if name in self._where:
@@ -137,23 +141,41 @@ class TensorReader:
 
     def _handle(self, path: Path):
         if path not in self._open:
-            self._open[path] = _opened(path)
+            self._open[path], kept = _opened(path, self.folder)
+            if kept is not None:
+                self._kept.append(kept)
         return self._open[path]
 
 
-def _opened(path: Path):
+def _opened(path: Path, folder: Path) -> tuple[object, BinaryIO | None]:
     """A safetensors file's handle, or a .bin file's state dict (checked: tensors by name, none bigger than its
-    storage); SparseCheckpointError naming the file else."""
+    storage), with the file the safetensors handle reads by name (None for a .bin: loaded); SparseCheckpointError
+    naming the file else. The file is opened once, where its name leads when it is opened (checked again: inside the
+    folder), and its check and its read go through that handle: a file or link put there since is never the one read."""
+    target = checked_target(folder, path.relative_to(folder).as_posix(), path, SparseCheckpointError, what="file")
     try:
-        if path.suffix == ".safetensors":
-            from safetensors import safe_open
+        with torch_files.open_regular(target) as fh:
+            name = torch_files.same_file_name(fh)
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
 
-            return safe_open(str(path), framework="pt")
-        if (problem := torch_files.zip_problem(path)) is not None:  # before torch unpacks anything
-            raise SparseCheckpointError(f"{path}: {problem.text}; copy the checkpoint again")
-        handle = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                if name is None:
+                    return safe_open(str(target), framework="pt"), None
+                kept = os.fdopen(os.dup(fh.fileno()), "rb")  # the name stays this file's while the reader lives
+                try:
+                    return safe_open(f"/proc/self/fd/{kept.fileno()}", framework="pt"), kept
+                except BaseException:
+                    kept.close()
+                    raise
+            if (problem := torch_files.zip_problem(fh)) is not None:  # before torch unpacks anything
+                raise SparseCheckpointError(f"{path}: {problem.text}; copy the checkpoint again")
+            handle = (torch.load(name, map_location="cpu", mmap=True, weights_only=True) if name is not None
+                      else torch.load(fh, map_location="cpu", weights_only=True))  # no name for mmap: read whole
     except SparseCheckpointError:
         raise
+    except torch_files.NotRegularFile as err:
+        raise SparseCheckpointError(f"{path}: {err.what} put there after the folder was checked; copy the checkpoint "
+                                    "again") from None
     except Exception as err:
         raise SparseCheckpointError(f"cannot read {path}: {_first_line(err)}; the file is truncated or corrupt") from None
     if not (isinstance(handle, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in handle.items())):
@@ -161,7 +183,12 @@ def _opened(path: Path):
     if (inflated := torch_files.inflated_tensor(handle)) is not None:
         raise SparseCheckpointError(f"{path}: {inflated}, which no saved state dict holds; the file was altered: copy the "
                                     "checkpoint again")
-    return handle
+    return handle, None
+
+
+def _close(files: list[BinaryIO]) -> None:
+    for f in files:
+        f.close()
 
 
 def _first_line(err: BaseException) -> str:

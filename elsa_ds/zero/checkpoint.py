@@ -20,13 +20,11 @@ and ADMM.
 """
 from __future__ import annotations
 
-import errno
 import os
 import pickle
 import random
 import re
 import shutil
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -143,18 +141,10 @@ def _check_zip(path: Path, fh: BinaryIO) -> None:
 def _open_checkpoint_file(path: Path) -> BinaryIO:
     """``path`` opened once for its check and its read: a file swapped in after a check is never the one read. Not
     through a link (a resumed folder holds none: ``check_plain_tree``), and a FIFO put there is refused, not waited on."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise _not_a_file(path, "a link") from None
-        raise
-    handle = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        handle.close()
-        raise _not_a_file(path, "not a regular file")
-    return handle
+        return torch_files.open_regular(path)
+    except torch_files.NotRegularFile as err:
+        raise _not_a_file(path, err.what) from None
 
 
 def _not_a_file(path: Path, what: str) -> UnsafeCheckpointError:

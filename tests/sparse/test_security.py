@@ -184,3 +184,60 @@ def test_a_version_flipped_to_1_or_a_missing_checksum_is_refused(tiny_sparse_dir
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(SparseCheckpointError, match="checksum: missing"):
         from_pretrained(ckpt)
+
+
+def test_a_bin_swapped_after_its_check_is_not_the_one_read(tmp_path, monkeypatch):
+    """The zip check and torch's read go through one handle: a file put at the name after the check is never loaded."""
+    from elsa_ds.files import torch_files
+    from elsa_ds.sparse.folder import TensorReader
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    torch.save({"w": torch.ones(4)}, folder / "pytorch_model.bin")
+    torch.save({"w": torch.full((4,), 7.0)}, tmp_path / "other.bin")
+    checked = torch_files.zip_problem
+
+    def check_then_swap(file):
+        problem = checked(file)
+        os.replace(tmp_path / "other.bin", folder / "pytorch_model.bin")
+        return problem
+
+    monkeypatch.setattr(torch_files, "zip_problem", check_then_swap)
+    assert torch.equal(TensorReader(folder).get("w"), torch.ones(4))
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.safetensors"])
+def test_a_link_out_put_there_after_the_folder_check_is_refused(tmp_path, monkeypatch, name):
+    """A weight file replaced by a link outside the folder between the folder's check and the file's opening is
+    refused at the opening (it was followed and read)."""
+    import elsa_ds.sparse.folder as folder_module
+
+    folder, outside = tmp_path / "model", tmp_path / f"outside-{name}"
+    folder.mkdir()
+    state = {"w": torch.ones(4)}
+    for path in (folder / name, outside):
+        torch.save(state, path) if name.endswith(".bin") else save_file(state, path)
+    located = folder_module.locate
+
+    def locate_then_link(*args, **kwargs):
+        found = located(*args, **kwargs)
+        (folder / name).unlink()
+        (folder / name).symlink_to(outside)
+        return found
+
+    monkeypatch.setattr(folder_module, "locate", locate_then_link)
+    with pytest.raises(SparseCheckpointError, match="outside"):
+        folder_module.TensorReader(folder)
+
+
+def test_a_safetensors_file_replaced_while_read_is_still_the_one_opened(tmp_path):
+    """The reader keeps the file it opened: tensors read after the name was given another file are the opened one's."""
+    from elsa_ds.sparse.folder import TensorReader
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"w": torch.ones(4)}, folder / "model.safetensors")
+    reader = TensorReader(folder)
+    save_file({"w": torch.full((4,), 7.0)}, tmp_path / "other.safetensors")
+    os.replace(tmp_path / "other.safetensors", folder / "model.safetensors")
+    assert torch.equal(reader.get("w"), torch.ones(4))
