@@ -136,8 +136,10 @@ def test_ranks_of_one_launcher_say_a_shared_refusal_once(tmp_path, tiny_model_di
 def test_a_line_is_claimed_once_per_launcher_and_different_lines_are_all_said(monkeypatch):
     """The claim behind it: the first process under a launcher of several ranks (LOCAL_RANK set, WORLD_SIZE > 1) to say a
     line says it; a sibling (same parent) finds it claimed while the first lives, and says it once the first has ended;
-    another line is said, and a line a process said before is said again by it; a single process says every line."""
+    another line is said, and a line a process said before is said again by it; a single process says every line; a rank
+    whose standard error is its own file (``--enable_each_rank_log``) says it there, the reason in each rank's log."""
     import os
+    import tempfile
     import uuid
 
     from elsa_ds.errors import first_to_say
@@ -148,13 +150,16 @@ def test_a_line_is_claimed_once_per_launcher_and_different_lines_are_all_said(mo
     code = "import sys, time; from elsa_ds.errors import first_to_say; print(first_to_say(sys.argv[1]), flush=True); time.sleep(float(sys.argv[2]))"
     env = {**os.environ, "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
 
-    def rank(pause: float) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", code, line, str(pause)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    def rank(pause: float, stderr=None) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code, line, str(pause)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True)
 
     first = rank(30)
     assert first.stdout.readline().strip() == "True"
     second = rank(0)
     assert second.communicate(timeout=60)[0].strip() == "False"
+    with tempfile.TemporaryFile() as own_log:
+        assert rank(0, stderr=own_log).communicate(timeout=60)[0].strip() == "True"
     first.kill()
     first.wait()
     assert rank(0).communicate(timeout=60)[0].strip() == "True"  # the claim went with the process
