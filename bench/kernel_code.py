@@ -24,11 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ISSUE_PER_S_H200 = 132 * 4 * 1.98e9 * 32  # thread-instructions a second: SMs x schedulers x clock x lanes
 MLP = (11008, 4096)
-# (name, layout, rows_per_program, num_warps): the 1-row delta8 kernel timed on the H200 on 2026-11-27, then the
-# row-group kernels on both layouts at the tile sizes delta8_linear picks for ~410 entries a row (90 % of 4096)
-VARIANTS = [("delta8_r1", "delta8", 1, 2), ("delta8_r4", "delta8", 4, 4), ("delta8_r8", "delta8", 8, 4),
-            ("delta8_r16", "delta8", 16, 4), ("cols16_r1", "cols16", 1, 2), ("cols16_r4", "cols16", 4, 4),
-            ("cols16_r8", "cols16", 8, 4), ("cols16_r16", "cols16", 16, 4), ("cols16_r16w1", "cols16", 16, 1)]
+# (name, layout, rows_per_program, num_warps, rows of x in a program): the 1-row delta8 kernel timed on the H200 on
+# 2026-11-27, the row-group kernels on both layouts at the tile sizes delta8_linear picks for ~410 entries a row (90 %
+# of 4096), then the cols16 kernel holding the batch in its program (delta8_linear's choice for 2 to 16 rows of x)
+VARIANTS = [("delta8_r1", "delta8", 1, 2, 1), ("delta8_r4", "delta8", 4, 4, 1), ("delta8_r8", "delta8", 8, 4, 1),
+            ("delta8_r16", "delta8", 16, 4, 1), ("cols16_r1", "cols16", 1, 2, 1), ("cols16_r4", "cols16", 4, 4, 1),
+            ("cols16_r8", "cols16", 8, 4, 1), ("cols16_r16", "cols16", 16, 4, 1), ("cols16_r16w1", "cols16", 16, 1, 1),
+            ("cols16_r4_b2", "cols16", 4, 4, 2), ("cols16_r1_b8", "cols16", 1, 4, 8), ("cols16_r4_b8", "cols16", 4, 4, 8),
+            ("cols16_r8_b8", "cols16", 8, 4, 8), ("cols16_r4_b16", "cols16", 4, 4, 16)]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,12 +49,16 @@ def tools() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def compile_variant(layout: str, rows: int, warps: int, entries_per_row: int) -> tuple[bytes, int, int]:
-    """The sm_90 cubin of one variant in bf16, its block (entries a row a trip) and its entries a thread a trip."""
+def compile_variant(layout: str, rows: int, warps: int, entries_per_row: int, batch: int = 1) -> tuple[bytes, int, int]:
+    """The sm_90 cubin of one variant in bf16 (``batch`` > 1: cols16 with that many rows of x in a program), its block
+    (entries a row a trip) and its entries a thread a trip (each for every row of x the program holds)."""
     from elsa_ds.sparse import triton_spmv as T
 
-    block = T.block_sizes(1, entries_per_row)[1] if layout == "delta8" and rows == 1 else T.tile_block(rows, entries_per_row)
-    compiled = T.compile_ahead(layout, rows, "bf16", block, num_warps=warps)
+    if layout == "delta8" and rows == 1:
+        block = T.block_sizes(1, entries_per_row)[1]
+    else:
+        block = T.tile_block(rows * batch, entries_per_row)
+    compiled = T.compile_ahead(layout, rows, "bf16", block, num_warps=warps, block_b=batch)
     return compiled.asm["cubin"], block, block * rows // (32 * warps)
 
 
@@ -97,19 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = {k: sum(t.numel() * t.element_size() for t in v.values()) for k, v in layouts.items()}
     result: dict = {"target": "sm_90", "sparsity": args.sparsity, "weight": "x".join(map(str, MLP)), "entries": entries,
                     "bytes": nbytes, "byte_floor_us": {k: b / args.bandwidth * 1e6 for k, b in nbytes.items()}, "variants": []}
-    print("| variant | block | entries/thread/trip | loop SASS | SASS/entry | registers | stack B | issue µs (MLP) | byte floor µs |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| variant | rows of x a program | block | entries/thread/trip | loop SASS | SASS/entry | registers | stack B | "
+          "issue µs (MLP, that many rows of x) | byte floor µs |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, layout, rows, warps in VARIANTS:
-            cubin, block, per_thread = compile_variant(layout, rows, warps, round(entries[layout] / MLP[0]))
+        for name, layout, rows, warps, batch in VARIANTS:
+            cubin, block, per_thread = compile_variant(layout, rows, warps, round(entries[layout] / MLP[0]), batch)
             code = read_code(cubin, Path(tmp))
-            per_entry = code["loop_instructions"] / per_thread
-            row = {"name": name, "layout": layout, "rows_per_program": rows, "num_warps": warps, "block": block,
-                   "entries_per_thread_per_trip": per_thread, **code, "instructions_per_entry": per_entry,
+            per_entry = code["loop_instructions"] / per_thread  # for every row of x the program holds
+            row = {"name": name, "layout": layout, "rows_per_program": rows, "num_warps": warps, "batch_in_program": batch,
+                   "block": block, "entries_per_thread_per_trip": per_thread, **code, "instructions_per_entry": per_entry,
                    "issue_us_h200": entries[layout] * per_entry / ISSUE_PER_S_H200 * 1e6}
             result["variants"].append(row)
-            print(f"| {name} | {block} | {per_thread} | {code['loop_instructions']} | {per_entry:.1f} | {code['registers']} | "
-                  f"{code['stack_bytes']} | {row['issue_us_h200']:.1f} | {result['byte_floor_us'][layout]:.1f} |", flush=True)
+            print(f"| {name} | {batch} | {block} | {per_thread} | {code['loop_instructions']} | {per_entry:.1f} | "
+                  f"{code['registers']} | {code['stack_bytes']} | {row['issue_us_h200']:.1f} | "
+                  f"{result['byte_floor_us'][layout]:.1f} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(result))

@@ -116,6 +116,39 @@ def _row_group_tiles(values, positions, row_offsets, x, bias, y, in_features, ou
     tl.store(y + b * out_features + r, out.to(y.dtype.element_ty), mask=live)
 
 
+def _row_group_batch(values, positions, row_offsets, x, bias, y, n, in_features, out_features,
+                     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The cols16 row-group kernel with every row of x in one program (batch > 1): a [BLOCK, ROWS, BLOCK_B] tile, entries
+    along dim 0 as in :func:`_row_group_tiles`, so each entry's column and value are loaded and converted once for all n
+    rows of x, where one program per row of x pays them n times (sm_90's code, bench/kernel_code.py: ~54 instructions an
+    entry for 8 rows of x against 8 x 16, 22 for 2 against 2 x 16). The batch padded to a power of two reads its last row
+    again (no batch mask in the loop; those rows are not stored). ``positions``: the cols16 layout's columns."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = r < out_features
+    begin = tl.load(row_offsets + r, mask=live, other=0)
+    end = tl.load(row_offsets + r + 1, mask=live, other=0)
+    lane = tl.arange(0, BLOCK)
+    rows_x = tl.arange(0, BLOCK_B)
+    read_x = tl.minimum(rows_x, n - 1)  # the padding rows read the last row again: no mask on the batch in the loop
+    acc = tl.zeros((BLOCK, ROWS, BLOCK_B), dtype=tl.float32)
+    longest = tl.max(end - begin, 0)
+    start = longest * 0
+    while start < longest:  # a short row's lanes are masked while a long one goes on
+        k = begin[None, :] + start + lane[:, None]
+        inside = k < end[None, :]
+        col = tl.load(positions + k, mask=inside, other=0).to(tl.int32) & 0xFFFF
+        value = tl.load(values + k, mask=inside, other=0.0).to(tl.float32)
+        xs = tl.load(x + read_x[None, None, :] * in_features + col[:, :, None], mask=inside[:, :, None], other=0.0)
+        xs = xs.to(tl.float32)
+        acc += xs * value[:, :, None]
+        start += BLOCK
+    out = tl.sum(acc, 0)  # [ROWS, BLOCK_B]
+    if HAS_BIAS:
+        out += tl.load(bias + r, mask=live, other=0.0).to(tl.float32)[:, None]
+    stored = live[:, None] & (rows_x < n)[None, :]
+    tl.store(y + rows_x[None, :] * out_features + r[:, None], out.to(y.dtype.element_ty), mask=stored)
+
+
 @functools.cache
 def _kernel():
     """The jitted kernel (compiled, or interpreted under TRITON_INTERPRET=1)."""
@@ -128,12 +161,19 @@ def _tile_kernel():
     return triton.jit(_row_group_tiles)
 
 
+@functools.cache
+def _batch_kernel():
+    """The cols16 row-group kernel with the batch in its program, jitted as :func:`_kernel`."""
+    return triton.jit(_row_group_batch)
+
+
 def compile_ahead(layout: str, rows: int, dtype: str, block: int, *, has_bias: bool = False, block_b: int = 1,
                   num_warps: int = 4, capability: int = 90):
     """One variant compiled by Triton for a CUDA GPU of compute ``capability`` with no GPU present (its bundled ptxas):
-    the kernel :func:`delta8_linear` would launch for ``layout`` ('delta8' / 'cols16') at ``rows`` per program, its
-    arguments typed as the launches pass them (``dtype`` 'bf16', 'fp16' or 'fp32'). Returns Triton's compiled kernel
-    (``.asm``: ttgir, ptx, cubin) for reading its code: bench/kernel_code.py and tests/sparse/test_triton_spmv.py."""
+    the kernel :func:`delta8_linear` would launch for ``layout`` ('delta8' / 'cols16') at ``rows`` per program (cols16
+    with ``block_b`` > 1: the batch held in the program, ``block_b`` rows of x), its arguments typed as the launches pass
+    them (``dtype`` 'bf16', 'fp16' or 'fp32'). Returns Triton's compiled kernel (``.asm``: ttgir, ptx, cubin) for reading
+    its code: bench/kernel_code.py and tests/sparse/test_triton_spmv.py."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -142,6 +182,10 @@ def compile_ahead(layout: str, rows: int, dtype: str, block: int, *, has_bias: b
     if layout == "delta8" and rows == 1:
         fn, consts = _kernel(), {"HAS_BIAS": has_bias, "BLOCK_B": block_b, "BLOCK": block}
         pointers["deltas"] = pointers.pop("positions")
+        signature = {**pointers, "n": "i32", "in_features": "i32", "out_features": "i32"}
+    elif layout == "cols16" and block_b > 1:
+        fn, consts = _batch_kernel(), {"HAS_BIAS": has_bias, "ROWS": rows, "BLOCK": block, "BLOCK_B": block_b}
+        pointers.update(positions="*i16", row_offsets="*i32")
         signature = {**pointers, "n": "i32", "in_features": "i32", "out_features": "i32"}
     else:
         fn, consts = _tile_kernel(), {"HAS_BIAS": has_bias, "COLS16": layout == "cols16", "ROWS": rows, "BLOCK": block}
@@ -202,11 +246,12 @@ def default_rows(layout: str = "delta8") -> int:
 
 def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None = None, rows_per_program: int | None = None,
-                  num_warps: int | None = None) -> torch.Tensor:
+                  num_warps: int | None = None, batch_in_program: bool | None = None) -> torch.Tensor:
     """y = x Wᵀ (+ bias) in x's dtype, fp32 accumulation; x [n, in] with 1 <= n <= 16, on the parts' device; ``parts``
     delta8 or the cols16 layout (``cols``: the row-group kernel at any rows_per_program). ``rows_per_program`` (a power of
     two; None: :func:`default_rows`): 1, one output row a program for every row of x; more, the row-group kernel, one
-    row of x a program. ``num_warps``: Triton's, None for the default."""
+    row of x a program. ``batch_in_program`` (cols16 only; None: when x has more than one row): every row of x in one
+    program (:func:`_row_group_batch`). ``num_warps``: Triton's, None for the default."""
     reason = unavailable(x.device)
     if reason is not None:
         raise RuntimeError(f"the Triton delta8 kernel is unavailable: {reason}")
@@ -220,10 +265,20 @@ def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features:
     rows_per_program = default_rows("cols16" if "cols" in parts else "delta8") if rows_per_program is None else rows_per_program
     if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {rows_per_program}")
-    entries_per_row = parts["values"].numel() / out_features
-    if "cols" in parts or rows_per_program > 1:  # the GPU layout has only the row-group kernel
+    entries_per_row, cols16 = parts["values"].numel() / out_features, "cols" in parts
+    batch_in_program = cols16 and n > 1 if batch_in_program is None else batch_in_program
+    if batch_in_program and not cols16:
+        raise ValueError("batch_in_program: the kernel holding the batch in its program reads the cols16 layout, not delta8")
+    if batch_in_program:
+        block_b = max(1 << (n - 1).bit_length(), 1)
+        block = tile_block(rows_per_program * block_b, entries_per_row)
+        _batch_kernel()[(triton.cdiv(out_features, rows_per_program),)](
+            parts["values"], parts["cols"], parts["row_offsets"], x, y if bias is None else bias, y, n, x.shape[1],
+            out_features, HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK=block, BLOCK_B=block_b,
+            num_warps=num_warps or (4 if block * rows_per_program * block_b >= 2048 else 2))
+        return y
+    if cols16 or rows_per_program > 1:  # the GPU layout has only the row-group kernels
         block = tile_block(rows_per_program, entries_per_row)
-        cols16 = "cols" in parts
         _tile_kernel()[(n, triton.cdiv(out_features, rows_per_program))](
             parts["values"], parts["cols" if cols16 else "deltas"], parts["row_offsets"], x, y if bias is None else bias, y,
             x.shape[1], out_features, HAS_BIAS=bias is not None, COLS16=cols16, ROWS=rows_per_program, BLOCK=block,

@@ -38,18 +38,20 @@ def cuda_parts(shape: str) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
     return {k: v.cuda() for k, v in encode_delta8(w).items()}, tuple(w.shape)
 
 
-@pytest.mark.parametrize("layout", ["delta8", "cols16"])
+@pytest.mark.parametrize("layout", ["delta8", "cols16", "cols16-batch"])
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("dtype", TOL)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("shape", ["odd", "4096x4096@0.9", "11008x4096@0.7"])
 def test_triton_equals_reference_on_cuda(triton_spmv, shape, batch, dtype, rows, layout):
+    """cols16: a program for each row of x; cols16-batch: every row of x in one program (the default past one row)."""
     fp32, (out_f, in_f) = cuda_parts(shape)
     parts = {**fp32, "values": fp32["values"].to(DTYPES[dtype])}  # same entries: both sides read these parts
-    if layout == "cols16":
+    if layout.startswith("cols16"):
         parts = delta8_to_cols16(parts, (out_f, in_f))  # built on the GPU, as ready_to_decode does
     x = torch.randn(batch, in_f, device="cuda").to(DTYPES[dtype])
-    got = triton_spmv.delta8_linear(parts, x, out_f, rows_per_program=rows)
+    batch_in_program = None if layout == "delta8" else layout == "cols16-batch"
+    got = triton_spmv.delta8_linear(parts, x, out_f, rows_per_program=rows, batch_in_program=batch_in_program)
     ref = K.reference_matmul(parts, x, out_f)
     assert got.shape == (batch, out_f) and got.dtype == DTYPES[dtype] and got.is_cuda
     assert relative_error(got, ref) <= TOL[dtype]

@@ -53,10 +53,12 @@ def run_cases(batches: tuple[int, ...] = BATCHES) -> dict[str, dict]:
 
     def record(name, parts, x, out_f, bias=None, ref=None):
         ref = K.reference_matmul(parts, x, out_f) if ref is None else ref
-        layouts = {"": parts, "c16-": delta8_to_cols16(parts, (out_f, x.shape[1]))}  # the delta8 kernels; the cols16 one
-        for prefix, layout in layouts.items():
+        cols16 = delta8_to_cols16(parts, (out_f, x.shape[1]))
+        # the delta8 kernels; the cols16 ones: a program for each row of x, and every row of x in one program
+        layouts = {"": (parts, None), "c16-": (cols16, False), "c16b-": (cols16, True)}
+        for prefix, (layout, batch_in_program) in layouts.items():
             for rows in ROWS:
-                got = T.delta8_linear(layout, x, out_f, bias, rows_per_program=rows)
+                got = T.delta8_linear(layout, x, out_f, bias, rows_per_program=rows, batch_in_program=batch_in_program)
                 out[f"{prefix}{name}-r{rows}"] = {"err": relative_error(got, ref), "shape": list(got.shape),
                                                   "dtype": str(got.dtype).split(".")[-1],
                                                   "empty_row_zero": bool((got[:, 3] == 0).all()) if out_f > 3 else None}
@@ -93,6 +95,17 @@ def run_cases(batches: tuple[int, ...] = BATCHES) -> dict[str, dict]:
         out["3-rows-a-program"] = {"refused": ""}
     except ValueError as err:
         out["3-rows-a-program"] = {"refused": str(err)}
+    launched, batch_kernel = [], T._batch_kernel  # which cols16 kernel runs when the caller does not say
+    T._batch_kernel = lambda: launched.append(1) or batch_kernel()
+    for n in (1, 3):
+        T.delta8_linear(c16, torch.randn(n, 700), 67)
+    T._batch_kernel = batch_kernel
+    out["c16-default"] = {"batch_kernel_launches": len(launched)}
+    try:
+        T.delta8_linear(parts, x, 67, batch_in_program=True)
+        out["delta8-batch-in-program"] = {"refused": ""}
+    except ValueError as err:
+        out["delta8-batch-in-program"] = {"refused": str(err)}
     try:
         T.delta8_linear(parts, torch.randn(17, 700), 67)
         out["17-rows"] = {"refused": ""}
@@ -121,7 +134,7 @@ def test_odd_weight_has_the_cases():
     assert int((parts["deltas"] == MAX_GAP - 1).sum()) >= 4 and int(per_row[9]) == 3  # fillers; a row of 2 + 1
 
 
-LAYOUTS = {"delta8": "", "cols16": "c16-"}
+LAYOUTS = {"delta8": "", "cols16": "c16-", "cols16-batch": "c16b-"}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -176,6 +189,12 @@ def test_a_wrong_column_would_be_caught(results, rows):
     assert results["c16-wrong-column"]["err"] > 100 * TOL["float32"]
 
 
+def test_cols16_holds_the_batch_in_its_program_by_default_and_delta8_cannot(results):
+    """x of several rows takes the batch-in-program kernel (one launch for 1 and 3 rows: the 3's), delta8 refuses it."""
+    assert results["c16-default"]["batch_kernel_launches"] == 1
+    assert "cols16 layout" in results["delta8-batch-in-program"]["refused"]
+
+
 def test_more_than_16_rows_are_refused_and_groups_are_powers_of_two(results):
     assert "1 to 16 rows" in results["17-rows"]["refused"]
     assert "power of two" in results["3-rows-a-program"]["refused"]
@@ -219,6 +238,22 @@ def test_the_row_group_kernel_compiles_with_one_layout_in_its_loop(dtype, rows, 
     layout = re.search(rf"^{loads[0]} = #ttg\.blocked<\{{(.*)\}}>", ir, re.M).group(1)
     assert "order = [0, 1]" in layout and re.search(r"threadsPerWarp = \[(\d+), 1\]", layout), layout
     assert "convert_layout" not in loop
+
+
+@pytest.mark.parametrize("rows,batch", [(4, 2), (4, 8), (1, 16)])
+def test_the_batch_kernel_gathers_x_with_a_warp_along_the_entries(rows, batch):
+    """The kernel holding the batch in its program, at sm_90: x's gather is a [block, rows, batch] tile whose warp lanes
+    run along the entries (a row's nearby columns), as the row-group kernel's; the columns and values come in once."""
+    from elsa_ds.sparse import triton_spmv as T
+
+    pytest.importorskip("triton")
+    block = T.tile_block(rows * batch, 410)
+    ir = _compile_for_h100("cols16", rows, "bf16", block, block_b=batch).asm["ttgir"]
+    loop = ir[ir.index("scf.while"):ir.index("scf.yield")]
+    gathers = re.findall(rf"tt\.load %\S+, %\S+, %\S+ : tensor<{block}x{rows}x{batch}x!tt\.ptr<bf16>, (#\w+)>", loop)
+    assert len(gathers) == 1 and len(re.findall(r"tt\.load ", loop)) == 3, loop
+    layout = re.search(rf"^{gathers[0]} = #ttg\.blocked<\{{(.*)\}}>", ir, re.M).group(1)
+    assert "order = [0, 1, 2]" in layout and "threadsPerWarp = [32, 1, 1]" in layout, layout
 
 
 def test_unavailable_names_the_reason(monkeypatch):
