@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
 import struct
@@ -157,6 +158,28 @@ def test_a_torch_zip_stored_compressed_is_refused_before_anything_unpacks_it(tmp
     _compressed_copy(tmp_path / "s.bin", sparse / "pytorch_model.bin", 64 * 2**20)
     with pytest.raises(SparseCheckpointError, match="stored compressed"):
         verify(sparse)
+
+
+@pytest.mark.parametrize("shard", ["sub/weights.bin", "weights.pt"])
+def test_a_shard_an_index_names_is_checked_whatever_its_name(tmp_path, shard):
+    """transformers reads every shard pytorch_model.bin.index.json names with torch.load: one in a subfolder or under
+    another suffix was never zip-checked (a 0.3 MB file unpacked 64 MiB; a trust audit, 2026-11-30); one the folder
+    lacks, a FIFO there: refused in one line too."""
+    plain, model = tmp_path / "plain.pt", tmp_path / "model"
+    torch.save({"x": torch.ones(4)}, plain)
+    (model / "sub").mkdir(parents=True)
+    (model / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"x": shard}}))
+    with pytest.raises(ElsaError, match=f"names {shard}, which the folder lacks"):
+        check_weight_files(model, "model x")
+    os.mkfifo(model / shard)
+    with pytest.raises(ElsaError, match=f"{shard} is not a regular file"):
+        check_weight_files(model, "model x")
+    (model / shard).unlink()
+    shutil.copy(plain, model / shard)
+    check_weight_files(model, "model x")
+    _compressed_copy(plain, model / shard, 64 * 2**20)
+    with pytest.raises(ElsaError, match=f"{shard} is no file torch.save wrote .*stored compressed"):
+        check_weight_files(model, "model x")
 
 
 def test_a_latest_file_longer_than_a_tag_is_refused_without_reading_it(tmp_path):

@@ -65,6 +65,15 @@ def open_regular(path: Path) -> BinaryIO:
     return handle
 
 
+def opened_path(handle: BinaryIO) -> Path | None:
+    """Where the file ``handle`` holds was when it was opened, every link resolved (Linux's ``/proc/self/fd``); None
+    where that cannot be read."""
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{handle.fileno()}"))
+    except OSError:
+        return None
+
+
 def same_file_name(handle: BinaryIO) -> str | None:
     """A name that opens the very file ``handle`` holds, whatever is at its path now (Linux's ``/proc/self/fd``), for
     readers that take only a name (torch's mmap, safetensors); None where there is none."""

@@ -87,21 +87,37 @@ def check_weight_files(folder: str | Path, who: str) -> None:
     if not path.is_dir():
         return
     check_model_folder(path, who)
+    # every weight file as its reader reads it: the folder's own, and each file an index names (transformers reads a
+    # shard of pytorch_model.bin.index.json with torch.load whatever its name, one of model.safetensors.index.json as
+    # safetensors), so a shard under another name or in a subfolder is checked as well
+    kinds = {f: "safetensors" for f in path.glob("*.safetensors")}
+    kinds |= {f: "torch" for f in path.glob("*.bin") if f.is_file()}  # a FIFO or folder no index names: not read
     for name in SHARD_INDEXES:
         if (path / name).exists():
             for shard in dict.fromkeys(read_index(path / name, ElsaError).values()):
-                inside_folder(path, shard, path / name, ElsaError)
-    for file in sorted(path.glob("*.safetensors")):
-        problem = safetensors_problem(file)
-        if problem:
-            raise ElsaError(f"{who}: {file.name} is damaged ({problem}); copy or download it again")
-    for file in sorted(f for f in path.glob("*.bin") if f.is_file()):  # a FIFO would block the zip reader
-        try:
-            zipped = torch_files.zip_problem(file)  # transformers' torch.load would unpack a compressed entry whole
-        except OSError as err:
-            raise ElsaError(f"{who}: cannot read {file.name} ({err.strerror or err}); copy or download it again") from None
-        if zipped is not None:
-            raise ElsaError(f"{who}: {file.name} is no file torch.save wrote ({zipped.text}); copy or download it again")
+                file = inside_folder(path, shard, path / name, ElsaError)
+                if name != SPARSE_INDEX:
+                    if not file.exists():
+                        raise ElsaError(f"{who}: {name} names {shard}, which the folder lacks; copy or download it again")
+                    kinds.setdefault(file, "safetensors" if name == SAFETENSORS_INDEX else "torch")
+    for file, kind in sorted(kinds.items()):
+        if (problem := _weight_file_problem(path, file, kind)) is not None:
+            raise ElsaError(f"{who}: {file.relative_to(path)} {problem}; copy or download it again")
+
+
+def _weight_file_problem(folder: Path, file: Path, kind: str) -> str | None:
+    """What keeps ``file`` from being read as a ``kind`` weight file ('safetensors', 'torch'), in words after its name;
+    None when it is whole. Not a regular file (a FIFO would block its reader) is a problem of its own."""
+    if not file.resolve().is_file():
+        return "is not a regular file"
+    if kind == "safetensors":
+        return None if (problem := safetensors_problem(file)) is None else f"is damaged ({problem})"
+    try:
+        with torch_files.open_regular(checked_target(folder, file.relative_to(folder).as_posix(), folder, ElsaError, "file")) as fh:
+            zipped = torch_files.zip_problem(fh)  # transformers' torch.load would unpack a compressed entry whole
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    return None if zipped is None else f"is no file torch.save wrote ({zipped.text})"
 
 
 def check_model_folder(folder: str | Path, who: str, error: type[Exception] = ElsaError) -> None:
@@ -152,7 +168,13 @@ def checked_target(folder: Path, name: str, listed_in: Path, error: type[Excepti
         target = path.resolve()
     except (OSError, RuntimeError) as err:  # a link loop
         raise error(f"{where} cannot be resolved ({err})") from None
-    hub_blob = target.parent.name == "blobs" and target.parent.parent.name.startswith(("models--", "datasets--"))
-    if not target.is_relative_to(root) and not hub_blob:  # a snapshot's (or an older local_dir download's) link into the cache
+    if not within(root, target):
         raise error(f"{where} is a link to {target}, outside {folder}: {what}s must lie inside it (copy them in: cp -L)")
     return target
+
+
+def within(root: Path, target: Path) -> bool:
+    """Whether ``target`` (links resolved) lies inside ``root`` (resolved), or is a file of a Hugging Face hub cache
+    repository's ``blobs/``, where a snapshot's (or an older ``local_dir`` download's) links lead."""
+    hub_blob = target.parent.name == "blobs" and target.parent.parent.name.startswith(("models--", "datasets--"))
+    return target.is_relative_to(root) or hub_blob

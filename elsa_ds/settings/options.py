@@ -80,6 +80,19 @@ def resolve_resume(opts: JobOptions) -> JobOptions:
     if others := foreign_entries(out):
         raise ElsaError(f"--resume_if_any: {out} has no checkpoint to continue and holds {', '.join(others[:5])}, which no "
                         "attempt of a pruning job leaves there; choose another --output_dir, or --overwrite to replace it")
+    tags = unpublished_tags(latest.parent)
+    if len(tags) > 1:  # a run publishes `latest` once its first checkpoint is whole: these are not an attempt's leftovers
+        raise ElsaError(f"--resume_if_any: {latest.parent} holds {len(tags)} checkpoints ({', '.join(tags[:3])}) but no "
+                        f"'latest', which a run writes with its first; to continue one, write its name into {latest} and "
+                        "pass --resume; else remove them, or choose another --output_dir")
+    gone = f" ({tags[0]}: never published)" if tags else ""
     get_logger(__name__).info(f"--resume_if_any: no checkpoint in {latest.parent}: starting fresh"
-                              + ("; an earlier attempt's unpublished checkpoints go, its monitor logs stay" if left else ""))
+                              + (f"; an earlier attempt's unpublished checkpoints go{gone}, its monitor logs stay" if left else ""))
     return opts.model_copy(update={"restart": left})
+
+
+def unpublished_tags(checkpoints: Path) -> list[str]:
+    """The checkpoint tags (folders) in ``checkpoints``, sorted; none when it is not a folder."""
+    if not checkpoints.is_dir() or checkpoints.is_symlink():
+        return []
+    return sorted(p.name for p in checkpoints.iterdir() if p.is_dir() and not p.is_symlink())

@@ -17,7 +17,7 @@ from typing import BinaryIO, cast
 import torch
 
 from elsa_ds.files import torch_files
-from elsa_ds.files.weight_files import BIN_INDEX, SAFETENSORS_INDEX, SPARSE_INDEX, SPARSE_STEM, checked_target, inside_folder
+from elsa_ds.files.weight_files import BIN_INDEX, SAFETENSORS_INDEX, SPARSE_INDEX, SPARSE_STEM, checked_target, inside_folder, within
 from elsa_ds.files.weight_files import read_index as read_weight_map
 from elsa_ds.sparse.integrity import SparseCheckpointError
 
@@ -155,6 +155,9 @@ def _opened(path: Path, folder: Path) -> tuple[object, BinaryIO | None]:
     target = checked_target(folder, path.relative_to(folder).as_posix(), path, SparseCheckpointError, what="file")
     try:
         with torch_files.open_regular(target) as fh:
+            if (opened := torch_files.opened_path(fh)) is not None and not within(folder.resolve(), opened):
+                raise SparseCheckpointError(f"{path}: opened at {opened}, outside {folder} (a folder on its way was replaced "
+                                            "by a link after the folder was checked); copy the checkpoint again")
             name = torch_files.same_file_name(fh)
             if path.suffix == ".safetensors":
                 from safetensors import safe_open

@@ -241,3 +241,27 @@ def test_a_safetensors_file_replaced_while_read_is_still_the_one_opened(tmp_path
     save_file({"w": torch.full((4,), 7.0)}, tmp_path / "other.safetensors")
     os.replace(tmp_path / "other.safetensors", folder / "model.safetensors")
     assert torch.equal(reader.get("w"), torch.ones(4))
+
+
+def test_a_folder_on_the_way_swapped_for_a_link_after_the_check_is_refused(tmp_path, monkeypatch):
+    """The last component is opened without following a link; a folder before it replaced by a link out between the
+    check and the opening is caught from where the opened file really is (a trust audit, 2026-11-30)."""
+    import elsa_ds.sparse.folder as folder_module
+
+    folder, outside = tmp_path / "model", tmp_path / "outside"
+    (folder / "sub").mkdir(parents=True)
+    outside.mkdir()
+    for where in (folder / "sub", outside):
+        save_file({"w": torch.ones(4)}, where / "weights.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "sub/weights.safetensors"}}))
+    checked = folder_module.checked_target
+
+    def check_then_swap(*args, **kwargs):
+        target = checked(*args, **kwargs)
+        shutil.rmtree(folder / "sub")
+        (folder / "sub").symlink_to(outside)
+        return target
+
+    monkeypatch.setattr(folder_module, "checked_target", check_then_swap)
+    with pytest.raises(SparseCheckpointError, match="outside"):
+        folder_module.TensorReader(folder)

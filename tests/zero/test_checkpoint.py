@@ -129,7 +129,7 @@ def test_one_command_line_for_every_attempt_of_a_requeued_job(tmp_path, tiny_mod
     args = _args(ds, tiny_model_dir, text_dir, out, "--save_interval", "2", "--resume_if_any")
     first = run_entry("prune.py", args, check=False, env=nan_at_step_env(5))  # stopped after its step-4 checkpoint
     assert first.returncode == 2 and "--resume_if_any: no checkpoint in" in first.stdout, first.stderr[-2000:]
-    assert "an earlier attempt's unpublished checkpoints go, its monitor logs stay" in first.stdout
+    assert "unpublished checkpoints go (global_step2: never published), its monitor logs stay" in first.stdout
     assert (out / "checkpoints" / "latest").read_text() == "global_step4"
     assert not (out / "checkpoints" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").read_bytes() == b"cut short"
     second = run_entry("prune.py", args)

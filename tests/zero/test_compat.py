@@ -65,3 +65,21 @@ def test_ranks_that_planned_different_jobs_are_told_so_on_every_rank():
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r, text in enumerate(texts)]
         said = [p.communicate(timeout=120) for p in procs]
         assert [out.strip().splitlines()[-1] if out.strip() else err[-2000:] for out, err in said] == [agree, agree]
+
+
+def test_resume_if_any_removes_one_unpublished_tag_and_refuses_several(tmp_path):
+    """A run publishes `latest` once its first checkpoint is whole, so an attempt cut short leaves one tag without it at
+    most; several tags and no `latest` (a copy without it, one removed by hand) are refused, not removed (a trust
+    audit's find, 2026-11-30: hours of checkpoints went with the restart)."""
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.settings.options import JobOptions, resolve_resume
+
+    out = tmp_path / "out"
+    (out / "checkpoints" / "global_step8").mkdir(parents=True)
+    opts = JobOptions(deepspeed="ds_configs/zero3_offload.json", output_dir=str(out), resume_if_any=True)
+    assert resolve_resume(opts).restart and not resolve_resume(opts).resume
+    (out / "checkpoints" / "global_step16").mkdir()
+    with pytest.raises(ElsaError, match=r"holds 2 checkpoints \(global_step16, global_step8\) but no 'latest'"):
+        resolve_resume(opts)
+    (out / "checkpoints" / "latest").write_text("global_step16")
+    assert resolve_resume(opts).resume
