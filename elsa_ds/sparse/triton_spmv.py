@@ -13,7 +13,8 @@ With ``rows_per_program`` > 1 (``ELSA_DS_TRITON_ROWS`` when the caller gives non
 one program per row of x and group of that many output rows, their chains stepped together as one [BLOCK, rows] tile
 (fewer, larger programs: the H200's 1-row kernel spent ~5 µs a call on fixed costs and streamed at ~1 TB/s;
 ``_row_group_tiles`` says why the tile is transposed). On the cols16 layout (each column whole, built from delta8 on a
-GPU at load: elsa_ds/sparse/format.py) the row-group kernel runs without the running sum.
+GPU at load: elsa_ds/sparse/format.py) the row-group kernel runs without the running sum, and for x of more than one
+row every row of x in one program (``batch_in_program``: each entry loaded once for all of them).
 Which is faster per shape is bench/sparse_decode_gpu.py's to say.
 
 Triton is imported when this module is, and this module only when a CUDA tensor reaches SparseLinear (or a test
