@@ -1,7 +1,8 @@
 """Decode on CUDA at LLaMA-2-7B's layer shapes: dense bf16 F.linear against the Triton kernels, one weight at a time.
 
 Each weight (4096 x 4096 attention, 11008 x 4096 MLP; random bf16, magnitude-pruned, masks nested as sparsity rises)
-is timed in both GPU layouts (``triton_r*``: delta8's kernels; ``cols16_r*``: the cols16 layout's, columns whole),
+is timed in both GPU layouts (``triton_r*``: delta8's kernels; ``cols16_r*``: the cols16 layout's, columns whole, past
+one row of x the batch in one program; ``cols16each_r*``: a program per row of x there),
 each at every ``--rows`` (and ``--warps``), at batch 1 (``--batches``) two ways: ``graph``, a CUDA graph of
 back-to-back calls timed by CUDA events (the GPU's time per call, no launch overhead), and ``eager``, the same calls
 launched from Python (what an un-captured decode loop pays). The calls cycle through enough copies of the weight
@@ -103,6 +104,10 @@ def variants(weight: torch.Tensor, batch: int, args, device: str = "cuda") -> tu
     out_f, in_f = weight.shape
     parts = {k: v.to(device) for k, v in encode_delta8(weight).items()}
     layouts = {"triton": parts, "cols16": delta8_to_cols16(parts, (out_f, in_f))}  # the delta8 kernels; the GPU layout's
+    # cols16 past one row of x holds the batch in its program by default; cols16each: a program per row of x, beside it
+    batch_in_program = {"triton": None, "cols16": None, "cols16each": False}
+    if batch > 1:
+        layouts["cols16each"] = layouts["cols16"]
     dense = weight.to(device)
     x = torch.randn(batch, in_f, device=device).to(torch.bfloat16)
     y_dense = F.linear(x.float(), dense.float())
@@ -124,8 +129,8 @@ def variants(weight: torch.Tensor, batch: int, args, device: str = "cuda") -> tu
             for w in (int(v) for v in args.warps.split(",")):
                 name = f"{layout}_r{r}" + (f"w{w}" if w else "")
                 ws = [{k: v.clone() for k, v in lparts.items()} for _ in range(copies(nbytes_of[layout]))]
-                timed[name] = (nbytes_of[layout], [lambda p=p, r=r, w=w: triton_spmv.delta8_linear(
-                    p, x, out_f, rows_per_program=r, num_warps=w or None) for p in ws])
+                timed[name] = (nbytes_of[layout], [lambda p=p, r=r, w=w, b=batch_in_program[layout]: triton_spmv.delta8_linear(
+                    p, x, out_f, rows_per_program=r, num_warps=w or None, batch_in_program=b) for p in ws])
                 row[f"{name}_max_rel_err_vs_dense"] = error(timed[name][1][0]())
     row["max_rel_err_vs_dense"] = max(v for k, v in row.items() if k.endswith("_max_rel_err_vs_dense"))  # the worst variant's
     return timed, row
@@ -146,7 +151,8 @@ def one_weight(weight: torch.Tensor, batch: int, args, bandwidth: float) -> dict
 def pick_best(row: dict) -> None:
     """The fastest sparse variant in a CUDA graph: its times as ``triton``, its name, layout, rows and warps, and its
     speed-up over dense (graph and eager)."""
-    best = min((k for k in row if k.startswith(("triton_r", "cols16_r")) and isinstance(row[k], dict)), key=lambda k: row[k]["graph_us"])
+    best = min((k for k in row if k.startswith(("triton_r", "cols16_r", "cols16each_r")) and isinstance(row[k], dict)),
+               key=lambda k: row[k]["graph_us"])
     layout, _, variant = best.partition("_r")
     rows_text, _, warps_text = variant.partition("w")
     row["triton"], row["best_variant"], row["best_layout"] = row[best], best, "delta8" if layout == "triton" else layout

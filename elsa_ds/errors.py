@@ -9,6 +9,7 @@ import hashlib
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -141,17 +142,17 @@ _CLAIMED: dict[str, socket.socket] = {}  # the lines this process said first: ea
 def first_to_say(text: str) -> bool:
     """Whether this rank is the first of its node to say ``text``: ranks started together on the same input refuse it alike,
     and a pre-flight refusal printed once per rank was 16 identical lines on 2 x 8 GPUs. Under a launcher of several ranks
-    (LOCAL_RANK set, WORLD_SIZE > 1) the first rank to say a line where it goes (its standard error: the launcher's, which
-    the ranks share, or each rank's own log, ``--enable_each_rank_log``) claims it, an abstract Unix socket named by the
-    launcher's pid and the hash of the line and that file (no file of ours: it goes with the process, which keeps it
-    CLAIM_LINGER_S longer); a rank that finds it claimed by another stays silent, its exit code unchanged. Lines that
-    differ, a line this process said before, every line of a single process and every line where no such socket exists
-    (not Linux) are said."""
+    (LOCAL_RANK set, WORLD_SIZE > 1) the first rank to say a line where it goes (a rank's own log file,
+    ``--enable_each_rank_log``; else the node's one place, the launcher's output) claims it, an abstract Unix socket
+    named by the launcher's pid and the hash of the line and that file (no file of ours: it goes with the process, which
+    keeps it CLAIM_LINGER_S longer); a rank that finds it claimed by another stays silent, its exit code unchanged. Lines
+    that differ, a line this process said before, every line of a single process and every line where no such socket
+    exists (not Linux) are said."""
     if "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not sys.platform.startswith("linux"):
         return True
-    try:
+    try:  # a file of its own (the launcher's per-rank log); a pipe or terminal: one launcher's, or per rank (mpirun, srun)
         where = os.fstat(2)
-        destination = f"{where.st_dev}:{where.st_ino}"
+        destination = f"{where.st_dev}:{where.st_ino}" if stat.S_ISREG(where.st_mode) else ""
     except OSError:  # no standard error: nothing is seen, whoever says it
         destination = ""
     key = hashlib.sha256(f"{destination}\0{text}".encode()).hexdigest()[:24]

@@ -422,3 +422,17 @@ def test_a_directory_only_torch_reads_never_reaches_torch(tmp_path, layout):
     assert "data.pkl" in torch._C.PyTorchFileReader(open(split, "rb")).get_all_records()  # torch's view: the deflated pickle
     with pytest.raises((UnsafeCheckpointError, ValueError), match="does not end with a zip end record|does not point at"):
         read_checkpoint_file(split)
+
+
+def test_a_bin_index_beside_a_safetensors_one_may_name_shards_not_downloaded(tmp_path):
+    """Both indexes and only the safetensors shards (a download with --exclude "*.bin"): transformers reads the
+    safetensors, so the .bin index's missing shards are no reason to refuse (a review's find, 2026-11-30)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"x": torch.ones(4)}, str(model / "model-00001-of-00001.safetensors"))
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00001-of-00001.safetensors"}}))
+    (model / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"x": "pytorch_model-00001-of-00001.bin"}}))
+    check_weight_files(model, "model x")
+    (model / "model-00001-of-00001.safetensors").unlink()
+    with pytest.raises(ElsaError, match="names model-00001-of-00001.safetensors, which the folder lacks"):
+        check_weight_files(model, "model x")

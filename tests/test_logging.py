@@ -150,7 +150,7 @@ def test_a_line_is_claimed_once_per_launcher_and_different_lines_are_all_said(mo
     code = "import sys, time; from elsa_ds.errors import first_to_say; print(first_to_say(sys.argv[1]), flush=True); time.sleep(float(sys.argv[2]))"
     env = {**os.environ, "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
 
-    def rank(pause: float, stderr=None) -> subprocess.Popen:
+    def rank(pause: float, stderr=subprocess.DEVNULL) -> subprocess.Popen:  # not a file: the launcher's one place
         return subprocess.Popen([sys.executable, "-c", code, line, str(pause)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=stderr, text=True)
 
@@ -160,6 +160,7 @@ def test_a_line_is_claimed_once_per_launcher_and_different_lines_are_all_said(mo
     assert second.communicate(timeout=60)[0].strip() == "False"
     with tempfile.TemporaryFile() as own_log:
         assert rank(0, stderr=own_log).communicate(timeout=60)[0].strip() == "True"
+    assert rank(0, stderr=subprocess.PIPE).communicate(timeout=60)[0].strip() == "False"  # a pipe of its own (mpirun, srun)
     first.kill()
     first.wait()
     assert rank(0).communicate(timeout=60)[0].strip() == "True"  # the claim went with the process

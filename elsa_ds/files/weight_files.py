@@ -92,11 +92,13 @@ def check_weight_files(folder: str | Path, who: str) -> None:
     # safetensors), so a shard under another name or in a subfolder is checked as well
     kinds = {f: "safetensors" for f in path.glob("*.safetensors")}
     kinds |= {f: "torch" for f in path.glob("*.bin") if f.is_file()}  # a FIFO or folder no index names: not read
+    # both indexes, only the safetensors shards downloaded (--exclude "*.bin"): transformers reads the safetensors
+    read_by_transformers = SAFETENSORS_INDEX if (path / SAFETENSORS_INDEX).exists() else BIN_INDEX
     for name in SHARD_INDEXES:
         if (path / name).exists():
             for shard in dict.fromkeys(read_index(path / name, ElsaError).values()):
                 file = inside_folder(path, shard, path / name, ElsaError)
-                if name != SPARSE_INDEX:
+                if name == read_by_transformers:
                     if not file.exists():
                         raise ElsaError(f"{who}: {name} names {shard}, which the folder lacks; copy or download it again")
                     kinds.setdefault(file, "safetensors" if name == SAFETENSORS_INDEX else "torch")

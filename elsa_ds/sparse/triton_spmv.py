@@ -224,6 +224,7 @@ def tile_block(rows: int, entries_per_row: float) -> int:
 
 
 ROWS_ENV = "ELSA_DS_TRITON_ROWS"
+BATCH_TILE_ROWS = 256  # output rows x rows of x in the batch kernel's tile, at most: its 16 entries a trip then fill 4096
 
 
 DEFAULT_ROWS = {"delta8": 1, "cols16": 4}  # delta8: the kernel timed on a GPU; cols16: from its compiled code, untimed
@@ -251,8 +252,8 @@ def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features:
     """y = x Wᵀ (+ bias) in x's dtype, fp32 accumulation; x [n, in] with 1 <= n <= 16, on the parts' device; ``parts``
     delta8 or the cols16 layout (``cols``: the row-group kernel at any rows_per_program). ``rows_per_program`` (a power of
     two; None: :func:`default_rows`): 1, one output row a program for every row of x; more, the row-group kernel, one
-    row of x a program. ``batch_in_program`` (cols16 only; None: when x has more than one row): every row of x in one
-    program (:func:`_row_group_batch`). ``num_warps``: Triton's, None for the default."""
+    row of x a program. ``batch_in_program`` (cols16 only; None: when x has more than one row and the tile stays within
+    BATCH_TILE_ROWS): every row of x in one program (:func:`_row_group_batch`). ``num_warps``: Triton's, None for the default."""
     reason = unavailable(x.device)
     if reason is not None:
         raise RuntimeError(f"the Triton delta8 kernel is unavailable: {reason}")
@@ -267,11 +268,12 @@ def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features:
     if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {rows_per_program}")
     entries_per_row, cols16 = parts["values"].numel() / out_features, "cols" in parts
-    batch_in_program = cols16 and n > 1 if batch_in_program is None else batch_in_program
+    block_b = max(1 << (n - 1).bit_length(), 1)
+    if batch_in_program is None:  # past BATCH_TILE_ROWS the tile outgrows its registers (spills at sm_90)
+        batch_in_program = cols16 and n > 1 and rows_per_program * block_b <= BATCH_TILE_ROWS
     if batch_in_program and not cols16:
         raise ValueError("batch_in_program: the kernel holding the batch in its program reads the cols16 layout, not delta8")
     if batch_in_program:
-        block_b = max(1 << (n - 1).bit_length(), 1)
         block = tile_block(rows_per_program * block_b, entries_per_row)
         _batch_kernel()[(triton.cdiv(out_features, rows_per_program),)](
             parts["values"], parts["cols"], parts["row_offsets"], x, y if bias is None else bias, y, n, x.shape[1],

@@ -95,6 +95,13 @@ def run_cases(batches: tuple[int, ...] = BATCHES) -> dict[str, dict]:
         out["3-rows-a-program"] = {"refused": ""}
     except ValueError as err:
         out["3-rows-a-program"] = {"refused": str(err)}
+    x3, guard = torch.randn(3, 700), torch.full((4 * 67,), float("nan"))  # 3 rows padded to 4: y's 4th row is past y
+    y3 = guard[:3 * 67].view(3, 67)
+    c16 = delta8_to_cols16(parts, (67, 700))  # whole again
+    T._batch_kernel()[(T.triton.cdiv(67, 4),)](c16["values"], c16["cols"], c16["row_offsets"], x3, y3, y3, 3, 700, 67,
+                                                HAS_BIAS=False, ROWS=4, BLOCK=T.tile_block(16, 10), BLOCK_B=4)
+    out["c16b-padding-rows"] = {"err": relative_error(y3, K.reference_matmul(parts, x3, 67)),
+                                "past_y_untouched": bool(guard[3 * 67:].isnan().all())}
     launched, batch_kernel = [], T._batch_kernel  # which cols16 kernel runs when the caller does not say
     T._batch_kernel = lambda: launched.append(1) or batch_kernel()
     for n in (1, 3):
@@ -187,11 +194,15 @@ def test_a_wrong_column_would_be_caught(results, rows):
     tolerance."""
     assert results[f"wrong-column-r{rows}"]["err"] > 100 * TOL["float32"]
     assert results["c16-wrong-column"]["err"] > 100 * TOL["float32"]
+    assert results[f"c16b-wrong-column-r{rows}"]["err"] > 100 * TOL["float32"]
 
 
 def test_cols16_holds_the_batch_in_its_program_by_default_and_delta8_cannot(results):
-    """x of several rows takes the batch-in-program kernel (one launch for 1 and 3 rows: the 3's), delta8 refuses it."""
+    """x of several rows takes the batch-in-program kernel (one launch for 1 and 3 rows: the 3's), whose padding rows
+    write nothing past y; delta8 refuses it."""
     assert results["c16-default"]["batch_kernel_launches"] == 1
+    padded = results["c16b-padding-rows"]  # the rows padding the batch to a power of two are computed, never stored
+    assert padded["err"] <= TOL["float32"] and padded["past_y_untouched"]
     assert "cols16 layout" in results["delta8-batch-in-program"]["refused"]
 
 
