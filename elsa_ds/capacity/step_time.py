@@ -188,7 +188,8 @@ def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, d
              "load and export": 2 * job.half * shape.num_params / rates.disk,
              # --save_interval: every rank writes its partition of each checkpoint, a node its ranks' share
              "checkpoints": _saves(cfg) * checkpoint_tag_bytes(shape, cfg, job.half) / num_nodes / rates.disk}
-    uncounted = (*([f"the {cfg.init_mask} warm start"] if cfg.init_mask in oneshot_names() else []), "start-up (processes, engine)")
+    uncounted = (*([f"the {cfg.init_mask} warm start"] if cfg.init_mask in oneshot_names() else []), "start-up (processes, engine)",
+                 *(["the end-of-run evaluation (--eval_ppl, --eval_tasks)"] if cfg.eval_ppl or cfg.eval_tasks else []))
     return StepTime(components=components, step_s=step_s, steps=cfg.steps, interval=cfg.interval,
                     run_s=sum(parts.values()), run_parts=parts, rates=rates.to_dict(), uncounted=uncounted)
 

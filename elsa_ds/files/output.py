@@ -56,6 +56,9 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, re
                            *((side_path(output_dir, n), "the run's side files") for n in RESUMABLE)]:
             check_plain_tree(path, what)
     if resume and not (output_dir / "checkpoints" / "latest").exists():
+        if (output_dir / REPORT_NAME).exists():
+            raise ElsaError(f"--resume: {output_dir} holds a finished run ({REPORT_NAME}) and no checkpoint to continue; "
+                            "--overwrite replaces it, or choose another --output_dir")
         raise ElsaError(f"--resume: {output_dir / 'checkpoints'} holds no published checkpoint (no 'latest' file)")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not (overwrite or resume or restart):
         raise ElsaError(f"--output_dir {output_dir} is not empty; pass --overwrite to replace it, --resume to continue it, "
@@ -192,6 +195,7 @@ def publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tupl
 def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tuple[str, ...], done: list[bool],
              announce: Callable[[str], None] | None) -> None:
     with signals_held():  # a Ctrl-C between the renames, or while the previous output goes, would leave it half there
+        as_created(staging)
         old = old_dir(output_dir)
         try:
             moved_away(old, "earlier")  # an earlier job of this process id left it (containers reuse ids): never merged into
@@ -230,6 +234,27 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
                 get_logger(__name__).warning(f"wrote {output_dir}, but the previous output moved aside to {gone} could not be "
                                              f"removed ({err.strerror or err}); delete it yourself")
         done.append(True)
+
+
+def as_created(folder: Path) -> None:
+    """The files directly in ``folder`` readable as any file this process creates (0666 less the umask): transformers 5
+    writes ``model.safetensors`` through a private temporary file (0600), which left a one-shot job's export unreadable
+    to the group that reads the run's other files."""
+    mode = 0o666 & ~_umask()
+    for entry in folder.iterdir():
+        if entry.is_file() and not entry.is_symlink() and entry.stat().st_mode & 0o777 != mode:
+            entry.chmod(mode)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux: /proc/self/status), else set and restored at once."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _publish_into(staging: Path, output_dir: Path, old: Path) -> None:

@@ -84,8 +84,8 @@ class EvalSettings(BaseModel):
     """Replace an existing --output or --markdown file (without it the file is refused before anything loads)."""
     speed: bool = False
     """Instead of perplexity and zero-shot: bytes on disk, memory, prefill and decode tokens/s and logits agreement of the
-    model's dense and sparse modes side by side on the CPU (a local elsa-sparse checkpoint, or a dense pruned folder,
-    compressed to a temporary one first)."""
+    model's dense and sparse modes side by side, on the GPU when there is one, else the CPU (a local elsa-sparse
+    checkpoint, or a dense pruned folder, compressed to a temporary one first)."""
     speed_prompt: int = Field(128, ge=1)
     """--speed: prompt tokens per sequence, prefilled before decoding."""
     speed_steps: int = Field(8, ge=1)
@@ -207,7 +207,6 @@ def prepare(s: EvalSettings) -> _Prepared:
     """Every check that needs no weights: settings, task names, model config, the perplexity windows."""
     check_settings(s)
     settings = s.model_dump(mode="json")
-    log.info("evaluation settings:\n" + json.dumps(settings, indent=2))
     manager = task_manager(s.tasks, s.include_path) if s.tasks else None
     config = load_config(s.model)
     if s.ppl:
@@ -216,9 +215,11 @@ def prepare(s: EvalSettings) -> _Prepared:
     tokenizer = load_tokenizer(s.model)
     protocol = resolve_protocol(s.ppl_protocol, config)
     windows = {source: source_windows(source, tokenizer, s.seqlen, protocol, s.ppl_protocol, s.limit) for source in s.ppl}
+    log.info("evaluation settings:\n" + json.dumps(settings, indent=2))  # after the checks: a refusal is one line
     for source, w in windows.items():
         check_token_ids(w.ids, config, s.model, f"--ppl {source}")
-        log.info(f"perplexity data {source}: {w.count} windows x {s.seqlen} tokens, {protocol.value} protocol ({w.rule})")
+        capped = "" if s.limit is None else f"; --limit {s.limit}: the first windows of it"
+        log.info(f"perplexity data {source}: {w.count} windows x {s.seqlen} tokens, {protocol.value} protocol ({w.rule}{capped})")
         if source == "c4" and s.limit is None and w.count < C4_WINDOWS:
             log.warning(f"c4 gave {w.count} windows, fewer than the protocol's {C4_WINDOWS}; not comparable with published tables")
     return _Prepared(settings, config, tokenizer, manager, protocol, windows)

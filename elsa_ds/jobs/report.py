@@ -210,6 +210,16 @@ def print_summary(result: dict[str, Any], output_dir: Path) -> None:
         log.info(f"ELSA perplexity is {_times(result['vs_magnitude']['ppl_ratio'])} than one-shot magnitude pruning")
     elif result["init_weights"] and baseline is not None and p["pruned"] is not None:
         log.info(f"ELSA perplexity is {_times(baseline / p['pruned'])} than its warm start ({result['init_mask']})")
+        if p["pruned"] > baseline:
+            log.warning(worse_than_start(result))
+
+
+def worse_than_start(result: dict[str, Any]) -> str:
+    """What to change when ELSA ended above the perplexity of the pruned model it started from: its lr, first."""
+    lr, steps = result["config"]["lr"], result["steps"]
+    whose = "the defaults rule's" if "lr" in (result.get("defaults") or {}).get("applied", {}) else "your"
+    return (f"ELSA ended worse than the pruned model it started from: {whose} lr {lr:g} is likely too large for "
+            f"{steps} steps; pass a smaller --lr (e.g. {lr / 4:.2g}) or more --steps")
 
 
 def _times(ratio: float) -> str:

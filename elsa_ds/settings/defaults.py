@@ -7,7 +7,7 @@ the report say which values came from here and why. Pure: numbers in, numbers ou
     lr_pre(N)      = 3e-3 · (N / 4e6)^-0.3                 a typical pre-training peak lr for N parameters
                                                             (3e-3 at 4 M, 2.1e-3 at 13 M, 3.2e-4 at 7 B: Llama-2's 3e-4;
                                                             above 7 B steeper, to the paper's Gemma-2-27B setting)
-    lr_elsa        = lr_pre(N) · F · (4096 / T)^β · exp(k·(s − 0.9))       T = steps, s = sparsity
+    lr_elsa        = lr_pre(N) · F · (4096 / T)^β · exp(k·(s − 0.9))       T = steps (at least 100), s = sparsity
                      (x starting pruned: F · min(1, (4096 / T)^β) in place of F · (4096 / T)^β, and at s ≥ 0.8
                      retraining's G · (4096 / T)^β where that is larger)
     start          = SparseGPT's pruned model (x₀ = z₀, --init_mask sparsegpt --init_weights) when s ≤ 0.9 and
@@ -30,7 +30,8 @@ chosen on small models at 400 steps (the measurements: ``docs/results.md``, sect
 steps, pass lr and lmda yourself or check the report's curve.
 
 Why each short-budget branch (T < 2048 steps; the paper has no short runs):
-- budget factor (4096 / T)^β: the pruned weights must travel to zero within T steps, so the lr grows as T shrinks;
+- budget factor (4096 / T)^β: the pruned weights must travel to zero within T steps, so the lr grows as T shrinks
+  (down to T = 100, the shortest budget measured; a shorter run keeps 100 steps' factor);
   the sparsity factor k: higher sparsity moves further from the dense weights and needs larger steps still.
 - λ linear from 0 at s ≥ 0.8, constant below: with a constant λ the final x = Π(x) cuts a residual that no step is
   left to recover; below 80 % λ is small and the ramp does not pay.
@@ -63,6 +64,7 @@ RULE_FIELDS = ("lr", "lmda", "lmda_schedule", "warmup_steps", "init_mask", "init
 
 REF_STEPS = 4096          # the paper's budget
 BETA = 0.3                # lr ∝ T^-β
+MIN_RULE_STEPS = 100      # the shortest budget the rule was measured at: below it the budget factor stays at this one's
 ELSA_F = 0.31             # lr / lr_pre at 90 %, 4096 steps (LLaMA-2-7B: 1e-4 / 3.2e-4)
 ELSA_K = 1.6              # d ln(lr) / d sparsity (LLaMA-2-7B: 5e-5 at 50 % .. 1e-4 at 90 %)
 RETRAIN_G = 0.16          # retraining lr / lr_pre at 4096 steps
@@ -140,8 +142,7 @@ def elsa_settings(n_params: int, sparsity: float, steps: int, start_pruned: bool
     ``--init_mask`` with ``--init_weights``); None: the rule decides, and says so in ``init_mask`` / ``init_weights``."""
     rule_start = start_pruned is None and rule_warm_start(sparsity, steps)
     pruned = bool(start_pruned) or rule_start
-    factor = (REF_STEPS / steps) ** BETA
-    budget_why = f"budget factor (4096/{steps})^{BETA:g} = {factor:.2f}"
+    factor, budget_why = budget_factor(steps)
     retrain_like = pruned and at_least(sparsity, LINEAR_FROM) and RETRAIN_G * factor > ELSA_F  # a budget too short for ADMM alone
     if not pruned or factor <= 1.0:
         scale, scale_why = ELSA_F * factor, f"{ELSA_F:g} x {budget_why}"
@@ -179,14 +180,24 @@ def elsa_settings(n_params: int, sparsity: float, steps: int, start_pruned: bool
     return Suggestion(values, why)
 
 
+def budget_factor(steps: int) -> tuple[float, str]:
+    """(4096 / T)^β and why, T at least MIN_RULE_STEPS: the rule has no evidence below it, and a factor grown on (8x at
+    4 steps) made a short smoke run worse than the one-shot model it started from (docs/history.md)."""
+    factor = (REF_STEPS / max(steps, MIN_RULE_STEPS)) ** BETA
+    if steps >= MIN_RULE_STEPS:
+        return factor, f"budget factor (4096/{steps})^{BETA:g} = {factor:.2f}"
+    return factor, (f"budget factor (4096/{MIN_RULE_STEPS})^{BETA:g} = {factor:.2f} ({steps} steps: below "
+                    f"{MIN_RULE_STEPS}, the shortest budget the rule was measured at, it grows no further)")
+
+
 def retrain_settings(n_params: int, steps: int) -> Suggestion:
     """lr and warm-up for retraining with a fixed mask (one-shot + fine-tuning or LoRA) and for the dense control."""
-    budget = (REF_STEPS / steps) ** BETA
+    budget, budget_why = budget_factor(steps)
     lr = pretraining_lr(n_params) * RETRAIN_G * budget
     warm, warm_why = warmup(steps)
     return Suggestion({"lr": float(f"{lr:.3g}"), "warmup_steps": warm},
                       {"lr": f"{n_params / 1e6:.1f} M parameters (pre-training-scale lr {pretraining_lr(n_params):.2g}) x "
-                             f"{RETRAIN_G:g} x budget factor (4096/{steps})^{BETA:g} = {budget:.2f}",
+                             f"{RETRAIN_G:g} x {budget_why}",
                        "warmup_steps": warm_why})
 
 

@@ -3,11 +3,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_fails
+from tests.conftest import run_entry, run_fails
 
 
 def _fails(args: list[str], *needles: str) -> str:
     return run_fails("evaluate.py", args, *needles)
+
+
+def test_a_refusal_before_the_model_loads_is_not_preceded_by_the_settings(tmp_path, tiny_model_dir, offline):
+    """A wrong --ppl file or model folder: the one error line, not the 22 lines of settings first (a user's walk)."""
+    for args in (["--model", str(tiny_model_dir), "--ppl", str(tmp_path / "tset.jsonl")],
+                 ["--model", str(tmp_path), "--ppl", "wikitext2"]):
+        proc = run_entry("evaluate.py", args, check=False, timeout=300)
+        assert proc.returncode == 2 and "evaluation settings" not in proc.stdout + proc.stderr, proc.stdout[-2000:]
 
 
 def test_missing_model_dir(tmp_path, offline):

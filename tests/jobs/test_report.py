@@ -64,3 +64,20 @@ def test_the_retraining_and_oneshot_reports_read_their_own_fields(tmp_path):
     one.calibration, one.device, one.prune_s = {"sequences": 3}, "cpu", 1.5
     report = oneshot_report(one, staging)
     assert report["tokens"] == 3 * 8 and report["device"] == "cpu" and report["world_size"] == 2
+
+
+def test_an_elsa_run_ending_worse_than_its_pruned_start_says_what_to_change(tmp_path, capsys):
+    """A run whose perplexity ends above its warm start's (a user's 4-step smoke run: 722 -> 3122 at the rule's lr)
+    ends with a warning naming the lr, whose it is, and what to pass; a run that gains says nothing of the kind."""
+    from elsa_ds.jobs.report import print_summary
+    from elsa_ds.log import setup_logging
+
+    setup_logging("info", rank=0)
+    for final, warned in ((60.0, True), (30.0, False)):
+        rec = _record(init_mask="sparsegpt", init_weights=True, lr=1e-3)
+        rec.final_ppl, rec.dense_ppl, rec.baseline_ppl = final, 15.0, 40.0
+        rec.losses, rec.step_times, rec.global_batch = [4.0, 3.0, 2.0, 1.0], [9.0, 1.0, 2.0, 3.0], 16
+        print_summary(elsa_report(rec, _staged(tmp_path, 16)), tmp_path)
+        err = capsys.readouterr().err
+        assert ("worse than the pruned model it started from: your lr 0.001 is likely too large for 4 steps; pass a "
+                "smaller --lr (e.g. 0.00025)" in err) == warned, err
