@@ -65,11 +65,16 @@ def open_regular(path: Path) -> BinaryIO:
     return handle
 
 
+def _fd_name(handle: BinaryIO) -> str:
+    """Linux's name for ``handle``'s open file: a link to where it was opened, and a path that opens that file."""
+    return f"/proc/self/fd/{handle.fileno()}"
+
+
 def opened_path(handle: BinaryIO) -> Path | None:
     """Where the file ``handle`` holds was when it was opened, every link resolved (Linux's ``/proc/self/fd``); None
     where that cannot be read."""
     try:
-        return Path(os.readlink(f"/proc/self/fd/{handle.fileno()}"))
+        return Path(os.readlink(_fd_name(handle)))
     except OSError:
         return None
 
@@ -77,7 +82,7 @@ def opened_path(handle: BinaryIO) -> Path | None:
 def same_file_name(handle: BinaryIO) -> str | None:
     """A name that opens the very file ``handle`` holds, whatever is at its path now (Linux's ``/proc/self/fd``), for
     readers that take only a name (torch's mmap, safetensors); None where there is none."""
-    name = f"/proc/self/fd/{handle.fileno()}"
+    name = _fd_name(handle)
     try:
         same = os.path.samestat(os.stat(name), os.fstat(handle.fileno()))
     except OSError:

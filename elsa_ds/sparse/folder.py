@@ -166,7 +166,7 @@ def _opened(path: Path, folder: Path) -> tuple[object, BinaryIO | None]:
                     return safe_open(str(target), framework="pt"), None
                 kept = os.fdopen(os.dup(fh.fileno()), "rb")  # the name stays this file's while the reader lives
                 try:
-                    return safe_open(f"/proc/self/fd/{kept.fileno()}", framework="pt"), kept
+                    return safe_open(torch_files.same_file_name(kept) or str(target), framework="pt"), kept
                 except BaseException:
                     kept.close()
                     raise

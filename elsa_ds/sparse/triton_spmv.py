@@ -211,9 +211,14 @@ def unavailable(device: torch.device | str = "cuda") -> str | None:
     return None
 
 
+def padded_batch(n: int) -> int:
+    """BLOCK_B: ``n`` rows of x padded to a power of two (Triton's tile sizes)."""
+    return max(1 << (n - 1).bit_length(), 1)
+
+
 def block_sizes(n: int, entries_per_row: float) -> tuple[int, int]:
     """(BLOCK_B, BLOCK): the batch padded to a power of two, and entries per step keeping the tile near 2048 values."""
-    block_b = max(1 << (n - 1).bit_length(), 1)
+    block_b = padded_batch(n)
     block = max(32, min(512, 2048 // block_b, triton.next_power_of_2(max(int(entries_per_row), 1))))
     return block_b, block
 
@@ -268,7 +273,7 @@ def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features:
     if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {rows_per_program}")
     entries_per_row, cols16 = parts["values"].numel() / out_features, "cols" in parts
-    block_b = max(1 << (n - 1).bit_length(), 1)
+    block_b = padded_batch(n)
     if batch_in_program is None:  # past BATCH_TILE_ROWS the tile outgrows its registers (spills at sm_90)
         batch_in_program = cols16 and n > 1 and rows_per_program * block_b <= BATCH_TILE_ROWS
     if batch_in_program and not cols16:
