@@ -3,11 +3,12 @@
 A truncated download or copy, or a flipped byte in the header, otherwise fails deep inside ``from_pretrained`` (or
 the warm start's mask reader) after minutes of loading, with safetensors' own error and a traceback. A shard index's
 names stay inside the folder (``inside_folder``): transformers joins them onto it as given, so an absolute name or
-``..`` would have it read weights from anywhere on disk; so do the folder's own files when they are links (links into
-a hub cache repository's ``blobs/`` excepted).
+``..`` would have it read weights from anywhere on disk; so do the folder's own files when they are links (a hub
+download's links into its cache repository's ``blobs/`` excepted: ``within``).
 """
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -151,8 +152,8 @@ def read_index(index: Path, error: type[Exception]) -> dict[str, str]:
 
 def inside_folder(folder: Path, name: str, listed_in: Path, error: type[Exception], what: str = "shard") -> Path:
     """``folder / name`` where ``name`` (a ``what`` that ``listed_in`` names) is relative, has no ``..`` and, links
-    resolved, stays inside ``folder`` (links into a Hugging Face hub cache repository's ``blobs/``, as its snapshots and
-    older ``local_dir`` downloads hold, excepted); otherwise ``error`` naming it."""
+    resolved, stays inside ``folder`` (a hub download's links into its cache repository's ``blobs/`` excepted:
+    :func:`within`); otherwise ``error`` naming it."""
     checked_target(folder, name, listed_in, error, what)
     return folder / name
 
@@ -175,8 +176,21 @@ def checked_target(folder: Path, name: str, listed_in: Path, error: type[Excepti
     return target
 
 
+HUB_REPO_PREFIXES = ("models--", "datasets--")
+ETAG = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a hub blob's name: the file's git sha1, or an LFS file's sha256
+
+
 def within(root: Path, target: Path) -> bool:
-    """Whether ``target`` (links resolved) lies inside ``root`` (resolved), or is a file of a Hugging Face hub cache
-    repository's ``blobs/``, where a snapshot's (or an older ``local_dir`` download's) links lead."""
-    hub_blob = target.parent.name == "blobs" and target.parent.parent.name.startswith(("models--", "datasets--"))
-    return target.is_relative_to(root) or hub_blob
+    """Whether ``target`` (links resolved) lies inside ``root`` (resolved), or is where a Hugging Face hub download's
+    links lead: a file of the ``blobs/`` of the cache repository whose snapshot ``root`` is (or lies in), or, for a
+    folder outside the cache (huggingface_hub before 0.23 linked ``local_dir`` downloads' large files), a blob named by
+    its etag in some cache repository's ``blobs/``. Any other file of the machine is refused however it is named."""
+    if target.is_relative_to(root):
+        return True
+    blobs = target.parent
+    if blobs.name != "blobs" or not blobs.parent.name.startswith(HUB_REPO_PREFIXES):
+        return False
+    snapshots = next((p for p in root.parents if p.name == "snapshots" and p.parent.name.startswith(HUB_REPO_PREFIXES)), None)
+    if snapshots is not None:
+        return blobs.parent == snapshots.parent
+    return ETAG.fullmatch(target.name) is not None

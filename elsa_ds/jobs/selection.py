@@ -98,7 +98,7 @@ class Selector:
         if best is None or (final_ppl is not None and final_ppl <= best["ppl"]):
             self.record["chosen"] = {"step": final_step, "ppl": final_ppl, "final": True}
             return final_ppl
-        restore_shards(zero, checkpoint.read_checkpoint_file(self.directory / f"rank{self.rank}.pt"))
+        restore_shards(zero, checkpoint.read_checkpoint_file(self.directory / f"rank{self.rank}.pt", root=self.directory))
         self.record["chosen"] = {**best, "final": False}
         return best["ppl"]
 

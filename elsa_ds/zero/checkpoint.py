@@ -20,6 +20,7 @@ and ADMM.
 """
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import random
@@ -138,13 +139,19 @@ def _check_zip(path: Path, fh: BinaryIO) -> None:
         raise _altered(path, problem.text) if problem.altered else ValueError(f"{path}: {problem.text}")
 
 
-def _open_checkpoint_file(path: Path) -> BinaryIO:
+def _open_checkpoint_file(path: Path, root: Path | None) -> BinaryIO:
     """``path`` opened once for its check and its read: a file swapped in after a check is never the one read. Not
-    through a link (a resumed folder holds none: ``check_plain_tree``), and a FIFO put there is refused, not waited on."""
+    through a link (a resumed folder holds none: ``check_plain_tree``), and a FIFO put there is refused, not waited on.
+    With ``root`` (the checked folder ``path`` lies in), where the file really opened must lie inside it: a folder
+    between them swapped for a link after the checks (which ``O_NOFOLLOW`` does not see) is refused, not read."""
     try:
-        return torch_files.open_regular(path)
+        fh = torch_files.open_regular(path)
     except torch_files.NotRegularFile as err:
         raise _not_a_file(path, err.what) from None
+    if root is not None and (opened := torch_files.opened_path(fh)) is not None and not opened.is_relative_to(root.resolve()):
+        fh.close()
+        raise _not_a_file(path, f"a file outside {root} (at {opened}: a folder on its way became a link)")
+    return fh
 
 
 def _not_a_file(path: Path, what: str) -> UnsafeCheckpointError:
@@ -152,12 +159,13 @@ def _not_a_file(path: Path, what: str) -> UnsafeCheckpointError:
                                  "it appeared after the checks before loading; restore the run from a copy you trust")
 
 
-def unsafe_classes(path: Path) -> list[str]:
+def unsafe_classes(path: Path, root: Path | None = None) -> list[str]:
     """The globals ``path``'s pickle names beyond torch's weights-only set and ``compat.checkpoint_globals``, read from the
     pickle's instructions (nothing is unpickled). Raises UnsafeCheckpointError for instructions the scan cannot follow or
-    a zip no torch.save writes (``torch_files.zip_problem``), another exception for a file that is not a whole torch zip."""
+    a zip no torch.save writes (``torch_files.zip_problem``), another exception for a file that is not a whole torch zip.
+    ``root``: the folder it must open inside (:func:`_open_checkpoint_file`)."""
     allowed = {name for _, name in compat.checkpoint_globals()}
-    with _open_checkpoint_file(Path(path)) as fh:
+    with _open_checkpoint_file(Path(path), root) as fh:
         _check_zip(Path(path), fh)  # before the scan, which unpacks the pickle's entry whole
         try:
             found = torch.serialization.get_unsafe_globals_in_checkpoint(fh)
@@ -166,11 +174,11 @@ def unsafe_classes(path: Path) -> list[str]:
     return sorted(set(found) - allowed)
 
 
-def _scan(path: Path) -> str | None:
+def _scan(path: Path, root: Path) -> str | None:
     """Why ``path`` is unreadable as a torch file (truncated, not a torch zip), or None; UnsafeCheckpointError when its
     pickle names a class outside the allow-list (scanned, nothing run)."""
     try:
-        classes = unsafe_classes(path)
+        classes = unsafe_classes(path, root)
     except UnsafeCheckpointError:
         raise
     except Exception as err:  # truncated, missing or not a torch zip: the scan reads, never runs
@@ -181,16 +189,18 @@ def _scan(path: Path) -> str | None:
 
 
 def check_file(path: Path, what: str) -> None:
-    """ElsaError unless ``path`` is a torch file whose pickle names only what a checkpoint holds (:func:`_scan`): for
-    files a resume reads later than the checkpoint itself (``what`` names it)."""
-    if (why := _scan(path)) is not None:
+    """ElsaError unless ``path`` is a torch file whose pickle names only what a checkpoint holds (:func:`_scan`), opened
+    inside its own folder: for files a resume reads later than the checkpoint itself (``what`` names it)."""
+    if (why := _scan(path, path.parent)) is not None:
         raise ElsaError(f"--resume: {what} {path} is unreadable ({why}); start the run again without --resume")
 
 
-def read_checkpoint_file(path: str | Path, map_location: Any = None) -> Any:
+def read_checkpoint_file(path: str | Path, map_location: Any = None, *, root: Path | None = None) -> Any:
     """``torch.load`` as data only: tensors, plain containers and ``compat.checkpoint_globals``. A pickle naming anything
-    else raises UnsafeCheckpointError; nothing of it runs. The loader ``load_latest`` gives DeepSpeed."""
-    with torch.serialization.safe_globals([*compat.checkpoint_globals()]), _open_checkpoint_file(Path(path)) as fh:
+    else raises UnsafeCheckpointError; nothing of it runs. ``root``: the checked folder it must open inside
+    (:func:`_open_checkpoint_file`). The loader ``load_latest`` gives DeepSpeed, bound to its checkpoints folder."""
+    opened = _open_checkpoint_file(Path(path), root)
+    with torch.serialization.safe_globals([*compat.checkpoint_globals()]), opened as fh:
         _check_zip(Path(path), fh)  # not left to the scan before: torch would unpack it whole
         try:
             loaded = torch.load(fh, map_location=map_location, weights_only=True)
@@ -233,7 +243,7 @@ def check_resume(ckpt_dir: Path) -> None:
         if not files:
             unreadable[tag] = "no checkpoint files"
         for path in files:
-            if (why := _scan(path)) is not None:
+            if (why := _scan(path, ckpt_dir)) is not None:
                 unreadable.setdefault(tag, f"{path.name}: {why}")
     if len(unreadable) == len(tags):
         raise ElsaError(f"--resume: no checkpoint in {ckpt_dir} is readable ("
@@ -317,7 +327,7 @@ def load_latest(engine, ckpt_dir: Path, comm, client_problem: Callable[[Any], st
     for tag in resume_order(ckpt_dir):
         refusal = None
         try:
-            with compat.checkpoint_files_read_with(engine, read_checkpoint_file):
+            with compat.checkpoint_files_read_with(engine, functools.partial(read_checkpoint_file, root=ckpt_dir)):
                 path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=True,
                                                       load_optimizer_states=True, load_lr_scheduler_states=False)
             ok = path is not None and client is not None and CLIENT_KEY in client

@@ -108,6 +108,35 @@ def test_the_hub_cache_layout_still_loads(tiny_sparse_dir, tmp_path):
     assert torch.equal(from_pretrained(snapshot).lm_head.weight, from_pretrained(tiny_sparse_dir).lm_head.weight)
 
 
+def test_only_a_download_s_own_blobs_are_followed(tmp_path):
+    """Any ``*/models--*/blobs/*`` file was accepted as a link's target (a trust leftover, 2026-11-30): a snapshot may
+    link only into its own repository's blobs/, and a folder outside the cache (an old ``local_dir`` download) only to a
+    blob named by its etag; anything else in some folder named ``models--x/blobs`` is refused like any outside file."""
+    from elsa_ds.files.weight_files import within
+    from elsa_ds.sparse import compress
+
+    whole = tmp_path / "whole"
+    compress(tiny_pruned(tmp_path / "pruned"), whole)
+    other = tmp_path / "models--someone--else" / "blobs"
+    other.mkdir(parents=True)
+    etag = "ab" * 32
+    for name in (SPARSE_FILE, etag):
+        shutil.copy(whole / SPARSE_FILE, other / name)
+    snapshot = tmp_path / "models--someone--tiny-sparse" / "snapshots" / "0123abc"
+    local = tmp_path / "local_dir"
+    for folder in (snapshot, local):
+        _copy(whole, folder)
+        (folder / SPARSE_FILE).unlink()
+        (folder / SPARSE_FILE).symlink_to(other / SPARSE_FILE)
+        with pytest.raises(SparseCheckpointError, match=f"'{SPARSE_FILE}' is a link to .*outside"):
+            from_pretrained(folder)
+    assert not within(snapshot.resolve(), (other / etag).resolve())  # another repository's blob, whatever its name
+    (local / SPARSE_FILE).unlink()
+    (local / SPARSE_FILE).symlink_to(other / etag)
+    assert torch.equal(from_pretrained(local).lm_head.weight, from_pretrained(whole).lm_head.weight)
+    assert not within(local.resolve(), (tmp_path / "models--x" / "blobs" / ("0" * 63)).resolve())
+
+
 def _move_one_bit(name):
     """Within one byte of bitmask ``name``, clear a set bit and set a clear one: the count is unchanged, the model not."""
     def change(tensors):

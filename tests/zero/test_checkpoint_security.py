@@ -90,6 +90,29 @@ def test_the_file_checked_is_the_file_read_and_never_a_link_or_a_fifo(tmp_path, 
                 read(path)
 
 
+def test_a_folder_swapped_for_a_link_after_the_checks_is_not_read_through(tmp_path):
+    """O_NOFOLLOW sees only the file name's own link: a tag folder swapped for a link to another folder after
+    check_plain_tree was read through it (a trust leftover, 2026-11-30). Where the file really opened is checked against
+    the checkpoints folder, on DeepSpeed's reads (load_latest binds it), the scan and the best projection's snapshot."""
+    ckpt, elsewhere = tmp_path / "checkpoints", tmp_path / "elsewhere"
+    _tag(ckpt, "global_step2", "mp_rank_00_model_states.pt")
+    _tag(elsewhere, "global_step2", "mp_rank_00_model_states.pt")
+    path = ckpt / "global_step2" / "mp_rank_00_model_states.pt"
+    assert checkpoint.read_checkpoint_file(path, root=ckpt)["global_steps"] == 2  # inside: read
+    shutil.rmtree(ckpt / "global_step2")
+    (ckpt / "global_step2").symlink_to(elsewhere / "global_step2", target_is_directory=True)
+    assert checkpoint.read_checkpoint_file(path)["global_steps"] == 2  # no root given: what O_NOFOLLOW alone allowed
+    for read in (lambda: checkpoint.read_checkpoint_file(path, root=ckpt), lambda: checkpoint.unsafe_classes(path, ckpt)):
+        with pytest.raises(checkpoint.UnsafeCheckpointError, match="outside .*a folder on its way became a link") as refused:
+            read()
+        assert str(elsewhere) in str(refused.value) and "\n" not in str(refused.value)
+    snapshot_dir = tmp_path / "selection"
+    snapshot_dir.mkdir()
+    (snapshot_dir / "rank0.pt").symlink_to(path)  # the file name's own link: refused as before
+    with pytest.raises(ElsaError, match="is a link"):
+        checkpoint.check_file(snapshot_dir / "rank0.pt", "the best projection's snapshot")
+
+
 class RewritesAStage:
     """Unpickled, it sets attributes on ZeroStageEnum's member 3, an object DeepSpeed shares process-wide (BUILD)."""
 
