@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -316,6 +318,28 @@ def test_a_failed_build_falls_back_with_one_notice(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("fused ADMM kernels unavailable (no compiler here)") == 1
 
+
+def test_a_first_build_on_a_machine_says_so_and_a_cached_one_does_not(monkeypatch, capsys, tmp_path):
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("elsa_ds"), "level", logging.INFO)  # a test before may have quieted it
+    """The first sparse from_pretrained in a process waited ~27 s on the compiler without a word (a user's walk,
+    2026-11-30): a build that is not in the extensions cache yet says what it is doing and how to skip it."""
+    from types import SimpleNamespace
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: SimpleNamespace(name=kwargs["name"]))
+    monkeypatch.setattr(build, "_cache", {})
+    built = build.load()
+    said = capsys.readouterr().out  # an info line: the console's stdout
+    assert built is not None and said.count("building the fused ADMM kernels for this CPU") == 1
+    assert str(tmp_path) in said and "ELSA_DS_KERNELS=0" in said
+    folder = Path(cpp_extension._get_build_directory(built.name, verbose=False))
+    (folder / f"{built.name}.so").write_bytes(b"")  # what the real build leaves there
+    monkeypatch.setattr(build, "_cache", {})
+    assert build.load() is not None and "building" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("base", ["deepspeed", "adam8bit", "minifloat"])
