@@ -106,6 +106,7 @@ def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) ->
     """The ElsaConfig of the job elsa-estimate sizes, resolved as elsa-prune resolves it: flags over the JSON's ``elsa``
     block and a recipe, then the defaults rule (which may start from a SparseGPT-pruned model: a one-shot warm start)."""
     from elsa_ds.capacity.memory import model_config
+    from elsa_ds.capacity.preflight import check_schedule
     from elsa_ds.methods import ELSA
     from elsa_ds.plan import elsa_settings
     from elsa_ds.plan.defaults_applied import apply_defaults
@@ -122,6 +123,7 @@ def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) ->
     cfg, defaults = apply_defaults(cfg, model_config(cfg.model))
     if defaults["applied"]:
         log.info("from the defaults rule: " + "; ".join(f"{k} {v}" for k, v in defaults["applied"].items()))
+    check_schedule(cfg, rank=0)  # what the job would refuse or warn about in its schedule, said here too
     return cfg
 
 

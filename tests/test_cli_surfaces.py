@@ -107,6 +107,18 @@ def test_estimate_resolves_unset_settings_as_the_job_does(capsys):
     assert demo["breakdown"]["activations"]["per_gpu"] < long["breakdown"]["activations"]["per_gpu"]
 
 
+def test_estimate_says_what_the_job_would_about_its_schedule(capsys):
+    """At 4 steps the defaults rule's interval (32) is never reached: the job warned, the estimate did not (a user's walk,
+    2026-11-30). The estimate now says what the job would, and refuses what the job would refuse, in the same words."""
+    job = ["--model", str(DEMO_MODEL_DIR), "--deepspeed", "zero3"]
+    assert main_estimate([*job, "--steps", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: interval 32: the run's 4 ADMM steps end before the first projection" in err
+    assert main_estimate([*job, "--steps", "64"]) == 0 and "first projection" not in capsys.readouterr().err
+    assert main_estimate([*job, "--steps", "8", "--save_interval", "8"]) == 0
+    assert "no checkpoint is written before the run ends" in capsys.readouterr().err
+
+
 def test_estimate_takes_a_jobs_command_line_as_it_stands_and_says_what_it_left_out(capsys):
     """The job's time hint says to run elsa-estimate with the job's flags: --output_dir, --dataset, --nvme_path were
     refused as unrecognized (a user's walk, 2026-11-30). Every elsa-prune flag is accepted; those it does not use are
