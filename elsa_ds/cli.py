@@ -157,6 +157,7 @@ def main_estimate(argv: list[str] | None = None) -> int:
     def go() -> None:
         from elsa_ds.capacity.memory import format_estimate, job_estimate, resolved_job
         from elsa_ds.capacity.preflight import format_output, output_bytes
+        from elsa_ds.capacity.probe import measure_job
         from elsa_ds.capacity.step_time import DEFAULT_MACHINE, TYPICAL, format_time, job_matmul, measure, step_time
         from elsa_ds.zero.ds_config import DsConfig
 
@@ -171,7 +172,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
         est = job_estimate(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator)
         typical = TYPICAL[DEFAULT_MACHINE[opts.accelerator] if opts.machine == "auto" else opts.machine]
         rates = measure(opts.accelerator, typical, *job_matmul(shape, ds, cfg)) if opts.measure else typical
-        timing = step_time(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates)
+        timed = measure_job(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates.matmul_flops) if opts.measure else None
+        timing = step_time(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates, timed)
         # the table and the JSON line are the command's product: stdout, whatever the log level
         print(format_estimate(est, opts.model or cfg.model, args.deepspeed, opts.num_gpus, opts.num_nodes), flush=True)
         written = output_bytes(shape, ds, cfg, args.export_format or "dense")

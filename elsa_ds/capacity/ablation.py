@@ -182,15 +182,17 @@ def estimate_for_report(raw: dict, report: dict, ranks: int, device: str) -> Est
 
 def step_time_for_report(view: DsConfig, report: dict, ranks: int, device: str, rates):
     """elsa-estimate's step time for the job an ``elsa_report.json`` describes, its engine config resolved as the job
-    resolved it, against ``rates`` (the matmul's timed again at the job's own shape)."""
+    resolved it, against ``rates`` (the matmul's timed again at the job's own shape) and, as ``--measure`` does, the
+    job's micro-step timed here where it is cheap (``probe.measure_job``)."""
     from elsa_ds.capacity.memory import resolved_job
+    from elsa_ds.capacity.probe import measure_job
     from elsa_ds.capacity.step_time import job_matmul, matmul_rate, step_time
     from elsa_ds.settings.config import ElsaConfig
 
     cfg = ElsaConfig.model_validate(report["config"])
     shape, ds = resolved_job(cfg, view, ranks)
     rates = replace(rates, matmul_flops=matmul_rate(device, *job_matmul(shape, ds, cfg)))  # the job's own matmul
-    return step_time(shape, ds, cfg, ranks, 1, device, rates)
+    return step_time(shape, ds, cfg, ranks, 1, device, rates, measure_job(shape, ds, cfg, ranks, 1, device, rates.matmul_flops))
 
 
 def _free_port() -> int:

@@ -23,7 +23,9 @@ model element; a micro-steps of b sequences of L tokens; every host figure is th
 
 A run: steps × step + the first step's projection z₀ = Π(x) + the validation passes (dense, start, end: forward only)
 + loading and exporting the weights at the disk's rate. The rates are typical values for a GPU host and for a CPU
-host (``TYPICAL``, each with its source) or measured on this machine (:func:`measure`: a few seconds).
+host (``TYPICAL``, each with its source) or measured on this machine (:func:`measure`: a few seconds). A small CPU job's
+micro-step can be timed outright (``probe.measure_job``): its forward/backward then stands for the modelled compute and
+hooks, and the engine's step beyond the plain optimizer's modelled pass is a component of its own ("engine step").
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+from elsa_ds.capacity.probe import JobTimings
 from elsa_ds.capacity.resident import Job, checkpoint_tag_bytes, element_bytes, read_job
 from elsa_ds.capacity.shapes import ModelShape
 from elsa_ds.methods import oneshot_names
@@ -129,6 +132,7 @@ class StepTime:
     run_parts: dict[str, float]
     rates: dict
     uncounted: tuple[str, ...] = ()  # what the run also does that run_s leaves out
+    timed: dict | None = None        # the job's micro-step as timed on this machine (probe.JobTimings), if it was
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -166,17 +170,22 @@ def job_matmul(shape: ModelShape, ds: dict, cfg) -> tuple[int, tuple[int, int, i
     return 8 * element_bytes(ds), (int(ds["train_micro_batch_size_per_gpu"]) * cfg.seqlen, shape.hidden, shape.hidden)
 
 
-def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, device: str, rates: Rates) -> StepTime:
+def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, device: str, rates: Rates,
+              timed: JobTimings | None = None) -> StepTime:
     """Seconds per step and for the run of an ELSA job (``ds``: the engine's DeepSpeed config, ``cfg``: the ElsaConfig
-    after the defaults rule) on num_gpus x num_nodes ranks."""
+    after the defaults rule) on num_gpus x num_nodes ranks; ``timed``: its micro-step timed on this machine
+    (``probe.measure_job``), which then stands for the modelled one."""
     job = read_job(shape, ds, {**ds.get("elsa", {}), **cfg.model_dump(mode="json")}, num_gpus * num_nodes, device)
     micro, accumulation = _micro_steps(ds, job.world)
     # a CPU node's ranks share its cores: each gets 1/g of the node's matmul rate (the host's rates are always shared)
     flop_rate = rates.matmul_flops / num_gpus if device == "cpu" else rates.matmul_flops
-    micro_s = _micro_step(shape, job, cfg, micro, num_gpus, num_nodes, device, rates, flop_rate)
+    micro_s = timed.micro_step_s if timed else _micro_step(shape, job, cfg, micro, num_gpus, num_nodes, device, rates, flop_rate)
     optimizer, projection, first_projection, host = _optimizer(shape, job, cfg, num_gpus, rates)
     components = {"forward/backward": accumulation * micro_s, "optimizer": optimizer, "host passes": host,
                   "projection": projection, "nvme": _nvme(shape, job, accumulation, num_gpus, rates)}
+    if timed:  # the engine's own work around the optimizer, which the model leaves out: its timed step less the plain
+        plain = _plain_step(shape, job, num_gpus, rates)   # base optimizer's modelled pass and the host passes
+        components["engine step"] = max(0.0, timed.step_s - plain - host)
     step_s = sum(components.values())
     p_mm, _ = _matmul_params(shape)
     windows = -(-cfg.val_windows // job.world)                    # each rank's share of the validation windows
@@ -191,7 +200,8 @@ def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, d
     uncounted = (*([f"the {cfg.init_mask} warm start"] if cfg.init_mask in oneshot_names() else []), "start-up (processes, engine)",
                  *(["the end-of-run evaluation (--eval_ppl, --eval_tasks)"] if cfg.eval_ppl or cfg.eval_tasks else []))
     return StepTime(components=components, step_s=step_s, steps=cfg.steps, interval=cfg.interval,
-                    run_s=sum(parts.values()), run_parts=parts, rates=rates.to_dict(), uncounted=uncounted)
+                    run_s=sum(parts.values()), run_parts=parts, rates=rates.to_dict(), uncounted=uncounted,
+                    timed=timed.to_dict() if timed else None)
 
 
 def _saves(cfg) -> int:
@@ -241,6 +251,13 @@ def _optimizer(shape: ModelShape, job: Job, cfg, num_gpus: int, rates: Rates) ->
     return step, first * projection_factor / cfg.interval, first, (16 + job.half) * entries * num_gpus / rates.host_bw
 
 
+def _plain_step(shape: ModelShape, job: Job, num_gpus: int, rates: Rates) -> float:
+    """The modelled step of the optimizer ``probe.measure_job`` steps its engine with: DeepSpeedCPUAdam on the host,
+    else torch's Adam on the device (its unfused passes over 28 bytes an entry)."""
+    entries = shape.trainable_params / job.world
+    return entries * num_gpus / rates.adam if job.opt_dev != "none" else 2 * 28 * entries / rates.device_bw
+
+
 def _nvme(shape: ModelShape, job: Job, accumulation: int, num_gpus: int, rates: Rates) -> float:
     """Swapped optimizer states read and written once a step; parameters on NVMe read per fetch and written once."""
     swapped = 0.0
@@ -255,7 +272,8 @@ def format_time(t: StepTime) -> str:
     """The lines ``elsa-estimate`` prints under the memory table."""
     parts = ", ".join(f"{k} {v:.3g}" for k, v in t.components.items() if v > 0)
     hours = t.run_s / 3600
-    return "\n".join([f"time per step {t.step_s:.3g} s ({parts}); {t.rates['source']}",
+    timed = f"; its forward/backward timed here ({t.timed['micro_step_s']:.3g} s a micro-step)" if t.timed else ""
+    return "\n".join([f"time per step {t.step_s:.3g} s ({parts}); {t.rates['source']}{timed}",
                       f"the run: {t.steps} steps, {hours:.3g} h ({t.run_s:,.0f} s; "
                       + ", ".join(f"{k} {v:,.0f} s" for k, v in t.run_parts.items() if v > 0) + ")"
                       + (f"; not counted: {', '.join(t.uncounted)}" if t.uncounted else "")])

@@ -1,0 +1,176 @@
+"""A small CPU job's forward and backward timed on this machine, in a real ZeRO-3 engine, for ``elsa-estimate --measure``.
+
+On a CPU host the parts of a small job's step that a copy rate and a matmul rate cannot price are most of it: the
+model runs far below the matmul rate (attention, norms, the framework's per-operation work); every parameter tensor
+costs ZeRO-3 fixed work whatever its size (DeepSpeed's hooks fetch and release it around the forward and the backward,
+its gradient is reduced and handed on, each a gloo collective on loopback); and the ranks share the host's cores
+(DeepSpeed's launcher pins no threads, so each rank's torch takes every core: 2 ranks on 2 cores ran the demo model's
+forward and backward in 0.7 s together, 0.21 s with a thread each, and the job's engine in 0.40 s, its waits between
+the two). A fixed per-tensor figure fitted on one machine missed another of the same core count by 25-30 %
+(2026-11-30, docs/results.md).
+
+:func:`measure_job` therefore runs the job's own micro-step where it is cheap (a model of at most
+:data:`TIMED_MODEL_PARAMS` parameters, every rank of a CPU job on this host): the job's ranks as child processes (gloo,
+as DeepSpeed's CPU accelerator runs them), each building the job's model (its config, random weights) in a real ZeRO-3
+engine under the job's DeepSpeed settings (NVMe devices replaced by the host: NVMe traffic is priced from its bytes;
+the plain base optimizer: ELSA's step is priced from DeepSpeedCPUAdam's measured rate), and times the forward and the
+backward of one micro-batch of the job's tokens, gradient checkpointing as the job sets it. The estimate takes that
+in place of the micro-step's modelled compute and per-tensor work. Larger models and GPU jobs keep the rates'
+pricing. Run as a module this file is one probe rank (the launcher's variables set).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from elsa_ds.log import get_logger
+
+log = get_logger(__name__)
+
+TIMED_MODEL_PARAMS = 200_000_000  # a larger CPU job's step is its matmuls, which the matmul rate prices
+PROBE_STEPS, PROBE_WARMUP = 8, 3
+PROBE_STEP_BUDGET_S = 3.0         # a micro-step longer than this (its FLOPs at the matmul rate) is priced, not timed
+TIMEOUT_S = 300                   # DeepSpeed's import, the engines and a few micro-steps, on 2 busy cores
+
+
+@dataclass(frozen=True)
+class JobTimings:
+    """One micro-step's forward and backward of the job in a ZeRO-3 engine on this host's ranks, and the engine's step
+    (rank 0's, the median of :data:`PROBE_STEPS` after :data:`PROBE_WARMUP`: one step slowed by another process on a
+    small host does not move it), seconds; ``ranks``: how many ran at once."""
+
+    forward_s: float
+    backward_s: float
+    step_s: float  # the engine's step with the plain base optimizer (DeepSpeedCPUAdam offloaded, else torch's Adam)
+    ranks: int
+
+    @property
+    def micro_step_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "micro_step_s": self.micro_step_s}
+
+
+def measure_job(shape, ds: dict, cfg, num_gpus: int, num_nodes: int, device: str, flop_rate: float) -> JobTimings | None:
+    """The job's micro-step timed here (module docstring), or None where it is not: a GPU job, a job of several nodes
+    (their collectives cross a network this host cannot time), a model past :data:`TIMED_MODEL_PARAMS` or whose
+    micro-step would take past :data:`PROBE_STEP_BUDGET_S` at ``flop_rate`` (the node's matmul FLOP/s, shared by its
+    ranks), or ranks that cannot run here (a line says why)."""
+    from elsa_ds.capacity.memory import model_config
+
+    if device != "cpu" or num_nodes != 1 or shape.num_params > TIMED_MODEL_PARAMS:
+        return None
+    flops = 6 * shape.num_params * int(ds["train_micro_batch_size_per_gpu"]) * cfg.seqlen * num_gpus
+    if flops / flop_rate > PROBE_STEP_BUDGET_S:
+        return None
+    with tempfile.TemporaryDirectory(prefix="elsa_probe_") as folder:
+        model_config(cfg.model).save_pretrained(folder)  # as the estimate resolved it (offline): the ranks build from it
+        spec = {"model": folder, "seqlen": cfg.seqlen, "checkpointing": bool(cfg.gradient_checkpointing),
+                "freeze_embeddings": bool(cfg.freeze_embeddings), "ds": _probe_config(ds, num_gpus)}
+        return _run_ranks(num_gpus, spec)
+
+
+def _probe_config(ds: dict, world: int) -> dict:
+    """The job's DeepSpeed settings for one micro-batch a step, offload to NVMe taken to the host (its traffic is priced
+    from its bytes), no monitor or checkpoint sections (the probe writes nothing)."""
+    zero = dict(ds.get("zero_optimization", {}))
+    for key in ("offload_param", "offload_optimizer"):
+        section = zero.get(key) or {}
+        if section.get("device", "none") == "nvme":
+            zero[key] = {"device": "cpu", "pin_memory": bool(section.get("pin_memory", False))}
+    micro = int(ds["train_micro_batch_size_per_gpu"])
+    kept = {k: ds[k] for k in ("bf16", "fp16", "gradient_clipping") if k in ds}
+    return {**kept, "train_batch_size": micro * world, "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": 1, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False}
+
+
+def _rank_main(spec: dict) -> None:
+    import deepspeed
+    import torch
+
+    from elsa_ds.models import ModelSource, as_transformers, freeze_embeddings
+    from elsa_ds.zero.ds_config import DsConfig
+    from elsa_ds.zero.engine import load_partitioned
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    ds = DsConfig(spec["ds"])
+    torch.manual_seed(0)
+    partitioned = load_partitioned(ModelSource(spec["model"]), ds, spec["checkpointing"], random_init=True)
+    model = partitioned.model.train()
+    if spec["freeze_embeddings"]:
+        freeze_embeddings(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if ds.optimizer_offloaded:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        optimizer = DeepSpeedCPUAdam(params, lr=1e-6)
+    else:
+        optimizer = torch.optim.Adam(params, lr=1e-6)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds.raw)
+    vocab = as_transformers(model).config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (int(ds.raw["train_micro_batch_size_per_gpu"]), spec["seqlen"]))
+    forward, backward, stepped = [], [], []
+    for step in range(PROBE_WARMUP + PROBE_STEPS):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        loss = engine(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        t2 = time.perf_counter()
+        engine.step()
+        if step >= PROBE_WARMUP:
+            forward.append(t1 - t0)
+            backward.append(t2 - t1)
+            stepped.append(time.perf_counter() - t2)
+    if int(os.environ["RANK"]) == 0:
+        print(json.dumps({"forward_s": statistics.median(forward), "backward_s": statistics.median(backward),
+                          "step_s": statistics.median(stepped)}), flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(ranks: int, spec: dict) -> JobTimings | None:
+    """``spec``'s micro-step timed in ``ranks`` processes of this host; None (and a line saying why) when they fail."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks),
+           "LOCAL_SIZE": str(ranks), "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "elsa_ds.capacity.probe", json.dumps(spec)]
+    with tempfile.TemporaryFile("w+") as errors:
+        procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                                  stderr=errors, text=True) for r in range(ranks)]
+        try:
+            outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+        except subprocess.TimeoutExpired:
+            outs = []
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        if not outs or any(p.returncode != 0 for p in procs):
+            errors.seek(0)
+            said = [line.strip() for line in errors.read().splitlines() if line.strip()]
+            why = said[-1][:200] if said else f"no answer in {TIMEOUT_S} s" if not outs else "a rank failed"
+            log.info(f"the job's micro-step could not be timed here ({why}); the rates price it")
+            return None
+    found = json.loads(outs[0].strip().splitlines()[-1])
+    return JobTimings(forward_s=found["forward_s"], backward_s=found["backward_s"], step_s=found["step_s"], ranks=ranks)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("spec", help="what measure_job passes: the job's model, tokens and DeepSpeed settings, as JSON")
+    _rank_main(json.loads(parser.parse_args().spec))

@@ -1,0 +1,81 @@
+"""elsa-estimate --measure on a CPU host times a small job's micro-step in a real ZeRO-3 engine on this host's ranks
+(``capacity/probe.py``): the estimate then takes that forward and backward in place of its modelled compute and
+per-tensor work, and the engine's step beyond the plain optimizer as its own component. Larger models, GPU jobs and
+jobs of several nodes keep the rates' pricing; ranks that cannot run leave one line and the rates' figures."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elsa_ds.capacity import probe
+from elsa_ds.capacity.memory import resolved_job
+from elsa_ds.capacity.probe import JobTimings, measure_job
+from elsa_ds.capacity.step_time import TYPICAL, format_time, step_time
+from elsa_ds.cli import main_estimate
+from elsa_ds.settings.config import DEMO_MODEL_DIR, resolve_config
+from elsa_ds.zero.ds_config import DsConfig
+
+
+def _demo_job(deepspeed: str = "ds_configs/zero3_offload.json", ranks: int = 2, **given):
+    view = DsConfig.load(deepspeed)
+    cfg = resolve_config(view.raw, {"model": str(DEMO_MODEL_DIR), **given})
+    shape, ds = resolved_job(cfg, view, ranks)
+    return shape, ds, cfg
+
+
+def test_a_timed_micro_step_stands_for_the_modelled_one_and_the_engines_step_adds_its_own_work():
+    shape, ds, cfg = _demo_job(steps=12, interval=4)
+    rates = TYPICAL["cpu-2c"]
+    modelled = step_time(shape, ds, cfg, 2, 1, "cpu", rates)
+    timed = JobTimings(forward_s=0.1, backward_s=0.2, step_s=0.5, ranks=2)
+    t = step_time(shape, ds, cfg, 2, 1, "cpu", rates, timed)
+    assert t.components["forward/backward"] == pytest.approx(0.3)  # one micro-step a step: the demo's batch
+    for name in ("optimizer", "host passes", "projection", "nvme"):
+        assert t.components[name] == pytest.approx(modelled.components[name])
+    plain = shape.trainable_params / rates.adam  # DeepSpeedCPUAdam over the 2 ranks' halves, which share the node
+    assert t.components["engine step"] == pytest.approx(0.5 - plain - t.components["host passes"])
+    assert t.step_s == pytest.approx(sum(t.components.values())) and t.timed["micro_step_s"] == pytest.approx(0.3)
+    assert "its forward/backward timed here (0.3 s a micro-step)" in format_time(t)
+    fast = step_time(shape, ds, cfg, 2, 1, "cpu", rates, JobTimings(0.1, 0.2, 0.0, 2))
+    assert fast.components["engine step"] == 0.0  # a step faster than the model's optimizer adds nothing, never less
+    assert "engine step" not in modelled.components and modelled.timed is None
+
+
+def test_what_is_not_timed_here_keeps_the_rates_pricing(monkeypatch):
+    ran = []
+    monkeypatch.setattr(probe, "_run_ranks", lambda *a: ran.append(a))
+    shape, ds, cfg = _demo_job()
+    rate = TYPICAL["cpu-2c"].matmul_flops
+    assert measure_job(shape, ds, cfg, 2, 1, "cuda", rate) is None  # a GPU job
+    assert measure_job(shape, ds, cfg, 2, 2, "cpu", rate) is None  # two nodes: their network is not this host's loopback
+    flops = 6 * shape.num_params * 4 * 256 * 2  # the demo's micro-batch of 4 x 256 tokens on each of 2 ranks
+    assert measure_job(shape, ds, cfg, 2, 1, "cpu", flops / probe.PROBE_STEP_BUDGET_S / 1.01) is None  # too long to time
+    monkeypatch.setattr(probe, "TIMED_MODEL_PARAMS", shape.num_params - 1)
+    assert measure_job(shape, ds, cfg, 2, 1, "cpu", rate) is None and not ran  # past the size worth timing
+    monkeypatch.setattr(probe, "TIMED_MODEL_PARAMS", shape.num_params)
+    assert measure_job(shape, ds, cfg, 2, 1, "cpu", flops / probe.PROBE_STEP_BUDGET_S * 1.01) is None and len(ran) == 1
+
+
+def test_ranks_that_cannot_run_leave_one_line_and_the_rates(monkeypatch, capsys):
+    shape, ds, cfg = _demo_job()
+    monkeypatch.setattr(probe, "_probe_config", lambda ds, world: {"zero_optimization": {"stage": 3}})  # no batch sizes
+    assert measure_job(shape, ds, cfg, 1, 1, "cpu", TYPICAL["cpu-2c"].matmul_flops) is None
+    said = capsys.readouterr().out
+    assert said.count("the job's micro-step could not be timed here (") == 1 and "the rates price it" in said
+
+
+@pytest.mark.integration
+def test_the_demo_jobs_micro_step_is_timed_on_two_real_ranks_and_the_estimate_takes_it(capsys):
+    """The real probe: the demo model in a ZeRO-3 engine with CPU offload on 2 gloo ranks of this host, its NVMe config
+    timed on the host (NVMe's traffic is priced from its bytes), and elsa-estimate --measure printing what it timed."""
+    shape, ds, cfg = _demo_job("ds_configs/zero3_nvme.json")
+    timed = measure_job(shape, ds, cfg, 2, 1, "cpu", TYPICAL["cpu-2c"].matmul_flops)
+    assert timed is not None and timed.ranks == 2
+    assert 0 < timed.forward_s < 30 and 0 < timed.backward_s < 30 and 0 < timed.step_s < 30
+    assert main_estimate(["--deepspeed", "zero3_offload", "--num_gpus", "2", "--accelerator", "cpu", "--measure", "--steps", "12",
+                          "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    last = json.loads(out[-1])["time"]
+    assert last["timed"]["ranks"] == 2 and last["components"]["forward/backward"] == pytest.approx(last["timed"]["micro_step_s"])
+    assert any(line.startswith("time per step") and "timed here" in line for line in out)
