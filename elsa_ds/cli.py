@@ -81,7 +81,8 @@ class EstimateOptions(BaseModel):
     lent 1-GPU 16-core machine, a 2-core CPU box."""
     measure: bool = False
     """Time the step against rates measured on this machine (a few seconds: copies, a matmul, DeepSpeedCPUAdam)
-    instead of a typical machine's."""
+    instead of a typical machine's; with --accelerator cpu a small job's own micro-step is also timed on its ranks here
+    (~20 s)."""
 
 
 # The job settings the estimate depends on, read as elsa-prune reads them (not given: a recipe's, the JSON "elsa" block's,
