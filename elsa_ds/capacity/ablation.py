@@ -45,6 +45,7 @@ class AblationRow:
     peak_rank_rss_bytes: float = 0.0      # the largest peak of one rank process
     launcher_rss_bytes: float = 0.0       # the deepspeed launcher's processes (runner, launch.py) together, at their peak
     est_step_time_s: float = 0.0          # elsa-estimate's step time, as the report averages it, at rates measured here
+    est_micro_step_s: float | None = None  # the micro-step it timed here (probe.measure_job); None: priced from the rates
 
 
 class TreeMonitor(threading.Thread):
@@ -166,7 +167,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
             est_nvme_bytes=est.nvme_bytes, final_loss=report["final_loss"], mask_agreement=agree,
             admm_state_bytes_per_param=report["admm_state_bytes_per_param"], ranks=ranks,
             peak_rank_rss_bytes=monitor.peak_rank_rss, launcher_rss_bytes=monitor.peak_launcher_rss,
-            est_step_time_s=timed.report_mean(),
+            est_step_time_s=timed.report_mean(), est_micro_step_s=timed.timed["micro_step_s"] if timed.timed else None,
         ))
     write_outputs(rows, out_dir)
     return rows

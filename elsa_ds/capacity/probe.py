@@ -63,9 +63,9 @@ class JobTimings:
 
 def measure_job(shape, ds: dict, cfg, num_gpus: int, num_nodes: int, device: str, flop_rate: float) -> JobTimings | None:
     """The job's micro-step timed here (module docstring), or None where it is not: a GPU job, a job of several nodes
-    (their collectives cross a network this host cannot time), a model past :data:`TIMED_MODEL_PARAMS` or whose
-    micro-step would take past :data:`PROBE_STEP_BUDGET_S` at ``flop_rate`` (the node's matmul FLOP/s, shared by its
-    ranks), or ranks that cannot run here (a line says why)."""
+    (their collectives cross a network this host cannot time), more ranks than this host has CPUs, a model past
+    :data:`TIMED_MODEL_PARAMS` or whose micro-step would take past :data:`PROBE_STEP_BUDGET_S` at ``flop_rate`` (the
+    node's matmul FLOP/s, shared by its ranks), or ranks that cannot run here (a line says why)."""
     from elsa_ds.capacity.memory import model_config
 
     if device != "cpu" or num_nodes != 1 or shape.num_params > TIMED_MODEL_PARAMS:
@@ -73,23 +73,33 @@ def measure_job(shape, ds: dict, cfg, num_gpus: int, num_nodes: int, device: str
     flops = 6 * shape.num_params * int(ds["train_micro_batch_size_per_gpu"]) * cfg.seqlen * num_gpus
     if flops / flop_rate > PROBE_STEP_BUDGET_S:
         return None
+    if num_gpus > (os.cpu_count() or 1):
+        log.info(f"the job's micro-step is not timed here: {num_gpus} ranks on {os.cpu_count()} CPUs; the rates price it")
+        return None
     with tempfile.TemporaryDirectory(prefix="elsa_probe_") as folder:
         model_config(cfg.model).save_pretrained(folder)  # as the estimate resolved it (offline): the ranks build from it
         spec = {"model": folder, "seqlen": cfg.seqlen, "checkpointing": bool(cfg.gradient_checkpointing),
-                "freeze_embeddings": bool(cfg.freeze_embeddings), "ds": _probe_config(ds, num_gpus)}
+                "freeze_embeddings": bool(cfg.freeze_embeddings), "ds": _probe_config(ds, num_gpus),
+                "answer": str(Path(folder) / "timed.json")}
         return _run_ranks(num_gpus, spec)
+
+
+# what the probe's engine leaves out of the job's DeepSpeed config: the optimizer and schedule it brings itself (and
+# elsa_ds refuses in a config), what writes files, and ELSA's own block; the batch and ZeRO sections it sets
+LEFT_OUT = ("optimizer", "scheduler", "elsa", "checkpoint", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
+            "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization")
 
 
 def _probe_config(ds: dict, world: int) -> dict:
     """The job's DeepSpeed settings for one micro-batch a step, offload to NVMe taken to the host (its traffic is priced
-    from its bytes), no monitor or checkpoint sections (the probe writes nothing)."""
+    from its bytes), nothing that writes files (:data:`LEFT_OUT`)."""
     zero = dict(ds.get("zero_optimization", {}))
     for key in ("offload_param", "offload_optimizer"):
         section = zero.get(key) or {}
         if section.get("device", "none") == "nvme":
             zero[key] = {"device": "cpu", "pin_memory": bool(section.get("pin_memory", False))}
     micro = int(ds["train_micro_batch_size_per_gpu"])
-    kept = {k: ds[k] for k in ("bf16", "fp16", "gradient_clipping") if k in ds}
+    kept = {k: v for k, v in ds.items() if k not in LEFT_OUT}
     return {**kept, "train_batch_size": micro * world, "train_micro_batch_size_per_gpu": micro,
             "gradient_accumulation_steps": 1, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
             "zero_force_ds_cpu_optimizer": False}
@@ -99,11 +109,13 @@ def _rank_main(spec: dict) -> None:
     import deepspeed
     import torch
 
+    from elsa_ds.loss import next_token_loss
     from elsa_ds.models import ModelSource, as_transformers, freeze_embeddings
+    from elsa_ds.zero.dist import init_distributed
     from elsa_ds.zero.ds_config import DsConfig
     from elsa_ds.zero.engine import load_partitioned
 
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    rank, _ = init_distributed()  # the job's own: DeepSpeed's /dev/shm buffer unlinked, the group torn down at exit
     ds = DsConfig(spec["ds"])
     torch.manual_seed(0)
     partitioned = load_partitioned(ModelSource(spec["model"]), ds, spec["checkpointing"], random_init=True)
@@ -123,7 +135,7 @@ def _rank_main(spec: dict) -> None:
     for step in range(PROBE_WARMUP + PROBE_STEPS):
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        loss = engine(input_ids=ids, labels=ids).loss
+        loss = next_token_loss(engine(input_ids=ids, use_cache=False).logits, ids)  # the job's own (zero/steps.py)
         t1 = time.perf_counter()
         engine.backward(loss)
         t2 = time.perf_counter()
@@ -132,42 +144,64 @@ def _rank_main(spec: dict) -> None:
             forward.append(t1 - t0)
             backward.append(t2 - t1)
             stepped.append(time.perf_counter() - t2)
-    if int(os.environ["RANK"]) == 0:
-        print(json.dumps({"forward_s": statistics.median(forward), "backward_s": statistics.median(backward),
-                          "step_s": statistics.median(stepped)}), flush=True)
+    if rank == 0:
+        timed = {"forward_s": statistics.median(forward), "backward_s": statistics.median(backward),
+                 "step_s": statistics.median(stepped)}
+        Path(spec["answer"]).write_text(json.dumps(timed))
+
+
+def _run_ranks(ranks: int, spec: dict) -> JobTimings | None:
+    """``spec``'s micro-step timed in ``ranks`` processes of this host on DeepSpeed's CPU accelerator (whatever GPU the
+    host has); None, and a line saying why, when one fails (the others are stopped then, not waited for) or when they
+    give no answer within :data:`TIMEOUT_S`."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks),
+           "LOCAL_SIZE": str(ranks), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "elsa_ds.capacity.probe", json.dumps(spec)]
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryFile("w+") as errors:
+        try:
+            for r in range(ranks):
+                procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors))
+            why = _wait_all(procs)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        if why is None:
+            try:
+                found = json.loads(Path(spec["answer"]).read_text())
+                return JobTimings(forward_s=float(found["forward_s"]), backward_s=float(found["backward_s"]),
+                                  step_s=float(found["step_s"]), ranks=ranks)
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                why = f"rank 0 left no answer: {err}"
+        elif why == "failed":
+            errors.seek(0)
+            said = [line.strip() for line in errors.read().splitlines() if line.strip()]
+            why = said[-1][:200] if said else "a rank failed"
+    log.info(f"the job's micro-step could not be timed here ({why}); the rates price it")
+    return None
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> str | None:
+    """None when every process exited 0; "failed" at the first that did not; a sentence when the time ran out."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            return "failed"
+        if all(c == 0 for c in codes):
+            return None
+        time.sleep(0.2)
+    return f"no answer in {TIMEOUT_S} s"
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _run_ranks(ranks: int, spec: dict) -> JobTimings | None:
-    """``spec``'s micro-step timed in ``ranks`` processes of this host; None (and a line saying why) when they fail."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks),
-           "LOCAL_SIZE": str(ranks), "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "elsa_ds.capacity.probe", json.dumps(spec)]
-    with tempfile.TemporaryFile("w+") as errors:
-        procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                                  stderr=errors, text=True) for r in range(ranks)]
-        try:
-            outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-        except subprocess.TimeoutExpired:
-            outs = []
-        finally:
-            for p in procs:
-                p.kill()
-                p.wait()
-        if not outs or any(p.returncode != 0 for p in procs):
-            errors.seek(0)
-            said = [line.strip() for line in errors.read().splitlines() if line.strip()]
-            why = said[-1][:200] if said else f"no answer in {TIMEOUT_S} s" if not outs else "a rank failed"
-            log.info(f"the job's micro-step could not be timed here ({why}); the rates price it")
-            return None
-    found = json.loads(outs[0].strip().splitlines()[-1])
-    return JobTimings(forward_s=found["forward_s"], backward_s=found["backward_s"], step_s=found["step_s"], ranks=ranks)
 
 
 if __name__ == "__main__":

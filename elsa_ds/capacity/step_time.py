@@ -189,8 +189,9 @@ def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, d
     step_s = sum(components.values())
     p_mm, _ = _matmul_params(shape)
     windows = -(-cfg.val_windows // job.world)                    # each rank's share of the validation windows
-    forward = max((2 * p_mm + 4 * cfg.seqlen * shape.hidden * shape.layers) * micro * cfg.seqlen / flop_rate,
-                  _fetch_bytes(shape, job) / 2 / rates.h2d if device == "cuda" else 0.0)
+    forward = timed.forward_s if timed else max(
+        (2 * p_mm + 4 * cfg.seqlen * shape.hidden * shape.layers) * micro * cfg.seqlen / flop_rate,
+        _fetch_bytes(shape, job) / 2 / rates.h2d if device == "cuda" else 0.0)
     parts = {"steps": cfg.steps * step_s,
              "first projection": first_projection,              # z₀ = Π(x)
              "validation": 3 * -(-windows // micro) * forward,    # the dense model, the start, the end

@@ -65,6 +65,25 @@ def open_regular(path: Path) -> BinaryIO:
     return handle
 
 
+def real_folder(path: Path) -> Path:
+    """Where the folder ``path`` really is (links above it resolved), refused when ``path`` itself is a link or no folder
+    (NotRegularFile): opened once without following its last component, its name read back from Linux's
+    ``/proc/self/fd``. A file later opened through ``path`` that does not lie under this answer went through a swap."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):  # Linux says ENOTDIR for a link with O_DIRECTORY
+            raise NotRegularFile(path, "a link" if err.errno == errno.ELOOP or path.is_symlink() else "not a folder") from None
+        raise
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:  # no /proc: the name as resolved now
+        return path.resolve()
+    finally:
+        os.close(fd)
+
+
 def _fd_name(handle: BinaryIO) -> str:
     """Linux's name for ``handle``'s open file: a link to where it was opened, and a path that opens that file."""
     return f"/proc/self/fd/{handle.fileno()}"

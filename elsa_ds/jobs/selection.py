@@ -45,6 +45,7 @@ class Selector:
         self.directory: Path = directory  # the best snapshot, one file per rank
         self.rank: int = rank
         self.record: dict[str, Any] = record or {"curve": [], "best": None, "since_best": 0, "stopped_at": None}
+        self.root: Path | None = None  # where the snapshot folder really is, taken once (checkpoint.checked_root)
 
     def due(self, projections: int) -> bool:
         return projections > 0 and projections % self.every == 0
@@ -71,6 +72,7 @@ class Selector:
 
     def _save(self, zero: ZeroEngine) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.root = self.root or checkpoint.checked_root(self.directory)
         path = self.directory / f"rank{self.rank}.pt"
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.unlink(missing_ok=True)  # a link left at the name is removed, never written through
@@ -87,7 +89,8 @@ class Selector:
             raise ElsaError(f"--resume: the checkpoint's selection names the best projection of step {best['step']}, but its "
                             f"snapshot {path} is gone; start the run again without --resume")
         if best is not None:  # read at the run's end: scanned now, before any step
-            checkpoint.check_file(path, "the best projection's snapshot")
+            self.root = checkpoint.checked_root(self.directory)
+            checkpoint.check_file(path, "the best projection's snapshot", self.root)
 
     def choose(self, zero: ZeroEngine, final_ppl: float | None, final_step: int) -> float | None:
         """Score the run's end against the best snapshot; write the snapshot back when it wins (``final_ppl`` None:
@@ -98,7 +101,8 @@ class Selector:
         if best is None or (final_ppl is not None and final_ppl <= best["ppl"]):
             self.record["chosen"] = {"step": final_step, "ppl": final_ppl, "final": True}
             return final_ppl
-        restore_shards(zero, checkpoint.read_checkpoint_file(self.directory / f"rank{self.rank}.pt", root=self.directory))
+        root = self.root or checkpoint.checked_root(self.directory)
+        restore_shards(zero, checkpoint.read_checkpoint_file(self.directory / f"rank{self.rank}.pt", root=root))
         self.record["chosen"] = {**best, "final": False}
         return best["ppl"]
 

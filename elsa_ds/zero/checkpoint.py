@@ -139,16 +139,27 @@ def _check_zip(path: Path, fh: BinaryIO) -> None:
         raise _altered(path, problem.text) if problem.altered else ValueError(f"{path}: {problem.text}")
 
 
+def checked_root(folder: Path) -> Path:
+    """Where ``folder`` (a resumed run's checkpoints, or its best projection's snapshot folder: trees
+    ``check_plain_tree`` walked) really is, taken once before its files are read (``torch_files.real_folder``):
+    the ``root`` they must then open inside. UnsafeCheckpointError when ``folder`` itself has become a link."""
+    try:
+        return torch_files.real_folder(folder)
+    except torch_files.NotRegularFile as err:
+        raise UnsafeCheckpointError(f"--resume: refusing {folder}: it is {err.what}, where the checks before loading saw a "
+                                    "folder; restore the run from a copy you trust") from None
+
+
 def _open_checkpoint_file(path: Path, root: Path | None) -> BinaryIO:
     """``path`` opened once for its check and its read: a file swapped in after a check is never the one read. Not
     through a link (a resumed folder holds none: ``check_plain_tree``), and a FIFO put there is refused, not waited on.
-    With ``root`` (the checked folder ``path`` lies in), where the file really opened must lie inside it: a folder
-    between them swapped for a link after the checks (which ``O_NOFOLLOW`` does not see) is refused, not read."""
+    With ``root`` (:func:`checked_root` of the folder ``path`` lies in), where the file really opened must lie inside
+    it: a folder on the way swapped for a link after the checks (which ``O_NOFOLLOW`` does not see) is refused."""
     try:
         fh = torch_files.open_regular(path)
     except torch_files.NotRegularFile as err:
         raise _not_a_file(path, err.what) from None
-    if root is not None and (opened := torch_files.opened_path(fh)) is not None and not opened.is_relative_to(root.resolve()):
+    if root is not None and (opened := torch_files.opened_path(fh)) is not None and not opened.is_relative_to(root):
         fh.close()
         raise _not_a_file(path, f"a file outside {root} (at {opened}: a folder on its way became a link)")
     return fh
@@ -188,17 +199,17 @@ def _scan(path: Path, root: Path) -> str | None:
     return None
 
 
-def check_file(path: Path, what: str) -> None:
+def check_file(path: Path, what: str, root: Path) -> None:
     """ElsaError unless ``path`` is a torch file whose pickle names only what a checkpoint holds (:func:`_scan`), opened
-    inside its own folder: for files a resume reads later than the checkpoint itself (``what`` names it)."""
-    if (why := _scan(path, path.parent)) is not None:
+    inside ``root`` (:func:`checked_root`): for files a resume reads later than the checkpoint itself (``what``)."""
+    if (why := _scan(path, root)) is not None:
         raise ElsaError(f"--resume: {what} {path} is unreadable ({why}); start the run again without --resume")
 
 
 def read_checkpoint_file(path: str | Path, map_location: Any = None, *, root: Path | None = None) -> Any:
     """``torch.load`` as data only: tensors, plain containers and ``compat.checkpoint_globals``. A pickle naming anything
-    else raises UnsafeCheckpointError; nothing of it runs. ``root``: the checked folder it must open inside
-    (:func:`_open_checkpoint_file`). The loader ``load_latest`` gives DeepSpeed, bound to its checkpoints folder."""
+    else raises UnsafeCheckpointError; nothing of it runs. ``root``: the folder it must open inside
+    (:func:`checked_root`). The loader ``load_latest`` gives DeepSpeed, bound to its checkpoints folder's root."""
     opened = _open_checkpoint_file(Path(path), root)
     with torch.serialization.safe_globals([*compat.checkpoint_globals()]), opened as fh:
         _check_zip(Path(path), fh)  # not left to the scan before: torch would unpack it whole
@@ -237,13 +248,13 @@ def check_resume(ckpt_dir: Path) -> None:
     tag a resume may load is readable, and no file of those tags names a class outside the allow-list (refused,
     UnsafeCheckpointError). An unreadable newer tag is left to ``load_latest``, which falls back past it."""
     unreadable = {}
-    tags = resume_order(ckpt_dir)
+    tags, root = resume_order(ckpt_dir), checked_root(ckpt_dir)
     for tag in tags:
         files = sorted((ckpt_dir / tag).glob("*.pt"))  # check_plain_tree has refused links and special files there
         if not files:
             unreadable[tag] = "no checkpoint files"
         for path in files:
-            if (why := _scan(path, ckpt_dir)) is not None:
+            if (why := _scan(path, root)) is not None:
                 unreadable.setdefault(tag, f"{path.name}: {why}")
     if len(unreadable) == len(tags):
         raise ElsaError(f"--resume: no checkpoint in {ckpt_dir} is readable ("
@@ -324,10 +335,11 @@ def load_latest(engine, ckpt_dir: Path, comm, client_problem: Callable[[Any], st
     state (None when there is none). A file that needs a class outside the allow-list, or that loads into something
     elsa_ds never writes (the loop's state as ``client_problem`` judges it, the loss scaler, z and u), stops every rank.
     Collective."""
+    root = checked_root(ckpt_dir)  # once: every file DeepSpeed reads must open inside it
     for tag in resume_order(ckpt_dir):
         refusal = None
         try:
-            with compat.checkpoint_files_read_with(engine, functools.partial(read_checkpoint_file, root=ckpt_dir)):
+            with compat.checkpoint_files_read_with(engine, functools.partial(read_checkpoint_file, root=root)):
                 path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=True,
                                                       load_optimizer_states=True, load_lr_scheduler_states=False)
             ok = path is not None and client is not None and CLIENT_KEY in client

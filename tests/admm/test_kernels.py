@@ -320,15 +320,14 @@ def test_a_failed_build_falls_back_with_one_notice(monkeypatch, capsys):
 
 
 def test_a_first_build_on_a_machine_says_so_and_a_cached_one_does_not(monkeypatch, capsys, tmp_path):
-    import logging
-
-    monkeypatch.setattr(logging.getLogger("elsa_ds"), "level", logging.INFO)  # a test before may have quieted it
     """The first sparse from_pretrained in a process waited ~27 s on the compiler without a word (a user's walk,
     2026-11-30): a build that is not in the extensions cache yet says what it is doing and how to skip it."""
+    import logging
     from types import SimpleNamespace
 
     from torch.utils import cpp_extension
 
+    monkeypatch.setattr(logging.getLogger("elsa_ds"), "level", logging.INFO)  # a test before may have quieted it
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: SimpleNamespace(name=kwargs["name"]))
     monkeypatch.setattr(build, "_cache", {})

@@ -91,26 +91,44 @@ def test_the_file_checked_is_the_file_read_and_never_a_link_or_a_fifo(tmp_path, 
 
 
 def test_a_folder_swapped_for_a_link_after_the_checks_is_not_read_through(tmp_path):
-    """O_NOFOLLOW sees only the file name's own link: a tag folder swapped for a link to another folder after
-    check_plain_tree was read through it (a trust leftover, 2026-11-30). Where the file really opened is checked against
-    the checkpoints folder, on DeepSpeed's reads (load_latest binds it), the scan and the best projection's snapshot."""
-    ckpt, elsewhere = tmp_path / "checkpoints", tmp_path / "elsewhere"
-    _tag(ckpt, "global_step2", "mp_rank_00_model_states.pt")
-    _tag(elsewhere, "global_step2", "mp_rank_00_model_states.pt")
+    """O_NOFOLLOW sees only the file name's own link: a tag folder, the checkpoints folder itself or the best
+    projection's snapshot folder swapped for a link after check_plain_tree was read through it (a trust leftover and a
+    review's find, 2026-11-30). Where each folder really is is taken once (checked_root, itself never through a link),
+    and every file DeepSpeed's reads, the scan and the snapshot's check and read open must lie inside it."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    ckpt, other = out / "checkpoints", elsewhere / "checkpoints"
+    for folder in (ckpt, other):
+        _tag(folder, "global_step2", "mp_rank_00_model_states.pt")
     path = ckpt / "global_step2" / "mp_rank_00_model_states.pt"
-    assert checkpoint.read_checkpoint_file(path, root=ckpt)["global_steps"] == 2  # inside: read
-    shutil.rmtree(ckpt / "global_step2")
-    (ckpt / "global_step2").symlink_to(elsewhere / "global_step2", target_is_directory=True)
+    root = checkpoint.checked_root(ckpt)
+    assert checkpoint.read_checkpoint_file(path, root=root)["global_steps"] == 2  # inside: read
+
+    def refused(*reads):
+        for read in reads:
+            with pytest.raises(checkpoint.UnsafeCheckpointError, match="outside .*a folder on its way became a link") as err:
+                read()
+            assert str(elsewhere) in str(err.value) and "\n" not in str(err.value)
+
+    shutil.rmtree(ckpt / "global_step2")  # a tag folder swapped
+    (ckpt / "global_step2").symlink_to(other / "global_step2", target_is_directory=True)
     assert checkpoint.read_checkpoint_file(path)["global_steps"] == 2  # no root given: what O_NOFOLLOW alone allowed
-    for read in (lambda: checkpoint.read_checkpoint_file(path, root=ckpt), lambda: checkpoint.unsafe_classes(path, ckpt)):
-        with pytest.raises(checkpoint.UnsafeCheckpointError, match="outside .*a folder on its way became a link") as refused:
-            read()
-        assert str(elsewhere) in str(refused.value) and "\n" not in str(refused.value)
-    snapshot_dir = tmp_path / "selection"
-    snapshot_dir.mkdir()
-    (snapshot_dir / "rank0.pt").symlink_to(path)  # the file name's own link: refused as before
-    with pytest.raises(ElsaError, match="is a link"):
-        checkpoint.check_file(snapshot_dir / "rank0.pt", "the best projection's snapshot")
+    refused(lambda: checkpoint.read_checkpoint_file(path, root=root), lambda: checkpoint.unsafe_classes(path, root))
+    ckpt.rename(out / "was_checkpoints")  # the checkpoints folder itself swapped, once its root was taken
+    ckpt.symlink_to(other, target_is_directory=True)
+    refused(lambda: checkpoint.read_checkpoint_file(path, root=root))
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="it is a link"):  # a root taken now refuses the link
+        checkpoint.checked_root(ckpt)
+    snapshots, planted = out / "best_projection", elsewhere / "best_projection"
+    for folder in (snapshots, planted):
+        folder.mkdir()
+        torch.save({"w": torch.ones(2)}, folder / "rank0.pt")
+    snapshot_root = checkpoint.checked_root(snapshots)
+    checkpoint.check_file(snapshots / "rank0.pt", "the best projection's snapshot", snapshot_root)
+    snapshots.rename(out / "was_best_projection")  # the snapshot folder swapped after the resume's scan
+    snapshots.symlink_to(planted, target_is_directory=True)
+    with pytest.raises(ElsaError, match="outside"):
+        checkpoint.check_file(snapshots / "rank0.pt", "the best projection's snapshot", snapshot_root)
+    refused(lambda: checkpoint.read_checkpoint_file(snapshots / "rank0.pt", root=snapshot_root))
 
 
 class RewritesAStage:
