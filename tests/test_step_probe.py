@@ -5,6 +5,7 @@ jobs of several nodes keep the rates' pricing; ranks that cannot run leave one l
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -42,6 +43,8 @@ def test_a_timed_micro_step_stands_for_the_modelled_one_and_the_engines_step_add
     fast = step_time(shape, ds, cfg, 2, 1, "cpu", rates, JobTimings(0.1, 0.2, 0.0, 2))
     assert fast.components["engine step"] == 0.0  # a step faster than the model's optimizer adds nothing, never less
     assert "engine step" not in modelled.components and modelled.timed is None
+    scored = step_time(shape, ds, cfg.model_copy(update={"val_windows": 16}), 2, 1, "cpu", rates, timed)
+    assert scored.run_parts["validation"] == pytest.approx(3 * 2 * 0.1)  # 8 windows a rank, 4 a micro-batch: timed forwards
 
 
 def test_what_is_not_timed_here_keeps_the_rates_pricing(monkeypatch):
@@ -53,6 +56,7 @@ def test_what_is_not_timed_here_keeps_the_rates_pricing(monkeypatch):
     assert measure_job(shape, ds, cfg, 2, 2, "cpu", rate) is None  # two nodes: their network is not this host's loopback
     flops = 6 * shape.num_params * 4 * 256 * 2  # the demo's micro-batch of 4 x 256 tokens on each of 2 ranks
     assert measure_job(shape, ds, cfg, 2, 1, "cpu", flops / probe.PROBE_STEP_BUDGET_S / 1.01) is None  # too long to time
+    assert measure_job(shape, ds, cfg, (os.cpu_count() or 1) + 1, 1, "cpu", 1e30) is None  # more ranks than CPUs here
     monkeypatch.setattr(probe, "TIMED_MODEL_PARAMS", shape.num_params - 1)
     assert measure_job(shape, ds, cfg, 2, 1, "cpu", rate) is None and not ran  # past the size worth timing
     monkeypatch.setattr(probe, "TIMED_MODEL_PARAMS", shape.num_params)
