@@ -93,10 +93,10 @@ def _build(name: str, csrc: Path, sources: tuple[str, ...], what: str, verbose: 
     try:
         from torch.utils import cpp_extension
 
-        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
-        if not (folder / f"{name}.so").is_file():  # a first use on this machine waits on the compiler: say so
-            log.info(f"building the {what} for this CPU (once; about half a minute on 2 cores, then cached in {folder}; "
-                     "ELSA_DS_KERNELS=0 skips it)")
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+        if not any(root.glob(f"{name}/{name}.so")) and not any(root.glob(f"*/{name}/{name}.so")):  # torch's own layouts
+            log.info(f"building the {what} for this CPU (once; about half a minute on 2 cores, then cached under {root}; "
+                     "ELSA_DS_KERNELS=0 skips it)")  # a first use on this machine waits on the compiler: say so
         return cpp_extension.load(
             name=name, sources=[str(csrc / s) for s in sources], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
             extra_include_paths=[str(csrc)], verbose=verbose,
