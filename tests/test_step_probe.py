@@ -97,3 +97,34 @@ def test_the_demo_jobs_micro_step_is_timed_on_two_real_ranks_and_the_estimate_ta
     last = json.loads(out[-1])["time"]
     assert last["timed"]["ranks"] == 2 and last["components"]["forward/backward"] == pytest.approx(last["timed"]["micro_step_s"])
     assert any(line.startswith("time per step") and "timed here" in line for line in out)
+
+
+def test_a_rank_that_cannot_start_stops_the_others_and_what_they_started(monkeypatch, tmp_path, capsys):
+    """Popen failing for rank 1 crashed the estimate and left rank 0 running; a rank killed mid-build left its compiler
+    running (a review's finds): every rank runs in a session of its own, and the whole session is stopped."""
+    import subprocess
+    import sys
+
+    shape, ds, cfg = _demo_job()
+    grandchild = tmp_path / "grandchild.pid"
+    started, real_popen = [], subprocess.Popen
+
+    def popen(cmd, **kwargs):
+        if started:
+            raise OSError(11, "Resource temporarily unavailable")
+        code = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); open({str(grandchild)!r}, 'w')"
+                ".write(str(p.pid)); time.sleep(60)")
+        started.append(real_popen([sys.executable, "-c", code], **kwargs))
+        for _ in range(100):
+            if grandchild.is_file() and grandchild.read_text():
+                break
+            time.sleep(0.1)
+        return started[-1]
+
+    monkeypatch.setattr(probe.subprocess, "Popen", popen)
+    monkeypatch.setattr(probe.compat, "build_cpu_ops", lambda: None)
+    assert measure_job(shape, ds, cfg, 2, 1, "cpu", TYPICAL["cpu-2c"].matmul_flops) is None
+    assert "could not be timed here (BlockingIOError: [Errno 11]" in capsys.readouterr().out
+    assert started[0].returncode is not None  # rank 0 stopped and reaped
+    stat = Path(f"/proc/{grandchild.read_text()}/stat")
+    assert not stat.exists() or stat.read_text().split(") ")[1][0] in "ZX"  # what it started is gone (or a zombie)

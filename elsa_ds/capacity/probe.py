@@ -21,8 +21,10 @@ pricing. Run as a module this file is one probe rank (the launcher's variables s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -32,7 +34,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from elsa_ds.files.procfs import usable_cpus
 from elsa_ds.log import get_logger
+from elsa_ds.zero import compat
 
 log = get_logger(__name__)
 
@@ -73,8 +77,8 @@ def measure_job(shape, ds: dict, cfg, num_gpus: int, num_nodes: int, device: str
     flops = 6 * shape.num_params * int(ds["train_micro_batch_size_per_gpu"]) * cfg.seqlen * num_gpus
     if flops / flop_rate > PROBE_STEP_BUDGET_S:
         return None
-    if num_gpus > (os.cpu_count() or 1):
-        log.info(f"the job's micro-step is not timed here: {num_gpus} ranks on {os.cpu_count()} CPUs; the rates price it")
+    if num_gpus > (cpus := usable_cpus()):
+        log.info(f"the job's micro-step is not timed here: {num_gpus} ranks on {cpus:g} usable CPUs; the rates price it")
         return None
     with tempfile.TemporaryDirectory(prefix="elsa_probe_") as folder:
         model_config(cfg.model).save_pretrained(folder)  # as the estimate resolved it (offline): the ranks build from it
@@ -87,7 +91,7 @@ def measure_job(shape, ds: dict, cfg, num_gpus: int, num_nodes: int, device: str
 # what the probe's engine leaves out of the job's DeepSpeed config: the optimizer and schedule it brings itself (and
 # elsa_ds refuses in a config), what writes files, and ELSA's own block; the batch and ZeRO sections it sets
 LEFT_OUT = ("optimizer", "scheduler", "elsa", "checkpoint", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
-            "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization")
+            "autotuning", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization")
 
 
 def _probe_config(ds: dict, world: int) -> dict:
@@ -152,46 +156,56 @@ def _rank_main(spec: dict) -> None:
 
 def _run_ranks(ranks: int, spec: dict) -> JobTimings | None:
     """``spec``'s micro-step timed in ``ranks`` processes of this host on DeepSpeed's CPU accelerator (whatever GPU the
-    host has); None, and a line saying why, when one fails (the others are stopped then, not waited for) or when they
-    give no answer within :data:`TIMEOUT_S`."""
+    host has), in the probe's folder; None, and a line saying why, when one fails (the rest are stopped then, each with
+    whatever it started: a compiler mid-build too), when they cannot start, or when no answer comes in :data:`TIMEOUT_S`.
+    DeepSpeed's CPU ops are built here first, so that no rank is stopped inside a build and leaves its lock behind."""
+    folder = Path(spec["answer"]).parent
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks),
            "LOCAL_SIZE": str(ranks), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "elsa_ds.capacity.probe", json.dumps(spec)]
     procs: list[subprocess.Popen] = []
-    with tempfile.TemporaryFile("w+") as errors:
+    why: str | None = None
+    failed: int | str | None = None
+    try:
+        compat.build_cpu_ops()
+        for r in range(ranks):
+            with (folder / f"rank{r}.err").open("wb") as errors:
+                procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=folder,
+                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
+                                              start_new_session=True))
+        failed = _wait_all(procs)
+    except (OSError, RuntimeError) as err:  # a process that cannot start, an op that cannot build
+        why = f"{type(err).__name__}: {err}"
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # the rank and what it started
+            p.wait()
+    if why is None and isinstance(failed, int):
+        said = (folder / f"rank{failed}.err").read_text(errors="replace").split("\n")
+        why = next((line.strip()[:200] for line in reversed(said) if line.strip()), f"rank {failed} failed")
+    elif why is None and isinstance(failed, str):
+        why = failed
+    if why is None:
         try:
-            for r in range(ranks):
-                procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors))
-            why = _wait_all(procs)
-        finally:
-            for p in procs:
-                p.kill()
-                p.wait()
-        if why is None:
-            try:
-                found = json.loads(Path(spec["answer"]).read_text())
-                return JobTimings(forward_s=float(found["forward_s"]), backward_s=float(found["backward_s"]),
-                                  step_s=float(found["step_s"]), ranks=ranks)
-            except (OSError, ValueError, KeyError, TypeError) as err:
-                why = f"rank 0 left no answer: {err}"
-        elif why == "failed":
-            errors.seek(0)
-            said = [line.strip() for line in errors.read().splitlines() if line.strip()]
-            why = said[-1][:200] if said else "a rank failed"
+            found = json.loads(Path(spec["answer"]).read_text())
+            return JobTimings(forward_s=float(found["forward_s"]), backward_s=float(found["backward_s"]),
+                              step_s=float(found["step_s"]), ranks=ranks)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            why = f"rank 0 left no answer: {err}"
     log.info(f"the job's micro-step could not be timed here ({why}); the rates price it")
     return None
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> str | None:
-    """None when every process exited 0; "failed" at the first that did not; a sentence when the time ran out."""
+def _wait_all(procs: list[subprocess.Popen]) -> int | str | None:
+    """None when every process exited 0; the index of the first seen to fail; a sentence when the time ran out."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         codes = [p.poll() for p in procs]
-        if any(c not in (None, 0) for c in codes):
-            return "failed"
+        if (failed := next((i for i, c in enumerate(codes) if c not in (None, 0)), None)) is not None:
+            return failed
         if all(c == 0 for c in codes):
             return None
         time.sleep(0.2)

@@ -72,7 +72,7 @@ class Selector:
 
     def _save(self, zero: ZeroEngine) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.root = self.root or checkpoint.checked_root(self.directory)
+        self.root = self.root or checkpoint.checked_root(self.directory, "--select_every")
         path = self.directory / f"rank{self.rank}.pt"
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.unlink(missing_ok=True)  # a link left at the name is removed, never written through

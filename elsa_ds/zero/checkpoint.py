@@ -139,15 +139,45 @@ def _check_zip(path: Path, fh: BinaryIO) -> None:
         raise _altered(path, problem.text) if problem.altered else ValueError(f"{path}: {problem.text}")
 
 
-def checked_root(folder: Path) -> Path:
+def checked_root(folder: Path, flag: str = "--resume") -> Path:
     """Where ``folder`` (a resumed run's checkpoints, or its best projection's snapshot folder: trees
-    ``check_plain_tree`` walked) really is, taken once before its files are read (``torch_files.real_folder``):
-    the ``root`` they must then open inside. UnsafeCheckpointError when ``folder`` itself has become a link."""
+    ``check_plain_tree`` walked) really is, taken before its files are read (``torch_files.real_folder``): the
+    ``root`` they must then open inside. UnsafeCheckpointError when ``folder`` itself is a link (``flag`` names
+    the setting that reads it), ElsaError when it cannot be read."""
     try:
         return torch_files.real_folder(folder)
     except torch_files.NotRegularFile as err:
-        raise UnsafeCheckpointError(f"--resume: refusing {folder}: it is {err.what}, where the checks before loading saw a "
-                                    "folder; restore the run from a copy you trust") from None
+        raise UnsafeCheckpointError(f"{flag}: refusing {folder}: it is {err.what}, where a folder of this run's own must be; "
+                                    "remove it, or restore the run from a copy you trust") from None
+    except OSError as err:
+        raise ElsaError(f"{flag}: cannot read {folder} ({err.strerror}); restore it or start without --resume") from None
+
+
+# each checkpoints folder as check_resume took it in this process: its real place and its (device, inode)
+_ROOTS: dict[str, tuple[Path, tuple[int, int]]] = {}
+
+
+def _identity(root: Path) -> tuple[Path, tuple[int, int]]:
+    st = os.stat(root)
+    return root, (st.st_dev, st.st_ino)
+
+
+def _load_root(ckpt_dir: Path, comm) -> Path:
+    """The checkpoints folder's real place for ``load_latest``: the folder ``check_resume`` scanned, the same one
+    (another put at its path, a link or a moved parent since, or none there, stops every rank). Collective."""
+    problem: ElsaError | None = None
+    try:
+        root = checked_root(ckpt_dir)
+        now = _identity(root)
+        if (before := _ROOTS.get(str(ckpt_dir), now)) != now:
+            raise UnsafeCheckpointError(f"--resume: refusing {ckpt_dir}: it is not the folder whose files were checked "
+                                        f"before loading (then {before[0]}, now {root}, another folder); restore the run "
+                                        "from a copy you trust")
+    except ElsaError as err:
+        problem = err
+    if comm.all_reduce_sum(torch.tensor([0.0 if problem is None else 1.0])).item():
+        raise problem or UnsafeCheckpointError(f"--resume: another rank refused {ckpt_dir} (see its line)")
+    return root
 
 
 def _open_checkpoint_file(path: Path, root: Path | None) -> BinaryIO:
@@ -249,6 +279,7 @@ def check_resume(ckpt_dir: Path) -> None:
     UnsafeCheckpointError). An unreadable newer tag is left to ``load_latest``, which falls back past it."""
     unreadable = {}
     tags, root = resume_order(ckpt_dir), checked_root(ckpt_dir)
+    _ROOTS[str(ckpt_dir)] = _identity(root)
     for tag in tags:
         files = sorted((ckpt_dir / tag).glob("*.pt"))  # check_plain_tree has refused links and special files there
         if not files:
@@ -335,7 +366,7 @@ def load_latest(engine, ckpt_dir: Path, comm, client_problem: Callable[[Any], st
     state (None when there is none). A file that needs a class outside the allow-list, or that loads into something
     elsa_ds never writes (the loop's state as ``client_problem`` judges it, the loss scaler, z and u), stops every rank.
     Collective."""
-    root = checked_root(ckpt_dir)  # once: every file DeepSpeed reads must open inside it
+    root = _load_root(ckpt_dir, comm)  # check_resume's: every file DeepSpeed reads must open inside it
     for tag in resume_order(ckpt_dir):
         refusal = None
         try:

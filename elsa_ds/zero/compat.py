@@ -20,6 +20,22 @@ import torch
 TESTED_DEEPSPEED = ((0, 19),)
 
 
+def build_cpu_ops() -> None:
+    """Build, or load from torch's cache, the DeepSpeed ops a CPU job's ranks load first (CPU Adam, the shared-memory
+    all-reduce) when this process runs on DeepSpeed's CPU accelerator: a rank stopped during a build leaves its lock,
+    on which every later load waits. A build that fails is left to the ranks, which then report it."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return
+    for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+        builder = accelerator.create_op_builder(name)
+        with contextlib.suppress(Exception):  # noqa: BLE001 - reported by the ranks that need it
+            if builder is not None and builder.is_compatible(verbose=False):
+                builder.load(verbose=False)
+
+
 def check_deepspeed_version() -> None:
     """Warn once when DeepSpeed is a release whose internals elsa_ds has not been tested against."""
     import deepspeed

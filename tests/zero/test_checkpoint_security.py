@@ -131,6 +131,40 @@ def test_a_folder_swapped_for_a_link_after_the_checks_is_not_read_through(tmp_pa
     refused(lambda: checkpoint.read_checkpoint_file(snapshots / "rank0.pt", root=snapshot_root))
 
 
+class OneRank:
+    """The Comm ``load_latest`` and its root check use, for one rank: its sums are its own."""
+
+    world_size = 1
+
+    @staticmethod
+    def all_reduce_sum(t):
+        return t
+
+
+def test_the_root_the_resume_checked_is_the_one_loaded_from_and_a_moved_or_gone_one_stops_every_rank(tmp_path):
+    """check_resume and load_latest took the folder's real place each on its own, so a parent swapped between them
+    had DeepSpeed read files never scanned; and one rank's refusal there left the others in the load's all-reduce (a
+    review's finds, 2026-11-30). load_latest now takes check_resume's, says when the folder moved, and refuses together."""
+    out = tmp_path / "out"
+    ckpt = out / "checkpoints"
+    _tag(ckpt, "global_step2", "mp_rank_00_model_states.pt")
+    (ckpt / "latest").write_text("global_step2")
+    checkpoint.check_resume(ckpt)
+    assert checkpoint._load_root(ckpt, OneRank()) == ckpt.resolve()
+    out.rename(tmp_path / "scanned")  # the scanned run moved away, another put in its place
+    _tag(ckpt, "global_step2", "mp_rank_00_model_states.pt")
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="not the folder whose files were checked before loading"):
+        checkpoint._load_root(ckpt, OneRank())
+    shutil.rmtree(out)
+    with pytest.raises(ElsaError, match="--resume: cannot read .*checkpoints"):  # gone: one line, not a traceback
+        checkpoint._load_root(ckpt, OneRank())
+    (tmp_path / "planted").mkdir()
+    snapshots = tmp_path / "best_projection"
+    snapshots.symlink_to(tmp_path / "planted", target_is_directory=True)  # a link left where a fresh run saves its best
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="^--select_every: refusing .*it is a link"):
+        checkpoint.checked_root(snapshots, "--select_every")
+
+
 class RewritesAStage:
     """Unpickled, it sets attributes on ZeroStageEnum's member 3, an object DeepSpeed shares process-wide (BUILD)."""
 
