@@ -15,6 +15,7 @@ The score is only as honest as the validation windows: they must be text the run
 """
 from __future__ import annotations
 
+import functools
 import shutil
 from contextlib import nullcontext
 from pathlib import Path
@@ -45,7 +46,12 @@ class Selector:
         self.directory: Path = directory  # the best snapshot, one file per rank
         self.rank: int = rank
         self.record: dict[str, Any] = record or {"curve": [], "best": None, "since_best": 0, "stopped_at": None}
-        self.root: Path | None = None  # where the snapshot folder really is, taken once (checkpoint.checked_root)
+
+    @functools.cached_property
+    def root(self) -> Path:
+        """Where the snapshot folder really is, taken the first time it is needed (a resume's scan of the snapshot, or
+        the first save, which made the folder) and kept: the snapshot is read back only from there."""
+        return checkpoint.checked_root(self.directory, "--select_every")
 
     def due(self, projections: int) -> bool:
         return projections > 0 and projections % self.every == 0
@@ -72,8 +78,7 @@ class Selector:
 
     def _save(self, zero: ZeroEngine) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.root = self.root or checkpoint.checked_root(self.directory, "--select_every")
-        path = self.directory / f"rank{self.rank}.pt"
+        path = self.root / f"rank{self.rank}.pt"  # the folder's real place, taken at the first save: written there only
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.unlink(missing_ok=True)  # a link left at the name is removed, never written through
         with open(tmp, "xb") as file:
@@ -89,7 +94,6 @@ class Selector:
             raise ElsaError(f"--resume: the checkpoint's selection names the best projection of step {best['step']}, but its "
                             f"snapshot {path} is gone; start the run again without --resume")
         if best is not None:  # read at the run's end: scanned now, before any step
-            self.root = checkpoint.checked_root(self.directory)
             checkpoint.check_file(path, "the best projection's snapshot", self.root)
 
     def choose(self, zero: ZeroEngine, final_ppl: float | None, final_step: int) -> float | None:
@@ -101,8 +105,7 @@ class Selector:
         if best is None or (final_ppl is not None and final_ppl <= best["ppl"]):
             self.record["chosen"] = {"step": final_step, "ppl": final_ppl, "final": True}
             return final_ppl
-        root = self.root or checkpoint.checked_root(self.directory)
-        restore_shards(zero, checkpoint.read_checkpoint_file(self.directory / f"rank{self.rank}.pt", root=root))
+        restore_shards(zero, checkpoint.read_checkpoint_file(self.directory / f"rank{self.rank}.pt", root=self.root))
         self.record["chosen"] = {**best, "final": False}
         return best["ppl"]
 
