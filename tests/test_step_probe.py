@@ -83,8 +83,8 @@ def test_the_demo_jobs_micro_step_is_timed_on_two_real_ranks_and_the_estimate_ta
     timed on the host (NVMe's traffic is priced from its bytes), and elsa-estimate --measure printing what it timed."""
     shape, ds, cfg = _demo_job("ds_configs/zero3_nvme.json")
     ports = []
-    free_port = probe._free_port
-    monkeypatch.setattr(probe, "_free_port", lambda: ports.append(free_port()) or ports[-1])
+    free_port = probe.free_port
+    monkeypatch.setattr(probe, "free_port", lambda: ports.append(free_port()) or ports[-1])
     timed = measure_job(shape, ds, cfg, 2, 1, "cpu", TYPICAL["cpu-2c"].matmul_flops)
     assert timed is not None and timed.ranks == 2
     assert 0 < timed.forward_s < 30 and 0 < timed.backward_s < 30 and 0 < timed.step_s < 30

@@ -23,6 +23,7 @@ from elsa_ds.errors import ElsaError, require
 from elsa_ds.log import get_logger
 from elsa_ds.settings.config import resolve_config
 from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.zero.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 log = get_logger(__name__)
@@ -139,7 +140,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
             nvme = out_dir / "nvme" / name
             nvme.mkdir(parents=True, exist_ok=True)
             extra = ["--nvme_path", str(nvme)]
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(_free_port()),
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()),
                str(ROOT / "launch" / "prune.py"), "--deepspeed", cfg_path, *prune_args, *extra, "--output_dir", str(run_dir), "--overwrite"]
         log.info(f"ablation run {name}: {' '.join(cmd[3:])}")
         with (out_dir / f"{name}.log").open("w") as run_log:
@@ -194,14 +195,6 @@ def step_time_for_report(view: DsConfig, report: dict, ranks: int, device: str, 
     shape, ds = resolved_job(cfg, view, ranks)
     rates = replace(rates, matmul_flops=matmul_rate(device, *job_matmul(shape, ds, cfg)))  # the job's own matmul
     return step_time(shape, ds, cfg, ranks, 1, device, rates, measure_job(shape, ds, cfg, ranks, 1, device, rates.matmul_flops))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 from elsa_ds.files.procfs import usable_cpus
 from elsa_ds.log import get_logger
 from elsa_ds.zero import compat
+from elsa_ds.zero.dist import free_port
 
 log = get_logger(__name__)
 
@@ -161,7 +161,7 @@ def _run_ranks(ranks: int, spec: dict) -> JobTimings | None:
     DeepSpeed's CPU ops are built here first, so that no rank is stopped inside a build and leaves its lock behind."""
     folder = Path(spec["answer"]).parent
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
            "LOCAL_SIZE": str(ranks), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "elsa_ds.capacity.probe", json.dumps(spec)]
@@ -210,12 +210,6 @@ def _wait_all(procs: list[subprocess.Popen]) -> int | str | None:
             return None
         time.sleep(0.2)
     return f"no answer in {TIMEOUT_S} s"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -77,23 +77,23 @@ def real_folder(path: Path) -> Path:
             raise NotRegularFile(path, "a link" if err.errno == errno.ELOOP or path.is_symlink() else "not a folder") from None
         raise
     try:
-        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+        return Path(os.readlink(_fd_name(fd)))
     except OSError:  # no /proc: the name as resolved now
         return path.resolve()
     finally:
         os.close(fd)
 
 
-def _fd_name(handle: BinaryIO) -> str:
-    """Linux's name for ``handle``'s open file: a link to where it was opened, and a path that opens that file."""
-    return f"/proc/self/fd/{handle.fileno()}"
+def _fd_name(fd: int) -> str:
+    """Linux's name for the open file ``fd``: a link to where it was opened, and a path that opens that file."""
+    return f"/proc/self/fd/{fd}"
 
 
 def opened_path(handle: BinaryIO) -> Path | None:
     """Where the file ``handle`` holds was when it was opened, every link resolved (Linux's ``/proc/self/fd``); None
     where that cannot be read."""
     try:
-        return Path(os.readlink(_fd_name(handle)))
+        return Path(os.readlink(_fd_name(handle.fileno())))
     except OSError:
         return None
 
@@ -101,7 +101,7 @@ def opened_path(handle: BinaryIO) -> Path | None:
 def same_file_name(handle: BinaryIO) -> str | None:
     """A name that opens the very file ``handle`` holds, whatever is at its path now (Linux's ``/proc/self/fd``), for
     readers that take only a name (torch's mmap, safetensors); None where there is none."""
-    name = _fd_name(handle)
+    name = _fd_name(handle.fileno())
     try:
         same = os.path.samestat(os.stat(name), os.fstat(handle.fileno()))
     except OSError:

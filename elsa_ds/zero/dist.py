@@ -13,12 +13,17 @@ from elsa_ds.zero import compat
 SINGLE_PROCESS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now, for a process group's rendezvous (MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed() -> tuple[int, int]:
     """Initialize torch.distributed through DeepSpeed; a plain ``python`` run is rank 0 of 1. Returns (rank, world)."""
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
     import torch.distributed as dist
