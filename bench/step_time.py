@@ -64,6 +64,8 @@ def measured_rows(args) -> list[dict]:
                      "measured_s": row.step_time_s, "estimated_s": estimate, "ratio": estimate / row.step_time_s,
                      "within_25pct": abs(estimate / row.step_time_s - 1) <= 0.25,
                      "timed_micro_step_s": row.est_micro_step_s,  # the estimate's micro-step timed here, or None
+                     # its optimizer's step and one projection timed here, in DeepSpeedCPUAdam steps, or None
+                     "timed_optimizer_step": row.est_optimizer_step, "timed_projection": row.est_projection,
                      # issue 43's memory check from the same runs: the process tree's peak host RSS and the GPU's
                      # allocator peak (report) against elsa-estimate's per-node host and per-GPU figures
                      "host_peak_bytes": row.peak_host_rss_bytes, "host_est_bytes": row.est_host_bytes,

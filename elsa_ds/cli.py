@@ -159,6 +159,7 @@ def main_estimate(argv: list[str] | None = None) -> int:
         from elsa_ds.capacity.memory import format_estimate, job_estimate, resolved_job
         from elsa_ds.capacity.preflight import format_output, output_bytes
         from elsa_ds.capacity.probe import measure_job
+        from elsa_ds.capacity.optimizer_probe import measure_optimizer
         from elsa_ds.capacity.step_time import DEFAULT_MACHINE, TYPICAL, format_time, job_matmul, measure, step_time
         from elsa_ds.zero.ds_config import DsConfig
 
@@ -174,7 +175,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
         typical = TYPICAL[DEFAULT_MACHINE[opts.accelerator] if opts.machine == "auto" else opts.machine]
         rates = measure(opts.accelerator, typical, *job_matmul(shape, ds, cfg)) if opts.measure else typical
         timed = measure_job(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates.matmul_flops) if opts.measure else None
-        timing = step_time(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates, timed)
+        optimizer = measure_optimizer(cfg, ds_config) if opts.measure else None
+        timing = step_time(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates, timed, optimizer)
         # the table and the JSON line are the command's product: stdout, whatever the log level
         print(format_estimate(est, opts.model or cfg.model, args.deepspeed, opts.num_gpus, opts.num_nodes), flush=True)
         written = output_bytes(shape, ds, cfg, args.export_format or "dense")

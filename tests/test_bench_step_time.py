@@ -77,4 +77,5 @@ def test_a_measured_run_puts_time_and_memory_beside_the_estimate(tmp_path):
     assert row["ratio"] == pytest.approx(row["estimated_s"] / row["measured_s"])
     assert row["host_peak_bytes"] > 0 and row["host_ratio"] == pytest.approx(row["host_est_bytes"] / row["host_peak_bytes"])
     assert row["gpu_peak_bytes"] is None  # no GPU here: the report has no allocator peak
+    assert row["timed_optimizer_step"] > 0 and row["timed_projection"] > 0  # the job's optimizer timed beside DeepSpeedCPUAdam
     assert f"| zero3_offload | 1 | 3 | {row['measured_s']:.3f} |" in proc.stdout

@@ -97,6 +97,8 @@ def test_the_demo_jobs_micro_step_is_timed_on_two_real_ranks_and_the_estimate_ta
     last = json.loads(out[-1])["time"]
     assert last["timed"]["ranks"] == 2 and last["components"]["forward/backward"] == pytest.approx(last["timed"]["micro_step_s"])
     assert any(line.startswith("time per step") and "timed here" in line for line in out)
+    assert last["optimizer_timed"]["key"] == "cpu_adam"  # and its optimizer beside DeepSpeedCPUAdam (optimizer_probe)
+    assert any("its optimizer timed here (cpu_adam" in line for line in out)
 
 
 def test_a_rank_that_cannot_start_stops_the_others_and_what_they_started(monkeypatch, tmp_path, capsys):

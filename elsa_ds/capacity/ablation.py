@@ -47,6 +47,10 @@ class AblationRow:
     launcher_rss_bytes: float = 0.0       # the deepspeed launcher's processes (runner, launch.py) together, at their peak
     est_step_time_s: float = 0.0          # elsa-estimate's step time, as the report averages it, at rates measured here
     est_micro_step_s: float | None = None  # the micro-step it timed here (probe.measure_job); None: priced from the rates
+    # the job's optimizer step and one projection timed here, in DeepSpeedCPUAdam steps (optimizer_probe); None: the
+    # profile's ratios (the optimizer on the GPU, or nothing could be timed)
+    est_optimizer_step: float | None = None
+    est_projection: float | None = None
 
 
 class TreeMonitor(threading.Thread):
@@ -169,6 +173,8 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
             admm_state_bytes_per_param=report["admm_state_bytes_per_param"], ranks=ranks,
             peak_rank_rss_bytes=monitor.peak_rank_rss, launcher_rss_bytes=monitor.peak_launcher_rss,
             est_step_time_s=timed.report_mean(), est_micro_step_s=timed.timed["micro_step_s"] if timed.timed else None,
+            est_optimizer_step=(timed.optimizer_timed or {}).get("kernel"),
+            est_projection=(timed.optimizer_timed or {}).get("projection"),
         ))
     write_outputs(rows, out_dir)
     return rows
@@ -184,9 +190,11 @@ def estimate_for_report(raw: dict, report: dict, ranks: int, device: str) -> Est
 
 def step_time_for_report(view: DsConfig, report: dict, ranks: int, device: str, rates):
     """elsa-estimate's step time for the job an ``elsa_report.json`` describes, its engine config resolved as the job
-    resolved it, against ``rates`` (the matmul's timed again at the job's own shape) and, as ``--measure`` does, the
-    job's micro-step timed here where it is cheap (``probe.measure_job``)."""
+    resolved it, against ``rates`` (the matmul's timed again at the job's own shape, the job's optimizer timed here:
+    ``optimizer_probe``) and, as ``--measure`` does, the job's micro-step timed here where it is cheap
+    (``probe.measure_job``)."""
     from elsa_ds.capacity.memory import resolved_job
+    from elsa_ds.capacity.optimizer_probe import measure_optimizer
     from elsa_ds.capacity.probe import measure_job
     from elsa_ds.capacity.step_time import job_matmul, matmul_rate, step_time
     from elsa_ds.settings.config import ElsaConfig
@@ -194,7 +202,8 @@ def step_time_for_report(view: DsConfig, report: dict, ranks: int, device: str, 
     cfg = ElsaConfig.model_validate(report["config"])
     shape, ds = resolved_job(cfg, view, ranks)
     rates = replace(rates, matmul_flops=matmul_rate(device, *job_matmul(shape, ds, cfg)))  # the job's own matmul
-    return step_time(shape, ds, cfg, ranks, 1, device, rates, measure_job(shape, ds, cfg, ranks, 1, device, rates.matmul_flops))
+    return step_time(shape, ds, cfg, ranks, 1, device, rates, measure_job(shape, ds, cfg, ranks, 1, device, rates.matmul_flops),
+                     measure_optimizer(cfg, view))
 
 
 def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:

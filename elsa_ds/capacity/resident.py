@@ -101,17 +101,23 @@ def element_bytes(ds: dict) -> int:
     return 2 if ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled") else 4
 
 
+def job_optimizer(ds: dict, elsa: dict) -> tuple[str, str]:
+    """(the base optimizer, ``auto`` resolved as the job resolves it; the authors' remedy the run takes, or "")."""
+    base = elsa.get("base_optimizer", "auto")
+    base = ("adam" if DsConfig(ds).optimizer_device == "none" else "cpu_adam") if base == "auto" else base
+    return base, "adaptive" if elsa.get("lmda_schedule") == "adaptive" else "relaxed" if elsa.get("relaxation", 1.0) != 1.0 else ""
+
+
 def read_job(shape: ModelShape, ds: dict, elsa: dict, world: int, device: str) -> Job:
     view = DsConfig(ds)
-    opt_dev, base = view.optimizer_device, elsa.get("base_optimizer", "auto")
+    opt_dev = view.optimizer_device
     if bad := sorted({view.param_device, opt_dev} - {"none", "cpu", "nvme"}):  # until DsConfig.check names it
         raise ElsaError(f"zero_optimization: offload_param / offload_optimizer device {bad[0]!r}: DeepSpeed takes none, cpu or nvme")
-    base = ("adam" if opt_dev == "none" else "cpu_adam") if base == "auto" else base
+    base, remedy = job_optimizer(ds, elsa)
     half = element_bytes(ds)
     zero = view.zero
     pins = {k: device == "cuda" and bool(zero.get(k, {}).get("pin_memory")) for k in ("offload_param", "offload_optimizer")}
     fused = (opt_dev != "none" or device == "cpu") and elsa.get("pattern", "unstructured") == "unstructured"
-    remedy = "adaptive" if elsa.get("lmda_schedule") == "adaptive" else "relaxed" if elsa.get("relaxation", 1.0) != 1.0 else ""
     return Job(
         world=world, p=shape.num_params / world, t=shape.trainable_params / world, half=half,
         grad_accum=DTYPE_BYTES.get(str(ds.get("data_types", {}).get("grad_accum_dtype")), half),

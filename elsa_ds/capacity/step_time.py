@@ -13,7 +13,8 @@ model element; a micro-steps of b sequences of L tokens; every host figure is th
     + hooks       ZeRO-3's per-tensor fetch and release work, twice a micro-step, per parameter tensor
     optimizer     offloaded: T/W entries at DeepSpeedCPUAdam's measured rate times the fused ELSA kernel's cost
                   relative to it (bench/optimizer_step.py; the authors' remedies times their eager parts' measured
-                  factors, REMEDY_FACTORS), and DeepSpeed's host passes around it (stage3.py: the
+                  factors, REMEDY_FACTORS; with --measure, the job's own optimizer timed on the host beside
+                  DeepSpeedCPUAdam: optimizer_probe), and DeepSpeed's host passes around it (stage3.py: the
                   gradient norm read, the gradient unscaled in place, the fp32 → 16-bit parameter copy: 16 + h bytes
                   an entry) at the host's copy rate; on the device: Adam's and ELSA's state traffic (28 + z + u bytes an entry read or
                   written, twice for torch's unfused passes) at the device's memory rate
@@ -33,6 +34,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+from elsa_ds.capacity.optimizer_probe import OptimizerTimings, rate_key
 from elsa_ds.capacity.probe import JobTimings
 from elsa_ds.capacity.resident import Job, checkpoint_tag_bytes, element_bytes, read_job
 from elsa_ds.capacity.shapes import ModelShape
@@ -133,6 +135,7 @@ class StepTime:
     rates: dict
     uncounted: tuple[str, ...] = ()  # what the run also does that run_s leaves out
     timed: dict | None = None        # the job's micro-step as timed on this machine (probe.JobTimings), if it was
+    optimizer_timed: dict | None = None  # the job's optimizer as timed on this machine (optimizer_probe), if it was
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -171,17 +174,19 @@ def job_matmul(shape: ModelShape, ds: dict, cfg) -> tuple[int, tuple[int, int, i
 
 
 def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, device: str, rates: Rates,
-              timed: JobTimings | None = None) -> StepTime:
+              timed: JobTimings | None = None, optimizer: OptimizerTimings | None = None) -> StepTime:
     """Seconds per step and for the run of an ELSA job (``ds``: the engine's DeepSpeed config, ``cfg``: the ElsaConfig
     after the defaults rule) on num_gpus x num_nodes ranks; ``timed``: its micro-step timed on this machine
-    (``probe.measure_job``), which then stands for the modelled one."""
+    (``probe.measure_job``), which then stands for the modelled one; ``optimizer``: its optimizer's step and projection
+    timed here (``optimizer_probe``), which then stand for the profile's ratios."""
+    rates = with_optimizer(rates, optimizer)
     job = read_job(shape, ds, {**ds.get("elsa", {}), **cfg.model_dump(mode="json")}, num_gpus * num_nodes, device)
     micro, accumulation = _micro_steps(ds, job.world)
     # a CPU node's ranks share its cores: each gets 1/g of the node's matmul rate (the host's rates are always shared)
     flop_rate = rates.matmul_flops / num_gpus if device == "cpu" else rates.matmul_flops
     micro_s = timed.micro_step_s if timed else _micro_step(shape, job, cfg, micro, num_gpus, num_nodes, device, rates, flop_rate)
-    optimizer, projection, first_projection, host = _optimizer(shape, job, cfg, num_gpus, rates)
-    components = {"forward/backward": accumulation * micro_s, "optimizer": optimizer, "host passes": host,
+    opt_step, projection, first_projection, host = _optimizer(shape, job, cfg, num_gpus, rates)
+    components = {"forward/backward": accumulation * micro_s, "optimizer": opt_step, "host passes": host,
                   "projection": projection, "nvme": _nvme(shape, job, accumulation, num_gpus, rates)}
     if timed:  # the engine's own work around the optimizer, which the model leaves out: its timed step less the plain
         plain = _plain_step(shape, job, num_gpus, rates)   # base optimizer's modelled pass and the host passes
@@ -202,7 +207,7 @@ def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, d
                  *(["the end-of-run evaluation (--eval_ppl, --eval_tasks)"] if cfg.eval_ppl or cfg.eval_tasks else []))
     return StepTime(components=components, step_s=step_s, steps=cfg.steps, interval=cfg.interval,
                     run_s=sum(parts.values()), run_parts=parts, rates=rates.to_dict(), uncounted=uncounted,
-                    timed=timed.to_dict() if timed else None)
+                    timed=timed.to_dict() if timed else None, optimizer_timed=optimizer.to_dict() if optimizer else None)
 
 
 def _saves(cfg) -> int:
@@ -245,11 +250,15 @@ def _optimizer(shape: ModelShape, job: Job, cfg, num_gpus: int, rates: Rates) ->
         step = base * (2 if job.base == "adam" else 1)            # torch's Adam: unfused passes
         return step, base * rates.projection["cpu_adam"] / cfg.interval, base * rates.projection["cpu_adam"], 0.0
     adam = entries * num_gpus / rates.adam                        # the node's g ranks step at once
-    factors = REMEDY_FACTORS.get(job.remedy, {})
-    step_factor, projection_factor = factors.get(job.base, factors.get("cpu_adam", (1.0, 1.0)))  # 1, 1 without a remedy
-    step = adam * rates.kernel.get(job.base, rates.kernel["cpu_adam"]) * step_factor
+    host = (16 + job.half) * entries * num_gpus / rates.host_bw
     first = adam * rates.projection.get(job.base, rates.projection["cpu_adam"])
-    return step, first * projection_factor / cfg.interval, first, (16 + job.half) * entries * num_gpus / rates.host_bw
+    if job.remedy and (timed := rate_key(job.base, job.remedy)) in rates.kernel:  # timed here with its remedy
+        step, projection = adam * rates.kernel[timed], adam * rates.projection[timed]
+    else:
+        factors = REMEDY_FACTORS.get(job.remedy, {})
+        step_factor, projection_factor = factors.get(job.base, factors.get("cpu_adam", (1.0, 1.0)))  # 1, 1 without a remedy
+        step, projection = adam * rates.kernel.get(job.base, rates.kernel["cpu_adam"]) * step_factor, first * projection_factor
+    return step, projection / cfg.interval, first, host
 
 
 def _plain_step(shape: ModelShape, job: Job, num_gpus: int, rates: Rates) -> float:
@@ -274,6 +283,9 @@ def format_time(t: StepTime) -> str:
     parts = ", ".join(f"{k} {v:.3g}" for k, v in t.components.items() if v > 0)
     hours = t.run_s / 3600
     timed = f"; its forward/backward timed here ({t.timed['micro_step_s']:.3g} s a micro-step)" if t.timed else ""
+    if o := t.optimizer_timed:
+        timed += (f"; its optimizer timed here ({o['key']}: a step {o['kernel']:.3g}, a projection {o['projection']:.3g} "
+                  "DeepSpeedCPUAdam steps)")
     return "\n".join([f"time per step {t.step_s:.3g} s ({parts}); {t.rates['source']}{timed}",
                       f"the run: {t.steps} steps, {hours:.3g} h ({t.run_s:,.0f} s; "
                       + ", ".join(f"{k} {v:,.0f} s" for k, v in t.run_parts.items() if v > 0) + ")"
@@ -296,7 +308,8 @@ def measure(device: str, base: Rates, dtype_bits: int = 16, gemm: tuple[int, int
     """This machine's rates, in a few seconds: a multithreaded host copy, the job's matmul (``gemm``: tokens x hidden @
     hidden x hidden, in the compute dtype: a small model's matmuls run well below a large one's rate), DeepSpeedCPUAdam
     on an 8M-entry flat and, with a GPU, pinned copies both ways and a device copy. What it cannot time (collectives,
-    NVMe, disk, ZeRO-3's hooks, ELSA's kernels relative to DeepSpeedCPUAdam) stays ``base``'s."""
+    NVMe, disk, ZeRO-3's hooks) stays ``base``'s; ELSA's step and projection relative to DeepSpeedCPUAdam are the job's
+    own, timed by ``optimizer_probe`` (:func:`with_optimizer`)."""
     import torch
 
     n = 64 * 2**20                                                 # 256 MiB of fp32
@@ -320,6 +333,14 @@ def measure(device: str, base: Rates, dtype_bits: int = 16, gemm: tuple[int, int
     other = torch.empty(n, device="cuda")
     device_bw = 2 * 4 * n / _best(lambda: copy(other, gpu))
     return replace(rates, h2d=h2d, d2h=d2h, device_bw=device_bw)
+
+
+def with_optimizer(rates: Rates, timed: OptimizerTimings | None) -> Rates:
+    """``rates`` with the job's optimizer step and projection as timed here (``optimizer_probe``) in place of the
+    profile's ratios to DeepSpeedCPUAdam; ``rates`` itself when nothing was timed."""
+    if timed is None:
+        return rates
+    return replace(rates, kernel={**rates.kernel, timed.key: timed.kernel}, projection={**rates.projection, timed.key: timed.projection})
 
 
 def matmul_rate(device: str, dtype_bits: int, gemm: tuple[int, int, int]) -> float:
