@@ -190,7 +190,11 @@ def generate_cell(dense, originals: dict, sparsity: float, batch: int, args: arg
     compiled_with(sparse, args.backend, everywhere=args.compile)
     dense_weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears.values())
     sparse_weight_bytes = sum(m.weight_bytes for m in sparse.modules() if isinstance(m, SparseLinear))
+    from elsa_ds.sparse.siblings import FusedLinear
+
     row = {"sparsity": sparsity, "batch": batch, "prune_s": pruned_s, "sparsify_s": sparsify_s,
+           # q+k+v and gate+up each one launch (elsa_ds/sparse/siblings.py; ELSA_DS_FUSE_SIBLINGS=0 keeps them apart)
+           "sibling_groups": sum(isinstance(m, FusedLinear) for m in sparse.modules()),
            "pruned_weight_bytes": {"dense": dense_weight_bytes, "sparse": sparse_weight_bytes},
            "model_tensor_bytes": {"dense": tensor_bytes(dense), "sparse": tensor_bytes(sparse)}}
     row.update(compare_generate(dense, sparse, batch, args.steps, args.rounds, args.prompt))

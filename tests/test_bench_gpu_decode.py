@@ -18,8 +18,9 @@ BENCH = [sys.executable, str(ROOT / "bench" / "gpu_decode.py"), "--device", "cpu
          "--rounds", "1"]
 
 
-def _run(*args: str, out: Path) -> dict:
-    proc = subprocess.run([*BENCH, *args, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _run(*args: str, out: Path, env: dict | None = None) -> dict:
+    proc = subprocess.run([*BENCH, *args, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert json.loads(out.read_text()) == last
@@ -161,9 +162,12 @@ def test_a_failing_cell_is_recorded_and_the_rest_run_on(tmp_path, monkeypatch, c
 @pytest.mark.slow  # run with --slow (README: the full suite); CI's default run skips it
 def test_another_compile_backend_takes_both_models(tmp_path):
     """--backend (cudagraphs on a GPU: inductor's CUDA graph without its code generation) set on the dense and the
-    sparse model alike; rehearsed with aot_eager, the backend cudagraphs builds on, which a CPU can run."""
-    r = _run("--compile", "--backend", "aot_eager", "--no_matrix", "--sparsities", "0.9", out=tmp_path / "gpu_decode.json")
+    sparse model alike; rehearsed with aot_eager, the backend cudagraphs builds on, which a CPU can run, and with the
+    siblings grouped as on CUDA (elsa_ds/sparse/siblings.py: q+k+v and gate+up each one launch)."""
+    r = _run("--compile", "--backend", "aot_eager", "--no_matrix", "--sparsities", "0.9", out=tmp_path / "gpu_decode.json",
+             env={"ELSA_DS_FUSE_SIBLINGS": "1"})
     assert r["compile_backend"] == "aot_eager" and [row["same_tokens"] for row in r["generate"]] == [True]
+    assert [row["sibling_groups"] for row in r["generate"]] == [2 * 2]  # two layers: attention's and the MLP's
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_decode
     from transformers import LlamaConfig, LlamaForCausalLM

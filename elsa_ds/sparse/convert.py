@@ -18,7 +18,8 @@ import torch
 from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY
 from elsa_ds.sparse.integrity import SparseArgumentError, check_type
-from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path, ready_to_decode
+from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path
+from elsa_ds.sparse.siblings import ready_to_decode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from elsa_ds.sparse import kernels as K
 from elsa_ds.sparse import ops
-from elsa_ds.sparse.format import COLS16, DELTA8, MAX_COLS16, POSITIONS, check, cols16_to_delta8, decode, delta8_to_cols16
+from elsa_ds.sparse.format import COLS16, DELTA8, POSITIONS, check, cols16_to_delta8, decode, delta8_to_cols16
 from elsa_ds.sparse.integrity import SparseArgumentError, check_type
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 DECODE_PATHS = ("kernel", "csr", "reference")  # on CPU; CUDA tensors take "triton" or "decompress"
 
@@ -75,19 +72,6 @@ def gpu_layout() -> str:
     if layout not in (COLS16, DELTA8):
         raise SparseArgumentError(f"{GPU_LAYOUT_ENV}={layout!r}: choose {COLS16} or {DELTA8}")
     return layout
-
-
-def ready_to_decode(model: PreTrainedModel, device: torch.device) -> None:
-    """For a model on ``device``: on CUDA, every SparseLinear in the GPU layout (:func:`gpu_layout`; a weight past 65536
-    columns stays delta8), and a static cache for ``generate()``: transformers then compiles the decode step (mode
-    reduce-overhead: one CUDA graph a step), the sparse operator inside it: no Python and no kernel launch from Python
-    per layer (elsa_ds/sparse/ops.py). On CPU the model is left as transformers makes it."""
-    if device.type == "cuda":
-        layout = gpu_layout()
-        for module in model.modules():
-            if isinstance(module, SparseLinear):
-                module.to_layout(layout if module.in_features <= MAX_COLS16 else DELTA8)
-        model.generation_config.cache_implementation = "static"
 
 
 class SparseLinear(torch.nn.Module):

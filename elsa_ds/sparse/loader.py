@@ -16,7 +16,8 @@ from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.folder import TensorReader
 from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError, check_type,
                                       tensor_digest)
-from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path, ready_to_decode
+from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path
+from elsa_ds.sparse.siblings import ready_to_decode
 from elsa_ds.sparse.meta import CONFIG_KEY, UNSEALED_VERSION, elsa_named, sparse_meta
 
 if TYPE_CHECKING:

@@ -99,11 +99,13 @@ def test_a_model_on_two_devices_or_on_meta_is_refused():
         sparsify(model)
 
 
-def test_the_gpu_layout_gives_the_same_model(dense):
+def test_the_gpu_layout_gives_the_same_model(dense, monkeypatch):
     """What ready_to_decode does on CUDA (every SparseLinear rebuilt as cols16), done here on CPU tensors: the same
-    logits and greedy tokens as the delta8 twin, fewer entries (no fillers), one more byte an entry."""
-    from elsa_ds.sparse.linear import ready_to_decode
+    logits and greedy tokens as the delta8 twin, fewer entries (no fillers), one more byte an entry. (Its siblings
+    kept apart here: their grouping has tests/sparse/test_siblings.py.)"""
+    from elsa_ds.sparse.siblings import FUSE_ENV, ready_to_decode
 
+    monkeypatch.setenv(FUSE_ENV, "0")
     twin, gpu = sparsify(dense), sparsify(dense)
     ready_to_decode(gpu, torch.device("cuda"))
     layers = {n: m for n, m in gpu.named_modules() if isinstance(m, SparseLinear)}

@@ -70,6 +70,10 @@ def run_cases(batches: tuple[int, ...] = BATCHES) -> dict[str, dict]:
     for out_f, in_f, density in SHAPES:
         w = torch.randn(out_f, in_f) * (torch.rand(out_f, in_f) < density)
         record(f"shape-{out_f}x{in_f}", encode_delta8(w), torch.randn(2, in_f), out_f)
+    from elsa_ds.sparse.siblings import concatenated  # q, k and v grouped (siblings.py): three matrices' rows as one
+
+    siblings = concatenated([encode_delta8(odd_weight(seed=s)[:rows]) for s, rows in ((0, 67), (1, 20), (2, 20))])
+    record("siblings", siblings, torch.randn(2, 700), 107)
     parts, bias, x = encode_delta8(odd_weight().to(torch.bfloat16)), torch.randn(67).to(torch.bfloat16), torch.randn(4, 700)
     record("bias", parts, x.to(torch.bfloat16), 67, bias, K.reference_matmul(parts, x.to(torch.bfloat16), 67) + bias.float())
     from elsa_ds.sparse import ops  # the operator a compiled decode step calls (tests/sparse/test_compiled_decode.py)
@@ -167,6 +171,14 @@ def test_small_and_extreme_shapes(results, out_f, in_f, density, rows, layout):
 def test_bias_is_added_in_fp32(results, rows, layout):
     r = results[f"{LAYOUTS[layout]}bias-r{rows}"]
     assert r["dtype"] == "bfloat16" and r["err"] <= TOL["bfloat16"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_siblings_grouped_into_one_matrix_take_the_same_kernel(results, rows, layout):
+    """Three matrices' codes end to end (elsa_ds/sparse/siblings.py), 107 rows: one product, the reference's."""
+    r = results[f"{LAYOUTS[layout]}siblings-r{rows}"]
+    assert r["shape"] == [2, 107] and r["err"] <= TOL["float32"]
 
 
 def test_the_registered_operator_runs_the_triton_path(results):
