@@ -19,7 +19,9 @@ rewritten after every cell, so a cut run keeps what it measured. ``--tiny`` shri
 CPU: no compile there, the same code path otherwise). The last line printed is the JSON of every figure:
 ``device``, ``matrix_speedup`` ({sparsity: {weight: sparse / dense speed, CUDA graph, batch 1}}),
 ``generate_speedup`` ({sparsity: sparse / dense tokens/s at batch 1}) and the raw rows beside them; a part or cell that
-raises is recorded in ``failed`` (its error and traceback), the rest run on, and the exit status is 1.
+raises is recorded in ``failed`` (its error and traceback), the rest run on, and the exit status is 1. ``--siblings``: each
+cell times the sparse model with a layer's q+k+v and gate+up grouped (elsa_ds/sparse/siblings.py, on CUDA by default)
+against the same sparse model with them apart (``siblings_speedup``: grouped / apart tokens/s).
 
     python bench/gpu_decode.py --json bench/results/gpu_decode.json
     python bench/gpu_decode.py --device cpu --tiny --budget_s 120          # the rehearsal (tests/test_bench_gpu_decode.py)
@@ -60,6 +62,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch.compile's backend for generate()'s decode step, both models [inductor: what a user gets; "
                         "cudagraphs: the same CUDA graph without inductor's code generation, a much shorter first call]")
     p.add_argument("--no_matrix", action="store_true", help="skip the per-matrix part")
+    p.add_argument("--siblings", action="store_true",
+                   help="each cell times the sparse model with q+k+v and gate+up grouped (one product each: "
+                        "elsa_ds/sparse/siblings.py) against the same model with them apart, instead of sparse against dense")
     p.add_argument("--matrix_calls", type=int, default=100, help="per-matrix calls per timed round [100]")
     p.add_argument("--triton_rows", type=int, default=None,
                    help="rows_per_program of the sparse model's Triton kernel [the per-matrix part's fastest at 90 %%, else "
@@ -187,6 +192,10 @@ def generate_cell(dense, originals: dict, sparsity: float, batch: int, args: arg
     t0 = time.perf_counter()
     sparse = sparsify(dense)
     sparsify_s = time.perf_counter() - t0
+    reference = dense
+    if args.siblings:  # the reference is then the same sparse model with its siblings apart
+        reference, sparse = apart_and_grouped(dense, sparse)
+        compiled_with(reference, args.backend, everywhere=args.compile)
     compiled_with(sparse, args.backend, everywhere=args.compile)
     dense_weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears.values())
     sparse_weight_bytes = sum(m.weight_bytes for m in sparse.modules() if isinstance(m, SparseLinear))
@@ -197,13 +206,30 @@ def generate_cell(dense, originals: dict, sparsity: float, batch: int, args: arg
            "sibling_groups": sum(isinstance(m, FusedLinear) for m in sparse.modules()),
            "pruned_weight_bytes": {"dense": dense_weight_bytes, "sparse": sparse_weight_bytes},
            "model_tensor_bytes": {"dense": tensor_bytes(dense), "sparse": tensor_bytes(sparse)}}
-    row.update(compare_generate(dense, sparse, batch, args.steps, args.rounds, args.prompt))
+    row.update(compare_generate(reference, sparse, batch, args.steps, args.rounds, args.prompt))
+    if args.siblings:  # "ratio": grouped / apart tokens/s
+        row["apart"], row["grouped"] = row.pop("dense"), row.pop("sparse")
     row["gpu_memory"] = gpu_memory(args.device)
-    del sparse
+    del sparse, reference
     gc.collect()
     if torch.device(args.device).type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def apart_and_grouped(dense, sparse):
+    """(``dense``'s sparse twin with every sibling its own product, ``sparse`` with them grouped)."""
+    from elsa_ds.sparse import sparsify
+    from elsa_ds.sparse.siblings import FUSE_ENV, fuse_siblings
+
+    before = os.environ.get(FUSE_ENV)
+    os.environ[FUSE_ENV] = "0"
+    try:
+        apart = sparsify(dense)
+    finally:
+        os.environ.pop(FUSE_ENV) if before is None else os.environ.__setitem__(FUSE_ENV, before)
+    fuse_siblings(sparse)  # where sparsify left them apart (off CUDA)
+    return apart, sparse
 
 
 def compiled_with(model, backend: str, everywhere: bool) -> None:
@@ -231,7 +257,8 @@ def summarize(result: dict) -> None:
             result["matrix_speedup"].setdefault(str(row["sparsity"]), {})[row["weight"]] = row["speedup_graph"]
     rows = result["generate"]
     first_batch = min((r["batch"] for r in rows), default=None)
-    result["generate_speedup"] = {str(r["sparsity"]): r["ratio"] for r in rows if r["batch"] == first_batch == 1}
+    speedup = {str(r["sparsity"]): r["ratio"] for r in rows if r["batch"] == first_batch == 1}
+    result["siblings_speedup" if result.get("siblings") else "generate_speedup"] = speedup  # grouped / apart, or sparse / dense
     result["generate_same_tokens"] = {f"{r['sparsity']}@{r['batch']}": r["same_tokens"] for r in rows}
 
 
@@ -260,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict = {**environment(args.device), "shape": "tiny" if args.tiny else "llama-2-7b", "layers": layers,
                     "compiled": args.compile or torch.device(args.device).type == "cuda", "compile_backend": args.backend,
+                    "siblings": args.siblings,  # the cells: siblings grouped against apart, not sparse against dense
                     "read_bandwidth_gb_s": read_bandwidth(1 << 30 if not args.tiny else 1 << 26, device=args.device) / 1e9,
                     "matrix": {}, "generate": [], "cut": []}
     result["failed"] = []
@@ -299,10 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         row["cell_s"] = time.perf_counter() - t0
         slowest = max(slowest, row["cell_s"])
         result["generate"].append(row)
-        print(f"{sparsity:.0%} batch {batch}: sparse / dense generate() {row['ratio']:.2f}x ({row['ratio_min']:.2f}-"
-              f"{row['ratio_max']:.2f}), dense {row['dense']['tokens_per_s']:.1f} tok/s, sparse {row['sparse']['tokens_per_s']:.1f}; "
-              f"same tokens {row['same_tokens']} ({row['equal_token_fraction']:.0%}); first calls {row['dense']['first_call_s']:.1f} / "
-              f"{row['sparse']['first_call_s']:.1f} s; cell {row['cell_s']:.0f} s", file=sys.stderr, flush=True)
+        a, b = ("apart", "grouped") if args.siblings else ("dense", "sparse")
+        print(f"{sparsity:.0%} batch {batch}: {b} / {a} generate() {row['ratio']:.2f}x ({row['ratio_min']:.2f}-"
+              f"{row['ratio_max']:.2f}), {a} {row[a]['tokens_per_s']:.1f} tok/s, {b} {row[b]['tokens_per_s']:.1f}; "
+              f"same tokens {row['same_tokens']} ({row['equal_token_fraction']:.0%}); first calls {row[a]['first_call_s']:.1f} / "
+              f"{row[b]['first_call_s']:.1f} s; cell {row['cell_s']:.0f} s", file=sys.stderr, flush=True)
         write(result, args.json)
     result["seconds"] = time.perf_counter() - start
     write(result, args.json)

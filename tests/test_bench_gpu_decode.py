@@ -168,6 +168,11 @@ def test_another_compile_backend_takes_both_models(tmp_path):
              env={"ELSA_DS_FUSE_SIBLINGS": "1"})
     assert r["compile_backend"] == "aot_eager" and [row["same_tokens"] for row in r["generate"]] == [True]
     assert [row["sibling_groups"] for row in r["generate"]] == [2 * 2]  # two layers: attention's and the MLP's
+    r = _run("--compile", "--backend", "aot_eager", "--no_matrix", "--sparsities", "0.9", "--siblings",
+             out=tmp_path / "siblings.json")  # grouped against apart: the same tokens, the ratio under its own key
+    (row,) = r["generate"]
+    assert r["siblings"] and row["same_tokens"] and row["sibling_groups"] == 4 and set(r["siblings_speedup"]) == {"0.9"}
+    assert row["apart"]["tokens_per_s"] > 0 and row["grouped"]["tokens_per_s"] > 0 and "generate_speedup" not in r
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_decode
     from transformers import LlamaConfig, LlamaForCausalLM
