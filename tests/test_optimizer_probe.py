@@ -3,6 +3,8 @@ one projection, with the job's base optimizer, z / u dtypes and remedies), and t
 host work with those ratios instead of the typical profile's."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from elsa_ds.capacity import optimizer_probe
@@ -30,16 +32,17 @@ def test_the_jobs_own_optimizer_is_timed_here_and_prices_its_step_and_projection
     assert timed is not None and timed.key == "adam8bit_minifloat"  # ELSA-L's base, as its JSON sets it
     assert timed.adam_ms > 0 and timed.step_ms > 0 and timed.projection_ms > 0
     assert 0.3 < timed.kernel < 20 and 0.1 < timed.projection < 100   # ratios of two passes over the same entries
-    rates = TYPICAL["cpu-2c"]
-    t = step_time(shape, ds, cfg, 1, 1, "cpu", rates, optimizer=timed)
+    assert timed.threads >= 1
+    rates = replace(TYPICAL["cpu-2c"], adam=timed.entries / (timed.adam_ms / 1e3))  # the probe's DeepSpeedCPUAdam
+    t = step_time(shape, ds, cfg, 1, 1, "cpu", TYPICAL["cpu-2c"], optimizer=timed)
     adam = _adam_s(shape, rates)
     assert t.components["optimizer"] == pytest.approx(adam * timed.kernel)
     assert t.components["projection"] == pytest.approx(adam * timed.projection / cfg.interval)
     assert t.run_parts["first projection"] == pytest.approx(adam * timed.projection)
     assert t.optimizer_timed["kernel"] == pytest.approx(timed.kernel)
     assert "its optimizer timed here (adam8bit_minifloat" in format_time(t)
-    typical = step_time(shape, ds, cfg, 1, 1, "cpu", rates)
-    assert typical.components["optimizer"] == pytest.approx(adam * rates.kernel["adam8bit_minifloat"])
+    typical = step_time(shape, ds, cfg, 1, 1, "cpu", TYPICAL["cpu-2c"])
+    assert typical.components["optimizer"] == pytest.approx(_adam_s(shape, TYPICAL["cpu-2c"]) * TYPICAL["cpu-2c"].kernel["adam8bit_minifloat"])
     assert typical.optimizer_timed is None and "optimizer timed" not in format_time(typical)
 
 
@@ -47,9 +50,12 @@ def test_a_remedy_timed_with_the_job_is_not_scaled_again_by_the_benchs_factors()
     """A figure timed with the authors' adaptive λ already holds its eager parts: REMEDY_FACTORS no longer apply; z₀ =
     Π(x) stays the fused projection of the base. Figures here are given, as a probe on a slower host would time them."""
     view, cfg, shape, ds = _job("zero3_offload", lmda_schedule="adaptive")
-    timed = OptimizerTimings("cpu_adam+adaptive", adam_ms=10.0, step_ms=30.0, projection_ms=400.0, entries=1)
+    timed = OptimizerTimings("cpu_adam+adaptive", adam_ms=10.0, step_ms=30.0, projection_ms=400.0, entries=40_000_000,
+                             threads=16)
     rates = TYPICAL["gpu-vm-16c"]
     t = step_time(shape, ds, cfg, 1, 1, "cuda", rates, optimizer=timed)
+    assert t.rates["adam"] == pytest.approx(4e9)  # DeepSpeedCPUAdam's rate: the probe's, 40 M entries in 10 ms
+    rates = replace(rates, adam=4e9)
     adam = _adam_s(shape, rates)
     assert t.components["optimizer"] == pytest.approx(3.0 * adam)
     assert t.components["projection"] == pytest.approx(40.0 * adam / cfg.interval)

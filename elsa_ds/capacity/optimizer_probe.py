@@ -9,7 +9,10 @@ entries cut into :data:`PROBE_LAYERS` layer slices at the job's sparsity (a rank
 gradient, DeepSpeedCPUAdam alone and the job's optimizer (``AdmmOptimizer`` around the job's base, the job's ADMM
 settings but a projection every :data:`PROBE_INTERVAL` steps) in blocks of that many steps in the order A B B A, so
 both see the same noise; medians per step (``bench/optimizer_step.py``'s protocol, which measured the profiles'
-figures). A few seconds and ~1.6 GiB of host memory.
+figures). ~5-12 s on 2 cores and up to ~2.3 GiB of host memory (the adaptive λ's eager state); a base optimizer too slow
+for :data:`PROBE_BUDGET_S` (bitsandbytes' CPU path) is found on a small flat first and left to the profile. The threads
+are this process's (all the host's cores, as ``measure`` times DeepSpeedCPUAdam): the node's rate the estimate shares
+among its ranks.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class OptimizerTimings:
     step_ms: float
     projection_ms: float
     entries: int
+    threads: int            # torch's (OpenMP's) threads in the probe
 
     @property
     def kernel(self) -> float:
@@ -97,19 +101,19 @@ class _Timed:
         return out
 
 
-def _timed(cfg, ds) -> OptimizerTimings:
+def _runners(cfg, ds, entries: int) -> tuple[_Timed, _Timed]:
+    """DeepSpeedCPUAdam and the job's optimizer, each on its own copy of one flat of ``entries`` and one gradient."""
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     from elsa_ds.admm.optimizer import AdmmOptimizer
     from elsa_ds.admm.projection import Slice, keep_count
-    from elsa_ds.capacity.resident import job_optimizer
     from elsa_ds.targets import goal_ratio
     from elsa_ds.zero.engine import base_optimizer
 
     g = torch.Generator().manual_seed(0)
-    x0, grad = torch.randn(PROBE_ENTRIES, generator=g), torch.randn(PROBE_ENTRIES, generator=g) * 1e-3
-    size = PROBE_ENTRIES // PROBE_LAYERS
+    x0, grad = torch.randn(entries, generator=g), torch.randn(entries, generator=g) * 1e-3
+    size = entries // PROBE_LAYERS
     slices = [Slice(f"layer{j}", j * size, size, 0, size, keep_count(size, goal_ratio(cfg.goal))) for j in range(PROBE_LAYERS)]
     settings = replace(cfg.admm_settings(), total_steps=1 << 30, interval=PROBE_INTERVAL, hold_steps=0)
     runners = []
@@ -121,10 +125,25 @@ def _timed(cfg, ds) -> OptimizerTimings:
             opt = AdmmOptimizer(opt, settings)
             opt.assign(flat, slices)
         runners.append(_Timed(opt, flat, grad, admm))
-    del x0
-    plain, job = runners
+    return runners[0], runners[1]
+
+
+def _timed(cfg, ds) -> OptimizerTimings:
+    import torch
+
+    from elsa_ds.capacity.resident import job_optimizer
+
+    small = PROBE_ENTRIES // 32                                     # the job's optimizer on 1M entries first:
+    _, job = _runners(cfg, ds, small)                               # a base too slow for the budget stops here
+    job.run(PROBE_INTERVAL, time.monotonic() + PROBE_BUDGET_S)      # (its first steps make the states and z₀)
+    projected = 32 * max(s for s, _ in job.run(PROBE_INTERVAL, time.monotonic() + PROBE_BUDGET_S))
+    if projected * (2 + 2 * PROBE_ROUNDS * PROBE_INTERVAL) > PROBE_BUDGET_S:
+        raise TimeoutError(f"a step would take ~{projected:.1f} s on {PROBE_ENTRIES:,} entries, past the probe's "
+                           f"{PROBE_BUDGET_S:g} s")
+    del job
+    plain, job = _runners(cfg, ds, PROBE_ENTRIES)
     deadline = time.monotonic() + PROBE_BUDGET_S
-    for r in runners:
+    for r in (plain, job):
         r.run(2, deadline)                                          # the states made, z₀ = Π(x) taken
     times: dict[bool, list[tuple[float, bool]]] = {False: [], True: []}
     for _ in range(PROBE_ROUNDS):
@@ -134,4 +153,4 @@ def _timed(cfg, ds) -> OptimizerTimings:
     step = statistics.median(s for s, projected in times[True] if not projected)
     projection = max(0.0, statistics.median(s for s, projected in times[True] if projected) - step)
     key = rate_key(*job_optimizer(ds.raw, cfg.model_dump(mode="json")))
-    return OptimizerTimings(key, 1e3 * adam, 1e3 * step, 1e3 * projection, PROBE_ENTRIES)
+    return OptimizerTimings(key, 1e3 * adam, 1e3 * step, 1e3 * projection, PROBE_ENTRIES, torch.get_num_threads())

@@ -337,10 +337,12 @@ def measure(device: str, base: Rates, dtype_bits: int = 16, gemm: tuple[int, int
 
 def with_optimizer(rates: Rates, timed: OptimizerTimings | None) -> Rates:
     """``rates`` with the job's optimizer step and projection as timed here (``optimizer_probe``) in place of the
-    profile's ratios to DeepSpeedCPUAdam; ``rates`` itself when nothing was timed."""
+    profile's ratios to DeepSpeedCPUAdam, and DeepSpeedCPUAdam's rate the one timed beside them (on the probe's
+    larger flat: past the caches, as a real partition is); ``rates`` itself when nothing was timed."""
     if timed is None:
         return rates
-    return replace(rates, kernel={**rates.kernel, timed.key: timed.kernel}, projection={**rates.projection, timed.key: timed.projection})
+    return replace(rates, kernel={**rates.kernel, timed.key: timed.kernel}, projection={**rates.projection, timed.key: timed.projection},
+                   adam=timed.entries / (timed.adam_ms / 1e3))
 
 
 def matmul_rate(device: str, dtype_bits: int, gemm: tuple[int, int, int]) -> float:

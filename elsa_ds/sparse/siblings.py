@@ -8,13 +8,19 @@ end, the later rows' offsets shifted), one launch for all of them, each sibling'
 
 transformers' modules call their projections one by one (``self.q_proj(h)``, then ``self.k_proj(h)``...), so the first
 sibling (the lead, a :class:`FusedLinear` holding every sibling's rows) computes the whole product and leaves it on
-their shared :class:`Pending` (a plain object: torch.compile traces its attribute writes as side effects, and the
-compiled decode step keeps them in its graph); each later sibling (:class:`SiblingSlice`) takes its columns from it
-when it is called with the very same input tensor, and the last one clears it. Called with another tensor (a
-cross-attention's keys from the encoder) or out of order, a sibling computes the product itself: never a wrong slice.
+their shared :class:`Pending` (a plain object: torch.compile traces its attribute writes as side effects, and with no
+graph break between the siblings the compiled decode step keeps the product inside its graph); each later sibling
+(:class:`SiblingSlice`) takes its columns from it when it is called with the very same input tensor, and the last one
+clears it. Called with another tensor, a sibling computes the product itself: never a wrong slice.
 
 Only the siblings named in :data:`SIBLINGS`, all SparseLinear, in one layout, dtype and device, with the same input
-width, under a parent that is not a cross-attention (``Cross`` in its class name), are grouped.
+width, under a parent of a family in :data:`FAMILIES` (its attention or MLP class, whose forward calls them in that
+order on one tensor: checked for each family by tests/sparse/test_siblings.py) are grouped. Elsewhere the order or the
+inputs differ (FalconH1's MLP calls up before gate; Bart's attention class is also its cross-attention), where grouping
+would compute more, not less. Decode-sized products are the ungrouped model's bit for bit (each row's sum is the same);
+a prefill-sized input is decompressed and multiplied densely, where a GPU's one larger GEMM may round differently from
+three. A grouped model's state dict holds the lead's concatenated buffers under the lead's name and nothing under the
+others': it is for decoding, not for saving (the checkpoint is the elsa-sparse folder).
 """
 from __future__ import annotations
 
@@ -34,6 +40,11 @@ FUSE_ENV = "ELSA_DS_FUSE_SIBLINGS"  # 0: every projection its own launch
 # (the lead, then the rest in the order the parent calls them) as transformers names them in the Llama family (Llama,
 # Mistral, Qwen2/3, Gemma 1-3, Phi-3's MLP aside: its projections are already fused)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# transformers' families whose ``<family>Attention`` and ``<family>MLP`` call their siblings in SIBLINGS' order on their
+# own input (each checked by a test: bit for bit, one product a group, nothing left pending)
+FAMILIES = ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe", "Gemma", "Gemma2", "Gemma3", "Olmo", "Olmo2",
+            "Granite", "Cohere", "StableLm", "Exaone4", "Starcoder2")
+PARENTS = frozenset(f"{family}{kind}" for family in FAMILIES for kind in ("Attention", "MLP"))
 
 
 class Pending:
@@ -100,10 +111,10 @@ class SiblingSlice(torch.nn.Module):
         lead = self.lead[0]
         pending = lead.pending
         y = pending.y if pending.x is x else None
+        if self.last:
+            pending.x = pending.y = None
         if y is None:
             y = lead.product(x)
-        elif self.last:
-            pending.x = pending.y = None
         return y[..., self.start:self.stop]
 
     def extra_repr(self) -> str:
@@ -114,7 +125,7 @@ def fuse_siblings(model: torch.nn.Module) -> int:
     """Group every set of :data:`SIBLINGS` in ``model`` (module docstring), in place; returns how many groups."""
     groups = 0
     for parent in list(model.modules()):
-        if "Cross" in type(parent).__name__:
+        if type(parent).__name__ not in PARENTS:
             continue
         for names in SIBLINGS:
             found = [getattr(parent, n, None) for n in names]

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from elsa_ds.sparse import kernels as K
 from elsa_ds.sparse.format import delta8_to_cols16, encode_delta8
 from elsa_ds.sparse.linear import SparseLinear
+from elsa_ds.sparse.siblings import FusedLinear
 from tests.sparse.test_triton_spmv import BATCHES, TOL, odd_weight, relative_error
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,7 +130,9 @@ def test_sparsify_on_cuda_encodes_there_takes_triton_and_keeps_greedy_tokens(tmp
     dense = AutoModelForCausalLM.from_pretrained(pruned_demo(tmp_path / "pruned"), dtype=torch.bfloat16).cuda().eval()
     twin = sparsify(dense)
     layers = [m for m in twin.modules() if isinstance(m, SparseLinear)]
-    assert len(layers) == 28 and all(m.values.is_cuda and m._cpu_path is None and m.decode_path == "triton" for m in layers)
+    grouped = [m for m in layers if isinstance(m, FusedLinear)]  # q+k+v and gate+up one product each on CUDA (siblings.py)
+    assert len(layers) == 4 * 4 and len(grouped) == 4 * 2  # 4 layers: 7 products each, 4 once grouped
+    assert all(m.values.is_cuda and m._cpu_path is None and m.decode_path == "triton" for m in layers)
     assert {m.layout for m in layers} == {"cols16"}  # the GPU layout, built from the GPU's delta8 encoding
     assert twin.generation_config.cache_implementation == "static"
     ids = torch.tensor([[2, 651, 1009, 576, 573]], device="cuda")

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from elsa_ds.sparse import ops, sparsify
 from elsa_ds.sparse.format import delta8_to_cols16, encode_delta8
 from elsa_ds.sparse.integrity import SparseArgumentError
 from elsa_ds.sparse.linear import SparseLinear
-from elsa_ds.sparse.siblings import FUSE_ENV, FusedLinear, SiblingSlice, concatenated, fuse_siblings, fuse_wanted, ready_to_decode
+from elsa_ds.sparse.siblings import (FAMILIES, FUSE_ENV, FusedLinear, SiblingSlice, concatenated, fuse_siblings, fuse_wanted,
+                                     ready_to_decode)
 
 IDS = torch.tensor([[5, 17, 3, 99, 42, 7, 64]])
 
@@ -70,6 +72,41 @@ def test_grouped_siblings_give_the_same_tokens_and_logits(kind, path):
     assert attn.q_proj.pending.x is None and grouped.model.layers[1].mlp.gate_proj.pending.y is None  # nothing held
 
 
+def _family(family: str) -> torch.nn.Module:
+    config = getattr(transformers, f"{family}TextConfig" if family == "Gemma3" else f"{family}Config")
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "proj" in name:
+                p[p.abs() <= p.abs().flatten().kthvalue(int(0.7 * p.numel())).values] = 0
+            elif name.endswith("proj.bias"):
+                p.normal_()
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_calls_its_siblings_in_order_on_one_input(family, monkeypatch):
+    """What admits a family: grouped, a decode step is the ungrouped one bit for bit, each group's product is computed
+    once (no sibling computes its own: the order and the input are the lead's) and nothing is left pending."""
+    dense = _family(family)
+    plain, grouped = sparsify(dense), sparsify(dense)
+    groups = fuse_siblings(grouped)
+    assert groups >= 2  # two layers' attention at least (Mixtral's and Qwen3Moe's experts are no MLP of siblings)
+    products = []
+    product = FusedLinear.product
+    monkeypatch.setattr(FusedLinear, "product", lambda self, x: products.append(1) or product(self, x))
+    with torch.no_grad():
+        out, ref = grouped(IDS[:, :5], use_cache=True), plain(IDS[:, :5], use_cache=True)
+        products.clear()
+        step = grouped(IDS[:, 5:6], past_key_values=out.past_key_values).logits
+        assert len(products) == groups
+        assert torch.equal(step, plain(IDS[:, 5:6], past_key_values=ref.past_key_values).logits)
+    assert all(m.pending.x is None for m in grouped.modules() if isinstance(m, FusedLinear))
+
+
 def test_one_operator_per_group_in_the_compiled_decode_step():
     dense = _pruned("llama")
     plain, grouped = sparsify(dense), sparsify(dense)
@@ -116,6 +153,19 @@ def test_only_sparse_siblings_of_one_kind_are_grouped():
     twin.model.layers[1].mlp.up_proj.to_layout("cols16")         # layer 1's up in another layout than its gate
     assert fuse_siblings(twin) == 2                              # layer 0's MLP, layer 1's attention
     assert type(twin.model.layers[0].self_attn.q_proj) is SparseLinear and type(twin.model.layers[1].mlp.gate_proj) is SparseLinear
+
+
+def test_a_parent_outside_the_families_keeps_its_siblings_apart():
+    """Another class may call them in another order or on other inputs (FalconH1's MLP: up, then gate)."""
+    class Unknown(torch.nn.Module):
+        def __init__(self, linears):
+            super().__init__()
+            self.gate_proj, self.up_proj = linears
+
+    twin = sparsify(_pruned("llama"))
+    mlp = twin.model.layers[0].mlp
+    twin.model.layers[0].mlp = Unknown((mlp.gate_proj, mlp.up_proj))
+    assert fuse_siblings(twin) == 3 and type(twin.model.layers[0].mlp.gate_proj) is SparseLinear
 
 
 def test_readied_for_cuda_the_siblings_are_grouped_by_default_and_the_variable_turns_it_off(monkeypatch):
