@@ -201,3 +201,26 @@ def test_the_grouped_operator_is_the_registered_one():
     finally:
         ops.sparse_linear_impl = impl
     assert calls == [128, 64, 192, 64] * 2  # q+k+v, o, gate+up, down in each layer
+
+
+def test_generate_compiles_the_grouped_step_once_with_no_break():
+    """generate() with the static cache and its compiled decode step (as on CUDA by default): one graph over three
+    calls, no graph break and no recompile (what the siblings leave on ``pending`` is never guarded on), the tokens the
+    ungrouped model's."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    dense = _pruned("llama")
+    tokens = {}
+    for grouped in (False, True):
+        model = sparsify(dense)
+        if grouped:
+            fuse_siblings(model)
+        config = CompileConfig(backend="eager", mode=None)
+        config._compile_all_devices = True  # a CPU compiles only when asked
+        model.generation_config.cache_implementation, model.generation_config.compile_config = "static", config
+        torch._dynamo.reset()
+        counters.clear()
+        tokens[grouped] = [model.generate(IDS, max_new_tokens=10, do_sample=False).tolist() for _ in range(3)]
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (grouped, dict(counters["graph_break"]))
+    assert tokens[True] == tokens[False]
