@@ -216,16 +216,26 @@ def padded_batch(n: int) -> int:
     return max(1 << (n - 1).bit_length(), 1)
 
 
+def _next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 in plain Python: Triton's is a constexpr function whose call costs ~3 µs of Python, paid
+    on every eager launch (the block sizes are worked out per call)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def block_sizes(n: int, entries_per_row: float) -> tuple[int, int]:
     """(BLOCK_B, BLOCK): the batch padded to a power of two, and entries per step keeping the tile near 2048 values."""
     block_b = padded_batch(n)
-    block = max(32, min(512, 2048 // block_b, triton.next_power_of_2(max(int(entries_per_row), 1))))
+    block = max(32, min(512, 2048 // block_b, _next_power_of_2(max(int(entries_per_row), 1))))
     return block_b, block
 
 
 def tile_block(rows: int, entries_per_row: float) -> int:
     """Entries per row and step of the row-group kernel: the [block, rows] tile kept near 4096 values."""
-    return max(16, min(512, 4096 // rows, triton.next_power_of_2(max(int(entries_per_row), 1))))
+    return max(16, min(512, 4096 // rows, _next_power_of_2(max(int(entries_per_row), 1))))
 
 
 ROWS_ENV = "ELSA_DS_TRITON_ROWS"
@@ -239,7 +249,12 @@ def default_rows(layout: str = "delta8") -> int:
     """rows_per_program when the caller gives none: ``ELSA_DS_TRITON_ROWS`` (read each call, so a benchmark can set it
     for a whole model), else the layout's default (cols16: 4 rows of up to 512 entries a trip, 72 registers and no
     spill at sm_90, bench/kernel_code.py: more programs resident per SM than 8 rows' 128 registers allow)."""
-    text = os.environ.get(ROWS_ENV, str(DEFAULT_ROWS[layout]))
+    return _rows(os.environ.get(ROWS_ENV, str(DEFAULT_ROWS[layout])))
+
+
+@functools.lru_cache(maxsize=16)
+def _rows(text: str) -> int:
+    """The rows a ``ELSA_DS_TRITON_ROWS`` text names, checked (parsed once per text: this runs at every launch)."""
     try:
         rows = int(text)
     except ValueError:
@@ -280,14 +295,14 @@ def delta8_linear(parts: dict[str, torch.Tensor], x: torch.Tensor, out_features:
         raise ValueError("batch_in_program: the kernel holding the batch in its program reads the cols16 layout, not delta8")
     if batch_in_program:
         block = tile_block(rows_per_program * block_b, entries_per_row)
-        _batch_kernel()[(triton.cdiv(out_features, rows_per_program),)](
+        _batch_kernel()[(_cdiv(out_features, rows_per_program),)](
             parts["values"], parts["cols"], parts["row_offsets"], x, y if bias is None else bias, y, n, x.shape[1],
             out_features, HAS_BIAS=bias is not None, ROWS=rows_per_program, BLOCK=block, BLOCK_B=block_b,
             num_warps=num_warps or (4 if block * rows_per_program * block_b >= 2048 else 2))
         return y
     if cols16 or rows_per_program > 1:  # the GPU layout has only the row-group kernels
         block = tile_block(rows_per_program, entries_per_row)
-        _tile_kernel()[(n, triton.cdiv(out_features, rows_per_program))](
+        _tile_kernel()[(n, _cdiv(out_features, rows_per_program))](
             parts["values"], parts["cols" if cols16 else "deltas"], parts["row_offsets"], x, y if bias is None else bias, y,
             x.shape[1], out_features, HAS_BIAS=bias is not None, COLS16=cols16, ROWS=rows_per_program, BLOCK=block,
             num_warps=num_warps or (4 if block * rows_per_program >= 2048 else 2))

@@ -279,6 +279,16 @@ def test_the_batch_kernel_gathers_x_with_a_warp_along_the_entries(rows, batch):
     assert "order = [0, 1, 2]" in layout and "threadsPerWarp = [32, 1, 1]" in layout, layout
 
 
+def test_the_launch_sizes_are_worked_out_in_plain_python_as_triton_would():
+    """Triton's next_power_of_2 and cdiv are constexpr functions costing ~3 µs of Python a call: the launch takes plain
+    Python's, the same numbers (and the rows of ELSA_DS_TRITON_ROWS parsed once per text, checked as before)."""
+    triton = pytest.importorskip("triton")
+    from elsa_ds.sparse import triton_spmv as T
+
+    assert all(T._next_power_of_2(n) == triton.next_power_of_2(n) for n in range(1, 5000))
+    assert all(T._cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 300) for b in (1, 2, 3, 4, 16, 64))
+
+
 def test_unavailable_names_the_reason(monkeypatch):
     from elsa_ds.sparse import triton_spmv as T
 
