@@ -28,7 +28,7 @@ PROBE_ENTRIES = 32 * 2**20  # 128 MiB an fp32 array: past a server's last-level 
 PROBE_LAYERS = 8
 PROBE_INTERVAL = 4          # a projection every 4 steps: 2 rounds give 4 of them
 PROBE_ROUNDS = 2
-PROBE_BUDGET_S = 30.0       # a step slower than this share of it (bitsandbytes' CPU path) stops the probe
+PROBE_BUDGET_S = 30.0       # the whole probe: a base whose steps would pass it (bitsandbytes' CPU path) is not timed
 
 
 @dataclass(frozen=True)
