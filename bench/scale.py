@@ -191,10 +191,11 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from elsa_ds.capacity.ablation import TreeMonitor, _free_port
+    from elsa_ds.capacity.ablation import TreeMonitor
     from elsa_ds.capacity.memory import estimate_job
     from elsa_ds.capacity.shapes import state_bytes
     from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases
+    from elsa_ds.zero.dist import free_port
 
     ram = machine_ram()
     layers = args.layers or default_layers(ram, args.train_embeddings)
@@ -221,7 +222,7 @@ def main() -> int:
                   "--interval", str(INTERVAL), "--sparsity", str(args.sparsity), "--val_windows", "0", "--baseline", "none",
                   "--nvme_path", str(nvme), "--output_dir", str(run_dir), "--overwrite",
                   "--no-freeze_embeddings" if args.train_embeddings else "--freeze_embeddings"]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks), "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks), "--master_port", str(free_port()),
            str(ROOT / "launch" / "prune.py"), *prune_args]
     phase_log = out / "phases.jsonl"
     phase_log.unlink(missing_ok=True)
