@@ -24,7 +24,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from quality_report import checks, plot, table  # noqa: E402
 
+from elsa_ds.zero.dist import free_port  # noqa: E402 - the launcher's rendezvous: two benches at once must not both take 29500
+
 ONESHOT = ("magnitude", "wanda", "sparsegpt")
 # row name -> (--method, --finetune); "dense" is the model itself, evaluated
 ROWS = {"dense": (None, None), "dense+ft": ("dense", "full"),
@@ -44,13 +45,6 @@ ROWS = {"dense": (None, None), "dense+ft": ("dense", "full"),
 DEFAULT_ROWS = ("dense", "dense+ft", "magnitude", "wanda", "sparsegpt", "wanda+ft", "sparsegpt+ft", "wanda+lora", "elsa")
 QUICK_ROWS = ("dense", "dense+ft", "sparsegpt", "wanda+ft", "elsa")
 SPARSITIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
-
-
-def free_port() -> int:
-    """A TCP port free now, for the launcher's rendezvous (two benches at once must not both take 29500)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def trains(row: str) -> bool:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from elsa_ds.zero.dist import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 PLAYS = ("macbeth", "othello", "the-tempest")
 SLOW_ENV = "ELSA_DS_SLOW"  # =1: as --slow
@@ -165,7 +167,7 @@ def run_entry(script: str, args: list[str], ranks: int | None = None, timeout: i
         cmd = [sys.executable, str(ROOT / "launch" / script), *args]
     else:
         launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
-        cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(_free_port()), str(ROOT / "launch" / script), *args]
+        cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(ROOT / "launch" / script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}\nSTDOUT:\n{proc.stdout[-6000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
@@ -182,11 +184,3 @@ def run_fails(script: str, args: list[str], *needles: str) -> str:
     for needle in needles:
         assert needle in errors[0], errors[0]
     return errors[0]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from elsa_ds.errors import ElsaError, guarded
-from tests.conftest import ROOT, _free_port, run_entry, run_fails
+from elsa_ds.zero.dist import free_port
+from tests.conftest import ROOT, run_entry, run_fails
 
 pytestmark = pytest.mark.integration
 
@@ -151,7 +152,7 @@ def test_ctrl_c_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir)
     out = tmp_path / "o"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    port = _free_port()
+    port = free_port()
     shm = f"deepspeed_*_{port}_*"  # this job's buffers only: another test worker may run a job beside it
     shm_before = set(Path("/dev/shm").glob(shm))
 
@@ -228,7 +229,7 @@ def test_a_rank_whose_peer_is_gone_says_one_line(how, code, line):
     """Two real gloo ranks; rank 1 exits while rank 0 waits in an all-gather, which fails with gloo's "Connection closed by
     peer". Rank 0 waits a moment for its own stop (a terminal's Ctrl-C, the launcher's SIGTERM) and reports that; with
     none, one line naming the other rank's end. Never gloo's traceback (the race the launcher Ctrl-C test once hit)."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", PEER, how], cwd=ROOT, env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]

@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import ROOT, _free_port, nan_at_step_env, run_entry
+from elsa_ds.zero.dist import free_port
+from tests.conftest import ROOT, nan_at_step_env, run_entry
 from tests.test_interrupts import _run_and_signal
 from tests.test_left_behind import ERROR_LINE, QUICK, _listing, _previous_output
 
@@ -66,7 +67,7 @@ def test_a_killed_job_says_one_line_and_leaves_nothing(tmp_path, ranks, victim):
         (parent / ".o.oneshot" / "config.json").write_text("{}")
     before = _listing(parent)
     args = [*QUICK, "--steps", "100000", "--output_dir", str(out), "--overwrite"]
-    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(_free_port())]
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port())]
     cmd = [sys.executable, str(ROOT / "launch" / "prune.py"), *args] if ranks is None else [*launcher, "launch/prune.py", *args]
 
     def kill(proc) -> None:

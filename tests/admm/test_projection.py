@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -9,6 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elsa_ds.admm.projection import NM, LocalComm, Slice, TorchDistComm, keep_count, nm_masks, projection_masks, scores, select_masks
+from elsa_ds.zero.dist import free_port  # the rendezvous port
 
 
 def _whole(name: str, numel: int, sparsity: float) -> Slice:
@@ -65,12 +65,6 @@ def test_batched_layers_are_independent():
         assert int(m.sum()) == sl.keep
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_worker(rank: int, world: int, port: int, values: list[torch.Tensor], out_dir: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -95,7 +89,7 @@ def test_distributed_select_equals_single_process(tmp_path):
         torch.tensor([5.0]),  # 1 entry: ranks 1 and 2 hold pure padding
     ]
     world = 3
-    mp.start_processes(_rank_worker, args=(world, _free_port(), values, str(tmp_path)), nprocs=world, start_method="spawn")
+    mp.start_processes(_rank_worker, args=(world, free_port(), values, str(tmp_path)), nprocs=world, start_method="spawn")
     per_rank = [torch.load(tmp_path / f"r{r}.pt") for r in range(world)]
     for i, v in enumerate(values):
         got = torch.cat([per_rank[r][i] for r in range(world)])
@@ -157,7 +151,7 @@ def test_nm_groups_cut_by_rank_boundaries(tmp_path, world, n, m):
         torch.randn(m * 5, generator=g),
         torch.randn(m, generator=g),                           # one group spread over several ranks
     ]
-    mp.start_processes(_nm_rank_worker, args=(world, _free_port(), values, n, m, str(tmp_path)), nprocs=world, start_method="spawn")
+    mp.start_processes(_nm_rank_worker, args=(world, free_port(), values, n, m, str(tmp_path)), nprocs=world, start_method="spawn")
     per_rank = [torch.load(tmp_path / f"r{r}.pt") for r in range(world)]
     for i, v in enumerate(values):
         got = torch.cat([per_rank[r][i] for r in range(world)])

@@ -2,7 +2,6 @@
 counts travel on the device the process group needs (NCCL takes CUDA tensors only). Marked ``cuda`` (conftest.py)."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from elsa_ds.admm import state as admm_state
 from elsa_ds.admm.kernels import compiled
 from elsa_ds.admm.projection import LocalComm, TorchDistComm, projection_masks
 from elsa_ds.admm.state import StateDtype
+from elsa_ds.zero.dist import free_port  # the rendezvous port
 from tests.admm.test_compiled_step import NUMEL, SLICES, _eager
 
 
@@ -46,10 +46,7 @@ def test_compiled_step_equals_eager_on_cuda(dtypes, monkeypatch):
 def nccl_group():
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
         yield None
     finally:

@@ -56,10 +56,11 @@ def test_ranks_that_planned_different_jobs_are_told_so_on_every_rank():
     import subprocess
     import sys
 
-    from tests.conftest import ROOT, _free_port
+    from elsa_ds.zero.dist import free_port
+    from tests.conftest import ROOT
 
     for texts, agree in ((["resume", "resume"], "True"), (["resume", "fresh"], "False")):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
                "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         procs = [subprocess.Popen([sys.executable, "-c", AGREE, text], cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r, text in enumerate(texts)]
