@@ -54,6 +54,7 @@ import torch  # noqa: E402
 
 from elsa_ds.admm.optimizer import AdmmOptimizer, AdmmSettings  # noqa: E402
 from elsa_ds.admm.projection import Slice  # noqa: E402
+from elsa_ds.capacity.optimizer_probe import layer_slices  # noqa: E402 - the probe's flat, cut as here
 from elsa_ds.admm.schedule import LambdaSchedule  # noqa: E402
 from elsa_ds.admm.state import StateDtype  # noqa: E402
 from elsa_ds.zero.ds_config import DsConfig  # noqa: E402
@@ -143,16 +144,6 @@ def summarize(times: list[tuple[float, bool]], interval: int) -> dict:
     return out
 
 
-def layer_slices(numel: int, count: int, sparsity: float = 0.5) -> list[Slice]:
-    """``count`` equal layers over the flat, the last taking the remainder."""
-    size = numel // count
-    out = []
-    for j in range(count):
-        length = size if j < count - 1 else numel - size * (count - 1)
-        out.append(Slice(f"layer{j}", j * size, length, 0, length, length - round(sparsity * length)))
-    return out
-
-
 def _makers() -> dict:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -188,7 +179,7 @@ def measure(numel: int, args) -> dict:
     """Every pair on one flat of ``numel`` entries; medians in ms."""
     g = torch.Generator().manual_seed(0)
     flat, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g) * 1e-3
-    slices = layer_slices(numel, args.slices)
+    slices = layer_slices(numel, args.slices, 0.5)
     mk, res = _makers(), {}
     low = (StateDtype.fp8, StateDtype.bf16)
     base8 = mk.get("bnb_adam8bit", mk["fused_adam8bit"])
@@ -223,7 +214,7 @@ def measure_device(numel: int, args) -> dict:
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     flat, grad = torch.randn(numel, generator=g).to(device), (torch.randn(numel, generator=g) * 1e-3).to(device)
-    slices = layer_slices(numel, args.slices)
+    slices = layer_slices(numel, args.slices, 0.5)
     make = lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True)  # noqa: E731
     res = {}
     os.environ["ELSA_DS_COMPILED"] = "1"  # the compiled step is opt-in; ``kernels`` picks it per runner

@@ -101,20 +101,28 @@ class _Timed:
         return out
 
 
+def layer_slices(numel: int, count: int, sparsity: float) -> list:
+    """``count`` equal layer slices of one flat of ``numel`` entries (the last takes the remainder), each keeping what
+    ``sparsity`` leaves: a rank's partition of a sub-group, as bench/optimizer_step.py cuts its flat too."""
+    from elsa_ds.admm.projection import Slice, keep_count
+
+    size = numel // count
+    lengths = [size] * (count - 1) + [numel - size * (count - 1)]
+    return [Slice(f"layer{j}", j * size, n, 0, n, keep_count(n, sparsity)) for j, n in enumerate(lengths)]
+
+
 def _runners(cfg, ds, entries: int) -> tuple[_Timed, _Timed]:
     """DeepSpeedCPUAdam and the job's optimizer, each on its own copy of one flat of ``entries`` and one gradient."""
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     from elsa_ds.admm.optimizer import AdmmOptimizer
-    from elsa_ds.admm.projection import Slice, keep_count
     from elsa_ds.targets import goal_ratio
     from elsa_ds.zero.engine import base_optimizer
 
     g = torch.Generator().manual_seed(0)
     x0, grad = torch.randn(entries, generator=g), torch.randn(entries, generator=g) * 1e-3
-    size = entries // PROBE_LAYERS
-    slices = [Slice(f"layer{j}", j * size, size, 0, size, keep_count(size, goal_ratio(cfg.goal))) for j in range(PROBE_LAYERS)]
+    slices = layer_slices(entries, PROBE_LAYERS, goal_ratio(cfg.goal))
     settings = replace(cfg.admm_settings(), total_steps=1 << 30, interval=PROBE_INTERVAL, hold_steps=0)
     runners = []
     for admm in (False, True):

@@ -37,8 +37,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 FUSE_ENV = "ELSA_DS_FUSE_SIBLINGS"  # 0: every projection its own launch
-# (the lead, then the rest in the order the parent calls them) as transformers names them in the Llama family (Llama,
-# Mistral, Qwen2/3, Gemma 1-3, Phi-3's MLP aside: its projections are already fused)
+# (the lead, then the rest in the order the parent calls them), as transformers names them
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # transformers' families whose ``<family>Attention`` and ``<family>MLP`` call their siblings in SIBLINGS' order on their
 # own input (each checked by a test: bit for bit, one product a group, nothing left pending)
