@@ -65,9 +65,10 @@ start)
     "$PY" bench/device/ship.py join --dest "$SHIP" --model_out "$MODELS/gemma3-270m" | tee "$OUT/join.log" || exit 2
     [[ -f "$RUNS/pid" ]] && kill -0 "$(cat "$RUNS/pid")" 2>/dev/null && { echo "a runner is already going: use wait" >&2; exit 2; }
     LEFT=$((BUDGET - (SECONDS - T0)))
+    : > "$RUNS/log"  # made here: the runner's own redirection may come after follow's tail looks for it (it then quit)
     # shellcheck disable=SC2086
     setsid nohup "$PY" bench/device/curve.py --model "$MODELS/gemma3-270m" --corpora "$SHIP/payload/corpora" \
-        --budget_s "$LEFT" --out "$RUNS" --work "$RUNS/work" ${CURVE_ARGS:-} > "$RUNS/log" 2>&1 < /dev/null &
+        --budget_s "$LEFT" --out "$RUNS" --work "$RUNS/work" ${CURVE_ARGS:-} >> "$RUNS/log" 2>&1 < /dev/null &
     echo $! > "$RUNS/pid"
     echo "=== runner started (pid $!), $LEFT s for its cells"
     follow $((WAIT - (SECONDS - T0)))
