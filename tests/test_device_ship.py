@@ -18,6 +18,7 @@ import pytest
 
 from bench.device import curve, curve_report, estimate, ship
 from bench.models.gemma3 import GgufSource, build, file_sha256
+from elsa_ds.jobs.step_profile import SPANS
 from elsa_ds.settings.config import DEMO_MODEL_DIR
 from tests.test_bench_gemma3 import WORDS, write_tiny_gguf
 
@@ -333,7 +334,7 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
         assert put(i, out, dest).returncode == 0
     env = {**os.environ, "ELSA_SHIP": str(dest), "ELSA_MODELS": str(tmp_path / "models"), "ELSA_CURVE": str(tmp_path / "runs"),
            "OUT": str(tmp_path / "OUT"), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
-           "CURVE_ARGS": f"--cells dense:-:0,elsa:0.9:2:rule:2 --seqlen 32 --micro_batch 2 --eval_limit 4 --parallel 2 "
+           "CURVE_ARGS": f"--cells dense:-:0,elsa:0.9:2:rule:2 --seqlen 32 --micro_batch 2 --eval_limit 4 --parallel 2 --profile 0:1 "
                          f"--results {tmp_path / 'none.jsonl'}"}
     proc = subprocess.run(["bash", "bench/device/quality.sh", "--dry-run", "start", "500", "480"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -351,6 +352,10 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
     phases = elsa["phase_s"]  # where its time went, from the job's phase markers
     assert {"launch", "load", "first step", "final projection", "export", "verify", "after"} <= set(phases)
     assert 0 < sum(phases.values()) <= elsa["prune_s"] + 1 and next(x for x in lines if x["method"] == "dense")["phase_s"] is None
+    profile = elsa["profile"]  # step 0 under torch.profiler, step 1 under cProfile: where a step's time went
+    assert profile["torch"]["complete"] and set(profile["torch"]["spans_s"]) == set(SPANS) and profile["torch"]["wall_s"] > 0
+    assert profile["torch"]["host_top"] and profile["python"]["self_top"] and profile["python"]["complete"]
+    assert "profile" not in next(x for x in lines if x["method"] == "dense")  # an evaluation has no steps to profile
     with tarfile.open(tmp_path / "OUT" / "cell_logs.tgz") as logs:  # each cell's own log, in one file of the 8 that come back
         assert sorted(logs.getnames()) == ["./dense_dense_0x8_rule.log", "./elsa_90_2x2_rule.log"]
     assert len(list((tmp_path / "OUT").iterdir())) <= 8

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench import quality  # noqa: E402 - its commands and rendezvous ports
 from bench.device.estimate import GPU_SHARE, Estimator, forwards  # noqa: E402
 from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases  # noqa: E402 - where a cell's time goes
+from elsa_ds.jobs.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window  # noqa: E402 - where a step's goes
 from bench.device.ship import RESULTS, TEXTS, read_lines, texts_mismatch, texts_sha256  # noqa: E402 - the texts the cells read
 from elsa_ds.settings.defaults import HOLD_FRACTION  # noqa: E402 - the "held" cells' end: the rule's own fraction
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
@@ -61,6 +62,7 @@ SETTINGS = {"rule": [], "paper": PAPER_ARGS, "dense": ["--init_mask", "none"],
 # loan. At 512 steps the rule takes its short-budget branch (SparseGPT's start), as at the middle budget.
 BUDGETS = ((128, 8), (512, 8), (512, 32))
 MARGIN_S = 20.0
+PROFILE_WINDOW = "16:3"  # steps 16-18 under torch.profiler, 19-21 under cProfile: past the first steps, before a projection
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ class Run:
     env: dict
     checkpointing: bool = False  # the same math either way; off: no forward recomputed in the backward (0.66x the step)
     gpu_memory: float | None = None  # the GPU's bytes: cells start only while their predicted peaks fit (None: no check)
+    profile: str = PROFILE_WINDOW  # the training steps profiled (ELSA_DS_PROFILE_STEPS's FIRST:COUNT); "" none
 
 
 def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
@@ -202,10 +205,14 @@ def run_cell(cell: Cell, run: Run) -> dict:
         line |= {"micro_batch": min(run.micro_batch, cell.batch), "forwards": forwards(cell.batch, run.micro_batch),
                  "gradient_checkpointing": run.checkpointing, "loss": "chunked"}  # elsa_ds/loss.py, from 2026-11-29
     report: dict = {}
-    phase_log = run.work / f"{cell.slug()}.phases"
+    phase_log, profile = run.work / f"{cell.slug()}.phases", run.work / f"{cell.slug()}.profile.json"
     phase_log.unlink(missing_ok=True)
+    profile.unlink(missing_ok=True)
+    env = {PHASE_LOG_ENV: str(phase_log)}
+    if cell.kind == "train" and run.profile:  # a few steps profiled: do they wait on the host or the GPU (jobs/step_profile.py)
+        env |= {PROFILE_STEPS_ENV: run.profile, PROFILE_OUT_ENV: str(profile)}
     if cell.method != "dense":
-        rc = call(quality.with_port(prune_command(cell, run, out)), log, run.deadline, {PHASE_LOG_ENV: str(phase_log)})
+        rc = call(quality.with_port(prune_command(cell, run, out)), log, run.deadline, env)
         if rc != 0 or not (out / "elsa_report.json").is_file():
             return line | failed(rc, "prune", log, started)
         report = json.loads((out / "elsa_report.json").read_text())
@@ -213,6 +220,8 @@ def run_cell(cell: Cell, run: Run) -> dict:
     # (from its own start: the rest is the launcher's and the imports'), a one-shot's pass; the evaluation is the rest
     line |= {"prune_s": round(time.time() - started, 1), "job_s": report.get("wall_s"), "oneshot_s": report.get("prune_s"),
              "phase_s": phase_seconds(phase_log, started, time.time())}
+    if profile.is_file():
+        line["profile"] = json.loads(profile.read_text())
     rc, result = evaluate(run.model if cell.method == "dense" else str(out), run, out, log)
     if result is None:
         return line | failed(rc, "evaluate", log, started)
@@ -339,10 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=RESULTS, help="cells done before (skipped) [bench/results/...]")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/curve")), help="cells.jsonl goes here")
     ap.add_argument("--work", type=Path, default=Path("/tmp/elsa_cells"), help="models and logs of the running cells")
+    ap.add_argument("--profile", default=PROFILE_WINDOW, help=f"FIRST:COUNT: each training cell profiles COUNT steps from "
+                    f"FIRST under torch.profiler, COUNT more under cProfile (a few seconds; its line's 'profile'); '' "
+                    f"none [{PROFILE_WINDOW}]")
     ap.add_argument("--list", action="store_true", help="print the plan and what --results holds, run nothing")
     args = ap.parse_args(argv)
     try:
         cells = [parse_cell(t) for t in args.cells.split(",")] if args.cells else curve_plan()
+        parse_window(args.profile)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -369,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     text = {name: str(c / corpus / file) for name, (corpus, file) in TEXTS.items()}  # the files texts_sha256 read
     run = Run(args.model, text["train"], text["test"], text["linuxdoc"], args.seqlen, args.micro_batch, args.deepspeed,
               args.eval_limit, args.work, time.time() + args.budget_s, args.parallel, environment() | {"texts": texts},
-              args.gradient_checkpointing, gpu_memory())
+              args.gradient_checkpointing, gpu_memory(), args.profile)
     estimator = Estimator(run.env["device"], read_lines(args.results) + read_lines(args.out / "cells.jsonl"), args.micro_batch,
                           args.gradient_checkpointing, args.model, args.deepspeed, args.seqlen)
     lines, skipped = schedule(todo, run, estimator, args.out / "cells.jsonl")

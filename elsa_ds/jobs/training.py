@@ -16,6 +16,7 @@ import torch
 from elsa_ds.capacity import machine
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
+from elsa_ds.jobs.step_profile import StepProfiler
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource, check_token_ids, freeze_embeddings
 from elsa_ds.monitor import MONITOR_DIR, default_output_paths
@@ -177,19 +178,25 @@ def train_loop(cfg: ElsaConfig, state: RunState, rank: int, train_step: Callable
 
     bar = tqdm(range(state.next_step, cfg.steps), desc=cfg.method.value, unit="step", disable=rank != 0,
                dynamic_ncols=True, initial=state.next_step, total=cfg.steps)
-    for step in bar:
-        t0 = time.perf_counter()
-        loss = train_step(step)
-        state.step_times.append(time.perf_counter() - t0)
-        if not math.isfinite(loss):
-            raise ElsaError(f"the loss became {loss} at step {step}; the run stopped there (the last checkpoint, if any, "
-                            f"is intact; resume with a lower --lr or --lmda)")
-        state.losses.append(loss)
-        state.next_step = step + 1
-        if after_step(bar, step, loss):
-            break
-        if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and step + 1 < cfg.steps:
-            save_checkpoint()
+    profiler = StepProfiler.from_env(rank)  # ELSA_DS_PROFILE_STEPS: where a step's time goes (jobs/step_profile.py)
+    try:
+        for step in bar:
+            profiler.before(step)
+            t0 = time.perf_counter()
+            loss = train_step(step)
+            state.step_times.append(time.perf_counter() - t0)
+            profiler.after(step)
+            if not math.isfinite(loss):
+                raise ElsaError(f"the loss became {loss} at step {step}; the run stopped there (the last checkpoint, if "
+                                f"any, is intact; resume with a lower --lr or --lmda)")
+            state.losses.append(loss)
+            state.next_step = step + 1
+            if after_step(bar, step, loss):
+                break
+            if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and step + 1 < cfg.steps:
+                save_checkpoint()
+    finally:
+        profiler.close()
 
 
 class Checkpoints:
