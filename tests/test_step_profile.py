@@ -80,3 +80,21 @@ def test_only_rank_0_profiles_and_a_malformed_window_is_a_warning(tmp_path, monk
     monkeypatch.setenv(step_profile.PROFILE_STEPS_ENV, "0:1")
     steps(StepProfiler.from_env(0), 3)
     assert json.loads(out.read_text())["python"]["complete"]
+
+
+def test_a_profiler_that_fails_stops_profiling_with_a_warning_never_the_run(tmp_path, monkeypatch, caplog):
+    def no_cupti(*args, **kwargs):
+        raise RuntimeError("CUPTI could not be loaded")
+
+    monkeypatch.setattr(step_profile.torch.profiler, "profile", no_cupti)
+    profiler = StepProfiler((1, 1), rank=0, out=tmp_path / "profile.json")
+    with caplog.at_level(logging.WARNING):
+        steps(profiler, 4)  # every step ran
+    assert profiler.window is None and not (tmp_path / "profile.json").exists()
+    assert [r.message for r in caplog.records if "step profile stopped" in r.message] == [
+        "the step profile stopped (RuntimeError: CUPTI could not be loaded); the run goes on without it"]
+    monkeypatch.undo()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the summary cannot be written: the measured steps are still logged
+        steps(StepProfiler((0, 1), rank=0, out=tmp_path / "missing" / "profile.json"), 3)
+    assert any("step profile stopped (FileNotFoundError" in r.message for r in caplog.records)

@@ -70,8 +70,35 @@ class StepProfiler:
         return cls(window, rank, Path(out) if out else None)
 
     def before(self, step: int) -> None:
+        self._guarded(self._before, step)
+
+    def after(self, step: int) -> None:
+        self._guarded(self._after, step)
+
+    def close(self) -> None:
+        """End whatever is still open (the loop stopped inside the window: what was measured is kept), then report."""
+        self._guarded(self._close)
+
+    def _guarded(self, method, *args) -> None:
+        """A profiler that fails (CUPTI missing, a full disk) stops profiling with one warning, never the run."""
         if self.window is None:
             return
+        try:
+            method(*args)
+        except Exception as err:  # noqa: BLE001 - a diagnostic: whatever went wrong, the job goes on unprofiled
+            log.warning(f"the step profile stopped ({type(err).__name__}: {err}); the run goes on without it")
+            self.window = None
+            torch_prof, python_prof, self.torch_prof, self.python_prof = self.torch_prof, self.python_prof, None, None
+            try:
+                if torch_prof is not None:
+                    torch_prof.__exit__(None, None, None)
+                if python_prof is not None:
+                    python_prof.disable()
+            except Exception:  # noqa: BLE001,S110 - reported once above
+                pass
+
+    def _before(self, step: int) -> None:
+        assert self.window is not None
         first, count = self.window
         if step == first:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -85,9 +112,8 @@ class StepProfiler:
             self.started, self.measured = time.perf_counter(), 0
             self.python_prof.enable()
 
-    def after(self, step: int) -> None:
-        if self.window is None:
-            return
+    def _after(self, step: int) -> None:
+        assert self.window is not None
         first, count = self.window
         if self.torch_prof is not None or self.python_prof is not None:
             self.measured += 1
@@ -95,12 +121,9 @@ class StepProfiler:
             self._end_torch(complete=True)
         elif step == first + 2 * count - 1 and self.python_prof is not None:
             self._end_python(complete=True)
-            self.close()
+            self._close()
 
-    def close(self) -> None:
-        """End whatever is still open (the loop stopped inside the window: what was measured is kept), then report."""
-        if self.window is None:
-            return
+    def _close(self) -> None:
         if self.torch_prof is not None:
             self._end_torch(complete=False)
         if self.python_prof is not None:
