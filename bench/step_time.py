@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale import build_model_dir  # noqa: E402  (Gemma-2-27B's config cut to N layers)
+from elsa_ds.jobs.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window  # noqa: E402
 
 CONFIGS = ["ds_configs/zero3_offload.json", "ds_configs/zero3_offload_elsal.json"]
 # the budget's configs: a shipped JSON and the settings it runs with; ELSA-L's states with everything on 80 GB GPUs
@@ -58,7 +59,9 @@ def measured_rows(args) -> list[dict]:
                        "--seqlen", "2048", "--micro_batch", "1", "--batch_size", str(args.ranks), "--sparsity", "0.9"]
     prune_args += [a for a in args.prune_args if a != "--"]
     rows = []
-    for row in run_ablation(args.configs, out, args.ranks, prune_args):
+    profile = (lambda name: out / f"{name}.profile.json") if args.profile else None
+    run_env = (lambda name: {PROFILE_STEPS_ENV: args.profile, PROFILE_OUT_ENV: str(profile(name))}) if profile else None
+    for row in run_ablation(args.configs, out, args.ranks, prune_args, run_env):
         estimate = row.est_step_time_s
         rows.append({"config": row.config, "ranks": args.ranks, "steps": args.steps, "interval": args.interval,
                      "measured_s": row.step_time_s, "estimated_s": estimate, "ratio": estimate / row.step_time_s,
@@ -72,6 +75,8 @@ def measured_rows(args) -> list[dict]:
                      "host_ratio": row.est_host_bytes / row.peak_host_rss_bytes if row.peak_host_rss_bytes else None,
                      "gpu_peak_bytes": row.peak_gpu_bytes, "gpu_est_bytes": row.est_gpu_bytes,
                      "nvme_peak_bytes": row.nvme_peak_bytes, "nvme_est_bytes": row.est_nvme_bytes})
+        if profile and profile(row.config).is_file():  # where its step's time went: forward, backward, step (--profile)
+            rows[-1]["profile"] = json.loads(profile(row.config).read_text())
     return rows
 
 
@@ -157,9 +162,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="runs and logs [a temporary directory]")
     ap.add_argument("--plan", action="store_true", help="no run: the 27B budget's estimates and issue 43's H200 jobs")
     ap.add_argument("--machine", default="gpu-server", help="typical rates for --plan's 8-GPU nodes [gpu-server]")
+    ap.add_argument("--profile", default="", help="FIRST:COUNT: each run profiles COUNT steps from FIRST (torch.profiler, "
+                    "then COUNT more under cProfile; elsa_ds/jobs/step_profile.py), its row's 'profile' [none]")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("prune_args", nargs=argparse.REMAINDER, help="-- then more flags for launch/prune.py")
     args = ap.parse_args()
+    try:
+        parse_window(args.profile)
+    except ValueError as err:
+        ap.error(str(err))
     if args.plan:
         rows = plan_rows(args.machine)
         fits = fit_rows()

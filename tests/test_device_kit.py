@@ -142,6 +142,8 @@ def test_scale_dry_run_times_the_demo_and_refuses_the_8_layer_job(tmp_path):
     assert set(rows) == {"step_time", "refuse"}  # no oom here: it would exhaust this box
     (timed,) = rows["step_time"]["rows"]
     assert rows["step_time"]["rc"] == 0 and timed["measured_s"] > 0 and timed["host_ratio"] > 0
+    spans = timed["profile"]["torch"]["spans_s"]  # its step 0 profiled: what the time model's parts took
+    assert {"elsa_ds.forward", "elsa_ds.backward", "elsa_ds.step"} <= set(spans) and timed["profile"]["python"]["self_top"]
     refused = rows["refuse"]
     assert refused["rc"] == 2 and "host memory" in refused["line"] and "would fit" in refused["line"]
     assert not refused["output_made"] and refused["left_behind"] == []

@@ -32,11 +32,11 @@ cd "$ROOT"
 exec > >(tee -a "$OUT/log") 2>&1
 
 if (( DRY )); then
-    TIME_ARGS=(--configs ds_configs/zero3_offload.json --steps 2 --interval 2)
+    TIME_ARGS=(--configs ds_configs/zero3_offload.json --steps 2 --interval 2 --profile 0:1)
 else
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" bench/device/wheels/*.whl
     export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH" DS_ACCELERATOR=cuda
-    TIME_ARGS=(--layers 4 --steps 8 --interval 4)
+    TIME_ARGS=(--layers 4 --steps 8 --interval 4 --profile 4:1)  # step 4 profiled (5: cProfile), between projections
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 fi
 LAUNCHER="$(command -v deepspeed || echo deepspeed)"

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -123,8 +124,10 @@ def _masks(out: Path):
     return {k: weights[k] != 0 for k in layers}
 
 
-def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list[str]) -> list[AblationRow]:
-    """Run ``launch/prune.py`` once per config with ``prune_args``; returns one row per config."""
+def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list[str],
+                 run_env: Callable[[str], dict[str, str]] | None = None) -> list[AblationRow]:
+    """Run ``launch/prune.py`` once per config with ``prune_args``; returns one row per config. ``run_env(name)``: more
+    environment for the run of config ``name`` (a bench's step profile: its own file per run)."""
     import torch
 
     from elsa_ds.capacity.step_time import DEFAULT_MACHINE, TYPICAL, measure
@@ -148,7 +151,8 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
                str(ROOT / "launch" / "prune.py"), "--deepspeed", cfg_path, *prune_args, *extra, "--output_dir", str(run_dir), "--overwrite"]
         log.info(f"ablation run {name}: {' '.join(cmd[3:])}")
         with (out_dir / f"{name}.log").open("w") as run_log:
-            proc = subprocess.Popen(cmd, stdout=run_log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **(run_env(name) if run_env else {})}
+            proc = subprocess.Popen(cmd, stdout=run_log, stderr=subprocess.STDOUT, env=env)
             monitor = TreeMonitor(proc.pid, nvme)
             monitor.start()
             rc = proc.wait()
