@@ -25,6 +25,7 @@ def train_step(engine, optimizer: torch.optim.Optimizer, comm, micro_batches: li
             logits = engine(input_ids=ids, use_cache=False).logits
         with record_function("elsa_ds.loss"):
             loss = next_token_loss(logits, ids)  # the logits' fp32 copies never whole
+        del logits  # the loss keeps their gradient, not them: the backward must not hold the [tokens, vocab] logits too
         with record_function("elsa_ds.backward"):
             engine.backward(loss)
         with record_function("elsa_ds.step"):
