@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale import build_model_dir  # noqa: E402  (Gemma-2-27B's config cut to N layers)
-from elsa_ds.jobs.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window  # noqa: E402
+from elsa_ds.jobs.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window, read_profile  # noqa: E402
 
 CONFIGS = ["ds_configs/zero3_offload.json", "ds_configs/zero3_offload_elsal.json"]
 # the budget's configs: a shipped JSON and the settings it runs with; ELSA-L's states with everything on 80 GB GPUs
@@ -75,8 +75,8 @@ def measured_rows(args) -> list[dict]:
                      "host_ratio": row.est_host_bytes / row.peak_host_rss_bytes if row.peak_host_rss_bytes else None,
                      "gpu_peak_bytes": row.peak_gpu_bytes, "gpu_est_bytes": row.est_gpu_bytes,
                      "nvme_peak_bytes": row.nvme_peak_bytes, "nvme_est_bytes": row.est_nvme_bytes})
-        if profile and profile(row.config).is_file():  # where its step's time went: forward, backward, step (--profile)
-            rows[-1]["profile"] = json.loads(profile(row.config).read_text())
+        if profile:  # where its step's time went: forward, backward, step (--profile)
+            rows[-1] |= read_profile(profile(row.config))
     return rows
 
 

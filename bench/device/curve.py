@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench import quality  # noqa: E402 - its commands and rendezvous ports
 from bench.device.estimate import GPU_SHARE, Estimator, forwards  # noqa: E402
 from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases  # noqa: E402 - where a cell's time goes
-from elsa_ds.jobs.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window  # noqa: E402 - where a step's goes
+from elsa_ds.jobs.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window, read_profile  # noqa: E402
 from bench.device.ship import RESULTS, TEXTS, read_lines, texts_mismatch, texts_sha256  # noqa: E402 - the texts the cells read
 from elsa_ds.settings.defaults import HOLD_FRACTION  # noqa: E402 - the "held" cells' end: the rule's own fraction
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
@@ -220,8 +220,7 @@ def run_cell(cell: Cell, run: Run) -> dict:
     # (from its own start: the rest is the launcher's and the imports'), a one-shot's pass; the evaluation is the rest
     line |= {"prune_s": round(time.time() - started, 1), "job_s": report.get("wall_s"), "oneshot_s": report.get("prune_s"),
              "phase_s": phase_seconds(phase_log, started, time.time())}
-    if profile.is_file():
-        line["profile"] = json.loads(profile.read_text())
+    line |= read_profile(profile)
     rc, result = evaluate(run.model if cell.method == "dense" else str(out), run, out, log)
     if result is None:
         return line | failed(rc, "evaluate", log, started)

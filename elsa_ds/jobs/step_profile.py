@@ -1,16 +1,21 @@
-"""Where a training step's time goes, measured inside a real job: a few steps under ``torch.profiler`` (operators'
-host time, the GPU's kernel time), then as many under ``cProfile`` (the Python functions that spend the host's time:
-DeepSpeed's hooks, the model's code, ours). For machines lent briefly: ``bench/device/curve.py`` asks it of every
-training cell on the GPU, so that a loan that runs the budget curve also says whether its steps wait on the host or on
-the GPU, at a few seconds a cell. On CUDA, autograd runs the backward (and DeepSpeed's hooks in it) on its own device
-thread, which cProfile does not see: there the backward's Python shows as ``run_backward``; torch.profiler's spans and
-operators cover every thread.
+"""Where a training step's time goes, measured inside a real job: a few steps under ``torch.profiler`` (the host's time
+in operators and in CUDA runtime calls, the GPU's kernels, the forward / loss / backward / step spans on both), then as
+many under ``cProfile`` (the Python functions that spend the host's time: DeepSpeed's hooks, the model's code, ours). For
+machines lent briefly: ``bench/device/curve.py`` asks it of every training cell on the GPU, so that a loan that runs the
+budget curve also says whether its steps wait on the host or on the GPU, at a few seconds a cell.
 
 Off unless ``ELSA_DS_PROFILE_STEPS`` is ``FIRST:COUNT`` (``16:3``: steps 16-18 under torch.profiler, 19-21 under
 cProfile); rank 0 then logs a summary once the window ends and, if ``ELSA_DS_PROFILE_OUT`` names a file, writes it there
-as JSON (temp file, then rename). Every figure is per step. The steps are the job's own: the loss is not changed, only
-slowed while profiled (the job's step times include those steps). A malformed value is a warning, not an error: the
-profile is a diagnostic, never a reason to stop a run.
+as JSON (temp file, then rename). Every figure is per step; a step's wall time is the loop's own measure of it. The loss
+is not changed, only slowed while profiled, so the loop leaves those steps out of the report's mean step time. A
+malformed value is a warning, a profiler that fails stops profiling with one warning, and a run that fails inside the
+window drops the profile without a sync or a line: the profile is a diagnostic, never a reason to stop or hold a run.
+
+Reading it: ``host_ops_s`` is the host's time inside operators, ``runtime_s`` inside CUDA runtime calls (launches,
+copies; ``sync_s`` the synchronizations among them, where the host waits for the GPU), ``device_s`` the GPU's kernels and
+copies (summed over streams; with other processes on the same GPU a kernel's time can hold theirs). cProfile sees the
+main thread only on Python 3.11; from 3.12 (``sys.monitoring``) every thread, autograd's device thread and the backward's
+hooks included.
 """
 from __future__ import annotations
 
@@ -18,11 +23,11 @@ import cProfile
 import json
 import os
 import pstats
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 
 from elsa_ds.log import get_logger
 
@@ -45,17 +50,25 @@ def parse_window(text: str | None) -> tuple[int, int] | None:
     return int(first), int(count)
 
 
+def read_profile(path: Path) -> dict[str, Any]:
+    """``{"profile": ...}`` from a summary this module wrote, ``{}`` without one; never an error (for a bench's result
+    line: the run's own figures stand without its profile)."""
+    try:
+        return {"profile": json.loads(path.read_text(encoding="utf-8"))} if path.is_file() else {}
+    except (OSError, ValueError) as err:
+        return {"profile": {"unreadable": f"{type(err).__name__}: {err}"}}
+
+
 class StepProfiler:
-    """Call :meth:`before` and :meth:`after` around each step and :meth:`close` once the loop ends (a no-op unless
-    this is rank 0 with a window set: see the module's text)."""
+    """Call :meth:`before` and :meth:`after` around each step, then :meth:`close` when the loop ends, or :meth:`abandon`
+    when it fails (a no-op unless this is rank 0 with a window set: see the module's text)."""
 
     def __init__(self, window: tuple[int, int] | None, rank: int, out: Path | None = None):
         self.window = window if rank == 0 else None
         self.out = out
         self.torch_prof: Any = None
         self.python_prof: cProfile.Profile | None = None
-        self.started = 0.0
-        self.measured = 0  # steps ended under the profiler now open
+        self.seconds: list[float] = []  # the loop's measure of each step under the profiler now open
         self.result: dict[str, Any] = {}
 
     @classmethod
@@ -72,23 +85,32 @@ class StepProfiler:
     def before(self, step: int) -> None:
         self._guarded(self._before, step)
 
-    def after(self, step: int) -> None:
-        self._guarded(self._after, step)
+    def after(self, step: int, seconds: float) -> bool:
+        """After step ``step``, which took ``seconds``: True when it ran under a profiler (slowed by it)."""
+        profiled = self.torch_prof is not None or self.python_prof is not None
+        self._guarded(self._after, step, seconds)
+        return profiled
 
     def close(self) -> None:
-        """End whatever is still open (the loop stopped inside the window: what was measured is kept), then report."""
+        """End whatever is still open (the loop stopped early inside the window: what was measured is kept), then report."""
         self._guarded(self._close)
 
+    def abandon(self) -> None:
+        """The run failed: drop the profile, no sync (a rank may be stuck in a collective), no summary, no line."""
+        if self.python_prof is not None:
+            self.python_prof.disable()
+        self.torch_prof = self.python_prof = self.window = None
+
     def _guarded(self, method, *args) -> None:
-        """A profiler that fails (CUPTI missing, a full disk) stops profiling with one warning, never the run."""
+        """A profiler that fails (CUPTI, the summary's file) stops profiling with one warning, never the run."""
         if self.window is None:
             return
         try:
             method(*args)
         except Exception as err:  # noqa: BLE001 - a diagnostic: whatever went wrong, the job goes on unprofiled
             log.warning(f"the step profile stopped ({type(err).__name__}: {err}); the run goes on without it")
-            self.window = None
             torch_prof, python_prof, self.torch_prof, self.python_prof = self.torch_prof, self.python_prof, None, None
+            self.window = None
             try:
                 if torch_prof is not None:
                     torch_prof.__exit__(None, None, None)
@@ -101,22 +123,23 @@ class StepProfiler:
         assert self.window is not None
         first, count = self.window
         if step == first:
+            sync()  # the steps before do not spill into the window
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.torch_prof = torch.profiler.profile(activities=activities)
             self.torch_prof.__enter__()
-            self.started, self.measured = time.perf_counter(), 0
+            self.seconds = []
         elif step == first + count:
             self.python_prof = cProfile.Profile()
-            self.started, self.measured = time.perf_counter(), 0
+            self.seconds = []
             self.python_prof.enable()
 
-    def _after(self, step: int) -> None:
+    def _after(self, step: int, seconds: float) -> None:
         assert self.window is not None
         first, count = self.window
         if self.torch_prof is not None or self.python_prof is not None:
-            self.measured += 1
+            self.seconds.append(seconds)
         if step == first + count - 1 and self.torch_prof is not None:
             self._end_torch(complete=True)
         elif step == first + 2 * count - 1 and self.python_prof is not None:
@@ -133,34 +156,33 @@ class StepProfiler:
         self.window = None
 
     def _end_torch(self, complete: bool) -> None:
-        sync()
-        wall = time.perf_counter() - self.started
         prof, self.torch_prof = self.torch_prof, None
-        prof.__exit__(None, None, None)
-        if self.measured:  # a step that raised is no step to average over
-            self.result["torch"] = operator_summary(prof.key_averages(), wall, self.measured) | {"complete": complete}
+        prof.__exit__(None, None, None)  # synchronizes the device
+        if self.seconds:  # a window the loop left before its first step ended has nothing to average
+            summary = operator_summary(prof.key_averages(), len(self.seconds))
+            self.result["torch"] = {**summary, "wall_s": sum(self.seconds) / len(self.seconds), "complete": complete,
+                                    "cuda": torch.cuda.is_available()}
 
     def _end_python(self, complete: bool) -> None:
-        sync()
         prof, self.python_prof = self.python_prof, None
         assert prof is not None
         prof.disable()
-        if self.measured:
-            stats = pstats.Stats(prof)
-            self.result["python"] = function_summary(stats, time.perf_counter() - self.started, self.measured) | {"complete": complete}
+        if self.seconds:
+            self.result["python"] = {**function_summary(pstats.Stats(prof), len(self.seconds)),
+                                     "wall_s": sum(self.seconds) / len(self.seconds), "complete": complete}
 
     def _report(self) -> None:
-        t = self.result.get("torch")
-        if t:
+        if t := self.result.get("torch"):
             spans = ", ".join(f"{k.split('.')[-1]} {v * 1e3:.0f}" for k, v in t["spans_s"].items())
-            log.info(f"profile of {t['steps']} steps: {t['wall_s'] * 1e3:.0f} ms a step; operators on the host "
-                     f"{t['host_ops_s'] * 1e3:.0f} ms, {t['kernels']:.0f} kernels taking {t['device_s'] * 1e3:.0f} ms on the "
-                     f"GPU; spans (ms): {spans}")
-            log.info("  host operators (ms a step): " + "; ".join(f"{n} {s * 1e3:.1f}" for n, s in t["host_top"]))
+            log.info(f"profile of {t['steps']} steps: {t['wall_s'] * 1e3:.0f} ms a step; on the host {t['host_ops_s'] * 1e3:.0f}"
+                     f" ms in operators, {t['runtime_s'] * 1e3:.0f} in CUDA calls ({t['sync_s'] * 1e3:.0f} waiting); "
+                     f"{t['device_events']:.0f} GPU kernels and copies, {t['device_s'] * 1e3:.0f} ms; spans (ms): {spans}")
+            log.info("  host (ms a step): " + "; ".join(f"{n} {s * 1e3:.1f}" for n, s in t["host_top"]))
             if t["device_top"]:
-                log.info("  GPU kernels (ms a step): " + "; ".join(f"{n} {s * 1e3:.1f}" for n, s in t["device_top"]))
-        p = self.result.get("python")
-        if p:
+                log.info("  GPU (ms a step): " + "; ".join(f"{n} {s * 1e3:.1f}" for n, s in t["device_top"]))
+            elif t["cuda"]:
+                log.warning("the step profile recorded no GPU kernel (CUPTI unavailable?): its GPU figures are missing")
+        if p := self.result.get("python"):
             log.info(f"profile (cProfile) of {p['steps']} steps: {p['wall_s'] * 1e3:.0f} ms a step; functions by own time "
                      "(ms a step): " + "; ".join(f"{n} {s * 1e3:.1f}" for n, s in p["self_top"]))
         if self.out is not None:
@@ -174,32 +196,34 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def operator_summary(averages, wall: float, n: int) -> dict[str, Any]:
-    """Per step of ``n``: the wall time, the host time inside operators (self time, summed), the GPU's kernels (their
-    count and time, summed), the named spans' host time (inclusive) and the operators / kernels that took the most."""
-    host = [(e.key, e.self_cpu_time_total / 1e6 / n) for e in averages]
-    device = [(e.key, device_self_us(e) / 1e6 / n) for e in averages]
-    spans = {e.key: e.cpu_time_total / 1e6 / n for e in averages if e.key in SPANS}
-    top = sorted(((k, s) for k, s in host if k not in SPANS), key=lambda x: -x[1])[:TOP]
-    kernels = sum(e.count for e in averages if device_self_us(e) > 0) / n
-    return {"steps": n, "wall_s": wall / n, "host_ops_s": sum(s for k, s in host if k not in SPANS),
-            "device_s": sum(s for _, s in device), "kernels": kernels, "spans_s": spans,
-            "host_top": [[k, round(s, 6)] for k, s in top],
-            "device_top": [[k, round(s, 6)] for k, s in sorted(device, key=lambda x: -x[1])[:TOP] if s > 0]}
+def operator_summary(averages, n: int) -> dict[str, Any]:
+    """Per step of ``n``, from ``key_averages()``, whose entries are grouped by key *and* device: the host's operators
+    (CPU entries; their self time), its CUDA runtime calls (CPU entries named ``cuda*``) and synchronizations among them,
+    the GPU's kernels and copies (device entries that are not a span's annotation: their count and self time), each span's
+    host time (its CPU entry, inclusive) and GPU time (its device annotation's range), and the entries that took most."""
+    host = [e for e in averages if e.device_type == DeviceType.CPU]
+    device = [e for e in averages if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+    annotations = [e for e in averages if e.device_type != DeviceType.CPU and getattr(e, "is_user_annotation", False)]
+    runtime = [e for e in host if e.key.startswith("cuda")]
+    ops = [e for e in host if e.key not in SPANS and not e.key.startswith("cuda")]
+    per = lambda us: us / 1e6 / n  # noqa: E731 - µs summed over the window -> seconds a step
+    top = lambda events, t: [[e.key, round(per(t(e)), 6)] for e in sorted(events, key=t, reverse=True)[:TOP] if t(e) > 0]  # noqa: E731
+    return {"steps": n, "host_ops_s": per(sum(e.self_cpu_time_total for e in ops)),
+            "runtime_s": per(sum(e.self_cpu_time_total for e in runtime)),
+            "sync_s": per(sum(e.self_cpu_time_total for e in runtime if "Synchronize" in e.key)),
+            "device_s": per(sum(e.self_device_time_total for e in device)), "device_events": sum(e.count for e in device) / n,
+            "spans_s": {e.key: per(e.cpu_time_total) for e in host if e.key in SPANS},
+            "spans_gpu_s": {e.key: per(e.device_time_total) for e in annotations if e.key in SPANS},
+            "host_top": top([e for e in host if e.key not in SPANS], lambda e: e.self_cpu_time_total),
+            "device_top": top(device, lambda e: e.self_device_time_total)}
 
 
-def device_self_us(event) -> float:
-    """An averaged event's own time on the accelerator (µs); torch names it device time now, CUDA time before."""
-    value = getattr(event, "self_device_time_total", None)
-    return float(value if value is not None else getattr(event, "self_cuda_time_total", 0.0))
-
-
-def function_summary(stats: pstats.Stats, wall: float, n: int) -> dict[str, Any]:
-    """Per step of ``n``: the wall time and the Python functions with the most own time, named ``file:line(function)``
-    with the file's last two path parts (DeepSpeed's, transformers', torch's and ours tell apart by their folder)."""
+def function_summary(stats: pstats.Stats, n: int) -> dict[str, Any]:
+    """Per step of ``n``: the Python functions with the most own time, named ``file:line(function)`` with the file's last
+    two path parts (DeepSpeed's, transformers', torch's and ours tell apart by their folder)."""
     rows = []
     for (path, line, name), (_, _, tottime, _, _) in stats.stats.items():  # type: ignore[attr-defined]
         short = "/".join(Path(path).parts[-2:]) if path not in ("~", "") else "builtin"
         rows.append((f"{short}:{line}({name})", tottime / n))
     rows.sort(key=lambda x: -x[1])
-    return {"steps": n, "wall_s": wall / n, "self_top": [[k, round(s, 6)] for k, s in rows[:TOP]]}
+    return {"steps": n, "self_top": [[k, round(s, 6)] for k, s in rows[:TOP]]}

@@ -44,7 +44,7 @@ class RunState:
     lam: float = 0.0
     history: list[dict[str, Any]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
-    step_times: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # each step's seconds, but those a step profile slowed
     dense_ppl: float | None = None
     baseline_ppl: float | None = None
     fingerprint: dict[str, Any] = field(default_factory=dict)
@@ -179,13 +179,15 @@ def train_loop(cfg: ElsaConfig, state: RunState, rank: int, train_step: Callable
     bar = tqdm(range(state.next_step, cfg.steps), desc=cfg.method.value, unit="step", disable=rank != 0,
                dynamic_ncols=True, initial=state.next_step, total=cfg.steps)
     profiler = StepProfiler.from_env(rank)  # ELSA_DS_PROFILE_STEPS: where a step's time goes (jobs/step_profile.py)
+    profiled: list[int] = []
     try:
         for step in bar:
             profiler.before(step)
             t0 = time.perf_counter()
             loss = train_step(step)
             state.step_times.append(time.perf_counter() - t0)
-            profiler.after(step)
+            if profiler.after(step, state.step_times[-1]):
+                profiled.append(len(state.step_times) - 1)
             if not math.isfinite(loss):
                 raise ElsaError(f"the loss became {loss} at step {step}; the run stopped there (the last checkpoint, if "
                                 f"any, is intact; resume with a lower --lr or --lmda)")
@@ -195,8 +197,13 @@ def train_loop(cfg: ElsaConfig, state: RunState, rank: int, train_step: Callable
                 break
             if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and step + 1 < cfg.steps:
                 save_checkpoint()
-    finally:
-        profiler.close()
+    except BaseException:
+        profiler.abandon()
+        raise
+    profiler.close()
+    if len(state.step_times) - len(profiled) >= 2:  # slowed by the profiler: out of the report's mean (its first is out too)
+        for i in reversed(profiled):
+            del state.step_times[i]
 
 
 class Checkpoints:
