@@ -356,6 +356,7 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
     assert profile["torch"]["complete"] and set(profile["torch"]["spans_s"]) == set(SPANS) and profile["torch"]["wall_s"] > 0
     assert profile["torch"]["host_top"] and profile["python"]["self_top"] and profile["python"]["complete"]
     assert "profile" not in next(x for x in lines if x["method"] == "dense")  # an evaluation has no steps to profile
+    assert elsa["ran_beside"] == ["dense|-|0x8x32|rule"]  # --parallel 2: the two cells started together
     with tarfile.open(tmp_path / "OUT" / "cell_logs.tgz") as logs:  # each cell's own log, in one file of the 8 that come back
         assert sorted(logs.getnames()) == ["./dense_dense_0x8_rule.log", "./elsa_90_2x2_rule.log"]
     assert len(list((tmp_path / "OUT").iterdir())) <= 8

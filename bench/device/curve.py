@@ -287,6 +287,7 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
     predicted GPU peak beside the running cells' in ``GPU_SHARE`` of the GPU's memory; every finished line appended to
     ``sink`` at once (a cut call still returns them). Returns (lines, cells not started)."""
     pending, lines, running = list(cells), [], {}
+    beside: dict[Cell, set[str]] = {}  # the cells each one shared the GPU and the host with at some point
 
     def room(cell: Cell) -> bool:
         used = sum(estimator.gpu_bytes(c) for c in running.values())
@@ -301,13 +302,16 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
                 pending.remove(cell)
                 print(f"[curve] start {cell.key(run.seqlen)} (estimate {estimator.seconds(cell, run.parallel):.0f} s, "
                       f"{left:.0f} s left)", flush=True)
+                beside[cell] = {c.key(run.seqlen) for c in running.values()}
+                for other in running.values():
+                    beside[other].add(cell.key(run.seqlen))
                 running[pool.submit(run_cell, cell, run)] = cell
             if not running:
                 break
             finished, _ = wait(list(running), timeout=10, return_when=FIRST_COMPLETED)
             for future in finished:
                 cell = running.pop(future)
-                line = collect(future, cell, run)
+                line = collect(future, cell, run) | {"ran_beside": sorted(beside.pop(cell))}  # its step times and profile shared
                 if cell.kind == "train":  # beside its measured peak: the ratio that gates the cells after it
                     line["est_gpu_bytes"] = estimator.estimate(cell)
                 lines.append(line)
