@@ -177,12 +177,12 @@ def test_the_plan_runs_the_smaller_budgets_first_and_skips_cells_done_before(tmp
     smaller = [c for c in plan[:9] if c.settings == "rule"]
     largest = plan[9:12]  # sequences of 512: three budgets spanning 16x, the largest the issue's 2048 x 8 x 512 tokens
     assert [c.steps * c.batch for c in smaller + largest] == [128 * 8] * 3 + [512 * 8] * 3 + [2048 * 8] * 3
-    assert {c.sparsity for c in plan[:13]} == {0.9} and {c.method for c in largest} == {"elsa", "sparsegpt+ft", "wanda+ft"}
+    assert {c.sparsity for c in plan[:14]} == {0.9} and {c.method for c in largest} == {"elsa", "sparsegpt+ft", "wanda+ft"}
     # the middle budget's ELSA variants before the largest (whose cells' time on the device is not measured yet): the
     # rule's held end where the rule has none, which start wins where the rule starts from SparseGPT's, and the authors'
-    # residual balancing from that start; the held end beside the rule's at the largest budget too
+    # residual balancing from that start; the dense start and the held end beside the rule's at the largest budget too
     assert plan[6:9] == [curve.Cell("elsa", 0.9, 512, s) for s in ("held", "dense", "adaptive")]
-    assert plan[12] == curve.Cell("elsa", 0.9, 512, "held", 32)
+    assert plan[12:14] == [curve.Cell("elsa", 0.9, 512, s, 32) for s in ("dense", "held")]
     assert {c.method for c in plan if c.batch == 32 and c.sparsity == 0.7} == {"elsa", "sparsegpt+ft", "wanda+ft"}
     assert curve.Cell("elsa", 0.9, 512, "paper", 32) in plan and curve.Cell("dense+ft", None, 512, batch=32) in plan
     done = tmp_path / "done.jsonl"
