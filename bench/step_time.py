@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale import build_model_dir  # noqa: E402  (Gemma-2-27B's config cut to N layers)
-from elsa_ds.jobs.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window, read_profile  # noqa: E402
+from elsa_ds.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window, read_profile  # noqa: E402
 
 CONFIGS = ["ds_configs/zero3_offload.json", "ds_configs/zero3_offload_elsal.json"]
 # the budget's configs: a shipped JSON and the settings it runs with; ELSA-L's states with everything on 80 GB GPUs
@@ -163,7 +163,7 @@ def main() -> int:
     ap.add_argument("--plan", action="store_true", help="no run: the 27B budget's estimates and issue 43's H200 jobs")
     ap.add_argument("--machine", default="gpu-server", help="typical rates for --plan's 8-GPU nodes [gpu-server]")
     ap.add_argument("--profile", default="", help="FIRST:COUNT: each run profiles COUNT steps from FIRST (torch.profiler, "
-                    "then COUNT more under cProfile; elsa_ds/jobs/step_profile.py), its row's 'profile' [none]")
+                    "then COUNT more under cProfile; elsa_ds/step_profile.py), its row's 'profile' [none]")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("prune_args", nargs=argparse.REMAINDER, help="-- then more flags for launch/prune.py")
     args = ap.parse_args()

@@ -25,8 +25,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data", "files", "settings"),
     # 2: components: model loading, the retraining's adapters, the DeepSpeed adapter (zero scores its engine with
     # evaluation.perplexity's window_nll, so the run's validation perplexity is the evaluator's protocol by
-    # construction), the one-shot methods, the sparse checkpoint, the single-process reference, the monitor.
-    ("models", "finetune", "monitor", "zero", "oneshot", "sparse", "reference"),
+    # construction), the one-shot methods, the sparse checkpoint, the single-process reference, the monitor and the
+    # step profile (where a job's step time goes).
+    ("models", "finetune", "monitor", "step_profile", "zero", "oneshot", "sparse", "reference"),
     # 3: before a job starts: what a machine can hold and run (capacity), then the finished plan it feeds.
     ("capacity", "plan"),
     # 4: the jobs (the pruning jobs, the evaluation runner).

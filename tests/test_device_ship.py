@@ -18,7 +18,7 @@ import pytest
 
 from bench.device import curve, curve_report, estimate, ship
 from bench.models.gemma3 import GgufSource, build, file_sha256
-from elsa_ds.jobs.step_profile import SPANS
+from elsa_ds.step_profile import SPANS
 from elsa_ds.settings.config import DEMO_MODEL_DIR
 from tests.test_bench_gemma3 import WORDS, write_tiny_gguf
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench import quality  # noqa: E402 - its commands and rendezvous ports
 from bench.device.estimate import GPU_SHARE, Estimator, forwards  # noqa: E402
 from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases  # noqa: E402 - where a cell's time goes
-from elsa_ds.jobs.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window, read_profile  # noqa: E402
+from elsa_ds.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window, read_profile  # noqa: E402
 from bench.device.ship import RESULTS, TEXTS, read_lines, texts_mismatch, texts_sha256  # noqa: E402 - the texts the cells read
 from elsa_ds.settings.defaults import HOLD_FRACTION  # noqa: E402 - the "held" cells' end: the rule's own fraction
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
@@ -210,7 +210,7 @@ def run_cell(cell: Cell, run: Run) -> dict:
     phase_log.unlink(missing_ok=True)
     profile.unlink(missing_ok=True)
     env = {PHASE_LOG_ENV: str(phase_log)}
-    if cell.kind == "train" and run.profile:  # a few steps profiled: do they wait on the host or the GPU (jobs/step_profile.py)
+    if cell.kind == "train" and run.profile:  # a few steps profiled: do they wait on the host or the GPU?
         env |= {PROFILE_STEPS_ENV: run.profile, PROFILE_OUT_ENV: str(profile)}
     if cell.method != "dense":
         rc = call(quality.with_port(prune_command(cell, run, out)), log, run.deadline, env)

@@ -16,7 +16,7 @@ import torch
 from elsa_ds.capacity import machine
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
-from elsa_ds.jobs.step_profile import StepProfiler
+from elsa_ds.step_profile import StepProfiler
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource, check_token_ids, freeze_embeddings
 from elsa_ds.monitor import MONITOR_DIR, default_output_paths
@@ -178,7 +178,7 @@ def train_loop(cfg: ElsaConfig, state: RunState, rank: int, train_step: Callable
 
     bar = tqdm(range(state.next_step, cfg.steps), desc=cfg.method.value, unit="step", disable=rank != 0,
                dynamic_ncols=True, initial=state.next_step, total=cfg.steps)
-    profiler = StepProfiler.from_env(rank)  # ELSA_DS_PROFILE_STEPS: where a step's time goes (jobs/step_profile.py)
+    profiler = StepProfiler.from_env(rank)  # ELSA_DS_PROFILE_STEPS: where a step's time goes (elsa_ds/step_profile.py)
     profiled: list[int] = []
     try:
         for step in bar:

@@ -21,7 +21,7 @@ def train_step(engine, optimizer: torch.optim.Optimizer, comm, micro_batches: li
     loss_sum = torch.zeros(3, dtype=torch.float64)
     for ids in micro_batches:
         ids = ids.to(engine.device)
-        with record_function("elsa_ds.forward"):  # spans a profile names (jobs/step_profile.py); ~10 µs each otherwise
+        with record_function("elsa_ds.forward"):  # spans elsa_ds/step_profile.py names; ~10 µs each otherwise
             logits = engine(input_ids=ids, use_cache=False).logits
         with record_function("elsa_ds.loss"):
             loss = next_token_loss(logits, ids)  # the logits' fp32 copies never whole

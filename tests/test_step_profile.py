@@ -1,4 +1,4 @@
-"""Profiling a few training steps (elsa_ds/jobs/step_profile.py): the window, what is measured and how the GPU's entries
+"""Profiling a few training steps (elsa_ds/step_profile.py): the window, what is measured and how the GPU's entries
 are counted, a loop stopped inside the window, a failing profiler or run, the profiled steps out of the mean step time.
 The real job's path (launch/prune.py under the deepspeed launcher, the curve's line) is tests/test_device_ship.py's
 quality.sh dry run; bench/step_time.py's, tests/test_device_kit.py's scale.sh dry run."""
@@ -14,8 +14,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import record_function
 
-from elsa_ds.jobs import step_profile
-from elsa_ds.jobs.step_profile import SPANS, StepProfiler, operator_summary, parse_window
+from elsa_ds import step_profile
+from elsa_ds.step_profile import SPANS, StepProfiler, operator_summary, parse_window
 
 
 def test_the_window_is_first_and_count():
