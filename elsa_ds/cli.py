@@ -89,13 +89,15 @@ class EstimateOptions(BaseModel):
 # the demo profile's, the defaults rule's or the field's default): the batch and its activations, what is pruned and
 # trained, the optimizer's and ADMM's state types, the authors' remedies (their eager parts), and what decides a one-shot
 # warm start (--init_mask, or the defaults rule's SparseGPT start from steps, sparsity and a user's lr) and its working
-# set; the steps and the projection interval time the run; the export's format and the checkpoints size the disk under
-# --output_dir. --random_init is not among them: both load paths build into partitions module by module under zero.Init.
+# set; the steps, the projection interval and --leaf_layers (ZeRO-3's hooks) time the run; the export's format and the
+# checkpoints size the disk under --output_dir. --random_init is not among them: both load paths build into partitions
+# module by module under zero.Init.
 ESTIMATE_SHARED: dict[type[BaseModel], tuple[str, ...]] = {
     JobOptions: ("deepspeed", "recipe", "log_level", "export_format"),
     ElsaConfig: ("seqlen", "batch_size", "micro_batch", "targets", "gradient_checkpointing", "freeze_embeddings", "base_optimizer",
                  "z_dtype", "u_dtype", "projection", "steps", "interval", "sparsity", "pattern", "sparsity_profile", "lr", "init_mask",
-                 "init_weights", "nsamples", "val_windows", "lmda_schedule", "relaxation", "save_interval", "keep_checkpoints"),
+                 "init_weights", "nsamples", "val_windows", "lmda_schedule", "relaxation", "save_interval", "keep_checkpoints",
+                 "leaf_layers"),
 }
 
 

@@ -348,6 +348,7 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
     elsa = next(x for x in lines if x["method"] == "elsa")
     assert elsa["tokens"] == 2 * 2 * 32 and abs(elsa["overall_sparsity"] - 0.9) < 1e-3 and elsa["settings_used"]["lr"] > 0
     assert (elsa["forwards"], elsa["gradient_checkpointing"], elsa["loss"]) == (1, False, "chunked") and elsa["est_gpu_bytes"] > 0
+    assert elsa["leaf_layers"] is True  # the cells hook each decoder layer whole (the job's flag: its log, below)
     assert elsa["prune_s"] > elsa["job_s"] > 0
     phases = elsa["phase_s"]  # where its time went, from the job's phase markers
     assert {"launch", "load", "first step", "final projection", "export", "verify", "after"} <= set(phases)
@@ -359,6 +360,8 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
     assert elsa["ran_beside"] == ["dense|-|0x8x32|rule"]  # --parallel 2: the two cells started together
     with tarfile.open(tmp_path / "OUT" / "cell_logs.tgz") as logs:  # each cell's own log, in one file of the 8 that come back
         assert sorted(logs.getnames()) == ["./dense_dense_0x8_rule.log", "./elsa_90_2x2_rule.log"]
+        command = logs.extractfile("./elsa_90_2x2_rule.log").read().decode().splitlines()[0]
+        assert command.startswith("$ ") and "launch/prune.py" in command and " --leaf_layers" in command
     assert len(list((tmp_path / "OUT").iterdir())) <= 8
     assert (tmp_path / "OUT" / "curve.log").is_file() and not (tmp_path / "runs" / "work" / "elsa_90_2x2_rule").exists()
     listing = subprocess.run([sys.executable, "bench/device/curve.py", "--list", "--cells", "dense:-:0,elsa:0.9:2:rule:2,wanda+ft:0.9:2",

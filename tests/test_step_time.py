@@ -176,3 +176,16 @@ def test_the_reports_mean_counts_the_projections_in_the_steps_it_averages():
     assert t.report_mean() == pytest.approx(plain + each * 2 / 7)  # steps 1..7: step 3 projects, step 7 finalizes
     long, _ = _timed(steps=4096, interval=32)
     assert long.report_mean() == pytest.approx(long.step_s, rel=1e-3)
+
+
+def test_leaf_layers_price_one_hook_pair_a_decoder_layer_instead_of_one_a_tensor():
+    """--leaf_layers: ZeRO-3 fetches each decoder layer whole, so the hooks' time counts layers, not the tensors inside
+    them; nothing else in the step changes."""
+    plain, shape = _timed(layers=4)
+    leaf, _ = _timed(layers=4, leaf_layers=True)
+    hook_s = TYPICAL["gpu-vm-16c"].hook_s
+    assert shape.layer_tensors > shape.layers == 4
+    saved = plain.components["forward/backward"] - leaf.components["forward/backward"]
+    assert saved == pytest.approx(2 * (shape.layer_tensors - shape.layers) * hook_s)
+    assert {k: v for k, v in leaf.components.items() if k != "forward/backward"} == \
+        {k: v for k, v in plain.components.items() if k != "forward/backward"}

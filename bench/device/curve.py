@@ -142,6 +142,7 @@ class Run:
     checkpointing: bool = False  # the same math either way; off: no forward recomputed in the backward (0.66x the step)
     gpu_memory: float | None = None  # the GPU's bytes: cells start only while their predicted peaks fit (None: no check)
     profile: str = PROFILE_WINDOW  # the training steps profiled (ELSA_DS_PROFILE_STEPS's FIRST:COUNT); "" none
+    leaf_layers: bool = True  # ZeRO-3 hooks each decoder layer whole: the same math, less host time a step
 
 
 def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
@@ -150,7 +151,8 @@ def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
     method, finetune = (cell.method.split("+")[0], "full") if "+" in cell.method else (cell.method, None)
     trains = cell.kind == "train"
     extra = ["--batch_size", str(cell.batch), "--micro_batch", str(min(run.micro_batch, cell.batch)),
-             "--gradient_checkpointing" if run.checkpointing else "--no-gradient_checkpointing"] if trains else []
+             "--gradient_checkpointing" if run.checkpointing else "--no-gradient_checkpointing",
+             *(["--leaf_layers"] if run.leaf_layers else [])] if trains else []
     extra += [flag.format(held=round(HOLD_FRACTION * cell.steps)) for flag in SETTINGS[cell.settings]]
     return quality.prune_command(method, finetune, cell.sparsity, out, deepspeed=run.deepspeed,
                                  steps=cell.steps if trains else None, model=run.model, dataset=run.train,
@@ -204,7 +206,8 @@ def run_cell(cell: Cell, run: Run) -> dict:
             "tokens": cell.steps * cell.batch * run.seqlen, "deepspeed": run.deepspeed, "concurrency": run.parallel, **run.env}
     if cell.kind == "train":
         line |= {"micro_batch": min(run.micro_batch, cell.batch), "forwards": forwards(cell.batch, run.micro_batch),
-                 "gradient_checkpointing": run.checkpointing, "loss": "chunked"}  # elsa_ds/loss.py, from 2026-11-29
+                 "gradient_checkpointing": run.checkpointing, "loss": "chunked",  # elsa_ds/loss.py, from 2026-11-29
+                 "leaf_layers": run.leaf_layers}  # from 2026-12-01; earlier cells hooked every module
     report: dict = {}
     phase_log, profile = run.work / f"{cell.slug()}.phases", run.work / f"{cell.slug()}.profile.json"
     phase_log.unlink(missing_ok=True)
@@ -344,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro_batch", type=int, default=32, help="sequences per forward at most [32: one forward a step]")
     ap.add_argument("--gradient_checkpointing", action="store_true", help="recompute the forward in the backward [off]")
     ap.add_argument("--deepspeed", default="ds_configs/zero3.json", help="[zero3.json: the optimizer on the GPU]")
+    ap.add_argument("--leaf_layers", action=argparse.BooleanOptionalAction, default=True,
+                    help="training cells hook each decoder layer whole (elsa-prune --leaf_layers) [on]")
     ap.add_argument("--eval_limit", type=int, default=256, help="at most this many windows per test split [256]")
     ap.add_argument("--parallel", type=int, default=4,
                     help="cells at once on the one GPU [4: a step is bound by its own process's host time, 0.50-0.63 s "
@@ -386,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     text = {name: str(c / corpus / file) for name, (corpus, file) in TEXTS.items()}  # the files texts_sha256 read
     run = Run(args.model, text["train"], text["test"], text["linuxdoc"], args.seqlen, args.micro_batch, args.deepspeed,
               args.eval_limit, args.work, time.time() + args.budget_s, args.parallel, environment() | {"texts": texts},
-              args.gradient_checkpointing, gpu_memory(), args.profile)
+              args.gradient_checkpointing, gpu_memory(), args.profile, args.leaf_layers)
     estimator = Estimator(run.env["device"], read_lines(args.results) + read_lines(args.out / "cells.jsonl"), args.micro_batch,
                           args.gradient_checkpointing, args.model, args.deepspeed, args.seqlen)
     lines, skipped = schedule(todo, run, estimator, args.out / "cells.jsonl")

@@ -83,7 +83,8 @@ def measure_job(shape, ds: dict, cfg, num_gpus: int, num_nodes: int, device: str
     with tempfile.TemporaryDirectory(prefix="elsa_probe_") as folder:
         model_config(cfg.model).save_pretrained(folder)  # as the estimate resolved it (offline): the ranks build from it
         spec = {"model": folder, "seqlen": cfg.seqlen, "checkpointing": bool(cfg.gradient_checkpointing),
-                "freeze_embeddings": bool(cfg.freeze_embeddings), "ds": _probe_config(ds, num_gpus),
+                "freeze_embeddings": bool(cfg.freeze_embeddings), "leaf_layers": bool(cfg.leaf_layers),
+                "ds": _probe_config(ds, num_gpus),
                 "answer": str(Path(folder) / "timed.json")}
         return _run_ranks(num_gpus, spec)
 
@@ -122,7 +123,8 @@ def _rank_main(spec: dict) -> None:
     rank, _ = init_distributed()  # the job's own: DeepSpeed's /dev/shm buffer unlinked, the group torn down at exit
     ds = DsConfig(spec["ds"])
     torch.manual_seed(0)
-    partitioned = load_partitioned(ModelSource(spec["model"]), ds, spec["checkpointing"], random_init=True)
+    partitioned = load_partitioned(ModelSource(spec["model"]), ds, spec["checkpointing"], random_init=True,
+                                   leaf_layers=spec.get("leaf_layers", False))
     model = partitioned.model.train()
     if spec["freeze_embeddings"]:
         freeze_embeddings(model)

@@ -33,6 +33,7 @@ class ModelShape:
     # (numel, pruned) of every parameter in state-dict order (the export's shards), and the numel of tied duplicates
     order: list[tuple[int, bool]] = field(default_factory=list)
     tied: int = 0
+    layer_tensors: int = 0  # parameter tensors inside the decoder layers (--leaf_layers hooks each layer, not these)
 
     @property
     def trainable_params(self) -> int:
@@ -68,7 +69,8 @@ def model_shape(config, targets: str | None = None, model: torch.nn.Module | Non
     frozen_ids = {id(w) for w in embedding_weights(model)} if freeze_embeddings else set()
     trained = {id(p) for p in model.parameters() if p.requires_grad and id(p) not in frozen_ids}
     pruned_ids = select_targets(model, targets)
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layer_list(model)]
+    layers = decoder_layer_list(model)
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     text = getattr(config, "text_config", config)
     return ModelShape(
         num_params=sum(p.numel() for p in model.parameters()),
@@ -81,6 +83,7 @@ def model_shape(config, targets: str | None = None, model: torch.nn.Module | Non
         frozen=[p.numel() for p in model.parameters() if id(p) not in trained],
         order=[(p.numel(), id(p) in pruned_ids) for p in model.parameters()],
         tied=sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False)) - sum(p.numel() for p in model.parameters()),
+        layer_tensors=sum(1 for _ in layers.parameters()),
     )
 
 

@@ -10,7 +10,8 @@ model element; a micro-steps of b sequences of L tokens; every host figure is th
                   2·h·P/W with offload_param; gradients GPU→host h·T/W with offload_optimizer (pinned rates)
       collectives the same parameters all-gathered twice and the gradients reduce-scattered: (2·h·P + h·T)·(W−1)/W
                   at the intra-node rate, or the inter-node rate when the job spans nodes
-    + hooks       ZeRO-3's per-tensor fetch and release work, twice a micro-step, per parameter tensor
+    + hooks       ZeRO-3's per-tensor fetch and release work, twice a micro-step, per parameter tensor (with
+                  --leaf_layers per decoder layer, its tensors fetched together)
     optimizer     offloaded: T/W entries at DeepSpeedCPUAdam's measured rate times the fused ELSA kernel's cost
                   relative to it (bench/optimizer_step.py; the authors' remedies times their eager parts' measured
                   factors, REMEDY_FACTORS; with --measure, the job's own optimizer timed on the host beside
@@ -237,6 +238,8 @@ def _micro_step(shape: ModelShape, job: Job, cfg, micro: int, num_gpus: int, num
     link = rates.inter if num_nodes > 1 else rates.intra
     collectives = (2 * job.half * shape.num_params + job.grad_accum * trained) * (w - 1) / w / link
     tensors = len(shape.params) + len(shape.frozen)
+    if cfg.leaf_layers:  # one fetch and release a layer, whatever it holds
+        tensors += shape.layers - shape.layer_tensors
     hooks = 2 * tensors * rates.hook_s * (num_gpus if device == "cpu" else 1)
     return max(compute, copies, collectives) + hooks
 

@@ -120,7 +120,8 @@ def load_for_training(cfg: ElsaConfig, ds: DsConfig, source: ModelSource, start:
     source (random with --random_init when nothing starts it); its embeddings frozen with --freeze_embeddings (both
     jobs: the same weights trained, the same states held); the layers --targets prunes (id(weight) -> name) and each
     one's goal."""
-    partitioned = load_partitioned(start or source, ds, cfg.gradient_checkpointing, cfg.random_init and start is None)
+    partitioned = load_partitioned(start or source, ds, cfg.gradient_checkpointing, cfg.random_init and start is None,
+                                   cfg.leaf_layers)
     if cfg.freeze_embeddings:
         freeze_embeddings(partitioned.model)
     pruned = select_targets(partitioned.model, cfg.targets)

@@ -39,9 +39,8 @@ DEMO_PROFILE: dict[str, Any] = {"dataset": DEMO_DATASET, "seqlen": 256, "steps":
 # What a resumed run must share with the run that wrote its checkpoint.
 RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "dataset", "sparsity", "pattern", "sparsity_profile",
                      "init_mask", "init_weights", "targets", "steps", "interval", "hold_steps", "lmda", "lmda_schedule", "balance_mu",
-                     "balance_tau", "relaxation", "projection",
-                     "z_dtype", "u_dtype", "base_optimizer", "lr", "warmup_steps", "lr_final_ratio", "seqlen", "seed", "val_dataset",
-                     "sampling", "ppl_protocol", "val_windows", "freeze_embeddings")
+                     "balance_tau", "relaxation", "projection", "z_dtype", "u_dtype", "base_optimizer", "lr", "warmup_steps",
+                     "lr_final_ratio", "seqlen", "seed", "val_dataset", "sampling", "ppl_protocol", "val_windows", "freeze_embeddings")
 # settings added since checkpoints were first written: their value before then
 RESUME_DEFAULTS = {"hold_steps": 0, "init_weights": False, "balance_mu": 1.5, "balance_tau": 2.0, "relaxation": 1.0}
 
@@ -201,6 +200,9 @@ class ElsaConfig(BaseModel):
     # --- engine, checkpoints, logging ------------------------------------------------------------------------
     nvme_path: str | None = Field(None, **_group("engine", "DIR"))
     """NVMe offload directory; overrides nvme_path of offload_param and offload_optimizer in the JSON."""
+    leaf_layers: bool = Field(False, **_group("engine"))
+    """ZeRO-3 hooks each decoder layer whole (all its parameters fetched at once, no hooks inside it): the same math, less
+    host time a step where many small modules bound it (a small model on a GPU); the GPU holds a layer's at a time."""
     save_interval: int = Field(0, ge=0, **_group("engine"))
     """Steps between checkpoints in OUTPUT_DIR/checkpoints (0 = none)."""
     keep_checkpoints: int = Field(2, gt=0, **_group("engine"))
@@ -361,11 +363,10 @@ class ElsaConfig(BaseModel):
         return layer_goals(shapes, self.sparsity, self.nm, profile)
 
     def admm_settings(self) -> AdmmSettings:
-        return AdmmSettings(
-            total_steps=self.steps, interval=self.interval, lmda=self.lmda, lmda_schedule=self.lmda_schedule,
-            projection=self.projection, z_dtype=self.z_dtype, u_dtype=self.u_dtype, pattern=self.nm, hold_steps=self.hold_steps,
-            balance_mu=self.balance_mu, balance_tau=self.balance_tau, relaxation=self.relaxation,
-        )
+        return AdmmSettings(total_steps=self.steps, interval=self.interval, lmda=self.lmda, lmda_schedule=self.lmda_schedule,
+                            projection=self.projection, z_dtype=self.z_dtype, u_dtype=self.u_dtype, pattern=self.nm,
+                            hold_steps=self.hold_steps, balance_mu=self.balance_mu, balance_tau=self.balance_tau,
+                            relaxation=self.relaxation)
 
     def resume_fingerprint(self, world_size: int) -> dict[str, Any]:
         """Settings a resumed run must share with the run that wrote the checkpoint."""
@@ -390,8 +391,7 @@ def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the Deep
     given = {k: v for k, v in cli.items() if v is not None}
     check_each_source(ElsaConfig, [(recipe_source, recipe or {}), (f'the "elsa" block of {source}', block)])
     merged = {**(recipe or {}), **block, **given}
-    model = merged.get("model", str(DEMO_MODEL_DIR))
-    if Path(str(model)).expanduser().resolve() == DEMO_MODEL_DIR:
+    if Path(str(merged.get("model", DEMO_MODEL_DIR))).expanduser().resolve() == DEMO_MODEL_DIR:
         merged = {**DEMO_PROFILE, **merged}
     try:
         return ElsaConfig(**merged)

@@ -108,6 +108,23 @@ def _initialize_weights_own_parameters(model) -> None:
         visit(model, model._initialize_weights)
 
 
+# ---- ZeRO-3's module hooks ------------------------------------------------------------------------------------
+def mark_leaf_layers(layers: torch.nn.ModuleList) -> None:
+    """ZeRO-3 leaf modules (``deepspeed.utils.set_z3_leaf_module``): DeepSpeed hooks each layer whole, fetching and
+    releasing all its parameters at once, and puts no hooks on the modules inside it. Before deepspeed.initialize."""
+    from deepspeed.utils.z3_leaf_module import set_z3_leaf_module
+
+    for layer in layers:
+        set_z3_leaf_module(layer, True)
+
+
+def leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` that ZeRO-3 treats as leaves."""
+    from deepspeed.utils.z3_leaf_module import get_z3_leaf_modules
+
+    return get_z3_leaf_modules(model)
+
+
 # ---- stage 3 optimizer (S3 = DeepSpeedZeroOptimizer_Stage3) --------------------------------------------------
 def placement_hints(model) -> tuple[list[str] | None, str | list[str] | None]:
     """transformers' hints for accelerate's placement, as its own ``device_map="auto"`` passes them: the module classes

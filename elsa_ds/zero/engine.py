@@ -19,7 +19,7 @@ from elsa_ds.files.mask_file import MaskReader
 from elsa_ds.finetune.optimizer import MaskedOptimizer
 from elsa_ds.models import ModelSource
 from elsa_ds.settings.config import BaseOptimizer, ElsaConfig
-from elsa_ds.targets import LayerGoal
+from elsa_ds.targets import LayerGoal, decoder_layer_list
 from elsa_ds.zero import compat
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.layout import SubGroupLayout, build_layout
@@ -36,9 +36,9 @@ class PartitionedModel:
 
 
 def load_partitioned(source: ModelSource, ds: DsConfig, gradient_checkpointing: bool = False,
-                     random_init: bool = False) -> PartitionedModel:
+                     random_init: bool = False, leaf_layers: bool = False) -> PartitionedModel:
     """Load a causal LM straight into ZeRO-3 partitions (no full copy of the model on any rank); a model given in
-    memory is partitioned by deepspeed.initialize instead."""
+    memory is partitioned by deepspeed.initialize instead. ``leaf_layers``: its decoder layers ZeRO-3 leaf modules."""
     from transformers.integrations import HfDeepSpeedConfig
 
     compat.prepare_torch_for_zero_init()
@@ -48,6 +48,8 @@ def load_partitioned(source: ModelSource, ds: DsConfig, gradient_checkpointing: 
         model = source.load(model_dtype(ds.raw), random_init)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if leaf_layers:
+        compat.mark_leaf_layers(decoder_layer_list(model))
     return PartitionedModel(model, keep_alive)
 
 

@@ -1,0 +1,97 @@
+"""ZeRO-3's hooks in a small model's step: the same ELSA job with and without ``--leaf_layers``, alternating (ABBA).
+
+    python bench/leaf_layers.py                    # Gemma-3's layer (q/k norms, 4 norms, 7 projections) 64 wide, 18 layers
+    python bench/leaf_layers.py --rounds 3 --json  # the last line: one JSON object
+
+The model is the shipped Gemma-3-1B config cut to ``--layers`` decoder layers and made ``--width`` wide (intermediate 2x,
+head_dim 16, the demo's 4096-token tokenizer), random weights: the structure of the budget curve's Gemma-3 270M (18
+layers), at a width where the host's work per module, not the matmuls, is the step, as on the GPU (issue 41: a 270M
+step of 8 x 512 tokens took ~0.6 s on an H200, whose matmuls need ~20 ms). Each run is ``launch/prune.py`` under the
+deepspeed launcher on one rank (``ds_configs/zero3.json``, the curve's config), ELSA at 90 % from the dense start, no
+gradient checkpointing (as the curve), no validation; its report's mean step time (the first step left out). Runs
+alternate plain, leaf, leaf, plain, ... so both see the same machine; the ratio is of the medians. Both runs' final
+losses are printed: the same to float rounding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from elsa_ds.models import SHIPPED_CONFIGS  # noqa: E402
+from elsa_ds.settings.config import DEMO_MODEL_DIR  # noqa: E402
+from elsa_ds.zero.dist import free_port  # noqa: E402
+
+
+def build_model(folder: Path, layers: int, width: int) -> Path:
+    """Gemma-3-1B's config cut to ``layers`` and ``width``, with the demo's tokenizer (4096 tokens)."""
+    config = json.loads((SHIPPED_CONFIGS / "google/gemma-3-1b-pt/config.json").read_text())
+    types = (config.get("layer_types") or ["sliding_attention"] * 5 + ["full_attention"]) * layers
+    config.update(num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width, head_dim=16, num_attention_heads=4,
+                  num_key_value_heads=1, query_pre_attn_scalar=16, vocab_size=4096, sliding_window=64, max_position_embeddings=512,
+                  layer_types=types[:layers])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_MODEL_DIR / name, folder / name)
+    return folder
+
+
+def run(model: Path, out: Path, leaf: bool, args) -> dict:
+    """One job; its report's step time and final loss."""
+    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
+    cmd = [launcher, "--num_gpus", "1", "--master_port", str(free_port()), str(ROOT / "launch" / "prune.py"),
+           "--deepspeed", args.deepspeed, "--model", str(model), "--random_init", "--dataset", "shakespeare", "--method", "elsa",
+           "--sparsity", "0.9", "--steps", str(args.steps), "--batch_size", str(args.batch), "--micro_batch", str(args.batch),
+           "--seqlen", str(args.seqlen), "--init_mask", "none", "--val_windows", "0", "--baseline", "none",
+           "--no-gradient_checkpointing", "--output_dir", str(out), "--overwrite", *(["--leaf_layers"] if leaf else [])]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    report = json.loads((out / "elsa_report.json").read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    return {"leaf_layers": leaf, "step_time_s": report["step_time_s"], "final_loss": report["final_loss"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=18, help="decoder layers [18: Gemma-3 270M's]")
+    ap.add_argument("--width", type=int, default=64, help="hidden size [64]")
+    ap.add_argument("--steps", type=int, default=40, help="steps a run [40]")
+    ap.add_argument("--batch", type=int, default=8, help="sequences a step, one forward [8]")
+    ap.add_argument("--seqlen", type=int, default=64, help="[64]")
+    ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds: 2 runs of each a round [2]")
+    ap.add_argument("--deepspeed", default="ds_configs/zero3.json", help="[zero3.json: the budget curve's]")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="elsa_leaf_") as tmp:
+        model = build_model(Path(tmp) / "model", args.layers, args.width)
+        for r in range(args.rounds):
+            for leaf in ((False, True, True, False) if r % 2 == 0 else (True, False, False, True)):
+                runs.append(run(model, Path(tmp) / f"out_{len(runs)}", leaf, args) | {"round": r})
+                print(f"round {r} leaf_layers={leaf}: {runs[-1]['step_time_s']:.4f} s a step, "
+                      f"final loss {runs[-1]['final_loss']:.6f}", flush=True)
+    median = {leaf: statistics.median(x["step_time_s"] for x in runs if x["leaf_layers"] is leaf) for leaf in (False, True)}
+    summary = {"model": {"config": "google/gemma-3-1b-pt", "layers": args.layers, "width": args.width},
+               "job": {"deepspeed": args.deepspeed, "steps": args.steps, "batch": args.batch, "seqlen": args.seqlen, "ranks": 1},
+               "plain_step_s": median[False], "leaf_step_s": median[True], "speedup": median[False] / median[True],
+               "runs": runs}
+    print(f"median step: {median[False]:.4f} s plain, {median[True]:.4f} s with --leaf_layers: "
+          f"{summary['speedup']:.2f}x")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

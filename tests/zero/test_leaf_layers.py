@@ -1,0 +1,100 @@
+"""--leaf_layers: ZeRO-3 hooks each decoder layer whole (DeepSpeed's leaf modules), so a step of a model with many small
+modules spends less host time in hooks; the computation is the same, to float rounding."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, derived_config, run_entry
+
+HOOKS = """
+import json, sys
+import deepspeed, torch
+from elsa_ds.models import ModelSource
+from elsa_ds.targets import decoder_layer_list
+from elsa_ds.zero import compat
+from elsa_ds.zero.dist import init_distributed
+from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.zero.engine import load_partitioned
+
+init_distributed()
+ds = DsConfig(json.loads(sys.argv[2]))
+found = {}
+for leaf in (False, True):
+    torch.manual_seed(0)
+    model = load_partitioned(ModelSource(sys.argv[1]), ds, random_init=True, leaf_layers=leaf).model.train()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), config=ds.raw)
+    layers = decoder_layer_list(model)
+    inside = [m for layer in layers for m in layer.modules() if m is not layer]
+    ids = torch.randint(0, 512, (1, 16))
+    loss = engine(input_ids=ids, labels=ids).loss  # a step runs: every parameter is fetched, whole layers or not
+    engine.backward(loss)
+    engine.step()
+    found[str(leaf)] = {"hooked_inside": sum(1 for m in inside if m._forward_pre_hooks), "inside": len(inside),
+                        "leaves": len(compat.leaf_modules(model)), "layers": len(layers), "loss": float(loss)}
+print(json.dumps(found), flush=True)
+"""
+
+
+def test_each_decoder_layer_is_hooked_whole_and_nothing_inside_it(tmp_path, tiny_model_dir):
+    """The real engine, in a process of its own: without the flag DeepSpeed hooks the modules inside each decoder layer
+    (projections, norms); with it, each layer is one leaf, nothing inside it is hooked, and a step runs alike."""
+    ds = json.loads(derived_config(tmp_path, "zero3.json", bf16={"enabled": False}, train_batch_size=1,
+                                   train_micro_batch_size_per_gpu=1).read_text())
+    proc = subprocess.run([sys.executable, "-c", HOOKS, str(tiny_model_dir), json.dumps(ds)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain, leaf = found["False"], found["True"]
+    assert plain["hooked_inside"] > 0 and plain["leaves"] == 0
+    assert leaf["hooked_inside"] == 0 and leaf["leaves"] == leaf["layers"] == plain["layers"] > 0
+    assert leaf["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+
+
+def _runs(tmp_path, model, text, args: list[str], ranks: int | None) -> dict[bool, dict]:
+    """The same job without and with --leaf_layers: {leaf: (weights, report)}."""
+    cfg = derived_config(tmp_path, "zero3_offload.json", bf16={"enabled": False})
+    runs = {}
+    for leaf in (False, True):
+        out = tmp_path / f"out_{leaf}"
+        run_entry("prune.py", ["--deepspeed", str(cfg), "--model", str(model), "--dataset", str(text), "--seqlen", "32",
+                               "--lr", "1e-3", "--val_windows", "0", "--baseline", "none", *args,
+                               *(["--leaf_layers"] if leaf else []), "--output_dir", str(out)], ranks=ranks)
+        runs[leaf] = {"weights": load_file(out / "model.safetensors"), "report": json.loads((out / "elsa_report.json").read_text())}
+        assert runs[leaf]["report"]["config"]["leaf_layers"] is leaf
+    return runs
+
+
+@pytest.mark.integration
+def test_retraining_with_leaf_layers_ends_at_the_same_weights(tmp_path, tiny_model_dir, text_dir):
+    """Plain fine-tuning in fp32, no mask to amplify a difference: the same weights to float rounding (DeepSpeed reduces a
+    leaf's gradients when its backward ends, not one by one: most entries ~1e-8 apart after 3 steps here, where bf16 runs
+    matched bit for bit). A layer whose gradients were lost would be ~lr apart everywhere."""
+    runs = _runs(tmp_path, tiny_model_dir, text_dir, ["--method", "dense", "--finetune", "full", "--steps", "3",
+                                                      "--micro_batch", "8", "--no-gradient_checkpointing"], ranks=None)
+    plain, leaf = runs[False]["weights"], runs[True]["weights"]
+    for name, weight in plain.items():  # Adam's m / sqrt(v) turns a rounding of a ~0 gradient into up to lr: a rare entry
+        apart = (leaf[name] - weight).abs()
+        assert (apart <= 1e-6).float().mean() >= 0.999 and apart.max() < 1e-3, (name, apart.max())
+    moved = [n for n, w in plain.items() if not torch.equal(w, load_file(tiny_model_dir / "model.safetensors")[n])]
+    assert len(moved) == len(plain)  # every weight trained, in both runs
+
+
+@pytest.mark.integration
+def test_elsa_with_leaf_layers_finds_the_same_masks(tmp_path, tiny_model_dir, text_dir):
+    """ELSA on 2 ranks, the shipped CPU-offload config, gradient checkpointing (the recompute runs inside a leaf): the
+    projections see weights a rounding apart, so only near-ties may flip: each layer's mask agrees on ≥ 99 % of entries."""
+    runs = _runs(tmp_path, tiny_model_dir, text_dir, ["--steps", "6", "--interval", "2", "--sparsity", "0.7", "--micro_batch",
+                                                      "2", "--init_mask", "none", "--gradient_checkpointing"], ranks=2)
+    layers = runs[False]["report"]["layers"]
+    assert layers
+    for name in layers:
+        plain, leaf = runs[False]["weights"][name] != 0, runs[True]["weights"][name] != 0
+        assert plain.sum() == leaf.sum()  # exact sparsity either way
+        assert (plain == leaf).float().mean() >= 0.99, name
+    assert runs[True]["report"]["final_loss"] == pytest.approx(runs[False]["report"]["final_loss"], rel=1e-3)
