@@ -368,3 +368,25 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
                               "--seqlen", "32", "--results", str(tmp_path / "OUT" / "cells.jsonl")], cwd=ROOT, capture_output=True,
                              text=True, timeout=60)
     assert listing.stdout.split("\n")[:3] == ["done  dense|-|0x8x32|rule", "done  elsa|0.9|2x2x32|rule", "todo  wanda+ft|0.9|2x8x32|rule"]
+
+
+def test_a_cell_that_fails_with_leaf_layers_runs_again_without_and_so_do_the_rest(tmp_path, monkeypatch):
+    """The flag is new on the GPU: should a training cell's prune fail with it, the loan's other cells must not all
+    fail too. The failed line stays; the cell runs once more without it, and every cell started after it."""
+    calls: list[tuple[str, bool]] = []
+
+    def fake_cell(cell, run):
+        leaf = run.leaf_layers
+        calls.append((cell.method, leaf))
+        line = {"key": cell.key(run.seqlen), "kind": cell.kind, "steps": cell.steps, "wall_s": 0.1, "leaf_layers": leaf}
+        return line | ({"status": "failed", "phase": "prune", "rc": 1} if leaf else {"status": "ok"})
+
+    monkeypatch.setattr(curve, "run_cell", fake_cell)
+    run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 1, {})
+    assert run.leaf_layers  # on by default
+    cells = [curve.Cell("elsa", 0.9, 1), curve.Cell("wanda+ft", 0.9, 1)]
+    lines, skipped = curve.schedule(cells, run, estimate.Estimator("H", [], micro_batch=64), tmp_path / "cells.jsonl")
+    assert calls == [("elsa", True), ("elsa", False), ("wanda+ft", False)] and not skipped
+    assert [(x["status"], x["leaf_layers"]) for x in lines] == [("failed", True), ("ok", False), ("ok", False)]
+    ok = [json.loads(x) for x in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert [x["status"] for x in ok] == ["failed", "ok", "ok"]

@@ -320,6 +320,8 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
                     line["est_gpu_bytes"] = estimator.estimate(cell)
                 lines.append(line)
                 estimator.add(line)
+                if without_leaf_layers(line, run):  # a loan's cells must not all fail on a new flag: once more without
+                    pending.insert(0, cell)
                 with sink.open("a") as fh:
                     fh.write(json.dumps(line) + "\n")
                 print(f"[curve] {line['status']:6s} {line['key']}: test {line.get('test_ppl')}, linux-doc "
@@ -328,6 +330,17 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
     skipped = [{"key": c.key(run.seqlen), "estimate_s": round(estimator.seconds(c, run.parallel)), "left_s": round(left),
                 "gpu_gib": round(estimator.gpu_bytes(c) / 2**30, 1)} for c in pending]
     return lines, skipped
+
+
+def without_leaf_layers(line: dict, run: Run) -> bool:
+    """A training cell whose prune call failed with --leaf_layers (first used on the GPU from 2026-12-01): the cells
+    started after it run without the flag, and it runs once more (True) without it too; its failed line stays."""
+    if line.get("status") != "failed" or line.get("phase") != "prune" or not line.get("leaf_layers"):
+        return False
+    if run.leaf_layers:
+        print(f"[curve] {line['key']} failed with --leaf_layers: the cells from now on run without it", flush=True)
+    run.leaf_layers = False
+    return True
 
 
 def collect(future: Future, cell: Cell, run: Run) -> dict:
