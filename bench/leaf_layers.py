@@ -8,7 +8,9 @@ head_dim 16, the demo's 4096-token tokenizer), random weights: the structure of 
 layers), at a width where the host's work per module, not the matmuls, is the step, as on the GPU (issue 41: a 270M
 step of 8 x 512 tokens took ~0.6 s on an H200, whose matmuls need ~20 ms). Each run is ``launch/prune.py`` under the
 deepspeed launcher on one rank (``ds_configs/zero3.json``, the curve's config), ELSA at 90 % from the dense start, no
-gradient checkpointing (as the curve), no validation; its report's mean step time (the first step left out). Runs
+gradient checkpointing (as the curve), no validation, every parameter partitioned (``--persistence 0``: the stand-in's
+tensors are below the shipped 1e5-entry threshold, the 270M's projections above it, so without it nothing inside a layer
+would be fetched); its report's mean step time (the first step left out). Runs
 alternate plain, leaf, leaf, plain, ... so both see the same machine; the ratio is of the medians. Both runs' final
 losses are printed: the same to float rounding.
 """
@@ -46,11 +48,20 @@ def build_model(folder: Path, layers: int, width: int) -> Path:
     return folder
 
 
+def config(folder: Path, base: str, persistence: int) -> Path:
+    """``base`` with ``stage3_param_persistence_threshold`` set: parameters smaller than it stay whole on every rank."""
+    ds = json.loads((ROOT / base).read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
+    path = folder / "ds_config.json"
+    path.write_text(json.dumps(ds, indent=1))
+    return path
+
+
 def run(model: Path, out: Path, leaf: bool, args) -> dict:
     """One job; its report's step time and final loss."""
     launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
     cmd = [launcher, "--num_gpus", "1", "--master_port", str(free_port()), str(ROOT / "launch" / "prune.py"),
-           "--deepspeed", args.deepspeed, "--model", str(model), "--random_init", "--dataset", "shakespeare", "--method", "elsa",
+           "--deepspeed", str(args.config), "--model", str(model), "--random_init", "--dataset", "shakespeare", "--method", "elsa",
            "--sparsity", "0.9", "--steps", str(args.steps), "--batch_size", str(args.batch), "--micro_batch", str(args.batch),
            "--seqlen", str(args.seqlen), "--init_mask", "none", "--val_windows", "0", "--baseline", "none",
            "--no-gradient_checkpointing", "--output_dir", str(out), "--overwrite", *(["--leaf_layers"] if leaf else [])]
@@ -71,11 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqlen", type=int, default=64, help="[64]")
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds: 2 runs of each a round [2]")
     ap.add_argument("--deepspeed", default="ds_configs/zero3.json", help="[zero3.json: the budget curve's]")
+    ap.add_argument("--persistence", type=int, default=0, help="stage3_param_persistence_threshold [0: all partitioned]")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     runs = []
     with tempfile.TemporaryDirectory(prefix="elsa_leaf_") as tmp:
         model = build_model(Path(tmp) / "model", args.layers, args.width)
+        args.config = config(Path(tmp), args.deepspeed, args.persistence)
         for r in range(args.rounds):
             for leaf in ((False, True, True, False) if r % 2 == 0 else (True, False, False, True)):
                 runs.append(run(model, Path(tmp) / f"out_{len(runs)}", leaf, args) | {"round": r})
@@ -83,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"final loss {runs[-1]['final_loss']:.6f}", flush=True)
     median = {leaf: statistics.median(x["step_time_s"] for x in runs if x["leaf_layers"] is leaf) for leaf in (False, True)}
     summary = {"model": {"config": "google/gemma-3-1b-pt", "layers": args.layers, "width": args.width},
-               "job": {"deepspeed": args.deepspeed, "steps": args.steps, "batch": args.batch, "seqlen": args.seqlen, "ranks": 1},
+               "job": {"deepspeed": args.deepspeed, "persistence": args.persistence, "steps": args.steps, "batch": args.batch,
+                       "seqlen": args.seqlen, "ranks": 1},
                "plain_step_s": median[False], "leaf_step_s": median[True], "speedup": median[False] / median[True],
                "runs": runs}
     print(f"median step: {median[False]:.4f} s plain, {median[True]:.4f} s with --leaf_layers: "

@@ -247,6 +247,8 @@ def test_the_estimate_learns_from_finished_cells_of_the_same_device():
     est.add({"device": "H", "status": "ok", "kind": "train", "steps": 100, "batch": 32, "seqlen": 512, "step_s": 0.4,
              "forwards": 2, "gradient_checkpointing": False, "wall_s": 60.0})
     assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(50.0 + 1000 * 0.2)
+    est.add({"device": "H", "status": "failed", "phase": "evaluate", "kind": "train", "steps": 100, "wall_s": 900.0})
+    assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(50.0 + 1000 * 0.2)  # not a cell's overhead
     assert estimate.Estimator("H", [], model=str(DEMO_MODEL_DIR), seqlen=64).gpu_bytes(small) == pytest.approx(
         estimate.PRIOR_GPU_RATIO * est.estimate(small))  # no cell measured yet: the prior ratio
     nowhere = estimate.Estimator("H", [], model=str(ROOT / "no-such-model"), seqlen=64)

@@ -60,6 +60,8 @@ class Estimator:
                 self.add(line)
 
     def add(self, line: dict) -> None:
+        if line.get("status") != "ok":  # a failed or cut cell's seconds say nothing of what a cell takes
+            return
         n = line.get("forwards") or 1  # lines before 2026-11-29 had one forward a step
         if line.get("step_s"):  # by gradient checkpointing (on before 2026-11-29): it recomputes the forward
             self.forward_s[line.get("gradient_checkpointing", True)].append(line["step_s"] / n)

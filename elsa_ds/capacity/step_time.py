@@ -238,7 +238,7 @@ def _micro_step(shape: ModelShape, job: Job, cfg, micro: int, num_gpus: int, num
     link = rates.inter if num_nodes > 1 else rates.intra
     collectives = (2 * job.half * shape.num_params + job.grad_accum * trained) * (w - 1) / w / link
     tensors = len(shape.params) + len(shape.frozen)
-    if cfg.leaf_layers:  # one fetch and release a layer, whatever it holds
+    if cfg.leaf_layers:  # one fetch and release a layer, whatever it holds (at most: each tensor is still waited on)
         tensors += shape.layers - shape.layer_tensors
     hooks = 2 * tensors * rates.hook_s * (num_gpus if device == "cpu" else 1)
     return max(compute, copies, collectives) + hooks
