@@ -45,6 +45,10 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
     if fallback and engine_used and os.environ.get("RANK", "0") == "0":
         get_logger(__name__).warning(fallback)
+    if cfg.leaf_layers and engine_used and ds.param_device == "nvme":
+        raise ElsaError("--leaf_layers fetches a decoder layer's parameters at once, but with offload_param on NVMe DeepSpeed "
+                        "swaps each into one of its buffer_count buffers (a layer holds more than the shipped 5); drop "
+                        "--leaf_layers or use a config whose parameters stay in memory (zero3_offload, zero3)")
     if ds_config.uses_nvme and (why := machine.nvme_unavailable()):
         raise ElsaError(why)
     check_goals(cfg, meta)
@@ -62,10 +66,6 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
         preflight.check_oneshot(model_shape(model_config, cfg.targets, model=meta), cfg, opts)
     else:
         preflight.check_elsa(meta, ds.raw, cfg, opts, world_size)
-    if cfg.leaf_layers and ds.param_device == "nvme":
-        raise ElsaError("--leaf_layers fetches a decoder layer's parameters at once, but with offload_param on NVMe DeepSpeed "
-                        "swaps each into one of its buffer_count buffers (a layer holds more than the shipped 5); drop "
-                        "--leaf_layers or use a config whose parameters stay in memory (zero3_offload, zero3)")
     if cfg.select_every and ds_config.optimizer_on_nvme:
         raise ElsaError("--select_every scores Π(x) from resident fp32 masters and Adam moments, which NVMe optimizer "
                         "offload swaps out; use zero3_offload or drop --select_every")

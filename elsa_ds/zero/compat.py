@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from elsa_ds.errors import ElsaError
+
 TESTED_DEEPSPEED = ((0, 19),)
 
 
@@ -116,6 +118,22 @@ def mark_leaf_layers(layers: torch.nn.ModuleList) -> None:
 
     for layer in layers:
         set_z3_leaf_module(layer, True)
+        layer.register_forward_pre_hook(_hidden_states_need_grad)
+
+
+def _hidden_states_need_grad(layer: torch.nn.Module, args: tuple) -> None:
+    """DeepSpeed reduces a leaf's gradients in a full backward hook (stage3.py, ``reduce_leaf_module_grads``), which torch
+    ties to the layer's positional inputs and fires at once when none needs a gradient: layer 0's under frozen embeddings
+    (--freeze_embeddings; LoRA), which would reduce gradients that do not exist yet. Its hidden states are made to need
+    one (a tensor made without autograd: no graph changes; nothing fetched for the frozen embedding)."""
+    if not torch.is_grad_enabled():
+        return
+    first = args[0] if args else None
+    if not isinstance(first, torch.Tensor):
+        raise ElsaError(f"--leaf_layers: {type(layer).__name__} was called without its hidden states as the first "
+                        "positional argument, where DeepSpeed's leaf backward hook needs them; drop --leaf_layers")
+    if not first.requires_grad and first.is_floating_point():
+        first.requires_grad_(True)
 
 
 def leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

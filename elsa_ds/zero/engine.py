@@ -50,9 +50,6 @@ def load_partitioned(source: ModelSource, ds: DsConfig, gradient_checkpointing: 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if leaf_layers:
         compat.mark_leaf_layers(decoder_layer_list(model))
-        # DeepSpeed reduces a leaf's gradients in a full backward hook on its positional input; with frozen embeddings
-        # (--freeze_embeddings, LoRA) layer 0's input would need no gradient and the hook fire before the layer's backward
-        model.enable_input_require_grads()
     return PartitionedModel(model, keep_alive)
 
 
