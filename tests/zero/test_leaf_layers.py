@@ -20,6 +20,7 @@ def partitioned_config(tmp_path, base: str):
     return derived_config(tmp_path, base, bf16={"enabled": False},
                           zero_optimization={**zero, "stage3_param_persistence_threshold": 0})
 
+
 HOOKS = """
 import json, sys
 import deepspeed, torch
