@@ -235,7 +235,9 @@ def guarded(fn: Callable[[], int | None]) -> int:
     another rank is gone ends in one line too (``_after_peer_gone``)."""
     rank = os.environ.get("RANK", "0")
     where = "" if rank == "0" else f" (rank {rank})"
+    found = {}
     if threading.current_thread() is threading.main_thread():
+        found = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         signal.signal(signal.SIGTERM, on_sigterm)
         if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _after_the_first):  # not where Ctrl-C is ignored
             signal.signal(signal.SIGINT, on_sigint)
@@ -251,3 +253,7 @@ def guarded(fn: Callable[[], int | None]) -> int:
         if not peer_gone(err):
             raise
         return _after_peer_gone(err, where)
+    finally:  # the job and its cleanup are over: the handlers it found are back, so a signal now (the launcher ending this
+        for sig, handler in found.items():  # rank as a sibling's exit ends the job) ends the process as it would have
+            if handler is not None:         # ended, not with Terminated raised into the interpreter's exit (atexit)
+                signal.signal(sig, handler)

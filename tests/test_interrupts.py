@@ -254,3 +254,30 @@ def test_only_a_gone_peer_is_taken_for_one(monkeypatch, capsys):
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert capsys.readouterr().err == ""
+
+
+SIGNAL_AT_EXIT = """
+import atexit, os, signal, sys, time
+from elsa_ds.errors import ElsaError, guarded
+
+def job():
+    raise ElsaError("refused")
+
+code = guarded(job)
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5)))  # the launcher ending this rank, late
+sys.exit(code)
+"""
+
+
+def test_a_sigterm_during_the_interpreters_exit_prints_no_traceback():
+    """Under the launcher a rank that refused (exit 2) may be sent SIGTERM while Python runs its exit callbacks (a
+    sibling's exit ends the job; CI 2026-12-01 saw "Exception ignored in atexit callback ... Terminated"). Once the job is
+    over the handlers it found are back: the signal ends the process as it would have, one error line, no traceback."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_AT_EXIT], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -15, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip() == "elsa_ds: error: refused"
