@@ -56,7 +56,7 @@ class Estimator:
         self.ratios: list[float] = []
         self.overhead: dict[str, list[float]] = {k: [] for k in PRIOR_OVERHEAD_S}
         for line in lines:
-            if line.get("device") == device and line.get("status") == "ok":
+            if line.get("device") == device:
                 self.add(line)
 
     def add(self, line: dict) -> None:

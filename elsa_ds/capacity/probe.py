@@ -124,7 +124,7 @@ def _rank_main(spec: dict) -> None:
     ds = DsConfig(spec["ds"])
     torch.manual_seed(0)
     partitioned = load_partitioned(ModelSource(spec["model"]), ds, spec["checkpointing"], random_init=True,
-                                   leaf_layers=spec.get("leaf_layers", False))
+                                   leaf_layers=spec["leaf_layers"])
     model = partitioned.model.train()
     if spec["freeze_embeddings"]:
         freeze_embeddings(model)
