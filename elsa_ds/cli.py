@@ -176,7 +176,9 @@ def main_estimate(argv: list[str] | None = None) -> int:
         est = job_estimate(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator)
         typical = TYPICAL[DEFAULT_MACHINE[opts.accelerator] if opts.machine == "auto" else opts.machine]
         rates = measure(opts.accelerator, typical, *job_matmul(shape, ds, cfg)) if opts.measure else typical
-        timed = measure_job(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates.matmul_flops) if opts.measure else None
+        # whether the model is small enough to time: the typical rate is the floor (a busy host's timed matmul is not)
+        gate = max(rates.matmul_flops, typical.matmul_flops)
+        timed = measure_job(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, gate) if opts.measure else None
         optimizer = measure_optimizer(cfg, ds_config) if opts.measure else None
         timing = step_time(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates, timed, optimizer)
         # the table and the JSON line are the command's product: stdout, whatever the log level

@@ -75,7 +75,9 @@ def measure_job(shape, ds: dict, cfg, num_gpus: int, num_nodes: int, device: str
     if device != "cpu" or num_nodes != 1 or shape.num_params > TIMED_MODEL_PARAMS:
         return None
     flops = 6 * shape.num_params * int(ds["train_micro_batch_size_per_gpu"]) * cfg.seqlen * num_gpus
-    if flops / flop_rate > PROBE_STEP_BUDGET_S:
+    if (priced := flops / flop_rate) > PROBE_STEP_BUDGET_S:
+        log.info(f"the job's micro-step is not timed here: {priced:.1f} s at {flop_rate / 1e9:.0f} GFLOP/s, past "
+                 f"{PROBE_STEP_BUDGET_S:g} s; the rates price it")
         return None
     if num_gpus > (cpus := usable_cpus()):
         log.info(f"the job's micro-step is not timed here: {num_gpus} ranks on {cpus:g} usable CPUs; the rates price it")
