@@ -113,8 +113,10 @@ def _sparsify_block(W1: torch.Tensor, Hinv1: torch.Tensor, target: Target, prune
 
     ``prune_count`` entries of the block are pruned by the lowest w² / [U]_ii² (unstructured); with N:M each
     group of M columns is scored on the weights as already updated by the columns to its left, as in the reference.
+    A column costs seven operations and never waits on a GPU (the reference's boolean index ``q[mask] = 0`` waits once
+    a column); the loss, (w − q)² / d² per entry in the reference's loop, is the scaled errors squared, summed after it.
     """
-    Q1, Err1, Losses1 = torch.zeros_like(W1), torch.zeros_like(W1), torch.zeros_like(W1)
+    Q1, Err1 = torch.zeros_like(W1), torch.zeros_like(W1)
     d1 = torch.diag(Hinv1)
     if isinstance(target, NM):
         pruned1 = torch.zeros_like(W1, dtype=torch.bool)
@@ -127,11 +129,9 @@ def _sparsify_block(W1: torch.Tensor, Hinv1: torch.Tensor, target: Target, prune
         if isinstance(target, NM) and i % target.m == 0:
             group = W1[:, i:i + target.m] ** 2 / d1[i:i + target.m].unsqueeze(0) ** 2
             pruned1[:, i:i + target.m] = ~layer_keep_mask(group, target)
-        q = w.clone()
-        q[pruned1[:, i]] = 0
+        q = w.masked_fill(pruned1[:, i], 0)
         Q1[:, i] = q
-        Losses1[:, i] = (w - q) ** 2 / d ** 2
         err1 = (w - q) / d
         W1[:, i:] -= err1.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
         Err1[:, i] = err1
-    return Q1, Err1, pruned1, torch.sum(Losses1, 1) / 2
+    return Q1, Err1, pruned1, torch.sum(Err1 ** 2, 1) / 2
