@@ -2,6 +2,7 @@
 
     python bench/leaf_layers.py                    # Gemma-3's layer (q/k norms, 4 norms, 7 projections) 64 wide, 18 layers
     python bench/leaf_layers.py --rounds 3 --json  # the last line: one JSON object
+    python bench/leaf_layers.py --arms leaf_wrapped,leaf   # within --leaf_layers: DeepSpeed's linear wrapper or torch's
 
 The model is the shipped Gemma-3-1B config cut to ``--layers`` decoder layers and made ``--width`` wide (intermediate 2x,
 head_dim 16, the demo's 4096-token tokenizer), random weights: the structure of the budget curve's Gemma-3 270M (18
@@ -10,9 +11,9 @@ step of 8 x 512 tokens took ~0.6 s on an H200, whose matmuls need ~20 ms). Each 
 deepspeed launcher on one rank (``ds_configs/zero3.json``, the curve's config), ELSA at 90 % from the dense start, no
 gradient checkpointing (as the curve), no validation, every parameter partitioned (``--persistence 0``: the stand-in's
 tensors are below the shipped 1e5-entry threshold, the 270M's projections above it, so without it nothing inside a layer
-would be fetched); its report's mean step time (the first step left out). Runs
-alternate plain, leaf, leaf, plain, ... so both see the same machine; the ratio is of the medians. Both runs' final
-losses are printed: the same to float rounding.
+would be fetched); its report's mean step time (the first step left out). The two ``--arms`` (:data:`ARMS`) alternate
+A, B, B, A, ... so both see the same machine; the ratio is of the medians (A's over B's). Both arms' final losses are
+printed: the same to float rounding.
 """
 from __future__ import annotations
 
@@ -48,17 +49,25 @@ def build_model(folder: Path, layers: int, width: int) -> Path:
     return folder
 
 
-def config(folder: Path, base: str, persistence: int) -> Path:
-    """``base`` with ``stage3_param_persistence_threshold`` set: parameters smaller than it stay whole on every rank."""
+# an arm: (--leaf_layers, zero_optimization.memory_efficient_linear in its config: None leaves the job's own choice,
+# which is DeepSpeed's wrapper (an autograd Function) without the flag and torch's F.linear with it)
+ARMS = {"plain": (False, None), "leaf": (True, None), "leaf_wrapped": (True, True)}
+
+
+def config(folder: Path, base: str, persistence: int, wrapped: bool | None = None) -> Path:
+    """``base`` with ``stage3_param_persistence_threshold`` set (parameters smaller than it stay whole on every rank) and
+    ``memory_efficient_linear`` where ``wrapped`` is not None."""
     ds = json.loads((ROOT / base).read_text())
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
-    path = folder / "ds_config.json"
+    if wrapped is not None:
+        ds["zero_optimization"]["memory_efficient_linear"] = wrapped
+    path = folder / f"ds_config_{wrapped}.json"
     path.write_text(json.dumps(ds, indent=1))
     return path
 
 
 def run(model: Path, out: Path, leaf: bool, args) -> dict:
-    """One job; its report's step time and final loss."""
+    """One job (its DeepSpeed config: ``args.config``); its report's step time and final loss."""
     launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
     cmd = [launcher, "--num_gpus", "1", "--master_port", str(free_port()), str(ROOT / "launch" / "prune.py"),
            "--deepspeed", str(args.config), "--model", str(model), "--random_init", "--dataset", "shakespeare", "--method", "elsa",
@@ -83,25 +92,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds: 2 runs of each a round [2]")
     ap.add_argument("--deepspeed", default="ds_configs/zero3.json", help="[zero3.json: the budget curve's]")
     ap.add_argument("--persistence", type=int, default=0, help="stage3_param_persistence_threshold [0: all partitioned]")
+    ap.add_argument("--arms", default="plain,leaf", help=f"A,B: two of {', '.join(ARMS)} [plain,leaf]")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    if len(arms) != 2 or len(set(arms)) != 2 or not set(arms) <= set(ARMS):
+        ap.error(f"--arms {args.arms!r}: two different names of {', '.join(ARMS)}, comma-separated")
     runs = []
     with tempfile.TemporaryDirectory(prefix="elsa_leaf_") as tmp:
         model = build_model(Path(tmp) / "model", args.layers, args.width)
-        args.config = config(Path(tmp), args.deepspeed, args.persistence)
+        configs = {arm: config(Path(tmp), args.deepspeed, args.persistence, ARMS[arm][1]) for arm in arms}
         for r in range(args.rounds):
-            for leaf in ((False, True, True, False) if r % 2 == 0 else (True, False, False, True)):
-                runs.append(run(model, Path(tmp) / f"out_{len(runs)}", leaf, args) | {"round": r})
-                print(f"round {r} leaf_layers={leaf}: {runs[-1]['step_time_s']:.4f} s a step, "
-                      f"final loss {runs[-1]['final_loss']:.6f}", flush=True)
-    median = {leaf: statistics.median(x["step_time_s"] for x in runs if x["leaf_layers"] is leaf) for leaf in (False, True)}
+            a, b = arms if r % 2 == 0 else arms[::-1]
+            for arm in (a, b, b, a):
+                args.config = configs[arm]
+                runs.append(run(model, Path(tmp) / f"out_{len(runs)}", ARMS[arm][0], args) | {"arm": arm, "round": r})
+                print(f"round {r} {arm}: {runs[-1]['step_time_s']:.4f} s a step, final loss {runs[-1]['final_loss']:.6f}",
+                      flush=True)
+    median = {arm: statistics.median(x["step_time_s"] for x in runs if x["arm"] == arm) for arm in arms}
     summary = {"model": {"config": "google/gemma-3-1b-pt", "layers": args.layers, "width": args.width},
                "job": {"deepspeed": args.deepspeed, "persistence": args.persistence, "steps": args.steps, "batch": args.batch,
                        "seqlen": args.seqlen, "ranks": 1},
-               "plain_step_s": median[False], "leaf_step_s": median[True], "speedup": median[False] / median[True],
-               "runs": runs}
-    print(f"median step: {median[False]:.4f} s plain, {median[True]:.4f} s with --leaf_layers: "
-          f"{summary['speedup']:.2f}x")
+               "arms": arms, "median_step_s": median, "speedup": median[arms[0]] / median[arms[1]], "runs": runs}
+    print(f"median step: {median[arms[0]]:.4f} s {arms[0]}, {median[arms[1]]:.4f} s {arms[1]}: {summary['speedup']:.2f}x")
     if args.json:
         print(json.dumps(summary))
     return 0

@@ -136,6 +136,16 @@ def _hidden_states_need_grad(layer: torch.nn.Module, args: tuple) -> None:
         first.requires_grad_(True)
 
 
+def torch_linear_back() -> None:
+    """Put torch's ``F.linear`` back where an earlier ``zero.Init`` of this process replaced it with DeepSpeed's wrapper
+    (``memory_efficient_linear``, on by default: DeepSpeed never restores it), for a job whose config turned it off."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patcher
+
+    if torch.nn.functional.linear is zero3_linear_wrap and hasattr(Patcher, "linear_bk"):
+        torch.nn.functional.linear = Patcher.linear_bk
+
+
 def leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of ``model`` that ZeRO-3 treats as leaves."""
     from deepspeed.utils.z3_leaf_module import get_z3_leaf_modules

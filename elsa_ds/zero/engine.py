@@ -50,6 +50,8 @@ def load_partitioned(source: ModelSource, ds: DsConfig, gradient_checkpointing: 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if leaf_layers:
         compat.mark_leaf_layers(decoder_layer_list(model))
+    if not ds.zero.get("memory_efficient_linear", True):
+        compat.torch_linear_back()
     return PartitionedModel(model, keep_alive)
 
 
