@@ -2,7 +2,7 @@
 
     python bench/leaf_layers.py                    # Gemma-3's layer (q/k norms, 4 norms, 7 projections) 64 wide, 18 layers
     python bench/leaf_layers.py --rounds 3 --json  # the last line: one JSON object
-    python bench/leaf_layers.py --arms leaf_wrapped,leaf   # within --leaf_layers: DeepSpeed's linear wrapper or torch's
+    python bench/leaf_layers.py --arms leaf,leaf_torch_linear   # within --leaf_layers: DeepSpeed's linear or torch's
 
 The model is the shipped Gemma-3-1B config cut to ``--layers`` decoder layers and made ``--width`` wide (intermediate 2x,
 head_dim 16, the demo's 4096-token tokenizer), random weights: the structure of the budget curve's Gemma-3 270M (18
@@ -49,9 +49,10 @@ def build_model(folder: Path, layers: int, width: int) -> Path:
     return folder
 
 
-# an arm: (--leaf_layers, zero_optimization.memory_efficient_linear in its config: None leaves the job's own choice,
-# which is DeepSpeed's wrapper (an autograd Function) without the flag and torch's F.linear with it)
-ARMS = {"plain": (False, None), "leaf": (True, None), "leaf_wrapped": (True, True)}
+# an arm: (--leaf_layers, zero_optimization.memory_efficient_linear in its config: None leaves DeepSpeed's default, its
+# linear wrapper (an autograd Function); False: torch's F.linear, whose saved weight views keep each gathered weight
+# until its backward)
+ARMS = {"plain": (False, None), "leaf": (True, None), "leaf_torch_linear": (True, False)}
 
 
 def config(folder: Path, base: str, persistence: int, wrapped: bool | None = None) -> Path:

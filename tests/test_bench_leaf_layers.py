@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("arms", ["plain,leaf", "leaf_wrapped,leaf"])
+@pytest.mark.parametrize("arms", ["plain,leaf", "leaf,leaf_torch_linear"])
 def test_the_bench_alternates_both_jobs_and_prints_their_ratio(arms):
-    """Without and with --leaf_layers; within it, DeepSpeed's linear wrapper (an explicit config value) or torch's."""
+    """Without and with --leaf_layers; within it, DeepSpeed's linear wrapper or torch's (memory_efficient_linear off)."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "leaf_layers.py"), "--layers", "2", "--steps", "3",
                            "--rounds", "1", "--arms", arms, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

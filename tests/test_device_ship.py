@@ -351,6 +351,7 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
     assert elsa["tokens"] == 2 * 2 * 32 and abs(elsa["overall_sparsity"] - 0.9) < 1e-3 and elsa["settings_used"]["lr"] > 0
     assert (elsa["forwards"], elsa["gradient_checkpointing"], elsa["loss"]) == (1, False, "chunked") and elsa["est_gpu_bytes"] > 0
     assert elsa["leaf_layers"] is True  # the cells hook each decoder layer whole (the job's flag: its log, below)
+    assert elsa["memory_efficient_linear"] is False  # torch's F.linear: the config the cell ran with (its log, below)
     assert elsa["prune_s"] > elsa["job_s"] > 0
     phases = elsa["phase_s"]  # where its time went, from the job's phase markers
     assert {"launch", "load", "first step", "final projection", "export", "verify", "after"} <= set(phases)
@@ -364,6 +365,9 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
         assert sorted(logs.getnames()) == ["./dense_dense_0x8_rule.log", "./elsa_90_2x2_rule.log"]
         command = logs.extractfile("./elsa_90_2x2_rule.log").read().decode().splitlines()[0]
         assert command.startswith("$ ") and "launch/prune.py" in command and " --leaf_layers" in command
+        config = command.split(" --deepspeed ")[1].split()[0]
+        assert config.endswith("zero3_torch_linear.json") and "memory_efficient_linear" not in (ROOT / "ds_configs/zero3.json").read_text()
+        assert json.loads(Path(config).read_text())["zero_optimization"]["memory_efficient_linear"] is False
     assert len(list((tmp_path / "OUT").iterdir())) <= 8
     assert (tmp_path / "OUT" / "curve.log").is_file() and not (tmp_path / "runs" / "work" / "elsa_90_2x2_rule").exists()
     listing = subprocess.run([sys.executable, "bench/device/curve.py", "--list", "--cells", "dense:-:0,elsa:0.9:2:rule:2,wanda+ft:0.9:2",
@@ -372,23 +376,25 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
     assert listing.stdout.split("\n")[:3] == ["done  dense|-|0x8x32|rule", "done  elsa|0.9|2x2x32|rule", "todo  wanda+ft|0.9|2x8x32|rule"]
 
 
-def test_a_cell_that_fails_with_leaf_layers_runs_again_without_and_so_do_the_rest(tmp_path, monkeypatch):
-    """The flag is new on the GPU: should a training cell's prune fail with it, the loan's other cells must not all
-    fail too. The failed line stays; the cell runs once more without it, and every cell started after it."""
+@pytest.mark.parametrize("new", ["leaf_layers", "torch_linear"])
+def test_a_cell_that_fails_with_leaf_layers_runs_again_without_and_so_do_the_rest(tmp_path, monkeypatch, new):
+    """Both are new on the GPU: should a training cell's prune fail with either (the other off), the loan's other cells
+    must not all fail too. The failed line stays; the cell runs once more without both, and every cell started after it."""
     calls: list[tuple[str, bool]] = []
 
     def fake_cell(cell, run):
-        leaf = run.leaf_layers
-        calls.append((cell.method, leaf))
-        line = {"key": cell.key(run.seqlen), "kind": cell.kind, "steps": cell.steps, "wall_s": 0.1, "leaf_layers": leaf}
-        return line | ({"status": "failed", "phase": "prune", "rc": 1} if leaf else {"status": "ok"})
+        on = run.leaf_layers or bool(run.torch_linear)
+        calls.append((cell.method, on))
+        line = {"key": cell.key(run.seqlen), "kind": cell.kind, "steps": cell.steps, "wall_s": 0.1,
+                "leaf_layers": run.leaf_layers, "memory_efficient_linear": not run.torch_linear}
+        return line | ({"status": "failed", "phase": "prune", "rc": 1} if on else {"status": "ok"})
 
     monkeypatch.setattr(curve, "run_cell", fake_cell)
-    run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 1, {})
-    assert run.leaf_layers  # on by default
+    run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 1, {},
+                    leaf_layers=new == "leaf_layers", torch_linear="z_torch_linear.json" if new == "torch_linear" else "")
     cells = [curve.Cell("elsa", 0.9, 1), curve.Cell("wanda+ft", 0.9, 1)]
     lines, skipped = curve.schedule(cells, run, estimate.Estimator("H", [], micro_batch=64), tmp_path / "cells.jsonl")
     assert calls == [("elsa", True), ("elsa", False), ("wanda+ft", False)] and not skipped
-    assert [(x["status"], x["leaf_layers"]) for x in lines] == [("failed", True), ("ok", False), ("ok", False)]
+    assert [x["status"] for x in lines] == ["failed", "ok", "ok"] and not run.leaf_layers and not run.torch_linear
     ok = [json.loads(x) for x in (tmp_path / "cells.jsonl").read_text().splitlines()]
     assert [x["status"] for x in ok] == ["failed", "ok", "ok"]

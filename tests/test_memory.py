@@ -320,3 +320,19 @@ def test_the_estimate_sizes_the_disk_under_the_output_dir_as_the_jobs_check_does
     monkeypatch.setattr(preflight, "this_machine", lambda paths: preflight.Machine(host=1e15))
     preflight.check_elsa(meta, ds.raw, cfg, opts, world=1)
     assert counted == {(tmp_path / "out").resolve(): pytest.approx(sum(parts.values()))}
+
+
+def test_torchs_linear_without_checkpointing_keeps_every_gathered_weight_until_its_backward():
+    """memory_efficient_linear off: F.linear saves a view of each gathered weight, which ZeRO-3's release cannot free, so
+    every layer's weights (and the head's) are on the GPU at the backward's start; checkpointing recomputes them."""
+    shape = model_shape(resolve_model_config("google/gemma-2-9b"))
+    ds = DsConfig.load("ds_configs/zero3.json").raw
+    torch_linear = {**ds, "zero_optimization": {**ds["zero_optimization"], "memory_efficient_linear": False}}
+    half = 2  # bf16 weights
+    for checkpointing in (False, True):
+        wrapped, native = (estimate(shape, d, num_gpus=1, micro_batch=1, gradient_checkpointing=checkpointing).breakdown["activations"]["per_gpu"]
+                           for d in (ds, torch_linear))
+        kept = shape.layers * shape.largest_layer_params + shape.largest_param
+        live = max(min(float(ds["zero_optimization"].get("stage3_max_live_parameters", 1e9)), 2.0 * shape.largest_layer_params),
+                   float(shape.largest_param))
+        assert native - wrapped == pytest.approx(0.0 if checkpointing else half * (kept - live))

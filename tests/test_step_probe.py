@@ -150,4 +150,6 @@ def test_a_busy_hosts_slow_matmul_does_not_stop_the_demo_job_being_timed(monkeyp
     monkeypatch.setattr(probe, "measure_job", lambda *a: seen.append(a[-1]))
     monkeypatch.setattr(optimizer_probe, "measure_optimizer", lambda *a: None)
     assert main_estimate(["--deepspeed", "zero3_offload", "--num_gpus", "2", "--accelerator", "cpu", "--measure"]) == 0
-    assert seen == [TYPICAL["cpu-2c"].matmul_flops]
+    monkeypatch.setattr(step_time_module, "measure", lambda device, base, *a: replace(base, matmul_flops=1e15))
+    assert main_estimate(["--deepspeed", "zero3_offload", "--num_gpus", "2", "--accelerator", "cpu", "--measure"]) == 0
+    assert seen == [TYPICAL["cpu-2c"].matmul_flops, 1e15]  # the typical rate a floor; a faster host's own rate

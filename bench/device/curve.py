@@ -143,6 +143,7 @@ class Run:
     gpu_memory: float | None = None  # the GPU's bytes: cells start only while their predicted peaks fit (None: no check)
     profile: str = PROFILE_WINDOW  # the training steps profiled (ELSA_DS_PROFILE_STEPS's FIRST:COUNT); "" none
     leaf_layers: bool = True  # ZeRO-3 hooks each decoder layer whole: the same math, less host time a step
+    torch_linear: str = ""  # the training cells' config with memory_efficient_linear off (torch's F.linear); "" none
 
 
 def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
@@ -154,7 +155,8 @@ def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
              "--gradient_checkpointing" if run.checkpointing else "--no-gradient_checkpointing",
              *(["--leaf_layers"] if run.leaf_layers else [])] if trains else []
     extra += [flag.format(held=round(HOLD_FRACTION * cell.steps)) for flag in SETTINGS[cell.settings]]
-    return quality.prune_command(method, finetune, cell.sparsity, out, deepspeed=run.deepspeed,
+    deepspeed = run.torch_linear if trains and run.torch_linear else run.deepspeed
+    return quality.prune_command(method, finetune, cell.sparsity, out, deepspeed=deepspeed,
                                  steps=cell.steps if trains else None, model=run.model, dataset=run.train,
                                  seqlen=run.seqlen, extra=extra)
 
@@ -207,7 +209,8 @@ def run_cell(cell: Cell, run: Run) -> dict:
     if cell.kind == "train":
         line |= {"micro_batch": min(run.micro_batch, cell.batch), "forwards": forwards(cell.batch, run.micro_batch),
                  "gradient_checkpointing": run.checkpointing, "loss": "chunked",  # elsa_ds/loss.py, from 2026-11-29
-                 "leaf_layers": run.leaf_layers}  # from 2026-12-01; earlier cells hooked every module
+                 "leaf_layers": run.leaf_layers,  # from 2026-12-01; earlier cells hooked every module
+                 "memory_efficient_linear": not run.torch_linear}  # DeepSpeed's linear wrapper (cells before 2026-12-01: on)
     report: dict = {}
     phase_log, profile = run.work / f"{cell.slug()}.phases", run.work / f"{cell.slug()}.profile.json"
     phase_log.unlink(missing_ok=True)
@@ -333,14 +336,26 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
 
 
 def without_leaf_layers(line: dict, run: Run) -> bool:
-    """A training cell whose prune call failed with --leaf_layers (first used on the GPU from 2026-12-01): the cells
-    started after it run without the flag, and it runs once more (True) without it too; its failed line stays."""
-    if line.get("status") != "failed" or line.get("phase") != "prune" or not line.get("leaf_layers"):
+    """A training cell whose prune call failed with --leaf_layers or torch's F.linear (both first used on the GPU from
+    2026-12-01): the cells started after it run without either, and it runs once more (True) without them too; its failed
+    line stays."""
+    if line.get("status") != "failed" or line.get("phase") != "prune" or not (line.get("leaf_layers") or
+                                                                               line.get("memory_efficient_linear") is False):
         return False
-    if run.leaf_layers:
-        print(f"[curve] {line['key']} failed with --leaf_layers: the cells from now on run without it", flush=True)
-    run.leaf_layers = False
+    if run.leaf_layers or run.torch_linear:
+        print(f"[curve] {line['key']} failed with --leaf_layers / torch's F.linear: the cells from now on run without them "
+              f"({run.deepspeed} as shipped)", flush=True)
+    run.leaf_layers, run.torch_linear = False, ""
     return True
+
+
+def torch_linear_config(deepspeed: str, work: Path) -> Path:
+    """``deepspeed`` with ZeRO-3's memory_efficient_linear off, written into ``work``."""
+    ds = json.loads((ROOT / deepspeed).read_text())
+    ds.setdefault("zero_optimization", {})["memory_efficient_linear"] = False
+    path = work / f"{Path(deepspeed).stem}_torch_linear.json"
+    path.write_text(json.dumps(ds, indent=1))
+    return path
 
 
 def collect(future: Future, cell: Cell, run: Run) -> dict:
@@ -362,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deepspeed", default="ds_configs/zero3.json", help="[zero3.json: the optimizer on the GPU]")
     ap.add_argument("--leaf_layers", action=argparse.BooleanOptionalAction, default=True,
                     help="training cells hook each decoder layer whole (elsa-prune --leaf_layers) [on]")
+    ap.add_argument("--torch_linear", action=argparse.BooleanOptionalAction, default=True,
+                    help="training cells' DeepSpeed config turns memory_efficient_linear off: torch's F.linear, less host "
+                         "time a step; each gathered weight then stays until its backward (the 270M's: ~0.5 GB) [on]")
     ap.add_argument("--eval_limit", type=int, default=256, help="at most this many windows per test split [256]")
     ap.add_argument("--parallel", type=int, default=4,
                     help="cells at once on the one GPU [4: a step is bound by its own process's host time, 0.50-0.63 s "
@@ -402,11 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     text = {name: str(c / corpus / file) for name, (corpus, file) in TEXTS.items()}  # the files texts_sha256 read
+    torch_linear = str(torch_linear_config(args.deepspeed, args.work)) if args.torch_linear else ""
     run = Run(args.model, text["train"], text["test"], text["linuxdoc"], args.seqlen, args.micro_batch, args.deepspeed,
               args.eval_limit, args.work, time.time() + args.budget_s, args.parallel, environment() | {"texts": texts},
-              args.gradient_checkpointing, gpu_memory(), args.profile, args.leaf_layers)
+              args.gradient_checkpointing, gpu_memory(), args.profile, args.leaf_layers, torch_linear)
     estimator = Estimator(run.env["device"], read_lines(args.results) + read_lines(args.out / "cells.jsonl"), args.micro_batch,
-                          args.gradient_checkpointing, args.model, args.deepspeed, args.seqlen)
+                          args.gradient_checkpointing, args.model, torch_linear or args.deepspeed, args.seqlen)
     lines, skipped = schedule(todo, run, estimator, args.out / "cells.jsonl")
     summary = {"device": run.env["device"], "ran": len(lines), "ok": sum(x.get("status") == "ok" for x in lines),
                "done_before": len(cells) - len(todo), "not_started": skipped}

@@ -144,9 +144,13 @@ def _forward_backward(shape: ModelShape, ds: dict, job: Job, micro_batch: int | 
                       gradient_checkpointing: bool, device: str) -> float:
     """Per rank on the device: the gathered parameters in flight (two decoder layers, capped by
     stage3_max_live_parameters, and never less than the largest parameter, which must be whole to be used: the
-    embedding), the prefetch bucket, a reduce buffer, and the activations."""
+    embedding), the prefetch bucket, a reduce buffer, and the activations. With ``memory_efficient_linear`` off and
+    no gradient checkpointing torch's F.linear saves a view of each gathered weight for its backward, which a release
+    cannot free: every layer's (and the head's) stays until its backward, whatever the caps."""
     zero = ds.get("zero_optimization", {})
     live = max(min(float(zero.get("stage3_max_live_parameters", 1e9)), 2.0 * shape.largest_layer_params), float(shape.largest_param))
+    if zero.get("memory_efficient_linear", True) is False and not gradient_checkpointing:
+        live = max(live, shape.layers * float(shape.largest_layer_params) + shape.largest_param)
     prefetch = float(zero.get("stage3_prefetch_bucket_size", 5e7))
     bucket = float(zero.get("reduce_bucket_size", 5e8))
     if device == "cpu":  # host pages are resident only once touched: a bucket never holds more than the model

@@ -113,8 +113,9 @@ def _sparsify_block(W1: torch.Tensor, Hinv1: torch.Tensor, target: Target, prune
 
     ``prune_count`` entries of the block are pruned by the lowest w² / [U]_ii² (unstructured); with N:M each
     group of M columns is scored on the weights as already updated by the columns to its left, as in the reference.
-    A column costs seven operations and never waits on a GPU (the reference's boolean index ``q[mask] = 0`` waits once
-    a column); the loss, (w − q)² / d² per entry in the reference's loop, is the scaled errors squared, summed after it.
+    A column costs seven operations and, for a sparsity, never waits on a GPU (the reference's boolean index
+    ``q[mask] = 0`` waits once a column; an N:M group's mask is still chosen on the host); the loss, (w − q)² / d² per
+    entry in the reference's loop, is the scaled errors squared, summed after it.
     """
     Q1, Err1 = torch.zeros_like(W1), torch.zeros_like(W1)
     d1 = torch.diag(Hinv1)

@@ -201,8 +201,8 @@ class ElsaConfig(BaseModel):
     nvme_path: str | None = Field(None, **_group("engine", "DIR"))
     """NVMe offload directory; overrides nvme_path of offload_param and offload_optimizer in the JSON."""
     leaf_layers: bool = Field(False, **_group("engine"))
-    """ZeRO-3 hooks each decoder layer whole (its parameters fetched at once, no hooks inside it, torch's F.linear): the same
-    math, less host time a step where many small modules bound it (a small model on a GPU). Not with NVMe offload_param."""
+    """ZeRO-3 hooks each decoder layer whole (its parameters fetched at once, no hooks inside it): the same math, less host
+    time a step where many small modules bound it (a small model on a GPU). Not with offload_param on NVMe."""
     save_interval: int = Field(0, ge=0, **_group("engine"))
     """Steps between checkpoints in OUTPUT_DIR/checkpoints (0 = none)."""
     keep_checkpoints: int = Field(2, gt=0, **_group("engine"))

@@ -138,7 +138,9 @@ def _hidden_states_need_grad(layer: torch.nn.Module, args: tuple) -> None:
 
 def torch_linear_back() -> None:
     """Put torch's ``F.linear`` back where an earlier ``zero.Init`` of this process replaced it with DeepSpeed's wrapper
-    (``memory_efficient_linear``, on by default: DeepSpeed never restores it), for a job whose config turned it off."""
+    (``memory_efficient_linear``, on by default: DeepSpeed never restores it), for a job whose config turns it off. Process
+    wide, as DeepSpeed's replacement is: an engine of an earlier job still alive here runs torch's too (the same products;
+    its gathered weights then live until their backward)."""
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patcher
 

@@ -215,8 +215,6 @@ class DsConfig:
             if ds.get(key, {}).get("enabled") == AUTO:
                 ds[key]["enabled"] = value
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-        if cfg.leaf_layers:  # a leaf layer's hook fetches every weight inside it for its backward: torch's F.linear
-            zero.setdefault("memory_efficient_linear", False)  # needs no re-gathering wrapper (a Python autograd Function)
         ds.update(CLIENT_OPTIMIZER_FLAGS)
         ds.setdefault("steps_per_print", 10**9)
         ds.setdefault("wall_clock_breakdown", False)
