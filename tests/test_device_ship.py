@@ -393,8 +393,21 @@ def test_a_cell_that_fails_with_leaf_layers_runs_again_without_and_so_do_the_res
     run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 1, {},
                     leaf_layers=new == "leaf_layers", torch_linear="z_torch_linear.json" if new == "torch_linear" else "")
     cells = [curve.Cell("elsa", 0.9, 1), curve.Cell("wanda+ft", 0.9, 1)]
-    lines, skipped = curve.schedule(cells, run, estimate.Estimator("H", [], micro_batch=64), tmp_path / "cells.jsonl")
+    estimator = estimate.Estimator("H", [], micro_batch=64, deepspeed=run.torch_linear or run.deepspeed)
+    lines, skipped = curve.schedule(cells, run, estimator, tmp_path / "cells.jsonl")
     assert calls == [("elsa", True), ("elsa", False), ("wanda+ft", False)] and not skipped
     assert [x["status"] for x in lines] == ["failed", "ok", "ok"] and not run.leaf_layers and not run.torch_linear
+    assert estimator.deepspeed == "z" and curve.cell_config(cells[0], run) == "z"  # the later cells' peaks: as shipped
     ok = [json.loads(x) for x in (tmp_path / "cells.jsonl").read_text().splitlines()]
     assert [x["status"] for x in ok] == ["failed", "ok", "ok"]
+
+
+def test_the_torch_linear_config_is_read_as_elsa_prune_reads_a_name_or_a_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # neither a shipped name nor a path relative to the checkout depends on the directory
+    for given in ("zero3", str(ROOT / "ds_configs" / "zero3_offload.json")):
+        path = curve.torch_linear_config(given, Path("work_" + Path(given).stem).resolve().parent)
+        assert path.is_absolute() and path.is_file()
+        zero = json.loads(path.read_text())["zero_optimization"]
+        assert zero["memory_efficient_linear"] is False and zero["stage"] == 3
+    with pytest.raises(curve.ElsaError, match="no_such_config"):  # main says it in one line, exit 2, before any cell
+        curve.torch_linear_config("no_such_config", tmp_path)

@@ -150,6 +150,22 @@ def test_on_gpus_that_hold_it_everything_on_the_gpus_is_suggested(tmp_path):
     assert "everything on the GPUs" not in preflight._alternatives(on_cpu, preflight.Machine(host=machine.host))
 
 
+def test_deepspeeds_linear_is_suggested_where_the_json_turned_it_off(tmp_path):
+    """Torch's F.linear (memory_efficient_linear off) keeps every gathered weight on the GPU until its backward: a job
+    that does not fit for it is told what turning DeepSpeed's linear back on would take; a job with it is not."""
+    meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_offload.json", gradient_checkpointing=False)
+    off = {**ds, "zero_optimization": {**ds["zero_optimization"], "memory_efficient_linear": False}}
+    job = preflight._Run(meta, off, cfg, "zero3_offload", "cuda", 1, 1)
+    on = job.estimate({**off, "zero_optimization": {**off["zero_optimization"], "memory_efficient_linear": True}})
+    assert on.per_gpu_bytes < job.estimate().per_gpu_bytes
+    machine = preflight.Machine(host=10 * on.per_node_cpu_bytes, gpu=1.01 * on.per_gpu_bytes)
+    hint = preflight._alternatives(job, machine)
+    fitting = {change for change, (_, fits) in _changes(f"available: {hint}; --ignore_memory_check") if fits}
+    assert "DeepSpeed's linear (memory_efficient_linear true)" in fitting
+    plain = preflight._Run(meta, ds, cfg, "zero3_offload", "cuda", 1, 1)
+    assert "memory_efficient_linear" not in preflight._alternatives(plain, machine)
+
+
 def test_freezing_the_embeddings_is_suggested_when_it_fits(tmp_path, monkeypatch):
     meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_nvme.json", nvme_path=str(tmp_path))
     shape = model_shape(meta.config, model=meta_model(meta.config), freeze_embeddings=True)

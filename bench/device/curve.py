@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +46,8 @@ from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases  # noqa: E402 - where
 from elsa_ds.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window, read_profile  # noqa: E402
 from bench.device.ship import RESULTS, TEXTS, read_lines, texts_mismatch, texts_sha256  # noqa: E402 - the texts the cells read
 from elsa_ds.settings.defaults import HOLD_FRACTION  # noqa: E402 - the "held" cells' end: the rule's own fraction
+from elsa_ds.errors import ElsaError  # noqa: E402
+from elsa_ds.zero.ds_config import DsConfig, linear_wrapped  # noqa: E402 - a name or a path, as elsa-prune reads it
 TRAINING = ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")
 ONESHOT = ("sparsegpt", "wanda")
 PAPER_ARGS = ["--lr", "2e-4", "--lmda", "0.01", "--lmda_schedule", "constant", "--interval", "32", "--warmup_steps", "0",
@@ -155,10 +157,14 @@ def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
              "--gradient_checkpointing" if run.checkpointing else "--no-gradient_checkpointing",
              *(["--leaf_layers"] if run.leaf_layers else [])] if trains else []
     extra += [flag.format(held=round(HOLD_FRACTION * cell.steps)) for flag in SETTINGS[cell.settings]]
-    deepspeed = run.torch_linear if trains and run.torch_linear else run.deepspeed
-    return quality.prune_command(method, finetune, cell.sparsity, out, deepspeed=deepspeed,
+    return quality.prune_command(method, finetune, cell.sparsity, out, deepspeed=cell_config(cell, run),
                                  steps=cell.steps if trains else None, model=run.model, dataset=run.train,
                                  seqlen=run.seqlen, extra=extra)
+
+
+def cell_config(cell: Cell, run: Run) -> str:
+    """The DeepSpeed config a cell's prune call gets: a training cell's with torch's F.linear where the run has one."""
+    return run.torch_linear if cell.kind == "train" and run.torch_linear else run.deepspeed
 
 
 def call(cmd: list[str], log: Path, deadline: float, env: dict | None = None) -> int:
@@ -200,7 +206,9 @@ def settings_of(report: dict) -> dict:
 
 
 def run_cell(cell: Cell, run: Run) -> dict:
-    """One cell end to end: prune/train (unless dense), evaluate, the JSON line; the model folder removed after."""
+    """One cell end to end: prune/train (unless dense), evaluate, the JSON line; the model folder removed after. ``run``
+    is copied first: a fallback of another cell (:func:`without_leaf_layers`) changes the run, not this cell's line."""
+    run = replace(run)
     started, out = time.time(), run.work / cell.slug()
     log = run.work / f"{cell.slug()}.log"
     log.unlink(missing_ok=True)
@@ -210,7 +218,8 @@ def run_cell(cell: Cell, run: Run) -> dict:
         line |= {"micro_batch": min(run.micro_batch, cell.batch), "forwards": forwards(cell.batch, run.micro_batch),
                  "gradient_checkpointing": run.checkpointing, "loss": "chunked",  # elsa_ds/loss.py, from 2026-11-29
                  "leaf_layers": run.leaf_layers,  # from 2026-12-01; earlier cells hooked every module
-                 "memory_efficient_linear": not run.torch_linear}  # DeepSpeed's linear wrapper (cells before 2026-12-01: on)
+                 # DeepSpeed's linear wrapper, as the cell's config sets it (cells before 2026-12-01: on)
+                 "memory_efficient_linear": linear_wrapped(DsConfig.load(cell_config(cell, run)).zero)}
     report: dict = {}
     phase_log, profile = run.work / f"{cell.slug()}.phases", run.work / f"{cell.slug()}.profile.json"
     phase_log.unlink(missing_ok=True)
@@ -325,6 +334,7 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
                 estimator.add(line)
                 if without_leaf_layers(line, run):  # a loan's cells must not all fail on a new flag: once more without
                     pending.insert(0, cell)
+                    estimator.deepspeed = run.deepspeed  # the later cells' peaks: the config they now run with
                 with sink.open("a") as fh:
                     fh.write(json.dumps(line) + "\n")
                 print(f"[curve] {line['status']:6s} {line['key']}: test {line.get('test_ppl')}, linux-doc "
@@ -350,10 +360,11 @@ def without_leaf_layers(line: dict, run: Run) -> bool:
 
 
 def torch_linear_config(deepspeed: str, work: Path) -> Path:
-    """``deepspeed`` with ZeRO-3's memory_efficient_linear off, written into ``work``."""
-    ds = json.loads((ROOT / deepspeed).read_text())
+    """``deepspeed`` (a shipped name or a path, read as elsa-prune reads it) with ZeRO-3's memory_efficient_linear off,
+    written into ``work``; its absolute path."""
+    ds = DsConfig.load(deepspeed).raw
     ds.setdefault("zero_optimization", {})["memory_efficient_linear"] = False
-    path = work / f"{Path(deepspeed).stem}_torch_linear.json"
+    path = (work / f"{Path(deepspeed).stem}_torch_linear.json").resolve()
     path.write_text(json.dumps(ds, indent=1))
     return path
 
@@ -420,7 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     text = {name: str(c / corpus / file) for name, (corpus, file) in TEXTS.items()}  # the files texts_sha256 read
-    torch_linear = str(torch_linear_config(args.deepspeed, args.work)) if args.torch_linear else ""
+    try:
+        torch_linear = str(torch_linear_config(args.deepspeed, args.work)) if args.torch_linear else ""
+    except ElsaError as err:
+        print(f"error: --deepspeed {args.deepspeed}: {err}", file=sys.stderr)
+        return 2
     run = Run(args.model, text["train"], text["test"], text["linuxdoc"], args.seqlen, args.micro_batch, args.deepspeed,
               args.eval_limit, args.work, time.time() + args.budget_s, args.parallel, environment() | {"texts": texts},
               args.gradient_checkpointing, gpu_memory(), args.profile, args.leaf_layers, torch_linear)

@@ -32,7 +32,8 @@ runs on its CPU accelerator):
                 counted beyond the forward/backward working set, which is released before the step
     buffers     device: the gradient (reduce) bucket; CPU: NVMe swap buffers (page-locked, resident in full)
     activations device, forward/backward working set: the gathered parameters in flight (two decoder layers,
-                capped by stage3_max_live_parameters, plus the prefetch bucket), a reduce buffer, and the
+                capped by stage3_max_live_parameters, plus the prefetch bucket; with memory_efficient_linear
+                off every layer's and the head's beside them), a reduce buffer, and the
                 activations: with gradient checkpointing each layer's input (2·B·L·H bytes) plus one
                 layer's full activations B·L·H·(34 + 5·a·L/H) bytes (Korthikanti et al.), plus fp32 logits
                 and their gradient (B·L·V·10 bytes); without, every layer's full activations
@@ -61,7 +62,7 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, TensorSpec, plan_shards
 from elsa_ds.loss import ROW_ELEMENTS
 from elsa_ds.methods import oneshot_names
-from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.zero.ds_config import DsConfig, linear_wrapped
 
 # Host RSS of one rank that holds no model: the peak RSS of a rank process running the whole job (launch/prune.py,
 # 3 steps, --val_windows 0) on a 0.3M-parameter Gemma-2 under each shipped config, 1 and 2 ranks, DeepSpeed's CPU
@@ -144,17 +145,18 @@ def _forward_backward(shape: ModelShape, ds: dict, job: Job, micro_batch: int | 
                       gradient_checkpointing: bool, device: str) -> float:
     """Per rank on the device: the gathered parameters in flight (two decoder layers, capped by
     stage3_max_live_parameters, and never less than the largest parameter, which must be whole to be used: the
-    embedding), the prefetch bucket, a reduce buffer, and the activations. With ``memory_efficient_linear`` off and
-    no gradient checkpointing torch's F.linear saves a view of each gathered weight for its backward, which a release
-    cannot free: every layer's (and the head's) stays until its backward, whatever the caps."""
+    embedding), the prefetch bucket, a reduce buffer, and the activations. With ``memory_efficient_linear`` off torch's
+    F.linear saves a view of each gathered weight for its backward, which a release cannot free, and the backward gathers
+    the weight again beside it: every layer's weights and the head's are kept on top (the head's alone when gradient
+    checkpointing recomputes the layers), whatever the caps."""
     zero = ds.get("zero_optimization", {})
     live = max(min(float(zero.get("stage3_max_live_parameters", 1e9)), 2.0 * shape.largest_layer_params), float(shape.largest_param))
-    if zero.get("memory_efficient_linear", True) is False and not gradient_checkpointing:
-        live = max(live, shape.layers * float(shape.largest_layer_params) + shape.largest_param)
     prefetch = float(zero.get("stage3_prefetch_bucket_size", 5e7))
     bucket = float(zero.get("reduce_bucket_size", 5e8))
     if device == "cpu":  # host pages are resident only once touched: a bucket never holds more than the model
         live, prefetch, bucket = (min(v, shape.num_params) for v in (live, prefetch, bucket))
+    kept = 0.0 if linear_wrapped(zero) else \
+        float(shape.largest_param) + (0.0 if gradient_checkpointing else shape.layers * float(shape.largest_layer_params))
     b = micro_batch or ds.get("train_micro_batch_size_per_gpu", 1)
     h, a, n_layers, vocab = shape.hidden, shape.heads, shape.layers, shape.vocab
     full_layer = b * seqlen * h * (34 + 5 * a * seqlen / h)
@@ -162,7 +164,7 @@ def _forward_backward(shape: ModelShape, ds: dict, job: Job, micro_batch: int | 
     # the loss (elsa_ds/loss.py): the logits and their gradient in the model's dtype, fp32 a chunk of rows at a time (the
     # chunk, its softmax in place, logsumexp's temporary)
     acts += b * seqlen * vocab * 2 * job.half + 3 * 4 * min(b * seqlen * vocab, ROW_ELEMENTS)
-    return job.half * (live + prefetch) + job.half * bucket + acts
+    return job.half * (live + kept + prefetch) + job.half * bucket + acts
 
 
 def _transients(shape: ModelShape, job: Job, groups: list[SubGroup], swapped_fresh: float, forward: float,

@@ -296,9 +296,9 @@ class _Run:
 
 def _alternatives(job: _Run, machine: Machine) -> str:
     """Each change that could make the job fit and its estimate, those that fit first: another shipped config, ELSA-L's
-    low-precision states, with CUDA everything on the GPUs, NVMe for the optimizer states or the parameters,
-    --freeze_embeddings, more nodes."""
-    from elsa_ds.zero.ds_config import shipped_configs
+    low-precision states, with CUDA everything on the GPUs, NVMe for the optimizer states or the parameters, DeepSpeed's
+    linear where the JSON turned it off, --freeze_embeddings, more nodes."""
+    from elsa_ds.zero.ds_config import linear_wrapped, shipped_configs
 
     shipped = {name: json.loads(path.read_text()) for name, path in shipped_configs().items()}
     shape = model_shape(job.meta.config, job.cfg.targets, model=job.meta, freeze_embeddings=job.cfg.freeze_embeddings)
@@ -328,6 +328,9 @@ def _alternatives(job: _Run, machine: Machine) -> str:
             note = _fit_param_buffers(candidate, shape, job.world)
             tried.append((f"{what} on NVMe ({' and '.join(keys)} of ds_configs/zero3_nvme.json{note}, --nvme_path DIR)",
                           job.estimate(candidate), job.nodes))
+    if not linear_wrapped(zero):  # torch's F.linear keeps every gathered weight until its backward
+        wrapped = {**job.ds, "zero_optimization": {**zero, "memory_efficient_linear": True}}
+        tried.append(("DeepSpeed's linear (memory_efficient_linear true)", job.estimate(wrapped), job.nodes))
     if not job.cfg.freeze_embeddings:
         tried.append(("--freeze_embeddings", job.estimate(freeze=True), job.nodes))
     counts = [n for n in (2, 4, 8, 16, 32, 64) if n > job.nodes]

@@ -232,6 +232,15 @@ def _differs(value: Any, ours: Any) -> bool:
     return value != ours
 
 
+def linear_wrapped(zero: dict[str, Any]) -> bool:
+    """Whether ZeRO-3 routes F.linear through DeepSpeed's wrapper (``memory_efficient_linear``, on by default), read as
+    DeepSpeed's pydantic reads a bool: "false", "0", "off", "no" (any case) and 0 are off."""
+    value = zero.get("memory_efficient_linear", True)
+    if isinstance(value, str):
+        return value.strip().lower() not in ("false", "0", "off", "no", "f", "n")
+    return bool(value)
+
+
 _BUCKETS = {  # "auto" -> value from the hidden size h, as transformers' HfTrainerDeepSpeedConfig sets them
     "reduce_bucket_size": lambda h: h * h,
     "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),

@@ -21,7 +21,7 @@ from elsa_ds.models import ModelSource
 from elsa_ds.settings.config import BaseOptimizer, ElsaConfig
 from elsa_ds.targets import LayerGoal, decoder_layer_list
 from elsa_ds.zero import compat
-from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.zero.ds_config import DsConfig, linear_wrapped
 from elsa_ds.zero.layout import SubGroupLayout, build_layout
 
 
@@ -50,7 +50,7 @@ def load_partitioned(source: ModelSource, ds: DsConfig, gradient_checkpointing: 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if leaf_layers:
         compat.mark_leaf_layers(decoder_layer_list(model))
-    if not ds.zero.get("memory_efficient_linear", True):
+    if not linear_wrapped(ds.zero):
         compat.torch_linear_back()
     return PartitionedModel(model, keep_alive)
 

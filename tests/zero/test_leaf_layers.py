@@ -135,3 +135,15 @@ def test_leaf_layers_with_parameters_on_nvme_are_refused_before_any_work(tmp_pat
                       "--leaf_layers", "offload_param on NVMe", "zero3_offload")
     assert "buffer_count" in error and not (tmp_path / "out").exists()
 
+
+
+def test_leaf_layers_leave_deepspeeds_linear_as_the_json_sets_it():
+    """Torch's F.linear keeps every gathered weight until its backward (a view of it is saved), so it is the JSON's
+    choice (memory_efficient_linear), never the flag's."""
+    from elsa_ds.settings.config import DEMO_MODEL_DIR, resolve_config
+    from elsa_ds.zero.ds_config import DsConfig
+
+    view = DsConfig.load("zero3")
+    for leaf in (False, True):
+        cfg = resolve_config(view.raw, {"model": str(DEMO_MODEL_DIR), "leaf_layers": leaf})
+        assert "memory_efficient_linear" not in view.engine_config(cfg, 1)["zero_optimization"]
