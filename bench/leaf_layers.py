@@ -67,11 +67,11 @@ def config(folder: Path, base: str, persistence: int, wrapped: bool | None = Non
     return path
 
 
-def run(model: Path, out: Path, leaf: bool, args) -> dict:
-    """One job (its DeepSpeed config: ``args.config``); its report's step time and final loss."""
+def run(model: Path, out: Path, leaf: bool, ds_config: Path, args) -> dict:
+    """One job under ``ds_config``; its report's step time and final loss."""
     launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
     cmd = [launcher, "--num_gpus", "1", "--master_port", str(free_port()), str(ROOT / "launch" / "prune.py"),
-           "--deepspeed", str(args.config), "--model", str(model), "--random_init", "--dataset", "shakespeare", "--method", "elsa",
+           "--deepspeed", str(ds_config), "--model", str(model), "--random_init", "--dataset", "shakespeare", "--method", "elsa",
            "--sparsity", "0.9", "--steps", str(args.steps), "--batch_size", str(args.batch), "--micro_batch", str(args.batch),
            "--seqlen", str(args.seqlen), "--init_mask", "none", "--val_windows", "0", "--baseline", "none",
            "--no-gradient_checkpointing", "--output_dir", str(out), "--overwrite", *(["--leaf_layers"] if leaf else [])]
@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             a, b = arms if r % 2 == 0 else arms[::-1]
             for arm in (a, b, b, a):
-                args.config = configs[arm]
-                runs.append(run(model, Path(tmp) / f"out_{len(runs)}", ARMS[arm][0], args) | {"arm": arm, "round": r})
+                runs.append(run(model, Path(tmp) / f"out_{len(runs)}", ARMS[arm][0], configs[arm], args) | {"arm": arm, "round": r})
                 print(f"round {r} {arm}: {runs[-1]['step_time_s']:.4f} s a step, final loss {runs[-1]['final_loss']:.6f}",
                       flush=True)
     median = {arm: statistics.median(x["step_time_s"] for x in runs if x["arm"] == arm) for arm in arms}

@@ -207,7 +207,7 @@ def settings_of(report: dict) -> dict:
 
 def run_cell(cell: Cell, run: Run) -> dict:
     """One cell end to end: prune/train (unless dense), evaluate, the JSON line; the model folder removed after. ``run``
-    is copied first: a fallback of another cell (:func:`without_leaf_layers`) changes the run, not this cell's line."""
+    is copied first: a fallback of another cell (:func:`without_new_flags`) changes the run, not this cell's line."""
     run = replace(run)
     started, out = time.time(), run.work / cell.slug()
     log = run.work / f"{cell.slug()}.log"
@@ -332,7 +332,7 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
                     line["est_gpu_bytes"] = estimator.estimate(cell)
                 lines.append(line)
                 estimator.add(line)
-                if without_leaf_layers(line, run):  # a loan's cells must not all fail on a new flag: once more without
+                if without_new_flags(line, run):  # a loan's cells must not all fail on a new flag: once more without
                     pending.insert(0, cell)
                     estimator.deepspeed = run.deepspeed  # the later cells' peaks: the config they now run with
                 with sink.open("a") as fh:
@@ -345,7 +345,7 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
     return lines, skipped
 
 
-def without_leaf_layers(line: dict, run: Run) -> bool:
+def without_new_flags(line: dict, run: Run) -> bool:
     """A training cell whose prune call failed with --leaf_layers or torch's F.linear (both first used on the GPU from
     2026-12-01): the cells started after it run without either, and it runs once more (True) without them too; its failed
     line stays."""
