@@ -177,12 +177,16 @@ def test_the_plan_runs_the_smaller_budgets_first_and_skips_cells_done_before(tmp
     smaller = [c for c in plan[:9] if c.settings == "rule"]
     largest = plan[9:12]  # sequences of 512: three budgets spanning 16x, the largest the issue's 2048 x 8 x 512 tokens
     assert [c.steps * c.batch for c in smaller + largest] == [128 * 8] * 3 + [512 * 8] * 3 + [2048 * 8] * 3
-    assert {c.sparsity for c in plan[:14]} == {0.9} and {c.method for c in largest} == {"elsa", "sparsegpt+ft", "wanda+ft"}
+    assert {c.sparsity for c in plan[:17]} == {0.9} and {c.method for c in largest} == {"elsa", "sparsegpt+ft", "wanda+ft"}
     # the middle budget's ELSA variants before the largest (whose cells' time on the device is not measured yet): the
     # rule's held end where the rule has none, which start wins where the rule starts from SparseGPT's, and the authors'
-    # residual balancing from that start; the dense start and the held end beside the rule's at the largest budget too
+    # residual balancing from that start; the largest's tokens in 2048 steps of 8 next (where a loan has their time); the
+    # dense start and the held end beside the rule's at the largest budget too
     assert plan[6:9] == [curve.Cell("elsa", 0.9, 512, s) for s in ("held", "dense", "adaptive")]
-    assert plan[12:14] == [curve.Cell("elsa", 0.9, 512, s, 32) for s in ("dense", "held")]
+    many = plan[12:15]
+    assert [(c.steps, c.batch, c.settings) for c in many] == [(2048, 8, "rule")] * 3 and many == [
+        curve.Cell(c.method, 0.9, 2048) for c in largest]
+    assert plan[15:17] == [curve.Cell("elsa", 0.9, 512, s, 32) for s in ("dense", "held")]
     assert {c.method for c in plan if c.batch == 32 and c.sparsity == 0.7} == {"elsa", "sparsegpt+ft", "wanda+ft"}
     assert curve.Cell("elsa", 0.9, 512, "paper", 32) in plan and curve.Cell("dense+ft", None, 512, batch=32) in plan
     done = tmp_path / "done.jsonl"
@@ -237,22 +241,51 @@ def test_the_estimate_learns_from_finished_cells_of_the_same_device():
               "wall_s": 80.0, "peak_gpu_bytes": 3e9, "est_gpu_bytes": 2e9},
              {"device": "other", "status": "ok", "kind": "train", "steps": 100, "step_s": 9.0, "wall_s": 990.0,
               "peak_gpu_bytes": 9e9, "est_gpu_bytes": 1e9}]
-    est = estimate.Estimator("H", lines, micro_batch=16, model=str(DEMO_MODEL_DIR), deepspeed="ds_configs/zero3.json", seqlen=64)
+    est = estimate.Estimator("H", lines, micro_batch=16, model=None, seqlen=512)
     assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(50.0 + 1000 * 0.3)
     assert est.seconds(curve.Cell("elsa", 0.9, 1000, batch=32), 3) == pytest.approx(50.0 + 2000 * 0.3)  # two forwards a step
     assert est.seconds(curve.Cell("sparsegpt", 0.9, 0), 3) == estimate.PRIOR_OVERHEAD_S["oneshot"]
+    sized = estimate.Estimator("H", lines, micro_batch=16, model=str(DEMO_MODEL_DIR), deepspeed="ds_configs/zero3.json", seqlen=64)
     big, small = curve.Cell("elsa", 0.9, 10, batch=32), curve.Cell("wanda+ft", 0.9, 10, batch=8)
-    assert est.gpu_bytes(big) == pytest.approx(1.5 * est.estimate(big)) and est.estimate(big) > est.estimate(small) > 0
+    assert sized.gpu_bytes(big) == pytest.approx(1.5 * sized.estimate(big)) and sized.estimate(big) > sized.estimate(small) > 0
     assert est.gpu_bytes(curve.Cell("dense", None, 0)) == estimate.OTHER_GPU_BYTES
-    est.add({"device": "H", "status": "ok", "kind": "train", "steps": 100, "batch": 32, "seqlen": 512, "step_s": 0.4,
+    est.add({"device": "H", "status": "ok", "kind": "train", "steps": 100, "batch": 32, "seqlen": 256, "step_s": 0.4,
              "forwards": 2, "gradient_checkpointing": False, "wall_s": 60.0})
-    assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(50.0 + 1000 * 0.2)
+    assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(20.0 + 1000 * 0.2)  # its own regime's alone
     est.add({"device": "H", "status": "failed", "phase": "evaluate", "kind": "train", "steps": 100, "wall_s": 900.0})
-    assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(50.0 + 1000 * 0.2)  # not a cell's overhead
+    assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(20.0 + 1000 * 0.2)  # not a cell's overhead
     assert estimate.Estimator("H", [], model=str(DEMO_MODEL_DIR), seqlen=64).gpu_bytes(small) == pytest.approx(
-        estimate.PRIOR_GPU_RATIO * est.estimate(small))  # no cell measured yet: the prior ratio
+        estimate.PRIOR_GPU_RATIO * sized.estimate(small))  # no cell measured yet: the prior ratio
     nowhere = estimate.Estimator("H", [], model=str(ROOT / "no-such-model"), seqlen=64)
     assert nowhere.estimate(small) is None and nowhere.gpu_bytes(small) == 0.0  # no estimate: never a lost cell
+
+
+def test_the_estimate_prices_the_next_cells_from_those_that_stepped_as_they_will():
+    """A cell's forward is priced by the finished cells of its regime (checkpointing, --leaf_layers, torch's F.linear),
+    by the others' slowest until one ends; a larger forward adds its extra FLOPs at the GPU's typical rate once for every
+    cell sharing it; the overhead is the same method and settings' where measured (a one-shot start is in it, or not)."""
+    def line(method, step_s, wall_s, **how):
+        return {"device": "H", "status": "ok", "kind": "train", "method": method, "settings": "rule", "steps": 100,
+                "batch": 8, "seqlen": 512, "forwards": 1, "step_s": step_s, "wall_s": wall_s, **how}
+
+    new = {"gradient_checkpointing": False, "leaf_layers": True, "memory_efficient_linear": False}
+    old = [line("elsa", 0.6, 60.0 + 200.0), line("wanda+ft", 0.5, 50.0 + 120.0, gradient_checkpointing=False)]
+    model = str(DEMO_MODEL_DIR)
+    est = estimate.Estimator("H", old, micro_batch=32, model=model, seqlen=512, leaf_layers=True, torch_linear=True)
+    elsa, wanda, dense = curve.Cell("elsa", 0.9, 1000), curve.Cell("wanda+ft", 0.9, 1000), curve.Cell("dense+ft", None, 1000)
+    assert est.seconds(elsa, 4) == pytest.approx(200.0 + 1000 * 0.6)  # no cell of the new regime yet: the old ones' slowest
+    assert est.seconds(wanda, 4) == pytest.approx(120.0 + 1000 * 0.6)  # its own method's overhead
+    assert est.seconds(dense, 4) == pytest.approx(200.0 + 1000 * 0.6)  # no dense+ft cell: the kind's largest
+    est.add(line("wanda+ft", 0.2, 90.0 + 20.0, **new))
+    assert est.seconds(elsa, 4) == pytest.approx(200.0 + 1000 * 0.2)  # the new regime's forward, elsa's own overhead
+    assert est.seconds(wanda, 4) == pytest.approx(90.0 + 1000 * 0.2)  # the new regime's overhead beside the old one's
+    per_token = estimate.gpu_seconds_per_token(model, 512, False)
+    assert per_token and 1e-9 < per_token < 1e-6  # the demo: 4.2 M parameters at 400 TFLOP/s
+    wide = curve.Cell("elsa", 0.9, 1000, batch=32)  # one forward of 32 x 512 where 8 x 512 was measured: 4 cells share it
+    assert est.seconds(wide, 4) == pytest.approx(200.0 + 1000 * (0.2 + 24 * 512 * per_token * 4))
+    est.leaf_layers = est.torch_linear = False  # a fallback: the cells from now on step as the old ones
+    assert est.seconds(elsa, 4) == pytest.approx(200.0 + 1000 * 0.5)  # the old regime's (wanda+ft's without checkpointing)
+    assert estimate.regime({}) == (True, False, False) and estimate.regime(new) == (False, True, True)
 
 
 def test_cells_start_only_while_their_gpu_peaks_fit_beside_the_running_ones(tmp_path, monkeypatch):
@@ -282,24 +315,28 @@ def test_cells_start_only_while_their_gpu_peaks_fit_beside_the_running_ones(tmp_
 
 
 def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp_path):
-    def cell(method, sparsity, steps, test, kind="train", settings="rule", status="ok"):
-        key = f"{method}|{sparsity}|{steps}|{settings}"
+    def cell(method, sparsity, steps, test, kind="train", settings="rule", status="ok", batch=8):
+        key = f"{method}|{sparsity}|{steps}x{batch}|{settings}"
         return {"key": key, "method": method, "sparsity": sparsity, "steps": steps, "settings": settings, "kind": kind,
-                "tokens": steps * 4096, "test_ppl": test, "linuxdoc_ppl": 2 * test, "status": status, "device": "GPU"}
+                "batch": batch, "tokens": steps * batch * 512, "test_ppl": test, "linuxdoc_ppl": 2 * test, "status": status,
+                "device": "GPU"}
 
     lines = [cell("elsa", 0.9, 125, 40.0), cell("sparsegpt+ft", 0.9, 125, 32.0), cell("wanda+ft", 0.9, 125, 36.0),
              cell("elsa", 0.9, 2000, 30.0, status="cut"), cell("elsa", 0.9, 2000, 20.0), cell("wanda+ft", 0.9, 2000, 25.0),
              cell("elsa", 0.9, 2000, 22.0, settings="paper"), cell("elsa", 0.9, 2000, 10.0, settings="held"),
              cell("elsa", 0.9, 2000, 12.0, settings="adaptive"), cell("dense", None, 0, 20.0, kind="eval"),
-             cell("sparsegpt", 0.9, 0, 700.0, kind="oneshot")]
+             cell("sparsegpt", 0.9, 0, 700.0, kind="oneshot"),
+             cell("elsa", 0.9, 500, 24.0, batch=32), cell("wanda+ft", 0.9, 500, 25.0, batch=32)]  # 2000 x 8's tokens
     results = tmp_path / "cells.jsonl"
     results.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert curve_report.main(["--results", str(results), "--out", str(tmp_path / "curve")]) == 0
     md = (tmp_path / "curve.md").read_text()
-    assert "| **ELSA / best retraining**, techdocs test | 1.25 | 0.80 |" in md  # 40/32 at 125 steps; 20/25 at 2000 (not the cut 30)
-    assert "elsa (paper's settings), techdocs test |  | 22.00 |" in md and "sparsegpt 700.00 / 1400.00" in md
+    # 40/32 at 125 steps; 24/25 at 500 x 32; 20/25 at 2000 x 8 (not the cut 30): the same tokens, budgets of their own
+    assert "| method | 512,000 tokens (125 steps) | 8,192,000 tokens (500 steps) | 8,192,000 tokens (2000 steps) |" in md
+    assert "| **ELSA / best retraining**, techdocs test | 1.25 | 0.96 | 0.80 |" in md
+    assert "elsa (paper's settings), techdocs test |  |  | 22.00 |" in md and "sparsegpt 700.00 / 1400.00" in md
     # the variants are rows of their own: none of them takes the rule's place in the ratio
-    assert "elsa (held end), techdocs test |  | 10.00 |" in md and "elsa (residual balancing), techdocs test |  | 12.00 |" in md
+    assert "elsa (held end), techdocs test |  |  | 10.00 |" in md and "elsa (residual balancing), techdocs test |  |  | 12.00 |" in md
     assert (tmp_path / "curve.png").stat().st_size > 10_000
     assert curve_report.main(["--results", str(tmp_path / "none.jsonl")]) == 2
 
@@ -393,11 +430,13 @@ def test_a_cell_that_fails_with_leaf_layers_runs_again_without_and_so_do_the_res
     run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 1, {},
                     leaf_layers=new == "leaf_layers", torch_linear="z_torch_linear.json" if new == "torch_linear" else "")
     cells = [curve.Cell("elsa", 0.9, 1), curve.Cell("wanda+ft", 0.9, 1)]
-    estimator = estimate.Estimator("H", [], micro_batch=64, deepspeed=run.torch_linear or run.deepspeed)
+    estimator = estimate.Estimator("H", [], micro_batch=64, deepspeed=run.torch_linear or run.deepspeed,
+                                   leaf_layers=run.leaf_layers, torch_linear=bool(run.torch_linear))
     lines, skipped = curve.schedule(cells, run, estimator, tmp_path / "cells.jsonl")
     assert calls == [("elsa", True), ("elsa", False), ("wanda+ft", False)] and not skipped
     assert [x["status"] for x in lines] == ["failed", "ok", "ok"] and not run.leaf_layers and not run.torch_linear
     assert estimator.deepspeed == "z" and curve.cell_config(cells[0], run) == "z"  # the later cells' peaks: as shipped
+    assert not estimator.leaf_layers and not estimator.torch_linear  # and their seconds: from cells that stepped so
     ok = [json.loads(x) for x in (tmp_path / "cells.jsonl").read_text().splitlines()]
     assert [x["status"] for x in ok] == ["failed", "ok", "ok"]
 

@@ -3,10 +3,11 @@
     python bench/device/curve_report.py                                     # bench/results/gpu_quality_gemma3-270m.jsonl
     python bench/device/curve_report.py --results FILE --out bench/results/gpu_quality_gemma3-270m
 
-Writes OUT.md (per sparsity: held-out perplexity by method and training tokens on both test texts, and ELSA's ratio to the
-best retraining baseline at each budget: the issue's target is <= 0.8 at the largest) and OUT.png (perplexity against
-training tokens, log-log, one line per method, a panel per sparsity and text; one-shot starts and the dense model as
-horizontal references). The last line printed is JSON: the ratios.
+Writes OUT.md (per sparsity: held-out perplexity by method and budget, tokens and steps, on both test texts, and ELSA's
+ratio to the best retraining baseline at each budget: the issue's target is <= 0.8 at the largest) and OUT.png
+(perplexity against training tokens, log-log, one line per method and step size: 512 x 32 beside 2048 x 8; a panel per
+sparsity and text; one-shot starts and the dense model as horizontal references). The last line printed is JSON: the
+ratios.
 
 The same curve from bench/quality.py's runs on another model (one JSON per budget, a single held-out text):
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
@@ -62,15 +63,23 @@ def load(path: Path) -> list[dict]:
     return list(latest.values())
 
 
-def series(cells: list[dict], sparsity: float | None) -> dict[str, dict[int, dict]]:
-    """{method label: {tokens: cell}} of the training cells at ``sparsity`` (the paper's settings and the dense start as
-    their own labels)."""
-    out: dict[str, dict[int, dict]] = defaultdict(dict)
+Budget = tuple[int, int]  # (tokens, steps): the same tokens in fewer, larger steps is another budget (512 x 32, 2048 x 8)
+
+
+def series(cells: list[dict], sparsity: float | None) -> dict[str, dict[Budget, dict]]:
+    """{method label: {(tokens, steps): cell}} of the training cells at ``sparsity`` (the paper's settings and the dense
+    start as their own labels)."""
+    out: dict[str, dict[Budget, dict]] = defaultdict(dict)
     for c in cells:
         if c["kind"] == "train" and (c["sparsity"] == sparsity or c["method"] == "dense+ft"):
             label = c["method"] + LABELS.get(c.get("settings", "rule"), "")
-            out[label][c["tokens"]] = c
+            out[label][(c["tokens"], c["steps"])] = c
     return dict(out)
+
+
+def column(budget: Budget) -> str:
+    tokens, steps = budget
+    return f"{tokens:,} tokens ({steps} steps)"
 
 
 def references(cells: list[dict], sparsity: float) -> dict[str, dict]:
@@ -78,7 +87,7 @@ def references(cells: list[dict], sparsity: float) -> dict[str, dict]:
     return {c["method"]: c for c in cells if c["kind"] == "eval" or (c["kind"] == "oneshot" and c["sparsity"] == sparsity)}
 
 
-def ratios(curves: dict[str, dict[int, dict]], metric: str) -> dict[int, float]:
+def ratios(curves: dict[str, dict[Budget, dict]], metric: str) -> dict[Budget, float]:
     """ELSA (rule) / the best retraining baseline at every budget both were measured on."""
     out = {}
     for tokens, cell in curves.get("elsa", {}).items():
@@ -91,7 +100,7 @@ def ratios(curves: dict[str, dict[int, dict]], metric: str) -> dict[int, float]:
 def table(cells: list[dict], sparsity: float, texts: tuple) -> tuple[str, dict]:
     curves, refs = series(cells, sparsity), references(cells, sparsity)
     budgets = sorted({t for s in curves.values() for t in s})
-    lines = [f"### {sparsity:.0%} sparsity", "", "| method | " + " | ".join(f"{t:,} tokens" for t in budgets) + " |",
+    lines = [f"### {sparsity:.0%} sparsity", "", "| method | " + " | ".join(column(t) for t in budgets) + " |",
              "|---|" + "---:|" * len(budgets)]
     for metric, text in texts:
         for label in sorted(curves):
@@ -101,7 +110,7 @@ def table(cells: list[dict], sparsity: float, texts: tuple) -> tuple[str, dict]:
         lines.append(f"| **ELSA / best retraining**, {text} | " + " | ".join(f"{r[t]:.2f}" if t in r else "" for t in budgets) + " |")
     lines += ["", "Untrained: " + ", ".join(f"{m} " + " / ".join(f"{c[metric]:.2f}" for metric, _ in texts)
                                             for m, c in sorted(refs.items())) + f" ({' / '.join(t for _, t in texts)}).", ""]
-    figures = {text: {str(t): round(v, 4) for t, v in ratios(curves, metric).items()} for metric, text in texts}
+    figures = {text: {column(t): round(v, 4) for t, v in ratios(curves, metric).items()} for metric, text in texts}
     return "\n".join(lines), figures
 
 
@@ -118,9 +127,14 @@ def plot(cells: list[dict], sparsities: list[float], out: Path, texts: tuple, na
         curves, refs = series(cells, sparsity), references(cells, sparsity)
         for row, (metric, text) in enumerate(texts):
             ax = axes[row][col]
+            batches = Counter(c.get("batch") for points in curves.values() for c in points.values())
+            main = batches.most_common(1)[0][0] if batches else None
             for label, points in sorted(curves.items()):
-                xs = sorted(points)
-                ax.plot(xs, [points[t][metric] for t in xs], marker="o", label=label, color=COLORS.get(label))
+                for batch in sorted({c.get("batch") for c in points.values()}, key=lambda b: (b != main, str(b))):  # a line a step size
+                    xs = sorted(t for t, c in points.items() if c.get("batch") == batch)
+                    ax.plot([t for t, _ in xs], [points[t][metric] for t in xs], marker="o" if batch == main else "s",
+                            linestyle="-" if batch == main else "--", color=COLORS.get(label),
+                            label=label if batch == main else f"{label}, {batch} sequences a step")
             for ref, cell in sorted(refs.items()):
                 ax.axhline(cell[metric], linestyle=":" if ref == "dense" else "--", linewidth=1, color="grey")
                 ax.annotate(f"{ref} (untrained)", (0.01, cell[metric]), xycoords=("axes fraction", "data"), fontsize=7)

@@ -2,7 +2,12 @@
 
 Seconds: the per-run overhead (launch, load, one-shot or warm start, export, evaluation) plus steps x forwards a step x
 seconds a forward, all measured on finished cells of the same GPU (on the H200 a 270M step's time was the host's, not its
-tokens': one forward of 8 x 512 cost ~0.6 s with 3 cells at once, 2026-11-28), else the priors below. GPU bytes: a training
+tokens': one forward of 8 x 512 cost ~0.6 s with 3 cells at once, 2026-11-28), else the priors below. A forward's seconds
+come from cells that stepped as the next ones will (:func:`regime`: gradient checkpointing, ``--leaf_layers``, torch's
+F.linear: each changes the host's time a step), from the others only until one such cell has ended (their slowest then:
+a cell cut at the deadline costs its whole time); a larger forward than the one measured adds its extra FLOPs at the GPU's
+typical rate, once for every cell sharing the GPU. The overhead is the largest measured for the same method and settings
+(a one-shot start is in it, or not), else for the same kind of cell. GPU bytes: a training
 cell's is elsa_ds's own estimate for its shape (``elsa_ds.capacity.memory.estimate_job``, the ELSA job's, an upper bound
 for retraining's, which keeps no ADMM states) times the largest measured / estimated ratio of finished cells (each line
 keeps both), else the prior ratio; the curve starts a cell only while the running cells' and its own fit in ``GPU_SHARE``
@@ -11,6 +16,10 @@ of the GPU's memory.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TypeVar
+
+Regime = tuple[bool, bool, bool]  # (gradient checkpointing, --leaf_layers, torch's F.linear): see regime()
+T = TypeVar("T")
 
 PRIOR_FORWARD_S = 0.6  # one 8 x 512 forward + backward of Gemma-3 270M, 3 cells at once on the H200 (2026-11-28)
 PRIOR_OVERHEAD_S = {"train": 150.0, "oneshot": 90.0, "eval": 60.0}
@@ -44,17 +53,43 @@ def estimated_gpu_bytes(model: str, deepspeed: str, seqlen: int, batch: int, mic
         return None
 
 
+def regime(line: dict) -> Regime:
+    """How a finished cell stepped: (gradient checkpointing, --leaf_layers, torch's F.linear); lines before each key was
+    recorded ran the other way (checkpointing on before 2026-11-29; hooks on every module and DeepSpeed's linear before
+    2026-12-01)."""
+    return (bool(line.get("gradient_checkpointing", True)), bool(line.get("leaf_layers", False)),
+            line.get("memory_efficient_linear", True) is False)
+
+
+@lru_cache(maxsize=None)
+def gpu_seconds_per_token(model: str, seqlen: int, checkpointing: bool) -> float | None:
+    """A training token's seconds of GPU compute at the lent GPU's typical matmul rate (None without the model's config)."""
+    from elsa_ds.capacity.shapes import model_shape, resolve_model_config
+    from elsa_ds.capacity.step_time import TYPICAL, train_flops_per_token
+
+    try:
+        shape = model_shape(resolve_model_config(model))
+    except Exception:  # noqa: BLE001 - no shape: a larger forward is priced as the measured one
+        return None
+    return train_flops_per_token(shape, seqlen, checkpointing) / TYPICAL["gpu-vm-16c"].matmul_flops
+
+
 class Estimator:
     """Seconds and GPU bytes of cells on one GPU; ``model`` None (no model to estimate from): training cells' GPU bytes
-    are not predicted (0)."""
+    are not predicted (0). ``leaf_layers`` and ``torch_linear``: how the next training cells step (the curve sets them
+    again when a fallback drops them)."""
 
     def __init__(self, device: str, lines: list[dict], micro_batch: int = 32, checkpointing: bool = False,
-                 model: str | None = None, deepspeed: str = "ds_configs/zero3.json", seqlen: int = 512):
+                 model: str | None = None, deepspeed: str = "ds_configs/zero3.json", seqlen: int = 512,
+                 leaf_layers: bool = False, torch_linear: bool = False):
         self.micro_batch, self.checkpointing = micro_batch, checkpointing
         self.model, self.deepspeed, self.seqlen = model, deepspeed, seqlen
-        self.forward_s: dict[bool, list[float]] = {True: [], False: []}
+        self.leaf_layers, self.torch_linear = leaf_layers, torch_linear
+        self.forward_s: list[tuple[Regime, tuple[int, float]]] = []  # (regime, (tokens a forward, its seconds))
         self.ratios: list[float] = []
-        self.overhead: dict[str, list[float]] = {k: [] for k in PRIOR_OVERHEAD_S}
+        # (regime, seconds) of a cell beyond its steps, by kind and by (method, settings)
+        self.overhead: dict[str, list[tuple[Regime, float]]] = {k: [] for k in PRIOR_OVERHEAD_S}
+        self.overhead_of: dict[tuple[str, str], list[tuple[Regime, float]]] = {}
         for line in lines:
             if line.get("device") == device:
                 self.add(line)
@@ -63,19 +98,37 @@ class Estimator:
         if line.get("status") != "ok":  # a failed or cut cell's seconds say nothing of what a cell takes
             return
         n = line.get("forwards") or 1  # lines before 2026-11-29 had one forward a step
-        if line.get("step_s"):  # by gradient checkpointing (on before 2026-11-29): it recomputes the forward
-            self.forward_s[line.get("gradient_checkpointing", True)].append(line["step_s"] / n)
+        if line.get("step_s"):
+            tokens = -(-line.get("batch", 8) // n) * line.get("seqlen", self.seqlen)
+            self.forward_s.append((regime(line), (tokens, line["step_s"] / n)))
         if line.get("peak_gpu_bytes") and line.get("est_gpu_bytes"):
             self.ratios.append(line["peak_gpu_bytes"] / line["est_gpu_bytes"])
         if line.get("wall_s") is not None:
-            self.overhead[line["kind"]].append(max(0.0, line["wall_s"] - line["steps"] * (line.get("step_s") or 0.0)))
+            seconds = (regime(line), max(0.0, line["wall_s"] - line["steps"] * (line.get("step_s") or 0.0)))
+            self.overhead[line["kind"]].append(seconds)
+            self.overhead_of.setdefault((line.get("method", ""), line.get("settings", "rule")), []).append(seconds)
+
+    def _latest(self, samples: list[tuple[Regime, T]]) -> list[T]:
+        """The samples of cells that stepped as the next ones will, else all (a training cell's regime changes its
+        start-up and its profiled steps too)."""
+        now = (self.checkpointing, self.leaf_layers, self.torch_linear)
+        return [v for r, v in samples if r == now] or [v for _, v in samples]
+
+    def per_forward(self, cell, concurrency: int) -> float:
+        """Seconds a forward (and its backward) of ``cell`` takes with ``concurrency`` cells on the GPU."""
+        samples = self._latest(self.forward_s)
+        if not samples:
+            return PRIOR_FORWARD_S * concurrency / 3
+        tokens = min(cell.batch, self.micro_batch) * self.seqlen
+        per_token = gpu_seconds_per_token(self.model, self.seqlen, self.checkpointing) if self.model else None
+        return max(seconds + max(0, tokens - measured) * (per_token or 0.0) * concurrency for measured, seconds in samples)
 
     def seconds(self, cell, concurrency: int) -> float:
-        measured = self.forward_s[self.checkpointing] or self.forward_s[not self.checkpointing]
-        per_forward = max(measured) if measured else PRIOR_FORWARD_S * concurrency / 3
-        overhead = max(self.overhead[cell.kind]) if self.overhead[cell.kind] else PRIOR_OVERHEAD_S[cell.kind]
-        steps = cell.steps * forwards(cell.batch, self.micro_batch)
-        return overhead + (steps * per_forward if cell.kind == "train" else 0.0)
+        measured = self._latest(self.overhead_of.get((cell.method, cell.settings)) or self.overhead[cell.kind])
+        overhead = max(measured) if measured else PRIOR_OVERHEAD_S[cell.kind]
+        if cell.kind != "train":
+            return overhead
+        return overhead + cell.steps * forwards(cell.batch, self.micro_batch) * self.per_forward(cell, concurrency)
 
     def estimate(self, cell) -> float | None:
         """elsa_ds's estimate for a training cell (None for the others, or without a model)."""

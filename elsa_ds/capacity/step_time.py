@@ -163,6 +163,14 @@ def _matmul_params(shape: ModelShape) -> tuple[float, float]:
     return float(p_mm), float(max(0, p_mm - frozen_mm))
 
 
+def train_flops_per_token(shape: ModelShape, seqlen: int, checkpointing: bool) -> float:
+    """A training token's FLOPs (forward, backward, the recomputed forward with ``checkpointing``): the matmuls of the
+    parameters it multiplies through (the frozen ones need no weight gradient) and attention's at ``seqlen``."""
+    p_mm, t_mm = _matmul_params(shape)
+    passes = 4 if checkpointing else 3               # forward, backward (x2), the recomputed forward
+    return 4 * p_mm + 2 * t_mm + (2 * p_mm if checkpointing else 0) + 4 * seqlen * shape.hidden * shape.layers * passes
+
+
 def _micro_steps(ds: dict, world: int) -> tuple[int, int]:
     micro = int(ds["train_micro_batch_size_per_gpu"])
     return micro, max(1, int(ds["train_batch_size"]) // (micro * world))
@@ -225,11 +233,7 @@ def _micro_step(shape: ModelShape, job: Job, cfg, micro: int, num_gpus: int, num
                 flop_rate: float) -> float:
     """One micro-step's forward and backward: the compute, or the copies and collectives that feed it, whichever is
     longer (DeepSpeed prefetches while a layer computes), and ZeRO-3's per-tensor hooks."""
-    p_mm, t_mm = _matmul_params(shape)
-    passes = 4 if cfg.gradient_checkpointing else 3               # forward, backward (x2), the recomputed forward
-    flops = (4 * p_mm + 2 * t_mm + (2 * p_mm if cfg.gradient_checkpointing else 0)
-             + 4 * cfg.seqlen * shape.hidden * shape.layers * passes) * micro * cfg.seqlen
-    compute = flops / flop_rate
+    compute = train_flops_per_token(shape, cfg.seqlen, cfg.gradient_checkpointing) * micro * cfg.seqlen / flop_rate
     trained, w = float(shape.trainable_params), job.world
     copies = 0.0
     if device == "cuda":
