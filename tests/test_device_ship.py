@@ -162,6 +162,18 @@ def test_cells_on_other_texts_are_refused_before_packing_and_before_running(stan
     why = ship.texts_mismatch(ship.read_lines(other), texts, other)
     assert "test " + texts["test"][:12] + " here, 000000000000 there" in why and "train" not in why and line["key"] in why
     assert "train" in ship.texts_mismatch(ship.read_lines(unrecorded), texts, unrecorded)
+    # where the packages the texts came from differ, the commands that rebuild the lines' texts (2026-12-01: an AMD box's
+    # linux-doc 6.1.176-1 gave another test split than the 6.1.192-2 the cells ran on)
+    packages = ship.texts_packages(stand_in["corpora"])
+    assert set(packages) == set(ship.CORPORA) and ship.texts_packages(tmp_path) == {c: {} for c in ship.CORPORA}
+    pinned = tmp_path / "pinned.jsonl"
+    pinned.write_text(json.dumps(line | {"texts": texts | {"linuxdoc": "0" * 64},
+                                         "text_packages": {"linux-doc": {"linux-doc": "9.9-1", "linux-doc-9.9": "9.9-1"}}}) + "\n")
+    why = ship.texts_mismatch(ship.read_lines(pinned), texts, pinned, {"linux-doc": {"linux-doc": "9.8-1", "linux-doc-9.9": "9.9-1"}})
+    assert ("(here: linux-doc 9.8-1): apt-get install -y --allow-downgrades linux-doc=9.9-1 && python bench/models/corpora.py "
+            "--name linux-doc;") in why
+    why = ship.texts_mismatch(ship.read_lines(unrecorded), texts, unrecorded, packages)
+    assert "linux-doc=6.1.192-2 linux-doc-6.1=6.1.192-2" in why and "--name techdocs" in why  # the first loans' texts
     with pytest.raises(ship.ShipError, match="texts differ"):
         ship.pack(stand_in["gguf"], stand_in["sha"], stand_in["tokenizer"], stand_in["corpora"], stand_in["terms"],
                   tmp_path / "ship", part_mib=0.05, results=other)

@@ -44,7 +44,7 @@ from bench import quality  # noqa: E402 - its commands and rendezvous ports
 from bench.device.estimate import GPU_SHARE, Estimator, forwards  # noqa: E402
 from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases  # noqa: E402 - where a cell's time goes
 from elsa_ds.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window, read_profile  # noqa: E402
-from bench.device.ship import RESULTS, TEXTS, read_lines, texts_mismatch, texts_sha256  # noqa: E402 - the texts the cells read
+from bench.device.ship import RESULTS, TEXTS, read_lines, texts_mismatch, texts_packages, texts_sha256  # noqa: E402 - the texts
 from elsa_ds.settings.defaults import HOLD_FRACTION  # noqa: E402 - the "held" cells' end: the rule's own fraction
 from elsa_ds.errors import ElsaError  # noqa: E402
 from elsa_ds.zero.ds_config import DsConfig, linear_wrapped  # noqa: E402 - a name or a path, as elsa-prune reads it
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"error: --corpora {c}: {err}", file=sys.stderr)
         return 2
-    if why := texts_mismatch(read_lines(args.results), texts, args.results):
+    if why := texts_mismatch(read_lines(args.results), texts, args.results, texts_packages(c)):
         print(f"error: {why}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
@@ -445,8 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     except ElsaError as err:
         print(f"error: --deepspeed {args.deepspeed}: {err}", file=sys.stderr)
         return 2
+    env = environment() | {"texts": texts, "text_packages": texts_packages(c)}  # each line records them
     run = Run(args.model, text["train"], text["test"], text["linuxdoc"], args.seqlen, args.micro_batch, args.deepspeed,
-              args.eval_limit, args.work, time.time() + args.budget_s, args.parallel, environment() | {"texts": texts},
+              args.eval_limit, args.work, time.time() + args.budget_s, args.parallel, env,
               args.gradient_checkpointing, gpu_memory(), args.profile, args.leaf_layers, torch_linear)
     estimator = Estimator(run.env["device"], read_lines(args.results) + read_lines(args.out / "cells.jsonl"), args.micro_batch,
                           args.gradient_checkpointing, args.model, torch_linear or args.deepspeed, args.seqlen,

