@@ -1,13 +1,14 @@
 """Run by test_memory_engine.py in a process of its own: build the real ZeRO-3 engine (1 rank, DeepSpeed's CPU
 accelerator) with AdmmOptimizer, take four ELSA steps, and report the bytes of every tensor the estimate has a row for.
 
-    python tests/memory_probe.py MODEL_DIR CONFIG [--freeze_embeddings] [--sub_group_size N]
+    python tests/memory_probe.py MODEL_DIR CONFIG [--freeze_embeddings] [--sub_group_size N] [--reuse_distance N] [--persistence N]
 
 The steps: the first, a projection, a plain step, the final projection. Prints one JSON line: per component the nbytes of the
 engine's tensors (distinct storages), the ElsaConfig and the engine's DeepSpeed config it ran with, each step's growth
 of peak RSS (and whether it projected), and every tensor DeepSpeed pinned (``get_accelerator().pin_memory``: a no-op on
 the CPU accelerator, torch's caching host allocator on a GPU) in order, with the call site, interleaved with the
-blocks freed when the engine moved zero.Init's partitions into its flat buffer.
+blocks freed when the engine moved zero.Init's partitions into its flat buffer, and each step's parameter entries
+gathered when the model's forward ends.
 """
 from __future__ import annotations
 
@@ -93,13 +94,19 @@ def main() -> None:
     parser.add_argument("--sub_group_size", type=float, default=ZERO["sub_group_size"])
     parser.add_argument("--lmda_schedule", default=None)  # adaptive: the eager z, u update
     parser.add_argument("--relaxation", type=float, default=None)
+    parser.add_argument("--reuse_distance", type=float, default=None)  # stage3_max_reuse_distance [the config's]
+    parser.add_argument("--persistence", type=float, default=None)  # stage3_param_persistence_threshold [the config's]
     args = parser.parse_args()
     model_dir, config, freeze = args.model_dir, args.config, args.freeze_embeddings
     init_distributed()
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     events: list = []
     record_pins(events)
     ds_config = DsConfig.load(config)
     ds_config.raw["zero_optimization"].update({**ZERO, "sub_group_size": args.sub_group_size})
+    for key, value in (("stage3_max_reuse_distance", args.reuse_distance), ("stage3_param_persistence_threshold", args.persistence)):
+        if value is not None:
+            ds_config.raw["zero_optimization"][key] = value
     cfg = resolve_config(ds_config.raw, {"model": model_dir, "seqlen": 32, "batch_size": 1, "micro_batch": 1, "steps": 4,
                                          "interval": 2, "lr": 1e-4, "freeze_embeddings": freeze,
                                          "lmda_schedule": args.lmda_schedule, "relaxation": args.relaxation})
@@ -112,6 +119,9 @@ def main() -> None:
     record_moves(events, model)
     pruned = select_targets(model, cfg.targets)
     zero, admm = build_admm_engine(model, cfg, ds, pruned, cfg.layer_goals(full_shapes(model, pruned)))
+    gathered: list[int] = []  # per step, the parameter entries gathered when the model's forward ends (before the backward)
+    model.register_forward_hook(lambda *_: gathered.append(
+        sum(p.ds_numel for p in model.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE)))
     growth = []  # per step, the growth of peak RSS over the RSS before it (peak reset through /proc/self/clear_refs)
     for step in range(4):  # the first step (Adam's moments, then z = Π(x), u = 0), a projection, a plain step, a projection
         admm.begin_step(step)
@@ -135,6 +145,7 @@ def main() -> None:
         "state_keys": sorted({k for st in state for k in st}),
         "pins": [(kind, nbytes, site) for kind, nbytes, site, _ in events],
         "step_growth": growth,
+        "gathered_after_forward": gathered, "num_params": sum(p.ds_numel for p in model.parameters()),
     }
     teardown()
     print(json.dumps(report))

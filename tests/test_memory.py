@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-from elsa_ds.capacity.memory import (CUDA_HOST_BYTES, RUNTIME_GPU_BYTES, ModelShape, estimate, model_shape, resolve_model_config,
-                                     sub_groups)
+from elsa_ds.capacity.memory import (CUDA_HOST_BYTES, RUNTIME_GPU_BYTES, ModelShape, estimate, gathered_params, model_shape,
+                                     resolve_model_config, sub_groups)
 from elsa_ds.capacity.resident import pinned_block, pinned_reserved
 from elsa_ds.models import SHIPPED_CONFIGS
+from elsa_ds.settings.config import DEMO_MODEL_DIR
 from elsa_ds.zero.ds_config import DsConfig
 from tests.conftest import run_entry
 
@@ -328,6 +329,7 @@ def test_torchs_linear_keeps_every_gathered_weight_until_its_backward_beside_the
     with checkpointing the layers are recomputed and only the head (outside them) stays. Off as DeepSpeed reads a bool."""
     shape = model_shape(resolve_model_config("google/gemma-2-9b"))
     ds = DsConfig.load("ds_configs/zero3.json").raw
+    ds = {**ds, "zero_optimization": {**ds["zero_optimization"], "stage3_max_reuse_distance": 0}}  # nothing kept for reuse
     half = 2  # bf16 weights
     for off in (False, "false", 0):
         torch_linear = {**ds, "zero_optimization": {**ds["zero_optimization"], "memory_efficient_linear": off}}
@@ -340,3 +342,33 @@ def test_torchs_linear_keeps_every_gathered_weight_until_its_backward_beside_the
                 assert native - wrapped >= half * (shape.pruned_params + shape.largest_param)
     assert estimate(shape, {**ds, "zero_optimization": {**ds["zero_optimization"], "memory_efficient_linear": "true"}},
                     num_gpus=1).per_gpu_bytes == estimate(shape, ds, num_gpus=1).per_gpu_bytes
+
+
+def test_parameters_used_again_within_the_reuse_distance_stay_gathered():
+    """From the second step ZeRO-3 keeps a parameter gathered when the trace says it is used again within
+    stage3_max_reuse_distance entries: the shipped 1e9 keeps a small model whole (measured on a real engine:
+    tests/test_memory_engine.py), the last layers of a 1B (a layer's forward and backward are the later layers and the
+    head twice apart), and nothing more of a model whose head passes 5e8 entries (Gemma-2 9B / 27B)."""
+    ds = DsConfig.load("ds_configs/zero3.json").raw
+    zero = ds["zero_optimization"]
+    assert zero["stage3_max_reuse_distance"] == 1e9
+    none = {**zero, "stage3_max_reuse_distance": 0}
+    shapes = {m: model_shape(resolve_model_config(m)) for m in (str(DEMO_MODEL_DIR), "google/gemma-3-1b-pt", "google/gemma-2-9b",
+                                                                  "google/gemma-2-27b")}
+    for name, shape in shapes.items():
+        for device in ("cuda", "cpu"):
+            live, kept = (gathered_params(shape, z, False, device) for z in (none, zero))
+            assert shape.largest_param <= live < shape.num_params
+            if name == str(DEMO_MODEL_DIR):
+                assert kept == shape.num_params  # 2 x 4.2 M entries fit the distance: the whole model stays
+            elif name == "google/gemma-3-1b-pt":
+                assert live < kept < 0.6 * shape.num_params  # its last 8 of 26 layers and the head (302 M entries) stay
+            else:
+                assert kept == live  # the head (918 M, 1.18 B entries) is used between: no layer stays
+            with_reuse, without = (estimate(shape, {**ds, "zero_optimization": z}, num_gpus=1, micro_batch=1, device=device)
+                                   .breakdown["activations"]["per_gpu" if device == "cuda" else "per_node_cpu"] for z in (zero, none))
+            assert with_reuse - without == pytest.approx(2 * (kept - live))  # bf16: two bytes an entry
+    # torch's F.linear keeps every layer's weights anyway: those kept for reuse are among them, not on top
+    native = {**zero, "memory_efficient_linear": False}
+    one_b = shapes["google/gemma-3-1b-pt"]
+    assert gathered_params(one_b, native, False, "cuda") == gathered_params(one_b, {**native, "stage3_max_reuse_distance": 0}, False, "cuda")

@@ -114,3 +114,23 @@ def test_an_eager_update_stays_within_its_estimate(tmp_path, extra):
     (_, _), (projection, projected), (plain, plain_projected), (final, _) = real["step_growth"]
     assert projected and not plain_projected and (real["cfg"]["lmda_schedule"], real["cfg"]["relaxation"]) != ("constant", 1.0)
     assert 0.25 * estimated < projection - plain <= estimated, (projection - plain, estimated)
+
+
+def test_a_small_model_stays_gathered_from_its_forward_to_its_backward_as_estimated(tmp_path):
+    """From the second step ZeRO-3 keeps gathered what its trace says is used again within stage3_max_reuse_distance
+    entries: the shipped 1e9 keeps a model of 2.0 M entries (eight decoder layers, every tensor partitioned) whole from
+    its forward to its backward, read from the engine when the model's forward ends; the estimate's gathered entries
+    (``memory.gathered_params``) say so (the two layers in flight alone are a quarter of it)."""
+    from transformers import Gemma2Config
+
+    from elsa_ds.capacity.memory import gathered_params
+
+    Gemma2Config(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=64, max_position_embeddings=256, sliding_window=64, pad_token_id=0,
+                 eos_token_id=1, bos_token_id=2).save_pretrained(tmp_path)
+    real = _probe(tmp_path, "zero3", False, "--persistence", "0")
+    shape = model_shape(load_config(str(tmp_path)))
+    first, *later = real["gathered_after_forward"]
+    assert real["num_params"] == shape.num_params and real["ds"]["zero_optimization"]["stage3_max_reuse_distance"] == 1e9
+    assert first < shape.num_params and later == [shape.num_params] * 3  # the first step traces and releases
+    assert gathered_params(shape, real["ds"]["zero_optimization"], False, "cpu") == shape.num_params

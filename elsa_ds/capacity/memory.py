@@ -50,6 +50,7 @@ one-shot --init_mask first prunes the whole model on rank 0 (``oneshot_host_byte
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -141,22 +142,46 @@ def estimate(shape: ModelShape, ds: dict, num_gpus: int, num_nodes: int = 1, mic
     return _totals(per_rank, lazy, transients, shape, job, num_gpus)
 
 
+def gathered_params(shape: ModelShape, zero: dict, gradient_checkpointing: bool, device: str) -> float:
+    """Per rank, the parameter entries held gathered on the device at the forward/backward's peak: two decoder layers
+    in flight (capped by stage3_max_live_parameters, never less than the largest parameter, which must be whole to be
+    used: the embedding), or, from the second step on, what ZeRO-3 keeps at the backward's start because its trace says
+    it is used again within stage3_max_reuse_distance entries (:func:`reused_params`), whichever is more. With
+    ``memory_efficient_linear`` off torch's F.linear saves a view of each gathered weight for its backward, which a
+    release cannot free, and the backward gathers the weight again beside it: every layer's weights and the head's are
+    kept on top of those in flight (the head's alone when gradient checkpointing recomputes the layers)."""
+    live = max(min(float(zero.get("stage3_max_live_parameters", 1e9)), 2.0 * shape.largest_layer_params), float(shape.largest_param))
+    if device == "cpu":  # host pages are resident only once touched
+        live = min(live, shape.num_params)
+    kept = 0.0 if linear_wrapped(zero) else \
+        float(shape.largest_param) + (0.0 if gradient_checkpointing else shape.layers * float(shape.largest_layer_params))
+    return max(live + kept, reused_params(shape, float(zero.get("stage3_max_reuse_distance", 1e9))))
+
+
+def reused_params(shape: ModelShape, distance: float) -> float:
+    """The entries ZeRO-3 keeps gathered at the backward's start for reuse (its ``__params_to_release``: a parameter
+    stays when the modules ahead in the trace, counted in entries up to ``distance``, use it again). The output head is
+    used again at once; decoder layer i's forward and backward are the later layers' entries twice and the head's twice
+    apart (the head's forward and backward lie between), so the last k layers stay where 2 (k - 1) P + 2 H < distance;
+    everything stays when twice the model fits in it. The shipped 1e9 keeps Gemma-3 270M whole (measured:
+    tests/test_memory_engine.py), and no layer of a model whose head passes 5e8 entries (Gemma-2/3 27B)."""
+    if 2.0 * shape.num_params < distance:
+        return float(shape.num_params)
+    head = float(shape.largest_param if shape.tied else shape.vocab * shape.hidden)
+    per_layer = float(max(shape.largest_layer_params, 1))
+    layers = 0 if distance <= 2 * head else min(shape.layers, math.ceil((distance - 2 * head) / (2 * per_layer)))
+    return layers * per_layer + head
+
+
 def _forward_backward(shape: ModelShape, ds: dict, job: Job, micro_batch: int | None, seqlen: int,
                       gradient_checkpointing: bool, device: str) -> float:
-    """Per rank on the device: the gathered parameters in flight (two decoder layers, capped by
-    stage3_max_live_parameters, and never less than the largest parameter, which must be whole to be used: the
-    embedding), the prefetch bucket, a reduce buffer, and the activations. With ``memory_efficient_linear`` off torch's
-    F.linear saves a view of each gathered weight for its backward, which a release cannot free, and the backward gathers
-    the weight again beside it: every layer's weights and the head's are kept on top (the head's alone when gradient
-    checkpointing recomputes the layers), whatever the caps."""
+    """Per rank on the device: the gathered parameters (:func:`gathered_params`), the prefetch bucket, a reduce buffer,
+    and the activations."""
     zero = ds.get("zero_optimization", {})
-    live = max(min(float(zero.get("stage3_max_live_parameters", 1e9)), 2.0 * shape.largest_layer_params), float(shape.largest_param))
     prefetch = float(zero.get("stage3_prefetch_bucket_size", 5e7))
     bucket = float(zero.get("reduce_bucket_size", 5e8))
     if device == "cpu":  # host pages are resident only once touched: a bucket never holds more than the model
-        live, prefetch, bucket = (min(v, shape.num_params) for v in (live, prefetch, bucket))
-    kept = 0.0 if linear_wrapped(zero) else \
-        float(shape.largest_param) + (0.0 if gradient_checkpointing else shape.layers * float(shape.largest_layer_params))
+        prefetch, bucket = (min(v, shape.num_params) for v in (prefetch, bucket))
     b = micro_batch or ds.get("train_micro_batch_size_per_gpu", 1)
     h, a, n_layers, vocab = shape.hidden, shape.heads, shape.layers, shape.vocab
     full_layer = b * seqlen * h * (34 + 5 * a * seqlen / h)
@@ -164,7 +189,7 @@ def _forward_backward(shape: ModelShape, ds: dict, job: Job, micro_batch: int | 
     # the loss (elsa_ds/loss.py): the logits and their gradient in the model's dtype, fp32 a chunk of rows at a time (the
     # chunk, its softmax in place, logsumexp's temporary)
     acts += b * seqlen * vocab * 2 * job.half + 3 * 4 * min(b * seqlen * vocab, ROW_ELEMENTS)
-    return job.half * (live + kept + prefetch) + job.half * bucket + acts
+    return job.half * (gathered_params(shape, zero, gradient_checkpointing, device) + prefetch) + job.half * bucket + acts
 
 
 def _transients(shape: ModelShape, job: Job, groups: list[SubGroup], swapped_fresh: float, forward: float,
