@@ -371,4 +371,5 @@ def test_parameters_used_again_within_the_reuse_distance_stay_gathered():
     # torch's F.linear keeps every layer's weights anyway: those kept for reuse are among them, not on top
     native = {**zero, "memory_efficient_linear": False}
     one_b = shapes["google/gemma-3-1b-pt"]
-    assert gathered_params(one_b, native, False, "cuda") == gathered_params(one_b, {**native, "stage3_max_reuse_distance": 0}, False, "cuda")
+    without = {**native, "stage3_max_reuse_distance": 0}
+    assert gathered_params(one_b, native, False, "cuda") == gathered_params(one_b, without, False, "cuda")
