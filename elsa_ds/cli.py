@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from elsa_ds.errors import ElsaError, OneLineParser, guarded  # noqa: F401 (guarded: the entry points')
 from elsa_ds.log import get_logger
@@ -83,6 +83,15 @@ class EstimateOptions(BaseModel):
     """Time the step against rates measured on this machine (a few seconds: copies, a matmul, DeepSpeedCPUAdam)
     instead of a typical machine's; with --accelerator cpu a small job's own micro-step is also timed on its ranks here
     (~20 s)."""
+
+    @model_validator(mode="after")
+    def _machine_fits_accelerator(self) -> EstimateOptions:
+        if self.machine != "auto" and (self.machine == "cpu-2c") != (self.accelerator == "cpu"):
+            fits = "cpu-2c" if self.accelerator == "cpu" else "gpu-server or gpu-vm-16c"
+            raise ValueError(f"--machine {self.machine} is a {'CPU' if self.machine == 'cpu-2c' else 'GPU'} host's profile but "
+                             f"--accelerator is {self.accelerator}: pass --machine {fits} (or auto), or --accelerator "
+                             f"{'cpu' if self.machine == 'cpu-2c' else 'cuda'}")
+        return self
 
 
 # The job settings the estimate depends on, read as elsa-prune reads them (not given: a recipe's, the JSON "elsa" block's,
@@ -172,6 +181,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
             log.info(f"not used by the estimate (the job's data, output, checkpoints and method settings): {', '.join(left)}")
         ds_config = DsConfig.load(args.deepspeed)
         cfg = estimated_job(args, opts, ds_config)
+        if why := ds_config.base_optimizer_problem(cfg, opts.accelerator):
+            raise ElsaError(why)
         shape, ds = resolved_job(cfg, ds_config, opts.num_gpus * opts.num_nodes)
         est = job_estimate(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator)
         typical = TYPICAL[DEFAULT_MACHINE[opts.accelerator] if opts.machine == "auto" else opts.machine]

@@ -94,6 +94,48 @@ def test_a_global_batch_from_a_recipe_is_named_as_such_with_the_batch_that_fits(
     run_fails("estimate.py", ["--recipe", "gemma-2-27b-s90", "--deepspeed", "zero3_offload", "--num_gpus", "8", "--num_nodes", "2"],
               "the global batch 8 (batch_size of the settings: --batch_size, a recipe or the elsa block; the JSON's "
               "train_batch_size 8 gives way to it) is not a multiple of micro batch 1 x 16 ranks; pass --batch_size 16")
+    error = run_fails("estimate.py", ["--recipe", "gemma-2-27b-s90", "--deepspeed", "zero3_offload", "--num_gpus", "8",
+                                      "--num_nodes", "2"], "or fewer ranks")
+    assert "smaller --micro_batch" not in error  # it is 1 already (a user's walk, 2026-12-01)
+
+
+def test_the_estimator_refuses_what_the_job_could_not_run_or_a_profile_of_another_kind():
+    """A user's walk (2026-12-01): DeepSpeedCPUAdam with the optimizer on the GPU was priced, where the job would fail at
+    its first step after loading the weights (the job's plan refuses it too); a CPU host's profile timed GPU ranks."""
+    run_fails("estimate.py", ["--model", "google/gemma-2-2b", "--deepspeed", "zero3", "--base_optimizer", "cpu_adam"],
+              "--base_optimizer cpu_adam (DeepSpeedCPUAdam) steps tensors in host memory", "no offload_optimizer")
+    run_fails("estimate.py", ["--model", "google/gemma-2-2b", "--deepspeed", "zero3_offload", "--machine", "cpu-2c"],
+              "--machine cpu-2c is a CPU host's profile but --accelerator is cuda")
+    run_fails("estimate.py", ["--model", "google/gemma-2-2b", "--deepspeed", "zero3", "--accelerator", "cpu", "--machine",
+                              "gpu-server"], "--machine gpu-server is a GPU host's profile but --accelerator is cpu")
+    from elsa_ds.settings.config import ElsaConfig
+    from elsa_ds.zero.ds_config import DsConfig
+
+    cfg = ElsaConfig(base_optimizer="cpu_adam")
+    assert DsConfig.load("zero3").base_optimizer_problem(cfg, "cuda") is not None
+    assert DsConfig.load("zero3").base_optimizer_problem(cfg, "cpu") is None  # the CPU accelerator's tensors are the host's
+    assert DsConfig.load("zero3_offload").base_optimizer_problem(cfg, "cuda") is None
+
+
+def test_a_mistyped_model_id_is_refused_at_once_with_the_shipped_ids_near_it(monkeypatch):
+    """A user's walk (2026-12-01): google/gemma-3-27b took 26 s of the hub client's retries and 12 lines offline; now one
+    line in seconds naming the shipped ids it is near, and whether the hub could be asked."""
+    import time
+
+    from huggingface_hub import constants
+
+    from elsa_ds.capacity import shapes
+
+    started = time.time()
+    error = run_fails("estimate.py", ["--model", "google/gemma-3-27b", "--deepspeed", "zero3_offload"],
+                      "cannot resolve model 'google/gemma-3-27b'", "did you mean", "google/gemma-3-27b-pt")
+    assert time.time() - started < 20, error
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://no-such-host.invalid")
+    started = time.time()
+    assert "no-such-host.invalid" in shapes.hub_unreachable() and time.time() - started < 5
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert shapes.hub_unreachable() == "HF_HUB_OFFLINE is set"
 
 
 def _stock_transformers_config() -> dict:

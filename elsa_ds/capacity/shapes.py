@@ -2,8 +2,11 @@
 meta-device instance built from the config alone (no weights), and the checks that need only those shapes."""
 from __future__ import annotations
 
+import difflib
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -55,10 +58,33 @@ def resolve_model_config(model: str):
     if (shipped / "config.json").exists():
         return AutoConfig.from_pretrained(shipped, trust_remote_code=False)
     try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=False, local_files_only=True)  # the hub's cache
+    except (OSError, ValueError):
+        pass
+    ids = sorted(str(c.parent.relative_to(SHIPPED_CONFIGS)) for c in SHIPPED_CONFIGS.glob("*/*/config.json"))
+    near = difflib.get_close_matches(model, ids, n=3, cutoff=0.6)
+    where = (f"not a directory, not shipped in {SHIPPED_CONFIGS}" + (f" (did you mean {' or '.join(near)}?)" if near else
+             f" (shipped: {', '.join(ids)})"))
+    if (offline := hub_unreachable()) is not None:  # say so now, not after the hub client's retries (~25 s)
+        raise ElsaError(f"cannot resolve model {model!r}: {where}, not in the Hugging Face cache, and {offline}")
+    try:
         return AutoConfig.from_pretrained(model, trust_remote_code=False)
     except (OSError, ValueError) as err:
-        raise ElsaError(f"cannot resolve model {model!r}: not a directory, not shipped in {SHIPPED_CONFIGS}, and not loadable "
-                        f"({str(err).splitlines()[0]})") from None
+        raise ElsaError(f"cannot resolve model {model!r}: {where}, and not loadable ({str(err).splitlines()[0]})") from None
+
+
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be asked now (offline mode, or its host unknown or unreachable), or None."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError as err:
+        return f"the hub ({host}) cannot be reached from here ({err.strerror or err})"
+    return None
 
 
 def model_shape(config, targets: str | None = None, model: torch.nn.Module | None = None,

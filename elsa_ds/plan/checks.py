@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from elsa_ds.capacity import machine, preflight
 from elsa_ds.capacity.memory import model_shape
 from elsa_ds.capacity.shapes import check_nvme_param_buffers
@@ -50,6 +52,8 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
                         "swaps each into one of its buffer_count buffers (a layer holds more than the shipped 5); drop "
                         "--leaf_layers or use a config whose parameters stay in memory (zero3_offload, zero3)")
     if ds_config.uses_nvme and (why := machine.nvme_unavailable()):
+        raise ElsaError(why)
+    if engine_used and (why := ds.base_optimizer_problem(cfg, "cuda" if torch.cuda.is_available() else "cpu")):
         raise ElsaError(why)
     check_goals(cfg, meta)
     check_init_mask(cfg, meta)

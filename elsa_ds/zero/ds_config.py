@@ -138,6 +138,15 @@ class DsConfig:
         found += [f'{key} is "auto" and elsa_ds cannot resolve it; set a value' for key in _unresolvable_autos(self.raw)]
         return found
 
+    def base_optimizer_problem(self, cfg: ElsaConfig, device: str) -> str | None:
+        """Why ``cfg``'s base optimizer cannot step under this config on ``device`` (cuda or cpu), or None:
+        DeepSpeedCPUAdam steps host tensors, which a GPU job has only with offload_optimizer."""
+        if cfg.base_optimizer.value != "cpu_adam" or self.optimizer_offloaded or device != "cuda":
+            return None
+        return (f"--base_optimizer cpu_adam (DeepSpeedCPUAdam) steps tensors in host memory, but {self.source} keeps the "
+                "optimizer on the GPU (no offload_optimizer): its first step would fail after the model loads; use "
+                "--base_optimizer adam (auto picks it here) or a config that offloads the optimizer (zero3_offload)")
+
     def _batch_problems(self, cfg: ElsaConfig, world_size: int) -> list[str]:
         global_batch, micro = self.global_batch(cfg), self.micro_batch(cfg)
         if global_batch == AUTO or global_batch is None:
@@ -153,7 +162,8 @@ class DsConfig:
                 origin = (f"the global batch {global_batch} (batch_size of the settings: --batch_size, a recipe or the elsa "
                           f"block; the JSON's train_batch_size {self.raw.get('train_batch_size')!r} gives way to it)")
             return [f"{origin} is not a multiple of micro batch {micro} x {world_size} ranks; pass --batch_size "
-                    f"{-(-global_batch // unit) * unit} (or another multiple of {unit}), a smaller --micro_batch, or fewer ranks"]
+                    f"{-(-global_batch // unit) * unit} (or another multiple of {unit}), "
+                    f"{'a smaller --micro_batch, ' if micro > 1 else ''}or fewer ranks"]
         accumulation, derived = self.raw.get("gradient_accumulation_steps", AUTO), global_batch // (micro * world_size)
         if accumulation != AUTO and accumulation != derived:
             return [f"gradient_accumulation_steps {accumulation!r} disagrees with train_batch_size {global_batch} / (micro "
