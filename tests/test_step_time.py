@@ -102,6 +102,26 @@ def test_elsal_and_its_kernel_cost_and_nvme_traffic():
     assert nvme.components["nvme"] > 0 and nvme.step_s > fp32.step_s
 
 
+@pytest.mark.parametrize("elsal", [False, True])
+def test_nvme_traffic_is_what_the_memory_estimate_puts_on_nvme_read_and_written_once_a_step(elsal):
+    """A user's walk (2026-12-01): the time left out the fp32 gradients the memory table puts on NVMe, and swapped
+    ELSA-L's 8-bit moments and fp8/bf16 z, u, which the table keeps in host memory. Parameters in memory here, so that
+    the NVMe traffic is the optimizer's alone: each byte on NVMe moved twice a step."""
+    from elsa_ds.capacity.memory import estimate
+
+    settings = {"z_dtype": "fp8", "u_dtype": "bf16", "base_optimizer": "adam8bit_minifloat"} if elsal else {}
+    ds = DsConfig.load("zero3_nvme").raw
+    ds = {**ds, "zero_optimization": {**ds["zero_optimization"], "offload_param": {"device": "cpu"}},
+          "train_batch_size": 8, "train_micro_batch_size_per_gpu": 1}
+    shape = model_shape(AutoConfig.for_model(**{**GEMMA2_27B, "num_hidden_layers": 4}), freeze_embeddings=True)
+    cfg = ElsaConfig(model="m", seqlen=2048, nvme_path="/tmp", **settings)
+    t = step_time(shape, ds, cfg, 8, 1, "cuda", TYPICAL["gpu-server"])
+    rows = estimate(shape, ds, 8, 1, 2048, elsa=cfg.model_dump(mode="json"), device="cuda").breakdown
+    on_nvme = {row: rows[row]["nvme"] for row in ("grads", "optimizer", "admm")}
+    assert on_nvme["grads"] > 0 and (on_nvme["admm"] == 0) == elsal  # ELSA-L's z, u stay in host memory
+    assert t.components["nvme"] == pytest.approx(2 * sum(on_nvme.values()) / TYPICAL["gpu-server"].nvme)
+
+
 def test_the_remedies_eager_parts_cost_what_the_bench_measured_against_the_fused_step():
     """--lmda_schedule adaptive steps and updates z, u on the eager path, --relaxation only updates them there: each
     costs its measured factor (bench/optimizer_step.py --remedies) over the fused figures, on ELSA-L's base too."""
@@ -189,3 +209,16 @@ def test_leaf_layers_price_one_hook_pair_a_decoder_layer_instead_of_one_a_tensor
     assert saved == pytest.approx(2 * (shape.layer_tensors - shape.layers) * hook_s)
     assert {k: v for k, v in leaf.components.items() if k != "forward/backward"} == \
         {k: v for k, v in plain.components.items() if k != "forward/backward"}
+
+
+def test_the_json_says_the_nodes_and_each_nodes_nvme_beside_the_jobs(capsys):
+    """A user's walk (2026-12-01): nvme_bytes is the whole job's while per_node_cpu_bytes is a node's, and the JSON had no
+    node count to convert it: it now carries both, and the table's per-node NVMe is the JSON's."""
+    assert main_estimate(["--model", "google/gemma-2-27b", "--deepspeed", "zero3_nvme", "--num_gpus", "8", "--num_nodes", "2",
+                          "--batch_size", "128", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    last = json.loads(out[-1])
+    assert (last["num_gpus"], last["num_nodes"], last["world_size"]) == (8, 2, 16)
+    assert last["per_node_nvme_bytes"] == pytest.approx(last["nvme_bytes"] / 2) and last["nvme_bytes"] > 0
+    total = next(line for line in out if line.startswith("total"))
+    assert total.split()[-2] == f"{last['per_node_nvme_bytes'] / 2**30:.2f}"

@@ -93,10 +93,13 @@ class Estimate:
     world_size: int
     per_gpu_bytes: float
     per_node_cpu_bytes: float
-    nvme_bytes: float
+    nvme_bytes: float  # the whole job's; the breakdown's "nvme" too (per node: per_node_nvme_bytes)
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
     # host bytes per node (rank 0's node) and bytes per GPU in each phase of the job; the totals are their maxima
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    num_gpus: int = 1  # per node
+    num_nodes: int = 1
+    per_node_nvme_bytes: float = 0.0  # each node's own disk holds its ranks' share
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -243,7 +246,8 @@ def _totals(per_rank: dict, lazy: dict, transients: dict, shape: ModelShape, job
         num_params=shape.num_params, pruned_params=shape.pruned_params, world_size=job.world,
         per_gpu_bytes=sum(v["per_gpu"] for v in breakdown.values()),
         per_node_cpu_bytes=sum(v["per_node_cpu"] for v in breakdown.values()),
-        nvme_bytes=sum(v["nvme"] for v in breakdown.values()), breakdown=breakdown, phases=phases,
+        nvme_bytes=sum(v["nvme"] for v in breakdown.values()), breakdown=breakdown, phases=phases, num_gpus=num_gpus,
+        num_nodes=job.world // num_gpus, per_node_nvme_bytes=sum(v["nvme"] for v in breakdown.values()) * num_gpus / job.world,
     )
 
 

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from elsa_ds.capacity.optimizer_probe import OptimizerTimings, rate_key
 from elsa_ds.capacity.probe import JobTimings
-from elsa_ds.capacity.resident import Job, checkpoint_tag_bytes, element_bytes, read_job
+from elsa_ds.capacity.resident import COMPONENTS, Job, checkpoint_tag_bytes, element_bytes, read_job, states, sub_groups
 from elsa_ds.capacity.shapes import ModelShape
 from elsa_ds.methods import oneshot_names
 
@@ -196,7 +196,7 @@ def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, d
     micro_s = timed.micro_step_s if timed else _micro_step(shape, job, cfg, micro, num_gpus, num_nodes, device, rates, flop_rate)
     opt_step, projection, first_projection, host = _optimizer(shape, job, cfg, num_gpus, rates)
     components = {"forward/backward": accumulation * micro_s, "optimizer": opt_step, "host passes": host,
-                  "projection": projection, "nvme": _nvme(shape, job, accumulation, num_gpus, rates)}
+                  "projection": projection, "nvme": _nvme(shape, job, ds.get("zero_optimization", {}), accumulation, num_gpus, rates)}
     if timed:  # the engine's own work around the optimizer, which the model leaves out: its timed step less the plain
         plain = _plain_step(shape, job, num_gpus, rates)   # base optimizer's modelled pass and the host passes
         components["engine step"] = max(0.0, timed.step_s - plain - host)
@@ -275,11 +275,15 @@ def _plain_step(shape: ModelShape, job: Job, num_gpus: int, rates: Rates) -> flo
     return entries * num_gpus / rates.adam if job.opt_dev != "none" else 2 * 28 * entries / rates.device_bw
 
 
-def _nvme(shape: ModelShape, job: Job, accumulation: int, num_gpus: int, rates: Rates) -> float:
-    """Swapped optimizer states read and written once a step; parameters on NVMe read per fetch and written once."""
+def _nvme(shape: ModelShape, job: Job, zero: dict, accumulation: int, num_gpus: int, rates: Rates) -> float:
+    """What the memory estimate puts on NVMe, moved each step: the swapped optimizer states (masters, the moments and z, u
+    where they are swapped: low-precision ones stay in host memory) read and written once, the fp32 gradients written
+    when reduced and read by the step; parameters on NVMe read per fetch and written once."""
     swapped = 0.0
     if job.opt_dev == "nvme":
-        swapped += 2 * (4 + job.moment_bytes + job.z_bytes + job.u_bytes) * shape.trainable_params / job.world
+        per_rank = {k: {"gpu": 0.0, "cpu": 0.0, "nvme": 0.0} for k in COMPONENTS}
+        states(per_rank, shape, zero, job, sub_groups(shape, job.world, float(zero.get("sub_group_size", 1e9))))
+        swapped += 2 * sum(per_rank[row]["nvme"] for row in ("optimizer", "admm", "grads"))
     if job.param_dev == "nvme":
         swapped += (2 * accumulation + 1) * job.half * shape.num_params / job.world
     return swapped * num_gpus / rates.nvme
