@@ -73,6 +73,10 @@ class Rates:
 # histogram's scratch that kept the projection from scaling past 4 threads (79fb59d: 27.9 -> 4.0 ms at 16 threads); the
 # 16-thread figure took 41.7 ms a projection there, no faster than 4 threads' 39.9. The H200 jobs that ran after the fix
 # (issue 43: ELSA 2.14 s a step, its dense control 2.22) show no such cost. To be measured again there (bench_threads).
+# The projection of a flat on the GPU (the eager torch reference) in passes over ELSA's state bytes: 26.0 ms on a 32M-entry
+# flat whose 36 bytes an entry take 0.34 ms at the H100's 3.35 TB/s (bench/optimizer_step.py --device cuda, 2026-11-26,
+# bench/results/device_check_2026-11-26.json; docs/results.md section 3); the host kernels' ratio (~2.7) priced it 28x low
+GPU_PROJECTION = 26.0 / 0.34
 _KERNEL_GPU_HOST = {"cpu_adam": 1.505, "adam8bit_minifloat": 1.064, "adam8bit": 1.724}
 _PROJECTION_GPU_HOST = {"cpu_adam": 2.666, "adam8bit_minifloat": 2.900, "adam8bit": 3.052}
 _KERNEL_CPU_HOST = {"cpu_adam": 1.42, "adam8bit_minifloat": 1.15, "adam8bit": 3.36}
@@ -255,7 +259,7 @@ def _optimizer(shape: ModelShape, job: Job, cfg, num_gpus: int, rates: Rates) ->
     if job.opt_dev == "none":                                     # on the device: bytes at its memory rate
         base = (28 + job.z_bytes + job.u_bytes) * entries / rates.device_bw
         step = base * (2 if job.base == "adam" else 1)            # torch's Adam: unfused passes
-        return step, base * rates.projection["cpu_adam"] / cfg.interval, base * rates.projection["cpu_adam"], 0.0
+        return step, base * GPU_PROJECTION / cfg.interval, base * GPU_PROJECTION, 0.0
     adam = entries * num_gpus / rates.adam                        # the node's g ranks step at once
     host = (16 + job.half) * entries * num_gpus / rates.host_bw
     first = adam * rates.projection.get(job.base, rates.projection["cpu_adam"])
