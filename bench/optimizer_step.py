@@ -190,6 +190,9 @@ def measure(numel: int, args) -> dict:
     if args.eager:
         pairs += [(("deepspeed_adam", "eager_elsa_fp32"), (mk["deepspeed_adam"], None, True), (mk["deepspeed_adam"], slices, False, None)),
                   (("deepspeed_adam", "eager_elsa_l"), (mk["deepspeed_adam"], None, True), (base8, slices, False, low))]
+    if args.torch_adam:  # --base_optimizer adam under offload: torch's Adam on the host (the ELSA step on its eager path)
+        torch_adam = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # noqa: E731
+        pairs += [(("deepspeed_adam", "elsa_torch_adam"), (mk["deepspeed_adam"], None, True), (torch_adam, slices, True, None))]
     if args.remedies:  # kernels on: what each remedy leaves to the eager path (REMEDIES), on each base
         bases = {"fp32": (mk["deepspeed_adam"], None), "l_minifloat": (mk["minifloat_adam8bit"], low), "l_bnb": (base8, low)}
         pairs += [(("deepspeed_adam", f"{name}_{kind}"), (mk["deepspeed_adam"], None, True), (make, slices, True, dtypes))
@@ -198,7 +201,7 @@ def measure(numel: int, args) -> dict:
         a = Runner(names[0], make_a, flat, grad, None, args.interval)
         b = Runner(names[1], make_b, flat, grad, sl, args.interval, dtypes or (StateDtype.fp32, StateDtype.fp32), on,
                    REMEDIES.get(names[1].split("_")[0]))
-        slow = names[1].startswith("eager") or names[1].split("_")[0] in REMEDIES  # their eager parts: one ABBA round
+        slow = names[1].startswith("eager") or names[1].split("_")[0] in REMEDIES or names[1] == "elsa_torch_adam"  # one ABBA round
         _pair(res, names, (a, b), args, 1 if slow else args.rounds)
         del a, b
     for name in ("bnb_adam8bit", "fused_adam8bit", "minifloat_adam8bit"):
@@ -328,6 +331,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds of `interval` steps per optimizer")
     ap.add_argument("--eager", action="store_true", help="also the eager reference path (slow)")
     ap.add_argument("--remedies", action="store_true", help="also the adaptive λ and over-relaxation (their eager parts)")
+    ap.add_argument("--torch_adam", action="store_true", help="also ELSA on torch's Adam on the host (--base_optimizer adam)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--device", help="cuda or cpu: the optimizer-on-the-device rows (torch's fused Adam, ELSA eager, compiled)")
     ap.add_argument("--threads", type=int, nargs="+", help="run once per OpenMP thread count, each in a fresh process")

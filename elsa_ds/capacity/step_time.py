@@ -66,6 +66,11 @@ class Rates:
         return asdict(self)
 
 
+# The projection of a flat on the GPU (the eager torch reference) in passes over ELSA's state bytes: 26.0 ms on a 32M-entry
+# flat whose 36 bytes an entry take 0.34 ms at the H100's 3.35 TB/s (bench/optimizer_step.py --device cuda, 2026-11-26,
+# bench/results/device_check_2026-11-26.json; docs/results.md section 3); the host kernels' ratio (~2.7) priced it 28x low
+GPU_PROJECTION = 26.0 / 0.34
+
 # bench/optimizer_step.py on the lent H200 host (16 threads; bench/results/device_check_2026-11-27_h200.json,
 # bench_threads) and on the 2-core AMD EPYC box (bench/results/optimizer_step.md, run 8): the fused ELSA step in
 # DeepSpeedCPUAdam steps (fp32 z, u; ELSA-L minifloat codes; bitsandbytes' codes) and one projection in the same unit.
@@ -73,13 +78,13 @@ class Rates:
 # histogram's scratch that kept the projection from scaling past 4 threads (79fb59d: 27.9 -> 4.0 ms at 16 threads); the
 # 16-thread figure took 41.7 ms a projection there, no faster than 4 threads' 39.9. The H200 jobs that ran after the fix
 # (issue 43: ELSA 2.14 s a step, its dense control 2.22) show no such cost. To be measured again there (bench_threads).
-# The projection of a flat on the GPU (the eager torch reference) in passes over ELSA's state bytes: 26.0 ms on a 32M-entry
-# flat whose 36 bytes an entry take 0.34 ms at the H100's 3.35 TB/s (bench/optimizer_step.py --device cuda, 2026-11-26,
-# bench/results/device_check_2026-11-26.json; docs/results.md section 3); the host kernels' ratio (~2.7) priced it 28x low
-GPU_PROJECTION = 26.0 / 0.34
-_KERNEL_GPU_HOST = {"cpu_adam": 1.505, "adam8bit_minifloat": 1.064, "adam8bit": 1.724}
+# ELSA on torch's Adam on the host (--base_optimizer adam under offload: no fused kernel, the step on the eager path):
+# 8.30 and 8.80 DeepSpeedCPUAdam steps in two runs on the 2-core AMD EPYC box (bench/optimizer_step.py --torch_adam,
+# 2026-12-01, bench/results/optimizer_step_torch_adam_2026-12-01_epyc.txt); not measured on the GPU host: its figure too
+TORCH_ADAM_ON_HOST = 8.55
+_KERNEL_GPU_HOST = {"cpu_adam": 1.505, "adam8bit_minifloat": 1.064, "adam8bit": 1.724, "adam": TORCH_ADAM_ON_HOST}
 _PROJECTION_GPU_HOST = {"cpu_adam": 2.666, "adam8bit_minifloat": 2.900, "adam8bit": 3.052}
-_KERNEL_CPU_HOST = {"cpu_adam": 1.42, "adam8bit_minifloat": 1.15, "adam8bit": 3.36}
+_KERNEL_CPU_HOST = {"cpu_adam": 1.42, "adam8bit_minifloat": 1.15, "adam8bit": 3.36, "adam": TORCH_ADAM_ON_HOST}
 _PROJECTION_CPU_HOST = {"cpu_adam": 2.26, "adam8bit_minifloat": 3.75, "adam8bit": 6.07}
 # The authors' remedies under optimizer offload (bench/optimizer_step.py --remedies on the 2-core AMD EPYC box,
 # 2026-11-28, bench/results/optimizer_step_remedies_32m_2026-11-28_epyc.txt; one run, not measured on the GPU host):
