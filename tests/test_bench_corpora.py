@@ -113,31 +113,3 @@ def test_a_mix_shuffles_its_sources_splits_together_and_keeps_every_test_documen
     stamp = (tmp_path / "mix" / "train.jsonl").stat().st_mtime_ns
     assert corpora.build_mix("mix", tmp_path / "mix") == meta and (tmp_path / "mix" / "train.jsonl").stat().st_mtime_ns == stamp
     assert corpora.main(["--name", "mix", "--out", str(tmp_path / "mix"), "--prune", "0.1"]) == 2
-
-
-def test_a_corpus_from_another_package_version_is_rebuilt_and_one_whose_package_is_gone_is_kept(tmp_path, monkeypatch):
-    """Another package version is another text (linux-doc 6.1.176-1 and 6.1.192-2 give other test splits): a corpus whose
-    corpus.json names another version than the one installed is rebuilt, not reused as complete; with the package no
-    longer installed there is nothing to rebuild from, and the corpus is kept."""
-    from bench.models import corpora
-
-    installed = {"pkg-a": "1.0"}
-
-    def version(package: str) -> str:
-        if package not in installed:
-            raise corpora.CorpusError(f"Debian package {package!r} is not installed")
-        return installed[package]
-
-    def documents():
-        return [(f"a/{i:03d}", f"document {i} of pkg-a {installed['pkg-a']}\n") for i in range(60)], {"pkg-a": version("pkg-a")}
-
-    monkeypatch.setattr(corpora, "package_version", version)
-    monkeypatch.setattr(corpora, "CORPORA", {"a": corpora.Corpus("a", "a", documents)})
-    first = corpora.build_corpus("a", tmp_path / "a")
-    assert corpora.build_corpus("a", tmp_path / "a") == first  # the same version: reused
-    installed["pkg-a"] = "2.0"
-    assert corpora.stale_packages(first["packages"]) == {"pkg-a": "2.0"}
-    second = corpora.build_corpus("a", tmp_path / "a")
-    assert second["packages"] == {"pkg-a": "2.0"} and second["splits"]["test"]["sha256"] != first["splits"]["test"]["sha256"]
-    del installed["pkg-a"]
-    assert corpora.is_complete(tmp_path / "a", "a", 0) and corpora.stale_packages(second["packages"]) == {}

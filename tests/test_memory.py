@@ -338,8 +338,9 @@ def test_torchs_linear_keeps_every_gathered_weight_until_its_backward_beside_the
                                .breakdown["activations"]["per_gpu" if device == "cuda" else "per_node_cpu"] for d in (ds, torch_linear))
             if checkpointing:
                 assert native - wrapped == pytest.approx(half * shape.largest_param)
-            else:
-                assert native - wrapped >= half * (shape.pruned_params + shape.largest_param)
+            else:  # whatever DeepSpeed's linear has left to prefetch, torch's has gathered already
+                prefetch = ds["zero_optimization"]["stage3_prefetch_bucket_size"]
+                assert native - wrapped >= half * (shape.pruned_params + shape.largest_param - prefetch)
     assert estimate(shape, {**ds, "zero_optimization": {**ds["zero_optimization"], "memory_efficient_linear": "true"}},
                     num_gpus=1).per_gpu_bytes == estimate(shape, ds, num_gpus=1).per_gpu_bytes
 
@@ -366,7 +367,10 @@ def test_parameters_used_again_within_the_reuse_distance_stay_gathered():
                 assert kept == live == shape.largest_param  # the head (1.18 B entries) alone, as in flight anyway
             with_reuse, without = (estimate(shape, {**ds, "zero_optimization": z}, num_gpus=1, micro_batch=1, device=device)
                                    .breakdown["activations"]["per_gpu" if device == "cuda" else "per_node_cpu"] for z in (zero, none))
-            assert with_reuse - without == pytest.approx(2 * (kept - live))  # bf16: two bytes an entry
+            if shape.num_params - kept > zero["stage3_prefetch_bucket_size"]:  # bf16: two bytes an entry more
+                assert with_reuse - without == pytest.approx(2 * (kept - live))
+            else:  # a model kept (nearly) whole has that much less left to prefetch
+                assert 0 <= with_reuse - without <= 2 * (kept - live)
     # torch's F.linear keeps every layer's weights anyway: those kept for reuse are among them, not on top
     native = {**zero, "memory_efficient_linear": False}
     nine_b = shapes["google/gemma-2-9b"]

@@ -4,10 +4,11 @@ Seconds: the per-run overhead (launch, load, one-shot or warm start, export, eva
 seconds a forward, all measured on finished cells of the same GPU (on the H200 a 270M step's time was the host's, not its
 tokens': one forward of 8 x 512 cost ~0.6 s with 3 cells at once, 2026-11-28), else the priors below. A forward's seconds
 come from cells that stepped as the next ones will (:func:`regime`: gradient checkpointing, ``--leaf_layers``, torch's
-F.linear: each changes the host's time a step), from the others only until one such cell has ended (their slowest then:
-a cell cut at the deadline costs its whole time); a larger forward than the one measured adds its extra FLOPs at the GPU's
-typical rate, once for every cell sharing the GPU. The overhead is the largest measured for the same method and settings
-(a one-shot start is in it, or not), else for the same kind of cell. GPU bytes: a training
+F.linear: each changes the host's time a step), of the same method where measured, from the others only until one such
+cell has ended (their slowest then: a cell cut at the deadline costs its whole time); a larger forward than the one
+measured adds its extra FLOPs at the GPU's typical rate, once for every cell sharing the GPU. The overhead (launch, load,
+one-shot start, export, evaluation: whatever the step's regime) is the largest measured for the same method and settings
+(a one-shot start is in it, or not), else for any cell of its kind. GPU bytes: a training
 cell's is elsa_ds's own estimate for its shape (``elsa_ds.capacity.memory.estimate_job``, the ELSA job's, an upper bound
 for retraining's, which keeps no ADMM states) times the largest measured / estimated ratio of finished cells (each line
 keeps both), else the prior ratio; the curve starts a cell only while the running cells' and its own fit in ``GPU_SHARE``
@@ -16,13 +17,14 @@ of the GPU's memory.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TypeVar
 
 Regime = tuple[bool, bool, bool]  # (gradient checkpointing, --leaf_layers, torch's F.linear): see regime()
-T = TypeVar("T")
 
 PRIOR_FORWARD_S = 0.6  # one 8 x 512 forward + backward of Gemma-3 270M, 3 cells at once on the H200 (2026-11-28)
 PRIOR_OVERHEAD_S = {"train": 150.0, "oneshot": 90.0, "eval": 60.0}
+# a forward of one method priced from another's of the same regime: ELSA's step took 0.630 s where retraining's took
+# 0.597-0.598 beside it (the H200, 2026-11-28: 5 %), twice that
+OTHER_METHOD = 1.1
 # measured peak / estimate: the H200's ELSA cell at 8 x 512 (2026-11-28) allocated 22.0 GiB where the estimate of that day
 # said 17.4 (transformers' loss, then: its fp32 logits' copies were counted 10 bytes a logit); a prior until cells with
 # the chunked loss (elsa_ds/loss.py) measure it
@@ -85,11 +87,12 @@ class Estimator:
         self.micro_batch, self.checkpointing = micro_batch, checkpointing
         self.model, self.deepspeed, self.seqlen = model, deepspeed, seqlen
         self.leaf_layers, self.torch_linear = leaf_layers, torch_linear
-        self.forward_s: list[tuple[Regime, tuple[int, float]]] = []  # (regime, (tokens a forward, its seconds))
+        self.forward_s: list[tuple[Regime, tuple[str, int, float]]] = []  # (regime, (method, tokens a forward, seconds))
         self.ratios: list[float] = []
-        # (regime, seconds) of a cell beyond its steps, by kind and by (method, settings)
-        self.overhead: dict[str, list[tuple[Regime, float]]] = {k: [] for k in PRIOR_OVERHEAD_S}
-        self.overhead_of: dict[tuple[str, str], list[tuple[Regime, float]]] = {}
+        # seconds of a cell beyond its steps (launch, load, one-shot, export, evaluation: not the step's regime), by kind
+        # and by (method, settings)
+        self.overhead: dict[str, list[float]] = {k: [] for k in PRIOR_OVERHEAD_S}
+        self.overhead_of: dict[tuple[str, str], list[float]] = {}
         for line in lines:
             if line.get("device") == device:
                 self.add(line)
@@ -100,23 +103,22 @@ class Estimator:
         n = line.get("forwards") or 1  # lines before 2026-11-29 had one forward a step
         if line.get("step_s"):
             tokens = -(-line.get("batch", 8) // n) * line.get("seqlen", self.seqlen)
-            self.forward_s.append((regime(line), (tokens, line["step_s"] / n)))
+            self.forward_s.append((regime(line), (line.get("method", ""), tokens, line["step_s"] / n)))
         if line.get("peak_gpu_bytes") and line.get("est_gpu_bytes"):
             self.ratios.append(line["peak_gpu_bytes"] / line["est_gpu_bytes"])
         if line.get("wall_s") is not None:
-            seconds = (regime(line), max(0.0, line["wall_s"] - line["steps"] * (line.get("step_s") or 0.0)))
+            seconds = max(0.0, line["wall_s"] - line["steps"] * (line.get("step_s") or 0.0))
             self.overhead[line["kind"]].append(seconds)
             self.overhead_of.setdefault((line.get("method", ""), line.get("settings", "rule")), []).append(seconds)
 
-    def _latest(self, samples: list[tuple[Regime, T]]) -> list[T]:
-        """The samples of cells that stepped as the next ones will, else all (a training cell's regime changes its
-        start-up and its profiled steps too)."""
-        now = (self.checkpointing, self.leaf_layers, self.torch_linear)
-        return [v for r, v in samples if r == now] or [v for _, v in samples]
-
     def per_forward(self, cell, concurrency: int) -> float:
-        """Seconds a forward (and its backward) of ``cell`` takes with ``concurrency`` cells on the GPU."""
-        samples = self._latest(self.forward_s)
+        """Seconds a forward (and its backward) of ``cell`` takes with ``concurrency`` cells on the GPU: the slowest of its
+        method's cells that stepped as it will; of other methods' such cells x ``OTHER_METHOD`` (an ELSA step is a little
+        slower than retraining's); else of all earlier cells."""
+        now = (self.checkpointing, self.leaf_layers, self.torch_linear)
+        same = [(m, t, s) for r, (m, t, s) in self.forward_s if r == now]
+        mine = [(t, s) for m, t, s in same if m == cell.method]
+        samples = mine or [(t, s * OTHER_METHOD) for _, t, s in same] or [(t, s) for _, (_, t, s) in self.forward_s]
         if not samples:
             return PRIOR_FORWARD_S * concurrency / 3
         tokens = min(cell.batch, self.micro_batch) * self.seqlen
@@ -124,7 +126,7 @@ class Estimator:
         return max(seconds + max(0, tokens - measured) * (per_token or 0.0) * concurrency for measured, seconds in samples)
 
     def seconds(self, cell, concurrency: int) -> float:
-        measured = self._latest(self.overhead_of.get((cell.method, cell.settings)) or self.overhead[cell.kind])
+        measured = self.overhead_of.get((cell.method, cell.settings)) or self.overhead[cell.kind]
         overhead = max(measured) if measured else PRIOR_OVERHEAD_S[cell.kind]
         if cell.kind != "train":
             return overhead

@@ -130,8 +130,8 @@ def texts_mismatch(lines: list[dict], texts: dict[str, str], results: Path, pack
                              if pkg in install)
             return (why + "rebuild them from the package versions those cells' texts came from (here: " + here + "): "
                     f"apt-get install -y --allow-downgrades {' '.join(f'{k}={v}' for k, v in install.items())} && "
-                    + " && ".join(f"python bench/models/corpora.py --name {c}" for c in corpora)
-                    + "; or write the cells to another --results")
+                    + " && ".join(f"python bench/models/corpora.py --name {c} --force" for c in corpora)
+                    + " (a version apt no longer has: snapshot.debian.org); or write the cells to another --results")
         return why + ("rebuild the corpora from the package versions their corpus.json names (bench/models/corpora.py) "
                       "or write the cells to another --results")
     return None

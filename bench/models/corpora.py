@@ -56,7 +56,10 @@ class CorpusError(ElsaError):
 
 def package_version(package: str) -> str:
     """Installed version of a Debian package, or CorpusError naming the apt-get command."""
-    res = subprocess.run(["dpkg-query", "-W", "-f=${Status}\t${Version}", package], capture_output=True, text=True)
+    try:
+        res = subprocess.run(["dpkg-query", "-W", "-f=${Status}\t${Version}", package], capture_output=True, text=True)
+    except OSError as err:  # no dpkg: not a Debian system
+        raise CorpusError(f"dpkg-query cannot run here ({err.strerror or err}): the corpora are built from Debian packages") from None
     status, _, version = res.stdout.partition("\t")
     if res.returncode != 0 or not status.endswith(" installed"):
         raise CorpusError(f"Debian package {package!r} is not installed; run: apt-get install -y {package}")
@@ -316,29 +319,15 @@ def split_documents(names: list[str], seed: int, fractions: tuple[float, float],
 
 
 def is_complete(out: Path, name: str, seed: int, prune: float = 0.0) -> bool:
-    """Whether ``out`` holds a finished corpus of this name, seed, prune fraction and format, built from the package
-    versions installed here (another version is another text: it is rebuilt; a package no longer installed keeps it)."""
+    """Whether ``out`` holds a finished corpus of this name, seed, prune fraction and format (whatever package versions
+    built it: ``--force`` rebuilds from those installed; bench/device/ship.py names the versions cells ran on)."""
     try:
         meta = json.loads((out / "corpus.json").read_text())
     except (OSError, ValueError):
         return False
     return (meta.get("name") == name and meta.get("seed") == seed and meta.get("format_version") == FORMAT_VERSION
             and meta["held_out_fractions"].get("prune", 0.0) == prune
-            and all((out / f"{s}.jsonl").is_file() for s in splits_of(prune))
-            and not stale_packages(meta.get("packages") or {}))
-
-
-def stale_packages(packages: dict[str, str]) -> dict[str, str]:
-    """{package: version installed here} of those installed at another version than ``packages`` names."""
-    stale = {}
-    for package, version in packages.items():
-        try:
-            here = package_version(package)
-        except CorpusError:  # not installed: nothing to rebuild from
-            continue
-        if here != version:
-            stale[package] = here
-    return stale
+            and all((out / f"{s}.jsonl").is_file() for s in splits_of(prune)))
 
 
 def build_corpus(name: str, out: Path, seed: int = 0, held_out: tuple[float, float] = (0.05, 0.05),

@@ -18,6 +18,14 @@ from elsa_ds.zero.engine import model_dtype
 STALE_LOCK_S = 20 * 60
 
 
+def job_device() -> str:
+    """Where the job's ranks compute: "cpu" under DeepSpeed's CPU accelerator (also a CUDA box's with
+    DS_ACCELERATOR=cpu), else "cuda"."""
+    from deepspeed.accelerator import get_accelerator
+
+    return "cpu" if get_accelerator().device_name() == "cpu" else "cuda"
+
+
 def cpu_bf16_fallback(ds: dict) -> str | None:
     """On a CPU with no fast bf16 matmul, switch the engine's bf16 off (in place) and say so; None when nothing changed.
 

@@ -173,8 +173,8 @@ def reused_params(shape: ModelShape, distance: float) -> float:
 
 def _forward_backward(shape: ModelShape, ds: dict, job: Job, micro_batch: int | None, seqlen: int,
                       gradient_checkpointing: bool, device: str) -> float:
-    """Per rank on the device: the gathered parameters (:func:`gathered_params`), the prefetch bucket, a reduce buffer,
-    and the activations."""
+    """Per rank on the device: the gathered parameters (:func:`gathered_params`), the prefetch bucket (what is not
+    gathered already), a reduce buffer, and the activations."""
     zero = ds.get("zero_optimization", {})
     prefetch = float(zero.get("stage3_prefetch_bucket_size", 5e7))
     bucket = float(zero.get("reduce_bucket_size", 5e8))
@@ -187,7 +187,9 @@ def _forward_backward(shape: ModelShape, ds: dict, job: Job, micro_batch: int | 
     # the loss (elsa_ds/loss.py): the logits and their gradient in the model's dtype, fp32 a chunk of rows at a time (the
     # chunk, its softmax in place, logsumexp's temporary)
     acts += b * seqlen * vocab * 2 * job.half + 3 * 4 * min(b * seqlen * vocab, ROW_ELEMENTS)
-    return job.half * (gathered_params(shape, zero, gradient_checkpointing, device) + prefetch) + job.half * bucket + acts
+    gathered = gathered_params(shape, zero, gradient_checkpointing, device)
+    prefetch = min(prefetch, max(0.0, shape.num_params - gathered))  # a model kept whole has nothing left to prefetch
+    return job.half * (gathered + prefetch) + job.half * bucket + acts
 
 
 def _transients(shape: ModelShape, job: Job, groups: list[SubGroup], swapped_fresh: float, forward: float,

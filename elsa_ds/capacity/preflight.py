@@ -163,13 +163,12 @@ def check_schedule(cfg, rank: int) -> None:
 def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
     """The pre-flight check of an ELSA job (meta: the model on the meta device, ds: the engine's config, cfg: ElsaConfig,
     opts: JobOptions): the sequence length against the model's positions, the schedule, then memory and disk."""
-    import torch
+    from elsa_ds.capacity.machine import job_device
 
     check_seqlen(meta.config, cfg.seqlen, cfg.model)
     check_schedule(cfg, int(os.environ.get("RANK", "0")))
     shape = model_shape(meta.config, cfg.targets, model=meta, freeze_embeddings=cfg.freeze_embeddings)
-    job = _Run(meta, ds, cfg, Path(opts.deepspeed).stem, "cuda" if torch.cuda.is_available() else "cpu",
-               int(os.environ.get("LOCAL_SIZE", world)), world)
+    job = _Run(meta, ds, cfg, Path(opts.deepspeed).stem, job_device(), int(os.environ.get("LOCAL_SIZE", world)), world)
     rank = int(os.environ.get("RANK", "0"))
     e = job.estimate()
     zero = ds["zero_optimization"]
@@ -238,7 +237,9 @@ def format_output(parts: dict[str, float], shape: ModelShape, cfg, ds: dict) -> 
                  f"--keep_checkpoints {cfg.keep_checkpoints} and the one being written)")
     else:
         saved = f"no checkpoints (--save_interval 0; each would take {_gib(each)})"
-    return f"disk under --output_dir at its peak (rank 0's node): {_gib(sum(parts.values()))}: {written}; {saved}"
+    # every rank writes its partition of a checkpoint into the one --output_dir (shared by the nodes: the README's
+    # multi-node rule); rank 0 writes the export
+    return f"disk under --output_dir at its peak (the shared folder, all nodes): {_gib(sum(parts.values()))}: {written}; {saved}"
 
 
 def sparse_export_bytes(shape: ModelShape, element: float, cfg, export_format: str) -> float:

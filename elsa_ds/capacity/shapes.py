@@ -3,6 +3,7 @@ meta-device instance built from the config alone (no weights), and the checks th
 from __future__ import annotations
 
 import difflib
+import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,29 +60,38 @@ def resolve_model_config(model: str):
         return AutoConfig.from_pretrained(shipped, trust_remote_code=False)
     try:
         return AutoConfig.from_pretrained(model, trust_remote_code=False, local_files_only=True)  # the hub's cache
-    except (OSError, ValueError):
-        pass
+    except OSError:
+        cached = "not in the Hugging Face cache"
+    except ValueError as err:
+        cached = f"not usable from the Hugging Face cache ({str(err).splitlines()[0]})"
     ids = sorted(str(c.parent.relative_to(SHIPPED_CONFIGS)) for c in SHIPPED_CONFIGS.glob("*/*/config.json"))
     near = difflib.get_close_matches(model, ids, n=3, cutoff=0.6)
     where = (f"not a directory, not shipped in {SHIPPED_CONFIGS}" + (f" (did you mean {' or '.join(near)}?)" if near else
              f" (shipped: {', '.join(ids)})"))
     if (offline := hub_unreachable()) is not None:  # say so now, not after the hub client's retries (~25 s)
-        raise ElsaError(f"cannot resolve model {model!r}: {where}, not in the Hugging Face cache, and {offline}")
+        raise ElsaError(f"cannot resolve model {model!r}: {where}, {cached}, and {offline}")
     try:
         return AutoConfig.from_pretrained(model, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ElsaError(f"cannot resolve model {model!r}: {where}, and not loadable ({str(err).splitlines()[0]})") from None
 
 
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
 def hub_unreachable(timeout: float = 3.0) -> str | None:
-    """Why the Hugging Face hub cannot be asked now (offline mode, or its host unknown or unreachable), or None."""
+    """Why the Hugging Face hub cannot be asked now (offline mode, or its host unknown or unreachable), or None; behind a
+    proxy (which the hub client uses and a direct connection would not) the hub client is left to say."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    if any(os.environ.get(v) for v in PROXY_VARIABLES):
+        return None
+    endpoint = urlparse(constants.ENDPOINT)
+    host = endpoint.hostname or "huggingface.co"
     try:
-        socket.create_connection((host, 443), timeout=timeout).close()
+        socket.create_connection((host, endpoint.port or (80 if endpoint.scheme == "http" else 443)), timeout=timeout).close()
     except OSError as err:
         return f"the hub ({host}) cannot be reached from here ({err.strerror or err})"
     return None

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from elsa_ds.capacity import machine, preflight
 from elsa_ds.capacity.memory import model_shape
 from elsa_ds.capacity.shapes import check_nvme_param_buffers
@@ -53,7 +51,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
                         "--leaf_layers or use a config whose parameters stay in memory (zero3_offload, zero3)")
     if ds_config.uses_nvme and (why := machine.nvme_unavailable()):
         raise ElsaError(why)
-    if engine_used and (why := ds.base_optimizer_problem(cfg, "cuda" if torch.cuda.is_available() else "cpu")):
+    if engine_used and (why := ds.base_optimizer_problem(cfg, machine.job_device())):
         raise ElsaError(why)
     check_goals(cfg, meta)
     check_init_mask(cfg, meta)
