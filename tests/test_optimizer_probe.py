@@ -26,7 +26,13 @@ def _adam_s(shape, rates) -> float:
     return shape.trainable_params / rates.adam  # one rank's DeepSpeedCPUAdam pass: what the ratios multiply
 
 
-def test_the_jobs_own_optimizer_is_timed_here_and_prices_its_step_and_projection():
+# the probe's own budget (30 s) is for users' hosts; a CI host running two test workers on 2 cores can take longer, which
+# would leave the profile's ratios (the test below then checks that path): the tests that time give it room
+LOADED_HOST_BUDGET_S = 300.0
+
+
+def test_the_jobs_own_optimizer_is_timed_here_and_prices_its_step_and_projection(monkeypatch):
+    monkeypatch.setattr(optimizer_probe, "PROBE_BUDGET_S", LOADED_HOST_BUDGET_S)
     view, cfg, shape, ds = _job("zero3_offload_elsal")
     timed = measure_optimizer(cfg, view)
     assert timed is not None and timed.key == "adam8bit_minifloat"  # ELSA-L's base, as its JSON sets it

@@ -94,6 +94,9 @@ def test_the_demo_jobs_micro_step_is_timed_on_two_real_ranks_and_the_estimate_ta
     # the ranks start as the job's do: DeepSpeed's 66 MiB /dev/shm buffer of each is unlinked (it leaked every probe)
     left = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{ports[0]}_*"))
     assert not left, left
+    from elsa_ds.capacity import optimizer_probe  # its budget is for users' hosts; a CI host with two workers is slower
+
+    monkeypatch.setattr(optimizer_probe, "PROBE_BUDGET_S", 300.0)
     assert main_estimate(["--deepspeed", "zero3_offload", "--num_gpus", "2", "--accelerator", "cpu", "--measure", "--steps", "12",
                           "--json"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
