@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child)
         return 0
+    from transformers import AutoConfig
+
     from elsa_ds.capacity.memory import gathered_params, model_shape
-    from elsa_ds.models import load_config
     from elsa_ds.zero.ds_config import DsConfig
 
     rows = []
@@ -123,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         zero = {k: v * scale for k, v in DsConfig.load(shipped).zero.items() if k in KNOBS}
         if reuse is not None:
             zero["stage3_max_reuse_distance"] = reuse
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "config.json").write_text(json.dumps(config))
-            shape = model_shape(load_config(tmp))
+        shape = model_shape(AutoConfig.for_model(**config))  # the config the child builds its model from
         first, *later = run_case(config, zero)
         estimate = gathered_params(shape, zero, False, "cuda")
         rows.append({"case": name, "config": shipped, "scale": scale, "params": shape.num_params,

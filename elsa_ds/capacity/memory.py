@@ -165,7 +165,7 @@ def reused_params(shape: ModelShape, distance: float) -> float:
     its trace says it is used again within ``distance`` entries (``__params_to_release``), and what its prefetcher looked
     ahead at stays too. Measured on real engines (``bench/gathered.py``: Gemma shapes from 270M to 27B and the shipped
     knobs, all scaled alike; a 2 M-entry model whole in tests/test_memory_engine.py): the model up to ``distance``
-    entries, and the output head at least (used again at once by its backward), 0.95-1.04x of what stayed. The shipped
+    entries, and the output head at least (used again at once by its backward), 0.99-1.04x of what stayed. The shipped
     1e9 keeps Gemma-3 270M and 1B whole, 1e9 entries of a 2B-9B, and the head alone of a 27B."""
     head = float(shape.largest_param if shape.tied else shape.vocab * shape.hidden)
     return min(float(shape.num_params), max(head, distance))
@@ -244,12 +244,13 @@ def _totals(per_rank: dict, lazy: dict, transients: dict, shape: ModelShape, job
     ws = breakdown["workspace"]
     ws["per_gpu"] = max(0.0, peak_gpu - sum(v["per_gpu"] for v in breakdown.values()))
     ws["per_node_cpu"] = max(0.0, peak_cpu - sum(v["per_node_cpu"] for v in breakdown.values()))
+    nvme = sum(v["nvme"] for v in breakdown.values())
     return Estimate(
         num_params=shape.num_params, pruned_params=shape.pruned_params, world_size=job.world,
         per_gpu_bytes=sum(v["per_gpu"] for v in breakdown.values()),
         per_node_cpu_bytes=sum(v["per_node_cpu"] for v in breakdown.values()),
-        nvme_bytes=sum(v["nvme"] for v in breakdown.values()), breakdown=breakdown, phases=phases, num_gpus=num_gpus,
-        num_nodes=job.world // num_gpus, per_node_nvme_bytes=sum(v["nvme"] for v in breakdown.values()) * num_gpus / job.world,
+        nvme_bytes=nvme, breakdown=breakdown, phases=phases, num_gpus=num_gpus, num_nodes=job.world // num_gpus,
+        per_node_nvme_bytes=nvme * num_gpus / job.world,
     )
 
 
