@@ -114,9 +114,10 @@ ESTIMATE_SHARED: dict[type[BaseModel], tuple[str, ...]] = {
 ESTIMATE_REFUSED = ("method", "finetune")
 
 
-def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) -> ElsaConfig:
+def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) -> tuple[ElsaConfig, str | None]:
     """The ElsaConfig of the job elsa-estimate sizes, resolved as elsa-prune resolves it: flags over the JSON's ``elsa``
-    block and a recipe, then the defaults rule (which may start from a SparseGPT-pruned model: a one-shot warm start)."""
+    block and a recipe, then the defaults rule (which may start from a SparseGPT-pruned model: a one-shot warm start);
+    and the line saying what the rule set (None if nothing), for the caller to print once nothing refuses the job."""
     from elsa_ds.capacity.memory import model_config
     from elsa_ds.capacity.preflight import check_schedule
     from elsa_ds.methods import ELSA
@@ -133,10 +134,9 @@ def estimated_job(args: argparse.Namespace, opts: EstimateOptions, ds_config) ->
         raise ElsaError(f"elsa-estimate sizes ELSA jobs, but the command line, the recipe or the JSON's elsa block sets {what}; "
                         "a one-shot or retraining job's host memory is checked by elsa-prune itself before it loads anything")
     cfg, defaults = apply_defaults(cfg, model_config(cfg.model))
-    if defaults["applied"]:
-        log.info("from the defaults rule: " + "; ".join(f"{k} {v}" for k, v in defaults["applied"].items()))
     check_schedule(cfg, rank=0)  # what the job would refuse or warn about in its schedule, said here too
-    return cfg
+    applied = "; ".join(f"{k} {v}" for k, v in defaults["applied"].items())
+    return cfg, f"from the defaults rule: {applied}" if applied else None
 
 
 def job_only_flags() -> dict[type[BaseModel], tuple[str, ...]]:
@@ -167,7 +167,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
     start_logging(args)
 
     def go() -> None:
-        from elsa_ds.capacity.memory import format_estimate, job_estimate, resolved_job
+        from elsa_ds.capacity.machine import this_gpu
+        from elsa_ds.capacity.memory import format_estimate, gpu_room_note, job_estimate, resolved_job
         from elsa_ds.capacity.preflight import format_output, output_bytes
         from elsa_ds.capacity.probe import measure_job
         from elsa_ds.capacity.optimizer_probe import measure_optimizer
@@ -180,10 +181,12 @@ def main_estimate(argv: list[str] | None = None) -> int:
         if left:
             log.info(f"not used by the estimate (the job's data, output, checkpoints and method settings): {', '.join(left)}")
         ds_config = DsConfig.load(args.deepspeed)
-        cfg = estimated_job(args, opts, ds_config)
+        cfg, rule = estimated_job(args, opts, ds_config)
         if why := ds_config.base_optimizer_problem(cfg, opts.accelerator):
             raise ElsaError(why)
         shape, ds = resolved_job(cfg, ds_config, opts.num_gpus * opts.num_nodes)
+        if rule:  # said once the job's settings pass: a refusal is the one line a refused command prints
+            log.info(rule)
         est = job_estimate(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator)
         typical = TYPICAL[DEFAULT_MACHINE[opts.accelerator] if opts.machine == "auto" else opts.machine]
         rates = measure(opts.accelerator, typical, *job_matmul(shape, ds, cfg)) if opts.measure else typical
@@ -194,6 +197,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
         timing = step_time(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates, timed, optimizer)
         # the table and the JSON line are the command's product: stdout, whatever the log level
         print(format_estimate(est, opts.model or cfg.model, args.deepspeed, opts.num_gpus, opts.num_nodes), flush=True)
+        if opts.accelerator == "cuda" and (note := gpu_room_note(est, this_gpu())):
+            print(note, flush=True)
         written = output_bytes(shape, ds, cfg, args.export_format or "dense")
         print(format_time(timing), flush=True)
         print(format_output(written, shape, cfg, ds), flush=True)

@@ -129,6 +129,32 @@ def test_estimate_entry_point_json_and_errors(tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "elsa_ds: error" in bad.stderr
 
 
+def test_a_refused_estimate_says_its_one_line_and_a_gpu_total_past_the_measured_gpus_gets_a_note(capsys):
+    from elsa_ds.cli import main_estimate
+
+    job = ["--model", "google/gemma-2-27b", "--deepspeed", "zero3", "--steps", "4096", "--batch_size", "8", "--seqlen", "2048"]
+    assert main_estimate([*job, "--micro_batch", "3"]) == 2  # refused after the defaults rule resolved the job
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and "multiple of 3" in out.err
+    assert main_estimate([*job, "--num_gpus", "8", "--accelerator", "cuda"]) == 0  # ~90 GiB per GPU: an H200's, not an H100's
+    out = capsys.readouterr().out
+    assert "from the defaults rule" in out
+    note = next(line for line in out.splitlines() if line.startswith("note:"))
+    assert "more than an 80 GB H100 holds" in note and "a 141 GB H200 holds it" in note and "optimizer" in note
+
+
+def test_the_gpu_note_names_the_gpu_it_compares_with():
+    from elsa_ds.capacity.memory import Estimate, gpu_room_note
+
+    def est(gib: float) -> Estimate:
+        return Estimate(1, 1, 1, gib * GIB, 0.0, 0.0, breakdown={"activations": {"per_gpu": gib * GIB}})
+
+    assert gpu_room_note(est(70)) is None
+    assert "more than a 141 GB H200 holds" in gpu_room_note(est(150)) and "holds it" not in gpu_room_note(est(150))
+    assert gpu_room_note(est(30), ("this machine's GPU (L4)", 22.0 * GIB)).startswith(
+        "note: 30.0 GiB per GPU is more than this machine's GPU (L4) holds (22.0 GiB to CUDA)")
+    assert gpu_room_note(est(20), ("this machine's GPU (L4)", 22.0 * GIB)) is None
+
 def _scale_job(layers: int, ranks: int = 1, freeze: bool = True):
     """bench/scale.py's model (Gemma-2-27B shapes, ``layers`` decoder layers) and its fitted zero3_nvme config."""
     from transformers import AutoConfig

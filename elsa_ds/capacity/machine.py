@@ -73,3 +73,11 @@ def stale_build_locks(now: float | None = None) -> list[str]:
                          f"there: a build killed half-way leaves it and every later build waits on it forever; delete "
                          f"it if no other build is running")
     return found
+
+
+def this_gpu() -> tuple[str, float] | None:
+    """This machine's first CUDA GPU as (name, the bytes CUDA reports it holds), or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return f"this machine's GPU ({props.name})", float(props.total_memory)

@@ -371,3 +371,24 @@ def format_estimate(est: Estimate, model: str, deepspeed: str, num_gpus: int, nu
         # NVMe: the job's whole (est.nvme_bytes, --json), each node's own disk holding its ranks' share
         lines.append(f"{name:12s} {gpu / gib:10.2f} GiB {cpu / gib:12.2f} GiB {nvme / num_nodes / gib:12.2f} GiB")
     return "\n".join(lines)
+
+
+# the memory CUDA reports (torch.cuda.mem_get_info's total) on the GPUs the device kit ran on (bench/results/device_check_*)
+MEASURED_GPUS = (("an 80 GB H100", 79.2 * 2 ** 30), ("a 141 GB H200", 139.8 * 2 ** 30))
+
+
+def gpu_room_note(est: Estimate, this_gpu: tuple[str, float] | None = None) -> str | None:
+    """A note when the per-GPU total is more than a GPU holds: this machine's (``(name, total bytes)``) where it has one,
+    else the GPUs measured (an H100's 80 GB, an H200's 141 GB); None when it fits. The job's own check compares with the
+    GPU it gets."""
+    gib = 2 ** 30
+    gpus = [this_gpu] if this_gpu else list(MEASURED_GPUS)
+    over = [(name, total) for name, total in gpus if est.per_gpu_bytes > total]
+    if not over:
+        return None
+    fits = [name for name, total in gpus if est.per_gpu_bytes <= total]
+    rows = sorted(((row["per_gpu"], name) for name, row in est.breakdown.items()), reverse=True)[:3]
+    return (f"note: {est.per_gpu_bytes / gib:.1f} GiB per GPU is more than {over[-1][0]} holds ({over[-1][1] / gib:.1f} GiB to "
+            f"CUDA){f'; {fits[0]} holds it' if fits else ''}. Largest: {', '.join(f'{n} {b / gib:.1f} GiB' for b, n in rows)}: "
+            "ZeRO-3 divides parameters, gradients and optimizer states by the ranks (more GPUs, --num_nodes) or moves them "
+            "to the host (an offload config); activations shrink with --gradient_checkpointing and a smaller --micro_batch")
