@@ -14,6 +14,12 @@ tensors are below the shipped 1e5-entry threshold, the 270M's projections above 
 would be fetched); its report's mean step time (the first step left out). The two ``--arms`` (:data:`ARMS`) alternate
 A, B, B, A, ... so both see the same machine; the ratio is of the medians (A's over B's). Both arms' final losses are
 printed: the same to float rounding.
+
+The ``reference`` arm is the floor without DeepSpeed: ``elsa_ds/reference.py``'s single-process ELSA (the same
+AdmmOptimizer over torch's Adam, the same loss and batches, the job's settings after the defaults rule) in one plain
+process, fp32 weights and the forward under autocast to the job's compute dtype; its mean step leaves out the first, as
+the report's does. Its math is not the job's to the bit (its own random init, autocast's casts): its loss (the model's
+on the last batch, after the run) is printed, not compared.
 """
 from __future__ import annotations
 
@@ -52,7 +58,7 @@ def build_model(folder: Path, layers: int, width: int) -> Path:
 # an arm: (--leaf_layers, zero_optimization.memory_efficient_linear in its config: None leaves DeepSpeed's default, its
 # linear wrapper (an autograd Function); False: torch's F.linear, whose saved weight views keep each gathered weight
 # until its backward)
-ARMS = {"plain": (False, None), "leaf": (True, None), "leaf_torch_linear": (True, False)}
+ARMS = {"plain": (False, None), "leaf": (True, None), "leaf_torch_linear": (True, False), "reference": (False, None)}
 
 
 def config(folder: Path, base: str, persistence: int, wrapped: bool | None = None) -> Path:
@@ -83,6 +89,70 @@ def run(model: Path, out: Path, leaf: bool, ds_config: Path, args) -> dict:
     return {"leaf_layers": leaf, "step_time_s": report["step_time_s"], "final_loss": report["final_loss"]}
 
 
+def run_reference(model: Path, ds_config: Path, args) -> dict:
+    """The ``reference`` arm in a process of its own (the jobs' imports and threads as fresh as theirs)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--reference_child", str(model), "--deepspeed", str(ds_config),
+           *(f"--{k}={getattr(args, k)}" for k in ("steps", "batch", "seqlen"))]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {"leaf_layers": False, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def reference_child(model_dir: Path, args) -> dict:
+    """ELSA through ``train_reference`` with the job's settings (as the launcher arms run it); its mean step after the
+    first, and the final loss."""
+    import time
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from elsa_ds import reference
+    from elsa_ds.capacity.machine import cpu_bf16_fallback
+    from elsa_ds.capacity.memory import model_config
+    from elsa_ds.data import GlobalBatches, load_blocks
+    from elsa_ds.loss import next_token_loss
+    from elsa_ds.models import load_causal_lm
+    from elsa_ds.plan.defaults_applied import apply_defaults
+    from elsa_ds.settings.config import resolve_config
+    from elsa_ds.targets import select_targets
+    from elsa_ds.zero.ds_config import DsConfig
+    from elsa_ds.zero.engine import model_dtype
+
+    raw = DsConfig.load(str(args.deepspeed)).raw
+    cpu_bf16_fallback(raw)  # the job's compute dtype on this CPU
+    cfg = resolve_config(raw, {"model": str(model_dir), "dataset": "shakespeare", "method": "elsa", "sparsity": 0.9,
+                               "steps": args.steps, "batch_size": args.batch, "micro_batch": args.batch, "seqlen": args.seqlen,
+                               "init_mask": "none", "val_windows": 0, "baseline": "none", "gradient_checkpointing": False})
+    cfg, _ = apply_defaults(cfg, model_config(str(model_dir)))
+    blocks = load_blocks(cfg.dataset, "train", AutoTokenizer.from_pretrained(model_dir), cfg.seqlen,
+                         max_blocks=cfg.steps * args.batch)
+    model = load_causal_lm(str(model_dir), torch.float32, random_init=True)
+    forward, dtype = model.forward, model_dtype(raw)
+
+    def autocast_forward(*a, **k):  # the job's compute dtype; a bf16 model's own Adam and ADMM steps are ~10x slower here
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not torch.float32):
+            return forward(*a, **k)
+
+    model.forward = autocast_forward
+    starts: list[float] = []
+
+    class Timed(reference.AdmmOptimizer):  # type: ignore[misc, valid-type]
+        def begin_step(self, step: int) -> None:
+            starts.append(time.perf_counter())
+            super().begin_step(step)
+
+    reference.AdmmOptimizer = Timed
+    reference.train_reference(model, cfg, GlobalBatches(blocks, args.batch, args.batch, 1, 0, cfg.seed),
+                              select_targets(model, cfg.targets), raw.get("gradient_clipping"))
+    starts.append(time.perf_counter())
+    with torch.no_grad():
+        ids = GlobalBatches(blocks, args.batch, args.batch, 1, 0, cfg.seed).micro_batches(cfg.steps - 1)[0]
+        loss = next_token_loss(model(input_ids=ids, use_cache=False).logits, ids).item()
+    steps = [b - a for a, b in zip(starts, starts[1:])][1:]
+    return {"step_time_s": sum(steps) / len(steps), "final_loss": loss}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=18, help="decoder layers [18: Gemma-3 270M's]")
@@ -95,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--persistence", type=int, default=0, help="stage3_param_persistence_threshold [0: all partitioned]")
     ap.add_argument("--arms", default="plain,leaf", help=f"A,B: two of {', '.join(ARMS)} [plain,leaf]")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--reference_child", type=Path, help=argparse.SUPPRESS)  # the reference arm's own process
     args = ap.parse_args(argv)
+    if args.reference_child:
+        print(json.dumps(reference_child(args.reference_child, args)))
+        return 0
     arms = args.arms.split(",")
     if len(arms) != 2 or len(set(arms)) != 2 or not set(arms) <= set(ARMS):
         ap.error(f"--arms {args.arms!r}: two different names of {', '.join(ARMS)}, comma-separated")
@@ -106,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             a, b = arms if r % 2 == 0 else arms[::-1]
             for arm in (a, b, b, a):
-                runs.append(run(model, Path(tmp) / f"out_{len(runs)}", ARMS[arm][0], configs[arm], args) | {"arm": arm, "round": r})
+                one = (run_reference(model, configs[arm], args) if arm == "reference" else
+                       run(model, Path(tmp) / f"out_{len(runs)}", ARMS[arm][0], configs[arm], args))
+                runs.append(one | {"arm": arm, "round": r})
                 print(f"round {r} {arm}: {runs[-1]['step_time_s']:.4f} s a step, final loss {runs[-1]['final_loss']:.6f}",
                       flush=True)
     median = {arm: statistics.median(x["step_time_s"] for x in runs if x["arm"] == arm) for arm in arms}

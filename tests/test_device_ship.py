@@ -257,7 +257,7 @@ def test_the_estimate_learns_from_finished_cells_of_the_same_device():
     assert est.seconds(curve.Cell("elsa", 0.9, 1000), 3) == pytest.approx(50.0 + 1000 * 0.3)
     assert est.seconds(curve.Cell("elsa", 0.9, 1000, batch=32), 3) == pytest.approx(50.0 + 2000 * 0.3)  # two forwards a step
     assert est.seconds(curve.Cell("sparsegpt", 0.9, 0), 3) == estimate.PRIOR_OVERHEAD_S["oneshot"]
-    sized = estimate.Estimator("H", lines, micro_batch=16, model=str(DEMO_MODEL_DIR), deepspeed="ds_configs/zero3.json", seqlen=64)
+    sized = estimate.Estimator("H", lines, micro_batch=16, model=str(DEMO_MODEL_DIR), deepspeed=str(ROOT / "ds_configs/zero3.json"), seqlen=64)
     big, small = curve.Cell("elsa", 0.9, 10, batch=32), curve.Cell("wanda+ft", 0.9, 10, batch=8)
     assert sized.gpu_bytes(big) == pytest.approx(1.5 * sized.estimate(big)) and sized.estimate(big) > sized.estimate(small) > 0
     assert est.gpu_bytes(curve.Cell("dense", None, 0)) == estimate.OTHER_GPU_BYTES
@@ -301,9 +301,36 @@ def test_the_estimate_prices_the_next_cells_from_those_that_stepped_as_they_will
     assert per_token and 1e-9 < per_token < 1e-6  # the demo: 4.2 M parameters at 400 TFLOP/s
     wide = curve.Cell("elsa", 0.9, 1000, batch=32)  # one forward of 32 x 512 where 8 x 512 was measured: 4 cells share it
     assert est.seconds(wide, 4) == pytest.approx(200.0 + 1000 * (0.25 + 24 * 512 * per_token * 4))
+    est.add(line("elsa", 0.45, 200.0 + 45.0, batch=32) | new)  # a 32 x 512 forward prices neither 8 x 512's nor a smaller one
+    assert est.seconds(elsa, 4) == pytest.approx(200.0 + 1000 * 0.25)  # the cell's own tokens a forward
+    assert est.seconds(wide, 4) == pytest.approx(200.0 + 1000 * 0.45)
+    assert est.seconds(curve.Cell("elsa", 0.9, 1000, batch=64), 4) == pytest.approx(  # two forwards of 32 x 512: measured
+        200.0 + 2000 * 0.45)
     est.leaf_layers = est.torch_linear = False  # a fallback: the cells from now on step as the old ones
     assert est.seconds(wanda, 4) == pytest.approx(120.0 + 1000 * 0.5)  # the old regime's (wanda+ft's without checkpointing)
     assert estimate.regime({}) == (True, False, False) and estimate.regime(new) == (False, True, True)
+
+
+def test_a_cell_is_priced_with_the_start_it_will_have():
+    """The rule starts ELSA from SparseGPT's model below 2048 steps and from the dense weights from there (as the dense and
+    adaptive settings always do): a one-shot start's seconds are in the overhead of the first, not of the second (a
+    review: the 2048-step cells were priced with SparseGPT's start in and never fitted a loan)."""
+    def line(settings, wall_s, init_mask, steps=512):
+        return {"device": "H", "status": "ok", "kind": "train", "method": "elsa", "settings": settings, "sparsity": 0.9,
+                "steps": steps, "batch": 8, "seqlen": 512, "step_s": 0.2, "wall_s": wall_s + steps * 0.2,
+                "settings_used": {"init_mask": init_mask}}
+
+    rule, many = curve.Cell("elsa", 0.9, 512), curve.Cell("elsa", 0.9, 2048)
+    assert estimate.starts_pruned("elsa", "rule", 0.9, 512) and not estimate.starts_pruned("elsa", "rule", 0.9, 2048)
+    assert not estimate.starts_pruned("elsa", "rule", 0.95, 512) and not estimate.starts_pruned("elsa", "dense", 0.9, 512)
+    assert estimate.starts_pruned("wanda+ft", "rule", 0.9, 2048) is None
+    est = estimate.Estimator("H", [line("rule", 230.0, "sparsegpt")], model=None, seqlen=512)
+    assert est.seconds(many, 4) == pytest.approx(230.0 + 2048 * 0.2)  # nothing from the dense start yet: the kind's largest
+    est.add(line("dense", 150.0, "none"))
+    assert est.seconds(many, 4) == pytest.approx(150.0 + 2048 * 0.2)  # the dense start's, under another setting
+    assert est.seconds(rule, 4) == pytest.approx(230.0 + 512 * 0.2)
+    est.add(line("rule", 160.0, None, steps=2048))  # its own, once measured
+    assert est.seconds(many, 4) == pytest.approx(160.0 + 2048 * 0.2)
 
 
 def test_cells_start_only_while_their_gpu_peaks_fit_beside_the_running_ones(tmp_path, monkeypatch):
@@ -458,6 +485,82 @@ def test_a_cell_that_fails_with_leaf_layers_runs_again_without_and_so_do_the_res
     ok = [json.loads(x) for x in (tmp_path / "cells.jsonl").read_text().splitlines()]
     assert [x["status"] for x in ok] == ["failed", "ok", "ok"]
 
+
+def test_a_cell_that_fails_without_the_new_flags_too_gives_them_back_to_the_rest(tmp_path, monkeypatch):
+    """An out-of-memory or a port race is not the new flags' fault: when the cell fails again without them, the cells
+    after it take them again (a review: one unrelated failure cost a loan's later cells their faster steps)."""
+    calls: list[tuple[str, bool]] = []
+
+    def fake_cell(cell, run):
+        calls.append((cell.method, run.leaf_layers))
+        line = {"key": cell.key(run.seqlen), "kind": cell.kind, "steps": cell.steps, "wall_s": 0.1, "leaf_layers": run.leaf_layers}
+        return line | ({"status": "failed", "phase": "prune", "rc": 1} if cell.method == "elsa" else {"status": "ok"})
+
+    monkeypatch.setattr(curve, "run_cell", fake_cell)
+    run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 1, {}, leaf_layers=True)
+    estimator = estimate.Estimator("H", [], micro_batch=64, deepspeed="z", leaf_layers=True)
+    lines, _ = curve.schedule([curve.Cell("elsa", 0.9, 1), curve.Cell("wanda+ft", 0.9, 1)], run, estimator, tmp_path / "c.jsonl")
+    assert calls == [("elsa", True), ("elsa", False), ("wanda+ft", True)] and run.leaf_layers and estimator.leaf_layers
+
+
+def test_the_many_steps_retraining_waits_for_its_elsa_cell_and_a_cut_cell_is_priced_at_least_its_time(tmp_path, monkeypatch):
+    started: list[str] = []
+    monkeypatch.setattr(curve, "run_cell", lambda cell, run: started.append(cell.method) or {
+        "key": cell.key(run.seqlen), "kind": cell.kind, "steps": cell.steps, "wall_s": 0.1, "status": "ok"})
+    steps, batch = curve.MANY_STEPS
+    cells = [curve.Cell(m, 0.9, steps, batch=batch) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
+    line = {"device": "H", "status": "ok", "kind": "train", "method": "wanda+ft", "settings": "rule", "steps": 100,
+            "batch": 8, "seqlen": 512, "step_s": 0.2, "wall_s": 100.0 + 20.0}
+    cut = {"device": "H", "status": "cut", "key": cells[0].key(512), "kind": "train", "wall_s": 5000.0}
+    estimator = estimate.Estimator("H", [line, cut], micro_batch=32, model=None, seqlen=512)
+    assert estimator.seconds(cells[0], 4) == 5000.0  # cut once at a loan's deadline: it needs more than it had
+    assert estimator.seconds(cells[2], 4) == pytest.approx(100.0 + steps * 0.2)
+    run = curve.Run("m", "t", "t", "t", 512, 32, "z", 4, tmp_path, time.time() + 1000, 4, {})
+    _, skipped = curve.schedule(cells, run, estimator, tmp_path / "c.jsonl")
+    assert started == [] and len(skipped) == 3  # the retraining cells would fit, but not ELSA's: none starts
+    assert estimator.gpu_bytes(curve.Cell("elsa", 0.9, 1)) == 0.0  # no model: nothing predicted
+
+
+def test_an_elsa_cells_gpu_peak_is_priced_from_elsa_cells_or_the_prior():
+    def line(method, ratio):
+        return {"device": "H", "status": "ok", "kind": "train", "method": method, "steps": 1, "peak_gpu_bytes": ratio * 1e9,
+                "est_gpu_bytes": 1e9}
+
+    est = estimate.Estimator("H", [line("wanda+ft", 0.9)], model=str(DEMO_MODEL_DIR), seqlen=64)
+    elsa, wanda = curve.Cell("elsa", 0.9, 10), curve.Cell("wanda+ft", 0.9, 10)
+    assert est.gpu_bytes(elsa) == pytest.approx(estimate.PRIOR_GPU_RATIO * est.estimate(elsa))  # retraining's says less
+    assert est.gpu_bytes(wanda) == pytest.approx(0.9 * est.estimate(wanda))
+    est.add(line("elsa", 1.05))
+    assert est.gpu_bytes(elsa) == pytest.approx(1.05 * est.estimate(elsa))
+
+
+def test_a_call_cut_while_it_follows_the_runner_still_returns_the_cells_that_ended(tmp_path):
+    """quality.sh copies the runner's lines and log to $OUT as they come, and once more when the device tool's limit
+    stops the call (a review: only the call's normal end copied them, so a cut wait brought back none)."""
+    runs, out = tmp_path / "runs", tmp_path / "OUT"
+    runs.mkdir()
+    runner = subprocess.Popen(["sleep", "60"])
+    try:
+        (runs / "pid").write_text(str(runner.pid))
+        (runs / "log").write_text("[curve] start a\n")
+        (runs / "cells.jsonl").write_text('{"key": "a", "status": "ok"}\n')
+        env = {**os.environ, "ELSA_CURVE": str(runs), "OUT": str(out), "ELSA_SHIP": str(tmp_path / "ship")}
+        follow = subprocess.Popen(["bash", "bench/device/quality.sh", "--dry-run", "wait", "50"], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 30
+        while not (out / "cells.jsonl").is_file() and time.time() < deadline:
+            time.sleep(0.5)
+        assert (out / "cells.jsonl").read_text() == '{"key": "a", "status": "ok"}\n'  # while the call goes on
+        with (runs / "cells.jsonl").open("a") as fh:
+            fh.write('{"key": "b", "status": "ok"}\n')
+        follow.terminate()  # the tool's limit
+        stdout, _ = follow.communicate(timeout=30)
+        assert follow.returncode == 143 and "start a" in stdout
+        assert [json.loads(x)["key"] for x in (out / "cells.jsonl").read_text().splitlines()] == ["a", "b"]
+        assert (out / "curve.log").read_text() == "[curve] start a\n" and not list(out.glob("*.part"))
+    finally:
+        runner.kill()
+        runner.wait()
 
 def test_the_torch_linear_config_is_read_as_elsa_prune_reads_a_name_or_a_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # neither a shipped name nor a path relative to the checkout depends on the directory

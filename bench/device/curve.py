@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -219,7 +220,8 @@ def run_cell(cell: Cell, run: Run) -> dict:
     run = replace(run)
     started, out = time.time(), run.work / cell.slug()
     log = run.work / f"{cell.slug()}.log"
-    log.unlink(missing_ok=True)
+    if log.is_file():  # a run of it that failed (with --leaf_layers, torch's linear): its log kept for what went wrong
+        log.replace(log.with_suffix(".failed.log"))
     line = {"key": cell.key(run.seqlen), **asdict(cell), "kind": cell.kind, "seqlen": run.seqlen,
             "tokens": cell.steps * cell.batch * run.seqlen, "deepspeed": run.deepspeed, "concurrency": run.parallel, **run.env}
     if cell.kind == "train":
@@ -312,15 +314,22 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
     ``sink`` at once (a cut call still returns them). Returns (lines, cells not started)."""
     pending, lines, running = list(cells), [], {}
     beside: dict[Cell, set[str]] = {}  # the cells each one shared the GPU and the host with at some point
+    suspects: dict[Cell, tuple[bool, str]] = {}  # a cell run again without the new flags: the flags it had failed with
 
     def room(cell: Cell) -> bool:
         used = sum(estimator.gpu_bytes(c) for c in running.values())
         return run.gpu_memory is None or used + estimator.gpu_bytes(cell) <= GPU_SHARE * run.gpu_memory
 
+    def after_elsa(cell: Cell) -> bool:
+        """A retraining cell of the many-steps budget waits for its ELSA cell to start: alone it answers nothing, and
+        ELSA's is the longest of the three (a review: Wanda + ft alone could take a loan ELSA's never fits)."""
+        return (cell.steps, cell.batch) != MANY_STEPS or cell.method == "elsa" or not any(
+            (c.method, c.settings, c.sparsity, c.steps, c.batch) == ("elsa", "rule", cell.sparsity, *MANY_STEPS) for c in pending)
+
     with ThreadPoolExecutor(run.parallel) as pool:
         while pending or running:
             left = run.deadline - time.time() - MARGIN_S
-            fits = [c for c in pending if estimator.seconds(c, run.parallel) <= left]
+            fits = [c for c in pending if estimator.seconds(c, run.parallel) <= left and after_elsa(c)]
             while len(running) < run.parallel and (cell := next((c for c in fits if room(c)), None)):
                 fits.remove(cell)
                 pending.remove(cell)
@@ -340,8 +349,16 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
                     line["est_gpu_bytes"] = estimator.estimate(cell)
                 lines.append(line)
                 estimator.add(line)
+                if cell in suspects and line.get("status") == "failed" and line.get("phase") == "prune":
+                    # it failed without the new flags too: they were not the cause, the cells from now on take them again
+                    run.leaf_layers, run.torch_linear = suspects.pop(cell)
+                    estimator.deepspeed = run.torch_linear or run.deepspeed
+                    estimator.leaf_layers, estimator.torch_linear = run.leaf_layers, bool(run.torch_linear)
+                    print(f"[curve] {line['key']} failed without them too: the cells from now on take them again", flush=True)
+                flags = (run.leaf_layers, run.torch_linear)
                 if without_new_flags(line, run):  # a loan's cells must not all fail on a new flag: once more without
                     pending.insert(0, cell)
+                    suspects[cell] = flags
                     # the later cells' peaks and steps: as they now run
                     estimator.deepspeed, estimator.leaf_layers, estimator.torch_linear = run.deepspeed, False, False
                 with sink.open("a") as fh:
@@ -405,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="cells at once on the one GPU [4: a step is bound by its own process's host time, 0.50-0.63 s "
                          "with 3 at once as alone (2026-11-28), and the 16-core host has room; GPU peaks are gated]")
     ap.add_argument("--budget_s", type=float, default=540.0, help="start no cell that would end after this [540]")
+    ap.add_argument("--deadline", type=float, default=None, help="the same as a Unix time, whichever is sooner (quality.sh's "
+                    "count from its call's start and the loan's: this process's imports take some of it) [none]")
     ap.add_argument("--results", type=Path, default=RESULTS, help="cells done before (skipped) [bench/results/...]")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/curve")), help="cells.jsonl goes here")
     ap.add_argument("--work", type=Path, default=Path("/tmp/elsa_cells"), help="models and logs of the running cells")
@@ -419,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    done = done_keys(args.results)
+    done = done_keys(args.results) | done_keys(args.out / "cells.jsonl")  # a runner started again on the same machine
     todo = [c for c in cells if c.key(args.seqlen) not in done]
     if args.list:
         for c in cells:
@@ -447,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = environment() | {"texts": texts, "text_packages": texts_packages(c)}  # each line records them
     run = Run(args.model, text["train"], text["test"], text["linuxdoc"], args.seqlen, args.micro_batch, args.deepspeed,
-              args.eval_limit, args.work, time.time() + args.budget_s, args.parallel, env,
+              args.eval_limit, args.work, min(time.time() + args.budget_s, args.deadline or math.inf), args.parallel, env,
               args.gradient_checkpointing, gpu_memory(), args.profile, args.leaf_layers, torch_linear)
     estimator = Estimator(run.env["device"], read_lines(args.results) + read_lines(args.out / "cells.jsonl"), args.micro_batch,
                           args.gradient_checkpointing, args.model, torch_linear or args.deepspeed, args.seqlen,

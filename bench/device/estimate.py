@@ -5,13 +5,16 @@ seconds a forward, all measured on finished cells of the same GPU (on the H200 a
 tokens': one forward of 8 x 512 cost ~0.6 s with 3 cells at once, 2026-11-28), else the priors below. A forward's seconds
 come from cells that stepped as the next ones will (:func:`regime`: gradient checkpointing, ``--leaf_layers``, torch's
 F.linear: each changes the host's time a step), of the same method where measured, from the others only until one such
-cell has ended (their slowest then: a cell cut at the deadline costs its whole time); a larger forward than the one
-measured adds its extra FLOPs at the GPU's typical rate, once for every cell sharing the GPU. The overhead (launch, load,
-one-shot start, export, evaluation: whatever the step's regime) is the largest measured for the same method and settings
-(a one-shot start is in it, or not), else for any cell of its kind. GPU bytes: a training
+cell has ended (their slowest then: a cell cut at the deadline costs its whole time); of those, the forwards of the
+cell's own tokens where measured, else the smaller ones plus their extra FLOPs at the GPU's typical rate, once for every
+cell sharing the GPU, else the larger ones as measured (an upper bound). The overhead (launch, load, one-shot start,
+export, evaluation: whatever the step's regime) is the largest measured for the same method, settings and start (an
+ELSA cell's SparseGPT start is in it or not: the rule's start depends on the steps, :func:`starts_pruned`), else for the
+same method and start, else for any cell of its kind. GPU bytes: a training
 cell's is elsa_ds's own estimate for its shape (``elsa_ds.capacity.memory.estimate_job``, the ELSA job's, an upper bound
 for retraining's, which keeps no ADMM states) times the largest measured / estimated ratio of finished cells (each line
-keeps both), else the prior ratio; the curve starts a cell only while the running cells' and its own fit in ``GPU_SHARE``
+keeps both; an ELSA cell's from ELSA cells, the prior among the others' until one is measured), else the prior ratio; a
+cell cut at a deadline takes at least what it had taken (its line's wall_s); the curve starts a cell only while the running cells' and its own fit in ``GPU_SHARE``
 of the GPU's memory.
 """
 from __future__ import annotations
@@ -63,6 +66,25 @@ def regime(line: dict) -> Regime:
             line.get("memory_efficient_linear", True) is False)
 
 
+def starts_pruned(method: str, settings: str, sparsity: float | None, steps: int) -> bool | None:
+    """Whether an ELSA cell starts from SparseGPT's model (its overhead then holds the one-shot): the rule's choice for the
+    ``rule`` and ``held`` settings (a short budget up to 90 %), never for the others; None for other methods (a retraining
+    cell's one-shot is always in it)."""
+    from elsa_ds.settings.defaults import rule_warm_start
+
+    if method != "elsa":
+        return None
+    return settings in ("rule", "held") and rule_warm_start(sparsity or 0.0, steps)
+
+
+def line_start(line: dict) -> bool | None:
+    """:func:`starts_pruned` of a finished cell: what its report says it started from, else what the rule gave it."""
+    used = line.get("settings_used") or {}
+    if line.get("method") == "elsa" and "init_mask" in used:
+        return used["init_mask"] not in (None, "none")
+    return starts_pruned(line.get("method", ""), line.get("settings", "rule"), line.get("sparsity"), line.get("steps", 0))
+
+
 @lru_cache(maxsize=None)
 def gpu_seconds_per_token(model: str, seqlen: int, checkpointing: bool) -> float | None:
     """A training token's seconds of GPU compute at the lent GPU's typical matmul rate (None without the model's config)."""
@@ -88,28 +110,31 @@ class Estimator:
         self.model, self.deepspeed, self.seqlen = model, deepspeed, seqlen
         self.leaf_layers, self.torch_linear = leaf_layers, torch_linear
         self.forward_s: list[tuple[Regime, tuple[str, int, float]]] = []  # (regime, (method, tokens a forward, seconds))
-        self.ratios: list[float] = []
+        self.ratios: list[tuple[str, float]] = []  # (method, measured peak / estimate)
+        self.cut_s: dict[str, float] = {}  # a cell cut at a deadline: what it had taken, less than it needs
         # seconds of a cell beyond its steps (launch, load, one-shot, export, evaluation: not the step's regime), by kind
         # and by (method, settings)
         self.overhead: dict[str, list[float]] = {k: [] for k in PRIOR_OVERHEAD_S}
-        self.overhead_of: dict[tuple[str, str], list[float]] = {}
+        self.overhead_of: dict[tuple[str, str, bool | None], list[float]] = {}
         for line in lines:
             if line.get("device") == device:
                 self.add(line)
 
     def add(self, line: dict) -> None:
-        if line.get("status") != "ok":  # a failed or cut cell's seconds say nothing of what a cell takes
+        if line.get("status") == "cut" and line.get("wall_s"):  # a lower bound for that cell (its steps in the same regime
+            self.cut_s[line["key"]] = max(self.cut_s.get(line["key"], 0.0), line["wall_s"])  # or not: a bound either way)
+        if line.get("status") != "ok":  # a failed or cut cell's seconds say nothing of what other cells take
             return
         n = line.get("forwards") or 1  # lines before 2026-11-29 had one forward a step
         if line.get("step_s"):
             tokens = -(-line.get("batch", 8) // n) * line.get("seqlen", self.seqlen)
             self.forward_s.append((regime(line), (line.get("method", ""), tokens, line["step_s"] / n)))
         if line.get("peak_gpu_bytes") and line.get("est_gpu_bytes"):
-            self.ratios.append(line["peak_gpu_bytes"] / line["est_gpu_bytes"])
+            self.ratios.append((line.get("method", ""), line["peak_gpu_bytes"] / line["est_gpu_bytes"]))
         if line.get("wall_s") is not None:
             seconds = max(0.0, line["wall_s"] - line["steps"] * (line.get("step_s") or 0.0))
             self.overhead[line["kind"]].append(seconds)
-            self.overhead_of.setdefault((line.get("method", ""), line.get("settings", "rule")), []).append(seconds)
+            self.overhead_of.setdefault(_overhead_key(line), []).append(seconds)
 
     def per_forward(self, cell, concurrency: int) -> float:
         """Seconds a forward (and its backward) of ``cell`` takes with ``concurrency`` cells on the GPU: the slowest of its
@@ -122,15 +147,22 @@ class Estimator:
         if not samples:
             return PRIOR_FORWARD_S * concurrency / 3
         tokens = min(cell.batch, self.micro_batch) * self.seqlen
-        per_token = gpu_seconds_per_token(self.model, self.seqlen, self.checkpointing) if self.model else None
-        return max(seconds + max(0, tokens - measured) * (per_token or 0.0) * concurrency for measured, seconds in samples)
+        if own := [s for t, s in samples if t == tokens]:
+            return max(own)
+        if smaller := [(t, s) for t, s in samples if t < tokens]:
+            per_token = gpu_seconds_per_token(self.model, self.seqlen, self.checkpointing) if self.model else None
+            return max(s + (tokens - t) * (per_token or 0.0) * concurrency for t, s in smaller)
+        return max(s for _, s in samples)  # only larger forwards measured: an upper bound
 
     def seconds(self, cell, concurrency: int) -> float:
-        measured = self.overhead_of.get((cell.method, cell.settings)) or self.overhead[cell.kind]
+        start = starts_pruned(cell.method, cell.settings, cell.sparsity, cell.steps)
+        alike = [x for (m, _, st), xs in self.overhead_of.items() if (m, st) == (cell.method, start) for x in xs]
+        measured = self.overhead_of.get((cell.method, cell.settings, start)) or alike or self.overhead[cell.kind]
         overhead = max(measured) if measured else PRIOR_OVERHEAD_S[cell.kind]
         if cell.kind != "train":
-            return overhead
-        return overhead + cell.steps * forwards(cell.batch, self.micro_batch) * self.per_forward(cell, concurrency)
+            return max(overhead, self.cut_s.get(cell.key(self.seqlen), 0.0))
+        steps = cell.steps * forwards(cell.batch, self.micro_batch) * self.per_forward(cell, concurrency)
+        return max(overhead + steps, self.cut_s.get(cell.key(self.seqlen), 0.0))
 
     def estimate(self, cell) -> float | None:
         """elsa_ds's estimate for a training cell (None for the others, or without a model)."""
@@ -142,4 +174,12 @@ class Estimator:
         if cell.kind != "train":
             return OTHER_GPU_BYTES
         est = self.estimate(cell)
-        return 0.0 if est is None else est * max(self.ratios or [PRIOR_GPU_RATIO])
+        # the estimate is the ELSA job's (z, u on the GPU): retraining's peaks fall below it, and price ELSA's only with the
+        # prior beside them until an ELSA cell is measured
+        own = [r for m, r in self.ratios if m == "elsa"] if cell.method == "elsa" else [r for _, r in self.ratios]
+        ratios = own or [PRIOR_GPU_RATIO, *(r for _, r in self.ratios)]
+        return 0.0 if est is None else est * max(ratios)
+
+
+def _overhead_key(line: dict) -> tuple[str, str, bool | None]:
+    return line.get("method", ""), line.get("settings", "rule"), line_start(line)

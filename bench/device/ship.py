@@ -182,12 +182,13 @@ def plan_calls(parts: list[dict], part_bytes: int, wheels: int) -> list[dict]:
     """The device calls in order, all sent in one message: one a part, ``put``; the kit's wheels ride with the last part
     where they fit, and that call starts the cells; a last call follows them on. <B> is the device time left before the
     first call (the puts take ~60 s with the machine's start, the start call 600): the runner's budget counts from the
-    start call's beginning and ends its cells ~70 s before the device time does."""
+    start call's beginning, and from the first put with LOAN_S (slow puts), and ends its cells ~70 s before the device
+    time does; the last call follows the runner to its deadline, and a cut call still returns the cells that ended."""
     manifest = "bench/device/ship/manifest.json"
     calls = [{"carry": [manifest, f"bench/device/ship/{p['name']}"], "command": f"python3 bench/device/ship.py put {i}",
               "timeout_s": "60"} for i, p in enumerate(parts)]
-    start = "ELSA_COMMIT=<commit> bench/device/quality.sh start <B - 130> 585"
-    follow = {"carry": [], "command": "bench/device/quality.sh wait <B - 690>", "timeout_s": "<B - 680>"}
+    start = "ELSA_COMMIT=<commit> LOAN_S=<B> bench/device/quality.sh start <B - 130> 585"
+    follow = {"carry": [], "command": "bench/device/quality.sh wait", "timeout_s": "<B - 680>"}
     if parts and parts[-1]["bytes"] + wheels <= part_bytes:
         calls[-1]["carry"].append("bench/device/wheels")
         calls[-1]["command"] += " && " + start
@@ -268,7 +269,8 @@ def put(index: int, ship: Path = SHIP, dest: Path = DEST) -> dict:
     earlier = [p["name"] for p in manifest["parts"][:index]]
     missing = [n for n in earlier if not (dest / n).is_file() or (dest / n).stat().st_size != manifest["parts"][int(n[4:])]["bytes"]]
     result = {"put": part["name"], "dest": str(dest), "earlier_parts_present": len(earlier) - len(missing),
-              "earlier_parts_missing": missing, "persisted": not missing, "time": time.strftime("%H:%M:%S")}
+              "earlier_parts_missing": missing, "persisted": not missing, "time": time.strftime("%H:%M:%S"),
+              "epoch": round(time.time(), 1)}  # the first put's: quality.sh's LOAN_S counts the loan from it
     with (dest / "put.log").open("a") as fh:
         fh.write(json.dumps(result) + "\n")
     return result
