@@ -10,12 +10,12 @@ cell's own tokens where measured, else the smaller ones plus their extra FLOPs a
 cell sharing the GPU, else the larger ones as measured (an upper bound). The overhead (launch, load, one-shot start,
 export, evaluation: whatever the step's regime) is the largest measured for the same method, settings and start (an
 ELSA cell's SparseGPT start is in it or not: the rule's start depends on the steps, :func:`starts_pruned`), else for the
-same method and start, else for any cell of its kind. GPU bytes: a training
-cell's is elsa_ds's own estimate for its shape (``elsa_ds.capacity.memory.estimate_job``, the ELSA job's, an upper bound
-for retraining's, which keeps no ADMM states) times the largest measured / estimated ratio of finished cells (each line
-keeps both; an ELSA cell's from ELSA cells, the prior among the others' until one is measured), else the prior ratio; a
-cell cut at a deadline takes at least what it had taken (its line's wall_s); the curve starts a cell only while the running cells' and its own fit in ``GPU_SHARE``
-of the GPU's memory.
+same method and start, else for any cell of its kind; a cell cut at a deadline takes at least what it had taken (its
+line's wall_s). GPU bytes: a training cell's is elsa_ds's own estimate for its shape
+(``elsa_ds.capacity.memory.estimate_job``, the ELSA job's, an upper bound for retraining's, which keeps no ADMM states)
+times the largest measured / estimated ratio of finished cells (each line keeps both; an ELSA cell's from ELSA cells,
+the prior among the others' until one is measured), else the prior ratio; the curve starts a cell only while the running
+cells' and its own fit in ``GPU_SHARE`` of the GPU's memory.
 """
 from __future__ import annotations
 
