@@ -66,7 +66,7 @@ SETTINGS = {"rule": [], "paper": PAPER_ARGS, "dense": ["--init_mask", "none"],
 BUDGETS = ((128, 8), (512, 8), (512, 32))
 # the largest budget's tokens in the paper's small steps: on the demo at 90 % ELSA's lead over the best retraining was 4.0 %
 # at 2000 x 8 x 256 and 1.2 % at 500 x 32 x 256 (docs/results.md 1.4: it needs the optimizer steps). Its cells start only
-# where their estimate fits what is left of a loan: ~0.25 s a step or less (leaf layers and torch's F.linear, from
+# where their estimate fits what is left of a loan: ~0.2 s a step or less (leaf layers and torch's F.linear, from
 # 2026-12-01; earlier cells stepped in 0.50-0.63 s). At 2048 steps the rule starts from the dense weights.
 MANY_STEPS = (2048, 8)
 MARGIN_S = 20.0
