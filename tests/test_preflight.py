@@ -364,3 +364,22 @@ def test_a_job_in_a_cgroup_smaller_than_it_is_refused_where_the_node_would_fit_i
     need = float(errors[0].split("needs ~")[1].split(" GiB")[0].replace(",", "")) * GIB
     assert need < psutil.virtual_memory().available, "the node alone would have let it start"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_one_shot_job_short_of_disk_is_told_of_disk_and_an_nvme_folder_of_creating_it(tmp_path, monkeypatch):
+    """A walk: the one-shot's disk refusal advised ELSA and more memory, and a missing --nvme_path folder was named twice,
+    each time with "or pass --nvme_path DIR" although it had been passed."""
+    cfg = resolve_config({}, {"model": str(DEMO_MODEL_DIR), "method": "magnitude", "seqlen": 64})
+    opts = JobOptions(deepspeed="zero3_offload", output_dir=tmp_path / "out")
+    shape = model_shape(meta_model(resolve_model_config(str(DEMO_MODEL_DIR))).config)
+    real = preflight.this_machine
+    monkeypatch.setattr(preflight, "this_machine", lambda paths: preflight.Machine(
+        host=1e15, disks={dev: 1e3 for dev in real(paths).disks}))
+    with pytest.raises(ElsaError) as err:
+        preflight.check_oneshot(shape, cfg, opts)
+    assert "disk at" in str(err.value) and "free space there or choose another --output_dir" in str(err.value)
+    assert "more memory" not in str(err.value) and "--method elsa" not in str(err.value)
+    nvme = resolve_config(DsConfig.load("zero3_nvme").raw, {"model": str(DEMO_MODEL_DIR), "nvme_path": str(tmp_path / "no")})
+    problems = DsConfig.load("zero3_nvme").problems(nvme, 1, 64)
+    said = [p for p in problems if "does not exist" in p]
+    assert said == [f"NVMe path {tmp_path / 'no'} (--nvme_path) does not exist or is not a directory; create it"]

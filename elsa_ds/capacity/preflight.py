@@ -387,5 +387,7 @@ def check_oneshot(shape: ModelShape, cfg, opts) -> None:
     machine = this_machine(list(writes))
     needs = [Need("host memory", oneshot_host_bytes(shape, cfg.method.value, cfg, cuda), machine.host, limit=machine.host_limit),
              *disk_needs(writes, machine)]
-    hint = "prune with ELSA under ZeRO-3 (--method elsa) and an offloading config, or on a machine with more memory"
+    memory = any(n.refused for n in needs if n.what == "host memory")
+    hint = ("prune with ELSA under ZeRO-3 (--method elsa) and an offloading config, or on a machine with more memory"
+            if memory else "free space there or choose another --output_dir")
     judge(needs, hint, opts.ignore_memory_check, int(os.environ.get("RANK", "0")))

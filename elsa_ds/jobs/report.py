@@ -204,8 +204,8 @@ def print_summary(result: dict[str, Any], output_dir: Path) -> None:
         return
     baseline, what = (p["warm_start"], f"warm start ({result['init_mask']})") if result["init_weights"] else \
         (p["magnitude_oneshot"], "one-shot magnitude")
-    log.info(f"validation perplexity ({_where(p)}): dense {p['dense']:.3f} | "
-             f"{what} {baseline if baseline is None else format(baseline, '.3f')} | ELSA {p['pruned']:.3f}")
+    shown = "" if baseline is None else f"{what} {baseline:.3f} | "  # --baseline none, or skipped: said where it was
+    log.info(f"validation perplexity ({_where(p)}): dense {p['dense']:.3f} | {shown}ELSA {p['pruned']:.3f}")
     if result["vs_magnitude"]:
         log.info(f"ELSA perplexity is {_times(result['vs_magnitude']['ppl_ratio'])} than one-shot magnitude pruning")
     elif result["init_weights"] and baseline is not None and p["pruned"] is not None:

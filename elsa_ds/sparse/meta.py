@@ -31,6 +31,9 @@ log = get_logger(__name__)
 def read_config(folder: Path) -> dict:
     """The folder's config.json as a dict; SparseCheckpointError when it is missing, not JSON or not an object."""
     path = folder / "config.json"
+    if not folder.is_dir():
+        raise SparseCheckpointError(f"{folder}: no such folder{' (it is a file)' if folder.exists() else ''}; "
+                                    "pass the folder elsa-compress or --export_format sparse wrote")
     if not path.is_file():
         raise SparseCheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
     try:

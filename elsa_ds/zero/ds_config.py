@@ -337,22 +337,26 @@ def _apply_nvme_path(zero: dict[str, Any], nvme_path: str | None) -> None:
 
 def _nvme_problems(zero: dict[str, Any], nvme_path: str | None, check_paths: bool = True) -> list[str]:
     """Every NVMe path must be set (and exist and be writable), and the optimizer swapper needs enough buffers."""
-    found = []
+    found: list[str] = []
     for key in ("offload_param", "offload_optimizer"):
         section = zero.get(key, {})
         if section.get("device") != "nvme":
             continue
         path = nvme_path if nvme_path is not None else section.get("nvme_path")
+        where = "--nvme_path" if nvme_path is not None else f"zero_optimization.{key}.nvme_path"
         if not path:
-            found.append(f"zero_optimization.{key}.device is nvme but no nvme_path is set; pass --nvme_path DIR")
+            problem = f"zero_optimization.{key}.device is nvme but no nvme_path is set; pass --nvme_path DIR"
         elif not check_paths:
             continue
         elif not Path(path).is_dir():
-            found.append(f"NVMe path {path} (zero_optimization.{key}.nvme_path) does not exist or is not a directory; "
-                         "create it or pass --nvme_path DIR")
+            fix = "create it" if nvme_path is not None else "create it or pass --nvme_path DIR"
+            problem = f"NVMe path {path} ({where}) does not exist or is not a directory; {fix}"
         elif not os.access(path, os.W_OK | os.X_OK):
-            found.append(f"NVMe path {path} (zero_optimization.{key}.nvme_path) is not writable; "
-                         "pass --nvme_path DIR on a writable local disk")
+            problem = f"NVMe path {path} ({where}) is not writable; pass --nvme_path DIR on a writable local disk"
+        else:
+            continue
+        if problem not in found:  # --nvme_path serves both sections: said once
+            found.append(problem)
     opt = zero.get("offload_optimizer", {})
     if opt.get("device") == "nvme" and int(opt.get("buffer_count", 4)) < NVME_OPTIMIZER_BUFFERS:
         found.append(f"zero_optimization.offload_optimizer.buffer_count is {opt.get('buffer_count', 4)}; ELSA swaps "

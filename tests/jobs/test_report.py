@@ -81,3 +81,17 @@ def test_an_elsa_run_ending_worse_than_its_pruned_start_says_what_to_change(tmp_
         err = capsys.readouterr().err
         assert ("worse than the pruned model it started from: your lr 0.001 is likely too large for 4 steps; pass a "
                 "smaller --lr (e.g. 0.00025)" in err) == warned, err
+
+
+def test_a_summary_without_a_baseline_names_none(tmp_path, capsys):
+    """--baseline none (or a skipped one-shot): the line gives dense and ELSA, not "one-shot magnitude None" (a walk)."""
+    from elsa_ds.jobs.report import print_summary
+    from elsa_ds.log import setup_logging
+
+    setup_logging("info", rank=0)
+    rec = _record()
+    rec.final_ppl, rec.dense_ppl, rec.baseline_ppl = 20.0, 15.0, None
+    rec.losses, rec.step_times, rec.global_batch = [4.0, 3.0], [9.0, 1.0], 16
+    print_summary(elsa_report(rec, _staged(tmp_path, 16)), tmp_path)
+    out = capsys.readouterr().out
+    assert "dense 15.000 | ELSA 20.000" in out and "None" not in out

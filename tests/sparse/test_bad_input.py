@@ -283,3 +283,12 @@ def test_compress_misuse_is_one_line(tmp_path, kwargs, expected, needle):
     assert isinstance(err.value, ElsaError) and not (tmp_path / "out").exists()
     with pytest.raises(TypeError, match="path=7"):
         verify(7)
+
+
+def test_a_folder_that_is_not_there_is_named_as_missing(tmp_path):
+    """A mistyped folder said "has no config.json: not a Hugging Face model folder" (a walk): it says it does not exist."""
+    with pytest.raises(ElsaError, match=r"demo_spars: no such folder; pass the folder elsa-compress"):
+        from_pretrained(tmp_path / "demo_spars")
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ElsaError, match=r"no such folder \(it is a file\)"):
+        from_pretrained(tmp_path / "a_file")
