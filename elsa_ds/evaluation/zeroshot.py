@@ -31,8 +31,9 @@ def expand_tasks(given: Sequence[str]) -> list[str]:
     return names
 
 
-def task_manager(tasks: list[str], include_path: str | None):
-    """An lm-eval TaskManager that knows every name in ``tasks``; raises ElsaError naming the unknown ones.
+def task_manager(tasks: list[str], include_path: str | None, flag: str = "--tasks", include_flag: str = "--include_path"):
+    """An lm-eval TaskManager that knows every name in ``tasks``; raises ElsaError naming the unknown ones (the flags as
+    the command calls them: a pruning job's are --eval_tasks and --eval_include_path).
 
     With --include_path, the local YAMLs are indexed alone first: indexing the ~15k built-in task YAMLs
     takes ~10 s and is only needed when a requested task is not local.
@@ -41,7 +42,7 @@ def task_manager(tasks: list[str], include_path: str | None):
 
     if include_path is not None:
         if not Path(include_path).is_dir():
-            raise ElsaError(f"--include_path {include_path}: no such directory")
+            raise ElsaError(f"{include_flag} {include_path}: no such directory")
         local = TaskManager(include_path=include_path, include_defaults=False)
         if all(t in local.all_tasks for t in tasks):
             return local
@@ -51,8 +52,8 @@ def task_manager(tasks: list[str], include_path: str | None):
         hints = {t: difflib.get_close_matches(t, manager.all_tasks, n=3) for t in unknown}
         said = "; ".join(f"{t!r}" + (f" (did you mean {', '.join(h)}?)" if h else "") for t, h in hints.items())
         where = f"lm-eval's built-in tasks or {include_path}" if include_path else "lm-eval's built-in tasks"
-        hint = "" if include_path else "; local task YAMLs need --include_path DIR"
-        raise ElsaError(f"--tasks: unknown task {said}: not among {where}{hint}")
+        hint = "" if include_path else f"; local task YAMLs need {include_flag} DIR"
+        raise ElsaError(f"{flag}: unknown task {said}: not among {where}{hint}")
     return manager
 
 
@@ -74,8 +75,13 @@ def zeroshot(model: PreTrainedModel, tokenizer, tasks: list[str], manager, batch
 
     add_bos = bos_setting(model)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, add_bos_token=add_bos)
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=0, limit=limit, task_manager=manager,
-                                  log_samples=False)
+    try:
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=0, limit=limit, task_manager=manager,
+                                      log_samples=False)
+    except OSError as err:  # the hub client's and datasets' failures to fetch a task's data (ConnectionError among them)
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise ElsaError(f"tasks {', '.join(tasks)}: lm-eval could not load their data ({type(err).__name__}: {first}); "
+                        "run them where the Hugging Face hub is reachable once (datasets keeps what it downloads)") from None
     per_task = summarize(out, tasks)
     accs = [per_task[t]["acc"] for t in tasks if per_task.get(t, {}).get("acc") is not None]
     return {

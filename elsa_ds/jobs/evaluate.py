@@ -23,6 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from elsa_ds.data import PplProtocol, PplWindows, evaluation_documents, load_tokenizer, ppl_windows, resolve_protocol
+from elsa_ds.data.hub_texts import check_hub_texts, hub_repo, task_repos
 from elsa_ds.data.windows import C4_WINDOWS, LAYOUTS
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
@@ -32,7 +33,7 @@ from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
 from elsa_ds.files.io import versions, write_atomic
 from elsa_ds.log import get_logger
 from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, is_sparse_checkpoint, load_causal_lm, load_config
-from elsa_ds.settings.config import CommaList, ElsaConfig, comma_list
+from elsa_ds.settings.config import NAMED_TEXT_SOURCES, CommaList, ElsaConfig, comma_list
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -212,6 +213,9 @@ def prepare(s: EvalSettings) -> _Prepared:
     if s.ppl:
         check_seqlen(config, s.seqlen, s.model)
     check_local_weights(s.model, config)
+    needed = {f"--ppl {source!r}": repo for source in s.ppl if (repo := hub_repo(source))}
+    check_hub_texts(needed | {f"--tasks {t}": repo for t, repo in task_repos(manager, s.tasks).items()} if manager else needed,
+                    NAMED_TEXT_SOURCES)
     tokenizer = load_tokenizer(s.model)
     protocol = resolve_protocol(s.ppl_protocol, config)
     windows = {source: source_windows(source, tokenizer, s.seqlen, protocol, s.ppl_protocol, s.limit) for source in s.ppl}

@@ -11,13 +11,14 @@ import os
 from elsa_ds.capacity import machine, preflight
 from elsa_ds.capacity.memory import model_shape
 from elsa_ds.capacity.shapes import check_nvme_param_buffers
+from elsa_ds.data.hub_texts import check_hub_texts, job_hub_texts
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.mask_file import MaskReader
 from elsa_ds.files.output import check_output_dir
 from elsa_ds.log import get_logger
 from elsa_ds.methods import DENSE, oneshot_names
 from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model, refuse_sparse_checkpoint
-from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.settings.config import NAMED_TEXT_SOURCES, ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import select_targets
 from elsa_ds.zero import checkpoint
@@ -63,7 +64,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
             raise ElsaError(refusal)
     if opts.resume:  # latest names a tag on disk, one is readable, no file needs a class outside the allow-list
         checkpoint.check_resume(opts.output_dir / "checkpoints")
-    check_eval_tasks(cfg)
+    check_hub_texts(job_hub_texts(cfg, check_eval_tasks(cfg)), NAMED_TEXT_SOURCES)
     if cfg.oneshot is not None:
         preflight.check_oneshot(model_shape(model_config, cfg.targets, model=meta), cfg, opts)
     else:
@@ -102,9 +103,11 @@ def check_init_mask(cfg: ElsaConfig, meta) -> None:
                         "holds no mask; give the folder a pruning job (or a one-shot method) wrote, or --init_mask sparsegpt")
 
 
-def check_eval_tasks(cfg: ElsaConfig) -> None:
-    """An unknown lm-eval task must not wait for the end of a multi-day run to be found."""
-    if cfg.eval_tasks:
-        from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager
+def check_eval_tasks(cfg: ElsaConfig):
+    """An unknown lm-eval task must not wait for the end of a multi-day run to be found; the task manager (None without
+    tasks), whose YAMLs name the data the tasks need."""
+    if not cfg.eval_tasks:
+        return None
+    from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager
 
-        task_manager(expand_tasks(cfg.eval_tasks), cfg.eval_include_path)
+    return task_manager(expand_tasks(cfg.eval_tasks), cfg.eval_include_path, "--eval_tasks", "--eval_include_path")

@@ -87,3 +87,21 @@ def test_task_lists():
     assert expand_tasks(["paper"]) == list(PAPER_TASKS)
     assert PAPER_TASKS == ("boolq", "rte", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
     assert expand_tasks(["rte", " mine", "paper"]) == ["rte", "mine", *(t for t in PAPER_TASKS if t != "rte")]
+
+
+def test_task_data_that_cannot_be_fetched_is_one_line_not_a_traceback(tiny_model_dir, monkeypatch):
+    """What the hub client raises when a task's data cannot be had (the early check trusts a partial cache) is an
+    ElsaError naming the tasks (a walk: lm-eval's ConnectionError reached the user as a traceback after the job)."""
+    import lm_eval
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.evaluation.zeroshot import zeroshot
+
+    def offline(**kwargs):
+        raise ConnectionError("Couldn't reach 'aps/super_glue' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", offline)
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(ElsaError, match=r"^tasks boolq: lm-eval could not load their data \(ConnectionError: Couldn't reach"):
+        zeroshot(model, tok, ["boolq"], None, 1, 2)
