@@ -3,14 +3,12 @@ meta-device instance built from the config alone (no weights), and the checks th
 from __future__ import annotations
 
 import difflib
-import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 
+from elsa_ds.data.hub_texts import PROXY_VARIABLES, hub_unreachable  # noqa: F401 - as before
 from elsa_ds.errors import ElsaError
 from elsa_ds.models import SHIPPED_CONFIGS, embedding_weights, meta_model
 from elsa_ds.targets import decoder_layer_list, select_targets
@@ -74,27 +72,6 @@ def resolve_model_config(model: str):
         return AutoConfig.from_pretrained(model, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ElsaError(f"cannot resolve model {model!r}: {where}, and not loadable ({str(err).splitlines()[0]})") from None
-
-
-PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-
-
-def hub_unreachable(timeout: float = 3.0) -> str | None:
-    """Why the Hugging Face hub cannot be asked now (offline mode, or its host unknown or unreachable), or None; behind a
-    proxy (which the hub client uses and a direct connection would not) the hub client is left to say."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return "HF_HUB_OFFLINE is set"
-    if any(os.environ.get(v) for v in PROXY_VARIABLES):
-        return None
-    endpoint = urlparse(constants.ENDPOINT)
-    host = endpoint.hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, endpoint.port or (80 if endpoint.scheme == "http" else 443)), timeout=timeout).close()
-    except OSError as err:
-        return f"the hub ({host}) cannot be reached from here ({err.strerror or err})"
-    return None
 
 
 def model_shape(config, targets: str | None = None, model: torch.nn.Module | None = None,

@@ -4,15 +4,39 @@ A ``datasets`` name (``c4``, ``wikitext2``, any other name) and an lm-eval task'
 which for ``--eval_ppl`` and ``--eval_tasks`` is after the whole run. Where the hub cannot be asked (offline, no route)
 and nothing of such a dataset is in the local caches, the job is refused at once, naming them, rather than failing
 after its work or after the hub client's retries. A cache that holds something of it is trusted (the loader says
-what else it lacks); behind a proxy the hub client is left to say (``capacity.shapes.hub_unreachable``).
+what else it lacks); behind a proxy the hub client is left to say (:func:`hub_unreachable`).
 """
 from __future__ import annotations
 
 import difflib
+import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 from elsa_ds.data.sources import DEMO_DATASET
 from elsa_ds.errors import ElsaError
+
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be asked now (offline mode, or its host unknown or unreachable), or None; behind a
+    proxy (which the hub client uses and a direct connection would not) the hub client is left to say."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in PROXY_VARIABLES):
+        return None
+    endpoint = urlparse(constants.ENDPOINT)
+    host = endpoint.hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, endpoint.port or (80 if endpoint.scheme == "http" else 443)), timeout=timeout).close()
+    except OSError as err:
+        return f"the hub ({host}) cannot be reached from here ({err.strerror or err})"
+    return None
+
 
 # the repositories behind the named sources (``sources.documents``)
 NAMED_REPOS = {"wikitext2": "wikitext", "c4": "allenai/c4"}
@@ -52,8 +76,6 @@ def task_repos(manager, tasks: list[str]) -> dict[str, str]:
 def check_hub_texts(needed: dict[str, str], named: tuple[str, ...] = ()) -> None:
     """ElsaError when the hub cannot be asked and the caches hold nothing of some of ``needed`` (what -> hub dataset);
     ``named``: the sources a typo may have meant."""
-    from elsa_ds.capacity.shapes import hub_unreachable
-
     missing = {what: repo for what, repo in needed.items() if not cached(repo)}
     if not missing or (why := hub_unreachable()) is None:
         return

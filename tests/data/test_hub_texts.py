@@ -34,7 +34,7 @@ def test_what_needs_the_hub_and_what_a_cache_holds(tmp_path, caches):
 
 
 def test_offline_and_uncached_is_refused_naming_each_and_reachable_or_cached_is_not(caches, monkeypatch):
-    from elsa_ds.capacity import shapes
+    shapes = hub_texts
 
     needed = {"--dataset 'shakespere'": "shakespere", "--eval_ppl 'wikitext2'": "wikitext"}
     monkeypatch.setattr(shapes, "hub_unreachable", lambda: "HF_HUB_OFFLINE is set")
