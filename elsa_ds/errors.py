@@ -241,8 +241,11 @@ def guarded(fn: Callable[[], int | None]) -> int:
         signal.signal(signal.SIGTERM, on_sigterm)
         if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _after_the_first):  # not where Ctrl-C is ignored
             signal.signal(signal.SIGINT, on_sigint)
+    finished = False
     try:
-        return fn() or 0
+        code = fn() or 0
+        finished = code == 0
+        return code
     except ElsaError as err:  # printed, not logged: the one-line contract holds whatever the log level
         if first_to_say(str(err)):
             stderr_line(f"elsa_ds: error{where}: {err}")
@@ -256,4 +259,17 @@ def guarded(fn: Callable[[], int | None]) -> int:
     finally:  # the job and its cleanup are over: the handlers it found are back, so a signal now (the launcher ending this
         for sig, handler in found.items():  # rank as a sibling's exit ends the job) ends the process as it would have
             if handler is not None:         # ended, not with Terminated raised into the interpreter's exit (atexit)
-                signal.signal(sig, handler)
+                signal.signal(sig, _after_finish if finished and sig == signal.SIGTERM else handler)
+
+
+def _after_finish(signum: int, frame: Any) -> None:
+    """SIGTERM once the job has finished, while the interpreter winds down (a scheduler's stop a second late): one line that
+    says the output is whole, and the signal's exit code, without raising into the exit's callbacks (a user's walk: such a
+    job ended 143 without a word, and was taken for a killed one)."""
+    rank = os.environ.get("RANK", "0")
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    stderr_line(f"elsa_ds: terminated (SIGTERM){'' if rank == '0' else f' (rank {rank})'} after the job had finished: "
+                "what it wrote is complete")
+    os._exit(143)

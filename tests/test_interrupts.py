@@ -281,3 +281,17 @@ def test_a_sigterm_during_the_interpreters_exit_prints_no_traceback():
     proc = subprocess.run([sys.executable, "-c", SIGNAL_AT_EXIT], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -15, (proc.returncode, proc.stderr)
     assert proc.stderr.strip() == "elsa_ds: error: refused"
+
+
+def test_a_sigterm_after_a_finished_job_says_its_output_is_complete():
+    """A scheduler's SIGTERM a second late, while a finished job's interpreter winds down: it ended 143 without a word
+    (a user's walk) and was taken for a killed run. One line now says what it wrote is complete; no traceback."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    finished = SIGNAL_AT_EXIT.replace('raise ElsaError("refused")', "return 0")
+    proc = subprocess.run([sys.executable, "-c", finished], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip() == "elsa_ds: terminated (SIGTERM) after the job had finished: what it wrote is complete"

@@ -315,8 +315,10 @@ def speed_table(r: dict) -> str:
                                                for m in ("dense", "sparse")))):
         ratio = f"{s / d:.3f}x" if d and s is not None else "n/a"
         lines.append(f"| {label} | {_mb(d)} | {_mb(s)} | {ratio} |")
-    lines += ["", "| phase | batch | dense tok/s (floor) | sparse tok/s (floor) | sparse / dense (min-max) | "
-              "bytes read per step dense / sparse |", "|---|---|---|---|---|---|"]
+    # tok/s: each mode's median round; the ratio: the median of each round's paired ratio (ABBA), which a neighbour's load
+    # disturbs less, so the two can disagree on a busy machine; the byte floor: the tok/s that reading the bytes allows
+    lines += ["", "| phase | batch | dense tok/s (at the byte floor) | sparse tok/s (at the byte floor) | sparse / dense, "
+              "median of the rounds' pairs (min-max) | bytes read per step dense / sparse |", "|---|---|---|---|---|---|"]
     for phase in ("prefill", "decode"):
         for row in r[phase]:
             what = f"{phase} ({row['prompt']} tokens)" if phase == "prefill" else f"decode ({row['steps']} steps)"
@@ -324,8 +326,8 @@ def speed_table(r: dict) -> str:
                          f"{row['sparse']['tokens_per_s']:.2f} ({row['sparse']['floor_tokens_per_s']:.1f}) | "
                          f"{row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
                          f"{_mb(row['dense']['bytes_per_step'])} / {_mb(row['sparse']['bytes_per_step'])} |")
-    lines += ["", "| generate() end to end | batch | dense tok/s | sparse tok/s | sparse / dense (min-max) | "
-              "greedy tokens equal |", "|---|---|---|---|---|---|"]
+    lines += ["", "| generate() end to end | batch | dense tok/s | sparse tok/s | sparse / dense, median of the rounds' pairs "
+              "(min-max) | greedy tokens equal |", "|---|---|---|---|---|---|"]
     for row in r["generate"]:
         lines.append(f"| {row['steps']} new tokens after {row['prompt']} | {row['batch']} | {row['dense']['tokens_per_s']:.2f} | "
                      f"{row['sparse']['tokens_per_s']:.2f} | {row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
