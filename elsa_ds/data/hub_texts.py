@@ -64,11 +64,13 @@ def cached(repo: str) -> bool:
 def task_repos(manager, tasks: list[str]) -> dict[str, str]:
     """lm-eval task -> the hub dataset its YAML reads (``dataset_path``), for the tasks that name one (lm-eval 0.4.13's
     index; a group, an included base YAML or another version's index: not checked, its loader will say)."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES  # json, csv, parquet, text...: local files' builders
+
     found = {}
     for task in tasks:
         entry = getattr(manager, "task_index", {}).get(task)
         path = (getattr(entry, "cfg", None) or {}).get("dataset_path")
-        if isinstance(path, str) and not Path(path).expanduser().exists():
+        if isinstance(path, str) and path not in _PACKAGED_DATASETS_MODULES and not Path(path).expanduser().exists():
             found[task] = path
     return found
 
