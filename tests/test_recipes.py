@@ -44,3 +44,22 @@ def test_recipe_below_the_command_line():
                                       "--lmda", "5e-4"])
     _, cfg, _ = settings_from_args(args)
     assert cfg.model == "google/gemma-2-27b" and cfg.lr == 2e-5 and cfg.lmda == 5e-4 and cfg.batch_size == 8
+
+
+def test_a_recipe_for_another_model_is_taken_with_a_warning(caplog):
+    """A walk: --recipe gemma-2-27b-s90 --model google/gemma-2-9b took 27B's lr and λ without a word."""
+    from elsa_ds.log import setup_logging
+    from elsa_ds.plan import elsa_settings
+    from elsa_ds.zero.ds_config import DsConfig
+
+    setup_logging("info", rank=0)
+    caplog.set_level("WARNING", logger="elsa_ds")
+    ds = DsConfig.load("zero3_offload")
+    cfg = elsa_settings(ds, "zero3_offload", "gemma-2-27b-s90", {"model": "google/gemma-2-9b", "lr": 1e-4})
+    assert cfg.lr == 1e-4 and cfg.lmda == 1e-3
+    said = [r.getMessage() for r in caplog.records if "was written for" in r.getMessage()]
+    assert said == ["recipe gemma-2-27b-s90 was written for google/gemma-2-27b; --model google/gemma-2-9b takes its settings as "
+                    "they are (lmda, steps, batch_size: that model's; pass your own, or leave the recipe out for the defaults rule)"]
+    caplog.clear()
+    elsa_settings(ds, "zero3_offload", "gemma-2-27b-s90", {})
+    assert not [r for r in caplog.records if "was written for" in r.getMessage()]
