@@ -143,11 +143,11 @@ def reference_child(model_dir: Path, args) -> dict:
             super().begin_step(step)
 
     reference.AdmmOptimizer = Timed
-    reference.train_reference(model, cfg, GlobalBatches(blocks, args.batch, args.batch, 1, 0, cfg.seed),
-                              select_targets(model, cfg.targets), raw.get("gradient_clipping"))
+    batches = GlobalBatches(blocks, args.batch, args.batch, 1, 0, cfg.seed)
+    reference.train_reference(model, cfg, batches, select_targets(model, cfg.targets), raw.get("gradient_clipping"))
     starts.append(time.perf_counter())
     with torch.no_grad():
-        ids = GlobalBatches(blocks, args.batch, args.batch, 1, 0, cfg.seed).micro_batches(cfg.steps - 1)[0]
+        ids = batches.micro_batches(cfg.steps - 1)[0]
         loss = next_token_loss(model(input_ids=ids, use_cache=False).logits, ids).item()
     steps = [b - a for a, b in zip(starts, starts[1:])][1:]
     return {"step_time_s": sum(steps) / len(steps), "final_loss": loss}

@@ -128,6 +128,11 @@ def format_validation_error(err: Any, where: str, model: Any, errors: list | Non
     return f"invalid setting in {where}: " + "; ".join(parts)
 
 
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """An exception's message cut to its first line (at most ``limit`` characters), for a one-line error that quotes it."""
+    return (str(err).strip().splitlines() or [""])[0][:limit]
+
+
 def stderr_line(text: str) -> None:
     """``text`` and its newline on stderr in one write: ranks sharing a terminal or a pipe never splice their lines (under
     the launcher's ``python -u`` print's text and its end are two writes, and two ranks' Ctrl-C lines once ran together)."""

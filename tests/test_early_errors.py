@@ -124,7 +124,7 @@ def test_a_mistyped_model_id_is_refused_at_once_with_the_shipped_ids_near_it(mon
 
     from huggingface_hub import constants
 
-    from elsa_ds.capacity import shapes
+    from elsa_ds.data import hub_texts
 
     started = time.time()  # offline as CI is (and whatever proxy its environment names): the hub is not asked
     proc = run_entry("estimate.py", ["--model", "google/gemma-3-27b", "--deepspeed", "zero3_offload"], check=False,
@@ -134,16 +134,16 @@ def test_a_mistyped_model_id_is_refused_at_once_with_the_shipped_ids_near_it(mon
     for needle in ("cannot resolve model 'google/gemma-3-27b'", "did you mean", "google/gemma-3-27b-pt", "HF_HUB_OFFLINE"):
         assert needle in errors[0], errors[0]
     assert time.time() - started < 20, errors[0]
-    for variable in shapes.PROXY_VARIABLES:
+    for variable in hub_texts.PROXY_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "https://no-such-host.invalid")
     started = time.time()
-    assert "no-such-host.invalid" in shapes.hub_unreachable() and time.time() - started < 5
+    assert "no-such-host.invalid" in hub_texts.hub_unreachable() and time.time() - started < 5
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # the hub client goes through it; a direct probe would not
-    assert shapes.hub_unreachable() is None
+    assert hub_texts.hub_unreachable() is None
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    assert shapes.hub_unreachable() == "HF_HUB_OFFLINE is set"
+    assert hub_texts.hub_unreachable() == "HF_HUB_OFFLINE is set"
 
 
 def _stock_transformers_config() -> dict:

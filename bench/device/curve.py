@@ -352,15 +352,13 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
                 if cell in suspects and line.get("status") == "failed" and line.get("phase") == "prune":
                     # it failed without the new flags too: they were not the cause, the cells from now on take them again
                     run.leaf_layers, run.torch_linear = suspects.pop(cell)
-                    estimator.deepspeed = run.torch_linear or run.deepspeed
-                    estimator.leaf_layers, estimator.torch_linear = run.leaf_layers, bool(run.torch_linear)
+                    price_as(estimator, run)
                     print(f"[curve] {line['key']} failed without them too: the cells from now on take them again", flush=True)
                 flags = (run.leaf_layers, run.torch_linear)
                 if without_new_flags(line, run):  # a loan's cells must not all fail on a new flag: once more without
                     pending.insert(0, cell)
                     suspects[cell] = flags
-                    # the later cells' peaks and steps: as they now run
-                    estimator.deepspeed, estimator.leaf_layers, estimator.torch_linear = run.deepspeed, False, False
+                    price_as(estimator, run)  # the later cells' peaks and steps: as they now run
                 with sink.open("a") as fh:
                     fh.write(json.dumps(line) + "\n")
                 print(f"[curve] {line['status']:6s} {line['key']}: test {line.get('test_ppl')}, linux-doc "
@@ -369,6 +367,12 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
     skipped = [{"key": c.key(run.seqlen), "estimate_s": round(estimator.seconds(c, run.parallel)), "left_s": round(left),
                 "gpu_gib": round(estimator.gpu_bytes(c) / 2**30, 1)} for c in pending]
     return lines, skipped
+
+
+def price_as(estimator: Estimator, run: Run) -> None:
+    """The estimator prices the next cells as ``run`` now steps them: its config, --leaf_layers, torch's linear."""
+    estimator.deepspeed = run.torch_linear or run.deepspeed
+    estimator.leaf_layers, estimator.torch_linear = run.leaf_layers, bool(run.torch_linear)
 
 
 def without_new_flags(line: dict, run: Run) -> bool:

@@ -113,7 +113,7 @@ class Estimator:
         self.ratios: list[tuple[str, float]] = []  # (method, measured peak / estimate)
         self.cut_s: dict[str, float] = {}  # a cell cut at a deadline: what it had taken, less than it needs
         # seconds of a cell beyond its steps (launch, load, one-shot, export, evaluation: not the step's regime), by kind
-        # and by (method, settings)
+        # and by (method, settings, start: :func:`line_start`)
         self.overhead: dict[str, list[float]] = {k: [] for k in PRIOR_OVERHEAD_S}
         self.overhead_of: dict[tuple[str, str, bool | None], list[float]] = {}
         for line in lines:
@@ -159,9 +159,8 @@ class Estimator:
         alike = [x for (m, _, st), xs in self.overhead_of.items() if (m, st) == (cell.method, start) for x in xs]
         measured = self.overhead_of.get((cell.method, cell.settings, start)) or alike or self.overhead[cell.kind]
         overhead = max(measured) if measured else PRIOR_OVERHEAD_S[cell.kind]
-        if cell.kind != "train":
-            return max(overhead, self.cut_s.get(cell.key(self.seqlen), 0.0))
-        steps = cell.steps * forwards(cell.batch, self.micro_batch) * self.per_forward(cell, concurrency)
+        steps = cell.steps * forwards(cell.batch, self.micro_batch) * self.per_forward(cell, concurrency) \
+            if cell.kind == "train" else 0.0
         return max(overhead + steps, self.cut_s.get(cell.key(self.seqlen), 0.0))
 
     def estimate(self, cell) -> float | None:

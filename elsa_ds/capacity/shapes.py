@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from elsa_ds.data.hub_texts import PROXY_VARIABLES, hub_unreachable  # noqa: F401 - as before
+from elsa_ds.data.hub_texts import hub_unreachable
 from elsa_ds.errors import ElsaError
 from elsa_ds.models import SHIPPED_CONFIGS, embedding_weights, meta_model
 from elsa_ds.targets import decoder_layer_list, select_targets

@@ -61,9 +61,14 @@ def cached(repo: str) -> bool:
         (local / base).exists() or any(local.glob(f"*___{base}"))
 
 
-def task_repos(manager, tasks: list[str]) -> dict[str, str]:
-    """lm-eval task -> the hub dataset its YAML reads (``dataset_path``), for the tasks that name one (lm-eval 0.4.13's
-    index; a group, an included base YAML or another version's index: not checked, its loader will say)."""
+def text_repos(sources) -> dict[str, str]:
+    """``(flag, source)`` pairs -> ``"--flag 'source'"`` -> the hub dataset it is read from, for those only the hub has."""
+    return {f"{flag} {source!r}": repo for flag, source in sources if source and (repo := hub_repo(source))}
+
+
+def task_repos(manager, tasks: list[str], flag: str) -> dict[str, str]:
+    """``"--flag task"`` -> the hub dataset its lm-eval YAML reads (``dataset_path``), for the tasks that name one (lm-eval
+    0.4.13's index; a group, an included base YAML or another version's index: not checked, its loader will say)."""
     from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES  # json, csv, parquet, text...: local files' builders
 
     found = {}
@@ -71,33 +76,22 @@ def task_repos(manager, tasks: list[str]) -> dict[str, str]:
         entry = getattr(manager, "task_index", {}).get(task)
         path = (getattr(entry, "cfg", None) or {}).get("dataset_path")
         if isinstance(path, str) and path not in _PACKAGED_DATASETS_MODULES and not Path(path).expanduser().exists():
-            found[task] = path
+            found[f"{flag} {task}"] = path
     return found
 
 
-def check_hub_texts(needed: dict[str, str], named: tuple[str, ...] = ()) -> None:
-    """ElsaError when the hub cannot be asked and the caches hold nothing of some of ``needed`` (what -> hub dataset);
-    ``named``: the sources a typo may have meant."""
-    missing = {what: repo for what, repo in needed.items() if not cached(repo)}
+def check_hub_texts(texts: dict[str, str], tasks: dict[str, str], named: tuple[str, ...] = ()) -> None:
+    """ElsaError when the hub cannot be asked and the caches hold nothing of some of ``texts`` (:func:`text_repos`) or
+    ``tasks``' data (:func:`task_repos`); ``named``: the sources a typo may have meant."""
+    missing = {what: repo for what, repo in {**texts, **tasks}.items() if not cached(repo)}
     if not missing or (why := hub_unreachable()) is None:
         return
     said = []
     for what, repo in missing.items():
         near = [] if repo in NAMED_REPOS.values() else difflib.get_close_matches(repo, named, n=1)
         said.append(f"{what} ({repo}{f'; did you mean {near[0]}?' if near else ''})")
-    texts = any(not what.startswith(("--eval_tasks", "--tasks")) for what in missing)
-    way = "give a local file or folder (.txt, .md, .jsonl, .parquet)" if texts else "use task YAMLs that read local files"
+    texts_missing = any(what in texts for what in missing)
+    way = "give a local file or folder (.txt, .md, .jsonl, .parquet)" if texts_missing else "use task YAMLs that read local files"
     raise ElsaError(f"{'; '.join(said)}: {'datasets' if len(said) > 1 else 'a dataset'} of the Hugging Face hub, which "
                     f"cannot be asked here ({why}), and not in the local datasets cache; run once where the hub is reachable "
                     f"(datasets keeps what it downloads), or {way}")
-
-
-def job_hub_texts(cfg, manager=None) -> dict[str, str]:
-    """What a pruning job reads from the hub: its --dataset, --val_dataset, --eval_ppl texts and --eval_tasks' data."""
-    sources = [("--dataset", cfg.dataset), ("--val_dataset", cfg.val_dataset), *(("--eval_ppl", s) for s in cfg.eval_ppl)]
-    needed = {f"{flag} {source!r}": repo for flag, source in sources if source and (repo := hub_repo(source))}
-    if manager is not None:
-        from elsa_ds.evaluation.zeroshot import expand_tasks
-
-        needed |= {f"--eval_tasks {task}": repo for task, repo in task_repos(manager, expand_tasks(cfg.eval_tasks)).items()}
-    return needed

@@ -13,7 +13,7 @@ from typing import overload
 
 from elsa_ds import json_data
 from elsa_ds.data.splits import files_by_split, holdout, holdout_indices
-from elsa_ds.errors import ElsaError
+from elsa_ds.errors import ElsaError, first_line
 
 DEMO_DATASET = "shakespeare"
 LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
@@ -129,8 +129,7 @@ def _download(source: str, *args, **kwargs):
     try:
         return load_dataset(*args, **kwargs)
     except Exception as err:  # datasets and huggingface_hub raise many types; the user needs one line
-        first = (str(err).strip().splitlines() or [""])[0][:300]
-        raise ElsaError(f"dataset {source!r} could not be downloaded ({type(err).__name__}: {first}); without network, "
+        raise ElsaError(f"dataset {source!r} could not be downloaded ({type(err).__name__}: {first_line(err)}); without network, "
                         "give a local file or folder instead (.txt, .md, .jsonl, .parquet)") from None
 
 

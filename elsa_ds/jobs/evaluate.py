@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from elsa_ds.data import PplProtocol, PplWindows, evaluation_documents, load_tokenizer, ppl_windows, resolve_protocol
-from elsa_ds.data.hub_texts import check_hub_texts, hub_repo, task_repos
+from elsa_ds.data.hub_texts import check_hub_texts, task_repos, text_repos
 from elsa_ds.data.windows import C4_WINDOWS, LAYOUTS
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
@@ -213,8 +213,7 @@ def prepare(s: EvalSettings) -> _Prepared:
     if s.ppl:
         check_seqlen(config, s.seqlen, s.model)
     check_local_weights(s.model, config)
-    needed = {f"--ppl {source!r}": repo for source in s.ppl if (repo := hub_repo(source))}
-    check_hub_texts(needed | {f"--tasks {t}": repo for t, repo in task_repos(manager, s.tasks).items()} if manager else needed,
+    check_hub_texts(text_repos(("--ppl", source) for source in s.ppl), task_repos(manager, s.tasks, "--tasks") if manager else {},
                     NAMED_TEXT_SOURCES)
     tokenizer = load_tokenizer(s.model)
     protocol = resolve_protocol(s.ppl_protocol, config)

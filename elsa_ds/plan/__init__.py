@@ -58,9 +58,10 @@ def elsa_settings(ds_config: DsConfig, deepspeed: str, recipe: str | None, given
     cfg = resolve_config(ds_config.raw, given, source=deepspeed, recipe=settings, recipe_source=f"recipe {recipe}",
                          given_as="the command line" if spelt else "the arguments")
     refuse_unread_elsa_settings(cfg, given, spelt)
-    written_for = (settings or {}).get("model")
+    from_recipe = settings or {}
+    written_for = from_recipe.get("model")
     if written_for and cfg.model != written_for and os.environ.get("RANK", "0") == "0":  # a walk: taken without a word
-        tuned = ", ".join(k for k in ("lr", "lmda", "steps", "batch_size") if k in (settings or {}) and given.get(k) is None)
+        tuned = ", ".join(k for k in ("lr", "lmda", "steps", "batch_size") if k in from_recipe and given.get(k) is None)
         log.warning(f"recipe {recipe} was written for {written_for}; {spelt}model {cfg.model} takes its settings as they are"
                     + (f" ({tuned}: that model's; pass your own, or leave the recipe out for the defaults rule)" if tuned else ""))
     return cfg

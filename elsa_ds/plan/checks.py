@@ -11,8 +11,9 @@ import os
 from elsa_ds.capacity import machine, preflight
 from elsa_ds.capacity.memory import model_shape
 from elsa_ds.capacity.shapes import check_nvme_param_buffers
-from elsa_ds.data.hub_texts import check_hub_texts, job_hub_texts
+from elsa_ds.data.hub_texts import check_hub_texts, task_repos, text_repos
 from elsa_ds.errors import ElsaError
+from elsa_ds.evaluation.zeroshot import expand_tasks
 from elsa_ds.files.mask_file import MaskReader
 from elsa_ds.files.output import check_output_dir
 from elsa_ds.log import get_logger
@@ -64,7 +65,10 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
             raise ElsaError(refusal)
     if opts.resume:  # latest names a tag on disk, one is readable, no file needs a class outside the allow-list
         checkpoint.check_resume(opts.output_dir / "checkpoints")
-    check_hub_texts(job_hub_texts(cfg, check_eval_tasks(cfg)), NAMED_TEXT_SOURCES)
+    manager = check_eval_tasks(cfg)
+    texts = text_repos([("--dataset", cfg.dataset), ("--val_dataset", cfg.val_dataset), *(("--eval_ppl", s) for s in cfg.eval_ppl)])
+    tasks = task_repos(manager, expand_tasks(cfg.eval_tasks), "--eval_tasks") if manager else {}
+    check_hub_texts(texts, tasks, NAMED_TEXT_SOURCES)
     if cfg.oneshot is not None:
         preflight.check_oneshot(model_shape(model_config, cfg.targets, model=meta), cfg, opts)
     else:
@@ -108,6 +112,6 @@ def check_eval_tasks(cfg: ElsaConfig):
     tasks), whose YAMLs name the data the tasks need."""
     if not cfg.eval_tasks:
         return None
-    from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager
+    from elsa_ds.evaluation.zeroshot import task_manager
 
     return task_manager(expand_tasks(cfg.eval_tasks), cfg.eval_include_path, "--eval_tasks", "--eval_include_path")

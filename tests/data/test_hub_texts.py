@@ -39,17 +39,17 @@ def test_offline_and_uncached_is_refused_naming_each_and_reachable_or_cached_is_
     needed = {"--dataset 'shakespere'": "shakespere", "--eval_ppl 'wikitext2'": "wikitext"}
     monkeypatch.setattr(shapes, "hub_unreachable", lambda: "HF_HUB_OFFLINE is set")
     with pytest.raises(ElsaError) as err:
-        hub_texts.check_hub_texts(needed, NAMED_TEXT_SOURCES)
+        hub_texts.check_hub_texts(needed, {}, NAMED_TEXT_SOURCES)
     said = str(err.value)
     assert said.startswith("--dataset 'shakespere' (shakespere; did you mean shakespeare?); --eval_ppl 'wikitext2' (wikitext):")
     assert "HF_HUB_OFFLINE is set" in said and "give a local file or folder" in said and "\n" not in said
     with pytest.raises(ElsaError, match=r"^--tasks boolq \(aps/super_glue\): a dataset .* use task YAMLs that read local"):
-        hub_texts.check_hub_texts({"--tasks boolq": "aps/super_glue"})
+        hub_texts.check_hub_texts({}, {"--tasks boolq": "aps/super_glue"})
     hub, _ = caches
     (hub / "datasets--aps--super_glue").mkdir()
-    hub_texts.check_hub_texts({"--tasks boolq": "aps/super_glue"})  # cached: the loader may find it
+    hub_texts.check_hub_texts({}, {"--tasks boolq": "aps/super_glue"})  # cached: the loader may find it
     monkeypatch.setattr(shapes, "hub_unreachable", lambda: None)
-    hub_texts.check_hub_texts(needed)  # the hub can be asked: the loader will
+    hub_texts.check_hub_texts(needed, {})  # the hub can be asked: the loader will
 
 
 @pytest.mark.integration
