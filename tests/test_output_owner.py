@@ -263,3 +263,28 @@ def test_a_published_output_is_readable_as_the_process_creates_files(tmp_path):
     finally:
         os.umask(previous)
     assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {"model.safetensors": 0o644, "config.json": 0o644}
+
+
+def test_a_requeued_finished_one_shot_job_has_nothing_to_do(tmp_path, model, text_dir):
+    """--resume_if_any over a finished run (the same command of a requeue loop) ends with exit 0 and nothing touched; a
+    report that is not one a job wrote (a link, not JSON, no settings) is refused in one line, the output as it was."""
+    out = tmp_path / "out"
+    run_entry("prune.py", _fast(model, text_dir, out))
+    digest = _digest(out)
+    again = run_entry("prune.py", _fast(model, text_dir, out, "--resume_if_any"), check=False)
+    assert again.returncode == 0 and "finished run with these settings (elsa_report.json): nothing to do" in again.stdout
+    assert _digest(out) == digest and sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+    report = out / "elsa_report.json"
+    kept = report.read_bytes()
+    elsewhere = tmp_path / "report.json"
+    elsewhere.write_bytes(kept)
+    for tamper, needle in ((lambda: (report.unlink(), report.symlink_to(elsewhere)), "is not a plain file, which no job writes"),
+                           (lambda: report.write_text("{not json"), "cannot be read"),
+                           (lambda: report.write_text('{"model": "x"}'), "records no settings to compare")):
+        report.unlink()
+        report.write_bytes(kept)
+        tamper()
+        run_fails("prune.py", _fast(model, text_dir, out, "--resume_if_any"), needle)
+    report.unlink()
+    report.write_bytes(kept)
+    assert _digest(out) == digest

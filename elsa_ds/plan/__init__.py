@@ -78,15 +78,21 @@ def make_plan(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> Plan:
     a resumed checkpoint's values), then every check that needs no weights, which resolves the DeepSpeed JSON for the
     engine. Runs on every rank, before any collective."""
     source = model_source(cfg, opts)
+    if cfg.oneshot is not None and cfg.finetune is None and opts.resume:
+        raise ElsaError(f"--resume continues an ELSA run; {cfg.method.value} has no checkpoints (it is one pass)")
+    cfg, defaults, world = planned_settings(cfg, opts, source)
+    return Plan(cfg, opts, before_work(cfg, opts, ds_config, world, source), defaults, world, source)
+
+
+def planned_settings(cfg: ElsaConfig, opts: JobOptions, source: ModelSource) -> tuple[ElsaConfig, dict[str, Any], int]:
+    """The settings the job runs (``cfg`` as given, the defaults rule applied, a resumed checkpoint's values kept; a
+    retraining run's own steps), what the rule filled in, and the ranks they are for: no check made, nothing loaded."""
     if cfg.oneshot is not None and cfg.finetune is None:
-        if opts.resume:
-            raise ElsaError(f"--resume continues an ELSA run; {cfg.method.value} has no checkpoints (it is one pass)")
-        return Plan(cfg, opts, before_work(cfg, opts, ds_config, 1, source), {}, 1, source)
+        return cfg, {}, 1
     if cfg.finetune is not None:  # the loop runs cfg.steps: the retraining's own count
         cfg = cfg.model_copy(update={"steps": cfg.finetune_steps or cfg.steps})
-    world = launched_world_size()
     cfg, defaults = apply_defaults(cfg, source.config(), checkpoint.resumed_fingerprint(opts.output_dir, opts.resume))
-    return Plan(cfg, opts, before_work(cfg, opts, ds_config, world, source), defaults, world, source)
+    return cfg, defaults, launched_world_size()
 
 
 def log_plan(plan: Plan) -> None:

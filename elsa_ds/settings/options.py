@@ -31,8 +31,9 @@ class JobOptions(BaseModel):
     """Continue from the latest checkpoint in OUTPUT_DIR/checkpoints."""
     resume_if_any: bool = Field(False, json_schema_extra={"group": "run"})
     """--resume when OUTPUT_DIR/checkpoints has a checkpoint, else a fresh start (an earlier attempt's unpublished
-    checkpoints removed, its monitor logs appended to; anything else there, or a finished run, refused): one command line
-    for every attempt of a job that a scheduler requeues or a time limit cuts (SLURM's --requeue, a resubmitted sbatch)."""
+    checkpoints removed, its monitor logs appended to; anything else there refused); a finished run with the same settings:
+    nothing to do (exit 0), with others: refused. One command line for every attempt of a job that a scheduler requeues or
+    a time limit cuts (SLURM's --requeue, a resubmitted sbatch)."""
     recipe: str | None = Field(None, json_schema_extra={"group": "run", "metavar": "NAME_OR_FILE"})
     """Settings from a recipe (recipes/*.json, by name or path): the paper's per-model, per-sparsity values."""
     ignore_memory_check: bool = Field(False, json_schema_extra={"group": "run"})
@@ -47,6 +48,9 @@ class JobOptions(BaseModel):
     restart: bool = Field(False, json_schema_extra={"cli": False})
     """Set by --resume_if_any when OUTPUT_DIR holds an earlier attempt's leftovers and no checkpoint: its unpublished
     checkpoint folder goes (nothing can load it), its monitor logs are appended to."""
+    finished: bool = Field(False, json_schema_extra={"cli": False})
+    """Set by --resume_if_any when OUTPUT_DIR holds a finished run: the job ends there, with nothing to do when that run
+    had its settings (``elsa_ds/plan/finished.py``), refused otherwise."""
     tokenizer_object: Any = Field(None, json_schema_extra={"cli": False})
     """The in-memory model's tokenizer (Python API only)."""
 
@@ -64,14 +68,13 @@ def resolve_resume(opts: JobOptions) -> JobOptions:
     """--resume_if_any as --resume or a fresh start: a checkpoint published in OUTPUT_DIR/checkpoints (its ``latest``,
     a link included: the resume's own checks refuse one) decides. A fresh start over what an earlier attempt left (a
     first save cut short, the monitor's logs: ``restart``) removes the unpublished checkpoints under the output's lock;
-    anything else there is refused, and so is a finished run (not redone). Every rank reads the same folder before any
-    writes it (the ranks' plans are compared once the process group forms)."""
+    anything else there is refused; a finished run is not redone (``finished``). Every rank reads the same folder before
+    any writes it (the ranks' plans are compared once the process group forms)."""
     if opts.resume or opts.overwrite:
         raise ElsaError(f"--resume_if_any decides whether to resume by itself; drop --{'resume' if opts.resume else 'overwrite'}")
     out = Path(opts.output_dir).expanduser()
-    if (out / REPORT_NAME).exists():
-        raise ElsaError(f"--resume_if_any: {out} holds a finished run ({REPORT_NAME}), so there is nothing to continue; "
-                        "--resume continues its checkpoints, --overwrite replaces it, or choose another --output_dir")
+    if os.path.lexists(out / REPORT_NAME):  # nothing to do when it ran with this job's settings (plan/finished.py)
+        return opts.model_copy(update={"finished": True})
     latest = published(out)
     if os.path.lexists(latest):
         get_logger(__name__).info(f"--resume_if_any: continuing from the checkpoints in {latest.parent}")

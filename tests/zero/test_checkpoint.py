@@ -118,8 +118,8 @@ def test_one_command_line_for_every_attempt_of_a_requeued_job(tmp_path, tiny_mod
     """SLURM requeues a job with the command line it was submitted with (a user's walk, 2026-11-30: --resume refused the
     first attempt, its absence the second). --resume_if_any starts fresh without a checkpoint, over what an attempt
     killed inside its first save left (its unpublished tag goes, its monitor log stays: reviews' finds), resumes with
-    one, refuses a folder holding anything else and a finished run; the attempts end where the uninterrupted run does,
-    with nothing beside the output."""
+    one, refuses a folder holding anything else; the attempts end where the uninterrupted run does, with nothing beside the
+    output. Once it has finished, the same command has nothing to do (exit 0, the output as it was); other settings are refused."""
     ds, reference = uninterrupted
     out = tmp_path / "out"
     (out / "checkpoints" / "global_step2").mkdir(parents=True)  # an attempt killed inside its first save, and its log
@@ -140,10 +140,15 @@ def test_one_command_line_for_every_attempt_of_a_requeued_job(tmp_path, tiny_mod
         assert torch.allclose(w, resumed[name], atol=1e-5), name
     assert (out / "monitor" / "loss.csv").read_text().startswith("step,loss\n")
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no folder set aside, nothing left beside it
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    again = run_entry("prune.py", args, check=False)  # the requeue loop's next attempt: its job is done
+    assert again.returncode == 0 and "holds a finished run with these settings (elsa_report.json): nothing to do" in again.stdout
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    for extra, needle in (([], "holds a finished run (elsa_report.json), so there is nothing to continue"),
+    for extra, needle in ((["--sparsity", "0.5"], "holds a finished run with other settings (that run vs this one: sparsity 0.7 vs 0.5)"),
+                          (["--export_format", "sparse"], 'export_format "dense" vs "sparse"'),
                           (["--output_dir", str(other)], "has no checkpoint to continue and holds notes.txt"),
                           (["--resume"], "--resume_if_any decides whether to resume by itself; drop --resume"),
                           (["--overwrite"], "--resume_if_any decides whether to resume by itself; drop --overwrite")):
