@@ -376,7 +376,7 @@ def test_a_one_shot_job_short_of_disk_is_told_of_disk_and_an_nvme_folder_of_crea
     monkeypatch.setattr(preflight, "this_machine", lambda paths: preflight.Machine(
         host=1e15, disks={dev: 1e3 for dev in real(paths).disks}))
     with pytest.raises(ElsaError) as err:
-        preflight.check_oneshot(shape, cfg, opts)
+        preflight.check_oneshot(shape, cfg, opts, 4)
     assert "disk at" in str(err.value) and "free space there or choose another --output_dir" in str(err.value)
     assert "more memory" not in str(err.value) and "--method elsa" not in str(err.value)
     nvme = resolve_config(DsConfig.load("zero3_nvme").raw, {"model": str(DEMO_MODEL_DIR), "nvme_path": str(tmp_path / "no")})

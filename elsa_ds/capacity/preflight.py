@@ -372,9 +372,9 @@ def _fit_param_buffers(candidate: dict, shape: ModelShape, world: int) -> str:
 
 
 # ---- one-shot methods ---------------------------------------------------------------------------------------------
-def check_oneshot(shape: ModelShape, cfg, opts) -> None:
+def check_oneshot(shape: ModelShape, cfg, opts, element: int) -> None:
     """The pre-flight check of a one-shot job (and its --finetune): the sequence length against the positions of a local
-    model's config, the schedule, host memory, and the disk its model is saved to."""
+    model's config, the schedule, host memory, and the disk its model is saved to (``element`` bytes a parameter)."""
     import torch
 
     if Path(cfg.model).expanduser().is_dir():
@@ -382,7 +382,6 @@ def check_oneshot(shape: ModelShape, cfg, opts) -> None:
     check_schedule(cfg, int(os.environ.get("RANK", "0")))
     cuda = torch.cuda.is_available()
     out = Path(opts.output_dir).expanduser().resolve()
-    element = 2 if cuda else 4  # the model as saved: bf16 on a GPU, fp32 on the CPU
     writes: dict[Path, float] = {out: float(element * shape.num_params) + sparse_export_bytes(shape, element, cfg, opts.export_format)}
     machine = this_machine(list(writes))
     needs = [Need("host memory", oneshot_host_bytes(shape, cfg.method.value, cfg, cuda), machine.host, limit=machine.host_limit),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -24,7 +24,7 @@ from elsa_ds.log import EVERY_RANK, get_logger
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
 from elsa_ds.oneshot.layerwise import layerwise_nll
-from elsa_ds.oneshot.pipeline import OneShotResult, accelerator, load_host_model, prune_oneshot
+from elsa_ds.oneshot.pipeline import OneShotResult, accelerator, load_host_model, prune_oneshot, round_to, saved_dtype
 from elsa_ds.plan import Plan
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
@@ -67,6 +67,7 @@ class OneShotJob:
         self.started: float = time.time()
         self.rank: int = int(os.environ.get("RANK", "0"))
         self.device: torch.device = accelerator()
+        self.saved: torch.dtype = saved_dtype(plan.ds.raw)  # what the model is written (and its pruned perplexity taken) in
         self.state: PassState = PassState()  # set by train (rank 0)
         self.phases: PhaseLog = PhaseLog(self.rank)  # load, validation, prune, validation, export, verify, done
 
@@ -95,6 +96,7 @@ class OneShotJob:
         self.state.dense_ppl = self._ppl(host)
         self.phases.mark("prune")
         self.state.result = prune_oneshot(self.cfg, self.method, host.tokenizer, host.model)
+        round_to(host.model, self.saved)  # the perplexity of the weights the output holds
         self.phases.mark("validation")
         self.state.pruned_ppl = self._ppl(host)
 
@@ -112,6 +114,7 @@ class OneShotJob:
         opts = self.opts
         staging = fresh_staging(opts.output_dir)
         self.phases.mark("export")
+        cast(torch.nn.Module, host.model).to(self.saved)  # in place, a tensor at a time; rounded already (train)
         with writing(staging, saved_bytes(host.model)):
             host.model.save_pretrained(staging, save_original_format=False)  # module names, as the ZeRO-3 export writes them
             host.tokenizer.save_pretrained(staging)

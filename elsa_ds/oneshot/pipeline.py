@@ -30,10 +30,30 @@ def accelerator() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def host_dtype() -> torch.dtype:
+    """The dtype of the host copy a one-shot method prunes: bf16 when a GPU will do the work, fp32 on a CPU-only machine."""
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+def saved_dtype(ds: dict) -> torch.dtype:
+    """The dtype a one-shot job writes its model in: bf16 where the DeepSpeed config ``ds`` (as resolved for this machine)
+    enables it, which is what an ELSA job with the same config writes, so that their files compare byte for byte; else
+    the host copy's (a GPU's bf16 copy is never widened)."""
+    return torch.bfloat16 if ds.get("bf16", {}).get("enabled") else host_dtype()
+
+
 def load_host_model(source: ModelSource) -> PreTrainedModel:
-    """The whole model in host memory: bf16 when a GPU will do the work, fp32 on a CPU-only machine."""
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return source.load(dtype).eval()
+    """The whole model in host memory, in :func:`host_dtype`."""
+    return source.load(host_dtype()).eval()
+
+
+def round_to(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round the parameters' values to ``dtype`` in place (their own dtype kept): a model measured after this is the model
+    that is saved in ``dtype``. Zeros stay zeros, so a mask is unchanged."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.copy_(p.to(dtype))
 
 
 @dataclass
