@@ -287,4 +287,6 @@ def test_a_requeued_finished_one_shot_job_has_nothing_to_do(tmp_path, model, tex
         run_fails("prune.py", _fast(model, text_dir, out, "--resume_if_any"), needle)
     report.unlink()
     report.write_bytes(kept)
+    (tmp_path / "link").symlink_to(out)
+    run_fails("prune.py", _fast(model, text_dir, tmp_path / "link", "--resume_if_any"), "is a symbolic link")
     assert _digest(out) == digest

@@ -12,7 +12,7 @@ from typing import Any
 
 from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.output import REPORT_NAME
+from elsa_ds.files.output import REPORT_NAME, check_output_path
 from elsa_ds.log import get_logger
 from elsa_ds.plan import planned_settings
 from elsa_ds.plan.checks import model_source
@@ -26,6 +26,7 @@ def finished_run(cfg: ElsaConfig, opts: JobOptions) -> dict[str, Any]:
     """The report of the finished run in ``opts.output_dir`` when it ran with the settings this job would run (the
     defaults rule applied, the same ranks, the same export format); ElsaError naming what differs otherwise."""
     out = Path(opts.output_dir).expanduser()
+    check_output_path(out)  # named by its own path, whatever the flags: a link's target is not this job's output
     report = read_report(out / REPORT_NAME)
     planned, _, world = planned_settings(cfg, opts, model_source(cfg, opts))
     now = {"world_size": world, "export_format": opts.export_format, **_plain(planned.model_dump(mode="json"))}
