@@ -274,6 +274,8 @@ def test_a_requeued_finished_one_shot_job_has_nothing_to_do(tmp_path, model, tex
     again = run_entry("prune.py", _fast(model, text_dir, out, "--resume_if_any"), check=False)
     assert again.returncode == 0 and "finished run with these settings (elsa_report.json): nothing to do" in again.stdout
     assert _digest(out) == digest and sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+    launched = run_entry("prune.py", _fast(model, text_dir, out, "--resume_if_any"), ranks=2, timeout=300)  # every rank ends
+    assert "nothing to do" in launched.stdout and _digest(out) == digest
     report = out / "elsa_report.json"
     kept = report.read_bytes()
     elsewhere = tmp_path / "report.json"
