@@ -46,9 +46,9 @@ def oneshot(model: Any, method: str = "sparsegpt", dataset: Dataset = None, *, o
             deepspeed: str | Path = "zero3_offload", tokenizer: Any = None, overwrite: bool = False, resume: bool = False,
             **settings: Any) -> dict[str, Any] | None:
     """Prune ``model`` with a one-shot method (magnitude, wanda, sparsegpt), layer by layer; a loaded model is pruned
-    in place. With ``finetune="full"`` or ``"lora"`` (and ``finetune_steps``) the mask is then retrained under ZeRO-3 like
-    ELSA trains (``resume`` continues such a run); ``method="dense"`` with ``finetune`` is the unpruned control. Returns
-    the report."""
+    in place and left in the dtype the output is written in (the config's bf16, fp32 where it is off on a CPU). With
+    ``finetune="full"`` or ``"lora"`` (and ``finetune_steps``) the mask is then retrained under ZeRO-3 like ELSA trains
+    (``resume`` continues such a run); ``method="dense"`` with ``finetune`` is the unpruned control. Returns the report."""
     return _run(model, dataset, output_dir, deepspeed, tokenizer, overwrite, resume, None, {**settings, "method": method})
 
 

@@ -292,3 +292,22 @@ def test_a_requeued_finished_one_shot_job_has_nothing_to_do(tmp_path, model, tex
     (tmp_path / "link").symlink_to(out)
     run_fails("prune.py", _fast(model, text_dir, tmp_path / "link", "--resume_if_any"), "is a symbolic link")
     assert _digest(out) == digest
+
+
+def test_a_requeued_run_stopped_in_its_evaluation_is_evaluated(tmp_path, model, text_dir):
+    """A run is published before its evaluation (--eval_ppl) runs; an attempt stopped there leaves a report without
+    one: the requeued command evaluates the output under its lock (a review's find: it was taken as nothing to do)."""
+    out = tmp_path / "out"
+    args = _fast(model, text_dir, out, "--eval_ppl", str(text_dir / "macbeth.txt"), "--resume_if_any")
+    run_entry("prune.py", args)
+    report = json.loads((out / "elsa_report.json").read_text())
+    evaluation = report.pop("evaluation")
+    (out / "elsa_report.json").write_text(json.dumps(report))
+    for name in ("eval.json", "eval.md"):
+        (out / name).unlink()
+    model_files = {k: v for k, v in _digest(out).items() if k != "elsa_report.json"}
+    again = run_entry("prune.py", args)
+    assert "its evaluation unfinished: evaluating it now" in again.stdout
+    assert json.loads((out / "elsa_report.json").read_text())["evaluation"] == evaluation
+    assert {k: v for k, v in _digest(out).items() if k not in ("elsa_report.json", "eval.json", "eval.md")} == model_files
+    assert "nothing to do" in run_entry("prune.py", args).stdout

@@ -86,3 +86,46 @@ def test_a_retraining_plan_runs_its_own_steps_and_a_one_shot_plan_refuses_resume
     cfg, ds_config = read_settings(resumed, {"method": "magnitude"})
     with pytest.raises(ElsaError, match="has no checkpoints"):
         make_plan(cfg, resumed, ds_config)
+
+
+def test_a_finished_run_is_this_job_when_only_the_rule_s_values_or_newer_settings_differ(tmp_path):
+    """--resume_if_any over a finished run (``plan/finished.py``): the same settings are nothing to do; a value the
+    defaults rule filled in for both runs is the same command's (the rule may have changed since: an upgrade, a
+    checkpoint's kept value), a setting the report predates is taken at its default; a setting given differently is
+    refused, named."""
+    import json
+
+    from elsa_ds.plan import planned_settings
+    from elsa_ds.plan.checks import model_source
+    from elsa_ds.plan.finished import finished_run
+
+    out = tmp_path / "out"
+    out.mkdir()
+    opts = JobOptions(deepspeed="zero3_offload", output_dir=out, resume_if_any=True, finished=True)
+
+    def job(**given):
+        cfg, _ = read_settings(opts, {"steps": 64, **given})
+        return cfg
+
+    planned, defaults, world = planned_settings(job(), opts, model_source(job(), opts))
+    assert "lr" in defaults["applied"]
+    written = {"config": planned.model_dump(mode="json"), "world_size": world, "defaults": defaults}
+
+    def report(**config):
+        (out / "elsa_report.json").write_text(json.dumps({**written, "config": {**written["config"], **config}}))
+
+    report()
+    assert finished_run(job(), opts)[1] == planned
+    report(lr=planned.lr * 2)  # the rule's value then; unset now too
+    finished_run(job(), opts)
+    with pytest.raises(ElsaError, match=r"other settings \(that run vs this one: .*\blr "):
+        finished_run(job(lr=planned.lr), opts)  # given now: the run had another lr
+    config = dict(written["config"])
+    del config["leaf_layers"]  # a report written before the setting existed
+    (out / "elsa_report.json").write_text(json.dumps({**written, "config": config}))
+    finished_run(job(), opts)
+    with pytest.raises(ElsaError, match="leaf_layers false vs true"):
+        finished_run(job(leaf_layers=True), opts)
+    report(sparsity=0.5)
+    with pytest.raises(ElsaError, match=r"sparsity 0.5 vs 0.7"):
+        finished_run(job(), opts)

@@ -92,6 +92,8 @@ class OneShotJob:
         if host is None:
             log.info(f"{self.cfg.method.value} runs in one process (rank 0); nothing to do here", extra=EVERY_RANK)
             return
+        round_to(host.model, self.saved)  # pruned and measured (dense and pruned) as the output holds them: a CPU's fp32
+        # copy then prunes the bf16 values a GPU's copy holds; computing stays fp32 there
         self.phases.mark("validation")
         self.state.dense_ppl = self._ppl(host)
         self.phases.mark("prune")
@@ -119,7 +121,7 @@ class OneShotJob:
             host.model.save_pretrained(staging, save_original_format=False)  # module names, as the ZeRO-3 export writes them
             host.tokenizer.save_pretrained(staging)
         self.phases.mark("verify")
-        result = report.oneshot_report(self._record(host, done), staging)
+        result = {**report.oneshot_report(self._record(host, done), staging), "saved_dtype": str(self.saved).removeprefix("torch.")}
         report.publish_report(result, staging, opts, False, self.phases.mark)
         self.phases.mark("done")
         return result

@@ -17,13 +17,14 @@ from typing import Any
 from elsa_ds.files.disk_room import disk_full
 from elsa_ds.errors import ElsaError, signals_held
 from elsa_ds.files.aside import published, put_back, set_aside
-from elsa_ds.files.output import (RESUMABLE, PublishFailed, check_output_dir, missing_parents, remove_if_empty, side_path,
-                                  staging_dir)
+from elsa_ds.files.output import (REPORT_NAME, RESUMABLE, PublishFailed, check_output_dir, check_output_path, missing_parents,
+                                  remove_if_empty, side_path, staging_dir)
 from elsa_ds.files.handed import own_copies
 from elsa_ds.files.ownership import check_apart, lock_path, owned
 from elsa_ds.files.watchdog import Watchdog
 from elsa_ds.jobs import make_job, run_job
 from elsa_ds.jobs.phases import PhaseLog
+from elsa_ds.jobs.report import evaluate_saved_model
 from elsa_ds.log import get_logger
 from elsa_ds.methods import oneshot_names
 from elsa_ds.monitor import MONITOR_DIR
@@ -59,7 +60,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
     writes) takes the lock and starts the watchdog, the other ranks of a launcher rely on them. The watchdog hears of the
     job's end once the lock is released."""
     if opts.finished:  # --resume_if_any over a finished run: nothing to do, or refused (another job's settings)
-        return finished_run(cfg, opts)
+        return finished_output(cfg, opts)
     check_apart(opts.output_dir, "--output_dir", job_inputs(cfg, opts))
     check_side_paths(Path(opts.output_dir))
     created = missing_parents(opts.output_dir)
@@ -96,6 +97,26 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
         dog.end()
         if writer:  # the folders made for an output that is not there: a refused or failed job leaves no empty folder
             remove_if_empty(created)
+
+
+def finished_output(cfg: ElsaConfig, opts: JobOptions) -> dict[str, Any]:
+    """--resume_if_any over a finished run with this job's settings (``finished_run``, under the output's lock: a job
+    replacing it is named): nothing to do, unless an attempt was stopped inside the evaluation that follows the
+    publication (``--eval_ppl``/``--eval_tasks`` and no ``evaluation`` in the report), which rank 0 runs now."""
+    log = get_logger(__name__)
+    writer = os.environ.get("RANK", "0") == "0"
+    out = Path(opts.output_dir).expanduser()
+    check_output_path(out)  # before its lock is named from the path
+    with owned(out, "--output_dir", take=writer):
+        report, planned = finished_run(cfg, opts)
+        if (planned.eval_ppl or planned.eval_tasks) and "evaluation" not in report:
+            log.info(f"--resume_if_any: {out} holds a finished run with these settings, its evaluation unfinished: "
+                     "evaluating it now")
+            if writer:
+                evaluate_saved_model(out, planned)
+            return report
+    log.info(f"--resume_if_any: {out} holds a finished run with these settings ({REPORT_NAME}): nothing to do")
+    return report
 
 
 def check_side_paths(output_dir: Path) -> None:

@@ -37,8 +37,9 @@ def host_dtype() -> torch.dtype:
 
 def saved_dtype(ds: dict) -> torch.dtype:
     """The dtype a one-shot job writes its model in: bf16 where the DeepSpeed config ``ds`` (as resolved for this machine)
-    enables it, which is what an ELSA job with the same config writes, so that their files compare byte for byte; else
-    the host copy's (a GPU's bf16 copy is never widened)."""
+    enables it, as an ELSA job with the same config writes it (the shipped configs: their outputs compare byte for byte);
+    else the host copy's (a GPU's bf16 copy is never widened: a config with bf16 off gets bf16 there, where ELSA's
+    engine would write fp32)."""
     return torch.bfloat16 if ds.get("bf16", {}).get("enabled") else host_dtype()
 
 

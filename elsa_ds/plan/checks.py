@@ -19,7 +19,7 @@ from elsa_ds.files.output import check_output_dir
 from elsa_ds.log import get_logger
 from elsa_ds.methods import DENSE, oneshot_names
 from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model, refuse_sparse_checkpoint
-from elsa_ds.oneshot.pipeline import saved_dtype
+from elsa_ds.oneshot.pipeline import host_dtype, saved_dtype
 from elsa_ds.settings.config import NAMED_TEXT_SOURCES, ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import select_targets
@@ -71,7 +71,8 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     tasks = task_repos(manager, expand_tasks(cfg.eval_tasks), "--eval_tasks") if manager else {}
     check_hub_texts(texts, tasks, NAMED_TEXT_SOURCES)
     if cfg.oneshot is not None:
-        element = saved_dtype(ds.raw).itemsize  # the model as the job saves it
+        element = (saved_dtype(ds.raw).itemsize if cfg.finetune is None  # the model as the job saves it; a retraining run's
+                   else host_dtype().itemsize + (2 if ds.bf16 else 4))  # one-shot model stays beside its export
         preflight.check_oneshot(model_shape(model_config, cfg.targets, model=meta), cfg, opts, element)
     else:
         preflight.check_elsa(meta, ds.raw, cfg, opts, world_size)

@@ -13,7 +13,6 @@ from typing import Any
 from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import REPORT_NAME, check_output_path
-from elsa_ds.log import get_logger
 from elsa_ds.plan import planned_settings
 from elsa_ds.plan.checks import model_source
 from elsa_ds.settings.config import ElsaConfig
@@ -22,26 +21,40 @@ from elsa_ds.settings.options import JobOptions
 SHOWN = 6  # the differences a refusal names
 
 
-def finished_run(cfg: ElsaConfig, opts: JobOptions) -> dict[str, Any]:
-    """The report of the finished run in ``opts.output_dir`` when it ran with the settings this job would run (the
-    defaults rule applied, the same ranks, the same export format); ElsaError naming what differs otherwise."""
+def finished_run(cfg: ElsaConfig, opts: JobOptions) -> tuple[dict[str, Any], ElsaConfig]:
+    """The report of the finished run in ``opts.output_dir`` and the settings this job would run (the defaults rule
+    applied), when that run had them, the same ranks and the same export format; ElsaError naming what differs
+    otherwise. A value the defaults rule filled in for both is the same command's (an upgrade may have changed the rule,
+    a resumed attempt kept its checkpoint's); a setting newer than the report is compared with its default."""
     out = Path(opts.output_dir).expanduser()
     check_output_path(out)  # named by its own path, whatever the flags: a link's target is not this job's output
     report = read_report(out / REPORT_NAME)
-    planned, _, world = planned_settings(cfg, opts, model_source(cfg, opts))
+    planned, defaults, world = planned_settings(cfg, opts, model_source(cfg, opts))
     now = {"world_size": world, "export_format": opts.export_format, **_plain(planned.model_dump(mode="json"))}
     config = report.get("config")
     if not isinstance(config, dict):
         raise ElsaError(f"--resume_if_any: {out / REPORT_NAME} records no settings to compare with this job's; --overwrite "
                         "replaces the finished run, or choose another --output_dir")
-    then = {"world_size": report.get("world_size"), "export_format": "sparse" if "export" in report else "dense", **config}
-    if changed := [k for k in {**then, **now} if then.get(k) != now.get(k)]:
+    then = {"world_size": report.get("world_size"), "export_format": "sparse" if "export" in report else "dense",
+            **{k: v for k, v in _field_defaults().items() if k not in config}, **config}
+    ruled = set(_applied(report.get("defaults"))) & set(_applied(defaults))
+    if changed := [k for k in {**then, **now} if k not in ruled and then.get(k) != now.get(k)]:
         shown = ", ".join(f"{k} {_short(then.get(k))} vs {_short(now.get(k))}" for k in changed[:SHOWN])
         more = f" and {len(changed) - SHOWN} more" if len(changed) > SHOWN else ""
         raise ElsaError(f"--resume_if_any: {out} holds a finished run with other settings (that run vs this one: {shown}{more}); "
                         "--overwrite replaces it, or choose another --output_dir")
-    get_logger(__name__).info(f"--resume_if_any: {out} holds a finished run with these settings ({REPORT_NAME}): nothing to do")
-    return report
+    return report, planned
+
+
+def _applied(defaults: Any) -> dict[str, Any]:
+    """The fields a defaults record (``apply_defaults``' second value, kept in a report) says the rule filled in."""
+    applied = defaults.get("applied") if isinstance(defaults, dict) else None
+    return applied if isinstance(applied, dict) else {}
+
+
+def _field_defaults() -> dict[str, Any]:
+    """Every ELSA setting's default, as a report holds it."""
+    return _plain(ElsaConfig.model_construct().model_dump(mode="json"))
 
 
 def read_report(path: Path) -> dict[str, Any]:

@@ -59,9 +59,11 @@ def test_magnitude_four_eight_is_per_layer_magnitude(tmp_path, tiny_model_dir, t
     w, p = dense["model.layers.1.mlp.up_proj.weight"], pruned["model.layers.1.mlp.up_proj.weight"]
     kept = p != 0
     assert p.dtype == (torch.bfloat16 if compat.cpu_bf16_matmul_is_fast() else torch.float32)  # as ELSA's engine writes it
-    assert torch.equal(p[kept], w[kept].to(p.dtype))                      # magnitude never changes a kept weight
-    groups = w.abs().view(w.shape[0], -1, 8)
-    assert torch.equal(kept.view_as(groups), groups >= groups.sort(-1).values[..., 4:5])
+    w = w.to(p.dtype)  # the weights as the job held them: rounded to what it saves before anything is measured
+    assert torch.equal(p[kept], w[kept])                                  # magnitude never changes a kept weight
+    groups, keep = w.float().abs().view(w.shape[0], -1, 8), kept.view(w.shape[0], -1, 8)
+    assert bool((keep.sum(-1) == 4).all())                                # 4 of every 8, the largest (ties either way)
+    assert bool((groups.masked_fill(~keep, torch.inf).amin(-1) >= groups.masked_fill(keep, -1).amax(-1)).all())
 
 
 def test_sparsegpt_profile_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir):
