@@ -389,5 +389,6 @@ def load_latest(engine, ckpt_dir: Path, comm, client_problem: Callable[[Any], st
             raise refusal or UnsafeCheckpointError(f"--resume: another rank refused a file of {ckpt_dir / tag} (see its line)")
         if loaded == comm.world_size:
             log.info(f"resumed from {ckpt_dir / tag}")
+            compat.replay_cpu_adam(engine)  # the C++ Adam's β^t as the uninterrupted run holds it
             return client[CLIENT_KEY]
     return None

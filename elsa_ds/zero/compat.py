@@ -283,6 +283,29 @@ def loss_scaler_problem(engine) -> str | None:
     return None
 
 
+def replay_cpu_adam(engine) -> int:
+    """After a resume, bring DeepSpeedCPUAdam's β1^t, β2^t (kept in its C++ optimizer, multiplied by β once a step:
+    ``Adam_Optimizer::IncrementStep``) to what the uninterrupted run holds at the loaded step t: a new process would take
+    ``pow(β, t + 1)`` at its first step, which differs from the product in float32's last bit, and so would every
+    weight it steps (``xstep.DeepSpeedBiasCorrection`` for the fused flats). Steps 1..t are replayed on a one-entry
+    tensor (the history is the optimizer's, not a parameter's). Returns t (0: nothing to replay, another optimizer)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    base = getattr(engine, "optimizer", None)
+    base = getattr(base, "optimizer", base)  # ZeRO-3's optimizer holds the one it steps (ADMM's wrapper holds its base)
+    base = getattr(base, "base", base)
+    steps = [int(st["step"]) for st in getattr(base, "state", {}).values() if isinstance(st, dict) and "step" in st]
+    if not isinstance(base, DeepSpeedCPUAdam) or not steps or not base.param_groups:
+        return 0
+    group = base.param_groups[0]
+    beta1, beta2 = group["betas"]
+    one = [torch.zeros(1) for _ in range(4)]
+    for step in range(1, max(steps) + 1):  # lr 0: the one entry stays as it is
+        base.ds_opt_adam.adam_update(base.opt_id, step, 0.0, beta1, beta2, group["eps"], group["weight_decay"],
+                                     group["bias_correction"], *one)
+    return max(steps)
+
+
 @contextlib.contextmanager
 def checkpoint_files_read_with(engine, load: Callable[..., Any]) -> Iterator[None]:
     """Inside: every file ``engine.load_checkpoint`` reads goes through ``load(path, map_location=None)``.

@@ -79,6 +79,28 @@ def test_fused_adam_without_penalty_is_deepspeed_cpu_adam_bit_for_bit(kernels, w
         assert torch.equal(base.state[ref][key], opt.state[fused][key])
 
 
+def test_a_resumed_fused_step_is_the_uninterrupted_one(kernels):
+    """A resumed run's first step is DeepSpeed's jump (``pow(β, t)``), which differs from the β^t an uninterrupted run
+    multiplied up in float32's last bit (β2 = 0.999 at t = 3): the fused path takes the product there too, so an
+    optimizer rebuilt from the state after 2 steps ends bit for bit where the uninterrupted one does (a walk: a bf16
+    run resumed from a checkpoint ended with another mask)."""
+    ref = torch.nn.Parameter(_values(5))
+    whole = _admm(ref, _deepspeed_adam(ref))
+    for t in range(6):
+        _step(whole, ref, t, seed=5)
+    first = torch.nn.Parameter(_values(5))
+    cut = _admm(first, _deepspeed_adam(first))
+    for t in range(2):
+        _step(cut, first, t, seed=5)
+    again = torch.nn.Parameter(first.detach().clone())
+    resumed = _admm(again, _deepspeed_adam(again))
+    resumed.load_state_dict(cut.state_dict())
+    for t in range(2, 6):
+        _step(resumed, again, t, seed=5)
+    assert resumed._fused.steps(again, resumed.state[again])
+    assert torch.equal(ref.detach(), again.detach())
+
+
 def _pair(base_of, dtypes, projection=Projection.fisher, seed=2):
     """Two ADMM optimizers on identical flats, fused and eager, after the same first step (z₀ = Π(x) exists)."""
     pf, pe = torch.nn.Parameter(_values(seed)), torch.nn.Parameter(_values(seed))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
 from elsa_ds.zero import compat
 
@@ -84,3 +85,37 @@ def test_resume_if_any_removes_one_unpublished_tag_and_refuses_several(tmp_path)
         resolve_resume(opts)
     (out / "checkpoints" / "latest").write_text("global_step16")
     assert resolve_resume(opts).resume
+
+
+def test_deepspeed_cpu_adam_resumed_after_a_replay_steps_as_the_uninterrupted_one():
+    """DeepSpeedCPUAdam keeps β^t in its C++ optimizer, multiplied up once a step; a new one loaded at step 2 takes
+    pow(β, 3) at its next step, a float32 ulp away (β2 = 0.999), so its weights drift from the uninterrupted run's.
+    ``compat.replay_cpu_adam`` replays the history: the resumed optimizer then ends bit for bit where the
+    uninterrupted one does (without it, not: the test's own check)."""
+    from types import SimpleNamespace
+
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from elsa_ds.zero import compat
+
+    def run(steps, p, opt):
+        for t in steps:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(t))
+            opt.step()
+
+    start = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    ref = torch.nn.Parameter(start.clone())
+    run(range(6), ref, DeepSpeedCPUAdam([ref], lr=1e-2))
+    ends = {}
+    for replay in (True, False):
+        p = torch.nn.Parameter(start.clone())
+        cut = DeepSpeedCPUAdam([p], lr=1e-2)
+        run(range(2), p, cut)
+        again = torch.nn.Parameter(p.detach().clone())
+        resumed = DeepSpeedCPUAdam([again], lr=1e-2)
+        resumed.load_state_dict(cut.state_dict())
+        if replay:
+            assert compat.replay_cpu_adam(SimpleNamespace(optimizer=SimpleNamespace(optimizer=resumed))) == 2
+        run(range(2, 6), again, resumed)
+        ends[replay] = again.detach()
+    assert torch.equal(ends[True], ref.detach()) and not torch.equal(ends[False], ref.detach())

@@ -22,13 +22,25 @@ from elsa_ds.admm.kernels.ops import PenaltyState, SliceTable
 from elsa_ds.admm.kernels.quant8 import MINIFLOAT, f32, state_format
 
 
+def chained_power(base: float, step: int) -> float:
+    """β^t as a run that stepped 1, 2, ..., t holds it in DeepSpeed's float32 members: β multiplied in once a step."""
+    value = 1.0
+    for _ in range(step):
+        value = f32(value * base)
+    return value
+
+
 @dataclass
 class DeepSpeedBiasCorrection:
     """DeepSpeed's ``Adam_Optimizer::IncrementStep`` and ``update_state``, in its float32 arithmetic.
 
     DeepSpeed keeps β1^t, β2^t per optimizer (shared by all its parameters): multiplied by β once per new
-    step, recomputed with ``pow`` when the step jumps (a resumed run) or β changes. One instance per
-    optimizer reproduces that history, so fused flats get DeepSpeed's bias corrections bit for bit.
+    step. One instance per optimizer reproduces that history, so fused flats get DeepSpeed's bias corrections
+    bit for bit. Where the step jumps (a resumed run's first step) or β changes, DeepSpeed takes ``pow``, which
+    differs from the product in float32's last bit: a resumed run's masters then moved 1 ulp from the
+    uninterrupted run's, which in bf16 changes the forward and, over a few projections, the mask (a user's
+    walk, 2026-12-01). Here a jump takes the product a run stepping from 1 holds (``chained_power``), so a
+    resumed run steps as the uninterrupted one; ``compat.replay_cpu_adam`` does the same for DeepSpeed's own.
     """
 
     step: int = 0
@@ -40,15 +52,12 @@ class DeepSpeedBiasCorrection:
     def advance(self, step: int, beta1: float, beta2: float) -> tuple[float, float]:
         """(1 − β1^t, 1/√(1 − β2^t)) for ``step`` t, as DeepSpeed's float members hold them."""
         b1, b2 = f32(beta1), f32(beta2)
-        if b1 != self.beta1 or b2 != self.beta2:
+        if b1 != self.beta1 or b2 != self.beta2 or step not in (self.step, self.step + 1):
             self.step, self.beta1, self.beta2 = step, b1, b2
-            self.beta1_t, self.beta2_t = f32(math.pow(b1, step)), f32(math.pow(b2, step))
+            self.beta1_t, self.beta2_t = chained_power(b1, step), chained_power(b2, step)
         elif step == self.step + 1:
             self.step += 1
             self.beta1_t, self.beta2_t = f32(self.beta1_t * b1), f32(self.beta2_t * b2)
-        elif step != self.step:
-            self.beta1_t, self.beta2_t = f32(math.pow(b1, step)), f32(math.pow(b2, step))
-            self.step = step
         return f32(1.0 - self.beta1_t), f32(1.0 / f32(math.sqrt(f32(1.0 - self.beta2_t))))
 
 
