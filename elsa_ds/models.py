@@ -50,6 +50,9 @@ def config_json(model_id: str) -> dict | None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     path = Path(model_id).expanduser()
+    if path.is_file() and path.suffix != ".json":  # a walk: model.safetensors was read as a config, "can't decode byte"
+        raise ElsaError(f"model {model_id} is a file, not a model: give the folder that holds its config.json, weights and "
+                        "tokenizer, or a hub id")
     file = path if path.is_file() else path / "config.json"
     if not file.is_file():
         return None

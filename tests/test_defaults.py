@@ -198,6 +198,8 @@ def test_a_resumed_run_keeps_the_rule_values_it_started_with_where_the_rule_chan
     cfg, record = _demo(old, sparsity=0.9, steps=100, hold_steps=20, lr=2e-4)
     assert (cfg.hold_steps, cfg.lr) == (20, 2e-4) and "hold_steps" not in record["applied"]
     assert "hold_steps 0 vs 20" in resume_changes(old, cfg.resume_fingerprint(1))
+    said = resume_changes(old, cfg.resume_fingerprint(1), "--resume_if_any")  # the flag given, and what to do (a walk)
+    assert said.startswith("--resume_if_any with changed settings") and said.endswith("--overwrite in place of --resume_if_any")
     # a checkpoint that did not record its warm-up: its lr is not kept alone (one schedule), so the resume is refused
     cfg, _ = _demo({k: v for k, v in old.items() if k != "warmup_steps"}, sparsity=0.9, steps=100)
     assert cfg.lr == fresh.lr and "lr 0.000123 vs" in resume_changes(old, cfg.resume_fingerprint(1))

@@ -223,3 +223,14 @@ def test_model_folder_without_a_tokenizer_is_named(tmp_path, tiny_model_dir, tex
         _prune_fails(["--deepspeed", "zero3_offload", "--method", method, "--model", str(bare), "--dataset", str(text_dir),
                       "--output_dir", str(tmp_path / "o")], f"model {bare} has no tokenizer")
     run_fails("evaluate.py", ["--model", str(bare), "--ppl", str(text_dir), "--seqlen", "64"], f"model {bare} has no tokenizer")
+
+
+def test_a_file_given_as_the_model_is_named_as_one(tmp_path, tiny_model_dir):
+    """A walk: ``--model .../model.safetensors`` was read as a config ("can't decode byte 0x88"), and ``--model
+    .../config.json`` failed in the tokenizer's loader; the estimate still takes a config.json."""
+    for file in ("model.safetensors", "config.json"):
+        model = str(tiny_model_dir / file)
+        _prune_fails(["--deepspeed", "zero3", "--model", model, "--output_dir", str(tmp_path / "out")], "is a file, not a model")
+        run_fails("evaluate.py", ["--model", model, "--ppl", "shakespeare", "--seqlen", "64"], f"model {model} is a file")
+    proc = run_entry("estimate.py", ["--model", str(tiny_model_dir / "config.json"), "--deepspeed", "zero3_offload", "--seqlen", "64"])
+    assert "the run:" in proc.stdout

@@ -129,3 +129,18 @@ def test_a_finished_run_is_this_job_when_only_the_rule_s_values_or_newer_setting
     report(sparsity=0.5)
     with pytest.raises(ElsaError, match=r"sparsity 0.5 vs 0.7"):
         finished_run(job(), opts)
+
+
+def test_resume_if_any_without_checkpoints_is_warned_about(tmp_path, monkeypatch, caplog):
+    """A walk: --resume_if_any alone (no --save_interval) was taken without a word; every requeued attempt of such a job
+    starts over. A one-shot job, which has no checkpoints, is not warned about."""
+    import logging
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    opts = JobOptions(deepspeed="zero3_offload", output_dir=tmp_path / "out", resume_if_any=True)
+    for given, warned in (({"steps": 64}, True), ({"steps": 64, "save_interval": 16}, False), ({"method": "magnitude"}, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            cfg, ds_config = read_settings(opts, given)
+            make_plan(cfg, opts, ds_config)
+        assert ("--resume_if_any without --save_interval" in caplog.text) == warned, given

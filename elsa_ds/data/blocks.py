@@ -60,6 +60,9 @@ def check_local_tokenizer(model_id: str) -> None:
     """A local model directory holds a tokenizer's vocabulary (hub ids are resolved by transformers), and its
     tokenizer.json, when it has one, is one the tokenizers library can read: ElsaError naming the file otherwise."""
     path = Path(model_id).expanduser()
+    if path.is_file():  # a config.json alone: the estimate reads one, a job needs the folder
+        raise ElsaError(f"model {model_id} is a file, not a model: give the folder that holds its config.json, weights and "
+                        "tokenizer, or a hub id")
     if not path.is_dir():
         return
     if not any((path / name).is_file() for name in VOCAB_FILES):

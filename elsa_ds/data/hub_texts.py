@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-from elsa_ds.data.sources import DEMO_DATASET
+from elsa_ds.data.sources import DEMO_DATASET, looks_local
 from elsa_ds.errors import ElsaError
 
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
@@ -62,7 +62,12 @@ def cached(repo: str) -> bool:
 
 
 def text_repos(sources) -> dict[str, str]:
-    """``(flag, source)`` pairs -> ``"--flag 'source'"`` -> the hub dataset it is read from, for those only the hub has."""
+    """``(flag, source)`` pairs -> ``"--flag 'source'"`` -> the hub dataset it is read from, for those only the hub has;
+    ElsaError for a path that is not there (a user's walk: a mistyped file was blamed on the hub)."""
+    sources = list(sources)
+    for flag, source in sources:
+        if source and looks_local(source) and not Path(source).expanduser().exists():
+            raise ElsaError(f"{flag} {source!r}: no such file or directory")
     return {f"{flag} {source!r}": repo for flag, source in sources if source and (repo := hub_repo(source))}
 
 

@@ -17,6 +17,11 @@ from elsa_ds.errors import ElsaError, first_line
 
 DEMO_DATASET = "shakespeare"
 LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
+
+
+def looks_local(source: str) -> bool:
+    """Whether ``source`` names a path (``./``, ``/`` or ``~`` first, or a text file's suffix), not a dataset name."""
+    return source.startswith((".", "/", "~")) or Path(source).suffix in LOCAL_SUFFIXES
 C4_SHARDS = {"train": "en/c4-train.00000-of-01024.json.gz", "validation": "en/c4-validation.00000-of-00008.json.gz"}
 C4_VALIDATION_DOCUMENTS = 1100  # SparseGPT/Wanda: the first 1100 validation documents, joined by a space
 
@@ -56,7 +61,7 @@ def documents(source: str, split: str, holdout_part: bool = True) -> Documents:
                                              "training = every other play")
     if path.exists():
         return _local(path, split, holdout_part)
-    if source.startswith((".", "/", "~")) or path.suffix in LOCAL_SUFFIXES:
+    if looks_local(source):
         raise ElsaError(f"dataset {source!r}: no such file or directory")
     if source == "wikitext2":
         name = "test" if split == "validation" else "train"

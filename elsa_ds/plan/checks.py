@@ -61,8 +61,12 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     check_nvme_param_buffers(meta, ds.raw, world_size)
     if cfg.save_interval or opts.resume:
         checkpoint.check_supported(ds)
+    if opts.resume_if_any and engine_used and not cfg.save_interval and os.environ.get("RANK", "0") == "0":
+        get_logger(__name__).warning("--resume_if_any without --save_interval: this run writes no checkpoint, so an attempt "
+                                     "cut short starts over; pass --save_interval N to continue from every N-th step")
     if (written := checkpoint.resumed_fingerprint(opts.output_dir, opts.resume)) is not None:
-        if refusal := checkpoint.resume_changes(written, cfg.resume_fingerprint(world_size)):
+        flag = "--resume_if_any" if opts.resume_if_any else "--resume"
+        if refusal := checkpoint.resume_changes(written, cfg.resume_fingerprint(world_size), flag):
             raise ElsaError(refusal)
     if opts.resume:  # latest names a tag on disk, one is readable, no file needs a class outside the allow-list
         checkpoint.check_resume(opts.output_dir / "checkpoints")

@@ -238,6 +238,9 @@ class ElsaConfig(BaseModel):
     @classmethod
     def _local_model_exists(cls, v: str) -> str:
         path = Path(v).expanduser()
+        if path.is_file():
+            raise ValueError("is a file, not a model: give the folder that holds its config.json, weights and tokenizer, "
+                             "or a hub id")
         if v.startswith((".", "/", "~")) and not path.is_dir():
             raise ValueError("no such directory (pass a hub id like google/gemma-2-2b or a saved model directory)")
         if path.is_dir() and not (path / "config.json").is_file():

@@ -59,14 +59,16 @@ def write_fingerprint(ckpt_dir: Path, fingerprint: dict) -> None:
     write_json(ckpt_dir / FINGERPRINT, fingerprint)
 
 
-def resume_changes(written: dict[str, Any], now: dict[str, Any]) -> str | None:
+def resume_changes(written: dict[str, Any], now: dict[str, Any], flag: str = "--resume") -> str | None:
     """What differs between a checkpoint's fingerprint and this run's (``ElsaConfig.resume_fingerprint``), as the
-    refusal's text; None when nothing does."""
+    refusal's text, and what to do (``flag``: the one the user gave, --resume or --resume_if_any); None when nothing does."""
     changed = {k: (v, now.get(k)) for k, v in {**RESUME_DEFAULTS, **written}.items() if now.get(k) != v}
     if not changed:
         return None
-    return ("--resume with changed settings is not supported (checkpoint vs now): "
-            + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in changed.items()))
+    instead = " in place of --resume_if_any" if flag == "--resume_if_any" else " in place of --resume"
+    return (f"{flag} with changed settings is not supported (checkpoint vs now): "
+            + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in changed.items())
+            + f"; give the settings the run started with, or start over with --overwrite{instead}")
 
 
 def read_fingerprint(ckpt_dir: Path) -> dict | None:

@@ -64,3 +64,14 @@ def test_a_pruning_job_asked_for_task_data_it_cannot_fetch_is_refused_before_it_
     proc = run_entry("evaluate.py", ["--model", str(DEMO_MODEL_DIR), "--tasks", "boolq", "--limit", "2"], check=False,
                      timeout=300, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--tasks boolq (aps/super_glue)" in proc.stderr
+
+
+def test_a_missing_path_is_named_as_one_not_taken_for_a_hub_dataset(tmp_path):
+    """A user's walk: ``elsa-evaluate --ppl w/nonexistent.txt`` was refused as a hub dataset that cannot be asked."""
+    from elsa_ds.errors import ElsaError
+
+    for flag, source in (("--ppl", "w/nonexistent.txt"), ("--dataset", "./mine"), ("--eval_ppl", "~/no/such.jsonl")):
+        with pytest.raises(ElsaError, match=rf"^{flag} '{source}': no such file or directory$"):
+            hub_texts.text_repos(iter([("--dataset", "c4"), (flag, source)]))
+    (tmp_path / "here.txt").write_text("text")
+    assert hub_texts.text_repos(iter([("--ppl", str(tmp_path / "here.txt")), ("--ppl", "c4")])) == {"--ppl 'c4'": "allenai/c4"}
