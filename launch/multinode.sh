@@ -8,7 +8,15 @@
 # --output_dir on a filesystem every node sees (checkpoints are written by every rank), and for NVMe
 # offload a local --nvme_path that exists on every node. MASTER_PORT (default 29500) must be open.
 set -euo pipefail
-hostfile=${1:?usage: launch/multinode.sh HOSTFILE SCRIPT [ARGS...]}
+fail() { echo "elsa_ds: error: launch/multinode.sh: $*" >&2; exit 2; }
+(( $# >= 2 )) || fail "usage: launch/multinode.sh HOSTFILE SCRIPT [ARGS...] (launch/hostfile.example shows the hostfile)"
+hostfile=$1
 shift
-master=$(awk '!/^#/ && NF {print $1; exit}' "$hostfile")
+[[ -f $hostfile && -r $hostfile ]] || fail "hostfile $hostfile: no such readable file (one line per node: HOST slots=GPUS)"
+[[ -f $1 ]] || fail "$1: no such script (e.g. launch/prune.py, run from the checkout's root)"
+# every line that is not a comment: HOST slots=N, as DeepSpeed's launcher reads it (it raises a traceback otherwise)
+bad=$(awk '!/^[[:space:]]*#/ && NF && !($2 ~ /^slots=[0-9]+$/ && NF == 2) {print NR": "$0; exit}' "$hostfile")
+[[ -z $bad ]] || fail "hostfile $hostfile, line $bad: each node's line is HOST slots=GPUS"
+master=$(awk '!/^[[:space:]]*#/ && NF {print $1; exit}' "$hostfile")
+[[ -n $master ]] || fail "hostfile $hostfile names no node (one line per node: HOST slots=GPUS)"
 exec deepspeed --hostfile "$hostfile" --master_addr "${MASTER_ADDR:-$master}" --master_port "${MASTER_PORT:-29500}" "$@"

@@ -150,6 +150,48 @@ def test_slurm_launcher_submitted_outside_a_checkout_says_where_to_submit_from(s
     assert not record.exists() and not list(work.glob("hostfile.*"))
 
 
+def test_slurm_launcher_outside_slurm_and_its_cpus_reach_srun(slurm, tmp_path):
+    """A walk: run outside SLURM the script died on "SLURM_JOB_NODELIST: unbound variable" (or scontrol's absence, 127);
+    it now says where it runs, exit 2. Slurm 22.05-23.02's srun does not take --cpus-per-task from the job."""
+    work, env, record = slurm
+    outside = {k: v for k, v in env.items() if k != "SLURM_JOB_NODELIST"}
+    proc = _sbatch(work, outside)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and err.startswith("elsa_ds: error: launch/slurm_prune.sbatch runs under SLURM"), err
+    assert not record.exists() and not list(work.glob("hostfile.*"))
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text('#!/usr/bin/env bash\necho "$SRUN_CPUS_PER_TASK" > "$STUB_RECORD.cpus"\n' + STUB_SRUN.split("\n", 1)[1])
+    assert _sbatch(work, {**env, "SLURM_CPUS_PER_TASK": "32"}).wait(timeout=60) == 0
+    assert Path(str(record) + ".cpus").read_text().strip() == "32"
+    assert "#SBATCH --requeue" in (ROOT / "launch" / "slurm_prune.sbatch").read_text()
+
+
+def test_multinode_launcher_checks_its_hostfile_and_script_first(slurm, tmp_path):
+    """A walk: no arguments gave bash's ":?" line (exit 1), a missing hostfile awk's error, a line without slots= or an
+    empty hostfile DeepSpeed's traceback; each is one elsa_ds line now, exit 2, before the launcher runs."""
+    work, env, record = slurm
+    script = ROOT / "launch" / "multinode.sh"
+    hostfile = tmp_path / "hosts"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(script), *args], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+
+    for args, text, needle in ((("x",), None, "usage: launch/multinode.sh HOSTFILE SCRIPT"),
+                               ((str(tmp_path / "none"), "launch/prune.py"), None, "no such readable file"),
+                               ((str(hostfile), "launch/nope.py"), "node-a slots=8\n", "launch/nope.py: no such script"),
+                               ((str(hostfile), "launch/prune.py"), "# nodes\nnode-a slots=8\nnode-b 8\n", "line 3: node-b 8"),
+                               ((str(hostfile), "launch/prune.py"), "# nothing\n\n", "names no node")):
+        if text is not None:
+            hostfile.write_text(text)
+        proc = run(*args)
+        assert proc.returncode == 2 and proc.stderr.startswith("elsa_ds: error: launch/multinode.sh: ") and needle in proc.stderr, proc.stderr
+    assert not record.exists()
+    hostfile.write_text("# the nodes\nnode-a slots=8\nnode-b slots=8\n")
+    assert run(str(hostfile), "launch/prune.py", "--output_dir", "o u t").returncode == 0
+    seen = json.loads(record.read_text())["argv"]
+    assert seen[seen.index("--master_addr") + 1] == "node-a" and seen[-3:] == ["launch/prune.py", "--output_dir", "o u t"]
+
+
 # ---- finding 4: no code path from a recipe or the DeepSpeed JSON --------------------------------------------------------
 def _recipe(tmp_path: Path, settings: dict) -> Path:
     path = tmp_path / "downloaded-recipe.json"
