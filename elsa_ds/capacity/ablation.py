@@ -227,11 +227,15 @@ def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:
     lines = ["| config | step time (s) | estimated (s) | peak host RSS (MiB) | estimated (MiB) | peak GPU (MiB) | "
              "estimated GPU (MiB) | NVMe peak (MiB) | estimated NVMe (MiB) | final loss | mask agreement | ADMM bytes/param |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r.config} | {r.step_time_s:.3f} | {r.est_step_time_s:.3f} | {fmt(r.peak_host_rss_bytes)} | "
-                     f"{fmt(r.est_host_bytes)} | {fmt(r.peak_gpu_bytes)} | {fmt(r.est_gpu_bytes)} | {fmt(r.nvme_peak_bytes)} | "
+    for r in rows:  # how each step was estimated: its micro-step timed here, or the machine's typical rates (a walk)
+        how = "timed" if r.est_micro_step_s is not None else "rates"
+        gpu = None if r.peak_gpu_bytes is None else r.est_gpu_bytes  # CPU ranks: no GPU to estimate
+        lines.append(f"| {r.config} | {r.step_time_s:.3f} | {r.est_step_time_s:.3f} ({how}) | {fmt(r.peak_host_rss_bytes)} | "
+                     f"{fmt(r.est_host_bytes)} | {fmt(r.peak_gpu_bytes)} | {fmt(gpu)} | {fmt(r.nvme_peak_bytes)} | "
                      f"{fmt(r.est_nvme_bytes)} | "
                      f"{r.final_loss:.4f} | {r.mask_agreement:.4%} | {r.admm_state_bytes_per_param:.2f} |")
+    lines.append("\nestimated (s): (timed) from the job's micro-step timed on this machine, (rates) from its typical rates "
+                 "where the micro-step could not be timed here (elsa-estimate --measure says why)")
     tmp = out_dir / "ablation.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(out_dir / "ablation.md")
@@ -253,7 +257,8 @@ def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:
     axes[1].legend()
     axes[2].bar([i - 0.2 for i in x], [r.nvme_peak_bytes / mib for r in rows], width=0.4, label="measured")
     axes[2].bar([i + 0.2 for i in x], [r.est_nvme_bytes / mib for r in rows], width=0.4, label="estimated")
-    axes[2].set_title("NVMe (MiB)")
+    axes[2].set_title("NVMe (MiB)" if any(r.nvme_peak_bytes or r.est_nvme_bytes for r in rows) else "NVMe: none of these configs")
+    axes[2].set_ylim(bottom=0)
     axes[2].legend()
     for ax in axes:
         ax.set_xticks(list(x), names, rotation=20, fontsize=8)

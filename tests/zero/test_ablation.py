@@ -89,3 +89,19 @@ def test_the_runs_outputs_together_are_checked_against_the_disk_before_any_run(t
     code, err, _ = run_main(module.main, ["--configs", *configs, "--out", str(out)])
     one_line(code, err, "ablate_offload.py: the 2 runs keep", "fewer --configs")
     assert not out.exists()
+
+
+def test_the_table_says_how_each_step_was_estimated_and_what_cpu_ranks_have_no_gpu_for(tmp_path):
+    """A walk: one row's estimate came from the typical rates (its micro-step could not be timed), another's from a timed
+    micro-step, and the table did not say which; CPU ranks showed "n/a" beside an estimated GPU "0"."""
+    pytest.importorskip("matplotlib")
+    from elsa_ds.capacity.ablation import AblationRow, write_outputs
+
+    row = dict(step_time_s=0.5, peak_host_rss_bytes=2 ** 30, est_host_bytes=2 ** 30, peak_gpu_bytes=None, est_gpu_bytes=0.0,
+               nvme_peak_bytes=0.0, est_nvme_bytes=0.0, final_loss=4.0, mask_agreement=1.0, admm_state_bytes_per_param=8.0)
+    write_outputs([AblationRow(config="zero3_offload", est_step_time_s=0.7, **row),
+                   AblationRow(config="zero3_offload_elsal", est_step_time_s=0.46, est_micro_step_s=0.1, **row)], tmp_path)
+    table = (tmp_path / "ablation.md").read_text().splitlines()
+    assert "| 0.700 (rates) |" in table[2] and "| 0.460 (timed) |" in table[3]
+    assert all(line.count("n/a") == 2 for line in table[2:4]) and "(rates) from its typical rates" in table[-1]
+    assert (tmp_path / "ablation.png").stat().st_size > 0 and not list(tmp_path.glob("*.tmp*"))
