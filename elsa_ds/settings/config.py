@@ -1,11 +1,10 @@
 """ElsaConfig: the one validated source of truth for every setting of a pruning job.
 
-Each field's docstring is its documentation: the command line (``elsa_ds/cli.py``), the README's flag
-table (``python -m elsa_ds.cli --flag-table``) and the error messages are generated from these fields.
+Each field's docstring is its documentation: the command line (``elsa_ds/cli.py``), the README's flag table
+(``python -m elsa_ds.cli --flag-table``) and the error messages are generated from these fields.
 
-Precedence, lowest first: field defaults < the embedded demo's profile (only when no --model is given)
-< a ``--recipe`` file < the ``"elsa"`` block of the DeepSpeed JSON < the command line.
-"""
+Precedence, lowest first: field defaults < the embedded demo's profile (only when no --model is given) < a ``--recipe``
+file < the ``"elsa"`` block of the DeepSpeed JSON < the command line."""
 from __future__ import annotations
 
 import re
@@ -238,11 +237,9 @@ class ElsaConfig(BaseModel):
     @classmethod
     def _local_model_exists(cls, v: str) -> str:
         path = Path(v).expanduser()
-        if path.is_file():
-            raise ValueError("is a file, not a model: give the folder that holds its config.json, weights and tokenizer, "
-                             "or a hub id")
-        if v.startswith((".", "/", "~")) and not path.is_dir():
-            raise ValueError("no such directory (pass a hub id like google/gemma-2-2b or a saved model directory)")
+        if path.is_file() or v.startswith((".", "/", "~")) and not path.is_dir():  # a walk: a weight file read as a config
+            raise ValueError("is a file, not a model: give its folder (config.json, weights, tokenizer) or a hub id" if path.is_file()
+                             else "no such directory (pass a hub id like google/gemma-2-2b or a saved model directory)")
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError("directory has no config.json (not a saved transformers model)")
         return v
