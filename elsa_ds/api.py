@@ -8,7 +8,8 @@
                              output_dir="out/g2-wanda-ft-90", sparsity=0.9)       # the retraining baseline
 
 Run in one process it is a one-rank job; under ``deepspeed --num_gpus N script.py`` every rank calls it and rank 0
-gets the report (the other ranks get None). Settings are ElsaConfig fields (the command line's flags).
+gets the report (the other ranks get None). Settings are the command line's flags: ElsaConfig's fields and the job's own
+``export_format``, ``ignore_memory_check``, ``resume_if_any``, ``log_level``.
 """
 from __future__ import annotations
 
@@ -21,11 +22,14 @@ from typing import Any
 
 from elsa_ds.errors import ElsaError, sigterm_unwinds
 from elsa_ds.jobs.owner import run_owned
+from elsa_ds.log import setup_logging
 from elsa_ds.plan import read_settings
 from elsa_ds.settings.options import JobOptions, job_options
 from elsa_ds.zero.dist import launcher_env_restored
 
 Dataset = Any  # a name or path (str / Path), a list of strings, or a datasets.Dataset with a "text" column
+# the job's own flags a keyword may set beside ElsaConfig's fields (the rest of JobOptions are these functions' arguments)
+RUN_SETTINGS = ("resume_if_any", "ignore_memory_check", "export_format", "log_level")
 
 
 def prune(model: Any, dataset: Dataset = None, *, output_dir: str | Path, deepspeed: str | Path = "zero3_offload",
@@ -56,12 +60,16 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
          settings: dict[str, Any]) -> dict[str, Any] | None:
     _check_arguments(model, output_dir, deepspeed, tokenizer, overwrite, resume, recipe)
     in_memory = not isinstance(model, (str, os.PathLike))
+    run = {k: settings[k] for k in RUN_SETTINGS if k in settings}  # the job's flags beside ElsaConfig's (export_format...)
     with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="elsa_ds_documents_") as tmp:  # SIGTERM: both cleaned up
         name = _dataset_name(dataset, Path(tmp))
         opts = job_options({"deepspeed": str(deepspeed), "output_dir": Path(output_dir), "overwrite": overwrite, "resume": resume,
-                            "recipe": recipe, "model_object": model if in_memory else None, "tokenizer_object": tokenizer},
-                           given_as="the arguments")
-        given = {**settings, "model": _model_name(model) if in_memory else str(model), "dataset": name}
+                            "recipe": recipe, "model_object": model if in_memory else None, "tokenizer_object": tokenizer,
+                            **run}, given_as="the arguments")
+        if "log_level" in run:
+            setup_logging(opts.log_level)
+        given = {**{k: v for k, v in settings.items() if k not in run}, "model": _model_name(model) if in_memory else str(model),
+                 "dataset": name}
         cfg, ds_config = read_settings(opts, given, spelt="")
         with launcher_env_restored():
             return run_owned(cfg, opts, ds_config)

@@ -241,8 +241,7 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, *, random_init: bool = Fal
         raise ElsaError(f"cannot load model {model_id!r}: a .bin weights file holds objects beyond tensors or is damaged "
                         f"({str(err).splitlines()[0][:120]}), and loading it could run code; use the model's safetensors "
                         "files or a copy you trust") from None
-    model.config.use_cache = False  # scoring and training forwards build no KV cache
-    return model
+    return model  # its config's use_cache as given (exports keep it): our forwards pass use_cache=False themselves
 
 
 def as_transformers(model: torch.nn.Module) -> PreTrainedModel:
@@ -311,7 +310,6 @@ class ModelSource:
             return load_causal_lm(self.name, dtype, random_init=random_init)
         if random_init:
             raise ElsaError("random_init builds a model from its config; it cannot be combined with a model given in memory")
-        self.module.config.use_cache = False
         # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stubs drop the binding of self: called
         # as nn.Module's to (PreTrainedModel's own still runs), which converts the module in place and returns it
         cast(torch.nn.Module, self.module).to(dtype)

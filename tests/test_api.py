@@ -71,10 +71,13 @@ import json, os, elsa_ds
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained({str(tiny_model_dir)!r}, dtype="float32")
 report = elsa_ds.oneshot(model, "magnitude", "shakespeare", tokenizer=AutoTokenizer.from_pretrained({str(tiny_model_dir)!r}),
-                         output_dir={str(tmp_path / 'mag')!r}, deepspeed="zero3", sparsity=0.5, seqlen=64, val_windows=2)
+                         output_dir={str(tmp_path / 'mag')!r}, deepspeed="zero3", sparsity=0.5, seqlen=64, val_windows=2,
+                         export_format="sparse", ignore_memory_check=True, log_level="warning")  # the job's own flags too
 w = model.model.layers[0].mlp.up_proj.weight
-print(json.dumps({{"zeros": int((w == 0).sum()), "numel": w.numel(), "method": report["method"], "dense": report["ppl"]["dense"]}}))
+print(json.dumps({{"zeros": int((w == 0).sum()), "numel": w.numel(), "method": report["method"], "dense": report["ppl"]["dense"],
+                  "format": report["export"]["format"]}}))
 """)
     got = json.loads(out.strip().splitlines()[-1])
-    assert got["method"] == "magnitude" and got["dense"] > 1
+    assert got["method"] == "magnitude" and got["dense"] > 1 and got["format"] == "sparse"
+    assert "elsa_sparse" in json.loads((tmp_path / "mag" / "config.json").read_text())
     assert got["zeros"] == round(0.5 * got["numel"])

@@ -28,6 +28,8 @@ CASES = {  # name: (call, the argument the message must name first)
     "seqlen list": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, seqlen=[64]), "seqlen="),
     "eval_ppl int": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, eval_ppl=5), "eval_ppl="),
     "init_mask int": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, init_mask=5), "init_mask="),
+    "export_format zip": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, export_format="zip"), "export_format"),
+    "log_level loud": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, log_level="loud"), "log_level"),
     # right types, no meaning: ELSA's own settings given to a one-shot method
     "lmda to wanda": (lambda m, d, o: elsa_ds.oneshot(m, "wanda", d, output_dir=o, lmda=0.1, interval=8), "interval, lmda"),
 }
@@ -42,3 +44,14 @@ def test_wrong_argument_type_is_an_elsa_error_naming_it(name, tmp_path, tiny_mod
     assert names in str(err.value), str(err.value)
     assert "command line" not in str(err.value)  # a Python call has none: its arguments are named as such
     assert not out.exists() and list(tmp_path.iterdir()) == []      # nothing written, not even a lock or staging folder
+
+
+def test_every_flag_of_a_job_is_a_keyword_of_the_api():
+    """A flag the command line takes and the API refused as "unknown setting" (export_format, a user's walk): each of
+    JobOptions' flags is an argument of prune / oneshot or one of the keywords they pass on to it."""
+    from elsa_ds.api import RUN_SETTINGS
+    from elsa_ds.settings.flags import cli_fields
+    from elsa_ds.settings.options import JobOptions
+
+    arguments = {"deepspeed", "output_dir", "overwrite", "resume", "recipe"}
+    assert set(cli_fields(JobOptions)) == arguments | set(RUN_SETTINGS)

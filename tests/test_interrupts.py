@@ -25,9 +25,10 @@ FAST = ["--seqlen", "64", "--interval", "4", "--sparsity", "0.6", "--lr", "1e-3"
         "--baseline", "none", "--micro_batch", "2", "--seed", "3", "--deepspeed", "ds_configs/zero3_offload.json"]
 
 
-def _run_and_signal(cmd: list[str], when: str, send, timeout: float = 180) -> tuple[int, str]:
-    """Start ``cmd``, call ``send(proc)`` once ``when`` shows in its output, return (exit code, stdout and stderr). Whatever
-    happens, nothing it started is left running (a 100000-step job, the launcher's ranks)."""
+def _run_and_signal(cmd: list[str], when: str, send, timeout: float = 180, drain: float = 10) -> tuple[int, str]:
+    """Start ``cmd``, call ``send(proc)`` once ``when`` shows in its output, return (exit code, stdout and stderr: what
+    came before its pipe closed, or ``drain`` s after ``cmd`` ended). Unless ``cmd`` ended, nothing it started is left
+    running (a 100000-step job, the launcher's ranks)."""
     import psutil
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -52,7 +53,7 @@ def _run_and_signal(cmd: list[str], when: str, send, timeout: float = 180) -> tu
                 child.kill()
             proc.kill()
             proc.wait()
-    reader.join(timeout=10)
+    reader.join(timeout=drain)
     return code, "".join(chunks)
 
 

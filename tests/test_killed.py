@@ -5,6 +5,7 @@ handled error: not a word from it. The embedded demo model: one plain process, a
 rank 0 or rank 1 killed, or the launcher's whole process group (the watchdog then the only one left to speak)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -209,3 +210,36 @@ def test_a_kill_inside_the_first_save_keeps_the_previous_checkpoints_aside(tmp_p
         said = cleanup(w)
         assert (f"may still be writing checkpoint {tag}" in said) == kept and aside.exists() == kept, said
     assert (out / "checkpoints" / "global_step8" / "shard.pt").read_text() == "the previous run's"
+
+
+def test_a_stop_of_the_deepspeed_command_alone_stops_its_ranks(tmp_path):
+    """SIGTERM to the `deepspeed` command alone (``kill PID`` of what the user started) ends it without a word to the
+    launcher below: its ranks trained on, the output locked (a user's walk). Rank 0's watchdog sees the launcher handed to
+    another parent and rank 0 go on stepping, and stops the launcher as a stop of the process group would: one line from
+    it, the ranks' own (terminated, 143), every process gone, nothing left beside the previous output."""
+    parent = tmp_path / "parent"
+    out = _previous_output(parent)
+    before = _listing(parent)
+    args = [*QUICK, "--steps", "100000", "--output_dir", str(out), "--overwrite"]
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           "launch/prune.py", *args]
+    below: list[psutil.Process] = []
+
+    def stop_runner(proc) -> None:
+        below.extend(psutil.Process(proc.pid).children(recursive=True))  # the launcher and the ranks
+        assert len([p for p in below if "LOCAL_RANK" in p.environ()]) == 2
+        proc.send_signal(signal.SIGTERM)
+    try:
+        code, text = _run_and_signal(cmd, "step/s", stop_runner, timeout=240, drain=90)  # all that its ranks said
+        _, alive = psutil.wait_procs(below, timeout=90)
+        assert not alive, [p.cmdline()[:4] for p in alive]
+    finally:
+        for p in below:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    assert code == -signal.SIGTERM
+    notice = [line for line in text.splitlines() if line.startswith("elsa_ds: the deepspeed command")]
+    assert len(notice) == 1 and "they are stopped now" in notice[0], text[-4000:]
+    assert "Traceback" not in text and "terminated (SIGTERM)" in text, text[-4000:]
+    assert _listing(parent) == before
+    _no_watchdog_left(out)

@@ -21,6 +21,8 @@ whether the kernel's out-of-memory killer ran meanwhile (``oom_kill`` in ``/proc
 then stopped by the launcher: the same line, rank 0 having cleaned up. A clean end: not a word. Only the ranks on rank
 0's node are watched. What --overwrite set aside of the previous output it puts back (``aside.put_back``); a publication
 cut short it completes (``aside.settle_old``: rank 0 announces it once its staging folder is the finished output).
+The `deepspeed` command ended alone, its ranks going on (``runner.py``): it sends the launcher the SIGTERM a stop of the
+process group would have, and says so.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from elsa_ds.errors import stderr_line
 from elsa_ds.files.aside import PUBLICATIONS, PUBLISH_FAILED, Settled, published, put_back, settle_old, tags_begun
 from elsa_ds.files.ownership import read_holder
 from elsa_ds.files.procfs import cgroup_limit, oom_kills, path_state, proc_stat
+from elsa_ds.files.runner import Runner, find_runner, orphaned, stop_launcher
 
 GIB = 2**30
 SAMPLE_S = 0.5
@@ -153,6 +156,8 @@ class Watch:
     peak_used: int = 0
     peak_job: int = 0
     oom_before: int | None = None
+    runner: Runner | None = None     # the deepspeed command above the launcher (files/runner.py): its end alone stops it
+    marks: int = 0                   # rank 0's phase marks so far
 
 
 def add_rank(w: Watch, pid: int, rank: int) -> None:
@@ -212,6 +217,7 @@ def read_messages(w: Watch, fd: int, pending: bytearray) -> bool:
                 w.ended = w.ended or bool(message.get("ended"))
                 if "phase" in message:
                     w.phase = message
+                    w.marks += 1
 
 
 def sample(w: Watch, root) -> None:
@@ -239,6 +245,9 @@ def watch(w: Watch, channel: int) -> None:
         if listening and not read_messages(w, channel, pending):
             w.poller.unregister(channel)
             listening = False
+        if w.runner is not None and not w.ended and orphaned(w.runner, w.marks, time.monotonic()):
+            with contextlib.suppress(OSError):  # then the ranks' own lines (terminated), and rank 0's exit path
+                stderr_line("\n" + stop_launcher(w.runner))
         if w.ended:
             if w.killed is not None:
                 say(w, "nothing unfinished was published (rank 0's exit path cleaned up)")
@@ -367,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     w.before = {p: path_state(Path(p)) for p in args.clean}
     w.oom_before = oom_kills()
     discover(w)
+    w.runner = find_runner(args.launcher)
     if os.fork() > 0:
         os._exit(0)  # rank 0 waits for this first process only: it goes on as the watch begins
     os.chdir("/")

@@ -19,7 +19,8 @@ from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY
 from elsa_ds.sparse.integrity import SparseArgumentError, check_type
 from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path
-from elsa_ds.sparse.siblings import ready_to_decode
+from elsa_ds.sparse.saving import saves_dense
+from elsa_ds.sparse.siblings import SiblingSlice, ready_to_decode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -55,6 +56,7 @@ def sparsify(model: PreTrainedModel, min_sparsity: float = DEFAULT_MIN_SPARSITY,
                                   "nothing would get smaller; is this the pruned model? (lower min_sparsity to convert less "
                                   "sparse weights)")
     ready_to_decode(twin, device)
+    saves_dense(twin)
     return twin.eval()
 
 
@@ -68,6 +70,9 @@ def _check_arguments(model: Any, min_sparsity: float, decode_path: str | None) -
     if not 0.0 < min_sparsity <= 1.0:
         raise SparseArgumentError(f"min_sparsity {min_sparsity}: expected a fraction in (0, 1]")
     check_decode_path(decode_path)
+    if any(isinstance(m, (SparseLinear, SiblingSlice)) for m in model.modules()):
+        raise SparseArgumentError(f"this {type(model).__name__} is in sparse mode already (from_pretrained's mode='sparse' or "
+                                  "sparsify's): use it as it is")
     devices = {t.device for t in (*model.parameters(), *model.buffers())}
     if len(devices) != 1:
         raise SparseArgumentError(f"the model's tensors are on {len(devices)} devices ({', '.join(sorted(map(str, devices)))}); "

@@ -115,7 +115,12 @@ class SparseLinear(torch.nn.Module):
         return "decompress" if self.triton_unavailable is not None else "triton"
 
     def _cpu_decode_path(self) -> str:
-        return "csr" if self.cpu_path == "kernel" and self.layout == COLS16 else self.cpu_path  # the C++ kernel: delta8
+        kernel_takes = self.layout == DELTA8 and self.values.dtype in KERNEL_DTYPES  # a .half() after loading included
+        return "csr" if self.cpu_path == "kernel" and not kernel_takes else self.cpu_path
+
+    def _apply(self, fn, recurse=True):  # .to(), .half(), .cuda(): the cached CSR copy would keep the old dtype, device
+        self._csr = None
+        return super()._apply(fn, recurse)
 
     @property
     def triton_unavailable(self) -> str | None:
@@ -177,8 +182,9 @@ class SparseLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _path_for(self, flat: torch.Tensor) -> str | None:
-        """The decode path for these rows of x; None: decompress and multiply densely (prefill-sized, or no kernel)."""
-        if not 1 <= flat.shape[0] <= K.MAX_KERNEL_ROWS:
+        """The decode path for these rows of x; None: decompress and multiply densely (prefill-sized, no kernel, or a
+        gradient wanted: the kernels have no backward, F.linear's carries x's gradient)."""
+        if not 1 <= flat.shape[0] <= K.MAX_KERNEL_ROWS or (flat.requires_grad and torch.is_grad_enabled()):
             return None
         if flat.device.type == "cpu":
             return self._cpu_decode_path()

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from elsa_ds.sparse import format as fmt
-from elsa_ds.sparse.folder import TensorReader
+from elsa_ds.sparse.folder import TensorReader, inside
 from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError, check_type,
                                       tensor_digest)
 from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path
+from elsa_ds.sparse.saving import saves_dense
 from elsa_ds.sparse.siblings import ready_to_decode
 from elsa_ds.sparse.meta import CONFIG_KEY, UNSEALED_VERSION, elsa_named, sparse_meta
 
@@ -110,9 +111,25 @@ def _empty_model(path: Path, dtype: torch.dtype | None) -> PreTrainedModel:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise SparseCheckpointError(f"{path}: transformers cannot build a causal LM from its config.json ({first})") from None
     model.tie_weights()  # no_init_weights skips init_weights, which is where transformers ties them
+    _generation_config(model, path)
     if hasattr(model.config, CONFIG_KEY):  # the block describes the files, not the model: a save of it is dense
         delattr(model.config, CONFIG_KEY)
     return model
+
+
+def _generation_config(model: PreTrainedModel, path: Path) -> None:
+    """The folder's generation_config.json, as transformers' from_pretrained reads it (from_config builds one from the
+    config alone: its use_cache, max_new_tokens and token ids would override the exported ones). JSON only."""
+    from transformers import GenerationConfig
+
+    if not (path / "generation_config.json").is_file():
+        return
+    inside(path, "generation_config.json", path)  # a link out of the folder (the hub cache's own excepted) is refused
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, RecursionError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise SparseCheckpointError(f"{path}: generation_config.json cannot be read ({first})") from None
 
 
 def from_pretrained(path: str | Path, mode: str = "dense", dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
@@ -146,6 +163,7 @@ def from_pretrained(path: str | Path, mode: str = "dense", dtype: torch.dtype | 
     cast(torch.nn.Module, model).to(device)
     if mode == "sparse":
         ready_to_decode(model, torch.device(device))
+        saves_dense(model)
     return model.eval()
 
 
@@ -163,9 +181,14 @@ def _check_arguments(path: str | Path, mode: str, dtype: torch.dtype | None, dev
             raise SparseArgumentError(f"dtype={dtype}: expected a floating dtype such as torch.bfloat16")
     check_type("device", device, (str, torch.device), "a device such as 'cpu' or 'cuda:0'")
     try:
-        torch.device(device)
+        where = torch.device(device)
     except (RuntimeError, ValueError) as err:
         raise SparseArgumentError(f"device={device!r}: {str(err).splitlines()[0]}") from None
+    if where.type == "meta":
+        raise SparseArgumentError(f"device={device!r}: the meta device holds no weights; load to 'cpu' or a GPU")
+    if where.type == "cuda" and (not torch.cuda.is_available() or (where.index or 0) >= torch.cuda.device_count()):
+        raise SparseArgumentError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+                                  f"{'' if torch.cuda.is_available() else ' (torch without CUDA, or no GPU)'}; load to 'cpu'")
     check_decode_path(decode_path, mode)
     check_type("verify", verify, bool, "True or False")
     return Path(path)

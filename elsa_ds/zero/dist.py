@@ -7,6 +7,7 @@ import os
 import socket
 from collections.abc import Iterator
 
+from elsa_ds.admm.kernels.build_lock import clear_stale_locks
 from elsa_ds.zero import compat
 
 
@@ -30,6 +31,7 @@ def init_distributed() -> tuple[int, int]:
 
     compat.check_deepspeed_version()
     if not dist.is_initialized():
+        clear_stale_locks()  # DeepSpeed's ops are built from here on (its CPU backend's shm comm first): none waits forever
         deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False)
         _unlink_shm_buffer(dist)
         atexit.register(teardown)

@@ -24,7 +24,7 @@ def distributed_nll(job: ZeroEngine, windows: torch.Tensor, micro_batch: int) ->
     engine = job.engine
     was_training = engine.module.training
     engine.module.eval()
-    nll, count = window_nll(lambda ids: engine(input_ids=ids).logits, windows, micro_batch,
+    nll, count = window_nll(lambda ids: engine(input_ids=ids, use_cache=False).logits, windows, micro_batch,
                             rank=job.comm.rank, world_size=job.comm.world_size, device=engine.device)
     engine.module.train(was_training)
     total = job.comm.all_reduce_sum(torch.tensor([nll, count], dtype=torch.float64))

@@ -86,6 +86,8 @@ def test_a_cuda_sparse_model_generates_with_a_static_cache_by_default(sparse_dir
     CPU model is left as transformers makes it. (The move itself is not done here: no GPU.)"""
     moved = []
     monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(a) or self)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the check of the device (a GPU machine's)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     model = from_pretrained(sparse_dir, mode="sparse", device="cuda")
     assert moved and model.generation_config.cache_implementation == "static"
     layers = [m for m in model.modules() if isinstance(m, SparseLinear)]

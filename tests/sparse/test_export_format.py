@@ -46,7 +46,10 @@ def test_elsa_on_two_ranks_publishes_a_sparse_checkpoint(tmp_path, tiny_model_di
     weights = dict(model.named_parameters())
     for name, layer in report["layers"].items():
         assert int((weights[name] == 0).sum()) == layer["zeros"], name   # exact sparsity survives the code
+    source = json.loads((tiny_model_dir / "config.json").read_text())
+    assert source.get("use_cache", True) and json.loads((out / "config.json").read_text())["use_cache"]  # was False
     sparse = from_pretrained(out, mode="sparse")
+    assert sparse.generation_config.use_cache  # generate() decodes with a KV cache: one row per step, the kernel's
     ids = torch.tensor([[1, 5, 9, 13]])
     with torch.no_grad():
         torch.testing.assert_close(sparse(ids).logits, model(ids).logits, rtol=1e-3, atol=1e-4)

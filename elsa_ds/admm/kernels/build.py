@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from elsa_ds.admm.kernels.build_lock import clear_stale_locks, extensions_root
 from elsa_ds.log import get_logger
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -93,7 +94,8 @@ def _build(name: str, csrc: Path, sources: tuple[str, ...], what: str, verbose: 
     try:
         from torch.utils import cpp_extension
 
-        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+        root = extensions_root()
+        clear_stale_locks(root, name)  # a build killed outright left its lock: torch would wait on it forever
         if not any(root.glob(f"{name}/{name}.so")) and not any(root.glob(f"*/{name}/{name}.so")):  # torch's own layouts
             log.info(f"building the {what} for this CPU (once; about half a minute on 2 cores, then cached under {root}; "
                      "ELSA_DS_KERNELS=0 skips it)")  # a first use on this machine waits on the compiler: say so

@@ -1,0 +1,113 @@
+"""A torch extension build killed outright leaves its ``lock``, and torch then waits on it forever at every later build
+(``elsa_ds/admm/kernels/build_lock.py``): a lock nobody holds is removed with a warning before our builds and before
+DeepSpeed's; one held by a live build, or on a network filesystem, is left."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elsa_ds.admm.kernels import build, build_lock
+from tests.conftest import ROOT, run_entry
+
+
+def _built(name: str) -> Path | None:
+    """This machine's build folder of extension ``name`` (either of torch's layouts), if built."""
+    root = build_lock.extensions_root()
+    return next((p for p in (root / name, *root.glob(f"*/{name}")) if (p / f"{name}.so").exists()), None)
+
+
+def _extensions_with_stale_locks(tmp_path: Path, names: list[str]) -> Path:
+    """A TORCH_EXTENSIONS_DIR holding copies of these builds (or empty folders: then built there), each with the lock a
+    build killed before its end leaves."""
+    root = tmp_path / "ext"
+    for name in names:
+        found = _built(name)
+        if found is not None:
+            shutil.copytree(found, root / name)  # mtimes kept: ninja finds it up to date
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / "lock").touch()
+    return root
+
+
+def test_a_killed_builds_lock_no_longer_hangs_the_next_build(tmp_path):
+    name = build.module_name()
+    root = _extensions_with_stale_locks(tmp_path, [name])
+    code = "from elsa_ds.admm.kernels import build; print('loaded', build.load() is not None)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TORCH_EXTENSIONS_DIR": str(root)})  # torch alone: waits forever
+    assert proc.returncode == 0 and "loaded True" in proc.stdout, proc.stderr[-3000:]
+    assert f"removed {root / name / 'lock'}" in proc.stderr and not (root / name / "lock").exists()
+
+
+@pytest.mark.integration
+def test_a_job_starts_past_every_stale_lock(tmp_path):
+    """DeepSpeed's ops (cpu_adam; the CPU backend's shm comm, built as the process group starts) and ours, each with a
+    stale lock: a two-step job ends, each lock named in a warning."""
+    names = ["cpu_adam", "deepspeed_shm_comm", build.module_name()]
+    root = _extensions_with_stale_locks(tmp_path, names)
+    args = ["--deepspeed", "ds_configs/zero3_offload.json", "--seqlen", "64", "--micro_batch", "2", "--steps", "2",
+            "--val_windows", "0", "--baseline", "none", "--output_dir", str(tmp_path / "o")]
+    proc = run_entry("prune.py", args, timeout=600, env={"TORCH_EXTENSIONS_DIR": str(root)})
+    for name in names:
+        assert f"removed {root / name / 'lock'}" in proc.stderr, proc.stderr[-3000:]
+    assert not list(root.glob("*/lock"))
+
+
+def test_a_lock_held_by_a_live_build_is_left(tmp_path):
+    lock = tmp_path / "ext" / "op" / "lock"
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", f"import os, time; fd = os.open({str(lock)!r}, os.O_CREAT | os.O_EXCL); "
+                               "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert build_lock.held(lock, lock.stat().st_uid) is True
+        assert build_lock.clear_stale_locks(tmp_path / "ext") == [] and lock.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert build_lock.held(lock, lock.stat().st_uid) is False  # its holder gone: stale now
+    assert build_lock.clear_stale_locks(tmp_path / "ext") == [lock] and not lock.exists()
+
+
+def test_a_lock_released_while_checked_is_not_touched(tmp_path, monkeypatch):
+    """The build ends between the first look and the second (its lock closed, then removed, a new build's made): the new
+    one stays."""
+    lock = tmp_path / "ext" / "op" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+
+    def a_new_build_meanwhile(seconds: float) -> None:
+        lock.unlink()
+        lock.with_name("new").touch()
+        lock.with_name("new").rename(lock)  # another file (made while the first existed: another inode)
+    monkeypatch.setattr(build_lock.time, "sleep", a_new_build_meanwhile)
+    assert build_lock.clear_stale_locks(tmp_path / "ext") == [] and lock.exists()
+
+
+def test_a_lock_on_a_network_filesystem_is_left_with_a_warning(tmp_path, monkeypatch, caplog):
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"proc /proc proc rw 0 0\n/dev/vda / ext4 rw 0 0\nserver:/home {tmp_path / 'shared'} nfs4 rw 0 0\n")
+    assert build_lock.network_fs(tmp_path / "shared" / "ext" / "op" / "lock", str(mounts)) == "nfs4"
+    assert build_lock.network_fs(tmp_path / "sharedx" / "lock", str(mounts)) is None
+    assert build_lock.network_fs(tmp_path / "ext" / "lock", str(mounts)) is None
+    lock = tmp_path / "ext" / "op" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    monkeypatch.setattr(build_lock, "network_fs", lambda path: "nfs4")
+    with caplog.at_level(logging.WARNING, logger="elsa_ds"):
+        assert build_lock.clear_stale_locks(tmp_path / "ext") == [] and lock.exists()
+    assert f"a build lock {lock} exists and it is on a nfs4 filesystem" in caplog.text
+
+
+def test_no_lock_no_wait(tmp_path, monkeypatch):
+    """Every job start looks: without a lock it neither waits for a recheck nor takes the removers' guard."""
+    monkeypatch.setattr(build_lock.time, "sleep", lambda seconds: pytest.fail("waited without a lock"))
+    (tmp_path / "ext" / "op").mkdir(parents=True)
+    assert build_lock.clear_stale_locks(tmp_path / "none") == [] and build_lock.clear_stale_locks(tmp_path / "ext") == []
+    assert not (tmp_path / "ext" / ".elsa_ds_build_locks").exists()
