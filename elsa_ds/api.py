@@ -43,6 +43,9 @@ def prune(model: Any, dataset: Dataset = None, *, output_dir: str | Path, deepsp
     A SIGTERM during the call (with Python's default handler in place) ends the process as it would anyway, once the
     job's staging, side files and lock are gone.
     """
+    if settings.get("method", "elsa") != "elsa":  # a user's walk: prune(method="wanda") ran Wanda
+        raise ElsaError(f"method={settings['method']!r}: elsa_ds.prune runs ELSA; a one-shot method (and its retraining) is "
+                        f"elsa_ds.oneshot(model, {settings['method']!r}, ...)")
     return _run(model, dataset, output_dir, deepspeed, tokenizer, overwrite, resume, recipe, settings)
 
 
@@ -53,6 +56,9 @@ def oneshot(model: Any, method: str = "sparsegpt", dataset: Dataset = None, *, o
     in place and left in the dtype the output is written in (the config's bf16, fp32 where it is off on a CPU). With
     ``finetune="full"`` or ``"lora"`` (and ``finetune_steps``) the mask is then retrained under ZeRO-3 like ELSA trains
     (``resume`` continues such a run); ``method="dense"`` with ``finetune`` is the unpruned control. Returns the report."""
+    if method == "elsa":
+        raise ElsaError("method='elsa': elsa_ds.oneshot runs the one-shot methods (magnitude, wanda, sparsegpt) and the dense "
+                        "control; ELSA is elsa_ds.prune(model, dataset, ...)")
     return _run(model, dataset, output_dir, deepspeed, tokenizer, overwrite, resume, None, {**settings, "method": method})
 
 

@@ -17,6 +17,7 @@ import torch
 
 from elsa_ds.data import load_tokenizer
 from elsa_ds.data.blocks import check_local_tokenizer
+from elsa_ds.data.sources import FILE_NOT_MODEL
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.weight_files import check_model_folder, check_weight_files, read_header, stored_shapes
 from elsa_ds.settings.config_files import read_json_object
@@ -51,8 +52,7 @@ def config_json(model_id: str) -> dict | None:
 
     path = Path(model_id).expanduser()
     if path.is_file() and path.suffix != ".json":  # a walk: model.safetensors was read as a config, "can't decode byte"
-        raise ElsaError(f"model {model_id} is a file, not a model: give the folder that holds its config.json, weights and "
-                        "tokenizer, or a hub id")
+        raise ElsaError(f"model {model_id} {FILE_NOT_MODEL}")
     file = path if path.is_file() else path / "config.json"
     if not file.is_file():
         return None

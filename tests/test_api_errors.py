@@ -28,6 +28,8 @@ CASES = {  # name: (call, the argument the message must name first)
     "seqlen list": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, seqlen=[64]), "seqlen="),
     "eval_ppl int": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, eval_ppl=5), "eval_ppl="),
     "init_mask int": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, init_mask=5), "init_mask="),
+    "prune with wanda": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, method="wanda"), "elsa_ds.oneshot(model, 'wanda'"),
+    "oneshot with elsa": (lambda m, d, o: elsa_ds.oneshot(m, "elsa", d, output_dir=o), "ELSA is elsa_ds.prune"),
     "export_format zip": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, export_format="zip"), "export_format"),
     "log_level loud": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, log_level="loud"), "log_level"),
     # right types, no meaning: ELSA's own settings given to a one-shot method

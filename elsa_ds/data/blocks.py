@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from elsa_ds import json_data
-from elsa_ds.data.sources import iter_texts
+from elsa_ds.data.sources import FILE_NOT_MODEL, iter_texts
 from elsa_ds.errors import ElsaError
 
 
@@ -61,8 +61,7 @@ def check_local_tokenizer(model_id: str) -> None:
     tokenizer.json, when it has one, is one the tokenizers library can read: ElsaError naming the file otherwise."""
     path = Path(model_id).expanduser()
     if path.is_file():  # a config.json alone: the estimate reads one, a job needs the folder
-        raise ElsaError(f"model {model_id} is a file, not a model: give the folder that holds its config.json, weights and "
-                        "tokenizer, or a hub id")
+        raise ElsaError(f"model {model_id} {FILE_NOT_MODEL}")
     if not path.is_dir():
         return
     if not any((path / name).is_file() for name in VOCAB_FILES):

@@ -19,6 +19,9 @@ DEMO_DATASET = "shakespeare"
 LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
 
 
+FILE_NOT_MODEL = "is a file, not a model: give the folder that holds its config.json, weights and tokenizer, or a hub id"
+
+
 def looks_local(source: str) -> bool:
     """Whether ``source`` names a path (``./``, ``/`` or ``~`` first, or a text file's suffix), not a dataset name."""
     return source.startswith((".", "/", "~")) or Path(source).suffix in LOCAL_SUFFIXES

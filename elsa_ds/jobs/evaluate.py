@@ -294,6 +294,9 @@ def run(s: EvalSettings) -> dict[str, Any]:
     return result
 
 
+SCORING_ONLY = frozenset({"seqlen", "ppl_protocol", "batch_size", "limit", "dtype", "device_map", "offload_folder", "include_path"})
+
+
 def run_speed(s: EvalSettings, started: float) -> dict[str, Any]:
     """--speed: dense mode against sparse mode (elsa_ds.sparse.speed.speed_report) at batch 1 and 8, table and JSON; on
     the GPU when there is one, as the other evaluations."""
@@ -302,6 +305,10 @@ def run_speed(s: EvalSettings, started: float) -> dict[str, Any]:
     check_settings(s)
     if s.ppl or s.tasks:
         raise ElsaError("--speed measures size and speed only; run --ppl/--tasks in a separate command")
+    if unused := sorted(SCORING_ONLY & s.model_fields_set):  # a user's walk: --dtype fp32 was timed in the stored bf16
+        raise ElsaError(f"--speed times the checkpoint in its stored dtype with --speed_prompt/--speed_steps/--speed_rounds; "
+                        f"{', '.join('--' + k for k in unused)} {'is' if len(unused) == 1 else 'are'} for --ppl/--tasks: drop "
+                        f"{'it' if len(unused) == 1 else 'them'}")
     if not Path(s.model).is_dir():
         raise ElsaError(f"--speed needs a local model folder (an elsa-sparse checkpoint or a dense pruned export); {s.model} is not one")
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -73,6 +73,8 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                 out = Path(opts.output_dir)
                 if writer and opts.overwrite:  # the previous output's checkpoints, logs and resumable side files, until published
                     set_aside(out, [out / "checkpoints", out / MONITOR_DIR, *resumable_paths(out)])
+                if writer and opts.resume and opts.resume_if_any:
+                    get_logger(__name__).info(f"--resume_if_any: continuing from the checkpoints in {published(out).parent}")
                 if writer and (opts.resume or opts.restart):  # the monitor's files the run appends to: none shared elsewhere
                     own_copies(out / MONITOR_DIR)
                 if writer and opts.restart and not published(out).exists():  # --resume_if_any over an attempt that published

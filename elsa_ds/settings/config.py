@@ -19,7 +19,7 @@ from elsa_ds.admm.projection import NM
 from elsa_ds.admm.schedule import LambdaSchedule
 from elsa_ds.admm.state import StateDtype
 from elsa_ds.data.sampling import Sampling
-from elsa_ds.data.sources import DEMO_DATASET, LOCAL_SUFFIXES
+from elsa_ds.data.sources import DEMO_DATASET, FILE_NOT_MODEL, looks_local
 from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
@@ -229,7 +229,7 @@ class ElsaConfig(BaseModel):
     @field_validator("dataset", "val_dataset")
     @classmethod
     def _local_dataset_exists(cls, v: str | None) -> str | None:
-        if v is not None and (v.startswith((".", "/", "~")) or Path(v).suffix in LOCAL_SUFFIXES) and not Path(v).expanduser().exists():
+        if v is not None and looks_local(v) and not Path(v).expanduser().exists():
             raise ValueError("no such file or directory (or give c4, wikitext2, shakespeare or a datasets name)")
         return v
 
@@ -238,7 +238,7 @@ class ElsaConfig(BaseModel):
     def _local_model_exists(cls, v: str) -> str:
         path = Path(v).expanduser()
         if path.is_file() or v.startswith((".", "/", "~")) and not path.is_dir():  # a walk: a weight file read as a config
-            raise ValueError("is a file, not a model: give its folder (config.json, weights, tokenizer) or a hub id" if path.is_file()
+            raise ValueError(FILE_NOT_MODEL if path.is_file()
                              else "no such directory (pass a hub id like google/gemma-2-2b or a saved model directory)")
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError("directory has no config.json (not a saved transformers model)")

@@ -76,8 +76,7 @@ def resolve_resume(opts: JobOptions) -> JobOptions:
     if os.path.lexists(out / REPORT_NAME):  # nothing to do when it ran with this job's settings (plan/finished.py)
         return opts.model_copy(update={"finished": True})
     latest = published(out)
-    if os.path.lexists(latest):
-        get_logger(__name__).info(f"--resume_if_any: continuing from the checkpoints in {latest.parent}")
+    if os.path.lexists(latest):  # said by the job once it owns the output (a refusal by another job's lock comes first)
         return opts.model_copy(update={"resume": True})
     left = out.is_dir() and not out.is_symlink() and any(out.iterdir())
     if others := foreign_entries(out):

@@ -18,7 +18,7 @@ from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE
 from elsa_ds.log import get_logger
 from elsa_ds.settings.flags import add_flags, cli_fields, start_logging, validated
 from elsa_ds.settings.options import JobOptions
-from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY, check_paths, compress
+from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY, check_arguments, check_paths, compress
 from elsa_ds.sparse.loader import verify
 
 log = get_logger(__name__)
@@ -59,7 +59,9 @@ def _run(settings: CompressSettings) -> None:
         return
     if settings.output is None:
         raise ElsaError("give the output folder: elsa-compress INPUT OUTPUT")
-    check_paths(settings.input, settings.output, settings.overwrite)  # the cheap refusals come before anything is logged
+    # the cheap refusals come before anything is logged (a user's walk: a bad --min_sparsity came after the log line)
+    check_arguments(settings.input, settings.output, settings.min_sparsity, settings.max_shard_size, settings.overwrite)
+    check_paths(settings.input, settings.output, settings.overwrite)
     log.info("compress %s -> %s (min_sparsity %s, max_shard_size %s)", settings.input, settings.output, settings.min_sparsity,
              settings.max_shard_size)
     done = compress(settings.input, settings.output, settings.min_sparsity, settings.max_shard_size, settings.overwrite)

@@ -20,7 +20,7 @@ from elsa_ds.files.io import write_json
 from elsa_ds.files.output import fresh_staging, publish
 from elsa_ds.files.ownership import check_apart, owned
 from elsa_ds.files.weight_files import SPARSE_INDEX, SPARSE_STEM, check_model_folder
-from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
+from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec, parse_size
 from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.folder import TensorReader, is_weight_file
 from elsa_ds.sparse.integrity import SparseArgumentError, SparseCheckpointError, check_type, tensor_digest
@@ -92,7 +92,7 @@ def _write(reader: TensorReader, out: Path, specs: list[TensorSpec], chosen: dic
     return digests
 
 
-def _check_arguments(src: str | Path, dst: str | Path, min_sparsity: float, max_shard_size: int | str, overwrite: bool) -> None:
+def check_arguments(src: str | Path, dst: str | Path, min_sparsity: float, max_shard_size: int | str, overwrite: bool) -> None:
     """Wrong types and values as one line each (SparseArgumentTypeError / SparseArgumentError), before any work (typed as
     ``compress`` declares them: the checks are for callers that ignore the declaration)."""
     for label, value in (("src", src), ("dst", dst)):
@@ -102,6 +102,7 @@ def _check_arguments(src: str | Path, dst: str | Path, min_sparsity: float, max_
     check_type("overwrite", overwrite, bool, "True or False")
     if not 0.0 < min_sparsity <= 1.0:
         raise SparseArgumentError(f"min_sparsity {min_sparsity}: expected a fraction in (0, 1]")
+    parse_size(max_shard_size)  # "5XB": one line now, not after the input is read
 
 
 def compress(src: str | Path, dst: str | Path, min_sparsity: float = DEFAULT_MIN_SPARSITY,
@@ -111,7 +112,7 @@ def compress(src: str | Path, dst: str | Path, min_sparsity: float = DEFAULT_MIN
     Every 2-D floating tensor with at least ``min_sparsity`` zeros is stored as values + positions (the smaller of
     bitmask and delta8); everything else as it was. Other files of ``src`` (tokenizer, generation config) are copied.
     """
-    _check_arguments(src, dst, min_sparsity, max_shard_size, overwrite)
+    check_arguments(src, dst, min_sparsity, max_shard_size, overwrite)
     src, dst = Path(src), Path(dst)
     check_paths(src, dst, overwrite)
     config = read_config(src)

@@ -108,7 +108,8 @@ def _empty_model(path: Path, dtype: torch.dtype | None) -> PreTrainedModel:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(config, "dtype", None) or torch.float32,
                                                      trust_remote_code=False)
     except Exception as err:  # whatever the modeling code raises on a config it cannot take
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "validation error for X:" says nothing alone
         raise SparseCheckpointError(f"{path}: transformers cannot build a causal LM from its config.json ({first})") from None
     model.tie_weights()  # no_init_weights skips init_weights, which is where transformers ties them
     _generation_config(model, path)

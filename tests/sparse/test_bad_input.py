@@ -71,6 +71,15 @@ def test_unpruned_input_has_nothing_to_compress(tmp_path):
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
 
 
+def test_a_bad_setting_is_refused_before_the_work_is_announced(pruned_dir, tmp_path, capsys):
+    from elsa_ds.sparse.cli import main
+
+    for flags, expected in ((["--min_sparsity", "1.5"], "min_sparsity 1.5"), (["--max_shard_size", "5XB"], "max_shard_size '5XB'")):
+        assert main([str(pruned_dir), str(tmp_path / "out"), *flags]) == 2
+        captured = capsys.readouterr()
+        assert expected in captured.err and "compress " not in captured.out + captured.err
+
+
 def test_sparse_input_is_refused(sparse_dir, tmp_path):
     run_fails("compress.py", [str(sparse_dir), str(tmp_path / "out")], "already an elsa-sparse checkpoint")
 

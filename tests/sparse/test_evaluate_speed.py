@@ -61,7 +61,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     out = tmp_path / "speed.json"
     demo = ROOT / "elsa_ds" / "demo" / "model"  # not pruned: nothing to compress
     cases = [(["--model", str(demo)], "no 2-D weight"), (["--model", str(tmp_path / "absent")], "needs a local model folder"),
-             (["--model", str(demo), "--ppl", "c4"], "run --ppl/--tasks in a separate command")]
+             (["--model", str(demo), "--ppl", "c4"], "run --ppl/--tasks in a separate command"),
+             (["--model", str(demo), "--dtype", "fp32"], "--dtype is for --ppl/--tasks: drop it"),
+             (["--model", str(demo), "--limit", "4", "--seqlen", "64"], "--limit, --seqlen are for --ppl/--tasks")]
     for args, expected in cases:
         assert main_evaluate([*args, *FAST, "--output", str(out)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
