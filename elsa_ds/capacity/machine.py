@@ -7,15 +7,12 @@ to tell the user (or changes the engine's config and says so); the job decides w
 from __future__ import annotations
 
 import os
-import time
-from pathlib import Path
 
 import torch
 
 from elsa_ds.zero import compat
 from elsa_ds.zero.engine import model_dtype
 
-STALE_LOCK_S = 20 * 60
 
 
 def job_device() -> str:
@@ -55,24 +52,6 @@ def nvme_unavailable() -> str | None:
     return ("NVMe offload needs DeepSpeed's async_io op, which cannot be built here (libaio and its headers were not "
             "found): install them (Debian/Ubuntu: apt-get install libaio-dev; RHEL/Fedora: dnf install libaio-devel), "
             "or use a config without NVMe offload such as ds_configs/zero3_offload.json")
-
-
-def stale_build_locks(now: float | None = None) -> list[str]:
-    """Warnings for build locks that look abandoned: a ``lock`` file older than 20 minutes in an extension's build
-    directory that holds no built library. torch's FileBaton waits on such a lock forever, so a build killed
-    half-way (a timed-out job) hangs every later run at its first use of that op, silently."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    now = time.time() if now is None else now
-    found = []
-    for lock in sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock")):
-        age = now - lock.stat().st_mtime
-        if age > STALE_LOCK_S and not any(lock.parent.glob("*.so")):
-            found.append(f"{lock} is {age / 60:.0f} min old and {lock.parent.name} was never built "
-                         f"there: a build killed half-way leaves it and every later build waits on it forever; delete "
-                         f"it if no other build is running")
-    return found
 
 
 def this_gpu() -> tuple[str, float] | None:

@@ -143,13 +143,15 @@ def load_model(s: EvalSettings, config, offload_folder: str | None, sparse: bool
                                 device="cuda" if torch.cuda.is_available() and not spreading else "cpu")
         if spreading:
             model = spread(model, offload_folder)
-        return model
-    kwargs: dict[str, Any] = {}
-    if torch.cuda.is_available():
-        kwargs["device_map"] = "auto" if s.device_map else "cuda"
-        if s.device_map:
-            kwargs["offload_folder"] = offload_folder
-    return load_causal_lm(s.model, resolve_dtype(s.dtype), config=config, **kwargs).eval()
+    else:
+        kwargs: dict[str, Any] = {}
+        if torch.cuda.is_available():
+            kwargs["device_map"] = "auto" if s.device_map else "cuda"
+            if s.device_map:
+                kwargs["offload_folder"] = offload_folder
+        model = load_causal_lm(s.model, resolve_dtype(s.dtype), config=config, **kwargs).eval()
+    model.config.use_cache = False  # scoring only (lm-eval's forwards too): no KV cache built; this copy is never saved
+    return model
 
 
 def spread(model: PreTrainedModel, offload_folder: str | None, max_memory: dict[int | str, int] | None = None) -> PreTrainedModel:

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from elsa_ds.capacity import machine
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.errors import ElsaError
 from elsa_ds.step_profile import StepProfiler
@@ -140,9 +139,6 @@ def open_training(plan: Plan) -> Opened:
         raise ElsaError("the ranks planned different jobs (whether to resume, or the settings a checkpoint records): nodes "
                         "that read --output_dir, a recipe or the DeepSpeed JSON differently (a network file system's "
                         "caches with --resume_if_any); give --resume or leave it out, and the same files to every node")
-    if rank == 0:
-        for warning in machine.stale_build_locks():
-            log.warning(warning)
     return Opened(rank, world, load_data(plan, rank, world))
 
 
