@@ -243,3 +243,31 @@ def test_a_stop_of_the_deepspeed_command_alone_stops_its_ranks(tmp_path):
     assert "Traceback" not in text and "terminated (SIGTERM)" in text, text[-4000:]
     assert _listing(parent) == before
     _no_watchdog_left(out)
+
+
+def test_the_runner_is_told_apart_and_its_end_alone_stops_the_launcher_once():
+    """files/runner.py on real processes: a "runner" whose child (the "launcher") outlives it; orphaned only after a mark
+    (or the wait), the SIGTERM sent once; not for a runner still there; the command lines it takes for the runner."""
+    from elsa_ds.files.runner import Runner, is_runner, orphaned, stop_launcher
+
+    assert is_runner(["/venv/bin/python3", "/venv/bin/deepspeed", "--num_gpus", "2", "launch/prune.py"])
+    assert is_runner(["/venv/bin/deepspeed", "launch/prune.py"]) and is_runner(["python", "-m", "deepspeed.launcher.runner"])
+    assert not is_runner(["python", "launch/prune.py", "ds"]) and not is_runner(["bash", "-c", "pdsh -w n1 cd /x; ds"])
+    spawn = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+            "print(p.pid, flush=True); time.sleep(60)"
+    runner = subprocess.Popen([sys.executable, "-c", spawn], stdout=subprocess.PIPE, text=True)
+    launcher = psutil.Process(int(runner.stdout.readline()))
+    try:
+        r = Runner(psutil.Process(runner.pid), launcher)
+        assert not orphaned(r, 5, 0.0)  # the runner is there
+        runner.kill()
+        runner.wait()
+        assert not orphaned(r, 5, 1.0) and r.gone_at == 1.0  # first seen gone: waits for proof
+        assert not orphaned(r, 5, 2.0)  # no mark since: a stop of the whole group looks the same
+        assert orphaned(r, 6, 3.0)  # rank 0 marked another step: the ranks go on
+        assert "they are stopped now" in stop_launcher(r)
+        launcher.wait(timeout=10)  # ended by the SIGTERM (not a child of ours: its status is init's)
+        assert not orphaned(r, 7, 4.0)  # sent once
+    finally:
+        with contextlib.suppress(psutil.Error):
+            launcher.kill()

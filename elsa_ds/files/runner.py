@@ -28,19 +28,23 @@ RUNNERS = ("deepspeed", "ds")  # the console scripts that run deepspeed.launcher
 
 @dataclass
 class Runner:
-    """The runner above ``launcher`` as the watch began, and what the watchdog has seen of its end."""
-    pid: int
-    launcher: int
+    """The runner above the launcher as the watch began (each a psutil.Process: its start time tells a reused pid
+    apart), and what the watchdog has seen of its end."""
+    proc: psutil.Process
+    launcher: psutil.Process
     gone_at: float | None = None  # when the launcher was first seen without it (time.monotonic)
     marks_then: int = 0           # rank 0's phase marks counted by then
     stopped: bool = False         # the launcher was sent its SIGTERM
 
 
 def is_runner(cmdline: list[str]) -> bool:
-    """Whether a command line is deepspeed's runner: ``deepspeed ...`` (its console script, run by an interpreter or
-    directly) or ``python -m deepspeed.launcher.runner``."""
-    head = cmdline[:3]
-    return "deepspeed.launcher.runner" in cmdline or any(os.path.basename(a) in RUNNERS for a in head)
+    """Whether a command line is deepspeed's runner: ``python -m deepspeed.launcher.runner``, or its console script
+    (``deepspeed`` or ``ds``) run directly or as an interpreter's script (its first argument not an option)."""
+    if "deepspeed.launcher.runner" in cmdline[:4]:
+        return True
+    script = cmdline[0] if cmdline and os.path.basename(cmdline[0]) in RUNNERS else \
+        next((a for a in cmdline[1:] if not a.startswith("-")), "")
+    return os.path.basename(script) in RUNNERS
 
 
 def find_runner(launcher: int) -> Runner | None:
@@ -52,21 +56,21 @@ def find_runner(launcher: int) -> Runner | None:
         proc = psutil.Process(launcher)
         parent = proc.parent()
         if parent is not None and "deepspeed.launcher.launch" in proc.cmdline() and is_runner(parent.cmdline()):
-            return Runner(parent.pid, launcher)
+            return Runner(parent, proc)
     return None
 
 
 def orphaned(r: Runner, marks: int, now: float) -> bool:
-    """Whether the launcher's ranks go on though the runner has ended: the launcher has another parent, and since it was
-    first seen so rank 0 has marked a phase (``marks``: its marks so far) or ORPHAN_WAIT_S have passed with the launcher
-    alive. (A stop of the whole process group ends the runner too; its ranks then mark nothing more and the launcher
-    exits within its own 30 s.)"""
+    """Whether the launcher's ranks go on though the runner has ended: the launcher (the very process, not a reused
+    pid) has another parent, and since it was first seen so rank 0 has marked a phase (``marks``: its marks so far) or
+    ORPHAN_WAIT_S have passed. (A stop of the whole process group ends the runner too; its ranks then mark nothing more
+    and the launcher exits within its own 30 s.)"""
     if r.stopped:
         return False
     try:
-        if psutil.Process(r.launcher).ppid() == r.pid:
-            return False
-    except psutil.Error:  # the launcher has ended: its ranks are stopped or about to be
+        if not r.launcher.is_running() or (r.proc.is_running() and r.launcher.ppid() == r.proc.pid):
+            return False  # the launcher has ended (its ranks are stopped or about to be), or the runner is there
+    except psutil.Error:
         return False
     if r.gone_at is None:
         r.gone_at, r.marks_then = now, marks
@@ -78,10 +82,11 @@ def stop_launcher(r: Runner) -> str:
     """Send the launcher the SIGTERM a stop of the process group would have sent it; what to tell the user."""
     r.stopped = True
     try:
-        os.kill(r.launcher, signal.SIGTERM)
-    except OSError as err:
-        return (f"elsa_ds: error: the deepspeed command (pid {r.pid}) has ended, but its launcher (pid {r.launcher}) could not "
-                f"be stopped ({err}): its ranks may still be running; stop them with kill -TERM {r.launcher}")
-    return (f"elsa_ds: the deepspeed command (pid {r.pid}) has ended while its ranks went on (a signal sent to it alone "
-            "reaches none of them): they are stopped now, as a stop of the job's process group stops them (--resume "
+        r.launcher.send_signal(signal.SIGTERM)  # psutil checks it is still the process found (not a reused pid)
+    except psutil.Error as err:
+        return (f"elsa_ds: error: the deepspeed command (pid {r.proc.pid}) has ended, but its launcher (pid "
+                f"{r.launcher.pid}) could not be stopped ({err}): its ranks may still be running; stop them with "
+                f"kill -TERM {r.launcher.pid}")
+    return (f"elsa_ds: the deepspeed command (pid {r.proc.pid}) has ended while its ranks went on (a signal sent to it "
+            "alone reaches none of them): they are stopped now, as a stop of the job's process group stops them (--resume "
             "continues from its last checkpoint, if it saved one)")

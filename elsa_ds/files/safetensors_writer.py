@@ -37,12 +37,17 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 def parse_size(size: int | str) -> int:
     """Bytes from an int or a string like ``"5GB"`` (powers of 10, as transformers reads it) or ``"4GiB"``."""
+    wrong = ElsaError(f"max_shard_size {size!r}: expected a positive number of bytes or e.g. '5GB', '500MB', '4GiB'")
+    if isinstance(size, bool):
+        raise wrong
     if isinstance(size, int):
+        if size < 1:
+            raise wrong
         return size
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]I?B)\s*", str(size).upper())
-    if not match:
-        raise ElsaError(f"max_shard_size {size!r}: expected a number of bytes or e.g. '5GB', '500MB', '4GiB'")
-    return int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGT]I?B)\s*", str(size).upper())  # "1..5GB": refused
+    if not match or (count := int(float(match.group(1)) * SIZE_UNITS[match.group(2)])) < 1:
+        raise wrong
+    return count
 
 
 @dataclass(frozen=True)

@@ -342,6 +342,9 @@ def say(w: Watch, cleaned: str) -> None:
 def cause(w: Watch, killed: Rank, total: int, limit: int | None) -> str:
     """Whether the kernel's out-of-memory killer ended ``killed``: its counter when readable, else how full the memory was."""
     signum = (killed.status or 0) & 0x7F
+    if w.runner is not None and w.runner.stopped and signum in (signal.SIGKILL, 0):
+        return ("the launcher's SIGKILL, most likely: the watchdog had stopped the ranks of a deepspeed command that ended "
+                "alone, and a rank still running 30 s later is killed")
     if killed.status is not None and signum != signal.SIGKILL:
         return ("not the out-of-memory killer (it sends SIGKILL)" if signum else
                 "something in it called exit without unwinding (os._exit, a native library)")

@@ -307,7 +307,8 @@ def run_speed(s: EvalSettings, started: float) -> dict[str, Any]:
     check_settings(s)
     if s.ppl or s.tasks:
         raise ElsaError("--speed measures size and speed only; run --ppl/--tasks in a separate command")
-    if unused := sorted(SCORING_ONLY & s.model_fields_set):  # a user's walk: --dtype fp32 was timed in the stored bf16
+    fields = EvalSettings.model_fields  # a user's walk: --dtype fp32 was timed in the stored bf16
+    if unused := sorted(k for k in SCORING_ONLY if getattr(s, k) != fields[k].get_default(call_default_factory=True)):
         raise ElsaError(f"--speed times the checkpoint in its stored dtype with --speed_prompt/--speed_steps/--speed_rounds; "
                         f"{', '.join('--' + k for k in unused)} {'is' if len(unused) == 1 else 'are'} for --ppl/--tasks: drop "
                         f"{'it' if len(unused) == 1 else 'them'}")

@@ -55,8 +55,8 @@ def sparsify(model: PreTrainedModel, min_sparsity: float = DEFAULT_MIN_SPARSITY,
         raise SparseArgumentError(f"no nn.Linear weight of this {type(model).__name__} has {min_sparsity:.0%} or more zeros, so "
                                   "nothing would get smaller; is this the pruned model? (lower min_sparsity to convert less "
                                   "sparse weights)")
-    ready_to_decode(twin, device)
     saves_dense(twin)
+    ready_to_decode(twin, device)
     return twin.eval()
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from elsa_ds.log import get_logger
 from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.folder import TensorReader, inside
 from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError, check_type,
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 MODES = ("dense", "sparse")
+log = get_logger(__name__)
 
 
 def stored_tensors(path: Path, meta: dict, verify: bool = True) -> Iterator[tuple[str, torch.Tensor | tuple[str, tuple[int, int], dict]]]:
@@ -128,9 +130,9 @@ def _generation_config(model: PreTrainedModel, path: Path) -> None:
     inside(path, "generation_config.json", path)  # a link out of the folder (the hub cache's own excepted) is refused
     try:
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, RecursionError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # as transformers' from_pretrained: the config's defaults
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise SparseCheckpointError(f"{path}: generation_config.json cannot be read ({first})") from None
+        log.warning(f"{path}: generation_config.json cannot be read ({first}); generate() takes config.json's defaults")
 
 
 def from_pretrained(path: str | Path, mode: str = "dense", dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
@@ -163,8 +165,9 @@ def from_pretrained(path: str | Path, mode: str = "dense", dtype: torch.dtype | 
     # as nn.Module's to (PreTrainedModel's own still runs), which moves the module in place
     cast(torch.nn.Module, model).to(device)
     if mode == "sparse":
+        model.requires_grad_(False)  # for inference: a forward outside no_grad still takes the kernels (a LoRA's own
+        saves_dense(model)           # parameters, an input's gradient: the dense path, which carries it)
         ready_to_decode(model, torch.device(device))
-        saves_dense(model)
     return model.eval()
 
 

@@ -8,11 +8,11 @@ the file, and every later job on that machine waits at its first build forever, 
 ops alike (cpu_adam, async_io, the CPU backend's shm comm): found when a killed test run left one and the next jobs
 hung at "one-shot magnitude masks", silent.
 
-A lock no process holds open is such a leftover: its creator holds it from the moment it exists until just before
-its removal. So it is checked in /proc (the processes of the file's owner), twice a second apart (a build ending
-meanwhile removes its own), then removed, with a warning. Where that cannot be told, it is left, with a warning that
-names it: a network filesystem (a build on another node holds it unseen from here), another user's processes
-unreadable.
+A lock some process here holds open (its file's device and inode among the descriptors in /proc) is a live build's:
+torch waits on it as it should. One that no process here holds may still be a live build's on another node (a shared
+home) or in another container sharing the folder (another PID namespace, invisible here; a review reproduced both), so
+it is removed only once older than any build takes (``STALE_S``); until then the caller waits for it to go, saying
+why once. One remover at a time (an flock beside the locks), each removal rechecked a moment later.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from pathlib import Path
 
 from elsa_ds.log import get_logger
 
-NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "9p", "afs", "fuse")
+STALE_S = 600.0  # no build of ours or DeepSpeed's takes 10 minutes (cpu_adam ~1-2 min on 2 cores)
+POLL_S = 2.0
 RECHECK_S = 1.0
 log = get_logger(__name__)
 
@@ -42,96 +43,86 @@ def build_locks(root: Path, name: str = "*") -> list[Path]:
     return sorted({*root.glob(f"{name}/lock"), *root.glob(f"*/{name}/lock")})
 
 
-def network_fs(path: Path, mounts: str = "/proc/mounts") -> str | None:
-    """The filesystem type of ``path``'s mount when it is a network one (its holders may be on other machines)."""
-    best, kind = "", ""
+def held(path: Path, proc: Path = Path("/proc")) -> bool:
+    """Whether a process this machine's /proc shows has ``path`` open: a descriptor on the same file (device and inode:
+    a bind mount, a link or another mount namespace's path to it included)."""
     try:
-        lines = Path(mounts).read_text().splitlines()
+        target = os.stat(path)
     except OSError:
-        return None
-    target = str(path.resolve())
-    for line in lines:
-        fields = line.split()
-        if len(fields) >= 3:
-            point = fields[1].replace("\\040", " ")
-            if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-                best, kind = point, fields[2]
-    return kind if kind.split(".")[0] in NETWORK_FS else None
-
-
-def held(path: Path, owner: int, proc: Path = Path("/proc")) -> bool | None:
-    """Whether a process has ``path`` open (its descriptors in /proc); None when one of ``owner``'s processes (uid: the
-    file's, the only ones that could have created it) cannot be read."""
-    target = str(path.resolve())
+        return False
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:
             fds = os.listdir(entry / "fd")
-        except FileNotFoundError:
-            continue  # exited meanwhile
-        except PermissionError:
-            try:
-                if entry.stat().st_uid == owner:
-                    return None
-            except OSError:
-                pass
+        except OSError:  # exited meanwhile, or another user's (hidden: its lock is left to the age rule)
             continue
         for fd in fds:
             try:
-                if os.readlink(entry / "fd" / fd) == target:
-                    return True
+                found = os.stat(entry / "fd" / fd)
             except OSError:
                 continue
+            if (found.st_dev, found.st_ino) == (target.st_dev, target.st_ino):
+                return True
     return False
 
 
 def clear_stale_locks(root: Path | None = None, name: str = "*") -> list[Path]:
-    """Remove the build locks under ``root`` (default: torch's extensions folder) that no process holds; warn of those
-    that may be held unseen. Returns the removed ones."""
+    """Remove the build locks under ``root`` (default: torch's extensions folder) that no process here holds and that
+    are older than any build takes, waiting (up to STALE_S) for a younger one to go or to age. Returns the removed."""
     try:
         root = root or extensions_root()
-        locks = build_locks(root, name)
+        unheld = [lock for lock in build_locks(root, name) if lock.exists() and not held(lock)]
     except OSError:
         return []
-    candidates = []
-    for lock in locks:
-        try:
-            stat = lock.stat()
-        except OSError:
-            continue
-        kind = network_fs(lock)
-        holder = None if kind else held(lock, stat.st_uid)
-        if holder is None:
-            where = f"it is on a {kind} filesystem" if kind else "another user's processes cannot be read here"
-            log.warning(f"a build lock {lock} exists and {where}: if no process anywhere is building {lock.parent.name}, "
-                        "remove it (a build killed outright leaves it, and every build of it then waits forever)")
-        elif not holder:
-            candidates.append((lock, (stat.st_dev, stat.st_ino, stat.st_ctime_ns)))
-    if not candidates:
+    if not unheld:
         return []
     try:  # one remover at a time (the ranks of a job start together): none removes a lock another's build just made
         guard = os.open(root / ".elsa_ds_build_locks", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         fcntl.flock(guard, fcntl.LOCK_EX)
-    except OSError:
+    except OSError as err:
+        log.warning(f"build locks under {root} not checked ({err.strerror or err}): if a build waits forever, remove the "
+                    f"lock of {', '.join(lock.parent.name for lock in unheld)} (a build killed outright leaves it)")
         return []
     try:
-        time.sleep(RECHECK_S)  # a lock being released (closed, not yet removed) is gone by now
-        return [lock for lock, ident in candidates if _remove_if_stale(lock, ident)]
+        return [lock for lock in unheld if _wait_or_remove(lock)]
     finally:
         os.close(guard)
 
 
-def _remove_if_stale(lock: Path, ident: tuple[int, int, int]) -> bool:
-    """Remove ``lock`` if it is still the file first seen (``ident``: device, inode, change time) and still held by
-    nobody."""
+def _wait_or_remove(lock: Path) -> bool:
+    """Wait while ``lock`` is held by no process here and younger than STALE_S (a build elsewhere ends and removes it);
+    remove it once older. False when it went, or a build here holds it now (torch waits on that one itself)."""
+    said = False
+    while True:
+        try:
+            stat = lock.stat()
+        except FileNotFoundError:
+            return False
+        if held(lock):
+            return False
+        age = time.time() - stat.st_mtime
+        if age >= STALE_S:
+            return _remove_if_stale(lock, (stat.st_dev, stat.st_ino, stat.st_ctime_ns), age)
+        if not said:
+            log.warning(f"waiting for {lock} ({age:.0f} s old, held by no process on this machine: a build of "
+                        f"{lock.parent.name} on another node or container, or one killed outright); it is removed once "
+                        f"{STALE_S / 60:.0f} min old (remove it now if no build of {lock.parent.name} runs anywhere)")
+            said = True
+        time.sleep(POLL_S)
+
+
+def _remove_if_stale(lock: Path, ident: tuple[int, int, int], age: float) -> bool:
+    """Remove ``lock`` if, a moment later, it is still the file first seen (``ident``: device, inode, change time) and
+    still held by no process here."""
+    time.sleep(RECHECK_S)  # a build's own release (closed, not yet removed) is over by now
     try:
         stat = lock.stat()
-        if (stat.st_dev, stat.st_ino, stat.st_ctime_ns) != ident or held(lock, stat.st_uid) is not False:
+        if (stat.st_dev, stat.st_ino, stat.st_ctime_ns) != ident or held(lock):
             return False
         lock.unlink()
     except OSError:
         return False
-    log.warning(f"removed {lock}: a build of {lock.parent.name} killed before its end left it, no process holds it, "
-                "and every build of it would have waited on it forever")
+    log.warning(f"removed {lock} ({age / 60:.0f} min old, held by no process): a build of {lock.parent.name} killed "
+                "before its end left it, and every build of it would have waited on it forever")
     return True
