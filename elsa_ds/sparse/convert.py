@@ -32,8 +32,11 @@ def sparsify(model: PreTrainedModel, min_sparsity: float = DEFAULT_MIN_SPARSITY,
     Every nn.Linear whose weight has at least ``min_sparsity`` zeros (as ``compress`` decides) becomes a SparseLinear,
     encoded on the weight's device; a weight tied to another module (an LM head tied to the embeddings) stays dense, as
     ``from_pretrained`` loads it. ``decode_path`` as in ``from_pretrained``. On CUDA, generate() takes a static cache
-    (its decode step compiled into a CUDA graph), as ``from_pretrained(..., mode="sparse")`` sets it. SparseArgumentError
-    when no Linear is that sparse (is this the pruned model?) or the model spans several devices.
+    (its decode step compiled into a CUDA graph), as ``from_pretrained(..., mode="sparse")`` sets it. The twin shares
+    ``model``'s parameters as they are (trainable, unlike the loader's frozen ones), so its forward outside
+    ``torch.no_grad()`` takes the dense path, which carries gradients; ``generate()`` runs without them. Its
+    ``save_pretrained`` writes the dense model. SparseArgumentError when no Linear is that sparse (is this the pruned
+    model?) or the model spans several devices.
     """
     device = _check_arguments(model, min_sparsity, decode_path)
     twin = _shell(model)
