@@ -93,6 +93,12 @@ def results_table(results: list[dict[str, Any]], labels: list[str] | None = None
     if protocols:
         lines += ["", f"Perplexity protocol: {protocols[0]}" if len(protocols) == 1 else
                   f"Perplexity protocols differ ({', '.join(protocols)}): these perplexities are not comparable"]
+    for d in datasets:  # a walk: 64-token windows beside 128-token ones, side by side without a word
+        shapes = sorted({(r.get("seqlen"), (r["ppl"].get(d) or {}).get("windows")) for r in results if (r.get("ppl") or {}).get(d)},
+                        key=str)
+        if len(shapes) > 1:
+            lines += ["", f"{d} was scored over different windows ({'; '.join(f'{w} of {n} tokens' for n, w in shapes)}): these "
+                          "perplexities are not comparable"]
     limited = [label for label, r in zip(labels, results) if (r.get("protocol") or {}).get("limit")]
     if limited:
         lines += ["", f"Run with --limit (a quick check, not comparable with published tables): {', '.join(limited)}"]

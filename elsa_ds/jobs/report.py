@@ -194,31 +194,36 @@ def print_summary(result: dict[str, Any], output_dir: Path) -> None:
     log.info(f"wrote {output_dir} ({len(result['layers'])} layers, each exactly at its target; overall sparsity "
              f"{result['overall_sparsity']:.4f})")
     if p.get("before_finetune") is not None:
+        lora = " (LoRA adapters not yet merged)" if result.get("lora") else ""
         log.info(f"validation perplexity over {p['windows']} windows of {p['seqlen']}: before fine-tuning "
-                 f"{p['before_finetune']:.3f} | after {p['pruned']:.3f}")
+                 f"{p['before_finetune']:.3f} | after {p['pruned']:.3f}{lora}")
+        if p["pruned"] is not None and p["pruned"] > p["before_finetune"]:  # as ELSA's below (a user's walk: only ELSA's)
+            log.warning(worse_than_start(result, "fine-tuning"))
         return
-    if p["dense"] is None:
+    if p["pruned"] is None:  # no validation windows
         return
+    dense = "" if p["dense"] is None else f"dense {p['dense']:.3f} | "  # a pruned model as --model: no dense model
     if result["method"] != "elsa":
-        log.info(f"validation perplexity ({_where(p)}): dense {p['dense']:.3f} | {result['method']} {p['pruned']:.3f}")
+        log.info(f"validation perplexity ({_where(p)}): {dense}{result['method']} {p['pruned']:.3f}")
         return
     baseline, what = (p["warm_start"], f"warm start ({result['init_mask']})") if result["init_weights"] else \
         (p["magnitude_oneshot"], "one-shot magnitude")
     shown = "" if baseline is None else f"{what} {baseline:.3f} | "  # --baseline none, or skipped: said where it was
-    log.info(f"validation perplexity ({_where(p)}): dense {p['dense']:.3f} | {shown}ELSA {p['pruned']:.3f}")
+    log.info(f"validation perplexity ({_where(p)}): {dense}{shown}ELSA {p['pruned']:.3f}")
     if result["vs_magnitude"]:
         log.info(f"ELSA perplexity is {_times(result['vs_magnitude']['ppl_ratio'])} than one-shot magnitude pruning")
-    elif result["init_weights"] and baseline is not None and p["pruned"] is not None:
+    elif result["init_weights"] and baseline is not None:
         log.info(f"ELSA perplexity is {_times(baseline / p['pruned'])} than its warm start ({result['init_mask']})")
         if p["pruned"] > baseline:
             log.warning(worse_than_start(result))
 
 
-def worse_than_start(result: dict[str, Any]) -> str:
-    """What to change when ELSA ended above the perplexity of the pruned model it started from: its lr, first."""
+def worse_than_start(result: dict[str, Any], who: str = "ELSA") -> str:
+    """What to change when ELSA (or a retraining run) ended above the perplexity of the pruned model it started from:
+    its lr, first."""
     lr, steps = result["config"]["lr"], result["steps"]
     whose = "the defaults rule's" if "lr" in (result.get("defaults") or {}).get("applied", {}) else "your"
-    return (f"ELSA ended worse than the pruned model it started from: {whose} lr {lr:g} is likely too large for "
+    return (f"{who} ended worse than the pruned model it started from: {whose} lr {lr:g} is likely too large for "
             f"{steps} steps; pass a smaller --lr (e.g. {lr / 4:.2g}) or more --steps")
 
 

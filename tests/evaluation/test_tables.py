@@ -27,3 +27,17 @@ def test_compare_two_models(tmp_path, tiny_model_dir, sixty_model_dir, text_dir,
     assert f"{sixty['ppl'][text]['ppl']:.3f}" in rows[1]
     assert f"{text} ppl" in table.splitlines()[0]
     assert "--limit" in table  # results from a limited run are flagged
+
+
+def test_perplexities_over_other_windows_are_flagged():
+    """The same text scored over 64-token and 128-token windows (or another count of them) is not one column's worth of
+    comparable numbers: the table says so (a walk); the same windows say nothing."""
+    from elsa_ds.evaluation.tables import results_table
+
+    def result(seqlen: int, windows: int) -> dict:
+        return {"model": f"m{seqlen}-{windows}", "seqlen": seqlen, "protocol": {"ppl": "window"},
+                "ppl": {"shakespeare": {"ppl": 70.0, "windows": windows}}}
+    assert "not comparable" not in results_table([result(64, 8), result(64, 8)])
+    for other in (result(128, 8), result(64, 4)):
+        table = results_table([result(64, 8), other])
+        assert "shakespeare was scored over different windows" in table and "not comparable" in table

@@ -95,3 +95,23 @@ def test_a_summary_without_a_baseline_names_none(tmp_path, capsys):
     print_summary(elsa_report(rec, _staged(tmp_path, 16)), tmp_path)
     out = capsys.readouterr().out
     assert "dense 15.000 | ELSA 20.000" in out and "None" not in out
+
+
+def test_a_summary_without_a_dense_model_and_a_retraining_worse_than_its_start(tmp_path, capsys):
+    """ELSA from a pruned folder (no dense model to score) still prints its perplexity and the check against its start
+    (a walk: the console ended at "wrote"); a retraining run ending above its start is warned as ELSA is."""
+    from elsa_ds.jobs.report import print_summary
+    from elsa_ds.log import setup_logging
+
+    setup_logging("info", rank=0)
+    rec = _record(init_mask="sparsegpt", init_weights=True, lr=1e-3)
+    rec.final_ppl, rec.dense_ppl, rec.baseline_ppl = 60.0, None, 40.0
+    rec.losses, rec.step_times, rec.global_batch = [4.0, 3.0, 2.0, 1.0], [9.0, 1.0, 2.0, 3.0], 16
+    print_summary(elsa_report(rec, _staged(tmp_path, 16)), tmp_path)
+    captured = capsys.readouterr()
+    assert "protocol): warm start (sparsegpt) 40.000 | ELSA 60.000" in captured.out and "dense None" not in captured.out
+    assert "ELSA ended worse than the pruned model it started from" in captured.err
+    tuned = _record("wanda", method="wanda", finetune="full", lr=1e-3)
+    tuned.losses, tuned.step_times, tuned.global_batch, tuned.baseline_ppl, tuned.final_ppl = [2.0, 1.0], [5.0, 1.0], 4, 30.0, 35.0
+    print_summary(finetune_report(tuned, _staged(tmp_path, 16)), tmp_path)
+    assert "fine-tuning ended worse than the pruned model it started from: your lr 0.001" in capsys.readouterr().err
