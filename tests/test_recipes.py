@@ -63,3 +63,34 @@ def test_a_recipe_for_another_model_is_taken_with_a_warning(caplog):
     caplog.clear()
     elsa_settings(ds, "zero3_offload", "gemma-2-27b-s90", {})
     assert not [r for r in caplog.records if "was written for" in r.getMessage()]
+
+
+def _recipe(folder, settings: dict):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "mine.json"
+    path.write_text(json.dumps({"source": "a test", "settings": settings}))
+    return path
+
+
+def test_a_recipes_paths_are_its_folders_and_stay_inside_it(tmp_path, monkeypatch):
+    """A recipe is data (a walk: "dataset": "/etc" trained on the machine's files; "prof.json" was read from the working
+    directory): its local paths are read against its own folder, one outside it is refused, names are left as names."""
+    from elsa_ds.errors import ElsaError
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "recipes"
+    (folder / "texts").mkdir(parents=True)
+    settings = load_recipe(str(_recipe(folder, {"sparsity_profile": "prof.json", "dataset": "./texts",
+                                                "eval_ppl": "wikitext2,./texts", "model": "google/gemma-2-2b"})))
+    assert settings["sparsity_profile"] == str(folder.resolve() / "prof.json")
+    assert settings["dataset"] == str(folder.resolve() / "texts") and settings["model"] == "google/gemma-2-2b"
+    assert settings["eval_ppl"] == ["wikitext2", str(folder.resolve() / "texts")]
+    for key, value in (("dataset", "/etc"), ("sparsity_profile", "../prof.json"), ("init_mask", "~/masks"),
+                       ("val_dataset", "./texts/../../elsewhere")):
+        with pytest.raises(ElsaError, match=f"{key} '.*' is outside the recipe's folder"):
+            load_recipe(str(_recipe(folder, {key: value})))
+    (folder / "out").symlink_to(tmp_path)  # a link out of the folder is outside it too
+    with pytest.raises(ElsaError, match="outside the recipe's folder"):
+        load_recipe(str(_recipe(folder, {"dataset": "./out/texts.txt"})))
+    with pytest.raises(ElsaError, match="nvme_path: where this machine writes is yours to choose"):
+        load_recipe(str(_recipe(folder, {"nvme_path": "/local_nvme"})))

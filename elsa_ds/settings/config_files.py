@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from elsa_ds import json_data
+from elsa_ds.data.sources import looks_local
 from elsa_ds.errors import ElsaError
 
 
@@ -66,7 +67,41 @@ def load_recipe(name_or_path: str, known: set[str]) -> dict[str, Any]:
     if unknown:
         raise ElsaError(f"recipe {path}: unknown settings {unknown} (known: {', '.join(sorted(known))})")
     refuse_command_line_only(settings, f"recipe {path}")
-    return settings
+    return recipe_paths(settings, path)
+
+
+# A recipe is a file from elsewhere: data. Its paths are read against its own folder and never reach outside it (a walk:
+# a recipe's "dataset": "/etc" trained on the machine's files, and its relative paths were the working directory's).
+ALWAYS_PATHS = ("sparsity_profile",)                                     # a file, whatever its name
+NAME_OR_PATH = ("model", "dataset", "val_dataset", "init_mask", "eval_ppl")  # a path when it looks like one
+MACHINE_ONLY = ("nvme_path",)  # where this machine writes its swap files: its user's choice, never a downloaded file's
+
+
+def recipe_paths(settings: dict[str, Any], recipe: Path) -> dict[str, Any]:
+    """``settings`` with each local path made absolute against ``recipe``'s folder; ElsaError for one that is absolute,
+    starts with ~ or leads outside that folder (links resolved), and for a setting of MACHINE_ONLY."""
+    if found := [k for k in MACHINE_ONLY if k in settings]:
+        raise ElsaError(f"recipe {recipe} sets {', '.join(found)}: where this machine writes is yours to choose, never a "
+                        f"recipe's; remove it there and pass --{found[0]} yourself")
+    folder = recipe.resolve().parent
+
+    def inside(key: str, value: Any) -> Any:
+        if not isinstance(value, str) or (key in NAME_OR_PATH and not looks_local(value)):
+            return value  # a hub id, a dataset or method name (or a wrong type, refused with the settings' own checks)
+        target = (folder / value).resolve()
+        if value.startswith(("/", "~")) or not target.is_relative_to(folder):
+            raise ElsaError(f"recipe {recipe}: {key} {value!r} is outside the recipe's folder {folder}; a recipe is data, so "
+                            f"its paths stay within its folder: pass --{key} yourself for a path elsewhere")
+        return str(target)
+    out = dict(settings)
+    for key in (*ALWAYS_PATHS, *NAME_OR_PATH):
+        if key not in out:
+            continue
+        value = out[key]
+        if key == "eval_ppl" and isinstance(value, str):  # a comma list, as on the command line
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        out[key] = [inside(key, v) for v in value] if isinstance(value, list) else inside(key, value)
+    return out
 
 
 def check_each_source(model: Any, sources: list[tuple[str, dict[str, Any]]]) -> None:
