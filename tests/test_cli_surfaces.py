@@ -83,7 +83,7 @@ def test_one_parser_for_comma_lists():
     assert expand_tasks(["rte", "", " paper"]) == ["rte", *[t for t in PAPER_TASKS if t != "rte"]]
     splitters = [f"{p.relative_to(PACKAGE)}:{n}" for p in PACKAGE.rglob("*.py")
                  for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"""\.split\(\s*["'],["']""", line)]
-    assert [s.split(":")[0] for s in splitters] == ["settings/config.py"], f"one comma-list parser (config.comma_list): {splitters}"
+    assert [s.split(":")[0] for s in splitters] == ["settings/config_files.py"], f"one comma-list parser (comma_list): {splitters}"
 
 
 def test_bad_settings_are_one_error_line(capsys, tiny_model_dir):

@@ -24,7 +24,7 @@ from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
 from elsa_ds.settings.config_checks import cross_checks
-from elsa_ds.settings.config_files import check_each_source, load_profile, load_recipe as _load_recipe
+from elsa_ds.settings.config_files import check_each_source, comma_list, load_profile, load_recipe as _load_recipe
 from elsa_ds.targets import LayerGoal, layer_goals
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo" / "model"
@@ -42,11 +42,6 @@ RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "
                      "lr_final_ratio", "seqlen", "seed", "val_dataset", "sampling", "ppl_protocol", "val_windows", "freeze_embeddings")
 # settings added since checkpoints were first written: their value before then
 RESUME_DEFAULTS = {"hold_steps": 0, "init_weights": False, "balance_mu": 1.5, "balance_tau": 2.0, "relaxation": 1.0}
-
-
-def comma_list(value: Any) -> Any:
-    """``"a, b,,c"`` -> ``["a", "b", "c"]``: how every comma-list flag is read; anything but a string passes as it is."""
-    return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
 
 
 CommaList = Annotated[list[str], BeforeValidator(comma_list)]  # a list setting that a flag gives as "a,b,c"

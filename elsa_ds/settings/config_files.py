@@ -11,6 +11,11 @@ from elsa_ds.data.sources import looks_local
 from elsa_ds.errors import ElsaError
 
 
+def comma_list(value: Any) -> Any:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``: how every comma-list flag is read; anything but a string passes as it is."""
+    return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+
+
 def read_json_object(path: str | Path, what: str, hint: str) -> dict:
     """A JSON object from a file, or ElsaError naming the file, the problem and ``hint``."""
     path = Path(path)
@@ -97,9 +102,7 @@ def recipe_paths(settings: dict[str, Any], recipe: Path) -> dict[str, Any]:
     for key in (*ALWAYS_PATHS, *NAME_OR_PATH):
         if key not in out:
             continue
-        value = out[key]
-        if key == "eval_ppl" and isinstance(value, str):  # a comma list, as on the command line
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        value = comma_list(out[key]) if key == "eval_ppl" else out[key]  # a comma list, as on the command line
         out[key] = [inside(key, v) for v in value] if isinstance(value, list) else inside(key, value)
     return out
 
