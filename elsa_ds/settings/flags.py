@@ -88,7 +88,7 @@ def _argument(name: str, field: FieldInfo, flag_default: bool, model: type[BaseM
     elif typing.get_origin(kind) is tuple:
         kwargs.update(nargs=len(typing.get_args(kind)), type=typing.get_args(kind)[0])
     elif typing.get_origin(kind) is list:
-        kwargs["type"] = str  # a comma list, read by the model's validator (config.comma_list)
+        kwargs["type"] = str  # a comma list, read by the model's validator (config_files.comma_list)
     else:
         kwargs["type"] = kind
     if "const" in extra:  # the flag alone means this value (e.g. --tasks = --tasks paper)
