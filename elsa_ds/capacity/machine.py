@@ -14,7 +14,6 @@ from elsa_ds.zero import compat
 from elsa_ds.zero.engine import model_dtype
 
 
-
 def job_device() -> str:
     """Where the job's ranks compute: "cpu" under DeepSpeed's CPU accelerator (also a CUDA box's with
     DS_ACCELERATOR=cpu), else "cuda"."""

@@ -245,8 +245,7 @@ def measure(s: EvalSettings, prep: _Prepared) -> dict[str, Any]:
         found["sparsity"] = model_sparsity_report(model) if sparse else model_sparsity(s.model)
         found["ppl"] = {}
         for source, w in prep.windows.items():
-            nll, tokens = window_nll(lambda ids: model(input_ids=ids, use_cache=False).logits, w.ids, s.batch_size,
-                                     device=first.device, progress=True)
+            nll, tokens = window_nll(lambda ids: model(input_ids=ids).logits, w.ids, s.batch_size, device=first.device, progress=True)
             found["ppl"][source] = {"ppl": w.perplexity(nll, tokens), "ppl_per_token": w.per_token(nll, tokens),
                                     "windows": w.count, "tokens": tokens, "nll_sum": nll,
                                     "text": {"part": w.rule, "documents": w.documents, "text_tokens": w.text_tokens}}

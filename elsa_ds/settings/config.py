@@ -232,9 +232,10 @@ class ElsaConfig(BaseModel):
     @classmethod
     def _local_model_exists(cls, v: str) -> str:
         path = Path(v).expanduser()
-        if path.is_file() or v.startswith((".", "/", "~")) and not path.is_dir():  # a walk: a weight file read as a config
-            raise ValueError(FILE_NOT_MODEL if path.is_file()
-                             else "no such directory (pass a hub id like google/gemma-2-2b or a saved model directory)")
+        if path.is_file():  # a walk: a weight file read as a config
+            raise ValueError(FILE_NOT_MODEL)
+        if v.startswith((".", "/", "~")) and not path.is_dir():
+            raise ValueError("no such directory (pass a hub id like google/gemma-2-2b or a saved model directory)")
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError("directory has no config.json (not a saved transformers model)")
         return v

@@ -133,7 +133,7 @@ class TensorReader:
         try:
             return handle.get_tensor(name) if path.suffix == ".safetensors" else handle[name]
         except Exception as err:
-            raise SparseCheckpointError(f"cannot read {name} from {path}: {_first_line(err)}; the file is truncated or corrupt") from None
+            raise SparseCheckpointError(f"cannot read {name} from {path}: {first_line(err)}; the file is truncated or corrupt") from None
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names:
@@ -180,7 +180,7 @@ def _opened(path: Path, folder: Path) -> tuple[object, BinaryIO | None]:
         raise SparseCheckpointError(f"{path}: {err.what} put there after the folder was checked; copy the checkpoint "
                                     "again") from None
     except Exception as err:
-        raise SparseCheckpointError(f"cannot read {path}: {_first_line(err)}; the file is truncated or corrupt") from None
+        raise SparseCheckpointError(f"cannot read {path}: {first_line(err)}; the file is truncated or corrupt") from None
     if not (isinstance(handle, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in handle.items())):
         raise SparseCheckpointError(f"{path}: not a state dict (tensors by name)")
     if (inflated := torch_files.inflated_tensor(handle)) is not None:
@@ -194,6 +194,7 @@ def _close(files: list[BinaryIO]) -> None:
         f.close()
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """An error's first line, or its type's name when it has no text."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__

@@ -14,7 +14,7 @@ import torch
 
 from elsa_ds.log import get_logger
 from elsa_ds.sparse import format as fmt
-from elsa_ds.sparse.folder import TensorReader, inside
+from elsa_ds.sparse.folder import TensorReader, first_line, inside
 from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError, check_type,
                                       tensor_digest)
 from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path
@@ -131,8 +131,8 @@ def _generation_config(model: PreTrainedModel, path: Path) -> None:
     try:
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, RecursionError) as err:  # as transformers' from_pretrained: the config's defaults
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        log.warning(f"{path}: generation_config.json cannot be read ({first}); generate() takes config.json's defaults")
+        log.warning(f"{path}: generation_config.json cannot be read ({first_line(err)}); generate() takes config.json's "
+                    "defaults")
 
 
 def from_pretrained(path: str | Path, mode: str = "dense", dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
