@@ -210,9 +210,9 @@ def test_the_plan_runs_the_smaller_budgets_first_and_skips_cells_done_before(tmp
         curve.parse_cell("wanda+ft:0.9:100:paper")
 
 
-def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_to_the_rule(tmp_path, monkeypatch):
-    """Each cell's command as launch/prune.py reads it, made into the job's plan (weight-free): the paper's cell takes the
-    authors' README recipe and their code's defaults, not the rule's; the rule's cell sets none of them."""
+@pytest.fixture
+def cell_plan(tmp_path, monkeypatch):
+    """A cell's command as launch/prune.py reads it, made into the job's plan (weight-free), on the demo model."""
     from elsa_ds.cli import prune_parser, settings_from_args
     from elsa_ds.plan import make_plan
 
@@ -226,7 +226,13 @@ def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_
         argv = cmd[cmd.index(str(ROOT / "launch" / "prune.py")) + 1:]
         opts, cfg, ds_config = settings_from_args(prune_parser().parse_args(argv))
         return make_plan(cfg, opts, ds_config)
+    return plan
 
+
+def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_to_the_rule(cell_plan):
+    """Each cell's command made into the job's plan: the paper's cell takes the authors' README recipe and their code's
+    defaults, not the rule's; the rule's cell sets none of them."""
+    plan = cell_plan
     paper = plan(curve.Cell("elsa", 0.9, 40, "paper"))
     c = paper.cfg
     assert (c.lr, c.lmda, c.lmda_schedule.value, c.interval, c.warmup_steps, c.lr_final_ratio) == (2e-4, 0.01, "constant", 32, 0, 0.0)
@@ -244,6 +250,28 @@ def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_
     long_rule, held = plan(curve.Cell("elsa", 0.9, 512)), plan(curve.Cell("elsa", 0.9, 512, "held"))
     assert long_rule.cfg.hold_steps == 0 and held.cfg.hold_steps == 256  # from ~450 steps the rule holds no end: the cell does
     assert held.cfg.model_dump(exclude={"hold_steps"}) == long_rule.cfg.model_dump(exclude={"hold_steps"})
+
+
+def test_an_lr_control_takes_the_other_methods_rule_lr_and_every_other_setting_from_its_own_rule(cell_plan):
+    """The fairness controls: a retraining cell at the lr the rule gives ELSA (and ELSA at retraining's) differs from its
+    rule cell in the lr alone; the rule's start, warm-up, λ and held end stay (a user's lr alone would drop them)."""
+    parted = []
+    for sparsity, steps in ((0.7, 512), (0.9, 2048), (0.9, 40)):
+        elsa, ft = cell_plan(curve.Cell("elsa", sparsity, steps)), cell_plan(curve.Cell("sparsegpt+ft", sparsity, steps))
+        elsa_at = cell_plan(curve.Cell("elsa", sparsity, steps, "retrain_lr"))
+        ft_at = cell_plan(curve.Cell("sparsegpt+ft", sparsity, steps, "elsa_lr"))
+        assert (elsa_at.cfg.lr, ft_at.cfg.lr) == (ft.cfg.lr, elsa.cfg.lr)
+        assert elsa_at.cfg.model_dump(exclude={"lr"}) == elsa.cfg.model_dump(exclude={"lr"})
+        assert ft_at.cfg.model_dump(exclude={"lr"}) == ft.cfg.model_dump(exclude={"lr"})
+        assert not set(elsa_at.defaults["applied"]) & {"lr", "init_mask", "warmup_steps", "lmda"}
+        parted.append(abs(elsa.cfg.lr / ft.cfg.lr - 1) > 0.1)
+    assert parted == [True, True, False]  # the plan's controls sit where the rule's lrs part; at 40 steps they meet
+    plan = curve.curve_plan()
+    assert [c for c in plan if c.settings in curve.SWAPPED_LR] == plan[-3:] and {c.sparsity for c in plan[-3:]} == {0.7, 0.9}
+    assert curve.parse_cell("wanda+ft:0.9:100:elsa_lr").settings == "elsa_lr"
+    for wrong in ("elsa:0.9:100:elsa_lr", "sparsegpt+ft:0.9:100:retrain_lr", "dense+ft:-:100:elsa_lr", "wanda+ft:0.9:100:held"):
+        with pytest.raises(ValueError, match="for elsa only"):
+            curve.parse_cell(wrong)
 
 
 def test_the_estimate_learns_from_finished_cells_of_the_same_device():

@@ -85,6 +85,11 @@ def test_a_recipes_paths_are_its_folders_and_stay_inside_it(tmp_path, monkeypatc
     assert settings["sparsity_profile"] == str(folder.resolve() / "prof.json")
     assert settings["dataset"] == str(folder.resolve() / "texts") and settings["model"] == "google/gemma-2-2b"
     assert settings["eval_ppl"] == ["wikitext2", str(folder.resolve() / "texts")]
+    # a name whose first part is a folder beside the recipe is a path there, as --model out/run1 is on the command line
+    (folder / "models" / "mine").mkdir(parents=True)
+    settings = load_recipe(str(_recipe(folder, {"model": "models/mine", "init_mask": "models/typo", "dataset": "texts"})))
+    assert settings == {k: str(folder.resolve() / v) for k, v in
+                        (("model", "models/mine"), ("init_mask", "models/typo"), ("dataset", "texts"))}
     for key, value in (("dataset", "/etc"), ("sparsity_profile", "../prof.json"), ("init_mask", "~/masks"),
                        ("val_dataset", "./texts/../../elsewhere")):
         with pytest.raises(ElsaError, match=f"{key} '.*' is outside the recipe's folder"):

@@ -15,12 +15,14 @@ README recipe, one process: lr 2e-4, λ 0.01 constant, projection every 32 steps
 decayed linearly to 0, Adam betas 0.9 / 0.95, dense start; the projection stays the paper's Fisher-scored one, as in the
 recipes: recipes/README.md) or ``dense`` (the rule from the dense weights, ``--init_mask none``, where it would start
 from SparseGPT's) or ``adaptive`` (that, with the authors' residual balancing of λ per layer: ``--lmda_schedule
-adaptive``). Cells already in --results (same key, any earlier session) are skipped; the rest run in the plan's order,
---parallel at a time, each started only if its estimated time fits what is left of --budget_s (estimate: seconds per
-forward and per-run overhead measured on earlier cells of the same GPU, else priors) and its predicted GPU peak
-(elsa_ds's own estimate times the measured / estimated ratio of earlier cells) fits beside the running cells' in 90 % of
-the GPU's memory (bench/device/estimate.py). Every finished or failed cell is one JSON line appended to OUT/cells.jsonl
-(the lines marked ``ok`` go into bench/results/gpu_quality_gemma3-270m.jsonl); the last line printed is a JSON summary.
+adaptive``), or, controls of the comparison's fairness, ``elsa_lr`` (a retraining cell at the lr the rule gives ELSA)
+and ``retrain_lr`` (an ELSA cell at retraining's), every other setting the rule's. Cells already in --results (same key,
+any earlier session) are skipped; the rest run in the plan's order, --parallel at a time, each started only if its
+estimated time fits what is left of --budget_s (estimate: seconds per forward and per-run overhead measured on earlier
+cells of the same GPU, else priors) and its predicted GPU peak (elsa_ds's own estimate times the measured / estimated
+ratio of earlier cells) fits beside the running cells' in 90 % of the GPU's memory (bench/device/estimate.py). Every
+finished or failed cell is one JSON line appended to OUT/cells.jsonl (the lines marked ``ok`` go into
+bench/results/gpu_quality_gemma3-270m.jsonl); the last line printed is a JSON summary.
 """
 from __future__ import annotations
 
@@ -58,7 +60,13 @@ PAPER_ARGS = ["--lr", "2e-4", "--lmda", "0.01", "--lmda_schedule", "constant", "
 # (--hold_steps, HOLD_FRACTION of the steps) where the rule has none: it holds only below ~450 steps, where retraining's lr
 # is above ELSA's, yet the middle budget's ELSA cell still had ‖x − z‖/‖x‖ 0.159 at step 480 of 512 for the final cut
 SETTINGS = {"rule": [], "paper": PAPER_ARGS, "dense": ["--init_mask", "none"],
-            "adaptive": ["--init_mask", "none", "--lmda_schedule", "adaptive"], "held": ["--hold_steps", "{held}"]}
+            "adaptive": ["--init_mask", "none", "--lmda_schedule", "adaptive"], "held": ["--hold_steps", "{held}"],
+            "elsa_lr": [], "retrain_lr": []}  # the last two: flags from the rule itself (swapped_lr_flags)
+# the comparison's fairness: the rule gives ELSA and retraining different lrs where its budget and sparsity factors part
+# them (Gemma-3 270M: retraining 1.33x ELSA's at 70 % and 512 steps, ELSA 1.9x retraining's at 90 % and 2048 steps; equal
+# within 4 % at 90 % below 2048 steps). A cell at the other method's rule lr, everything else its own rule's, tells
+# whether a gap between them is the lr's. Which settings each method may take (the rest are ELSA's alone):
+SWAPPED_LR = {"elsa_lr": ("sparsegpt+ft", "wanda+ft"), "retrain_lr": ("elsa",)}
 # (steps, sequences a step) of the three budgets: 0.5 M, 2.1 M, 8.4 M tokens of 512. The largest holds the issue's 2048 x 8
 # x 512 tokens batched as the paper batches its steps (16,384 tokens each): on the H200 a 270M step cost ~0.6 s with one
 # forward whatever else ran (bound by the host, not the GPU: 2026-11-28), so 2048 steps could not end inside one 15-minute
@@ -79,6 +87,7 @@ class Cell:
     sparsity: float | None
     steps: int
     settings: str = "rule"  # rule | paper | dense (the rule from the dense weights: --init_mask none) | adaptive | held
+    # | elsa_lr (retraining) | retrain_lr (elsa)
     batch: int = 8
 
     @property
@@ -102,8 +111,11 @@ def parse_cell(text: str) -> Cell:
                          f"{', '.join((*TRAINING, *ONESHOT, 'dense'))}")
     sparsity = None if parts[1] in ("-", "") else float(parts[1])
     cell = Cell(parts[0], sparsity, int(parts[2]), *(parts[3:4] or ["rule"]), *map(int, parts[4:5]))
-    if cell.settings not in SETTINGS or (cell.settings != "rule" and cell.method != "elsa"):
-        raise ValueError(f"cell {text!r}: settings 'rule', or {' / '.join(repr(k) for k in SETTINGS if k != 'rule')} for elsa only")
+    allowed = SWAPPED_LR.get(cell.settings, ("elsa",) if cell.settings in SETTINGS and cell.settings != "rule" else TRAINING)
+    if cell.settings not in SETTINGS or cell.method not in allowed or (cell.settings in SWAPPED_LR and sparsity is None):
+        elsa_only = " / ".join(repr(k) for k in SETTINGS if k not in ("rule", *SWAPPED_LR))
+        raise ValueError(f"cell {text!r}: settings 'rule', {elsa_only} or 'retrain_lr' for elsa only, 'elsa_lr' for "
+                         f"{' or '.join(SWAPPED_LR['elsa_lr'])}")
     return cell
 
 
@@ -126,6 +138,9 @@ def curve_plan(budgets: tuple[tuple[int, int], ...] = BUDGETS) -> list[Cell]:
     cells += [Cell(m, 0.7, largest, batch=batch) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     cells += [Cell("elsa", 0.9, largest, "paper", batch), Cell("dense+ft", None, largest, batch=batch), Cell("dense", None, 0)]
     cells += [Cell(m, s, 0) for s in (0.9, 0.7) for m in ONESHOT]
+    # the lr controls (SWAPPED_LR) where the rule's lrs part: 70 % at the largest budget both ways, then 90 % at 2048 steps
+    cells += [Cell("sparsegpt+ft", 0.7, largest, "elsa_lr", batch), Cell("elsa", 0.7, largest, "retrain_lr", batch),
+              Cell("sparsegpt+ft", 0.9, steps, "elsa_lr", per_step)]
     return cells
 
 
@@ -166,9 +181,26 @@ def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
              "--gradient_checkpointing" if run.checkpointing else "--no-gradient_checkpointing",
              *(["--leaf_layers"] if run.leaf_layers else [])] if trains else []
     extra += [flag.format(held=round(HOLD_FRACTION * cell.steps)) for flag in SETTINGS[cell.settings]]
+    extra += swapped_lr_flags(cell, run.model) if cell.settings in SWAPPED_LR else []
     return quality.prune_command(method, finetune, cell.sparsity, out, deepspeed=cell_config(cell, run),
                                  steps=cell.steps if trains else None, model=run.model, dataset=run.train,
                                  seqlen=run.seqlen, extra=extra)
+
+
+def swapped_lr_flags(cell: Cell, model: str) -> list[str]:
+    """The defaults rule's settings for ``cell``'s own method, every one given as a flag (a user's lr would change the
+    rule's start and warm-up), but with the lr the rule gives the other method at the same sparsity and steps."""
+    from elsa_ds.capacity.shapes import resolve_model_config
+    from elsa_ds.models import meta_model
+    from elsa_ds.settings.defaults import elsa_settings, retrain_settings
+
+    n_params = sum(p.numel() for p in meta_model(resolve_model_config(model)).parameters())  # as the job's rule counts
+    elsa, retrain = elsa_settings(n_params, cell.sparsity or 0.0, cell.steps), retrain_settings(n_params, cell.steps)
+    own, other = (elsa, retrain) if cell.method == "elsa" else (retrain, elsa)
+    flags: list[str] = []
+    for key, value in (own.values | {"lr": other.values["lr"]}).items():
+        flags += [f"--{key}" if value else f"--no-{key}"] if isinstance(value, bool) else [f"--{key}", str(getattr(value, "value", value))]
+    return flags
 
 
 def cell_config(cell: Cell, run: Run) -> str:

@@ -90,8 +90,14 @@ def recipe_paths(settings: dict[str, Any], recipe: Path) -> dict[str, Any]:
                         f"recipe's; remove it there and pass --{found[0]} yourself")
     folder = recipe.resolve().parent
 
+    def a_path(key: str, value: str) -> bool:
+        """A name that is there in the recipe's folder is a path, as on the command line (``models/x`` beside the recipe:
+        not a hub id); else as it looks."""
+        return key not in NAME_OR_PATH or looks_local(value) or (folder / value).exists() or (
+            "/" in value and (folder / value.split("/")[0]).is_dir())
+
     def inside(key: str, value: Any) -> Any:
-        if not isinstance(value, str) or (key in NAME_OR_PATH and not looks_local(value)):
+        if not isinstance(value, str) or not a_path(key, value):
             return value  # a hub id, a dataset or method name (or a wrong type, refused with the settings' own checks)
         target = (folder / value).resolve()
         if value.startswith(("/", "~")) or not target.is_relative_to(folder):
