@@ -102,9 +102,31 @@ def load_config(model_id: str):
     path = Path(model_id).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
         raise ElsaError(f"model {model_id}: directory has no config.json (not a saved transformers model)")
+    check_hub_reachable(model_id)
     config = guarded_config(model_id, lambda: AutoConfig.from_pretrained(model_id, trust_remote_code=False))
     check_causal_lm(config, model_id)
     return config
+
+
+def check_hub_reachable(model_id: str) -> None:
+    """ElsaError for a hub id this machine has not cached when the hub cannot be asked (offline mode, no route): the hub
+    client would retry for ~30 s and then say so in a dozen lines (a walk: ``--recipe gemma-2-27b-s90`` offline)."""
+    from elsa_ds.data.hub_texts import hub_unreachable
+
+    if Path(model_id).expanduser().exists() or _in_hub_cache(model_id) or not (why := hub_unreachable()):
+        return
+    raise ElsaError(f"model {model_id}: not a folder here nor in the Hugging Face cache, and {why}: download it where "
+                    f"the hub can be reached (huggingface-cli download {model_id}) and pass its folder, or point HF_HOME "
+                    "at a cache that holds it")
+
+
+def _in_hub_cache(model_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(model_id, "config.json"), str)
+    except ValueError:  # not a valid repository id: transformers' own message says what is wrong with it
+        return False
 
 
 def check_local_path(model_id: str) -> None:
@@ -124,9 +146,7 @@ def check_local_path(model_id: str) -> None:
 
 
 def _known_hub_id(model_id: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
-    return (SHIPPED_CONFIGS / model_id / "config.json").is_file() or isinstance(try_to_load_from_cache(model_id, "config.json"), str)
+    return (SHIPPED_CONFIGS / model_id / "config.json").is_file() or _in_hub_cache(model_id)
 
 
 def guarded_config(model_id: str, read: Callable[[], Any]):

@@ -146,6 +146,27 @@ def test_a_mistyped_model_id_is_refused_at_once_with_the_shipped_ids_near_it(mon
     assert hub_texts.hub_unreachable() == "HF_HUB_OFFLINE is set"
 
 
+def test_a_hub_model_this_machine_lacks_is_refused_at_once_when_the_hub_cannot_be_asked(tmp_path):
+    """A walk (2026-12-02): a recipe naming google/gemma-2-27b, offline, took 29 s of the hub client's retries before its
+    error; now one line in seconds saying what to do. Real processes, the hub's host one that cannot resolve."""
+    import time
+
+    from elsa_ds.data import hub_texts
+
+    env = {"HF_ENDPOINT": "https://no-such-host.invalid", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0",
+           **{v: "" for v in hub_texts.PROXY_VARIABLES}}
+    for script, args in (("prune.py", ["--recipe", "gemma-2-27b-s90", "--deepspeed", "zero3_offload", "--output_dir",
+                                       str(tmp_path / "out")]),
+                         ("evaluate.py", ["--model", "google/gemma-2-2b", "--ppl", str(ROOT / "README.md")])):
+        started = time.time()
+        proc = run_entry(script, args, check=False, env=env)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+        assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        for needle in ("not a folder here nor in the Hugging Face cache", "no-such-host.invalid", "huggingface-cli download"):
+            assert needle in errors[0], errors[0]
+        assert time.time() - started < 20 and not (tmp_path / "out").exists(), errors[0]
+
+
 def _stock_transformers_config() -> dict:
     """transformers' documented ZeRO-3 example (docs: main_classes/deepspeed), "auto" everywhere."""
     return {
