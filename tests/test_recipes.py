@@ -65,6 +65,24 @@ def test_a_recipe_for_another_model_is_taken_with_a_warning(caplog):
     assert not [r for r in caplog.records if "was written for" in r.getMessage()]
 
 
+def test_the_log_says_which_values_a_recipe_gave_and_which_were_set_over_it(caplog):
+    """The resolved config shows the values, not where they came from: a recipe's are named once, with what the command
+    line or the JSON's elsa block set over them (a leftover of the last session's walk)."""
+    from elsa_ds.log import setup_logging
+    from elsa_ds.plan import elsa_settings
+    from elsa_ds.zero.ds_config import DsConfig
+
+    setup_logging("info", rank=0)
+    caplog.set_level("INFO", logger="elsa_ds")
+    ds = DsConfig.load("zero3_offload")
+    ds.raw["elsa"] = {"interval": 16}
+    elsa_settings(ds, "zero3_offload", "gemma-2-27b-s90", {"lr": 1e-4, "steps": None})
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("from recipe")]
+    assert len(said) == 1 and said[0].startswith("from recipe gemma-2-27b-s90: model google/gemma-2-27b, dataset c4")
+    assert "steps 4096" in said[0] and "lmda 0.001" in said[0] and " lr 2e-05" not in said[0]
+    assert said[0].endswith("; set elsewhere over it: lr (yours), interval (the JSON elsa block)")
+
+
 def _recipe(folder, settings: dict):
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "mine.json"

@@ -59,6 +59,12 @@ def elsa_settings(ds_config: DsConfig, deepspeed: str, recipe: str | None, given
                          given_as="the command line" if spelt else "the arguments")
     refuse_unread_elsa_settings(cfg, given, spelt)
     from_recipe = settings or {}
+    if from_recipe and os.environ.get("RANK", "0") == "0":  # where each value came from (the resolved config has no say)
+        block = ds_config.raw.get("elsa", {})
+        taken = [k for k in from_recipe if given.get(k) is None and k not in block]
+        over = [f"{k} ({'yours' if given.get(k) is not None else 'the JSON elsa block'})" for k in from_recipe if k not in taken]
+        log.info(f"from recipe {recipe}: " + ", ".join(f"{k} {from_recipe[k]}" for k in taken)
+                 + (f"; set elsewhere over it: {', '.join(over)}" if over else ""))
     written_for = from_recipe.get("model")
     if written_for and cfg.model != written_for and os.environ.get("RANK", "0") == "0":  # a walk: taken without a word
         tuned = ", ".join(k for k in ("lr", "lmda", "steps", "batch_size") if k in from_recipe and given.get(k) is None)
