@@ -17,12 +17,13 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from elsa_ds.errors import ElsaError, sigterm_unwinds
 from elsa_ds.jobs.owner import run_owned
-from elsa_ds.log import setup_logging
+from elsa_ds.log import logging_for
 from elsa_ds.plan import read_settings
 from elsa_ds.settings.options import JobOptions, job_options
 from elsa_ds.zero.dist import launcher_env_restored
@@ -72,13 +73,12 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
         opts = job_options({"deepspeed": str(deepspeed), "output_dir": Path(output_dir), "overwrite": overwrite, "resume": resume,
                             "recipe": recipe, "model_object": model if in_memory else None, "tokenizer_object": tokenizer,
                             **run}, given_as="the arguments")
-        if "log_level" in run:
-            setup_logging(opts.log_level)
         given = {**{k: v for k, v in settings.items() if k not in run}, "model": _model_name(model) if in_memory else str(model),
                  "dataset": name}
-        cfg, ds_config = read_settings(opts, given, spelt="")
-        with launcher_env_restored():
-            return run_owned(cfg, opts, ds_config)
+        with logging_for(opts.log_level) if "log_level" in run else nullcontext():  # for this call only
+            cfg, ds_config = read_settings(opts, given, spelt="")
+            with launcher_env_restored():
+                return run_owned(cfg, opts, ds_config)
 
 
 def _check_arguments(model: Any, output_dir: Any, deepspeed: Any, tokenizer: Any, overwrite: Any, resume: Any, recipe: Any) -> None:

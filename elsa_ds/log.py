@@ -17,6 +17,8 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal, get_args
 
 ROOT = "elsa_ds"
@@ -67,6 +69,24 @@ def setup_logging(level: str | int = "info", rank: int | None = None) -> logging
     quiet_libraries(max(numeric, logging.WARNING))
     filter_warnings()
     return root
+
+
+@contextmanager
+def logging_for(level: str | int) -> Iterator[logging.Logger]:
+    """:func:`setup_logging` at ``level`` for a block, and everything it set put back after it (the Python API: the
+    caller's program keeps its own elsa_ds level and handlers, library levels and filters, and warning filters)."""
+    root = logging.getLogger(ROOT)
+    libraries = [logging.getLogger(n) for n in {*LIBRARIES, *(name for name, _m, _w in QUIET_LIBRARY_RECORDS)}]
+    saved = (list(root.handlers), root.level, root.propagate, [(lib, lib.level, list(lib.filters)) for lib in libraries])
+    with warnings.catch_warnings():  # the warning filters, restored on leaving
+        try:
+            yield setup_logging(level)
+        finally:
+            handlers, root.level, root.propagate, levels = saved
+            root.handlers[:] = handlers
+            for lib, lib_level, filters in levels:
+                lib.setLevel(lib_level)
+                lib.filters[:] = filters
 
 
 def _configure(root: logging.Logger, level: int, rank: int) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -67,17 +68,23 @@ print(json.dumps({{"by_name": by_name["method"], "loaded": loaded["model"], "spa
 
 def test_oneshot_from_python_prunes_a_loaded_model_in_place(tmp_path, tiny_model_dir):
     out = _python(f"""
-import json, os, elsa_ds
+import json, logging, os, warnings, elsa_ds
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained({str(tiny_model_dir)!r}, dtype="float32")
+logging.getLogger("transformers").setLevel(logging.DEBUG)  # the caller's own logging, which log_level= must leave as it was
+from elsa_ds.log import get_logger; get_logger("elsa_ds")  # the console any elsa_ds call installs (info) until log_level= is given
+before = (logging.getLogger("elsa_ds").level, len(logging.getLogger("elsa_ds").handlers), len(warnings.filters))
 report = elsa_ds.oneshot(model, "magnitude", "shakespeare", tokenizer=AutoTokenizer.from_pretrained({str(tiny_model_dir)!r}),
                          output_dir={str(tmp_path / 'mag')!r}, deepspeed="zero3", sparsity=0.5, seqlen=64, val_windows=2,
                          export_format="sparse", ignore_memory_check=True, log_level="warning")  # the job's own flags too
 w = model.model.layers[0].mlp.up_proj.weight
+after = (logging.getLogger("elsa_ds").level, len(logging.getLogger("elsa_ds").handlers), len(warnings.filters))
 print(json.dumps({{"zeros": int((w == 0).sum()), "numel": w.numel(), "method": report["method"], "dense": report["ppl"]["dense"],
-                  "format": report["export"]["format"]}}))
+                  "format": report["export"]["format"], "logging_kept": before == after,
+                  "transformers_level": logging.getLogger("transformers").level}}))
 """)
     got = json.loads(out.strip().splitlines()[-1])
     assert got["method"] == "magnitude" and got["dense"] > 1 and got["format"] == "sparse"
+    assert got["logging_kept"] and got["transformers_level"] == logging.DEBUG  # log_level= held for the call only
     assert "elsa_sparse" in json.loads((tmp_path / "mag" / "config.json").read_text())
     assert got["zeros"] == round(0.5 * got["numel"])
