@@ -4,8 +4,8 @@
         ds_configs/zero3_offload_elsal.json ds_configs/zero3_nvme.json --out out/ablation
 
 Writes OUT/ablation.csv, OUT/ablation.md and OUT/ablation.png; each run's model and log stay in OUT.
-Arguments after -- go to launch/prune.py (default: the embedded demo with --steps 32 --interval 16 --val_windows 0
---baseline none).
+Arguments after -- go to launch/prune.py after the ablation's own (the embedded demo with --steps 32 --interval 16
+--val_windows 0 --baseline none), so they add to those and override them.
 """
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ from elsa_ds.settings.flags import add_flags, positive_int, start_logging  # noq
 from elsa_ds.settings.options import JobOptions  # noqa: E402
 
 DEFAULT_PRUNE_ARGS = ["--steps", "32", "--interval", "16", "--val_windows", "0", "--baseline", "none"]
+
+
+def prune_args(given: list[str]) -> list[str]:
+    """launch/prune.py's flags: the ablation's defaults, then the user's (after --), which win where both set one (a walk:
+    ``-- --seqlen 128`` dropped every default, and the runs validated and trained the demo's full 512 steps)."""
+    return [*DEFAULT_PRUNE_ARGS, *(a for a in given if a != "--")]
 
 
 def check_run(config: str, out: Path, ranks: int, extra: list[str]) -> tuple[float, float]:
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("prune_args", nargs=argparse.REMAINDER, help="-- then flags for launch/prune.py")
     args = ap.parse_args(argv)
     start_logging(args)
-    extra = [a for a in args.prune_args if a != "--"] or DEFAULT_PRUNE_ARGS
+    extra = prune_args(args.prune_args)
 
     def go() -> None:
         from elsa_ds.capacity.ablation import run_ablation

@@ -91,6 +91,22 @@ def test_the_runs_outputs_together_are_checked_against_the_disk_before_any_run(t
     assert not out.exists()
 
 
+def test_flags_after_the_double_dash_add_to_the_ablations_defaults_and_override_them():
+    """A walk: ``-- --seqlen 128`` dropped every default (the runs trained the demo's 512 steps and validated)."""
+    import importlib.util
+
+    from elsa_ds.cli import prune_parser
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("ablate_offload", ROOT / "launch" / "ablate_offload.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = [*module.prune_args(["--", "--seqlen", "128", "--steps", "8"]), "--deepspeed", "zero3", "--output_dir", "out/x"]
+    args = prune_parser().parse_args(argv)
+    assert (args.seqlen, args.steps, args.interval, args.val_windows, args.baseline) == (128, 8, 16, 0, "none")
+    assert module.prune_args([]) == module.DEFAULT_PRUNE_ARGS
+
+
 def test_the_table_says_how_each_step_was_estimated_and_what_cpu_ranks_have_no_gpu_for(tmp_path):
     """A walk: one row's estimate came from the typical rates (its micro-step could not be timed), another's from a timed
     micro-step, and the table did not say which; CPU ranks showed "n/a" beside an estimated GPU "0"."""
