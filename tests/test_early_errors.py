@@ -167,6 +167,25 @@ def test_a_hub_model_this_machine_lacks_is_refused_at_once_when_the_hub_cannot_b
         assert time.time() - started < 20 and not (tmp_path / "out").exists(), errors[0]
 
 
+def test_a_rendezvous_port_another_job_holds_is_named_with_what_to_do(tmp_path):
+    """A walk (2026-12-02): a second `deepspeed` command on the default port 29500 failed on rank 0 (EADDRINUSE) and said
+    only that "another rank of this job ended first". Rank 0 of two, its port held by a real listening socket."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        proc = run_entry("prune.py", ["--deepspeed", "zero3_offload", "--steps", "4", "--interval", "2", "--output_dir",
+                                      str(tmp_path / "out")], check=False, env=env, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"the rendezvous port {port} is in use" in errors[0] and "--master_port" in errors[0], errors[0]
+    assert not (tmp_path / "out").exists()
+
+
 def _stock_transformers_config() -> dict:
     """transformers' documented ZeRO-3 example (docs: main_classes/deepspeed), "auto" everywhere."""
     return {

@@ -8,6 +8,7 @@ import socket
 from collections.abc import Iterator
 
 from elsa_ds.admm.kernels.build_lock import clear_stale_locks
+from elsa_ds.errors import ElsaError
 from elsa_ds.zero import compat
 
 
@@ -32,7 +33,14 @@ def init_distributed() -> tuple[int, int]:
     compat.check_deepspeed_version()
     if not dist.is_initialized():
         clear_stale_locks()  # DeepSpeed's ops are built from here on (its CPU backend's shm comm first): none waits forever
-        deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False)
+        try:
+            deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False)
+        except RuntimeError as err:  # rank 0 serves the rendezvous: a second `deepspeed` command on the same default port
+            if "EADDRINUSE" not in str(err):  # failed here, and was reported as another rank's end (a walk, 2026-12-02)
+                raise
+            raise ElsaError(f"the rendezvous port {os.environ.get('MASTER_PORT')} is in use on this machine (another job's: "
+                            "two `deepspeed` commands both take 29500 unless told otherwise); start this one on a free "
+                            "port: deepspeed --master_port N ...") from None
         _unlink_shm_buffer(dist)
         atexit.register(teardown)
     return dist.get_rank(), dist.get_world_size()
