@@ -28,6 +28,7 @@ from elsa_ds.jobs.training import (Checkpoints, RunState, TrainingData, load_for
 from elsa_ds.jobs.warm_start import WarmStart, warm_start, warm_start_path, warm_start_weights_dir
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource
+from elsa_ds.oneshot.pipeline import saved_dtype
 from elsa_ds.monitor import Monitor
 from elsa_ds.plan import Plan
 from elsa_ds.settings.config import ElsaConfig
@@ -78,8 +79,8 @@ class ElsaJob:
         cfg, opts = self.cfg, self.opts
         self.phases.mark("load")
         opened = open_training(self.plan)
-        warm = (warm_start(cfg, self.source, opts.output_dir, opened.data.tokenizer, opened.rank, opened.data.validation.ids)
-                if cfg.init_mask and not opts.resume else None)
+        warm = (warm_start(cfg, self.source, opts.output_dir, opened.data.tokenizer, opened.rank, opened.data.validation.ids,
+                           saved_dtype(self.ds.raw)) if cfg.init_mask and not opts.resume else None)
         torch.manual_seed(cfg.seed)
         partitioned, goals, zero, admm = self._build_engine(warm, opened.rank)
         selector = Selector(cfg.select_every, cfg.select_patience, snapshot_dir(opts.output_dir), opened.rank) if cfg.select_every else None

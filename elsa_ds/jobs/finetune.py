@@ -35,6 +35,7 @@ from elsa_ds.jobs.warm_start import oneshot_on_rank0
 from elsa_ds.log import get_logger
 from elsa_ds.methods import Finetune
 from elsa_ds.models import ModelSource
+from elsa_ds.oneshot.pipeline import saved_dtype
 from elsa_ds.monitor import Monitor
 from elsa_ds.plan import Plan
 from elsa_ds.settings.config import ElsaConfig
@@ -114,7 +115,7 @@ class FinetuneJob:
             masks = MaskReader(mask_path)
         else:
             masks, calibration, _ = oneshot_on_rank0(cfg, cfg.oneshot, self.source, opened.data.tokenizer, opened.rank,
-                                                     mask_path, model_dir)
+                                                     mask_path, model_dir, engine_dtype=saved_dtype(self.ds.raw))
         return ModelSource(str(model_dir)), masks, calibration
 
     def _build_engine(self, start: ModelSource | None, masks: MaskReader | None,
