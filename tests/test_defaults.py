@@ -181,6 +181,34 @@ def test_a_pruned_start_with_retrainings_lr_ends_its_last_half_inside_the_mask()
     assert cfg.hold_steps == 0
 
 
+def test_a_resume_compares_paths_by_their_place_and_the_demo_model_by_name(tmp_path, monkeypatch):
+    """A walk (2026-12-02): a moved or reinstalled elsa_ds refused to resume its own demo run (the demo model's absolute
+    path in the fingerprint, a model the user never named), ``m`` and ``./m`` were different settings, and the same
+    relative path from another folder, naming another model, was taken as the same."""
+    import shutil
+
+    from elsa_ds.settings.config import DEMO_MODEL_DIR, ElsaConfig
+
+    for folder in ("a", "b"):
+        shutil.copytree(DEMO_MODEL_DIR, tmp_path / folder / "m")
+        (tmp_path / folder / "texts").mkdir()
+        (tmp_path / folder / "texts" / "a.txt").write_text("a text to train on\n")
+    monkeypatch.chdir(tmp_path / "a")
+    written = ElsaConfig(model="m", dataset="./texts", init_mask="sparsegpt").resume_fingerprint(1)
+    for same in ("./m", str(tmp_path / "a" / "m"), "../a/m"):
+        assert resume_changes(written, ElsaConfig(model=same, dataset="texts/../texts", init_mask="sparsegpt")
+                              .resume_fingerprint(1)) is None, same
+    monkeypatch.chdir(tmp_path / "b")
+    assert "model" in resume_changes(written, ElsaConfig(model="m", dataset="./texts", init_mask="sparsegpt").resume_fingerprint(1))
+    old_install = {**written, "model": "/gone/elsewhere/elsa_ds/demo/model", "dataset": "shakespeare"}  # as typed before
+    assert resume_changes(old_install, ElsaConfig(model=str(DEMO_MODEL_DIR), dataset="shakespeare", init_mask="sparsegpt")
+                          .resume_fingerprint(1)) is None
+    old_relative = {**written, "model": "m", "dataset": "../a/texts"}  # an older checkpoint's relative paths, read from here
+    assert resume_changes(old_relative, ElsaConfig(model="./m", dataset=str(tmp_path / "a" / "texts"), init_mask="sparsegpt")
+                          .resume_fingerprint(1)) is None
+    assert ElsaConfig(model="google/gemma-2-2b").resume_fingerprint(1)["model"] == "google/gemma-2-2b"  # a hub id as given
+
+
 def test_a_resumed_run_keeps_the_rule_values_it_started_with_where_the_rule_changed_since():
     fresh, _ = _demo(sparsity=0.9, steps=100)
     written = fresh.resume_fingerprint(1)

@@ -11,7 +11,7 @@ from elsa_ds.admm.wrapper import OptimizerWrapper
 
 class StateMismatch(ValueError):
     """A loaded ADMM state that does not fit the run (``AdmmOptimizer.load_state_dict``); the resume refuses the checkpoint
-    on every rank (``zero/checkpoint.load_latest``): DeepSpeed's load leaves its parameter groups half-set after a raise,
+    on every rank (``zero/resume_load.load_latest``): DeepSpeed's load leaves its parameter groups half-set after a raise,
     so an older tag cannot be tried instead."""
 
 

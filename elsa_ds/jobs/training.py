@@ -23,7 +23,7 @@ from elsa_ds.plan import Plan
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import LayerGoal, select_targets
-from elsa_ds.zero import checkpoint
+from elsa_ds.zero import checkpoint, resume_load
 from elsa_ds.zero.dist import init_distributed, same_on_every_rank
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import PartitionedModel, ZeroEngine, full_shapes, load_partitioned
@@ -217,7 +217,7 @@ class Checkpoints:
         ``engine`` with the RNG. Refuses a checkpoint written with other settings (``fingerprint``). Collective."""
         if not self.resume:
             return RunState(fingerprint=fingerprint)
-        client = checkpoint.load_latest(engine, self.directory, comm, run_state_problem)  # the loop's state checked there
+        client = resume_load.load_latest(engine, self.directory, comm, run_state_problem)  # the loop's state checked there
         if client is None:
             raise ElsaError(f"--resume: no loadable checkpoint in {self.directory}; run without --resume to start over")
         refusal = checkpoint.resume_changes(client["fingerprint"], fingerprint)  # (also checked before the model loads: plan/checks.py)

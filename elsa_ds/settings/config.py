@@ -24,7 +24,8 @@ from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
 from elsa_ds.settings.config_checks import cross_checks
-from elsa_ds.settings.config_files import check_each_source, comma_list, load_profile, load_recipe as _load_recipe
+from elsa_ds.settings.config_files import (check_each_source, comma_list, load_profile, load_recipe as _load_recipe,
+                                          resume_place)
 from elsa_ds.targets import LayerGoal, layer_goals
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo" / "model"
@@ -366,7 +367,7 @@ class ElsaConfig(BaseModel):
 
     def resume_fingerprint(self, world_size: int) -> dict[str, Any]:
         """Settings a resumed run must share with the run that wrote the checkpoint."""
-        settings = {k: v for k, v in self.model_dump(mode="json").items() if k in RESUME_MUST_MATCH}
+        settings = {k: resume_place(k, v) for k, v in self.model_dump(mode="json").items() if k in RESUME_MUST_MATCH}
         if self.sparsity_profile:  # the ratios, not the path: an edited profile is a different run
             settings["sparsity_profile"] = load_profile(self.sparsity_profile)
         return {"world_size": world_size, **settings}

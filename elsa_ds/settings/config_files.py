@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from elsa_ds import json_data
-from elsa_ds.data.sources import looks_local
+from elsa_ds.data.sources import DEMO_DATASET, looks_local
 from elsa_ds.errors import ElsaError
 
 
@@ -111,6 +111,25 @@ def recipe_paths(settings: dict[str, Any], recipe: Path) -> dict[str, Any]:
         value = comma_list(out[key]) if key == "eval_ppl" else out[key]  # a comma list, as on the command line
         out[key] = [inside(key, v) for v in value] if isinstance(value, list) else inside(key, value)
     return out
+
+
+DEMO_PLACE = "the embedded demo model"  # how a resume's fingerprint names it, wherever elsa_ds is installed
+RESUME_PLACES = ("model", "init_mask", "dataset", "val_dataset")
+
+
+def resume_place(key: str, value: Any) -> Any:
+    """A setting as a resume compares it: a local path by its real place (``m``, ``./m`` and ``/abs/m`` agree; the same
+    relative path from another folder does not), the embedded demo model by name (a moved or reinstalled elsa_ds resumes
+    its own checkpoints; a walk), a hub id, a dataset or method name as given. The same rule reads an older checkpoint's
+    fingerprint, whose paths are as they were typed."""
+    if key not in RESUME_PLACES or not isinstance(value, str):
+        return value
+    path = Path(value).expanduser()
+    if value == DEMO_PLACE or path.parts[-3:] == ("elsa_ds", "demo", "model"):
+        return DEMO_PLACE
+    if value != DEMO_DATASET and (looks_local(value) or path.exists()):  # a path, as the job reads it
+        return str(path.resolve())
+    return value
 
 
 def check_each_source(model: Any, sources: list[tuple[str, dict[str, Any]]]) -> None:

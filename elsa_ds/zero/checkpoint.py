@@ -20,30 +20,26 @@ and ADMM.
 """
 from __future__ import annotations
 
-import functools
 import os
 import pickle
 import random
 import re
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
 from elsa_ds import json_data
-from elsa_ds.admm.loaded import StateMismatch
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import writer_ran_out
 from elsa_ds.files import torch_files
 from elsa_ds.files.io import write_atomic
-from elsa_ds.log import get_logger
 from elsa_ds.settings.config import RESUME_DEFAULTS
+from elsa_ds.settings.config_files import resume_place
 from elsa_ds.zero import compat
 from elsa_ds.zero.ds_config import DsConfig
 
-log = get_logger(__name__)
 
 TAG = re.compile(r"^global_step(\d+)$")
 CLIENT_KEY = "elsa"
@@ -62,6 +58,7 @@ def write_fingerprint(ckpt_dir: Path, fingerprint: dict) -> None:
 def resume_changes(written: dict[str, Any], now: dict[str, Any], flag: str = "--resume") -> str | None:
     """What differs between a checkpoint's fingerprint and this run's (``ElsaConfig.resume_fingerprint``), as the
     refusal's text, and what to do (``flag``: the one the user gave, --resume or --resume_if_any); None when nothing does."""
+    written = {k: resume_place(k, v) for k, v in written.items()}  # an older checkpoint's paths, as they were typed
     changed = {k: (v, now.get(k)) for k, v in {**RESUME_DEFAULTS, **written}.items() if now.get(k) != v}
     if not changed:
         return None
@@ -159,27 +156,15 @@ def checked_root(folder: Path, flag: str = "--resume") -> Path:
 _ROOTS: dict[str, tuple[Path, tuple[int, int]]] = {}
 
 
-def _identity(root: Path) -> tuple[Path, tuple[int, int]]:
+def folder_place(root: Path) -> tuple[Path, tuple[int, int]]:
+    """A folder's real place and its (device, inode)."""
     st = os.stat(root)
     return root, (st.st_dev, st.st_ino)
 
 
-def _load_root(ckpt_dir: Path, comm) -> Path:
-    """The checkpoints folder's real place for ``load_latest``: the folder ``check_resume`` scanned, the same one
-    (another put at its path, a link or a moved parent since, or none there, stops every rank). Collective."""
-    problem: ElsaError | None = None
-    try:
-        root = checked_root(ckpt_dir)
-        now = _identity(root)
-        if (before := _ROOTS.get(str(ckpt_dir), now)) != now:
-            raise UnsafeCheckpointError(f"--resume: refusing {ckpt_dir}: it is not the folder whose files were checked "
-                                        f"before loading (then {before[0]}, now {root}, another folder); restore the run "
-                                        "from a copy you trust")
-    except ElsaError as err:
-        problem = err
-    if comm.all_reduce_sum(torch.tensor([0.0 if problem is None else 1.0])).item():
-        raise problem or UnsafeCheckpointError(f"--resume: another rank refused {ckpt_dir} (see its line)")
-    return root
+def checked_place(ckpt_dir: Path) -> tuple[Path, tuple[int, int]] | None:
+    """:func:`folder_place` of ``ckpt_dir`` as :func:`check_resume` took it in this process (None: not checked here)."""
+    return _ROOTS.get(str(ckpt_dir))
 
 
 def _open_checkpoint_file(path: Path, root: Path | None) -> BinaryIO:
@@ -241,7 +226,7 @@ def check_file(path: Path, what: str, root: Path) -> None:
 def read_checkpoint_file(path: str | Path, map_location: Any = None, *, root: Path | None = None) -> Any:
     """``torch.load`` as data only: tensors, plain containers and ``compat.checkpoint_globals``. A pickle naming anything
     else raises UnsafeCheckpointError; nothing of it runs. ``root``: the folder it must open inside
-    (:func:`checked_root`). The loader ``load_latest`` gives DeepSpeed, bound to its checkpoints folder's root."""
+    (:func:`checked_root`). The loader ``resume_load.load_latest`` gives DeepSpeed, bound to its checkpoints folder's root."""
     opened = _open_checkpoint_file(Path(path), root)
     with torch.serialization.safe_globals([*compat.checkpoint_globals()]), opened as fh:
         _check_zip(Path(path), fh)  # not left to the scan before: torch would unpack it whole
@@ -278,10 +263,10 @@ def resume_order(ckpt_dir: Path) -> list[str]:
 def check_resume(ckpt_dir: Path) -> None:
     """Before any model or engine exists (on every rank; they read the same files): ``latest`` names a tag on disk, some
     tag a resume may load is readable, and no file of those tags names a class outside the allow-list (refused,
-    UnsafeCheckpointError). An unreadable newer tag is left to ``load_latest``, which falls back past it."""
+    UnsafeCheckpointError). An unreadable newer tag is left to ``resume_load.load_latest``, which falls back past it."""
     unreadable = {}
     tags, root = resume_order(ckpt_dir), checked_root(ckpt_dir)
-    _ROOTS[str(ckpt_dir)] = _identity(root)
+    _ROOTS[str(ckpt_dir)] = folder_place(root)
     for tag in tags:
         files = sorted((ckpt_dir / tag).glob("*.pt"))  # check_plain_tree has refused links and special files there
         if not files:
@@ -361,36 +346,3 @@ def publish_latest(ckpt_dir: Path, tag: str, keep: int) -> None:
     at = tags.index(tag)
     for old in tags[:at] + tags[at + keep:]:
         remove_tag(ckpt_dir / old)
-
-
-def load_latest(engine, ckpt_dir: Path, comm, client_problem: Callable[[Any], str | None]) -> dict | None:
-    """Load the newest loadable checkpoint, its files read as data only (``read_checkpoint_file``); returns its client
-    state (None when there is none). A file that needs a class outside the allow-list, or that loads into something
-    elsa_ds never writes (the loop's state as ``client_problem`` judges it, the loss scaler, z and u), stops every rank.
-    Collective."""
-    root = _load_root(ckpt_dir, comm)  # check_resume's: every file DeepSpeed reads must open inside it
-    for tag in resume_order(ckpt_dir):
-        refusal = None
-        try:
-            with compat.checkpoint_files_read_with(engine, functools.partial(read_checkpoint_file, root=root)):
-                path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=True,
-                                                      load_optimizer_states=True, load_lr_scheduler_states=False)
-            ok = path is not None and client is not None and CLIENT_KEY in client
-            if ok and (problem := compat.loss_scaler_problem(engine) or client_problem(client[CLIENT_KEY])) is not None:
-                raise StateMismatch(problem)
-        except (UnsafeCheckpointError, StateMismatch) as err:  # refused on every rank below, not skipped for an older tag
-            ok, refusal = False, (err if isinstance(err, UnsafeCheckpointError) else UnsafeCheckpointError(
-                f"--resume: {ckpt_dir / tag} is not what elsa_ds writes ({err}); it was altered or written by another "
-                "program: restore the run from a copy you trust or start without --resume"))
-        except Exception as err:  # a truncated or missing shard: fall back to the previous tag
-            log.info(f"checkpoint {tag} is unreadable ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
-            ok = False
-        # every rank must have loaded this tag; none may have met a refused file
-        loaded, refused = comm.all_reduce_sum(torch.tensor([1.0 if ok else 0.0, 0.0 if refusal is None else 1.0])).tolist()
-        if refused:
-            raise refusal or UnsafeCheckpointError(f"--resume: another rank refused a file of {ckpt_dir / tag} (see its line)")
-        if loaded == comm.world_size:
-            log.info(f"resumed from {ckpt_dir / tag}")
-            compat.replay_cpu_adam(engine)  # the C++ Adam's β^t as the uninterrupted run holds it
-            return client[CLIENT_KEY]
-    return None

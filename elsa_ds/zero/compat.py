@@ -325,6 +325,13 @@ def checkpoint_files_read_with(engine, load: Callable[..., Any]) -> Iterator[Non
         reader.load = original
 
 
+def rank_checkpoint_files(engine, ckpt_dir: Path, tag: str) -> list[str]:
+    """The files of ``tag`` that ``engine.load_checkpoint`` reads on this rank, as it names them: ZeRO-3's model states
+    of this rank's partition (``_get_ckpt_name``) and its optimizer states (``_get_zero_ckpt_name``; the other ranks'
+    are not read without an elastic checkpoint, which elsa_ds never writes)."""
+    return [engine._get_ckpt_name(str(ckpt_dir), tag), engine._get_zero_ckpt_name(str(ckpt_dir), tag)]
+
+
 # ---- optimizer state ----------------------------------------------------------------------------------------------
 def swap_root(nvme_path: str | Path) -> Path:
     """Where DeepSpeed's swappers write under an ``nvme_path`` (``partitioned_param_swapper.py``, ``optimizer_utils.py``)."""

@@ -16,7 +16,7 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import check_output_dir
 from elsa_ds.jobs.selection import Selector
 from elsa_ds.jobs.training import RunState, run_state_problem
-from elsa_ds.zero import checkpoint
+from elsa_ds.zero import checkpoint, resume_load
 from elsa_ds.zero.ds_config import DsConfig
 from tests.conftest import ROOT, run_entry
 
@@ -150,14 +150,14 @@ def test_the_root_the_resume_checked_is_the_one_loaded_from_and_a_moved_or_gone_
     _tag(ckpt, "global_step2", "mp_rank_00_model_states.pt")
     (ckpt / "latest").write_text("global_step2")
     checkpoint.check_resume(ckpt)
-    assert checkpoint._load_root(ckpt, OneRank()) == ckpt.resolve()
+    assert resume_load._load_root(ckpt, OneRank()) == ckpt.resolve()
     out.rename(tmp_path / "scanned")  # the scanned run moved away, another put in its place
     _tag(ckpt, "global_step2", "mp_rank_00_model_states.pt")
     with pytest.raises(checkpoint.UnsafeCheckpointError, match="not the folder whose files were checked before loading"):
-        checkpoint._load_root(ckpt, OneRank())
+        resume_load._load_root(ckpt, OneRank())
     shutil.rmtree(out)
     with pytest.raises(ElsaError, match="--resume: cannot read .*checkpoints"):  # gone: one line, not a traceback
-        checkpoint._load_root(ckpt, OneRank())
+        resume_load._load_root(ckpt, OneRank())
     (tmp_path / "planted").mkdir()
     snapshots = tmp_path / "best_projection"
     snapshots.symlink_to(tmp_path / "planted", target_is_directory=True)  # a link left where a fresh run saves its best
@@ -281,6 +281,42 @@ def checkpointed(tmp_path_factory, tiny_model_dir, text_dir) -> tuple[Path, list
     run_entry("prune.py", [*args, "--output_dir", str(out)])
     assert (out / "checkpoints" / "latest").read_text() == "global_step2"
     return out, args
+
+
+@pytest.fixture(scope="module")
+def checkpointed_on_two_ranks(tmp_path_factory, tiny_model_dir, text_dir) -> tuple[Path, list[str]]:
+    """A finished 6-step run of 2 ranks with two checkpoints kept (global_step2, global_step4 in latest); the args."""
+    out = tmp_path_factory.mktemp("checkpointed_two") / "o"
+    args = [*FAST, "--steps", "6", "--keep_checkpoints", "2", "--model", str(tiny_model_dir), "--dataset", str(text_dir)]
+    run_entry("prune.py", [*args, "--output_dir", str(out)], ranks=2)
+    assert (out / "checkpoints" / "latest").read_text() == "global_step4" and (out / "checkpoints" / "global_step2").is_dir()
+    return out, args
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("damage", ["truncated", "missing", "altered"])
+def test_a_newest_tag_damaged_on_one_rank_falls_back_or_is_refused_on_every_rank(checkpointed_on_two_ranks, tmp_path, damage):
+    """A walk (2026-12-02): rank 1's shard of the newest tag truncated, missing or altered left rank 0 inside DeepSpeed's
+    collective load and rank 1 in the agreement after it, both waiting for good (deaf to Ctrl-C and SIGTERM). Each rank
+    now reads its own files before the load and the ranks agree: the previous tag, or one refusal."""
+    out, args = _copy(checkpointed_on_two_ranks, tmp_path)
+    tag = out / "checkpoints" / "global_step4"
+    (optim,) = tag.glob("*zero_pp_rank_1_*optim_states.pt")
+    (model,) = tag.glob("*zero_pp_rank_1_*model_states.pt")
+    if damage == "truncated":
+        optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
+    elif damage == "missing":
+        optim.unlink()
+    else:
+        _altered(model, lambda s: s.__setitem__("x", torch.zeros(1).expand(10**6)))
+    proc = run_entry("prune.py", args, ranks=2, check=False, timeout=420)
+    text = proc.stdout + proc.stderr
+    assert "Traceback" not in text, text[-3000:]
+    if damage == "altered":
+        assert proc.returncode != 0 and "claims 4,000,000 bytes over a storage of 4" in proc.stderr, text[-3000:]
+        assert not (out / "model.safetensors").exists()
+    else:
+        assert proc.returncode == 0 and f"resumed from {out / 'checkpoints' / 'global_step2'}" in proc.stdout, text[-3000:]
 
 
 def _copy(checkpointed, tmp_path) -> tuple[Path, list[str]]:

@@ -1,0 +1,107 @@
+"""Loading a checkpoint on every rank (``--resume``): the folder ``check_resume`` scanned, each rank's files read as data
+before DeepSpeed's collective load, and the newest tag every rank can read (``checkpoint.py`` writes them and checks
+them before any model exists)."""
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elsa_ds.admm.loaded import StateMismatch
+from elsa_ds.errors import ElsaError
+from elsa_ds.log import get_logger
+from elsa_ds.zero import compat
+from elsa_ds.zero.checkpoint import (CLIENT_KEY, UnsafeCheckpointError, checked_place, checked_root, folder_place,
+                                     read_checkpoint_file, resume_order)
+
+log = get_logger(__name__)
+
+
+def _load_root(ckpt_dir: Path, comm) -> Path:
+    """The checkpoints folder's real place for ``load_latest``: the folder ``check_resume`` scanned, the same one
+    (another put at its path, a link or a moved parent since, or none there, stops every rank). Collective."""
+    problem: ElsaError | None = None
+    try:
+        root = checked_root(ckpt_dir)
+        now = folder_place(root)
+        if (before := checked_place(ckpt_dir) or now) != now:
+            raise UnsafeCheckpointError(f"--resume: refusing {ckpt_dir}: it is not the folder whose files were checked "
+                                        f"before loading (then {before[0]}, now {root}, another folder); restore the run "
+                                        "from a copy you trust")
+    except ElsaError as err:
+        problem = err
+    if comm.all_reduce_sum(torch.tensor([0.0 if problem is None else 1.0])).item():
+        raise problem or UnsafeCheckpointError(f"--resume: another rank refused {ckpt_dir} (see its line)")
+    return root
+
+
+def _read_own_files(engine, ckpt_dir: Path, tag: str, root: Path, comm) -> dict[str, Any] | None:
+    """This rank's files of ``tag``, read (as data) before DeepSpeed's load, whose collectives would wait forever for a
+    rank that failed to read its own (a walk: one rank's shard truncated, missing or altered hung every rank, deaf to
+    Ctrl-C): {path: what it holds}, or None when some rank could not read its files (the previous tag is tried); a
+    refused file stops every rank. Collective."""
+    own: dict[str, Any] = {}
+    refusal: UnsafeCheckpointError | None = None
+    try:
+        for path in compat.rank_checkpoint_files(engine, ckpt_dir, tag):
+            own[os.path.normpath(path)] = read_checkpoint_file(path, "cpu", root=root)
+    except UnsafeCheckpointError as err:
+        refusal = err
+    except Exception as err:  # noqa: BLE001 - a truncated or missing shard: the previous tag is tried
+        log.info(f"checkpoint {tag} is unreadable ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
+        own = {}
+    read, refused = comm.all_reduce_sum(torch.tensor([1.0 if own and refusal is None else 0.0,
+                                                      0.0 if refusal is None else 1.0])).tolist()
+    if refused:
+        raise refusal or UnsafeCheckpointError(f"--resume: another rank refused a file of {ckpt_dir / tag} (see its line)")
+    if read < comm.world_size:
+        if own:
+            log.info(f"checkpoint {tag} is unreadable on another rank; trying the previous one")
+        return None
+    return own
+
+
+def _read_once(own: dict[str, Any], root: Path, path: str | Path, map_location: Any = None) -> Any:
+    """DeepSpeed's read of a checkpoint file: what :func:`_read_own_files` read of it (once), else the file as data."""
+    held = own.pop(os.path.normpath(path), None)
+    return held if held is not None else read_checkpoint_file(path, map_location, root=root)
+
+
+def load_latest(engine, ckpt_dir: Path, comm, client_problem: Callable[[Any], str | None]) -> dict | None:
+    """Load the newest loadable checkpoint, its files read as data only (``read_checkpoint_file``); returns its client
+    state (None when there is none). A file that needs a class outside the allow-list, or that loads into something
+    elsa_ds never writes (the loop's state as ``client_problem`` judges it, the loss scaler, z and u), stops every rank.
+    Collective."""
+    root = _load_root(ckpt_dir, comm)  # check_resume's: every file DeepSpeed reads must open inside it
+    for tag in resume_order(ckpt_dir):
+        own = _read_own_files(engine, ckpt_dir, tag, root, comm)
+        if own is None:
+            continue
+        refusal = None
+        try:
+            with compat.checkpoint_files_read_with(engine, functools.partial(_read_once, own, root)):
+                path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=True,
+                                                      load_optimizer_states=True, load_lr_scheduler_states=False)
+            ok = path is not None and client is not None and CLIENT_KEY in client
+            if ok and (problem := compat.loss_scaler_problem(engine) or client_problem(client[CLIENT_KEY])) is not None:
+                raise StateMismatch(problem)
+        except (UnsafeCheckpointError, StateMismatch) as err:  # refused on every rank below, not skipped for an older tag
+            ok, refusal = False, (err if isinstance(err, UnsafeCheckpointError) else UnsafeCheckpointError(
+                f"--resume: {ckpt_dir / tag} is not what elsa_ds writes ({err}); it was altered or written by another "
+                "program: restore the run from a copy you trust or start without --resume"))
+        except Exception as err:  # a truncated or missing shard: fall back to the previous tag
+            log.info(f"checkpoint {tag} is unreadable ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
+            ok = False
+        # every rank must have loaded this tag; none may have met a refused file
+        loaded, refused = comm.all_reduce_sum(torch.tensor([1.0 if ok else 0.0, 0.0 if refusal is None else 1.0])).tolist()
+        if refused:
+            raise refusal or UnsafeCheckpointError(f"--resume: another rank refused a file of {ckpt_dir / tag} (see its line)")
+        if loaded == comm.world_size:
+            log.info(f"resumed from {ckpt_dir / tag}")
+            compat.replay_cpu_adam(engine)  # the C++ Adam's β^t as the uninterrupted run holds it
+            return client[CLIENT_KEY]
+    return None
