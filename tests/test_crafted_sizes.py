@@ -126,6 +126,26 @@ def test_a_tensor_view_repeating_its_storage_is_refused_not_inflated(tmp_path):
     assert read_checkpoint_file(path)["optimizer"]["state"][1].tolist() == [0.0, 2.0, 4.0, 6.0]
 
 
+def test_a_pickle_sharing_one_container_many_times_or_holding_itself_is_walked_once(tmp_path):
+    """A walk (2026-12-02): a 31 KB checkpoint file whose pickle shares one list 64 levels deep (x = [x, x]: 2^64 paths)
+    kept the resume's check of its tensors running for years; a list holding itself never ended."""
+    import time
+
+    shared: list = [torch.ones(2)]
+    for _ in range(64):
+        shared = [shared, shared]
+    cycle: list = [torch.ones(1)]
+    cycle.append(cycle)
+    path = tmp_path / "shared.pt"
+    torch.save({"shared": shared, "cycle": cycle}, path)
+    started = time.time()
+    loaded = read_checkpoint_file(path)
+    assert time.time() - started < 10 and loaded["cycle"][1] is loaded["cycle"]
+    torch.save({"shared": shared, "late": [shared, torch.zeros(1).expand(100)]}, path)  # still found behind them
+    with pytest.raises(UnsafeCheckpointError, match=r"late\[1\] claims 400 bytes over a storage of 4"):
+        read_checkpoint_file(path)
+
+
 def _compressed_copy(src: Path, dst: Path, pad: int) -> None:
     """``src`` (a torch.save zip) with its pickle stored deflated and ``pad`` zero bytes after it: a small file that
     unpacks to ``pad`` more bytes."""

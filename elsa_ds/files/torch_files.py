@@ -184,10 +184,17 @@ def _directory_problem(fh: Any, size: int) -> ZipProblem | None:
 def inflated_tensor(obj: Any) -> str | None:
     """The first tensor in ``obj`` (inside dicts, lists, tuples and sets, however deep) that claims more bytes than its
     storage holds (a view repeating its storage), or that is not a plain strided tensor with data (sparse, meta): none
-    is what ``torch.save`` of a model's or an optimizer's state writes. Named by its path of keys; None when there is none."""
+    is what ``torch.save`` of a model's or an optimizer's state writes. Named by its path of keys; None when there is none.
+    Each container and tensor is visited once: a pickle may share one many times (``x = [x, x]`` 64 deep is 2^64 paths in
+    a 31 KB file, a walk's find) or hold one inside itself."""
     todo: list[tuple[Any, Any]] = [((), obj)]  # (where, item): where = (its parent's where, its key), built on refusal only
+    seen: set[int] = set()  # ids of the containers and tensors visited (all alive: ``obj`` holds them)
     while todo:  # a loop, not recursion: a pickle can nest containers deeper than Python's stack
         where, item = todo.pop()
+        if isinstance(item, (dict, list, tuple, set, frozenset)) or torch.is_tensor(item):
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
         if torch.is_tensor(item):
             if item.layout != torch.strided or item.is_meta:
                 return f"{_name(where)} is a {'meta' if item.is_meta else item.layout} tensor"
