@@ -113,6 +113,7 @@ def check_hub_reachable(model_id: str) -> None:
     client would retry for ~30 s and then say so in a dozen lines (a walk: ``--recipe gemma-2-27b-s90`` offline)."""
     from elsa_ds.data.hub_texts import hub_unreachable
 
+    check_local_path(model_id)  # a path that is not there says so first
     if Path(model_id).expanduser().exists() or _in_hub_cache(model_id) or not (why := hub_unreachable()):
         return
     raise ElsaError(f"model {model_id}: not a folder here nor in the Hugging Face cache, and {why}: download it where "
