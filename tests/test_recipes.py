@@ -83,6 +83,35 @@ def test_the_log_says_which_values_a_recipe_gave_and_which_were_set_over_it(capl
     assert said[0].endswith("; set elsewhere over it: lr (yours), interval (the JSON elsa block)")
 
 
+def test_a_regex_that_could_match_in_exponential_time_is_refused_wherever_it_comes_from(tmp_path):
+    """A walk (2026-12-02): a downloaded recipe's "targets": "(.|.|.)*!" held the job at 100 % CPU (and its output's lock)
+    before the first step; a sparsity profile's keys are regexes too. Refused at once, naming the file; ordinary
+    patterns (the default's lookahead, alternations, bounded groups) pass."""
+    import time
+
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.settings.config import ElsaConfig
+    from elsa_ds.settings.config_files import compile_regex, load_profile
+    from elsa_ds.targets import DEFAULT_TARGETS
+
+    started = time.time()
+    recipe = _recipe(tmp_path / "r", {"targets": "(.|.|.)*!"})
+    args = prune_parser().parse_args(["--deepspeed", "zero3_offload", "--output_dir", "out/x", "--recipe", str(recipe)])
+    with pytest.raises(ElsaError, match=rf"recipe {recipe}.*targets.*repeats a group that holds an alternation"):
+        settings_from_args(args)
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({r"(\\w+)+proj": 0.5}))
+    with pytest.raises(ValueError, match="repeats a group"):
+        load_profile(profile)
+    for bad in ("(a+)+$", "(a|aa)*b", "(x*)*", "a" * 2000):
+        with pytest.raises(ValueError):
+            compile_regex(bad)
+    assert time.time() - started < 10
+    for good in (DEFAULT_TARGETS, r"layers\.\d+\.(q|k|v)_proj", r"(model\.)?layers\.[0-3]\.", ".*mlp.*", "((a|b)c)*"):
+        compile_regex(good)
+        assert ElsaConfig(targets=good).targets == good
+
+
 def _recipe(folder, settings: dict):
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "mine.json"

@@ -7,7 +7,6 @@ Precedence, lowest first: field defaults < the embedded demo's profile (only whe
 file < the ``"elsa"`` block of the DeepSpeed JSON < the command line."""
 from __future__ import annotations
 
-import re
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -24,8 +23,8 @@ from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
 from elsa_ds.settings.config_checks import cross_checks
-from elsa_ds.settings.config_files import (check_each_source, comma_list, load_profile, load_recipe as _load_recipe,
-                                          resume_place)
+from elsa_ds.settings.config_files import (check_each_source, comma_list, compile_regex, load_profile,
+                                          load_recipe as _load_recipe, resume_place)
 from elsa_ds.targets import LayerGoal, layer_goals
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo" / "model"
@@ -245,10 +244,7 @@ class ElsaConfig(BaseModel):
     @classmethod
     def _regex_compiles(cls, v: str | None) -> str | None:
         if v is not None:
-            try:
-                re.compile(v)
-            except re.error as err:
-                raise ValueError(f"not a valid regular expression: {err}") from None
+            compile_regex(v)  # ValueError: not a regex, or one that may match in exponential time
         return v
 
     @field_validator("pattern")

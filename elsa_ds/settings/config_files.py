@@ -152,6 +152,59 @@ def check_each_source(model: Any, sources: list[tuple[str, dict[str, Any]]]) -> 
                 raise ElsaError(format_validation_error(err, where, model, own)) from None
 
 
+MAX_REGEX_CHARS = 1000
+
+
+def compile_regex(pattern: str) -> re.Pattern:
+    """``pattern`` compiled, or ValueError for one that is not a regular expression or whose matching can take
+    exponential time (an unbounded repeat holding an alternation or another unbounded repeat: ``(a|aa)*``, ``(a+)+``;
+    a walk: a recipe's ``"targets": "(.|.|.)*!"`` held the job at 100 % CPU before its first step). Module names are
+    short, so other patterns end at once. Settings from files are data: a regex among them must not stop a job."""
+    if len(pattern) > MAX_REGEX_CHARS:
+        raise ValueError(f"a regular expression of {len(pattern):,} characters; at most {MAX_REGEX_CHARS:,}")
+    try:
+        compiled = re.compile(pattern)
+        parsed = _regex_parser().parse(pattern)
+    except re.error as err:
+        raise ValueError(f"not a valid regular expression: {err}") from None
+    if _nested_repeat(list(parsed), inside=False):
+        raise ValueError(f"{pattern!r} repeats a group that holds an alternation or another repeat, which can take "
+                         "exponential time to match; write it without the nested repeat (e.g. (q|k)_proj, layers\\.\\d+\\.)")
+    return compiled
+
+
+def _regex_parser():
+    """The standard library's regular expression parser (``re._parser`` from Python 3.11, ``sre_parse`` before)."""
+    import importlib
+
+    try:
+        return importlib.import_module("re._parser")
+    except ImportError:  # Python 3.10
+        return importlib.import_module("sre_parse")
+
+
+def _nested_repeat(items: list, inside: bool) -> bool:
+    """Whether parsed regex ``items`` hold an unbounded repeat of a branch or of another unbounded repeat (``inside``:
+    already within an unbounded repeat)."""
+    parser = _regex_parser()
+    for op, arg in items:
+        if op in (parser.MAX_REPEAT, parser.MIN_REPEAT, getattr(parser, "POSSESSIVE_REPEAT", None)):
+            low, high, body = arg
+            unbounded = high == parser.MAXREPEAT
+            if (unbounded and inside) or _nested_repeat(list(body), inside or unbounded):
+                return True
+        elif op == parser.BRANCH:
+            if inside or any(_nested_repeat(list(alt), inside) for alt in arg[1]):
+                return True
+        elif op == parser.SUBPATTERN:
+            if _nested_repeat(list(arg[-1]), inside):
+                return True
+        elif op in (parser.ASSERT, parser.ASSERT_NOT):
+            if _nested_repeat(list(arg[1]), inside):
+                return True
+    return False
+
+
 def load_profile(path: str | Path) -> dict[str, float]:
     """A per-layer sparsity profile: a JSON object {module-name regex: sparsity in [0, 1)}, in file order.
 
@@ -168,9 +221,9 @@ def load_profile(path: str | Path) -> dict[str, float]:
         raise ValueError(f"{path} must hold a non-empty JSON object {{regex: sparsity}}")
     for regex, ratio in profile.items():
         try:
-            re.compile(regex)
-        except re.error as err:
-            raise ValueError(f"{path}: {regex!r} is not a valid regular expression ({err})") from None
+            compile_regex(regex)
+        except ValueError as err:
+            raise ValueError(f"{path}: {regex!r}: {err}") from None
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
             raise ValueError(f"{path}: sparsity of {regex!r} is {ratio!r}; it must be a number in [0, 1)")
     return {k: float(v) for k, v in profile.items()}
