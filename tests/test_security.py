@@ -406,3 +406,5 @@ def test_a_resumed_folders_hard_linked_files_get_copies_of_their_own(tmp_path):
     clear_for_save(run / "checkpoints", "global_step4")
     assert not (run / "checkpoints" / "zero_to_fp32.py").exists()
     assert (snapshot / "checkpoints" / "zero_to_fp32.py").read_text() == "the snapshot's script"
+    clear_for_save(snapshot / "checkpoints", "global_step4")  # now of one name: kept (a save that fails leaves it there)
+    assert (snapshot / "checkpoints" / "zero_to_fp32.py").read_text() == "the snapshot's script"

@@ -319,13 +319,16 @@ def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) 
 
 
 def clear_for_save(ckpt_dir: Path, tag: str) -> None:
-    """Rank 0, before every rank writes ``tag``: a killed run's unpublished copy of it goes, and the recovery scripts
-    DeepSpeed copies beside the tags at each save (``shutil.copyfile`` writes into the file there, then makes it
-    executable: through a link, or into every other name of a hard-linked file, that a copied folder may hold)."""
+    """Rank 0, before every rank writes ``tag``: a killed run's unpublished copy of it goes, and so do the recovery
+    scripts DeepSpeed copies beside the tags at each save where that copy would write through them (``shutil.copyfile``
+    writes into the file there, then makes it executable: through a link, or into every other name of a hard-linked
+    file, that a copied folder may hold). A file of one name stays: a save that fails leaves the scripts beside the
+    published tags (a walk: a full disk's save left none)."""
     remove_tag(ckpt_dir / tag)
     for name in RECOVERY_SCRIPTS:
-        if (ckpt_dir / name).is_symlink() or (ckpt_dir / name).is_file():
-            (ckpt_dir / name).unlink()
+        path = ckpt_dir / name
+        if path.is_symlink() or (path.is_file() and path.stat().st_nlink > 1):
+            path.unlink()
 
 
 def remove_tag(path: Path) -> None:
