@@ -116,7 +116,7 @@ def check_hub_reachable(model_id: str) -> None:
     check_local_path(model_id)  # a path that is not there says so first
     if Path(model_id).expanduser().exists() or _in_hub_cache(model_id) or not (why := hub_unreachable()):
         return
-    raise ElsaError(f"model {model_id}: not a folder here nor in the Hugging Face cache, and {why}: download it where "
+    raise ElsaError(f"model {model_id}: cannot load it: not a folder here nor in the Hugging Face cache, and {why}: download it where "
                     f"the hub can be reached (huggingface-cli download {model_id}) and pass its folder, or point HF_HOME "
                     "at a cache that holds it")
 

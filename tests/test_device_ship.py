@@ -269,6 +269,7 @@ def test_an_lr_control_takes_the_other_methods_rule_lr_and_every_other_setting_f
     plan = curve.curve_plan()
     assert [c for c in plan if c.settings in curve.SWAPPED_LR] == plan[-3:] and {c.sparsity for c in plan[-3:]} == {0.7, 0.9}
     assert curve.parse_cell("wanda+ft:0.9:100:elsa_lr").settings == "elsa_lr"
+    assert [curve.parse_cell(c).settings for c in ("dense:-:0", "sparsegpt:0.9:0", "dense+ft:-:100")] == ["rule"] * 3
     for wrong in ("elsa:0.9:100:elsa_lr", "sparsegpt+ft:0.9:100:retrain_lr", "dense+ft:-:100:elsa_lr", "wanda+ft:0.9:100:held"):
         with pytest.raises(ValueError, match="for elsa only"):
             curve.parse_cell(wrong)

@@ -111,7 +111,7 @@ def parse_cell(text: str) -> Cell:
                          f"{', '.join((*TRAINING, *ONESHOT, 'dense'))}")
     sparsity = None if parts[1] in ("-", "") else float(parts[1])
     cell = Cell(parts[0], sparsity, int(parts[2]), *(parts[3:4] or ["rule"]), *map(int, parts[4:5]))
-    allowed = SWAPPED_LR.get(cell.settings, ("elsa",) if cell.settings in SETTINGS and cell.settings != "rule" else TRAINING)
+    allowed = (*TRAINING, *ONESHOT, "dense") if cell.settings == "rule" else SWAPPED_LR.get(cell.settings, ("elsa",))
     if cell.settings not in SETTINGS or cell.method not in allowed or (cell.settings in SWAPPED_LR and sparsity is None):
         elsa_only = " / ".join(repr(k) for k in SETTINGS if k not in ("rule", *SWAPPED_LR))
         raise ValueError(f"cell {text!r}: settings 'rule', {elsa_only} or 'retrain_lr' for elsa only, 'elsa_lr' for "

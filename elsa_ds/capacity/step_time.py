@@ -109,13 +109,10 @@ TYPICAL = {
     "gpu-server": Rates("typical 8-GPU server (HGX H100 class, 2 sockets)", matmul_flops=4.0e14, device_bw=3.0e12,
                         h2d=25e9, d2h=25e9, host_bw=300e9, adam=1.1e10, intra=150e9, inter=40e9, nvme=20e9, disk=5e9,
                         hook_s=60e-6, kernel=_KERNEL_GPU_HOST, projection=_PROJECTION_GPU_HOST),
-    # DeepSpeed's CPU accelerator on the 2-core AMD EPYC (Zen 4) box: DeepSpeedCPUAdam 32M entries in 15.65 ms
-    # (2.04e9 entries/s); fp32 matmul and memory copy as --measure timed them there, the matmul at the demo job's
-    # shape (1.5e11 and 3.4e10; guesses of 1e11 and 1.5e10 until 2026-12-02 put the README job's expected step at
-    # 1.31x the measured), gloo rates typical of two such cores. ZeRO-3's per-tensor work (a gloo collective on
-    # loopback and DeepSpeed's Python hooks) fitted to the demo job there, 2 ranks, quiet box: its step less the
-    # modelled compute and optimizer, over 2 ranks x 46 tensors x 2 passes (0.9 ms; 0.98 from the README job's 0.575
-    # s on 2026-12-01; bench/step_time.py).
+    # DeepSpeed's CPU accelerator on the 2-core AMD EPYC (Zen 4) box: DeepSpeedCPUAdam 2.04e9 entries/s; fp32 matmul
+    # (at the demo job's shape) and copy as --measure timed them there (2026-12-02; guesses before, 1.31x the README
+    # job's step); gloo typical. ZeRO-3's per-tensor work fitted to the demo job there: its step less the modelled
+    # compute and optimizer over 2 ranks x 46 tensors x 2 passes (0.9 ms; 0.98 from a 0.575 s step; bench/step_time.py).
     "cpu-2c": Rates("typical 2-core CPU host (DeepSpeed's CPU accelerator)", matmul_flops=1.5e11, device_bw=3.4e10,
                     h2d=math.inf, d2h=math.inf, host_bw=3.4e10, adam=2.04e9, intra=2e9, inter=1e9, nvme=1e9, disk=1e9,
                     hook_s=0.9e-3, kernel=_KERNEL_CPU_HOST, projection=_PROJECTION_CPU_HOST),
