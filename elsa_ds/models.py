@@ -102,8 +102,12 @@ def load_config(model_id: str):
     path = Path(model_id).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
         raise ElsaError(f"model {model_id}: directory has no config.json (not a saved transformers model)")
-    check_hub_reachable(model_id)
-    config = guarded_config(model_id, lambda: AutoConfig.from_pretrained(model_id, trust_remote_code=False))
+
+    def read():
+        check_hub_reachable(model_id)  # after guarded_config's checks of a local path
+        return AutoConfig.from_pretrained(model_id, trust_remote_code=False)
+
+    config = guarded_config(model_id, read)
     check_causal_lm(config, model_id)
     return config
 
@@ -113,7 +117,6 @@ def check_hub_reachable(model_id: str) -> None:
     client would retry for ~30 s and then say so in a dozen lines (a walk: ``--recipe gemma-2-27b-s90`` offline)."""
     from elsa_ds.data.hub_texts import hub_unreachable
 
-    check_local_path(model_id)  # a path that is not there says so first
     if Path(model_id).expanduser().exists() or _in_hub_cache(model_id) or not (why := hub_unreachable()):
         return
     raise ElsaError(f"model {model_id}: cannot load it: not a folder here nor in the Hugging Face cache, and {why}: download it where "

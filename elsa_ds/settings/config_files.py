@@ -189,19 +189,15 @@ def _nested_repeat(items: list, inside: bool) -> bool:
     parser = _regex_parser()
     for op, arg in items:
         if op in (parser.MAX_REPEAT, parser.MIN_REPEAT, getattr(parser, "POSSESSIVE_REPEAT", None)):
-            low, high, body = arg
+            _low, high, body = arg
             unbounded = high == parser.MAXREPEAT
             if (unbounded and inside) or _nested_repeat(list(body), inside or unbounded):
                 return True
         elif op == parser.BRANCH:
             if inside or any(_nested_repeat(list(alt), inside) for alt in arg[1]):
                 return True
-        elif op == parser.SUBPATTERN:
-            if _nested_repeat(list(arg[-1]), inside):
-                return True
-        elif op in (parser.ASSERT, parser.ASSERT_NOT):
-            if _nested_repeat(list(arg[1]), inside):
-                return True
+        elif op in (parser.SUBPATTERN, parser.ASSERT, parser.ASSERT_NOT) and _nested_repeat(list(arg[-1]), inside):
+            return True  # a group's or a lookaround's body is its last part
     return False
 
 

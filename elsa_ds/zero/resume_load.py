@@ -54,15 +54,21 @@ def _read_own_files(engine, ckpt_dir: Path, tag: str, root: Path, comm) -> dict[
     except Exception as err:  # noqa: BLE001 - a truncated or missing shard: the previous tag is tried
         log.info(f"checkpoint {tag} is unreadable ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
         own = {}
-    read, refused = comm.all_reduce_sum(torch.tensor([1.0 if own and refusal is None else 0.0,
-                                                      0.0 if refusal is None else 1.0])).tolist()
-    if refused:
-        raise refusal or UnsafeCheckpointError(f"--resume: another rank refused a file of {ckpt_dir / tag} (see its line)")
-    if read < comm.world_size:
+    if not _every_rank(bool(own), refusal, ckpt_dir / tag, comm):
         if own:
             log.info(f"checkpoint {tag} is unreadable on another rank; trying the previous one")
         return None
     return own
+
+
+def _every_rank(ok: bool, refusal: UnsafeCheckpointError | None, tag: Path, comm) -> bool:
+    """Whether every rank's step with ``tag`` went ``ok``; a file refused on any rank (``refusal`` on this one) stops
+    every rank. Collective."""
+    done, refused = comm.all_reduce_sum(torch.tensor([1.0 if ok and refusal is None else 0.0,
+                                                      0.0 if refusal is None else 1.0])).tolist()
+    if refused:
+        raise refusal or UnsafeCheckpointError(f"--resume: another rank refused a file of {tag} (see its line)")
+    return done == comm.world_size
 
 
 def _read_once(own: dict[str, Any], root: Path, path: str | Path, map_location: Any = None) -> Any:
@@ -93,14 +99,10 @@ def load_latest(engine, ckpt_dir: Path, comm, client_problem: Callable[[Any], st
             ok, refusal = False, (err if isinstance(err, UnsafeCheckpointError) else UnsafeCheckpointError(
                 f"--resume: {ckpt_dir / tag} is not what elsa_ds writes ({err}); it was altered or written by another "
                 "program: restore the run from a copy you trust or start without --resume"))
-        except Exception as err:  # a truncated or missing shard: fall back to the previous tag
-            log.info(f"checkpoint {tag} is unreadable ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
+        except Exception as err:  # anything else DeepSpeed's load raises (the files were read whole above): the previous tag
+            log.info(f"checkpoint {tag} did not load ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
             ok = False
-        # every rank must have loaded this tag; none may have met a refused file
-        loaded, refused = comm.all_reduce_sum(torch.tensor([1.0 if ok else 0.0, 0.0 if refusal is None else 1.0])).tolist()
-        if refused:
-            raise refusal or UnsafeCheckpointError(f"--resume: another rank refused a file of {ckpt_dir / tag} (see its line)")
-        if loaded == comm.world_size:
+        if _every_rank(ok, refusal, ckpt_dir / tag, comm):  # every rank loaded this tag; none met a refused file
             log.info(f"resumed from {ckpt_dir / tag}")
             compat.replay_cpu_adam(engine)  # the C++ Adam's β^t as the uninterrupted run holds it
             return client[CLIENT_KEY]
