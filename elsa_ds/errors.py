@@ -233,6 +233,12 @@ def _after_peer_gone(err: RuntimeError, where: str) -> int:
     return 1
 
 
+def is_panic(err: BaseException) -> bool:
+    """Whether ``err`` is a Rust library's panic raised through pyo3 (``pyo3_runtime.PanicException``, a BaseException
+    no module exports)."""
+    return type(err).__name__ == "PanicException" and type(err).__module__ == "pyo3_runtime"
+
+
 def guarded(fn: Callable[[], int | None]) -> int:
     """Run ``fn``; an ElsaError becomes one line on stderr and exit code 2, with no traceback. Ctrl-C (exit 130) and
     SIGTERM (143) end it with one line too: the jobs' own cleanup (the output's lock, this job's staging) runs on the
@@ -261,6 +267,12 @@ def guarded(fn: Callable[[], int | None]) -> int:
         if not peer_gone(err):
             raise
         return _after_peer_gone(err, where)
+    except BaseException as err:  # noqa: B036 - only a Rust library's panic (tokenizers on a crafted regex), re-raised else
+        if not is_panic(err):
+            raise
+        stderr_line(f"elsa_ds: error{where}: a Rust library stopped on this input ({' '.join(str(err).split())[:200]}); "
+                    "check the model's tokenizer.json (its pre-tokenizer's regexes) and the text")
+        return 2
     finally:  # the job and its cleanup are over: the handlers it found are back, so a signal now (the launcher ending this
         for sig, handler in found.items():  # rank as a sibling's exit ends the job) ends the process as it would have
             if handler is not None:         # ended, not with Terminated raised into the interpreter's exit (atexit)

@@ -2,8 +2,9 @@
 names) and what each is pruned to (its *goal*: a sparsity or an N:M pattern)."""
 from __future__ import annotations
 
-import re
+import time
 
+import regex as rx
 import torch
 
 from elsa_ds.admm.projection import NM
@@ -18,9 +19,37 @@ LayerGoal = float | NM  # what one weight is pruned to: a sparsity in [0, 1), or
 DEFAULT_TARGETS = r"^(?!(.*\.)?(vision|audio)[^.]*\.)(.*\.)?layers\.\d+\."
 
 
+MATCH_SECONDS = 2.0  # one search of one module name (~100 characters): a pattern that takes longer is refused
+TOTAL_SECONDS = 20.0  # every search of one pattern together (a model has thousands of names)
+
+
+class NamePattern:
+    """A regular expression over module names (``--targets``, a profile's keys: settings from files, data), searched
+    by the ``regex`` module with a time limit: Python's ``re`` cannot be stopped, and a pattern that backtracks without
+    end held a job at 100 % CPU with its lock (walks: ``(.|.|.)*!``, then ``(.|.){1,40}!`` and ``.*`` twelve times past
+    ``settings.config_files.compile_regex``'s check). ``re``'s syntax (``regex``'s VERSION0)."""
+
+    def __init__(self, pattern: str):
+        self.pattern = pattern
+        self._compiled = rx.compile(pattern, rx.VERSION0)
+        self._spent = 0.0  # seconds of every search so far
+
+    def search(self, name: str) -> rx.Match | None:
+        limit = min(MATCH_SECONDS, TOTAL_SECONDS - self._spent)
+        started = time.monotonic()
+        try:
+            return self._compiled.search(name, timeout=max(limit, 0.0))
+        except TimeoutError:
+            raise ElsaError(f"the regular expression {self.pattern[:200]!r} took more than {limit:g} s to match the "
+                            f"module name {name[:200]!r}; write it without nested or repeated wildcards (e.g. "
+                            "(q|k)_proj, layers\\.\\d+\\.)") from None
+        finally:
+            self._spent += time.monotonic() - started
+
+
 def select_targets(model: torch.nn.Module, regex: str | None) -> dict[int, str]:
     """id(weight) -> parameter name of every nn.Linear whose module name matches ``regex``."""
-    pattern = re.compile(regex or DEFAULT_TARGETS)
+    pattern = NamePattern(regex or DEFAULT_TARGETS)
     chosen = {
         id(module.weight): f"{name}.weight"
         for name, module in model.named_modules()
@@ -65,7 +94,7 @@ def layer_goals(shapes: dict[str, tuple[int, ...]], sparsity: float, pattern: NM
         return {name: pattern for name in shapes}
     if not profile:
         return {name: sparsity for name in shapes}
-    compiled = [(re.compile(regex), regex, ratio) for regex, ratio in profile.items()]
+    compiled = [(NamePattern(regex), regex, ratio) for regex, ratio in profile.items()]
     unused = [regex for pat, regex, _ in compiled if not any(pat.search(module_name(n)) for n in shapes)]
     if unused:
         example = module_name(next(iter(shapes)))

@@ -95,6 +95,9 @@ TOKENIZERS = {
     "an empty object": lambda p: p.write_text("{}"),
     "added_tokens a string": lambda p: _edit_json(p, lambda t: {**t, "added_tokens": "x"}),
     "vocab a list": lambda p: _edit_json(p, lambda t: {**t, "model": {**t["model"], "vocab": [1, 2]}}),
+    # a walk (2026-12-02): the Rust regex engine panics (a BaseException) on it: a traceback on every rank
+    "a backtracking pre-tokenizer": lambda p: _edit_json(p, lambda t: {**t, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(.|.)*\\d"}, "behavior": "Isolated", "invert": False}, t["pre_tokenizer"]]}}),
 }
 
 

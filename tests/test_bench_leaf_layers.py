@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("arms", ["plain,leaf", "leaf,leaf_torch_linear"])
+# the second pair runs the same bench code on other arms (their jobs: tests/zero/test_leaf_layers.py): --slow only
+@pytest.mark.parametrize("arms", ["plain,leaf", pytest.param("leaf,leaf_torch_linear", marks=pytest.mark.slow)])
 def test_the_bench_alternates_both_jobs_and_prints_their_ratio(arms):
     """Without and with --leaf_layers; within it, DeepSpeed's linear wrapper or torch's (memory_efficient_linear off)."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "leaf_layers.py"), "--layers", "2", "--steps", "3",

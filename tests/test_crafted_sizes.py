@@ -146,6 +146,39 @@ def test_a_pickle_sharing_one_container_many_times_or_holding_itself_is_walked_o
         read_checkpoint_file(path)
 
 
+def test_a_pickle_larger_than_any_torch_save_of_a_state_writes_is_refused_before_it_is_unpickled(tmp_path, monkeypatch):
+    """A walk (2026-12-02): a 20 MB torch zip whose pickle builds ten million empty lists passed every check and took
+    3.4 GB and 46 s to read (~170x its size). A pickle past ``MAX_PICKLE_BYTES`` (2.6 MB holds 20,000 tensors' records)
+    is refused from the zip's directory, before anything unpacks it: resumed checkpoints, model folders, sparse shards."""
+    import time
+
+    monkeypatch.setattr(torch_files, "MAX_PICKLE_BYTES", 2**20)  # the rule at a smaller size: a 1.2 MB file, not 17 MB
+    plain = tmp_path / "plain.pt"
+    torch.save({"x": torch.ones(4)}, plain)
+    bomb = tmp_path / "checkpoints" / "global_step1" / "mp_rank_00_model_states.pt"
+    bomb.parent.mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("global_step1")
+    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(bomb, "w") as zout:
+        for info in zin.infolist():  # stored, as torch.save stores: only the pickle's size gives it away
+            data = b"\x80\x02]" + b"]a" * 600_000 + b"." if info.filename.endswith("data.pkl") else zin.read(info)
+            zout.writestr(info.filename, data)
+    started = time.time()
+    assert "holds 1,200,004 bytes, more than torch.save writes" in torch_files.zip_problem(bomb).text
+    with pytest.raises(UnsafeCheckpointError, match="more than torch.save writes for a model's or an optimizer's state"):
+        read_checkpoint_file(bomb)
+    with pytest.raises(UnsafeCheckpointError, match="data.pkl' holds 1,200,004 bytes"):
+        check_resume(tmp_path / "checkpoints")
+    with pytest.raises(ElsaError, match="pytorch_model.bin is no file torch.save wrote"):
+        check_weight_files(_folder_with(tmp_path / "model", bomb, "pytorch_model.bin"), "model x")
+    assert time.time() - started < 10
+    torch.save({"x": torch.ones(4)}, bomb, _use_new_zipfile_serialization=False)  # all pickle: no size to check first
+    with pytest.raises(UnsafeCheckpointError, match="not in torch.save's zip format"):
+        read_checkpoint_file(bomb)
+    bomb.write_bytes(b"")  # cut short (a failed write), not altered: a resume falls back past its tag
+    with pytest.raises(ValueError, match="cut short"):
+        read_checkpoint_file(bomb)
+
+
 def _compressed_copy(src: Path, dst: Path, pad: int) -> None:
     """``src`` (a torch.save zip) with its pickle stored deflated and ``pad`` zero bytes after it: a small file that
     unpacks to ``pad`` more bytes."""

@@ -112,6 +112,37 @@ def test_a_regex_that_could_match_in_exponential_time_is_refused_wherever_it_com
         assert ElsaConfig(targets=good).targets == good
 
 
+def test_module_names_are_searched_with_a_time_limit_and_the_check_evasions_end_at_once(monkeypatch):
+    """A second walk: patterns past ``compile_regex``'s check (a bounded repeat of an alternation, twelve wildcards in a
+    row, an alternation inside a conditional group) held a job with Python's ``re``; module names are now searched by
+    the ``regex`` module, which ends them at once, and any search past ``MATCH_SECONDS`` is one line naming the pattern."""
+    import time
+
+    from elsa_ds import targets
+    from elsa_ds.errors import ElsaError
+
+    name = "model.layers.10.self_attn.q_proj"
+    started = time.time()
+    for evasion in ("(.|.){1,40}!", ".*" * 12 + "!", "()?(?(1)(.|.)*)!"):
+        assert targets.NamePattern(evasion).search(name) is None
+    assert time.time() - started < 5
+    assert targets.NamePattern(targets.DEFAULT_TARGETS).search(name) and not targets.NamePattern("mlp").search(name)
+    shapes = {f"{name}.weight": (8, 8), "model.layers.0.mlp.up_proj.weight": (8, 8)}
+    assert targets.layer_goals(shapes, 0.5, profile={"q_proj": 0.9}) == {f"{name}.weight": 0.9,
+                                                                          "model.layers.0.mlp.up_proj.weight": 0.5}
+    spent = targets.NamePattern("q_proj")
+    monkeypatch.setattr(targets, "TOTAL_SECONDS", 0.0)  # every search of a pattern together has a budget too
+    with pytest.raises(ElsaError, match=r"took more than 0 s"):
+        spent.search(name)
+    monkeypatch.setattr(targets, "TOTAL_SECONDS", 20.0)
+    monkeypatch.setattr(targets, "MATCH_SECONDS", 1e-6)  # any search now outlasts its limit
+    with pytest.raises(ElsaError, match=r"took more than 1e-06 s to match the module name 'model.layers.10"):
+        targets.layer_goals(shapes, 0.5, profile={r"(.*)(.*)\2\1!": 0.9})
+    from elsa_ds.settings.config_files import compile_regex
+    with pytest.raises(ValueError, match="nested set"):  # a POSIX class to the regex engine, a plain set to re
+        compile_regex("[[:alpha:]]+_proj")
+
+
 def _recipe(folder, settings: dict):
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "mine.json"

@@ -17,7 +17,7 @@ import torch
 
 from elsa_ds import json_data
 from elsa_ds.data.sources import FILE_NOT_MODEL, iter_texts
-from elsa_ds.errors import ElsaError
+from elsa_ds.errors import ElsaError, is_panic
 
 
 def pack_blocks(
@@ -85,10 +85,23 @@ def _check_tokenizer_json(file: Path) -> None:
         raise ElsaError(f"{file}: not a tokenizer (a JSON object with a \"model\" object and an \"added_tokens\" list); "
                         "copy the model's tokenizer again")
     try:
-        Tokenizer.from_str(text)
+        tokenizer = Tokenizer.from_str(text)
     except Exception as err:  # the tokenizers library raises a bare Exception for every file it cannot read
         raise ElsaError(f"{file}: not a tokenizer the tokenizers library can read ({' '.join(str(err).split())}); "
                         "copy the model's tokenizer again") from None
+    try:  # a pre-tokenizer's regex that backtracks without end panics in Rust on text like this (a walk: "(.|.)*\\d")
+        for probe in TOKENIZER_PROBES:
+            tokenizer.encode(probe)
+    except BaseException as err:
+        if not is_panic(err):
+            raise
+        raise ElsaError(f"{file}: its tokenizer stops on ordinary text ({' '.join(str(err).split())[:200]}): a regex of "
+                        "its pre-tokenizer backtracks without end; copy the model's tokenizer again") from None
+
+
+# ordinary text that a backtracking regex fails to match at length: prose, then figures and code
+TOKENIZER_PROBES = ("When shall we three meet again, in thunder, lightning, or in rain? " * 12,
+                    "Act 1, scene 2 (3.14 %): x = f(y) + 42; <b>café</b> 日本語\n" * 8)
 
 
 # what transformers raises for tokenizer files it cannot read: its own errors, those of a value of the wrong type or a

@@ -1,14 +1,13 @@
 """Sparsity report of a saved model, read tensor by tensor from its safetensors files."""
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from elsa_ds.errors import ElsaError
-from elsa_ds.targets import DEFAULT_TARGETS
+from elsa_ds.targets import DEFAULT_TARGETS, NamePattern
 
 NM_PATTERNS: tuple[tuple[int, int], ...] = ((2, 4), (4, 8))  # strongest first: every 2:4 mask is also a 4:8 mask
 
@@ -51,7 +50,7 @@ def sparsity_report(model_dir: str | Path, targets: str | None = None) -> dict:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ElsaError(f"{model_dir}: no .safetensors files to report on")
-    pattern = re.compile(targets or DEFAULT_TARGETS)
+    pattern = NamePattern(targets or DEFAULT_TARGETS)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
@@ -68,11 +67,11 @@ def sparsity_report(model_dir: str | Path, targets: str | None = None) -> dict:
 def model_sparsity_report(model: torch.nn.Module, targets: str | None = None) -> dict:
     """:func:`sparsity_report` of a model in memory (one loaded from an elsa-sparse checkpoint, whose files hold values
     and positions): its weights under the names a dense export would give them."""
-    pattern = re.compile(targets or DEFAULT_TARGETS)
+    pattern = NamePattern(targets or DEFAULT_TARGETS)
     return _report((k, t.detach()) for k, t in model.state_dict().items() if _reported(k, pattern))
 
 
-def _reported(key: str, pattern: re.Pattern) -> bool:
+def _reported(key: str, pattern: NamePattern) -> bool:
     return key.endswith(".weight") and pattern.search(key[: -len(".weight")]) is not None
 
 

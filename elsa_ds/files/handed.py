@@ -9,6 +9,7 @@ import contextlib
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from elsa_ds.errors import ElsaError
@@ -20,9 +21,30 @@ def check_plain_tree(path: Path, what: str) -> None:
     if not (path.exists() or path.is_symlink()):
         return
     if _check_entry(path, what):
-        for root, folders, files in os.walk(path, followlinks=False, onerror=_unreadable):
+        for root, folders, files in walk(path, what):
             for name in [*folders, *files]:
                 _check_entry(Path(root) / name, what)
+
+
+MAX_DEPTH = 64  # folders below a handed-over folder: a run writes 3 at most (checkpoints/global_stepN/offloaded_tensors/..)
+
+
+def walk(path: Path, what: str) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk(path)`` top-down, not following links, without recursion (Python 3.11's recurses: a walk's 1,500 nested
+    folders were a RecursionError) and refusing a tree deeper than ``MAX_DEPTH`` (ElsaError naming ``what``)."""
+    todo = [(str(path), 0)]
+    while todo:
+        root, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise ElsaError(f"--resume: {what} nest folders more than {MAX_DEPTH} deep ({root[:200]}...), which no run "
+                            "writes; restore the run from a copy you trust or start without --resume")
+        try:
+            entries = list(os.scandir(root))
+        except OSError as err:
+            _unreadable(err)
+        folders = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        yield root, folders, [e.name for e in entries if not e.is_dir(follow_symlinks=False)]
+        todo.extend((os.path.join(root, name), depth + 1) for name in reversed(folders))
 
 
 def _check_entry(path: Path, what: str) -> bool:
@@ -47,7 +69,7 @@ def own_copies(path: Path) -> None:
     CSV monitor opens its files for appending) stays in this folder, the other names as they were."""
     if not path.is_dir() or path.is_symlink():
         return
-    for root, _, files in os.walk(path, followlinks=False):
+    for root, _, files in walk(path, "the resumed folder"):
         for name in files:
             file = Path(root) / name
             st = os.lstat(file)

@@ -230,9 +230,10 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
             try:
                 if gone is not None and gone.exists():
                     shutil.rmtree(gone)
-            except OSError as err:
+            except (OSError, RecursionError) as err:  # Python 3.11's rmtree recurses: a tree 1,000 folders deep (a walk)
+                text = getattr(err, "strerror", None) or err
                 get_logger(__name__).warning(f"wrote {output_dir}, but the previous output moved aside to {gone} could not be "
-                                             f"removed ({err.strerror or err}); delete it yourself")
+                                             f"removed ({text}); delete it yourself")
         done.append(True)
 
 

@@ -61,6 +61,24 @@ def run_state_problem(client: Any) -> str | None:
     return f"its loop state's {', '.join(bad)} of the wrong type" if bad else None
 
 
+def _shallow(value: Any, depth: int) -> bool:
+    """Whether ``value``'s dicts and lists nest at most ``depth`` deep, every dict's keys strings (a walk: a fingerprint
+    nested 100,000 deep passed the type check and failed in the refusal's text, a traceback)."""
+    if isinstance(value, dict):
+        return depth > 0 and all(isinstance(k, str) and _shallow(v, depth - 1) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return depth > 0 and all(_shallow(v, depth - 1) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+PER_RANK = ("step_times", "rng")  # the loop state's parts each rank holds its own of: its steps' seconds, its RNG
+
+
+def shared_state(client: dict) -> str:
+    """The loop state every rank of a run holds alike (:func:`run_state_problem` has passed it), as text."""
+    return json.dumps({k: v for k, v in client.items() if k not in PER_RANK}, sort_keys=True)
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -88,9 +106,11 @@ def _rng_state_ok(rng: Any) -> bool:
 
 CLIENT_FIELDS: dict[str, Callable[[Any], bool]] = {
     "next_step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "lam": _number,
-    "history": _list_of(lambda x: isinstance(x, dict)), "losses": _list_of(_number), "step_times": _list_of(_number),
-    "dense_ppl": _optional(_number), "baseline_ppl": _optional(_number), "fingerprint": lambda v: isinstance(v, dict),
-    "selection": _optional(lambda v: isinstance(v, dict) and {"curve", "best", "since_best"} <= set(v)), "rng": _rng_state_ok}
+    "history": _list_of(lambda x: isinstance(x, dict) and _shallow(x, 2)), "losses": _list_of(_number),
+    "step_times": _list_of(_number), "dense_ppl": _optional(_number), "baseline_ppl": _optional(_number),
+    "fingerprint": lambda v: isinstance(v, dict) and _shallow(v, 2),
+    "selection": _optional(lambda v: isinstance(v, dict) and {"curve", "best", "since_best"} <= set(v) and _shallow(v, 3)),
+    "rng": _rng_state_ok}
 
 
 @dataclass
@@ -217,7 +237,7 @@ class Checkpoints:
         ``engine`` with the RNG. Refuses a checkpoint written with other settings (``fingerprint``). Collective."""
         if not self.resume:
             return RunState(fingerprint=fingerprint)
-        client = resume_load.load_latest(engine, self.directory, comm, run_state_problem)  # the loop's state checked there
+        client = resume_load.load_latest(engine, self.directory, comm, run_state_problem, shared_state)  # checked there
         if client is None:
             raise ElsaError(f"--resume: no loadable checkpoint in {self.directory}; run without --resume to start over")
         refusal = checkpoint.resume_changes(client["fingerprint"], fingerprint)  # (also checked before the model loads: plan/checks.py)

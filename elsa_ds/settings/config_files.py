@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
+
+import regex as rx
 
 from elsa_ds import json_data
 from elsa_ds.data.sources import DEMO_DATASET, looks_local
 from elsa_ds.errors import ElsaError
+from elsa_ds.targets import NamePattern
 
 
 def comma_list(value: Any) -> Any:
@@ -124,11 +128,14 @@ def resume_place(key: str, value: Any) -> Any:
     fingerprint, whose paths are as they were typed."""
     if key not in RESUME_PLACES or not isinstance(value, str):
         return value
-    path = Path(value).expanduser()
-    if value == DEMO_PLACE or path.parts[-3:] == ("elsa_ds", "demo", "model"):
-        return DEMO_PLACE
-    if value != DEMO_DATASET and (looks_local(value) or path.exists()):  # a path, as the job reads it
-        return str(path.resolve())
+    try:  # a fingerprint file's value is data: "~nobody/m" or a name too long for the system is compared as written
+        path = Path(value).expanduser()
+        if value == DEMO_PLACE or path.parts[-3:] == ("elsa_ds", "demo", "model"):
+            return DEMO_PLACE
+        if value != DEMO_DATASET and (looks_local(value) or path.exists()):  # a path, as the job reads it
+            return str(path.resolve())
+    except (RuntimeError, OSError, ValueError):
+        pass
     return value
 
 
@@ -163,9 +170,12 @@ def compile_regex(pattern: str) -> re.Pattern:
     if len(pattern) > MAX_REGEX_CHARS:
         raise ValueError(f"a regular expression of {len(pattern):,} characters; at most {MAX_REGEX_CHARS:,}")
     try:
-        compiled = re.compile(pattern)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # re's "possible nested set": [[:alpha:]] means another thing
+            compiled = re.compile(pattern)                   # to the regex engine that searches module names (a review)
         parsed = _regex_parser().parse(pattern)
-    except re.error as err:
+        NamePattern(pattern)  # that engine, with its time limit, reads it too
+    except (re.error, rx.error, FutureWarning) as err:
         raise ValueError(f"not a valid regular expression: {err}") from None
     if _nested_repeat(list(parsed), inside=False):
         raise ValueError(f"{pattern!r} repeats a group that holds an alternation or another repeat, which can take "

@@ -24,6 +24,7 @@ import os
 import pickle
 import random
 import re
+import reprlib
 import shutil
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -55,6 +56,10 @@ def write_fingerprint(ckpt_dir: Path, fingerprint: dict) -> None:
     write_json(ckpt_dir / FINGERPRINT, fingerprint)
 
 
+_SHORT = reprlib.Repr()  # a written value is data, of any depth and size: at most 3 levels and 120 characters of it
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 120, 120
+
+
 def resume_changes(written: dict[str, Any], now: dict[str, Any], flag: str = "--resume") -> str | None:
     """What differs between a checkpoint's fingerprint and this run's (``ElsaConfig.resume_fingerprint``), as the
     refusal's text, and what to do (``flag``: the one the user gave, --resume or --resume_if_any); None when nothing does."""
@@ -64,7 +69,7 @@ def resume_changes(written: dict[str, Any], now: dict[str, Any], flag: str = "--
         return None
     instead = " in place of --resume_if_any" if flag == "--resume_if_any" else " in place of --resume"
     return (f"{flag} with changed settings is not supported (checkpoint vs now): "
-            + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in changed.items())
+            + ", ".join(f"{k} {_SHORT.repr(a)} vs {_SHORT.repr(b)}" for k, (a, b) in changed.items())
             + f"; give the settings the run started with, or start over with --overwrite{instead}")
 
 
@@ -108,6 +113,10 @@ def check_supported(ds: DsConfig) -> None:
     if section.get("load_universal"):
         raise ElsaError('--save_interval/--resume with "checkpoint": {"load_universal": true} is not supported: DeepSpeed\'s '
                         "universal loader drops z and u and unpickles its files with weights_only=False; remove it")
+    if ds.zero.get("pipeline_loading_checkpoint"):  # a review: its send/recv between ranks comes before the agreement
+        raise ElsaError('--save_interval/--resume with "zero_optimization": {"pipeline_loading_checkpoint": true} is not '
+                        "supported: its ranks wait on each other inside DeepSpeed's load, where one that refuses a file "
+                        "leaves the others waiting for good; remove it")
     if section.get("checkpoint_serialization") is False:
         raise ElsaError('--save_interval/--resume with "checkpoint": {"checkpoint_serialization": false} is not supported: '
                         "elsa_ds scans a checkpoint for code before loading it, which needs torch's zip format; remove it")
@@ -136,6 +145,13 @@ def _check_zip(path: Path, fh: BinaryIO) -> None:
     file as opened by :func:`_open_checkpoint_file`, which torch then reads, so the file checked is the file read."""
     if (problem := torch_files.zip_problem(fh)) is not None:
         raise _altered(path, problem.text) if problem.altered else ValueError(f"{path}: {problem.text}")
+    head = fh.read(len(torch_files.ZIP_MAGIC))
+    fh.seek(0)
+    if len(head) < len(torch_files.ZIP_MAGIC):
+        raise ValueError(f"{path}: cut short ({len(head)} bytes)")
+    if head != torch_files.ZIP_MAGIC:  # torch's legacy format: all pickle, no size a check could read before unpickling
+        raise _altered(path, "it is not in torch.save's zip format (the legacy format, which torch.save has not written "
+                             "since torch 1.6, has no directory to check before unpickling it)")
 
 
 def checked_root(folder: Path, flag: str = "--resume") -> Path:

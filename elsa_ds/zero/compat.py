@@ -307,22 +307,31 @@ def replay_cpu_adam(engine) -> int:
 
 
 @contextlib.contextmanager
-def checkpoint_files_read_with(engine, load: Callable[..., Any]) -> Iterator[None]:
-    """Inside: every file ``engine.load_checkpoint`` reads goes through ``load(path, map_location=None)``.
+def checkpoint_load_hooks(engine, load: Callable[..., Any], before_collective: Callable[[], None]) -> Iterator[None]:
+    """Inside: every file ``engine.load_checkpoint`` reads goes through ``load(path, map_location=None)``, and
+    ``before_collective()`` runs on each rank before the load's first collective.
 
     DeepSpeed reads a tag's files through ``engine.checkpoint_engine.load`` (the model states by way of
     ``runtime/state_dict_factory.py``, each rank's optimizer states in ``_get_all_zero_checkpoint_state_dicts``), and
-    its ``TorchCheckpointEngine`` (``runtime/checkpoint_engine/torch_checkpoint_engine.py``) unpickles them with
-    ``torch.load(..., weights_only=False)``: whatever a pickle names would run. The universal-checkpoint loader reads
-    its files past this engine; ``checkpoint.check_supported`` refuses it.
+    its ``TorchCheckpointEngine`` unpickles them with ``torch.load(..., weights_only=False)``: whatever a pickle names
+    would run. The universal-checkpoint loader reads past this engine; ``checkpoint.check_supported`` refuses it.
+    Up to ZeRO-3's ``checkpoint_event_epilogue`` (the persistent parameters' all-gather) the load is rank-local for
+    what elsa_ds writes (the prologue partitions, the module state has nothing to fetch, ``_rigid_load_state_dict``
+    without an optimizer swapper): a rank that raised there left the others in that all-gather for good (a walk:
+    one rank's optimizer partition of another size), so the ranks agree in ``before_collective`` first.
     """
-    reader = engine.checkpoint_engine
-    original = reader.load
-    reader.load = load  # the instance attribute shadows the class's method
+    reader, optimizer = engine.checkpoint_engine, engine.optimizer
+    original, epilogue = reader.load, optimizer.checkpoint_event_epilogue
+
+    def agreed_epilogue(*args, **kwargs):
+        before_collective()
+        return epilogue(*args, **kwargs)
+
+    reader.load, optimizer.checkpoint_event_epilogue = load, agreed_epilogue  # instance attributes shadow the methods
     try:
         yield
     finally:
-        reader.load = original
+        reader.load, optimizer.checkpoint_event_epilogue = original, epilogue
 
 
 def rank_checkpoint_files(engine, ckpt_dir: Path, tag: str) -> list[str]:

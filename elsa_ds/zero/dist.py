@@ -46,9 +46,9 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def same_on_every_rank(text: str) -> bool:
-    """Whether every rank of the process group passed the same ``text`` (a digest of it, compared in one all-reduce on
-    the backend's device). Collective."""
+def same_on_every_rank(text: str | None) -> bool:
+    """Whether every rank of the process group that passed a ``text`` passed the same one (a digest of it, compared in
+    one all-reduce on the backend's device; a rank passing None takes no part, its value below every digest). Collective."""
     import hashlib
 
     import torch
@@ -57,12 +57,13 @@ def same_on_every_rank(text: str) -> bool:
 
     if dist.get_world_size() == 1:
         return True
-    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")  # 56 bits: int64 either way round
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big") if text is not None else None  # 56 bits
+    pair = [digest, -digest] if digest is not None else [-(2**62), -(2**62)]  # int64 either way round
     gloo = dist.get_backend() == "gloo"  # CPU tensors, whatever accelerator this machine has
     device = torch.device("cpu") if gloo else torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0")))
-    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    extremes = torch.tensor(pair, dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest digest and minus the smallest
-    return int(extremes[0]) == -int(extremes[1])
+    return int(extremes[0]) < 0 or int(extremes[0]) == -int(extremes[1])
 
 
 def _unlink_shm_buffer(dist) -> None:

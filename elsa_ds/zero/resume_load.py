@@ -15,6 +15,7 @@ from elsa_ds.admm.loaded import StateMismatch
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.zero import compat
+from elsa_ds.zero.dist import same_on_every_rank
 from elsa_ds.zero.checkpoint import (CLIENT_KEY, UnsafeCheckpointError, checked_place, checked_root, folder_place,
                                      read_checkpoint_file, resume_order)
 
@@ -77,32 +78,66 @@ def _read_once(own: dict[str, Any], root: Path, path: str | Path, map_location: 
     return held if held is not None else read_checkpoint_file(path, map_location, root=root)
 
 
-def load_latest(engine, ckpt_dir: Path, comm, client_problem: Callable[[Any], str | None]) -> dict | None:
+class _FailedElsewhere(Exception):
+    """Another rank's part of DeepSpeed's load failed: this rank leaves the load before its first collective."""
+
+
+def _load_tag(engine, tag: Path, read: Callable[..., Any], comm) -> tuple[bool, Any] | None:
+    """DeepSpeed's load of ``tag`` (its files through ``read``), the ranks agreeing once, before its first collective
+    (``compat.checkpoint_load_hooks``), whether each one's part went well; a rank that raised before it agrees after.
+    None when some rank's part failed (the previous tag is tried); a refused file stops every rank. Else (whether this
+    rank's load ended well after the agreement, what it returned). Collective."""
+    agreed: list[bool] = []  # this rank's agreement, once made (or raised: another rank refused a file)
+
+    def before_collective() -> None:
+        agreed.append(True)  # before the call: when it raises, this rank has made its agreement all the same
+        if not _every_rank(True, None, tag, comm):
+            raise _FailedElsewhere
+
+    ok, loaded, refusal = False, None, None
+    try:
+        with compat.checkpoint_load_hooks(engine, read, before_collective):
+            path, loaded = engine.load_checkpoint(str(tag.parent), tag=tag.name, load_module_strict=True,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=False)
+        ok = path is not None and isinstance(loaded, dict) and CLIENT_KEY in loaded
+    except _FailedElsewhere:
+        return None
+    except (UnsafeCheckpointError, StateMismatch) as err:  # refused on every rank, not skipped for an older tag
+        if agreed:  # the agreement's own raise (another rank refused a file): every rank stops
+            raise
+        refusal = err if isinstance(err, UnsafeCheckpointError) else _altered(tag, str(err))
+    except Exception as err:  # noqa: BLE001 - anything else DeepSpeed's load raises (the files were read whole before)
+        log.info(f"checkpoint {tag.name} did not load ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
+    if not agreed and not _every_rank(ok, refusal, tag, comm):
+        return None
+    return ok, loaded
+
+
+def _altered(tag: Path, problem: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(f"--resume: {tag} is not what elsa_ds writes ({problem}); it was altered or written by "
+                                 "another program: restore the run from a copy you trust or start without --resume")
+
+
+def load_latest(engine, ckpt_dir: Path, comm, client_problem: Callable[[Any], str | None],
+                shared: Callable[[Any], str]) -> dict | None:
     """Load the newest loadable checkpoint, its files read as data only (``read_checkpoint_file``); returns its client
     state (None when there is none). A file that needs a class outside the allow-list, or that loads into something
-    elsa_ds never writes (the loop's state as ``client_problem`` judges it, the loss scaler, z and u), stops every rank.
-    Collective."""
+    elsa_ds never writes (the loop's state as ``client_problem`` judges it, the loss scaler, z and u), or a loop state
+    whose ``shared(state)`` differs between the ranks (a walk: one rank's λ or step altered trained on, or hung), stops
+    every rank. Collective."""
     root = _load_root(ckpt_dir, comm)  # check_resume's: every file DeepSpeed reads must open inside it
     for tag in resume_order(ckpt_dir):
         own = _read_own_files(engine, ckpt_dir, tag, root, comm)
-        if own is None:
+        loaded = None if own is None else _load_tag(engine, ckpt_dir / tag, functools.partial(_read_once, own, root), comm)
+        if loaded is None:
             continue
-        refusal = None
-        try:
-            with compat.checkpoint_files_read_with(engine, functools.partial(_read_once, own, root)):
-                path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=True,
-                                                      load_optimizer_states=True, load_lr_scheduler_states=False)
-            ok = path is not None and client is not None and CLIENT_KEY in client
-            if ok and (problem := compat.loss_scaler_problem(engine) or client_problem(client[CLIENT_KEY])) is not None:
-                raise StateMismatch(problem)
-        except (UnsafeCheckpointError, StateMismatch) as err:  # refused on every rank below, not skipped for an older tag
-            ok, refusal = False, (err if isinstance(err, UnsafeCheckpointError) else UnsafeCheckpointError(
-                f"--resume: {ckpt_dir / tag} is not what elsa_ds writes ({err}); it was altered or written by another "
-                "program: restore the run from a copy you trust or start without --resume"))
-        except Exception as err:  # anything else DeepSpeed's load raises (the files were read whole above): the previous tag
-            log.info(f"checkpoint {tag} did not load ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
-            ok = False
-        if _every_rank(ok, refusal, ckpt_dir / tag, comm):  # every rank loaded this tag; none met a refused file
+        ok, client = loaded
+        problem = (compat.loss_scaler_problem(engine) or client_problem(client[CLIENT_KEY])) if ok else None
+        same = same_on_every_rank(shared(client[CLIENT_KEY]) if ok and problem is None else None)
+        if ok and problem is None and not same:
+            problem = "its ranks' loop states differ: step, λ or settings"
+        refusal = None if problem is None else _altered(ckpt_dir / tag, problem)
+        if _every_rank(ok and problem is None, refusal, ckpt_dir / tag, comm):  # loaded everywhere, nothing refused
             log.info(f"resumed from {ckpt_dir / tag}")
             compat.replay_cpu_adam(engine)  # the C++ Adam's β^t as the uninterrupted run holds it
             return client[CLIENT_KEY]

@@ -15,7 +15,7 @@ import torch
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import check_output_dir
 from elsa_ds.jobs.selection import Selector
-from elsa_ds.jobs.training import RunState, run_state_problem
+from elsa_ds.jobs.training import RunState, run_state_problem, shared_state
 from elsa_ds.zero import checkpoint, resume_load
 from elsa_ds.zero.ds_config import DsConfig
 from tests.conftest import ROOT, run_entry
@@ -225,6 +225,9 @@ def test_scan_refuses_a_latest_without_its_tag_and_checkpoints_that_are_all_unre
 def test_checkpoint_settings_that_bypass_the_reader_are_refused(section, needle):
     with pytest.raises(ElsaError, match=needle):
         checkpoint.check_supported(DsConfig({"zero_optimization": {"stage": 3}, "checkpoint": section}))
+    with pytest.raises(ElsaError, match="pipeline_loading_checkpoint"):  # ranks send to each other inside the load
+        checkpoint.check_supported(DsConfig({"zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": True}}))
+    checkpoint.check_supported(DsConfig({"zero_optimization": {"stage": 3}}))
 
 
 def test_publishing_never_writes_through_a_link_nor_prunes_the_tag_it_published(tmp_path):
@@ -294,11 +297,14 @@ def checkpointed_on_two_ranks(tmp_path_factory, tiny_model_dir, text_dir) -> tup
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("damage", ["truncated", "missing", "altered"])
+@pytest.mark.parametrize("damage", ["truncated", "missing", "altered", "partition", "loop state", "z"])
 def test_a_newest_tag_damaged_on_one_rank_falls_back_or_is_refused_on_every_rank(checkpointed_on_two_ranks, tmp_path, damage):
     """A walk (2026-12-02): rank 1's shard of the newest tag truncated, missing or altered left rank 0 inside DeepSpeed's
     collective load and rank 1 in the agreement after it, both waiting for good (deaf to Ctrl-C and SIGTERM). Each rank
-    now reads its own files before the load and the ranks agree: the previous tag, or one refusal."""
+    now reads its own files before the load and the ranks agree: the previous tag, or one refusal. A second walk: a
+    shard that reads well but fails inside DeepSpeed's load on rank 1 alone (its optimizer partition of another size)
+    hung them the same way (the ranks now agree before the load's first collective too), and rank 1's loop state
+    altered alone (its λ) trained on with 10x λ on one partition (the ranks' states are compared: one refusal)."""
     out, args = _copy(checkpointed_on_two_ranks, tmp_path)
     tag = out / "checkpoints" / "global_step4"
     (optim,) = tag.glob("*zero_pp_rank_1_*optim_states.pt")
@@ -307,13 +313,21 @@ def test_a_newest_tag_damaged_on_one_rank_falls_back_or_is_refused_on_every_rank
         optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
     elif damage == "missing":
         optim.unlink()
-    else:
+    elif damage == "altered":
         _altered(model, lambda s: s.__setitem__("x", torch.zeros(1).expand(10**6)))
+    elif damage == "partition":
+        _altered(optim, lambda s: s["optimizer_state_dict"]["fp32_flat_groups"].__setitem__(0, torch.zeros(10)))
+    elif damage == "z":  # refused inside DeepSpeed's load on rank 1, while rank 0 agrees before the load's collective
+        _altered(optim, _shrink_z)
+    else:
+        _altered(model, lambda s: s[checkpoint.CLIENT_KEY].__setitem__("lam", 10 * s[checkpoint.CLIENT_KEY]["lam"]))
     proc = run_entry("prune.py", args, ranks=2, check=False, timeout=420)
     text = proc.stdout + proc.stderr
     assert "Traceback" not in text, text[-3000:]
-    if damage == "altered":
-        assert proc.returncode != 0 and "claims 4,000,000 bytes over a storage of 4" in proc.stderr, text[-3000:]
+    if damage in ("altered", "loop state", "z"):
+        needle = {"altered": "claims 4,000,000 bytes over a storage of 4", "loop state": "loop states differ",
+                  "z": "admm_z holds 10"}[damage]
+        assert proc.returncode != 0 and needle in proc.stderr, text[-3000:]
         assert not (out / "model.safetensors").exists()
     else:
         assert proc.returncode == 0 and f"resumed from {out / 'checkpoints' / 'global_step2'}" in proc.stdout, text[-3000:]
@@ -449,6 +463,41 @@ def test_a_resumed_folder_with_a_link_or_a_fifo_is_refused_before_anything_in_it
     assert (elsewhere / "precious.txt").read_text() == "keep"
 
 
+def test_a_handed_over_tree_is_walked_without_recursion_and_a_deep_one_refused(tmp_path):
+    """A walk (2026-12-02): 1,500 nested folders in a resumed run's checkpoints were a RecursionError (Python 3.11's
+    os.walk recurses); the walk is a loop that sees what os.walk sees, and refuses a tree deeper than any run writes."""
+    from elsa_ds.files import handed
+
+    ok = tmp_path / "ok"
+    (ok / "a" / "b").mkdir(parents=True)
+    (ok / "a" / "f").write_text("x")
+    (ok / "g").write_text("y")
+    assert sorted((r, sorted(d), sorted(f)) for r, d, f in handed.walk(ok, "x")) == \
+        sorted((r, sorted(d), sorted(f)) for r, d, f in os.walk(ok))
+    handed.check_plain_tree(ok, "the checkpoints")
+    for depth in (handed.MAX_DEPTH + 2, 1500):
+        deep = folders = tmp_path / f"deep{depth}"
+        for _ in range(depth + 1):  # os.makedirs and pytest's clean-up recurse too: a loop each way
+            folders.mkdir()
+            folders = folders / "d"
+        with pytest.raises(ElsaError, match=f"the checkpoints nest folders more than {handed.MAX_DEPTH} deep"):
+            handed.check_plain_tree(deep, "the checkpoints")
+        while folders != deep:
+            folders = folders.parent
+            folders.rmdir()
+
+
+def test_a_fingerprints_odd_values_are_named_not_a_traceback():
+    """A walk: a fingerprint file's "~nosuchuser/m", a name too long for the system, a value nested past Python's stack
+    were tracebacks (RuntimeError, OSError, RecursionError) in the refusal's own text."""
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    refusal = checkpoint.resume_changes({"model": "~nosuchuser/m", "dataset": "x" * 5000, "sparsity": deep},
+                                        {"model": "m", "dataset": "d", "sparsity": 0.6})
+    assert "model '~nosuchuser/m' vs 'm'" in refusal and "sparsity [[[[...]]]] vs 0.6" in refusal and len(refusal) < 2000
+
+
 def test_an_altered_loop_state_is_named_not_a_traceback():
     """The client state DeepSpeed hands back: every field with its type, the RNG as elsa_ds saves it."""
     good = {**asdict(RunState(fingerprint={"sparsity": 0.6})), "rng": checkpoint.rng_state()}
@@ -459,6 +508,13 @@ def test_an_altered_loop_state_is_named_not_a_traceback():
                            ({"losses": [1.0, "x"]}, "losses"), ({"extra": 1}, "keys")]:
         assert needle in run_state_problem({**good, **change})
     assert "not a dict" in run_state_problem(["a", "list"])
+    deep: list = []
+    for _ in range(100_000):  # a walk: nested past Python's stack, it failed in the refusal's own text
+        deep = [deep]
+    assert "fingerprint" in run_state_problem({**good, "fingerprint": {"sparsity": deep}})
+    assert "history" in run_state_problem({**good, "history": [{"step": [[[1]]]}]})
+    other_rank = {**good, "step_times": [9.0], "rng": checkpoint.rng_state()}  # each rank's own: not compared
+    assert shared_state(other_rank) == shared_state(good) != shared_state({**good, "lam": 1.0})
     del good["fingerprint"]
     assert "keys" in run_state_problem(good)
 
@@ -485,11 +541,13 @@ def test_an_altered_checkpoint_is_refused_in_one_line(checkpointed, tmp_path, wh
         _altered(optim, lambda s: s["optimizer_state_dict"].__setitem__("loss_scaler", {"cur_scale": 1.0}))
         _refused(args, "loss scaler", "not what elsa_ds writes")
     else:
-        def shrink(s):
-            (st,) = [v for v in s["optimizer_state_dict"]["optimizer_state_dict"]["state"].values() if "admm_z" in v]
-            st["admm_z"] = torch.zeros(10, dtype=st["admm_z"].dtype)
-        _altered(optim, shrink)
+        _altered(optim, _shrink_z)
         _refused(args, "ADMM state does not fit", "admm_z holds 10")
+
+
+def _shrink_z(state: dict) -> None:
+    (st,) = [v for v in state["optimizer_state_dict"]["optimizer_state_dict"]["state"].values() if "admm_z" in v]
+    st["admm_z"] = torch.zeros(10, dtype=st["admm_z"].dtype)
 
 
 @pytest.mark.integration
