@@ -7,10 +7,13 @@ MonitorMaster also checks).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from elsa_ds.files.disk_room import disk_full
 from elsa_ds.files.output import MONITOR_DIR
+from elsa_ds.log import get_logger
 
 MONITOR_BLOCKS = ("tensorboard", "wandb", "csv_monitor", "comet")
 
@@ -28,11 +31,17 @@ def default_output_paths(ds: dict, output_dir: Path) -> bool:
 
 
 class Monitor:
-    """Writes ``elsa/*`` events through an engine's ``monitor`` (a no-op when no monitor is enabled)."""
+    """Writes ``elsa/*`` events through an engine's ``monitor`` (a no-op when no monitor is enabled).
+
+    Rank 0 alone writes, between the step's collectives: a write that fails (a full disk under the CSV or TensorBoard
+    files) stopped rank 0 and left the other ranks waiting in the next step. The logs stop instead, with a warning, and
+    the run goes on: its next checkpoint or export says whether the disk is still full, in a line from every rank."""
 
     def __init__(self, engine, rank: int):
         master = getattr(engine, "monitor", None)
         self._master = master if rank == 0 and getattr(master, "enabled", False) else None
+        if self._master is not None:  # DeepSpeed's own events (learning rate, timers) go through the same call
+            self._master.write_events = self._guarded(self._master.write_events)
 
     @property
     def enabled(self) -> bool:
@@ -41,3 +50,17 @@ class Monitor:
     def write(self, step: int, values: dict[str, Any]) -> None:
         if self._master is not None:
             self._master.write_events([(f"elsa/{k}", float(v), step) for k, v in values.items() if v is not None])
+
+    def _guarded(self, write: Callable[[list], None]) -> Callable[[list], None]:
+        def guarded(events: list) -> None:
+            master = self._master
+            if master is None:
+                return
+            try:
+                write(events)
+            except OSError as err:
+                master.enabled, self._master = False, None  # DeepSpeed's engine checks `enabled` before its events
+                get_logger(__name__).warning(
+                    f"the monitor's logs stop here: {disk_full(err, Path(MONITOR_DIR)) or err}; the run goes on (rank 0 "
+                    "alone writes them), and its next checkpoint stops it if the disk is still full")
+        return guarded

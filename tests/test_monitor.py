@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import csv
+import os
 
 import pytest
 
-from tests.conftest import derived_config, run_entry
+from tests.conftest import ROOT, derived_config, run_entry
 
 pytestmark = pytest.mark.integration
 
@@ -29,3 +30,21 @@ def test_csv_monitor_receives_step_loss_and_projection_residual(tmp_path, tiny_m
     assert [int(r[0]) for r in residual[1:]] == [3, 6]  # projections after steps 3 and 6; the final projection is not one
     assert all(0 < float(r[1]) < 10 for r in residual[1:])
     assert {"elsa_lambda.csv", "elsa_lr.csv", "elsa_step_time_s.csv", "elsa_mask_flip_frac.csv"} <= {p.name for p in logs.iterdir()}
+
+
+def test_a_monitor_write_that_fails_on_rank_0_stops_the_logs_not_the_run(tmp_path, tiny_model_dir, text_dir):
+    """Rank 0 alone writes the monitor's files, between the step's collectives: a full disk there (here: rank 0's CSV
+    writes fail with ENOSPC, ``tests/fixtures/full_disk_on_rank``) stopped rank 0 and left rank 1 in the next step until
+    the launcher killed it. Now one warning, and the run (2 ranks) finishes and publishes."""
+    ds = derived_config(tmp_path, "zero3_offload_csv.json", bf16={"enabled": False})
+    out = tmp_path / "out"
+    fixture = ROOT / "tests" / "fixtures" / "full_disk_on_rank"
+    env = {"PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "ELSA_TEST_FULL_DISK_RANK": "0", "ELSA_TEST_FULL_DISK_AT": r"/monitor/.*\.csv$"}
+    proc = run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--seqlen",
+                                  "64", "--steps", "4", "--interval", "2", "--val_windows", "0", "--baseline", "none",
+                                  "--micro_batch", "2", "--output_dir", str(out)], ranks=2, check=False, timeout=420, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in text, text[-4000:]
+    assert text.count("the monitor's logs stop here: no space left on") == 1, text[-4000:]
+    assert (out / "model.safetensors").exists() and not list((out / "monitor").rglob("*.csv"))

@@ -74,22 +74,26 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, re
     check_publishable(output_dir)
 
 
-def missing_parents(output_dir: Path) -> list[Path]:
-    """The folders above ``output_dir`` that do not exist yet (the deepest first): :func:`check_output_dir` creates them,
-    and a job that ends without an output removes those it left empty (:func:`remove_if_empty`)."""
+def missing_folders(output_dir: Path) -> list[Path]:
+    """``output_dir`` and the folders above it that do not exist yet (the deepest first): :func:`check_output_dir` creates
+    the parents, a job's first checkpoint the output itself, and a job that ends without an output removes those it left
+    empty (:func:`remove_if_empty`; a run stopped at its first checkpoint left an empty output folder)."""
     missing = []
-    for parent in Path(os.path.abspath(output_dir)).parents:
-        if parent.exists() or parent.is_symlink():
+    for folder in [Path(os.path.abspath(output_dir)), *Path(os.path.abspath(output_dir)).parents]:
+        if folder.exists() or folder.is_symlink():
             break
-        missing.append(parent)
+        missing.append(folder)
     return missing
 
 
 def remove_if_empty(folders: list[Path]) -> None:
-    """Remove each of ``folders`` (the deepest first) that is empty; stop at the first that is not (or cannot go)."""
+    """Remove each of ``folders`` (the deepest first) that is empty; skip one that is not there (an output never made);
+    stop at the first that is not empty (or cannot go)."""
     for folder in folders:
         try:
             folder.rmdir()
+        except FileNotFoundError:
+            continue
         except OSError:
             return
 

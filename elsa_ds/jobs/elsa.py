@@ -35,6 +35,7 @@ from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import LayerGoal
 from elsa_ds.zero import steps
+from elsa_ds.zero.dist import agreed
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import PartitionedModel, ZeroEngine, build_admm_engine
 from elsa_ds.zero.export import export_model
@@ -214,20 +215,21 @@ class ElsaJob:
         self.phases.mark("validation")
         pruned_ppl = self._exported_ppl(run)
         staging = staging_dir(opts.output_dir)
-        if run.rank == 0:
-            fresh_staging(opts.output_dir)
-            masks = run.warm.masks if run.warm is not None else None
-            if masks is not None and masks.source == warm_start_path(opts.output_dir):
-                masks.source.unlink()  # read at the first step; a resumed run restores z from its checkpoint
+        with agreed(f"the output {opts.output_dir}"):
+            if run.rank == 0:
+                fresh_staging(opts.output_dir)
+                masks = run.warm.masks if run.warm is not None else None
+                if masks is not None and masks.source == warm_start_path(opts.output_dir):
+                    masks.source.unlink()  # read at the first step; a resumed run restores z from its checkpoint
         self.phases.mark("export")
         export_model(run.zero.engine.module, run.data.tokenizer, staging, run.rank)  # collective
         result = None
-        if run.rank == 0:
-            self.phases.mark("verify")
-            result = report.elsa_report(self._record(run, pruned_ppl), staging)
-            report.publish_report(result, staging, opts, bool(opts.resume or cfg.save_interval), self.phases.mark)
-            self.phases.mark("done")
-        torch.distributed.barrier()  # the last collective: the other ranks may leave now, rank 0 evaluates alone
+        with agreed(f"the output {opts.output_dir}"):  # the last collective: the other ranks may leave, rank 0 evaluates
+            if run.rank == 0:
+                self.phases.mark("verify")
+                result = report.elsa_report(self._record(run, pruned_ppl), staging)
+                report.publish_report(result, staging, opts, bool(opts.resume or cfg.save_interval), self.phases.mark)
+                self.phases.mark("done")
         if run.selector is not None and run.rank == 0:
             run.selector.clean()
         return result

@@ -42,6 +42,7 @@ from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import LayerGoal, goal_ratio
 from elsa_ds.zero import steps
+from elsa_ds.zero.dist import agreed
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import PartitionedModel, ZeroEngine
 from elsa_ds.zero.export import export_consolidated, export_model
@@ -180,20 +181,21 @@ class FinetuneJob:
         self.phases.mark("validation")
         tuned_ppl = self.validation_ppl(run)
         staging = staging_dir(opts.output_dir)
-        if run.rank == 0:
-            fresh_staging(opts.output_dir)
+        with agreed(f"the output {opts.output_dir}"):
+            if run.rank == 0:
+                fresh_staging(opts.output_dir)
         self.phases.mark("export")
-        if cfg.finetune is Finetune.lora:
-            export_consolidated(run.zero, run.data.tokenizer, staging, transform=partial(self._merge, run.masks))  # collective
-        else:
-            export_model(run.zero.engine.module, run.data.tokenizer, staging, run.rank)  # collective
         result = None
-        if run.rank == 0:
-            self.phases.mark("verify")
-            result = report.finetune_report(self._record(run, tuned_ppl), staging)
-            report.publish_report(result, staging, opts, bool(opts.resume or cfg.save_interval), self.phases.mark)
-            self.phases.mark("done")
-        torch.distributed.barrier()  # the last collective: the other ranks may leave now, rank 0 evaluates alone
+        with agreed(f"the output {opts.output_dir}"):  # the last collective: the other ranks may leave, rank 0 evaluates
+            if cfg.finetune is Finetune.lora:  # a gather, then rank 0's writes
+                export_consolidated(run.zero, run.data.tokenizer, staging, transform=partial(self._merge, run.masks))
+            else:
+                export_model(run.zero.engine.module, run.data.tokenizer, staging, run.rank)  # its ranks agree at its end
+            if run.rank == 0:
+                self.phases.mark("verify")
+                result = report.finetune_report(self._record(run, tuned_ppl), staging)
+                report.publish_report(result, staging, opts, bool(opts.resume or cfg.save_interval), self.phases.mark)
+                self.phases.mark("done")
         if run.rank == 0:
             mask_path, model_dir = oneshot_paths(opts.output_dir)
             mask_path.unlink(missing_ok=True)

@@ -17,7 +17,7 @@ from typing import Any
 from elsa_ds.files.disk_room import disk_full
 from elsa_ds.errors import ElsaError, signals_held
 from elsa_ds.files.aside import published, put_back, set_aside
-from elsa_ds.files.output import (REPORT_NAME, RESUMABLE, PublishFailed, check_output_dir, check_output_path, missing_parents,
+from elsa_ds.files.output import (REPORT_NAME, RESUMABLE, PublishFailed, check_output_dir, check_output_path, missing_folders,
                                   remove_if_empty, side_path, staging_dir)
 from elsa_ds.files.handed import own_copies
 from elsa_ds.files.ownership import check_apart, lock_path, owned
@@ -63,7 +63,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
         return finished_output(cfg, opts)
     check_apart(opts.output_dir, "--output_dir", job_inputs(cfg, opts))
     check_side_paths(Path(opts.output_dir))
-    created = missing_parents(opts.output_dir)
+    created = missing_folders(opts.output_dir)
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume, opts.restart)  # again under the lock, by the plan's checks
     writer = os.environ.get("RANK", "0") == "0"
     dog = Watchdog()

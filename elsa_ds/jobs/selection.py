@@ -28,6 +28,7 @@ from elsa_ds.data import PplWindows
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import side_path
 from elsa_ds.zero import checkpoint
+from elsa_ds.zero.dist import agreed
 from elsa_ds.zero.engine import ZeroEngine
 from elsa_ds.zero.partitions import distributed_nll, hard_projected, restore_shards, shard_snapshot
 
@@ -68,7 +69,8 @@ class Selector:
             value = windows.perplexity(*distributed_nll(zero, windows.ids, micro_batch))
             improved = self.record["best"] is None or value < self.record["best"]["ppl"]
             if improved:
-                self._save(zero)
+                with agreed(f"the best projection's snapshot in {self.directory}"):  # each rank's own file (a full disk)
+                    self._save(zero)
         self.record["curve"].append({"step": step, "ppl": value})
         if improved:
             self.record["best"], self.record["since_best"] = {"step": step, "ppl": value}, 0

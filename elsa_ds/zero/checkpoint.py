@@ -33,12 +33,13 @@ import torch
 
 from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.disk_room import writer_ran_out
+from elsa_ds.files.disk_room import DiskFull, writer_ran_out
 from elsa_ds.files import torch_files
 from elsa_ds.files.io import write_atomic
 from elsa_ds.settings.config import RESUME_DEFAULTS
 from elsa_ds.settings.config_files import resume_place
 from elsa_ds.zero import compat
+from elsa_ds.zero.dist import agreed, every_rank
 from elsa_ds.zero.ds_config import DsConfig
 
 
@@ -308,30 +309,58 @@ def take_tags_being_written() -> tuple[str, ...]:
 
 
 def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) -> str:
-    """Save after ``step`` (0-based) as tag global_step{step+1}; publish it as latest; prune old tags. Collective."""
+    """Save after ``step`` (0-based) as tag global_step{step+1}; publish it as latest; prune old tags. A rank that could
+    not write its files (its disk full) stops every rank, the tag gone, and no rank is left waiting. Collective."""
     import torch.distributed as dist
 
     tag = f"global_step{step + 1}"
-    if rank == 0:
-        clear_for_save(ckpt_dir, tag)
-    dist.barrier()
+    with agreed(f"checkpoint {ckpt_dir / tag}"):
+        if rank == 0:
+            clear_for_save(ckpt_dir, tag)
     _WRITING[:] = [tag] if dist.get_world_size() > 1 else []
-    try:
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={CLIENT_KEY: client}, save_latest=False)
-    except Exception as err:
-        full = writer_ran_out(err, ckpt_dir / tag)
-        if full is None:
-            raise
-        remove_tag(ckpt_dir / tag)  # never published: "latest" still names the previous tag
-        if rank == 0 and not (ckpt_dir / "latest").exists():  # nothing published: this run made the folder (an older run's
-            shutil.rmtree(ckpt_dir, ignore_errors=True)      # went with --overwrite; --resume needs a latest)
-        raise full.measured_again() from None
-    dist.barrier()  # every rank's shard is on disk before the tag is published
-    _WRITING.clear()
-    if rank == 0:
-        publish_latest(ckpt_dir, tag, keep)
-    dist.barrier()
+    failure = _write_tag(engine, ckpt_dir, tag, client)
+    _WRITING.clear()  # every rank is past its writes
+    if failure is not None:
+        if rank == 0:
+            remove_tag(ckpt_dir / tag)  # never published: "latest" still names the previous tag
+            if not (ckpt_dir / "latest").exists():  # nothing published: this run made the folder (an older run's went
+                shutil.rmtree(ckpt_dir, ignore_errors=True)  # with --overwrite; --resume needs a latest)
+        dist.barrier()  # the files gone before a rank measures the free space it reports
+        raise failure.measured_again() if isinstance(failure, DiskFull) else failure
+    with agreed(f"checkpoint {ckpt_dir / tag}"):  # `latest` on a disk full by now: rank 0's error, every rank stops
+        if rank == 0:
+            publish_latest(ckpt_dir, tag, keep)
     return tag
+
+
+class FailedElsewhere(Exception):
+    """Another rank's part of a collective save or load failed: this rank leaves DeepSpeed's call before its collective."""
+
+
+def _write_tag(engine, ckpt_dir: Path, tag: str, client: dict) -> Exception | None:
+    """DeepSpeed's save of ``tag``, the ranks agreeing once, before the first collective after the writes
+    (``compat.checkpoint_hooks``), whether each one wrote its files; a rank whose writes raised agrees after. None when
+    every rank wrote them, else the error this rank raises (its own: a full disk as :class:`DiskFull`; or another
+    rank's failure). Collective."""
+    agreed: list[bool] = []
+
+    def before_collective() -> None:
+        agreed.append(True)  # before the call: when it raises, this rank has made its agreement all the same
+        if not every_rank(True):
+            raise FailedElsewhere
+
+    try:
+        with compat.checkpoint_hooks(engine, before_collective):
+            engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={CLIENT_KEY: client}, save_latest=False)
+        return None
+    except FailedElsewhere:
+        return ElsaError(f"checkpoint {ckpt_dir / tag}: another rank could not write its files (its line says why); the "
+                         "run stopped there, the tag was not kept")
+    except Exception as err:
+        if agreed:  # raised inside the collectives after the agreement: no rank waits for this one's
+            raise
+        every_rank(False)
+        return writer_ran_out(err, ckpt_dir / tag) or err
 
 
 def clear_for_save(ckpt_dir: Path, tag: str) -> None:

@@ -307,18 +307,20 @@ def replay_cpu_adam(engine) -> int:
 
 
 @contextlib.contextmanager
-def checkpoint_load_hooks(engine, load: Callable[..., Any], before_collective: Callable[[], None]) -> Iterator[None]:
-    """Inside: every file ``engine.load_checkpoint`` reads goes through ``load(path, map_location=None)``, and
-    ``before_collective()`` runs on each rank before the load's first collective.
+def checkpoint_hooks(engine, before_collective: Callable[[], None], load: Callable[..., Any] | None = None) -> Iterator[None]:
+    """Inside: ``before_collective()`` runs on each rank before the first collective that follows ``engine``'s reads or
+    writes of a tag's files in ``load_checkpoint`` or ``save_checkpoint``; with ``load``, every file the load reads goes
+    through ``load(path, map_location=None)``.
 
     DeepSpeed reads a tag's files through ``engine.checkpoint_engine.load`` (the model states by way of
     ``runtime/state_dict_factory.py``, each rank's optimizer states in ``_get_all_zero_checkpoint_state_dicts``), and
     its ``TorchCheckpointEngine`` unpickles them with ``torch.load(..., weights_only=False)``: whatever a pickle names
     would run. The universal-checkpoint loader reads past this engine; ``checkpoint.check_supported`` refuses it.
-    Up to ZeRO-3's ``checkpoint_event_epilogue`` (the persistent parameters' all-gather) the load is rank-local for
-    what elsa_ds writes (the prologue partitions, the module state has nothing to fetch, ``_rigid_load_state_dict``
-    without an optimizer swapper): a rank that raised there left the others in that all-gather for good (a walk:
-    one rank's optimizer partition of another size), so the ranks agree in ``before_collective`` first.
+    Between its first barrier and ZeRO-3's ``checkpoint_event_epilogue`` (the persistent parameters' all-gather) a save
+    or a load is rank-local for what elsa_ds writes (a save's tag check comes before its writes; a load's prologue
+    partitions, the module state has nothing to fetch, ``_rigid_load_state_dict`` without an optimizer swapper): a rank
+    that raised there left the others in that all-gather for good (walks: one rank's optimizer partition of another
+    size, one rank's disk full), so the ranks agree in ``before_collective`` first.
     """
     reader, optimizer = engine.checkpoint_engine, engine.optimizer
     original, epilogue = reader.load, optimizer.checkpoint_event_epilogue
@@ -327,7 +329,7 @@ def checkpoint_load_hooks(engine, load: Callable[..., Any], before_collective: C
         before_collective()
         return epilogue(*args, **kwargs)
 
-    reader.load, optimizer.checkpoint_event_epilogue = load, agreed_epilogue  # instance attributes shadow the methods
+    reader.load, optimizer.checkpoint_event_epilogue = load or original, agreed_epilogue  # instance attributes: shadowing
     try:
         yield
     finally:

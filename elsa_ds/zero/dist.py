@@ -48,22 +48,56 @@ def init_distributed() -> tuple[int, int]:
 
 def same_on_every_rank(text: str | None) -> bool:
     """Whether every rank of the process group that passed a ``text`` passed the same one (a digest of it, compared in
-    one all-reduce on the backend's device; a rank passing None takes no part, its value below every digest). Collective."""
+    one all-reduce; a rank passing None takes no part, its value below every digest). Collective."""
     import hashlib
 
-    import torch
     import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
 
     if dist.get_world_size() == 1:
         return True
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big") if text is not None else None  # 56 bits
     pair = [digest, -digest] if digest is not None else [-(2**62), -(2**62)]  # int64 either way round
+    extremes = _all_reduce_max(pair)  # the largest digest and minus the smallest
+    return extremes[0] < 0 or extremes[0] == -extremes[1]
+
+
+def every_rank(ok: bool) -> bool:
+    """Whether every rank of the process group passed ``ok`` True: a rank whose part of a collective step failed says
+    so here, where the others would wait for it in the step's next collective. Collective."""
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return ok
+    return _all_reduce_max([0 if ok else 1])[0] == 0
+
+
+@contextlib.contextmanager
+def agreed(what: str) -> Iterator[None]:
+    """Around a part of a job that can fail on one rank alone (rank 0's writes, each rank's own file), in place of the
+    barrier after it: at its end the ranks agree whether every one got through. A rank whose part raised raises that
+    after agreeing; the others raise an ElsaError naming ``what`` instead of waiting for it in the next collective (on
+    one node until the launcher kills them, across nodes until the backend's timeout). A collective inside must be one
+    that every rank gets through or leaves by the same error (e.g. a part that agrees itself). Collective."""
+    try:
+        yield
+    except Exception:
+        every_rank(False)
+        raise
+    if not every_rank(True):
+        raise ElsaError(f"{what}: another rank failed (its line says why)")
+
+
+def _all_reduce_max(values: list[int]) -> list[int]:
+    """The ranks' elementwise maximum of ``values`` (int64), in one all-reduce on the backend's device. Collective."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
     gloo = dist.get_backend() == "gloo"  # CPU tensors, whatever accelerator this machine has
     device = torch.device("cpu") if gloo else torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0")))
-    extremes = torch.tensor(pair, dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest digest and minus the smallest
-    return int(extremes[0]) < 0 or int(extremes[0]) == -int(extremes[1])
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
 
 
 def _unlink_shm_buffer(dist) -> None:

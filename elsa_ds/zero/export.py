@@ -20,6 +20,7 @@ import torch
 
 from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec
 from elsa_ds.zero import compat
+from elsa_ds.zero.dist import agreed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -40,29 +41,45 @@ def export_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def export_model(module: PreTrainedModel, tokenizer, out_dir: Path, rank: int, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> int:
     """Write sharded safetensors, config, generation config and tokenizer to ``out_dir`` (rank 0). Collective: every rank
-    must call it, since each parameter is gathered from all ranks in turn. Returns the largest tensor's bytes."""
+    must call it, since each parameter is gathered from all ranks in turn. A write that fails on rank 0 (a full disk)
+    stops its writing, not its gathers: the ranks agree at the end, and every one raises. Returns the largest tensor's
+    bytes."""
     import deepspeed
 
     tensors = export_tensors(module)
     specs = [TensorSpec(name, compat.full_shape(t), t.dtype) for name, t in tensors]
     writer = ShardedWriter(out_dir, specs, max_shard_size) if rank == 0 else None
-    with writer if writer is not None else contextlib.nullcontext():
-        for name, tensor in tensors:
-            if not isinstance(tensor, torch.nn.Parameter):  # a buffer: whole on every rank
-                if writer is not None:
-                    writer.write(name, tensor)
-                continue
-            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):  # collective: one parameter at a time
-                if writer is not None:
-                    writer.write(name, tensor.data)
-    if rank != 0:
-        return 0
+    failed: list[Exception] = []  # rank 0's first failed write: the others are still gathering
+
+    def write(name: str, tensor: torch.Tensor) -> None:
+        if writer is not None and not failed:
+            try:
+                writer.write(name, tensor)
+            except Exception as err:  # noqa: BLE001 - raised once the gathers are done
+                failed.append(err)
+
+    with agreed(f"export to {out_dir}"):
+        with writer if writer is not None else contextlib.nullcontext():
+            for name, tensor in tensors:
+                if not isinstance(tensor, torch.nn.Parameter):  # a buffer: whole on every rank
+                    write(name, tensor)
+                    continue
+                with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):  # collective: one parameter at a time
+                    write(name, tensor.data)
+            if failed:
+                raise failed[0]  # inside the writer: its shards are left unfinished
+        if rank == 0:
+            _side_files(module, tokenizer, out_dir)
+    return max((s.nbytes for s in specs), default=0) if rank == 0 else 0
+
+
+def _side_files(module: PreTrainedModel, tokenizer, out_dir: Path) -> None:
+    """The config, generation config and tokenizer beside the exported weights."""
     module.config.save_pretrained(out_dir)
     generation_config = getattr(module, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    return max((s.nbytes for s in specs), default=0)
 
 
 def export_consolidated(job, tokenizer, out_dir: Path,
@@ -86,7 +103,4 @@ def export_consolidated(job, tokenizer, out_dir: Path,
         del state_dict[k]
     out_dir.mkdir(parents=True, exist_ok=True)
     save_torch_state_dict(state_dict, out_dir, max_shard_size="5GB")
-    model.config.save_pretrained(out_dir)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    _side_files(model, tokenizer, out_dir)

@@ -16,7 +16,7 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.zero import compat
 from elsa_ds.zero.dist import same_on_every_rank
-from elsa_ds.zero.checkpoint import (CLIENT_KEY, UnsafeCheckpointError, checked_place, checked_root, folder_place,
+from elsa_ds.zero.checkpoint import (CLIENT_KEY, FailedElsewhere, UnsafeCheckpointError, checked_place, checked_root, folder_place,
                                      read_checkpoint_file, resume_order)
 
 log = get_logger(__name__)
@@ -78,13 +78,9 @@ def _read_once(own: dict[str, Any], root: Path, path: str | Path, map_location: 
     return held if held is not None else read_checkpoint_file(path, map_location, root=root)
 
 
-class _FailedElsewhere(Exception):
-    """Another rank's part of DeepSpeed's load failed: this rank leaves the load before its first collective."""
-
-
 def _load_tag(engine, tag: Path, read: Callable[..., Any], comm) -> tuple[bool, Any] | None:
     """DeepSpeed's load of ``tag`` (its files through ``read``), the ranks agreeing once, before its first collective
-    (``compat.checkpoint_load_hooks``), whether each one's part went well; a rank that raised before it agrees after.
+    (``compat.checkpoint_hooks``), whether each one's part went well; a rank that raised before it agrees after.
     None when some rank's part failed (the previous tag is tried); a refused file stops every rank. Else (whether this
     rank's load ended well after the agreement, what it returned). Collective."""
     agreed: list[bool] = []  # this rank's agreement, once made (or raised: another rank refused a file)
@@ -92,15 +88,15 @@ def _load_tag(engine, tag: Path, read: Callable[..., Any], comm) -> tuple[bool, 
     def before_collective() -> None:
         agreed.append(True)  # before the call: when it raises, this rank has made its agreement all the same
         if not _every_rank(True, None, tag, comm):
-            raise _FailedElsewhere
+            raise FailedElsewhere
 
     ok, loaded, refusal = False, None, None
     try:
-        with compat.checkpoint_load_hooks(engine, read, before_collective):
+        with compat.checkpoint_hooks(engine, before_collective, read):
             path, loaded = engine.load_checkpoint(str(tag.parent), tag=tag.name, load_module_strict=True,
                                                   load_optimizer_states=True, load_lr_scheduler_states=False)
         ok = path is not None and isinstance(loaded, dict) and CLIENT_KEY in loaded
-    except _FailedElsewhere:
+    except FailedElsewhere:
         return None
     except (UnsafeCheckpointError, StateMismatch) as err:  # refused on every rank, not skipped for an older tag
         if agreed:  # the agreement's own raise (another rank refused a file): every rank stops
