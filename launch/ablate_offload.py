@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> None:
         from elsa_ds.capacity.ablation import run_ablation
-        from elsa_ds.files.output import missing_parents, remove_if_empty
+        from elsa_ds.files.output import missing_folders, remove_if_empty
 
-        made = missing_parents(args.out / "runs" / "any")  # the plan makes each run's parent: a refusal leaves none
+        made = missing_folders(args.out / "runs")  # the plan makes each run's parent: a refusal leaves none
         try:
             # every run planned and checked as its job will, before the first one starts (a late refusal wastes the
             # others), then the disk all of them take together

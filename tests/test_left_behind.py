@@ -194,32 +194,42 @@ def test_a_full_disk_at_a_checkpoint_leaves_nothing_and_says_one_line(tmp_path):
     assert re.search(r"^elsa_ds: error: (no space left|file size limit reached) on .+ writing \S+checkpoints/global_step2", line), line
 
 
-@pytest.mark.parametrize("rank,tag", [(1, "global_step4"), (0, "global_step2"), (0, "export")],
-                         ids=["rank1-second", "rank0-first", "rank0-export"])
+@pytest.mark.parametrize("rank,tag", [(1, "global_step4"), (0, "global_step2"), (0, "export"), (1, "snapshot")],
+                         ids=["rank1-second", "rank0-first", "rank0-export", "rank1-snapshot"])
 def test_a_full_disk_on_one_rank_stops_every_rank_in_a_line_each(tmp_path, tiny_model_dir, text_dir, rank, tag):
     """A walk: one rank's disk full at a checkpoint (a node-local disk; ``tests/fixtures/full_disk_on_rank`` fails that
     rank's writes into the tag) left the other ranks in DeepSpeed's collective after the writes until the launcher
     killed them (on several nodes: until the backend's timeout), and a failing rank 0 removed the tag under rank 1's
     writes (its traceback: "Parent directory ... does not exist"); rank 0's export failing left rank 1 in the next
-    parameter's gather. Now the ranks agree: exit 2, a line from each rank, no traceback, the tag gone; the tag
+    parameter's gather; rank 1's --select_every snapshot failing let rank 0 replace its own (a resume would restore
+    shards of two steps). Now the ranks agree: exit 2, a line from each rank, no traceback, the tag gone; the tag
     published before stays for --resume, and a run stopped at its first checkpoint leaves nothing (its output folder
-    included)."""
+    included); no rank replaces its snapshot unless every rank wrote its own."""
     parent = tmp_path / "p"
     parent.mkdir()
     out = parent / "o"
     fixture = ROOT / "tests" / "fixtures" / "full_disk_on_rank"
-    at = r"\.o\.partial\.\d+/model.*\.safetensors$" if tag == "export" else re.escape(f"/{tag}/")
+    at = {"export": r"\.o\.partial\.\d+/model.*\.safetensors$", "snapshot": r"\.o\.best_projection/\.rank1\.pt\.tmp$"}.get(
+        tag, re.escape(f"/{tag}/"))
     env = {"PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "ELSA_TEST_FULL_DISK_RANK": str(rank), "ELSA_TEST_FULL_DISK_AT": at}
     args = ["--seqlen", "64", "--interval", "2", "--sparsity", "0.6", "--lr", "1e-3", "--lmda", "0.05", "--val_windows", "0",
             "--baseline", "none", "--micro_batch", "2", "--init_mask", "none", "--steps", "6", "--save_interval", "2",
             "--deepspeed", "ds_configs/zero3_offload.json", "--model", str(tiny_model_dir), "--dataset", str(text_dir),
             "--output_dir", str(out)]
+    if tag == "snapshot":  # scored at each projection, after the checkpoint of step 1
+        args += ["--save_interval", "1", "--val_windows", "4", "--select_every", "1"]
     proc = run_entry("prune.py", args, ranks=2, check=False, timeout=420, env=env)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in text, text[-4000:]
     errors = sorted((line for line in proc.stderr.splitlines() if line.startswith(ERROR_LINE)), key=lambda line: "another rank" in line)
     assert len(errors) == 2, text[-4000:]
+    if tag == "snapshot":
+        snapshots = tmp_path / "p" / ".o.best_projection"
+        assert re.search(r"^elsa_ds: error \(rank 1\): no space left on .+ writing \S+/\.rank1\.pt\.tmp", errors[0]), errors
+        assert "elsa_ds: error: the best projection's snapshot in " in errors[1], errors
+        assert (out / "checkpoints" / "latest").read_text() == "global_step1" and sorted(os.listdir(snapshots)) == [], errors
+        return
     if tag == "export":
         assert re.search(r"^elsa_ds: error: no space left on .+ writing \S+/\.o\.partial\.\d+/model", errors[0]), errors
         assert f"elsa_ds: error (rank 1): export to {parent}/.o.partial." in errors[1], errors

@@ -389,7 +389,7 @@ def test_a_resumed_folders_hard_linked_files_get_copies_of_their_own(tmp_path):
     """`cp -al` copies a run folder as hard links: what the resumed run appends to a monitor log, or the recovery script
     DeepSpeed copies beside the tags at each save, went into the other name too (the copy made executable)."""
     from elsa_ds.files.handed import own_copies
-    from elsa_ds.zero.checkpoint import clear_for_save
+    from elsa_ds.zero.checkpoint_save import clear_for_save
 
     snapshot, run = tmp_path / "snapshot", tmp_path / "run"
     (snapshot / "monitor" / "elsa").mkdir(parents=True)

@@ -33,7 +33,7 @@ from elsa_ds.plan.finished import finished_run
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.sparse.export import sparse_paths
-from elsa_ds.zero import checkpoint
+from elsa_ds.zero import checkpoint_save
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.swap_files import swap_files_owned
 
@@ -91,7 +91,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
             except BaseException as err:  # every way out short of publishing; the lock goes right after
                 if writer:  # a finished output whose final rename failed stays where the error says
                     with signals_held():
-                        discard_unpublished(out, keep=kept_output(err), busy=checkpoint.take_tags_being_written())
+                        discard_unpublished(out, keep=kept_output(err), busy=checkpoint_save.take_tags_being_written())
                 if (full := disk_full(err, out)) is not None:
                     raise full from None  # one line (ElsaError), its free space measured with the partial files gone
                 raise

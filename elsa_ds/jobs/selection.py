@@ -69,8 +69,7 @@ class Selector:
             value = windows.perplexity(*distributed_nll(zero, windows.ids, micro_batch))
             improved = self.record["best"] is None or value < self.record["best"]["ppl"]
             if improved:
-                with agreed(f"the best projection's snapshot in {self.directory}"):  # each rank's own file (a full disk)
-                    self._save(zero)
+                self._save(zero)
         self.record["curve"].append({"step": step, "ppl": value})
         if improved:
             self.record["best"], self.record["since_best"] = {"step": step, "ppl": value}, 0
@@ -79,12 +78,22 @@ class Selector:
         return value
 
     def _save(self, zero: ZeroEngine) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.root / f"rank{self.rank}.pt"  # the folder's real place, taken at the first save: written there only
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.unlink(missing_ok=True)  # a link left at the name is removed, never written through
-        with open(tmp, "xb") as file:
-            torch.save(shard_snapshot(zero), file)
+        """Each rank's shard of the snapshot, the previous one replaced only once every rank wrote its new one (a full
+        disk on one rank would leave the ranks' files from two steps: restored together, a model that never was; its
+        temp file goes). Collective."""
+        tmp = None
+        try:
+            with agreed(f"the best projection's snapshot in {self.directory}"):
+                self.directory.mkdir(parents=True, exist_ok=True)
+                path = self.root / f"rank{self.rank}.pt"  # the folder's real place, taken at the first save: written there only
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.unlink(missing_ok=True)  # a link left at the name is removed, never written through
+                with open(tmp, "xb") as file:
+                    torch.save(shard_snapshot(zero), file)
+        except BaseException:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+            raise
         tmp.replace(path)
 
     def resumed(self, record: dict[str, Any] | None) -> None:

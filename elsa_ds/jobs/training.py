@@ -23,8 +23,8 @@ from elsa_ds.plan import Plan
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import LayerGoal, select_targets
-from elsa_ds.zero import checkpoint, resume_load
-from elsa_ds.zero.dist import agreed, init_distributed, same_on_every_rank
+from elsa_ds.zero import checkpoint, checkpoint_save, resume_load
+from elsa_ds.zero.dist import init_distributed, same_on_every_rank
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import PartitionedModel, ZeroEngine, full_shapes, load_partitioned
 from elsa_ds.zero.partitions import distributed_nll
@@ -248,10 +248,6 @@ class Checkpoints:
 
     def save(self, engine, state: RunState, rank: int) -> None:
         """Save after step ``state.next_step`` - 1. Collective."""
-        with agreed(f"checkpoint in {self.directory}"):  # rank 0's write failing (a full disk) stops every rank
-            if rank == 0:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                checkpoint.write_fingerprint(self.directory, state.fingerprint)
         client = {**asdict(state), "rng": checkpoint.rng_state()}
-        tag = checkpoint.save(engine, self.directory, state.next_step - 1, client, self.keep, rank)
+        tag = checkpoint_save.save(engine, self.directory, state.next_step - 1, client, self.keep, rank, state.fingerprint)
         log.info(f"checkpoint {self.directory / tag}")

@@ -5,10 +5,11 @@ state dict — which holds z and u, since they live in ``optimizer.state`` — p
 ``client_state``: the step, λ in force, the run's loss and projection history, and the RNG states; the
 data position is the step itself (global batches are a pure function of seed and step).
 
-A checkpoint becomes ``latest`` only after every rank finished writing it (barrier, then an atomic
-rename of the ``latest`` file), and only it and the ``keep`` - 1 tags before it are kept. Loading tries the tags from
-the newest down, so a checkpoint corrupted by a crash mid-write falls back to the one before. Links a copied checkpoint
-folder holds where a save writes are removed, never written through (``clear_for_save``, ``publish_latest``).
+A checkpoint becomes ``latest`` only after every rank finished writing it (the ranks agree, then an atomic rename of
+the ``latest`` file), and only it and the ``keep`` - 1 tags before it are kept (``checkpoint_save.py``). Loading tries
+the tags from the newest down, so a checkpoint corrupted by a crash mid-write falls back to the one before. Links a
+copied checkpoint folder holds where a save writes are removed, never written through (``checkpoint_save.clear_for_save``,
+``publish_latest``).
 
 A checkpoint is read as data: every file of the tags a resume may load is scanned before any model or engine exists
 (``check_resume``), and DeepSpeed reads it with ``torch.load(weights_only=True)`` and an allow-list of the classes its
@@ -25,7 +26,6 @@ import pickle
 import random
 import re
 import reprlib
-import shutil
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -33,13 +33,10 @@ import torch
 
 from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.disk_room import DiskFull, writer_ran_out
 from elsa_ds.files import torch_files
-from elsa_ds.files.io import write_atomic
 from elsa_ds.settings.config import RESUME_DEFAULTS
 from elsa_ds.settings.config_files import resume_place
 from elsa_ds.zero import compat
-from elsa_ds.zero.dist import agreed, every_rank
 from elsa_ds.zero.ds_config import DsConfig
 
 
@@ -294,103 +291,3 @@ def check_resume(ckpt_dir: Path) -> None:
     if len(unreadable) == len(tags):
         raise ElsaError(f"--resume: no checkpoint in {ckpt_dir} is readable ("
                         + "; ".join(f"{tag}: {why}" for tag, why in unreadable.items()) + "); run without --resume to start over")
-
-
-_WRITING: list[str] = []  # the tag this process's save began and has not seen every rank finish (more than one rank)
-
-
-def take_tags_being_written() -> tuple[str, ...]:
-    """The tag whose save this process began and did not see every rank finish, if any (then forgotten: the next job of
-    this process starts clear): after a failure here another rank may still be writing its files, by path, into the
-    output's checkpoints folder. Empty with one rank."""
-    tags = tuple(_WRITING)
-    _WRITING.clear()
-    return tags
-
-
-def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int) -> str:
-    """Save after ``step`` (0-based) as tag global_step{step+1}; publish it as latest; prune old tags. A rank that could
-    not write its files (its disk full) stops every rank, the tag gone, and no rank is left waiting. Collective."""
-    import torch.distributed as dist
-
-    tag = f"global_step{step + 1}"
-    with agreed(f"checkpoint {ckpt_dir / tag}"):
-        if rank == 0:
-            clear_for_save(ckpt_dir, tag)
-    _WRITING[:] = [tag] if dist.get_world_size() > 1 else []
-    failure = _write_tag(engine, ckpt_dir, tag, client)
-    _WRITING.clear()  # every rank is past its writes
-    if failure is not None:
-        if rank == 0:
-            remove_tag(ckpt_dir / tag)  # never published: "latest" still names the previous tag
-            if not (ckpt_dir / "latest").exists():  # nothing published: this run made the folder (an older run's went
-                shutil.rmtree(ckpt_dir, ignore_errors=True)  # with --overwrite; --resume needs a latest)
-        dist.barrier()  # the files gone before a rank measures the free space it reports
-        raise failure.measured_again() if isinstance(failure, DiskFull) else failure
-    with agreed(f"checkpoint {ckpt_dir / tag}"):  # `latest` on a disk full by now: rank 0's error, every rank stops
-        if rank == 0:
-            publish_latest(ckpt_dir, tag, keep)
-    return tag
-
-
-class FailedElsewhere(Exception):
-    """Another rank's part of a collective save or load failed: this rank leaves DeepSpeed's call before its collective."""
-
-
-def _write_tag(engine, ckpt_dir: Path, tag: str, client: dict) -> Exception | None:
-    """DeepSpeed's save of ``tag``, the ranks agreeing once, before the first collective after the writes
-    (``compat.checkpoint_hooks``), whether each one wrote its files; a rank whose writes raised agrees after. None when
-    every rank wrote them, else the error this rank raises (its own: a full disk as :class:`DiskFull`; or another
-    rank's failure). Collective."""
-    agreed: list[bool] = []
-
-    def before_collective() -> None:
-        agreed.append(True)  # before the call: when it raises, this rank has made its agreement all the same
-        if not every_rank(True):
-            raise FailedElsewhere
-
-    try:
-        with compat.checkpoint_hooks(engine, before_collective):
-            engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={CLIENT_KEY: client}, save_latest=False)
-        return None
-    except FailedElsewhere:
-        return ElsaError(f"checkpoint {ckpt_dir / tag}: another rank could not write its files (its line says why); the "
-                         "run stopped there, the tag was not kept")
-    except Exception as err:
-        if agreed:  # raised inside the collectives after the agreement: no rank waits for this one's
-            raise
-        every_rank(False)
-        return writer_ran_out(err, ckpt_dir / tag) or err
-
-
-def clear_for_save(ckpt_dir: Path, tag: str) -> None:
-    """Rank 0, before every rank writes ``tag``: a killed run's unpublished copy of it goes, and so do the recovery
-    scripts DeepSpeed copies beside the tags at each save where that copy would write through them (``shutil.copyfile``
-    writes into the file there, then makes it executable: through a link, or into every other name of a hard-linked
-    file, that a copied folder may hold). A file of one name stays: a save that fails leaves the scripts beside the
-    published tags (a walk: a full disk's save left none)."""
-    remove_tag(ckpt_dir / tag)
-    for name in RECOVERY_SCRIPTS:
-        path = ckpt_dir / name
-        if path.is_symlink() or (path.is_file() and path.stat().st_nlink > 1):
-            path.unlink()
-
-
-def remove_tag(path: Path) -> None:
-    """A tag's folder gone; a link there is removed itself, never followed."""
-    if path.is_symlink():
-        path.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def publish_latest(ckpt_dir: Path, tag: str, keep: int) -> None:
-    """Rank 0, once every rank wrote ``tag``: ``latest`` names it (``write_atomic``: a new temp file, never written through
-    a link a copied checkpoint may hold, renamed over it; an ElsaError when it cannot be written), then every tag but
-    ``tag`` and the ``keep`` - 1 before it goes: newer ones a killed run never published (never tried by a resume) must
-    not push ``tag`` out."""
-    write_atomic(ckpt_dir / "latest", tag)
-    tags = tags_newest_first(ckpt_dir)
-    at = tags.index(tag)
-    for old in tags[:at] + tags[at + keep:]:
-        remove_tag(ckpt_dir / old)

@@ -76,8 +76,10 @@ def agreed(what: str) -> Iterator[None]:
     """Around a part of a job that can fail on one rank alone (rank 0's writes, each rank's own file), in place of the
     barrier after it: at its end the ranks agree whether every one got through. A rank whose part raised raises that
     after agreeing; the others raise an ElsaError naming ``what`` instead of waiting for it in the next collective (on
-    one node until the launcher kills them, across nodes until the backend's timeout). A collective inside must be one
-    that every rank gets through or leaves by the same error (e.g. a part that agrees itself). Collective."""
+    one node until the launcher kills them, across nodes until the backend's timeout). That is for an exception: a
+    signal (KeyboardInterrupt, a SIGTERM's) ends its rank as it would anywhere, and the others report the peer gone. A
+    collective inside must be one that every rank gets through or leaves by the same error (e.g. a part that agrees
+    itself). Collective."""
     try:
         yield
     except Exception:

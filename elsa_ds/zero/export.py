@@ -48,26 +48,32 @@ def export_model(module: PreTrainedModel, tokenizer, out_dir: Path, rank: int, m
 
     tensors = export_tensors(module)
     specs = [TensorSpec(name, compat.full_shape(t), t.dtype) for name, t in tensors]
-    writer = ShardedWriter(out_dir, specs, max_shard_size) if rank == 0 else None
     failed: list[Exception] = []  # rank 0's first failed write: the others are still gathering
-
-    def write(name: str, tensor: torch.Tensor) -> None:
-        if writer is not None and not failed:
-            try:
-                writer.write(name, tensor)
-            except Exception as err:  # noqa: BLE001 - raised once the gathers are done
-                failed.append(err)
-
     with agreed(f"export to {out_dir}"):
-        with writer if writer is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            opened: list[ShardedWriter] = []  # rank 0's writer, made (its folder too) at its first write
+
+            def writer() -> ShardedWriter:
+                if not opened:
+                    opened.append(stack.enter_context(ShardedWriter(out_dir, specs, max_shard_size)))
+                return opened[0]
+
+            def on_rank_0(action: Callable[[], object]) -> None:
+                if rank == 0 and not failed:
+                    try:
+                        action()
+                    except Exception as err:  # noqa: BLE001 - raised once the gathers are done
+                        failed.append(err)
+
             for name, tensor in tensors:
                 if not isinstance(tensor, torch.nn.Parameter):  # a buffer: whole on every rank
-                    write(name, tensor)
+                    on_rank_0(lambda: writer().write(name, tensor))
                     continue
                 with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):  # collective: one parameter at a time
-                    write(name, tensor.data)
+                    on_rank_0(lambda: writer().write(name, tensor.data))
+            on_rank_0(writer)  # a model of no tensors still gets its (empty) index
             if failed:
-                raise failed[0]  # inside the writer: its shards are left unfinished
+                raise failed[0]  # the writer leaves its shards unfinished
         if rank == 0:
             _side_files(module, tokenizer, out_dir)
     return max((s.nbytes for s in specs), default=0) if rank == 0 else 0

@@ -16,8 +16,9 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.zero import compat
 from elsa_ds.zero.dist import same_on_every_rank
-from elsa_ds.zero.checkpoint import (CLIENT_KEY, FailedElsewhere, UnsafeCheckpointError, checked_place, checked_root, folder_place,
+from elsa_ds.zero.checkpoint import (CLIENT_KEY, UnsafeCheckpointError, checked_place, checked_root, folder_place,
                                      read_checkpoint_file, resume_order)
+from elsa_ds.zero.checkpoint_save import FailedElsewhere, Vote
 
 log = get_logger(__name__)
 
@@ -80,31 +81,25 @@ def _read_once(own: dict[str, Any], root: Path, path: str | Path, map_location: 
 
 def _load_tag(engine, tag: Path, read: Callable[..., Any], comm) -> tuple[bool, Any] | None:
     """DeepSpeed's load of ``tag`` (its files through ``read``), the ranks agreeing once, before its first collective
-    (``compat.checkpoint_hooks``), whether each one's part went well; a rank that raised before it agrees after.
+    (``checkpoint_save.Vote``), whether each one's part went well; a rank that raised before it votes after.
     None when some rank's part failed (the previous tag is tried); a refused file stops every rank. Else (whether this
-    rank's load ended well after the agreement, what it returned). Collective."""
-    agreed: list[bool] = []  # this rank's agreement, once made (or raised: another rank refused a file)
-
-    def before_collective() -> None:
-        agreed.append(True)  # before the call: when it raises, this rank has made its agreement all the same
-        if not _every_rank(True, None, tag, comm):
-            raise FailedElsewhere
-
+    rank's load ended well after the vote, what it returned). Collective."""
+    vote = Vote(lambda: _every_rank(True, None, tag, comm))  # its raise may also be another rank's refused file
     ok, loaded, refusal = False, None, None
     try:
-        with compat.checkpoint_hooks(engine, before_collective, read):
+        with compat.checkpoint_hooks(engine, vote, read):
             path, loaded = engine.load_checkpoint(str(tag.parent), tag=tag.name, load_module_strict=True,
                                                   load_optimizer_states=True, load_lr_scheduler_states=False)
         ok = path is not None and isinstance(loaded, dict) and CLIENT_KEY in loaded
     except FailedElsewhere:
         return None
     except (UnsafeCheckpointError, StateMismatch) as err:  # refused on every rank, not skipped for an older tag
-        if agreed:  # the agreement's own raise (another rank refused a file): every rank stops
+        if vote.made:  # the vote's own raise (another rank refused a file): every rank stops
             raise
         refusal = err if isinstance(err, UnsafeCheckpointError) else _altered(tag, str(err))
     except Exception as err:  # noqa: BLE001 - anything else DeepSpeed's load raises (the files were read whole before)
         log.info(f"checkpoint {tag.name} did not load ({type(err).__name__}: {str(err)[:200]}); trying the previous one")
-    if not agreed and not _every_rank(ok, refusal, tag, comm):
+    if not vote.made and not _every_rank(ok, refusal, tag, comm):
         return None
     return ok, loaded
 

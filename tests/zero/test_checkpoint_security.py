@@ -16,7 +16,7 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import check_output_dir
 from elsa_ds.jobs.selection import Selector
 from elsa_ds.jobs.training import RunState, run_state_problem, shared_state
-from elsa_ds.zero import checkpoint, resume_load
+from elsa_ds.zero import checkpoint, checkpoint_save, resume_load
 from elsa_ds.zero.ds_config import DsConfig
 from tests.conftest import ROOT, run_entry
 
@@ -246,7 +246,7 @@ def test_publishing_never_writes_through_a_link_nor_prunes_the_tag_it_published(
     (ckpt / "latest").write_text("global_step10")
     temp = ckpt / f".latest.{os.getpid()}.tmp"  # files/io.write_atomic's name for it, in this process
     temp.symlink_to(victim)
-    checkpoint.publish_latest(ckpt, "global_step15", keep=1)
+    checkpoint_save.publish_latest(ckpt, "global_step15", keep=1)
     assert (ckpt / "latest").read_text() == "global_step15" and not (ckpt / "latest").is_symlink()
     assert not temp.exists() and not temp.is_symlink() and victim.read_text() == "keep me"
     assert checkpoint.resume_order(ckpt) == ["global_step15"]
@@ -254,7 +254,7 @@ def test_publishing_never_writes_through_a_link_nor_prunes_the_tag_it_published(
     assert sorted(p.name for p in outside.iterdir()) == ["shard.pt", "victim.txt"]
     (ckpt / "global_step20").symlink_to(outside, target_is_directory=True)
     (ckpt / "zero_to_fp32.py").symlink_to(victim)  # DeepSpeed copies its script there with shutil.copyfile
-    checkpoint.clear_for_save(ckpt, "global_step20")  # rank 0, before every rank writes that tag
+    checkpoint_save.clear_for_save(ckpt, "global_step20")  # rank 0, before every rank writes that tag
     assert not (ckpt / "global_step20").exists() and not (ckpt / "zero_to_fp32.py").exists()
     assert (outside / "shard.pt").read_text() == "keep me too" and victim.read_text() == "keep me"
 

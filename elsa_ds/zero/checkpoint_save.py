@@ -1,0 +1,150 @@
+"""Writing a checkpoint on every rank: a tag is published as ``latest`` once every rank wrote it, and a rank that cannot
+write its part (a full disk) stops every rank, none left waiting in DeepSpeed's collectives (``checkpoint.py`` reads
+them and checks them before any model exists)."""
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from elsa_ds.errors import ElsaError
+from elsa_ds.files.disk_room import DiskFull, writer_ran_out
+from elsa_ds.files.io import write_atomic
+from elsa_ds.zero import compat
+from elsa_ds.zero.checkpoint import CLIENT_KEY, LATEST_BYTES, RECOVERY_SCRIPTS, tags_newest_first, write_fingerprint
+from elsa_ds.zero.dist import agreed, every_rank
+
+
+_WRITING: list[str] = []  # the tag this process's save began and has not seen every rank finish (more than one rank)
+
+
+def take_tags_being_written() -> tuple[str, ...]:
+    """The tag whose save this process began and did not see every rank finish, if any (then forgotten: the next job of
+    this process starts clear): after a failure here another rank may still be writing its files, by path, into the
+    output's checkpoints folder. Empty with one rank."""
+    tags = tuple(_WRITING)
+    _WRITING.clear()
+    return tags
+
+
+def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int, fingerprint: dict) -> str:
+    """Save after ``step`` (0-based) as tag global_step{step+1} (rank 0 writes the run's ``fingerprint`` beside the tags
+    first); publish it as latest; prune old tags. A rank that could not write its part (a full disk) stops every rank,
+    the tag gone, none waiting for it (for an exception; a signal ends that rank as it would anywhere). Collective."""
+    import torch.distributed as dist
+
+    tag = f"global_step{step + 1}"
+    what = f"checkpoint {ckpt_dir / tag}"
+    failure = _rank_zero_part(what, rank, lambda: _prepare(ckpt_dir, tag, fingerprint))
+    if failure is None:
+        _WRITING[:] = [tag] if dist.get_world_size() > 1 else []
+        failure = _write_tag(engine, ckpt_dir, tag, client)
+        _WRITING.clear()  # every rank is past its writes
+    if failure is None:
+        failure = _rank_zero_part(what, rank, lambda: publish_latest(ckpt_dir, tag, keep))
+        if failure is None:
+            return tag
+    if rank == 0:
+        discard_unpublished_tag(ckpt_dir, tag)
+    dist.barrier()  # the files gone before a rank measures the free space it reports
+    raise failure.measured_again() if isinstance(failure, DiskFull) else failure
+
+
+def _rank_zero_part(what: str, rank: int, part: Callable[[], None]) -> Exception | None:
+    """``part()`` on rank 0, the ranks agreeing after it (``dist.agreed``): None when it went well, else the error this
+    rank raises (rank 0's own, or another rank's failure named by ``what``). Collective."""
+    try:
+        with agreed(what):
+            if rank == 0:
+                part()
+    except Exception as err:  # noqa: BLE001 - raised by the caller once the tag is gone
+        return err
+    return None
+
+
+def _prepare(ckpt_dir: Path, tag: str, fingerprint: dict) -> None:
+    """Rank 0, before every rank writes ``tag``: the folder, the run's fingerprint, no earlier copy of the tag."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    write_fingerprint(ckpt_dir, fingerprint)
+    clear_for_save(ckpt_dir, tag)
+
+
+def discard_unpublished_tag(ckpt_dir: Path, tag: str) -> None:
+    """Rank 0, after a save of ``tag`` that failed, once no rank writes: the tag goes unless ``latest`` names it, and so
+    does a checkpoints folder with nothing published (this run made it: an older run's went with --overwrite, and
+    --resume needs a ``latest``)."""
+    latest = ckpt_dir / "latest"
+    if not (latest.is_file() and latest.read_bytes()[:LATEST_BYTES + 1].strip() == tag.encode()):
+        remove_tag(ckpt_dir / tag)
+    if not latest.exists():
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+class FailedElsewhere(Exception):
+    """Another rank's part of a collective save or load failed: this rank leaves DeepSpeed's call before its collective."""
+
+
+class Vote:
+    """The ranks' one agreement, just before DeepSpeed's first collective after a tag's reads or writes
+    (``compat.checkpoint_hooks``), whether each one's part went well (``every_ok()``, a collective): FailedElsewhere
+    when some rank's did not. ``made``: this rank has voted (set first: a vote that raises counts as made)."""
+
+    def __init__(self, every_ok: Callable[[], bool]):
+        self.every_ok, self.made = every_ok, False
+
+    def __call__(self) -> None:
+        self.made = True
+        if not self.every_ok():
+            raise FailedElsewhere
+
+
+def _write_tag(engine, ckpt_dir: Path, tag: str, client: dict) -> Exception | None:
+    """DeepSpeed's save of ``tag``, the ranks voting whether each one wrote its files; a rank whose writes raised votes
+    after. None when every rank wrote them, else the error this rank raises (its own: a full disk as
+    :class:`DiskFull`; or another rank's failure). Collective."""
+    vote = Vote(lambda: every_rank(True))
+    try:
+        with compat.checkpoint_hooks(engine, vote):
+            engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={CLIENT_KEY: client}, save_latest=False)
+        return None
+    except FailedElsewhere:
+        return ElsaError(f"checkpoint {ckpt_dir / tag}: another rank could not write its files (its line says why); the "
+                         "run stopped there, the tag was not kept")
+    except Exception as err:
+        if vote.made:  # raised inside the collectives after the vote: no rank waits for this one's
+            raise
+        every_rank(False)
+        return writer_ran_out(err, ckpt_dir / tag) or err
+
+
+def clear_for_save(ckpt_dir: Path, tag: str) -> None:
+    """Rank 0, before every rank writes ``tag``: a killed run's unpublished copy of it goes, and so do the recovery
+    scripts DeepSpeed copies beside the tags at each save where that copy would write through them (``shutil.copyfile``
+    writes into the file there, then makes it executable: through a link, or into every other name of a hard-linked
+    file, that a copied folder may hold). A file of one name stays: a save that fails leaves the scripts beside the
+    published tags (a walk: a full disk's save left none)."""
+    remove_tag(ckpt_dir / tag)
+    for name in RECOVERY_SCRIPTS:
+        path = ckpt_dir / name
+        if path.is_symlink() or (path.is_file() and path.stat().st_nlink > 1):
+            path.unlink()
+
+
+def remove_tag(path: Path) -> None:
+    """A tag's folder gone; a link there is removed itself, never followed."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def publish_latest(ckpt_dir: Path, tag: str, keep: int) -> None:
+    """Rank 0, once every rank wrote ``tag``: ``latest`` names it (``write_atomic``: a new temp file, never written through
+    a link a copied checkpoint may hold, renamed over it; an ElsaError when it cannot be written), then every tag but
+    ``tag`` and the ``keep`` - 1 before it goes: newer ones a killed run never published (never tried by a resume) must
+    not push ``tag`` out."""
+    write_atomic(ckpt_dir / "latest", tag)
+    tags = tags_newest_first(ckpt_dir)
+    at = tags.index(tag)
+    for old in tags[:at] + tags[at + keep:]:
+        remove_tag(ckpt_dir / old)
