@@ -44,6 +44,7 @@ TIMED_MODEL_PARAMS = 200_000_000  # a larger CPU job's step is its matmuls, whic
 PROBE_STEPS, PROBE_WARMUP = 8, 3
 PROBE_STEP_BUDGET_S = 3.0         # a micro-step longer than this (its FLOPs at the matmul rate) is priced, not timed
 TIMEOUT_S = 300                   # DeepSpeed's import, the engines and a few micro-steps, on 2 busy cores
+ANSWER_GRACE_S = 10.0             # rank 0's last step and its answer's write, once another rank has died at exit
 
 
 @dataclass(frozen=True)
@@ -152,10 +153,12 @@ def _rank_main(spec: dict) -> None:
             forward.append(t1 - t0)
             backward.append(t2 - t1)
             stepped.append(time.perf_counter() - t2)
-    if rank == 0:
+    if rank == 0:  # whole or absent: a rank that dies at exit after this (gloo's threads) leaves it standing
         timed = {"forward_s": statistics.median(forward), "backward_s": statistics.median(backward),
                  "step_s": statistics.median(stepped)}
-        Path(spec["answer"]).write_text(json.dumps(timed))
+        answer = Path(spec["answer"])
+        answer.with_suffix(".tmp").write_text(json.dumps(timed))
+        answer.with_suffix(".tmp").replace(answer)
 
 
 def _run_ranks(ranks: int, spec: dict) -> JobTimings | None:
@@ -179,7 +182,7 @@ def _run_ranks(ranks: int, spec: dict) -> JobTimings | None:
                 procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=folder,
                                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
                                               start_new_session=True))
-        failed = _wait_all(procs)
+        failed = _wait_all(procs, Path(spec["answer"]))
     except (OSError, RuntimeError) as err:  # a process that cannot start, an op that cannot build
         why = f"{type(err).__name__}: {err}"
     finally:
@@ -190,6 +193,9 @@ def _run_ranks(ranks: int, spec: dict) -> JobTimings | None:
     if why is None and isinstance(failed, int):
         said = (folder / f"rank{failed}.err").read_text(errors="replace").split("\n")
         why = next((line.strip()[:200] for line in reversed(said) if line.strip()), f"rank {failed} failed")
+        if Path(spec["answer"]).is_file():  # rank 0 timed every step with every rank: one died at exit, not before
+            log.debug(f"probe rank {failed} failed after rank 0's answer ({why}); the answer stands")
+            why = None
     elif why is None and isinstance(failed, str):
         why = failed
     if why is None:
@@ -203,12 +209,17 @@ def _run_ranks(ranks: int, spec: dict) -> JobTimings | None:
     return None
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> int | str | None:
-    """None when every process exited 0; the index of the first seen to fail; a sentence when the time ran out."""
+def _wait_all(procs: list[subprocess.Popen], answer: Path) -> int | str | None:
+    """None when every process exited 0; the index of the first seen to fail (once rank 0 has had
+    :data:`ANSWER_GRACE_S` to write ``answer``: a rank that died at exit may have left it mid-write); a sentence when the
+    time ran out."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         codes = [p.poll() for p in procs]
         if (failed := next((i for i, c in enumerate(codes) if c not in (None, 0)), None)) is not None:
+            grace = time.monotonic() + ANSWER_GRACE_S
+            while procs[0].poll() is None and not answer.is_file() and time.monotonic() < grace:
+                time.sleep(0.1)
             return failed
         if all(c == 0 for c in codes):
             return None
