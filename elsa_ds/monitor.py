@@ -61,6 +61,13 @@ class Monitor:
             except OSError as err:
                 master.enabled, self._master = False, None  # DeepSpeed's engine checks `enabled` before its events
                 get_logger(__name__).warning(
-                    f"the monitor's logs stop here: {disk_full(err, Path(MONITOR_DIR)) or err}; the run goes on (rank 0 "
+                    f"the monitor's logs stop here: {disk_full(err, _written_at(master)) or err}; the run goes on (rank 0 "
                     "alone writes them), and its next checkpoint stops it if the disk is still full")
         return guarded
+
+
+def _written_at(master) -> Path:
+    """Where DeepSpeed's file-based monitors write (the first configured ``output_path``): the folder a full disk's
+    message names when the error itself names no file."""
+    paths = (getattr(getattr(master, key, None), "output_path", None) for key in ("csv_monitor", "tb_monitor"))
+    return Path(next((p for p in paths if p), MONITOR_DIR))

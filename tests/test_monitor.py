@@ -48,3 +48,26 @@ def test_a_monitor_write_that_fails_on_rank_0_stops_the_logs_not_the_run(tmp_pat
     assert proc.returncode == 0 and "Traceback" not in text, text[-4000:]
     assert text.count("the monitor's logs stop here: no space left on") == 1, text[-4000:]
     assert (out / "model.safetensors").exists() and not list((out / "monitor").rglob("*.csv"))
+
+
+def test_a_full_disk_without_a_file_name_names_the_monitors_folder(tmp_path, caplog):
+    """A write error that names no file (a writer thread's ENOSPC) named ``monitor`` relative to the working directory;
+    it names the folder DeepSpeed's monitor writes to, and the free space there."""
+    import errno
+    import logging
+    import types
+
+    from elsa_ds.monitor import Monitor
+
+    def fail(events):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    folder = tmp_path / "run" / "monitor"
+    master = types.SimpleNamespace(enabled=True, write_events=fail, tb_monitor=None,
+                                   csv_monitor=types.SimpleNamespace(output_path=str(folder)))
+    monitor = Monitor(types.SimpleNamespace(monitor=master), rank=0)
+    with caplog.at_level(logging.WARNING):
+        monitor.write(1, {"loss": 1.0})
+        monitor.write(2, {"loss": 1.0})  # stopped: nothing more is written, nothing more said
+    said = [r.getMessage() for r in caplog.records if "logs stop here" in r.getMessage()]
+    assert len(said) == 1 and f"writing {folder}:" in said[0] and not monitor.enabled and master.enabled is False
