@@ -162,6 +162,12 @@ def estimate_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main_estimate(argv: list[str] | None = None) -> int:
     args = estimate_parser().parse_args(argv)
     start_logging(args)
@@ -176,6 +182,10 @@ def main_estimate(argv: list[str] | None = None) -> int:
         from elsa_ds.zero.ds_config import DsConfig
 
         opts = validated(EstimateOptions, {k: getattr(args, k) for k in _cli_fields(EstimateOptions) if getattr(args, k) is not None})
+        if opts.measure and opts.accelerator == "cuda" and not _cuda_here():
+            raise ElsaError("--measure times this machine's rates and --accelerator is cuda (the default), but this machine has "
+                            "no CUDA device: run it on the GPU host, pass --accelerator cpu for CPU ranks here, or drop "
+                            "--measure for a typical GPU host's rates")
         left = [f"--{n}" for names in job_only_flags().values() for n in names  # the disk line sizes what is written
                 if (v := getattr(args, n)) is not None and v is not False and n != "output_dir"]
         if left:

@@ -108,6 +108,11 @@ def test_the_estimator_refuses_what_the_job_could_not_run_or_a_profile_of_anothe
               "--machine cpu-2c is a CPU host's profile but --accelerator is cuda")
     run_fails("estimate.py", ["--model", "google/gemma-2-2b", "--deepspeed", "zero3", "--accelerator", "cpu", "--machine",
                               "gpu-server"], "--machine gpu-server is a GPU host's profile but --accelerator is cpu")
+    import torch
+
+    if not torch.cuda.is_available():  # a walk (2026-12-02): a Traceback from torch ("not compiled with CUDA") at the matmul
+        run_fails("estimate.py", ["--model", "google/gemma-2-27b", "--deepspeed", "zero3_offload_elsal", "--measure"],
+                  "--measure times this machine's rates and --accelerator is cuda (the default), but this machine has no CUDA")
     from elsa_ds.settings.config import ElsaConfig
     from elsa_ds.zero.ds_config import DsConfig
 
