@@ -47,10 +47,18 @@ def merge_adapters(state_dict: dict[str, torch.Tensor], scale: float,
         merged[plain.replace(".base_layer.", ".")] = value
     for module, ab in adapters.items():
         name = f"{module}.weight"
-        w = merged[name]
-        new = w.float() + scale * (ab["B"].float() @ ab["A"].float())
-        keep = keep_mask(name)
-        if keep is not None:
-            new = new.masked_fill(~keep.view(w.shape).to(new.device), 0.0)
-        merged[name] = new.to(w.dtype)
+        merged[name] = merged_weight(merged[name], ab["A"], ab["B"], scale, keep_mask(name))
     return merged
+
+
+def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, keep: torch.Tensor | None) -> torch.Tensor:
+    """One adapter merged: (W + scale·B·A) ⊙ m, computed in fp32, in W's dtype (``keep`` None: no mask)."""
+    new = w.float() + scale * (b.float() @ a.float())
+    if keep is not None:
+        new = new.masked_fill(~keep.view(w.shape).to(new.device), 0.0)
+    return new.to(w.dtype)
+
+
+def plain_weight_name(module_name: str) -> str:
+    """The plain model's weight name of a peft LoRA module's base Linear (what ``merge_adapters`` names it)."""
+    return f"{module_name.removeprefix(_PREFIX)}.weight"

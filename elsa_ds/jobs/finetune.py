@@ -47,6 +47,7 @@ from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.engine import PartitionedModel, ZeroEngine
 from elsa_ds.zero.export import export_consolidated, export_model
 from elsa_ds.zero.finetune_engine import build_lora_engine, build_masked_engine
+from elsa_ds.zero.partitions import merge_adapters_in_place
 
 log = get_logger(__name__)
 
@@ -179,6 +180,8 @@ class FinetuneJob:
         """Validation, the export (LoRA merged, mask re-applied), the report verified from the files. Collective."""
         cfg, opts = self.cfg, self.opts
         self.phases.mark("validation")
+        if cfg.finetune is Finetune.lora:  # the validation measures what the export holds: adapters merged, mask kept
+            merge_adapters_in_place(run.zero, cfg.lora_alpha / cfg.lora_rank, partial(_keep_mask, run.masks))
         tuned_ppl = self.validation_ppl(run)
         staging = staging_dir(opts.output_dir)
         with agreed(f"the output {opts.output_dir}"):
@@ -214,13 +217,11 @@ class FinetuneJob:
             global_batch=self.ds.train_batch_size, calibration=run.calibration, deepspeed_resolved=self.ds.raw)
 
     def _merge(self, masks: MaskReader | None, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rank 0's consolidated peft state dict -> the plain model's, adapters merged, the one-shot mask re-applied."""
+        """Rank 0's consolidated peft state dict -> the plain model's, adapters merged, the one-shot mask re-applied (the
+        engine's were merged before the validation, their B zeroed: this adds nothing, and keeps the export's names)."""
         from elsa_ds.finetune.lora import merge_adapters
 
-        def keep(name: str) -> torch.Tensor | None:
-            return None if masks is None else masks.read(name, 0, masks.numel(name))
-
-        return merge_adapters(state_dict, self.cfg.lora_alpha / self.cfg.lora_rank, keep)
+        return merge_adapters(state_dict, self.cfg.lora_alpha / self.cfg.lora_rank, partial(_keep_mask, masks))
 
     # ---- evaluate, cleanup ------------------------------------------------------------------------------------------
     def evaluate(self, result: dict[str, Any] | None) -> None:
@@ -232,3 +233,8 @@ class FinetuneJob:
     def cleanup(self) -> None:
         """Collect what setup built; the process group lives until the process exits (``zero/dist.py``)."""
         gc.collect()
+
+
+def _keep_mask(masks: MaskReader | None, name: str) -> torch.Tensor | None:
+    """The one-shot keep-mask of the plain weight ``name`` (None: the dense control)."""
+    return None if masks is None else masks.read(name, 0, masks.numel(name))

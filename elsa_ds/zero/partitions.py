@@ -3,7 +3,7 @@ projected model ELSA's selection scores (``--select_every``), and snapshots of t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -112,3 +112,24 @@ def restore_shards(job: ZeroEngine, snapshot: list[torch.Tensor]) -> None:
     with compat.editing_shards(job.zero_optimizer):
         for p, saved in zip(params, snapshot):
             compat.shard(p).copy_(saved)
+
+
+def merge_adapters_in_place(job: ZeroEngine, scale: float, keep_mask: Callable[[str], torch.Tensor | None]) -> int:
+    """Merge every LoRA adapter of the engine's peft model into its base weight's 16-bit partitions and zero its B:
+    W ← (W + scale·B·A) ⊙ m (``finetune.lora.merged_weight``; ``keep_mask(plain weight name)``, called on rank 0), so the
+    engine computes what the export holds (the export's own merge then adds nothing). After the last step: the fp32
+    masters are not touched. Returns how many were merged. Collective: one layer gathered at a time."""
+    import deepspeed
+
+    from elsa_ds.finetune.lora import ADAPTER, merged_weight, plain_weight_name
+
+    layers = [(name, m) for name, m in job.engine.module.named_modules()
+              if hasattr(m, "base_layer") and ADAPTER in getattr(m, "lora_A", {})]
+    with torch.no_grad(), compat.editing_shards(job.zero_optimizer):
+        for name, module in layers:
+            w, a, b = module.base_layer.weight, module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+            with deepspeed.zero.GatheredParameters([w, a, b], modifier_rank=0):  # rank 0's copies go to every rank
+                if job.comm.rank == 0:
+                    w.data.copy_(merged_weight(w.data, a.data, b.data, scale, keep_mask(plain_weight_name(name))))
+                    b.data.zero_()
+    return len(layers)

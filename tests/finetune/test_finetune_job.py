@@ -89,6 +89,30 @@ def test_lora_merges_with_the_mask_and_dense_control_trains_every_weight(tmp_pat
     assert torch.equal(tuned[embedding], original[embedding])  # --freeze_embeddings holds in retraining as in ELSA
 
 
+def test_loras_reported_perplexity_is_the_exported_models_on_two_ranks(tmp_path, tiny_model_dir, text_dir):
+    """A new user's walk (2026-12-02): the report's and the printed perplexity after LoRA were the engine's with the
+    adapters unmerged, dense over the pruned weights (76.86 where the export scored 79.45). The engine's adapters are
+    merged, the mask re-applied, before the validation: the figure is the export's, recomputed here from its files."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from elsa_ds.data.windows import validation_windows
+    from elsa_ds.evaluation.perplexity import window_nll
+
+    ds = derived_config(tmp_path, bf16={"enabled": False})
+    out = tmp_path / "lora"
+    proc = _run(ds, tiny_model_dir, text_dir, out, "--method", "magnitude", "--finetune", "lora", "--lora_rank", "4",
+                "--lr", "1e-2", ranks=2)
+    report = json.loads((out / "elsa_report.json").read_text())
+    assert "adapters merged" in report["ppl"]["measured_on"] and "(LoRA adapters merged, the mask re-applied)" in proc.stdout
+    model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    windows = validation_windows(str(text_dir), None, AutoTokenizer.from_pretrained(out), SETTINGS["seqlen"], "auto",
+                                 model.config, 4)
+    with torch.no_grad():
+        nll, count = window_nll(lambda ids: model(input_ids=ids, use_cache=False).logits, windows.ids, 2)
+    assert report["ppl"]["pruned"] == pytest.approx(windows.perplexity(nll, count), rel=1e-4)
+    assert report["ppl"]["pruned"] != pytest.approx(report["ppl"]["before_finetune"], rel=1e-3)  # the adapters trained
+
+
 def test_python_api_runs_the_retraining_baseline(tmp_path, tiny_model_dir, text_dir, monkeypatch):
     import elsa_ds
     from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases
