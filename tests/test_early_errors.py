@@ -279,3 +279,12 @@ def test_a_file_given_as_the_model_is_named_as_one(tmp_path, tiny_model_dir):
         run_fails("evaluate.py", ["--model", model, "--ppl", "shakespeare", "--seqlen", "64"], f"model {model} is a file")
     proc = run_entry("estimate.py", ["--model", str(tiny_model_dir / "config.json"), "--deepspeed", "zero3_offload", "--seqlen", "64"])
     assert "the run:" in proc.stdout
+
+
+def test_an_nvme_path_for_a_config_without_nvme_is_refused(tmp_path, tiny_model_dir):
+    """A new user's walk (2026-12-02): --nvme_path with zero3_offload ran to the end with everything in host memory, the
+    resolved config printing the path as if used."""
+    _prune_fails(["--deepspeed", "zero3_offload", "--model", str(tiny_model_dir), "--nvme_path", str(tmp_path),
+                  "--output_dir", str(tmp_path / "o")], f"--nvme_path {tmp_path} is given, but this DeepSpeed config "
+                 "offloads nothing to NVMe", "use ds_configs/zero3_nvme.json")
+    assert not (tmp_path / "o").exists()

@@ -336,8 +336,14 @@ def _apply_nvme_path(zero: dict[str, Any], nvme_path: str | None) -> None:
 
 
 def _nvme_problems(zero: dict[str, Any], nvme_path: str | None, check_paths: bool = True) -> list[str]:
-    """Every NVMe path must be set (and exist and be writable), and the optimizer swapper needs enough buffers."""
+    """Every NVMe path must be set (and exist and be writable), and the optimizer swapper needs enough buffers; an
+    --nvme_path for a config that offloads nothing to NVMe is refused (a walk: it was dropped without a word, and the
+    run held everything in host memory)."""
     found: list[str] = []
+    if nvme_path is not None and all(zero.get(key, {}).get("device") != "nvme" for key in ("offload_param", "offload_optimizer")):
+        found.append(f"--nvme_path {nvme_path} is given, but this DeepSpeed config offloads nothing to NVMe (its offload_param "
+                     "and offload_optimizer devices are not nvme): use ds_configs/zero3_nvme.json (or set a section's "
+                     "device to nvme), or drop --nvme_path")
     for key in ("offload_param", "offload_optimizer"):
         section = zero.get(key, {})
         if section.get("device") != "nvme":
