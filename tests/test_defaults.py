@@ -181,6 +181,18 @@ def test_a_pruned_start_with_retrainings_lr_ends_its_last_half_inside_the_mask()
     assert cfg.hold_steps == 0
 
 
+def test_the_rules_held_end_leaves_its_admm_steps_a_z_u_update():
+    """A new user's walk (2026-12-02): at 64 steps the rule's half left 32 ADMM steps, no z, u update at the default
+    interval 32, and the job warned of settings the user had not set. The held end is shortened to leave one."""
+    from elsa_ds.settings.config_checks import schedule_oddities
+
+    for steps, interval, held in ((64, 32, 31), (128, 32, 64), (40, 32, 7), (33, 32, 0), (64, 8, 32)):
+        cfg, record = _demo(sparsity=0.9, steps=steps, interval=interval)
+        assert cfg.hold_steps == held, (steps, interval)
+        assert not schedule_oddities(cfg), (steps, interval)
+        assert ("first z, u update" in record["why"]["hold_steps"]) == (held != round(steps / 2)), (steps, interval)
+
+
 def test_a_resume_compares_paths_by_their_place_and_the_demo_model_by_name(tmp_path, monkeypatch):
     """A walk (2026-12-02): a moved or reinstalled elsa_ds refused to resume its own demo run (the demo model's absolute
     path in the fingerprint, a model the user never named), ``m`` and ``./m`` were different settings, and the same

@@ -30,15 +30,29 @@ def apply_defaults(cfg: ElsaConfig, model_config, resumed: dict[str, Any] | None
         unset.pop("warmup_steps", None)
     if cfg.select_every:  # selection picks its own end among the projections: no held end (the paper's)
         unset.pop("hold_steps", None)
+    why = dict(suggestion.why)
+    if unset.get("hold_steps") and (held := _hold_with_a_projection(unset["hold_steps"], steps, cfg.interval)) != unset["hold_steps"]:
+        why["hold_steps"] += (f"; {held}, not {unset['hold_steps']}: the {steps - unset['hold_steps']} steps before it end before "
+                              f"the first z, u update at interval {cfg.interval}")
+        unset["hold_steps"] = held
     kept = _kept_from_checkpoint(cfg, unset, resumed)
     unset.update({k: value for k, (value, _) in kept.items()})
     record = {"inputs": {"n_params": n_params, "sparsity": sparsity, "steps": steps},
               "applied": {k: _plain(v) for k, v in unset.items()},
               "why": {k: (f"kept from the checkpoint --resume continues (the run started with it; unset, it would now be "
-                          f"{kept[k][1]})" if k in kept else suggestion.why[k]) for k in unset},
+                          f"{kept[k][1]})" if k in kept else why[k]) for k in unset},
               "set_by_user": sorted(k for k in RULE_FIELDS if k in cfg.model_fields_set),
               "kept_from_checkpoint": sorted(kept)}
     return (cfg.model_copy(update=unset) if unset else cfg), record
+
+
+def _hold_with_a_projection(hold: int, steps: int, interval: int) -> int:
+    """The rule's held end, shortened so that the ADMM steps before it make at least one z, u update at ``interval``
+    (after step interval − 1: config_checks.schedule_oddities); 0 (the paper's end) where even that leaves none (a
+    walk: at 64 steps the rule's half left 32 ADMM steps, no update at the default interval 32, and warned of it)."""
+    if (steps - hold - 1) // interval >= 1:
+        return hold
+    return max(0, steps - interval - 1)
 
 
 def _plain(value: Any) -> Any:
