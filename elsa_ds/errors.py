@@ -233,6 +233,14 @@ def _after_peer_gone(err: RuntimeError, where: str) -> int:
     return 1
 
 
+def _group_formed() -> bool:
+    """Whether this process has joined its job's process group. Before it, a refusal is of the command, its settings
+    and its files, which every rank started together refuses alike: said once (``first_to_say``) and without a rank, as
+    argparse's are (a walk: "(rank 1)" before a bad --sparsity read as one rank's problem)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
 def is_panic(err: BaseException) -> bool:
     """Whether ``err`` is a Rust library's panic raised through pyo3 (``pyo3_runtime.PanicException``, a BaseException
     no module exports)."""
@@ -259,7 +267,7 @@ def guarded(fn: Callable[[], int | None]) -> int:
         return code
     except ElsaError as err:  # printed, not logged: the one-line contract holds whatever the log level
         if first_to_say(str(err)):
-            stderr_line(f"elsa_ds: error{where}: {err}")
+            stderr_line(f"elsa_ds: error{where if _group_formed() else ''}: {err}")
         return 2
     except (KeyboardInterrupt, Terminated) as err:
         return _stop_line(err, where)

@@ -128,6 +128,7 @@ def test_ranks_of_one_launcher_say_a_shared_refusal_once(tmp_path, tiny_model_di
         proc = run_entry("prune.py", [*common, *bad], ranks=2, check=False, timeout=300)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
         assert proc.returncode == 2 and len(errors) == 1 and bad[0].strip("-")[:6] in errors[0], proc.stderr[-3000:]
+        assert errors[0].startswith("elsa_ds: error: "), errors  # the command's refusal, not one rank's: no "(rank 1)"
         # the rank that said it lingers while the others reach it; the launcher's SIGTERM then ends it without a word
         assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "out").exists()
@@ -169,3 +170,30 @@ def test_a_line_is_claimed_once_per_launcher_and_different_lines_are_all_said(mo
     assert first_to_say(line) and first_to_say(line)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert first_to_say(line + " and more") and first_to_say(line + " and more")  # this process's own claim
+
+
+def test_a_refusal_before_the_process_group_names_no_rank(monkeypatch, capsys):
+    """A walk (2026-12-02): under the launcher a bad --sparsity was said once, as "elsa_ds: error (rank 1): ...", which read
+    as one rank's problem. Before the process group forms, a refusal is the command's (every rank refuses it alike):
+    no rank; once the group exists a rank's own line still says which rank it is."""
+    import elsa_ds.errors as errors
+    from elsa_ds.errors import ElsaError, guarded
+
+    def refuse():
+        raise ElsaError("--sparsity: Input should be less than 1")
+
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from elsa_ds.errors import ElsaError, guarded\n"
+            "def refuse():\n    raise ElsaError('--sparsity: Input should be less than 1')\n"
+            "sys.exit(guarded(refuse))")
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"} | {"RANK": "1"}  # a process of its own: no group
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == "elsa_ds: error: --sparsity: Input should be less than 1", proc.stderr
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(errors, "_group_formed", lambda: True)
+    assert guarded(refuse) == 2
+    assert capsys.readouterr().err.strip() == "elsa_ds: error (rank 1): --sparsity: Input should be less than 1"

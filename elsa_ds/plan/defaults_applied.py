@@ -31,9 +31,11 @@ def apply_defaults(cfg: ElsaConfig, model_config, resumed: dict[str, Any] | None
     if cfg.select_every:  # selection picks its own end among the projections: no held end (the paper's)
         unset.pop("hold_steps", None)
     why = dict(suggestion.why)
-    if unset.get("hold_steps") and (held := _hold_with_a_projection(unset["hold_steps"], steps, cfg.interval)) != unset["hold_steps"]:
-        why["hold_steps"] += (f"; {held}, not {unset['hold_steps']}: the {steps - unset['hold_steps']} steps before it end before "
-                              f"the first z, u update at interval {cfg.interval}")
+    rule_hold = unset.get("hold_steps") or 0
+    assert isinstance(rule_hold, int)  # the rule gives a step count
+    if rule_hold and (held := _hold_with_a_projection(rule_hold, steps, cfg.interval)) != rule_hold:
+        why["hold_steps"] += (f"; {held}, not {rule_hold}: the {steps - rule_hold} steps before it end before the first z, u "
+                              f"update at interval {cfg.interval}")
         unset["hold_steps"] = held
     kept = _kept_from_checkpoint(cfg, unset, resumed)
     unset.update({k: value for k, (value, _) in kept.items()})
