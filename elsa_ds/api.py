@@ -17,13 +17,12 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from elsa_ds.errors import ElsaError, sigterm_unwinds
 from elsa_ds.jobs.owner import run_owned
-from elsa_ds.log import logging_for
+from elsa_ds.log import logging_for, warnings_filtered
 from elsa_ds.plan import read_settings
 from elsa_ds.settings.options import JobOptions, job_options
 from elsa_ds.zero.dist import launcher_env_restored
@@ -75,7 +74,7 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
                             **run}, given_as="the arguments")
         given = {**{k: v for k, v in settings.items() if k not in run}, "model": _model_name(model) if in_memory else str(model),
                  "dataset": name}
-        with logging_for(opts.log_level) if "log_level" in run else nullcontext():  # for this call only
+        with logging_for(opts.log_level) if "log_level" in run else warnings_filtered():  # for this call only
             cfg, ds_config = read_settings(opts, given, spelt="")
             with launcher_env_restored():
                 return run_owned(cfg, opts, ds_config)

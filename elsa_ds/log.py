@@ -147,6 +147,15 @@ class _DropMessage(logging.Filter):
         return self.message not in record.getMessage()
 
 
+@contextmanager
+def warnings_filtered() -> Iterator[None]:
+    """The QUIET_WARNINGS ignored for a block, the caller's warning filters put back after it (the Python API: a
+    walk saw DeepSpeed's deprecation warnings there, which the command line filters)."""
+    with warnings.catch_warnings():
+        filter_warnings()
+        yield
+
+
 def filter_warnings() -> None:
     """Ignore exactly the QUIET_WARNINGS; every other warning is shown as Python shows it."""
     for category, message, _why in QUIET_WARNINGS:
