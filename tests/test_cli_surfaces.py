@@ -95,6 +95,9 @@ def test_bad_settings_are_one_error_line(capsys, tiny_model_dir):
     assert len(err) == 1 and "num_gpus=0" in err[0]
     assert main_estimate(["--model", "google/gemma-2-2b", "--deepspeed", "zero3", "--seqlen", "1"]) == 2
     assert "seqlen=1" in capsys.readouterr().err  # validated by ElsaConfig, as elsa-prune validates it
+    # a percentage for the fraction: named as such (a walk, 2026-12-02: "Input should be less than 1" alone)
+    assert main_estimate(["--model", "google/gemma-2-2b", "--deepspeed", "zero3", "--sparsity", "70"]) == 2
+    assert "sparsity=70.0: a fraction of zeros in [0, 1), not a percentage: 0.7 for 70 %" in capsys.readouterr().err
 
 
 def test_estimate_resolves_unset_settings_as_the_job_does(capsys):

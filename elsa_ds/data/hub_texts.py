@@ -94,7 +94,10 @@ def check_hub_texts(texts: dict[str, str], tasks: dict[str, str], named: tuple[s
     said = []
     for what, repo in missing.items():
         near = [] if repo in NAMED_REPOS.values() else difflib.get_close_matches(repo, named, n=1)
-        said.append(f"{what} ({repo}{f'; did you mean {near[0]}?' if near else ''})")
+        # a relative path mistyped reads as a hub id (owner/name): a walk's --dataset data/shakespeare_dir blamed the hub
+        local = f"; no file or folder of that name in {Path.cwd()} either" if what in texts and "/" in repo and \
+            repo not in NAMED_REPOS.values() else ""
+        said.append(f"{what} ({repo}{local}{f'; did you mean {near[0]}?' if near else ''})")
     texts_missing = any(what in texts for what in missing)
     way = "give a local file or folder (.txt, .md, .jsonl, .parquet)" if texts_missing else "use task YAMLs that read local files"
     raise ElsaError(f"{'; '.join(said)}: {'datasets' if len(said) > 1 else 'a dataset'} of the Hugging Face hub, which "

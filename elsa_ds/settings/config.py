@@ -213,6 +213,18 @@ class ElsaConfig(BaseModel):
     eval_include_path: str | None = Field(None, **_group("evaluation", "DIR"))
     """Directory of local lm-eval task YAMLs for eval_tasks."""
 
+    @field_validator("sparsity", mode="before")
+    @classmethod
+    def _a_fraction(cls, v: Any) -> Any:
+        """A percentage given for the fraction (a walk: --sparsity 70 said only "Input should be less than 1")."""
+        try:
+            value = float(v)
+        except (TypeError, ValueError):
+            return v  # the field's own check names it
+        if 1.0 < value <= 100.0:
+            raise ValueError(f"a fraction of zeros in [0, 1), not a percentage: {value / 100:g} for {value:g} %")
+        return v
+
     @field_validator("eval_ppl")
     @classmethod
     def _eval_sources_exist(cls, v: list[str]) -> list[str]:

@@ -2,6 +2,8 @@
 them (a walk: --eval_tasks boolq failed offline after the whole job, in a traceback; --eval_ppl wikitext2 too)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from elsa_ds.data import hub_texts
@@ -45,6 +47,9 @@ def test_offline_and_uncached_is_refused_naming_each_and_reachable_or_cached_is_
     assert "HF_HUB_OFFLINE is set" in said and "give a local file or folder" in said and "\n" not in said
     with pytest.raises(ElsaError, match=r"^--tasks boolq \(aps/super_glue\): a dataset .* use task YAMLs that read local"):
         hub_texts.check_hub_texts({}, {"--tasks boolq": "aps/super_glue"})
+    with pytest.raises(ElsaError) as err:  # a mistyped relative folder reads as a hub id: the message says neither is here
+        hub_texts.check_hub_texts({"--dataset 'data/plays'": "data/plays"}, {})
+    assert str(err.value).startswith(f"--dataset 'data/plays' (data/plays; no file or folder of that name in {Path.cwd()} either):")
     hub, _ = caches
     (hub / "datasets--aps--super_glue").mkdir()
     hub_texts.check_hub_texts({}, {"--tasks boolq": "aps/super_glue"})  # cached: the loader may find it
