@@ -177,3 +177,6 @@ def test_a_recipes_paths_are_its_folders_and_stay_inside_it(tmp_path, monkeypatc
         load_recipe(str(_recipe(folder, {"dataset": "./out/texts.txt"})))
     with pytest.raises(ElsaError, match="nvme_path: where this machine writes is yours to choose"):
         load_recipe(str(_recipe(folder, {"nvme_path": "/local_nvme"})))
+    with pytest.raises(ElsaError, match=r"unknown settings \['lamda'\] \(a recipe may set: ") as err:
+        load_recipe(str(_recipe(folder, {"lamda": 0.1})))
+    assert "lmda" in str(err.value) and "nvme_path" not in str(err.value) and "eval_include_path" not in str(err.value)

@@ -73,8 +73,9 @@ def load_recipe(name_or_path: str, known: set[str]) -> dict[str, Any]:
     if not isinstance(settings, dict) or not isinstance(recipe.get("source"), str):
         raise ElsaError(f"recipe {path} must hold {{\"source\": \"<where the values come from>\", \"settings\": {{...}}}}")
     unknown = sorted(set(settings) - set(known))
-    if unknown:
-        raise ElsaError(f"recipe {path}: unknown settings {unknown} (known: {', '.join(sorted(known))})")
+    if unknown:  # the known a recipe may set (a walk: the list named nvme_path and eval_include_path, which it refuses)
+        settable = sorted(set(known) - {*COMMAND_LINE_ONLY, *MACHINE_ONLY})
+        raise ElsaError(f"recipe {path}: unknown settings {unknown} (a recipe may set: {', '.join(settable)})")
     refuse_command_line_only(settings, f"recipe {path}")
     return recipe_paths(settings, path)
 
