@@ -194,6 +194,7 @@ def main() -> int:
     from elsa_ds.capacity.ablation import TreeMonitor
     from elsa_ds.capacity.memory import estimate_job
     from elsa_ds.capacity.shapes import state_bytes
+    from elsa_ds.zero.ds_config import DsConfig
     from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases
     from elsa_ds.zero.dist import free_port
 
@@ -214,13 +215,14 @@ def main() -> int:
           f"({ram / GIB:.1f} GiB); {args.ranks} ranks; out {out}", flush=True)
     print(f"[bench/scale] DeepSpeed config {ds_path}:\n{json.dumps(ds['zero_optimization'], indent=2)}", flush=True)
 
-    settings = {"seqlen": args.seqlen, "freeze_embeddings": not args.train_embeddings, "nvme_path": str(nvme)}
+    settings = {"seqlen": args.seqlen, "freeze_embeddings": not args.train_embeddings,
+                **({"nvme_path": str(nvme)} if DsConfig(ds).uses_nvme else {})}  # the job refuses it for another config
     est = estimate_job(str(model_dir), str(ds_path), args.ranks, settings=settings, device="cpu")
     run_dir = out / "run"
     prune_args = ["--deepspeed", str(ds_path), "--model", str(model_dir), "--random_init", "--dataset", "shakespeare",
                   "--seqlen", str(args.seqlen), "--batch_size", str(args.ranks), "--micro_batch", "1", "--steps", str(STEPS),
                   "--interval", str(INTERVAL), "--sparsity", str(args.sparsity), "--val_windows", "0", "--baseline", "none",
-                  "--nvme_path", str(nvme), "--output_dir", str(run_dir), "--overwrite",
+                  *(["--nvme_path", str(nvme)] if DsConfig(ds).uses_nvme else []), "--output_dir", str(run_dir), "--overwrite",
                   "--no-freeze_embeddings" if args.train_embeddings else "--freeze_embeddings"]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks), "--master_port", str(free_port()),
            str(ROOT / "launch" / "prune.py"), *prune_args]
