@@ -22,7 +22,7 @@ from elsa_ds.data.sources import DEMO_DATASET, FILE_NOT_MODEL, looks_local
 from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
-from elsa_ds.settings.config_checks import cross_checks
+from elsa_ds.settings.config_checks import cross_checks, not_a_percentage
 from elsa_ds.settings.config_files import (check_each_source, comma_list, compile_regex, load_profile,
                                           load_recipe as _load_recipe, resume_place)
 from elsa_ds.targets import LayerGoal, layer_goals
@@ -216,14 +216,7 @@ class ElsaConfig(BaseModel):
     @field_validator("sparsity", mode="before")
     @classmethod
     def _a_fraction(cls, v: Any) -> Any:
-        """A percentage given for the fraction (a walk: --sparsity 70 said only "Input should be less than 1")."""
-        try:
-            value = float(v)
-        except (TypeError, ValueError):
-            return v  # the field's own check names it
-        if 1.0 < value <= 100.0:
-            raise ValueError(f"a fraction of zeros in [0, 1), not a percentage: {value / 100:g} for {value:g} %")
-        return v
+        return not_a_percentage(v)
 
     @field_validator("eval_ppl")
     @classmethod

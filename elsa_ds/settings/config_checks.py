@@ -116,3 +116,15 @@ def refuse_unread_elsa_settings(cfg: Any, given: dict[str, Any], prefix: str) ->
     one = len(stray) == 1
     raise ElsaError(f"{', '.join(stray)} shape{'s' if one else ''} ELSA's ADMM run; with method {cfg.method.value} nothing "
                     f"reads {'it' if one else 'them'}: drop {'it' if one else 'them'} (or use method elsa)")
+
+
+def not_a_percentage(v: Any) -> Any:
+    """``v`` (a sparsity, before the field's own checks), or ValueError for a percentage given for the fraction (a walk:
+    --sparsity 70 said only "Input should be less than 1")."""
+    try:
+        value = float(v)
+    except (TypeError, ValueError):
+        return v  # the field's own check names it
+    if 1.0 < value <= 100.0:
+        raise ValueError(f"a fraction of zeros in [0, 1), not a percentage: {value / 100:g} for {value:g} %")
+    return v
