@@ -102,6 +102,13 @@ class ElsaError(Exception):
     """
 
 
+class SettingsError(ElsaError):
+    """A setting's value refused by its own rule (on the command line, in a recipe or a config file): every rank started
+    together refuses it alike, so it is said once and without a rank, as argparse's errors are (a walk: "(rank 1)" before
+    a bad --sparsity read as one rank's problem). A check of this rank's machine (its GPU's free memory, a node's disk)
+    stays an ElsaError, which names its rank."""
+
+
 def require(module: str, extra: str, feature: str):
     """Import an optional dependency, or raise ElsaError naming the extra that installs it."""
     import importlib
@@ -233,14 +240,6 @@ def _after_peer_gone(err: RuntimeError, where: str) -> int:
     return 1
 
 
-def _group_formed() -> bool:
-    """Whether this process has joined its job's process group. Before it, a refusal is of the command, its settings
-    and its files, which every rank started together refuses alike: said once (``first_to_say``) and without a rank, as
-    argparse's are (a walk: "(rank 1)" before a bad --sparsity read as one rank's problem)."""
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
-
-
 def is_panic(err: BaseException) -> bool:
     """Whether ``err`` is a Rust library's panic raised through pyo3 (``pyo3_runtime.PanicException``, a BaseException
     no module exports)."""
@@ -267,7 +266,7 @@ def guarded(fn: Callable[[], int | None]) -> int:
         return code
     except ElsaError as err:  # printed, not logged: the one-line contract holds whatever the log level
         if first_to_say(str(err)):
-            stderr_line(f"elsa_ds: error{where if _group_formed() else ''}: {err}")
+            stderr_line(f"elsa_ds: error{'' if isinstance(err, SettingsError) else where}: {err}")
         return 2
     except (KeyboardInterrupt, Terminated) as err:
         return _stop_line(err, where)

@@ -186,6 +186,8 @@ def test_the_rules_held_end_leaves_its_admm_steps_a_z_u_update():
     interval 32, and the job warned of settings the user had not set. The held end is shortened to leave one."""
     from elsa_ds.settings.config_checks import schedule_oddities
 
+    cfg, _ = _demo(sparsity=0.9, steps=20, interval=32)  # no hold leaves an update: the rule's, and the warning says why
+    assert cfg.hold_steps == 10 and "end before the first projection" in schedule_oddities(cfg)[0]
     for steps, interval, held in ((64, 32, 31), (128, 32, 64), (40, 32, 7), (33, 32, 0), (64, 8, 32)):
         cfg, record = _demo(sparsity=0.9, steps=steps, interval=interval)
         assert cfg.hold_steps == held, (steps, interval)

@@ -172,28 +172,20 @@ def test_a_line_is_claimed_once_per_launcher_and_different_lines_are_all_said(mo
     assert first_to_say(line + " and more") and first_to_say(line + " and more")  # this process's own claim
 
 
-def test_a_refusal_before_the_process_group_names_no_rank(monkeypatch, capsys):
+def test_a_settings_refusal_names_no_rank_and_a_ranks_own_check_does(monkeypatch, capsys):
     """A walk (2026-12-02): under the launcher a bad --sparsity was said once, as "elsa_ds: error (rank 1): ...", which read
-    as one rank's problem. Before the process group forms, a refusal is the command's (every rank refuses it alike):
-    no rank; once the group exists a rank's own line still says which rank it is."""
-    import elsa_ds.errors as errors
+    as one rank's problem. A setting refused by its own rule is every rank's (no rank); a check of this rank's machine
+    (a review: one GPU's free memory, taken by another process) still says which rank it is."""
     from elsa_ds.errors import ElsaError, guarded
+    from elsa_ds.settings.config import resolve_config
 
-    def refuse():
-        raise ElsaError("--sparsity: Input should be less than 1")
-
-    import os
-    import subprocess
-    import sys
-
-    code = ("import sys; from elsa_ds.errors import ElsaError, guarded\n"
-            "def refuse():\n    raise ElsaError('--sparsity: Input should be less than 1')\n"
-            "sys.exit(guarded(refuse))")
-    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"} | {"RANK": "1"}  # a process of its own: no group
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.strip() == "elsa_ds: error: --sparsity: Input should be less than 1", proc.stderr
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(errors, "_group_formed", lambda: True)
-    assert guarded(refuse) == 2
-    assert capsys.readouterr().err.strip() == "elsa_ds: error (rank 1): --sparsity: Input should be less than 1"
+    assert guarded(lambda: resolve_config({}, {"sparsity": 1.5})) == 2
+    assert capsys.readouterr().err.startswith("elsa_ds: error: invalid setting in the command line: sparsity=1.5")
+
+    def gpu_full():
+        raise ElsaError("needs ~40 GiB GPU memory, this GPU has 12 GiB available")
+
+    assert guarded(gpu_full) == 2
+    assert capsys.readouterr().err.strip() == "elsa_ds: error (rank 1): needs ~40 GiB GPU memory, this GPU has 12 GiB available"

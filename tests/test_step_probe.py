@@ -95,7 +95,7 @@ def test_the_demo_jobs_micro_step_is_timed_on_two_real_ranks_and_the_estimate_ta
     monkeypatch.setattr(probe, "free_port", lambda: ports.append(free_port()) or ports[-1])
 
     def popen(cmd, **kwargs):  # rank 1 as the probe runs it, aborting once all else has run at its exit
-        if kwargs["env"]["RANK"] == "1":
+        if (kwargs.get("env") or {}).get("RANK") == "1":
             cmd = [sys.executable, "-c", "import atexit, os, runpy, sys; atexit.register(os.abort); sys.argv[0] = 'probe'; "
                    "runpy.run_module('elsa_ds.capacity.probe', run_name='__main__')", *cmd[3:]]
             aborted.append(real_popen(cmd, **kwargs))

@@ -5,7 +5,8 @@
          -> evaluate (the saved model) -> cleanup
 
 --finetune full trains every weight through MaskedOptimizer (pruned entries exactly zero); --finetune lora trains
-peft adapters on the pruned layers and merges them at the export, the mask re-applied. --method dense is the
+peft adapters on the pruned layers and merges them into the engine's weights before the validation, the mask
+re-applied, so the validation and the export see the same model. --method dense is the
 control: the same training without pruning. The data, loop, checkpoints and validation are the components ELSA's job
 uses too (``training.py``).
 """

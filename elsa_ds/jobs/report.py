@@ -111,8 +111,8 @@ def finetune_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
     steady = rec.step_times[1:] or rec.step_times
     tail = rec.losses[-min(len(rec.losses), 32):]
     lora = finetune.value == "lora"
-    measured_on = "the engine's weights" + (", LoRA adapters merged and the mask re-applied (the export's weights)"
-                                            if lora else "")
+    merged = ", LoRA adapters merged" + (" and the mask re-applied" if rec.expected_zeros else "")  # dense control: none
+    measured_on = "the engine's weights" + (f"{merged} (the export's weights)" if lora else "")
     return {
         **_common(rec),
         "finetune": finetune.value, "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha} if lora else None,
@@ -194,7 +194,7 @@ def print_summary(result: dict[str, Any], output_dir: Path) -> None:
     log.info(f"wrote {output_dir} ({len(result['layers'])} layers, each exactly at its target; overall sparsity "
              f"{result['overall_sparsity']:.4f})")
     if p.get("before_finetune") is not None:
-        lora = " (LoRA adapters merged, the mask re-applied)" if result.get("lora") else ""
+        lora = f" (LoRA adapters merged{', the mask re-applied' if result['layers'] else ''})" if result.get("lora") else ""
         log.info(f"validation perplexity over {p['windows']} windows of {p['seqlen']}: before fine-tuning "
                  f"{p['before_finetune']:.3f} | after {p['pruned']:.3f}{lora}")
         if p["pruned"] is not None and p["pruned"] > p["before_finetune"]:  # as ELSA's below (a user's walk: only ELSA's)

@@ -50,11 +50,12 @@ def apply_defaults(cfg: ElsaConfig, model_config, resumed: dict[str, Any] | None
 
 def _hold_with_a_projection(hold: int, steps: int, interval: int) -> int:
     """The rule's held end, shortened so that the ADMM steps before it make at least one z, u update at ``interval``
-    (after step interval − 1: config_checks.schedule_oddities); 0 (the paper's end) where even that leaves none (a
-    walk: at 64 steps the rule's half left 32 ADMM steps, no update at the default interval 32, and warned of it)."""
-    if (steps - hold - 1) // interval >= 1:
+    (after step interval − 1: config_checks.schedule_oddities); as it is where no hold leaves one either (a run no
+    longer than its interval: the schedule's warning says so). A walk: at 64 steps the rule's half left 32 ADMM steps, no
+    update at the default interval 32, and the job warned of it."""
+    if (steps - hold - 1) // interval >= 1 or (steps - 1) // interval < 1:
         return hold
-    return max(0, steps - interval - 1)
+    return steps - interval - 1
 
 
 def _plain(value: Any) -> Any:

@@ -20,7 +20,7 @@ from elsa_ds.admm.state import StateDtype
 from elsa_ds.data.sampling import Sampling
 from elsa_ds.data.sources import DEMO_DATASET, FILE_NOT_MODEL, looks_local
 from elsa_ds.data.windows import PplProtocol
-from elsa_ds.errors import ElsaError, format_validation_error
+from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
 from elsa_ds.settings.config_checks import cross_checks, not_a_percentage
 from elsa_ds.settings.config_files import (check_each_source, comma_list, compile_regex, load_profile,
@@ -143,7 +143,8 @@ class ElsaConfig(BaseModel):
     """Train the last this many steps inside a fixed mask: the hard projection x = Π(x) comes that many steps before
     the end, then no penalty and the pruned entries held at exactly 0 (the masked retraining of ADMM pruning; not in
     the ELSA paper). λ's schedule runs over the steps before it. 0 = the paper's method [from the defaults rule: half
-    the steps where its pruned start at ≥ 80 % takes retraining's lr (below ~450 steps); else 0]."""
+    the steps (fewer where the rest would make no z, u update) where its pruned start at ≥ 80 % takes retraining's lr
+    (below ~450 steps); else 0]."""
     select_every: int = Field(0, ge=0, **_group("admm"))
     """Score the hard projection Π(x) on the validation windows every this many projections and export the best one
     (0 = export the final Π(x)); with --init_weights the pruned start is scored too, as step 0."""
@@ -395,4 +396,4 @@ def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the Deep
         return ElsaConfig(**merged)
     except ValidationError as err:
         where = [w for w, used in ((recipe_source, recipe), (source, block), (given_as, given)) if used]
-        raise ElsaError(format_validation_error(err, " / ".join(where) or "the defaults", ElsaConfig)) from None
+        raise SettingsError(format_validation_error(err, " / ".join(where) or "the defaults", ElsaConfig)) from None

@@ -125,6 +125,6 @@ def not_a_percentage(v: Any) -> Any:
         value = float(v)
     except (TypeError, ValueError):
         return v  # the field's own check names it
-    if 1.0 < value <= 100.0:
+    if 1.0 < value < 100.0:
         raise ValueError(f"a fraction of zeros in [0, 1), not a percentage: {value / 100:g} for {value:g} %")
     return v

@@ -147,7 +147,7 @@ def check_each_source(model: Any, sources: list[tuple[str, dict[str, Any]]]) -> 
     setting that names code is refused there (``refuse_command_line_only``)."""
     from pydantic import ValidationError
 
-    from elsa_ds.errors import format_validation_error
+    from elsa_ds.errors import SettingsError, format_validation_error
 
     for where, values in sources:
         if not values:
@@ -157,7 +157,7 @@ def check_each_source(model: Any, sources: list[tuple[str, dict[str, Any]]]) -> 
             model(**values)
         except ValidationError as err:
             if own := [e for e in err.errors() if e["loc"] and e["loc"][0] in values]:
-                raise ElsaError(format_validation_error(err, where, model, own)) from None
+                raise SettingsError(format_validation_error(err, where, model, own)) from None
 
 
 MAX_REGEX_CHARS = 1000

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from elsa_ds.errors import ElsaError, format_validation_error
+from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
 from elsa_ds.log import setup_logging
 from elsa_ds.settings.config import DEMO_PROFILE, ElsaConfig
 from elsa_ds.settings.options import JobOptions
@@ -40,7 +40,7 @@ def validated(model: type[BaseModel], values: dict[str, Any], where: str = "the 
     try:
         return model(**values)
     except ValidationError as err:
-        raise ElsaError(format_validation_error(err, where, model)) from None
+        raise SettingsError(format_validation_error(err, where, model)) from None
 
 
 def positive_int(text: str) -> int:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from elsa_ds.errors import ElsaError, format_validation_error
+from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
 from elsa_ds.files.aside import published
 from elsa_ds.files.output import REPORT_NAME, foreign_entries
 from elsa_ds.log import LogLevel, get_logger
@@ -60,7 +60,7 @@ def job_options(values: dict[str, Any], given_as: str = "the command line") -> J
     try:
         opts = JobOptions(**values)
     except ValidationError as err:
-        raise ElsaError(format_validation_error(err, given_as, JobOptions)) from None
+        raise SettingsError(format_validation_error(err, given_as, JobOptions)) from None
     return resolve_resume(opts) if opts.resume_if_any else opts
 
 

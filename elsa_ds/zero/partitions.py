@@ -14,6 +14,7 @@ from elsa_ds.admm.projection import NM, projection_masks
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
 from elsa_ds.zero import compat
+from elsa_ds.zero.dist import agreed
 from elsa_ds.zero.engine import ZeroEngine
 from elsa_ds.zero.layout import local_partition
 
@@ -125,11 +126,17 @@ def merge_adapters_in_place(job: ZeroEngine, scale: float, keep_mask: Callable[[
 
     layers = [(name, m) for name, m in job.engine.module.named_modules()
               if hasattr(m, "base_layer") and ADAPTER in getattr(m, "lora_A", {})]
-    with torch.no_grad(), compat.editing_shards(job.zero_optimizer):
+    failed: Exception | None = None  # rank 0's (a mask it cannot read): it gathers on with the others, then all stop
+    with agreed("merging the LoRA adapters"), torch.no_grad(), compat.editing_shards(job.zero_optimizer):
         for name, module in layers:
             w, a, b = module.base_layer.weight, module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
             with deepspeed.zero.GatheredParameters([w, a, b], modifier_rank=0):  # rank 0's copies go to every rank
-                if job.comm.rank == 0:
-                    w.data.copy_(merged_weight(w.data, a.data, b.data, scale, keep_mask(plain_weight_name(name))))
-                    b.data.zero_()
+                if job.comm.rank == 0 and failed is None:
+                    try:
+                        w.data.copy_(merged_weight(w.data, a.data, b.data, scale, keep_mask(plain_weight_name(name))))
+                        b.data.zero_()
+                    except Exception as err:  # noqa: BLE001 - raised below, once every rank is past the gathers
+                        failed = err
+        if failed is not None:
+            raise failed
     return len(layers)

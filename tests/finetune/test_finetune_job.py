@@ -15,7 +15,7 @@ from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
 from elsa_ds.oneshot.pipeline import load_host_model, prune_oneshot
 from elsa_ds.settings.config import resolve_config
-from tests.conftest import derived_config, run_entry
+from tests.conftest import ROOT, derived_config, run_entry
 
 pytestmark = pytest.mark.integration
 
@@ -90,16 +90,22 @@ def test_lora_merges_with_the_mask_and_dense_control_trains_every_weight(tmp_pat
     assert torch.equal(tuned[embedding], original[embedding])  # --freeze_embeddings holds in retraining as in ELSA
 
 
-def test_loras_reported_perplexity_is_the_exported_models_on_two_ranks(tmp_path, tiny_model_dir, text_dir):
+@pytest.mark.parametrize("persistence", [None, 0], ids=["small-tensors-kept-whole", "every-tensor-partitioned"])
+def test_loras_reported_perplexity_is_the_exported_models_on_two_ranks(tmp_path, tiny_model_dir, text_dir, persistence):
     """A new user's walk (2026-12-02): the report's and the printed perplexity after LoRA were the engine's with the
     adapters unmerged, dense over the pruned weights (76.86 where the export scored 79.45). The engine's adapters are
-    merged, the mask re-applied, before the validation: the figure is the export's, recomputed here from its files."""
+    merged, the mask re-applied, before the validation: the figure is the export's, recomputed here from its files. The
+    tiny model's tensors are all below the shipped persistence threshold (kept whole between steps); at 0 every one is
+    partitioned, as a real model's Linears are."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from elsa_ds.data.windows import validation_windows
     from elsa_ds.evaluation.perplexity import window_nll
 
-    ds = derived_config(tmp_path, bf16={"enabled": False})
+    zero = json.loads((ROOT / "ds_configs" / "zero3_offload.json").read_text())["zero_optimization"]
+    if persistence is not None:
+        zero["stage3_param_persistence_threshold"] = persistence
+    ds = derived_config(tmp_path, bf16={"enabled": False}, zero_optimization=zero)
     out = tmp_path / "lora"
     proc = _run(ds, tiny_model_dir, text_dir, out, "--method", "magnitude", "--finetune", "lora", "--lora_rank", "4",
                 "--lr", "1e-2", ranks=2)
