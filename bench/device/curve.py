@@ -192,10 +192,13 @@ def swapped_lr_flags(cell: Cell, model: str) -> list[str]:
     rule's start and warm-up), but with the lr the rule gives the other method at the same sparsity and steps."""
     from elsa_ds.capacity.shapes import resolve_model_config
     from elsa_ds.models import meta_model
+    from elsa_ds.settings.config import ElsaConfig
     from elsa_ds.settings.defaults import elsa_settings, retrain_settings
 
     n_params = sum(p.numel() for p in meta_model(resolve_model_config(model)).parameters())  # as the job's rule counts
-    elsa, retrain = elsa_settings(n_params, cell.sparsity or 0.0, cell.steps), retrain_settings(n_params, cell.steps)
+    interval = ElsaConfig.model_fields["interval"].default  # the cells' (prune_command sets none)
+    elsa = elsa_settings(n_params, cell.sparsity or 0.0, cell.steps, interval=interval)
+    retrain = retrain_settings(n_params, cell.steps)
     own, other = (elsa, retrain) if cell.method == "elsa" else (retrain, elsa)
     flags: list[str] = []
     for key, value in (own.values | {"lr": other.values["lr"]}).items():

@@ -24,38 +24,21 @@ def apply_defaults(cfg: ElsaConfig, model_config, resumed: dict[str, Any] | None
     # the rule's start comes with the rule's lr: a user's lr, or a start of the user's, keeps the paper's dense start
     start_pruned = bool(cfg.init_mask and cfg.init_weights) if given & {"lr", "init_mask", "init_weights"} else None
     suggestion = (retrain_settings(n_params, steps) if cfg.finetune is not None else
-                  elsa_settings(n_params, sparsity, steps, start_pruned))
+                  elsa_settings(n_params, sparsity, steps, start_pruned, cfg.interval))
     unset = {k: v for k, v in suggestion.values.items() if k not in given and k in RULE_FIELDS}
     if "lr" not in unset:  # the warm-up belongs to the rule's lr: a user's lr keeps the user's warm-up
         unset.pop("warmup_steps", None)
     if cfg.select_every:  # selection picks its own end among the projections: no held end (the paper's)
         unset.pop("hold_steps", None)
-    why = dict(suggestion.why)
-    rule_hold = unset.get("hold_steps") or 0
-    assert isinstance(rule_hold, int)  # the rule gives a step count
-    if rule_hold and (held := _hold_with_a_projection(rule_hold, steps, cfg.interval)) != rule_hold:
-        why["hold_steps"] += (f"; {held}, not {rule_hold}: the {steps - rule_hold} steps before it end before the first z, u "
-                              f"update at interval {cfg.interval}")
-        unset["hold_steps"] = held
     kept = _kept_from_checkpoint(cfg, unset, resumed)
     unset.update({k: value for k, (value, _) in kept.items()})
     record = {"inputs": {"n_params": n_params, "sparsity": sparsity, "steps": steps},
               "applied": {k: _plain(v) for k, v in unset.items()},
               "why": {k: (f"kept from the checkpoint --resume continues (the run started with it; unset, it would now be "
-                          f"{kept[k][1]})" if k in kept else why[k]) for k in unset},
+                          f"{kept[k][1]})" if k in kept else suggestion.why[k]) for k in unset},
               "set_by_user": sorted(k for k in RULE_FIELDS if k in cfg.model_fields_set),
               "kept_from_checkpoint": sorted(kept)}
     return (cfg.model_copy(update=unset) if unset else cfg), record
-
-
-def _hold_with_a_projection(hold: int, steps: int, interval: int) -> int:
-    """The rule's held end, shortened so that the ADMM steps before it make at least one z, u update at ``interval``
-    (after step interval − 1: config_checks.schedule_oddities); as it is where no hold leaves one either (a run no
-    longer than its interval: the schedule's warning says so). A walk: at 64 steps the rule's half left 32 ADMM steps, no
-    update at the default interval 32, and the job warned of it."""
-    if (steps - hold - 1) // interval >= 1 or (steps - 1) // interval < 1:
-        return hold
-    return steps - interval - 1
 
 
 def _plain(value: Any) -> Any:

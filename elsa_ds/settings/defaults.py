@@ -138,10 +138,13 @@ def schedule_why(sparsity: float, cosine: bool, linear: bool) -> str:
     return f"constant: sparsity below {low:.0%} (the paper's setting)"
 
 
-def elsa_settings(n_params: int, sparsity: float, steps: int, start_pruned: bool | None = None) -> Suggestion:
-    """lr, λ, λ schedule, warm-up and start for ELSA on a model of ``n_params`` parameters pruned to ``sparsity`` in
-    ``steps`` steps. ``start_pruned``: whether x starts from a one-shot's pruned weights as the user set it (their
-    ``--init_mask`` with ``--init_weights``); None: the rule decides, and says so in ``init_mask`` / ``init_weights``."""
+def elsa_settings(n_params: int, sparsity: float, steps: int, start_pruned: bool | None = None,
+                  interval: int | None = None) -> Suggestion:
+    """lr, λ, λ schedule, warm-up, start and held end for ELSA on a model of ``n_params`` parameters pruned to
+    ``sparsity`` in ``steps`` steps. ``start_pruned``: whether x starts from a one-shot's pruned weights as the user set
+    it (their ``--init_mask`` with ``--init_weights``); None: the rule decides, and says so in ``init_mask`` /
+    ``init_weights``. ``interval``: the run's steps between z, u updates, which the held end leaves room for one of
+    (:func:`held_end`); None: not known, the held end as the rule states it."""
     rule_start = start_pruned is None and rule_warm_start(sparsity, steps)
     pruned = bool(start_pruned) or rule_start
     factor, budget_why = budget_factor(steps)
@@ -173,13 +176,24 @@ def elsa_settings(n_params: int, sparsity: float, steps: int, start_pruned: bool
         start_why = (f"start from SparseGPT's pruned model: sparsity up to {WARM_START_UP_TO:.0%} over a short budget "
                      f"(< {COSINE_FROM[1]} steps; ours, measured at 70 and 90 %)")
         why.update(init_mask=start_why, init_weights=start_why)
-    hold = round(HOLD_FRACTION * steps) if retrain_like else 0
-    if hold:  # else unset: the paper's end (x = Π(x) at the last step)
-        values["hold_steps"] = hold
+    half = round(HOLD_FRACTION * steps) if retrain_like else 0
+    if half:  # else unset: the paper's end (x = Π(x) at the last step)
+        values["hold_steps"] = hold = held_end(half, steps, interval)
         why["hold_steps"] = (f"{HOLD_FRACTION:.0%} of {steps} steps inside the mask of an early x = Π(x): x starts pruned at "
                              f">= {LINEAR_FROM:.0%} where retraining's lr is above ELSA's (below ~450 steps; ours, measured "
-                             "at 80 and 90 %)")
+                             "at 80 and 90 %)" + (f"; {hold}, not {half}: the {steps - half} steps before {half} end before "
+                                                  f"the first z, u update at interval {interval}" if hold != half else ""))
     return Suggestion(values, why)
+
+
+def held_end(hold: int, steps: int, interval: int | None) -> int:
+    """The held end, shortened so that the ADMM steps before it make at least one z, u update at ``interval`` (after
+    step interval − 1: ``config_checks.schedule_oddities``); as it is where no hold leaves one either (a run no longer
+    than its interval: the schedule's warning says so) or the interval is not known. A walk: at 64 steps the rule's half
+    left 32 ADMM steps, no update at the default interval 32, and the job warned of settings the user had not set."""
+    if interval is None or (steps - hold - 1) // interval >= 1 or (steps - 1) // interval < 1:
+        return hold
+    return steps - interval - 1
 
 
 def budget_factor(steps: int) -> tuple[float, str]:
