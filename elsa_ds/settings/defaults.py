@@ -15,7 +15,7 @@ the report say which values came from here and why. Pure: numbers in, numbers ou
     held end       = the last half of T inside the mask of an early x = Π(x) (--hold_steps T/2) when x starts pruned,
                      s ≥ 0.8 and retraining's G · (4096 / T)^β is above F (T below ~450); else none (the paper's)
                      (shortened where the steps before it would make no z, u update at the run's interval:
-                     ``plan/defaults_applied.py``)
+                     :func:`held_end`)
     λ              = Λ(N) · exp(κ·(s − 0.9))
     λ schedule     = cosine from 0 when s ≥ 0.7 and T ≥ 2048 (the paper's long runs); else linear from 0 when
                      s ≥ 0.8 (short budgets: our choice, measured); else constant
