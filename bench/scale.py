@@ -215,14 +215,15 @@ def main() -> int:
           f"({ram / GIB:.1f} GiB); {args.ranks} ranks; out {out}", flush=True)
     print(f"[bench/scale] DeepSpeed config {ds_path}:\n{json.dumps(ds['zero_optimization'], indent=2)}", flush=True)
 
+    uses_nvme = DsConfig(ds).uses_nvme  # --nvme_path only then: the job refuses it for another config
     settings = {"seqlen": args.seqlen, "freeze_embeddings": not args.train_embeddings,
-                **({"nvme_path": str(nvme)} if DsConfig(ds).uses_nvme else {})}  # the job refuses it for another config
+                **({"nvme_path": str(nvme)} if uses_nvme else {})}
     est = estimate_job(str(model_dir), str(ds_path), args.ranks, settings=settings, device="cpu")
     run_dir = out / "run"
     prune_args = ["--deepspeed", str(ds_path), "--model", str(model_dir), "--random_init", "--dataset", "shakespeare",
                   "--seqlen", str(args.seqlen), "--batch_size", str(args.ranks), "--micro_batch", "1", "--steps", str(STEPS),
                   "--interval", str(INTERVAL), "--sparsity", str(args.sparsity), "--val_windows", "0", "--baseline", "none",
-                  *(["--nvme_path", str(nvme)] if DsConfig(ds).uses_nvme else []), "--output_dir", str(run_dir), "--overwrite",
+                  *(["--nvme_path", str(nvme)] if uses_nvme else []), "--output_dir", str(run_dir), "--overwrite",
                   "--no-freeze_embeddings" if args.train_embeddings else "--freeze_embeddings"]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks), "--master_port", str(free_port()),
            str(ROOT / "launch" / "prune.py"), *prune_args]

@@ -33,6 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from elsa_ds.files.io import write_json
 from elsa_ds.files.procfs import usable_cpus
 from elsa_ds.log import get_logger
 from elsa_ds.zero import compat
@@ -156,9 +157,7 @@ def _rank_main(spec: dict) -> None:
     if rank == 0:  # whole or absent: a rank that dies at exit after this (gloo's threads) leaves it standing
         timed = {"forward_s": statistics.median(forward), "backward_s": statistics.median(backward),
                  "step_s": statistics.median(stepped)}
-        answer = Path(spec["answer"])
-        answer.with_suffix(".tmp").write_text(json.dumps(timed))
-        answer.with_suffix(".tmp").replace(answer)
+        write_json(Path(spec["answer"]), timed)
 
 
 def _run_ranks(ranks: int, spec: dict) -> JobTimings | None:
