@@ -157,5 +157,8 @@ def test_init_mask_of_another_shape_or_without_zeros_is_refused_before_loading(t
     pruned = tmp_path / "magnitude"
     fast = ["--dataset", str(text_dir), "--seqlen", "64", "--micro_batch", "2", "--val_windows", "0", "--baseline", "none"]
     run_entry("prune.py", [*args[:4], *fast, "--method", "magnitude", "--sparsity", "0.6", "--output_dir", str(pruned)])
-    run_entry("prune.py", [*args, *fast, "--init_mask", str(pruned), "--sparsity", "0.6", "--steps", "2", "--lr", "1e-3"])
+    proc = run_entry("prune.py", [*args, *fast, "--init_mask", str(pruned), "--sparsity", "0.6", "--steps", "2", "--lr", "1e-3"])
     assert (tmp_path / "o" / "elsa_report.json").exists()
+    said = proc.stdout + proc.stderr  # the folder's mask alone: x from the dense model, said once, with the flag that changes it
+    assert said.count(f"z starts from that folder's mask, x from the dense weights of {tiny_model_dir}") == 1
+    assert "add --init_weights" in said

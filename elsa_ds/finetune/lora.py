@@ -1,7 +1,8 @@
 """LoRA on the pruned layers (peft), and the merge that keeps the one-shot mask.
 
 Each pruned W [out, in] is frozen and gets an adapter ΔW = (α / r)·B·A (A [r, in], B [out, r]; B starts at 0).
-At the end the adapters are merged into the exported weights and the mask m is re-applied,
+At the end the adapters are merged into the engine's base weights and the mask m is re-applied
+(``zero.partitions.merge_adapters_in_place``, before the validation, so that it measures what the export holds),
 
     W' = (W + (α / r)·B·A) ⊙ m,
 
@@ -13,6 +14,8 @@ import re
 from collections.abc import Callable
 
 import torch
+
+from elsa_ds.errors import ElsaError
 
 ADAPTER = "default"
 _PREFIX = "base_model.model."
@@ -29,26 +32,24 @@ def add_adapters(model: torch.nn.Module, weight_names: list[str], rank: int, alp
     return get_peft_model(model, config)
 
 
-def merge_adapters(state_dict: dict[str, torch.Tensor], scale: float,
-                   keep_mask: Callable[[str], torch.Tensor | None]) -> dict[str, torch.Tensor]:
-    """A peft model's consolidated state dict -> the plain model's, every adapter merged: W' = (W + scale·B·A) ⊙ m.
-
-    ``keep_mask(name)`` gives the keep-mask of the plain weight ``name`` (None: no mask, the dense control). The merge
-    is computed in fp32 and stored in W's dtype.
-    """
-    merged: dict[str, torch.Tensor] = {}
-    adapters: dict[str, dict[str, torch.Tensor]] = {}
+def merged_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A peft model's consolidated state dict, its adapters already merged into their base weights (B zero:
+    ``zero.partitions.merge_adapters_in_place``) -> the plain model's: the adapters dropped, the base weights renamed.
+    An adapter whose B is not zero was never merged: ElsaError, not a silently dense-less export."""
+    plain_dict: dict[str, torch.Tensor] = {}
+    unmerged = []
     for key, value in state_dict.items():
         plain = key.removeprefix(_PREFIX)
         found = re.match(rf"^(.*)\.lora_([AB])\.{ADAPTER}\.weight$", plain)
         if found:
-            adapters.setdefault(found.group(1), {})[found.group(2)] = value
+            if found.group(2) == "B" and bool(value.any()):
+                unmerged.append(found.group(1))
             continue
-        merged[plain.replace(".base_layer.", ".")] = value
-    for module, ab in adapters.items():
-        name = f"{module}.weight"
-        merged[name] = merged_weight(merged[name], ab["A"], ab["B"], scale, keep_mask(name))
-    return merged
+        plain_dict[plain.replace(".base_layer.", ".")] = value
+    if unmerged:
+        raise ElsaError(f"{len(unmerged)} LoRA adapters (the first: {unmerged[0]}) were not merged into their base weights "
+                        "before the export: their update would be lost")
+    return plain_dict
 
 
 def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, keep: torch.Tensor | None) -> torch.Tensor:
@@ -60,5 +61,5 @@ def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: floa
 
 
 def plain_weight_name(module_name: str) -> str:
-    """The plain model's weight name of a peft LoRA module's base Linear (what ``merge_adapters`` names it)."""
+    """The plain model's weight name of a peft LoRA module's base Linear (what ``merged_state_dict`` names it)."""
     return f"{module_name.removeprefix(_PREFIX)}.weight"

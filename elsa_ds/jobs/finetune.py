@@ -28,6 +28,7 @@ from elsa_ds.admm.schedule import learning_rate
 from elsa_ds.files.mask_file import MaskReader
 from elsa_ds.files.output import fresh_staging, side_path, staging_dir
 from elsa_ds.files.weight_files import check_weight_files
+from elsa_ds.finetune.lora import merged_state_dict
 from elsa_ds.jobs import report
 from elsa_ds.jobs.phases import PhaseLog
 from elsa_ds.jobs.training import (Checkpoints, Opened, RunState, TrainingData, load_for_training, open_training, train_loop,
@@ -192,7 +193,7 @@ class FinetuneJob:
         result = None
         with agreed(f"the output {opts.output_dir}"):  # the last collective: the other ranks may leave, rank 0 evaluates
             if cfg.finetune is Finetune.lora:  # a gather, then rank 0's writes
-                export_consolidated(run.zero, run.data.tokenizer, staging, transform=partial(self._merge, run.masks))
+                export_consolidated(run.zero, run.data.tokenizer, staging, transform=merged_state_dict)
             else:
                 export_model(run.zero.engine.module, run.data.tokenizer, staging, run.rank)  # its ranks agree at its end
             if run.rank == 0:
@@ -216,13 +217,6 @@ class FinetuneJob:
             validation=run.data.validation.describe(), goals=run.goals, expected_zeros=expected, final_ppl=tuned_ppl,
             baseline_ppl=st.baseline_ppl, losses=st.losses, step_times=st.step_times, defaults=self.plan.defaults,
             global_batch=self.ds.train_batch_size, calibration=run.calibration, deepspeed_resolved=self.ds.raw)
-
-    def _merge(self, masks: MaskReader | None, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rank 0's consolidated peft state dict -> the plain model's, adapters merged, the one-shot mask re-applied (the
-        engine's were merged before the validation, their B zeroed: this adds nothing, and keeps the export's names)."""
-        from elsa_ds.finetune.lora import merge_adapters
-
-        return merge_adapters(state_dict, self.cfg.lora_alpha / self.cfg.lora_rank, partial(_keep_mask, masks))
 
     # ---- evaluate, cleanup ------------------------------------------------------------------------------------------
     def evaluate(self, result: dict[str, Any] | None) -> None:

@@ -55,6 +55,9 @@ def warm_start(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer
         raise ValueError("warm_start starts from --init_mask; the config has none (the job asks only when it is set)")
     if init_mask not in {m.value for m in OneShot}:
         # x₀ from a directory: no rank-0 pass to measure the dense model on, so the report leaves dense out
+        if not cfg.init_weights and rank == 0:  # a short run from the dense weights can end far worse than the folder
+            log.info(f"--init_mask {init_mask}: z starts from that folder's mask, x from the dense weights of {source.name}; "
+                     "add --init_weights to start x from the folder's pruned weights")
         return WarmStart(MaskReader(init_mask), ModelSource(init_mask) if cfg.init_weights else None)
     model_dir = warm_start_weights_dir(output_dir) if cfg.init_weights else None
     masks, _, nll = oneshot_on_rank0(cfg, OneShot(init_mask), source, tokenizer, rank, warm_start_path(output_dir), model_dir,

@@ -1,10 +1,12 @@
 """MaskedOptimizer and the LoRA merge on plain tensors."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from elsa_ds.admm.projection import Slice
-from elsa_ds.finetune.lora import merge_adapters
+from elsa_ds.errors import ElsaError
+from elsa_ds.finetune.lora import merged_state_dict, merged_weight
 from elsa_ds.finetune.optimizer import KEEP, MaskedOptimizer
 
 
@@ -52,21 +54,34 @@ def test_state_dict_round_trip_restores_the_bool_mask():
     assert torch.equal(opt2.state[flat2][KEEP], opt.state[flat][KEEP])
 
 
-def test_lora_merge_keeps_the_mask_and_renames_keys():
+def test_lora_merge_keeps_the_mask():
     torch.manual_seed(0)
-    w = torch.randn(6, 4)
     keep = torch.rand(6, 4) > 0.5
-    w = w * keep
+    w = (torch.randn(6, 4) * keep).to(torch.bfloat16)
     a, b = torch.randn(2, 4), torch.randn(6, 2)
-    state = {"base_model.model.layers.0.proj.base_layer.weight": w.to(torch.bfloat16),
-             "base_model.model.layers.0.proj.lora_A.default.weight": a, "base_model.model.layers.0.proj.lora_B.default.weight": b,
-             "base_model.model.embed.weight": torch.ones(3, 4)}
-    merged = merge_adapters(state, 0.5, lambda name: keep if name == "layers.0.proj.weight" else None)
-    assert set(merged) == {"layers.0.proj.weight", "embed.weight"}
-    out = merged["layers.0.proj.weight"]
+    out = merged_weight(w, a, b, 0.5, keep)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out != 0, keep)
-    expected = ((w.to(torch.bfloat16).float() + 0.5 * b @ a) * keep).to(torch.bfloat16)
-    assert torch.equal(out, expected)
-    dense = merge_adapters(state, 0.5, lambda name: None)["layers.0.proj.weight"]
+    assert torch.equal(out, ((w.float() + 0.5 * b @ a) * keep).to(torch.bfloat16))
+    dense = merged_weight(w, a, b, 0.5, None)
     assert int((dense == 0).sum()) < int((~keep).sum())         # without a mask the update fills the zeros
+
+
+def _peft_state(b: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"base_model.model.layers.0.proj.base_layer.weight": torch.ones(6, 4, dtype=torch.bfloat16),
+            "base_model.model.layers.0.proj.lora_A.default.weight": torch.randn(2, 4),
+            "base_model.model.layers.0.proj.lora_B.default.weight": b, "base_model.model.embed.weight": torch.ones(3, 4)}
+
+
+def test_merged_state_dict_drops_merged_adapters_and_renames_keys():
+    state = _peft_state(torch.zeros(6, 2))
+    plain = merged_state_dict(state)
+    assert set(plain) == {"layers.0.proj.weight", "embed.weight"}
+    assert plain["layers.0.proj.weight"] is state["base_model.model.layers.0.proj.base_layer.weight"]
+
+
+def test_merged_state_dict_refuses_an_adapter_never_merged():
+    b = torch.zeros(6, 2)
+    b[3, 1] = 1e-3
+    with pytest.raises(ElsaError, match="1 LoRA adapters .*layers.0.proj.* not merged"):
+        merged_state_dict(_peft_state(b))
