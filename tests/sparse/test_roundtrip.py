@@ -2,6 +2,9 @@
 tokens, the bytes saved, and every input layout (safetensors, sharded, pytorch_model.bin)."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import torch
 
 from elsa_ds.sparse import compress, from_pretrained, verify
@@ -56,8 +59,19 @@ def test_sizes_of_the_pruned_demo(pruned_dir, sparse_dir, tmp_path):
     assert done["pruned_bytes"] <= 0.2 * done["pruned_dense_bytes"]
     assert done["output_bytes"] < 0.5 * done["input_bytes"]
     assert sorted(p.name for p in (tmp_path / "bf16-90-sparse").iterdir()) == sorted(
-        ["config.json", "generation_config.json", SPARSE_FILE, "tokenizer.json", "tokenizer_config.json"])
+        ["config.json", "generation_config.json", SPARSE_FILE, "tokenizer.json", "tokenizer_config.json", "README.md"])
     assert verify(tmp_path / "bf16-90-sparse")["plain"] > 0
+
+
+def test_the_checkpoint_says_how_to_load_it_and_keeps_the_inputs_own_card(pruned_dir, sparse_dir, tmp_path):
+    """transformers stops on a sparse folder with its own error: the folder's model card names the loader."""
+    card = (sparse_dir / "README.md").read_text()
+    assert 'elsa_ds.sparse.from_pretrained("PATH", mode="dense")' in card and "elsa-compress --verify" in card
+    assert f"each of its {len(json.loads((sparse_dir / 'config.json').read_text())['elsa_sparse']['tensors'])} pruned" in card
+    own = shutil.copytree(pruned_dir, tmp_path / "carded")
+    (own / "README.md").write_text("# the user's model card\n")
+    compress(own, tmp_path / "carded-sparse")
+    assert (tmp_path / "carded-sparse" / "README.md").read_text() == "# the user's model card\n"
 
 
 def test_sharded_and_bin_inputs_and_sharded_output(pruned_dir, tmp_path):
