@@ -11,7 +11,6 @@ so the export is exactly as sparse as the one-shot model (the paper's Wanda + Lo
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 
 import torch
 
@@ -35,7 +34,7 @@ def add_adapters(model: torch.nn.Module, weight_names: list[str], rank: int, alp
 def merged_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A peft model's consolidated state dict, its adapters already merged into their base weights (B zero:
     ``zero.partitions.merge_adapters_in_place``) -> the plain model's: the adapters dropped, the base weights renamed.
-    An adapter whose B is not zero was never merged: ElsaError, not a silently dense-less export."""
+    An adapter whose B is not zero was never merged: ElsaError, not an export silently without its update."""
     plain_dict: dict[str, torch.Tensor] = {}
     unmerged = []
     for key, value in state_dict.items():

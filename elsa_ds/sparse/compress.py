@@ -37,7 +37,7 @@ model.safetensors"; `AutoConfig` and `AutoTokenizer` read the folder as usual). 
 
     import elsa_ds.sparse
     model = elsa_ds.sparse.from_pretrained("PATH", mode="dense")   # a plain transformers model, weights decompressed
-    model = elsa_ds.sparse.from_pretrained("PATH", mode="sparse")  # the pruned Linears kept compressed: faster decode
+    model = elsa_ds.sparse.from_pretrained("PATH", mode="sparse")  # the pruned Linears kept compressed (less memory)
 
 Either model's `save_pretrained(DIR)` writes the dense model, which transformers reads. `elsa-compress --verify PATH`
 checks every tensor against its SHA-256 in config.json.
