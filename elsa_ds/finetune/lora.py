@@ -31,7 +31,7 @@ def add_adapters(model: torch.nn.Module, weight_names: list[str], rank: int, alp
     return get_peft_model(model, config)
 
 
-def merged_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def plain_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A peft model's consolidated state dict, its adapters already merged into their base weights (B zero:
     ``zero.partitions.merge_adapters_in_place``) -> the plain model's: the adapters dropped, the base weights renamed.
     An adapter whose B is not zero was never merged: ElsaError, not an export silently without its update."""
@@ -46,8 +46,8 @@ def merged_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
             continue
         plain_dict[plain.replace(".base_layer.", ".")] = value
     if unmerged:
-        raise ElsaError(f"{len(unmerged)} LoRA adapters (the first: {unmerged[0]}) were not merged into their base weights "
-                        "before the export: their update would be lost")
+        raise ElsaError(f"LoRA adapters not merged into their base weights before the export ({len(unmerged)}, the first "
+                        f"{unmerged[0]}): their update would be lost")
     return plain_dict
 
 
@@ -60,5 +60,5 @@ def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: floa
 
 
 def plain_weight_name(module_name: str) -> str:
-    """The plain model's weight name of a peft LoRA module's base Linear (what ``merged_state_dict`` names it)."""
+    """The plain model's weight name of a peft LoRA module's base Linear (what ``plain_state_dict`` names it)."""
     return f"{module_name.removeprefix(_PREFIX)}.weight"

@@ -28,7 +28,7 @@ from elsa_ds.admm.schedule import learning_rate
 from elsa_ds.files.mask_file import MaskReader
 from elsa_ds.files.output import fresh_staging, side_path, staging_dir
 from elsa_ds.files.weight_files import check_weight_files
-from elsa_ds.finetune.lora import merged_state_dict
+from elsa_ds.finetune.lora import plain_state_dict
 from elsa_ds.jobs import report
 from elsa_ds.jobs.phases import PhaseLog
 from elsa_ds.jobs.training import (Checkpoints, Opened, RunState, TrainingData, load_for_training, open_training, train_loop,
@@ -193,7 +193,7 @@ class FinetuneJob:
         result = None
         with agreed(f"the output {opts.output_dir}"):  # the last collective: the other ranks may leave, rank 0 evaluates
             if cfg.finetune is Finetune.lora:  # a gather, then rank 0's writes
-                export_consolidated(run.zero, run.data.tokenizer, staging, transform=merged_state_dict)
+                export_consolidated(run.zero, run.data.tokenizer, staging, transform=plain_state_dict)
             else:
                 export_model(run.zero.engine.module, run.data.tokenizer, staging, run.rank)  # its ranks agree at its end
             if run.rank == 0:

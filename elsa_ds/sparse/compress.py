@@ -28,10 +28,10 @@ from elsa_ds.sparse.meta import CONFIG_KEY, block, read_config, seal
 
 DEFAULT_MIN_SPARSITY = 0.3
 ANOTHER_OUTPUT = "choose another output folder"  # what a message of a full disk tells the user to do instead
-MODEL_CARD = "README.md"  # written where the input has none: transformers' own error in this folder names no way out
-CARD_TEXT = """# An elsa-sparse checkpoint
+MODEL_CARD = "README.md"  # transformers' own error in this folder names no way out: the card says how to load it
+CARD_TEXT = """{heading} An elsa-sparse checkpoint
 
-A pruned model stored as {fmt} version {version}: each of its {count} pruned weights as its nonzero values and their
+A pruned model stored as {fmt} version {version}: each of its {count} compressed weights as its nonzero values and their
 positions, in files transformers does not read (`AutoModelForCausalLM.from_pretrained` stops here with "no file named
 model.safetensors"; `AutoConfig` and `AutoTokenizer` read the folder as usual). Load it with elsa_ds:
 
@@ -125,7 +125,7 @@ def compress(src: str | Path, dst: str | Path, min_sparsity: float = DEFAULT_MIN
 
     Every 2-D floating tensor with at least ``min_sparsity`` zeros is stored as values + positions (the smaller of
     bitmask and delta8); everything else as it was. Other files of ``src`` (tokenizer, generation config) are copied;
-    where ``src`` has no README.md, one is written that says how to load the checkpoint.
+    its README.md (the input's own, or a new one) says how to load the checkpoint.
     """
     check_arguments(src, dst, min_sparsity, max_shard_size, overwrite)
     src, dst = Path(src), Path(dst)
@@ -139,18 +139,18 @@ def compress(src: str | Path, dst: str | Path, min_sparsity: float = DEFAULT_MIN
         raise SparseArgumentError(f"{src}: no 2-D weight has {min_sparsity:.0%} or more zeros, so nothing would get smaller; "
                                   "is this the pruned model? (lower --min_sparsity to compress less sparse weights)")
     copied = [f for f in src.iterdir() if f.is_file() and f.name != "config.json" and not is_weight_file(f)]
-    card = None if any(f.name == MODEL_CARD for f in copied) else \
-        CARD_TEXT.format(fmt=fmt.FORMAT, version=fmt.VERSION, count=len(chosen)).encode()  # the input's own card is kept
+    own = next((f for f in copied if f.name.lower() == MODEL_CARD.lower()), None)
+    copied = [f for f in copied if f is not own]
+    card_name, card = model_card(own, len(chosen))
     with owned(dst, "output"):
         check_paths(src, dst, overwrite)  # again, now that no other job can write dst
-        check_room(dst, sum(spec.nbytes for spec in specs) + sum(f.stat().st_size for f in copied) + len(card or b""))
+        check_room(dst, sum(spec.nbytes for spec in specs) + sum(f.stat().st_size for f in copied) + len(card))
         staging = fresh_staging(dst)
         try:
             digests = _write(reader, staging, specs, chosen, max_shard_size)
             for f in copied:
                 shutil.copy2(f, staging / f.name)
-            if card is not None:
-                (staging / MODEL_CARD).write_bytes(card)
+            (staging / card_name).write_bytes(card)
             config[CONFIG_KEY] = block(min_sparsity, chosen, digests)
             write_json(staging / "config.json", seal(config))
         except BaseException as err:
@@ -160,6 +160,17 @@ def compress(src: str | Path, dst: str | Path, min_sparsity: float = DEFAULT_MIN
             raise
         publish(staging, dst, keep_checkpoints=False, carry=())
     return summary(src, dst, chosen)
+
+
+def model_card(own: Path | None, compressed: int) -> tuple[str, bytes]:
+    """The checkpoint's README: the input's own card (its text as it was) with how to load this checkpoint after it,
+    or that alone. Returns (file name, bytes)."""
+    heading = "##" if own is not None else "#"
+    ours = CARD_TEXT.format(heading=heading, fmt=fmt.FORMAT, version=fmt.VERSION, count=compressed).encode()
+    if own is None:
+        return MODEL_CARD, ours
+    text = own.read_bytes()
+    return own.name, text + (b"" if text.endswith(b"\n") else b"\n") + b"\n" + ours
 
 
 def summary(src: Path, dst: Path, chosen: dict[str, dict]) -> dict:

@@ -93,7 +93,8 @@ def export_consolidated(job, tokenizer, out_dir: Path,
     """``export_model`` through DeepSpeed's consolidated state dict, for an export that must see the whole model at once.
     Collective. Rank 0 holds the whole 16-bit model in host memory: used for LoRA baselines only, never for ELSA.
 
-    ``transform`` maps rank 0's consolidated state dict before it is saved (LoRA: adapters merged, mask re-applied).
+    ``transform`` maps rank 0's consolidated state dict before it is saved (LoRA: the adapters, already merged in place,
+    dropped and the base weights renamed: ``finetune.lora.plain_state_dict``).
     """
     from huggingface_hub import save_torch_state_dict
 

@@ -118,8 +118,8 @@ def restore_shards(job: ZeroEngine, snapshot: list[torch.Tensor]) -> None:
 def merge_adapters_in_place(job: ZeroEngine, scale: float, keep_mask: Callable[[str], torch.Tensor | None]) -> int:
     """Merge every LoRA adapter of the engine's peft model into its base weight's 16-bit partitions and zero its B:
     W ← (W + scale·B·A) ⊙ m (``finetune.lora.merged_weight``; ``keep_mask(plain weight name)``, called on rank 0), so the
-    engine computes what the export holds (the export's own merge then adds nothing). After the last step: the fp32
-    masters are not touched. Returns how many were merged. Collective: one layer gathered at a time."""
+    engine computes what the export holds (the export then drops the adapters: ``lora.plain_state_dict``). After the
+    last step: the fp32 masters are not touched. Returns how many were merged. Collective: one layer gathered at a time."""
     import deepspeed
 
     from elsa_ds.finetune.lora import ADAPTER, merged_weight, plain_weight_name

@@ -6,7 +6,7 @@ import torch
 
 from elsa_ds.admm.projection import Slice
 from elsa_ds.errors import ElsaError
-from elsa_ds.finetune.lora import merged_state_dict, merged_weight
+from elsa_ds.finetune.lora import add_adapters, merged_weight, plain_state_dict
 from elsa_ds.finetune.optimizer import KEEP, MaskedOptimizer
 
 
@@ -67,21 +67,38 @@ def test_lora_merge_keeps_the_mask():
     assert int((dense == 0).sum()) < int((~keep).sum())         # without a mask the update fills the zeros
 
 
-def _peft_state(b: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"base_model.model.layers.0.proj.base_layer.weight": torch.ones(6, 4, dtype=torch.bfloat16),
-            "base_model.model.layers.0.proj.lora_A.default.weight": torch.randn(2, 4),
-            "base_model.model.layers.0.proj.lora_B.default.weight": b, "base_model.model.embed.weight": torch.ones(3, 4)}
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 4)
+        self.proj = torch.nn.Linear(4, 6, bias=False)
+        self.head = torch.nn.Linear(6, 5, bias=False)
 
 
-def test_merged_state_dict_drops_merged_adapters_and_renames_keys():
-    state = _peft_state(torch.zeros(6, 2))
-    plain = merged_state_dict(state)
-    assert set(plain) == {"layers.0.proj.weight", "embed.weight"}
-    assert plain["layers.0.proj.weight"] is state["base_model.model.layers.0.proj.base_layer.weight"]
+def _peft_state(seed: int = 0) -> tuple[_Tiny, dict[str, torch.Tensor]]:
+    """A plain model and the state dict of its peft twin (adapters on proj, as the job adds them): peft's own names."""
+    torch.manual_seed(seed)
+    plain = _Tiny()
+    twin = _Tiny()
+    twin.load_state_dict(plain.state_dict())
+    return plain, dict(add_adapters(twin, ["proj.weight"], rank=2, alpha=4.0).state_dict())
 
 
-def test_merged_state_dict_refuses_an_adapter_never_merged():
-    b = torch.zeros(6, 2)
-    b[3, 1] = 1e-3
-    with pytest.raises(ElsaError, match="1 LoRA adapters .*layers.0.proj.* not merged"):
-        merged_state_dict(_peft_state(b))
+def test_plain_state_dict_drops_merged_adapters_and_loads_into_the_plain_model():
+    plain, state = _peft_state()
+    assert any(".lora_B." in k for k in state)  # peft's naming, which the regex reads
+    out = plain_state_dict(state)  # B starts at zero, as the in-place merge leaves it
+    assert set(out) == set(plain.state_dict())
+    fresh = _Tiny()
+    fresh.load_state_dict(out, strict=True)
+    for name, w in plain.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], w), name
+
+
+def test_plain_state_dict_refuses_an_adapter_never_merged():
+    _, state = _peft_state()
+    b = next(k for k in state if ".lora_B." in k)
+    state[b] = state[b].clone()
+    state[b][3, 1] = 1e-3
+    with pytest.raises(ElsaError, match=r"not merged into their base weights before the export \(1, the first proj\)"):
+        plain_state_dict(state)

@@ -63,15 +63,20 @@ def test_sizes_of_the_pruned_demo(pruned_dir, sparse_dir, tmp_path):
     assert verify(tmp_path / "bf16-90-sparse")["plain"] > 0
 
 
-def test_the_checkpoint_says_how_to_load_it_and_keeps_the_inputs_own_card(pruned_dir, sparse_dir, tmp_path):
+def test_the_checkpoint_says_how_to_load_it_after_the_inputs_own_card(pruned_dir, sparse_dir, tmp_path):
     """transformers stops on a sparse folder with its own error: the folder's model card names the loader."""
     card = (sparse_dir / "README.md").read_text()
+    assert card.startswith("# An elsa-sparse checkpoint")
     assert 'elsa_ds.sparse.from_pretrained("PATH", mode="dense")' in card and "elsa-compress --verify" in card
-    assert f"each of its {len(json.loads((sparse_dir / 'config.json').read_text())['elsa_sparse']['tensors'])} pruned" in card
+    assert f"each of its {len(json.loads((sparse_dir / 'config.json').read_text())['elsa_sparse']['tensors'])} compressed" in card
     own = shutil.copytree(pruned_dir, tmp_path / "carded")
-    (own / "README.md").write_text("# the user's model card\n")
+    (own / "readme.md").write_text("# the user's model card\nUse AutoModelForCausalLM.")  # any case, no final newline
     compress(own, tmp_path / "carded-sparse")
-    assert (tmp_path / "carded-sparse" / "README.md").read_text() == "# the user's model card\n"
+    names = [p.name for p in (tmp_path / "carded-sparse").iterdir() if p.name.lower() == "readme.md"]
+    assert names == ["readme.md"]  # one card, under the input's name
+    text = (tmp_path / "carded-sparse" / "readme.md").read_text()
+    assert text.startswith("# the user's model card\nUse AutoModelForCausalLM.\n\n## An elsa-sparse checkpoint\n")
+    assert (own / "readme.md").read_text() == "# the user's model card\nUse AutoModelForCausalLM."  # the input untouched
 
 
 def test_sharded_and_bin_inputs_and_sharded_output(pruned_dir, tmp_path):
