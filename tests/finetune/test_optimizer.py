@@ -1,4 +1,4 @@
-"""MaskedOptimizer and the LoRA merge on plain tensors."""
+"""MaskedOptimizer, the LoRA merge on plain tensors, and the LoRA export's state dict from peft's own names."""
 from __future__ import annotations
 
 import pytest
