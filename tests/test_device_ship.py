@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -337,7 +338,17 @@ def test_the_estimate_prices_the_next_cells_from_those_that_stepped_as_they_will
         200.0 + 2000 * 0.45)
     est.leaf_layers = est.torch_linear = False  # a fallback: the cells from now on step as the old ones
     assert est.seconds(wanda, 4) == pytest.approx(120.0 + 1000 * 0.5)  # the old regime's (wanda+ft's without checkpointing)
-    assert estimate.regime({}) == (True, False, False) and estimate.regime(new) == (False, True, True)
+    assert estimate.regime({}) == (True, False, False, "deepspeed") and estimate.regime(new) == (False, True, True, "deepspeed")
+    plain = estimate.Estimator("H", [], micro_batch=32, model=model, seqlen=512, engine="plain")
+    for one in est.forward_s:  # the engine's cells measured so far, and one plain cell
+        plain.forward_s.append(one)
+    plain.add(line("sparsegpt+ft", 0.05, 40.0 + 5.0, gradient_checkpointing=False, engine="plain"))
+    plain.add(line("elsa", 0.6, 200.0 + 60.0, gradient_checkpointing=False))  # the engine's overhead: not a plain cell's
+    plain_elsa = replace(elsa, engine="plain")
+    assert plain.seconds(plain_elsa, 4) == pytest.approx(200.0 + 1000 * 0.05 * estimate.OTHER_METHOD)  # its loop's forward
+    plain.add(line("elsa", 0.06, 30.0 + 6.0, gradient_checkpointing=False, engine="plain"))
+    assert plain.seconds(plain_elsa, 4) == pytest.approx(30.0 + 1000 * 0.06)  # and its loop's overhead, once measured
+    assert plain_elsa.key(512) == "elsa|0.9|1000x8x512|rule|plain" and elsa.key(512) == "elsa|0.9|1000x8x512|rule"
 
 
 def test_a_cell_is_priced_with_the_start_it_will_have():
@@ -389,18 +400,20 @@ def test_cells_start_only_while_their_gpu_peaks_fit_beside_the_running_ones(tmp_
 
 
 def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp_path):
-    def cell(method, sparsity, steps, test, kind="train", settings="rule", status="ok", batch=8):
-        key = f"{method}|{sparsity}|{steps}x{batch}|{settings}"
+    def cell(method, sparsity, steps, test, kind="train", settings="rule", status="ok", batch=8, engine="deepspeed"):
+        key = f"{method}|{sparsity}|{steps}x{batch}|{settings}" + curve.ENGINE_KEYS[engine]
         return {"key": key, "method": method, "sparsity": sparsity, "steps": steps, "settings": settings, "kind": kind,
                 "batch": batch, "tokens": steps * batch * 512, "test_ppl": test, "linuxdoc_ppl": 2 * test, "status": status,
-                "device": "GPU"}
+                "device": "GPU", "engine": engine}
 
     lines = [cell("elsa", 0.9, 125, 40.0), cell("sparsegpt+ft", 0.9, 125, 32.0), cell("wanda+ft", 0.9, 125, 36.0),
              cell("elsa", 0.9, 2000, 30.0, status="cut"), cell("elsa", 0.9, 2000, 20.0), cell("wanda+ft", 0.9, 2000, 25.0),
              cell("elsa", 0.9, 2000, 22.0, settings="paper"), cell("elsa", 0.9, 2000, 10.0, settings="held"),
              cell("elsa", 0.9, 2000, 12.0, settings="adaptive"), cell("dense", None, 0, 20.0, kind="eval"),
              cell("sparsegpt", 0.9, 0, 700.0, kind="oneshot"),
-             cell("elsa", 0.9, 500, 24.0, batch=32), cell("wanda+ft", 0.9, 500, 25.0, batch=32)]  # 2000 x 8's tokens
+             cell("elsa", 0.9, 500, 24.0, batch=32), cell("wanda+ft", 0.9, 500, 25.0, batch=32),  # 2000 x 8's tokens
+             # the plain loop's cells: a row and a ratio of their own, never mixed with the engine's
+             cell("elsa", 0.9, 2000, 18.0, engine="plain"), cell("sparsegpt+ft", 0.9, 2000, 24.0, engine="plain")]
     results = tmp_path / "cells.jsonl"
     results.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert curve_report.main(["--results", str(results), "--out", str(tmp_path / "curve")]) == 0
@@ -408,6 +421,8 @@ def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp
     # 40/32 at 125 steps; 24/25 at 500 x 32; 20/25 at 2000 x 8 (not the cut 30): the same tokens, budgets of their own
     assert "| method | 512,000 tokens (125 steps) | 8,192,000 tokens (500 steps) | 8,192,000 tokens (2000 steps) |" in md
     assert "| **ELSA / best retraining**, techdocs test | 1.25 | 0.96 | 0.80 |" in md
+    assert "| **ELSA / best retraining (plain loop)**, techdocs test |  |  | 0.75 |" in md
+    assert "| elsa (plain loop), techdocs test |  |  | 18.00 |" in md
     assert "elsa (paper's settings), techdocs test |  |  | 22.00 |" in md and "sparsegpt 700.00 / 1400.00" in md
     # the variants are rows of their own: none of them takes the rule's place in the ratio
     assert "elsa (held end), techdocs test |  |  | 10.00 |" in md and "elsa (residual balancing), techdocs test |  |  | 12.00 |" in md
@@ -447,7 +462,8 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
         assert put(i, out, dest).returncode == 0
     env = {**os.environ, "ELSA_SHIP": str(dest), "ELSA_MODELS": str(tmp_path / "models"), "ELSA_CURVE": str(tmp_path / "runs"),
            "OUT": str(tmp_path / "OUT"), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
-           "CURVE_ARGS": f"--cells dense:-:0,elsa:0.9:2:rule:2 --seqlen 32 --micro_batch 2 --eval_limit 4 --parallel 2 --profile 0:1 "
+           "CURVE_ARGS": f"--engine deepspeed --cells dense:-:0,elsa:0.9:2:rule:2 --seqlen 32 --micro_batch 2 --eval_limit 4 "
+                         f"--parallel 2 --profile 0:1 "
                          f"--results {tmp_path / 'none.jsonl'}"}
     proc = subprocess.run(["bash", "bench/device/quality.sh", "--dry-run", "start", "500", "480"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -481,10 +497,41 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
         assert json.loads(Path(config).read_text())["zero_optimization"]["memory_efficient_linear"] is False
     assert len(list((tmp_path / "OUT").iterdir())) <= 8
     assert (tmp_path / "OUT" / "curve.log").is_file() and not (tmp_path / "runs" / "work" / "elsa_90_2x2_rule").exists()
-    listing = subprocess.run([sys.executable, "bench/device/curve.py", "--list", "--cells", "dense:-:0,elsa:0.9:2:rule:2,wanda+ft:0.9:2",
+    listing = subprocess.run([sys.executable, "bench/device/curve.py", "--list", "--engine", "deepspeed", "--cells",
+                              "dense:-:0,elsa:0.9:2:rule:2,wanda+ft:0.9:2",
                               "--seqlen", "32", "--results", str(tmp_path / "OUT" / "cells.jsonl")], cwd=ROOT, capture_output=True,
                              text=True, timeout=60)
     assert listing.stdout.split("\n")[:3] == ["done  dense|-|0x8x32|rule", "done  elsa|0.9|2x2x32|rule", "todo  wanda+ft|0.9|2x8x32|rule"]
+
+
+@pytest.mark.integration
+def test_quality_sh_runs_the_training_cells_in_the_plain_loop(packed, tmp_path):
+    """The runner's default loop (--engine plain): ELSA and a retraining cell through bench/plain_cell.py with the flags
+    launch/prune.py would get, their keys apart from the engine's cells, a one-shot cell as it was."""
+    out, manifest = packed
+    dest = tmp_path / "device"
+    for i in range(len(manifest["parts"])):
+        assert put(i, out, dest).returncode == 0
+    env = {**os.environ, "ELSA_SHIP": str(dest), "ELSA_MODELS": str(tmp_path / "models"), "ELSA_CURVE": str(tmp_path / "runs"),
+           "OUT": str(tmp_path / "OUT"), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
+           "CURVE_ARGS": f"--cells elsa:0.9:2:rule:2,wanda+ft:0.9:2:rule:2,wanda:0.9:0 --seqlen 32 "
+                         f"--micro_batch 2 --eval_limit 4 --parallel 2 --results {tmp_path / 'none.jsonl'}"}
+    proc = subprocess.run(["bash", "bench/device/quality.sh", "--dry-run", "start", "500", "480"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = {x["key"]: x for x in map(json.loads, (tmp_path / "OUT" / "cells.jsonl").read_text().splitlines())}
+    assert set(lines) == {"elsa|0.9|2x2x32|rule|plain", "wanda+ft|0.9|2x2x32|rule|plain", "wanda|0.9|0x8x32|rule"}
+    for key, line in lines.items():
+        assert line["status"] == "ok" and math.isfinite(line["test_ppl"]), (key, line.get("log_tail"))
+        assert line["engine"] == ("deepspeed" if line["kind"] == "oneshot" else "plain")
+    elsa, wanda_ft = lines["elsa|0.9|2x2x32|rule|plain"], lines["wanda+ft|0.9|2x2x32|rule|plain"]
+    for line in (elsa, wanda_ft):
+        assert abs(line["overall_sparsity"] - 0.9) < 1e-3 and line["step_s"] > 0 and line["settings_used"]["lr"] > 0
+        assert (line["leaf_layers"], line["memory_efficient_linear"]) == (False, None) and line["phase_s"] is None
+    assert elsa["settings_used"]["init_mask"] == "sparsegpt" and elsa["projections"][-1]["final"]  # the rule's start
+    with tarfile.open(tmp_path / "OUT" / "cell_logs.tgz") as logs:
+        command = logs.extractfile("./elsa_90_2x2_rule_plain.log").read().decode().splitlines()[0]
+    assert "bench/plain_cell.py" in command and "--leaf_layers" not in command and "--master_port" not in command
 
 
 @pytest.mark.parametrize("new", ["leaf_layers", "torch_linear"])
@@ -513,6 +560,26 @@ def test_a_cell_that_fails_with_leaf_layers_runs_again_without_and_so_do_the_res
     assert not estimator.leaf_layers and not estimator.torch_linear  # and their seconds: from cells that stepped so
     ok = [json.loads(x) for x in (tmp_path / "cells.jsonl").read_text().splitlines()]
     assert [x["status"] for x in ok] == ["failed", "ok", "ok"]
+
+
+def test_a_cell_that_fails_in_the_plain_loop_sends_it_and_the_rest_to_the_engine(tmp_path, monkeypatch):
+    """The plain loop is new on the GPU: should a cell's prune fail in it, that cell and every cell not started yet run
+    under launch/prune.py (their keys the engine's), the one-shot cells as they were; the failed line stays."""
+    calls: list[str] = []
+
+    def fake_cell(cell, run):
+        calls.append(cell.key(run.seqlen))
+        line = {"key": cell.key(run.seqlen), "kind": cell.kind, "steps": cell.steps, "wall_s": 0.1, "engine": cell.engine}
+        return line | ({"status": "failed", "phase": "prune", "rc": 1} if cell.engine == "plain" else {"status": "ok"})
+
+    monkeypatch.setattr(curve, "run_cell", fake_cell)
+    run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 1, {})
+    cells = [replace(curve.Cell("elsa", 0.9, 1), engine="plain"), replace(curve.Cell("wanda+ft", 0.9, 1), engine="plain"),
+             curve.Cell("wanda", 0.9, 0)]
+    estimator = estimate.Estimator("H", [], micro_batch=64, engine="plain")
+    lines, skipped = curve.schedule(cells, run, estimator, tmp_path / "cells.jsonl")
+    assert calls == ["elsa|0.9|1x8x64|rule|plain", "elsa|0.9|1x8x64|rule", "wanda+ft|0.9|1x8x64|rule", "wanda|0.9|0x8x64|rule"]
+    assert [x["status"] for x in lines] == ["failed", "ok", "ok", "ok"] and not skipped and estimator.engine == "deepspeed"
 
 
 def test_a_cell_that_fails_without_the_new_flags_too_gives_them_back_to_the_rest(tmp_path, monkeypatch):

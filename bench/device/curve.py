@@ -7,8 +7,10 @@ times), each cell's model judged on techdocs' held-out test documents and on lin
     python bench/device/curve.py --model DIR --corpora DIR --budget_s 600 --out OUT      # what quality.sh runs
     python bench/device/curve.py --list       # the plan, and which cells bench/results already holds
 
-A cell is (method, sparsity, steps, settings, batch): ``launch/prune.py`` under the deepspeed launcher on the one GPU
-(batch sequences of --seqlen tokens a step, at most --micro_batch a forward, no gradient checkpointing), then
+A cell is (method, sparsity, steps, settings, batch): a training cell runs ``bench/plain_cell.py`` (``--engine plain``, the
+default: the job ``launch/prune.py`` would run, with the same flags, in a plain PyTorch loop without ZeRO-3's host work a
+step) or ``launch/prune.py`` under the deepspeed launcher (``--engine deepspeed``) on the one GPU (batch sequences of
+--seqlen tokens a step, at most --micro_batch a forward, no gradient checkpointing), a one-shot cell ``launch/prune.py``; then
 ``launch/evaluate.py``'s perplexity in fp32 on both test splits (window protocol, at most --eval_limit windows each).
 ``settings`` is ``rule`` (everything the user leaves unset comes from the defaults rule) or ``paper`` (the authors'
 README recipe, one process: lr 2e-4, λ 0.01 constant, projection every 32 steps; their code's defaults: no warm-up, lr
@@ -78,6 +80,8 @@ BUDGETS = ((128, 8), (512, 8), (512, 32))
 # 2026-12-01; earlier cells stepped in 0.50-0.63 s). At 2048 steps the rule starts from the dense weights.
 MANY_STEPS = (2048, 8)
 MARGIN_S = 20.0
+# a training cell's loop, as its key ends: the engine's cells keep the keys of the lines recorded before plain cells existed
+ENGINE_KEYS = {"deepspeed": "", "plain": "|plain"}
 PROFILE_WINDOW = "16:3"  # steps 16-18 under torch.profiler, 19-21 under cProfile: past the first steps, before a projection
 
 
@@ -89,6 +93,7 @@ class Cell:
     settings: str = "rule"  # rule | paper | dense (the rule from the dense weights: --init_mask none) | adaptive | held
     # | elsa_lr (retraining) | retrain_lr (elsa)
     batch: int = 8
+    engine: str = "deepspeed"  # a training cell's loop: deepspeed (launch/prune.py) | plain (bench/plain_cell.py)
 
     @property
     def kind(self) -> str:
@@ -96,11 +101,11 @@ class Cell:
 
     def key(self, seqlen: int) -> str:
         s = "-" if self.sparsity is None else f"{self.sparsity:g}"
-        return f"{self.method}|{s}|{self.steps}x{self.batch}x{seqlen}|{self.settings}"
+        return f"{self.method}|{s}|{self.steps}x{self.batch}x{seqlen}|{self.settings}" + ENGINE_KEYS[self.engine]
 
     def slug(self) -> str:
         s = "dense" if self.sparsity is None else f"{round(100 * self.sparsity)}"
-        return f"{self.method.replace('+', '_')}_{s}_{self.steps}x{self.batch}_{self.settings}"
+        return f"{self.method.replace('+', '_')}_{s}_{self.steps}x{self.batch}_{self.settings}" + ENGINE_KEYS[self.engine].replace("|", "_")
 
 
 def parse_cell(text: str) -> Cell:
@@ -179,7 +184,7 @@ def prune_command(cell: Cell, run: Run, out: Path) -> list[str]:
     trains = cell.kind == "train"
     extra = ["--batch_size", str(cell.batch), "--micro_batch", str(min(run.micro_batch, cell.batch)),
              "--gradient_checkpointing" if run.checkpointing else "--no-gradient_checkpointing",
-             *(["--leaf_layers"] if run.leaf_layers else [])] if trains else []
+             *(["--leaf_layers"] if run.leaf_layers and cell.engine == "deepspeed" else [])] if trains else []
     extra += [flag.format(held=round(HOLD_FRACTION * cell.steps)) for flag in SETTINGS[cell.settings]]
     extra += swapped_lr_flags(cell, run.model) if cell.settings in SWAPPED_LR else []
     return quality.prune_command(method, finetune, cell.sparsity, out, deepspeed=cell_config(cell, run),
@@ -204,6 +209,13 @@ def swapped_lr_flags(cell: Cell, model: str) -> list[str]:
     for key, value in (own.values | {"lr": other.values["lr"]}).items():
         flags += [f"--{key}" if value else f"--no-{key}"] if isinstance(value, bool) else [f"--{key}", str(getattr(value, "value", value))]
     return flags
+
+
+def plain_command(cell: Cell, run: Run, out: Path) -> list[str]:
+    """``bench/plain_cell.py`` with the flags ``launch/prune.py`` gets for the same cell (one process, no launcher)."""
+    cmd = prune_command(cell, run, out)
+    flags = cmd[cmd.index(str(ROOT / "launch" / "prune.py")) + 1:]
+    return [sys.executable, str(ROOT / "bench" / "plain_cell.py"), *flags]
 
 
 def cell_config(cell: Cell, run: Run) -> str:
@@ -257,14 +269,15 @@ def run_cell(cell: Cell, run: Run) -> dict:
     log = run.work / f"{cell.slug()}.log"
     if log.is_file():  # a run of it that failed (with --leaf_layers, torch's linear): its log kept for what went wrong
         log.replace(log.with_suffix(".failed.log"))
+    plain = cell.engine == "plain"
     line = {"key": cell.key(run.seqlen), **asdict(cell), "kind": cell.kind, "seqlen": run.seqlen,
             "tokens": cell.steps * cell.batch * run.seqlen, "deepspeed": run.deepspeed, "concurrency": run.parallel, **run.env}
     if cell.kind == "train":
         line |= {"micro_batch": min(run.micro_batch, cell.batch), "forwards": forwards(cell.batch, run.micro_batch),
                  "gradient_checkpointing": run.checkpointing, "loss": "chunked",  # elsa_ds/loss.py, from 2026-11-29
-                 "leaf_layers": run.leaf_layers,  # from 2026-12-01; earlier cells hooked every module
-                 # DeepSpeed's linear wrapper, as the cell's config sets it (cells before 2026-12-01: on)
-                 "memory_efficient_linear": linear_wrapped(DsConfig.load(cell_config(cell, run)).zero)}
+                 "leaf_layers": run.leaf_layers and not plain,  # from 2026-12-01; earlier cells hooked every module
+                 # DeepSpeed's linear wrapper, as the cell's config sets it (cells before 2026-12-01: on); none in a plain loop
+                 "memory_efficient_linear": None if plain else linear_wrapped(DsConfig.load(cell_config(cell, run)).zero)}
     report: dict = {}
     phase_log, profile = run.work / f"{cell.slug()}.phases", run.work / f"{cell.slug()}.profile.json"
     phase_log.unlink(missing_ok=True)
@@ -273,7 +286,8 @@ def run_cell(cell: Cell, run: Run) -> dict:
     if cell.kind == "train" and run.profile:  # a few steps profiled: do they wait on the host or the GPU?
         env |= {PROFILE_STEPS_ENV: run.profile, PROFILE_OUT_ENV: str(profile)}
     if cell.method != "dense":
-        rc = call(quality.with_port(prune_command(cell, run, out)), log, run.deadline, env)
+        command = plain_command(cell, run, out) if plain else quality.with_port(prune_command(cell, run, out))
+        rc = call(command, log, run.deadline, env)
         if rc != 0 or not (out / "elsa_report.json").is_file():
             return line | failed(rc, "prune", log, started)
         report = json.loads((out / "elsa_report.json").read_text())
@@ -389,6 +403,9 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
                     run.leaf_layers, run.torch_linear = suspects.pop(cell)
                     price_as(estimator, run)
                     print(f"[curve] {line['key']} failed without them too: the cells from now on take them again", flush=True)
+                if plain_failed(line, cell):  # the loop is new on the GPU: a loan's cells must not all fail on it
+                    pending[:] = [replace(cell, engine="deepspeed"), *(replace(c, engine="deepspeed") for c in pending)]
+                    estimator.engine = "deepspeed"
                 flags = (run.leaf_layers, run.torch_linear)
                 if without_new_flags(line, run):  # a loan's cells must not all fail on a new flag: once more without
                     pending.insert(0, cell)
@@ -408,6 +425,15 @@ def price_as(estimator: Estimator, run: Run) -> None:
     """The estimator prices the next cells as ``run`` now steps them: its config, --leaf_layers, torch's linear."""
     estimator.deepspeed = run.torch_linear or run.deepspeed
     estimator.leaf_layers, estimator.torch_linear = run.leaf_layers, bool(run.torch_linear)
+
+
+def plain_failed(line: dict, cell: Cell) -> bool:
+    """A training cell of the plain loop whose prune call failed: it and every cell not started yet run on the engine
+    (``launch/prune.py``, proven on the GPU) instead; its failed line stays."""
+    if cell.engine != "plain" or line.get("status") != "failed" or line.get("phase") != "prune":
+        return False
+    print(f"[curve] {line['key']} failed in the plain loop: it and the cells from now on run on the engine", flush=True)
+    return True
 
 
 def without_new_flags(line: dict, run: Run) -> bool:
@@ -469,10 +495,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=PROFILE_WINDOW, help=f"FIRST:COUNT: each training cell profiles COUNT steps from "
                     f"FIRST under torch.profiler, COUNT more under cProfile (a few seconds; its line's 'profile'); '' "
                     f"none [{PROFILE_WINDOW}]")
+    ap.add_argument("--engine", choices=tuple(ENGINE_KEYS), default="plain",
+                    help="the training cells' loop: plain (bench/plain_cell.py: the job's settings, data, one-shot start and "
+                         "optimizers in a plain PyTorch loop, without ZeRO-3's host work a step; the cells' keys end in "
+                         "|plain; a cell that fails in it sends it and the rest to the engine) or deepspeed (launch/prune.py "
+                         "under the launcher, the cells recorded before 2026-12-03) [plain]")
     ap.add_argument("--list", action="store_true", help="print the plan and what --results holds, run nothing")
     args = ap.parse_args(argv)
     try:
         cells = [parse_cell(t) for t in args.cells.split(",")] if args.cells else curve_plan()
+        cells = [replace(c, engine=args.engine) if c.kind == "train" else c for c in cells]
         parse_window(args.profile)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -509,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
               args.gradient_checkpointing, gpu_memory(), args.profile, args.leaf_layers, torch_linear)
     estimator = Estimator(run.env["device"], read_lines(args.results) + read_lines(args.out / "cells.jsonl"), args.micro_batch,
                           args.gradient_checkpointing, args.model, torch_linear or args.deepspeed, args.seqlen,
-                          args.leaf_layers, bool(torch_linear))
+                          args.leaf_layers, bool(torch_linear), args.engine)
     lines, skipped = schedule(todo, run, estimator, args.out / "cells.jsonl")
     summary = {"device": run.env["device"], "ran": len(lines), "ok": sum(x.get("status") == "ok" for x in lines),
                "done_before": len(cells) - len(todo), "not_started": skipped}

@@ -32,6 +32,8 @@ RETRAINING = ("sparsegpt+ft", "wanda+ft")
 TARGET = 0.8
 LABELS = {"paper": " (paper's settings)", "dense": " (dense start)", "adaptive": " (residual balancing)",
           "held": " (held end)", "elsa_lr": " (ELSA's lr)", "retrain_lr": " (retraining's lr)"}
+PLAIN = " (plain loop)"  # a label's end for the cells of bench/plain_cell.py (curve.py --engine plain)
+LOOPS = ("", PLAIN)
 COLORS = {"elsa": "C1", "elsa (paper's settings)": "C2", "elsa (dense start)": "C5", "elsa (residual balancing)": "C6",
           "elsa (held end)": "C7", "sparsegpt+ft": "C3", "wanda+ft": "C4", "dense+ft": "C0", "sparsegpt+ft (ELSA's lr)": "C8",
           "wanda+ft (ELSA's lr)": "C9", "elsa (retraining's lr)": "olive"}
@@ -73,7 +75,7 @@ def series(cells: list[dict], sparsity: float | None) -> dict[str, dict[Budget, 
     out: dict[str, dict[Budget, dict]] = defaultdict(dict)
     for c in cells:
         if c["kind"] == "train" and (c["sparsity"] == sparsity or c["method"] == "dense+ft"):
-            label = c["method"] + LABELS.get(c.get("settings", "rule"), "")
+            label = c["method"] + LABELS.get(c.get("settings", "rule"), "") + (PLAIN if c.get("engine") == "plain" else "")
             out[label][(c["tokens"], c["steps"])] = c
     return dict(out)
 
@@ -88,11 +90,12 @@ def references(cells: list[dict], sparsity: float) -> dict[str, dict]:
     return {c["method"]: c for c in cells if c["kind"] == "eval" or (c["kind"] == "oneshot" and c["sparsity"] == sparsity)}
 
 
-def ratios(curves: dict[str, dict[Budget, dict]], metric: str) -> dict[Budget, float]:
-    """ELSA (rule) / the best retraining baseline at every budget both were measured on."""
+def ratios(curves: dict[str, dict[Budget, dict]], metric: str, loop: str = "") -> dict[Budget, float]:
+    """ELSA (rule) / the best retraining baseline at every budget both were measured on, in one loop (``loop``: "" the
+    engine's cells, :data:`PLAIN` bench/plain_cell.py's): never one loop's ELSA against the other's retraining."""
     out = {}
-    for tokens, cell in curves.get("elsa", {}).items():
-        base = [curves[m][tokens][metric] for m in RETRAINING if tokens in curves.get(m, {})]
+    for tokens, cell in curves.get("elsa" + loop, {}).items():
+        base = [curves[m + loop][tokens][metric] for m in RETRAINING if tokens in curves.get(m + loop, {})]
         if base:
             out[tokens] = cell[metric] / min(base)
     return out
@@ -107,11 +110,14 @@ def table(cells: list[dict], sparsity: float, texts: tuple) -> tuple[str, dict]:
         for label in sorted(curves):
             row = [f"{curves[label][t][metric]:.2f}" if t in curves[label] else "" for t in budgets]
             lines.append(f"| {label}, {text} | " + " | ".join(row) + " |")
-        r = ratios(curves, metric)
-        lines.append(f"| **ELSA / best retraining**, {text} | " + " | ".join(f"{r[t]:.2f}" if t in r else "" for t in budgets) + " |")
+        for loop in LOOPS:
+            if r := ratios(curves, metric, loop):
+                lines.append(f"| **ELSA / best retraining{loop}**, {text} | "
+                             + " | ".join(f"{r[t]:.2f}" if t in r else "" for t in budgets) + " |")
     lines += ["", "Untrained: " + ", ".join(f"{m} " + " / ".join(f"{c[metric]:.2f}" for metric, _ in texts)
                                             for m, c in sorted(refs.items())) + f" ({' / '.join(t for _, t in texts)}).", ""]
-    figures = {text: {column(t): round(v, 4) for t, v in ratios(curves, metric).items()} for metric, text in texts}
+    figures = {text + loop: {column(t): round(v, 4) for t, v in r.items()} for metric, text in texts for loop in LOOPS
+               if (r := ratios(curves, metric, loop))}
     return "\n".join(lines), figures
 
 
@@ -133,8 +139,9 @@ def plot(cells: list[dict], sparsities: list[float], out: Path, texts: tuple, na
             for label, points in sorted(curves.items()):
                 for batch in sorted({c.get("batch") for c in points.values()}, key=lambda b: (b != main, str(b))):  # a line a step size
                     xs = sorted(t for t, c in points.items() if c.get("batch") == batch)
+                    plain = label.endswith(PLAIN)  # the plain loop's cells: the engine's colour, dash-dotted
                     ax.plot([t for t, _ in xs], [points[t][metric] for t in xs], marker="o" if batch == main else "s",
-                            linestyle="-" if batch == main else "--", color=COLORS.get(label),
+                            linestyle="-." if plain else "-" if batch == main else "--", color=COLORS.get(label.removesuffix(PLAIN)),
                             label=label if batch == main else f"{label}, {batch} sequences a step")
             for ref, cell in sorted(refs.items()):
                 ax.axhline(cell[metric], linestyle=":" if ref == "dense" else "--", linewidth=1, color="grey")

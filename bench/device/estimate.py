@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-Regime = tuple[bool, bool, bool]  # (gradient checkpointing, --leaf_layers, torch's F.linear): see regime()
+Regime = tuple[bool, bool, bool, str]  # (gradient checkpointing, --leaf_layers, torch's F.linear, loop): see regime()
 
 PRIOR_FORWARD_S = 0.6  # one 8 x 512 forward + backward of Gemma-3 270M, 3 cells at once on the H200 (2026-11-28)
 PRIOR_OVERHEAD_S = {"train": 150.0, "oneshot": 90.0, "eval": 60.0}
@@ -59,11 +59,11 @@ def estimated_gpu_bytes(model: str, deepspeed: str, seqlen: int, batch: int, mic
 
 
 def regime(line: dict) -> Regime:
-    """How a finished cell stepped: (gradient checkpointing, --leaf_layers, torch's F.linear); lines before each key was
-    recorded ran the other way (checkpointing on before 2026-11-29; hooks on every module and DeepSpeed's linear before
-    2026-12-01)."""
+    """How a finished cell stepped: (gradient checkpointing, --leaf_layers, torch's F.linear, its loop: deepspeed or
+    plain); lines before each key was recorded ran the other way (checkpointing on before 2026-11-29; hooks on every
+    module and DeepSpeed's linear before 2026-12-01; the engine's loop before 2026-12-03)."""
     return (bool(line.get("gradient_checkpointing", True)), bool(line.get("leaf_layers", False)),
-            line.get("memory_efficient_linear", True) is False)
+            line.get("memory_efficient_linear", True) is False, line.get("engine", "deepspeed"))
 
 
 def starts_pruned(method: str, settings: str, sparsity: float | None, steps: int) -> bool | None:
@@ -105,17 +105,17 @@ class Estimator:
 
     def __init__(self, device: str, lines: list[dict], micro_batch: int = 32, checkpointing: bool = False,
                  model: str | None = None, deepspeed: str = "ds_configs/zero3.json", seqlen: int = 512,
-                 leaf_layers: bool = False, torch_linear: bool = False):
+                 leaf_layers: bool = False, torch_linear: bool = False, engine: str = "deepspeed"):
         self.micro_batch, self.checkpointing = micro_batch, checkpointing
         self.model, self.deepspeed, self.seqlen = model, deepspeed, seqlen
-        self.leaf_layers, self.torch_linear = leaf_layers, torch_linear
+        self.leaf_layers, self.torch_linear, self.engine = leaf_layers, torch_linear, engine
         self.forward_s: list[tuple[Regime, tuple[str, int, float]]] = []  # (regime, (method, tokens a forward, seconds))
         self.ratios: list[tuple[str, float]] = []  # (method, measured peak / estimate)
         self.cut_s: dict[str, float] = {}  # a cell cut at a deadline: what it had taken, less than it needs
         # seconds of a cell beyond its steps (launch, load, one-shot, export, evaluation: not the step's regime), by kind
         # and by (method, settings, start: :func:`line_start`)
         self.overhead: dict[str, list[float]] = {k: [] for k in PRIOR_OVERHEAD_S}
-        self.overhead_of: dict[tuple[str, str, bool | None], list[float]] = {}
+        self.overhead_of: dict[tuple[str, str, bool | None, str], list[float]] = {}
         for line in lines:
             if line.get("device") == device:
                 self.add(line)
@@ -140,7 +140,8 @@ class Estimator:
         """Seconds a forward (and its backward) of ``cell`` takes with ``concurrency`` cells on the GPU: the slowest of its
         method's cells that stepped as it will; of other methods' such cells x ``OTHER_METHOD`` (an ELSA step is a little
         slower than retraining's); else of all earlier cells."""
-        now = (self.checkpointing, self.leaf_layers, self.torch_linear)
+        engine = self.engine == "deepspeed"  # ZeRO-3's options do not reach a plain loop's cells
+        now = (self.checkpointing, self.leaf_layers and engine, self.torch_linear and engine, self.engine)
         same = [(m, t, s) for r, (m, t, s) in self.forward_s if r == now]
         mine = [(t, s) for m, t, s in same if m == cell.method]
         samples = mine or [(t, s * OTHER_METHOD) for _, t, s in same] or [(t, s) for _, (_, t, s) in self.forward_s]
@@ -155,9 +156,9 @@ class Estimator:
         return max(s for _, s in samples)  # only larger forwards measured: an upper bound
 
     def seconds(self, cell, concurrency: int) -> float:
-        start = starts_pruned(cell.method, cell.settings, cell.sparsity, cell.steps)
-        alike = [x for (m, _, st), xs in self.overhead_of.items() if (m, st) == (cell.method, start) for x in xs]
-        measured = self.overhead_of.get((cell.method, cell.settings, start)) or alike or self.overhead[cell.kind]
+        start, engine = starts_pruned(cell.method, cell.settings, cell.sparsity, cell.steps), getattr(cell, "engine", "deepspeed")
+        alike = [x for (m, _, st, e), xs in self.overhead_of.items() if (m, st, e) == (cell.method, start, engine) for x in xs]
+        measured = self.overhead_of.get((cell.method, cell.settings, start, engine)) or alike or self.overhead[cell.kind]
         overhead = max(measured) if measured else PRIOR_OVERHEAD_S[cell.kind]
         steps = cell.steps * forwards(cell.batch, self.micro_batch) * self.per_forward(cell, concurrency) \
             if cell.kind == "train" else 0.0
@@ -180,5 +181,5 @@ class Estimator:
         return 0.0 if est is None else est * max(ratios)
 
 
-def _overhead_key(line: dict) -> tuple[str, str, bool | None]:
-    return line.get("method", ""), line.get("settings", "rule"), line_start(line)
+def _overhead_key(line: dict) -> tuple[str, str, bool | None, str]:
+    return line.get("method", ""), line.get("settings", "rule"), line_start(line), line.get("engine", "deepspeed")

@@ -1,0 +1,230 @@
+"""One training cell of the quality benches without DeepSpeed: the same job on one device in a plain PyTorch loop.
+
+    python bench/plain_cell.py [--device auto|cpu|cuda] <launch/prune.py's flags for an ELSA or --finetune full run>
+
+Why: on one GPU a small model's ZeRO-3 step is the host's work (hooks, gathers, Python), not the GPU's: Gemma-3 270M
+stepped 8 x 512 tokens in ~0.5-0.6 s on an H200 whose matmuls need ~20 ms, so the budget curve's longest cells (2048
+steps) do not fit a 15-minute loan. The method does not need the engine; this loop runs the job's own parts around it:
+
+- the settings as ``launch/prune.py`` resolves them (the same flags, the defaults rule, the DeepSpeed JSON's batch split,
+  gradient clipping and dtype: ``elsa_ds.plan.make_plan``), the same global batches (``elsa_ds.jobs.training.load_data``),
+  the same chunked loss, learning-rate schedule and one-shot starts (``prune_oneshot`` on the values rounded to the
+  engine's dtype, as ``warm_start.oneshot_on_rank0``);
+- the same optimizers: ``AdmmOptimizer`` (ELSA) or ``MaskedOptimizer`` (retraining; none: the dense control) over torch's
+  Adam, what ``zero/engine.base_optimizer`` gives a job whose optimizer is not offloaded (DeepSpeedCPUAdam's arithmetic
+  under offload; 8-bit Adam, ELSA-L's, is refused);
+- DeepSpeed's bf16 arithmetic: the model's weights, forward, backward and accumulated gradients in the engine's dtype,
+  fp32 masters that the optimizer steps (clipped by their global norm), copied back to the weights after each step.
+
+What differs from the engine: no partitioning, offload, checkpoints, validation or resume (refused: a cell is one short
+run); the reduction order of sums. ``tests/test_bench_plain_cell.py`` holds its masks to ``elsa_ds/reference.py``'s on a
+tiny model. Writes the model (the engine's export dtype) and ``elsa_report.json`` with the keys the benches read
+(``bench/device/curve.py``'s ``run_cell``), ``"engine": "plain"`` among them.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from elsa_ds.admm.optimizer import AdmmOptimizer, summarize_metrics  # noqa: E402
+from elsa_ds.admm.projection import Slice, keep_count  # noqa: E402
+from elsa_ds.admm.schedule import learning_rate  # noqa: E402
+from elsa_ds.errors import ElsaError  # noqa: E402
+from elsa_ds.finetune.optimizer import MaskedOptimizer  # noqa: E402
+from elsa_ds.loss import next_token_loss  # noqa: E402
+from elsa_ds.targets import goal_ratio, select_targets  # noqa: E402
+
+UNSUPPORTED = ("resume", "random_init", "select_every")
+
+
+def parse(argv: list[str]):
+    """(own args, the job's Plan): the flags resolved as ``launch/prune.py`` resolves them."""
+    from elsa_ds.cli import prune_parser, settings_from_args
+    from elsa_ds.plan import make_plan
+
+    own = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    own.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    args, rest = own.parse_known_args(argv)
+    opts, cfg, ds_config = settings_from_args(prune_parser().parse_args(rest))
+    trains = cfg.oneshot is None or cfg.finetune is not None
+    if not trains or cfg.finetune is not None and cfg.finetune.value != "full":
+        raise ElsaError("bench/plain_cell.py runs ELSA or --finetune full; run anything else with launch/prune.py")
+    if cfg.base_optimizer.value not in ("auto", "adam", "cpu_adam"):  # DeepSpeedCPUAdam: Adam's arithmetic on the host
+        raise ElsaError(f"bench/plain_cell.py steps torch's fp32 Adam, not --base_optimizer {cfg.base_optimizer.value}")
+    given = [k for k in UNSUPPORTED if getattr(cfg, k, None) or getattr(opts, k, None)]
+    if given or cfg.val_windows:
+        raise ElsaError(f"bench/plain_cell.py runs one short cell: {', '.join(given) or 'val_windows'} not supported")
+    plan = make_plan(cfg, opts, ds_config)  # the defaults rule and the job's checks
+    device = torch.device("cuda" if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available() else "cpu")
+    return device, plan
+
+
+def starting_point(plan, tokenizer, dtype: torch.dtype):
+    """(the model the run starts from, in ``dtype`` on the host; its keep-masks by weight name or None; the one-shot's
+    seconds): a one-shot start as the engine's jobs compute it, or the dense weights."""
+    from elsa_ds.files.mask_file import MaskReader
+    from elsa_ds.methods import OneShot
+    from elsa_ds.oneshot.pipeline import load_host_model, prune_oneshot, round_to
+
+    cfg = plan.cfg
+    start = cfg.oneshot.value if cfg.finetune is not None and cfg.oneshot is not None else cfg.init_mask
+    if start is None:
+        return plan.source.load(dtype), None, 0.0
+    if start not in {m.value for m in OneShot}:  # a pruned folder
+        masks = MaskReader(start)
+        from elsa_ds.models import ModelSource
+
+        model = (ModelSource(start) if cfg.init_weights else plan.source).load(dtype)
+        return model, {name: masks.read(name, 0, masks.numel(name)) for name in masks.shapes}, 0.0
+    model = load_host_model(plan.source)
+    round_to(model, dtype)  # the values the engine would hold: the one-shot decides on those (warm_start's rule)
+    done = prune_oneshot(cfg, OneShot(start), tokenizer, model)
+    keep_weights = cfg.finetune is not None or cfg.init_weights
+    model = (done.model if keep_weights else plan.source.load(dtype)).to(dtype)
+    return model, {name: m.reshape(-1) for name, m in done.masks.items()}, done.seconds
+
+
+def optimizer(plan, model: torch.nn.Module, masks: dict[str, torch.Tensor] | None):
+    """(the optimizer, its fp32 masters paired with the weights they update; the ADMM wrapper or None)."""
+    cfg = plan.cfg
+    pairs = [(p.detach().float().clone(), p) for p in model.parameters() if p.requires_grad]
+    masters = [m for m, _ in pairs]
+    base = (torch.optim.AdamW if cfg.weight_decay > 0 else torch.optim.Adam)(
+        masters, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)  # torch's own choice of loop, as
+    # zero/engine.base_optimizer's (foreach on CUDA)
+    pruned = select_targets(model, cfg.targets)
+    named = {id(p): m for m, p in pairs}
+    shapes = {name: tuple(p.shape) for p in model.parameters() if (name := pruned.get(id(p)))}
+    goals = cfg.layer_goals(shapes)
+
+    def initial_mask(sl: Slice) -> torch.Tensor:
+        assert masks is not None
+        return masks[sl.layer][sl.start:sl.start + sl.length]
+
+    if cfg.finetune is not None:
+        if masks is None:  # the dense control
+            return base, pairs, None
+        opt: torch.optim.Optimizer = MaskedOptimizer(base, initial_mask)
+        admm = None
+    else:
+        opt = admm = AdmmOptimizer(base, cfg.admm_settings())
+        if masks is not None:
+            admm.initial_mask = initial_mask
+    for pid, name in pruned.items():
+        flat = named[pid]
+        opt.assign(flat, [Slice(name, 0, flat.numel(), 0, flat.numel(), keep_count(flat.numel(), goal_ratio(goals[name])))])
+    return opt, pairs, admm
+
+
+def train(plan, model, opt, pairs, admm, batches, device: torch.device) -> dict:
+    """``cfg.steps`` steps; returns the step times, the last loss and ADMM's projection log."""
+    cfg, clip = plan.cfg, plan.ds.raw.get("gradient_clipping")
+    masters = [m for m, _ in pairs]
+    times, projections, loss_value = [], [], float("nan")
+    model.train()
+    for step in range(cfg.steps):
+        began = time.perf_counter()
+        if admm is not None:
+            admm.begin_step(step)
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_final_ratio)
+        for _, p in pairs:
+            p.grad = None
+        micro = batches.micro_batches(step)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for ids in micro:
+            ids = ids.to(device)
+            logits = model(input_ids=ids, use_cache=False).logits
+            loss = next_token_loss(logits, ids)
+            del logits
+            (loss / len(micro)).backward()  # the engine's backward divides by the accumulation steps too
+            total += loss.detach()
+        with torch.no_grad():
+            for m, p in pairs:
+                m.grad = p.grad.float() if p.grad is not None else None
+            if clip:
+                torch.nn.utils.clip_grad_norm_(masters, clip)
+            opt.step()
+            for m, p in pairs:
+                p.copy_(m)
+        loss_value = float(total) / len(micro)  # waits for the step: the times are the device's too
+        times.append(time.perf_counter() - began)
+        if admm is not None and admm.projected_this_step:
+            projections.append({"step": step + 1, "loss": loss_value, "final": admm.finalized_this_step,
+                                **summarize_metrics(admm.local_metrics(), admm.lambda_now())})
+            print(f"[projection] step {step + 1}: loss {loss_value:.4f}, residual {projections[-1]['residual']:.4f}, "
+                  f"mask flips {projections[-1]['mask_flip_frac']:.4%}", flush=True)
+        elif step % max(cfg.log_interval, cfg.steps // 50) == 0:  # ~50 lines a run at most
+            print(f"[step {step + 1}/{cfg.steps}] loss {loss_value:.4f}, {times[-1]:.3f} s", flush=True)
+    return {"times": times, "final_loss": loss_value, "projections": projections}
+
+
+def check_sparsity(model: torch.nn.Module, plan, masks: dict[str, torch.Tensor] | None) -> float:
+    """The pruned weights' overall sparsity; ElsaError if a layer is off its goal or (retraining) off its mask."""
+    cfg = plan.cfg
+    pruned = select_targets(model, cfg.targets)
+    weights = {name: p for p in model.parameters() if (name := pruned.get(id(p)))}
+    goals = cfg.layer_goals({name: tuple(w.shape) for name, w in weights.items()})
+    zeros = total = 0
+    for name, w in weights.items():
+        kept = int(torch.count_nonzero(w))
+        goal = keep_count(w.numel(), goal_ratio(goals[name]))
+        if kept > goal or masks is not None and cfg.finetune is not None and bool((w.reshape(-1).cpu() != 0)[~masks[name]].any()):
+            raise ElsaError(f"{name}: {kept} entries kept against the goal's {goal}" + (" or off its mask" if masks else ""))
+        zeros, total = zeros + w.numel() - kept, total + w.numel()
+    return zeros / max(total, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from elsa_ds.files.io import write_json
+    from elsa_ds.jobs.training import load_data
+    from elsa_ds.oneshot.pipeline import saved_dtype
+    from elsa_ds.zero.engine import model_dtype
+
+    started = time.time()
+    try:
+        device, plan = parse(sys.argv[1:] if argv is None else argv)
+    except ElsaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    cfg, out = plan.cfg, Path(plan.opts.output_dir)
+    torch.manual_seed(cfg.seed)
+    data = load_data(plan, 0, 1)
+    dtype = model_dtype(plan.ds.raw)
+    model, masks, oneshot_s = starting_point(plan, data.tokenizer, dtype)
+    if cfg.freeze_embeddings:
+        from elsa_ds.models import freeze_embeddings
+
+        freeze_embeddings(model)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.to(device)
+    opt, pairs, admm = optimizer(plan, model, masks)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    trained = train(plan, model, opt, pairs, admm, data.batches, device)
+    sparsity = check_sparsity(model, plan, masks)
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(saved_dtype(plan.ds.raw)).save_pretrained(out)
+    data.tokenizer.save_pretrained(out)
+    steps = trained["times"][1:] or trained["times"]
+    report = {"engine": "plain", "device": str(device), "method": cfg.method.value, "config": cfg.model_dump(mode="json"),
+              "defaults": plan.defaults, "step_time_s": sum(steps) / len(steps), "final_loss": trained["final_loss"],
+              "overall_sparsity": sparsity, "prune_s": oneshot_s, "projections": trained["projections"],
+              "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+              "wall_s": round(time.time() - started, 1)}
+    write_json(out / "elsa_report.json", report)
+    print(f"plain cell: {cfg.steps} steps, {report['step_time_s']:.3f} s a step, final loss {trained['final_loss']:.4f}, "
+          f"sparsity {sparsity:.4f} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

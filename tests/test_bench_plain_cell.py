@@ -1,0 +1,80 @@
+"""bench/plain_cell.py: a training cell without DeepSpeed. In fp32 its ELSA is the single-process reference's to the bit
+(the same optimizer, batches and clipping over fp32 masters); against the real engine (one rank of ZeRO-3) a one-shot
+warm start and a retraining run keep the engine's masks; what it cannot run is refused before any work."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import derived_config, run_entry
+from tests.zero.test_reference_masks import ARGS, _reference_masks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.integration
+
+
+def plain_cell(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "plain_cell.py"), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                                                       **{k: v for k, v in __import__("os").environ.items()}})
+    assert not check or proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def test_fp32_elsa_is_the_reference_to_the_bit(tmp_path, tiny_model_dir, text_dir):
+    ds_path = derived_config(tmp_path, bf16={"enabled": False})
+    out = tmp_path / "plain"
+    plain_cell(["--device", "cpu", "--deepspeed", str(ds_path), "--model", str(tiny_model_dir), "--dataset", str(text_dir),
+                *ARGS, "--output_dir", str(out)])
+    reference = _reference_masks(ds_path, tiny_model_dir, text_dir)
+    weights = load_file(out / "model.safetensors")
+    for name, mask in reference.items():
+        assert torch.equal(weights[name] != 0, mask), name
+    report = json.loads((out / "elsa_report.json").read_text())
+    assert report["engine"] == "plain" and report["device"] == "cpu" and report["step_time_s"] > 0
+    assert report["overall_sparsity"] == pytest.approx(0.6, abs=1e-3) and report["config"]["lr"] == 1e-3
+    assert [p["step"] for p in report["projections"]] == [4, 8, 12] and report["projections"][-1]["final"]
+
+
+def test_a_warm_start_and_a_retraining_run_keep_the_engines_masks(tmp_path, tiny_model_dir, text_dir):
+    """One rank of ZeRO-3 (fp32) beside the plain loop: ELSA from magnitude's pruned weights, and magnitude + retraining."""
+    ds_path = derived_config(tmp_path, bf16={"enabled": False})
+    common = ["--deepspeed", str(ds_path), "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--seqlen", "64",
+              "--steps", "12", "--sparsity", "0.6", "--lr", "1e-3", "--val_windows", "0", "--baseline", "none",
+              "--micro_batch", "2", "--seed", "3"]
+    runs = {"elsa": ["--interval", "4", "--lmda", "0.05", "--init_mask", "magnitude", "--init_weights"],
+            "ft": ["--method", "magnitude", "--finetune", "full"]}
+    for name, extra in runs.items():
+        args = common + extra
+        run_entry("prune.py", [*args, "--output_dir", str(tmp_path / f"{name}_engine")], ranks=1)
+        plain_cell(["--device", "cpu", *args, "--output_dir", str(tmp_path / f"{name}_plain")])
+        engine = load_file(tmp_path / f"{name}_engine" / "model.safetensors")
+        plain = load_file(tmp_path / f"{name}_plain" / "model.safetensors")
+        agree = total = 0
+        for key, w in engine.items():
+            if w.dim() == 2 and int((w == 0).sum()) > 0:  # a pruned weight
+                agree, total = agree + int(((w != 0) == (plain[key] != 0)).sum()), total + w.numel()
+                assert int((plain[key] == 0).sum()) == int((w == 0).sum()), key  # the same count per layer
+        assert total and agree / total >= (1.0 if name == "ft" else 0.999), (name, agree / total)
+        for key, w in engine.items():  # the same job: the weights to float rounding
+            assert torch.allclose(w.float(), plain[key].float(), atol=1e-4), (name, key)
+
+
+@pytest.mark.parametrize("extra, needle", [(["--method", "sparsegpt", "--finetune", "lora"], "--finetune full"),
+                                           (["--method", "wanda"], "--finetune full"),
+                                           (["--base_optimizer", "adam8bit_minifloat"], "fp32 Adam"),
+                                           (["--val_windows", "4"], "val_windows"),
+                                           (["--resume"], "resume")])
+def test_what_the_loop_does_not_run_is_refused_before_work(tmp_path, tiny_model_dir, text_dir, extra, needle):
+    proc = plain_cell(["--device", "cpu", "--deepspeed", "ds_configs/zero3.json", "--model", str(tiny_model_dir),
+                       "--dataset", str(text_dir), "--steps", "2", "--seqlen", "64", "--val_windows", "0",
+                       "--output_dir", str(tmp_path / "out"), *extra], check=False)
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
