@@ -24,6 +24,7 @@ tiny model. Writes the model (the engine's export dtype) and ``elsa_report.json`
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -71,7 +72,7 @@ def starting_point(plan, tokenizer, dtype: torch.dtype):
     seconds): a one-shot start as the engine's jobs compute it, or the dense weights."""
     from elsa_ds.files.mask_file import MaskReader
     from elsa_ds.methods import OneShot
-    from elsa_ds.oneshot.pipeline import load_host_model, prune_oneshot, round_to
+    from elsa_ds.oneshot.pipeline import load_host_model, prune_oneshot, round_to, saved_dtype
 
     cfg = plan.cfg
     start = cfg.oneshot.value if cfg.finetune is not None and cfg.oneshot is not None else cfg.init_mask
@@ -84,7 +85,7 @@ def starting_point(plan, tokenizer, dtype: torch.dtype):
         model = (ModelSource(start) if cfg.init_weights else plan.source).load(dtype)
         return model, {name: masks.read(name, 0, masks.numel(name)) for name in masks.shapes}, 0.0
     model = load_host_model(plan.source)
-    round_to(model, dtype)  # the values the engine would hold: the one-shot decides on those (warm_start's rule)
+    round_to(model, saved_dtype(plan.ds.raw))  # the values the engine holds: the one-shot decides on those (the jobs' rule)
     done = prune_oneshot(cfg, OneShot(start), tokenizer, model)
     keep_weights = cfg.finetune is not None or cfg.init_weights
     model = (done.model if keep_weights else plan.source.load(dtype)).to(dtype)
@@ -156,9 +157,13 @@ def train(plan, model, opt, pairs, admm, batches, device: torch.device) -> dict:
                 p.copy_(m)
         loss_value = float(total) / len(micro)  # waits for the step: the times are the device's too
         times.append(time.perf_counter() - began)
+        if not math.isfinite(loss_value):  # the jobs' train_loop stops there too
+            raise ElsaError(f"the loss became {loss_value} at step {step}; the cell stopped there")
         if admm is not None and admm.projected_this_step:
+            spread = admm.lambda_range()  # the adaptive schedule's λ per layer, as the ELSA job logs them
             projections.append({"step": step + 1, "loss": loss_value, "final": admm.finalized_this_step,
-                                **summarize_metrics(admm.local_metrics(), admm.lambda_now())})
+                                **summarize_metrics(admm.local_metrics(), admm.lambda_now()),
+                                **({"lambda_range": list(spread)} if spread is not None else {})})
             print(f"[projection] step {step + 1}: loss {loss_value:.4f}, residual {projections[-1]['residual']:.4f}, "
                   f"mask flips {projections[-1]['mask_flip_frac']:.4%}", flush=True)
         elif step % max(cfg.log_interval, cfg.steps // 50) == 0:  # ~50 lines a run at most
@@ -167,8 +172,10 @@ def train(plan, model, opt, pairs, admm, batches, device: torch.device) -> dict:
 
 
 def check_sparsity(model: torch.nn.Module, plan, masks: dict[str, torch.Tensor] | None) -> float:
-    """The pruned weights' overall sparsity; ElsaError if a layer is off its goal or (retraining) off its mask."""
+    """The pruned weights' overall sparsity; ElsaError if a layer is off its goal or (retraining) off its mask. The dense
+    control (retraining without a mask) has no goal: its measured share of zeros, as its engine job reports it."""
     cfg = plan.cfg
+    dense = cfg.finetune is not None and masks is None
     pruned = select_targets(model, cfg.targets)
     weights = {name: p for p in model.parameters() if (name := pruned.get(id(p)))}
     goals = cfg.layer_goals({name: tuple(w.shape) for name, w in weights.items()})
@@ -176,7 +183,8 @@ def check_sparsity(model: torch.nn.Module, plan, masks: dict[str, torch.Tensor] 
     for name, w in weights.items():
         kept = int(torch.count_nonzero(w))
         goal = keep_count(w.numel(), goal_ratio(goals[name]))
-        if kept > goal or masks is not None and cfg.finetune is not None and bool((w.reshape(-1).cpu() != 0)[~masks[name]].any()):
+        if not dense and (kept > goal or masks is not None and cfg.finetune is not None
+                          and bool((w.reshape(-1).cpu() != 0)[~masks[name]].any())):
             raise ElsaError(f"{name}: {kept} entries kept against the goal's {goal}" + (" or off its mask" if masks else ""))
         zeros, total = zeros + w.numel() - kept, total + w.numel()
     return zeros / max(total, 1)
@@ -207,8 +215,6 @@ def main(argv: list[str] | None = None) -> int:
         model.gradient_checkpointing_enable()
     model.to(device)
     opt, pairs, admm = optimizer(plan, model, masks)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     trained = train(plan, model, opt, pairs, admm, data.batches, device)
     sparsity = check_sparsity(model, plan, masks)
     out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"engine": "plain", "device": str(device), "method": cfg.method.value, "config": cfg.model_dump(mode="json"),
               "defaults": plan.defaults, "step_time_s": sum(steps) / len(steps), "final_loss": trained["final_loss"],
               "overall_sparsity": sparsity, "prune_s": oneshot_s, "projections": trained["projections"],
-              "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+              "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,  # the one-shot's too,
+              # as the job's report counts it
               "wall_s": round(time.time() - started, 1)}
     write_json(out / "elsa_report.json", report)
     print(f"plain cell: {cfg.steps} steps, {report['step_time_s']:.3f} s a step, final loss {trained['final_loss']:.4f}, "

@@ -44,13 +44,14 @@ def test_fp32_elsa_is_the_reference_to_the_bit(tmp_path, tiny_model_dir, text_di
 
 
 def test_a_warm_start_and_a_retraining_run_keep_the_engines_masks(tmp_path, tiny_model_dir, text_dir):
-    """One rank of ZeRO-3 (fp32) beside the plain loop: ELSA from magnitude's pruned weights, and magnitude + retraining."""
+    """One rank of ZeRO-3 (fp32) beside the plain loop: ELSA from magnitude's pruned weights, magnitude + retraining, and
+    the dense control (retraining without a mask: no goal to hold it to)."""
     ds_path = derived_config(tmp_path, bf16={"enabled": False})
     common = ["--deepspeed", str(ds_path), "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--seqlen", "64",
               "--steps", "12", "--sparsity", "0.6", "--lr", "1e-3", "--val_windows", "0", "--baseline", "none",
               "--micro_batch", "2", "--seed", "3"]
     runs = {"elsa": ["--interval", "4", "--lmda", "0.05", "--init_mask", "magnitude", "--init_weights"],
-            "ft": ["--method", "magnitude", "--finetune", "full"]}
+            "ft": ["--method", "magnitude", "--finetune", "full"], "dense": ["--method", "dense", "--finetune", "full"]}
     for name, extra in runs.items():
         args = common + extra
         run_entry("prune.py", [*args, "--output_dir", str(tmp_path / f"{name}_engine")], ranks=1)
@@ -62,7 +63,9 @@ def test_a_warm_start_and_a_retraining_run_keep_the_engines_masks(tmp_path, tiny
             if w.dim() == 2 and int((w == 0).sum()) > 0:  # a pruned weight
                 agree, total = agree + int(((w != 0) == (plain[key] != 0)).sum()), total + w.numel()
                 assert int((plain[key] == 0).sum()) == int((w == 0).sum()), key  # the same count per layer
-        assert total and agree / total >= (1.0 if name == "ft" else 0.999), (name, agree / total)
+        assert bool(total) == (name != "dense") and agree == total if name != "elsa" else agree / total >= 0.999, name
+        report = json.loads((tmp_path / f"{name}_plain" / "elsa_report.json").read_text())
+        assert report["overall_sparsity"] == (0.0 if name == "dense" else pytest.approx(0.6, abs=1e-3))  # the control: none
         for key, w in engine.items():  # the same job: the weights to float rounding
             assert torch.allclose(w.float(), plain[key].float(), atol=1e-4), (name, key)
 

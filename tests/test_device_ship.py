@@ -575,9 +575,10 @@ def test_a_cell_that_fails_in_the_plain_loop_sends_it_and_the_rest_to_the_engine
     monkeypatch.setattr(curve, "run_cell", fake_cell)
     run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 1, {})
     cells = [replace(curve.Cell("elsa", 0.9, 1), engine="plain"), replace(curve.Cell("wanda+ft", 0.9, 1), engine="plain"),
-             curve.Cell("wanda", 0.9, 0)]
+             replace(curve.Cell("sparsegpt+ft", 0.9, 1), engine="plain"), curve.Cell("wanda", 0.9, 0)]
     estimator = estimate.Estimator("H", [], micro_batch=64, engine="plain")
-    lines, skipped = curve.schedule(cells, run, estimator, tmp_path / "cells.jsonl")
+    done = frozenset({"sparsegpt+ft|0.9|1x8x64|rule"})  # the engine measured it before: not again
+    lines, skipped = curve.schedule(cells, run, estimator, tmp_path / "cells.jsonl", done)
     assert calls == ["elsa|0.9|1x8x64|rule|plain", "elsa|0.9|1x8x64|rule", "wanda+ft|0.9|1x8x64|rule", "wanda|0.9|0x8x64|rule"]
     assert [x["status"] for x in lines] == ["failed", "ok", "ok", "ok"] and not skipped and estimator.engine == "deepspeed"
 

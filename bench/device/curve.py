@@ -357,10 +357,12 @@ def gpu_memory() -> float | None:
     return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
 
 
-def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> tuple[list[dict], list[dict]]:
+def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path, done: frozenset[str] = frozenset(),
+             ) -> tuple[list[dict], list[dict]]:
     """Run ``cells`` in order, ``run.parallel`` at a time, each only if its estimate fits before the deadline and its
     predicted GPU peak beside the running cells' in ``GPU_SHARE`` of the GPU's memory; every finished line appended to
-    ``sink`` at once (a cut call still returns them). Returns (lines, cells not started)."""
+    ``sink`` at once (a cut call still returns them). ``done``: the keys recorded before, which a cell sent from the plain
+    loop to the engine may already have. Returns (lines, cells not started)."""
     pending, lines, running = list(cells), [], {}
     beside: dict[Cell, set[str]] = {}  # the cells each one shared the GPU and the host with at some point
     suspects: dict[Cell, tuple[bool, str]] = {}  # a cell run again without the new flags: the flags it had failed with
@@ -404,7 +406,8 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path) -> t
                     price_as(estimator, run)
                     print(f"[curve] {line['key']} failed without them too: the cells from now on take them again", flush=True)
                 if plain_failed(line, cell):  # the loop is new on the GPU: a loan's cells must not all fail on it
-                    pending[:] = [replace(cell, engine="deepspeed"), *(replace(c, engine="deepspeed") for c in pending)]
+                    moved = (replace(c, engine="deepspeed") for c in [cell, *pending])
+                    pending[:] = [c for c in moved if c.key(run.seqlen) not in done]  # the engine's lines stand
                     estimator.engine = "deepspeed"
                 flags = (run.leaf_layers, run.torch_linear)
                 if without_new_flags(line, run):  # a loan's cells must not all fail on a new flag: once more without
@@ -542,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     estimator = Estimator(run.env["device"], read_lines(args.results) + read_lines(args.out / "cells.jsonl"), args.micro_batch,
                           args.gradient_checkpointing, args.model, torch_linear or args.deepspeed, args.seqlen,
                           args.leaf_layers, bool(torch_linear), args.engine)
-    lines, skipped = schedule(todo, run, estimator, args.out / "cells.jsonl")
+    lines, skipped = schedule(todo, run, estimator, args.out / "cells.jsonl", frozenset(done))
     summary = {"device": run.env["device"], "ran": len(lines), "ok": sum(x.get("status") == "ok" for x in lines),
                "done_before": len(cells) - len(todo), "not_started": skipped}
     print(json.dumps(summary))

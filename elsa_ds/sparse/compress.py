@@ -19,7 +19,8 @@ from elsa_ds.files.disk_room import DiskFull, disk_full, existing_ancestor
 from elsa_ds.files.io import write_json
 from elsa_ds.files.output import fresh_staging, publish
 from elsa_ds.files.ownership import check_apart, owned
-from elsa_ds.files.weight_files import SPARSE_INDEX, SPARSE_STEM, check_model_folder
+from elsa_ds.files.torch_files import NotRegularFile, open_regular
+from elsa_ds.files.weight_files import SPARSE_INDEX, SPARSE_STEM, check_model_folder, checked_target
 from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec, parse_size
 from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.folder import TensorReader, is_weight_file
@@ -29,6 +30,7 @@ from elsa_ds.sparse.meta import CONFIG_KEY, block, read_config, seal
 DEFAULT_MIN_SPARSITY = 0.3
 ANOTHER_OUTPUT = "choose another output folder"  # what a message of a full disk tells the user to do instead
 MODEL_CARD = "README.md"  # transformers' own error in this folder names no way out: the card says how to load it
+CARD_BYTES = 1 << 20  # an input's own card is text (a hub model's: a few KiB); past this it is not one
 CARD_TEXT = """{heading} An elsa-sparse checkpoint
 
 A pruned model stored as {fmt} version {version}: each of its {count} compressed weights as its nonzero values and their
@@ -133,17 +135,18 @@ def compress(src: str | Path, dst: str | Path, min_sparsity: float = DEFAULT_MIN
     config = read_config(src)
     if CONFIG_KEY in config:
         raise SparseArgumentError(f"{src} is already an elsa-sparse checkpoint (config.json has {CONFIG_KEY!r})")
+    copied = [f for f in src.iterdir() if f.is_file() and f.name != "config.json" and not is_weight_file(f)]
+    own = own_card(src, copied)
+    read_card(src, own)  # refused now, before the weights are read, if it is not a model card
+    copied = [f for f in copied if f is not own]
     reader = TensorReader(src)
     specs, chosen = _plan(reader, min_sparsity)
     if not chosen:
         raise SparseArgumentError(f"{src}: no 2-D weight has {min_sparsity:.0%} or more zeros, so nothing would get smaller; "
                                   "is this the pruned model? (lower --min_sparsity to compress less sparse weights)")
-    copied = [f for f in src.iterdir() if f.is_file() and f.name != "config.json" and not is_weight_file(f)]
-    own = next((f for f in copied if f.name.lower() == MODEL_CARD.lower()), None)
-    copied = [f for f in copied if f is not own]
-    card_name, card = model_card(own, len(chosen))
     with owned(dst, "output"):
         check_paths(src, dst, overwrite)  # again, now that no other job can write dst
+        card_name, card = model_card(own, read_card(src, own), len(chosen))  # read once more: what was checked is what is written
         check_room(dst, sum(spec.nbytes for spec in specs) + sum(f.stat().st_size for f in copied) + len(card))
         staging = fresh_staging(dst)
         try:
@@ -162,15 +165,47 @@ def compress(src: str | Path, dst: str | Path, min_sparsity: float = DEFAULT_MIN
     return summary(src, dst, chosen)
 
 
-def model_card(own: Path | None, compressed: int) -> tuple[str, bytes]:
-    """The checkpoint's README: the input's own card (its text as it was) with how to load this checkpoint after it,
-    or that alone. Returns (file name, bytes)."""
+def own_card(src: Path, files: list[Path]) -> Path | None:
+    """The input's own model card among ``files``: README.md itself where there is one (the file the hub shows), else the
+    one file named so in another case; several such without README.md are refused (which to extend would be a guess)."""
+    cards = sorted(f for f in files if f.name.lower() == MODEL_CARD.lower())
+    if len(cards) > 1 and not any(f.name == MODEL_CARD for f in cards):
+        raise SparseCheckpointError(f"{src}: {len(cards)} model cards ({', '.join(f.name for f in cards)}): keep one, "
+                                    f"named {MODEL_CARD}")
+    return next((f for f in cards if f.name == MODEL_CARD), cards[0] if cards else None)
+
+
+def read_card(src: Path, own: Path | None) -> bytes | None:
+    """The input's own card's bytes (None without one), read once without following a link at its name and inside ``src``,
+    at most :data:`CARD_BYTES`; a card that is larger or not UTF-8 text refused (SparseCheckpointError), as a link to a
+    weight file would be."""
+    if own is None:
+        return None
+    target = checked_target(src, own.name, src, SparseCheckpointError, "model card")
+    try:
+        with open_regular(target) as fh:
+            text = fh.read(CARD_BYTES + 1)
+    except (OSError, NotRegularFile) as err:
+        raise SparseCheckpointError(f"{own}: cannot be read as the model card ({err})") from None
+    if len(text) > CARD_BYTES:
+        raise SparseCheckpointError(f"{own}: more than {CARD_BYTES:,} bytes, not a model card (text of a few KiB); "
+                                    f"remove it or make it the card, then compress again")
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SparseCheckpointError(f"{own}: not UTF-8 text ({err.reason} at byte {err.start}), and the card's own "
+                                    "section is appended in UTF-8; convert it (iconv -t UTF-8) or remove it") from None
+    return text
+
+
+def model_card(own: Path | None, text: bytes | None, compressed: int) -> tuple[str, bytes]:
+    """The checkpoint's README: the input's own card ``own`` (its bytes ``text``, as :func:`read_card` read them) with how
+    to load this checkpoint after it, or that alone. Returns (file name, bytes)."""
     heading = "##" if own is not None else "#"
     ours = CARD_TEXT.format(heading=heading, fmt=fmt.FORMAT, version=fmt.VERSION, count=compressed).encode()
-    if own is None:
+    if own is None or text is None:
         return MODEL_CARD, ours
-    text = own.read_bytes()
-    return own.name, text + (b"" if text.endswith(b"\n") else b"\n") + b"\n" + ours
+    return own.name, text + (b"" if text.endswith(b"\n") or not text else b"\n") + b"\n" + ours
 
 
 def summary(src: Path, dst: Path, chosen: dict[str, dict]) -> dict:

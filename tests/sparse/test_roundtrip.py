@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from elsa_ds.sparse import compress, from_pretrained, verify
+from elsa_ds.sparse.compress import CARD_BYTES
+from elsa_ds.sparse.integrity import SparseCheckpointError
 from elsa_ds.sparse.folder import TensorReader
 from elsa_ds.sparse.linear import SparseLinear
 from tests.sparse.conftest import SPARSE_FILE, SPARSE_INDEX, SPARSE_SHARDS, pruned_demo
@@ -77,6 +80,28 @@ def test_the_checkpoint_says_how_to_load_it_after_the_inputs_own_card(pruned_dir
     text = (tmp_path / "carded-sparse" / "readme.md").read_text()
     assert text.startswith("# the user's model card\nUse AutoModelForCausalLM.\n\n## An elsa-sparse checkpoint\n")
     assert (own / "readme.md").read_text() == "# the user's model card\nUse AutoModelForCausalLM."  # the input untouched
+
+
+def test_a_card_that_is_no_card_is_refused_before_any_weight_is_written(pruned_dir, tmp_path):
+    """The input's card is data: read once, without following a link at its name, at most CARD_BYTES of UTF-8 text; a
+    link to the folder's own weights, a huge or UTF-16 file, or two cards in other cases are refused (a review found each
+    read whole or written mixed); with README.md among the variants, README.md (the hub's) is the one extended."""
+    cases = {"weights": lambda d: (d / "README.md").symlink_to("model.safetensors"),
+             "huge": lambda d: (d / "README.md").write_bytes(b"#" * (CARD_BYTES + 1)),
+             "utf16": lambda d: (d / "README.md").write_bytes("# card".encode("utf-16")),
+             "two": lambda d: ((d / "readme.md").write_text("a"), (d / "Readme.md").write_text("b"))}
+    for name, make in cases.items():
+        src = shutil.copytree(pruned_dir, tmp_path / name)
+        make(src)
+        with pytest.raises(SparseCheckpointError, match="model card|UTF-8|more than"):
+            compress(src, tmp_path / f"{name}-sparse")
+        assert not (tmp_path / f"{name}-sparse").exists(), name
+    both = shutil.copytree(pruned_dir, tmp_path / "both")
+    (both / "README.md").write_text("# the hub's card\n")
+    (both / "readme.md").write_text("# another\n")
+    compress(both, tmp_path / "both-sparse")
+    assert (tmp_path / "both-sparse" / "README.md").read_text().startswith("# the hub's card\n\n## An elsa-sparse checkpoint")
+    assert (tmp_path / "both-sparse" / "readme.md").read_text() == "# another\n"  # copied as it was
 
 
 def test_sharded_and_bin_inputs_and_sharded_output(pruned_dir, tmp_path):
