@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from torch.profiler import record_function  # noqa: E402
 
 from elsa_ds.admm.optimizer import AdmmOptimizer, summarize_metrics  # noqa: E402
 from elsa_ds.admm.projection import Slice, keep_count  # noqa: E402
@@ -124,51 +125,76 @@ def optimizer(plan, model: torch.nn.Module, masks: dict[str, torch.Tensor] | Non
     return opt, pairs, admm
 
 
-def train(plan, model, opt, pairs, admm, batches, device: torch.device) -> dict:
-    """``cfg.steps`` steps; returns the step times, the last loss and ADMM's projection log."""
-    cfg, clip = plan.cfg, plan.ds.raw.get("gradient_clipping")
-    masters = [m for m, _ in pairs]
-    times, projections, loss_value = [], [], float("nan")
-    model.train()
-    for step in range(cfg.steps):
-        began = time.perf_counter()
-        if admm is not None:
-            admm.begin_step(step)
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_final_ratio)
-        for _, p in pairs:
-            p.grad = None
-        micro = batches.micro_batches(step)
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for ids in micro:
-            ids = ids.to(device)
+def one_step(model, opt, pairs, micro: list[torch.Tensor], clip: float | None, device: torch.device) -> float:
+    """One global batch: the micro-batches' gradients summed in the weights' dtype, then the fp32 masters stepped (after
+    clipping their global norm) and copied back. Returns the mean loss (waiting for the device). The spans are the
+    engine's step's (``zero/steps.py``), for ``elsa_ds/step_profile.py``."""
+    for _, p in pairs:
+        p.grad = None
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for ids in micro:
+        ids = ids.to(device)
+        with record_function("elsa_ds.forward"):
             logits = model(input_ids=ids, use_cache=False).logits
+        with record_function("elsa_ds.loss"):
             loss = next_token_loss(logits, ids)
-            del logits
+        del logits
+        with record_function("elsa_ds.backward"):
             (loss / len(micro)).backward()  # the engine's backward divides by the accumulation steps too
-            total += loss.detach()
-        with torch.no_grad():
-            for m, p in pairs:
-                m.grad = p.grad.float() if p.grad is not None else None
-            if clip:
-                torch.nn.utils.clip_grad_norm_(masters, clip)
-            opt.step()
-            for m, p in pairs:
-                p.copy_(m)
-        loss_value = float(total) / len(micro)  # waits for the step: the times are the device's too
-        times.append(time.perf_counter() - began)
-        if not math.isfinite(loss_value):  # the jobs' train_loop stops there too
-            raise ElsaError(f"the loss became {loss_value} at step {step}; the cell stopped there")
-        if admm is not None and admm.projected_this_step:
-            spread = admm.lambda_range()  # the adaptive schedule's λ per layer, as the ELSA job logs them
-            projections.append({"step": step + 1, "loss": loss_value, "final": admm.finalized_this_step,
-                                **summarize_metrics(admm.local_metrics(), admm.lambda_now()),
-                                **({"lambda_range": list(spread)} if spread is not None else {})})
-            print(f"[projection] step {step + 1}: loss {loss_value:.4f}, residual {projections[-1]['residual']:.4f}, "
-                  f"mask flips {projections[-1]['mask_flip_frac']:.4%}", flush=True)
-        elif step % max(cfg.log_interval, cfg.steps // 50) == 0:  # ~50 lines a run at most
-            print(f"[step {step + 1}/{cfg.steps}] loss {loss_value:.4f}, {times[-1]:.3f} s", flush=True)
-    return {"times": times, "final_loss": loss_value, "projections": projections}
+        total += loss.detach()
+    with torch.no_grad(), record_function("elsa_ds.step"):
+        for m, p in pairs:
+            m.grad = p.grad.float() if p.grad is not None else None
+        if clip:
+            torch.nn.utils.clip_grad_norm_([m for m, _ in pairs], clip)
+        opt.step()
+        for m, p in pairs:
+            p.copy_(m)
+    return float(total) / len(micro)
+
+
+def train(plan, model, opt, pairs, admm, batches, device: torch.device) -> dict:
+    """``cfg.steps`` steps; returns the step times (the profiled ones left out, as the jobs leave them), the last loss,
+    ADMM's projection log and, with ``ELSA_DS_PROFILE_STEPS`` set, where a step's time went."""
+    from elsa_ds.step_profile import StepProfiler
+
+    cfg, clip = plan.cfg, plan.ds.raw.get("gradient_clipping")
+    times, profiled, projections, loss_value = [], [], [], float("nan")
+    profiler = StepProfiler.from_env(0)
+    model.train()
+    try:
+        for step in range(cfg.steps):
+            profiler.before(step)
+            began = time.perf_counter()
+            if admm is not None:
+                admm.begin_step(step)
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_final_ratio)
+            loss_value = one_step(model, opt, pairs, batches.micro_batches(step), clip, device)
+            seconds = time.perf_counter() - began
+            (profiled if profiler.after(step, seconds) else times).append(seconds)
+            if not math.isfinite(loss_value):  # the jobs' train_loop stops there too
+                raise ElsaError(f"the loss became {loss_value} at step {step}; the cell stopped there")
+            if admm is not None and admm.projected_this_step:
+                projections.append(projection(admm, step, loss_value))
+            elif step % max(cfg.log_interval, cfg.steps // 50) == 0:  # ~50 lines a run at most
+                print(f"[step {step + 1}/{cfg.steps}] loss {loss_value:.4f}, {seconds:.3f} s", flush=True)
+    except BaseException:
+        profiler.abandon()
+        raise
+    profiler.close()
+    return {"times": times or profiled, "final_loss": loss_value, "projections": projections}
+
+
+def projection(admm, step: int, loss: float) -> dict:
+    """A projection's line, as the ELSA job's report keeps it (λ per layer under the adaptive schedule), printed."""
+    spread = admm.lambda_range()
+    entry = {"step": step + 1, "loss": loss, "final": admm.finalized_this_step,
+             **summarize_metrics(admm.local_metrics(), admm.lambda_now()),
+             **({"lambda_range": list(spread)} if spread is not None else {})}
+    print(f"[projection] step {step + 1}: loss {loss:.4f}, residual {entry['residual']:.4f}, "
+          f"mask flips {entry['mask_flip_frac']:.4%}", flush=True)
+    return entry
 
 
 def check_sparsity(model: torch.nn.Module, plan, masks: dict[str, torch.Tensor] | None) -> float:

@@ -514,7 +514,7 @@ def test_quality_sh_runs_the_training_cells_in_the_plain_loop(packed, tmp_path):
         assert put(i, out, dest).returncode == 0
     env = {**os.environ, "ELSA_SHIP": str(dest), "ELSA_MODELS": str(tmp_path / "models"), "ELSA_CURVE": str(tmp_path / "runs"),
            "OUT": str(tmp_path / "OUT"), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
-           "CURVE_ARGS": f"--cells elsa:0.9:2:rule:2,wanda+ft:0.9:2:rule:2,wanda:0.9:0 --seqlen 32 "
+           "CURVE_ARGS": f"--cells elsa:0.9:2:rule:2,wanda+ft:0.9:2:rule:2,wanda:0.9:0 --seqlen 32 --profile 0:1 "
                          f"--micro_batch 2 --eval_limit 4 --parallel 2 --results {tmp_path / 'none.jsonl'}"}
     proc = subprocess.run(["bash", "bench/device/quality.sh", "--dry-run", "start", "500", "480"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -529,6 +529,8 @@ def test_quality_sh_runs_the_training_cells_in_the_plain_loop(packed, tmp_path):
         assert abs(line["overall_sparsity"] - 0.9) < 1e-3 and line["step_s"] > 0 and line["settings_used"]["lr"] > 0
         assert (line["leaf_layers"], line["memory_efficient_linear"]) == (False, None) and line["phase_s"] is None
     assert elsa["settings_used"]["init_mask"] == "sparsegpt" and elsa["projections"][-1]["final"]  # the rule's start
+    profile = elsa["profile"]  # step 0 under torch.profiler, step 1 under cProfile, with the engine's spans
+    assert profile["torch"]["complete"] and set(profile["torch"]["spans_s"]) == set(SPANS) and profile["python"]["self_top"]
     with tarfile.open(tmp_path / "OUT" / "cell_logs.tgz") as logs:
         command = logs.extractfile("./elsa_90_2x2_rule_plain.log").read().decode().splitlines()[0]
     assert "bench/plain_cell.py" in command and "--leaf_layers" not in command and "--master_port" not in command
