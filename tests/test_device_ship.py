@@ -453,21 +453,27 @@ def test_the_report_draws_the_same_curve_from_the_quality_bench_on_another_model
     assert curve_report.plot(cells, [0.9], tmp_path / "p.png", (("test_ppl", "plays"),), "the demo") == ["the demo, 90%"]
 
 
-@pytest.mark.integration
-def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
-    """quality.sh start on CPU: join + build from the put parts, the runner detached, two cells, their lines back in OUT."""
+def quality_sh_dry_run(packed, tmp_path: Path, cells: str) -> Path:
+    """The parts put into a scratch device folder, then ``quality.sh --dry-run start`` with ``cells`` (curve.py's flags)
+    on tiny shapes; returns the device folder. The lines land in tmp_path/OUT."""
     out, manifest = packed
     dest = tmp_path / "device"
     for i in range(len(manifest["parts"])):
         assert put(i, out, dest).returncode == 0
     env = {**os.environ, "ELSA_SHIP": str(dest), "ELSA_MODELS": str(tmp_path / "models"), "ELSA_CURVE": str(tmp_path / "runs"),
            "OUT": str(tmp_path / "OUT"), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
-           "CURVE_ARGS": f"--engine deepspeed --cells dense:-:0,elsa:0.9:2:rule:2 --seqlen 32 --micro_batch 2 --eval_limit 4 "
-                         f"--parallel 2 --profile 0:1 "
+           "CURVE_ARGS": f"{cells} --seqlen 32 --micro_batch 2 --eval_limit 4 --parallel 2 --profile 0:1 "
                          f"--results {tmp_path / 'none.jsonl'}"}
     proc = subprocess.run(["bash", "bench/device/quality.sh", "--dry-run", "start", "500", "480"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return dest
+
+
+@pytest.mark.integration
+def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
+    """quality.sh start on CPU: join + build from the put parts, the runner detached, two cells, their lines back in OUT."""
+    dest = quality_sh_dry_run(packed, tmp_path, "--engine deepspeed --cells dense:-:0,elsa:0.9:2:rule:2")
     lines = [json.loads(x) for x in (tmp_path / "OUT" / "cells.jsonl").read_text().splitlines()]
     assert {x["key"] for x in lines} == {"dense|-|0x8x32|rule", "elsa|0.9|2x2x32|rule"}
     for line in lines:
@@ -508,17 +514,7 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
 def test_quality_sh_runs_the_training_cells_in_the_plain_loop(packed, tmp_path):
     """The runner's default loop (--engine plain): ELSA and a retraining cell through bench/plain_cell.py with the flags
     launch/prune.py would get, their keys apart from the engine's cells, a one-shot cell as it was."""
-    out, manifest = packed
-    dest = tmp_path / "device"
-    for i in range(len(manifest["parts"])):
-        assert put(i, out, dest).returncode == 0
-    env = {**os.environ, "ELSA_SHIP": str(dest), "ELSA_MODELS": str(tmp_path / "models"), "ELSA_CURVE": str(tmp_path / "runs"),
-           "OUT": str(tmp_path / "OUT"), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
-           "CURVE_ARGS": f"--cells elsa:0.9:2:rule:2,wanda+ft:0.9:2:rule:2,wanda:0.9:0 --seqlen 32 --profile 0:1 "
-                         f"--micro_batch 2 --eval_limit 4 --parallel 2 --results {tmp_path / 'none.jsonl'}"}
-    proc = subprocess.run(["bash", "bench/device/quality.sh", "--dry-run", "start", "500", "480"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    quality_sh_dry_run(packed, tmp_path, "--cells elsa:0.9:2:rule:2,wanda+ft:0.9:2:rule:2,wanda:0.9:0")
     lines = {x["key"]: x for x in map(json.loads, (tmp_path / "OUT" / "cells.jsonl").read_text().splitlines())}
     assert set(lines) == {"elsa|0.9|2x2x32|rule|plain", "wanda+ft|0.9|2x2x32|rule|plain", "wanda|0.9|0x8x32|rule"}
     for key, line in lines.items():
