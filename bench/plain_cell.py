@@ -47,7 +47,8 @@ UNSUPPORTED = ("resume", "random_init", "select_every")
 
 
 def parse(argv: list[str]):
-    """(own args, the job's Plan): the flags resolved as ``launch/prune.py`` resolves them."""
+    """(the device, the job's Plan): the flags resolved as ``launch/prune.py`` resolves them; ElsaError, before any work,
+    for what this loop does not run."""
     from elsa_ds.cli import prune_parser, settings_from_args
     from elsa_ds.plan import make_plan
 
@@ -73,16 +74,15 @@ def starting_point(plan, tokenizer, dtype: torch.dtype):
     seconds): a one-shot start as the engine's jobs compute it, or the dense weights."""
     from elsa_ds.files.mask_file import MaskReader
     from elsa_ds.methods import OneShot
+    from elsa_ds.models import ModelSource
     from elsa_ds.oneshot.pipeline import load_host_model, prune_oneshot, round_to, saved_dtype
 
     cfg = plan.cfg
     start = cfg.oneshot.value if cfg.finetune is not None and cfg.oneshot is not None else cfg.init_mask
     if start is None:
         return plan.source.load(dtype), None, 0.0
-    if start not in {m.value for m in OneShot}:  # a pruned folder
+    if start not in {m.value for m in OneShot}:  # a pruned folder: its zeros are the masks
         masks = MaskReader(start)
-        from elsa_ds.models import ModelSource
-
         model = (ModelSource(start) if cfg.init_weights else plan.source).load(dtype)
         return model, {name: masks.read(name, 0, masks.numel(name)) for name in masks.shapes}, 0.0
     model = load_host_model(plan.source)

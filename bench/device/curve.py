@@ -105,7 +105,8 @@ class Cell:
 
     def slug(self) -> str:
         s = "dense" if self.sparsity is None else f"{round(100 * self.sparsity)}"
-        return f"{self.method.replace('+', '_')}_{s}_{self.steps}x{self.batch}_{self.settings}" + ENGINE_KEYS[self.engine].replace("|", "_")
+        engine = ENGINE_KEYS[self.engine].replace("|", "_")
+        return f"{self.method.replace('+', '_')}_{s}_{self.steps}x{self.batch}_{self.settings}{engine}"
 
 
 def parse_cell(text: str) -> Cell:
