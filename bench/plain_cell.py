@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -243,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     opt, pairs, admm = optimizer(plan, model, masks)
     trained = train(plan, model, opt, pairs, admm, data.batches, device)
     sparsity = check_sparsity(model, plan, masks)
-    out.mkdir(parents=True, exist_ok=True)
-    model.to(saved_dtype(plan.ds.raw)).save_pretrained(out)
-    data.tokenizer.save_pretrained(out)
+    staging = out.with_name(f".{out.name}.partial")  # written whole, then renamed: never half a model under out
+    shutil.rmtree(staging, ignore_errors=True)
+    model.to(saved_dtype(plan.ds.raw)).save_pretrained(staging)
+    data.tokenizer.save_pretrained(staging)
     steps = trained["times"][1:] or trained["times"]
     report = {"engine": "plain", "device": str(device), "method": cfg.method.value, "config": cfg.model_dump(mode="json"),
               "defaults": plan.defaults, "step_time_s": sum(steps) / len(steps), "final_loss": trained["final_loss"],
@@ -253,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
               "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,  # the one-shot's too,
               # as the job's report counts it
               "wall_s": round(time.time() - started, 1)}
-    write_json(out / "elsa_report.json", report)
+    write_json(staging / "elsa_report.json", report)
+    shutil.rmtree(out, ignore_errors=True)  # make_plan refused a non-empty out without --overwrite
+    staging.rename(out)
     print(f"plain cell: {cfg.steps} steps, {report['step_time_s']:.3f} s a step, final loss {trained['final_loss']:.4f}, "
           f"sparsity {sparsity:.4f} -> {out}")
     return 0

@@ -81,3 +81,16 @@ def test_what_the_loop_does_not_run_is_refused_before_work(tmp_path, tiny_model_
                        "--output_dir", str(tmp_path / "out"), *extra], check=False)
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_of_its_own_is_not_replaced_without_overwrite(tmp_path, tiny_model_dir, text_dir):
+    """The cell writes its model beside the output and renames it in place; what the output already held stays unless
+    --overwrite says otherwise (the job's own refusal, before any work)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("kept")
+    proc = plain_cell(["--device", "cpu", "--deepspeed", "ds_configs/zero3.json", "--model", str(tiny_model_dir), "--dataset",
+                       str(text_dir), "--steps", "2", "--seqlen", "64", "--val_windows", "0", "--output_dir", str(out)],
+                      check=False)
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr and (out / "precious.txt").read_text() == "kept"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left beside it
