@@ -10,15 +10,17 @@ steps) do not fit a 15-minute loan. The method does not need the engine; this lo
   gradient clipping and dtype: ``elsa_ds.plan.make_plan``), the same global batches (``elsa_ds.jobs.training.load_data``),
   the same chunked loss, learning-rate schedule and one-shot starts (``prune_oneshot`` on the values rounded to the
   engine's dtype, as ``warm_start.oneshot_on_rank0``);
-- the same optimizers: ``AdmmOptimizer`` (ELSA) or ``MaskedOptimizer`` (retraining; none: the dense control) over torch's
-  Adam, what ``zero/engine.base_optimizer`` gives a job whose optimizer is not offloaded (DeepSpeedCPUAdam's arithmetic
-  under offload; 8-bit Adam, ELSA-L's, is refused);
+- the same optimizers: ``AdmmOptimizer`` (ELSA) or ``MaskedOptimizer`` (retraining; none: the dense control) over the
+  base optimizer the job builds (``zero/engine.base_optimizer``: torch's Adam where the optimizer stays on the device,
+  DeepSpeedCPUAdam under offload, on the host only; 8-bit Adam, ELSA-L's, is refused);
 - DeepSpeed's bf16 arithmetic: the model's weights, forward, backward and accumulated gradients in the engine's dtype,
-  fp32 masters that the optimizer steps (clipped by their global norm), copied back to the weights after each step.
+  fp32 masters that the optimizer steps, clipped by their global norm as ZeRO-3 computes and applies it
+  (:func:`clip_as_zero3`), copied back to the weights after each step.
 
 What differs from the engine: no partitioning, offload, checkpoints, validation or resume (refused: a cell is one short
-run); the reduction order of sums. ``tests/test_bench_plain_cell.py`` holds its masks to ``elsa_ds/reference.py``'s on a
-tiny model. Writes the model (the engine's export dtype) and ``elsa_report.json`` with the keys the benches read
+run). On one rank it trains the engine's weights bit for bit in bf16 (``tests/test_bench_plain_cell.py``: ELSA from a
+warm start, retraining, the dense control; with and without optimizer offload); in fp32 its ELSA is
+``elsa_ds/reference.py``'s to the bit. Writes the model (the engine's export dtype) and ``elsa_report.json`` with the keys the benches read
 (``bench/device/curve.py``'s ``run_cell``), ``"engine": "plain"`` among them.
 """
 from __future__ import annotations
@@ -67,6 +69,10 @@ def parse(argv: list[str]):
         raise ElsaError(f"bench/plain_cell.py runs one short cell: {', '.join(given) or 'val_windows'} not supported")
     plan = make_plan(cfg, opts, ds_config)  # the defaults rule and the job's checks
     device = torch.device("cuda" if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available() else "cpu")
+    host_adam = cfg.base_optimizer.value == "cpu_adam" or cfg.base_optimizer.value == "auto" and plan.ds.optimizer_offloaded
+    if device.type == "cuda" and host_adam:
+        raise ElsaError(f"{plan.ds.source} offloads the optimizer (DeepSpeedCPUAdam steps host tensors) but this loop's masters "
+                        "are on the GPU: pass a config that keeps it there (ds_configs/zero3.json) or --device cpu")
     return device, plan
 
 
@@ -89,19 +95,21 @@ def starting_point(plan, tokenizer, dtype: torch.dtype):
     model = load_host_model(plan.source)
     round_to(model, saved_dtype(plan.ds.raw))  # the values the engine holds: the one-shot decides on those (the jobs' rule)
     done = prune_oneshot(cfg, OneShot(start), tokenizer, model)
-    keep_weights = cfg.finetune is not None or cfg.init_weights
-    model = (done.model if keep_weights else plan.source.load(dtype)).to(dtype)
+    model = plan.source.load(dtype)  # loaded as the engine loads it: cast with .to(dtype), the host copy would take its
+    # buffers along (Gemma's rotary inv_freq in bf16, not fp32: another forward, 0.1 % of a 500-step cell's perplexity)
+    if cfg.finetune is not None or cfg.init_weights:
+        model.load_state_dict(done.model.state_dict())
     return model, {name: m.reshape(-1) for name, m in done.masks.items()}, done.seconds
 
 
 def optimizer(plan, model: torch.nn.Module, masks: dict[str, torch.Tensor] | None):
     """(the optimizer, its fp32 masters paired with the weights they update; the ADMM wrapper or None)."""
     cfg = plan.cfg
+    from elsa_ds.zero.engine import base_optimizer
+
     pairs = [(p.detach().float().clone(), p) for p in model.parameters() if p.requires_grad]
     masters = [m for m, _ in pairs]
-    base = (torch.optim.AdamW if cfg.weight_decay > 0 else torch.optim.Adam)(
-        masters, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)  # torch's own choice of loop, as
-    # zero/engine.base_optimizer's (foreach on CUDA)
+    base = base_optimizer(cfg, masters, plan.ds)  # the job's own: torch's Adam (its own choice of loop), or DeepSpeedCPUAdam
     pruned = select_targets(model, cfg.targets)
     named = {id(p): m for m, p in pairs}
     shapes = {name: tuple(p.shape) for p in model.parameters() if (name := pruned.get(id(p)))}
@@ -126,10 +134,55 @@ def optimizer(plan, model: torch.nn.Module, masks: dict[str, torch.Tensor] | Non
     return opt, pairs, admm
 
 
-def one_step(model, opt, pairs, micro: list[torch.Tensor], clip: float | None, device: torch.device) -> float:
+def clip_as_zero3(masters: list[torch.Tensor], clip: float, offloaded: bool, sub_group_size: float) -> None:
+    """Scale the ``masters``' gradients (fp32, the optimizer's order) down to a global 2-norm of ``clip`` as ZeRO-3 does
+    on one rank (DeepSpeed 0.19's stage3.py), so that the masters get the engine's values to the bit: the parameters cut
+    into sub-groups of at least ``sub_group_size`` entries (``_create_fp16_sub_groups``); each gradient's norm in fp64 and
+    a sub-group's the root of their squares' sum (``get_grad_norm_direct``; under optimizer offload each gradient's norm
+    from 250M-entry chunks and the sum rounded to fp32 before its root: ``_constant_buffered_norm2``,
+    ``complete_grad_norm_calculation_for_cpu_offload``); the sub-groups' 2-norm (``combine_grad_norm_groups``); every
+    gradient times 1 / max(1, (norm + 1e-6) / clip) (``unscale_and_clip_grads``). torch's ``clip_grad_norm_`` (fp32 norms,
+    times clip / (norm + 1e-6)) differs in the last bits, which bf16 weights carry on: on the demo 0.036 % of the weights
+    were a bf16 ulp apart after two steps (docs/results.md 1.4)."""
+    groups: list[list[torch.Tensor]] = []
+    if sub_group_size >= sum(m.numel() for m in masters):
+        groups.append(masters)
+    else:
+        group: list[torch.Tensor] = []
+        size = 0
+        for m in masters:
+            group.append(m)
+            size += m.numel()
+            if size >= sub_group_size or m is masters[-1]:
+                groups.append(group)
+                group, size = [], 0
+    norms = []
+    for members in groups:
+        grads = [m.grad for m in members if m.grad is not None]
+        if not grads:
+            continue
+        if offloaded:
+            total = 0.0
+            for g in grads:
+                norm = None
+                for part in g.reshape(-1).split(250_000_000):
+                    norm = part.to(torch.float64).norm(2) ** 2.0 if norm is None else norm + part.to(torch.float64).norm(2) ** 2.0
+                total += (norm ** 0.5) ** 2
+            norms.append(torch.tensor([float(total)], dtype=torch.float32, device=grads[0].device)[0] ** 0.5)
+        else:
+            norms.append(torch.sum(torch.pow(torch.stack([g.to(torch.float64).norm(2.0) for g in grads]), 2.0)) ** 0.5)
+    if not norms:
+        return
+    scale = torch.clamp((torch.linalg.vector_norm(torch.stack(norms), ord=2) / 1.0 + 1e-6) / clip, min=1.0)
+    for m in masters:
+        if m.grad is not None:
+            m.grad.mul_(1.0 / scale)
+
+
+def one_step(model, opt, pairs, micro: list[torch.Tensor], plan, device: torch.device) -> float:
     """One global batch: the micro-batches' gradients summed in the weights' dtype, then the fp32 masters stepped (after
-    clipping their global norm) and copied back. Returns the mean loss (waiting for the device). The spans are the
-    engine's step's (``zero/steps.py``), for ``elsa_ds/step_profile.py``."""
+    clipping their global norm as ZeRO-3 does) and copied back. Returns the mean loss (waiting for the device). The spans
+    are the engine's step's (``zero/steps.py``), for ``elsa_ds/step_profile.py``."""
     for _, p in pairs:
         p.grad = None
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -146,8 +199,9 @@ def one_step(model, opt, pairs, micro: list[torch.Tensor], clip: float | None, d
     with torch.no_grad(), record_function("elsa_ds.step"):
         for m, p in pairs:
             m.grad = p.grad.float() if p.grad is not None else None
-        if clip:
-            torch.nn.utils.clip_grad_norm_([m for m, _ in pairs], clip)
+        if clip := plan.ds.raw.get("gradient_clipping"):
+            zero = plan.ds.raw.get("zero_optimization", {})
+            clip_as_zero3([m for m, _ in pairs], clip, plan.ds.optimizer_offloaded, float(zero.get("sub_group_size", 1e9)))
         opt.step()
         for m, p in pairs:
             p.copy_(m)
@@ -159,7 +213,7 @@ def train(plan, model, opt, pairs, admm, batches, device: torch.device) -> dict:
     ADMM's projection log and, with ``ELSA_DS_PROFILE_STEPS`` set, where a step's time went."""
     from elsa_ds.step_profile import StepProfiler
 
-    cfg, clip = plan.cfg, plan.ds.raw.get("gradient_clipping")
+    cfg = plan.cfg
     times, profiled, projections, loss_value = [], [], [], float("nan")
     profiler = StepProfiler.from_env(0)
     model.train()
@@ -171,7 +225,7 @@ def train(plan, model, opt, pairs, admm, batches, device: torch.device) -> dict:
                 admm.begin_step(step)
             for group in opt.param_groups:
                 group["lr"] = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_final_ratio)
-            loss_value = one_step(model, opt, pairs, batches.micro_batches(step), clip, device)
+            loss_value = one_step(model, opt, pairs, batches.micro_batches(step), plan, device)
             seconds = time.perf_counter() - began
             (profiled if profiler.after(step, seconds) else times).append(seconds)
             if not math.isfinite(loss_value):  # the jobs' train_loop stops there too

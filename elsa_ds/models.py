@@ -334,7 +334,10 @@ class ModelSource:
             return load_causal_lm(self.name, dtype, random_init=random_init)
         if random_init:
             raise ElsaError("random_init builds a model from its config; it cannot be combined with a model given in memory")
-        # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stubs drop the binding of self: called
-        # as nn.Module's to (PreTrainedModel's own still runs), which converts the module in place and returns it
-        cast(torch.nn.Module, self.module).to(dtype)
+        # the parameters alone, as DeepSpeed casts a module it is given and as from_pretrained(dtype=...) leaves one: a
+        # buffer keeps its dtype (Gemma's rotary inv_freq in fp32; cast whole, the same weights computed another forward)
+        with torch.no_grad():
+            for p in cast(torch.nn.Module, self.module).parameters():
+                if p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
         return self.module

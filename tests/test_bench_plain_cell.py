@@ -43,31 +43,35 @@ def test_fp32_elsa_is_the_reference_to_the_bit(tmp_path, tiny_model_dir, text_di
     assert [p["step"] for p in report["projections"]] == [4, 8, 12] and report["projections"][-1]["final"]
 
 
-def test_a_warm_start_and_a_retraining_run_keep_the_engines_masks(tmp_path, tiny_model_dir, text_dir):
-    """One rank of ZeRO-3 (fp32) beside the plain loop: ELSA from magnitude's pruned weights, magnitude + retraining, and
-    the dense control (retraining without a mask: no goal to hold it to)."""
-    ds_path = derived_config(tmp_path, bf16={"enabled": False})
-    common = ["--deepspeed", str(ds_path), "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--seqlen", "64",
-              "--steps", "12", "--sparsity", "0.6", "--lr", "1e-3", "--val_windows", "0", "--baseline", "none",
-              "--micro_batch", "2", "--seed", "3"]
-    runs = {"elsa": ["--interval", "4", "--lmda", "0.05", "--init_mask", "magnitude", "--init_weights"],
-            "ft": ["--method", "magnitude", "--finetune", "full"], "dense": ["--method", "dense", "--finetune", "full"]}
-    for name, extra in runs.items():
-        args = common + extra
+def test_in_bf16_it_trains_the_engines_weights_bit_for_bit(tmp_path, tiny_model_dir, text_dir):
+    """One rank of ZeRO-3 beside the plain loop, in the shipped configs' bf16 (fp32 on a CPU without a fast bf16 matmul,
+    where the job switches it off: the same for both): ELSA from magnitude's pruned weights under optimizer offload
+    (DeepSpeedCPUAdam), magnitude + retraining and the dense control with the optimizer kept (torch's Adam), gradients
+    clipped in every step and the parameters in several sub-groups. Every exported weight the same to the bit: the clip
+    as ZeRO-3 computes it (torch's clip_grad_norm_ left a bf16 ulp in ~0.04 % of the weights) and the start loaded as the
+    engine loads it (the one-shot's host copy cast whole had its rotary inv_freq in bf16: another forward)."""
+    common = ["--model", str(tiny_model_dir), "--dataset", str(text_dir), "--seqlen", "64", "--steps", "12", "--sparsity",
+              "0.6", "--lr", "1e-3", "--val_windows", "0", "--baseline", "none", "--micro_batch", "2", "--seed", "3"]
+    clipped = {"gradient_clipping": 0.05}
+    configs = {base: derived_config(tmp_path, base, **clipped) for base in ("zero3_offload.json", "zero3.json")}
+    for path in configs.values():  # sub-groups of ~30k entries: the tiny model's 110k parameters in four
+        ds = json.loads(path.read_text())
+        ds["zero_optimization"]["sub_group_size"] = 30000
+        path.write_text(json.dumps(ds))
+    runs = {"elsa": ("zero3_offload.json", ["--interval", "4", "--lmda", "0.05", "--init_mask", "magnitude", "--init_weights"]),
+            "ft": ("zero3.json", ["--method", "magnitude", "--finetune", "full"]),
+            "dense": ("zero3.json", ["--method", "dense", "--finetune", "full"])}
+    for name, (base, extra) in runs.items():
+        args = ["--deepspeed", str(configs[base]), *common, *extra]
         run_entry("prune.py", [*args, "--output_dir", str(tmp_path / f"{name}_engine")], ranks=1)
         plain_cell(["--device", "cpu", *args, "--output_dir", str(tmp_path / f"{name}_plain")])
         engine = load_file(tmp_path / f"{name}_engine" / "model.safetensors")
         plain = load_file(tmp_path / f"{name}_plain" / "model.safetensors")
-        agree = total = 0
+        assert engine.keys() == plain.keys()
         for key, w in engine.items():
-            if w.dim() == 2 and int((w == 0).sum()) > 0:  # a pruned weight
-                agree, total = agree + int(((w != 0) == (plain[key] != 0)).sum()), total + w.numel()
-                assert int((plain[key] == 0).sum()) == int((w == 0).sum()), key  # the same count per layer
-        assert bool(total) == (name != "dense") and agree == total if name != "elsa" else agree / total >= 0.999, name
+            assert w.dtype == plain[key].dtype and torch.equal(w, plain[key]), (name, key, int((w != plain[key]).sum()))
         report = json.loads((tmp_path / f"{name}_plain" / "elsa_report.json").read_text())
         assert report["overall_sparsity"] == (0.0 if name == "dense" else pytest.approx(0.6, abs=1e-3))  # the control: none
-        for key, w in engine.items():  # the same job: the weights to float rounding
-            assert torch.allclose(w.float(), plain[key].float(), atol=1e-4), (name, key)
 
 
 @pytest.mark.parametrize("extra, needle", [(["--method", "sparsegpt", "--finetune", "lora"], "--finetune full"),

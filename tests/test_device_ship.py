@@ -202,6 +202,8 @@ def test_the_plan_runs_the_smaller_budgets_first_and_skips_cells_done_before(tmp
     assert plan[15:17] == [curve.Cell("elsa", 0.9, 512, s, 32) for s in ("dense", "held")]
     assert {c.method for c in plan if c.batch == 32 and c.sparsity == 0.7} == {"elsa", "sparsegpt+ft", "wanda+ft"}
     assert curve.Cell("elsa", 0.9, 512, "paper", 32) in plan and curve.Cell("dense+ft", None, 512, batch=32) in plan
+    beyond = plan[-3:]  # last: 4x the largest's tokens in 2048 steps of 32, ELSA's cell first (its retraining waits on it)
+    assert beyond == [curve.Cell(c.method, 0.9, 2048, batch=32) for c in largest] and curve.BEYOND in curve.LONG
     done = tmp_path / "done.jsonl"
     done.write_text(json.dumps({"key": plan[0].key(512), "status": "ok"}) + "\n" + json.dumps({"key": plan[1].key(512), "status": "cut"}) + "\n")
     assert curve.done_keys(done) == {plan[0].key(512)}
@@ -268,7 +270,8 @@ def test_an_lr_control_takes_the_other_methods_rule_lr_and_every_other_setting_f
         parted.append(abs(elsa.cfg.lr / ft.cfg.lr - 1) > 0.1)
     assert parted == [True, True, False]  # the plan's controls sit where the rule's lrs part; at 40 steps they meet
     plan = curve.curve_plan()
-    assert [c for c in plan if c.settings in curve.SWAPPED_LR] == plan[-3:] and {c.sparsity for c in plan[-3:]} == {0.7, 0.9}
+    controls = [c for c in plan if c.settings in curve.SWAPPED_LR]
+    assert controls == plan[-6:-3] and {c.sparsity for c in controls} == {0.7, 0.9}  # then the budget past the issue's
     assert curve.parse_cell("wanda+ft:0.9:100:elsa_lr").settings == "elsa_lr"
     assert [curve.parse_cell(c).settings for c in ("dense:-:0", "sparsegpt:0.9:0", "dense+ft:-:100")] == ["rule"] * 3
     for wrong in ("elsa:0.9:100:elsa_lr", "sparsegpt+ft:0.9:100:retrain_lr", "dense+ft:-:100:elsa_lr", "wanda+ft:0.9:100:held"):
@@ -598,11 +601,13 @@ def test_a_cell_that_fails_without_the_new_flags_too_gives_them_back_to_the_rest
     assert calls == [("elsa", True), ("elsa", False), ("wanda+ft", True)] and run.leaf_layers and estimator.leaf_layers
 
 
-def test_the_many_steps_retraining_waits_for_its_elsa_cell_and_a_cut_cell_is_priced_at_least_its_time(tmp_path, monkeypatch):
+@pytest.mark.parametrize("shape", curve.LONG)
+def test_the_many_steps_retraining_waits_for_its_elsa_cell_and_a_cut_cell_is_priced_at_least_its_time(tmp_path, monkeypatch,
+                                                                                                         shape):
     started: list[str] = []
     monkeypatch.setattr(curve, "run_cell", lambda cell, run: started.append(cell.method) or {
         "key": cell.key(run.seqlen), "kind": cell.kind, "steps": cell.steps, "wall_s": 0.1, "status": "ok"})
-    steps, batch = curve.MANY_STEPS
+    steps, batch = shape
     cells = [curve.Cell(m, 0.9, steps, batch=batch) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     line = {"device": "H", "status": "ok", "kind": "train", "method": "wanda+ft", "settings": "rule", "steps": 100,
             "batch": 8, "seqlen": 512, "step_s": 0.2, "wall_s": 100.0 + 20.0}

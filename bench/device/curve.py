@@ -79,6 +79,11 @@ BUDGETS = ((128, 8), (512, 8), (512, 32))
 # where their estimate fits what is left of a loan: ~0.2 s a step or less (leaf layers and torch's F.linear, from
 # 2026-12-01; earlier cells stepped in 0.50-0.63 s). At 2048 steps the rule starts from the dense weights.
 MANY_STEPS = (2048, 8)
+# past the issue's largest budget, after every other cell: 2048 steps of the paper's 16,384 tokens, 33.6 M tokens (half the
+# paper's 4096 x 8 x 2048 per device, 4x the largest's): where the plain loop (2026-12-03) steps fast enough for a loan,
+# the curve's trend one budget further toward the paper's regime
+BEYOND = (2048, 32)
+LONG = (MANY_STEPS, BEYOND)  # the budgets whose retraining cells wait for their ELSA cell to start
 MARGIN_S = 20.0
 # a training cell's loop, as its key ends: the engine's cells keep the keys of the lines recorded before plain cells existed
 ENGINE_KEYS = {"deepspeed": "", "plain": "|plain"}
@@ -131,8 +136,9 @@ def curve_plan(budgets: tuple[tuple[int, int], ...] = BUDGETS) -> list[Cell]:
     should), the dense start (where the rule starts from SparseGPT's model: which start wins there decides the rule's
     threshold) and the authors' residual balancing from that start (a remedy); then the largest budget at 90 %, its
     tokens in 2048 steps of 8 (:data:`MANY_STEPS`: started only where a loan has their time), the dense start and the held
-    end beside the rule's at the largest, 70 % there, the paper's settings beside the rule's, the dense control, the starts. (The
-    middle budget's four cells fit one loan at once; a largest-budget cell's time there is not measured yet.)"""
+    end beside the rule's at the largest, 70 % there, the paper's settings beside the rule's, the dense control, the
+    starts, the lr controls; past the issue's budgets, 2048 steps of 32 at 90 % (:data:`BEYOND`). (The middle budget's
+    four cells fit one loan at once; a largest-budget cell's time there is not measured yet.)"""
     (middle, middle_batch), (largest, batch) = budgets[1], budgets[-1]
     cells = [Cell(m, 0.9, t, batch=b) for t, b in budgets[:-1] for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     cells += [Cell("elsa", 0.9, middle, s, middle_batch) for s in ("held", "dense", "adaptive")]
@@ -147,6 +153,8 @@ def curve_plan(budgets: tuple[tuple[int, int], ...] = BUDGETS) -> list[Cell]:
     # the lr controls (SWAPPED_LR) where the rule's lrs part: 70 % at the largest budget both ways, then 90 % at 2048 steps
     cells += [Cell("sparsegpt+ft", 0.7, largest, "elsa_lr", batch), Cell("elsa", 0.7, largest, "retrain_lr", batch),
               Cell("sparsegpt+ft", 0.9, steps, "elsa_lr", per_step)]
+    steps, per_step = BEYOND  # started where their time fits a loan, ELSA's first
+    cells += [Cell(m, 0.9, steps, batch=per_step) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     return cells
 
 
@@ -373,10 +381,11 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path, done
         return run.gpu_memory is None or used + estimator.gpu_bytes(cell) <= GPU_SHARE * run.gpu_memory
 
     def after_elsa(cell: Cell) -> bool:
-        """A retraining cell of the many-steps budget waits for its ELSA cell to start: alone it answers nothing, and
+        """A retraining cell of a long budget (:data:`LONG`) waits for its ELSA cell to start: alone it answers nothing, and
         ELSA's is the longest of the three (a review: Wanda + ft alone could take a loan ELSA's never fits)."""
-        return (cell.steps, cell.batch) != MANY_STEPS or cell.method == "elsa" or not any(
-            (c.method, c.settings, c.sparsity, c.steps, c.batch) == ("elsa", "rule", cell.sparsity, *MANY_STEPS) for c in pending)
+        shape = (cell.steps, cell.batch)
+        return shape not in LONG or cell.method == "elsa" or not any(
+            (c.method, c.settings, c.sparsity, c.steps, c.batch) == ("elsa", "rule", cell.sparsity, *shape) for c in pending)
 
     with ThreadPoolExecutor(run.parallel) as pool:
         while pending or running:
