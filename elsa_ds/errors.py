@@ -184,13 +184,17 @@ def first_to_say(text: str) -> bool:
 
 def _linger() -> None:
     """The claim's last moment; the launcher's SIGTERM or a Ctrl-C (once a silent rank has exited) ends it quietly, with
-    the exit code the process had (an argparse refusal lingers before any handler of ours was installed: one now)."""
+    the exit code the process had (an argparse refusal lingers before any handler of ours was installed: one now). After
+    it a signal is taken as the first one is (``_first_signal_taken``): the exit's later callbacks (torch's) run on, since
+    Terminated raised into one of them printed a traceback (CI, 2026-12-03)."""
     with contextlib.suppress(ValueError):  # not the main thread: the signal's default stays
         signal.signal(signal.SIGTERM, on_sigterm)
     try:
         time.sleep(CLAIM_LINGER_S)
     except (KeyboardInterrupt, Terminated):
         pass
+    with contextlib.suppress(ValueError):
+        _first_signal_taken()
 
 
 class OneLineParser(argparse.ArgumentParser):

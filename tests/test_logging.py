@@ -172,6 +172,34 @@ def test_a_line_is_claimed_once_per_launcher_and_different_lines_are_all_said(mo
     assert first_to_say(line + " and more") and first_to_say(line + " and more")  # this process's own claim
 
 
+LATE_SIGTERM = """
+import atexit, os, signal, sys, time
+def late():  # registered before the claim's linger, so it runs after it: the launcher's SIGTERM a moment too late
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    print("exit callbacks ran on", flush=True)
+atexit.register(late)
+from elsa_ds import errors
+errors.CLAIM_LINGER_S = 0.05
+errors.first_to_say(sys.argv[1])
+sys.exit(2)
+"""
+
+
+def test_the_launchers_sigterm_after_the_claims_linger_ends_the_rank_without_a_word(tmp_path):
+    """CI, 2026-12-03: a rank that had said the refusal lingered, then the launcher's SIGTERM arrived while the interpreter
+    ran its later exit callbacks (torch's), and Terminated raised there printed "Exception ignored in atexit callback"
+    with a traceback. After the linger a signal no longer raises: the exit goes on, with the rank's own code."""
+    import os
+    import uuid
+
+    env = {**os.environ, "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGTERM, f"refused {uuid.uuid4().hex}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "exit callbacks ran on" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+
+
 def test_a_settings_refusal_names_no_rank_and_a_ranks_own_check_does(monkeypatch, capsys):
     """A walk (2026-12-02): under the launcher a bad --sparsity was said once, as "elsa_ds: error (rank 1): ...", which read
     as one rank's problem. A setting refused by its own rule is every rank's (no rank); a check of this rank's machine
