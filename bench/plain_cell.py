@@ -271,19 +271,16 @@ def check_sparsity(model: torch.nn.Module, plan, masks: dict[str, torch.Tensor] 
     return zeros / max(total, 1)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_and_publish(plan, device: torch.device, out: Path, started: float) -> dict:
+    """The cell under the output's lock: the starting point, the training, the model and its report written into a
+    staging folder of this process (``fresh_staging``) and swapped in for ``out`` (``publish``); its report."""
     from elsa_ds.files.io import write_json
+    from elsa_ds.files.output import fresh_staging, publish
     from elsa_ds.jobs.training import load_data
     from elsa_ds.oneshot.pipeline import saved_dtype
     from elsa_ds.zero.engine import model_dtype
 
-    started = time.time()
-    try:
-        device, plan = parse(sys.argv[1:] if argv is None else argv)
-    except ElsaError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    cfg, out = plan.cfg, Path(plan.opts.output_dir)
+    cfg = plan.cfg
     torch.manual_seed(cfg.seed)
     data = load_data(plan, 0, 1)
     dtype = model_dtype(plan.ds.raw)
@@ -298,22 +295,43 @@ def main(argv: list[str] | None = None) -> int:
     opt, pairs, admm = optimizer(plan, model, masks)
     trained = train(plan, model, opt, pairs, admm, data.batches, device)
     sparsity = check_sparsity(model, plan, masks)
-    staging = out.with_name(f".{out.name}.partial")  # written whole, then renamed: never half a model under out
-    shutil.rmtree(staging, ignore_errors=True)
-    model.to(saved_dtype(plan.ds.raw)).save_pretrained(staging)
-    data.tokenizer.save_pretrained(staging)
-    steps = trained["times"][1:] or trained["times"]
-    report = {"engine": "plain", "device": str(device), "method": cfg.method.value, "config": cfg.model_dump(mode="json"),
-              "defaults": plan.defaults, "step_time_s": sum(steps) / len(steps), "final_loss": trained["final_loss"],
-              "overall_sparsity": sparsity, "prune_s": oneshot_s, "projections": trained["projections"],
-              "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,  # the one-shot's too,
-              # as the job's report counts it
-              "wall_s": round(time.time() - started, 1)}
-    write_json(staging / "elsa_report.json", report)
-    shutil.rmtree(out, ignore_errors=True)  # make_plan refused a non-empty out without --overwrite
-    staging.rename(out)
-    print(f"plain cell: {cfg.steps} steps, {report['step_time_s']:.3f} s a step, final loss {trained['final_loss']:.4f}, "
-          f"sparsity {sparsity:.4f} -> {out}")
+    staging = fresh_staging(out)  # written whole, then swapped in: never half a model under out, nothing left on a failure
+    try:
+        model.to(saved_dtype(plan.ds.raw)).save_pretrained(staging)
+        data.tokenizer.save_pretrained(staging)
+        steps = trained["times"][1:] or trained["times"]
+        report = {"engine": "plain", "device": str(device), "method": cfg.method.value, "config": cfg.model_dump(mode="json"),
+                  "defaults": plan.defaults, "step_time_s": sum(steps) / len(steps), "final_loss": trained["final_loss"],
+                  "overall_sparsity": sparsity, "prune_s": oneshot_s, "projections": trained["projections"],
+                  "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,  # the one-shot's too,
+                  # as the job's report counts it
+                  "wall_s": round(time.time() - started, 1)}
+        write_json(staging / "elsa_report.json", report)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publish(staging, out, keep_checkpoints=False, carry=())  # the previous output (--overwrite) goes only once this is in
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    from elsa_ds.files.ownership import owned
+
+    started = time.time()
+    try:
+        device, plan = parse(sys.argv[1:] if argv is None else argv)
+    except ElsaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    cfg, out = plan.cfg, Path(plan.opts.output_dir)
+    try:
+        with owned(out, "--output_dir"):  # a second cell on the same output is refused, as a job is
+            report = build_and_publish(plan, device, out, started)
+    except ElsaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"plain cell: {cfg.steps} steps, {report['step_time_s']:.3f} s a step, final loss {report['final_loss']:.4f}, "
+          f"sparsity {report['overall_sparsity']:.4f} -> {out}")
     return 0
 
 

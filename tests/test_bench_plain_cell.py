@@ -98,3 +98,36 @@ def test_a_folder_of_its_own_is_not_replaced_without_overwrite(tmp_path, tiny_mo
                       check=False)
     assert proc.returncode == 2 and "--overwrite" in proc.stderr and (out / "precious.txt").read_text() == "kept"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left beside it
+
+
+def test_the_output_is_swapped_in_under_its_lock_and_a_planted_link_beside_it_is_never_written_through(tmp_path, tiny_model_dir,
+                                                                                                      text_dir):
+    """An audit (2026-12-03): the cell built its model in a fixed ``.out.partial`` (a link planted there was written
+    through), removed the previous output before its rename, left the staging on a failure, and took no lock. Now it
+    builds in the job's own staging (``fresh_staging``: named for the process, leftovers named and never touched), swaps
+    it in with ``publish`` and holds the output's lock: a cell on an output another job holds is refused before work."""
+    from elsa_ds.files.ownership import acquire, release
+
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    (out / "previous.txt").write_text("the previous cell's")
+    elsewhere.mkdir()
+    (tmp_path / ".out.partial").symlink_to(elsewhere, target_is_directory=True)
+    args = ["--device", "cpu", "--deepspeed", "ds_configs/zero3.json", "--model", str(tiny_model_dir), "--dataset",
+            str(text_dir), "--steps", "2", "--seqlen", "64", "--val_windows", "0", "--output_dir", str(out), "--overwrite"]
+    fd = acquire(out, "--output_dir")
+    try:
+        held = plain_cell(args, check=False)
+    finally:
+        release(out, fd)
+    assert held.returncode == 2 and "--output_dir" in held.stderr and "Traceback" not in held.stderr, held.stderr[-2000:]
+    assert [p.name for p in out.iterdir()] == ["previous.txt"]
+    plain_cell(args)
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "elsa_report.json", "generation_config.json",
+                                                            "model.safetensors", *_tokenizer_files(tiny_model_dir)])
+    assert list(elsewhere.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.partial", "elsewhere", "out"]  # the lock went with the job
+
+
+def _tokenizer_files(model_dir: Path) -> list[str]:
+    return [p.name for p in model_dir.iterdir() if p.name.startswith(("tokenizer", "special_tokens"))]

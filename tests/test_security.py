@@ -389,7 +389,7 @@ def test_a_resumed_folders_hard_linked_files_get_copies_of_their_own(tmp_path):
     """`cp -al` copies a run folder as hard links: what the resumed run appends to a monitor log, or the recovery script
     DeepSpeed copies beside the tags at each save, went into the other name too (the copy made executable)."""
     from elsa_ds.files.handed import own_copies
-    from elsa_ds.zero.checkpoint_save import clear_for_save
+    from elsa_ds.zero.checkpoint_save import clear_for_save, discard_unpublished_tag
 
     snapshot, run = tmp_path / "snapshot", tmp_path / "run"
     (snapshot / "monitor" / "elsa").mkdir(parents=True)
@@ -406,5 +406,9 @@ def test_a_resumed_folders_hard_linked_files_get_copies_of_their_own(tmp_path):
     clear_for_save(run / "checkpoints", "global_step4")
     assert not (run / "checkpoints" / "zero_to_fp32.py").exists()
     assert (snapshot / "checkpoints" / "zero_to_fp32.py").read_text() == "the snapshot's script"
-    clear_for_save(snapshot / "checkpoints", "global_step4")  # now of one name: kept (a save that fails leaves it there)
+    clear_for_save(snapshot / "checkpoints", "global_step4")  # now of one name: set aside, and a save that fails puts it back
+    assert (snapshot / "checkpoints" / ".zero_to_fp32.py.before-save").read_text() == "the snapshot's script"
+    (snapshot / "checkpoints" / "latest").write_text("global_step2")
+    discard_unpublished_tag(snapshot / "checkpoints", "global_step4")
+    assert sorted(p.name for p in (snapshot / "checkpoints").iterdir()) == ["latest", "zero_to_fp32.py"]
     assert (snapshot / "checkpoints" / "zero_to_fp32.py").read_text() == "the snapshot's script"

@@ -3,6 +3,7 @@ write its part (a full disk) stops every rank, none left waiting in DeepSpeed's 
 them and checks them before any model exists)."""
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import DiskFull, writer_ran_out
 from elsa_ds.files.io import write_atomic
+from elsa_ds.files.torch_files import open_regular
 from elsa_ds.zero import compat
 from elsa_ds.zero.checkpoint import CLIENT_KEY, LATEST_BYTES, RECOVERY_SCRIPTS, tags_newest_first, write_fingerprint
 from elsa_ds.zero.dist import agreed, every_rank
@@ -70,14 +72,33 @@ def _prepare(ckpt_dir: Path, tag: str, fingerprint: dict) -> None:
 
 
 def discard_unpublished_tag(ckpt_dir: Path, tag: str) -> None:
-    """Rank 0, after a save of ``tag`` that failed, once no rank writes: the tag goes unless ``latest`` names it, and so
-    does a checkpoints folder with nothing published (this run made it: an older run's went with --overwrite, and
-    --resume needs a ``latest``)."""
-    latest = ckpt_dir / "latest"
-    if not (latest.is_file() and latest.read_bytes()[:LATEST_BYTES + 1].strip() == tag.encode()):
+    """Rank 0, after a save of ``tag`` that failed, once no rank writes: the tag goes unless ``latest`` names it, the
+    recovery scripts the last good save left are back (``clear_for_save`` set them aside: DeepSpeed's copy over them may
+    stop half-way on a full disk), and a checkpoints folder with nothing published goes (this run made it: an older
+    run's went with --overwrite, and --resume needs a ``latest``)."""
+    if published_tag(ckpt_dir) != tag:
         remove_tag(ckpt_dir / tag)
-    if not latest.exists():
+    for name in RECOVERY_SCRIPTS:
+        path, aside = ckpt_dir / name, _aside(ckpt_dir, name)
+        if aside.is_file() and not aside.is_symlink():
+            os.replace(aside, path)
+        elif path.is_symlink() or path.is_file():  # this save's copy, whole or not
+            path.unlink()
+    if not (ckpt_dir / "latest").exists():
         shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def published_tag(ckpt_dir: Path) -> str | None:
+    """The tag ``latest`` names, None where it is no regular file of at most a tag's name (a link is not followed, and
+    at most ``LATEST_BYTES`` + 2 bytes are read: a name and DeepSpeed's newline)."""
+    try:
+        with open_regular(ckpt_dir / "latest") as fh:
+            raw = fh.read(LATEST_BYTES + 2)
+    except OSError:  # NotRegularFile too
+        return None
+    if len(raw) > LATEST_BYTES + 1:
+        return None
+    return raw.decode("utf-8", "replace").strip()
 
 
 class FailedElsewhere(Exception):
@@ -118,16 +139,28 @@ def _write_tag(engine, ckpt_dir: Path, tag: str, client: dict) -> Exception | No
 
 
 def clear_for_save(ckpt_dir: Path, tag: str) -> None:
-    """Rank 0, before every rank writes ``tag``: a killed run's unpublished copy of it goes, and so do the recovery
-    scripts DeepSpeed copies beside the tags at each save where that copy would write through them (``shutil.copyfile``
-    writes into the file there, then makes it executable: through a link, or into every other name of a hard-linked
-    file, that a copied folder may hold). A file of one name stays: a save that fails leaves the scripts beside the
-    published tags (a walk: a full disk's save left none)."""
+    """Rank 0, before every rank writes ``tag``: a killed run's unpublished copy of it goes; so do the recovery scripts
+    DeepSpeed copies beside the tags at each save where that copy would write through them (``shutil.copyfile`` writes
+    into the file there, then makes it executable: through a link, or into every other name of a hard-linked file, that
+    a copied folder may hold); a file of one name is set aside (renamed: no byte written), for the copy may stop half-way
+    on a full disk: a failed save puts it back (``discard_unpublished_tag``; a walk: a full disk's save left none, and a
+    truncated one is worse), a published one drops it (``publish_latest``). One set aside by a killed save is back first."""
     remove_tag(ckpt_dir / tag)
     for name in RECOVERY_SCRIPTS:
-        path = ckpt_dir / name
+        path, aside = ckpt_dir / name, _aside(ckpt_dir, name)
+        if aside.is_symlink() or (aside.is_file() and aside.stat().st_nlink > 1):
+            aside.unlink()
+        elif aside.is_file():
+            os.replace(aside, path)
         if path.is_symlink() or (path.is_file() and path.stat().st_nlink > 1):
             path.unlink()
+        elif path.is_file():
+            os.replace(path, aside)
+
+
+def _aside(ckpt_dir: Path, name: str) -> Path:
+    """Where ``clear_for_save`` keeps a recovery script while a save copies a new one."""
+    return ckpt_dir / f".{name}.before-save"
 
 
 def remove_tag(path: Path) -> None:
@@ -144,6 +177,8 @@ def publish_latest(ckpt_dir: Path, tag: str, keep: int) -> None:
     ``tag`` and the ``keep`` - 1 before it goes: newer ones a killed run never published (never tried by a resume) must
     not push ``tag`` out."""
     write_atomic(ckpt_dir / "latest", tag)
+    for name in RECOVERY_SCRIPTS:  # the save copied them whole: the ones set aside before it are not needed
+        _aside(ckpt_dir, name).unlink(missing_ok=True)
     tags = tags_newest_first(ckpt_dir)
     at = tags.index(tag)
     for old in tags[:at] + tags[at + keep:]:

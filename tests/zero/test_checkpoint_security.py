@@ -259,6 +259,26 @@ def test_publishing_never_writes_through_a_link_nor_prunes_the_tag_it_published(
     assert (outside / "shard.pt").read_text() == "keep me too" and victim.read_text() == "keep me"
 
 
+def test_a_failed_save_reads_latest_as_data_never_through_a_link(tmp_path):
+    """After a failed save, rank 0 keeps the tag only where ``latest`` names it: ``latest`` is opened without following a
+    link (one naming the tag elsewhere does not keep it) and at most a tag's name is read (an audit: a link to a file of
+    any size was read whole)."""
+    ckpt, outside = tmp_path / "checkpoints", tmp_path / "outside"
+    ckpt.mkdir()
+    outside.mkdir()
+    _tag(ckpt, "global_step2", "model_states.pt")
+    _tag(ckpt, "global_step4", "model_states.pt")
+    (outside / "latest").write_text("global_step4")
+    (ckpt / "latest").symlink_to(outside / "latest")
+    checkpoint_save.discard_unpublished_tag(ckpt, "global_step4")
+    assert not (ckpt / "global_step4").exists() and (ckpt / "global_step2").is_dir()
+    (ckpt / "latest").unlink()
+    (ckpt / "latest").write_text("global_step4" + " " * checkpoint.LATEST_BYTES)  # more than a name: none published
+    assert checkpoint_save.published_tag(ckpt) is None
+    (ckpt / "latest").write_text("global_step2\n")
+    assert checkpoint_save.published_tag(ckpt) == "global_step2"
+
+
 def test_selection_snapshot_is_read_as_data_whatever_torchs_default(tmp_path, monkeypatch):
     """torch >= 2.6 defaults to weights_only=True, but TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD (or an older torch) turns an
     implicit default off: the snapshot must be read with weights_only=True explicitly."""
