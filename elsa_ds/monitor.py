@@ -7,6 +7,7 @@ MonitorMaster also checks).
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ class Monitor:
         self._master = master if rank == 0 and getattr(master, "enabled", False) else None
         if self._master is not None:  # DeepSpeed's own events (learning rate, timers) go through the same call
             self._master.write_events = self._guarded(self._master.write_events)
+            _quiet_writer_threads()
 
     @property
     def enabled(self) -> bool:
@@ -64,6 +66,24 @@ class Monitor:
                     f"the monitor's logs stop here: {disk_full(err, _written_at(master)) or err}; the run goes on (rank 0 "
                     "alone writes them), and its next checkpoint stops it if the disk is still full")
         return guarded
+
+
+def _quiet_writer_threads() -> None:
+    """TensorBoard writes its events from a thread of its own: a full disk there printed "Exception in thread" and a
+    traceback beside the guard's warning (an audit, 2026-12-03). That thread keeps the error and raises it again in the
+    next write or flush of the main thread, where ``Monitor._guarded`` turns it into the one warning: its own print of an
+    OSError is dropped (every other thread's exception is printed as before; installed once per process)."""
+    previous = threading.excepthook
+    if getattr(previous, "elsa_quiet_writers", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith("tensorboard."):
+            return
+        previous(args)
+
+    hook.elsa_quiet_writers = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def _written_at(master) -> Path:

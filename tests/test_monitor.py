@@ -71,3 +71,45 @@ def test_a_full_disk_without_a_file_name_names_the_monitors_folder(tmp_path, cap
         monitor.write(2, {"loss": 1.0})  # stopped: nothing more is written, nothing more said
     said = [r.getMessage() for r in caplog.records if "logs stop here" in r.getMessage()]
     assert len(said) == 1 and f"writing {folder}:" in said[0] and not monitor.enabled and master.enabled is False
+
+
+TENSORBOARD_FULL = """
+import os, resource, signal, sys, types
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as a full disk's with ENOSPC
+import deepspeed.comm as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+from deepspeed.monitor.config import get_monitor_config
+from deepspeed.monitor.monitor import MonitorMaster
+from elsa_ds.log import setup_logging
+from elsa_ds.monitor import Monitor
+setup_logging("info", rank=0)
+master = MonitorMaster(get_monitor_config({"tensorboard": {"enabled": True, "output_path": sys.argv[1], "job_name": "j"}}))
+resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+monitor = Monitor(types.SimpleNamespace(monitor=master), rank=0)  # what the job wraps: the engine's real MonitorMaster
+step = 0
+while monitor.enabled and step < 5000:
+    step += 1
+    monitor.write(step, {"loss": 1.0 / step, "lambda": 0.01})
+print(f"logs stopped at step {step}", flush=True)
+"""
+
+
+def test_a_full_disk_under_tensorboards_writer_thread_is_one_warning_not_a_thread_traceback(tmp_path):
+    """An audit (2026-12-03): TensorBoard writes its events from a thread of its own; a full disk there (here: a file size
+    limit, the same failed write) printed "Exception in thread" and a traceback beside the monitor's one warning. Now the
+    warning alone, and the writes stop (DeepSpeed's real MonitorMaster and TensorBoard writer)."""
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("tensorboard")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-c", TENSORBOARD_FULL, str(tmp_path / "tb"), str(port)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "logs stopped at step" in proc.stdout, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) < 5000, proc.stdout  # the limit was reached: the monitor stopped itself
+    warned = [line for line in proc.stderr.splitlines() if "the monitor's logs stop here" in line]
+    assert len(warned) == 1 and "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr[-3000:]
