@@ -274,6 +274,7 @@ def check_sparsity(model: torch.nn.Module, plan, masks: dict[str, torch.Tensor] 
 def build_and_publish(plan, device: torch.device, out: Path, started: float) -> dict:
     """The cell under the output's lock: the starting point, the training, the model and its report written into a
     staging folder of this process (``fresh_staging``) and swapped in for ``out`` (``publish``); its report."""
+    from elsa_ds.files.disk_room import disk_full
     from elsa_ds.files.io import write_json
     from elsa_ds.files.output import fresh_staging, publish
     from elsa_ds.jobs.training import load_data
@@ -307,14 +308,18 @@ def build_and_publish(plan, device: torch.device, out: Path, started: float) -> 
                   # as the job's report counts it
                   "wall_s": round(time.time() - started, 1)}
         write_json(staging / "elsa_report.json", report)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
+        full = disk_full(err, staging) if isinstance(err, Exception) else None  # OSError, safetensors' wrapped one
+        if full is not None:  # one line, as the jobs say it
+            raise full from None
         raise
     publish(staging, out, keep_checkpoints=False, carry=())  # the previous output (--overwrite) goes only once this is in
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
+    from elsa_ds.files.output import check_output_dir
     from elsa_ds.files.ownership import owned
 
     started = time.time()
@@ -323,9 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     except ElsaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    cfg, out = plan.cfg, Path(plan.opts.output_dir)
+    cfg, out, opts = plan.cfg, Path(plan.opts.output_dir), plan.opts
     try:
         with owned(out, "--output_dir"):  # a second cell on the same output is refused, as a job is
+            check_output_dir(out, opts.overwrite)  # again under the lock: another job may have published there since
             report = build_and_publish(plan, device, out, started)
     except ElsaError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -20,10 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.integration
 
 
-def plain_cell(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+def plain_cell(args: list[str], check: bool = True, preexec_fn=None) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "plain_cell.py"), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=900, env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                                                       **{k: v for k, v in __import__("os").environ.items()}})
+                                                       **{k: v for k, v in __import__("os").environ.items()}},
+                          preexec_fn=preexec_fn)
     assert not check or proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -131,3 +132,48 @@ def test_the_output_is_swapped_in_under_its_lock_and_a_planted_link_beside_it_is
 
 def _tokenizer_files(model_dir: Path) -> list[str]:
     return [p.name for p in model_dir.iterdir() if p.name.startswith(("tokenizer", "special_tokens"))]
+
+
+def test_an_output_published_after_the_check_is_refused_under_the_lock(tmp_path, tiny_model_dir, text_dir, monkeypatch, capsys):
+    """A second audit: the output was checked once, before the lock; a job that published there in between had its
+    output replaced without --overwrite. The cell checks it again under the lock, as the jobs do (``jobs/owner``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plain_cell_under_test", ROOT / "bench" / "plain_cell.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "out"
+    checked = module.parse
+
+    def parse_then_another_job_publishes(argv):
+        parsed = checked(argv)
+        out.mkdir()
+        (out / "elsa_report.json").write_text("another job's")
+        return parsed
+
+    monkeypatch.setattr(module, "parse", parse_then_another_job_publishes)
+    code = module.main(["--device", "cpu", "--deepspeed", "ds_configs/zero3.json", "--model", str(tiny_model_dir), "--dataset",
+                        str(text_dir), "--steps", "2", "--seqlen", "64", "--val_windows", "0", "--output_dir", str(out)])
+    assert code == 2 and "--overwrite" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["elsa_report.json"] and (out / "elsa_report.json").read_text() == "another job's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_full_disk_as_the_model_is_written_is_one_line_and_leaves_nothing(tmp_path, tiny_model_dir, text_dir):
+    """A second audit: ENOSPC from ``save_pretrained`` left the cell with a traceback (its staging was removed). Now one
+    line naming the disk, exit 2, nothing beside the output (here a file size limit fails the write, as a full disk does)."""
+    import resource
+    import signal
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # the tiny model's weights are larger
+
+    out = tmp_path / "out"
+    proc = plain_cell(["--device", "cpu", "--deepspeed", "ds_configs/zero3.json", "--model", str(tiny_model_dir), "--dataset",
+                       str(text_dir), "--steps", "2", "--seqlen", "64", "--val_windows", "0", "--output_dir", str(out)],
+                      check=False, preexec_fn=limit)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")][0].startswith("error: file size limit"), \
+        proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []

@@ -245,24 +245,27 @@ def test_a_full_disk_on_one_rank_stops_every_rank_in_a_line_each(tmp_path, tiny_
         assert sorted(p.name for p in (out / "checkpoints").glob("global_step*")) == ["global_step2"]
 
 
-def test_a_full_disk_while_deepspeed_copies_its_recovery_script_keeps_the_last_good_one(tmp_path, tiny_model_dir, text_dir):
+@pytest.mark.parametrize("at", [r"/checkpoints/zero_to_fp32\.py$", r"/checkpoints/\.elsa_fingerprint\.json\.\d+\.tmp$"],
+                         ids=["the-copy", "the-fingerprint"])
+def test_a_full_disk_at_the_second_save_keeps_the_last_good_recovery_scripts(tmp_path, tiny_model_dir, text_dir, at):
     """An audit (2026-12-03): DeepSpeed copies ``zero_to_fp32.py`` beside the tags at each save, in place
     (``shutil.copyfile``); a disk that filled during the second save's copy left the first save's whole script cut to
-    nothing beside the published tag. Now the save sets it aside first and a failed save puts it back: the script beside
-    ``latest`` is DeepSpeed's whole file, and nothing else is left."""
+    nothing beside the published tag. Now the save sets it aside first and a failed save puts it back; a save that
+    failed before DeepSpeed wrote anything (rank 0's fingerprint, first) leaves them as they were (a second audit: the
+    fix's first version removed them there). The scripts beside ``latest`` are DeepSpeed's whole files, nothing else left."""
     import deepspeed
 
     out = tmp_path / "o"
     fixture = ROOT / "tests" / "fixtures" / "full_disk_on_rank"
     env = {"PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "ELSA_TEST_FULL_DISK_RANK": "0", "ELSA_TEST_FULL_DISK_AT": r"/checkpoints/zero_to_fp32\.py$",
-           "ELSA_TEST_FULL_DISK_AFTER": "1", "ELSA_TEST_FULL_DISK_CUTS": "1"}  # the first save's copy goes through
+           "ELSA_TEST_FULL_DISK_RANK": "0", "ELSA_TEST_FULL_DISK_AT": at,
+           "ELSA_TEST_FULL_DISK_AFTER": "1", "ELSA_TEST_FULL_DISK_CUTS": "1"}  # the first save's write goes through
     args = [*QUICK, "--sparsity", "0.6", "--steps", "6", "--save_interval", "2", "--model", str(tiny_model_dir),
             "--dataset", str(text_dir), "--output_dir", str(out)]
     proc = run_entry("prune.py", args, ranks=1, check=False, timeout=420, env=env)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in text, text[-4000:]
-    assert re.search(r"^elsa_ds: error: no space left on .+ writing \S+/checkpoints/zero_to_fp32\.py", proc.stderr, re.M), text[-3000:]
+    assert re.search(r"^elsa_ds: error: .*no space left on .+ writing \S+/checkpoints/", proc.stderr, re.M), text[-3000:]
     ckpt = out / "checkpoints"
     assert (ckpt / "latest").read_text() == "global_step2"
     source = Path(deepspeed.__file__).parent / "utils"

@@ -3,6 +3,7 @@ write its part (a full disk) stops every rank, none left waiting in DeepSpeed's 
 them and checks them before any model exists)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable
@@ -38,7 +39,8 @@ def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int, 
     tag = f"global_step{step + 1}"
     what = f"checkpoint {ckpt_dir / tag}"
     failure = _rank_zero_part(what, rank, lambda: _prepare(ckpt_dir, tag, fingerprint))
-    if failure is None:
+    written = failure is None  # DeepSpeed's writes begin: its copies of the recovery scripts may follow
+    if written:
         _WRITING[:] = [tag] if dist.get_world_size() > 1 else []
         failure = _write_tag(engine, ckpt_dir, tag, client)
         _WRITING.clear()  # every rank is past its writes
@@ -47,7 +49,7 @@ def save(engine, ckpt_dir: Path, step: int, client: dict, keep: int, rank: int, 
         if failure is None:
             return tag
     if rank == 0:
-        discard_unpublished_tag(ckpt_dir, tag)
+        discard_unpublished_tag(ckpt_dir, tag, copied=written)
     dist.barrier()  # the files gone before a rank measures the free space it reports
     raise failure.measured_again() if isinstance(failure, DiskFull) else failure
 
@@ -71,19 +73,22 @@ def _prepare(ckpt_dir: Path, tag: str, fingerprint: dict) -> None:
     clear_for_save(ckpt_dir, tag)
 
 
-def discard_unpublished_tag(ckpt_dir: Path, tag: str) -> None:
+def discard_unpublished_tag(ckpt_dir: Path, tag: str, copied: bool = True) -> None:
     """Rank 0, after a save of ``tag`` that failed, once no rank writes: the tag goes unless ``latest`` names it, the
     recovery scripts the last good save left are back (``clear_for_save`` set them aside: DeepSpeed's copy over them may
     stop half-way on a full disk), and a checkpoints folder with nothing published goes (this run made it: an older
-    run's went with --overwrite, and --resume needs a ``latest``)."""
+    run's went with --overwrite, and --resume needs a ``latest``). ``copied``: DeepSpeed's writes began, so a script
+    with nothing set aside is this save's copy, whole or not (else it is the last good save's: an audit, the fingerprint's
+    write failing on a full disk had them removed). A script that cannot be put back stays aside for the next save."""
     if published_tag(ckpt_dir) != tag:
         remove_tag(ckpt_dir / tag)
     for name in RECOVERY_SCRIPTS:
         path, aside = ckpt_dir / name, _aside(ckpt_dir, name)
-        if aside.is_file() and not aside.is_symlink():
-            os.replace(aside, path)
-        elif path.is_symlink() or path.is_file():  # this save's copy, whole or not
-            path.unlink()
+        with contextlib.suppress(OSError):  # the save's own error is the one said
+            if aside.is_file() and not aside.is_symlink():
+                os.replace(aside, path)
+            elif copied and (path.is_symlink() or path.is_file()):
+                path.unlink()
     if not (ckpt_dir / "latest").exists():
         shutil.rmtree(ckpt_dir, ignore_errors=True)
 
@@ -148,10 +153,12 @@ def clear_for_save(ckpt_dir: Path, tag: str) -> None:
     remove_tag(ckpt_dir / tag)
     for name in RECOVERY_SCRIPTS:
         path, aside = ckpt_dir / name, _aside(ckpt_dir, name)
-        if aside.is_symlink() or (aside.is_file() and aside.stat().st_nlink > 1):
-            aside.unlink()
-        elif aside.is_file():
+        if aside.is_file() and not aside.is_symlink() and aside.stat().st_nlink == 1:
             os.replace(aside, path)
+        elif aside.is_symlink() or aside.is_file():  # our name, holding something else (a copied folder's): it goes
+            aside.unlink()
+        elif aside.exists():
+            shutil.rmtree(aside)
         if path.is_symlink() or (path.is_file() and path.stat().st_nlink > 1):
             path.unlink()
         elif path.is_file():
