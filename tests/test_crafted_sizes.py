@@ -265,7 +265,8 @@ def test_a_packed_mask_whose_bytes_disagree_with_its_shape_is_refused(tmp_path):
 
 @pytest.mark.parametrize("field", [{"ppl": {"wiki": {"ppl": "x"}}}, {"sparsity": [1]}, {"sparsity": {"overall": "a"}},
                                    {"tasks": {"arc": {"acc": "high"}}}, {"average_acc": "0.5"}, {"model": 3},
-                                   {"sparsity": {"overall": 10**400}}])
+                                   {"sparsity": {"overall": 10**400}}, {"ppl": {"wiki": {"ppl": 5.0, "windows": [64]}}},
+                                   {"seqlen": {"n": 128}}])  # the last two: a second audit (an unhashable shape, a traceback)
 def test_an_evaluation_result_with_a_string_where_a_number_goes_is_refused(tmp_path, field):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"model": "m", "ppl": {"wiki": {"ppl": 5.0}}} | field))

@@ -311,3 +311,24 @@ def test_a_requeued_run_stopped_in_its_evaluation_is_evaluated(tmp_path, model, 
     assert json.loads((out / "elsa_report.json").read_text())["evaluation"] == evaluation
     assert {k: v for k, v in _digest(out).items() if k not in ("elsa_report.json", "eval.json", "eval.md")} == model_files
     assert "nothing to do" in run_entry("prune.py", args).stdout
+
+
+@pytest.mark.parametrize("holder", [{"pid": "abc"}, {"pid": 10**30}, {"pid": True}, {"pid": 1, "host": "elsewhere", "started": "x"},
+                                    {"pid": 1, "host": "elsewhere", "started": 1e300}, {"pid": 1, "host": ["elsewhere"]}],
+                         ids=["pid-text", "pid-huge", "pid-bool", "started-text", "started-huge", "host-list"])
+def test_a_lock_files_odd_fields_are_data_never_a_traceback(tmp_path, holder):
+    """A second audit: the lock sits in the output's parent, a folder others may write to; a stale lock naming its holder
+    with fields of other types (a pid of "abc" or 10**30, a start time of 1e300) ended the refusal in a traceback. Fields
+    of other types are dropped: a holder on another or an unknown host is refused in one line, a nameless one taken over."""
+    from elsa_ds.files.ownership import release
+
+    out = tmp_path / "out"
+    holder = {"host": socket.gethostname(), **holder}
+    lock_path(out).write_text(json.dumps(holder))
+    if holder["host"] != socket.gethostname():
+        with pytest.raises(ElsaError, match=r"being written by another job \(pid 1 on (elsewhere|\?) since an unknown time"):
+            acquire(out, "--output")
+        return
+    fd = acquire(out, "--output")  # no valid pid: nobody to wait for
+    assert json.loads(lock_path(out).read_text())["pid"] == os.getpid()
+    release(out, fd)

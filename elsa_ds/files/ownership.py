@@ -189,7 +189,29 @@ def read_holder(fd: int) -> dict:
         info = json_data.loads(os.pread(fd, 1 << 16, 0).decode("utf-8") or "{}")
     except (OSError, ValueError):
         return {}
-    return info if isinstance(info, dict) else {}
+    return _well_typed(info) if isinstance(info, dict) else {}
+
+
+HOLDER_FIELDS = {"pid": int, "host": str, "started": float, "pid_start": str}  # what acquire writes; json may read 1 as int
+
+
+def _well_typed(info: dict) -> dict:
+    """A lock file's fields of the types and ranges ``acquire`` writes; any other is dropped (a second audit: the lock
+    sits in the output's parent, a folder others may write to, and a pid of "abc" or 10**30, a start time of 1e300 or
+    "yesterday" ended the refusal in a traceback). A pid is a positive int below 2**22 (Linux's pid_max limit)."""
+    kept: dict = {}
+    for key, kind in HOLDER_FIELDS.items():
+        value = info.get(key)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            continue
+        if key == "pid" and not 0 < value < 2**22:
+            continue
+        if key == "started" and not 0 <= value < 2**33:  # finite, and a time_t any platform formats
+            continue
+        kept[key] = value
+    return kept
 
 
 def _named_holder(fd: int, wait_s: float) -> dict:
