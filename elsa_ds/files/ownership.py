@@ -19,6 +19,7 @@ import stat
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
@@ -192,7 +193,7 @@ def read_holder(fd: int) -> dict:
     return _well_typed(info) if isinstance(info, dict) else {}
 
 
-HOLDER_FIELDS = {"pid": int, "host": str, "started": float, "pid_start": str}  # what acquire writes; json may read 1 as int
+HOLDER_FIELDS: dict[str, type] = {"pid": int, "host": str, "started": float, "pid_start": str}  # what acquire writes; json may read 1 as int
 
 
 def _well_typed(info: dict) -> dict:
@@ -201,7 +202,7 @@ def _well_typed(info: dict) -> dict:
     "yesterday" ended the refusal in a traceback). A pid is a positive int below 2**22 (Linux's pid_max limit)."""
     kept: dict = {}
     for key, kind in HOLDER_FIELDS.items():
-        value = info.get(key)
+        value: Any = info.get(key)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or isinstance(value, bool):
