@@ -19,7 +19,6 @@ import stat
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
@@ -193,25 +192,17 @@ def read_holder(fd: int) -> dict:
     return _well_typed(info) if isinstance(info, dict) else {}
 
 
-HOLDER_FIELDS: dict[str, type] = {"pid": int, "host": str, "started": float, "pid_start": str}  # what acquire writes; json may read 1 as int
-
-
 def _well_typed(info: dict) -> dict:
     """A lock file's fields of the types and ranges ``acquire`` writes; any other is dropped (a second audit: the lock
     sits in the output's parent, a folder others may write to, and a pid of "abc" or 10**30, a start time of 1e300 or
-    "yesterday" ended the refusal in a traceback). A pid is a positive int below 2**22 (Linux's pid_max limit)."""
-    kept: dict = {}
-    for key, kind in HOLDER_FIELDS.items():
-        value: Any = info.get(key)
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            continue
-        if key == "pid" and not 0 < value < 2**22:
-            continue
-        if key == "started" and not 0 <= value < 2**33:  # finite, and a time_t any platform formats
-            continue
-        kept[key] = value
+    "yesterday" ended the refusal in a traceback). A pid is a positive int below 2**22 (Linux's pid_max limit); a start
+    time a finite number any platform's time_t holds."""
+    pid, started = info.get("pid"), info.get("started")
+    kept = {key: info[key] for key in ("host", "pid_start") if isinstance(info.get(key), str)}
+    if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**22:
+        kept["pid"] = pid
+    if isinstance(started, (int, float)) and not isinstance(started, bool) and 0 <= started < 2**33:
+        kept["started"] = float(started)
     return kept
 
 
