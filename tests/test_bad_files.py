@@ -284,3 +284,26 @@ def test_a_deepspeed_json_section_of_the_wrong_type_is_named(tmp_path, section):
     with pytest.raises(ElsaError, match=r"must be a JSON object") as err:
         DsConfig.load(path)
     assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+WRONG_TYPES = [("zero_optimization.offload_optimizer.ratio", "half", "a number"), ("optimizer.params", [1], "an object"),
+               ("scheduler.params", "x", "an object"), ("zero_optimization.offload_optimizer.buffer_count", "many", "a whole number"),
+               ("zero_optimization.offload_param.nvme_path", 5, "a string"), ("zero_optimization.offload_param.device", ["nvme"], "a string"),
+               ("bf16.enabled", 1, "true or false"), ("zero_optimization.offload_param.buffer_size", True, "a number")]
+
+
+@pytest.mark.parametrize("key,value,kind", WRONG_TYPES, ids=[k for k, _, _ in WRONG_TYPES])
+def test_a_value_elsa_ds_reads_of_another_type_is_named_before_the_model_loads(tmp_path, key, value, kind):
+    """A second audit: a ratio of "half", a list of params or a buffer_count of "many" ended the check in a traceback; a
+    device of ["nvme"] or an nvme_path of 5 passed it, for DeepSpeed to refuse after the model was built."""
+    raw = json.loads((Path(elsa_ds.__file__).parent.parent / "ds_configs" / "zero3_offload.json").read_text())
+    *sections, last = key.split(".")
+    node = raw
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[last] = value
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(raw))
+    code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--deepspeed", str(path))
+    one_line(code, err, f'"{key}" must be {kind}, not {json.dumps(value)}', str(path))
+    assert not (tmp_path / "o").exists()

@@ -134,7 +134,89 @@ def test_join_refuses_a_part_changed_after_put_and_names_it(packed, tmp_path):
     (dest / "part01").write_bytes(bytes(data))
     proc = subprocess.run([*SHIP, "join", "--dest", str(dest)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "part01" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (dest / "payload").exists()
+    assert not any(f.name.startswith("payload") for f in dest.iterdir())  # nor the joined file (a second audit)
+
+
+def copy_of(out: Path, to: Path) -> Path:
+    to.mkdir()
+    for f in out.iterdir():
+        (to / f.name).write_bytes(f.read_bytes())
+    return to
+
+
+@pytest.mark.parametrize("change", ["name-a-path", "sha-missing", "bytes-a-string", "no-parts", "a-list", "payload-sha-a-number"])
+def test_a_manifest_pack_did_not_write_is_one_line_and_puts_nothing_anywhere(packed, tmp_path, change):
+    """The manifest travels beside the checkout and is read there as data (a second audit: a part named ``../x`` was
+    copied outside the folder, a missing key ended in a KeyError traceback)."""
+    out, _ = packed
+    bad = copy_of(out, tmp_path / "bad")
+    manifest = json.loads((bad / "manifest.json").read_text())
+    if change == "name-a-path":
+        (bad / "part00").rename(bad / "escaped")
+        manifest["parts"][0]["name"] = "../bad/escaped"
+    elif change == "sha-missing":
+        del manifest["parts"][0]["sha256"]
+    elif change == "bytes-a-string":
+        manifest["parts"][0]["bytes"] = str(manifest["parts"][0]["bytes"])
+    elif change == "no-parts":
+        manifest["parts"] = []
+    elif change == "payload-sha-a-number":
+        manifest["payload_sha256"] = 7
+    (bad / "manifest.json").write_text(json.dumps([manifest] if change == "a-list" else manifest))
+    dest = tmp_path / "device" / "ship"
+    proc = put(0, bad, dest)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not a manifest" in proc.stderr, proc.stderr
+    assert not (tmp_path / "device").exists()
+
+
+def full_disk_at(pattern: str) -> dict:
+    """``tests/fixtures/full_disk_on_rank``: a write to a path matching ``pattern`` empties it and fails with ENOSPC."""
+    fixture = ROOT / "tests" / "fixtures" / "full_disk_on_rank"
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT)]), "RANK": "0", "ELSA_TEST_FULL_DISK_RANK": "0",
+            "ELSA_TEST_FULL_DISK_AT": pattern, "ELSA_TEST_FULL_DISK_CUTS": "1"}
+
+
+def test_a_full_disk_at_put_or_join_is_one_line_and_leaves_no_temp_or_joined_file(packed, tmp_path, monkeypatch):
+    """The device's disk is 64 GiB, the payload a quarter GiB a time: a put that cannot copy its part says so and leaves
+    no ``.partNN.tmp``; a join that cannot write the joined payload leaves neither it nor a half-unpacked folder, and
+    the parts stay for a join again."""
+    out, manifest = packed
+    dest = tmp_path / "device"
+    assert put(0, out, dest).returncode == 0
+    args = ["put", "1", "--ship", str(out), "--dest", str(dest)]
+    proc = subprocess.run([*SHIP, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=full_disk_at(r"\.part01\.tmp$"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "free space" in proc.stderr, proc.stderr
+    assert sorted(f.name for f in dest.iterdir()) == ["manifest.json", "part00", "put.log"]
+    for i in range(1, len(manifest["parts"])):
+        assert put(i, out, dest).returncode == 0
+    proc = subprocess.run([*SHIP, "join", "--dest", str(dest)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=full_disk_at(r"payload\.tar\.gz$"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not any(f.name.startswith("payload") for f in dest.iterdir()), sorted(f.name for f in dest.iterdir())
+
+    def full_half_way(tar, path, **kwargs):  # tarfile writes through the open it bound at import: fail it half-way here
+        tar.extract(tar.getmembers()[1], path, filter="data")
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tarfile.TarFile, "extractall", full_half_way)
+        with pytest.raises(ship.ShipError, match="free space"):
+            ship.join(dest)
+    assert not any(f.name.startswith("payload") for f in dest.iterdir()), sorted(f.name for f in dest.iterdir())
+    assert ship.join(dest) == dest / "payload"  # the parts stayed: a join again builds it
+
+
+def test_a_joined_payload_that_does_not_check_is_removed(packed, tmp_path):
+    out, manifest = packed
+    bad = copy_of(out, tmp_path / "bad")
+    changed = json.loads((bad / "manifest.json").read_text()) | {"payload_sha256": "0" * 64}
+    (bad / "manifest.json").write_text(json.dumps(changed))
+    dest = tmp_path / "device"
+    for i in range(len(manifest["parts"])):
+        assert put(i, bad, dest).returncode == 0
+    proc = subprocess.run([*SHIP, "join", "--dest", str(dest)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "does not match the manifest" in proc.stderr and "Traceback" not in proc.stderr
+    assert not any(f.name.startswith("payload") for f in dest.iterdir())
 
 
 def test_pack_refuses_a_gguf_that_is_not_the_packages(stand_in, tmp_path):

@@ -175,6 +175,15 @@ def test_a_recipes_paths_are_its_folders_and_stay_inside_it(tmp_path, monkeypatc
     (folder / "out").symlink_to(tmp_path)  # a link out of the folder is outside it too
     with pytest.raises(ElsaError, match="outside the recipe's folder"):
         load_recipe(str(_recipe(folder, {"dataset": "./out/texts.txt"})))
+    (folder / "texts" / "a.txt").write_text("inside")  # a folder read whole: a file link in it leads out too (a second audit)
+    (folder / "texts" / "deep").mkdir()
+    for name, to in (("deep/b.txt", tmp_path / "secret.txt"), ("deep/c", tmp_path)):
+        (folder / "texts" / name).symlink_to(to)
+        with pytest.raises(ElsaError, match=f"dataset './texts' holds {name}, a link to outside the recipe's folder"):
+            load_recipe(str(_recipe(folder, {"dataset": "./texts"})))
+        (folder / "texts" / name).unlink()
+    (folder / "texts" / "deep" / "b.txt").symlink_to(folder / "texts" / "a.txt")  # a link within the folder is the recipe's own
+    assert load_recipe(str(_recipe(folder, {"dataset": "./texts"})))["dataset"] == str(folder.resolve() / "texts")
     with pytest.raises(ElsaError, match="nvme_path: where this machine writes is yours to choose"):
         load_recipe(str(_recipe(folder, {"nvme_path": "/local_nvme"})))
     with pytest.raises(ElsaError, match=r"unknown settings \['lamda'\] \(a recipe may set: ") as err:

@@ -28,12 +28,14 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -245,11 +247,38 @@ def pack(gguf: Path, gguf_sha: str, tokenizer: Path, corpora: Path, terms: Path 
 
 # --- there: put, join, build -------------------------------------------------------------------------------------------
 
+PART_NAME = re.compile(r"part[0-9]{2,4}")
+HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
 def load_manifest(ship: Path) -> dict:
+    """The manifest, read as data: its part names are ``partNN`` (never a path: ``../x`` would put a part outside the
+    folder), its sizes whole numbers, its digests sha256s; anything else is one line, not a traceback."""
+    where = ship / "manifest.json"
     try:
-        return json.loads((ship / "manifest.json").read_text())
+        manifest = json.loads(where.read_text())
     except (OSError, ValueError) as err:
-        raise ShipError(f"{ship / 'manifest.json'}: cannot read the manifest ({err}); carry it with every call") from None
+        raise ShipError(f"{where}: cannot read the manifest ({err}); carry it with every call") from None
+    parts = manifest.get("parts") if isinstance(manifest, dict) else None
+    well_formed = (isinstance(parts, list) and bool(parts)
+                   and all(isinstance(manifest.get(k), str) and HEX64.fullmatch(manifest[k]) for k in ("payload_sha256", "gguf_sha256"))
+                   and all(isinstance(p, dict) and isinstance(p.get("name"), str) and PART_NAME.fullmatch(p["name"])
+                           and type(p.get("bytes")) is int and p["bytes"] > 0
+                           and isinstance(p.get("sha256"), str) and HEX64.fullmatch(p["sha256"]) for p in parts))
+    if not well_formed:
+        raise ShipError(f"{where}: not a manifest `pack` writes (parts partNN with bytes and sha256, the payload's and the "
+                        "GGUF's sha256); pack again here and carry the new one")
+    return manifest
+
+
+def _copy_in(src: Path, target: Path) -> None:
+    """``src`` copied to ``target`` through a temp name, renamed over it; a failed copy (a full disk) leaves no temp file."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        shutil.copyfile(src, tmp)
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def put(index: int, ship: Path = SHIP, dest: Path = DEST) -> dict:
@@ -261,30 +290,50 @@ def put(index: int, ship: Path = SHIP, dest: Path = DEST) -> dict:
     src = ship / part["name"]
     if not src.is_file() or sha256(src) != part["sha256"]:
         raise ShipError(f"{src}: missing or not the packed bytes; carry it in this call")
-    dest.mkdir(parents=True, exist_ok=True)
-    tmp = dest / f".{part['name']}.tmp"
-    shutil.copyfile(src, tmp)
-    tmp.rename(dest / part["name"])
-    shutil.copyfile(ship / "manifest.json", dest / "manifest.json")
-    earlier = [p["name"] for p in manifest["parts"][:index]]
-    missing = [n for n in earlier if not (dest / n).is_file() or (dest / n).stat().st_size != manifest["parts"][int(n[4:])]["bytes"]]
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in (part["name"], "manifest.json"):
+            _copy_in(ship / name, dest / name)
+    except OSError as err:
+        raise ShipError(f"{dest}: cannot copy {part['name']} there ({err.strerror or err}); free space, then put it again") from None
+    earlier = manifest["parts"][:index]
+    missing = [p["name"] for p in earlier if not (dest / p["name"]).is_file() or (dest / p["name"]).stat().st_size != p["bytes"]]
     result = {"put": part["name"], "dest": str(dest), "earlier_parts_present": len(earlier) - len(missing),
               "earlier_parts_missing": missing, "persisted": not missing, "time": time.strftime("%H:%M:%S"),
               "epoch": round(time.time(), 1)}  # the first put's: quality.sh's LOAN_S counts the loan from it
-    with (dest / "put.log").open("a") as fh:
+    with suppress(OSError), (dest / "put.log").open("a") as fh:  # a log line a full disk cannot take is not worth the part
         fh.write(json.dumps(result) + "\n")
     return result
 
 
 def join(dest: Path = DEST) -> Path:
-    """Every part checked and joined into ``dest/payload.tar.gz`` (checked), unpacked into ``dest/payload``."""
+    """Every part checked and joined into ``dest/payload.tar.gz`` (checked), unpacked into ``dest/payload``. A join that
+    fails (a part changed, a full disk, a payload that does not check) leaves neither the joined file nor a half-unpacked
+    folder: the parts stay, so a `put` of the part named and a join again are all it takes."""
     manifest = load_manifest(dest)
     unpacked = dest / "payload"
-    if (unpacked / "payload.json").is_file():
-        stamp = json.loads((unpacked / "payload.json").read_text())
-        if stamp.get("gguf_sha256") == manifest["gguf_sha256"]:
+    with suppress(OSError, ValueError, ShipError):
+        if _read_stamp(unpacked).get("gguf_sha256") == manifest["gguf_sha256"]:
             return unpacked
-    joined, digest = dest / "payload.tar.gz", hashlib.sha256()
+    joined, staging = dest / "payload.tar.gz", dest / "payload.tmp"
+    try:
+        _join_parts(manifest, dest, joined)
+        shutil.rmtree(unpacked, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        with tarfile.open(joined) as tar:
+            tar.extractall(staging, filter="data")  # no absolute names, no "..", no links leading out
+        check_files(staging)
+        staging.rename(unpacked)
+    except (tarfile.TarError, OSError) as err:
+        raise ShipError(f"{joined}: cannot unpack the payload ({err}); free space, then join again") from None
+    finally:
+        joined.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+    return unpacked
+
+
+def _join_parts(manifest: dict, dest: Path, joined: Path) -> None:
+    digest = hashlib.sha256()
     with joined.open("wb") as out:
         for part in manifest["parts"]:
             path = dest / part["name"]
@@ -297,28 +346,28 @@ def join(dest: Path = DEST) -> Path:
             out.write(data)
     if digest.hexdigest() != manifest["payload_sha256"]:
         raise ShipError(f"{joined}: the joined payload's sha256 does not match the manifest")
-    shutil.rmtree(unpacked, ignore_errors=True)
-    staging = dest / "payload.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _read_stamp(unpacked: Path) -> dict:
+    """The payload's own list of files and digests, as data: names inside the folder, sha256s as strings."""
     try:
-        with tarfile.open(joined) as tar:
-            tar.extractall(staging, filter="data")  # no absolute names, no "..", no links leading out
-    except (tarfile.TarError, OSError) as err:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise ShipError(f"{joined}: cannot unpack the payload ({err})") from None
-    check_files(staging)
-    staging.rename(unpacked)
-    joined.unlink()
-    return unpacked
+        stamp = json.loads((unpacked / "payload.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ShipError(f"{unpacked / 'payload.json'}: cannot read the payload's stamp ({err})") from None
+    files = stamp.get("files") if isinstance(stamp, dict) else None
+    if not (isinstance(files, dict) and isinstance(stamp.get("gguf"), str) and isinstance(stamp.get("gguf_sha256"), str)
+            and all(isinstance(d, str) and not Path(n).is_absolute() and ".." not in Path(n).parts for n, d in files.items())):
+        raise ShipError(f"{unpacked / 'payload.json'}: not a stamp `pack` writes")
+    return stamp
 
 
 def check_files(unpacked: Path) -> None:
     """Every file the payload's stamp lists is there with its sha256; the GGUF's is the package's."""
-    stamp = json.loads((unpacked / "payload.json").read_text())
+    stamp = _read_stamp(unpacked)
     for name, digest in stamp["files"].items():
         if not (unpacked / name).is_file() or sha256(unpacked / name) != digest:
             raise ShipError(f"{unpacked / name}: missing or its sha256 differs from the one packed")
-    if stamp["files"][f"gguf/{stamp['gguf']}"] != stamp["gguf_sha256"]:
+    if stamp["files"].get(f"gguf/{stamp['gguf']}") != stamp["gguf_sha256"]:
         raise ShipError(f"{stamp['gguf']}: sha256 is not the package's {stamp['gguf_sha256']}")
 
 
@@ -327,7 +376,7 @@ def build_model(unpacked: Path, out: Path) -> Path:
     sys.path.insert(0, str(ROOT))
     from bench.models.gemma3 import GgufSource, build
 
-    stamp = json.loads((unpacked / "payload.json").read_text())
+    stamp = _read_stamp(unpacked)
     gguf = unpacked / "gguf" / stamp["gguf"]
     terms = next((unpacked / "terms").glob("*"), None) if (unpacked / "terms").is_dir() else None
 

@@ -108,6 +108,10 @@ def recipe_paths(settings: dict[str, Any], recipe: Path) -> dict[str, Any]:
         if value.startswith(("/", "~")) or not target.is_relative_to(folder):
             raise ElsaError(f"recipe {recipe}: {key} {value!r} is outside the recipe's folder {folder}; a recipe is data, so "
                             f"its paths stay within its folder: pass --{key} yourself for a path elsewhere")
+        if link := _link_out(target, folder):  # a folder read whole (a dataset's texts, a model's files) holds no way out
+            raise ElsaError(f"recipe {recipe}: {key} {value!r} holds {link.relative_to(target)}, a link to outside the "
+                            f"recipe's folder {folder}; a recipe is data, so what it reads stays within its folder: pass "
+                            f"--{key} yourself for files elsewhere")
         return str(target)
     out = dict(settings)
     for key in (*ALWAYS_PATHS, *NAME_OR_PATH):
@@ -116,6 +120,17 @@ def recipe_paths(settings: dict[str, Any], recipe: Path) -> dict[str, Any]:
         value = comma_list(out[key]) if key == "eval_ppl" else out[key]  # a comma list, as on the command line
         out[key] = [inside(key, v) for v in value] if isinstance(value, list) else inside(key, value)
     return out
+
+
+def _link_out(target: Path, folder: Path) -> Path | None:
+    """The first link under the folder ``target`` that resolves outside ``folder`` (the data reader and transformers
+    follow a file link; a second audit: a recipe's dataset folder with ``t.txt -> /etc/passwd`` trained on it)."""
+    if not target.is_dir():
+        return None
+    for entry in target.rglob("*"):  # rglob lists a linked folder but does not walk into it
+        if entry.is_symlink() and not entry.resolve().is_relative_to(folder):
+            return entry
+    return None
 
 
 DEMO_PLACE = "the embedded demo model"  # how a resume's fingerprint names it, wherever elsa_ds is installed

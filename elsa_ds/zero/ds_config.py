@@ -306,6 +306,32 @@ FILE_MONITORS = ("tensorboard", "csv_monitor")
 CODE_KEYS = (("torch_autocast", "lower_precision_safe_modules"),)
 
 
+# The values elsa_ds reads itself before DeepSpeed does, by the JSON types they may have (a second audit: a ratio of
+# "half", a list of params, a buffer_count of "many" ended the check in a traceback; a device of ["nvme"] or an nvme_path
+# of 5 passed it, and DeepSpeed refused them only after the model was built).
+_NUMBER, _WHOLE, _TEXT, _OBJECT = ("a number", (int, float)), ("a whole number", (int,)), ("a string", (str,)), ("an object", (dict,))
+TYPED: dict[tuple[str, ...], tuple[str, tuple[type, ...]]] = {
+    **{("zero_optimization", sec, key): kind for sec in ("offload_param", "offload_optimizer")
+       for key, kind in (("device", _TEXT), ("nvme_path", _TEXT), ("buffer_count", _WHOLE), ("ratio", _NUMBER))},
+    ("zero_optimization", "offload_param", "buffer_size"): _NUMBER,
+    ("optimizer", "type"): _TEXT, ("optimizer", "params"): _OBJECT, ("scheduler", "params"): _OBJECT,
+    ("bf16", "enabled"): ("true or false", (bool,)), ("fp16", "enabled"): ("true or false", (bool,))}
+
+
+def _check_types(raw: dict[str, Any], path: Path) -> None:
+    """ElsaError naming the first of :data:`TYPED` whose value is of another type ("auto" and null pass: resolved or
+    left to DeepSpeed's default)."""
+    for keys, (kind, types) in TYPED.items():
+        value: Any = raw
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is None or value == AUTO:
+            continue
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ElsaError(f"DeepSpeed config {path}: \"{'.'.join(keys)}\" must be {kind}, not {json.dumps(value)[:40]}; "
+                            "fix the file or pass a shipped config with --deepspeed")
+
+
 def _check_sections(raw: dict[str, Any], path: Path) -> None:
     """ElsaError naming the file where a section that must be a JSON object is something else (the readers index it)."""
     zero = raw.get("zero_optimization", {})
@@ -315,6 +341,7 @@ def _check_sections(raw: dict[str, Any], path: Path) -> None:
         if not isinstance(value, dict):
             raise ElsaError(f"DeepSpeed config {path}: \"{name}\" must be a JSON object, not {type(value).__name__} "
                             f"({json.dumps(value)[:40]}); fix the file or pass a shipped config with --deepspeed")
+    _check_types(raw, path)
     for section in FILE_MONITORS:
         name = raw.get(section, {}).get("job_name", "DeepSpeedJobName")
         if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
