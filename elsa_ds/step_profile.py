@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.autograd import DeviceType
 
+from elsa_ds.files.io import write_atomic
 from elsa_ds.log import get_logger
 
 log = get_logger(__name__)
@@ -185,10 +186,8 @@ class StepProfiler:
         if p := self.result.get("python"):
             log.info(f"profile (cProfile) of {p['steps']} steps: {p['wall_s'] * 1e3:.0f} ms a step; functions by own time "
                      "(ms a step): " + "; ".join(f"{n} {s * 1e3:.1f}" for n, s in p["self_top"]))
-        if self.out is not None:
-            tmp = self.out.with_name(self.out.name + ".tmp")
-            tmp.write_text(json.dumps(self.result, indent=1), encoding="utf-8")
-            os.replace(tmp, self.out)
+        if self.out is not None:  # a full disk: the one warning, no temp file left (a third audit)
+            write_atomic(self.out, json.dumps(self.result, indent=1))
 
 
 def sync() -> None:

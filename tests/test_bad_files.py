@@ -307,3 +307,48 @@ def test_a_value_elsa_ds_reads_of_another_type_is_named_before_the_model_loads(t
     code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--deepspeed", str(path))
     one_line(code, err, f'"{key}" must be {kind}, not {json.dumps(value)}', str(path))
     assert not (tmp_path / "o").exists()
+
+
+LONG = "x" * 300  # one name longer than a file system's 255 bytes
+NO_PATH = [(LONG, "a name in it is 300 bytes"), ("~nosuchuser9/x", "no user ~nosuchuser9")]
+
+
+@pytest.mark.parametrize("value,needle", NO_PATH, ids=["too long", "unknown user"])
+@pytest.mark.parametrize("where", ["--output_dir", "--dataset", "--model", "--recipe", "--deepspeed", "--eval_ppl",
+                                   "evaluate --model", "evaluate --output", "compress INPUT", "estimate --dataset"])
+def test_a_text_no_path_can_be_is_named_by_every_entry_point(where, value, needle, tmp_path, stop_at_the_job):
+    """A third audit: a value no path can be (too long for the file system, a ~user this machine lacks) ended in an
+    OSError or RuntimeError traceback wherever a check asked the file system about it."""
+    entry, flag = where.split() if " " in where else ("prune", where)
+    if entry == "prune":
+        given = {"--output_dir": str(tmp_path / "o"), flag: value}
+        code, err, _ = run_main(cli.main_prune, [*FAST, *(x for pair in given.items() for x in pair)] if flag != "--deepspeed"
+                                else [*FAST[2:], "--deepspeed", value, "--output_dir", str(tmp_path / "o")])
+    elif entry == "evaluate":
+        code, err, _ = run_main(cli.main_evaluate, ["--model", str(DEMO_MODEL_DIR), "--ppl", "shakespeare",
+                                                    "--output", str(tmp_path / "r.json"), flag, value])
+    elif entry == "estimate":
+        code, err, _ = _estimate(DEMO_MODEL_DIR, flag, value)
+    else:
+        from elsa_ds.sparse.cli import main as compress
+        code, err, _ = run_main(compress, [value, str(tmp_path / "c")])
+    one_line(code, err, needle)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("value,needle", [*NO_PATH, ("a\0b.txt", "NUL byte")], ids=["too long", "unknown user", "nul"])
+@pytest.mark.parametrize("source", ["recipe", "DeepSpeed JSON"])
+def test_a_text_no_path_can_be_in_a_file_is_named(source, value, needle, tmp_path, stop_at_the_job):
+    """The same values from a recipe (read against its folder) or the DeepSpeed JSON's "elsa" block (a NUL byte too,
+    which no command line can hold)."""
+    if source == "recipe":
+        recipe = tmp_path / "r.json"
+        recipe.write_text(json.dumps({"source": "test", "settings": {"val_dataset": value}}))
+        code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--recipe", str(recipe))
+    else:
+        ds = tmp_path / "ds.json"
+        ds.write_text(json.dumps({**json.loads((Path(cli.__file__).parents[1] / "ds_configs" / "zero3_offload.json")
+                                               .read_text()), "elsa": {"val_dataset": value}}))
+        code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--deepspeed", str(ds))
+    assert needle in one_line(code, err, "val_dataset")
+    assert not (tmp_path / "o").exists()

@@ -219,6 +219,74 @@ def test_a_joined_payload_that_does_not_check_is_removed(packed, tmp_path):
     assert not any(f.name.startswith("payload") for f in dest.iterdir())
 
 
+def test_links_planted_in_the_destination_are_never_written_through(packed, tmp_path):
+    """A third audit: put copied its part through a link at ``.partNN.tmp`` and appended its log through one at
+    ``put.log``; join wrote the payload through a link at ``payload.tar.gz`` and unpacked into one at ``payload.tmp``."""
+    out, manifest = packed
+    dest, victims = tmp_path / "device", tmp_path / "victims"
+    dest.mkdir()
+    victims.mkdir()
+    for name in (".part00.tmp", "put.log", "payload.tar.gz"):
+        (victims / name).write_text("mine")
+        (dest / name).symlink_to(victims / name)
+    (victims / "folder").mkdir()
+    (dest / "payload.tmp").symlink_to(victims / "folder", target_is_directory=True)
+    for i in range(len(manifest["parts"])):
+        assert put(i, out, dest).returncode == 0
+    assert (dest / "part00").is_file() and not (dest / "part00").is_symlink()
+    unpacked = ship.join(dest)
+    assert all((victims / name).read_text() == "mine" for name in (".part00.tmp", "put.log", "payload.tar.gz"))
+    assert not any((victims / "folder").iterdir()) and (unpacked / "payload.json").is_file()
+
+
+def test_an_unpacked_payload_is_checked_again_before_it_is_used_again(packed, tmp_path):
+    """A second join used an unpacked payload whose stamp named the GGUF, without checking its files (a third audit)."""
+    out, manifest = packed
+    dest = tmp_path / "device"
+    for i in range(len(manifest["parts"])):
+        assert put(i, out, dest).returncode == 0
+    unpacked = ship.join(dest)
+    changed = next(f for f in (unpacked / "corpora").rglob("*") if f.is_file())
+    changed.write_text("not what was packed")
+    assert ship.join(dest) == unpacked  # joined again from the parts
+    assert changed.read_text() != "not what was packed"
+
+
+@pytest.mark.parametrize("where", ["manifest", "stamp"])
+def test_json_nested_past_pythons_stack_is_one_line(packed, tmp_path, where):
+    """A third audit: a manifest or a payload stamp of 100,000 ``[`` ended put and join in a RecursionError traceback."""
+    out, manifest = packed
+    dest = tmp_path / "device"
+    if where == "manifest":
+        bad = copy_of(out, tmp_path / "bad")
+        (bad / "manifest.json").write_text("[" * 100_000)
+        proc = put(0, bad, dest)
+    else:
+        for i in range(len(manifest["parts"])):
+            assert put(i, out, dest).returncode == 0
+        (dest / "payload").mkdir()
+        (dest / "payload" / "payload.json").write_text("[" * 100_000)
+        proc = subprocess.run([*SHIP, "join", "--dest", str(dest)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert (proc.returncode == 2 and "cannot read the manifest" in proc.stderr) if where == "manifest" else proc.returncode == 0
+
+
+@pytest.mark.parametrize("line", ['{"key": "elsa|0.9|128x8x512|rule", "sta', '{"status": "ok"}', "[" * 100_000, "[1]"])
+def test_a_cells_line_that_is_not_a_cell_is_named_by_the_runner_and_the_report(tmp_path, line):
+    """A runner killed half-way through a line, or a line of something else: the report and the runner name the line, one
+    line, exit 2 (a third audit: KeyError and RecursionError tracebacks)."""
+    results = tmp_path / "cells.jsonl"
+    results.write_text('{"key": "dense|-|0x8x512|rule", "status": "ok"}\n' + line + "\n")
+    with pytest.raises(ship.CellsError, match="cells.jsonl line 2"):
+        ship.read_lines(results)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device" / "curve_report.py"), "--results", str(results),
+                           "--out", str(tmp_path / "curve")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "line 2" in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device" / "curve.py"), "--results", str(results),
+                           "--out", str(tmp_path / "out"), "--list"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "line 2" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_pack_refuses_a_gguf_that_is_not_the_packages(stand_in, tmp_path):
     with pytest.raises(ship.ShipError, match="sha256"):
         ship.pack(stand_in["gguf"], "0" * 64, stand_in["tokenizer"], stand_in["corpora"], None, tmp_path / "s", part_mib=1)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
-
+import subprocess
+import sys
+import textwrap
 import types
 
 import pytest
@@ -16,6 +18,7 @@ from torch.profiler import record_function
 
 from elsa_ds import step_profile
 from elsa_ds.step_profile import SPANS, StepProfiler, operator_summary, parse_window
+from tests.conftest import ROOT
 
 
 def test_the_window_is_first_and_count():
@@ -164,3 +167,21 @@ def test_a_bench_reads_a_summary_or_says_why_it_could_not(tmp_path):
     assert "JSONDecodeError" in step_profile.read_profile(tmp_path / "cut.json")["profile"]["unreadable"]
     (tmp_path / "ok.json").write_text('{"torch": {"steps": 3}}')
     assert step_profile.read_profile(tmp_path / "ok.json") == {"profile": {"torch": {"steps": 3}}}
+
+
+def test_a_full_disk_at_the_summary_is_the_one_warning_and_leaves_no_temp_file(tmp_path):
+    """A third audit: the summary's fixed temp name was left half-written beside it on a full disk (ulimit -f here)."""
+    code = textwrap.dedent("""
+        import resource, signal, sys
+        from pathlib import Path
+        from elsa_ds.step_profile import StepProfiler
+        from tests.test_step_profile import steps
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as a full disk's does
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        steps(StepProfiler((0, 2), rank=0, out=Path(sys.argv[1]) / "profile.json"), 4)
+    """)
+    (tmp_path / "profile.json").write_text("the last summary")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "the step profile stopped" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+    assert (tmp_path / "profile.json").read_text() == "the last summary"

@@ -519,10 +519,10 @@ def main(argv: list[str] | None = None) -> int:
         cells = [parse_cell(t) for t in args.cells.split(",")] if args.cells else curve_plan()
         cells = [replace(c, engine=args.engine) if c.kind == "train" else c for c in cells]
         parse_window(args.profile)
-    except ValueError as err:
+        done = done_keys(args.results) | done_keys(args.out / "cells.jsonl")  # a runner started again on the same machine
+    except ValueError as err:  # a cells file's line that is not a cell (ship.CellsError) too
         print(f"error: {err}", file=sys.stderr)
         return 2
-    done = done_keys(args.results) | done_keys(args.out / "cells.jsonl")  # a runner started again on the same machine
     todo = [c for c in cells if c.key(args.seqlen) not in done]
     if args.list:
         for c in cells:

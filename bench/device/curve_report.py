@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.device.curve import Cell, read_lines  # noqa: E402
+from bench.device.ship import CellsError  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TEXTS = (("test_ppl", "techdocs test"), ("linuxdoc_ppl", "linux-doc test"))
 RETRAINING = ("sparsegpt+ft", "wanda+ft")
@@ -168,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: {missing[0]} does not exist: no cell has run yet (bench/device/README.md)", file=sys.stderr)
         return 2
-    cells = from_quality(args.quality) if args.quality else load(args.results)
+    try:
+        cells = from_quality(args.quality) if args.quality else load(args.results)
+    except CellsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     out = args.out or (args.quality[-1] if args.quality else args.results).with_suffix("")
     texts = tuple((metric, args.test_label if metric == "test_ppl" else text) for metric, text in TEXTS
                   if any(metric in c for c in cells))

@@ -96,9 +96,25 @@ def texts_sha256(corpora: Path) -> dict[str, str]:
     return {name: sha256(corpora / corpus / file) for name, (corpus, file) in TEXTS.items()}
 
 
+class CellsError(ValueError):
+    """A cells file holding a line that is not a cell."""
+
+
 def read_lines(path: Path) -> list[dict]:
-    """Every line of a cells file (none when it does not exist yet)."""
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    """Every line of a cells file (none when it does not exist yet), read as data: each a JSON object with a string
+    ``key`` and ``status``; CellsError naming the first line that is not (a runner killed half-way through a line)."""
+    lines = []
+    for number, text in enumerate(path.read_text().splitlines() if path.is_file() else [], 1):
+        try:
+            line = json.loads(text) if text.strip() else None
+        except (ValueError, RecursionError) as err:
+            raise CellsError(f"{path} line {number}: not JSON ({str(err)[:80]}); remove or mend that line") from None
+        if line is not None and not (isinstance(line, dict) and isinstance(line.get("key"), str)
+                                     and isinstance(line.get("status"), str)):
+            raise CellsError(f"{path} line {number}: not a cell (a JSON object with a key and a status); remove that line")
+        if line is not None:
+            lines.append(line)
+    return lines
 
 
 def texts_packages(corpora: Path) -> dict[str, dict[str, str]]:
@@ -257,7 +273,7 @@ def load_manifest(ship: Path) -> dict:
     where = ship / "manifest.json"
     try:
         manifest = json.loads(where.read_text())
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise ShipError(f"{where}: cannot read the manifest ({err}); carry it with every call") from None
     parts = manifest.get("parts") if isinstance(manifest, dict) else None
     well_formed = (isinstance(parts, list) and bool(parts)
@@ -272,13 +288,31 @@ def load_manifest(ship: Path) -> dict:
 
 
 def _copy_in(src: Path, target: Path) -> None:
-    """``src`` copied to ``target`` through a temp name, renamed over it; a failed copy (a full disk) leaves no temp file."""
+    """``src`` copied to ``target`` through a new temp file (a link left at its name is removed, never written through),
+    renamed over it; a failed copy (a full disk) leaves no temp file."""
     tmp = target.with_name(f".{target.name}.tmp")
     try:
-        shutil.copyfile(src, tmp)
+        tmp.unlink(missing_ok=True)
+        with src.open("rb") as reader, tmp.open("xb") as writer:
+            shutil.copyfileobj(reader, writer)
         tmp.replace(target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _remove(path: Path) -> None:
+    """``path`` gone, whatever it is: a link is removed itself, never followed."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _append_line(path: Path, line: str) -> None:
+    """``line`` appended to ``path``, never through a link (one there: OSError)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "a") as fh:
+        fh.write(line)
 
 
 def put(index: int, ship: Path = SHIP, dest: Path = DEST) -> dict:
@@ -301,8 +335,8 @@ def put(index: int, ship: Path = SHIP, dest: Path = DEST) -> dict:
     result = {"put": part["name"], "dest": str(dest), "earlier_parts_present": len(earlier) - len(missing),
               "earlier_parts_missing": missing, "persisted": not missing, "time": time.strftime("%H:%M:%S"),
               "epoch": round(time.time(), 1)}  # the first put's: quality.sh's LOAN_S counts the loan from it
-    with suppress(OSError), (dest / "put.log").open("a") as fh:  # a log line a full disk cannot take is not worth the part
-        fh.write(json.dumps(result) + "\n")
+    with suppress(OSError):  # a log line a full disk cannot take is not worth the part
+        _append_line(dest / "put.log", json.dumps(result) + "\n")
     return result
 
 
@@ -312,14 +346,16 @@ def join(dest: Path = DEST) -> Path:
     folder: the parts stay, so a `put` of the part named and a join again are all it takes."""
     manifest = load_manifest(dest)
     unpacked = dest / "payload"
-    with suppress(OSError, ValueError, ShipError):
-        if _read_stamp(unpacked).get("gguf_sha256") == manifest["gguf_sha256"]:
+    with suppress(OSError, ValueError, ShipError):  # unpacked by an earlier join: every file checked again
+        if not unpacked.is_symlink() and _read_stamp(unpacked).get("gguf_sha256") == manifest["gguf_sha256"]:
+            check_files(unpacked)
             return unpacked
     joined, staging = dest / "payload.tar.gz", dest / "payload.tmp"
     try:
+        _remove(joined)  # a link planted at these names is removed, never written through
+        _remove(staging)
         _join_parts(manifest, dest, joined)
-        shutil.rmtree(unpacked, ignore_errors=True)
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(unpacked)
         with tarfile.open(joined) as tar:
             tar.extractall(staging, filter="data")  # no absolute names, no "..", no links leading out
         check_files(staging)
@@ -327,14 +363,15 @@ def join(dest: Path = DEST) -> Path:
     except (tarfile.TarError, OSError) as err:
         raise ShipError(f"{joined}: cannot unpack the payload ({err}); free space, then join again") from None
     finally:
-        joined.unlink(missing_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
+        for path in (joined, staging):
+            with suppress(OSError):
+                _remove(path)
     return unpacked
 
 
 def _join_parts(manifest: dict, dest: Path, joined: Path) -> None:
     digest = hashlib.sha256()
-    with joined.open("wb") as out:
+    with joined.open("xb") as out:
         for part in manifest["parts"]:
             path = dest / part["name"]
             if not path.is_file():
@@ -352,7 +389,7 @@ def _read_stamp(unpacked: Path) -> dict:
     """The payload's own list of files and digests, as data: names inside the folder, sha256s as strings."""
     try:
         stamp = json.loads((unpacked / "payload.json").read_text())
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise ShipError(f"{unpacked / 'payload.json'}: cannot read the payload's stamp ({err})") from None
     files = stamp.get("files") if isinstance(stamp, dict) else None
     if not (isinstance(files, dict) and isinstance(stamp.get("gguf"), str) and isinstance(stamp.get("gguf_sha256"), str)

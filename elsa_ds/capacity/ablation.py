@@ -8,6 +8,7 @@ accelerator, so the estimate is made for ``device="cpu"`` (what would sit on the
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from elsa_ds.capacity.memory import Estimate, estimate, model_shape, resolve_model_config
 from elsa_ds.errors import ElsaError, require
+from elsa_ds.files.io import write_atomic
 from elsa_ds.log import get_logger
 from elsa_ds.settings.config import resolve_config
 from elsa_ds.zero.ds_config import DsConfig
@@ -211,14 +213,13 @@ def step_time_for_report(view: DsConfig, report: dict, ranks: int, device: str, 
 
 
 def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:
-    """ablation.csv, ablation.md and ablation.png (each written to a temporary name, then renamed)."""
-    fields = list(asdict(rows[0]))
-    tmp = out_dir / "ablation.csv.tmp"
-    with tmp.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
-    tmp.replace(out_dir / "ablation.csv")
+    """ablation.csv, ablation.md and ablation.png, each by ``write_atomic`` (a full disk: one line, no temp file left, the
+    last table whole; a third audit found fixed temp names left half-written, and written through a link)."""
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=list(asdict(rows[0])))
+    writer.writeheader()
+    writer.writerows(asdict(r) for r in rows)
+    write_atomic(out_dir / "ablation.csv", table.getvalue())
     mib = 2 ** 20
 
     def fmt(v, scale=mib):
@@ -236,9 +237,7 @@ def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:
                      f"{r.final_loss:.4f} | {r.mask_agreement:.4%} | {r.admm_state_bytes_per_param:.2f} |")
     lines.append("\nestimated (s): (timed) from the job's micro-step timed on this machine, (rates) from its typical rates "
                  "where the micro-step could not be timed here (elsa-estimate --measure says why)")
-    tmp = out_dir / "ablation.md.tmp"
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(out_dir / "ablation.md")
+    write_atomic(out_dir / "ablation.md", "\n".join(lines) + "\n")
 
     matplotlib = require("matplotlib", "plot", "the ablation's plot")
     matplotlib.use("Agg")
@@ -263,5 +262,6 @@ def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:
     for ax in axes:
         ax.set_xticks(list(x), names, rotation=20, fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "ablation.png.tmp.png", dpi=110)
-    (out_dir / "ablation.png.tmp.png").replace(out_dir / "ablation.png")
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
+    write_atomic(out_dir / "ablation.png", image.getvalue())

@@ -13,14 +13,14 @@ from elsa_ds.version import __version__
 RECORDED_PACKAGES = ("torch", "deepspeed", "transformers", "bitsandbytes", "lm_eval", "peft")
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str | bytes) -> None:
     """Write next to ``path`` then rename: a reader never sees half a file, an old file is never half-overwritten."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: two writers never share it
     try:
         tmp.unlink(missing_ok=True)  # a link left at that name (a copied folder's) goes; "x" then never writes through one
-        with open(tmp, "x", encoding="utf-8") as fh:
-            fh.write(text)
+        with open(tmp, "xb") as fh:
+            fh.write(text.encode("utf-8") if isinstance(text, str) else text)
         os.replace(tmp, path)
     except BaseException as err:  # Ctrl-C or SIGTERM mid-write too: no temp file stays beside the path
         tmp.unlink(missing_ok=True)

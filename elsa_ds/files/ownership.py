@@ -41,7 +41,7 @@ def check_apart(output: Path, flag: str, inputs: Mapping[str, str | Path | None]
     does not change the answer."""
     out = Path(output).expanduser().resolve()
     for label, value in inputs.items():
-        if value is None or not str(value) or not Path(value).expanduser().exists():
+        if value is None or not str(value) or not _is_there(value):
             continue
         given = Path(value).expanduser().resolve()
         the_input = f"the input {label + ' ' if label else ''}{value}"
@@ -54,6 +54,15 @@ def check_apart(output: Path, flag: str, inputs: Mapping[str, str | Path | None]
         else:
             continue
         raise ElsaError(f"{flag} {output} {why} (--overwrite does not change this); choose a path apart from it")
+
+
+def _is_there(value: str | Path) -> bool:
+    """Whether a local path ``value`` exists; a name no path can be (too long, a NUL byte, an unknown ~user: a hub id
+    or a dataset name) is not."""
+    try:
+        return Path(value).expanduser().exists()
+    except (OSError, ValueError, RuntimeError):
+        return False
 
 
 @contextlib.contextmanager

@@ -99,7 +99,7 @@ class Selector:
     def resumed(self, record: dict[str, Any] | None) -> None:
         """--resume: the checkpoint's record, whose best projection's snapshot must still be on disk (a failed end keeps
         it once a checkpoint is published; an older elsa_ds removed it): refused before any step when it is gone."""
-        self.record = record or self.record
+        self.record = {"stopped_at": None, **record} if record else self.record  # an older elsa_ds saved no stopped_at
         best, path = self.record["best"], self.directory / f"rank{self.rank}.pt"
         if best is not None and not path.is_file():
             raise ElsaError(f"--resume: the checkpoint's selection names the best projection of step {best['step']}, but its "

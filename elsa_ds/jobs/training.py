@@ -104,12 +104,42 @@ def _rng_state_ok(rng: Any) -> bool:
             and (python_state[2] is None or isinstance(python_state[2], float)))
 
 
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+PROJECTION_NUMBERS = ("loss", "lambda", "residual", "mask_flip_frac", "admm_state_bytes_per_param")
+
+
+def _projection_ok(entry: Any) -> bool:
+    """A ``history`` entry as ``ElsaJob._after_step`` writes it (the loop and the report read each of these; an audit:
+    ``[{}]`` resumed and failed at the next projection, a KeyError)."""
+    spread = entry.get("lambda_range") if isinstance(entry, dict) else None
+    return (isinstance(entry, dict) and _shallow(entry, 2) and _count(entry.get("step")) and isinstance(entry.get("final"), bool)
+            and all(_number(entry.get(k)) for k in PROJECTION_NUMBERS)
+            and (spread is None or (_list_of(_number)(spread) and len(spread) == 2)))
+
+
+def _scored(ppl: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """A point of the selection's curve: ``{"step", "ppl"[, "final"]}``."""
+    return lambda p: (isinstance(p, dict) and {"step", "ppl"} <= set(p) <= {"step", "ppl", "final"} and _count(p["step"])
+                      and ppl(p["ppl"]) and isinstance(p.get("final", False), bool))
+
+
+def _selection_ok(record: Any) -> bool:
+    """``Selection.record``: its curve, best, patience count, early stop and choice, each as the selection reads it (an
+    audit: a curve of ``{}`` resumed and failed at the next score, after a step had run)."""
+    keys = {"curve", "best", "since_best"}
+    return (isinstance(record, dict) and keys <= set(record) <= keys | {"stopped_at", "chosen"}
+            and _list_of(_scored(_number))(record["curve"]) and _optional(_scored(_number))(record["best"])
+            and _count(record["since_best"]) and _optional(_count)(record.get("stopped_at"))
+            and _optional(_scored(_optional(_number)))(record.get("chosen")))
+
+
 CLIENT_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "next_step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "lam": _number,
-    "history": _list_of(lambda x: isinstance(x, dict) and _shallow(x, 2)), "losses": _list_of(_number),
+    "next_step": _count, "lam": _number, "history": _list_of(_projection_ok), "losses": _list_of(_number),
     "step_times": _list_of(_number), "dense_ppl": _optional(_number), "baseline_ppl": _optional(_number),
-    "fingerprint": lambda v: isinstance(v, dict) and _shallow(v, 2),
-    "selection": _optional(lambda v: isinstance(v, dict) and {"curve", "best", "since_best"} <= set(v) and _shallow(v, 3)),
+    "fingerprint": lambda v: isinstance(v, dict) and _shallow(v, 2), "selection": _optional(_selection_ok),
     "rng": _rng_state_ok}
 
 

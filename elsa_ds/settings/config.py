@@ -22,7 +22,7 @@ from elsa_ds.data.sources import DEMO_DATASET, FILE_NOT_MODEL, looks_local
 from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
-from elsa_ds.settings.config_checks import cross_checks, not_a_percentage
+from elsa_ds.settings.config_checks import cross_checks, not_a_percentage, usable_paths
 from elsa_ds.settings.config_files import (check_each_source, comma_list, compile_regex, load_profile,
                                           load_recipe as _load_recipe, resume_place)
 from elsa_ds.targets import LayerGoal, layer_goals
@@ -335,6 +335,7 @@ class ElsaConfig(BaseModel):
                              f"({self.steps}), and select_every (which picks among the projections before it) must be 0")
         return self
 
+    _usable_paths = model_validator(mode="before")(usable_paths)  # before the fields' checks ask the file system
     _cross_checks = model_validator(mode="after")(cross_checks)  # a schedule the run reaches, whole --init_mask files
 
     @property

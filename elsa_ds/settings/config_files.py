@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -18,6 +19,30 @@ from elsa_ds.targets import NamePattern
 def comma_list(value: Any) -> Any:
     """``"a, b,,c"`` -> ``["a", "b", "c"]``: how every comma-list flag is read; anything but a string passes as it is."""
     return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+
+
+NAME_MAX, PATH_MAX = 255, 4096  # bytes, as Linux's file systems take them
+
+
+def name_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a path on this machine, or None (a hub id or a dataset name passes too): a path's checks
+    (``exists``, ``resolve``, ``expanduser``) raise on these rather than answer (an audit: OSError, ValueError and
+    RuntimeError tracebacks for a recipe's dataset of 300 characters, a NUL byte, ``~nosuchuser/x``)."""
+    try:
+        encoded = os.fsencode(value)
+    except UnicodeEncodeError:
+        return "it holds characters no file name can"
+    if b"\0" in encoded:
+        return "it holds a NUL byte"
+    if len(encoded) >= PATH_MAX:
+        return f"{len(encoded):,} bytes, longer than a path may be ({PATH_MAX:,})"
+    if (longest := max(len(part) for part in encoded.split(b"/"))) > NAME_MAX:
+        return f"a name in it is {longest:,} bytes, longer than a file's name may be ({NAME_MAX})"
+    try:
+        Path(value).expanduser()
+    except RuntimeError:
+        return f"this machine has no user {value.split('/')[0]}"
+    return None
 
 
 def read_json_object(path: str | Path, what: str, hint: str) -> dict:
@@ -102,6 +127,8 @@ def recipe_paths(settings: dict[str, Any], recipe: Path) -> dict[str, Any]:
             "/" in value and (folder / value.split("/")[0]).is_dir())
 
     def inside(key: str, value: Any) -> Any:
+        if isinstance(value, str) and (problem := name_problem(value)):
+            raise ElsaError(f"recipe {recipe}: {key} {value[:80]!r}{'...' if len(value) > 80 else ''}: {problem}")
         if not isinstance(value, str) or not a_path(key, value):
             return value  # a hub id, a dataset or method name (or a wrong type, refused with the settings' own checks)
         target = (folder / value).resolve()

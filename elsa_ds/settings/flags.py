@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import enum
+import functools
 import re
 import types
 import typing
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -20,6 +23,7 @@ from pydantic.fields import FieldInfo
 from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
 from elsa_ds.log import setup_logging
 from elsa_ds.settings.config import DEMO_PROFILE, ElsaConfig
+from elsa_ds.settings.config_files import comma_list, name_problem
 from elsa_ds.settings.options import JobOptions
 
 GROUP_TITLES = {
@@ -76,6 +80,28 @@ def _choices(kind: Any) -> list[str] | None:
     return [str(v) for v in typing.get_args(kind)] if typing.get_origin(kind) is typing.Literal else None
 
 
+PATH_METAVARS = ("CFG", "DIR", "FILE", "ID_OR_DIR", "METHOD_OR_DIR", "NAME_OR_FILE", "SOURCE", "LIST")  # LIST: of sources
+
+
+def _may_name_a_path(kind: Any, extra: dict[str, Any]) -> bool:
+    return kind is Path or str(extra.get("metavar", "")).split(".")[0] in PATH_METAVARS
+
+
+@functools.cache  # one function per kind: the flags elsa-prune shares with elsa-estimate parse alike
+def _named(convert: Callable[[str], Any], a_list: bool = False) -> Callable[[str], Any]:
+    """argparse's type for a text flag, which may name a path: refused there when no path can be what it says (too long
+    for the file system, an unknown ~user: ``name_problem``), for the checks that ask the file system raise on it (an
+    audit: OSError and RuntimeError tracebacks from elsa-prune, elsa-evaluate, elsa-compress)."""
+    def parse(text: str) -> Any:
+        for part in comma_list(text) if a_list else [text]:
+            if problem := name_problem(part):
+                raise argparse.ArgumentTypeError(f"{part[:80]!r}{'...' if len(part) > 80 else ''}: {problem}")
+        return convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "text")  # argparse names the type in its "invalid X value"
+    return parse
+
+
 def _argument(name: str, field: FieldInfo, flag_default: bool, model: type[BaseModel]) -> dict[str, Any]:
     """argparse's add_argument keywords for one field; not given = None, so lower-precedence sources keep their value."""
     kind = _unwrap(field.annotation)
@@ -87,10 +113,10 @@ def _argument(name: str, field: FieldInfo, flag_default: bool, model: type[BaseM
         kwargs["choices"] = _choices(kind)
     elif typing.get_origin(kind) is tuple:
         kwargs.update(nargs=len(typing.get_args(kind)), type=typing.get_args(kind)[0])
-    elif typing.get_origin(kind) is list:
-        kwargs["type"] = str  # a comma list, read by the model's validator (config_files.comma_list)
+    elif typing.get_origin(kind) is list:  # a comma list, read by the model's validator (config_files.comma_list)
+        kwargs["type"] = _named(str, True) if _may_name_a_path(kind, extra) else str
     else:
-        kwargs["type"] = kind
+        kwargs["type"] = _named(kind) if _may_name_a_path(kind, extra) else kind
     if "const" in extra:  # the flag alone means this value (e.g. --tasks = --tasks paper)
         kwargs.update(nargs="?", const=extra["const"])
     if field.is_required():

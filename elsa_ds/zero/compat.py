@@ -9,6 +9,7 @@ re-run the integration tests before trusting it.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -310,36 +311,38 @@ def replay_cpu_adam(engine) -> int:
 def checkpoint_hooks(engine, before_collective: Callable[[], None], load: Callable[..., Any] | None = None) -> Iterator[None]:
     """Inside: ``before_collective()`` runs on each rank before the first collective that follows ``engine``'s reads or
     writes of a tag's files in ``load_checkpoint`` or ``save_checkpoint``; with ``load``, every file the load reads goes
-    through ``load(path, map_location=None)``.
+    through ``load(path, map_location=None)``; the model states' names are globbed with the folder's own name escaped.
 
     DeepSpeed reads a tag's files through ``engine.checkpoint_engine.load`` (the model states by way of
     ``runtime/state_dict_factory.py``, each rank's optimizer states in ``_get_all_zero_checkpoint_state_dicts``), and
     its ``TorchCheckpointEngine`` unpickles them with ``torch.load(..., weights_only=False)``: whatever a pickle names
-    would run. The universal-checkpoint loader reads past this engine; ``checkpoint.check_supported`` refuses it.
-    Between its first barrier and ZeRO-3's ``checkpoint_event_epilogue`` (the persistent parameters' all-gather) a save
-    or a load is rank-local for what elsa_ds writes (a save's tag check comes before its writes; a load's prologue
-    partitions, the module state has nothing to fetch, ``_rigid_load_state_dict`` without an optimizer swapper): a rank
-    that raised there left the others in that all-gather for good (walks: one rank's optimizer partition of another
-    size, one rank's disk full), so the ranks agree in ``before_collective`` first.
-    """
+    would run (the universal-checkpoint loader reads past it; ``checkpoint.check_supported`` refuses that). Between its
+    first barrier and ZeRO-3's ``checkpoint_event_epilogue`` (the persistent parameters' all-gather) a save or a load is
+    rank-local for what elsa_ds writes (a save's tag check precedes its writes; a load's prologue partitions, the module
+    state has nothing to fetch, no optimizer swapper): a rank that raised there left the others in that all-gather for
+    good (walks: one rank's optimizer partition of another size, a full disk), so the ranks agree there first."""
     reader, optimizer = engine.checkpoint_engine, engine.optimizer
-    original, epilogue = reader.load, optimizer.checkpoint_event_epilogue
+    original, epilogue, names = reader.load, optimizer.checkpoint_event_epilogue, engine._get_all_ckpt_names
 
     def agreed_epilogue(*args, **kwargs):
         before_collective()
         return epilogue(*args, **kwargs)
 
+    def literal_names(checkpoints_path, tag):  # an audit: DeepSpeed's glob read "[x]" in a folder's name as a pattern
+        return names(glob.escape(str(checkpoints_path)), glob.escape(str(tag)))
+
     reader.load, optimizer.checkpoint_event_epilogue = load or original, agreed_epilogue  # instance attributes: shadowing
+    engine._get_all_ckpt_names = literal_names
     try:
         yield
     finally:
         reader.load, optimizer.checkpoint_event_epilogue = original, epilogue
+        del engine._get_all_ckpt_names
 
 
 def rank_checkpoint_files(engine, ckpt_dir: Path, tag: str) -> list[str]:
-    """The files of ``tag`` that ``engine.load_checkpoint`` reads on this rank, as it names them: ZeRO-3's model states
-    of this rank's partition (``_get_ckpt_name``) and its optimizer states (``_get_zero_ckpt_name``; the other ranks'
-    are not read without an elastic checkpoint, which elsa_ds never writes)."""
+    """The files of ``tag`` that ``engine.load_checkpoint`` reads on this rank: its partition's model and optimizer
+    states (the other ranks' are read only for an elastic checkpoint, which elsa_ds never writes)."""
     return [engine._get_ckpt_name(str(ckpt_dir), tag), engine._get_zero_ckpt_name(str(ckpt_dir), tag)]
 
 
@@ -373,9 +376,8 @@ def rank_swap_folders(nvme_path: str | Path, rank: int | str) -> list[Path]:
 
 def swap_folders(engine) -> list[Path]:
     """The folders this rank's NVMe swap files are in (none without NVMe offload): the optimizer swapper's
-    (``S3.optimizer_swapper.swap_folder``, ``<nvme_path>/zero_stage_3/optimizer/rank{R}``) and the parameter swapper's
-    (``Init._convert_to_deepspeed_param`` gives every parameter its ``nvme_swapper``, None without NVMe: the first
-    parameter's is read, so that a step without NVMe offload pays no walk over the parameters)."""
+    (``S3.optimizer_swapper.swap_folder``) and the parameter swapper's (``Init`` gives every parameter its
+    ``nvme_swapper``, None without NVMe: the first one's is read, so a step without NVMe walks no parameters)."""
     folders = []
     if (optimizer_swapper := getattr(engine.optimizer, "optimizer_swapper", None)) is not None:
         folders.append(Path(optimizer_swapper.swap_folder))

@@ -3,10 +3,13 @@ the NVMe run also stands as the check that NVMe offload swaps the ADMM states an
 from __future__ import annotations
 
 import csv
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-from tests.conftest import derived_config, run_entry
+from tests.conftest import ROOT, derived_config, run_entry
 from tests.zero.test_offload_variants import ARGS, _masks
 
 pytestmark = pytest.mark.integration
@@ -121,3 +124,32 @@ def test_the_table_says_how_each_step_was_estimated_and_what_cpu_ranks_have_no_g
     assert "| 0.700 (rates) |" in table[2] and "| 0.460 (timed) |" in table[3]
     assert all(line.count("n/a") == 2 for line in table[2:4]) and "(rates) from its typical rates" in table[-1]
     assert (tmp_path / "ablation.png").stat().st_size > 0 and not list(tmp_path.glob("*.tmp*"))
+
+
+def test_a_full_disk_at_the_table_is_one_line_and_leaves_the_last_one_whole(tmp_path):
+    """A third audit: the table went to fixed temp names, left half-written on a full disk (ulimit -f here) with an
+    OSError traceback, and written through a link planted at those names."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "ablation.csv").write_text("the last table\n")
+    (tmp_path / "elsewhere.txt").write_text("mine")
+    (tmp_path / "ablation.csv.tmp").symlink_to(tmp_path / "elsewhere.txt")
+    code = textwrap.dedent("""
+        import resource, signal, sys
+        from pathlib import Path
+        from elsa_ds.capacity.ablation import AblationRow, write_outputs
+        from elsa_ds.errors import ElsaError
+        row = AblationRow(config="c" * 5000, step_time_s=1.0, peak_host_rss_bytes=1, est_host_bytes=1, peak_gpu_bytes=None,
+                          est_gpu_bytes=1, nvme_peak_bytes=1, est_nvme_bytes=1, final_loss=1.0, mask_agreement=1.0,
+                          admm_state_bytes_per_param=1.0, est_step_time_s=1.0)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as a full disk's does
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        try:
+            write_outputs([row], Path(sys.argv[1]))
+        except ElsaError as err:
+            print(err)
+            sys.exit(2)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "cannot write" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ablation.csv", "ablation.csv.tmp", "elsewhere.txt"]
+    assert (tmp_path / "ablation.csv").read_text() == "the last table\n" and (tmp_path / "elsewhere.txt").read_text() == "mine"

@@ -456,6 +456,17 @@ def test_a_genuine_checkpoint_still_resumes(checkpointed, tmp_path):
     assert os.stat(out / "monitor" / "elsa" / "loss.csv").st_nlink == 1
 
 
+@pytest.mark.integration
+def test_an_output_folder_named_like_a_glob_pattern_resumes_its_own_checkpoint(checkpointed, tmp_path):
+    """An audit: DeepSpeed globs the model states' path, so an --output_dir under "[x]" matched nothing (no loadable
+    checkpoint: such a run saved checkpoints it could never resume) or a sibling "x"'s run (refused as a link)."""
+    _copy(checkpointed, tmp_path / "x")
+    out, args = _copy(checkpointed, tmp_path / "[x]")
+    proc = run_entry("prune.py", args)
+    assert f"resumed from {out / 'checkpoints' / 'global_step2'}" in proc.stdout, proc.stdout[-3000:]
+    assert "continuing at step 2" in proc.stdout and (out / "model.safetensors").exists()
+
+
 # ---- a folder handed over: links, special files and altered state (an audit's finds, 2026-11-29) ---------------------
 @pytest.mark.parametrize("where", ["checkpoints", "tag", "file", "latest fifo", "monitor", "side folder"])
 def test_a_resumed_folder_with_a_link_or_a_fifo_is_refused_before_anything_in_it_is_read(tmp_path, where):
@@ -533,6 +544,20 @@ def test_an_altered_loop_state_is_named_not_a_traceback():
         deep = [deep]
     assert "fingerprint" in run_state_problem({**good, "fingerprint": {"sparsity": deep}})
     assert "history" in run_state_problem({**good, "history": [{"step": [[[1]]]}]})
+    projection = {"step": 4, "loss": 3.2, "lambda": 0.01, "residual": 0.1, "mask_flip_frac": 0.0,
+                  "admm_state_bytes_per_param": 8.0, "final": False, "lambda_range": [0.01, 0.02]}
+    curve = [{"step": 4, "ppl": 30.0}, {"step": 8, "ppl": 29.0, "final": True}]
+    selection = {"curve": curve, "best": curve[0], "since_best": 1, "stopped_at": None}
+    assert run_state_problem({**good, "history": [projection], "selection": selection}) is None
+    older_selection = {k: v for k, v in selection.items() if k != "stopped_at"}
+    assert run_state_problem({**good, "selection": older_selection}) is None
+    for history in ([{}], [{**projection, "final": "no"}], [{**projection, "residual": None}],  # an audit: KeyError 'final'
+                    [{**projection, "step": -1}], [{**projection, "lambda_range": [1.0]}]):
+        assert "history" in run_state_problem({**good, "history": history}), history
+    for change in ({"curve": {}}, {"curve": [{}]}, {"curve": [{"step": 1, "ppl": "low"}]}, {"best": {"step": 1}},
+                   {"best": {"step": 1, "ppl": 2.0, "x": 1}}, {"since_best": -1}, {"stopped_at": "4"}, {"chosen": []},
+                   {"extra": 1}):  # an audit: a curve of {} failed at the next score, AttributeError after a step had run
+        assert "selection" in run_state_problem({**good, "selection": {**selection, **change}}), change
     other_rank = {**good, "step_times": [9.0], "rng": checkpoint.rng_state()}  # each rank's own: not compared
     assert shared_state(other_rank) == shared_state(good) != shared_state({**good, "lam": 1.0})
     del good["fingerprint"]
