@@ -310,7 +310,7 @@ def test_a_value_elsa_ds_reads_of_another_type_is_named_before_the_model_loads(t
 
 
 LONG = "x" * 300  # one name longer than a file system's 255 bytes
-NO_PATH = [(LONG, "a name in it is 300 bytes"), ("~nosuchuser9/x", "no user ~nosuchuser9")]
+NO_PATH = [(LONG, "a name in it is 300 bytes"), ("~nosuchuser9/x", "no user '~nosuchuser9'")]
 
 
 @pytest.mark.parametrize("value,needle", NO_PATH, ids=["too long", "unknown user"])
@@ -352,3 +352,29 @@ def test_a_text_no_path_can_be_in_a_file_is_named(source, value, needle, tmp_pat
         code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--deepspeed", str(ds))
     assert needle in one_line(code, err, "val_dataset")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("value,needle", [*NO_PATH, ("a\0b", "NUL byte"), ("~a\nb", "no user '~a\\nb'")],
+                         ids=["too long", "unknown user", "nul", "newline"])
+def test_a_model_no_path_can_be_from_the_json_or_the_api_is_named(value, needle, tmp_path, stop_at_the_job):
+    """The review of the audit's fix: the JSON's "elsa" model and the API's were resolved (the demo's profile) before any
+    check, a traceback still; the refusal stays one line with a newline in the value."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({**json.loads((Path(cli.__file__).parents[1] / "ds_configs" / "zero3_offload.json").read_text()),
+                              "elsa": {"model": value}}))
+    code, err, _ = run_main(cli.main_prune, [*FAST[2:], "--deepspeed", str(ds), "--output_dir", str(tmp_path / "o")])
+    assert needle in one_line(code, err, "model")
+    with pytest.raises(ElsaError, match="model"):
+        elsa_ds.prune(value, "shakespeare", output_dir=str(tmp_path / "o"), steps=2)
+    with pytest.raises(ElsaError, match="output_dir"):
+        elsa_ds.prune(str(DEMO_MODEL_DIR), "shakespeare", output_dir=value, steps=2)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_sources_own_bad_values_are_named_though_the_command_line_sets_them_over():
+    """A path no path can be beside another bad value in the JSON's "elsa" block: both the block's own, named as such,
+    though the command line gives both (the rule `check_each_source` keeps)."""
+    from elsa_ds.settings.config import resolve_config
+
+    with pytest.raises(ElsaError, match=r'"elsa" block.*dataset=.*no user.*steps=.four.'):
+        resolve_config({"elsa": {"dataset": "~nosuchuser9/x", "steps": "four"}}, {"dataset": "shakespeare", "steps": 4})

@@ -252,6 +252,35 @@ def test_an_unpacked_payload_is_checked_again_before_it_is_used_again(packed, tm
     assert changed.read_text() != "not what was packed"
 
 
+def test_fifos_in_the_destination_never_block_and_a_payload_of_other_parts_is_joined_anew(packed, tmp_path):
+    """The review of the audit's fix: a FIFO at ``payload.tmp`` (removing it opened it) or at ``put.log`` (appending)
+    waited for good; an unpacked payload is used again only when it came from these parts (``joined.sha256``)."""
+    out, manifest = packed
+    dest = tmp_path / "device"
+    dest.mkdir()
+    os.mkfifo(dest / "put.log")
+    os.mkfifo(dest / "payload.tmp")
+    for i in range(len(manifest["parts"])):
+        assert put(i, out, dest).returncode == 0  # the 60 s timeout: a put that waits fails here
+    proc = subprocess.run([*SHIP, "join", "--dest", str(dest)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (dest / ship.JOINED_FROM).read_text() == manifest["payload_sha256"]
+    (dest / ship.JOINED_FROM).write_text("0" * 64)  # unpacked from other parts (a pack of other corpora, the same GGUF)
+    (dest / "payload" / "stale").write_text("from the other payload")
+    assert ship.join(dest) == dest / "payload" and not (dest / "payload" / "stale").exists()
+
+
+def test_pack_names_a_cells_line_that_is_not_a_cell(stand_in, tmp_path):
+    """The review: a results line cut half-way was a CellsError traceback out of `pack` (its `main` says it in one line:
+    `pack`'s command line builds the real model, so the function is called here)."""
+    results = tmp_path / "results.jsonl"
+    results.write_text('{"key": "b", "sta\n')
+    with pytest.raises(ship.CellsError, match="line 1"):
+        ship.pack(stand_in["gguf"], stand_in["sha"], stand_in["tokenizer"], stand_in["corpora"], stand_in["terms"],
+                  tmp_path / "out", part_mib=0.05, results=results)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("where", ["manifest", "stamp"])
 def test_json_nested_past_pythons_stack_is_one_line(packed, tmp_path, where):
     """A third audit: a manifest or a payload stamp of 100,000 ``[`` ended put and join in a RecursionError traceback."""
@@ -285,6 +314,9 @@ def test_a_cells_line_that_is_not_a_cell_is_named_by_the_runner_and_the_report(t
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device" / "curve.py"), "--results", str(results),
                            "--out", str(tmp_path / "out"), "--list"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "line 2" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    results.write_text('{"key": "x", "status": "ok"}\n')  # a cell, but not one the report can read (a review)
+    assert curve_report.main(["--results", str(results), "--out", str(tmp_path / "curve")]) == 2
+    assert not (tmp_path / "curve.md").exists()
 
 
 def test_pack_refuses_a_gguf_that_is_not_the_packages(stand_in, tmp_path):

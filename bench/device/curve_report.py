@@ -58,11 +58,27 @@ def from_quality(paths: list[Path]) -> list[dict]:
     return list(cells.values())
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _reportable(cell: dict) -> bool:
+    """Whether an ``ok`` cell has what the report reads, each of its kind (a third audit's review: a cell of only a key
+    and a status was a KeyError)."""
+    return (cell.get("kind") in ("train", "eval", "oneshot") and isinstance(cell.get("method"), str)
+            and (cell.get("sparsity") is None or _number(cell.get("sparsity"))) and isinstance(cell.get("device"), str)
+            and all(type(cell.get(k)) is int for k in ("tokens", "steps")) and _number(cell.get("test_ppl"))
+            and ("linuxdoc_ppl" not in cell or _number(cell["linuxdoc_ppl"])))
+
+
 def load(path: Path) -> list[dict]:
-    """The ``ok`` cells; a key measured twice keeps its latest line."""
+    """The ``ok`` cells; a key measured twice keeps its latest line. CellsError for one the report cannot read."""
     latest: dict[str, dict] = {}
     for line in read_lines(path):
         if line.get("status") == "ok":
+            if not _reportable(line):
+                raise CellsError(f"{path}: cell {line['key'][:80]!r} lacks what the report reads (kind, method, sparsity, "
+                                 "device, tokens, steps, test_ppl as curve.py writes them); remove or mend that line")
             latest[line["key"]] = line
     return list(latest.values())
 
@@ -174,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     except CellsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        print(f"error: --quality: not bench/quality.py's JSON payloads ({type(err).__name__}: {str(err)[:120]})", file=sys.stderr)
+        return 2
     out = args.out or (args.quality[-1] if args.quality else args.results).with_suffix("")
     texts = tuple((metric, args.test_label if metric == "test_ppl" else text) for metric, text in TEXTS
-                  if any(metric in c for c in cells))
+                  if cells and all(metric in c for c in cells))  # a text some cells were not judged on has no row
     sparsities = sorted({c["sparsity"] for c in cells if c["kind"] == "train" and c["sparsity"] is not None}, reverse=True)
     parts, figures = [], {}
     for s in sparsities:

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -301,17 +302,20 @@ def _copy_in(src: Path, target: Path) -> None:
 
 
 def _remove(path: Path) -> None:
-    """``path`` gone, whatever it is: a link is removed itself, never followed."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
+    """``path`` gone, whatever it is: a link is removed itself, never followed; a FIFO is never opened."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    shutil.rmtree(path) if stat.S_ISDIR(mode) else path.unlink()
 
 
 def _append_line(path: Path, line: str) -> None:
     """``line`` appended to ``path``, never through a link (one there: OSError)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     with os.fdopen(fd, "a") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO without a reader fails to open (ENXIO); one with a reader here
+            raise OSError(f"{path} is not a regular file")
         fh.write(line)
 
 
@@ -345,21 +349,23 @@ def join(dest: Path = DEST) -> Path:
     fails (a part changed, a full disk, a payload that does not check) leaves neither the joined file nor a half-unpacked
     folder: the parts stay, so a `put` of the part named and a join again are all it takes."""
     manifest = load_manifest(dest)
-    unpacked = dest / "payload"
-    with suppress(OSError, ValueError, ShipError):  # unpacked by an earlier join: every file checked again
-        if not unpacked.is_symlink() and _read_stamp(unpacked).get("gguf_sha256") == manifest["gguf_sha256"]:
+    unpacked, marker = dest / "payload", dest / JOINED_FROM
+    with suppress(OSError, ValueError, ShipError):  # unpacked from these very parts by an earlier join: its files checked again
+        if not unpacked.is_symlink() and _joined_from(marker) == manifest["payload_sha256"]:
             check_files(unpacked)
             return unpacked
     joined, staging = dest / "payload.tar.gz", dest / "payload.tmp"
     try:
-        _remove(joined)  # a link planted at these names is removed, never written through
-        _remove(staging)
+        for path in (marker, joined, staging):  # a link planted at these names is removed, never written through
+            _remove(path)
         _join_parts(manifest, dest, joined)
         _remove(unpacked)
         with tarfile.open(joined) as tar:
             tar.extractall(staging, filter="data")  # no absolute names, no "..", no links leading out
         check_files(staging)
         staging.rename(unpacked)
+        with marker.open("x") as fh:
+            fh.write(manifest["payload_sha256"])
     except (tarfile.TarError, OSError) as err:
         raise ShipError(f"{joined}: cannot unpack the payload ({err}); free space, then join again") from None
     finally:
@@ -367,6 +373,18 @@ def join(dest: Path = DEST) -> Path:
             with suppress(OSError):
                 _remove(path)
     return unpacked
+
+
+JOINED_FROM = "joined.sha256"  # beside the unpacked payload: the sha256 of the payload it was unpacked from
+
+
+def _joined_from(marker: Path) -> str | None:
+    """The payload sha256 an earlier join wrote in ``marker`` (never read through a link or from a FIFO), or None."""
+    with suppress(OSError, UnicodeDecodeError):
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read(64).decode() if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    return None
 
 
 def _join_parts(manifest: dict, dest: Path, joined: Path) -> None:
@@ -492,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(args.scratch, ignore_errors=True)
             result = rehearse(args.ship, args.scratch)
-    except ShipError as err:
+    except (ShipError, CellsError) as err:  # CellsError: pack's reading of the cells run so far
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result))

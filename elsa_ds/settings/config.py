@@ -22,9 +22,9 @@ from elsa_ds.data.sources import DEMO_DATASET, FILE_NOT_MODEL, looks_local
 from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
-from elsa_ds.settings.config_checks import cross_checks, not_a_percentage, usable_paths
-from elsa_ds.settings.config_files import (check_each_source, comma_list, compile_regex, load_profile,
-                                          load_recipe as _load_recipe, resume_place)
+from elsa_ds.settings.config_checks import cross_checks, not_a_percentage
+from elsa_ds.settings.config_files import (PATH_SETTINGS, check_each_source, comma_list, compile_regex, load_profile,
+                                          load_recipe as _load_recipe, name_problem, resume_place, usable_path)
 from elsa_ds.targets import LayerGoal, layer_goals
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo" / "model"
@@ -335,7 +335,7 @@ class ElsaConfig(BaseModel):
                              f"({self.steps}), and select_every (which picks among the projections before it) must be 0")
         return self
 
-    _usable_paths = model_validator(mode="before")(usable_paths)  # before the fields' checks ask the file system
+    _usable_paths = field_validator(*PATH_SETTINGS, mode="before")(usable_path)  # before their checks ask the file system
     _cross_checks = model_validator(mode="after")(cross_checks)  # a schedule the run reaches, whole --init_mask files
 
     @property
@@ -391,7 +391,7 @@ def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the Deep
     given = {k: v for k, v in cli.items() if v is not None}
     check_each_source(ElsaConfig, [(recipe_source, recipe or {}), (f'the "elsa" block of {source}', block)])
     merged = {**(recipe or {}), **block, **given}
-    if Path(str(merged.get("model", DEMO_MODEL_DIR))).expanduser().resolve() == DEMO_MODEL_DIR:
+    if not name_problem(model := str(merged.get("model", DEMO_MODEL_DIR))) and Path(model).expanduser().resolve() == DEMO_MODEL_DIR:
         merged = {**DEMO_PROFILE, **merged}
     try:
         return ElsaConfig(**merged)

@@ -21,7 +21,6 @@ from typing import Any
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.weight_files import check_weight_files
 from elsa_ds.methods import Method, oneshot_names
-from elsa_ds.settings.config_files import comma_list, name_problem
 
 
 def trained_steps(cfg: Any) -> int | None:
@@ -130,21 +129,3 @@ def not_a_percentage(v: Any) -> Any:
         raise ValueError(f"a fraction of zeros in [0, 1), not a percentage: {value / 100:g} for {value:g} %")
     return v
 
-
-PATH_SETTINGS = ("model", "dataset", "val_dataset", "sparsity_profile", "init_mask", "nvme_path", "eval_include_path",
-                 "eval_ppl")  # the settings a path may be given for (eval_ppl: a list, or "a,b" from a flag)
-
-
-def usable_paths(cls: Any, data: Any) -> Any:
-    """ElsaConfig's first validator: ValueError naming a setting of PATH_SETTINGS that cannot be a path on this machine
-    (``name_problem``), before the fields' own checks ask the file system about it."""
-    if not isinstance(data, dict):
-        return data
-    for key in PATH_SETTINGS:
-        values = data.get(key)
-        if key == "eval_ppl":
-            values = comma_list(values)
-        for value in values if isinstance(values, list) else [values]:
-            if isinstance(value, str) and (problem := name_problem(value)):
-                raise ValueError(f"{key} {value[:80]!r}{'...' if len(value) > 80 else ''}: {problem}")
-    return data

@@ -41,8 +41,22 @@ def name_problem(value: str) -> str | None:
     try:
         Path(value).expanduser()
     except RuntimeError:
-        return f"this machine has no user {value.split('/')[0]}"
+        user = value.split("/")[0]
+        return "this machine's home folder is unknown (no HOME)" if user == "~" else f"this machine has no user {user[:80]!r}"
     return None
+
+
+PATH_SETTINGS = ("model", "dataset", "val_dataset", "sparsity_profile", "init_mask", "nvme_path", "eval_include_path",
+                 "eval_ppl")  # ElsaConfig's settings a path may be given for (eval_ppl: a list, or "a,b" from a flag)
+
+
+def usable_path(cls: Any, value: Any) -> Any:
+    """A settings model's first check of a field that may name a path (or a list of them): ValueError when no path can
+    be what it says (``name_problem``), before the field's own checks ask the file system about it."""
+    for text in comma_list(value) if isinstance(value, (str, list)) else [value]:
+        if isinstance(text, (str, Path)) and (problem := name_problem(str(text))):
+            raise ValueError(problem)
+    return value
 
 
 def read_json_object(path: str | Path, what: str, hint: str) -> dict:

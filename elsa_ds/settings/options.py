@@ -5,12 +5,13 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
 from elsa_ds.files.aside import published
 from elsa_ds.files.output import REPORT_NAME, foreign_entries
 from elsa_ds.log import LogLevel, get_logger
+from elsa_ds.settings.config_files import usable_path
 
 ExportFormat = Literal["dense", "sparse"]  # the --export_format choices
 
@@ -53,6 +54,8 @@ class JobOptions(BaseModel):
     had its settings (``elsa_ds/plan/finished.py``), refused otherwise."""
     tokenizer_object: Any = Field(None, json_schema_extra={"cli": False})
     """The in-memory model's tokenizer (Python API only)."""
+
+    _usable_paths = field_validator("deepspeed", "output_dir", "recipe", mode="before")(usable_path)  # the API's too
 
 
 def job_options(values: dict[str, Any], given_as: str = "the command line") -> JobOptions:
