@@ -516,6 +516,9 @@ def test_a_resume_whose_best_snapshot_is_gone_is_refused_before_any_step(tmp_pat
     torch.save({"shard": torch.ones(2)}, tmp_path / "best" / "rank0.pt")
     selector.resumed(record)
     assert selector.record is record
+    older = {k: v for k, v in record.items() if k != "stopped_at"}  # an older elsa_ds's: completed in the state's own dict
+    selector.resumed(older)
+    assert selector.record is older and older["stopped_at"] is None
 
 
 def test_the_demo_trainer_replaces_only_an_earlier_demo_model(tmp_path, capsys):

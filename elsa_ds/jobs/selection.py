@@ -99,7 +99,9 @@ class Selector:
     def resumed(self, record: dict[str, Any] | None) -> None:
         """--resume: the checkpoint's record, whose best projection's snapshot must still be on disk (a failed end keeps
         it once a checkpoint is published; an older elsa_ds removed it): refused before any step when it is gone."""
-        self.record = {"stopped_at": None, **record} if record else self.record  # an older elsa_ds saved no stopped_at
+        if record:  # the run state's own dict (a checkpoint saves it): an older elsa_ds's lacks stopped_at
+            record.setdefault("stopped_at", None)
+        self.record = record or self.record
         best, path = self.record["best"], self.directory / f"rank{self.rank}.pt"
         if best is not None and not path.is_file():
             raise ElsaError(f"--resume: the checkpoint's selection names the best projection of step {best['step']}, but its "
