@@ -378,3 +378,7 @@ def test_a_sources_own_bad_values_are_named_though_the_command_line_sets_them_ov
 
     with pytest.raises(ElsaError, match=r'"elsa" block.*dataset=.*no user.*steps=.four.'):
         resolve_config({"elsa": {"dataset": "~nosuchuser9/x", "steps": "four"}}, {"dataset": "shakespeare", "steps": 4})
+    # only a list setting is split at its commas: "texts,~nosuchuser9" is one relative path for --dataset
+    assert resolve_config({}, {"dataset": "texts,~nosuchuser9", "steps": 4}).dataset == "texts,~nosuchuser9"
+    with pytest.raises(ElsaError, match="eval_ppl=.*no user"):
+        resolve_config({}, {"eval_ppl": "wikitext2,~nosuchuser9/x", "steps": 4})

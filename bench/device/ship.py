@@ -265,6 +265,7 @@ def pack(gguf: Path, gguf_sha: str, tokenizer: Path, corpora: Path, terms: Path 
 # --- there: put, join, build -------------------------------------------------------------------------------------------
 
 PART_NAME = re.compile(r"part[0-9]{2,4}")
+JOINED_FROM = "joined.sha256"  # beside the unpacked payload: the sha256 of the payload it was unpacked from
 HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -288,19 +289,6 @@ def load_manifest(ship: Path) -> dict:
     return manifest
 
 
-def _copy_in(src: Path, target: Path) -> None:
-    """``src`` copied to ``target`` through a new temp file (a link left at its name is removed, never written through),
-    renamed over it; a failed copy (a full disk) leaves no temp file."""
-    tmp = target.with_name(f".{target.name}.tmp")
-    try:
-        tmp.unlink(missing_ok=True)
-        with src.open("rb") as reader, tmp.open("xb") as writer:
-            shutil.copyfileobj(reader, writer)
-        tmp.replace(target)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _remove(path: Path) -> None:
     """``path`` gone, whatever it is: a link is removed itself, never followed; a FIFO is never opened."""
     try:
@@ -310,12 +298,32 @@ def _remove(path: Path) -> None:
     shutil.rmtree(path) if stat.S_ISDIR(mode) else path.unlink()
 
 
+def _copy_in(src: Path, target: Path) -> None:
+    """``src`` copied to ``target`` through a new temp file (whatever was left at its name is removed, never written
+    through), renamed over it; a failed copy (a full disk) leaves no temp file."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        _remove(tmp)
+        with src.open("rb") as reader, tmp.open("xb") as writer:
+            shutil.copyfileobj(reader, writer)
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _open_regular(path: Path, flags: int, mode: str):
+    """``path`` opened with ``flags`` only where it is a regular file: never through a link, never waiting on a FIFO
+    (one without a reader fails to open, ENXIO; one with a reader is refused here); OSError otherwise."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return os.fdopen(fd, mode)
+
+
 def _append_line(path: Path, line: str) -> None:
-    """``line`` appended to ``path``, never through a link (one there: OSError)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    with os.fdopen(fd, "a") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO without a reader fails to open (ENXIO); one with a reader here
-            raise OSError(f"{path} is not a regular file")
+    """``line`` appended to ``path`` (a regular file: :func:`_open_regular`)."""
+    with _open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "a") as fh:
         fh.write(line)
 
 
@@ -375,15 +383,10 @@ def join(dest: Path = DEST) -> Path:
     return unpacked
 
 
-JOINED_FROM = "joined.sha256"  # beside the unpacked payload: the sha256 of the payload it was unpacked from
-
-
 def _joined_from(marker: Path) -> str | None:
-    """The payload sha256 an earlier join wrote in ``marker`` (never read through a link or from a FIFO), or None."""
-    with suppress(OSError, UnicodeDecodeError):
-        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as fh:
-            return fh.read(64).decode() if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    """The payload sha256 an earlier join wrote in ``marker`` (a regular file: :func:`_open_regular`), or None."""
+    with suppress(OSError, UnicodeDecodeError), _open_regular(marker, os.O_RDONLY, "rb") as fh:
+        return fh.read(64).decode()
     return None
 
 

@@ -128,4 +128,3 @@ def not_a_percentage(v: Any) -> Any:
     if 1.0 < value < 100.0:
         raise ValueError(f"a fraction of zeros in [0, 1), not a percentage: {value / 100:g} for {value:g} %")
     return v
-

@@ -4,11 +4,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import typing
 import warnings
 from pathlib import Path
 from typing import Any
 
 import regex as rx
+from pydantic import ValidationInfo
 
 from elsa_ds import json_data
 from elsa_ds.data.sources import DEMO_DATASET, looks_local
@@ -50,10 +52,11 @@ PATH_SETTINGS = ("model", "dataset", "val_dataset", "sparsity_profile", "init_ma
                  "eval_ppl")  # ElsaConfig's settings a path may be given for (eval_ppl: a list, or "a,b" from a flag)
 
 
-def usable_path(cls: Any, value: Any) -> Any:
-    """A settings model's first check of a field that may name a path (or a list of them): ValueError when no path can
-    be what it says (``name_problem``), before the field's own checks ask the file system about it."""
-    for text in comma_list(value) if isinstance(value, (str, list)) else [value]:
+def usable_path(cls: Any, value: Any, info: ValidationInfo) -> Any:
+    """A settings model's first check of a field that may name a path (or, for a list field, each of them): ValueError
+    when no path can be what it says (``name_problem``), before the field's own checks ask the file system about it."""
+    listed = typing.get_origin(cls.model_fields[info.field_name].annotation) is list  # "a,b" is one path elsewhere
+    for text in comma_list(value) if listed and isinstance(value, (str, list)) else [value]:  # other types: the field's
         if isinstance(text, (str, Path)) and (problem := name_problem(str(text))):
             raise ValueError(problem)
     return value
