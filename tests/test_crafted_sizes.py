@@ -179,6 +179,64 @@ def test_a_pickle_larger_than_any_torch_save_of_a_state_writes_is_refused_before
         read_checkpoint_file(bomb)
 
 
+def _legacy_bytes(state: dict) -> bytes:
+    out = io.BytesIO()
+    torch.save(state, out, _use_new_zipfile_serialization=False)
+    return out.getvalue()
+
+
+def test_a_legacy_torch_file_is_held_to_the_pickle_cap_and_read_whole_where_it_fits(tmp_path, monkeypatch):
+    """A walk (2026-12-04): a file in torch's legacy format (no zip: five pickles, then the storages) passed every check,
+    so a pickle of empty lists in a model folder's pytorch_model.bin took ~170x its size when transformers or the sparse
+    reader unpickled it. Its pickles are now walked opcode by opcode (nothing built) and held to the zip's cap, the
+    object's pickle as much as the first; a whole legacy file is still read (the sparse reader mapped it by name and
+    failed as "truncated or corrupt"), and a .bin that is no pickle (another tool's weights) is left to its reader."""
+    import pickletools
+
+    import elsa_ds.sparse.folder as folder_module
+
+    monkeypatch.setattr(torch_files, "MAX_PICKLE_BYTES", 2**20)
+    whole = _legacy_bytes({"w": torch.arange(4.0)})
+    ends, stream = [], io.BytesIO(whole)
+    for _ in range(torch_files.LEGACY_PICKLES):
+        ends.append(list(pickletools.genops(stream))[-1][2] + 1)  # where each pickle's STOP ends
+    bomb = b"\x80\x02]" + b"]a" * 600_000 + b"."  # 1.2 MB of opcodes that build 600,000 lists
+    for name, data in [("first", bomb + whole), ("object", whole[:ends[2]] + bomb + whole[ends[3]:])]:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "pytorch_model.bin").write_bytes(data)
+        assert "run past 1,048,576 bytes" in torch_files.zip_problem(folder / "pytorch_model.bin").text
+        with pytest.raises(ElsaError, match="pytorch_model.bin is no file torch.save wrote.*legacy format"):
+            check_weight_files(folder, "model x")
+        with pytest.raises(SparseCheckpointError, match="pytorch_model.bin: its pickles .* run past"):
+            folder_module.TensorReader(folder).get("w")
+        with pytest.raises(UnsafeCheckpointError, match="run past 1,048,576 bytes"):
+            read_checkpoint_file(folder / "pytorch_model.bin")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "pytorch_model.bin").write_bytes(whole)
+    assert torch_files.zip_problem(plain / "pytorch_model.bin") is None
+    check_weight_files(plain, "model x")
+    assert torch.equal(folder_module.TensorReader(plain).get("w"), torch.arange(4.0))
+    (plain / "pytorch_model.bin").write_bytes(b"ggjt" + bytes(range(256)) * 8192)  # 2 MB, no pickle: torch refuses it
+    assert torch_files.zip_problem(plain / "pytorch_model.bin") is None
+    check_weight_files(plain, "model x")
+
+
+def test_a_tar_in_torch_0_3s_format_is_refused_before_torch_unpickles_its_members(tmp_path):
+    import tarfile
+
+    pickled = tmp_path / "pickle"
+    pickled.write_bytes(b"\x80\x02]q\x00.")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with tarfile.open(folder / "pytorch_model.bin", "w:", format=tarfile.PAX_FORMAT) as tar:
+        tar.add(pickled, arcname="pickle")
+    assert "tar format" in torch_files.zip_problem(folder / "pytorch_model.bin").text
+    with pytest.raises(ElsaError, match="pytorch_model.bin is no file torch.save wrote .*tar format"):
+        check_weight_files(folder, "model x")
+
+
 def _compressed_copy(src: Path, dst: Path, pad: int) -> None:
     """``src`` (a torch.save zip) with its pickle stored deflated and ``pad`` zero bytes after it: a small file that
     unpacks to ``pad`` more bytes."""

@@ -5,15 +5,18 @@ torch's weights-only loader keeps a pickle from running code, not from taking me
 and a tensor saved as a view that repeats its storage (``expand``: stride 0) becomes its full size the moment anything
 makes it contiguous (a checksum, a copy); and a zip's directory costs its reader ~0.6 KiB an entry, so one of more
 entries than ``torch.save`` writes takes far more memory than its file. :func:`zip_problem` is read from the zip's
-directory alone (nothing is unpacked); :func:`inflated_tensor` from the loaded object's tensors, whose storages are
-what the file held.
+directory alone (nothing is unpacked), and for a file in torch's legacy format from its pickles' opcodes (nothing is
+built); :func:`inflated_tensor` from the loaded object's tensors, whose storages are what the file held.
 """
 from __future__ import annotations
 
 import errno
+import io
 import os
+import pickletools
 import stat
 import struct
+import tarfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +37,10 @@ MAX_ZIP_ENTRIES, MAX_ZIP_DIRECTORY = 100_000, 8 * 2**20
 # it is refused before anything unpacks it
 MAX_PICKLE_BYTES = 16 * 2**20
 END_RECORD, ZIP64_LOCATOR, ZIP64_END_RECORD = b"PK\x05\x06", b"PK\x06\x07", b"PK\x06\x06"
+# torch's legacy format (torch.save before 1.6, and with _use_new_zipfile_serialization=False) is five pickles in a row
+# (magic number, protocol, system info, the object, its storages' keys), then the storages' bytes: torch.load unpickles
+# them from the file's start, whatever they hold, so they get the zip's pickle cap (together: a whole file's are KBs)
+LEGACY_PICKLES = 5
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,7 @@ def same_file_name(handle: BinaryIO) -> str | None:
 
 def zip_problem(file: Path | BinaryIO) -> ZipProblem | None:
     """Why torch must not read ``file`` as a zip, from its directory alone; None for a ``torch.save`` zip, and for a
-    file in torch's legacy format (not a zip: nothing in it is compressed). A zip that Python's zipfile cannot read is
+    file in torch's legacy format whose pickles fit the cap (:func:`_legacy_problem`). A zip that Python's zipfile cannot read is
     not read by torch either (miniz, torch's reader, accepts zips that zipfile refuses, and the two can disagree on
     which directory a file holds: data in front of the first entry, an extra field zipfile rejects, end records
     that point each reader elsewhere: :func:`_directory_problem`). ``file``: a path, or a file opened for reading, which
@@ -134,9 +141,9 @@ def _zip_problem(fh: BinaryIO) -> ZipProblem | None:
     if not stat.S_ISREG((st := os.fstat(fh.fileno())).st_mode):
         return ZipProblem("it is not a regular file", altered=True)
     fh.seek(0)
-    if fh.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
-        return None
     size = st.st_size
+    if fh.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+        return _legacy_problem(fh, size)
     if (problem := _directory_problem(fh, size)) is not None:
         return problem
     try:
@@ -159,6 +166,33 @@ def _zip_problem(fh: BinaryIO) -> ZipProblem | None:
                               "take ~170x that", altered=True)
     if sum(e.file_size for e in entries) > size:
         return ZipProblem(f"its entries claim more bytes than the file's {size:,}", altered=True)
+    return None
+
+
+def _legacy_problem(fh: BinaryIO, size: int) -> ZipProblem | None:
+    """What torch.load would unpickle of a file that is no zip, held to the zip's pickle cap: a tar (torch 0.3's format,
+    whose pickle members nothing could check) is refused; else the pickles torch reads from the file's start, walked
+    opcode by opcode (pickletools builds nothing), must end within ``MAX_PICKLE_BYTES`` (a walk of 2026-12-04: a legacy
+    file's pickle of empty lists passed every check that a zip's would not). A stream that is no pickle, or ends early,
+    is left to torch, which refuses it having read no more than the file, under the cap."""
+    fh.seek(0)
+    try:  # what torch.load tries first on such a file
+        with tarfile.open(fileobj=fh, mode="r:", format=tarfile.PAX_FORMAT):
+            return ZipProblem("it is in torch 0.3's tar format, whose pickles cannot be checked before they are unpickled",
+                              altered=True)
+    except Exception:  # noqa: BLE001 - not a tar (torch then reads pickles), or one torch's own probe fails on too
+        pass
+    fh.seek(0)
+    head = io.BytesIO(fh.read(MAX_PICKLE_BYTES + 1))
+    try:
+        for _ in range(LEGACY_PICKLES):
+            for _ in pickletools.genops(head):
+                pass
+    except ValueError:  # the bytes ran out before a STOP, or are no pickle
+        if size > MAX_PICKLE_BYTES and head.tell() >= MAX_PICKLE_BYTES:
+            return ZipProblem(f"its pickles (torch's legacy format) run past {MAX_PICKLE_BYTES:,} bytes, more than torch.save "
+                              "writes for a model's or an optimizer's state: unpickled they could take ~170x that",
+                              altered=True)
     return None
 
 

@@ -172,8 +172,10 @@ def _opened(path: Path, folder: Path) -> tuple[object, BinaryIO | None]:
                     raise
             if (problem := torch_files.zip_problem(fh)) is not None:  # before torch unpacks anything
                 raise SparseCheckpointError(f"{path}: {problem.text}; copy the checkpoint again")
-            handle = (torch.load(name, map_location="cpu", mmap=True, weights_only=True) if name is not None
-                      else torch.load(fh, map_location="cpu", weights_only=True))  # no name for mmap: read whole
+            zipped = fh.read(len(torch_files.ZIP_MAGIC)) == torch_files.ZIP_MAGIC  # torch maps only its zip format
+            fh.seek(0)
+            handle = (torch.load(name, map_location="cpu", mmap=True, weights_only=True) if name is not None and zipped
+                      else torch.load(fh, map_location="cpu", weights_only=True))  # no name, or legacy: read whole
     except SparseCheckpointError:
         raise
     except torch_files.NotRegularFile as err:
