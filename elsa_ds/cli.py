@@ -248,6 +248,7 @@ def main_evaluate(argv: list[str] | None = None) -> int:
     def go() -> None:
         from elsa_ds.evaluation.tables import compare
         from elsa_ds.files.io import write_atomic
+        from elsa_ds.files.output import made_folders
         from elsa_ds.files.ownership import owned
         from elsa_ds.jobs.evaluate import check_new_files, check_settings, run
 
@@ -258,12 +259,13 @@ def main_evaluate(argv: list[str] | None = None) -> int:
             table = compare(args.compare)
             print(table, end="", flush=True)  # the table is the command's product: stdout
             if args.markdown is not None:
-                with owned(args.markdown, "--markdown"):
+                with made_folders([args.markdown]), owned(args.markdown, "--markdown"):
                     write_atomic(args.markdown, table)
             return
         settings = validated(EvalSettings, {k: v for k in _cli_fields(EvalSettings) if (v := getattr(args, k)) is not None})
         check_settings(settings)  # again under the lock, by run: a refusal for the path itself comes first
-        with owned(settings.output, "--output"), owned(settings.markdown, "--markdown"):
+        with made_folders([settings.output, settings.markdown]), owned(settings.output, "--output"), \
+                owned(settings.markdown, "--markdown"):
             run(settings)
 
     return guarded(go)

@@ -382,3 +382,33 @@ def test_a_sources_own_bad_values_are_named_though_the_command_line_sets_them_ov
     assert resolve_config({}, {"dataset": "texts,~nosuchuser9", "steps": 4}).dataset == "texts,~nosuchuser9"
     with pytest.raises(ElsaError, match="eval_ppl=.*no user"):
         resolve_config({}, {"eval_ppl": "wikitext2,~nosuchuser9/x", "steps": 4})
+
+
+def test_a_path_given_with_a_tilde_is_the_home_folders_for_every_reader(tmp_path, monkeypatch, stop_at_the_job):
+    """A user's walk (2026-12-04): ``--output_dir=~/x`` (no shell expands it there) made ``./~/x`` in the working folder,
+    where ``--resume_if_any`` never looked; ``--model '~/m'`` reached transformers unexpanded (a "repo id" error) in
+    elsa-prune and elsa-evaluate. Each path setting's ``~`` is now the home folder's, once, for every reader. And the
+    README's ``--output results/s70.json`` was refused on a clean clone: --output's folders are made, as --output_dir's."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    demo_copy(home / "m")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    code, err, _ = _prune("~/m", "~/out")
+    assert code == 0, err[-2000:]
+    code, err, _ = run_main(cli.main_evaluate, ["--model", "~/m", "--ppl", "shakespeare", "--seqlen", "64", "--limit", "2",
+                                               "--output", "~/results/r.json", "--markdown", "results/r.md"])
+    assert code == 0, err[-2000:]
+    assert (home / "results" / "r.json").is_file() and (work / "results" / "r.md").is_file() and not (work / "~").exists()
+    import elsa_ds.jobs.evaluate as evaluate_job
+
+    def fails(settings):
+        raise ElsaError("the evaluation failed")
+
+    monkeypatch.setattr(evaluate_job, "run", fails)  # a failed evaluation leaves no folder it made
+    one_line(*run_main(cli.main_evaluate, ["--model", "~/m", "--ppl", "shakespeare", "--output", "new/deep/r.json"])[:2],
+             "the evaluation failed")
+    assert not (work / "new").exists()
+    (work / "file").write_text("")
+    one_line(*run_main(cli.main_evaluate, ["--model", "~/m", "--ppl", "shakespeare", "--output", "file/r.json"])[:2],
+             "file is not a directory")

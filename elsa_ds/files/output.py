@@ -98,6 +98,23 @@ def remove_if_empty(folders: list[Path]) -> None:
             return
 
 
+@contextlib.contextmanager
+def made_folders(files: list[Path | None]):
+    """The missing folders above each of ``files`` (what a command writes, None for one it does not), made for the
+    command, removed again when it fails and leaves them empty (a user's walk: the README's ``--output results/x.json``
+    was refused on a clean clone, where --output_dir's folders are made)."""
+    made = [missing_folders(Path(file).parent) for file in files if file is not None]
+    try:
+        for folders in made:
+            if folders:
+                folders[0].mkdir(parents=True, exist_ok=True)
+        yield
+    except BaseException:
+        for folders in made:
+            remove_if_empty(folders)
+        raise
+
+
 def check_output_path(output_dir: Path) -> None:
     """The output is named by its own path: no symbolic link at it (its lock, staging and side files are named from the
     path, so a second name for one folder would give a second owner, and a dangling link would build beside its

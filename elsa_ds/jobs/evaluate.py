@@ -34,6 +34,7 @@ from elsa_ds.files.io import versions, write_atomic
 from elsa_ds.log import get_logger
 from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, is_sparse_checkpoint, load_causal_lm, load_config
 from elsa_ds.settings.config import NAMED_TEXT_SOURCES, CommaList, ElsaConfig, comma_list
+from elsa_ds.settings.config_files import usable_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -94,6 +95,8 @@ class EvalSettings(BaseModel):
     speed_rounds: int = Field(3, ge=1)
     """--speed: timed rounds per batch size, dense and sparse alternating."""
 
+    _usable_paths = field_validator("model", "include_path", "offload_folder", "output", "markdown", mode="before")(usable_path)
+
     @field_validator("tasks", mode="before")
     @classmethod
     def _expand_tasks(cls, v: Any) -> Any:
@@ -109,8 +112,11 @@ def check_settings(s: EvalSettings) -> None:
         if Path(path).is_dir():
             example = Path(path) / ("result.json" if flag == "--output" else "result.md")
             raise ElsaError(f"{flag} {path} is a directory; give a file name, e.g. {example}")
-        if not Path(path).resolve().parent.is_dir():
-            raise ElsaError(f"{flag} {path}: directory {Path(path).resolve().parent} does not exist")
+        parent = Path(path).resolve().parent  # made when the result is written, as --output_dir's are (README's results/)
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ElsaError(f"{flag} {path}: {parent} is not a directory; choose another file")
     check_new_files({"--output": s.output, "--markdown": s.markdown}, s.overwrite)
     inputs = {Path(p).resolve() for p in s.ppl if Path(p).is_file()}
     for flag, path in (("--output", s.output), ("--markdown", s.markdown)):
@@ -286,12 +292,7 @@ def run(s: EvalSettings) -> dict[str, Any]:
     }
     table = results_table([result])
     print(table, flush=True)  # the table is the command's product: stdout, whatever the log level
-    if s.output is not None:
-        write_atomic(Path(s.output), json.dumps(result, indent=2) + "\n")
-        log.info(f"wrote {s.output}")
-    if s.markdown is not None:
-        write_atomic(Path(s.markdown), table)
-        log.info(f"wrote {s.markdown}")
+    write_outputs(s, result, table)
     return result
 
 
@@ -320,11 +321,7 @@ def run_speed(s: EvalSettings, started: float) -> dict[str, Any]:
                   load_average=os.getloadavg(), wall_s=time.time() - started, versions=versions())
     table = speed_table(result)
     print(table, end="", flush=True)  # the table is the command's product: stdout
-    if s.output is not None:
-        write_atomic(Path(s.output), json.dumps(result, indent=2) + "\n")
-        log.info(f"wrote {s.output}")
-    if s.markdown is not None:
-        write_atomic(Path(s.markdown), table)
+    write_outputs(s, result, table)
     return result
 
 
@@ -340,3 +337,12 @@ def model_sparsity(model_id: str) -> dict[str, Any]:
     except (ElsaError, OSError) as err:  # e.g. a .bin-only checkpoint: report why instead of failing the job
         log.warning(f"no sparsity report: {err}")
         return {"error": str(err)}
+
+
+def write_outputs(s: EvalSettings, result: dict[str, Any], table: str) -> None:
+    """The result JSON (--output) and its table (--markdown), each written whole, their missing folders made first."""
+    for path, text in ((s.output, json.dumps(result, indent=2) + "\n"), (s.markdown, table)):
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(Path(path), text)
+            log.info(f"wrote {path}")

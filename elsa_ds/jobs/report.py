@@ -222,9 +222,13 @@ def worse_than_start(result: dict[str, Any], who: str = "ELSA") -> str:
     """What to change when ELSA (or a retraining run) ended above the perplexity of the pruned model it started from:
     its lr, first."""
     lr, steps = result["config"]["lr"], result["steps"]
-    whose = "the defaults rule's" if "lr" in (result.get("defaults") or {}).get("applied", {}) else "your"
+    applied = (result.get("defaults") or {}).get("applied", {})
+    whose = "the defaults rule's" if "lr" in applied else "your"
+    # a user's walk: a user's lr keeps the paper's dense start, which the rule's pruned start beats at short budgets
+    start = (f" with --init_mask {result['init_mask']} --init_weights (without them your lr starts from the dense model)"
+             if "init_mask" in applied and result.get("init_weights") else "")
     return (f"{who} ended worse than the pruned model it started from: {whose} lr {lr:g} is likely too large for "
-            f"{steps} steps; pass a smaller --lr (e.g. {lr / 4:.2g}) or more --steps")
+            f"{steps} steps; pass a smaller --lr (e.g. {lr / 4:.2g}){start} or more --steps")
 
 
 def _times(ratio: float) -> str:

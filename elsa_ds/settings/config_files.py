@@ -54,11 +54,15 @@ PATH_SETTINGS = ("model", "dataset", "val_dataset", "sparsity_profile", "init_ma
 
 def usable_path(cls: Any, value: Any, info: ValidationInfo) -> Any:
     """A settings model's first check of a field that may name a path (or, for a list field, each of them): ValueError
-    when no path can be what it says (``name_problem``), before the field's own checks ask the file system about it."""
+    when no path can be what it says (``name_problem``), before the field's own checks ask the file system about it. A
+    single path's leading ``~`` is expanded here, once for every reader (``--output_dir=~/x``, which no shell expands,
+    was written to ``./~/x``; ``--model '~/m'`` reached transformers as a hub id); no hub id or dataset name starts so."""
     listed = typing.get_origin(cls.model_fields[info.field_name].annotation) is list  # "a,b" is one path elsewhere
     for text in comma_list(value) if listed and isinstance(value, (str, list)) else [value]:  # other types: the field's
         if isinstance(text, (str, Path)) and (problem := name_problem(str(text))):
             raise ValueError(problem)
+    if not listed and isinstance(value, (str, Path)) and str(value).startswith("~"):
+        return value.expanduser() if isinstance(value, Path) else os.path.expanduser(value)
     return value
 
 

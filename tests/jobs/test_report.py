@@ -80,7 +80,14 @@ def test_an_elsa_run_ending_worse_than_its_pruned_start_says_what_to_change(tmp_
         print_summary(elsa_report(rec, _staged(tmp_path, 16)), tmp_path)
         err = capsys.readouterr().err
         assert ("worse than the pruned model it started from: your lr 0.001 is likely too large for 4 steps; pass a "
-                "smaller --lr (e.g. 0.00025)" in err) == warned, err
+                "smaller --lr (e.g. 0.00025) or more --steps" in err) == warned, err
+    rec = _record(init_mask="sparsegpt", init_weights=True, lr=1e-3)  # as the rule sets them (apply_defaults' record):
+    rec.defaults = {"applied": {"lr": 1e-3, "init_mask": "sparsegpt", "init_weights": True}}  # the advice keeps the start
+    rec.final_ppl, rec.dense_ppl, rec.baseline_ppl = 60.0, 15.0, 40.0
+    rec.losses, rec.step_times, rec.global_batch = [4.0, 3.0, 2.0, 1.0], [9.0, 1.0, 2.0, 3.0], 16
+    print_summary(elsa_report(rec, _staged(tmp_path, 16)), tmp_path)
+    assert f"the defaults rule's lr {rec.cfg.lr:g}" in (err := capsys.readouterr().err)
+    assert f"(e.g. {rec.cfg.lr / 4:.2g}) with --init_mask {rec.cfg.init_mask} --init_weights (without them" in err, err
 
 
 def test_a_summary_without_a_baseline_names_none(tmp_path, capsys):
