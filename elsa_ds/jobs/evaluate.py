@@ -31,6 +31,7 @@ from elsa_ds.evaluation.sparsity import model_sparsity_report, sparsity_report
 from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
 from elsa_ds.files.io import versions, write_atomic
+from elsa_ds.files.output import missing_folders
 from elsa_ds.log import get_logger
 from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, is_sparse_checkpoint, load_causal_lm, load_config
 from elsa_ds.settings.config import NAMED_TEXT_SOURCES, CommaList, ElsaConfig, comma_list
@@ -112,9 +113,8 @@ def check_settings(s: EvalSettings) -> None:
         if Path(path).is_dir():
             example = Path(path) / ("result.json" if flag == "--output" else "result.md")
             raise ElsaError(f"{flag} {path} is a directory; give a file name, e.g. {example}")
-        parent = Path(path).resolve().parent  # made when the result is written, as --output_dir's are (README's results/)
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
+        missing = missing_folders(Path(path).parent)  # made for the result (write_outputs), as --output_dir's are
+        parent = missing[-1].parent if missing else Path(path).parent
         if not parent.is_dir():
             raise ElsaError(f"{flag} {path}: {parent} is not a directory; choose another file")
     check_new_files({"--output": s.output, "--markdown": s.markdown}, s.overwrite)
@@ -340,7 +340,8 @@ def model_sparsity(model_id: str) -> dict[str, Any]:
 
 
 def write_outputs(s: EvalSettings, result: dict[str, Any], table: str) -> None:
-    """The result JSON (--output) and its table (--markdown), each written whole, their missing folders made first."""
+    """The result JSON (--output) and its table (--markdown), each written whole, their missing folders made first
+    (elsa-evaluate made them before taking their locks; the job's own evaluation and the benches call ``run``)."""
     for path, text in ((s.output, json.dumps(result, indent=2) + "\n"), (s.markdown, table)):
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
