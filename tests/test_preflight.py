@@ -96,6 +96,23 @@ def _estimate(ds_name: str, **elsa) -> float:
     return estimate(shape, ds, 1, micro_batch=1, seqlen=512, elsa=elsa, device="cpu").per_node_cpu_bytes
 
 
+def test_another_config_is_priced_with_the_settings_this_jsons_elsa_block_gave(tmp_path):
+    """An ELSA-L job (zero3_offload_elsal.json's "elsa" block) refused for memory listed "ds_configs/zero3_offload.json"
+    at the ELSA-L job's estimate, but that config has no "elsa" block: run as listed, the job holds fp32 z, u and Adam
+    moments. The listing names the flags that keep the block's settings under it, the price it gives."""
+    import psutil
+
+    model = _too_large_model(tmp_path / "model", psutil.virtual_memory().total)
+    line = run_fails("prune.py", ["--deepspeed", "ds_configs/zero3_offload_elsal.json", "--model", str(model), "--random_init",
+                                  "--dataset", "shakespeare", "--output_dir", str(tmp_path / "out")], "host memory")
+    need = float(line.split("needs ~")[1].split(" GiB")[0].replace(",", "")) * GIB
+    changes = dict(_changes(line))
+    offload = [c for c in changes if c.startswith("ds_configs/zero3_offload.json")]
+    assert offload == ["ds_configs/zero3_offload.json with --base_optimizer adam8bit_minifloat --z_dtype fp8 --u_dtype bf16"], line
+    assert changes[offload[0]][0] == pytest.approx(need, rel=0.01)  # the same zero_optimization: the same job
+    assert not any("ELSA-L's states" in c for c in changes)  # the job has them
+
+
 def test_refusal_names_the_shipped_config_that_fits_and_the_warning_when_ignored(tmp_path, monkeypatch, capsys):
     meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_offload.json")
     nvme, offload = _estimate("ds_configs/zero3_nvme.json"), _estimate("ds_configs/zero3_offload.json")

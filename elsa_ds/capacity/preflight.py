@@ -160,15 +160,15 @@ def check_schedule(cfg, rank: int) -> None:
             log.warning(line)
 
 
-def check_elsa(meta, ds: dict, cfg, opts, world: int) -> None:
-    """The pre-flight check of an ELSA job (meta: the model on the meta device, ds: the engine's config, cfg: ElsaConfig,
-    opts: JobOptions): the sequence length against the model's positions, the schedule, then memory and disk."""
+def check_elsa(meta, ds: dict, cfg, opts, world: int, block: dict | None = None) -> None:
+    """The pre-flight check of an ELSA job (meta: the model on meta, ds: the engine's config, cfg, opts, block: the JSON's
+    "elsa" block): the sequence length against the model's positions, the schedule, then memory and disk."""
     from elsa_ds.capacity.machine import job_device
 
     check_seqlen(meta.config, cfg.seqlen, cfg.model)
     check_schedule(cfg, int(os.environ.get("RANK", "0")))
     shape = model_shape(meta.config, cfg.targets, model=meta, freeze_embeddings=cfg.freeze_embeddings)
-    job = _Run(meta, ds, cfg, Path(opts.deepspeed).stem, job_device(), int(os.environ.get("LOCAL_SIZE", world)), world)
+    job = _Run(meta, ds, cfg, Path(opts.deepspeed).stem, job_device(), int(os.environ.get("LOCAL_SIZE", world)), world, block or {})
     rank = int(os.environ.get("RANK", "0"))
     e = job.estimate()
     zero = ds["zero_optimization"]
@@ -281,6 +281,7 @@ class _Run:
     device: str           # cuda, or cpu (DeepSpeed's CPU accelerator)
     local: int            # ranks per node
     world: int
+    block: dict = field(default_factory=dict)  # the JSON's "elsa" block: settings another --deepspeed would not carry
 
     @property
     def nodes(self) -> int:
@@ -308,10 +309,9 @@ def _alternatives(job: _Run, machine: Machine) -> str:
     for name in ALTERNATIVES:
         if name != job.config_name:
             candidate = {**job.ds, "zero_optimization": {**zero, **shipped[name]["zero_optimization"]}}
-            note = _fit_param_buffers(candidate, shape, job.world)
+            note = _fit_param_buffers(candidate, shape, job.world) + _kept_flags(job, shipped[name].get("elsa", {}))
             tried.append((f"ds_configs/{name}.json{note}", job.estimate(candidate, shipped[name].get("elsa")), job.nodes))
-    elsal = shipped["zero3_offload_elsal"]["elsa"]
-    if any(str(getattr(job.cfg, k).value) != v for k, v in elsal.items()):
+    if (elsal := shipped["zero3_offload_elsal"]["elsa"]) and any(str(getattr(job.cfg, k).value) != v for k, v in elsal.items()):
         flags = " ".join(f"--{k} {v}" for k, v in elsal.items())
         tried.append((f"ELSA-L's states ({flags})", job.estimate(elsa=elsal), job.nodes))
     offloaded = [k for k in ("offload_param", "offload_optimizer") if zero.get(k, {}).get("device") in ("cpu", "nvme")]
@@ -346,6 +346,14 @@ def _alternatives(job: _Run, machine: Machine) -> str:
     fit, rest = ([f"{' or '.join(labels)} ({cost})" for cost, labels in verdicts[v].items()] for v in (True, False))
     return "; ".join([f"would fit: {', '.join(fit)}" if fit else "nothing tried fits this machine"] +
                      ([f"would not: {', '.join(rest)}"] if rest else []))
+
+
+def _kept_flags(job: _Run, block: dict) -> str:
+    """The flags that carry this job's settings from its JSON's "elsa" block to a config whose block lacks them (the
+    estimate keeps them: without them an ELSA-L job under zero3_offload.json would hold fp32 states)."""
+    values = job.cfg.model_dump(mode="json")
+    kept = [f"--{k} {values[k]}" for k in job.block if k not in block and k in values]
+    return f" with {' '.join(kept)}" if kept else ""
 
 
 def _fits(e: Estimate, machine: Machine) -> bool:
