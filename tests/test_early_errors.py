@@ -189,6 +189,48 @@ def test_a_rendezvous_port_another_job_holds_is_named_with_what_to_do(tmp_path):
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"the rendezvous port {port} is in use" in errors[0] and "--master_port" in errors[0], errors[0]
     assert not (tmp_path / "out").exists()
+    assert "DeepSpeed config" not in proc.stdout, "said before the plan's checks (a walk: ~50 s of them first)"
+
+
+def test_the_port_check_leaves_torchruns_agent_store_and_other_ranks_alone(monkeypatch):
+    """Under torchrun the agent's store already listens on MASTER_PORT (rank 0 only connects to it), and ranks other than
+    0 serve nothing: neither is a clash. Rank 0 of a plain launch with the port held is one."""
+    import socket
+
+    from elsa_ds.zero.dist import check_rendezvous_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        monkeypatch.setenv("MASTER_PORT", str(held.getsockname()[1]))
+        monkeypatch.setenv("RANK", "1")
+        check_rendezvous_port()
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        check_rendezvous_port()
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+        with pytest.raises(ElsaError, match="is in use"):
+            check_rendezvous_port()
+
+
+def test_a_second_job_of_a_launched_process_is_not_refused_for_its_own_groups_port(monkeypatch):
+    """A script launched by deepspeed that runs two jobs: the first job's process group stays up and its store listens on
+    MASTER_PORT; the second job's plan must not take that for another job's."""
+    import torch.distributed as dist
+
+    from elsa_ds.zero.dist import check_rendezvous_port, free_port
+
+    ours = not dist.is_initialized()
+    port = free_port()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    if ours:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        check_rendezvous_port()
+    finally:
+        if ours:
+            dist.destroy_process_group()
 
 
 def _stock_transformers_config() -> dict:

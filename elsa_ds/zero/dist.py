@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import os
 import socket
 from collections.abc import Iterator
@@ -22,6 +23,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(port: str) -> str:
+    return (f"the rendezvous port {port} is in use on this machine (another job's: two `deepspeed` commands both take "
+            "29500 unless told otherwise); start this one on a free port: deepspeed --master_port N ...")
+
+
+def check_rendezvous_port() -> None:
+    """ElsaError when the port rank 0 of a launched job will serve the rendezvous on (MASTER_PORT) is taken: said before
+    the plan's checks and the warm start, not when the process group starts after them. Rank 0 alone checks, and not
+    under torchrun's agent, whose own store already listens there (TORCHELASTIC_USE_AGENT_STORE), nor for a second job of
+    a process whose group is up (its own store holds the port)."""
+    import torch.distributed as dist
+
+    port = os.environ.get("MASTER_PORT", "")
+    if os.environ.get("RANK") != "0" or not port.isdigit() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return
+    if dist.is_available() and dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds: a closed job's TIME_WAIT is no clash
+        try:
+            s.bind(("", int(port)))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise ElsaError(port_in_use(port)) from None
+
+
 def init_distributed() -> tuple[int, int]:
     """Initialize torch.distributed through DeepSpeed; a plain ``python`` run is rank 0 of 1. Returns (rank, world)."""
     if "RANK" not in os.environ:
@@ -38,9 +65,7 @@ def init_distributed() -> tuple[int, int]:
         except RuntimeError as err:  # rank 0 serves the rendezvous: a second `deepspeed` command on the same default port
             if "EADDRINUSE" not in str(err):  # failed here, and was reported as another rank's end (a walk, 2026-12-02)
                 raise
-            raise ElsaError(f"the rendezvous port {os.environ.get('MASTER_PORT')} is in use on this machine (another job's: "
-                            "two `deepspeed` commands both take 29500 unless told otherwise); start this one on a free "
-                            "port: deepspeed --master_port N ...") from None
+            raise ElsaError(port_in_use(os.environ.get("MASTER_PORT", ""))) from None
         _unlink_shm_buffer(dist)
         atexit.register(teardown)
     return dist.get_rank(), dist.get_world_size()
