@@ -8,12 +8,14 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from elsa_ds.cli import (ESTIMATE_SHARED, EstimateOptions, _cli_fields, estimate_parser, evaluate_parser, main_estimate,
                          main_evaluate, prune_parser)
 from elsa_ds.evaluation.zeroshot import PAPER_TASKS, expand_tasks
 from elsa_ds.jobs.evaluate import EvalSettings
 from elsa_ds.settings.config import DEMO_MODEL_DIR, ElsaConfig, comma_list
+from elsa_ds.settings.config_files import comma_paths
 from elsa_ds.settings.options import JobOptions
 
 PACKAGE = Path(__file__).resolve().parent.parent / "elsa_ds"
@@ -83,7 +85,24 @@ def test_one_parser_for_comma_lists():
     assert expand_tasks(["rte", "", " paper"]) == ["rte", *[t for t in PAPER_TASKS if t != "rte"]]
     splitters = [f"{p.relative_to(PACKAGE)}:{n}" for p in PACKAGE.rglob("*.py")
                  for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"""\.split\(\s*["'],["']""", line)]
-    assert [s.split(":")[0] for s in splitters] == ["settings/config_files.py"], f"one comma-list parser (comma_list): {splitters}"
+    assert {s.split(":")[0] for s in splitters} == {"settings/config_files.py"}, f"one place (comma_list, comma_paths): {splitters}"
+
+
+def test_a_file_whose_name_holds_a_comma_is_one_entry_of_a_path_list(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """A walk (2026-12-04): --eval_ppl / --ppl could not name a file with a comma, and the refusal printed the pieces joined
+    back ("notes, 2026.txt: no such file"), the name the user gave. A piece that names no file is joined with the next
+    while that names one; the refusal quotes each entry it read."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes,2026.txt").write_text("Some lines of text to score.\n" * 40)
+    (tmp_path / "plain.txt").write_text("x\n")
+    assert comma_paths("notes,2026.txt,shakespeare, plain.txt,,") == ["notes,2026.txt", "shakespeare", "plain.txt"]
+    assert comma_paths("c4,wikitext2") == ["c4", "wikitext2"] and comma_paths(["a,b"]) == ["a,b"]
+    assert ElsaConfig(eval_ppl="shakespeare,notes,2026.txt").eval_ppl == ["shakespeare", "notes,2026.txt"]
+    with pytest.raises(ValidationError, match="'notes', '2027.txt': no such file or directory"):
+        ElsaConfig(eval_ppl="notes,2027.txt")
+    out = tmp_path / "r.json"
+    assert main_evaluate(["--model", str(tiny_model_dir), "--ppl", "notes,2026.txt", "--seqlen", "16", "--output", str(out)]) == 0
+    assert list(json.loads(out.read_text())["ppl"]) == ["notes,2026.txt"], out.read_text()[:400]
 
 
 def test_bad_settings_are_one_error_line(capsys, tiny_model_dir):

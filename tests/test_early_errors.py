@@ -54,7 +54,7 @@ def test_compare_of_a_pruning_report_explains_itself(tmp_path):
 
 def test_eval_ppl_path_typo_is_caught_before_any_work(tmp_path):
     _prune_fails(["--deepspeed", "zero3_offload", "--eval_ppl", str(tmp_path / "valdation.txt"), "--output_dir", str(tmp_path / "o")],
-                 "eval_ppl", "valdation.txt: no such file or directory")
+                 "eval_ppl", "valdation.txt': no such file or directory")
     assert not (tmp_path / "o").exists()
 
 

@@ -34,7 +34,8 @@ from elsa_ds.files.io import versions, write_atomic
 from elsa_ds.files.output import missing_folders
 from elsa_ds.log import get_logger
 from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, is_sparse_checkpoint, load_causal_lm, load_config
-from elsa_ds.settings.config import NAMED_TEXT_SOURCES, CommaList, ElsaConfig, comma_list
+from elsa_ds.settings.config import NAMED_TEXT_SOURCES, ElsaConfig
+from elsa_ds.settings.config_files import PathList, comma_list
 from elsa_ds.settings.config_files import usable_path
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class EvalSettings(BaseModel):
 
     model: str = Field(..., json_schema_extra={"metavar": "ID_OR_DIR"})
     """Hub id or saved model directory (required unless --compare)."""
-    ppl: CommaList = Field(default_factory=list, json_schema_extra={"metavar": "LIST"})
+    ppl: PathList = Field(default_factory=list, json_schema_extra={"metavar": "LIST"})
     """Comma list of wikitext2, c4, shakespeare or local .txt/.md/.jsonl/.parquet paths or directories, each evaluated
     with the same protocol."""
     tasks: list[str] = Field(default_factory=list, json_schema_extra={"metavar": "LIST", "const": "paper"})

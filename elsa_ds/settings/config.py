@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from elsa_ds.admm.settings import AdmmSettings, Projection
 from elsa_ds.admm.projection import NM
@@ -23,8 +23,8 @@ from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
 from elsa_ds.settings.config_checks import cross_checks, not_a_percentage
-from elsa_ds.settings.config_files import (PATH_SETTINGS, check_each_source, comma_list, compile_regex, load_profile,
-                                          load_recipe as _load_recipe, name_problem, resume_place, usable_path)
+from elsa_ds.settings.config_files import (PATH_SETTINGS, CommaList, PathList, check_each_source, comma_list, compile_regex,
+                                          load_profile, load_recipe as _load_recipe, name_problem, resume_place, usable_path)
 from elsa_ds.targets import LayerGoal, layer_goals
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo" / "model"
@@ -44,7 +44,6 @@ RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "
 RESUME_DEFAULTS = {"hold_steps": 0, "init_weights": False, "balance_mu": 1.5, "balance_tau": 2.0, "relaxation": 1.0}
 
 
-CommaList = Annotated[list[str], BeforeValidator(comma_list)]  # a list setting that a flag gives as "a,b,c"
 
 
 def _group(name: str, metavar: str | None = None) -> dict[str, Any]:
@@ -206,7 +205,7 @@ class ElsaConfig(BaseModel):
     """Steps between progress-bar updates."""
 
     # --- evaluation of the saved model at the end ------------------------------------------------------------
-    eval_ppl: CommaList = Field(default_factory=list, **_group("evaluation", "LIST"))
+    eval_ppl: PathList = Field(default_factory=list, **_group("evaluation", "LIST"))
     """Comma list of wikitext2, c4, shakespeare or local .txt/.md/.jsonl/.parquet paths or folders: perplexity of the
     saved model, rank 0 alone at the end."""
     eval_tasks: CommaList = Field(default_factory=list, **_group("evaluation", "LIST"))
@@ -224,7 +223,8 @@ class ElsaConfig(BaseModel):
     def _eval_sources_exist(cls, v: list[str]) -> list[str]:
         missing = [s for s in v if s not in NAMED_TEXT_SOURCES and not Path(s).expanduser().exists()]
         if missing:
-            raise ValueError(f"{', '.join(missing)}: no such file or directory (named sources: {', '.join(NAMED_TEXT_SOURCES)})")
+            raise ValueError(f"{', '.join(map(repr, missing))}: no such file or directory (named sources: "
+                             f"{', '.join(NAMED_TEXT_SOURCES)}; a comma separates the entries)")
         return v
 
     @field_validator("dataset", "val_dataset")

@@ -7,10 +7,10 @@ import re
 import typing
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import regex as rx
-from pydantic import ValidationInfo
+from pydantic import BeforeValidator, ValidationInfo
 
 from elsa_ds import json_data
 from elsa_ds.data.sources import DEMO_DATASET, looks_local
@@ -21,6 +21,34 @@ from elsa_ds.targets import NamePattern
 def comma_list(value: Any) -> Any:
     """``"a, b,,c"`` -> ``["a", "b", "c"]``: how every comma-list flag is read; anything but a string passes as it is."""
     return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+
+
+def comma_paths(value: Any) -> Any:
+    """A comma list of paths and source names as a flag gives it, where a file's own name may hold a comma: a piece that
+    names no file here is joined with the pieces after it while a longer join does (the shortest such); a list (a recipe's,
+    the API's) passes as it is."""
+    if not isinstance(value, str):
+        return value
+    pieces, out, i = value.split(","), [], 0
+    while i < len(pieces):
+        end = i + 1
+        if not _exists(pieces[i].strip()):
+            end = next((j for j in range(i + 2, len(pieces) + 1) if _exists(",".join(pieces[i:j]).strip())), end)
+        if entry := ",".join(pieces[i:end]).strip():
+            out.append(entry)
+        i = end
+    return out
+
+
+CommaList = Annotated[list[str], BeforeValidator(comma_list)]  # a list setting that a flag gives as "a,b,c"
+PathList = Annotated[list[str], BeforeValidator(comma_paths)]  # one whose entries may be paths ("a,b.txt": one file's name)
+
+
+def _exists(text: str) -> bool:
+    try:
+        return bool(text) and not name_problem(text) and Path(text).expanduser().exists()
+    except OSError:
+        return False
 
 
 NAME_MAX, PATH_MAX = 255, 4096  # bytes, as Linux's file systems take them
@@ -58,7 +86,7 @@ def usable_path(cls: Any, value: Any, info: ValidationInfo) -> Any:
     single path's leading ``~`` is expanded here, once for every reader (``--output_dir=~/x``, which no shell expands,
     was written to ``./~/x``; ``--model '~/m'`` reached transformers as a hub id); no hub id or dataset name starts so."""
     listed = typing.get_origin(cls.model_fields[info.field_name].annotation) is list  # "a,b" is one path elsewhere
-    for text in comma_list(value) if listed and isinstance(value, (str, list)) else [value]:  # other types: the field's
+    for text in comma_paths(value) if listed and isinstance(value, (str, list)) else [value]:  # other types: the field's
         if isinstance(text, (str, Path)) and (problem := name_problem(str(text))):
             raise ValueError(problem)
     if not listed and isinstance(value, (str, Path)) and str(value).startswith("~"):

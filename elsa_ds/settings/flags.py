@@ -23,7 +23,7 @@ from pydantic.fields import FieldInfo
 from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
 from elsa_ds.log import setup_logging
 from elsa_ds.settings.config import DEMO_PROFILE, ElsaConfig
-from elsa_ds.settings.config_files import comma_list, name_problem
+from elsa_ds.settings.config_files import comma_paths, name_problem
 from elsa_ds.settings.options import JobOptions
 
 GROUP_TITLES = {
@@ -93,7 +93,7 @@ def _named(convert: Callable[[str], Any], a_list: bool = False) -> Callable[[str
     for the file system, an unknown ~user: ``name_problem``), for the checks that ask the file system raise on it (an
     audit: OSError and RuntimeError tracebacks from elsa-prune, elsa-evaluate, elsa-compress)."""
     def parse(text: str) -> Any:
-        for part in comma_list(text) if a_list else [text]:
+        for part in comma_paths(text) if a_list else [text]:
             if problem := name_problem(part):
                 raise argparse.ArgumentTypeError(f"{part[:80]!r}{'...' if len(part) > 80 else ''}: {problem}")
         return convert(text)
@@ -113,7 +113,7 @@ def _argument(name: str, field: FieldInfo, flag_default: bool, model: type[BaseM
         kwargs["choices"] = _choices(kind)
     elif typing.get_origin(kind) is tuple:
         kwargs.update(nargs=len(typing.get_args(kind)), type=typing.get_args(kind)[0])
-    elif typing.get_origin(kind) is list:  # a comma list, read by the model's validator (config_files.comma_list)
+    elif typing.get_origin(kind) is list:  # a comma list, read by the model's validator (config_files: comma_list, comma_paths for paths)
         kwargs["type"] = _named(str, True) if _may_name_a_path(kind, extra) else str
     else:
         kwargs["type"] = _named(kind) if _may_name_a_path(kind, extra) else kind
