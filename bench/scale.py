@@ -265,6 +265,7 @@ def main() -> int:
               "state_bytes": state, "ram_bytes": ram, "deepspeed": ds["zero_optimization"], "seqlen": args.seqlen,
               "sparsity": args.sparsity, "phases": rows, "export": export,
               "peak_rss": monitor.peak_rss, "est_host": est.per_node_cpu_bytes, "host_ratio": est.per_node_cpu_bytes / monitor.peak_rss,
+              "peak_build_rss": monitor.peak_build_rss,  # op builds (g++, ninja) at a fresh machine's first job: not in peak_rss
               "peak_nvme": monitor.peak_folder, "est_nvme": est.nvme_bytes, "nvme_ratio": est.nvme_bytes / monitor.peak_folder,
               "min_disk_free": min(x[3] for x in monitor.series), "wall_s": ended - started,
               "final_loss": report["final_loss"], "overall_sparsity": report["overall_sparsity"], "verified_layers": len(report["layers"])}

@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,7 @@ class AblationRow:
     ranks: int = 1
     peak_rank_rss_bytes: float = 0.0      # the largest peak of one rank process
     launcher_rss_bytes: float = 0.0       # the deepspeed launcher's processes (runner, launch.py) together, at their peak
+    build_rss_bytes: float = 0.0          # an op build's compilers at their peak (not in peak_host_rss_bytes)
     est_step_time_s: float = 0.0          # elsa-estimate's step time, as the report averages it, at rates measured here
     est_micro_step_s: float | None = None  # the micro-step it timed here (probe.measure_job); None: priced from the rates
     # the job's optimizer step and one projection timed here, in DeepSpeedCPUAdam steps (optimizer_probe); None: the
@@ -56,12 +58,26 @@ class AblationRow:
     est_projection: float | None = None
 
 
+# the processes of an op build (DeepSpeed's and elsa_ds's kernels, compiled at a fresh machine's first job: ~2 GiB of
+# cc1plus beside the ranks), named as the kernel names them (``g++-12``, ``x86_64-linux-gnu-g++`` included)
+BUILD_TOOL = re.compile(r"(^|-)(ninja|cc1plus|cc1|collect2|ld|as|gcc|g\+\+|c\+\+|cc|nvcc|cicc|ptxas|fatbinary|nvlink|cudafe\+\+)(-[\d.]+)?$")
+
+
+def process_kind(proc) -> str:
+    """"launcher" (deepspeed's runner and launch.py, by their command line), "build" (a compiler or ninja) or "rank"."""
+    if BUILD_TOOL.search(proc.name()):
+        return "build"
+    return "launcher" if "deepspeed.launcher" in " ".join(proc.cmdline()) else "rank"
+
+
 class TreeMonitor(threading.Thread):
     """Samples the peak summed RSS of a process and its descendants, and the peak size of a folder.
 
     Also kept: the largest peak of one rank process, and the launcher processes' (deepspeed's runner and
-    launch.py, told apart by their command line) summed peak. With ``record``, every sample is kept in ``series`` as
-    (time since the epoch, summed RSS, folder bytes, free bytes on the folder's file system).
+    launch.py, told apart by their command line) summed peak. An op build's compilers are kept apart
+    (``peak_build_rss``): a fresh machine's first job compiles, later ones load the build, and the job's own
+    memory is what the estimate is for. With ``record``, every sample is kept in ``series`` as (time since the epoch,
+    summed RSS, folder bytes, free bytes on the folder's file system).
     """
 
     def __init__(self, pid: int, folder: Path | None, period: float = 0.1, record: bool = False):
@@ -70,6 +86,7 @@ class TreeMonitor(threading.Thread):
         self.peak_rss = 0.0
         self.peak_rank_rss = 0.0
         self.peak_launcher_rss = 0.0
+        self.peak_build_rss = 0.0
         self.peak_folder = 0.0
         self.series: list[tuple[float, float, float, float]] = []
         self.done = threading.Event()
@@ -78,22 +95,24 @@ class TreeMonitor(threading.Thread):
         import psutil
 
         root = psutil.Process(self.pid)
-        launcher: dict[int, bool] = {}
+        kinds: dict[int, str] = {}
         while not self.done.is_set():
             rss, folder = 0.0, 0.0
             try:
                 sizes = {}
                 for proc in [root, *root.children(recursive=True)]:
                     try:
-                        if proc.pid not in launcher:
-                            launcher[proc.pid] = "deepspeed.launcher" in " ".join(proc.cmdline())
+                        if proc.pid not in kinds:
+                            kinds[proc.pid] = process_kind(proc)
                         sizes[proc.pid] = float(proc.memory_info().rss)
                     except psutil.Error:
                         continue
-                rss = sum(sizes.values())
+                by_kind = {kind: [v for k, v in sizes.items() if kinds[k] == kind] for kind in ("launcher", "build", "rank")}
+                rss = sum(by_kind["launcher"]) + sum(by_kind["rank"])
                 self.peak_rss = max(self.peak_rss, rss)
-                self.peak_launcher_rss = max(self.peak_launcher_rss, sum(v for k, v in sizes.items() if launcher[k]))
-                self.peak_rank_rss = max([self.peak_rank_rss, *(v for k, v in sizes.items() if not launcher[k])])
+                self.peak_launcher_rss = max(self.peak_launcher_rss, sum(by_kind["launcher"]))
+                self.peak_build_rss = max(self.peak_build_rss, sum(by_kind["build"]))
+                self.peak_rank_rss = max([self.peak_rank_rss, *by_kind["rank"]])
             except psutil.Error:
                 pass
             if self.folder is not None and self.folder.exists():
@@ -178,6 +197,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
             est_nvme_bytes=est.nvme_bytes, final_loss=report["final_loss"], mask_agreement=agree,
             admm_state_bytes_per_param=report["admm_state_bytes_per_param"], ranks=ranks,
             peak_rank_rss_bytes=monitor.peak_rank_rss, launcher_rss_bytes=monitor.peak_launcher_rss,
+            build_rss_bytes=monitor.peak_build_rss,
             est_step_time_s=timed.report_mean(), est_micro_step_s=timed.timed["micro_step_s"] if timed.timed else None,
             est_optimizer_step=(timed.optimizer_timed or {}).get("kernel"),
             est_projection=(timed.optimizer_timed or {}).get("projection"),
@@ -237,6 +257,9 @@ def write_outputs(rows: list[AblationRow], out_dir: Path) -> None:
                      f"{r.final_loss:.4f} | {r.mask_agreement:.4%} | {r.admm_state_bytes_per_param:.2f} |")
     lines.append("\nestimated (s): (timed) from the job's micro-step timed on this machine, (rates) from its typical rates "
                  "where the micro-step could not be timed here (elsa-estimate --measure says why)")
+    if built := [r for r in rows if r.build_rss_bytes]:
+        lines.append(f"\npeak host RSS leaves out the op builds a fresh machine compiles at its first job (g++, ninja): "
+                     + ", ".join(f"{r.config} {fmt(r.build_rss_bytes)} MiB" for r in built))
     write_atomic(out_dir / "ablation.md", "\n".join(lines) + "\n")
 
     matplotlib = require("matplotlib", "plot", "the ablation's plot")

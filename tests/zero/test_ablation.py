@@ -126,6 +126,33 @@ def test_the_table_says_how_each_step_was_estimated_and_what_cpu_ranks_have_no_g
     assert (tmp_path / "ablation.png").stat().st_size > 0 and not list(tmp_path.glob("*.tmp*"))
 
 
+def test_the_monitor_keeps_an_op_builds_compilers_apart_from_the_jobs_memory(tmp_path):
+    """A walk (2026-12-04): zero3_nvme's row measured 6,468 MiB of host RSS on a fresh machine and 4,210 once its ops were
+    built (estimated 4,064): the first job's compilers (cc1plus, ~2 GiB) were summed with its ranks. A tree of a "rank"
+    holding 100 MiB and a "g++-12" (a Python started by that name) holding 300 MiB: the job's peak is the rank's."""
+    from elsa_ds.capacity.ablation import TreeMonitor
+
+    compiler = tmp_path / "g++-12"
+    compiler.symlink_to(sys.executable)
+    hold = "import time; b = b'x' * ({} << 20); time.sleep(4)"
+    tree = textwrap.dedent(f"""
+        import subprocess, sys
+        procs = [subprocess.Popen([sys.executable, "-c", {hold.format(100)!r}]),
+                 subprocess.Popen([{str(compiler)!r}, "-c", {hold.format(300)!r}])]
+        for p in procs:
+            p.wait()
+    """)
+    root = subprocess.Popen([sys.executable, "-c", tree])
+    monitor = TreeMonitor(root.pid, None, period=0.05)
+    monitor.start()
+    assert root.wait(timeout=60) == 0
+    monitor.done.set()
+    monitor.join()
+    mib = 2 ** 20
+    assert monitor.peak_build_rss >= 300 * mib and monitor.peak_rank_rss >= 100 * mib, vars(monitor)
+    assert monitor.peak_rss < 250 * mib, vars(monitor)  # the rank, the root's interpreter: not the compiler's 300 MiB
+
+
 def test_a_full_disk_at_the_table_is_one_line_and_leaves_the_last_one_whole(tmp_path):
     """A third audit: the table went to fixed temp names, left half-written on a full disk (ulimit -f here) with an
     OSError traceback, and written through a link planted at those names."""
