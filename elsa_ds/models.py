@@ -125,12 +125,7 @@ def check_hub_reachable(model_id: str) -> None:
 
 
 def _in_hub_cache(model_id: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        return isinstance(try_to_load_from_cache(model_id, "config.json"), str)
-    except ValueError:  # not a valid repository id: transformers' own message says what is wrong with it
-        return False
+    return cached_snapshot(model_id) is not None
 
 
 def check_local_path(model_id: str) -> None:
@@ -226,13 +221,18 @@ def hidden_size(config) -> int | None:
 
 
 def check_local_weights(model_id: str, config=None) -> None:
-    """Each safetensors file of a local model directory is whole (``weight_files.py``) and, given its ``config``, holds
-    each tensor it shares with the architecture in the shape the architecture gives it (from the headers: a config.json
-    of another size fails inside from_pretrained otherwise, after the load). A hub id is not checked."""
-    check_weight_files(model_id, f"model {model_id}")
-    if config is None or not Path(model_id).expanduser().is_dir() or getattr(config, "quantization_config", None):
+    """Each weight file of a local model directory is whole and no pickle past the cap (``weight_files.py``) and, given its
+    ``config``, holds each tensor it shares with the architecture in the shape the architecture gives it (from the
+    headers: a config.json of another size fails inside from_pretrained otherwise, after the load). A hub id is checked
+    in this machine's Hugging Face cache, whose snapshot transformers reads (one not downloaded yet is fetched and read by
+    transformers, unchecked)."""
+    local = Path(model_id).expanduser()
+    if (folder := local if local.exists() else cached_snapshot(model_id)) is None:
+        return
+    check_weight_files(folder, f"model {model_id}", downloading=folder is not local)
+    if config is None or not folder.is_dir() or getattr(config, "quantization_config", None):
         return  # a quantized checkpoint stores its weights packed, in other shapes than the architecture's
-    stored = stored_shapes(model_id)
+    stored = stored_shapes(folder)
     built = {name: tuple(p.shape) for name, p in meta_model(config).named_parameters(remove_duplicate=False)}
     wrong = [f"{file}: {name} {list(shape)} where config.json builds {list(built[name])}"
              for name, (shape, file) in stored.items() if name in built and built[name] != shape]
@@ -240,6 +240,18 @@ def check_local_weights(model_id: str, config=None) -> None:
         many = f"{len(wrong)} tensors differ, e.g." if len(wrong) > 1 else "1 tensor differs:"
         raise ElsaError(f"model {model_id}: config.json does not describe its weights ({many} {wrong[0]}); the config and the "
                         "weights come from different models")
+
+
+def cached_snapshot(model_id: str) -> Path | None:
+    """The Hugging Face cache's snapshot folder of hub id ``model_id`` (its main revision, as transformers resolves it),
+    or None where this machine holds none."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        config = try_to_load_from_cache(model_id, "config.json")
+    except ValueError:  # not a valid repository id
+        return None
+    return Path(config).parent if isinstance(config, str) else None
 
 
 def load_causal_lm(model_id: str, dtype: torch.dtype, *, random_init: bool = False, config=None, **kwargs: Any) -> PreTrainedModel:

@@ -195,6 +195,44 @@ def test_a_model_folders_file_linked_outside_it_is_refused_and_the_hub_caches_la
     assert _estimate(snapshot)[0] == 0
 
 
+def _hub_cache(hub: Path, repo_id: str) -> tuple[Path, Path]:
+    """The demo model as the Hugging Face cache holds a download of ``repo_id``: refs/main naming a snapshot whose files
+    link into the repository's blobs/; (snapshot, blobs)."""
+    repo = hub / f"models--{repo_id.replace('/', '--')}"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    for file in sorted(DEMO_MODEL_DIR.iterdir()):
+        if file.is_file():
+            shutil.copy2(file, blobs / file.name)
+            (snapshot / file.name).symlink_to(Path("..", "..", "blobs", file.name))
+    return snapshot, blobs
+
+
+def test_a_hub_id_this_machine_has_cached_is_checked_as_a_folder_is(tmp_path, monkeypatch, stop_at_the_job):
+    """A walk (2026-12-04): a model named by hub id reached transformers unchecked, its cached files too (a truncated
+    shard, a .bin pickle bomb: what a folder given by path is refused for in one line). The cache's snapshot is now
+    checked as that folder: a damaged shard is one line before anything loads; a whole one reaches the job; a shard that
+    the index names and the cache lacks yet (transformers downloads it) is no refusal."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    snapshot, blobs = _hub_cache(tmp_path / "hub", "org/demo")
+    assert _prune("org/demo", tmp_path / "o")[0] == 0  # whole: the job starts
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model.safetensors",
+                                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (blobs / "index").write_text(json.dumps(index))
+    (snapshot / "model.safetensors.index.json").symlink_to(Path("..", "..", "blobs", "index"))
+    assert _prune("org/demo", tmp_path / "o2")[0] == 0  # a shard not downloaded yet: transformers fetches it
+    whole = (blobs / "model.safetensors").read_bytes()
+    (blobs / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    one_line(*_prune("org/demo", tmp_path / "o3")[:2], "model org/demo", "model.safetensors", "damaged")
+    assert not (tmp_path / "o3").exists()
+
+
 # ---- values that pass their bounds but not the run ----------------------------------------------------------------------
 @pytest.mark.parametrize("flags", [["--lmda", "inf"], ["--weight_decay", "inf"], ["--lr", "inf"], ["--eps", "inf"],
                                    ["--lora_alpha", "inf", "--method", "wanda", "--finetune", "lora"], ["--percdamp", "inf"]])

@@ -76,10 +76,11 @@ def stored_shapes(folder: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return found
 
 
-def check_weight_files(folder: str | Path, who: str) -> None:
+def check_weight_files(folder: str | Path, who: str, downloading: bool = False) -> None:
     """ElsaError naming the first damaged ``*.safetensors`` file of a local ``folder`` (or the file itself: a packed mask
     file), or a ``*.bin`` file no ``torch.save`` wrote, after :func:`check_model_folder` (``who``: how the message names
-    the folder, e.g. ``model out/x`` or ``--init_mask out/x``); nothing for a hub id."""
+    the folder, e.g. ``model out/x`` or ``--init_mask out/x``); nothing for a hub id. ``downloading``: a hub cache's
+    snapshot, whose shards not there yet transformers downloads (those there are checked)."""
     path = Path(folder).expanduser()
     if path.is_file():
         if path.suffix == ".safetensors" and (problem := safetensors_problem(path)):
@@ -99,7 +100,7 @@ def check_weight_files(folder: str | Path, who: str) -> None:
         if (path / name).exists():
             for shard in dict.fromkeys(read_index(path / name, ElsaError).values()):
                 file = inside_folder(path, shard, path / name, ElsaError)
-                if name == read_by_transformers:
+                if name == read_by_transformers and not (downloading and not file.exists()):
                     if not file.exists():
                         raise ElsaError(f"{who}: {name} names {shard}, which the folder lacks; copy or download it again")
                     kinds.setdefault(file, "safetensors" if name == SAFETENSORS_INDEX else "torch")
