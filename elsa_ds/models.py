@@ -19,7 +19,7 @@ from elsa_ds.data import load_tokenizer
 from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.data.sources import FILE_NOT_MODEL
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.weight_files import check_model_folder, check_weight_files, read_header, stored_shapes
+from elsa_ds.files.weight_files import check_model_folder, check_weight_files, indexed_shards, read_header, stored_shapes
 from elsa_ds.settings.config_files import read_json_object
 
 if TYPE_CHECKING:
@@ -87,8 +87,10 @@ def is_sparse_checkpoint(model_id: str) -> bool:
 
 
 def refuse_sparse_checkpoint(model_id: str, flag: str) -> None:
-    """ElsaError for an elsa-sparse checkpoint where a job needs a model transformers loads (pruning, a mask's source)."""
-    if Path(model_id).expanduser().is_dir() and is_sparse_checkpoint(model_id):
+    """ElsaError for an elsa-sparse checkpoint where a job needs a model transformers loads (pruning, a mask's source): a
+    folder, or a hub id's snapshot in this machine's Hugging Face cache."""
+    folder = Path(model_id).expanduser() if Path(model_id).expanduser().is_dir() else cached_snapshot(model_id)
+    if folder is not None and is_sparse_checkpoint(str(folder)):
         raise ElsaError(f"{flag} {model_id} is an elsa-sparse checkpoint (elsa-compress's values and positions), which "
                         "transformers cannot load as the model; give a dense folder "
                         "(elsa_ds.sparse.from_pretrained(path, mode='dense') then save_pretrained makes one; "
@@ -229,7 +231,9 @@ def check_local_weights(model_id: str, config=None) -> None:
     local = Path(model_id).expanduser()
     if (folder := local if local.exists() else cached_snapshot(model_id)) is None:
         return
-    check_weight_files(folder, f"model {model_id}", downloading=folder is not local)
+    if folder is not local:
+        check_cached_shards(model_id, folder)
+    check_weight_files(folder, f"model {model_id}", hub_id=None if folder is local else model_id)
     if config is None or not folder.is_dir() or getattr(config, "quantization_config", None):
         return  # a quantized checkpoint stores its weights packed, in other shapes than the architecture's
     stored = stored_shapes(folder)
@@ -240,6 +244,18 @@ def check_local_weights(model_id: str, config=None) -> None:
         many = f"{len(wrong)} tensors differ, e.g." if len(wrong) > 1 else "1 tensor differs:"
         raise ElsaError(f"model {model_id}: config.json does not describe its weights ({many} {wrong[0]}); the config and the "
                         "weights come from different models")
+
+
+def check_cached_shards(model_id: str, snapshot: Path) -> None:
+    """ElsaError when the cache's snapshot lacks shards its index names (a download cut short) and the hub cannot be asked
+    for them: transformers would fail at the load, after the plan's checks and the warm start."""
+    from elsa_ds.data.hub_texts import hub_unreachable
+
+    missing = [shard for file, (_, _, shard) in indexed_shards(snapshot).items() if not file.exists()]
+    if missing and (why := hub_unreachable()):
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ElsaError(f"model {model_id}: the Hugging Face cache ({snapshot}) lacks {missing[0]}{more}, which its index names, "
+                        f"and {why}: finish the download where the hub can be reached (huggingface-cli download {model_id})")
 
 
 def cached_snapshot(model_id: str) -> Path | None:

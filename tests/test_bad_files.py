@@ -214,8 +214,9 @@ def _hub_cache(hub: Path, repo_id: str) -> tuple[Path, Path]:
 def test_a_hub_id_this_machine_has_cached_is_checked_as_a_folder_is(tmp_path, monkeypatch, stop_at_the_job):
     """A walk (2026-12-04): a model named by hub id reached transformers unchecked, its cached files too (a truncated
     shard, a .bin pickle bomb: what a folder given by path is refused for in one line). The cache's snapshot is now
-    checked as that folder: a damaged shard is one line before anything loads; a whole one reaches the job; a shard that
-    the index names and the cache lacks yet (transformers downloads it) is no refusal."""
+    checked as that folder: a damaged shard is one line before anything loads, with the command that fetches it again; a
+    whole one reaches the job; a shard the index names and the cache lacks yet is transformers' to download, or one line
+    where the hub cannot be asked."""
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -226,10 +227,16 @@ def test_a_hub_id_this_machine_has_cached_is_checked_as_a_folder_is(tmp_path, mo
                                             "lm_head.weight": "model-00002-of-00002.safetensors"}}
     (blobs / "index").write_text(json.dumps(index))
     (snapshot / "model.safetensors.index.json").symlink_to(Path("..", "..", "blobs", "index"))
-    assert _prune("org/demo", tmp_path / "o2")[0] == 0  # a shard not downloaded yet: transformers fetches it
+    # a shard not downloaded yet: offline, one line now (transformers failed at the load, after the checks and the warm
+    # start); where the hub answers, transformers fetches it
+    one_line(*_prune("org/demo", tmp_path / "o2")[:2], "model org/demo", "lacks model-00002-of-00002.safetensors",
+             "HF_HUB_OFFLINE", "huggingface-cli download org/demo")
+    monkeypatch.setattr("elsa_ds.data.hub_texts.hub_unreachable", lambda: None)
+    assert _prune("org/demo", tmp_path / "o2")[0] == 0
     whole = (blobs / "model.safetensors").read_bytes()
     (blobs / "model.safetensors").write_bytes(whole[: len(whole) // 2])
-    one_line(*_prune("org/demo", tmp_path / "o3")[:2], "model org/demo", "model.safetensors", "damaged")
+    one_line(*_prune("org/demo", tmp_path / "o3")[:2], "model org/demo", "model.safetensors", "damaged",
+             f"cache's copy ({snapshot})", "huggingface-cli download org/demo model.safetensors --force-download")
     assert not (tmp_path / "o3").exists()
 
 

@@ -14,7 +14,7 @@ from elsa_ds.cli import (ESTIMATE_SHARED, EstimateOptions, _cli_fields, estimate
                          main_evaluate, prune_parser)
 from elsa_ds.evaluation.zeroshot import PAPER_TASKS, expand_tasks
 from elsa_ds.jobs.evaluate import EvalSettings
-from elsa_ds.settings.config import DEMO_MODEL_DIR, ElsaConfig, comma_list
+from elsa_ds.settings.config import DEMO_MODEL_DIR, ElsaConfig, comma_list, load_recipe
 from elsa_ds.settings.config_files import comma_paths
 from elsa_ds.settings.options import JobOptions
 
@@ -97,9 +97,16 @@ def test_a_file_whose_name_holds_a_comma_is_one_entry_of_a_path_list(tmp_path, m
     (tmp_path / "plain.txt").write_text("x\n")
     assert comma_paths("notes,2026.txt,shakespeare, plain.txt,,") == ["notes,2026.txt", "shakespeare", "plain.txt"]
     assert comma_paths("c4,wikitext2") == ["c4", "wikitext2"] and comma_paths(["a,b"]) == ["a,b"]
+    (tmp_path / "notes").mkdir()  # a folder named as the file's first piece: the longer name is the one meant (a review)
+    assert comma_paths("notes,2026.txt,notes") == ["notes,2026.txt", "notes"]
+    recipe = tmp_path / "r" / "r.json"  # a recipe's string: its names read against its folder
+    recipe.parent.mkdir()
+    (recipe.parent / "val,2024.txt").write_text("x\n")
+    recipe.write_text(json.dumps({"source": "a test", "settings": {"eval_ppl": "val,2024.txt,shakespeare"}}))
+    assert load_recipe(str(recipe))["eval_ppl"] == [str(recipe.parent / "val,2024.txt"), "shakespeare"]
     assert ElsaConfig(eval_ppl="shakespeare,notes,2026.txt").eval_ppl == ["shakespeare", "notes,2026.txt"]
-    with pytest.raises(ValidationError, match="'notes', '2027.txt': no such file or directory"):
-        ElsaConfig(eval_ppl="notes,2027.txt")
+    with pytest.raises(ValidationError, match="'memo', '2027.txt': no such file or directory"):
+        ElsaConfig(eval_ppl="memo,2027.txt")
     out = tmp_path / "r.json"
     assert main_evaluate(["--model", str(tiny_model_dir), "--ppl", "notes,2026.txt", "--seqlen", "16", "--output", str(out)]) == 0
     assert list(json.loads(out.read_text())["ppl"]) == ["notes,2026.txt"], out.read_text()[:400]

@@ -113,6 +113,31 @@ def test_another_config_is_priced_with_the_settings_this_jsons_elsa_block_gave(t
     assert not any("ELSA-L's states" in c for c in changes)  # the job has them
 
 
+def test_the_flags_that_carry_a_block_over_read_back_as_the_settings_they_name(tmp_path):
+    """A review: the carried flags were printed as `--freeze_embeddings True --betas [0.9, 0.95]`, which elsa-prune
+    refuses; and the GPU line (zero3.json has no "elsa" block either) carried none. Each flag now parses back, through
+    elsa-prune's own parser, into the value the estimate priced."""
+    import shlex
+
+    from elsa_ds.cli import prune_parser
+
+    meta, ds, _, _ = _job(tmp_path, "ds_configs/zero3_offload.json")
+    block = {"freeze_embeddings": True, "gradient_checkpointing": False, "betas": [0.9, 0.95], "z_dtype": "fp8",
+             "eval_ppl": ["shakespeare"], "lmda_schedule": "constant"}
+    cfg = resolve_config({"elsa": block}, {"model": "google/gemma-2-2b", "seqlen": 512})
+    job = preflight._Run(meta, ds, cfg, "mine", "cuda", 1, 1, block)
+    kept = preflight._kept_flags(job, {"z_dtype": "fp32"})
+    assert kept.startswith(" with --freeze_embeddings --no_gradient_checkpointing --betas 0.9 0.95 "), kept
+    parsed = vars(prune_parser().parse_args(["--deepspeed", "z", "--output_dir", "o", *shlex.split(kept.removeprefix(" with "))]))
+    given = {k: v for k, v in parsed.items() if k in type(cfg).model_fields and k not in ("model", "seqlen")}
+    again = resolve_config({}, {"model": "google/gemma-2-2b", "seqlen": 512, **given})
+    assert {k: getattr(again, k) for k in block if k != "z_dtype"} == {k: getattr(cfg, k) for k in block if k != "z_dtype"}
+    assert "z_dtype" not in kept  # the other config's block sets it
+    machine = preflight.Machine(host=1.0, gpu=1.0)
+    assert "everything on the GPUs (ds_configs/zero3.json with --freeze_embeddings --no_gradient_checkpointing" in \
+        preflight._alternatives(job, machine)
+
+
 def test_refusal_names_the_shipped_config_that_fits_and_the_warning_when_ignored(tmp_path, monkeypatch, capsys):
     meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_offload.json")
     nvme, offload = _estimate("ds_configs/zero3_nvme.json"), _estimate("ds_configs/zero3_offload.json")

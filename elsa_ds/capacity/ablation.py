@@ -60,7 +60,8 @@ class AblationRow:
 
 # the processes of an op build (DeepSpeed's and elsa_ds's kernels, compiled at a fresh machine's first job: ~2 GiB of
 # cc1plus beside the ranks), named as the kernel names them (``g++-12``, ``x86_64-linux-gnu-g++`` included)
-BUILD_TOOL = re.compile(r"(^|-)(ninja|cc1plus|cc1|collect2|ld|as|gcc|g\+\+|c\+\+|cc|nvcc|cicc|ptxas|fatbinary|nvlink|cudafe\+\+)(-[\d.]+)?$")
+BUILD_TOOL = re.compile(r"(^|-)(ninja|cc1plus|cc1|collect2|lto1|lto-wrapper|ld(\.\w+)?|as|gcc|g\+\+|c\+\+|cc|clang|clang\+\+|nvcc|cicc"
+                        r"|ptxas|fatbinary|nvlink|cudafe\+\+)(-[\d.]+)?$")
 
 
 def process_kind(proc) -> str:

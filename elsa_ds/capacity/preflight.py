@@ -35,6 +35,7 @@ from elsa_ds.methods import oneshot_names
 from elsa_ds.models import check_seqlen, load_config
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.config_checks import schedule_oddities, schedule_refusals
+from elsa_ds.settings.flags import flag_text
 from elsa_ds.zero.ds_config import param_buffer_size
 
 MARGIN = 0.15
@@ -319,7 +320,7 @@ def _alternatives(job: _Run, machine: Machine) -> str:
         resident = {**job.ds, "zero_optimization": {**{k: v for k, v in zero.items() if k not in offloaded},
                                                     **shipped["zero3"]["zero_optimization"]}}
         flags = " ".join(f"--{k} {v}" for k, v in GPU_ELSAL.items())
-        tried.append((f"everything on the GPUs (ds_configs/zero3.json, ELSA-L's states: {flags})",
+        tried.append((f"everything on the GPUs (ds_configs/zero3.json{_kept_flags(job, GPU_ELSAL)}, ELSA-L's states: {flags})",
                       job.estimate(resident, GPU_ELSAL), job.nodes))
     nvme = shipped["zero3_nvme"]["zero_optimization"]
     if not any(zero.get(k, {}).get("device") == "nvme" for k in ("offload_optimizer", "offload_param")):
@@ -351,9 +352,8 @@ def _alternatives(job: _Run, machine: Machine) -> str:
 def _kept_flags(job: _Run, block: dict) -> str:
     """The flags that carry this job's settings from its JSON's "elsa" block to a config whose block lacks them (the
     estimate keeps them: without them an ELSA-L job under zero3_offload.json would hold fp32 states)."""
-    values = job.cfg.model_dump(mode="json")
-    kept = [f"--{k} {values[k]}" for k in job.block if k not in block and k in values]
-    return f" with {' '.join(kept)}" if kept else ""
+    kept = [flag_text(type(job.cfg), k, getattr(job.cfg, k)) for k in job.block if k not in block and k in type(job.cfg).model_fields]
+    return f" with {' '.join(k for k in kept if k)}" if any(kept) else ""
 
 
 def _fits(e: Estimate, machine: Machine) -> bool:

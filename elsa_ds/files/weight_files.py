@@ -76,11 +76,12 @@ def stored_shapes(folder: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return found
 
 
-def check_weight_files(folder: str | Path, who: str, downloading: bool = False) -> None:
+def check_weight_files(folder: str | Path, who: str, hub_id: str | None = None) -> None:
     """ElsaError naming the first damaged ``*.safetensors`` file of a local ``folder`` (or the file itself: a packed mask
     file), or a ``*.bin`` file no ``torch.save`` wrote, after :func:`check_model_folder` (``who``: how the message names
-    the folder, e.g. ``model out/x`` or ``--init_mask out/x``); nothing for a hub id. ``downloading``: a hub cache's
-    snapshot, whose shards not there yet transformers downloads (those there are checked)."""
+    the folder, e.g. ``model out/x`` or ``--init_mask out/x``); nothing for a hub id. ``hub_id``: ``folder`` is that
+    model's snapshot in the Hugging Face cache, whose shards not there yet transformers downloads (those there are
+    checked, and a damaged one is named with the command that fetches it again)."""
     path = Path(folder).expanduser()
     if path.is_file():
         if path.suffix == ".safetensors" and (problem := safetensors_problem(path)):
@@ -94,19 +95,31 @@ def check_weight_files(folder: str | Path, who: str, downloading: bool = False) 
     # safetensors), so a shard under another name or in a subfolder is checked as well
     kinds = {f: "safetensors" for f in path.glob("*.safetensors")}
     kinds |= {f: "torch" for f in path.glob("*.bin") if f.is_file()}  # a FIFO or folder no index names: not read
-    # both indexes, only the safetensors shards downloaded (--exclude "*.bin"): transformers reads the safetensors
+    for file, (kind, index, shard) in indexed_shards(path).items():
+        if file.exists():
+            kinds.setdefault(file, kind)
+        elif hub_id is None:
+            raise ElsaError(f"{who}: {index} names {shard}, which the folder lacks; copy or download it again")
+    for file, kind in sorted(kinds.items()):
+        if (problem := _weight_file_problem(path, file, kind)) is not None:
+            again = (f"the Hugging Face cache's copy ({path}): fetch it again with `huggingface-cli download {hub_id} "
+                     f"{file.relative_to(path)} --force-download`" if hub_id else "copy or download it again")
+            raise ElsaError(f"{who}: {file.relative_to(path)} {problem}; {again}")
+
+
+def indexed_shards(path: Path) -> dict[Path, tuple[str, str, str]]:
+    """file -> (its kind, the index naming it, the name as given) for each shard that the index transformers reads names
+    (the safetensors one where a folder has both: only its shards downloaded, ``--exclude "*.bin"``); every name of both
+    indexes is checked to stay inside the folder."""
     read_by_transformers = SAFETENSORS_INDEX if (path / SAFETENSORS_INDEX).exists() else BIN_INDEX
+    shards: dict[Path, tuple[str, str, str]] = {}
     for name in SHARD_INDEXES:
         if (path / name).exists():
             for shard in dict.fromkeys(read_index(path / name, ElsaError).values()):
                 file = inside_folder(path, shard, path / name, ElsaError)
-                if name == read_by_transformers and not (downloading and not file.exists()):
-                    if not file.exists():
-                        raise ElsaError(f"{who}: {name} names {shard}, which the folder lacks; copy or download it again")
-                    kinds.setdefault(file, "safetensors" if name == SAFETENSORS_INDEX else "torch")
-    for file, kind in sorted(kinds.items()):
-        if (problem := _weight_file_problem(path, file, kind)) is not None:
-            raise ElsaError(f"{who}: {file.relative_to(path)} {problem}; copy or download it again")
+                if name == read_by_transformers:
+                    shards.setdefault(file, ("safetensors" if name == SAFETENSORS_INDEX else "torch", name, shard))
+    return shards
 
 
 def _weight_file_problem(folder: Path, file: Path, kind: str) -> str | None:

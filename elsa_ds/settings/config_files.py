@@ -23,17 +23,15 @@ def comma_list(value: Any) -> Any:
     return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
 
 
-def comma_paths(value: Any) -> Any:
-    """A comma list of paths and source names as a flag gives it, where a file's own name may hold a comma: a piece that
-    names no file here is joined with the pieces after it while a longer join does (the shortest such); a list (a recipe's,
-    the API's) passes as it is."""
+def comma_paths(value: Any, base: Path | None = None) -> Any:
+    """A comma list of paths and source names as a flag (or a recipe's string) gives it, where a file's own name may hold
+    a comma: from each piece on, the longest run of pieces that names a file here (``base``: relative names are read
+    against it, a recipe's folder) is one entry, else the piece alone; a list (a recipe's, the API's) passes as it is."""
     if not isinstance(value, str):
         return value
     pieces, out, i = value.split(","), [], 0
     while i < len(pieces):
-        end = i + 1
-        if not _exists(pieces[i].strip()):
-            end = next((j for j in range(i + 2, len(pieces) + 1) if _exists(",".join(pieces[i:j]).strip())), end)
+        end = next((j for j in range(len(pieces), i + 1, -1) if _exists(",".join(pieces[i:j]).strip(), base)), i + 1)
         if entry := ",".join(pieces[i:end]).strip():
             out.append(entry)
         i = end
@@ -44,9 +42,9 @@ CommaList = Annotated[list[str], BeforeValidator(comma_list)]  # a list setting 
 PathList = Annotated[list[str], BeforeValidator(comma_paths)]  # one whose entries may be paths ("a,b.txt": one file's name)
 
 
-def _exists(text: str) -> bool:
+def _exists(text: str, base: Path | None = None) -> bool:
     try:
-        return bool(text) and not name_problem(text) and Path(text).expanduser().exists()
+        return bool(text) and not name_problem(text) and (base or Path()).joinpath(Path(text).expanduser()).exists()
     except OSError:
         return False
 
@@ -193,7 +191,7 @@ def recipe_paths(settings: dict[str, Any], recipe: Path) -> dict[str, Any]:
     for key in (*ALWAYS_PATHS, *NAME_OR_PATH):
         if key not in out:
             continue
-        value = comma_list(out[key]) if key == "eval_ppl" else out[key]  # a comma list, as on the command line
+        value = comma_paths(out[key], folder) if key == "eval_ppl" else out[key]  # a comma list, as on the command line
         out[key] = [inside(key, v) for v in value] if isinstance(value, list) else inside(key, value)
     return out
 

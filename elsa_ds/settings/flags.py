@@ -11,6 +11,7 @@ import argparse
 import enum
 import functools
 import re
+import shlex
 import types
 import typing
 from collections.abc import Callable
@@ -124,6 +125,19 @@ def _argument(name: str, field: FieldInfo, flag_default: bool, model: type[BaseM
     if "metavar" in extra:
         kwargs["metavar"] = tuple(extra["metavar"].split()) if "nargs" in kwargs and "const" not in extra else extra["metavar"]
     return kwargs
+
+
+def flag_text(model: type[BaseModel], name: str, value: Any) -> str:
+    """``--name value`` as ``model``'s flags read it back, quoted for a shell: a bool --name / --no_name, a pair its two
+    items, a list its items comma-joined; "" for None (the flag not given)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no_{name}"
+    if typing.get_origin(_unwrap(model.model_fields[name].annotation)) is tuple:
+        return f"--{name} " + " ".join(shlex.quote(str(v)) for v in value)
+    text = ",".join(map(str, value)) if isinstance(value, list) else str(getattr(value, "value", value))
+    return f"--{name} {shlex.quote(text)}"
 
 
 def _unwrap(annotation: Any) -> Any:

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from elsa_ds.errors import ElsaError
 from elsa_ds.sparse import SparseCheckpointError, from_pretrained, verify
 from tests.sparse.conftest import SPARSE_FILE, SPARSE_INDEX, SPARSE_SHARDS, as_model_named, tiny_pruned
 
@@ -106,6 +107,28 @@ def test_the_hub_cache_layout_still_loads(tiny_sparse_dir, tmp_path):
         shutil.copy(f, repo / "blobs" / f"blob-{f.name}")
         os.symlink(f"../../blobs/blob-{f.name}", snapshot / f.name)
     assert torch.equal(from_pretrained(snapshot).lm_head.weight, from_pretrained(tiny_sparse_dir).lm_head.weight)
+
+
+def test_a_cached_hub_id_of_a_sparse_checkpoint_is_refused_as_its_folder_is(tiny_sparse_dir, tmp_path, monkeypatch):
+    """A review (2026-12-04): an elsa-sparse checkpoint named by hub id (in this machine's cache) passed the check that
+    refuses its folder as --model, and transformers then found no weights. The cache's snapshot is judged as the folder."""
+    from huggingface_hub import constants
+
+    from elsa_ds.models import refuse_sparse_checkpoint
+
+    repo = tmp_path / "hub" / "models--someone--tiny-sparse"
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    for f in tiny_sparse_dir.iterdir():
+        shutil.copy(f, repo / "blobs" / f"blob-{f.name}")
+        os.symlink(f"../../blobs/blob-{f.name}", snapshot / f.name)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ElsaError, match="--model someone/tiny-sparse is an elsa-sparse checkpoint"):
+        refuse_sparse_checkpoint("someone/tiny-sparse", "--model")
+    refuse_sparse_checkpoint("someone/not-cached", "--model")  # not here: transformers' to download
 
 
 def test_only_a_download_s_own_blobs_are_followed(tmp_path):
