@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from elsa_ds.capacity import preflight
+from elsa_ds.capacity import alternatives, preflight
 from elsa_ds.capacity.memory import PHASES, estimate, model_shape, resolve_model_config
 from elsa_ds.errors import ElsaError
 from elsa_ds.files import procfs
@@ -105,11 +105,11 @@ def test_another_config_is_priced_with_the_settings_this_jsons_elsa_block_gave(t
     model = _too_large_model(tmp_path / "model", psutil.virtual_memory().total)
     line = run_fails("prune.py", ["--deepspeed", "ds_configs/zero3_offload_elsal.json", "--model", str(model), "--random_init",
                                   "--dataset", "shakespeare", "--output_dir", str(tmp_path / "out")], "host memory")
-    need = float(line.split("needs ~")[1].split(" GiB")[0].replace(",", "")) * GIB
     changes = dict(_changes(line))
-    offload = [c for c in changes if c.startswith("ds_configs/zero3_offload.json")]
-    assert offload == ["ds_configs/zero3_offload.json with --base_optimizer adam8bit_minifloat --z_dtype fp8 --u_dtype bf16"], line
-    assert changes[offload[0]][0] == pytest.approx(need, rel=0.01)  # the same zero_optimization: the same job
+    nvme = [c for c in changes if c.startswith("ds_configs/zero3_nvme.json")]
+    assert len(nvme) == 1 and nvme[0].endswith(" with --base_optimizer adam8bit_minifloat --z_dtype fp8 --u_dtype bf16"), line
+    # zero3_offload.json with those flags is this very job (the same zero_optimization): not listed (a walk)
+    assert not any(c.startswith("ds_configs/zero3_offload.json") for c in changes), line
     assert not any("ELSA-L's states" in c for c in changes)  # the job has them
 
 
@@ -125,8 +125,8 @@ def test_the_flags_that_carry_a_block_over_read_back_as_the_settings_they_name(t
     block = {"freeze_embeddings": True, "gradient_checkpointing": False, "betas": [0.9, 0.95], "z_dtype": "fp8",
              "eval_ppl": ["shakespeare"], "lmda_schedule": "constant"}
     cfg = resolve_config({"elsa": block}, {"model": "google/gemma-2-2b", "seqlen": 512})
-    job = preflight._Run(meta, ds, cfg, "mine", "cuda", 1, 1, block)
-    kept = preflight._kept_flags(job, {"z_dtype": "fp32"})
+    job = alternatives.Run(meta, ds, cfg, "mine", "cuda", 1, 1, {"elsa": block})
+    kept = alternatives.kept_flags(job, {"z_dtype": "fp32"})
     assert kept.startswith(" with --freeze_embeddings --no_gradient_checkpointing --betas 0.9 0.95 "), kept
     parsed = vars(prune_parser().parse_args(["--deepspeed", "z", "--output_dir", "o", *shlex.split(kept.removeprefix(" with "))]))
     given = {k: v for k, v in parsed.items() if k in type(cfg).model_fields and k not in ("model", "seqlen")}
@@ -135,7 +135,29 @@ def test_the_flags_that_carry_a_block_over_read_back_as_the_settings_they_name(t
     assert "z_dtype" not in kept  # the other config's block sets it
     machine = preflight.Machine(host=1.0, gpu=1.0)
     assert "everything on the GPUs (ds_configs/zero3.json with --freeze_embeddings --no_gradient_checkpointing" in \
-        preflight._alternatives(job, machine)
+        alternatives.alternatives(job, machine)
+
+
+def test_more_nodes_are_priced_with_the_json_resolved_for_their_ranks_and_the_batch_they_need(tmp_path):
+    """A walk (2026-12-04): "64 nodes (~27 GiB host + 10 GiB NVMe)" where elsa-estimate says 15 GiB for that job: the
+    node count was priced with the config resolved for this job's one rank (its "auto" parameter buffers 14x too large,
+    64 accumulation steps), and at 32 nodes the global batch of 8 cannot be split at all, which the line did not say."""
+    from elsa_ds.capacity.memory import job_estimate
+
+    meta, ds, cfg, _ = _job(tmp_path, "ds_configs/zero3_nvme.json", nvme_path=str(tmp_path))
+    source = DsConfig.load("ds_configs/zero3_nvme.json").raw
+    job = alternatives.Run(meta, ds, cfg, "zero3_nvme", "cpu", 1, 1, source)
+    e, batch = job.on_nodes(16)
+    assert batch == 16 and ds["train_batch_size"] == 8  # the next multiple of micro batch 1 x 16 ranks
+    largest = max(p.numel() for p in meta.parameters())
+    direct = DsConfig(source).engine_config(cfg.model_copy(update={"batch_size": 16}), 16, meta.config.hidden_size,
+                                            check_paths=False, largest_param=largest)
+    assert direct["zero_optimization"]["offload_param"]["buffer_size"] < ds["zero_optimization"]["offload_param"]["buffer_size"]
+    shape = model_shape(meta.config, cfg.targets, model=meta)
+    assert e.per_node_cpu_bytes == job_estimate(shape, direct, cfg, 1, 16, "cpu").per_node_cpu_bytes
+    assert e.per_node_cpu_bytes < job.estimate(nodes=16).per_node_cpu_bytes  # the old pricing: this rank's buffers
+    hint = alternatives.alternatives(job, preflight.Machine(host=1.01 * e.per_node_cpu_bytes))
+    assert "would fit: 16 nodes with --batch_size 16 (~" in hint, hint
 
 
 def test_refusal_names_the_shipped_config_that_fits_and_the_warning_when_ignored(tmp_path, monkeypatch, capsys):
@@ -179,17 +201,17 @@ def test_on_gpus_that_hold_it_everything_on_the_gpus_is_suggested(tmp_path):
     estimate) while 80 GB GPUs hold the whole job with ELSA-L's states (README: 62 GiB each, 11 h). On a GPU host the
     refusal prices that too (ds_configs/zero3.json, bitsandbytes' 8-bit Adam, fp8 z, bf16 u); on a CPU one it cannot."""
     meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_offload.json")
-    offloaded = preflight._Run(meta, ds, cfg, "zero3_offload", "cuda", 1, 1)
+    offloaded = alternatives.Run(meta, ds, cfg, "zero3_offload", "cuda", 1, 1)
     resident_ds = {**ds, "zero_optimization": DsConfig.load("ds_configs/zero3.json").raw["zero_optimization"]}
-    resident = offloaded.estimate(resident_ds, preflight.GPU_ELSAL)
+    resident = offloaded.estimate(resident_ds, alternatives.GPU_ELSAL)
     assert resident.per_node_cpu_bytes < 0.3 * offloaded.estimate().per_node_cpu_bytes
     machine = preflight.Machine(host=1.1 * resident.per_node_cpu_bytes, gpu=1.1 * resident.per_gpu_bytes)
-    hint = preflight._alternatives(offloaded, machine)
+    hint = alternatives.alternatives(offloaded, machine)
     fitting = {change for change, (_, fits) in _changes(f"available: {hint}; --ignore_memory_check") if fits}
     assert any(c.startswith("everything on the GPUs (ds_configs/zero3.json, ELSA-L's states: --base_optimizer adam8bit")
                for c in fitting), hint
-    on_cpu = preflight._Run(meta, ds, cfg, "zero3_offload", "cpu", 1, 1)
-    assert "everything on the GPUs" not in preflight._alternatives(on_cpu, preflight.Machine(host=machine.host))
+    on_cpu = alternatives.Run(meta, ds, cfg, "zero3_offload", "cpu", 1, 1)
+    assert "everything on the GPUs" not in alternatives.alternatives(on_cpu, preflight.Machine(host=machine.host))
 
 
 def test_deepspeeds_linear_is_suggested_where_the_json_turned_it_off(tmp_path):
@@ -197,15 +219,15 @@ def test_deepspeeds_linear_is_suggested_where_the_json_turned_it_off(tmp_path):
     that does not fit for it is told what turning DeepSpeed's linear back on would take; a job with it is not."""
     meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_offload.json", gradient_checkpointing=False)
     off = {**ds, "zero_optimization": {**ds["zero_optimization"], "memory_efficient_linear": False}}
-    job = preflight._Run(meta, off, cfg, "zero3_offload", "cuda", 1, 1)
+    job = alternatives.Run(meta, off, cfg, "zero3_offload", "cuda", 1, 1)
     on = job.estimate({**off, "zero_optimization": {**off["zero_optimization"], "memory_efficient_linear": True}})
     assert on.per_gpu_bytes < job.estimate().per_gpu_bytes
     machine = preflight.Machine(host=10 * on.per_node_cpu_bytes, gpu=1.01 * on.per_gpu_bytes)
-    hint = preflight._alternatives(job, machine)
+    hint = alternatives.alternatives(job, machine)
     fitting = {change for change, (_, fits) in _changes(f"available: {hint}; --ignore_memory_check") if fits}
     assert "DeepSpeed's linear (memory_efficient_linear true)" in fitting
-    plain = preflight._Run(meta, ds, cfg, "zero3_offload", "cuda", 1, 1)
-    assert "memory_efficient_linear" not in preflight._alternatives(plain, machine)
+    plain = alternatives.Run(meta, ds, cfg, "zero3_offload", "cuda", 1, 1)
+    assert "memory_efficient_linear" not in alternatives.alternatives(plain, machine)
 
 
 def test_freezing_the_embeddings_is_suggested_when_it_fits(tmp_path, monkeypatch):
@@ -224,7 +246,7 @@ def test_disk_needs_on_one_file_system_add_up(tmp_path):
     assert len(needs) == 1 and needs[0].need == pytest.approx(1.1 * free) and needs[0].refused  # bytes on disk: no margin
     needs = preflight.disk_needs({tmp_path / "nvme": 0.45 * free, tmp_path / "out": 0.45 * free}, machine)
     assert not needs[0].refused and not needs[0].tight and "±" not in needs[0].line()
-    assert preflight._gib(3 * 2**20) == "3.0 MiB" and preflight._gib(2.5 * 2**30) == "2.5 GiB"
+    assert alternatives.gib_text(3 * 2**20) == "3.0 MiB" and alternatives.gib_text(2.5 * 2**30) == "2.5 GiB"
 
 
 def test_swap_files_are_charged_to_the_folder_each_goes_to_once(tmp_path, monkeypatch):
@@ -238,7 +260,7 @@ def test_swap_files_are_charged_to_the_folder_each_goes_to_once(tmp_path, monkey
     monkeypatch.setattr(preflight, "disk_needs", lambda writes, machine: counted.update(writes) or [])
     monkeypatch.setattr(preflight, "this_machine", lambda paths: preflight.Machine(host=1e15))
     preflight.check_elsa(meta, ds, cfg, opts, world=1)
-    e = preflight._Run(meta, ds, cfg, "zero3_nvme", "cpu", 1, 1).estimate()
+    e = alternatives.Run(meta, ds, cfg, "zero3_nvme", "cpu", 1, 1).estimate()
     assert counted[tmp_path / "params"] == e.breakdown["params"]["nvme"] > 0
     assert counted[tmp_path / "params"] + counted[tmp_path / "states"] == pytest.approx(e.nvme_bytes)
 

@@ -18,14 +18,13 @@ GPU memory keeps that wider band: running out there is CUDA's own error, which s
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from elsa_ds.capacity.memory import Estimate, ModelShape, job_estimate, model_shape, oneshot_host_bytes
+from elsa_ds.capacity.alternatives import Run, alternatives, gib_text
+from elsa_ds.capacity.memory import Estimate, ModelShape, model_shape, oneshot_host_bytes
 from elsa_ds.capacity.resident import checkpoint_tag_bytes, element_bytes
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import existing_ancestor
@@ -33,17 +32,10 @@ from elsa_ds.files.procfs import cgroup_room, usable_cpus
 from elsa_ds.log import get_logger
 from elsa_ds.methods import oneshot_names
 from elsa_ds.models import check_seqlen, load_config
-from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.config_checks import schedule_oddities, schedule_refusals
-from elsa_ds.settings.flags import flag_text
-from elsa_ds.zero.ds_config import param_buffer_size
 
 MARGIN = 0.15
 GIB = 2 ** 30
-ALTERNATIVES = ("zero3_offload", "zero3_offload_elsal", "zero3_nvme")  # cheapest first: no disk, then NVMe
-# ELSA-L's states with the optimizer on the GPUs: bitsandbytes' 8-bit Adam (its CUDA kernel; elsa_ds's minifloat codes
-# step there through their torch reference, ~32 bytes an entry of workspace)
-GPU_ELSAL = {"base_optimizer": "adam8bit", "z_dtype": "fp8", "u_dtype": "bf16"}
 log = get_logger(__name__)
 
 
@@ -81,15 +73,9 @@ class Need:
         inside = "; ".join(x for x in (f"estimate ±{self.margin:.0%}" if self.margin else "", self.detail) if x)
         spread = f" ({inside})" if inside else ""
         if self.limit is not None:
-            return (f"needs ~{_gib(self.need)} {self.what}{spread}, this job's cgroup lets it take {_gib(self.have)} "
-                    f"(its memory limit {_gib(self.limit)}: SLURM's --mem, a container's; the node may have more)")
-        return f"needs ~{_gib(self.need)} {self.what}{spread}, this node has {_gib(self.have)} {left}"
-
-
-def _gib(b: float) -> str:
-    if b < GIB / 10:
-        return f"{b / 2**20:.1f} MiB"
-    return f"{b / GIB:,.0f} GiB" if b >= 10 * GIB else f"{b / GIB:.1f} GiB"
+            return (f"needs ~{gib_text(self.need)} {self.what}{spread}, this job's cgroup lets it take {gib_text(self.have)} "
+                    f"(its memory limit {gib_text(self.limit)}: SLURM's --mem, a container's; the node may have more)")
+        return f"needs ~{gib_text(self.need)} {self.what}{spread}, this node has {gib_text(self.have)} {left}"
 
 
 # ---- the machine --------------------------------------------------------------------------------------------------
@@ -161,15 +147,15 @@ def check_schedule(cfg, rank: int) -> None:
             log.warning(line)
 
 
-def check_elsa(meta, ds: dict, cfg, opts, world: int, block: dict | None = None) -> None:
-    """The pre-flight check of an ELSA job (meta: the model on meta, ds: the engine's config, cfg, opts, block: the JSON's
-    "elsa" block): the sequence length against the model's positions, the schedule, then memory and disk."""
+def check_elsa(meta, ds: dict, cfg, opts, world: int, source: dict | None = None) -> None:
+    """The pre-flight check of an ELSA job (meta: the model on meta, ds: the engine's config, cfg, opts, source: the JSON
+    as written): the sequence length against the model's positions, the schedule, then memory and disk."""
     from elsa_ds.capacity.machine import job_device
 
     check_seqlen(meta.config, cfg.seqlen, cfg.model)
     check_schedule(cfg, int(os.environ.get("RANK", "0")))
     shape = model_shape(meta.config, cfg.targets, model=meta, freeze_embeddings=cfg.freeze_embeddings)
-    job = _Run(meta, ds, cfg, Path(opts.deepspeed).stem, job_device(), int(os.environ.get("LOCAL_SIZE", world)), world, block or {})
+    job = Run(meta, ds, cfg, Path(opts.deepspeed).stem, job_device(), int(os.environ.get("LOCAL_SIZE", world)), world, source or {})
     rank = int(os.environ.get("RANK", "0"))
     e = job.estimate()
     zero = ds["zero_optimization"]
@@ -189,13 +175,13 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int, block: dict | None = None)
         needs.append(Need("GPU memory", e.per_gpu_bytes, machine.gpu, slack=MARGIN, detail=_parts(e, "per_gpu")))
     hint = ""
     if any(n.refused for n in needs if n.what in ("host memory", "GPU memory")):
-        hint = _alternatives(job, machine)
+        hint = alternatives(job, machine)
     judge(needs, hint, opts.ignore_memory_check, rank)
     if rank == 0:
         log.info(_expected_time(shape, job))
 
 
-def _expected_time(shape: ModelShape, job: _Run) -> str:
+def _expected_time(shape: ModelShape, job: Run) -> str:
     """What the run will take at the typical rates of a host like this one (its core count picks the profile), the CPU
     rates for the CPUs the job may use (a SLURM job of 32 CPUs on an 8-GPU server does not get the server's optimizer pass:
     ``step_time.allotted``)."""
@@ -231,16 +217,16 @@ def output_bytes(shape: ModelShape, ds: dict, cfg, export_format: str) -> dict[s
 def format_output(parts: dict[str, float], shape: ModelShape, cfg, ds: dict) -> str:
     """elsa-estimate's line for the disk under --output_dir (``parts``: output_bytes), checkpoints always sized."""
     each = checkpoint_tag_bytes(shape, cfg, element_bytes(ds))
-    written = ", ".join(f"{name} {_gib(b)}" for name, b in parts.items() if b and name != "checkpoints")
+    written = ", ".join(f"{name} {gib_text(b)}" for name, b in parts.items() if b and name != "checkpoints")
     if cfg.save_interval:
         kept = cfg.keep_checkpoints + 1
-        saved = (f"checkpoints {_gib(parts['checkpoints'])} ({kept} x {_gib(each)} every {cfg.save_interval} steps: "
+        saved = (f"checkpoints {gib_text(parts['checkpoints'])} ({kept} x {gib_text(each)} every {cfg.save_interval} steps: "
                  f"--keep_checkpoints {cfg.keep_checkpoints} and the one being written)")
     else:
-        saved = f"no checkpoints (--save_interval 0; each would take {_gib(each)})"
+        saved = f"no checkpoints (--save_interval 0; each would take {gib_text(each)})"
     # every rank writes its partition of a checkpoint into the one --output_dir (shared by the nodes: the README's
     # multi-node rule); rank 0 writes the export
-    return f"disk under --output_dir at its peak (the shared folder, all nodes): {_gib(sum(parts.values()))}: {written}; {saved}"
+    return f"disk under --output_dir at its peak (the shared folder, all nodes): {gib_text(sum(parts.values()))}: {written}; {saved}"
 
 
 def sparse_export_bytes(shape: ModelShape, element: float, cfg, export_format: str) -> float:
@@ -268,115 +254,7 @@ def _parts(e: Estimate, key: str) -> str:
     """The three largest rows of the estimate for ``key`` (per_node_cpu, per_gpu) and the phase of its peak."""
     rows = sorted(((row[key], name) for name, row in e.breakdown.items() if row[key] >= GIB / 10), reverse=True)[:3]
     peak = max(e.phases, key=lambda phase: e.phases[phase][key])
-    return f"largest: {', '.join(f'{PART_NAMES.get(n, n)} {_gib(b)}' for b, n in rows)}; peak phase: {peak}" if rows else ""
-
-
-@dataclass
-class _Run:
-    """An ELSA job as the check sees it, to estimate it and the changes that would make it fit."""
-
-    meta: Any             # the model on the meta device (a transformers PreTrainedModel)
-    ds: dict              # the engine's DeepSpeed config
-    cfg: ElsaConfig       # after the defaults rule
-    config_name: str      # --deepspeed's stem
-    device: str           # cuda, or cpu (DeepSpeed's CPU accelerator)
-    local: int            # ranks per node
-    world: int
-    block: dict = field(default_factory=dict)  # the JSON's "elsa" block: settings another --deepspeed would not carry
-
-    @property
-    def nodes(self) -> int:
-        return max(1, self.world // max(self.local, 1))
-
-    def estimate(self, ds: dict | None = None, elsa: dict | None = None, freeze: bool | None = None,
-                 nodes: int | None = None) -> Estimate:
-        """The estimate of this job, or of it with another DeepSpeed config, ELSA settings, embeddings or node count."""
-        cfg = self.cfg if not elsa else type(self.cfg).model_validate({**self.cfg.model_dump(), **elsa})
-        freeze = cfg.freeze_embeddings if freeze is None else freeze
-        shape = model_shape(self.meta.config, cfg.targets, model=self.meta, freeze_embeddings=freeze)
-        return job_estimate(shape, ds or self.ds, cfg, self.local, nodes or self.nodes, self.device)
-
-
-def _alternatives(job: _Run, machine: Machine) -> str:
-    """Each change that could make the job fit and its estimate, those that fit first: another shipped config, ELSA-L's
-    low-precision states, with CUDA everything on the GPUs, NVMe for the optimizer states or the parameters, DeepSpeed's
-    linear where the JSON turned it off, --freeze_embeddings, more nodes."""
-    from elsa_ds.zero.ds_config import linear_wrapped, shipped_configs
-
-    shipped = {name: json.loads(path.read_text()) for name, path in shipped_configs().items()}
-    shape = model_shape(job.meta.config, job.cfg.targets, model=job.meta, freeze_embeddings=job.cfg.freeze_embeddings)
-    zero = job.ds["zero_optimization"]
-    tried: list[tuple[str, Estimate, int]] = []  # (the change, its estimate, nodes)
-    for name in ALTERNATIVES:
-        if name != job.config_name:
-            candidate = {**job.ds, "zero_optimization": {**zero, **shipped[name]["zero_optimization"]}}
-            note = _fit_param_buffers(candidate, shape, job.world) + _kept_flags(job, shipped[name].get("elsa", {}))
-            tried.append((f"ds_configs/{name}.json{note}", job.estimate(candidate, shipped[name].get("elsa")), job.nodes))
-    if (elsal := shipped["zero3_offload_elsal"]["elsa"]) and any(str(getattr(job.cfg, k).value) != v for k, v in elsal.items()):
-        flags = " ".join(f"--{k} {v}" for k, v in elsal.items())
-        tried.append((f"ELSA-L's states ({flags})", job.estimate(elsa=elsal), job.nodes))
-    offloaded = [k for k in ("offload_param", "offload_optimizer") if zero.get(k, {}).get("device") in ("cpu", "nvme")]
-    if job.device == "cuda" and offloaded:  # 80 GB GPUs hold a 27B job's ELSA-L states on 8 ranks: no host pass, no PCIe
-        resident = {**job.ds, "zero_optimization": {**{k: v for k, v in zero.items() if k not in offloaded},
-                                                    **shipped["zero3"]["zero_optimization"]}}
-        flags = " ".join(f"--{k} {v}" for k, v in GPU_ELSAL.items())
-        tried.append((f"everything on the GPUs (ds_configs/zero3.json{_kept_flags(job, GPU_ELSAL)}, ELSA-L's states: {flags})",
-                      job.estimate(resident, GPU_ELSAL), job.nodes))
-    nvme = shipped["zero3_nvme"]["zero_optimization"]
-    if not any(zero.get(k, {}).get("device") == "nvme" for k in ("offload_optimizer", "offload_param")):
-        # the optimizer's swap buffers are sized by the largest sub-group: with it come zero3_nvme.json's sub-groups
-        for keys, what in ((("offload_optimizer", "sub_group_size"), "the optimizer states"), (("offload_param",), "the parameters")):
-            candidate = {**job.ds, "zero_optimization": {**zero, **{k: nvme[k] for k in keys}}}
-            note = _fit_param_buffers(candidate, shape, job.world)
-            tried.append((f"{what} on NVMe ({' and '.join(keys)} of ds_configs/zero3_nvme.json{note}, --nvme_path DIR)",
-                          job.estimate(candidate), job.nodes))
-    if not linear_wrapped(zero):  # torch's F.linear keeps every gathered weight until its backward
-        wrapped = {**job.ds, "zero_optimization": {**zero, "memory_efficient_linear": True}}
-        tried.append(("DeepSpeed's linear (memory_efficient_linear true)", job.estimate(wrapped), job.nodes))
-    if not job.cfg.freeze_embeddings:
-        tried.append(("--freeze_embeddings", job.estimate(freeze=True), job.nodes))
-    counts = [n for n in (2, 4, 8, 16, 32, 64) if n > job.nodes]
-    for n in counts:  # the fewest nodes that fit, or the most tried
-        e = job.estimate(nodes=n)
-        if _fits(e, machine) or n == counts[-1]:
-            tried.append((f"{n} nodes", e, n))
-            break
-    verdicts: dict[bool, dict[str, list[str]]] = {True: {}, False: {}}  # fits -> the estimate -> the changes that give it
-    for label, e, n in tried:
-        verdicts[_fits(e, machine)].setdefault(_cost(e, machine, n), []).append(label)
-    fit, rest = ([f"{' or '.join(labels)} ({cost})" for cost, labels in verdicts[v].items()] for v in (True, False))
-    return "; ".join([f"would fit: {', '.join(fit)}" if fit else "nothing tried fits this machine"] +
-                     ([f"would not: {', '.join(rest)}"] if rest else []))
-
-
-def _kept_flags(job: _Run, block: dict) -> str:
-    """The flags that carry this job's settings from its JSON's "elsa" block to a config whose block lacks them (the
-    estimate keeps them: without them an ELSA-L job under zero3_offload.json would hold fp32 states)."""
-    kept = [flag_text(type(job.cfg), k, getattr(job.cfg, k)) for k in job.block if k not in block and k in type(job.cfg).model_fields]
-    return f" with {' '.join(k for k in kept if k)}" if any(kept) else ""
-
-
-def _fits(e: Estimate, machine: Machine) -> bool:
-    return e.per_node_cpu_bytes <= machine.host and (machine.gpu is None or e.per_gpu_bytes <= machine.gpu)
-
-
-def _cost(e: Estimate, machine: Machine, nodes: int) -> str:
-    """An alternative's estimate: host memory per node, memory per GPU (on a GPU node), NVMe per node."""
-    gpu = f", {_gib(e.per_gpu_bytes)} per GPU" if machine.gpu is not None else ""
-    nvme = f" + {_gib(e.nvme_bytes / nodes)} NVMe" if e.nvme_bytes else ""
-    return f"~{_gib(e.per_node_cpu_bytes)} host{gpu}{nvme}"
-
-
-def _fit_param_buffers(candidate: dict, shape: ModelShape, world: int) -> str:
-    """A shipped NVMe config's parameter buffers must hold the largest partition; say so when they are raised."""
-    section = candidate["zero_optimization"].get("offload_param", {})
-    if section.get("device") != "nvme":
-        return ""
-    need = -(-shape.largest_param // world)
-    if param_buffer_size(candidate["zero_optimization"], shape.largest_param, world) >= need:
-        return ""
-    candidate["zero_optimization"]["offload_param"] = {**section, "buffer_size": need}
-    return f" with offload_param.buffer_size {need}"
+    return f"largest: {', '.join(f'{PART_NAMES.get(n, n)} {gib_text(b)}' for b, n in rows)}; peak phase: {peak}" if rows else ""
 
 
 # ---- one-shot methods ---------------------------------------------------------------------------------------------

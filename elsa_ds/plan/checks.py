@@ -79,7 +79,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
                    else host_dtype().itemsize + (2 if ds.bf16 else 4))  # one-shot model stays beside its export
         preflight.check_oneshot(model_shape(model_config, cfg.targets, model=meta), cfg, opts, element)
     else:
-        preflight.check_elsa(meta, ds.raw, cfg, opts, world_size, ds_config.raw.get("elsa"))
+        preflight.check_elsa(meta, ds.raw, cfg, opts, world_size, ds_config.raw)
     if cfg.select_every and ds_config.optimizer_on_nvme:
         raise ElsaError("--select_every scores Π(x) from resident fp32 masters and Adam moments, which NVMe optimizer "
                         "offload swaps out; use zero3_offload or drop --select_every")
