@@ -151,6 +151,7 @@ def test_the_gpu_note_names_the_gpu_it_compares_with():
 
     assert gpu_room_note(est(70)) is None
     assert "more than a 141 GB H200 holds" in gpu_room_note(est(150)) and "holds it" not in gpu_room_note(est(150))
+    assert "--z_dtype fp8" in gpu_room_note(est(150))  # a walk: ELSA-L's states, the README's 62 GiB row, were not named
     assert gpu_room_note(est(30), ("this machine's GPU (L4)", 22.0 * GIB)).startswith(
         "note: 30.0 GiB per GPU is more than this machine's GPU (L4) holds (22.0 GiB to CUDA)")
     assert gpu_room_note(est(20), ("this machine's GPU (L4)", 22.0 * GIB)) is None

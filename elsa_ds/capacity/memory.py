@@ -391,4 +391,5 @@ def gpu_room_note(est: Estimate, this_gpu: tuple[str, float] | None = None) -> s
     return (f"note: {est.per_gpu_bytes / gib:.1f} GiB per GPU is more than {over[-1][0]} holds ({over[-1][1] / gib:.1f} GiB to "
             f"CUDA){f'; {fits[0]} holds it' if fits else ''}. Largest: {', '.join(f'{n} {b / gib:.1f} GiB' for b, n in rows)}: "
             "ZeRO-3 divides parameters, gradients and optimizer states by the ranks (more GPUs, --num_nodes) or moves them "
-            "to the host (an offload config); activations shrink with --gradient_checkpointing and a smaller --micro_batch")
+            "to the host (an offload config); ELSA-L's states shrink them (--base_optimizer adam8bit --z_dtype fp8 --u_dtype "
+            "bf16 on the GPU); activations shrink with a smaller --micro_batch (--gradient_checkpointing, the default, on)")
