@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from elsa_ds import json_data
 from elsa_ds.data import load_tokenizer
 from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.data.sources import FILE_NOT_MODEL
@@ -84,6 +85,27 @@ def is_sparse_checkpoint(model_id: str) -> bool:
         if isinstance(header, dict) and SPARSE_CONFIG_KEY in (header.get("__metadata__") or {}):
             return True
     return False
+
+
+ARCHITECTURE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "vocab_size")
+
+
+def same_architecture(model_id: str, hub_id: str) -> bool:
+    """Whether a local folder holds the model of ``hub_id``'s shipped config (its download on a cluster's disk, where a
+    recipe written for the hub id applies as it is): the same architecture and sizes."""
+    shipped = SHIPPED_CONFIGS / hub_id / "config.json"
+    try:
+        mine = config_json(model_id)
+    except ElsaError:
+        return False
+    if mine is None or not shipped.is_file():
+        return False
+
+    def sizes(config: dict) -> dict:
+        text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+        return {k: text.get(k) for k in ARCHITECTURE_KEYS}
+    return sizes(mine) == sizes(json_data.read(shipped))
 
 
 def refuse_sparse_checkpoint(model_id: str, flag: str) -> None:

@@ -46,7 +46,7 @@ def test_recipe_below_the_command_line():
     assert cfg.model == "google/gemma-2-27b" and cfg.lr == 2e-5 and cfg.lmda == 5e-4 and cfg.batch_size == 8
 
 
-def test_a_recipe_for_another_model_is_taken_with_a_warning(caplog):
+def test_a_recipe_for_another_model_is_taken_with_a_warning(caplog, tmp_path):
     """A walk: --recipe gemma-2-27b-s90 --model google/gemma-2-9b took 27B's lr and λ without a word."""
     from elsa_ds.log import setup_logging
     from elsa_ds.plan import elsa_settings
@@ -63,6 +63,18 @@ def test_a_recipe_for_another_model_is_taken_with_a_warning(caplog):
     caplog.clear()
     elsa_settings(ds, "zero3_offload", "gemma-2-27b-s90", {})
     assert not [r for r in caplog.records if "was written for" in r.getMessage()]
+    # the model's own download in a folder (a cluster's disk) is the model the recipe was written for (a walk)
+    import shutil
+
+    from elsa_ds.models import SHIPPED_CONFIGS
+
+    for hub_id, warned in (("google/gemma-2-27b", False), ("google/gemma-2-9b", True)):
+        local = tmp_path / hub_id.replace("/", "_")
+        local.mkdir()
+        shutil.copy(SHIPPED_CONFIGS / hub_id / "config.json", local / "config.json")
+        caplog.clear()
+        elsa_settings(ds, "zero3_offload", "gemma-2-27b-s90", {"model": str(local)})
+        assert bool([r for r in caplog.records if "was written for" in r.getMessage()]) == warned, hub_id
 
 
 def test_the_log_says_which_values_a_recipe_gave_and_which_were_set_over_it(caplog):

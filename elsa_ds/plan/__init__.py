@@ -17,7 +17,7 @@ from typing import Any
 
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
-from elsa_ds.models import ModelSource
+from elsa_ds.models import ModelSource, same_architecture
 from elsa_ds.plan.checks import before_work, model_source
 from elsa_ds.plan.defaults_applied import apply_defaults
 from elsa_ds.settings.config import ElsaConfig, load_recipe, resolve_config
@@ -67,7 +67,8 @@ def elsa_settings(ds_config: DsConfig, deepspeed: str, recipe: str | None, given
         log.info(f"from recipe {recipe}: " + ", ".join(f"{k} {from_recipe[k]}" for k in taken)
                  + (f"; set elsewhere over it: {', '.join(over)}" if over else ""))
     written_for = from_recipe.get("model")
-    if written_for and cfg.model != written_for and os.environ.get("RANK", "0") == "0":  # a walk: taken without a word
+    if written_for and cfg.model != written_for and not same_architecture(cfg.model, written_for) and \
+            os.environ.get("RANK", "0") == "0":  # a walk: taken without a word; a local copy of that model is the model
         tuned = ", ".join(k for k in ("lr", "lmda", "steps", "batch_size") if k in from_recipe and given.get(k) is None)
         log.warning(f"recipe {recipe} was written for {written_for}; {spelt}model {cfg.model} takes its settings as they are"
                     + (f" ({tuned}: that model's; pass your own, or leave the recipe out for the defaults rule)" if tuned else ""))
