@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elsa_ds.capacity.memory import Estimate, ModelShape, job_estimate, model_shape
 from elsa_ds.errors import ElsaError
@@ -15,14 +15,21 @@ from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.flags import flag_text
 from elsa_ds.zero.ds_config import DsConfig, linear_wrapped, param_buffer_size, shipped_configs
 
-if TYPE_CHECKING:
-    from elsa_ds.capacity.preflight import Machine
-
 GIB = 2 ** 30
 ALTERNATIVES = ("zero3_offload", "zero3_offload_elsal", "zero3_nvme")  # cheapest first: no disk, then NVMe
 # ELSA-L's states with the optimizer on the GPUs: bitsandbytes' 8-bit Adam (its CUDA kernel; elsa_ds's minifloat codes
 # step there through their torch reference, ~32 bytes an entry of workspace)
 GPU_ELSAL = {"base_optimizer": "adam8bit", "z_dtype": "fp8", "u_dtype": "bf16"}
+
+
+@dataclass
+class Machine:
+    """What one node offers this job."""
+
+    host: float                                   # bytes of host memory this job may use
+    gpu: float | None = None                      # free bytes of this rank's GPU (None without CUDA)
+    disks: dict[int, float] = field(default_factory=dict)   # file system (st_dev) -> free bytes
+    host_limit: float | None = None               # the memory limit of the job's cgroup where that, not the node, binds
 
 
 def gib_text(b: float) -> str:

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from elsa_ds.capacity.alternatives import Run, alternatives, gib_text
+from elsa_ds.capacity.alternatives import Machine, Run, alternatives, gib_text
 from elsa_ds.capacity.memory import Estimate, ModelShape, model_shape, oneshot_host_bytes
 from elsa_ds.capacity.resident import checkpoint_tag_bytes, element_bytes
 from elsa_ds.errors import ElsaError
@@ -37,16 +37,6 @@ from elsa_ds.settings.config_checks import schedule_oddities, schedule_refusals
 MARGIN = 0.15
 GIB = 2 ** 30
 log = get_logger(__name__)
-
-
-@dataclass
-class Machine:
-    """What one node offers this job."""
-
-    host: float                                   # bytes of host memory this job may use
-    gpu: float | None = None                      # free bytes of this rank's GPU (None without CUDA)
-    disks: dict[int, float] = field(default_factory=dict)   # file system (st_dev) -> free bytes
-    host_limit: float | None = None               # the memory limit of the job's cgroup where that, not the node, binds
 
 
 @dataclass(frozen=True)
