@@ -300,6 +300,9 @@ def test_the_shipped_nvme_configs_parameter_buffers_hold_the_largest_partition_a
     assert one_node.breakdown["buffers"]["per_node_cpu"] >= 8 * 5 * 2 * -(-largest // 8)
     table = format_estimate(two_nodes, "google/gemma-2-27b", "zero3_nvme", 8, 2)
     assert "NVMe per node" in table and f"{two_nodes.nvme_bytes / 2 / 2**30:12.2f} GiB" in table.splitlines()[-1]
+    assert "-0.00" not in table  # a walk: rounding left rows of "-0.00 GiB"
+    two_nodes.breakdown["runtime"]["per_gpu"] = -1e-6
+    assert "-0.00" not in format_estimate(two_nodes, "google/gemma-2-27b", "zero3_nvme", 8, 2)
 
 
 def test_an_auto_nvme_buffer_without_the_models_shape_is_refused_not_left_to_deepspeeds_default():

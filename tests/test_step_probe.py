@@ -41,6 +41,9 @@ def test_a_timed_micro_step_stands_for_the_modelled_one_and_the_engines_step_add
     assert t.components["engine step"] == pytest.approx(0.5 - plain - t.components["host passes"])
     assert t.step_s == pytest.approx(sum(t.components.values())) and t.timed["micro_step_s"] == pytest.approx(0.3)
     assert "its forward/backward timed here (0.3 s a micro-step)" in format_time(t)
+    from dataclasses import replace
+
+    assert "the run: " in format_time(replace(t, run_s=1.0116e8)) and " 28,100 h (" in format_time(replace(t, run_s=1.0116e8))
     fast = step_time(shape, ds, cfg, 2, 1, "cpu", rates, JobTimings(0.1, 0.2, 0.0, 2))
     assert fast.components["engine step"] == 0.0  # a step faster than the model's optimizer adds nothing, never less
     assert "engine step" not in modelled.components and modelled.timed is None

@@ -369,7 +369,8 @@ def format_estimate(est: Estimate, model: str, deepspeed: str, num_gpus: int, nu
     rows = [(name, row["per_gpu"], row["per_node_cpu"], row["nvme"]) for name, row in est.breakdown.items()]
     for name, gpu, cpu, nvme in rows + [("total", est.per_gpu_bytes, est.per_node_cpu_bytes, est.nvme_bytes)]:
         # NVMe: the job's whole (est.nvme_bytes, --json), each node's own disk holding its ranks' share
-        lines.append(f"{name:12s} {gpu / gib:10.2f} GiB {cpu / gib:12.2f} GiB {nvme / num_nodes / gib:12.2f} GiB")
+        gpu, cpu, nvme = (0.0 if abs(b) < gib / 200 else b / gib for b in (gpu, cpu, nvme / num_nodes))  # no "-0.00"
+        lines.append(f"{name:12s} {gpu:10.2f} GiB {cpu:12.2f} GiB {nvme:12.2f} GiB")
     return "\n".join(lines)
 
 

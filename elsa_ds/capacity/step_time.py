@@ -301,13 +301,13 @@ def _nvme(shape: ModelShape, job: Job, zero: dict, accumulation: int, num_gpus: 
 def format_time(t: StepTime) -> str:
     """The lines ``elsa-estimate`` prints under the memory table."""
     parts = ", ".join(f"{k} {v:.3g}" for k, v in t.components.items() if v > 0)
-    hours = t.run_s / 3600
+    hours = f"{t.run_s / 3600:.3g}" if t.run_s < 360_000 else f"{t.run_s / 3600:,.0f}"  # 28,100 h, not 2.81e+04
     timed = f"; its forward/backward timed here ({t.timed['micro_step_s']:.3g} s a micro-step)" if t.timed else ""
     if o := t.optimizer_timed:
         timed += (f"; its optimizer timed here ({o['key']}: a step {o['kernel']:.3g}, a projection {o['projection']:.3g} "
                   "DeepSpeedCPUAdam steps)")
     return "\n".join([f"time per step {t.step_s:.3g} s ({parts}); {t.rates['source']}{timed}",
-                      f"the run: {t.steps} steps, {hours:.3g} h ({t.run_s:,.0f} s; "
+                      f"the run: {t.steps} steps, {hours} h ({t.run_s:,.0f} s; "
                       + ", ".join(f"{k} {v:,.0f} s" for k, v in t.run_parts.items() if v > 0) + ")"
                       + (f"; not counted: {', '.join(t.uncounted)}" if t.uncounted else "")])
 
