@@ -206,7 +206,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
         optimizer = measure_optimizer(cfg, ds_config) if opts.measure else None
         timing = step_time(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, rates, timed, optimizer)
         # the table and the JSON line are the command's product: stdout, whatever the log level
-        print(format_estimate(est, opts.model or cfg.model, args.deepspeed, opts.num_gpus, opts.num_nodes), flush=True)
+        print(format_estimate(est, opts.model or cfg.model, args.deepspeed, opts.num_gpus, opts.num_nodes, opts.accelerator),
+              flush=True)
         if opts.accelerator == "cuda" and (note := gpu_room_note(est, this_gpu())):
             print(note, flush=True)
         written = output_bytes(shape, ds, cfg, args.export_format or "dense")

@@ -303,6 +303,7 @@ def test_the_shipped_nvme_configs_parameter_buffers_hold_the_largest_partition_a
     assert "-0.00" not in table  # a walk: rounding left rows of "-0.00 GiB"
     two_nodes.breakdown["runtime"]["per_gpu"] = -1e-6
     assert "-0.00" not in format_estimate(two_nodes, "google/gemma-2-27b", "zero3_nvme", 8, 2)
+    assert "2 node(s) x 8 GPU(s)" in table and "x 8 CPU rank(s)" in format_estimate(two_nodes, "m", "z", 8, 2, "cpu")
 
 
 def test_an_auto_nvme_buffer_without_the_models_shape_is_refused_not_left_to_deepspeeds_default():

@@ -359,12 +359,12 @@ def oneshot_host_bytes(shape: ModelShape, method: str, cfg, cuda: bool) -> float
     return h * shape.num_params + runtime + (0 if cuda else max(acts + work, logits))
 
 
-def format_estimate(est: Estimate, model: str, deepspeed: str, num_gpus: int, num_nodes: int) -> str:
+def format_estimate(est: Estimate, model: str, deepspeed: str, num_gpus: int, num_nodes: int, device: str = "cuda") -> str:
     """The estimate as the table ``elsa-estimate`` prints."""
     gib = 2 ** 30
     scale, unit = (1e9, "B") if est.num_params >= 1e9 else (1e6, "M")
     lines = [f"{model}: {est.num_params / scale:.2f} {unit} parameters ({est.pruned_params / scale:.2f} {unit} pruned), "
-             f"{num_nodes} node(s) x {num_gpus} GPU(s), {deepspeed}",
+             f"{num_nodes} node(s) x {num_gpus} {'GPU(s)' if device == 'cuda' else 'CPU rank(s)'}, {deepspeed}",
              f"{'':12s} {'per GPU':>12s} {'CPU per node':>14s} {'NVMe per node':>14s}"]
     rows = [(name, row["per_gpu"], row["per_node_cpu"], row["nvme"]) for name, row in est.breakdown.items()]
     for name, gpu, cpu, nvme in rows + [("total", est.per_gpu_bytes, est.per_node_cpu_bytes, est.nvme_bytes)]:
