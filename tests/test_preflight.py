@@ -158,6 +158,7 @@ def test_more_nodes_are_priced_with_the_json_resolved_for_their_ranks_and_the_ba
     assert e.per_node_cpu_bytes < job.estimate(nodes=16).per_node_cpu_bytes  # the old pricing: this rank's buffers
     hint = alternatives.alternatives(job, preflight.Machine(host=1.01 * e.per_node_cpu_bytes))
     assert "would fit: 16 nodes with --batch_size 16 (~" in hint, hint
+    assert "NVMe, tight: within the estimate's ±15%)" in hint, hint  # 1 % of room: it would start with a warning
 
 
 def test_refusal_names_the_shipped_config_that_fits_and_the_warning_when_ignored(tmp_path, monkeypatch, capsys):

@@ -16,6 +16,7 @@ from elsa_ds.settings.flags import flag_text
 from elsa_ds.zero.ds_config import DsConfig, linear_wrapped, param_buffer_size, shipped_configs
 
 GIB = 2 ** 30
+MARGIN = 0.15  # the estimate's band, validated within ±15 % (preflight.py): a fit inside it only warns
 ALTERNATIVES = ("zero3_offload", "zero3_offload_elsal", "zero3_nvme")  # cheapest first: no disk, then NVMe
 # ELSA-L's states with the optimizer on the GPUs: bitsandbytes' 8-bit Adam (its CUDA kernel; elsa_ds's minifloat codes
 # step there through their torch reference, ~32 bytes an entry of workspace)
@@ -125,7 +126,9 @@ def alternatives(job: Run, machine: Machine) -> str:
     verdicts: dict[bool, dict[str, list[str]]] = {True: {}, False: {}}  # fits -> the estimate -> the changes that give it
     for label, e, n in tried:
         if (cost := _cost(e, machine, n)) != same:
-            verdicts[_fits(e, machine)].setdefault(cost, []).append(label)
+            tight = _fits(e, machine) and e.per_node_cpu_bytes * (1 + MARGIN) > machine.host
+            verdicts[_fits(e, machine)].setdefault(cost + (f", tight: within the estimate's ±{MARGIN:.0%}" if tight else ""),
+                                                   []).append(label)
     fit, rest = ([f"{' or '.join(labels)} ({cost})" for cost, labels in verdicts[v].items()] for v in (True, False))
     return "; ".join([f"would fit: {', '.join(fit)}" if fit else "nothing tried fits this machine"] +
                      ([f"would not: {', '.join(rest)}"] if rest else []))

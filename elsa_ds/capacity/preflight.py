@@ -23,7 +23,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from elsa_ds.capacity.alternatives import Machine, Run, alternatives, gib_text
+from elsa_ds.capacity.alternatives import MARGIN, Machine, Run, alternatives, gib_text
 from elsa_ds.capacity.memory import Estimate, ModelShape, model_shape, oneshot_host_bytes
 from elsa_ds.capacity.resident import checkpoint_tag_bytes, element_bytes
 from elsa_ds.errors import ElsaError
@@ -34,7 +34,6 @@ from elsa_ds.methods import oneshot_names
 from elsa_ds.models import check_seqlen, load_config
 from elsa_ds.settings.config_checks import schedule_oddities, schedule_refusals
 
-MARGIN = 0.15
 GIB = 2 ** 30
 log = get_logger(__name__)
 
