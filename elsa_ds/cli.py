@@ -79,6 +79,9 @@ class EstimateOptions(BaseModel):
     machine: Literal["auto", "gpu-server", "gpu-vm-16c", "cpu-2c"] = "auto"
     """The host whose typical rates time the step: auto (gpu-server with cuda, cpu-2c with cpu), an 8-GPU server, the
     lent 1-GPU 16-core machine, a 2-core CPU box."""
+    internode_gbps: float | None = Field(None, gt=0)
+    """GB/s a rank between nodes (default: the profile's 40, 400 Gb/s InfiniBand a GPU; cloud Ethernet is often 3-25):
+    with --num_nodes above 1 most of a step's time, and --measure does not time it."""
     measure: bool = False
     """Time the step against rates measured on this machine (a few seconds: copies, a matmul, DeepSpeedCPUAdam)
     instead of a typical machine's; with --accelerator cpu a small job's own micro-step is also timed on its ranks here
@@ -173,6 +176,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
     start_logging(args)
 
     def go() -> None:
+        from dataclasses import replace
+
         from elsa_ds.capacity.machine import this_gpu
         from elsa_ds.capacity.memory import format_estimate, gpu_room_note, job_estimate, resolved_job
         from elsa_ds.capacity.preflight import format_output, output_bytes
@@ -200,6 +205,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
         est = job_estimate(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator)
         typical = TYPICAL[DEFAULT_MACHINE[opts.accelerator] if opts.machine == "auto" else opts.machine]
         rates = measure(opts.accelerator, typical, *job_matmul(shape, ds, cfg)) if opts.measure else typical
+        if opts.internode_gbps:
+            rates = replace(rates, inter=opts.internode_gbps * 1e9)
         # whether the model is small enough to time: the typical rate is the floor (a busy host's timed matmul is not)
         gate = max(rates.matmul_flops, typical.matmul_flops)
         timed = measure_job(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator, gate) if opts.measure else None
@@ -212,6 +219,9 @@ def main_estimate(argv: list[str] | None = None) -> int:
             print(note, flush=True)
         written = output_bytes(shape, ds, cfg, args.export_format or "dense")
         print(format_time(timing), flush=True)
+        if opts.num_nodes > 1:
+            where = "--internode_gbps" if opts.internode_gbps else "typical InfiniBand; --internode_gbps gives your network"
+            print(f"between nodes: {rates.inter / 1e9:g} GB/s a rank ({where})", flush=True)
         print(format_output(written, shape, cfg, ds), flush=True)
         if args.json:
             print(json.dumps({**json.loads(est.to_json()), "time": timing.to_dict(), "output_dir_bytes": written}))

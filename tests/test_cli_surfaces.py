@@ -136,6 +136,21 @@ def test_estimate_resolves_unset_settings_as_the_job_does(capsys):
     assert demo["breakdown"]["activations"]["per_gpu"] < long["breakdown"]["activations"]["per_gpu"]
 
 
+def test_two_nodes_name_the_network_rate_their_step_rests_on_and_take_the_users(capsys):
+    """A walk (2026-12-04): two-node step times rest on a fixed 40 GB/s a rank between nodes that no flag set and the
+    output never named; a cloud cluster on Ethernet would be told a fraction of its time."""
+    args = ["--model", "google/gemma-2-27b", "--deepspeed", "zero3_offload_elsal", "--num_gpus", "8", "--num_nodes", "2",
+            "--batch_size", "128", "--micro_batch", "1", "--seqlen", "2048", "--json"]
+    steps = {}
+    for extra in ([], ["--internode_gbps", "5"]):
+        assert main_estimate(args + extra) == 0
+        out = capsys.readouterr().out
+        assert ("between nodes: 5 GB/s a rank (--internode_gbps)" if extra else "between nodes: 40 GB/s a rank (typical") in out
+        steps[bool(extra)] = json.loads(out.strip().splitlines()[-1])["time"]["step_s"]
+    assert steps[True] > 2 * steps[False], steps
+    assert main_estimate(args[:6] + ["--num_gpus", "8"]) == 0 and "between nodes" not in capsys.readouterr().out
+
+
 def test_estimate_says_what_the_job_would_about_its_schedule(capsys):
     """At 4 steps the defaults rule's interval (32) is never reached: the job warned, the estimate did not (a user's walk,
     2026-11-30). The estimate now says what the job would, and refuses what the job would refuse, in the same words."""
