@@ -197,7 +197,7 @@ def test_the_port_check_leaves_torchruns_agent_store_and_other_ranks_alone(monke
     0 serve nothing: neither is a clash. Rank 0 of a plain launch with the port held is one."""
     import socket
 
-    from elsa_ds.zero.dist import check_rendezvous_port
+    from elsa_ds.zero.rendezvous import check_rendezvous_port
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -218,7 +218,8 @@ def test_a_second_job_of_a_launched_process_is_not_refused_for_its_own_groups_po
     MASTER_PORT; the second job's plan must not take that for another job's."""
     import torch.distributed as dist
 
-    from elsa_ds.zero.dist import check_rendezvous_port, free_port
+    from elsa_ds.zero.dist import free_port
+    from elsa_ds.zero.rendezvous import check_rendezvous_port
 
     ours = not dist.is_initialized()
     port = free_port()

@@ -25,7 +25,7 @@ from elsa_ds.settings.config_checks import refuse_unread_elsa_settings
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
-from elsa_ds.zero.dist import check_rendezvous_port
+from elsa_ds.zero.rendezvous import check_rendezvous_port
 
 log = get_logger(__name__)
 
