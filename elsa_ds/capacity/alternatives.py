@@ -68,12 +68,11 @@ class Run:
         world, micro, batch = self.local * nodes, self.ds["train_micro_batch_size_per_gpu"], self.ds["train_batch_size"]
         batch = -(-batch // (micro * world)) * micro * world
         cfg = self.cfg.model_copy(update={"batch_size": batch, "micro_batch": micro})
-        largest = max(p.numel() for p in self.meta.parameters())
-        try:
-            ds = DsConfig(self.source or self.ds).engine_config(cfg, world, hidden_size(self.meta.config), False, largest)
+        shape = model_shape(self.meta.config, cfg.targets, model=self.meta, freeze_embeddings=cfg.freeze_embeddings)
+        try:  # as memory.resolved_job resolves a job's JSON
+            ds = DsConfig(self.source or self.ds).engine_config(cfg, world, hidden_size(self.meta.config), False, shape.largest_param)
         except ElsaError:
             return None
-        shape = model_shape(self.meta.config, cfg.targets, model=self.meta, freeze_embeddings=cfg.freeze_embeddings)
         return job_estimate(shape, ds, cfg, self.local, nodes, self.device), batch
 
     def estimate(self, ds: dict | None = None, elsa: dict | None = None, freeze: bool | None = None,

@@ -25,7 +25,6 @@ from elsa_ds.settings.config_checks import refuse_unread_elsa_settings
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
-from elsa_ds.zero.rendezvous import check_rendezvous_port
 
 log = get_logger(__name__)
 
@@ -86,8 +85,6 @@ def make_plan(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> Plan:
     a resumed checkpoint's values), then every check that needs no weights, which resolves the DeepSpeed JSON for the
     engine. Runs on every rank, before any collective."""
     source = model_source(cfg, opts)
-    if cfg.oneshot is None or cfg.finetune is not None:  # a training job's rank 0 serves the rendezvous: its port is free
-        check_rendezvous_port()
     if cfg.oneshot is not None and cfg.finetune is None and opts.resume:
         raise ElsaError(f"--resume continues an ELSA run; {cfg.method.value} has no checkpoints (it is one pass)")
     cfg, defaults, world = planned_settings(cfg, opts, source)

@@ -25,6 +25,7 @@ from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import select_targets
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.zero.rendezvous import check_rendezvous_port
 
 
 def model_source(cfg: ElsaConfig, opts: JobOptions) -> ModelSource:
@@ -33,6 +34,9 @@ def model_source(cfg: ElsaConfig, opts: JobOptions) -> ModelSource:
 
 def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_size: int, source: ModelSource) -> DsConfig:
     """Run every check for ``cfg`` on ``world_size`` ranks; returns the engine's DeepSpeed config (``ds_config`` resolved)."""
+    engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
+    if engine_used:  # its rank 0 serves the process group's rendezvous: a port another job holds, said first
+        check_rendezvous_port()
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume, opts.restart)
     if opts.export_format == "sparse" and (cfg.method.value == DENSE or cfg.sparsity == 0 and not cfg.sparsity_profile):
         raise ElsaError("--export_format sparse stores pruned weights as values + positions, but this run prunes nothing "
@@ -45,7 +49,6 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     largest = max(p.numel() for p in meta.parameters())
     ds = ds_config.resolve(cfg, world_size, hidden_size(model_config), largest_param=largest)
     fallback = machine.cpu_bf16_fallback(ds.raw)
-    engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
     if fallback and engine_used and os.environ.get("RANK", "0") == "0":
         get_logger(__name__).warning(fallback)
     if cfg.leaf_layers and engine_used and ds.param_device == "nvme":
