@@ -369,21 +369,23 @@ def test_cells_on_other_texts_are_refused_before_packing_and_before_running(stan
 
 def test_the_plan_runs_the_smaller_budgets_first_and_skips_cells_done_before(tmp_path):
     plan = curve.curve_plan()
-    smaller = [c for c in plan[:9] if c.settings == "rule"]
-    largest = plan[9:12]  # sequences of 512: three budgets spanning 16x, the largest the issue's 2048 x 8 x 512 tokens
+    smaller = [c for c in plan[:7] if c.settings == "rule"]
+    largest = plan[7:10]  # sequences of 512: three budgets spanning 16x, the largest the issue's 2048 x 8 x 512 tokens
     assert [c.steps * c.batch for c in smaller + largest] == [128 * 8] * 3 + [512 * 8] * 3 + [2048 * 8] * 3
-    assert {c.sparsity for c in plan[:17]} == {0.9} and {c.method for c in largest} == {"elsa", "sparsegpt+ft", "wanda+ft"}
-    # the middle budget's ELSA variants before the largest (whose cells' time on the device is not measured yet): the
-    # rule's held end where the rule has none, which start wins where the rule starts from SparseGPT's, and the authors'
-    # residual balancing from that start; the largest's tokens in 2048 steps of 8 next (where a loan has their time); the
-    # dense start and the held end beside the rule's at the largest budget too
-    assert plan[6:9] == [curve.Cell("elsa", 0.9, 512, s) for s in ("held", "dense", "adaptive")]
-    many = plan[12:15]
+    assert {c.sparsity for c in plan[:10]} == {0.9} and {c.method for c in largest} == {"elsa", "sparsegpt+ft", "wanda+ft"}
+    # the rule's held end at the middle budget (the rule holds none from ~450 steps), then what the issue must show: the
+    # largest budget at 90 % and at 70 %; then the held end there, the middle budget's dense start and the authors'
+    # residual balancing from it, the largest's tokens in 2048 steps of 8 (where a loan has their time), its dense start
+    assert plan[6] == curve.Cell("elsa", 0.9, 512, "held")
+    assert plan[10:13] == [replace(c, sparsity=0.7) for c in largest]
+    assert plan[13] == curve.Cell("elsa", 0.9, 512, "held", 32)
+    assert plan[14:16] == [curve.Cell("elsa", 0.9, 512, s) for s in ("dense", "adaptive")]
+    many = plan[16:19]
     assert [(c.steps, c.batch, c.settings) for c in many] == [(2048, 8, "rule")] * 3 and many == [
         curve.Cell(c.method, 0.9, 2048) for c in largest]
-    assert plan[15:17] == [curve.Cell("elsa", 0.9, 512, s, 32) for s in ("dense", "held")]
-    assert {c.method for c in plan if c.batch == 32 and c.sparsity == 0.7} == {"elsa", "sparsegpt+ft", "wanda+ft"}
+    assert plan[19] == curve.Cell("elsa", 0.9, 512, "dense", 32)
     assert curve.Cell("elsa", 0.9, 512, "paper", 32) in plan and curve.Cell("dense+ft", None, 512, batch=32) in plan
+    assert len(set(plan)) == len(plan)
     beyond = plan[-3:]  # last: 4x the largest's tokens in 2048 steps of 32, ELSA's cell first (its retraining waits on it)
     assert beyond == [curve.Cell(c.method, 0.9, 2048, batch=32) for c in largest] and curve.BEYOND in curve.LONG
     done = tmp_path / "done.jsonl"
