@@ -16,7 +16,7 @@ from elsa_ds.models import meta_model
 from elsa_ds.settings.config import DEMO_MODEL_DIR, resolve_config
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.zero.ds_config import DsConfig
-from tests.conftest import run_fails
+from tests.conftest import run_entry, run_fails
 
 GIB = 2 ** 30
 
@@ -448,3 +448,20 @@ def test_a_one_shot_job_short_of_disk_is_told_of_disk_and_an_nvme_folder_of_crea
     problems = DsConfig.load("zero3_nvme").problems(nvme, 1, 64)
     said = [p for p in problems if "does not exist" in p]
     assert said == [f"NVMe path {tmp_path / 'no'} (--nvme_path) does not exist or is not a directory; create it"]
+
+
+def test_a_job_too_large_is_told_of_memory_before_a_hub_dataset_it_cannot_fetch(tmp_path):
+    """A walk (2026-12-04): offline, a job too large for this host with the default dataset (c4) was told to download c4
+    first, then, once it had, that it could not fit. Memory is now checked before the texts."""
+    import psutil
+
+    model = _too_large_model(tmp_path / "model", psutil.virtual_memory().total)
+    args = ["--deepspeed", "ds_configs/zero3_offload.json", "--model", str(model), "--random_init", "--output_dir", str(tmp_path / "out")]
+    proc = run_entry("prune.py", args, check=False, timeout=300, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+    assert proc.returncode == 2 and len(errors) == 1 and "host memory" in errors[0], proc.stderr[-3000:]
+    assert "c4" not in errors[0] and not (tmp_path / "out").exists()
+    small = _too_large_model(tmp_path / "small", 1.0)  # one such layer: it fits, and then the dataset is said
+    fits = run_entry("prune.py", [*args[:3], str(small), *args[4:]], check=False, timeout=300,
+                     env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert fits.returncode == 2 and "--dataset 'c4'" in fits.stderr and "HF_HUB_OFFLINE" in fits.stderr, fits.stderr[-3000:]

@@ -222,6 +222,11 @@ def test_the_json_says_the_nodes_and_each_nodes_nvme_beside_the_jobs(capsys):
     assert last["per_node_nvme_bytes"] == pytest.approx(last["nvme_bytes"] / 2) and last["nvme_bytes"] > 0
     total = next(line for line in out if line.startswith("total"))
     assert total.split()[-2] == f"{last['per_node_nvme_bytes'] / 2**30:.2f}"
+    # each row's per-node NVMe is the table's column (its "nvme" stays the job's)
+    rows = {line.split()[0]: line.split()[-2] for line in out if line.split() and line.split()[0] in last["breakdown"]}
+    assert rows and all(rows[k] == f"{v['per_node_nvme'] / 2**30:.2f}" for k, v in last["breakdown"].items() if k in rows)
+    assert sum(v["per_node_nvme"] for v in last["breakdown"].values()) == pytest.approx(last["per_node_nvme_bytes"])
+    assert any(v["per_node_nvme"] > 0 and v["nvme"] == pytest.approx(2 * v["per_node_nvme"]) for v in last["breakdown"].values())
 
 
 def test_a_gpu_resident_projection_costs_what_the_h100_measured_against_elsas_step():

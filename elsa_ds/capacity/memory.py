@@ -102,7 +102,11 @@ class Estimate:
     per_node_nvme_bytes: float = 0.0  # each node's own disk holds its ranks' share
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        """Every field; each breakdown row also with ``per_node_nvme``, the table's column (its ``nvme`` is the job's)."""
+        out, share = asdict(self), self.num_gpus / max(1, self.world_size)
+        for row in out["breakdown"].values():
+            row["per_node_nvme"] = row["nvme"] * share
+        return json.dumps(out)
 
 
 PHASES = ("load", "first step", "step", "projection", "export", "verify")

@@ -180,8 +180,7 @@ def _expected_time(shape: ModelShape, job: Run) -> str:
     name = "cpu-2c" if job.device == "cpu" else "gpu-server" if (os.cpu_count() or 1) >= 64 else "gpu-vm-16c"
     rates = TYPICAL[name] if job.device == "cpu" else allotted(TYPICAL[name], cpus)
     t = step_time(shape, job.ds, job.cfg, job.local, job.nodes, job.device, rates)
-    hours = f"{t.run_s / 3600:.3g}" if t.run_s < 360_000 else f"{t.run_s / 3600:,.0f}"  # 28,100 h, not 2.81e+04
-    return (f"expected: {t.step_s:.3g} s a step, {hours} h for the run ({t.steps} steps; not counted: "
+    return (f"expected: {t.step_s:.3g} s a step, {t.hours} h for the run ({t.steps} steps; not counted: "
             f"{', '.join(t.uncounted)}) at the typical rates of a {name} host (this job may use {cpus:g} CPUs; elsa-estimate "
             f"with this job's flags and --num_gpus {job.local}{f' --num_nodes {job.nodes}' if job.nodes > 1 else ''} "
             f"--accelerator {job.device} --measure times this one)")

@@ -150,16 +150,17 @@ class StepTime:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def hours(self) -> str:  # the run's hours as printed: 28,100 h, not 2.81e+04
+        return f"{self.run_s / 3600:.3g}" if self.run_s < 360_000 else f"{self.run_s / 3600:,.0f}"
+
     def report_mean(self) -> float:
         """The step time as a job's report averages it (``step_time_s``: steps 1 .. steps-1, the first left out), where
         step s projects when (s + 1) % interval == 0 and the last one finalizes x = Π(x) (one projection's work) in
         place of the amortized share."""
-        timed = range(1, self.steps)
-        if not timed:
-            return self.step_s
+        timed, projection = range(1, self.steps), self.components["projection"]
         projections = sum(1 for s in timed if (s + 1) % self.interval == 0 or s == self.steps - 1)
-        plain = self.step_s - self.components["projection"]
-        return plain + self.components["projection"] * self.interval * projections / len(timed)
+        return self.step_s - projection + projection * self.interval * projections / len(timed) if timed else self.step_s
 
 
 def _matmul_params(shape: ModelShape) -> tuple[float, float]:
@@ -301,13 +302,12 @@ def _nvme(shape: ModelShape, job: Job, zero: dict, accumulation: int, num_gpus: 
 def format_time(t: StepTime) -> str:
     """The lines ``elsa-estimate`` prints under the memory table."""
     parts = ", ".join(f"{k} {v:.3g}" for k, v in t.components.items() if v > 0)
-    hours = f"{t.run_s / 3600:.3g}" if t.run_s < 360_000 else f"{t.run_s / 3600:,.0f}"  # 28,100 h, not 2.81e+04
     timed = f"; its forward/backward timed here ({t.timed['micro_step_s']:.3g} s a micro-step)" if t.timed else ""
     if o := t.optimizer_timed:
         timed += (f"; its optimizer timed here ({o['key']}: a step {o['kernel']:.3g}, a projection {o['projection']:.3g} "
                   "DeepSpeedCPUAdam steps)")
     return "\n".join([f"time per step {t.step_s:.3g} s ({parts}); {t.rates['source']}{timed}",
-                      f"the run: {t.steps} steps, {hours} h ({t.run_s:,.0f} s; "
+                      f"the run: {t.steps} steps, {t.hours} h ({t.run_s:,.0f} s; "
                       + ", ".join(f"{k} {v:,.0f} s" for k, v in t.run_parts.items() if v > 0) + ")"
                       + (f"; not counted: {', '.join(t.uncounted)}" if t.uncounted else "")])
 

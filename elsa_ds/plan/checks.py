@@ -73,16 +73,16 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
             raise ElsaError(refusal)
     if opts.resume:  # latest names a tag on disk, one is readable, no file needs a class outside the allow-list
         checkpoint.check_resume(opts.output_dir / "checkpoints")
-    manager = check_eval_tasks(cfg)
-    texts = text_repos([("--dataset", cfg.dataset), ("--val_dataset", cfg.val_dataset), *(("--eval_ppl", s) for s in cfg.eval_ppl)])
-    tasks = task_repos(manager, expand_tasks(cfg.eval_tasks), "--eval_tasks") if manager else {}
-    check_hub_texts(texts, tasks, NAMED_TEXT_SOURCES)
-    if cfg.oneshot is not None:
+    if cfg.oneshot is not None:  # memory before the texts: a job this machine cannot hold is told so before a download
         element = (saved_dtype(ds.raw).itemsize if cfg.finetune is None  # the model as the job saves it; a retraining run's
                    else host_dtype().itemsize + (2 if ds.bf16 else 4))  # one-shot model stays beside its export
         preflight.check_oneshot(model_shape(model_config, cfg.targets, model=meta), cfg, opts, element)
     else:
         preflight.check_elsa(meta, ds.raw, cfg, opts, world_size, ds_config.raw)
+    manager = check_eval_tasks(cfg)
+    texts = text_repos([("--dataset", cfg.dataset), ("--val_dataset", cfg.val_dataset), *(("--eval_ppl", s) for s in cfg.eval_ppl)])
+    tasks = task_repos(manager, expand_tasks(cfg.eval_tasks), "--eval_tasks") if manager else {}
+    check_hub_texts(texts, tasks, NAMED_TEXT_SOURCES)
     if cfg.select_every and ds_config.optimizer_on_nvme:
         raise ElsaError("--select_every scores Π(x) from resident fp32 masters and Adam moments, which NVMe optimizer "
                         "offload swaps out; use zero3_offload or drop --select_every")
