@@ -138,7 +138,7 @@ def curve_plan(budgets: tuple[tuple[int, int], ...] = BUDGETS) -> list[Cell]:
     authors' residual balancing from that start (a remedy); the largest budget's tokens in 2048 steps of 8
     (:data:`MANY_STEPS`: started only where a loan has their time), the dense start at the largest, the paper's settings
     beside the rule's, the dense control, the starts, the lr controls; past the issue's budgets, 2048 steps of 32 at 90 %
-    (:data:`BEYOND`). (A loan ran the two smaller budgets, the held end and one largest cell at once, 2026-12-04.)"""
+    (:data:`BEYOND`). (One loan ran the two smaller budgets, the held end and one largest cell, 2026-12-04.)"""
     (middle, middle_batch), (largest, batch) = budgets[1], budgets[-1]
     cells = [Cell(m, 0.9, t, batch=b) for t, b in budgets[:-1] for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     cells += [Cell("elsa", 0.9, middle, "held", middle_batch)]
