@@ -103,9 +103,9 @@ class Estimate:
 
     def to_json(self) -> str:
         """Every field; each breakdown row also with ``per_node_nvme``, the table's column (its ``nvme`` is the job's)."""
-        out, share = asdict(self), self.num_gpus / max(1, self.world_size)
-        for row in out["breakdown"].values():
-            row["per_node_nvme"] = row["nvme"] * share
+        out = asdict(self)
+        for row in out["breakdown"].values():  # as format_estimate divides the job's NVMe by the nodes
+            row["per_node_nvme"] = row["nvme"] / max(1, self.num_nodes)
         return json.dumps(out)
 
 
