@@ -149,22 +149,34 @@ def plot(cells: list[dict], sparsities: list[float], out: Path, texts: tuple, na
     fig, axes = plt.subplots(len(texts), len(sparsities), figsize=(5.5 * len(sparsities), 4 * len(texts)), squeeze=False)
     for col, sparsity in enumerate(sparsities):
         curves, refs = series(cells, sparsity), references(cells, sparsity)
+        batches = Counter(c.get("batch") for points in curves.values() for c in points.values())
+        main = batches.most_common(1)[0][0] if batches else None
         for row, (metric, text) in enumerate(texts):
-            ax = axes[row][col]
-            batches = Counter(c.get("batch") for points in curves.values() for c in points.values())
-            main = batches.most_common(1)[0][0] if batches else None
-            for label, points in sorted(curves.items()):
-                for batch in sorted({c.get("batch") for c in points.values()}, key=lambda b: (b != main, str(b))):  # a line a step size
-                    xs = sorted(t for t, c in points.items() if c.get("batch") == batch)
-                    plain = label.endswith(PLAIN)  # the plain loop's cells: the engine's colour, dash-dotted
-                    ax.plot([t for t, _ in xs], [points[t][metric] for t in xs], marker="o" if batch == main else "s",
-                            linestyle="-." if plain else "-" if batch == main else "--", color=COLORS.get(label.removesuffix(PLAIN)),
-                            label=label if batch == main else f"{label}, {batch} sequences a step")
+            ax, trained = axes[row][col], []
+            for label, points in sorted(curves.items()):  # one line a method across the budgets; a square: another batch
+                xs = sorted(points)
+                ys = [points[t][metric] for t in xs]
+                trained += ys
+                line, = ax.plot([t for t, _ in xs], ys, linestyle="-." if label.endswith(PLAIN) else "-",
+                                color=COLORS.get(label.removesuffix(PLAIN)), label=label)
+                for t, y in zip(xs, ys):
+                    ax.plot(t[0], y, marker="o" if points[t].get("batch") == main else "s", color=line.get_color())
+            shown = trained + [refs["dense"][metric]] * ("dense" in refs)  # the dense model always on the scale
+            low, high = (min(shown) / 1.1, max(shown) * 1.1) if trained else (1, 10)
+            off = []  # untrained rows far off the trained cells' scale are named, not drawn
             for ref, cell in sorted(refs.items()):
-                ax.axhline(cell[metric], linestyle=":" if ref == "dense" else "--", linewidth=1, color="grey")
-                ax.annotate(f"{ref} (untrained)", (0.01, cell[metric]), xycoords=("axes fraction", "data"), fontsize=7)
-            ax.set(xscale="log", yscale="log", xlabel="training tokens", ylabel=f"perplexity, {text}",
-                   title=f"{name}, {sparsity:.0%}")
+                if low <= cell[metric] <= high or not trained:
+                    ax.axhline(cell[metric], linestyle=":" if ref == "dense" else "--", linewidth=1, color="grey")
+                    ax.annotate(f"{ref} (untrained)", (0.01, cell[metric]), xycoords=("axes fraction", "data"), fontsize=7)
+                else:
+                    off.append(f"{ref} {cell[metric]:.4g}")
+            if trained:
+                ax.set_ylim(low, high)
+            squares = f"squares: batch {'/'.join(str(b) for b in sorted(set(batches) - {main}, key=str))}, " if len(batches) > 1 else ""
+            ax.set(xscale="log", yscale="log", xlabel=f"training tokens ({squares}circles: batch {main})",
+                   ylabel=f"perplexity, {text}", title=f"{name}, {sparsity:.0%}")
+            if off:
+                ax.text(0.01, 0.99, "untrained, off the scale: " + ", ".join(off), transform=ax.transAxes, fontsize=7, va="top")
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.legend(fontsize=7)
     fig.tight_layout()
