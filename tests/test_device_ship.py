@@ -855,3 +855,96 @@ def test_the_torch_linear_config_is_read_as_elsa_prune_reads_a_name_or_a_path(tm
         assert zero["memory_efficient_linear"] is False and zero["stage"] == 3
     with pytest.raises(curve.ElsaError, match="no_such_config"):  # main says it in one line, exit 2, before any cell
         curve.torch_linear_config("no_such_config", tmp_path)
+
+
+def _paced_line(step_s: float, sharing: float | None, steps: int = 10) -> dict:
+    """A finished ELSA cell of the estimator's default regime, no overhead: its whole wall was its steps."""
+    line = {"device": "H", "status": "ok", "kind": "train", "method": "elsa", "settings": "rule", "steps": steps, "batch": 8,
+            "seqlen": 64, "step_s": step_s, "wall_s": steps * step_s, "gradient_checkpointing": False,
+            "leaf_layers": False, "engine": "deepspeed"}
+    return line | ({"sharing": sharing} if sharing is not None else {})
+
+
+def test_a_cells_steps_are_paced_for_the_cells_that_share_the_gpu():
+    """A line that recorded the mean number of cells beside it prices the next cell's steps for as many as will share the
+    GPU (4 sharing at 0.4 s a step: 0.1 alone, 0.2 beside one); a line without it counts as measured, whatever shares."""
+    cell = curve.Cell("elsa", 0.9, 100)
+    paced = estimate.Estimator("H", [_paced_line(0.4, 4.0)], micro_batch=8, seqlen=64)
+    assert paced.steps_s(cell, 1) == pytest.approx(100 * 0.1) and paced.steps_s(cell, 2) == pytest.approx(100 * 0.2)
+    assert paced.seconds(cell, 3) == pytest.approx(paced.overhead_s(cell) + 100 * 0.3)
+    measured = estimate.Estimator("H", [_paced_line(0.4, None)], micro_batch=8, seqlen=64)
+    assert measured.steps_s(cell, 1) == measured.steps_s(cell, 4) == pytest.approx(100 * 0.4)
+    assert paced.steps_s(curve.Cell("sparsegpt", 0.9, 0), 2) == 0.0
+
+
+def test_a_cell_starts_only_where_it_and_the_running_ones_still_end_in_time():
+    """Shares: with one cell running, a second starts only if both still end before the deadline at the pace of two; as
+    time passes the running cell's steps left shrink at the pace of the cells beside it."""
+    est = estimate.Estimator("H", [_paced_line(1.0, 1.0)], micro_batch=8, seqlen=64)
+    a, b = curve.Cell("elsa", 0.9, 10), curve.Cell("elsa", 0.7, 10)  # 10 s alone, 20 s beside another
+    shares = curve.Shares(est, 0.0)
+    assert shares.admits(a, 15.0)
+    shares.start(a, 0.0)
+    assert not shares.admits(b, 15.0) and shares.admits(b, 20.0)
+    shares.start(b, 0.0)
+    shares.tick(10.0)  # two cells for 10 s: half of each one's steps done
+    assert shares.remaining(a, 2) == pytest.approx(10.0) and shares.remaining(a, 1) == pytest.approx(5.0)
+    assert shares.end(a, 10.0) == pytest.approx(2.0)  # its life beside b throughout
+    shares.tick(15.0)  # alone now: 5 s finish b's other half
+    assert shares.remaining(b, 1) == pytest.approx(0.0) and shares.end(b, 20.0) == pytest.approx((2 * 10 + 10) / 20)
+
+
+def test_the_runner_runs_apart_what_cannot_share_the_gpu_in_time(tmp_path, monkeypatch):
+    """Two cells that each fit what is left alone but not beside each other run one after the other, each recording
+    ``sharing`` 1; with time for both at once they run together."""
+    started: list[int] = []
+    running: set[str] = set()
+
+    def fake_cell(cell, run):
+        running.add(cell.key(run.seqlen))
+        started.append(len(running))
+        time.sleep(0.3)
+        running.discard(cell.key(run.seqlen))
+        return {"key": cell.key(run.seqlen), "status": "ok", "kind": cell.kind, "steps": cell.steps, "wall_s": 0.3}
+
+    monkeypatch.setattr(curve, "run_cell", fake_cell)
+    cells = [curve.Cell("elsa", 0.9, 10), curve.Cell("elsa", 0.7, 10)]
+    for left, together in ((15.0, False), (30.0, True)):
+        started.clear()
+        est = estimate.Estimator("H", [_paced_line(1.0, 1.0)], micro_batch=8, seqlen=64)
+        run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + left + curve.MARGIN_S, 2, {})
+        lines, skipped = curve.schedule(cells, run, est, tmp_path / f"cells{left}.jsonl")
+        assert not skipped and len(lines) == 2 and (started == [1, 2]) == together and (started == [1, 1]) != together
+        assert all((x["sharing"] > 1.5) == together for x in lines)
+
+
+def test_sharing_is_derived_from_a_runners_log_and_the_backfilled_lines_agree():
+    """sharing_from_log: each finished cell's mean number of cells on the GPU, from its start line's seconds left and its
+    end line's wall; every recorded line that took its ``sharing`` from a log finds the same value there."""
+    log = "\n".join(["[curve] start a|0.9 (estimate 9 s, 100 s left)", "[curve] start b|0.9 (estimate 9 s, 100 s left)",
+                     "[curve] ok     a|0.9: test 1.0, linux-doc 2.0, 50.0 s", "[curve] start c|0.9 (estimate 9 s, 50 s left)",
+                     "[curve] ok     b|0.9: test 1.0, linux-doc 2.0, 80.0 s", "[curve] failed c|0.9: test None, linux-doc None, 40.0 s",
+                     "[curve] start d|0.9 (estimate 9 s, 5 s left)"])
+    assert curve.sharing_from_log(log) == {("a|0.9", 50.0): 2.0, ("b|0.9", 80.0): 2.0, ("c|0.9", 40.0): 1.75}
+    recorded = [x for x in ship.read_lines(ship.RESULTS) if x.get("sharing_from")]
+    assert recorded, "the plain cells run before 2026-12-04 17:30 carry their sharing from the runner's logs"
+    for line in recorded:
+        assert curve.sharing_from_log((ROOT / line["sharing_from"]).read_text())[(line["key"], line["wall_s"])] == line["sharing"]
+
+
+def test_a_loan_is_played_on_the_estimates_before_it_is_spent(tmp_path, capsys):
+    """simulate: the runner's schedule on its estimates alone (two 10 s cells: together where both end in time, else one
+    and the other left out); --simulate prints the same for the recorded cells and runs nothing."""
+    est = estimate.Estimator("H", [_paced_line(1.0, 1.0)], micro_batch=8, seqlen=64)
+    a, b = curve.Cell("elsa", 0.9, 10), curve.Cell("elsa", 0.7, 10)
+    started, left = curve.simulate([a, b], est, 45.0, 4, None, 64)
+    assert [(r["start_s"], r["end_s"], r["sharing"]) for r in started] == [(0.0, 20.0, 2.0)] * 2 and not left
+    started, left = curve.simulate([a, b], est, 35.0, 4, None, 64)
+    assert [(r["key"], r["end_s"]) for r in started] == [(a.key(64), 10.0)] and left == [b.key(64)]
+    results = tmp_path / "r.jsonl"
+    results.write_text(json.dumps(_paced_line(1.0, 1.0) | {"key": "x"}) + "\n")
+    assert curve.main(["--simulate", "H", "--results", str(results), "--budget_s", "45", "--seqlen", "64", "--micro_batch", "8",
+                       "--cells", "elsa:0.9:10,elsa:0.7:10", "--no-torch_linear", "--engine", "deepspeed",
+                       "--no-leaf_layers"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["would_start"] == [a.key(64), b.key(64)] and summary["would_not"] == []

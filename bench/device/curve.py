@@ -6,6 +6,7 @@ times), each cell's model judged on techdocs' held-out test documents and on lin
     bench/device/quality.sh start 600         # there, after bench/device/ship.py's calls (bench/device/README.md)
     python bench/device/curve.py --model DIR --corpora DIR --budget_s 600 --out OUT      # what quality.sh runs
     python bench/device/curve.py --list       # the plan, and which cells bench/results already holds
+    python bench/device/curve.py --simulate "NVIDIA H200" --budget_s 728 --model DIR   # the next loan, on the estimates
 
 A cell is (method, sparsity, steps, settings, batch): a training cell runs ``bench/plain_cell.py`` (``--engine plain``, the
 default: the job ``launch/prune.py`` would run, with the same flags, in a plain PyTorch loop without ZeRO-3's host work a
@@ -19,12 +20,13 @@ recipes: recipes/README.md) or ``dense`` (the rule from the dense weights, ``--i
 from SparseGPT's) or ``adaptive`` (that, with the authors' residual balancing of λ per layer: ``--lmda_schedule
 adaptive``), or, controls of the comparison's fairness, ``elsa_lr`` (a retraining cell at the lr the rule gives ELSA)
 and ``retrain_lr`` (an ELSA cell at retraining's), every other setting the rule's. Cells already in --results (same key,
-any earlier session) are skipped; the rest run in the plan's order, --parallel at a time, each started only if its
-estimated time fits what is left of --budget_s (estimate: seconds per forward and per-run overhead measured on earlier
-cells of the same GPU, else priors) and its predicted GPU peak (elsa_ds's own estimate times the measured / estimated
-ratio of earlier cells) fits beside the running cells' in 90 % of the GPU's memory (bench/device/estimate.py). Every
-finished or failed cell is one JSON line appended to OUT/cells.jsonl (the lines marked ``ok`` go into
-bench/results/gpu_quality_gemma3-270m.jsonl); the last line printed is a JSON summary.
+any earlier session) are skipped; the rest run in the plan's order, --parallel at a time, each started only if it and
+every running cell still end within what is left of --budget_s at the pace of the cells then sharing the GPU (estimate:
+seconds per forward, paced by the cells that shared the GPU with the measured ones, and per-run overhead measured on
+earlier cells of the same GPU, else priors; :class:`Shares`) and its predicted GPU peak (elsa_ds's own estimate times
+the measured / estimated ratio of earlier cells) fits beside the running cells' in 90 % of the GPU's memory
+(bench/device/estimate.py). Every finished or failed cell is one JSON line appended to OUT/cells.jsonl (the lines marked
+``ok`` go into bench/results/gpu_quality_gemma3-270m.jsonl); the last line printed is a JSON summary.
 """
 from __future__ import annotations
 
@@ -33,10 +35,12 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
@@ -369,6 +373,106 @@ def gpu_memory() -> float | None:
     return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
 
 
+class Shares:
+    """The cells on the GPU over time. The GPU time-slices their processes (4 cells of 32 x 512 stepped at ~4x one's
+    pace, 2026-12-04), so each running cell is followed as its overhead first (launch, load, start, export, evaluation:
+    its own pace), then the fraction of its steps left at the pace of the cells sharing the GPU; a cell starts only where
+    it and every running cell still end before the deadline with it beside them (cells only leave until the next start
+    is checked the same way). A cell's ``sharing`` is the mean number of cells on the GPU over its life, itself included."""
+
+    def __init__(self, estimator: Estimator, now: float):
+        self.estimator, self.last = estimator, now
+        self.left: dict[Cell, list[float]] = {}  # [overhead seconds left, fraction of the steps left]
+        self.area: dict[Cell, float] = {}  # the integral of the cells on the GPU over its life so far
+        self.began: dict[Cell, float] = {}
+
+    def tick(self, now: float) -> None:
+        k, dt, self.last = len(self.left), max(0.0, now - self.last), max(now, self.last)
+        for cell, left in self.left.items():
+            self.area[cell] += k * dt
+            own = min(dt, left[0])
+            left[0] -= own
+            steps = self.estimator.steps_s(cell, k)
+            left[1] = max(0.0, left[1] - (dt - own) / steps) if steps > 0 else 0.0
+
+    def remaining(self, cell: Cell, k: int) -> float:
+        overhead, steps = self.left[cell]
+        return overhead + steps * self.estimator.steps_s(cell, k)
+
+    def admits(self, cell: Cell, left: float) -> bool:
+        k = len(self.left) + 1
+        return self.estimator.seconds(cell, k) <= left and all(self.remaining(c, k) <= left for c in self.left)
+
+    def start(self, cell: Cell, now: float) -> None:
+        self.tick(now)
+        self.left[cell], self.area[cell], self.began[cell] = [self.estimator.overhead_s(cell), 1.0], 0.0, now
+
+    def end(self, cell: Cell, now: float) -> float:
+        self.tick(now)
+        del self.left[cell]
+        area, span = self.area.pop(cell), now - self.began.pop(cell)
+        return round(area / span, 3) if span > 0 else 1.0
+
+
+_START = re.compile(r"^\[curve\] start (\S+) \(estimate \d+ s, (-?\d+) s left\)")
+_END = re.compile(r"^\[curve\] (ok|failed|cut)\s+(\S+): .*, ([\d.]+) s$")
+
+
+def sharing_from_log(text: str) -> dict[tuple[str, float], float]:
+    """{(key, wall_s): the mean number of cells on the GPU over that cell's life} from a runner's log (its start lines'
+    seconds left, its end lines' wall_s): the ``sharing`` of the cells run before their lines recorded it."""
+    spans: list[list] = []  # [key, start, end or None], start and end in seconds before the deadline's margin (negated)
+    for row in text.splitlines():
+        if m := _START.match(row):
+            spans.append([m.group(1), -float(m.group(2)), None])
+        elif m := _END.match(row):
+            span = next(x for x in spans if x[0] == m.group(2) and x[2] is None)
+            span[2] = span[1] + float(m.group(3))
+    last = max((x[2] for x in spans if x[2] is not None), default=0.0)
+    out = {}
+    for key, start, end in (x for x in spans if x[2] is not None):
+        area = sum(max(0.0, min(end, e if e is not None else last) - max(start, s)) for _, s, e in spans)
+        out[(key, round(end - start, 1))] = round(area / (end - start), 3) if end > start else 1.0
+    return out
+
+
+def startable(cell: Cell, pending: list[Cell], running: list[Cell], estimator: Estimator, gpu_memory: float | None,
+              shares: Shares, left: float) -> bool:
+    """Whether ``cell`` may start now: its predicted GPU peak fits beside the running cells' in ``GPU_SHARE`` of the GPU's
+    memory, it and every running cell still end within ``left`` seconds (:class:`Shares`), and a retraining cell of a long
+    budget (:data:`LONG`) has its ELSA cell started: alone it answers nothing, and ELSA's is the longest of the three (a
+    review: Wanda + ft alone could take a loan ELSA's never fits)."""
+    shape = (cell.steps, cell.batch)
+    if shape in LONG and cell.method != "elsa" and any(
+            (c.method, c.settings, c.sparsity, c.steps, c.batch) == ("elsa", "rule", cell.sparsity, *shape) for c in pending):
+        return False
+    used = sum(estimator.gpu_bytes(c) for c in running)
+    if gpu_memory is not None and used + estimator.gpu_bytes(cell) > GPU_SHARE * gpu_memory:
+        return False
+    return shares.admits(cell, left)
+
+
+def simulate(cells: list[Cell], estimator: Estimator, budget_s: float, parallel: int, gpu_memory: float | None,
+             seqlen: int = 512) -> tuple[list[dict], list[str]]:
+    """The runner's schedule played on its own estimates, a second at a time, nothing run: each cell that would start,
+    with its predicted start, end and sharing (seconds from the runner's start), and the keys that would not start."""
+    shares, pending, running, out = Shares(estimator, 0.0), list(cells), {}, []
+    t = 0.0
+    while (pending or running) and t <= budget_s:
+        shares.tick(t)
+        for cell in [c for c in running if shares.remaining(c, len(running)) <= 1e-6]:  # float steps
+            out.append({"key": cell.key(seqlen), "start_s": running.pop(cell), "end_s": t, "sharing": shares.end(cell, t)})
+        while len(running) < parallel and (cell := next((c for c in pending if startable(
+                c, pending, list(running), estimator, gpu_memory, shares, budget_s - t - MARGIN_S)), None)):
+            pending.remove(cell)
+            running[cell] = t
+            shares.start(cell, t)
+        if not running:
+            break
+        t += 1.0
+    return sorted(out, key=lambda x: x["start_s"]), [c.key(seqlen) for c in pending]
+
+
 def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path, done: frozenset[str] = frozenset(),
              ) -> tuple[list[dict], list[dict]]:
     """Run ``cells`` in order, ``run.parallel`` at a time, each only if its estimate fits before the deadline and its
@@ -379,26 +483,17 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path, done
     beside: dict[Cell, set[str]] = {}  # the cells each one shared the GPU and the host with at some point
     suspects: dict[Cell, tuple[bool, str]] = {}  # a cell run again without the new flags: the flags it had failed with
 
-    def room(cell: Cell) -> bool:
-        used = sum(estimator.gpu_bytes(c) for c in running.values())
-        return run.gpu_memory is None or used + estimator.gpu_bytes(cell) <= GPU_SHARE * run.gpu_memory
-
-    def after_elsa(cell: Cell) -> bool:
-        """A retraining cell of a long budget (:data:`LONG`) waits for its ELSA cell to start: alone it answers nothing, and
-        ELSA's is the longest of the three (a review: Wanda + ft alone could take a loan ELSA's never fits)."""
-        shape = (cell.steps, cell.batch)
-        return shape not in LONG or cell.method == "elsa" or not any(
-            (c.method, c.settings, c.sparsity, c.steps, c.batch) == ("elsa", "rule", cell.sparsity, *shape) for c in pending)
-
+    shares = Shares(estimator, time.time())
     with ThreadPoolExecutor(run.parallel) as pool:
         while pending or running:
+            shares.tick(time.time())
             left = run.deadline - time.time() - MARGIN_S
-            fits = [c for c in pending if estimator.seconds(c, run.parallel) <= left and after_elsa(c)]
-            while len(running) < run.parallel and (cell := next((c for c in fits if room(c)), None)):
-                fits.remove(cell)
+            while len(running) < run.parallel and (cell := next((c for c in pending if startable(
+                    c, pending, list(running.values()), estimator, run.gpu_memory, shares, left)), None)):
                 pending.remove(cell)
-                print(f"[curve] start {cell.key(run.seqlen)} (estimate {estimator.seconds(cell, run.parallel):.0f} s, "
+                print(f"[curve] start {cell.key(run.seqlen)} (estimate {estimator.seconds(cell, len(running) + 1):.0f} s, "
                       f"{left:.0f} s left)", flush=True)
+                shares.start(cell, time.time())
                 beside[cell] = {c.key(run.seqlen) for c in running.values()}
                 for other in running.values():
                     beside[other].add(cell.key(run.seqlen))
@@ -408,7 +503,8 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path, done
             finished, _ = wait(list(running), timeout=10, return_when=FIRST_COMPLETED)
             for future in finished:
                 cell = running.pop(future)
-                line = collect(future, cell, run) | {"ran_beside": sorted(beside.pop(cell))}  # its step times and profile shared
+                line = collect(future, cell, run) | {"ran_beside": sorted(beside.pop(cell)),  # its step times and profile shared
+                                                     "sharing": shares.end(cell, time.time())}
                 if cell.kind == "train":  # beside its measured peak: the ratio that gates the cells after it
                     line["est_gpu_bytes"] = estimator.estimate(cell)
                 lines.append(line)
@@ -432,7 +528,7 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path, done
                 print(f"[curve] {line['status']:6s} {line['key']}: test {line.get('test_ppl')}, linux-doc "
                       f"{line.get('linuxdoc_ppl')}, {line['wall_s']} s", flush=True)
     left = run.deadline - time.time()
-    skipped = [{"key": c.key(run.seqlen), "estimate_s": round(estimator.seconds(c, run.parallel)), "left_s": round(left),
+    skipped = [{"key": c.key(run.seqlen), "estimate_s": round(estimator.seconds(c, 1)), "left_s": round(left),
                 "gpu_gib": round(estimator.gpu_bytes(c) / 2**30, 1)} for c in pending]
     return lines, skipped
 
@@ -484,6 +580,25 @@ def collect(future: Future, cell: Cell, run: Run) -> dict:
                 "error": repr(err), "wall_s": 0.0}
 
 
+def print_simulation(todo: list[Cell], args: argparse.Namespace) -> int:
+    """``--simulate``: the predicted loan, one row a cell that would start, then the summary as JSON."""
+    with tempfile.TemporaryDirectory() as work:
+        try:
+            torch_linear = str(torch_linear_config(args.deepspeed, Path(work))) if args.torch_linear else ""
+        except ElsaError as err:
+            print(f"error: --deepspeed {args.deepspeed}: {err}", file=sys.stderr)
+            return 2
+        estimator = Estimator(args.simulate, read_lines(args.results), args.micro_batch, args.gradient_checkpointing,
+                              args.model, torch_linear or args.deepspeed, args.seqlen, args.leaf_layers, bool(torch_linear),
+                              args.engine)
+        started, left = simulate(todo, estimator, args.budget_s, args.parallel, args.gpu_gib * 2**30, args.seqlen)
+    for row in started:
+        print(f"{row['start_s']:6.0f} -> {row['end_s']:6.0f} s  beside {row['sharing']:.2f}  {row['key']}")
+    print(json.dumps({"device": args.simulate, "budget_s": args.budget_s, "would_start": [r["key"] for r in started],
+                      "would_not": left}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="the built Gemma-3 270M folder (bench/device/ship.py join --model_out)")
@@ -517,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
                          "|plain; a cell that fails in it sends it and the rest to the engine) or deepspeed (launch/prune.py "
                          "under the launcher, the cells recorded before 2026-12-03) [plain]")
     ap.add_argument("--list", action="store_true", help="print the plan and what --results holds, run nothing")
+    ap.add_argument("--simulate", metavar="DEVICE", help="play the runner's schedule for a loan of --budget_s on DEVICE "
+                    "(as the lines name it: 'NVIDIA H200') on the estimates alone, run nothing: which cells would start, "
+                    "when, beside how many (--model sizes their GPU peaks, else they are not gated)")
+    ap.add_argument("--gpu_gib", type=float, default=140.4, help="--simulate: the GPU's memory [140.4: the H200's]")
     args = ap.parse_args(argv)
     try:
         cells = [parse_cell(t) for t in args.cells.split(",")] if args.cells else curve_plan()
@@ -531,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in cells:
             print(f"{'done' if c not in todo else 'todo'}  {c.key(args.seqlen)}")
         return 0
+    if args.simulate:
+        return print_simulation(todo, args)
     if not args.model or not args.corpora:
         print("error: --model and --corpora are required (bench/device/ship.py join prints both)", file=sys.stderr)
         return 2

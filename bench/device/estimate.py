@@ -7,11 +7,13 @@ come from cells that stepped as the next ones will (:func:`regime`: gradient che
 F.linear: each changes the host's time a step), of the same method where measured, from the others only until one such
 cell has ended (their slowest then: a cell cut at the deadline costs its whole time); of those, the forwards of the
 cell's own tokens where measured, else the smaller ones plus their extra FLOPs at the GPU's typical rate, once for every
-cell sharing the GPU, else the larger ones as measured (an upper bound). The overhead (launch, load, one-shot start,
-export, evaluation: whatever the step's regime) is the largest measured for the same method, settings and start (an
-ELSA cell's SparseGPT start is in it or not: the rule's start depends on the steps, :func:`starts_pruned`), else for the
-same method and start, else for any cell of its kind; a cell cut at a deadline takes at least what it had taken (its
-line's wall_s). GPU bytes: a training cell's is elsa_ds's own estimate for its shape
+cell sharing the GPU, else the larger ones as measured (an upper bound). A cell that recorded the mean number of cells
+on the GPU beside it (``sharing``, from 2026-12-04) is paced for the cells that will share the GPU with the next one:
+the GPU time-slices their processes, so their steps' seconds add up (bench/device/curve.py's ``Shares``). The overhead
+(launch, load, one-shot start, export, evaluation: whatever the step's regime) is the largest measured for the same
+method, settings and start (an ELSA cell's SparseGPT start is in it or not: the rule's start depends on the steps,
+:func:`starts_pruned`), else for the same method and start, else for any cell of its kind; a cell cut at a deadline
+takes at least what it had taken (its line's wall_s). GPU bytes: a training cell's is elsa_ds's own estimate for its shape
 (``elsa_ds.capacity.memory.estimate_job``, the ELSA job's, an upper bound for retraining's, which keeps no ADMM states)
 times the largest measured / estimated ratio of finished cells (each line keeps both; an ELSA cell's from ELSA cells,
 the prior among the others' until one is measured), else the prior ratio; the curve starts a cell only while the running
@@ -109,7 +111,8 @@ class Estimator:
         self.micro_batch, self.checkpointing = micro_batch, checkpointing
         self.model, self.deepspeed, self.seqlen = model, deepspeed, seqlen
         self.leaf_layers, self.torch_linear, self.engine = leaf_layers, torch_linear, engine
-        self.forward_s: list[tuple[Regime, tuple[str, int, float]]] = []  # (regime, (method, tokens a forward, seconds))
+        # (regime, (method, tokens a forward, seconds, the cells sharing the GPU on average: None where not recorded))
+        self.forward_s: list[tuple[Regime, tuple[str, int, float, float | None]]] = []
         self.ratios: list[tuple[str, float]] = []  # (method, measured peak / estimate)
         self.cut_s: dict[str, float] = {}  # a cell cut at a deadline: what it had taken, less than it needs
         # seconds of a cell beyond its steps (launch, load, one-shot, export, evaluation: not the step's regime), by kind
@@ -128,7 +131,7 @@ class Estimator:
         n = line.get("forwards") or 1  # lines before 2026-11-29 had one forward a step
         if line.get("step_s"):
             tokens = -(-line.get("batch", 8) // n) * line.get("seqlen", self.seqlen)
-            self.forward_s.append((regime(line), (line.get("method", ""), tokens, line["step_s"] / n)))
+            self.forward_s.append((regime(line), (line.get("method", ""), tokens, line["step_s"] / n, line.get("sharing"))))
         if line.get("peak_gpu_bytes") and line.get("est_gpu_bytes"):
             self.ratios.append((line.get("method", ""), line["peak_gpu_bytes"] / line["est_gpu_bytes"]))
         if line.get("wall_s") is not None:
@@ -139,12 +142,18 @@ class Estimator:
     def per_forward(self, cell, concurrency: int) -> float:
         """Seconds a forward (and its backward) of ``cell`` takes with ``concurrency`` cells on the GPU: the slowest of its
         method's cells that stepped as it will; of other methods' such cells x ``OTHER_METHOD`` (an ELSA step is a little
-        slower than retraining's); else of all earlier cells."""
+        slower than retraining's); else of all earlier cells. A cell that recorded how many cells shared the GPU with it
+        on average (``sharing``) is scaled to ``concurrency`` (the GPU time-slices its processes: 4 cells of 32 x 512 at
+        once stepped at ~4x one's pace, 2026-12-04); one that did not counts as measured."""
         engine = self.engine == "deepspeed"  # ZeRO-3's options do not reach a plain loop's cells
         now = (self.checkpointing, self.leaf_layers and engine, self.torch_linear and engine, self.engine)
-        same = [(m, t, s) for r, (m, t, s) in self.forward_s if r == now]
+
+        def paced(s: float, shared: float | None) -> float:
+            return s / shared * concurrency if shared else s
+
+        same = [(m, t, paced(s, k)) for r, (m, t, s, k) in self.forward_s if r == now]
         mine = [(t, s) for m, t, s in same if m == cell.method]
-        samples = mine or [(t, s * OTHER_METHOD) for _, t, s in same] or [(t, s) for _, (_, t, s) in self.forward_s]
+        samples = mine or [(t, s * OTHER_METHOD) for _, t, s in same] or [(t, paced(s, k)) for _, (_, t, s, k) in self.forward_s]
         if not samples:
             return PRIOR_FORWARD_S * concurrency / 3
         tokens = min(cell.batch, self.micro_batch) * self.seqlen
@@ -155,14 +164,21 @@ class Estimator:
             return max(s + (tokens - t) * (per_token or 0.0) * concurrency for t, s in smaller)
         return max(s for _, s in samples)  # only larger forwards measured: an upper bound
 
-    def seconds(self, cell, concurrency: int) -> float:
+    def overhead_s(self, cell) -> float:
+        """A cell's seconds beyond its steps (launch, load, one-shot or warm start, export, evaluation)."""
         start, engine = starts_pruned(cell.method, cell.settings, cell.sparsity, cell.steps), getattr(cell, "engine", "deepspeed")
         alike = [x for (m, _, st, e), xs in self.overhead_of.items() if (m, st, e) == (cell.method, start, engine) for x in xs]
         measured = self.overhead_of.get((cell.method, cell.settings, start, engine)) or alike or self.overhead[cell.kind]
-        overhead = max(measured) if measured else PRIOR_OVERHEAD_S[cell.kind]
-        steps = cell.steps * forwards(cell.batch, self.micro_batch) * self.per_forward(cell, concurrency) \
-            if cell.kind == "train" else 0.0
-        return max(overhead + steps, self.cut_s.get(cell.key(self.seqlen), 0.0))
+        return max(measured) if measured else PRIOR_OVERHEAD_S[cell.kind]
+
+    def steps_s(self, cell, concurrency: int) -> float:
+        """A cell's seconds of training steps with ``concurrency`` cells on the GPU (0 for an evaluation or a one-shot)."""
+        if cell.kind != "train":
+            return 0.0
+        return cell.steps * forwards(cell.batch, self.micro_batch) * self.per_forward(cell, concurrency)
+
+    def seconds(self, cell, concurrency: int) -> float:
+        return max(self.overhead_s(cell) + self.steps_s(cell, concurrency), self.cut_s.get(cell.key(self.seqlen), 0.0))
 
     def estimate(self, cell) -> float | None:
         """elsa_ds's estimate for a training cell (None for the others, or without a model)."""
