@@ -375,7 +375,8 @@ def test_the_plan_runs_the_smaller_budgets_first_and_skips_cells_done_before(tmp
     assert {c.sparsity for c in plan[:10]} == {0.9} and {c.method for c in largest} == {"elsa", "sparsegpt+ft", "wanda+ft"}
     # the rule's held end at the middle budget (the rule holds none from ~450 steps), then what the issue must show: the
     # largest budget at 90 % and at 70 %; then the held end there, the middle budget's dense start and the authors'
-    # residual balancing from it, the largest's tokens in 2048 steps of 8 (where a loan has their time), its dense start
+    # residual balancing from it, the largest's tokens in 2048 steps of 8 (where a loan has their time), the paper's
+    # settings at the largest, then its dense start
     assert plan[6] == curve.Cell("elsa", 0.9, 512, "held")
     assert plan[10:13] == [replace(c, sparsity=0.7) for c in largest]
     assert plan[13] == curve.Cell("elsa", 0.9, 512, "held", 32)
@@ -383,8 +384,8 @@ def test_the_plan_runs_the_smaller_budgets_first_and_skips_cells_done_before(tmp
     many = plan[16:19]
     assert [(c.steps, c.batch, c.settings) for c in many] == [(2048, 8, "rule")] * 3 and many == [
         curve.Cell(c.method, 0.9, 2048) for c in largest]
-    assert plan[19] == curve.Cell("elsa", 0.9, 512, "dense", 32)
-    assert curve.Cell("elsa", 0.9, 512, "paper", 32) in plan and curve.Cell("dense+ft", None, 512, batch=32) in plan
+    assert plan[19:21] == [curve.Cell("elsa", 0.9, 512, s, 32) for s in ("paper", "dense")]  # the issue's item 3 first
+    assert curve.Cell("dense+ft", None, 512, batch=32) in plan
     assert len(set(plan)) == len(plan)
     beyond = plan[-3:]  # last: 4x the largest's tokens in 2048 steps of 32, ELSA's cell first (its retraining waits on it)
     assert beyond == [curve.Cell(c.method, 0.9, 2048, batch=32) for c in largest] and curve.BEYOND in curve.LONG
