@@ -873,6 +873,9 @@ def test_a_cells_steps_are_paced_for_the_cells_that_share_the_gpu():
     paced = estimate.Estimator("H", [_paced_line(0.4, 4.0)], micro_batch=8, seqlen=64)
     assert paced.steps_s(cell, 1) == pytest.approx(100 * 0.1) and paced.steps_s(cell, 2) == pytest.approx(100 * 0.2)
     assert paced.seconds(cell, 3) == pytest.approx(paced.overhead_s(cell) + 100 * 0.3)
+    host_bound = _paced_line(0.4, 4.0) | {"profile": {"torch": {"host_ops_s": 0.25}}}  # 0.25 s of it on the host
+    floor = estimate.Estimator("H", [host_bound], micro_batch=8, seqlen=64)
+    assert floor.steps_s(cell, 1) == pytest.approx(100 * 0.25) and floor.steps_s(cell, 4) == pytest.approx(100 * 0.4)
     measured = estimate.Estimator("H", [_paced_line(0.4, None)], micro_batch=8, seqlen=64)
     assert measured.steps_s(cell, 1) == measured.steps_s(cell, 4) == pytest.approx(100 * 0.4)
     assert paced.steps_s(curve.Cell("sparsegpt", 0.9, 0), 2) == 0.0
@@ -892,7 +895,16 @@ def test_a_cell_starts_only_where_it_and_the_running_ones_still_end_in_time():
     assert shares.remaining(a, 2) == pytest.approx(10.0) and shares.remaining(a, 1) == pytest.approx(5.0)
     assert shares.end(a, 10.0) == pytest.approx(2.0)  # its life beside b throughout
     shares.tick(15.0)  # alone now: 5 s finish b's other half
-    assert shares.remaining(b, 1) == pytest.approx(0.0) and shares.end(b, 20.0) == pytest.approx((2 * 10 + 10) / 20)
+    assert shares.remaining(b, 1) == pytest.approx(0.0) and shares.end(b, 20.0) == pytest.approx(20 / (10 / 2 + 10 / 1), abs=1e-3)
+    late, c = curve.Shares(est, 0.0), curve.Cell("elsa", 0.8, 10)
+    late.start(a, 0.0)
+    late.tick(30.0)  # still running at 30 s against 10 s predicted: nothing starts beside it, whatever the time left
+    assert late.remaining(a, 2) == 0.0 and not late.admits(c, 1000.0)
+    est.add(_paced_line(1.0, 1.0) | {"key": b.key(64), "status": "cut", "wall_s": 40.0})  # b took 40 s before a deadline cut it
+    again = curve.Shares(est, 0.0)
+    assert not again.admits(b, 35.0) and again.admits(b, 45.0)
+    again.start(b, 0.0)
+    assert again.remaining(b, 1) == pytest.approx(40.0) and not again.admits(c, 45.0)  # b's 40 s beside c: past 45
 
 
 def test_the_runner_runs_apart_what_cannot_share_the_gpu_in_time(tmp_path, monkeypatch):
@@ -926,9 +938,10 @@ def test_sharing_is_derived_from_a_runners_log_and_the_backfilled_lines_agree():
                      "[curve] ok     a|0.9: test 1.0, linux-doc 2.0, 50.0 s", "[curve] start c|0.9 (estimate 9 s, 50 s left)",
                      "[curve] ok     b|0.9: test 1.0, linux-doc 2.0, 80.0 s", "[curve] failed c|0.9: test None, linux-doc None, 40.0 s",
                      "[curve] start d|0.9 (estimate 9 s, 5 s left)"])
-    assert curve.sharing_from_log(log) == {("a|0.9", 50.0): 2.0, ("b|0.9", 80.0): 2.0, ("c|0.9", 40.0): 1.75}
+    assert curve.sharing_from_log(log) == {("a|0.9", 50.0): 2.0, ("b|0.9", 80.0): 2.0, ("c|0.9", 40.0): 1.6}
+    assert curve.sharing_from_log("[curve] ok     x|0.9: test 1.0, linux-doc 2.0, 5.0 s\n" + log) == curve.sharing_from_log(log)
     recorded = [x for x in ship.read_lines(ship.RESULTS) if x.get("sharing_from")]
-    assert recorded, "the plain cells run before 2026-12-04 17:30 carry their sharing from the runner's logs"
+    assert recorded, "the plain cells run before 2026-12-04 17:40 carry their sharing from the runner's logs"
     for line in recorded:
         assert curve.sharing_from_log((ROOT / line["sharing_from"]).read_text())[(line["key"], line["wall_s"])] == line["sharing"]
 

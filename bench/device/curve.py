@@ -379,18 +379,21 @@ class Shares:
     pace, 2026-12-04), so each running cell is followed as its overhead first (launch, load, start, export, evaluation:
     its own pace), then the fraction of its steps left at the pace of the cells sharing the GPU; a cell starts only where
     it and every running cell still end before the deadline with it beside them (cells only leave until the next start
-    is checked the same way). A cell's ``sharing`` is the mean number of cells on the GPU over its life, itself included."""
+    is checked the same way), and none starts beside a cell that has outrun its prediction. A cell's ``sharing`` is the
+    number of cells on the GPU over its life, itself included, as its pace sees it: its life over the integral of 1/k (a
+    cell alone half its life and beside three others the other half: 1.6, where the plain mean, 2.5, would make its
+    steps alone look faster than they are: a review)."""
 
     def __init__(self, estimator: Estimator, now: float):
         self.estimator, self.last = estimator, now
         self.left: dict[Cell, list[float]] = {}  # [overhead seconds left, fraction of the steps left]
-        self.area: dict[Cell, float] = {}  # the integral of the cells on the GPU over its life so far
+        self.area: dict[Cell, float] = {}  # the integral of 1 / (cells on the GPU) over its life so far
         self.began: dict[Cell, float] = {}
 
     def tick(self, now: float) -> None:
         k, dt, self.last = len(self.left), max(0.0, now - self.last), max(now, self.last)
         for cell, left in self.left.items():
-            self.area[cell] += k * dt
+            self.area[cell] += dt / k
             own = min(dt, left[0])
             left[0] -= own
             steps = self.estimator.steps_s(cell, k)
@@ -402,17 +405,20 @@ class Shares:
 
     def admits(self, cell: Cell, left: float) -> bool:
         k = len(self.left) + 1
-        return self.estimator.seconds(cell, k) <= left and all(self.remaining(c, k) <= left for c in self.left)
+        return self.estimator.seconds(cell, k) <= left and all(
+            self.remaining(c, k) <= left and self.left[c] != [0.0, 0.0] for c in self.left)  # [0, 0]: outran its estimate
 
     def start(self, cell: Cell, now: float) -> None:
         self.tick(now)
-        self.left[cell], self.area[cell], self.began[cell] = [self.estimator.overhead_s(cell), 1.0], 0.0, now
+        steps = self.estimator.steps_s(cell, len(self.left) + 1)  # a cell a deadline cut before: at least what it took
+        overhead = max(self.estimator.overhead_s(cell), self.estimator.seconds(cell, len(self.left) + 1) - steps)
+        self.left[cell], self.area[cell], self.began[cell] = [overhead, 1.0], 0.0, now
 
     def end(self, cell: Cell, now: float) -> float:
         self.tick(now)
         del self.left[cell]
         area, span = self.area.pop(cell), now - self.began.pop(cell)
-        return round(area / span, 3) if span > 0 else 1.0
+        return round(span / area, 3) if area > 0 else 1.0
 
 
 _START = re.compile(r"^\[curve\] start (\S+) \(estimate \d+ s, (-?\d+) s left\)")
@@ -420,20 +426,23 @@ _END = re.compile(r"^\[curve\] (ok|failed|cut)\s+(\S+): .*, ([\d.]+) s$")
 
 
 def sharing_from_log(text: str) -> dict[tuple[str, float], float]:
-    """{(key, wall_s): the mean number of cells on the GPU over that cell's life} from a runner's log (its start lines'
-    seconds left, its end lines' wall_s): the ``sharing`` of the cells run before their lines recorded it."""
+    """{(key, wall_s): the cells on the GPU over that cell's life as :class:`Shares` averages them} from a runner's log
+    (its start lines' seconds left, its end lines' wall_s): the ``sharing`` of the cells run before their lines recorded
+    it. An end line without its start (a cut log) is left out."""
     spans: list[list] = []  # [key, start, end or None], start and end in seconds before the deadline's margin (negated)
     for row in text.splitlines():
         if m := _START.match(row):
             spans.append([m.group(1), -float(m.group(2)), None])
         elif m := _END.match(row):
-            span = next(x for x in spans if x[0] == m.group(2) and x[2] is None)
-            span[2] = span[1] + float(m.group(3))
+            if span := next((x for x in spans if x[0] == m.group(2) and x[2] is None), None):
+                span[2] = span[1] + float(m.group(3))
     last = max((x[2] for x in spans if x[2] is not None), default=0.0)
     out = {}
     for key, start, end in (x for x in spans if x[2] is not None):
-        area = sum(max(0.0, min(end, e if e is not None else last) - max(start, s)) for _, s, e in spans)
-        out[(key, round(end - start, 1))] = round(area / (end - start), 3) if end > start else 1.0
+        lives = [(s, e if e is not None else last) for _, s, e in spans]
+        edges = sorted({start, end} | {t for life in lives for t in life if start < t < end})
+        area = sum((b - a) / sum(s <= (a + b) / 2 < e for s, e in lives) for a, b in zip(edges, edges[1:]))
+        out[(key, round(end - start, 1))] = round((end - start) / area, 3) if area > 0 else 1.0
     return out
 
 
@@ -594,7 +603,7 @@ def print_simulation(todo: list[Cell], args: argparse.Namespace) -> int:
                               args.engine)
         started, left = simulate(todo, estimator, args.budget_s, args.parallel, args.gpu_gib * 2**30, args.seqlen)
     for row in started:
-        print(f"{row['start_s']:6.0f} -> {row['end_s']:6.0f} s  beside {row['sharing']:.2f}  {row['key']}")
+        print(f"{row['start_s']:6.0f} -> {row['end_s']:6.0f} s  sharing {row['sharing']:.2f}  {row['key']}")
     print(json.dumps({"device": args.simulate, "budget_s": args.budget_s, "would_start": [r["key"] for r in started],
                       "would_not": left}))
     return 0

@@ -154,13 +154,15 @@ def plot(cells: list[dict], sparsities: list[float], out: Path, texts: tuple, na
         for row, (metric, text) in enumerate(texts):
             ax, trained = axes[row][col], []
             for label, points in sorted(curves.items()):  # one line a method across the budgets; a square: another batch
-                xs = sorted(points)
+                xs = sorted(points)  # the line joins each token count's fewest steps; more steps there: a point beside it
                 ys = [points[t][metric] for t in xs]
                 trained += ys
-                line, = ax.plot([t for t, _ in xs], ys, linestyle="-." if label.endswith(PLAIN) else "-",
-                                color=COLORS.get(label.removesuffix(PLAIN)), label=label)
+                joined = [t for t in xs if t == min(u for u in xs if u[0] == t[0])]
+                line, = ax.plot([t for t, _ in joined], [points[t][metric] for t in joined], color=COLORS.get(label.removesuffix(PLAIN)),
+                                linestyle="-." if label.endswith(PLAIN) else "-", label=label)
                 for t, y in zip(xs, ys):
-                    ax.plot(t[0], y, marker="o" if points[t].get("batch") == main else "s", color=line.get_color())
+                    ax.plot(t[0], y, marker="o" if points[t].get("batch") == main else "s", color=line.get_color(),
+                            fillstyle="full" if t in joined else "none")
             shown = trained + [refs["dense"][metric]] * ("dense" in refs)  # the dense model always on the scale
             low, high = (min(shown) / 1.1, max(shown) * 1.1) if trained else (1, 10)
             off = []  # untrained rows far off the trained cells' scale are named, not drawn

@@ -111,8 +111,9 @@ class Estimator:
         self.micro_batch, self.checkpointing = micro_batch, checkpointing
         self.model, self.deepspeed, self.seqlen = model, deepspeed, seqlen
         self.leaf_layers, self.torch_linear, self.engine = leaf_layers, torch_linear, engine
-        # (regime, (method, tokens a forward, seconds, the cells sharing the GPU on average: None where not recorded))
-        self.forward_s: list[tuple[Regime, tuple[str, int, float, float | None]]] = []
+        # (regime, (method, tokens a forward, seconds, the cells sharing the GPU on average: None where not recorded, the
+        # host's seconds in operators a forward, profiled: a floor no sharing lowers, 0 where not profiled))
+        self.forward_s: list[tuple[Regime, tuple[str, int, float, float | None, float]]] = []
         self.ratios: list[tuple[str, float]] = []  # (method, measured peak / estimate)
         self.cut_s: dict[str, float] = {}  # a cell cut at a deadline: what it had taken, less than it needs
         # seconds of a cell beyond its steps (launch, load, one-shot, export, evaluation: not the step's regime), by kind
@@ -131,7 +132,11 @@ class Estimator:
         n = line.get("forwards") or 1  # lines before 2026-11-29 had one forward a step
         if line.get("step_s"):
             tokens = -(-line.get("batch", 8) // n) * line.get("seqlen", self.seqlen)
-            self.forward_s.append((regime(line), (line.get("method", ""), tokens, line["step_s"] / n, line.get("sharing"))))
+            torch_profile = (line.get("profile") or {}).get("torch") or {}  # the host's own time: less its waits for room in
+            # the GPU's queue ("Command Buffer Full": the GPU's pace, 0.55 of 0.83 s a step beside three 32 x 512 cells)
+            host = (torch_profile.get("host_ops_s") or 0.0) - dict(torch_profile.get("host_top") or []).get("Command Buffer Full", 0.0)
+            self.forward_s.append((regime(line), (line.get("method", ""), tokens, line["step_s"] / n, line.get("sharing"),
+                                                  host / n)))
         if line.get("peak_gpu_bytes") and line.get("est_gpu_bytes"):
             self.ratios.append((line.get("method", ""), line["peak_gpu_bytes"] / line["est_gpu_bytes"]))
         if line.get("wall_s") is not None:
@@ -144,16 +149,18 @@ class Estimator:
         method's cells that stepped as it will; of other methods' such cells x ``OTHER_METHOD`` (an ELSA step is a little
         slower than retraining's); else of all earlier cells. A cell that recorded how many cells shared the GPU with it
         on average (``sharing``) is scaled to ``concurrency`` (the GPU time-slices its processes: 4 cells of 32 x 512 at
-        once stepped at ~4x one's pace, 2026-12-04); one that did not counts as measured."""
+        once stepped at ~4x one's pace, 2026-12-04), never below its host's profiled seconds in operators (8 x 512 cells
+        stepped at 0.27 s beside three others with 0.18 s of it on the host: no fewer cells make that faster); one that
+        did not record ``sharing`` counts as measured."""
         engine = self.engine == "deepspeed"  # ZeRO-3's options do not reach a plain loop's cells
         now = (self.checkpointing, self.leaf_layers and engine, self.torch_linear and engine, self.engine)
 
-        def paced(s: float, shared: float | None) -> float:
-            return s / shared * concurrency if shared else s
+        def paced(s: float, shared: float | None, host: float) -> float:
+            return max(s / shared * concurrency, host) if shared else s
 
-        same = [(m, t, paced(s, k)) for r, (m, t, s, k) in self.forward_s if r == now]
+        same = [(m, t, paced(s, k, h)) for r, (m, t, s, k, h) in self.forward_s if r == now]
         mine = [(t, s) for m, t, s in same if m == cell.method]
-        samples = mine or [(t, s * OTHER_METHOD) for _, t, s in same] or [(t, paced(s, k)) for _, (_, t, s, k) in self.forward_s]
+        samples = mine or [(t, s * OTHER_METHOD) for _, t, s in same] or [(t, paced(s, k, h)) for _, (_, t, s, k, h) in self.forward_s]
         if not samples:
             return PRIOR_FORWARD_S * concurrency / 3
         tokens = min(cell.batch, self.micro_batch) * self.seqlen
