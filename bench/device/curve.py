@@ -437,26 +437,26 @@ def sharing_from_log(text: str) -> dict[tuple[str, float], float]:
             if span := next((x for x in spans if x[0] == m.group(2) and x[2] is None), None):
                 span[2] = span[1] + float(m.group(3))
     last = max((x[2] for x in spans if x[2] is not None), default=0.0)
+    lives = [(s, e if e is not None else last) for _, s, e in spans]  # a cell the log never ends: to its last end
     out = {}
     for key, start, end in (x for x in spans if x[2] is not None):
-        lives = [(s, e if e is not None else last) for _, s, e in spans]
         edges = sorted({start, end} | {t for life in lives for t in life if start < t < end})
         area = sum((b - a) / sum(s <= (a + b) / 2 < e for s, e in lives) for a, b in zip(edges, edges[1:]))
         out[(key, round(end - start, 1))] = round((end - start) / area, 3) if area > 0 else 1.0
     return out
 
 
-def startable(cell: Cell, pending: list[Cell], running: list[Cell], estimator: Estimator, gpu_memory: float | None,
-              shares: Shares, left: float) -> bool:
-    """Whether ``cell`` may start now: its predicted GPU peak fits beside the running cells' in ``GPU_SHARE`` of the GPU's
-    memory, it and every running cell still end within ``left`` seconds (:class:`Shares`), and a retraining cell of a long
+def startable(cell: Cell, pending: list[Cell], estimator: Estimator, gpu_memory: float | None, shares: Shares,
+              left: float) -> bool:
+    """Whether ``cell`` may start now: its predicted GPU peak fits beside the running cells' (those ``shares`` follows) in
+    ``GPU_SHARE`` of the GPU's memory, it and every running cell still end within ``left`` seconds, and a retraining cell of a long
     budget (:data:`LONG`) has its ELSA cell started: alone it answers nothing, and ELSA's is the longest of the three (a
     review: Wanda + ft alone could take a loan ELSA's never fits)."""
     shape = (cell.steps, cell.batch)
     if shape in LONG and cell.method != "elsa" and any(
             (c.method, c.settings, c.sparsity, c.steps, c.batch) == ("elsa", "rule", cell.sparsity, *shape) for c in pending):
         return False
-    used = sum(estimator.gpu_bytes(c) for c in running)
+    used = sum(estimator.gpu_bytes(c) for c in shares.left)
     if gpu_memory is not None and used + estimator.gpu_bytes(cell) > GPU_SHARE * gpu_memory:
         return False
     return shares.admits(cell, left)
@@ -473,7 +473,7 @@ def simulate(cells: list[Cell], estimator: Estimator, budget_s: float, parallel:
         for cell in [c for c in running if shares.remaining(c, len(running)) <= 1e-6]:  # float steps
             out.append({"key": cell.key(seqlen), "start_s": running.pop(cell), "end_s": t, "sharing": shares.end(cell, t)})
         while len(running) < parallel and (cell := next((c for c in pending if startable(
-                c, pending, list(running), estimator, gpu_memory, shares, budget_s - t - MARGIN_S)), None)):
+                c, pending, estimator, gpu_memory, shares, budget_s - t - MARGIN_S)), None)):
             pending.remove(cell)
             running[cell] = t
             shares.start(cell, t)
@@ -499,7 +499,7 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path, done
             shares.tick(time.time())
             left = run.deadline - time.time() - MARGIN_S
             while len(running) < run.parallel and (cell := next((c for c in pending if startable(
-                    c, pending, list(running.values()), estimator, run.gpu_memory, shares, left)), None)):
+                    c, pending, estimator, run.gpu_memory, shares, left)), None)):
                 pending.remove(cell)
                 print(f"[curve] start {cell.key(run.seqlen)} (estimate {estimator.seconds(cell, len(running) + 1):.0f} s, "
                       f"{left:.0f} s left)", flush=True)
