@@ -177,3 +177,59 @@ def test_a_full_disk_as_the_model_is_written_is_one_line_and_leaves_nothing(tmp_
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")][0].startswith("error: file size limit"), \
         proc.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_compiled_cell_trains_as_the_eager_one_and_says_what_compiled(tmp_path, tiny_model_dir, text_dir):
+    """``--compile inductor``: the steps call the model through ``torch.compile`` (the GPU's lever: fused graphs, fewer
+    launches a step; here inductor's C++ code for the CPU, ~30 s of compiling on 2 cores, where the GPU gets Triton's). In
+    fp32 the cell keeps the eager cell's masks and its weights to rounding (4e-7 apart on the AMD box, 2026-12-04); its report names the
+    backend, the graphs it compiled and the first step (the compile's) apart from the mean; the export is the model's
+    own (no wrapper in the weights' names)."""
+    ds_path = derived_config(tmp_path, bf16={"enabled": False})
+    reports, weights = {}, {}
+    for backend in ("none", "inductor"):
+        out = tmp_path / backend
+        plain_cell(["--device", "cpu", "--compile", backend, "--deepspeed", str(ds_path), "--model", str(tiny_model_dir),
+                    "--dataset", str(text_dir), *ARGS, "--output_dir", str(out)])
+        reports[backend] = json.loads((out / "elsa_report.json").read_text())
+        weights[backend] = load_file(out / "model.safetensors")
+    assert reports["none"]["compile"] is None and "compiled_graphs" not in reports["none"]
+    compiled = reports["inductor"]
+    assert compiled["compile"] == "inductor" and compiled["compiled_graphs"] >= 1
+    assert compiled["first_step_s"] > 10 * compiled["step_time_s"]  # the compile is in the first step, not in the mean
+    assert weights["inductor"].keys() == weights["none"].keys()
+    for name, w in weights["none"].items():
+        assert torch.equal(w != 0, weights["inductor"][name] != 0), name
+        torch.testing.assert_close(weights["inductor"][name], w, rtol=1e-4, atol=1e-5)
+    assert compiled["final_loss"] == pytest.approx(reports["none"]["final_loss"], rel=1e-4)
+
+
+def test_a_graph_the_backend_cannot_compile_runs_eagerly_and_the_report_says_none_compiled(monkeypatch):
+    """A backend that fails (as inductor might on a GPU no session here can test) must not cost the cell: the forward
+    and backward run eagerly, the gradients are the eager ones, and the report's ``compiled_graphs`` is 0."""
+    import importlib.util
+
+    import torch._dynamo
+    from torch._dynamo import register_backend
+
+    spec = importlib.util.spec_from_file_location("plain_cell_compile", ROOT / "bench" / "plain_cell.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)  # compile_model's switch, undone after the test
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("this backend compiles nothing")
+
+    register_backend(broken, name="elsa_ds_test_broken")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    forward = module.compile_model(model, "elsa_ds_test_broken")
+    forward(x).sum().backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), eager))
+    assert module.compile_report("elsa_ds_test_broken", [1.5]) == {"compile": "elsa_ds_test_broken", "compiled_graphs": 0,
+                                                                   "graph_breaks": 0, "first_step_s": 1.5}
+    assert module.compile_model(model, "none") is model and module.compile_report("none", []) == {"compile": None}

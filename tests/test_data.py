@@ -28,6 +28,11 @@ def test_global_batches_identical_for_any_world_size():
     assert one.grad_accum == 4
     epoch0 = torch.cat([one.global_batch_at(s) for s in range(5)])
     assert sorted(epoch0[:, 0].tolist()) == list(range(0, 120, 3))  # an epoch visits every block once
+    # the epoch's order is drawn once and kept: steps asked out of order (a resumed run) get what fresh objects give
+    for step in (7, 2, 9, 7, 0):
+        assert torch.equal(one.global_batch_at(step), GlobalBatches(blocks, 8, 2, 1, 0, 5).global_batch_at(step))
+    first = one.global_batch_at(5)  # epoch 1's first batch differs from epoch 0's: the seed moves with the epoch
+    assert not torch.equal(first, one.global_batch_at(0))
 
 
 def test_too_few_blocks_for_one_global_batch():

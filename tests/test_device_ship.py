@@ -380,15 +380,18 @@ def test_the_plan_runs_the_smaller_budgets_first_and_skips_cells_done_before(tmp
     assert plan[6] == curve.Cell("elsa", 0.9, 512, "held")
     assert plan[10:13] == [replace(c, sparsity=0.7) for c in largest]
     assert plan[13] == curve.Cell("elsa", 0.9, 512, "held", 32)
-    assert plan[14:16] == [curve.Cell("elsa", 0.9, 512, s) for s in ("dense", "adaptive")]
-    many = plan[16:19]
+    # the compiled loop beside the first budget's ELSA cell (the same quality? its pace and compile time, measured)
+    assert plan[14] == replace(plan[0], compiled=True) and plan[14].key(512) == plan[0].key(512) + "|compiled"
+    assert plan[15:17] == [curve.Cell("elsa", 0.9, 512, s) for s in ("dense", "adaptive")]
+    many = plan[17:20]  # compiled: 2048 steps of 8 x 512 are the host's time a step, which the fused graphs cut
     assert [(c.steps, c.batch, c.settings) for c in many] == [(2048, 8, "rule")] * 3 and many == [
-        curve.Cell(c.method, 0.9, 2048) for c in largest]
-    assert plan[19:21] == [curve.Cell("elsa", 0.9, 512, s, 32) for s in ("paper", "dense")]  # the issue's item 3 first
+        curve.Cell(c.method, 0.9, 2048, compiled=True) for c in largest]
+    assert plan[20:22] == [curve.Cell("elsa", 0.9, 512, s, 32) for s in ("paper", "dense")]  # the issue's item 3 first
     assert curve.Cell("dense+ft", None, 512, batch=32) in plan
     assert len(set(plan)) == len(plan)
     beyond = plan[-3:]  # last: 4x the largest's tokens in 2048 steps of 32, ELSA's cell first (its retraining waits on it)
-    assert beyond == [curve.Cell(c.method, 0.9, 2048, batch=32) for c in largest] and curve.BEYOND in curve.LONG
+    assert beyond == [curve.Cell(c.method, 0.9, 2048, batch=32, compiled=True) for c in largest] and curve.BEYOND in curve.LONG
+    assert {c.compiled for c in plan if c.steps == 2048} == {True} and not any(c.compiled for c in plan[:14])
     done = tmp_path / "done.jsonl"
     done.write_text(json.dumps({"key": plan[0].key(512), "status": "ok"}) + "\n" + json.dumps({"key": plan[1].key(512), "status": "cut"}) + "\n")
     assert curve.done_keys(done) == {plan[0].key(512)}
@@ -588,11 +591,12 @@ def test_cells_start_only_while_their_gpu_peaks_fit_beside_the_running_ones(tmp_
 
 
 def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp_path):
-    def cell(method, sparsity, steps, test, kind="train", settings="rule", status="ok", batch=8, engine="deepspeed"):
-        key = f"{method}|{sparsity}|{steps}x{batch}|{settings}" + curve.ENGINE_KEYS[engine]
+    def cell(method, sparsity, steps, test, kind="train", settings="rule", status="ok", batch=8, engine="deepspeed",
+             compiled=False):
+        key = f"{method}|{sparsity}|{steps}x{batch}|{settings}" + curve.ENGINE_KEYS[engine] + "|compiled" * compiled
         return {"key": key, "method": method, "sparsity": sparsity, "steps": steps, "settings": settings, "kind": kind,
                 "batch": batch, "tokens": steps * batch * 512, "test_ppl": test, "linuxdoc_ppl": 2 * test, "status": status,
-                "device": "GPU", "engine": engine}
+                "device": "GPU", "engine": engine, "compiled": compiled}
 
     lines = [cell("elsa", 0.9, 125, 40.0), cell("sparsegpt+ft", 0.9, 125, 32.0), cell("wanda+ft", 0.9, 125, 36.0),
              cell("elsa", 0.9, 2000, 30.0, status="cut"), cell("elsa", 0.9, 2000, 20.0), cell("wanda+ft", 0.9, 2000, 25.0),
@@ -601,7 +605,10 @@ def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp
              cell("sparsegpt", 0.9, 0, 700.0, kind="oneshot"),
              cell("elsa", 0.9, 500, 24.0, batch=32), cell("wanda+ft", 0.9, 500, 25.0, batch=32),  # 2000 x 8's tokens
              # the plain loop's cells: a row and a ratio of their own, never mixed with the engine's
-             cell("elsa", 0.9, 2000, 18.0, engine="plain"), cell("sparsegpt+ft", 0.9, 2000, 24.0, engine="plain")]
+             cell("elsa", 0.9, 2000, 18.0, engine="plain"), cell("sparsegpt+ft", 0.9, 2000, 24.0, engine="plain"),
+             # and its compiled cells: their own again (the same budget as an eager cell never overwrites it)
+             cell("elsa", 0.9, 2000, 19.0, engine="plain", compiled=True),
+             cell("wanda+ft", 0.9, 2000, 38.0, engine="plain", compiled=True)]
     results = tmp_path / "cells.jsonl"
     results.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert curve_report.main(["--results", str(results), "--out", str(tmp_path / "curve")]) == 0
@@ -611,6 +618,8 @@ def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp
     assert "| **ELSA / best retraining**, techdocs test | 1.25 | 0.96 | 0.80 |" in md
     assert "| **ELSA / best retraining (plain loop)**, techdocs test |  |  | 0.75 |" in md
     assert "| elsa (plain loop), techdocs test |  |  | 18.00 |" in md
+    assert "| elsa (compiled), techdocs test |  |  | 19.00 |" in md
+    assert "| **ELSA / best retraining (compiled)**, techdocs test |  |  | 0.50 |" in md
     assert "elsa (paper's settings), techdocs test |  |  | 22.00 |" in md and "sparsegpt 700.00 / 1400.00" in md
     # the variants are rows of their own: none of them takes the rule's place in the ratio
     assert "elsa (held end), techdocs test |  |  | 10.00 |" in md and "elsa (residual balancing), techdocs test |  |  | 12.00 |" in md
@@ -962,3 +971,54 @@ def test_a_loan_is_played_on_the_estimates_before_it_is_spent(tmp_path, capsys):
                        "--no-leaf_layers"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["would_start"] == [a.key(64), b.key(64)] and summary["would_not"] == []
+
+
+def test_a_compiled_cell_runs_the_plain_loop_compiled_and_is_priced_as_eager_until_one_is_measured(tmp_path):
+    """``compiled``: the plain loop's model through inductor (bench/plain_cell.py --compile), its key and slug apart from
+    the eager cell's; until a compiled cell has ended its steps are priced as the eager loop's (an upper bound where the
+    compile pays) and its overhead as the largest of any training cell (its compile is not in the eager ones'); then its
+    own; the eager cells' prices do not move."""
+    cell = curve.parse_cell("elsa:0.9:2048:rule:8:compiled")
+    assert cell == curve.Cell("elsa", 0.9, 2048, compiled=True) and cell.key(512).endswith("|rule|compiled")
+    plain = replace(cell, engine="plain")
+    assert plain.key(512) == "elsa|0.9|2048x8x512|rule|plain|compiled" and plain.slug() == "elsa_90_2048x8_rule_plain_compiled"
+    for wrong in ("wanda:0.9:0:rule:8:compiled", "elsa:0.9:10:rule:8:fast"):
+        with pytest.raises(ValueError):
+            curve.parse_cell(wrong)
+    run = curve.Run("m", "t", "t", "t", 512, 32, "ds_configs/zero3.json", 4, tmp_path, time.time() + 600, 1, {})
+    command = curve.plain_command(plain, run, tmp_path / "out")
+    assert command[1].endswith("bench/plain_cell.py") and command[2:4] == ["--compile", "inductor"]
+    assert "--compile" not in curve.plain_command(replace(plain, compiled=False), run, tmp_path / "out")
+    eager_line = {"device": "H", "status": "ok", "kind": "train", "method": "elsa", "settings": "rule", "steps": 100, "batch": 8,
+                  "seqlen": 512, "step_s": 0.3, "wall_s": 100 * 0.3 + 30.0, "engine": "plain", "gradient_checkpointing": False}
+    other = eager_line | {"method": "wanda+ft", "step_s": 0.2, "wall_s": 100 * 0.2 + 90.0}  # the largest overhead: 90 s
+    est = estimate.Estimator("H", [eager_line, other], micro_batch=32, model=None, seqlen=512, engine="plain")
+    compiled = replace(plain, steps=100)  # the measured cells' steps: the same start (the rule's SparseGPT start)
+    eager = replace(compiled, compiled=False)
+    assert est.steps_s(compiled, 1) == est.steps_s(eager, 1) == pytest.approx(100 * 0.3)
+    assert est.overhead_s(eager) == pytest.approx(30.0) and est.overhead_s(compiled) == pytest.approx(90.0)
+    est.add(eager_line | {"compiled": True, "step_s": 0.1, "wall_s": 100 * 0.1 + 60.0})
+    assert est.steps_s(compiled, 1) == pytest.approx(100 * 0.1) and est.overhead_s(compiled) == pytest.approx(60.0)
+    assert est.steps_s(eager, 1) == pytest.approx(100 * 0.3) and est.overhead_s(eager) == pytest.approx(30.0)
+    assert estimate.regime(eager_line | {"compiled": True})[3] == "plain+compiled"
+
+
+def test_a_compiled_cell_that_fails_runs_again_uncompiled_and_so_do_the_compiled_ones_after_it(tmp_path, monkeypatch):
+    """Compiling is new on the GPU: should a compiled cell's prune fail, it and every compiled cell not started yet run in
+    the plain loop uncompiled (a graph that does not compile runs eagerly already: this is a failure past that), not on
+    the engine; an uncompiled cell recorded before is not run again; the failed line stays."""
+    calls: list[str] = []
+
+    def fake_cell(cell, run):
+        calls.append(cell.key(run.seqlen))
+        line = {"key": cell.key(run.seqlen), "kind": cell.kind, "steps": cell.steps, "wall_s": 0.1, "engine": cell.engine}
+        return line | ({"status": "failed", "phase": "prune", "rc": 1} if cell.compiled else {"status": "ok"})
+
+    monkeypatch.setattr(curve, "run_cell", fake_cell)
+    run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 1, {})
+    cells = [curve.Cell(m, 0.9, 1, engine="plain", compiled=True) for m in ("elsa", "wanda+ft", "sparsegpt+ft")]
+    estimator = estimate.Estimator("H", [], micro_batch=64, engine="plain")
+    done = frozenset({"sparsegpt+ft|0.9|1x8x64|rule|plain"})
+    lines, skipped = curve.schedule(cells, run, estimator, tmp_path / "cells.jsonl", done)
+    assert calls == ["elsa|0.9|1x8x64|rule|plain|compiled", "elsa|0.9|1x8x64|rule|plain", "wanda+ft|0.9|1x8x64|rule|plain"]
+    assert [x["status"] for x in lines] == ["failed", "ok", "ok"] and not skipped and estimator.engine == "plain"

@@ -8,9 +8,9 @@ times), each cell's model judged on techdocs' held-out test documents and on lin
     python bench/device/curve.py --list       # the plan, and which cells bench/results already holds
     python bench/device/curve.py --simulate "NVIDIA H200" --budget_s 728 --model DIR   # the next loan, on the estimates
 
-A cell is (method, sparsity, steps, settings, batch): a training cell runs ``bench/plain_cell.py`` (``--engine plain``, the
-default: the job ``launch/prune.py`` would run, with the same flags, in a plain PyTorch loop without ZeRO-3's host work a
-step) or ``launch/prune.py`` under the deepspeed launcher (``--engine deepspeed``) on the one GPU (batch sequences of
+A cell is (method, sparsity, steps, settings, batch, compiled): a training cell runs ``bench/plain_cell.py`` (``--engine
+plain``, the default: the job ``launch/prune.py`` would run, with the same flags, in a plain PyTorch loop without ZeRO-3's
+host work a step; a compiled cell's model through ``torch.compile``'s inductor, keys ending ``|compiled``) or ``launch/prune.py`` under the deepspeed launcher (``--engine deepspeed``) on the one GPU (batch sequences of
 --seqlen tokens a step, at most --micro_batch a forward, no gradient checkpointing), a one-shot cell ``launch/prune.py``; then
 ``launch/evaluate.py``'s perplexity in fp32 on both test splits (window protocol, at most --eval_limit windows each).
 ``settings`` is ``rule`` (everything the user leaves unset comes from the defaults rule) or ``paper`` (the authors'
@@ -103,6 +103,7 @@ class Cell:
     # | elsa_lr (retraining) | retrain_lr (elsa)
     batch: int = 8
     engine: str = "deepspeed"  # a training cell's loop: deepspeed (launch/prune.py) | plain (bench/plain_cell.py)
+    compiled: bool = False  # the plain loop's model through torch.compile (inductor): its key ends in |compiled
 
     @property
     def kind(self) -> str:
@@ -110,22 +111,28 @@ class Cell:
 
     def key(self, seqlen: int) -> str:
         s = "-" if self.sparsity is None else f"{self.sparsity:g}"
-        return f"{self.method}|{s}|{self.steps}x{self.batch}x{seqlen}|{self.settings}" + ENGINE_KEYS[self.engine]
+        return f"{self.method}|{s}|{self.steps}x{self.batch}x{seqlen}|{self.settings}" + ENGINE_KEYS[self.engine] + self._compiled
 
     def slug(self) -> str:
         s = "dense" if self.sparsity is None else f"{round(100 * self.sparsity)}"
         engine = ENGINE_KEYS[self.engine].replace("|", "_")
-        return f"{self.method.replace('+', '_')}_{s}_{self.steps}x{self.batch}_{self.settings}{engine}"
+        return f"{self.method.replace('+', '_')}_{s}_{self.steps}x{self.batch}_{self.settings}{engine}{self._compiled.replace('|', '_')}"
+
+    @property
+    def _compiled(self) -> str:
+        return "|compiled" if self.compiled else ""
 
 
 def parse_cell(text: str) -> Cell:
-    """``method:sparsity:steps[:settings[:batch]]``, sparsity ``-`` for none; ValueError naming the text."""
+    """``method:sparsity:steps[:settings[:batch[:compiled]]]``, sparsity ``-`` for none; ValueError naming the text."""
     parts = text.split(":")
-    if len(parts) < 3 or parts[0] not in (*TRAINING, *ONESHOT, "dense"):
-        raise ValueError(f"cell {text!r}: expected method:sparsity:steps[:settings[:batch]], method one of "
+    if len(parts) < 3 or parts[0] not in (*TRAINING, *ONESHOT, "dense") or parts[5:] not in ([], ["compiled"]):
+        raise ValueError(f"cell {text!r}: expected method:sparsity:steps[:settings[:batch[:compiled]]], method one of "
                          f"{', '.join((*TRAINING, *ONESHOT, 'dense'))}")
     sparsity = None if parts[1] in ("-", "") else float(parts[1])
-    cell = Cell(parts[0], sparsity, int(parts[2]), *(parts[3:4] or ["rule"]), *map(int, parts[4:5]))
+    cell = Cell(parts[0], sparsity, int(parts[2]), *(parts[3:4] or ["rule"]), *map(int, parts[4:5]), compiled=len(parts) > 5)
+    if cell.compiled and cell.kind != "train":
+        raise ValueError(f"cell {text!r}: only a training cell is compiled")
     allowed = (*TRAINING, *ONESHOT, "dense") if cell.settings == "rule" else SWAPPED_LR.get(cell.settings, ("elsa",))
     if cell.settings not in SETTINGS or cell.method not in allowed or (cell.settings in SWAPPED_LR and sparsity is None):
         elsa_only = " / ".join(repr(k) for k in SETTINGS if k not in ("rule", *SWAPPED_LR))
@@ -150,9 +157,12 @@ def curve_plan(budgets: tuple[tuple[int, int], ...] = BUDGETS) -> list[Cell]:
     # budget the rule's ELSA met its final cut at ‖x − z‖/‖x‖ 0.159 and held beat it by 2.1 % (the H200, 2026-12-04)
     cells += [Cell(m, s, largest, batch=batch) for s in (0.9, 0.7) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     cells += [Cell("elsa", 0.9, largest, "held", batch)]
+    # the compiled loop (COMPILED_FROM) beside an eager cell already measured: the same quality, and its pace and compile
+    # time for the estimates before a long compiled cell is started
+    cells += [Cell("elsa", 0.9, budgets[0][0], batch=budgets[0][1], compiled=True)]
     cells += [Cell("elsa", 0.9, middle, s, middle_batch) for s in ("dense", "adaptive")]
     steps, per_step = MANY_STEPS  # started where their time fits a loan
-    cells += [Cell(m, 0.9, steps, batch=per_step) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
+    cells += [Cell(m, 0.9, steps, batch=per_step, compiled=True) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     # the paper's settings beside the rule's (the issue's item 3), then the dense start: where the rule takes SparseGPT's
     # (below 2048 steps); on the demo at 500 x 32 x 256 it was ahead of both retrainings (1.2 %), the rule's not
     cells += [Cell("elsa", 0.9, largest, s, batch) for s in ("paper", "dense")]
@@ -160,9 +170,9 @@ def curve_plan(budgets: tuple[tuple[int, int], ...] = BUDGETS) -> list[Cell]:
     cells += [Cell(m, s, 0) for s in (0.9, 0.7) for m in ONESHOT]
     # the lr controls (SWAPPED_LR) where the rule's lrs part: 70 % at the largest budget both ways, then 90 % at 2048 steps
     cells += [Cell("sparsegpt+ft", 0.7, largest, "elsa_lr", batch), Cell("elsa", 0.7, largest, "retrain_lr", batch),
-              Cell("sparsegpt+ft", 0.9, steps, "elsa_lr", per_step)]
+              Cell("sparsegpt+ft", 0.9, steps, "elsa_lr", per_step, compiled=True)]
     steps, per_step = BEYOND  # started where their time fits a loan, ELSA's first
-    cells += [Cell(m, 0.9, steps, batch=per_step) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
+    cells += [Cell(m, 0.9, steps, batch=per_step, compiled=True) for m in ("elsa", "sparsegpt+ft", "wanda+ft")]
     return cells
 
 
@@ -229,10 +239,11 @@ def swapped_lr_flags(cell: Cell, model: str) -> list[str]:
 
 
 def plain_command(cell: Cell, run: Run, out: Path) -> list[str]:
-    """``bench/plain_cell.py`` with the flags ``launch/prune.py`` gets for the same cell (one process, no launcher)."""
+    """``bench/plain_cell.py`` with the flags ``launch/prune.py`` gets for the same cell (one process, no launcher); a
+    compiled cell's model through torch.compile's inductor."""
     cmd = prune_command(cell, run, out)
     flags = cmd[cmd.index(str(ROOT / "launch" / "prune.py")) + 1:]
-    return [sys.executable, str(ROOT / "bench" / "plain_cell.py"), *flags]
+    return [sys.executable, str(ROOT / "bench" / "plain_cell.py"), *(["--compile", "inductor"] if cell.compiled else []), *flags]
 
 
 def cell_config(cell: Cell, run: Run) -> str:
@@ -313,6 +324,8 @@ def run_cell(cell: Cell, run: Run) -> dict:
     line |= {"prune_s": round(time.time() - started, 1), "job_s": report.get("wall_s"), "oneshot_s": report.get("prune_s"),
              "phase_s": phase_seconds(phase_log, started, time.time())}
     line |= read_profile(profile)
+    if cell.compiled:  # what compiled (0 graphs: it ran eagerly) and the first step's seconds, the compile's
+        line["compile"] = {k: report.get(k) for k in ("compile", "compiled_graphs", "graph_breaks", "first_step_s")}
     rc, result = evaluate(run.model if cell.method == "dense" else str(out), run, out, log)
     if result is None:
         return line | failed(rc, "evaluate", log, started)
@@ -524,8 +537,11 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path, done
                     run.leaf_layers, run.torch_linear = suspects.pop(cell)
                     price_as(estimator, run)
                     print(f"[curve] {line['key']} failed without them too: the cells from now on take them again", flush=True)
+                if compile_failed(line, cell):  # compiling is new on the GPU: a loan's cells must not all fail on it
+                    moved = (replace(c, compiled=False) for c in [cell, *pending])
+                    pending[:] = [c for c in moved if c.key(run.seqlen) not in done]
                 if plain_failed(line, cell):  # the loop is new on the GPU: a loan's cells must not all fail on it
-                    moved = (replace(c, engine="deepspeed") for c in [cell, *pending])
+                    moved = (replace(c, engine="deepspeed", compiled=False) for c in [cell, *pending])
                     pending[:] = [c for c in moved if c.key(run.seqlen) not in done]  # the engine's lines stand
                     estimator.engine = "deepspeed"
                 flags = (run.leaf_layers, run.torch_linear)
@@ -549,10 +565,19 @@ def price_as(estimator: Estimator, run: Run) -> None:
     estimator.leaf_layers, estimator.torch_linear = run.leaf_layers, bool(run.torch_linear)
 
 
+def compile_failed(line: dict, cell: Cell) -> bool:
+    """A compiled cell whose prune call failed: it and every compiled cell not started yet run in the plain loop
+    uncompiled instead (a graph that does not compile runs eagerly already: this is a failure past it); its line stays."""
+    if not cell.compiled or line.get("status") != "failed" or line.get("phase") != "prune":
+        return False
+    print(f"[curve] {line['key']} failed compiled: it and the compiled cells from now on run uncompiled", flush=True)
+    return True
+
+
 def plain_failed(line: dict, cell: Cell) -> bool:
-    """A training cell of the plain loop whose prune call failed: it and every cell not started yet run on the engine
-    (``launch/prune.py``, proven on the GPU) instead; its failed line stays."""
-    if cell.engine != "plain" or line.get("status") != "failed" or line.get("phase") != "prune":
+    """A training cell of the plain loop (uncompiled: :func:`compile_failed` first) whose prune call failed: it and every
+    cell not started yet run on the engine (``launch/prune.py``, proven on the GPU) instead; its failed line stays."""
+    if cell.engine != "plain" or cell.compiled or line.get("status") != "failed" or line.get("phase") != "prune":
         return False
     print(f"[curve] {line['key']} failed in the plain loop: it and the cells from now on run on the engine", flush=True)
     return True
@@ -613,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="the built Gemma-3 270M folder (bench/device/ship.py join --model_out)")
     ap.add_argument("--corpora", type=Path, help="folder holding techdocs/{train,test}.jsonl and linux-doc/test.jsonl")
-    ap.add_argument("--cells", default=None, help="comma list of method:sparsity:steps[:settings[:batch]] [the curve's plan]")
+    ap.add_argument("--cells", default=None, help="comma list of method:sparsity:steps[:settings[:batch[:compiled]]] "
+                    "[the curve's plan]")
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--micro_batch", type=int, default=32, help="sequences per forward at most [32: one forward a step]")
     ap.add_argument("--gradient_checkpointing", action="store_true", help="recompute the forward in the backward [off]")
@@ -649,7 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cells = [parse_cell(t) for t in args.cells.split(",")] if args.cells else curve_plan()
-        cells = [replace(c, engine=args.engine) if c.kind == "train" else c for c in cells]
+        cells = [replace(c, engine=args.engine, compiled=c.compiled and args.engine == "plain") if c.kind == "train" else c
+                 for c in cells]  # the engine compiles nothing
         parse_window(args.profile)
         done = done_keys(args.results) | done_keys(args.out / "cells.jsonl")  # a runner started again on the same machine
     except ValueError as err:  # a cells file's line that is not a cell (ship.CellsError) too

@@ -34,7 +34,9 @@ TARGET = 0.8
 LABELS = {"paper": " (paper's settings)", "dense": " (dense start)", "adaptive": " (residual balancing)",
           "held": " (held end)", "elsa_lr": " (ELSA's lr)", "retrain_lr": " (retraining's lr)"}
 PLAIN = " (plain loop)"  # a label's end for the cells of bench/plain_cell.py (curve.py --engine plain)
-LOOPS = ("", PLAIN)
+COMPILED = " (compiled)"  # and for its compiled cells (keys ending |compiled: the model through inductor)
+LOOPS = ("", PLAIN, COMPILED)
+LINESTYLES = {"": "-", PLAIN: "-.", COMPILED: ":"}
 COLORS = {"elsa": "C1", "elsa (paper's settings)": "C2", "elsa (dense start)": "C5", "elsa (residual balancing)": "C6",
           "elsa (held end)": "C7", "sparsegpt+ft": "C3", "wanda+ft": "C4", "dense+ft": "C0", "sparsegpt+ft (ELSA's lr)": "C8",
           "wanda+ft (ELSA's lr)": "C9", "elsa (retraining's lr)": "olive"}
@@ -92,9 +94,14 @@ def series(cells: list[dict], sparsity: float | None) -> dict[str, dict[Budget, 
     out: dict[str, dict[Budget, dict]] = defaultdict(dict)
     for c in cells:
         if c["kind"] == "train" and (c["sparsity"] == sparsity or c["method"] == "dense+ft"):
-            label = c["method"] + LABELS.get(c.get("settings", "rule"), "") + (PLAIN if c.get("engine") == "plain" else "")
+            label = c["method"] + LABELS.get(c.get("settings", "rule"), "") + loop_of(c)
             out[label][(c["tokens"], c["steps"])] = c
     return dict(out)
+
+
+def loop_of(cell: dict) -> str:
+    """The label's end for the loop a cell trained in: the engine's (""), the plain loop's, or the plain loop compiled."""
+    return COMPILED if cell.get("compiled") else PLAIN if cell.get("engine") == "plain" else ""
 
 
 def column(budget: Budget) -> str:
@@ -109,7 +116,8 @@ def references(cells: list[dict], sparsity: float) -> dict[str, dict]:
 
 def ratios(curves: dict[str, dict[Budget, dict]], metric: str, loop: str = "") -> dict[Budget, float]:
     """ELSA (rule) / the best retraining baseline at every budget both were measured on, in one loop (``loop``: "" the
-    engine's cells, :data:`PLAIN` bench/plain_cell.py's): never one loop's ELSA against the other's retraining."""
+    engine's cells, :data:`PLAIN` bench/plain_cell.py's, :data:`COMPILED` its compiled ones): never one loop's ELSA
+    against another's retraining."""
     out = {}
     for tokens, cell in curves.get("elsa" + loop, {}).items():
         base = [curves[m + loop][tokens][metric] for m in RETRAINING if tokens in curves.get(m + loop, {})]
@@ -158,8 +166,9 @@ def plot(cells: list[dict], sparsities: list[float], out: Path, texts: tuple, na
                 ys = [points[t][metric] for t in xs]
                 trained += ys
                 joined = [t for t in xs if t == min(u for u in xs if u[0] == t[0])]
-                line, = ax.plot([t for t, _ in joined], [points[t][metric] for t in joined], color=COLORS.get(label.removesuffix(PLAIN)),
-                                linestyle="-." if label.endswith(PLAIN) else "-", label=label)
+                loop = loop_of(next(iter(points.values())))
+                line, = ax.plot([t for t, _ in joined], [points[t][metric] for t in joined], label=label,
+                                color=COLORS.get(label.removesuffix(loop)), linestyle=LINESTYLES[loop])
                 for t, y in zip(xs, ys):
                     ax.plot(t[0], y, marker="o" if points[t].get("batch") == main else "s", color=line.get_color(),
                             fillstyle="full" if t in joined else "none")

@@ -24,6 +24,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 Regime = tuple[bool, bool, bool, str]  # (gradient checkpointing, --leaf_layers, torch's F.linear, loop): see regime()
+COMPILED = "+compiled"  # a loop's name with its model through torch.compile (bench/plain_cell.py --compile inductor)
 
 PRIOR_FORWARD_S = 0.6  # one 8 x 512 forward + backward of Gemma-3 270M, 3 cells at once on the H200 (2026-11-28)
 PRIOR_OVERHEAD_S = {"train": 150.0, "oneshot": 90.0, "eval": 60.0}
@@ -62,10 +63,16 @@ def estimated_gpu_bytes(model: str, deepspeed: str, seqlen: int, batch: int, mic
 
 def regime(line: dict) -> Regime:
     """How a finished cell stepped: (gradient checkpointing, --leaf_layers, torch's F.linear, its loop: deepspeed or
-    plain); lines before each key was recorded ran the other way (checkpointing on before 2026-11-29; hooks on every
-    module and DeepSpeed's linear before 2026-12-01; the engine's loop before 2026-12-03)."""
+    plain, ``plain+compiled`` for a compiled model); lines before each key was recorded ran the other way (checkpointing
+    on before 2026-11-29; hooks on every module and DeepSpeed's linear before 2026-12-01; the engine's loop before
+    2026-12-03; no compiled cell before 2026-12-04)."""
     return (bool(line.get("gradient_checkpointing", True)), bool(line.get("leaf_layers", False)),
-            line.get("memory_efficient_linear", True) is False, line.get("engine", "deepspeed"))
+            line.get("memory_efficient_linear", True) is False, loop_of(line.get("engine", "deepspeed"), line.get("compiled")))
+
+
+def loop_of(engine: str, compiled: bool | None) -> str:
+    """A cell's loop as the estimates tell them apart: its engine, with :data:`COMPILED` for a compiled model."""
+    return engine + COMPILED if compiled else engine
 
 
 def starts_pruned(method: str, settings: str, sparsity: float | None, steps: int) -> bool | None:
@@ -153,12 +160,15 @@ class Estimator:
         stepped at 0.27 s beside three others with 0.18 s of it on the host: no fewer cells make that faster); one that
         did not record ``sharing`` counts as measured."""
         engine = self.engine == "deepspeed"  # ZeRO-3's options do not reach a plain loop's cells
-        now = (self.checkpointing, self.leaf_layers and engine, self.torch_linear and engine, self.engine)
+        now = (self.checkpointing, self.leaf_layers and engine, self.torch_linear and engine,
+               loop_of(self.engine, getattr(cell, "compiled", False)))
 
         def paced(s: float, shared: float | None, host: float) -> float:
             return max(s / shared * concurrency, host) if shared else s
 
         same = [(m, t, paced(s, k, h)) for r, (m, t, s, k, h) in self.forward_s if r == now]
+        if not same and now[3] != self.engine:  # compiled, none measured yet: priced as the loop it compiles (what
+            same = [(m, t, paced(s, k, h)) for r, (m, t, s, k, h) in self.forward_s if r == (*now[:3], self.engine)]  # it saves
         mine = [(t, s) for m, t, s in same if m == cell.method]
         samples = mine or [(t, s * OTHER_METHOD) for _, t, s in same] or [(t, paced(s, k, h)) for _, (_, t, s, k, h) in self.forward_s]
         if not samples:
@@ -173,7 +183,8 @@ class Estimator:
 
     def overhead_s(self, cell) -> float:
         """A cell's seconds beyond its steps (launch, load, one-shot or warm start, export, evaluation)."""
-        start, engine = starts_pruned(cell.method, cell.settings, cell.sparsity, cell.steps), getattr(cell, "engine", "deepspeed")
+        start = starts_pruned(cell.method, cell.settings, cell.sparsity, cell.steps)
+        engine = loop_of(getattr(cell, "engine", "deepspeed"), getattr(cell, "compiled", False))  # a compile's time is its own
         alike = [x for (m, _, st, e), xs in self.overhead_of.items() if (m, st, e) == (cell.method, start, engine) for x in xs]
         measured = self.overhead_of.get((cell.method, cell.settings, start, engine)) or alike or self.overhead[cell.kind]
         return max(measured) if measured else PRIOR_OVERHEAD_S[cell.kind]
@@ -205,4 +216,5 @@ class Estimator:
 
 
 def _overhead_key(line: dict) -> tuple[str, str, bool | None, str]:
-    return line.get("method", ""), line.get("settings", "rule"), line_start(line), line.get("engine", "deepspeed")
+    return line.get("method", ""), line.get("settings", "rule"), line_start(line), loop_of(line.get("engine", "deepspeed"),
+                                                                                            line.get("compiled"))

@@ -48,6 +48,7 @@ from elsa_ds.admm.kernels.fused import FusedPath, XStep
 from elsa_ds.admm.kernels.ops import PenaltyState
 from elsa_ds.admm.kernels.select import FINAL, INIT, UPDATE
 from elsa_ds.admm.loaded import StateMismatch, state_problem
+from elsa_ds.admm.penalty import Term, add_penalties
 from elsa_ds.admm.projection import Comm, LocalComm, Slice, projection_masks
 from elsa_ds.admm.schedule import LambdaSchedule, dual_rescale, interval_lambda
 from elsa_ds.admm.settings import AdmmSettings, Projection
@@ -78,6 +79,7 @@ class AdmmOptimizer(OptimizerWrapper):
         self.layer_lambdas: dict[str, float] = {}  # adaptive λ: each layer's, as of its flat's last step (same on every rank)
         self._fused = FusedPath(base, settings.kernels)
         self._compiled = CompiledStep(base, settings.kernels)  # GPU flats under torch's Adam (opt-in: ELSA_DS_COMPILED=1)
+        self._penalties: list[Term] = []  # the eager path's penalty terms of the step in progress
 
     def load_state_dict(self, state_dict):
         """The base's state, then z, u, their scales and λ checked against this run's flats (``loaded.state_problem``)."""
@@ -128,7 +130,7 @@ class AdmmOptimizer(OptimizerWrapper):
     @torch.no_grad()
     def step(self, closure=None):
         flats = [(p, sl) for g in self.param_groups for p in g["params"] if (sl := self.slices_of(p)) is not None]
-        fused, held = [], []
+        fused, held, self._penalties = [], [], []
         for flat, slices in flats:
             st = self.state[flat]
             if Z not in st:
@@ -142,6 +144,8 @@ class AdmmOptimizer(OptimizerWrapper):
             path = self._x_step_path(flat, slices, st)
             if path is not None:
                 fused.append((path, flat, slices, st))
+        add_penalties(self._penalties)  # the eager path's, every flat's at once
+        self._penalties = []
         loss = self._base_step(closure, {id(flat) for _, flat, _, _ in fused})
         lam = 0.0 if self._holding else self.lam
         for path, flat, slices, st in fused:  # penalty and the base's update in one pass, on the base's state
@@ -214,7 +218,8 @@ class AdmmOptimizer(OptimizerWrapper):
             st[U_SCALE].mul_(self._dual_factor)
 
     def _add_penalty(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
-        """∇ ← ∇ + λ (x − z + u) on the pruned entries (λ the slice's own with the adaptive schedule)."""
+        """∇ ← ∇ + λ (x − z + u) on the pruned entries (λ the slice's own with the adaptive schedule): queued, added for
+        every flat of the step at once before the base step (``penalty.add_penalties``)."""
         grad = flat.grad
         assert grad is not None, "the penalty is added only to a flat with a gradient"
         lams = [self.layer_lambdas[sl.layer] for sl in slices] if LAM in st else [self.lam] * len(slices)
@@ -223,7 +228,7 @@ class AdmmOptimizer(OptimizerWrapper):
                 continue
             z = admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length)
             u = admm_state.load(st[U], st[U_SCALE], j, sl.offset, sl.length)
-            sl.view(grad).add_(sl.view(flat.detach()).float() - z + u, alpha=lams[j])
+            self._penalties.append((lams[j], sl.view(grad), sl.view(flat.detach()).float(), z, u))
 
     # ---- the projection: z₀ = Π(x), z ← Π(x + u), x ← Π(x) --------------------------------------
     def _init_state(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:

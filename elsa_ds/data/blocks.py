@@ -155,12 +155,14 @@ class GlobalBatches:
         self.world_size, self.rank, self.seed = world_size, rank, seed
         self.per_epoch = blocks.shape[0] // global_batch
         self.grad_accum = global_batch // (micro_batch * world_size)
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation): drawn once an epoch, not once a step
 
     def global_batch_at(self, step: int) -> torch.Tensor:
         """All blocks of global batch ``step`` (identical on every rank): [global_batch, seqlen]."""
         epoch, index = divmod(step, self.per_epoch)
-        order = torch.randperm(self.blocks.shape[0], generator=torch.Generator().manual_seed(self.seed + epoch))
-        return self.blocks[order[index * self.global_batch:(index + 1) * self.global_batch]]
+        if self._order is None or self._order[0] != epoch:
+            self._order = epoch, torch.randperm(self.blocks.shape[0], generator=torch.Generator().manual_seed(self.seed + epoch))
+        return self.blocks[self._order[1][index * self.global_batch:(index + 1) * self.global_batch]]
 
     def micro_batches(self, step: int) -> list[torch.Tensor]:
         """This rank's micro batches of global batch ``step``, in accumulation order."""

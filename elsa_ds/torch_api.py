@@ -1,0 +1,53 @@
+"""torch's underscored APIs that elsa_ds calls outside the DeepSpeed adapter (``zero/compat.py``), in one place.
+
+The multi-tensor ("foreach") ops are what ``torch.optim`` steps many tensors with: one launch for a list of tensors on a
+GPU, torch's per-tensor ops on a CPU (so a CPU run's arithmetic is the per-tensor code's to the bit). Documented as beta
+under their underscored names; read off torch 2.13 (``native_functions.yaml``: ``_foreach_norm.Scalar`` takes a
+``dtype``, ``_foreach_copy_`` copies across dtypes). The compiler's switches and counters are dynamo's
+(``torch._dynamo.config``, ``torch._dynamo.utils.counters``). The math core calls these, never DeepSpeed's internals.
+"""
+from __future__ import annotations
+
+import torch
+
+Tensors = list[torch.Tensor]
+
+
+def foreach_sub(a: Tensors, b: Tensors) -> Tensors:
+    """[x − y for x, y in zip(a, b)]."""
+    return list(torch._foreach_sub(a, b))
+
+
+def foreach_add_(a: Tensors, b: Tensors, alpha: float = 1.0) -> None:
+    """x.add_(y, alpha=alpha) for each pair."""
+    torch._foreach_add_(a, b, alpha=alpha)
+
+
+def foreach_mul_(a: Tensors, factor: torch.Tensor | float) -> None:
+    """x.mul_(factor) for each x (``factor`` a 0-dim tensor or a number)."""
+    torch._foreach_mul_(a, factor)
+
+
+def foreach_copy_(dst: Tensors, src: Tensors) -> None:
+    """d.copy_(s) for each pair, across dtypes (rounded as ``copy_`` rounds)."""
+    torch._foreach_copy_(dst, src)
+
+
+def foreach_norm(a: Tensors, dtype: torch.dtype | None = None) -> Tensors:
+    """The 2-norm of each tensor, accumulated and returned in ``dtype`` (as ``x.to(dtype).norm(2)``)."""
+    return list(torch._foreach_norm(a, 2.0, dtype=dtype))
+
+
+def compile_errors_run_eagerly() -> None:
+    """A graph the backend fails to compile runs eagerly instead of raising (process-wide); the caches start empty."""
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True
+    torch._dynamo.reset()
+
+
+def compile_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) in this process since the last reset."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
