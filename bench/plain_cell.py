@@ -250,7 +250,7 @@ def one_step(model, opt, pairs, micro: list[torch.Tensor], plan, device: torch.d
     return float(total) / len(micro)
 
 
-def train(plan, model, opt, pairs, admm, batches, device: torch.device) -> dict:
+def train(plan, model, opt, pairs, admm, batches, device: torch.device, mark=lambda phase: None) -> dict:
     """``cfg.steps`` steps; returns the step times (the profiled ones left out, as the jobs leave them), the last loss,
     ADMM's projection log and, with ``ELSA_DS_PROFILE_STEPS`` set, where a step's time went."""
     from elsa_ds.step_profile import StepProfiler
@@ -262,6 +262,8 @@ def train(plan, model, opt, pairs, admm, batches, device: torch.device) -> dict:
     try:
         for step in range(cfg.steps):
             profiler.before(step)
+            if step < 2:  # the phases as the jobs name them: step 0 (the compile's, the lazy states'), then the rest
+                mark("first step" if step == 0 else "step")
             began = time.perf_counter()
             if admm is not None:
                 admm.begin_step(step)
@@ -319,13 +321,17 @@ def build_and_publish(plan, device: torch.device, out: Path, started: float, bac
     from elsa_ds.files.disk_room import disk_full
     from elsa_ds.files.io import write_json
     from elsa_ds.files.output import fresh_staging, publish
+    from elsa_ds.jobs.phases import PhaseLog
     from elsa_ds.jobs.training import load_data
     from elsa_ds.oneshot.pipeline import saved_dtype
     from elsa_ds.zero.engine import model_dtype
 
     cfg = plan.cfg
     torch.manual_seed(cfg.seed)
+    phases = PhaseLog(0)  # where a cell's time goes, as the jobs mark it (ELSA_DS_PHASE_LOG: the runner's phase_s)
+    phases.mark("data")
     data = load_data(plan, 0, 1)
+    phases.mark("load")  # the model, and a one-shot start's pass (the report's prune_s)
     dtype = model_dtype(plan.ds.raw)
     model, masks, oneshot_s = starting_point(plan, data.tokenizer, dtype)
     if cfg.freeze_embeddings:
@@ -337,7 +343,8 @@ def build_and_publish(plan, device: torch.device, out: Path, started: float, bac
     model.to(device)
     forward = compile_model(model, backend)
     opt, pairs, admm = optimizer(plan, model, masks)
-    trained = train(plan, forward, opt, pairs, admm, data.batches, device)
+    trained = train(plan, forward, opt, pairs, admm, data.batches, device, phases.mark)
+    phases.mark("export")
     sparsity = check_sparsity(model, plan, masks)
     staging = fresh_staging(out)  # written whole, then swapped in: never half a model under out, nothing left on a failure
     try:
@@ -358,6 +365,7 @@ def build_and_publish(plan, device: torch.device, out: Path, started: float, bac
             raise full from None
         raise
     publish(staging, out, keep_checkpoints=False, carry=())  # the previous output (--overwrite) goes only once this is in
+    phases.mark("done")
     return report
 
 

@@ -10,8 +10,9 @@ times), each cell's model judged on techdocs' held-out test documents and on lin
 
 A cell is (method, sparsity, steps, settings, batch, compiled): a training cell runs ``bench/plain_cell.py`` (``--engine
 plain``, the default: the job ``launch/prune.py`` would run, with the same flags, in a plain PyTorch loop without ZeRO-3's
-host work a step; a compiled cell's model through ``torch.compile``'s inductor, keys ending ``|compiled``) or ``launch/prune.py`` under the deepspeed launcher (``--engine deepspeed``) on the one GPU (batch sequences of
---seqlen tokens a step, at most --micro_batch a forward, no gradient checkpointing), a one-shot cell ``launch/prune.py``; then
+host work a step; a compiled cell's model through ``torch.compile``'s inductor, keys ending ``|compiled``) or
+``launch/prune.py`` under the deepspeed launcher (``--engine deepspeed``) on the one GPU (batch sequences of --seqlen
+tokens a step, at most --micro_batch a forward, no gradient checkpointing), a one-shot cell ``launch/prune.py``; then
 ``launch/evaluate.py``'s perplexity in fp32 on both test splits (window protocol, at most --eval_limit windows each).
 ``settings`` is ``rule`` (everything the user leaves unset comes from the defaults rule) or ``paper`` (the authors'
 README recipe, one process: lr 2e-4, λ 0.01 constant, projection every 32 steps; their code's defaults: no warm-up, lr
