@@ -39,11 +39,18 @@ def foreach_norm(a: Tensors, dtype: torch.dtype | None = None) -> Tensors:
 
 
 def compile_errors_run_eagerly() -> None:
-    """A graph the backend fails to compile runs eagerly instead of raising (process-wide); the caches start empty."""
+    """A graph the backend fails to compile runs eagerly instead of raising (process-wide), its backward included: that
+    is compiled with its forward (AOTAutograd's lazy backward compile ran outside dynamo's error handling: a failing
+    backward raised in ``.backward()``); the caches and :func:`compile_counts` start empty (dynamo's reset keeps the
+    counters). A kernel that fails while it runs still raises."""
     import torch._dynamo
+    import torch._functorch.config
+    from torch._dynamo.utils import counters
 
     torch._dynamo.config.suppress_errors = True
+    torch._functorch.config.force_non_lazy_backward_lowering = True
     torch._dynamo.reset()
+    counters.clear()
 
 
 def compile_counts() -> tuple[int, int]:

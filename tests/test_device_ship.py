@@ -1025,3 +1025,33 @@ def test_a_compiled_cell_that_fails_runs_again_uncompiled_and_so_do_the_compiled
     lines, skipped = curve.schedule(cells, run, estimator, tmp_path / "cells.jsonl", done)
     assert calls == ["elsa|0.9|1x8x64|rule|plain|compiled", "elsa|0.9|1x8x64|rule|plain", "wanda+ft|0.9|1x8x64|rule|plain"]
     assert [x["status"] for x in lines] == ["failed", "ok", "ok"] and not skipped and estimator.engine == "plain"
+
+
+@pytest.mark.parametrize("fails", ["compiled", "plain"])
+def test_a_fallback_never_runs_a_cell_twice_when_a_compiled_cell_has_an_eager_twin(tmp_path, monkeypatch, fails):
+    """A review (2026-12-04): the plan's compiled 128 x 8 ELSA cell is the eager one's twin; a fallback (uncompiled, or
+    the engine) made them one key, and the cell ran again though its line had ended ok in the same run (or both twins
+    became the same engine cell). Now a fallback skips keys ended ok in this run, running or recorded, and a second cell
+    of one key; ``--engine deepspeed`` plans one cell of each key."""
+    calls: list[str] = []
+
+    def fake_cell(cell, run):
+        calls.append(cell.key(run.seqlen))
+        failing = cell.compiled if fails == "compiled" else cell.engine == "plain" and not cell.compiled
+        line = {"key": cell.key(run.seqlen), "kind": cell.kind, "steps": cell.steps, "wall_s": 0.1, "engine": cell.engine}
+        return line | ({"status": "failed", "phase": "prune", "rc": 1} if failing else {"status": "ok"})
+
+    monkeypatch.setattr(curve, "run_cell", fake_cell)
+    run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 1, {})
+    eager = curve.Cell("elsa", 0.9, 1, engine="plain")
+    cells = [eager, curve.Cell("wanda+ft", 0.9, 1, engine="plain"), replace(eager, compiled=True)]
+    curve.schedule(cells, run, estimate.Estimator("H", [], micro_batch=64, engine="plain"), tmp_path / "cells.jsonl")
+    assert len(calls) == len(set(calls)), calls
+    if fails == "compiled":
+        assert calls == ["elsa|0.9|1x8x64|rule|plain", "wanda+ft|0.9|1x8x64|rule|plain", "elsa|0.9|1x8x64|rule|plain|compiled"]
+    else:
+        assert calls == ["elsa|0.9|1x8x64|rule|plain", "elsa|0.9|1x8x64|rule", "wanda+ft|0.9|1x8x64|rule"]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/device/curve.py"), "--list", "--engine", "deepspeed", "--results",
+                           str(tmp_path / "none.jsonl")], capture_output=True, text=True, timeout=120)
+    keys = [line.split()[1] for line in proc.stdout.splitlines()]
+    assert proc.returncode == 0 and keys and len(keys) == len(set(keys)) and not any("compiled" in k for k in keys)

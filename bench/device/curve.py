@@ -538,12 +538,11 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path, done
                     run.leaf_layers, run.torch_linear = suspects.pop(cell)
                     price_as(estimator, run)
                     print(f"[curve] {line['key']} failed without them too: the cells from now on take them again", flush=True)
+                taken = {*done, *(x["key"] for x in lines if x.get("status") == "ok"), *(c.key(run.seqlen) for c in running.values())}
                 if compile_failed(line, cell):  # compiling is new on the GPU: a loan's cells must not all fail on it
-                    moved = (replace(c, compiled=False) for c in [cell, *pending])
-                    pending[:] = [c for c in moved if c.key(run.seqlen) not in done]
+                    pending[:] = remapped([cell, *pending], run.seqlen, taken, compiled=False)
                 if plain_failed(line, cell):  # the loop is new on the GPU: a loan's cells must not all fail on it
-                    moved = (replace(c, engine="deepspeed", compiled=False) for c in [cell, *pending])
-                    pending[:] = [c for c in moved if c.key(run.seqlen) not in done]  # the engine's lines stand
+                    pending[:] = remapped([cell, *pending], run.seqlen, taken, engine="deepspeed", compiled=False)
                     estimator.engine = "deepspeed"
                 flags = (run.leaf_layers, run.torch_linear)
                 if without_new_flags(line, run):  # a loan's cells must not all fail on a new flag: once more without
@@ -564,6 +563,18 @@ def price_as(estimator: Estimator, run: Run) -> None:
     """The estimator prices the next cells as ``run`` now steps them: its config, --leaf_layers, torch's linear."""
     estimator.deepspeed = run.torch_linear or run.deepspeed
     estimator.leaf_layers, estimator.torch_linear = run.leaf_layers, bool(run.torch_linear)
+
+
+def remapped(cells: list[Cell], seqlen: int, taken: set[str], **change) -> list[Cell]:
+    """``cells`` with ``change`` made, less every cell whose key is ``taken`` (recorded before, ended ok in this run, or
+    running: the engine's and the eager loop's lines stand) and less a second cell of one key (a compiled cell and its
+    eager twin become one): a fallback never runs a cell twice."""
+    out, seen = [], set(taken)
+    for c in (replace(c, **change) for c in cells):
+        if (key := c.key(seqlen)) not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
 
 
 def compile_failed(line: dict, cell: Cell) -> bool:
@@ -676,8 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cells = [parse_cell(t) for t in args.cells.split(",")] if args.cells else curve_plan()
-        cells = [replace(c, engine=args.engine, compiled=c.compiled and args.engine == "plain") if c.kind == "train" else c
-                 for c in cells]  # the engine compiles nothing
+        cells = list(dict.fromkeys(replace(c, engine=args.engine, compiled=c.compiled and args.engine == "plain")
+                                   if c.kind == "train" else c for c in cells))  # the engine compiles nothing: one twin
         parse_window(args.profile)
         done = done_keys(args.results) | done_keys(args.out / "cells.jsonl")  # a runner started again on the same machine
     except ValueError as err:  # a cells file's line that is not a cell (ship.CellsError) too

@@ -48,7 +48,7 @@ from elsa_ds.admm.kernels.fused import FusedPath, XStep
 from elsa_ds.admm.kernels.ops import PenaltyState
 from elsa_ds.admm.kernels.select import FINAL, INIT, UPDATE
 from elsa_ds.admm.loaded import StateMismatch, state_problem
-from elsa_ds.admm.penalty import Term, add_penalties
+from elsa_ds.admm.penalty import Term, add_penalties, queue_penalty
 from elsa_ds.admm.projection import Comm, LocalComm, Slice, projection_masks
 from elsa_ds.admm.schedule import LambdaSchedule, dual_rescale, interval_lambda
 from elsa_ds.admm.settings import AdmmSettings, Projection
@@ -144,8 +144,10 @@ class AdmmOptimizer(OptimizerWrapper):
             path = self._x_step_path(flat, slices, st)
             if path is not None:
                 fused.append((path, flat, slices, st))
-        add_penalties(self._penalties)  # the eager path's, every flat's at once
-        self._penalties = []
+        try:
+            add_penalties(self._penalties)  # the eager path's, every flat's at once
+        finally:
+            self._penalties = []
         loss = self._base_step(closure, {id(flat) for _, flat, _, _ in fused})
         lam = 0.0 if self._holding else self.lam
         for path, flat, slices, st in fused:  # penalty and the base's update in one pass, on the base's state
@@ -218,17 +220,12 @@ class AdmmOptimizer(OptimizerWrapper):
             st[U_SCALE].mul_(self._dual_factor)
 
     def _add_penalty(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:
-        """∇ ← ∇ + λ (x − z + u) on the pruned entries (λ the slice's own with the adaptive schedule): queued, added for
-        every flat of the step at once before the base step (``penalty.add_penalties``)."""
-        grad = flat.grad
-        assert grad is not None, "the penalty is added only to a flat with a gradient"
+        """∇ ← ∇ + λ (x − z + u) on the pruned entries (λ the slice's own with the adaptive schedule). Where x, z and u
+        are fp32 (views, no copies) queued and added for every flat of the step at once before the base step
+        (``penalty.add_penalties``); else (ELSA-L's z, u dequantized) slice by slice, one fp32 copy alive at a time."""
+        assert flat.grad is not None, "the penalty is added only to a flat with a gradient"
         lams = [self.layer_lambdas[sl.layer] for sl in slices] if LAM in st else [self.lam] * len(slices)
-        for j, sl in enumerate(slices):
-            if sl.length == 0:
-                continue
-            z = admm_state.load(st[Z], st[Z_SCALE], j, sl.offset, sl.length)
-            u = admm_state.load(st[U], st[U_SCALE], j, sl.offset, sl.length)
-            self._penalties.append((lams[j], sl.view(grad), sl.view(flat.detach()).float(), z, u))
+        queue_penalty(self._penalties, flat, slices, (st[Z], st[U], st[Z_SCALE], st[U_SCALE]), lams)
 
     # ---- the projection: z₀ = Π(x), z ← Π(x + u), x ← Π(x) --------------------------------------
     def _init_state(self, flat: torch.Tensor, slices: list[Slice], st: dict) -> None:

@@ -12,12 +12,34 @@ from collections.abc import Iterator
 
 import torch
 
+from elsa_ds.admm import state as admm_state
+from elsa_ds.admm.projection import Slice
 from elsa_ds.torch_api import foreach_add_, foreach_sub
 
 CHUNK = 1 << 26  # entries of x − z + u held at once (256 MB in fp32)
 
 # (λ, the gradient's slice, x, z, u): x, z, u in fp32 (z, u dequantized), the gradient's slice a view written in place
 Term = tuple[float, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def queue_penalty(queue: list[Term], flat: torch.Tensor, slices: list[Slice], zu: tuple[torch.Tensor, ...],
+                  lams: list[float]) -> None:
+    """``flat``'s terms (``zu``: its state's z, u and their scales; ``lams``: each slice's λ) appended to ``queue`` where x,
+    z and u are fp32 (views: nothing copied while the queue waits), else added at once slice by slice (ELSA-L's z and u
+    dequantized: one fp32 copy alive at a time, as before the queue)."""
+    z_data, u_data, z_scales, u_scales = zu
+    views = flat.dtype == z_data.dtype == u_data.dtype == torch.float32
+    assert flat.grad is not None
+    for j, sl in enumerate(slices):
+        if sl.length == 0:
+            continue
+        z = admm_state.load(z_data, z_scales, j, sl.offset, sl.length)
+        u = admm_state.load(u_data, u_scales, j, sl.offset, sl.length)
+        term = (lams[j], sl.view(flat.grad), sl.view(flat.detach()).float(), z, u)
+        if views:
+            queue.append(term)
+        else:
+            add_penalties([term])
 
 
 def add_penalties(terms: list[Term], chunk: int = CHUNK) -> None:
