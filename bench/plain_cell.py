@@ -204,7 +204,9 @@ def clip_as_zero3(masters: list[torch.Tensor], clip: float, offloaded: bool, sub
     if not norms:
         return
     scale = torch.clamp((torch.linalg.vector_norm(torch.stack(norms), ord=2) / 1.0 + 1e-6) / clip, min=1.0)
-    foreach_mul_([m.grad for m in masters if m.grad is not None], 1.0 / scale)
+    # the factor in fp32, as mul_ casts a 0-dim fp64 operand for fp32 gradients (the same number): an fp64 one sends
+    # torch's multi-tensor mul to its per-tensor path on a GPU (a launch a gradient)
+    foreach_mul_([m.grad for m in masters if m.grad is not None], (1.0 / scale).float())
 
 
 def grads_to_masters(pairs: list[tuple[torch.Tensor, torch.nn.Parameter]]) -> None:
