@@ -711,9 +711,13 @@ def test_quality_sh_dry_run_ships_builds_and_runs_cells(packed, tmp_path):
 def test_quality_sh_runs_the_training_cells_in_the_plain_loop(packed, tmp_path):
     """The runner's default loop (--engine plain): ELSA and a retraining cell through bench/plain_cell.py with the flags
     launch/prune.py would get, their keys apart from the engine's cells, a one-shot cell as it was."""
-    quality_sh_dry_run(packed, tmp_path, "--cells elsa:0.9:2:rule:2,wanda+ft:0.9:2:rule:2,wanda:0.9:0")
+    quality_sh_dry_run(packed, tmp_path, "--cells elsa:0.9:2:rule:2,wanda+ft:0.9:2:rule:2,wanda:0.9:0,elsa:0.9:2:rule:2:compiled")
     lines = {x["key"]: x for x in map(json.loads, (tmp_path / "OUT" / "cells.jsonl").read_text().splitlines())}
-    assert set(lines) == {"elsa|0.9|2x2x32|rule|plain", "wanda+ft|0.9|2x2x32|rule|plain", "wanda|0.9|0x8x32|rule"}
+    assert set(lines) == {"elsa|0.9|2x2x32|rule|plain", "wanda+ft|0.9|2x2x32|rule|plain", "wanda|0.9|0x8x32|rule",
+                          "elsa|0.9|2x2x32|rule|plain|compiled"}
+    compiled = lines.pop("elsa|0.9|2x2x32|rule|plain|compiled")  # its model through inductor (here the host's C++)
+    assert compiled["status"] == "ok" and compiled["compiled"] and math.isfinite(compiled["test_ppl"]), compiled.get("log_tail")
+    assert compiled["compile"]["compile"] == "inductor" and compiled["compile"]["compiled_graphs"] >= 1, compiled["compile"]
     for key, line in lines.items():
         assert line["status"] == "ok" and math.isfinite(line["test_ppl"]), (key, line.get("log_tail"))
         assert line["engine"] == ("deepspeed" if line["kind"] == "oneshot" else "plain")
