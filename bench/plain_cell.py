@@ -60,9 +60,9 @@ def parse(argv: list[str]):
     own = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     own.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     own.add_argument("--compile", choices=COMPILE_BACKENDS, default="none",
-                     help="torch.compile the model's forward and backward with this backend (inductor: fused kernels, a "
-                          "few hundred launches a step where eager takes thousands; aot_eager: the same capture without "
-                          "code generation, for checks); a graph that does not compile runs eagerly [none]")
+                     help="torch.compile the model's forward and backward with this backend (inductor: fused kernels, fewer "
+                          "launches a step; aot_eager: the same capture without code generation, for checks); a graph "
+                          "that does not compile runs eagerly [none]")
     args, rest = own.parse_known_args(argv)
     opts, cfg, ds_config = settings_from_args(prune_parser().parse_args(rest))
     trains = cfg.oneshot is None or cfg.finetune is not None
@@ -86,9 +86,9 @@ def compile_model(model: torch.nn.Module, backend: str) -> torch.nn.Module:
     """What the steps call: the model, or its forward (and through AOTAutograd its backward) compiled by ``backend`` on
     the first call (``torch.compile``'s wrapper: the model itself, its weights' names and so its export, unchanged;
     ``nn.Module.compile`` compiled nothing in torch 2.13, its ``_call_impl`` is in a file dynamo skips). Shapes static, as
-    every step's are. A
-    graph the backend cannot compile runs eagerly instead (``suppress_errors``): the cell goes on, its report says how
-    many graphs compiled (:func:`compile_report`). On a GPU whose step is the host's (Gemma-3 270M at 8 x 512: ~7,200
+    every step's are. A graph the backend cannot compile runs eagerly instead (``suppress_errors``; the backward compiled
+    with the forward, so its failure falls back too): the cell goes on, its report says how many graphs compiled
+    (:func:`compile_report`). On a GPU whose step is the host's (Gemma-3 270M at 8 x 512: ~7,200
     launches, ~0.2 s of host time a step) the fused graphs are the lever; the numbers differ from eager's in the last
     bits (fused arithmetic), so a budget's cells compare within one loop (the key's ``|compiled``)."""
     if backend == "none":
