@@ -204,24 +204,28 @@ def test_a_compiled_cell_trains_as_the_eager_one_and_says_what_compiled(tmp_path
     assert compiled["final_loss"] == pytest.approx(reports["none"]["final_loss"], rel=1e-4)
 
 
-def test_a_graph_the_backend_cannot_compile_runs_eagerly_and_the_report_says_none_compiled(monkeypatch):
+def test_a_graph_the_backend_cannot_compile_runs_eagerly_and_the_report_says_none_compiled():
     """A backend that fails (as inductor might on a GPU no session here can test) must not cost the cell: the forward
-    and backward run eagerly, the gradients are the eager ones, and the report's ``compiled_graphs`` is 0."""
+    and backward run eagerly, the gradients are the eager ones, and the report's ``compiled_graphs`` is 0. (The switches
+    compile_model turns on for the whole process are put back by torch's own ``config.patch``: pytest's monkeypatch
+    deletes a torch config entry on undo, which broke every later DeepSpeed engine on the worker, 2026-12-04.)"""
     import importlib.util
 
     import torch._dynamo
-    from torch._dynamo import register_backend
+    import torch._functorch.config
 
     spec = importlib.util.spec_from_file_location("plain_cell_compile", ROOT / "bench" / "plain_cell.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)  # compile_model's switch, undone after the test
+    with torch._dynamo.config.patch(suppress_errors=False), torch._functorch.config.patch(force_non_lazy_backward_lowering=False):
+        _failing_backends_fall_back(module)
+    assert not torch._dynamo.config.suppress_errors and not torch._functorch.config.force_non_lazy_backward_lowering
 
-    import torch._functorch.config
+
+def _failing_backends_fall_back(module) -> None:
     from functorch.compile import make_boxed_func
+    from torch._dynamo import register_backend
     from torch._dynamo.backends.common import aot_autograd
-
-    monkeypatch.setattr(torch._functorch.config, "force_non_lazy_backward_lowering", False)
 
     def broken(gm, example_inputs):
         raise RuntimeError("this backend compiles nothing")
@@ -246,3 +250,4 @@ def test_a_graph_the_backend_cannot_compile_runs_eagerly_and_the_report_says_non
         report = module.compile_report(backend, [1.5])
         assert report == {"compile": backend, "compiled_graphs": 0, "graph_breaks": 0, "first_step_s": 1.5}, report
     assert module.compile_model(model, "none") is model and module.compile_report("none", []) == {"compile": None}
+    torch._dynamo.reset()
