@@ -44,6 +44,7 @@ from elsa_ds.admm.schedule import learning_rate  # noqa: E402
 from elsa_ds.errors import ElsaError  # noqa: E402
 from elsa_ds.finetune.optimizer import MaskedOptimizer  # noqa: E402
 from elsa_ds.loss import next_token_loss  # noqa: E402
+from elsa_ds.loss import taken as loss_taken  # noqa: E402
 from elsa_ds.targets import goal_ratio, select_targets  # noqa: E402
 from elsa_ds.torch_api import compile_counts, compile_errors_run_eagerly, foreach_copy_, foreach_mul_, foreach_norm  # noqa: E402
 
@@ -358,7 +359,7 @@ def build_and_publish(plan, device: torch.device, out: Path, started: float, bac
                   "overall_sparsity": sparsity, "prune_s": oneshot_s, "projections": trained["projections"],
                   "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,  # the one-shot's too,
                   # as the job's report counts it
-                  "wall_s": round(time.time() - started, 1), **compile_report(backend, trained["times"])}
+                  "wall_s": round(time.time() - started, 1), "loss": loss_taken(), **compile_report(backend, trained["times"])}
         write_json(staging / "elsa_report.json", report)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)

@@ -9,12 +9,26 @@ in the logits' own dtype: the fp32 copies never exist whole, and the backward on
 and the gradient are transformers' (the same fp32 arithmetic, summed in another order): tests/test_loss.py holds it to them.
 The gradient is kept unscaled in the logits' dtype: right for bf16 and fp32; fp16 (whose loss scale would then come
 after the rounding) is refused by the DeepSpeed config checks.
+
+On CUDA the same loss runs as one Triton kernel (``elsa_ds.loss_kernel``: each row read twice, its gradient written
+once, no fp32 copy), once this process has seen it agree with the chunks here on a small problem on that device and
+dtype (:func:`fused_disagrees`); ``ELSA_DS_LOSS=chunked`` keeps the chunks everywhere. :func:`loss_path` names the path
+a tensor takes ("fused" / "chunked"): the job reports and the curve's lines record it.
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
+from elsa_ds.log import get_logger
+
 ROW_ELEMENTS = 2**26  # fp32 logits per chunk: 256 MiB (256 rows of Gemma's vocabulary)
+LOSS_ENV = "ELSA_DS_LOSS"  # "chunked": torch's chunks on every device; unset or "auto": the Triton kernel on CUDA
+LOSS_CHOICES = ("auto", "chunked")
+_TAKEN: set[str] = set()  # the paths next_token_loss took in this process (taken())
+log = get_logger(__name__)
 
 
 def next_token_loss(logits: torch.Tensor, ids: torch.Tensor, row_elements: int = ROW_ELEMENTS) -> torch.Tensor:
@@ -23,10 +37,80 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor, row_elements: int =
     if logits.dim() != 3 or ids.shape != logits.shape[:2]:
         raise ValueError(f"next_token_loss: logits [batch, seq, vocab] and ids [batch, seq], got {tuple(logits.shape)} "
                          f"and {tuple(ids.shape)}")
+    targets = shifted_targets(ids).reshape(-1)
+    path = loss_path(logits)
+    _TAKEN.add(path)
+    if path == "fused":
+        return _FusedNextToken.apply(logits, targets)
+    return _ChunkedNextToken.apply(logits, targets, max(1, row_elements // logits.shape[-1]))
+
+
+def taken() -> str | None:
+    """The paths this process's training losses took, "+"-joined ("fused", "chunked", "chunked+fused"); None before the
+    first: the job reports' ``loss``."""
+    return "+".join(sorted(_TAKEN)) or None
+
+
+def shifted_targets(ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] int64: each position's next id, -1 at each sequence's last position (it predicts nothing)."""
     targets = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)  # int32 ids too
     targets[:, :-1] = ids[:, 1:]
-    rows = max(1, row_elements // logits.shape[-1])
-    return _ChunkedNextToken.apply(logits, targets.reshape(-1), rows)
+    return targets
+
+
+def loss_path(logits: torch.Tensor) -> str:
+    """"fused" where the Triton kernel computes the loss of ``logits`` (CUDA, triton importable, ``ELSA_DS_LOSS`` not
+    "chunked", and the kernel agreed with the chunks in this process), else "chunked"."""
+    choice = os.environ.get(LOSS_ENV, "auto").strip().lower() or "auto"
+    if choice not in LOSS_CHOICES:
+        raise ValueError(f"{LOSS_ENV}={choice!r}: expected one of {', '.join(LOSS_CHOICES)} (unset: auto)")
+    if choice == "chunked" or logits.device.type != "cuda" or not logits.dtype.is_floating_point:
+        return "chunked"
+    return "chunked" if fused_disagrees(str(logits.device), logits.dtype) else "fused"
+
+
+@functools.cache
+def fused_disagrees(device: str, dtype: torch.dtype) -> str | None:
+    """Why the Triton loss is not used on ``device`` for ``dtype`` logits (None: it is): triton unavailable, or its value
+    or gradient on a small problem (3 blocks and a tail of vocabulary, a position that predicts nothing, targets at
+    both ends) not the chunks', in fp32 logits to within the summation order and in ``dtype`` ones to within one
+    rounding more. Checked once per process, device and dtype; a refusal is logged once."""
+    from elsa_ds import loss_kernel
+
+    reason = loss_kernel.unavailable(device)
+    if reason is None:
+        try:
+            for checked in dict.fromkeys((torch.float32, dtype)):
+                reason = reason or _compare_paths(device, checked, loss_kernel.MAX_BLOCK * 3 + 5)
+        except Exception as err:  # noqa: BLE001 - a kernel that does not build or launch here: the chunks instead
+            reason = f"the Triton loss failed on {device} ({type(err).__name__}: {err})"
+    if reason is not None:
+        log.warning("the next-token loss runs as torch chunks on %s (%s): correct, slower", device, reason)
+    return reason
+
+
+def _compare_paths(device: str, dtype: torch.dtype, vocab: int) -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(2, 5, vocab, generator=gen)).to(dtype)
+    ids = torch.randint(0, vocab, (2, 5), generator=gen)
+    ids[0, 1], ids[1, 2] = 0, vocab - 1
+    logits, ids = logits.to(device), ids.to(device)
+    targets = shifted_targets(ids).reshape(-1)
+    results = []
+    with torch.enable_grad():
+        for fn, extra in ((_ChunkedNextToken, (3,)), (_FusedNextToken, ())):
+            x = logits.clone().requires_grad_()
+            value = fn.apply(x, targets, *extra)
+            (grad,) = torch.autograd.grad(0.5 * value, x)
+            results.append((float(value), grad.float()))
+    (ref, ref_grad), (got, got_grad) = results
+    # fp32: the summation order and a GPU's approximate exp; 16-bit: one ulp (one rounding of nearly equal fp32)
+    grad_tol = (1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps) * float(ref_grad.abs().max())
+    grad_err = float((got_grad - ref_grad).abs().max())
+    if abs(got - ref) > 1e-5 * abs(ref) or not grad_err <= grad_tol:
+        return (f"its loss {got!r} against the chunks' {ref!r}, gradient off by {grad_err:.3g} (tolerance {grad_tol:.3g}) "
+                f"in {str(dtype).split('.')[-1]}")
+    return None
 
 
 class _ChunkedNextToken(torch.autograd.Function):
@@ -59,3 +143,26 @@ class _ChunkedNextToken(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         (grad,) = ctx.saved_tensors
         return grad.mul_(grad_output.to(grad.dtype)).view(ctx.shape), None, None
+
+
+class _FusedNextToken(torch.autograd.Function):
+    """:class:`_ChunkedNextToken` as one Triton kernel launch (elsa_ds/loss_kernel.py): the same mean and gradient."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from elsa_ds.loss_kernel import cross_entropy_rows
+
+        shape = logits.shape
+        flat = logits.reshape(-1, shape[-1])
+        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+        count = (targets >= 0).sum().clamp(min=1).to(torch.float32)
+        grad = torch.empty_like(flat, memory_format=torch.contiguous_format) if ctx.needs_input_grad[0] else None
+        losses = cross_entropy_rows(flat, targets, (1.0 / count).reshape(1), grad)
+        ctx.shape = shape
+        ctx.save_for_backward(grad if grad is not None else flat.new_empty(0))
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(grad_output.to(grad.dtype)).view(ctx.shape), None

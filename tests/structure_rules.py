@@ -16,10 +16,11 @@ SCANNED = ("elsa_ds", "launch", "bench")
 # in its own layer: never one listed after it, never a higher layer. So the table is the design's reading order, and
 # no cycle can form between rooms.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # 0: leaves. Pure math (admm, the training loss), the method names, which weights are pruned (targets), and the
-    # evaluation's measures: perplexity over windows, sparsity read from files, zero-shot accuracy (their runner is
-    # jobs/evaluate.py); torch's underscored APIs (torch_api) below the math that calls them.
-    ("errors", "version", "log", "json_data", "methods", "torch_api", "admm", "loss", "targets", "evaluation"),
+    # 0: leaves. Pure math (admm, the training loss and its Triton kernel below it), the method names, which weights are
+    # pruned (targets), and the evaluation's measures: perplexity over windows, sparsity read from files, zero-shot
+    # accuracy (their runner is jobs/evaluate.py); torch's underscored APIs (torch_api) below the math that calls them.
+    ("errors", "version", "log", "json_data", "methods", "torch_api", "admm", "loss_kernel", "loss", "targets",
+     "evaluation"),
     # 1: plain data: the text corpora; the files a job reads and writes (formats, atomic writes, ownership, the output
     # folder); the settings a user gives (settings models, options, config files, the defaults rule, the flags).
     ("data", "files", "settings"),

@@ -115,7 +115,8 @@ def test_check_dry_run_passes_every_step(tmp_path):
     assert not list(scratch.glob("tmp.*")), "check.sh left its work folder behind"
     for cfg in ("zero3_offload", "zero3", "zero3_offload_elsal"):
         assert {f"{cfg}_gpu", f"{cfg}_cpu", f"{cfg}_mask"} <= set(names), names
-    assert {"wheels", "install", "env", "cuda_tests", "main_job", "bench_device", "sparse_gpu", "gpu_decode", "bench_threads"} <= set(names), names
+    assert {"wheels", "install", "env", "cuda_tests", "main_job", "bench_device", "sparse_gpu", "gpu_decode", "bench_threads",
+            "loss_gpu"} <= set(names), names
     steps = {s["name"]: s for s in results["steps"]}
     assert steps["cuda_tests"]["figures"]["skipped"] >= 1  # no CUDA here: skipped, never silently absent
     main = steps["main_job"]["figures"]
@@ -123,6 +124,8 @@ def test_check_dry_run_passes_every_step(tmp_path):
     assert set(steps["bench_threads"]["figures"]["threads"]) == {"1", "2"}
     assert steps["bench_device"]["figures"]["compiled_x_steps"] > 0
     assert "CUDA" in steps["sparse_gpu"]["figures"]["skipped"]  # no GPU here: the reason is recorded
+    loss = steps["loss_gpu"]["figures"]  # the chunks alone, and why not the kernel
+    assert loss["fused_unavailable"] == "not a CUDA device" and loss["chunked"]["train_s"] > 0
     decode = steps["gpu_decode"]["figures"]  # the tiny rehearsal: compiled generate() cells, the keys
     assert [(r["sparsity"], r["same_tokens"]) for r in decode["generate"]] == [(0.9, True), (0.7, True)]
     assert json.loads((tmp_path / "gpu_decode.json").read_text()) == decode and set(decode["generate_speedup"]) == {"0.9", "0.7"}

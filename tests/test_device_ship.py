@@ -19,6 +19,7 @@ import pytest
 
 from bench.device import curve, curve_report, estimate, ship
 from bench.models.gemma3 import GgufSource, build, file_sha256
+from elsa_ds.loss import LOSS_ENV
 from elsa_ds.step_profile import SPANS
 from elsa_ds.settings.config import DEMO_MODEL_DIR
 from tests.test_bench_gemma3 import WORDS, write_tiny_gguf
@@ -529,7 +530,8 @@ def test_the_estimate_prices_the_next_cells_from_those_that_stepped_as_they_will
         200.0 + 2000 * 0.45)
     est.leaf_layers = est.torch_linear = False  # a fallback: the cells from now on step as the old ones
     assert est.seconds(wanda, 4) == pytest.approx(120.0 + 1000 * 0.5)  # the old regime's (wanda+ft's without checkpointing)
-    assert estimate.regime({}) == (True, False, False, "deepspeed") and estimate.regime(new) == (False, True, True, "deepspeed")
+    assert estimate.regime({}) == (True, False, False, "deepspeed", "transformers")
+    assert estimate.regime(new) == (False, True, True, "deepspeed", "transformers")
     plain = estimate.Estimator("H", [], micro_batch=32, model=model, seqlen=512, engine="plain")
     for one in est.forward_s:  # the engine's cells measured so far, and one plain cell
         plain.forward_s.append(one)
@@ -1010,6 +1012,30 @@ def test_a_compiled_cell_runs_the_plain_loop_compiled_and_is_priced_as_eager_unt
     assert estimate.regime(eager_line | {"compiled": True})[3] == "plain+compiled"
 
 
+def test_cells_are_priced_by_their_loss_the_fused_ones_as_chunked_until_one_is_measured(monkeypatch):
+    """The Triton loss (elsa_ds/loss.py, 2026-12-05) makes a wide step cheaper by an amount no GPU had measured: compiled
+    cells take it (eager ones keep the chunks their ratios' partners stepped with), priced as the chunked loss's until a
+    cell with it has ended, then as their own; a line says which loss ran (``loss``), and lines without it ran
+    transformers' loss, the slowest: priced from only where nothing newer stepped as the cell will."""
+    chunked = {"device": "H", "status": "ok", "kind": "train", "method": "elsa", "settings": "rule", "steps": 100, "batch": 32,
+               "seqlen": 512, "step_s": 0.6, "wall_s": 100 * 0.6 + 30.0, "engine": "plain", "gradient_checkpointing": False,
+               "loss": "chunked", "compiled": True}
+    older = chunked | {"step_s": 0.9, "wall_s": 100 * 0.9 + 30.0}
+    del older["loss"]
+    cell = curve.Cell("elsa", 0.9, 100, batch=32, engine="plain", compiled=True)
+    eager = replace(cell, compiled=False)
+    assert (estimate.loss_of(cell), estimate.loss_of(eager)) == (estimate.FUSED, estimate.CHUNKED)
+    assert estimate.Estimator("H", [older], model=None, seqlen=512, engine="plain").steps_s(cell, 1) == pytest.approx(90.0)
+    est = estimate.Estimator("H", [older, chunked], model=None, seqlen=512, engine="plain")
+    assert estimate.regime(chunked)[3:] == ("plain+compiled", "chunked")
+    assert est.steps_s(cell, 1) == pytest.approx(60.0)  # the chunked loss's: transformers' older cell no longer counts
+    fused = chunked | {"loss": "fused", "step_s": 0.4, "wall_s": 100 * 0.4 + 30.0}
+    est.add(fused)
+    assert est.steps_s(cell, 1) == pytest.approx(40.0)
+    monkeypatch.setenv("ELSA_DS_LOSS", "chunked")  # the run keeps the chunks everywhere: priced by the chunked cells alone
+    assert estimate.loss_of(cell) == estimate.CHUNKED and est.steps_s(cell, 1) == pytest.approx(60.0)
+
+
 def test_a_compiled_cell_that_fails_runs_again_uncompiled_and_so_do_the_compiled_ones_after_it(tmp_path, monkeypatch):
     """Compiling is new on the GPU: should a compiled cell's prune fail, it and every compiled cell not started yet run in
     the plain loop uncompiled (a graph that does not compile runs eagerly already: this is a failure past that), not on
@@ -1059,3 +1085,17 @@ def test_a_fallback_never_runs_a_cell_twice_when_a_compiled_cell_has_an_eager_tw
                            str(tmp_path / "none.jsonl")], capture_output=True, text=True, timeout=120)
     keys = [line.split()[1] for line in proc.stdout.splitlines()]
     assert proc.returncode == 0 and keys and len(keys) == len(set(keys)) and not any("compiled" in k for k in keys)
+
+
+def test_a_cell_trains_with_the_loss_it_is_priced_by_and_every_evaluation_sums_alike(tmp_path, monkeypatch):
+    """curve.run_cell's environment: a compiled cell's training may take the Triton loss, an eager cell's keeps the chunks
+    (as the eager cells it is compared with stepped), and every evaluation sums its perplexity as the chunks do."""
+    calls = []
+    monkeypatch.setattr(curve, "call", lambda cmd, log, deadline, env=None: calls.append((cmd, dict(env or {}))) or 1)
+    run = curve.Run("m", "t", "t", "t", 512, 32, "ds_configs/zero3.json", 4, tmp_path, time.time() + 600, 1, {})
+    for compiled, loss in ((True, "auto"), (False, "chunked")):
+        line = curve.run_cell(curve.Cell("elsa", 0.9, 10, engine="plain", compiled=compiled), run)
+        assert line["status"] == "failed" and calls[-1][0][1].endswith("bench/plain_cell.py")
+        assert calls[-1][1][LOSS_ENV] == loss and line["loss"] == "chunked"  # what ran: from the report, none here
+    curve.run_cell(curve.Cell("dense", None, 0), run)
+    assert calls[-1][0][1].endswith("launch/evaluate.py") and calls[-1][1] == {LOSS_ENV: "chunked"}

@@ -77,3 +77,41 @@ def test_evaluation_nll_is_the_whole_upcast_sum_in_any_chunking(dtype, rows):
     assert nll == pytest.approx(float(whole), rel=1e-6)
     assert token_nll(logits, ids)[0] == pytest.approx(nll, rel=1e-6)  # the default chunk: one per sequence here
 
+
+
+def _torch_rows(fault: float = 1.0):
+    """elsa_ds.loss_kernel.cross_entropy_rows's contract in torch (for the dispatch's logic without triton), its gradient
+    scaled by ``fault``."""
+    def rows(logits, targets, inv_count=None, grad=None, block=None):
+        x = logits.float()
+        losses = F.cross_entropy(x, targets.clamp(min=0), reduction="none") * (targets >= 0)
+        if grad is not None:
+            g = torch.softmax(x, -1)
+            g[torch.arange(len(targets)), targets.clamp(min=0)] -= 1
+            grad.copy_(g * ((targets >= 0).float() * inv_count * fault)[:, None])
+        return losses
+    return rows
+
+
+def test_the_fused_path_is_taken_only_where_it_agreed_with_the_chunks(monkeypatch, caplog):
+    """loss_path: CPU tensors (and ELSA_DS_LOSS=chunked) take the chunks; a kernel whose gradient is 1 % off, or which
+    raises, is refused once with a warning naming why; an unknown ELSA_DS_LOSS is an error naming the choices."""
+    from elsa_ds import loss as L
+    from elsa_ds import loss_kernel
+
+    assert L.loss_path(torch.zeros(1, 2, 3)) == "chunked"
+    monkeypatch.setattr(loss_kernel, "unavailable", lambda device: None)
+    for kernel, agrees in ((_torch_rows(), True), (_torch_rows(1.01), False), (None, False)):
+        L.fused_disagrees.cache_clear()
+        monkeypatch.setattr(loss_kernel, "cross_entropy_rows", kernel)  # None: the call raises TypeError
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="elsa_ds"):
+            reason = L.fused_disagrees("cpu", torch.bfloat16)
+        assert (reason is None) == agrees, reason
+        if not agrees:
+            assert ("gradient off by" in reason) if kernel else ("failed" in reason and "TypeError" in reason)
+            assert "runs as torch chunks" in caplog.text and reason in caplog.text
+    L.fused_disagrees.cache_clear()
+    monkeypatch.setenv(L.LOSS_ENV, "triton")
+    with pytest.raises(ValueError, match="ELSA_DS_LOSS='triton': expected one of auto, chunked"):
+        L.loss_path(torch.zeros(1, 2, 3))

@@ -23,6 +23,8 @@
 #   gpu_decode    bench/gpu_decode.py: the same per matrix, then generate() of a LLaMA-2-7B-shaped model, dense vs
 #                 sparsify()'s twin at 90/70/95 % (batch 1, then 8) as far as its budget goes; $OUT/gpu_decode.json
 #   bench_threads bench/optimizer_step.py --threads 1 4 16: every ratio per OpenMP thread count (the host's cores)
+#   loss_gpu      bench/loss_speed.py: the training loss's forward + backward at Gemma's vocabulary (32 x 512 tokens),
+#                 torch's chunks against the Triton kernel (elsa_ds/loss.py), with the kernel's byte floor
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -115,9 +117,15 @@ gpu_decode() {  # rewrites $OUT/gpu_decode.json after every cell: a cut run keep
     tail -n 1 "$WORK/gpu_decode.log" > "$FIG"
     return "$rc"
 }
+loss_gpu() {  # no CUDA (the dry run): the chunks alone, and the line says why
+    "$PY" bench/loss_speed.py "$@" | tee "$WORK/loss_gpu.log"
+    local rc=${PIPESTATUS[0]}
+    tail -n 1 "$WORK/loss_gpu.log" > "$FIG"
+    return "$rc"
+}
 wheels() { "$PY" bench/device/kit.py wheels bench/device/wheels "$FIG"; }
 envstep() { "$PY" bench/device/kit.py env "$FIG"; }
-export -f install rehearse_install cuda_tests job bench sparse_gpu gpu_decode wheels envstep
+export -f install rehearse_install cuda_tests job bench sparse_gpu gpu_decode loss_gpu wheels envstep
 export PY WORK SITE NUMEL OUT
 
 step wheels 30 wheels
@@ -173,6 +181,11 @@ done
 step bench_device 120 bench --device "$DEVICE"
 # shellcheck disable=SC2086
 step bench_threads 180 bench --threads $THREADS
+if (( DRY )); then
+    step loss_gpu 60 loss_gpu --batch 1 --seqlen 32 --vocab 5000 --rounds 1
+else
+    step loss_gpu 60 loss_gpu --json "$OUT/loss_speed.json"
+fi
 
 echo "=== done in $((SECONDS - START)) s; results in $RESULTS"
 "$PY" - "$RESULTS" <<'EOF'

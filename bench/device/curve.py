@@ -51,7 +51,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench import quality  # noqa: E402 - its commands and rendezvous ports
-from bench.device.estimate import GPU_SHARE, Estimator, forwards  # noqa: E402
+from bench.device.estimate import FUSED, GPU_SHARE, Estimator, forwards, loss_of  # noqa: E402
+from elsa_ds.loss import LOSS_ENV  # noqa: E402 - which loss a cell trains with (estimate.loss_of)
 from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases  # noqa: E402 - where a cell's time goes
 from elsa_ds.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window, read_profile  # noqa: E402
 from bench.device.ship import RESULTS, TEXTS, read_lines, texts_mismatch, texts_packages, texts_sha256  # noqa: E402 - the texts
@@ -278,7 +279,7 @@ def evaluate(model: str, run: Run, out: Path, log: Path) -> tuple[int, dict | No
     cmd = [sys.executable, str(ROOT / "launch" / "evaluate.py"), "--model", model, "--ppl", f"{run.test},{run.linuxdoc}",
            "--seqlen", str(run.seqlen), "--batch_size", "8", "--limit", str(run.eval_limit), "--dtype", "fp32",
            "--output", str(result), "--overwrite"]
-    rc = call(cmd, log, run.deadline)
+    rc = call(cmd, log, run.deadline, {LOSS_ENV: "chunked"})  # every cell's perplexity summed alike, whatever it trained with
     return rc, json.loads(result.read_text()) if rc == 0 and result.is_file() else None
 
 
@@ -303,7 +304,8 @@ def run_cell(cell: Cell, run: Run) -> dict:
             "tokens": cell.steps * cell.batch * run.seqlen, "deepspeed": run.deepspeed, "concurrency": run.parallel, **run.env}
     if cell.kind == "train":
         line |= {"micro_batch": min(run.micro_batch, cell.batch), "forwards": forwards(cell.batch, run.micro_batch),
-                 "gradient_checkpointing": run.checkpointing, "loss": "chunked",  # elsa_ds/loss.py, from 2026-11-29
+                 # elsa_ds/loss.py from 2026-11-29: "chunked" (torch); from 2026-12-05 the report's (the Triton kernel: "fused")
+                 "gradient_checkpointing": run.checkpointing, "loss": "chunked",
                  "leaf_layers": run.leaf_layers and not plain,  # from 2026-12-01; earlier cells hooked every module
                  # DeepSpeed's linear wrapper, as the cell's config sets it (cells before 2026-12-01: on); none in a plain loop
                  "memory_efficient_linear": None if plain else linear_wrapped(DsConfig.load(cell_config(cell, run)).zero)}
@@ -311,7 +313,7 @@ def run_cell(cell: Cell, run: Run) -> dict:
     phase_log, profile = run.work / f"{cell.slug()}.phases", run.work / f"{cell.slug()}.profile.json"
     phase_log.unlink(missing_ok=True)
     profile.unlink(missing_ok=True)
-    env = {PHASE_LOG_ENV: str(phase_log)}
+    env = {PHASE_LOG_ENV: str(phase_log), LOSS_ENV: "auto" if loss_of(cell) == FUSED else "chunked"}  # estimate.loss_of
     if cell.kind == "train" and run.profile:  # a few steps profiled: do they wait on the host or the GPU?
         env |= {PROFILE_STEPS_ENV: run.profile, PROFILE_OUT_ENV: str(profile)}
     if cell.method != "dense":
@@ -325,6 +327,8 @@ def run_cell(cell: Cell, run: Run) -> dict:
     line |= {"prune_s": round(time.time() - started, 1), "job_s": report.get("wall_s"), "oneshot_s": report.get("prune_s"),
              "phase_s": phase_seconds(phase_log, started, time.time())}
     line |= read_profile(profile)
+    if report.get("loss"):  # which loss ran (a dense cell's report: none)
+        line["loss"] = report["loss"]
     if cell.compiled:  # what compiled (0 graphs: it ran eagerly) and the first step's seconds, the compile's
         line["compile"] = {k: report.get(k) for k in ("compile", "compiled_graphs", "graph_breaks", "first_step_s")}
     rc, result = evaluate(run.model if cell.method == "dense" else str(out), run, out, log)

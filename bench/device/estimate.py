@@ -21,10 +21,12 @@ cells' and its own fit in ``GPU_SHARE`` of the GPU's memory.
 """
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
-Regime = tuple[bool, bool, bool, str]  # (gradient checkpointing, --leaf_layers, torch's F.linear, loop): see regime()
+Regime = tuple[bool, bool, bool, str, str]  # (gradient checkpointing, --leaf_layers, torch's F.linear, loop, loss): regime()
 COMPILED = "+compiled"  # a loop's name with its model through torch.compile (bench/plain_cell.py --compile inductor)
+FUSED, CHUNKED = "fused", "chunked"  # the training loss's paths (elsa_ds/loss.py): the Triton kernel, torch's chunks
 
 PRIOR_FORWARD_S = 0.6  # one 8 x 512 forward + backward of Gemma-3 270M, 3 cells at once on the H200 (2026-11-28)
 PRIOR_OVERHEAD_S = {"train": 150.0, "oneshot": 90.0, "eval": 60.0}
@@ -63,11 +65,23 @@ def estimated_gpu_bytes(model: str, deepspeed: str, seqlen: int, batch: int, mic
 
 def regime(line: dict) -> Regime:
     """How a finished cell stepped: (gradient checkpointing, --leaf_layers, torch's F.linear, its loop: deepspeed or
-    plain, ``plain+compiled`` for a compiled model); lines before each key was recorded ran the other way (checkpointing
-    on before 2026-11-29; hooks on every module and DeepSpeed's linear before 2026-12-01; the engine's loop before
-    2026-12-03; no compiled cell before 2026-12-04)."""
+    plain, ``plain+compiled`` for a compiled model, its loss: fused, chunked or transformers'); lines before each key was
+    recorded ran the other way (checkpointing on before 2026-11-29, and transformers' loss; hooks on every module and
+    DeepSpeed's linear before 2026-12-01; the engine's loop before 2026-12-03; no compiled cell before 2026-12-04; the
+    chunked loss before 2026-12-05)."""
     return (bool(line.get("gradient_checkpointing", True)), bool(line.get("leaf_layers", False)),
-            line.get("memory_efficient_linear", True) is False, loop_of(line.get("engine", "deepspeed"), line.get("compiled")))
+            line.get("memory_efficient_linear", True) is False, loop_of(line.get("engine", "deepspeed"), line.get("compiled")),
+            line.get("loss") or "transformers")
+
+
+def loss_of(cell) -> str:
+    """The loss a cell's training takes on a GPU (curve.py sets ``ELSA_DS_LOSS`` so): a compiled cell's the Triton kernel
+    (elsa_ds/loss.py) unless ``ELSA_DS_LOSS=chunked`` is set for the whole run; an eager cell's torch's chunks, as every
+    eager cell before 2026-12-05 stepped (a ratio compares cells of one loop: the same arithmetic to the last bit). A
+    kernel that fails its check on the GPU runs as chunks: the line's ``loss`` says which ran."""
+    if getattr(cell, "compiled", False) and os.environ.get("ELSA_DS_LOSS", "").strip().lower() != CHUNKED:
+        return FUSED
+    return CHUNKED
 
 
 def loop_of(engine: str, compiled: bool | None) -> str:
@@ -160,15 +174,17 @@ class Estimator:
         stepped at 0.27 s beside three others with 0.18 s of it on the host: no fewer cells make that faster); one that
         did not record ``sharing`` counts as measured."""
         engine = self.engine == "deepspeed"  # ZeRO-3's options do not reach a plain loop's cells
-        now = (self.checkpointing, self.leaf_layers and engine, self.torch_linear and engine,
-               loop_of(self.engine, getattr(cell, "compiled", False)))
+        now = (self.checkpointing, self.leaf_layers and engine, self.torch_linear and engine)
 
         def paced(s: float, shared: float | None, host: float) -> float:
             return max(s / shared * concurrency, host) if shared else s
 
-        same = [(m, t, paced(s, k, h)) for r, (m, t, s, k, h) in self.forward_s if r == now]
-        if not same and now[3] != self.engine:  # compiled, none measured yet: priced as the loop it compiles (what
-            same = [(m, t, paced(s, k, h)) for r, (m, t, s, k, h) in self.forward_s if r == (*now[:3], self.engine)]  # it saves
+        # none measured yet as the cell will step: priced as the loop it compiles (what compiling saves unknown), with
+        # torch's chunked loss (what the kernel saves unknown), or transformers' (before 2026-11-29: slower still)
+        loops = dict.fromkeys((loop_of(self.engine, getattr(cell, "compiled", False)), self.engine))
+        ways = [(*now, loop, loss) for loop in loops for loss in dict.fromkeys((loss_of(cell), CHUNKED, "transformers"))]
+        same = next(([(m, t, paced(s, k, h)) for r, (m, t, s, k, h) in self.forward_s if r == way] for way in ways
+                     if any(r == way for r, _ in self.forward_s)), [])
         mine = [(t, s) for m, t, s in same if m == cell.method]
         samples = mine or [(t, s * OTHER_METHOD) for _, t, s in same] or [(t, paced(s, k, h)) for _, (_, t, s, k, h) in self.forward_s]
         if not samples:

@@ -11,13 +11,21 @@ from collections.abc import Callable
 
 import torch
 
-from elsa_ds.loss import ROW_ELEMENTS
+from elsa_ds.loss import ROW_ELEMENTS, loss_path, shifted_targets
 
 
 def token_nll(logits: torch.Tensor, ids: torch.Tensor, row_elements: int = ROW_ELEMENTS) -> tuple[float, int]:
     """Summed NLL of ids[:, 1:] under logits[:, :-1] and the number of predicted tokens: fp32 arithmetic, as
     ``cross_entropy(logits.float(), reduction="sum")``, ``row_elements`` logits upcast at a time (Gemma's 262,144-entry
-    vocabulary made the whole fp32 copy and log_softmax's output 8 GiB at 8 x 512 tokens), the chunks' sums added in fp64."""
+    vocabulary made the whole fp32 copy and log_softmax's output 8 GiB at 8 x 512 tokens), the chunks' sums added in fp64.
+    Where the training loss runs fused (``elsa_ds.loss.loss_path``: CUDA) the rows' NLLs come from its kernel, summed in
+    fp64 the same way."""
+    if loss_path(logits) == "fused":
+        from elsa_ds.loss_kernel import cross_entropy_rows
+
+        flat = logits.reshape(-1, logits.shape[-1])
+        nll = cross_entropy_rows(flat if flat.stride(-1) == 1 else flat.contiguous(), shifted_targets(ids).reshape(-1))
+        return float(nll.sum(dtype=torch.float64)), ids[:, 1:].numel()
     tokens, vocab = logits.shape[1] - 1, logits.shape[-1]
     rows = max(1, row_elements // vocab)
     total = torch.zeros((), dtype=torch.float64, device=logits.device)  # read once at the end: one device sync

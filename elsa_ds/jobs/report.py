@@ -17,6 +17,7 @@ import torch
 from elsa_ds.files.io import versions, write_json
 from elsa_ds.files.output import REPORT_NAME, layers_summary, publish, verified_layers
 from elsa_ds.log import get_logger
+from elsa_ds.loss import taken as loss_taken
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY
@@ -180,6 +181,7 @@ def _common(rec: ReportRecord) -> dict[str, Any]:
             "sparsity_profile": cfg.sparsity_profile, "world_size": rec.world, "deepspeed_config": rec.deepspeed,
             "deepspeed_resolved": rec.deepspeed_resolved,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+            "loss": loss_taken(),  # the training loss's path: "fused" (the Triton kernel), "chunked" (torch)
             "config": cfg.model_dump(mode="json"), "versions": versions()}
 
 

@@ -1,0 +1,137 @@
+"""The next-token loss on CUDA as one Triton kernel: each row's log-sum-exp, NLL and softmax gradient in two passes.
+
+The readable reference is ``elsa_ds.loss._ChunkedNextToken`` (torch, a chunk of rows at a time); this is the same
+arithmetic per row, fused. One program per row of logits [rows, vocab] (any float dtype, rows ``row_stride`` apart):
+
+    pass 1:  m, s = running max and Σ exp(x - m) over the row in blocks of ``BLOCK``     (fp32; online log-sum-exp)
+             lse = m + log(s);  loss[row] = lse - x[target]        (0 where target < 0: a position that predicts nothing)
+    pass 2:  grad[row, j] = (exp(x[j] - lse) - [j == target]) · inv_count                (0 where target < 0)
+             stored in grad's dtype (the logits' dtype: the reference's rounding)
+
+so the row is read twice and its gradient written once, in the logits' own dtype: no fp32 copy, no broadcast temporaries.
+The reference's chunks cost ~8 passes of fp32 over every logit, several of them through torch's broadcasting
+(non-vectorized) kernels: with Gemma's 262,144-entry vocabulary they were ~40 % of a Gemma-3 270M step's GPU time on an
+H200 at 32 x 512 tokens (bench/results/gpu_quality_gemma3-270m.jsonl, the cells' ``profile``). ``WRITE_GRAD`` off: the
+losses alone (evaluation). ``inv_count`` is a one-element fp32 tensor (1 / the rows whose target is >= 0), read on the
+device: no host sync.
+
+Triton is imported when this module is; ``elsa_ds.loss`` imports it only for a CUDA tensor (or a test). With
+``TRITON_INTERPRET=1`` set before triton is imported the same kernel runs on CPU tensors in Triton's interpreter:
+tests/test_loss_kernel.py holds it to the reference that way, and compiles it for sm_90 with Triton's own ptxas.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")  # as triton reads it on import
+try:
+    import triton
+    import triton.language as tl
+except Exception as err:  # noqa: BLE001 - a broken install is as unavailable as a missing one
+    triton = tl = None
+    _IMPORT_ERROR: str | None = f"triton is not importable ({type(err).__name__}: {err})"
+else:
+    _IMPORT_ERROR = None
+
+MAX_BLOCK = 4096  # logits a program holds per trip: 16 fp32 registers a thread at 8 warps
+NUM_WARPS = 8
+
+
+def _cross_entropy_rows(logits, row_stride, targets, inv_count, losses, grad, grad_stride, vocab,
+                        WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: row = program_id(0) of logits; see the module's docstring."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * row_stride
+    target = tl.load(targets + row).to(tl.int64)
+    ok = target >= 0
+    lane = tl.arange(0, BLOCK)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    start = 0
+    while start < vocab:  # not range(0, vocab, BLOCK): the interpreter's range() needs numpy < 2.4 for tensor bounds
+        cols = start + lane
+        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+        start += BLOCK
+    lse = m + tl.log(s)
+    x_t = tl.load(base + tl.maximum(target, 0)).to(tl.float32)
+    tl.store(losses + row, tl.where(ok, lse - x_t, 0.0))
+    if WRITE_GRAD:
+        scale = tl.where(ok, tl.load(inv_count), 0.0)
+        out = grad + row * grad_stride
+        start = 0
+        while start < vocab:
+            cols = start + lane
+            inside = cols < vocab
+            x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
+            g = tl.exp(x - lse)
+            g = tl.where(cols == target, g - 1.0, g) * scale
+            tl.store(out + cols, g.to(grad.dtype.element_ty), mask=inside)
+            start += BLOCK
+
+
+@functools.cache
+def _kernel():
+    """The jitted kernel (compiled, or interpreted under TRITON_INTERPRET=1)."""
+    return triton.jit(_cross_entropy_rows)
+
+
+def unavailable(device: torch.device | str = "cuda") -> str | None:
+    """Why the kernel cannot run on ``device`` (None: it can): no triton, or no GPU and no interpreter."""
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    kind = torch.device(device).type
+    if INTERPRET:
+        return None if kind == "cpu" else "TRITON_INTERPRET=1 runs Triton kernels on CPU tensors only"
+    if kind != "cuda":
+        return f"the Triton loss runs on CUDA tensors, not {torch.device(device)} ones"
+    return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+
+
+def block_size(vocab: int) -> int:
+    """BLOCK: the vocabulary padded to a power of two, at most :data:`MAX_BLOCK`."""
+    return min(MAX_BLOCK, 1 << (vocab - 1).bit_length() if vocab > 1 else 1)
+
+
+def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, inv_count: torch.Tensor | None = None,
+                       grad: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
+    """Per-row NLL (fp32 [rows]) of ``logits`` [rows, vocab] (last dim contiguous) against ``targets`` [rows] (int64,
+    -1: no loss); with ``grad`` (shaped as logits, last dim contiguous) and ``inv_count`` also each row's gradient of
+    Σ loss · inv_count written into ``grad``."""
+    if logits.dim() != 2 or logits.stride(-1) != 1 or targets.shape != logits.shape[:1]:
+        raise ValueError(f"cross_entropy_rows: logits [rows, vocab] with contiguous rows and targets [rows], got "
+                         f"{tuple(logits.shape)} (strides {logits.stride()}) and {tuple(targets.shape)}")
+    rows, vocab = logits.shape
+    losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if grad is not None and (grad.shape != logits.shape or grad.stride(-1) != 1 or inv_count is None):
+        raise ValueError("cross_entropy_rows: grad shaped as logits (contiguous rows) and inv_count are needed together")
+    if rows:  # without a gradient its pointers are the losses' (never read: WRITE_GRAD is compiled out)
+        _kernel()[(rows,)](logits, logits.stride(0), targets.to(torch.int64), losses if inv_count is None else inv_count,
+                           losses, losses if grad is None else grad, 0 if grad is None else grad.stride(0), vocab,
+                           WRITE_GRAD=grad is not None, BLOCK=block or block_size(vocab), num_warps=NUM_WARPS)
+    return losses
+
+
+def compile_ahead(dtype: str = "bf16", write_grad: bool = True, block: int = MAX_BLOCK, capability: int = 90,
+                  aligned: bool = True):
+    """The kernel compiled by Triton for a CUDA GPU of compute ``capability`` with no GPU present (its bundled ptxas), its
+    arguments typed as :func:`cross_entropy_rows` passes them (``dtype``: the logits' and gradient's, 'bf16', 'fp16',
+    'fp32'); ``aligned``: as a launch with Gemma's vocabulary specializes it (pointers, strides and the vocabulary
+    multiples of 16, which Triton's launcher detects). Returns Triton's compiled kernel (``.asm``: ttgir, ptx, cubin):
+    tests/test_loss_kernel.py."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _kernel()
+    types = {"logits": f"*{dtype}", "row_stride": "i32", "targets": "*i64", "inv_count": "*fp32", "losses": "*fp32",
+             "grad": f"*{dtype}", "grad_stride": "i32", "vocab": "i32"}
+    consts = {"WRITE_GRAD": write_grad, "BLOCK": block}
+    signature = {name: types[name] for name in fn.arg_names if name in types} | {c: "constexpr" for c in consts}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in types} if aligned else None
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", capability, 32), options={"num_warps": NUM_WARPS})
