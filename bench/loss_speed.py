@@ -39,9 +39,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def timed(fn, device: str) -> float:
+def timed(fn, cuda: bool) -> float:
     """Seconds of one call of ``fn`` (CUDA events on a GPU)."""
-    if device == "cuda":
+    if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -58,12 +58,17 @@ def measure(args: argparse.Namespace) -> dict:
     logits = (4 * torch.randn(args.batch, args.seqlen, args.vocab, generator=gen, device=args.device)).to(torch.bfloat16)
     ids = torch.randint(0, args.vocab, (args.batch, args.seqlen), generator=gen, device=args.device)
 
+    values: dict[str, float] = {}  # each path's loss on these logits: the kernel at this size against the chunks
+
     def train():
         x = logits.detach().requires_grad_()
-        L.next_token_loss(x, ids).backward()
+        loss = L.next_token_loss(x, ids)
+        loss.backward()
+        values[os.environ[L.LOSS_ENV]] = float(loss.detach())
 
     paths = {"chunked": "chunked", "fused": "auto"}
-    fused_reason = L.fused_disagrees(args.device, torch.bfloat16) if args.device == "cuda" else "not a CUDA device"
+    cuda = logits.device.type == "cuda"
+    fused_reason = L.fused_disagrees(str(logits.device), torch.bfloat16) if cuda else "not a CUDA device"
     if fused_reason is not None:
         del paths["fused"]
     times: dict[str, dict[str, list[float]]] = {p: {"train": [], "eval": []} for p in paths}
@@ -72,11 +77,11 @@ def measure(args: argparse.Namespace) -> dict:
     for r in range(args.rounds + 1):  # round 0: warm-up (the kernel's compile, the allocator)
         for name, choice in paths.items():
             os.environ[L.LOSS_ENV] = choice
-            if args.device == "cuda":
+            if cuda:
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
-            t_train, t_eval = timed(train, args.device), timed(lambda: token_nll(logits, ids), args.device)
-            if args.device == "cuda":
+            t_train, t_eval = timed(train, cuda), timed(lambda: token_nll(logits, ids), cuda)
+            if cuda:
                 peak[name] = (torch.cuda.max_memory_allocated() - base) / 2**30
             if r:
                 times[name]["train"].append(t_train)
@@ -86,7 +91,7 @@ def measure(args: argparse.Namespace) -> dict:
     else:
         os.environ[L.LOSS_ENV] = before
     floor_bytes = 3 * logits.numel() * logits.element_size()  # read twice, gradient written once
-    out = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+    out = {"device": torch.cuda.get_device_name(logits.device) if cuda else "cpu", "torch": torch.__version__,
            "shape": [args.batch, args.seqlen, args.vocab], "dtype": "bfloat16", "fused_unavailable": fused_reason,
            "fused_bytes": floor_bytes}
     for name in paths:
@@ -94,6 +99,7 @@ def measure(args: argparse.Namespace) -> dict:
                      "peak_gib_beyond_logits": peak.get(name)}
         out[name]["train_gb_s"] = floor_bytes / out[name]["train_s"] / 1e9
     if "fused" in paths:
+        out["loss_rel_diff"] = abs(values["auto"] - values["chunked"]) / abs(values["chunked"])
         out["train_speedup"] = out["chunked"]["train_s"] / out["fused"]["train_s"]
         out["eval_speedup"] = out["chunked"]["eval_s"] / out["fused"]["eval_s"]
     return out
@@ -110,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if out["fused_unavailable"]:
         print(f"fused: not run ({out['fused_unavailable']})")
     else:
-        print(f"fused / chunked: {out['train_speedup']:.1f}x loss + backward, {out['eval_speedup']:.1f}x evaluation")
+        print(f"fused / chunked: {out['train_speedup']:.1f}x loss + backward, {out['eval_speedup']:.1f}x evaluation; "
+              f"the losses {out['loss_rel_diff']:.2g} apart (relative)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")

@@ -359,7 +359,7 @@ def build_and_publish(plan, device: torch.device, out: Path, started: float, bac
                   "overall_sparsity": sparsity, "prune_s": oneshot_s, "projections": trained["projections"],
                   "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,  # the one-shot's too,
                   # as the job's report counts it
-                  "wall_s": round(time.time() - started, 1), "loss": loss_taken(), **compile_report(backend, trained["times"])}
+                  "wall_s": round(time.time() - started, 1), "loss_path": loss_taken(), **compile_report(backend, trained["times"])}
         write_json(staging / "elsa_report.json", report)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)

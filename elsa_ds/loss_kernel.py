@@ -9,6 +9,8 @@ arithmetic per row, fused. One program per row of logits [rows, vocab] (any floa
              stored in grad's dtype (the logits' dtype: the reference's rounding)
 
 so the row is read twice and its gradient written once, in the logits' own dtype: no fp32 copy, no broadcast temporaries.
+Leading -inf logits (banned ids) shift by 0 until a finite one comes, as torch's logsumexp does; a target past the
+vocabulary makes its row's loss NaN (the reference's gather raises).
 The reference's chunks cost ~8 passes of fp32 over every logit, several of them through torch's broadcasting
 (non-vectorized) kernels: with Gemma's 262,144-entry vocabulary they were ~40 % of a Gemma-3 270M step's GPU time on an
 H200 at 32 x 512 tokens (bench/results/gpu_quality_gemma3-270m.jsonl, the cells' ``profile``). ``WRITE_GRAD`` off: the
@@ -21,6 +23,7 @@ tests/test_loss_kernel.py holds it to the reference that way, and compiles it fo
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -45,7 +48,7 @@ def _cross_entropy_rows(logits, row_stride, targets, inv_count, losses, grad, gr
     """One program: row = program_id(0) of logits; see the module's docstring."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * row_stride
-    target = tl.load(targets + row).to(tl.int64)
+    target = tl.load(targets + row).to(tl.int32)
     ok = target >= 0
     lane = tl.arange(0, BLOCK)
     m = tl.full((), float("-inf"), tl.float32)
@@ -55,12 +58,14 @@ def _cross_entropy_rows(logits, row_stride, targets, inv_count, losses, grad, gr
         cols = start + lane
         x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row's leading -inf logits (banned ids): no -inf - -inf
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
         m = m_new
         start += BLOCK
     lse = m + tl.log(s)
-    x_t = tl.load(base + tl.maximum(target, 0)).to(tl.float32)
-    tl.store(losses + row, tl.where(ok, lse - x_t, 0.0))
+    known = target < vocab  # a target past the vocabulary: NaN, where the reference's gather fails
+    x_t = tl.load(base + tl.minimum(tl.maximum(target, 0), vocab - 1)).to(tl.float32)
+    tl.store(losses + row, tl.where(ok, tl.where(known, lse - x_t, float("nan")), 0.0))
     if WRITE_GRAD:
         scale = tl.where(ok, tl.load(inv_count), 0.0)
         out = grad + row * grad_stride
@@ -111,9 +116,11 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, inv_count: t
     if grad is not None and (grad.shape != logits.shape or grad.stride(-1) != 1 or inv_count is None):
         raise ValueError("cross_entropy_rows: grad shaped as logits (contiguous rows) and inv_count are needed together")
     if rows:  # without a gradient its pointers are the losses' (never read: WRITE_GRAD is compiled out)
-        _kernel()[(rows,)](logits, logits.stride(0), targets.to(torch.int64), losses if inv_count is None else inv_count,
-                           losses, losses if grad is None else grad, 0 if grad is None else grad.stride(0), vocab,
-                           WRITE_GRAD=grad is not None, BLOCK=block or block_size(vocab), num_warps=NUM_WARPS)
+        with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():  # Triton: the current device's
+            _kernel()[(rows,)](logits, logits.stride(0), targets.to(torch.int64).contiguous(),
+                               losses if inv_count is None else inv_count, losses, losses if grad is None else grad,
+                               0 if grad is None else grad.stride(0), vocab,
+                               WRITE_GRAD=grad is not None, BLOCK=block or block_size(vocab), num_warps=NUM_WARPS)
     return losses
 
 

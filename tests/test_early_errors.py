@@ -331,3 +331,16 @@ def test_an_nvme_path_for_a_config_without_nvme_is_refused(tmp_path, tiny_model_
                   "--output_dir", str(tmp_path / "o")], f"--nvme_path {tmp_path} is given, but this DeepSpeed config "
                  "offloads nothing to NVMe", "use ds_configs/zero3_nvme.json")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("value, needle", [("triton", "ELSA_DS_LOSS='triton': expected one of auto, chunked, fused"),
+                                           ("fused", "ELSA_DS_LOSS=fused, but the Triton loss cannot run here")])
+def test_an_elsa_ds_loss_the_job_cannot_honour_is_refused_before_any_work(tmp_path, value, needle):
+    """ELSA_DS_LOSS (elsa_ds/loss.py) read by the plan's checks: a value that is not a choice, or ``fused`` on a machine
+    where the Triton loss cannot run (this CPU box), one line and exit 2 before a weight loads, no output made."""
+    proc = run_entry("prune.py", ["--deepspeed", "zero3_offload", "--steps", "4", "--interval", "2", "--output_dir",
+                                  str(tmp_path / "out")], check=False, env={"ELSA_DS_LOSS": value}, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert needle in errors[0] and not (tmp_path / "out").exists(), errors[0]
+    assert "DeepSpeed config" not in proc.stdout

@@ -94,14 +94,23 @@ def _torch_rows(fault: float = 1.0):
 
 
 def test_the_fused_path_is_taken_only_where_it_agreed_with_the_chunks(monkeypatch, caplog):
-    """loss_path: CPU tensors (and ELSA_DS_LOSS=chunked) take the chunks; a kernel whose gradient is 1 % off, or which
-    raises, is refused once with a warning naming why; an unknown ELSA_DS_LOSS is an error naming the choices."""
+    """loss_path: CPU tensors (and ELSA_DS_LOSS=chunked) take the chunks; a kernel that drops the last 5 logits of a
+    row, or whose gradient is 1 % off, or which raises, is refused once with a warning naming why (a correct one
+    passes); ELSA_DS_LOSS=fused where the kernel cannot run, and an unknown value, are one-line errors."""
     from elsa_ds import loss as L
     from elsa_ds import loss_kernel
+    from elsa_ds.errors import ElsaError
+
+    def dropped(logits, targets, inv_count=None, grad=None, block=None):  # the tail block's mask wrong by 5 entries
+        keep = logits.shape[1] - 5
+        out = _torch_rows()(logits[:, :keep], targets.clamp(max=keep - 1), inv_count, None if grad is None else grad[:, :keep])
+        if grad is not None:
+            grad[:, keep:] = 0
+        return out
 
     assert L.loss_path(torch.zeros(1, 2, 3)) == "chunked"
     monkeypatch.setattr(loss_kernel, "unavailable", lambda device: None)
-    for kernel, agrees in ((_torch_rows(), True), (_torch_rows(1.01), False), (None, False)):
+    for kernel, agrees in ((_torch_rows(), True), (_torch_rows(1.01), False), (dropped, False), (None, False)):
         L.fused_disagrees.cache_clear()
         monkeypatch.setattr(loss_kernel, "cross_entropy_rows", kernel)  # None: the call raises TypeError
         caplog.clear()
@@ -109,9 +118,12 @@ def test_the_fused_path_is_taken_only_where_it_agreed_with_the_chunks(monkeypatc
             reason = L.fused_disagrees("cpu", torch.bfloat16)
         assert (reason is None) == agrees, reason
         if not agrees:
-            assert ("gradient off by" in reason) if kernel else ("failed" in reason and "TypeError" in reason)
+            assert ("past its tolerance" in reason) if kernel else ("failed" in reason and "TypeError" in reason)
             assert "runs as torch chunks" in caplog.text and reason in caplog.text
     L.fused_disagrees.cache_clear()
+    monkeypatch.setenv(L.LOSS_ENV, "fused")
+    with pytest.raises(ElsaError, match="ELSA_DS_LOSS=fused, but the Triton loss cannot run here: logits on cpu"):
+        L.loss_path(torch.zeros(1, 2, 3))
     monkeypatch.setenv(L.LOSS_ENV, "triton")
-    with pytest.raises(ValueError, match="ELSA_DS_LOSS='triton': expected one of auto, chunked"):
+    with pytest.raises(ElsaError, match="ELSA_DS_LOSS='triton': expected one of auto, chunked, fused"):
         L.loss_path(torch.zeros(1, 2, 3))

@@ -2,12 +2,13 @@
 Triton's interpreter (TRITON_INTERPRET=1), and compiled for sm_90 by Triton's own ptxas with no GPU present.
 
 Triton reads TRITON_INTERPRET when it is imported, so the cases run in one subprocess started with it set (this file run
-as a script: it prints every case's figures as JSON); the tests judge them. On a GPU, tests/cuda/test_device_math.py
+as a script: it prints every case's figures as JSON); the tests judge them. On a GPU, tests/cuda/test_loss_gpu.py
 holds the compiled kernel to the same reference.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -95,6 +96,14 @@ def run_cases() -> dict:
     big = torch.tensor([[300.0, -300.0, 0.0, 299.0]]) + torch.randn(1, 4, generator=gen) * 0  # exp would overflow unshifted
     rows["huge"] = {"loss": K.cross_entropy_rows(big, torch.tensor([3])).tolist(),
                     "ref": F.cross_entropy(big, torch.tensor([3]), reduction="none").tolist()}
+    banned = torch.randn(2, 4196, generator=gen)
+    banned[:, :4096] = float("-inf")  # the first block all -inf: no -inf - -inf
+    banned[1, 4100:4150] = float("-inf")
+    rows["banned"] = {"loss": K.cross_entropy_rows(banned, torch.tensor([4100 + 60, 4195])).tolist(),
+                      "ref": F.cross_entropy(banned, torch.tensor([4160, 4195]), reduction="none").tolist()}
+    rows["past_vocabulary"] = {"loss": K.cross_entropy_rows(torch.randn(3, 50), torch.tensor([1, 50, -1])).tolist()}
+    with torch.inference_mode():  # an evaluation's first loss: the check still runs its backward
+        rows["inference_mode_check"] = {"reason": (L.fused_disagrees.cache_clear(), L.fused_disagrees("cpu", torch.bfloat16))[1]}
     try:
         K.cross_entropy_rows(torch.zeros(4, 6).t(), torch.zeros(6, dtype=torch.long))
         refused = ""
@@ -115,9 +124,9 @@ def results() -> dict:
 
 def test_each_rows_loss_and_gradient_are_the_reference_in_every_dtype_block_and_stride(results):
     rows = results["rows"]
-    assert len(rows) == len(SHAPES) * len(DTYPES) * 2 + 1
+    assert len(rows) == len(SHAPES) * len(DTYPES) * 2 + 4
     for name, case in rows.items():
-        if name == "huge":
+        if name in ("huge", "banned", "past_vocabulary", "inference_mode_check"):
             continue
         assert case["loss_err"] <= 1e-5, (name, case)
         assert case["grad_err"] <= (1e-6 if "float32" in name else 2**-7 if "bfloat16" in name else 2**-10), (name, case)  # 1 ulp
@@ -128,6 +137,16 @@ def test_each_rows_loss_and_gradient_are_the_reference_in_every_dtype_block_and_
 def test_large_logits_do_not_overflow(results):
     huge = results["rows"]["huge"]
     assert huge["loss"] == pytest.approx(huge["ref"], rel=1e-6) and huge["loss"][0] == pytest.approx(1.3133, rel=1e-3)
+
+
+def test_banned_logits_out_of_range_targets_and_inference_mode(results):
+    """Leading -inf logits give torch's finite loss (not NaN); a target past the vocabulary a NaN loss for its row alone;
+    the self-check passes when the first loss comes under torch.inference_mode (an evaluation's)."""
+    rows = results["rows"]
+    assert rows["banned"]["loss"] == pytest.approx(rows["banned"]["ref"], rel=1e-6)
+    loss = rows["past_vocabulary"]["loss"]
+    assert loss[0] > 0 and math.isnan(loss[1]) and loss[2] == 0.0
+    assert rows["inference_mode_check"]["reason"] is None
 
 
 def test_the_fused_function_is_the_whole_upcast_loss_and_passes_its_own_check(results):

@@ -327,8 +327,8 @@ def run_cell(cell: Cell, run: Run) -> dict:
     line |= {"prune_s": round(time.time() - started, 1), "job_s": report.get("wall_s"), "oneshot_s": report.get("prune_s"),
              "phase_s": phase_seconds(phase_log, started, time.time())}
     line |= read_profile(profile)
-    if report.get("loss"):  # which loss ran (a dense cell's report: none)
-        line["loss"] = report["loss"]
+    if report.get("loss_path"):  # which loss ran (a dense cell's report: none)
+        line["loss"] = report["loss_path"]
     if cell.compiled:  # what compiled (0 graphs: it ran eagerly) and the first step's seconds, the compile's
         line["compile"] = {k: report.get(k) for k in ("compile", "compiled_graphs", "graph_breaks", "first_step_s")}
     rc, result = evaluate(run.model if cell.method == "dense" else str(out), run, out, log)

@@ -79,7 +79,9 @@ def loss_of(cell) -> str:
     (elsa_ds/loss.py) unless ``ELSA_DS_LOSS=chunked`` is set for the whole run; an eager cell's torch's chunks, as every
     eager cell before 2026-12-05 stepped (a ratio compares cells of one loop: the same arithmetic to the last bit). A
     kernel that fails its check on the GPU runs as chunks: the line's ``loss`` says which ran."""
-    if getattr(cell, "compiled", False) and os.environ.get("ELSA_DS_LOSS", "").strip().lower() != CHUNKED:
+    from elsa_ds.loss import LOSS_ENV
+
+    if getattr(cell, "compiled", False) and os.environ.get(LOSS_ENV, "").strip().lower() != CHUNKED:
         return FUSED
     return CHUNKED
 

@@ -188,9 +188,9 @@ def _forward_backward(shape: ModelShape, ds: dict, job: Job, micro_batch: int | 
     h, a, n_layers, vocab = shape.hidden, shape.heads, shape.layers, shape.vocab
     full_layer = b * seqlen * h * (34 + 5 * a * seqlen / h)
     acts = (n_layers * 2 * b * seqlen * h + full_layer) if gradient_checkpointing else n_layers * full_layer
-    # the loss (elsa_ds/loss.py): the logits and their gradient in the model's dtype; then on CUDA the Triton kernel's
-    # fp32 loss a row, elsewhere fp32 a chunk of rows at a time (the chunk, its softmax in place, logsumexp's temporary)
-    acts += b * seqlen * vocab * 2 * job.half + (4 * b * seqlen if device == "cuda" else 3 * 4 * min(b * seqlen * vocab, ROW_ELEMENTS))
+    # the loss (elsa_ds/loss.py): the logits and their gradient in the model's dtype, fp32 a chunk of rows at a time (the
+    # chunk, its softmax in place, logsumexp's temporary); an upper bound where its Triton kernel runs (none of those)
+    acts += b * seqlen * vocab * 2 * job.half + 3 * 4 * min(b * seqlen * vocab, ROW_ELEMENTS)
     gathered = gathered_params(shape, zero, gradient_checkpointing, device)
     prefetch = min(prefetch, max(0.0, shape.num_params - gathered))  # a model kept whole has nothing left to prefetch
     return job.half * (gathered + prefetch) + job.half * bucket + acts

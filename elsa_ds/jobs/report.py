@@ -181,7 +181,7 @@ def _common(rec: ReportRecord) -> dict[str, Any]:
             "sparsity_profile": cfg.sparsity_profile, "world_size": rec.world, "deepspeed_config": rec.deepspeed,
             "deepspeed_resolved": rec.deepspeed_resolved,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
-            "loss": loss_taken(),  # the training loss's path: "fused" (the Triton kernel), "chunked" (torch)
+            "loss_path": loss_taken(),  # the training loss's: "fused" (the Triton kernel), "chunked" (torch)
             "config": cfg.model_dump(mode="json"), "versions": versions()}
 
 
