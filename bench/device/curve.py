@@ -583,7 +583,8 @@ def remapped(cells: list[Cell], seqlen: int, taken: set[str], **change) -> list[
 
 def compile_failed(line: dict, cell: Cell) -> bool:
     """A compiled cell whose prune call failed: it and every compiled cell not started yet run in the plain loop
-    uncompiled instead (a graph that does not compile runs eagerly already: this is a failure past it); its line stays."""
+    uncompiled instead (a graph that does not compile runs eagerly already: this is a failure past it), with the chunked
+    loss too (eager cells' :func:`estimate.loss_of`: a failure of the Triton loss falls back the same way); its line stays."""
     if not cell.compiled or line.get("status") != "failed" or line.get("phase") != "prune":
         return False
     print(f"[curve] {line['key']} failed compiled: it and the compiled cells from now on run uncompiled", flush=True)
