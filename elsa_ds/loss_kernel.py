@@ -25,19 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")  # as triton reads it on import
-try:
-    import triton
-    import triton.language as tl
-except Exception as err:  # noqa: BLE001 - a broken install is as unavailable as a missing one
-    triton = tl = None
-    _IMPORT_ERROR: str | None = f"triton is not importable ({type(err).__name__}: {err})"
-else:
-    _IMPORT_ERROR = None
+from elsa_ds.triton_api import IMPORT_ERROR as _IMPORT_ERROR  # noqa: F401 - read by unavailable(); tests replace it
+from elsa_ds.triton_api import INTERPRET, tl, triton  # noqa: F401 - tl: the kernels' annotations
 
 MAX_BLOCK = 4096  # logits a program holds per trip: 16 fp32 registers a thread at 8 warps
 NUM_WARPS = 8

@@ -29,15 +29,8 @@ import os
 
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")  # as triton reads it on import
-try:
-    import triton
-    import triton.language as tl
-except Exception as err:  # noqa: BLE001 - a broken install is as unavailable as a missing one
-    triton = tl = None
-    _IMPORT_ERROR: str | None = f"triton is not importable ({type(err).__name__}: {err})"
-else:
-    _IMPORT_ERROR = None
+from elsa_ds.triton_api import IMPORT_ERROR as _IMPORT_ERROR  # noqa: F401 - read by unavailable(); tests replace it
+from elsa_ds.triton_api import INTERPRET, tl, triton  # noqa: F401 - tl: the kernels' annotations
 
 MAX_ROWS = 16  # rows of x one call takes (decode: batch x 1 token)
 
