@@ -344,3 +344,7 @@ def test_an_elsa_ds_loss_the_job_cannot_honour_is_refused_before_any_work(tmp_pa
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert needle in errors[0] and not (tmp_path / "out").exists(), errors[0]
     assert "DeepSpeed config" not in proc.stdout
+    if value == "triton":  # the evaluation entry point reads it too (its perplexity's rows): refused before loading
+        proc = run_entry("evaluate.py", ["--model", "google/gemma-2-2b", "--ppl", str(ROOT / "README.md")], check=False,
+                         env={"ELSA_DS_LOSS": value})
+        assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

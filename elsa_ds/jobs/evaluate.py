@@ -33,6 +33,7 @@ from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
 from elsa_ds.files.io import versions, write_atomic
 from elsa_ds.files.output import missing_folders
 from elsa_ds.log import get_logger
+from elsa_ds.loss import loss_choice
 from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, is_sparse_checkpoint, load_causal_lm, load_config
 from elsa_ds.settings.config import NAMED_TEXT_SOURCES, ElsaConfig
 from elsa_ds.settings.config_files import PathList, comma_list
@@ -107,7 +108,9 @@ class EvalSettings(BaseModel):
 
 
 def check_settings(s: EvalSettings) -> None:
-    """Reject unwritable outputs before anything is loaded (the model's fields hold the numbers' bounds)."""
+    """Reject unwritable outputs, and an ELSA_DS_LOSS that is not a choice, before anything is loaded (the model's fields
+    hold the numbers' bounds)."""
+    loss_choice()
     for flag, path in (("--output", s.output), ("--markdown", s.markdown)):
         if path is None:
             continue
