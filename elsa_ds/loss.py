@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from elsa_ds.admm.kernels.build import enabled as kernels_enabled
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 
@@ -76,7 +77,7 @@ def loss_path(logits: torch.Tensor) -> str:
     ``ELSA_DS_LOSS`` not "chunked", and the kernel agreed with the chunks in this process), else "chunked";
     ``ELSA_DS_LOSS=fused`` where it cannot: ElsaError naming why."""
     choice = loss_choice()
-    if choice == "chunked" or choice == "auto" and os.environ.get("ELSA_DS_KERNELS", "1").strip().lower() in ("0", "false", "off"):
+    if choice == "chunked" or choice == "auto" and not kernels_enabled():
         return "chunked"  # ELSA_DS_KERNELS=0: every fast path off
     why = (f"logits on {logits.device}, not a CUDA device" if logits.device.type != "cuda" else
            f"{str(logits.dtype).split('.')[-1]} logits" if logits.dtype not in FUSED_DTYPES else
@@ -176,11 +177,10 @@ class _FusedNextToken(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        from elsa_ds.loss_kernel import cross_entropy_rows
+        from elsa_ds.loss_kernel import as_rows, cross_entropy_rows
 
         shape = logits.shape
-        flat = logits.reshape(-1, shape[-1])
-        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+        flat = as_rows(logits)
         count = (targets >= 0).sum().clamp(min=1).to(torch.float32)
         grad = torch.empty_like(flat, memory_format=torch.contiguous_format) if ctx.needs_input_grad[0] else None
         losses = cross_entropy_rows(flat, targets, (1.0 / count).reshape(1), grad)

@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from elsa_ds.triton_api import IMPORT_ERROR as _IMPORT_ERROR  # noqa: F401 - read by unavailable(); tests replace it
+from elsa_ds import triton_api
 from elsa_ds.triton_api import INTERPRET, tl, triton  # noqa: F401 - tl: the kernels' annotations
 
 MAX_BLOCK = 4096  # logits a program holds per trip: 16 fp32 registers a thread at 8 warps
@@ -80,19 +80,18 @@ def _kernel():
 
 def unavailable(device: torch.device | str = "cuda") -> str | None:
     """Why the kernel cannot run on ``device`` (None: it can): no triton, or no GPU and no interpreter."""
-    if _IMPORT_ERROR is not None:
-        return _IMPORT_ERROR
-    kind = torch.device(device).type
-    if INTERPRET:
-        return None if kind == "cpu" else "TRITON_INTERPRET=1 runs Triton kernels on CPU tensors only"
-    if kind != "cuda":
-        return f"the Triton loss runs on CUDA tensors, not {torch.device(device)} ones"
-    return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+    return triton_api.unavailable(device, "the Triton loss")
 
 
 def block_size(vocab: int) -> int:
     """BLOCK: the vocabulary padded to a power of two, at most :data:`MAX_BLOCK`."""
     return min(MAX_BLOCK, 1 << (vocab - 1).bit_length() if vocab > 1 else 1)
+
+
+def as_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` [..., vocab] as the [rows, vocab] the kernel reads (a view where its rows are contiguous already)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
 def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, inv_count: torch.Tensor | None = None,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")  # as triton reads it on import
 try:
     import triton
@@ -18,3 +20,16 @@ except Exception as err:  # noqa: BLE001 - a broken install is as unavailable as
     IMPORT_ERROR: str | None = f"triton is not importable ({type(err).__name__}: {err})"
 else:
     IMPORT_ERROR = None
+
+
+def unavailable(device: torch.device | str, kernel: str) -> str | None:
+    """Why ``kernel`` (its name, for the reason) cannot run on ``device`` (None: it can): no triton, or no GPU and no
+    interpreter."""
+    if IMPORT_ERROR is not None:
+        return IMPORT_ERROR
+    kind = torch.device(device).type
+    if INTERPRET:
+        return None if kind == "cpu" else "TRITON_INTERPRET=1 runs Triton kernels on CPU tensors only"
+    if kind != "cuda":
+        return f"{kernel} runs on CUDA tensors, not {torch.device(device)} ones"
+    return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"

@@ -21,10 +21,9 @@ def token_nll(logits: torch.Tensor, ids: torch.Tensor, row_elements: int = ROW_E
     Where the training loss runs fused (``elsa_ds.loss.loss_path``: CUDA) the rows' NLLs come from its kernel, summed in
     fp64 the same way."""
     if loss_path(logits) == "fused":
-        from elsa_ds.loss_kernel import cross_entropy_rows
+        from elsa_ds.loss_kernel import as_rows, cross_entropy_rows
 
-        flat = logits.reshape(-1, logits.shape[-1])
-        nll = cross_entropy_rows(flat if flat.stride(-1) == 1 else flat.contiguous(), shifted_targets(ids).reshape(-1))
+        nll = cross_entropy_rows(as_rows(logits), shifted_targets(ids).reshape(-1))
         return float(nll.sum(dtype=torch.float64)), ids[:, 1:].numel()
     tokens, vocab = logits.shape[1] - 1, logits.shape[-1]
     rows = max(1, row_elements // vocab)

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from elsa_ds.triton_api import IMPORT_ERROR as _IMPORT_ERROR  # noqa: F401 - read by unavailable(); tests replace it
+from elsa_ds import triton_api
 from elsa_ds.triton_api import INTERPRET, tl, triton  # noqa: F401 - tl: the kernels' annotations
 
 MAX_ROWS = 16  # rows of x one call takes (decode: batch x 1 token)
@@ -193,15 +193,7 @@ def compile_ahead(layout: str, rows: int, dtype: str, block: int, *, has_bias: b
 
 def unavailable(device: torch.device | str = "cuda") -> str | None:
     """Why the kernel cannot run on ``device`` (None: it can): no triton, or no GPU and no interpreter."""
-    if _IMPORT_ERROR is not None:
-        return _IMPORT_ERROR
-    if INTERPRET:
-        return None if torch.device(device).type == "cpu" else "TRITON_INTERPRET=1 runs Triton kernels on CPU tensors only"
-    if torch.device(device).type != "cuda":
-        return f"the Triton kernel runs on CUDA tensors, not {torch.device(device)} ones"
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
-    return None
+    return triton_api.unavailable(device, "the Triton kernel")
 
 
 def padded_batch(n: int) -> int:

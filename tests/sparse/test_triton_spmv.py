@@ -294,7 +294,7 @@ def test_unavailable_names_the_reason(monkeypatch):
 
     if T.triton is not None and not T.INTERPRET and not torch.cuda.is_available():
         assert "CUDA" in T.unavailable("cpu")
-    monkeypatch.setattr(T, "_IMPORT_ERROR", "triton is not importable (ImportError: test)")
+    monkeypatch.setattr(T.triton_api, "IMPORT_ERROR", "triton is not importable (ImportError: test)")
     assert "not importable" in T.unavailable("cuda")
 
 
