@@ -83,9 +83,23 @@ def loss_path(logits: torch.Tensor) -> str:
            f"{str(logits.dtype).split('.')[-1]} logits" if logits.dtype not in FUSED_DTYPES else
            fused_disagrees(str(logits.device), logits.dtype))
     if why is not None and choice == "fused":
-        raise ElsaError(f"{LOSS_ENV}=fused, but the Triton loss cannot run here: {why}; unset {LOSS_ENV} (the chunks then "
-                        "run where the kernel cannot)")
+        raise _fused_refused(why)
     return "chunked" if why else "fused"
+
+
+def check_loss_choice(device: str) -> None:
+    """``ELSA_DS_LOSS`` checked before a job's work on ``device`` ("cuda" / "cpu"): a value that is not a choice, or
+    "fused" where the Triton loss cannot run, is an ElsaError (triton is imported only then)."""
+    if loss_choice() == "fused":
+        from elsa_ds import loss_kernel
+
+        if why := loss_kernel.unavailable(device):
+            raise _fused_refused(why)
+
+
+def _fused_refused(why: str) -> ElsaError:
+    return ElsaError(f"{LOSS_ENV}=fused, but the Triton loss cannot run here: {why}; unset {LOSS_ENV} (the chunks then run "
+                     "where the kernel cannot)")
 
 
 @functools.cache

@@ -196,5 +196,17 @@ def test_the_speed_bench_times_the_chunks_here_and_says_why_not_the_kernel(tmp_p
     assert out["fused_bytes"] == 3 * 2 * 16 * 300 * 2
 
 
+def test_a_job_imports_triton_only_for_the_kernel():
+    """The CLI, the plan's checks and the evaluation job, which imported no triton before the loss kernel, still do not
+    once they check ELSA_DS_LOSS: only a CUDA tensor's loss, or ELSA_DS_LOSS=fused, imports it there."""
+    code = ("import sys, elsa_ds.cli, elsa_ds.plan.checks, elsa_ds.jobs.evaluate\n"
+            "from elsa_ds.loss import check_loss_choice\n"
+            "check_loss_choice('cpu')\n"
+            "print('triton' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != L.LOSS_ENV})
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "False", proc.stderr[-2000:]
+
+
 if __name__ == "__main__":
     print(json.dumps(run_cases()))

@@ -16,9 +16,8 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.zeroshot import expand_tasks
 from elsa_ds.files.mask_file import MaskReader
 from elsa_ds.files.output import check_output_dir
-from elsa_ds import loss_kernel
 from elsa_ds.log import get_logger
-from elsa_ds.loss import loss_choice
+from elsa_ds.loss import check_loss_choice
 from elsa_ds.methods import DENSE, oneshot_names
 from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model, refuse_sparse_checkpoint
 from elsa_ds.oneshot.pipeline import host_dtype, saved_dtype
@@ -39,8 +38,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
     if engine_used:  # its rank 0 serves the process group's rendezvous: a port another job holds, said first
         check_rendezvous_port()
-        if loss_choice() == "fused" and (why := loss_kernel.unavailable(machine.job_device())):  # ELSA_DS_LOSS, checked
-            raise ElsaError(f"ELSA_DS_LOSS=fused, but the Triton loss cannot run here: {why}; unset ELSA_DS_LOSS")
+        check_loss_choice(machine.job_device())  # ELSA_DS_LOSS
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume, opts.restart)
     if opts.export_format == "sparse" and (cfg.method.value == DENSE or cfg.sparsity == 0 and not cfg.sparsity_profile):
         raise ElsaError("--export_format sparse stores pruned weights as values + positions, but this run prunes nothing "
