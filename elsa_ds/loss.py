@@ -12,7 +12,8 @@ after the rounding) is refused by the DeepSpeed config checks.
 
 On CUDA the same loss runs as one Triton kernel (``elsa_ds.loss_kernel``: each row read twice, its gradient written
 once, no fp32 copy), once this process has seen it agree with the chunks here on small problems on that device and
-dtype (:func:`fused_disagrees`). ``ELSA_DS_LOSS``: ``auto`` (unset) as said (``ELSA_DS_KERNELS=0``: the chunks),
+dtype (:func:`fused_disagrees`); its first loss there is held to the chunks at its own shape too (:func:`_checked_at_scale`:
+where they differ, that loss and every later one are the chunks'). ``ELSA_DS_LOSS``: ``auto`` (unset) as said (``ELSA_DS_KERNELS=0``: the chunks),
 ``chunked`` the chunks everywhere, ``fused`` the kernel or an error (:func:`loss_choice`; jobs check it before any work).
 :func:`loss_path` names the path a tensor takes ("fused" / "chunked"): the job reports (``loss_path``) and the curve's
 lines record it.
@@ -81,7 +82,7 @@ def loss_path(logits: torch.Tensor) -> str:
         return "chunked"  # ELSA_DS_KERNELS=0: every fast path off
     why = (f"logits on {logits.device}, not a CUDA device" if logits.device.type != "cuda" else
            f"{str(logits.dtype).split('.')[-1]} logits" if logits.dtype not in FUSED_DTYPES else
-           fused_disagrees(str(logits.device), logits.dtype))
+           fused_disagrees(str(logits.device), logits.dtype) or _AT_SCALE.get((str(logits.device), logits.dtype)))
     if why is not None and choice == "fused":
         raise _fused_refused(why)
     return "chunked" if why else "fused"
@@ -135,23 +136,79 @@ def _compare_paths(device: str, dtype: torch.dtype, vocab: int) -> str | None:
         logits, ids = logits.to(device), ids.to(device)
         targets = shifted_targets(ids).reshape(-1)
         results = []
-        for fn, extra in ((_ChunkedNextToken, (3,)), (_FusedNextToken, ())):
+        for fn, extra in ((_ChunkedNextToken, (3,)), (_FusedNextToken, (False,))):  # False: not the at-scale check
             x = logits.clone().requires_grad_()
             value = fn.apply(x, targets, *extra)
             (grad,) = torch.autograd.grad(0.5 * value, x)
             results.append((float(value.detach()), grad.float()))
     (ref, ref_grad), (got, got_grad) = results
-    # fp32: the summation order and a GPU's approximate exp (~1e-6); 16-bit: one ulp (a rounding of nearly equal fp32),
-    # a subnormal's included
-    info = torch.finfo(dtype)
-    rtol, atol = (1e-5, 0.0) if dtype == torch.float32 else (info.eps, info.smallest_normal * info.eps)
-    err = (got_grad - ref_grad).abs() - rtol * ref_grad.abs() - atol
-    worst = float(err.max()) / float(ref_grad.abs().max())
-    row_sum = float(got_grad.sum(-1).abs().max()) / float(ref_grad.abs().max())  # softmax - one-hot sums to 0
+    worst, row_sum = _grad_off(got_grad, ref_grad, dtype)
     if abs(got - ref) > 1e-5 * abs(ref) or not worst <= 1e-7 or (dtype == torch.float32 and not row_sum <= 1e-4):
         return (f"its loss {got!r} against the chunks' {ref!r}, a gradient entry {worst:.3g} of the largest past its "
                 f"tolerance, rows summing to {row_sum:.3g} of it, at {vocab} logits in {str(dtype).split('.')[-1]}")
     return None
+
+
+def _grad_off(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple[float, float]:
+    """How far a gradient ``got`` (fp32 view) is from the chunks' ``ref``: the worst entry past its tolerance and the
+    largest row sum, each over ref's largest entry. fp32: the summation order and a GPU's approximate exp (~1e-6);
+    16-bit: one ulp (a rounding of nearly equal fp32), a subnormal's included."""
+    info = torch.finfo(dtype)
+    rtol, atol = (1e-5, 0.0) if dtype == torch.float32 else (info.eps, info.smallest_normal * info.eps)
+    err = (got - ref).abs() - rtol * ref.abs() - atol
+    scale = float(ref.abs().max()) or 1.0
+    return float(err.max()) / scale, float(got.sum(-1).abs().max()) / scale  # softmax - one-hot sums to 0
+
+
+_AT_SCALE: dict[tuple[str, torch.dtype], str | None] = {}  # the first fused loss a device and dtype took, checked: why not
+
+
+def _checked_at_scale(flat: torch.Tensor, targets: torch.Tensor, count: torch.Tensor, value: torch.Tensor,
+                      grad: torch.Tensor | None) -> str | None:
+    """The first fused loss of this process on a device and dtype held to the chunks at its own shape (the small problems
+    of :func:`fused_disagrees` cannot show an offset that overflows or a grid that is cut at 16,384 x 262,144): the value
+    to 1e-4 (fp32 sums of other orders), the gradient of its first, middle, last and last predicting rows as that check holds it. Why it
+    disagrees (then logged, and the chunks run from now on: :func:`loss_path`), or None. Once: ~3 fp32 passes."""
+    key = (str(flat.device), flat.dtype)
+    if key in _AT_SCALE or not len(flat) or int(targets.max()) >= flat.shape[-1]:  # a target past the vocabulary: NaN
+        return None
+    rows = max(1, ROW_ELEMENTS // flat.shape[-1])
+    ref, got = float(_chunks(flat, targets, rows, count, None)), float(value)
+    why = None if abs(got - ref) <= 1e-4 * abs(ref) else f"its loss {got!r} against the chunks' {ref!r}"
+    if why is None and grad is not None:
+        last = int((targets >= 0).nonzero().max()) if bool((targets >= 0).any()) else 0  # the highest address it writes
+        picked = torch.tensor(sorted({0, len(flat) // 2, last, len(flat) - 1}), device=flat.device)
+        ref_grad = flat.new_empty((len(picked), flat.shape[-1]))
+        _chunks(flat[picked], targets[picked], rows, count, ref_grad)
+        worst, row_sum = _grad_off(grad[picked].float(), ref_grad.float(), flat.dtype)
+        if not worst <= 1e-7 or flat.dtype == torch.float32 and not row_sum <= 1e-4:
+            why = f"rows {picked.tolist()}' gradient {worst:.3g} of its largest entry past its tolerance"
+    if why is not None:
+        why += f" at {tuple(flat.shape)} in {str(flat.dtype).split('.')[-1]}, the first fused loss of this process"
+    _AT_SCALE[key] = why
+    if why is not None:
+        log.warning("the next-token loss runs as torch chunks on %s from now on (%s): correct, slower", key[0], why)
+    return why
+
+
+def _chunks(flat: torch.Tensor, targets: torch.Tensor, rows: int, count: torch.Tensor, grad: torch.Tensor | None,
+            ) -> torch.Tensor:
+    """The reference: the summed fp32 NLL of ``flat``'s rows whose target is >= 0 over ``count``, ``rows`` rows a chunk;
+    with ``grad`` (flat's shape and dtype) the gradient of that mean (softmax minus the target's one-hot, over the count)
+    written into it chunk by chunk."""
+    valid = targets >= 0
+    total = torch.zeros((), dtype=torch.float32, device=flat.device)
+    for start in range(0, flat.shape[0], rows):
+        x = flat[start:start + rows].to(torch.float32, copy=True)  # its own: softmax and gradient in place
+        ok, t = valid[start:start + rows], targets[start:start + rows].clamp(min=0)
+        lse = torch.logsumexp(x, dim=-1)
+        total += ((lse - x.gather(1, t[:, None]).squeeze(1)) * ok).sum()
+        if grad is not None:
+            x.sub_(lse[:, None]).exp_()  # softmax, in place
+            x[torch.arange(len(t), device=x.device), t] -= ok.to(x.dtype)
+            x.mul_((ok.to(x.dtype) / count)[:, None])
+            grad[start:start + rows] = x
+    return total / count
 
 
 class _ChunkedNextToken(torch.autograd.Function):
@@ -162,23 +219,12 @@ class _ChunkedNextToken(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
         shape = logits.shape
         flat = logits.reshape(-1, shape[-1])
-        valid = targets >= 0
-        count = valid.sum().clamp(min=1).to(torch.float32)
+        count = (targets >= 0).sum().clamp(min=1).to(torch.float32)
         grad = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
-        total = torch.zeros((), dtype=torch.float32, device=flat.device)
-        for start in range(0, flat.shape[0], rows):
-            x = flat[start:start + rows].to(torch.float32, copy=True)  # its own: softmax and gradient in place
-            ok, t = valid[start:start + rows], targets[start:start + rows].clamp(min=0)
-            lse = torch.logsumexp(x, dim=-1)
-            total += ((lse - x.gather(1, t[:, None]).squeeze(1)) * ok).sum()
-            if grad is not None:
-                x.sub_(lse[:, None]).exp_()  # softmax, in place
-                x[torch.arange(len(t), device=x.device), t] -= ok.to(x.dtype)
-                x.mul_((ok.to(x.dtype) / count)[:, None])
-                grad[start:start + rows] = x
+        value = _chunks(flat, targets, rows, count, grad)
         ctx.shape = shape
         ctx.save_for_backward(grad if grad is not None else flat.new_empty(0))
-        return total / count
+        return value
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -187,22 +233,30 @@ class _ChunkedNextToken(torch.autograd.Function):
 
 
 class _FusedNextToken(torch.autograd.Function):
-    """:class:`_ChunkedNextToken` as one Triton kernel launch (elsa_ds/loss_kernel.py): the same mean and gradient."""
+    """:class:`_ChunkedNextToken` as one Triton kernel launch (elsa_ds/loss_kernel.py): the same mean and gradient; the
+    first of a process on a device and dtype held to the chunks at its shape (:func:`_checked_at_scale`), whose result
+    stands where they disagree."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, at_scale: bool = True) -> torch.Tensor:
         from elsa_ds.loss_kernel import as_rows, cross_entropy_rows
 
         shape = logits.shape
         flat = as_rows(logits)
         count = (targets >= 0).sum().clamp(min=1).to(torch.float32)
         grad = torch.empty_like(flat, memory_format=torch.contiguous_format) if ctx.needs_input_grad[0] else None
-        losses = cross_entropy_rows(flat, targets, (1.0 / count).reshape(1), grad)
+        value = cross_entropy_rows(flat, targets, (1.0 / count).reshape(1), grad).sum() / count
+        if at_scale and (why := _checked_at_scale(flat, targets, count, value, grad)) is not None:
+            if loss_choice() == "fused":
+                raise _fused_refused(why)
+            _TAKEN.discard("fused")  # a process trains one dtype on one device: its losses were the chunks'
+            _TAKEN.add("chunked")
+            value = _chunks(flat, targets, max(1, ROW_ELEMENTS // shape[-1]), count, grad)
         ctx.shape = shape
         ctx.save_for_backward(grad if grad is not None else flat.new_empty(0))
-        return losses.sum() / count
+        return value
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_output.to(grad.dtype)).view(ctx.shape), None
+        return grad.mul_(grad_output.to(grad.dtype)).view(ctx.shape), None, None

@@ -127,3 +127,59 @@ def test_the_fused_path_is_taken_only_where_it_agreed_with_the_chunks(monkeypatc
     monkeypatch.setenv(L.LOSS_ENV, "triton")
     with pytest.raises(ElsaError, match="ELSA_DS_LOSS='triton': expected one of auto, chunked, fused"):
         L.loss_path(torch.zeros(1, 2, 3))
+
+
+def test_the_first_fused_loss_is_held_to_the_chunks_at_its_own_shape(monkeypatch, caplog):
+    """The first fused loss of a process on a device and dtype is compared with the chunks at its real shape (what the
+    small self-check cannot show: an offset past int32, a cut grid): a kernel whose last row's gradient is wrong there
+    (or whose value is) is refused with a warning, and that call's value and gradient are the chunks'; later calls take
+    the chunks (loss_path), the report says so; ELSA_DS_LOSS=fused makes it an error; a right kernel passes once."""
+    from elsa_ds import loss as L
+    from elsa_ds import loss_kernel
+    from elsa_ds.errors import ElsaError
+
+    def last_row_wrong(logits, targets, inv_count=None, grad=None, block=None):
+        out = _torch_rows()(logits, targets, inv_count, grad)
+        if grad is not None:
+            grad[-2] = 0  # the last row that predicts: as a row past an overflowing offset would be
+        return out
+
+    def value_wrong(logits, targets, inv_count=None, grad=None, block=None):
+        return _torch_rows()(logits, targets, inv_count, grad) * 1.01
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(3, 7, 50, generator=gen)).to(torch.bfloat16)
+    ids = torch.randint(0, 50, (3, 7), generator=gen)
+    targets = L.shifted_targets(ids).reshape(-1)
+
+    def value_and_grad():
+        x = logits.clone().requires_grad_()
+        value = L._FusedNextToken.apply(x, targets)
+        value.backward()
+        return float(value), x.grad.float()
+
+    x = logits.clone().requires_grad_()
+    next_token_loss(x, ids).backward()  # the chunks, on CPU
+    want, want_grad = float(next_token_loss(logits, ids)), x.grad.float()
+    for kernel, agrees in ((_torch_rows(), True), (last_row_wrong, False), (value_wrong, False)):
+        monkeypatch.setattr(L, "_AT_SCALE", {})
+        monkeypatch.setattr(L, "_TAKEN", {"fused"})
+        monkeypatch.setattr(loss_kernel, "cross_entropy_rows", kernel)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="elsa_ds"):
+            value, grad = value_and_grad()
+        reason = L._AT_SCALE[("cpu", torch.bfloat16)]
+        assert (reason is None) == agrees, reason
+        assert value == pytest.approx(want, rel=1e-5) and torch.allclose(grad, want_grad, rtol=1e-2, atol=1e-6)
+        if not agrees:
+            assert "the first fused loss of this process" in reason and "(21, 50)" in reason and "bfloat16" in reason
+            assert ("rows [0, 10, 19, 20]" in reason) if kernel is last_row_wrong else ("its loss" in reason)
+            assert "runs as torch chunks on cpu from now on" in caplog.text and L.taken() == "chunked"
+            assert L._checked_at_scale(logits.reshape(-1, 50), targets, torch.tensor(18.0), torch.tensor(0.0), None) is None
+            monkeypatch.setenv(L.LOSS_ENV, "fused")
+            monkeypatch.setattr(L, "_AT_SCALE", {})
+            with pytest.raises(ElsaError, match="ELSA_DS_LOSS=fused, but the Triton loss cannot run here: .*first fused"):
+                value_and_grad()
+            monkeypatch.delenv(L.LOSS_ENV)
+        else:
+            assert L.taken() == "fused" and "runs as torch chunks" not in caplog.text

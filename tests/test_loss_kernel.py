@@ -68,7 +68,7 @@ def _autograd_cases() -> dict[str, dict]:
                      "grad_err": float((mine.grad.float() - theirs.grad.float()).abs().max()) / scale,
                      "grad_dtype": str(mine.grad.dtype), "last_position_zero": bool((mine.grad[:, -1] == 0).all()),
                      "logits_untouched": bool(torch.equal(logits, mine.detach())),
-                     "agrees": L.fused_disagrees("cpu", dtype)}
+                     "agrees": L.fused_disagrees("cpu", dtype), "at_scale": L._AT_SCALE.get(("cpu", dtype), "unchecked")}
     return out
 
 
@@ -156,6 +156,7 @@ def test_the_fused_function_is_the_whole_upcast_loss_and_passes_its_own_check(re
         assert case["grad_err"] <= (1e-6 if name == "float32" else torch.finfo(DTYPES[name]).eps), (name, case)
         assert case["last_position_zero"] and case["logits_untouched"], (name, case)
         assert case["agrees"] is None, (name, case)  # the self-check a CUDA process runs before its first fused loss
+        assert case["at_scale"] is None, (name, case)  # its first loss held to the chunks at its own shape
 
 
 def test_evaluation_takes_the_kernels_rows_summed_in_fp64(results):
