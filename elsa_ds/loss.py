@@ -14,7 +14,8 @@ On CUDA the same loss runs as one Triton kernel (``elsa_ds.loss_kernel``: each r
 once, no fp32 copy), once this process has seen it agree with the chunks here on small problems on that device and
 dtype (:func:`fused_disagrees`); its first loss there is held to the chunks at its own shape too
 (:func:`_checked_at_scale`: where they differ, that loss and every later one are the chunks'). ``ELSA_DS_LOSS``:
-``auto`` (unset) as said (``ELSA_DS_KERNELS=0``: the chunks), ``chunked`` the chunks everywhere, ``fused`` the kernel or an error (:func:`loss_choice`; jobs check it before any work).
+``auto`` (unset) as said (``ELSA_DS_KERNELS=0``: the chunks), ``chunked`` the chunks everywhere, ``fused`` the kernel
+or an error (:func:`loss_choice`; jobs check it before any work).
 :func:`loss_path` names the path a tensor takes ("fused" / "chunked"): the job reports (``loss_path``) and the curve's
 lines record it.
 """
