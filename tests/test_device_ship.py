@@ -1013,10 +1013,10 @@ def test_a_compiled_cell_runs_the_plain_loop_compiled_and_is_priced_as_eager_unt
 
 
 def test_cells_are_priced_by_their_loss_the_fused_ones_as_chunked_until_one_is_measured(monkeypatch):
-    """The Triton loss (elsa_ds/loss.py, 2026-12-05) makes a wide step cheaper by an amount no GPU had measured: compiled
-    cells take it (eager ones keep the chunks their ratios' partners stepped with), priced as the chunked loss's until a
-    cell with it has ended, then as their own; a line says which loss ran (``loss``), and lines without it ran
-    transformers' loss, the slowest: priced from only where nothing newer stepped as the cell will."""
+    """The Triton loss (elsa_ds/loss.py, 2026-12-05) makes a wide step cheaper by an amount no GPU had measured: every
+    training cell takes it, priced as the chunked loss's until a cell with it has ended, then as their own; a line says
+    which loss ran (``loss``), and lines without it ran transformers' loss, the slowest: priced from only where nothing
+    newer stepped as the cell will."""
     chunked = {"device": "H", "status": "ok", "kind": "train", "method": "elsa", "settings": "rule", "steps": 100, "batch": 32,
                "seqlen": 512, "step_s": 0.6, "wall_s": 100 * 0.6 + 30.0, "engine": "plain", "gradient_checkpointing": False,
                "loss": "chunked", "compiled": True}
@@ -1024,7 +1024,8 @@ def test_cells_are_priced_by_their_loss_the_fused_ones_as_chunked_until_one_is_m
     del older["loss"]
     cell = curve.Cell("elsa", 0.9, 100, batch=32, engine="plain", compiled=True)
     eager = replace(cell, compiled=False)
-    assert (estimate.loss_of(cell), estimate.loss_of(eager)) == (estimate.FUSED, estimate.CHUNKED)
+    monkeypatch.delenv("ELSA_DS_LOSS", raising=False)
+    assert estimate.loss_of(cell) == estimate.loss_of(eager) == estimate.FUSED
     assert estimate.Estimator("H", [older], model=None, seqlen=512, engine="plain").steps_s(cell, 1) == pytest.approx(90.0)
     est = estimate.Estimator("H", [older, chunked], model=None, seqlen=512, engine="plain")
     assert estimate.regime(chunked)[3:] == ("plain+compiled", "chunked")
@@ -1033,13 +1034,15 @@ def test_cells_are_priced_by_their_loss_the_fused_ones_as_chunked_until_one_is_m
     est.add(fused)
     assert est.steps_s(cell, 1) == pytest.approx(40.0)
     monkeypatch.setenv("ELSA_DS_LOSS", "chunked")  # the run keeps the chunks everywhere: priced by the chunked cells alone
-    assert estimate.loss_of(cell) == estimate.CHUNKED and est.steps_s(cell, 1) == pytest.approx(60.0)
+    assert estimate.loss_of(cell) == estimate.loss_of(eager) == estimate.CHUNKED
+    assert est.steps_s(cell, 1) == pytest.approx(60.0)
 
 
 def test_a_compiled_cell_that_fails_runs_again_uncompiled_and_so_do_the_compiled_ones_after_it(tmp_path, monkeypatch):
     """Compiling is new on the GPU: should a compiled cell's prune fail, it and every compiled cell not started yet run in
     the plain loop uncompiled (a graph that does not compile runs eagerly already: this is a failure past that), not on
     the engine; an uncompiled cell recorded before is not run again; the failed line stays."""
+    monkeypatch.setenv(LOSS_ENV, "auto")  # a fallback sets the runner's ELSA_DS_LOSS: undone after
     calls: list[str] = []
 
     def fake_cell(cell, run):
@@ -1055,6 +1058,39 @@ def test_a_compiled_cell_that_fails_runs_again_uncompiled_and_so_do_the_compiled
     lines, skipped = curve.schedule(cells, run, estimator, tmp_path / "cells.jsonl", done)
     assert calls == ["elsa|0.9|1x8x64|rule|plain|compiled", "elsa|0.9|1x8x64|rule|plain", "wanda+ft|0.9|1x8x64|rule|plain"]
     assert [x["status"] for x in lines] == ["failed", "ok", "ok"] and not skipped and estimator.engine == "plain"
+    assert os.environ[LOSS_ENV] == "chunked"  # the Triton loss a suspect too: the rest of the run trains with the chunks
+
+
+@pytest.mark.parametrize("chunks_fail", [False, True])
+def test_a_cell_that_fails_with_the_triton_loss_runs_again_with_the_chunks_before_any_other_fallback(
+        tmp_path, monkeypatch, chunks_fail):
+    """The Triton loss is new on the GPU (2026-12-05): an eager cell whose training fails with it runs again in the same
+    loop with torch's chunks, and so does every cell after it (ELSA_DS_LOSS=chunked for the rest of the run); only a
+    failure with the chunks too sends the cells to the engine. Its failed line stays, naming the loss it asked for."""
+    monkeypatch.setenv(LOSS_ENV, "auto")
+    calls: list[tuple[str, str]] = []
+
+    def fake_cell(cell, run):
+        loss = estimate.loss_of(cell)
+        calls.append((cell.key(run.seqlen), loss))
+        failing = cell.engine == "plain" and (loss == "fused" or chunks_fail)
+        line = {"key": cell.key(run.seqlen), "kind": cell.kind, "steps": cell.steps, "wall_s": 0.1, "engine": cell.engine,
+                "loss": loss}
+        return line | ({"status": "failed", "phase": "prune", "rc": 1} if failing else {"status": "ok"})
+
+    monkeypatch.setattr(curve, "run_cell", fake_cell)
+    run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 1, {})
+    estimator = estimate.Estimator("H", [], micro_batch=64, engine="plain")
+    cells = [curve.Cell(m, 0.9, 1, engine="plain") for m in ("elsa", "wanda+ft")]
+    lines, skipped = curve.schedule(cells, run, estimator, tmp_path / "cells.jsonl")
+    first = [("elsa|0.9|1x8x64|rule|plain", "fused"), ("elsa|0.9|1x8x64|rule|plain", "chunked")]
+    if chunks_fail:
+        assert calls == [*first, ("elsa|0.9|1x8x64|rule", "chunked"), ("wanda+ft|0.9|1x8x64|rule", "chunked")]
+        assert [x["status"] for x in lines] == ["failed", "failed", "ok", "ok"] and estimator.engine == "deepspeed"
+    else:
+        assert calls == [*first, ("wanda+ft|0.9|1x8x64|rule|plain", "chunked")]
+        assert [x["status"] for x in lines] == ["failed", "ok", "ok"] and estimator.engine == "plain"
+    assert lines[0]["loss"] == "fused" and not skipped and os.environ[LOSS_ENV] == "chunked"
 
 
 @pytest.mark.parametrize("fails", ["compiled", "plain"])
@@ -1063,6 +1099,7 @@ def test_a_fallback_never_runs_a_cell_twice_when_a_compiled_cell_has_an_eager_tw
     the engine) made them one key, and the cell ran again though its line had ended ok in the same run (or both twins
     became the same engine cell). Now a fallback skips keys ended ok in this run, running or recorded, and a second cell
     of one key; ``--engine deepspeed`` plans one cell of each key."""
+    monkeypatch.setenv(LOSS_ENV, "auto")  # a fallback sets the runner's ELSA_DS_LOSS: undone after
     calls: list[str] = []
 
     def fake_cell(cell, run):
@@ -1088,14 +1125,19 @@ def test_a_fallback_never_runs_a_cell_twice_when_a_compiled_cell_has_an_eager_tw
 
 
 def test_a_cell_trains_with_the_loss_it_is_priced_by_and_every_evaluation_sums_alike(tmp_path, monkeypatch):
-    """curve.run_cell's environment: a compiled cell's training may take the Triton loss, an eager cell's keeps the chunks
-    (as the eager cells it is compared with stepped), and every evaluation sums its perplexity as the chunks do."""
+    """curve.run_cell's environment: a training cell, compiled or not, may take the Triton loss (its line, failed before
+    a report said which ran, names the one asked for); ELSA_DS_LOSS=chunked for the run keeps every cell on the chunks;
+    every evaluation sums its perplexity as the chunks do."""
     calls = []
     monkeypatch.setattr(curve, "call", lambda cmd, log, deadline, env=None: calls.append((cmd, dict(env or {}))) or 1)
     run = curve.Run("m", "t", "t", "t", 512, 32, "ds_configs/zero3.json", 4, tmp_path, time.time() + 600, 1, {})
-    for compiled, loss in ((True, "auto"), (False, "chunked")):
-        line = curve.run_cell(curve.Cell("elsa", 0.9, 10, engine="plain", compiled=compiled), run)
-        assert line["status"] == "failed" and calls[-1][0][1].endswith("bench/plain_cell.py")
-        assert calls[-1][1][LOSS_ENV] == loss and line["loss"] == "chunked"  # what ran: from the report, none here
+    monkeypatch.delenv(LOSS_ENV, raising=False)
+    for run_loss, loss in ((None, "auto"), ("chunked", "chunked")):
+        if run_loss:
+            monkeypatch.setenv(LOSS_ENV, run_loss)
+        for compiled in (True, False):
+            line = curve.run_cell(curve.Cell("elsa", 0.9, 10, engine="plain", compiled=compiled), run)
+            assert line["status"] == "failed" and calls[-1][0][1].endswith("bench/plain_cell.py")
+            assert calls[-1][1][LOSS_ENV] == loss and line["loss"] == {"auto": "fused"}.get(loss, loss)
     curve.run_cell(curve.Cell("dense", None, 0), run)
     assert calls[-1][0][1].endswith("launch/evaluate.py") and calls[-1][1] == {LOSS_ENV: "chunked"}

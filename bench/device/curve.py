@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench import quality  # noqa: E402 - its commands and rendezvous ports
-from bench.device.estimate import FUSED, GPU_SHARE, Estimator, forwards, loss_of  # noqa: E402
+from bench.device.estimate import CHUNKED, FUSED, GPU_SHARE, Estimator, forwards, loss_of  # noqa: E402
 from elsa_ds.loss import LOSS_ENV  # noqa: E402 - which loss a cell trains with (estimate.loss_of)
 from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases  # noqa: E402 - where a cell's time goes
 from elsa_ds.step_profile import PROFILE_OUT_ENV, PROFILE_STEPS_ENV, parse_window, read_profile  # noqa: E402
@@ -304,8 +304,8 @@ def run_cell(cell: Cell, run: Run) -> dict:
             "tokens": cell.steps * cell.batch * run.seqlen, "deepspeed": run.deepspeed, "concurrency": run.parallel, **run.env}
     if cell.kind == "train":
         line |= {"micro_batch": min(run.micro_batch, cell.batch), "forwards": forwards(cell.batch, run.micro_batch),
-                 # elsa_ds/loss.py from 2026-11-29: "chunked" (torch); from 2026-12-05 the report's (the Triton kernel: "fused")
-                 "gradient_checkpointing": run.checkpointing, "loss": "chunked",
+                 # elsa_ds/loss.py from 2026-11-29: "chunked" (torch); from 2026-12-05 the report's, else the one asked for
+                 "gradient_checkpointing": run.checkpointing, "loss": loss_of(cell),
                  "leaf_layers": run.leaf_layers and not plain,  # from 2026-12-01; earlier cells hooked every module
                  # DeepSpeed's linear wrapper, as the cell's config sets it (cells before 2026-12-01: on); none in a plain loop
                  "memory_efficient_linear": None if plain else linear_wrapped(DsConfig.load(cell_config(cell, run)).zero)}
@@ -543,13 +543,16 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path, done
                     price_as(estimator, run)
                     print(f"[curve] {line['key']} failed without them too: the cells from now on take them again", flush=True)
                 taken = {*done, *(x["key"] for x in lines if x.get("status") == "ok"), *(c.key(run.seqlen) for c in running.values())}
-                if compile_failed(line, cell):  # compiling is new on the GPU: a loan's cells must not all fail on it
+                # what is new on the GPU, newest first: a loan's cells must not all fail on it
+                if compile_failed(line, cell):
                     pending[:] = remapped([cell, *pending], run.seqlen, taken, compiled=False)
-                if plain_failed(line, cell):  # the loop is new on the GPU: a loan's cells must not all fail on it
+                elif loss_failed(line, cell):
+                    pending[:] = remapped([cell, *pending], run.seqlen, taken)
+                elif plain_failed(line, cell):
                     pending[:] = remapped([cell, *pending], run.seqlen, taken, engine="deepspeed", compiled=False)
                     estimator.engine = "deepspeed"
                 flags = (run.leaf_layers, run.torch_linear)
-                if without_new_flags(line, run):  # a loan's cells must not all fail on a new flag: once more without
+                if without_new_flags(line, run):  # once more without the new flags
                     pending.insert(0, cell)
                     suspects[cell] = flags
                     price_as(estimator, run)  # the later cells' peaks and steps: as they now run
@@ -584,11 +587,29 @@ def remapped(cells: list[Cell], seqlen: int, taken: set[str], **change) -> list[
 def compile_failed(line: dict, cell: Cell) -> bool:
     """A compiled cell whose prune call failed: it and every compiled cell not started yet run in the plain loop
     uncompiled instead (a graph that does not compile runs eagerly already: this is a failure past it), with the chunked
-    loss too (eager cells' :func:`estimate.loss_of`: a failure of the Triton loss falls back the same way); its line stays."""
+    loss too (:func:`keep_chunks`: the Triton loss may have been the cause); its line stays."""
     if not cell.compiled or line.get("status") != "failed" or line.get("phase") != "prune":
         return False
     print(f"[curve] {line['key']} failed compiled: it and the compiled cells from now on run uncompiled", flush=True)
+    keep_chunks()
     return True
+
+
+def loss_failed(line: dict, cell: Cell) -> bool:
+    """An uncompiled training cell whose prune call failed with the Triton loss asked for: it and every cell from now on
+    train with torch's chunks (:func:`keep_chunks`), in the same loop, before any other fallback; its line stays."""
+    if line.get("status") != "failed" or line.get("phase") != "prune" or line.get("loss") != FUSED:
+        return False
+    print(f"[curve] {line['key']} failed with the Triton loss: it and the cells from now on train with torch's chunks",
+          flush=True)
+    keep_chunks()
+    return True
+
+
+def keep_chunks() -> None:
+    """Every cell from now on trains with torch's chunked loss: ``ELSA_DS_LOSS=chunked`` for the rest of the run, which
+    :func:`estimate.loss_of` reads (the cells' environment, their prices)."""
+    os.environ[LOSS_ENV] = CHUNKED
 
 
 def plain_failed(line: dict, cell: Cell) -> bool:
