@@ -259,5 +259,29 @@ class _FusedNextToken(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_output.to(grad.dtype)).view(ctx.shape), None, None
+        (grad,) = ctx.saved_tensors  # times grad_output in fp32 (the chunks' mul_ rounds it to grad's dtype first)
+        return _scaled(grad, grad_output).view(ctx.shape), None, None
+
+
+_SCALE_CHECKED: set[tuple[str, torch.dtype]] = set()
+
+
+def _scaled(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """``grad`` times ``grad_output`` in place by the Triton kernel; the first time in this process on a device and dtype
+    its first and last rows (past 2^31 entries at 16,384 x 262,144) held to torch's arithmetic on a copy, to one rounding
+    (Triton's interpreter truncates to bf16 where a GPU rounds to nearest): a kernel that scaled them otherwise is an
+    ElsaError (the gradient is gone by then; the chunks are a rerun away: ELSA_DS_LOSS=chunked)."""
+    from elsa_ds.loss_kernel import scale_
+
+    key = (str(grad.device), grad.dtype)
+    ends = grad[[0, -1]].clone() if key not in _SCALE_CHECKED and len(grad) else None
+    scale_(grad, grad_output)
+    if ends is not None:
+        _SCALE_CHECKED.add(key)
+        want = (ends.float() * grad_output.float()).to(grad.dtype).float()
+        info = torch.finfo(grad.dtype)
+        if not bool(((grad[[0, -1]].float() - want).abs() <= info.eps * want.abs() + info.smallest_normal * info.eps).all()):
+            raise ElsaError(f"the Triton loss's gradient scale gave {grad[[0, -1]].float().abs().max().item():.6g} where "
+                            f"torch gives {want.float().abs().max().item():.6g} on {key[0]} in {str(grad.dtype).split('.')[-1]}: "
+                            f"run with {LOSS_ENV}=chunked")
+    return grad

@@ -15,7 +15,8 @@ The reference's chunks cost ~8 passes of fp32 over every logit, several of them 
 (non-vectorized) kernels: with Gemma's 262,144-entry vocabulary they were ~40 % of a Gemma-3 270M step's GPU time on an
 H200 at 32 x 512 tokens (bench/results/gpu_quality_gemma3-270m.jsonl, the cells' ``profile``). ``WRITE_GRAD`` off: the
 losses alone (evaluation). ``inv_count`` is a one-element fp32 tensor (1 / the rows whose target is >= 0), read on the
-device: no host sync.
+device: no host sync. The backward's scale of that gradient by grad_output is :func:`scale_` (16-byte loads, the scale in
+fp32; reference: torch's fp32 product rounded once).
 
 Triton is imported when this module is; ``elsa_ds.loss`` imports it only for a CUDA tensor (or a test). With
 ``TRITON_INTERPRET=1`` set before triton is imported the same kernel runs on CPU tensors in Triton's interpreter:
@@ -33,6 +34,7 @@ from elsa_ds.triton_api import INTERPRET, tl, triton  # noqa: F401 - tl: the ker
 
 MAX_BLOCK = 4096  # logits a program holds per trip: 16 fp32 registers a thread at 8 warps
 NUM_WARPS = 8
+SCALE_BLOCK = 4096  # entries a program scales: 8 warps x 32 threads x 16
 
 
 def _cross_entropy_rows(logits, row_stride, targets, inv_count, losses, grad, grad_stride, vocab,
@@ -72,10 +74,40 @@ def _cross_entropy_rows(logits, row_stride, targets, inv_count, losses, grad, gr
             start += BLOCK
 
 
+def _scale_in_place(grad, scale, n, BLOCK: tl.constexpr):
+    """One program: BLOCK entries of grad (flat, n of them) times the fp32 scalar at ``scale``, rounded once."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    g = tl.load(grad + offs, mask=inside).to(tl.float32)
+    tl.store(grad + offs, (g * tl.load(scale)).to(grad.dtype.element_ty), mask=inside)
+
+
 @functools.cache
 def _kernel():
     """The jitted kernel (compiled, or interpreted under TRITON_INTERPRET=1)."""
     return triton.jit(_cross_entropy_rows)
+
+
+@functools.cache
+def _scale_kernel():
+    return triton.jit(_scale_in_place)
+
+
+def scale_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``grad`` (contiguous, any float dtype) times the one-element tensor ``scale`` in place, in fp32, rounded once to
+    grad's dtype: ``(grad.float() * scale.float()).to(grad.dtype)`` without the fp32 copy. The loss's backward: torch's
+    ``grad.mul_(scale)`` broadcasts a 0-dim CUDA tensor through its non-vectorized kernel (~24 ms a 32 x 512 step of
+    Gemma-3 270M on an H200, the profiles' bf16 ``elementwise_kernel<128, 4>``) and rounds the scale to grad's dtype
+    first; here 16-byte loads, and a scale of 1 / 3 stays 1 / 3."""
+    if not grad.is_contiguous() or scale.numel() != 1:
+        raise ValueError(f"scale_: a contiguous tensor and a one-element scale, got strides {grad.stride()} and "
+                         f"{tuple(scale.shape)}")
+    if grad.numel():
+        with torch.cuda.device(grad.device) if grad.is_cuda else contextlib.nullcontext():
+            _scale_kernel()[(triton.cdiv(grad.numel(), SCALE_BLOCK),)](
+                grad, scale.to(device=grad.device, dtype=torch.float32).reshape(1), grad.numel(), BLOCK=SCALE_BLOCK,
+                num_warps=NUM_WARPS)
+    return grad
 
 
 def unavailable(device: torch.device | str = "cuda") -> str | None:
@@ -113,6 +145,20 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, inv_count: t
                                0 if grad is None else grad.stride(0), vocab,
                                WRITE_GRAD=grad is not None, BLOCK=block or block_size(vocab), num_warps=NUM_WARPS)
     return losses
+
+
+def compile_scale_ahead(dtype: str = "bf16", capability: int = 90, aligned: bool = True):
+    """:func:`scale_`'s kernel compiled for sm_``capability`` as :func:`compile_ahead` compiles the loss's (``n`` an i64:
+    16,384 x 262,144 logits are more than 2^31)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _scale_kernel()
+    types = {"grad": f"*{dtype}", "scale": "*fp32", "n": "i64"}
+    signature = {name: types[name] for name in fn.arg_names if name in types} | {"BLOCK": "constexpr"}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in types} if aligned else None
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs={"BLOCK": SCALE_BLOCK}, attrs=attrs),
+                          target=GPUTarget("cuda", capability, 32), options={"num_warps": NUM_WARPS})
 
 
 def compile_ahead(dtype: str = "bf16", write_grad: bool = True, block: int = MAX_BLOCK, capability: int = 90,

@@ -79,6 +79,11 @@ def test_evaluation_nll_is_the_whole_upcast_sum_in_any_chunking(dtype, rows):
 
 
 
+def _torch_scale(grad, scale):
+    """elsa_ds.loss_kernel.scale_'s contract in torch: the fp32 product rounded once."""
+    return grad.copy_((grad.float() * scale.float()).to(grad.dtype))
+
+
 def _torch_rows(fault: float = 1.0):
     """elsa_ds.loss_kernel.cross_entropy_rows's contract in torch (for the dispatch's logic without triton), its gradient
     scaled by ``fault``."""
@@ -113,6 +118,7 @@ def test_the_fused_path_is_taken_only_where_it_agreed_with_the_chunks(monkeypatc
     for kernel, agrees in ((_torch_rows(), True), (_torch_rows(1.01), False), (dropped, False), (None, False)):
         L.fused_disagrees.cache_clear()
         monkeypatch.setattr(loss_kernel, "cross_entropy_rows", kernel)  # None: the call raises TypeError
+        monkeypatch.setattr(loss_kernel, "scale_", _torch_scale)
         caplog.clear()
         with caplog.at_level("WARNING", logger="elsa_ds"):
             reason = L.fused_disagrees("cpu", torch.bfloat16)
@@ -165,6 +171,7 @@ def test_the_first_fused_loss_is_held_to_the_chunks_at_its_own_shape(monkeypatch
         monkeypatch.setattr(L, "_AT_SCALE", {})
         monkeypatch.setattr(L, "_TAKEN", {"fused"})
         monkeypatch.setattr(loss_kernel, "cross_entropy_rows", kernel)
+        monkeypatch.setattr(loss_kernel, "scale_", _torch_scale)
         caplog.clear()
         with caplog.at_level("WARNING", logger="elsa_ds"):
             value, grad = value_and_grad()
@@ -183,3 +190,30 @@ def test_the_first_fused_loss_is_held_to_the_chunks_at_its_own_shape(monkeypatch
             monkeypatch.delenv(L.LOSS_ENV)
         else:
             assert L.taken() == "fused" and "runs as torch chunks" not in caplog.text
+
+
+def test_the_fused_backwards_scale_is_held_to_torch_at_both_ends_once(monkeypatch):
+    """The fused loss's backward scales its gradient by a Triton kernel: the first time on a device and dtype its first
+    and last rows (the highest addresses) are held to torch's product, one rounding allowed; a kernel that leaves the
+    last row unscaled is an error naming the way out (ELSA_DS_LOSS=chunked), never a silent gradient."""
+    from elsa_ds import loss as L
+    from elsa_ds import loss_kernel
+    from elsa_ds.errors import ElsaError
+
+    def last_row_unscaled(grad, scale):
+        _torch_scale(grad[:-1], scale)
+        return grad
+
+    grad = torch.randn(4, 9).to(torch.bfloat16)
+    half = torch.tensor(0.5)
+    for kernel, fails in ((last_row_unscaled, True), (_torch_scale, False)):
+        monkeypatch.setattr(L, "_SCALE_CHECKED", set())
+        monkeypatch.setattr(loss_kernel, "scale_", kernel)
+        if fails:
+            with pytest.raises(ElsaError, match="gradient scale .* on cpu in bfloat16: run with ELSA_DS_LOSS=chunked"):
+                L._scaled(grad.clone(), half)
+        else:
+            assert torch.equal(L._scaled(grad.clone(), half), (grad.float() * 0.5).to(torch.bfloat16))
+            assert L._SCALE_CHECKED == {("cpu", torch.bfloat16)}
+    monkeypatch.setattr(loss_kernel, "scale_", last_row_unscaled)  # checked once: a later call is not held up
+    L._scaled(grad.clone(), half)

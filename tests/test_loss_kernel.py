@@ -109,7 +109,29 @@ def run_cases() -> dict:
         refused = ""
     except ValueError as err:
         refused = str(err)
-    return {"rows": rows, "autograd": _autograd_cases(), "evaluation": _evaluation_case(), "refused": refused}
+    return {"rows": rows, "autograd": _autograd_cases(), "evaluation": _evaluation_case(), "refused": refused,
+            "scale": _scale_cases()}
+
+
+def _scale_cases() -> dict:
+    """scale_ against torch's fp32 product rounded once, a block's tail included; a strided tensor refused."""
+    from elsa_ds import loss_kernel as K
+
+    out = {}
+    for name, dtype in DTYPES.items():
+        g = torch.randn(3 * K.SCALE_BLOCK + 7, generator=torch.Generator().manual_seed(6)).to(dtype)
+        s = torch.tensor(1.0 / 3.0)
+        want, bf16_scale = (g.float() * s).to(dtype), g * s.to(dtype)  # the latter: torch's mul_ by a 0-dim tensor
+        got = K.scale_(g.clone(), s)
+        ulps = ((got.float() - want.float()).abs() / torch.finfo(dtype).eps / want.float().abs().clamp_min(1e-30)).max()
+        out[name] = {"equal": bool(torch.equal(got, want)), "ulps": float(ulps),
+                     "unlike_rounded_scale": int((bf16_scale != want).sum())}
+    try:
+        K.scale_(torch.zeros(4, 6).t(), torch.tensor(2.0))
+        out["refused"] = ""
+    except ValueError as err:
+        out["refused"] = str(err)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +190,17 @@ def test_rows_that_are_not_contiguous_are_refused(results):
     assert "contiguous rows" in results["refused"]
 
 
+def test_the_backwards_scale_is_one_fp32_product_rounded_once(results):
+    """The fused loss's backward scales its gradient by grad_output in fp32 (1 / 3 stays 1 / 3; torch's mul_ by a 0-dim
+    tensor rounds the scale to bf16 first, and some products with it): torch's fp32 product rounded once (to nearest on a
+    GPU: tests/cuda/test_loss_gpu.py and the compile below; Triton's interpreter truncates to bf16, within one ulp)."""
+    scale = results["scale"]
+    for name in DTYPES:
+        assert scale[name]["equal"] or name == "bfloat16" and scale[name]["ulps"] <= 1.0, (name, scale[name])
+    assert scale["bfloat16"]["unlike_rounded_scale"] > 0  # the case tells the two roundings apart
+    assert "a contiguous tensor" in scale["refused"]
+
+
 def test_the_kernel_compiles_for_sm90_with_vectorized_loads():
     """Triton's own ptxas, no GPU: what a CUDA rank would run at Gemma's vocabulary. Each bf16 row is read (and its
     gradient written) 16 bytes an instruction; without the alignment Triton's launcher detects, 2 bytes."""
@@ -181,6 +214,8 @@ def test_the_kernel_compiles_for_sm90_with_vectorized_loads():
         assert "ld.global.v4.b32" in ptx, ptx[:2000]
         assert ("st.global.v4.b32" in ptx) == write
     assert "ld.global.v4" not in K.compile_ahead("bf16", aligned=False).asm["ptx"]
+    ptx = K.compile_scale_ahead("bf16").asm["ptx"]  # the backward's scale: 16 bytes in, 16 out, rounded to nearest
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx and "cvt.rn.bf16" in ptx, ptx[:2000]
 
 
 def test_the_speed_bench_times_the_chunks_here_and_says_why_not_the_kernel(tmp_path, capsys, monkeypatch):

@@ -37,3 +37,16 @@ def test_cuda_logits_take_the_kernel_and_it_is_the_chunks_loss(dtype, monkeypatc
     assert float((fused[1] - chunked[1]).abs().max()) <= tol
     assert float(fused[1][:, -1].abs().max()) == 0.0
     assert nll_fused[1] == nll_chunked[1] and nll_fused[0] == pytest.approx(nll_chunked[0], rel=1e-5)
+
+
+def test_the_backwards_scale_is_torchs_fp32_product_rounded_to_nearest_past_2_to_the_31():
+    """loss_kernel.scale_ on the GPU: bit for bit torch's fp32 product rounded once (round to nearest, as the compile
+    test reads in the PTX), over more entries than an int32 indexes (the 32 x 512 cells' gradient: 16,384 x 262,144)."""
+    from elsa_ds.loss_kernel import scale_
+
+    n = 2**31 + 4099  # 4 GiB of bf16 and a block's tail
+    grad = torch.randn(n // 1024 + 1, 1024, device="cuda", dtype=torch.bfloat16).reshape(-1)[:n]
+    scale = torch.tensor(1.0 / 3.0, device="cuda")
+    ends = torch.cat([grad[:8192], grad[-8192:]]).float()
+    scale_(grad, scale)
+    assert torch.equal(torch.cat([grad[:8192], grad[-8192:]]), (ends * scale).to(torch.bfloat16))
