@@ -299,13 +299,13 @@ def run_cell(cell: Cell, run: Run) -> dict:
     log = run.work / f"{cell.slug()}.log"
     if log.is_file():  # a run of it that failed (with --leaf_layers, torch's linear): its log kept for what went wrong
         log.replace(log.with_suffix(".failed.log"))
-    plain = cell.engine == "plain"
+    plain, asked = cell.engine == "plain", loss_of(cell)  # read once: a fallback may change the run's loss meanwhile
     line = {"key": cell.key(run.seqlen), **asdict(cell), "kind": cell.kind, "seqlen": run.seqlen,
             "tokens": cell.steps * cell.batch * run.seqlen, "deepspeed": run.deepspeed, "concurrency": run.parallel, **run.env}
     if cell.kind == "train":
         line |= {"micro_batch": min(run.micro_batch, cell.batch), "forwards": forwards(cell.batch, run.micro_batch),
                  # elsa_ds/loss.py from 2026-11-29: "chunked" (torch); from 2026-12-05 the report's, else the one asked for
-                 "gradient_checkpointing": run.checkpointing, "loss": loss_of(cell),
+                 "gradient_checkpointing": run.checkpointing, "loss": asked,
                  "leaf_layers": run.leaf_layers and not plain,  # from 2026-12-01; earlier cells hooked every module
                  # DeepSpeed's linear wrapper, as the cell's config sets it (cells before 2026-12-01: on); none in a plain loop
                  "memory_efficient_linear": None if plain else linear_wrapped(DsConfig.load(cell_config(cell, run)).zero)}
@@ -313,7 +313,7 @@ def run_cell(cell: Cell, run: Run) -> dict:
     phase_log, profile = run.work / f"{cell.slug()}.phases", run.work / f"{cell.slug()}.profile.json"
     phase_log.unlink(missing_ok=True)
     profile.unlink(missing_ok=True)
-    env = {PHASE_LOG_ENV: str(phase_log), LOSS_ENV: "auto" if loss_of(cell) == FUSED else "chunked"}  # estimate.loss_of
+    env = {PHASE_LOG_ENV: str(phase_log), LOSS_ENV: "auto" if asked == FUSED else "chunked"}  # estimate.loss_of
     if cell.kind == "train" and run.profile:  # a few steps profiled: do they wait on the host or the GPU?
         env |= {PROFILE_STEPS_ENV: run.profile, PROFILE_OUT_ENV: str(profile)}
     if cell.method != "dense":
@@ -552,8 +552,8 @@ def schedule(cells: list[Cell], run: Run, estimator: Estimator, sink: Path, done
                     pending[:] = remapped([cell, *pending], run.seqlen, taken, engine="deepspeed", compiled=False)
                     estimator.engine = "deepspeed"
                 flags = (run.leaf_layers, run.torch_linear)
-                if without_new_flags(line, run):  # once more without the new flags
-                    pending.insert(0, cell)
+                if without_new_flags(line, run):  # once more without the new flags (once: a loss fallback may have queued it)
+                    pending[:] = [cell, *(c for c in pending if c != cell)]
                     suspects[cell] = flags
                     price_as(estimator, run)  # the later cells' peaks and steps: as they now run
                 with sink.open("a") as fh:
