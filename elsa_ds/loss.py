@@ -22,6 +22,7 @@ lines record it.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -166,30 +167,40 @@ _AT_SCALE: dict[tuple[str, torch.dtype], str | None] = {}  # the first fused los
 
 def _checked_at_scale(flat: torch.Tensor, targets: torch.Tensor, count: torch.Tensor, value: torch.Tensor,
                       grad: torch.Tensor | None) -> str | None:
-    """The first fused loss of this process on a device and dtype held to the chunks at its own shape (the small problems
-    of :func:`fused_disagrees` cannot show an offset that overflows or a grid that is cut at 16,384 x 262,144): the value
-    to 1e-4 (fp32 sums of other orders), the gradient of its first, middle, last and last predicting rows as that check holds it. Why it
-    disagrees (then logged, and the chunks run from now on: :func:`loss_path`), or None. Once: ~3 fp32 passes."""
+    """The first fused loss with a gradient of this process on a device and dtype held to the chunks at its own shape
+    (the small problems of :func:`fused_disagrees` cannot show an offset that overflows or a grid that is cut at 16,384 x
+    262,144): the value to 1e-4 (fp32 sums of other orders), the gradient of its first, middle, last predicting and last
+    rows as that check holds it. Why it disagrees (then logged, and the chunks run from now on: :func:`loss_path`), or
+    None. A call without a gradient, or whose chunks' loss is not finite (the logits' fault, not the kernel's), is checked
+    but leaves the check to the next. Once: a logsumexp pass in fp32 chunks, and the gather."""
     key = (str(flat.device), flat.dtype)
     if key in _AT_SCALE or not len(flat) or int(targets.max()) >= flat.shape[-1]:  # a target past the vocabulary: NaN
         return None
     rows = max(1, ROW_ELEMENTS // flat.shape[-1])
     ref, got = float(_chunks(flat, targets, rows, count, None)), float(value)
+    if not math.isfinite(ref):
+        return None
     why = None if abs(got - ref) <= 1e-4 * abs(ref) else f"its loss {got!r} against the chunks' {ref!r}"
     if why is None and grad is not None:
-        last = int((targets >= 0).nonzero().max()) if bool((targets >= 0).any()) else 0  # the highest address it writes
-        picked = torch.tensor(sorted({0, len(flat) // 2, last, len(flat) - 1}), device=flat.device)
+        picked = torch.tensor(sorted({0, len(flat) // 2, _last_predicting(targets), len(flat) - 1}), device=flat.device)
         ref_grad = flat.new_empty((len(picked), flat.shape[-1]))
         _chunks(flat[picked], targets[picked], rows, count, ref_grad)
         worst, row_sum = _grad_off(grad[picked].float(), ref_grad.float(), flat.dtype)
         if not worst <= 1e-7 or flat.dtype == torch.float32 and not row_sum <= 1e-4:
             why = f"rows {picked.tolist()}' gradient {worst:.3g} of its largest entry past its tolerance"
+    if why is None and grad is None:
+        return None
     if why is not None:
         why += f" at {tuple(flat.shape)} in {str(flat.dtype).split('.')[-1]}, the first fused loss of this process"
-    _AT_SCALE[key] = why
-    if why is not None:
         log.warning("the next-token loss runs as torch chunks on %s from now on (%s): correct, slower", key[0], why)
+    _AT_SCALE[key] = why
     return why
+
+
+def _last_predicting(targets: torch.Tensor) -> int:
+    """The last row whose target is >= 0 (0 where none is): the highest address whose gradient is not all zero."""
+    valid = (targets >= 0).nonzero()
+    return int(valid.max()) if len(valid) else 0
 
 
 def _chunks(flat: torch.Tensor, targets: torch.Tensor, rows: int, count: torch.Tensor, grad: torch.Tensor | None,
@@ -247,12 +258,16 @@ class _FusedNextToken(torch.autograd.Function):
         count = (targets >= 0).sum().clamp(min=1).to(torch.float32)
         grad = torch.empty_like(flat, memory_format=torch.contiguous_format) if ctx.needs_input_grad[0] else None
         value = cross_entropy_rows(flat, targets, (1.0 / count).reshape(1), grad).sum() / count
+        ctx.check_rows = None  # the backward's scale held to torch on these rows (the first real backward here)
         if at_scale and (why := _checked_at_scale(flat, targets, count, value, grad)) is not None:
             if loss_choice() == "fused":
                 raise _fused_refused(why)
             _TAKEN.discard("fused")  # a process trains one dtype on one device: its losses were the chunks'
             _TAKEN.add("chunked")
             value = _chunks(flat, targets, max(1, ROW_ELEMENTS // shape[-1]), count, grad)
+            ctx.chunks = True  # its backward the chunks' too
+        elif at_scale and grad is not None and (str(flat.device), flat.dtype) not in _SCALE_CHECKED:
+            ctx.check_rows = sorted({0, _last_predicting(targets)})  # the last: past 2^31 entries at 16,384 x 262,144
         ctx.shape = shape
         ctx.save_for_backward(grad if grad is not None else flat.new_empty(0))
         return value
@@ -260,28 +275,29 @@ class _FusedNextToken(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (grad,) = ctx.saved_tensors  # times grad_output in fp32 (the chunks' mul_ rounds it to grad's dtype first)
-        return _scaled(grad, grad_output).view(ctx.shape), None, None
+        if getattr(ctx, "chunks", False):
+            return _ChunkedNextToken.backward(ctx, grad_output)
+        return _scaled(grad, grad_output, ctx.check_rows).view(ctx.shape), None, None
 
 
 _SCALE_CHECKED: set[tuple[str, torch.dtype]] = set()
 
 
-def _scaled(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-    """``grad`` times ``grad_output`` in place by the Triton kernel; the first time in this process on a device and dtype
-    its first and last rows (past 2^31 entries at 16,384 x 262,144) held to torch's arithmetic on a copy, to one rounding
-    (Triton's interpreter truncates to bf16 where a GPU rounds to nearest): a kernel that scaled them otherwise is an
-    ElsaError (the gradient is gone by then; the chunks are a rerun away: ELSA_DS_LOSS=chunked)."""
+def _scaled(grad: torch.Tensor, grad_output: torch.Tensor, check_rows: list[int] | None) -> torch.Tensor:
+    """``grad`` times ``grad_output`` in place by the Triton kernel; with ``check_rows`` (the first real backward of this
+    process on a device and dtype: its first and last predicting rows) those rows held to torch's arithmetic on a copy,
+    to one rounding (Triton's interpreter truncates to bf16 where a GPU rounds to nearest): a kernel that scaled them
+    otherwise is an ElsaError (the gradient is gone by then; the chunks are a rerun away: ELSA_DS_LOSS=chunked)."""
     from elsa_ds.loss_kernel import scale_
 
-    key = (str(grad.device), grad.dtype)
-    ends = grad[[0, -1]].clone() if key not in _SCALE_CHECKED and len(grad) else None
+    ends = grad[check_rows].clone() if check_rows else None
     scale_(grad, grad_output)
     if ends is not None:
-        _SCALE_CHECKED.add(key)
-        want = (ends.float() * grad_output.float()).to(grad.dtype).float()
+        _SCALE_CHECKED.add((str(grad.device), grad.dtype))
+        got, want = grad[check_rows].float(), (ends.float() * grad_output.float()).to(grad.dtype).float()
         info = torch.finfo(grad.dtype)
-        if not bool(((grad[[0, -1]].float() - want).abs() <= info.eps * want.abs() + info.smallest_normal * info.eps).all()):
-            raise ElsaError(f"the Triton loss's gradient scale gave {grad[[0, -1]].float().abs().max().item():.6g} where "
-                            f"torch gives {want.float().abs().max().item():.6g} on {key[0]} in {str(grad.dtype).split('.')[-1]}: "
-                            f"run with {LOSS_ENV}=chunked")
+        if not bool(((got - want).abs() <= info.eps * want.abs() + info.smallest_normal * info.eps).all()):
+            raise ElsaError(f"the Triton loss's gradient scale gave {got.abs().max().item():.6g} where torch gives "
+                            f"{want.abs().max().item():.6g} on {grad.device} in {str(grad.dtype).split('.')[-1]} (rows "
+                            f"{check_rows}): run with {LOSS_ENV}=chunked")
     return grad

@@ -150,15 +150,8 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, inv_count: t
 def compile_scale_ahead(dtype: str = "bf16", capability: int = 90, aligned: bool = True):
     """:func:`scale_`'s kernel compiled for sm_``capability`` as :func:`compile_ahead` compiles the loss's (``n`` an i64:
     16,384 x 262,144 logits are more than 2^31)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = _scale_kernel()
-    types = {"grad": f"*{dtype}", "scale": "*fp32", "n": "i64"}
-    signature = {name: types[name] for name in fn.arg_names if name in types} | {"BLOCK": "constexpr"}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in types} if aligned else None
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs={"BLOCK": SCALE_BLOCK}, attrs=attrs),
-                          target=GPUTarget("cuda", capability, 32), options={"num_warps": NUM_WARPS})
+    return _compiled(_scale_kernel(), {"grad": f"*{dtype}", "scale": "*fp32", "n": "i64"}, {"BLOCK": SCALE_BLOCK},
+                     capability, aligned)
 
 
 def compile_ahead(dtype: str = "bf16", write_grad: bool = True, block: int = MAX_BLOCK, capability: int = 90,
@@ -168,13 +161,17 @@ def compile_ahead(dtype: str = "bf16", write_grad: bool = True, block: int = MAX
     'fp32'); ``aligned``: as a launch with Gemma's vocabulary specializes it (pointers, strides and the vocabulary
     multiples of 16, which Triton's launcher detects). Returns Triton's compiled kernel (``.asm``: ttgir, ptx, cubin):
     tests/test_loss_kernel.py."""
+    types = {"logits": f"*{dtype}", "row_stride": "i32", "targets": "*i64", "inv_count": "*fp32", "losses": "*fp32",
+             "grad": f"*{dtype}", "grad_stride": "i32", "vocab": "i32"}
+    return _compiled(_kernel(), types, {"WRITE_GRAD": write_grad, "BLOCK": block}, capability, aligned)
+
+
+def _compiled(fn, types: dict[str, str], consts: dict, capability: int, aligned: bool):
+    """``fn`` (a jitted kernel) compiled by Triton's own ptxas for sm_``capability``, its arguments typed by ``types``
+    and ``consts``; ``aligned``: every typed argument a multiple of 16, as Triton's launcher detects it."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = _kernel()
-    types = {"logits": f"*{dtype}", "row_stride": "i32", "targets": "*i64", "inv_count": "*fp32", "losses": "*fp32",
-             "grad": f"*{dtype}", "grad_stride": "i32", "vocab": "i32"}
-    consts = {"WRITE_GRAD": write_grad, "BLOCK": block}
     signature = {name: types[name] for name in fn.arg_names if name in types} | {c: "constexpr" for c in consts}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in types} if aligned else None
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),

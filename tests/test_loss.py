@@ -167,11 +167,18 @@ def test_the_first_fused_loss_is_held_to_the_chunks_at_its_own_shape(monkeypatch
     x = logits.clone().requires_grad_()
     next_token_loss(x, ids).backward()  # the chunks, on CPU
     want, want_grad = float(next_token_loss(logits, ids)), x.grad.float()
+    monkeypatch.setattr(L, "_AT_SCALE", {})  # not a check: no gradient, or NaN logits (theirs, not the kernel's fault)
+    flat, count = logits.reshape(-1, 50), torch.tensor(18.0)
+    nan = flat.clone()
+    nan[3, 7] = float("nan")
+    assert L._checked_at_scale(flat, targets, count, torch.tensor(want), None) is None
+    assert L._checked_at_scale(nan, targets, count, torch.tensor(float("nan")), torch.zeros_like(flat)) is None
+    assert L._AT_SCALE == {}
     for kernel, agrees in ((_torch_rows(), True), (last_row_wrong, False), (value_wrong, False)):
         monkeypatch.setattr(L, "_AT_SCALE", {})
         monkeypatch.setattr(L, "_TAKEN", {"fused"})
         monkeypatch.setattr(loss_kernel, "cross_entropy_rows", kernel)
-        monkeypatch.setattr(loss_kernel, "scale_", _torch_scale)
+        monkeypatch.setattr(loss_kernel, "scale_", _torch_scale if agrees else None)  # refused: the chunks' backward
         caplog.clear()
         with caplog.at_level("WARNING", logger="elsa_ds"):
             value, grad = value_and_grad()
@@ -193,27 +200,43 @@ def test_the_first_fused_loss_is_held_to_the_chunks_at_its_own_shape(monkeypatch
 
 
 def test_the_fused_backwards_scale_is_held_to_torch_at_both_ends_once(monkeypatch):
-    """The fused loss's backward scales its gradient by a Triton kernel: the first time on a device and dtype its first
-    and last rows (the highest addresses) are held to torch's product, one rounding allowed; a kernel that leaves the
-    last row unscaled is an error naming the way out (ELSA_DS_LOSS=chunked), never a silent gradient."""
+    """The fused loss's backward scales its gradient by a Triton kernel: the first real backward on a device and dtype
+    (not the small self-check's) holds its first and last predicting rows (the highest addresses written) to torch's
+    product, one rounding allowed; a kernel that leaves the last predicting row unscaled is an error naming the way out
+    (ELSA_DS_LOSS=chunked), never a silent gradient; checked once."""
     from elsa_ds import loss as L
     from elsa_ds import loss_kernel
     from elsa_ds.errors import ElsaError
 
-    def last_row_unscaled(grad, scale):
-        _torch_scale(grad[:-1], scale)
-        return grad
+    gen = torch.Generator().manual_seed(1)
+    logits = (4 * torch.randn(3, 7, 50, generator=gen)).to(torch.bfloat16)
+    ids = torch.randint(0, 50, (3, 7), generator=gen)
+    targets = L.shifted_targets(ids).reshape(-1)
 
-    grad = torch.randn(4, 9).to(torch.bfloat16)
-    half = torch.tensor(0.5)
-    for kernel, fails in ((last_row_unscaled, True), (_torch_scale, False)):
+    def last_predicting_unscaled(grad, scale):  # row 19 of 21 (row 20 predicts nothing: zero either way)
+        _torch_scale(grad[:19], scale)
+        return _torch_scale(grad[20:], scale)
+
+    def backward(at_scale=True):
+        x = logits.clone().requires_grad_()
+        (0.5 * L._FusedNextToken.apply(x, targets, at_scale)).backward()
+        return x.grad
+
+    x = logits.clone().requires_grad_()
+    (0.5 * next_token_loss(x, ids)).backward()  # the chunks, on CPU
+    monkeypatch.setattr(loss_kernel, "cross_entropy_rows", _torch_rows())
+    monkeypatch.setattr(L, "_AT_SCALE", {})
+    for kernel, fails in ((last_predicting_unscaled, True), (_torch_scale, False)):
         monkeypatch.setattr(L, "_SCALE_CHECKED", set())
         monkeypatch.setattr(loss_kernel, "scale_", kernel)
+        backward(at_scale=False)  # the self-check's problem spends no check
+        assert L._SCALE_CHECKED == set()
         if fails:
-            with pytest.raises(ElsaError, match="gradient scale .* on cpu in bfloat16: run with ELSA_DS_LOSS=chunked"):
-                L._scaled(grad.clone(), half)
+            with pytest.raises(ElsaError, match=r"gradient scale .* on cpu in bfloat16 \(rows \[0, 19\]\): run with "
+                                                r"ELSA_DS_LOSS=chunked"):
+                backward()
         else:
-            assert torch.equal(L._scaled(grad.clone(), half), (grad.float() * 0.5).to(torch.bfloat16))
+            assert torch.allclose(backward().float(), x.grad.float(), rtol=1e-2, atol=1e-6)
             assert L._SCALE_CHECKED == {("cpu", torch.bfloat16)}
-    monkeypatch.setattr(loss_kernel, "scale_", last_row_unscaled)  # checked once: a later call is not held up
-    L._scaled(grad.clone(), half)
+    monkeypatch.setattr(loss_kernel, "scale_", last_predicting_unscaled)  # checked once: a later call is not held up
+    backward()
