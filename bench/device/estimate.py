@@ -78,9 +78,10 @@ def loss_of(cell) -> str:
     """The loss a training cell takes on a GPU (curve.py sets ``ELSA_DS_LOSS`` so): the Triton kernel (elsa_ds/loss.py)
     unless ``ELSA_DS_LOSS=chunked`` is set for the whole run (as the runner sets it once a cell has failed on the kernel:
     curve.py's ``loss_failed``). Eager cells before 2026-12-05 stepped with the chunks: the kernel's gradient is theirs to
-    within one rounding of bf16 (grad_output 1, every cell's; the chunks round another to bf16 first), a smaller difference than two loops' (the engine's and the plain loop's retraining cells
-    agreed within 0.04 % on the H200), so the eager cells' ratios stand across the change; the line's ``loss`` says which
-    ran (a kernel that fails its checks on the GPU runs as chunks)."""
+    within one rounding of bf16 (grad_output 1, every cell's; the chunks round another to bf16 first), a smaller
+    difference than two loops' (the engine's and the plain loop's retraining cells agreed within 0.04 % on the H200), so
+    the eager cells' ratios stand across the change; the line's ``loss`` says which ran (a kernel that fails its checks
+    on the GPU runs as chunks)."""
     from elsa_ds.loss import LOSS_ENV
 
     return CHUNKED if os.environ.get(LOSS_ENV, "").strip().lower() == CHUNKED else FUSED
