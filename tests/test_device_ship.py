@@ -1141,3 +1141,25 @@ def test_a_cell_trains_with_the_loss_it_is_priced_by_and_every_evaluation_sums_a
             assert calls[-1][1][LOSS_ENV] == loss and line["loss"] == {"auto": "fused"}.get(loss, loss)
     curve.run_cell(curve.Cell("dense", None, 0), run)
     assert calls[-1][0][1].endswith("launch/evaluate.py") and calls[-1][1] == {LOSS_ENV: "chunked"}
+
+
+def test_a_cell_two_fallbacks_requeue_runs_once_more_and_the_parallel_runner_goes_on(tmp_path, monkeypatch):
+    """A review (2026-12-05): an engine cell that failed with the Triton loss and the new flags was queued again by both
+    the loss's fallback and the flags' one; run twice beside itself it crashed the parallel runner. Now once more, with
+    the chunks and without the flags."""
+    monkeypatch.setenv(LOSS_ENV, "auto")
+    calls: list[tuple[str, str]] = []
+
+    def fake_cell(cell, run):
+        loss = estimate.loss_of(cell)
+        calls.append((cell.key(run.seqlen), loss))
+        line = {"key": cell.key(run.seqlen), "kind": cell.kind, "steps": cell.steps, "wall_s": 0.1, "engine": cell.engine,
+                "loss": loss, "leaf_layers": run.leaf_layers}
+        return line | ({"status": "failed", "phase": "prune", "rc": 1} if loss == "fused" else {"status": "ok"})
+
+    monkeypatch.setattr(curve, "run_cell", fake_cell)
+    run = curve.Run("m", "t", "t", "t", 64, 64, "z", 4, tmp_path, time.time() + 600, 2, {}, leaf_layers=True)
+    lines, skipped = curve.schedule([curve.Cell("elsa", 0.9, 1, engine="deepspeed")], run,
+                                    estimate.Estimator("H", [], micro_batch=64), tmp_path / "cells.jsonl")
+    assert calls == [("elsa|0.9|1x8x64|rule", "fused"), ("elsa|0.9|1x8x64|rule", "chunked")]
+    assert [x["status"] for x in lines] == ["failed", "ok"] and not skipped and not run.leaf_layers
