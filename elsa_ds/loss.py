@@ -240,8 +240,19 @@ class _ChunkedNextToken(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        (grad,) = ctx.saved_tensors
+        grad = _spent(ctx)
         return grad.mul_(grad_output.to(grad.dtype)).view(ctx.shape), None, None
+
+
+def _spent(ctx) -> torch.Tensor:
+    """The saved gradient, which the backward scales in place and hands on: a second backward of one graph
+    (``retain_graph=True``) would scale it, and the first one's result, again, so it is refused."""
+    if getattr(ctx, "spent", False):
+        raise ElsaError("a second backward through one next-token loss (retain_graph=True): its gradient was scaled in "
+                        "place by the first; compute the loss again for each backward")
+    ctx.spent = True
+    (grad,) = ctx.saved_tensors
+    return grad
 
 
 class _FusedNextToken(torch.autograd.Function):
@@ -274,9 +285,9 @@ class _FusedNextToken(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        (grad,) = ctx.saved_tensors  # times grad_output in fp32 (the chunks' mul_ rounds it to grad's dtype first)
         if getattr(ctx, "chunks", False):
             return _ChunkedNextToken.backward(ctx, grad_output)
+        grad = _spent(ctx)  # times grad_output in fp32 (the chunks' mul_ rounds it to grad's dtype first)
         return _scaled(grad, grad_output, ctx.check_rows).view(ctx.shape), None, None
 
 

@@ -240,3 +240,31 @@ def test_the_fused_backwards_scale_is_held_to_torch_at_both_ends_once(monkeypatc
             assert L._SCALE_CHECKED == {("cpu", torch.bfloat16)}
     monkeypatch.setattr(loss_kernel, "scale_", last_predicting_unscaled)  # checked once: a later call is not held up
     backward()
+
+
+def test_a_second_backward_through_one_loss_is_refused_and_leaves_the_first_gradient(monkeypatch):
+    """Both losses scale their saved gradient in place and hand it on: a second backward of one graph
+    (``retain_graph=True``) would scale the first one's result again; it is refused, the first gradient stands."""
+    from elsa_ds import loss as L
+    from elsa_ds import loss_kernel
+    from elsa_ds.errors import ElsaError
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(2, 6, 40, generator=gen)).to(torch.bfloat16)
+    ids = torch.randint(0, 40, (2, 6), generator=gen)
+    x = logits.clone().requires_grad_()
+    reference(x, ids).backward()
+    want = x.grad.float()
+    monkeypatch.setattr(loss_kernel, "cross_entropy_rows", _torch_rows())
+    monkeypatch.setattr(loss_kernel, "scale_", _torch_scale)
+    monkeypatch.setattr(L, "_AT_SCALE", {})
+    fused = lambda v: L._FusedNextToken.apply(v, L.shifted_targets(ids).reshape(-1), False)  # noqa: E731
+    for loss_of in (lambda v: next_token_loss(v, ids), fused):
+        x = logits.clone().requires_grad_()
+        loss = 2 * loss_of(x)
+        loss.backward(retain_graph=True)
+        first = x.grad.clone()
+        assert torch.allclose(first.float(), 2 * want, rtol=2e-2, atol=1e-4)
+        with pytest.raises(ElsaError, match=r"second backward .* compute the loss again"):
+            loss.backward()
+        assert torch.equal(x.grad, first)
