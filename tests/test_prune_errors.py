@@ -51,6 +51,30 @@ def test_dataset_smaller_than_one_global_batch(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.integration
+def test_a_run_that_reads_its_text_many_times_says_so(tmp_path, tiny_model_dir):
+    """A small text and a long run: the training line says how often each sequence is read, and past
+    ``REREAD_WARNING`` readings a warning names the two ways out (a walk: ``--dataset /etc`` read each of its 61
+    sequences 67 times, said nowhere)."""
+    import re
+
+    from elsa_ds.jobs.training import REREAD_WARNING
+    from tests.conftest import run_entry
+
+    small = tmp_path / "small.txt"
+    small.write_text("To be, or not to be, that is the question.\n\n" * 60)
+    proc = run_entry("prune.py", ["--deepspeed", "ds_configs/zero3.json", "--model", str(tiny_model_dir), "--dataset", str(small),
+                                  "--seqlen", "64", "--steps", "24", "--interval", "4", "--init_mask", "none", "--val_windows",
+                                  "0", "--baseline", "none", "--output_dir", str(tmp_path / "o")])
+    line = re.search(r"training data .*: (\d+) sequences x 64 tokens; global batch 8 .*; 24 steps read each ([\d.]+) times",
+                     proc.stdout)
+    assert line, proc.stdout[-3000:]
+    readings = 24 * 8 / int(line[1])
+    assert float(line[2]) == pytest.approx(readings, abs=0.05) and readings > REREAD_WARNING
+    warned = [ln for ln in proc.stderr.splitlines() if "each is read" in ln]
+    assert len(warned) == 1 and f"read {readings:.0f} times" in warned[0] and "--dataset" in warned[0], proc.stderr[-3000:]
+
+
+@pytest.mark.integration
 def test_target_regex_matching_nothing(tmp_path, tiny_model_dir, text_dir):
     _fails(["--deepspeed", "ds_configs/zero3.json", "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--seqlen", "64",
             "--targets", r"no_such_module\d", "--output_dir", str(tmp_path / "o")], "matches no nn.Linear")
@@ -162,3 +186,4 @@ def test_init_mask_of_another_shape_or_without_zeros_is_refused_before_loading(t
     said = proc.stdout + proc.stderr  # the folder's mask alone: x from the dense model, said once, with the flag that changes it
     assert said.count(f"z starts from that folder's mask, x from the dense weights of {tiny_model_dir}") == 1
     assert "add --init_weights" in said
+    assert "read each" not in said and "each is read" not in said  # two plays, 2 steps of 8: no sequence read twice

@@ -157,6 +157,10 @@ class GlobalBatches:
         self.grad_accum = global_batch // (micro_batch * world_size)
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation): drawn once an epoch, not once a step
 
+    def readings(self, steps: int) -> float:
+        """How many times ``steps`` global batches read each block, on average (1 or less: none read twice)."""
+        return steps * self.global_batch / self.blocks.shape[0]
+
     def global_batch_at(self, step: int) -> torch.Tensor:
         """All blocks of global batch ``step`` (identical on every rank): [global_batch, seqlen]."""
         epoch, index = divmod(step, self.per_epoch)

@@ -30,6 +30,7 @@ from elsa_ds.zero.engine import PartitionedModel, ZeroEngine, full_shapes, load_
 from elsa_ds.zero.partitions import distributed_nll
 
 log = get_logger(__name__)
+REREAD_WARNING = 10.0  # readings of each training sequence past which the run says it trains mostly on repetition
 
 # called after each step with (progress bar, step, loss); True stops the loop early
 AfterStep = Callable[[Any, int, float], bool]
@@ -203,8 +204,14 @@ def load_data(plan: Plan, rank: int, world: int) -> TrainingData:
     batches = GlobalBatches(blocks, global_batch, micro, world, rank, cfg.seed)
     validation = validation_windows(cfg.dataset, cfg.val_dataset, tokenizer, cfg.seqlen, cfg.ppl_protocol, source.config(),
                                     cfg.val_windows)
+    readings = batches.readings(cfg.steps)
     log.info(f"training data {cfg.dataset} ({sampling['sampling']}): {blocks.shape[0]} sequences x {cfg.seqlen} "
-             f"tokens; global batch {global_batch} = {micro} micro x {world} ranks x {batches.grad_accum} accumulation")
+             f"tokens; global batch {global_batch} = {micro} micro x {world} ranks x {batches.grad_accum} accumulation"
+             + (f"; {cfg.steps} steps read each {readings:.1f} times" if readings > 1 else ""))
+    if readings > REREAD_WARNING:  # a small folder of text and a long run: mostly repetition
+        log.warning(f"the training text fills {1 / readings:.1%} of the {cfg.steps * global_batch:,} sequences that "
+                    f"{cfg.steps} steps of {global_batch} take: each is read {readings:.0f} times; give more text "
+                    "(--dataset) or fewer --steps, unless repetition is what you want")
     log.info(f"validation {validation.source}: {validation.count} windows ({validation.protocol.value} "
              f"protocol) from {validation.documents} documents ({validation.rule})")
     return TrainingData(tokenizer, batches, validation, sampling)
