@@ -121,7 +121,8 @@ def _pair(base_of, dtypes, projection=Projection.fisher, seed=2):
 def _which_x_is_off(base_of, pf: torch.Tensor, pe: torch.Tensor) -> str:
     """Where the first step's x of the fused and the eager pair differ, and which one a third run of the base step
     alone (one thread) agrees with. Seen in ~1 of 15 runs of this file with 2 workers (adam8bit-dtypes0): x differed
-    in the second thread's half only (from entry 2502 of 5003), before any ADMM kernel ran."""
+    in the second thread's half only (from entry 2502 of 5003) after the first step: the base's step (torch ops on
+    5,003 entries, under their parallel grain) and, on the fused side, the initial projection (OpenMP; reads x, writes z)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -146,7 +147,7 @@ def test_fused_x_step_equals_eager_penalty_then_base_step(kernels, dtypes, base)
                "minifloat": lambda p: Adam8bit([p], lr=1e-2, kernels=False, format="minifloat"),
                "bitsandbytes": lambda p: bnb.optim.Adam8bit([p], lr=1e-2)}[base]
     (of, pf), (oe, pe) = _pair(base_of, dtypes)
-    assert torch.equal(_bits(pf.detach()), _bits(pe.detach())), _which_x_is_off(base_of, pf, pe)  # the base's step alone
+    assert torch.equal(_bits(pf.detach()), _bits(pe.detach())), _which_x_is_off(base_of, pf, pe)  # the same x-step on both
     _assert_same_state(of.state[pf], oe.state[pe])  # the initial projection, fused and eager
     for t in range(1, 4):
         _step(of, pf, t, seed=2)
