@@ -120,7 +120,7 @@ def _pair(base_of, dtypes, projection=Projection.fisher, seed=2):
 
 def _which_x_is_off(base_of, pf: torch.Tensor, pe: torch.Tensor) -> str:
     """Where the first step's x of the fused and the eager pair differ, and which one a third run of the base step
-    alone (one thread) agrees with. Seen in ~1 of 15 runs of this file with 2 workers (adam8bit-dtypes0): x differed
+    alone (one thread) agrees with. Seen in 2 of 89 runs of this file with 2 workers (adam8bit-dtypes0): x differed
     in the second thread's half only (from entry 2502 of 5003) after the first step: the base's step (torch ops on
     5,003 entries, under their parallel grain) and, on the fused side, the initial projection (OpenMP; reads x, writes z)."""
     before = torch.get_num_threads()
