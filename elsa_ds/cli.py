@@ -255,6 +255,9 @@ def main_evaluate(argv: list[str] | None = None) -> int:
     if not args.compare and not args.model:
         parser.error("--model is required (or --compare A.json B.json ...)")
     start_logging(args)
+    from elsa_ds.torch_api import resolve_mkl_vml
+
+    resolve_mkl_vml()
 
     def go() -> None:
         from elsa_ds.evaluation.tables import compare

@@ -5,6 +5,9 @@ GPU, torch's per-tensor ops on a CPU (so a CPU run's arithmetic is the per-tenso
 under their underscored names; read off torch 2.13 (``native_functions.yaml``: ``_foreach_norm.Scalar`` takes a
 ``dtype``, ``_foreach_copy_`` copies across dtypes). The compiler's switches and counters are dynamo's
 (``torch._dynamo.config``, ``torch._dynamo.utils.counters``). The math core calls these, never DeepSpeed's internals.
+
+And one workaround of a torch CPU wheel's bug that every process needs before its first two-thread op:
+:func:`resolve_mkl_vml`.
 """
 from __future__ import annotations
 
@@ -58,3 +61,27 @@ def compile_counts() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
+
+
+# torch's contiguous fp32/fp64 unary ops that call oneMKL's VML (``aten/src/ATen/cpu/vml.h``, IMPLEMENT_VML_MKL), each
+# from every intra-op thread on its chunk of >= 2048 entries
+MKL_VML_OPS = ("acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "log", "log10", "log2", "sin", "sqrt", "tan",
+               "tanh", "trunc")
+_vml_resolved = False
+
+
+def resolve_mkl_vml() -> None:
+    """Each of torch's MKL VML ops called once, on one thread, on one entry of fp32 and of fp64, so that none makes its
+    first call from two threads at once. oneMKL 2024.2 (torch 2.13's CPU wheels) picks a VML function's kernel on its
+    first call; first calls made concurrently can run one thread's whole chunk through a low-accuracy kernel (AVX2 "EP",
+    ~1e-4 relative) despite torch asking for VML_HA: pytorch/pytorch#188792. Seen here: the first 8-bit Adam step's
+    ``v.sqrt()`` of a test wrong in the second thread's half, reproduced bit for bit with that kernel (docs/history.md).
+    Call at the start of a process (every job's rank, the evaluation, the sparse loader); cheap (microseconds), once."""
+    global _vml_resolved
+    if _vml_resolved or not torch.backends.mkl.is_available():
+        return
+    for dtype in (torch.float32, torch.float64):
+        one = torch.full((1,), 0.5, dtype=dtype)
+        for name in MKL_VML_OPS:
+            getattr(torch, name)(one)
+    _vml_resolved = True

@@ -18,6 +18,15 @@ PLAYS = ("macbeth", "othello", "the-tempest")
 SLOW_ENV = "ELSA_DS_SLOW"  # =1: as --slow
 
 
+def pytest_configure(config):
+    """Every worker resolves torch's MKL VML kernels on one thread before a test runs an op on two: a first call made
+    from two threads at once can run one thread's chunk at ~1e-4 accuracy (``torch_api.resolve_mkl_vml``), which broke
+    a bit-for-bit test in ~1 of 45 runs of its file."""
+    from elsa_ds.torch_api import resolve_mkl_vml
+
+    resolve_mkl_vml()
+
+
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run the tests marked slow (the README's full suite)")
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from elsa_ds.torch_api import resolve_mkl_vml
+
 Built = TypeVar("Built")
 
 
@@ -48,6 +50,7 @@ class Job(Protocol[Built]):
 def run_job(job: Job[Any], mark: Callable[[str], None] | None = None) -> dict[str, Any] | None:
     """Run a job through its lifecycle; returns its report on rank 0 (None on other ranks). ``mark`` hears each stage
     as it begins (rank 0's watchdog: the phase a killed job had reached)."""
+    resolve_mkl_vml()  # before any op runs on two threads (every rank is its own process)
     mark = mark or (lambda stage: None)
     built: Any = None
     try:

@@ -20,6 +20,7 @@ from elsa_ds.settings.flags import add_flags, cli_fields, start_logging, validat
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY, check_arguments, check_paths, compress
 from elsa_ds.sparse.loader import verify
+from elsa_ds.torch_api import resolve_mkl_vml
 
 log = get_logger(__name__)
 
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     """The entry point: an ElsaError (a bad setting among them) becomes one line on stderr and exit code 2."""
     args = parser().parse_args(argv)
     start_logging(args)
+    resolve_mkl_vml()
     given = {k: v for k in cli_fields(CompressSettings) if (v := getattr(args, k)) is not None}
     return guarded(lambda: _run(validated(CompressSettings, given)))
 

@@ -21,6 +21,7 @@ from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path
 from elsa_ds.sparse.saving import saves_dense
 from elsa_ds.sparse.siblings import ready_to_decode
 from elsa_ds.sparse.meta import CONFIG_KEY, UNSEALED_VERSION, elsa_named, sparse_meta
+from elsa_ds.torch_api import resolve_mkl_vml
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -149,6 +150,7 @@ def from_pretrained(path: str | Path, mode: str = "dense", dtype: torch.dtype | 
     argument SparseArgumentError (ValueError) or SparseArgumentTypeError (TypeError); all three are ElsaErrors.
     """
     path = _check_arguments(path, mode, dtype, device, decode_path, verify)
+    resolve_mkl_vml()  # the model's rotary cos/sin and the decode's first ops: computed on two threads at once
     meta = sparse_meta(path, verify)
     model = _empty_model(path, dtype)
     dtype = next(model.parameters()).dtype

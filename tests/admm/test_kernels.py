@@ -40,8 +40,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _assert_same_state(a: dict, b: dict) -> None:
     for key in (Z, U, Z_SCALE, U_SCALE):
         differ = (_bits(a[key]) != _bits(b[key])).nonzero().flatten()
-        # seen once in a CI rehearsal (z of adam8bit-dtypes0, not reproduced in ~80 tries here): say where, to tell a mask
-        # from a rounding, and the thread count
+        # say where, to tell a mask from a rounding, and the thread count
         assert not len(differ), (f"{key}: {len(differ)} entries differ, at {differ[:8].tolist()}: "
                                  f"{a[key][differ[:8]].float().tolist()} against {b[key][differ[:8]].float().tolist()} "
                                  f"({torch.get_num_threads()} threads)")
@@ -120,9 +119,10 @@ def _pair(base_of, dtypes, projection=Projection.fisher, seed=2):
 
 def _which_x_is_off(base_of, pf: torch.Tensor, pe: torch.Tensor) -> str:
     """Where the first step's x of the fused and the eager pair differ, and which one a third run of the base step
-    alone (one thread) agrees with. Seen in 2 of 89 runs of this file with 2 workers (adam8bit-dtypes0): x differed
-    in the second thread's half only (from entry 2502 of 5003) after the first step: the base's step (torch ops on
-    5,003 entries, under their parallel grain) and, on the fused side, the initial projection (OpenMP; reads x, writes z)."""
+    alone (one thread) agrees with. Seen in 2 of 89 runs of this file with 2 workers (adam8bit-dtypes0, the worker's
+    first 8-bit Adam step): the fused pair's x off in the second thread's half (from entry 2502 of 5,003, torch's chunk),
+    by ~1e-4 of the update. Its values are bit for bit the base step with ``v.sqrt()`` computed by oneMKL's AVX2 "EP"
+    kernel: the first concurrent call of a VML function (pytorch/pytorch#188792), resolved since by tests/conftest.py."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
