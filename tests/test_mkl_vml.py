@@ -5,8 +5,10 @@ one thread's chunk through a ~1e-4-accurate kernel (pytorch/pytorch#188792). It 
 in 45 runs of its file (docs/history.md, 2026-12-05)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,3 +79,22 @@ def test_every_job_resolves_them_before_its_setup(monkeypatch):
     job = _Lifecycle()
     run_job(job)
     assert job.resolved_at_setup is True
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, str(root / "bench" / "vml_race.py"), *args], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_storm_bench_counts_first_calls_in_both_arms():
+    out = _bench("storm", "--processes", "2", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {arm: c["processes"] for arm, c in counts.items()} == {"unresolved": 1, "resolved": 1}
+    assert counts["resolved"]["corrupted_first_calls"] == 0
+
+
+def test_the_check_bench_refuses_a_folder_without_mkl(tmp_path):
+    out = _bench("check", "--mkl_lib", str(tmp_path), "--json")
+    assert out.returncode == 2 and "no libmkl_rt.so.2" in out.stderr
