@@ -60,14 +60,20 @@ def _values(seed: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed))
 
 
-def _first_step(rec: dict, sqrt_v: torch.Tensor | None) -> torch.Tensor:
-    """x after the first step of adam8bit_reference at the recorded entries (m, v from zero codes), with ``sqrt_v``
-    in place of torch's ``v.sqrt()`` when given."""
+def _moments(rec: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, m, v of the first step of adam8bit_reference at the recorded entries (m, v from zero codes)."""
     at = torch.tensor(rec["entries"])
     beta1, beta2 = rec["betas"]
     x, g = _values(rec["x0_seed"], rec["numel"])[at], _values(rec["grad_seed"], rec["numel"])[at]
     m = torch.zeros_like(g).mul_(beta1).add_(g, alpha=1.0 - beta1)
     v = torch.zeros_like(g).mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    return x, m, v
+
+
+def _first_step(rec: dict, sqrt_v: torch.Tensor | None) -> torch.Tensor:
+    """x after that step, with ``sqrt_v`` in place of torch's ``v.sqrt()`` when given."""
+    x, m, v = _moments(rec)
+    beta1, beta2 = rec["betas"]
     denom = ((v.sqrt() if sqrt_v is None else sqrt_v) / math.sqrt(1.0 - beta2)).add_(rec["eps"])
     return x.addcdiv_(m, denom, value=-rec["lr"] / (1.0 - beta1))
 
@@ -76,8 +82,7 @@ def check(mkl_lib: Path) -> dict:
     import numpy as np
 
     rec = json.loads(RECORD.read_text())
-    g = _values(rec["grad_seed"], rec["numel"])[torch.tensor(rec["entries"])]
-    v = torch.zeros_like(g).mul_(rec["betas"][1]).addcmul_(g, g, value=1.0 - rec["betas"][1])
+    v = _moments(rec)[2]
     with tempfile.TemporaryDirectory() as tmp:
         np.save(f"{tmp}/v.npy", v.numpy())
         subprocess.run([sys.executable, "-c", _EP_SQRT, str(mkl_lib), f"{tmp}/v.npy", f"{tmp}/s.npy"], check=True)
