@@ -76,7 +76,7 @@ def resolve_mkl_vml() -> None:
     first call; first calls made concurrently can run one thread's whole chunk through a low-accuracy kernel (AVX2 "EP",
     ~1e-4 relative) despite torch asking for VML_HA: pytorch/pytorch#188792. Seen here: the first 8-bit Adam step's
     ``v.sqrt()`` of a test wrong in the second thread's half, reproduced bit for bit with that kernel (docs/history.md).
-    Call at the start of a process (every job's rank, the evaluation, the sparse loader); cheap (microseconds), once."""
+    Call at the start of a process (every job's rank, the evaluation, the sparse loader); ~6 ms the first time, then nothing."""
     global _vml_resolved
     if _vml_resolved or not torch.backends.mkl.is_available():
         return
