@@ -314,6 +314,54 @@ def test_every_entry_point_on_a_full_disk_says_one_line_and_leaves_nothing(tmp_p
             assert _listing(parent) == before, (script, line)
 
 
+def test_evaluate_on_a_disk_with_no_inode_left_says_one_line_and_leaves_no_folder(tmp_path):
+    """``elsa-evaluate --output new/sub/r.json`` makes the missing folders before it takes its lock: a file system with no
+    inode left (mkdir's ENOSPC, as on a full ext4) was a traceback there (an audit, 2026-12-05); now one line naming the
+    folder, exit 2, and the folders it made gone."""
+    parent = tmp_path / "disk"
+    parent.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=3", "tmpfs", str(parent)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("no tmpfs can be mounted here (needs root)")
+    try:
+        (parent / "a").mkdir()  # the last inode but one: "new" takes the last, "sub" finds none
+        before = _listing(parent)
+        proc = run_entry("evaluate.py", ["--model", str(DEMO_MODEL_DIR), "--ppl", "shakespeare", "--seqlen", "64", "--limit",
+                                         "2", "--output", str(parent / "new" / "sub" / "r.json")], check=False, timeout=600)
+        line = _one_error_line(proc)
+        assert re.search(r"^elsa_ds: error: cannot create the folder \S+/new/sub: No space left on device$", line), line
+        assert _listing(parent) == before, line
+    finally:
+        if subprocess.run(["umount", str(parent)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(parent)], capture_output=True)
+
+
+def test_made_folders_name_the_folder_that_failed_and_remove_those_made(tmp_path, monkeypatch):
+    """What any file system refusal does inside ``made_folders`` (here a permission error on the second folder): an
+    ElsaError naming it, nothing made left behind; an error of the command inside passes through as it is."""
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.files.output import made_folders
+
+    real_mkdir = os.mkdir
+
+    def mkdir(path, mode=0o777, **kw):
+        if Path(path).name == "sub":
+            raise OSError(errno.EACCES, "Permission denied", str(path))
+        return real_mkdir(path, mode, **kw)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    with pytest.raises(ElsaError, match=r"^cannot create the folder \S+/new/sub: Permission denied$"):
+        with made_folders([tmp_path / "new" / "sub" / "r.json"]):
+            pass
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    with pytest.raises(KeyError):
+        with made_folders([tmp_path / "x" / "r.json", None]):
+            assert (tmp_path / "x").is_dir()
+            raise KeyError("the command's own")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_compress_refuses_a_disk_too_small_before_writing_and_names_a_late_full_disk_right(tmp_path):
     """elsa-compress counts what it will write (every stored part, the copied files) against the free space before
     writing anything; a write that fails anyway (here a file size limit) is one line too, its hint compress's own

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from elsa_ds.capacity.memory import Estimate, estimate, model_shape, resolve_model_config
 from elsa_ds.errors import ElsaError, require
-from elsa_ds.files.io import write_atomic
+from elsa_ds.files.io import make_folder, write_atomic
 from elsa_ds.log import get_logger
 from elsa_ds.settings.config import resolve_config
 from elsa_ds.zero.ds_config import DsConfig
@@ -154,7 +154,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
 
     from elsa_ds.capacity.step_time import DEFAULT_MACHINE, TYPICAL, measure
 
-    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    make_folder(out_dir / "runs")
     rows: list[AblationRow] = []
     reference = None
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -167,7 +167,7 @@ def run_ablation(configs: list[str], out_dir: Path, ranks: int, prune_args: list
         nvme = None
         if view.uses_nvme:
             nvme = out_dir / "nvme" / name
-            nvme.mkdir(parents=True, exist_ok=True)
+            make_folder(nvme)
             extra = ["--nvme_path", str(nvme)]
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()),
                str(ROOT / "launch" / "prune.py"), "--deepspeed", cfg_path, *prune_args, *extra, "--output_dir", str(run_dir), "--overwrite"]

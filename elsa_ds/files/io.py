@@ -29,6 +29,15 @@ def write_atomic(path: Path, text: str | bytes) -> None:
         raise
 
 
+def make_folder(folder: Path) -> None:
+    """``folder`` and the missing ones above it, or an ElsaError naming the one that could not be made (a full disk, a
+    file in the way, no permission: an audit found a traceback where ``elsa-evaluate --output new/r.json`` met one)."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ElsaError(f"cannot create the folder {err.filename or folder}: {err.strerror or err}") from None
+
+
 def write_json(path: Path, payload: Any) -> None:
     write_atomic(path, json.dumps(payload, indent=2) + "\n")
 

@@ -19,6 +19,7 @@ from elsa_ds.evaluation.sparsity import sparsity_report
 from elsa_ds.files.aside import PUBLISH_FAILED, REPORT_NAME, aside_dir, beside, move_in, move_out, moved_away, old_dir, published
 from elsa_ds.files.aside import side_path  # the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
+from elsa_ds.files.io import make_folder
 from elsa_ds.log import get_logger
 from elsa_ds.targets import LayerGoal
 
@@ -107,7 +108,7 @@ def made_folders(files: list[Path | None]):
     try:
         for folders in made:
             if folders:
-                folders[0].mkdir(parents=True, exist_ok=True)
+                make_folder(folders[0])
         yield
     except BaseException:
         for folders in made:

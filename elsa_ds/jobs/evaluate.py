@@ -30,7 +30,7 @@ from elsa_ds.evaluation.perplexity import window_nll
 from elsa_ds.evaluation.sparsity import model_sparsity_report, sparsity_report
 from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
-from elsa_ds.files.io import versions, write_atomic
+from elsa_ds.files.io import make_folder, versions, write_atomic
 from elsa_ds.files.output import missing_folders
 from elsa_ds.log import get_logger
 from elsa_ds.loss import loss_choice
@@ -348,6 +348,6 @@ def write_outputs(s: EvalSettings, result: dict[str, Any], table: str) -> None:
     (elsa-evaluate made them before taking their locks; the job's own evaluation and the benches call ``run``)."""
     for path, text in ((s.output, json.dumps(result, indent=2) + "\n"), (s.markdown, table)):
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            make_folder(Path(path).parent)
             write_atomic(Path(path), text)
             log.info(f"wrote {path}")
