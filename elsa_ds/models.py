@@ -21,7 +21,7 @@ from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.data.sources import FILE_NOT_MODEL
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.weight_files import check_model_folder, check_weight_files, indexed_shards, read_header, stored_shapes
-from elsa_ds.settings.config_files import read_json_object
+from elsa_ds.settings.config_files import name_problem, read_json_object
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -66,6 +66,17 @@ def config_json(model_id: str) -> dict | None:
 
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"  # hub models' configs the estimate reads offline
+
+
+def shipped_config(model_id: str) -> Path | None:
+    """The config.json elsa_ds ships for the hub id ``model_id`` (``owner/name``), or None. Only a name of that shape is
+    looked up, so no text reads a file outside ``SHIPPED_CONFIGS`` (an audit: a recipe's ``google/../../x`` read a
+    config.json beside the recipe, and a JSON error there was a traceback)."""
+    parts = model_id.split("/") if isinstance(model_id, str) else []
+    if len(parts) != 2 or any(part in ("", ".", "..") or "\\" in part for part in parts) or name_problem(model_id):
+        return None
+    file = SHIPPED_CONFIGS / model_id / "config.json"
+    return file if file.is_file() and file.resolve().is_relative_to(SHIPPED_CONFIGS) else None
 SPARSE_CONFIG_KEY = "elsa_sparse"  # the block elsa-compress adds to a sparse checkpoint's config.json (sparse/meta.py)
 
 
@@ -94,12 +105,12 @@ ARCHITECTURE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidd
 def same_architecture(model_id: str, hub_id: str) -> bool:
     """Whether a local folder holds the model of ``hub_id``'s shipped config (its download on a cluster's disk, where a
     recipe written for the hub id applies as it is): the same architecture and sizes."""
-    shipped = SHIPPED_CONFIGS / hub_id / "config.json"
+    shipped = shipped_config(hub_id)
     try:
         mine = config_json(model_id)
     except ElsaError:
         return False
-    if mine is None or not shipped.is_file():
+    if mine is None or shipped is None:
         return False
 
     def sizes(config: dict) -> dict:
@@ -169,7 +180,7 @@ def check_local_path(model_id: str) -> None:
 
 
 def _known_hub_id(model_id: str) -> bool:
-    return (SHIPPED_CONFIGS / model_id / "config.json").is_file() or _in_hub_cache(model_id)
+    return shipped_config(model_id) is not None or _in_hub_cache(model_id)
 
 
 def guarded_config(model_id: str, read: Callable[[], Any]):

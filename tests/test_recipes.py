@@ -202,3 +202,28 @@ def test_a_recipes_paths_are_its_folders_and_stay_inside_it(tmp_path, monkeypatc
     with pytest.raises(ElsaError, match=r"unknown settings \['lamda'\] \(a recipe may set: ") as err:
         load_recipe(str(_recipe(folder, {"lamda": 0.1})))
     assert "lmda" in str(err.value) and "nvme_path" not in str(err.value) and "eval_include_path" not in str(err.value)
+
+
+def test_a_hub_id_with_dots_reaches_no_config_outside_the_shipped_ones(tmp_path):
+    """An audit (2026-12-05): a recipe's ``"model": "google/../../<anywhere>"`` looked like a hub id, so it was not held
+    to the recipe's folder, and joined to the shipped configs' folder it read any config.json on the disk (a JSON error
+    there was a traceback). Such a name is a path now (refused outside the folder), and a shipped config is looked up
+    only for an ``owner/name``."""
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.models import SHIPPED_CONFIGS, same_architecture, shipped_config
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "config.json").write_text("{not json")
+    up = "/".join([".."] * len(SHIPPED_CONFIGS.parts))
+    sneaky = f"google/{up}{tmp_path}/elsewhere"
+    assert (SHIPPED_CONFIGS / sneaky / "config.json").is_file()  # what the old join reached
+    with pytest.raises(ElsaError, match=r"model '.*' is outside the recipe's folder"):
+        load_recipe(str(_recipe(tmp_path / "recipes", {"model": sneaky})))
+    for name in (sneaky, "google/..", "../google/gemma-2-27b", "google//gemma-2-27b", "google/gemma-2-27b/", "gemma-2-27b",
+                 "google/gemma-2-27b/../gemma-2-9b"):
+        assert shipped_config(name) is None, name
+    assert shipped_config("google/gemma-2-27b") == SHIPPED_CONFIGS / "google" / "gemma-2-27b" / "config.json"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text((SHIPPED_CONFIGS / "google" / "gemma-2-27b" / "config.json").read_text())
+    assert same_architecture(str(mine), "google/gemma-2-27b") and not same_architecture(str(mine), sneaky)

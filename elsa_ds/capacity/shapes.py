@@ -10,7 +10,7 @@ import torch
 
 from elsa_ds.data.hub_texts import hub_unreachable
 from elsa_ds.errors import ElsaError
-from elsa_ds.models import SHIPPED_CONFIGS, embedding_weights, meta_model
+from elsa_ds.models import SHIPPED_CONFIGS, embedding_weights, meta_model, shipped_config
 from elsa_ds.targets import decoder_layer_list, select_targets
 from elsa_ds.zero.ds_config import param_buffer_size
 
@@ -53,9 +53,8 @@ def resolve_model_config(model: str):
         if not (path / "config.json").exists():
             raise ElsaError(f"{model}: directory has no config.json")
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    shipped = SHIPPED_CONFIGS / model
-    if (shipped / "config.json").exists():
-        return AutoConfig.from_pretrained(shipped, trust_remote_code=False)
+    if (shipped := shipped_config(model)) is not None:
+        return AutoConfig.from_pretrained(shipped.parent, trust_remote_code=False)
     try:
         return AutoConfig.from_pretrained(model, trust_remote_code=False, local_files_only=True)  # the hub's cache
     except OSError:

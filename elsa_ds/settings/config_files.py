@@ -169,9 +169,9 @@ def recipe_paths(settings: dict[str, Any], recipe: Path) -> dict[str, Any]:
 
     def a_path(key: str, value: str) -> bool:
         """A name that is there in the recipe's folder is a path, as on the command line (``models/x`` beside the recipe:
-        not a hub id); else as it looks."""
-        return key not in NAME_OR_PATH or looks_local(value) or (folder / value).exists() or (
-            "/" in value and (folder / value.split("/")[0]).is_dir())
+        not a hub id), and so is one with a ``..`` in it; else as it looks."""
+        return key not in NAME_OR_PATH or looks_local(value) or ".." in value.split("/") or (folder / value).exists() or (
+            "/" in value and (folder / value.split("/")[0]).is_dir())  # "..": no hub id or dataset name holds one (an audit)
 
     def inside(key: str, value: Any) -> Any:
         if isinstance(value, str) and (problem := name_problem(value)):
