@@ -112,6 +112,27 @@ def test_a_file_whose_name_holds_a_comma_is_one_entry_of_a_path_list(tmp_path, m
     assert list(json.loads(out.read_text())["ppl"]) == ["notes,2026.txt"], out.read_text()[:400]
 
 
+def test_a_list_of_many_commas_is_read_in_bounded_time(tmp_path, monkeypatch):
+    """An audit (2026-12-05): every run of pieces was looked up as a file's name, so a recipe's ``eval_ppl`` of 30,000
+    commas kept elsa-prune in stat calls for ~an hour before its first line. Runs are tried only while shorter than a path
+    may be, and only in lists of at most MAX_JOINED_PIECES pieces (past them each piece is an entry)."""
+    from elsa_ds.settings import config_files
+
+    monkeypatch.chdir(tmp_path)
+    looked = []
+    real = config_files._exists
+    monkeypatch.setattr(config_files, "_exists", lambda text, base=None: looked.append(len(text)) or real(text, base))
+    assert comma_paths("," * 30_000) == [] and looked == []
+    assert comma_paths(",".join(["a"] * 3000)) == ["a"] * 3000 and looked == []
+    (tmp_path / ("a," * 20 + "b")).write_text("x")  # within the bound a file's name with commas is still found
+    within = ",".join(["x"] * 200 + ["a"] * 20 + ["b"] + ["y"] * 30)
+    assert comma_paths(within) == ["x"] * 200 + ["a," * 20 + "b"] + ["y"] * 30
+    assert max(looked) < config_files.PATH_MAX
+    looked.clear()
+    assert len(comma_paths(",".join(["z" * 100] * config_files.MAX_JOINED_PIECES))) == config_files.MAX_JOINED_PIECES
+    assert len(looked) <= config_files.MAX_JOINED_PIECES * (config_files.PATH_MAX // 101)  # not every run: 32,640
+
+
 def test_bad_settings_are_one_error_line(capsys, tiny_model_dir):
     assert main_evaluate(["--model", str(tiny_model_dir), "--seqlen", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -31,11 +31,26 @@ def comma_paths(value: Any, base: Path | None = None) -> Any:
         return value
     pieces, out, i = value.split(","), [], 0
     while i < len(pieces):
-        end = next((j for j in range(len(pieces), i + 1, -1) if _exists(",".join(pieces[i:j]).strip(), base)), i + 1)
+        end = next((j for j in _runs(pieces, i) if _exists(",".join(pieces[i:j]).strip(), base)), i + 1)
         if entry := ",".join(pieces[i:end]).strip():
             out.append(entry)
         i = end
     return out
+
+
+MAX_JOINED_PIECES = 256  # a list of more comma pieces than this is one entry a piece (no text, flag or recipe needs more)
+
+
+def _runs(pieces: list[str], i: int) -> range:
+    """The ends j > i + 1 of the runs ``pieces[i:j]`` that could name one path, the longest first: those shorter than a
+    path may be, none in a list of more than MAX_JOINED_PIECES pieces (an audit: every run was tried, so a recipe's 30,000
+    commas took ~an hour of stat calls before its first line)."""
+    if len(pieces) > MAX_JOINED_PIECES:
+        return range(0)
+    end, length = i + 1, len(pieces[i])
+    while end < len(pieces) and (length := length + 1 + len(pieces[end])) < PATH_MAX:
+        end += 1
+    return range(end, i + 1, -1)
 
 
 CommaList = Annotated[list[str], BeforeValidator(comma_list)]  # a list setting that a flag gives as "a,b,c"
