@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import tarfile
@@ -318,6 +319,33 @@ def test_a_cells_line_that_is_not_a_cell_is_named_by_the_runner_and_the_report(t
     results.write_text('{"key": "x", "status": "ok"}\n')  # a cell, but not one the report can read (a review)
     assert curve_report.main(["--results", str(results), "--out", str(tmp_path / "curve")]) == 2
     assert not (tmp_path / "curve.md").exists()
+
+
+@pytest.mark.parametrize("fields,named", [({"profile": [1]}, "its profile is list, not dict"),
+                                          ({"profile": {"torch": {"host_top": "ab"}}}, "its profile's host_top is not a list"),
+                                          ({"profile": {"torch": {"host_ops_s": "x"}}}, "its profile's torch figures are not"),
+                                          ({"step_s": "1"}, "its step_s is str, not int or float"),
+                                          ({"compiled": 1}, "its compiled is int, not bool"),
+                                          ({"steps": True}, "its steps is bool")])
+def test_a_cells_field_of_another_type_is_named_before_the_runner_reads_it(tmp_path, fields, named):
+    """The fourth audit (2026-12-05): the runner's estimator read a line's profile, step and flags as they came, so a line
+    of another shape was an AttributeError, ValueError or TypeError out of curve.py. Each field the kit reads is typed by
+    ``read_lines``; a line of a key and a status alone still reads, and prices nothing."""
+    line = {"key": "elsa|0.9|64x8x512|rule|plain", "status": "ok", "device": "NVIDIA H200", "kind": "train",
+            "method": "elsa", "steps": 64, "step_s": 1.0, "wall_s": 100.0,
+            "profile": {"torch": {"host_ops_s": 0.5, "host_top": [["Command Buffer Full", 0.1]]}}}
+    results = tmp_path / "cells.jsonl"
+    results.write_text(json.dumps(line) + "\n" + json.dumps({"key": "x", "status": "ok"}) + "\n")
+    assert len(ship.read_lines(results)) == 2
+    simulate = [sys.executable, str(ROOT / "bench" / "device" / "curve.py"), "--simulate", "NVIDIA H200", "--results",
+                str(results), "--out", str(tmp_path / "out")]
+    proc = subprocess.run(simulate, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results.write_text(json.dumps({**line, **fields}) + "\n")
+    with pytest.raises(ship.CellsError, match=f"cells.jsonl line 1: {re.escape(named)}"):
+        ship.read_lines(results)
+    proc = subprocess.run(simulate, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_pack_refuses_a_gguf_that_is_not_the_packages(stand_in, tmp_path):

@@ -163,8 +163,8 @@ class Estimator:
                                                   host / n)))
         if line.get("peak_gpu_bytes") and line.get("est_gpu_bytes"):
             self.ratios.append((line.get("method", ""), line["peak_gpu_bytes"] / line["est_gpu_bytes"]))
-        if line.get("wall_s") is not None:
-            seconds = max(0.0, line["wall_s"] - line["steps"] * (line.get("step_s") or 0.0))
+        if line.get("wall_s") is not None and line.get("kind") in self.overhead:  # a key and a status alone: no figure
+            seconds = max(0.0, line["wall_s"] - (line.get("steps") or 0) * (line.get("step_s") or 0.0))
             self.overhead[line["kind"]].append(seconds)
             self.overhead_of.setdefault(_overhead_key(line), []).append(seconds)
 

@@ -113,9 +113,42 @@ def read_lines(path: Path) -> list[dict]:
         if line is not None and not (isinstance(line, dict) and isinstance(line.get("key"), str)
                                      and isinstance(line.get("status"), str)):
             raise CellsError(f"{path} line {number}: not a cell (a JSON object with a key and a status); remove that line")
+        if line is not None and (problem := field_problem(line)):
+            raise CellsError(f"{path} line {number}: {problem}; mend or remove that line")
         if line is not None:
             lines.append(line)
     return lines
+
+
+# the fields of a cell that the runner, its estimator and the report read, by type (None: not recorded); an audit
+# (2026-12-05): a "profile" of another shape was an AttributeError, ValueError or TypeError in curve.py
+CELL_FIELDS = {
+    **dict.fromkeys(("step_s", "wall_s", "forwards", "batch", "seqlen", "steps", "tokens", "sharing", "peak_gpu_bytes",
+                     "est_gpu_bytes", "sparsity", "test_ppl", "linuxdoc_ppl", "start_s"), (int, float)),
+    **dict.fromkeys(("method", "settings", "device", "engine", "loss", "kind", "phase", "commit"), (str,)),
+    **dict.fromkeys(("gradient_checkpointing", "leaf_layers", "memory_efficient_linear", "compiled"), (bool,)),
+    **dict.fromkeys(("profile", "settings_used", "texts", "text_packages", "compile", "eval"), (dict,)),
+}
+
+
+def field_problem(line: dict) -> str | None:
+    """Why a cell's fields cannot be read as the kit reads them (:data:`CELL_FIELDS`, the torch profile's host figures),
+    or None."""
+    for name, kinds in CELL_FIELDS.items():
+        value = line.get(name)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds):
+            return f"its {name} is {type(value).__name__}, not {' or '.join(k.__name__ for k in kinds)}"
+    torch_profile = (line.get("profile") or {}).get("torch")
+    if torch_profile is None:
+        return None
+    host, top = (torch_profile.get("host_ops_s"), torch_profile.get("host_top")) if isinstance(torch_profile, dict) else (0, 0)
+    if not isinstance(torch_profile, dict) or host is not None and (isinstance(host, bool) or not isinstance(host, (int, float))):
+        return "its profile's torch figures are not a table of seconds"
+    if top is not None and not (isinstance(top, list) and all(
+            isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], (int, float))
+            and not isinstance(pair[1], bool) for pair in top)):
+        return "its profile's host_top is not a list of [operator, seconds]"
+    return None
 
 
 def texts_packages(corpora: Path) -> dict[str, dict[str, str]]:
