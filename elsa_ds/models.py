@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from elsa_ds import json_data
 from elsa_ds.data import load_tokenizer
 from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.data.sources import FILE_NOT_MODEL
@@ -66,18 +65,17 @@ def config_json(model_id: str) -> dict | None:
 
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"  # hub models' configs the estimate reads offline
+SPARSE_CONFIG_KEY = "elsa_sparse"  # the block elsa-compress adds to a sparse checkpoint's config.json (sparse/meta.py)
 
 
 def shipped_config(model_id: str) -> Path | None:
-    """The config.json elsa_ds ships for the hub id ``model_id`` (``owner/name``), or None. Only a name of that shape is
-    looked up, so no text reads a file outside ``SHIPPED_CONFIGS`` (an audit: a recipe's ``google/../../x`` read a
-    config.json beside the recipe, and a JSON error there was a traceback)."""
-    parts = model_id.split("/") if isinstance(model_id, str) else []
-    if len(parts) != 2 or any(part in ("", ".", "..") or "\\" in part for part in parts) or name_problem(model_id):
+    """The config.json elsa_ds ships for the hub id ``model_id``, or None; only an ``owner/name`` is looked up (an audit:
+    a recipe's ``google/../../x`` read any config.json on the disk)."""
+    parts = model_id.split("/")
+    if len(parts) != 2 or any(part in ("", ".", "..") for part in parts) or name_problem(model_id):
         return None
     file = SHIPPED_CONFIGS / model_id / "config.json"
     return file if file.is_file() and file.resolve().is_relative_to(SHIPPED_CONFIGS) else None
-SPARSE_CONFIG_KEY = "elsa_sparse"  # the block elsa-compress adds to a sparse checkpoint's config.json (sparse/meta.py)
 
 
 def is_sparse_checkpoint(model_id: str) -> bool:
@@ -96,27 +94,6 @@ def is_sparse_checkpoint(model_id: str) -> bool:
         if isinstance(header, dict) and SPARSE_CONFIG_KEY in (header.get("__metadata__") or {}):
             return True
     return False
-
-
-ARCHITECTURE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "vocab_size")
-
-
-def same_architecture(model_id: str, hub_id: str) -> bool:
-    """Whether a local folder holds the model of ``hub_id``'s shipped config (its download on a cluster's disk, where a
-    recipe written for the hub id applies as it is): the same architecture and sizes."""
-    shipped = shipped_config(hub_id)
-    try:
-        mine = config_json(model_id)
-    except ElsaError:
-        return False
-    if mine is None or shipped is None:
-        return False
-
-    def sizes(config: dict) -> dict:
-        text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-        return {k: text.get(k) for k in ARCHITECTURE_KEYS}
-    return sizes(mine) == sizes(json_data.read(shipped))
 
 
 def refuse_sparse_checkpoint(model_id: str, flag: str) -> None:

@@ -223,6 +223,79 @@ def test_a_legacy_torch_file_is_held_to_the_pickle_cap_and_read_whole_where_it_f
     check_weight_files(plain, "model x")
 
 
+def _legacy_parts(state: dict) -> tuple[bytes, bytes, bytes]:
+    """A legacy save of ``state`` as (its first four pickles, its list of storage keys, the storages' bytes)."""
+    import pickletools
+
+    whole = _legacy_bytes(state)
+    stream = io.BytesIO(whole)
+    for _ in range(4):
+        list(pickletools.genops(stream))
+    four = stream.tell()
+    list(pickletools.genops(stream))
+    return whole[:four], whole[four:stream.tell()], whole[stream.tell():]
+
+
+def test_a_legacy_torch_file_must_hold_every_storage_it_declares(tmp_path):
+    """The fourth audit (2026-12-05): torch's legacy loader allocates each storage the object's pickle declares and fills
+    only those the last pickle lists, so a .bin listing none loaded as tensors of uninitialised memory (an 883-byte file
+    became a 268.6 MB sparse checkpoint holding the process's heap; a model evaluated as NaN). Every declared storage
+    must be listed once and stored whole where torch reads it; whole legacy files of every dtype still read, and a pickle
+    that would run code runs none while its storages are counted."""
+    import pickle
+
+    import elsa_ds.sparse.folder as folder_module
+
+    state = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16), "i": torch.arange(4),
+             "m": torch.tensor([True, False]), "h": torch.zeros(2, dtype=torch.float16), "e": torch.empty(0)}
+    state["view"] = state["w"][1]  # a second tensor on the first one's storage
+    head, keys, data = _legacy_parts(state)
+    listed, (first,) = pickle.loads(keys), struct.unpack("<q", data[:8])  # the first listed storage's count of entries
+    cases = {"whole": (head + keys + data, None),
+             "none listed": (head + pickle.dumps([], protocol=2), "declare 6 storages but list 0 keys"),
+             "one missing": (head + pickle.dumps(listed[1:], protocol=2) + data, "declare 6 storages but list 5"),
+             "listed twice": (head + pickle.dumps(listed + listed[:1], protocol=2) + data, "list 7 keys"),
+             "cut short": (head + keys + data[:-1], "is not where torch reads it"),
+             "bytes after": (head + keys + data + b"\0" * 8, "8 bytes after its last storage"),
+             "count altered": (head + keys + struct.pack("<q", first + 1) + data[8:], f"of {first} entries is not where")}
+    for name, (content, problem) in cases.items():
+        folder = tmp_path / name.replace(" ", "_")
+        folder.mkdir()
+        (folder / "pytorch_model.bin").write_bytes(content)
+        found = torch_files.zip_problem(folder / "pytorch_model.bin")
+        if problem is None:
+            assert found is None
+            check_weight_files(folder, "model x")
+            loaded = torch.load(folder / "pytorch_model.bin", weights_only=True)
+            assert all(torch.equal(loaded[k], v) for k, v in state.items())
+            assert torch.equal(folder_module.TensorReader(folder).get("b"), state["b"])
+            continue
+        assert found is not None and problem in found.text, (name, found)
+        with pytest.raises(ElsaError, match="pytorch_model.bin is no file torch.save wrote"):
+            check_weight_files(folder, "model x")
+        with pytest.raises(SparseCheckpointError, match="pytorch_model.bin: it"):
+            folder_module.TensorReader(folder).get("w")
+
+    marker = tmp_path / "ran"
+
+    class Runs:  # a pickle that would run a command when unpickled by an unpickler that imports what it names
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    runs = tmp_path / "runs.bin"
+    stream = io.BytesIO()
+    for part in (torch.serialization.MAGIC_NUMBER, torch.serialization.PROTOCOL_VERSION, {"protocol_version": 1001},
+                 {"w": Runs()}, []):
+        pickle.dump(part, stream, protocol=2)
+    runs.write_bytes(stream.getvalue())
+    assert torch_files.zip_problem(runs) is None and not marker.exists()  # counted: no storage, nothing run
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(runs, weights_only=True)  # the loader that reads it next refuses what it names
+    alien = head.replace(b"FloatStorage", b"FloatStorageX")
+    (tmp_path / "alien.bin").write_bytes(alien + keys + data)
+    assert "FloatStorageX, not a storage torch.save writes" in torch_files.zip_problem(tmp_path / "alien.bin").text
+
+
 def test_a_tar_in_torch_0_3s_format_is_refused_before_torch_unpickles_its_members(tmp_path):
     import tarfile
 

@@ -210,7 +210,8 @@ def test_a_hub_id_with_dots_reaches_no_config_outside_the_shipped_ones(tmp_path)
     there was a traceback). Such a name is a path now (refused outside the folder), and a shipped config is looked up
     only for an ``owner/name``."""
     from elsa_ds.errors import ElsaError
-    from elsa_ds.models import SHIPPED_CONFIGS, same_architecture, shipped_config
+    from elsa_ds.models import SHIPPED_CONFIGS, shipped_config
+    from elsa_ds.plan import same_architecture
 
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "config.json").write_text("{not json")

@@ -24,6 +24,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from elsa_ds.files.torch_legacy import storage_problem
+
 ZIP_MAGIC = b"PK\x03\x04"  # how torch tells its zip format from the legacy one: the file's first bytes
 # torch.save writes an entry a storage and four more (a 27B model's state: a few thousand, ~70 bytes each in the
 # directory); Python's zipfile holds ~0.6 KiB for each entry it reads (300,000 empty entries: a 34 MB file, 171 MB and
@@ -173,8 +175,9 @@ def _legacy_problem(fh: BinaryIO, size: int) -> ZipProblem | None:
     """What torch.load would unpickle of a file that is no zip, held to the zip's pickle cap: a tar (torch 0.3's format,
     whose pickle members nothing could check) is refused; else the pickles torch reads from the file's start, walked
     opcode by opcode (pickletools builds nothing), must end within ``MAX_PICKLE_BYTES`` (a walk of 2026-12-04: a legacy
-    file's pickle of empty lists passed every check that a zip's would not). A stream that is no pickle, or ends early,
-    is left to torch, which refuses it having read no more than the file, under the cap."""
+    file's pickle of empty lists passed every check that a zip's would not), and the storages they declare must follow
+    them, each whole (:func:`~elsa_ds.files.torch_legacy.storage_problem`). A stream that is no pickle, or ends early, is
+    left to torch, which refuses it having read no more than the file, under the cap."""
     fh.seek(0)
     try:  # what torch.load tries first on such a file
         with tarfile.open(fileobj=fh, mode="r:", format=tarfile.PAX_FORMAT):
@@ -193,7 +196,9 @@ def _legacy_problem(fh: BinaryIO, size: int) -> ZipProblem | None:
             return ZipProblem(f"its pickles (torch's legacy format) run past {MAX_PICKLE_BYTES:,} bytes, more than torch.save "
                               "writes for a model's or an optimizer's state: unpickled they could take ~170x that",
                               altered=True)
-    return None
+        return None
+    problem = storage_problem(head, fh, size)
+    return None if problem is None else ZipProblem(problem, altered=True)
 
 
 def _directory_problem(fh: Any, size: int) -> ZipProblem | None:

@@ -15,9 +15,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
-from elsa_ds.models import ModelSource, same_architecture
+from elsa_ds.models import ModelSource, config_json, shipped_config
 from elsa_ds.plan.checks import before_work, model_source
 from elsa_ds.plan.defaults_applied import apply_defaults
 from elsa_ds.settings.config import ElsaConfig, load_recipe, resolve_config
@@ -44,6 +45,26 @@ class Plan:
     def trains(self) -> bool:
         """A ZeRO-3 engine trains (ELSA, --finetune); a one-shot job alone runs none."""
         return self.cfg.oneshot is None or self.cfg.finetune is not None
+
+
+ARCHITECTURE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "vocab_size")
+
+
+def same_architecture(model_id: str, hub_id: str) -> bool:
+    """Whether a local folder holds the model of ``hub_id``'s shipped config (its download on a cluster's disk, where a
+    recipe written for the hub id applies as it is): the same architecture and sizes."""
+    try:
+        mine, shipped = config_json(model_id), shipped_config(hub_id)
+    except ElsaError:
+        return False
+    if mine is None or shipped is None:
+        return False
+
+    def sizes(config: dict) -> dict:
+        text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+        return {k: text.get(k) for k in ARCHITECTURE_KEYS}
+    return sizes(mine) == sizes(json_data.read(shipped))
 
 
 def launched_world_size() -> int:
