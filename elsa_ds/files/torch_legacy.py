@@ -54,7 +54,7 @@ class _Counter(pickle.Unpickler):
     is a placeholder class named after it (nothing imported), every persistent id a placeholder."""
 
     def __init__(self, file: BinaryIO, declared: dict[Any, tuple[str, Any]]):
-        super().__init__(file)
+        super().__init__(file, encoding="latin1")  # a Python 2 pickle's str of any bytes reads (torch's utf-8 may refuse it)
         self.declared = declared
         self.named: dict[str, type] = {}
 
