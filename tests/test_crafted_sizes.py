@@ -252,9 +252,9 @@ def test_a_legacy_torch_file_must_hold_every_storage_it_declares(tmp_path):
     head, keys, data = _legacy_parts(state)
     listed, (first,) = pickle.loads(keys), struct.unpack("<q", data[:8])  # the first listed storage's count of entries
     cases = {"whole": (head + keys + data, None),
-             "none listed": (head + pickle.dumps([], protocol=2), "declare 6 storages but list 0 keys"),
-             "one missing": (head + pickle.dumps(listed[1:], protocol=2) + data, "declare 6 storages but list 5"),
-             "listed twice": (head + pickle.dumps(listed + listed[:1], protocol=2) + data, "list 7 keys"),
+             "none listed": (head + pickle.dumps([], protocol=2), "declare 6 storages and list 0 storages to read, 6 of"),
+             "one missing": (head + pickle.dumps(listed[1:], protocol=2) + data, "declare 6 storages and list 5 storages to read, 1 of"),
+             "listed twice": (head + pickle.dumps(listed + listed[:1], protocol=2) + data, "list a storage to read twice"),
              "cut short": (head + keys + data[:-1], "is not where torch reads it"),
              "bytes after": (head + keys + data + b"\0" * 8, "8 bytes after its last storage"),
              "count altered": (head + keys + struct.pack("<q", first + 1) + data[8:], f"of {first} entries is not where")}
@@ -293,7 +293,77 @@ def test_a_legacy_torch_file_must_hold_every_storage_it_declares(tmp_path):
         torch.load(runs, weights_only=True)  # the loader that reads it next refuses what it names
     alien = head.replace(b"FloatStorage", b"FloatStorageX")
     (tmp_path / "alien.bin").write_bytes(alien + keys + data)
-    assert "FloatStorageX, not a storage torch.save writes" in torch_files.zip_problem(tmp_path / "alien.bin").text
+    assert "FloatStorageX, not a storage class torch.save writes" in torch_files.zip_problem(tmp_path / "alien.bin").text
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # torch deprecates them; old files still hold them
+def test_the_legacy_storage_count_reads_keys_as_torch_does_and_stays_small(tmp_path):
+    """The review of the fourth audit's fix: the counter must tell apart what torch tells apart (a Python 2 str read as
+    UTF-8, as torch.load does: read as latin-1, ``b"\\xc3\\xa9"`` and the text ``"Ã©"`` were one key to it and two to torch,
+    and an unlisted storage passed), never repr the pickle's data (a shared list 40 deep), never size its memo by a
+    number the pickle gives (5 bytes: 2^26 slots), never format an unbounded count; quantized storages are storages."""
+    import collections
+    import pickle
+    import time
+
+    head, keys, data = _legacy_parts({"w": torch.ones(2)})
+
+    def legacy(object_pickle: bytes, listed: bytes) -> Path:
+        import pickletools
+
+        stream = io.BytesIO(head)
+        for _ in range(3):
+            list(pickletools.genops(stream))
+        path = tmp_path / f"f{len(list(tmp_path.iterdir()))}.bin"
+        path.write_bytes(head[:stream.tell()] + object_pickle + listed + data)
+        return path
+
+    class Raw(bytes):  # pickled as a Python 2 str (SHORT_BINSTRING)
+        pass
+
+    class Storage:
+        def __init__(self, key, n):
+            self.pid = ("storage", torch.FloatStorage, key, "cpu", n, None)
+
+    class Tensor:
+        def __init__(self, key, n):
+            self.storage, self.n = Storage(key, n), n
+
+        def __reduce__(self):
+            return (torch._utils._rebuild_tensor_v2, (self.storage, 0, (self.n,), (1,), False, collections.OrderedDict()))
+
+    class Pickler(pickle._Pickler):
+        dispatch = dict(pickle._Pickler.dispatch)
+        dispatch[Raw] = lambda self, obj: self.write(pickle.SHORT_BINSTRING + bytes([len(obj)]) + bytes(obj))
+
+        def persistent_id(self, obj):
+            return obj.pid if isinstance(obj, Storage) else None
+
+    def dumped(obj) -> bytes:
+        out = io.BytesIO()
+        Pickler(out, 2).dump(obj)
+        return out.getvalue()
+
+    mojibake = b"\xc3\xa9".decode("latin1")
+    two_keys = legacy(dumped({"w": Tensor(mojibake, 2), "hidden": Tensor(Raw(b"\xc3\xa9"), 4096)}), dumped([mojibake]))
+    assert "declare 2 storages and list 1 storage to read, 1 of the declared" in torch_files.zip_problem(two_keys).text
+    shared = b"\x80\x02(X\x07\x00\x00\x00storage]q\x000" + b"".join(
+        b"(h" + bytes([i]) + b"h" + bytes([i]) + b"lq" + bytes([i + 1]) + b"0" for i in range(40))
+    shared += b"h\x28X\x01\x00\x00\x00kX\x03\x00\x00\x00cpuK\x00NtQ."  # the 2^40-long repr as the storage's class
+    started = time.time()
+    assert "is of a list, not a storage class" in torch_files.zip_problem(legacy(shared, dumped(["k"]))).text
+    assert time.time() - started < 5
+    memo = legacy(b"\x80\x02]r\x00\x00\x00\x04.", keys)  # an empty list put at memo slot 2^26
+    assert "number a memo entry ahead" in torch_files.zip_problem(memo).text
+    huge = b"\x80\x02(X\x07\x00\x00\x00storagecmodule\nFloatStorage\nX\x01\x00\x00\x00kX\x03\x00\x00\x00cpu"
+    huge = huge.replace(b"cmodule\n", b"ctorch\n") + b"\x8b" + struct.pack("<i", 2000) + b"\x01" * 2000 + b"NtQ."
+    assert "more entries than the file holds" in torch_files.zip_problem(legacy(huge, dumped(["k"]))).text
+    quantized = tmp_path / "quantized.bin"
+    state = {"q": torch.quantize_per_tensor(torch.randn(6), 0.1, 3, torch.quint8),
+             "c": torch.quantize_per_channel(torch.randn(2, 3), torch.tensor([0.1, 0.2]), torch.tensor([0, 1]), 0, torch.qint8)}
+    torch.save(state, quantized, _use_new_zipfile_serialization=False)
+    assert torch_files.zip_problem(quantized) is None
+    assert torch.equal(torch.load(quantized, weights_only=True)["q"].int_repr(), state["q"].int_repr())
 
 
 def test_a_tar_in_torch_0_3s_format_is_refused_before_torch_unpickles_its_members(tmp_path):

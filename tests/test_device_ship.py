@@ -326,7 +326,10 @@ def test_a_cells_line_that_is_not_a_cell_is_named_by_the_runner_and_the_report(t
                                           ({"profile": {"torch": {"host_ops_s": "x"}}}, "its profile's torch figures are not"),
                                           ({"step_s": "1"}, "its step_s is str, not int or float"),
                                           ({"compiled": 1}, "its compiled is int, not bool"),
-                                          ({"steps": True}, "its steps is bool")])
+                                          ({"steps": True}, "its steps is bool"), ({"batch": None}, "its batch is null"),
+                                          ({"step_s": float("nan")}, "its step_s is nan"),
+                                          ({"texts": {"techdocs_test": 5}}, "its texts are not names and sha256s"),
+                                          ({"text_packages": {"techdocs": [1]}}, "its text_packages are not packages")])
 def test_a_cells_field_of_another_type_is_named_before_the_runner_reads_it(tmp_path, fields, named):
     """The fourth audit (2026-12-05): the runner's estimator read a line's profile, step and flags as they came, so a line
     of another shape was an AttributeError, ValueError or TypeError out of curve.py. Each field the kit reads is typed by

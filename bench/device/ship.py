@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -131,13 +132,32 @@ CELL_FIELDS = {
 }
 
 
+NEVER_NULL = ("batch", "seqlen", "steps", "method", "settings")  # read with a default where absent, never where null
+
+
+def _texts_problem(line: dict) -> str | None:
+    texts, packages = line.get("texts") or {}, line.get("text_packages") or {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in texts.items()):
+        return "its texts are not names and sha256s"
+    if not all(isinstance(v, dict) and all(isinstance(p, str) and isinstance(x, str) for p, x in v.items())
+               for v in packages.values()):
+        return "its text_packages are not packages and versions by corpus"
+    return None
+
+
 def field_problem(line: dict) -> str | None:
-    """Why a cell's fields cannot be read as the kit reads them (:data:`CELL_FIELDS`, the torch profile's host figures),
-    or None."""
+    """Why a cell's fields cannot be read as the kit reads them (:data:`CELL_FIELDS`, the texts it ran on, the torch
+    profile's host figures), or None."""
     for name, kinds in CELL_FIELDS.items():
         value = line.get(name)
+        if value is None and name in NEVER_NULL and name in line:
+            return f"its {name} is null"
         if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds):
             return f"its {name} is {type(value).__name__}, not {' or '.join(k.__name__ for k in kinds)}"
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"its {name} is {value}"
+    if problem := _texts_problem(line):
+        return problem
     torch_profile = (line.get("profile") or {}).get("torch")
     if torch_profile is None:
         return None

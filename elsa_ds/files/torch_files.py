@@ -43,6 +43,7 @@ END_RECORD, ZIP64_LOCATOR, ZIP64_END_RECORD = b"PK\x05\x06", b"PK\x06\x07", b"PK
 # (magic number, protocol, system info, the object, its storages' keys), then the storages' bytes: torch.load unpickles
 # them from the file's start, whatever they hold, so they get the zip's pickle cap (together: a whole file's are KBs)
 LEGACY_PICKLES = 5
+MEMO_OPCODES = ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE")  # the opcodes that store into a pickle's memo
 
 
 @dataclass(frozen=True)
@@ -187,16 +188,23 @@ def _legacy_problem(fh: BinaryIO, size: int) -> ZipProblem | None:
         pass
     fh.seek(0)
     head = io.BytesIO(fh.read(MAX_PICKLE_BYTES + 1))
-    try:
+    ahead = False  # a memo entry numbered past those made before it: a pickler numbers them 0, 1, 2, ...; Python's C
+    try:           # unpickler (the storages' count) sizes its memo by the number (5 bytes: 2^26 of them, ~1 GB)
         for _ in range(LEGACY_PICKLES):
-            for _ in pickletools.genops(head):
-                pass
+            made = 0
+            for opcode, arg, _ in pickletools.genops(head):
+                if opcode.name in MEMO_OPCODES:
+                    ahead |= opcode.name != "MEMOIZE" and arg > made
+                    made += 1
     except ValueError:  # the bytes ran out before a STOP, or are no pickle
         if size > MAX_PICKLE_BYTES and head.tell() >= MAX_PICKLE_BYTES:
             return ZipProblem(f"its pickles (torch's legacy format) run past {MAX_PICKLE_BYTES:,} bytes, more than torch.save "
                               "writes for a model's or an optimizer's state: unpickled they could take ~170x that",
                               altered=True)
         return None
+    if ahead:
+        return ZipProblem("its pickles (torch's legacy format) number a memo entry ahead of those made before it, as no "
+                          "pickler writes", altered=True)
     problem = storage_problem(head, fh, size)
     return None if problem is None else ZipProblem(problem, altered=True)
 

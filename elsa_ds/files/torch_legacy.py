@@ -21,7 +21,9 @@ import torch
 ELEMENT_SIZE = {f"{name}Storage": dtype.itemsize for name, dtype in (
     ("Double", torch.float64), ("Float", torch.float32), ("Half", torch.float16), ("BFloat16", torch.bfloat16),
     ("Long", torch.int64), ("Int", torch.int32), ("Short", torch.int16), ("Char", torch.int8), ("Byte", torch.uint8),
-    ("Bool", torch.bool), ("ComplexFloat", torch.complex64), ("ComplexDouble", torch.complex128))}
+    ("Bool", torch.bool), ("ComplexFloat", torch.complex64), ("ComplexDouble", torch.complex128),
+    ("QUInt8", torch.quint8), ("QInt8", torch.qint8), ("QInt32", torch.qint32), ("QUInt4x2", torch.quint4x2),
+    ("QUInt2x4", torch.quint2x4))}
 MAX_GLOBALS = 256  # distinct classes and functions a legacy pickle may name (a model's state names a handful)
 
 
@@ -54,7 +56,7 @@ class _Counter(pickle.Unpickler):
     is a placeholder class named after it (nothing imported), every persistent id a placeholder."""
 
     def __init__(self, file: BinaryIO, declared: dict[Any, tuple[str, Any]]):
-        super().__init__(file, encoding="latin1")  # a Python 2 pickle's str of any bytes reads (torch's utf-8 may refuse it)
+        super().__init__(file, encoding="utf-8")  # as torch.load reads a Python 2 str: two keys torch tells apart stay two
         self.declared = declared
         self.named: dict[str, type] = {}
 
@@ -67,8 +69,9 @@ class _Counter(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         kind = pid[0] if isinstance(pid, tuple) and pid else None
         if kind in ("storage", b"storage") and len(pid) == 6:  # (kind, class, root key, location, count, view)
-            storage_type, key = pid[1], pid[2]
-            self.declared.setdefault(key, (getattr(storage_type, "origin", repr(storage_type)), pid[4]))
+            storage_type, key = pid[1], pid[2]  # nothing of the pickle's is ever repr'd: a shared list's repr is 2^depth
+            named = isinstance(storage_type, type) and issubclass(storage_type, _Placeholder)
+            self.declared.setdefault(key, (storage_type.origin if named else f"a {type(storage_type).__name__}", pid[4]))
         return _Placeholder()
 
 
@@ -86,23 +89,34 @@ def storage_problem(head: BinaryIO, fh: BinaryIO, size: int) -> str | None:
         keys = _Counter(head, {}).load()
     except Exception as err:  # noqa: BLE001 - whatever the bytes make the unpickler raise: the file cannot be accounted for
         return f"its pickles (torch's legacy format) cannot be read to count their storages ({type(err).__name__})"
-    if not (isinstance(keys, list) and all(isinstance(k, str) for k in (*keys, *declared))
-            and len(keys) == len(set(keys)) == len(declared) and set(keys) == set(declared)):
-        return (f"its pickles (torch's legacy format) declare {len(declared):,} storages but list "
-                f"{len(keys) if isinstance(keys, list) else 'no list of'} keys to read: torch would hand out the missing "
-                "ones uninitialised (whatever memory held)")
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in (*keys, *declared))):
+        return "its pickles (torch's legacy format) name their storages by other things than strings, as torch.save never does"
+    if missing := set(declared) - set(keys):
+        return (f"its pickles (torch's legacy format) declare {_storages(len(declared))} and list {_storages(len(keys))} "
+                f"to read, {len(missing):,} of the declared not among them: torch would hand those out uninitialised "
+                "(whatever memory held)")
+    if len(keys) != len(set(keys)) or len(keys) != len(declared):
+        return "its pickles (torch's legacy format) list a storage to read twice, or one they never declare"
     offset = head.tell()
     for key in keys:
         origin, count = declared[key]
         element = ELEMENT_SIZE.get(origin.removeprefix("torch.")) if origin.startswith("torch.") else None
-        if element is None or isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            return f"its storage {str(key)[:40]!r} is declared as {count!r} entries of {origin[:60]}, not a storage torch.save writes"
+        if element is None:
+            return f"its storage {key[:40]!r} is of {origin[:60]}, not a storage class torch.save writes"
+        if type(count) is not int:
+            return f"its storage {key[:40]!r} declares a count of entries that is a {type(count).__name__}"
+        if not 0 <= count <= size:  # never format an int of unbounded digits
+            return f"its storage {key[:40]!r} declares a negative count or more entries than the file holds bytes"
         fh.seek(offset)
         stored = fh.read(8)
         if len(stored) < 8 or struct.unpack("<q", stored)[0] != count or offset + 8 + count * element > size:
-            return (f"its storage {str(key)[:40]!r} of {count:,} entries is not where torch reads it (at byte {offset:,} of "
+            return (f"its storage {key[:40]!r} of {count:,} entries is not where torch reads it (at byte {offset:,} of "
                     f"{size:,}): the file is cut short or altered")
         offset += 8 + count * element
     if offset != size:
         return f"it holds {size - offset:,} bytes after its last storage, which no torch.save writes"
     return None
+
+
+def _storages(n: int) -> str:
+    return f"{n:,} storage{'' if n == 1 else 's'}"
