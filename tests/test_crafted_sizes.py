@@ -297,6 +297,7 @@ def test_a_legacy_torch_file_must_hold_every_storage_it_declares(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # torch deprecates them; old files still hold them
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")  # torch's own legacy loader of them
 def test_the_legacy_storage_count_reads_keys_as_torch_does_and_stays_small(tmp_path):
     """The review of the fourth audit's fix: the counter must tell apart what torch tells apart (a Python 2 str read as
     UTF-8, as torch.load does: read as latin-1, ``b"\\xc3\\xa9"`` and the text ``"Ã©"`` were one key to it and two to torch,

@@ -194,7 +194,7 @@ def _legacy_problem(fh: BinaryIO, size: int) -> ZipProblem | None:
             made = 0
             for opcode, arg, _ in pickletools.genops(head):
                 if opcode.name in MEMO_OPCODES:
-                    ahead |= opcode.name != "MEMOIZE" and arg > made
+                    ahead |= isinstance(arg, int) and arg > made  # MEMOIZE has none
                     made += 1
     except ValueError:  # the bytes ran out before a STOP, or are no pickle
         if size > MAX_PICKLE_BYTES and head.tell() >= MAX_PICKLE_BYTES:
