@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.device.curve import Cell, read_lines  # noqa: E402
-from bench.device.ship import CellsError  # noqa: E402
+from bench.device.ship import CellsError, is_number  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "gpu_quality_gemma3-270m.jsonl"
 TEXTS = (("test_ppl", "techdocs test"), ("linuxdoc_ppl", "linux-doc test"))
 RETRAINING = ("sparsegpt+ft", "wanda+ft")
@@ -60,17 +60,13 @@ def from_quality(paths: list[Path]) -> list[dict]:
     return list(cells.values())
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _reportable(cell: dict) -> bool:
     """Whether an ``ok`` cell has what the report reads, each of its kind (a third audit's review: a cell of only a key
     and a status was a KeyError)."""
     return (cell.get("kind") in ("train", "eval", "oneshot") and isinstance(cell.get("method"), str)
-            and (cell.get("sparsity") is None or _number(cell.get("sparsity"))) and isinstance(cell.get("device"), str)
-            and all(type(cell.get(k)) is int for k in ("tokens", "steps")) and _number(cell.get("test_ppl"))
-            and ("linuxdoc_ppl" not in cell or _number(cell["linuxdoc_ppl"])))
+            and (cell.get("sparsity") is None or is_number(cell.get("sparsity"))) and isinstance(cell.get("device"), str)
+            and all(type(cell.get(k)) is int for k in ("tokens", "steps")) and is_number(cell.get("test_ppl"))
+            and ("linuxdoc_ppl" not in cell or is_number(cell["linuxdoc_ppl"])))
 
 
 def load(path: Path) -> list[dict]:

@@ -39,6 +39,7 @@ import tempfile
 import time
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -145,6 +146,11 @@ def _texts_problem(line: dict) -> str | None:
     return None
 
 
+def is_number(value: Any) -> bool:
+    """An int or a float as JSON gives them (a bool is neither here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def field_problem(line: dict) -> str | None:
     """Why a cell's fields cannot be read as the kit reads them (:data:`CELL_FIELDS`, the texts it ran on, the torch
     profile's host figures), or None."""
@@ -161,12 +167,12 @@ def field_problem(line: dict) -> str | None:
     torch_profile = (line.get("profile") or {}).get("torch")
     if torch_profile is None:
         return None
-    host, top = (torch_profile.get("host_ops_s"), torch_profile.get("host_top")) if isinstance(torch_profile, dict) else (0, 0)
-    if not isinstance(torch_profile, dict) or host is not None and (isinstance(host, bool) or not isinstance(host, (int, float))):
+    if not isinstance(torch_profile, dict) or not (torch_profile.get("host_ops_s") is None
+                                                   or is_number(torch_profile["host_ops_s"])):
         return "its profile's torch figures are not a table of seconds"
+    top = torch_profile.get("host_top")
     if top is not None and not (isinstance(top, list) and all(
-            isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], (int, float))
-            and not isinstance(pair[1], bool) for pair in top)):
+            isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and is_number(pair[1]) for pair in top)):
         return "its profile's host_top is not a list of [operator, seconds]"
     return None
 
