@@ -191,15 +191,11 @@ def test_a_legacy_torch_file_is_held_to_the_pickle_cap_and_read_whole_where_it_f
     reader unpickled it. Its pickles are now walked opcode by opcode (nothing built) and held to the zip's cap, the
     object's pickle as much as the first; a whole legacy file is still read (the sparse reader mapped it by name and
     failed as "truncated or corrupt"), and a .bin that is no pickle (another tool's weights) is left to its reader."""
-    import pickletools
-
     import elsa_ds.sparse.folder as folder_module
 
     monkeypatch.setattr(torch_files, "MAX_PICKLE_BYTES", 2**20)
     whole = _legacy_bytes({"w": torch.arange(4.0)})
-    ends, stream = [], io.BytesIO(whole)
-    for _ in range(torch_files.LEGACY_PICKLES):
-        ends.append(list(pickletools.genops(stream))[-1][2] + 1)  # where each pickle's STOP ends
+    ends = _pickle_ends(whole)
     bomb = b"\x80\x02]" + b"]a" * 600_000 + b"."  # 1.2 MB of opcodes that build 600,000 lists
     for name, data in [("first", bomb + whole), ("object", whole[:ends[2]] + bomb + whole[ends[3]:])]:
         folder = tmp_path / name
@@ -223,17 +219,22 @@ def test_a_legacy_torch_file_is_held_to_the_pickle_cap_and_read_whole_where_it_f
     check_weight_files(plain, "model x")
 
 
-def _legacy_parts(state: dict) -> tuple[bytes, bytes, bytes]:
-    """A legacy save of ``state`` as (its first four pickles, its list of storage keys, the storages' bytes)."""
+def _pickle_ends(whole: bytes) -> list[int]:
+    """Where each of a legacy file's five pickles ends (the byte after its STOP), walked without building anything."""
     import pickletools
 
-    whole = _legacy_bytes(state)
-    stream = io.BytesIO(whole)
-    for _ in range(4):
+    stream, ends = io.BytesIO(whole), []
+    for _ in range(torch_files.LEGACY_PICKLES):
         list(pickletools.genops(stream))
-    four = stream.tell()
-    list(pickletools.genops(stream))
-    return whole[:four], whole[four:stream.tell()], whole[stream.tell():]
+        ends.append(stream.tell())
+    return ends
+
+
+def _legacy_parts(state: dict) -> tuple[bytes, bytes, bytes]:
+    """A legacy save of ``state`` as (its first four pickles, its list of storage keys, the storages' bytes)."""
+    whole = _legacy_bytes(state)
+    ends = _pickle_ends(whole)
+    return whole[:ends[3]], whole[ends[3]:ends[4]], whole[ends[4]:]
 
 
 def test_a_legacy_torch_file_must_hold_every_storage_it_declares(tmp_path):
@@ -308,15 +309,11 @@ def test_the_legacy_storage_count_reads_keys_as_torch_does_and_stays_small(tmp_p
     import time
 
     head, keys, data = _legacy_parts({"w": torch.ones(2)})
+    three = head[:_pickle_ends(head + keys + data)[2]]  # magic number, protocol, system info
 
     def legacy(object_pickle: bytes, listed: bytes) -> Path:
-        import pickletools
-
-        stream = io.BytesIO(head)
-        for _ in range(3):
-            list(pickletools.genops(stream))
         path = tmp_path / f"f{len(list(tmp_path.iterdir()))}.bin"
-        path.write_bytes(head[:stream.tell()] + object_pickle + listed + data)
+        path.write_bytes(three + object_pickle + listed + data)
         return path
 
     class Raw(bytes):  # pickled as a Python 2 str (SHORT_BINSTRING)
