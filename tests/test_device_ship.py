@@ -406,24 +406,24 @@ def test_the_plan_runs_the_smaller_budgets_first_and_skips_cells_done_before(tmp
     assert [c.steps * c.batch for c in smaller + largest] == [128 * 8] * 3 + [512 * 8] * 3 + [2048 * 8] * 3
     assert {c.sparsity for c in plan[:10]} == {0.9} and {c.method for c in largest} == {"elsa", "sparsegpt+ft", "wanda+ft"}
     # the rule's held end at the middle budget (the rule holds none from ~450 steps), then what the issue must show: the
-    # largest budget at 90 % and at 70 %; then the held end there, the middle budget's dense start and the authors'
-    # residual balancing from it, the largest's tokens in 2048 steps of 8 (where a loan has their time), the paper's
+    # largest budget at 90 % and at 70 %; then the held end there and the rule with half its λ, the middle budget's dense
+    # start and the authors' residual balancing from it, the largest's tokens in 2048 steps of 8 (where a loan has their time), the paper's
     # settings at the largest, then its dense start
     assert plan[6] == curve.Cell("elsa", 0.9, 512, "held")
     assert plan[10:13] == [replace(c, sparsity=0.7) for c in largest]
-    assert plan[13] == curve.Cell("elsa", 0.9, 512, "held", 32)
+    assert plan[13:15] == [curve.Cell("elsa", 0.9, 512, s, 32) for s in ("held", "half_lmda")]
     # the compiled loop beside the first budget's ELSA cell (the same quality? its pace and compile time, measured)
-    assert plan[14] == replace(plan[0], compiled=True) and plan[14].key(512) == plan[0].key(512) + "|compiled"
-    assert plan[15:17] == [curve.Cell("elsa", 0.9, 512, s) for s in ("dense", "adaptive")]
-    many = plan[17:20]  # compiled: 2048 steps of 8 x 512 are the host's time a step, which the fused graphs cut
+    assert plan[15] == replace(plan[0], compiled=True) and plan[15].key(512) == plan[0].key(512) + "|compiled"
+    assert plan[16:18] == [curve.Cell("elsa", 0.9, 512, s) for s in ("dense", "adaptive")]
+    many = plan[18:21]  # compiled: 2048 steps of 8 x 512 are the host's time a step, which the fused graphs cut
     assert [(c.steps, c.batch, c.settings) for c in many] == [(2048, 8, "rule")] * 3 and many == [
         curve.Cell(c.method, 0.9, 2048, compiled=True) for c in largest]
-    assert plan[20:22] == [curve.Cell("elsa", 0.9, 512, s, 32) for s in ("paper", "dense")]  # the issue's item 3 first
+    assert plan[21:23] == [curve.Cell("elsa", 0.9, 512, s, 32) for s in ("paper", "dense")]  # the issue's item 3 first
     assert curve.Cell("dense+ft", None, 512, batch=32) in plan
     assert len(set(plan)) == len(plan)
     beyond = plan[-3:]  # last: 4x the largest's tokens in 2048 steps of 32, ELSA's cell first (its retraining waits on it)
     assert beyond == [curve.Cell(c.method, 0.9, 2048, batch=32, compiled=True) for c in largest] and curve.BEYOND in curve.LONG
-    assert {c.compiled for c in plan if c.steps == 2048} == {True} and not any(c.compiled for c in plan[:14])
+    assert {c.compiled for c in plan if c.steps == 2048} == {True} and not any(c.compiled for c in plan[:15])
     done = tmp_path / "done.jsonl"
     done.write_text(json.dumps({"key": plan[0].key(512), "status": "ok"}) + "\n" + json.dumps({"key": plan[1].key(512), "status": "cut"}) + "\n")
     assert curve.done_keys(done) == {plan[0].key(512)}
@@ -473,6 +473,13 @@ def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_
     long_rule, held = plan(curve.Cell("elsa", 0.9, 512)), plan(curve.Cell("elsa", 0.9, 512, "held"))
     assert long_rule.cfg.hold_steps == 0 and held.cfg.hold_steps == 256  # from ~450 steps the rule holds no end: the cell does
     assert held.cfg.model_dump(exclude={"hold_steps"}) == long_rule.cfg.model_dump(exclude={"hold_steps"})
+    for steps in (512, 2048):  # half the rule's λ, every other setting the rule's (its start and warm-up kept as flags)
+        rule, half = plan(curve.Cell("elsa", 0.9, steps)), plan(curve.Cell("elsa", 0.9, steps, "half_lmda"))
+        assert half.cfg.lmda == pytest.approx(rule.cfg.lmda / 2) and "lmda" in rule.defaults["applied"]
+        assert half.cfg.model_dump(exclude={"lmda"}) == rule.cfg.model_dump(exclude={"lmda"})
+        assert not set(half.defaults["applied"]) & {"lr", "lmda", "init_mask", "warmup_steps"}
+    with pytest.raises(ValueError, match="for elsa only"):
+        curve.parse_cell("wanda+ft:0.9:512:half_lmda")
 
 
 def test_an_lr_control_takes_the_other_methods_rule_lr_and_every_other_setting_from_its_own_rule(cell_plan):
@@ -586,6 +593,7 @@ def test_a_cell_is_priced_with_the_start_it_will_have():
 
     rule, many = curve.Cell("elsa", 0.9, 512), curve.Cell("elsa", 0.9, 2048)
     assert estimate.starts_pruned("elsa", "rule", 0.9, 512) and not estimate.starts_pruned("elsa", "rule", 0.9, 2048)
+    assert estimate.starts_pruned("elsa", "half_lmda", 0.9, 512) and not estimate.starts_pruned("elsa", "half_lmda", 0.9, 2048)
     assert not estimate.starts_pruned("elsa", "rule", 0.95, 512) and not estimate.starts_pruned("elsa", "dense", 0.9, 512)
     assert estimate.starts_pruned("wanda+ft", "rule", 0.9, 2048) is None
     est = estimate.Estimator("H", [line("rule", 230.0, "sparsegpt")], model=None, seqlen=512)

@@ -32,14 +32,14 @@ TEXTS = (("test_ppl", "techdocs test"), ("linuxdoc_ppl", "linux-doc test"))
 RETRAINING = ("sparsegpt+ft", "wanda+ft")
 TARGET = 0.8
 LABELS = {"paper": " (paper's settings)", "dense": " (dense start)", "adaptive": " (residual balancing)",
-          "held": " (held end)", "elsa_lr": " (ELSA's lr)", "retrain_lr": " (retraining's lr)"}
+          "held": " (held end)", "half_lmda": " (half λ)", "elsa_lr": " (ELSA's lr)", "retrain_lr": " (retraining's lr)"}
 PLAIN = " (plain loop)"  # a label's end for the cells of bench/plain_cell.py (curve.py --engine plain)
 COMPILED = " (compiled)"  # and for its compiled cells (keys ending |compiled: the model through inductor)
 LOOPS = ("", PLAIN, COMPILED)
 LINESTYLES = {"": "-", PLAIN: "-.", COMPILED: ":"}
 COLORS = {"elsa": "C1", "elsa (paper's settings)": "C2", "elsa (dense start)": "C5", "elsa (residual balancing)": "C6",
           "elsa (held end)": "C7", "sparsegpt+ft": "C3", "wanda+ft": "C4", "dense+ft": "C0", "sparsegpt+ft (ELSA's lr)": "C8",
-          "wanda+ft (ELSA's lr)": "C9", "elsa (retraining's lr)": "olive"}
+          "wanda+ft (ELSA's lr)": "C9", "elsa (retraining's lr)": "olive", "elsa (half λ)": "teal"}
 
 
 def from_quality(paths: list[Path]) -> list[dict]:

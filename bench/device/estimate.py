@@ -94,13 +94,13 @@ def loop_of(engine: str, compiled: bool | None) -> str:
 
 def starts_pruned(method: str, settings: str, sparsity: float | None, steps: int) -> bool | None:
     """Whether an ELSA cell starts from SparseGPT's model (its overhead then holds the one-shot): the rule's choice for the
-    ``rule``, ``held`` and ``retrain_lr`` settings (a short budget up to 90 %), never for the others; None for other methods (a retraining
-    cell's one-shot is always in it)."""
+    ``rule``, ``held``, ``half_lmda`` and ``retrain_lr`` settings (a short budget up to 90 %), never for the others; None
+    for other methods (a retraining cell's one-shot is always in it)."""
     from elsa_ds.settings.defaults import rule_warm_start
 
     if method != "elsa":
         return None
-    return settings in ("rule", "held", "retrain_lr") and rule_warm_start(sparsity or 0.0, steps)
+    return settings in ("rule", "held", "half_lmda", "retrain_lr") and rule_warm_start(sparsity or 0.0, steps)
 
 
 def line_start(line: dict) -> bool | None:
