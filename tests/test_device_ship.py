@@ -419,6 +419,7 @@ def test_the_plan_runs_the_smaller_budgets_first_and_skips_cells_done_before(tmp
     assert [(c.steps, c.batch, c.settings) for c in many] == [(2048, 8, "rule")] * 3 and many == [
         curve.Cell(c.method, 0.9, 2048, compiled=True) for c in largest]
     assert plan[21:23] == [curve.Cell("elsa", 0.9, 512, s, 32) for s in ("paper", "dense")]  # the issue's item 3 first
+    assert plan[23:26] == [replace(c, settings="seed1") for c in largest]  # then the verdict's spread: another seed
     assert curve.Cell("dense+ft", None, 512, batch=32) in plan
     assert len(set(plan)) == len(plan)
     beyond = plan[-3:]  # last: 4x the largest's tokens in 2048 steps of 32, ELSA's cell first (its retraining waits on it)
@@ -480,6 +481,12 @@ def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_
         assert not set(half.defaults["applied"]) & {"lr", "lmda", "init_mask", "warmup_steps"}
     with pytest.raises(ValueError, match="for elsa only"):
         curve.parse_cell("wanda+ft:0.9:512:half_lmda")
+    for method in ("elsa", "wanda+ft"):  # another seed: the batches' order and the calibration samples, nothing else
+        rule, seed = plan(curve.Cell(method, 0.9, 512)), plan(curve.Cell(method, 0.9, 512, "seed1"))
+        assert (rule.cfg.seed, seed.cfg.seed) == (0, 1)
+        assert seed.cfg.model_dump(exclude={"seed"}) == rule.cfg.model_dump(exclude={"seed"})
+    with pytest.raises(ValueError, match="'seed1' for elsa or sparsegpt"):
+        curve.parse_cell("dense+ft:-:512:seed1")
 
 
 def test_an_lr_control_takes_the_other_methods_rule_lr_and_every_other_setting_from_its_own_rule(cell_plan):

@@ -32,7 +32,8 @@ TEXTS = (("test_ppl", "techdocs test"), ("linuxdoc_ppl", "linux-doc test"))
 RETRAINING = ("sparsegpt+ft", "wanda+ft")
 TARGET = 0.8
 LABELS = {"paper": " (paper's settings)", "dense": " (dense start)", "adaptive": " (residual balancing)",
-          "held": " (held end)", "half_lmda": " (half λ)", "elsa_lr": " (ELSA's lr)", "retrain_lr": " (retraining's lr)"}
+          "held": " (held end)", "half_lmda": " (half λ)", "seed1": " (seed 1)", "elsa_lr": " (ELSA's lr)",
+          "retrain_lr": " (retraining's lr)"}
 PLAIN = " (plain loop)"  # a label's end for the cells of bench/plain_cell.py (curve.py --engine plain)
 COMPILED = " (compiled)"  # and for its compiled cells (keys ending |compiled: the model through inductor)
 LOOPS = ("", PLAIN, COMPILED)

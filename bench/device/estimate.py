@@ -39,6 +39,8 @@ OTHER_METHOD = 1.1
 PRIOR_GPU_RATIO = 1.27
 OTHER_GPU_BYTES = 12.0 * 2**30  # an evaluation or one-shot: the fp32 model, an 8 x 512 batch's fp32 logits a few times
 GPU_SHARE = 0.9
+# the settings under which an ELSA cell starts where the rule starts it (curve.py's SETTINGS: the others set the start)
+RULE_START = ("rule", "held", "half_lmda", "retrain_lr", "seed1")
 
 
 def forwards(batch: int, micro_batch: int) -> int:
@@ -94,13 +96,13 @@ def loop_of(engine: str, compiled: bool | None) -> str:
 
 def starts_pruned(method: str, settings: str, sparsity: float | None, steps: int) -> bool | None:
     """Whether an ELSA cell starts from SparseGPT's model (its overhead then holds the one-shot): the rule's choice for the
-    ``rule``, ``held``, ``half_lmda`` and ``retrain_lr`` settings (a short budget up to 90 %), never for the others; None
-    for other methods (a retraining cell's one-shot is always in it)."""
+    settings that keep its start (:data:`RULE_START`: a short budget up to 90 %), never for the others; None for other
+    methods (a retraining cell's one-shot is always in it)."""
     from elsa_ds.settings.defaults import rule_warm_start
 
     if method != "elsa":
         return None
-    return settings in ("rule", "held", "half_lmda", "retrain_lr") and rule_warm_start(sparsity or 0.0, steps)
+    return settings in RULE_START and rule_warm_start(sparsity or 0.0, steps)
 
 
 def line_start(line: dict) -> bool | None:
