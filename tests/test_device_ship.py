@@ -656,7 +656,10 @@ def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp
              cell("elsa", 0.9, 2000, 18.0, engine="plain"), cell("sparsegpt+ft", 0.9, 2000, 24.0, engine="plain"),
              # and its compiled cells: their own again (the same budget as an eager cell never overwrites it)
              cell("elsa", 0.9, 2000, 19.0, engine="plain", compiled=True),
-             cell("wanda+ft", 0.9, 2000, 38.0, engine="plain", compiled=True)]
+             cell("wanda+ft", 0.9, 2000, 38.0, engine="plain", compiled=True),
+             # the same cells on another seed: the verdict's ratio again, beside the rule's, never in its place
+             cell("elsa", 0.9, 2000, 21.0, settings="seed1", engine="plain"),
+             cell("sparsegpt+ft", 0.9, 2000, 20.0, settings="seed1", engine="plain")]
     results = tmp_path / "cells.jsonl"
     results.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert curve_report.main(["--results", str(results), "--out", str(tmp_path / "curve")]) == 0
@@ -665,6 +668,8 @@ def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp
     assert "| method | 512,000 tokens (125 steps) | 8,192,000 tokens (500 steps) | 8,192,000 tokens (2000 steps) |" in md
     assert "| **ELSA / best retraining**, techdocs test | 1.25 | 0.96 | 0.80 |" in md
     assert "| **ELSA / best retraining (plain loop)**, techdocs test |  |  | 0.75 |" in md
+    assert "| **ELSA / best retraining (seed 1) (plain loop)**, techdocs test |  |  | 1.05 |" in md
+    assert "| elsa (seed 1) (plain loop), techdocs test |  |  | 21.00 |" in md
     assert "| elsa (plain loop), techdocs test |  |  | 18.00 |" in md
     assert "| elsa (compiled), techdocs test |  |  | 19.00 |" in md
     assert "| **ELSA / best retraining (compiled)**, techdocs test |  |  | 0.50 |" in md

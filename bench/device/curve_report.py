@@ -34,6 +34,7 @@ TARGET = 0.8
 LABELS = {"paper": " (paper's settings)", "dense": " (dense start)", "adaptive": " (residual balancing)",
           "held": " (held end)", "half_lmda": " (half λ)", "seed1": " (seed 1)", "elsa_lr": " (ELSA's lr)",
           "retrain_lr": " (retraining's lr)"}
+SEEDS = (LABELS["seed1"],)  # the settings whose cells give the verdict's ratio again, on another seed
 PLAIN = " (plain loop)"  # a label's end for the cells of bench/plain_cell.py (curve.py --engine plain)
 COMPILED = " (compiled)"  # and for its compiled cells (keys ending |compiled: the model through inductor)
 LOOPS = ("", PLAIN, COMPILED)
@@ -111,13 +112,14 @@ def references(cells: list[dict], sparsity: float) -> dict[str, dict]:
     return {c["method"]: c for c in cells if c["kind"] == "eval" or (c["kind"] == "oneshot" and c["sparsity"] == sparsity)}
 
 
-def ratios(curves: dict[str, dict[Budget, dict]], metric: str, loop: str = "") -> dict[Budget, float]:
+def ratios(curves: dict[str, dict[Budget, dict]], metric: str, loop: str = "", variant: str = "") -> dict[Budget, float]:
     """ELSA (rule) / the best retraining baseline at every budget both were measured on, in one loop (``loop``: "" the
     engine's cells, :data:`PLAIN` bench/plain_cell.py's, :data:`COMPILED` its compiled ones): never one loop's ELSA
-    against another's retraining."""
+    against another's retraining. ``variant``: a label's settings part that all three share (:data:`SEEDS`: the same
+    ratio on another seed), "" the rule's."""
     out = {}
-    for tokens, cell in curves.get("elsa" + loop, {}).items():
-        base = [curves[m + loop][tokens][metric] for m in RETRAINING if tokens in curves.get(m + loop, {})]
+    for tokens, cell in curves.get("elsa" + variant + loop, {}).items():
+        base = [curves[m + variant + loop][tokens][metric] for m in RETRAINING if tokens in curves.get(m + variant + loop, {})]
         if base:
             out[tokens] = cell[metric] / min(base)
     return out
@@ -132,14 +134,15 @@ def table(cells: list[dict], sparsity: float, texts: tuple) -> tuple[str, dict]:
         for label in sorted(curves):
             row = [f"{curves[label][t][metric]:.2f}" if t in curves[label] else "" for t in budgets]
             lines.append(f"| {label}, {text} | " + " | ".join(row) + " |")
-        for loop in LOOPS:
-            if r := ratios(curves, metric, loop):
-                lines.append(f"| **ELSA / best retraining{loop}**, {text} | "
-                             + " | ".join(f"{r[t]:.2f}" if t in r else "" for t in budgets) + " |")
+        for variant in ("", *SEEDS):
+            for loop in LOOPS:
+                if r := ratios(curves, metric, loop, variant):
+                    lines.append(f"| **ELSA / best retraining{variant}{loop}**, {text} | "
+                                 + " | ".join(f"{r[t]:.2f}" if t in r else "" for t in budgets) + " |")
     lines += ["", "Untrained: " + ", ".join(f"{m} " + " / ".join(f"{c[metric]:.2f}" for metric, _ in texts)
                                             for m, c in sorted(refs.items())) + f" ({' / '.join(t for _, t in texts)}).", ""]
-    figures = {text + loop: {column(t): round(v, 4) for t, v in r.items()} for metric, text in texts for loop in LOOPS
-               if (r := ratios(curves, metric, loop))}
+    figures = {text + variant + loop: {column(t): round(v, 4) for t, v in r.items()} for metric, text in texts
+               for variant in ("", *SEEDS) for loop in LOOPS if (r := ratios(curves, metric, loop, variant))}
     return "\n".join(lines), figures
 
 
