@@ -487,6 +487,9 @@ def test_the_paper_cell_runs_the_authors_recipe_and_a_rule_cell_leaves_the_rest_
         assert seed.cfg.model_dump(exclude={"seed"}) == rule.cfg.model_dump(exclude={"seed"})
     with pytest.raises(ValueError, match="'seed1' for elsa or sparsegpt"):
         curve.parse_cell("dense+ft:-:512:seed1")
+    for text in ("elsa:-:512:half_lmda", "wanda+ft:-:512:elsa_lr"):  # the rule's settings at no sparsity: refused
+        with pytest.raises(ValueError, match="at the cell's sparsity; give one"):
+            curve.parse_cell(text)
 
 
 def test_an_lr_control_takes_the_other_methods_rule_lr_and_every_other_setting_from_its_own_rule(cell_plan):
@@ -678,6 +681,13 @@ def test_the_report_gives_elsa_over_the_best_retraining_per_budget_and_plots(tmp
     assert "elsa (held end), techdocs test |  |  | 10.00 |" in md and "elsa (residual balancing), techdocs test |  |  | 12.00 |" in md
     assert (tmp_path / "curve.png").stat().st_size > 10_000
     assert curve_report.main(["--results", str(tmp_path / "none.jsonl")]) == 2
+    without_dense = tmp_path / "no_dense.jsonl"  # before a loan's dense cell: drawn all the same
+    without_dense.write_text("".join(json.dumps(x) + "\n" for x in lines if x["method"] != "dense"))
+    assert curve_report.main(["--results", str(without_dense), "--out", str(tmp_path / "no_dense")]) == 0
+    # every training label a cell can have is drawn in a colour of its own (else matplotlib's cycle repeats ELSA's)
+    methods = {"rule": ("elsa", "sparsegpt+ft", "wanda+ft", "dense+ft")}
+    labels = {m + curve_report.LABELS.get(s, "") for s in curve.SETTINGS for m in methods.get(s, curve.ALLOWED.get(s, ("elsa",)))}
+    assert labels <= set(curve_report.COLORS) and len(set(curve_report.COLORS.values())) == len(curve_report.COLORS)
 
 
 def test_the_report_draws_the_same_curve_from_the_quality_bench_on_another_model(tmp_path):

@@ -147,7 +147,9 @@ def parse_cell(text: str) -> Cell:
     if cell.compiled and cell.kind != "train":
         raise ValueError(f"cell {text!r}: only a training cell is compiled")
     allowed = (*TRAINING, *ONESHOT, "dense") if cell.settings == "rule" else ALLOWED.get(cell.settings, ("elsa",))
-    if cell.settings not in SETTINGS or cell.method not in allowed or (cell.settings in SWAPPED_LR and sparsity is None):
+    if cell.settings in RULE_FLAGS and cell.method in allowed and sparsity is None:  # the rule's lr and λ depend on it
+        raise ValueError(f"cell {text!r}: settings {cell.settings!r} take the rule's settings at the cell's sparsity; give one")
+    if cell.settings not in SETTINGS or cell.method not in allowed:
         elsa_only = " / ".join(repr(k) for k in SETTINGS if k != "rule" and k not in ALLOWED or k == "retrain_lr")
         others = ", ".join(f"{k!r} for {' or '.join(ms)}" for k, ms in ALLOWED.items() if k != "retrain_lr")
         raise ValueError(f"cell {text!r}: settings 'rule' for any method, {elsa_only} for elsa only, {others}")

@@ -41,7 +41,9 @@ LOOPS = ("", PLAIN, COMPILED)
 LINESTYLES = {"": "-", PLAIN: "-.", COMPILED: ":"}
 COLORS = {"elsa": "C1", "elsa (paper's settings)": "C2", "elsa (dense start)": "C5", "elsa (residual balancing)": "C6",
           "elsa (held end)": "C7", "sparsegpt+ft": "C3", "wanda+ft": "C4", "dense+ft": "C0", "sparsegpt+ft (ELSA's lr)": "C8",
-          "wanda+ft (ELSA's lr)": "C9", "elsa (retraining's lr)": "olive", "elsa (half λ)": "teal"}
+          "wanda+ft (ELSA's lr)": "C9", "elsa (retraining's lr)": "olive", "elsa (half λ)": "teal",
+          # another seed: a paler shade of its method's colour
+          "elsa (seed 1)": "navajowhite", "sparsegpt+ft (seed 1)": "lightcoral", "wanda+ft (seed 1)": "thistle"}
 
 
 def from_quality(paths: list[Path]) -> list[dict]:
@@ -172,7 +174,7 @@ def plot(cells: list[dict], sparsities: list[float], out: Path, texts: tuple, na
                 for t, y in zip(xs, ys):
                     ax.plot(t[0], y, marker="o" if points[t].get("batch") == main else "s", color=line.get_color(),
                             fillstyle="full" if t in joined else "none")
-            shown = trained + [refs["dense"][metric]] * ("dense" in refs)  # the dense model always on the scale
+            shown = trained + ([refs["dense"][metric]] if "dense" in refs else [])  # the dense model always on the scale
             low, high = (min(shown) / 1.1, max(shown) * 1.1) if trained else (1, 10)
             off = []  # untrained rows far off the trained cells' scale are named, not drawn
             for ref, cell in sorted(refs.items()):
