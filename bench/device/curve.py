@@ -20,10 +20,9 @@ decayed linearly to 0, Adam betas 0.9 / 0.95, dense start; the projection stays 
 recipes: recipes/README.md) or ``dense`` (the rule from the dense weights, ``--init_mask none``, where it would start
 from SparseGPT's) or ``adaptive`` (that, with the authors' residual balancing of λ per layer: ``--lmda_schedule
 adaptive``) or ``half_lmda`` (the rule with half its λ) or ``seed1`` (the rule on seed 1, any training method but
-the dense control's), or, controls of the comparison's fairness, ``elsa_lr`` (a
-retraining cell at the lr the rule gives ELSA) and ``retrain_lr`` (an ELSA cell at retraining's), every other setting the
-rule's. Cells already in --results (same key,
-any earlier session) are skipped; the rest run in the plan's order, --parallel at a time, each started only if it and
+the dense control's), or, controls of the comparison's fairness, ``elsa_lr`` (a retraining cell at the lr the rule gives
+ELSA) and ``retrain_lr`` (an ELSA cell at retraining's), every other setting the rule's. Cells already in --results (same
+key, any earlier session) are skipped; the rest run in the plan's order, --parallel at a time, each started only if it and
 every running cell still end within what is left of --budget_s at the pace of the cells then sharing the GPU (estimate:
 seconds per forward, paced by the cells that shared the GPU with the measured ones, and per-run overhead measured on
 earlier cells of the same GPU, else priors; :class:`Shares`) and its predicted GPU peak (elsa_ds's own estimate times
@@ -150,8 +149,9 @@ def parse_cell(text: str) -> Cell:
     if cell.settings in RULE_FLAGS and cell.method in allowed and sparsity is None:  # the rule's lr and λ depend on it
         raise ValueError(f"cell {text!r}: settings {cell.settings!r} take the rule's settings at the cell's sparsity; give one")
     if cell.settings not in SETTINGS or cell.method not in allowed:
-        elsa_only = " / ".join(repr(k) for k in SETTINGS if k != "rule" and k not in ALLOWED or k == "retrain_lr")
-        others = ", ".join(f"{k!r} for {' or '.join(ms)}" for k, ms in ALLOWED.items() if k != "retrain_lr")
+        takes = {k: ALLOWED.get(k, ("elsa",)) for k in SETTINGS if k != "rule"}
+        elsa_only = " / ".join(repr(k) for k, ms in takes.items() if ms == ("elsa",))
+        others = ", ".join(f"{k!r} for {' or '.join(ms)}" for k, ms in takes.items() if ms != ("elsa",))
         raise ValueError(f"cell {text!r}: settings 'rule' for any method, {elsa_only} for elsa only, {others}")
     return cell
 

@@ -132,6 +132,7 @@ def table(cells: list[dict], sparsity: float, texts: tuple) -> tuple[str, dict]:
     budgets = sorted({t for s in curves.values() for t in s})
     lines = [f"### {sparsity:.0%} sparsity", "", "| method | " + " | ".join(column(t) for t in budgets) + " |",
              "|---|" + "---:|" * len(budgets)]
+    figures = {}
     for metric, text in texts:
         for label in sorted(curves):
             row = [f"{curves[label][t][metric]:.2f}" if t in curves[label] else "" for t in budgets]
@@ -141,10 +142,9 @@ def table(cells: list[dict], sparsity: float, texts: tuple) -> tuple[str, dict]:
                 if r := ratios(curves, metric, loop, variant):
                     lines.append(f"| **ELSA / best retraining{variant}{loop}**, {text} | "
                                  + " | ".join(f"{r[t]:.2f}" if t in r else "" for t in budgets) + " |")
+                    figures[text + variant + loop] = {column(t): round(v, 4) for t, v in r.items()}
     lines += ["", "Untrained: " + ", ".join(f"{m} " + " / ".join(f"{c[metric]:.2f}" for metric, _ in texts)
                                             for m, c in sorted(refs.items())) + f" ({' / '.join(t for _, t in texts)}).", ""]
-    figures = {text + variant + loop: {column(t): round(v, 4) for t, v in r.items()} for metric, text in texts
-               for variant in ("", *SEEDS) for loop in LOOPS if (r := ratios(curves, metric, loop, variant))}
     return "\n".join(lines), figures
 
 
