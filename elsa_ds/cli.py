@@ -12,11 +12,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from elsa_ds.errors import ElsaError, OneLineParser, guarded  # noqa: F401 (guarded: the entry points')
+from elsa_ds.errors import ElsaError, OneLineParser, guarded, run_command  # noqa: F401 (guarded: the entry points')
 from elsa_ds.log import get_logger
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.flags import add_flags, flag_table, start_logging, validated
@@ -59,6 +59,12 @@ def main_prune(argv: list[str] | None = None) -> int:
         run_owned(cfg, opts, ds_config)
 
     return guarded(go)
+
+
+def prune_command() -> NoReturn:
+    """``elsa-prune`` and ``launch/prune.py`` as a process's command: ``main_prune``, then the process ends with its code
+    once its exit work is done (``run_command``)."""
+    run_command(main_prune)
 
 
 # ---- elsa-estimate ----------------------------------------------------------------------------------------------------
@@ -289,4 +295,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--flag-table"]:
         print(flag_table(), end="")  # the table is the product
     else:
-        sys.exit(main_prune())
+        prune_command()

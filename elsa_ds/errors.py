@@ -301,3 +301,45 @@ def _after_finish(signum: int, frame: Any) -> None:
     stderr_line(f"elsa_ds: terminated (SIGTERM){'' if rank == '0' else f' (rank {rank})'} after the job had finished: "
                 "what it wrote is complete")
     os._exit(143)
+
+
+def run_command(main: Callable[[], int]) -> NoReturn:
+    """Run ``main`` as this process's command (``launch/prune.py``, ``elsa-prune``, a probe rank) and end the process with its
+    exit code once the exit's own work is done: other threads joined, the atexit callbacks run (the logs, the process
+    group's teardown, a refusal's claim), the streams flushed, Python's and C's. Then ``os._exit``: the interpreter's
+    finalization is skipped, where a finished rank now and then died in std::terminate ("terminate called without an
+    active exception", SIGABRT) with its job done and its output written, and the launcher took the job for a failed one
+    (CI, 2026-12-05: rc 250; gloo's threads at finalization are the likeliest cause, pytorch/pytorch#190489). A SystemExit
+    (argparse's refusal, --help) ends it the same way, with its code; any other exception leaves as Python leaves,
+    with its traceback. Only for a process's own command: ``main_prune`` called from Python returns."""
+    try:
+        code = main()
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    end_process(code)
+
+
+def _exit_code(code: object) -> int:
+    """The exit code Python gives ``SystemExit(code)``: None 0, an int itself, anything else printed, then 1."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    stderr_line(str(code))
+    return 1
+
+
+def end_process(code: int) -> NoReturn:
+    """``os._exit(code)`` after what the interpreter's exit does that matters here (``run_command``): threads that are not
+    daemons joined, as Python waits for them; atexit's callbacks, in their order; every stream flushed, C's stdio too
+    (a C++ op's lines, buffered when the output is a pipe, are not lost)."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    os._exit(code)

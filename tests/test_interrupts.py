@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from elsa_ds.cli import prune_parser
 from elsa_ds.errors import ElsaError, guarded
 from elsa_ds.zero.dist import free_port
 from tests.conftest import ROOT, run_entry, run_fails
@@ -296,3 +297,87 @@ def test_a_sigterm_after_a_finished_job_says_its_output_is_complete():
     proc = subprocess.run([sys.executable, "-c", finished], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 143, (proc.returncode, proc.stderr)
     assert proc.stderr.strip() == "elsa_ds: terminated (SIGTERM) after the job had finished: what it wrote is complete"
+
+
+@pytest.mark.parametrize("ending", ["sys.exit(code)", "run_command(lambda: code)"])
+def test_the_exit_after_a_job_keeps_its_signal_handling(ending):
+    """The two tests above, for a process that ends as the entry points end it (``run_command``: the exit's callbacks, then
+    ``os._exit``) as well as through Python's own exit: the same exit code, the same one line."""
+    script = SIGNAL_AT_EXIT.replace("from elsa_ds.errors import ElsaError, guarded",
+                                    "from elsa_ds.errors import ElsaError, guarded, run_command").replace("sys.exit(code)", ending)
+    for job, code, line in (('raise ElsaError("refused")', -15, "elsa_ds: error: refused"),
+                            ("return 0", 143, "elsa_ds: terminated (SIGTERM) after the job had finished: what it wrote is complete")):
+        proc = subprocess.run([sys.executable, "-c", script.replace('raise ElsaError("refused")', job)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert (proc.returncode, proc.stderr.strip()) == (code, line)
+
+
+COMMAND = """
+import atexit, ctypes, sys, threading, time
+from elsa_ds.errors import run_command
+
+class Finalized:
+    def __del__(self):
+        print("finalized", flush=True)  # the interpreter's finalization, which run_command's os._exit skips
+
+kept = Finalized()
+
+def later():
+    time.sleep(0.5)
+    print("thread done", end=" ")
+
+def main():
+    threading.Thread(target=later).start()
+    atexit.register(print, "second callback")
+    atexit.register(print, "first callback", end=" ")
+    ctypes.CDLL(None).printf(b"C stdio, buffered in a pipe\\n")
+    print("job done", end=" ")
+    RESULT
+"""
+
+
+@pytest.mark.parametrize("result, code, out, err", [
+    ("return 3", 3, "job done thread done first callback second callback", ""),
+    ("raise SystemExit(2)", 2, "job done thread done first callback second callback", ""),
+    ("raise SystemExit('stopped: why')", 1, "job done thread done first callback second callback", "stopped: why"),
+])
+def test_a_command_ends_after_its_exit_work_without_the_interpreters_finalization(result, code, out, err):
+    """run_command (launch/prune.py, elsa-prune, a probe rank): the code main returned (or SystemExit's, as Python gives it),
+    after a thread that is not a daemon has finished, the atexit callbacks in their order, Python's streams and C's stdio
+    flushed into a pipe (the C line would be lost to os._exit otherwise); finalization (where finished ranks died in
+    std::terminate) is skipped: the object's __del__ never runs."""
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # -u would leave C's stdio unbuffered
+    proc = subprocess.run([sys.executable, "-c", COMMAND.replace("RESULT", result) + "run_command(main)\n"], cwd=ROOT,
+                          env=buffered, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == sorted(["C stdio, buffered in a pipe", out]), proc.stdout  # two buffers
+    assert "finalized" not in proc.stdout and proc.stderr.strip() == err
+    plain = subprocess.run([sys.executable, "-c", COMMAND.replace("RESULT", "return 0") + "sys.exit(main())\n"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert "finalized" in plain.stdout  # the probe can tell: Python's own exit finalizes
+
+
+def test_an_exception_out_of_a_command_leaves_as_python_leaves():
+    """Anything but SystemExit is not a command's result: its traceback and Python's exit code 1, as without run_command."""
+    proc = subprocess.run([sys.executable, "-c", COMMAND.replace("RESULT", "raise ValueError('unplanned')") + "run_command(main)\n"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "ValueError: unplanned" in proc.stderr and "Traceback" in proc.stderr
+
+
+@pytest.mark.parametrize("entry", ["launch/prune.py", "elsa-prune"])
+def test_the_prune_entry_points_end_as_commands(entry, monkeypatch):
+    """launch/prune.py and the elsa-prune script (as pyproject's [project.scripts] names it, run as pip's wrapper runs it)
+    end through run_command: --help is printed whole, exit 0, and an object left for the interpreter's finalization is
+    never finalized."""
+    import tomllib
+
+    if entry == "elsa-prune":
+        module, func = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"][entry].split(":")
+        run = f"import sys, {module} as m; sys.exit(m.{func}())"
+    else:
+        run = f"import runpy; runpy.run_path({str(ROOT / entry)!r}, run_name='__main__')"
+    probe = "import sys\nclass F:\n    def __del__(self): print('finalized')\nkept = F()\nsys.argv = ['prune', '--help']\n"
+    monkeypatch.setenv("COLUMNS", "120")  # argparse's width, here and there
+    proc = subprocess.run([sys.executable, "-c", probe + run], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == prune_parser().format_help()

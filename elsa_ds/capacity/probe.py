@@ -33,6 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from elsa_ds.errors import run_command
 from elsa_ds.files.io import write_json
 from elsa_ds.files.procfs import usable_cpus
 from elsa_ds.log import get_logger
@@ -229,4 +230,10 @@ def _wait_all(procs: list[subprocess.Popen], answer: Path) -> int | str | None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("spec", help="what measure_job passes: the job's model, tokens and DeepSpeed settings, as JSON")
-    _rank_main(json.loads(parser.parse_args().spec))
+    spec = json.loads(parser.parse_args().spec)
+
+    def rank() -> int:
+        _rank_main(spec)
+        return 0
+
+    run_command(rank)  # a rank's exit that cannot die in finalization, its answer written
