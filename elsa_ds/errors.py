@@ -13,6 +13,7 @@ import stat
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -313,14 +314,15 @@ def run_command(main: Callable[[], int]) -> NoReturn:
     (argparse's refusal, --help) ends it the same way, with its code; any other exception leaves as Python leaves,
     with its traceback. Only for a process's own command: ``main_prune`` called from Python returns."""
     try:
-        code = main()
+        code = _exit_code(main())
     except SystemExit as stop:
         code = _exit_code(stop.code)
     end_process(code)
 
 
 def _exit_code(code: object) -> int:
-    """The exit code Python gives ``SystemExit(code)``: None 0, an int itself, anything else printed, then 1."""
+    """The exit code Python gives ``SystemExit(code)`` (and ``sys.exit(main())``): None 0, an int itself, anything else
+    printed, then 1."""
     if code is None or isinstance(code, int):
         return code or 0
     stderr_line(str(code))
@@ -328,12 +330,15 @@ def _exit_code(code: object) -> int:
 
 
 def end_process(code: int) -> NoReturn:
-    """``os._exit(code)`` after what the interpreter's exit does that matters here (``run_command``): threads that are not
-    daemons joined, as Python waits for them; atexit's callbacks, in their order; every stream flushed, C's stdio too
-    (a C++ op's lines, buffered when the output is a pipe, are not lost)."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    """``os._exit(code)`` after what the interpreter's exit does that matters here (``run_command``): threading's own
+    shutdown (its exit hooks, which wake an idle ThreadPoolExecutor's workers, inductor's compile pool among them; then
+    every thread that is not a daemon joined, those they started too), a Ctrl-C inside it printed and the exit carried
+    on, as Python does; atexit's callbacks, in their order; every stream flushed, C's stdio too (a C++ op's lines,
+    buffered when the output is a pipe, are not lost)."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except BaseException:  # noqa: B036 - Python's exit prints it and goes on with the same code
+        stderr_line(f"Exception ignored in: {threading!r}\n{traceback.format_exc().rstrip()}")
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -357,6 +357,48 @@ def test_a_command_ends_after_its_exit_work_without_the_interpreters_finalizatio
     assert "finalized" in plain.stdout  # the probe can tell: Python's own exit finalizes
 
 
+THREADS = """
+import concurrent.futures, os, signal, sys, threading, time
+from elsa_ds.errors import run_command
+
+pool = concurrent.futures.ThreadPoolExecutor(2)  # idle workers that only threading's exit hooks wake (inductor keeps one)
+
+def second():
+    time.sleep(0.3)
+    print("second thread", flush=True)
+
+def first():
+    pool.submit(print, "pooled", flush=True).result()
+    started = threading.Thread(target=second)
+    started.start()  # while the exit joins its parent
+    CTRL_C
+    time.sleep(0.5)
+    print("first thread", flush=True)
+
+def main():
+    threading.Thread(target=first).start()
+    return 3
+
+run_command(main)
+"""
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True])
+def test_a_command_waits_for_threads_as_python_does_and_a_ctrl_c_then_keeps_its_code(ctrl_c):
+    """run_command's exit is threading's own shutdown: a ThreadPoolExecutor's idle workers are woken (a hand-written join
+    hung on them, a review found: inductor's compile pool on a cold cache), a thread that a joined thread started is
+    waited for too. A Ctrl-C while the exit waits is printed, as Python prints it, and the job's code stands (it was a
+    traceback and the interpreter's finalization, rc -2)."""
+    script = THREADS.replace("CTRL_C", "started.join(); os.kill(os.getpid(), signal.SIGINT)" if ctrl_c else "pass")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["pooled", "second thread"], proc.stdout
+    if ctrl_c:
+        assert proc.stderr.startswith("Exception ignored in: <module 'threading'") and "KeyboardInterrupt" in proc.stderr
+    else:
+        assert proc.stdout.splitlines() == ["pooled", "second thread", "first thread"] and proc.stderr == ""
+
+
 def test_an_exception_out_of_a_command_leaves_as_python_leaves():
     """Anything but SystemExit is not a command's result: its traceback and Python's exit code 1, as without run_command."""
     proc = subprocess.run([sys.executable, "-c", COMMAND.replace("RESULT", "raise ValueError('unplanned')") + "run_command(main)\n"],
