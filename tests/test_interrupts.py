@@ -361,6 +361,7 @@ THREADS = """
 import concurrent.futures, os, signal, sys, threading, time
 from elsa_ds.errors import run_command
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's: a shell's background job starts with it ignored
 pool = concurrent.futures.ThreadPoolExecutor(2)  # idle workers that only threading's exit hooks wake (inductor keeps one)
 
 def second():
