@@ -291,20 +291,26 @@ def guarded(fn: Callable[[], int | None]) -> int:
                 signal.signal(sig, _after_finish if finished and sig == signal.SIGTERM else handler)
 
 
+def _flush_streams() -> None:
+    """Python's stdout and stderr flushed before an ``os._exit``, which would drop what they hold; a closed or broken one
+    is passed over."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
 def _after_finish(signum: int, frame: Any) -> None:
     """SIGTERM once the job has finished, while the interpreter winds down (a scheduler's stop a second late): one line that
     says the output is whole, and the signal's exit code, without raising into the exit's callbacks (a user's walk: such a
     job ended 143 without a word, and was taken for a killed one)."""
     rank = os.environ.get("RANK", "0")
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush_streams()
     stderr_line(f"elsa_ds: terminated (SIGTERM){'' if rank == '0' else f' (rank {rank})'} after the job had finished: "
                 "what it wrote is complete")
     os._exit(143)
 
 
-def run_command(main: Callable[[], int]) -> NoReturn:
+def run_command(main: Callable[[], int | None]) -> NoReturn:
     """Run ``main`` as this process's command (``launch/prune.py``, ``elsa-prune``, a probe rank) and end the process with its
     exit code once the exit's own work is done: other threads joined, the atexit callbacks run (the logs, the process
     group's teardown, a refusal's claim), the streams flushed, Python's and C's. Then ``os._exit``: the interpreter's
@@ -340,9 +346,7 @@ def end_process(code: int) -> NoReturn:
     except BaseException:  # noqa: B036 - Python's exit prints it and goes on with the same code
         stderr_line(f"Exception ignored in: {threading!r}\n{traceback.format_exc().rstrip()}")
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush_streams()
     with contextlib.suppress(Exception):
         import ctypes
 

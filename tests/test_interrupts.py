@@ -260,18 +260,21 @@ def test_only_a_gone_peer_is_taken_for_one(monkeypatch, capsys):
 
 SIGNAL_AT_EXIT = """
 import atexit, os, signal, sys, time
-from elsa_ds.errors import ElsaError, guarded
+from elsa_ds.errors import ElsaError, guarded, run_command
 
 def job():
     raise ElsaError("refused")
 
 code = guarded(job)
 atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5)))  # the launcher ending this rank, late
-sys.exit(code)
+ENDING
 """
+# how the process ends: Python's own exit, or as the entry points end it (run_command: the exit's callbacks, os._exit)
+ENDINGS = pytest.mark.parametrize("ending", ["sys.exit(code)", "run_command(lambda: code)"])
 
 
-def test_a_sigterm_during_the_interpreters_exit_prints_no_traceback():
+@ENDINGS
+def test_a_sigterm_during_the_interpreters_exit_prints_no_traceback(ending):
     """Under the launcher a rank that refused (exit 2) may be sent SIGTERM while Python runs its exit callbacks (a
     sibling's exit ends the job; CI 2026-12-01 saw "Exception ignored in atexit callback ... Terminated"). Once the job is
     over the handlers it found are back: the signal ends the process as it would have, one error line, no traceback."""
@@ -280,12 +283,14 @@ def test_a_sigterm_during_the_interpreters_exit_prints_no_traceback():
 
     from tests.conftest import ROOT
 
-    proc = subprocess.run([sys.executable, "-c", SIGNAL_AT_EXIT], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    script = SIGNAL_AT_EXIT.replace("ENDING", ending)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -15, (proc.returncode, proc.stderr)
     assert proc.stderr.strip() == "elsa_ds: error: refused"
 
 
-def test_a_sigterm_after_a_finished_job_says_its_output_is_complete():
+@ENDINGS
+def test_a_sigterm_after_a_finished_job_says_its_output_is_complete(ending):
     """A scheduler's SIGTERM a second late, while a finished job's interpreter winds down: it ended 143 without a word
     (a user's walk) and was taken for a killed run. One line now says what it wrote is complete; no traceback."""
     import subprocess
@@ -293,23 +298,10 @@ def test_a_sigterm_after_a_finished_job_says_its_output_is_complete():
 
     from tests.conftest import ROOT
 
-    finished = SIGNAL_AT_EXIT.replace('raise ElsaError("refused")', "return 0")
+    finished = SIGNAL_AT_EXIT.replace('raise ElsaError("refused")', "return 0").replace("ENDING", ending)
     proc = subprocess.run([sys.executable, "-c", finished], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 143, (proc.returncode, proc.stderr)
     assert proc.stderr.strip() == "elsa_ds: terminated (SIGTERM) after the job had finished: what it wrote is complete"
-
-
-@pytest.mark.parametrize("ending", ["sys.exit(code)", "run_command(lambda: code)"])
-def test_the_exit_after_a_job_keeps_its_signal_handling(ending):
-    """The two tests above, for a process that ends as the entry points end it (``run_command``: the exit's callbacks, then
-    ``os._exit``) as well as through Python's own exit: the same exit code, the same one line."""
-    script = SIGNAL_AT_EXIT.replace("from elsa_ds.errors import ElsaError, guarded",
-                                    "from elsa_ds.errors import ElsaError, guarded, run_command").replace("sys.exit(code)", ending)
-    for job, code, line in (('raise ElsaError("refused")', -15, "elsa_ds: error: refused"),
-                            ("return 0", 143, "elsa_ds: terminated (SIGTERM) after the job had finished: what it wrote is complete")):
-        proc = subprocess.run([sys.executable, "-c", script.replace('raise ElsaError("refused")', job)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
-        assert (proc.returncode, proc.stderr.strip()) == (code, line)
 
 
 COMMAND = """
@@ -352,9 +344,13 @@ def test_a_command_ends_after_its_exit_work_without_the_interpreters_finalizatio
     assert proc.returncode == code, proc.stderr
     assert sorted(proc.stdout.splitlines()) == sorted(["C stdio, buffered in a pipe", out]), proc.stdout  # two buffers
     assert "finalized" not in proc.stdout and proc.stderr.strip() == err
+
+
+def test_the_finalization_probe_sees_pythons_own_exit():
+    """The control of the tests' ``__del__`` probe: without run_command, Python's exit finalizes, and the probe says so."""
     plain = subprocess.run([sys.executable, "-c", COMMAND.replace("RESULT", "return 0") + "sys.exit(main())\n"], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
-    assert "finalized" in plain.stdout  # the probe can tell: Python's own exit finalizes
+    assert "finalized" in plain.stdout
 
 
 THREADS = """

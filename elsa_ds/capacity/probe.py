@@ -231,9 +231,4 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("spec", help="what measure_job passes: the job's model, tokens and DeepSpeed settings, as JSON")
     spec = json.loads(parser.parse_args().spec)
-
-    def rank() -> int:
-        _rank_main(spec)
-        return 0
-
-    run_command(rank)  # a rank's exit that cannot die in finalization, its answer written
+    run_command(lambda: _rank_main(spec))  # a rank's exit that cannot die in finalization, its answer written
