@@ -17,6 +17,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
+from elsa_ds import std_streams
+
 
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread by ``on_sigterm`` (a BaseException, like KeyboardInterrupt, so no ``except
@@ -291,12 +293,17 @@ def guarded(fn: Callable[[], int | None]) -> int:
                 signal.signal(sig, _after_finish if finished and sig == signal.SIGTERM else handler)
 
 
-def _flush_streams() -> None:
-    """Python's stdout and stderr flushed before an ``os._exit``, which would drop what they hold; a closed or broken one
-    is passed over."""
+def _flush_streams() -> bool:
+    """Python's stdout and stderr flushed before an ``os._exit``, which would drop what they hold; whether both were. A
+    closed or broken one is passed over, and so is a Ctrl-C that stops a flush blocked on a full pipe (a fifth audit: it
+    escaped as a traceback, rc -2, into the interpreter's finalization that ``end_process`` skips)."""
+    flushed = True
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
+        try:
             stream.flush()
+        except BaseException:  # noqa: B036 - the process ends right after: nothing may escape from here
+            flushed = False
+    return flushed and not std_streams.lost()
 
 
 def _after_finish(signum: int, frame: Any) -> None:
@@ -319,6 +326,7 @@ def run_command(main: Callable[[], int | None]) -> NoReturn:
     (CI, 2026-12-05: rc 250; gloo's threads at finalization are the likeliest cause, pytorch/pytorch#190489). A SystemExit
     (argparse's refusal, --help) ends it the same way, with its code; any other exception leaves as Python leaves,
     with its traceback. Only for a process's own command: ``main_prune`` called from Python returns."""
+    std_streams.install()  # a closed or full stdout/stderr no longer ends the job: said once, and exit 120 at the end
     try:
         code = _exit_code(main())
     except SystemExit as stop:
@@ -327,10 +335,12 @@ def run_command(main: Callable[[], int | None]) -> NoReturn:
 
 
 def _exit_code(code: object) -> int:
-    """The exit code Python gives ``SystemExit(code)`` (and ``sys.exit(main())``): None 0, an int itself, anything else
-    printed, then 1."""
+    """The exit code Python gives ``SystemExit(code)`` (and ``sys.exit(main())``): None 0, an int itself (one past a C
+    long 255, one past a C int its low 32 bits, as C's cast keeps them), anything else printed, then 1."""
     if code is None or isinstance(code, int):
-        return code or 0
+        if not -2**63 <= (code := int(code or 0)) < 2**63:
+            return 255
+        return (code + 2**31) % 2**32 - 2**31
     stderr_line(str(code))
     return 1
 
@@ -340,14 +350,16 @@ def end_process(code: int) -> NoReturn:
     shutdown (its exit hooks, which wake an idle ThreadPoolExecutor's workers, inductor's compile pool among them; then
     every thread that is not a daemon joined, those they started too), a Ctrl-C inside it printed and the exit carried
     on, as Python does; atexit's callbacks, in their order; every stream flushed, C's stdio too (a C++ op's lines,
-    buffered when the output is a pipe, are not lost)."""
+    buffered when the output is a pipe, are not lost). Exit code 0 becomes 120 where stdout or stderr could not be
+    written (``std_streams``), as Python's own exit makes it."""
     try:
         threading._shutdown()  # type: ignore[attr-defined]
     except BaseException:  # noqa: B036 - Python's exit prints it and goes on with the same code
         stderr_line(f"Exception ignored in: {threading!r}\n{traceback.format_exc().rstrip()}")
     atexit._run_exitfuncs()
-    _flush_streams()
-    with contextlib.suppress(Exception):
+    if not _flush_streams() and code == 0:  # what was printed is lost: Python's own exit says so with 120
+        code = 120
+    with contextlib.suppress(BaseException):
         import ctypes
 
         ctypes.CDLL(None).fflush(None)

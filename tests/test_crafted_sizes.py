@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import re
 import shutil
 import struct
@@ -243,7 +244,6 @@ def test_a_legacy_torch_file_must_hold_every_storage_it_declares(tmp_path):
     became a 268.6 MB sparse checkpoint holding the process's heap; a model evaluated as NaN). Every declared storage
     must be listed once and stored whole where torch reads it; whole legacy files of every dtype still read, and a pickle
     that would run code runs none while its storages are counted."""
-    import pickle
 
     import elsa_ds.sparse.folder as folder_module
 
@@ -297,6 +297,61 @@ def test_a_legacy_torch_file_must_hold_every_storage_it_declares(tmp_path):
     assert "FloatStorageX, not a storage class torch.save writes" in torch_files.zip_problem(tmp_path / "alien.bin").text
 
 
+DEEP_KEY = b"X\x01\x00\x00\x00k" + b"\x85" * 3_000_000  # the string "k" in 3,000,000 one-item tuples (3 MB of TUPLE1)
+
+
+def test_a_pickle_nesting_deeper_than_torch_save_writes_is_refused_before_anything_unpickles_it(tmp_path):
+    """A fifth audit (2026-12-06): CPython hashes a tuple recursively with no depth guard, so a dict keyed by a tuple nested
+    3,000,000 deep crashed whatever unpickled it (a segmentation fault: no error line, the output's lock left behind):
+    the legacy storage count as elsa-prune checked a model folder, torch's weights-only load on --resume. Each pickle of a
+    torch file is now walked for its nesting before anything builds it; what torch.save writes nests ~10 deep."""
+    from elsa_ds.files.pickle_walk import MAX_NESTING, walk
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "nested": {"a": [({"b": (torch.ones(2),)},)]}}
+    for legacy_format in (False, True):  # a real save reads, and nests shallowly
+        path = tmp_path / f"real_{legacy_format}.pt"
+        torch.save(state, path, _use_new_zipfile_serialization=not legacy_format)
+        assert torch_files.zip_problem(path) is None
+    stream = io.BytesIO()
+    torch.save(state, stream)
+    with zipfile.ZipFile(io.BytesIO(stream.getvalue())) as zf:
+        pickled = zf.read(next(n for n in zf.namelist() if n.endswith("/data.pkl")))
+    assert 5 <= walk(io.BytesIO(pickled)).depth <= 12
+    deep_dict = b"\x80\x02}" + DEEP_KEY + b"K\x01s."  # {((("k",),),...): 1}
+    assert walk(io.BytesIO(deep_dict)).depth == MAX_NESTING + 1  # the walk stops there
+    crafted = tmp_path / "crafted.pt"  # a real save's zip, its pickle replaced
+    with zipfile.ZipFile(io.BytesIO(stream.getvalue())) as src, zipfile.ZipFile(crafted, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info, deep_dict if info.filename.endswith("/data.pkl") else src.read(info.filename))
+    assert "containers nested more than 1,000 deep" in torch_files.zip_problem(crafted).text
+    with pytest.raises(UnsafeCheckpointError, match="containers nested more than 1,000 deep"):
+        read_checkpoint_file(crafted)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    key = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\n" + DEEP_KEY + b"X\x03\x00\x00\x00cpuK\x01Nt"
+    whole = _legacy_bytes({"w": torch.ones(1)})  # legacy: its first three pickles, then the object's, keyed by the tuple
+    (folder / "pytorch_model.bin").write_bytes(whole[:_pickle_ends(whole)[2]] + b"\x80\x02}X\x01\x00\x00\x00w" + key
+                                               + b"Qs." + pickle.dumps(["k"], protocol=2) + struct.pack("<q", 1) + b"\0" * 4)
+    with pytest.raises(ElsaError, match="pytorch_model.bin is no file torch.save wrote .*nested more than 1,000 deep"):
+        check_weight_files(folder, "model x")
+    shallow = b"\x80\x02}" + b"X\x01\x00\x00\x00k" + b"\x85" * 900 + b"K\x01s."  # deep, but within the limit: read
+    assert walk(io.BytesIO(shallow)).depth == 901
+
+
+def test_the_walk_counts_a_container_filled_after_it_was_memoized():
+    """A list memoized empty, then filled with a deep value and taken from the memo into a tuple: the tuple is as deep as
+    what the list became (the memo shares the list's depth), as the unpickler's objects would be."""
+    from elsa_ds.files.pickle_walk import walk
+
+    deep = b"X\x01\x00\x00\x00k" + b"\x85" * 50  # 50 nested tuples
+    filled_later = b"\x80\x02]q\x00h\x00" + deep + b"a0" + b"h\x00\x85."  # [] memo 0, its copy popped after APPEND; (l,)
+    assert walk(io.BytesIO(filled_later)).depth == 52
+
+
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # torch deprecates them; old files still hold them
 @pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")  # torch's own legacy loader of them
 def test_the_legacy_storage_count_reads_keys_as_torch_does_and_stays_small(tmp_path):
@@ -305,7 +360,6 @@ def test_the_legacy_storage_count_reads_keys_as_torch_does_and_stays_small(tmp_p
     and an unlisted storage passed), never repr the pickle's data (a shared list 40 deep), never size its memo by a
     number the pickle gives (5 bytes: 2^26 slots), never format an unbounded count; quantized storages are storages."""
     import collections
-    import pickle
     import time
 
     head, keys, data = _legacy_parts({"w": torch.ones(2)})
@@ -352,7 +406,7 @@ def test_the_legacy_storage_count_reads_keys_as_torch_does_and_stays_small(tmp_p
     assert "is of a list, not a storage class" in torch_files.zip_problem(legacy(shared, dumped(["k"]))).text
     assert time.time() - started < 5
     memo = legacy(b"\x80\x02]r\x00\x00\x00\x04.", keys)  # an empty list put at memo slot 2^26
-    assert "number a memo entry ahead" in torch_files.zip_problem(memo).text
+    assert "a memo entry numbered ahead" in torch_files.zip_problem(memo).text
     huge = b"\x80\x02(X\x07\x00\x00\x00storagecmodule\nFloatStorage\nX\x01\x00\x00\x00kX\x03\x00\x00\x00cpu"
     huge = huge.replace(b"cmodule\n", b"ctorch\n") + b"\x8b" + struct.pack("<i", 2000) + b"\x01" * 2000 + b"NtQ."
     assert "more entries than the file holds" in torch_files.zip_problem(legacy(huge, dumped(["k"]))).text

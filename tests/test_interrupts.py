@@ -403,6 +403,90 @@ def test_an_exception_out_of_a_command_leaves_as_python_leaves():
     assert proc.returncode == 1 and "ValueError: unplanned" in proc.stderr and "Traceback" in proc.stderr
 
 
+STREAMS = """
+import os, signal, sys, time
+from elsa_ds.errors import run_command
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's: a shell's background job starts with it ignored
+
+def main():
+    while not os.path.exists(sys.argv[2]):  # the test's go: its end of the pipe is closed by then
+        time.sleep(0.02)
+    print("a line", flush=True)
+    print("another line")
+    open(sys.argv[1], "w").write("went on")
+    return CODE
+
+run_command(main)
+"""
+
+
+@pytest.mark.parametrize("output", ["/dev/full", "closed pipe"])
+@pytest.mark.parametrize("code, ends", [(0, 120), (3, 3)])
+def test_a_command_whose_stdout_cannot_be_written_goes_on_and_says_so_once(tmp_path, output, code, ends):
+    """A fifth audit (2026-12-06): a job whose stdout's reader had gone (``| head -1``) stopped with a traceback at the next
+    print (DeepSpeed's, as it loads an op), and one whose stdout could not grow (``> /dev/full``) was stopped as a full
+    disk under its output folder. Now the first failed write says so once on stderr and the command goes on; its exit
+    code is 120 where it would be 0 (what Python's own exit gives for output it could not write), its own otherwise."""
+    went_on, go = tmp_path / "went_on", tmp_path / "go"
+    script = STREAMS.replace("CODE", str(code))
+    with open(output if output == "/dev/full" else os.devnull, "w") as full:
+        proc = subprocess.Popen([sys.executable, "-c", script, str(went_on), str(go)], cwd=ROOT, text=True,
+                                stdout=full if output == "/dev/full" else subprocess.PIPE, stderr=subprocess.PIPE)
+        if proc.stdout is not None:
+            proc.stdout.close()  # the reader gone: EPIPE at the next write
+        go.touch()
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == ends and went_on.read_text() == "went on", err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elsa_ds: warning: the standard output cannot be written ("), err
+    assert ("Broken pipe" if output == "closed pipe" else "No space left") in lines[0]
+
+
+def test_a_job_whose_stdout_is_full_publishes_its_output_and_says_why_it_ends_120(tmp_path, tiny_model_dir, text_dir):
+    """launch/prune.py with its log sent to a device that cannot grow: the job was stopped as a full disk under its output
+    folder ("no space left on ... writing .../o"), though the output's disk had room. It now publishes its output."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, str(ROOT / "launch" / "prune.py"), "--model", str(tiny_model_dir), "--dataset",
+                               str(text_dir), "--seqlen", "64", "--sparsity", "0.6", "--val_windows", "0", "--deepspeed",
+                               "ds_configs/zero3_offload.json", "--method", "magnitude", "--output_dir", str(tmp_path / "o")], cwd=ROOT,
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    said = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds:")]
+    assert proc.returncode == 120 and len(said) == 1 and "standard output cannot be written" in said[0], proc.stderr[-3000:]
+    assert (tmp_path / "o" / "model.safetensors").is_file() and (tmp_path / "o" / "elsa_report.json").is_file()
+    assert _strays(tmp_path) == []
+
+
+def test_a_ctrl_c_while_the_last_output_is_flushed_ends_as_pythons_exit_would():
+    """A fifth audit: a finished command whose last line waited for a full pipe, stopped by Ctrl-C, left a traceback and
+    rc -2 through the interpreter's finalization that run_command skips; Python's own exit gives 120 there."""
+    body = STREAMS.replace("""    while not os.path.exists(sys.argv[2]):  # the test's go: its end of the pipe is closed by then
+        time.sleep(0.02)
+""", "").replace('print("a line", flush=True)', 'sys.stdout.write("x" * 64512); sys.stdout.flush()')  # 1 KiB left
+    body = body.replace('print("another line")', 'sys.stdout.write("y" * 4000)')  # buffered: the exit's flush waits
+    body = body.replace('open(sys.argv[1], "w").write("went on")', 'print("ready", file=sys.stderr, flush=True)')
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # -u would write the 4000 bytes at once
+    proc = subprocess.Popen([sys.executable, "-c", body.replace("CODE", "0"), "-", "-"], cwd=ROOT, env=buffered,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr.readline() == "ready\n"  # main has returned: its exit waits to flush the 4000 bytes
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 120 and "Traceback" not in err and out == "x" * 64512, err
+
+
+@pytest.mark.parametrize("result", ["None", "0", "3", "True", "256", "-1", "2**31 + 3", "2**70", "'a message'"])
+def test_a_commands_exit_code_is_the_one_python_gives(result):
+    """What main returns gives the exit code that ``sys.exit`` of it gives, past a C int and a C long too (os._exit of
+    2**70 was an OverflowError's traceback)."""
+    codes = [subprocess.run([sys.executable, "-c", f"import sys\nfrom elsa_ds.errors import run_command\n{ending}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60) for ending in (f"sys.exit({result})",
+                                                                                      f"run_command(lambda: {result})")]
+    assert [(p.returncode, p.stderr) for p in codes] == [(codes[0].returncode, codes[0].stderr)] * 2
+
+
 @pytest.mark.parametrize("entry", ["launch/prune.py", "elsa-prune"])
 def test_the_prune_entry_points_end_as_commands(entry, monkeypatch):
     """launch/prune.py and the elsa-prune script (as pyproject's [project.scripts] names it, run as pip's wrapper runs it)

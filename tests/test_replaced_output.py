@@ -81,6 +81,7 @@ def test_a_job_that_does_not_publish_leaves_the_previous_output_whole(tmp_path, 
     proc = subprocess.run([sys.executable, "-c", JOB, str(out), how, str(tiny_model_dir), str(text_dir)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert "stopped:" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+    assert "folders of earlier jobs" not in proc.stdout + proc.stderr  # what it set aside is its own (a fifth audit)
     kept = sorted(p for p in parent.iterdir() if p.name != "o")
     assert _listing(out) == {k.removeprefix("o/"): v for k, v in before.items() if k.startswith("o/")}
     if how == "rename fails":
@@ -89,6 +90,24 @@ def test_a_job_that_does_not_publish_leaves_the_previous_output_whole(tmp_path, 
         assert {"model.safetensors", "elsa_report.json", "monitor"} <= {p.name for p in kept[0].iterdir()}
     else:
         assert kept == [] and _listing(parent) == before, sorted(p.name for p in parent.iterdir())
+
+
+def test_an_overwrite_jobs_own_set_aside_folder_is_no_earlier_jobs_leftover(tmp_path, caplog):
+    """A fifth audit (2026-12-06): every --overwrite run over checkpoints warned that its own set-aside folder (the previous
+    output's checkpoints, put back if the run fails) was an earlier job's, to be deleted. Without --overwrite a folder of
+    that name is an earlier job's of this process id (containers reuse ids), and is named."""
+    out = _previous_run(tmp_path)
+    set_aside(out, [out / "checkpoints"])
+    for overwriting, named in ((True, False), (False, True)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="elsa_ds"):
+            staging = fresh_staging(out, overwriting)
+        assert (str(aside_dir(out)) in caplog.text) is named, caplog.text
+        staging.rmdir()
+    (tmp_path / ".o.old.7").mkdir()  # a killed publication's: still named
+    with caplog.at_level("WARNING", logger="elsa_ds"):
+        fresh_staging(out, True)
+    assert ".o.old.7" in caplog.text
 
 
 def test_publishing_into_kept_checkpoints_leaves_no_old_file_beside_the_new(tmp_path):

@@ -169,13 +169,16 @@ def staging_dir(output_dir: Path) -> Path:
     return beside(output_dir, "partial")
 
 
-def fresh_staging(output_dir: Path) -> Path:
+def fresh_staging(output_dir: Path, overwriting: bool = False) -> Path:
     """An empty staging directory for this job. Leftovers of earlier jobs (one of this process id renamed first) are
-    named, not removed: one may hold a finished output whose final rename failed."""
+    named, not removed: one may hold a finished output whose final rename failed. ``overwriting``: this job is an
+    --overwrite job, whose own folder of what it set aside (``aside.aside_dir``: any earlier job's of this process id
+    was renamed before it) is no leftover."""
     staging = staging_dir(output_dir)
     moved_away(staging, "earlier")  # an earlier job of this process id (containers reuse ids): it may hold a finished output
+    own = {staging, *([aside_dir(output_dir)] if overwriting else [])}
     leftovers = sorted(str(p) for pattern in (".partial*", ".replaced.*", ".old.*")
-                       for p in staging.parent.glob(f".{output_dir.name}{pattern}") if p != staging)
+                       for p in staging.parent.glob(f".{output_dir.name}{pattern}") if p not in own)
     if leftovers:  # a failed final rename's finished output; what a killed --overwrite job had set aside of the output before
         get_logger(__name__).warning(f"folders of earlier jobs on {output_dir} remain: {', '.join(leftovers)} "
                                      "(delete them once you know nothing in them is wanted)")

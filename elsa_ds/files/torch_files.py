@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import io
 import os
-import pickletools
 import stat
 import struct
 import tarfile
@@ -24,6 +23,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from elsa_ds.files.pickle_walk import MAX_NESTING, Walk, walk
 from elsa_ds.files.torch_legacy import storage_problem
 
 ZIP_MAGIC = b"PK\x03\x04"  # how torch tells its zip format from the legacy one: the file's first bytes
@@ -43,7 +43,6 @@ END_RECORD, ZIP64_LOCATOR, ZIP64_END_RECORD = b"PK\x05\x06", b"PK\x06\x07", b"PK
 # (magic number, protocol, system info, the object, its storages' keys), then the storages' bytes: torch.load unpickles
 # them from the file's start, whatever they hold, so they get the zip's pickle cap (together: a whole file's are KBs)
 LEGACY_PICKLES = 5
-MEMO_OPCODES = ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE")  # the opcodes that store into a pickle's memo
 
 
 @dataclass(frozen=True)
@@ -169,6 +168,33 @@ def _zip_problem(fh: BinaryIO) -> ZipProblem | None:
                               "take ~170x that", altered=True)
     if sum(e.file_size for e in entries) > size:
         return ZipProblem(f"its entries claim more bytes than the file's {size:,}", altered=True)
+    return _pickle_problem(fh, entries)
+
+
+def _pickle_problem(fh: BinaryIO, entries: list[zipfile.ZipInfo]) -> ZipProblem | None:
+    """The zip's pickles (``<archive>/data.pkl``, under the cap checked above) walked before torch unpickles them
+    (:func:`~elsa_ds.files.pickle_walk.walk`): one nesting containers deeper than ``torch.save`` does crashes the loader."""
+    for entry in entries:
+        if entry.filename.endswith("/data.pkl"):
+            fh.seek(0)
+            try:
+                with zipfile.ZipFile(fh) as zf:
+                    found = walk(io.BytesIO(zf.read(entry)))
+            except (zipfile.BadZipFile, ValueError, EOFError, OSError):  # no pickle, or cut short: torch refuses it
+                continue
+            if (problem := _walk_problem(found, f"its pickle {entry.filename[:80]!r}")) is not None:
+                return problem
+    return None
+
+
+def _walk_problem(found: Walk, what: str) -> ZipProblem | None:
+    """What a pickle's walk shows that no pickler writes: containers nested past ``MAX_NESTING``, or a memo entry numbered
+    ahead of those made before it (Python's C unpickler sizes its memo by the number: 5 bytes ask for ~1 GB)."""
+    if found.depth > MAX_NESTING:
+        return ZipProblem(f"{what}: containers nested more than {MAX_NESTING:,} deep, where torch.save nests a model's or "
+                          "an optimizer's state ~10 deep (unpickled, such a pickle crashes the process)", altered=True)
+    if found.memo_ahead:
+        return ZipProblem(f"{what}: a memo entry numbered ahead of those made before it, as no pickler writes", altered=True)
     return None
 
 
@@ -188,23 +214,16 @@ def _legacy_problem(fh: BinaryIO, size: int) -> ZipProblem | None:
         pass
     fh.seek(0)
     head = io.BytesIO(fh.read(MAX_PICKLE_BYTES + 1))
-    ahead = False  # a memo entry numbered past those made before it: a pickler numbers them 0, 1, 2, ...; Python's C
-    try:           # unpickler (the storages' count) sizes its memo by the number (5 bytes: 2^26 of them, ~1 GB)
+    try:
         for _ in range(LEGACY_PICKLES):
-            made = 0
-            for opcode, arg, _ in pickletools.genops(head):
-                if opcode.name in MEMO_OPCODES:
-                    ahead |= isinstance(arg, int) and arg > made  # MEMOIZE has none
-                    made += 1
+            if (found := _walk_problem(walk(head), "its pickles (torch's legacy format)")) is not None:
+                return found
     except ValueError:  # the bytes ran out before a STOP, or are no pickle
         if size > MAX_PICKLE_BYTES and head.tell() >= MAX_PICKLE_BYTES:
             return ZipProblem(f"its pickles (torch's legacy format) run past {MAX_PICKLE_BYTES:,} bytes, more than torch.save "
                               "writes for a model's or an optimizer's state: unpickled they could take ~170x that",
                               altered=True)
         return None
-    if ahead:
-        return ZipProblem("its pickles (torch's legacy format) number a memo entry ahead of those made before it, as no "
-                          "pickler writes", altered=True)
     problem = storage_problem(head, fh, size)
     return None if problem is None else ZipProblem(problem, altered=True)
 

@@ -217,7 +217,7 @@ class ElsaJob:
         staging = staging_dir(opts.output_dir)
         with agreed(f"the output {opts.output_dir}"):
             if run.rank == 0:
-                fresh_staging(opts.output_dir)
+                fresh_staging(opts.output_dir, opts.overwrite)
                 masks = run.warm.masks if run.warm is not None else None
                 if masks is not None and masks.source == warm_start_path(opts.output_dir):
                     masks.source.unlink()  # read at the first step; a resumed run restores z from its checkpoint

@@ -188,7 +188,7 @@ class FinetuneJob:
         staging = staging_dir(opts.output_dir)
         with agreed(f"the output {opts.output_dir}"):
             if run.rank == 0:
-                fresh_staging(opts.output_dir)
+                fresh_staging(opts.output_dir, opts.overwrite)
         self.phases.mark("export")
         result = None
         with agreed(f"the output {opts.output_dir}"):  # the last collective: the other ranks may leave, rank 0 evaluates

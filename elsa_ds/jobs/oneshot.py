@@ -114,7 +114,7 @@ class OneShotJob:
         if host is None or done is None:  # another rank: nothing was pruned here
             return None
         opts = self.opts
-        staging = fresh_staging(opts.output_dir)
+        staging = fresh_staging(opts.output_dir, opts.overwrite)
         self.phases.mark("export")
         cast(torch.nn.Module, host.model).to(self.saved)  # in place, a tensor at a time; rounded already (train)
         with writing(staging, saved_bytes(host.model)):

@@ -132,9 +132,8 @@ def _refusal(path: Path, what: str) -> UnsafeCheckpointError:
 
 
 def _altered(path: Path, problem: str) -> UnsafeCheckpointError:
-    return UnsafeCheckpointError(f"--resume: refusing checkpoint file {path}: {problem}, so it could take far more memory "
-                                 "than its size; it was not written by elsa_ds or was altered: restore the run from a copy "
-                                 "you trust")
+    return UnsafeCheckpointError(f"--resume: refusing checkpoint file {path}: {problem}; it was not written by elsa_ds or "
+                                 "was altered: restore the run from a copy you trust")
 
 
 def _check_zip(path: Path, fh: BinaryIO) -> None:
