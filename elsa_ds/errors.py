@@ -299,6 +299,8 @@ def _flush_streams() -> bool:
     escaped as a traceback, rc -2, into the interpreter's finalization that ``end_process`` skips)."""
     flushed = True
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # closed when the process started (2>&-)
+            continue
         try:
             stream.flush()
         except BaseException:  # noqa: B036 - the process ends right after: nothing may escape from here
@@ -351,7 +353,7 @@ def end_process(code: int) -> NoReturn:
     every thread that is not a daemon joined, those they started too), a Ctrl-C inside it printed and the exit carried
     on, as Python does; atexit's callbacks, in their order; every stream flushed, C's stdio too (a C++ op's lines,
     buffered when the output is a pipe, are not lost). Exit code 0 becomes 120 where stdout or stderr could not be
-    written (``std_streams``), as Python's own exit makes it."""
+    written (``std_streams``: Python's own exit gives 120 there, even for a failing code, which is kept here)."""
     try:
         threading._shutdown()  # type: ignore[attr-defined]
     except BaseException:  # noqa: B036 - Python's exit prints it and goes on with the same code

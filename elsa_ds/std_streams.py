@@ -6,7 +6,8 @@ a full disk: ENOSPC; EIO), each such write raises an OSError wherever it happens
 or with a full disk blamed on its output folder (a fifth audit, 2026-12-06). :func:`install` (the command-line entry
 points, through ``errors.run_command``; never a Python caller's own streams) makes the first failed write of either
 stream say so once on the other, then drops what is written there, and the job goes on. At its end the command exits
-120, as Python does when it cannot write what is left at exit, instead of 0 (``errors.end_process``).
+120 instead of 0 (``errors.end_process``): Python's code for output it could not write at exit (Python gives 120 whatever
+the code; a failing job keeps its own here, which says more).
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ class SteadyStream:
                 self._lose(err)
         return len(text)
 
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
     def flush(self) -> None:
         if self._name not in _LOST:
             try:
@@ -43,11 +48,15 @@ class SteadyStream:
     def _lose(self, err: OSError) -> None:
         _LOST[self._name] = str(err)
         other = "stderr" if self._name == "stdout" else "stdout"
-        if other not in _LOST:
-            getattr(sys, other).write(f"elsa_ds: warning: the standard {'output' if self._name == 'stdout' else 'error'} "
-                                      f"cannot be written ({err}): the command goes on without it, and ends with exit code "
-                                      "120 where it would end with 0\n")
-            getattr(sys, other).flush()
+        if other in _LOST or (stream := getattr(sys, other, None)) is None:  # closed too (2>&-: None): nowhere to say it
+            return
+        try:
+            stream.write(f"elsa_ds: warning: the standard {'output' if self._name == 'stdout' else 'error'} cannot be "
+                         f"written ({err}): the command goes on without it, and ends with exit code 120 where it would "
+                         "end with 0\n")
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a warning must never be what stops the job
+            pass
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._stream, attr)

@@ -330,6 +330,19 @@ def test_a_pickle_nesting_deeper_than_torch_save_writes_is_refused_before_anythi
     assert "containers nested more than 1,000 deep" in torch_files.zip_problem(crafted).text
     with pytest.raises(UnsafeCheckpointError, match="containers nested more than 1,000 deep"):
         read_checkpoint_file(crafted)
+    raw = crafted.read_bytes()  # as torch's reader takes them, which zipfile does not (a review): each still refused
+    crc = struct.pack("<I", zlib.crc32(deep_dict))
+    variants = {"its CRC 0 (torch checks none)": raw.replace(crc, b"\0" * 4),
+                "named DATA.PKL (miniz finds any case)": raw.replace(b"/data.pkl", b"/DATA.PKL")}
+    for what, data in variants.items():
+        (tmp_path / "variant.pt").write_bytes(data)
+        problem = torch_files.zip_problem(tmp_path / "variant.pt")
+        assert problem is not None and "nested more than 1,000 deep" in problem.text, what
+    flags = bytearray(stream.getvalue())  # an encrypted flag on every entry of a real save: no exception out of the check
+    for at in [m.start() for m in re.finditer(b"PK\x03\x04", flags)] + [m.start() + 2 for m in re.finditer(b"PK\x01\x02", flags)]:
+        flags[at + 6] |= 1
+    (tmp_path / "flagged.pt").write_bytes(bytes(flags))
+    assert torch_files.zip_problem(tmp_path / "flagged.pt") is None
     folder = tmp_path / "model"
     folder.mkdir()
     key = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\n" + DEEP_KEY + b"X\x03\x00\x00\x00cpuK\x01Nt"
@@ -350,6 +363,10 @@ def test_the_walk_counts_a_container_filled_after_it_was_memoized():
     deep = b"X\x01\x00\x00\x00k" + b"\x85" * 50  # 50 nested tuples
     filled_later = b"\x80\x02]q\x00h\x00" + deep + b"a0" + b"h\x00\x85."  # [] memo 0, its copy popped after APPEND; (l,)
     assert walk(io.BytesIO(filled_later)).depth == 52
+    # MEMOIZE stores at len(memo), which a PUT past a gap makes differ from the number of stores (a review: the walk took
+    # a leaf from the slot the unpickler had just filled with 999 tuples, and counted 1,000 for 3,000,000)
+    gap = b"\x80\x04}Nq\x00q\x00q\x020" + b"X\x01\x00\x00\x00k" + (b"Nq\x020\x940h\x02" + b"\x85" * 999) * 3 + b"K\x01s."
+    assert walk(io.BytesIO(gap)).depth == 1001  # past MAX_NESTING: the walk stops there (it said 1,000: read)
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # torch deprecates them; old files still hold them

@@ -414,6 +414,7 @@ def main():
         time.sleep(0.02)
     print("a line", flush=True)
     print("another line")
+    sys.stdout.writelines(["y" * 100_000, "\\n"])  # past the buffer: written at once (a review: writelines raised)
     open(sys.argv[1], "w").write("went on")
     return CODE
 
@@ -458,6 +459,17 @@ def test_a_job_whose_stdout_is_full_publishes_its_output_and_says_why_it_ends_12
     assert _strays(tmp_path) == []
 
 
+def test_a_command_whose_stderr_is_closed_and_stdout_full_goes_on(tmp_path):
+    """A review: with stderr closed when the process started (``2>&-``: sys.stderr is None) the warning about a full stdout
+    raised an AttributeError out of the job's print."""
+    went_on, go = tmp_path / "went_on", tmp_path / "go"
+    go.touch()
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-c", STREAMS.replace("CODE", "0"), str(went_on), str(go)], cwd=ROOT,
+                              stdout=full, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.close(2), timeout=60)
+    assert proc.returncode == 120 and went_on.read_text() == "went on"
+
+
 def test_a_ctrl_c_while_the_last_output_is_flushed_ends_as_pythons_exit_would():
     """A fifth audit: a finished command whose last line waited for a full pipe, stopped by Ctrl-C, left a traceback and
     rc -2 through the interpreter's finalization that run_command skips; Python's own exit gives 120 there."""
@@ -465,6 +477,7 @@ def test_a_ctrl_c_while_the_last_output_is_flushed_ends_as_pythons_exit_would():
         time.sleep(0.02)
 """, "").replace('print("a line", flush=True)', 'sys.stdout.write("x" * 64512); sys.stdout.flush()')  # 1 KiB left
     body = body.replace('print("another line")', 'sys.stdout.write("y" * 4000)')  # buffered: the exit's flush waits
+    body = "\n".join(line for line in body.splitlines() if "writelines" not in line)
     body = body.replace('open(sys.argv[1], "w").write("went on")', 'print("ready", file=sys.stderr, flush=True)')
     buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # -u would write the 4000 bytes at once
     proc = subprocess.Popen([sys.executable, "-c", body.replace("CODE", "0"), "-", "-"], cwd=ROOT, env=buffered,

@@ -47,12 +47,18 @@ def walk(stream: BinaryIO) -> Walk:
             stack.append(None)
         elif name in MEMO_OPCODES:
             ahead |= isinstance(arg, int) and arg > made  # MEMOIZE has none
-            memo[made if name == "MEMOIZE" else int(arg or 0)] = (stack[-1] if stack and stack[-1] is not None else [0])
+            # MEMOIZE stores at len(memo), as the unpickler does: a PUT that skipped a slot makes that differ from ``made``
+            memo[len(memo) if name == "MEMOIZE" else int(arg or 0)] = (stack[-1] if stack and stack[-1] is not None else LEAF)
             made += 1
         elif name in GET_OPCODES:
-            stack.append(memo.get(int(arg or 0), [0]))
-        elif name in LEAVES:  # a value made of nothing (a number, a string, an empty container): the most of them
+            stack.append(memo.get(int(arg or 0), LEAF))
+        elif name in FILLABLE:  # an empty list, dict or set: a value of its own, which APPEND and the like make deeper
             stack.append([0])
+        elif name in LEAVES:  # a value made of nothing that nothing fills (a number, a string): the most of them, one cell
+            stack.append(LEAF)
+        elif name == "POP":  # the top value (or MARK) dropped: the second most common in a crafted stream of many values
+            if stack:
+                stack.pop()
         elif (depth := _apply(name, stack)) > deepest:
             deepest = depth
             if deepest > MAX_NESTING:
@@ -76,6 +82,8 @@ MOVES = {op.name: _Moves(pickletools.markobject in op.stack_before,
 
 
 LEAVES = frozenset(name for name, moves in MOVES.items() if not moves.marked and moves.fixed == 0 and moves.pushed == 1)
+FILLABLE = ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET")
+LEAF = [0]  # the one cell of every leaf (16 MiB of NONE opcodes took 1.45 GB as a cell each, a review found): never filled
 
 
 def _apply(name: str, stack: list[list[int] | None]) -> int:
@@ -93,8 +101,8 @@ def _apply(name: str, stack: list[list[int] | None]) -> int:
         taken.append(lowest)
     if moves.into and lowest is not None:
         taken.pop()
-        lowest[0] = max(lowest[0], 1 + max((v[0] for v in taken if v is not None), default=-1))
-        cell = lowest
+        cell = [lowest[0]] if lowest is LEAF else lowest  # a leaf filled (BUILD on a class): a value of its own
+        cell[0] = max(cell[0], 1 + max((v[0] for v in taken if v is not None), default=-1))
     else:
         cell = [1 + max((v[0] for v in taken if v is not None), default=-1)]
     stack.extend(cell for _ in range(moves.pushed))  # DUP pushes the same value twice

@@ -162,7 +162,7 @@ def _zip_problem(fh: BinaryIO) -> ZipProblem | None:
         if entry.file_size != entry.compress_size or entry.file_size > size:
             return ZipProblem(f"its entry {entry.filename[:80]!r} claims {entry.file_size:,} bytes stored in "
                               f"{entry.compress_size:,}, in a file of {size:,}", altered=True)
-        if entry.filename.endswith("/data.pkl") and entry.file_size > MAX_PICKLE_BYTES:
+        if _is_pickle(entry) and entry.file_size > MAX_PICKLE_BYTES:
             return ZipProblem(f"its pickle {entry.filename[:80]!r} holds {entry.file_size:,} bytes, more than torch.save "
                               f"writes for a model's or an optimizer's state ({MAX_PICKLE_BYTES:,}): unpickled it could "
                               "take ~170x that", altered=True)
@@ -171,19 +171,32 @@ def _zip_problem(fh: BinaryIO) -> ZipProblem | None:
     return _pickle_problem(fh, entries)
 
 
+def _is_pickle(entry: zipfile.ZipInfo) -> bool:
+    """Whether torch may read ``entry`` as the archive's pickle: miniz, its reader, finds ``data.pkl`` whatever its case
+    (a review: ``archive/DATA.PKL`` passed both the cap and the walk, and torch's load then crashed on it)."""
+    return entry.filename.lower().endswith("/data.pkl") or entry.filename.lower() == "data.pkl"
+
+
 def _pickle_problem(fh: BinaryIO, entries: list[zipfile.ZipInfo]) -> ZipProblem | None:
     """The zip's pickles (``<archive>/data.pkl``, under the cap checked above) walked before torch unpickles them
-    (:func:`~elsa_ds.files.pickle_walk.walk`): one nesting containers deeper than ``torch.save`` does crashes the loader."""
+    (:func:`~elsa_ds.files.pickle_walk.walk`): one nesting containers deeper than ``torch.save`` does crashes the loader.
+    Their bytes are read from their local headers as miniz reads them: no CRC is checked (torch checks none, and
+    ``torch.serialization.set_crc32_options(False)`` writes 0), no flag honoured (an encrypted one made zipfile raise)."""
     for entry in entries:
-        if entry.filename.endswith("/data.pkl"):
-            fh.seek(0)
-            try:
-                with zipfile.ZipFile(fh) as zf:
-                    found = walk(io.BytesIO(zf.read(entry)))
-            except (zipfile.BadZipFile, ValueError, EOFError, OSError):  # no pickle, or cut short: torch refuses it
-                continue
-            if (problem := _walk_problem(found, f"its pickle {entry.filename[:80]!r}")) is not None:
-                return problem
+        if not _is_pickle(entry):
+            continue
+        fh.seek(entry.header_offset)
+        header = fh.read(30)
+        if len(header) < 30 or header[:4] != ZIP_MAGIC:
+            return ZipProblem(f"its pickle {entry.filename[:80]!r} has no local header where its directory says", altered=True)
+        name_len, extra_len = struct.unpack_from("<HH", header, 26)
+        fh.seek(entry.header_offset + 30 + name_len + extra_len)
+        try:
+            found = walk(io.BytesIO(fh.read(entry.file_size)))
+        except ValueError:  # no pickle, or cut short: torch refuses it having read no more than the entry
+            continue
+        if (problem := _walk_problem(found, f"its pickle {entry.filename[:80]!r}")) is not None:
+            return problem
     return None
 
 
