@@ -470,18 +470,28 @@ def test_a_command_whose_stderr_is_closed_and_stdout_full_goes_on(tmp_path):
     assert proc.returncode == 120 and went_on.read_text() == "went on"
 
 
+FLUSH_WAITS = """
+import signal, sys
+from elsa_ds.errors import run_command
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's: a shell's background job starts with it ignored
+
+def main():
+    sys.stdout.write("x" * 64512); sys.stdout.flush()  # the pipe nobody reads: 1 KiB of it left
+    sys.stdout.write("y" * 4000)  # buffered: the exit's flush waits on the pipe
+    print("ready", file=sys.stderr, flush=True)
+    return 0
+
+run_command(main)
+"""
+
+
 def test_a_ctrl_c_while_the_last_output_is_flushed_ends_as_pythons_exit_would():
     """A fifth audit: a finished command whose last line waited for a full pipe, stopped by Ctrl-C, left a traceback and
     rc -2 through the interpreter's finalization that run_command skips; Python's own exit gives 120 there."""
-    body = STREAMS.replace("""    while not os.path.exists(sys.argv[2]):  # the test's go: its end of the pipe is closed by then
-        time.sleep(0.02)
-""", "").replace('print("a line", flush=True)', 'sys.stdout.write("x" * 64512); sys.stdout.flush()')  # 1 KiB left
-    body = body.replace('print("another line")', 'sys.stdout.write("y" * 4000)')  # buffered: the exit's flush waits
-    body = "\n".join(line for line in body.splitlines() if "writelines" not in line)
-    body = body.replace('open(sys.argv[1], "w").write("went on")', 'print("ready", file=sys.stderr, flush=True)')
     buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # -u would write the 4000 bytes at once
-    proc = subprocess.Popen([sys.executable, "-c", body.replace("CODE", "0"), "-", "-"], cwd=ROOT, env=buffered,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", FLUSH_WAITS], cwd=ROOT, env=buffered, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     assert proc.stderr.readline() == "ready\n"  # main has returned: its exit waits to flush the 4000 bytes
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)

@@ -67,8 +67,8 @@ def walk(stream: BinaryIO) -> Walk:
 
 
 class _Moves(NamedTuple):
-    """How an opcode moves values: how many it takes above a MARK (None: no MARK), how many below it (or in all), how many
-    it pushes, and whether it fills the lowest one taken (:data:`INTO`)."""
+    """How an opcode moves values: whether it takes the values above a MARK (and the MARK), how many it takes below the
+    MARK (or in all, without one), how many it pushes, and whether it fills the lowest one taken (:data:`INTO`)."""
 
     marked: bool
     fixed: int
@@ -76,13 +76,18 @@ class _Moves(NamedTuple):
     into: bool
 
 
-MOVES = {op.name: _Moves(pickletools.markobject in op.stack_before,
-                         op.stack_before.index(pickletools.markobject) if pickletools.markobject in op.stack_before
-                         else len(op.stack_before), len(op.stack_after), op.name in INTO) for op in pickletools.opcodes}
+def _moves(op: pickletools.OpcodeInfo) -> _Moves:
+    before = op.stack_before
+    marked = pickletools.markobject in before
+    return _Moves(marked, before.index(pickletools.markobject) if marked else len(before), len(op.stack_after), op.name in INTO)
 
 
-LEAVES = frozenset(name for name, moves in MOVES.items() if not moves.marked and moves.fixed == 0 and moves.pushed == 1)
+MOVES = {op.name: _moves(op) for op in pickletools.opcodes}
 FILLABLE = ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET")
+# the values made of nothing that nothing fills (a number, a string, a global): the walk's own cases (MARK, the memo's
+# GETs, the fillable empties) apart
+LEAVES = frozenset(name for name, moves in MOVES.items() if not moves.marked and moves.fixed == 0 and moves.pushed == 1
+                   and name not in ("MARK", *GET_OPCODES, *FILLABLE))
 LEAF = [0]  # the one cell of every leaf (16 MiB of NONE opcodes took 1.45 GB as a cell each, a review found): never filled
 
 
