@@ -235,6 +235,11 @@ def main_estimate(argv: list[str] | None = None) -> int:
     return guarded(go)
 
 
+def estimate_command() -> NoReturn:
+    """``elsa-estimate`` and ``launch/estimate.py`` as a process's command (``run_command``, as ``prune_command``)."""
+    run_command(main_estimate)
+
+
 # ---- elsa-evaluate ----------------------------------------------------------------------------------------------------
 def evaluate_parser() -> argparse.ArgumentParser:
     from elsa_ds.jobs.evaluate import EvalSettings
@@ -289,6 +294,11 @@ def main_evaluate(argv: list[str] | None = None) -> int:
             run(settings)
 
     return guarded(go)
+
+
+def evaluate_command() -> NoReturn:
+    """``elsa-evaluate`` and ``launch/evaluate.py`` as a process's command (``run_command``, as ``prune_command``)."""
+    run_command(main_evaluate)
 
 
 if __name__ == "__main__":

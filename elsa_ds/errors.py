@@ -320,14 +320,15 @@ def _after_finish(signum: int, frame: Any) -> None:
 
 
 def run_command(main: Callable[[], int | None]) -> NoReturn:
-    """Run ``main`` as this process's command (``launch/prune.py``, ``elsa-prune``, a probe rank) and end the process with its
-    exit code once the exit's own work is done: other threads joined, the atexit callbacks run (the logs, the process
-    group's teardown, a refusal's claim), the streams flushed, Python's and C's. Then ``os._exit``: the interpreter's
-    finalization is skipped, where a finished rank now and then died in std::terminate ("terminate called without an
-    active exception", SIGABRT) with its job done and its output written, and the launcher took the job for a failed one
-    (CI, 2026-12-05: rc 250; gloo's threads at finalization are the likeliest cause, pytorch/pytorch#190489). A SystemExit
-    (argparse's refusal, --help) ends it the same way, with its code; any other exception leaves as Python leaves,
-    with its traceback. Only for a process's own command: ``main_prune`` called from Python returns."""
+    """Run ``main`` as this process's command (``elsa-prune``/``-evaluate``/``-estimate``/``-compress``, their ``launch/``
+    scripts, a probe rank) and end the process with its exit code once the exit's own work is done: other threads joined,
+    the atexit callbacks run (the logs, the process group's teardown, a refusal's claim), the streams flushed, Python's
+    and C's. Then ``os._exit``: the interpreter's finalization is skipped, where a finished rank now and then died in
+    std::terminate ("terminate called without an active exception", SIGABRT) with its job done and its output written,
+    and the launcher took the job for a failed one (CI, 2026-12-05: rc 250; gloo's threads at finalization are the
+    likeliest cause, pytorch/pytorch#190489). A SystemExit (argparse's refusal, --help) ends it the same way, with its
+    code; any other exception leaves as Python leaves, with its traceback. Only for a process's own command:
+    ``main_prune`` called from Python returns."""
     std_streams.install()  # a closed or full stdout/stderr no longer ends the job: said once, and exit 120 at the end
     try:
         code = _exit_code(main())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from elsa_ds.sparse.cli import main  # noqa: E402
+from elsa_ds.sparse.cli import command  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from elsa_ds.cli import main_estimate  # noqa: E402
+from elsa_ds.cli import estimate_command  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main_estimate())
+    estimate_command()

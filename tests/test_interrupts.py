@@ -510,20 +510,28 @@ def test_a_commands_exit_code_is_the_one_python_gives(result):
     assert [(p.returncode, p.stderr) for p in codes] == [(codes[0].returncode, codes[0].stderr)] * 2
 
 
-@pytest.mark.parametrize("entry", ["launch/prune.py", "elsa-prune"])
-def test_the_prune_entry_points_end_as_commands(entry, monkeypatch):
-    """launch/prune.py and the elsa-prune script (as pyproject's [project.scripts] names it, run as pip's wrapper runs it)
-    end through run_command: --help is printed whole, exit 0, and an object left for the interpreter's finalization is
-    never finalized."""
+def _parsers():
+    from elsa_ds.cli import estimate_parser, evaluate_parser
+    from elsa_ds.sparse.cli import parser as compress_parser
+
+    return {"prune": prune_parser, "evaluate": evaluate_parser, "estimate": estimate_parser, "compress": compress_parser}
+
+
+@pytest.mark.parametrize("entry", [f"{how}{name}" for name in ("prune", "evaluate", "estimate", "compress")
+                                   for how in ("launch/", "elsa-")])
+def test_the_entry_points_end_as_commands(entry, monkeypatch):
+    """launch/{prune,evaluate,estimate,compress}.py and the elsa-* scripts (as pyproject's [project.scripts] names them,
+    run as pip's wrapper runs them) end through run_command: --help is printed whole, exit 0, and an object left for the
+    interpreter's finalization is never finalized."""
     import tomllib
 
-    if entry == "elsa-prune":
+    if entry.startswith("elsa-"):
         module, func = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"][entry].split(":")
         run = f"import sys, {module} as m; sys.exit(m.{func}())"
     else:
-        run = f"import runpy; runpy.run_path({str(ROOT / entry)!r}, run_name='__main__')"
-    probe = "import sys\nclass F:\n    def __del__(self): print('finalized')\nkept = F()\nsys.argv = ['prune', '--help']\n"
+        run = f"import runpy; runpy.run_path({str(ROOT / entry)!r} + '.py', run_name='__main__')"
+    probe = "import sys\nclass F:\n    def __del__(self): print('finalized')\nkept = F()\nsys.argv = ['x', '--help']\n"
     monkeypatch.setenv("COLUMNS", "120")  # argparse's width, here and there
     proc = subprocess.run([sys.executable, "-c", probe + run], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout == prune_parser().format_help()
+    assert proc.stdout == _parsers()[entry.split("/")[-1].removeprefix("elsa-")]().format_help()

@@ -10,10 +10,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from elsa_ds.errors import ElsaError, OneLineParser, guarded
+from elsa_ds.errors import ElsaError, OneLineParser, guarded, run_command
 from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE
 from elsa_ds.log import get_logger
 from elsa_ds.settings.flags import add_flags, cli_fields, start_logging, validated
@@ -81,5 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     return guarded(lambda: _run(validated(CompressSettings, given)))
 
 
+def command() -> NoReturn:
+    """``elsa-compress`` and ``launch/compress.py`` as a process's command (``errors.run_command``: the exit's work done,
+    a closed console said once, then ``os._exit``)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()
