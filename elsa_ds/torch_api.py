@@ -85,3 +85,9 @@ def resolve_mkl_vml() -> None:
         for name in MKL_VML_OPS:
             getattr(torch, name)(one)
     _vml_resolved = True
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter: autograd's count of the in-place writes to its storage (``copy_`` by load_state_dict,
+    ``fill_``, an optimizer's step), so a reader can tell that a tensor it checked has changed since."""
+    return int(t._version)

@@ -234,13 +234,32 @@ def _check_bitmask(name: str, bitmask: torch.Tensor, count: int, rows: int, cols
         raise _corrupt(name, f"bitmask marks {set_bits} positions but there are {count} values")
 
 
+def _check_offsets(name: str, offsets: torch.Tensor, count: int, rows: int, dtype: torch.dtype = torch.int64) -> None:
+    if offsets.dtype != dtype or tuple(offsets.shape) != (rows + 1,):
+        raise _corrupt(name, f"row_offsets is {tuple(offsets.shape)} {offsets.dtype}, expected ({rows + 1},) "
+                       f"{str(dtype).removeprefix('torch.')}")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != count or bool((offsets[1:] < offsets[:-1]).any()):
+        raise _corrupt(name, f"row_offsets do not rise from 0 to the {count} values")
+
+
+def check_layout(name: str, layout: str, shape: tuple[int, int], parts: dict[str, torch.Tensor]) -> None:
+    """SparseCheckpointError unless ``parts`` are a consistent ``layout`` (delta8 or cols16) of a ``shape`` weight: what
+    SparseLinear's kernels read without checking (a row's entries within the values, each column within the input)."""
+    if layout != COLS16:
+        return check(name, layout, shape, parts)
+    values, cols, offsets = parts["values"], parts["cols"], parts["row_offsets"]
+    if values.dim() != 1 or not values.is_floating_point() or cols.dtype != torch.int16 or cols.shape != values.shape:
+        raise _corrupt(name, f"{cols.numel()} cols ({cols.dtype}) for {values.numel()} values ({values.dtype})")
+    _check_offsets(name, offsets, values.numel(), shape[0], torch.int32)  # cols16's offsets: int32 (< 2^31 entries)
+    if values.numel() and int((cols.to(torch.int32) & 0xFFFF).max()) >= shape[1]:
+        raise _corrupt(name, f"a column past the last of a {shape[1]}-column weight")
+    return None
+
+
 def _check_delta8(name: str, deltas: torch.Tensor, offsets: torch.Tensor, count: int, rows: int, cols: int) -> None:
     if deltas.dtype != torch.uint8 or deltas.dim() != 1 or deltas.numel() != count:
         raise _corrupt(name, f"{deltas.numel()} deltas ({deltas.dtype}) for {count} values")
-    if offsets.dtype != torch.int64 or tuple(offsets.shape) != (rows + 1,):
-        raise _corrupt(name, f"row_offsets is {tuple(offsets.shape)} {offsets.dtype}, expected ({rows + 1},) int64")
-    if int(offsets[0]) != 0 or int(offsets[-1]) != count or bool((offsets[1:] < offsets[:-1]).any()):
-        raise _corrupt(name, f"row_offsets do not rise from 0 to the {count} values")
+    _check_offsets(name, offsets, count, rows)
     if count:  # deltas are >= 0, so a row's last entry has its largest column: (sum of 1 + delta over the row) - 1
         run = torch.cat([offsets.new_zeros(1), torch.cumsum(deltas.to(torch.int64) + 1, 0)])
         last = int((run[offsets[1:]] - run[offsets[:-1]]).max()) - 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import cast
 
 import torch
@@ -20,8 +21,9 @@ import torch.nn.functional as F
 
 from elsa_ds.sparse import kernels as K
 from elsa_ds.sparse import ops
-from elsa_ds.sparse.format import COLS16, DELTA8, POSITIONS, check, cols16_to_delta8, decode, delta8_to_cols16
+from elsa_ds.sparse.format import COLS16, DELTA8, POSITIONS, check, check_layout, cols16_to_delta8, decode, delta8_to_cols16
 from elsa_ds.sparse.integrity import SparseArgumentError, check_type
+from elsa_ds.torch_api import tensor_version
 
 DECODE_PATHS = ("kernel", "csr", "reference")  # on CPU; CUDA tensors take "triton" or "decompress"
 
@@ -85,7 +87,7 @@ class SparseLinear(torch.nn.Module):
                  decode_path: str | None = None, name: str = "weight"):
         super().__init__()
         check(name, DELTA8, shape, parts)
-        self.out_features, self.in_features = shape
+        self.name, (self.out_features, self.in_features) = name, shape
         self.register_buffer("values", parts["values"].contiguous())
         self.register_buffer("deltas", parts["deltas"].contiguous())
         self.register_buffer("row_offsets", parts["row_offsets"].contiguous())
@@ -99,6 +101,31 @@ class SparseLinear(torch.nn.Module):
         # the lookup (a JIT build on a machine that has none yet) waits until it does
         self._cpu_path = decode_path or (None if self.values.device.type != "cpu" else _default_cpu_path())
         self._csr: torch.Tensor | None = None
+        self._checked_parts = self._snapshot()
+
+    def _snapshot(self) -> tuple[tuple[weakref.ref, ...], tuple[int, ...]]:
+        parts = (self.values, self.positions, self.row_offsets)
+        return tuple(weakref.ref(t) for t in parts), tuple(tensor_version(t) for t in parts)
+
+    def _check_parts(self) -> None:
+        """The kernels (C++, Triton, CSR) read positions and row offsets without bounds checks: parts changed since they
+        were checked (load_state_dict, an in-place write, ``.to()``, a new layout) are checked again before any reads
+        them (format.check_layout, a pass over the parts, once per change; ~3 µs a product when none changed)."""
+        refs, versions = self._checked_parts
+        parts = (self.values, self.positions, self.row_offsets)
+        if (len(refs) != 3 or refs[0]() is not parts[0] or refs[1]() is not parts[1] or refs[2]() is not parts[2]
+                or versions != (tensor_version(parts[0]), tensor_version(parts[1]), tensor_version(parts[2]))):
+            check_layout(self.name, self.layout, (self.out_features, self.in_features), self.parts)
+            self._checked_parts, self._csr = self._snapshot(), None
+
+    def __getstate__(self):  # pickled or deep-copied: its parts are checked again at the copy's first product
+        return {**super().__getstate__(), "_checked_parts": ((), ())}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # refused before anything is copied in
+        given = {p: state_dict.get(prefix + p, t) for p, t in self.parts.items()}
+        if any(torch.is_tensor(t) and t is not self.parts[p] for p, t in given.items()):
+            check_layout(prefix + "weight", self.layout, (self.out_features, self.in_features), given)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def cpu_path(self) -> str:
@@ -173,6 +200,8 @@ class SparseLinear(torch.nn.Module):
         path = self._path_for(flat)
         if path is None:
             return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if not torch.compiler.is_compiling():  # compiled: the checks at construction and at load_state_dict only
+            self._check_parts()
         if path == "csr":
             y = K.csr_matmul(self._csr_weight(), flat)
             y = (y if self.bias is None else y + self.bias.float()).to(x.dtype)

@@ -83,6 +83,7 @@ class FusedLinear(SparseLinear):
             if given else None
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self._cpu_path, self._csr = lead._cpu_path, None
+        self.name, self._checked_parts = f"{lead.name} and its siblings", ((), ())  # checked as any layout at the first product
         self.own = lead.out_features       # the lead's columns: the first ``own`` of the product
         self.pending = Pending()
 

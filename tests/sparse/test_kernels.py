@@ -159,3 +159,70 @@ def test_cuda_tensors_take_the_dense_fallback():
     sparse = SparseLinear.from_dense(linear).cuda()
     x = torch.randn(2, 3, 64)
     assert torch.allclose(sparse(x.cuda()).cpu(), linear(x), rtol=1e-4, atol=1e-5)
+
+
+CORRUPT = {  # a part of a loaded SparseLinear rewritten: each would send a kernel past the input or the values
+    "deltas": lambda parts: parts["deltas"].fill_(255),  # columns thousands past the last
+    "row_offsets": lambda parts: parts["row_offsets"].__setitem__(-1, 1 << 30),  # the last row 2^30 entries long
+    "middle offset": lambda parts: parts["row_offsets"].__setitem__(3, 1 << 30),  # offsets no longer rising
+}
+
+
+@pytest.mark.parametrize("layout", ["delta8", "cols16"])
+@pytest.mark.parametrize("kind", sorted(CORRUPT))
+def test_a_state_dict_that_would_read_out_of_bounds_is_refused_before_it_is_copied_in(kind, layout):
+    """load_state_dict into a sparse-mode model (same shapes, other contents: a sixth audit's find drove the C++ kernel
+    out of bounds, NaNs from heap bytes or a segfault) is refused naming the weight, and the module keeps its parts."""
+    from elsa_ds.sparse import SparseCheckpointError
+
+    sparse = SparseLinear.from_dense(torch.nn.Linear(300, 9)).to_layout(layout)
+    state = {k: v.clone() for k, v in sparse.state_dict().items()}
+    if layout == "cols16" and kind == "deltas":
+        state["cols"].fill_(-1)  # column 65535
+    else:
+        CORRUPT[kind](state)
+    before = {k: v.clone() for k, v in sparse.state_dict().items()}
+    with pytest.raises(SparseCheckpointError, match="corrupt"):
+        torch.nn.Sequential(sparse).load_state_dict({f"0.{k}": v for k, v in state.items()})
+    assert all(torch.equal(before[k], v) for k, v in sparse.state_dict().items())
+
+
+WRITTEN_IN_PLACE = """
+import pickle, sys, torch
+from elsa_ds.sparse import SparseCheckpointError
+from elsa_ds.sparse.linear import SparseLinear
+sparse = SparseLinear.from_dense(torch.nn.Linear(300, 9), decode_path=sys.argv[1])
+sparse = pickle.loads(pickle.dumps(sparse))  # a copy checks its parts again, as the original does
+with torch.no_grad():
+    {change}
+try:
+    sparse(torch.randn(1, 300))
+except SparseCheckpointError as err:
+    print("refused:", err)
+else:
+    print("decoded")
+"""
+
+
+@pytest.mark.parametrize("path", ["kernel", "csr"])
+@pytest.mark.parametrize("change", ["sparse.deltas.fill_(255)", "sparse.row_offsets[3] = 1 << 40"])
+def test_a_part_written_in_place_is_checked_again_before_a_kernel_reads_it(path, change, request):
+    """Parts changed after the module was built (an in-place write bumps the tensor's version) are checked again at the
+    next product, once: refused in one line, never read past the input (run apart: the old code crashed its process)."""
+    import subprocess
+    import sys
+
+    if path == "kernel":
+        request.getfixturevalue("kernel")
+    proc = subprocess.run([sys.executable, "-c", WRITTEN_IN_PLACE.replace("{change}", change), path], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("refused: weight: "), (proc.returncode, proc.stdout, proc.stderr[-2000:])
+
+
+def test_the_kernel_checks_the_sizes_it_is_given(kernel):
+    """The C++ kernel's own O(1) checks: offsets that do not end at the values' count are an error, not a read past them."""
+    parts = encode_delta8(_weight(9, 300, 0.9, torch.float32))
+    parts["row_offsets"] = parts["row_offsets"].clone()
+    parts["row_offsets"][-1] = 1 << 40
+    with pytest.raises(RuntimeError, match="row_offsets do not run from 0"):
+        K.kernel_matmul(kernel, parts, torch.randn(1, 300), 9)

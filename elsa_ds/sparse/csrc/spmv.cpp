@@ -155,15 +155,21 @@ void dispatch(const V* values, const uint8_t* deltas, const int64_t* offsets, co
 
 }  // namespace
 
-// xt: fp32 [cols, nb] (nb = 1: just x), yt: fp32 [rows, nb]; checks of shapes and codes are done by the caller.
+// xt: fp32 [cols, nb] (nb = 1: just x), yt: fp32 [rows, nb]. The codes' contents (offsets rising, each row's columns
+// within xt) are the caller's to check (format.check_layout, again whenever a part changed); the sizes are checked here.
 // portable: the plain loops even where the AVX-512 ones are built
 void delta8_matmul(torch::Tensor values, torch::Tensor deltas, torch::Tensor row_offsets, torch::Tensor xt, torch::Tensor yt,
                    bool portable) {
     TORCH_CHECK(xt.scalar_type() == torch::kFloat32 && yt.scalar_type() == torch::kFloat32, "delta8 kernel: x and y are fp32");
     TORCH_CHECK(xt.is_contiguous() && yt.is_contiguous() && values.is_contiguous() && deltas.is_contiguous(), "contiguous");
+    TORCH_CHECK(row_offsets.scalar_type() == torch::kInt64 && row_offsets.dim() == 1 && row_offsets.is_contiguous() &&
+                deltas.scalar_type() == torch::kUInt8 && xt.dim() == 2 && yt.dim() == 2, "delta8 kernel: parts' dtypes and dims");
     const int64_t rows = row_offsets.numel() - 1, nb = xt.size(1);
+    TORCH_CHECK(rows >= 0 && rows == yt.size(0) && nb == yt.size(1) && values.numel() == deltas.numel(),
+                "delta8 kernel: sizes disagree");
     const uint8_t* d = deltas.data_ptr<uint8_t>();
     const int64_t* off = row_offsets.data_ptr<int64_t>();
+    TORCH_CHECK(off[0] == 0 && off[rows] == values.numel(), "delta8 kernel: row_offsets do not run from 0 to the values' count");
     if (values.scalar_type() == torch::kBFloat16) {
         dispatch(reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()), d, off, xt.data_ptr<float>(),
                  yt.data_ptr<float>(), rows, nb, portable);
