@@ -56,6 +56,29 @@ def test_local_txt_jsonl_parquet(tmp_path):
         list(iter_texts(str(tmp_path / "d.jsonl"), "train"))
 
 
+def test_a_parquet_file_that_expands_past_its_cap_is_refused_before_its_rows_are_built(tmp_path):
+    """A Parquet file is data from elsewhere: its text is sized from the file's own metadata and its dictionary's lengths
+    before any row becomes a string (a 1 KB file naming one 16 MiB string 64 times took 21 GB, a sixth audit). A
+    dictionary of short repeated strings, as real files hold, still reads."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    big = pa.array(["a" * (16 * 2**20)])
+    repeated = pa.DictionaryArray.from_arrays(pa.array([0] * 8, pa.int32()), big)  # 128 MiB of text in one 16 MiB entry
+    pq.write_table(pa.table({"text": repeated}), tmp_path / "dict.parquet", compression="zstd")
+    pq.write_table(pa.table({"text": pa.array(["a" * (100 * 2**20)])}), tmp_path / "plain.parquet", compression="zstd",
+                   use_dictionary=False)  # declared 100 MiB uncompressed: refused before reading
+    for name, size in (("dict", 8 * 16 * 2**20), ("plain", 100 * 2**20)):
+        path = tmp_path / f"{name}.parquet"
+        assert path.stat().st_size < 2**20
+        with pytest.raises(ElsaError, match=r"holds [\d,]+ bytes or more, over .* refused as a decompression bomb") as err:
+            list(iter_texts(str(path), "train", holdout_part=False))
+        assert size <= int(str(err.value).split(" holds ")[1].split()[0].replace(",", "")) < size + 2**10  # headers
+    words = pa.DictionaryArray.from_arrays(pa.array([i % 3 for i in range(5000)], pa.int32()), pa.array(["to", "be", "or"]))
+    pq.write_table(pa.table({"text": words, "id": list(range(5000))}), tmp_path / "ok.parquet", row_group_size=1000)
+    assert list(iter_texts(str(tmp_path / "ok.parquet"), "train", holdout_part=False)) == ["to", "be", "or"] * 1666 + ["to", "be"]
+
+
 def test_unknown_source_is_an_error():
     with pytest.raises(ElsaError):
         list(iter_texts("./no/such/file.txt", "train"))
