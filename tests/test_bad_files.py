@@ -256,6 +256,26 @@ def test_a_non_finite_float_in_a_recipe_or_from_the_api_is_refused(tmp_path, sto
         elsa_ds.prune(str(DEMO_MODEL_DIR), "shakespeare", output_dir=tmp_path / "o", lr=float("inf"))
 
 
+BIG = "9" * 400  # past ~1.8e308: no float holds it
+
+
+@pytest.mark.parametrize("flags,needle", [(["--steps", BIG], "at most 9,007,199,254,740,992"),
+                                          (["--nsamples", BIG], "at most 9,007,199,254,740,992"),
+                                          (["--val_windows", BIG], "at most 9,007,199,254,740,992"),
+                                          (["--seed", str(2**64)], "[0, 4294967295]"), (["--seed", "-1"], "[0, 4294967295]")],
+                         ids=["steps", "nsamples", "val_windows", "seed 2**64", "seed -1"])
+def test_a_whole_number_past_what_the_run_computes_with_is_refused_up_front(flags, needle, tmp_path, stop_at_the_job):
+    """An audit (2026-12-06): a 400-digit --steps, --nsamples or --val_windows ended the step-time or memory estimate in an
+    OverflowError traceback; --seed 2**64 was torch.manual_seed's ValueError after the SparseGPT warm start."""
+    one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", *flags)[:2], f"{flags[0].removeprefix('--')}=", needle)
+    if flags[0] != "--seed":  # the estimate reads no seed
+        one_line(*_estimate(DEMO_MODEL_DIR, *flags)[:2], needle)
+    recipe = tmp_path / "r.json"
+    recipe.write_text(f'{{"source": "a test", "settings": {{"{flags[0].removeprefix("--")}": {flags[1]}}}}}')
+    one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", "--recipe", str(recipe))[:2], "recipe", needle)
+    assert not (tmp_path / "o").exists()
+
+
 # ---- a schedule the run cannot reach ------------------------------------------------------------------------------------
 def test_a_warm_up_as_long_as_the_run_is_refused(tmp_path, stop_at_the_job):
     one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", "--warmup_steps", "8", "--lr", "1e-3")[:2], "warmup_steps", "steps")
@@ -351,6 +371,85 @@ def test_a_value_elsa_ds_reads_of_another_type_is_named_before_the_model_loads(t
     path.write_text(json.dumps(raw))
     code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--deepspeed", str(path))
     one_line(code, err, f'"{key}" must be {kind}, not {json.dumps(value)}', str(path))
+    assert not (tmp_path / "o").exists()
+
+
+OUT_OF_RANGE = [("zero_optimization.reduce_bucket_size", "big", "must be a number, not \"big\""),
+                ("zero_optimization.sub_group_size", int(BIG), "must be a number in [0, 9,007,199,254,740,992]"),
+                ("zero_optimization.offload_optimizer.ratio", int(BIG), "must be a number in [0, 1]"),
+                ("zero_optimization.offload_param.buffer_size", int(BIG), "must be a number in [0, 9,007,199,254,740,992]"),
+                ("zero_optimization.stage3_max_live_parameters", float("inf"), "not Infinity"),
+                ("gradient_clipping", float("nan"), "must be a number of at least 0, finite, not NaN"),
+                ("gradient_clipping", "one", "must be a number, not \"one\""),
+                ("checkpoint.tag_validation", "Nonsense", "must be one of WARN, IGNORE, FAIL"),
+                ("flops_profiler.output_file", "/tmp", "'/tmp' is a folder")]
+
+
+@pytest.mark.parametrize("key,value,needle", OUT_OF_RANGE, ids=[f"{k}={v}"[:60] for k, v, _ in OUT_OF_RANGE])
+def test_a_deepspeed_value_out_of_its_range_or_one_deepspeed_reads_late_is_named_up_front(tmp_path, key, value, needle,
+                                                                                           stop_at_the_job):
+    """An audit (2026-12-06): a reduce_bucket_size of "big", a 400-digit sub_group_size, ratio or buffer_size ended the
+    estimate (and the job's pre-flight) in a ValueError or OverflowError traceback; a gradient_clipping of "one", a
+    checkpoint.tag_validation of "Nonsense" and an enabled flops profiler's output_file naming a folder failed in
+    DeepSpeed after the model load and the warm start (a NaN clip would silently never clip)."""
+    raw = json.loads((Path(elsa_ds.__file__).parent.parent / "ds_configs" / "zero3_offload.json").read_text())
+    *sections, last = key.split(".")
+    node = raw
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[last] = value
+    if key.startswith("flops_profiler"):
+        node["enabled"] = True
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(raw))
+    code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--deepspeed", str(path))
+    one_line(code, err, f'"{key}"', needle, str(path))
+    one_line(*run_main(cli.main_estimate, ["--model", str(DEMO_MODEL_DIR), "--deepspeed", str(path)])[:2], f'"{key}"', needle)
+    assert not (tmp_path / "o").exists()
+
+
+def _within(seconds: int, what: str) -> None:
+    """A hang fails the test (SIGALRM) instead of the suite."""
+    import signal
+
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail(f"{what} waited on a FIFO"))
+    signal.alarm(seconds)
+
+
+def test_a_fifo_among_a_sparse_marked_model_folders_weights_is_refused_not_waited_on(tmp_path, stop_at_the_job):
+    """An audit (2026-12-06): a config.json with an "elsa_sparse" block and a FIFO named zz.safetensors: the
+    sparse-checkpoint check opened the FIFO and waited for good, the output's lock held."""
+    import os
+    import signal
+
+    model = demo_copy(tmp_path / "model")
+    _edit_json(model / "config.json", lambda c: {**c, "elsa_sparse": {}})
+    os.mkfifo(model / "zz.safetensors")
+    _within(60, "the model folder's check")
+    try:
+        one_line(*_prune(model, tmp_path / "o")[:2], "zz.safetensors is not a regular file")
+    finally:
+        signal.alarm(0)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("given", ["recipe", "command line"])
+def test_a_sparsity_profile_that_is_a_fifo_is_refused_not_waited_on(given, tmp_path, stop_at_the_job):
+    """An audit (2026-12-06): a recipe naming "sparsity_profile": "p.json" beside it, a FIFO there, waited for a writer for
+    good; the same reader refuses one given on the command line too."""
+    import os
+    import signal
+
+    (tmp_path / "r").mkdir()
+    os.mkfifo(tmp_path / "r" / "p.json")
+    (tmp_path / "r" / "recipe.json").write_text(json.dumps({"source": "x", "settings": {"sparsity_profile": "p.json"}}))
+    flags = ["--recipe", str(tmp_path / "r" / "recipe.json")] if given == "recipe" else ["--sparsity_profile",
+                                                                                          str(tmp_path / "r" / "p.json")]
+    _within(60, "the sparsity profile's reader")
+    try:
+        one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", *flags)[:2], "sparsity_profile", "p.json", "not a regular file")
+    finally:
+        signal.alarm(0)
     assert not (tmp_path / "o").exists()
 
 

@@ -62,10 +62,12 @@ class NotRegularFile(OSError):
         self.what = what
 
 
-def open_regular(path: Path) -> BinaryIO:
+def open_regular(path: Path, follow: bool = False) -> BinaryIO:
     """``path`` opened once for reading, so that what is checked through the handle is the file read through it: not
-    through a link at its last component, and a FIFO or a device is refused, not waited on (NotRegularFile)."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    through a link at its last component (``follow``: through one too, as a hub snapshot's links into its blobs are
+    read), and a FIFO or a device is refused, not waited on (NotRegularFile)."""
+    nofollow = 0 if follow else getattr(os, "O_NOFOLLOW", 0)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | nofollow | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
     except OSError as err:

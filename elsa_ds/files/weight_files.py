@@ -8,6 +8,7 @@ download's links into its cache repository's ``blobs/`` excepted: ``within``).
 """
 from __future__ import annotations
 
+import os
 import re
 import struct
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -28,9 +29,15 @@ SHARD_INDEXES = (SAFETENSORS_INDEX, BIN_INDEX, SPARSE_INDEX)
 def read_header(file: Path) -> tuple[int, Any]:
     """(header length, the header parsed) of a safetensors file; ValueError saying what is wrong when it has none.
 
-    The header is whatever JSON the file holds (normally a dict of tensor entries): callers check its shape."""
-    size = file.stat().st_size
-    with file.open("rb") as fh:
+    The header is whatever JSON the file holds (normally a dict of tensor entries): callers check its shape. A FIFO or a
+    device is refused, never opened to wait on (an audit: a FIFO named zz.safetensors in a folder whose config.json says
+    elsa-sparse hung the sparse-checkpoint check for good, the output's lock held)."""
+    try:
+        handle = torch_files.open_regular(file, follow=True)
+    except torch_files.NotRegularFile as err:
+        raise ValueError(err.what) from None
+    with handle as fh:
+        size = os.fstat(fh.fileno()).st_size
         head = fh.read(8)
         if len(head) < 8:
             raise ValueError(f"{size} bytes, no header")

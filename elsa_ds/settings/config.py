@@ -22,7 +22,7 @@ from elsa_ds.data.sources import DEMO_DATASET, FILE_NOT_MODEL, looks_local
 from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
-from elsa_ds.settings.config_checks import cross_checks, not_a_percentage
+from elsa_ds.settings.config_checks import bounded_int, cross_checks, not_a_percentage
 from elsa_ds.settings.config_files import (PATH_SETTINGS, CommaList, PathList, check_each_source, comma_list, compile_regex,
                                           load_profile, load_recipe as _load_recipe, name_problem, resume_place, usable_path)
 from elsa_ds.targets import LayerGoal, layer_goals
@@ -42,8 +42,6 @@ RESUME_MUST_MATCH = ("model", "method", "finetune", "lora_rank", "lora_alpha", "
                      "lr_final_ratio", "seqlen", "seed", "val_dataset", "sampling", "ppl_protocol", "val_windows", "freeze_embeddings")
 # settings added since checkpoints were first written: their value before then
 RESUME_DEFAULTS = {"hold_steps": 0, "init_weights": False, "balance_mu": 1.5, "balance_tau": 2.0, "relaxation": 1.0}
-
-
 
 
 def _group(name: str, metavar: str | None = None) -> dict[str, Any]:
@@ -337,6 +335,7 @@ class ElsaConfig(BaseModel):
 
     _usable_paths = field_validator(*PATH_SETTINGS, mode="before")(usable_path)  # before their checks ask the file system
     _cross_checks = model_validator(mode="after")(cross_checks)  # a schedule the run reaches, whole --init_mask files
+    _bounded_ints = field_validator("*")(bounded_int)  # every int: exact as a float (the estimates'); the seed: every seeder's
 
     @property
     def is_demo(self) -> bool:

@@ -23,6 +23,28 @@ from elsa_ds.files.weight_files import check_weight_files
 from elsa_ds.methods import Method, oneshot_names
 
 
+# Every whole number of the settings is a count that the estimates and the schedule also compute with in floats: past
+# 2**53 a float no longer holds it exactly, and past ~1.8e308 float() overflows (an audit: a 400-digit --steps, --nsamples
+# or --val_windows ended the step-time or memory estimate in an OverflowError traceback). The seed feeds torch.manual_seed
+# (at most 2**64 - 1), a torch.Generator's seed + epoch (the data order) and random.Random (any int); numpy's seeders,
+# should one be fed it, take at most 2**32 - 1: the seed keeps to [0, 2**32 - 1], which every one of them takes (an
+# audit: --seed 2**64 was a ValueError from torch.manual_seed after the SparseGPT warm start).
+INT_LIMIT, SEED_LIMIT = 2**53, 2**32 - 1
+
+
+def bounded_int(cls: Any, value: Any, info: Any) -> Any:
+    """A settings model's check of each of its whole-number fields, one rule for all (a field added later included):
+    ValueError naming the bound for one past INT_LIMIT, or for the seed one outside [0, SEED_LIMIT]."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return value
+    if info.field_name == "seed" and not 0 <= value <= SEED_LIMIT:
+        raise ValueError(f"a seed must be a whole number in [0, {SEED_LIMIT}] (2**32 - 1: what torch, random and numpy all "
+                         "take as a seed)")
+    if abs(value) > INT_LIMIT:
+        raise ValueError(f"must be at most {INT_LIMIT:,} (2**53, the most a float holds exactly: more than any run counts)")
+    return value
+
+
 def trained_steps(cfg: Any) -> int | None:
     """Optimizer steps the job trains: ELSA's steps, or --finetune's; None for a one-shot job, which trains nothing."""
     if cfg.finetune is not None:

@@ -19,6 +19,7 @@ from typing import Any
 from elsa_ds.errors import ElsaError
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.config_files import read_json_object
+from elsa_ds.zero.ds_values import check_values
 
 AUTO = "auto"
 # DeepSpeed needs these to accept a wrapper around an arbitrary torch optimizer under offload
@@ -297,39 +298,14 @@ def _unresolvable_autos(raw: dict[str, Any], prefix: tuple[str, ...] = ()) -> li
     return found
 
 
-SECTIONS = ("zero_optimization", "bf16", "fp16", "elsa", "checkpoint", "optimizer", "scheduler", "tensorboard", "csv_monitor")
+SECTIONS = ("zero_optimization", "bf16", "fp16", "elsa", "checkpoint", "optimizer", "scheduler", "tensorboard", "csv_monitor",
+            "flops_profiler", "aio", "data_types")
 # DeepSpeed's file monitors write under os.path.join(output_path, job_name): a name with a separator, "..", or an absolute
 # one, would put a config file's logs outside the folder it names
 FILE_MONITORS = ("tensorboard", "csv_monitor")
 # keys whose values DeepSpeed imports as Python (runtime/torch_autocast.py: importlib.import_module of each name): a
 # config file is data, so they are refused (unset, DeepSpeed's own list of module classes applies)
 CODE_KEYS = (("torch_autocast", "lower_precision_safe_modules"),)
-
-
-# The values elsa_ds reads itself before DeepSpeed does, by the JSON types they may have (a second audit: a ratio of
-# "half", a list of params, a buffer_count of "many" ended the check in a traceback; a device of ["nvme"] or an nvme_path
-# of 5 passed it, and DeepSpeed refused them only after the model was built).
-_NUMBER, _WHOLE, _TEXT, _OBJECT = ("a number", (int, float)), ("a whole number", (int,)), ("a string", (str,)), ("an object", (dict,))
-TYPED: dict[tuple[str, ...], tuple[str, tuple[type, ...]]] = {
-    **{("zero_optimization", sec, key): kind for sec in ("offload_param", "offload_optimizer")
-       for key, kind in (("device", _TEXT), ("nvme_path", _TEXT), ("buffer_count", _WHOLE), ("ratio", _NUMBER))},
-    ("zero_optimization", "offload_param", "buffer_size"): _NUMBER,
-    ("optimizer", "type"): _TEXT, ("optimizer", "params"): _OBJECT, ("scheduler", "params"): _OBJECT,
-    ("bf16", "enabled"): ("true or false", (bool,)), ("fp16", "enabled"): ("true or false", (bool,))}
-
-
-def _check_types(raw: dict[str, Any], path: Path) -> None:
-    """ElsaError naming the first of :data:`TYPED` whose value is of another type ("auto" and null pass: resolved or
-    left to DeepSpeed's default)."""
-    for keys, (kind, types) in TYPED.items():
-        value: Any = raw
-        for key in keys:
-            value = value.get(key) if isinstance(value, dict) else None
-        if value is None or value == AUTO:
-            continue
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise ElsaError(f"DeepSpeed config {path}: \"{'.'.join(keys)}\" must be {kind}, not {json.dumps(value)[:40]}; "
-                            "fix the file or pass a shipped config with --deepspeed")
 
 
 def _check_sections(raw: dict[str, Any], path: Path) -> None:
@@ -341,7 +317,7 @@ def _check_sections(raw: dict[str, Any], path: Path) -> None:
         if not isinstance(value, dict):
             raise ElsaError(f"DeepSpeed config {path}: \"{name}\" must be a JSON object, not {type(value).__name__} "
                             f"({json.dumps(value)[:40]}); fix the file or pass a shipped config with --deepspeed")
-    _check_types(raw, path)
+    check_values(raw, path)  # each value read before DeepSpeed checks it: its type and range
     for section in FILE_MONITORS:
         name = raw.get(section, {}).get("job_name", "DeepSpeedJobName")
         if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):

@@ -1,0 +1,106 @@
+"""The values of a DeepSpeed JSON that are read before DeepSpeed checks them: those elsa_ds reads itself (the memory and
+step-time estimates, the engine config's own checks) by their JSON types and ranges, and those DeepSpeed reads only once
+the model is built and warm-started; each wrong one is refused in one line naming its key when the file is loaded.
+
+Audits found: a ratio of "half", a list of params or a buffer_count of "many" ending the check in a traceback, a device
+of ["nvme"] or an nvme_path of 5 passing it for DeepSpeed to refuse after the model was built; a reduce_bucket_size of
+"big", or a sub_group_size, ratio or buffer_size of 400 digits (no float holds it) ending the estimate in a ValueError or
+OverflowError; a gradient_clipping of "one" (a TypeError at the first step; a NaN would silently never clip), a
+checkpoint.tag_validation of "Nonsense" and a flops_profiler output_file naming a folder failing in DeepSpeed after
+minutes of loading.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from elsa_ds.errors import ElsaError
+
+AUTO = "auto"
+COUNT_LIMIT = 2**53  # elements, buffers, batches: more than any machine holds, and the most a float holds exactly
+# DeepSpeed's CHECKPOINT_TAG_VALIDATION_MODES (deepspeed/runtime/constants.py, ValidationMode), read upper-cased
+# (runtime/config.py, get_checkpoint_tag_validation_mode)
+TAG_VALIDATION_MODES = ("WARN", "IGNORE", "FAIL")
+
+
+class Kind(NamedTuple):
+    """What a value must be: ``what`` in words, its JSON ``types``, and for a number the range [``low``, ``high``] it
+    keeps to, finite (``high`` None: no bound above but a float's)."""
+
+    what: str
+    types: tuple[type, ...]
+    low: float | None = None
+    high: float | None = None
+
+
+_NUMBERS = (int, float)
+_TEXT, _OBJECT, _BOOL = Kind("a string", (str,)), Kind("an object", (dict,)), Kind("true or false", (bool,))
+_COUNT, _WHOLE = Kind("a number", _NUMBERS, 0, COUNT_LIMIT), Kind("a whole number", (int,), 0, COUNT_LIMIT)
+_ZERO = "zero_optimization"
+# DeepSpeed's own bounds where it has them (runtime/zero/config.py, offload_config.py: reduce_bucket_size > 0, a ratio in
+# [0, 1], the counts >= 0); a batch is at least one sequence; gradient_clipping a finite norm (0: no clipping)
+TYPED: dict[tuple[str, ...], Kind] = {
+    **{(_ZERO, sec, key): kind for sec in ("offload_param", "offload_optimizer")
+       for key, kind in (("device", _TEXT), ("nvme_path", _TEXT), ("buffer_count", _WHOLE), ("ratio", Kind("a number", _NUMBERS, 0, 1)))},
+    (_ZERO, "offload_param", "buffer_size"): _COUNT, (_ZERO, "offload_param", "max_in_cpu"): _COUNT,
+    (_ZERO, "reduce_bucket_size"): Kind("a number", _NUMBERS, 1, COUNT_LIMIT),
+    **{(_ZERO, key): _COUNT for key in ("sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                                        "stage3_max_live_parameters", "stage3_max_reuse_distance")},
+    **{(key,): Kind("a whole number", (int,), 1, COUNT_LIMIT)
+       for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")},
+    ("gradient_clipping",): Kind("a number", _NUMBERS, 0), ("aio", "block_size"): _COUNT,
+    ("optimizer", "type"): _TEXT, ("optimizer", "params"): _OBJECT, ("scheduler", "params"): _OBJECT,
+    ("bf16", "enabled"): _BOOL, ("fp16", "enabled"): _BOOL}
+FIX = "fix the file or pass a shipped config with --deepspeed"
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _range(kind: Kind) -> str:
+    return f"{kind.what} of at least {kind.low:g}, finite" if kind.high is None else f"{kind.what} in [{kind.low:g}, {kind.high:,}]"
+
+
+def _in_range(value: Any, kind: Kind) -> bool:
+    """Whether a number lies in ``kind``'s range, finite (an int is compared exactly: no float holds 400 digits)."""
+    high = math.inf if kind.high is None else kind.high
+    return kind.low is not None and kind.low <= value <= high and (isinstance(value, int) or math.isfinite(value))
+
+
+def check_values(raw: dict[str, Any], path: Path) -> None:
+    """ElsaError naming the first value of :data:`TYPED` of another type or out of its range ("auto" and null pass:
+    resolved, or left to DeepSpeed's default), then :func:`check_deepspeed_reads`."""
+    for keys, kind in TYPED.items():
+        value: Any = raw
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is None or value == AUTO:
+            continue
+        where = f"DeepSpeed config {path}: \"{'.'.join(keys)}\""
+        if not isinstance(value, kind.types) or (isinstance(value, bool) and bool not in kind.types):
+            raise ElsaError(f"{where} must be {kind.what}, not {_shown(value)}; {FIX}")
+        if kind.low is not None and not _in_range(value, kind):
+            raise ElsaError(f"{where} must be {_range(kind)}, not {_shown(value)}; {FIX}")
+    check_deepspeed_reads(raw, path)
+
+
+def check_deepspeed_reads(raw: dict[str, Any], path: Path) -> None:
+    """ElsaError for a value elsa_ds never reads that DeepSpeed would refuse (or fail on) only after the model is built:
+    a checkpoint.tag_validation not among DeepSpeed's modes, an enabled flops profiler's output_file that is no file's
+    path. Its sections are JSON objects (``ds_config._check_sections``)."""
+    mode = raw.get("checkpoint", {}).get("tag_validation")
+    if mode is not None and (not isinstance(mode, str) or mode.upper() not in TAG_VALIDATION_MODES):
+        raise ElsaError(f'DeepSpeed config {path}: "checkpoint.tag_validation" must be one of {", ".join(TAG_VALIDATION_MODES)} '
+                        f"(any case), not {_shown(mode)}; {FIX}")
+    profiler = raw.get("flops_profiler", {})
+    out = profiler.get("output_file")
+    if profiler.get("enabled") and out not in (None, ""):  # none: DeepSpeed prints the profile
+        if not isinstance(out, str) or os.path.isdir(out):
+            what = f"{out!r} is a folder" if isinstance(out, str) else f"is {_shown(out)}"
+            raise ElsaError(f'DeepSpeed config {path}: "flops_profiler.output_file" {what}; it must be the path of a file '
+                            "for DeepSpeed to write the profile to (or leave it out: the profile is printed)")
