@@ -120,6 +120,8 @@ class ConsoleHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+            if stream is None:  # closed when the process started (pythonw, >&-): nowhere to write, as print's None
+                return
             stream.write(self.format(record) + "\n")
             stream.flush()
         except Exception:  # logging's contract: a broken console never raises into the job

@@ -11,6 +11,7 @@ the code; a failing job keeps its own here, which says more).
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, TextIO
 
@@ -63,11 +64,34 @@ class SteadyStream:
 
 
 def install() -> None:
-    """sys.stdout and sys.stderr as :class:`SteadyStream` (once; a stream that is None, as under pythonw, is left)."""
+    """sys.stdout and sys.stderr as :class:`SteadyStream` (once), after :func:`reopen_closed`."""
+    reopen_closed()
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, SteadyStream):
             setattr(sys, name, SteadyStream(stream, name))
+
+
+def reopen_closed() -> None:
+    """A standard descriptor closed when the command started (``>&-``, ``2>&-``, ``<&-``: Python leaves its stream None)
+    opened on the null device, before a file the job opens takes its number: the output's lock took descriptor 1, where
+    a library's C-level write or a child's output would have landed (a sixth audit; DeepSpeed's op build then flushed
+    None, a traceback). Its Python stream writes there, as a command's output nobody reads. A number taken already is
+    left as it is."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        if getattr(sys, name) is not None:
+            continue
+        try:
+            os.fstat(fd)
+            continue  # open again since: a file of the process's own holds the number
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        os.set_inheritable(fd, True)  # a child's standard descriptor too, as the closed one would have been given
+        setattr(sys, name, open(fd, mode, closefd=False, encoding="utf-8", errors="backslashreplace"))
 
 
 def lost() -> dict[str, str]:

@@ -535,3 +535,36 @@ def test_the_entry_points_end_as_commands(entry, monkeypatch):
     proc = subprocess.run([sys.executable, "-c", probe + run], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == _parsers()[entry.split("/")[-1].removeprefix("elsa-")]().format_help()
+
+
+CLOSED_AT_START = """
+import os, subprocess, sys
+from elsa_ds.errors import run_command
+from elsa_ds.log import ConsoleHandler
+import logging
+
+def main():
+    kept = open(sys.argv[1], "a")  # a file the job opens (the output's lock took descriptor 1 with >&-)
+    sys.stderr.write(f"the job's file is descriptor {kept.fileno()}\\n")
+    print("a line nobody reads", flush=True)
+    os.write(1, b"a C-level write\\n")
+    subprocess.run(["echo", "a child's output"], check=True)
+    record = logging.LogRecord("elsa_ds", logging.INFO, "", 0, "a log line", None, None)
+    ConsoleHandler(0).handle(record)
+    kept.close()
+    return 0
+
+run_command(main)
+"""
+
+
+def test_a_command_started_with_its_stdout_closed_writes_nowhere_and_not_into_its_own_files(tmp_path):
+    """A sixth audit: with descriptor 1 closed when the command started (``>&-``), sys.stdout was None (each log line a
+    30-line "Logging error"; elsa-prune stopped in DeepSpeed's op build flushing None), and the first file the job opened,
+    the output's lock, took descriptor 1: a C-level write or a child's output would land in it. Now the descriptor is
+    the null device's before main runs."""
+    kept = tmp_path / "kept"
+    proc = subprocess.run([sys.executable, "-c", CLOSED_AT_START, str(kept)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1), timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "the job's file is descriptor 3\n", proc.stderr[-2000:]
+    assert kept.read_text() == ""
