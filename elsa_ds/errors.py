@@ -7,6 +7,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import signal
 import socket
 import stat
@@ -134,8 +135,18 @@ def format_validation_error(err: Any, where: str, model: Any, errors: list | Non
         elif e["type"] == "extra_forbidden":
             parts.append(f"{field}: unknown setting (known: {', '.join(sorted(model.model_fields))})")
         else:
-            parts.append(f"{field}={e.get('input')!r}: {msg}")
+            parts.append(f"{field}={_shown(e.get('input'))}: {msg}")
     return f"invalid setting in {where}: " + "; ".join(parts)
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """A refused value as the line quotes it: its repr, cut past ``limit`` characters (a 10,000-digit --steps was quoted
+    whole; past 4,300 digits repr itself raises)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<a {type(value).__name__} too long to show>"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def first_line(err: BaseException, limit: int = 300) -> str:
@@ -205,7 +216,8 @@ class OneLineParser(argparse.ArgumentParser):
     and what it took, exit 2 (argparse itself prints the whole usage, dozens of lines, before its message)."""
 
     def error(self, message: str) -> NoReturn:
-        line = f"elsa_ds: error: {self.prog}: {message} (see {self.prog} --help)"
+        message = re.sub(r"'([^']{60})[^']{20,}'", lambda m: f"'{m[1]}...' ({len(m[0]) - 2:,} characters)", message)  # a value
+        line = f"elsa_ds: error: {self.prog}: {message} (see {self.prog} --help)"  # quoted whole: 10,000 digits of --steps
         if first_to_say(line):
             stderr_line(line)
         raise SystemExit(2)

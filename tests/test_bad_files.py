@@ -276,6 +276,14 @@ def test_a_whole_number_past_what_the_run_computes_with_is_refused_up_front(flag
     assert not (tmp_path / "o").exists()
 
 
+def test_a_long_refused_value_is_quoted_cut(tmp_path, stop_at_the_job):
+    """An audit: a refusal quoted a 400- or 10,000-digit value whole (one line, but of 10,000 characters)."""
+    for digits, where in ((400, "steps="), (10_000, "argument --steps: invalid int value")):
+        code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--steps", "9" * digits)[:3]
+        one_line(code, err, where, "9" * 60 + "...", f"({digits:,} characters)")
+        assert len(err) < 600, err
+
+
 # ---- a schedule the run cannot reach ------------------------------------------------------------------------------------
 def test_a_warm_up_as_long_as_the_run_is_refused(tmp_path, stop_at_the_job):
     one_line(*_prune(DEMO_MODEL_DIR, tmp_path / "o", "--warmup_steps", "8", "--lr", "1e-3")[:2], "warmup_steps", "steps")
