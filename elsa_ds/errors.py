@@ -7,7 +7,6 @@ import contextlib
 import errno
 import hashlib
 import os
-import re
 import signal
 import socket
 import stat
@@ -139,14 +138,14 @@ def format_validation_error(err: Any, where: str, model: Any, errors: list | Non
     return f"invalid setting in {where}: " + "; ".join(parts)
 
 
-def _shown(value: Any, limit: int = 60) -> str:
-    """A refused value as the line quotes it: its repr, cut past ``limit`` characters (a 10,000-digit --steps was quoted
-    whole; past 4,300 digits repr itself raises)."""
+def _shown(value: Any, limit: int = 300) -> str:
+    """A refused value as the line quotes it: its repr, its middle cut past ``limit`` characters (a 10,000-digit --steps
+    was quoted whole; past 4,300 digits repr itself raises), the end kept (a path's last names say what is wrong)."""
     try:
         text = repr(value)
     except ValueError:
         return f"<a {type(value).__name__} too long to show>"
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+    return text if len(text) <= limit else f"{text[:limit - 100]}...{text[-60:]} ({len(text):,} characters)"
 
 
 def first_line(err: BaseException, limit: int = 300) -> str:
@@ -216,8 +215,9 @@ class OneLineParser(argparse.ArgumentParser):
     and what it took, exit 2 (argparse itself prints the whole usage, dozens of lines, before its message)."""
 
     def error(self, message: str) -> NoReturn:
-        message = re.sub(r"'([^']{60})[^']{20,}'", lambda m: f"'{m[1]}...' ({len(m[0]) - 2:,} characters)", message)  # a value
-        line = f"elsa_ds: error: {self.prog}: {message} (see {self.prog} --help)"  # quoted whole: 10,000 digits of --steps
+        if len(message) > 1000:  # argparse quotes a value whole: 10,000 digits of --steps, unrecognized arguments
+            message = f"{message[:700]}...{message[-100:]} ({len(message):,} characters)"
+        line = f"elsa_ds: error: {self.prog}: {message} (see {self.prog} --help)"
         if first_to_say(line):
             stderr_line(line)
         raise SystemExit(2)

@@ -32,9 +32,14 @@ def read_text(path: str | Path, limit: int = MAX_BYTES) -> str:
     """The UTF-8 text of ``path``: ValueError when it is larger than ``limit`` bytes (refused before reading it) or not
     UTF-8 (UnicodeDecodeError); OSError as ``open`` raises it, and one saying so for anything but a regular file (an
     audit: a recipe's sparsity_profile naming a FIFO beside it waited for a writer for good): opened without waiting."""
-    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)), "rb") as fh:
-        if stat.S_ISDIR((st := os.fstat(fh.fileno())).st_mode):
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:  # checked before fdopen, which names a folder by its descriptor's number and keeps the descriptor
+        if stat.S_ISDIR((st := os.fstat(fd)).st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)", str(path))
         if st.st_size > limit:

@@ -89,5 +89,6 @@ def resolve_mkl_vml() -> None:
 
 def tensor_version(t: torch.Tensor) -> int:
     """``t``'s version counter: autograd's count of the in-place writes to its storage (``copy_`` by load_state_dict,
-    ``fill_``, an optimizer's step), so a reader can tell that a tensor it checked has changed since."""
-    return int(t._version)
+    ``fill_``, an optimizer's step), so a reader can tell that a tensor it checked has changed since. -1 for a tensor
+    made under ``torch.inference_mode()``, which keeps none (its writes go uncounted)."""
+    return -1 if t.is_inference() else int(t._version)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -280,8 +281,8 @@ def test_a_long_refused_value_is_quoted_cut(tmp_path, stop_at_the_job):
     """An audit: a refusal quoted a 400- or 10,000-digit value whole (one line, but of 10,000 characters)."""
     for digits, where in ((400, "steps="), (10_000, "argument --steps: invalid int value")):
         code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--steps", "9" * digits)[:3]
-        one_line(code, err, where, "9" * 60 + "...", f"({digits:,} characters)")
-        assert len(err) < 600, err
+        one_line(code, err, where, "9" * 60 + "...", "characters)")
+        assert len(err) < 1000, err
 
 
 # ---- a schedule the run cannot reach ------------------------------------------------------------------------------------
@@ -362,7 +363,7 @@ def test_a_deepspeed_json_section_of_the_wrong_type_is_named(tmp_path, section):
 WRONG_TYPES = [("zero_optimization.offload_optimizer.ratio", "half", "a number"), ("optimizer.params", [1], "an object"),
                ("scheduler.params", "x", "an object"), ("zero_optimization.offload_optimizer.buffer_count", "many", "a whole number"),
                ("zero_optimization.offload_param.nvme_path", 5, "a string"), ("zero_optimization.offload_param.device", ["nvme"], "a string"),
-               ("bf16.enabled", 1, "true or false"), ("zero_optimization.offload_param.buffer_size", True, "a number")]
+               ("bf16.enabled", 1, "true or false"), ("zero_optimization.offload_param.buffer_size", True, "a whole number (5e8 is one)")]
 
 
 @pytest.mark.parametrize("key,value,kind", WRONG_TYPES, ids=[k for k, _, _ in WRONG_TYPES])
@@ -382,14 +383,16 @@ def test_a_value_elsa_ds_reads_of_another_type_is_named_before_the_model_loads(t
     assert not (tmp_path / "o").exists()
 
 
-OUT_OF_RANGE = [("zero_optimization.reduce_bucket_size", "big", "must be a number, not \"big\""),
-                ("zero_optimization.sub_group_size", int(BIG), "must be a number in [0, 9,007,199,254,740,992]"),
+OUT_OF_RANGE = [("zero_optimization.reduce_bucket_size", "big", "must be a whole number (5e8 is one), not \"big\""),
+                ("zero_optimization.reduce_bucket_size", 1.5, "must be a whole number (5e8 is one) in [1, "),
+                ("zero_optimization.sub_group_size", int(BIG), "must be a whole number (5e8 is one) in [0, 9,007,199,254,740,992]"),
                 ("zero_optimization.offload_optimizer.ratio", int(BIG), "must be a number in [0, 1]"),
-                ("zero_optimization.offload_param.buffer_size", int(BIG), "must be a number in [0, 9,007,199,254,740,992]"),
+                ("zero_optimization.offload_param.buffer_size", int(BIG), "must be a whole number (5e8 is one) in [0, "),
                 ("zero_optimization.stage3_max_live_parameters", float("inf"), "not Infinity"),
                 ("gradient_clipping", float("nan"), "must be a number of at least 0, finite, not NaN"),
                 ("gradient_clipping", "one", "must be a number, not \"one\""),
                 ("checkpoint.tag_validation", "Nonsense", "must be one of WARN, IGNORE, FAIL"),
+                ("checkpoint.tag_validation", None, "must be one of WARN, IGNORE, FAIL (any case), not null"),
                 ("flops_profiler.output_file", "/tmp", "'/tmp' is a folder")]
 
 
@@ -564,3 +567,21 @@ def test_a_path_given_with_a_tilde_is_the_home_folders_for_every_reader(tmp_path
     (work / "file").write_text("")
     one_line(*run_main(cli.main_evaluate, ["--model", "~/m", "--ppl", "shakespeare", "--output", "file/r.json"])[:2],
              "file is not a directory")
+
+
+def test_a_folder_where_a_json_or_weights_file_is_read_is_named_and_nothing_is_left_open(tmp_path):
+    """A review: with the reads opened without waiting, a folder read as JSON (or as a safetensors header) was named by
+    its descriptor's number ("Is a directory: 53") and each such read left its descriptor open."""
+    from elsa_ds import json_data
+    from elsa_ds.files.weight_files import read_header
+
+    folder = tmp_path / "x.safetensors"
+    folder.mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(IsADirectoryError) as err:
+            json_data.read(folder)
+        assert err.value.filename == str(folder)
+        with pytest.raises(IsADirectoryError):
+            read_header(folder)
+    assert len(os.listdir("/proc/self/fd")) == before

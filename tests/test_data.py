@@ -71,9 +71,18 @@ def test_a_parquet_file_that_expands_past_its_cap_is_refused_before_its_rows_are
     for name, size in (("dict", 8 * 16 * 2**20), ("plain", 100 * 2**20)):
         path = tmp_path / f"{name}.parquet"
         assert path.stat().st_size < 2**20
-        with pytest.raises(ElsaError, match=r"holds [\d,]+ bytes or more, over .* refused as a decompression bomb") as err:
+        with pytest.raises(ElsaError, match=r"holds [\d,]+ bytes or more .*, over .* refused as a decompression bomb") as err:
             list(iter_texts(str(path), "train", holdout_part=False))
         assert size <= int(str(err.value).split(" holds ")[1].split()[0].replace(",", "")) < size + 2**10  # headers
+    pq.write_table(pa.table({"text": pa.array([""] * 3_000_000)}), tmp_path / "rows.parquet")  # 3M empty rows: ~0.2 GB
+    with pytest.raises(ElsaError, match="refused as a decompression bomb"):
+        list(iter_texts(str(tmp_path / "rows.parquet"), "train", holdout_part=False))
+    url = pa.array([{"source": "https://example.org/" + "x" * 2000}] * 400)  # a review: another column's leaves were measured
+    pq.write_table(pa.table({"meta": url, "text": pa.array([str(i) for i in range(400)]), "n": list(range(400))}),
+                   tmp_path / "struct.parquet")
+    assert list(iter_texts(str(tmp_path / "struct.parquet"), "train", holdout_part=False)) == [str(i) for i in range(400)]
+    pq.write_table(pa.table({"text": list(range(3))}), tmp_path / "numbers.parquet")
+    assert list(iter_texts(str(tmp_path / "numbers.parquet"), "train", holdout_part=False)) == ["0", "1", "2"]
     words = pa.DictionaryArray.from_arrays(pa.array([i % 3 for i in range(5000)], pa.int32()), pa.array(["to", "be", "or"]))
     pq.write_table(pa.table({"text": words, "id": list(range(5000))}), tmp_path / "ok.parquet", row_group_size=1000)
     assert list(iter_texts(str(tmp_path / "ok.parquet"), "train", holdout_part=False)) == ["to", "be", "or"] * 1666 + ["to", "be"]

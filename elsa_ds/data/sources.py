@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import overload
+from typing import Any, overload
 
 from elsa_ds import json_data
 from elsa_ds.data.splits import files_by_split, holdout, holdout_indices
@@ -212,6 +212,7 @@ def _read_local(path: Path) -> Iterator[str]:
 
 
 PARQUET_EXPANSION, PARQUET_FLOOR = 64, 64 * 2**20  # text read from a Parquet file: at most 64x its size, + 64 MiB
+ROW_BYTES = 64  # what a row costs in memory besides its text (a Python str and its list entry), charged to the same cap
 
 
 def _parquet_texts(path: Path) -> Iterator[str]:
@@ -227,16 +228,18 @@ def _parquet_texts(path: Path) -> Iterator[str]:
         pf = pq.ParquetFile(path, read_dictionary=["text"])  # repeated strings stay one entry each, as stored
         if "text" not in pf.schema_arrow.names:
             raise ElsaError(f"{path}: parquet file has no 'text' column (columns: {pf.schema_arrow.names})")
-        column = pf.schema_arrow.names.index("text")
-        groups = range(pf.metadata.num_row_groups)
-        declared = sum(pf.metadata.row_group(g).column(column).total_uncompressed_size for g in groups)
+        meta, groups = pf.metadata, range(pf.metadata.num_row_groups)
+        declared = sum(meta.row_group(g).column(c).total_uncompressed_size for g in groups for c in range(meta.num_columns)
+                       if meta.row_group(g).column(c).path_in_schema.split(".")[0] == "text")  # its leaves, not another's
         if declared > cap:
             raise _too_much_text(path, declared, cap)
         total = 0
         for g in groups:
+            total += ROW_BYTES * meta.row_group(g).num_rows  # a row costs its string and list entry: 10^9 empty rows are GBs
+            if total > cap:
+                raise _too_much_text(path, total, cap)
             text = pf.read_row_group(g, columns=["text"]).column("text").combine_chunks()
-            lengths = pc.binary_length(text.dictionary).take(text.indices) if hasattr(text, "dictionary") else pc.binary_length(text)
-            total += int(pc.sum(lengths).as_py() or 0)
+            total += int(pc.sum(_text_lengths(text)).as_py() or 0)
             if total > cap:
                 raise _too_much_text(path, total, cap)
             yield from (str(t) for t in text.to_pylist())
@@ -247,8 +250,23 @@ def _parquet_texts(path: Path) -> Iterator[str]:
                         "give a Parquet file with a 'text' column, or a .txt / .jsonl file") from None
 
 
+def _text_lengths(text: Any) -> Any:
+    """The bytes of each row of a text column (strings or binary, dictionary-coded or not); 0 for another type (numbers:
+    a few characters each, charged as rows)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = text.dictionary if pa.types.is_dictionary(text.type) else text
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type) or pa.types.is_binary(values.type)
+            or pa.types.is_large_binary(values.type)):
+        return pa.array([0])
+    lengths = pc.binary_length(values)
+    return lengths.take(text.indices) if pa.types.is_dictionary(text.type) else lengths
+
+
 def _too_much_text(path: Path, size: int, cap: int) -> ElsaError:
-    return ElsaError(f"{path}: its 'text' column holds {size:,} bytes or more, over {cap:,} ({PARQUET_EXPANSION}x the file's "
+    return ElsaError(f"{path}: its 'text' column holds {size:,} bytes or more (each row counted {ROW_BYTES} bytes beside its "
+                     f"text), over {cap:,} ({PARQUET_EXPANSION}x the file's "
                      f"{path.stat().st_size:,} bytes + {PARQUET_FLOOR // 2**20} MiB): refused as a decompression bomb; give the "
                      "text as .txt or .jsonl, or split it into Parquet files that compress it less")
 

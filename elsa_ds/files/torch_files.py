@@ -74,11 +74,15 @@ def open_regular(path: Path, follow: bool = False) -> BinaryIO:
         if err.errno == errno.ELOOP:
             raise NotRegularFile(path, "a link") from None
         raise
-    handle = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        handle.close()
-        raise NotRegularFile(path, "not a regular file")
-    return handle
+    try:
+        if stat.S_ISDIR(mode := os.fstat(fd).st_mode):  # as open() says it, naming the path (fdopen named the number)
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(path, "not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def real_folder(path: Path) -> Path:

@@ -245,6 +245,8 @@ def _check_offsets(name: str, offsets: torch.Tensor, count: int, rows: int, dtyp
 def check_layout(name: str, layout: str, shape: tuple[int, int], parts: dict[str, torch.Tensor]) -> None:
     """SparseCheckpointError unless ``parts`` are a consistent ``layout`` (delta8 or cols16) of a ``shape`` weight: what
     SparseLinear's kernels read without checking (a row's entries within the values, each column within the input)."""
+    if len({t.device for t in parts.values()}) > 1 or not all(t.is_contiguous() for t in parts.values()):
+        raise _corrupt(name, "its parts are not contiguous tensors on one device")  # the kernels take raw pointers
     if layout != COLS16:
         return check(name, layout, shape, parts)
     values, cols, offsets = parts["values"], parts["cols"], parts["row_offsets"]

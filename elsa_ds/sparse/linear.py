@@ -109,8 +109,10 @@ class SparseLinear(torch.nn.Module):
 
     def _check_parts(self) -> None:
         """The kernels (C++, Triton, CSR) read positions and row offsets without bounds checks: parts changed since they
-        were checked (load_state_dict, an in-place write, ``.to()``, a new layout) are checked again before any reads
-        them (format.check_layout, a pass over the parts, once per change; ~3 µs a product when none changed)."""
+        were checked (load_state_dict, an in-place op on a part, ``.to()``, a new layout) are checked again before any
+        reads them (format.check_layout, a pass over the parts, once per change; ~3 µs a product when none changed).
+        Writes the version counter does not see (through ``.data`` or numpy, into a tensor made under inference_mode)
+        are the caller's own, as with any tensor."""
         refs, versions = self._checked_parts
         parts = (self.values, self.positions, self.row_offsets)
         if (len(refs) != 3 or refs[0]() is not parts[0] or refs[1]() is not parts[1] or refs[2]() is not parts[2]
@@ -123,7 +125,8 @@ class SparseLinear(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # refused before anything is copied in
         given = {p: state_dict.get(prefix + p, t) for p, t in self.parts.items()}
-        if any(torch.is_tensor(t) and t is not self.parts[p] for p, t in given.items()):
+        tensors = all(torch.is_tensor(t) and not t.is_meta for t in given.values())  # else torch's own message, or no data
+        if tensors and any(t is not self.parts[p] for p, t in given.items()):
             check_layout(prefix + "weight", self.layout, (self.out_features, self.in_features), given)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

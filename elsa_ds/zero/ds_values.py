@@ -34,11 +34,13 @@ class Kind(NamedTuple):
     types: tuple[type, ...]
     low: float | None = None
     high: float | None = None
+    whole: bool = False  # a number DeepSpeed takes as an int: 5e8 is one, 1.5 is not
 
 
 _NUMBERS = (int, float)
 _TEXT, _OBJECT, _BOOL = Kind("a string", (str,)), Kind("an object", (dict,)), Kind("true or false", (bool,))
-_COUNT, _WHOLE = Kind("a number", _NUMBERS, 0, COUNT_LIMIT), Kind("a whole number", (int,), 0, COUNT_LIMIT)
+_COUNT = Kind("a whole number (5e8 is one)", _NUMBERS, 0, COUNT_LIMIT, whole=True)
+_WHOLE = Kind("a whole number", (int,), 0, COUNT_LIMIT)
 _ZERO = "zero_optimization"
 # DeepSpeed's own bounds where it has them (runtime/zero/config.py, offload_config.py: reduce_bucket_size > 0, a ratio in
 # [0, 1], the counts >= 0); a batch is at least one sequence; gradient_clipping a finite norm (0: no clipping)
@@ -46,7 +48,7 @@ TYPED: dict[tuple[str, ...], Kind] = {
     **{(_ZERO, sec, key): kind for sec in ("offload_param", "offload_optimizer")
        for key, kind in (("device", _TEXT), ("nvme_path", _TEXT), ("buffer_count", _WHOLE), ("ratio", Kind("a number", _NUMBERS, 0, 1)))},
     (_ZERO, "offload_param", "buffer_size"): _COUNT, (_ZERO, "offload_param", "max_in_cpu"): _COUNT,
-    (_ZERO, "reduce_bucket_size"): Kind("a number", _NUMBERS, 1, COUNT_LIMIT),
+    (_ZERO, "reduce_bucket_size"): Kind("a whole number (5e8 is one)", _NUMBERS, 1, COUNT_LIMIT, whole=True),
     **{(_ZERO, key): _COUNT for key in ("sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                                         "stage3_max_live_parameters", "stage3_max_reuse_distance")},
     **{(key,): Kind("a whole number", (int,), 1, COUNT_LIMIT)
@@ -69,7 +71,8 @@ def _range(kind: Kind) -> str:
 def _in_range(value: Any, kind: Kind) -> bool:
     """Whether a number lies in ``kind``'s range, finite (an int is compared exactly: no float holds 400 digits)."""
     high = math.inf if kind.high is None else kind.high
-    return kind.low is not None and kind.low <= value <= high and (isinstance(value, int) or math.isfinite(value))
+    finite = isinstance(value, int) or math.isfinite(value)
+    return kind.low is not None and kind.low <= value <= high and finite and (not kind.whole or float(value).is_integer())
 
 
 def check_values(raw: dict[str, Any], path: Path) -> None:
@@ -93,8 +96,9 @@ def check_deepspeed_reads(raw: dict[str, Any], path: Path) -> None:
     """ElsaError for a value elsa_ds never reads that DeepSpeed would refuse (or fail on) only after the model is built:
     a checkpoint.tag_validation not among DeepSpeed's modes, an enabled flops profiler's output_file that is no file's
     path. Its sections are JSON objects (``ds_config._check_sections``)."""
-    mode = raw.get("checkpoint", {}).get("tag_validation")
-    if mode is not None and (not isinstance(mode, str) or mode.upper() not in TAG_VALIDATION_MODES):
+    checkpoint = raw.get("checkpoint", {})
+    mode = checkpoint.get("tag_validation")
+    if "tag_validation" in checkpoint and (not isinstance(mode, str) or mode.upper() not in TAG_VALIDATION_MODES):  # null: .upper()
         raise ElsaError(f'DeepSpeed config {path}: "checkpoint.tag_validation" must be one of {", ".join(TAG_VALIDATION_MODES)} '
                         f"(any case), not {_shown(mode)}; {FIX}")
     profiler = raw.get("flops_profiler", {})

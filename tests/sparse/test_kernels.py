@@ -226,3 +226,24 @@ def test_the_kernel_checks_the_sizes_it_is_given(kernel):
     parts["row_offsets"][-1] = 1 << 40
     with pytest.raises(RuntimeError, match="row_offsets do not run from 0"):
         K.kernel_matmul(kernel, parts, torch.randn(1, 300), 9)
+
+
+def test_parts_made_under_inference_mode_decode_and_stranger_parts_are_refused():
+    """A review: a SparseLinear built or moved under torch.inference_mode() (a usual way to load a model) failed at its
+    first product (inference tensors keep no version counter); a non-contiguous part given with assign=True (a stride-0
+    expand, which a crafted file can carry) passed the check, and the Triton kernel takes raw pointers."""
+    from elsa_ds.sparse import SparseCheckpointError
+
+    linear, x = torch.nn.Linear(300, 9), torch.randn(1, 300)
+    ref = F.linear(x, linear.weight, linear.bias).detach()
+    with torch.inference_mode():
+        built = SparseLinear.from_dense(linear)
+        _close(built(x), ref, torch.float32)
+    moved = SparseLinear.from_dense(linear)  # the Linear's own bias: moved with it
+    with torch.inference_mode():
+        _close(moved.to(torch.bfloat16)(x.bfloat16()), ref, torch.bfloat16)
+    sparse = SparseLinear.from_dense(torch.nn.Linear(300, 9))
+    state = dict(sparse.state_dict())
+    state["deltas"] = torch.zeros(1, dtype=torch.uint8).expand(state["deltas"].numel())
+    with pytest.raises(SparseCheckpointError, match="not contiguous tensors on one device"):
+        sparse.load_state_dict(state, assign=True)

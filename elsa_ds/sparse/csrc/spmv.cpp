@@ -162,6 +162,8 @@ void delta8_matmul(torch::Tensor values, torch::Tensor deltas, torch::Tensor row
                    bool portable) {
     TORCH_CHECK(xt.scalar_type() == torch::kFloat32 && yt.scalar_type() == torch::kFloat32, "delta8 kernel: x and y are fp32");
     TORCH_CHECK(xt.is_contiguous() && yt.is_contiguous() && values.is_contiguous() && deltas.is_contiguous(), "contiguous");
+    TORCH_CHECK(xt.is_cpu() && yt.is_cpu() && values.is_cpu() && deltas.is_cpu() && row_offsets.is_cpu(),
+                "delta8 kernel: CPU tensors only");
     TORCH_CHECK(row_offsets.scalar_type() == torch::kInt64 && row_offsets.dim() == 1 && row_offsets.is_contiguous() &&
                 deltas.scalar_type() == torch::kUInt8 && xt.dim() == 2 && yt.dim() == 2, "delta8 kernel: parts' dtypes and dims");
     const int64_t rows = row_offsets.numel() - 1, nb = xt.size(1);
