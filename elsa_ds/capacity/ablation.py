@@ -96,19 +96,16 @@ class TreeMonitor(threading.Thread):
         import psutil
 
         root = psutil.Process(self.pid)
-        kinds: dict[int, str] = {}
         while not self.done.is_set():
             rss, folder = 0.0, 0.0
             try:
-                sizes = {}
+                sizes = []
                 for proc in [root, *root.children(recursive=True)]:
-                    try:
-                        if proc.pid not in kinds:
-                            kinds[proc.pid] = process_kind(proc)
-                        sizes[proc.pid] = float(proc.memory_info().rss)
+                    try:  # its kind at each sample: seen between fork and exec, a compiler has its parent's name (CI,
+                        sizes.append((process_kind(proc), float(proc.memory_info().rss)))  # a kind once kept: a flake)
                     except psutil.Error:
                         continue
-                by_kind = {kind: [v for k, v in sizes.items() if kinds[k] == kind] for kind in ("launcher", "build", "rank")}
+                by_kind = {kind: [v for k, v in sizes if k == kind] for kind in ("launcher", "build", "rank")}
                 rss = sum(by_kind["launcher"]) + sum(by_kind["rank"])
                 self.peak_rss = max(self.peak_rss, rss)
                 self.peak_launcher_rss = max(self.peak_launcher_rss, sum(by_kind["launcher"]))
