@@ -7,12 +7,12 @@ through :func:`read` (a file) or :func:`loads` (JSON held in another file), so b
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
+
+from elsa_ds.regular_file import open_regular
 
 # configs, shard indexes, recipes, results: kilobytes; a 27B model's sparse config.json with its checksums ~0.3 MB. Parsed,
 # JSON takes up to ~20x its bytes in Python objects: 16 MiB of it stays under ~0.4 GB
@@ -30,20 +30,11 @@ def loads(text: str | bytes) -> Any:
 
 def read_text(path: str | Path, limit: int = MAX_BYTES) -> str:
     """The UTF-8 text of ``path``: ValueError when it is larger than ``limit`` bytes (refused before reading it) or not
-    UTF-8 (UnicodeDecodeError); OSError as ``open`` raises it, and one saying so for anything but a regular file (an
-    audit: a recipe's sparsity_profile naming a FIFO beside it waited for a writer for good): opened without waiting."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:  # checked before fdopen, which names a folder by its descriptor's number and keeps the descriptor
-        if stat.S_ISDIR((st := os.fstat(fd)).st_mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-    except BaseException:
-        os.close(fd)
-        raise
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)", str(path))
-        if st.st_size > limit:
-            raise ValueError(f"{st.st_size:,} bytes, more than the {limit:,} any such file holds")
+    UTF-8 (UnicodeDecodeError); OSError as ``open`` raises it, NotRegularFile (an OSError) for anything but a regular
+    file, never waited on (:func:`elsa_ds.regular_file.open_regular`, through links as ``open`` goes)."""
+    with open_regular(path, follow=True) as fh:
+        if (size := os.fstat(fh.fileno()).st_size) > limit:
+            raise ValueError(f"{size:,} bytes, more than the {limit:,} any such file holds")
         data = fh.read(limit + 1)  # a file that grows while it is read stops at the limit too
     if len(data) > limit:
         raise ValueError(f"more than the {limit:,} bytes any such file holds")

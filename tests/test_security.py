@@ -412,3 +412,35 @@ def test_a_resumed_folders_hard_linked_files_get_copies_of_their_own(tmp_path):
     discard_unpublished_tag(snapshot / "checkpoints", "global_step4")
     assert sorted(p.name for p in (snapshot / "checkpoints").iterdir()) == ["latest", "zero_to_fp32.py"]
     assert (snapshot / "checkpoints" / "zero_to_fp32.py").read_text() == "the snapshot's script"
+
+
+# ---- one opener for every file handed over: never waits, never follows a link it was not told to, leaks nothing --------
+def test_every_reader_of_a_handed_file_opens_it_through_one_opener_that_never_waits(tmp_path):
+    """JSON, torch files, safetensors headers and model cards open a file from elsewhere through
+    ``regular_file.open_regular``: a FIFO is refused as an OSError naming its path and what it is (a reader quoting
+    ``strerror`` says it), a folder is IsADirectoryError naming the path, a link is refused unless followed, and no
+    refusal keeps a descriptor."""
+    import errno
+
+    from elsa_ds import json_data
+    from elsa_ds.regular_file import NotRegularFile, open_regular
+
+    (tmp_path / "a.json").write_text('{"k": 1}')
+    os.mkfifo(fifo := tmp_path / "p.json")
+    (link := tmp_path / "l.json").symlink_to("a.json")
+    (folder := tmp_path / "d.json").mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    for read in (lambda p: open_regular(p, follow=True), json_data.read_text, json_data.read):
+        with pytest.raises(NotRegularFile) as fifo_err:
+            read(fifo)
+        assert (fifo_err.value.filename, fifo_err.value.errno) == (str(fifo), errno.EINVAL)
+        assert fifo_err.value.strerror.startswith("not a regular file") and str(fifo) in str(fifo_err.value)
+        with pytest.raises(IsADirectoryError, match=re.escape(str(folder))):
+            read(folder)
+    assert json_data.read(link) == {"k": 1}  # a JSON file is read where its link leads, as open() reads it
+    with pytest.raises(NotRegularFile) as link_err:
+        open_regular(link)
+    assert (link_err.value.what, link_err.value.errno) == ("a link", errno.ELOOP)
+    with open_regular(link, follow=True) as fh:
+        assert fh.read() == b'{"k": 1}'
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -25,6 +25,7 @@ import torch
 
 from elsa_ds.files.pickle_walk import MAX_NESTING, Walk, walk
 from elsa_ds.files.torch_legacy import storage_problem
+from elsa_ds.regular_file import NotRegularFile
 
 ZIP_MAGIC = b"PK\x03\x04"  # how torch tells its zip format from the legacy one: the file's first bytes
 # torch.save writes an entry a storage and four more (a 27B model's state: a few thousand, ~70 bytes each in the
@@ -54,37 +55,6 @@ class ZipProblem:
     altered: bool
 
 
-class NotRegularFile(OSError):
-    """A path that :func:`open_regular` refused: ``what`` it is (a link, not a regular file)."""
-
-    def __init__(self, path: Path, what: str):
-        super().__init__(f"{path}: {what}")
-        self.what = what
-
-
-def open_regular(path: Path, follow: bool = False) -> BinaryIO:
-    """``path`` opened once for reading, so that what is checked through the handle is the file read through it: not
-    through a link at its last component (``follow``: through one too, as a hub snapshot's links into its blobs are
-    read), and a FIFO or a device is refused, not waited on (NotRegularFile)."""
-    nofollow = 0 if follow else getattr(os, "O_NOFOLLOW", 0)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | nofollow | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise NotRegularFile(path, "a link") from None
-        raise
-    try:
-        if stat.S_ISDIR(mode := os.fstat(fd).st_mode):  # as open() says it, naming the path (fdopen named the number)
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        if not stat.S_ISREG(mode):
-            raise NotRegularFile(path, "not a regular file")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
 def real_folder(path: Path) -> Path:
     """Where the folder ``path`` really is (links above it resolved), refused when ``path`` itself is a link or no folder
     (NotRegularFile): opened once without following its last component, its name read back from Linux's
@@ -94,7 +64,8 @@ def real_folder(path: Path) -> Path:
         fd = os.open(path, flags)
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.ENOTDIR):  # Linux says ENOTDIR for a link with O_DIRECTORY
-            raise NotRegularFile(path, "a link" if err.errno == errno.ELOOP or path.is_symlink() else "not a folder") from None
+            link = err.errno == errno.ELOOP or path.is_symlink()
+            raise NotRegularFile(path, "a link" if link else "not a folder", errno.ELOOP if link else errno.ENOTDIR) from None
         raise
     try:
         return Path(os.readlink(_fd_name(fd)))

@@ -14,7 +14,7 @@ import struct
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from elsa_ds import json_data
+from elsa_ds import json_data, regular_file
 from elsa_ds.errors import ElsaError
 from elsa_ds.files import torch_files
 
@@ -33,8 +33,8 @@ def read_header(file: Path) -> tuple[int, Any]:
     device is refused, never opened to wait on (an audit: a FIFO named zz.safetensors in a folder whose config.json says
     elsa-sparse hung the sparse-checkpoint check for good, the output's lock held)."""
     try:
-        handle = torch_files.open_regular(file, follow=True)
-    except torch_files.NotRegularFile as err:
+        handle = regular_file.open_regular(file, follow=True)
+    except regular_file.NotRegularFile as err:
         raise ValueError(err.what) from None
     with handle as fh:
         size = os.fstat(fh.fileno()).st_size
@@ -137,7 +137,7 @@ def _weight_file_problem(folder: Path, file: Path, kind: str) -> str | None:
     if kind == "safetensors":
         return None if (problem := safetensors_problem(file)) is None else f"is damaged ({problem})"
     try:
-        with torch_files.open_regular(checked_target(folder, file.relative_to(folder).as_posix(), folder, ElsaError, "file")) as fh:
+        with regular_file.open_regular(checked_target(folder, file.relative_to(folder).as_posix(), folder, ElsaError, "file")) as fh:
             zipped = torch_files.zip_problem(fh)  # transformers' torch.load would unpack a compressed entry whole
     except OSError as err:
         return f"cannot be read ({err.strerror or err})"

@@ -16,6 +16,7 @@ from typing import BinaryIO, cast
 
 import torch
 
+from elsa_ds import regular_file
 from elsa_ds.files import torch_files
 from elsa_ds.files.weight_files import BIN_INDEX, SAFETENSORS_INDEX, SPARSE_INDEX, SPARSE_STEM, checked_target, inside_folder, within
 from elsa_ds.files.weight_files import read_index as read_weight_map
@@ -154,7 +155,7 @@ def _opened(path: Path, folder: Path) -> tuple[object, BinaryIO | None]:
     folder), and its check and its read go through that handle: a file or link put there since is never the one read."""
     target = checked_target(folder, path.relative_to(folder).as_posix(), path, SparseCheckpointError, what="file")
     try:
-        with torch_files.open_regular(target) as fh:
+        with regular_file.open_regular(target) as fh:
             if (opened := torch_files.opened_path(fh)) is not None and not within(folder.resolve(), opened):
                 raise SparseCheckpointError(f"{path}: opened at {opened}, outside {folder} (a folder on its way was replaced "
                                             "by a link after the folder was checked); copy the checkpoint again")
@@ -178,7 +179,7 @@ def _opened(path: Path, folder: Path) -> tuple[object, BinaryIO | None]:
                       else torch.load(fh, map_location="cpu", weights_only=True))  # no name, or legacy: read whole
     except SparseCheckpointError:
         raise
-    except torch_files.NotRegularFile as err:
+    except regular_file.NotRegularFile as err:
         raise SparseCheckpointError(f"{path}: {err.what} put there after the folder was checked; copy the checkpoint "
                                     "again") from None
     except Exception as err:

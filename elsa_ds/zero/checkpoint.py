@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from elsa_ds import json_data
+from elsa_ds import json_data, regular_file
 from elsa_ds.errors import ElsaError
 from elsa_ds.files import torch_files
 from elsa_ds.settings.config import RESUME_DEFAULTS
@@ -186,8 +186,8 @@ def _open_checkpoint_file(path: Path, root: Path | None) -> BinaryIO:
     With ``root`` (:func:`checked_root` of the folder ``path`` lies in), where the file really opened must lie inside
     it: a folder on the way swapped for a link after the checks (which ``O_NOFOLLOW`` does not see) is refused."""
     try:
-        fh = torch_files.open_regular(path)
-    except torch_files.NotRegularFile as err:
+        fh = regular_file.open_regular(path)
+    except regular_file.NotRegularFile as err:
         raise _not_a_file(path, err.what) from None
     if root is not None and (opened := torch_files.opened_path(fh)) is not None and not opened.is_relative_to(root):
         fh.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import DiskFull, writer_ran_out
 from elsa_ds.files.io import write_atomic
-from elsa_ds.files.torch_files import open_regular
+from elsa_ds.regular_file import open_regular
 from elsa_ds.zero import compat
 from elsa_ds.zero.checkpoint import CLIENT_KEY, LATEST_BYTES, RECOVERY_SCRIPTS, tags_newest_first, write_fingerprint
 from elsa_ds.zero.dist import agreed, every_rank
