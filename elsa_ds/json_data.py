@@ -4,6 +4,8 @@
 and ``Path.read_text`` reads a 50 GB "config.json" whole into memory before the JSON is even looked at. Every reader of
 a file handed over (configs, shard indexes, recipes, fingerprints, evaluation results, the text corpora's lines) goes
 through :func:`read` (a file) or :func:`loads` (JSON held in another file), so both become the reader's own one line.
+A key named twice in one object is refused where elsa_ds is the file's judge (configs, recipes, profiles, indexes,
+checkpoints' own files): readers differ on which value counts, so a check could pass on the value another reader drops.
 """
 from __future__ import annotations
 
@@ -20,10 +22,29 @@ MAX_BYTES = 16 * 2**20
 MODEL_FILE_BYTES = 256 * 2**20  # the most any JSON file of a model folder holds (transformers reads them whole)
 
 
-def loads(text: str | bytes) -> Any:
-    """``json.loads``; ValueError (json.JSONDecodeError, or nesting too deep for Python's stack) when not JSON."""
+class DuplicateKey(ValueError):
+    """An object of the document names one key twice: JSON leaves which one counts to the reader (Python's and
+    transformers' keep the last, DeepSpeed's own config reader refuses the file), so a check may read the other value."""
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(f"the key {json.dumps(key)[:80]} appears twice in one object (JSON readers differ on which "
+                                      "value counts); keep one")
+            seen.add(key)
+    return found
+
+
+def loads(text: str | bytes, unique: bool = True) -> Any:
+    """``json.loads``; ValueError when not JSON (json.JSONDecodeError, or nesting too deep for Python's stack), and
+    DuplicateKey for an object naming a key twice (``unique=False``: the last counts, as transformers reads a model's
+    files and ``datasets`` a corpus's lines)."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique if unique else None)
     except RecursionError:
         raise ValueError("JSON nested too deeply to read") from None
 
@@ -41,7 +62,7 @@ def read_text(path: str | Path, limit: int = MAX_BYTES) -> str:
     return data.decode("utf-8")
 
 
-def read(path: str | Path, limit: int = MAX_BYTES) -> Any:
+def read(path: str | Path, limit: int = MAX_BYTES, unique: bool = True) -> Any:
     """The JSON document in the UTF-8 file ``path``: ValueError when it is too large or not UTF-8 (:func:`read_text`),
-    or not JSON; OSError as ``open`` raises it."""
-    return loads(read_text(path, limit))
+    or not JSON, or names a key twice in one object (:func:`loads`); OSError as ``open`` raises it."""
+    return loads(read_text(path, limit), unique)

@@ -56,7 +56,8 @@ def config_json(model_id: str) -> dict | None:
     file = path if path.is_file() else path / "config.json"
     if not file.is_file():
         return None
-    data = read_json_object(file, "model config", "fix it or copy the model's config.json again")
+    # read as transformers reads it (a key named twice: the last counts), so the checks see the values the model gets
+    data = read_json_object(file, "model config", "fix it or copy the model's config.json again", unique=False)
     model_type = data.get("model_type")
     if data.get("auto_map") and not (isinstance(model_type, str) and model_type in CONFIG_MAPPING):
         raise ElsaError(f"{file}: model_type {model_type!r} needs its own Python code (auto_map, trust_remote_code), "

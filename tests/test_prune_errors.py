@@ -22,6 +22,30 @@ def test_unreadable_and_malformed_config(tmp_path):
     _fails(["--deepspeed", str(bad), "--output_dir", str(tmp_path / "o")], "not valid JSON", "line 1")
 
 
+def test_a_key_named_twice_in_a_config_a_recipe_or_a_profile_is_refused(tmp_path):
+    """JSON leaves a repeated key's value to the reader: Python kept the last ``stage`` (1 beside 3 in one object: the
+    job ran at whichever came last), DeepSpeed's own reader refuses such a file. The three files a user writes for a
+    job say which key they repeat; a model's config.json is read as transformers reads it."""
+    import json
+
+    from elsa_ds.models import config_json
+
+    ds = json.loads(open("ds_configs/zero3.json").read())
+    text = json.dumps(ds).replace('"stage": 3', '"stage": 1, "stage": 3')
+    assert text.count('"stage"') == 2
+    (dup_ds := tmp_path / "ds.json").write_text(text)
+    _fails(["--deepspeed", str(dup_ds), "--output_dir", str(tmp_path / "o")], "ds.json", '"stage" appears twice')
+    (recipe := tmp_path / "r.json").write_text('{"sparsity": 0.5, "sparsity": 0.9}')
+    _fails(["--deepspeed", "ds_configs/zero3.json", "--recipe", str(recipe), "--output_dir", str(tmp_path / "o")],
+           "r.json", '"sparsity" appears twice')
+    (profile := tmp_path / "p.json").write_text('{"layers\\\\.0\\\\.": 0.5, "layers\\\\.0\\\\.": 0.9}')
+    _fails(["--deepspeed", "ds_configs/zero3.json", "--sparsity_profile", str(profile), "--output_dir", str(tmp_path / "o")],
+           "p.json", "appears twice")
+    (model := tmp_path / "m").mkdir()
+    (model / "config.json").write_text('{"model_type": "llama", "hidden_size": 8, "hidden_size": 16}')
+    assert config_json(str(model))["hidden_size"] == 16
+
+
 def test_misspelt_elsa_key_is_named(tmp_path):
     path = derived_config(tmp_path, elsa={"sparsty": 0.5})
     _fails(["--deepspeed", str(path), "--output_dir", str(tmp_path / "o")], "sparsty", "unknown setting")

@@ -200,7 +200,7 @@ def _read_local(path: Path) -> Iterator[str]:
             if not line.strip():
                 continue
             try:
-                record = json_data.loads(line)
+                record = json_data.loads(line, unique=False)  # a corpus's line, read as ``datasets`` reads it
             except ValueError as err:  # not JSON, nested too deeply
                 raise ElsaError(f"{path}:{n}: not a JSON line ({getattr(err, 'msg', err)}); expected one object per line with a "
                                 "'text' field") from None

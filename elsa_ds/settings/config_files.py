@@ -107,15 +107,18 @@ def usable_path(cls: Any, value: Any, info: ValidationInfo) -> Any:
     return value
 
 
-def read_json_object(path: str | Path, what: str, hint: str) -> dict:
-    """A JSON object from a file, or ElsaError naming the file, the problem and ``hint``."""
+def read_json_object(path: str | Path, what: str, hint: str, unique: bool = True) -> dict:
+    """A JSON object from a file, or ElsaError naming the file, the problem and ``hint``; a key named twice in one of
+    its objects is refused (``unique=False``: the last counts, :func:`elsa_ds.json_data.loads`)."""
     path = Path(path)
     try:
-        data = json_data.read(path)
+        data = json_data.read(path, unique=unique)
     except (OSError, UnicodeDecodeError) as err:
         raise ElsaError(f"cannot read {what} {path}: {getattr(err, 'strerror', None) or err}; {hint}") from None
     except json.JSONDecodeError as err:
         raise ElsaError(f"{what} {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+    except json_data.DuplicateKey as err:
+        raise ElsaError(f"{what} {path}: {err}") from None
     except ValueError as err:  # too large, nested too deeply
         raise ElsaError(f"{what} {path} is not valid JSON: {err}") from None
     if not isinstance(data, dict):
@@ -326,6 +329,8 @@ def load_profile(path: str | Path) -> dict[str, float]:
         profile = json_data.read(Path(path).expanduser())
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err.strerror}") from None
+    except json_data.DuplicateKey as err:
+        raise ValueError(f"{path}: {err}") from None
     except ValueError as err:  # not JSON, not UTF-8, too large, nested too deeply
         raise ValueError(f"{path} is not valid JSON: {getattr(err, 'msg', err)}") from None
     if not isinstance(profile, dict) or not profile:
