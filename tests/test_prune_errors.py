@@ -46,6 +46,23 @@ def test_a_key_named_twice_in_a_config_a_recipe_or_a_profile_is_refused(tmp_path
     assert config_json(str(model))["hidden_size"] == 16
 
 
+def test_a_setting_deepspeeds_reader_refuses_is_named_before_the_model_loads(tmp_path):
+    """DeepSpeed reads its config in deepspeed.initialize, after the model is loaded and warm-started: a key it does not
+    know stopped a job there with "cannot load model ...: 1 validation error for DeepSpeedZeroConfig", naming neither
+    the file nor the key. Its reader now runs on the resolved config in the plan's checks, each problem named by path."""
+    from tests.conftest import run_entry
+
+    for section, needle in (({"stage": 3, "foo_bar": 1}, '"zero_optimization.foo_bar": DeepSpeed knows no such setting'),
+                            ({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": "maybe"}},
+                             '"zero_optimization.offload_param.pin_memory" = "maybe"')):
+        path = derived_config(tmp_path, zero_optimization=section)
+        proc = run_entry("prune.py", ["--deepspeed", str(path), "--output_dir", str(tmp_path / "o")], check=False, timeout=300)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+        assert str(path) in errors[0] and needle in errors[0], errors[0]
+        assert "calibration" not in proc.stdout + proc.stderr and not (tmp_path / "o").exists()
+
+
 def test_misspelt_elsa_key_is_named(tmp_path):
     path = derived_config(tmp_path, elsa={"sparsty": 0.5})
     _fails(["--deepspeed", str(path), "--output_dir", str(tmp_path / "o")], "sparsty", "unknown setting")

@@ -26,6 +26,7 @@ from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import select_targets
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.zero.ds_values import FIX, deepspeed_refusal
 from elsa_ds.zero.rendezvous import check_rendezvous_port
 
 
@@ -50,6 +51,8 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     meta = meta_model(model_config)
     largest = max(p.numel() for p in meta.parameters())
     ds = ds_config.resolve(cfg, world_size, hidden_size(model_config), largest_param=largest)
+    if refusal := deepspeed_refusal(ds.raw):  # before the model loads, as DeepSpeed will read it once it has
+        raise ElsaError(f"DeepSpeed config {ds_config.source}: DeepSpeed's reader refuses it: {refusal}; {FIX}")
     fallback = machine.cpu_bf16_fallback(ds.raw)
     if fallback and engine_used and os.environ.get("RANK", "0") == "0":
         get_logger(__name__).warning(fallback)

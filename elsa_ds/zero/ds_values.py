@@ -11,13 +11,15 @@ minutes of loading.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from elsa_ds.errors import ElsaError
+from elsa_ds.errors import ElsaError, first_line
 
 AUTO = "auto"
 COUNT_LIMIT = 2**53  # elements, buffers, batches: more than any machine holds, and the most a float holds exactly
@@ -108,3 +110,49 @@ def check_deepspeed_reads(raw: dict[str, Any], path: Path) -> None:
             what = f"{out!r} is a folder" if isinstance(out, str) else f"is {_shown(out)}"
             raise ElsaError(f'DeepSpeed config {path}: "flops_profiler.output_file" {what}; it must be the path of a file '
                             "for DeepSpeed to write the profile to (or leave it out: the profile is printed)")
+
+
+def deepspeed_refusal(engine_config: dict[str, Any]) -> str | None:
+    """What DeepSpeed's own config reader refuses in ``engine_config`` (a resolved config, as the engine gets it), in one
+    line naming each key; None when it reads it. ``deepspeed.initialize`` builds that reader once the model is loaded and
+    warm-started: an audit's key DeepSpeed does not know ("zero_optimization": {"foo_bar": 1}) ended a job after its
+    warm start with "cannot load model ...: 1 validation error for DeepSpeedZeroConfig". The global batch is left for the
+    reader to derive (micro batch x accumulation x its own world, one rank here): elsa_ds checks it for the job's ranks."""
+    import logging
+
+    import pydantic
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import logger
+
+    probe = copy.deepcopy(engine_config)
+    probe.pop("train_batch_size", None)
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its info and warnings are said again, once, when the engine reads the config
+    try:
+        DeepSpeedConfig(probe)
+    except pydantic.ValidationError as err:
+        return "; ".join(_pydantic_problem(e, engine_config, err.title) for e in err.errors())
+    except (AssertionError, ValueError, TypeError, KeyError, AttributeError) as err:
+        return first_line(err) or type(err).__name__
+    finally:
+        logger.setLevel(level)
+    return None
+
+
+def _pydantic_problem(error: Any, config: dict[str, Any], model: str) -> str:
+    """One problem of DeepSpeed's pydantic reader, named by its key's path in ``config`` (pydantic names it inside its
+    section's model only: ``foo_bar`` of DeepSpeedZeroConfig), or by the model where the key is missing or ambiguous."""
+    loc = tuple(str(part) for part in error["loc"])
+    found = [path for path in _key_paths(config) if loc and path[-len(loc):] == loc]
+    name = ".".join(found[0]) if len(found) == 1 else ".".join((model, *loc))
+    if error["type"] == "extra_forbidden":
+        return f'"{name}": DeepSpeed knows no such setting'
+    return f'"{name}" = {_shown(error.get("input"))}: {error["msg"].removeprefix("Value error, ")}'
+
+
+def _key_paths(node: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Every key's path in a JSON document's objects."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield (*prefix, str(key))
+            yield from _key_paths(value, (*prefix, str(key)))
