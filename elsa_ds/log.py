@@ -103,6 +103,7 @@ class ConsoleHandler(logging.Handler):
     def __init__(self, rank: int):
         super().__init__()
         self.rank = rank
+        self.lost: dict[str, str] = {}  # stream name -> the error its write raised: nothing more is written there
 
     def filter(self, record: logging.LogRecord) -> bool:
         shown = self.rank == 0 or record.levelno >= logging.WARNING or getattr(record, "every_rank", False)
@@ -118,14 +119,32 @@ class ConsoleHandler(logging.Handler):
         return PREFIX + text if self.rank == 0 else f"{PREFIX}rank {self.rank}: {text}"
 
     def emit(self, record: logging.LogRecord) -> None:
+        name = "stderr" if record.levelno >= logging.WARNING else "stdout"
+        stream = getattr(sys, name)
+        if stream is None or name in self.lost:  # closed when the process started (pythonw, >&-): as print's None
+            return
         try:
-            stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
-            if stream is None:  # closed when the process started (pythonw, >&-): nowhere to write, as print's None
-                return
             stream.write(self.format(record) + "\n")
             stream.flush()
+        except OSError as err:  # a Python caller's console on a full disk or a closed pipe (a command's never raises)
+            self._lose(name, err)
         except Exception:  # logging's contract: a broken console never raises into the job
             self.handleError(record)
+
+    def _lose(self, name: str, err: OSError) -> None:
+        """Say once on the other stream that ``name`` cannot be written, then write nothing more there: logging's own
+        handleError printed a 30-line "Logging error" for each record (an audit: elsa_ds.oneshot from a script whose
+        stdout went to a full disk)."""
+        self.lost[name] = str(err)
+        other = "stdout" if name == "stderr" else "stderr"
+        if other in self.lost or (stream := getattr(sys, other)) is None:
+            return
+        try:
+            stream.write(f"elsa_ds: warning: the standard {'output' if name == 'stdout' else 'error'} cannot be written "
+                         f"({err}): the job's log lines that go there are dropped\n")
+            stream.flush()
+        except OSError as again:
+            self.lost[other] = str(again)
 
 
 def quiet_libraries(level: int = logging.WARNING) -> None:

@@ -11,8 +11,10 @@ the code; a failing job keeps its own here, which says more).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 _LOST: dict[str, str] = {}  # stream name -> the error that made it drop its writes
@@ -61,6 +63,67 @@ class SteadyStream:
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._stream, attr)
+
+
+class MarkedStream:
+    """A Python caller's own ``stream`` (sys.stdout or sys.stderr, ``name``), as it is, except that an OSError its write
+    or flush raises is marked as the stream's (``err.std_stream = name``) on its way out: a job that stops on it then
+    names the stream, not its output folder (an audit: a print to a full disk, ``elsa_ds.prune`` called from a script
+    whose output went to a file there, was reported as no space left writing --output_dir)."""
+
+    def __init__(self, stream: TextIO, name: str):
+        self._stream = stream
+        self._name = name
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as err:
+            err.std_stream = self._name  # type: ignore[attr-defined]
+            raise
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as err:
+            err.std_stream = self._name  # type: ignore[attr-defined]
+            raise
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._stream, attr)
+
+
+@contextlib.contextmanager
+def marked() -> Iterator[None]:
+    """sys.stdout and sys.stderr as :class:`MarkedStream` inside (not a command's: its :class:`SteadyStream` never
+    raises), each put back at the end unless the caller replaced it meanwhile."""
+    wrapped = {}
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, (SteadyStream, MarkedStream)):
+            wrapped[name] = MarkedStream(stream, name)
+            setattr(sys, name, wrapped[name])
+    try:
+        yield
+    finally:
+        for name, stream in wrapped.items():
+            if getattr(sys, name) is stream:
+                setattr(sys, name, stream._stream)
+
+
+def stream_of(err: BaseException) -> str | None:
+    """The standard stream (``stdout``, ``stderr``) whose write raised ``err`` or an exception it came from, else None."""
+    for _ in range(8):
+        if err is None:
+            return None
+        if (name := getattr(err, "std_stream", None)) is not None:
+            return name
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return None
 
 
 def install() -> None:

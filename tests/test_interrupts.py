@@ -459,6 +459,48 @@ def test_a_job_whose_stdout_is_full_publishes_its_output_and_says_why_it_ends_12
     assert _strays(tmp_path) == []
 
 
+API_FULL = """
+import sys
+import elsa_ds
+from elsa_ds.errors import ElsaError
+from elsa_ds.jobs import report
+
+if sys.argv[4] == "print":  # a print inside the job (as DeepSpeed prints while it builds an op), past the buffer
+    publish = report.publish_report
+    report.publish_report = lambda *a: (print("x" * 100_000), publish(*a))
+streams = sys.stdout, sys.stderr
+try:
+    elsa_ds.oneshot(sys.argv[1], "magnitude", sys.argv[2], output_dir=sys.argv[3], seqlen=64, sparsity=0.6, val_windows=0)
+except ElsaError as err:
+    sys.stderr.write("refused: " + str(err) + chr(10))
+assert (sys.stdout, sys.stderr) == streams  # the caller's own, as they were
+"""
+
+
+@pytest.mark.parametrize("job", ["log", "print"])
+def test_a_python_callers_full_stdout_is_said_once_and_never_blamed_on_the_output(tmp_path, tiny_model_dir, text_dir, job):
+    """elsa_ds.oneshot from a script whose stdout went to a full disk (the caller's own streams: std_streams.install is
+    the commands' alone). Its log lines printed a 30-line "Logging error" each: now said once, then dropped, and the job
+    publishes. A print inside the job raises there, as the caller's print would: it was reported as a full disk under
+    --output_dir ("no space left on ... writing .../o"), whose disk had room; now the stream is named."""
+    out = tmp_path / "o"
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-c", API_FULL, str(tiny_model_dir), str(text_dir), str(out), job], cwd=ROOT,
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    said = [line for line in proc.stderr.splitlines() if line.startswith(("elsa_ds:", "refused: "))]
+    # DeepSpeed's own handler says its accelerator at import, before any job: its "Logging error" is its own
+    theirs = proc.stderr.count("Message: 'Setting accelerator to CPU.")
+    assert proc.returncode == 0 and proc.stderr.count("Logging error") == theirs, proc.stderr[-3000:]
+    assert said[0].startswith("elsa_ds: warning: the standard output cannot be written") and "No space left" in said[0]
+    if job == "log":
+        assert len(said) == 1 and (out / "model.safetensors").is_file() and (out / "elsa_report.json").is_file(), said
+    else:
+        assert len(said) == 2 and said[1].startswith("refused: the job stopped: a write to its standard output failed"), said
+        assert "No space left" in said[1] and "writing" not in said[1] and not out.exists()
+    assert _strays(tmp_path) == []
+
+
 def test_a_command_whose_stderr_is_closed_and_stdout_full_goes_on(tmp_path):
     """A review: with stderr closed when the process started (``2>&-``: sys.stderr is None) the warning about a full stdout
     raised an AttributeError out of the job's print."""

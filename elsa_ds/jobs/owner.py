@@ -14,9 +14,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from elsa_ds.files.disk_room import disk_full
-from elsa_ds.errors import ElsaError, signals_held
+from elsa_ds import std_streams
+from elsa_ds.errors import ElsaError, first_line, signals_held
 from elsa_ds.files.aside import published, put_back, set_aside
+from elsa_ds.files.disk_room import disk_full
 from elsa_ds.files.output import (REPORT_NAME, RESUMABLE, PublishFailed, check_output_dir, check_output_path, missing_folders,
                                   remove_if_empty, side_path, staging_dir)
 from elsa_ds.files.handed import own_copies
@@ -68,7 +69,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
     writer = os.environ.get("RANK", "0") == "0"
     dog = Watchdog()
     try:
-        with owned(opts.output_dir, "--output_dir", take=writer):
+        with owned(opts.output_dir, "--output_dir", take=writer), std_streams.marked():
             try:
                 out = Path(opts.output_dir)
                 if writer and opts.overwrite:  # the previous output's checkpoints, logs and resumable side files, until published
@@ -92,6 +93,11 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                 if writer:  # a finished output whose final rename failed stays where the error says
                     with signals_held():
                         discard_unpublished(out, keep=kept_output(err), busy=checkpoint_save.take_tags_being_written())
+                if (stream := std_streams.stream_of(err)) is not None:  # a Python caller's own console, not the output
+                    what = "output" if stream == "stdout" else "error"
+                    raise ElsaError(f"the job stopped: a write to its standard {what} failed ({first_line(err)}) where that "
+                                    f"goes, not under --output_dir {out}; free room there or send the {what} elsewhere (a "
+                                    "command-line job goes on without it)") from None
                 if (full := disk_full(err, out)) is not None:
                     raise full from None  # one line (ElsaError), its free space measured with the partial files gone
                 raise
