@@ -143,7 +143,7 @@ class ConsoleHandler(logging.Handler):
             stream.write(f"elsa_ds: warning: the standard {'output' if name == 'stdout' else 'error'} cannot be written "
                          f"({err}): the job's log lines that go there are dropped\n")
             stream.flush()
-        except OSError as again:
+        except Exception as again:  # noqa: BLE001 - a closed or broken stream too: a log line never raises into the job
             self.lost[other] = str(again)
 
 

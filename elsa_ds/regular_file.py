@@ -3,8 +3,9 @@
 A FIFO, socket or device where a file is expected would hang its reader for good (an audit: a recipe's
 ``sparsity_profile`` naming a FIFO beside it waited for a writer with the job's lock held), and a path checked, then
 opened, may be swapped between the two. So the file is opened once, non-blocking, and examined through its descriptor:
-every reader of a file from elsewhere (JSON through :mod:`elsa_ds.json_data`, torch files, safetensors headers, model
-cards) opens it here.
+the readers of files from elsewhere (JSON through :mod:`elsa_ds.json_data`, torch files, safetensors headers, model
+cards) open them here; a corpus's text files and a resumed run's ``latest`` are checked as regular files before they
+are read (``data/sources.py``, ``files/handed.py``).
 """
 from __future__ import annotations
 

@@ -100,7 +100,10 @@ class MarkedStream:
 @contextlib.contextmanager
 def marked() -> Iterator[None]:
     """sys.stdout and sys.stderr as :class:`MarkedStream` inside (not a command's: its :class:`SteadyStream` never
-    raises), each put back at the end unless the caller replaced it meanwhile."""
+    raises), each put back at the end unless the caller replaced it meanwhile. They are the process's: a stream a
+    library keeps from inside (a logging handler made there) keeps the mark, which only adds a tag to its errors, and two
+    jobs run at once in two threads put back the first's streams when the first ends (the second's errors are then
+    unmarked: reported as before, as a full disk where they name none)."""
     wrapped = {}
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)

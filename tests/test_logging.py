@@ -217,3 +217,31 @@ def test_a_settings_refusal_names_no_rank_and_a_ranks_own_check_does(monkeypatch
 
     assert guarded(gpu_full) == 2
     assert capsys.readouterr().err.strip() == "elsa_ds: error (rank 1): needs ~40 GiB GPU memory, this GPU has 12 GiB available"
+
+
+def test_a_console_stream_that_cannot_be_written_is_said_once_on_the_other_and_never_raises(monkeypatch):
+    """A Python caller's stdout on a full disk: each record printed logging's 30-line "Logging error"; now the handler
+    says it once on stderr and drops what goes to stdout. With stderr broken too (closed), nothing raises into the job
+    (a review: the warning's own write escaped the handler)."""
+    import contextlib
+    import io
+
+    from elsa_ds.log import ConsoleHandler
+
+    record = logging.LogRecord("elsa_ds.x", logging.INFO, __file__, 1, "a line", None, None)
+    for closed_stderr in (False, True):
+        handler, err = ConsoleHandler(0), io.StringIO()
+        if closed_stderr:
+            err.close()
+        full = open("/dev/full", "w", buffering=1)
+        monkeypatch.setattr(sys, "stdout", full)
+        monkeypatch.setattr(sys, "stderr", err)
+        for _ in range(3):
+            handler.emit(record)  # raises nothing
+        monkeypatch.undo()
+        with contextlib.suppress(OSError):  # what the failed writes left in its buffer
+            full.close()
+        assert set(handler.lost) == ({"stdout", "stderr"} if closed_stderr else {"stdout"})
+        if not closed_stderr:
+            said = err.getvalue().splitlines()
+            assert len(said) == 1 and said[0].startswith("elsa_ds: warning: the standard output cannot be written")

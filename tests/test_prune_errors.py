@@ -52,15 +52,21 @@ def test_a_setting_deepspeeds_reader_refuses_is_named_before_the_model_loads(tmp
     the file nor the key. Its reader now runs on the resolved config in the plan's checks, each problem named by path."""
     from tests.conftest import run_entry
 
-    for section, needle in (({"stage": 3, "foo_bar": 1}, '"zero_optimization.foo_bar": DeepSpeed knows no such setting'),
-                            ({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": "maybe"}},
-                             '"zero_optimization.offload_param.pin_memory" = "maybe"')):
-        path = derived_config(tmp_path, zero_optimization=section)
+    for change, needle in (({"zero_optimization": {"stage": 3, "foo_bar": 1}},
+                            '"zero_optimization.foo_bar": DeepSpeed knows no such setting'),
+                           ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": "maybe"}}},
+                            '"zero_optimization.offload_param.pin_memory" = "maybe"'),
+                           ({"nebula": {"enabled": False}}, "nebula")):  # a key DeepSpeed removed: its own error class
+        path = derived_config(tmp_path, **change)
         proc = run_entry("prune.py", ["--deepspeed", str(path), "--output_dir", str(tmp_path / "o")], check=False, timeout=300)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
         assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
         assert str(path) in errors[0] and needle in errors[0], errors[0]
         assert "calibration" not in proc.stdout + proc.stderr and not (tmp_path / "o").exists()
+    # a one-shot job builds no engine: DeepSpeed never reads its config, so nothing there is refused (a review)
+    run_entry("prune.py", ["--deepspeed", str(path), "--method", "magnitude", "--val_windows", "0", "--output_dir",
+                           str(tmp_path / "one")], timeout=300)
+    assert (tmp_path / "one" / "elsa_report.json").is_file()
 
 
 def test_misspelt_elsa_key_is_named(tmp_path):

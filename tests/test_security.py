@@ -444,3 +444,19 @@ def test_every_reader_of_a_handed_file_opens_it_through_one_opener_that_never_wa
     with open_regular(link, follow=True) as fh:
         assert fh.read() == b'{"k": 1}'
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_key_named_twice_is_said_as_such_by_the_readers_that_refuse_it(tmp_path):
+    """A review: readers that refuse a repeated key said "not valid JSON" or "DuplicateKey: ..." for it; each names it."""
+    from elsa_ds.evaluation.tables import load_result
+    from elsa_ds.files.weight_files import read_index
+    from elsa_ds.sparse.folder import read_index as sparse_index
+    from elsa_ds.sparse.integrity import SparseCheckpointError
+
+    (result := tmp_path / "r.json").write_text('{"ppl": 1, "ppl": 2}')
+    with pytest.raises(ElsaError, match=r'--compare .*r\.json: the key "ppl" appears twice in one object'):
+        load_result(result)
+    (index := tmp_path / "i.json").write_text('{"weight_map": {"w": "a.safetensors", "w": "b.safetensors"}}')
+    assert read_index(index, ElsaError) == {"w": "b.safetensors"}  # a model's index, read as transformers reads it
+    with pytest.raises(SparseCheckpointError, match=r'i\.json: the key "w" appears twice in one object'):
+        sparse_index(index)

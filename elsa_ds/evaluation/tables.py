@@ -16,6 +16,8 @@ def load_result(path: str | Path) -> dict[str, Any]:
         result = json_data.read(path)
     except FileNotFoundError:
         raise ElsaError(f"--compare {path}: no such file") from None
+    except json_data.DuplicateKey as err:
+        raise ElsaError(f"--compare {path}: {err}") from None
     except (OSError, ValueError) as err:  # not UTF-8, not JSON, too large, nested too deeply
         raise ElsaError(f"--compare {path}: not a readable JSON file ({err})") from None
     if isinstance(result, dict) and "layers" in result and "method" in result:

@@ -111,6 +111,8 @@ def _stored_shapes(file: Path, meta: dict[str, str]) -> dict[str, list[int]]:
     """A packed mask file's ``shapes`` metadata: tensor name -> shape (a list of ints); ElsaError naming the file else."""
     try:
         shapes = json_data.loads(meta.get("shapes", "{}"))
+    except json_data.DuplicateKey as err:
+        raise ElsaError(f"{file}: its 'shapes' metadata: {err}; write the mask file again") from None
     except ValueError as err:
         raise ElsaError(f"{file}: its 'shapes' metadata is not JSON ({err}); write the mask file again") from None
     if not isinstance(shapes, dict) or not all(isinstance(v, list) and all(isinstance(d, int) for d in v) for v in shapes.values()):

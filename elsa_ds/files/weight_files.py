@@ -45,7 +45,7 @@ def read_header(file: Path) -> tuple[int, Any]:
         if length > min(_HEADER_LIMIT, size - 8):
             raise ValueError("header length beyond the end of the file")
         try:
-            return length, json_data.loads(fh.read(length))
+            return length, json_data.loads(fh.read(length), unique=False)  # the safetensors library judges its header
         except ValueError:  # not JSON, not UTF-8, nested too deeply
             raise ValueError("header is not valid JSON") from None
 
@@ -160,10 +160,13 @@ def check_model_folder(folder: str | Path, who: str, error: type[Exception] = El
                             f"({json_data.MODEL_FILE_BYTES:,}); copy or download it again")
 
 
-def read_index(index: Path, error: type[Exception]) -> dict[str, str]:
-    """The ``weight_map`` of a Hugging Face shard index: tensor name -> shard file name, both strings; else ``error``."""
+def read_index(index: Path, error: type[Exception], unique: bool = False) -> dict[str, str]:
+    """The ``weight_map`` of a Hugging Face shard index: tensor name -> shard file name, both strings; else ``error``.
+    A name given twice: the last counts, as transformers reads it (``unique``: refused, for an index elsa_ds wrote)."""
     try:
-        weight_map = json_data.read(index)["weight_map"]
+        weight_map = json_data.read(index, unique=unique)["weight_map"]
+    except json_data.DuplicateKey as err:
+        raise error(f"{index}: {err}") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise error(f"{index}: not a valid shard index ({type(err).__name__}: {err})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

@@ -51,7 +51,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     meta = meta_model(model_config)
     largest = max(p.numel() for p in meta.parameters())
     ds = ds_config.resolve(cfg, world_size, hidden_size(model_config), largest_param=largest)
-    if refusal := deepspeed_refusal(ds.raw):  # before the model loads, as DeepSpeed will read it once it has
+    if engine_used and (refusal := deepspeed_refusal(ds.raw)):  # before the model loads; a one-shot job builds no engine
         raise ElsaError(f"DeepSpeed config {ds_config.source}: DeepSpeed's reader refuses it: {refusal}; {FIX}")
     fallback = machine.cpu_bf16_fallback(ds.raw)
     if fallback and engine_used and os.environ.get("RANK", "0") == "0":

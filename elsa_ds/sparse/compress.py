@@ -19,7 +19,7 @@ from elsa_ds.files.disk_room import DiskFull, disk_full, existing_ancestor
 from elsa_ds.files.io import write_json
 from elsa_ds.files.output import fresh_staging, publish
 from elsa_ds.files.ownership import check_apart, owned
-from elsa_ds.regular_file import NotRegularFile, open_regular
+from elsa_ds.regular_file import open_regular
 from elsa_ds.files.weight_files import SPARSE_INDEX, SPARSE_STEM, check_model_folder, checked_target
 from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, ShardedWriter, TensorSpec, parse_size
 from elsa_ds.sparse import format as fmt
@@ -185,7 +185,7 @@ def read_card(src: Path, own: Path | None) -> bytes | None:
     try:
         with open_regular(target) as fh:
             text = fh.read(CARD_BYTES + 1)
-    except (OSError, NotRegularFile) as err:
+    except OSError as err:  # NotRegularFile too
         raise SparseCheckpointError(f"{own}: cannot be read as the model card ({err})") from None
     if len(text) > CARD_BYTES:
         raise SparseCheckpointError(f"{own}: more than {CARD_BYTES:,} bytes, not a model card (text of a few KiB); "

@@ -74,8 +74,8 @@ def weight_files(folder: Path, sparse: bool = False) -> list[Path]:
 
 
 def read_index(index: Path) -> dict[str, str]:
-    """The ``weight_map`` of a shard index: tensor name -> shard file name, both strings."""
-    return read_weight_map(index, SparseCheckpointError)
+    """The ``weight_map`` of a shard index: tensor name -> shard file name, both strings (a name given twice refused)."""
+    return read_weight_map(index, SparseCheckpointError, unique=True)
 
 
 def inside(folder: Path, name: str, listed_in: Path) -> Path:

@@ -37,7 +37,7 @@ def read_config(folder: Path) -> dict:
     if not path.is_file():
         raise SparseCheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
     try:
-        config = json_data.read(path)
+        config = json_data.read(path, unique=False)  # as transformers reads a model's config (a key twice: the last)
     except OSError as err:
         raise SparseCheckpointError(f"cannot read {path}: {err.strerror or err}") from None
     except ValueError as err:  # UnicodeDecodeError, too large and nested too deeply included

@@ -158,7 +158,7 @@ def checked_root(folder: Path, flag: str = "--resume") -> Path:
     the setting that reads it), ElsaError when it cannot be read."""
     try:
         return torch_files.real_folder(folder)
-    except torch_files.NotRegularFile as err:
+    except regular_file.NotRegularFile as err:
         raise UnsafeCheckpointError(f"{flag}: refusing {folder}: it is {err.what}, where a folder of this run's own must be; "
                                     "remove it, or restore the run from a copy you trust") from None
     except OSError as err:
