@@ -148,6 +148,22 @@ def _shown(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else f"{text[:limit - 100]}...{text[-60:]} ({len(text):,} characters)"
 
 
+def causes(err: BaseException | None, limit: int = 8) -> Iterator[BaseException]:
+    """``err`` and the exceptions it was raised from or while handling (its ``__cause__``, else its ``__context__``), at
+    most ``limit`` of them."""
+    for _ in range(limit):
+        if err is None:
+            return
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def stream_of(err: BaseException) -> str | None:
+    """The standard stream (``stdout``, ``stderr``) whose write raised ``err`` or an exception it came from
+    (:class:`elsa_ds.std_streams.MarkedStream` marks them), else None."""
+    return next((name for e in causes(err) if (name := getattr(e, std_streams.MARK, None)) is not None), None)
+
+
 def first_line(err: BaseException, limit: int = 300) -> str:
     """An exception's message cut to its first line (at most ``limit`` characters), for a one-line error that quotes it."""
     return (str(err).strip().splitlines() or [""])[0][:limit]

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal, get_args
 
+from elsa_ds import std_streams
+
 ROOT = "elsa_ds"
 PREFIX = "[elsa_ds] "
 LogLevel = Literal["debug", "info", "warning", "error"]  # the --log_level choices
@@ -136,15 +138,8 @@ class ConsoleHandler(logging.Handler):
         handleError printed a 30-line "Logging error" for each record (an audit: elsa_ds.oneshot from a script whose
         stdout went to a full disk)."""
         self.lost[name] = str(err)
-        other = "stdout" if name == "stderr" else "stderr"
-        if other in self.lost or (stream := getattr(sys, other)) is None:
-            return
-        try:
-            stream.write(f"elsa_ds: warning: the standard {'output' if name == 'stdout' else 'error'} cannot be written "
-                         f"({err}): the job's log lines that go there are dropped\n")
-            stream.flush()
-        except Exception as again:  # noqa: BLE001 - a closed or broken stream too: a log line never raises into the job
-            self.lost[other] = str(again)
+        if (again := std_streams.say_lost(name, err, "the job's log lines that go there are dropped", self.lost)) is not None:
+            self.lost["stdout" if name == "stderr" else "stderr"] = str(again)  # closed or broken too: nothing more there
 
 
 def quiet_libraries(level: int = logging.WARNING) -> None:

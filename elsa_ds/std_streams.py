@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 _LOST: dict[str, str] = {}  # stream name -> the error that made it drop its writes
+MARK = "std_stream"  # the attribute a MarkedStream sets on the OSError its write raised: the stream's name
 
 
 class SteadyStream:
@@ -50,16 +51,8 @@ class SteadyStream:
 
     def _lose(self, err: OSError) -> None:
         _LOST[self._name] = str(err)
-        other = "stderr" if self._name == "stdout" else "stdout"
-        if other in _LOST or (stream := getattr(sys, other, None)) is None:  # closed too (2>&-: None): nowhere to say it
-            return
-        try:
-            stream.write(f"elsa_ds: warning: the standard {'output' if self._name == 'stdout' else 'error'} cannot be "
-                         f"written ({err}): the command goes on without it, and ends with exit code 120 where it would "
-                         "end with 0\n")
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a warning must never be what stops the job
-            pass
+        say_lost(self._name, err, "the command goes on without it, and ends with exit code 120 where it would end with 0",
+                 _LOST)
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._stream, attr)
@@ -67,7 +60,7 @@ class SteadyStream:
 
 class MarkedStream:
     """A Python caller's own ``stream`` (sys.stdout or sys.stderr, ``name``), as it is, except that an OSError its write
-    or flush raises is marked as the stream's (``err.std_stream = name``) on its way out: a job that stops on it then
+    or flush raises is marked as the stream's (its attribute :data:`MARK` set to ``name``) on its way out: a job that stops on it then
     names the stream, not its output folder (an audit: a print to a full disk, ``elsa_ds.prune`` called from a script
     whose output went to a file there, was reported as no space left writing --output_dir)."""
 
@@ -79,7 +72,7 @@ class MarkedStream:
         try:
             return self._stream.write(text)
         except OSError as err:
-            err.std_stream = self._name  # type: ignore[attr-defined]
+            setattr(err, MARK, self._name)
             raise
 
     def writelines(self, lines: Any) -> None:
@@ -90,7 +83,7 @@ class MarkedStream:
         try:
             self._stream.flush()
         except OSError as err:
-            err.std_stream = self._name  # type: ignore[attr-defined]
+            setattr(err, MARK, self._name)
             raise
 
     def __getattr__(self, attr: str) -> Any:
@@ -118,14 +111,19 @@ def marked() -> Iterator[None]:
                 setattr(sys, name, stream._stream)
 
 
-def stream_of(err: BaseException) -> str | None:
-    """The standard stream (``stdout``, ``stderr``) whose write raised ``err`` or an exception it came from, else None."""
-    for _ in range(8):
-        if err is None:
-            return None
-        if (name := getattr(err, "std_stream", None)) is not None:
-            return name
-        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+def say_lost(name: str, err: BaseException, then: str, lost: dict[str, str]) -> BaseException | None:
+    """Say on the other standard stream that ``name`` cannot be written (``err``), and ``then`` what follows: not where
+    that stream is in ``lost`` or closed (2>&-: None), nowhere to say it. The exception its own write raised, if any (a
+    warning must never be what stops the job)."""
+    other = "stderr" if name == "stdout" else "stdout"
+    if other in lost or (stream := getattr(sys, other, None)) is None:
+        return None
+    try:
+        stream.write(f"elsa_ds: warning: the standard {'output' if name == 'stdout' else 'error'} cannot be written "
+                     f"({err}): {then}\n")
+        stream.flush()
+    except Exception as again:  # noqa: BLE001
+        return again
     return None
 
 

@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from elsa_ds.errors import ElsaError
+from elsa_ds.errors import ElsaError, causes
 
 REASONS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
            errno.EFBIG: "file size limit reached"}  # EFBIG: ulimit -f, or the file system's own largest file
@@ -54,14 +54,11 @@ def disk_full_errno(err: BaseException) -> int | None:
 
 def _full_disk_cause(err: BaseException | None) -> tuple[BaseException, int] | None:
     """(the exception in ``err``'s chain that ran out of room, its errno), or None."""
-    for _ in range(8):
-        if err is None:
-            return None
-        if isinstance(err, OSError) and err.errno in REASONS:
-            return err, err.errno
-        if type(err).__module__.startswith("safetensors") and (m := _OS_ERROR.search(str(err))) and int(m[1]) in REASONS:
-            return err, int(m[1])
-        err = err.__cause__ or err.__context__
+    for cause in causes(err):
+        if isinstance(cause, OSError) and cause.errno in REASONS:
+            return cause, cause.errno
+        if type(cause).__module__.startswith("safetensors") and (m := _OS_ERROR.search(str(cause))) and int(m[1]) in REASONS:
+            return cause, int(m[1])
     return None
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from elsa_ds import std_streams
-from elsa_ds.errors import ElsaError, first_line, signals_held
+from elsa_ds.errors import ElsaError, first_line, signals_held, stream_of
 from elsa_ds.files.aside import published, put_back, set_aside
 from elsa_ds.files.disk_room import disk_full, disk_full_errno
 from elsa_ds.files.output import (REPORT_NAME, RESUMABLE, PublishFailed, check_output_dir, check_output_path, missing_folders,
@@ -93,7 +93,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                 if writer:  # a finished output whose final rename failed stays where the error says
                     with signals_held():
                         discard_unpublished(out, keep=kept_output(err), busy=checkpoint_save.take_tags_being_written())
-                if (stream := std_streams.stream_of(err)) is not None:  # a Python caller's own console, not the output
+                if (stream := stream_of(err)) is not None:  # a Python caller's own console, not the output
                     what = "output" if stream == "stdout" else "error"
                     mend = "free room there or send it elsewhere" if disk_full_errno(err) else "keep its reader open"
                     raise ElsaError(f"the job stopped: a write to its standard {what} failed ({first_line(err)}) where that "
