@@ -122,32 +122,6 @@ def require(module: str, extra: str, feature: str):
         raise ElsaError(f"{feature} needs the optional package {module.split('.')[0]}: pip install 'elsa_ds[{extra}]'") from None
 
 
-def format_validation_error(err: Any, where: str, model: Any, errors: list | None = None) -> str:
-    """Every problem of a pydantic ValidationError against settings ``model`` in one line, each naming its field
-    (``errors``: only these of ``err.errors()``)."""
-    parts = []
-    for e in err.errors() if errors is None else errors:
-        field = ".".join(str(x) for x in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if not field:  # a rule across fields: the message names them
-            parts.append(msg)
-        elif e["type"] == "extra_forbidden":
-            parts.append(f"{field}: unknown setting (known: {', '.join(sorted(model.model_fields))})")
-        else:
-            parts.append(f"{field}={_shown(e.get('input'))}: {msg}")
-    return f"invalid setting in {where}: " + "; ".join(parts)
-
-
-def _shown(value: Any, limit: int = 300) -> str:
-    """A refused value as the line quotes it: its repr, its middle cut past ``limit`` characters (a 10,000-digit --steps
-    was quoted whole; past 4,300 digits repr itself raises), the end kept (a path's last names say what is wrong)."""
-    try:
-        text = repr(value)
-    except ValueError:
-        return f"<a {type(value).__name__} too long to show>"
-    return text if len(text) <= limit else f"{text[:limit - 100]}...{text[-60:]} ({len(text):,} characters)"
-
-
 def causes(err: BaseException | None, limit: int = 8) -> Iterator[BaseException]:
     """``err`` and the exceptions it was raised from or while handling (its ``__cause__``, else its ``__context__``), at
     most ``limit`` of them."""
@@ -165,8 +139,9 @@ def stream_of(err: BaseException) -> str | None:
 
 
 def first_line(err: BaseException, limit: int = 300) -> str:
-    """An exception's message cut to its first line (at most ``limit`` characters), for a one-line error that quotes it."""
-    return (str(err).strip().splitlines() or [""])[0][:limit]
+    """An exception's message cut to its first line (at most ``limit`` characters), for a one-line error that quotes it;
+    its type's name when it has no text."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:limit]
 
 
 def stderr_line(text: str) -> None:

@@ -55,7 +55,7 @@ def test_a_setting_deepspeeds_reader_refuses_is_named_before_the_model_loads(tmp
     for change, needle in (({"zero_optimization": {"stage": 3, "foo_bar": 1}},
                             '"zero_optimization.foo_bar": DeepSpeed knows no such setting'),
                            ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": "maybe"}}},
-                            '"zero_optimization.offload_param.pin_memory" = "maybe"'),
+                            '"zero_optimization.offload_param.pin_memory"="maybe"'),
                            ({"nebula": {"enabled": False}}, "nebula")):  # a key DeepSpeed removed: its own error class
         path = derived_config(tmp_path, **change)
         proc = run_entry("prune.py", ["--deepspeed", str(path), "--output_dir", str(tmp_path / "o")], check=False, timeout=300)

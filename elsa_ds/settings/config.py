@@ -20,7 +20,8 @@ from elsa_ds.admm.state import StateDtype
 from elsa_ds.data.sampling import Sampling
 from elsa_ds.data.sources import DEMO_DATASET, FILE_NOT_MODEL, looks_local
 from elsa_ds.data.windows import PplProtocol
-from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
+from elsa_ds.errors import ElsaError, SettingsError
+from elsa_ds.quoting import format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
 from elsa_ds.settings.config_checks import bounded_int, cross_checks, not_a_percentage
 from elsa_ds.settings.config_files import (PATH_SETTINGS, CommaList, PathList, check_each_source, comma_list, compile_regex,

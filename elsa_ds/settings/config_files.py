@@ -254,7 +254,8 @@ def check_each_source(model: Any, sources: list[tuple[str, dict[str, Any]]]) -> 
     setting that names code is refused there (``refuse_command_line_only``)."""
     from pydantic import ValidationError
 
-    from elsa_ds.errors import SettingsError, format_validation_error
+    from elsa_ds.errors import SettingsError
+    from elsa_ds.quoting import format_validation_error
 
     for where, values in sources:
         if not values:

@@ -21,7 +21,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
+from elsa_ds.errors import ElsaError, SettingsError
+from elsa_ds.quoting import format_validation_error
 from elsa_ds.log import setup_logging
 from elsa_ds.settings.config import DEMO_PROFILE, ElsaConfig
 from elsa_ds.settings.config_files import comma_paths, name_problem

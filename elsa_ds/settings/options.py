@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from elsa_ds.errors import ElsaError, SettingsError, format_validation_error
+from elsa_ds.errors import ElsaError, SettingsError
+from elsa_ds.quoting import format_validation_error
 from elsa_ds.files.aside import published
 from elsa_ds.files.output import REPORT_NAME, foreign_entries
 from elsa_ds.log import LogLevel, get_logger

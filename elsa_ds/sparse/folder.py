@@ -17,6 +17,7 @@ from typing import BinaryIO, cast
 import torch
 
 from elsa_ds import regular_file
+from elsa_ds.errors import first_line
 from elsa_ds.files import torch_files
 from elsa_ds.files.weight_files import BIN_INDEX, SAFETENSORS_INDEX, SPARSE_INDEX, SPARSE_STEM, checked_target, inside_folder, within
 from elsa_ds.files.weight_files import read_index as read_weight_map
@@ -195,9 +196,3 @@ def _opened(path: Path, folder: Path) -> tuple[object, BinaryIO | None]:
 def _close(files: list[BinaryIO]) -> None:
     for f in files:
         f.close()
-
-
-def first_line(err: BaseException) -> str:
-    """An error's first line, or its type's name when it has no text."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

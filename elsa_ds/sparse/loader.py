@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from elsa_ds.errors import first_line
 from elsa_ds.log import get_logger
 from elsa_ds.sparse import format as fmt
-from elsa_ds.sparse.folder import TensorReader, first_line, inside
+from elsa_ds.sparse.folder import TensorReader, inside
 from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError, check_type,
                                       tensor_digest)
 from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path

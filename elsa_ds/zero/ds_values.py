@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from elsa_ds.errors import ElsaError, first_line
+from elsa_ds.quoting import pydantic_problems, shown
 
 AUTO = "auto"
 COUNT_LIMIT = 2**53  # elements, buffers, batches: more than any machine holds, and the most a float holds exactly
@@ -61,9 +62,12 @@ TYPED: dict[tuple[str, ...], Kind] = {
 FIX = "fix the file or pass a shipped config with --deepspeed"
 
 
+def _json(value: Any) -> str:
+    return json.dumps(value, default=repr)  # a resolved config's value elsa_ds put there, as Python shows it
+
+
 def _shown(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:40] + "..."
+    return shown(value, 60, _json)
 
 
 def _range(kind: Kind) -> str:
@@ -131,24 +135,20 @@ def deepspeed_refusal(engine_config: dict[str, Any]) -> str | None:
     try:
         DeepSpeedConfig(probe)
     except pydantic.ValidationError as err:
-        return "; ".join(_pydantic_problem(e, engine_config, err.title) for e in err.errors())
+        return "; ".join(pydantic_problems(err.errors(), lambda loc: _key_path(loc, engine_config, err.title),
+                                           lambda name: f"{name}: DeepSpeed knows no such setting", _json))
     except Exception as err:  # noqa: BLE001 - DeepSpeedConfigError (a removed key: "nebula"), asserts, ValueErrors
-        return first_line(err) or type(err).__name__
+        return first_line(err)
     finally:
         logger.setLevel(level)
     return None
 
 
-def _pydantic_problem(error: Any, config: dict[str, Any], model: str) -> str:
-    """One problem of DeepSpeed's pydantic reader, named by its key's path in ``config`` (pydantic names it inside its
-    section's model only: ``foo_bar`` of DeepSpeedZeroConfig), or by the model where the key is missing or ambiguous."""
-    loc = tuple(str(part) for part in error["loc"])
+def _key_path(loc: tuple[str, ...], config: dict[str, Any], model: str) -> str:
+    """A key DeepSpeed's pydantic reader refuses, by its path in ``config`` (pydantic names it inside its section's
+    model only: ``foo_bar`` of DeepSpeedZeroConfig), or by the model where the key is missing or ambiguous."""
     found = [path for path in _key_paths(config) if loc and path[-len(loc):] == loc]
-    name = ".".join(found[0]) if len(found) == 1 else ".".join((model, *loc))
-    msg = error["msg"].removeprefix("Value error, ")
-    if error["type"] == "extra_forbidden":
-        return f'"{name}": DeepSpeed knows no such setting'
-    return f"{name}: {msg}" if not loc else f'"{name}" = {_shown(error.get("input"))}: {msg}'
+    return '"' + ".".join(found[0] if len(found) == 1 else (model, *loc)) + '"'
 
 
 def _key_paths(node: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:

@@ -1,0 +1,44 @@
+"""How a one-line refusal quotes what it refuses: a value cut to a line's length, each problem of a pydantic
+ValidationError named by its field. Stdlib only."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def format_validation_error(err: Any, where: str, model: Any, errors: list | None = None) -> str:
+    """Every problem of a pydantic ValidationError against settings ``model`` in one line, each naming its field
+    (``errors``: only these of ``err.errors()``)."""
+    known = ", ".join(sorted(model.model_fields))
+    parts = pydantic_problems(err.errors() if errors is None else errors, ".".join,
+                              lambda field: f"{field}: unknown setting (known: {known})")
+    return f"invalid setting in {where}: " + "; ".join(parts)
+
+
+def pydantic_problems(errors: list, name: Callable[[tuple[str, ...]], str], unknown: Callable[[str], str],
+                      render: Callable[[Any], str] = repr) -> list[str]:
+    """Each of a pydantic ValidationError's ``errors`` as a phrase: a rule across fields as its message (after
+    ``name(())``, its model's name, where that is not empty), a key the model does not know as ``unknown(name)``, else
+    ``name=value: message``, the field named by ``name(loc)`` and its value by :func:`shown` with ``render``."""
+    parts = []
+    for e in errors:
+        loc = tuple(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if not loc:  # a rule across fields: the message names them (``name(())`` their model, if anything)
+            parts.append(f"{label}: {msg}" if (label := name(loc)) else msg)
+        elif e["type"] == "extra_forbidden":
+            parts.append(unknown(name(loc)))
+        else:
+            parts.append(f"{name(loc)}={shown(e.get('input'), render=render)}: {msg}")
+    return parts
+
+
+def shown(value: Any, limit: int = 300, render: Callable[[Any], str] = repr) -> str:
+    """A refused value as a line quotes it: ``render(value)`` (repr; json.dumps for a JSON file's value), its middle cut
+    past ``limit`` characters (a 10,000-digit --steps was quoted whole; past 4,300 digits repr itself raises), the end
+    kept (a path's last names say what is wrong)."""
+    try:
+        text = render(value)
+    except ValueError:
+        return f"<a {type(value).__name__} too long to show>"
+    return text if len(text) <= limit else f"{text[:limit * 2 // 3]}...{text[-(limit // 5):]} ({len(text):,} characters)"
