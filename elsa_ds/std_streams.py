@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any, TextIO
 
@@ -21,9 +22,9 @@ _LOST: dict[str, str] = {}  # stream name -> the error that made it drop its wri
 MARK = "std_stream"  # the attribute a MarkedStream sets on the OSError its write raised: the stream's name
 
 
-class SteadyStream:
-    """``stream`` (sys.stdout or sys.stderr, ``name``) until a write or a flush fails with an OSError; then nothing is
-    written there, once said on the other stream. Everything else (``fileno``, ``isatty``, ``encoding``, ``buffer``) is
+class _Proxy:
+    """``stream`` (sys.stdout or sys.stderr, ``name``) with its writes and flushes through :meth:`_failed` when they raise
+    an OSError, none made while :meth:`_dropping`; everything else (``fileno``, ``isatty``, ``encoding``, ``buffer``)
     the stream's own."""
 
     def __init__(self, stream: TextIO, name: str):
@@ -31,11 +32,11 @@ class SteadyStream:
         self._name = name
 
     def write(self, text: str) -> int:
-        if self._name not in _LOST:
+        if not self._dropping():
             try:
                 return self._stream.write(text)
             except OSError as err:
-                self._lose(err)
+                self._failed(err)
         return len(text)
 
     def writelines(self, lines: Any) -> None:
@@ -43,72 +44,75 @@ class SteadyStream:
             self.write(line)
 
     def flush(self) -> None:
-        if self._name not in _LOST:
+        if not self._dropping():
             try:
                 self._stream.flush()
             except OSError as err:
-                self._lose(err)
+                self._failed(err)
 
-    def _lose(self, err: OSError) -> None:
+    def _dropping(self) -> bool:
+        return False
+
+    def _failed(self, err: OSError) -> None:
+        raise err
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._stream, attr)
+
+
+class SteadyStream(_Proxy):
+    """A command's ``stream`` until a write or a flush fails with an OSError; then nothing is written there, once said
+    on the other stream."""
+
+    def _dropping(self) -> bool:
+        return self._name in _LOST
+
+    def _failed(self, err: OSError) -> None:
         _LOST[self._name] = str(err)
         say_lost(self._name, err, "the command goes on without it, and ends with exit code 120 where it would end with 0",
                  _LOST)
 
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._stream, attr)
+
+class MarkedStream(_Proxy):
+    """A Python caller's own ``stream``, as it is, except that an OSError its write or flush raises is marked as the
+    stream's (its attribute :data:`MARK` set to ``name``) on its way out: a job that stops on it then names the stream,
+    not its output folder (an audit: a print to a full disk, ``elsa_ds.prune`` called from a script whose output went
+    to a file there, was reported as no space left writing --output_dir)."""
+
+    def _failed(self, err: OSError) -> None:
+        setattr(err, MARK, self._name)
+        raise err
 
 
-class MarkedStream:
-    """A Python caller's own ``stream`` (sys.stdout or sys.stderr, ``name``), as it is, except that an OSError its write
-    or flush raises is marked as the stream's (its attribute :data:`MARK` set to ``name``) on its way out: a job that stops on it then
-    names the stream, not its output folder (an audit: a print to a full disk, ``elsa_ds.prune`` called from a script
-    whose output went to a file there, was reported as no space left writing --output_dir)."""
-
-    def __init__(self, stream: TextIO, name: str):
-        self._stream = stream
-        self._name = name
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except OSError as err:
-            setattr(err, MARK, self._name)
-            raise
-
-    def writelines(self, lines: Any) -> None:
-        for line in lines:
-            self.write(line)
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except OSError as err:
-            setattr(err, MARK, self._name)
-            raise
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._stream, attr)
+_MARKING = threading.Lock()
+_MARKED: dict[str, MarkedStream] = {}  # the streams marked() put in place, while any job inside it runs
+_MARKED_JOBS = [0]  # how many jobs are inside marked()
 
 
 @contextlib.contextmanager
 def marked() -> Iterator[None]:
     """sys.stdout and sys.stderr as :class:`MarkedStream` inside (not a command's: its :class:`SteadyStream` never
-    raises), each put back at the end unless the caller replaced it meanwhile. They are the process's: a stream a
-    library keeps from inside (a logging handler made there) keeps the mark, which only adds a tag to its errors, and two
-    jobs run at once in two threads put back the first's streams when the first ends (the second's errors are then
-    unmarked: reported as before, as a full disk where they name none)."""
-    wrapped = {}
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if stream is not None and not isinstance(stream, (SteadyStream, MarkedStream)):
-            wrapped[name] = MarkedStream(stream, name)
-            setattr(sys, name, wrapped[name])
+    raises), each put back when the last job inside ends (two jobs in two threads: the first to end left the second's
+    streams unmarked), unless the caller replaced it meanwhile. They are the process's: a stream a library keeps from
+    inside (a logging handler made there) keeps the mark, which only adds a tag to its errors."""
+    with _MARKING:
+        if _MARKED_JOBS[0] == 0:
+            for name in ("stdout", "stderr"):
+                stream = getattr(sys, name)
+                if stream is not None and not isinstance(stream, (SteadyStream, MarkedStream)):
+                    _MARKED[name] = MarkedStream(stream, name)
+                    setattr(sys, name, _MARKED[name])
+        _MARKED_JOBS[0] += 1
     try:
         yield
     finally:
-        for name, stream in wrapped.items():
-            if getattr(sys, name) is stream:
-                setattr(sys, name, stream._stream)
+        with _MARKING:
+            _MARKED_JOBS[0] -= 1
+            if _MARKED_JOBS[0] == 0:
+                for name, stream in _MARKED.items():
+                    if getattr(sys, name) is stream:
+                        setattr(sys, name, stream._stream)
+                _MARKED.clear()
 
 
 def say_lost(name: str, err: BaseException, then: str, lost: dict[str, str]) -> BaseException | None:

@@ -4,6 +4,7 @@ through launch/prune.py during the warm start and training, the Python API durin
 deepspeed launcher during training."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -499,6 +500,40 @@ def test_a_python_callers_full_stdout_is_said_once_and_never_blamed_on_the_outpu
         assert len(said) == 2 and said[1].startswith("refused: the job stopped: a write to its standard output failed"), said
         assert "No space left" in said[1] and "writing" not in said[1] and not out.exists()
     assert _strays(tmp_path) == []
+
+
+def test_two_jobs_at_once_keep_the_callers_streams_marked_until_the_last_ends(monkeypatch):
+    """Two API jobs in two threads, overlapping: the first to end put back the caller's streams, and a full stdout in the
+    second's was then an unmarked OSError, reported as a full disk under its --output_dir. Now the mark lasts until the
+    last job inside ends, and the streams come back as they were."""
+    from elsa_ds import std_streams
+    from elsa_ds.errors import stream_of
+
+    full = open("/dev/full", "w", buffering=1)
+    monkeypatch.setattr(sys, "stdout", full)
+    first, second = std_streams.marked(), std_streams.marked()
+    first.__enter__()
+    ready, done, seen = threading.Event(), threading.Event(), []
+
+    def job() -> None:
+        with second:
+            ready.set()
+            done.wait(60)
+            try:
+                print("a line of the second job")
+            except OSError as err:
+                seen.append(stream_of(err))
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    assert ready.wait(60)
+    first.__exit__(None, None, None)  # the first job ends while the second runs
+    done.set()
+    thread.join(60)
+    restored = sys.stdout is full
+    with contextlib.suppress(OSError):  # the line it could not write is still in its buffer
+        full.close()
+    assert seen == ["stdout"] and restored
 
 
 def test_a_command_whose_stderr_is_closed_and_stdout_full_goes_on(tmp_path):
