@@ -190,6 +190,7 @@ def main_estimate(argv: list[str] | None = None) -> int:
         from elsa_ds.capacity.probe import measure_job
         from elsa_ds.capacity.optimizer_probe import measure_optimizer
         from elsa_ds.capacity.step_time import DEFAULT_MACHINE, TYPICAL, format_time, job_matmul, measure, step_time
+        from elsa_ds.plan.checks import check_deepspeed_reader
         from elsa_ds.zero.ds_config import DsConfig
 
         opts = validated(EstimateOptions, {k: getattr(args, k) for k in _cli_fields(EstimateOptions) if getattr(args, k) is not None})
@@ -206,6 +207,7 @@ def main_estimate(argv: list[str] | None = None) -> int:
         if why := ds_config.base_optimizer_problem(cfg, opts.accelerator):
             raise ElsaError(why)
         shape, ds = resolved_job(cfg, ds_config, opts.num_gpus * opts.num_nodes)
+        check_deepspeed_reader(cfg, ds, ds_config.source)  # a plan the job would refuse is no plan
         if rule:  # said once the job's settings pass: a refusal is the one line a refused command prints
             log.info(rule)
         est = job_estimate(shape, ds, cfg, opts.num_gpus, opts.num_nodes, opts.accelerator)

@@ -50,6 +50,7 @@ def test_a_setting_deepspeeds_reader_refuses_is_named_before_the_model_loads(tmp
     """DeepSpeed reads its config in deepspeed.initialize, after the model is loaded and warm-started: a key it does not
     know stopped a job there with "cannot load model ...: 1 validation error for DeepSpeedZeroConfig", naming neither
     the file nor the key. Its reader now runs on the resolved config in the plan's checks, each problem named by path."""
+    from elsa_ds.settings.config import DEMO_MODEL_DIR
     from tests.conftest import run_entry
 
     for change, needle in (({"zero_optimization": {"stage": 3, "foo_bar": 1}},
@@ -63,6 +64,10 @@ def test_a_setting_deepspeeds_reader_refuses_is_named_before_the_model_loads(tmp
         assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
         assert str(path) in errors[0] and needle in errors[0], errors[0]
         assert "calibration" not in proc.stdout + proc.stderr and not (tmp_path / "o").exists()
+        # the plan of a job that would be refused is refused alike (it printed the memory of a job that cannot start)
+        est = run_entry("estimate.py", ["--deepspeed", str(path), "--model", str(DEMO_MODEL_DIR)], check=False, timeout=300)
+        said = [line for line in est.stderr.splitlines() if line.startswith("elsa_ds: error")]
+        assert est.returncode == 2 and len(said) == 1 and needle in said[0] and "per GPU" not in est.stdout, est.stderr[-3000:]
     # a one-shot job builds no engine: DeepSpeed never reads its config, so nothing there is refused (a review)
     run_entry("prune.py", ["--deepspeed", str(path), "--method", "magnitude", "--val_windows", "0", "--output_dir",
                            str(tmp_path / "one")], timeout=300)
@@ -105,6 +110,7 @@ def test_a_run_that_reads_its_text_many_times_says_so(tmp_path, tiny_model_dir):
     import re
 
     from elsa_ds.jobs.training import REREAD_WARNING
+    from elsa_ds.settings.config import DEMO_MODEL_DIR
     from tests.conftest import run_entry
 
     small = tmp_path / "small.txt"
@@ -187,6 +193,7 @@ def test_corrupt_parquet_dataset_is_one_line(tmp_path, tiny_model_dir):
 
 def test_hub_dataset_without_network_is_one_line(tmp_path, tiny_model_dir):
     """The default dataset of every non-demo model is c4: offline it is one line saying to give a local file."""
+    from elsa_ds.settings.config import DEMO_MODEL_DIR
     from tests.conftest import run_entry
 
     proc = run_entry("prune.py", ["--deepspeed", "ds_configs/zero3_offload.json", "--model", str(tiny_model_dir), "--dataset",
@@ -223,6 +230,7 @@ def test_init_mask_of_another_shape_or_without_zeros_is_refused_before_loading(t
     _fails([*args, "--init_mask", str(ragged_model_dir)], "does not fit this model", "shape differs")
     _fails([*args, "--init_mask", str(tiny_model_dir)], "no zeros")
     # and a pruned folder of this model passes the check (the warm start then reads it)
+    from elsa_ds.settings.config import DEMO_MODEL_DIR
     from tests.conftest import run_entry
 
     pruned = tmp_path / "magnitude"

@@ -34,9 +34,21 @@ def model_source(cfg: ElsaConfig, opts: JobOptions) -> ModelSource:
     return ModelSource(cfg.model, opts.model_object, opts.tokenizer_object)
 
 
+def builds_engine(cfg: ElsaConfig) -> bool:
+    """Whether the job builds a DeepSpeed engine: a one-shot job alone runs none."""
+    return cfg.oneshot is None or cfg.finetune is not None
+
+
+def check_deepspeed_reader(cfg: ElsaConfig, engine_config: dict, source: object) -> None:
+    """ElsaError with what DeepSpeed's own reader refuses in ``engine_config`` (``source`` resolved for ``cfg``), for a
+    job that builds an engine: DeepSpeed never reads a one-shot job's config."""
+    if builds_engine(cfg) and (refusal := deepspeed_refusal(engine_config)):
+        raise ElsaError(f"DeepSpeed config {source}: DeepSpeed's reader refuses it: {refusal}; {FIX}")
+
+
 def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_size: int, source: ModelSource) -> DsConfig:
     """Run every check for ``cfg`` on ``world_size`` ranks; returns the engine's DeepSpeed config (``ds_config`` resolved)."""
-    engine_used = cfg.oneshot is None or cfg.finetune is not None  # a one-shot job alone runs no engine
+    engine_used = builds_engine(cfg)
     if engine_used:  # its rank 0 serves the process group's rendezvous: a port another job holds, said first
         check_rendezvous_port()
         check_loss_choice(machine.job_device())  # ELSA_DS_LOSS
@@ -51,8 +63,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     meta = meta_model(model_config)
     largest = max(p.numel() for p in meta.parameters())
     ds = ds_config.resolve(cfg, world_size, hidden_size(model_config), largest_param=largest)
-    if engine_used and (refusal := deepspeed_refusal(ds.raw)):  # before the model loads; a one-shot job builds no engine
-        raise ElsaError(f"DeepSpeed config {ds_config.source}: DeepSpeed's reader refuses it: {refusal}; {FIX}")
+    check_deepspeed_reader(cfg, ds.raw, ds_config.source)  # before the model loads
     fallback = machine.cpu_bf16_fallback(ds.raw)
     if fallback and engine_used and os.environ.get("RANK", "0") == "0":
         get_logger(__name__).warning(fallback)
