@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from elsa_ds.errors import ElsaError, OneLineParser, guarded, run_command  # noqa: F401 (guarded: the entry points')
 from elsa_ds.log import get_logger
 from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.settings.config_checks import INT_LIMIT
 from elsa_ds.settings.flags import add_flags, flag_table, start_logging, validated
 from elsa_ds.settings.flags import cli_fields as _cli_fields
 from elsa_ds.settings.options import JobOptions
@@ -76,16 +77,16 @@ class EstimateOptions(BaseModel):
     model: str | None = Field(None, json_schema_extra={"metavar": "ID_OR_DIR"})
     """Hub id (shipped configs resolve offline), model directory or config.json; default: the recipe's model, else
     elsa-prune's (the embedded demo)."""
-    num_gpus: int = Field(1, gt=0)
+    num_gpus: int = Field(1, gt=0, le=INT_LIMIT)
     """GPUs (ranks) per node."""
-    num_nodes: int = Field(1, gt=0)
+    num_nodes: int = Field(1, gt=0, le=INT_LIMIT)
     """Nodes."""
     accelerator: Literal["cuda", "cpu"] = "cuda"
     """Where the ranks compute: cuda (GPUs), or cpu (DeepSpeed's CPU accelerator: no GPU, host memory only)."""
     machine: Literal["auto", "gpu-server", "gpu-vm-16c", "cpu-2c"] = "auto"
     """The host whose typical rates time the step: auto (gpu-server with cuda, cpu-2c with cpu), an 8-GPU server, the
     lent 1-GPU 16-core machine, a 2-core CPU box."""
-    internode_gbps: float | None = Field(None, gt=0)
+    internode_gbps: float | None = Field(None, gt=0, allow_inf_nan=False)
     """GB/s a rank between nodes (default: the profile's 40, 400 Gb/s InfiniBand a GPU; cloud Ethernet is often 3-25):
     with --num_nodes above 1 most of a step's time, and --measure does not time it."""
     measure: bool = False

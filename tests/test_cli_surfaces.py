@@ -145,6 +145,11 @@ def test_bad_settings_are_one_error_line(capsys, tiny_model_dir):
     # a percentage for the fraction: named as such (a walk, 2026-12-02: "Input should be less than 1" alone)
     assert main_estimate(["--model", "google/gemma-2-2b", "--deepspeed", "zero3", "--sparsity", "70"]) == 2
     assert "sparsity=70.0: a fraction of zeros in [0, 1), not a percentage: 0.7 for 70 %" in capsys.readouterr().err
+    # the estimate's own numbers keep to the job's rules (an audit: 10**25 GPUs was sized, an infinite network timed)
+    for flags, said in ((["--num_gpus", "1" + "0" * 25], "less than or equal to 9007199254740992"),
+                        (["--num_nodes", "2", "--internode_gbps", "1e400"], "internode_gbps=inf: Input should be a finite")):
+        assert main_estimate(["--model", "google/gemma-2-2b", "--deepspeed", "zero3", *flags]) == 2
+        assert said in capsys.readouterr().err
 
 
 def test_estimate_resolves_unset_settings_as_the_job_does(capsys):
