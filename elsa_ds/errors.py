@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from elsa_ds import std_streams
+from elsa_ds.quoting import one_line
 
 
 class Terminated(BaseException):
@@ -208,7 +209,7 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         if len(message) > 1000:  # argparse quotes a value whole: 10,000 digits of --steps, unrecognized arguments
             message = f"{message[:700]}...{message[-100:]} ({len(message):,} characters)"
-        line = f"elsa_ds: error: {self.prog}: {message} (see {self.prog} --help)"
+        line = one_line(f"elsa_ds: error: {self.prog}: {message} (see {self.prog} --help)")
         if first_to_say(line):
             stderr_line(line)
         raise SystemExit(2)
@@ -276,7 +277,7 @@ def guarded(fn: Callable[[], int | None]) -> int:
         return code
     except ElsaError as err:  # printed, not logged: the one-line contract holds whatever the log level
         if first_to_say(str(err)):
-            stderr_line(f"elsa_ds: error{'' if isinstance(err, SettingsError) else where}: {err}")
+            stderr_line(one_line(f"elsa_ds: error{'' if isinstance(err, SettingsError) else where}: {err}"))
         return 2
     except (KeyboardInterrupt, Terminated) as err:
         return _stop_line(err, where)

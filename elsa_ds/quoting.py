@@ -1,5 +1,5 @@
 """How a one-line refusal quotes what it refuses: a value cut to a line's length, each problem of a pydantic
-ValidationError named by its field. Stdlib only."""
+ValidationError named by its field, and the line itself kept one line. Stdlib only."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -42,3 +42,14 @@ def shown(value: Any, limit: int = 300, render: Callable[[Any], str] = repr) -> 
     except ValueError:
         return f"<a {type(value).__name__} too long to show>"
     return text if len(text) <= limit else f"{text[:limit * 2 // 3]}...{text[-(limit // 5):]} ({len(text):,} characters)"
+
+
+# every character str.splitlines() ends a line at, and the other control characters, as Python's repr escapes them
+_ESCAPED = {c: repr(chr(c))[1:-1] for c in (*range(32), 127, 0x85, 0x2028, 0x2029)}
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks and other control characters escaped as repr escapes them (``\\n``, ``\\x1b``): a
+    refusal stays the one line it promises when a path it names holds a newline (an audit: ``--deepspeed
+    $'no\\nsuch.json'`` split it in two; so did a terminal's escape sequences)."""
+    return text.translate(_ESCAPED)

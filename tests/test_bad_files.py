@@ -585,3 +585,19 @@ def test_a_folder_where_a_json_or_weights_file_is_read_is_named_and_nothing_is_l
         with pytest.raises(IsADirectoryError):
             read_header(folder)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+# ---- odd names --------------------------------------------------------------------------------------------------------
+def test_a_path_with_a_line_break_keeps_the_refusal_one_line(tmp_path):
+    """A seventh audit: a path naming a newline (or a terminal's escape) split the one-line refusal of every command,
+    the path's second half on a line of its own. The line now escapes them as repr does."""
+    from elsa_ds.sparse import cli as compress
+
+    odd = str(tmp_path / "no\nsuch\x1b[2J\u2028x")
+    shown = "no\\nsuch\\x1b[2J\\u2028x"
+    one_line(*run_main(cli.main_prune, ["--deepspeed", odd + ".json", "--output_dir", str(tmp_path / "o")])[:2], shown)
+    one_line(*run_main(cli.main_estimate, ["--deepspeed", odd + ".json", "--model", str(DEMO_MODEL_DIR)])[:2], shown)
+    one_line(*run_main(cli.main_evaluate, ["--model", odd, "--ppl", "shakespeare"])[:2], shown)
+    one_line(*run_main(compress.main, [odd, str(tmp_path / "c")])[:2], shown)
+    one_line(*run_main(cli.main_prune, ["--deepspeed", "zero3", "--output_dir", str(tmp_path / "o"), "--steps", odd])[:2],
+             shown)  # argparse's own refusal

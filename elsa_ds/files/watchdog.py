@@ -44,6 +44,7 @@ from typing import Any
 import psutil
 
 from elsa_ds.errors import stderr_line
+from elsa_ds.quoting import one_line
 from elsa_ds.files.aside import PUBLICATIONS, PUBLISH_FAILED, Settled, published, put_back, settle_old, tags_begun
 from elsa_ds.files.ownership import read_holder
 from elsa_ds.files.procfs import cgroup_limit, oom_kills, path_state, proc_stat
@@ -336,7 +337,7 @@ def say(w: Watch, cleaned: str) -> None:
     memory = (f"host memory peaked at {w.peak_used / GIB:.1f} of {total / GIB:.1f} GiB "
               f"(the job's processes {w.peak_job / GIB:.1f} GiB{limited})")
     with contextlib.suppress(OSError):  # a closed terminal or pipe: the cleanup is done anyway
-        stderr_line(f"\nelsa_ds: error: the job {what} during {phase}; {memory}; {cause(w, r, total, limit)}; {cleaned}")
+        stderr_line("\n" + one_line(f"elsa_ds: error: the job {what} during {phase}; {memory}; {cause(w, r, total, limit)}; {cleaned}"))
 
 
 def cause(w: Watch, killed: Rank, total: int, limit: int | None) -> str:
