@@ -17,6 +17,20 @@ shift
 # every line that is not a comment: HOST slots=N, as DeepSpeed's launcher reads it (it raises a traceback otherwise)
 bad=$(awk '!/^[[:space:]]*#/ && NF && !($2 ~ /^slots=[0-9]+$/ && NF == 2) {print NR": "$0; exit}' "$hostfile")
 [[ -z $bad ]] || fail "hostfile $hostfile, line $bad: each node's line is HOST slots=GPUS"
+# DeepSpeed's pdsh launcher sends each node one line, `cd CHECKOUT; PYTHON -u -m deepspeed.launcher.launch ... ARGS`,
+# that a shell there reads again: it quotes an argument only where it holds a space, and pdsh replaces %n and %h in it.
+# So an argument holding $, `, \, quotes, ;, &, |, <, >, (, ), {, }, [, ], *, ?, ~, !, #, % or a control character
+# would be run or changed there (an audit: --model 'm$(touch X)' ran `touch X` on every node), and an empty one vanishes.
+plain() {  # plain WHAT VALUE: refuse VALUE unless a remote shell reads it back as it is
+  if [[ -z $2 || $2 == *[\$\`\\\"\'\;\&\|\<\>\(\)\{\}\[\]\*\?\~\!\#%]* || $2 =~ [[:cntrl:]] ]]; then
+    fail "$1 $(printf '%q' "$2") is empty or holds a character the shell on each node would read again (DeepSpeed's pdsh \
+launcher passes the command as one line, quoting only spaces): use a value without \$ \` \\ quotes ; & | < > ( ) { } [ ] * ? ~ ! # %"
+  fi
+}
+plain "the checkout's folder" "$PWD"
+[[ $PWD != *" "* ]] || fail "the checkout's folder $(printf '%q' "$PWD") holds a space: DeepSpeed's pdsh launcher runs \`cd \
+FOLDER\` on each node unquoted; run from a checkout whose path has none"
+for arg in "$@"; do plain argument "$arg"; done
 master=$(awk '!/^[[:space:]]*#/ && NF {print $1; exit}' "$hostfile")
 [[ -n $master ]] || fail "hostfile $hostfile names no node (one line per node: HOST slots=GPUS)"
 exec deepspeed --hostfile "$hostfile" --master_addr "${MASTER_ADDR:-$master}" --master_port "${MASTER_PORT:-29500}" "$@"

@@ -185,6 +185,12 @@ def test_multinode_launcher_checks_its_hostfile_and_script_first(slurm, tmp_path
             hostfile.write_text(text)
         proc = run(*args)
         assert proc.returncode == 2 and proc.stderr.startswith("elsa_ds: error: launch/multinode.sh: ") and needle in proc.stderr, proc.stderr
+    # a seventh audit: DeepSpeed's pdsh launcher sends each node one line a shell reads again (--model 'm$(touch X)'
+    # ran touch there; "it's" broke the line; pdsh replaces %h): each such argument is refused, in one line
+    hostfile.write_text("node-a slots=8\n")
+    for odd in ("m$(touch X)", "it's", "a;b", "x`id`", "o/%h", "a\nb", "", "*"):
+        proc = run(str(hostfile), "launch/prune.py", "--output_dir", "o", "--model", odd)
+        assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and "read again" in proc.stderr, (odd, proc.stderr)
     assert not record.exists()
     hostfile.write_text("# the nodes\nnode-a slots=8\nnode-b slots=8\n")
     assert run(str(hostfile), "launch/prune.py", "--output_dir", "o u t").returncode == 0
