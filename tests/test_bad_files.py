@@ -491,6 +491,34 @@ def test_a_text_no_path_can_be_is_named_by_every_entry_point(where, value, needl
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("entry", ["prune", "evaluate", "compress"])
+def test_an_output_the_job_could_only_fail_to_publish_is_refused_before_work(entry, tmp_path, stop_at_the_job):
+    """A seventh audit: names that pass every check but not the job's own side names ended after the work, the result
+    lost: a name of 222 bytes (its staging folder ``.NAME.partial.PID`` past 255: a traceback), a path near 4,096 bytes
+    (its report's temporary file: a traceback at the publication), ``nosuch/../o`` (resolved on paper, the final rename
+    failed); a name that is not UTF-8 (the tokenizer's files cannot be written under it: prune's traceback)."""
+    from elsa_ds.sparse.cli import main as compress
+    from tests.sparse.conftest import pruned_demo
+
+    (afile := tmp_path / "afile").write_text("")
+    deep = tmp_path.joinpath(*["p" * 200] * 19)
+    deep.mkdir(parents=True)
+    cases = [(tmp_path / ("c" * 222), "its name is 222 bytes"), (deep / "out", "too little of a path's 4,096"),
+             (tmp_path / "nosuch" / ".." / "o", "nosuch"), (afile / ".." / "o", "afile")]
+    if entry == "prune":
+        cases.append((Path(os.fsdecode(bytes(tmp_path / "out_") + b"\xff")), "not valid UTF-8"))
+    for out, needle in cases:
+        if entry == "prune":
+            code, err, _ = _prune(DEMO_MODEL_DIR, out, "--method", "magnitude")
+        elif entry == "evaluate":
+            code, err, _ = _evaluate(DEMO_MODEL_DIR, tmp_path, "--output", str(out))
+        else:
+            source = tmp_path / "in" if (tmp_path / "in").exists() else pruned_demo(tmp_path / "in")
+            code, err, _ = run_main(compress, [str(source), str(out)])
+        one_line(code, err, needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", *(["in"] if entry == "compress" else []), "p" * 200]
+
+
 @pytest.mark.parametrize("value,needle", [*NO_PATH, ("a\0b.txt", "NUL byte")], ids=["too long", "unknown user", "nul"])
 @pytest.mark.parametrize("source", ["recipe", "DeepSpeed JSON"])
 def test_a_text_no_path_can_be_in_a_file_is_named(source, value, needle, tmp_path, stop_at_the_job):

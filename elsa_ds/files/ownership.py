@@ -29,6 +29,41 @@ NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # files
 NAME_WAIT_S = 5.0  # how long a refused job waits for a lock's new holder to write its name (a loaded host can be slow)
 
 
+NAME_MAX, PATH_MAX = 255, 4096  # bytes, as Linux's file systems take them
+SIDE_ROOM = 48  # bytes a name the job keeps beside an output takes beyond the output's own: the longest, the sparse export
+# built beside the staging folder (``.NAME.partial.PID.sparse.partial.PID``), takes 41 with PIDs of 7 digits, Linux's most
+INSIDE_ROOM = 512  # bytes under an output for the paths a job writes there (DeepSpeed's checkpoint shards take ~110)
+
+
+def check_output_names(output: Path | str, flag: str, utf8: bool = False) -> None:
+    """ElsaError, before any work, for an output path the job could only fail to publish after it (a seventh audit):
+    a name or path so long that a side name the job keeps beside it (its staging folder, the temporary file it renames,
+    its lock), or a file it writes inside, passes what a name or a path may be (a traceback at the publication, the
+    result lost), a ``..`` after a folder that does not exist (``nosuch/../o``: the checks resolve it on paper, the
+    final rename cannot), and with ``utf8`` a name that is not UTF-8 (the tokenizer's files cannot be written under it)."""
+    text = os.fspath(output)
+    name, full = os.fsencode(Path(text).name), os.fsencode(os.path.abspath(text))
+    if len(name) + SIDE_ROOM > NAME_MAX:
+        raise ElsaError(f"{flag} {text}: its name is {len(name):,} bytes, and the job keeps files beside it named after it "
+                        f"with up to {SIDE_ROOM} more, past a name's {NAME_MAX}: choose a name of at most "
+                        f"{NAME_MAX - SIDE_ROOM} bytes")
+    if len(full) + SIDE_ROOM + INSIDE_ROOM > PATH_MAX:
+        raise ElsaError(f"{flag} {text}: its path is {len(full):,} bytes, which leaves too little of a path's {PATH_MAX:,} for "
+                        f"the files the job writes beside and inside it (up to {SIDE_ROOM + INSIDE_ROOM} more): choose a "
+                        "shorter path")
+    parts = Path(text).parts
+    for i, part in enumerate(parts):
+        if part == ".." and not os.path.isdir(before := Path(*parts[:i])):
+            raise ElsaError(f"{flag} {text}: {before} is not an existing folder, so the path cannot go up from it (..): the output "
+                            "could not be published there; give the path without it")
+    if utf8:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ElsaError(f"{flag} {text}: its path is not valid UTF-8, and the tokenizer's files cannot be written under "
+                            "such a path: choose a UTF-8 name") from None
+
+
 def lock_path(output: Path) -> Path:
     """The lock file of ``output``: beside it, like its staging directory."""
     output = Path(output)
@@ -85,6 +120,7 @@ def acquire(output: Path, flag: str) -> int:
     A job writes its name only into a lock file it has just created itself (``O_CREAT | O_EXCL | O_NOFOLLOW``): a file
     or symbolic link someone put at the lock path is never truncated or written through. A stale lock (its holder gone)
     is unlinked, once checked to be the regular file that was examined, and created anew."""
+    check_output_names(output, flag)
     path = lock_path(output)
     for _ in range(5):
         fd, created = _open_lock(output, flag, path)

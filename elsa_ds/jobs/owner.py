@@ -21,7 +21,7 @@ from elsa_ds.files.disk_room import disk_full, disk_full_errno
 from elsa_ds.files.output import (REPORT_NAME, RESUMABLE, PublishFailed, check_output_dir, check_output_path, missing_folders,
                                   remove_if_empty, side_path, staging_dir)
 from elsa_ds.files.handed import own_copies
-from elsa_ds.files.ownership import check_apart, lock_path, owned
+from elsa_ds.files.ownership import check_apart, check_output_names, lock_path, owned
 from elsa_ds.files.watchdog import Watchdog
 from elsa_ds.jobs import make_job, run_job
 from elsa_ds.jobs.phases import PhaseLog
@@ -62,6 +62,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
     job's end once the lock is released."""
     if opts.finished:  # --resume_if_any over a finished run: nothing to do, or refused (another job's settings)
         return finished_output(cfg, opts)
+    check_output_names(opts.output_dir, "--output_dir", utf8=True)
     check_apart(opts.output_dir, "--output_dir", job_inputs(cfg, opts))
     check_side_paths(Path(opts.output_dir))
     created = missing_folders(opts.output_dir)

@@ -15,6 +15,7 @@ from pydantic import BeforeValidator, ValidationInfo
 from elsa_ds import json_data
 from elsa_ds.data.sources import DEMO_DATASET, looks_local
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.ownership import NAME_MAX, PATH_MAX
 from elsa_ds.targets import NamePattern
 
 
@@ -62,9 +63,6 @@ def _exists(text: str, base: Path | None = None) -> bool:
         return bool(text) and not name_problem(text) and (base or Path()).joinpath(Path(text).expanduser()).exists()
     except OSError:
         return False
-
-
-NAME_MAX, PATH_MAX = 255, 4096  # bytes, as Linux's file systems take them
 
 
 def name_problem(value: str) -> str | None:
