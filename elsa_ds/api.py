@@ -9,10 +9,12 @@
 
 Run in one process it is a one-rank job; under ``deepspeed --num_gpus N script.py`` every rank calls it and rank 0
 gets the report (the other ranks get None). Settings are the command line's flags: ElsaConfig's fields and the job's own
-``export_format``, ``ignore_memory_check``, ``resume_if_any``, ``log_level``.
+``export_format``, ``ignore_memory_check``, ``resume_if_any``, ``log_level``; any path among them (and the arguments)
+may be a str or an os.PathLike such as pathlib.Path.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import tempfile
@@ -23,11 +25,13 @@ from typing import Any
 from elsa_ds.errors import ElsaError, sigterm_unwinds
 from elsa_ds.jobs.owner import run_owned
 from elsa_ds.log import logging_for, warnings_filtered
+from elsa_ds.methods import DENSE, oneshot_names
 from elsa_ds.plan import read_settings
+from elsa_ds.quoting import shown
 from elsa_ds.settings.options import JobOptions, job_options
 from elsa_ds.zero.dist import launcher_env_restored
 
-Dataset = Any  # a name or path (str / Path), a list of strings, or a datasets.Dataset with a "text" column
+Dataset = Any  # a name or path (str / os.PathLike), a list of strings, or a datasets.Dataset with a "text" column
 # the job's own flags a keyword may set beside ElsaConfig's fields (the rest of JobOptions are these functions' arguments)
 RUN_SETTINGS = ("resume_if_any", "ignore_memory_check", "export_format", "log_level")
 
@@ -56,20 +60,23 @@ def oneshot(model: Any, method: str = "sparsegpt", dataset: Dataset = None, *, o
     in place and left in the dtype the output is written in (the config's bf16, fp32 where it is off on a CPU). With
     ``finetune="full"`` or ``"lora"`` (and ``finetune_steps``) the mask is then retrained under ZeRO-3 like ELSA trains
     (``resume`` continues such a run); ``method="dense"`` with ``finetune`` is the unpruned control. Returns the report."""
-    if method == "elsa":
-        raise ElsaError("method='elsa': elsa_ds.oneshot runs the one-shot methods (magnitude, wanda, sparsegpt) and the dense "
-                        "control; ELSA is elsa_ds.prune(model, dataset, ...)")
+    if method not in (*oneshot_names(), DENSE):  # None too: the settings read None as unset, which is ELSA
+        raise ElsaError(f"method={method!r}: elsa_ds.oneshot runs a one-shot method ({', '.join(oneshot_names())}) or the "
+                        f"{DENSE} control (with finetune); ELSA is elsa_ds.prune(model, dataset, ...)")
     return _run(model, dataset, output_dir, deepspeed, tokenizer, overwrite, resume, None, {**settings, "method": method})
 
 
 def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwrite: bool, resume: bool, recipe: str | None,
          settings: dict[str, Any]) -> dict[str, Any] | None:
     _check_arguments(model, output_dir, deepspeed, tokenizer, overwrite, resume, recipe)
+    # every path a str from here on, a list setting's too (eval_ppl); a dataset's list is its documents, never paths
+    model, dataset, output_dir, deepspeed, recipe = map(_fspath, (model, dataset, output_dir, deepspeed, recipe))
+    settings = {k: type(v)(map(_fspath, v)) if type(v) in (list, tuple) else _fspath(v) for k, v in settings.items()}
     in_memory = not isinstance(model, (str, os.PathLike))
     run = {k: settings[k] for k in RUN_SETTINGS if k in settings}  # the job's flags beside ElsaConfig's (export_format...)
     with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="elsa_ds_documents_") as tmp:  # SIGTERM: both cleaned up
         name = _dataset_name(dataset, Path(tmp))
-        opts = job_options({"deepspeed": str(deepspeed), "output_dir": Path(output_dir), "overwrite": overwrite, "resume": resume,
+        opts = job_options({"deepspeed": deepspeed, "output_dir": Path(output_dir), "overwrite": overwrite, "resume": resume,
                             "recipe": recipe, "model_object": model if in_memory else None, "tokenizer_object": tokenizer,
                             **run}, given_as="the arguments")
         given = {**{k: v for k, v in settings.items() if k not in run}, "model": _model_name(model) if in_memory else str(model),
@@ -81,19 +88,23 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
 
 
 def _check_arguments(model: Any, output_dir: Any, deepspeed: Any, tokenizer: Any, overwrite: Any, resume: Any, recipe: Any) -> None:
-    """Wrong argument types, named before anything is read (the settings are checked by ElsaConfig, the dataset by
-    ``_dataset_name``)."""
+    """Wrong argument types and a model without weights, named before anything is read (the settings are checked by
+    ElsaConfig, the dataset by ``_dataset_name``)."""
     import torch
     from transformers import PreTrainedTokenizerBase
 
     def wrong(name: str, value: Any, expected: str) -> ElsaError:
-        return ElsaError(f"{name}: expected {expected}, got {type(value).__name__} {_short(value)}")
+        return ElsaError(f"{name}: expected {expected}, got {type(value).__name__} {shown(value, 60)}")
 
     if not isinstance(model, (str, os.PathLike)) and not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
         raise wrong("model", model, "a hub id, a model directory or a loaded transformers model (with its .config)")
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers()) if isinstance(model, torch.nn.Module) else ()
+    if meta := next((name for name, t in tensors if t.is_meta), None):  # torch's "Cannot copy out of meta tensor" otherwise
+        raise ElsaError(f"model: its weights are not loaded ({meta} is on the meta device): load them, e.g. with "
+                        "from_pretrained, or pass the model's folder")
     for name, value in (("output_dir", output_dir), ("deepspeed", deepspeed)):
         if not isinstance(value, (str, os.PathLike)) or not str(value):
-            raise wrong(name, value, "a path (str or pathlib.Path)")
+            raise wrong(name, value, "a path (str or os.PathLike)")
     if recipe is not None and not isinstance(recipe, (str, os.PathLike)):
         raise wrong("recipe", recipe, "a recipe name or path")
     if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):
@@ -103,9 +114,10 @@ def _check_arguments(model: Any, output_dir: Any, deepspeed: Any, tokenizer: Any
             raise wrong(name, value, "True or False")
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+def _fspath(value: Any) -> Any:
+    """A path-like value as the str a setting's field takes: the fields are typed ``str`` for the command line, and
+    refused ``sparsity_profile=Path(...)`` as "Input should be a valid string"."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
 def _model_name(module: Any) -> str:
@@ -118,7 +130,7 @@ def _model_name(module: Any) -> str:
 
 def _dataset_name(dataset: Dataset, tmp: Path) -> str | None:
     """A source name or path as is; in-memory documents written to ``tmp/documents.jsonl`` (one JSON object per line)."""
-    if dataset is None or isinstance(dataset, (str, Path)):
+    if dataset is None or isinstance(dataset, str):  # a path is a str by now (_fspath)
         return None if dataset is None else str(dataset)
     texts = _texts(dataset)
     path = tmp / "documents.jsonl"

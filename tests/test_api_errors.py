@@ -2,11 +2,33 @@
 raised before anything is loaded or written -- never an AttributeError or TypeError from inside."""
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
 import elsa_ds
+import elsa_ds.api
 from elsa_ds.errors import ElsaError
+
+
+def _meta_model(model_dir: str) -> torch.nn.Module:
+    """The tiny model built on the meta device: shapes, no weights (``from_config`` under ``torch.device("meta")``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+
+
+@pytest.fixture(autouse=True)
+def no_work(monkeypatch):
+    """A job started is a refusal missed (method=None ran 4096 ELSA steps): the job itself fails the test at once."""
+    def started(*args, **kwargs):
+        raise AssertionError("the job started: the call was not refused before work")
+
+    monkeypatch.setattr(elsa_ds.api, "run_owned", started)
+
 
 CASES = {  # name: (call, the argument the message must name first)
     "prune model int": (lambda m, d, o: elsa_ds.prune(123, d, output_dir=o), "model:"),
@@ -30,6 +52,13 @@ CASES = {  # name: (call, the argument the message must name first)
     "init_mask int": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, init_mask=5), "init_mask="),
     "prune with wanda": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, method="wanda"), "elsa_ds.oneshot(model, 'wanda'"),
     "oneshot with elsa": (lambda m, d, o: elsa_ds.oneshot(m, "elsa", d, output_dir=o), "ELSA is elsa_ds.prune"),
+    # None is an unset setting to ElsaConfig, which is ELSA: it ran elsa_ds.oneshot as 4096 ELSA steps
+    "oneshot method None": (lambda m, d, o: elsa_ds.oneshot(m, None, d, output_dir=o), "method=None: elsa_ds.oneshot runs "
+                            "a one-shot method (magnitude, wanda, sparsegpt)"),
+    # a model without weights ended in torch's "Cannot copy out of meta tensor; no data!"
+    "prune meta model": (lambda m, d, o: elsa_ds.prune(_meta_model(m), d, output_dir=o), "model: its weights are not loaded"),
+    "oneshot meta model": (lambda m, d, o: elsa_ds.oneshot(_meta_model(m), "magnitude", d, output_dir=o),
+                           "model: its weights are not loaded"),
     "export_format zip": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, export_format="zip"), "export_format"),
     "log_level loud": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, log_level="loud"), "log_level"),
     # right types, no meaning: ELSA's own settings given to a one-shot method
@@ -57,3 +86,32 @@ def test_every_flag_of_a_job_is_a_keyword_of_the_api():
 
     arguments = {"deepspeed", "output_dir", "overwrite", "resume", "recipe"}
     assert set(cli_fields(JobOptions)) == arguments | set(RUN_SETTINGS)
+
+
+class _Where:
+    """An os.PathLike that is not a pathlib.Path (as a framework's own path type is)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __fspath__(self):
+        return self.path
+
+
+def test_every_path_setting_takes_a_path_like(monkeypatch, tmp_path, tiny_model_dir, text_dir):
+    """model, dataset, output_dir and deepspeed took a Path and the other path settings refused one ("Input should be a
+    valid string"): each takes any os.PathLike and reaches the job as the path's text."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"mlp": 0.6}))
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"source": "this test", "settings": {"seed": 3}}))
+    paths = {"sparsity_profile": profile, "val_dataset": _Where(text_dir), "init_mask": tiny_model_dir, "nvme_path": tmp_path,
+             "eval_include_path": _Where(tmp_path)}
+    seen = {}
+    monkeypatch.setattr(elsa_ds.api, "run_owned", lambda cfg, opts, ds_config: seen.update(cfg=cfg, opts=opts))
+    elsa_ds.prune(tiny_model_dir, _Where(text_dir), output_dir=_Where(tmp_path / "out"), recipe=recipe, steps=64,
+                  eval_ppl=[_Where(text_dir), "c4"], **paths)
+    cfg = seen["cfg"]
+    assert {k: getattr(cfg, k) for k in paths} == {k: os.fspath(v) for k, v in paths.items()}
+    assert (cfg.model, cfg.dataset, cfg.eval_ppl) == (str(tiny_model_dir), str(text_dir), [str(text_dir), "c4"])
+    assert cfg.seed == 3 and seen["opts"].output_dir == tmp_path / "out"
