@@ -126,7 +126,12 @@ class ConsoleHandler(logging.Handler):
         if stream is None or name in self.lost:  # closed when the process started (pythonw, >&-): as print's None
             return
         try:
-            stream.write(self.format(record) + "\n")
+            line = self.format(record) + "\n"
+            try:
+                stream.write(line)
+            except UnicodeEncodeError:  # a path that is not UTF-8 (or a symbol) to a caller's console of strict encoding
+                encoding = getattr(stream, "encoding", None) or "utf-8"
+                stream.write(line.encode(encoding, "backslashreplace").decode(encoding))
             stream.flush()
         except OSError as err:  # a Python caller's console on a full disk or a closed pipe (a command's never raises)
             self._lose(name, err)

@@ -12,6 +12,7 @@ the code; a failing job keeps its own here, which says more).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 import threading
@@ -132,10 +133,15 @@ def say_lost(name: str, err: BaseException, then: str, lost: dict[str, str]) -> 
 
 
 def install() -> None:
-    """sys.stdout and sys.stderr as :class:`SteadyStream` (once), after :func:`reopen_closed`."""
+    """sys.stdout and sys.stderr as :class:`SteadyStream` (once), after :func:`reopen_closed`; a character their
+    encoding cannot write is written as its escape (a seventh audit: a path that is not UTF-8, ``--ppl $'text_\\xff'``,
+    stopped elsa-evaluate with a UnicodeEncodeError at its table where stdout's errors are strict, as under a UTF-8
+    locale; stderr's are escapes already)."""
     reopen_closed()
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="backslashreplace")
         if stream is not None and not isinstance(stream, SteadyStream):
             setattr(sys, name, SteadyStream(stream, name))
 

@@ -245,3 +245,31 @@ def test_a_console_stream_that_cannot_be_written_is_said_once_on_the_other_and_n
         if not closed_stderr:
             said = err.getvalue().splitlines()
             assert len(said) == 1 and said[0].startswith("elsa_ds: warning: the standard output cannot be written")
+
+
+def test_a_path_that_is_not_utf8_is_shown_escaped_on_a_strict_console(tmp_path, tiny_model_dir, text_dir):
+    """A seventh audit: a --ppl folder whose name is not UTF-8 (surrogates in Python's str) stopped elsa-evaluate with a
+    UnicodeEncodeError at its table where stdout's errors are strict (PYTHONIOENCODING=utf-8; a UTF-8 locale), and a
+    Python caller's console printed logging's "Logging error" for each line naming it. Both now write its escape."""
+    import io
+    import os
+
+    from elsa_ds.log import ConsoleHandler
+
+    odd = tmp_path / os.fsdecode(b"text_\xff")
+    odd.mkdir()
+    (odd / "a.txt").write_text(sorted(text_dir.glob("*.txt"))[0].read_text())
+    proc = run_entry("evaluate.py", ["--model", str(tiny_model_dir), "--ppl", str(odd), "--seqlen", "32", "--limit", "2"],
+                     timeout=300, env={"PYTHONIOENCODING": "utf-8"})
+    assert "Traceback" not in proc.stderr and "text_\\udcff ppl |" in proc.stdout, proc.stderr[-2000:]
+    strict = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")
+    record = logging.LogRecord("elsa_ds.x", logging.WARNING, __file__, 1, f"no room under {odd}", None, None)
+    handler = ConsoleHandler(0)
+    handler.handleError = lambda r: pytest.fail("logging's 'Logging error'")  # type: ignore[method-assign]
+    old = sys.stderr
+    sys.stderr = strict
+    try:
+        handler.emit(record)
+    finally:
+        sys.stderr = old
+    assert strict.buffer.getvalue().decode().endswith("text_\\udcff\n")
