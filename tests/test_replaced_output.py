@@ -554,3 +554,26 @@ def test_the_demo_trainer_replaces_only_an_earlier_demo_model(tmp_path, capsys):
     (notes / "training_metrics.json").write_text("{}")
     check_out(notes, overwrite=True)
     check_out(tmp_path / "new", overwrite=False)
+
+
+def test_a_failed_publications_mv_command_runs_as_written(tmp_path, monkeypatch):
+    """A seventh audit: the command a failed final rename suggests (``mv STAGING OUTPUT``) quoted neither path, so one
+    with a space (or a quote) moved the wrong files or failed; it is now quoted for a shell, both paths absolute."""
+    import shlex
+
+    out = tmp_path / "my runs" / "o'x"
+    out.parent.mkdir()
+    staging = fresh_staging(out)
+    (staging / "elsa_report.json").write_text("{}")
+    real = Path.rename
+
+    def rename(self, target):
+        if self == staging and Path(target) == out:  # the final rename only
+            raise PermissionError(13, "Permission denied")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(PublishFailed) as failed:
+        publish(staging, out, keep_checkpoints=False)
+    command = str(failed.value).split("(mv ", 1)[1].split(")", 1)[0]
+    assert shlex.split(command) == [str(staging), str(out)], command
