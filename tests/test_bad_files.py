@@ -491,6 +491,14 @@ def test_a_text_no_path_can_be_is_named_by_every_entry_point(where, value, needl
     assert not any(tmp_path.iterdir())
 
 
+def test_a_model_folder_whose_path_is_not_utf8_is_named_as_such(tmp_path):
+    """A seventh audit: its weights were reported damaged ("model.safetensors is damaged (Path ... is not valid UTF-8);
+    copy or download it again"), which no copy mends: safetensors and the tokenizer open no file under such a path."""
+    model = demo_copy(Path(os.fsdecode(bytes(tmp_path / "model_") + b"\xff")))
+    for code, err, _ in (_prune(model, tmp_path / "o", "--method", "magnitude"), _evaluate(model, tmp_path)):
+        assert "damaged" not in one_line(code, err, ": its path is not valid UTF-8")
+
+
 @pytest.mark.parametrize("entry", ["prune", "evaluate", "compress"])
 def test_an_output_the_job_could_only_fail_to_publish_is_refused_before_work(entry, tmp_path, stop_at_the_job):
     """A seventh audit: names that pass every check but not the job's own side names ended after the work, the result

@@ -96,6 +96,11 @@ def check_weight_files(folder: str | Path, who: str, hub_id: str | None = None) 
         return
     if not path.is_dir():
         return
+    try:
+        os.fspath(path.resolve()).encode("utf-8")
+    except UnicodeEncodeError:  # its files were reported damaged (safetensors' "Path ... is not valid UTF-8")
+        raise ElsaError(f"{who}: its path is not valid UTF-8, and safetensors and the tokenizer cannot open files under "
+                        "such a path: rename the folder (or one above it) to a UTF-8 name") from None
     check_model_folder(path, who)
     # every weight file as its reader reads it: the folder's own, and each file an index names (transformers reads a
     # shard of pytorch_model.bin.index.json with torch.load whatever its name, one of model.safetensors.index.json as
