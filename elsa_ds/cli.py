@@ -95,6 +95,12 @@ class EstimateOptions(BaseModel):
     (~20 s)."""
 
     @model_validator(mode="after")
+    def _world_is_countable(self) -> EstimateOptions:
+        if self.num_gpus * self.num_nodes > INT_LIMIT:
+            raise ValueError(f"--num_gpus x --num_nodes must be at most {INT_LIMIT:,} ranks (2**53)")
+        return self
+
+    @model_validator(mode="after")
     def _machine_fits_accelerator(self) -> EstimateOptions:
         if self.machine != "auto" and (self.machine == "cpu-2c") != (self.accelerator == "cpu"):
             fits = "cpu-2c" if self.accelerator == "cpu" else "gpu-server or gpu-vm-16c"

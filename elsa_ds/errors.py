@@ -145,6 +145,12 @@ def first_line(err: BaseException, limit: int = 300) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:limit]
 
 
+def described(err: BaseException) -> str:
+    """``Type: first line`` of an exception, its type alone where it has no text (``KeyError: KeyError`` otherwise)."""
+    name, text = type(err).__name__, first_line(err)
+    return name if text == name else f"{name}: {text}"
+
+
 def stderr_line(text: str) -> None:
     """``text`` and its newline on stderr in one write: ranks sharing a terminal or a pipe never splice their lines (under
     the launcher's ``python -u`` print's text and its end are two writes, and two ranks' Ctrl-C lines once ran together)."""

@@ -16,10 +16,10 @@ def format_validation_error(err: Any, where: str, model: Any, errors: list | Non
 
 
 def pydantic_problems(errors: list, name: Callable[[tuple[str, ...]], str], unknown: Callable[[str], str],
-                      render: Callable[[Any], str] = repr) -> list[str]:
+                      render: Callable[[Any], str] = repr, limit: int = 300) -> list[str]:
     """Each of a pydantic ValidationError's ``errors`` as a phrase: a rule across fields as its message (after
     ``name(())``, its model's name, where that is not empty), a key the model does not know as ``unknown(name)``, else
-    ``name=value: message``, the field named by ``name(loc)`` and its value by :func:`shown` with ``render``."""
+    ``name=value: message``, the field named by ``name(loc)`` and its value by :func:`shown` (``render``, ``limit``)."""
     parts = []
     for e in errors:
         loc = tuple(str(x) for x in e["loc"])
@@ -29,7 +29,7 @@ def pydantic_problems(errors: list, name: Callable[[tuple[str, ...]], str], unkn
         elif e["type"] == "extra_forbidden":
             parts.append(unknown(name(loc)))
         else:
-            parts.append(f"{name(loc)}={shown(e.get('input'), render=render)}: {msg}")
+            parts.append(f"{name(loc)}={shown(e.get('input'), limit, render)}: {msg}")
     return parts
 
 

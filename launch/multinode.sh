@@ -24,11 +24,13 @@ bad=$(awk '!/^[[:space:]]*#/ && NF && !($2 ~ /^slots=[0-9]+$/ && NF == 2) {print
 plain() {  # plain WHAT VALUE: refuse VALUE unless a remote shell reads it back as it is
   if [[ -z $2 || $2 == *[\$\`\\\"\'\;\&\|\<\>\(\)\{\}\[\]\*\?\~\!\#%]* || $2 =~ [[:cntrl:]] ]]; then
     fail "$1 $(printf '%q' "$2") is empty or holds a character the shell on each node would read again (DeepSpeed's pdsh \
-launcher passes the command as one line, quoting only spaces): use a value without \$ \` \\ quotes ; & | < > ( ) { } [ ] * ? ~ ! # %"
+launcher passes the command as one line, quoting only spaces): use a value without \$ \` \\ quotes ; & | < > ( ) { } [ ] * ? ~ ! # %, \
+or put it in a --recipe file (a --targets regex, say)"
   fi
 }
-plain "the checkout's folder" "$PWD"
-[[ $PWD != *" "* ]] || fail "the checkout's folder $(printf '%q' "$PWD") holds a space: DeepSpeed's pdsh launcher runs \`cd \
+checkout=$(pwd -P)  # as DeepSpeed names it: os.path.abspath('.'), links resolved
+plain "the checkout's folder" "$checkout"
+[[ $checkout != *" "* ]] || fail "the checkout's folder $(printf '%q' "$checkout") holds a space: DeepSpeed's pdsh launcher runs \`cd \
 FOLDER\` on each node unquoted; run from a checkout whose path has none"
 for arg in "$@"; do plain argument "$arg"; done
 master=$(awk '!/^[[:space:]]*#/ && NF {print $1; exit}' "$hostfile")

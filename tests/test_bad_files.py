@@ -497,14 +497,17 @@ def test_a_model_folder_whose_path_is_not_utf8_is_named_as_such(tmp_path):
     model = demo_copy(Path(os.fsdecode(bytes(tmp_path / "model_") + b"\xff")))
     for code, err, _ in (_prune(model, tmp_path / "o", "--method", "magnitude"), _evaluate(model, tmp_path)):
         assert "damaged" not in one_line(code, err, ": its path is not valid UTF-8")
+    (link := tmp_path / "link").symlink_to(model)  # a review: the path the readers get is UTF-8, and they read it
+    assert _evaluate(link, tmp_path)[0] == 0
 
 
 @pytest.mark.parametrize("entry", ["prune", "evaluate", "compress"])
-def test_an_output_the_job_could_only_fail_to_publish_is_refused_before_work(entry, tmp_path, stop_at_the_job):
+def test_an_output_the_job_could_only_fail_to_publish_is_refused_before_work(entry, tmp_path, monkeypatch):
     """A seventh audit: names that pass every check but not the job's own side names ended after the work, the result
     lost: a name of 222 bytes (its staging folder ``.NAME.partial.PID`` past 255: a traceback), a path near 4,096 bytes
     (its report's temporary file: a traceback at the publication), ``nosuch/../o`` (resolved on paper, the final rename
     failed); a name that is not UTF-8 (the tokenizer's files cannot be written under it: prune's traceback)."""
+    from elsa_ds.files.ownership import NAME_MAX, SIDE_ROOM
     from elsa_ds.sparse.cli import main as compress
     from tests.sparse.conftest import pruned_demo
 
@@ -525,6 +528,14 @@ def test_an_output_the_job_could_only_fail_to_publish_is_refused_before_work(ent
             code, err, _ = run_main(compress, [str(source), str(out)])
         one_line(code, err, needle)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", *(["in"] if entry == "compress" else []), "p" * 200]
+    if entry == "prune":  # a review: the real path is what must be UTF-8, and the longest name allowed publishes whole
+        odd = tmp_path / os.fsdecode(b"dir_\xff")
+        odd.mkdir()
+        monkeypatch.chdir(odd)
+        one_line(*_prune(DEMO_MODEL_DIR, Path("out"), "--method", "magnitude")[:2], "not valid UTF-8")
+        out = tmp_path / ("n" * (NAME_MAX - SIDE_ROOM))
+        code, err, _ = _prune(DEMO_MODEL_DIR, out, "--method", "magnitude", "--export_format", "sparse")
+        assert code == 0 and (out / "elsa_report.json").is_file(), err[-2000:]
 
 
 @pytest.mark.parametrize("value,needle", [*NO_PATH, ("a\0b.txt", "NUL byte")], ids=["too long", "unknown user", "nul"])

@@ -147,7 +147,8 @@ def test_bad_settings_are_one_error_line(capsys, tiny_model_dir):
     assert "sparsity=70.0: a fraction of zeros in [0, 1), not a percentage: 0.7 for 70 %" in capsys.readouterr().err
     # the estimate's own numbers keep to the job's rules (an audit: 10**25 GPUs was sized, an infinite network timed)
     for flags, said in ((["--num_gpus", "1" + "0" * 25], "less than or equal to 9007199254740992"),
-                        (["--num_nodes", "2", "--internode_gbps", "1e400"], "internode_gbps=inf: Input should be a finite")):
+                        (["--num_nodes", "2", "--internode_gbps", "1e400"], "internode_gbps=inf: Input should be a finite"),
+                        (["--num_gpus", str(2**30), "--num_nodes", str(2**30)], "--num_gpus x --num_nodes must be at most")):
         assert main_estimate(["--model", "google/gemma-2-2b", "--deepspeed", "zero3", *flags]) == 2
         assert said in capsys.readouterr().err
 

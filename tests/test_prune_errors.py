@@ -110,7 +110,6 @@ def test_a_run_that_reads_its_text_many_times_says_so(tmp_path, tiny_model_dir):
     import re
 
     from elsa_ds.jobs.training import REREAD_WARNING
-    from elsa_ds.settings.config import DEMO_MODEL_DIR
     from tests.conftest import run_entry
 
     small = tmp_path / "small.txt"
@@ -193,7 +192,6 @@ def test_corrupt_parquet_dataset_is_one_line(tmp_path, tiny_model_dir):
 
 def test_hub_dataset_without_network_is_one_line(tmp_path, tiny_model_dir):
     """The default dataset of every non-demo model is c4: offline it is one line saying to give a local file."""
-    from elsa_ds.settings.config import DEMO_MODEL_DIR
     from tests.conftest import run_entry
 
     proc = run_entry("prune.py", ["--deepspeed", "ds_configs/zero3_offload.json", "--model", str(tiny_model_dir), "--dataset",
@@ -230,7 +228,6 @@ def test_init_mask_of_another_shape_or_without_zeros_is_refused_before_loading(t
     _fails([*args, "--init_mask", str(ragged_model_dir)], "does not fit this model", "shape differs")
     _fails([*args, "--init_mask", str(tiny_model_dir)], "no zeros")
     # and a pruned folder of this model passes the check (the warm start then reads it)
-    from elsa_ds.settings.config import DEMO_MODEL_DIR
     from tests.conftest import run_entry
 
     pruned = tmp_path / "magnitude"

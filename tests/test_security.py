@@ -192,6 +192,9 @@ def test_multinode_launcher_checks_its_hostfile_and_script_first(slurm, tmp_path
         proc = run(str(hostfile), "launch/prune.py", "--output_dir", "o", "--model", odd)
         assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and "read again" in proc.stderr, (odd, proc.stderr)
     assert not record.exists()
+    for plain in ("arc_easy,hellaswag", "0.9", "key=value", "/x/a+b@c:d", "é"):  # a review: what users pass goes through
+        assert run(str(hostfile), "launch/prune.py", "--eval_tasks", plain).returncode == 0, plain
+        assert json.loads(record.read_text())["argv"][-1] == plain
     hostfile.write_text("# the nodes\nnode-a slots=8\nnode-b slots=8\n")
     assert run(str(hostfile), "launch/prune.py", "--output_dir", "o u t").returncode == 0
     seen = json.loads(record.read_text())["argv"]

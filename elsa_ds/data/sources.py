@@ -13,7 +13,7 @@ from typing import Any, overload
 
 from elsa_ds import json_data
 from elsa_ds.data.splits import files_by_split, holdout, holdout_indices
-from elsa_ds.errors import ElsaError, first_line
+from elsa_ds.errors import ElsaError, described
 
 DEMO_DATASET = "shakespeare"
 LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
@@ -137,7 +137,7 @@ def _download(source: str, *args, **kwargs):
     try:
         return load_dataset(*args, **kwargs)
     except Exception as err:  # datasets and huggingface_hub raise many types; the user needs one line
-        raise ElsaError(f"dataset {source!r} could not be downloaded ({type(err).__name__}: {first_line(err)}); without network, "
+        raise ElsaError(f"dataset {source!r} could not be downloaded ({described(err)}); without network, "
                         "give a local file or folder instead (.txt, .md, .jsonl, .parquet)") from None
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elsa_ds.errors import ElsaError, first_line, require
+from elsa_ds.errors import ElsaError, described, require
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -79,7 +79,7 @@ def zeroshot(model: PreTrainedModel, tokenizer, tasks: list[str], manager, batch
         out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=0, limit=limit, task_manager=manager,
                                       log_samples=False)
     except OSError as err:  # the hub client's and datasets' failures to fetch a task's data (ConnectionError among them)
-        raise ElsaError(f"tasks {', '.join(tasks)}: lm-eval could not load their data ({type(err).__name__}: {first_line(err)}); "
+        raise ElsaError(f"tasks {', '.join(tasks)}: lm-eval could not load their data ({described(err)}); "
                         "run them where the Hugging Face hub is reachable once (datasets keeps what it downloads)") from None
     per_task = summarize(out, tasks)
     accs = [per_task[t]["acc"] for t in tasks if per_task.get(t, {}).get("acc") is not None]

@@ -40,7 +40,10 @@ def check_output_names(output: Path | str, flag: str, utf8: bool = False) -> Non
     a name or path so long that a side name the job keeps beside it (its staging folder, the temporary file it renames,
     its lock), or a file it writes inside, passes what a name or a path may be (a traceback at the publication, the
     result lost), a ``..`` after a folder that does not exist (``nosuch/../o``: the checks resolve it on paper, the
-    final rename cannot), and with ``utf8`` a name that is not UTF-8 (the tokenizer's files cannot be written under it)."""
+    final rename cannot), and with ``utf8`` a name that is not UTF-8 (the tokenizer's files cannot be written under it).
+    For the outputs a user names (elsa-prune's folder, elsa-evaluate's files, elsa-compress's folder), not for the side
+    folders a job then locks inside its own room (the sparse export beside the staging folder); elsa-prune's own rules
+    for its folder (no link, not a folder a replaced output would take along) are ``files/output.check_output_path``."""
     text = os.fspath(output)
     name, full = os.fsencode(Path(text).name), os.fsencode(os.path.abspath(text))
     if len(name) + SIDE_ROOM > NAME_MAX:
@@ -56,9 +59,9 @@ def check_output_names(output: Path | str, flag: str, utf8: bool = False) -> Non
         if part == ".." and not os.path.isdir(before := Path(*parts[:i])):
             raise ElsaError(f"{flag} {text}: {before} is not an existing folder, so the path cannot go up from it (..): the output "
                             "could not be published there; give the path without it")
-    if utf8:
+    if utf8:  # the path its files are written under: absolute, links resolved (the staging folder's)
         try:
-            text.encode("utf-8")
+            os.path.realpath(text).encode("utf-8")
         except UnicodeEncodeError:
             raise ElsaError(f"{flag} {text}: its path is not valid UTF-8, and the tokenizer's files cannot be written under "
                             "such a path: choose a UTF-8 name") from None
@@ -120,7 +123,6 @@ def acquire(output: Path, flag: str) -> int:
     A job writes its name only into a lock file it has just created itself (``O_CREAT | O_EXCL | O_NOFOLLOW``): a file
     or symbolic link someone put at the lock path is never truncated or written through. A stale lock (its holder gone)
     is unlinked, once checked to be the regular file that was examined, and created anew."""
-    check_output_names(output, flag)
     path = lock_path(output)
     for _ in range(5):
         fd, created = _open_lock(output, flag, path)

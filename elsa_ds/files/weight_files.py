@@ -97,7 +97,7 @@ def check_weight_files(folder: str | Path, who: str, hub_id: str | None = None) 
     if not path.is_dir():
         return
     try:
-        os.fspath(path.resolve()).encode("utf-8")
+        os.fspath(path).encode("utf-8")  # as the readers get it (a UTF-8 link or a relative path to such a folder loads)
     except UnicodeEncodeError:  # its files were reported damaged (safetensors' "Path ... is not valid UTF-8")
         raise ElsaError(f"{who}: its path is not valid UTF-8, and safetensors and the tokenizer cannot open files under "
                         "such a path: rename the folder (or one above it) to a UTF-8 name") from None

@@ -32,6 +32,7 @@ from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
 from elsa_ds.files.io import make_folder, versions, write_atomic
 from elsa_ds.files.output import missing_folders
+from elsa_ds.files.ownership import check_output_names
 from elsa_ds.log import get_logger
 from elsa_ds.loss import loss_choice
 from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, is_sparse_checkpoint, load_causal_lm, load_config
@@ -132,6 +133,7 @@ def check_new_files(paths: dict[str, Path | None], overwrite: bool) -> None:
     """The files a command writes (by flag): none exists unless ``overwrite``, and no two are the same file."""
     given = {flag: Path(path) for flag, path in paths.items() if path is not None}
     for flag, path in given.items():
+        check_output_names(path, flag)
         if (path.exists() or path.is_symlink()) and not overwrite:
             raise ElsaError(f"{flag} {path} exists; pass --overwrite to replace it, or choose another file")
     seen: dict[Path, str] = {}

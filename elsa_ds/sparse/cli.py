@@ -15,6 +15,7 @@ from typing import NoReturn
 from pydantic import BaseModel, ConfigDict, Field
 
 from elsa_ds.errors import ElsaError, OneLineParser, guarded, run_command
+from elsa_ds.files.ownership import check_output_names
 from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE
 from elsa_ds.log import get_logger
 from elsa_ds.settings.flags import add_flags, cli_fields, start_logging, validated
@@ -64,6 +65,7 @@ def _run(settings: CompressSettings) -> None:
     # the cheap refusals come before anything is logged (a user's walk: a bad --min_sparsity came after the log line)
     check_arguments(settings.input, settings.output, settings.min_sparsity, settings.max_shard_size, settings.overwrite)
     check_paths(settings.input, settings.output, settings.overwrite)
+    check_output_names(settings.output, "OUTPUT")
     log.info("compress %s -> %s (min_sparsity %s, max_shard_size %s)", settings.input, settings.output, settings.min_sparsity,
              settings.max_shard_size)
     done = compress(settings.input, settings.output, settings.min_sparsity, settings.max_shard_size, settings.overwrite)

@@ -60,6 +60,7 @@ TYPED: dict[tuple[str, ...], Kind] = {
     ("optimizer", "type"): _TEXT, ("optimizer", "params"): _OBJECT, ("scheduler", "params"): _OBJECT,
     ("bf16", "enabled"): _BOOL, ("fp16", "enabled"): _BOOL}
 FIX = "fix the file or pass a shipped config with --deepspeed"
+SHOWN = 60  # characters of a refused value a line quotes
 
 
 def _json(value: Any) -> str:
@@ -67,7 +68,7 @@ def _json(value: Any) -> str:
 
 
 def _shown(value: Any) -> str:
-    return shown(value, 60, _json)
+    return shown(value, SHOWN, _json)
 
 
 def _range(kind: Kind) -> str:
@@ -136,7 +137,7 @@ def deepspeed_refusal(engine_config: dict[str, Any]) -> str | None:
         DeepSpeedConfig(probe)
     except pydantic.ValidationError as err:
         return "; ".join(pydantic_problems(err.errors(), lambda loc: _key_path(loc, engine_config, err.title),
-                                           lambda name: f"{name}: DeepSpeed knows no such setting", _json))
+                                           lambda name: f"{name}: DeepSpeed knows no such setting", _json, SHOWN))
     except Exception as err:  # noqa: BLE001 - DeepSpeedConfigError (a removed key: "nebula"), asserts, ValueErrors
         return first_line(err)
     finally:
