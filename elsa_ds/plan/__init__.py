@@ -19,7 +19,7 @@ from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource, config_json, shipped_config
-from elsa_ds.plan.checks import before_work, model_source
+from elsa_ds.plan.checks import before_work, builds_engine, model_source
 from elsa_ds.plan.defaults_applied import apply_defaults
 from elsa_ds.settings.config import ElsaConfig, load_recipe, resolve_config
 from elsa_ds.settings.config_checks import refuse_unread_elsa_settings
@@ -44,7 +44,7 @@ class Plan:
     @property
     def trains(self) -> bool:
         """A ZeRO-3 engine trains (ELSA, --finetune); a one-shot job alone runs none."""
-        return self.cfg.oneshot is None or self.cfg.finetune is not None
+        return builds_engine(self.cfg)
 
 
 ARCHITECTURE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -106,7 +106,7 @@ def make_plan(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> Plan:
     a resumed checkpoint's values), then every check that needs no weights, which resolves the DeepSpeed JSON for the
     engine. Runs on every rank, before any collective."""
     source = model_source(cfg, opts)
-    if cfg.oneshot is not None and cfg.finetune is None and opts.resume:
+    if not builds_engine(cfg) and opts.resume:
         raise ElsaError(f"--resume continues an ELSA run; {cfg.method.value} has no checkpoints (it is one pass)")
     cfg, defaults, world = planned_settings(cfg, opts, source)
     return Plan(cfg, opts, before_work(cfg, opts, ds_config, world, source), defaults, world, source)
@@ -115,7 +115,7 @@ def make_plan(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> Plan:
 def planned_settings(cfg: ElsaConfig, opts: JobOptions, source: ModelSource) -> tuple[ElsaConfig, dict[str, Any], int]:
     """The settings the job runs (``cfg`` as given, the defaults rule applied, a resumed checkpoint's values kept; a
     retraining run's own steps), what the rule filled in, and the ranks they are for: no check made, nothing loaded."""
-    if cfg.oneshot is not None and cfg.finetune is None:
+    if not builds_engine(cfg):
         return cfg, {}, 1
     if cfg.finetune is not None:  # the loop runs cfg.steps: the retraining's own count
         cfg = cfg.model_copy(update={"steps": cfg.finetune_steps or cfg.steps})
