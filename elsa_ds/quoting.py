@@ -1,7 +1,9 @@
 """How a one-line refusal quotes what it refuses: a value cut to a line's length, each problem of a pydantic
-ValidationError named by its field, and the line itself kept one line. Stdlib only."""
+ValidationError named by its field, a path as a shell reads it back, and the line itself kept one line. Stdlib only."""
 from __future__ import annotations
 
+import os
+import shlex
 from collections.abc import Callable
 from typing import Any
 
@@ -53,3 +55,20 @@ def one_line(text: str) -> str:
     refusal stays the one line it promises when a path it names holds a newline (an audit: ``--deepspeed
     $'no\\nsuch.json'`` split it in two; so did a terminal's escape sequences)."""
     return text.translate(_ESCAPED)
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one word a shell reads back as it is: shlex's quoting, or where it holds a control character or bytes
+    that are not UTF-8 (a path's), ``$'...'`` (bash, zsh; POSIX since 2024) with those escaped (``\\n``, ``\\xff``). A suggested ``mv``
+    stays one line that names the right path (shlex kept the newline, and the one-line rule then changed the path)."""
+    if text.isprintable():
+        return shlex.quote(text)
+    out = []
+    for ch in text:
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif ch.isprintable():
+            out.append(ch)
+        else:  # its bytes: a control character's UTF-8, a surrogate escape's one undecodable byte
+            out.extend(f"\\x{b:02x}" for b in os.fsencode(ch))
+    return "$'" + "".join(out) + "'"

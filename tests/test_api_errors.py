@@ -61,6 +61,15 @@ CASES = {  # name: (call, the argument the message must name first)
                            "model: its weights are not loaded"),
     "export_format zip": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, export_format="zip"), "export_format"),
     "log_level loud": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, log_level="loud"), "log_level"),
+    # pydantic read a boolean as the number 1 or 0 and "yes" or 1 as a boolean (steps=True: one step; seed=False: seed 0)
+    "sparsity True": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, sparsity=True),
+                      "sparsity=True: a boolean, where a number is taken"),
+    "steps True": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, steps=True), "steps=True: a boolean"),
+    "seed False": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, seed=False), "seed=False: a boolean"),
+    "ignore_memory_check yes": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, ignore_memory_check="yes"),
+                                "ignore_memory_check='yes': must be true or false"),
+    "freeze_embeddings 1": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, freeze_embeddings=1),
+                            "freeze_embeddings=1: must be true or false"),
     # right types, no meaning: ELSA's own settings given to a one-shot method
     "lmda to wanda": (lambda m, d, o: elsa_ds.oneshot(m, "wanda", d, output_dir=o, lmda=0.1, interval=8), "interval, lmda"),
 }

@@ -506,15 +506,21 @@ def test_an_output_the_job_could_only_fail_to_publish_is_refused_before_work(ent
     """A seventh audit: names that pass every check but not the job's own side names ended after the work, the result
     lost: a name of 222 bytes (its staging folder ``.NAME.partial.PID`` past 255: a traceback), a path near 4,096 bytes
     (its report's temporary file: a traceback at the publication), ``nosuch/../o`` (resolved on paper, the final rename
-    failed); a name that is not UTF-8 (the tokenizer's files cannot be written under it: prune's traceback)."""
-    from elsa_ds.files.ownership import NAME_MAX, SIDE_ROOM
+    failed); a name that is not UTF-8 (the tokenizer's files cannot be written under it: prune's traceback). An
+    evaluation's files keep only their temporary name beside them: names of 208-242 bytes were refused there."""
+    from elsa_ds.files.io import ATOMIC_ROOM
+    from elsa_ds.files.ownership import NAME_MAX, PATH_MAX, SIDE_ROOM
     from elsa_ds.sparse.cli import main as compress
     from tests.sparse.conftest import pruned_demo
 
     (afile := tmp_path / "afile").write_text("")
     deep = tmp_path.joinpath(*["p" * 200] * 19)
     deep.mkdir(parents=True)
-    cases = [(tmp_path / ("c" * 222), "its name is 222 bytes"), (deep / "out", "too little of a path's 4,096"),
+    longest = NAME_MAX - (ATOMIC_ROOM if entry == "evaluate" else SIDE_ROOM)
+    far = deep / "out"
+    if entry == "evaluate":  # a file's path 5 bytes short of the limit: its temporary name's is past it
+        far = deep / ("q" * (PATH_MAX - 6 - len(os.fsencode(deep))))
+    cases = [(tmp_path / ("c" * (longest + 1)), f"its name is {longest + 1} bytes"), (far, "too little of a path's 4,096"),
              (tmp_path / "nosuch" / ".." / "o", "nosuch"), (afile / ".." / "o", "afile")]
     if entry == "prune":
         cases.append((Path(os.fsdecode(bytes(tmp_path / "out_") + b"\xff")), "not valid UTF-8"))
@@ -528,6 +534,9 @@ def test_an_output_the_job_could_only_fail_to_publish_is_refused_before_work(ent
             code, err, _ = run_main(compress, [str(source), str(out)])
         one_line(code, err, needle)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", *(["in"] if entry == "compress" else []), "p" * 200]
+    if entry == "evaluate":  # the longest name allowed is written whole
+        code, err, _ = _evaluate(DEMO_MODEL_DIR, tmp_path, "--output", str(out := tmp_path / ("e" * longest)))
+        assert code == 0 and json.loads(out.read_text()), err[-2000:]
     if entry == "prune":  # a review: the real path is what must be UTF-8, and the longest name allowed publishes whole
         odd = tmp_path / os.fsdecode(b"dir_\xff")
         odd.mkdir()
@@ -554,6 +563,23 @@ def test_a_text_no_path_can_be_in_a_file_is_named(source, value, needle, tmp_pat
         code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--deepspeed", str(ds))
     assert needle in one_line(code, err, "val_dataset")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("source", ["recipe", "DeepSpeed JSON"])
+def test_a_files_boolean_is_taken_only_where_a_setting_is_one(source, tmp_path, stop_at_the_job):
+    """pydantic read JSON's true as the number 1 and "false" as False: ``"steps": true`` in a recipe ran one step."""
+    for key, value, needle in (("steps", True, "steps=True: a boolean, where a number is taken"),
+                               ("freeze_embeddings", "false", "freeze_embeddings='false': must be true or false")):
+        if source == "recipe":
+            (recipe := tmp_path / "r.json").write_text(json.dumps({"source": "test", "settings": {key: value}}))
+            code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--recipe", str(recipe))
+        else:
+            ds = tmp_path / "ds.json"
+            ds.write_text(json.dumps({**json.loads((Path(cli.__file__).parents[1] / "ds_configs" / "zero3_offload.json")
+                                                   .read_text()), "elsa": {key: value}}))
+            code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--deepspeed", str(ds))
+        one_line(code, err, needle)
+        assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("value,needle", [*NO_PATH, ("a\0b", "NUL byte"), ("~a\nb", "no user '~a\\nb'")],

@@ -556,12 +556,15 @@ def test_the_demo_trainer_replaces_only_an_earlier_demo_model(tmp_path, capsys):
     check_out(tmp_path / "new", overwrite=False)
 
 
-def test_a_failed_publications_mv_command_runs_as_written(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["o'x", "new\nline"])
+def test_a_failed_publications_mv_command_runs_as_written(tmp_path, monkeypatch, name):
     """A seventh audit: the command a failed final rename suggests (``mv STAGING OUTPUT``) quoted neither path, so one
-    with a space (or a quote) moved the wrong files or failed; it is now quoted for a shell, both paths absolute."""
-    import shlex
+    with a space (or a quote) moved the wrong files or failed; it is now quoted for a shell, both paths absolute. A
+    newline in a path was kept inside shlex's quotes, and the one line the refusal is printed as then named another path:
+    such a path is written as ``$'...'``. Read back by bash from the printed line."""
+    from elsa_ds.quoting import one_line
 
-    out = tmp_path / "my runs" / "o'x"
+    out = tmp_path / "my runs" / name
     out.parent.mkdir()
     staging = fresh_staging(out)
     (staging / "elsa_report.json").write_text("{}")
@@ -575,5 +578,6 @@ def test_a_failed_publications_mv_command_runs_as_written(tmp_path, monkeypatch)
     monkeypatch.setattr(Path, "rename", rename)
     with pytest.raises(PublishFailed) as failed:
         publish(staging, out, keep_checkpoints=False)
-    command = str(failed.value).split("(mv ", 1)[1].split(")", 1)[0]
-    assert shlex.split(command) == [str(staging), str(out)], command
+    command = one_line(str(failed.value)).split("(mv ", 1)[1].rsplit(")", 1)[0]
+    read = subprocess.run(["bash", "-c", "printf '%s\\0' " + command], capture_output=True, check=True).stdout
+    assert read.split(b"\0")[:-1] == [os.fsencode(staging), os.fsencode(out)], command

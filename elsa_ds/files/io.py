@@ -11,6 +11,7 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.version import __version__
 
 RECORDED_PACKAGES = ("torch", "deepspeed", "transformers", "bitsandbytes", "lm_eval", "peft")
+ATOMIC_ROOM = len(f"..{2**22}.tmp")  # bytes write_atomic's temporary name adds to a file's: Linux's PIDs have up to 7 digits
 
 
 def write_atomic(path: Path, text: str | bytes) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import shutil
 import sys
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from elsa_ds.files.aside import side_path  # the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.files.io import make_folder
 from elsa_ds.log import get_logger
+from elsa_ds.quoting import shell_word
 from elsa_ds.targets import LayerGoal
 
 MONITOR_DIR = "monitor"  # where DeepSpeed's file monitors write without an output_path of their own (elsa_ds/monitor.py)
@@ -247,8 +247,8 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
                 with contextlib.suppress(OSError):  # the phase log's own failure must not replace the error that keeps it
                     announce(PUBLISH_FAILED)
             where = (f"the files not moved yet are in {staging}: move them into {output_dir} yourself" if keep_checkpoints
-                     else f"it is complete in {staging}: move it there yourself (mv {shlex.quote(str(staging))} "
-                           f"{shlex.quote(os.path.abspath(output_dir))})")
+                     else f"it is complete in {staging}: move it there yourself (mv {shell_word(str(staging))} "
+                           f"{shell_word(os.path.abspath(output_dir))})")
             where += f"; the previous output's files are in {old}" if old.exists() else ""
             raise PublishFailed(f"the finished output could not be moved to {output_dir} ({err.strerror or err}); {where}",
                                 staging) from None

@@ -35,7 +35,7 @@ SIDE_ROOM = 48  # bytes a name the job keeps beside an output takes beyond the o
 INSIDE_ROOM = 512  # bytes under an output for the paths a job writes there (DeepSpeed's checkpoint shards take ~110)
 
 
-def check_output_names(output: Path | str, flag: str, utf8: bool = False) -> None:
+def check_output_names(output: Path | str, flag: str, utf8: bool = False, beside: int = SIDE_ROOM, inside: int = INSIDE_ROOM) -> None:
     """ElsaError, before any work, for an output path the job could only fail to publish after it (a seventh audit):
     a name or path so long that a side name the job keeps beside it (its staging folder, the temporary file it renames,
     its lock), or a file it writes inside, passes what a name or a path may be (a traceback at the publication, the
@@ -43,17 +43,19 @@ def check_output_names(output: Path | str, flag: str, utf8: bool = False) -> Non
     final rename cannot), and with ``utf8`` a name that is not UTF-8 (the tokenizer's files cannot be written under it).
     For the outputs a user names (elsa-prune's folder, elsa-evaluate's files, elsa-compress's folder), not for the side
     folders a job then locks inside its own room (the sparse export beside the staging folder); elsa-prune's own rules
-    for its folder (no link, not a folder a replaced output would take along) are ``files/output.check_output_path``."""
+    for its folder (no link, not a folder a replaced output would take along) are ``files/output.check_output_path``.
+    ``beside`` and ``inside``: the bytes the job's side names add to the name and its files to the path (a file
+    written whole takes ``files/io.ATOMIC_ROOM`` and nothing inside)."""
     text = os.fspath(output)
     name, full = os.fsencode(Path(text).name), os.fsencode(os.path.abspath(text))
-    if len(name) + SIDE_ROOM > NAME_MAX:
+    if len(name) + beside > NAME_MAX:
         raise ElsaError(f"{flag} {text}: its name is {len(name):,} bytes, and the job keeps files beside it named after it "
-                        f"with up to {SIDE_ROOM} more, past a name's {NAME_MAX}: choose a name of at most "
-                        f"{NAME_MAX - SIDE_ROOM} bytes")
-    if len(full) + SIDE_ROOM + INSIDE_ROOM > PATH_MAX:
+                        f"with up to {beside} more, past a name's {NAME_MAX}: choose a name of at most "
+                        f"{NAME_MAX - beside} bytes")
+    if len(full) + beside + inside > PATH_MAX:
         raise ElsaError(f"{flag} {text}: its path is {len(full):,} bytes, which leaves too little of a path's {PATH_MAX:,} for "
-                        f"the files the job writes beside and inside it (up to {SIDE_ROOM + INSIDE_ROOM} more): choose a "
-                        "shorter path")
+                        f"the files the job writes beside{' and inside' if inside else ''} it (up to {beside + inside} "
+                        "more): choose a shorter path")
     parts = Path(text).parts
     for i, part in enumerate(parts):
         if part == ".." and not os.path.isdir(before := Path(*parts[:i])):

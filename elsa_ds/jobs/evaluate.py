@@ -30,7 +30,7 @@ from elsa_ds.evaluation.perplexity import window_nll
 from elsa_ds.evaluation.sparsity import model_sparsity_report, sparsity_report
 from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
-from elsa_ds.files.io import make_folder, versions, write_atomic
+from elsa_ds.files.io import ATOMIC_ROOM, make_folder, versions, write_atomic
 from elsa_ds.files.output import missing_folders
 from elsa_ds.files.ownership import check_output_names
 from elsa_ds.log import get_logger
@@ -133,7 +133,7 @@ def check_new_files(paths: dict[str, Path | None], overwrite: bool) -> None:
     """The files a command writes (by flag): none exists unless ``overwrite``, and no two are the same file."""
     given = {flag: Path(path) for flag, path in paths.items() if path is not None}
     for flag, path in given.items():
-        check_output_names(path, flag)
+        check_output_names(path, flag, beside=ATOMIC_ROOM, inside=0)  # each written whole, beside its lock (.NAME.lock)
         if (path.exists() or path.is_symlink()) and not overwrite:
             raise ElsaError(f"{flag} {path} exists; pass --overwrite to replace it, or choose another file")
     seen: dict[Path, str] = {}

@@ -23,7 +23,7 @@ from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, SettingsError
 from elsa_ds.quoting import format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
-from elsa_ds.settings.config_checks import bounded_int, cross_checks, not_a_percentage
+from elsa_ds.settings.config_checks import bounded_int, cross_checks, exact_bool, not_a_percentage
 from elsa_ds.settings.config_files import (PATH_SETTINGS, CommaList, PathList, check_each_source, comma_list, compile_regex,
                                           load_profile, load_recipe as _load_recipe, name_problem, resume_place, usable_path)
 from elsa_ds.targets import LayerGoal, layer_goals
@@ -31,8 +31,7 @@ from elsa_ds.targets import LayerGoal, layer_goals
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo" / "model"
 NAMED_TEXT_SOURCES = ("wikitext2", "c4", DEMO_DATASET)
 
-# Settings that make the embedded default finish in minutes on 2 CPU cores; used only for the demo
-# model and only where neither a recipe, the JSON nor the command line set the field.
+# Settings that make the embedded default finish in minutes on 2 CPU cores: for the demo model only, where nothing else set a field
 DEMO_PROFILE: dict[str, Any] = {"dataset": DEMO_DATASET, "seqlen": 256, "steps": 512, "micro_batch": 4, "val_windows": 64,
                                 "gradient_checkpointing": False}
 
@@ -337,6 +336,7 @@ class ElsaConfig(BaseModel):
     _usable_paths = field_validator(*PATH_SETTINGS, mode="before")(usable_path)  # before their checks ask the file system
     _cross_checks = model_validator(mode="after")(cross_checks)  # a schedule the run reaches, whole --init_mask files
     _bounded_ints = field_validator("*")(bounded_int)  # every int: exact as a float (the estimates'); the seed: every seeder's
+    _exact_bools = field_validator("*", mode="before")(exact_bool)  # a boolean where one is taken, and only there
 
     @property
     def is_demo(self) -> bool:

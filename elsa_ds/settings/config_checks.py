@@ -16,6 +16,7 @@ What the run cannot do as asked is refused; what it can do, only oddly, is said 
 """
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 from elsa_ds.errors import ElsaError
@@ -30,6 +31,19 @@ from elsa_ds.methods import Method, oneshot_names
 # should one be fed it, take at most 2**32 - 1: the seed keeps to [0, 2**32 - 1], which every one of them takes (an
 # audit: --seed 2**64 was a ValueError from torch.manual_seed after the SparseGPT warm start).
 INT_LIMIT, SEED_LIMIT = 2**53, 2**32 - 1
+
+
+def exact_bool(cls: Any, value: Any, info: Any) -> Any:
+    """A settings model's check, before each field's own, that a boolean is given where a field takes one and only
+    there: pydantic reads "yes", 1 or 0.0 as a boolean and a boolean as the number 1 or 0 (``"steps": true`` in a
+    recipe ran one step, ``seed=False`` seeded 0, ``sparsity=True`` said "less than 1", ``overwrite="no"`` was refused
+    while ``ignore_memory_check="no"`` was read as False)."""
+    takes = cls.model_fields[info.field_name].annotation
+    if takes is bool and not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    if isinstance(value, bool) and takes is not bool and {int, float} & {takes, *typing.get_args(takes)}:
+        raise ValueError("a boolean, where a number is taken")
+    return value
 
 
 def bounded_int(cls: Any, value: Any, info: Any) -> Any:

@@ -11,7 +11,6 @@ import argparse
 import enum
 import functools
 import re
-import shlex
 import types
 import typing
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from elsa_ds.errors import ElsaError, SettingsError
-from elsa_ds.quoting import format_validation_error
+from elsa_ds.quoting import format_validation_error, shell_word
 from elsa_ds.log import setup_logging
 from elsa_ds.settings.config import DEMO_PROFILE, ElsaConfig
 from elsa_ds.settings.config_files import comma_paths, name_problem
@@ -136,9 +135,9 @@ def flag_text(model: type[BaseModel], name: str, value: Any) -> str:
     if isinstance(value, bool):
         return f"--{name}" if value else f"--no_{name}"
     if typing.get_origin(_unwrap(model.model_fields[name].annotation)) is tuple:
-        return f"--{name} " + " ".join(shlex.quote(str(v)) for v in value)
+        return f"--{name} " + " ".join(shell_word(str(v)) for v in value)
     text = ",".join(map(str, value)) if isinstance(value, list) else str(getattr(value, "value", value))
-    return f"--{name} {shlex.quote(text)}"
+    return f"--{name} {shell_word(text)}"
 
 
 def _unwrap(annotation: Any) -> Any:
