@@ -68,7 +68,7 @@ def oneshot(model: Any, method: str = "sparsegpt", dataset: Dataset = None, *, o
 
 def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwrite: bool, resume: bool, recipe: str | None,
          settings: dict[str, Any]) -> dict[str, Any] | None:
-    _check_arguments(model, output_dir, deepspeed, tokenizer, overwrite, resume, recipe)
+    _check_arguments(model, output_dir, deepspeed, tokenizer, recipe)  # overwrite, resume: JobOptions checks them
     # every path a str from here on, a list setting's too (eval_ppl); a dataset's list is its documents, never paths
     model, dataset, output_dir, deepspeed, recipe = map(_fspath, (model, dataset, output_dir, deepspeed, recipe))
     settings = {k: type(v)(map(_fspath, v)) if type(v) in (list, tuple) else _fspath(v) for k, v in settings.items()}
@@ -87,7 +87,7 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
                 return run_owned(cfg, opts, ds_config)
 
 
-def _check_arguments(model: Any, output_dir: Any, deepspeed: Any, tokenizer: Any, overwrite: Any, resume: Any, recipe: Any) -> None:
+def _check_arguments(model: Any, output_dir: Any, deepspeed: Any, tokenizer: Any, recipe: Any) -> None:
     """Wrong argument types and a model without weights, named before anything is read (the settings are checked by
     ElsaConfig, the dataset by ``_dataset_name``)."""
     import torch
@@ -109,9 +109,6 @@ def _check_arguments(model: Any, output_dir: Any, deepspeed: Any, tokenizer: Any
         raise wrong("recipe", recipe, "a recipe name or path")
     if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise wrong("tokenizer", tokenizer, "a transformers tokenizer")
-    for name, value in (("overwrite", overwrite), ("resume", resume)):
-        if not isinstance(value, bool):
-            raise wrong(name, value, "True or False")
 
 
 def _fspath(value: Any) -> Any:

@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from elsa_ds.errors import ElsaError, OneLineParser, guarded, run_command  # noqa: F401 (guarded: the entry points')
 from elsa_ds.log import get_logger
 from elsa_ds.settings.config import ElsaConfig
-from elsa_ds.settings.config_checks import INT_LIMIT
+from elsa_ds.settings.config_checks import INT_LIMIT, exact_bool
 from elsa_ds.settings.flags import add_flags, flag_table, start_logging, validated
 from elsa_ds.settings.flags import cli_fields as _cli_fields
 from elsa_ds.settings.options import JobOptions
@@ -93,6 +93,8 @@ class EstimateOptions(BaseModel):
     """Time the step against rates measured on this machine (a few seconds: copies, a matmul, DeepSpeedCPUAdam)
     instead of a typical machine's; with --accelerator cpu a small job's own micro-step is also timed on its ranks here
     (~20 s)."""
+
+    _exact_bools = field_validator("*", mode="before")(exact_bool)  # num_gpus=True was one GPU
 
     @model_validator(mode="after")
     def _world_is_countable(self) -> EstimateOptions:

@@ -69,6 +69,10 @@ def shell_word(text: str) -> str:
             out.append("\\" + ch)
         elif ch.isprintable():
             out.append(ch)
-        else:  # its bytes: a control character's UTF-8, a surrogate escape's one undecodable byte
-            out.extend(f"\\x{b:02x}" for b in os.fsencode(ch))
+        else:  # its bytes: a control character's UTF-8, a surrogate escape's one undecodable byte (another surrogate's own)
+            try:
+                data = os.fsencode(ch)
+            except UnicodeEncodeError:
+                data = ch.encode("utf-8", "surrogatepass")
+            out.extend(f"\\x{b:02x}" for b in data)
     return "$'" + "".join(out) + "'"

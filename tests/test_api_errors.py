@@ -43,8 +43,8 @@ CASES = {  # name: (call, the argument the message must name first)
     "output_dir None": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=None), "output_dir:"),
     "deepspeed dict": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, deepspeed={"zero": 3}), "deepspeed:"),
     "tokenizer function": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, tokenizer=lambda t: t), "tokenizer:"),
-    "overwrite str": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, overwrite="no"), "overwrite:"),
-    "resume int": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, resume=7), "resume:"),
+    "overwrite str": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, overwrite="no"), "overwrite='no': must be true or false"),
+    "resume int": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, resume=7), "resume=7: must be true or false"),
     "recipe int": (lambda m, d, o: elsa_ds.prune(m, d, output_dir=o, recipe=5), "recipe:"),
     "sparsity str": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, sparsity="lots"), "sparsity="),
     "seqlen list": (lambda m, d, o: elsa_ds.oneshot(m, "magnitude", d, output_dir=o, seqlen=[64]), "seqlen="),
@@ -124,3 +124,51 @@ def test_every_path_setting_takes_a_path_like(monkeypatch, tmp_path, tiny_model_
     assert {k: getattr(cfg, k) for k in paths} == {k: os.fspath(v) for k, v in paths.items()}
     assert (cfg.model, cfg.dataset, cfg.eval_ppl) == (str(tiny_model_dir), str(text_dir), [str(text_dir), "c4"])
     assert cfg.seed == 3 and seen["opts"].output_dir == tmp_path / "out"
+
+
+def _settings_models() -> dict[str, tuple[type, dict]]:
+    """Every settings model a command or the API validates, with what it requires."""
+    from elsa_ds.cli import EstimateOptions
+    from elsa_ds.jobs.evaluate import EvalSettings
+    from elsa_ds.settings.config import ElsaConfig
+    from elsa_ds.settings.options import JobOptions
+    from elsa_ds.sparse.cli import CompressSettings
+
+    return {"ElsaConfig": (ElsaConfig, {}), "JobOptions": (JobOptions, {"deepspeed": "zero3", "output_dir": "o"}),
+            "EvalSettings": (EvalSettings, {"model": "m"}), "EstimateOptions": (EstimateOptions, {}),
+            "CompressSettings": (CompressSettings, {"input": "i"})}
+
+
+@pytest.mark.parametrize("name", ["ElsaConfig", "JobOptions", "EvalSettings", "EstimateOptions", "CompressSettings"])
+def test_every_settings_model_takes_a_boolean_where_a_field_is_one_and_only_there(name):
+    """pydantic read "yes", 1 or 0.0 as a boolean and a boolean as the number 1 or 0 (``steps=True`` ran one step,
+    ``--limit`` from a Python caller's True one window); numpy's boolean is a boolean. Every field, a later one too."""
+    import typing
+
+    import numpy as np
+    from pydantic import ValidationError
+
+    model, required = _settings_models()[name]
+
+    def problem(field: str, value) -> str | None:
+        try:
+            model.model_validate({**required, field: value})
+        except ValidationError as err:
+            return next((e["msg"] for e in err.errors() if e["loc"][:1] == (field,)), None)
+        return None
+
+    checked = 0
+    for field, info in model.model_fields.items():
+        leaves = {info.annotation, *typing.get_args(info.annotation)}
+        if bool in leaves:
+            assert "must be true or false" in (problem(field, "yes") or ""), field
+            assert "must be true or false" in (problem(field, 1) or ""), field
+            assert problem(field, np.bool_(True)) is None and problem(field, False) is None, field
+            checked += 1
+        elif {int, float} & leaves:
+            for value in (True, np.bool_(False)):
+                assert "a boolean, where a number is taken" in (problem(field, value) or ""), (field, value)
+            checked += 1
+    assert checked >= 2, "no boolean or number field was checked"
+    if name == "ElsaConfig":  # a pair's items too: betas=(0.9, False) was (0.9, 0.0)
+        assert "a boolean" in (problem("betas", (0.9, False)) or "")

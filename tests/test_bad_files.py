@@ -501,6 +501,24 @@ def test_a_model_folder_whose_path_is_not_utf8_is_named_as_such(tmp_path):
     assert _evaluate(link, tmp_path)[0] == 0
 
 
+def test_a_files_longest_path_leaves_room_for_the_nul_that_ends_it(tmp_path):
+    """A review: Linux's 4,096 bytes count the NUL that ends a path, so a path of 4,083 bytes left an evaluation's
+    temporary name (13 more with a 7-digit PID) one byte too long, the result lost after the work."""
+    from elsa_ds.files.io import ATOMIC_ROOM
+    from elsa_ds.files.ownership import PATH_MAX, check_output_names
+
+    def path_of(size: int) -> str:
+        path = os.path.abspath(tmp_path)
+        while size - len(path) - 1 > 201:
+            path = os.path.join(path, "p" * 200)
+        return os.path.join(path, "r" * (size - len(path) - 1))  # a name of 1-201 bytes
+
+    assert len(os.fsencode(path_of(PATH_MAX - ATOMIC_ROOM - 1))) == PATH_MAX - ATOMIC_ROOM - 1
+    check_output_names(path_of(PATH_MAX - ATOMIC_ROOM - 1), "--output", beside=ATOMIC_ROOM, inside=0)
+    with pytest.raises(ElsaError, match="too little of a path's 4,096"):
+        check_output_names(path_of(PATH_MAX - ATOMIC_ROOM), "--output", beside=ATOMIC_ROOM, inside=0)
+
+
 @pytest.mark.parametrize("entry", ["prune", "evaluate", "compress"])
 def test_an_output_the_job_could_only_fail_to_publish_is_refused_before_work(entry, tmp_path, monkeypatch):
     """A seventh audit: names that pass every check but not the job's own side names ended after the work, the result

@@ -469,3 +469,18 @@ def test_a_key_named_twice_is_said_as_such_by_the_readers_that_refuse_it(tmp_pat
     assert read_index(index, ElsaError) == {"w": "b.safetensors"}  # a model's index, read as transformers reads it
     with pytest.raises(SparseCheckpointError, match=r'i\.json: the key "w" appears twice in one object'):
         sparse_index(index)
+
+
+@pytest.mark.parametrize("text", ["plain", "a b", "it's", "new\nline", "tab\tesc\x1b", "x\\x41!", "é\u2028😀",
+                                  os.fsdecode(b"bad\xff\xfe'!"), "lone \ud800 surrogate", "$(touch X)`y`", "-rf", ""])
+def test_a_suggested_command_names_each_path_as_bash_reads_it_back(text):
+    """``quoting.shell_word``: what a refusal suggests to run (``mv STAGING OUTPUT``) reads back as the same bytes, on
+    one line whatever the path holds (a newline, bytes that are not UTF-8); it never raises (a review: a surrogate that
+    no file name decodes to)."""
+    from elsa_ds.quoting import one_line, shell_word
+
+    word = shell_word(text)
+    assert one_line(word) == word and "\n" not in word
+    read = subprocess.run(["bash", "-c", "printf '%s\\0' " + word], capture_output=True, check=True).stdout
+    expected = text.encode("utf-8", "surrogatepass") if "\ud800" in text else os.fsencode(text)
+    assert read == expected + b"\0", word

@@ -52,7 +52,7 @@ def check_output_names(output: Path | str, flag: str, utf8: bool = False, beside
         raise ElsaError(f"{flag} {text}: its name is {len(name):,} bytes, and the job keeps files beside it named after it "
                         f"with up to {beside} more, past a name's {NAME_MAX}: choose a name of at most "
                         f"{NAME_MAX - beside} bytes")
-    if len(full) + beside + inside > PATH_MAX:
+    if len(full) + beside + inside >= PATH_MAX:  # PATH_MAX counts the NUL that ends a path
         raise ElsaError(f"{flag} {text}: its path is {len(full):,} bytes, which leaves too little of a path's {PATH_MAX:,} for "
                         f"the files the job writes beside{' and inside' if inside else ''} it (up to {beside + inside} "
                         "more): choose a shorter path")

@@ -35,15 +35,23 @@ INT_LIMIT, SEED_LIMIT = 2**53, 2**32 - 1
 
 def exact_bool(cls: Any, value: Any, info: Any) -> Any:
     """A settings model's check, before each field's own, that a boolean is given where a field takes one and only
-    there: pydantic reads "yes", 1 or 0.0 as a boolean and a boolean as the number 1 or 0 (``"steps": true`` in a
-    recipe ran one step, ``seed=False`` seeded 0, ``sparsity=True`` said "less than 1", ``overwrite="no"`` was refused
-    while ``ignore_memory_check="no"`` was read as False)."""
+    there (a pair's items too): pydantic reads "yes", 1 or 0.0 as a boolean and a boolean as the number 1 or 0
+    (``"steps": true`` in a recipe ran one step, ``seed=False`` seeded 0, ``sparsity=True`` said "less than 1",
+    ``overwrite="no"`` was refused while ``ignore_memory_check="no"`` was read as False). numpy's boolean is one."""
     takes = cls.model_fields[info.field_name].annotation
-    if takes is bool and not isinstance(value, bool):
+    leaves = {takes, *typing.get_args(takes)}
+    if bool in leaves:
+        if value is None or _a_bool(value):
+            return value if value is None else bool(value)
         raise ValueError("must be true or false")
-    if isinstance(value, bool) and takes is not bool and {int, float} & {takes, *typing.get_args(takes)}:
+    items = value if isinstance(value, (list, tuple)) else (value,)
+    if {int, float} & leaves and any(map(_a_bool, items)):
         raise ValueError("a boolean, where a number is taken")
     return value
+
+
+def _a_bool(value: Any) -> bool:
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"))
 
 
 def bounded_int(cls: Any, value: Any, info: Any) -> Any:
