@@ -2,18 +2,20 @@
 ValidationError named by its field, a path as a shell reads it back, and the line itself kept one line. Stdlib only."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from collections.abc import Callable
 from typing import Any
 
 
-def format_validation_error(err: Any, where: str, model: Any, errors: list | None = None) -> str:
+def format_validation_error(err: Any, where: str, model: Any, errors: list | None = None,
+                            render: Callable[[Any], str] = repr) -> str:
     """Every problem of a pydantic ValidationError against settings ``model`` in one line, each naming its field
-    (``errors``: only these of ``err.errors()``)."""
+    (``errors``: only these of ``err.errors()``; ``render``: how a value is shown, :func:`as_json` for a file's)."""
     known = ", ".join(sorted(model.model_fields))
     parts = pydantic_problems(err.errors() if errors is None else errors, ".".join,
-                              lambda field: f"{field}: unknown setting (known: {known})")
+                              lambda field: f"{field}: unknown setting (known: {known})", render)
     return f"invalid setting in {where}: " + "; ".join(parts)
 
 
@@ -33,6 +35,12 @@ def pydantic_problems(errors: list, name: Callable[[tuple[str, ...]], str], unkn
         else:
             parts.append(f"{name(loc)}={shown(e.get('input'), limit, render)}: {msg}")
     return parts
+
+
+def as_json(value: Any) -> str:
+    """A JSON file's value as the file spells it (``true``, ``"false"``), where repr would show Python's ``True``, ``'false'``;
+    a value elsa_ds put there as Python shows it."""
+    return json.dumps(value, default=repr)
 
 
 def shown(value: Any, limit: int = 300, render: Callable[[Any], str] = repr) -> str:

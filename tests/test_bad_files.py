@@ -585,9 +585,10 @@ def test_a_text_no_path_can_be_in_a_file_is_named(source, value, needle, tmp_pat
 
 @pytest.mark.parametrize("source", ["recipe", "DeepSpeed JSON"])
 def test_a_files_boolean_is_taken_only_where_a_setting_is_one(source, tmp_path, stop_at_the_job):
-    """pydantic read JSON's true as the number 1 and "false" as False: ``"steps": true`` in a recipe ran one step."""
-    for key, value, needle in (("steps", True, "steps=True: a boolean, where a number is taken"),
-                               ("freeze_embeddings", "false", "freeze_embeddings='false': must be true or false")):
+    """pydantic read JSON's true as the number 1 and "false" as False: ``"steps": true`` in a recipe ran one step. The
+    value is quoted as the file spells it."""
+    for key, value, needle in (("steps", True, "steps=true: a boolean, where a number is taken"),
+                               ("freeze_embeddings", "false", 'freeze_embeddings="false": must be true or false')):
         if source == "recipe":
             (recipe := tmp_path / "r.json").write_text(json.dumps({"source": "test", "settings": {key: value}}))
             code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--recipe", str(recipe))

@@ -285,12 +285,12 @@ def test_each_settings_source_is_checked_and_named(tmp_path):
     recipe = tmp_path / "r.json"
     recipe.write_text(json.dumps({"source": "a test", "settings": {"steps": "four", "interval": 2}}))
     _prune_fails(["--deepspeed", "zero3_offload", "--recipe", str(recipe), "--steps", "4", "--output_dir", str(tmp_path / "o")],
-                 f"invalid setting in recipe {recipe}: steps='four'")
+                 f'invalid setting in recipe {recipe}: steps="four"')  # as the file spells it
     raw = json.loads((ROOT / "ds_configs" / "zero3_offload.json").read_text())
     block = tmp_path / "block.json"
     block.write_text(json.dumps({**raw, "elsa": {"interval": "two"}}))
     _prune_fails(["--deepspeed", str(block), "--interval", "4", "--output_dir", str(tmp_path / "o")],
-                 f'the "elsa" block of {block}: interval=\'two\'')
+                 f'the "elsa" block of {block}: interval="two"')
     accumulation = tmp_path / "accumulation.json"
     accumulation.write_text(json.dumps({**raw, "gradient_accumulation_steps": 3}))
     _prune_fails(["--deepspeed", str(accumulation), "--micro_batch", "2", "--output_dir", str(tmp_path / "o")],

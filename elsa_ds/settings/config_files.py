@@ -253,7 +253,7 @@ def check_each_source(model: Any, sources: list[tuple[str, dict[str, Any]]]) -> 
     from pydantic import ValidationError
 
     from elsa_ds.errors import SettingsError
-    from elsa_ds.quoting import format_validation_error
+    from elsa_ds.quoting import as_json, format_validation_error
 
     for where, values in sources:
         if not values:
@@ -263,7 +263,7 @@ def check_each_source(model: Any, sources: list[tuple[str, dict[str, Any]]]) -> 
             model(**values)
         except ValidationError as err:
             if own := [e for e in err.errors() if e["loc"] and e["loc"][0] in values]:
-                raise SettingsError(format_validation_error(err, where, model, own)) from None
+                raise SettingsError(format_validation_error(err, where, model, own, as_json)) from None
 
 
 MAX_REGEX_CHARS = 1000

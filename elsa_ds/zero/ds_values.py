@@ -12,7 +12,6 @@ minutes of loading.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from elsa_ds.errors import ElsaError, first_line
-from elsa_ds.quoting import pydantic_problems, shown
+from elsa_ds.quoting import as_json, pydantic_problems, shown
 
 AUTO = "auto"
 COUNT_LIMIT = 2**53  # elements, buffers, batches: more than any machine holds, and the most a float holds exactly
@@ -63,12 +62,8 @@ FIX = "fix the file or pass a shipped config with --deepspeed"
 SHOWN = 60  # characters of a refused value a line quotes
 
 
-def _json(value: Any) -> str:
-    return json.dumps(value, default=repr)  # a resolved config's value elsa_ds put there, as Python shows it
-
-
 def _shown(value: Any) -> str:
-    return shown(value, SHOWN, _json)
+    return shown(value, SHOWN, as_json)
 
 
 def _range(kind: Kind) -> str:
@@ -137,7 +132,7 @@ def deepspeed_refusal(engine_config: dict[str, Any]) -> str | None:
         DeepSpeedConfig(probe)
     except pydantic.ValidationError as err:
         return "; ".join(pydantic_problems(err.errors(), lambda loc: _key_path(loc, engine_config, err.title),
-                                           lambda name: f"{name}: DeepSpeed knows no such setting", _json, SHOWN))
+                                           lambda name: f"{name}: DeepSpeed knows no such setting", as_json, SHOWN))
     except Exception as err:  # noqa: BLE001 - DeepSpeedConfigError (a removed key: "nebula"), asserts, ValueErrors
         return first_line(err)
     finally:
