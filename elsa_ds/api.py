@@ -144,7 +144,11 @@ def _texts(dataset: Any) -> Iterable[str]:
     if hasattr(dataset, "column_names"):  # a datasets.Dataset
         if "text" not in dataset.column_names:
             raise ElsaError(f"the dataset has no 'text' column (columns: {dataset.column_names})")
-        return [str(t) for t in dataset["text"]]
+        texts = [t for t in dataset["text"] if t is not None]  # None: no document (str() trained on "None")
+        if wrong := [t for t in texts if not isinstance(t, str)]:  # 0 and b"" too
+            raise ElsaError(f"the dataset's 'text' column holds {type(wrong[0]).__name__} values ({shown(wrong[0], 60)}), "
+                            "not strings")
+        return texts
     try:
         texts = list(dataset)
     except TypeError:

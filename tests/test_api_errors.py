@@ -172,3 +172,12 @@ def test_every_settings_model_takes_a_boolean_where_a_field_is_one_and_only_ther
     assert checked >= 2, "no boolean or number field was checked"
     if name == "ElsaConfig":  # a pair's items too: betas=(0.9, False) was (0.9, 0.0)
         assert "a boolean" in (problem("betas", (0.9, False)) or "")
+
+
+def test_a_datasets_text_that_is_not_text_is_refused_and_a_none_is_no_document():
+    """An audit: ``str()`` made a None text "None" (and a number its digits), which the job then trained on."""
+    from datasets import Dataset
+
+    assert elsa_ds.api._texts(Dataset.from_dict({"text": ["a b", None, "c"]})) == ["a b", "c"]
+    with pytest.raises(ElsaError, match=r"the dataset's 'text' column holds int values \(0\), not strings"):
+        elsa_ds.api._texts(Dataset.from_dict({"text": [0, 1]}))

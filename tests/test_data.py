@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -56,6 +57,28 @@ def test_local_txt_jsonl_parquet(tmp_path):
         list(iter_texts(str(tmp_path / "d.jsonl"), "train"))
 
 
+def test_a_corpus_text_that_is_not_text_is_refused_and_a_null_is_no_document(tmp_path):
+    """An audit: ``str()`` made a null text "None", bytes "b'...'" and a list "['a']", and a run trained on them, exit 0
+    (a binary Parquet column scored 2,013 where its text as strings scored 307). A null is no document, as a
+    ``datasets`` corpus's None is; anything else but a string is refused, naming the file and the line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = [{"text": "one"}, {"text": None}, {"text": "two"}]
+    (tmp_path / "nulls.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert list(iter_texts(str(tmp_path / "nulls.jsonl"), "train", holdout_part=False)) == ["one", "two"]
+    for n, value in enumerate((12345, ["a list"], {"title": "x"}, True), 1):
+        (path := tmp_path / f"bad{n}.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+        with pytest.raises(ElsaError, match=re.escape(f"bad{n}.jsonl:2: its 'text' is {json.dumps(value)}, not a string")):
+            list(iter_texts(str(path), "train", holdout_part=False))
+    pq.write_table(pa.table({"text": pa.array(["three", None, "four"])}), tmp_path / "nulls.parquet")
+    assert list(iter_texts(str(tmp_path / "nulls.parquet"), "train", holdout_part=False)) == ["three", "four"]
+    for name, column in (("binary", pa.array([b"three"])), ("numbers", pa.array([0, 1, 2]))):
+        pq.write_table(pa.table({"text": column}), tmp_path / f"{name}.parquet")
+        with pytest.raises(ElsaError, match=f"{name}.parquet: its 'text' column holds {column.type}, not a string"):
+            list(iter_texts(str(tmp_path / f"{name}.parquet"), "train", holdout_part=False))
+
+
 def test_a_parquet_file_that_expands_past_its_cap_is_refused_before_its_rows_are_built(tmp_path):
     """A Parquet file is data from elsewhere: its text is sized from the file's own metadata and its dictionary's lengths
     before any row becomes a string (a 1 KB file naming one 16 MiB string 64 times took 21 GB, a sixth audit). A
@@ -81,8 +104,6 @@ def test_a_parquet_file_that_expands_past_its_cap_is_refused_before_its_rows_are
     pq.write_table(pa.table({"meta": url, "text": pa.array([str(i) for i in range(400)]), "n": list(range(400))}),
                    tmp_path / "struct.parquet")
     assert list(iter_texts(str(tmp_path / "struct.parquet"), "train", holdout_part=False)) == [str(i) for i in range(400)]
-    pq.write_table(pa.table({"text": list(range(3))}), tmp_path / "numbers.parquet")
-    assert list(iter_texts(str(tmp_path / "numbers.parquet"), "train", holdout_part=False)) == ["0", "1", "2"]
     words = pa.DictionaryArray.from_arrays(pa.array([i % 3 for i in range(5000)], pa.int32()), pa.array(["to", "be", "or"]))
     pq.write_table(pa.table({"text": words, "id": list(range(5000))}), tmp_path / "ok.parquet", row_group_size=1000)
     assert list(iter_texts(str(tmp_path / "ok.parquet"), "train", holdout_part=False)) == ["to", "be", "or"] * 1666 + ["to", "be"]

@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, NoReturn, overload
 
 from elsa_ds import json_data
 from elsa_ds.data.splits import files_by_split, holdout, holdout_indices
 from elsa_ds.errors import ElsaError, described
+from elsa_ds.quoting import as_json, shown
 
 DEMO_DATASET = "shakespeare"
 LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
@@ -184,8 +185,8 @@ class _TextColumn(Sequence[str]):
 
 
 def _names(files: list[Path], root: Path) -> str:
-    shown = [str(f.relative_to(root)) if root.is_dir() else f.name for f in files]
-    return ", ".join(shown[:5]) + (f" and {len(shown) - 5} more files" if len(shown) > 5 else "")
+    listed = [str(f.relative_to(root)) if root.is_dir() else f.name for f in files]
+    return ", ".join(listed[:5]) + (f" and {len(listed) - 5} more files" if len(listed) > 5 else "")
 
 
 def _read_all(files: list[Path]) -> list[str]:
@@ -206,9 +207,25 @@ def _read_local(path: Path) -> Iterator[str]:
                                 "'text' field") from None
             if not isinstance(record, dict) or "text" not in record:
                 raise ElsaError(f"{path}:{n}: JSON line has no 'text' field")
-            yield str(record["text"])
+            if (text := record["text"]) is None:  # no document, as a ``datasets`` corpus's None is none
+                continue
+            yield text if isinstance(text, str) else _not_text(f"{path}:{n}: its 'text' is {shown(text, 60, as_json)}")
     elif path.suffix == ".parquet":
         yield from _parquet_texts(path)
+
+
+def _not_text(what: str) -> NoReturn:
+    """A corpus's text that is not text (a number, a list, bytes): refused, where ``str()`` made it the text trained or
+    scored on ("None", "b'...'", "['a list']": an audit's run ended exit 0, trained on them)."""
+    raise ElsaError(f"{what}, not a string: a corpus's 'text' must be text (null for none); convert it, or drop those records")
+
+
+def _values_type(kind: Any) -> Any:
+    """The type of an Arrow column's values (a dictionary-coded column's entries), and whether they are strings."""
+    import pyarrow as pa
+
+    values = kind.value_type if pa.types.is_dictionary(kind) else kind
+    return values, pa.types.is_string(values) or pa.types.is_large_string(values)  # what a Parquet file's strings read as
 
 
 PARQUET_EXPANSION, PARQUET_FLOOR = 64, 64 * 2**20  # text read from a Parquet file: at most 64x its size, + 64 MiB
@@ -228,6 +245,9 @@ def _parquet_texts(path: Path) -> Iterator[str]:
         pf = pq.ParquetFile(path, read_dictionary=["text"])  # repeated strings stay one entry each, as stored
         if "text" not in pf.schema_arrow.names:
             raise ElsaError(f"{path}: parquet file has no 'text' column (columns: {pf.schema_arrow.names})")
+        values, strings = _values_type(pf.schema_arrow.field("text").type)
+        if not strings:
+            _not_text(f"{path}: its 'text' column holds {values}")
         meta, groups = pf.metadata, range(pf.metadata.num_row_groups)
         declared = sum(meta.row_group(g).column(c).total_uncompressed_size for g in groups for c in range(meta.num_columns)
                        if meta.row_group(g).column(c).path_in_schema.split(".")[0] == "text")  # its leaves, not another's
@@ -242,7 +262,7 @@ def _parquet_texts(path: Path) -> Iterator[str]:
             total += int(pc.sum(_text_lengths(text)).as_py() or 0)
             if total > cap:
                 raise _too_much_text(path, total, cap)
-            yield from (str(t) for t in text.to_pylist())
+            yield from (t for t in text.to_pylist() if t is not None)  # a null: no document
     except ElsaError:
         raise
     except Exception as err:  # pyarrow's ArrowInvalid / ArrowException, OSError: a corrupt or foreign file
@@ -251,16 +271,11 @@ def _parquet_texts(path: Path) -> Iterator[str]:
 
 
 def _text_lengths(text: Any) -> Any:
-    """The bytes of each row of a text column (strings or binary, dictionary-coded or not); 0 for another type (numbers:
-    a few characters each, charged as rows)."""
+    """The bytes of each row of a string column, dictionary-coded or not (``_values_type`` checked that it holds strings)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    values = text.dictionary if pa.types.is_dictionary(text.type) else text
-    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type) or pa.types.is_binary(values.type)
-            or pa.types.is_large_binary(values.type)):
-        return pa.array([0])
-    lengths = pc.binary_length(values)
+    lengths = pc.binary_length(text.dictionary if pa.types.is_dictionary(text.type) else text)
     return lengths.take(text.indices) if pa.types.is_dictionary(text.type) else lengths
 
 
