@@ -250,6 +250,12 @@ def test_a_resumed_run_keeps_the_rule_values_it_started_with_where_the_rule_chan
     assert cfg.hold_steps == 0
     cfg, record = _demo(written | {"lr": "not a number"}, sparsity=0.9, steps=100)
     assert cfg.lr == fresh.lr and "kept" not in record["why"].get("lr", "")
+    # nor one of the right type that ElsaConfig refuses (an eighth audit: lr -1.0 was kept, the job loaded, then refused)
+    for key, bad in (("lr", -1.0), ("lr", float("inf")), ("lmda", float("inf")), ("warmup_steps", -5), ("warmup_steps", True),
+                     ("hold_steps", -3), ("hold_steps", 10**400)):
+        cfg, record = _demo(written | {key: bad}, sparsity=0.9, steps=100)
+        assert key not in record["kept_from_checkpoint"] and getattr(cfg, key) == getattr(fresh, key), (key, bad)
+        assert f"{key} {bad!r}"[:20] in resume_changes(written | {key: bad}, cfg.resume_fingerprint(1)), (key, bad)
     # a checkpoint with a held end the rule no longer gives keeps it too
     cfg, record = _demo(written | {"hold_steps": 30}, sparsity=0.9, steps=100)
     assert cfg.hold_steps == 30 and "now be 50" in record["why"]["hold_steps"]

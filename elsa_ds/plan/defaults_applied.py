@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from elsa_ds.methods import DENSE
 from elsa_ds.models import meta_model
@@ -61,10 +61,9 @@ def _kept_from_checkpoint(cfg: ElsaConfig, unset: dict[str, Any], resumed: dict[
         now = _plain(unset.get(k, getattr(cfg, k)))
         if k in cfg.model_fields_set or k in skip or k not in written or written[k] == now:
             continue
-        annotation = ElsaConfig.model_fields[k].annotation
-        assert annotation is not None, f"ElsaConfig.{k} is declared with a type (pydantic keeps None only for unannotated fields)"
-        try:
-            kept[k] = (TypeAdapter(annotation).validate_python(written[k]), now)
+        try:  # by ElsaConfig's own checks: a type alone took lr -1.0, inf or true for a count (an eighth audit)
+            setattr(probe := cfg.model_copy(), k, written[k])  # validate_assignment: the field's checks, then the model's
         except ValidationError:
             continue
+        kept[k] = (getattr(probe, k), now)
     return kept
