@@ -536,12 +536,24 @@ def test_a_packed_mask_whose_bytes_disagree_with_its_shape_is_refused(tmp_path):
 @pytest.mark.parametrize("field", [{"ppl": {"wiki": {"ppl": "x"}}}, {"sparsity": [1]}, {"sparsity": {"overall": "a"}},
                                    {"tasks": {"arc": {"acc": "high"}}}, {"average_acc": "0.5"}, {"model": 3},
                                    {"sparsity": {"overall": 10**400}}, {"ppl": {"wiki": {"ppl": 5.0, "windows": [64]}}},
-                                   {"seqlen": {"n": 128}}])  # the last two: a second audit (an unhashable shape, a traceback)
+                                   {"seqlen": {"n": 128}},  # the last two: a second audit (an unhashable shape, a traceback)
+                                   # an eighth audit: figures no run writes, printed in the table without a word
+                                   {"sparsity": {"overall": -2.5}}, {"ppl": {"wiki": {"ppl": -3.0}}}, {"average_acc": 57.0},
+                                   {"tasks": {"arc": {"acc": 57.0}}}, {"ppl": {"wiki": {"ppl": 5.0, "windows": -10}}},
+                                   {"seqlen": -64}, {"protocol": {"limit": "no"}}])
 def test_an_evaluation_result_with_a_string_where_a_number_goes_is_refused(tmp_path, field):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"model": "m", "ppl": {"wiki": {"ppl": 5.0}}} | field))
     with pytest.raises(ElsaError, match="which elsa-evaluate never writes"):
         load_result(path)
+
+
+def test_an_evaluation_result_of_a_nan_model_still_compares(tmp_path):
+    """A NaN model's perplexity is written as it is (NaN, or Infinity): the table shows it."""
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"model": "m", "ppl": {"wiki": {"ppl": float("nan")}, "c4": {"ppl": float("inf")}},
+                                "sparsity": {"overall": 0.9}, "protocol": {"limit": 4}}))
+    assert load_result(path)["ppl"]["c4"]["ppl"] == float("inf")
 
 
 def test_a_model_folder_whose_side_files_are_too_deep_or_too_large_is_refused_in_one_error(tmp_path):

@@ -2,6 +2,8 @@
 pruning papers' tables), written atomically."""
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +34,17 @@ def load_result(path: str | Path) -> dict[str, Any]:
     return result
 
 
-def _number(value: Any) -> bool:
-    """None, or a number the table can format (an int beyond a float's range cannot be)."""
+def _number(value: Any, low: float = -math.inf, high: float = math.inf) -> bool:
+    """None, or a number the table can format (an int beyond a float's range cannot be) in [low, high] (NaN: a run's
+    NaN model, which elsa-evaluate writes as it is)."""
     if value is None:
         return True
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     try:
-        float(value)
+        return math.isnan(value) or low <= float(value) <= high
     except OverflowError:
         return False
-    return True
 
 
 def _field_problem(result: dict[str, Any]) -> str | None:
@@ -50,24 +52,25 @@ def _field_problem(result: dict[str, Any]) -> str | None:
     sparsity, tasks, protocol = result.get("sparsity") or {}, result.get("tasks") or {}, result.get("protocol") or {}
     if not isinstance(result["model"], str):
         return "its 'model' is not a string"
-    if not isinstance(sparsity, dict) or not _number(sparsity.get("overall")) or not isinstance(sparsity.get("pattern", ""), str):
-        return "its 'sparsity' is not an object with a number 'overall' and a string 'pattern'"
-    if not isinstance(protocol, dict):
-        return "its 'protocol' is not an object"
-    if bad := next((d for d, v in result["ppl"].items() if not _number(v.get("ppl"))), None):
-        return f"its perplexity of {str(bad)[:40]!r} is not a number"
+    if not isinstance(sparsity, dict) or not _number(sparsity.get("overall"), 0, 1) or not isinstance(sparsity.get("pattern", ""), str):
+        return "its 'sparsity' is not an object with a fraction 'overall' (0 to 1) and a string 'pattern'"
+    if not isinstance(protocol, dict) or not _count(protocol.get("limit")):
+        return "its 'protocol' is not an object with a whole-number (or null) 'limit'"
+    if bad := next((d for d, v in result["ppl"].items() if not _number(v.get("ppl"), 1)), None):  # exp(a mean NLL >= 0)
+        return f"its perplexity of {str(bad)[:40]!r} is not a number of at least 1"
     if bad := next((d for d, v in result["ppl"].items() if not _count(v.get("windows"))), None):
         return f"its perplexity of {str(bad)[:40]!r} has a 'windows' that is not a whole number"
     if not _count(result.get("seqlen")):
         return "its 'seqlen' is not a whole number"
-    if not isinstance(tasks, dict) or not all(isinstance(v, dict) and _number(v.get("acc")) for v in tasks.values()):
-        return "its 'tasks' are not objects with a number 'acc'"
-    return None if _number(result.get("average_acc")) else "its 'average_acc' is not a number"
+    if not isinstance(tasks, dict) or not all(isinstance(v, dict) and _number(v.get("acc"), 0, 1) for v in tasks.values()):
+        return "its 'tasks' are not objects with a fraction 'acc' (0 to 1)"
+    return None if _number(result.get("average_acc"), 0, 1) else "its 'average_acc' is not a fraction (0 to 1)"
 
 
 def _count(value: Any) -> bool:
-    """A whole number or absent (a second audit: a list there made the table's set of window shapes unhashable)."""
-    return value is None or (isinstance(value, int) and not isinstance(value, bool))
+    """A whole number of at least 0, or absent (a second audit: a list there made the table's set of window shapes
+    unhashable; an eighth: -64 printed as the tokens a window held)."""
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
 
 
 def _ordered_union(rows: list[dict]) -> list[str]:
