@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from elsa_ds.errors import ElsaError, OneLineParser, guarded, run_command  # noqa: F401 (guarded: the entry points')
 from elsa_ds.log import get_logger
 from elsa_ds.settings.config import ElsaConfig
-from elsa_ds.settings.config_checks import INT_LIMIT, exact_bool
+from elsa_ds.settings.config_checks import INT_LIMIT, exact_kinds
 from elsa_ds.settings.flags import add_flags, flag_table, start_logging, validated
 from elsa_ds.settings.flags import cli_fields as _cli_fields
 from elsa_ds.settings.options import JobOptions
@@ -94,7 +94,7 @@ class EstimateOptions(BaseModel):
     instead of a typical machine's; with --accelerator cpu a small job's own micro-step is also timed on its ranks here
     (~20 s)."""
 
-    _exact_bools = field_validator("*", mode="before")(exact_bool)  # num_gpus=True was one GPU
+    _exact_kinds = field_validator("*", mode="before")(exact_kinds)  # num_gpus=True was one GPU
 
     @model_validator(mode="after")
     def _world_is_countable(self) -> EstimateOptions:

@@ -141,7 +141,7 @@ def _settings_models() -> dict[str, tuple[type, dict]]:
 
 @pytest.mark.parametrize("name", ["ElsaConfig", "JobOptions", "EvalSettings", "EstimateOptions", "CompressSettings"])
 def test_every_settings_model_takes_a_boolean_where_a_field_is_one_and_only_there(name):
-    """pydantic read "yes", 1 or 0.0 as a boolean and a boolean as the number 1 or 0 (``steps=True`` ran one step,
+    """pydantic read "yes", 1 or 0.0 as a boolean, a boolean as the number 1 or 0 and "5" as 5 (``steps=True`` ran one step,
     ``--limit`` from a Python caller's True one window); numpy's boolean is a boolean. Every field, a later one too."""
     import typing
 
@@ -168,6 +168,7 @@ def test_every_settings_model_takes_a_boolean_where_a_field_is_one_and_only_ther
         elif {int, float} & leaves:
             for value in (True, np.bool_(False)):
                 assert "a boolean, where a number is taken" in (problem(field, value) or ""), (field, value)
+            assert "text, where a number is taken" in (problem(field, "5") or ""), field  # "5" was read as 5
             checked += 1
     assert checked >= 2, "no boolean or number field was checked"
     if name == "ElsaConfig":  # a pair's items too: betas=(0.9, False) was (0.9, 0.0)

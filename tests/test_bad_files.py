@@ -588,7 +588,8 @@ def test_a_files_boolean_is_taken_only_where_a_setting_is_one(source, tmp_path, 
     """pydantic read JSON's true as the number 1 and "false" as False: ``"steps": true`` in a recipe ran one step. The
     value is quoted as the file spells it."""
     for key, value, needle in (("steps", True, "steps=true: a boolean, where a number is taken"),
-                               ("freeze_embeddings", "false", 'freeze_embeddings="false": must be true or false')):
+                               ("freeze_embeddings", "false", 'freeze_embeddings="false": must be true or false'),
+                               ("lr", "1e-3", 'lr="1e-3": text, where a number is taken')):
         if source == "recipe":
             (recipe := tmp_path / "r.json").write_text(json.dumps({"source": "test", "settings": {key: value}}))
             code, err, _ = _prune(DEMO_MODEL_DIR, tmp_path / "o", "--recipe", str(recipe))

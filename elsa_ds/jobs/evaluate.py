@@ -38,7 +38,7 @@ from elsa_ds.loss import loss_choice
 from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, is_sparse_checkpoint, load_causal_lm, load_config
 from elsa_ds.settings.config import NAMED_TEXT_SOURCES, ElsaConfig
 from elsa_ds.settings.config_files import PathList, comma_list
-from elsa_ds.settings.config_checks import exact_bool
+from elsa_ds.settings.config_checks import exact_kinds
 from elsa_ds.settings.config_files import usable_path
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class EvalSettings(BaseModel):
     """--speed: timed rounds per batch size, dense and sparse alternating."""
 
     _usable_paths = field_validator("model", "include_path", "offload_folder", "output", "markdown", mode="before")(usable_path)
-    _exact_bools = field_validator("*", mode="before")(exact_bool)  # --limit True was one window
+    _exact_kinds = field_validator("*", mode="before")(exact_kinds)  # --limit True was one window
 
     @field_validator("tasks", mode="before")
     @classmethod

@@ -23,7 +23,7 @@ from elsa_ds.data.windows import PplProtocol
 from elsa_ds.errors import ElsaError, SettingsError
 from elsa_ds.quoting import format_validation_error
 from elsa_ds.methods import DENSE, ELSA, Finetune, Method, OneShot, oneshot_names
-from elsa_ds.settings.config_checks import bounded_int, cross_checks, exact_bool, not_a_percentage
+from elsa_ds.settings.config_checks import bounded_int, cross_checks, exact_kinds, not_a_percentage
 from elsa_ds.settings.config_files import (PATH_SETTINGS, CommaList, PathList, check_each_source, comma_list, compile_regex,
                                           load_profile, load_recipe as _load_recipe, name_problem, resume_place, usable_path)
 from elsa_ds.targets import LayerGoal, layer_goals
@@ -336,7 +336,7 @@ class ElsaConfig(BaseModel):
     _usable_paths = field_validator(*PATH_SETTINGS, mode="before")(usable_path)  # before their checks ask the file system
     _cross_checks = model_validator(mode="after")(cross_checks)  # a schedule the run reaches, whole --init_mask files
     _bounded_ints = field_validator("*")(bounded_int)  # every int: exact as a float (the estimates'); the seed: every seeder's
-    _exact_bools = field_validator("*", mode="before")(exact_bool)  # a boolean where one is taken, and only there
+    _exact_kinds = field_validator("*", mode="before")(exact_kinds)  # a boolean where one is taken, and only there
 
     @property
     def is_demo(self) -> bool:

@@ -33,11 +33,12 @@ from elsa_ds.methods import Method, oneshot_names
 INT_LIMIT, SEED_LIMIT = 2**53, 2**32 - 1
 
 
-def exact_bool(cls: Any, value: Any, info: Any) -> Any:
+def exact_kinds(cls: Any, value: Any, info: Any) -> Any:
     """A settings model's check, before each field's own, that a boolean is given where a field takes one and only
-    there (a pair's items too): pydantic reads "yes", 1 or 0.0 as a boolean and a boolean as the number 1 or 0
-    (``"steps": true`` in a recipe ran one step, ``seed=False`` seeded 0, ``sparsity=True`` said "less than 1",
-    ``overwrite="no"`` was refused while ``ignore_memory_check="no"`` was read as False). numpy's boolean is one."""
+    there, and a number where it takes one (a pair's items too): pydantic reads "yes", 1 or 0.0 as a boolean, a boolean
+    as the number 1 or 0 and "5" as 5 (``"steps": true`` in a recipe ran one step, ``seed=False`` seeded 0,
+    ``sparsity=True`` said "less than 1", ``overwrite="no"`` was refused while ``ignore_memory_check="no"`` was read as
+    False). numpy's boolean is one; the command line's flags are typed by argparse before they come here."""
     takes = cls.model_fields[info.field_name].annotation
     leaves = {takes, *typing.get_args(takes)}
     if bool in leaves:
@@ -45,8 +46,8 @@ def exact_bool(cls: Any, value: Any, info: Any) -> Any:
             return value if value is None else bool(value)
         raise ValueError("must be true or false")
     items = value if isinstance(value, (list, tuple)) else (value,)
-    if {int, float} & leaves and any(map(_a_bool, items)):
-        raise ValueError("a boolean, where a number is taken")
+    if {int, float} & leaves and (odd := next((i for i in items if _a_bool(i) or isinstance(i, str)), None)) is not None:
+        raise ValueError(f"{'a boolean' if _a_bool(odd) else 'text'}, where a number is taken")
     return value
 
 

@@ -12,7 +12,7 @@ from elsa_ds.quoting import format_validation_error
 from elsa_ds.files.aside import published
 from elsa_ds.files.output import REPORT_NAME, foreign_entries
 from elsa_ds.log import LogLevel, get_logger
-from elsa_ds.settings.config_checks import exact_bool
+from elsa_ds.settings.config_checks import exact_kinds
 from elsa_ds.settings.config_files import usable_path
 
 ExportFormat = Literal["dense", "sparse"]  # the --export_format choices
@@ -58,7 +58,7 @@ class JobOptions(BaseModel):
     """The in-memory model's tokenizer (Python API only)."""
 
     _usable_paths = field_validator("deepspeed", "output_dir", "recipe", mode="before")(usable_path)  # the API's too
-    _exact_bools = field_validator("*", mode="before")(exact_bool)  # ignore_memory_check="no" was read as False
+    _exact_kinds = field_validator("*", mode="before")(exact_kinds)  # ignore_memory_check="no" was read as False
 
 
 def job_options(values: dict[str, Any], given_as: str = "the command line") -> JobOptions:

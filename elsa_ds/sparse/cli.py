@@ -18,7 +18,7 @@ from elsa_ds.errors import ElsaError, OneLineParser, guarded, run_command
 from elsa_ds.files.ownership import check_output_names
 from elsa_ds.files.safetensors_writer import DEFAULT_MAX_SHARD_SIZE
 from elsa_ds.log import get_logger
-from elsa_ds.settings.config_checks import exact_bool
+from elsa_ds.settings.config_checks import exact_kinds
 from elsa_ds.settings.flags import add_flags, cli_fields, start_logging, validated
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY, check_arguments, check_paths, compress
@@ -46,7 +46,7 @@ class CompressSettings(BaseModel):
     verify: bool = False
     """Check INPUT, an elsa-sparse checkpoint (each tensor against its checksum), instead of writing one."""
 
-    _exact_bools = field_validator("*", mode="before")(exact_bool)  # min_sparsity=True was 1.0
+    _exact_kinds = field_validator("*", mode="before")(exact_kinds)  # min_sparsity=True was 1.0
 
 
 def parser() -> argparse.ArgumentParser:
