@@ -209,7 +209,9 @@ def _read_local(path: Path) -> Iterator[str]:
                 raise ElsaError(f"{path}:{n}: JSON line has no 'text' field")
             if (text := record["text"]) is None:  # no document, as a ``datasets`` corpus's None is none
                 continue
-            yield text if isinstance(text, str) else _not_text(f"{path}:{n}: its 'text' is {shown(text, 60, as_json)}")
+            if not isinstance(text, str):
+                _not_text(f"{path}:{n}: its 'text' is {shown(text, 60, as_json)}")
+            yield text
     elif path.suffix == ".parquet":
         yield from _parquet_texts(path)
 

@@ -3,7 +3,6 @@ pruning papers' tables), written atomically."""
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 from typing import Any
 

@@ -37,9 +37,8 @@ from elsa_ds.log import get_logger
 from elsa_ds.loss import loss_choice
 from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, is_sparse_checkpoint, load_causal_lm, load_config
 from elsa_ds.settings.config import NAMED_TEXT_SOURCES, ElsaConfig
-from elsa_ds.settings.config_files import PathList, comma_list
 from elsa_ds.settings.config_checks import exact_kinds
-from elsa_ds.settings.config_files import usable_path
+from elsa_ds.settings.config_files import PathList, comma_list, usable_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

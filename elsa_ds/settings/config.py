@@ -336,7 +336,7 @@ class ElsaConfig(BaseModel):
     _usable_paths = field_validator(*PATH_SETTINGS, mode="before")(usable_path)  # before their checks ask the file system
     _cross_checks = model_validator(mode="after")(cross_checks)  # a schedule the run reaches, whole --init_mask files
     _bounded_ints = field_validator("*")(bounded_int)  # every int: exact as a float (the estimates'); the seed: every seeder's
-    _exact_kinds = field_validator("*", mode="before")(exact_kinds)  # a boolean where one is taken, and only there
+    _exact_kinds = field_validator("*", mode="before")(exact_kinds)  # a boolean or a number where one is taken, and only there
 
     @property
     def is_demo(self) -> bool:
