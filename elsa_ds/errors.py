@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from elsa_ds import std_streams
+from elsa_ds import launch_env, std_streams
 from elsa_ds.quoting import one_line
 
 
@@ -171,7 +171,7 @@ def first_to_say(text: str) -> bool:
     keeps it CLAIM_LINGER_S longer); a rank that finds it claimed by another stays silent, its exit code unchanged. Lines
     that differ, a line this process said before, every line of a single process and every line where no such socket
     exists (not Linux) are said."""
-    if "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not sys.platform.startswith("linux"):
+    if not launch_env.launched() or not sys.platform.startswith("linux"):
         return True
     try:  # a file of its own (the launcher's per-rank log); a pipe or terminal: one launcher's, or per rank (mpirun, srun)
         where = os.fstat(2)
@@ -268,8 +268,8 @@ def guarded(fn: Callable[[], int | None]) -> int:
     SIGTERM (143) end it with one line too: the jobs' own cleanup (the output's lock, this job's staging) runs on the
     way out, nothing unfinished is published and the previous output stays as it was. A collective that failed because
     another rank is gone ends in one line too (``_after_peer_gone``)."""
-    rank = os.environ.get("RANK", "0")
-    where = "" if rank == "0" else f" (rank {rank})"
+    rank = launch_env.rank()
+    where = "" if rank == 0 else f" (rank {rank})"
     found = {}
     if threading.current_thread() is threading.main_thread():
         found = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -322,9 +322,9 @@ def _after_finish(signum: int, frame: Any) -> None:
     """SIGTERM once the job has finished, while the interpreter winds down (a scheduler's stop a second late): one line that
     says the output is whole, and the signal's exit code, without raising into the exit's callbacks (a user's walk: such a
     job ended 143 without a word, and was taken for a killed one)."""
-    rank = os.environ.get("RANK", "0")
+    rank = launch_env.rank()
     _flush_streams()
-    stderr_line(f"elsa_ds: terminated (SIGTERM){'' if rank == '0' else f' (rank {rank})'} after the job had finished: "
+    stderr_line(f"elsa_ds: terminated (SIGTERM){'' if rank == 0 else f' (rank {rank})'} after the job had finished: "
                 "what it wrote is complete")
     os._exit(143)
 

@@ -66,3 +66,26 @@ def read(path: str | Path, limit: int = MAX_BYTES, unique: bool = True) -> Any:
     """The JSON document in the UTF-8 file ``path``: ValueError when it is too large or not UTF-8 (:func:`read_text`),
     or not JSON, or names a key twice in one object (:func:`loads`); OSError as ``open`` raises it."""
     return loads(read_text(path, limit), unique)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two values read from JSON (or about to be written as JSON) are the same document: ``==``, except that a
+    boolean equals only a boolean (Python's ``1 == True`` had a file's ``"steps": true`` pass as this job's 1 step, and
+    its ``1`` as ``True``), through lists and objects of any depth (no recursion: a value nested past Python's stack
+    is compared too). Numbers compare by value, as JSON has one number type (``1`` is ``1.0``)."""
+    pending = [(a, b)]
+    while pending:
+        x, y = pending.pop()
+        if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+            if len(x) != len(y):
+                return False
+            pending.extend(zip(x, y))
+        elif isinstance(x, dict) and isinstance(y, dict):
+            if x.keys() != y.keys():
+                return False
+            pending.extend((x[k], y[k]) for k in x)
+        elif isinstance(x, bool) != isinstance(y, bool) or isinstance(x, (list, tuple, dict)) or isinstance(y, (list, tuple, dict)):
+            return False
+        elif x != y:
+            return False
+    return True

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal, get_args
 
-from elsa_ds import std_streams
+from elsa_ds import launch_env, std_streams
 
 ROOT = "elsa_ds"
 PREFIX = "[elsa_ds] "
@@ -53,7 +53,7 @@ def get_logger(name: str) -> logging.Logger:
     """
     root = logging.getLogger(ROOT)
     if not any(isinstance(h, ConsoleHandler) for h in root.handlers):
-        _configure(root, logging.INFO, int(os.environ.get("RANK", "0") or 0))
+        _configure(root, logging.INFO, launch_env.rank())
     return logging.getLogger(name if name == ROOT or name.startswith(ROOT + ".") else f"{ROOT}.{name}")
 
 
@@ -65,7 +65,7 @@ def setup_logging(level: str | int = "info", rank: int | None = None) -> logging
     numeric = level if isinstance(level, int) else logging.getLevelName(str(level).upper())
     if not isinstance(numeric, int):
         raise ValueError(f"log level {level!r}: use one of {', '.join(get_args(LogLevel))}")
-    rank = int(os.environ.get("RANK", "0") or 0) if rank is None else rank
+    rank = launch_env.rank() if rank is None else rank
     root = logging.getLogger(ROOT)
     _configure(root, numeric, rank)
     quiet_libraries(max(numeric, logging.WARNING))

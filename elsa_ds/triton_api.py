@@ -20,6 +20,8 @@ except Exception as err:  # noqa: BLE001 - a broken install is as unavailable as
     IMPORT_ERROR: str | None = f"triton is not importable ({type(err).__name__}: {err})"
 else:
     IMPORT_ERROR = None
+    if hasattr(triton, "knobs"):  # triton >= 3.4 reads its own way ("Y" interprets): its reading, not a guess of it
+        INTERPRET = bool(triton.knobs.runtime.interpret)
 
 
 def unavailable(device: torch.device | str, kernel: str) -> str | None:

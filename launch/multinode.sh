@@ -35,4 +35,9 @@ FOLDER\` on each node unquoted; run from a checkout whose path has none"
 for arg in "$@"; do plain argument "$arg"; done
 master=$(awk '!/^[[:space:]]*#/ && NF {print $1; exit}' "$hostfile")
 [[ -n $master ]] || fail "hostfile $hostfile names no node (one line per node: HOST slots=GPUS)"
-exec deepspeed --hostfile "$hostfile" --master_addr "${MASTER_ADDR:-$master}" --master_port "${MASTER_PORT:-29500}" "$@"
+addr=${MASTER_ADDR:-$master} port=${MASTER_PORT:-29500}
+# both go into that one line too (an audit: MASTER_ADDR='node1;touch X' ran; `export MASTER_ADDR=$(hostname -I)` is several)
+plain "MASTER_ADDR (the first node's address)" "$addr"
+[[ $addr != *[[:space:]]* ]] || fail "MASTER_ADDR $(printf '%q' "$addr") names several hosts: give one (the first node's)"
+[[ $port =~ ^[1-9][0-9]{0,4}$ ]] && (( port <= 65535 )) || fail "MASTER_PORT $(printf '%q' "$port") is not a TCP port (1-65535)"
+exec deepspeed --hostfile "$hostfile" --master_addr "$addr" --master_port "$port" "$@"

@@ -17,14 +17,15 @@ SCANNED = ("elsa_ds", "launch", "bench")
 # no cycle can form between rooms.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # 0: leaves. The standard streams a command keeps writable (std_streams, below errors), how a refusal quotes a value
-    # and a pydantic error and stays one line (quoting, below errors), a file handed over opened
+    # and a pydantic error and stays one line (quoting, below errors), the launcher's variables (launch_env: the rank
+    # the logger and the error path name), a file handed over opened
     # without waiting (regular_file, below json_data and every reader of files), pure math (admm, the training loss and
     # its Triton kernel below it), the method names, which weights are pruned (targets), and the evaluation's
     # measures: perplexity over windows, sparsity read from files, zero-shot accuracy (their runner is
     # jobs/evaluate.py); torch's underscored APIs (torch_api) below the math that calls them, and Triton's import
     # (triton_api) below the kernels that use it.
-    ("std_streams", "quoting", "errors", "version", "log", "regular_file", "json_data", "methods", "torch_api", "triton_api", "admm", "loss_kernel",
-     "loss", "targets", "evaluation"),
+    ("std_streams", "quoting", "launch_env", "errors", "version", "log", "regular_file", "json_data", "methods", "torch_api",
+     "triton_api", "admm", "loss_kernel", "loss", "targets", "evaluation"),
     # 1: plain data: the text corpora; the files a job reads and writes (formats, atomic writes, ownership, the output
     # folder); the settings a user gives (settings models, options, config files, the defaults rule, the flags).
     ("data", "files", "settings"),

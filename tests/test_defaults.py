@@ -256,6 +256,11 @@ def test_a_resumed_run_keeps_the_rule_values_it_started_with_where_the_rule_chan
         cfg, record = _demo(written | {key: bad}, sparsity=0.9, steps=100)
         assert key not in record["kept_from_checkpoint"] and getattr(cfg, key) == getattr(fresh, key), (key, bad)
         assert f"{key} {bad!r}"[:20] in resume_changes(written | {key: bad}, cfg.resume_fingerprint(1)), (key, bad)
+    # JSON's true is not 1 (Python's 1 == True had a checkpoint's "freeze_embeddings": 0 pass as this job's false)
+    for key, value in (("freeze_embeddings", int(fresh.freeze_embeddings)), ("init_weights", int(fresh.init_weights)),
+                       ("seed", bool(fresh.seed))):
+        assert f"{key} {value!r}" in resume_changes(written | {key: value}, fresh.resume_fingerprint(1)), (key, value)
+    assert resume_changes(written | {"seed": float(fresh.seed)}, fresh.resume_fingerprint(1)) is None  # one number type
     # a checkpoint with a held end the rule no longer gives keeps it too
     cfg, record = _demo(written | {"hold_steps": 30}, sparsity=0.9, steps=100)
     assert cfg.hold_steps == 30 and "now be 50" in record["why"]["hold_steps"]

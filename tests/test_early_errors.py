@@ -348,3 +348,94 @@ def test_an_elsa_ds_loss_the_job_cannot_honour_is_refused_before_any_work(tmp_pa
         proc = run_entry("evaluate.py", ["--model", "google/gemma-2-2b", "--ppl", str(ROOT / "README.md")], check=False,
                          env={"ELSA_DS_LOSS": value})
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+LAUNCHED_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}
+NONE_LAUNCHED = dict.fromkeys((*LAUNCHED_ENV, "LOCAL_SIZE", "LOCAL_WORLD_SIZE"))
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"RANK": "00"}, "RANK='00' is not a count"), ({"RANK": " 0"}, "RANK=' 0'"), ({"RANK": "0\n"}, "RANK='0\\n'"),
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"), ({"WORLD_SIZE": "-1"}, "WORLD_SIZE='-1'"), ({"MASTER_PORT": "1.5"}, "MASTER_PORT"),
+    ({"RANK": None, "LOCAL_RANK": None, "MASTER_ADDR": None, "MASTER_PORT": None, "WORLD_SIZE": "2"}, "WORLD_SIZE set without RANK"),
+    ({"LOCAL_RANK": None}, "but LOCAL_RANK is not"), ({"WORLD_SIZE": None, "MASTER_ADDR": ""}, "WORLD_SIZE, MASTER_ADDR are not"),
+    ({"RANK": "1"}, "disagree: RANK=1, LOCAL_RANK=0, WORLD_SIZE=1"), ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0"),
+    ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1"}, "1 ranks on this node"),
+    ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "3"}, "3 ranks on this node"),
+    ({"RANK": "0", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, "disagree"),
+    ({"MASTER_PORT": "99999"}, "is not a TCP port"), ({"MASTER_PORT": "0"}, "is not a TCP port"),
+    ({"MASTER_ADDR": "10.0.0.1 10.0.0.2"}, "holds a space"),
+])
+def test_launcher_variables_no_launcher_writes_are_one_line_before_any_work(monkeypatch, env, needle):
+    """An audit (2026-12-06): RANK=00 was rank 0 to torch but another rank to the output's lock (a second job wrote into a
+    locked output); a stray RANK=1 a job that did nothing and exited 0; RANK without LOCAL_RANK DeepSpeed's KeyError after
+    the warm start; WORLD_SIZE=0 a ZeroDivisionError. The variables as deepspeed and torchrun set them pass."""
+    from elsa_ds import launch_env
+
+    for key, value in {**NONE_LAUNCHED, **LAUNCHED_ENV, **env}.items():
+        monkeypatch.delenv(key, raising=False) if value is None else monkeypatch.setenv(key, value)
+    said = launch_env.problem()
+    assert said is not None and needle in said and ("deepspeed" in said or "port" in said or "host" in said), said
+    for key, value in {**NONE_LAUNCHED, **LAUNCHED_ENV, "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.delenv(key, raising=False) if value is None else monkeypatch.setenv(key, value)
+    assert launch_env.problem() is None and (launch_env.rank(), launch_env.local_size(8), launch_env.launched()) == (5, 4, True)
+    for key in NONE_LAUNCHED:  # a plain `python` run: nothing set, nothing wrong
+        monkeypatch.delenv(key, raising=False)
+    assert launch_env.problem() is None and (launch_env.rank(), launch_env.world_size(), launch_env.launched()) == (0, 1, False)
+
+
+def test_a_malformed_rank_is_refused_by_the_job_and_named_plainly_by_the_error_path(tmp_path, monkeypatch):
+    """The job's refusal comes before the output's lock (RANK=00 had skipped it and written anyway); the logger and the
+    error path take a value they cannot read as rank 0 of one (RANK=abc had made even `--help` a ValueError traceback)."""
+    from elsa_ds import launch_env
+    from elsa_ds.errors import first_to_say
+    from elsa_ds.log import get_logger
+
+    proc = run_entry("prune.py", ["--deepspeed", "zero3_offload", "--method", "magnitude", "--output_dir", str(tmp_path / "out")],
+                     check=False,
+                     env={**LAUNCHED_ENV, "RANK": "00"}, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+    assert proc.returncode == 2 and len(errors) == 1 and "RANK='00'" in errors[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+    for key, value in {"RANK": "abc", "WORLD_SIZE": "abc", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert first_to_say("a line") and launch_env.rank() == 0 and not launch_env.launched()
+    get_logger("tests.launch_env").info("readable")
+
+
+@pytest.mark.parametrize("name, value, needle", [
+    ("ELSA_DS_COMPILED", "abc", "choose 1 or 0 or true"), ("ELSA_DS_KERNELS", "disable", "ELSA_DS_KERNELS='disable'"),
+    ("ELSA_DS_SPARSE_LOOPS", "avx-512", "portable or avx512"), ("ELSA_DS_CPU_BF16", "true", "choose 1 or 0"),
+    ("ELSA_DS_KEEP_SWAP_FILES", "yes", "choose 1 or 0"), ("ELSA_DS_FUSE_SIBLINGS", "yes", "choose 1 or 0"),
+    ("ELSA_DS_GPU_LAYOUT", "csr", "cols16 or delta8"), ("ELSA_DS_PHASE_LOG", "{tmp}", "name a file"),
+    ("ELSA_DS_PHASE_LOG", "{tmp}/no/such/phases.jsonl", "in a folder that exists"), ("TORCH_EXTENSIONS_DIR", "{tmp}/f", "not a folder"),
+])
+def test_a_switch_in_the_environment_that_its_reader_would_ignore_is_said_first(tmp_path, monkeypatch, name, value, needle):
+    """An audit (2026-12-06): ELSA_DS_COMPILED=abc turned the opt-in path on, ELSA_DS_KERNELS=disable left the kernels on,
+    ELSA_DS_SPARSE_LOOPS=avx-512 was ignored; a folder as the phase log, a file as torch's build folder were tracebacks."""
+    from elsa_ds.plan.switches import switch_problem
+
+    (tmp_path / "f").write_text("")
+    monkeypatch.setenv(name, value.format(tmp=tmp_path))
+    assert needle in (switch_problem() or ""), switch_problem()
+    monkeypatch.setenv(name, {"ELSA_DS_PHASE_LOG": str(tmp_path / "phases.jsonl"), "TORCH_EXTENSIONS_DIR": str(tmp_path),
+                              "ELSA_DS_SPARSE_LOOPS": " Portable", "ELSA_DS_GPU_LAYOUT": "delta8"}.get(name, "0"))
+    assert switch_problem() is None
+
+
+def test_the_switches_are_said_before_a_job_s_work_and_before_a_sparse_checkpoint_loads(tmp_path, monkeypatch):
+    """Through the real entry point (before the plan's other checks), and from_pretrained before it reads the folder
+    (ELSA_DS_FUSE_SIBLINGS=yes was said after the whole load and its checksums)."""
+    from elsa_ds.sparse import from_pretrained
+    from elsa_ds.sparse.integrity import SparseArgumentError
+
+    proc = run_entry("prune.py", ["--deepspeed", "zero3_offload", "--method", "magnitude", "--output_dir", str(tmp_path / "out")],
+                     check=False, env={"ELSA_DS_COMPILED": "abc"}, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+    assert proc.returncode == 2 and len(errors) == 1 and "ELSA_DS_COMPILED='abc'" in errors[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+    for name, value in (("ELSA_DS_FUSE_SIBLINGS", "yes"), ("ELSA_DS_SPARSE_LOOPS", "avx-512")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(SparseArgumentError, match=name):
+            from_pretrained(tmp_path / "no such checkpoint", mode="sparse")
+        monkeypatch.delenv(name)

@@ -129,6 +129,13 @@ def test_a_finished_run_is_this_job_when_only_the_rule_s_values_or_newer_setting
     report(sparsity=0.5)
     with pytest.raises(ElsaError, match=r"sparsity 0.5 vs 0.7"):
         finished_run(job(), opts)
+    # JSON's true is not 1: a report's number where this job has a boolean, or the reverse, is another setting
+    for given, match in (({"leaf_layers": 0}, "leaf_layers 0 vs false"), ({"seed": False}, "seed false vs 0")):
+        report(**given)
+        with pytest.raises(ElsaError, match=match):
+            finished_run(job(), opts)
+    report(seed=0.0)  # one number type: 0.0 is 0
+    finished_run(job(), opts)
 
 
 def test_resume_if_any_without_checkpoints_is_warned_about(tmp_path, monkeypatch, caplog):

@@ -468,6 +468,19 @@ def test_an_output_that_would_take_something_else_along_is_refused(tmp_path, mon
     check_output_path(tmp_path / "new")  # a folder of its own, inside the working directory
 
 
+def test_the_hugging_face_cache_is_found_where_the_hub_finds_it(tmp_path):
+    """An audit (2026-12-06): with XDG_CACHE_HOME set (as many HPC sites do), an output over its huggingface folder was
+    replaced, the cache removed with it. The hub reads its folders once, at import: a process of its own."""
+    (tmp_path / "xdg" / "huggingface" / "hub").mkdir(parents=True)
+    code = ("import sys; from pathlib import Path; from elsa_ds.files.output import check_output_path\n"
+            "for p in sys.argv[1:]:\n    try: check_output_path(Path(p)); print('ok')\n    except Exception as e: print(e)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))} | {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    outs = [tmp_path / "xdg" / "huggingface", tmp_path / "xdg", tmp_path / "xdg" / "huggingface" / "mine"]
+    said = subprocess.run([sys.executable, "-c", code, *map(str, outs)], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=120, check=True).stdout.splitlines()
+    assert all("contains the Hugging Face cache" in line for line in said[:2]) and said[2] == "ok", said
+
+
 def test_evaluate_never_writes_over_a_markdown_file_without_overwrite(tmp_path, tiny_model_dir):
     md, js = tmp_path / "table.md", tmp_path / "r.json"
     md.write_text("my notes")

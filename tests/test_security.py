@@ -199,6 +199,14 @@ def test_multinode_launcher_checks_its_hostfile_and_script_first(slurm, tmp_path
     assert run(str(hostfile), "launch/prune.py", "--output_dir", "o u t").returncode == 0
     seen = json.loads(record.read_text())["argv"]
     assert seen[seen.index("--master_addr") + 1] == "node-a" and seen[-3:] == ["launch/prune.py", "--output_dir", "o u t"]
+    # an audit (2026-12-06): MASTER_ADDR and MASTER_PORT from the environment go into the same line, unchecked
+    record.unlink()
+    for name, value, needle in (("MASTER_ADDR", "node1;touch X", "read again"), ("MASTER_ADDR", "10.0.0.1 10.0.0.2", "several"),
+                                ("MASTER_PORT", "99999", "not a TCP port"), ("MASTER_PORT", "29500 --x", "not a TCP port")):
+        proc = subprocess.run(["bash", str(script), str(hostfile), "launch/prune.py"], cwd=work, env={**env, name: value},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and needle in proc.stderr, (value, proc.stderr)
+    assert not record.exists()
 
 
 # ---- finding 4: no code path from a recipe or the DeepSpeed JSON --------------------------------------------------------

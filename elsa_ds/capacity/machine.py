@@ -33,7 +33,7 @@ def cpu_bf16_fallback(ds: dict) -> str | None:
 
     if model_dtype(ds) is not torch.bfloat16 or get_accelerator().device_name() != "cpu":
         return None
-    if os.environ.get("ELSA_DS_CPU_BF16", "0") == "1" or compat.cpu_bf16_matmul_is_fast():
+    if os.environ.get("ELSA_DS_CPU_BF16", "0").strip() == "1" or compat.cpu_bf16_matmul_is_fast():
         return None
     ds["bf16"]["enabled"] = False
     return ("this CPU has no fast bf16 matmul (oneDNN bf16 needs AVX-512 or AMX; torch would take a loop ~50x "

@@ -23,6 +23,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from elsa_ds import launch_env
 from elsa_ds.capacity.alternatives import MARGIN, Machine, Run, alternatives, gib_text
 from elsa_ds.capacity.memory import Estimate, ModelShape, model_shape, oneshot_host_bytes
 from elsa_ds.capacity.resident import checkpoint_tag_bytes, element_bytes
@@ -76,7 +77,7 @@ def this_machine(paths: list[Path]) -> Machine:
 
     gpu = None
     if torch.cuda.is_available():
-        gpu = float(torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0])
+        gpu = float(torch.cuda.mem_get_info(launch_env.local_rank())[0])
     disks = {}
     for path in paths:
         existing = existing_ancestor(path)
@@ -142,10 +143,10 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int, source: dict | None = None
     from elsa_ds.capacity.machine import job_device
 
     check_seqlen(meta.config, cfg.seqlen, cfg.model)
-    check_schedule(cfg, int(os.environ.get("RANK", "0")))
+    check_schedule(cfg, launch_env.rank())
     shape = model_shape(meta.config, cfg.targets, model=meta, freeze_embeddings=cfg.freeze_embeddings)
-    job = Run(meta, ds, cfg, Path(opts.deepspeed).stem, job_device(), int(os.environ.get("LOCAL_SIZE", world)), world, source or {})
-    rank = int(os.environ.get("RANK", "0"))
+    job = Run(meta, ds, cfg, Path(opts.deepspeed).stem, job_device(), launch_env.local_size(world), world, source or {})
+    rank = launch_env.rank()
     e = job.estimate()
     zero = ds["zero_optimization"]
     writes: dict[Path, float] = {}  # each node's share of the parameters' and the optimizer's swap files, where each goes
@@ -254,7 +255,7 @@ def check_oneshot(shape: ModelShape, cfg, opts, element: int) -> None:
 
     if Path(cfg.model).expanduser().is_dir():
         check_seqlen(load_config(cfg.model), cfg.seqlen, cfg.model)
-    check_schedule(cfg, int(os.environ.get("RANK", "0")))
+    check_schedule(cfg, launch_env.rank())
     cuda = torch.cuda.is_available()
     out = Path(opts.output_dir).expanduser().resolve()
     writes: dict[Path, float] = {out: float(element * shape.num_params) + sparse_export_bytes(shape, element, cfg, opts.export_format)}
@@ -264,4 +265,4 @@ def check_oneshot(shape: ModelShape, cfg, opts, element: int) -> None:
     memory = any(n.refused for n in needs if n.what == "host memory")
     hint = ("prune with ELSA under ZeRO-3 (--method elsa) and an offloading config, or on a machine with more memory"
             if memory else "free space there or choose another --output_dir")
-    judge(needs, hint, opts.ignore_memory_check, int(os.environ.get("RANK", "0")))
+    judge(needs, hint, opts.ignore_memory_check, launch_env.rank())

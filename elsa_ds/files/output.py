@@ -141,8 +141,7 @@ def _kept_folders() -> list[tuple[str, Path]]:
     found: list[tuple[str, Callable[[], str | Path]]] = [
         ("this Python environment", lambda: sys.prefix), ("the installed elsa_ds", lambda: Path(__file__).parents[1]),
         ("the current directory", Path.cwd), ("the home directory", Path.home),
-        ("the Hugging Face cache", lambda: os.environ.get("HF_HUB_CACHE") or Path(
-            os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub")]
+        ("the Hugging Face cache", lambda: _hub("HF_HUB_CACHE")), ("the Hugging Face home", lambda: _hub("HF_HOME"))]
     kept = []
     for what, where in found:
         try:
@@ -150,6 +149,15 @@ def _kept_folders() -> list[tuple[str, Path]]:
         except (OSError, RuntimeError):
             continue
     return kept
+
+
+def _hub(name: str) -> str:
+    """A folder of the Hugging Face hub's as the hub itself resolves it (HF_HUB_CACHE, the older HUGGINGFACE_HUB_CACHE,
+    HF_HOME, XDG_CACHE_HOME, ``~`` and ``$VAR`` in them: an audit found an output over $XDG_CACHE_HOME/huggingface
+    allowed, and the cache removed with it)."""
+    from huggingface_hub import constants
+
+    return getattr(constants, name)
 
 
 def check_publishable(output_dir: Path) -> None:

@@ -1,11 +1,13 @@
 """What /proc says of a process and of the machine, for the watchdog (``watchdog.py``) and the pre-flight check: a
 process's state, start time and exit status, the out-of-memory killer's count, the cgroup's memory limit and room, the
-CPUs a process may use, and a path's identity. Stdlib only."""
+CPUs a process may use, and a path's identity. Stdlib only, and the launcher's variables (``launch_env``)."""
 from __future__ import annotations
 
 import contextlib
 import os
 from pathlib import Path
+
+from elsa_ds import launch_env
 
 
 def proc_stat(pid: int) -> tuple[str, str, int | None] | None:
@@ -67,7 +69,7 @@ def usable_cpus(root: Path = Path("/")) -> float:
     of several ranks of the launcher, which holds the allocation its ranks share (a rank bound to cores of its own,
     deepspeed's --bind_cores_to_rank, has a part of it); and its cgroup's CPU quota (a container's --cpus: cpu.max in v2,
     cpu.cfs_quota_us over cpu.cfs_period_us in v1), the smaller. The machine's count is os.cpu_count()'s."""
-    launched = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    launched = launch_env.launched()
     parent = os.getppid()
     try:  # a launcher that is gone left this process to init (pid 1) or a subreaper: its own affinity then
         counts: list[float] = [float(len(os.sched_getaffinity(parent if launched and parent > 1 else 0)))]

@@ -43,6 +43,7 @@ from typing import Any
 
 import psutil
 
+from elsa_ds import launch_env
 from elsa_ds.errors import stderr_line
 from elsa_ds.quoting import one_line
 from elsa_ds.files.aside import PUBLICATIONS, PUBLISH_FAILED, Settled, published, put_back, settle_old, tags_begun
@@ -80,7 +81,7 @@ class Watchdog:
         """Start the watchdog of this process's job (the ranks on this node), which removes ``clean`` (``resumable`` only
         while ``output`` has no published checkpoint) and ``lock``, and puts back what --overwrite set aside of ``output``,
         should the job be killed; one that cannot start is a warning only."""
-        local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"
+        local = str(launch_env.local_size(1))
         launcher = os.getppid() if "LOCAL_RANK" in os.environ else 0  # deepspeed's launch.py, torchrun's agent
         paths = [("--clean", p) for p in clean] + [("--resumable", p) for p in resumable or []]
         paths += [("--output", output.resolve())] if output else []

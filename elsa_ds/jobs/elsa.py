@@ -8,7 +8,6 @@ Every rank runs this; only rank 0 prints and writes. Collectives are marked wher
 from __future__ import annotations
 
 import gc
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from elsa_ds import launch_env
 from elsa_ds.admm.optimizer import AdmmOptimizer, summarize_metrics
 from elsa_ds.admm.schedule import learning_rate
 from elsa_ds.files.output import fresh_staging, staging_dir
@@ -70,7 +70,7 @@ class ElsaJob:
         self.ds: DsConfig = plan.ds  # the engine's DeepSpeed config
         self.source: ModelSource = plan.source
         self.started: float = time.time()
-        self.phases: PhaseLog = PhaseLog(int(os.environ.get("RANK", "0")))
+        self.phases: PhaseLog = PhaseLog(launch_env.rank())
         self.checkpoints: Checkpoints = Checkpoints(plan.opts, plan.cfg.keep_checkpoints)
         self.state: RunState = RunState()  # set by the checkpoint loader: fresh, or the checkpoint's
 

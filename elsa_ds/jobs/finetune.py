@@ -13,7 +13,6 @@ uses too (``training.py``).
 from __future__ import annotations
 
 import gc
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from elsa_ds import launch_env
 from elsa_ds.admm.projection import keep_count
 from elsa_ds.admm.schedule import learning_rate
 from elsa_ds.files.mask_file import MaskReader
@@ -90,7 +90,7 @@ class FinetuneJob:
         self.ds: DsConfig = plan.ds  # the engine's DeepSpeed config
         self.source: ModelSource = plan.source
         self.started: float = time.time()
-        self.phases: PhaseLog = PhaseLog(int(os.environ.get("RANK", "0")))
+        self.phases: PhaseLog = PhaseLog(launch_env.rank())
         self.checkpoints: Checkpoints = Checkpoints(plan.opts, plan.cfg.keep_checkpoints)
         self.state: RunState = RunState()  # set by the checkpoint loader: fresh, or the checkpoint's
 

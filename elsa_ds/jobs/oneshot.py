@@ -7,13 +7,13 @@ after is measured the same layer-by-layer way.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from elsa_ds import launch_env
 from elsa_ds.admm.projection import keep_count
 from elsa_ds.data import PplWindows, validation_windows
 from elsa_ds.files.disk_room import saved_bytes, writing
@@ -65,7 +65,7 @@ class OneShotJob:
         self.opts: JobOptions = plan.opts
         self.source: ModelSource = plan.source
         self.started: float = time.time()
-        self.rank: int = int(os.environ.get("RANK", "0"))
+        self.rank: int = launch_env.rank()
         self.device: torch.device = accelerator()
         self.saved: torch.dtype = saved_dtype(plan.ds.raw)  # what the model is written (and its pruned perplexity taken) in
         self.state: PassState = PassState()  # set by train (rank 0)

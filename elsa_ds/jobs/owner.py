@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from elsa_ds import std_streams
+from elsa_ds import launch_env, std_streams
 from elsa_ds.errors import ElsaError, first_line, signals_held, stream_of
 from elsa_ds.files.aside import published, put_back, set_aside
 from elsa_ds.files.disk_room import disk_full, disk_full_errno
@@ -60,6 +60,8 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
     defaults rule, every check that needs no weights), logged once, then the job built from it. Rank 0 (the rank that
     writes) takes the lock and starts the watchdog, the other ranks of a launcher rely on them. The watchdog hears of the
     job's end once the lock is released."""
+    if why := launch_env.problem():  # which rank writes: before the output's lock is taken or skipped by it
+        raise ElsaError(why)
     if opts.finished:  # --resume_if_any over a finished run: nothing to do, or refused (another job's settings)
         return finished_output(cfg, opts)
     check_output_names(opts.output_dir, "--output_dir", utf8=True)
@@ -67,7 +69,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
     check_side_paths(Path(opts.output_dir))
     created = missing_folders(opts.output_dir)
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume, opts.restart)  # again under the lock, by the plan's checks
-    writer = os.environ.get("RANK", "0") == "0"
+    writer = launch_env.writes()
     dog = Watchdog()
     try:
         with owned(opts.output_dir, "--output_dir", take=writer), std_streams.marked():
@@ -114,7 +116,7 @@ def finished_output(cfg: ElsaConfig, opts: JobOptions) -> dict[str, Any]:
     replacing it is named): nothing to do, unless an attempt was stopped inside the evaluation that follows the
     publication (``--eval_ppl``/``--eval_tasks`` and no ``evaluation`` in the report), which rank 0 runs now."""
     log = get_logger(__name__)
-    writer = os.environ.get("RANK", "0") == "0"
+    writer = launch_env.writes()
     out = Path(opts.output_dir).expanduser()
     check_output_path(out)  # before its lock is named from the path
     with owned(out, "--output_dir", take=writer):

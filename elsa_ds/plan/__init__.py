@@ -11,11 +11,10 @@ process group, the data and the weights. The plan is logged once (rank 0) and ke
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
-from elsa_ds import json_data
+from elsa_ds import json_data, launch_env
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource, config_json, shipped_config
@@ -69,7 +68,7 @@ def same_architecture(model_id: str, hub_id: str) -> bool:
 
 def launched_world_size() -> int:
     """The number of ranks the launcher started (before the process group exists)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launch_env.world_size()
 
 
 def elsa_settings(ds_config: DsConfig, deepspeed: str, recipe: str | None, given: dict[str, Any], spelt: str = "--") -> ElsaConfig:
@@ -80,7 +79,7 @@ def elsa_settings(ds_config: DsConfig, deepspeed: str, recipe: str | None, given
                          given_as="the command line" if spelt else "the arguments")
     refuse_unread_elsa_settings(cfg, given, spelt)
     from_recipe = settings or {}
-    if from_recipe and os.environ.get("RANK", "0") == "0":  # where each value came from (the resolved config has no say)
+    if from_recipe and launch_env.writes():  # where each value came from (the resolved config has no say)
         block = ds_config.raw.get("elsa", {})
         taken = [k for k in from_recipe if given.get(k) is None and k not in block]
         over = [f"{k} ({'yours' if given.get(k) is not None else 'the JSON elsa block'})" for k in from_recipe if k not in taken]
@@ -88,7 +87,7 @@ def elsa_settings(ds_config: DsConfig, deepspeed: str, recipe: str | None, given
                  + (f"; set elsewhere over it: {', '.join(over)}" if over else ""))
     written_for = from_recipe.get("model")
     if written_for and cfg.model != written_for and not same_architecture(cfg.model, written_for) and \
-            os.environ.get("RANK", "0") == "0":  # a walk: taken without a word; a local copy of that model is the model
+            launch_env.writes():  # a walk: taken without a word; a local copy of that model is the model
         tuned = ", ".join(k for k in ("lr", "lmda", "steps", "batch_size") if k in from_recipe and given.get(k) is None)
         log.warning(f"recipe {recipe} was written for {written_for}; {spelt}model {cfg.model} takes its settings as they are"
                     + (f" ({tuned}: that model's; pass your own, or leave the recipe out for the defaults rule)" if tuned else ""))

@@ -6,8 +6,8 @@ A run that would fail later fails here, in seconds, with one line.
 """
 from __future__ import annotations
 
-import os
 
+from elsa_ds import launch_env
 from elsa_ds.capacity import machine, preflight
 from elsa_ds.capacity.memory import model_shape
 from elsa_ds.capacity.shapes import check_nvme_param_buffers
@@ -21,6 +21,7 @@ from elsa_ds.loss import check_loss_choice
 from elsa_ds.methods import DENSE, oneshot_names
 from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model, refuse_sparse_checkpoint
 from elsa_ds.oneshot.pipeline import host_dtype, saved_dtype
+from elsa_ds.plan.switches import check_switches
 from elsa_ds.settings.config import NAMED_TEXT_SOURCES, ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.targets import select_targets
@@ -49,6 +50,7 @@ def check_deepspeed_reader(cfg: ElsaConfig, engine_config: dict, source: object)
 def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_size: int, source: ModelSource) -> DsConfig:
     """Run every check for ``cfg`` on ``world_size`` ranks; returns the engine's DeepSpeed config (``ds_config`` resolved)."""
     engine_used = builds_engine(cfg)
+    check_switches()  # the environment's ELSA_DS_* switches: none taken for its default unread
     if engine_used:  # its rank 0 serves the process group's rendezvous: a port another job holds, said first
         check_rendezvous_port()
         check_loss_choice(machine.job_device())  # ELSA_DS_LOSS
@@ -65,7 +67,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     ds = ds_config.resolve(cfg, world_size, hidden_size(model_config), largest_param=largest)
     check_deepspeed_reader(cfg, ds.raw, ds_config.source)  # before the model loads
     fallback = machine.cpu_bf16_fallback(ds.raw)
-    if fallback and engine_used and os.environ.get("RANK", "0") == "0":
+    if fallback and engine_used and launch_env.writes():
         get_logger(__name__).warning(fallback)
     if cfg.leaf_layers and engine_used and ds.param_device == "nvme":
         raise ElsaError("--leaf_layers fetches a decoder layer's parameters at once, but with offload_param on NVMe DeepSpeed "
@@ -80,7 +82,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     check_nvme_param_buffers(meta, ds.raw, world_size)
     if cfg.save_interval or opts.resume:
         checkpoint.check_supported(ds)
-    if opts.resume_if_any and engine_used and not cfg.save_interval and os.environ.get("RANK", "0") == "0":
+    if opts.resume_if_any and engine_used and not cfg.save_interval and launch_env.writes():
         get_logger(__name__).warning("--resume_if_any without --save_interval: this run writes no checkpoint, so an attempt "
                                      "cut short starts over; pass --save_interval N to continue from every N-th step")
     if (written := checkpoint.resumed_fingerprint(opts.output_dir, opts.resume)) is not None:

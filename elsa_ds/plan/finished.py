@@ -38,7 +38,7 @@ def finished_run(cfg: ElsaConfig, opts: JobOptions) -> tuple[dict[str, Any], Els
     then = {"world_size": report.get("world_size"), "export_format": "sparse" if "export" in report else "dense",
             **{k: v for k, v in _field_defaults().items() if k not in config}, **config}
     ruled = set(_applied(report.get("defaults"))) & set(_applied(defaults))
-    if changed := [k for k in {**then, **now} if k not in ruled and then.get(k) != now.get(k)]:
+    if changed := [k for k in {**then, **now} if k not in ruled and not json_data.same(then.get(k), now.get(k))]:
         shown = ", ".join(f"{k} {_short(then.get(k))} vs {_short(now.get(k))}" for k in changed[:SHOWN])
         more = f" and {len(changed) - SHOWN} more" if len(changed) > SHOWN else ""
         raise ElsaError(f"--resume_if_any: {out} holds a finished run with other settings (that run vs this one: {shown}{more}); "

@@ -16,6 +16,7 @@ import torch
 
 from elsa_ds.admm.kernels import build
 from elsa_ds.sparse.format import positions
+from elsa_ds.sparse.integrity import SparseArgumentError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 MAX_KERNEL_ROWS = 16  # activation rows one kernel call takes (decode: batch x 1 token)
@@ -29,13 +30,21 @@ def load() -> ModuleType | None:
     return build.load_extension("elsa_sparse", CSRC, ("spmv.cpp",), (), "sparse decode kernel")
 
 
+def loops_choice() -> str | None:
+    """``ELSA_DS_SPARSE_LOOPS``: "portable", "avx512" or None (unset); SparseArgumentError for anything else (an audit:
+    "avx-512" was ignored, the CPU's vendor chose)."""
+    choice = os.environ.get(LOOPS_ENV, "").strip().lower()
+    if choice not in ("", "portable", "avx512"):
+        raise SparseArgumentError(f"{LOOPS_ENV}={choice!r}: choose portable or avx512, or unset it (the CPU's vendor chooses)")
+    return choice or None
+
+
 @functools.cache
 def prefer_portable() -> bool:
     """Whether batch 1 takes the portable loop where the AVX-512 gather loop is also built: on AMD CPUs (whose gathers
     are slow: on an AMD EPYC the portable loop was 3-10 % faster, cold caches, ABBA; docs/results.md), unless
     ``ELSA_DS_SPARSE_LOOPS`` says otherwise (read once per process). Larger batches always take the portable loops."""
-    choice = os.environ.get(LOOPS_ENV, "").strip().lower()
-    if choice in ("portable", "avx512"):
+    if (choice := loops_choice()) is not None:
         return choice == "portable"
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:

@@ -18,9 +18,10 @@ from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.folder import TensorReader, inside
 from elsa_ds.sparse.integrity import (SparseArgumentError, SparseArgumentTypeError, SparseCheckpointError, check_type,
                                       tensor_digest)
-from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path
+from elsa_ds.sparse.kernels import loops_choice
+from elsa_ds.sparse.linear import SparseLinear, check_decode_path, default_path, gpu_layout
 from elsa_ds.sparse.saving import saves_dense
-from elsa_ds.sparse.siblings import ready_to_decode
+from elsa_ds.sparse.siblings import fuse_wanted, ready_to_decode
 from elsa_ds.sparse.meta import CONFIG_KEY, UNSEALED_VERSION, elsa_named, sparse_meta
 from elsa_ds.torch_api import resolve_mkl_vml
 
@@ -198,6 +199,11 @@ def _check_arguments(path: str | Path, mode: str, dtype: torch.dtype | None, dev
                                   f"{'' if torch.cuda.is_available() else ' (torch without CUDA, or no GPU)'}; load to 'cpu'")
     check_decode_path(decode_path, mode)
     check_type("verify", verify, bool, "True or False")
+    if mode == "sparse":  # the decode switches in the environment, said before the load (an audit: after it)
+        fuse_wanted(where)
+        loops_choice()
+        if where.type == "cuda":
+            gpu_layout()
     return Path(path)
 
 

@@ -62,7 +62,7 @@ def resume_changes(written: dict[str, Any], now: dict[str, Any], flag: str = "--
     """What differs between a checkpoint's fingerprint and this run's (``ElsaConfig.resume_fingerprint``), as the
     refusal's text, and what to do (``flag``: the one the user gave, --resume or --resume_if_any); None when nothing does."""
     written = {k: resume_place(k, v) for k, v in written.items()}  # an older checkpoint's paths, as they were typed
-    changed = {k: (v, now.get(k)) for k, v in {**RESUME_DEFAULTS, **written}.items() if now.get(k) != v}
+    changed = {k: (v, now.get(k)) for k, v in {**RESUME_DEFAULTS, **written}.items() if not json_data.same(now.get(k), v)}
     if not changed:
         return None
     instead = " in place of --resume_if_any" if flag == "--resume_if_any" else " in place of --resume"

@@ -7,6 +7,7 @@ import os
 import socket
 from collections.abc import Iterator
 
+from elsa_ds import launch_env
 from elsa_ds.admm.kernels.build_lock import clear_stale_locks
 from elsa_ds.errors import ElsaError
 from elsa_ds.zero import compat
@@ -95,7 +96,7 @@ def _all_reduce_max(values: list[int]) -> list[int]:
     from deepspeed.accelerator import get_accelerator
 
     gloo = dist.get_backend() == "gloo"  # CPU tensors, whatever accelerator this machine has
-    device = torch.device("cpu") if gloo else torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cpu") if gloo else torch.device(get_accelerator().device_name(), launch_env.local_rank())
     tensor = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return [int(v) for v in tensor.tolist()]

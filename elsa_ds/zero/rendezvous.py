@@ -6,6 +6,7 @@ import errno
 import os
 import socket
 
+from elsa_ds import launch_env
 from elsa_ds.errors import ElsaError
 
 
@@ -22,7 +23,8 @@ def check_rendezvous_port() -> None:
     import torch.distributed as dist
 
     port = os.environ.get("MASTER_PORT", "")
-    if os.environ.get("RANK") != "0" or not port.isdigit() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    launched = "RANK" in os.environ and launch_env.writes()
+    if not launched or not port.isdigit() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return
     if dist.is_available() and dist.is_initialized():
         return

@@ -17,6 +17,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from elsa_ds import launch_env
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import remove_if_empty
 from elsa_ds.files.ownership import owned
@@ -36,7 +37,7 @@ def swap_files_owned(ds: DsConfig) -> Iterator[None]:
     if not paths:
         yield
         return
-    rank = os.environ.get("RANK", "0")
+    rank = str(launch_env.rank())
     with contextlib.ExitStack() as locks:
         for path in paths:  # per rank: one job's ranks on other hosts of a shared file system use other folders
             locks.enter_context(owned(compat.swap_root(path).with_name(f"zero_stage_3.rank{rank}"), "--nvme_path"))
@@ -45,7 +46,7 @@ def swap_files_owned(ds: DsConfig) -> Iterator[None]:
         try:
             yield
         finally:
-            if os.environ.get(KEEP_ENV) != "1":
+            if os.environ.get(KEEP_ENV, "").strip() != "1":
                 _remove_rank_folders(paths, rank)
 
 

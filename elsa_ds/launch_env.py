@@ -1,0 +1,94 @@
+"""The launcher's variables, read in one place: RANK, WORLD_SIZE, LOCAL_RANK, the ranks on this node (LOCAL_SIZE from
+``deepspeed``, LOCAL_WORLD_SIZE from ``torchrun``), MASTER_ADDR and MASTER_PORT.
+
+A job refuses a set of them that no launcher writes (:func:`problem`, before any work): a value that is not a plain
+count, a RANK outside WORLD_SIZE, a RANK without the others. Before that refusal the readers below agree anyway: each
+takes a count only as ``str(int(v)) == v`` spells it, else its default. An audit (2026-12-06) found RANK=00 taken for rank
+0 by torch and the logger but for another rank by the output's lock, so a second job wrote into a locked output; a stray
+RANK=1 a job that did nothing and exited 0; a RANK without LOCAL_RANK a traceback from DeepSpeed after the warm start.
+"""
+from __future__ import annotations
+
+import os
+
+COUNTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE")
+LAUNCHED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what a rank of a launched group needs
+MAX_PORT = 65535
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:37]) + "..."
+
+
+def _plain_count(text: str) -> bool:
+    return text.isascii() and text.isdigit() and str(int(text)) == text
+
+
+def _count(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    return int(text) if text is not None and _plain_count(text) else default
+
+
+def rank() -> int:
+    """This process's rank in the launched group (0 when none launched it)."""
+    return _count("RANK", 0)
+
+
+def writes() -> bool:
+    """Whether this process is the rank that writes the output (rank 0)."""
+    return rank() == 0
+
+
+def world_size() -> int:
+    """The ranks the launcher started (1 when none did), before the process group exists."""
+    return max(_count("WORLD_SIZE", 1), 1)
+
+
+def local_rank() -> int:
+    """This process's rank on its node: its accelerator's index."""
+    return _count("LOCAL_RANK", 0)
+
+
+def local_size(default: int) -> int:
+    """The ranks on this node: ``deepspeed``'s LOCAL_SIZE or ``torchrun``'s LOCAL_WORLD_SIZE, else ``default``."""
+    return max(_on_node(default), 1)
+
+
+def _on_node(default: int) -> int:
+    return _count("LOCAL_SIZE", _count("LOCAL_WORLD_SIZE", default))
+
+
+def launched() -> bool:
+    """Whether a launcher started this process as one of several ranks."""
+    return "LOCAL_RANK" in os.environ and world_size() > 1
+
+
+def problem() -> str | None:
+    """What is wrong with the launcher's variables, as one line that says what to do; None when a launcher or nobody set
+    them (a plain ``python`` run sets them for itself later: ``zero.dist.init_distributed``)."""
+    env = os.environ
+    for name in (*COUNTS, "MASTER_PORT"):
+        if name in env and not _plain_count(env[name]):
+            return (f"the launcher's variable {name}={_shown(env[name])} is not a count written plainly (digits alone, no "
+                    "sign, space or leading zero); launch with `deepspeed` or `torchrun`, which set it, or unset it")
+    if "RANK" not in env:
+        if given := [name for name in ("WORLD_SIZE", "LOCAL_RANK") if name in env]:
+            return (f"{' and '.join(given)} set without RANK: a process either belongs to a launched group (all of "
+                    f"{', '.join(LAUNCHED)}) or runs alone (none of them); launch with `deepspeed` or `torchrun`, or unset "
+                    f"{' and '.join(given)}")
+        return None
+    if missing := [name for name in LAUNCHED if name not in env or not env[name]]:
+        return (f"RANK={env['RANK']} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: a launched rank "
+                f"needs all of {', '.join(LAUNCHED)}; launch with `deepspeed` or `torchrun`, which set them, or unset RANK "
+                "to run in one process")
+    ranks, node = int(env["WORLD_SIZE"]), _on_node(int(env["WORLD_SIZE"]))
+    if not rank() < ranks or not local_rank() < node <= ranks or local_rank() > rank():
+        return (f"the launcher's variables disagree: RANK={rank()}, LOCAL_RANK={local_rank()}, WORLD_SIZE={ranks}, "
+                f"{node} ranks on this node (each rank is below WORLD_SIZE, each local rank below the node's ranks and "
+                "no larger than the rank); launch with `deepspeed` or `torchrun`, which set them together")
+    if not 0 < int(env["MASTER_PORT"]) <= MAX_PORT:
+        return f"MASTER_PORT={env['MASTER_PORT']} is not a TCP port (1-{MAX_PORT}); give a free port, or let the launcher choose"
+    if any(c.isspace() or not c.isprintable() for c in env["MASTER_ADDR"]):
+        return (f"MASTER_ADDR={_shown(env['MASTER_ADDR'])} holds a space or a control character: one host name or "
+                "address is expected (`hostname -I` prints several; take the first)")
+    return None

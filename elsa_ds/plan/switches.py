@@ -1,0 +1,40 @@
+"""The environment's switches a job reads, checked before its work: a value none of their readers reads is said, not
+taken for the default (an audit, 2026-12-06: ELSA_DS_COMPILED=abc switched the opt-in path on, ELSA_DS_KERNELS=disable
+left the kernels on, ELSA_DS_SPARSE_LOOPS=avx-512 let the CPU vendor decide; ELSA_DS_PHASE_LOG naming a folder and
+TORCH_EXTENSIONS_DIR naming a file were tracebacks at the job's start)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from elsa_ds.errors import ElsaError
+from elsa_ds.sparse.kernels import LOOPS_ENV
+from elsa_ds.sparse.linear import COLS16, DELTA8, GPU_LAYOUT_ENV
+from elsa_ds.sparse.siblings import FUSE_ENV
+
+ON_OFF = ("1", "0", "true", "false", "on", "off", "yes", "no")
+# each switch and the values its reader knows (compared stripped, in lower case, as they read them)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "ELSA_DS_KERNELS": ON_OFF, "ELSA_DS_COMPILED": ON_OFF, "ELSA_DS_CPU_BF16": ("1", "0"), "ELSA_DS_KEEP_SWAP_FILES": ("1", "0"),
+    LOOPS_ENV: ("portable", "avx512"), FUSE_ENV: ("1", "0"), GPU_LAYOUT_ENV: (COLS16, DELTA8),
+}
+FILE_ENV = "ELSA_DS_PHASE_LOG"  # jobs/phases.py: rank 0 appends to this file
+FOLDER_ENV = "TORCH_EXTENSIONS_DIR"  # where torch builds DeepSpeed's and elsa_ds's C++ ops
+
+
+def switch_problem() -> str | None:
+    """What is wrong with the switches set in the environment, as one line that says what to do; None when nothing is."""
+    env = os.environ
+    for name, known in CHOICES.items():
+        if name in env and env[name].strip().lower() not in known:
+            return f"{name}={env[name][:40]!r} is not a value it takes: choose {' or '.join(known)}, or unset it"
+    if (path := env.get(FILE_ENV)) is not None and (not path or Path(path).is_dir() or not Path(path).parent.is_dir()):
+        return f"{FILE_ENV}={path!r}: name a file (rank 0 appends the job's phases to it) in a folder that exists, or unset it"
+    if (path := env.get(FOLDER_ENV)) and Path(path).exists() and not Path(path).is_dir():
+        return f"{FOLDER_ENV}={path!r} is not a folder: torch builds the C++ ops in it; name a folder, or unset it"
+    return None
+
+
+def check_switches() -> None:
+    if why := switch_problem():
+        raise ElsaError(why)
