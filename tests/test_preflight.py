@@ -240,6 +240,19 @@ def test_freezing_the_embeddings_is_suggested_when_it_fits(tmp_path, monkeypatch
         preflight.check_elsa(meta, ds, cfg, opts, world=1)
 
 
+def test_a_local_rank_past_the_nodes_gpus_is_one_line(tmp_path, monkeypatch):
+    """An audit (2026-12-06, read on a CPU box): LOCAL_RANK past the GPUs CUDA shows was CUDA's "invalid device ordinal"
+    traceback from the memory check. The GPUs are what a CUDA host would show (a CPU box has none to ask)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(ElsaError, match=r"LOCAL_RANK=2, but this node shows 2 GPU\(s\) \(CUDA_VISIBLE_DEVICES='0,1'\)"):
+        preflight.this_machine([tmp_path])
+
+
 def test_disk_needs_on_one_file_system_add_up(tmp_path):
     machine = preflight.this_machine([tmp_path])
     free = next(iter(machine.disks.values()))

@@ -77,7 +77,10 @@ def this_machine(paths: list[Path]) -> Machine:
 
     gpu = None
     if torch.cuda.is_available():
-        gpu = float(torch.cuda.mem_get_info(launch_env.local_rank())[0])
+        if (index := launch_env.local_rank()) >= (count := torch.cuda.device_count()):  # CUDA's "invalid device ordinal" else
+            raise ElsaError(f"LOCAL_RANK={index}, but this node shows {count} GPU(s) (CUDA_VISIBLE_DEVICES="
+                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r}): start at most {count} ranks a node")
+        gpu = float(torch.cuda.mem_get_info(index)[0])
     disks = {}
     for path in paths:
         existing = existing_ancestor(path)
