@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ def main() -> int:
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
+    from elsa_ds import launch_env
     from elsa_ds.log import setup_logging
     from elsa_ds.settings.config import resolve_config
     from elsa_ds.zero.ds_config import DsConfig
@@ -50,7 +50,7 @@ def main() -> int:
     from elsa_ds.zero.dist import init_distributed
     from elsa_ds.zero.engine import base_optimizer, build_admm_engine, full_shapes, initialize, load_partitioned
 
-    ds = ds_config.resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    ds = ds_config.resolve(cfg, launch_env.world_size())
     rank, world = init_distributed()
     steps = cfg.interval * args.rounds
     cfg = cfg.model_copy(update={"steps": steps + 1})  # the ELSA run never reaches its final projection

@@ -63,32 +63,41 @@ def launched() -> bool:
     return "LOCAL_RANK" in os.environ and world_size() > 1
 
 
-def problem() -> str | None:
+def problem(group: bool = True) -> str | None:
     """What is wrong with the launcher's variables, as one line that says what to do; None when a launcher or nobody set
-    them (a plain ``python`` run sets them for itself later: ``zero.dist.init_distributed``)."""
+    them (a plain ``python`` run sets them for itself later: ``zero.dist.init_distributed``). ``group``: the job starts
+    a process group (DeepSpeed's engine), which needs them all; a one-shot job's rank 0 works alone, so RANK and
+    WORLD_SIZE suffice (a Kubeflow PyTorchJob's pod sets no LOCAL_RANK)."""
     env = os.environ
+    if "RANK" not in env:
+        given = [name for name in ("WORLD_SIZE", "LOCAL_RANK") if name in env] if group else []
+        return (f"{' and '.join(given)} set without RANK: a process either belongs to a launched group (all of "
+                f"{', '.join(LAUNCHED)}) or runs alone (none of them); launch with `deepspeed` or `torchrun`, or unset "
+                f"{' and '.join(given)}") if given else None
     for name in (*COUNTS, "MASTER_PORT"):
         if name in env and not _plain_count(env[name]):
             return (f"the launcher's variable {name}={_shown(env[name])} is not a count written plainly (digits alone, no "
                     "sign, space or leading zero); launch with `deepspeed` or `torchrun`, which set it, or unset it")
-    if "RANK" not in env:
-        if given := [name for name in ("WORLD_SIZE", "LOCAL_RANK") if name in env]:
-            return (f"{' and '.join(given)} set without RANK: a process either belongs to a launched group (all of "
-                    f"{', '.join(LAUNCHED)}) or runs alone (none of them); launch with `deepspeed` or `torchrun`, or unset "
-                    f"{' and '.join(given)}")
-        return None
-    if missing := [name for name in LAUNCHED if name not in env or not env[name]]:
+    if missing := [name for name in (LAUNCHED if group else LAUNCHED[:2]) if not env.get(name)]:
         return (f"RANK={env['RANK']} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: a launched rank "
                 f"needs all of {', '.join(LAUNCHED)}; launch with `deepspeed` or `torchrun`, which set them, or unset RANK "
                 "to run in one process")
-    ranks, node = int(env["WORLD_SIZE"]), _on_node(int(env["WORLD_SIZE"]))
-    if not rank() < ranks or not local_rank() < node <= ranks or local_rank() > rank():
+    return _disagreement(int(env["WORLD_SIZE"]), group)
+
+
+def _disagreement(ranks: int, group: bool) -> str | None:
+    env = os.environ
+    if None not in (sizes := (env.get("LOCAL_SIZE"), env.get("LOCAL_WORLD_SIZE"))) and sizes[0] != sizes[1]:
+        return (f"LOCAL_SIZE={env['LOCAL_SIZE']} (deepspeed's) and LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']} (torchrun's) "
+                "disagree on the ranks of this node: unset the one your launcher did not set")
+    node = _on_node(ranks)
+    if not rank() < ranks or group and (not local_rank() < node <= ranks or local_rank() > rank()):
         return (f"the launcher's variables disagree: RANK={rank()}, LOCAL_RANK={local_rank()}, WORLD_SIZE={ranks}, "
                 f"{node} ranks on this node (each rank is below WORLD_SIZE, each local rank below the node's ranks and "
                 "no larger than the rank); launch with `deepspeed` or `torchrun`, which set them together")
-    if not 0 < int(env["MASTER_PORT"]) <= MAX_PORT:
+    if "MASTER_PORT" in env and not 0 < int(env["MASTER_PORT"]) <= MAX_PORT:
         return f"MASTER_PORT={env['MASTER_PORT']} is not a TCP port (1-{MAX_PORT}); give a free port, or let the launcher choose"
-    if any(c.isspace() or not c.isprintable() for c in env["MASTER_ADDR"]):
+    if any(c.isspace() or not c.isprintable() for c in env.get("MASTER_ADDR", "")):
         return (f"MASTER_ADDR={_shown(env['MASTER_ADDR'])} holds a space or a control character: one host name or "
                 "address is expected (`hostname -I` prints several; take the first)")
     return None

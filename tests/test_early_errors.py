@@ -365,6 +365,7 @@ NONE_LAUNCHED = dict.fromkeys((*LAUNCHED_ENV, "LOCAL_SIZE", "LOCAL_WORLD_SIZE"))
     ({"RANK": "0", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, "disagree"),
     ({"MASTER_PORT": "99999"}, "is not a TCP port"), ({"MASTER_PORT": "0"}, "is not a TCP port"),
     ({"MASTER_ADDR": "10.0.0.1 10.0.0.2"}, "holds a space"),
+    ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_SIZE": "8", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_SIZE=8 (deepspeed's)"),
 ])
 def test_launcher_variables_no_launcher_writes_are_one_line_before_any_work(monkeypatch, env, needle):
     """An audit (2026-12-06): RANK=00 was rank 0 to torch but another rank to the output's lock (a second job wrote into a
@@ -376,9 +377,16 @@ def test_launcher_variables_no_launcher_writes_are_one_line_before_any_work(monk
         monkeypatch.delenv(key, raising=False) if value is None else monkeypatch.setenv(key, value)
     said = launch_env.problem()
     assert said is not None and needle in said and ("deepspeed" in said or "port" in said or "host" in said), said
-    for key, value in {**NONE_LAUNCHED, **LAUNCHED_ENV, "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}.items():
-        monkeypatch.delenv(key, raising=False) if value is None else monkeypatch.setenv(key, value)
-    assert launch_env.problem() is None and (launch_env.rank(), launch_env.local_size(8), launch_env.launched()) == (5, 4, True)
+    # what launchers write (a review, 2026-12-06): deepspeed over nodes of uneven slots, torchrun (its virtual local
+    # rank too), a Kubeflow PyTorchJob pod (no LOCAL_RANK: enough for a one-shot job, whose rank 0 works alone)
+    for launcher, group in (({"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "12", "LOCAL_SIZE": "4"}, True),
+                            ({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, True),
+                            ({"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, True),
+                            ({"RANK": "2", "LOCAL_RANK": None, "WORLD_SIZE": "4"}, False)):
+        for key, value in {**NONE_LAUNCHED, **LAUNCHED_ENV, **launcher}.items():
+            monkeypatch.delenv(key, raising=False) if value is None else monkeypatch.setenv(key, value)
+        assert launch_env.problem(group) is None and launch_env.rank() == int(launcher["RANK"]), launcher
+    assert launch_env.local_size(4) == 4 and launch_env.problem(group=True) is not None  # the pod's set, for the engine
     for key in NONE_LAUNCHED:  # a plain `python` run: nothing set, nothing wrong
         monkeypatch.delenv(key, raising=False)
     assert launch_env.problem() is None and (launch_env.rank(), launch_env.world_size(), launch_env.launched()) == (0, 1, False)
@@ -404,7 +412,7 @@ def test_a_malformed_rank_is_refused_by_the_job_and_named_plainly_by_the_error_p
 
 
 @pytest.mark.parametrize("name, value, needle", [
-    ("ELSA_DS_COMPILED", "abc", "choose 1 or 0 or true"), ("ELSA_DS_KERNELS", "disable", "ELSA_DS_KERNELS='disable'"),
+    ("ELSA_DS_COMPILED", "abc", "choose 1 or true or on or yes or 0"), ("ELSA_DS_KERNELS", "disable", "ELSA_DS_KERNELS='disable'"),
     ("ELSA_DS_SPARSE_LOOPS", "avx-512", "portable or avx512"), ("ELSA_DS_CPU_BF16", "true", "choose 1 or 0"),
     ("ELSA_DS_KEEP_SWAP_FILES", "yes", "choose 1 or 0"), ("ELSA_DS_FUSE_SIBLINGS", "yes", "choose 1 or 0"),
     ("ELSA_DS_GPU_LAYOUT", "csr", "cols16 or delta8"), ("ELSA_DS_PHASE_LOG", "{tmp}", "name a file"),
@@ -420,6 +428,8 @@ def test_a_switch_in_the_environment_that_its_reader_would_ignore_is_said_first(
     assert needle in (switch_problem() or ""), switch_problem()
     monkeypatch.setenv(name, {"ELSA_DS_PHASE_LOG": str(tmp_path / "phases.jsonl"), "TORCH_EXTENSIONS_DIR": str(tmp_path),
                               "ELSA_DS_SPARSE_LOOPS": " Portable", "ELSA_DS_GPU_LAYOUT": "delta8"}.get(name, "0"))
+    assert switch_problem() is None
+    monkeypatch.setenv(name, "")  # empty: the reader's default, as unset (a review: refused at first)
     assert switch_problem() is None
 
 

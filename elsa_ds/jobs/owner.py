@@ -30,6 +30,7 @@ from elsa_ds.log import get_logger
 from elsa_ds.methods import oneshot_names
 from elsa_ds.monitor import MONITOR_DIR
 from elsa_ds.plan import log_plan, make_plan
+from elsa_ds.plan.checks import builds_engine
 from elsa_ds.plan.finished import finished_run
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
@@ -60,7 +61,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
     defaults rule, every check that needs no weights), logged once, then the job built from it. Rank 0 (the rank that
     writes) takes the lock and starts the watchdog, the other ranks of a launcher rely on them. The watchdog hears of the
     job's end once the lock is released."""
-    if why := launch_env.problem():  # which rank writes: before the output's lock is taken or skipped by it
+    if why := launch_env.problem(group=builds_engine(cfg)):  # which rank writes: before the output's lock is taken or not
         raise ElsaError(why)
     if opts.finished:  # --resume_if_any over a finished run: nothing to do, or refused (another job's settings)
         return finished_output(cfg, opts)

@@ -7,28 +7,30 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from elsa_ds import launch_env
+from elsa_ds.admm.kernels import build
 from elsa_ds.errors import ElsaError
 from elsa_ds.sparse.kernels import LOOPS_ENV
 from elsa_ds.sparse.linear import COLS16, DELTA8, GPU_LAYOUT_ENV
 from elsa_ds.sparse.siblings import FUSE_ENV
 
-ON_OFF = ("1", "0", "true", "false", "on", "off", "yes", "no")
-# each switch and the values its reader knows (compared stripped, in lower case, as they read them)
+# each switch and the values its reader knows (empty or unset: the reader's default)
 CHOICES: dict[str, tuple[str, ...]] = {
-    "ELSA_DS_KERNELS": ON_OFF, "ELSA_DS_COMPILED": ON_OFF, "ELSA_DS_CPU_BF16": ("1", "0"), "ELSA_DS_KEEP_SWAP_FILES": ("1", "0"),
-    LOOPS_ENV: ("portable", "avx512"), FUSE_ENV: ("1", "0"), GPU_LAYOUT_ENV: (COLS16, DELTA8),
+    "ELSA_DS_KERNELS": build.ON_OFF, "ELSA_DS_COMPILED": build.ON_OFF, "ELSA_DS_CPU_BF16": ("1", "0"),
+    "ELSA_DS_KEEP_SWAP_FILES": ("1", "0"), LOOPS_ENV: ("portable", "avx512"), FUSE_ENV: ("1", "0"), GPU_LAYOUT_ENV: (COLS16, DELTA8),
 }
 FILE_ENV = "ELSA_DS_PHASE_LOG"  # jobs/phases.py: rank 0 appends to this file
-FOLDER_ENV = "TORCH_EXTENSIONS_DIR"  # where torch builds DeepSpeed's and elsa_ds's C++ ops
+FOLDER_ENV = "TORCH_EXTENSIONS_DIR"  # where torch builds DeepSpeed's and elsa_ds's C++ ops, on every rank
 
 
 def switch_problem() -> str | None:
     """What is wrong with the switches set in the environment, as one line that says what to do; None when nothing is."""
     env = os.environ
     for name, known in CHOICES.items():
-        if name in env and env[name].strip().lower() not in known:
-            return f"{name}={env[name][:40]!r} is not a value it takes: choose {' or '.join(known)}, or unset it"
-    if (path := env.get(FILE_ENV)) is not None and (not path or Path(path).is_dir() or not Path(path).parent.is_dir()):
+        if why := build.switch_problem(name, known):
+            return why
+    path = env.get(FILE_ENV)
+    if path and launch_env.writes() and (Path(path).is_dir() or not Path(path).parent.is_dir()):
         return f"{FILE_ENV}={path!r}: name a file (rank 0 appends the job's phases to it) in a folder that exists, or unset it"
     if (path := env.get(FOLDER_ENV)) and Path(path).exists() and not Path(path).is_dir():
         return f"{FOLDER_ENV}={path!r} is not a folder: torch builds the C++ ops in it; name a folder, or unset it"

@@ -70,7 +70,7 @@ def gpu_layout() -> str:
     """The layout SparseLinear takes on a GPU: ``ELSA_DS_GPU_LAYOUT`` (cols16 or delta8), cols16 by default: its
     kernel issues ~16 instructions an entry against delta8's 55-80 (read off the sm_90 code, not yet timed: delta8's
     1-row kernel is the one measured on a GPU, docs/results.md), for one byte more an entry."""
-    layout = os.environ.get(GPU_LAYOUT_ENV, COLS16).strip().lower()
+    layout = (os.environ.get(GPU_LAYOUT_ENV) or COLS16).strip().lower()
     if layout not in (COLS16, DELTA8):
         raise SparseArgumentError(f"{GPU_LAYOUT_ENV}={layout!r}: choose {COLS16} or {DELTA8}")
     return layout

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from elsa_ds.admm.kernels import build
 from elsa_ds.errors import first_line
 from elsa_ds.log import get_logger
 from elsa_ds.sparse import format as fmt
@@ -200,6 +201,8 @@ def _check_arguments(path: str | Path, mode: str, dtype: torch.dtype | None, dev
     check_decode_path(decode_path, mode)
     check_type("verify", verify, bool, "True or False")
     if mode == "sparse":  # the decode switches in the environment, said before the load (an audit: after it)
+        if why := build.switch_problem("ELSA_DS_KERNELS"):
+            raise SparseArgumentError(why)
         fuse_wanted(where)
         loops_choice()
         if where.type == "cuda":

@@ -35,9 +35,22 @@ _cache: dict[str, ModuleType | None] = {}
 log = get_logger(__name__)
 
 
+OFF = ("0", "false", "off", "no")
+ON_OFF = ("1", "true", "on", "yes", *OFF)  # what an on/off switch of the environment takes; empty or unset: its default
+
+
 def enabled() -> bool:
     """False when the user switched the kernels off with ``ELSA_DS_KERNELS=0``."""
-    return os.environ.get("ELSA_DS_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+    return (os.environ.get("ELSA_DS_KERNELS") or "1").strip().lower() not in OFF
+
+
+def switch_problem(name: str, known: tuple[str, ...] = ON_OFF) -> str | None:
+    """What is wrong with the switch ``name`` in the environment (one line, what to do), None when it is unset, empty or
+    one of ``known`` (compared stripped, in lower case, as the readers read them)."""
+    value = os.environ.get(name, "")
+    if value.strip() and value.strip().lower() not in known:
+        return f"{name}={value[:40]!r} is not a value it takes: choose {' or '.join(known)}, or unset it"
+    return None
 
 
 def module_name() -> str:

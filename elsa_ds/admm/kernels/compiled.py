@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 
+from elsa_ds.admm.kernels import build
+
 log = logging.getLogger(__name__)
 
 ADAM, ADAMW = "adam", "adamw"
@@ -35,9 +37,7 @@ _LAM, _W1, _BETA2, _W2, _EPS, _WD, _DECAY, _STEP_SIZE, _BC2_SQRT = range(9)
 
 def enabled() -> bool:
     """True when ``ELSA_DS_COMPILED=1`` (opt-in) and not ``ELSA_DS_KERNELS=0`` (every fast path off)."""
-    off = ("0", "false", "off", "no")
-    return (os.environ.get("ELSA_DS_COMPILED", "0").strip().lower() not in off
-            and os.environ.get("ELSA_DS_KERNELS", "1").strip().lower() not in off)
+    return (os.environ.get("ELSA_DS_COMPILED") or "0").strip().lower() not in build.OFF and build.enabled()
 
 
 def base_kind(base: torch.optim.Optimizer) -> str | None:
