@@ -6,7 +6,6 @@ A run that would fail later fails here, in seconds, with one line.
 """
 from __future__ import annotations
 
-
 from elsa_ds import launch_env
 from elsa_ds.capacity import machine, preflight
 from elsa_ds.capacity.memory import model_shape
