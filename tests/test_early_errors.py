@@ -423,6 +423,12 @@ def test_a_switch_in_the_environment_that_its_reader_would_ignore_is_said_first(
     ELSA_DS_SPARSE_LOOPS=avx-512 was ignored; a folder as the phase log, a file as torch's build folder were tracebacks."""
     from elsa_ds.plan.switches import switch_problem
 
+    from elsa_ds.plan.switches import CHOICES
+    from elsa_ds.sparse.kernels import LOOPS_ENV
+    from elsa_ds.sparse.linear import COLS16, DELTA8, GPU_LAYOUT_ENV
+    from elsa_ds.sparse.siblings import FUSE_ENV
+
+    assert CHOICES[LOOPS_ENV] == ("portable", "avx512") and CHOICES[GPU_LAYOUT_ENV] == (COLS16, DELTA8) and FUSE_ENV in CHOICES
     (tmp_path / "f").write_text("")
     monkeypatch.setenv(name, value.format(tmp=tmp_path))
     assert needle in (switch_problem() or ""), switch_problem()

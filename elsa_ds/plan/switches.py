@@ -10,14 +10,14 @@ from pathlib import Path
 from elsa_ds import launch_env
 from elsa_ds.admm.kernels import build
 from elsa_ds.errors import ElsaError
-from elsa_ds.sparse.kernels import LOOPS_ENV
-from elsa_ds.sparse.linear import COLS16, DELTA8, GPU_LAYOUT_ENV
-from elsa_ds.sparse.siblings import FUSE_ENV
 
-# each switch and the values its reader knows (empty or unset: the reader's default)
+# each switch and the values its reader knows (empty or unset: the reader's default). The sparse decode's three are
+# spelt here, not imported: importing elsa_ds.sparse imports triton, which a job loads only for its kernels
+# (tests/test_early_errors.py holds these names and values to sparse/kernels.py, linear.py and siblings.py)
 CHOICES: dict[str, tuple[str, ...]] = {
     "ELSA_DS_KERNELS": build.ON_OFF, "ELSA_DS_COMPILED": build.ON_OFF, "ELSA_DS_CPU_BF16": ("1", "0"),
-    "ELSA_DS_KEEP_SWAP_FILES": ("1", "0"), LOOPS_ENV: ("portable", "avx512"), FUSE_ENV: ("1", "0"), GPU_LAYOUT_ENV: (COLS16, DELTA8),
+    "ELSA_DS_KEEP_SWAP_FILES": ("1", "0"), "ELSA_DS_SPARSE_LOOPS": ("portable", "avx512"), "ELSA_DS_FUSE_SIBLINGS": ("1", "0"),
+    "ELSA_DS_GPU_LAYOUT": ("cols16", "delta8"),
 }
 FILE_ENV = "ELSA_DS_PHASE_LOG"  # jobs/phases.py: rank 0 appends to this file
 FOLDER_ENV = "TORCH_EXTENSIONS_DIR"  # where torch builds DeepSpeed's and elsa_ds's C++ ops, on every rank
