@@ -421,9 +421,7 @@ def test_a_malformed_rank_is_refused_by_the_job_and_named_plainly_by_the_error_p
 def test_a_switch_in_the_environment_that_its_reader_would_ignore_is_said_first(tmp_path, monkeypatch, name, value, needle):
     """An audit (2026-12-06): ELSA_DS_COMPILED=abc turned the opt-in path on, ELSA_DS_KERNELS=disable left the kernels on,
     ELSA_DS_SPARSE_LOOPS=avx-512 was ignored; a folder as the phase log, a file as torch's build folder were tracebacks."""
-    from elsa_ds.plan.switches import switch_problem
-
-    from elsa_ds.plan.switches import CHOICES
+    from elsa_ds.plan.switches import CHOICES, switch_problem
     from elsa_ds.sparse.kernels import LOOPS_ENV
     from elsa_ds.sparse.linear import COLS16, DELTA8, GPU_LAYOUT_ENV
     from elsa_ds.sparse.siblings import FUSE_ENV

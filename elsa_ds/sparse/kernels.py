@@ -33,10 +33,9 @@ def load() -> ModuleType | None:
 def loops_choice() -> str | None:
     """``ELSA_DS_SPARSE_LOOPS``: "portable", "avx512" or None (unset); SparseArgumentError for anything else (an audit:
     "avx-512" was ignored, the CPU's vendor chose)."""
-    choice = os.environ.get(LOOPS_ENV, "").strip().lower()
-    if choice not in ("", "portable", "avx512"):
-        raise SparseArgumentError(f"{LOOPS_ENV}={choice!r}: choose portable or avx512, or unset it (the CPU's vendor chooses)")
-    return choice or None
+    if why := build.switch_problem(LOOPS_ENV, ("portable", "avx512")):  # the one reading of a switch's values
+        raise SparseArgumentError(why)
+    return os.environ.get(LOOPS_ENV, "").strip().lower() or None
 
 
 @functools.cache
