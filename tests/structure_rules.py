@@ -6,6 +6,7 @@ Each check returns the violations it found, one readable line each (empty: the r
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -346,4 +347,22 @@ def core_imports_beyond_torch(root: Path) -> list[str]:
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
             found += [f"{path.relative_to(root)}:{node.lineno}: imports {name}" for name in names
                       if name.split(".")[0] in ("deepspeed", "transformers")]
+    return found
+
+
+SWITCH_NAME = re.compile(r"ELSA_DS_[A-Z0-9_]+")
+SWITCH_TABLE = "elsa_ds/plan/switches.py"  # its module-level assignments name every switch the package reads
+
+
+def unlisted_switches(root: Path) -> list[str]:
+    """An ``ELSA_DS_*`` variable the package spells that the switch table does not list: a switch whose values nobody
+    checks before a job's work (read late, a wrong value taken for the default: an audit, 2026-12-06)."""
+    table = parse(root / SWITCH_TABLE)
+    listed = {n.value for a in table.body if isinstance(a, (ast.Assign, ast.AnnAssign)) for n in ast.walk(a)
+              if isinstance(n, ast.Constant) and isinstance(n.value, str) and SWITCH_NAME.fullmatch(n.value)}
+    found = []
+    for path in python_files(root, ("elsa_ds",)):
+        found += [f"{path.relative_to(root)}:{n.lineno}: {n.value}" for n in ast.walk(parse(path))
+                  if isinstance(n, ast.Constant) and isinstance(n.value, str) and SWITCH_NAME.fullmatch(n.value)
+                  and n.value not in listed]
     return found

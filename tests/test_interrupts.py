@@ -259,6 +259,74 @@ def test_only_a_gone_peer_is_taken_for_one(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+ALONE = """
+import sys
+import deepspeed  # imported before the sign, as init_distributed imports it
+from elsa_ds.errors import guarded
+from elsa_ds.zero.dist import init_distributed
+
+print("ready", flush=True)
+sys.exit(guarded(init_distributed))
+"""
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_waiting_for_peers_that_never_come_ends_on_sigterm(rank):
+    """A launched rank whose peers never start (a node that failed, a WORLD_SIZE too large) waits at the rendezvous: in
+    torch's C++ wait it sat through SIGTERM and Ctrl-C for DeepSpeed's 10 minutes. Rank 0 serving the store, or rank 1
+    looking for it, now ends within seconds of the launcher's SIGTERM, in the job's one line."""
+    port = free_port()
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", ALONE], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "ready\n" in iter(proc.stdout.readline, "")  # DeepSpeed's log lines first
+        deadline = time.monotonic() + 60
+        while rank == 0 and not _listening(port) and time.monotonic() < deadline:  # waiting in the rendezvous now
+            time.sleep(0.1)
+        time.sleep(3.0)  # rank 1: looking for rank 0's store by now
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert [x for x in err.splitlines() if x.startswith("elsa_ds: ")] == [
+        f"elsa_ds: terminated (SIGTERM){'' if rank == 0 else ' (rank 1)'}: nothing unfinished was published"], err[-3000:]
+
+
+RENDEZVOUS_ALONE = """
+import os, sys
+from elsa_ds.errors import ElsaError
+from elsa_ds.zero.rendezvous import gather
+
+os.environ["RANK"] = sys.argv[1]
+try:
+    gather(1.0)
+except ElsaError as err:
+    print(err)
+"""
+
+
+@pytest.mark.parametrize("rank, said", [(0, "the rendezvous at 127.0.0.1:{port}: 1 of 2 ranks arrived in 1 s"),
+                                        (1, "rank 1 could not reach the rendezvous at 127.0.0.1:{port} (rank 0's) in 1 s")])
+def test_a_rendezvous_that_never_fills_says_how_many_came(rank, said):
+    """Past DeepSpeed's timeout, one line: how many ranks came, or that rank 0's store was never found, and where."""
+    port = free_port()
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", RENDEZVOUS_ALONE, str(rank)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60).stdout
+    assert out.startswith(said.format(port=port)) and "DEEPSPEED_TIMEOUT" in out or rank, out
+    assert out.startswith(said.format(port=port)) and "MASTER_ADDR" in out, out
+
+
 SIGNAL_AT_EXIT = """
 import atexit, os, signal, sys, time
 from elsa_ds.errors import ElsaError, guarded, run_command

@@ -30,6 +30,10 @@ def test_no_import_cycles_at_any_depth():
     assert not (found := _cycles(ROOT)), "import cycles:\n" + "\n".join(found)
 
 
+def test_every_switch_the_package_reads_is_in_the_switch_table():
+    assert not (found := rules.unlisted_switches(ROOT)), "add these to elsa_ds/plan/switches.py:\n" + "\n".join(found)
+
+
 def test_lines_are_at_most_140_characters():
     assert not (found := rules.long_lines(ROOT)), "\n".join(found)
 
@@ -133,6 +137,11 @@ def test_a_longer_cycle_is_caught_with_its_whole_path(tree):
 
     (found,) = _new(_cycles, tree, plant)
     assert found.count(" -> ") == 3 and all(m in found for m in ("elsa_ds.errors", "elsa_ds.methods", "elsa_ds.version"))
+
+
+def test_a_switch_missing_from_the_switch_table_is_caught(tree):
+    (found,) = _new(rules.unlisted_switches, tree, lambda: _append(tree / "elsa_ds/loss.py", 'PLANTED = "ELSA_DS_PLANTED"\n'))
+    assert found.startswith("elsa_ds/loss.py:") and found.endswith(": ELSA_DS_PLANTED")
 
 
 def test_a_long_line_is_caught(tree):

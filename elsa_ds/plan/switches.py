@@ -19,6 +19,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "ELSA_DS_KEEP_SWAP_FILES": ("1", "0"), "ELSA_DS_SPARSE_LOOPS": ("portable", "avx512"), "ELSA_DS_FUSE_SIBLINGS": ("1", "0"),
     "ELSA_DS_GPU_LAYOUT": ("cols16", "delta8"),
 }
+# the switches checked where they are read (tests/test_structure.py: every ELSA_DS_* name the package spells is here or above)
+READ_ELSEWHERE: dict[str, str] = {
+    "ELSA_DS_LOSS": "loss.check_loss_choice, among the plan's checks before the work",
+    "ELSA_DS_TRITON_ROWS": "a benchmark's knob, read at each sparse product on a GPU (sparse/triton_spmv.py)",
+    "ELSA_DS_PROFILE_STEPS": "a diagnostic (step_profile.py): a malformed value is one warning, never a stop",
+    "ELSA_DS_PROFILE_OUT": "a diagnostic (step_profile.py): a profile it cannot write is one warning",
+}
 FILE_ENV = "ELSA_DS_PHASE_LOG"  # jobs/phases.py: rank 0 appends to this file
 FOLDER_ENV = "TORCH_EXTENSIONS_DIR"  # where torch builds DeepSpeed's and elsa_ds's C++ ops, on every rank
 

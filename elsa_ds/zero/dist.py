@@ -11,7 +11,7 @@ from elsa_ds import launch_env
 from elsa_ds.admm.kernels.build_lock import clear_stale_locks
 from elsa_ds.errors import ElsaError
 from elsa_ds.zero import compat
-from elsa_ds.zero.rendezvous import port_in_use
+from elsa_ds.zero.rendezvous import gather, port_in_use
 
 
 SINGLE_PROCESS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -35,12 +35,16 @@ def init_distributed() -> tuple[int, int]:
     compat.check_deepspeed_version()
     if not dist.is_initialized():
         clear_stale_locks()  # DeepSpeed's ops are built from here on (its CPU backend's shm comm first): none waits forever
+        from deepspeed.constants import default_pg_timeout
+
+        store = gather(default_pg_timeout.total_seconds())  # every rank here, or a signal's end within seconds
         try:
             deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False)
         except RuntimeError as err:  # rank 0 serves the rendezvous: a second `deepspeed` command on the same default port
             if "EADDRINUSE" not in str(err):  # failed here, and was reported as another rank's end (a walk, 2026-12-02)
                 raise
             raise ElsaError(port_in_use(os.environ.get("MASTER_PORT", ""))) from None
+        del store  # torch's own store shares its server now
         _unlink_shm_buffer(dist)
         atexit.register(teardown)
     return dist.get_rank(), dist.get_world_size()
