@@ -200,8 +200,10 @@ def main_estimate(argv: list[str] | None = None) -> int:
         from elsa_ds.capacity.optimizer_probe import measure_optimizer
         from elsa_ds.capacity.step_time import DEFAULT_MACHINE, TYPICAL, format_time, job_matmul, measure, step_time
         from elsa_ds.plan.checks import check_deepspeed_reader
+        from elsa_ds.plan.switches import check_switches
         from elsa_ds.zero.ds_config import DsConfig
 
+        check_switches()  # before DeepSpeed's import (DEEPSPEED_TIMEOUT) and --measure's probe job (ELSA_DS_*)
         opts = validated(EstimateOptions, {k: getattr(args, k) for k in _cli_fields(EstimateOptions) if getattr(args, k) is not None})
         if opts.measure and opts.accelerator == "cuda" and not _cuda_here():
             raise ElsaError("--measure times this machine's rates and --accelerator is cuda (the default), but this machine has "
@@ -298,6 +300,9 @@ def main_evaluate(argv: list[str] | None = None) -> int:
                 with made_folders([args.markdown]), owned(args.markdown, "--markdown"):
                     write_atomic(args.markdown, table)
             return
+        from elsa_ds.plan.switches import check_switches
+
+        check_switches()  # the decode's and DeepSpeed's switches, before a model loads
         settings = validated(EvalSettings, {k: v for k in _cli_fields(EvalSettings) if (v := getattr(args, k)) is not None})
         check_settings(settings)  # again under the lock, by run: a refusal for the path itself comes first
         with made_folders([settings.output, settings.markdown]), owned(settings.output, "--output"), \

@@ -437,6 +437,24 @@ def test_a_switch_in_the_environment_that_its_reader_would_ignore_is_said_first(
     assert switch_problem() is None
 
 
+def test_deepspeed_s_timeout_that_its_import_cannot_read_is_said_before_it(tmp_path, monkeypatch):
+    """DEEPSPEED_TIMEOUT is int() of it at DeepSpeed's import, in minutes: ``abc`` (or empty) was a ValueError's traceback
+    from inside the plan's checks, 0 a rendezvous and collectives that time out at once."""
+    from elsa_ds.plan.switches import switch_problem
+
+    proc = run_entry("prune.py", ["--deepspeed", "zero3_offload", "--method", "magnitude", "--output_dir", str(tmp_path / "out")],
+                     check=False, env={"DEEPSPEED_TIMEOUT": "abc"}, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+    assert proc.returncode == 2 and len(errors) == 1 and "DEEPSPEED_TIMEOUT='abc'" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+    for script, args in (("estimate.py", ["--deepspeed", "zero3_offload"]), ("evaluate.py", ["--model", str(tmp_path)])):
+        proc = run_entry(script, args, check=False, env={"DEEPSPEED_TIMEOUT": "abc"}, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and "DEEPSPEED_TIMEOUT='abc'" in proc.stderr, proc.stderr
+    for value, refused in (("", True), ("0", True), ("-5", True), ("1.5", True), ("1", False), (" 30", False)):
+        monkeypatch.setenv("DEEPSPEED_TIMEOUT", value)
+        assert ("whole number of at least 1" in (switch_problem() or "")) == refused, value
+
+
 def test_the_switches_are_said_before_a_job_s_work_and_before_a_sparse_checkpoint_loads(tmp_path, monkeypatch):
     """Through the real entry point (before the plan's other checks), and from_pretrained before it reads the folder
     (ELSA_DS_FUSE_SIBLINGS=yes was said after the whole load and its checksums)."""

@@ -28,6 +28,7 @@ READ_ELSEWHERE: dict[str, str] = {
 }
 FILE_ENV = "ELSA_DS_PHASE_LOG"  # jobs/phases.py: rank 0 appends to this file
 FOLDER_ENV = "TORCH_EXTENSIONS_DIR"  # where torch builds DeepSpeed's and elsa_ds's C++ ops, on every rank
+MINUTES_ENV = "DEEPSPEED_TIMEOUT"  # DeepSpeed's collectives' and rendezvous' timeout, int() of it at its import
 
 
 def switch_problem() -> str | None:
@@ -41,7 +42,18 @@ def switch_problem() -> str | None:
         return f"{FILE_ENV}={path!r}: name a file (rank 0 appends the job's phases to it) in a folder that exists, or unset it"
     if (path := env.get(FOLDER_ENV)) and Path(path).exists() and not Path(path).is_dir():
         return f"{FOLDER_ENV}={path!r} is not a folder: torch builds the C++ ops in it; name a folder, or unset it"
+    if (minutes := env.get(MINUTES_ENV)) is not None and not _whole_above_zero(minutes):
+        return (f"{MINUTES_ENV}={minutes!r}: DeepSpeed reads it as whole minutes, the time a rank waits for the others "
+                "(default 10); give a whole number of at least 1, or unset it")
     return None
+
+
+def _whole_above_zero(text: str) -> bool:
+    """Whether ``int(text)``, as DeepSpeed reads the value, is a count of at least 1."""
+    try:
+        return int(text) >= 1
+    except ValueError:
+        return False
 
 
 def check_switches() -> None:
