@@ -2,6 +2,7 @@
 names) and what each is pruned to (its *goal*: a sparsity or an N:M pattern)."""
 from __future__ import annotations
 
+import math
 import time
 
 import regex as rx
@@ -105,6 +106,20 @@ def layer_goals(shapes: dict[str, tuple[int, ...]], sparsity: float, pattern: NM
 def goal_ratio(goal: LayerGoal) -> float:
     """The fraction of zeros a goal means (N/M for an N:M pattern)."""
     return goal.ratio if isinstance(goal, NM) else goal
+
+
+def overall_ratio(goals: dict[str, LayerGoal], shapes: dict[str, tuple[int, ...]]) -> float:
+    """The fraction of zeros ``goals`` make over all the weights they prune (each layer weighted by its size)."""
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    return sum(goal_ratio(goals[name]) * size for name, size in sizes.items()) / max(1, sum(sizes.values()))
+
+
+def goal_text(sparsity: float, pattern: str | None, profile: str | None) -> str:
+    """What a job prunes each layer to, for its start line: the pattern, the sparsity, or a profile's ratios (never the
+    sparsity alone beside a profile: it holds only where the profile names no layer)."""
+    if pattern:
+        return pattern
+    return f"the ratios of profile {profile} ({sparsity:.0%} where it names no layer)" if profile else f"{sparsity:.0%}"
 
 
 def module_name(param_name: str) -> str:

@@ -101,6 +101,25 @@ def test_applied_only_to_fields_the_user_left_unset():
     assert cfg.warmup_steps == 7 and "warmup_steps" not in record["applied"] and record["set_by_user"] == ["warmup_steps"]
 
 
+def test_the_rule_takes_a_profiles_ratios_not_the_sparsity_they_replace(tmp_path):
+    """An audit (2026-12-07): a profile of 0.9 for every layer got the rule's 70 % settings (λ, a constant schedule) from
+    --sparsity's default. The rule's sparsity is the profile's, each layer weighted by its size."""
+    from elsa_ds.models import meta_model
+    from elsa_ds.targets import select_targets
+
+    (every := tmp_path / "every.json").write_text(json.dumps({"proj": 0.9}))
+    cfg, record = _demo(sparsity_profile=str(every), steps=400)
+    same, _ = _demo(sparsity=0.9, steps=400)
+    assert record["inputs"]["sparsity"] == pytest.approx(0.9) and (cfg.lmda, cfg.lmda_schedule) == (same.lmda, same.lmda_schedule)
+    (mlp := tmp_path / "mlp.json").write_text(json.dumps({"mlp": 0.95}))
+    _, record = _demo(sparsity_profile=str(mlp), sparsity=0.5, steps=400)
+    meta = meta_model(load_config(str(DEMO_MODEL_DIR)))
+    sizes = {n: p.numel() for n, p in meta.named_parameters() if n in set(select_targets(meta, None).values())}
+    in_mlp = sum(v for n, v in sizes.items() if ".mlp." in n)
+    assert 0 < in_mlp < sum(sizes.values())
+    assert record["inputs"]["sparsity"] == pytest.approx((0.95 * in_mlp + 0.5 * (sum(sizes.values()) - in_mlp)) / sum(sizes.values()))
+
+
 def test_recipe_and_json_block_count_as_set():
     cfg = resolve_config({"elsa": {"lmda": 0.07}}, {"model": str(DEMO_MODEL_DIR)}, recipe={"lr": 1e-5, "lmda_schedule": "linear"})
     cfg, record = apply_defaults(cfg, load_config(str(DEMO_MODEL_DIR)))

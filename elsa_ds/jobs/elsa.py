@@ -33,7 +33,7 @@ from elsa_ds.monitor import Monitor
 from elsa_ds.plan import Plan
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
-from elsa_ds.targets import LayerGoal
+from elsa_ds.targets import LayerGoal, goal_text
 from elsa_ds.zero import steps
 from elsa_ds.zero.dist import agreed
 from elsa_ds.zero.ds_config import DsConfig
@@ -100,7 +100,7 @@ class ElsaJob:
                 shutil.rmtree(start.name)  # partitioned now; a resumed run restores x from its checkpoint
         zero, admm = build_admm_engine(partitioned.model, cfg, self.ds, pruned, goals, masks)
         n_pruned = sum(sl.numel for sg in zero.layout for sl in sg.slices if sl.start == 0)
-        goal = cfg.pattern if cfg.nm else f"{cfg.sparsity:.0%}" + (f" (profile {cfg.sparsity_profile})" if cfg.sparsity_profile else "")
+        goal = goal_text(cfg.sparsity, cfg.pattern if cfg.nm else None, cfg.sparsity_profile)
         log.info(f"pruning {len(pruned)} layers ({n_pruned:,} weights) to {goal} with ELSA "
                  f"(projection {cfg.projection.value}, λ {cfg.lmda} {cfg.lmda_schedule.value}, interval {cfg.interval}, "
                  f"{cfg.steps} steps{f', z warm-started from {cfg.init_mask}' if masks else ''}"

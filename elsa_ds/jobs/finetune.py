@@ -42,7 +42,7 @@ from elsa_ds.monitor import Monitor
 from elsa_ds.plan import Plan
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
-from elsa_ds.targets import LayerGoal, goal_ratio
+from elsa_ds.targets import LayerGoal, goal_ratio, goal_text
 from elsa_ds.zero import steps
 from elsa_ds.zero.dist import agreed
 from elsa_ds.zero.ds_config import DsConfig
@@ -131,7 +131,8 @@ class FinetuneJob:
             zero, optimizer = build_lora_engine(model, cfg, self.ds, pruned)
         else:
             zero, optimizer = build_masked_engine(model, cfg, self.ds, pruned, goals, masks)
-        what = (f"one-shot {cfg.method.value} mask ({len(pruned)} layers to {cfg.pattern if cfg.nm else f'{cfg.sparsity:.0%}'})"
+        what = (f"one-shot {cfg.method.value} mask ({len(pruned)} layers to "
+                f"{goal_text(cfg.sparsity, cfg.pattern if cfg.nm else None, cfg.sparsity_profile)})"
                 if masks is not None else "dense model (no pruning)")
         lora = f", rank {cfg.lora_rank}, α {cfg.lora_alpha:g}" if cfg.finetune is Finetune.lora else ""
         log.info(f"fine-tuning ({self.finetune.value}{lora}) the {what}: {cfg.steps} steps, lr {cfg.lr:.3g}")

@@ -28,7 +28,7 @@ from elsa_ds.oneshot.pipeline import OneShotResult, accelerator, load_host_model
 from elsa_ds.plan import Plan
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
-from elsa_ds.targets import goal_ratio
+from elsa_ds.targets import goal_ratio, goal_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -77,9 +77,8 @@ class OneShotJob:
         if self.rank != 0:
             return None
         self.phases.mark("load")
-        goal = cfg.pattern if cfg.nm else f"{cfg.sparsity:.0%}"
-        log.info(f"one-shot {cfg.method.value} of {cfg.model} to {goal}"
-                 f"{' with profile ' + cfg.sparsity_profile if cfg.sparsity_profile else ''} on {self.device}")
+        goal = goal_text(cfg.sparsity, cfg.pattern if cfg.nm else None, cfg.sparsity_profile)
+        log.info(f"one-shot {cfg.method.value} of {cfg.model} to {goal} on {self.device}")
         tokenizer = self.source.load_tokenizer()
         validation = validation_windows(cfg.dataset, cfg.val_dataset, tokenizer, cfg.seqlen, cfg.ppl_protocol,
                                         self.source.config(), cfg.val_windows)

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from pydantic import ValidationError
 
 from elsa_ds.methods import DENSE
 from elsa_ds.models import meta_model
 from elsa_ds.settings.config import RESUME_DEFAULTS, ElsaConfig
 from elsa_ds.settings.defaults import RULE_FIELDS, elsa_settings, retrain_settings
-from elsa_ds.targets import goal_ratio
+from elsa_ds.targets import goal_ratio, overall_ratio, select_targets
 
 
 def apply_defaults(cfg: ElsaConfig, model_config, resumed: dict[str, Any] | None = None) -> tuple[ElsaConfig, dict[str, Any]]:
@@ -17,8 +18,9 @@ def apply_defaults(cfg: ElsaConfig, model_config, resumed: dict[str, Any] | None
     the rule, and the record of what was taken and why (printed, and kept in the report). ``resumed``: the fingerprint
     of the checkpoint a ``--resume`` continues; an unset field keeps the value the run started with where the rule now
     gives another (the rule changed since), so an upgrade does not stop a run half-way."""
-    n_params = sum(p.numel() for p in meta_model(model_config).parameters())
-    sparsity = goal_ratio(cfg.goal) if cfg.method.value != DENSE else 0.0
+    meta = meta_model(model_config)
+    n_params = sum(p.numel() for p in meta.parameters())
+    sparsity = _pruned_ratio(cfg, meta) if cfg.method.value != DENSE else 0.0
     steps = (cfg.finetune_steps or cfg.steps) if cfg.finetune is not None else cfg.steps
     given = cfg.model_fields_set
     # the rule's start comes with the rule's lr: a user's lr, or a start of the user's, keeps the paper's dense start
@@ -39,6 +41,17 @@ def apply_defaults(cfg: ElsaConfig, model_config, resumed: dict[str, Any] | None
               "set_by_user": sorted(k for k in RULE_FIELDS if k in cfg.model_fields_set),
               "kept_from_checkpoint": sorted(kept)}
     return (cfg.model_copy(update=unset) if unset else cfg), record
+
+
+def _pruned_ratio(cfg: ElsaConfig, meta: torch.nn.Module) -> float:
+    """The fraction of zeros the job's goals make over the weights it prunes: ``--sparsity`` (or N:M's ratio), or with a
+    profile its ratios weighted by each layer's size (the rule took ``--sparsity``'s 0.7 for a profile of 0.9 everywhere:
+    a 70 % run's λ and schedule for a 90 % one, an audit, 2026-12-07)."""
+    if not cfg.sparsity_profile:
+        return goal_ratio(cfg.goal)
+    weights = dict(meta.named_parameters())
+    shapes = {name: tuple(weights[name].shape) for name in select_targets(meta, cfg.targets).values()}
+    return overall_ratio(cfg.layer_goals(shapes), shapes)
 
 
 def _plain(value: Any) -> Any:
