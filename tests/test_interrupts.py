@@ -109,7 +109,7 @@ def test_interrupted_checkpointed_run_resumes(tmp_path, tiny_model_dir, text_dir
     unset = [a for i, a in enumerate(common) if a not in ("--lr", "--lmda") and common[i - 1] not in ("--lr", "--lmda")]
     run_entry("prune.py", [*unset, "--resume"])  # (without --resume the non-empty output would be refused)
     report = json.loads((out / "elsa_report.json").read_text())
-    assert report["steps"] == 120
+    assert report["steps"] == 120 and 8 <= report["resumed_at_step"] < 120 and report["resumed_at_step"] % 4 == 0  # wall_s: since then
     kept = {k: report["defaults"]["applied"][k] for k in ("lr", "lmda", "warmup_steps")}
     assert kept == {"lr": 1e-3, "lmda": 0.05, "warmup_steps": 0}, report["defaults"]
     assert all("kept from the checkpoint" in report["defaults"]["why"][k] for k in kept), report["defaults"]

@@ -70,6 +70,7 @@ class ElsaJob:
         self.ds: DsConfig = plan.ds  # the engine's DeepSpeed config
         self.source: ModelSource = plan.source
         self.started: float = time.time()
+        self.first_step: int = 0  # the step this attempt began at (--resume: the checkpoint's)
         self.phases: PhaseLog = PhaseLog(launch_env.rank())
         self.checkpoints: Checkpoints = Checkpoints(plan.opts, plan.cfg.keep_checkpoints)
         self.state: RunState = RunState()  # set by the checkpoint loader: fresh, or the checkpoint's
@@ -112,6 +113,7 @@ class ElsaJob:
         """Continue from the latest loadable checkpoint (--resume), or start fresh. Collective."""
         fingerprint = self.cfg.resume_fingerprint(run.world)
         self.state = self.checkpoints.load(run.zero.engine, run.zero.comm, fingerprint)
+        self.first_step = self.state.next_step
         if self.opts.resume:
             if run.selector is not None:
                 run.selector.resumed(self.state.selection)
@@ -250,6 +252,7 @@ class ElsaJob:
         st = self.state
         return report.ReportRecord(
             cfg=self.cfg, method="elsa", deepspeed=self.opts.deepspeed, world=run.world, started=self.started,
+            resumed_at=self.first_step if self.opts.resume else None,
             validation=run.data.validation.describe(), goals=run.goals,
             expected_zeros={sl.layer: sl.numel - sl.keep for sg in run.zero.layout for sl in sg.slices},
             final_ppl=pruned_ppl, dense_ppl=st.dense_ppl, baseline_ppl=st.baseline_ppl, losses=st.losses,

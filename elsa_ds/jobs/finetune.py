@@ -90,6 +90,7 @@ class FinetuneJob:
         self.ds: DsConfig = plan.ds  # the engine's DeepSpeed config
         self.source: ModelSource = plan.source
         self.started: float = time.time()
+        self.first_step: int = 0  # the step this attempt began at (--resume: the checkpoint's)
         self.phases: PhaseLog = PhaseLog(launch_env.rank())
         self.checkpoints: Checkpoints = Checkpoints(plan.opts, plan.cfg.keep_checkpoints)
         self.state: RunState = RunState()  # set by the checkpoint loader: fresh, or the checkpoint's
@@ -143,6 +144,7 @@ class FinetuneJob:
         """Continue from the latest loadable checkpoint (--resume), or measure the model before training. Collective."""
         fingerprint = self.cfg.resume_fingerprint(run.world)
         self.state = self.checkpoints.load(run.zero.engine, run.zero.comm, fingerprint)
+        self.first_step = self.state.next_step
         if self.opts.resume:
             log.info(f"continuing at step {self.state.next_step} of {self.cfg.steps}")
             return
@@ -215,6 +217,7 @@ class FinetuneJob:
                      for name, numel in ((n, masks.numel(n)) for n in run.goals)} if masks is not None else {})
         return report.ReportRecord(
             cfg=self.cfg, method=self.cfg.method.value, deepspeed=self.opts.deepspeed, world=run.world, started=self.started,
+            resumed_at=self.first_step if self.opts.resume else None,
             validation=run.data.validation.describe(), goals=run.goals, expected_zeros=expected, final_ppl=tuned_ppl,
             baseline_ppl=st.baseline_ppl, losses=st.losses, step_times=st.step_times, defaults=self.plan.defaults,
             global_batch=self.ds.train_batch_size, calibration=run.calibration, deepspeed_resolved=self.ds.raw)

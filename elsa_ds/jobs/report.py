@@ -57,6 +57,7 @@ class ReportRecord:
     device: str | None = None                 # where the one-shot job ran
     prune_s: float | None = None              # the one-shot pass, seconds
     deepspeed_resolved: dict[str, Any] | None = None  # the plan's DeepSpeed config as the engine got it (None: no engine)
+    resumed_at: int | None = None             # --resume: the step this attempt continued at (its wall_s is this attempt's)
 
 
 def offload(ds: DsConfig) -> dict[str, str]:
@@ -74,12 +75,14 @@ def elsa_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
     steady = rec.step_times[1:] or rec.step_times  # the first step builds lazy state (Adam, z, u)
     dense, baseline, pruned_ppl = rec.dense_ppl, rec.baseline_ppl, rec.final_ppl
     warm = cfg.init_weights  # then the baseline is the start x₀ (the one-shot ELSA began from), not magnitude pruning
+    steps = (rec.selection or {}).get("stopped_at") or cfg.steps  # --select_patience's early stop: the steps that ran
     return {
         **_common(rec),
         "init_mask": cfg.init_mask,
         "init_weights": cfg.init_weights,
-        "steps": cfg.steps,
-        "tokens": cfg.steps * rec.global_batch * cfg.seqlen,
+        "steps": steps,
+        "planned_steps": cfg.steps,
+        "tokens": steps * rec.global_batch * cfg.seqlen,
         "offload": rec.offload,
         "final_loss": rec.losses[-1],
         "step_time_s": sum(steady) / len(steady),
@@ -99,6 +102,7 @@ def elsa_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
         "defaults": rec.defaults,
         "selection": rec.selection,
         "wall_s": time.time() - rec.started,
+        "resumed_at_step": rec.resumed_at,  # not None: wall_s is the time since this attempt began, steps the whole run's
     }
 
 
@@ -124,7 +128,7 @@ def finetune_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
         "ppl": {"dense": None, "before_finetune": rec.baseline_ppl, "pruned": rec.final_ppl, **_validation(rec.validation),
                 "measured_on": measured_on},
         "layers": layers, "overall_sparsity": layers_summary(layers) if layers else 0.0,
-        "defaults": rec.defaults, "wall_s": time.time() - rec.started,
+        "defaults": rec.defaults, "wall_s": time.time() - rec.started, "resumed_at_step": rec.resumed_at,
     }
 
 
@@ -212,12 +216,29 @@ def print_summary(result: dict[str, Any], output_dir: Path) -> None:
         (p["magnitude_oneshot"], "one-shot magnitude")
     shown = "" if baseline is None else f"{what} {baseline:.3f} | "  # --baseline none, or skipped: said where it was
     log.info(f"validation perplexity ({_where(p)}): {dense}{shown}ELSA {p['pruned']:.3f}")
+    _say_selection(result)
     if result["vs_magnitude"]:
         log.info(f"ELSA perplexity is {_times(result['vs_magnitude']['ppl_ratio'])} than one-shot magnitude pruning")
     elif result["init_weights"] and baseline is not None:
         log.info(f"ELSA perplexity is {_times(baseline / p['pruned'])} than its warm start ({result['init_mask']})")
         if p["pruned"] > baseline:
             log.warning(worse_than_start(result))
+
+
+def _say_selection(result: dict[str, Any]) -> None:
+    """--select_every: where the run stopped and which model the export holds, when that is not the last step's
+    projection (an audit, 2026-12-07: an early stop and a warm start never beaten were both reported as the full run)."""
+    selection = result.get("selection") or {}
+    if selection.get("stopped_at"):
+        log.info(f"stopped early at step {selection['stopped_at']} of {result['planned_steps']} (--select_patience)")
+    chosen = selection.get("chosen")
+    if not chosen or chosen["final"]:
+        return
+    if chosen["step"] == 0:
+        log.warning(f"no scored projection beat the warm start ({result['init_mask']}): the export holds the warm start "
+                    "unchanged, and the ELSA figure above is its perplexity; train longer or with another --lr")
+    else:
+        log.info(f"the export holds the best scored projection, of step {chosen['step']} (--select_every)")
 
 
 def worse_than_start(result: dict[str, Any], who: str = "ELSA") -> str:

@@ -89,6 +89,8 @@ def test_corrupted_newest_checkpoint_falls_back_to_previous(tmp_path, tiny_model
         f.unlink()
     proc = run_entry("prune.py", _args(ds, tiny_model_dir, text_dir, out, "--save_interval", "4", "--resume"))
     assert "global_step8 is unreadable" in proc.stdout and "continuing at step 4" in proc.stdout
+    report = json.loads((out / "elsa_report.json").read_text())
+    assert (report["steps"], report["resumed_at_step"]) == (STEPS, 4)  # wall_s: this attempt's, which began at step 4
     resumed = _weights(out)
     for name, w in reference.items():
         assert torch.equal(w != 0, resumed[name] != 0), name

@@ -20,8 +20,8 @@ def test_export_is_the_best_scored_projection_on_two_ranks(tmp_path, tiny_model_
     (stale / "model.safetensors").write_bytes(b"left by a crashed run")
     # lr 0.03 makes the second projection (step 4) worse than the first on these windows: with patience 1 the run stops
     # there and exports the snapshot of step 2 (restored into the shards), the path a final Π(x) never takes
-    run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir),
-                           "--val_dataset", str(text_dir / "othello.txt"), "--seqlen", "64", "--steps", "16", "--interval", "2",
+    proc = run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir),
+                                  "--val_dataset", str(text_dir / "othello.txt"), "--seqlen", "64", "--steps", "16", "--interval", "2",
                            "--sparsity", "0.7", "--lr", "0.03", "--lmda", "0.05", "--micro_batch", "2", "--val_windows", "8",
                            "--select_every", "1", "--select_patience", "1", "--baseline", "none", "--init_mask", "none",
                            "--output_dir", str(out)], ranks=2)
@@ -32,6 +32,11 @@ def test_export_is_the_best_scored_projection_on_two_ranks(tmp_path, tiny_model_
     assert chosen["ppl"] == min(p["ppl"] for p in curve)
     assert selection["stopped_at"] == 4 and chosen == {"step": 2, "ppl": curve[0]["ppl"], "final": False}
     assert not any(p.get("final") for p in curve)  # stopped early: no final projection
+    # the steps and tokens that ran, not the 16 planned (an audit, 2026-12-07); the summary says which model is exported
+    assert (report["steps"], report["planned_steps"], report["resumed_at_step"]) == (4, 16, None)
+    assert report["tokens"] == 4 * report["deepspeed_resolved"]["train_batch_size"] * 64
+    logs = proc.stdout + proc.stderr
+    assert "stopped early at step 4 of 16" in logs and "the export holds the best scored projection, of step 2" in logs
     assert not stale.exists()                      # a fresh run sweeps the crashed warm start's x₀ copy
     assert report["ppl"]["pruned"] == pytest.approx(chosen["ppl"])
     for name, layer in report["layers"].items():
@@ -48,7 +53,7 @@ def test_a_pruned_start_is_scored_as_step_zero_and_kept_when_training_only_hurts
     ds = derived_config(tmp_path, bf16={"enabled": False})
     out = tmp_path / "out"
     val = str(text_dir / "othello.txt")
-    run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--val_dataset", val,
+    proc = run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--val_dataset", val,
                            "--seqlen", "64", "--steps", "8", "--interval", "2", "--sparsity", "0.7", "--lr", "0.3", "--lmda", "0.05",
                            "--micro_batch", "2", "--val_windows", "8", "--select_every", "1", "--select_patience", "1",
                            "--init_mask", "sparsegpt", "--init_weights", "--output_dir", str(out)], ranks=2)
@@ -59,6 +64,7 @@ def test_a_pruned_start_is_scored_as_step_zero_and_kept_when_training_only_hurts
     assert [p["step"] for p in curve] == [0, 2] and curve[1]["ppl"] > curve[0]["ppl"] and selection["stopped_at"] == 2
     assert selection["chosen"] == {"step": 0, "ppl": ppl["warm_start"], "final": False}
     assert ppl["pruned"] == pytest.approx(ppl["warm_start"])
+    assert "no scored projection beat the warm start (sparsegpt): the export holds the warm start" in proc.stdout + proc.stderr
     for name, layer in report["layers"].items():
         assert layer["zeros"] == round(0.7 * layer["numel"]), name
     measured = run(EvalSettings(model=str(out), ppl=[val], seqlen=64, limit=8))
