@@ -15,13 +15,13 @@ may be a str or an os.PathLike such as pathlib.Path.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from elsa_ds.data.sources import IN_MEMORY_FOLDER, write_documents
 from elsa_ds.errors import ElsaError, sigterm_unwinds
 from elsa_ds.jobs.owner import run_owned
 from elsa_ds.log import logging_for, warnings_filtered
@@ -74,7 +74,7 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
     settings = {k: type(v)(map(_fspath, v)) if type(v) in (list, tuple) else _fspath(v) for k, v in settings.items()}
     in_memory = not isinstance(model, (str, os.PathLike))
     run = {k: settings[k] for k in RUN_SETTINGS if k in settings}  # the job's flags beside ElsaConfig's (export_format...)
-    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="elsa_ds_documents_") as tmp:  # SIGTERM: both cleaned up
+    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix=IN_MEMORY_FOLDER) as tmp:  # SIGTERM: both cleaned up
         name = _dataset_name(dataset, Path(tmp))
         opts = job_options({"deepspeed": deepspeed, "output_dir": Path(output_dir), "overwrite": overwrite, "resume": resume,
                             "recipe": recipe, "model_object": model if in_memory else None, "tokenizer_object": tokenizer,
@@ -126,15 +126,10 @@ def _model_name(module: Any) -> str:
 
 
 def _dataset_name(dataset: Dataset, tmp: Path) -> str | None:
-    """A source name or path as is; in-memory documents written to ``tmp/documents.jsonl`` (one JSON object per line)."""
+    """A source name or path as is; in-memory documents written into ``tmp`` (``data.sources.write_documents``)."""
     if dataset is None or isinstance(dataset, str):  # a path is a str by now (_fspath)
         return None if dataset is None else str(dataset)
-    texts = _texts(dataset)
-    path = tmp / "documents.jsonl"
-    with path.open("w", encoding="utf-8") as fh:
-        for text in texts:
-            fh.write(json.dumps({"text": text}) + "\n")
-    return str(path)
+    return str(write_documents(list(_texts(dataset)), tmp))
 
 
 def _texts(dataset: Any) -> Iterable[str]:

@@ -88,3 +88,29 @@ print(json.dumps({{"zeros": int((w == 0).sum()), "numel": w.numel(), "method": r
     assert got["logging_kept"] and got["transformers_level"] == logging.DEBUG  # log_level= held for the call only
     assert "elsa_sparse" in json.loads((tmp_path / "mag" / "config.json").read_text())
     assert got["zeros"] == round(0.5 * got["numel"])
+
+
+def test_documents_given_in_memory_are_named_by_their_content_and_resume_with_the_same_documents(tmp_path, tiny_model_dir):
+    """An audit (2026-12-07): the report named the temporary file the documents were read from (gone once the call
+    returned), and a resume with the very same documents was refused for that file's new path."""
+    docs = _documents()
+    (tmp_path / "docs.json").write_text(json.dumps(docs))
+    ds = derived_config(tmp_path, bf16={"enabled": False})
+    out = _python(f"""
+import json, elsa_ds
+from elsa_ds.errors import ElsaError
+docs = json.load(open({str(tmp_path / 'docs.json')!r}))
+kw = dict(output_dir={str(tmp_path / 'out')!r}, deepspeed={str(ds)!r}, **{{**{SETTINGS!r}, "steps": 4, "interval": 2}}, save_interval=2)
+first = elsa_ds.prune({str(tiny_model_dir)!r}, docs, **kw)
+again = elsa_ds.prune({str(tiny_model_dir)!r}, docs, resume=True, **kw)
+try:
+    elsa_ds.prune({str(tiny_model_dir)!r}, docs[1:], resume=True, **kw)
+    other = None
+except ElsaError as err:
+    other = str(err)
+print(json.dumps({{"first": first["dataset"], "again": again["dataset"], "resumed_at": again["resumed_at_step"], "other": other}}))
+""")
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["first"].startswith(f"in-memory documents ({len(docs)}, sha256 ") and got["again"] == got["first"]
+    assert got["resumed_at"] == 2
+    assert got["other"] and "--resume with changed settings" in got["other"] and f"({len(docs) - 1}, sha256" in got["other"]

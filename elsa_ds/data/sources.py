@@ -6,6 +6,9 @@ report can say what it validated on. Local files: .txt/.md are one document per 
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,35 @@ LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
 
 
 FILE_NOT_MODEL = "is a file, not a model: give the folder that holds its config.json, weights and tokenizer, or a hub id"
+
+
+IN_MEMORY_FOLDER = "elsa_ds_documents_"  # the prefix of the Python API's temporary folder for documents given in memory
+IN_MEMORY_FILE = re.compile(r"documents-(\d+)-([0-9a-f]{64})\.jsonl")
+
+
+def write_documents(texts: Sequence[str], folder: Path) -> Path:
+    """Documents given in memory (the Python API) as ``folder/documents-N-SHA256.jsonl`` (one JSON object a line), for
+    the job to read as any local file; the name carries what they are (``in_memory_name``)."""
+    lines = [json.dumps({"text": text}) + "\n" for text in texts]
+    digest = hashlib.sha256("".join(lines).encode()).hexdigest()
+    path = folder / f"documents-{len(lines)}-{digest}.jsonl"
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+def in_memory_name(source: str | None) -> str | None:
+    """What the report and a resume call documents given in memory, by their count and content (the temporary file
+    they were read from is gone once the call returns: a resume with the same documents was refused for its new path,
+    an audit, 2026-12-07); None for any other source."""
+    path = Path(source or "")
+    if path.parent.name.startswith(IN_MEMORY_FOLDER) and (m := IN_MEMORY_FILE.fullmatch(path.name)):
+        return f"in-memory documents ({m.group(1)}, sha256 {m.group(2)})"
+    return None
+
+
+def source_name(source: str) -> str:
+    """A source as a report or a log line names it: documents given in memory by their count and content."""
+    return in_memory_name(source) or source
 
 
 def looks_local(source: str) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from elsa_ds.data.sources import source_name
 from elsa_ds.files.io import versions, write_json
 from elsa_ds.files.output import REPORT_NAME, layers_summary, publish, verified_layers
 from elsa_ds.log import get_logger
@@ -181,7 +182,7 @@ def sparse_export(staging: Path, layers: dict[str, dict]) -> dict[str, Any]:
 
 def _common(rec: ReportRecord) -> dict[str, Any]:
     cfg = rec.cfg
-    return {"model": cfg.model, "method": rec.method, "dataset": cfg.dataset, "sparsity": cfg.sparsity, "pattern": cfg.pattern,
+    return {"model": cfg.model, "method": rec.method, "dataset": source_name(cfg.dataset), "sparsity": cfg.sparsity, "pattern": cfg.pattern,
             "sparsity_profile": cfg.sparsity_profile, "world_size": rec.world, "deepspeed_config": rec.deepspeed,
             "deepspeed_resolved": rec.deepspeed_resolved,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
+from elsa_ds.data.sources import source_name
 from elsa_ds.errors import ElsaError
 from elsa_ds.step_profile import StepProfiler
 from elsa_ds.log import get_logger
@@ -200,12 +201,12 @@ def load_data(plan: Plan, rank: int, world: int) -> TrainingData:
     global_batch, micro = ds.train_batch_size, ds.micro_batch_size
     blocks, sampling = training_blocks(cfg.dataset, tokenizer, cfg.seqlen, cfg.steps * global_batch, cfg.sampling, cfg.seed,
                                        is_gemma(source.config()), holdout_part=cfg.val_dataset is None)
-    check_token_ids(blocks, source.config(), cfg.model, f"training data {cfg.dataset}")
+    check_token_ids(blocks, source.config(), cfg.model, f"training data {source_name(cfg.dataset)}")
     batches = GlobalBatches(blocks, global_batch, micro, world, rank, cfg.seed)
     validation = validation_windows(cfg.dataset, cfg.val_dataset, tokenizer, cfg.seqlen, cfg.ppl_protocol, source.config(),
                                     cfg.val_windows)
     readings = batches.readings(cfg.steps)
-    log.info(f"training data {cfg.dataset} ({sampling['sampling']}): {blocks.shape[0]} sequences x {cfg.seqlen} "
+    log.info(f"training data {source_name(cfg.dataset)} ({sampling['sampling']}): {blocks.shape[0]} sequences x {cfg.seqlen} "
              f"tokens; global batch {global_batch} = {micro} micro x {world} ranks x {batches.grad_accum} accumulation"
              + (f"; {cfg.steps} steps read each {readings:.1f} times" if readings > 1 else ""))
     if readings > REREAD_WARNING:  # a small folder of text and a long run: mostly repetition

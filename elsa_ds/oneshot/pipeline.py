@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elsa_ds.data import is_gemma
+from elsa_ds.data.sources import source_name
 from elsa_ds.log import get_logger
 from elsa_ds.methods import OneShot
 from elsa_ds.models import ModelSource
@@ -77,7 +78,7 @@ def prune_oneshot(cfg: ElsaConfig, method: OneShot, tokenizer, model: PreTrained
     if method.calibrated:
         calibration, how = calibration_sequences(cfg.dataset, tokenizer, cfg.nsamples, cfg.seqlen, cfg.seed, gemma=is_gemma(model.config),
                                                  holdout_part=cfg.val_dataset is None)
-        info = {"dataset": cfg.dataset, "sequences": cfg.nsamples, "seqlen": cfg.seqlen, "sampling": how}
+        info = {"dataset": source_name(cfg.dataset), "sequences": cfg.nsamples, "seqlen": cfg.seqlen, "sampling": how}
         if method is OneShot.sparsegpt:
             info.update(blocksize=cfg.blocksize, percdamp=cfg.percdamp)
         log.info(f"calibration: {how}")

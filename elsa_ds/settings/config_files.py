@@ -13,7 +13,7 @@ import regex as rx
 from pydantic import BeforeValidator, ValidationInfo
 
 from elsa_ds import json_data
-from elsa_ds.data.sources import DEMO_DATASET, looks_local
+from elsa_ds.data.sources import DEMO_DATASET, in_memory_name, looks_local
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.ownership import NAME_MAX, PATH_MAX
 from elsa_ds.targets import NamePattern
@@ -234,6 +234,8 @@ def resume_place(key: str, value: Any) -> Any:
     fingerprint, whose paths are as they were typed."""
     if key not in RESUME_PLACES or not isinstance(value, str):
         return value
+    if in_memory := in_memory_name(value):  # the Python API's documents: by their content, not the file's passing place
+        return in_memory
     try:  # a fingerprint file's value is data: "~nobody/m" or a name too long for the system is compared as written
         path = Path(value).expanduser()
         if value == DEMO_PLACE or path.parts[-3:] == ("elsa_ds", "demo", "model"):
