@@ -59,7 +59,8 @@ def prune_command(method: str, finetune: str | None, sparsity: float | None, out
     in one process. :func:`with_port` gives the launcher a free rendezvous port. bench/device/curve.py builds its cells'
     commands here too."""
     cmd = [str(ROOT / "launch" / "prune.py"), "--deepspeed", deepspeed, "--method", method, "--output_dir", str(out),
-           "--overwrite", "--val_windows", "0", "--baseline", "none"]
+           "--overwrite", "--val_windows", "0"]
+    cmd += ["--baseline", "none"] if method == "elsa" else []  # ELSA's comparison; another method reads no --baseline
     cmd += ["--sparsity", str(sparsity)] if sparsity is not None else []
     cmd += ["--finetune", finetune] if finetune else []
     cmd += ["--steps", str(steps)] if steps is not None else []

@@ -88,6 +88,32 @@ def test_a_retraining_plan_runs_its_own_steps_and_a_one_shot_plan_refuses_resume
         make_plan(cfg, resumed, ds_config)
 
 
+@pytest.mark.parametrize("given, said", [
+    ({"method": "magnitude", "lr": 1e-3, "steps": 10, "lora_rank": 4, "nsamples": 8, "baseline": "none", "seed": 3},
+     ["--steps, --lr (method magnitude without --finetune trains nothing)", "--lora_rank (they shape --finetune lora's",
+      "--nsamples (magnitude pruning reads no calibration data)", "--baseline (it is the model ELSA's"]),
+    ({"method": "wanda", "finetune": "full", "finetune_steps": 3, "steps": 50, "lora_alpha": 8.0, "nsamples": 4, "percdamp": 0.5},
+     ["--steps (--finetune_steps counts", "--lora_alpha (", "--percdamp (Wanda's pass has no blocks"]),
+    ({"steps": 8, "interval": 2, "keep_checkpoints": 5, "val_windows": 0, "val_dataset": "shakespeare", "eval_include_path": "."},
+     ["--keep_checkpoints (no checkpoint is written", "--val_dataset (--val_windows 0", "--eval_include_path (it holds"]),
+    ({"method": "sparsegpt", "nsamples": 8, "blocksize": 64, "percdamp": 0.1, "seqlen": 64, "val_windows": 4}, []),
+    ({"method": "magnitude", "finetune": "lora", "steps": 8, "lr": 1e-4, "lora_rank": 4, "save_interval": 4, "keep_checkpoints": 1}, []),
+    ({"steps": 8, "nsamples": 8, "blocksize": 64, "lr": 1e-3, "save_interval": 4, "keep_checkpoints": 1}, []),
+])
+def test_settings_given_that_the_job_does_not_read_are_said(tmp_path, monkeypatch, caplog, given, said):
+    """An audit (2026-12-07): a one-shot job took --lr, --steps, --lora_rank and --blocksize without a word (its report
+    recording them as if used), a retraining job's --steps vanished beside --finetune_steps. Said as one warning (scripts
+    pass one flag set to every method); a job that reads all it is given says nothing."""
+    import logging
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    opts = JobOptions(deepspeed="zero3_offload", output_dir=tmp_path / "out")
+    with caplog.at_level(logging.WARNING, logger="elsa_ds"):
+        read_settings(opts, given)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("not read by this job")]
+    assert len(lines) == (1 if said else 0) and all(part in lines[0] for part in said), lines
+
+
 def test_a_finished_run_is_this_job_when_only_the_rule_s_values_or_newer_settings_differ(tmp_path):
     """--resume_if_any over a finished run (``plan/finished.py``): the same settings are nothing to do; a value the
     defaults rule filled in for both runs is the same command's (the rule may have changed since: an upgrade, a

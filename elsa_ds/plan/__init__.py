@@ -21,7 +21,7 @@ from elsa_ds.models import ModelSource, config_json, shipped_config
 from elsa_ds.plan.checks import before_work, builds_engine, model_source
 from elsa_ds.plan.defaults_applied import apply_defaults
 from elsa_ds.settings.config import ElsaConfig, load_recipe, resolve_config
-from elsa_ds.settings.config_checks import refuse_unread_elsa_settings
+from elsa_ds.settings.config_checks import refuse_unread_elsa_settings, unread_settings
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
@@ -78,6 +78,8 @@ def elsa_settings(ds_config: DsConfig, deepspeed: str, recipe: str | None, given
     cfg = resolve_config(ds_config.raw, given, source=deepspeed, recipe=settings, recipe_source=f"recipe {recipe}",
                          given_as="the command line" if spelt else "the arguments")
     refuse_unread_elsa_settings(cfg, given, spelt)
+    if launch_env.writes() and (unread := unread_settings(cfg, given, spelt)):
+        log.warning(unread)
     from_recipe = settings or {}
     if from_recipe and launch_env.writes():  # where each value came from (the resolved config has no say)
         block = ds_config.raw.get("elsa", {})

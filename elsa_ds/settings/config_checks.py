@@ -12,7 +12,8 @@ What the run cannot do as asked is refused; what it can do, only oddly, is said 
 - ``select_every`` beyond the projections the run makes: nothing is scored but the end: a warning;
 - ``save_interval`` ≥ ``steps``: no checkpoint is ever written: a warning.
 
-``refuse_unread_elsa_settings``: ELSA's own settings passed explicitly with another method, which would not read them.
+``refuse_unread_elsa_settings``: ELSA's own settings passed explicitly with another method, which would not read them;
+``unread_settings``: any other setting passed explicitly that the job does not read, said as a warning.
 """
 from __future__ import annotations
 
@@ -161,6 +162,46 @@ def refuse_unread_elsa_settings(cfg: Any, given: dict[str, Any], prefix: str) ->
     one = len(stray) == 1
     raise ElsaError(f"{', '.join(stray)} shape{'s' if one else ''} ELSA's ADMM run; with method {cfg.method.value} nothing "
                     f"reads {'it' if one else 'them'}: drop {'it' if one else 'them'} (or use method elsa)")
+
+
+# what only a training job reads (ELSA, or --finetune): a one-shot job's pass trains nothing
+TRAINING = ("steps", "batch_size", "micro_batch", "sampling", "base_optimizer", "lr", "lr_final_ratio", "warmup_steps",
+            "betas", "eps", "weight_decay", "gradient_checkpointing", "freeze_embeddings", "leaf_layers", "save_interval",
+            "keep_checkpoints", "log_interval")
+CALIBRATION = ("nsamples", "blocksize", "percdamp")
+CALIBRATION_READ = {"sparsegpt": CALIBRATION, "wanda": ("nsamples",), "magnitude": (), "dense": ()}  # by each method
+CALIBRATION_WHY = {"wanda": "Wanda's pass has no blocks or dampening (SparseGPT's)", "magnitude": "magnitude pruning reads no "
+                   "calibration data", "dense": "the dense control prunes nothing"}
+
+
+def unread_settings(cfg: Any, given: dict[str, Any], prefix: str) -> str | None:
+    """A warning naming the settings ``given`` explicitly that this job does not read, and why; None when it reads them
+    all. Said, not refused: scripts pass one set of flags to every method (an audit, 2026-12-07: a one-shot job took
+    --lr, --steps, --lora_rank and --blocksize without a word, and recorded them in its report as if used). ELSA's own
+    settings with another method are refused (``refuse_unread_elsa_settings``)."""
+    def named(*keys: str) -> list[str]:
+        return [f"{prefix}{k}" for k in keys if given.get(k) is not None]
+
+    method, finetune = cfg.method.value, cfg.finetune.value if cfg.finetune is not None else None
+    unread: list[tuple[list[str], str]] = []
+    if method != Method.elsa.value and finetune is None:
+        unread.append((named(*TRAINING), f"method {method} without {prefix}finetune trains nothing"))
+    elif finetune is not None and given.get("finetune_steps") is not None:
+        unread.append((named("steps"), f"{prefix}finetune_steps counts the retraining's steps"))
+    if finetune != "lora":
+        unread.append((named("lora_rank", "lora_alpha"), f"they shape {prefix}finetune lora's adapters"))
+    if method in CALIBRATION_WHY:  # ELSA reads them for a warm start the defaults rule may choose
+        unread.append((named(*(k for k in CALIBRATION if k not in CALIBRATION_READ[method])), CALIBRATION_WHY[method]))
+    if method != Method.elsa.value:
+        unread.append((named("baseline"), "it is the model ELSA's perplexity is compared with"))
+    if not cfg.eval_tasks:
+        unread.append((named("eval_include_path"), f"it holds task definitions for {prefix}eval_tasks"))
+    if not cfg.val_windows:
+        unread.append((named("val_dataset"), f"{prefix}val_windows 0 scores no validation windows"))
+    if not cfg.save_interval and (method == Method.elsa.value or finetune is not None):
+        unread.append((named("keep_checkpoints"), f"no checkpoint is written without {prefix}save_interval"))
+    said = [f"{', '.join(keys)} ({why})" for keys, why in unread if keys]
+    return f"not read by this job, so without effect: {'; '.join(said)}" if said else None
 
 
 def not_a_percentage(v: Any) -> Any:
