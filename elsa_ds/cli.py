@@ -288,7 +288,7 @@ def main_evaluate(argv: list[str] | None = None) -> int:
         from elsa_ds.files.io import write_atomic
         from elsa_ds.files.output import made_folders
         from elsa_ds.files.ownership import owned
-        from elsa_ds.jobs.evaluate import check_new_files, check_settings, run
+        from elsa_ds.jobs.evaluate import check_flags_read, check_new_files, check_settings, run
 
         if args.compare:
             check_new_files({"--markdown": args.markdown}, bool(args.overwrite))
@@ -304,6 +304,7 @@ def main_evaluate(argv: list[str] | None = None) -> int:
 
         check_switches()  # the decode's and DeepSpeed's switches, before a model loads
         settings = validated(EvalSettings, {k: v for k in _cli_fields(EvalSettings) if (v := getattr(args, k)) is not None})
+        check_flags_read(settings)  # the command line's: a job's own --eval_* passes what it has
         check_settings(settings)  # again under the lock, by run: a refusal for the path itself comes first
         with made_folders([settings.output, settings.markdown]), owned(settings.output, "--output"), \
                 owned(settings.markdown, "--markdown"):

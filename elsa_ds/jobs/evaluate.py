@@ -306,6 +306,27 @@ def run(s: EvalSettings) -> dict[str, Any]:
 SCORING_ONLY = frozenset({"seqlen", "ppl_protocol", "batch_size", "limit", "dtype", "device_map", "offload_folder", "include_path"})
 
 
+# which evaluation reads each flag, beside its default (--speed's own check names the scoring flags it does not read)
+READ_BY = {"speed_prompt": "--speed", "speed_steps": "--speed", "speed_rounds": "--speed", "seqlen": "--ppl",
+           "ppl_protocol": "--ppl", "batch_size": "--ppl and --tasks", "limit": "--ppl and --tasks", "include_path": "--tasks",
+           "offload_folder": "--device_map auto"}
+
+
+def check_flags_read(s: EvalSettings) -> None:
+    """ElsaError naming a flag given for an evaluation this command does not run (an audit, 2026-12-07: --speed_rounds
+    without --speed, --include_path without --tasks, --seqlen without --ppl were taken without a word)."""
+    if s.speed:
+        return
+    runs = {"--speed": False, "--ppl": bool(s.ppl), "--tasks": bool(s.tasks), "--ppl and --tasks": bool(s.ppl or s.tasks),
+            "--device_map auto": s.device_map is not None}
+    fields = EvalSettings.model_fields
+    unread = [f"--{k} (read by {by})" for k, by in READ_BY.items()
+              if not runs[by] and getattr(s, k) != fields[k].get_default(call_default_factory=True)]
+    if unread:
+        raise ElsaError(f"given for an evaluation this command does not run: {', '.join(unread)}; add what reads "
+                        f"{'it' if len(unread) == 1 else 'them'}, or drop {'it' if len(unread) == 1 else 'them'}")
+
+
 def run_speed(s: EvalSettings, started: float) -> dict[str, Any]:
     """--speed: dense mode against sparse mode (elsa_ds.sparse.speed.speed_report) at batch 1 and 8, table and JSON; on
     the GPU when there is one, as the other evaluations."""

@@ -61,6 +61,10 @@ def _run(settings: CompressSettings) -> None:
     if settings.verify:
         if settings.output is not None:
             raise ElsaError("--verify takes one folder, the sparse checkpoint to check")
+        fields = CompressSettings.model_fields  # an audit (2026-12-07): taken without a word, read by nothing
+        if written := [f"--{k}" for k in ("min_sparsity", "max_shard_size", "overwrite") if getattr(settings, k) != fields[k].default]:
+            raise ElsaError(f"{', '.join(written)} shape{'s' if len(written) == 1 else ''} a checkpoint being written; --verify "
+                            f"only reads one: drop {'it' if len(written) == 1 else 'them'}")
         log.info("%s: every tensor reads and checks: %s", settings.input, json.dumps(verify(settings.input)))
         return
     if settings.output is None:

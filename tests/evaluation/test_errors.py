@@ -43,3 +43,19 @@ def test_compare_unreadable(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     _fails(["--compare", str(bad), str(tmp_path / "missing.json")], "bad.json", "not a readable JSON")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--speed_rounds", "9", "--speed_prompt", "7"], ["--speed_prompt (read by --speed)", "--speed_rounds (read by --speed)"]),
+    (["--ppl", "shakespeare", "--include_path", "."], ["--include_path (read by --tasks)"]),
+    (["--seqlen", "128", "--batch_size", "4"], ["--seqlen (read by --ppl)", "--batch_size (read by --ppl and --tasks)"]),
+    (["--ppl", "shakespeare", "--offload_folder", "."], ["--offload_folder (read by --device_map auto)"]),
+])
+def test_a_flag_for_an_evaluation_the_command_does_not_run_is_refused(tmp_path, capsys, args, needles):
+    """An audit (2026-12-07): elsa-evaluate took --speed_rounds without --speed, --include_path without --tasks, --seqlen
+    without --ppl and printed the sparsity table alone, as if they had been used. Refused before the model is read."""
+    from elsa_ds.cli import main_evaluate
+
+    assert main_evaluate(["--model", str(tmp_path / "never read"), *args]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("elsa_ds: error")]
+    assert "does not run" in line and all(n in line for n in needles), line

@@ -243,6 +243,9 @@ def test_the_command_lines_give_one_line_for_a_tampered_checkpoint(tiny_sparse_d
     flipped = _copy(tiny_sparse_dir, tmp_path, "flipped")
     _flip_last_byte(_shard(flipped, -1))
     run_fails("compress.py", ["--verify", str(flipped)], "does not match its recorded checksum")
+    # flags of a checkpoint being written, which --verify would not read (an audit, 2026-12-07: taken without a word)
+    run_fails("compress.py", ["--verify", str(flipped), "--min_sparsity", "0.9", "--overwrite"], "--min_sparsity, --overwrite",
+              "--verify only reads one")
     entry = _copy(tiny_sparse_dir, tmp_path, "entry")
     TAMPERED["entry_not_a_dict"][0](entry)
     run_fails("evaluate.py", ["--model", str(entry), "--speed"], "expected an object, found str")
