@@ -45,6 +45,16 @@ def test_the_run_names_the_end_of_run_evaluation_it_leaves_out():
     assert "the end-of-run evaluation (--eval_ppl, --eval_tasks)" in evaluated.uncounted
 
 
+def test_selection_adds_a_validation_pass_for_each_projection_it_scores():
+    """--select_every 1 doubled a demo run's wall time while its expected time stayed the same (an audit, 2026-12-07):
+    each scored projection is one more pass over the validation windows."""
+    plain, _ = _timed(steps=100, interval=10)
+    scored, _ = _timed(steps=100, interval=10, select_every=3)
+    assert plain.run_parts["selection"] == 0
+    assert scored.run_parts["selection"] == pytest.approx(scored.run_parts["validation"])  # (99 // 10) // 3 passes, as its 3
+    assert scored.run_s - plain.run_s == pytest.approx(scored.run_parts["selection"])
+
+
 def test_checkpoints_add_their_writes_to_the_run():
     """--save_interval's checkpoints were not in the run's hours (Gemma-2-27B at 256: 15 saves of 507 GiB, ~27 min on a
     typical server's disk). Each save writes one checkpoint's bytes, a node its ranks' share; the last step saves none."""
