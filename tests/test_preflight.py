@@ -474,3 +474,13 @@ def test_a_job_too_large_is_told_of_memory_before_a_hub_dataset_it_cannot_fetch(
     errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
     assert proc.returncode == 2 and len(errors) == 1 and "host memory" in errors[0], proc.stderr[-3000:]
     assert "c4" not in errors[0] and not (tmp_path / "out").exists()  # a job that fits is told of c4: test_prune_errors
+
+
+def test_a_one_shot_refusal_sized_by_the_validation_windows_says_so(tmp_path):
+    """An audit (2026-12-07): --val_windows 100000 was refused for ~98 GiB with only "prune with ELSA ... or a machine with
+    more memory" to do, while the text gave 259 windows and the job ran in a minute. The refusal names the setting."""
+    from tests.conftest import run_fails
+
+    line = run_fails("prune.py", ["--deepspeed", "zero3_offload", "--method", "magnitude", "--val_windows", "1000000",
+                                  "--seqlen", "512", "--output_dir", str(tmp_path / "out")], "host memory", "--val_windows 1000000 takes")  # ~1 TB: refused anywhere
+    assert "lower it" in line and not (tmp_path / "out").exists()
