@@ -120,6 +120,14 @@ def test_the_rule_takes_a_profiles_ratios_not_the_sparsity_they_replace(tmp_path
     assert record["inputs"]["sparsity"] == pytest.approx((0.95 * in_mlp + 0.5 * (sum(sizes.values()) - in_mlp)) / sum(sizes.values()))
 
 
+def test_the_demo_profile_leaves_a_deepspeed_json_its_own_micro_batch():
+    """An audit (2026-12-07): a JSON's train_micro_batch_size_per_gpu 2 became the demo profile's 4 without a word."""
+    own = resolve_config({"train_micro_batch_size_per_gpu": 2}, {"model": str(DEMO_MODEL_DIR)})
+    auto = resolve_config({"train_micro_batch_size_per_gpu": "auto"}, {"model": str(DEMO_MODEL_DIR)})
+    given = resolve_config({"train_micro_batch_size_per_gpu": 2}, {"model": str(DEMO_MODEL_DIR), "micro_batch": 8})
+    assert (own.micro_batch, auto.micro_batch, given.micro_batch) == (None, 4, 8) and own.seqlen == auto.seqlen == 256
+
+
 def test_recipe_and_json_block_count_as_set():
     cfg = resolve_config({"elsa": {"lmda": 0.07}}, {"model": str(DEMO_MODEL_DIR)}, recipe={"lr": 1e-5, "lmda_schedule": "linear"})
     cfg, record = apply_defaults(cfg, load_config(str(DEMO_MODEL_DIR)))

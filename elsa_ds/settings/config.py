@@ -392,7 +392,9 @@ def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the Deep
     check_each_source(ElsaConfig, [(recipe_source, recipe or {}), (f'the "elsa" block of {source}', block)])
     merged = {**(recipe or {}), **block, **given}
     if not name_problem(model := str(merged.get("model", DEMO_MODEL_DIR))) and Path(model).expanduser().resolve() == DEMO_MODEL_DIR:
-        merged = {**DEMO_PROFILE, **merged}
+        # the JSON's own micro batch over the profile's (an audit, 2026-12-07: its 2 became the profile's 4 unsaid)
+        own = ds_config.get("train_micro_batch_size_per_gpu", "auto") != "auto"
+        merged = {**{k: v for k, v in DEMO_PROFILE.items() if not (own and k == "micro_batch")}, **merged}
     try:
         return ElsaConfig(**merged)
     except ValidationError as err:
