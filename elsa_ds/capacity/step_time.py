@@ -216,11 +216,10 @@ def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, d
     forward = timed.forward_s if timed else max(
         (2 * p_mm + 4 * cfg.seqlen * shape.hidden * shape.layers) * micro * cfg.seqlen / flop_rate,
         _fetch_bytes(shape, job) / 2 / rates.h2d if device == "cuda" else 0.0)
-    parts = {"steps": cfg.steps * step_s,
-             "first projection": first_projection,              # z₀ = Π(x)
+    scored = ((cfg.steps - 1) // cfg.interval) // cfg.select_every if cfg.select_every else 0  # --select_every's, at most
+    parts = {"steps": cfg.steps * step_s, "first projection": first_projection,  # z₀ = Π(x)
              "validation": 3 * -(-windows // micro) * forward,    # the dense model, the start, the end
-             # --select_every: each scored projection is one more pass (an audit, 2026-12-07: it doubled a run unsaid)
-             "selection": _scored(cfg) * -(-windows // micro) * forward,
+             "selection": scored * -(-windows // micro) * forward,  # an audit (2026-12-07): it doubled a run unsaid
              "load and export": 2 * job.half * shape.num_params / rates.disk,
              # --save_interval: every rank writes its partition of each checkpoint, a node its ranks' share
              "checkpoints": _saves(cfg) * checkpoint_tag_bytes(shape, cfg, job.half) / num_nodes / rates.disk}
@@ -229,12 +228,6 @@ def step_time(shape: ModelShape, ds: dict, cfg, num_gpus: int, num_nodes: int, d
     return StepTime(components=components, step_s=step_s, steps=cfg.steps, interval=cfg.interval,
                     run_s=sum(parts.values()), run_parts=parts, rates=rates.to_dict(), uncounted=uncounted,
                     timed=timed.to_dict() if timed else None, optimizer_timed=optimizer.to_dict() if optimizer else None)
-
-
-def _scored(cfg) -> int:
-    """Projections --select_every scores, at most (--select_patience may stop the run before): every select_every-th of
-    those before the end, whose own score is the end's validation."""
-    return ((cfg.steps - 1) // cfg.interval) // cfg.select_every if cfg.select_every else 0
 
 
 def _saves(cfg) -> int:

@@ -21,7 +21,8 @@ from elsa_ds.oneshot.layerwise import capture, run_layer, stubbed
 from elsa_ds.oneshot.masks import magnitude_mask
 from elsa_ds.oneshot.sparsegpt import Hessian, sparsify_weight
 from elsa_ds.oneshot.wanda import InputNorms, wanda_mask
-from elsa_ds.targets import LayerGoal, decoder_layer_list
+from elsa_ds.admm.projection import keep_count
+from elsa_ds.targets import LayerGoal, decoder_layer_list, goal_ratio
 
 log = get_logger(__name__)
 
@@ -59,6 +60,7 @@ def prune_model(model: torch.nn.Module, method: OneShot | str, goals: dict[str, 
         raise ElsaError(f"one-shot method {method.value} has no statistics and pruning function in oneshot.methods.CALIBRATED")
     model.eval()
     per_layer = _linears_by_layer(model, list(goals))
+    _check_not_sparser(per_layer, goals)
     if not method.calibrated:
         return _prune_magnitude(per_layer, goals)
     if calibration is None or calibration.shape[0] == 0:
@@ -75,6 +77,20 @@ def prune_model(model: torch.nn.Module, method: OneShot | str, goals: dict[str, 
     log.info(f"{method.value}: {len(masks)} layers pruned with {calibration.shape[0]} calibration sequences of "
              f"{calibration.shape[1]} tokens in {time.time() - started:.1f} s")
     return masks
+
+
+def _check_not_sparser(per_layer: list[dict[str, torch.nn.Linear]], goals: dict[str, LayerGoal]) -> None:
+    """ElsaError when a weight already holds more zeros than its goal leaves: every method keeps its k largest scores, a
+    zero among them, and the export then misses its exact count (an audit, 2026-12-07: a 70 % model pruned to 50 % was
+    refused as "export is incomplete" after the whole pass)."""
+    for linears in per_layer:
+        for name, linear in linears.items():
+            numel = linear.weight.numel()
+            zeros, allowed = numel - int(torch.count_nonzero(linear.weight)), numel - keep_count(numel, goal_ratio(goals[name]))
+            if zeros > allowed:
+                raise ElsaError(f"the model's {name} already holds {zeros:,} zeros ({zeros / numel:.1%}), more than its goal "
+                                f"{goals[name]} leaves ({allowed:,}): a pruned model can be pruned further, not less; ask for "
+                                f"at least {zeros / numel:.1%} there (--sparsity, --sparsity_profile), or start from the dense model")
 
 
 def _prune_magnitude(per_layer: list[dict[str, torch.nn.Linear]], goals: dict[str, LayerGoal]) -> dict[str, torch.Tensor]:

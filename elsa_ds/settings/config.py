@@ -383,8 +383,7 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
 
 def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the DeepSpeed JSON", recipe: dict[str, Any] | None = None,
                    recipe_source: str = "the recipe", given_as: str = "the command line") -> ElsaConfig:
-    """Merge defaults, demo profile, a recipe's settings, the JSON ``elsa`` block and command-line values (None = not
-    given); each source's own settings are checked first and blamed on it."""
+    """Merge defaults, the demo's profile, a recipe, the JSON's ``elsa`` block and the command line (None: not given)."""
     block = ds_config.get("elsa", {})
     if not isinstance(block, dict):
         raise ElsaError(f'"elsa" in {source} must be a JSON object')
@@ -392,8 +391,7 @@ def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the Deep
     check_each_source(ElsaConfig, [(recipe_source, recipe or {}), (f'the "elsa" block of {source}', block)])
     merged = {**(recipe or {}), **block, **given}
     if not name_problem(model := str(merged.get("model", DEMO_MODEL_DIR))) and Path(model).expanduser().resolve() == DEMO_MODEL_DIR:
-        # the JSON's own micro batch over the profile's (an audit, 2026-12-07: its 2 became the profile's 4 unsaid)
-        own = ds_config.get("train_micro_batch_size_per_gpu", "auto") != "auto"
+        own = ds_config.get("train_micro_batch_size_per_gpu", "auto") != "auto"  # the JSON's over the profile's (an audit)
         merged = {**{k: v for k, v in DEMO_PROFILE.items() if not (own and k == "micro_batch")}, **merged}
     try:
         return ElsaConfig(**merged)

@@ -103,3 +103,16 @@ def test_every_calibrated_method_has_one_registry_entry_and_none_falls_into_anot
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ElsaError, match="wanda has no statistics"):
         prune_model(model, "wanda", {}, torch.zeros(1, 4, dtype=torch.long), torch.device("cpu"))
+
+
+def test_a_weight_already_sparser_than_its_goal_is_refused_before_the_pass(tiny_model_dir):
+    """An audit (2026-12-07): a 70 % model pruned to 50 % ran the whole pass, then was refused as "export is incomplete"
+    (every method keeps its k largest scores, zeros among them). Said first, naming the layer; as sparse as the goal runs."""
+    model, _ = _model(tiny_model_dir)
+    name = "model.layers.1.mlp.up_proj.weight"
+    w = model.model.layers[1].mlp.up_proj.weight.data
+    w.view(-1)[: round(0.7 * w.numel())] = 0.0
+    with pytest.raises(ElsaError, match=rf"{name} already holds .* \(70\.0%\), more than its goal 0\.5 leaves"):
+        prune_model(model, "magnitude", {name: 0.5}, None, torch.device("cpu"))
+    masks = prune_model(model, "magnitude", {name: 0.7}, None, torch.device("cpu"))
+    assert int((~masks[name]).sum()) == round(0.7 * w.numel())
