@@ -129,7 +129,7 @@ def _dataset_name(dataset: Dataset, tmp: Path) -> str | None:
     """A source name or path as is; in-memory documents written into ``tmp`` (``data.sources.write_documents``)."""
     if dataset is None or isinstance(dataset, str):  # a path is a str by now (_fspath)
         return None if dataset is None else str(dataset)
-    return str(write_documents(list(_texts(dataset)), tmp))
+    return str(write_documents(_texts(dataset), tmp))
 
 
 def _texts(dataset: Any) -> Iterable[str]:

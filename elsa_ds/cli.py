@@ -302,7 +302,7 @@ def main_evaluate(argv: list[str] | None = None) -> int:
             return
         from elsa_ds.plan.switches import check_switches
 
-        check_switches()  # the decode's and DeepSpeed's switches, before a model loads
+        check_switches(deepspeed=False)  # the decode's switches, before a model loads (no DeepSpeed here)
         settings = validated(EvalSettings, {k: v for k in _cli_fields(EvalSettings) if (v := getattr(args, k)) is not None})
         check_flags_read(settings)  # the command line's: a job's own --eval_* passes what it has
         check_settings(settings)  # again under the lock, by run: a refusal for the path itself comes first

@@ -103,6 +103,8 @@ docs = json.load(open({str(tmp_path / 'docs.json')!r}))
 kw = dict(output_dir={str(tmp_path / 'out')!r}, deepspeed={str(ds)!r}, **{{**{SETTINGS!r}, "steps": 4, "interval": 2}}, save_interval=2)
 first = elsa_ds.prune({str(tiny_model_dir)!r}, docs, **kw)
 again = elsa_ds.prune({str(tiny_model_dir)!r}, docs, resume=True, **kw)
+done = elsa_ds.prune({str(tiny_model_dir)!r}, docs, resume_if_any=True, **kw)  # finished: nothing to do, the same run
+assert done["config"]["dataset"] == again["dataset"] and done["wall_s"] == again["wall_s"], (done["config"]["dataset"], again)
 try:
     elsa_ds.prune({str(tiny_model_dir)!r}, docs[1:], resume=True, **kw)
     other = None

@@ -94,8 +94,10 @@ def test_a_retraining_plan_runs_its_own_steps_and_a_one_shot_plan_refuses_resume
       "--nsamples (magnitude pruning reads no calibration data)", "--baseline (it is the model ELSA's"]),
     ({"method": "wanda", "finetune": "full", "finetune_steps": 3, "steps": 50, "lora_alpha": 8.0, "nsamples": 4, "percdamp": 0.5},
      ["--steps (--finetune_steps counts", "--lora_alpha (", "--percdamp (Wanda's pass has no blocks"]),
-    ({"steps": 8, "interval": 2, "keep_checkpoints": 5, "val_windows": 0, "val_dataset": "shakespeare", "eval_include_path": "."},
-     ["--keep_checkpoints (no checkpoint is written", "--val_dataset (--val_windows 0", "--eval_include_path (it holds"]),
+    ({"steps": 8, "interval": 2, "keep_checkpoints": 5, "eval_include_path": "."},
+     ["--keep_checkpoints (no checkpoint is written", "--eval_include_path (it holds"]),
+    # --val_dataset decides whether --dataset keeps a held-out part, --batch_size resolves the JSON's batch: both read
+    ({"method": "magnitude", "val_windows": 0, "val_dataset": "shakespeare", "batch_size": 4, "micro_batch": 2}, []),
     ({"method": "sparsegpt", "nsamples": 8, "blocksize": 64, "percdamp": 0.1, "seqlen": 64, "val_windows": 4}, []),
     ({"method": "magnitude", "finetune": "lora", "steps": 8, "lr": 1e-4, "lora_rank": 4, "save_interval": 4, "keep_checkpoints": 1}, []),
     ({"steps": 8, "nsamples": 8, "blocksize": 64, "lr": 1e-3, "save_interval": 4, "keep_checkpoints": 1}, []),

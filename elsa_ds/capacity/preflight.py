@@ -271,6 +271,6 @@ def check_oneshot(shape: ModelShape, cfg, opts, element: int) -> None:
     if memory and cfg.val_windows > cfg.nsamples:  # the windows asked, not the fewer a text may give (an audit, 2026-12-07)
         fewer = oneshot_host_bytes(shape, cfg.method.value, cfg.model_copy(update={"val_windows": cfg.nsamples}), cuda)
         if (part := needs[0].need - fewer) > needs[0].need / 10:
-            hint = (f"--val_windows {cfg.val_windows} takes {part / 2 ** 30:.1f} GiB of it (each window's activations, layer by "
+            hint = (f"--val_windows {cfg.val_windows} adds {part / 2 ** 30:.1f} GiB to it (each window's activations, layer by "
                     f"layer, sized for every window asked; a text may give fewer): lower it, or {hint}")
     judge(needs, hint, opts.ignore_memory_check, launch_env.rank())

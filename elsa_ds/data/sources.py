@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, overload
@@ -30,14 +30,17 @@ IN_MEMORY_FOLDER = "elsa_ds_documents_"  # the prefix of the Python API's tempor
 IN_MEMORY_FILE = re.compile(r"documents-(\d+)-([0-9a-f]{64})\.jsonl")
 
 
-def write_documents(texts: Sequence[str], folder: Path) -> Path:
+def write_documents(texts: Iterable[str], folder: Path) -> Path:
     """Documents given in memory (the Python API) as ``folder/documents-N-SHA256.jsonl`` (one JSON object a line), for
     the job to read as any local file; the name carries what they are (``in_memory_name``)."""
-    lines = [json.dumps({"text": text}) + "\n" for text in texts]
-    digest = hashlib.sha256("".join(lines).encode()).hexdigest()
-    path = folder / f"documents-{len(lines)}-{digest}.jsonl"
-    path.write_text("".join(lines), encoding="utf-8")
-    return path
+    digest, count, part = hashlib.sha256(), 0, folder / "documents.partial"
+    with part.open("w", encoding="utf-8") as fh:  # one document at a time: the caller's list is the only whole copy
+        for text in texts:
+            line = json.dumps({"text": text}) + "\n"
+            digest.update(line.encode())
+            fh.write(line)
+            count += 1
+    return part.rename(folder / f"documents-{count}-{digest.hexdigest()}.jsonl")
 
 
 def in_memory_name(source: str | None) -> str | None:

@@ -96,7 +96,7 @@ class OneShotJob:
         self.phases.mark("validation")
         self.state.dense_ppl = self._ppl(host)
         self.phases.mark("prune")
-        self.state.result = prune_oneshot(self.cfg, self.method, host.tokenizer, host.model)
+        self.state.result = prune_oneshot(self.cfg, self.method, host.tokenizer, host.model, exact=True)
         round_to(host.model, self.saved)  # the perplexity of the weights the output holds
         self.phases.mark("validation")
         self.state.pruned_ppl = self._ppl(host)

@@ -187,7 +187,7 @@ def _common(rec: ReportRecord) -> dict[str, Any]:
             "deepspeed_resolved": rec.deepspeed_resolved,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
             "loss_path": loss_taken(),  # the training loss's: "fused" (the Triton kernel), "chunked" (torch)
-            "config": cfg.model_dump(mode="json"), "versions": versions()}
+            "config": {**cfg.model_dump(mode="json"), "dataset": source_name(cfg.dataset)}, "versions": versions()}
 
 
 def _validation(d: dict[str, Any]) -> dict[str, Any]:
@@ -245,7 +245,7 @@ def _say_selection(result: dict[str, Any]) -> None:
 def worse_than_start(result: dict[str, Any], who: str = "ELSA") -> str:
     """What to change when ELSA (or a retraining run) ended above the perplexity of the pruned model it started from:
     its lr, first."""
-    lr, steps = result["config"]["lr"], result["steps"]
+    lr, steps = result["config"]["lr"], result.get("planned_steps", result["steps"])  # the schedule's, an early stop's too
     applied = (result.get("defaults") or {}).get("applied", {})
     whose = "the defaults rule's" if "lr" in applied else "your"
     # a user's walk: a user's lr keeps the paper's dense start, which the rule's pruned start beats at short budgets

@@ -47,11 +47,12 @@ def _linears_by_layer(model: torch.nn.Module, names: list[str]) -> list[dict[str
 
 @torch.no_grad()
 def prune_model(model: torch.nn.Module, method: OneShot | str, goals: dict[str, LayerGoal], calibration: torch.Tensor | None,
-                device: torch.device, blocksize: int = 128, percdamp: float = 0.01) -> dict[str, torch.Tensor]:
+                device: torch.device, blocksize: int = 128, percdamp: float = 0.01, exact: bool = False) -> dict[str, torch.Tensor]:
     """Prune ``model`` in place with ``method``; returns the keep-mask of every pruned weight (on the CPU).
 
     ``goals`` maps each pruned weight's parameter name to its sparsity or N:M pattern; ``calibration``
-    [n, seqlen] token ids are needed by wanda and sparsegpt.
+    [n, seqlen] token ids are needed by wanda and sparsegpt. ``exact``: the pruned weights are the export (the one-shot
+    job), so a weight already sparser than its goal is refused first (a warm start's or a retrained mask's zeros train away).
     """
     from tqdm import tqdm
 
@@ -60,7 +61,8 @@ def prune_model(model: torch.nn.Module, method: OneShot | str, goals: dict[str, 
         raise ElsaError(f"one-shot method {method.value} has no statistics and pruning function in oneshot.methods.CALIBRATED")
     model.eval()
     per_layer = _linears_by_layer(model, list(goals))
-    _check_not_sparser(per_layer, goals)
+    if exact:
+        _check_not_sparser(per_layer, goals)
     if not method.calibrated:
         return _prune_magnitude(per_layer, goals)
     if calibration is None or calibration.shape[0] == 0:

@@ -69,8 +69,9 @@ class OneShotResult:
     seconds: float
 
 
-def prune_oneshot(cfg: ElsaConfig, method: OneShot, tokenizer, model: PreTrainedModel) -> OneShotResult:
-    """Prune ``model`` (in host memory) with ``method`` to ``cfg``'s sparsity, pattern or profile."""
+def prune_oneshot(cfg: ElsaConfig, method: OneShot, tokenizer, model: PreTrainedModel, exact: bool = False) -> OneShotResult:
+    """Prune ``model`` (in host memory) with ``method`` to ``cfg``'s sparsity, pattern or profile (``exact``: the export
+    is this model, ``prune_model``'s)."""
     weights = dict(model.named_parameters())
     names = list(select_targets(model, cfg.targets).values())
     goals = cfg.layer_goals({name: tuple(weights[name].shape) for name in names})
@@ -83,7 +84,7 @@ def prune_oneshot(cfg: ElsaConfig, method: OneShot, tokenizer, model: PreTrained
             info.update(blocksize=cfg.blocksize, percdamp=cfg.percdamp)
         log.info(f"calibration: {how}")
     started = time.time()
-    masks = prune_model(model, method, goals, calibration, accelerator(), cfg.blocksize, cfg.percdamp)
+    masks = prune_model(model, method, goals, calibration, accelerator(), cfg.blocksize, cfg.percdamp, exact)
     return OneShotResult(model, masks, goals, info, time.time() - started)
 
 

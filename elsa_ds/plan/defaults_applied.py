@@ -49,7 +49,7 @@ def _pruned_ratio(cfg: ElsaConfig, meta: torch.nn.Module) -> float:
     a 70 % run's λ and schedule for a 90 % one, an audit, 2026-12-07)."""
     if not cfg.sparsity_profile:
         return goal_ratio(cfg.goal)
-    weights = dict(meta.named_parameters())
+    weights = dict(meta.named_parameters(remove_duplicate=False))  # a tied lm_head as a target too (check_goals's way)
     shapes = {name: tuple(weights[name].shape) for name in select_targets(meta, cfg.targets).values()}
     return overall_ratio(cfg.layer_goals(shapes), shapes)
 

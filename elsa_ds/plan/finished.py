@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from elsa_ds import json_data
+from elsa_ds.data.sources import source_name
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import REPORT_NAME, check_output_path
 from elsa_ds.plan import planned_settings
@@ -37,6 +38,9 @@ def finished_run(cfg: ElsaConfig, opts: JobOptions) -> tuple[dict[str, Any], Els
                         "replaces the finished run, or choose another --output_dir")
     then = {"world_size": report.get("world_size"), "export_format": "sparse" if "export" in report else "dense",
             **{k: v for k, v in _field_defaults().items() if k not in config}, **config}
+    for settings in (then, now):  # documents given in memory by their content (the report's way), not a passing file
+        if isinstance(settings.get("dataset"), str):
+            settings["dataset"] = source_name(settings["dataset"])
     ruled = set(_applied(report.get("defaults"))) & set(_applied(defaults))
     if changed := [k for k in {**then, **now} if k not in ruled and not json_data.same(then.get(k), now.get(k))]:
         shown = ", ".join(f"{k} {_short(then.get(k))} vs {_short(now.get(k))}" for k in changed[:SHOWN])

@@ -31,8 +31,9 @@ FOLDER_ENV = "TORCH_EXTENSIONS_DIR"  # where torch builds DeepSpeed's and elsa_d
 MINUTES_ENV = "DEEPSPEED_TIMEOUT"  # DeepSpeed's collectives' and rendezvous' timeout, int() of it at its import
 
 
-def switch_problem() -> str | None:
-    """What is wrong with the switches set in the environment, as one line that says what to do; None when nothing is."""
+def switch_problem(deepspeed: bool = True) -> str | None:
+    """What is wrong with the switches set in the environment, as one line that says what to do; None when nothing is.
+    ``deepspeed``: the command imports DeepSpeed (which reads DEEPSPEED_TIMEOUT at its import; elsa-evaluate does not)."""
     env = os.environ
     for name, known in CHOICES.items():
         if why := build.switch_problem(name, known):
@@ -42,7 +43,7 @@ def switch_problem() -> str | None:
         return f"{FILE_ENV}={path!r}: name a file (rank 0 appends the job's phases to it) in a folder that exists, or unset it"
     if (path := env.get(FOLDER_ENV)) and Path(path).exists() and not Path(path).is_dir():
         return f"{FOLDER_ENV}={path!r} is not a folder: torch builds the C++ ops in it; name a folder, or unset it"
-    if (minutes := env.get(MINUTES_ENV)) is not None and not _whole_above_zero(minutes):
+    if deepspeed and (minutes := env.get(MINUTES_ENV)) is not None and not _whole_above_zero(minutes):
         return (f"{MINUTES_ENV}={minutes!r}: DeepSpeed reads it as whole minutes, the time a rank waits for the others "
                 "(default 10); give a whole number of at least 1, or unset it")
     return None
@@ -56,6 +57,6 @@ def _whole_above_zero(text: str) -> bool:
         return False
 
 
-def check_switches() -> None:
-    if why := switch_problem():
+def check_switches(deepspeed: bool = True) -> None:
+    if why := switch_problem(deepspeed):
         raise ElsaError(why)

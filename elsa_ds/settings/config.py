@@ -391,8 +391,7 @@ def resolve_config(ds_config: dict, cli: dict[str, Any], source: str = "the Deep
     check_each_source(ElsaConfig, [(recipe_source, recipe or {}), (f'the "elsa" block of {source}', block)])
     merged = {**(recipe or {}), **block, **given}
     if not name_problem(model := str(merged.get("model", DEMO_MODEL_DIR))) and Path(model).expanduser().resolve() == DEMO_MODEL_DIR:
-        own = ds_config.get("train_micro_batch_size_per_gpu", "auto") != "auto"  # the JSON's over the profile's (an audit)
-        merged = {**{k: v for k, v in DEMO_PROFILE.items() if not (own and k == "micro_batch")}, **merged}
+        merged = {**DEMO_PROFILE, **merged}  # its micro batch over the JSON's (the shipped JSONs' 1 too), as the README says
     try:
         return ElsaConfig(**merged)
     except ValidationError as err:

@@ -165,9 +165,9 @@ def refuse_unread_elsa_settings(cfg: Any, given: dict[str, Any], prefix: str) ->
 
 
 # what only a training job reads (ELSA, or --finetune): a one-shot job's pass trains nothing
-TRAINING = ("steps", "batch_size", "micro_batch", "sampling", "base_optimizer", "lr", "lr_final_ratio", "warmup_steps",
-            "betas", "eps", "weight_decay", "gradient_checkpointing", "freeze_embeddings", "leaf_layers", "save_interval",
-            "keep_checkpoints", "log_interval")
+# (--batch_size and --micro_batch are not here: a one-shot job resolves the DeepSpeed JSON's batch with them too)
+TRAINING = ("steps", "sampling", "base_optimizer", "lr", "lr_final_ratio", "warmup_steps", "betas", "eps", "weight_decay",
+            "gradient_checkpointing", "freeze_embeddings", "leaf_layers", "save_interval", "keep_checkpoints", "log_interval")
 CALIBRATION = ("nsamples", "blocksize", "percdamp")
 CALIBRATION_READ = {"sparsegpt": CALIBRATION, "wanda": ("nsamples",), "magnitude": (), "dense": ()}  # by each method
 CALIBRATION_WHY = {"wanda": "Wanda's pass has no blocks or dampening (SparseGPT's)", "magnitude": "magnitude pruning reads no "
@@ -196,8 +196,6 @@ def unread_settings(cfg: Any, given: dict[str, Any], prefix: str) -> str | None:
         unread.append((named("baseline"), "it is the model ELSA's perplexity is compared with"))
     if not cfg.eval_tasks:
         unread.append((named("eval_include_path"), f"it holds task definitions for {prefix}eval_tasks"))
-    if not cfg.val_windows:
-        unread.append((named("val_dataset"), f"{prefix}val_windows 0 scores no validation windows"))
     if not cfg.save_interval and (method == Method.elsa.value or finetune is not None):
         unread.append((named("keep_checkpoints"), f"no checkpoint is written without {prefix}save_interval"))
     said = [f"{', '.join(keys)} ({why})" for keys, why in unread if keys]

@@ -82,8 +82,8 @@ def _serve(addr: str, port: int, world: int, timeout_s: float) -> Any:
     import torch.distributed as dist
 
     try:
-        return dist.TCPStore(addr, port, world, True, timeout=datetime.timedelta(seconds=timeout_s),
-                             wait_for_workers=False, multi_tenant=True)
+        return dist.TCPStore(addr, port, world, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                             multi_tenant=True, use_libuv=os.environ.get("USE_LIBUV", "1") == "1")  # torch's reading of it
     except RuntimeError as err:
         if "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
             raise ElsaError(port_in_use(str(port))) from None
@@ -105,8 +105,8 @@ def _reach(addr: str, port: int, world: int, rank: int, timeout_s: float) -> Any
         except OSError:  # nobody listens there yet (refused, unreachable, not resolved yet, timed out)
             if time.monotonic() >= deadline:
                 raise ElsaError(f"rank {rank} could not reach the rendezvous at {addr}:{port} (rank 0's) in {timeout_s:.0f} "
-                                "s: rank 0 did not start, or MASTER_ADDR and MASTER_PORT name another machine or port; "
-                                "rank 0's launcher output says which") from None
+                                "s (DeepSpeed's timeout, DEEPSPEED_TIMEOUT minutes): rank 0 did not start, or MASTER_ADDR and "
+                                "MASTER_PORT name another machine or port; rank 0's launcher output says which") from None
             time.sleep(POLL_S)
     left = max(1.0, deadline - time.monotonic())
     return dist.TCPStore(addr, port, world, False, timeout=datetime.timedelta(seconds=left), wait_for_workers=False)
