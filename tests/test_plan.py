@@ -101,6 +101,9 @@ def test_a_retraining_plan_runs_its_own_steps_and_a_one_shot_plan_refuses_resume
     ({"method": "sparsegpt", "nsamples": 8, "blocksize": 64, "percdamp": 0.1, "seqlen": 64, "val_windows": 4}, []),
     ({"method": "magnitude", "finetune": "lora", "steps": 8, "lr": 1e-4, "lora_rank": 4, "save_interval": 4, "keep_checkpoints": 1}, []),
     ({"steps": 8, "nsamples": 8, "blocksize": 64, "lr": 1e-3, "save_interval": 4, "keep_checkpoints": 1}, []),
+    ({"steps": 8, "init_mask": "none", "nsamples": 8, "percdamp": 0.1}, ["--nsamples, --percdamp (--init_mask none calibrates no"]),
+    ({"steps": 8, "init_mask": "wanda", "nsamples": 8, "blocksize": 64}, ["--blocksize (Wanda's warm start has no blocks"]),
+    ({"steps": 8, "init_mask": "sparsegpt", "nsamples": 8, "blocksize": 64, "percdamp": 0.1}, []),
 ])
 def test_settings_given_that_the_job_does_not_read_are_said(tmp_path, monkeypatch, caplog, given, said):
     """An audit (2026-12-07): a one-shot job took --lr, --steps, --lora_rank and --blocksize without a word (its report

@@ -190,8 +190,12 @@ def unread_settings(cfg: Any, given: dict[str, Any], prefix: str) -> str | None:
         unread.append((named("steps"), f"{prefix}finetune_steps counts the retraining's steps"))
     if finetune != "lora":
         unread.append((named("lora_rank", "lora_alpha"), f"they shape {prefix}finetune lora's adapters"))
-    if method in CALIBRATION_WHY:  # ELSA reads them for a warm start the defaults rule may choose
+    if method in CALIBRATION_WHY:
         unread.append((named(*(k for k in CALIBRATION if k not in CALIBRATION_READ[method])), CALIBRATION_WHY[method]))
+    elif given.get("init_mask") is not None:  # ELSA's warm start given (unset, the defaults rule may choose SparseGPT's)
+        read = CALIBRATION_READ.get(cfg.init_mask or "", ())  # magnitude's, a folder's or none: no calibration
+        unread.append((named(*(k for k in CALIBRATION if k not in read)), f"{prefix}init_mask {given['init_mask']} "
+                       "calibrates no one-shot warm start" if not read else "Wanda's warm start has no blocks or dampening"))
     if method != Method.elsa.value:
         unread.append((named("baseline"), "it is the model ELSA's perplexity is compared with"))
     if not cfg.eval_tasks:
