@@ -8,7 +8,7 @@ import time
 import regex as rx
 import torch
 
-from elsa_ds.admm.projection import NM
+from elsa_ds.admm.projection import NM, keep_count
 from elsa_ds.errors import ElsaError
 
 LayerGoal = float | NM  # what one weight is pruned to: a sparsity in [0, 1), or an N:M pattern
@@ -112,6 +112,17 @@ def overall_ratio(goals: dict[str, LayerGoal], shapes: dict[str, tuple[int, ...]
     """The fraction of zeros ``goals`` make over all the weights they prune (each layer weighted by its size)."""
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}
     return sum(goal_ratio(goals[name]) * size for name, size in sizes.items()) / max(1, sum(sizes.values()))
+
+
+def goal_zeros(numel: int, goal: LayerGoal) -> int:
+    """The zeros a weight of ``numel`` entries holds once pruned to ``goal`` (exactly; N:M's N/M of them)."""
+    return numel - keep_count(numel, goal_ratio(goal))
+
+
+def target_shapes(model: torch.nn.Module, regex: str | None) -> dict[str, tuple[int, ...]]:
+    """Each pruned weight's parameter name and full shape (``select_targets``), a tied one (lm_head) too."""
+    weights = dict(model.named_parameters(remove_duplicate=False))
+    return {name: tuple(weights[name].shape) for name in select_targets(model, regex).values()}
 
 
 def goal_text(sparsity: float, pattern: str | None, profile: str | None) -> str:

@@ -14,6 +14,7 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Iterable
 from copy import copy
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,6 +313,12 @@ READ_BY = {"speed_prompt": "--speed", "speed_steps": "--speed", "speed_rounds": 
            "offload_folder": "--device_map auto"}
 
 
+def _changed(s: EvalSettings, keys: Iterable[str]) -> set[str]:
+    """The settings among ``keys`` that ``s`` holds at other than their default (given, for the command line)."""
+    fields = EvalSettings.model_fields
+    return {k for k in keys if getattr(s, k) != fields[k].get_default(call_default_factory=True)}
+
+
 def check_flags_read(s: EvalSettings) -> None:
     """ElsaError naming a flag given for an evaluation this command does not run (an audit, 2026-12-07: --speed_rounds
     without --speed, --include_path without --tasks, --seqlen without --ppl were taken without a word)."""
@@ -319,9 +326,8 @@ def check_flags_read(s: EvalSettings) -> None:
         return
     runs = {"--speed": False, "--ppl": bool(s.ppl), "--tasks": bool(s.tasks), "--ppl and --tasks": bool(s.ppl or s.tasks),
             "--device_map auto": s.device_map is not None}
-    fields = EvalSettings.model_fields
-    unread = [f"--{k} (read by {by})" for k, by in READ_BY.items()
-              if not runs[by] and getattr(s, k) != fields[k].get_default(call_default_factory=True)]
+    changed = _changed(s, READ_BY)
+    unread = [f"--{k} (read by {by})" for k, by in READ_BY.items() if not runs[by] and k in changed]
     if unread:
         raise ElsaError(f"given for an evaluation this command does not run: {', '.join(unread)}; add what reads "
                         f"{'it' if len(unread) == 1 else 'them'}, or drop {'it' if len(unread) == 1 else 'them'}")
@@ -335,8 +341,7 @@ def run_speed(s: EvalSettings, started: float) -> dict[str, Any]:
     check_settings(s)
     if s.ppl or s.tasks:
         raise ElsaError("--speed measures size and speed only; run --ppl/--tasks in a separate command")
-    fields = EvalSettings.model_fields  # a user's walk: --dtype fp32 was timed in the stored bf16
-    if unused := sorted(k for k in SCORING_ONLY if getattr(s, k) != fields[k].get_default(call_default_factory=True)):
+    if unused := sorted(_changed(s, SCORING_ONLY)):  # a user's walk: --dtype fp32 was timed in the stored bf16
         raise ElsaError(f"--speed times the checkpoint in its stored dtype with --speed_prompt/--speed_steps/--speed_rounds; "
                         f"{', '.join('--' + k for k in unused)} {'is' if len(unused) == 1 else 'are'} for --ppl/--tasks: drop "
                         f"{'it' if len(unused) == 1 else 'them'}")

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from elsa_ds import launch_env
-from elsa_ds.admm.projection import keep_count
 from elsa_ds.admm.schedule import learning_rate
 from elsa_ds.files.mask_file import MaskReader
 from elsa_ds.files.output import fresh_staging, side_path, staging_dir
@@ -42,7 +41,7 @@ from elsa_ds.monitor import Monitor
 from elsa_ds.plan import Plan
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
-from elsa_ds.targets import LayerGoal, goal_ratio, goal_text
+from elsa_ds.targets import LayerGoal, goal_text, goal_zeros
 from elsa_ds.zero import steps
 from elsa_ds.zero.dist import agreed
 from elsa_ds.zero.ds_config import DsConfig
@@ -213,8 +212,7 @@ class FinetuneJob:
     def _record(self, run: Retraining, tuned_ppl: float | None) -> report.ReportRecord:
         """What the report says: the run's measurements and the zeros each masked layer must hold (rank 0)."""
         masks, st = run.masks, self.state
-        expected = ({name: numel - keep_count(numel, goal_ratio(run.goals[name]))
-                     for name, numel in ((n, masks.numel(n)) for n in run.goals)} if masks is not None else {})
+        expected = {name: goal_zeros(masks.numel(name), goal) for name, goal in run.goals.items()} if masks is not None else {}
         return report.ReportRecord(
             cfg=self.cfg, method=self.cfg.method.value, deepspeed=self.opts.deepspeed, world=run.world, started=self.started,
             resumed_at=self.first_step if self.opts.resume else None,

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from elsa_ds import launch_env
-from elsa_ds.admm.projection import keep_count
 from elsa_ds.data import PplWindows, validation_windows
 from elsa_ds.files.disk_room import saved_bytes, writing
 from elsa_ds.files.output import fresh_staging
@@ -28,7 +27,7 @@ from elsa_ds.oneshot.pipeline import OneShotResult, accelerator, load_host_model
 from elsa_ds.plan import Plan
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
-from elsa_ds.targets import goal_ratio, goal_text
+from elsa_ds.targets import goal_text, goal_zeros
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -127,7 +126,7 @@ class OneShotJob:
 
     def _record(self, host: HostModel, done: OneShotResult) -> report.ReportRecord:
         """What the report says: the perplexities before and after, the zeros each pruned layer must hold."""
-        expected = {name: keep.numel() - keep_count(keep.numel(), goal_ratio(done.goals[name])) for name, keep in done.masks.items()}
+        expected = {name: goal_zeros(keep.numel(), done.goals[name]) for name, keep in done.masks.items()}
         return report.ReportRecord(
             cfg=self.cfg, method=self.cfg.method.value, deepspeed=self.opts.deepspeed, world=1, started=self.started,
             validation=host.validation.describe(), goals=done.goals, expected_zeros=expected, final_ppl=self.state.pruned_ppl,

@@ -21,8 +21,7 @@ from elsa_ds.oneshot.layerwise import capture, run_layer, stubbed
 from elsa_ds.oneshot.masks import magnitude_mask
 from elsa_ds.oneshot.sparsegpt import Hessian, sparsify_weight
 from elsa_ds.oneshot.wanda import InputNorms, wanda_mask
-from elsa_ds.admm.projection import keep_count
-from elsa_ds.targets import LayerGoal, decoder_layer_list, goal_ratio
+from elsa_ds.targets import LayerGoal, decoder_layer_list, goal_zeros
 
 log = get_logger(__name__)
 
@@ -88,7 +87,7 @@ def _check_not_sparser(per_layer: list[dict[str, torch.nn.Linear]], goals: dict[
     for linears in per_layer:
         for name, linear in linears.items():
             numel = linear.weight.numel()
-            zeros, allowed = numel - int(torch.count_nonzero(linear.weight)), numel - keep_count(numel, goal_ratio(goals[name]))
+            zeros, allowed = numel - int(torch.count_nonzero(linear.weight)), goal_zeros(numel, goals[name])
             if zeros > allowed:
                 raise ElsaError(f"the model's {name} already holds {zeros:,} zeros ({zeros / numel:.1%}), more than its goal "
                                 f"{goals[name]} leaves ({allowed:,}): a pruned model can be pruned further, not less; ask for "

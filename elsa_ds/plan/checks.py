@@ -23,7 +23,7 @@ from elsa_ds.oneshot.pipeline import host_dtype, saved_dtype
 from elsa_ds.plan.switches import check_switches
 from elsa_ds.settings.config import NAMED_TEXT_SOURCES, ElsaConfig
 from elsa_ds.settings.options import JobOptions
-from elsa_ds.targets import select_targets
+from elsa_ds.targets import target_shapes
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.ds_values import FIX, deepspeed_refusal
@@ -108,12 +108,11 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
 
 def check_goals(cfg: ElsaConfig, meta) -> None:
     """The target regex matches Linears, the profile's entries match pruned layers, N:M fits their shapes."""
-    weights = dict(meta.named_parameters(remove_duplicate=False))
-    names = select_targets(meta, cfg.targets).values()
-    cfg.layer_goals({name: tuple(weights[name].shape) for name in names})
+    goals = cfg.layer_goals(target_shapes(meta, cfg.targets))
     if cfg.freeze_embeddings:
         freeze_embeddings(meta)
-        frozen = [name for name in names if not weights[name].requires_grad]
+        weights = dict(meta.named_parameters(remove_duplicate=False))
+        frozen = [name for name in goals if not weights[name].requires_grad]
         if frozen:
             raise ElsaError(f"--freeze_embeddings keeps {', '.join(frozen)} fixed, but --targets prunes it; narrow --targets "
                             "or drop --freeze_embeddings")
@@ -125,11 +124,10 @@ def check_init_mask(cfg: ElsaConfig, meta) -> None:
     if cfg.init_mask is None or cfg.init_mask in oneshot_names():
         return
     refuse_sparse_checkpoint(cfg.init_mask, "--init_mask")
-    weights = dict(meta.named_parameters(remove_duplicate=False))
-    names = list(select_targets(meta, cfg.targets).values())
+    shapes = target_shapes(meta, cfg.targets)
     reader = MaskReader(cfg.init_mask)
-    reader.check({name: tuple(weights[name].shape) for name in names})
-    if names and not any(bool((~reader.read(n, 0, reader.shapes[n][-1])).any()) for n in names):
+    reader.check(shapes)
+    if shapes and not any(bool((~reader.read(n, 0, reader.shapes[n][-1])).any()) for n in shapes):
         raise ElsaError(f"--init_mask {cfg.init_mask}: the first row of every pruned weight there is dense (no zeros), so it "
                         "holds no mask; give the folder a pruning job (or a one-shot method) wrote, or --init_mask sparsegpt")
 

@@ -10,7 +10,7 @@ from elsa_ds.methods import DENSE
 from elsa_ds.models import meta_model
 from elsa_ds.settings.config import RESUME_DEFAULTS, ElsaConfig
 from elsa_ds.settings.defaults import RULE_FIELDS, elsa_settings, retrain_settings
-from elsa_ds.targets import goal_ratio, overall_ratio, select_targets
+from elsa_ds.targets import goal_ratio, overall_ratio, target_shapes
 
 
 def apply_defaults(cfg: ElsaConfig, model_config, resumed: dict[str, Any] | None = None) -> tuple[ElsaConfig, dict[str, Any]]:
@@ -49,8 +49,7 @@ def _pruned_ratio(cfg: ElsaConfig, meta: torch.nn.Module) -> float:
     a 70 % run's λ and schedule for a 90 % one, an audit, 2026-12-07)."""
     if not cfg.sparsity_profile:
         return goal_ratio(cfg.goal)
-    weights = dict(meta.named_parameters(remove_duplicate=False))  # a tied lm_head as a target too (check_goals's way)
-    shapes = {name: tuple(weights[name].shape) for name in select_targets(meta, cfg.targets).values()}
+    shapes = target_shapes(meta, cfg.targets)
     return overall_ratio(cfg.layer_goals(shapes), shapes)
 
 

@@ -18,6 +18,7 @@ What the run cannot do as asked is refused; what it can do, only oddly, is said 
 from __future__ import annotations
 
 import typing
+from collections.abc import Iterable
 from typing import Any
 
 from elsa_ds.errors import ElsaError
@@ -153,10 +154,15 @@ ELSA_ONLY = ("interval", "lmda", "lmda_schedule", "balance_mu", "balance_tau", "
              "u_dtype")
 
 
+def _given(given: dict[str, Any], keys: Iterable[str], prefix: str) -> list[str]:
+    """``keys`` that ``given`` holds (not None: given explicitly), as the user spelt them (``prefix``: "--" or "")."""
+    return [f"{prefix}{k}" for k in keys if given.get(k) is not None]
+
+
 def refuse_unread_elsa_settings(cfg: Any, given: dict[str, Any], prefix: str) -> None:
     """ElsaError when ``given`` (what the user passed explicitly) holds ELSA-only settings and the method is not ELSA;
     ``prefix``: how the user spelt them ("--" for flags, "" for keywords)."""
-    stray = [f"{prefix}{k}" for k in ELSA_ONLY if given.get(k) is not None]
+    stray = _given(given, ELSA_ONLY, prefix)
     if not stray or cfg.method is Method.elsa:
         return
     one = len(stray) == 1
@@ -180,7 +186,7 @@ def unread_settings(cfg: Any, given: dict[str, Any], prefix: str) -> str | None:
     --lr, --steps, --lora_rank and --blocksize without a word, and recorded them in its report as if used). ELSA's own
     settings with another method are refused (``refuse_unread_elsa_settings``)."""
     def named(*keys: str) -> list[str]:
-        return [f"{prefix}{k}" for k in keys if given.get(k) is not None]
+        return _given(given, keys, prefix)
 
     method, finetune = cfg.method.value, cfg.finetune.value if cfg.finetune is not None else None
     unread: list[tuple[list[str], str]] = []
