@@ -100,7 +100,11 @@ def test_a_retraining_plan_runs_its_own_steps_and_a_one_shot_plan_refuses_resume
     ({"method": "magnitude", "val_windows": 0, "val_dataset": "shakespeare", "batch_size": 4, "micro_batch": 2}, []),
     ({"method": "sparsegpt", "nsamples": 8, "blocksize": 64, "percdamp": 0.1, "seqlen": 64, "val_windows": 4}, []),
     ({"method": "magnitude", "finetune": "lora", "steps": 8, "lr": 1e-4, "lora_rank": 4, "save_interval": 4, "keep_checkpoints": 1}, []),
-    ({"steps": 8, "nsamples": 8, "blocksize": 64, "lr": 1e-3, "save_interval": 4, "keep_checkpoints": 1}, []),
+    ({"steps": 8, "nsamples": 8, "blocksize": 64, "save_interval": 4, "keep_checkpoints": 1}, []),  # the rule's warm start
+    ({"steps": 8, "nsamples": 8, "lr": 1e-3}, ["--nsamples (ELSA's dense start (the defaults rule's here) calibrates no"]),
+    ({"steps": 4096, "sparsity": 0.9, "percdamp": 0.1}, ["--percdamp (ELSA's dense start"]),  # the paper's budget
+    ({"steps": 8, "sparsity": 0.95, "blocksize": 64}, ["--blocksize (ELSA's dense start"]),  # beyond the warm start's 90 %
+    ({"steps": 8, "sparsity_profile": "PROFILE", "nsamples": 8}, []),  # a profile's ratio needs the model: may start pruned
     ({"steps": 8, "init_mask": "none", "nsamples": 8, "percdamp": 0.1}, ["--nsamples, --percdamp (--init_mask none calibrates no"]),
     ({"steps": 8, "init_mask": "wanda", "nsamples": 8, "blocksize": 64}, ["--blocksize (Wanda's warm start has no blocks"]),
     ({"steps": 8, "init_mask": "sparsegpt", "nsamples": 8, "blocksize": 64, "percdamp": 0.1}, []),
@@ -113,8 +117,9 @@ def test_settings_given_that_the_job_does_not_read_are_said(tmp_path, monkeypatc
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     opts = JobOptions(deepspeed="zero3_offload", output_dir=tmp_path / "out")
+    (tmp_path / "profile.json").write_text('{"mlp": 0.95}')
     with caplog.at_level(logging.WARNING, logger="elsa_ds"):
-        read_settings(opts, given)
+        read_settings(opts, {k: str(tmp_path / "profile.json") if v == "PROFILE" else v for k, v in given.items()})
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("not read by this job")]
     assert len(lines) == (1 if said else 0) and all(part in lines[0] for part in said), lines
 

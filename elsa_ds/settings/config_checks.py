@@ -24,6 +24,8 @@ from typing import Any
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.weight_files import check_weight_files
 from elsa_ds.methods import Method, oneshot_names
+from elsa_ds.settings.defaults import rule_warm_start
+from elsa_ds.targets import goal_ratio
 
 
 # Every whole number of the settings is a count that the estimates and the schedule also compute with in floats: past
@@ -198,10 +200,12 @@ def unread_settings(cfg: Any, given: dict[str, Any], prefix: str) -> str | None:
         unread.append((named("lora_rank", "lora_alpha"), f"they shape {prefix}finetune lora's adapters"))
     if method in CALIBRATION_WHY:
         unread.append((named(*(k for k in CALIBRATION if k not in CALIBRATION_READ[method])), CALIBRATION_WHY[method]))
-    elif given.get("init_mask") is not None:  # ELSA's warm start given (unset, the defaults rule may choose SparseGPT's)
+    elif cfg.init_mask is not None or not _rule_may_start_pruned(cfg):  # ELSA's warm start as set, or the dense start
         read = CALIBRATION_READ.get(cfg.init_mask or "", ())  # magnitude's, a folder's or none: no calibration
-        unread.append((named(*(k for k in CALIBRATION if k not in read)), f"{prefix}init_mask {given['init_mask']} "
-                       "calibrates no one-shot warm start" if not read else "Wanda's warm start has no blocks or dampening"))
+        mask = cfg.init_mask or given.get("init_mask")  # "none" is read as None
+        start = f"{prefix}init_mask {mask}" if mask else "ELSA's dense start (the defaults rule's here)"
+        unread.append((named(*(k for k in CALIBRATION if k not in read)), f"{start} calibrates no one-shot warm start"
+                       if not read else "Wanda's warm start has no blocks or dampening"))
     if method != Method.elsa.value:
         unread.append((named("baseline"), "it is the model ELSA's perplexity is compared with"))
     if not cfg.eval_tasks:
@@ -210,6 +214,17 @@ def unread_settings(cfg: Any, given: dict[str, Any], prefix: str) -> str | None:
         unread.append((named("keep_checkpoints"), f"no checkpoint is written without {prefix}save_interval"))
     said = [f"{', '.join(keys)} ({why})" for keys, why in unread if keys]
     return f"not read by this job, so without effect: {'; '.join(said)}" if said else None
+
+
+def _rule_may_start_pruned(cfg: Any) -> bool:
+    """Whether an ELSA job with no --init_mask may start from the defaults rule's SparseGPT-pruned model, whose pass reads
+    the calibration settings: the rule decides the start (no lr or start set: ``plan/defaults_applied.py``) and its
+    warm start covers this sparsity and budget. A profile's ratio needs the model's shapes: it may (an audit's
+    leftover, 2026-12-07: --nsamples on a dense-start ELSA job was taken without a word)."""
+    if cfg.model_fields_set & {"lr", "init_mask", "init_weights"}:
+        return False
+    steps = (cfg.finetune_steps or cfg.steps) if cfg.finetune is not None else cfg.steps
+    return bool(cfg.sparsity_profile) or rule_warm_start(goal_ratio(cfg.goal), steps)
 
 
 def not_a_percentage(v: Any) -> Any:
