@@ -97,10 +97,12 @@ class PplWindows:
 
     def perplexity(self, nll_sum: float, tokens: int) -> float:
         """exp(Σ NLL / denominator) of this protocol (``tokens`` = predicted tokens = windows · (L − 1))."""
-        if not tokens:
-            return float("nan")
-        denominator = tokens if self.protocol is PplProtocol.stream else tokens * self.seqlen / (self.seqlen - 1)
-        return math.exp(nll_sum / denominator)
+        return math.exp(nll_sum / self.denominator(tokens)) if tokens else float("nan")
+
+    def denominator(self, tokens: int) -> float:
+        """What this protocol divides Σ NLL by: the predicted ``tokens`` (stream), or windows · L (window, prepend: the
+        authors' n·L, ``tokens`` · L / (L − 1))."""
+        return tokens if self.protocol is PplProtocol.stream else tokens * self.seqlen / (self.seqlen - 1)
 
     def per_token(self, nll_sum: float, tokens: int) -> float:
         """exp(Σ NLL / predicted tokens): the mean per predicted token, whatever the protocol's denominator."""

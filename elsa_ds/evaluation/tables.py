@@ -8,6 +8,7 @@ from typing import Any
 
 from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
+from elsa_ds.targets import DEFAULT_TARGETS
 
 
 def load_result(path: str | Path) -> dict[str, Any]:
@@ -112,6 +113,11 @@ def results_table(results: list[dict[str, Any]], labels: list[str] | None = None
         if len(shapes) > 1:
             lines += ["", f"{d} was scored over different windows ({'; '.join(f'{w} of {n} tokens' for n, w in shapes)}): these "
                           "perplexities are not comparable"]
+    counted = sorted({_counted((r.get("sparsity") or {}).get("targets")) for r in results if r.get("sparsity")})
+    if len(counted) > 1:  # an audit (2026-12-07): 35 % of every decoder weight beside 70 % of the MLP's, unlabelled
+        lines += ["", f"Sparsity counted over different weights ({'; '.join(counted)}): these sparsities are not comparable"]
+    elif counted and counted[0] != _counted(DEFAULT_TARGETS):
+        lines += ["", f"Sparsity: zeros over {counted[0]} (the weights the pruning job chose)"]
     limited = [label for label, r in zip(labels, results) if (r.get("protocol") or {}).get("limit")]
     if limited:
         lines += ["", f"Run with --limit (a quick check, not comparable with published tables): {', '.join(limited)}"]
@@ -123,6 +129,12 @@ def _ppl_protocol(result: dict[str, Any]) -> str:
     blocks."""
     name = (result.get("protocol") or {}).get("ppl")
     return name if name in ("stream", "window", "prepend") else "packed BOS-first blocks (elsa_ds before --ppl_protocol)"
+
+
+def _counted(targets: str | None) -> str:
+    """Which weights a result's sparsity counts: every decoder-layer weight (results written before the field existed
+    counted those), or the weights ``targets`` matches."""
+    return "every decoder-layer weight" if targets in (None, DEFAULT_TARGETS) else f"the weights matching `{targets}`"
 
 
 def _percent(value: float | None) -> float | None:

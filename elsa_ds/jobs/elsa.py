@@ -258,7 +258,13 @@ class ElsaJob:
             final_ppl=pruned_ppl, dense_ppl=st.dense_ppl, baseline_ppl=st.baseline_ppl, losses=st.losses,
             step_times=st.step_times, history=st.history, selection=st.selection, defaults=self.plan.defaults,
             global_batch=self.ds.train_batch_size, offload=report.offload(self.ds), training_data=run.data.sampling,
-            kernels=run.admm.kernel_report(), deepspeed_resolved=self.ds.raw)
+            kernels=run.admm.kernel_report(), deepspeed_resolved=self.ds.raw, computed_in=self._computed_in())
+
+    def _computed_in(self) -> dict[str, str]:
+        """Each perplexity's arithmetic: the engine's, but a warm start's dense model, scored by rank 0's one-shot pass."""
+        engine = report.on_engine(self.ds)
+        start = "warm_start" if self.cfg.init_weights else "magnitude_oneshot"
+        return {"dense": report.on_host() if self.cfg.init_weights else engine, start: engine, "pruned": engine}
 
     # ---- evaluate, cleanup ------------------------------------------------------------------------------------------
     def evaluate(self, result: dict[str, Any] | None) -> None:

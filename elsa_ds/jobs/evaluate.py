@@ -28,9 +28,10 @@ from elsa_ds.data.hub_texts import check_hub_texts, task_repos, text_repos
 from elsa_ds.data.windows import C4_WINDOWS, LAYOUTS
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
-from elsa_ds.evaluation.sparsity import model_sparsity_report, sparsity_report
+from elsa_ds.evaluation.sparsity import job_targets, model_sparsity_report, sparsity_report
 from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
+from elsa_ds.files.aside import REPORT_NAME
 from elsa_ds.files.io import ATOMIC_ROOM, make_folder, versions, write_atomic
 from elsa_ds.files.output import missing_folders
 from elsa_ds.files.ownership import check_output_names
@@ -256,12 +257,13 @@ def measure(s: EvalSettings, prep: _Prepared) -> dict[str, Any]:
         found: dict[str, Any] = {"device": str(first.device), "dtype": str(first.dtype).removeprefix("torch.")}
         log.info(f"loaded {s.model} ({prep.config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
             f"{found['dtype']}, {found['device']})")
-        found["sparsity"] = model_sparsity_report(model) if sparse else model_sparsity(s.model)
+        targets = job_targets(Path(s.model).expanduser() / REPORT_NAME)
+        found["sparsity"] = model_sparsity_report(model, targets) if sparse else model_sparsity(s.model, targets)
         found["ppl"] = {}
         for source, w in prep.windows.items():
             nll, tokens = window_nll(lambda ids: model(input_ids=ids).logits, w.ids, s.batch_size, device=first.device, progress=True)
             found["ppl"][source] = {"ppl": w.perplexity(nll, tokens), "ppl_per_token": w.per_token(nll, tokens),
-                                    "windows": w.count, "tokens": tokens, "nll_sum": nll,
+                                    "windows": w.count, "tokens": tokens, "nll_sum": nll, "denominator": w.denominator(tokens),
                                     "text": {"part": w.rule, "documents": w.documents, "text_tokens": w.text_tokens}}
             log.info(f"{source} perplexity {found['ppl'][source]['ppl']:.3f} over {w.count} windows")
         found["zeroshot"] = {}
@@ -358,7 +360,7 @@ def run_speed(s: EvalSettings, started: float) -> dict[str, Any]:
     return result
 
 
-def model_sparsity(model_id: str) -> dict[str, Any]:
+def model_sparsity(model_id: str, targets: str | None = None) -> dict[str, Any]:
     """sparsity_report over the model's safetensors files (a local directory or the hub cache after loading)."""
     from transformers.utils import cached_file
 
@@ -366,7 +368,7 @@ def model_sparsity(model_id: str) -> dict[str, Any]:
         config_file = cached_file(model_id, "config.json")
         if config_file is None:  # only with cached_file's raising turned off; it raises OSError otherwise
             raise OSError(f"{model_id}: no config.json")
-        return sparsity_report(Path(config_file).parent)
+        return sparsity_report(Path(config_file).parent, targets)
     except (ElsaError, OSError) as err:  # e.g. a .bin-only checkpoint: report why instead of failing the job
         log.warning(f"no sparsity report: {err}")
         return {"error": str(err)}

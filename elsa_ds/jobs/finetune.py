@@ -218,7 +218,8 @@ class FinetuneJob:
             resumed_at=self.first_step if self.opts.resume else None,
             validation=run.data.validation.describe(), goals=run.goals, expected_zeros=expected, final_ppl=tuned_ppl,
             baseline_ppl=st.baseline_ppl, losses=st.losses, step_times=st.step_times, defaults=self.plan.defaults,
-            global_batch=self.ds.train_batch_size, calibration=run.calibration, deepspeed_resolved=self.ds.raw)
+            global_batch=self.ds.train_batch_size, calibration=run.calibration, deepspeed_resolved=self.ds.raw,
+            computed_in=dict.fromkeys(("before_finetune", "pruned"), report.on_engine(self.ds)))
 
     # ---- evaluate, cleanup ------------------------------------------------------------------------------------------
     def evaluate(self, result: dict[str, Any] | None) -> None:

@@ -130,7 +130,8 @@ class OneShotJob:
         return report.ReportRecord(
             cfg=self.cfg, method=self.cfg.method.value, deepspeed=self.opts.deepspeed, world=1, started=self.started,
             validation=host.validation.describe(), goals=done.goals, expected_zeros=expected, final_ppl=self.state.pruned_ppl,
-            dense_ppl=self.state.dense_ppl, calibration=done.calibration, device=str(self.device), prune_s=done.seconds)
+            dense_ppl=self.state.dense_ppl, calibration=done.calibration, device=str(self.device), prune_s=done.seconds,
+            computed_in=dict.fromkeys(("dense", "pruned"), report.on_host()))
 
     def evaluate(self, result: dict[str, Any] | None) -> None:
         """Rank 0 evaluates the saved model, the host copy gone (--eval_ppl, --eval_tasks)."""

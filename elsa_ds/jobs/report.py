@@ -19,6 +19,7 @@ from elsa_ds.files.io import versions, write_json
 from elsa_ds.files.output import REPORT_NAME, layers_summary, publish, verified_layers
 from elsa_ds.log import get_logger
 from elsa_ds.loss import taken as loss_taken
+from elsa_ds.oneshot.pipeline import host_dtype
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
 from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY
@@ -27,6 +28,7 @@ from elsa_ds.targets import LayerGoal
 from elsa_ds.zero.ds_config import DsConfig
 
 log = get_logger(__name__)
+TAIL_STEPS = 32  # the retraining report's final_loss_mean_tail: the mean loss of the last this many steps
 write = write_json
 
 
@@ -58,7 +60,20 @@ class ReportRecord:
     device: str | None = None                 # where the one-shot job ran
     prune_s: float | None = None              # the one-shot pass, seconds
     deepspeed_resolved: dict[str, Any] | None = None  # the plan's DeepSpeed config as the engine got it (None: no engine)
+    computed_in: dict[str, str] = field(default_factory=dict)  # each perplexity of "ppl": the dtype and where it ran
     resumed_at: int | None = None             # --resume: the step this attempt continued at (its wall_s is this attempt's)
+
+
+def on_engine(ds: DsConfig) -> str:
+    """A perplexity computed by the engine ``ds`` configures: in its dtype (bf16, fp16, else fp32)."""
+    raw = ds.raw
+    dtype = "bfloat16" if ds.bf16 else "float16" if raw.get("fp16", {}).get("enabled") is True else "float32"
+    return f"{dtype} on the engine"
+
+
+def on_host() -> str:
+    """A perplexity computed on rank 0's host copy (a one-shot pass): in its dtype (fp32 on a CPU-only machine)."""
+    return f"{str(host_dtype()).removeprefix('torch.')} in rank 0's one-shot pass"
 
 
 def offload(ds: DsConfig) -> dict[str, str]:
@@ -95,7 +110,7 @@ def elsa_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
         "kernels": rec.kernels,
         "training_data": rec.training_data,
         "ppl": {"dense": dense, "magnitude_oneshot": None if warm else baseline, "warm_start": baseline if warm else None,
-                "pruned": pruned_ppl, **_validation(rec.validation)},
+                "pruned": pruned_ppl, **_validation(rec.validation), "computed_in": rec.computed_in},
         "vs_magnitude": None if warm or baseline is None or pruned_ppl is None else {
             "ppl_ratio": baseline / pruned_ppl, "ppl_reduction": baseline - pruned_ppl},
         "layers": layers,
@@ -115,7 +130,7 @@ def finetune_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
     finetune = cfg.finetune
     layers = verified_layers(staging, rec.expected_zeros, rec.goals, cfg.targets) if rec.expected_zeros else {}
     steady = rec.step_times[1:] or rec.step_times
-    tail = rec.losses[-min(len(rec.losses), 32):]
+    tail = rec.losses[-min(len(rec.losses), TAIL_STEPS):]
     lora = finetune.value == "lora"
     merged = ", LoRA adapters merged" + (" and the mask re-applied" if rec.expected_zeros else "")  # dense control: none
     measured_on = "the engine's weights" + (f"{merged} (the export's weights)" if lora else "")
@@ -123,10 +138,12 @@ def finetune_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
         **_common(rec),
         "finetune": finetune.value, "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha} if lora else None,
         "steps": cfg.steps, "tokens": cfg.steps * rec.global_batch * cfg.seqlen, "calibration": rec.calibration,
-        "final_loss": rec.losses[-1], "final_loss_mean_last_32": sum(tail) / len(tail),
+        "final_loss": rec.losses[-1], "final_loss_mean_tail": sum(tail) / len(tail),
+        "tail_steps": len(tail),  # TAIL_STEPS, or every step of a shorter run (an audit: "last_32" over 8 steps)
         "step_time_s": sum(steady) / len(steady),
         "lambda": None, "residual": None, "admm_state_bytes_per_param": None,
         "ppl": {"dense": None, "before_finetune": rec.baseline_ppl, "pruned": rec.final_ppl, **_validation(rec.validation),
+                "computed_in": rec.computed_in,
                 "measured_on": measured_on},
         "layers": layers, "overall_sparsity": layers_summary(layers) if layers else 0.0,
         "defaults": rec.defaults, "wall_s": time.time() - rec.started, "resumed_at_step": rec.resumed_at,
@@ -148,7 +165,7 @@ def oneshot_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
         "residual": None,
         "admm_state_bytes_per_param": None,
         "prune_s": rec.prune_s,
-        "ppl": {"dense": rec.dense_ppl, "pruned": rec.final_ppl, **_validation(rec.validation)},
+        "ppl": {"dense": rec.dense_ppl, "pruned": rec.final_ppl, **_validation(rec.validation), "computed_in": rec.computed_in},
         "layers": layers,
         "overall_sparsity": layers_summary(layers),
         "wall_s": time.time() - rec.started,
@@ -216,12 +233,13 @@ def print_summary(result: dict[str, Any], output_dir: Path) -> None:
     baseline, what = (p["warm_start"], f"warm start ({result['init_mask']})") if result["init_weights"] else \
         (p["magnitude_oneshot"], "one-shot magnitude")
     shown = "" if baseline is None else f"{what} {baseline:.3f} | "  # --baseline none, or skipped: said where it was
-    log.info(f"validation perplexity ({_where(p)}): {dense}{shown}ELSA {p['pruned']:.3f}")
+    log.info(f"validation perplexity ({_where(p)}): {dense}{shown}ELSA {p['pruned']:.3f}{_arithmetic(p)}")
     _say_selection(result)
     if result["vs_magnitude"]:
-        log.info(f"ELSA perplexity is {_times(result['vs_magnitude']['ppl_ratio'])} than one-shot magnitude pruning")
+        log.info(f"ELSA perplexity is {_compared(result['vs_magnitude']['ppl_ratio'], 'one-shot magnitude pruning')}")
     elif result["init_weights"] and baseline is not None:
-        log.info(f"ELSA perplexity is {_times(baseline / p['pruned'])} than its warm start ({result['init_mask']})")
+        start = f"its warm start ({result['init_mask']})"
+        log.info(f"ELSA perplexity is {_compared(baseline / p['pruned'], start)}")
         if p["pruned"] > baseline:
             log.warning(worse_than_start(result))
 
@@ -248,16 +266,33 @@ def worse_than_start(result: dict[str, Any], who: str = "ELSA") -> str:
     lr, steps = result["config"]["lr"], result.get("planned_steps", result["steps"])  # the schedule's, an early stop's too
     applied = (result.get("defaults") or {}).get("applied", {})
     whose = "the defaults rule's" if "lr" in applied else "your"
+    more = "--finetune_steps" if result.get("finetune") else "--steps"  # the retraining's own count (an audit)
     # a user's walk: a user's lr keeps the paper's dense start, which the rule's pruned start beats at short budgets
     start = (f" with --init_mask {result['init_mask']} --init_weights (without them your lr starts from the dense model)"
              if "init_mask" in applied and result.get("init_weights") else "")
     return (f"{who} ended worse than the pruned model it started from: {whose} lr {lr:g} is likely too large for "
-            f"{steps} steps; pass a smaller --lr (e.g. {lr / 4:.2g}){start} or more --steps")
+            f"{steps} steps; pass a smaller --lr (e.g. {lr / 4:.2g}){start} or more {more}")
 
 
-def _times(ratio: float) -> str:
-    """'1.250x lower' for a baseline / ELSA perplexity ratio of 1.25; '1.250x HIGHER' for 0.8 (never '0.80x lower')."""
-    return f"{ratio:.3f}x lower" if ratio >= 1 else f"{1 / ratio:.3f}x HIGHER"
+def _compared(ratio: float, other: str) -> str:
+    """'1.250x lower than other' for a baseline / ELSA perplexity ratio of 1.25; '1.250x HIGHER than other' for 0.8 (never
+    '0.80x lower'); 'the same as other' where the ratio is 1 to the digits shown (an audit, 2026-12-07: an export that
+    was its warm start unchanged read "1.000x lower than its warm start")."""
+    if f"{ratio:.3f}" == "1.000" or f"{1 / ratio:.3f}" == "1.000":
+        return f"the same as {other} (to 0.1 %)"
+    return f"{ratio:.3f}x lower than {other}" if ratio > 1 else f"{1 / ratio:.3f}x HIGHER than {other}"
+
+
+def _arithmetic(p: dict[str, Any]) -> str:
+    """Where the perplexities of one line were computed in other dtypes (an audit, 2026-12-07: on a CPU-only machine
+    the dense model scored on rank 0's fp32 host copy, the warm start and ELSA on the bf16 engine: one SparseGPT model
+    73.853 in its one-shot job and 73.866 as ELSA's start), each figure's; else nothing."""
+    shown = {k: v for k, v in (p.get("computed_in") or {}).items() if p.get(k) is not None}
+    if len({v.split(" ")[0] for v in shown.values()}) < 2:
+        return ""
+    names = {"pruned": "ELSA", "magnitude_oneshot": "one-shot magnitude", "warm_start": "warm start"}  # as the line says
+    each = [f"{names.get(k, k)} in {v}" for k, v in shown.items()]
+    return f" ({', '.join(each)}: the fourth digit may differ)"
 
 
 def _where(p: dict[str, Any]) -> str:

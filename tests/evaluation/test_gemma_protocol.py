@@ -117,6 +117,7 @@ def test_evaluate_matches_the_authors_calculate_ppl(protocol, reference, gemma3_
     assert result["protocol"]["ppl"] == protocol and result["protocol"]["ppl_requested"] == requested
     # beside it, the mean per predicted token: their figure is exp of (L-1)/L of it
     assert got["ppl_per_token"] == pytest.approx(math.exp(got["nll_sum"] / got["tokens"]), rel=1e-12)
+    assert got["ppl"] == pytest.approx(math.exp(got["nll_sum"] / got["denominator"]), rel=1e-12)  # the sum's divisor, said
     assert math.log(got["ppl"]) == pytest.approx(math.log(got["ppl_per_token"]) * (SEQLEN - 1) / SEQLEN, rel=1e-9)
 
 

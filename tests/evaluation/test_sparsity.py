@@ -53,3 +53,54 @@ def test_nm_patterns_on_tensors():
     unstructured[0, :4] = 1.0
     assert nm_patterns(unstructured) == []
     assert nm_patterns(torch.zeros(4, 6)) == []  # 6 inputs: no whole groups of 4 or 8
+
+
+def test_elsa_evaluate_counts_the_weights_the_job_pruned(tmp_path, tiny_model_dir, text_dir, offline):
+    """An audit (2026-12-07): a job pruning only the MLP's gate and up projections to 70 % reported 70 %, and
+    elsa-evaluate said 35 % of the same files (every decoder-layer weight), neither naming what it counted. A folder with
+    a job's report is now counted over the report's targets, and the table names the weights or flags the difference."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from elsa_ds.evaluation.tables import results_table
+    from elsa_ds.jobs.evaluate import EvalSettings, run
+
+    targets = r"mlp\.(gate|up)_proj"
+    model_dir = tmp_path / "mlp60"
+    shutil.copytree(tiny_model_dir, model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for name, module in model.named_modules():
+        if name.endswith(("mlp.gate_proj", "mlp.up_proj")):
+            zero_smallest(module.weight.data, round(SPARSITY * module.weight.numel()))
+    model.save_pretrained(model_dir)
+    settings = {"ppl": [str(text_dir / "macbeth.txt")], "seqlen": 64, "limit": 2}
+    everything = run(EvalSettings(model=str(model_dir), **settings, output=tmp_path / "all.json"))
+    assert everything["sparsity"]["overall"] < SPARSITY - 0.1  # the attention and down projections are dense
+    (model_dir / "elsa_report.json").write_text(json.dumps({"config": {"targets": targets}}))
+    pruned = run(EvalSettings(model=str(model_dir), **settings, output=tmp_path / "job.json"))
+    assert abs(pruned["sparsity"]["overall"] - SPARSITY) < 1e-4 and pruned["sparsity"]["targets"] == targets
+    assert len(pruned["sparsity"]["layers"]) == 4  # 2 decoder layers x (gate, up)
+    table = results_table([pruned])
+    assert f"zeros over the weights matching `{targets}`" in table, table
+    assert "counted over different weights" in results_table([everything, pruned])
+    assert "Sparsity" not in results_table([everything])  # every decoder-layer weight: the table's plain meaning
+
+
+def test_a_report_that_cannot_be_read_leaves_the_count_over_every_decoder_weight(tmp_path, caplog):
+    """elsa_report.json is data from elsewhere: not JSON, not an object, or naming no targets, the evaluation counts every
+    decoder-layer weight (a broken file said once) rather than failing after loading the model."""
+    import logging
+
+    from elsa_ds.evaluation.sparsity import job_targets
+
+    report = tmp_path / "elsa_report.json"
+    assert job_targets(report) is None  # none there
+    for text, warned in (("{not json", True), ("[1, 2]", False), ('{"config": {"targets": 5}}', False),
+                         ('{"config": {"targets": "mlp"}}', False)):
+        report.write_text(text)
+        with caplog.at_level(logging.WARNING, logger="elsa_ds"):
+            caplog.clear()
+            got = job_targets(report)
+        assert got == ("mlp" if "mlp" in text else None) and (f"{report} unread" in caplog.text) == warned, caplog.text

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from elsa_ds.jobs.evaluate import EvalSettings, run
 from tests.conftest import run_entry
@@ -15,6 +16,8 @@ def test_compare_two_models(tmp_path, tiny_model_dir, sixty_model_dir, text_dir,
         run(EvalSettings(model=str(model), ppl=[text], seqlen=64, limit=4, output=paths[-1]))
     dense, sixty = (json.loads(p.read_text()) for p in paths)
     assert dense["ppl"][text]["windows"] == 4  # --limit caps the windows
+    got = dense["ppl"][text]  # what the sum of NLL is divided by, beside it (an audit: `tokens` is not it)
+    assert got["denominator"] == 4 * 64 != got["tokens"] and abs(math.exp(got["nll_sum"] / got["denominator"]) / got["ppl"] - 1) < 1e-12
 
     md = tmp_path / "table.md"
     proc = run_entry("evaluate.py", ["--compare", *map(str, paths), "--markdown", str(md)], timeout=120)

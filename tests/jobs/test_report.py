@@ -58,6 +58,7 @@ def test_the_retraining_and_oneshot_reports_read_their_own_fields(tmp_path):
     rec.losses, rec.step_times, rec.global_batch, rec.baseline_ppl, rec.final_ppl = [2.0, 1.0], [5.0, 1.0], 4, 30.0, 25.0
     tuned = finetune_report(rec, staging)
     assert tuned["ppl"]["before_finetune"] == 30.0 and tuned["ppl"]["pruned"] == 25.0 and tuned["tokens"] == 4 * 4 * 8
+    assert tuned["final_loss_mean_tail"] == 1.5 and tuned["tail_steps"] == 2  # a 2-step run: its 2 steps, said (an audit)
     rec.expected_zeros = {}  # the dense control: nothing to verify
     assert finetune_report(rec, staging)["layers"] == {}
     one = _record("wanda", method="wanda")
@@ -121,4 +122,47 @@ def test_a_summary_without_a_dense_model_and_a_retraining_worse_than_its_start(t
     tuned = _record("wanda", method="wanda", finetune="full", lr=1e-3)
     tuned.losses, tuned.step_times, tuned.global_batch, tuned.baseline_ppl, tuned.final_ppl = [2.0, 1.0], [5.0, 1.0], 4, 30.0, 35.0
     print_summary(finetune_report(tuned, _staged(tmp_path, 16)), tmp_path)
-    assert "fine-tuning ended worse than the pruned model it started from: your lr 0.001" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "fine-tuning ended worse than the pruned model it started from: your lr 0.001" in err
+    assert "or more --finetune_steps" in err, err  # the retraining's own count (an audit: "--steps")
+
+
+@pytest.mark.parametrize("start, said", [(40.0, "1.333x lower than its warm start (sparsegpt)"),
+                                         (30.0, "the same as its warm start (sparsegpt) (to 0.1 %)"),
+                                         (30.01, "the same as its warm start"), (29.99, "the same as its warm start"),
+                                         (20.0, "1.500x HIGHER than its warm start")])
+def test_elsa_against_its_warm_start_in_words(tmp_path, capsys, start, said):
+    """An audit (2026-12-07): an export that was its warm start unchanged read "1.000x lower than its warm start"; a
+    ratio of 0.9996 would have read "1.000x HIGHER". Equal to the digits shown, it is the same."""
+    from elsa_ds.jobs.report import print_summary
+    from elsa_ds.log import setup_logging
+
+    setup_logging("info", rank=0)
+    rec = _record(init_mask="sparsegpt", init_weights=True, lr=1e-3)
+    rec.final_ppl, rec.dense_ppl, rec.baseline_ppl = 30.0, 15.0, start
+    rec.losses, rec.step_times, rec.global_batch = [4.0, 3.0], [9.0, 1.0], 16
+    print_summary(elsa_report(rec, _staged(tmp_path, 16)), tmp_path)
+    out = capsys.readouterr().out
+    assert f"ELSA perplexity is {said}" in out, out
+
+
+def test_perplexities_computed_in_other_dtypes_are_said_in_the_line(tmp_path, capsys):
+    """An audit (2026-12-07): on a CPU-only machine the warm start's dense model is scored on rank 0's fp32 copy and the
+    warm start and ELSA on the bf16 engine; the line says which figure was computed how, and says nothing when one
+    arithmetic computed all."""
+    from elsa_ds.jobs.report import print_summary
+    from elsa_ds.log import setup_logging
+
+    setup_logging("info", rank=0)
+    engine, host = "bfloat16 on the engine", "float32 in rank 0's one-shot pass"
+    for dense, said in ((host, True), (engine, False)):
+        rec = _record(init_mask="sparsegpt", init_weights=True, lr=1e-3)
+        rec.final_ppl, rec.dense_ppl, rec.baseline_ppl = 30.0, 15.0, 40.0
+        rec.losses, rec.step_times, rec.global_batch = [4.0, 3.0], [9.0, 1.0], 16
+        rec.computed_in = {"dense": dense, "warm_start": engine, "pruned": engine}
+        report = elsa_report(rec, _staged(tmp_path, 16))
+        assert report["ppl"]["computed_in"] == rec.computed_in
+        print_summary(report, tmp_path)
+        out = capsys.readouterr().out
+        note = (f"ELSA 30.000 (dense in {host}, warm start in {engine}, ELSA in {engine}: the fourth digit may differ)")
+        assert (note in out) == said, out

@@ -43,9 +43,12 @@ def test_speed_of_a_dense_pruned_folder_through_the_script(pruned_dir, tmp_path)
     done = subprocess.run([sys.executable, str(ROOT / "launch" / "evaluate.py"), "--model", str(pruned_dir), *FAST, "--output", str(out)],
                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert done.returncode == 0, done.stderr
-    assert "| decode (2 steps) | 8 |" in done.stdout and "| disk, pruned weights |" in done.stdout
+    assert "| decode (2 steps) | 8 |" in done.stdout and "| stored tensor bytes, pruned weights |" in done.stdout
     assert "| 2 new tokens after 8 | 8 |" in done.stdout
-    _check_report(json.loads(out.read_text()), pruned_dir, compressed_here=True)
+    report = json.loads(out.read_text())
+    _check_report(report, pruned_dir, compressed_here=True)
+    files = report["disk"]["sparse_files"]  # the files' own sizes, headers and checksums included (an audit)
+    assert f"| weight files on disk (headers included) | n/a | {files / 1e6:.1f} MB | n/a |" in done.stdout, done.stdout
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("elsa_speed_*/sparse/config.json"))  # temp removed
 
 

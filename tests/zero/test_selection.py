@@ -65,6 +65,10 @@ def test_a_pruned_start_is_scored_as_step_zero_and_kept_when_training_only_hurts
     assert selection["chosen"] == {"step": 0, "ppl": ppl["warm_start"], "final": False}
     assert ppl["pruned"] == pytest.approx(ppl["warm_start"])
     assert "no scored projection beat the warm start (sparsegpt): the export holds the warm start" in proc.stdout + proc.stderr
+    assert "ELSA perplexity is the same as its warm start (sparsegpt)" in proc.stdout  # not "1.000x lower" (an audit)
+    assert ppl["computed_in"] == {"dense": "float32 in rank 0's one-shot pass", "warm_start": "float32 on the engine",
+                                  "pruned": "float32 on the engine"}  # bf16 off: one arithmetic, nothing said in the line
+    assert "the fourth digit may differ" not in proc.stdout
     for name, layer in report["layers"].items():
         assert layer["zeros"] == round(0.7 * layer["numel"]), name
     measured = run(EvalSettings(model=str(out), ppl=[val], seqlen=64, limit=8))
