@@ -101,9 +101,14 @@ def test_a_retraining_plan_runs_its_own_steps_and_a_one_shot_plan_refuses_resume
     ({"method": "sparsegpt", "nsamples": 8, "blocksize": 64, "percdamp": 0.1, "seqlen": 64, "val_windows": 4}, []),
     ({"method": "magnitude", "finetune": "lora", "steps": 8, "lr": 1e-4, "lora_rank": 4, "save_interval": 4, "keep_checkpoints": 1}, []),
     ({"steps": 8, "nsamples": 8, "blocksize": 64, "save_interval": 4, "keep_checkpoints": 1}, []),  # the rule's warm start
-    ({"steps": 8, "nsamples": 8, "lr": 1e-3}, ["--nsamples (ELSA's dense start (the defaults rule's here) calibrates no"]),
-    ({"steps": 4096, "sparsity": 0.9, "percdamp": 0.1}, ["--percdamp (ELSA's dense start"]),  # the paper's budget
-    ({"steps": 8, "sparsity": 0.95, "blocksize": 64}, ["--blocksize (ELSA's dense start"]),  # beyond the warm start's 90 %
+    ({"steps": 8, "nsamples": 8, "lr": 1e-3}, ["--nsamples (ELSA's dense start (an lr or start set by you, a recipe or "
+                                               "the JSON keeps the paper's) calibrates no"]),
+    ({"steps": 4096, "sparsity": 0.9, "percdamp": 0.1}, ["--percdamp (ELSA's dense start (the defaults rule's"]),  # long
+    ({"steps": 8, "sparsity": 0.95, "blocksize": 64}, ["--blocksize (ELSA's dense start (the defaults rule's"]),  # > 90 %
+    # SparseGPT reads all three, whatever ELSA's rule would do at that sparsity and budget (the review)
+    ({"method": "sparsegpt", "sparsity": 0.95, "nsamples": 8}, []),
+    ({"method": "sparsegpt", "finetune": "full", "lr": 1e-4, "finetune_steps": 8, "nsamples": 8, "percdamp": 0.1}, []),
+    ({"method": "sparsegpt", "steps": 4096, "finetune": "lora", "blocksize": 64}, []),
     ({"steps": 8, "sparsity_profile": "PROFILE", "nsamples": 8}, []),  # a profile's ratio needs the model: may start pruned
     ({"steps": 8, "init_mask": "none", "nsamples": 8, "percdamp": 0.1}, ["--nsamples, --percdamp (--init_mask none calibrates no"]),
     ({"steps": 8, "init_mask": "wanda", "nsamples": 8, "blocksize": 64}, ["--blocksize (Wanda's warm start has no blocks"]),

@@ -6,12 +6,8 @@ from pathlib import Path
 
 import torch
 
-from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
-from elsa_ds.log import get_logger
 from elsa_ds.targets import DEFAULT_TARGETS, NamePattern
-
-log = get_logger(__name__)
 
 NM_PATTERNS: tuple[tuple[int, int], ...] = ((2, 4), (4, 8))  # strongest first: every 2:4 mask is also a 4:8 mask
 
@@ -93,23 +89,3 @@ def _report(tensors: Iterable[tuple[str, torch.Tensor]], targets: str) -> dict:
         numel_total += t.numel()
     return {"layers": dict(sorted(layers.items())), "overall": zeros_total / max(numel_total, 1), "pruned_numel": numel_total,
             "pattern": overall_pattern(zeros_total, found_nm), "targets": targets}
-
-
-def job_targets(report: Path) -> str | None:
-    """The weights the elsa_ds job whose report (elsa_report.json) is ``report`` pruned (its ``config.targets``), so that
-    the sparsity elsa-evaluate says is over the weights the job's report counts; None (every decoder-layer weight) where
-    there is no such file or it names none. An audit (2026-12-07): --targets 'mlp\\.(gate|up)_proj' at 70 % was 70 % in
-    the job's report and 35 % in elsa-evaluate's."""
-    if not report.is_file():
-        return None
-    try:
-        found = json_data.read(report)
-    except (ValueError, OSError) as err:  # data from elsewhere: said, and the evaluation goes on
-        log.warning(f"{report} unread ({err}): sparsity over every decoder-layer weight")
-        return None
-    config = found.get("config") if isinstance(found, dict) else None
-    targets = config.get("targets") if isinstance(config, dict) else None
-    if not isinstance(targets, str) or not targets:
-        return None
-    log.info(f"sparsity over the weights its job pruned: targets {targets} ({report})")
-    return targets

@@ -132,6 +132,7 @@ class ElsaJob:
         state, validation, warm, selector = self.state, run.data.validation, run.warm, run.selector
         if warm is not None and warm.start is not None:
             state.dense_ppl = validation.perplexity(*warm.dense_nll) if warm.dense_nll else None
+            state.computed_in = {"dense": report.on_host(), "warm_start": report.on_engine(self.ds)}
             if selector is not None and validation.count:  # the start is a candidate for the export: step 0
                 state.baseline_ppl = selector.score(run.zero, run.admm, validation, self.ds.micro_batch_size, 0, project=False)
                 state.selection = selector.record
@@ -140,6 +141,7 @@ class ElsaJob:
             _log_references(state.dense_ppl, f"the warm start ({self.cfg.init_mask})", state.baseline_ppl)
             return
         state.dense_ppl = self.validation_ppl(run)
+        state.computed_in = dict.fromkeys(("dense", "magnitude_oneshot"), report.on_engine(self.ds))
         if self.cfg.baseline == "magnitude" and validation.count and self.ds.uses_nvme:
             log.info("one-shot magnitude baseline skipped: it edits resident partitions, which NVMe offload swaps out")
         elif self.cfg.baseline == "magnitude" and validation.count:
@@ -258,13 +260,8 @@ class ElsaJob:
             final_ppl=pruned_ppl, dense_ppl=st.dense_ppl, baseline_ppl=st.baseline_ppl, losses=st.losses,
             step_times=st.step_times, history=st.history, selection=st.selection, defaults=self.plan.defaults,
             global_batch=self.ds.train_batch_size, offload=report.offload(self.ds), training_data=run.data.sampling,
-            kernels=run.admm.kernel_report(), deepspeed_resolved=self.ds.raw, computed_in=self._computed_in())
-
-    def _computed_in(self) -> dict[str, str]:
-        """Each perplexity's arithmetic: the engine's, but a warm start's dense model, scored by rank 0's one-shot pass."""
-        engine = report.on_engine(self.ds)
-        start = "warm_start" if self.cfg.init_weights else "magnitude_oneshot"
-        return {"dense": report.on_host() if self.cfg.init_weights else engine, start: engine, "pruned": engine}
+            kernels=run.admm.kernel_report(), deepspeed_resolved=self.ds.raw,
+            computed_in={**st.computed_in, "pruned": report.on_engine(self.ds)})  # the references' as measured (a resume)
 
     # ---- evaluate, cleanup ------------------------------------------------------------------------------------------
     def evaluate(self, result: dict[str, Any] | None) -> None:

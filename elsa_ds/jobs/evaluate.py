@@ -28,10 +28,9 @@ from elsa_ds.data.hub_texts import check_hub_texts, task_repos, text_repos
 from elsa_ds.data.windows import C4_WINDOWS, LAYOUTS
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
-from elsa_ds.evaluation.sparsity import job_targets, model_sparsity_report, sparsity_report
+from elsa_ds.evaluation.sparsity import model_sparsity_report, sparsity_report
 from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
-from elsa_ds.files.aside import REPORT_NAME
 from elsa_ds.files.io import ATOMIC_ROOM, make_folder, versions, write_atomic
 from elsa_ds.files.output import missing_folders
 from elsa_ds.files.ownership import check_output_names
@@ -40,7 +39,7 @@ from elsa_ds.loss import loss_choice
 from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, is_sparse_checkpoint, load_causal_lm, load_config
 from elsa_ds.settings.config import NAMED_TEXT_SOURCES, ElsaConfig
 from elsa_ds.settings.config_checks import exact_kinds
-from elsa_ds.settings.config_files import PathList, comma_list, usable_path
+from elsa_ds.settings.config_files import PathList, comma_list, job_targets, usable_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -257,8 +256,7 @@ def measure(s: EvalSettings, prep: _Prepared) -> dict[str, Any]:
         found: dict[str, Any] = {"device": str(first.device), "dtype": str(first.dtype).removeprefix("torch.")}
         log.info(f"loaded {s.model} ({prep.config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
             f"{found['dtype']}, {found['device']})")
-        targets = job_targets(Path(s.model).expanduser() / REPORT_NAME)
-        found["sparsity"] = model_sparsity_report(model, targets) if sparse else model_sparsity(s.model, targets)
+        found["sparsity"] = counted_sparsity(s.model, model, sparse)
         found["ppl"] = {}
         for source, w in prep.windows.items():
             nll, tokens = window_nll(lambda ids: model(input_ids=ids).logits, w.ids, s.batch_size, device=first.device, progress=True)
@@ -358,6 +356,22 @@ def run_speed(s: EvalSettings, started: float) -> dict[str, Any]:
     print(table, end="", flush=True)  # the table is the command's product: stdout
     write_outputs(s, result, table)
     return result
+
+
+def counted_sparsity(model_id: str, model: PreTrainedModel, sparse: bool) -> dict[str, Any]:
+    """Zeros per pruned weight, over the weights the folder's job pruned (``job_targets``) where they are found here,
+    else every decoder-layer weight; a count that cannot be made is recorded, not raised (the model is loaded by now)."""
+    def count(pattern: str | None) -> dict[str, Any]:
+        try:
+            return model_sparsity_report(model, pattern) if sparse else model_sparsity(model_id, pattern)
+        except ElsaError as err:  # a pattern too slow to match (NamePattern's limit)
+            log.warning(f"no sparsity report: {err}")
+            return {"error": str(err)}
+    found = count(targets := job_targets(Path(model_id).expanduser()))
+    if targets is not None and "error" not in found and not found["pruned_numel"]:
+        log.warning(f"targets {targets} of its job's report name no weight here: sparsity over every decoder-layer weight")
+        found = count(None)
+    return found
 
 
 def model_sparsity(model_id: str, targets: str | None = None) -> dict[str, Any]:

@@ -148,6 +148,7 @@ class FinetuneJob:
             log.info(f"continuing at step {self.state.next_step} of {self.cfg.steps}")
             return
         self.state.baseline_ppl = self.validation_ppl(run)
+        self.state.computed_in = {"before_finetune": report.on_engine(self.ds)}
         if self.state.baseline_ppl is not None:
             log.info(f"validation ppl before fine-tuning: {self.state.baseline_ppl:.3f}")
 
@@ -219,7 +220,7 @@ class FinetuneJob:
             validation=run.data.validation.describe(), goals=run.goals, expected_zeros=expected, final_ppl=tuned_ppl,
             baseline_ppl=st.baseline_ppl, losses=st.losses, step_times=st.step_times, defaults=self.plan.defaults,
             global_batch=self.ds.train_batch_size, calibration=run.calibration, deepspeed_resolved=self.ds.raw,
-            computed_in=dict.fromkeys(("before_finetune", "pruned"), report.on_engine(self.ds)))
+            computed_in={**st.computed_in, "pruned": report.on_engine(self.ds)})  # before: as measured (a resume)
 
     # ---- evaluate, cleanup ------------------------------------------------------------------------------------------
     def evaluate(self, result: dict[str, Any] | None) -> None:

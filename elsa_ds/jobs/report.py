@@ -65,10 +65,8 @@ class ReportRecord:
 
 
 def on_engine(ds: DsConfig) -> str:
-    """A perplexity computed by the engine ``ds`` configures: in its dtype (bf16, fp16, else fp32)."""
-    raw = ds.raw
-    dtype = "bfloat16" if ds.bf16 else "float16" if raw.get("fp16", {}).get("enabled") is True else "float32"
-    return f"{dtype} on the engine"
+    """A perplexity computed by the engine ``ds`` configures: in its dtype (bf16, else fp32: fp16 is refused)."""
+    return f"{'bfloat16' if ds.bf16 else 'float32'} on the engine"
 
 
 def on_host() -> str:
@@ -109,8 +107,8 @@ def elsa_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
         "admm_state_bytes_per_param": last.get("admm_state_bytes_per_param"),
         "kernels": rec.kernels,
         "training_data": rec.training_data,
-        "ppl": {"dense": dense, "magnitude_oneshot": None if warm else baseline, "warm_start": baseline if warm else None,
-                "pruned": pruned_ppl, **_validation(rec.validation), "computed_in": rec.computed_in},
+        "ppl": _perplexities(rec, dense=dense, magnitude_oneshot=None if warm else baseline,
+                             warm_start=baseline if warm else None, pruned=pruned_ppl),
         "vs_magnitude": None if warm or baseline is None or pruned_ppl is None else {
             "ppl_ratio": baseline / pruned_ppl, "ppl_reduction": baseline - pruned_ppl},
         "layers": layers,
@@ -142,8 +140,7 @@ def finetune_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
         "tail_steps": len(tail),  # TAIL_STEPS, or every step of a shorter run (an audit: "last_32" over 8 steps)
         "step_time_s": sum(steady) / len(steady),
         "lambda": None, "residual": None, "admm_state_bytes_per_param": None,
-        "ppl": {"dense": None, "before_finetune": rec.baseline_ppl, "pruned": rec.final_ppl, **_validation(rec.validation),
-                "computed_in": rec.computed_in,
+        "ppl": {**_perplexities(rec, dense=None, before_finetune=rec.baseline_ppl, pruned=rec.final_ppl),
                 "measured_on": measured_on},
         "layers": layers, "overall_sparsity": layers_summary(layers) if layers else 0.0,
         "defaults": rec.defaults, "wall_s": time.time() - rec.started, "resumed_at_step": rec.resumed_at,
@@ -165,7 +162,7 @@ def oneshot_report(rec: ReportRecord, staging: Path) -> dict[str, Any]:
         "residual": None,
         "admm_state_bytes_per_param": None,
         "prune_s": rec.prune_s,
-        "ppl": {"dense": rec.dense_ppl, "pruned": rec.final_ppl, **_validation(rec.validation), "computed_in": rec.computed_in},
+        "ppl": _perplexities(rec, dense=rec.dense_ppl, pruned=rec.final_ppl),
         "layers": layers,
         "overall_sparsity": layers_summary(layers),
         "wall_s": time.time() - rec.started,
@@ -205,6 +202,13 @@ def _common(rec: ReportRecord) -> dict[str, Any]:
             "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
             "loss_path": loss_taken(),  # the training loss's: "fused" (the Triton kernel), "chunked" (torch)
             "config": {**cfg.model_dump(mode="json"), "dataset": source_name(cfg.dataset)}, "versions": versions()}
+
+
+def _perplexities(rec: ReportRecord, **ppl: float | None) -> dict[str, Any]:
+    """A report's ``ppl``: the perplexities, the validation windows they were scored on, and ``computed_in``: the dtype
+    and place of each figure that was measured."""
+    return {**ppl, **_validation(rec.validation),
+            "computed_in": {k: v for k, v in rec.computed_in.items() if ppl.get(k) is not None}}
 
 
 def _validation(d: dict[str, Any]) -> dict[str, Any]:

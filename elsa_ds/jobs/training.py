@@ -50,6 +50,7 @@ class RunState:
     baseline_ppl: float | None = None
     fingerprint: dict[str, Any] = field(default_factory=dict)
     selection: dict[str, Any] | None = None  # the validation-driven selection's curve and best (--select_every)
+    computed_in: dict[str, str] = field(default_factory=dict)  # dense_ppl's and baseline_ppl's dtype and where, when measured
 
 
 def run_state_problem(client: Any) -> str | None:
@@ -142,6 +143,8 @@ CLIENT_FIELDS: dict[str, Callable[[Any], bool]] = {
     "next_step": _count, "lam": _number, "history": _list_of(_projection_ok), "losses": _list_of(_number),
     "step_times": _list_of(_number), "dense_ppl": _optional(_number), "baseline_ppl": _optional(_number),
     "fingerprint": lambda v: isinstance(v, dict) and _shallow(v, 2), "selection": _optional(_selection_ok),
+    "computed_in": lambda v: isinstance(v, dict) and len(v) <= 8 and all(isinstance(k, str) and isinstance(x, str)
+                                                                        and len(x) <= 200 for k, x in v.items()),
     "rng": _rng_state_ok}
 
 

@@ -200,10 +200,10 @@ def unread_settings(cfg: Any, given: dict[str, Any], prefix: str) -> str | None:
         unread.append((named("lora_rank", "lora_alpha"), f"they shape {prefix}finetune lora's adapters"))
     if method in CALIBRATION_WHY:
         unread.append((named(*(k for k in CALIBRATION if k not in CALIBRATION_READ[method])), CALIBRATION_WHY[method]))
-    elif cfg.init_mask is not None or not _rule_may_start_pruned(cfg):  # ELSA's warm start as set, or the dense start
+    elif method == Method.elsa.value and (cfg.init_mask is not None or not _rule_may_start_pruned(cfg)):  # its start
         read = CALIBRATION_READ.get(cfg.init_mask or "", ())  # magnitude's, a folder's or none: no calibration
         mask = cfg.init_mask or given.get("init_mask")  # "none" is read as None
-        start = f"{prefix}init_mask {mask}" if mask else "ELSA's dense start (the defaults rule's here)"
+        start = f"{prefix}init_mask {mask}" if mask else _dense_start(cfg)
         unread.append((named(*(k for k in CALIBRATION if k not in read)), f"{start} calibrates no one-shot warm start"
                        if not read else "Wanda's warm start has no blocks or dampening"))
     if method != Method.elsa.value:
@@ -225,6 +225,14 @@ def _rule_may_start_pruned(cfg: Any) -> bool:
         return False
     steps = (cfg.finetune_steps or cfg.steps) if cfg.finetune is not None else cfg.steps
     return bool(cfg.sparsity_profile) or rule_warm_start(goal_ratio(cfg.goal), steps)
+
+
+def _dense_start(cfg: Any) -> str:
+    """Whose choice ELSA's dense start is, where no --init_mask is set: a given lr's or start's (flags, recipe or JSON),
+    else the defaults rule's (its warm start ends at 90 % and 2048 steps)."""
+    if cfg.model_fields_set & {"lr", "init_mask", "init_weights"}:
+        return "ELSA's dense start (an lr or start set by you, a recipe or the JSON keeps the paper's)"
+    return "ELSA's dense start (the defaults rule's beyond its SparseGPT start's sparsity or budget)"
 
 
 def not_a_percentage(v: Any) -> Any:

@@ -15,8 +15,13 @@ from pydantic import BeforeValidator, ValidationInfo
 from elsa_ds import json_data
 from elsa_ds.data.sources import DEMO_DATASET, in_memory_name, looks_local
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.aside import REPORT_NAME
 from elsa_ds.files.ownership import NAME_MAX, PATH_MAX
+from elsa_ds.log import get_logger
+from elsa_ds.quoting import shown
 from elsa_ds.targets import NamePattern
+
+log = get_logger(__name__)
 
 
 def comma_list(value: Any) -> Any:
@@ -344,3 +349,26 @@ def load_profile(path: str | Path) -> dict[str, float]:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
             raise ValueError(f"{path}: sparsity of {regex!r} is {ratio!r}; it must be a number in [0, 1)")
     return {k: float(v) for k, v in profile.items()}
+
+
+def job_targets(model_dir: Path) -> str | None:
+    """The weights the elsa_ds job that wrote ``model_dir`` pruned: ``config.targets`` of its elsa_report.json, so that
+    elsa-evaluate's sparsity is over the weights the job's report counts (an audit, 2026-12-07: --targets
+    'mlp\\.(gate|up)_proj' at 70 % was 70 % in the report and 35 % in elsa-evaluate's). None (every decoder-layer
+    weight) where there is no such file, or it names none, or what it names is no usable pattern (data from elsewhere:
+    said once, and the evaluation goes on)."""
+    report = model_dir / REPORT_NAME
+    if not report.is_file():
+        return None
+    try:
+        found = json_data.read(report)
+        config = found.get("config") if isinstance(found, dict) else None
+        targets = config.get("targets") if isinstance(config, dict) else None
+        if not isinstance(targets, str) or not targets:
+            return None
+        compile_regex(targets)
+    except (ValueError, OSError) as err:
+        log.warning(f"{report} unread ({shown(str(err), render=str)}): sparsity over every decoder-layer weight")
+        return None
+    log.info(f"sparsity over the weights its job pruned: targets {targets} ({report})")
+    return targets

@@ -82,6 +82,9 @@ def test_elsa_evaluate_counts_the_weights_the_job_pruned(tmp_path, tiny_model_di
     pruned = run(EvalSettings(model=str(model_dir), **settings, output=tmp_path / "job.json"))
     assert abs(pruned["sparsity"]["overall"] - SPARSITY) < 1e-4 and pruned["sparsity"]["targets"] == targets
     assert len(pruned["sparsity"]["layers"]) == 4  # 2 decoder layers x (gate, up)
+    (model_dir / "elsa_report.json").write_text(json.dumps({"config": {"targets": "no_such_proj"}}))  # names no weight here
+    fallen = run(EvalSettings(model=str(model_dir), **settings, output=tmp_path / "none.json"))["sparsity"]
+    assert fallen["overall"] == everything["sparsity"]["overall"] and fallen["pruned_numel"] > 0  # not "0 %, dense"
     table = results_table([pruned])
     assert f"zeros over the weights matching `{targets}`" in table, table
     assert "counted over different weights" in results_table([everything, pruned])
@@ -89,18 +92,21 @@ def test_elsa_evaluate_counts_the_weights_the_job_pruned(tmp_path, tiny_model_di
 
 
 def test_a_report_that_cannot_be_read_leaves_the_count_over_every_decoder_weight(tmp_path, caplog):
-    """elsa_report.json is data from elsewhere: not JSON, not an object, or naming no targets, the evaluation counts every
-    decoder-layer weight (a broken file said once) rather than failing after loading the model."""
+    """elsa_report.json is data from elsewhere: not JSON, not an object, naming no targets, or a pattern that is not one
+    (invalid, 1,001 characters, a nested repeat: the review), the evaluation counts every decoder-layer weight (a broken
+    file said once) rather than failing after loading the model."""
+    import json
     import logging
 
-    from elsa_ds.evaluation.sparsity import job_targets
+    from elsa_ds.settings.config_files import job_targets
 
     report = tmp_path / "elsa_report.json"
-    assert job_targets(report) is None  # none there
+    assert job_targets(tmp_path) is None  # none there
     for text, warned in (("{not json", True), ("[1, 2]", False), ('{"config": {"targets": 5}}', False),
-                         ('{"config": {"targets": "mlp"}}', False)):
+                         ('{"config": {"targets": "("}}', True), (json.dumps({"config": {"targets": "a" * 1001}}), True),
+                         ('{"config": {"targets": "(a+)+$"}}', True), ('{"config": {"targets": "mlp"}}', False)):
         report.write_text(text)
         with caplog.at_level(logging.WARNING, logger="elsa_ds"):
             caplog.clear()
-            got = job_targets(report)
-        assert got == ("mlp" if "mlp" in text else None) and (f"{report} unread" in caplog.text) == warned, caplog.text
+            got = job_targets(tmp_path)
+        assert got == ("mlp" if "mlp" in text else None) and (f"{report} unread" in caplog.text) == warned, (text, caplog.text)

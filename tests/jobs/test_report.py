@@ -166,3 +166,5 @@ def test_perplexities_computed_in_other_dtypes_are_said_in_the_line(tmp_path, ca
         out = capsys.readouterr().out
         note = (f"ELSA 30.000 (dense in {host}, warm start in {engine}, ELSA in {engine}: the fourth digit may differ)")
         assert (note in out) == said, out
+    rec.baseline_ppl = None  # --baseline none, or skipped: a figure not measured has no arithmetic to name (the review)
+    assert elsa_report(rec, _staged(tmp_path, 16))["ppl"]["computed_in"] == {"dense": engine, "pruned": engine}

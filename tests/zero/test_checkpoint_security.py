@@ -531,12 +531,14 @@ def test_a_fingerprints_odd_values_are_named_not_a_traceback():
 
 def test_an_altered_loop_state_is_named_not_a_traceback():
     """The client state DeepSpeed hands back: every field with its type, the RNG as elsa_ds saves it."""
-    good = {**asdict(RunState(fingerprint={"sparsity": 0.6})), "rng": checkpoint.rng_state()}
+    good = {**asdict(RunState(fingerprint={"sparsity": 0.6}, computed_in={"dense": "float32 on the engine"})),
+            "rng": checkpoint.rng_state()}
     assert run_state_problem(good) is None
-    older = {k: v for k, v in good.items() if k not in ("selection", "baseline_ppl")}  # an older elsa_ds's checkpoint
+    older = {k: v for k, v in good.items() if k not in ("selection", "baseline_ppl", "computed_in")}  # an older elsa_ds's
     assert run_state_problem(older) is None
     for change, needle in [({"next_step": "3"}, "next_step"), ({"rng": {"torch": torch.zeros(3)}}, "rng"),
-                           ({"losses": [1.0, "x"]}, "losses"), ({"extra": 1}, "keys")]:
+                           ({"losses": [1.0, "x"]}, "losses"), ({"extra": 1}, "keys"),
+                           ({"computed_in": {"dense": 3}}, "computed_in"), ({"computed_in": {"d": "x" * 201}}, "computed_in")]:
         assert needle in run_state_problem({**good, **change})
     assert "not a dict" in run_state_problem(["a", "list"])
     deep: list = []
