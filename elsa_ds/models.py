@@ -19,7 +19,8 @@ from elsa_ds.data import load_tokenizer
 from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.data.sources import FILE_NOT_MODEL
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.weight_files import check_model_folder, check_weight_files, indexed_shards, read_header, stored_shapes
+from elsa_ds.files.weight_files import (check_model_folder, check_weight_files, download_command, indexed_shards, read_header,
+                                      stored_shapes)
 from elsa_ds.settings.config_files import name_problem, read_json_object
 
 if TYPE_CHECKING:
@@ -104,8 +105,8 @@ def refuse_sparse_checkpoint(model_id: str, flag: str) -> None:
     if folder is not None and is_sparse_checkpoint(str(folder)):
         raise ElsaError(f"{flag} {model_id} is an elsa-sparse checkpoint (elsa-compress's values and positions), which "
                         "transformers cannot load as the model; give a dense folder "
-                        "(elsa_ds.sparse.from_pretrained(path, mode='dense') then save_pretrained makes one; "
-                        "launch/evaluate.py reads the sparse one as it is)")
+                        "(elsa_ds.sparse.from_pretrained(path, mode='dense') then save_pretrained makes one; copy the "
+                        "tokenizer files beside it; launch/evaluate.py reads the sparse one as it is)")
 
 
 def load_config(model_id: str):
@@ -133,7 +134,7 @@ def check_hub_reachable(model_id: str) -> None:
     if Path(model_id).expanduser().exists() or _in_hub_cache(model_id) or not (why := hub_unreachable()):
         return
     raise ElsaError(f"model {model_id}: cannot load it: not a folder here nor in the Hugging Face cache, and {why}: download it where "
-                    f"the hub can be reached (huggingface-cli download {model_id}) and pass its folder, or point HF_HOME "
+                    f"the hub can be reached ({download_command(model_id)}) and pass its folder, or point HF_HOME "
                     "at a cache that holds it")
 
 
@@ -266,7 +267,7 @@ def check_cached_shards(model_id: str, snapshot: Path) -> None:
     if missing and (why := hub_unreachable()):
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ElsaError(f"model {model_id}: the Hugging Face cache ({snapshot}) lacks {missing[0]}{more}, which its index names, "
-                        f"and {why}: finish the download where the hub can be reached (huggingface-cli download {model_id})")
+                        f"and {why}: finish the download where the hub can be reached ({download_command(model_id)})")
 
 
 def cached_snapshot(model_id: str) -> Path | None:

@@ -231,13 +231,13 @@ def test_a_hub_id_this_machine_has_cached_is_checked_as_a_folder_is(tmp_path, mo
     # a shard not downloaded yet: offline, one line now (transformers failed at the load, after the checks and the warm
     # start); where the hub answers, transformers fetches it
     one_line(*_prune("org/demo", tmp_path / "o2")[:2], "model org/demo", "lacks model-00002-of-00002.safetensors",
-             "HF_HUB_OFFLINE", "huggingface-cli download org/demo")
+             "HF_HUB_OFFLINE", "hf download org/demo")
     monkeypatch.setattr("elsa_ds.data.hub_texts.hub_unreachable", lambda: None)
     assert _prune("org/demo", tmp_path / "o2")[0] == 0
     whole = (blobs / "model.safetensors").read_bytes()
     (blobs / "model.safetensors").write_bytes(whole[: len(whole) // 2])
     one_line(*_prune("org/demo", tmp_path / "o3")[:2], "model org/demo", "model.safetensors", "damaged",
-             f"cache's copy ({snapshot})", "huggingface-cli download org/demo model.safetensors --force-download")
+             f"cache's copy ({snapshot})", "hf download org/demo model.safetensors --force-download")
     assert not (tmp_path / "o3").exists()
 
 

@@ -167,7 +167,7 @@ def test_a_hub_model_this_machine_lacks_is_refused_at_once_when_the_hub_cannot_b
         proc = run_entry(script, args, check=False, env=env)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
         assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-        for needle in ("not a folder here nor in the Hugging Face cache", "no-such-host.invalid", "huggingface-cli download"):
+        for needle in ("not a folder here nor in the Hugging Face cache", "no-such-host.invalid", "hf download"):
             assert needle in errors[0], errors[0]
         assert time.time() - started < 20 and not (tmp_path / "out").exists(), errors[0]
 
@@ -276,14 +276,16 @@ def test_stock_transformers_zero3_config_resolves_its_autos():
 def test_every_problem_of_a_config_is_reported_at_once(tmp_path):
     raw = _stock_transformers_config()
     raw["optimizer"]["params"]["lr"] = 3e-5
+    raw["optimizer"]["params"]["betas"] = [0.8, 0.95]  # advice as typed: --betas 0.8 0.95, not a list (an audit)
     raw["scheduler"]["params"]["warmup_num_steps"] = 100
     raw["zero_optimization"]["stage3_max_live_parameters"] = "auto"
     path = tmp_path / "hf.json"
     path.write_text(json.dumps(raw))
     _prune_fails(["--deepspeed", str(path), "--output_dir", str(tmp_path / "o")],
                  "train_batch_size is missing or \"auto\"", "optimizer.params.lr=3e-05", "--lr 3e-05", "scheduler.params",
+                 "pass --betas 0.8 0.95 or set it",
                  "zero_optimization.stage3_max_live_parameters is \"auto\"")
-    with pytest.raises(ElsaError, match=r"\(1\).*\(2\).*\(3\).*\(4\)"):
+    with pytest.raises(ElsaError, match=r"\(1\).*\(2\).*\(3\).*\(4\).*\(5\)"):
         ds = DsConfig(raw)
         ds.engine_config(resolve_config(raw, {}), 1, 64)
 

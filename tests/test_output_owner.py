@@ -332,3 +332,23 @@ def test_a_lock_files_odd_fields_are_data_never_a_traceback(tmp_path, holder):
     fd = acquire(out, "--output")  # no valid pid: nobody to wait for
     assert json.loads(lock_path(out).read_text())["pid"] == os.getpid()
     release(out, fd)
+
+
+def test_a_folder_that_is_not_empty_is_offered_resume_only_with_a_checkpoint_to_continue(tmp_path):
+    """An audit (2026-12-07): the refusal offered --resume for any folder, and --resume then said there was no checkpoint
+    (with no advice); each way it offers is one that gets past it."""
+    from elsa_ds.files.output import check_output_dir
+
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ElsaError) as refused:
+        check_output_dir(out, overwrite=False)
+    assert "--overwrite to replace it, or choose another directory" in str(refused.value), refused.value
+    with pytest.raises(ElsaError, match="no published checkpoint .*start over with --overwrite in place of --resume"):
+        check_output_dir(out, overwrite=False, resume=True)
+    (out / "checkpoints" / "latest").write_text("global_step4")
+    with pytest.raises(ElsaError, match="--overwrite to replace it, --resume to continue it, or choose another"):
+        check_output_dir(out, overwrite=False)
+    check_output_dir(out, overwrite=False, resume=True)  # then taken
+    check_output_dir(out, overwrite=True)

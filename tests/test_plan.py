@@ -192,3 +192,34 @@ def test_resume_if_any_without_checkpoints_is_warned_about(tmp_path, monkeypatch
             cfg, ds_config = read_settings(opts, given)
             make_plan(cfg, opts, ds_config)
         assert ("--resume_if_any without --save_interval" in caplog.text) == warned, given
+
+
+def test_the_nvme_refusals_advice_followed_gets_past_them(tmp_path, monkeypatch):
+    """An audit (2026-12-07): "use zero3_offload or drop --select_every" with --nvme_path kept ran into "--nvme_path is
+    given, but this DeepSpeed config offloads nothing to NVMe ... use zero3_nvme", back to the first refusal. Each NVMe
+    refusal says to leave --nvme_path out, and doing as it says plans the job."""
+    from elsa_ds.zero.checkpoint import check_supported
+    from elsa_ds.zero.ds_config import DsConfig
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    given = {"steps": 64, "select_every": 8, "nvme_path": str(tmp_path)}
+    nvme = JobOptions(deepspeed="zero3_nvme", output_dir=tmp_path / "out")
+    cfg, ds_config = read_settings(nvme, given)
+    with pytest.raises(ElsaError, match=r"use zero3_offload \(without --nvme_path\) or drop --select_every"):
+        make_plan(cfg, nvme, ds_config)
+    with pytest.raises(ElsaError, match=r"use zero3_offload.json \(without --nvme_path\) for resumable runs"):
+        check_supported(DsConfig.load("zero3_nvme"))
+    offload = JobOptions(deepspeed="zero3_offload", output_dir=tmp_path / "out")
+    cfg, ds_config = read_settings(offload, {k: v for k, v in given.items() if k != "nvme_path"})
+    assert make_plan(cfg, offload, ds_config).cfg.select_every == 8
+
+
+def test_finetune_steps_on_an_elsa_job_is_told_the_whole_way_out():
+    """An audit (2026-12-07): "set --finetune full or lora" alone on an ELSA job led to "finetune retrains a one-shot
+    mask ... ELSA trains on its own": the refusal names the method too, and doing as it says is taken."""
+    from elsa_ds.settings.config import resolve_config
+
+    with pytest.raises(ElsaError, match=r"set --finetune full or lora with a one-shot --method \(magnitude, wanda, "
+                                        r"sparsegpt\) or dense, or drop it"):
+        resolve_config({}, {"model": "m", "finetune_steps": 8})
+    assert resolve_config({}, {"model": "m", "finetune_steps": 8, "finetune": "full", "method": "magnitude"}).finetune_steps == 8

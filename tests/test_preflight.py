@@ -179,6 +179,18 @@ def test_refusal_names_the_shipped_config_that_fits_and_the_warning_when_ignored
     assert "warning" in capsys.readouterr().err
 
 
+def test_an_elsa_job_short_of_disk_alone_is_told_what_frees_it(tmp_path, monkeypatch):
+    """An audit (2026-12-07): the ELSA job's disk refusal offered only --ignore_memory_check, which trained the whole run
+    and failed at the export; it names what frees the disk, as the one-shot job's does."""
+    meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_offload.json")
+    real = preflight.this_machine
+    monkeypatch.setattr(preflight, "this_machine", lambda paths: preflight.Machine(
+        host=1e15, gpu=None, disks={dev: 1e3 for dev in real(paths).disks}))
+    with pytest.raises(ElsaError) as err:
+        preflight.check_elsa(meta, ds, cfg, opts, world=1)
+    assert "disk at" in str(err.value) and ": free space there, or choose another --output_dir;" in str(err.value), err.value
+
+
 def test_a_run_that_fits_passes_and_one_inside_the_margin_warns(tmp_path, monkeypatch, capsys):
     meta, ds, cfg, opts = _job(tmp_path, "ds_configs/zero3_offload.json")
     need = _estimate("ds_configs/zero3_offload.json")

@@ -169,6 +169,8 @@ def check_elsa(meta, ds: dict, cfg, opts, world: int, source: dict | None = None
     hint = ""
     if any(n.refused for n in needs if n.what in ("host memory", "GPU memory")):
         hint = alternatives(job, machine)
+    elif any(n.refused for n in needs):  # disk alone: what frees it (an audit: "starts it anyway" alone, then no room)
+        hint = "free space there, or choose another --output_dir" + (" or --nvme_path" if len(writes) > 1 else "")
     judge(needs, hint, opts.ignore_memory_check, rank)
     if rank == 0:
         log.info(_expected_time(shape, job))

@@ -65,8 +65,9 @@ def check_local_tokenizer(model_id: str) -> None:
     if not path.is_dir():
         return
     if not any((path / name).is_file() for name in VOCAB_FILES):
-        raise ElsaError(f"model {model_id} has no tokenizer (none of {', '.join(VOCAB_FILES)}): save it there with "
-                        "AutoTokenizer.from_pretrained(<the model's hub id>).save_pretrained(<this folder>)")
+        raise ElsaError(f"model {model_id} has no tokenizer (none of {', '.join(VOCAB_FILES)}): copy the tokenizer files of "
+                        "the folder it was saved from, or save it there with AutoTokenizer.from_pretrained(<the model's "
+                        "hub id>).save_pretrained(<this folder>)")
     file = path / "tokenizer.json"
     if file.is_file():
         _check_tokenizer_json(file)

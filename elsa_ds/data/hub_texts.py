@@ -71,6 +71,9 @@ def text_repos(sources) -> dict[str, str]:
     return {f"{flag} {source!r}": repo for flag, source in sources if source and (repo := hub_repo(source))}
 
 
+INCLUDE_FLAGS = {"--eval_tasks": "--eval_include_path", "--tasks": "--include_path"}  # where each command reads task YAMLs
+
+
 def task_repos(manager, tasks: list[str], flag: str) -> dict[str, str]:
     """``"--flag task"`` -> the hub dataset its lm-eval YAML reads (``dataset_path``), for the tasks that name one (lm-eval
     0.4.13's index; a group, an included base YAML or another version's index: not checked, its loader will say)."""
@@ -99,7 +102,9 @@ def check_hub_texts(texts: dict[str, str], tasks: dict[str, str], named: tuple[s
             repo not in NAMED_REPOS.values() else ""
         said.append(f"{what} ({repo}{local}{f'; did you mean {near[0]}?' if near else ''})")
     texts_missing = any(what in texts for what in missing)
-    way = "give a local file or folder (.txt, .md, .jsonl, .parquet)" if texts_missing else "use task YAMLs that read local files"
+    includes = sorted({INCLUDE_FLAGS.get(what.split()[0], "--include_path") for what in missing if what not in texts})
+    way = ("give a local file or folder (.txt, .md, .jsonl, .parquet)" if texts_missing else
+           f"use task YAMLs that read local files ({' / '.join(includes)} FOLDER: where they are)")  # an audit: unnamed
     raise ElsaError(f"{'; '.join(said)}: {'datasets' if len(said) > 1 else 'a dataset'} of the Hugging Face hub, which "
                     f"cannot be asked here ({why}), and not in the local datasets cache; run once where the hub is reachable "
                     f"(datasets keeps what it downloads), or {way}")

@@ -37,7 +37,7 @@ def walk(path: Path, what: str) -> Iterator[tuple[str, list[str], list[str]]]:
         root, depth = todo.pop()
         if depth > MAX_DEPTH:
             raise ElsaError(f"--resume: {what} nest folders more than {MAX_DEPTH} deep ({root[:200]}...), which no run "
-                            "writes; restore the run from a copy you trust or start without --resume")
+                            "writes; restore the run from a copy you trust or start over with --overwrite in place of --resume")
         try:
             entries = list(os.scandir(root))
         except OSError as err:
@@ -52,15 +52,17 @@ def _check_entry(path: Path, what: str) -> bool:
     mode = os.lstat(path).st_mode
     if stat.S_ISLNK(mode):
         raise ElsaError(f"--resume: {path} in {what} is a symbolic link (to {os.readlink(path)}): a resumed run reads and "
-                        "writes only inside its own folder; put the files themselves there (cp -rL) or start without --resume")
+                        "writes only inside its own folder; put the files themselves there (cp -rL) or start over with "
+                        "--overwrite in place of --resume")
     if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
         raise ElsaError(f"--resume: {path} in {what} is not a regular file (a FIFO, socket or device): replace it with "
-                        "the file a run wrote or start without --resume")
+                        "the file a run wrote or start over with --overwrite in place of --resume")
     return stat.S_ISDIR(mode)
 
 
 def _unreadable(err: OSError) -> None:
-    raise ElsaError(f"--resume: cannot read {err.filename} ({err.strerror}); fix its permissions or start without --resume")
+    raise ElsaError(f"--resume: cannot read {err.filename} ({err.strerror}); fix its permissions or start over with "
+                    "--overwrite in place of --resume")
 
 
 def own_copies(path: Path) -> None:
@@ -85,4 +87,4 @@ def own_copies(path: Path) -> None:
                     own.unlink(missing_ok=True)
                 raise ElsaError(f"--resume: {file} has {st.st_nlink - 1} other name(s) (a hard link) and the run appends to "
                                 f"it; a copy of its own could not be made ({err.strerror or err}): copy it yourself "
-                                "(cp --remove-destination) or start without --resume") from None
+                                "(cp --remove-destination) or start over with --overwrite in place of --resume") from None

@@ -60,11 +60,13 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, re
     if resume and not (output_dir / "checkpoints" / "latest").exists():
         if (output_dir / REPORT_NAME).exists():
             raise ElsaError(f"--resume: {output_dir} holds a finished run ({REPORT_NAME}) and no checkpoint to continue; "
-                            "--overwrite replaces it, or choose another --output_dir")
-        raise ElsaError(f"--resume: {output_dir / 'checkpoints'} holds no published checkpoint (no 'latest' file)")
+                            "--overwrite in place of --resume replaces it, or choose another --output_dir")
+        raise ElsaError(f"--resume: {output_dir / 'checkpoints'} holds no published checkpoint (no 'latest' file); start "
+                        "over with --overwrite in place of --resume")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not (overwrite or resume or restart):
-        raise ElsaError(f"--output_dir {output_dir} is not empty; pass --overwrite to replace it, --resume to continue it, "
-                        "or choose another directory")
+        resumable = "--resume to continue it, " if published(output_dir).exists() else ""  # an audit: offered, then refused
+        raise ElsaError(f"--output_dir {output_dir} is not empty; pass --overwrite to replace it, {resumable}or choose another "
+                        "directory")
     parent = output_dir.resolve().parent
     try:  # the staging directory, checkpoints and warm-start masks all go beside the output
         parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +130,7 @@ def check_output_path(output_dir: Path) -> None:
         raise ElsaError(f"--output_dir {output_dir} is a symbolic link (to {os.readlink(output_dir)}): give the folder's own "
                         f"path, e.g. {real}")
     if output_dir.name in ("", ".", ".."):
-        raise ElsaError(f"--output_dir {output_dir}: name a folder of its own, not /, . or .. (e.g. {real})")
+        raise ElsaError(f"--output_dir {output_dir}: name a folder of its own, not /, . or .. (e.g. {Path(real) / 'out'})")
     out = Path(real)
     for what, path in _kept_folders():
         if out == path or out in path.parents:

@@ -114,8 +114,9 @@ def check_weight_files(folder: str | Path, who: str, hub_id: str | None = None) 
             raise ElsaError(f"{who}: {index} names {shard}, which the folder lacks; copy or download it again")
     for file, kind in sorted(kinds.items()):
         if (problem := _weight_file_problem(path, file, kind)) is not None:
-            again = (f"the Hugging Face cache's copy ({path}): fetch it again with `huggingface-cli download {hub_id} "
-                     f"{file.relative_to(path)} --force-download`" if hub_id else "copy or download it again")
+            again = (f"the Hugging Face cache's copy ({path}): fetch it again with "
+                     f"`{download_command(hub_id, str(file.relative_to(path)), '--force-download')}`" if hub_id else
+                     "copy or download it again")
             raise ElsaError(f"{who}: {file.relative_to(path)} {problem}; {again}")
 
 
@@ -223,3 +224,15 @@ def within(root: Path, target: Path) -> bool:
     if snapshots is not None:
         return blobs.parent == snapshots.parent
     return ETAG.fullmatch(target.name) is not None
+
+
+def download_command(*args: str) -> str:
+    """The hub's download command for ``args`` as the installed huggingface_hub spells it: ``hf download`` from 0.34 (its
+    ``huggingface-cli`` is gone in 1.0), else ``huggingface-cli download`` (an audit, 2026-12-07: the advice named
+    ``huggingface-cli``, which huggingface_hub 2.4 does not install)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    cli = "hf" if Version(version("huggingface_hub")) >= Version("0.34") else "huggingface-cli"
+    return " ".join((cli, "download", *args))

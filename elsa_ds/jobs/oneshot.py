@@ -81,7 +81,7 @@ class OneShotJob:
         tokenizer = self.source.load_tokenizer()
         validation = validation_windows(cfg.dataset, cfg.val_dataset, tokenizer, cfg.seqlen, cfg.ppl_protocol,
                                         self.source.config(), cfg.val_windows)
-        return HostModel(tokenizer, validation, load_host_model(self.source))
+        return HostModel(tokenizer, validation, load_host_model(self.source, cfg.random_init))
 
     def load_checkpoint(self, host: HostModel | None) -> None:
         """Nothing to restore: a one-shot method is one pass."""

@@ -105,7 +105,7 @@ class Selector:
         best, path = self.record["best"], self.directory / f"rank{self.rank}.pt"
         if best is not None and not path.is_file():
             raise ElsaError(f"--resume: the checkpoint's selection names the best projection of step {best['step']}, but its "
-                            f"snapshot {path} is gone; start the run again without --resume")
+                            f"snapshot {path} is gone; start over with --overwrite in place of --resume")
         if best is not None:  # read at the run's end: scanned now, before any step
             checkpoint.check_file(path, "the best projection's snapshot", self.root)
 

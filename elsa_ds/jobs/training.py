@@ -247,8 +247,9 @@ def train_loop(cfg: ElsaConfig, state: RunState, rank: int, train_step: Callable
             if profiler.after(step, state.step_times[-1]):
                 profiled.append(len(state.step_times) - 1)
             if not math.isfinite(loss):
-                raise ElsaError(f"the loss became {loss} at step {step}; the run stopped there (the last checkpoint, if "
-                                f"any, is intact; resume with a lower --lr or --lmda)")
+                raise ElsaError(f"the loss became {loss} at step {step}; the run stopped there (its last checkpoint, if "
+                                "any, is intact, but --resume replays these steps and refuses another --lr): start over "
+                                "with a lower --lr or --lmda (--overwrite)")  # an audit: the old advice was refused
             state.losses.append(loss)
             state.next_step = step + 1
             if after_step(bar, step, loss):
@@ -280,7 +281,7 @@ class Checkpoints:
             return RunState(fingerprint=fingerprint)
         client = resume_load.load_latest(engine, self.directory, comm, run_state_problem, shared_state)  # checked there
         if client is None:
-            raise ElsaError(f"--resume: no loadable checkpoint in {self.directory}; run without --resume to start over")
+            raise ElsaError(f"--resume: no loadable checkpoint in {self.directory}; start over with --overwrite in place of --resume")
         refusal = checkpoint.resume_changes(client["fingerprint"], fingerprint)  # (also checked before the model loads: plan/checks.py)
         if refusal:
             raise ElsaError(refusal)

@@ -90,7 +90,7 @@ def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, toke
             if model_dir is not None and model_dir.exists():
                 shutil.rmtree(model_dir)  # a crashed run's copy: gone before anything new is written
             host = ModelSource(source.name, copy.deepcopy(source.module)) if source.module is not None else source
-            model = load_host_model(host)
+            model = load_host_model(host, cfg.random_init)
             round_to(model, engine_dtype)
             if measured is not None:
                 dense = layerwise_nll(model, measured, accelerator())

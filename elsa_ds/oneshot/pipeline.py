@@ -44,9 +44,10 @@ def saved_dtype(ds: dict) -> torch.dtype:
     return torch.bfloat16 if ds.get("bf16", {}).get("enabled") else host_dtype()
 
 
-def load_host_model(source: ModelSource) -> PreTrainedModel:
-    """The whole model in host memory, in :func:`host_dtype`."""
-    return source.load(host_dtype()).eval()
+def load_host_model(source: ModelSource, random_init: bool = False) -> PreTrainedModel:
+    """The whole model in host memory, in :func:`host_dtype` (``random_init``: built from its config, as --random_init
+    builds the engine's; an audit, 2026-12-07: a one-shot job read the weights --random_init said not to)."""
+    return source.load(host_dtype(), random_init).eval()
 
 
 def round_to(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -71,7 +71,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     if cfg.leaf_layers and engine_used and ds.param_device == "nvme":
         raise ElsaError("--leaf_layers fetches a decoder layer's parameters at once, but with offload_param on NVMe DeepSpeed "
                         "swaps each into one of its buffer_count buffers (a layer holds more than the shipped 5); drop "
-                        "--leaf_layers or use a config whose parameters stay in memory (zero3_offload, zero3)")
+                        "--leaf_layers or use a config whose parameters stay in memory (zero3_offload, zero3; without --nvme_path)")
     if ds_config.uses_nvme and (why := machine.nvme_unavailable()):
         raise ElsaError(why)
     if engine_used and (why := ds.base_optimizer_problem(cfg, machine.job_device())):
@@ -102,7 +102,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     check_hub_texts(texts, tasks, NAMED_TEXT_SOURCES)
     if cfg.select_every and ds_config.optimizer_on_nvme:
         raise ElsaError("--select_every scores Π(x) from resident fp32 masters and Adam moments, which NVMe optimizer "
-                        "offload swaps out; use zero3_offload or drop --select_every")
+                        "offload swaps out; use zero3_offload (without --nvme_path) or drop --select_every")
     return ds
 
 

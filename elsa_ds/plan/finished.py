@@ -34,8 +34,8 @@ def finished_run(cfg: ElsaConfig, opts: JobOptions) -> tuple[dict[str, Any], Els
     now = {"world_size": world, "export_format": opts.export_format, **_plain(planned.model_dump(mode="json"))}
     config = report.get("config")
     if not isinstance(config, dict):
-        raise ElsaError(f"--resume_if_any: {out / REPORT_NAME} records no settings to compare with this job's; --overwrite "
-                        "replaces the finished run, or choose another --output_dir")
+        raise ElsaError(f"--resume_if_any: {out / REPORT_NAME} records no settings to compare with this job's; --overwrite in "
+                        "place of --resume_if_any replaces the finished run, or choose another --output_dir")
     then = {"world_size": report.get("world_size"), "export_format": "sparse" if "export" in report else "dense",
             **{k: v for k, v in _field_defaults().items() if k not in config}, **config}
     for settings in (then, now):  # documents given in memory by their content (the report's way), not a passing file
@@ -46,7 +46,7 @@ def finished_run(cfg: ElsaConfig, opts: JobOptions) -> tuple[dict[str, Any], Els
         shown = ", ".join(f"{k} {_short(then.get(k))} vs {_short(now.get(k))}" for k in changed[:SHOWN])
         more = f" and {len(changed) - SHOWN} more" if len(changed) > SHOWN else ""
         raise ElsaError(f"--resume_if_any: {out} holds a finished run with other settings (that run vs this one: {shown}{more}); "
-                        "--overwrite replaces it, or choose another --output_dir")
+                        "--overwrite in place of --resume_if_any replaces it, or choose another --output_dir")
     return report, planned
 
 
@@ -68,11 +68,11 @@ def read_report(path: Path) -> dict[str, Any]:
     try:
         report = json_data.read(path)
     except (OSError, ValueError) as err:
-        raise ElsaError(f"--resume_if_any: {path} cannot be read ({err}); --overwrite replaces the run, or choose another "
-                        "--output_dir") from None
+        raise ElsaError(f"--resume_if_any: {path} cannot be read ({err}); --overwrite in place of --resume_if_any "
+                        "replaces the run, or choose another --output_dir") from None
     if not isinstance(report, dict):
-        raise ElsaError(f"--resume_if_any: {path} is not a job's report (a JSON object); --overwrite replaces the run, or "
-                        "choose another --output_dir")
+        raise ElsaError(f"--resume_if_any: {path} is not a job's report (a JSON object); --overwrite in place of "
+                        "--resume_if_any replaces the run, or choose another --output_dir")
     return report
 
 

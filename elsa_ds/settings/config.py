@@ -320,7 +320,8 @@ class ElsaConfig(BaseModel):
             raise ValueError("method dense is the unpruned control: give it --finetune full or lora (the dense model itself "
                              "needs no job: evaluate it with launch/evaluate.py)")
         if self.finetune_steps is not None and self.finetune is None:
-            raise ValueError("finetune_steps counts --finetune steps; set --finetune full or lora, or drop it")
+            raise ValueError("finetune_steps counts --finetune steps; set --finetune full or lora with a one-shot --method "
+                             "(magnitude, wanda, sparsegpt) or dense, or drop it")
         if (self.select_every or self.select_patience or self.hold_steps) and self.method is not Method.elsa:
             raise ValueError("select_every / select_patience / hold_steps shape ELSA's run; they mean nothing with method "
                              f"{self.method.value}")

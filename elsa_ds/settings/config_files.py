@@ -202,11 +202,12 @@ def recipe_paths(settings: dict[str, Any], recipe: Path) -> dict[str, Any]:
         target = (folder / value).resolve()
         if value.startswith(("/", "~")) or not target.is_relative_to(folder):
             raise ElsaError(f"recipe {recipe}: {key} {value!r} is outside the recipe's folder {folder}; a recipe is data, so "
-                            f"its paths stay within its folder: pass --{key} yourself for a path elsewhere")
+                            f"its paths stay within its folder: remove it there (or move the file into that folder) "
+                            f"and pass --{key} yourself")  # --{key} beside it alone: refused (an audit)
         if link := _link_out(target, folder):  # a folder read whole (a dataset's texts, a model's files) holds no way out
             raise ElsaError(f"recipe {recipe}: {key} {value!r} holds {link.relative_to(target)}, a link to outside the "
-                            f"recipe's folder {folder}; a recipe is data, so what it reads stays within its folder: pass "
-                            f"--{key} yourself for files elsewhere")
+                            f"recipe's folder {folder}; a recipe is data, so what it reads stays within its folder: remove "
+                            f"it there and pass --{key} yourself")
         return str(target)
     out = dict(settings)
     for key in (*ALWAYS_PATHS, *NAME_OR_PATH):

@@ -87,12 +87,13 @@ def resolve_resume(opts: JobOptions) -> JobOptions:
     left = out.is_dir() and not out.is_symlink() and any(out.iterdir())
     if others := foreign_entries(out):
         raise ElsaError(f"--resume_if_any: {out} has no checkpoint to continue and holds {', '.join(others[:5])}, which no "
-                        "attempt of a pruning job leaves there; choose another --output_dir, or --overwrite to replace it")
+                        "attempt of a pruning job leaves there; choose another --output_dir, or --overwrite in place of --resume_if_any "
+                        "to replace it")
     tags = unpublished_tags(latest.parent)
     if len(tags) > 1:  # a run publishes `latest` once its first checkpoint is whole: these are not an attempt's leftovers
         raise ElsaError(f"--resume_if_any: {latest.parent} holds {len(tags)} checkpoints ({', '.join(tags[:3])}) but no "
-                        f"'latest', which a run writes with its first; to continue one, write its name into {latest} and "
-                        "pass --resume; else remove them, or choose another --output_dir")
+                        f"'latest', which a run writes with its first; to continue one, write its name into {latest} (this "
+                        "command then continues it); else remove them, or choose another --output_dir")
     gone = f" ({tags[0]}: never published)" if tags else ""
     get_logger(__name__).info(f"--resume_if_any: no checkpoint in {latest.parent}: starting fresh"
                               + (f"; an earlier attempt's unpublished checkpoints go{gone}, its monitor logs stay" if left else ""))

@@ -105,7 +105,8 @@ def set_rng_state(state: dict) -> None:
 def check_supported(ds: DsConfig) -> None:
     if ds.optimizer_on_nvme:
         raise ElsaError("--save_interval/--resume with NVMe optimizer offload is not supported: DeepSpeed does not restore "
-                        "NVMe-offloaded optimizer state (Adam moments, z, u); use zero3_offload.json for resumable runs")
+                        "NVMe-offloaded optimizer state (Adam moments, z, u); use zero3_offload.json (without --nvme_path) for "
+                        "resumable runs")
     section = ds.raw.get("checkpoint")
     section = section if isinstance(section, dict) else {}
     if section.get("load_universal"):
@@ -162,7 +163,8 @@ def checked_root(folder: Path, flag: str = "--resume") -> Path:
         raise UnsafeCheckpointError(f"{flag}: refusing {folder}: it is {err.what}, where a folder of this run's own must be; "
                                     "remove it, or restore the run from a copy you trust") from None
     except OSError as err:
-        raise ElsaError(f"{flag}: cannot read {folder} ({err.strerror}); restore it or start without --resume") from None
+        raise ElsaError(f"{flag}: cannot read {folder} ({err.strerror}); restore it or start over with --overwrite in place "
+                        f"of {flag}") from None
 
 
 # each checkpoints folder as check_resume took it in this process: its real place and its (device, inode)
@@ -233,7 +235,7 @@ def check_file(path: Path, what: str, root: Path) -> None:
     """ElsaError unless ``path`` is a torch file whose pickle names only what a checkpoint holds (:func:`_scan`), opened
     inside ``root`` (:func:`checked_root`): for files a resume reads later than the checkpoint itself (``what``)."""
     if (why := _scan(path, root)) is not None:
-        raise ElsaError(f"--resume: {what} {path} is unreadable ({why}); start the run again without --resume")
+        raise ElsaError(f"--resume: {what} {path} is unreadable ({why}); start over with --overwrite in place of --resume")
 
 
 def read_checkpoint_file(path: str | Path, map_location: Any = None, *, root: Path | None = None) -> Any:
@@ -262,14 +264,14 @@ def resume_order(ckpt_dir: Path) -> list[str]:
             raw = fh.read(LATEST_BYTES + 2)  # and DeepSpeed's newline
         latest = raw.decode("utf-8").strip()
     except (OSError, UnicodeDecodeError) as err:
-        raise ElsaError(f"--resume: cannot read {latest_file} ({err}); run without --resume to start over") from None
+        raise ElsaError(f"--resume: cannot read {latest_file} ({err}); start over with --overwrite in place of --resume") from None
     if len(raw) > LATEST_BYTES + 1:
         raise ElsaError(f"--resume: {latest_file} holds more than a tag's name ({LATEST_BYTES} bytes at most); restore "
-                        "the run from a copy you trust or run without --resume to start over")
+                        "the run from a copy you trust or start over with --overwrite in place of --resume")
     tags = tags_newest_first(ckpt_dir)
     if latest not in tags:
         raise ElsaError(f"--resume: {latest_file} names {latest[:80]!r}, which is not a checkpoint in {ckpt_dir} (there: "
-                        f"{', '.join(tags) or 'none'}); restore that tag or run without --resume to start over")
+                        f"{', '.join(tags) or 'none'}); restore that tag or start over with --overwrite in place of --resume")
     return tags[tags.index(latest):]
 
 
@@ -289,4 +291,5 @@ def check_resume(ckpt_dir: Path) -> None:
                 unreadable.setdefault(tag, f"{path.name}: {why}")
     if len(unreadable) == len(tags):
         raise ElsaError(f"--resume: no checkpoint in {ckpt_dir} is readable ("
-                        + "; ".join(f"{tag}: {why}" for tag, why in unreadable.items()) + "); run without --resume to start over")
+                        + "; ".join(f"{tag}: {why}" for tag, why in unreadable.items())
+                        + "); start over with --overwrite in place of --resume")

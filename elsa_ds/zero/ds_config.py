@@ -183,7 +183,8 @@ class DsConfig:
                 field = OPTIMIZER_PARAMS.get(key)
                 ours = getattr(cfg, field) if field else None
                 if value != AUTO and (field is None or _differs(value, ours)):
-                    hint = f"pass --{field} {value}" if field else "elsa_ds has no such setting"
+                    flag = " ".join(map(str, value)) if isinstance(value, list) else value  # --betas 0.9 0.95 (an audit)
+                    hint = f"pass --{field} {flag}" if field else "elsa_ds has no such setting"
                     found.append(f'optimizer.params.{key}={value!r}: elsa_ds builds the optimizer from its own settings; {hint} '
                                  f'or set it to "auto"')
         scheduler = self.raw.get("scheduler")

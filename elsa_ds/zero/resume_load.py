@@ -106,7 +106,8 @@ def _load_tag(engine, tag: Path, read: Callable[..., Any], comm) -> tuple[bool, 
 
 def _altered(tag: Path, problem: str) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(f"--resume: {tag} is not what elsa_ds writes ({problem}); it was altered or written by "
-                                 "another program: restore the run from a copy you trust or start without --resume")
+                                 "another program: restore the run from a copy you trust or start over with --overwrite "
+                                 "in place of --resume")
 
 
 def load_latest(engine, ckpt_dir: Path, comm, client_problem: Callable[[Any], str | None],

@@ -45,8 +45,11 @@ def test_offline_and_uncached_is_refused_naming_each_and_reachable_or_cached_is_
     said = str(err.value)
     assert said.startswith("--dataset 'shakespere' (shakespere; did you mean shakespeare?); --eval_ppl 'wikitext2' (wikitext):")
     assert "HF_HUB_OFFLINE is set" in said and "give a local file or folder" in said and "\n" not in said
-    with pytest.raises(ElsaError, match=r"^--tasks boolq \(aps/super_glue\): a dataset .* use task YAMLs that read local"):
+    with pytest.raises(ElsaError, match=r"^--tasks boolq \(aps/super_glue\): a dataset .* use task YAMLs that read local "
+                                        r"files \(--include_path FOLDER"):  # the flag that reads them, named (an audit)
         hub_texts.check_hub_texts({}, {"--tasks boolq": "aps/super_glue"})
+    with pytest.raises(ElsaError, match=r"\(--eval_include_path FOLDER"):
+        hub_texts.check_hub_texts({}, {"--eval_tasks boolq": "aps/super_glue"})
     with pytest.raises(ElsaError) as err:  # a mistyped relative folder reads as a hub id: the message says neither is here
         hub_texts.check_hub_texts({"--dataset 'data/plays'": "data/plays"}, {})
     assert str(err.value).startswith(f"--dataset 'data/plays' (data/plays; no file or folder of that name in {Path.cwd()} either):")

@@ -101,3 +101,15 @@ def test_bad_profile_and_pattern_inputs(tmp_path, tiny_model_dir, text_dir):
         run_fails("prune.py", ["--deepspeed", ds, "--model", str(tiny_model_dir), "--dataset", str(text_dir), *COMMON, *extra,
                                "--output_dir", str(tmp_path / "o")], needle)
         assert not (tmp_path / "o").exists()
+
+
+def test_random_init_builds_the_one_shot_model_from_its_config(tmp_path, tiny_model_dir, text_dir):
+    """An audit (2026-12-07): --method magnitude --random_init on a folder holding a config and tokenizer alone passed the
+    plan, then failed loading the weights --random_init says not to read (ELSA's engine builds from the config)."""
+    import shutil
+
+    bare = tmp_path / "config_only"
+    shutil.copytree(tiny_model_dir, bare, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    out, report, _ = _run(tmp_path, bare, text_dir, "random", "--method", "magnitude", "--random_init")
+    assert report["config"]["random_init"] is True and report["ppl"]["pruned"] is not None
+    assert all(layer["zeros"] == round(0.7 * layer["numel"]) for layer in report["layers"].values())

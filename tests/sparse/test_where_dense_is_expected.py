@@ -33,6 +33,7 @@ def test_a_pruning_job_refuses_a_sparse_checkpoint_in_one_line(sparse_dir, tmp_p
     assert main_prune(args) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("elsa_ds: error")]
     assert len(errors) == 1 and f"{flag} {sparse_dir} is an elsa-sparse checkpoint" in errors[0], errors
+    assert "then save_pretrained makes one; copy the tokenizer files beside it" in errors[0]  # the way out, whole
     assert not (tmp_path / "out").exists()
 
 
@@ -54,6 +55,15 @@ def test_a_dense_folder_saved_from_a_sparse_checkpoint_is_dense(sparse_dir, tmp_
     config["elsa_sparse"] = json.loads((sparse_dir / "config.json").read_text())["elsa_sparse"]
     (stale / "config.json").write_text(json.dumps(config))
     assert is_sparse_checkpoint(str(sparse_dir)) and not is_sparse_checkpoint(str(dense)) and not is_sparse_checkpoint(str(stale))
+    from elsa_ds.data.blocks import check_local_tokenizer
+    from elsa_ds.errors import ElsaError
+
+    with pytest.raises(ElsaError, match="has no tokenizer .*: copy the tokenizer files of the folder it was saved from"):
+        check_local_tokenizer(str(dense))  # an audit: the save holds no tokenizer, and the job refuses such a folder
+    for file in sparse_dir.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(file, dense)
+    check_local_tokenizer(str(dense))  # the refusal's advice followed
 
 
 def test_a_hub_id_whose_owner_is_also_a_folder_here(tmp_path, monkeypatch):

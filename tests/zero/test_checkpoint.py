@@ -105,6 +105,7 @@ def test_nan_stops_with_step_and_keeps_last_checkpoint(tmp_path, tiny_model_dir,
                      check=False, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"at step {env_step}" in proc.stderr
+    assert "start over with a lower --lr or --lmda (--overwrite)" in proc.stderr  # not "resume with", which is refused
     assert (out / "checkpoints" / "latest").read_text() == "global_step4"
     # a checkpoint holds the frozen embedding's partitions too, in the engine's dtype (a review's find, 2026-11-30)
     cfg = resolve_config(json.loads(ds.read_text()), {"model": str(tiny_model_dir), "freeze_embeddings": True})
@@ -149,9 +150,11 @@ def test_one_command_line_for_every_attempt_of_a_requeued_job(tmp_path, tiny_mod
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    for extra, needle in ((["--sparsity", "0.5"], "holds a finished run with other settings (that run vs this one: sparsity 0.7 vs 0.5)"),
+    for extra, needle in ((["--sparsity", "0.5"], "holds a finished run with other settings (that run vs this one: sparsity 0.7 vs 0.5); "
+                           "--overwrite in place of --resume_if_any replaces it"),  # not "--overwrite" beside it (an audit)
                           (["--export_format", "sparse"], 'export_format "dense" vs "sparse"'),
                           (["--output_dir", str(other)], "has no checkpoint to continue and holds notes.txt"),
+                          (["--output_dir", str(other)], "or --overwrite in place of --resume_if_any to replace it"),
                           (["--resume"], "--resume_if_any decides whether to resume by itself; drop --resume"),
                           (["--overwrite"], "--resume_if_any decides whether to resume by itself; drop --overwrite")):
         refused = run_entry("prune.py", [*args, *extra], check=False)

@@ -210,7 +210,8 @@ def test_scan_refuses_a_latest_without_its_tag_and_checkpoints_that_are_all_unre
     _tag(ckpt, "global_step2", "model_states.pt", "optim_states.pt")
     _tag(ckpt, "global_step9", "model_states.pt")  # newer than latest: never published, never tried
     (ckpt / "latest").write_text("global_step4")
-    with pytest.raises(ElsaError, match="names 'global_step4', which is not a checkpoint"):
+    with pytest.raises(ElsaError, match="names 'global_step4', which is not a checkpoint.*start over with --overwrite in "
+                                        "place of --resume"):  # not "without --resume": refused as not empty (an audit)
         checkpoint.check_resume(ckpt)
     (ckpt / "latest").write_text("global_step2")
     checkpoint.check_resume(ckpt)
