@@ -26,6 +26,7 @@ from elsa_ds.sparse.compress import DEFAULT_MIN_SPARSITY
 from elsa_ds.sparse.export import compress_in_place
 from elsa_ds.targets import LayerGoal
 from elsa_ds.zero.ds_config import DsConfig
+from elsa_ds.zero.engine import model_dtype
 
 log = get_logger(__name__)
 TAIL_STEPS = 32  # the retraining report's final_loss_mean_tail: the mean loss of the last this many steps
@@ -65,8 +66,8 @@ class ReportRecord:
 
 
 def on_engine(ds: DsConfig) -> str:
-    """A perplexity computed by the engine ``ds`` configures: in its dtype (bf16, else fp32: fp16 is refused)."""
-    return f"{'bfloat16' if ds.bf16 else 'float32'} on the engine"
+    """A perplexity computed by the engine ``ds`` configures: in the dtype it holds the model in (``model_dtype``)."""
+    return f"{str(model_dtype(ds.raw)).removeprefix('torch.')} on the engine"
 
 
 def on_host() -> str:

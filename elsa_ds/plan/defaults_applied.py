@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from elsa_ds.methods import DENSE
 from elsa_ds.models import meta_model
 from elsa_ds.settings.config import RESUME_DEFAULTS, ElsaConfig
-from elsa_ds.settings.defaults import RULE_FIELDS, elsa_settings, retrain_settings
+from elsa_ds.settings.defaults import RULE_FIELDS, USER_START, elsa_settings, retrain_settings
 from elsa_ds.targets import goal_ratio, overall_ratio, target_shapes
 
 
@@ -24,7 +24,7 @@ def apply_defaults(cfg: ElsaConfig, model_config, resumed: dict[str, Any] | None
     steps = (cfg.finetune_steps or cfg.steps) if cfg.finetune is not None else cfg.steps
     given = cfg.model_fields_set
     # the rule's start comes with the rule's lr: a user's lr, or a start of the user's, keeps the paper's dense start
-    start_pruned = bool(cfg.init_mask and cfg.init_weights) if given & {"lr", "init_mask", "init_weights"} else None
+    start_pruned = bool(cfg.init_mask and cfg.init_weights) if given & USER_START else None
     suggestion = (retrain_settings(n_params, steps) if cfg.finetune is not None else
                   elsa_settings(n_params, sparsity, steps, start_pruned, cfg.interval))
     unset = {k: v for k, v in suggestion.values.items() if k not in given and k in RULE_FIELDS}

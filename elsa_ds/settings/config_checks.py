@@ -24,7 +24,7 @@ from typing import Any
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.weight_files import check_weight_files
 from elsa_ds.methods import Method, oneshot_names
-from elsa_ds.settings.defaults import rule_warm_start
+from elsa_ds.settings.defaults import USER_START, rule_warm_start
 from elsa_ds.targets import goal_ratio
 
 
@@ -221,16 +221,15 @@ def _rule_may_start_pruned(cfg: Any) -> bool:
     the calibration settings: the rule decides the start (no lr or start set: ``plan/defaults_applied.py``) and its
     warm start covers this sparsity and budget. A profile's ratio needs the model's shapes: it may (an audit's
     leftover, 2026-12-07: --nsamples on a dense-start ELSA job was taken without a word)."""
-    if cfg.model_fields_set & {"lr", "init_mask", "init_weights"}:
+    if cfg.model_fields_set & USER_START:
         return False
-    steps = (cfg.finetune_steps or cfg.steps) if cfg.finetune is not None else cfg.steps
-    return bool(cfg.sparsity_profile) or rule_warm_start(goal_ratio(cfg.goal), steps)
+    return bool(cfg.sparsity_profile) or rule_warm_start(goal_ratio(cfg.goal), cfg.steps)  # ELSA: no --finetune_steps
 
 
 def _dense_start(cfg: Any) -> str:
     """Whose choice ELSA's dense start is, where no --init_mask is set: a given lr's or start's (flags, recipe or JSON),
     else the defaults rule's (its warm start ends at 90 % and 2048 steps)."""
-    if cfg.model_fields_set & {"lr", "init_mask", "init_weights"}:
+    if cfg.model_fields_set & USER_START:
         return "ELSA's dense start (an lr or start set by you, a recipe or the JSON keeps the paper's)"
     return "ELSA's dense start (the defaults rule's beyond its SparseGPT start's sparsity or budget)"
 

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from elsa_ds.admm.schedule import LambdaSchedule
 
 RULE_FIELDS = ("lr", "lmda", "lmda_schedule", "warmup_steps", "init_mask", "init_weights", "hold_steps")
+USER_START = frozenset({"lr", "init_mask", "init_weights"})  # any of them set: the user's start (or the paper's dense one)
 
 REF_STEPS = 4096          # the paper's budget
 BETA = 0.3                # lr ∝ T^-β
