@@ -359,7 +359,7 @@ def job_targets(model_dir: Path) -> str | None:
     weight) where there is no such file, or it names none, or what it names is no usable pattern (data from elsewhere:
     said once, and the evaluation goes on)."""
     report = model_dir / REPORT_NAME
-    if not report.is_file():
+    if report.is_symlink() or not report.is_file():  # a link is never followed out of the folder (no job writes one)
         return None
     try:
         found = json_data.read(report)

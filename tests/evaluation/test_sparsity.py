@@ -102,6 +102,11 @@ def test_a_report_that_cannot_be_read_leaves_the_count_over_every_decoder_weight
 
     report = tmp_path / "elsa_report.json"
     assert job_targets(tmp_path) is None  # none there
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text('{"config": {"targets": "mlp"}}')
+    report.symlink_to(elsewhere)
+    assert job_targets(tmp_path) is None  # a link out of the folder is not followed
+    report.unlink()
     for text, warned in (("{not json", True), ("[1, 2]", False), ('{"config": {"targets": 5}}', False),
                          ('{"config": {"targets": "("}}', True), (json.dumps({"config": {"targets": "a" * 1001}}), True),
                          ('{"config": {"targets": "(a+)+$"}}', True), ('{"config": {"targets": "mlp"}}', False)):
