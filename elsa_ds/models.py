@@ -19,8 +19,8 @@ from elsa_ds.data import load_tokenizer
 from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.data.sources import FILE_NOT_MODEL
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.weight_files import (check_model_folder, check_weight_files, download_command, indexed_shards, read_header,
-                                      stored_shapes)
+from elsa_ds.files.weight_files import (SPARSE_CONFIG_KEY, check_model_folder, check_weight_files, download_command, indexed_shards,
+                                      read_header, stored_shapes)
 from elsa_ds.settings.config_files import name_problem, read_json_object
 
 if TYPE_CHECKING:
@@ -67,7 +67,6 @@ def config_json(model_id: str) -> dict | None:
 
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"  # hub models' configs the estimate reads offline
-SPARSE_CONFIG_KEY = "elsa_sparse"  # the block elsa-compress adds to a sparse checkpoint's config.json (sparse/meta.py)
 
 
 def shipped_config(model_id: str) -> Path | None:

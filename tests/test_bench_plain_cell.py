@@ -112,6 +112,7 @@ def test_the_output_is_swapped_in_under_its_lock_and_a_planted_link_beside_it_is
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     out.mkdir()
     (out / "previous.txt").write_text("the previous cell's")
+    (out / "elsa_report.json").write_text("{}")
     elsewhere.mkdir()
     (tmp_path / ".out.partial").symlink_to(elsewhere, target_is_directory=True)
     args = ["--device", "cpu", "--deepspeed", "ds_configs/zero3.json", "--model", str(tiny_model_dir), "--dataset",
@@ -122,7 +123,7 @@ def test_the_output_is_swapped_in_under_its_lock_and_a_planted_link_beside_it_is
     finally:
         release(out, fd)
     assert held.returncode == 2 and "--output_dir" in held.stderr and "Traceback" not in held.stderr, held.stderr[-2000:]
-    assert [p.name for p in out.iterdir()] == ["previous.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["elsa_report.json", "previous.txt"]
     plain_cell(args)
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "elsa_report.json", "generation_config.json",
                                                             "model.safetensors", *_tokenizer_files(tiny_model_dir)])

@@ -71,6 +71,7 @@ def test_random_flags_give_exit_0_or_one_line_and_change_nothing(tmp_path, tiny_
     full = tmp_path / "full"
     full.mkdir()
     (full / "precious.txt").write_text("an earlier result")
+    (full / "elsa_report.json").write_text("{}")  # an earlier job's: --overwrite may replace it
     corrupt = tmp_path / "corrupt.parquet"
     corrupt.write_bytes(b"not parquet at all")
     paths = {"model": str(tiny_model_dir), "text": str(text_dir), "missing": str(tmp_path / "missing"), "corrupt": str(corrupt),

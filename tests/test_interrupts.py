@@ -79,6 +79,7 @@ def test_interrupt_keeps_the_previous_output_and_leaves_nothing(tmp_path, tiny_m
     out = tmp_path / "o"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
+    (out / "elsa_report.json").write_text("{}")  # an earlier job's output, which --overwrite may replace
     start = ["--init_mask", "sparsegpt" if when == "sparsegpt" else "none"]
     rc, err = _interrupt([*FAST, *start, "--steps", "100000", "--model", str(tiny_model_dir), "--dataset", str(text_dir),
                           "--output_dir", str(out), "--overwrite"], sig, when)
@@ -86,7 +87,7 @@ def test_interrupt_keeps_the_previous_output_and_leaves_nothing(tmp_path, tiny_m
     assert "Traceback" not in err, err[-3000:]
     assert sum(line.startswith("elsa_ds: interrupted") or line.startswith("elsa_ds: terminated")
                for line in err.splitlines()) == 1, err[-3000:]
-    assert (out / "precious.txt").read_text() == "keep me" and [p.name for p in out.iterdir()] == ["precious.txt"]
+    assert (out / "precious.txt").read_text() == "keep me" and sorted(p.name for p in out.iterdir()) == ["elsa_report.json", "precious.txt"]
     assert _strays(tmp_path) == [], _strays(tmp_path)
 
 
@@ -123,6 +124,7 @@ def test_interrupt_during_the_export(tmp_path, tiny_model_dir, text_dir):
     out = tmp_path / "o"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
+    (out / "elsa_report.json").write_text("{}")  # an earlier job's output, which --overwrite may replace
     script = f"""
 import elsa_ds
 from elsa_ds.files.safetensors_writer import ShardedWriter
@@ -143,7 +145,7 @@ except KeyboardInterrupt:
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert "interrupted after 2 tensors" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
-    assert [p.name for p in out.iterdir()] == ["precious.txt"] and _strays(tmp_path) == [], _strays(tmp_path)
+    assert sorted(p.name for p in out.iterdir()) == ["elsa_report.json", "precious.txt"] and _strays(tmp_path) == [], _strays(tmp_path)
 
 
 def test_ctrl_c_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir):
@@ -155,6 +157,7 @@ def test_ctrl_c_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir)
     out = tmp_path / "o"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
+    (out / "elsa_report.json").write_text("{}")  # an earlier job's output, which --overwrite may replace
     port = free_port()
     shm = f"deepspeed_*_{port}_*"  # this job's buffers only: another test worker may run a job beside it
     shm_before = set(Path("/dev/shm").glob(shm))
@@ -172,7 +175,7 @@ def test_ctrl_c_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, text_dir)
     # a loaded box may deliver the launcher's SIGTERM before the Ctrl-C: either way, one line per rank
     ranks = [line for line in text.splitlines() if "elsa_ds: interrupted" in line or "elsa_ds: terminated" in line]
     assert len(ranks) == 2 and "Traceback" not in text, text[-3000:]
-    assert [p.name for p in out.iterdir()] == ["precious.txt"] and _strays(tmp_path) == [], _strays(tmp_path)
+    assert sorted(p.name for p in out.iterdir()) == ["elsa_report.json", "precious.txt"] and _strays(tmp_path) == [], _strays(tmp_path)
     assert set(Path("/dev/shm").glob(shm)) <= shm_before  # the ranks' shared-memory buffers are gone too
 
 

@@ -43,6 +43,7 @@ def _previous_output(parent: Path) -> Path:
     out = parent / "o"
     out.mkdir(parents=True)
     (out / "precious.txt").write_text("keep me")
+    (out / "elsa_report.json").write_text("{}")  # an earlier job's output, which --overwrite may replace
     return out
 
 

@@ -342,13 +342,56 @@ def test_a_folder_that_is_not_empty_is_offered_resume_only_with_a_checkpoint_to_
     out = tmp_path / "out"
     (out / "checkpoints").mkdir(parents=True)
     (out / "notes.txt").write_text("mine")
+    (out / "checkpoints" / "elsa_fingerprint.json").write_text("{}")  # a run's checkpoints: an elsa_ds output
     with pytest.raises(ElsaError) as refused:
         check_output_dir(out, overwrite=False)
     assert "--overwrite to replace it, or choose another directory" in str(refused.value), refused.value
     with pytest.raises(ElsaError, match="no published checkpoint .*start over with --overwrite in place of --resume"):
         check_output_dir(out, overwrite=False, resume=True)
+    check_output_dir(out, overwrite=True)
     (out / "checkpoints" / "latest").write_text("global_step4")
     with pytest.raises(ElsaError, match="--overwrite to replace it, --resume to continue it, or choose another"):
         check_output_dir(out, overwrite=False)
     check_output_dir(out, overwrite=False, resume=True)  # then taken
     check_output_dir(out, overwrite=True)
+
+
+def test_overwrite_replaces_only_what_an_elsa_ds_command_wrote(tmp_path):
+    """A session's leftover: --overwrite replaced any folder whole (``--output_dir ~/models --overwrite`` took every model
+    in it). Now only an elsa_ds output goes; elsewhere each refusal's advice, followed, gets past it."""
+    from elsa_ds.files.output import check_output_dir, written_by_elsa
+
+    out = tmp_path / "models"
+    (out / "llama").mkdir(parents=True)
+    (out / "checkpoints").mkdir()
+    (out / "notes.txt").write_text("mine")
+    for flags in ({}, {"overwrite": True}, {"resume": True}):
+        with pytest.raises(ElsaError) as refused:
+            check_output_dir(out, **{"overwrite": False, **flags})
+        assert "empty it yourself first" in str(refused.value) and "pass --overwrite" not in str(refused.value), refused.value
+        assert "checkpoints, llama, notes.txt" not in str(refused.value)  # the job's own leftovers not named as the user's
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "llama", "notes.txt"]
+    from elsa_ds.settings.options import job_options
+    with pytest.raises(ElsaError, match=r"empty it yourself first \(--overwrite replaces only an elsa_ds output\)$"):
+        job_options({"deepspeed": "ds_configs/zero3.json", "output_dir": out, "resume_if_any": True})
+    (out / "checkpoints" / "elsa_fingerprint.json").write_text("{}")  # a run's checkpoints, cut short before `latest`
+    with pytest.raises(ElsaError, match="or --overwrite in place of --resume_if_any to replace it$"):
+        job_options({"deepspeed": "ds_configs/zero3.json", "output_dir": out, "resume_if_any": True})
+    check_output_dir(out, overwrite=True)
+    (out / "checkpoints" / "elsa_fingerprint.json").unlink()
+    (out / "elsa_report.json").symlink_to(tmp_path / "elsewhere.json")  # a link is no job's report
+    (tmp_path / "elsewhere.json").write_text("{}")
+    assert not written_by_elsa(out)
+    (out / "elsa_report.json").unlink()
+    (out / "config.json").write_text('{"elsa_sparse": "not a block"}')
+    assert not written_by_elsa(out)
+    (out / "config.json").write_text('{"elsa_sparse": {"version": 3}}')  # elsa-compress's checkpoint
+    assert written_by_elsa(out)
+    check_output_dir(out, overwrite=True)
+    (out / "config.json").unlink()
+    (out / "elsa_report.json").write_text("{}")
+    check_output_dir(out, overwrite=True)
+    for name in ("llama", "notes.txt", "elsa_report.json"):
+        (out / name).rename(tmp_path / name)  # the advice followed: emptied but for the job's own leftovers
+    assert written_by_elsa(out)
+    check_output_dir(out, overwrite=False, restart=True)

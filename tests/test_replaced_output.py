@@ -66,6 +66,7 @@ def _previous_run(parent: Path) -> Path:
     (out / "monitor").mkdir()
     (out / "monitor" / "loss.csv").write_text("step,loss\n8,5.0\n")
     (out / "model.safetensors").write_text("earlier model")
+    (out / "elsa_report.json").write_text("{}")
     return out
 
 

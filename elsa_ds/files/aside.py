@@ -13,6 +13,9 @@ from typing import NamedTuple
 from elsa_ds.errors import ElsaError
 
 
+FINGERPRINT = "elsa_fingerprint.json"  # a run's settings beside its checkpoints' tags (zero/checkpoint.py writes it)
+
+
 def published(output_dir: Path) -> Path:
     """The file that says a run published a checkpoint a --resume continues (with --overwrite the previous run's went
     aside first, so it is this run's)."""

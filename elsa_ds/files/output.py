@@ -13,13 +13,16 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from elsa_ds import json_data
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError, Terminated, signals_held
 from elsa_ds.evaluation.sparsity import sparsity_report
-from elsa_ds.files.aside import PUBLISH_FAILED, REPORT_NAME, aside_dir, beside, move_in, move_out, moved_away, old_dir, published
+from elsa_ds.files.aside import (FINGERPRINT, PUBLISH_FAILED, REPORT_NAME, aside_dir, beside, move_in, move_out, moved_away, old_dir,
+                                 published)
 from elsa_ds.files.aside import side_path  # the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.files.io import make_folder
+from elsa_ds.files.weight_files import SPARSE_CONFIG_KEY
 from elsa_ds.log import get_logger
 from elsa_ds.quoting import shell_word
 from elsa_ds.targets import LayerGoal
@@ -34,6 +37,37 @@ def foreign_entries(output_dir: Path) -> list[str]:
     if not output_dir.is_dir() or output_dir.is_symlink():
         return []
     return sorted(p.name for p in output_dir.iterdir() if p.name not in ATTEMPT_LEFTOVERS)
+
+
+def written_by_elsa(folder: Path) -> bool:
+    """Whether ``folder`` holds what an elsa_ds command publishes, which --overwrite may replace whole: a pruning job's
+    output (its report), a run's checkpoints (their settings' file), an elsa-compress checkpoint (config.json's block),
+    each a plain file; or what an attempt that published nothing leaves (:data:`ATTEMPT_LEFTOVERS` alone). Not a folder
+    of anything else: a user's ``--output_dir ~/models --overwrite`` would have removed every model in it (a session's
+    leftover)."""
+    if not foreign_entries(folder):
+        return True
+    config = folder / "config.json"
+    if any(p.is_file() and not p.is_symlink() for p in (folder / REPORT_NAME, folder / "checkpoints" / FINGERPRINT)):
+        return True
+    try:
+        data = json_data.read(config) if config.is_file() and not config.is_symlink() else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get(SPARSE_CONFIG_KEY), dict)
+
+
+def not_replaced(folder: Path, flag: str, overwrite: bool) -> str | None:
+    """The refusal for a non-empty ``folder`` that no elsa_ds command wrote, else None: with ``overwrite`` it would go
+    whole; without it, the not-empty refusal must not offer --overwrite (the advice, followed, is refused)."""
+    if written_by_elsa(folder):
+        return None
+    names = foreign_entries(folder)
+    held = ", ".join(names[:3]) + (f" and {len(names) - 3:,} more" if len(names) > 3 else "")
+    what = f"{flag} {folder} holds {held}, and neither a job's {REPORT_NAME} nor elsa-compress's config.json: no elsa_ds command wrote it"
+    if overwrite:
+        return f"{what}, and --overwrite would replace it whole: choose another folder, or empty it yourself first"
+    return f"{what}; choose another folder, or empty it yourself first (--overwrite replaces only an elsa_ds output)"
 
 
 def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, restart: bool = False) -> None:
@@ -61,8 +95,12 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, re
         if (output_dir / REPORT_NAME).exists():
             raise ElsaError(f"--resume: {output_dir} holds a finished run ({REPORT_NAME}) and no checkpoint to continue; "
                             "--overwrite in place of --resume replaces it, or choose another --output_dir")
+        if refusal := not_replaced(output_dir, "--output_dir", overwrite=True):  # what the advice below would meet
+            raise ElsaError(f"--resume: {output_dir / 'checkpoints'} holds no published checkpoint (no 'latest' file); {refusal}")
         raise ElsaError(f"--resume: {output_dir / 'checkpoints'} holds no published checkpoint (no 'latest' file); start "
                         "over with --overwrite in place of --resume")
+    if output_dir.is_dir() and not (resume or restart) and (refusal := not_replaced(output_dir, "--output_dir", overwrite)):
+        raise ElsaError(refusal)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not (overwrite or resume or restart):
         resumable = "--resume to continue it, " if published(output_dir).exists() else ""  # an audit: offered, then refused
         raise ElsaError(f"--output_dir {output_dir} is not empty; pass --overwrite to replace it, {resumable}or choose another "

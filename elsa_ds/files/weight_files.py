@@ -22,6 +22,7 @@ _HEADER_LIMIT = 100 * 2**20  # safetensors headers are small; a larger "length" 
 # an elsa-sparse checkpoint's weight files (format version 3) and its shard index: names neither transformers (which
 # reads model*.safetensors, pytorch_model*.bin) nor accelerate (which takes a folder's one *.index.json) reads
 SPARSE_STEM, SPARSE_INDEX = "elsa-sparse", "elsa-sparse.shards.json"
+SPARSE_CONFIG_KEY = "elsa_sparse"  # the block elsa-compress adds to a sparse checkpoint's config.json (sparse/meta.py)
 SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"  # transformers' shard indexes
 SHARD_INDEXES = (SAFETENSORS_INDEX, BIN_INDEX, SPARSE_INDEX)
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from elsa_ds.errors import ElsaError, SettingsError
 from elsa_ds.quoting import format_validation_error
 from elsa_ds.files.aside import published
-from elsa_ds.files.output import REPORT_NAME, foreign_entries
+from elsa_ds.files.output import REPORT_NAME, foreign_entries, written_by_elsa
 from elsa_ds.log import LogLevel, get_logger
 from elsa_ds.settings.config_checks import exact_kinds
 from elsa_ds.settings.config_files import usable_path
@@ -29,7 +29,8 @@ class JobOptions(BaseModel):
     output_dir: Path = Field(..., json_schema_extra={"group": "run", "metavar": "DIR"})
     """Where the pruned model and elsa_report.json go; a non-empty directory is refused unless --overwrite or --resume."""
     overwrite: bool = Field(False, json_schema_extra={"group": "run"})
-    """Replace a non-empty --output_dir (its old contents are removed only once the new output is complete)."""
+    """Replace a non-empty --output_dir that an elsa_ds job wrote (its old contents are removed only once the new output is
+    complete); a folder of anything else is refused."""
     resume: bool = Field(False, json_schema_extra={"group": "run"})
     """Continue from the latest checkpoint in OUTPUT_DIR/checkpoints."""
     resume_if_any: bool = Field(False, json_schema_extra={"group": "run"})
@@ -86,9 +87,10 @@ def resolve_resume(opts: JobOptions) -> JobOptions:
         return opts.model_copy(update={"resume": True})
     left = out.is_dir() and not out.is_symlink() and any(out.iterdir())
     if others := foreign_entries(out):
+        replace = ", or --overwrite in place of --resume_if_any to replace it" if written_by_elsa(out) else \
+            ", or empty it yourself first (--overwrite replaces only an elsa_ds output)"
         raise ElsaError(f"--resume_if_any: {out} has no checkpoint to continue and holds {', '.join(others[:5])}, which no "
-                        "attempt of a pruning job leaves there; choose another --output_dir, or --overwrite in place of --resume_if_any "
-                        "to replace it")
+                        f"attempt of a pruning job leaves there; choose another --output_dir{replace}")
     tags = unpublished_tags(latest.parent)
     if len(tags) > 1:  # a run publishes `latest` once its first checkpoint is whole: these are not an attempt's leftovers
         raise ElsaError(f"--resume_if_any: {latest.parent} holds {len(tags)} checkpoints ({', '.join(tags[:3])}) but no "

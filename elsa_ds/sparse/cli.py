@@ -42,7 +42,7 @@ class CompressSettings(BaseModel):
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE
     """As save_pretrained's."""
     overwrite: bool = False
-    """Replace a non-empty output folder."""
+    """Replace a non-empty output folder that an elsa_ds command wrote (a folder of anything else is refused)."""
     verify: bool = False
     """Check INPUT, an elsa-sparse checkpoint (each tensor against its checksum), instead of writing one."""
 

@@ -17,7 +17,7 @@ import torch
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import DiskFull, disk_full, existing_ancestor
 from elsa_ds.files.io import write_json
-from elsa_ds.files.output import fresh_staging, publish
+from elsa_ds.files.output import fresh_staging, not_replaced, publish
 from elsa_ds.files.ownership import check_apart, owned
 from elsa_ds.regular_file import open_regular
 from elsa_ds.files.weight_files import SPARSE_INDEX, SPARSE_STEM, check_model_folder, checked_target
@@ -57,6 +57,8 @@ def check_paths(src: Path, dst: Path, overwrite: bool) -> None:
         raise SparseArgumentError(str(err)) from None
     if dst.exists() and not dst.is_dir():
         raise SparseArgumentError(f"output {dst} exists and is not a folder")
+    if dst.is_dir() and (refusal := not_replaced(dst, "output", overwrite)):
+        raise SparseArgumentError(refusal)
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise SparseArgumentError(f"output {dst} is not empty; pass --overwrite to replace it, or choose another folder")
 

@@ -13,9 +13,8 @@ from pathlib import Path
 
 from elsa_ds import json_data
 from elsa_ds.files.safetensors_writer import DTYPES
-from elsa_ds.files.weight_files import check_model_folder
+from elsa_ds.files.weight_files import SPARSE_CONFIG_KEY, check_model_folder
 from elsa_ds.log import get_logger
-from elsa_ds.models import SPARSE_CONFIG_KEY
 from elsa_ds.sparse import format as fmt
 from elsa_ds.sparse.integrity import ALGORITHM, SparseCheckpointError, is_digest, json_digest
 

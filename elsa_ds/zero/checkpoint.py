@@ -33,7 +33,7 @@ import torch
 
 from elsa_ds import json_data, regular_file
 from elsa_ds.errors import ElsaError
-from elsa_ds.files import torch_files
+from elsa_ds.files import aside, torch_files
 from elsa_ds.settings.config import RESUME_DEFAULTS
 from elsa_ds.settings.config_files import resume_place
 from elsa_ds.zero import compat
@@ -43,7 +43,7 @@ from elsa_ds.zero.ds_config import DsConfig
 TAG = re.compile(r"^global_step(\d+)$")
 CLIENT_KEY = "elsa"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them beside the tags at each save
-FINGERPRINT = "elsa_fingerprint.json"  # the run's settings beside its tags: readable before any model or engine exists
+FINGERPRINT = aside.FINGERPRINT  # the run's settings beside its tags: readable before any model or engine exists
 LATEST_BYTES = 255  # what `latest` holds: one tag's folder name
 
 

@@ -91,13 +91,21 @@ def test_truncated_input_leaves_nothing(pruned_dir, tmp_path):
 
 
 def test_existing_output_needs_overwrite(pruned_dir, tmp_path):
+    """--overwrite replaces an elsa_ds output, never a folder of anything else (a session's leftover: a user's folder of
+    models went whole); each refusal's advice, followed, gets past it."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    run_fails("compress.py", [str(pruned_dir), str(out)], "--overwrite")
+    run_fails("compress.py", [str(pruned_dir), str(out)], "empty it yourself first")
+    run_fails("compress.py", [str(pruned_dir), str(out), "--overwrite"], "would replace it whole")
     assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    run_entry("compress.py", [str(pruned_dir), str(out)])
+    run_fails("compress.py", [str(pruned_dir), str(out)], "pass --overwrite to replace it")
+    (out / "elsa_report.json").unlink(missing_ok=True)  # known by its config.json alone
+    (out / "extra.txt").write_text("x")
     run_entry("compress.py", [str(pruned_dir), str(out), "--overwrite"])
-    assert not (out / "keep.txt").exists() and (out / SPARSE_FILE).is_file()
+    assert not (out / "extra.txt").exists() and (out / SPARSE_FILE).is_file()
     run_entry("compress.py", ["--verify", str(out)])
 
 

@@ -154,7 +154,7 @@ def test_one_command_line_for_every_attempt_of_a_requeued_job(tmp_path, tiny_mod
                            "--overwrite in place of --resume_if_any replaces it"),  # not "--overwrite" beside it (an audit)
                           (["--export_format", "sparse"], 'export_format "dense" vs "sparse"'),
                           (["--output_dir", str(other)], "has no checkpoint to continue and holds notes.txt"),
-                          (["--output_dir", str(other)], "or --overwrite in place of --resume_if_any to replace it"),
+                          (["--output_dir", str(other)], "or empty it yourself first (--overwrite replaces only an elsa_ds output)"),
                           (["--resume"], "--resume_if_any decides whether to resume by itself; drop --resume"),
                           (["--overwrite"], "--resume_if_any decides whether to resume by itself; drop --overwrite")):
         refused = run_entry("prune.py", [*args, *extra], check=False)
