@@ -12,6 +12,12 @@ from elsa_ds.targets import DEFAULT_TARGETS, NamePattern
 NM_PATTERNS: tuple[tuple[int, int], ...] = ((2, 4), (4, 8))  # strongest first: every 2:4 mask is also a 4:8 mask
 
 
+def with_patterns(wanted: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """:data:`NM_PATTERNS` and ``wanted`` (a job's own N:M, e.g. 3:4 or 1:4), strongest first: the larger share of zeros,
+    then the shorter group (an audit: only 2:4 and 4:8 were tested, so a job pruned at 1:4 failed its own export's check)."""
+    return tuple(sorted(set(NM_PATTERNS) | set(wanted), key=lambda nm: (-nm[0] / nm[1], nm[1])))
+
+
 def nm_patterns(weight: torch.Tensor, patterns: tuple[tuple[int, int], ...] = NM_PATTERNS) -> list[str]:
     """Every "N:M" of ``patterns`` that W [out, in] satisfies: each group of M consecutive inputs of a row holds ≥ N zeros."""
     out_features, in_features = weight.shape
@@ -36,9 +42,10 @@ def overall_pattern(zeros: int, per_layer: list[list[str]], patterns: tuple[tupl
     return "unstructured"
 
 
-def sparsity_report(model_dir: str | Path, targets: str | None = None) -> dict:
+def sparsity_report(model_dir: str | Path, targets: str | None = None, patterns: tuple[tuple[int, int], ...] = NM_PATTERNS) -> dict:
     """Zeros per 2-D weight matching ``targets`` (default: decoder-layer weights) and overall, with the
-    sparsity pattern ("2:4", "4:8", "unstructured" or "dense") per layer and for the whole model.
+    sparsity pattern (the first of ``patterns`` it holds: "2:4", "4:8"; else "unstructured" or "dense") per layer and for
+    the whole model.
 
     Reads one tensor at a time (safetensors ``safe_open``), so a 27B export needs no 54 GB of RAM: each tensor from its own
     opening of the file, since an open file stays memory-mapped and every page read through it counts in the process's
@@ -61,7 +68,7 @@ def sparsity_report(model_dir: str | Path, targets: str | None = None) -> dict:
                     with safe_open(str(file), framework="pt") as fh:
                         yield key, fh.get_tensor(key)
 
-    return _report(tensors(), pattern.pattern)
+    return _report(tensors(), pattern.pattern, patterns)
 
 
 def model_sparsity_report(model: torch.nn.Module, targets: str | None = None) -> dict:
@@ -75,17 +82,17 @@ def _reported(key: str, pattern: NamePattern) -> bool:
     return key.endswith(".weight") and pattern.search(key[: -len(".weight")]) is not None
 
 
-def _report(tensors: Iterable[tuple[str, torch.Tensor]], targets: str) -> dict:
+def _report(tensors: Iterable[tuple[str, torch.Tensor]], targets: str, patterns: tuple[tuple[int, int], ...] = NM_PATTERNS) -> dict:
     layers, found_nm, zeros_total, numel_total = {}, [], 0, 0
     for key, t in tensors:
         if t.dim() != 2:
             continue
         zeros = int((t == 0).sum())
-        nm = nm_patterns(t) if zeros else []
+        nm = nm_patterns(t, patterns) if zeros else []
         layers[key] = {"numel": t.numel(), "zeros": zeros, "sparsity": zeros / t.numel(),
                        "pattern": nm[0] if nm else ("unstructured" if zeros else "dense"), "nm": nm}
         found_nm.append(nm)
         zeros_total += zeros
         numel_total += t.numel()
     return {"layers": dict(sorted(layers.items())), "overall": zeros_total / max(numel_total, 1), "pruned_numel": numel_total,
-            "pattern": overall_pattern(zeros_total, found_nm), "targets": targets}
+            "pattern": overall_pattern(zeros_total, found_nm, patterns), "targets": targets}

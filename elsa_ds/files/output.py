@@ -16,7 +16,7 @@ from pathlib import Path
 from elsa_ds import json_data
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError, Terminated, signals_held
-from elsa_ds.evaluation.sparsity import sparsity_report
+from elsa_ds.evaluation.sparsity import sparsity_report, with_patterns
 from elsa_ds.files.aside import (FINGERPRINT, PUBLISH_FAILED, REPORT_NAME, aside_dir, beside, move_in, move_out, moved_away, old_dir,
                                  published)
 from elsa_ds.files.aside import side_path  # the jobs import it here
@@ -355,7 +355,7 @@ def verified_layers(model_dir: Path, expected_zeros: dict[str, int], goals: dict
     Unstructured targets need exactly the expected zero count; N:M targets need the pattern to hold in every
     group as well.
     """
-    found = sparsity_report(model_dir, regex)["layers"]
+    found = sparsity_report(model_dir, regex, with_patterns((g.n, g.m) for g in goals.values() if isinstance(g, NM)))["layers"]
     layers = {}
     for name, zeros in sorted(expected_zeros.items()):
         got = found.get(name)

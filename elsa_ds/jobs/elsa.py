@@ -133,7 +133,9 @@ class ElsaJob:
         if warm is not None and warm.start is not None:
             state.dense_ppl = validation.perplexity(*warm.dense_nll) if warm.dense_nll else None
             state.computed_in = {"dense": report.on_host(), "warm_start": report.on_engine(self.ds)}
-            if selector is not None and validation.count:  # the start is a candidate for the export: step 0
+            # the start is a candidate for the export (step 0) only where its zeros are the goals' (a thirteenth audit: a
+            # folder's 50 % start was restored into a 70 % job's export, which then failed its check after the whole run)
+            if selector is not None and validation.count and warm.at_goals:
                 state.baseline_ppl = selector.score(run.zero, run.admm, validation, self.ds.micro_batch_size, 0, project=False)
                 state.selection = selector.record
             else:

@@ -44,6 +44,7 @@ class WarmStart:
     masks: MaskReader
     start: ModelSource | None = None
     dense_nll: tuple[float, int] | None = None
+    at_goals: bool = False  # x₀ pruned by this job at its own goals (a one-shot --init_mask), not a folder's weights
 
 
 def warm_start(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer, rank: int, windows: torch.Tensor,
@@ -62,7 +63,7 @@ def warm_start(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer
     model_dir = warm_start_weights_dir(output_dir) if cfg.init_weights else None
     masks, _, nll = oneshot_on_rank0(cfg, OneShot(init_mask), source, tokenizer, rank, warm_start_path(output_dir), model_dir,
                                      windows if model_dir is not None else None, engine_dtype=engine_dtype)
-    return WarmStart(masks, ModelSource(str(model_dir)) if model_dir is not None else None, nll)
+    return WarmStart(masks, ModelSource(str(model_dir)) if model_dir is not None else None, nll, at_goals=True)
 
 
 def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, tokenizer, rank: int, mask_path: Path,

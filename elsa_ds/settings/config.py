@@ -143,8 +143,8 @@ class ElsaConfig(BaseModel):
     the steps (fewer where the rest would make no z, u update) where its pruned start at ≥ 80 % takes retraining's lr
     (below ~450 steps); else 0]."""
     select_every: int = Field(0, ge=0, **_group("admm"))
-    """Score the hard projection Π(x) on the validation windows every this many projections and export the best one
-    (0 = export the final Π(x)); with --init_weights the pruned start is scored too, as step 0."""
+    """Score the hard projection Π(x) on the validation windows every this many projections and export the best one (0 = export the
+    final Π(x)); with --init_weights the start a one-shot --init_mask pruned at the job's goals is scored too, as step 0 (no folder's)."""
     select_patience: int = Field(0, ge=0, **_group("admm"))
     """Stop once this many scored projections in a row did not improve on the best (0 = never stop early)."""
     lmda: float = Field(0.01, ge=0.0, **_group("admm"))

@@ -115,3 +115,34 @@ def test_a_report_that_cannot_be_read_leaves_the_count_over_every_decoder_weight
             caplog.clear()
             got = job_targets(tmp_path)
         assert got == ("mlp" if "mlp" in text else None) and (f"{report} unread" in caplog.text) == warned, (text, caplog.text)
+
+
+def test_a_jobs_own_nm_pattern_is_verified_in_its_export(tmp_path):
+    """A thirteenth audit: only 2:4 and 4:8 were tested, so a job pruned at 1:4 or 3:4 (masks exact) failed its own
+    export's check after all the work ("does not satisfy 1:4 (found unstructured)")."""
+    from safetensors.torch import save_file
+
+    from elsa_ds.admm.projection import NM
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.files.output import verified_layers
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    for n, m in ((1, 4), (3, 4), (2, 4), (3, 8)):
+        w = torch.randn(6, 16)
+        groups = w.reshape(6, 16 // m, m)
+        drop = groups.abs().argsort(-1)[..., :n]  # the n smallest of each group
+        w = groups.scatter(-1, drop, 0.0).reshape(6, 16)
+        save_file({name: w.contiguous()}, str(tmp_path / "model.safetensors"))
+        layers = verified_layers(tmp_path, {name: 6 * 16 * n // m}, {name: NM(n, m)}, None)
+        assert layers[name]["pattern"] == f"{n}:{m}" and layers[name]["target"] == f"{n}:{m}"
+        w[0, :m] = 1.0  # one group short of its zeros, the count made up elsewhere
+        w[1, m:2 * m] = 0.0
+        w[1, m:m + m - n] = 0.0
+        save_file({name: w.contiguous()}, str(tmp_path / "model.safetensors"))
+        zeros = int((w == 0).sum())
+        try:
+            verified_layers(tmp_path, {name: zeros}, {name: NM(n, m)}, None)
+        except ElsaError as err:
+            assert f"does not satisfy {n}:{m}" in str(err)
+        else:
+            raise AssertionError(f"{n}:{m} with a short group passed")

@@ -76,3 +76,24 @@ def test_a_pruned_start_is_scored_as_step_zero_and_kept_when_training_only_hurts
     measured = run(EvalSettings(model=str(out), ppl=[val], seqlen=64, limit=8))
     assert measured["ppl"][val]["ppl"] == pytest.approx(ppl["warm_start"], rel=1e-4)
     assert not list(tmp_path.glob(".*best_projection*")) and not list(tmp_path.glob(".*init_*"))
+
+
+def test_a_folders_pruned_start_is_measured_but_never_exported(tmp_path, tiny_model_dir, text_dir):
+    """A thirteenth audit: a folder's start (--init_mask DIR --init_weights) was a candidate too; a 50 % start that beat
+    every projection of a 70 % job was restored into its export, which failed its check after the whole run. Only a
+    start the job pruned at its own goals is a candidate; the folder's is measured (the report's warm start)."""
+    start, out = tmp_path / "mag50", tmp_path / "out"
+    run_entry("prune.py", ["--deepspeed", "ds_configs/zero3.json", "--method", "magnitude", "--sparsity", "0.5", "--model",
+                           str(tiny_model_dir), "--dataset", str(text_dir), "--seqlen", "64", "--val_windows", "0", "--output_dir",
+                           str(start)])
+    val = str(text_dir / "othello.txt")
+    run_entry("prune.py", ["--deepspeed", str(derived_config(tmp_path, bf16={"enabled": False})), "--model", str(tiny_model_dir),
+                           "--dataset", str(text_dir), "--val_dataset", val, "--seqlen", "64", "--steps", "4", "--interval", "2",
+                           "--sparsity", "0.7", "--lr", "0.3", "--lmda", "0.05", "--micro_batch", "2", "--val_windows", "8",
+                           "--select_every", "1", "--init_mask", str(start), "--init_weights", "--output_dir", str(out)])
+    report = json.loads((out / "elsa_report.json").read_text())
+    assert [p["step"] for p in report["selection"]["curve"]] == [2, 4] and report["ppl"]["warm_start"] is not None
+    assert report["selection"]["chosen"]["step"] in (2, 4)
+    assert report["ppl"]["warm_start"] < min(p["ppl"] for p in report["selection"]["curve"])  # it would have been chosen
+    for name, layer in report["layers"].items():
+        assert layer["zeros"] == round(0.7 * layer["numel"]), name
