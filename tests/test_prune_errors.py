@@ -239,3 +239,11 @@ def test_init_mask_of_another_shape_or_without_zeros_is_refused_before_loading(t
     assert said.count(f"z starts from that folder's mask, x from the dense weights of {tiny_model_dir}") == 1
     assert "add --init_weights" in said
     assert "read each" not in said and "each is read" not in said  # two plays, 2 steps of 8: no sequence read twice
+
+
+def test_a_tied_output_head_is_refused_as_a_target(tmp_path):
+    """A thirteenth audit: --targets lm_head on the demo (tie_word_embeddings) trained the whole run, pruning the
+    embedding it shares, then failed the export's check ("lm_head.weight has None zeros"). Refused before any work."""
+    line = _fails(["--deepspeed", "ds_configs/zero3_offload.json", "--targets", "lm_head", "--steps", "2", "--output_dir",
+                   str(tmp_path / "o")], "--targets prunes lm_head.weight, which is tied to model.embed_tokens.weight")
+    assert "narrow --targets" in line and not (tmp_path / "o").exists()

@@ -9,16 +9,18 @@ Magnitude pruning needs no data. The kernels are in ``masks.py``, ``wanda.py`` a
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
 import torch
 
+from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError
 from elsa_ds.log import get_logger
 from elsa_ds.methods import OneShot
 from elsa_ds.oneshot.layerwise import capture, run_layer, stubbed
-from elsa_ds.oneshot.masks import magnitude_mask
+from elsa_ds.oneshot.masks import magnitude_mask, prune_counts
 from elsa_ds.oneshot.sparsegpt import Hessian, sparsify_weight
 from elsa_ds.oneshot.wanda import InputNorms, wanda_mask
 from elsa_ds.targets import LayerGoal, decoder_layer_list, goal_zeros
@@ -61,7 +63,7 @@ def prune_model(model: torch.nn.Module, method: OneShot | str, goals: dict[str, 
     model.eval()
     per_layer = _linears_by_layer(model, list(goals))
     if exact:
-        _check_not_sparser(per_layer, goals)
+        _check_not_sparser(per_layer, goals, method)
     if not method.calibrated:
         return _prune_magnitude(per_layer, goals)
     if calibration is None or calibration.shape[0] == 0:
@@ -80,18 +82,55 @@ def prune_model(model: torch.nn.Module, method: OneShot | str, goals: dict[str, 
     return masks
 
 
-def _check_not_sparser(per_layer: list[dict[str, torch.nn.Linear]], goals: dict[str, LayerGoal]) -> None:
+def _check_not_sparser(per_layer: list[dict[str, torch.nn.Linear]], goals: dict[str, LayerGoal], method: OneShot) -> None:
     """ElsaError when a weight already holds more zeros than its goal leaves: every method keeps its k largest scores, a
     zero among them, and the export then misses its exact count (an audit, 2026-12-07: a 70 % model pruned to 50 % was
-    refused as "export is incomplete" after the whole pass)."""
+    refused as "export is incomplete" after the whole pass). Where the quota is smaller than the layer (a thirteenth
+    audit), per group for N:M and per row for Wanda; SparseGPT's updates refill zeros, so its export's check decides."""
     for linears in per_layer:
         for name, linear in linears.items():
-            numel = linear.weight.numel()
-            zeros, allowed = numel - int(torch.count_nonzero(linear.weight)), goal_zeros(numel, goals[name])
+            w, goal = linear.weight, goals[name]
+            numel = w.numel()
+            zeros, allowed = numel - int(torch.count_nonzero(w)), goal_zeros(numel, goal)
             if zeros > allowed:
                 raise ElsaError(f"the model's {name} already holds {zeros:,} zeros ({zeros / numel:.1%}), more than its goal "
-                                f"{goals[name]} leaves ({allowed:,}): a pruned model can be pruned further, not less; ask for "
-                                f"at least {zeros / numel:.1%} there (--sparsity, --sparsity_profile), or start from the dense model")
+                                f"{goal} leaves ({allowed:,}): a pruned model can be pruned further, not less; ask for "
+                                f"at least {_at_least(zeros / numel)} there (--sparsity, --sparsity_profile), or start from the "
+                                "dense model")
+            if method is not OneShot.sparsegpt and (refusal := _short_quota(name, w, goal, method)):
+                raise ElsaError(refusal)
+
+
+def _at_least(ratio: float) -> str:
+    """``ratio`` as a percentage rounded up at 0.1 %: advice that, followed, is not refused for its rounding."""
+    return f"{math.ceil(ratio * 1000 - 1e-9) / 1000:.1%}"
+
+
+def _short_quota(name: str, w: torch.Tensor, goal: LayerGoal, method: OneShot) -> str | None:
+    """Where N:M's group or Wanda's row already holds more zeros than its own quota (the layer's count may be within)."""
+    rows, cols = w.shape
+    if isinstance(goal, NM):
+        if cols % goal.m:
+            return None  # refused by the plan's shape check
+        per_group = (w == 0).reshape(rows, cols // goal.m, goal.m).sum(-1)
+        if int(per_group.max()) > goal.n:
+            r, g = divmod(int(per_group.argmax()), cols // goal.m)
+            return (f"the model's {name} already holds {int(per_group.max())} zeros in the group of {goal.m} at row {r}, columns "
+                    f"{g * goal.m}-{g * goal.m + goal.m - 1}, more than {goal} leaves ({goal.n}): each group keeps {goal.m - goal.n}; "
+                    "start from the dense model, or prune it unstructured")
+        return None
+    if method is not OneShot.wanda:
+        return None
+    quota = torch.tensor(prune_counts([cols] * rows, goal))
+    over = (w == 0).sum(1).cpu() - quota
+    if int(over.max()) > 0:
+        r = int(over.argmax())
+        most = int((w == 0).sum(1).max())
+        higher = f"ask for at least {_at_least(most / cols)} (the fullest row's zeros), " if most < cols else ""
+        return (f"the model's {name} already holds {int(over[r] + quota[r])} zeros in row {r}, more than Wanda's share of each "
+                f"row at {goal:.1%} ({int(quota[r])}): {higher}prune it with --method sparsegpt or magnitude, or start from the "
+                "dense model")
+    return None
 
 
 def _prune_magnitude(per_layer: list[dict[str, torch.nn.Linear]], goals: dict[str, LayerGoal]) -> dict[str, torch.Tensor]:

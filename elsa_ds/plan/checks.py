@@ -109,9 +109,13 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
 def check_goals(cfg: ElsaConfig, meta) -> None:
     """The target regex matches Linears, the profile's entries match pruned layers, N:M fits their shapes."""
     goals = cfg.layer_goals(target_shapes(meta, cfg.targets))
+    weights = dict(meta.named_parameters(remove_duplicate=False))
+    for name in goals:  # a thirteenth audit: a tied lm_head trained the whole run, then failed the export's check
+        if others := [n for n, p in weights.items() if p is weights[name] and n != name]:
+            raise ElsaError(f"--targets prunes {name}, which is tied to {others[0]} (the model's tie_word_embeddings): one "
+                            "tensor, saved once under the other name, and pruning it prunes that too; narrow --targets")
     if cfg.freeze_embeddings:
         freeze_embeddings(meta)
-        weights = dict(meta.named_parameters(remove_duplicate=False))
         frozen = [name for name in goals if not weights[name].requires_grad]
         if frozen:
             raise ElsaError(f"--freeze_embeddings keeps {', '.join(frozen)} fixed, but --targets prunes it; narrow --targets "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elsa_ds.admm.projection import NM
 from elsa_ds.data import load_blocks
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
@@ -119,3 +120,34 @@ def test_a_weight_already_sparser_than_its_goal_is_refused_before_the_pass(tiny_
     # a warm start's mask (not the export): its zeros train away, so it is pruned as asked (a review)
     masks = prune_model(model, "magnitude", {name: 0.5}, None, torch.device("cpu"))
     assert int((~masks[name]).sum()) == round(0.5 * w.numel())
+
+
+def test_a_row_or_group_already_past_its_quota_is_refused_before_the_pass(tiny_model_dir):
+    """A thirteenth audit: the layer's count was checked, but Wanda prunes each row to one share and N:M each group, so a
+    50 % model whose rows or groups are uneven failed the export's check after the whole pass. Said first, naming the
+    row or group; the advice, followed, gets past it."""
+    model, _ = _model(tiny_model_dir)
+    name = "model.layers.1.mlp.up_proj.weight"
+    w = model.model.layers[1].mlp.up_proj.weight.data
+    rows, cols = w.shape
+    w[: rows // 2, : round(0.8 * cols)] = 0.0  # half the rows 80 % zeros, the others 20 %: 50 % in all
+    w[rows // 2:, : round(0.2 * cols)] = 0.0
+    calibration = torch.randint(0, 100, (2, 16))
+    with pytest.raises(ElsaError, match=rf"{name} already holds \d+ zeros in row 0, more than Wanda's share of each row at "
+                                        r"60\.0% .*ask for at least [\d.]+%") as refused:
+        prune_model(model, "wanda", {name: 0.6}, calibration, torch.device("cpu"), exact=True)
+    advised = float(str(refused.value).split("ask for at least ")[1].split("%")[0]) / 100
+    masks = prune_model(model, "magnitude", {name: 0.6}, None, torch.device("cpu"), exact=True)  # its quota is the layer's
+    assert int((~masks[name]).sum()) == round(0.6 * w.numel())
+    model, _ = _model(tiny_model_dir)
+    w = model.model.layers[1].mlp.up_proj.weight.data
+    w[:, : w.shape[1] // 2] = 0.0  # 50 % in all, but the first groups of 4 all zeros
+    with pytest.raises(ElsaError, match=rf"{name} already holds 4 zeros in the group of 4 at row 0, columns 0-3, more than "
+                                        "2:4 leaves"):
+        prune_model(model, "magnitude", {name: NM(2, 4)}, None, torch.device("cpu"), exact=True)
+    model, _ = _model(tiny_model_dir)
+    w = model.model.layers[1].mlp.up_proj.weight.data
+    w[: rows // 2, : round(0.8 * cols)] = 0.0
+    w[rows // 2:, : round(0.2 * cols)] = 0.0
+    masks = prune_model(model, "wanda", {name: advised}, calibration, torch.device("cpu"), exact=True)  # the advice followed
+    assert int((~masks[name]).sum()) == round(advised * w.numel())
