@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import derived_config, run_fails
 
@@ -247,3 +248,24 @@ def test_a_tied_output_head_is_refused_as_a_target(tmp_path):
     line = _fails(["--deepspeed", "ds_configs/zero3_offload.json", "--targets", "lm_head", "--steps", "2", "--output_dir",
                    str(tmp_path / "o")], "--targets prunes lm_head.weight, which is tied to model.embed_tokens.weight")
     assert "narrow --targets" in line and not (tmp_path / "o").exists()
+
+
+def test_sparsegpts_block_must_hold_whole_groups(tmp_path):
+    """A thirteenth audit: --pattern 2:4 --blocksize 6 ended in a ValueError traceback after calibration, and under ELSA
+    (whose rule starts from SparseGPT's model) from rank 0's warm start, the user never having asked for SparseGPT."""
+    base = ["--deepspeed", "ds_configs/zero3_offload.json", "--pattern", "2:4", "--blocksize", "6", "--output_dir", str(tmp_path / "o")]
+    _fails([*base, "--method", "sparsegpt"], "--blocksize 6: SparseGPT prunes 2:4 a block of columns at a time",
+           "give a multiple of 4")
+    _fails([*base, "--init_mask", "sparsegpt"], "SparseGPT (its warm start, --init_mask sparsegpt)")
+
+
+def test_a_singular_hessian_is_one_line_naming_the_flags():
+    """A thirteenth audit: --percdamp 0 with fewer calibration tokens than a layer's inputs raised a ValueError."""
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.oneshot.sparsegpt import sparsify_weight
+
+    x = torch.randn(3, 8)  # 3 tokens, 8 inputs: rank 3
+    with pytest.raises(ElsaError, match=r"not positive definite after damping 0 \(--percdamp\).*raise --percdamp"):
+        sparsify_weight(torch.randn(4, 8), x.t() @ x, 0.5, blocksize=8, percdamp=0)
+    new, keep, _ = sparsify_weight(torch.randn(4, 8), x.t() @ x, 0.5, blocksize=8, percdamp=0.01)
+    assert int((~keep).sum()) == 16

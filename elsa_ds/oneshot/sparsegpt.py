@@ -16,6 +16,7 @@ import math
 import torch
 
 from elsa_ds.admm.projection import NM
+from elsa_ds.errors import ElsaError
 from elsa_ds.oneshot.masks import Target, check_target, keep_largest, layer_keep_mask, prune_counts
 
 
@@ -51,7 +52,9 @@ def _inverse_cholesky(H: torch.Tensor, percdamp: float) -> torch.Tensor:
     try:
         L = torch.linalg.cholesky(H)
     except torch.linalg.LinAlgError as err:
-        raise ValueError(f"Hessian is not positive definite after damping {percdamp}; raise percdamp") from err
+        raise ElsaError(f"SparseGPT: a layer's calibration Hessian ({H.shape[0]:,} inputs) is not positive definite after "
+                        f"damping {percdamp} (--percdamp): fewer calibration tokens than inputs leave it singular; raise "
+                        "--percdamp (0.01 is SparseGPT's) or --nsamples") from None
     del H                                    # at most two in x in copies alive beside the caller's: the down projection's
     inverse = torch.cholesky_inverse(L)      # (in = the MLP width) is the one-shot's host peak (bench/memory.py --oneshot)
     del L

@@ -17,7 +17,7 @@ from elsa_ds.files.mask_file import MaskReader
 from elsa_ds.files.output import check_output_dir
 from elsa_ds.log import get_logger
 from elsa_ds.loss import check_loss_choice
-from elsa_ds.methods import DENSE, oneshot_names
+from elsa_ds.methods import DENSE, OneShot, oneshot_names
 from elsa_ds.models import ModelSource, freeze_embeddings, hidden_size, meta_model, refuse_sparse_checkpoint
 from elsa_ds.oneshot.pipeline import host_dtype, saved_dtype
 from elsa_ds.plan.switches import check_switches
@@ -109,6 +109,11 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
 def check_goals(cfg: ElsaConfig, meta) -> None:
     """The target regex matches Linears, the profile's entries match pruned layers, N:M fits their shapes."""
     goals = cfg.layer_goals(target_shapes(meta, cfg.targets))
+    nm, sparsegpt = cfg.nm, OneShot.sparsegpt.value
+    if nm and cfg.blocksize % nm.m and sparsegpt in (cfg.method.value, cfg.init_mask):  # a thirteenth audit: a traceback
+        whose = "" if cfg.method.value == sparsegpt else " (its warm start, --init_mask sparsegpt)"
+        raise ElsaError(f"--blocksize {cfg.blocksize}: SparseGPT{whose} prunes {nm} a block of columns at a time, so the block "
+                        f"must hold whole groups: give a multiple of {nm.m} (128, the default, is one)")
     weights = dict(meta.named_parameters(remove_duplicate=False))
     for name in goals:  # a thirteenth audit: a tied lm_head trained the whole run, then failed the export's check
         if others := [n for n, p in weights.items() if p is weights[name] and n != name]:
