@@ -269,3 +269,20 @@ def test_a_singular_hessian_is_one_line_naming_the_flags():
         sparsify_weight(torch.randn(4, 8), x.t() @ x, 0.5, blocksize=8, percdamp=0)
     new, keep, _ = sparsify_weight(torch.randn(4, 8), x.t() @ x, 0.5, blocksize=8, percdamp=0.01)
     assert int((~keep).sum()) == 16
+
+
+def test_the_methods_edges_are_refused_or_said(tmp_path):
+    """A thirteenth audit, values accepted that break the method without a word: a λ so large that the penalty's
+    gradient overflows Adam's second moment (the Fisher mask became "the first k entries"), an eps that is 0 in fp32
+    (0/0 where a gradient is 0), a profile that prunes nothing; and λ 0, which turns the penalty off (a warning)."""
+    from elsa_ds.settings.config import ElsaConfig
+    from elsa_ds.settings.config_checks import schedule_oddities
+
+    base = ["--deepspeed", "ds_configs/zero3.json", "--output_dir", str(tmp_path / "o")]
+    _fails([*base, "--lmda", "1e22"], "lmda 1e+22 is past 1000", "give lmda 1000 or less")
+    _fails([*base, "--eps", "1e-50"], "eps 1e-50 is below 1e-30", "give eps 1e-30 or more")
+    (profile := tmp_path / "p.json").write_text('{".*": 0.0}')
+    _fails([*base, "--method", "magnitude", "--sparsity_profile", str(profile)], "gives every pruned layer 0: it prunes nothing")
+    said = schedule_oddities(ElsaConfig(lmda=0.0, steps=64, interval=8))
+    assert len(said) == 1 and said[0].startswith("lmda 0: the penalty") and "give lmda above 0" in said[0]
+    assert not schedule_oddities(ElsaConfig(lmda=0.01, steps=64, interval=8))

@@ -23,7 +23,7 @@ from elsa_ds.oneshot.pipeline import host_dtype, saved_dtype
 from elsa_ds.plan.switches import check_switches
 from elsa_ds.settings.config import NAMED_TEXT_SOURCES, ElsaConfig
 from elsa_ds.settings.options import JobOptions
-from elsa_ds.targets import target_shapes
+from elsa_ds.targets import goal_ratio, target_shapes
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.ds_config import DsConfig
 from elsa_ds.zero.ds_values import FIX, deepspeed_refusal
@@ -109,6 +109,9 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
 def check_goals(cfg: ElsaConfig, meta) -> None:
     """The target regex matches Linears, the profile's entries match pruned layers, N:M fits their shapes."""
     goals = cfg.layer_goals(target_shapes(meta, cfg.targets))
+    if cfg.method.value != DENSE and not any(goal_ratio(goal) for goal in goals.values()):  # audit 13: a profile of zeros
+        raise ElsaError(f"--sparsity_profile {cfg.sparsity_profile} gives every pruned layer 0: it prunes nothing; give a layer a "
+                        "ratio in (0, 1) (the unpruned control is --method dense --finetune full)")
     nm, sparsegpt = cfg.nm, OneShot.sparsegpt.value
     if nm and cfg.blocksize % nm.m and sparsegpt in (cfg.method.value, cfg.init_mask):  # a thirteenth audit: a traceback
         whose = "" if cfg.method.value == sparsegpt else " (its warm start, --init_mask sparsegpt)"

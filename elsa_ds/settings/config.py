@@ -148,7 +148,7 @@ class ElsaConfig(BaseModel):
     select_patience: int = Field(0, ge=0, **_group("admm"))
     """Stop once this many scored projections in a row did not improve on the best (0 = never stop early)."""
     lmda: float = Field(0.01, ge=0.0, **_group("admm"))
-    """ADMM penalty λ (the peak of a linear or cosine schedule) [from the defaults rule, elsa_ds/settings/defaults.py]."""
+    """ADMM penalty λ (the peak of a linear or cosine schedule; at most 1e3) [from the defaults rule, elsa_ds/settings/defaults.py]."""
     lmda_schedule: LambdaSchedule = Field(LambdaSchedule.constant, **_group("admm"))
     """constant, linear or cosine (0 → λ over the run), or adaptive: residual balancing, a λ per layer starting at lmda,
     × or ÷ balance_tau at each projection as the layer's residuals say (the authors' adaptive_boyd; eager path, slower on
@@ -180,7 +180,7 @@ class ElsaConfig(BaseModel):
     betas: tuple[float, float] = Field((0.9, 0.999), **_group("optimizer", "B1 B2"))
     """Adam betas."""
     eps: float = Field(1e-8, gt=0.0, **_group("optimizer"))
-    """Adam epsilon."""
+    """Adam epsilon (at least 1e-30)."""
     weight_decay: float = Field(0.0, ge=0.0, **_group("optimizer"))
     """Decoupled weight decay (0 = plain Adam, the ELSA authors' code default)."""
     gradient_checkpointing: bool = Field(True, **_group("optimizer"))

@@ -10,7 +10,8 @@ What the run cannot do as asked is refused; what it can do, only oddly, is said 
 - no projection before the end (``interval`` ≥ the ADMM steps): z and u are never updated, ELSA becomes penalized
   training towards the first z and the final cut: a warning (a short smoke run does this on purpose);
 - ``select_every`` beyond the projections the run makes: nothing is scored but the end: a warning;
-- ``save_interval`` ≥ ``steps``: no checkpoint is ever written: a warning.
+- ``save_interval`` ≥ ``steps``: no checkpoint is ever written: a warning;
+- λ 0 under a fixed schedule: the penalty is off, ELSA is dense training and the final cut: a warning.
 
 ``refuse_unread_elsa_settings``: ELSA's own settings passed explicitly with another method, which would not read them;
 ``unread_settings``: any other setting passed explicitly that the job does not read, said as a warning.
@@ -95,10 +96,27 @@ def _balance_refusals(cfg: Any) -> list[str]:
     return found
 
 
+MAX_LMDA, MIN_EPS = 1e3, 1e-30  # a thirteenth audit: past them Adam's second moment overflows, or eps is 0 in fp32
+
+
+def _range_refusals(cfg: Any) -> list[str]:
+    """Values the fields take whose arithmetic breaks the method without a word (a thirteenth audit): a λ whose penalty
+    gradient λ(x − z + u) overflows Adam's second moment, the Fisher F the mask ranks by (1e22 on the demo kept "the
+    first k entries" of every layer), and an eps that fp32 holds as 0 (0/0 where a gradient is 0)."""
+    found = []
+    if cfg.lmda > MAX_LMDA:
+        found.append(f"lmda {cfg.lmda:g} is past {MAX_LMDA:g}: the penalty's gradient λ(x − z + u) can overflow Adam's second "
+                     f"moment (fp32's 3.4e38), whose ranking the mask keeps; give lmda {MAX_LMDA:g} or less (the paper's 0.01)")
+    if cfg.eps < MIN_EPS:
+        found.append(f"eps {cfg.eps:g} is below {MIN_EPS:g}: fp32 holds it as 0{' or near it' if cfg.eps > 1.4e-45 else ''}, "
+                     f"and Adam divides by √v + eps (0/0 where a gradient is 0); give eps {MIN_EPS:g} or more (Adam's 1e-08)")
+    return found
+
+
 def schedule_refusals(cfg: Any) -> list[str]:
     """What the run cannot do as asked, one sentence each (empty: nothing)."""
     steps = trained_steps(cfg)
-    found = _balance_refusals(cfg)
+    found = _balance_refusals(cfg) + _range_refusals(cfg)
     if steps is None:
         return found
     if cfg.warmup_steps > 1 and cfg.warmup_steps >= steps:  # one step of warm-up in a one-step run is no warm-up
@@ -123,6 +141,9 @@ def schedule_oddities(cfg: Any) -> list[str]:
                      "before the run ends (none is written at the end); lower it to be able to resume a stopped run")
     if cfg.method is not Method.elsa:
         return found
+    if cfg.lmda == 0.0 and cfg.lmda_schedule.value != "adaptive":  # a thirteenth audit: accepted without a word
+        found.append("lmda 0: the penalty λ/2‖x − z + u‖² is off the whole run, so ELSA becomes dense training and the final "
+                     "cut x = Π(x) (u only adds up x − z); give lmda above 0 (the paper's 0.01) unless that is the ablation")
     admm = steps - cfg.hold_steps
     projections = (admm - 1) // cfg.interval  # z ← Π(x + u), u ← u + x − z before the final x = Π(x)
     held = f", before the last {cfg.hold_steps} held by hold_steps," if cfg.hold_steps else ""
@@ -132,7 +153,7 @@ def schedule_oddities(cfg: Any) -> list[str]:
                      "so z and u are never updated: ELSA becomes penalized training towards the first z and the final cut "
                      f"x = Π(x); {fix}")
     if cfg.select_every and projections < cfg.select_every:
-        start = " and the pruned start" if cfg.init_weights else ""
+        start = " and the pruned start" if cfg.init_weights and cfg.init_mask in oneshot_names() else ""  # a folder's: not one
         fix = f"set select_every to {projections} or less, or " if projections else ""
         found.append(f"select_every {cfg.select_every}: the run makes {_plural(projections, 'projection')} before its end, so "
                      f"none is scored: only the final Π(x){start} compete; {fix}shorten interval, or drop select_every")
