@@ -391,6 +391,31 @@ def test_overwrite_replaces_only_what_an_elsa_ds_command_wrote(tmp_path):
     (out / "config.json").unlink()
     (out / "elsa_report.json").write_text("{}")
     check_output_dir(out, overwrite=True)
+    (out / "elsa_report.json").unlink()
+    shutil.rmtree(out / "checkpoints")
+    (out / "checkpoints").mkdir()  # a user's checkpoints of other models (a review): no run's, though named as one
+    (out / "checkpoints" / "llama-70b.safetensors").write_text("weights")
+    (out / "checkpoints" / "elsa_fingerprint.json").write_text("{}")
+    for name in ("llama", "notes.txt"):
+        (out / name).rename(tmp_path / name)
+    assert not written_by_elsa(out)
+    with pytest.raises(ElsaError, match=r"holds checkpoints, and no elsa_ds output's mark"):
+        check_output_dir(out, overwrite=True)
+    shutil.rmtree(out / "checkpoints")
+    (out / "checkpoints").symlink_to(tmp_path / "llama", target_is_directory=True)  # a link at the name: no run's
+    assert not written_by_elsa(out)
+    (out / "checkpoints").unlink()
+    (out / "checkpoints").write_text("a file")
+    assert not written_by_elsa(out)
+    (out / "checkpoints").unlink()
+    (out / "checkpoints" / "global_step4").mkdir(parents=True)  # a run's: its tags, latest, its settings, the scripts
+    for name in ("latest", "elsa_fingerprint.json", "zero_to_fp32.py", ".latest.123.tmp"):
+        (out / "checkpoints" / name).write_text("x")
+    for name in ("llama", "notes.txt"):
+        (tmp_path / name).rename(out / name)
+    assert written_by_elsa(out)  # a run's checkpoints mark it, beside what the user put there
+    (out / "checkpoints" / "latest").unlink()
+    (out / "elsa_report.json").write_text("{}")
     for name in ("llama", "notes.txt", "elsa_report.json"):
         (out / name).rename(tmp_path / name)  # the advice followed: emptied but for the job's own leftovers
     assert written_by_elsa(out)

@@ -111,10 +111,10 @@ def check_out(out: Path, overwrite: bool) -> None:
     refusal = None
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         refusal = f"--out {out} is not a folder of its own (a file or a link): choose another path"
-    elif out.is_dir() and any(out.iterdir()) and not overwrite:
-        refusal = f"--out {out} is not empty: pass --overwrite to replace an earlier demo model there"
-    elif out.is_dir() and any(out.iterdir()) and not (out / "training_metrics.json").is_file():
+    elif out.is_dir() and any(out.iterdir()) and not (out / "training_metrics.json").is_file():  # said first: no
         refusal = f"--out {out} holds no demo model (no training_metrics.json): it is never replaced; choose another path"
+    elif out.is_dir() and any(out.iterdir()) and not overwrite:  # --overwrite offered only where it would be taken
+        refusal = f"--out {out} is not empty: pass --overwrite to replace an earlier demo model there"
     if refusal:
         stderr_line(f"train_demo: error: {refusal}")
         raise SystemExit(2)

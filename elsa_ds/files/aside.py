@@ -4,6 +4,7 @@ job's exit path (``jobs/owner.py``) or its watchdog (``watchdog.py``) when the j
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections.abc import Collection
@@ -14,6 +15,14 @@ from elsa_ds.errors import ElsaError
 
 
 FINGERPRINT = "elsa_fingerprint.json"  # a run's settings beside its checkpoints' tags (zero/checkpoint.py writes it)
+TAG = re.compile(r"^global_step(\d+)$")  # a checkpoint's tag, DeepSpeed's folder name
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them beside the tags at each save
+
+
+def checkpoint_entry(name: str) -> bool:
+    """Whether an entry of a run's checkpoints folder may bear ``name``: a tag, ``latest``, the run's settings, DeepSpeed's
+    recovery scripts, or a hidden name (a file written whole, a script kept aside during a save)."""
+    return bool(TAG.match(name)) or name in ("latest", FINGERPRINT, *RECOVERY_SCRIPTS) or name.startswith(".")
 
 
 def published(output_dir: Path) -> Path:

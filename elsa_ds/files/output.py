@@ -17,8 +17,8 @@ from elsa_ds import json_data
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError, Terminated, signals_held
 from elsa_ds.evaluation.sparsity import sparsity_report, with_patterns
-from elsa_ds.files.aside import (FINGERPRINT, PUBLISH_FAILED, REPORT_NAME, aside_dir, beside, move_in, move_out, moved_away, old_dir,
-                                 published)
+from elsa_ds.files.aside import (FINGERPRINT, PUBLISH_FAILED, REPORT_NAME, aside_dir, beside, checkpoint_entry, move_in, move_out,
+                                 moved_away, old_dir, published)
 from elsa_ds.files.aside import side_path  # the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.files.io import make_folder
@@ -33,10 +33,21 @@ ATTEMPT_LEFTOVERS = ("checkpoints", MONITOR_DIR)  # what a run that published no
 
 
 def foreign_entries(output_dir: Path) -> list[str]:
-    """The names in ``output_dir`` (if a folder) that no attempt of a job leaves there (:data:`ATTEMPT_LEFTOVERS`)."""
+    """The names in ``output_dir`` (if a folder) that no attempt of a job leaves there: anything but its
+    :data:`ATTEMPT_LEFTOVERS`, and those only as real folders, a checkpoints folder holding only what a run writes there
+    (a review: a user's ``checkpoints`` of other models counted as a run's and went with --overwrite)."""
     if not output_dir.is_dir() or output_dir.is_symlink():
         return []
-    return sorted(p.name for p in output_dir.iterdir() if p.name not in ATTEMPT_LEFTOVERS)
+    return sorted(p.name for p in output_dir.iterdir() if not _left_by_an_attempt(p))
+
+
+def _left_by_an_attempt(path: Path) -> bool:
+    if path.name not in ATTEMPT_LEFTOVERS or path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        return path.name != "checkpoints" or all(checkpoint_entry(p.name) for p in path.iterdir())
+    except OSError:  # a folder it cannot list: nothing says a run wrote it
+        return False
 
 
 def written_by_elsa(folder: Path) -> bool:
@@ -47,24 +58,32 @@ def written_by_elsa(folder: Path) -> bool:
     leftover)."""
     if not foreign_entries(folder):
         return True
-    config = folder / "config.json"
-    if any(p.is_file() and not p.is_symlink() for p in (folder / REPORT_NAME, folder / "checkpoints" / FINGERPRINT)):
+    ckpt, config = folder / "checkpoints", folder / "config.json"
+    if _plain_file(folder / REPORT_NAME) or _left_by_an_attempt(ckpt) and _plain_file(ckpt / FINGERPRINT):
         return True
     try:
-        data = json_data.read(config) if config.is_file() and not config.is_symlink() else None
+        data = json_data.read(config) if _plain_file(config) else None
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and isinstance(data.get(SPARSE_CONFIG_KEY), dict)
 
 
+def _plain_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
 def not_replaced(folder: Path, flag: str, overwrite: bool) -> str | None:
     """The refusal for a non-empty ``folder`` that no elsa_ds command wrote, else None: with ``overwrite`` it would go
     whole; without it, the not-empty refusal must not offer --overwrite (the advice, followed, is refused)."""
-    if written_by_elsa(folder):
-        return None
-    names = foreign_entries(folder)
+    try:
+        if written_by_elsa(folder):
+            return None
+        names = foreign_entries(folder)
+    except OSError as err:  # a folder it may list but not enter: it cannot be checked, nor replaced
+        return f"{flag} {folder} cannot be read ({err.strerror or err}); choose another folder"
     held = ", ".join(names[:3]) + (f" and {len(names) - 3:,} more" if len(names) > 3 else "")
-    what = f"{flag} {folder} holds {held}, and neither a job's {REPORT_NAME} nor elsa-compress's config.json: no elsa_ds command wrote it"
+    what = (f"{flag} {folder} holds {held}, and no elsa_ds output's mark (a job's {REPORT_NAME}, a run's checkpoints, "
+            "elsa-compress's config.json): no elsa_ds command wrote it")
     if overwrite:
         return f"{what}, and --overwrite would replace it whole: choose another folder, or empty it yourself first"
     return f"{what}; choose another folder, or empty it yourself first (--overwrite replaces only an elsa_ds output)"
@@ -92,7 +111,7 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, re
                            *((side_path(output_dir, n), "the run's side files") for n in RESUMABLE)]:
             check_plain_tree(path, what)
     if resume and not (output_dir / "checkpoints" / "latest").exists():
-        if (output_dir / REPORT_NAME).exists():
+        if _plain_file(output_dir / REPORT_NAME):
             raise ElsaError(f"--resume: {output_dir} holds a finished run ({REPORT_NAME}) and no checkpoint to continue; "
                             "--overwrite in place of --resume replaces it, or choose another --output_dir")
         if refusal := not_replaced(output_dir, "--output_dir", overwrite=True):  # what the advice below would meet

@@ -139,6 +139,9 @@ class ElsaJob:
                 state.baseline_ppl = selector.score(run.zero, run.admm, validation, self.ds.micro_batch_size, 0, project=False)
                 state.selection = selector.record
             else:
+                if selector is not None and validation.count and run.rank == 0:
+                    log.info("--select_every: the pruned start is scored, not a candidate for the export (its zeros are not "
+                             "exactly the goals': a folder's, or a model already sparser than a goal)")
                 state.baseline_ppl = self.validation_ppl(run)
             _log_references(state.dense_ppl, f"the warm start ({self.cfg.init_mask})", state.baseline_ppl)
             return

@@ -118,7 +118,7 @@ class FinetuneJob:
             check_weight_files(model_dir, f"the one-shot model {model_dir} a --resume reads again")  # shards inside it
             masks = MaskReader(mask_path)
         else:
-            masks, calibration, _ = oneshot_on_rank0(cfg, cfg.oneshot, self.source, opened.data.tokenizer, opened.rank,
+            masks, calibration, _, _ = oneshot_on_rank0(cfg, cfg.oneshot, self.source, opened.data.tokenizer, opened.rank,
                                                      mask_path, model_dir, engine_dtype=saved_dtype(self.ds.raw))
         return ModelSource(str(model_dir)), masks, calibration
 

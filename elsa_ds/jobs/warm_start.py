@@ -21,6 +21,7 @@ from elsa_ds.models import ModelSource
 from elsa_ds.oneshot.layerwise import layerwise_nll
 from elsa_ds.oneshot.pipeline import accelerator, load_host_model, prune_oneshot, round_to
 from elsa_ds.settings.config import ElsaConfig
+from elsa_ds.targets import goal_zeros, target_shapes
 
 log = get_logger(__name__)
 
@@ -44,7 +45,7 @@ class WarmStart:
     masks: MaskReader
     start: ModelSource | None = None
     dense_nll: tuple[float, int] | None = None
-    at_goals: bool = False  # x₀ pruned by this job at its own goals (a one-shot --init_mask), not a folder's weights
+    at_goals: bool = False  # x₀ pruned by this job to exactly its goals' zeros (a one-shot --init_mask), not a folder's
 
 
 def warm_start(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer, rank: int, windows: torch.Tensor,
@@ -61,17 +62,19 @@ def warm_start(cfg: ElsaConfig, source: ModelSource, output_dir: Path, tokenizer
                      "add --init_weights to start x from the folder's pruned weights")
         return WarmStart(MaskReader(init_mask), ModelSource(init_mask) if cfg.init_weights else None)
     model_dir = warm_start_weights_dir(output_dir) if cfg.init_weights else None
-    masks, _, nll = oneshot_on_rank0(cfg, OneShot(init_mask), source, tokenizer, rank, warm_start_path(output_dir), model_dir,
-                                     windows if model_dir is not None else None, engine_dtype=engine_dtype)
-    return WarmStart(masks, ModelSource(str(model_dir)) if model_dir is not None else None, nll, at_goals=True)
+    masks, _, nll, exact = oneshot_on_rank0(cfg, OneShot(init_mask), source, tokenizer, rank, warm_start_path(output_dir),
+                                            model_dir, windows if model_dir is not None else None, engine_dtype=engine_dtype)
+    return WarmStart(masks, ModelSource(str(model_dir)) if model_dir is not None else None, nll, at_goals=exact)
 
 
 def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, tokenizer, rank: int, mask_path: Path,
                      model_dir: Path | None = None, dense_windows: torch.Tensor | None = None, *, engine_dtype: torch.dtype,
-                     ) -> tuple[MaskReader, dict[str, Any] | None, tuple[float, int] | None]:
+                     ) -> tuple[MaskReader, dict[str, Any] | None, tuple[float, int] | None, bool]:
     """Prune a host copy of the model with ``method`` on rank 0; write its keep-masks to ``mask_path`` and, with
-    ``model_dir``, the pruned model itself. Returns the masks (every rank), the calibration record (rank 0) and, with
-    ``dense_windows``, the dense model's summed NLL and token count on them (every rank). Collective.
+    ``model_dir``, the pruned model itself. Returns the masks (every rank), the calibration record (rank 0), with
+    ``dense_windows`` the dense model's summed NLL and token count on them (every rank), and whether every pruned weight
+    holds exactly its goal's zeros (every rank; a model already sparser than a goal keeps zeros among its kept weights, so
+    its pruned copy is no export: a review). Collective.
 
     The copy is first rounded to ``engine_dtype``, the dtype the engine holds the parameters in: the one-shot decides on
     (and the dense model is measured at) the values the run trains, as a one-shot job prunes the values it saves (a CPU's
@@ -82,7 +85,7 @@ def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, toke
     """
     waiting = torch.distributed.new_group(backend="gloo", timeout=timedelta(days=3))
     failure: BaseException | None = None
-    calibration, dense = None, (0.0, 0)
+    calibration, dense, exact = None, (0.0, 0), False
     measured = dense_windows if dense_windows is not None and len(dense_windows) > 0 else None
     measure = measured is not None
     if rank == 0:
@@ -96,6 +99,7 @@ def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, toke
             if measured is not None:
                 dense = layerwise_nll(model, measured, accelerator())
             done = prune_oneshot(cfg, method, tokenizer, model)
+            exact = at_goals(done.model, cfg)
             write_masks(mask_path, done.masks)
             if model_dir is not None:
                 with writing(model_dir, saved_bytes(done.model)):
@@ -105,10 +109,17 @@ def oneshot_on_rank0(cfg: ElsaConfig, method: OneShot, source: ModelSource, toke
             del done
         except BaseException as err:  # the other ranks must hear of it, whatever it is
             failure = err
-    ok = torch.tensor([1.0 if rank == 0 and failure is None else 0.0, *dense], dtype=torch.float64)
+    ok = torch.tensor([1.0 if rank == 0 and failure is None else 0.0, *dense, float(exact)], dtype=torch.float64)
     torch.distributed.broadcast(ok, src=0, group=waiting)
     if failure is not None:
         raise failure
     if not ok[0].item():
         raise ElsaError(f"rank 0 could not compute the one-shot {method.value} masks; its error says why")
-    return MaskReader(mask_path), calibration, (float(ok[1]), int(ok[2])) if measure else None
+    return MaskReader(mask_path), calibration, (float(ok[1]), int(ok[2])) if measure else None, bool(ok[3])
+
+
+def at_goals(model: torch.nn.Module, cfg: ElsaConfig) -> bool:
+    """Whether every weight ``cfg`` prunes holds exactly its goal's zeros (an N:M mask's total: n in each group)."""
+    weights = dict(model.named_parameters(remove_duplicate=False))
+    goals = cfg.layer_goals(target_shapes(model, cfg.targets))
+    return all(weights[n].numel() - int(torch.count_nonzero(weights[n])) == goal_zeros(weights[n].numel(), g) for n, g in goals.items())

@@ -94,16 +94,25 @@ def _check_not_sparser(per_layer: list[dict[str, torch.nn.Linear]], goals: dict[
             zeros, allowed = numel - int(torch.count_nonzero(w)), goal_zeros(numel, goal)
             if zeros > allowed:
                 raise ElsaError(f"the model's {name} already holds {zeros:,} zeros ({zeros / numel:.1%}), more than its goal "
-                                f"{goal} leaves ({allowed:,}): a pruned model can be pruned further, not less; ask for "
-                                f"at least {_at_least(zeros / numel)} there (--sparsity, --sparsity_profile), or start from the "
-                                "dense model")
+                                f"{goal} leaves ({allowed:,}): a pruned model can be pruned further, not less; "
+                                f"{_ask_for(zeros / numel, goal)}start from the dense model")
             if method is not OneShot.sparsegpt and (refusal := _short_quota(name, w, goal, method)):
                 raise ElsaError(refusal)
 
 
 def _at_least(ratio: float) -> str:
-    """``ratio`` as a percentage rounded up at 0.1 %: advice that, followed, is not refused for its rounding."""
-    return f"{math.ceil(ratio * 1000 - 1e-9) / 1000:.1%}"
+    """``ratio`` as the value --sparsity takes, rounded up at 0.001: advice that, followed, is not refused for its rounding."""
+    return f"{math.ceil(ratio * 1000 - 1e-9) / 1000:.3f}"
+
+
+def _ask_for(ratio: float, goal: LayerGoal) -> str:
+    """The sparsity that would take a layer of ``ratio`` zeros, as advice that gets past the refusal (a review: an N:M job
+    was told to ask for --sparsity, which --pattern refuses; above 99.9 % no sparsity below 1 would do)."""
+    if math.ceil(ratio * 1000 - 1e-9) >= 1000:
+        return ""
+    if isinstance(goal, NM):
+        return f"drop --pattern and prune it unstructured at --sparsity {_at_least(ratio)} or more, or "
+    return f"ask for at least {_at_least(ratio)} there (--sparsity, --sparsity_profile), or "
 
 
 def _short_quota(name: str, w: torch.Tensor, goal: LayerGoal, method: OneShot) -> str | None:
@@ -126,7 +135,7 @@ def _short_quota(name: str, w: torch.Tensor, goal: LayerGoal, method: OneShot) -
     if int(over.max()) > 0:
         r = int(over.argmax())
         most = int((w == 0).sum(1).max())
-        higher = f"ask for at least {_at_least(most / cols)} (the fullest row's zeros), " if most < cols else ""
+        higher = _ask_for(most / cols, goal).removesuffix("or ")
         return (f"the model's {name} already holds {int(over[r] + quota[r])} zeros in row {r}, more than Wanda's share of each "
                 f"row at {goal:.1%} ({int(quota[r])}): {higher}prune it with --method sparsegpt or magnitude, or start from the "
                 "dense model")

@@ -96,20 +96,22 @@ def _balance_refusals(cfg: Any) -> list[str]:
     return found
 
 
-MAX_LMDA, MIN_EPS = 1e3, 1e-30  # a thirteenth audit: past them Adam's second moment overflows, or eps is 0 in fp32
+MAX_LMDA, MIN_EPS = 1e3, 1e-30  # sanity bounds (a thirteenth audit): far past the paper's λ 0.01 and Adam's eps 1e-8
 
 
 def _range_refusals(cfg: Any) -> list[str]:
-    """Values the fields take whose arithmetic breaks the method without a word (a thirteenth audit): a λ whose penalty
-    gradient λ(x − z + u) overflows Adam's second moment, the Fisher F the mask ranks by (1e22 on the demo kept "the
-    first k entries" of every layer), and an eps that fp32 holds as 0 (0/0 where a gradient is 0)."""
+    """Values the fields take whose arithmetic breaks the method without a word (a thirteenth audit), each refused only
+    where the job reads it: an ELSA λ whose penalty gradient λ(x − z + u) can overflow Adam's second moment, the Fisher F
+    the mask ranks by (1e22 on the demo kept "the first k entries" of every layer), and a trained run's eps that fp32
+    holds as 0 (0/0 where a gradient is 0)."""
     found = []
-    if cfg.lmda > MAX_LMDA:
-        found.append(f"lmda {cfg.lmda:g} is past {MAX_LMDA:g}: the penalty's gradient λ(x − z + u) can overflow Adam's second "
-                     f"moment (fp32's 3.4e38), whose ranking the mask keeps; give lmda {MAX_LMDA:g} or less (the paper's 0.01)")
-    if cfg.eps < MIN_EPS:
-        found.append(f"eps {cfg.eps:g} is below {MIN_EPS:g}: fp32 holds it as 0{' or near it' if cfg.eps > 1.4e-45 else ''}, "
-                     f"and Adam divides by √v + eps (0/0 where a gradient is 0); give eps {MIN_EPS:g} or more (Adam's 1e-08)")
+    if cfg.method is Method.elsa and cfg.lmda > MAX_LMDA:
+        found.append(f"lmda {cfg.lmda:g} is past {MAX_LMDA:g}, this project's bound: the paper's λ is 0.01, and a λ near 1e19 "
+                     "over |x − z + u| overflows Adam's second moment in fp32, whose ranking the mask keeps; give lmda "
+                     f"{MAX_LMDA:g} or less")
+    if trained_steps(cfg) is not None and cfg.eps < MIN_EPS:
+        found.append(f"eps {cfg.eps:g} is below {MIN_EPS:g}, this project's bound: fp32 holds a value below 1.4e-45 as 0, and "
+                     f"Adam divides by √v + eps (0/0 where a gradient is 0); give eps {MIN_EPS:g} or more (Adam's 1e-08)")
     return found
 
 

@@ -40,9 +40,9 @@ from elsa_ds.zero import compat
 from elsa_ds.zero.ds_config import DsConfig
 
 
-TAG = re.compile(r"^global_step(\d+)$")
+TAG = aside.TAG
 CLIENT_KEY = "elsa"
-RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them beside the tags at each save
+RECOVERY_SCRIPTS = aside.RECOVERY_SCRIPTS  # DeepSpeed copies them beside the tags at each save
 FINGERPRINT = aside.FINGERPRINT  # the run's settings beside its tags: readable before any model or engine exists
 LATEST_BYTES = 255  # what `latest` holds: one tag's folder name
 

@@ -48,7 +48,7 @@ model, out, port = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 cfg, tok = ElsaConfig(model=model, sparsity=0.5), AutoTokenizer.from_pretrained(model)
 windows = torch.randint(0, tok.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
-_, _, nll = oneshot_on_rank0(cfg, OneShot.magnitude, ModelSource(model), tok, 0, out / "masks.safetensors", out / "x0", windows,
+_, _, nll, _ = oneshot_on_rank0(cfg, OneShot.magnitude, ModelSource(model), tok, 0, out / "masks.safetensors", out / "x0", windows,
                              engine_dtype=torch.bfloat16)
 plain, rounded = load_host_model(ModelSource(model)), load_host_model(ModelSource(model))
 round_to(rounded, torch.bfloat16)
