@@ -71,11 +71,11 @@ def sparsity_report(model_dir: str | Path, targets: str | None = None, patterns:
     return _report(tensors(), pattern.pattern, patterns)
 
 
-def model_sparsity_report(model: torch.nn.Module, targets: str | None = None) -> dict:
+def model_sparsity_report(model: torch.nn.Module, targets: str | None = None, patterns: tuple[tuple[int, int], ...] = NM_PATTERNS) -> dict:
     """:func:`sparsity_report` of a model in memory (one loaded from an elsa-sparse checkpoint, whose files hold values
     and positions): its weights under the names a dense export would give them."""
     pattern = NamePattern(targets or DEFAULT_TARGETS)
-    return _report(((k, t.detach()) for k, t in model.state_dict().items() if _reported(k, pattern)), pattern.pattern)
+    return _report(((k, t.detach()) for k, t in model.state_dict().items() if _reported(k, pattern)), pattern.pattern, patterns)
 
 
 def _reported(key: str, pattern: NamePattern) -> bool:

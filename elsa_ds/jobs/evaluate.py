@@ -28,7 +28,7 @@ from elsa_ds.data.hub_texts import check_hub_texts, task_repos, text_repos
 from elsa_ds.data.windows import C4_WINDOWS, LAYOUTS
 from elsa_ds.errors import ElsaError
 from elsa_ds.evaluation.perplexity import window_nll
-from elsa_ds.evaluation.sparsity import model_sparsity_report, sparsity_report
+from elsa_ds.evaluation.sparsity import NM_PATTERNS, model_sparsity_report, sparsity_report, with_patterns
 from elsa_ds.evaluation.tables import results_table
 from elsa_ds.evaluation.zeroshot import expand_tasks, task_manager, zeroshot
 from elsa_ds.files.io import ATOMIC_ROOM, make_folder, versions, write_atomic
@@ -39,7 +39,7 @@ from elsa_ds.loss import loss_choice
 from elsa_ds.models import check_local_weights, check_seqlen, check_token_ids, is_sparse_checkpoint, load_causal_lm, load_config
 from elsa_ds.settings.config import NAMED_TEXT_SOURCES, ElsaConfig
 from elsa_ds.settings.config_checks import exact_kinds
-from elsa_ds.settings.config_files import PathList, comma_list, job_targets, usable_path
+from elsa_ds.settings.config_files import PathList, comma_list, job_pattern, job_targets, usable_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -361,20 +361,22 @@ def run_speed(s: EvalSettings, started: float) -> dict[str, Any]:
 def counted_sparsity(model_id: str, model: PreTrainedModel, sparse: bool) -> dict[str, Any]:
     """Zeros per pruned weight, over the weights the folder's job pruned (``job_targets``) where they are found here,
     else every decoder-layer weight; a count that cannot be made is recorded, not raised (the model is loaded by now)."""
+    folder = Path(model_id).expanduser()
+    nm = with_patterns(job_pattern(folder))  # the job's own N:M named as its report names it (a thirteenth audit)
     def count(pattern: str | None) -> dict[str, Any]:
         try:
-            return model_sparsity_report(model, pattern) if sparse else model_sparsity(model_id, pattern)
+            return model_sparsity_report(model, pattern, nm) if sparse else model_sparsity(model_id, pattern, nm)
         except ElsaError as err:  # a pattern too slow to match (NamePattern's limit)
             log.warning(f"no sparsity report: {err}")
             return {"error": str(err)}
-    found = count(targets := job_targets(Path(model_id).expanduser()))
+    found = count(targets := job_targets(folder))
     if targets is not None and "error" not in found and not found["pruned_numel"]:
         log.warning(f"targets {targets} of its job's report name no weight here: sparsity over every decoder-layer weight")
         found = count(None)
     return found
 
 
-def model_sparsity(model_id: str, targets: str | None = None) -> dict[str, Any]:
+def model_sparsity(model_id: str, targets: str | None = None, nm: tuple[tuple[int, int], ...] = NM_PATTERNS) -> dict[str, Any]:
     """sparsity_report over the model's safetensors files (a local directory or the hub cache after loading)."""
     from transformers.utils import cached_file
 
@@ -382,7 +384,7 @@ def model_sparsity(model_id: str, targets: str | None = None) -> dict[str, Any]:
         config_file = cached_file(model_id, "config.json")
         if config_file is None:  # only with cached_file's raising turned off; it raises OSError otherwise
             raise OSError(f"{model_id}: no config.json")
-        return sparsity_report(Path(config_file).parent, targets)
+        return sparsity_report(Path(config_file).parent, targets, nm)
     except (ElsaError, OSError) as err:  # e.g. a .bin-only checkpoint: report why instead of failing the job
         log.warning(f"no sparsity report: {err}")
         return {"error": str(err)}

@@ -13,6 +13,7 @@ import regex as rx
 from pydantic import BeforeValidator, ValidationInfo
 
 from elsa_ds import json_data
+from elsa_ds.admm.projection import NM
 from elsa_ds.data.sources import DEMO_DATASET, in_memory_name, looks_local
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.aside import REPORT_NAME
@@ -373,3 +374,18 @@ def job_targets(model_dir: Path) -> str | None:
         return None
     log.info(f"sparsity over the weights its job pruned: targets {targets} ({report})")
     return targets
+
+
+def job_pattern(model_dir: Path) -> tuple[tuple[int, int], ...]:
+    """The N:M pattern the job that wrote ``model_dir`` pruned to (``config.pattern`` of its report), so that
+    elsa-evaluate names a 3:4 export as the job's report does (a thirteenth audit: only 2:4 and 4:8 were tried, and a
+    3:4 export read "2:4"); none where there is no such report or it names none (``job_targets`` says what it could
+    not read)."""
+    report = model_dir / REPORT_NAME
+    if report.is_symlink() or not report.is_file():
+        return ()
+    try:
+        nm = NM.parse(json_data.read(report)["config"]["pattern"])
+    except (ValueError, OSError, KeyError, TypeError):  # unstructured, another shape of file, or none
+        return ()
+    return ((nm.n, nm.m),)

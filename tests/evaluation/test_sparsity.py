@@ -146,3 +146,25 @@ def test_a_jobs_own_nm_pattern_is_verified_in_its_export(tmp_path):
             assert f"does not satisfy {n}:{m}" in str(err)
         else:
             raise AssertionError(f"{n}:{m} with a short group passed")
+
+
+def test_elsa_evaluate_names_the_jobs_own_nm_pattern(tmp_path):
+    """A thirteenth audit: elsa-evaluate tried only 2:4 and 4:8, so a job's 3:4 export (3:4 in its report) read "2:4"."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from elsa_ds.jobs.evaluate import counted_sparsity
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    w = torch.randn(8, 16)
+    groups = w.reshape(8, 4, 4)
+    w = groups.scatter(-1, groups.abs().argsort(-1)[..., :3], 0.0).reshape(8, 16)
+    save_file({name: w.contiguous()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    assert counted_sparsity(str(tmp_path), None, sparse=False)["pattern"] == "2:4"  # no report: the usual patterns
+    (tmp_path / "elsa_report.json").write_text(json.dumps({"config": {"pattern": "3:4", "targets": None}}))
+    found = counted_sparsity(str(tmp_path), None, sparse=False)
+    assert found["pattern"] == "3:4" and found["layers"][name]["pattern"] == "3:4"
+    (tmp_path / "elsa_report.json").write_text(json.dumps({"config": {"pattern": "unstructured"}}))
+    assert counted_sparsity(str(tmp_path), None, sparse=False)["pattern"] == "2:4"
