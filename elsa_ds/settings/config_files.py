@@ -353,6 +353,18 @@ def load_profile(path: str | Path) -> dict[str, float]:
     return {k: float(v) for k, v in profile.items()}
 
 
+def _job_config(model_dir: Path) -> dict[str, Any] | None:
+    """``config`` of the elsa_report.json in ``model_dir`` (data: read size-capped), None where there is no such plain file
+    (a link is never followed out of the folder: no job writes one) or it holds no such object; OSError, ValueError for
+    a file that cannot be read as JSON."""
+    report = model_dir / REPORT_NAME
+    if report.is_symlink() or not report.is_file():
+        return None
+    found = json_data.read(report)
+    config = found.get("config") if isinstance(found, dict) else None
+    return config if isinstance(config, dict) else None
+
+
 def job_targets(model_dir: Path) -> str | None:
     """The weights the elsa_ds job that wrote ``model_dir`` pruned: ``config.targets`` of its elsa_report.json, so that
     elsa-evaluate's sparsity is over the weights the job's report counts (an audit, 2026-12-07: --targets
@@ -360,12 +372,9 @@ def job_targets(model_dir: Path) -> str | None:
     weight) where there is no such file, or it names none, or what it names is no usable pattern (data from elsewhere:
     said once, and the evaluation goes on)."""
     report = model_dir / REPORT_NAME
-    if report.is_symlink() or not report.is_file():  # a link is never followed out of the folder (no job writes one)
-        return None
     try:
-        found = json_data.read(report)
-        config = found.get("config") if isinstance(found, dict) else None
-        targets = config.get("targets") if isinstance(config, dict) else None
+        config = _job_config(model_dir)
+        targets = config.get("targets") if config else None
         if not isinstance(targets, str) or not targets:
             return None
         compile_regex(targets)
@@ -381,11 +390,10 @@ def job_pattern(model_dir: Path) -> tuple[tuple[int, int], ...]:
     elsa-evaluate names a 3:4 export as the job's report does (a thirteenth audit: only 2:4 and 4:8 were tried, and a
     3:4 export read "2:4"); none where there is no such report or it names none (``job_targets`` says what it could
     not read)."""
-    report = model_dir / REPORT_NAME
-    if report.is_symlink() or not report.is_file():
-        return ()
     try:
-        nm = NM.parse(json_data.read(report)["config"]["pattern"])
-    except (ValueError, OSError, KeyError, TypeError):  # unstructured, another shape of file, or none
+        config = _job_config(model_dir)
+        pattern = config.get("pattern") if config else None
+        nm = NM.parse(pattern) if isinstance(pattern, str) and pattern != "unstructured" else None
+    except (ValueError, OSError):  # not a pattern, or no file to read
         return ()
-    return ((nm.n, nm.m),)
+    return ((nm.n, nm.m),) if nm else ()

@@ -166,5 +166,6 @@ def test_elsa_evaluate_names_the_jobs_own_nm_pattern(tmp_path):
     (tmp_path / "elsa_report.json").write_text(json.dumps({"config": {"pattern": "3:4", "targets": None}}))
     found = counted_sparsity(str(tmp_path), None, sparse=False)
     assert found["pattern"] == "3:4" and found["layers"][name]["pattern"] == "3:4"
-    (tmp_path / "elsa_report.json").write_text(json.dumps({"config": {"pattern": "unstructured"}}))
-    assert counted_sparsity(str(tmp_path), None, sparse=False)["pattern"] == "2:4"
+    for pattern in ("unstructured", None, 34, "3:x"):  # data from elsewhere: no pattern, never a traceback
+        (tmp_path / "elsa_report.json").write_text(json.dumps({"config": {"pattern": pattern}}))
+        assert counted_sparsity(str(tmp_path), None, sparse=False)["pattern"] == "2:4", pattern
