@@ -95,7 +95,7 @@ def _check_not_sparser(per_layer: list[dict[str, torch.nn.Linear]], goals: dict[
             if zeros > allowed:
                 raise ElsaError(f"the model's {name} already holds {zeros:,} zeros ({zeros / numel:.1%}), more than its goal "
                                 f"{goal} leaves ({allowed:,}): a pruned model can be pruned further, not less; "
-                                f"{_ask_for(zeros / numel, goal)}start from the dense model")
+                                f"{_ask_for(zeros / numel, goal, ', or ')}start from the dense model")
             if method is not OneShot.sparsegpt and (refusal := _short_quota(name, w, goal, method)):
                 raise ElsaError(refusal)
 
@@ -105,14 +105,15 @@ def _at_least(ratio: float) -> str:
     return f"{math.ceil(ratio * 1000 - 1e-9) / 1000:.3f}"
 
 
-def _ask_for(ratio: float, goal: LayerGoal) -> str:
-    """The sparsity that would take a layer of ``ratio`` zeros, as advice that gets past the refusal (a review: an N:M job
-    was told to ask for --sparsity, which --pattern refuses; above 99.9 % no sparsity below 1 would do)."""
+def _ask_for(ratio: float, goal: LayerGoal, then: str) -> str:
+    """The sparsity that would take a layer of ``ratio`` zeros, as advice that gets past the refusal, followed by ``then``
+    (a review: an N:M job was told to ask for --sparsity, which --pattern refuses); nothing above 99.9 %, where no
+    sparsity below 1 would do."""
     if math.ceil(ratio * 1000 - 1e-9) >= 1000:
         return ""
     if isinstance(goal, NM):
-        return f"drop --pattern and prune it unstructured at --sparsity {_at_least(ratio)} or more, or "
-    return f"ask for at least {_at_least(ratio)} there (--sparsity, --sparsity_profile), or "
+        return f"drop --pattern and prune it unstructured at --sparsity {_at_least(ratio)} or more{then}"
+    return f"ask for at least {_at_least(ratio)} there (--sparsity, --sparsity_profile){then}"
 
 
 def _short_quota(name: str, w: torch.Tensor, goal: LayerGoal, method: OneShot) -> str | None:
@@ -122,21 +123,20 @@ def _short_quota(name: str, w: torch.Tensor, goal: LayerGoal, method: OneShot) -
         if cols % goal.m:
             return None  # refused by the plan's shape check
         per_group = (w == 0).reshape(rows, cols // goal.m, goal.m).sum(-1)
-        if int(per_group.max()) > goal.n:
+        if (most := int(per_group.max())) > goal.n:
             r, g = divmod(int(per_group.argmax()), cols // goal.m)
-            return (f"the model's {name} already holds {int(per_group.max())} zeros in the group of {goal.m} at row {r}, columns "
+            return (f"the model's {name} already holds {most} zeros in the group of {goal.m} at row {r}, columns "
                     f"{g * goal.m}-{g * goal.m + goal.m - 1}, more than {goal} leaves ({goal.n}): each group keeps {goal.m - goal.n}; "
                     "start from the dense model, or prune it unstructured")
         return None
     if method is not OneShot.wanda:
         return None
+    row_zeros = (w == 0).sum(1).cpu()
     quota = torch.tensor(prune_counts([cols] * rows, goal))
-    over = (w == 0).sum(1).cpu() - quota
-    if int(over.max()) > 0:
+    if int((over := row_zeros - quota).max()) > 0:
         r = int(over.argmax())
-        most = int((w == 0).sum(1).max())
-        higher = _ask_for(most / cols, goal).removesuffix("or ")
-        return (f"the model's {name} already holds {int(over[r] + quota[r])} zeros in row {r}, more than Wanda's share of each "
+        higher = _ask_for(int(row_zeros.max()) / cols, goal, ", ")
+        return (f"the model's {name} already holds {int(row_zeros[r])} zeros in row {r}, more than Wanda's share of each "
                 f"row at {goal:.1%} ({int(quota[r])}): {higher}prune it with --method sparsegpt or magnitude, or start from the "
                 "dense model")
     return None
