@@ -17,6 +17,7 @@ from elsa_ds.errors import ElsaError
 FINGERPRINT = "elsa_fingerprint.json"  # a run's settings beside its checkpoints' tags (zero/checkpoint.py writes it)
 TAG = re.compile(r"^global_step(\d+)$")  # a checkpoint's tag, DeepSpeed's folder name
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them beside the tags at each save
+START_OVER = "start over with --overwrite in place of --resume"  # a refused --resume's other way: what --overwrite replaces
 
 
 def checkpoint_entry(name: str) -> bool:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.aside import START_OVER
 
 
 def check_plain_tree(path: Path, what: str) -> None:
@@ -37,7 +38,7 @@ def walk(path: Path, what: str) -> Iterator[tuple[str, list[str], list[str]]]:
         root, depth = todo.pop()
         if depth > MAX_DEPTH:
             raise ElsaError(f"--resume: {what} nest folders more than {MAX_DEPTH} deep ({root[:200]}...), which no run "
-                            "writes; restore the run from a copy you trust or start over with --overwrite in place of --resume")
+                            f"writes; restore the run from a copy you trust or {START_OVER}")
         try:
             entries = list(os.scandir(root))
         except OSError as err:
@@ -52,17 +53,15 @@ def _check_entry(path: Path, what: str) -> bool:
     mode = os.lstat(path).st_mode
     if stat.S_ISLNK(mode):
         raise ElsaError(f"--resume: {path} in {what} is a symbolic link (to {os.readlink(path)}): a resumed run reads and "
-                        "writes only inside its own folder; put the files themselves there (cp -rL) or start over with "
-                        "--overwrite in place of --resume")
+                        f"writes only inside its own folder; put the files themselves there (cp -rL) or {START_OVER}")
     if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
         raise ElsaError(f"--resume: {path} in {what} is not a regular file (a FIFO, socket or device): replace it with "
-                        "the file a run wrote or start over with --overwrite in place of --resume")
+                        f"the file a run wrote or {START_OVER}")
     return stat.S_ISDIR(mode)
 
 
 def _unreadable(err: OSError) -> None:
-    raise ElsaError(f"--resume: cannot read {err.filename} ({err.strerror}); fix its permissions or start over with "
-                    "--overwrite in place of --resume")
+    raise ElsaError(f"--resume: cannot read {err.filename} ({err.strerror}); fix its permissions or {START_OVER}")
 
 
 def own_copies(path: Path) -> None:
@@ -87,4 +86,4 @@ def own_copies(path: Path) -> None:
                     own.unlink(missing_ok=True)
                 raise ElsaError(f"--resume: {file} has {st.st_nlink - 1} other name(s) (a hard link) and the run appends to "
                                 f"it; a copy of its own could not be made ({err.strerror or err}): copy it yourself "
-                                "(cp --remove-destination) or start over with --overwrite in place of --resume") from None
+                                f"(cp --remove-destination) or {START_OVER}") from None

@@ -17,8 +17,8 @@ from elsa_ds import json_data
 from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError, Terminated, signals_held
 from elsa_ds.evaluation.sparsity import sparsity_report, with_patterns
-from elsa_ds.files.aside import (FINGERPRINT, PUBLISH_FAILED, REPORT_NAME, aside_dir, beside, checkpoint_entry, move_in, move_out,
-                                 moved_away, old_dir, published)
+from elsa_ds.files.aside import (FINGERPRINT, PUBLISH_FAILED, REPORT_NAME, START_OVER, aside_dir, beside, checkpoint_entry,
+                                 move_in, move_out, moved_away, old_dir, published)
 from elsa_ds.files.aside import side_path  # the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.files.io import make_folder
@@ -116,8 +116,8 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, re
                             "--overwrite in place of --resume replaces it, or choose another --output_dir")
         if refusal := not_replaced(output_dir, "--output_dir", overwrite=True):  # what the advice below would meet
             raise ElsaError(f"--resume: {output_dir / 'checkpoints'} holds no published checkpoint (no 'latest' file); {refusal}")
-        raise ElsaError(f"--resume: {output_dir / 'checkpoints'} holds no published checkpoint (no 'latest' file); start "
-                        "over with --overwrite in place of --resume")
+        raise ElsaError(f"--resume: {output_dir / 'checkpoints'} holds no published checkpoint (no 'latest' file); "
+                        + START_OVER)
     if output_dir.is_dir() and not (resume or restart) and (refusal := not_replaced(output_dir, "--output_dir", overwrite)):
         raise ElsaError(refusal)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not (overwrite or resume or restart):

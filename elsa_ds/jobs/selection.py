@@ -26,6 +26,7 @@ import torch
 from elsa_ds.admm.optimizer import AdmmOptimizer
 from elsa_ds.data import PplWindows
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.aside import START_OVER
 from elsa_ds.files.output import side_path
 from elsa_ds.zero import checkpoint
 from elsa_ds.zero.dist import agreed
@@ -105,7 +106,7 @@ class Selector:
         best, path = self.record["best"], self.directory / f"rank{self.rank}.pt"
         if best is not None and not path.is_file():
             raise ElsaError(f"--resume: the checkpoint's selection names the best projection of step {best['step']}, but its "
-                            f"snapshot {path} is gone; start over with --overwrite in place of --resume")
+                            f"snapshot {path} is gone; {START_OVER}")
         if best is not None:  # read at the run's end: scanned now, before any step
             checkpoint.check_file(path, "the best projection's snapshot", self.root)
 

@@ -16,6 +16,7 @@ import torch
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.data.sources import source_name
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.aside import START_OVER
 from elsa_ds.step_profile import StepProfiler
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource, check_token_ids, freeze_embeddings
@@ -281,7 +282,7 @@ class Checkpoints:
             return RunState(fingerprint=fingerprint)
         client = resume_load.load_latest(engine, self.directory, comm, run_state_problem, shared_state)  # checked there
         if client is None:
-            raise ElsaError(f"--resume: no loadable checkpoint in {self.directory}; start over with --overwrite in place of --resume")
+            raise ElsaError(f"--resume: no loadable checkpoint in {self.directory}; {START_OVER}")
         refusal = checkpoint.resume_changes(client["fingerprint"], fingerprint)  # (also checked before the model loads: plan/checks.py)
         if refusal:
             raise ElsaError(refusal)

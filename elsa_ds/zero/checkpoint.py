@@ -235,7 +235,7 @@ def check_file(path: Path, what: str, root: Path) -> None:
     """ElsaError unless ``path`` is a torch file whose pickle names only what a checkpoint holds (:func:`_scan`), opened
     inside ``root`` (:func:`checked_root`): for files a resume reads later than the checkpoint itself (``what``)."""
     if (why := _scan(path, root)) is not None:
-        raise ElsaError(f"--resume: {what} {path} is unreadable ({why}); start over with --overwrite in place of --resume")
+        raise ElsaError(f"--resume: {what} {path} is unreadable ({why}); {aside.START_OVER}")
 
 
 def read_checkpoint_file(path: str | Path, map_location: Any = None, *, root: Path | None = None) -> Any:
@@ -264,14 +264,14 @@ def resume_order(ckpt_dir: Path) -> list[str]:
             raw = fh.read(LATEST_BYTES + 2)  # and DeepSpeed's newline
         latest = raw.decode("utf-8").strip()
     except (OSError, UnicodeDecodeError) as err:
-        raise ElsaError(f"--resume: cannot read {latest_file} ({err}); start over with --overwrite in place of --resume") from None
+        raise ElsaError(f"--resume: cannot read {latest_file} ({err}); {aside.START_OVER}") from None
     if len(raw) > LATEST_BYTES + 1:
         raise ElsaError(f"--resume: {latest_file} holds more than a tag's name ({LATEST_BYTES} bytes at most); restore "
-                        "the run from a copy you trust or start over with --overwrite in place of --resume")
+                        f"the run from a copy you trust or {aside.START_OVER}")
     tags = tags_newest_first(ckpt_dir)
     if latest not in tags:
         raise ElsaError(f"--resume: {latest_file} names {latest[:80]!r}, which is not a checkpoint in {ckpt_dir} (there: "
-                        f"{', '.join(tags) or 'none'}); restore that tag or start over with --overwrite in place of --resume")
+                        f"{', '.join(tags) or 'none'}); restore that tag or {aside.START_OVER}")
     return tags[tags.index(latest):]
 
 
@@ -292,4 +292,4 @@ def check_resume(ckpt_dir: Path) -> None:
     if len(unreadable) == len(tags):
         raise ElsaError(f"--resume: no checkpoint in {ckpt_dir} is readable ("
                         + "; ".join(f"{tag}: {why}" for tag, why in unreadable.items())
-                        + "); start over with --overwrite in place of --resume")
+                        + f"); {aside.START_OVER}")

@@ -13,6 +13,7 @@ import torch
 
 from elsa_ds.admm.loaded import StateMismatch
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.aside import START_OVER
 from elsa_ds.log import get_logger
 from elsa_ds.zero import compat
 from elsa_ds.zero.dist import same_on_every_rank
@@ -106,8 +107,7 @@ def _load_tag(engine, tag: Path, read: Callable[..., Any], comm) -> tuple[bool, 
 
 def _altered(tag: Path, problem: str) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(f"--resume: {tag} is not what elsa_ds writes ({problem}); it was altered or written by "
-                                 "another program: restore the run from a copy you trust or start over with --overwrite "
-                                 "in place of --resume")
+                                 f"another program: restore the run from a copy you trust or {START_OVER}")
 
 
 def load_latest(engine, ckpt_dir: Path, comm, client_problem: Callable[[Any], str | None],
