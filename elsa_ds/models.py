@@ -20,7 +20,7 @@ from elsa_ds.data.blocks import check_local_tokenizer
 from elsa_ds.data.sources import FILE_NOT_MODEL
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.weight_files import (SPARSE_CONFIG_KEY, check_model_folder, check_weight_files, download_command, indexed_shards,
-                                      read_header, stored_shapes)
+                                      sparse_shards, stored_shapes)
 from elsa_ds.settings.config_files import name_problem, read_json_object
 
 if TYPE_CHECKING:
@@ -85,16 +85,7 @@ def is_sparse_checkpoint(model_id: str) -> bool:
     them at random, saying so only in a warning. Known by its config.json's block and its shards' own mark (a dense
     model saved from one may carry the block)."""
     data = config_json(model_id)
-    if data is None or SPARSE_CONFIG_KEY not in data:
-        return False
-    for file in sorted(Path(model_id).expanduser().glob("*.safetensors")):
-        try:
-            _, header = read_header(file)
-        except (OSError, ValueError):
-            continue
-        if isinstance(header, dict) and SPARSE_CONFIG_KEY in (header.get("__metadata__") or {}):
-            return True
-    return False
+    return data is not None and SPARSE_CONFIG_KEY in data and sparse_shards(Path(model_id).expanduser())
 
 
 def refuse_sparse_checkpoint(model_id: str, flag: str) -> None:

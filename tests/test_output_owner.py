@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import check_publishable, publish, staging_dir
@@ -385,10 +386,15 @@ def test_overwrite_replaces_only_what_an_elsa_ds_command_wrote(tmp_path):
     (out / "elsa_report.json").unlink()
     (out / "config.json").write_text('{"elsa_sparse": "not a block"}')
     assert not written_by_elsa(out)
-    (out / "config.json").write_text('{"elsa_sparse": {"version": 3}}')  # elsa-compress's checkpoint
-    assert written_by_elsa(out)
+    (out / "config.json").write_text('{"elsa_sparse": {"version": 3}}')  # a dense model saved from a sparse one carries it
+    from safetensors.torch import save_file
+    save_file({"w": torch.zeros(2)}, out / "model.safetensors", metadata={"format": "pt"})
+    assert not written_by_elsa(out)  # a re-read: the block alone had it replaced whole
+    save_file({"w": torch.zeros(2)}, out / "elsa-sparse.safetensors", metadata={"format": "pt", "elsa_sparse": "3"})
+    assert written_by_elsa(out)  # elsa-compress's checkpoint: the block and its shards' mark
     check_output_dir(out, overwrite=True)
-    (out / "config.json").unlink()
+    for name in ("config.json", "model.safetensors", "elsa-sparse.safetensors"):
+        (out / name).unlink()
     (out / "elsa_report.json").write_text("{}")
     check_output_dir(out, overwrite=True)
     (out / "elsa_report.json").unlink()

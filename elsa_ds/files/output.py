@@ -22,7 +22,7 @@ from elsa_ds.files.aside import (FINGERPRINT, PUBLISH_FAILED, REPORT_NAME, START
 from elsa_ds.files.aside import side_path  # the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.files.io import make_folder
-from elsa_ds.files.weight_files import SPARSE_CONFIG_KEY
+from elsa_ds.files.weight_files import SPARSE_CONFIG_KEY, sparse_shards
 from elsa_ds.log import get_logger
 from elsa_ds.quoting import shell_word
 from elsa_ds.targets import LayerGoal
@@ -52,10 +52,10 @@ def _left_by_an_attempt(path: Path) -> bool:
 
 def written_by_elsa(folder: Path) -> bool:
     """Whether ``folder`` holds what an elsa_ds command publishes, which --overwrite may replace whole: a pruning job's
-    output (its report), a run's checkpoints (their settings' file), an elsa-compress checkpoint (config.json's block),
-    each a plain file; or what an attempt that published nothing leaves (:data:`ATTEMPT_LEFTOVERS` alone). Not a folder
-    of anything else: a user's ``--output_dir ~/models --overwrite`` would have removed every model in it (a session's
-    leftover)."""
+    output (its report), a run's checkpoints (their settings' file), an elsa-compress checkpoint (config.json's block
+    and its shards' mark: a dense model saved from one may carry the block), each a plain file; or what an attempt that
+    published nothing leaves (:data:`ATTEMPT_LEFTOVERS` alone). Not a folder of anything else: a user's
+    ``--output_dir ~/models --overwrite`` would have removed every model in it (a session's leftover)."""
     if not foreign_entries(folder):
         return True
     ckpt, config = folder / "checkpoints", folder / "config.json"
@@ -65,7 +65,7 @@ def written_by_elsa(folder: Path) -> bool:
         data = json_data.read(config) if _plain_file(config) else None
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and isinstance(data.get(SPARSE_CONFIG_KEY), dict)
+    return isinstance(data, dict) and isinstance(data.get(SPARSE_CONFIG_KEY), dict) and sparse_shards(folder)
 
 
 def _plain_file(path: Path) -> bool:

@@ -51,6 +51,19 @@ def read_header(file: Path) -> tuple[int, Any]:
             raise ValueError("header is not valid JSON") from None
 
 
+def sparse_shards(folder: Path) -> bool:
+    """Whether a safetensors file in ``folder`` carries elsa-compress's mark in its metadata: config.json's block alone
+    does not say a folder is an elsa-sparse checkpoint (a dense model saved from one may carry the block)."""
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            _, header = read_header(file)
+        except (OSError, ValueError):
+            continue
+        if isinstance(header, dict) and SPARSE_CONFIG_KEY in (header.get("__metadata__") or {}):
+            return True
+    return False
+
+
 def safetensors_problem(file: Path) -> str | None:
     """What is wrong with ``file`` as a safetensors file, in a few words; None when it is whole."""
     from safetensors import SafetensorError, safe_open
