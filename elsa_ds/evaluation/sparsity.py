@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
+from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError
-from elsa_ds.targets import DEFAULT_TARGETS, NamePattern
+from elsa_ds.targets import DEFAULT_TARGETS, LayerGoal, NamePattern
 
 NM_PATTERNS: tuple[tuple[int, int], ...] = ((2, 4), (4, 8))  # strongest first: every 2:4 mask is also a 4:8 mask
 
@@ -96,3 +97,30 @@ def _report(tensors: Iterable[tuple[str, torch.Tensor]], targets: str, patterns:
         numel_total += t.numel()
     return {"layers": dict(sorted(layers.items())), "overall": zeros_total / max(numel_total, 1), "pruned_numel": numel_total,
             "pattern": overall_pattern(zeros_total, found_nm, patterns), "targets": targets}
+
+
+def verified_layers(model_dir: Path, expected_zeros: dict[str, int], goals: dict[str, LayerGoal],
+                    regex: str | None) -> dict[str, dict]:
+    """Per pruned layer: numel, zeros, sparsity and pattern as exported; ElsaError if any layer misses its target.
+
+    Unstructured targets need exactly the expected zero count; N:M targets need the pattern to hold in every
+    group as well.
+    """
+    found = sparsity_report(model_dir, regex, with_patterns((g.n, g.m) for g in goals.values() if isinstance(g, NM)))["layers"]
+    layers = {}
+    for name, zeros in sorted(expected_zeros.items()):
+        got = found.get(name)
+        target = goals[name]
+        if got is None or got["zeros"] != zeros:
+            raise ElsaError(f"exported layer {name} has {None if got is None else got['zeros']} zeros, expected {zeros}: "
+                            "export is incomplete")
+        if isinstance(target, NM) and str(target) not in got["nm"]:
+            raise ElsaError(f"exported layer {name} does not satisfy {target} (found {got['pattern']})")
+        layers[name] = {"numel": got["numel"], "zeros": got["zeros"], "sparsity": got["sparsity"], "pattern": got["pattern"],
+                        "target": str(target) if isinstance(target, NM) else target}
+    return layers
+
+
+def layers_summary(layers: dict[str, dict]) -> float:
+    """Overall sparsity of the pruned layers."""
+    return sum(v["zeros"] for v in layers.values()) / max(sum(v["numel"] for v in layers.values()), 1)

@@ -1,8 +1,8 @@
-"""The output directory of a pruning job: checks before work, staging, atomic publication, verification.
+"""The output directory of a pruning job: checks before work, staging, atomic publication.
 
 Every job (ELSA or one-shot) builds its output in a hidden staging directory beside ``--output_dir``
-and renames it into place only when complete, so an existing output is never half-overwritten. The
-report's per-layer sparsity is read back from the exported files, never from memory.
+and renames it into place only when complete, so an existing output is never half-overwritten. The report's per-layer
+sparsity is read back from the exported files, never from memory (``evaluation.sparsity.verified_layers``).
 """
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elsa_ds import json_data
-from elsa_ds.admm.projection import NM
 from elsa_ds.errors import ElsaError, Terminated, signals_held
-from elsa_ds.evaluation.sparsity import sparsity_report, with_patterns
 from elsa_ds.files.aside import (FINGERPRINT, PUBLISH_FAILED, REPORT_NAME, START_OVER, aside_dir, beside, checkpoint_entry,
                                  move_in, move_out, moved_away, old_dir, published)
 from elsa_ds.files.aside import side_path  # the jobs import it here
@@ -25,7 +23,6 @@ from elsa_ds.files.io import make_folder
 from elsa_ds.files.weight_files import SPARSE_CONFIG_KEY, sparse_shards
 from elsa_ds.log import get_logger
 from elsa_ds.quoting import shell_word
-from elsa_ds.targets import LayerGoal
 
 MONITOR_DIR = "monitor"  # where DeepSpeed's file monitors write without an output_path of their own (elsa_ds/monitor.py)
 RESUMABLE = ("oneshot", "mask.safetensors", "best_projection")  # side files a --resume of a checkpointed run reads again
@@ -365,30 +362,3 @@ def _publish_into(staging: Path, output_dir: Path, old: Path) -> None:
         old.rmdir()
         raise
     move_in(staging, output_dir)
-
-
-def verified_layers(model_dir: Path, expected_zeros: dict[str, int], goals: dict[str, LayerGoal],
-                    regex: str | None) -> dict[str, dict]:
-    """Per pruned layer: numel, zeros, sparsity and pattern as exported; ElsaError if any layer misses its target.
-
-    Unstructured targets need exactly the expected zero count; N:M targets need the pattern to hold in every
-    group as well.
-    """
-    found = sparsity_report(model_dir, regex, with_patterns((g.n, g.m) for g in goals.values() if isinstance(g, NM)))["layers"]
-    layers = {}
-    for name, zeros in sorted(expected_zeros.items()):
-        got = found.get(name)
-        target = goals[name]
-        if got is None or got["zeros"] != zeros:
-            raise ElsaError(f"exported layer {name} has {None if got is None else got['zeros']} zeros, expected {zeros}: "
-                            "export is incomplete")
-        if isinstance(target, NM) and str(target) not in got["nm"]:
-            raise ElsaError(f"exported layer {name} does not satisfy {target} (found {got['pattern']})")
-        layers[name] = {"numel": got["numel"], "zeros": got["zeros"], "sparsity": got["sparsity"], "pattern": got["pattern"],
-                        "target": str(target) if isinstance(target, NM) else target}
-    return layers
-
-
-def layers_summary(layers: dict[str, dict]) -> float:
-    """Overall sparsity of the pruned layers."""
-    return sum(v["zeros"] for v in layers.values()) / max(sum(v["numel"] for v in layers.values()), 1)

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from elsa_ds.data.sources import source_name
+from elsa_ds.evaluation.sparsity import layers_summary, verified_layers
 from elsa_ds.files.io import versions, write_json
-from elsa_ds.files.output import REPORT_NAME, layers_summary, publish, verified_layers
+from elsa_ds.files.output import REPORT_NAME, publish
 from elsa_ds.log import get_logger
 from elsa_ds.loss import taken as loss_taken
 from elsa_ds.oneshot.pipeline import host_dtype

@@ -124,7 +124,7 @@ def test_a_jobs_own_nm_pattern_is_verified_in_its_export(tmp_path):
 
     from elsa_ds.admm.projection import NM
     from elsa_ds.errors import ElsaError
-    from elsa_ds.files.output import verified_layers
+    from elsa_ds.evaluation.sparsity import verified_layers
 
     name = "model.layers.0.mlp.down_proj.weight"
     for n, m in ((1, 4), (3, 4), (2, 4), (3, 8)):
