@@ -10,6 +10,7 @@ Arguments after -- go to launch/prune.py after the ablation's own (the embedded 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -91,17 +92,24 @@ def main(argv: list[str] | None = None) -> int:
     def go() -> None:
         from elsa_ds.capacity.ablation import run_ablation
         from elsa_ds.files.output import missing_folders, remove_if_empty
+        from elsa_ds.files.ownership import owned
 
         made = missing_folders(args.out / "runs")  # the plan makes each run's parent: a refusal leaves none
-        try:
-            # every run planned and checked as its job will, before the first one starts (a late refusal wastes the
-            # others), then the disk all of them take together
-            sizes = [check_run(c, args.out, args.num_gpus, extra) for c in args.configs]
-            check_disk(args.out, [kept for kept, _ in sizes], [swap for _, swap in sizes])
-        except BaseException:
-            remove_if_empty(made)
-            raise
-        rows = run_ablation(args.configs, args.out, args.num_gpus, extra)
+        with contextlib.ExitStack() as held:
+            try:
+                args.out.resolve().parent.mkdir(parents=True, exist_ok=True)  # where --out's lock goes
+                # one ablation at a time in --out (an audit: a second one started beside the first truncated its run's
+                # log and was refused only after its measurements, pointing at a log that no longer held its reason)
+                held.enter_context(owned(args.out, "--out"))
+                # every run planned and checked as its job will, before the first one starts (a late refusal wastes the
+                # others), then the disk all of them take together
+                sizes = [check_run(c, args.out, args.num_gpus, extra) for c in args.configs]
+                check_disk(args.out, [kept for kept, _ in sizes], [swap for _, swap in sizes])
+            except BaseException:
+                held.close()  # the lock first: the folders made for it may go
+                remove_if_empty(made)
+                raise
+            rows = run_ablation(args.configs, args.out, args.num_gpus, extra)
         print((args.out / "ablation.md").read_text())  # the table is the command's product: stdout
         get_logger("elsa_ds.capacity.ablation").info(f"wrote {args.out / 'ablation.csv'}, {args.out / 'ablation.md'}, "
                                             f"{args.out / 'ablation.png'} ({len(rows)} configs)")

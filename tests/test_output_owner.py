@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.output import check_publishable, publish, staging_dir
+from elsa_ds.files.output import check_publishable, note_entries, publish, staging_dir
 from elsa_ds.files.ownership import acquire, lock_path, owned
 from tests.conftest import ROOT, run_entry, run_fails
 
@@ -161,6 +161,7 @@ def test_a_failed_final_rename_says_where_the_result_is(tmp_path, monkeypatch):
     out, staging = tmp_path / "out", staging_dir(tmp_path / "out")
     out.mkdir()
     (out / "old.txt").write_text("previous")
+    note_entries(out)  # the job's checks passed it
     staging.mkdir()
     (staging / "new.txt").write_text("finished")
     real_rename = Path.rename
@@ -426,3 +427,51 @@ def test_overwrite_replaces_only_what_an_elsa_ds_command_wrote(tmp_path):
         (out / name).rename(tmp_path / name)  # the advice followed: emptied but for the job's own leftovers
     assert written_by_elsa(out)
     check_output_dir(out, overwrite=False, restart=True)
+
+
+def test_a_publication_replaces_only_what_its_jobs_checks_found(tmp_path):
+    """A fourteenth audit (two commands at once): a job started without --overwrite removed another job's output finished
+    inside its own meanwhile, and one with --overwrite an elsa-evaluate result written into it while it ran. Now what
+    appeared stops the publication: nothing of it goes, the finished output stays where the line says."""
+    from elsa_ds.files.output import PublishFailed, check_output_dir, fresh_staging, not_replaced
+
+    out = tmp_path / "A"
+    check_output_dir(out, overwrite=False)  # missing: nothing found there
+    staging = fresh_staging(out)
+    (staging / "elsa_report.json").write_text("new")
+    out.mkdir()  # by another job, its output inside this one's
+    with owned(out / "B", "--output_dir"):
+        (out / "B").mkdir()
+        (out / "B" / "elsa_report.json").write_text("B's")
+        refusal = not_replaced(out, "--output_dir", overwrite=True)
+        assert refusal == (f"--output_dir {out}: {out / 'B'} is being written by another job (pid {os.getpid()} on "
+                           f"{socket.gethostname()} since {refusal.split(' since ')[1].split(';')[0]}; lock {out / '.B.lock'}) "
+                           "inside it; wait for it to end or choose another folder"), refusal  # not "empty it yourself"
+        with pytest.raises(PublishFailed, match=rf"B appeared there while the job ran \({out / 'B'} is being written"):
+            publish(staging, out, keep_checkpoints=False)
+    with pytest.raises(PublishFailed) as failed:  # its job ended: B's output is still no part of this one's
+        publish(staging, out, keep_checkpoints=False)
+    assert "B appeared there while the job ran (written by another job or program)" in str(failed.value)
+    assert f"it is complete in {staging}: move it to a new path yourself (mv {staging} NEW_PATH)" in str(failed.value)
+    assert (out / "B" / "elsa_report.json").read_text() == "B's" and (staging / "elsa_report.json").read_text() == "new"
+    shutil.rmtree(out / "B")
+    (out / "elsa_report.json").write_text("earlier")  # an elsa_ds output, replaced with --overwrite
+    (out / "model.safetensors").write_text("earlier")
+    check_output_dir(out, overwrite=True)
+    (out / "eval.json").write_text("evaluated meanwhile")
+    with pytest.raises(PublishFailed, match="eval.json appeared there"):
+        publish(staging, out, keep_checkpoints=False)
+    assert (out / "eval.json").read_text() == "evaluated meanwhile"
+    (out / "eval.json").unlink()
+    publish(staging, out, keep_checkpoints=False)  # what the checks found goes
+    assert sorted(p.name for p in out.iterdir()) == ["elsa_report.json"] and (out / "elsa_report.json").read_text() == "new"
+
+
+def test_a_second_ablation_into_the_same_out_is_refused_before_it_measures(tmp_path):
+    """The audit's other find: two ablations into one --out truncated each other's run log; the second was refused only
+    after its checks and measurements, pointing at a log that no longer held its reason."""
+    out = tmp_path / "ablation"
+    with owned(out, "--out"):
+        run_fails("ablate_offload.py", ["--configs", "ds_configs/zero3_offload.json", "--out", str(out)],
+                  f"--out {out} is being written by another job (pid {os.getpid()}")
+    assert not out.exists() and not lock_path(out).exists()

@@ -24,7 +24,7 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.files.io import write_atomic
 from elsa_ds.errors import guarded, signals_held
 from elsa_ds.files.aside import ALL_MOVED_OUT, aside_dir, move_out, old_dir, set_aside, settle_old
-from elsa_ds.files.output import PublishFailed, check_output_path, fresh_staging, publish, staging_dir
+from elsa_ds.files.output import PublishFailed, check_output_path, fresh_staging, note_entries, publish, staging_dir
 from elsa_ds.jobs.owner import kept_output, discard_unpublished, resumable_paths
 from elsa_ds.sparse.export import sparse_paths
 from tests.conftest import ROOT
@@ -67,6 +67,7 @@ def _previous_run(parent: Path) -> Path:
     (out / "monitor" / "loss.csv").write_text("step,loss\n8,5.0\n")
     (out / "model.safetensors").write_text("earlier model")
     (out / "elsa_report.json").write_text("{}")
+    note_entries(out)  # as the job's checks found it: what its publication replaces
     return out
 
 
@@ -121,6 +122,7 @@ def test_publishing_into_kept_checkpoints_leaves_no_old_file_beside_the_new(tmp_
     (out / "tb").mkdir()  # a monitor's output_path set inside the output: this run's logs
     for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "eval.json", "config.json"):
         (out / name).write_text("old")
+    note_entries(out)
     staging = staging_dir(out)
     staging.mkdir()
     for name in ("model.safetensors", "config.json", "elsa_report.json"):

@@ -20,6 +20,7 @@ from elsa_ds.files.aside import (FINGERPRINT, PUBLISH_FAILED, REPORT_NAME, START
 from elsa_ds.files.aside import side_path  # the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.files.io import make_folder
+from elsa_ds.files.ownership import held_inside
 from elsa_ds.files.weight_files import SPARSE_CONFIG_KEY, sparse_shards
 from elsa_ds.log import get_logger
 from elsa_ds.quoting import shell_word
@@ -27,6 +28,7 @@ from elsa_ds.quoting import shell_word
 MONITOR_DIR = "monitor"  # where DeepSpeed's file monitors write without an output_path of their own (elsa_ds/monitor.py)
 RESUMABLE = ("oneshot", "mask.safetensors", "best_projection")  # side files a --resume of a checkpointed run reads again
 ATTEMPT_LEFTOVERS = ("checkpoints", MONITOR_DIR)  # what a run that published nothing leaves in its output folder
+_FOUND: dict[str, frozenset[str]] = {}  # each output's foreign entries as its job's checks last found them (note_entries)
 
 
 def foreign_entries(output_dir: Path) -> list[str]:
@@ -72,6 +74,8 @@ def _plain_file(path: Path) -> bool:
 def not_replaced(folder: Path, flag: str, overwrite: bool) -> str | None:
     """The refusal for a non-empty ``folder`` that no elsa_ds command wrote, else None: with ``overwrite`` it would go
     whole; without it, the not-empty refusal must not offer --overwrite (the advice, followed, is refused)."""
+    if (busy := held_inside(folder)) is not None:
+        return f"{flag} {folder}: {busy} inside it; wait for it to end or choose another folder"
     try:
         if written_by_elsa(folder):
             return None
@@ -130,6 +134,25 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, re
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ElsaError(f"--output_dir {output_dir}: parent directory {parent} is not writable; choose another path")
     check_publishable(output_dir)
+    note_entries(output_dir)
+
+
+def note_entries(output_dir: Path) -> None:
+    """Its job's checks passed ``output_dir`` as it is now: what publishing replaces is what they found, and an entry that
+    appears later (another program's file, another job's output or lock) stops the publication (:func:`_appeared`)."""
+    _FOUND[os.path.realpath(output_dir)] = frozenset(foreign_entries(Path(output_dir)))
+
+
+def _appeared(output_dir: Path) -> str | None:
+    """What publishing would remove of ``output_dir`` that its job's checks did not find there, in words; None if nothing
+    (an audit: a job started without --overwrite removed another job's output finished inside its own meanwhile, and
+    one with --overwrite an elsa-evaluate result written into it while it ran)."""
+    found = _FOUND.get(os.path.realpath(output_dir), frozenset())
+    if not (new := [name for name in foreign_entries(output_dir) if name not in found]):
+        return None
+    names = ", ".join(new[:3]) + (f" and {len(new) - 3:,} more" if len(new) > 3 else "")
+    busy = held_inside(output_dir)
+    return f"{names} appeared there while the job ran ({busy or 'written by another job or program'}), which publishing would remove"
 
 
 def missing_folders(output_dir: Path) -> list[Path]:
@@ -289,6 +312,9 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
         old = old_dir(output_dir)
         try:
             moved_away(old, "earlier")  # an earlier job of this process id left it (containers reuse ids): never merged into
+            if (appeared := _appeared(output_dir)) is not None:
+                raise _not_published(f"the finished output was not moved to {output_dir}: {appeared}", staging, output_dir,
+                                     keep_checkpoints, announce)
             into = keep_checkpoints and output_dir.is_dir()
             if announce is not None:
                 announce("publish_into" if into else "publish")
@@ -307,15 +333,8 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
                         old.rename(output_dir)  # the previous output back where it was
                     raise
         except OSError as err:
-            if announce is not None:  # the watchdog keeps the staging folder this error names, should rank 0 die on its way out
-                with contextlib.suppress(OSError):  # the phase log's own failure must not replace the error that keeps it
-                    announce(PUBLISH_FAILED)
-            where = (f"the files not moved yet are in {staging}: move them into {output_dir} yourself" if keep_checkpoints
-                     else f"it is complete in {staging}: move it there yourself (mv {shell_word(str(staging))} "
-                           f"{shell_word(os.path.abspath(output_dir))})")
-            where += f"; the previous output's files are in {old}" if old.exists() else ""
-            raise PublishFailed(f"the finished output could not be moved to {output_dir} ({err.strerror or err}); {where}",
-                                staging) from None
+            raise _not_published(f"the finished output could not be moved to {output_dir} ({err.strerror or err})", staging,
+                                 output_dir, keep_checkpoints, announce) from None
         set_aside = moved_away(aside_dir(output_dir), "published")  # what --overwrite set aside: never put back now
         for gone in (set_aside, old):  # the old folder last: while it is there, a watchdog finishes this (aside.settle_old)
             try:
@@ -326,6 +345,20 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
                 get_logger(__name__).warning(f"wrote {output_dir}, but the previous output moved aside to {gone} could not be "
                                              f"removed ({text}); delete it yourself")
         done.append(True)
+
+
+def _not_published(why: str, staging: Path, output_dir: Path, keep_checkpoints: bool,
+                   announce: Callable[[str], None] | None) -> PublishFailed:
+    """The error of a publication that stopped (``why``), saying where the finished output is and how to finish it."""
+    if announce is not None:  # the watchdog keeps the staging folder this error names, should rank 0 die on its way out
+        with contextlib.suppress(OSError):  # the phase log's own failure must not replace the error that keeps it
+            announce(PUBLISH_FAILED)
+    there = "NEW_PATH" if output_dir.exists() else shell_word(os.path.abspath(output_dir))  # mv would move it into a folder
+    where = (f"the files not moved yet are in {staging}: move them into {output_dir} yourself" if keep_checkpoints else
+             f"it is complete in {staging}: move it {'to a new path' if output_dir.exists() else 'there'} yourself (mv "
+             f"{shell_word(str(staging))} {there})")
+    where += f"; the previous output's files are in {old}" if (old := old_dir(output_dir)).exists() else ""
+    return PublishFailed(f"{why}; {where}", staging)
 
 
 def as_created(folder: Path) -> None:

@@ -106,26 +106,28 @@ def _is_there(value: str | Path) -> bool:
 
 
 @contextlib.contextmanager
-def owned(output: Path | None, flag: str, take: bool = True) -> Iterator[None]:
+def owned(output: Path | None, flag: str, take: bool = True, lock: Path | None = None) -> Iterator[None]:
     """Hold the lock of ``output`` while the block runs (nothing with ``output`` None or ``take`` False: e.g. on a rank
-    that does not write); released on the way out, an exception included."""
+    that does not write); released on the way out, an exception included. ``lock``: its file, where that is not
+    :func:`lock_path`'s (one of several locks of a path, each named so: an NVMe path's, one per rank)."""
     if output is None or not take:
         yield
         return
-    fd = acquire(Path(output), flag)
+    fd = acquire(Path(output), flag, lock)
     try:
         yield
     finally:
-        release(Path(output), fd)
+        release(Path(output), fd, lock)
 
 
-def acquire(output: Path, flag: str) -> int:
+def acquire(output: Path, flag: str, path: Path | None = None) -> int:
     """Take the lock of ``output`` (its file descriptor, for :func:`release`), or ElsaError naming the holder.
 
     A job writes its name only into a lock file it has just created itself (``O_CREAT | O_EXCL | O_NOFOLLOW``): a file
     or symbolic link someone put at the lock path is never truncated or written through. A stale lock (its holder gone)
-    is unlinked, once checked to be the regular file that was examined, and created anew."""
-    path = lock_path(output)
+    is unlinked, once checked to be the regular file that was examined, and created anew. ``path``: the lock file, where
+    it is not :func:`lock_path`'s."""
+    path = path or lock_path(output)
     for _ in range(5):
         fd, created = _open_lock(output, flag, path)
         if fd is None:  # removed between looking and opening: look again
@@ -192,9 +194,9 @@ def _open_lock(output: Path, flag: str, path: Path) -> tuple[int | None, bool]:
                     "remove it if it is yours, or choose another path")
 
 
-def release(output: Path, fd: int) -> None:
+def release(output: Path, fd: int, path: Path | None = None) -> None:
     """Give the lock up: the file is removed while still held (a job waiting on it then retries on a new one)."""
-    path = lock_path(output)
+    path = path or lock_path(output)
     try:
         if _same_file(fd, path):
             path.unlink()
@@ -202,6 +204,31 @@ def release(output: Path, fd: int) -> None:
         pass  # the lock is released with the descriptor anyway
     finally:
         os.close(fd)
+
+
+def held_inside(folder: Path) -> str | None:
+    """'PATH is being written by another job (pid ...; lock ...)' when an output's lock among ``folder``'s entries names
+    a job that runs (on this host, or on another, which this one cannot tell), else None. Read only, never locked: a
+    job taking that lock meanwhile must not find it held (an audit: a folder holding a live job's lock was called no
+    elsa_ds command's, "empty it yourself first", and a job publishing over it removed the other's output)."""
+    try:
+        names = sorted(e.name for e in os.scandir(folder) if e.name.startswith(".") and e.name.endswith(".lock")
+                       and e.name != ".lock" and e.is_file(follow_symlinks=False))
+    except OSError:
+        return None
+    for name in names:
+        try:
+            fd = os.open(folder / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            info = read_holder(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else {}
+        finally:
+            os.close(fd)
+        here = info.get("host") == socket.gethostname()
+        if info.get("pid") and (not here or _alive(int(info["pid"]), info.get("pid_start"))):
+            return f"{folder / name[1:-5]} is being written by another job ({holder_text(info)}; lock {folder / name})"
+    return None
 
 
 def holder_text(info: dict) -> str:

@@ -17,7 +17,7 @@ import torch
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import DiskFull, disk_full, existing_ancestor
 from elsa_ds.files.io import write_json
-from elsa_ds.files.output import fresh_staging, not_replaced, publish
+from elsa_ds.files.output import fresh_staging, not_replaced, note_entries, publish
 from elsa_ds.files.ownership import check_apart, owned
 from elsa_ds.regular_file import open_regular
 from elsa_ds.files.weight_files import SPARSE_INDEX, SPARSE_STEM, check_model_folder, checked_target
@@ -47,7 +47,8 @@ checks every tensor against its SHA-256 in config.json.
 
 
 def check_paths(src: Path, dst: Path, overwrite: bool) -> None:
-    """Cheap checks before any work: the input is a folder, the output is free (or --overwrite) and apart from it."""
+    """Cheap checks before any work: the input is a folder, the output is free (or --overwrite) and apart from it; what
+    it holds now is what the publication may replace (``note_entries``)."""
     if not src.is_dir():
         raise SparseArgumentError(f"input {src} is not a folder")
     check_model_folder(src, f"input {src}", SparseCheckpointError)  # no link out of it: its other files are copied
@@ -61,6 +62,7 @@ def check_paths(src: Path, dst: Path, overwrite: bool) -> None:
         raise SparseArgumentError(refusal)
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise SparseArgumentError(f"output {dst} is not empty; pass --overwrite to replace it, or choose another folder")
+    note_entries(dst)
 
 
 def check_room(dst: Path, needed: int) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from elsa_ds import launch_env
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.output import remove_if_empty
-from elsa_ds.files.ownership import owned
+from elsa_ds.files.ownership import lock_path, owned
 from elsa_ds.log import get_logger
 from elsa_ds.zero import compat
 from elsa_ds.zero.ds_config import DsConfig
@@ -40,7 +40,8 @@ def swap_files_owned(ds: DsConfig) -> Iterator[None]:
     rank = str(launch_env.rank())
     with contextlib.ExitStack() as locks:
         for path in paths:  # per rank: one job's ranks on other hosts of a shared file system use other folders
-            locks.enter_context(owned(compat.swap_root(path).with_name(f"zero_stage_3.rank{rank}"), "--nvme_path"))
+            lock = lock_path(compat.swap_root(path).with_name(f"zero_stage_3.rank{rank}"))
+            locks.enter_context(owned(Path(path), "--nvme_path", lock=lock))  # named as given (an audit: not by the lock)
             check_no_links(path, rank)
         _remove_rank_folders(paths, rank)
         try:

@@ -59,7 +59,8 @@ def test_a_job_owns_its_nvme_swap_folders_and_removes_them_at_its_end(tmp_path):
     with owned(compat.swap_root(nvme).with_name("zero_stage_3.rank0"), "--nvme_path"):  # another job's rank 0
         proc = run_entry("prune.py", [*args, "--output_dir", str(tmp_path / "refused")], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert re.search(r"^elsa_ds: error: --nvme_path \S+zero_stage_3\.rank0 is being written by another job", proc.stderr, re.M)
+    said = f"elsa_ds: error: --nvme_path {nvme} is being written by another job"  # the path as given (an audit)
+    assert re.search(f"^{re.escape(said)} .*; lock \\S+/\\.zero_stage_3\\.rank0\\.lock\\)", proc.stderr, re.M), proc.stderr[-2000:]
     assert not (tmp_path / "refused").exists() and all(f.read_bytes() == b"live" for f in live)
     with live[0].with_name("exp_avg-9_99.tensor.swp").open("wb") as stale:
         stale.truncate(2**20)  # a killed run's file with a hole, under a name this run never writes
