@@ -71,7 +71,8 @@ def test_a_job_starts_past_every_stale_lock(tmp_path):
     assert not list(root.glob("*/lock"))
 
 
-def test_a_lock_held_by_a_live_build_is_left(tmp_path):
+def test_a_lock_held_by_a_live_build_is_left(tmp_path, caplog):
+    """Left, and said: a job waiting on another's build was silent for minutes (a fourteenth audit)."""
     lock = _old_lock(tmp_path / "ext" / "op" / "lock")  # a build older than any takes: still live while held
     alias = tmp_path / "alias"
     os.link(lock, alias)  # another path to the same file (as a bind mount or another mount namespace shows it)
@@ -80,7 +81,9 @@ def test_a_lock_held_by_a_live_build_is_left(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         assert build_lock.held(lock) is True
-        assert build_lock.clear_stale_locks(tmp_path / "ext") == [] and lock.exists()
+        with caplog.at_level(logging.INFO, logger="elsa_ds"):
+            assert build_lock.clear_stale_locks(tmp_path / "ext") == [] and lock.exists()
+        assert f"another process here is building op ({lock})" in caplog.text, caplog.text
     finally:
         holder.kill()
         holder.wait()

@@ -72,10 +72,14 @@ def clear_stale_locks(root: Path | None = None, name: str = "*") -> list[Path]:
     are older than any build takes, waiting (up to STALE_S) for a younger one to go or to age. Returns the removed."""
     try:
         root = root or extensions_root()
-        unheld = [lock for lock in build_locks(root, name) if lock.exists() and not held(lock)]
+        locks = [lock for lock in build_locks(root, name) if lock.exists()]
+        live = [lock for lock in locks if held(lock)]
     except OSError:
         return []
-    if not unheld:
+    for lock in live:  # an audit: a job waited 6 minutes on another's builds, torch saying nothing
+        log.info(f"another process here is building {lock.parent.name} ({lock}); a job that needs it waits for that build "
+                 "to end, without a word from torch (minutes)")
+    if not (unheld := [lock for lock in locks if lock not in live]):
         return []
     try:  # one remover at a time (the ranks of a job start together): none removes a lock another's build just made
         guard = os.open(root / ".elsa_ds_build_locks", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
