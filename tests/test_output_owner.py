@@ -475,3 +475,28 @@ def test_a_second_ablation_into_the_same_out_is_refused_before_it_measures(tmp_p
         run_fails("ablate_offload.py", ["--configs", "ds_configs/zero3_offload.json", "--out", str(out)],
                   f"--out {out} is being written by another job (pid {os.getpid()}")
     assert not out.exists() and not lock_path(out).exists()
+
+
+def test_an_output_inside_one_another_job_writes_is_refused_at_its_start(tmp_path, tiny_model_dir, text_dir):
+    """The audit's nested jobs, refused before any work: the inner one's result would have stopped the outer one's
+    publication hours later, or gone with its --overwrite. A job's own runs inside its folder (an ablation's) are not."""
+    outer = tmp_path / "A"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from elsa_ds.files.ownership import acquire; "
+                               f"acquire(Path({str(outer)!r}), '--output_dir'); print('held', flush=True); time.sleep(600)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        said = f"is inside {outer}, which is being written by another job (pid {holder.pid} on {socket.gethostname()} since "
+        run_fails("prune.py", _fast(tiny_model_dir, text_dir, outer / "B"), f"--output_dir {outer / 'B'} {said}",
+                  f"lock {lock_path(outer)}); wait for it to end or choose a path outside it")
+        assert not outer.exists()
+        with pytest.raises(ElsaError, match="which is being written by another job"):
+            with owned(outer / "deeper" / "eval.json", "--output"):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    (outer / "deeper").mkdir(parents=True)
+    with owned(outer / "deeper" / "eval.json", "--output"):  # its holder gone: a stale lock blocks nothing
+        assert lock_path(outer / "deeper" / "eval.json").exists()

@@ -113,6 +113,8 @@ def owned(output: Path | None, flag: str, take: bool = True, lock: Path | None =
     if output is None or not take:
         yield
         return
+    if lock is None:  # an output's own lock (not one of an NVMe path's, which each rank of a job takes)
+        _check_not_inside_held(Path(output), flag)
     fd = acquire(Path(output), flag, lock)
     try:
         yield
@@ -217,18 +219,50 @@ def held_inside(folder: Path) -> str | None:
     except OSError:
         return None
     for name in names:
-        try:
-            fd = os.open(folder / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            info = read_holder(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else {}
-        finally:
-            os.close(fd)
-        here = info.get("host") == socket.gethostname()
-        if info.get("pid") and (not here or _alive(int(info["pid"]), info.get("pid_start"))):
+        if (info := _live_holder(folder / name)) is not None:
             return f"{folder / name[1:-5]} is being written by another job ({holder_text(info)}; lock {folder / name})"
     return None
+
+
+def _check_not_inside_held(output: Path, flag: str) -> None:
+    """ElsaError when ``output`` lies inside an output another job writes now (the lock beside a folder above it names
+    a live job that is not this process or one that started it, as an ablation starts its runs): its publication
+    would stop on what this one writes there, or this one's result go with the other's --overwrite."""
+    lineage = _lineage()
+    for folder in Path(os.path.abspath(output)).parents:
+        if folder.parent == folder:
+            break
+        path = lock_path(folder)
+        if (info := _live_holder(path)) is not None and info["pid"] not in lineage:
+            gone = "; if that job is gone, delete the lock file" if info.get("host") != socket.gethostname() else ""
+            raise ElsaError(f"{flag} {output} is inside {folder}, which is being written by another job ({holder_text(info)}; "
+                            f"lock {path}){gone}; wait for it to end or choose a path outside it")
+
+
+def _live_holder(path: Path) -> dict | None:
+    """What the lock file at ``path`` names, when it names a job that runs (see :func:`held_inside`); read only."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = read_holder(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else {}
+    finally:
+        os.close(fd)
+    here = info.get("host") == socket.gethostname()
+    return info if info.get("pid") and (not here or _alive(int(info["pid"]), info.get("pid_start"))) else None
+
+
+def _lineage() -> set[int]:
+    """This process and those that started it, up to the first /proc cannot show."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
 
 
 def holder_text(info: dict) -> str:
