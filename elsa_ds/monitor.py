@@ -7,13 +7,14 @@ MonitorMaster also checks).
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from elsa_ds.files.disk_room import disk_full
-from elsa_ds.files.output import MONITOR_DIR
+from elsa_ds.files.marks import MONITOR_DIR
 from elsa_ds.log import get_logger
 
 MONITOR_BLOCKS = ("tensorboard", "wandb", "csv_monitor", "comet")
@@ -29,6 +30,20 @@ def default_output_paths(ds: dict, output_dir: Path) -> bool:
             block["output_path"] = str(output_dir / MONITOR_DIR)
             used = True
     return used
+
+
+def entries_inside(ds: dict, output_dir: Path) -> list[str]:
+    """The names directly in ``output_dir`` under which the enabled file monitors write (``output_path/job_name``, as
+    DeepSpeed joins them), once :func:`default_output_paths` has set theirs: the run's own logs, which its publication
+    neither stops on nor leaves behind (``files/marks.run_writes``)."""
+    out, names = Path(os.path.realpath(output_dir)), set()
+    for key in ("tensorboard", "csv_monitor"):
+        block = ds.get(key)
+        if isinstance(block, dict) and block.get("enabled") and isinstance(block.get("output_path"), str):
+            where = Path(os.path.realpath(os.path.join(block["output_path"], str(block.get("job_name", "DeepSpeedJobName")))))
+            if out in where.parents:
+                names.add(where.relative_to(out).parts[0])
+    return sorted(names)
 
 
 class Monitor:

@@ -32,6 +32,20 @@ def test_csv_monitor_receives_step_loss_and_projection_residual(tmp_path, tiny_m
     assert {"elsa_lambda.csv", "elsa_lr.csv", "elsa_step_time_s.csv", "elsa_mask_flip_frac.csv"} <= {p.name for p in logs.iterdir()}
 
 
+def test_a_monitors_folder_inside_the_output_is_the_runs_own_and_goes_with_it(tmp_path, tiny_model_dir, text_dir):
+    """A review of the publication's re-check (a fourteenth audit's mend): logs written into the output under an
+    ``output_path`` of the config's own appeared there while the job ran, and stopped its publication; before it, a
+    publication replacing the output left them behind (removed with the folder the run had created)."""
+    out = tmp_path / "out"
+    ds = derived_config(tmp_path, "zero3.json", bf16={"enabled": False},
+                        csv_monitor={"enabled": True, "output_path": str(out / "logs"), "job_name": "run"})
+    run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--seqlen", "64",
+                           "--steps", "4", "--interval", "2", "--val_windows", "0", "--baseline", "none", "--micro_batch", "2",
+                           "--output_dir", str(out)])
+    assert [int(r[0]) for r in _rows(out / "logs" / "run" / "elsa_loss.csv")[1:]] == [1, 2, 3, 4]
+    assert (out / "elsa_report.json").is_file()
+
+
 def test_a_monitor_write_that_fails_on_rank_0_stops_the_logs_not_the_run(tmp_path, tiny_model_dir, text_dir):
     """Rank 0 alone writes the monitor's files, between the step's collectives: a full disk there (here: rank 0's CSV
     writes fail with ENOSPC, ``tests/fixtures/full_disk_on_rank``) stopped rank 0 and left rank 1 in the next step until

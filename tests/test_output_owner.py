@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.output import check_publishable, note_entries, publish, staging_dir
+from elsa_ds.files.marks import note_entries
+from elsa_ds.files.output import check_publishable, publish, staging_dir
 from elsa_ds.files.ownership import acquire, lock_path, owned
 from tests.conftest import ROOT, run_entry, run_fails
 
@@ -361,7 +362,8 @@ def test_a_folder_that_is_not_empty_is_offered_resume_only_with_a_checkpoint_to_
 def test_overwrite_replaces_only_what_an_elsa_ds_command_wrote(tmp_path):
     """A session's leftover: --overwrite replaced any folder whole (``--output_dir ~/models --overwrite`` took every model
     in it). Now only an elsa_ds output goes; elsewhere each refusal's advice, followed, gets past it."""
-    from elsa_ds.files.output import check_output_dir, written_by_elsa
+    from elsa_ds.files.marks import written_by_elsa
+    from elsa_ds.files.output import check_output_dir
 
     out = tmp_path / "models"
     (out / "llama").mkdir(parents=True)
@@ -433,7 +435,8 @@ def test_a_publication_replaces_only_what_its_jobs_checks_found(tmp_path):
     """A fourteenth audit (two commands at once): a job started without --overwrite removed another job's output finished
     inside its own meanwhile, and one with --overwrite an elsa-evaluate result written into it while it ran. Now what
     appeared stops the publication: nothing of it goes, the finished output stays where the line says."""
-    from elsa_ds.files.output import PublishFailed, check_output_dir, fresh_staging, not_replaced
+    from elsa_ds.files.marks import not_replaced
+    from elsa_ds.files.output import PublishFailed, check_output_dir, fresh_staging
 
     out = tmp_path / "A"
     check_output_dir(out, overwrite=False)  # missing: nothing found there

@@ -24,7 +24,8 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.files.io import write_atomic
 from elsa_ds.errors import guarded, signals_held
 from elsa_ds.files.aside import ALL_MOVED_OUT, aside_dir, move_out, old_dir, set_aside, settle_old
-from elsa_ds.files.output import PublishFailed, check_output_path, fresh_staging, note_entries, publish, staging_dir
+from elsa_ds.files.marks import note_entries
+from elsa_ds.files.output import PublishFailed, check_output_path, fresh_staging, publish, staging_dir
 from elsa_ds.jobs.owner import kept_output, discard_unpublished, resumable_paths
 from elsa_ds.sparse.export import sparse_paths
 from tests.conftest import ROOT

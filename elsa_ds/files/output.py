@@ -13,81 +13,18 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from elsa_ds import json_data
 from elsa_ds.errors import ElsaError, Terminated, signals_held
-from elsa_ds.files.aside import (FINGERPRINT, PUBLISH_FAILED, REPORT_NAME, START_OVER, aside_dir, beside, checkpoint_entry,
-                                 move_in, move_out, moved_away, old_dir, published)
+from elsa_ds.files.aside import (PUBLISH_FAILED, REPORT_NAME, START_OVER, aside_dir, beside, move_in, move_out, moved_away,
+                                 old_dir, published)
 from elsa_ds.files.aside import side_path  # the jobs import it here
 from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.files.io import make_folder
-from elsa_ds.files.ownership import held_inside
-from elsa_ds.files.weight_files import SPARSE_CONFIG_KEY, sparse_shards
+from elsa_ds.files.marks import (ATTEMPT_LEFTOVERS, MONITOR_DIR, appeared, foreign_entries, not_replaced, note_entries,
+                                 own_entries, plain_file)
 from elsa_ds.log import get_logger
 from elsa_ds.quoting import shell_word
 
-MONITOR_DIR = "monitor"  # where DeepSpeed's file monitors write without an output_path of their own (elsa_ds/monitor.py)
 RESUMABLE = ("oneshot", "mask.safetensors", "best_projection")  # side files a --resume of a checkpointed run reads again
-ATTEMPT_LEFTOVERS = ("checkpoints", MONITOR_DIR)  # what a run that published nothing leaves in its output folder
-_FOUND: dict[str, frozenset[str]] = {}  # each output's foreign entries as its job's checks last found them (note_entries)
-
-
-def foreign_entries(output_dir: Path) -> list[str]:
-    """The names in ``output_dir`` (if a folder) that no attempt of a job leaves there: anything but its
-    :data:`ATTEMPT_LEFTOVERS`, and those only as real folders, a checkpoints folder holding only what a run writes there
-    (a review: a user's ``checkpoints`` of other models counted as a run's and went with --overwrite)."""
-    if not output_dir.is_dir() or output_dir.is_symlink():
-        return []
-    return sorted(p.name for p in output_dir.iterdir() if not _left_by_an_attempt(p))
-
-
-def _left_by_an_attempt(path: Path) -> bool:
-    if path.name not in ATTEMPT_LEFTOVERS or path.is_symlink() or not path.is_dir():
-        return False
-    try:
-        return path.name != "checkpoints" or all(checkpoint_entry(p.name) for p in path.iterdir())
-    except OSError:  # a folder it cannot list: nothing says a run wrote it
-        return False
-
-
-def written_by_elsa(folder: Path) -> bool:
-    """Whether ``folder`` holds what an elsa_ds command publishes, which --overwrite may replace whole: a pruning job's
-    output (its report), a run's checkpoints (their settings' file), an elsa-compress checkpoint (config.json's block
-    and its shards' mark: a dense model saved from one may carry the block), each a plain file; or what an attempt that
-    published nothing leaves (:data:`ATTEMPT_LEFTOVERS` alone). Not a folder of anything else: a user's
-    ``--output_dir ~/models --overwrite`` would have removed every model in it (a session's leftover)."""
-    if not foreign_entries(folder):
-        return True
-    ckpt, config = folder / "checkpoints", folder / "config.json"
-    if _plain_file(folder / REPORT_NAME) or _left_by_an_attempt(ckpt) and _plain_file(ckpt / FINGERPRINT):
-        return True
-    try:
-        data = json_data.read(config) if _plain_file(config) else None
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and isinstance(data.get(SPARSE_CONFIG_KEY), dict) and sparse_shards(folder)
-
-
-def _plain_file(path: Path) -> bool:
-    return path.is_file() and not path.is_symlink()
-
-
-def not_replaced(folder: Path, flag: str, overwrite: bool) -> str | None:
-    """The refusal for a non-empty ``folder`` that no elsa_ds command wrote, else None: with ``overwrite`` it would go
-    whole; without it, the not-empty refusal must not offer --overwrite (the advice, followed, is refused)."""
-    if (busy := held_inside(folder)) is not None:
-        return f"{flag} {folder}: {busy} inside it; wait for it to end or choose another folder"
-    try:
-        if written_by_elsa(folder):
-            return None
-        names = foreign_entries(folder)
-    except OSError as err:  # a folder it may list but not enter: it cannot be checked, nor replaced
-        return f"{flag} {folder} cannot be read ({err.strerror or err}); choose another folder"
-    held = ", ".join(names[:3]) + (f" and {len(names) - 3:,} more" if len(names) > 3 else "")
-    what = (f"{flag} {folder} holds {held}, and no elsa_ds output's mark (a job's {REPORT_NAME}, a run's checkpoints, "
-            "elsa-compress's config.json): no elsa_ds command wrote it")
-    if overwrite:
-        return f"{what}, and --overwrite would replace it whole: choose another folder, or empty it yourself first"
-    return f"{what}; choose another folder, or empty it yourself first (--overwrite replaces only an elsa_ds output)"
 
 
 def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, restart: bool = False) -> None:
@@ -112,7 +49,7 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, re
                            *((side_path(output_dir, n), "the run's side files") for n in RESUMABLE)]:
             check_plain_tree(path, what)
     if resume and not (output_dir / "checkpoints" / "latest").exists():
-        if _plain_file(output_dir / REPORT_NAME):
+        if plain_file(output_dir / REPORT_NAME):
             raise ElsaError(f"--resume: {output_dir} holds a finished run ({REPORT_NAME}) and no checkpoint to continue; "
                             "--overwrite in place of --resume replaces it, or choose another --output_dir")
         if refusal := not_replaced(output_dir, "--output_dir", overwrite=True):  # what the advice below would meet
@@ -135,24 +72,6 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, re
         raise ElsaError(f"--output_dir {output_dir}: parent directory {parent} is not writable; choose another path")
     check_publishable(output_dir)
     note_entries(output_dir)
-
-
-def note_entries(output_dir: Path) -> None:
-    """Its job's checks passed ``output_dir`` as it is now: what publishing replaces is what they found, and an entry that
-    appears later (another program's file, another job's output or lock) stops the publication (:func:`_appeared`)."""
-    _FOUND[os.path.realpath(output_dir)] = frozenset(foreign_entries(Path(output_dir)))
-
-
-def _appeared(output_dir: Path) -> str | None:
-    """What publishing would remove of ``output_dir`` that its job's checks did not find there, in words; None if nothing
-    (an audit: a job started without --overwrite removed another job's output finished inside its own meanwhile, and
-    one with --overwrite an elsa-evaluate result written into it while it ran)."""
-    found = _FOUND.get(os.path.realpath(output_dir), frozenset())
-    if not (new := [name for name in foreign_entries(output_dir) if name not in found]):
-        return None
-    names = ", ".join(new[:3]) + (f" and {len(new) - 3:,} more" if len(new) > 3 else "")
-    busy = held_inside(output_dir)
-    return f"{names} appeared there while the job ran ({busy or 'written by another job or program'}), which publishing would remove"
 
 
 def missing_folders(output_dir: Path) -> list[Path]:
@@ -312,13 +231,13 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
         old = old_dir(output_dir)
         try:
             moved_away(old, "earlier")  # an earlier job of this process id left it (containers reuse ids): never merged into
-            if (appeared := _appeared(output_dir)) is not None:
-                raise _not_published(f"the finished output was not moved to {output_dir}: {appeared}", staging, output_dir,
+            if (new := appeared(output_dir)) is not None:
+                raise _not_published(f"the finished output was not moved to {output_dir}: {new}", staging, output_dir,
                                      keep_checkpoints, announce)
             into = keep_checkpoints and output_dir.is_dir()
             if announce is not None:
                 announce("publish_into" if into else "publish")
-            for name in carry:
+            for name in (*carry, *own_entries(output_dir)):  # the run's own logs, written in place
                 if (output_dir / name).is_dir() and not (staging / name).exists() and not keep_checkpoints:
                     (output_dir / name).rename(staging / name)
             if into:

@@ -16,11 +16,12 @@ import torch
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.data.sources import source_name
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.marks import run_writes
 from elsa_ds.files.aside import START_OVER
 from elsa_ds.step_profile import StepProfiler
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource, check_token_ids, freeze_embeddings
-from elsa_ds.monitor import MONITOR_DIR, default_output_paths
+from elsa_ds.monitor import MONITOR_DIR, default_output_paths, entries_inside
 from elsa_ds.plan import Plan
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.options import JobOptions
@@ -188,6 +189,7 @@ def open_training(plan: Plan) -> Opened:
     the training sequences for ``cfg.steps`` global batches and the validation windows. Collective."""
     opts = plan.opts
     default_output_paths(plan.ds.raw, opts.output_dir)
+    run_writes(opts.output_dir, entries_inside(plan.ds.raw, opts.output_dir))  # the logs the run writes in its output
     rank, world = init_distributed()
     if world != plan.world_size:
         raise ElsaError(f"the process group has {world} ranks, but the plan was checked for {plan.world_size} (WORLD_SIZE)")

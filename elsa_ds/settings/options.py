@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from elsa_ds.errors import ElsaError, SettingsError
 from elsa_ds.quoting import format_validation_error
 from elsa_ds.files.aside import published
-from elsa_ds.files.output import REPORT_NAME, foreign_entries, written_by_elsa
+from elsa_ds.files.marks import foreign_entries, written_by_elsa
+from elsa_ds.files.output import REPORT_NAME
 from elsa_ds.log import LogLevel, get_logger
 from elsa_ds.settings.config_checks import exact_kinds
 from elsa_ds.settings.config_files import usable_path

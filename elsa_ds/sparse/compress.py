@@ -17,7 +17,8 @@ import torch
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import DiskFull, disk_full, existing_ancestor
 from elsa_ds.files.io import write_json
-from elsa_ds.files.output import fresh_staging, not_replaced, note_entries, publish
+from elsa_ds.files.marks import not_replaced, note_entries
+from elsa_ds.files.output import fresh_staging, publish
 from elsa_ds.files.ownership import check_apart, owned
 from elsa_ds.regular_file import open_regular
 from elsa_ds.files.weight_files import SPARSE_INDEX, SPARSE_STEM, check_model_folder, checked_target
