@@ -465,6 +465,10 @@ def test_a_publication_replaces_only_what_its_jobs_checks_found(tmp_path):
     with pytest.raises(PublishFailed, match="eval.json appeared there"):
         publish(staging, out, keep_checkpoints=False)
     assert (out / "eval.json").read_text() == "evaluated meanwhile"
+    with pytest.raises(PublishFailed) as failed:  # a run that keeps its checkpoints: nothing of the old output moved yet
+        publish(staging, out, keep_checkpoints=True)
+    assert f"it is complete in {staging}: move it to a new path yourself (mv {staging} NEW_PATH)" in str(failed.value)
+    assert (out / "model.safetensors").read_text() == "earlier" and (staging / "elsa_report.json").read_text() == "new"
     (out / "eval.json").unlink()
     publish(staging, out, keep_checkpoints=False)  # what the checks found goes
     assert sorted(p.name for p in out.iterdir()) == ["elsa_report.json"] and (out / "elsa_report.json").read_text() == "new"
@@ -503,3 +507,7 @@ def test_an_output_inside_one_another_job_writes_is_refused_at_its_start(tmp_pat
     (outer / "deeper").mkdir(parents=True)
     with owned(outer / "deeper" / "eval.json", "--output"):  # its holder gone: a stale lock blocks nothing
         assert lock_path(outer / "deeper" / "eval.json").exists()
+    with owned(outer, "--output_dir"):  # a review: two API jobs of one process, in two threads
+        with pytest.raises(ElsaError, match=f"is inside {outer}, which is being written by another job \\(pid {os.getpid()} "):
+            with owned(outer / "deeper", "--output_dir"):
+                pass

@@ -24,7 +24,7 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.files.io import write_atomic
 from elsa_ds.errors import guarded, signals_held
 from elsa_ds.files.aside import ALL_MOVED_OUT, aside_dir, move_out, old_dir, set_aside, settle_old
-from elsa_ds.files.marks import note_entries
+from elsa_ds.files.marks import note_entries, run_writes
 from elsa_ds.files.output import PublishFailed, check_output_path, fresh_staging, publish, staging_dir
 from elsa_ds.jobs.owner import kept_output, discard_unpublished, resumable_paths
 from elsa_ds.sparse.export import sparse_paths
@@ -120,10 +120,11 @@ def test_publishing_into_kept_checkpoints_leaves_no_old_file_beside_the_new(tmp_
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints" / "latest").write_text("global_step4")
     (out / "monitor").mkdir()
-    (out / "tb").mkdir()  # a monitor's output_path set inside the output: this run's logs
     for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "eval.json", "config.json"):
         (out / name).write_text("old")
-    note_entries(out)
+    note_entries(out)  # the job's checks, then its run
+    run_writes(out, ["tb"])
+    (out / "tb").mkdir()  # a monitor's output_path set inside the output: this run's logs
     staging = staging_dir(out)
     staging.mkdir()
     for name in ("model.safetensors", "config.json", "elsa_report.json"):

@@ -73,7 +73,7 @@ def not_replaced(folder: Path, flag: str, overwrite: bool) -> str | None:
         return f"{flag} {folder} cannot be read ({err.strerror or err}); choose another folder"
     held = ", ".join(names[:3]) + (f" and {len(names) - 3:,} more" if len(names) > 3 else "")
     what = (f"{flag} {folder} holds {held}, and no elsa_ds output's mark (a job's {REPORT_NAME}, a run's checkpoints, "
-            "elsa-compress's config.json): no elsa_ds command wrote it")
+            "elsa-compress's config.json block and marked shards): no elsa_ds command wrote it")
     if overwrite:
         return f"{what}, and --overwrite would replace it whole: choose another folder, or empty it yourself first"
     return f"{what}; choose another folder, or empty it yourself first (--overwrite replaces only an elsa_ds output)"

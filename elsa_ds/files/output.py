@@ -233,7 +233,7 @@ def _publish(staging: Path, output_dir: Path, keep_checkpoints: bool, carry: tup
             moved_away(old, "earlier")  # an earlier job of this process id left it (containers reuse ids): never merged into
             if (new := appeared(output_dir)) is not None:
                 raise _not_published(f"the finished output was not moved to {output_dir}: {new}", staging, output_dir,
-                                     keep_checkpoints, announce)
+                                     False, announce)  # nothing moved yet: its staging folder is whole
             into = keep_checkpoints and output_dir.is_dir()
             if announce is not None:
                 announce("publish_into" if into else "publish")

@@ -226,9 +226,10 @@ def held_inside(folder: Path) -> str | None:
 
 def _check_not_inside_held(output: Path, flag: str) -> None:
     """ElsaError when ``output`` lies inside an output another job writes now (the lock beside a folder above it names
-    a live job that is not this process or one that started it, as an ablation starts its runs): its publication
-    would stop on what this one writes there, or this one's result go with the other's --overwrite."""
-    lineage = _lineage()
+    a live job other than one that started this process, as an ablation starts its runs; this process's own included:
+    two API jobs in two threads): its publication would stop on what this one writes there, or this one's result go
+    with the other's --overwrite."""
+    lineage = _ancestors()
     for folder in Path(os.path.abspath(output)).parents:
         if folder.parent == folder:
             break
@@ -253,9 +254,9 @@ def _live_holder(path: Path) -> dict | None:
     return info if info.get("pid") and (not here or _alive(int(info["pid"]), info.get("pid_start"))) else None
 
 
-def _lineage() -> set[int]:
-    """This process and those that started it, up to the first /proc cannot show."""
-    pids, pid = set(), os.getpid()
+def _ancestors() -> set[int]:
+    """The processes that started this one, up to the first /proc cannot show."""
+    pids, pid = set(), os.getppid()
     while pid > 1 and pid not in pids:
         pids.add(pid)
         try:
