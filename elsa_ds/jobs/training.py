@@ -16,8 +16,8 @@ import torch
 from elsa_ds.data import GlobalBatches, PplWindows, is_gemma, training_blocks, validation_windows
 from elsa_ds.data.sources import source_name
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.marks import run_writes
 from elsa_ds.files.aside import START_OVER
+from elsa_ds.files.marks import run_writes
 from elsa_ds.step_profile import StepProfiler
 from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource, check_token_ids, freeze_embeddings
