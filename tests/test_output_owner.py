@@ -460,6 +460,11 @@ def test_a_publication_replaces_only_what_its_jobs_checks_found(tmp_path):
     shutil.rmtree(out / "B")
     (out / "elsa_report.json").write_text("earlier")  # an elsa_ds output, replaced with --overwrite
     (out / "model.safetensors").write_text("earlier")
+    (out / "evals").mkdir()
+    with owned(out / "evals" / "ppl.json", "--output"):  # an elsa-evaluate writing below it: refused, not replaced
+        with pytest.raises(ElsaError, match=f"{out / 'evals' / 'ppl.json'} is being written by another job"):
+            check_output_dir(out, overwrite=True)
+    shutil.rmtree(out / "evals")
     check_output_dir(out, overwrite=True)
     (out / "eval.json").write_text("evaluated meanwhile")
     with pytest.raises(PublishFailed, match="eval.json appeared there"):

@@ -26,6 +26,7 @@ from elsa_ds.files.disk_room import DiskFull, disk_full_errno
 from elsa_ds.log import get_logger
 
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # filesystems without flock: the file decides
+HELD_DEPTH = 3  # how deep below a folder to be replaced a live job's lock is looked for (an output's own tree is shallow)
 NAME_WAIT_S = 5.0  # how long a refused job waits for a lock's new holder to write its name (a loaded host can be slow)
 
 
@@ -208,19 +209,24 @@ def release(output: Path, fd: int, path: Path | None = None) -> None:
         os.close(fd)
 
 
-def held_inside(folder: Path) -> str | None:
-    """'PATH is being written by another job (pid ...; lock ...)' when an output's lock among ``folder``'s entries names
-    a job that runs (on this host, or on another, which this one cannot tell), else None. Read only, never locked: a
-    job taking that lock meanwhile must not find it held (an audit: a folder holding a live job's lock was called no
-    elsa_ds command's, "empty it yourself first", and a job publishing over it removed the other's output)."""
+def held_inside(folder: Path, depth: int = HELD_DEPTH) -> str | None:
+    """'PATH is being written by another job (pid ...; lock ...)' when an output's lock in ``folder`` or a folder below
+    it (``depth`` levels, links not followed) names a job that runs (on this host, or on another, which this one cannot
+    tell), else None. Read only, never locked: a job taking that lock meanwhile must not find it held (an audit: a
+    folder holding a live job's lock was called no elsa_ds command's, "empty it yourself first", and a job publishing
+    over it removed the other's output)."""
     try:
-        names = sorted(e.name for e in os.scandir(folder) if e.name.startswith(".") and e.name.endswith(".lock")
-                       and e.name != ".lock" and e.is_file(follow_symlinks=False))
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
     except OSError:
         return None
-    for name in names:
-        if (info := _live_holder(folder / name)) is not None:
-            return f"{folder / name[1:-5]} is being written by another job ({holder_text(info)}; lock {folder / name})"
+    for entry in entries:
+        name = entry.name
+        if name.startswith(".") and name.endswith(".lock") and name != ".lock" and entry.is_file(follow_symlinks=False):
+            if (info := _live_holder(folder / name)) is not None:
+                return f"{folder / name[1:-5]} is being written by another job ({holder_text(info)}; lock {folder / name})"
+    for entry in entries:
+        if depth > 0 and entry.is_dir(follow_symlinks=False) and (busy := held_inside(folder / entry.name, depth - 1)):
+            return busy
     return None
 
 
