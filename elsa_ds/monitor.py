@@ -18,13 +18,16 @@ from elsa_ds.files.marks import MONITOR_DIR
 from elsa_ds.log import get_logger
 
 MONITOR_BLOCKS = ("tensorboard", "wandb", "csv_monitor", "comet")
+# DeepSpeed's file monitors: each writes under os.path.join(output_path, job_name), job_name DeepSpeed's default unless set
+FILE_MONITORS = ("tensorboard", "csv_monitor")
+DEFAULT_JOB_NAME = "DeepSpeedJobName"
 
 
 def default_output_paths(ds: dict, output_dir: Path) -> bool:
     """Point enabled file-based monitors without an ``output_path`` at ``OUTPUT_DIR/monitor`` (DeepSpeed's default
     is the working directory); True when any does. The output's publication carries that folder over."""
     used = False
-    for key in ("tensorboard", "csv_monitor"):
+    for key in FILE_MONITORS:
         block = ds.get(key)
         if isinstance(block, dict) and block.get("enabled") and not block.get("output_path"):
             block["output_path"] = str(output_dir / MONITOR_DIR)
@@ -37,10 +40,10 @@ def entries_inside(ds: dict, output_dir: Path) -> list[str]:
     DeepSpeed joins them), once :func:`default_output_paths` has set theirs: the run's own logs, which its publication
     neither stops on nor leaves behind (``files/marks.run_writes``)."""
     out, names = Path(os.path.realpath(output_dir)), set()
-    for key in ("tensorboard", "csv_monitor"):
+    for key in FILE_MONITORS:
         block = ds.get(key)
         if isinstance(block, dict) and block.get("enabled") and isinstance(block.get("output_path"), str):
-            where = Path(os.path.realpath(os.path.join(block["output_path"], str(block.get("job_name", "DeepSpeedJobName")))))
+            where = Path(os.path.realpath(os.path.join(block["output_path"], str(block.get("job_name", DEFAULT_JOB_NAME)))))
             if out in where.parents:
                 names.add(where.relative_to(out).parts[0])
     return sorted(names)

@@ -23,6 +23,7 @@ from pathlib import Path
 from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import DiskFull, disk_full_errno
+from elsa_ds.files.procfs import ancestors, stat_fields
 from elsa_ds.log import get_logger
 
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # filesystems without flock: the file decides
@@ -235,7 +236,7 @@ def _check_not_inside_held(output: Path, flag: str) -> None:
     a live job other than one that started this process, as an ablation starts its runs; this process's own included:
     two API jobs in two threads): its publication would stop on what this one writes there, or this one's result go
     with the other's --overwrite."""
-    lineage = _ancestors()
+    lineage = ancestors()
     for folder in Path(os.path.abspath(output)).parents:
         if folder.parent == folder:
             break
@@ -258,18 +259,6 @@ def _live_holder(path: Path) -> dict | None:
         os.close(fd)
     here = info.get("host") == socket.gethostname()
     return info if info.get("pid") and (not here or _alive(int(info["pid"]), info.get("pid_start"))) else None
-
-
-def _ancestors() -> set[int]:
-    """The processes that started this one, up to the first /proc cannot show."""
-    pids, pid = set(), os.getppid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return pids
 
 
 def holder_text(info: dict) -> str:
@@ -353,10 +342,8 @@ def _check_previous(output: Path, flag: str, path: Path, info: dict, flock_works
 
 def _pid_start(pid: int) -> str | None:
     """When ``pid`` started (clock ticks since boot, from /proc): tells a reused pid from the lock holder's."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
-    except (OSError, IndexError):
-        return None
+    fields = stat_fields(pid)
+    return fields[19] if fields and len(fields) > 19 else None
 
 
 def _alive(pid: int, started: str | None) -> bool:

@@ -10,13 +10,32 @@ from pathlib import Path
 from elsa_ds import launch_env
 
 
-def proc_stat(pid: int) -> tuple[str, str, int | None] | None:
-    """(state, start time, exit status) of ``pid`` from /proc: the exit status of a zombie not yet reaped (Linux ≥ 3.5)."""
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (state first, so the parent is [1], the start time [19]);
+    None where /proc cannot show them."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
         return None
+
+
+def proc_stat(pid: int) -> tuple[str, str, int | None] | None:
+    """(state, start time, exit status) of ``pid`` from /proc: the exit status of a zombie not yet reaped (Linux ≥ 3.5)."""
+    if (fields := stat_fields(pid)) is None:
+        return None
     return fields[0], fields[19], int(fields[49]) if len(fields) > 49 else None
+
+
+def ancestors() -> set[int]:
+    """The processes that started this one, up to the first /proc cannot show."""
+    pids, pid = set(), os.getppid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            pid = int((stat_fields(pid) or [])[1])
+        except (ValueError, IndexError):
+            break
+    return pids
 
 
 def oom_kills() -> int | None:

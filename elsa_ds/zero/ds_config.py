@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.monitor import DEFAULT_JOB_NAME, FILE_MONITORS
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.config_files import read_json_object
 from elsa_ds.zero.ds_values import check_values
@@ -301,9 +302,6 @@ def _unresolvable_autos(raw: dict[str, Any], prefix: tuple[str, ...] = ()) -> li
 
 SECTIONS = ("zero_optimization", "bf16", "fp16", "elsa", "checkpoint", "optimizer", "scheduler", "tensorboard", "csv_monitor",
             "flops_profiler", "aio", "data_types")
-# DeepSpeed's file monitors write under os.path.join(output_path, job_name): a name with a separator, "..", or an absolute
-# one, would put a config file's logs outside the folder it names
-FILE_MONITORS = ("tensorboard", "csv_monitor")
 # keys whose values DeepSpeed imports as Python (runtime/torch_autocast.py: importlib.import_module of each name): a
 # config file is data, so they are refused (unset, DeepSpeed's own list of module classes applies)
 CODE_KEYS = (("torch_autocast", "lower_precision_safe_modules"),)
@@ -319,8 +317,8 @@ def _check_sections(raw: dict[str, Any], path: Path) -> None:
             raise ElsaError(f"DeepSpeed config {path}: \"{name}\" must be a JSON object, not {type(value).__name__} "
                             f"({json.dumps(value)[:40]}); fix the file or pass a shipped config with --deepspeed")
     check_values(raw, path)  # each value read before DeepSpeed checks it: its type and range
-    for section in FILE_MONITORS:
-        name = raw.get(section, {}).get("job_name", "DeepSpeedJobName")
+    for section in FILE_MONITORS:  # a job_name with a separator, "..", or an absolute one would put the logs outside output_path
+        name = raw.get(section, {}).get("job_name", DEFAULT_JOB_NAME)
         if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
             raise ElsaError(f"DeepSpeed config {path}: \"{section}.job_name\" must be one plain folder name (DeepSpeed writes "
                             f"the logs in output_path/job_name), not {json.dumps(name)[:60]}; name the folder with "
