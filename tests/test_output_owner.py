@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -516,3 +517,22 @@ def test_an_output_inside_one_another_job_writes_is_refused_at_its_start(tmp_pat
         with pytest.raises(ElsaError, match=f"is inside {outer}, which is being written by another job \\(pid {os.getpid()} "):
             with owned(outer / "deeper", "--output_dir"):
                 pass
+
+
+def test_a_lock_held_on_another_host_is_refused_with_the_same_advice_everywhere(tmp_path):
+    """A holder on another host cannot be seen to end from here: the lock's own check, the look above an output and
+    the look below a folder to replace all call it live, and the two refusals say how to clear a stale one. The
+    advice is put in its place, not substituted into the text (a review: an output named "a; wait" took it twice)."""
+    from elsa_ds.files.ownership import held_inside
+
+    out = tmp_path / "a; wait"
+    lock_path(out).write_text(json.dumps({"pid": 7, "host": "elsewhere", "started": 0}))
+    with pytest.raises(ElsaError) as refused:
+        acquire(out, "--output_dir")
+    assert str(refused.value).count("; if that job is gone, delete the lock file; wait for it to end or choose another path") == 1
+    assert str(refused.value).startswith(f"--output_dir {out} is being written by another job (pid 7 on elsewhere since ")
+    with pytest.raises(ElsaError, match=r"\) ?; if that job is gone, delete the lock file; wait for it to end or choose a path outside"):
+        with owned(out / "inner", "--output_dir"):
+            pass
+    assert held_inside(tmp_path) == f"{out} is being written by another job (pid 7 on elsewhere since " \
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(0))}; lock {lock_path(out)})"

@@ -27,6 +27,7 @@ from elsa_ds.files.procfs import ancestors, stat_fields
 from elsa_ds.log import get_logger
 
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # filesystems without flock: the file decides
+GONE_ELSEWHERE = "; if that job is gone, delete the lock file"  # a holder on another host: its end cannot be seen here
 HELD_DEPTH = 3  # how deep below a folder to be replaced a live job's lock is looked for (an output's own tree is shallow)
 NAME_WAIT_S = 5.0  # how long a refused job waits for a lock's new holder to write its name (a loaded host can be slow)
 
@@ -242,7 +243,7 @@ def _check_not_inside_held(output: Path, flag: str) -> None:
             break
         path = lock_path(folder)
         if (info := _live_holder(path)) is not None and info["pid"] not in lineage:
-            gone = "; if that job is gone, delete the lock file" if info.get("host") != socket.gethostname() else ""
+            gone = GONE_ELSEWHERE if info.get("host") != socket.gethostname() else ""
             raise ElsaError(f"{flag} {output} is inside {folder}, which is being written by another job ({holder_text(info)}; "
                             f"lock {path}){gone}; wait for it to end or choose a path outside it")
 
@@ -257,8 +258,16 @@ def _live_holder(path: Path) -> dict | None:
         info = read_holder(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else {}
     finally:
         os.close(fd)
-    here = info.get("host") == socket.gethostname()
-    return info if info.get("pid") and (not here or _alive(int(info["pid"]), info.get("pid_start"))) else None
+    return info if _names_live_job(info) else None
+
+
+def _names_live_job(info: dict) -> bool:
+    """Whether the holder a lock file names (``info``) may still run: a job on another host, which this one cannot
+    tell, or a process here that runs (its pid, with the start time written beside it: not a reused pid). The one rule
+    both the lock's own check and the look above and below an output apply."""
+    if not info.get("pid"):
+        return False
+    return info.get("host") != socket.gethostname() or _alive(int(info["pid"]), info.get("pid_start"))
 
 
 def holder_text(info: dict) -> str:
@@ -323,9 +332,9 @@ def _named_holder(fd: int, wait_s: float) -> dict:
     return info
 
 
-def _busy(output: Path, flag: str, path: Path, info: dict) -> str:
+def _busy(output: Path, flag: str, path: Path, info: dict, gone: str = "") -> str:
     who = holder_text(info) if info else "a job that has not written its name yet"
-    return f"{flag} {output} is being written by another job ({who}; lock {path}); wait for it to end or choose another path"
+    return f"{flag} {output} is being written by another job ({who}; lock {path}){gone}; wait for it to end or choose another path"
 
 
 def _check_previous(output: Path, flag: str, path: Path, info: dict, flock_works: bool | None) -> None:
@@ -333,10 +342,9 @@ def _check_previous(output: Path, flag: str, path: Path, info: dict, flock_works
     otherwise refused."""
     if not info.get("pid"):
         return
-    if info.get("host") != socket.gethostname():
-        raise ElsaError(_busy(output, flag, path, info).replace("; wait", "; if that job is gone, delete the lock file; wait"))
-    if _alive(int(info["pid"]), info.get("pid_start")) and (flock_works is None or int(info["pid"]) != os.getpid()):
-        raise ElsaError(_busy(output, flag, path, info))
+    elsewhere = info.get("host") != socket.gethostname()
+    if _names_live_job(info) and (elsewhere or flock_works is None or int(info["pid"]) != os.getpid()):
+        raise ElsaError(_busy(output, flag, path, info, GONE_ELSEWHERE if elsewhere else ""))
     get_logger(__name__).warning(f"{flag} {output}: taking over the lock of {holder_text(info)}, a process that is gone")
 
 
