@@ -39,11 +39,14 @@ def test_a_monitors_folder_inside_the_output_is_the_runs_own_and_goes_with_it(tm
     out = tmp_path / "out"
     ds = derived_config(tmp_path, "zero3.json", bf16={"enabled": False},
                         csv_monitor={"enabled": True, "output_path": str(out / "logs"), "job_name": "run"})
-    run_entry("prune.py", ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--seqlen", "64",
-                           "--steps", "4", "--interval", "2", "--val_windows", "0", "--baseline", "none", "--micro_batch", "2",
-                           "--output_dir", str(out)])
+    args = ["--deepspeed", str(ds), "--model", str(tiny_model_dir), "--dataset", str(text_dir), "--seqlen", "64", "--steps",
+            "4", "--interval", "2", "--val_windows", "0", "--baseline", "none", "--micro_batch", "2", "--output_dir", str(out)]
+    run_entry("prune.py", args)
     assert [int(r[0]) for r in _rows(out / "logs" / "run" / "elsa_loss.csv")[1:]] == [1, 2, 3, 4]
     assert (out / "elsa_report.json").is_file()
+    # a review: --overwrite set only the default monitor folder aside, and the new run's rows went after the old ones
+    run_entry("prune.py", [*args, "--overwrite"])
+    assert [int(r[0]) for r in _rows(out / "logs" / "run" / "elsa_loss.csv")[1:]] == [1, 2, 3, 4]
 
 
 def test_a_monitor_write_that_fails_on_rank_0_stops_the_logs_not_the_run(tmp_path, tiny_model_dir, text_dir):

@@ -28,7 +28,7 @@ from elsa_ds.jobs.phases import PhaseLog
 from elsa_ds.jobs.report import evaluate_saved_model
 from elsa_ds.log import get_logger
 from elsa_ds.methods import oneshot_names
-from elsa_ds.monitor import MONITOR_DIR
+from elsa_ds.monitor import MONITOR_DIR, entries_inside
 from elsa_ds.plan import log_plan, make_plan
 from elsa_ds.plan.checks import builds_engine
 from elsa_ds.plan.finished import finished_run
@@ -56,6 +56,13 @@ def job_inputs(cfg: ElsaConfig, opts: JobOptions) -> dict[str, str | Path | None
     return inputs
 
 
+def _log_dirs(out: Path, ds_config: DsConfig) -> list[Path]:
+    """The folders in the output the file monitors append to: ``monitor`` (their default there) and any the DeepSpeed
+    JSON's own ``output_path`` puts inside it (a review: with ``--overwrite`` those kept the previous run's logs, which
+    the new run's CSV rows were appended to)."""
+    return [out / name for name in dict.fromkeys([MONITOR_DIR, *entries_inside(ds_config.raw, out)])]
+
+
 def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[str, Any] | None:
     """Run the job ``cfg`` (the settings as given) names, owning ``opts.output_dir``: its plan made under the lock (the
     defaults rule, every check that needs no weights), logged once, then the job built from it. Rank 0 (the rank that
@@ -76,12 +83,14 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
         with owned(opts.output_dir, "--output_dir", take=writer), std_streams.marked():
             try:
                 out = Path(opts.output_dir)
+                logs = _log_dirs(out, ds_config)
                 if writer and opts.overwrite:  # the previous output's checkpoints, logs and resumable side files, until published
-                    set_aside(out, [out / "checkpoints", out / MONITOR_DIR, *resumable_paths(out)])
+                    set_aside(out, [out / "checkpoints", *logs, *resumable_paths(out)])
                 if writer and opts.resume and opts.resume_if_any:
                     get_logger(__name__).info(f"--resume_if_any: continuing from the checkpoints in {published(out).parent}")
                 if writer and (opts.resume or opts.restart):  # the monitor's files the run appends to: none shared elsewhere
-                    own_copies(out / MONITOR_DIR)
+                    for folder in logs:
+                        own_copies(folder)
                 if writer and opts.restart and not published(out).exists():  # --resume_if_any over an attempt that published
                     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # no checkpoint: nothing can load its tags
                 plan = make_plan(cfg, opts, ds_config)
