@@ -144,8 +144,8 @@ def check_local_path(model_id: str) -> None:
     parts = model_id.split("/")
     if len(parts) < 2 or not Path(parts[0]).is_dir() or len(parts) == 2 and _known_hub_id(model_id):
         return
-    raise ElsaError(f"model {model_id}: no such directory ({parts[0]}/ is a folder here, so the name is read as a path; "
-                    "for the hub model, run from another folder)")
+    raise ElsaError(f"model {model_id}: no such directory ({parts[0]}/ is a folder here, so the name is read as a local path; "
+                    "if you meant a hub model of that name, run from another folder)")
 
 
 def _known_hub_id(model_id: str) -> bool:

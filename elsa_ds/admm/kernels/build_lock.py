@@ -77,8 +77,8 @@ def clear_stale_locks(root: Path | None = None, name: str = "*") -> list[Path]:
     except OSError:
         return []
     for lock in live:  # an audit: a job waited 6 minutes on another's builds, torch saying nothing
-        log.info(f"another process here is building {lock.parent.name} ({lock}); a job that needs it waits for that build "
-                 "to end, without a word from torch (minutes)")
+        log.info(f"another process here (this job's other rank, or another job) is building {lock.parent.name} ({lock}); a "
+                 "job that needs it waits for that build to end, without a word from torch (minutes)")
     if not (unheld := [lock for lock in locks if lock not in live]):
         return []
     try:  # one remover at a time (the ranks of a job start together): none removes a lock another's build just made
