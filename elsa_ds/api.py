@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,10 +31,12 @@ from elsa_ds.plan import read_settings
 from elsa_ds.quoting import shown
 from elsa_ds.settings.options import JobOptions, job_options
 from elsa_ds.zero.dist import launcher_env_restored
+from elsa_ds.zero.engine import release_engines
 
 Dataset = Any  # a name or path (str / os.PathLike), a list of strings, or a datasets.Dataset with a "text" column
 # the job's own flags a keyword may set beside ElsaConfig's fields (the rest of JobOptions are these functions' arguments)
 RUN_SETTINGS = ("resume_if_any", "ignore_memory_check", "export_format", "log_level")
+_ONE_JOB = threading.Lock()  # held by the job this process runs (an audit: two threads' jobs corrupted each other)
 
 
 def prune(model: Any, dataset: Dataset = None, *, output_dir: str | Path, deepspeed: str | Path = "zero3_offload",
@@ -68,6 +71,25 @@ def oneshot(model: Any, method: str = "sparsegpt", dataset: Dataset = None, *, o
 
 def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwrite: bool, resume: bool, recipe: str | None,
          settings: dict[str, Any]) -> dict[str, Any] | None:
+    """One job at a time per process, whose engine is given up at its end, and the caller's torch generators as they
+    were (the job seeds them: an audit's sweep drew the same "random" settings after every call)."""
+    import torch
+
+    if not _ONE_JOB.acquire(blocking=False):  # the process group, DeepSpeed's and transformers' patches are global
+        raise ElsaError("another elsa_ds job runs in this process (another thread): run jobs one after another, or in "
+                        "separate processes")
+    try:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+            return _run_job(model, dataset, output_dir, deepspeed, tokenizer, overwrite, resume, recipe, settings)
+    finally:
+        try:
+            release_engines()  # each call's engine stayed alive for the rest of the process (an audit)
+        finally:
+            _ONE_JOB.release()
+
+
+def _run_job(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwrite: bool, resume: bool,
+             recipe: str | None, settings: dict[str, Any]) -> dict[str, Any] | None:
     _check_arguments(model, output_dir, deepspeed, tokenizer, recipe)  # overwrite, resume: JobOptions checks them
     # every path a str from here on, a list setting's too (eval_ppl); a dataset's list is its documents, never paths
     model, dataset, output_dir, deepspeed, recipe = map(_fspath, (model, dataset, output_dir, deepspeed, recipe))

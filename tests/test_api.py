@@ -116,3 +116,43 @@ print(json.dumps({{"first": first["dataset"], "again": again["dataset"], "resume
     assert got["first"].startswith(f"in-memory documents ({len(docs)}, sha256 ") and got["again"] == got["first"]
     assert got["resumed_at"] == 2
     assert got["other"] and "--resume with changed settings" in got["other"] and f"({len(docs) - 1}, sha256" in got["other"]
+
+
+def test_jobs_in_one_process_release_their_engines_keep_the_callers_generator_and_run_one_at_a_time(tmp_path, tiny_model_dir):
+    """An audit (the API in a long-lived process): each prune's DeepSpeed engine stayed alive for the rest of the
+    process (~43 bytes per parameter a call: a sweep runs out of memory), each call reseeded the caller's torch
+    generator (a sweep drew the same "random" settings after every call), and two jobs in two threads corrupted each
+    other and the next call. Now: no engine left after a call, the caller's draws as if no call had happened, and a
+    second job while one runs refused in one line."""
+    docs = _documents()
+    (tmp_path / "docs.json").write_text(json.dumps(docs))
+    ds = derived_config(tmp_path, bf16={"enabled": False})
+    out = _python(f"""
+import gc, json, torch, elsa_ds
+from deepspeed.runtime.engine import DeepSpeedEngine
+from elsa_ds.errors import ElsaError
+docs = json.load(open({str(tmp_path / 'docs.json')!r}))
+kw = dict(deepspeed={str(ds)!r}, **{{**{SETTINGS!r}, "steps": 2, "interval": 2}})
+torch.manual_seed(1234)
+expected = torch.rand(3).tolist()
+torch.manual_seed(1234)
+draws, engines = [torch.rand(1).item()], []
+for i in (1, 2):
+    elsa_ds.prune({str(tiny_model_dir)!r}, docs, output_dir={str(tmp_path)!r} + f"/out{{i}}", **kw)
+    draws.append(torch.rand(1).item())
+    gc.collect()
+    engines.append(sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()))
+elsa_ds.api._ONE_JOB.acquire()  # as a job in another thread holds it
+try:
+    elsa_ds.prune({str(tiny_model_dir)!r}, docs, output_dir={str(tmp_path / 'out3')!r}, **kw)
+    refused = None
+except ElsaError as err:
+    refused = str(err)
+print(json.dumps({{"expected": expected, "draws": draws, "engines": engines, "refused": refused}}))
+""")
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["draws"] == got["expected"], got
+    assert got["engines"] == [0, 0], got
+    assert got["refused"] == ("another elsa_ds job runs in this process (another thread): run jobs one after another, or in "
+                              "separate processes")
+    assert not (tmp_path / "out3").exists()

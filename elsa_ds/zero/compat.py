@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,9 +23,8 @@ TESTED_DEEPSPEED = ((0, 19),)
 
 
 def build_cpu_ops() -> None:
-    """Build, or load from torch's cache, the DeepSpeed ops a CPU job's ranks load first (CPU Adam, the shared-memory
-    all-reduce) when this process runs on DeepSpeed's CPU accelerator: a rank stopped during a build leaves its lock,
-    on which every later load waits. A build that fails is left to the ranks, which then report it."""
+    """Build, or load from torch's cache, the DeepSpeed ops a CPU job's ranks load first (CPU Adam, the shm all-reduce):
+    a rank stopped during a build leaves its lock, on which every later load waits. A failed build: the ranks report it."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -50,14 +48,13 @@ def check_deepspeed_version() -> None:
 
 
 def prepare_torch_for_zero_init() -> None:
-    """torch 2.13: import the dynamo tensor polyfills before ``zero.Init`` patches ``torch.Tensor.__new__``
-    (imported inside it, they reject the patched signature and break the process)."""
+    """torch 2.13: import dynamo's tensor polyfills before ``zero.Init`` patches ``torch.Tensor.__new__`` (inside it they break)."""
     import torch._dynamo.polyfills.tensor  # noqa: F401
 
 
 def allow_recompiles(limit: int) -> None:
-    """Let dynamo keep ``limit`` compiled entries per function (its default, 8, is one model's worth of shapes): past
-    it, a process that compiles many models in turn (a benchmark's cells) would run the rest eagerly, unannounced."""
+    """Let dynamo keep ``limit`` compiled entries per function (its default, 8, is one model's shapes): past it, a
+    benchmark's later cells would run eagerly, unannounced."""
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(limit, torch._dynamo.config.recompile_limit)
@@ -71,14 +68,9 @@ def cpu_bf16_matmul_is_fast() -> bool:
 @contextlib.contextmanager
 def zero3_init_one_module_at_a_time() -> Iterator[None]:
     """Inside: transformers' ZeRO-3 weight initialization (``from_config`` under a live ``HfDeepSpeedConfig``) gathers
-    one module's own parameters at a time. Collective.
-
-    transformers 5.x (``integrations/deepspeed.py: initialize_weights_zero3``) gathers a module's parameters together
-    with its children's: Gemma-2's attention module gathers q, k, v and o at once. Under NVMe parameter offload each
-    gathered parameter occupies one swap buffer, and every buffer is as large as the largest parameter's partition
-    (the 256k-row embedding), so that would take four such buffers for the whole run. Architectures whose
-    ``_init_weights`` writes only a module's own parameters (Gemma-2, Llama) are initialized exactly as before.
-    """
+    one module's own parameters at a time (transformers 5.x gathers a module's with its children's: Gemma-2's q, k, v,
+    o at once, four NVMe swap buffers each the size of the 256k-row embedding's partition). Collective. Architectures
+    whose ``_init_weights`` writes only a module's own parameters (Gemma-2, Llama) are initialized exactly as before."""
     import transformers.integrations.deepspeed as hf_deepspeed
 
     original = hf_deepspeed.initialize_weights_zero3
@@ -368,16 +360,14 @@ def _dtype_params(name: str) -> bool:
 
 
 def rank_swap_folders(nvme_path: str | Path, rank: int | str) -> list[Path]:
-    """A rank's swap folders under ``nvme_path`` that are there: ``zero_stage_3/optimizer/rank{R}``,
-    ``zero_stage_3/{dtype}params/rank{R}`` (none below a link: a link is never followed)."""
+    """A rank's swap folders under ``nvme_path`` there: ``zero_stage_3/{optimizer,{dtype}params}/rank{R}``, none below a link."""
     below = (kind / f"rank{rank}" for kind in swap_kinds(nvme_path) if not kind.is_symlink())
     return [folder for folder in below if folder.exists() or folder.is_symlink()]
 
 
 def swap_folders(engine) -> list[Path]:
-    """The folders this rank's NVMe swap files are in (none without NVMe offload): the optimizer swapper's
-    (``S3.optimizer_swapper.swap_folder``) and the parameter swapper's (``Init`` gives every parameter its
-    ``nvme_swapper``, None without NVMe: the first one's is read, so a step without NVMe walks no parameters)."""
+    """The folders this rank's NVMe swap files are in (none without NVMe offload): the optimizer swapper's and the
+    parameter swapper's (``Init`` gives every parameter its ``nvme_swapper``, None without NVMe: the first one's read)."""
     folders = []
     if (optimizer_swapper := getattr(engine.optimizer, "optimizer_swapper", None)) is not None:
         folders.append(Path(optimizer_swapper.swap_folder))
@@ -387,14 +377,23 @@ def swap_folders(engine) -> list[Path]:
     return folders
 
 
+def release_engine(engine) -> None:
+    """An engine a job is done with given up (``destroy``), with what ZeRO-3 keeps of engines at module level: the
+    forward's module stack and the coordinator's cache of what to release (keyed by coordinator). An audit: each API
+    job's engine stayed alive for the rest of the process, ~43 bytes per parameter a call, until a sweep ran out."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+
+    try:
+        engine.destroy()
+    finally:
+        parameter_offload.FWD_MODULE_STACK.clear()
+        method = vars(Coordinator).get("_PartitionedParameterCoordinator__params_to_release")  # lru_cache, under nvtx's wrapper
+        for cached in (method, *(cell.cell_contents for cell in getattr(method, "__closure__", None) or ())):
+            if callable(getattr(cached, "cache_clear", None)):
+                cached.cache_clear()
+
+
 def keep_out_of_swapper(tensor: torch.Tensor) -> None:
     """Mark an optimizer state the NVMe swapper must leave in memory (it reads every swapped state back as fp32)."""
     _with_deepspeed_attributes(tensor).swappable = False
-
-
-# ---- the CPU accelerator's shared-memory all-reduce --------------------------------------------------------------
-def shm_buffer_path(rank: int) -> str:
-    """The /dev/shm file DeepSpeed's CPU shm all-reduce creates per rank (name format of csrc/cpu/comm/shm.cpp)."""
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
-    return os.path.join("/dev/shm", name)

@@ -120,7 +120,7 @@ def _unlink_shm_buffer(dist) -> None:
         return
     dist.barrier()
     try:
-        os.unlink(compat.shm_buffer_path(dist.get_rank()))
+        os.unlink(shm_buffer_path(dist.get_rank()))
     except FileNotFoundError:
         pass
 
@@ -155,3 +155,10 @@ def launcher_env_restored() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def shm_buffer_path(rank: int) -> str:
+    """The /dev/shm file DeepSpeed's CPU shm all-reduce creates per rank (name format of csrc/cpu/comm/shm.cpp)."""
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    return os.path.join("/dev/shm", name)

@@ -7,6 +7,8 @@ optimizer state beside the moments, where DeepSpeed partitions, offloads, swaps 
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -85,12 +87,24 @@ def base_optimizer(cfg: ElsaConfig, params, ds: DsConfig) -> torch.optim.Optimiz
     return (torch.optim.AdamW if cfg.weight_decay > 0 else torch.optim.Adam)(params, **common)
 
 
+_BUILT: weakref.WeakSet = weakref.WeakSet()  # the engines this process built and has not released (release_engines)
+
+
+def release_engines() -> None:
+    """Give up every engine this process built (``compat.release_engine``): a job run from Python ends with it, so
+    that the next call does not find the last one's states still held (the command line's process just exits)."""
+    while _BUILT:
+        compat.release_engine(_BUILT.pop())
+    gc.collect()
+
+
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: DsConfig):
     """deepspeed.initialize with a client optimizer; returns the engine and a Comm over its data-parallel group."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds.raw)
+    _BUILT.add(engine)
     if not compat.is_stage3(engine.optimizer):
         raise ElsaError("the engine is not running ZeRO stage 3; check zero_optimization in the DeepSpeed config")
     device = "cpu" if get_accelerator().device_name() == "cpu" else get_accelerator().current_device_name()

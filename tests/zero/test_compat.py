@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from elsa_ds.zero import compat
+from elsa_ds.zero.dist import shm_buffer_path
 
 
 def test_an_untested_deepspeed_release_is_warned_about_and_a_tested_one_is_not(monkeypatch):
@@ -25,7 +26,7 @@ def test_an_untested_deepspeed_release_is_warned_about_and_a_tested_one_is_not(m
 def test_the_shm_buffer_path_follows_deepspeeds_name_format(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
     monkeypatch.setenv("MASTER_PORT", "29511")
-    path = compat.shm_buffer_path(3)
+    path = shm_buffer_path(3)
     assert path.startswith("/dev/shm/deepspeed_allreduce_buffer_")
     assert path.endswith("_10.0.0.7_29511_3")
 
