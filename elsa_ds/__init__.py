@@ -26,6 +26,15 @@ class _CallablePackage(types.ModuleType):
 
         return oneshot(*args, **kwargs)
 
+    @property
+    def __signature__(self) -> Any:
+        """The API function's parameters for ``inspect.signature`` and a notebook's hints (an audit: ``(*args, **kwargs)``)."""
+        import inspect
+
+        from elsa_ds.api import oneshot
+
+        return inspect.signature(oneshot)
+
 
 _oneshot_package.__class__ = _CallablePackage
 

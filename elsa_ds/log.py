@@ -46,6 +46,9 @@ QUIET_LIBRARY_RECORDS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+QUIET_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # set unless the user set them
+
+
 def get_logger(name: str) -> logging.Logger:
     """The logger of module ``name`` (pass ``__name__``), below the ``elsa_ds`` logger that setup_logging configures.
 
@@ -80,10 +83,16 @@ def logging_for(level: str | int) -> Iterator[logging.Logger]:
     root = logging.getLogger(ROOT)
     libraries = [logging.getLogger(n) for n in {*LIBRARIES, *(name for name, _m, _w in QUIET_LIBRARY_RECORDS)}]
     saved = (list(root.handlers), root.level, root.propagate, [(lib, lib.level, list(lib.filters)) for lib in libraries])
+    env = {name: os.environ.get(name) for name in QUIET_ENV}  # an audit: left set in the caller's environment
     with warnings.catch_warnings():  # the warning filters, restored on leaving
         try:
             yield setup_logging(level)
         finally:
+            for name, value in env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             handlers, root.level, root.propagate, levels = saved
             root.handlers[:] = handlers
             for lib, lib_level, filters in levels:
@@ -149,8 +158,8 @@ class ConsoleHandler(logging.Handler):
 
 def quiet_libraries(level: int = logging.WARNING) -> None:
     """Libraries log at WARNING or above; their progress bars and tokenizer threads stay off."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
     for name in LIBRARIES:
         logging.getLogger(name).setLevel(level)
     for name, message, _why in QUIET_LIBRARY_RECORDS:

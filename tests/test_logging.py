@@ -273,3 +273,21 @@ def test_a_path_that_is_not_utf8_is_shown_escaped_on_a_strict_console(tmp_path, 
     finally:
         sys.stderr = old
     assert strict.buffer.getvalue().decode().endswith("text_\\udcff\n")
+
+
+def test_a_calls_log_level_leaves_the_callers_environment_and_oneshot_shows_its_parameters(monkeypatch):
+    """An audit of the API in a long-lived process: a call with ``log_level`` left HF_HUB_DISABLE_PROGRESS_BARS set
+    for the rest of the process; ``elsa_ds.oneshot`` (a package made callable) showed ``(*args, **kwargs)``."""
+    import inspect
+    import os
+
+    import elsa_ds
+    from elsa_ds.log import QUIET_ENV, logging_for
+
+    for name in QUIET_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # the caller's own value stays theirs
+    with logging_for("warning"):
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and os.environ["TOKENIZERS_PARALLELISM"] == "true"
+    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ and os.environ["TOKENIZERS_PARALLELISM"] == "true"
+    assert list(inspect.signature(elsa_ds.oneshot).parameters)[:3] == ["model", "method", "dataset"]
