@@ -31,7 +31,7 @@ from elsa_ds.plan import read_settings
 from elsa_ds.quoting import shown
 from elsa_ds.settings.options import JobOptions, job_options
 from elsa_ds.zero.dist import launcher_env_restored
-from elsa_ds.zero.engine import release_engines
+from elsa_ds.zero.engine import built_engines, release_engines
 
 Dataset = Any  # a name or path (str / os.PathLike), a list of strings, or a datasets.Dataset with a "text" column
 # the job's own flags a keyword may set beside ElsaConfig's fields (the rest of JobOptions are these functions' arguments)
@@ -78,12 +78,16 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
     if not _ONE_JOB.acquire(blocking=False):  # the process group, DeepSpeed's and transformers' patches are global
         raise ElsaError("another elsa_ds job runs in this process (another thread): run jobs one after another, or in "
                         "separate processes")
+    kept, stopped = built_engines(), False  # a caller's own engines are left alone
     try:
         with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
             return _run_job(model, dataset, output_dir, deepspeed, tokenizer, overwrite, resume, recipe, settings)
+    except BaseException as err:
+        stopped = not isinstance(err, Exception)  # Ctrl-C, an exit: no device synchronization on the way out
+        raise
     finally:
         try:
-            release_engines()  # each call's engine stayed alive for the rest of the process (an audit)
+            release_engines(kept, destroy=not stopped)  # each call's engine stayed alive for the rest of the process
         finally:
             _ONE_JOB.release()
 

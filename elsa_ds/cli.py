@@ -92,7 +92,7 @@ class EstimateOptions(BaseModel):
     measure: bool = False
     """Time the step against rates measured on this machine (a few seconds: copies, a matmul, DeepSpeedCPUAdam)
     instead of a typical machine's; with --accelerator cpu a small job's own micro-step is also timed on its ranks here
-    (~20 s)."""
+    (20-40 s)."""
 
     _exact_kinds = field_validator("*", mode="before")(exact_kinds)  # num_gpus=True was one GPU
 

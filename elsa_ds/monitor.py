@@ -39,14 +39,19 @@ def entries_inside(ds: dict, output_dir: Path) -> list[str]:
     """The names directly in ``output_dir`` under which the enabled file monitors write (``output_path/job_name``, as
     DeepSpeed joins them), once :func:`default_output_paths` has set theirs: the run's own logs, which its publication
     neither stops on nor leaves behind (``files/marks.run_writes``)."""
-    out, names = Path(os.path.realpath(output_dir)), set()
+    return sorted({folder.parts[0] for folder in folders_inside(ds, output_dir)})
+
+
+def folders_inside(ds: dict, output_dir: Path) -> list[Path]:
+    """The folders in ``output_dir`` (relative to it) that the enabled file monitors with an ``output_path`` write in."""
+    out, folders = Path(os.path.realpath(output_dir)), set()
     for key in FILE_MONITORS:
         block = ds.get(key)
         if isinstance(block, dict) and block.get("enabled") and isinstance(block.get("output_path"), str):
             where = Path(os.path.realpath(os.path.join(block["output_path"], str(block.get("job_name", DEFAULT_JOB_NAME)))))
             if out in where.parents:
-                names.add(where.relative_to(out).parts[0])
-    return sorted(names)
+                folders.add(where.relative_to(out))
+    return sorted(folders)
 
 
 class Monitor:

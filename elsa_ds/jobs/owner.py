@@ -20,7 +20,7 @@ from elsa_ds.files.aside import published, put_back, set_aside
 from elsa_ds.files.disk_room import disk_full, disk_full_errno
 from elsa_ds.files.output import (REPORT_NAME, RESUMABLE, PublishFailed, check_output_dir, check_output_path, missing_folders,
                                   remove_if_empty, side_path, staging_dir)
-from elsa_ds.files.handed import own_copies
+from elsa_ds.files.handed import check_plain_tree, own_copies
 from elsa_ds.files.ownership import check_apart, check_output_names, lock_path, owned
 from elsa_ds.files.watchdog import Watchdog
 from elsa_ds.jobs import make_job, run_job
@@ -28,7 +28,7 @@ from elsa_ds.jobs.phases import PhaseLog
 from elsa_ds.jobs.report import evaluate_saved_model
 from elsa_ds.log import get_logger
 from elsa_ds.methods import oneshot_names
-from elsa_ds.monitor import MONITOR_DIR, entries_inside
+from elsa_ds.monitor import MONITOR_DIR, entries_inside, folders_inside
 from elsa_ds.plan import log_plan, make_plan
 from elsa_ds.plan.checks import builds_engine
 from elsa_ds.plan.finished import finished_run
@@ -56,11 +56,13 @@ def job_inputs(cfg: ElsaConfig, opts: JobOptions) -> dict[str, str | Path | None
     return inputs
 
 
-def _log_dirs(out: Path, ds_config: DsConfig) -> list[Path]:
-    """The folders in the output the file monitors append to: ``monitor`` (their default there) and any the DeepSpeed
-    JSON's own ``output_path`` puts inside it (a review: with ``--overwrite`` those kept the previous run's logs, which
-    the new run's CSV rows were appended to)."""
-    return [out / name for name in dict.fromkeys([MONITOR_DIR, *entries_inside(ds_config.raw, out)])]
+def _log_dirs(out: Path, ds_config: DsConfig) -> tuple[list[Path], list[Path]]:
+    """(what ``--overwrite`` sets aside, what a resumed run appends to) of the file monitors' logs in the output:
+    ``monitor`` (their default there) and the entries (the folders) any ``output_path`` of the DeepSpeed JSON's own
+    puts inside it (with ``--overwrite`` those kept the previous run's logs, after which the new run's CSV rows went;
+    a review: a resume copies the monitor's folder alone, never a whole ``checkpoints`` a log folder sits in)."""
+    entries = [out / name for name in dict.fromkeys([MONITOR_DIR, *entries_inside(ds_config.raw, out)])]
+    return entries, [out / MONITOR_DIR, *(out / folder for folder in folders_inside(ds_config.raw, out))]
 
 
 def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[str, Any] | None:
@@ -83,13 +85,14 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
         with owned(opts.output_dir, "--output_dir", take=writer), std_streams.marked():
             try:
                 out = Path(opts.output_dir)
-                logs = _log_dirs(out, ds_config)
+                logs, appended = _log_dirs(out, ds_config)
                 if writer and opts.overwrite:  # the previous output's checkpoints, logs and resumable side files, until published
                     set_aside(out, [out / "checkpoints", *logs, *resumable_paths(out)])
                 if writer and opts.resume and opts.resume_if_any:
                     get_logger(__name__).info(f"--resume_if_any: continuing from the checkpoints in {published(out).parent}")
                 if writer and (opts.resume or opts.restart):  # the monitor's files the run appends to: none shared elsewhere
-                    for folder in logs:
+                    for folder in appended:  # no link below it, which the CSV monitor would append through
+                        check_plain_tree(folder, "the monitor's logs")
                         own_copies(folder)
                 if writer and opts.restart and not published(out).exists():  # --resume_if_any over an attempt that published
                     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # no checkpoint: nothing can load its tags

@@ -377,17 +377,18 @@ def swap_folders(engine) -> list[Path]:
     return folders
 
 
-def release_engine(engine) -> None:
-    """An engine a job is done with given up (``destroy``), with what ZeRO-3 keeps of engines at module level: the
-    forward's module stack and the coordinator's cache of what to release (keyed by coordinator). An audit: each API
-    job's engine stayed alive for the rest of the process, ~43 bytes per parameter a call, until a sweep ran out."""
+def release_engine(engine, destroy: bool = True) -> None:
+    """An engine a job is done with given up (``destroy``, unless False), with what ZeRO-3 keeps of it at module level:
+    its modules on the forward's module stack, the coordinator's cache of what to release (an API job's leak, an audit)."""
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
 
     try:
-        engine.destroy()
+        if destroy:
+            engine.destroy()
     finally:
-        parameter_offload.FWD_MODULE_STACK.clear()
+        ours = {id(m) for m in engine.module.modules()} if isinstance(getattr(engine, "module", None), torch.nn.Module) else set()
+        parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
         method = vars(Coordinator).get("_PartitionedParameterCoordinator__params_to_release")  # lru_cache, under nvtx's wrapper
         for cached in (method, *(cell.cell_contents for cell in getattr(method, "__closure__", None) or ())):
             if callable(getattr(cached, "cache_clear", None)):

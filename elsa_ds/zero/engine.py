@@ -18,6 +18,7 @@ from elsa_ds.admm.optimizer import AdmmOptimizer
 from elsa_ds.admm.projection import Slice, TorchDistComm
 from elsa_ds.errors import ElsaError, require
 from elsa_ds.files.mask_file import MaskReader
+from elsa_ds.log import get_logger
 from elsa_ds.finetune.optimizer import MaskedOptimizer
 from elsa_ds.models import ModelSource
 from elsa_ds.settings.config import BaseOptimizer, ElsaConfig
@@ -90,12 +91,27 @@ def base_optimizer(cfg: ElsaConfig, params, ds: DsConfig) -> torch.optim.Optimiz
 _BUILT: weakref.WeakSet = weakref.WeakSet()  # the engines this process built and has not released (release_engines)
 
 
-def release_engines() -> None:
-    """Give up every engine this process built (``compat.release_engine``): a job run from Python ends with it, so
-    that the next call does not find the last one's states still held (the command line's process just exits)."""
-    while _BUILT:
-        compat.release_engine(_BUILT.pop())
-    gc.collect()
+def built_engines() -> frozenset[int]:
+    """The ids of the engines this process holds now: what :func:`release_engines` leaves alone."""
+    return frozenset(id(engine) for engine in _BUILT)
+
+
+def release_engines(kept: frozenset[int] = frozenset(), destroy: bool = True) -> None:
+    """Give up the engines this process built but those in ``kept`` (a caller's own, built before the job): a job run
+    from Python ends with it, so that the next call does not find the last one's states still held (the command line's
+    process just exits). ``destroy`` False (the job stopped by Ctrl-C or an exit: a rank may be inside a collective
+    its peers never join, and ``destroy`` synchronizes the device): the references and ZeRO-3's records of the engine
+    alone. Never raises (a review: an error here would hide the job's own); a failure is a warning."""
+    try:
+        for engine in [e for e in list(_BUILT) if id(e) not in kept]:
+            _BUILT.discard(engine)
+            try:
+                compat.release_engine(engine, destroy)
+            except Exception as err:  # noqa: BLE001 - the job's own outcome matters more than the cleanup's
+                get_logger(__name__).warning(f"the finished job's DeepSpeed engine could not be given up ({err}); its "
+                                             "memory may stay held until the process ends")
+    finally:
+        gc.collect()
 
 
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds: DsConfig):

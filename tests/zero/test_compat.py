@@ -120,3 +120,55 @@ def test_deepspeed_cpu_adam_resumed_after_a_replay_steps_as_the_uninterrupted_on
         run(range(2, 6), again, resumed)
         ends[replay] = again.detach()
     assert torch.equal(ends[True], ref.detach()) and not torch.equal(ends[False], ref.detach())
+
+
+def test_releasing_engines_never_raises_and_leaves_the_callers_own(caplog):
+    """A review of the API's engine release: a ``destroy`` that raised replaced the job's own error and left the other
+    engines held; the release gave up every engine of the process, a caller's own built before the job included, and
+    cleared other engines' modules from ZeRO-3's forward stack."""
+    from deepspeed.runtime.zero import parameter_offload
+
+    from elsa_ds.zero import engine as zero_engine
+
+    class Engine:
+        def __init__(self, fails: bool):
+            self.module, self.fails, self.destroyed = torch.nn.Sequential(torch.nn.Linear(2, 2)), fails, False
+
+        def destroy(self):
+            self.destroyed = True
+            if self.fails:
+                raise RuntimeError("device lost")
+
+    callers, failing, plain = Engine(False), Engine(True), Engine(False)
+    zero_engine._BUILT.add(callers)
+    kept = zero_engine.built_engines()
+    zero_engine._BUILT.add(failing)
+    zero_engine._BUILT.add(plain)
+    stack = parameter_offload.FWD_MODULE_STACK
+    stack[:] = [callers.module, failing.module, failing.module[0], plain.module]
+    try:
+        zero_engine.release_engines(kept)  # no exception
+        assert failing.destroyed and plain.destroyed and not callers.destroyed
+        assert set(zero_engine._BUILT) == {callers} and stack == [callers.module]
+        assert "could not be given up (device lost)" in caplog.text
+        zero_engine.release_engines(destroy=False)  # a stopped job's: nothing synchronized
+        assert not callers.destroyed and not zero_engine._BUILT and stack == []
+    finally:
+        stack.clear()
+        zero_engine._BUILT.clear()
+
+
+def test_a_monitors_log_folder_is_set_aside_by_its_entry_and_copied_alone_on_resume(tmp_path):
+    """--overwrite sets aside every entry of the output a file monitor writes under (not only ``monitor/``), and a
+    resume copies hard-linked files of the monitors' own folders only (a review: a log folder under ``checkpoints``
+    made the resume copy every checkpoint of a ``cp -al`` copy)."""
+    import types
+
+    from elsa_ds.jobs.owner import _log_dirs
+
+    out = tmp_path / "out"
+    ds = types.SimpleNamespace(raw={"csv_monitor": {"enabled": True, "output_path": str(out / "checkpoints" / "tb")},
+                                    "tensorboard": {"enabled": True, "output_path": str(out / "logs"), "job_name": "run"}})
+    aside, appended = _log_dirs(out, ds)
+    assert aside == [out / "monitor", out / "checkpoints", out / "logs"]
+    assert appended == [out / "monitor", out / "checkpoints" / "tb" / "DeepSpeedJobName", out / "logs" / "run"]
