@@ -79,8 +79,11 @@ def _run(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, overwri
         raise ElsaError("another elsa_ds job runs in this process (another thread): run jobs one after another, or in "
                         "separate processes")
     kept, stopped = built_engines(), False  # a caller's own engines are left alone
+    # the CPU generator, and the current GPU's where the caller has used CUDA (not every visible GPU's: on each rank of a
+    # launcher that would make a context on every GPU)
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+        with torch.random.fork_rng(devices=cuda):
             return _run_job(model, dataset, output_dir, deepspeed, tokenizer, overwrite, resume, recipe, settings)
     except BaseException as err:
         stopped = not isinstance(err, Exception)  # Ctrl-C, an exit: no device synchronization on the way out

@@ -18,8 +18,8 @@ from elsa_ds.admm.optimizer import AdmmOptimizer
 from elsa_ds.admm.projection import Slice, TorchDistComm
 from elsa_ds.errors import ElsaError, require
 from elsa_ds.files.mask_file import MaskReader
-from elsa_ds.log import get_logger
 from elsa_ds.finetune.optimizer import MaskedOptimizer
+from elsa_ds.log import get_logger
 from elsa_ds.models import ModelSource
 from elsa_ds.settings.config import BaseOptimizer, ElsaConfig
 from elsa_ds.targets import LayerGoal, decoder_layer_list
