@@ -9,7 +9,9 @@ RANK=1 a job that did nothing and exited 0; a RANK without LOCAL_RANK a tracebac
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterable, Iterator
 
 COUNTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE")
 LAUNCHED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what a rank of a launched group needs
@@ -101,3 +103,17 @@ def _disagreement(ranks: int, group: bool) -> str | None:
         return (f"MASTER_ADDR={_shown(env['MASTER_ADDR'])} holds a space or a control character: one host name or "
                 "address is expected (`hostname -I` prints several; take the first)")
     return None
+
+
+@contextlib.contextmanager
+def environ_restored(names: Iterable[str]) -> Iterator[None]:
+    """The variables ``names`` put back on the way out as they were before the block: set to their values, or unset."""
+    before = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

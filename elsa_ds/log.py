@@ -83,16 +83,11 @@ def logging_for(level: str | int) -> Iterator[logging.Logger]:
     root = logging.getLogger(ROOT)
     libraries = [logging.getLogger(n) for n in {*LIBRARIES, *(name for name, _m, _w in QUIET_LIBRARY_RECORDS)}]
     saved = (list(root.handlers), root.level, root.propagate, [(lib, lib.level, list(lib.filters)) for lib in libraries])
-    env = {name: os.environ.get(name) for name in QUIET_ENV}  # an audit: left set in the caller's environment
-    with warnings.catch_warnings():  # the warning filters, restored on leaving
+    # the warning filters and QUIET_ENV (an audit: left set in the caller's environment), restored on leaving
+    with warnings.catch_warnings(), launch_env.environ_restored(QUIET_ENV):
         try:
             yield setup_logging(level)
         finally:
-            for name, value in env.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
             handlers, root.level, root.propagate, levels = saved
             root.handlers[:] = handlers
             for lib, lib_level, filters in levels:

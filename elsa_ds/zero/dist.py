@@ -146,15 +146,8 @@ def launcher_env_restored() -> Iterator[None]:
     started afterwards (another ``python launch/prune.py``) would inherit them, take itself for rank 0 of a launched
     group and try to listen on the port this process's group still holds. The group itself stays up for the next job.
     """
-    before = {k: os.environ.get(k) for k in SINGLE_PROCESS_ENV}
-    try:
+    with launch_env.environ_restored(SINGLE_PROCESS_ENV):
         yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def shm_buffer_path(rank: int) -> str:
