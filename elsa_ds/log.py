@@ -8,8 +8,11 @@ cannot act on filtered.
 
 Rank 0 logs at the chosen level; other ranks log warnings and errors only (a record with ``extra=EVERY_RANK`` is
 shown by every rank). Records below WARNING go to stdout, the rest to stderr, both looked up when a record is
-written (so a redirected or captured stream is honoured). What stdout is the product of a command (the estimate
-table and JSON, evaluation tables, the flag table) is printed, not logged. The lowest layer: stdlib only.
+written (so a redirected or captured stream is honoured). A command's console is the process's own; in a Python
+program (the API, before any command set one up) a record goes instead to the program's own logging where it has set
+some up (handlers on the root logger), as a propagated record would, and is written once. What stdout is the product
+of a command (the estimate table and JSON, evaluation tables, the flag table) is printed, not logged. The lowest
+layer: stdlib only.
 """
 from __future__ import annotations
 
@@ -56,21 +59,22 @@ def get_logger(name: str) -> logging.Logger:
     """
     root = logging.getLogger(ROOT)
     if not any(isinstance(h, ConsoleHandler) for h in root.handlers):
-        _configure(root, logging.INFO, launch_env.rank())
+        _configure(root, logging.INFO, launch_env.rank(), command=False)
     return logging.getLogger(name if name == ROOT or name.startswith(ROOT + ".") else f"{ROOT}.{name}")
 
 
-def setup_logging(level: str | int = "info", rank: int | None = None) -> logging.Logger:
+def setup_logging(level: str | int = "info", rank: int | None = None, command: bool = True) -> logging.Logger:
     """Console for this process: rank 0 at ``level``, other ranks warnings only; quiet libraries, filtered warnings.
 
     ``rank`` defaults to $RANK (set by the deepspeed launcher and torchrun). Safe to call again (e.g. per job).
+    ``command=False`` (the Python API): the caller's own logging, where it has some, takes the records instead.
     """
     numeric = level if isinstance(level, int) else logging.getLevelName(str(level).upper())
     if not isinstance(numeric, int):
         raise ValueError(f"log level {level!r}: use one of {', '.join(get_args(LogLevel))}")
     rank = launch_env.rank() if rank is None else rank
     root = logging.getLogger(ROOT)
-    _configure(root, numeric, rank)
+    _configure(root, numeric, rank, command)
     quiet_libraries(max(numeric, logging.WARNING))
     filter_warnings()
     return root
@@ -86,7 +90,7 @@ def logging_for(level: str | int) -> Iterator[logging.Logger]:
     # the warning filters and QUIET_ENV (an audit: left set in the caller's environment), restored on leaving
     with warnings.catch_warnings(), launch_env.environ_restored(QUIET_ENV):
         try:
-            yield setup_logging(level)
+            yield setup_logging(level, command=False)
         finally:
             handlers, root.level, root.propagate, levels = saved
             root.handlers[:] = handlers
@@ -95,20 +99,28 @@ def logging_for(level: str | int) -> Iterator[logging.Logger]:
                 lib.filters[:] = filters
 
 
-def _configure(root: logging.Logger, level: int, rank: int) -> None:
+def _configure(root: logging.Logger, level: int, rank: int, command: bool) -> None:
     for handler in [h for h in root.handlers if isinstance(h, ConsoleHandler)]:
         root.removeHandler(handler)
-    root.addHandler(ConsoleHandler(rank))
+    root.addHandler(ConsoleHandler(rank, yields=not command))
     root.setLevel(level)
-    root.propagate = False  # the root logger's handlers (if an application set some) would print it twice
+    # not propagated: a library's handlers on the root logger would print a command's lines twice; a Python program's
+    # own handlers there get the records from the console itself (ConsoleHandler.yields)
+    root.propagate = False
 
 
 class ConsoleHandler(logging.Handler):
-    """stdout below WARNING, stderr from WARNING on; rank 0 everything it is given, other ranks WARNING and above."""
+    """stdout below WARNING, stderr from WARNING on; rank 0 everything it is given, other ranks WARNING and above.
 
-    def __init__(self, rank: int):
+    ``yields`` (the Python API and the default console): where the program has handlers of its own on the root logger,
+    each record is handed to those (at their levels, as propagation would) and not written here (an audit: a program's
+    ``logging.basicConfig(filename=...)`` got no elsa_ds line, all of them went to the console only).
+    """
+
+    def __init__(self, rank: int, yields: bool = False):
         super().__init__()
         self.rank = rank
+        self.yields = yields
         self.lost: dict[str, str] = {}  # stream name -> the error its write raised: nothing more is written there
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -125,6 +137,11 @@ class ConsoleHandler(logging.Handler):
         return PREFIX + text if self.rank == 0 else f"{PREFIX}rank {self.rank}: {text}"
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self.yields and (program := _programs_handlers()):
+            for handler in program:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+            return
         name = "stderr" if record.levelno >= logging.WARNING else "stdout"
         stream = getattr(sys, name)
         if stream is None or name in self.lost:  # closed when the process started (pythonw, >&-): as print's None
@@ -149,6 +166,13 @@ class ConsoleHandler(logging.Handler):
         self.lost[name] = str(err)
         if (again := std_streams.say_lost(name, err, "the job's log lines that go there are dropped", self.lost)) is not None:
             self.lost["stdout" if name == "stderr" else "stderr"] = str(again)  # closed or broken too: nothing more there
+
+
+def _programs_handlers() -> list[logging.Handler]:
+    """The handlers a Python program set up on the root logger, less those it also put on the elsa_ds logger itself
+    (pytest's capture is on both): those already have the record."""
+    ours = logging.getLogger(ROOT).handlers
+    return [h for h in logging.getLogger().handlers if h not in ours]
 
 
 def quiet_libraries(level: int = logging.WARNING) -> None:

@@ -1,6 +1,7 @@
 """The console: rank 0 logs at --log_level, other ranks warnings only, library warnings a user cannot act on filtered."""
 from __future__ import annotations
 
+import io
 import logging
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import warnings
 
 import pytest
 
-from elsa_ds.log import EVERY_RANK, QUIET_LIBRARY_RECORDS, QUIET_WARNINGS, ROOT, get_logger, setup_logging
+from elsa_ds.log import EVERY_RANK, QUIET_LIBRARY_RECORDS, QUIET_WARNINGS, ROOT, get_logger, logging_for, setup_logging
 from tests.conftest import ROOT as REPO, run_entry
 
 
@@ -59,6 +60,33 @@ def test_log_level_warning_hides_info_and_debug_shows_it(console, capsys):
     with pytest.raises(ValueError, match="debug, info, warning, error"):
         setup_logging("loud")
 
+
+
+def test_a_python_programs_own_logging_gets_the_records_once_and_a_commands_console_is_its_own(console, capsys):
+    """A fifteenth audit (2026-12-07): a program's ``logging.basicConfig(filename=...)`` got no elsa_ds line, every one
+    went to the console alone. The API's console (and the default one) hands each record to the program's handlers at
+    their levels, as propagation would, and writes nothing itself; without such handlers it writes; a command's is its own."""
+    program, quiet = io.StringIO(), io.StringIO()
+    handlers = [logging.StreamHandler(program), logging.StreamHandler(quiet)]
+    handlers[1].setLevel(logging.WARNING)
+    log, root = get_logger("elsa_ds.test"), logging.getLogger()
+    for handler in handlers:
+        root.addHandler(handler)
+    try:
+        with logging_for("info"):
+            log.info("pruning 7 layers")
+            log.warning("c4 gave 12 windows")
+        assert program.getvalue() == "pruning 7 layers\nc4 gave 12 windows\n" and quiet.getvalue() == "c4 gave 12 windows\n"
+        assert capsys.readouterr() == ("", "")
+        setup_logging("info", rank=0)  # a command's console
+        log.info("loaded")
+        assert capsys.readouterr().out == "[elsa_ds] loaded\n" and "loaded" not in program.getvalue()
+    finally:
+        for handler in handlers:
+            root.removeHandler(handler)
+    with logging_for("info"):
+        log.info("no handler of the program's")
+    assert capsys.readouterr().out == "[elsa_ds] no handler of the program's\n"
 
 def test_evaluate_log_level_warning_keeps_the_table_and_drops_the_progress_lines(tmp_path, tiny_model_dir, text_dir):
     text = sorted(text_dir.glob("*.txt"))[0]
