@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from elsa_ds.regular_file import open_regular
+from elsa_ds.regular_file import open_regular, read_at_most
 
 # configs, shard indexes, recipes, results: kilobytes; a 27B model's sparse config.json with its checksums ~0.3 MB. Parsed,
 # JSON takes up to ~20x its bytes in Python objects: 16 MiB of it stays under ~0.4 GB
@@ -56,7 +56,7 @@ def read_text(path: str | Path, limit: int = MAX_BYTES) -> str:
     with open_regular(path, follow=True) as fh:
         if (size := os.fstat(fh.fileno()).st_size) > limit:
             raise ValueError(f"{size:,} bytes, more than the {limit:,} any such file holds")
-        data = fh.read(limit + 1)  # a file that grows while it is read stops at the limit too
+        data = read_at_most(fh, limit + 1)  # a file that grows while it is read stops at the limit too
     if len(data) > limit:
         raise ValueError(f"more than the {limit:,} bytes any such file holds")
     return data.decode("utf-8")

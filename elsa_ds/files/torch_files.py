@@ -25,7 +25,7 @@ import torch
 
 from elsa_ds.files.pickle_walk import MAX_NESTING, Walk, walk
 from elsa_ds.files.torch_legacy import storage_problem
-from elsa_ds.regular_file import NotRegularFile
+from elsa_ds.regular_file import NotRegularFile, read_at_most
 
 ZIP_MAGIC = b"PK\x03\x04"  # how torch tells its zip format from the legacy one: the file's first bytes
 # torch.save writes an entry a storage and four more (a 27B model's state: a few thousand, ~70 bytes each in the
@@ -203,7 +203,7 @@ def _legacy_problem(fh: BinaryIO, size: int) -> ZipProblem | None:
     except Exception:  # noqa: BLE001 - not a tar (torch then reads pickles), or one torch's own probe fails on too
         pass
     fh.seek(0)
-    head = io.BytesIO(fh.read(MAX_PICKLE_BYTES + 1))
+    head = io.BytesIO(read_at_most(fh, MAX_PICKLE_BYTES + 1))
     try:
         for _ in range(LEGACY_PICKLES):
             if (found := _walk_problem(walk(head), "its pickles (torch's legacy format)")) is not None:
