@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import DiskFull, writer_ran_out
 from elsa_ds.files.io import write_atomic
+from elsa_ds.log import get_logger
 from elsa_ds.regular_file import open_regular
 from elsa_ds.zero import compat
 from elsa_ds.zero.checkpoint import CLIENT_KEY, LATEST_BYTES, RECOVERY_SCRIPTS, tags_newest_first, write_fingerprint
@@ -170,12 +172,20 @@ def _aside(ckpt_dir: Path, name: str) -> Path:
     return ckpt_dir / f".{name}.before-save"
 
 
-def remove_tag(path: Path) -> None:
-    """A tag's folder gone; a link there is removed itself, never followed."""
+def remove_tag(path: Path) -> str | None:
+    """A tag's folder gone; a link there is removed itself, never followed. Returns why not all of it went (None: gone)."""
+    failed: list[str] = []
+
+    def said(_function: Callable, where: str, err: BaseException) -> None:
+        failed.append(f"{where}: {getattr(err, 'strerror', None) or err}")
+
     if path.is_symlink():
         path.unlink(missing_ok=True)
+    elif sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=said)
     else:
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, onerror=lambda function, where, info: said(function, where, info[1]))
+    return None if not failed or not path.exists() else failed[0]
 
 
 def publish_latest(ckpt_dir: Path, tag: str, keep: int) -> None:
@@ -188,5 +198,7 @@ def publish_latest(ckpt_dir: Path, tag: str, keep: int) -> None:
         _aside(ckpt_dir, name).unlink(missing_ok=True)
     tags = tags_newest_first(ckpt_dir)
     at = tags.index(tag)
-    for old in tags[:at] + tags[at + keep:]:
-        remove_tag(ckpt_dir / old)
+    for old in tags[:at] + tags[at + keep:]:  # one left says so (an audit: a read-only tag stayed, its bytes unsaid)
+        if (why := remove_tag(ckpt_dir / old)) is not None:
+            get_logger(__name__).warning(f"checkpoint {ckpt_dir / old} stays beside the {keep} kept (--keep_checkpoints): "
+                                         f"it could not be removed ({why}); remove it yourself to free its space")

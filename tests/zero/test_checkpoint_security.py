@@ -260,6 +260,29 @@ def test_publishing_never_writes_through_a_link_nor_prunes_the_tag_it_published(
     assert (outside / "shard.pt").read_text() == "keep me too" and victim.read_text() == "keep me"
 
 
+
+def test_a_tag_that_cannot_be_removed_is_named_not_kept_in_silence(tmp_path, monkeypatch, caplog):
+    """An audit (OS limits and permissions, 2026-12-07): a tag the user cannot delete (a read-only folder) stayed beside
+    the --keep_checkpoints newest without a word (hundreds of GB at 27B). Now a warning names it and why. As root a
+    permission does not stop a removal, so the refusal the folder's owner would get is raised for its one file."""
+    ckpt = tmp_path / "checkpoints"
+    for tag, name in (("global_step10", "blocked.pt"), ("global_step15", "model_states.pt"), ("global_step20", "model_states.pt")):
+        _tag(ckpt, tag, name)
+    (ckpt / "latest").write_text("global_step15")
+    unlink = os.unlink
+
+    def refused(path, *args, **kwargs):
+        if os.fspath(path).endswith("blocked.pt"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refused)
+    with caplog.at_level("WARNING", logger="elsa_ds"):
+        checkpoint_save.publish_latest(ckpt, "global_step20", keep=1)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step10", "global_step20", "latest"]
+    said = [r.getMessage() for r in caplog.records if "could not be removed" in r.getMessage()]
+    assert len(said) == 1 and str(ckpt / "global_step10") in said[0] and "Permission denied" in said[0], caplog.text
+
 def test_a_failed_save_reads_latest_as_data_never_through_a_link(tmp_path):
     """After a failed save, rank 0 keeps the tag only where ``latest`` names it: ``latest`` is opened without following a
     link (one naming the tag elsewhere does not keep it) and at most a tag's name is read (an audit: a link to a file of
