@@ -158,10 +158,16 @@ def _dataset_name(dataset: Dataset, tmp: Path) -> str | None:
     """A source name or path as is; in-memory documents written into ``tmp`` (``data.sources.write_documents``)."""
     if dataset is None or isinstance(dataset, str):  # a path is a str by now (_fspath)
         return None if dataset is None else str(dataset)
-    return str(write_documents(_texts(dataset), tmp))
+    texts = _texts(dataset)
+    try:
+        return str(write_documents(texts, tmp))
+    except OSError as err:  # an audit: a full TMPDIR was a raw OSError from the API, not its ElsaError
+        raise ElsaError(f"dataset: the documents given in memory could not be written to {tmp} ({err.strerror or err}), "
+                        f"~{sum(map(len, texts)) / 2**20:,.1f} MiB of text: set TMPDIR to a folder with room, or pass "
+                        "the documents as a file") from None
 
 
-def _texts(dataset: Any) -> Iterable[str]:
+def _texts(dataset: Any) -> list[str]:
     if isinstance(dataset, Mapping):  # a dict (or a datasets.DatasetDict) would be read as its keys
         raise ElsaError(f"dataset: a {type(dataset).__name__} is not a list of documents; pass its texts as a list, or one "
                         "split of a DatasetDict (e.g. dataset['train'])")
