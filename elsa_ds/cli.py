@@ -186,6 +186,18 @@ def _cuda_here() -> bool:
     return torch.cuda.is_available()
 
 
+def _check_measurable(opts: EstimateOptions) -> None:
+    """What stops ``--measure`` here, said before anything is timed: no CUDA device for CUDA rates, or the folders its
+    probe job's engine writes (torch's builds, /dev/shm for CPU ranks)."""
+    from elsa_ds.capacity.machine import host_folders_problem
+
+    if opts.accelerator == "cuda" and not _cuda_here():
+        raise ElsaError("--measure times this machine's rates and --accelerator is cuda (the default), but this machine has "
+                        "no CUDA device: run it on the GPU host, pass --accelerator cpu for CPU ranks here, or drop "
+                        "--measure for a typical GPU host's rates")
+    if why := host_folders_problem(opts.num_gpus, opts.accelerator == "cpu"):
+        raise ElsaError(why)
+
 def main_estimate(argv: list[str] | None = None) -> int:
     args = estimate_parser().parse_args(argv)
     start_logging(args)
@@ -205,10 +217,8 @@ def main_estimate(argv: list[str] | None = None) -> int:
 
         check_switches()  # before DeepSpeed's import (DEEPSPEED_TIMEOUT) and --measure's probe job (ELSA_DS_*)
         opts = validated(EstimateOptions, {k: getattr(args, k) for k in _cli_fields(EstimateOptions) if getattr(args, k) is not None})
-        if opts.measure and opts.accelerator == "cuda" and not _cuda_here():
-            raise ElsaError("--measure times this machine's rates and --accelerator is cuda (the default), but this machine has "
-                            "no CUDA device: run it on the GPU host, pass --accelerator cpu for CPU ranks here, or drop "
-                            "--measure for a typical GPU host's rates")
+        if opts.measure:
+            _check_measurable(opts)
         left = [f"--{n}" for names in job_only_flags().values() for n in names  # the disk line sizes what is written
                 if (v := getattr(args, n)) is not None and v is not False and n != "output_dir"]
         if left:

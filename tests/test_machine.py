@@ -58,3 +58,46 @@ def test_an_nvme_job_on_a_machine_without_libaio_stops_in_the_checks(tmp_path, t
     with pytest.raises(ElsaError, match="libaio-dev"):
         checks.before_work(cfg, opts, ds_config, 1, ModelSource(cfg.model))
     assert not (tmp_path / "out").exists()
+
+
+def _read_only_mount(where):
+    """A read-only tmpfs at ``where`` (root can write anywhere else), or a skip where none can be mounted."""
+    import os
+    import subprocess
+
+    import pytest
+
+    where.mkdir(parents=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("no tmpfs can be mounted here (needs root)")
+    return lambda: subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_folders_the_engine_writes_outside_the_output_are_tried_before_any_work(tmp_path, monkeypatch, tiny_model_dir):
+    """An audit (OS limits and permissions, 2026-12-07): an unwritable build folder (HOME=/ in a container started with
+    --user, another user's cache) was a traceback from inside DeepSpeed's start, after the plan; an unwritable /dev/shm
+    hung both CPU ranks past SIGTERM. Each is one line now, from the plan's checks and from elsa-estimate --measure."""
+    from elsa_ds.capacity import machine
+    from tests.conftest import run_entry
+
+    unmount = [_read_only_mount(tmp_path / "ro"), _read_only_mount(tmp_path / "ext" / "an_op")]
+    try:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ro" / "not_yet"))  # made in a folder nobody can write
+        assert "ro cannot be written (Read-only file system)" in (machine.host_folders_problem(1, True) or "")
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))  # writable, but an op's folder in it is not
+        assert "an_op cannot be written" in (machine.host_folders_problem(1, True) or "")
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "fresh"))
+        monkeypatch.setattr(machine, "SHM", str(tmp_path / "ro"))
+        assert machine.host_folders_problem(1, True) is None and machine.host_folders_problem(2, False) is None
+        assert "all-reduce buffer" in (machine.host_folders_problem(2, True) or "")
+        env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ro" / "ext")}
+        for script, args in (("prune.py", ["--model", str(tiny_model_dir), "--output_dir", str(tmp_path / "out")]),
+                             ("estimate.py", ["--accelerator", "cpu", "--num_gpus", "1", "--measure"])):
+            proc = run_entry(script, ["--deepspeed", "zero3_offload", *args], check=False, env=env, timeout=300)
+            errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
+            assert proc.returncode == 2 and len(errors) == 1 and "set TORCH_EXTENSIONS_DIR" in errors[0], proc.stderr[-3000:]
+            assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+    finally:
+        for undo in unmount:
+            undo()

@@ -1,15 +1,20 @@
 """Can this machine run the job's ops? Checks of the host, made before any weight is loaded.
 
 Beside ``preflight.py`` (will the job fit this machine's memory and disks): here the CPU's bf16 matmul, DeepSpeed's
-async_io op for NVMe offload, and torch's JIT extension builds that a killed build leaves locked. Each returns what
-to tell the user (or changes the engine's config and says so); the job decides whether it stops.
+async_io op for NVMe offload, the folders the engine writes outside the output (torch's JIT builds, the CPU backend's
+/dev/shm), and torch's JIT extension builds that a killed build leaves locked. Each returns what to tell the user (or
+changes the engine's config and says so); the job decides whether it stops.
 """
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
+from elsa_ds.admm.kernels.build_lock import extensions_root
 from elsa_ds.zero import compat
 from elsa_ds.zero.engine import model_dtype
 
@@ -59,3 +64,48 @@ def this_gpu() -> tuple[str, float] | None:
         return None
     props = torch.cuda.get_device_properties(0)
     return f"this machine's GPU ({props.name})", float(props.total_memory)
+
+
+SHM = "/dev/shm"
+
+
+def host_folders_problem(world_size: int, cpu_ranks: bool) -> str | None:
+    """Why the engine could not write where it writes outside the output, or None: torch's JIT builds (DeepSpeed's and
+    elsa_ds's ops, on every rank) and, with several CPU ranks, DeepSpeed's shared-memory all-reduce buffers. An audit
+    (OS limits, 2026-12-07): an unwritable build folder (HOME=/ in a container started with --user) was a traceback from
+    inside DeepSpeed's start; an unwritable /dev/shm hung both ranks, past SIGTERM."""
+    root = extensions_root()
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        builds = root  # torch's folder for this Python and device, and the ops' folders in it
+    else:
+        device = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
+                  f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+        builds = root / f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{device}"
+    if why := _unwritable(root) or _unwritable(builds, made_only=True):
+        return (f"torch builds DeepSpeed's and elsa_ds's C++ ops in {root} (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), "
+                f"but {why}: set TORCH_EXTENSIONS_DIR to a folder you can write, or fix the permissions there")
+    if cpu_ranks and world_size > 1 and (why := _unwritable(Path(SHM))):
+        return (f"DeepSpeed's CPU backend shares each rank's all-reduce buffer (~66 MiB) through {SHM}, but {why}: make {SHM} "
+                "writable (in a container, its default tmpfs or a larger --shm-size), or run one rank")
+    return None
+
+
+def _unwritable(folder: Path, made_only: bool = False) -> str | None:
+    """Why no file can be made in ``folder`` (where it does not exist yet, in the nearest folder above it, where it would
+    be made), nor (``made_only``: a folder of builds, nothing to say where it does not exist yet) in the folders already
+    in it; None when all can."""
+    where = folder
+    while not where.is_dir() and where != where.parent:
+        if made_only:
+            return None
+        where = where.parent
+    try:
+        handle, name = tempfile.mkstemp(prefix=".elsa_ds_probe_", dir=where)  # a real try: root's permissions, a read-only mount
+        os.close(handle)
+        os.unlink(name)
+        inside = [p for p in where.iterdir() if p.is_dir() and not p.is_symlink()] if made_only else []
+    except OSError as err:
+        return f"{where} cannot be written ({err.strerror or err})"
+    if made := next((p for p in inside if not os.access(p, os.W_OK | os.X_OK)), None):
+        return f"{made} cannot be written (another user's build?)"
+    return None

@@ -53,6 +53,8 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     if engine_used:  # its rank 0 serves the process group's rendezvous: a port another job holds, said first
         check_rendezvous_port()
         check_loss_choice(machine.job_device())  # ELSA_DS_LOSS
+        if why := machine.host_folders_problem(world_size, machine.job_device() == "cpu"):
+            raise ElsaError(why)
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume, opts.restart)
     if opts.export_format == "sparse" and (cfg.method.value == DENSE or cfg.sparsity == 0 and not cfg.sparsity_profile):
         raise ElsaError("--export_format sparse stores pruned weights as values + positions, but this run prunes nothing "
