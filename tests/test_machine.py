@@ -101,3 +101,35 @@ def test_folders_the_engine_writes_outside_the_output_are_tried_before_any_work(
     finally:
         for undo in unmount:
             undo()
+
+
+def test_a_resumed_run_whose_checkpoints_folder_cannot_be_written_is_refused_before_it_loads(tmp_path, tiny_model_dir):
+    """An audit (OS permissions, 2026-12-07): ``--resume --save_interval`` into a checkpoints folder the user cannot write
+    was refused only after the model, the engine and the checkpoint had loaded (hours at 27B). A folder on a read-only
+    mount stands for it here (as root, a permission stops nothing)."""
+    import subprocess
+
+    import pytest
+
+    from elsa_ds.errors import ElsaError
+    from elsa_ds.models import ModelSource
+    from elsa_ds.plan import checks
+    from elsa_ds.settings.config import resolve_config
+    from elsa_ds.settings.options import JobOptions
+    from elsa_ds.zero.ds_config import DsConfig
+
+    ckpt = tmp_path / "out" / "checkpoints"
+    unmount = _read_only_mount(ckpt)
+    try:
+        subprocess.run(["mount", "-o", "remount,rw", str(ckpt)], check=True)
+        (ckpt / "latest").write_text("global_step3")
+        subprocess.run(["mount", "-o", "remount,ro", str(ckpt)], check=True)
+        ds_config = DsConfig.load("zero3_offload.json")
+        opts = JobOptions(deepspeed="zero3_offload.json", output_dir=tmp_path / "out", resume=True)
+        for interval, refused in ((1, True), (0, False)):
+            cfg = resolve_config(ds_config.raw, {"model": str(tiny_model_dir), "seqlen": 64, "save_interval": interval})
+            with pytest.raises(ElsaError) as err:  # without --save_interval: the resume's own checks go on (no tag here)
+                checks.before_work(cfg, opts, ds_config, 1, ModelSource(cfg.model))
+            assert ("checkpoints cannot be written (Read-only file system)" in str(err.value)) is refused, str(err.value)
+    finally:
+        unmount()

@@ -81,16 +81,16 @@ def host_folders_problem(world_size: int, cpu_ranks: bool) -> str | None:
         device = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
                   f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
         builds = root / f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{device}"
-    if why := _unwritable(root) or _unwritable(builds, made_only=True):
+    if why := unwritable(root) or unwritable(builds, made_only=True):
         return (f"torch builds DeepSpeed's and elsa_ds's C++ ops in {root} (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), "
                 f"but {why}: set TORCH_EXTENSIONS_DIR to a folder you can write, or fix the permissions there")
-    if cpu_ranks and world_size > 1 and (why := _unwritable(Path(SHM))):
+    if cpu_ranks and world_size > 1 and (why := unwritable(Path(SHM))):
         return (f"DeepSpeed's CPU backend shares each rank's all-reduce buffer (~66 MiB) through {SHM}, but {why}: make {SHM} "
                 "writable (in a container, its default tmpfs or a larger --shm-size), or run one rank")
     return None
 
 
-def _unwritable(folder: Path, made_only: bool = False) -> str | None:
+def unwritable(folder: Path, made_only: bool = False) -> str | None:
     """Why no file can be made in ``folder`` (where it does not exist yet, in the nearest folder above it, where it would
     be made), nor (``made_only``: a folder of builds, nothing to say where it does not exist yet) in the folders already
     in it; None when all can."""

@@ -46,6 +46,17 @@ def check_deepspeed_reader(cfg: ElsaConfig, engine_config: dict, source: object)
         raise ElsaError(f"DeepSpeed config {source}: DeepSpeed's reader refuses it: {refusal}; {FIX}")
 
 
+def check_places_written(cfg: ElsaConfig, opts: JobOptions, world_size: int, engine_used: bool) -> None:
+    """What the job writes outside its output (torch's builds, /dev/shm for CPU ranks) and a resumed run's checkpoints
+    folder, tried before any work (an audit of OS permissions: a traceback from inside DeepSpeed's start, a hang, an
+    unwritable checkpoints folder said only after the model and the checkpoint had loaded)."""
+    if engine_used and (why := machine.host_folders_problem(world_size, machine.job_device() == "cpu")):
+        raise ElsaError(why)
+    if cfg.save_interval and opts.resume and (ckpt := opts.output_dir / "checkpoints").is_dir() and (why := machine.unwritable(ckpt)):
+        raise ElsaError(f"--save_interval {cfg.save_interval} saves this run's checkpoints in the one it resumes, but {why}: "
+                        "make it writable and run again, or drop --save_interval")
+
+
 def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_size: int, source: ModelSource) -> DsConfig:
     """Run every check for ``cfg`` on ``world_size`` ranks; returns the engine's DeepSpeed config (``ds_config`` resolved)."""
     engine_used = builds_engine(cfg)
@@ -53,8 +64,7 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     if engine_used:  # its rank 0 serves the process group's rendezvous: a port another job holds, said first
         check_rendezvous_port()
         check_loss_choice(machine.job_device())  # ELSA_DS_LOSS
-        if why := machine.host_folders_problem(world_size, machine.job_device() == "cpu"):
-            raise ElsaError(why)
+    check_places_written(cfg, opts, world_size, engine_used)
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume, opts.restart)
     if opts.export_format == "sparse" and (cfg.method.value == DENSE or cfg.sparsity == 0 and not cfg.sparsity_profile):
         raise ElsaError("--export_format sparse stores pruned weights as values + positions, but this run prunes nothing "
