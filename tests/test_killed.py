@@ -271,3 +271,24 @@ def test_the_runner_is_told_apart_and_its_end_alone_stops_the_launcher_once():
     finally:
         with contextlib.suppress(psutil.Error):
             launcher.kill()
+
+
+def test_a_rank_that_dies_in_the_start_leaves_no_shared_memory_buffer(tmp_path):
+    """An audit (OS limits, 2026-12-07): a rank that died between DeepSpeed's making its 66 MiB /dev/shm all-reduce
+    buffer and the job's unlink of it (an abort under a thread limit) left the buffer in /dev/shm at every try. The
+    ranks that exit after it remove every local rank's buffer of the job (``tests/fixtures/die_in_start``: rank 1
+    SIGKILLed right after DeepSpeed's start). The output and its parent as before."""
+    parent = tmp_path / "parent"
+    out = _previous_output(parent)
+    before, port = _listing(parent), free_port()
+    fixture = ROOT / "tests" / "fixtures" / "die_in_start"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "ELSA_TEST_DIE_IN_START": "1",
+           "PYTHONPATH": os.pathsep.join([str(fixture), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "launch/prune.py",
+           *QUICK, "--steps", "2", "--output_dir", str(out), "--overwrite"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "SIGKILL, rank 1" in proc.stderr, proc.stderr[-3000:]
+    left = [p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")]
+    assert left == [], left
+    assert _listing(parent) == before
+    _no_watchdog_left(out)

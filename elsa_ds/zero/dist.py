@@ -35,6 +35,7 @@ def init_distributed() -> tuple[int, int]:
     compat.check_deepspeed_version()
     if not dist.is_initialized():
         clear_stale_locks()  # DeepSpeed's ops are built from here on (its CPU backend's shm comm first): none waits forever
+        atexit.register(_remove_shm_buffers)  # a rank that dies in the start leaves its buffer: the others' exits remove it
         from deepspeed.constants import default_pg_timeout
 
         store = gather(default_pg_timeout.total_seconds())  # every rank here, or a signal's end within seconds
@@ -123,6 +124,20 @@ def _unlink_shm_buffer(dist) -> None:
         os.unlink(shm_buffer_path(dist.get_rank()))
     except FileNotFoundError:
         pass
+
+
+def _remove_shm_buffers() -> None:
+    """Every local rank's /dev/shm all-reduce buffer of this job that is still there (none after a good start: each rank
+    unlinks its own once all have mapped it). An audit (OS limits, 2026-12-07): a rank that died between DeepSpeed's
+    making its buffer and that unlink (a thread limit's abort) left 66 MiB in /dev/shm at each try."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    first = launch_env.rank() - launch_env.local_rank()
+    for rank in range(first, first + launch_env.local_size(1)):
+        with contextlib.suppress(OSError):
+            os.unlink(shm_buffer_path(rank))
 
 
 def teardown() -> None:
