@@ -291,6 +291,16 @@ def guarded(fn: Callable[[], int | None]) -> int:
         if not peer_gone(err):
             raise
         return _after_peer_gone(err, where)
+    except OSError as err:  # an audit (OS limits): `ulimit -n 32` was a traceback from wherever the next file opened
+        if err.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = "" if soft == resource.RLIM_INFINITY else f" (this process may hold {soft}: ulimit -n)"
+        stderr_line(f"elsa_ds: error{where}: too many open files{limit}: {first_line(err)}; raise the limit (e.g. ulimit -n "
+                    "65536, or your container's nofile) and run again")
+        return 2
     except BaseException as err:  # noqa: B036 - only a Rust library's panic (tokenizers on a crafted regex), re-raised else
         if not is_panic(err):
             raise

@@ -387,3 +387,20 @@ def test_compress_refuses_a_disk_too_small_before_writing_and_names_a_late_full_
         assert sorted(p.name for p in (tmp_path / "big").iterdir()) == [], line
     assert re.search(r"^elsa_ds: error: file size limit reached on .+ writing \S+elsa-sparse\.safetensors: [\d,]+ bytes needed, "
                      r"[\d,]+ free; free space or choose another output folder$", line), line
+
+
+def test_too_few_open_files_is_one_line_and_leaves_nothing(tmp_path):
+    """An audit (OS limits, 2026-12-07): under ``ulimit -n 32`` the job ended in a traceback (exit 1) from wherever the
+    next file opened (a pipe after the warm start). One line naming the limit now, exit 2, the output and its parent as
+    before."""
+    parent = tmp_path / "parent"
+    out = _previous_output(parent)
+    before = _listing(parent)
+
+    def few_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (32, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    proc = _prune([*QUICK, "--steps", "2", "--output_dir", str(out), "--overwrite"], preexec=few_files)
+    line = _one_error_line(proc)
+    assert "too many open files (this process may hold 32: ulimit -n)" in line and "raise the limit" in line, line
+    assert _listing(parent) == before
