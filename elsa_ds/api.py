@@ -14,11 +14,12 @@ may be a str or an os.PathLike such as pathlib.Path.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import tempfile
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def _run_job(model: Any, dataset: Dataset, output_dir, deepspeed, tokenizer, ove
     settings = {k: type(v)(map(_fspath, v)) if type(v) in (list, tuple) else _fspath(v) for k, v in settings.items()}
     in_memory = not isinstance(model, (str, os.PathLike))
     run = {k: settings[k] for k in RUN_SETTINGS if k in settings}  # the job's flags beside ElsaConfig's (export_format...)
-    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix=IN_MEMORY_FOLDER) as tmp:  # SIGTERM: both cleaned up
+    with sigterm_unwinds(), _temporary_folder() as tmp:  # SIGTERM: both cleaned up
         name = _dataset_name(dataset, Path(tmp))
         opts = job_options({"deepspeed": deepspeed, "output_dir": Path(output_dir), "overwrite": overwrite, "resume": resume,
                             "recipe": recipe, "model_object": model if in_memory else None, "tokenizer_object": tokenizer,
@@ -152,6 +153,19 @@ def _model_name(module: Any) -> str:
     if not name or (Path(name).is_absolute() and not (Path(name) / "config.json").is_file()):
         return f"in-memory {type(module).__name__}"
     return str(name)
+
+
+@contextlib.contextmanager
+def _temporary_folder() -> Iterator[str]:
+    """The call's temporary folder (documents given in memory go there); a TMPDIR where none can be made is an ElsaError
+    (a review: a full disk's mkdir was a raw OSError)."""
+    try:
+        folder = tempfile.TemporaryDirectory(prefix=IN_MEMORY_FOLDER)
+    except OSError as err:
+        raise ElsaError(f"no temporary folder can be made in {tempfile.gettempdir()} ({err.strerror or err}): set TMPDIR to "
+                        "a folder with room") from None
+    with folder as path:
+        yield path
 
 
 def _dataset_name(dataset: Dataset, tmp: Path) -> str | None:

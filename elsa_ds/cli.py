@@ -187,15 +187,15 @@ def _cuda_here() -> bool:
 
 
 def _check_measurable(opts: EstimateOptions) -> None:
-    """What stops ``--measure`` here, said before anything is timed: no CUDA device for CUDA rates, or the folders its
-    probe job's engine writes (torch's builds, /dev/shm for CPU ranks)."""
-    from elsa_ds.capacity.machine import host_folders_problem
+    """What stops ``--measure`` here, said before anything is timed: no CUDA device for CUDA rates, or a /dev/shm its
+    probe job's CPU ranks would hang on (a probe that cannot build its ops falls back to the typical figures itself)."""
+    from elsa_ds.capacity.machine import shm_problem
 
     if opts.accelerator == "cuda" and not _cuda_here():
         raise ElsaError("--measure times this machine's rates and --accelerator is cuda (the default), but this machine has "
                         "no CUDA device: run it on the GPU host, pass --accelerator cpu for CPU ranks here, or drop "
                         "--measure for a typical GPU host's rates")
-    if why := host_folders_problem(opts.num_gpus, opts.accelerator == "cpu"):
+    if opts.accelerator == "cpu" and (why := shm_problem(opts.num_gpus)):  # the probe's ranks run here, all of them
         raise ElsaError(why)
 
 def main_estimate(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from elsa_ds import launch_env
 from elsa_ds.admm.kernels.build_lock import extensions_root
 from elsa_ds.zero import compat
 from elsa_ds.zero.engine import model_dtype
@@ -70,42 +71,55 @@ SHM = "/dev/shm"
 
 
 def host_folders_problem(world_size: int, cpu_ranks: bool) -> str | None:
-    """Why the engine could not write where it writes outside the output, or None: torch's JIT builds (DeepSpeed's and
-    elsa_ds's ops, on every rank) and, with several CPU ranks, DeepSpeed's shared-memory all-reduce buffers. An audit
-    (OS limits, 2026-12-07): an unwritable build folder (HOME=/ in a container started with --user) was a traceback from
-    inside DeepSpeed's start; an unwritable /dev/shm hung both ranks, past SIGTERM."""
-    root = extensions_root()
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        builds = root  # torch's folder for this Python and device, and the ops' folders in it
-    else:
-        device = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
-                  f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
-        builds = root / f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{device}"
-    if why := unwritable(root) or unwritable(builds, made_only=True):
-        return (f"torch builds DeepSpeed's and elsa_ds's C++ ops in {root} (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), "
+    """Why the engine could not write where it writes outside the output, or None: the folder torch makes DeepSpeed's
+    JIT-built ops in (unless DeepSpeed was installed with its ops built: elsa_ds's own fall back to torch without it)
+    and, where DeepSpeed's CPU backend shares its all-reduce buffers (several ranks, all on this node), /dev/shm. An
+    audit (OS limits, 2026-12-07): an unwritable build folder (HOME=/ in a container started with --user) was a
+    traceback from inside DeepSpeed's start; an unwritable /dev/shm hung both ranks, past SIGTERM."""
+    if not _prebuilt_ops() and (why := unwritable(build_folder())):
+        return (f"torch builds DeepSpeed's C++ ops in {extensions_root()} (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), "
                 f"but {why}: set TORCH_EXTENSIONS_DIR to a folder you can write, or fix the permissions there")
-    if cpu_ranks and world_size > 1 and (why := unwritable(Path(SHM))):
+    return shm_problem(world_size if cpu_ranks and world_size == launch_env.local_size(world_size) else 1)
+
+
+def shm_problem(cpu_ranks_here: int) -> str | None:
+    """Why DeepSpeed's CPU backend could not share its all-reduce buffers through /dev/shm, which it does for several
+    CPU ranks all on one node; None when it can, or does not."""
+    if cpu_ranks_here > 1 and (why := unwritable(Path(SHM))):
         return (f"DeepSpeed's CPU backend shares each rank's all-reduce buffer (~66 MiB) through {SHM}, but {why}: make {SHM} "
                 "writable (in a container, its default tmpfs or a larger --shm-size), or run one rank")
     return None
 
 
-def unwritable(folder: Path, made_only: bool = False) -> str | None:
+def build_folder() -> Path:
+    """The folder torch makes each op's build folder in: TORCH_EXTENSIONS_DIR itself, else its default root's folder for
+    this Python and device (torch.utils.cpp_extension's naming)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return extensions_root()
+    device = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
+              f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+    return extensions_root() / f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{device}"
+
+
+def _prebuilt_ops() -> bool:
+    """Whether DeepSpeed was installed with its ops built (DS_BUILD_OPS=1): it then loads them from the package."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        return False
+    return any(installed_ops.values())
+
+
+def unwritable(folder: Path) -> str | None:
     """Why no file can be made in ``folder`` (where it does not exist yet, in the nearest folder above it, where it would
-    be made), nor (``made_only``: a folder of builds, nothing to say where it does not exist yet) in the folders already
-    in it; None when all can."""
+    be made), or None: a file made and removed there, so a read-only mount counts as it does for root."""
     where = folder
     while not where.is_dir() and where != where.parent:
-        if made_only:
-            return None
         where = where.parent
     try:
-        handle, name = tempfile.mkstemp(prefix=".elsa_ds_probe_", dir=where)  # a real try: root's permissions, a read-only mount
+        handle, name = tempfile.mkstemp(prefix=".elsa_ds_probe_", dir=where)
         os.close(handle)
         os.unlink(name)
-        inside = [p for p in where.iterdir() if p.is_dir() and not p.is_symlink()] if made_only else []
     except OSError as err:
         return f"{where} cannot be written ({err.strerror or err})"
-    if made := next((p for p in inside if not os.access(p, os.W_OK | os.X_OK)), None):
-        return f"{made} cannot be written (another user's build?)"
     return None

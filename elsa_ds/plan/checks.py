@@ -46,13 +46,12 @@ def check_deepspeed_reader(cfg: ElsaConfig, engine_config: dict, source: object)
         raise ElsaError(f"DeepSpeed config {source}: DeepSpeed's reader refuses it: {refusal}; {FIX}")
 
 
-def check_places_written(cfg: ElsaConfig, opts: JobOptions, world_size: int, engine_used: bool) -> None:
-    """What the job writes outside its output (torch's builds, /dev/shm for CPU ranks) and a resumed run's checkpoints
-    folder, tried before any work (an audit of OS permissions: a traceback from inside DeepSpeed's start, a hang, an
-    unwritable checkpoints folder said only after the model and the checkpoint had loaded)."""
-    if engine_used and (why := machine.host_folders_problem(world_size, machine.job_device() == "cpu")):
-        raise ElsaError(why)
-    if cfg.save_interval and opts.resume and (ckpt := opts.output_dir / "checkpoints").is_dir() and (why := machine.unwritable(ckpt)):
+def check_resumed(cfg: ElsaConfig, opts: JobOptions) -> None:
+    """``latest`` names a tag on disk, one is readable, no file needs a class outside the allow-list (no link there:
+    ``check_resume``); then a run that saves checkpoints can write them there (an audit of OS permissions: said only
+    after the model, the engine and the checkpoint had loaded)."""
+    checkpoint.check_resume(opts.output_dir / "checkpoints")
+    if cfg.save_interval and (why := machine.unwritable(opts.output_dir / "checkpoints")):
         raise ElsaError(f"--save_interval {cfg.save_interval} saves this run's checkpoints in the one it resumes, but {why}: "
                         "make it writable and run again, or drop --save_interval")
 
@@ -64,7 +63,8 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
     if engine_used:  # its rank 0 serves the process group's rendezvous: a port another job holds, said first
         check_rendezvous_port()
         check_loss_choice(machine.job_device())  # ELSA_DS_LOSS
-    check_places_written(cfg, opts, world_size, engine_used)
+        if why := machine.host_folders_problem(world_size, machine.job_device() == "cpu"):  # DeepSpeed's writes outside
+            raise ElsaError(why)  # the output (an audit: a traceback from inside its start, or a hang past SIGTERM)
     check_output_dir(opts.output_dir, opts.overwrite, opts.resume, opts.restart)
     if opts.export_format == "sparse" and (cfg.method.value == DENSE or cfg.sparsity == 0 and not cfg.sparsity_profile):
         raise ElsaError("--export_format sparse stores pruned weights as values + positions, but this run prunes nothing "
@@ -100,8 +100,8 @@ def before_work(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig, world_si
         flag = "--resume_if_any" if opts.resume_if_any else "--resume"
         if refusal := checkpoint.resume_changes(written, cfg.resume_fingerprint(world_size), flag):
             raise ElsaError(refusal)
-    if opts.resume:  # latest names a tag on disk, one is readable, no file needs a class outside the allow-list
-        checkpoint.check_resume(opts.output_dir / "checkpoints")
+    if opts.resume:
+        check_resumed(cfg, opts)
     if cfg.oneshot is not None:  # memory before the texts: a job this machine cannot hold is told so before a download
         element = (saved_dtype(ds.raw).itemsize if cfg.finetune is None  # the model as the job saves it; a retraining run's
                    else host_dtype().itemsize + (2 if ds.bf16 else 4))  # one-shot model stays beside its export

@@ -82,8 +82,9 @@ def discard_unpublished_tag(ckpt_dir: Path, tag: str, copied: bool = True) -> No
     run's went with --overwrite, and --resume needs a ``latest``). ``copied``: DeepSpeed's writes began, so a script
     with nothing set aside is this save's copy, whole or not (else it is the last good save's: an audit, the fingerprint's
     write failing on a full disk had them removed). A script that cannot be put back stays aside for the next save."""
-    if published_tag(ckpt_dir) != tag:
-        remove_tag(ckpt_dir / tag)
+    if published_tag(ckpt_dir) != tag and (why := remove_tag(ckpt_dir / tag)) is not None:
+        get_logger(__name__).warning(f"the failed save's checkpoint {ckpt_dir / tag} stays: it could not be removed ({why}); "
+                                     "remove it yourself to free its space")
     for name in RECOVERY_SCRIPTS:
         path, aside = ckpt_dir / name, _aside(ckpt_dir, name)
         with contextlib.suppress(OSError):  # the save's own error is the one said

@@ -35,7 +35,6 @@ def init_distributed() -> tuple[int, int]:
     compat.check_deepspeed_version()
     if not dist.is_initialized():
         clear_stale_locks()  # DeepSpeed's ops are built from here on (its CPU backend's shm comm first): none waits forever
-        atexit.register(_remove_shm_buffers)  # a rank that dies in the start leaves its buffer: the others' exits remove it
         from deepspeed.constants import default_pg_timeout
 
         store = gather(default_pg_timeout.total_seconds())  # every rank here, or a signal's end within seconds
@@ -46,6 +45,7 @@ def init_distributed() -> tuple[int, int]:
                 raise
             raise ElsaError(port_in_use(os.environ.get("MASTER_PORT", ""))) from None
         del store  # torch's own store shares its server now
+        atexit.register(_remove_shm_buffers, _shm_buffers())  # a rank dead before the unlink: the others' exits remove it
         _unlink_shm_buffer(dist)
         atexit.register(teardown)
     return dist.get_rank(), dist.get_world_size()
@@ -126,18 +126,29 @@ def _unlink_shm_buffer(dist) -> None:
         pass
 
 
-def _remove_shm_buffers() -> None:
-    """Every local rank's /dev/shm all-reduce buffer of this job that is still there (none after a good start: each rank
-    unlinks its own once all have mapped it). An audit (OS limits, 2026-12-07): a rank that died between DeepSpeed's
-    making its buffer and that unlink (a thread limit's abort) left 66 MiB in /dev/shm at each try."""
+def _shm_buffers() -> dict[str, tuple[int, int]]:
+    """Every local rank's /dev/shm all-reduce buffer of this job as it is now (DeepSpeed's start made and mapped them
+    all): path -> (device, inode). Empty off DeepSpeed's CPU backend."""
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":
-        return
-    first = launch_env.rank() - launch_env.local_rank()
+        return {}
+    first, found = launch_env.rank() - launch_env.local_rank(), {}
     for rank in range(first, first + launch_env.local_size(1)):
         with contextlib.suppress(OSError):
-            os.unlink(shm_buffer_path(rank))
+            st = os.stat(path := shm_buffer_path(rank))
+            found[path] = (st.st_dev, st.st_ino)
+    return found
+
+
+def _remove_shm_buffers(buffers: dict[str, tuple[int, int]]) -> None:
+    """The buffers ``_shm_buffers`` found that are still those files (none after a good start: each rank unlinks its own
+    once all have mapped it; never another job's of the same name). An audit (OS limits, 2026-12-07): a rank that died
+    between DeepSpeed's start and that unlink (an abort under a thread limit) left 66 MiB in /dev/shm at each try."""
+    for path, (device, inode) in buffers.items():
+        with contextlib.suppress(OSError):
+            if (st := os.stat(path)).st_dev == device and st.st_ino == inode:
+                os.unlink(path)
 
 
 def teardown() -> None:
