@@ -1,11 +1,13 @@
 """Shared fixtures: a tiny random Gemma-2 with its own small tokenizer, local text, a runner for the entry points."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -193,3 +195,18 @@ def run_fails(script: str, args: list[str], *needles: str) -> str:
     for needle in needles:
         assert needle in errors[0], errors[0]
     return errors[0]
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted at ``where`` with the mount ``options`` ("size=64k", "ro,size=64k") for the block: a real full
+    disk or read-only folder (a permission stops nothing for root, as CI runs); the test skipped where none can be
+    mounted. Unmounted after it (lazily, where still busy)."""
+    where.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("no tmpfs can be mounted here (needs root)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)

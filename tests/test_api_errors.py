@@ -188,19 +188,13 @@ def test_a_datasets_text_that_is_not_text_is_refused_and_a_none_is_no_document()
 def test_documents_given_in_memory_on_a_full_tmpdir_are_an_elsa_error_and_leave_nothing(tmp_path, tiny_model_dir, monkeypatch):
     """An audit (OS limits, 2026-12-07): a full TMPDIR was a raw OSError (No space left on device) from the API, which
     promises an ElsaError. A real full disk: a 64 KiB tmpfs, where this process may mount one (root, as CI is)."""
-    import subprocess
     import tempfile
 
-    small = tmp_path / "small"
-    small.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("no tmpfs can be mounted here (needs root)")
-    try:
+    from tests.conftest import tmpfs
+
+    with tmpfs(tmp_path / "small", "size=64k") as small:
         monkeypatch.setattr(tempfile, "tempdir", str(small))
         with pytest.raises(ElsaError, match=r"dataset: the documents given in memory could not be written to .*No space left "
                                             r"on device.*set TMPDIR to a folder with room"):
             elsa_ds.prune(str(tiny_model_dir), ["word " * 50_000] * 4, output_dir=str(tmp_path / "out"))
         assert list(small.iterdir()) == [] and not (tmp_path / "out").exists()
-    finally:
-        subprocess.run(["umount", "-l", str(small)], capture_output=True)

@@ -23,7 +23,7 @@ from elsa_ds.files.disk_room import DiskFull, disk_full, disk_full_errno
 from elsa_ds.files.ownership import lock_path
 from elsa_ds.jobs.warm_start import warm_start_path
 from elsa_ds.settings.config import DEMO_MODEL_DIR
-from tests.conftest import ROOT, nan_at_step_env, run_entry
+from tests.conftest import ROOT, nan_at_step_env, run_entry, tmpfs
 from tests.test_interrupts import _run_and_signal
 
 pytestmark = pytest.mark.integration
@@ -319,12 +319,7 @@ def test_evaluate_on_a_disk_with_no_inode_left_says_one_line_and_leaves_no_folde
     """``elsa-evaluate --output new/sub/r.json`` makes the missing folders before it takes its lock: a file system with no
     inode left (mkdir's ENOSPC, as on a full ext4) was a traceback there (an audit, 2026-12-05); now one line naming the
     folder, exit 2, and the folders it made gone."""
-    parent = tmp_path / "disk"
-    parent.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=3", "tmpfs", str(parent)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("no tmpfs can be mounted here (needs root)")
-    try:
+    with tmpfs(tmp_path / "disk", "size=1m,nr_inodes=3") as parent:
         (parent / "a").mkdir()  # the last inode but one: "new" takes the last, "sub" finds none
         before = _listing(parent)
         proc = run_entry("evaluate.py", ["--model", str(DEMO_MODEL_DIR), "--ppl", "shakespeare", "--seqlen", "64", "--limit",
@@ -332,9 +327,6 @@ def test_evaluate_on_a_disk_with_no_inode_left_says_one_line_and_leaves_no_folde
         line = _one_error_line(proc)
         assert re.search(r"^elsa_ds: error: cannot create the folder \S+/new/sub: No space left on device$", line), line
         assert _listing(parent) == before, line
-    finally:
-        if subprocess.run(["umount", str(parent)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(parent)], capture_output=True)
 
 
 def test_made_folders_name_the_folder_that_failed_and_remove_those_made(tmp_path, monkeypatch):

@@ -60,29 +60,14 @@ def test_an_nvme_job_on_a_machine_without_libaio_stops_in_the_checks(tmp_path, t
     assert not (tmp_path / "out").exists()
 
 
-def _read_only_mount(where):
-    """A read-only tmpfs at ``where`` (root can write anywhere else), or a skip where none can be mounted."""
-    import os
-    import subprocess
-
-    import pytest
-
-    where.mkdir(parents=True)
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(where)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("no tmpfs can be mounted here (needs root)")
-    return lambda: subprocess.run(["umount", "-l", str(where)], capture_output=True)
-
-
 def test_folders_the_engine_writes_outside_the_output_are_tried_before_any_work(tmp_path, monkeypatch, tiny_model_dir):
     """An audit (OS limits and permissions, 2026-12-07): an unwritable build folder (HOME=/ in a container started with
     --user) was a traceback from inside DeepSpeed's start, after the plan; an unwritable /dev/shm hung both CPU ranks
     past SIGTERM. Each is one line now, from the plan's checks (/dev/shm from elsa-estimate --measure's too)."""
     from elsa_ds.capacity import machine
-    from tests.conftest import run_entry
+    from tests.conftest import run_entry, tmpfs
 
-    unmount = _read_only_mount(tmp_path / "ro")
-    try:
+    with tmpfs(tmp_path / "ro", "ro,size=64k"):
         monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ro" / "not_yet"))  # made in a folder nobody can write
         assert "ro cannot be written (Read-only file system)" in (machine.host_folders_problem(1, True) or "")
         monkeypatch.delenv("TORCH_EXTENSIONS_DIR")  # torch's default: its folder for this Python and device, below the cache
@@ -100,8 +85,6 @@ def test_folders_the_engine_writes_outside_the_output_are_tried_before_any_work(
         errors = [line for line in proc.stderr.splitlines() if line.startswith("elsa_ds: error")]
         assert proc.returncode == 2 and len(errors) == 1 and "set TORCH_EXTENSIONS_DIR" in errors[0], proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
-    finally:
-        unmount()
 
 
 def test_a_resumed_run_whose_checkpoints_folder_cannot_be_written_is_refused_before_it_loads(tmp_path, tiny_model_dir):
@@ -120,9 +103,9 @@ def test_a_resumed_run_whose_checkpoints_folder_cannot_be_written_is_refused_bef
     from elsa_ds.settings.options import JobOptions
     from elsa_ds.zero.ds_config import DsConfig
 
-    ckpt = tmp_path / "out" / "checkpoints"
-    unmount = _read_only_mount(ckpt)
-    try:
+    from tests.conftest import tmpfs
+
+    with tmpfs(tmp_path / "out" / "checkpoints", "ro,size=64k") as ckpt:
         subprocess.run(["mount", "-o", "remount,rw", str(ckpt)], check=True)
         (ckpt / "global_step3").mkdir()  # a tag the resume's own checks read (a state of plain tensors)
         torch.save({"module": {"w": torch.ones(2)}, "global_steps": 3}, ckpt / "global_step3" / "mp_rank_00_model_states.pt")
@@ -138,5 +121,3 @@ def test_a_resumed_run_whose_checkpoints_folder_cannot_be_written_is_refused_bef
             else:  # without --save_interval the resume writes nothing there: the checks go on, to the (hub) dataset's
                 with pytest.raises(ElsaError, match="--dataset 'c4'"):
                     checks.before_work(cfg, opts, ds_config, 1, ModelSource(cfg.model))
-    finally:
-        unmount()
