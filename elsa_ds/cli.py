@@ -198,6 +198,7 @@ def _check_measurable(opts: EstimateOptions) -> None:
     if opts.accelerator == "cpu" and (why := shm_problem(opts.num_gpus)):  # the probe's ranks run here, all of them
         raise ElsaError(why)
 
+
 def main_estimate(argv: list[str] | None = None) -> int:
     args = estimate_parser().parse_args(argv)
     start_logging(args)
