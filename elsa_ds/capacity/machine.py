@@ -16,6 +16,7 @@ import torch
 
 from elsa_ds import launch_env
 from elsa_ds.admm.kernels.build_lock import extensions_root
+from elsa_ds.files.disk_room import existing_ancestor
 from elsa_ds.zero import compat
 from elsa_ds.zero.engine import model_dtype
 
@@ -113,9 +114,7 @@ def _prebuilt_ops() -> bool:
 def unwritable(folder: Path) -> str | None:
     """Why no file can be made in ``folder`` (where it does not exist yet, in the nearest folder above it, where it would
     be made), or None: a file made and removed there, so a read-only mount counts as it does for root."""
-    where = folder
-    while not where.is_dir() and where != where.parent:
-        where = where.parent
+    where = existing_ancestor(folder)
     try:
         handle, name = tempfile.mkstemp(prefix=".elsa_ds_probe_", dir=where)
         os.close(handle)
