@@ -56,7 +56,6 @@ def test_json_data_refuses_depth_and_size_as_value_errors(tmp_path):
     assert json_data.read(tmp_path / "ok.json") == {"a": [1, 2]}
 
 
-
 def test_a_small_file_read_under_a_large_cap_reserves_no_more_than_it_holds(tmp_path):
     """An audit (OS limits, 2026-12-07): ``read(limit + 1)`` reserved the whole cap (256 MiB for a model's JSON files)
     before reading a byte, so a 260 KB tokenizer.json failed with MemoryError under ``ulimit -v``."""
@@ -77,6 +76,7 @@ print(json_data.read({str(tmp_path / "small.json")!r}, limit=1 << 30))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "{'a': 1}", proc.stderr[-2000:]
+
 
 def test_every_json_reader_turns_deep_nesting_into_its_own_error(tmp_path):
     deep = tmp_path / "deep.json"

@@ -61,7 +61,6 @@ def test_log_level_warning_hides_info_and_debug_shows_it(console, capsys):
         setup_logging("loud")
 
 
-
 def test_a_python_programs_own_logging_gets_the_records_once_and_a_commands_console_is_its_own(console, capsys):
     """A fifteenth audit (2026-12-07): a program's ``logging.basicConfig(filename=...)`` got no elsa_ds line, every one
     went to the console alone. The API's console (and the default one) hands each record to the program's handlers at
@@ -87,6 +86,7 @@ def test_a_python_programs_own_logging_gets_the_records_once_and_a_commands_cons
     with logging_for("info"):
         log.info("no handler of the program's")
     assert capsys.readouterr().out == "[elsa_ds] no handler of the program's\n"
+
 
 def test_evaluate_log_level_warning_keeps_the_table_and_drops_the_progress_lines(tmp_path, tiny_model_dir, text_dir):
     text = sorted(text_dir.glob("*.txt"))[0]

@@ -260,7 +260,6 @@ def test_publishing_never_writes_through_a_link_nor_prunes_the_tag_it_published(
     assert (outside / "shard.pt").read_text() == "keep me too" and victim.read_text() == "keep me"
 
 
-
 def test_a_tag_that_cannot_be_removed_is_named_not_kept_in_silence(tmp_path, monkeypatch, caplog):
     """An audit (OS limits and permissions, 2026-12-07): a tag the user cannot delete (a read-only folder) stayed beside
     the --keep_checkpoints newest without a word (hundreds of GB at 27B). Now a warning names it and why. As root a
@@ -282,6 +281,7 @@ def test_a_tag_that_cannot_be_removed_is_named_not_kept_in_silence(tmp_path, mon
     assert sorted(p.name for p in ckpt.iterdir()) == ["global_step10", "global_step20", "latest"]
     said = [r.getMessage() for r in caplog.records if "could not be removed" in r.getMessage()]
     assert len(said) == 1 and str(ckpt / "global_step10") in said[0] and "Permission denied" in said[0], caplog.text
+
 
 def test_a_failed_save_reads_latest_as_data_never_through_a_link(tmp_path):
     """After a failed save, rank 0 keeps the tag only where ``latest`` names it: ``latest`` is opened without following a
