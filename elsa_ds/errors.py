@@ -257,6 +257,20 @@ def _after_peer_gone(err: RuntimeError, where: str) -> int:
     return 1
 
 
+TOO_MANY_FILES = os.strerror(errno.EMFILE)  # "Too many open files"
+
+
+def _too_many_open_files(err: BaseException, where: str) -> int:
+    """The process reached its limit of open files (EMFILE; ENFILE is the system's): one line naming the limit, exit 2."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limit = "" if soft == resource.RLIM_INFINITY else f" (this process may hold {soft}: ulimit -n)"
+    stderr_line(f"elsa_ds: error{where}: too many open files{limit}: {first_line(err)}; raise the limit (e.g. ulimit -n "
+                "65536, or your container's nofile) and run again")
+    return 2
+
+
 def is_panic(err: BaseException) -> bool:
     """Whether ``err`` is a Rust library's panic raised through pyo3 (``pyo3_runtime.PanicException``, a BaseException
     no module exports)."""
@@ -288,19 +302,15 @@ def guarded(fn: Callable[[], int | None]) -> int:
     except (KeyboardInterrupt, Terminated) as err:
         return _stop_line(err, where)
     except RuntimeError as err:
+        if TOO_MANY_FILES in str(err):  # torch's own (shared memory, a pipe) says the errno in words only
+            return _too_many_open_files(err, where)
         if not peer_gone(err):
             raise
         return _after_peer_gone(err, where)
     except OSError as err:  # an audit (OS limits): `ulimit -n 32` was a traceback from wherever the next file opened
         if err.errno not in (errno.EMFILE, errno.ENFILE):
             raise
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        limit = "" if soft == resource.RLIM_INFINITY else f" (this process may hold {soft}: ulimit -n)"
-        stderr_line(f"elsa_ds: error{where}: too many open files{limit}: {first_line(err)}; raise the limit (e.g. ulimit -n "
-                    "65536, or your container's nofile) and run again")
-        return 2
+        return _too_many_open_files(err, where)
     except BaseException as err:  # noqa: B036 - only a Rust library's panic (tokenizers on a crafted regex), re-raised else
         if not is_panic(err):
             raise

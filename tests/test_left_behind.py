@@ -396,3 +396,25 @@ def test_too_few_open_files_is_one_line_and_leaves_nothing(tmp_path):
     line = _one_error_line(proc)
     assert "too many open files (this process may hold 32: ulimit -n)" in line and "raise the limit" in line, line
     assert _listing(parent) == before
+
+
+TORCH_SHARES = """
+import os, resource, sys
+import torch
+from elsa_ds.errors import guarded
+
+def share() -> None:
+    held = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (held + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    tensors = [torch.empty(4).share_memory_() for _ in range(8)]
+
+sys.exit(guarded(share))
+"""
+
+
+def test_torchs_too_many_open_files_is_the_same_one_line():
+    """A review (2026-12-07): torch says the open-files limit in a RuntimeError of its own ("unable to open shared memory
+    object ... Too many open files (24)"), not an OSError: it was a traceback. The same one line now, exit 2."""
+    proc = subprocess.run([sys.executable, "-c", TORCH_SHARES], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    line = _one_error_line(proc)
+    assert re.search(r"too many open files \(this process may hold \d+: ulimit -n\): unable to open shared memory", line), line
