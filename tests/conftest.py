@@ -202,10 +202,18 @@ def tmpfs(where: Path, options: str) -> Iterator[Path]:
     """A tmpfs mounted at ``where`` with the mount ``options`` ("size=64k", "ro,size=64k") for the block: a real full
     disk or read-only folder (a permission stops nothing for root, as CI runs); the test skipped where none can be
     mounted. Unmounted after it (lazily, where still busy)."""
-    where.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("no tmpfs can be mounted here (needs root)")
+    with mounted(where, "-t", "tmpfs", "-o", options, "tmpfs") as point:
+        yield point
+
+
+@contextlib.contextmanager
+def mounted(where: Path, *args: str) -> Iterator[Path]:
+    """``mount ARGS where`` for the block (a bind mount: "--bind", SOURCE; an overlay: "-t", "overlay", "-o", ..., "x"),
+    the test skipped where it cannot be mounted (needs root); unmounted after it (lazily, where still busy)."""
+    if not where.exists():
+        where.mkdir(parents=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", *args, str(where)], capture_output=True).returncode != 0:
+        pytest.skip(f"mount {' '.join(args)} is not possible here (needs root)")
     try:
         yield where
     finally:

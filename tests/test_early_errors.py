@@ -10,7 +10,7 @@ import pytest
 from elsa_ds.errors import ElsaError
 from elsa_ds.settings.config import resolve_config
 from elsa_ds.zero.ds_config import DsConfig
-from tests.conftest import ROOT, run_entry, run_fails
+from tests.conftest import ROOT, mounted, run_entry, run_fails
 
 BANNER = "resolved ELSA config"  # printed once every check has passed
 
@@ -342,6 +342,19 @@ def test_an_nvme_path_for_a_config_without_nvme_is_refused(tmp_path, tiny_model_
                   "--output_dir", str(tmp_path / "o")], f"--nvme_path {tmp_path} is given, but this DeepSpeed config "
                  "offloads nothing to NVMe", "use ds_configs/zero3_nvme.json")
     assert not (tmp_path / "o").exists()
+
+
+def test_an_nvme_folder_without_direct_io_is_refused_before_the_model_loads(tmp_path, tiny_model_dir, text_dir):
+    """An audit (file systems, 2026-12-07): an NVMe folder on a file system that refuses O_DIRECT (ramfs here; tmpfs
+    before Linux 6.6, many FUSE and network file systems) was refused as 0 bytes free, and past --ignore_memory_check
+    was DeepSpeed's AssertionError ("open for write failed ... error = 22") after the model had loaded."""
+    with mounted(tmp_path / "ram", "-t", "ramfs", "ramfs") as ram:
+        (ram / "nv").mkdir()
+        _prune_fails(["--deepspeed", "zero3_nvme", "--model", str(tiny_model_dir), "--seqlen", "64", "--nvme_path", str(ram / "nv"),
+                      "--dataset", str(text_dir), "--ignore_memory_check", "--output_dir", str(tmp_path / "o")],
+                     f"NVMe path {ram / 'nv'} (--nvme_path): its file system", "takes no direct I/O (O_DIRECT)",
+                     "pass --nvme_path DIR on a local disk")
+        assert list((ram / "nv").iterdir()) == [] and not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("value, needle", [("triton", "ELSA_DS_LOSS='triton': expected one of auto, chunked, fused"),

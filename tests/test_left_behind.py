@@ -398,6 +398,20 @@ def test_too_few_open_files_is_one_line_and_leaves_nothing(tmp_path):
     assert _listing(parent) == before
 
 
+
+def test_nvme_swap_files_out_of_inodes_are_one_line(tmp_path):
+    """An audit (file systems, 2026-12-07): an NVMe folder on a file system with room but few inodes (tmpfs
+    ``nr_inodes``, ``mkfs.ext4 -N``) passes the checks, then DeepSpeed's swapper cannot open a swap file (its "error =
+    28" line) and asserts: a traceback. One line now naming the missing inodes, exit 2, no output and no swap file."""
+    with tmpfs(tmp_path / "nvme", "size=500m,nr_inodes=12") as nvme:
+        (nvme / "nv").mkdir()
+        out = tmp_path / "out"
+        proc = _prune([*QUICK[2:], "--deepspeed", "zero3_nvme", "--nvme_path", str(nvme / "nv"), "--steps", "2",
+                       "--output_dir", str(out)])
+        line = _one_error_line(proc)
+        assert re.search(r"^elsa_ds: error: NVMe offload: .+ has no free inode: no more files can be made there\.", line), line
+        assert sorted(p.name for p in (nvme / "nv").iterdir()) == [] and not out.exists()
+
 TORCH_SHARES = """
 import os, resource, sys
 import torch

@@ -1,6 +1,8 @@
 """The machine checks (``elsa_ds/capacity/machine.py``): what the host lacks is named before any work."""
 from __future__ import annotations
 
+import os
+
 from elsa_ds.capacity.machine import cpu_bf16_fallback, nvme_unavailable
 
 
@@ -86,6 +88,40 @@ def test_folders_the_engine_writes_outside_the_output_are_tried_before_any_work(
         assert proc.returncode == 2 and len(errors) == 1 and "set TORCH_EXTENSIONS_DIR" in errors[0], proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
+
+
+def test_a_build_folder_mounted_noexec_is_refused_before_any_work(tmp_path, monkeypatch):
+    """An audit (file systems, 2026-12-07): a build folder on a file system mounted noexec (a hardened /tmp or home) was
+    a 59-line traceback from DeepSpeed's start ("failed to map segment from shared object"). One line now, from the
+    plan's checks; the same folder mounted with exec passes."""
+    from elsa_ds.capacity import machine
+    from tests.conftest import tmpfs
+
+    monkeypatch.setattr(machine, "_prebuilt_ops", lambda: False)  # a DeepSpeed installed with its ops built skips the check
+    for options, refused in (("noexec,size=1m", True), ("exec,size=1m", False)):
+        with tmpfs(tmp_path / options.split(",")[0], options) as folder:
+            monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(folder / "ops"))
+            why = machine.host_folders_problem(1, True)
+            assert (why is not None) is refused, why
+            assert not refused or f"{folder} is on a file system mounted noexec" in why and "set TORCH_EXTENSIONS_DIR" in why
+
+
+def test_a_full_temporary_folder_is_not_taken_for_a_missing_libaio(tmp_path):
+    """An audit (file systems, 2026-12-07): with a full TMPDIR, where DeepSpeed compiles its test program for libaio, an
+    NVMe job was told to install libaio-dev, which was installed. The temporary folder is named now."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, tmpfs
+
+    with tmpfs(tmp_path / "tmp", "size=64k") as temp:
+        (temp / "filler").write_bytes(b"\0" * (60 * 2**10))
+        proc = subprocess.run([sys.executable, "-c", "from elsa_ds.capacity.machine import nvme_unavailable; "
+                               "print(nvme_unavailable())"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "TMPDIR": str(temp)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert f"compiles a test program in the temporary folder, but {temp} has" in line and "set TMPDIR" in line, line
 
 def test_a_resumed_run_whose_checkpoints_folder_cannot_be_written_is_refused_before_it_loads(tmp_path, tiny_model_dir):
     """An audit (OS permissions, 2026-12-07): ``--resume --save_interval`` into a checkpoints folder the user cannot write

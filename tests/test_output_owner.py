@@ -20,9 +20,9 @@ import torch
 
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.marks import note_entries
-from elsa_ds.files.output import check_publishable, publish, staging_dir
+from elsa_ds.files.output import check_output_dir, check_publishable, publish, staging_dir
 from elsa_ds.files.ownership import acquire, lock_path, owned
-from tests.conftest import ROOT, run_entry, run_fails
+from tests.conftest import ROOT, mounted, run_entry, run_fails
 
 
 def _fast(model: Path, text_dir: Path, out: Path, *extra: str) -> list[str]:
@@ -185,7 +185,53 @@ def test_a_mount_point_output_is_refused_before_the_job():
     if not shm.is_dir() or os.stat(shm).st_dev == os.stat(shm.parent).st_dev:
         pytest.skip("no mount point to try here")
     with pytest.raises(ElsaError, match="is a mount point"):
-        check_publishable(shm)
+        check_publishable(shm, replaced=True)
+
+
+def test_mount_points_the_publication_would_meet_are_refused_before_work(tmp_path, tiny_model_dir):
+    """An audit (file systems, 2026-12-07): a bind mount of the same file system as the output (elsa-prune), any mount
+    as elsa-compress's output, a bind-mounted file as elsa-evaluate's --output, and with --overwrite a mount point inside
+    the output (its checkpoints) were met only by the final rename (EBUSY), the run done and left in staging."""
+    from elsa_ds.jobs.evaluate import check_new_files
+    from elsa_ds.sparse.compress import SparseArgumentError, compress
+
+    (source := tmp_path / "source").mkdir()
+    with mounted(tmp_path / "out", "--bind", str(source)) as out:
+        with pytest.raises(ElsaError, match=f"--output_dir {out} is a mount point"):
+            check_output_dir(out, overwrite=False)
+        with pytest.raises(SparseArgumentError, match=f"output {out} is a mount point"):
+            compress(tiny_model_dir, out)
+    (result := tmp_path / "result.json").write_text("{}")
+    (kept := tmp_path / "kept.json").write_text("{}")
+    with mounted(result, "--bind", str(kept)):
+        with pytest.raises(ElsaError, match=f"--output {result} is a mount point"):
+            check_new_files({"--output": result}, overwrite=True)
+    previous = tmp_path / "previous"
+    (previous / "checkpoints").mkdir(parents=True)
+    (previous / "elsa_report.json").write_text("{}")
+    (source / "latest").write_text("global_step2")
+    with mounted(previous / "checkpoints", "--bind", str(source)):
+        with pytest.raises(ElsaError, match=f"holds a mount point \\({previous / 'checkpoints'}\\)"):
+            check_output_dir(previous, overwrite=True)
+        check_output_dir(previous, overwrite=False, resume=True)  # continued in place: its folders stay where they are
+
+
+def test_a_folder_overlayfs_cannot_rename_is_refused_before_work(tmp_path):
+    """An audit (file systems, 2026-12-07): --overwrite of an output in an overlay's lower layer (a container image's)
+    ran the whole job, then its rename aside failed (EXDEV). The rename is tried and undone before work; a folder made
+    through the overlay (its upper layer) renames, and is accepted."""
+    for name in ("lower/out/checkpoints", "upper", "work"):
+        (tmp_path / name).mkdir(parents=True)
+    (tmp_path / "lower" / "out" / "elsa_report.json").write_text("{}")
+    options = f"lowerdir={tmp_path / 'lower'},upperdir={tmp_path / 'upper'},workdir={tmp_path / 'work'},redirect_dir=off"
+    with mounted(tmp_path / "merged", "-t", "overlay", "-o", options, "overlay") as merged:
+        with pytest.raises(ElsaError, match="cannot be renamed on its overlay file system \\(Invalid cross-device link"):
+            check_output_dir(merged / "out", overwrite=True)
+        assert sorted(p.name for p in merged.iterdir()) == ["out"] and (merged / "out" / "elsa_report.json").exists()
+        (merged / "made").mkdir()
+        (merged / "made" / "elsa_report.json").write_text("{}")
+        check_output_dir(merged / "made", overwrite=True)
+        assert sorted(p.name for p in merged.iterdir()) == ["made", "out"]
 
 
 def test_compress_refuses_an_output_another_job_writes(tmp_path, tiny_model_dir):

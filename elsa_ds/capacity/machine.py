@@ -8,6 +8,7 @@ changes the engine's config and says so); the job decides whether it stops.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -55,6 +56,13 @@ def nvme_unavailable() -> str | None:
 
     if AsyncIOBuilder().is_compatible(verbose=False):
         return None
+    temp = Path(tempfile.gettempdir())  # where DeepSpeed compiles its test program for libaio (an audit: a full TMPDIR)
+    why = unwritable(temp)
+    if why is None and (free := shutil.disk_usage(temp).free) < TEST_BUILD_ROOM:
+        why = f"{temp} has {free:,} bytes free"
+    if why:
+        return (f"NVMe offload needs DeepSpeed's async_io op, whose check for libaio compiles a test program in the temporary "
+                f"folder, but {why}: free space there or set TMPDIR to another folder")
     return ("NVMe offload needs DeepSpeed's async_io op, which cannot be built here (libaio and its headers were not "
             "found): install them (Debian/Ubuntu: apt-get install libaio-dev; RHEL/Fedora: dnf install libaio-devel), "
             "or use a config without NVMe offload such as ds_configs/zero3_offload.json")
@@ -69,6 +77,7 @@ def this_gpu() -> tuple[str, float] | None:
 
 
 SHM = "/dev/shm"
+TEST_BUILD_ROOM = 16 * 2**20  # what a compile of a test program may take in TMPDIR, with room to spare
 
 
 def host_folders_problem(world_size: int, cpu_ranks: bool) -> str | None:
@@ -77,9 +86,9 @@ def host_folders_problem(world_size: int, cpu_ranks: bool) -> str | None:
     and, where DeepSpeed's CPU backend shares its all-reduce buffers (several ranks, all on this node), /dev/shm. An
     audit (OS limits, 2026-12-07): an unwritable build folder (HOME=/ in a container started with --user) was a
     traceback from inside DeepSpeed's start; an unwritable /dev/shm hung both ranks, past SIGTERM."""
-    if not _prebuilt_ops() and (why := unwritable(build_folder())):
+    if not _prebuilt_ops() and (why := unwritable(build_folder()) or _no_exec(build_folder())):
         return (f"torch builds DeepSpeed's C++ ops in {extensions_root()} (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), "
-                f"but {why}: set TORCH_EXTENSIONS_DIR to a folder you can write, or fix the permissions there")
+                f"but {why}: set TORCH_EXTENSIONS_DIR to a folder you can write (not mounted noexec), or fix the permissions there")
     return shm_problem(world_size if cpu_ranks and world_size == launch_env.local_size(world_size) else 1)
 
 
@@ -109,6 +118,17 @@ def _prebuilt_ops() -> bool:
     except ImportError:
         return False
     return any(installed_ops.values())
+
+
+def _no_exec(folder: Path) -> str | None:
+    """Why the ops built in ``folder`` could not be loaded, or None: its file system is mounted ``noexec`` (an audit, file
+    systems, 2026-12-07: DeepSpeed's start failed with "failed to map segment from shared object")."""
+    where = existing_ancestor(folder)
+    try:
+        noexec = bool(os.statvfs(where).f_flag & os.ST_NOEXEC)
+    except OSError:
+        return None
+    return f"{where} is on a file system mounted noexec, from which a built op cannot be loaded" if noexec else None
 
 
 def unwritable(folder: Path) -> str | None:

@@ -33,9 +33,13 @@ class DiskFull(ElsaError):
         self.path, self.needed, self.code, self.fix = Path(path), needed, code, fix
         where = existing_ancestor(self.path)
         try:
-            device, free = filesystem(where), f"{shutil.disk_usage(where).free:,}"
+            device, free, vfs = filesystem(where), f"{shutil.disk_usage(where).free:,}", os.statvfs(where)
         except OSError:  # the message must not fail in its turn
-            device, free = str(where), "an unknown number of bytes"
+            device, free, vfs = str(where), "an unknown number of bytes", None
+        if code == errno.ENOSPC and vfs is not None and vfs.f_files > 0 and vfs.f_favail == 0:  # an audit: bytes were free
+            super().__init__(f"no free inode left on {device} writing {self.path}: the file system can hold no more files "
+                             f"({vfs.f_files:,} in all), though {free} bytes are free; delete files there or {fix}")
+            return
         need = f"{needed:,} bytes needed, " if needed is not None else ""
         super().__init__(f"{REASONS.get(code, REASONS[errno.ENOSPC])} on {device} writing {self.path}: {need}{free} free; "
                          f"free space or {fix}")
@@ -117,6 +121,33 @@ def existing_ancestor(path: Path) -> Path:
     return path
 
 
+DIRECT_IO_REFUSED = errno.EINVAL  # open(O_DIRECT) on a file system without direct I/O
+
+
+def direct_io_problem(folder: Path) -> str | None:
+    """Why DeepSpeed's asynchronous I/O could not make its swap files in ``folder``, or None: a file opened there as it
+    opens them (``O_DIRECT``), then removed. An audit (file systems, 2026-12-07): tmpfs before Linux 6.6, ramfs and
+    many FUSE and network file systems refuse ``O_DIRECT`` (EINVAL), and a file system with no free inode refuses any
+    new file; both were an AssertionError from DeepSpeed's swapper, after the model had loaded."""
+    probe = Path(folder) / f".elsa_ds_direct_io.{os.getpid()}"
+    try:
+        handle = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError as err:
+        if err.errno != errno.EEXIST:  # ramfs makes the file, then refuses O_DIRECT
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+        if err.errno == DIRECT_IO_REFUSED:
+            return (f"its file system ({filesystem(folder)}) takes no direct I/O (O_DIRECT), which DeepSpeed writes its swap "
+                    "files with (tmpfs before Linux 6.6, ramfs, many FUSE and network file systems)")
+        if err.errno == errno.ENOSPC:
+            return f"its file system ({filesystem(folder)}) can make no new file (no free inode, or no space)"
+        return f"no file can be made there ({err.strerror or err})"
+    os.close(handle)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
+
+
 def filesystem(path: Path) -> str:
     """The file system holding ``path``, as ``df`` names it: its source (device) and mount point."""
     return _named(*_mount_of(path)[:2])
@@ -168,6 +199,8 @@ def swap_problems(folders: list[Path]) -> list[str]:
             continue
         if free < FULL_ROOM:
             found.append(f"{_named(source, mount)} has {free:,} bytes free")
+        elif vfs.f_files > 0 and vfs.f_favail == 0:  # an audit: a swap file that could not be made at all
+            found.append(f"{_named(source, mount)} has no free inode: no more files can be made there")
         holes_count = kind in EXACT_BLOCKS or free < LOW_ROOM
         for entry in entries:
             with contextlib.suppress(OSError):

@@ -21,6 +21,7 @@ from elsa_ds.files.handed import check_plain_tree
 from elsa_ds.files.io import make_folder
 from elsa_ds.files.marks import (ATTEMPT_LEFTOVERS, MONITOR_DIR, appeared, foreign_entries, not_replaced, note_entries,
                                  own_entries, plain_file)
+from elsa_ds.files.mounts import mount_problem
 from elsa_ds.log import get_logger
 from elsa_ds.quoting import shell_word
 
@@ -70,7 +71,7 @@ def check_output_dir(output_dir: Path, overwrite: bool, resume: bool = False, re
                         "choose another path") from None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ElsaError(f"--output_dir {output_dir}: parent directory {parent} is not writable; choose another path")
-    check_publishable(output_dir)
+    check_publishable(output_dir, replaced=not (resume or restart))
     note_entries(output_dir)
 
 
@@ -158,14 +159,17 @@ def _hub(name: str) -> str:
     return getattr(constants, name)
 
 
-def check_publishable(output_dir: Path) -> None:
+def check_publishable(output_dir: Path, replaced: bool) -> None:
     """The final rename will work: an existing output is no mount point (the staging directory beside it sits on its
-    parent's filesystem, and a rename cannot cross filesystems or replace a mount) and can be written into and removed."""
+    parent's filesystem, and a rename cannot cross filesystems or replace a mount), holds none where it is ``replaced``
+    whole (not continued: --resume), renames on an overlay file system, and can be written into and removed."""
     if not output_dir.is_dir():
         return
     if os.stat(output_dir).st_dev != os.stat(output_dir.resolve().parent).st_dev:
         raise ElsaError(f"--output_dir {output_dir} is a mount point (another filesystem than its parent): the finished output "
                         f"is built beside it and renamed into place, which cannot cross filesystems; use a folder inside it")
+    if why := mount_problem(output_dir, "--output_dir", replaced):
+        raise ElsaError(why)
     if not os.access(output_dir, os.W_OK | os.X_OK):
         raise ElsaError(f"--output_dir {output_dir} is not writable, so it cannot be continued or replaced; choose another path")
 

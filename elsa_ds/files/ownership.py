@@ -23,6 +23,7 @@ from pathlib import Path
 from elsa_ds import json_data
 from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import DiskFull, disk_full_errno
+from elsa_ds.files.mounts import mount_problem
 from elsa_ds.files.procfs import ancestors, stat_fields
 from elsa_ds.log import get_logger
 
@@ -64,6 +65,8 @@ def check_output_names(output: Path | str, flag: str, utf8: bool = False, beside
         if part == ".." and not os.path.isdir(before := Path(*parts[:i])):
             raise ElsaError(f"{flag} {text}: {before} is not an existing folder, so the path cannot go up from it (..): the output "
                             "could not be published there; give the path without it")
+    if why := mount_problem(Path(text), flag, replaced=False):  # a file too (elsa-evaluate's): replaced by a rename
+        raise ElsaError(why)
     if utf8:  # the path its files are written under: absolute, links resolved (the staging folder's)
         try:
             os.path.realpath(text).encode("utf-8")

@@ -115,8 +115,11 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                     raise ElsaError(f"the job stopped: a write to its standard {what} failed ({first_line(err)}) where that "
                                     f"goes, not under --output_dir {out}; {mend} (a command-line job goes on without "
                                     "it)") from None
-                if (full := disk_full(err, out)) is not None:
-                    raise full from None  # one line (ElsaError), its free space measured with the partial files gone
+                if (full := disk_full(err, out)) is not None:  # one line (ElsaError), measured with the partial files gone
+                    swaps = [Path(cfg.nvme_path)] if cfg.nvme_path else [Path(p) for p in ds_config.nvme_paths]
+                    if any(full.path.resolve().is_relative_to(p.resolve()) for p in swaps):  # an audit: --output_dir named
+                        full = full.measured_again("choose another --nvme_path")
+                    raise full from None
                 raise
     finally:
         dog.end()

@@ -18,6 +18,7 @@ from elsa_ds.errors import ElsaError
 from elsa_ds.files.disk_room import DiskFull, disk_full, existing_ancestor
 from elsa_ds.files.io import write_json
 from elsa_ds.files.marks import not_replaced, note_entries
+from elsa_ds.files.mounts import mount_problem
 from elsa_ds.files.output import fresh_staging, publish
 from elsa_ds.files.ownership import check_apart, owned
 from elsa_ds.regular_file import open_regular
@@ -63,6 +64,8 @@ def check_paths(src: Path, dst: Path, overwrite: bool) -> None:
         raise SparseArgumentError(refusal)
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise SparseArgumentError(f"output {dst} is not empty; pass --overwrite to replace it, or choose another folder")
+    if why := mount_problem(dst, "output", replaced=True):  # an audit: compressed whole, then its rename failed
+        raise SparseArgumentError(why)
     note_entries(dst)
 
 

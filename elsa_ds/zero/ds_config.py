@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from elsa_ds.errors import ElsaError
+from elsa_ds.files.disk_room import direct_io_problem
 from elsa_ds.monitor import DEFAULT_JOB_NAME, FILE_MONITORS
 from elsa_ds.settings.config import ElsaConfig
 from elsa_ds.settings.config_files import read_json_object
@@ -361,6 +362,8 @@ def _nvme_problems(zero: dict[str, Any], nvme_path: str | None, check_paths: boo
             problem = f"NVMe path {path} ({where}) does not exist or is not a directory; {fix}"
         elif not os.access(path, os.W_OK | os.X_OK):
             problem = f"NVMe path {path} ({where}) is not writable; pass --nvme_path DIR on a writable local disk"
+        elif why := direct_io_problem(Path(path)):
+            problem = f"NVMe path {path} ({where}): {why}; pass --nvme_path DIR on a local disk (ext4, xfs)"
         else:
             continue
         if problem not in found:  # --nvme_path serves both sections: said once

@@ -1,6 +1,9 @@
 """One global batch through a DeepSpeed engine: the step every training job (ELSA, fine-tuning, benchmarks) shares."""
 from __future__ import annotations
 
+import traceback
+from pathlib import Path
+
 import torch
 from torch.profiler import record_function
 
@@ -19,6 +22,29 @@ def train_step(engine, optimizer: torch.optim.Optimizer, comm, micro_batches: li
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros(3, dtype=torch.float64)
+    try:
+        _accumulate(engine, micro_batches, loss_sum)
+    except AssertionError as err:  # an audit: DeepSpeed's swapper asserts on a swap file it could not open (no inode)
+        if not (folders := compat.swap_folders(engine)) or not _raised_in_swapper(err):
+            raise
+        raise SwapWritesLost(swap_problems(folders) or [f"DeepSpeed's swapper failed on {folders[0]} (its line above names "
+                                                         "the file and the error number)"]) from None
+    problems = swap_problems(compat.swap_folders(engine))  # NVMe offload: the step's writes done, the next step reads them
+    loss_sum[2] = len(problems)
+    comm.all_reduce_sum(loss_sum)  # collective: the global mean loss of this step, and the ranks' failed swap writes
+    if loss_sum[2]:
+        raise SwapWritesLost(problems)
+    return float(loss_sum[0] / loss_sum[1])
+
+
+def _raised_in_swapper(err: BaseException) -> bool:
+    """Whether ``err`` was raised inside DeepSpeed's swap code (``deepspeed/runtime/swap_tensor``)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and "swap_tensor" in Path(frames[-1].filename).parts
+
+
+def _accumulate(engine, micro_batches: list[torch.Tensor], loss_sum: torch.Tensor) -> None:
+    """Forward, backward and the engine's step for each micro batch; the loss and the count added to ``loss_sum``."""
     for ids in micro_batches:
         ids = ids.to(engine.device)
         with record_function("elsa_ds.forward"):  # spans elsa_ds/step_profile.py names; ~10 µs each otherwise
@@ -31,12 +57,6 @@ def train_step(engine, optimizer: torch.optim.Optimizer, comm, micro_batches: li
         with record_function("elsa_ds.step"):
             engine.step()
         loss_sum += torch.tensor([float(loss.detach()), 1.0, 0.0], dtype=torch.float64)
-    problems = swap_problems(compat.swap_folders(engine))  # NVMe offload: the step's writes done, the next step reads them
-    loss_sum[2] = len(problems)
-    comm.all_reduce_sum(loss_sum)  # collective: the global mean loss of this step, and the ranks' failed swap writes
-    if loss_sum[2]:
-        raise SwapWritesLost(problems)
-    return float(loss_sum[0] / loss_sum[1])
 
 
 class SwapWritesLost(ElsaError):
