@@ -412,6 +412,21 @@ def test_nvme_swap_files_out_of_inodes_are_one_line(tmp_path):
         assert re.search(r"^elsa_ds: error: NVMe offload: .+ has no free inode: no more files can be made there\.", line), line
         assert sorted(p.name for p in (nvme / "nv").iterdir()) == [] and not out.exists()
 
+
+def test_a_file_system_out_of_inodes_is_said_as_such(tmp_path):
+    """An audit (file systems, 2026-12-07): a file system out of inodes, with bytes to spare, was said as "no space
+    left ... 483,217,408 free; free space or ...", which contradicts itself."""
+    with tmpfs(tmp_path / "few", "size=8m,nr_inodes=8") as few:
+        made = 0
+        with pytest.raises(OSError) as err:
+            while made < 100:
+                (few / f"f{made}").touch()
+                made += 1
+        assert err.value.errno == errno.ENOSPC and made < 100
+        message = str(DiskFull(few / "config.json", None, err.value.errno))
+    assert re.search(r"^no free inode left on .+ writing \S+/config\.json: the file system can hold no more files \([\d,]+ in all\), "
+                     r"though [\d,]+ bytes are free; delete files there or choose another --output_dir$", message), message
+
 TORCH_SHARES = """
 import os, resource, sys
 import torch
