@@ -398,7 +398,6 @@ def test_too_few_open_files_is_one_line_and_leaves_nothing(tmp_path):
     assert _listing(parent) == before
 
 
-
 def test_nvme_swap_files_out_of_inodes_are_one_line(tmp_path):
     """An audit (file systems, 2026-12-07): an NVMe folder on a file system with room but few inodes (tmpfs
     ``nr_inodes``, ``mkfs.ext4 -N``) passes the checks, then DeepSpeed's swapper cannot open a swap file (its "error =
@@ -427,10 +426,12 @@ def test_a_file_system_out_of_inodes_is_said_as_such(tmp_path):
     assert re.search(r"^no free inode left on .+ writing \S+/config\.json: the file system can hold no more files \([\d,]+ in all\), "
                      r"though [\d,]+ bytes are free; delete files there or choose another --output_dir$", message), message
 
+
 TORCH_SHARES = """
 import os, resource, sys
 import torch
 from elsa_ds.errors import guarded
+
 
 def share() -> None:
     held = len(os.listdir("/proc/self/fd"))

@@ -89,7 +89,6 @@ def test_folders_the_engine_writes_outside_the_output_are_tried_before_any_work(
         assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
-
 def test_a_build_folder_mounted_noexec_is_refused_before_any_work(tmp_path, monkeypatch):
     """An audit (file systems, 2026-12-07): a build folder on a file system mounted noexec (a hardened /tmp or home) was
     a 59-line traceback from DeepSpeed's start ("failed to map segment from shared object"). One line now, from the
@@ -122,6 +121,7 @@ def test_a_full_temporary_folder_is_not_taken_for_a_missing_libaio(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = proc.stdout.strip().splitlines()[-1]
     assert f"compiles a test program in the temporary folder, but {temp} has" in line and "set TMPDIR" in line, line
+
 
 def test_a_resumed_run_whose_checkpoints_folder_cannot_be_written_is_refused_before_it_loads(tmp_path, tiny_model_dir):
     """An audit (OS permissions, 2026-12-07): ``--resume --save_interval`` into a checkpoints folder the user cannot write

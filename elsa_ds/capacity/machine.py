@@ -56,7 +56,8 @@ def nvme_unavailable() -> str | None:
 
     if AsyncIOBuilder().is_compatible(verbose=False):
         return None
-    temp = Path(tempfile.gettempdir())  # where DeepSpeed compiles its test program for libaio (an audit: a full TMPDIR)
+    temp = Path(os.environ.get("TMPDIR") or tempfile.gettempdir())  # where DeepSpeed compiles its test for libaio (an
+    # audit: a full TMPDIR); TMPDIR as set, where Python would fall back from it to /tmp
     why = unwritable(temp)
     if why is None and (free := shutil.disk_usage(temp).free) < TEST_BUILD_ROOM:
         why = f"{temp} has {free:,} bytes free"

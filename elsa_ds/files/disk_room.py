@@ -36,7 +36,7 @@ class DiskFull(ElsaError):
             device, free, vfs = filesystem(where), f"{shutil.disk_usage(where).free:,}", os.statvfs(where)
         except OSError:  # the message must not fail in its turn
             device, free, vfs = str(where), "an unknown number of bytes", None
-        if code == errno.ENOSPC and vfs is not None and vfs.f_files > 0 and vfs.f_favail == 0:  # an audit: bytes were free
+        if code == errno.ENOSPC and vfs is not None and vfs.f_files > 0 and (vfs.f_ffree if os.geteuid() == 0 else vfs.f_favail) == 0:
             super().__init__(f"no free inode left on {device} writing {self.path}: the file system can hold no more files "
                              f"({vfs.f_files:,} in all), though {free} bytes are free; delete files there or {fix}")
             return
@@ -177,6 +177,17 @@ LOW_ROOM = 256 * 2**20  # elsewhere (compression, network, FUSE) a file short of
 FULL_ROOM = 2**20  # less free than one of DeepSpeed's aio writes (its block_size, 1 MiB in the shipped configs): full
 
 
+def no_inode_left(folder: Path) -> str | None:
+    """That the file system holding ``folder`` can make no more files (no free inode, bytes to spare or not), or None."""
+    try:
+        vfs = os.statvfs(folder)
+    except OSError:
+        return None
+    if vfs.f_files > 0 and (vfs.f_ffree if os.geteuid() == 0 else vfs.f_favail) == 0:
+        return f"{filesystem(folder)} has no free inode: no more files can be made there"
+    return None
+
+
 def swap_problems(folders: list[Path]) -> list[str]:
     """Why the swap files in ``folders`` may not hold what DeepSpeed wrote, one phrase each (empty: none seen).
     DeepSpeed's asynchronous writes never check a write's result: a full disk leaves a file with a hole or short of its
@@ -199,8 +210,6 @@ def swap_problems(folders: list[Path]) -> list[str]:
             continue
         if free < FULL_ROOM:
             found.append(f"{_named(source, mount)} has {free:,} bytes free")
-        elif vfs.f_files > 0 and vfs.f_favail == 0:  # an audit: a swap file that could not be made at all
-            found.append(f"{_named(source, mount)} has no free inode: no more files can be made there")
         holes_count = kind in EXACT_BLOCKS or free < LOW_ROOM
         for entry in entries:
             with contextlib.suppress(OSError):

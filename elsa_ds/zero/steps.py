@@ -8,7 +8,7 @@ import torch
 from torch.profiler import record_function
 
 from elsa_ds.errors import ElsaError
-from elsa_ds.files.disk_room import swap_problems
+from elsa_ds.files.disk_room import no_inode_left, swap_problems
 from elsa_ds.loss import next_token_loss
 from elsa_ds.zero import compat
 
@@ -25,10 +25,10 @@ def train_step(engine, optimizer: torch.optim.Optimizer, comm, micro_batches: li
     try:
         _accumulate(engine, micro_batches, loss_sum)
     except AssertionError as err:  # an audit: DeepSpeed's swapper asserts on a swap file it could not open (no inode)
-        if not (folders := compat.swap_folders(engine)) or not _raised_in_swapper(err):
-            raise
-        raise SwapWritesLost(swap_problems(folders) or [f"DeepSpeed's swapper failed on {folders[0]} (its line above names "
-                                                         "the file and the error number)"]) from None
+        folders = compat.swap_folders(engine) if _raised_in_swapper(err) else []
+        if not (problems := [*(why for f in folders if (why := no_inode_left(f))), *swap_problems(folders)]):
+            raise  # another assertion of DeepSpeed's: its own words
+        raise SwapWritesLost(problems) from None
     problems = swap_problems(compat.swap_folders(engine))  # NVMe offload: the step's writes done, the next step reads them
     loss_sum[2] = len(problems)
     comm.all_reduce_sum(loss_sum)  # collective: the global mean loss of this step, and the ranks' failed swap writes
@@ -61,11 +61,12 @@ def _accumulate(engine, micro_batches: list[torch.Tensor], loss_sum: torch.Tenso
 
 class SwapWritesLost(ElsaError):
     """DeepSpeed's writes to its NVMe swap files may have failed (a full disk, most often): the state read back is lost.
-    Raised on every rank; ``problems``: what this rank saw (none: another rank saw them)."""
+    Raised on every rank after a step; ``problems``: what this rank saw (none: another rank saw them). Raised by one rank
+    alone where DeepSpeed's swapper asserted on a file it could not make (the others then end as their peer is gone)."""
 
     def __init__(self, problems: list[str]):
         what = "; ".join(problems[:2]) + (f" (and {len(problems) - 2} more)" if len(problems) > 2 else "") if problems \
             else "another rank's swap files (its line names them)"
         super().__init__(f"NVMe offload: {what}. DeepSpeed does not report a failed write, so what it reads back from its "
-                         "swap files is lost, and the run stopped; nothing unfinished was published. Free space there "
-                         "(elsa-estimate gives the NVMe bytes the run needs) or pass --nvme_path on a larger disk")
+                         "swap files is lost, and the run stopped; nothing unfinished was published. Free space (or files) "
+                         "there (elsa-estimate gives the NVMe bytes the run needs) or pass --nvme_path on a larger disk")

@@ -127,3 +127,23 @@ def test_no_lock_no_wait(tmp_path, monkeypatch):
     (tmp_path / "ext" / "op").mkdir(parents=True)
     assert build_lock.clear_stale_locks(tmp_path / "none") == [] and build_lock.clear_stale_locks(tmp_path / "ext") == []
     assert not (tmp_path / "ext" / ".elsa_ds_build_locks").exists()
+
+
+def test_torchs_flock_guarded_lock_files_are_neither_waited_for_nor_removed(tmp_path, monkeypatch):
+    """An audit of the dependency ranges (2026-12-07): from torch 2.14 cpp_extension guards a build with filelock's flock,
+    whose lock file stays after every build; each job after the first waited 10 minutes for it to age (14 s, then 612 s,
+    on torch 2.15). Where torch takes flocks (a killed build's goes with it) a lock file is left alone, at once."""
+    import types
+
+    import filelock
+
+    assert not build_lock.batons(types.SimpleNamespace(FileBaton=object, FileLock=filelock.FileLock))
+    assert not build_lock.batons(types.SimpleNamespace(filelock=filelock))
+    assert build_lock.batons(types.SimpleNamespace(FileBaton=object, os=os))  # torch up to 2.13
+    monkeypatch.setattr(build_lock, "batons", lambda: False)
+    monkeypatch.setattr(build_lock.time, "sleep", lambda seconds: pytest.fail("waited on a lock file torch's flock guards"))
+    lock = tmp_path / "ext" / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    assert build_lock.clear_stale_locks(tmp_path / "ext") == [] and lock.exists()
+    assert build_lock.clear_stale_locks(tmp_path / "ext") == [] and _old_lock(lock).exists()

@@ -12,7 +12,8 @@ A lock some process here holds open (its file's device and inode among the descr
 torch waits on it as it should. One that no process here holds may still be a live build's on another node (a shared
 home) or in another container sharing the folder (another PID namespace, invisible here; a review reproduced both), so
 it is removed only once older than any build takes (``STALE_S``); until then the caller waits for it to go, saying
-why once. One remover at a time (an flock beside the locks), each removal rechecked a moment later.
+why once. One remover at a time (an flock beside the locks), each removal rechecked a moment later. From torch 2.14
+builds are guarded by an flock on the lock file (``filelock``), which a killed build releases: nothing to clear then.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import fcntl
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from elsa_ds.log import get_logger
 
@@ -41,6 +43,17 @@ def build_locks(root: Path, name: str = "*") -> list[Path]:
     if not root.is_dir():
         return []
     return sorted({*root.glob(f"{name}/lock"), *root.glob(f"*/{name}/lock")})
+
+
+def batons(cpp_extension: Any = None) -> bool:
+    """Whether torch guards its builds with a ``FileBaton`` (up to torch 2.13: a lock file that exists is taken), not with
+    an flock on the file (``filelock``, from torch 2.14: the file stays after each build and means nothing unheld; an
+    audit of the dependency ranges, 2026-12-07: every job after the first waited 10 minutes on them)."""
+    if cpp_extension is None:
+        from torch.utils import cpp_extension
+    found = vars(cpp_extension).values()
+    return hasattr(cpp_extension, "FileBaton") and not any(
+        str(getattr(v, "__module__", None) or getattr(v, "__name__", "")).startswith("filelock") for v in found)
 
 
 def held(path: Path, proc: Path = Path("/proc")) -> bool:
@@ -79,8 +92,8 @@ def clear_stale_locks(root: Path | None = None, name: str = "*") -> list[Path]:
     for lock in live:  # an audit: a job waited 6 minutes on another's builds, torch saying nothing
         log.info(f"another process here (this job's other rank, or another job) is building {lock.parent.name} ({lock}); a "
                  "job that needs it waits for that build to end, without a word from torch (minutes)")
-    if not (unheld := [lock for lock in locks if lock not in live]):
-        return []
+    if not (unheld := [lock for lock in locks if lock not in live]) or not batons():
+        return []  # torch 2.14's flock: its lock files stay after every build, and a killed build's lock goes with it
     try:  # one remover at a time (the ranks of a job start together): none removes a lock another's build just made
         guard = os.open(root / ".elsa_ds_build_locks", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         fcntl.flock(guard, fcntl.LOCK_EX)
