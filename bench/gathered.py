@@ -86,10 +86,10 @@ def child(folder: Path) -> None:
     config = AutoConfig.for_model(**json.loads((folder / "config.json").read_text()))
     ds = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
           "zero_force_ds_cpu_optimizer": False, "zero_optimization": {"stage": 3, **json.loads((folder / "zero.json").read_text())}}
-    from elsa_ds.zero import compat
+    from elsa_ds import torch_api
 
     deepspeed.init_distributed(dist_backend="gloo")
-    compat.prepare_torch_for_zero_init()  # as elsa_ds's engine does before zero.Init
+    torch_api.prepare_torch_for_zero_init()  # as elsa_ds's engine does before zero.Init
     keep_alive = HfDeepSpeedConfig(ds)  # transformers builds the model in ZeRO-3 partitions (its zero.Init)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     # torch's Adam: what stays gathered does not depend on the optimizer, and DeepSpeed's "Adam" on the CPU accelerator

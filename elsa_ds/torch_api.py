@@ -92,3 +92,13 @@ def tensor_version(t: torch.Tensor) -> int:
     ``fill_``, an optimizer's step), so a reader can tell that a tensor it checked has changed since. -1 for a tensor
     made under ``torch.inference_mode()``, which keeps none (its writes go uncounted)."""
     return -1 if t.is_inference() else int(t._version)
+
+
+def prepare_torch_for_zero_init() -> None:
+    """torch 2.13: import dynamo's tensor polyfills before ``zero.Init`` patches ``torch.Tensor.__new__`` (inside it they break)."""
+    import torch._dynamo.polyfills.tensor  # noqa: F401
+
+
+def cpu_bf16_matmul_is_fast() -> bool:
+    """Whether oneDNN runs bf16 matmuls on this CPU (AVX-512 or AMX); torch takes a slow reference loop elsewhere."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()

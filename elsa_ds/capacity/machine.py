@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 
-from elsa_ds import launch_env
+from elsa_ds import launch_env, torch_api
 from elsa_ds.admm.kernels.build_lock import extensions_root
 from elsa_ds.files.disk_room import existing_ancestor
-from elsa_ds.zero import compat
 from elsa_ds.zero.engine import model_dtype
 
 
@@ -41,7 +40,7 @@ def cpu_bf16_fallback(ds: dict) -> str | None:
 
     if model_dtype(ds) is not torch.bfloat16 or get_accelerator().device_name() != "cpu":
         return None
-    if os.environ.get("ELSA_DS_CPU_BF16", "0").strip() == "1" or compat.cpu_bf16_matmul_is_fast():
+    if os.environ.get("ELSA_DS_CPU_BF16", "0").strip() == "1" or torch_api.cpu_bf16_matmul_is_fast():
         return None
     ds["bf16"]["enabled"] = False
     return ("this CPU has no fast bf16 matmul (oneDNN bf16 needs AVX-512 or AMX; torch would take a loop ~50x "

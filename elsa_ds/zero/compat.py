@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import pickle
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,22 +48,12 @@ def check_deepspeed_version() -> None:
                       f"{deepspeed.__version__}; it relies on ZeRO-3 internals listed in elsa_ds/zero/compat.py", stacklevel=2)
 
 
-def prepare_torch_for_zero_init() -> None:
-    """torch 2.13: import dynamo's tensor polyfills before ``zero.Init`` patches ``torch.Tensor.__new__`` (inside it they break)."""
-    import torch._dynamo.polyfills.tensor  # noqa: F401
-
-
 def allow_recompiles(limit: int) -> None:
     """Let dynamo keep ``limit`` compiled entries per function (its default, 8, is one model's shapes): past it, a
     benchmark's later cells would run eagerly, unannounced."""
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(limit, torch._dynamo.config.recompile_limit)
-
-
-def cpu_bf16_matmul_is_fast() -> bool:
-    """Whether oneDNN runs bf16 matmuls on this CPU (AVX-512 or AMX); torch takes a slow reference loop elsewhere."""
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @contextlib.contextmanager
@@ -242,20 +233,28 @@ def _zero_stage(value: Any) -> Any:
     return ZeroStageEnum(value)
 
 
+def _zero_stage_named(stand_in: Any, name: Any) -> Any:
+    """``getattr(ZeroStageEnum, name)``, as some Python 3.11 releases pickle a member (by name; 3.11.2: an audit found every
+    resume refused): for the class's stand-in and a member's name alone."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    if stand_in is not _zero_stage or not isinstance(name, str) or name not in ZeroStageEnum.__members__:
+        raise pickle.UnpicklingError(f"getattr of {name!r} on {stand_in!r}: only a ZeroStageEnum member's name is read")
+    return ZeroStageEnum[name]
+
+
 def checkpoint_globals() -> list[tuple[Callable[..., Any], str]]:
     """What a checkpoint's pickle may name beyond tensors and plain containers, as ``(callable, name in the pickle)``:
-    S3's ``zero_stage`` and its static ``loss_scaler``, in each rank's ``*optim_states.pt`` (``S3._rigid_state_dict``);
-    the ``*model_states.pt`` hold none. Read off checkpoints of every job, base optimizer, offload and precision elsa_ds
-    runs, loaded with ``weights_only=True``: re-read them when DeepSpeed changes (a missing name refuses every resume).
-
-    The enum's name maps to a function returning the member, not to the class: torch's weights-only loader lets a pickle
-    set any attribute (BUILD) on an instance of an allowed class, and an enum member is one object for the whole process
-    (DeepSpeed compares stages with it). A member is not an instance of an allowed class this way, so such a pickle is
-    refused. ``LossScaler`` is built fresh per load (its fields are checked after it, ``loss_scaler_problem``)."""
+    S3's ``zero_stage`` (by value, or by name through ``getattr``) and its static ``loss_scaler``, in each rank's
+    ``*optim_states.pt`` (``S3._rigid_state_dict``). Read off checkpoints of every job, base optimizer, offload and
+    precision elsa_ds runs: re-read them when DeepSpeed changes (a missing name refuses every resume). The enum's name
+    maps to a function returning the member, not to the class: torch's weights-only loader lets a pickle set any
+    attribute (BUILD) on an instance of an allowed class, and a member is one object for the whole process (DeepSpeed
+    compares stages with it). ``LossScaler`` is built fresh per load (its fields checked after it, ``loss_scaler_problem``)."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    return [(_zero_stage, f"{ZeroStageEnum.__module__}.{ZeroStageEnum.__qualname__}"),
+    return [(_zero_stage, f"{ZeroStageEnum.__module__}.{ZeroStageEnum.__qualname__}"), (_zero_stage_named, "builtins.getattr"),
             (LossScaler, f"{LossScaler.__module__}.{LossScaler.__qualname__}")]
 
 

@@ -14,6 +14,7 @@ from typing import Any, TypedDict
 
 import torch
 
+from elsa_ds import torch_api
 from elsa_ds.admm.optimizer import AdmmOptimizer
 from elsa_ds.admm.projection import Slice, TorchDistComm
 from elsa_ds.errors import ElsaError, require
@@ -44,7 +45,7 @@ def load_partitioned(source: ModelSource, ds: DsConfig, gradient_checkpointing: 
     memory is partitioned by deepspeed.initialize instead. ``leaf_layers``: its decoder layers ZeRO-3 leaf modules."""
     from transformers.integrations import HfDeepSpeedConfig
 
-    compat.prepare_torch_for_zero_init()
+    torch_api.prepare_torch_for_zero_init()
     keep_alive = HfDeepSpeedConfig(ds.raw)
     nvme_params = ds.param_device == "nvme"
     with compat.zero3_init_one_module_at_a_time() if random_init and nvme_params else contextlib.nullcontext():

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from elsa_ds import torch_api
 from elsa_ds.evaluation.sparsity import sparsity_report
 from elsa_ds.jobs.phases import PHASE_LOG_ENV, read_phases
-from elsa_ds.zero import compat
 from tests.conftest import derived_config, run_entry, run_fails
 
 pytestmark = pytest.mark.integration
@@ -58,7 +58,7 @@ def test_magnitude_four_eight_is_per_layer_magnitude(tmp_path, tiny_model_dir, t
     dense, pruned = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "model.safetensors")
     w, p = dense["model.layers.1.mlp.up_proj.weight"], pruned["model.layers.1.mlp.up_proj.weight"]
     kept = p != 0
-    assert p.dtype == (torch.bfloat16 if compat.cpu_bf16_matmul_is_fast() else torch.float32)  # as ELSA's engine writes it
+    assert p.dtype == (torch.bfloat16 if torch_api.cpu_bf16_matmul_is_fast() else torch.float32)  # as ELSA's engine writes it
     w = w.to(p.dtype)  # the weights as the job held them: rounded to what it saves before anything is measured
     assert torch.equal(p[kept], w[kept])                                  # magnitude never changes a kept weight
     groups, keep = w.float().abs().view(w.shape[0], -1, 8), kept.view(w.shape[0], -1, 8)

@@ -192,6 +192,33 @@ def test_the_reader_never_lets_a_pickle_set_attributes_on_deepspeeds_enum(tmp_pa
     assert dict(vars(stage)) == before and stage.value == 3
 
 
+class PickledByName:
+    """An object pickled as ``getattr(owner, name)``: how Python 3.11.2 pickles an enum member (by name)."""
+
+    def __init__(self, owner: object, name: str):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+def test_a_stage_pickled_by_name_as_python_3_11_2_writes_it_is_read_and_nothing_else_through_getattr(tmp_path):
+    """An audit of the dependency ranges (2026-12-07): Python 3.11.2 (Debian 12's) pickles ``ZeroStageEnum`` members by
+    name, ``getattr(ZeroStageEnum, 'weights')``, and every resume there was refused as "not written by elsa_ds or
+    altered". That form is read for the enum and a member's name alone; any other getattr is refused, nothing run."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    written = tmp_path / "by_name_optim_states.pt"
+    torch.save({"zero_stage": PickledByName(ZeroStageEnum, "weights")}, written)
+    assert checkpoint.unsafe_classes(written) == []
+    assert checkpoint.read_checkpoint_file(written)["zero_stage"] is ZeroStageEnum.weights
+    for owner, name in [(ZeroStageEnum, "__class__"), (ZeroStageEnum, "_missing_"), (LossScaler, "__init__")]:
+        torch.save({"zero_stage": PickledByName(owner, name)}, written)
+        with pytest.raises(checkpoint.UnsafeCheckpointError, match="getattr"):
+            checkpoint.read_checkpoint_file(written)
+
+
 @pytest.mark.parametrize("protocol", [2, 4])
 def test_scan_refuses_every_tag_a_resume_may_load(tmp_path, protocol):
     """The tags from ``latest`` down are scanned, an older one too (a resume falls back to it); protocol 4's opcodes

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from elsa_ds import torch_api
 from elsa_ds.zero import compat
 from elsa_ds.zero.dist import shm_buffer_path
 
@@ -36,7 +37,7 @@ def test_the_bf16_probe_is_what_onednn_reports(monkeypatch):
 
     for fast in (False, True):
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda fast=fast: fast)
-        assert compat.cpu_bf16_matmul_is_fast() is fast
+        assert torch_api.cpu_bf16_matmul_is_fast() is fast
 
 
 AGREE = """
