@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import re
+import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,7 +130,7 @@ def direct_io_problem(folder: Path) -> str | None:
     opens them (``O_DIRECT``), then removed. An audit (file systems, 2026-12-07): tmpfs before Linux 6.6, ramfs and
     many FUSE and network file systems refuse ``O_DIRECT`` (EINVAL), and a file system with no free inode refuses any
     new file; both were an AssertionError from DeepSpeed's swapper, after the model had loaded."""
-    probe = Path(folder) / f".elsa_ds_direct_io.{os.getpid()}"
+    probe = Path(folder) / f".elsa_ds_direct_io.{os.getpid()}.{secrets.token_hex(4)}"  # a reused pid's leftover aside
     try:
         handle = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_DIRECT", 0), 0o600)
     except OSError as err:

@@ -45,7 +45,7 @@ def mount_problem(path: Path, what: str, replaced: bool) -> str | None:
     if not (path.exists() or path.is_symlink()):
         return None
     real, table = os.path.realpath(path), mount_table()
-    if real in table or os.path.ismount(real):
+    if real in table:  # not os.path.ismount: a btrfs subvolume (its own st_dev) renames as any folder
         return (f"{what} {path} is a mount point: the result is built beside it and renamed into place, which cannot "
                 "replace a mount; use a path inside it")
     if not replaced or not path.is_dir():
