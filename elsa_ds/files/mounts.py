@@ -64,10 +64,9 @@ def mount_problem(path: Path, what: str, replaced: bool) -> str | None:
 def _in_lower_layer(inside: Path, options: str) -> Path | None:
     """The lower layer's copy of the overlay's folder ``inside``, where a lower layer holds it and the overlay cannot
     rename it (no ``redirect_dir=on``); None otherwise, or where the layers are not visible from here (a container)."""
-    found = dict(option.partition("=")[::2] for option in options.split(","))
-    if found.get("redirect_dir") in ("on", "follow_on"):
+    if re.search(r"(?:^|,)redirect_dir=on(?:,|$)", options) or not (lower := re.search(r"(?:^|,)lowerdir=([^,]*)", options)):
         return None
-    for layer in (found.get("lowerdir") or "").split(":"):
+    for layer in lower[1].split(":"):
         if layer and (copy := Path(layer) / inside).is_dir():
             return copy
     return None

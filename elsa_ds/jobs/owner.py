@@ -117,7 +117,7 @@ def run_owned(cfg: ElsaConfig, opts: JobOptions, ds_config: DsConfig) -> dict[st
                                     "it)") from None
                 if (full := disk_full(err, out)) is not None:  # one line (ElsaError), measured with the partial files gone
                     swaps = [Path(cfg.nvme_path)] if cfg.nvme_path else [Path(p) for p in ds_config.nvme_paths]
-                    if any(full.path.resolve().is_relative_to(p.resolve()) for p in swaps):  # an audit: --output_dir named
+                    if any(Path(os.path.realpath(full.path)).is_relative_to(os.path.realpath(p)) for p in swaps):  # not --output_dir
                         full = full.measured_again("choose another --nvme_path")
                     raise full from None
                 raise
