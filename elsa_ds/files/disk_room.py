@@ -37,7 +37,7 @@ class DiskFull(ElsaError):
             device, free, vfs = filesystem(where), f"{shutil.disk_usage(where).free:,}", os.statvfs(where)
         except OSError:  # the message must not fail in its turn
             device, free, vfs = str(where), "an unknown number of bytes", None
-        if code == errno.ENOSPC and vfs is not None and vfs.f_files > 0 and (vfs.f_ffree if os.geteuid() == 0 else vfs.f_favail) == 0:
+        if code == errno.ENOSPC and vfs is not None and _inodes_out(vfs):
             super().__init__(f"no free inode left on {device} writing {self.path}: the file system can hold no more files "
                              f"({vfs.f_files:,} in all), though {free} bytes are free; delete files there or {fix}")
             return
@@ -184,9 +184,14 @@ def no_inode_left(folder: Path) -> str | None:
         vfs = os.statvfs(folder)
     except OSError:
         return None
-    if vfs.f_files > 0 and (vfs.f_ffree if os.geteuid() == 0 else vfs.f_favail) == 0:
+    if _inodes_out(vfs):
         return f"{filesystem(folder)} has no free inode: no more files can be made there"
     return None
+
+
+def _inodes_out(vfs: os.statvfs_result) -> bool:
+    """Whether a file system that counts inodes (``f_files``) has none left for this process (root may take them all)."""
+    return vfs.f_files > 0 and (vfs.f_ffree if os.geteuid() == 0 else vfs.f_favail) == 0
 
 
 def swap_problems(folders: list[Path]) -> list[str]:
